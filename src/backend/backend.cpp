@@ -1,0 +1,69 @@
+#include "backend/backend.h"
+
+#include "core/error.h"
+
+namespace fp8rl {
+
+Tensor Backend::to_device(const Tensor& host) {
+  Tensor t = alloc(host.shape(), host.dtype());
+  copy(host, t);
+  return t;
+}
+
+Tensor Backend::to_host(const Tensor& dev) {
+  Tensor t = Tensor::empty(dev.shape(), dev.dtype());
+  copy(dev, t);
+  return t;
+}
+
+QuantTensor Backend::alloc_quant(int64_t rows, int64_t cols, int block_rows, int block_cols, bool pow2) {
+  QuantTensor q;
+  q.block_rows = block_rows;
+  q.block_cols = block_cols;
+  q.pow2 = pow2;
+  q.data = alloc({rows, cols}, DType::E4M3);
+  q.scales = alloc({ceil_div(rows, block_rows), ceil_div(cols, block_cols)}, DType::F32);
+  return q;
+}
+
+KvCache Backend::alloc_kv_cache(int num_layers, int num_pages, int page_size, int num_kv_heads,
+                                int head_dim, DType dtype) {
+  FP8RL_CHECK(dtype == DType::F32 || dtype == DType::BF16 || dtype == DType::E4M3,
+              "KV cache dtype must be F32, BF16 or E4M3, got ", dtype_name(dtype));
+  KvCache c;
+  c.num_layers = num_layers;
+  c.num_pages = num_pages;
+  c.page_size = page_size;
+  c.num_kv_heads = num_kv_heads;
+  c.head_dim = head_dim;
+  c.dtype = dtype;
+  for (int l = 0; l < num_layers; ++l) {
+    c.k.push_back(alloc({num_pages, page_size, num_kv_heads, head_dim}, dtype));
+    c.v.push_back(alloc({num_pages, page_size, num_kv_heads, head_dim}, dtype));
+  }
+  c.k_scale = alloc({num_layers, num_kv_heads}, DType::F32);
+  c.v_scale = alloc({num_layers, num_kv_heads}, DType::F32);
+  fill(c.k_scale, 1.0f);
+  fill(c.v_scale, 1.0f);
+  return c;
+}
+
+std::unique_ptr<Backend> make_backend(const std::string& device) {
+  if (device == "cpu") return make_cpu_backend();
+  if (device.rfind("cuda", 0) == 0) {
+    int index = 0;
+    if (device.size() > 5 && device[4] == ':') index = std::stoi(device.substr(5));
+    else FP8RL_CHECK(device == "cuda", "unknown device '", device, "' (expected cpu, cuda or cuda:N)");
+    return make_cuda_backend(index);
+  }
+  FP8RL_FAIL("unknown device '", device, "' (expected cpu, cuda or cuda:N)");
+}
+
+#ifndef FP8RL_HAVE_CUDA
+std::unique_ptr<Backend> make_cuda_backend(int) {
+  FP8RL_FAIL("this fp8rl was built without CUDA; rebuild with -DFP8RL_CUDA=ON on a machine with nvcc, "
+             "or use --device cpu");
+}
+#endif
+
+}  // namespace fp8rl

@@ -1,0 +1,194 @@
+// The op interface. The model, the rollout engine and the trainer are written once over it;
+// the CPU backend (backend/cpu/) is the readable reference of every op, the CUDA backend
+// (backend/cuda/) the fast path, tested op by op against the CPU one.
+//
+// Conventions
+// - Tensors are contiguous, row-major, on the backend's device; shapes in comments.
+// - "written" outputs are overwritten; "accumulated" outputs are added to (gradients).
+// - Activations use act_dtype(): F32 on the CPU, F32 or BF16 on CUDA. Math is FP32 inside.
+// - Token-major packing: a batch of sequences is concatenated along tokens, T = sum of lengths;
+//   cu_seqlens[B+1] (host) gives each sequence's token range.
+// - Every op validates shapes/dtypes and throws fp8rl::Error with what is wrong.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/precision.h"
+#include "core/tensor.h"
+#include "quant/quant.h"
+
+namespace fp8rl {
+
+// A linear layer's weight W[N, K] (+ bias[N]). `w` is the high-precision weight (FP32 master
+// on the trainer, or BF16). `wq`, when defined, is the pre-quantized 128x128 FP8 copy the
+// generator keeps (refit writes it); when the mode is FP8_BLOCK and `wq` is undefined, the op
+// quantizes `w` itself.
+struct LinearWeight {
+  Tensor w;        // [N, K]
+  QuantTensor wq;  // E4M3 [N, K], 128x128 blocks (optional)
+  Tensor bias;     // [N] (optional)
+  int64_t out_features() const { return w.defined() ? w.dim(0) : wq.rows(); }
+  int64_t in_features() const { return w.defined() ? w.dim(1) : wq.cols(); }
+};
+
+struct LinearSpec {
+  LinearMode mode = LinearMode::FP32;
+  bool pow2_scales = false;
+};
+
+// Rotary embedding, non-interleaved (rotate_half, as HF Llama/Qwen). inv_freq has head_dim/2
+// entries (llama3 scaling already applied by model config code); angle = pos * inv_freq[i],
+// computed in FP32 as HF does.
+struct RopeParams {
+  std::vector<float> inv_freq;  // [head_dim / 2]
+  float attention_scaling = 1.0f;  // multiplies cos and sin (1 for the supported rope types)
+};
+
+struct AdamWParams {
+  float lr = 1e-3f, beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f, weight_decay = 0.0f;
+  int64_t step = 1;  // 1-based, for bias correction
+};
+
+// Paged KV cache, flashinfer style (NHD): per layer one K and one V pool of
+// [num_pages, page_size, num_kv_heads, head_dim]. Storage dtype F32, BF16 or E4M3; with E4M3
+// the stored value is e4m3(x / scale) and the read value e4m3_to_float(q) * scale, with FP32
+// scales per layer and KV head (k_scale/v_scale [num_layers, num_kv_heads], on the device;
+// per-layer calibration writes the same value to every head). Refit replaces the scales.
+struct KvCache {
+  int num_layers = 0, num_pages = 0, page_size = 16, num_kv_heads = 0, head_dim = 0;
+  DType dtype = DType::BF16;
+  std::vector<Tensor> k, v;  // per layer: [num_pages, page_size, num_kv_heads, head_dim]
+  Tensor k_scale, v_scale;   // F32 [num_layers, num_kv_heads]
+};
+
+// The query tokens of one paged-attention call (a prefill chunk, a decode step, or both).
+struct PagedBatch {
+  Tensor token_seq;   // I32 [T]: row of page_table of the token's sequence
+  Tensor token_pos;   // I32 [T]: position of the token in its sequence; it attends to 0..pos
+  Tensor slots;       // I32 [T]: cache slot written for the token = page * page_size + offset
+  Tensor page_table;  // I32 [B, max_pages]: pages of each sequence, in order
+  int max_pos = 0;    // host: the largest token_pos + 1 (kernel sizing)
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual DeviceKind device() const = 0;
+  virtual std::string name() const = 0;
+  virtual DType act_dtype() const = 0;
+
+  // ---- memory ----------------------------------------------------------------------------
+  virtual Tensor alloc(const Shape& shape, DType dtype) = 0;
+  // Copies between the host and this device or within it; same dtype and numel.
+  virtual void copy(const Tensor& src, Tensor& dst) = 0;
+  // Element-wise dtype conversion on this device (F32 <-> BF16 <-> F16), same numel.
+  virtual void convert(const Tensor& src, Tensor& dst) = 0;
+  virtual void fill(Tensor& t, float value) = 0;
+  virtual void synchronize() {}
+  Tensor to_device(const Tensor& host);  // allocates on this device and copies
+  Tensor to_host(const Tensor& dev);     // allocates on the host and copies
+  QuantTensor alloc_quant(int64_t rows, int64_t cols, int block_rows, int block_cols, bool pow2);
+
+  // ---- element-wise and reductions -------------------------------------------------------
+  virtual void add(const Tensor& a, const Tensor& b, Tensor& out) = 0;     // out = a + b (out may alias a)
+  virtual void scale(Tensor& x, float s) = 0;                             // x *= s
+  virtual double sum_squares(const Tensor& x) = 0;                        // sum x^2 (F32/BF16), FP64 result
+  virtual bool all_finite(const Tensor& x) = 0;
+
+  // ---- model ops ---------------------------------------------------------------------------
+  // out[t] = table[ids[t]]; ids I32 [T] (out of range is an error), table [V, D], out [T, D].
+  virtual void embedding(const Tensor& ids, const Tensor& table, Tensor& out) = 0;
+  // dtable[ids[t]] += dout[t]; dtable F32 [V, D] accumulated.
+  virtual void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable) = 0;
+
+  // out = x / sqrt(mean(x^2) + eps) * w over the last dim. x, out [R, D]; w [D];
+  // rstd F32 [R] written when defined (saved for backward).
+  virtual void rmsnorm(const Tensor& x, const Tensor& w, float eps, Tensor& out, Tensor* rstd) = 0;
+  // dx [R, D] written; dw F32 [D] accumulated.
+  virtual void rmsnorm_backward(const Tensor& dout, const Tensor& x, const Tensor& w,
+                                const Tensor& rstd, Tensor& dx, Tensor& dw) = 0;
+
+  // out[M, N] = x[M, K] W^T (+ bias) under `spec` (FP8: x quantized 1x128 along K, W 128x128).
+  virtual void linear(const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor& out) = 0;
+  // Backward of linear. dx [M, K] written when non-null (dgrad: dY 1x128 along N, W^T);
+  // dw F32 [N, K] and dbias F32 [N] accumulated when non-null (wgrad: dY^T and X^T requantized
+  // 1x128 along tokens). Uses W.w (the high-precision weight) for FP8 dgrad quantization.
+  virtual void linear_backward(const Tensor& dy, const Tensor& x, const LinearWeight& W,
+                               const LinearSpec& spec, Tensor* dx, Tensor* dw, Tensor* dbias) = 0;
+
+  // In place on x [T, H, head_dim]; positions I32 [T]. inverse=true rotates by -angle
+  // (the backward of rope).
+  virtual void rope(Tensor& x, const Tensor& positions, const RopeParams& rope, bool inverse) = 0;
+
+  // Causal grouped-query attention over packed sequences (training and reference prefill).
+  // q [T, Hq, hd], k/v [T, Hkv, hd], Hq % Hkv == 0; out [T, Hq, hd]; lse F32 [Hq, T]
+  // (log-sum-exp of the scaled scores, saved for backward). cu_seqlens host [B + 1].
+  virtual void attention(const Tensor& q, const Tensor& k, const Tensor& v,
+                         const std::vector<int32_t>& cu_seqlens, float softmax_scale,
+                         Tensor& out, Tensor& lse) = 0;
+  // dq [T, Hq, hd], dk/dv [T, Hkv, hd] written.
+  virtual void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k,
+                                  const Tensor& v, const Tensor& out, const Tensor& lse,
+                                  const std::vector<int32_t>& cu_seqlens, float softmax_scale,
+                                  Tensor& dq, Tensor& dk, Tensor& dv) = 0;
+
+  // out = silu(gate) * up; all [T, F].
+  virtual void swiglu(const Tensor& gate, const Tensor& up, Tensor& out) = 0;
+  // dgate, dup [T, F] written.
+  virtual void swiglu_backward(const Tensor& dout, const Tensor& gate, const Tensor& up,
+                               Tensor& dgate, Tensor& dup) = 0;
+
+  // Fused lm_head + log-softmax + gather, in vocabulary chunks (no [T, V] FP32 logits):
+  // logits = hidden[T, D] lm_head[V, D]^T / temperature (lm_head in `spec` precision);
+  // logp[t] = log_softmax(logits[t])[targets[t]]; lse F32 [T] saved for backward;
+  // entropy F32 [T] written when non-null. targets I32 [T]; logp F32 [T].
+  virtual void token_logprobs(const Tensor& hidden, const Tensor& lm_head, const Tensor& targets,
+                              float temperature, const LinearSpec& spec, Tensor& logp,
+                              Tensor& lse, Tensor* entropy) = 0;
+  // Given dlogp F32 [T]: dhidden [T, D] written; dlm_head F32 [V, D] accumulated when non-null.
+  virtual void token_logprobs_backward(const Tensor& hidden, const Tensor& lm_head,
+                                       const Tensor& targets, float temperature,
+                                       const LinearSpec& spec, const Tensor& lse,
+                                       const Tensor& dlogp, Tensor& dhidden, Tensor* dlm_head) = 0;
+
+  // ---- optimizer -------------------------------------------------------------------------
+  // Decoupled AdamW on F32 param/grad/m/v of equal shape (in place).
+  virtual void adamw(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWParams& p) = 0;
+
+  // ---- quantization ----------------------------------------------------------------------
+  // Bitwise equal to quantize_blocks_into (quant/quant.h): x [r, c] (F32 or BF16) into out
+  // (data [r, c], or [c, r] with transpose), reusing out's buffers (refit writes in place).
+  virtual void quantize(const Tensor& x, bool transpose, QuantTensor& out) = 0;
+
+  // ---- generation --------------------------------------------------------------------------
+  // Allocates a paged cache (scales initialized to 1).
+  KvCache alloc_kv_cache(int num_layers, int num_pages, int page_size, int num_kv_heads,
+                         int head_dim, DType dtype);
+  // Writes k, v [T, Hkv, hd] of `layer` into their slots (E4M3: quantized with the layer's scales).
+  virtual void kv_write(KvCache& cache, int layer, const Tensor& k, const Tensor& v,
+                        const PagedBatch& batch) = 0;
+  // Causal attention of q [T, Hq, hd] over the cached keys/values of each token's sequence,
+  // positions 0..token_pos (inclusive; the token's own k/v must already be written).
+  // out [T, Hq, hd]. With fp8_attention, q is quantized per token and head (FP32 scale) too.
+  virtual void attention_paged(const KvCache& cache, int layer, const Tensor& q,
+                               const PagedBatch& batch, float softmax_scale, bool fp8_attention,
+                               Tensor& out) = 0;
+  // Samples one token per row of logits F32 [B, V]: softmax(logits / temperature[b]) restricted
+  // to top_k[b] (0 = all) and the smallest top_p[b] nucleus; uniforms F32 [B] in [0, 1) drive an
+  // inverse-CDF draw over the kept tokens in descending-probability order (ties: lower id
+  // first). temperature 0 = greedy. tokens I32 [B]; logp F32 [B] = log-prob of the token under
+  // softmax(logits / temperature) before truncation (the generator's numerics).
+  virtual void sample(const Tensor& logits, const std::vector<float>& temperature,
+                      const std::vector<float>& top_p, const std::vector<int>& top_k,
+                      const std::vector<float>& uniforms, Tensor& tokens, Tensor& logp) = 0;
+};
+
+std::unique_ptr<Backend> make_cpu_backend();
+// Throws a clear error when fp8rl was built without CUDA or no GPU is visible.
+std::unique_ptr<Backend> make_cuda_backend(int device_index = 0);
+// "cpu" or "cuda[:N]".
+std::unique_ptr<Backend> make_backend(const std::string& device);
+
+}  // namespace fp8rl

@@ -1,0 +1,44 @@
+// Subcommand registry: each src/cli/cmd_<name>.cpp registers one subcommand with
+//   static fp8rl::cli::Register reg{"name", "one-line help", run_function};
+#pragma once
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace fp8rl::cli {
+
+// argv excludes the program and subcommand names. Returns the process exit code.
+using CommandFn = std::function<int(const std::vector<std::string>& args)>;
+
+struct Command {
+  std::string name;
+  std::string help;
+  CommandFn run;
+};
+
+std::vector<Command>& registry();
+
+struct Register {
+  Register(std::string name, std::string help, CommandFn fn) {
+    registry().push_back({std::move(name), std::move(help), std::move(fn)});
+  }
+};
+
+// Tiny flag parser shared by subcommands: --key value, --key=value, --flag, and bare
+// positional words (key=value overrides are positional). Unknown flags are errors.
+class Args {
+ public:
+  // `flags`: names taking a value; `switches`: names without a value.
+  Args(const std::vector<std::string>& argv, const std::vector<std::string>& flags,
+       const std::vector<std::string>& switches);
+  bool has(const std::string& name) const;
+  std::string get(const std::string& name, const std::string& fallback = "") const;
+  std::string require(const std::string& name) const;  // throws "missing --name"
+  const std::vector<std::string>& positional() const { return positional_; }
+
+ private:
+  std::vector<std::pair<std::string, std::string>> values_;
+  std::vector<std::string> positional_;
+};
+
+}  // namespace fp8rl::cli

@@ -1,0 +1,48 @@
+// The precision recipe is data: one struct per engine says what runs in FP8 and how it is
+// scaled. It is the one answer to "where does FP8 enter?" (docs/design.md).
+#pragma once
+#include <string>
+
+#include "core/dtype.h"
+
+namespace fp8rl {
+
+// How a linear layer Y = X W^T (+ b) computes.
+enum class LinearMode {
+  FP32,       // operands as they are (FP32 on the CPU), FP32 accumulation
+  BF16,       // operands rounded to BF16, FP32 accumulation
+  FP8_BLOCK,  // X 1x128 and W 128x128 block-scaled E4M3 (recipe.md section 2), FP32 accumulation
+};
+const char* linear_mode_name(LinearMode m);
+LinearMode linear_mode_from_name(const std::string& s);  // "fp32" | "bf16" | "fp8"
+
+// The numerics of one engine (the generator or the trainer).
+struct EnginePrecision {
+  LinearMode linear = LinearMode::BF16;  // the 7 linears of each transformer block
+  bool pow2_scales = false;              // round FP8 scales up to powers of two (UE8M0)
+  int bf16_first_layers = 0;             // keep the first n blocks' linears in BF16
+  int bf16_last_layers = 0;              // keep the last m blocks' linears in BF16
+  DType kv_cache = DType::BF16;          // generator only: F32 | BF16 | E4M3
+  bool fp8_attention = false;            // generator only: Q quantized, QK^T and PV in FP8
+  // Everything else (embedding, norms, RoPE, softmax, SiLU, lm_head, loss) stays in high
+  // precision: FP32 on the CPU backend, BF16 storage with FP32 math on the CUDA backend.
+
+  // The mode of the linears of block `layer` out of `num_layers`.
+  LinearMode linear_for_layer(int layer, int num_layers) const {
+    if (linear == LinearMode::FP8_BLOCK &&
+        (layer < bf16_first_layers || layer >= num_layers - bf16_last_layers))
+      return LinearMode::BF16;
+    return linear;
+  }
+};
+
+struct PrecisionRecipe {
+  std::string name = "bf16";
+  EnginePrecision generator;
+  EnginePrecision trainer;
+  // Presets: "fp32" (exact reference), "bf16", "fp8_gen" (FP8 generation + FP8 KV, BF16
+  // training), "fp8_e2e" (FP8 both, FP8 KV). Throws on anything else.
+  static PrecisionRecipe preset(const std::string& name);
+};
+
+}  // namespace fp8rl
