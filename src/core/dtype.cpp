@@ -16,6 +16,7 @@ size_t dtype_size(DType t) {
     case DType::I32: return 4;
     case DType::I64: return 8;
     case DType::U8: return 1;
+    case DType::F64: return 8;
   }
   FP8RL_FAIL("unknown dtype");
 }
@@ -29,6 +30,7 @@ const char* dtype_name(DType t) {
     case DType::I32: return "I32";
     case DType::I64: return "I64";
     case DType::U8: return "U8";
+    case DType::F64: return "F64";
   }
   return "?";
 }
@@ -36,6 +38,7 @@ const char* dtype_name(DType t) {
 DType dtype_from_name(const std::string& name) {
   std::string n = name;
   std::transform(n.begin(), n.end(), n.begin(), ::tolower);
+  if (n == "f64" || n == "float64" || n == "double") return DType::F64;
   if (n == "f32" || n == "float32" || n == "fp32" || n == "float") return DType::F32;
   if (n == "bf16" || n == "bfloat16") return DType::BF16;
   if (n == "f16" || n == "float16" || n == "fp16" || n == "half") return DType::F16;

@@ -1,0 +1,47 @@
+// ModelConfig: what fp8rl needs of a Hugging Face config.json (llama, qwen2, qwen3).
+#pragma once
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+
+namespace fp8rl {
+
+struct ModelConfig {
+  std::string model_type;         // "llama" | "qwen2" | "qwen3"
+  int vocab_size = 0;
+  int hidden_size = 0;            // D
+  int intermediate_size = 0;      // F
+  int num_layers = 0;             // num_hidden_layers
+  int num_heads = 0;              // Hq
+  int num_kv_heads = 0;           // Hkv (num_key_value_heads; defaults to num_heads)
+  int head_dim = 0;               // hd (explicit head_dim, else hidden_size / num_heads)
+  float rms_norm_eps = 1e-6f;
+  bool tie_word_embeddings = false;
+  bool attention_bias = false;    // q/k/v biases (qwen2: true; llama: attention_bias key)
+  bool qk_norm = false;           // per-head RMSNorm on q and k before RoPE (qwen3)
+  int max_position_embeddings = 0;
+  int bos_token_id = -1, eos_token_id = -1;  // -1 when absent (first of a list)
+  std::vector<int> eos_token_ids;            // all EOS ids when the config lists several
+  std::string torch_dtype = "float32";       // torch_dtype (4.x) or dtype (5.x)
+  // RoPE: rope_theta and rope_scaling (4.x) or rope_parameters (5.x); rope_type "default"
+  // or "llama3" (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings).
+  float rope_theta = 10000.0f;
+  std::string rope_type = "default";
+  float rope_factor = 1.0f, rope_low_freq_factor = 1.0f, rope_high_freq_factor = 4.0f;
+  int rope_original_max_position = 8192;
+
+  // inv_freq [head_dim / 2] exactly as HF computes it (FP32), llama3 scaling applied.
+  RopeParams rope_params() const;
+  // Throws a clear error naming the key for anything unsupported or inconsistent.
+  void validate() const;
+  int64_t num_parameters() const;
+};
+
+// Parses a config.json text / file (both transformers 4.x and 5.x spellings).
+ModelConfig model_config_from_json(const std::string& json_text, const std::string& origin = "config.json");
+ModelConfig model_config_load(const std::string& path);  // a file or a checkpoint directory
+// Writes a config.json that transformers 4.x and 5.x both load.
+std::string model_config_to_json(const ModelConfig& c);
+
+}  // namespace fp8rl
