@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The test command (README, CI): builds and runs every CPU test twice, once in the normal
+# build (which also compiles the CUDA sources when nvcc is present) and once under
+# AddressSanitizer + UndefinedBehaviorSanitizer (CPU only). GPU tests (label gpu) run only on
+# a GPU machine: scripts/gpu_run.sh. Set FP8RL_TEST_SANITIZE=0 to skip the sanitizer pass.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+jobs=$(nproc)
+echo "== build (Release$(command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ] && echo ' + CUDA compile'))"
+bash scripts/build.sh
+echo "== CPU tests"
+ctest --test-dir build -L cpu --output-on-failure -j "$jobs"
+if [ "${FP8RL_TEST_SANITIZE:-1}" != "0" ]; then
+  echo "== CPU tests under ASan + UBSan"
+  FP8RL_BUILD_DIR=build-asan FP8RL_CUDA=OFF FP8RL_BUILD_TYPE=RelWithDebInfo bash scripts/build.sh -DFP8RL_SANITIZE=ON
+  ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+    ctest --test-dir build-asan -L cpu --output-on-failure -j "$jobs"
+fi
+echo "== all tests passed"
