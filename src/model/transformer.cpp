@@ -11,8 +11,13 @@ namespace fp8rl {
 
 namespace {
 
-// Per-row statistics (rstd, lse, logp, entropy) are F32, or F64 when the backend computes in F64.
-DType stat_dtype(const Backend& be) { return be.act_dtype() == DType::F64 ? DType::F64 : DType::F32; }
+// Activations are in the backend's act_dtype(), except with F64 weights: then everything runs
+// in F64 (the CPU backend computes F64 outputs in plain double math: FP64 gradient checks).
+DType act_dtype_for(const Backend& be, const ModelWeights& w) {
+  return w.embed.dtype() == DType::F64 ? DType::F64 : be.act_dtype();
+}
+// Per-row statistics (rstd, lse, logp, entropy) are F32, or F64 when activations are F64.
+DType stat_dtype_for(DType act) { return act == DType::F64 ? DType::F64 : DType::F32; }
 
 Tensor upload_i32(Backend& be, const std::vector<int32_t>& v) {
   Tensor host = Tensor::empty({static_cast<int64_t>(v.size())}, DType::I32);
@@ -47,8 +52,8 @@ void check_weights_on(const Backend& be, const ModelWeights& w) {
 using AttentionStep = std::function<void(int layer, LayerActivations& a)>;
 
 // Allocates the buffers of one block for T tokens (x, the block input, is set by the caller).
-void alloc_layer(Backend& be, const ModelConfig& c, int64_t T, LayerActivations& a) {
-  const DType act = be.act_dtype(), st = stat_dtype(be);
+void alloc_layer(Backend& be, const ModelConfig& c, DType act, int64_t T, LayerActivations& a) {
+  const DType st = stat_dtype_for(act);
   const int64_t D = c.hidden_size, F = c.intermediate_size, hd = c.head_dim;
   const int64_t Hq = c.num_heads, Hkv = c.num_kv_heads;
   a.attn_rstd = be.alloc({T}, st);
@@ -88,9 +93,10 @@ void forward_layers(Backend& be, const ModelWeights& w, const EnginePrecision& p
   const int64_t T = x_in.dim(0), D = c.hidden_size, hd = c.head_dim;
   const int64_t Hq = c.num_heads, Hkv = c.num_kv_heads;
   const RopeParams rope = c.rope_params();
+  const DType act = x_in.dtype();
 
   LayerActivations scratch;
-  if (!saved) alloc_layer(be, c, T, scratch);
+  if (!saved) alloc_layer(be, c, act, T, scratch);
   if (saved) saved->assign(L, LayerActivations{});
 
   Tensor x = x_in;  // [T, D] residual stream
@@ -98,7 +104,7 @@ void forward_layers(Backend& be, const ModelWeights& w, const EnginePrecision& p
     const LayerWeights& lw = w.layers[l];
     const LinearSpec spec = block_spec(prec, l, L);
     LayerActivations& a = saved ? (*saved)[l] : scratch;
-    if (saved) alloc_layer(be, c, T, a);
+    if (saved) alloc_layer(be, c, act, T, a);
     a.x = x;
 
     // ---- attention ----
@@ -133,7 +139,7 @@ void forward_layers(Backend& be, const ModelWeights& w, const EnginePrecision& p
     be.swiglu(a.gate, a.up, a.act);
     be.linear(a.act, lw.down, spec, a.proj);
     // Saving: the next block's input is a new tensor (this block's x stays intact).
-    Tensor x_next = saved ? be.alloc({T, D}, be.act_dtype()) : x;
+    Tensor x_next = saved ? be.alloc({T, D}, act) : x;
     be.add(a.x_mid, a.proj, x_next);
     x = x_next;
   }
@@ -183,7 +189,7 @@ LogprobResult model_forward_logprobs(Backend& be, const ModelWeights& w, const E
   forward_batch_validate(batch, c.vocab_size);
   FP8RL_CHECK(opt.temperature > 0.0f, "temperature must be > 0 for scoring, got ", opt.temperature);
   const int64_t T = batch.num_tokens(), D = c.hidden_size;
-  const DType act = be.act_dtype(), st = stat_dtype(be);
+  const DType act = act_dtype_for(be, w), st = stat_dtype_for(act);
 
   // target[t] = ids[t + 1] inside a sequence; the last token gets a placeholder (0), masked below.
   std::vector<int32_t> targets(T, 0);
@@ -245,7 +251,7 @@ void model_forward_paged(Backend& be, const ModelWeights& w, const EnginePrecisi
   check_shape(batch.token_pos, {T}, "batch.token_pos");
   check_shape(logits, {R, c.vocab_size}, "logits");
   check_dtype(logits, DType::F32, "logits");
-  const DType act = be.act_dtype();
+  const DType act = act_dtype_for(be, w);
 
   Tensor x = be.alloc({T, D}, act);  // [T, D]
   be.embedding(ids, w.embed, x);
@@ -290,7 +296,7 @@ void model_backward(Backend& be, const ModelWeights& w, const EnginePrecision& p
   const int64_t T = A.batch.num_tokens(), D = c.hidden_size, F = c.intermediate_size, hd = c.head_dim;
   const int64_t Hq = c.num_heads, Hkv = c.num_kv_heads;
   check_shape(dlogp_in, {T}, "dlogp");
-  const DType act = be.act_dtype();
+  const DType act = act_dtype_for(be, w);
   const RopeParams rope = c.rope_params();
   const float softmax_scale = 1.0f / std::sqrt(static_cast<float>(hd));
 

@@ -15,7 +15,8 @@
 //
 // Precision: the 7 linears of block l run in precision.linear_for_layer(l, L); lm_head and
 // everything else run with LinearMode::FP32 in the backend's activation dtype (FP32 on the
-// CPU; F64 when the CPU backend computes in F64 for gradient checks).
+// CPU). With F64 weights (CPU only) every activation, statistic and logp is F64 instead: the
+// CPU backend then computes in plain double math (the FP64 finite-difference checks).
 #pragma once
 #include <cstdint>
 #include <vector>
@@ -74,7 +75,7 @@ struct ForwardOptions {
 };
 
 struct LogprobResult {
-  // F32 [T] on the device. logp[t] = log p(ids[t+1] | ids[s..t]) for a token t of the sequence
+  // F32 [T] (F64 with F64 weights) on the device. logp[t] = log p(ids[t+1] | ids[s..t]) for a token t of the sequence
   // [s, e) with t + 1 < e; the last token of each sequence has no target and holds 0.
   Tensor logp;
   Tensor entropy;  // F32 [T] (when asked): entropy of the next-token distribution at t
@@ -87,8 +88,8 @@ LogprobResult model_forward_logprobs(Backend& backend, const ModelWeights& weigh
                                      const ForwardOptions& options, Activations* acts = nullptr);
 
 // Backward of sum_t dlogp[t] * logp[t] (dlogp F32 [T] on the device; the entries of the last
-// token of each sequence are ignored). Accumulates into `grads` (model_grads_alloc), whose
-// dtype is F32, or F64 when the backend computes in F64. `precision` must be the forward's.
+// token of each sequence are ignored). Accumulates into `grads` (model_grads_alloc: F32, or
+// F64 with F64 weights). `weights` and `precision` must be the forward's.
 void model_backward(Backend& backend, const ModelWeights& weights, const EnginePrecision& precision,
                     const Activations& acts, const Tensor& dlogp, ModelWeights& grads);
 
