@@ -1,5 +1,8 @@
 #include "backend/backend.h"
 
+#include <algorithm>
+#include <cmath>
+
 #include "core/error.h"
 
 namespace fp8rl {
@@ -46,6 +49,16 @@ KvCache Backend::alloc_kv_cache(int num_layers, int num_pages, int page_size, in
   fill(c.k_scale, 1.0f);
   fill(c.v_scale, 1.0f);
   return c;
+}
+
+float Backend::amax(const Tensor& x) {
+  const Tensor h = x.device() == DeviceKind::CPU ? x : to_host(x);
+  float m = 0.0f;
+  for (float v : to_float_vector(h)) {
+    if (std::isnan(v)) return v;  // NaN propagates: the caller decides (quantizing it is an error)
+    m = std::max(m, std::fabs(v));
+  }
+  return m;
 }
 
 std::unique_ptr<Backend> make_backend(const std::string& device) {

@@ -96,6 +96,9 @@ class Backend {
   virtual void scale(Tensor& x, float s) = 0;                             // x *= s
   virtual double sum_squares(const Tensor& x) = 0;                        // sum x^2 (F32/BF16), FP64 result
   virtual bool all_finite(const Tensor& x) = 0;
+  // max |x| (F32/BF16/F64; NaN when x holds a NaN). The default copies x to the host and reduces there; backends
+  // override it with a device reduction. Used for FP8 KV-scale calibration (q/k/v amax).
+  virtual float amax(const Tensor& x);
 
   // ---- model ops ---------------------------------------------------------------------------
   // out[t] = table[ids[t]]; ids I32 [T] (out of range is an error), table [V, D], out [T, D].

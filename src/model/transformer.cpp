@@ -1,0 +1,369 @@
+// The decoder forward (scoring and generation) and backward, over the op interface.
+// Read top to bottom: helpers, the layer loop, the two forwards, the backward.
+#include "model/transformer.h"
+
+#include <cmath>
+#include <functional>
+
+#include "core/error.h"
+
+namespace fp8rl {
+
+namespace {
+
+// Activations are in the backend's act_dtype(), except with F64 weights: then everything runs
+// in F64 (the CPU backend computes F64 outputs in plain double math: FP64 gradient checks).
+DType act_dtype_for(const Backend& be, const ModelWeights& w) {
+  return w.embed.dtype() == DType::F64 ? DType::F64 : be.act_dtype();
+}
+// Per-row statistics (rstd, lse, logp, entropy) are F32, or F64 when activations are F64.
+DType stat_dtype_for(DType act) { return act == DType::F64 ? DType::F64 : DType::F32; }
+
+Tensor upload_i32(Backend& be, const std::vector<int32_t>& v) {
+  Tensor host = Tensor::empty({static_cast<int64_t>(v.size())}, DType::I32);
+  for (size_t i = 0; i < v.size(); ++i) host.data<int32_t>()[i] = v[i];
+  return be.to_device(host);
+}
+
+LinearSpec block_spec(const EnginePrecision& p, int layer, int num_layers) {
+  return LinearSpec{p.linear_for_layer(layer, num_layers), p.pow2_scales};
+}
+
+const LinearSpec kFp32Spec{LinearMode::FP32, false};
+
+// Sets slots [e - 1] of every sequence of a [T] tensor to 0 (positions without a target).
+void zero_last_tokens(Backend& be, Tensor& t, const std::vector<int32_t>& cu_seqlens) {
+  for (size_t b = 0; b + 1 < cu_seqlens.size(); ++b) {
+    if (cu_seqlens[b + 1] == cu_seqlens[b]) continue;
+    Tensor last = t.slice_rows(cu_seqlens[b + 1] - 1, cu_seqlens[b + 1]);
+    be.fill(last, 0.0f);
+  }
+}
+
+void check_weights_on(const Backend& be, const ModelWeights& w) {
+  FP8RL_CHECK(w.embed.defined() && w.embed.device() == be.device(), "model weights must be on the ",
+              be.name(), " backend's device (use model_weights_to_device)");
+  FP8RL_CHECK(static_cast<int>(w.layers.size()) == w.config.num_layers, "weights have ", w.layers.size(),
+              " layers but the config says ", w.config.num_layers);
+}
+
+// The attention step of one block: given a.q [T, Hq, hd], a.k, a.v [T, Hkv, hd] (after
+// q/k-norm and RoPE), writes a.attn [T, Hq, hd] (and whatever the step saves, e.g. a.lse).
+using AttentionStep = std::function<void(int layer, LayerActivations& a)>;
+
+// Allocates the buffers of one block for T tokens (x, the block input, is set by the caller).
+void alloc_layer(Backend& be, const ModelConfig& c, DType act, int64_t T, LayerActivations& a) {
+  const DType st = stat_dtype_for(act);
+  const int64_t D = c.hidden_size, F = c.intermediate_size, hd = c.head_dim;
+  const int64_t Hq = c.num_heads, Hkv = c.num_kv_heads;
+  a.attn_rstd = be.alloc({T}, st);
+  a.xn_attn = be.alloc({T, D}, act);
+  if (c.qk_norm) {
+    a.q_raw = be.alloc({T, Hq * hd}, act);
+    a.k_raw = be.alloc({T, Hkv * hd}, act);
+    a.q_rstd = be.alloc({T * Hq}, st);
+    a.k_rstd = be.alloc({T * Hkv}, st);
+  }
+  a.q = be.alloc({T, Hq, hd}, act);
+  a.k = be.alloc({T, Hkv, hd}, act);
+  a.v = be.alloc({T, Hkv, hd}, act);
+  a.attn = be.alloc({T, Hq, hd}, act);
+  a.x_mid = be.alloc({T, D}, act);
+  a.mlp_rstd = be.alloc({T}, st);
+  a.xn_mlp = be.alloc({T, D}, act);
+  a.gate = be.alloc({T, F}, act);
+  a.up = be.alloc({T, F}, act);
+  a.act = be.alloc({T, F}, act);
+  a.proj = be.alloc({T, D}, act);
+}
+
+struct QkvAmax {
+  std::vector<float> q, k, v;
+};
+
+// THE layer loop, shared by both forwards. x [T, D] is the residual stream after the
+// embedding; on return `out` [T, D] holds the residual stream after the last block.
+// saved != null: every block keeps its own buffers in (*saved)[l] (scoring forward);
+// otherwise one set of buffers is reused and x is updated in place.
+void forward_layers(Backend& be, const ModelWeights& w, const EnginePrecision& prec, const Tensor& x_in,
+                    const Tensor& positions, const AttentionStep& attention,
+                    std::vector<LayerActivations>* saved, QkvAmax* amax, Tensor& out) {
+  const ModelConfig& c = w.config;
+  const int L = c.num_layers;
+  const int64_t T = x_in.dim(0), D = c.hidden_size, hd = c.head_dim;
+  const int64_t Hq = c.num_heads, Hkv = c.num_kv_heads;
+  const RopeParams rope = c.rope_params();
+  const DType act = x_in.dtype();
+
+  LayerActivations scratch;
+  if (!saved) alloc_layer(be, c, act, T, scratch);
+  if (saved) saved->assign(L, LayerActivations{});
+
+  Tensor x = x_in;  // [T, D] residual stream
+  for (int l = 0; l < L; ++l) {
+    const LayerWeights& lw = w.layers[l];
+    const LinearSpec spec = block_spec(prec, l, L);
+    LayerActivations& a = saved ? (*saved)[l] : scratch;
+    if (saved) alloc_layer(be, c, act, T, a);
+    a.x = x;
+
+    // ---- attention ----
+    be.rmsnorm(x, lw.attn_norm, c.rms_norm_eps, a.xn_attn, &a.attn_rstd);
+    Tensor q2 = a.q.reshape({T, Hq * hd}), k2 = a.k.reshape({T, Hkv * hd}), v2 = a.v.reshape({T, Hkv * hd});
+    if (c.qk_norm) {
+      be.linear(a.xn_attn, lw.q, spec, a.q_raw);
+      be.linear(a.xn_attn, lw.k, spec, a.k_raw);
+      Tensor qh = a.q.reshape({T * Hq, hd}), kh = a.k.reshape({T * Hkv, hd});
+      be.rmsnorm(a.q_raw.reshape({T * Hq, hd}), lw.q_norm, c.rms_norm_eps, qh, &a.q_rstd);
+      be.rmsnorm(a.k_raw.reshape({T * Hkv, hd}), lw.k_norm, c.rms_norm_eps, kh, &a.k_rstd);
+    } else {
+      be.linear(a.xn_attn, lw.q, spec, q2);
+      be.linear(a.xn_attn, lw.k, spec, k2);
+    }
+    be.linear(a.xn_attn, lw.v, spec, v2);
+    be.rope(a.q, positions, rope, /*inverse=*/false);
+    be.rope(a.k, positions, rope, /*inverse=*/false);
+    if (amax) {
+      amax->q.push_back(be.amax(a.q));
+      amax->k.push_back(be.amax(a.k));
+      amax->v.push_back(be.amax(a.v));
+    }
+    attention(l, a);
+    be.linear(a.attn.reshape({T, Hq * hd}), lw.o, spec, a.proj);
+    be.add(x, a.proj, a.x_mid);
+
+    // ---- MLP ----
+    be.rmsnorm(a.x_mid, lw.mlp_norm, c.rms_norm_eps, a.xn_mlp, &a.mlp_rstd);
+    be.linear(a.xn_mlp, lw.gate, spec, a.gate);
+    be.linear(a.xn_mlp, lw.up, spec, a.up);
+    be.swiglu(a.gate, a.up, a.act);
+    be.linear(a.act, lw.down, spec, a.proj);
+    // Saving: the next block's input is a new tensor (this block's x stays intact).
+    Tensor x_next = saved ? be.alloc({T, D}, act) : x;
+    be.add(a.x_mid, a.proj, x_next);
+    x = x_next;
+  }
+  out = x;
+}
+
+}  // namespace
+
+// ---- batches ---------------------------------------------------------------------------------
+
+ForwardBatch forward_batch_from_sequences(const std::vector<std::vector<int32_t>>& sequences) {
+  ForwardBatch b;
+  b.cu_seqlens.push_back(0);
+  for (const auto& s : sequences) {
+    for (size_t i = 0; i < s.size(); ++i) {
+      b.ids.push_back(s[i]);
+      b.positions.push_back(static_cast<int32_t>(i));
+    }
+    b.cu_seqlens.push_back(static_cast<int32_t>(b.ids.size()));
+  }
+  return b;
+}
+
+void forward_batch_validate(const ForwardBatch& b, int vocab_size) {
+  FP8RL_CHECK(b.cu_seqlens.size() >= 2 && b.cu_seqlens.front() == 0, "a batch needs cu_seqlens [B + 1] "
+              "starting at 0 with B >= 1");
+  FP8RL_CHECK(b.cu_seqlens.back() == b.num_tokens(), "cu_seqlens ends at ", b.cu_seqlens.back(),
+              " but the batch has ", b.num_tokens(), " tokens");
+  FP8RL_CHECK(b.positions.size() == b.ids.size(), "positions [", b.positions.size(), "] must match ids [",
+              b.ids.size(), "]");
+  FP8RL_CHECK(b.num_tokens() > 0, "empty batch: nothing to score");
+  for (size_t i = 0; i + 1 < b.cu_seqlens.size(); ++i)
+    FP8RL_CHECK(b.cu_seqlens[i] <= b.cu_seqlens[i + 1], "cu_seqlens must be non-decreasing (index ", i, ")");
+  for (size_t t = 0; t < b.ids.size(); ++t) {
+    FP8RL_CHECK(b.ids[t] >= 0 && b.ids[t] < vocab_size, "token id ", b.ids[t], " at position ", t,
+                " is out of the vocabulary [0, ", vocab_size, ")");
+    FP8RL_CHECK(b.positions[t] >= 0, "negative position at token ", t);
+  }
+}
+
+// ---- the scoring forward -----------------------------------------------------------------------
+
+LogprobResult model_forward_logprobs(Backend& be, const ModelWeights& w, const EnginePrecision& prec,
+                                     const ForwardBatch& batch, const ForwardOptions& opt, Activations* acts) {
+  const ModelConfig& c = w.config;
+  check_weights_on(be, w);
+  forward_batch_validate(batch, c.vocab_size);
+  FP8RL_CHECK(opt.temperature > 0.0f, "temperature must be > 0 for scoring, got ", opt.temperature);
+  const int64_t T = batch.num_tokens(), D = c.hidden_size;
+  const DType act = act_dtype_for(be, w), st = stat_dtype_for(act);
+
+  // target[t] = ids[t + 1] inside a sequence; the last token gets a placeholder (0), masked below.
+  std::vector<int32_t> targets(T, 0);
+  for (int b = 0; b < batch.num_sequences(); ++b)
+    for (int32_t t = batch.cu_seqlens[b]; t + 1 < batch.cu_seqlens[b + 1]; ++t) targets[t] = batch.ids[t + 1];
+
+  Activations local;
+  Activations& A = acts ? *acts : local;
+  A.batch = batch;
+  A.temperature = opt.temperature;
+  A.ids = upload_i32(be, batch.ids);
+  A.positions = upload_i32(be, batch.positions);
+  A.targets = upload_i32(be, targets);
+
+  Tensor x = be.alloc({T, D}, act);  // [T, D]
+  be.embedding(A.ids, w.embed, x);
+
+  const float softmax_scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+  AttentionStep attention = [&](int, LayerActivations& a) {
+    if (!a.lse.defined()) a.lse = be.alloc({c.num_heads, T}, st);
+    be.attention(a.q, a.k, a.v, batch.cu_seqlens, softmax_scale, a.attn, a.lse);
+  };
+  QkvAmax amax;
+  forward_layers(be, w, prec, x, A.positions, attention, acts ? &A.layers : nullptr,
+                 opt.record_qkv_amax ? &amax : nullptr, A.x_final);
+
+  A.final_rstd = be.alloc({T}, st);
+  A.hidden = be.alloc({T, D}, act);
+  be.rmsnorm(A.x_final, w.final_norm, c.rms_norm_eps, A.hidden, &A.final_rstd);
+
+  LogprobResult r;
+  r.logp = be.alloc({T}, st);
+  A.lm_lse = be.alloc({T}, st);
+  if (opt.entropy) r.entropy = be.alloc({T}, st);
+  be.token_logprobs(A.hidden, w.lm_head, A.targets, opt.temperature, kFp32Spec, r.logp, A.lm_lse,
+                    opt.entropy ? &r.entropy : nullptr);
+  zero_last_tokens(be, r.logp, batch.cu_seqlens);
+  r.q_amax = std::move(amax.q);
+  r.k_amax = std::move(amax.k);
+  r.v_amax = std::move(amax.v);
+  return r;
+}
+
+// ---- the generation forward ----------------------------------------------------------------------
+
+void model_forward_paged(Backend& be, const ModelWeights& w, const EnginePrecision& prec, KvCache& cache,
+                         const Tensor& ids, const PagedBatch& batch, const Tensor& rows, Tensor& logits,
+                         Tensor* hidden_out) {
+  const ModelConfig& c = w.config;
+  check_weights_on(be, w);
+  FP8RL_CHECK(cache.num_layers == c.num_layers && cache.num_kv_heads == c.num_kv_heads &&
+                  cache.head_dim == c.head_dim,
+              "the KV cache (", cache.num_layers, " layers, ", cache.num_kv_heads, " KV heads, head_dim ",
+              cache.head_dim, ") does not fit the model (", c.num_layers, ", ", c.num_kv_heads, ", ",
+              c.head_dim, "); allocate it with model_alloc_kv_cache");
+  check_dtype(ids, DType::I32, "ids");
+  check_dtype(rows, DType::I32, "rows");
+  const int64_t T = ids.numel(), R = rows.numel(), D = c.hidden_size;
+  check_shape(batch.token_pos, {T}, "batch.token_pos");
+  check_shape(logits, {R, c.vocab_size}, "logits");
+  check_dtype(logits, DType::F32, "logits");
+  const DType act = act_dtype_for(be, w);
+
+  Tensor x = be.alloc({T, D}, act);  // [T, D]
+  be.embedding(ids, w.embed, x);
+
+  const float softmax_scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+  AttentionStep attention = [&](int layer, LayerActivations& a) {
+    be.kv_write(cache, layer, a.k, a.v, batch);
+    be.attention_paged(cache, layer, a.q, batch, softmax_scale, prec.fp8_attention, a.attn);
+  };
+  Tensor x_final;
+  forward_layers(be, w, prec, x, batch.token_pos, attention, nullptr, nullptr, x_final);
+
+  // Select the requested rows (embedding is a row gather: out[r] = table[rows[r]]), then norm.
+  Tensor sel = be.alloc({R, D}, act);
+  be.embedding(rows, x_final, sel);
+  Tensor hidden = be.alloc({R, D}, act);
+  be.rmsnorm(sel, w.final_norm, c.rms_norm_eps, hidden, nullptr);
+  LinearWeight head;
+  head.w = w.lm_head;
+  if (act == DType::F32) {
+    be.linear(hidden, head, kFp32Spec, logits);
+  } else {
+    Tensor tmp = be.alloc({R, c.vocab_size}, act);
+    be.linear(hidden, head, kFp32Spec, tmp);
+    be.convert(tmp, logits);
+  }
+  if (hidden_out) *hidden_out = hidden;
+}
+
+KvCache model_alloc_kv_cache(Backend& be, const ModelConfig& c, int num_pages, int page_size, DType dtype) {
+  return be.alloc_kv_cache(c.num_layers, num_pages, page_size, c.num_kv_heads, c.head_dim, dtype);
+}
+
+// ---- the backward ------------------------------------------------------------------------------
+
+void model_backward(Backend& be, const ModelWeights& w, const EnginePrecision& prec, const Activations& A,
+                    const Tensor& dlogp_in, ModelWeights& g) {
+  const ModelConfig& c = w.config;
+  const int L = c.num_layers;
+  FP8RL_CHECK(static_cast<int>(A.layers.size()) == L, "model_backward needs the activations saved by "
+              "model_forward_logprobs(..., &acts) (got ", A.layers.size(), " layers of ", L, ")");
+  const int64_t T = A.batch.num_tokens(), D = c.hidden_size, F = c.intermediate_size, hd = c.head_dim;
+  const int64_t Hq = c.num_heads, Hkv = c.num_kv_heads;
+  check_shape(dlogp_in, {T}, "dlogp");
+  const DType act = act_dtype_for(be, w);
+  const RopeParams rope = c.rope_params();
+  const float softmax_scale = 1.0f / std::sqrt(static_cast<float>(hd));
+
+  // dlogp without the targetless last tokens.
+  Tensor dlogp = be.alloc({T}, dlogp_in.dtype());
+  be.copy(dlogp_in, dlogp);
+  zero_last_tokens(be, dlogp, A.batch.cu_seqlens);
+
+  // lm_head + log-softmax, then the final norm. dx [T, D] is the gradient of the residual stream.
+  Tensor dhidden = be.alloc({T, D}, act);
+  be.token_logprobs_backward(A.hidden, w.lm_head, A.targets, A.temperature, kFp32Spec, A.lm_lse, dlogp,
+                             dhidden, &g.lm_head);
+  Tensor dx = be.alloc({T, D}, act);
+  be.rmsnorm_backward(dhidden, A.x_final, w.final_norm, A.final_rstd, dx, g.final_norm);
+
+  // Scratch gradients, reused by every block.
+  Tensor d_xn = be.alloc({T, D}, act), d_tmp = be.alloc({T, D}, act), d_mid = be.alloc({T, D}, act);
+  Tensor d_act = be.alloc({T, F}, act), d_gate = be.alloc({T, F}, act), d_up = be.alloc({T, F}, act);
+  Tensor d_attn = be.alloc({T, Hq, hd}, act);
+  Tensor dq = be.alloc({T, Hq, hd}, act), dk = be.alloc({T, Hkv, hd}, act), dv = be.alloc({T, Hkv, hd}, act);
+  Tensor dq_raw, dk_raw;
+  if (c.qk_norm) {
+    dq_raw = be.alloc({T, Hq * hd}, act);
+    dk_raw = be.alloc({T, Hkv * hd}, act);
+  }
+
+  for (int l = L - 1; l >= 0; --l) {
+    const LayerWeights& lw = w.layers[l];
+    LayerWeights& lg = g.layers[l];
+    const LayerActivations& a = A.layers[l];
+    const LinearSpec spec = block_spec(prec, l, L);
+
+    // ---- MLP: x_out = x_mid + down(silu(gate(xn)) * up(xn)), xn = mlp_norm(x_mid) ----
+    be.linear_backward(dx, a.act, lw.down, spec, &d_act, &lg.down.w, nullptr);
+    be.swiglu_backward(d_act, a.gate, a.up, d_gate, d_up);
+    be.linear_backward(d_gate, a.xn_mlp, lw.gate, spec, &d_xn, &lg.gate.w, nullptr);
+    be.linear_backward(d_up, a.xn_mlp, lw.up, spec, &d_tmp, &lg.up.w, nullptr);
+    be.add(d_xn, d_tmp, d_xn);
+    be.rmsnorm_backward(d_xn, a.x_mid, lw.mlp_norm, a.mlp_rstd, d_tmp, lg.mlp_norm);
+    be.add(dx, d_tmp, d_mid);  // d x_mid: residual + through the norm
+
+    // ---- attention: x_mid = x + o(attention(rope(norm(q)), rope(norm(k)), v)) ----
+    Tensor d_attn2 = d_attn.reshape({T, Hq * hd});
+    be.linear_backward(d_mid, a.attn.reshape({T, Hq * hd}), lw.o, spec, &d_attn2, &lg.o.w, nullptr);
+    be.attention_backward(d_attn, a.q, a.k, a.v, a.attn, a.lse, A.batch.cu_seqlens, softmax_scale, dq, dk, dv);
+    be.rope(dq, A.positions, rope, /*inverse=*/true);
+    be.rope(dk, A.positions, rope, /*inverse=*/true);
+    Tensor dq2 = dq.reshape({T, Hq * hd}), dk2 = dk.reshape({T, Hkv * hd});
+    if (c.qk_norm) {
+      Tensor dqh = dq_raw.reshape({T * Hq, hd}), dkh = dk_raw.reshape({T * Hkv, hd});
+      be.rmsnorm_backward(dq.reshape({T * Hq, hd}), a.q_raw.reshape({T * Hq, hd}), lw.q_norm, a.q_rstd, dqh,
+                          lg.q_norm);
+      be.rmsnorm_backward(dk.reshape({T * Hkv, hd}), a.k_raw.reshape({T * Hkv, hd}), lw.k_norm, a.k_rstd, dkh,
+                          lg.k_norm);
+      dq2 = dq_raw;
+      dk2 = dk_raw;
+    }
+    auto bias = [](LinearWeight& gw) { return gw.bias.defined() ? &gw.bias : nullptr; };
+    be.linear_backward(dq2, a.xn_attn, lw.q, spec, &d_xn, &lg.q.w, bias(lg.q));
+    be.linear_backward(dk2, a.xn_attn, lw.k, spec, &d_tmp, &lg.k.w, bias(lg.k));
+    be.add(d_xn, d_tmp, d_xn);
+    be.linear_backward(dv.reshape({T, Hkv * hd}), a.xn_attn, lw.v, spec, &d_tmp, &lg.v.w, bias(lg.v));
+    be.add(d_xn, d_tmp, d_xn);
+    be.rmsnorm_backward(d_xn, a.x, lw.attn_norm, a.attn_rstd, d_tmp, lg.attn_norm);
+    be.add(d_mid, d_tmp, dx);  // d x: residual + through the norm
+  }
+  be.embedding_backward(A.ids, dx, g.embed);
+}
+
+}  // namespace fp8rl

@@ -1,0 +1,109 @@
+// The decoder (Llama / Qwen2 / Qwen3) written once over the op interface (backend/backend.h):
+// a scoring forward that saves what backward needs, its backward, and a generation forward
+// over the paged KV cache. Both forwards run the same layer loop (transformer.cpp,
+// forward_layers); only the attention step differs.
+//
+// One block, pre-norm:
+//   xn = rmsnorm(x, attn_norm)
+//   q, k, v = xn Wq^T (+bq), xn Wk^T (+bk), xn Wv^T (+bv)        [the linears q, k, v]
+//   qwen3: q, k = rmsnorm(q, q_norm), rmsnorm(k, k_norm) per head
+//   q, k = rope(q), rope(k)
+//   x = x + attention(q, k, v) Wo^T                                [o]
+//   xn = rmsnorm(x, mlp_norm)
+//   x = x + (silu(xn Wg^T) * (xn Wu^T)) Wd^T                       [gate, up, down]
+// then hidden = rmsnorm(x, final_norm) and logits = hidden lm_head^T.
+//
+// Precision: the 7 linears of block l run in precision.linear_for_layer(l, L); lm_head and
+// everything else run with LinearMode::FP32 in the backend's activation dtype (FP32 on the
+// CPU). With F64 weights (CPU only) every activation, statistic and logp is F64 instead: the
+// CPU backend then computes in plain double math (the FP64 finite-difference checks).
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "backend/backend.h"
+#include "core/precision.h"
+#include "model/weights.h"
+
+namespace fp8rl {
+
+// A packed batch of sequences on the host (token-major, see backend.h).
+struct ForwardBatch {
+  std::vector<int32_t> ids;         // [T] token ids, sequences concatenated
+  std::vector<int32_t> positions;   // [T] position of each token in its sequence (0-based)
+  std::vector<int32_t> cu_seqlens;  // [B + 1] token range of each sequence
+  int64_t num_tokens() const { return static_cast<int64_t>(ids.size()); }
+  int num_sequences() const { return static_cast<int>(cu_seqlens.size()) - 1; }
+};
+ForwardBatch forward_batch_from_sequences(const std::vector<std::vector<int32_t>>& sequences);
+// Throws unless the batch is consistent and every id is in [0, vocab_size).
+void forward_batch_validate(const ForwardBatch& batch, int vocab_size);
+
+// What the scoring forward saves for backward, per block (all on the backend's device).
+struct LayerActivations {
+  Tensor x;             // [T, D]        block input (residual stream)
+  Tensor attn_rstd;     // [T]           1/rms of x (attn_norm)
+  Tensor xn_attn;       // [T, D]        attn_norm(x): input of q, k, v
+  Tensor q_raw, k_raw;  // [T, Hq*hd], [T, Hkv*hd]  projections before q/k-norm (qwen3 only)
+  Tensor q_rstd, k_rstd;  // [T*Hq], [T*Hkv]        1/rms of each head (qwen3 only)
+  Tensor q, k, v;       // [T, Hq, hd], [T, Hkv, hd], [T, Hkv, hd]  after q/k-norm and RoPE
+  Tensor attn;          // [T, Hq, hd]   attention output: input of o
+  Tensor lse;           // [Hq, T]       attention log-sum-exp (scoring forward only)
+  Tensor x_mid;         // [T, D]        x + o(attn)
+  Tensor mlp_rstd;      // [T]           1/rms of x_mid (mlp_norm)
+  Tensor xn_mlp;        // [T, D]        mlp_norm(x_mid): input of gate, up
+  Tensor gate, up;      // [T, F]        gate and up projections
+  Tensor act;           // [T, F]        silu(gate) * up: input of down
+  Tensor proj;          // [T, D]        scratch: output of o, then of down (not needed by backward)
+};
+
+struct Activations {
+  ForwardBatch batch;               // host copy
+  float temperature = 1.0f;
+  Tensor ids, positions, targets;   // I32 [T] on the device
+  std::vector<LayerActivations> layers;
+  Tensor x_final;                   // [T, D] residual stream after the last block
+  Tensor final_rstd;                // [T]
+  Tensor hidden;                    // [T, D] final_norm(x_final)
+  Tensor lm_lse;                    // [T]    log-sum-exp of the logits (token_logprobs)
+};
+
+struct ForwardOptions {
+  float temperature = 1.0f;   // logits / temperature before the softmax
+  bool entropy = false;       // also compute the entropy of each position's distribution
+  bool record_qkv_amax = false;  // per-layer amax of q, k (after q/k-norm and RoPE) and v
+};
+
+struct LogprobResult {
+  // F32 [T] (F64 with F64 weights) on the device. logp[t] = log p(ids[t+1] | ids[s..t]) for a token t of the sequence
+  // [s, e) with t + 1 < e; the last token of each sequence has no target and holds 0.
+  Tensor logp;
+  Tensor entropy;  // F32 [T] (when asked): entropy of the next-token distribution at t
+  std::vector<float> q_amax, k_amax, v_amax;  // [num_layers] (when asked)
+};
+
+// The scoring / training forward. `acts`, when non-null, receives what backward needs.
+LogprobResult model_forward_logprobs(Backend& backend, const ModelWeights& weights,
+                                     const EnginePrecision& precision, const ForwardBatch& batch,
+                                     const ForwardOptions& options, Activations* acts = nullptr);
+
+// Backward of sum_t dlogp[t] * logp[t] (dlogp F32 [T] on the device; the entries of the last
+// token of each sequence are ignored). Accumulates into `grads` (model_grads_alloc: F32, or
+// F64 with F64 weights). `weights` and `precision` must be the forward's.
+void model_backward(Backend& backend, const ModelWeights& weights, const EnginePrecision& precision,
+                    const Activations& acts, const Tensor& dlogp, ModelWeights& grads);
+
+// The generation forward over the paged KV cache. ids I32 [T] (device) are the batch's query
+// tokens (a prefill chunk, a decode step, or a mix), described by `batch` (positions =
+// batch.token_pos). Each block writes its k/v into `cache` and attends over it. rows I32 [R]
+// (device) selects the tokens whose outputs are returned: logits F32 [R, V] written, and
+// hidden [R, D] (final_norm output, act dtype) written when non-null.
+void model_forward_paged(Backend& backend, const ModelWeights& weights, const EnginePrecision& precision,
+                         KvCache& cache, const Tensor& ids, const PagedBatch& batch, const Tensor& rows,
+                         Tensor& logits, Tensor* hidden = nullptr);
+
+// A KV cache sized for this model (layers, KV heads, head_dim from its config).
+KvCache model_alloc_kv_cache(Backend& backend, const ModelConfig& config, int num_pages, int page_size,
+                             DType dtype);
+
+}  // namespace fp8rl

@@ -1,0 +1,418 @@
+// ModelWeights: HF names, random init, checkpoint load/save, device copies, gradients.
+#include "model/weights.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <unistd.h>
+
+#include "core/error.h"
+#include "io/safetensors.h"
+
+namespace fp8rl {
+
+namespace {
+
+// The 7 linears of a block with their HF prefixes, in a fixed order.
+struct LinearRef {
+  const char* name;
+  LinearWeight LayerWeights::*member;
+};
+constexpr LinearRef kLinears[] = {
+    {"self_attn.q_proj", &LayerWeights::q}, {"self_attn.k_proj", &LayerWeights::k},
+    {"self_attn.v_proj", &LayerWeights::v}, {"self_attn.o_proj", &LayerWeights::o},
+    {"mlp.gate_proj", &LayerWeights::gate}, {"mlp.up_proj", &LayerWeights::up},
+    {"mlp.down_proj", &LayerWeights::down},
+};
+
+std::string layer_prefix(int i) { return "model.layers." + std::to_string(i) + "."; }
+
+// Every parameter tensor slot with its HF name (defined or not). Tied lm_head excluded.
+void visit_slots(ModelWeights& w, const std::function<void(const std::string&, Tensor&)>& fn) {
+  fn("model.embed_tokens.weight", w.embed);
+  for (size_t i = 0; i < w.layers.size(); ++i) {
+    LayerWeights& l = w.layers[i];
+    const std::string p = layer_prefix(static_cast<int>(i));
+    fn(p + "input_layernorm.weight", l.attn_norm);
+    for (const LinearRef& r : kLinears) {
+      LinearWeight& lin = l.*(r.member);
+      fn(p + r.name + ".weight", lin.w);
+      fn(p + r.name + ".bias", lin.bias);
+    }
+    fn(p + "self_attn.q_norm.weight", l.q_norm);
+    fn(p + "self_attn.k_norm.weight", l.k_norm);
+    fn(p + "post_attention_layernorm.weight", l.mlp_norm);
+  }
+  fn("model.norm.weight", w.final_norm);
+  if (!w.config.tie_word_embeddings) fn("lm_head.weight", w.lm_head);
+}
+
+// splitmix64 + Box-Muller: a small, seeded, platform-independent normal generator.
+class Normal {
+ public:
+  explicit Normal(uint64_t seed) : state_(seed * 0x9E3779B97F4A7C15ull + 0x1234567ull) {}
+  double next() {
+    const double u1 = (static_cast<double>(bits() >> 11) + 0.5) * 0x1.0p-53;
+    const double u2 = static_cast<double>(bits() >> 11) * 0x1.0p-53;
+    return std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2);
+  }
+
+ private:
+  uint64_t bits() {
+    uint64_t z = (state_ += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  }
+  uint64_t state_;
+};
+
+Tensor random_tensor(const Shape& shape, DType dtype, Normal& rng, double mean, double std) {
+  Tensor t = Tensor::empty(shape, DType::F64);
+  for (int64_t i = 0; i < t.numel(); ++i) t.data<double>()[i] = mean + std * rng.next();
+  return tensor_convert_host(t, dtype);
+}
+
+bool is_float(DType t) {
+  return t == DType::F32 || t == DType::BF16 || t == DType::F16 || t == DType::F64 || t == DType::E4M3;
+}
+
+void write_text_atomic(const std::string& path, const std::string& text) {
+  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  {
+    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
+    FP8RL_CHECK(f.good(), "cannot write ", tmp, " (is the directory writable?)");
+    f << text;
+    f.flush();
+    FP8RL_CHECK(f.good(), "writing ", tmp, " failed (disk full?)");
+  }
+  std::error_code ec;
+  std::filesystem::rename(tmp, path, ec);
+  if (ec) {
+    std::filesystem::remove(tmp);
+    FP8RL_FAIL("cannot rename ", tmp, " to ", path, ": ", ec.message());
+  }
+}
+
+}  // namespace
+
+// ---- host conversion -------------------------------------------------------------------------
+
+Tensor tensor_convert_host(const Tensor& t, DType dtype) {
+  FP8RL_CHECK(t.device() == DeviceKind::CPU, "tensor_convert_host needs a CPU tensor, got ", t.str());
+  FP8RL_CHECK(is_float(t.dtype()), "cannot convert ", t.str(), " to ", dtype_name(dtype), ": not a float tensor");
+  FP8RL_CHECK(dtype == DType::F32 || dtype == DType::BF16 || dtype == DType::F16 || dtype == DType::F64,
+              "conversion target must be F32, BF16, F16 or F64, got ", dtype_name(dtype));
+  if (t.dtype() == DType::F64 && dtype == DType::F64) {
+    Tensor r = Tensor::empty(t.shape(), dtype);
+    if (t.nbytes()) std::copy_n(t.data<double>(), t.numel(), r.data<double>());
+    return r;
+  }
+  if (t.dtype() == DType::F64) {  // F64 -> narrower: round once, from the double
+    Tensor r = Tensor::empty(t.shape(), dtype);
+    const double* s = t.data<double>();
+    for (int64_t i = 0; i < t.numel(); ++i) {
+      const float f = static_cast<float>(s[i]);
+      if (dtype == DType::F32) r.data<float>()[i] = f;
+      else if (dtype == DType::BF16) r.data<uint16_t>()[i] = bf16_from_float(f);
+      else r.data<uint16_t>()[i] = f16_from_float(f);
+    }
+    return r;
+  }
+  // Every other source is exactly representable in F32 (and in F64).
+  return from_float_vector(to_float_vector(t), t.shape(), dtype);
+}
+
+// ---- configs and random init -------------------------------------------------------------------
+
+ModelConfig model_config_tiny(const std::string& family, int vocab_size, int hidden_size, int num_layers,
+                              int num_heads, int num_kv_heads, int intermediate_size) {
+  FP8RL_CHECK(family == "llama" || family == "qwen2" || family == "qwen3", "unknown model family '", family,
+              "' (expected llama, qwen2 or qwen3)");
+  FP8RL_CHECK(num_heads > 0 && hidden_size % num_heads == 0, "hidden_size ", hidden_size,
+              " must be a multiple of num_heads ", num_heads);
+  ModelConfig c;
+  c.model_type = family;
+  c.vocab_size = vocab_size;
+  c.hidden_size = hidden_size;
+  c.intermediate_size = intermediate_size > 0 ? intermediate_size : 3 * hidden_size;
+  c.num_layers = num_layers;
+  c.num_heads = num_heads;
+  c.num_kv_heads = num_kv_heads;
+  c.head_dim = hidden_size / num_heads;
+  c.rms_norm_eps = 1e-6f;
+  c.max_position_embeddings = 4096;
+  c.torch_dtype = "float32";
+  if (family == "llama") {
+    // llama3 rope scaling with a short original context, so that all three frequency bands
+    // (kept, interpolated, scaled) occur even with a tiny head_dim.
+    c.rope_theta = 10000.0f;
+    c.rope_type = "llama3";
+    c.rope_factor = 8.0f;
+    c.rope_low_freq_factor = 1.0f;
+    c.rope_high_freq_factor = 4.0f;
+    c.rope_original_max_position = 32;
+  } else if (family == "qwen2") {
+    c.rope_theta = 1000000.0f;
+    c.attention_bias = true;
+  } else {  // qwen3: q/k-norm, tied embeddings, head_dim independent of hidden_size / heads
+    c.rope_theta = 1000000.0f;
+    c.qk_norm = true;
+    c.tie_word_embeddings = true;
+    c.head_dim = 2 * hidden_size / num_heads;
+  }
+  c.validate();
+  return c;
+}
+
+ModelWeights model_weights_random(const ModelConfig& c, const RandomInit& init, DType dtype) {
+  c.validate();
+  Normal rng(init.seed);
+  const int64_t D = c.hidden_size, F = c.intermediate_size, V = c.vocab_size, hd = c.head_dim;
+  const int64_t Hq = c.num_heads, Hkv = c.num_kv_heads;
+  auto lin = [&](int64_t n, int64_t k, bool bias) {
+    LinearWeight w;
+    w.w = random_tensor({n, k}, dtype, rng, 0.0, init.std);
+    if (bias) w.bias = random_tensor({n}, dtype, rng, 0.0, init.bias_std);
+    return w;
+  };
+  auto norm = [&](int64_t n) { return random_tensor({n}, dtype, rng, 1.0, init.norm_jitter); };
+
+  ModelWeights w;
+  w.config = c;
+  w.embed = random_tensor({V, D}, dtype, rng, 0.0, init.std);
+  for (int l = 0; l < c.num_layers; ++l) {
+    LayerWeights L;
+    L.attn_norm = norm(D);
+    L.q = lin(Hq * hd, D, c.attention_bias);
+    L.k = lin(Hkv * hd, D, c.attention_bias);
+    L.v = lin(Hkv * hd, D, c.attention_bias);
+    L.o = lin(D, Hq * hd, false);
+    if (c.qk_norm) {
+      L.q_norm = norm(hd);
+      L.k_norm = norm(hd);
+    }
+    L.mlp_norm = norm(D);
+    L.gate = lin(F, D, false);
+    L.up = lin(F, D, false);
+    L.down = lin(D, F, false);
+    w.layers.push_back(std::move(L));
+  }
+  w.final_norm = norm(D);
+  w.lm_head = c.tie_word_embeddings ? w.embed : random_tensor({V, D}, dtype, rng, 0.0, init.std);
+  return w;
+}
+
+// ---- checkpoints -------------------------------------------------------------------------------
+
+ModelWeights model_weights_load(const std::string& dir, DType dtype, bool keep_fp8) {
+  FP8RL_CHECK(std::filesystem::is_directory(dir), "model directory '", dir, "' does not exist (expected a "
+              "Hugging Face checkpoint: config.json + *.safetensors)");
+  const ModelConfig c = model_config_load(dir);
+  c.validate();
+  const CheckpointReader ck = CheckpointReader::open(dir);
+  std::set<std::string> used;
+
+  auto load = [&](const std::string& name, const Shape& shape) {
+    FP8RL_CHECK(ck.contains(name), dir, ": missing tensor '", name, "' (", c.model_type,
+                " with this config.json needs it)");
+    const SafetensorsEntry& e = ck.entry(name);
+    FP8RL_CHECK(e.shape == shape, dir, ": tensor '", name, "' has shape ", shape_str(e.shape), ", expected ",
+                shape_str(shape), " from config.json");
+    FP8RL_CHECK(e.dtype != DType::E4M3, dir, ": '", name, "' is F8_E4M3 without a block scale; only the 7 "
+                "linears of each block may be FP8 (with weight_scale_inv)");
+    used.insert(name);
+    return tensor_convert_host(ck.get(name), dtype);
+  };
+  auto load_linear = [&](const std::string& prefix, int64_t n, int64_t k) {
+    LinearWeight lw;
+    const std::string wn = prefix + ".weight";
+    if (ck.is_quantized(wn)) {
+      FP8RL_CHECK(ck.entry(wn).shape == Shape({n, k}), dir, ": tensor '", wn, "' has shape ",
+                  shape_str(ck.entry(wn).shape), ", expected ", shape_str({n, k}));
+      QuantTensor q = ck.get_quant(wn);
+      lw.w = tensor_convert_host(dequantize(q), dtype);
+      if (keep_fp8) lw.wq = q;
+      used.insert(wn);
+      used.insert(wn + "_scale_inv");
+    } else {
+      lw.w = load(wn, {n, k});
+    }
+    if (ck.contains(prefix + ".bias")) lw.bias = load(prefix + ".bias", {n});
+    return lw;
+  };
+
+  const int64_t D = c.hidden_size, F = c.intermediate_size, V = c.vocab_size, hd = c.head_dim;
+  const int64_t Hq = c.num_heads, Hkv = c.num_kv_heads;
+  ModelWeights w;
+  w.config = c;
+  w.embed = load("model.embed_tokens.weight", {V, D});
+  for (int l = 0; l < c.num_layers; ++l) {
+    const std::string p = layer_prefix(l);
+    LayerWeights L;
+    L.attn_norm = load(p + "input_layernorm.weight", {D});
+    L.q = load_linear(p + "self_attn.q_proj", Hq * hd, D);
+    L.k = load_linear(p + "self_attn.k_proj", Hkv * hd, D);
+    L.v = load_linear(p + "self_attn.v_proj", Hkv * hd, D);
+    L.o = load_linear(p + "self_attn.o_proj", D, Hq * hd);
+    if (c.attention_bias)
+      FP8RL_CHECK(L.q.bias.defined() && L.k.bias.defined() && L.v.bias.defined(), dir, ": layer ", l,
+                  " lacks q/k/v_proj.bias although config.json implies attention biases");
+    if (c.qk_norm) {
+      L.q_norm = load(p + "self_attn.q_norm.weight", {hd});
+      L.k_norm = load(p + "self_attn.k_norm.weight", {hd});
+    }
+    L.mlp_norm = load(p + "post_attention_layernorm.weight", {D});
+    L.gate = load_linear(p + "mlp.gate_proj", F, D);
+    L.up = load_linear(p + "mlp.up_proj", F, D);
+    L.down = load_linear(p + "mlp.down_proj", D, F);
+    w.layers.push_back(std::move(L));
+  }
+  w.final_norm = load("model.norm.weight", {D});
+  if (c.tie_word_embeddings) {
+    w.lm_head = w.embed;
+    if (ck.contains("lm_head.weight")) used.insert("lm_head.weight");  // a stored copy of the tie
+  } else {
+    w.lm_head = load("lm_head.weight", {V, D});
+  }
+
+  // Anything left over would be silently ignored: refuse it (rotary inv_freq buffers excepted).
+  for (const std::string& name : ck.tensor_names()) {
+    if (used.count(name)) continue;
+    if (name.size() >= 8 && name.compare(name.size() - 8, 8, "inv_freq") == 0) continue;
+    FP8RL_FAIL(dir, ": unexpected tensor '", name, "' for a ", c.model_type, " model (", c.num_layers,
+               " layers); fp8rl does not know what to do with it");
+  }
+  return w;
+}
+
+void model_weights_save(const ModelWeights& w, const std::string& dir) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  FP8RL_CHECK(!ec && std::filesystem::is_directory(dir), "cannot create directory '", dir, "': ", ec.message());
+  std::vector<std::pair<std::string, Tensor>> tensors;
+  for (size_t i = 0; i < w.layers.size(); ++i)
+    for (const LinearRef& r : kLinears)
+      FP8RL_CHECK((w.layers[i].*(r.member)).w.defined(), "cannot save layer ", i, " ", r.name,
+                  ": it has only an FP8 copy (keep the high-precision weight to save)");
+  model_for_each_parameter(w, [&](const std::string& name, const Tensor& t) {
+    FP8RL_CHECK(t.device() == DeviceKind::CPU, "model_weights_save needs host tensors (", name, " is ", t.str(),
+                "); use model_weights_to_host first");
+    tensors.push_back({name, t});
+  });
+  safetensors_write(dir + "/model.safetensors", tensors, {{"format", "pt"}});
+  write_text_atomic(dir + "/config.json", model_config_to_json(w.config));
+}
+
+// ---- device copies and gradients ---------------------------------------------------------------
+
+namespace {
+
+// A copy of `w` where each defined float parameter tensor is replaced by make(tensor); wq
+// replaced by make_quant(wq). Keeps the tie.
+ModelWeights map_weights(const ModelWeights& w, const std::function<Tensor(const Tensor&)>& make,
+                         const std::function<QuantTensor(const QuantTensor&)>& make_quant) {
+  ModelWeights r = w;  // copies the structure (tensors still shared), then replaces each
+  visit_slots(r, [&](const std::string&, Tensor& t) {
+    if (t.defined()) t = make(t);
+  });
+  for (auto& L : r.layers)
+    for (const LinearRef& ref : kLinears) {
+      LinearWeight& lw = L.*(ref.member);
+      if (lw.wq.defined()) lw.wq = make_quant(lw.wq);
+    }
+  r.lm_head = w.config.tie_word_embeddings ? r.embed : r.lm_head;
+  return r;
+}
+
+}  // namespace
+
+ModelWeights model_weights_to_device(Backend& be, const ModelWeights& w, DType dtype) {
+  return map_weights(
+      w,
+      [&](const Tensor& t) {
+        const Tensor h = t.device() == DeviceKind::CPU ? t : be.to_host(t);
+        return be.to_device(h.dtype() == dtype ? h : tensor_convert_host(h, dtype));
+      },
+      [&](const QuantTensor& q) {
+        QuantTensor d = q;
+        d.data = be.to_device(q.data.device() == DeviceKind::CPU ? q.data : be.to_host(q.data));
+        d.scales = be.to_device(q.scales.device() == DeviceKind::CPU ? q.scales : be.to_host(q.scales));
+        return d;
+      });
+}
+
+ModelWeights model_weights_to_host(Backend& be, const ModelWeights& w, DType dtype) {
+  return map_weights(
+      w,
+      [&](const Tensor& t) {
+        const Tensor h = t.device() == DeviceKind::CPU ? t : be.to_host(t);
+        return tensor_convert_host(h, dtype);  // always a copy: the result owns its memory
+      },
+      [&](const QuantTensor& q) {
+        QuantTensor h = q;
+        h.data = q.data.device() == DeviceKind::CPU ? q.data : be.to_host(q.data);
+        h.scales = q.scales.device() == DeviceKind::CPU ? q.scales : be.to_host(q.scales);
+        return h;
+      });
+}
+
+ModelWeights model_grads_alloc(Backend& be, const ModelWeights& w, DType dtype) {
+  FP8RL_CHECK(dtype == DType::F32 || dtype == DType::F64, "gradients must be F32 or F64, got ", dtype_name(dtype));
+  ModelWeights g = map_weights(
+      w,
+      [&](const Tensor& t) {
+        Tensor z = be.alloc(t.shape(), dtype);
+        be.fill(z, 0.0f);
+        return z;
+      },
+      [](const QuantTensor&) { return QuantTensor{}; });
+  // A linear held only as FP8 (no `w`) still needs a weight gradient of its logical shape.
+  for (size_t i = 0; i < w.layers.size(); ++i)
+    for (const LinearRef& r : kLinears) {
+      const LinearWeight& lw = w.layers[i].*(r.member);
+      LinearWeight& lg = g.layers[i].*(r.member);
+      if (!lg.w.defined()) {
+        lg.w = be.alloc({lw.out_features(), lw.in_features()}, dtype);
+        be.fill(lg.w, 0.0f);
+      }
+    }
+  return g;
+}
+
+void model_grads_zero(Backend& be, ModelWeights& g) {
+  model_for_each_parameter(g, [&](const std::string&, Tensor& t) { be.fill(t, 0.0f); });
+}
+
+// ---- iteration ---------------------------------------------------------------------------------
+
+void model_for_each_parameter(ModelWeights& w, const std::function<void(const std::string&, Tensor&)>& fn) {
+  visit_slots(w, [&](const std::string& name, Tensor& t) {
+    if (t.defined()) fn(name, t);
+  });
+}
+
+void model_for_each_parameter(const ModelWeights& w,
+                              const std::function<void(const std::string&, const Tensor&)>& fn) {
+  // visit_slots only reads through the reference here; the tensors are not modified.
+  visit_slots(const_cast<ModelWeights&>(w), [&](const std::string& name, Tensor& t) {
+    if (t.defined()) fn(name, t);
+  });
+}
+
+void model_for_each_linear(ModelWeights& w, const std::function<void(const std::string&, int, LinearWeight&)>& fn) {
+  for (size_t i = 0; i < w.layers.size(); ++i)
+    for (const LinearRef& r : kLinears)
+      fn(layer_prefix(static_cast<int>(i)) + r.name, static_cast<int>(i), w.layers[i].*(r.member));
+}
+
+int64_t model_count_parameters(const ModelWeights& w) {
+  int64_t n = 0;
+  model_for_each_parameter(w, [&](const std::string&, const Tensor& t) { n += t.numel(); });
+  return n;
+}
+
+}  // namespace fp8rl

@@ -1,0 +1,96 @@
+// ModelWeights: the parameters of a Llama / Qwen2 / Qwen3 decoder as one struct of named
+// tensors, mapped one to one onto Hugging Face tensor names (weights.cpp, hf_name_*).
+//
+// Shapes use D = hidden_size, F = intermediate_size, V = vocab_size, Hq / Hkv = query / KV
+// heads, hd = head_dim. A linear weight is [out_features, in_features] as in HF (Y = X W^T).
+// The same struct holds gradients (model_grads_alloc): every tensor then is the gradient of
+// the parameter of the same name, F32 or F64.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+#include "model/config.h"
+
+namespace fp8rl {
+
+struct LayerWeights {
+  Tensor attn_norm;        // [D]          model.layers.{i}.input_layernorm.weight
+  LinearWeight q;          // [Hq*hd, D]   self_attn.q_proj (+ bias [Hq*hd] when attention_bias)
+  LinearWeight k;          // [Hkv*hd, D]  self_attn.k_proj (+ bias [Hkv*hd])
+  LinearWeight v;          // [Hkv*hd, D]  self_attn.v_proj (+ bias [Hkv*hd])
+  LinearWeight o;          // [D, Hq*hd]   self_attn.o_proj (never a bias)
+  Tensor q_norm, k_norm;   // [hd]         self_attn.q_norm / k_norm (qwen3 only)
+  Tensor mlp_norm;         // [D]          post_attention_layernorm.weight
+  LinearWeight gate;       // [F, D]       mlp.gate_proj
+  LinearWeight up;         // [F, D]       mlp.up_proj
+  LinearWeight down;       // [D, F]       mlp.down_proj
+};
+
+struct ModelWeights {
+  ModelConfig config;
+  Tensor embed;                      // [V, D]  model.embed_tokens.weight
+  std::vector<LayerWeights> layers;  // [num_layers]
+  Tensor final_norm;                 // [D]     model.norm.weight
+  Tensor lm_head;                    // [V, D]  lm_head.weight; tied: the same tensor as embed
+};
+
+// ---- construction ------------------------------------------------------------------------
+
+// A small config for models trained from scratch (tests, the RL demo). `family` is "llama"
+// (llama3 rope scaling), "qwen2" (q/k/v biases) or "qwen3" (q/k-norm, tied embeddings).
+ModelConfig model_config_tiny(const std::string& family, int vocab_size, int hidden_size = 64,
+                              int num_layers = 2, int num_heads = 4, int num_kv_heads = 2,
+                              int intermediate_size = 0 /* 0: 3 * hidden_size */);
+
+struct RandomInit {
+  uint64_t seed = 0;
+  float std = 0.02f;         // linears and embedding ~ N(0, std^2)
+  float bias_std = 0.0f;     // q/k/v biases ~ N(0, bias_std^2) (HF initializes them to 0)
+  float norm_jitter = 0.0f;  // norm weights = 1 + N(0, norm_jitter^2) (1 exactly when 0)
+};
+// Seeded random weights on the host, every tensor of `dtype` (F32, BF16 or F64).
+ModelWeights model_weights_random(const ModelConfig& config, const RandomInit& init, DType dtype = DType::F32);
+
+// Loads a checkpoint directory (config.json + model.safetensors or sharded
+// model-0000x-of-0000y.safetensors with model.safetensors.index.json) onto the host. Stored
+// F32 / BF16 / F16 tensors are converted to `dtype` (F32, BF16 or F64). F8_E4M3 linear weights
+// with a `weight_scale_inv` (128x128 blocks) are dequantized into `w`, and with keep_fp8 also
+// kept as the pre-quantized `wq`.
+ModelWeights model_weights_load(const std::string& dir, DType dtype = DType::F32, bool keep_fp8 = false);
+
+// Writes config.json and model.safetensors (HF layout, tensors in their current dtype, host
+// tensors only; lm_head.weight omitted when tied). Atomic: written to temporary files, then
+// renamed. Creates the directory if needed.
+void model_weights_save(const ModelWeights& weights, const std::string& dir);
+
+// A copy on `backend`'s device with every float tensor converted to `dtype`; wq kept as is.
+// Tied embeddings stay shared.
+ModelWeights model_weights_to_device(Backend& backend, const ModelWeights& weights, DType dtype);
+// A host copy (for saving), float tensors in `dtype`.
+ModelWeights model_weights_to_host(Backend& backend, const ModelWeights& weights, DType dtype);
+
+// Gradients: a zero-filled ModelWeights of the same structure on `backend` (F32 or F64);
+// linears get `w` (and `bias` where the weight has one), never `wq`; tied lm_head shares embed.
+ModelWeights model_grads_alloc(Backend& backend, const ModelWeights& weights, DType dtype = DType::F32);
+void model_grads_zero(Backend& backend, ModelWeights& grads);
+
+// ---- names and iteration -----------------------------------------------------------------
+
+// Calls fn(hf_name, tensor) for every defined parameter tensor, in a fixed order (embedding,
+// layers in order, final norm, lm_head). A tied lm_head is visited once, as the embedding.
+// LinearWeight contributes its `w` ("<name>.weight") and `bias` ("<name>.bias"), not `wq`.
+void model_for_each_parameter(ModelWeights& weights, const std::function<void(const std::string&, Tensor&)>& fn);
+void model_for_each_parameter(const ModelWeights& weights,
+                              const std::function<void(const std::string&, const Tensor&)>& fn);
+// Calls fn(hf_prefix, layer, weight) for the 7 linears of every block ("model.layers.3.mlp.up_proj").
+void model_for_each_linear(ModelWeights& weights,
+                           const std::function<void(const std::string&, int, LinearWeight&)>& fn);
+int64_t model_count_parameters(const ModelWeights& weights);
+
+// Host helper: a float tensor (F32/BF16/F16/E4M3/F64) converted to `dtype` (F32/BF16/F16/F64).
+Tensor tensor_convert_host(const Tensor& t, DType dtype);
+
+}  // namespace fp8rl
