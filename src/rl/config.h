@@ -1,0 +1,176 @@
+// RunConfig: everything `fp8rl train` and `fp8rl sft` read, as one struct tree.
+// Loaded from YAML, then `section.key=value` overrides from the command line; every key is
+// declared once (config.cpp, config_fields) with its type and help, which gives: unknown-key
+// errors with the nearest valid key, type errors naming key and expected type, and the
+// resolved-config dump (saved in the run directory, loadable again).
+// The defaults are the CPU demo: `fp8rl train` with no arguments == configs/demo_cpu.yaml.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/precision.h"
+#include "train/grpo.h"
+#include "train/lr_schedule.h"
+
+namespace fp8rl {
+
+// A small Qwen3-style model built in memory (model.path empty): the CPU demo and the tests.
+struct TinyModelConfig {
+  int vocab_size = 0;           // 0 = the tokenizer's vocabulary size
+  int hidden_size = 64;
+  int intermediate_size = 192;
+  int num_layers = 2;
+  int num_heads = 4;
+  int num_kv_heads = 2;
+  int head_dim = 16;
+  bool qk_norm = true;
+  int max_position_embeddings = 512;
+  double rope_theta = 10000.0;
+  double init_std = 0.02;       // normal(0, init_std) for every matrix; norms start at 1
+  bool operator==(const TinyModelConfig&) const = default;
+};
+
+struct ModelSection {
+  std::string path;             // HF checkpoint directory (config.json + safetensors); "" = tiny
+  TinyModelConfig tiny;
+  bool operator==(const ModelSection&) const = default;
+};
+
+struct TokenizerSection {
+  std::string path;             // tokenizer.json directory; "" = model.path, or the built-in
+                                // byte-level tokenizer when the model is tiny
+  bool chat_template = false;   // wrap prompts in the tokenizer's chat template (instruct models)
+  bool operator==(const TokenizerSection&) const = default;
+};
+
+struct TaskSection {
+  std::string name = "arithmetic";  // arithmetic | countdown | gsm8k | jsonl
+  int64_t seed = 0;                 // 0 = the run seed
+  struct Arithmetic {
+    int num_terms = 2;              // operands per expression
+    int max_value = 20;             // operands drawn from [0, max_value]
+    std::string ops = "+-";         // operators to draw from (subset of "+-*")
+    bool operator==(const Arithmetic&) const = default;
+  } arithmetic;
+  struct Countdown {
+    int num_numbers = 3;            // numbers to combine
+    int max_number = 10;            // each in [1, max_number]
+    int max_target = 50;            // targets in [1, max_target]
+    bool operator==(const Countdown&) const = default;
+  } countdown;
+  struct Gsm8k {
+    std::string path;               // directory with train/test jsonl (question, answer)
+    bool operator==(const Gsm8k&) const = default;
+  } gsm8k;
+  struct Jsonl {
+    std::string path;               // one JSON object per line
+    std::string prompt_field = "prompt";
+    std::string answer_field = "answer";
+    bool operator==(const Jsonl&) const = default;
+  } jsonl;
+  bool operator==(const TaskSection&) const = default;
+};
+
+struct RolloutSection {
+  int prompts_per_step = 8;         // P
+  int generations_per_prompt = 8;   // G (the GRPO group)
+  int max_new_tokens = 24;
+  double temperature = 1.0;
+  double top_p = 1.0;               // 1 = off
+  int top_k = 0;                    // 0 = off
+  bool operator==(const RolloutSection&) const = default;
+};
+
+struct ImportanceSamplingSection {
+  IsMode mode = IsMode::TIS;        // none | is | tis | icepop | seq_mask
+  double tis_cap = 2.0;
+  double icepop_low = 0.5, icepop_high = 5.0;
+  double seq_mask_low = 0.999, seq_mask_high = 1.002;
+  bool operator==(const ImportanceSamplingSection&) const = default;
+};
+
+struct TrainSection {
+  double lr = 3e-4;
+  int warmup_steps = 4;             // optimizer steps
+  LrScheduleKind schedule = LrScheduleKind::Constant;
+  double min_lr_ratio = 0.0;        // cosine: final lr / lr
+  double weight_decay = 0.01;
+  double adam_beta1 = 0.9, adam_beta2 = 0.999, adam_eps = 1e-8;
+  double grad_clip = 1.0;           // global grad-norm clip; 0 = off
+  int64_t micro_batch_tokens = 4096;  // tokens per forward/backward chunk
+  int optimizer_steps_per_rollout = 2;  // the rollout batch is split in this many mini-batches
+  double ratio_clip_low = 0.2, ratio_clip_high = 0.2;
+  LossAggregation loss_aggregation = LossAggregation::Token;
+  AdvantageBaseline baseline = AdvantageBaseline::LeaveOneOut;
+  double kl_beta = 0.0;             // k3 KL to the initial policy; 0 = off (no reference model)
+  ImportanceSamplingSection is;
+  bool operator==(const TrainSection&) const = default;
+};
+
+struct PrecisionSection {
+  std::string recipe = "fp8_e2e";   // bf16 | fp8_gen | fp8_e2e | fp32 (PrecisionRecipe::preset)
+  // Fine-grained overrides of the preset ("auto" = the preset's choice).
+  std::string generator_linear = "auto";  // auto | fp32 | bf16 | fp8
+  std::string trainer_linear = "auto";    // auto | fp32 | bf16 | fp8
+  bool pow2_scales = false;               // both engines (same quantizer on both sides)
+  int bf16_first_layers = 0;              // both engines
+  int bf16_last_layers = 0;               // both engines
+  std::string kv_cache = "auto";          // auto | f32 | bf16 | e4m3 (generator)
+  bool fp8_attention = false;             // generator; needs an E4M3 KV cache
+  double kv_calib_percentile = 0.999;     // KV-scale recalibration: percentile of per-micro-batch amax
+  double kv_calib_margin = 1.05;          // ... times this margin, / 448
+  bool operator==(const PrecisionSection&) const = default;
+};
+
+struct SftSection {
+  int steps = 200;                  // optimizer steps of `fp8rl sft`
+  int batch_size = 16;              // sequences per optimizer step
+  double lr = 1e-3;                 // sft uses train.* for the rest of the optimizer
+  std::string data;                 // jsonl (prompt, answer) file; "" = the task's gold answers
+  bool operator==(const SftSection&) const = default;
+};
+
+struct RunConfig {
+  ModelSection model;
+  TokenizerSection tokenizer;
+  TaskSection task;
+  RolloutSection rollout;
+  TrainSection train;
+  PrecisionSection precision;
+  SftSection sft;
+  int steps = 40;                   // GRPO steps
+  int val_every = 10;               // validate at step 0 and every N steps; 0 = never
+  int val_size = 64;                // held-out prompts per validation
+  int checkpoint_every = 0;         // 0 = only at the end
+  std::string out = "runs/demo";    // run directory
+  std::string device = "cpu";       // cpu | cuda
+  int64_t seed = 1234;
+  int max_consecutive_bad_steps = 3;  // non-finite loss/grad steps skipped in a row before abort
+  bool operator==(const RunConfig&) const = default;
+};
+
+// Loads `yaml_path` ("" = defaults only), then applies `overrides` ("train.lr=1e-6") in order,
+// then validates. Errors name the file/key and say what is expected.
+RunConfig config_load(const std::string& yaml_path, const std::vector<std::string>& overrides = {});
+// Applies a YAML document (a subset of keys) on top of `c`; `origin` names it in errors.
+void config_apply_yaml(RunConfig& c, const std::string& yaml_text, const std::string& origin);
+// One "key.sub=value" override.
+void config_apply_override(RunConfig& c, const std::string& assignment);
+// Sets one key from its text form (the same parser as YAML scalars).
+void config_set(RunConfig& c, const std::string& key, const std::string& value);
+// Checks ranges and cross-field consistency; throws naming the key.
+void config_validate(const RunConfig& c);
+// The resolved config as YAML with a comment per key (config_apply_yaml reads it back exactly).
+std::string config_to_yaml(const RunConfig& c);
+
+// Every valid key ("train.is.mode", ...) in declaration order, and the nearest to `key`.
+std::vector<std::string> config_keys();
+std::string config_nearest_key(const std::string& key);
+
+// The mapping onto the engines' structs.
+PrecisionRecipe config_precision_recipe(const PrecisionSection& p);
+GrpoLossOptions config_grpo_options(const TrainSection& t);
+LrSchedule config_lr_schedule(const TrainSection& t, int64_t total_optimizer_steps);
+
+}  // namespace fp8rl

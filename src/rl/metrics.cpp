@@ -1,0 +1,85 @@
+#include "rl/metrics.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "core/error.h"
+
+namespace fp8rl {
+
+MismatchMetrics metrics_compute_mismatch(std::span<const float> logp_old, std::span<const float> logp_gen,
+                                         std::span<const uint8_t> token_mask) {
+  FP8RL_CHECK(logp_old.size() == logp_gen.size(), "logp_old has ", logp_old.size(), " tokens, logp_gen ",
+              logp_gen.size());
+  FP8RL_CHECK(token_mask.empty() || token_mask.size() == logp_old.size(), "token_mask has ", token_mask.size(),
+              " entries for ", logp_old.size(), " tokens");
+  MismatchMetrics m;
+  double mult = 0, gen_kl = 0, pol_kl = 0;
+  for (size_t t = 0; t < logp_old.size(); ++t) {
+    if (!token_mask.empty() && token_mask[t] == 0) continue;
+    if (!std::isfinite(logp_old[t]) || !std::isfinite(logp_gen[t]))
+      FP8RL_FAIL("log-prob of token ", t, " is not finite (old ", logp_old[t], ", gen ", logp_gen[t],
+                 "): one engine diverged");
+    const double log_r = static_cast<double>(logp_old[t]) - logp_gen[t];  // log(train / gen)
+    mult += std::exp(std::fabs(log_r));
+    gen_kl += std::expm1(log_r) - log_r;    // r - 1 - log r
+    pol_kl += std::expm1(-log_r) + log_r;   // 1/r - 1 + log r
+    m.max_abs_logp_diff = std::max(m.max_abs_logp_diff, std::fabs(log_r));
+    ++m.tokens;
+  }
+  const double n = static_cast<double>(m.tokens);
+  m.token_mult_prob_error = m.tokens ? mult / n : std::nan("");
+  m.gen_kl_error = m.tokens ? gen_kl / n : std::nan("");
+  m.policy_kl_error = m.tokens ? pol_kl / n : std::nan("");
+  return m;
+}
+
+double metrics_masked_mean(std::span<const float> values, std::span<const uint8_t> token_mask) {
+  FP8RL_CHECK(token_mask.empty() || token_mask.size() == values.size(), "token_mask has ", token_mask.size(),
+              " entries for ", values.size(), " values");
+  double sum = 0;
+  int64_t n = 0;
+  for (size_t t = 0; t < values.size(); ++t) {
+    if (!token_mask.empty() && token_mask[t] == 0) continue;
+    FP8RL_CHECK(std::isfinite(values[t]), "value ", t, " is not finite (", values[t], ")");
+    sum += values[t];
+    ++n;
+  }
+  return n ? sum / static_cast<double>(n) : std::nan("");
+}
+
+LengthStats metrics_length_stats(std::span<const int64_t> lengths, int64_t max_new_tokens) {
+  LengthStats s;
+  s.count = static_cast<int64_t>(lengths.size());
+  if (lengths.empty()) {
+    s.mean = s.std = s.capped_fraction = std::nan("");
+    return s;
+  }
+  double sum = 0;
+  int64_t capped = 0;
+  s.min = s.max = lengths[0];
+  for (int64_t l : lengths) {
+    FP8RL_CHECK(l >= 0, "negative response length ", l);
+    sum += static_cast<double>(l);
+    s.min = std::min(s.min, l);
+    s.max = std::max(s.max, l);
+    if (max_new_tokens > 0 && l >= max_new_tokens) ++capped;
+  }
+  s.mean = sum / static_cast<double>(s.count);
+  double ss = 0;
+  for (int64_t l : lengths) ss += (static_cast<double>(l) - s.mean) * (static_cast<double>(l) - s.mean);
+  s.std = std::sqrt(ss / static_cast<double>(s.count));
+  s.capped_fraction = static_cast<double>(capped) / static_cast<double>(s.count);
+  return s;
+}
+
+double metrics_mean(std::span<const float> values) { return metrics_masked_mean(values, {}); }
+
+double metrics_accuracy(std::span<const uint8_t> correct) {
+  if (correct.empty()) return std::nan("");
+  int64_t k = 0;
+  for (uint8_t c : correct) k += c != 0;
+  return static_cast<double>(k) / static_cast<double>(correct.size());
+}
+
+}  // namespace fp8rl

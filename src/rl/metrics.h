@@ -1,0 +1,46 @@
+// Per-step RL metrics computed from host vectors: the generator/trainer mismatch (names as in
+// the reference system, recipe.md section 5), entropy, response lengths, reward, accuracy.
+// Every mean of nothing is NaN, which the metrics log writes as JSON null.
+#pragma once
+#include <cstdint>
+#include <span>
+
+namespace fp8rl {
+
+struct MismatchMetrics {
+  // mean over valid tokens of exp(|logp_old - logp_gen|); 1.0 = engines agree (flag > 1.05)
+  double token_mult_prob_error = 0;
+  // KL(generator || trainer), estimated with k3 on tokens sampled from the generator:
+  //   r = pi_train(x) / pi_gen(x) = exp(logp_old - logp_gen),  k3 = r - 1 - log r  (>= 0)
+  // E_{x ~ gen}[k3] = sum_x gen(x) (train(x)/gen(x) - 1) - E_gen[log r] = KL(gen || train),
+  // unbiased because the tokens were sampled by the generator. Healthy: < 1e-3.
+  double gen_kl_error = 0;
+  // KL(trainer || generator) with the same tokens, k3 with r' = 1/r (the reference system's
+  // policy_kl_error; biased since the tokens come from the generator; logged for diagnosis).
+  double policy_kl_error = 0;
+  double max_abs_logp_diff = 0;  // max over valid tokens of |logp_old - logp_gen|
+  int64_t tokens = 0;
+};
+
+// logp_old: [tokens] trainer log-probs before the update; logp_gen: [tokens] the generator's;
+// token_mask: [tokens] (1 = valid) or empty for all valid. Throws on size mismatch or
+// non-finite values on valid tokens.
+MismatchMetrics metrics_compute_mismatch(std::span<const float> logp_old, std::span<const float> logp_gen,
+                                         std::span<const uint8_t> token_mask = {});
+
+// Mean of `values` over the valid tokens (e.g. per-token entropy); NaN when none.
+double metrics_masked_mean(std::span<const float> values, std::span<const uint8_t> token_mask = {});
+
+struct LengthStats {
+  double mean = 0, std = 0;  // population std
+  int64_t min = 0, max = 0;
+  double capped_fraction = 0;  // responses with length >= max_new_tokens (hit the cap)
+  int64_t count = 0;
+};
+// lengths: [responses] generated tokens per response. max_new_tokens <= 0: no cap check (0).
+LengthStats metrics_length_stats(std::span<const int64_t> lengths, int64_t max_new_tokens);
+
+double metrics_mean(std::span<const float> values);       // NaN when empty; throws on non-finite
+double metrics_accuracy(std::span<const uint8_t> correct);  // fraction of nonzero; NaN when empty
+
+}  // namespace fp8rl

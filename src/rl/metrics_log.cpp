@@ -1,0 +1,147 @@
+#include "rl/metrics_log.h"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+
+namespace fp8rl {
+
+namespace {
+
+nlohmann::ordered_json number(double v) { return std::isfinite(v) ? nlohmann::ordered_json(v) : nullptr; }
+
+double now_s() {
+  using namespace std::chrono;
+  return duration<double>(steady_clock::now().time_since_epoch()).count();
+}
+
+// "%.3g" that prints "-" for NaN.
+std::string fmt(const char* f, double v) {
+  if (!std::isfinite(v)) return "-";
+  char buf[64];
+  std::snprintf(buf, sizeof buf, f, v);
+  return buf;
+}
+
+}  // namespace
+
+std::string metrics_to_json_line(const StepMetrics& m) {
+  nlohmann::ordered_json j;
+  j["step"] = m.step;
+  const std::pair<const char*, double> fixed[] = {
+      {"reward_mean", m.reward_mean},
+      {"accuracy", m.accuracy},
+      {"token_mult_prob_error", m.token_mult_prob_error},
+      {"gen_kl_error", m.gen_kl_error},
+      {"policy_kl_error", m.policy_kl_error},
+      {"is_weight_mean", m.is_weight_mean},
+      {"is_weight_min", m.is_weight_min},
+      {"is_weight_max", m.is_weight_max},
+      {"is_truncated_fraction", m.is_truncated_fraction},
+      {"is_masked_fraction", m.is_masked_fraction},
+      {"loss", m.loss},
+      {"clip_fraction", m.clip_fraction},
+      {"kl_mean", m.kl_mean},
+      {"entropy_mean", m.entropy_mean},
+      {"grad_norm", m.grad_norm},
+      {"lr", m.lr},
+      {"response_length_mean", m.response_length_mean},
+      {"response_length_max", m.response_length_max},
+      {"response_capped_fraction", m.response_capped_fraction},
+      {"time_generation_s", m.time_generation_s},
+      {"time_logprob_s", m.time_logprob_s},
+      {"time_train_s", m.time_train_s},
+      {"time_refit_s", m.time_refit_s},
+      {"time_calibration_s", m.time_calibration_s},
+      {"time_step_s", m.time_step_s},
+      {"generation_tokens_per_s", m.generation_tokens_per_s},
+  };
+  for (const auto& [k, v] : fixed) j[k] = number(v);
+  if (m.val_accuracy) j["val_accuracy"] = number(*m.val_accuracy);
+  for (const auto& [k, v] : m.extra) {
+    FP8RL_CHECK(!k.empty() && !j.contains(k), "metric '", k, "' is empty or logged twice in step ", m.step);
+    j[k] = number(v);
+  }
+  return j.dump();
+}
+
+std::string metrics_console_line(const StepMetrics& m, int64_t total_steps) {
+  std::string s = "step " + std::to_string(m.step) + "/" + std::to_string(total_steps);
+  s += " | reward " + fmt("%.3f", m.reward_mean) + " acc " + fmt("%.3f", m.accuracy);
+  s += " | len " + fmt("%.1f", m.response_length_mean);
+  s += " | mult_err " + fmt("%.4f", m.token_mult_prob_error) + " gen_kl " + fmt("%.2e", m.gen_kl_error);
+  s += " | loss " + fmt("%.4f", m.loss) + " clip " + fmt("%.3f", m.clip_fraction) + " gnorm " + fmt("%.3g", m.grad_norm);
+  s += " | gen " + fmt("%.2fs", m.time_generation_s) + " train " + fmt("%.2fs", m.time_train_s) + " refit " +
+       fmt("%.3fs", m.time_refit_s);
+  if (m.val_accuracy) s += " | val_acc " + fmt("%.3f", *m.val_accuracy);
+  return s;
+}
+
+MetricsLog::MetricsLog(const std::string& dir, std::FILE* console_out)
+    : path_(dir + "/metrics.jsonl"), console_(console_out) {
+  file_ = std::fopen(path_.c_str(), "a");
+  if (!file_) FP8RL_FAIL("cannot open '", path_, "' for appending: ", std::strerror(errno),
+                         " (create the run directory first)");
+}
+
+MetricsLog::~MetricsLog() {
+  if (file_) std::fclose(file_);
+}
+
+void MetricsLog::write(const StepMetrics& m, int64_t total_steps) {
+  const std::string line = metrics_to_json_line(m) + "\n";
+  if (std::fwrite(line.data(), 1, line.size(), file_) != line.size() || std::fflush(file_) != 0)
+    FP8RL_FAIL("cannot write '", path_, "': ", std::strerror(errno), " (disk full?)");
+  if (console_) {
+    std::fprintf(console_, "%s\n", metrics_console_line(m, total_steps).c_str());
+    std::fflush(console_);
+  }
+}
+
+// ---- progress ------------------------------------------------------------------------------
+Progress::Progress(std::string label, int64_t total, std::FILE* out, int tty, double line_interval_s)
+    : label_(std::move(label)), total_(total), out_(out), interval_s_(line_interval_s), start_s_(now_s()) {
+  tty_ = tty < 0 ? (out_ && ::isatty(::fileno(out_)) == 1) : tty == 1;
+}
+
+Progress::~Progress() { finish(); }
+
+void Progress::update(int64_t done) {
+  if (!out_ || finished_) return;
+  done_ = done;
+  const double t = now_s();
+  const double min_gap = tty_ ? 0.1 : interval_s_;
+  if (t - last_s_ < min_gap) return;
+  last_s_ = t;
+  draw(false);
+}
+
+void Progress::finish() {
+  if (!out_ || finished_) return;
+  finished_ = true;
+  draw(true);
+}
+
+void Progress::draw(bool final_line) {
+  const double elapsed = now_s() - start_s_;
+  char tail[96];
+  std::snprintf(tail, sizeof tail, "%lld/%lld %.1fs", static_cast<long long>(done_), static_cast<long long>(total_),
+                elapsed);
+  if (tty_) {
+    constexpr int kWidth = 30;
+    const double frac = total_ > 0 ? std::min(1.0, std::max(0.0, double(done_) / double(total_))) : 0.0;
+    const int filled = static_cast<int>(frac * kWidth);
+    std::string bar(static_cast<size_t>(filled), '#');
+    bar.append(static_cast<size_t>(kWidth - filled), '-');
+    std::fprintf(out_, "\r%s [%s] %s\033[K%s", label_.c_str(), bar.c_str(), tail, final_line ? "\n" : "");
+  } else {
+    std::fprintf(out_, "%s: %s%s\n", label_.c_str(), tail, final_line ? " done" : "");
+  }
+  std::fflush(out_);
+}
+
+}  // namespace fp8rl

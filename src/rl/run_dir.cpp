@@ -1,0 +1,33 @@
+#include "rl/run_dir.h"
+
+#include <cstdio>
+#include <filesystem>
+
+#include "core/error.h"
+#include "core/fs.h"
+
+namespace fp8rl {
+
+std::string RunDir::checkpoint_path(int64_t step) const {
+  FP8RL_CHECK(step >= 0, "checkpoint step must be >= 0, got ", step);
+  char name[32];
+  std::snprintf(name, sizeof name, "step_%06lld", static_cast<long long>(step));
+  return checkpoints_dir() + "/" + name;
+}
+
+RunDir run_dir_create(const std::string& path, bool resume) {
+  FP8RL_CHECK(!path.empty(), "run directory path is empty (set out=DIR)");
+  RunDir d{path};
+  if (!resume && std::filesystem::exists(d.metrics_path()))
+    FP8RL_FAIL("run directory '", path, "' already holds a run (", d.metrics_path(),
+               "); choose another out=DIR or remove it");
+  make_dirs(path);
+  make_dirs(d.checkpoints_dir());
+  return d;
+}
+
+void run_dir_save_config(const RunDir& dir, const RunConfig& config) {
+  write_file_atomic(dir.config_path(), config_to_yaml(config));
+}
+
+}  // namespace fp8rl
