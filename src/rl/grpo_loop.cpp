@@ -1,0 +1,300 @@
+// One GRPO step (docs/design.md "One RL step"):
+//   prompts -> rollout (generator numerics, logp_gen) -> rewards -> advantages
+//   -> trainer scoring (logp_old, entropy, q/k/v amax) -> mismatch metrics
+//   -> optimizer steps on mini-batches (GRPO loss + IS correction [+ k3 KL])
+//   -> KV-scale calibration + refit -> metrics, validation, checkpoint.
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <functional>
+
+#include "core/error.h"
+#include "rl/checkpoint.h"
+#include "rl/loop.h"
+#include "rl/metrics.h"
+#include "rl/metrics_log.h"
+#include "rl/run_dir.h"
+#include "rl/session.h"
+#include "rollout/rollout.h"
+#include "train/trainer.h"
+
+namespace fp8rl {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+uint64_t mix(uint64_t a, uint64_t b) {
+  uint64_t x = a * 0x9e3779b97f4a7c15ull ^ (b + 0x632be59bd9b4e019ull);
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+TrainerOptions trainer_options(const RunConfig& c) {
+  TrainerOptions o;
+  o.grad_clip = static_cast<float>(c.train.grad_clip);
+  o.weight_decay = static_cast<float>(c.train.weight_decay);
+  o.beta1 = static_cast<float>(c.train.adam_beta1);
+  o.beta2 = static_cast<float>(c.train.adam_beta2);
+  o.eps = static_cast<float>(c.train.adam_eps);
+  o.micro_batch_tokens = c.train.micro_batch_tokens;
+  return o;
+}
+
+// KV pool pages for `seqs` concurrent sequences of up to `len` tokens.
+int kv_pages_for(int seqs, int len, int page_size) { return seqs * ((len + page_size - 1) / page_size) + 1; }
+
+// The starting policy of the demo: SFT of the tiny model, cached by config.
+std::string ensure_demo_policy(const RunConfig& c) {
+  RunConfig s = c;
+  s.model.path.clear();
+  const std::string key = std::to_string(std::hash<std::string>{}(config_to_yaml([&] {
+    RunConfig k = s;  // only what shapes the starting policy
+    k.out.clear();
+    k.steps = 0;
+    k.rollout = RolloutSection{};
+    k.train.is = ImportanceSamplingSection{};
+    k.precision = PrecisionSection{};
+    k.val_every = 0;
+    return k;
+  }())));
+  const std::string dir = cache_dir() + "/demo_policy_" + key;
+  if (std::filesystem::exists(dir + "/model.safetensors")) {
+    std::printf("starting policy: %s (cached SFT of the tiny model)\n", dir.c_str());
+    return dir;
+  }
+  std::printf("starting policy: not cached; training it with SFT (%d steps) into %s\n", s.sft.steps, dir.c_str());
+  s.out = dir + ".run";
+  s.precision.recipe = "bf16";
+  const std::string ckpt = sft_run(s);
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(std::filesystem::path(dir).parent_path());
+  std::filesystem::copy(ckpt, dir, std::filesystem::copy_options::recursive);
+  return dir;
+}
+
+}  // namespace
+
+int grpo_run(const RunConfig& config_in, bool resume) {
+  RunConfig c = config_in;
+  if (c.model.path.empty()) {
+    c.model.path = ensure_demo_policy(c);
+    if (c.tokenizer.path.empty()) c.tokenizer.path = c.model.path + "/tokenizer.json";
+  }
+  Session s = session_open(c, cache_dir());
+  Backend& be = *s.backend;
+  RunDir run = run_dir_create(c.out, resume);
+  run_dir_save_config(run, c);
+  const PrecisionRecipe recipe = config_precision_recipe(c.precision);
+  const GrpoLossOptions loss_opt = config_grpo_options(c.train);
+  const int P = c.rollout.prompts_per_step, G = c.rollout.generations_per_prompt;
+  const int mini_batches = std::max(1, c.train.optimizer_steps_per_rollout);
+  const LrSchedule lr_sched = config_lr_schedule(c.train, static_cast<int64_t>(c.steps) * mini_batches);
+  const bool fp8_kv = recipe.generator.kv_cache == DType::E4M3;
+  const float temperature = static_cast<float>(c.rollout.temperature);
+
+  // Policy: the latest checkpoint when resuming, else the starting policy.
+  std::optional<std::string> ckpt = resume ? checkpoint_latest(run.checkpoints_dir()) : std::nullopt;
+  TrainerState state;
+  state.seed = static_cast<uint64_t>(c.seed);
+  ModelWeights host = ckpt ? model_weights_load(*ckpt, DType::F32) : session_initial_policy(s);
+  std::printf("policy: %s, %lld parameters; recipe %s (generator %s%s, trainer %s); device %s\n",
+              host.config.model_type.c_str(), static_cast<long long>(model_count_parameters(host)), recipe.name.c_str(),
+              linear_mode_name(recipe.generator.linear), fp8_kv ? " + FP8 KV" : "",
+              linear_mode_name(recipe.trainer.linear), be.name().c_str());
+  Trainer trainer(be, model_weights_to_device(be, host, DType::F32), recipe.trainer, trainer_options(c));
+  std::unique_ptr<Trainer> reference;  // frozen initial policy for the k3 KL term
+  if (c.train.kl_beta > 0) {
+    ModelWeights ref = session_initial_policy(s);
+    reference = std::make_unique<Trainer>(be, model_weights_to_device(be, ref, DType::F32), recipe.trainer,
+                                          trainer_options(c));
+  }
+  const int max_len = 2048;
+  RolloutEngine engine(be, trainer.master(), recipe.generator,
+                       kv_pages_for(std::max(P * G, c.val_size), std::min(max_len, 256 + c.rollout.max_new_tokens), 16));
+  if (ckpt) {
+    state = checkpoint_read_state(*ckpt);
+    checkpoint_load_optimizer(be, trainer, *ckpt, state);
+    if (fp8_kv && !state.kv_scales.k.empty()) engine.refit(trainer.master(), &state.kv_scales);
+    std::printf("resumed from %s at step %lld\n", ckpt->c_str(), static_cast<long long>(state.step));
+  }
+
+  MetricsLog log(run.path);
+  if (!ckpt && c.val_every > 0) {
+    ValResult v = validate(s, engine, c.val_size, c.rollout.max_new_tokens);
+    StepMetrics m;
+    m.step = 0;
+    m.val_accuracy = v.accuracy;
+    m.extra.push_back({"val_reward_mean", v.reward_mean});
+    m.extra.push_back({"time_validation_s", v.seconds});
+    log.write(m, c.steps);
+    std::printf("  e.g. %s\n", v.example.c_str());
+  }
+
+  int bad_in_a_row = 0;
+  for (int64_t step = state.step + 1; step <= c.steps; ++step) {
+    StepMetrics m;
+    m.step = step;
+    const auto t_step = Clock::now();
+
+    // 1. Prompts and rollout.
+    std::vector<TaskItem> items;
+    std::vector<RolloutRequest> reqs;
+    for (int p = 0; p < P; ++p) {
+      items.push_back(s.train_item((step - 1) * P + p));
+      reqs.push_back({s.prompt_ids(items.back()), G});
+    }
+    SamplingParams sp;
+    sp.temperature = temperature;
+    sp.top_p = static_cast<float>(c.rollout.top_p);
+    sp.top_k = c.rollout.top_k;
+    sp.max_new_tokens = c.rollout.max_new_tokens;
+    sp.stop_ids = {s.eos_id};
+    sp.seed = mix(static_cast<uint64_t>(c.seed), static_cast<uint64_t>(step));
+    auto t0 = Clock::now();
+    std::vector<RolloutSample> samples = engine.generate(reqs, sp);
+    m.time_generation_s = seconds_since(t0);
+    m.generation_tokens_per_s = engine.last_stats().generated_tokens / std::max(1e-9, m.time_generation_s);
+
+    // 2. Rewards and advantages.
+    std::vector<float> rewards;
+    std::vector<uint8_t> correct;
+    std::vector<int64_t> lengths;
+    std::vector<TrainSequence> seqs;
+    std::vector<float> logp_gen;
+    std::vector<int64_t> offsets{0};
+    for (const RolloutSample& r : samples) {
+      const double rw = s.task->reward(s.response_text(r.tokens), items[r.request].answer);
+      rewards.push_back(static_cast<float>(rw));
+      correct.push_back(rw >= 0.5);
+      lengths.push_back(static_cast<int64_t>(r.tokens.size()));
+      TrainSequence ts;
+      ts.ids = reqs[r.request].prompt;
+      ts.prompt_len = static_cast<int>(ts.ids.size());
+      ts.ids.insert(ts.ids.end(), r.tokens.begin(), r.tokens.end());
+      seqs.push_back(std::move(ts));
+      logp_gen.insert(logp_gen.end(), r.logp.begin(), r.logp.end());
+      offsets.push_back(offsets.back() + static_cast<int64_t>(r.tokens.size()));
+    }
+    const std::vector<float> adv = grpo_compute_advantages(rewards, G, c.train.baseline);
+    m.reward_mean = metrics_mean(rewards);
+    m.accuracy = metrics_accuracy(correct);
+    LengthStats ls = metrics_length_stats(lengths, c.rollout.max_new_tokens);
+    m.response_length_mean = ls.mean;
+    m.response_length_max = static_cast<double>(ls.max);
+    m.response_capped_fraction = ls.capped_fraction;
+
+    // 3. Trainer scoring: logp_old (+ q/k/v amax for the KV scales).
+    t0 = Clock::now();
+    ScoreResult old = trainer.score(seqs, temperature, /*entropy=*/true, /*record_amax=*/fp8_kv);
+    std::vector<float> logp_ref;
+    if (reference) logp_ref = reference->score(seqs, temperature, false, false).logp;
+    m.time_logprob_s = seconds_since(t0);
+    MismatchMetrics mm = metrics_compute_mismatch(old.logp, logp_gen);
+    m.token_mult_prob_error = mm.token_mult_prob_error;
+    m.gen_kl_error = mm.gen_kl_error;
+    m.policy_kl_error = mm.policy_kl_error;
+    m.entropy_mean = metrics_masked_mean(old.entropy);
+
+    // 4. Optimizer steps over mini-batches of whole sequences.
+    t0 = Clock::now();
+    GrpoStats stats;
+    double loss = 0, gnorm = 0;
+    int applied = 0;
+    const size_t n = seqs.size();
+    for (int mb = 0; mb < mini_batches; ++mb) {
+      const size_t a = n * mb / mini_batches, b = n * (mb + 1) / mini_batches;
+      if (a == b) continue;
+      std::vector<TrainSequence> part(seqs.begin() + a, seqs.begin() + b);
+      std::vector<int64_t> offs;
+      for (size_t i = a; i <= b; ++i) offs.push_back(offsets[i] - offsets[a]);
+      const int64_t t_begin = offsets[a];
+      // Normalizer of this optimizer step: its whole mini-batch.
+      GrpoBatch whole;
+      whole.seq_offsets = offs;
+      const double norm = grpo_loss_normalizer(whole, loss_opt.aggregation);
+      const double lr = lr_schedule_at(lr_sched, trainer.optimizer_step());
+      m.lr = lr;
+      StepResult sr = trainer.step(part, temperature, [&](size_t f, size_t e, const std::vector<float>& lp_new,
+                                                          std::vector<float>& grad) {
+        std::vector<int64_t> so;
+        for (size_t i = f; i <= e; ++i) so.push_back(offs[i] - offs[f]);
+        const int64_t tb = t_begin + offs[f], te = t_begin + offs[e];
+        std::vector<float> adv_mb(adv.begin() + a + f, adv.begin() + a + e);
+        GrpoBatch gb;
+        gb.seq_offsets = so;
+        gb.advantages = adv_mb;
+        gb.logp_new = lp_new;
+        gb.logp_old = std::span<const float>(old.logp).subspan(tb, te - tb);
+        gb.logp_gen = std::span<const float>(logp_gen).subspan(tb, te - tb);
+        if (reference) gb.logp_ref = std::span<const float>(logp_ref).subspan(tb, te - tb);
+        GrpoLossResult lr_ = grpo_loss(gb, loss_opt, norm);
+        grad = lr_.grad_logp_new;
+        stats.merge(lr_.stats);
+        return lr_.loss;
+      }, static_cast<float>(lr));
+      loss += sr.loss;
+      gnorm = std::max(gnorm, sr.grad_norm);
+      if (sr.applied) {
+        ++applied;
+        bad_in_a_row = 0;
+      } else {
+        ++bad_in_a_row;
+        std::fprintf(stderr, "step %lld: optimizer step skipped (%s), %d in a row\n", static_cast<long long>(step),
+                     sr.skip_reason.c_str(), bad_in_a_row);
+        FP8RL_CHECK(bad_in_a_row < c.max_consecutive_bad_steps, bad_in_a_row,
+                    " consecutive optimizer steps had a non-finite loss or gradient; stopping. The last good "
+                    "checkpoint is kept. Lower train.lr or check the data (max_consecutive_bad_steps=",
+                    c.max_consecutive_bad_steps, ")");
+      }
+    }
+    m.time_train_s = seconds_since(t0);
+    m.loss = loss;
+    m.grad_norm = gnorm;
+    m.clip_fraction = stats.clip_fraction();
+    m.is_weight_mean = stats.is_weight_mean();
+    m.is_weight_min = stats.is_tokens ? stats.is_weight_min : StepMetrics::kNone;
+    m.is_weight_max = stats.is_tokens ? stats.is_weight_max : StepMetrics::kNone;
+    m.is_truncated_fraction = stats.truncated_fraction();
+    m.is_masked_fraction = stats.masked_fraction();
+    m.kl_mean = stats.kl_mean();
+    m.extra.push_back({"skipped_optimizer_steps", static_cast<double>(mini_batches - applied)});
+
+    // 5. KV-scale calibration and refit.
+    t0 = Clock::now();
+    KvScales scales;
+    if (fp8_kv) {
+      scales = kv_scales_calibrate(old.k_amax, old.v_amax, static_cast<float>(c.precision.kv_calib_percentile),
+                                   static_cast<float>(c.precision.kv_calib_margin));
+      m.extra.push_back({"kv_scale_k_mean", metrics_mean(scales.k)});
+      m.extra.push_back({"kv_scale_v_mean", metrics_mean(scales.v)});
+    }
+    m.time_calibration_s = seconds_since(t0);
+    t0 = Clock::now();
+    engine.refit(trainer.master(), fp8_kv ? &scales : nullptr);
+    be.synchronize();
+    m.time_refit_s = seconds_since(t0);
+    state.step = step;
+    state.optimizer_step = trainer.optimizer_step();
+    state.kv_scales = scales;
+
+    // 6. Validation, metrics, checkpoint.
+    if (c.val_every > 0 && (step % c.val_every == 0 || step == c.steps)) {
+      ValResult v = validate(s, engine, c.val_size, c.rollout.max_new_tokens);
+      m.val_accuracy = v.accuracy;
+      m.extra.push_back({"val_reward_mean", v.reward_mean});
+      m.extra.push_back({"time_validation_s", v.seconds});
+    }
+    m.time_step_s = seconds_since(t_step);
+    log.write(m, c.steps);
+    if ((c.checkpoint_every > 0 && step % c.checkpoint_every == 0) || step == c.steps)
+      checkpoint_save(be, trainer, state, run.checkpoints_dir(), s.tokenizer_json);
+  }
+  std::printf("done: %s (metrics: %s)\n", run.path.c_str(), run.metrics_path().c_str());
+  return 0;
+}
+
+}  // namespace fp8rl

@@ -1,0 +1,139 @@
+#include "rl/session.h"
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+
+#include "core/error.h"
+#include "core/fs.h"
+#include "rollout/rollout.h"
+#include "tokenizer/chat_template.h"
+#include "tokenizer/train_small.h"
+
+namespace fp8rl {
+
+namespace fs = std::filesystem;
+
+std::string cache_dir() {
+  if (const char* d = std::getenv("FP8RL_CACHE_DIR"); d && *d) return d;
+  if (const char* d = std::getenv("XDG_CACHE_HOME"); d && *d) return std::string(d) + "/fp8rl";
+  if (const char* d = std::getenv("HOME"); d && *d) return std::string(d) + "/.cache/fp8rl";
+  return ".cache/fp8rl";
+}
+
+namespace {
+
+// The small tokenizer of the tiny model: trained on the task's own text (prompts and worked
+// solutions of the training split), cached by task so that runs agree on ids.
+std::string small_tokenizer_path(const Session& s, const std::string& cache) {
+  const TaskSection& t = s.config.task;
+  const std::string dir = cache + "/tokenizers";
+  const std::string path = dir + "/" + t.name + "_v" + std::to_string(s.config.model.tiny.vocab_size) + ".json";
+  if (fs::exists(path)) return path;
+  std::vector<std::string> corpus;
+  for (int64_t i = 0; i < 2000; ++i) {
+    TaskItem it = s.train_item(i);
+    corpus.push_back(it.prompt);
+    corpus.push_back(it.solution);
+  }
+  const int vocab = s.config.model.tiny.vocab_size > 0 ? s.config.model.tiny.vocab_size : 384;
+  make_dirs(dir);
+  write_file_atomic(path, tokenizer_train_small(corpus, vocab));
+  return path;
+}
+
+}  // namespace
+
+Session session_open(const RunConfig& c, const std::string& cache) {
+  Session s;
+  s.config = c;
+  s.backend = make_backend(c.device);
+  s.task = task_create(c.task, c.task.seed ? c.task.seed : c.seed);
+  if (!c.tokenizer.path.empty()) {
+    s.tokenizer_json = fs::is_directory(c.tokenizer.path) ? c.tokenizer.path + "/tokenizer.json" : c.tokenizer.path;
+  } else if (!c.model.path.empty()) {
+    s.tokenizer_json = c.model.path + "/tokenizer.json";
+    FP8RL_CHECK(fs::exists(s.tokenizer_json), "model.path ", c.model.path, " has no tokenizer.json; set tokenizer.path");
+  } else {
+    s.tokenizer_json = small_tokenizer_path(s, cache);
+  }
+  s.tokenizer = Tokenizer::load(s.tokenizer_json);
+  s.eos_id = s.tokenizer.eos_id();
+  FP8RL_CHECK(s.eos_id >= 0, s.tokenizer_json, " defines no end-of-sequence token; fp8rl needs one to stop generation");
+  return s;
+}
+
+std::vector<int32_t> Session::prompt_ids(const TaskItem& item) const {
+  if (config.tokenizer.chat_template) {
+    ChatTemplate tpl = ChatTemplate::for_tokenizer(tokenizer);
+    return tokenizer.encode(tpl.render_prompt(item.prompt));
+  }
+  return tokenizer.encode(item.prompt, /*allow_special=*/false);
+}
+
+std::vector<int32_t> Session::solution_ids(const TaskItem& item) const {
+  std::vector<int32_t> ids = tokenizer.encode(item.solution, /*allow_special=*/false);
+  ids.push_back(eos_id);
+  return ids;
+}
+
+std::string Session::response_text(const std::vector<int32_t>& tokens) const {
+  std::vector<int32_t> t;
+  for (int32_t id : tokens) {
+    if (id == eos_id) break;
+    t.push_back(id);
+  }
+  return tokenizer.decode(t, /*skip_special=*/true);
+}
+
+ModelWeights session_initial_policy(const Session& s) {
+  const RunConfig& c = s.config;
+  if (!c.model.path.empty()) return model_weights_load(c.model.path, DType::F32);
+  const TinyModelConfig& t = c.model.tiny;
+  ModelConfig mc = model_config_tiny("qwen3", s.tokenizer.vocab_size(), t.hidden_size, t.num_layers, t.num_heads,
+                                     t.num_kv_heads, t.intermediate_size);
+  mc.head_dim = t.head_dim;
+  mc.qk_norm = t.qk_norm;
+  mc.max_position_embeddings = t.max_position_embeddings;
+  mc.rope_theta = static_cast<float>(t.rope_theta);
+  mc.eos_token_id = s.eos_id;
+  mc.eos_token_ids = {s.eos_id};
+  mc.validate();
+  RandomInit init;
+  init.seed = static_cast<uint64_t>(c.seed);
+  init.std = static_cast<float>(t.init_std);
+  return model_weights_random(mc, init, DType::F32);
+}
+
+ValResult validate(const Session& s, RolloutEngine& engine, int n, int max_new_tokens) {
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<RolloutRequest> reqs;
+  std::vector<TaskItem> items;
+  n = std::min<int>(n, static_cast<int>(s.task->size(Split::kValidation)));
+  for (int i = 0; i < n; ++i) {
+    items.push_back(s.task->item(Split::kValidation, i));
+    reqs.push_back({s.prompt_ids(items.back()), 1});
+  }
+  SamplingParams sp;
+  sp.temperature = 0.0f;  // greedy
+  sp.max_new_tokens = max_new_tokens;
+  sp.stop_ids = {s.eos_id};
+  std::vector<RolloutSample> out = engine.generate(reqs, sp);
+  ValResult r;
+  n = static_cast<int>(out.size());
+  int correct = 0;
+  double reward = 0;
+  for (size_t i = 0; i < out.size(); ++i) {
+    const std::string text = s.response_text(out[i].tokens);
+    const double rw = s.task->reward(text, items[i].answer);
+    reward += rw;
+    correct += rw >= 0.5;
+    if (i == 0) r.example = items[i].prompt + text;
+  }
+  r.accuracy = n ? static_cast<double>(correct) / n : 0.0;
+  r.reward_mean = n ? reward / n : 0.0;
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return r;
+}
+
+}  // namespace fp8rl

@@ -1,0 +1,119 @@
+// The generator's copy of the policy and the refit that rewrites it in place.
+#include <algorithm>
+#include <cmath>
+
+#include "core/error.h"
+#include "rollout/rollout.h"
+
+namespace fp8rl {
+
+namespace {
+
+// dst <- src (same shape), converting the dtype when they differ.
+void assign(Backend& be, const Tensor& src, Tensor& dst) {
+  FP8RL_CHECK(src.numel() == dst.numel(), "refit: ", src.str(), " does not match ", dst.str());
+  if (src.dtype() == dst.dtype()) be.copy(src, dst);
+  else be.convert(src, dst);
+}
+
+Tensor alloc_like(Backend& be, const Tensor& t, DType dtype) {
+  return t.defined() ? be.alloc(t.shape(), dtype) : Tensor();
+}
+
+// Visits the 7 linears of block l of two weight sets side by side.
+template <class Fn>
+void for_each_linear_pair(const LayerWeights& m, LayerWeights& g, Fn fn) {
+  fn(m.q, g.q);
+  fn(m.k, g.k);
+  fn(m.v, g.v);
+  fn(m.o, g.o);
+  fn(m.gate, g.gate);
+  fn(m.up, g.up);
+  fn(m.down, g.down);
+}
+
+}  // namespace
+
+ModelWeights generator_weights_alloc(Backend& be, const ModelWeights& master, const EnginePrecision& prec) {
+  const DType act = be.act_dtype();
+  const int L = master.config.num_layers;
+  ModelWeights g;
+  g.config = master.config;
+  g.embed = alloc_like(be, master.embed, act);
+  g.final_norm = alloc_like(be, master.final_norm, act);
+  g.lm_head = master.config.tie_word_embeddings ? g.embed : alloc_like(be, master.lm_head, act);
+  g.layers.resize(L);
+  for (int l = 0; l < L; ++l) {
+    const LayerWeights& m = master.layers[l];
+    LayerWeights& gl = g.layers[l];
+    gl.attn_norm = alloc_like(be, m.attn_norm, act);
+    gl.mlp_norm = alloc_like(be, m.mlp_norm, act);
+    gl.q_norm = alloc_like(be, m.q_norm, act);
+    gl.k_norm = alloc_like(be, m.k_norm, act);
+    const LinearMode mode = prec.linear_for_layer(l, L);
+    for_each_linear_pair(m, gl, [&](const LinearWeight& mw, LinearWeight& gw) {
+      FP8RL_CHECK(mw.w.defined(), "the generator is built from high-precision master weights");
+      if (mode == LinearMode::FP8_BLOCK) {
+        gw.wq = be.alloc_quant(mw.w.dim(0), mw.w.dim(1), kQuantBlock, kQuantBlock, prec.pow2_scales);
+      } else {
+        gw.w = alloc_like(be, mw.w, act);
+      }
+      gw.bias = alloc_like(be, mw.bias, act);
+    });
+  }
+  generator_weights_refit(be, master, prec, g);
+  return g;
+}
+
+void generator_weights_refit(Backend& be, const ModelWeights& master, const EnginePrecision& prec,
+                             ModelWeights& g) {
+  const int L = master.config.num_layers;
+  FP8RL_CHECK(static_cast<int>(g.layers.size()) == L, "refit: generator has ", g.layers.size(),
+              " layers, master ", L);
+  assign(be, master.embed, g.embed);
+  assign(be, master.final_norm, g.final_norm);
+  if (!master.config.tie_word_embeddings) assign(be, master.lm_head, g.lm_head);
+  for (int l = 0; l < L; ++l) {
+    const LayerWeights& m = master.layers[l];
+    LayerWeights& gl = g.layers[l];
+    assign(be, m.attn_norm, gl.attn_norm);
+    assign(be, m.mlp_norm, gl.mlp_norm);
+    if (m.q_norm.defined()) assign(be, m.q_norm, gl.q_norm);
+    if (m.k_norm.defined()) assign(be, m.k_norm, gl.k_norm);
+    for_each_linear_pair(m, gl, [&](const LinearWeight& mw, LinearWeight& gw) {
+      if (gw.wq.defined()) be.quantize(mw.w, /*transpose=*/false, gw.wq);  // in place, same quantizer
+      else assign(be, mw.w, gw.w);
+      if (mw.bias.defined()) assign(be, mw.bias, gw.bias);
+    });
+  }
+}
+
+KvScales kv_scales_calibrate(const std::vector<std::vector<float>>& k_amax,
+                             const std::vector<std::vector<float>>& v_amax, float percentile, float margin) {
+  FP8RL_CHECK(!k_amax.empty() && k_amax.size() == v_amax.size(),
+              "KV calibration needs amax samples from at least one micro-batch");
+  FP8RL_CHECK(percentile > 0.0f && percentile <= 1.0f && margin > 0.0f, "KV calibration: percentile must be in (0, 1] "
+              "and margin > 0, got ", percentile, " and ", margin);
+  const size_t L = k_amax[0].size();
+  auto pick = [&](const std::vector<std::vector<float>>& a, size_t l) {
+    std::vector<float> s;
+    for (auto& mb : a) {
+      FP8RL_CHECK(mb.size() == L, "KV calibration: inconsistent layer counts");
+      FP8RL_CHECK(std::isfinite(mb[l]), "KV calibration: non-finite amax in layer ", l);
+      s.push_back(mb[l]);
+    }
+    std::sort(s.begin(), s.end());
+    // Nearest-rank percentile: the smallest sample with at least p of the samples at or below it.
+    const size_t rank = static_cast<size_t>(std::ceil(percentile * s.size()));
+    const float amax = s[std::min(s.size(), std::max<size_t>(rank, 1)) - 1];
+    return amax > 0.0f ? amax * margin / kE4M3Max : 1.0f;
+  };
+  KvScales r;
+  for (size_t l = 0; l < L; ++l) {
+    r.k.push_back(pick(k_amax, l));
+    r.v.push_back(pick(v_amax, l));
+  }
+  return r;
+}
+
+}  // namespace fp8rl

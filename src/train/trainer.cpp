@@ -1,0 +1,167 @@
+#include "train/trainer.h"
+
+#include <cmath>
+
+#include "core/error.h"
+
+namespace fp8rl {
+
+namespace {
+
+struct Packed {
+  ForwardBatch batch;
+  std::vector<int64_t> logp_index;  // [response tokens]: index into the forward's [T] logp
+};
+
+// Response token j of a sequence starting at s with prompt p is predicted at position s + p - 1 + j.
+Packed pack(const std::vector<TrainSequence>& seqs, size_t first, size_t end) {
+  Packed p;
+  std::vector<std::vector<int32_t>> ids;
+  int64_t start = 0;
+  for (size_t i = first; i < end; ++i) {
+    const TrainSequence& s = seqs[i];
+    FP8RL_CHECK(s.prompt_len >= 1 && s.response_len() >= 0, "train sequence ", i, " needs a prompt of at least "
+                "one token (got prompt_len ", s.prompt_len, " of ", s.ids.size(), " ids)");
+    for (int64_t j = 0; j < s.response_len(); ++j) p.logp_index.push_back(start + s.prompt_len - 1 + j);
+    start += static_cast<int64_t>(s.ids.size());
+    ids.push_back(s.ids);
+  }
+  p.batch = forward_batch_from_sequences(ids);
+  return p;
+}
+
+std::vector<float> gather(Backend& be, const Tensor& dev, const std::vector<int64_t>& index) {
+  Tensor h = be.to_host(dev);
+  std::vector<float> all = to_float_vector(h), out(index.size());
+  for (size_t i = 0; i < index.size(); ++i) out[i] = all[index[i]];
+  return out;
+}
+
+std::vector<Tensor*> params_of(ModelWeights& w) {
+  std::vector<Tensor*> out;
+  model_for_each_parameter(w, [&](const std::string&, Tensor& t) { out.push_back(&t); });
+  return out;
+}
+
+}  // namespace
+
+Trainer::Trainer(Backend& be, ModelWeights master, const EnginePrecision& prec, const TrainerOptions& opt)
+    : be_(be), master_(std::move(master)), prec_(prec), opt_(opt) {
+  FP8RL_CHECK(master_.embed.dtype() == DType::F32, "the trainer keeps FP32 master weights, got ", master_.embed.str());
+  FP8RL_CHECK(opt_.micro_batch_tokens > 0, "micro_batch_tokens must be positive");
+  grads_ = model_grads_alloc(be_, master_, DType::F32);
+  m_ = model_grads_alloc(be_, master_, DType::F32);
+  v_ = model_grads_alloc(be_, master_, DType::F32);
+}
+
+std::vector<std::pair<size_t, size_t>> Trainer::micro_batches(const std::vector<TrainSequence>& seqs) const {
+  std::vector<std::pair<size_t, size_t>> out;
+  size_t first = 0;
+  int64_t tokens = 0;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    const int64_t n = static_cast<int64_t>(seqs[i].ids.size());
+    if (i > first && tokens + n > opt_.micro_batch_tokens) {
+      out.push_back({first, i});
+      first = i;
+      tokens = 0;
+    }
+    tokens += n;
+  }
+  if (first < seqs.size()) out.push_back({first, seqs.size()});
+  return out;
+}
+
+ScoreResult Trainer::score(const std::vector<TrainSequence>& seqs, float temperature, bool entropy, bool record_amax) {
+  ScoreResult r;
+  for (auto [first, end] : micro_batches(seqs)) {
+    Packed p = pack(seqs, first, end);
+    ForwardOptions fo;
+    fo.temperature = temperature;
+    fo.entropy = entropy;
+    fo.record_qkv_amax = record_amax;
+    LogprobResult lr = model_forward_logprobs(be_, master_, prec_, p.batch, fo);
+    std::vector<float> lp = gather(be_, lr.logp, p.logp_index);
+    r.logp.insert(r.logp.end(), lp.begin(), lp.end());
+    if (entropy) {
+      std::vector<float> en = gather(be_, lr.entropy, p.logp_index);
+      r.entropy.insert(r.entropy.end(), en.begin(), en.end());
+    }
+    if (record_amax) {
+      r.q_amax.push_back(lr.q_amax);
+      r.k_amax.push_back(lr.k_amax);
+      r.v_amax.push_back(lr.v_amax);
+    }
+  }
+  return r;
+}
+
+StepResult Trainer::step(const std::vector<TrainSequence>& seqs, float temperature, const TokenLossFn& loss_fn,
+                         float lr) {
+  StepResult r;
+  model_grads_zero(be_, grads_);
+  for (auto [first, end] : micro_batches(seqs)) {
+    Packed p = pack(seqs, first, end);
+    Activations acts;
+    ForwardOptions fo;
+    fo.temperature = temperature;
+    LogprobResult out = model_forward_logprobs(be_, master_, prec_, p.batch, fo, &acts);
+    std::vector<float> logp_new = gather(be_, out.logp, p.logp_index);
+    std::vector<float> grad(logp_new.size(), 0.0f);
+    r.loss += loss_fn(first, end, logp_new, grad);
+    // Scatter dloss/dlogp into the forward's [T] layout.
+    std::vector<float> dl(p.batch.num_tokens(), 0.0f);
+    for (size_t i = 0; i < grad.size(); ++i) dl[p.logp_index[i]] = grad[i];
+    Tensor dlogp = be_.to_device(from_float_vector(dl, {p.batch.num_tokens()}));
+    model_backward(be_, master_, prec_, acts, dlogp, grads_);
+  }
+
+  std::vector<Tensor*> g = params_of(grads_);
+  double sq = 0;
+  for (Tensor* t : g) sq += be_.sum_squares(*t);
+  r.grad_norm = std::sqrt(sq);
+  if (!std::isfinite(r.loss) || !std::isfinite(r.grad_norm)) {
+    r.skip_reason = !std::isfinite(r.loss) ? "non-finite loss" : "non-finite gradient";
+    return r;  // the weights and the optimizer state stay untouched
+  }
+  if (opt_.grad_clip > 0 && r.grad_norm > opt_.grad_clip) {
+    const float s = static_cast<float>(opt_.grad_clip / (r.grad_norm + 1e-6));
+    for (Tensor* t : g) be_.scale(*t, s);
+  }
+  ++adam_step_;
+  std::vector<Tensor*> w = params_of(master_), m = params_of(m_), v = params_of(v_);
+  for (size_t i = 0; i < w.size(); ++i) {
+    AdamWParams ap;
+    ap.lr = lr;
+    ap.beta1 = opt_.beta1;
+    ap.beta2 = opt_.beta2;
+    ap.eps = opt_.eps;
+    ap.weight_decay = w[i]->ndim() == 2 ? opt_.weight_decay : 0.0f;
+    ap.step = adam_step_;
+    be_.adamw(*w[i], *g[i], *m[i], *v[i], ap);
+  }
+  r.applied = true;
+  return r;
+}
+
+std::vector<std::pair<std::string, Tensor>> Trainer::optimizer_state() const {
+  std::vector<std::pair<std::string, Tensor>> out;
+  model_for_each_parameter(m_, [&](const std::string& n, const Tensor& t) { out.push_back({n + ".exp_avg", be_.to_host(t)}); });
+  model_for_each_parameter(v_, [&](const std::string& n, const Tensor& t) { out.push_back({n + ".exp_avg_sq", be_.to_host(t)}); });
+  return out;
+}
+
+void Trainer::load_optimizer_state(const std::function<Tensor(const std::string&)>& get, int64_t adam_step) {
+  auto load = [&](ModelWeights& dst, const char* suffix) {
+    model_for_each_parameter(dst, [&](const std::string& n, Tensor& t) {
+      Tensor h = get(n + suffix);
+      FP8RL_CHECK(h.shape() == t.shape() && h.dtype() == DType::F32, "optimizer state ", n, suffix, " is ", h.str(),
+                  ", expected F32", shape_str(t.shape()), "; the checkpoint does not match this model");
+      be_.copy(h, t);
+    });
+  };
+  load(m_, ".exp_avg");
+  load(v_, ".exp_avg_sq");
+  adam_step_ = adam_step;
+}
+
+}  // namespace fp8rl

@@ -1,0 +1,80 @@
+// The trainer: FP32 master weights, gradients and AdamW moments on one backend; scores
+// sequences (logp_old, entropy, q/k/v amax for KV calibration) and runs optimizer steps of any
+// per-token loss given as dloss/dlogp (GRPO, SFT), micro-batched with gradient accumulation.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+#include "core/precision.h"
+#include "model/transformer.h"
+#include "model/weights.h"
+
+namespace fp8rl {
+
+// A sequence to train on: prompt + response ids. Its response tokens ids[prompt_len..] are the
+// ones scored and trained; their per-token arrays are packed in sequence order.
+struct TrainSequence {
+  std::vector<int32_t> ids;
+  int prompt_len = 0;
+  int64_t response_len() const { return static_cast<int64_t>(ids.size()) - prompt_len; }
+};
+
+struct TrainerOptions {
+  float grad_clip = 1.0f;             // global L2 norm; <= 0 disables clipping
+  float weight_decay = 0.0f;          // decoupled; applied to 2-D weights only (not norms, biases)
+  float beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f;
+  int64_t micro_batch_tokens = 4096;  // a micro-batch holds whole sequences up to this many tokens
+};
+
+struct ScoreResult {
+  std::vector<float> logp;        // [response tokens, packed] log p(token | prefix), trainer numerics
+  std::vector<float> entropy;     // [response tokens] when asked
+  std::vector<std::vector<float>> q_amax, k_amax, v_amax;  // [micro-batch][layer] when asked
+};
+
+// loss_fn(first_seq, end_seq, logp_new, grad): the micro-batch holds sequences [first, end);
+// logp_new packs their response tokens; it writes dloss/dlogp_new into grad (same size) and
+// returns the micro-batch's share of the loss.
+using TokenLossFn = std::function<double(size_t first_seq, size_t end_seq, const std::vector<float>& logp_new,
+                                         std::vector<float>& grad)>;
+
+struct StepResult {
+  double loss = 0;
+  double grad_norm = 0;  // before clipping
+  bool applied = false;  // false: a non-finite loss or gradient, the update was skipped
+  std::string skip_reason;
+};
+
+class Trainer {
+ public:
+  // `master`: the policy on the backend's device, F32 (it becomes the master weights).
+  Trainer(Backend& backend, ModelWeights master, const EnginePrecision& precision, const TrainerOptions& options);
+
+  ScoreResult score(const std::vector<TrainSequence>& seqs, float temperature, bool entropy, bool record_amax);
+  StepResult step(const std::vector<TrainSequence>& seqs, float temperature, const TokenLossFn& loss_fn, float lr);
+
+  ModelWeights& master() { return master_; }
+  const ModelWeights& master() const { return master_; }
+  const EnginePrecision& precision() const { return prec_; }
+  int64_t optimizer_step() const { return adam_step_; }
+
+  // Optimizer state for checkpoints: the moments as named host tensors ("<param>.exp_avg",
+  // "<param>.exp_avg_sq") and the step counter.
+  std::vector<std::pair<std::string, Tensor>> optimizer_state() const;
+  void load_optimizer_state(const std::function<Tensor(const std::string&)>& get, int64_t adam_step);
+
+ private:
+  // Whole sequences [first, end) per micro-batch.
+  std::vector<std::pair<size_t, size_t>> micro_batches(const std::vector<TrainSequence>& seqs) const;
+
+  Backend& be_;
+  ModelWeights master_, grads_, m_, v_;
+  EnginePrecision prec_;
+  TrainerOptions opt_;
+  int64_t adam_step_ = 0;
+};
+
+}  // namespace fp8rl
