@@ -9,6 +9,9 @@
 // - Token-major packing: a batch of sequences is concatenated along tokens, T = sum of lengths;
 //   cu_seqlens[B+1] (host) gives each sequence's token range.
 // - Every op validates shapes/dtypes and throws fp8rl::Error with what is wrong.
+// - The CPU backend also accepts F64 tensors in every float argument (FP64 gradient checks);
+//   it computes in double and rounds once into each output's dtype. Saved statistics (rstd,
+//   lse) may then be F64 too, and should be for gradient checks.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -24,7 +27,9 @@ namespace fp8rl {
 // A linear layer's weight W[N, K] (+ bias[N]). `w` is the high-precision weight (FP32 master
 // on the trainer, or BF16). `wq`, when defined, is the pre-quantized 128x128 FP8 copy the
 // generator keeps (refit writes it); when the mode is FP8_BLOCK and `wq` is undefined, the op
-// quantizes `w` itself.
+// quantizes `w` itself. A defined `wq` must have been quantized with the spec's pow2 setting
+// (checked). In FP8_BLOCK the output is the exact product of the dequantized operands rounded
+// once to the output dtype on the CPU (FP32 per-block accumulation on the GPU).
 struct LinearWeight {
   Tensor w;        // [N, K]
   QuantTensor wq;  // E4M3 [N, K], 128x128 blocks (optional)
@@ -83,7 +88,8 @@ class Backend {
   virtual Tensor alloc(const Shape& shape, DType dtype) = 0;
   // Copies between the host and this device or within it; same dtype and numel.
   virtual void copy(const Tensor& src, Tensor& dst) = 0;
-  // Element-wise dtype conversion on this device (F32 <-> BF16 <-> F16), same numel.
+  // Element-wise dtype conversion on this device (F32 <-> BF16 <-> F16; F64 on the CPU), same
+  // numel. Rounds to nearest even (F64 -> BF16/F16 goes through F32).
   virtual void convert(const Tensor& src, Tensor& dst) = 0;
   virtual void fill(Tensor& t, float value) = 0;
   virtual void synchronize() {}
@@ -117,12 +123,15 @@ class Backend {
   virtual void linear(const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor& out) = 0;
   // Backward of linear. dx [M, K] written when non-null (dgrad: dY 1x128 along N, W^T);
   // dw F32 [N, K] and dbias F32 [N] accumulated when non-null (wgrad: dY^T and X^T requantized
-  // 1x128 along tokens). Uses W.w (the high-precision weight) for FP8 dgrad quantization.
+  // 1x128 along tokens). Uses W.w (the high-precision weight) for FP8 dgrad quantization
+  // (W.wq only when w is undefined). dbias is the sum of the unquantized dy.
   virtual void linear_backward(const Tensor& dy, const Tensor& x, const LinearWeight& W,
                                const LinearSpec& spec, Tensor* dx, Tensor* dw, Tensor* dbias) = 0;
 
-  // In place on x [T, H, head_dim]; positions I32 [T]. inverse=true rotates by -angle
-  // (the backward of rope).
+  // In place on x [T, H, head_dim]; positions I32 [T]. inverse=true rotates by -angle with the
+  // same (scaled) cos/sin: the transpose of the forward map, i.e. its backward (the exact
+  // inverse only when attention_scaling == 1). cos/sin are FP32 values of the FP32 angle,
+  // times attention_scaling in FP32 (as HF's cos/sin cache).
   virtual void rope(Tensor& x, const Tensor& positions, const RopeParams& rope, bool inverse) = 0;
 
   // Causal grouped-query attention over packed sequences (training and reference prefill).
@@ -146,11 +155,14 @@ class Backend {
   // Fused lm_head + log-softmax + gather, in vocabulary chunks (no [T, V] FP32 logits):
   // logits = hidden[T, D] lm_head[V, D]^T / temperature (lm_head in `spec` precision);
   // logp[t] = log_softmax(logits[t])[targets[t]]; lse F32 [T] saved for backward;
-  // entropy F32 [T] written when non-null. targets I32 [T]; logp F32 [T].
+  // entropy F32 [T] written when non-null. targets I32 [T], each in [0, V) (no ignore index:
+  // out of range is an error); logp F32 [T]; temperature > 0.
   virtual void token_logprobs(const Tensor& hidden, const Tensor& lm_head, const Tensor& targets,
                               float temperature, const LinearSpec& spec, Tensor& logp,
                               Tensor& lse, Tensor* entropy) = 0;
   // Given dlogp F32 [T]: dhidden [T, D] written; dlm_head F32 [V, D] accumulated when non-null.
+  // The logits' gradient goes through the lm_head GEMM's backward in `spec` numerics (the
+  // same operand roundings/quantizations as linear_backward).
   virtual void token_logprobs_backward(const Tensor& hidden, const Tensor& lm_head,
                                        const Tensor& targets, float temperature,
                                        const LinearSpec& spec, const Tensor& lse,
@@ -174,7 +186,10 @@ class Backend {
                         const PagedBatch& batch) = 0;
   // Causal attention of q [T, Hq, hd] over the cached keys/values of each token's sequence,
   // positions 0..token_pos (inclusive; the token's own k/v must already be written).
-  // out [T, Hq, hd]. With fp8_attention, q is quantized per token and head (FP32 scale) too.
+  // out [T, Hq, hd]. With fp8_attention, q is quantized per token and head (FP32 scale) too:
+  // each q[t, h, :] row uses s = quant_scale_from_amax(amax of the row, pow2=false) and the
+  // value e4m3_to_float(e4m3_from_float(q / s)) * s. The CPU reference keeps the softmax
+  // probabilities in FP32 (a GPU PV product in FP8 is compared against it with a tolerance).
   virtual void attention_paged(const KvCache& cache, int layer, const Tensor& q,
                                const PagedBatch& batch, float softmax_scale, bool fp8_attention,
                                Tensor& out) = 0;
@@ -183,6 +198,10 @@ class Backend {
   // inverse-CDF draw over the kept tokens in descending-probability order (ties: lower id
   // first). temperature 0 = greedy. tokens I32 [B]; logp F32 [B] = log-prob of the token under
   // softmax(logits / temperature) before truncation (the generator's numerics).
+  // Order: top-k first, then the smallest prefix whose mass renormalized over the top-k kept
+  // tokens reaches top_p (at least one token); the draw is the first kept token whose
+  // cumulative mass exceeds uniform * kept mass. Greedy: the lowest-id argmax, logp = 0 (the
+  // one-hot limit distribution). Uniforms outside [0, 1) and NaN/+inf logits are errors.
   virtual void sample(const Tensor& logits, const std::vector<float>& temperature,
                       const std::vector<float>& top_p, const std::vector<int>& top_k,
                       const std::vector<float>& uniforms, Tensor& tokens, Tensor& logp) = 0;
