@@ -1,11 +1,6 @@
 #include "rl/config.h"
 
-// yaml-cpp 0.7's headers trip GCC 12's -Wdangling-pointer (a known false positive).
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wpragmas"
-#pragma GCC diagnostic ignored "-Wdangling-pointer"
 #include <yaml-cpp/yaml.h>
-#pragma GCC diagnostic pop
 
 #include <algorithm>
 #include <charconv>
@@ -290,10 +285,11 @@ void set_field(std::vector<Field>& fields, const std::string& key, const std::st
 void apply_node(std::vector<Field>& fields, const YAML::Node& node, const std::string& prefix,
                 const std::string& origin) {
   for (auto it = node.begin(); it != node.end(); ++it) {
-    const std::string name = it->first.as<std::string>();
+    // Copies: the iterator hands out a temporary pair, references into it would dangle.
+    const YAML::Node k = it->first, v = it->second;
+    const std::string name = k.as<std::string>();
     const std::string key = prefix.empty() ? name : prefix + "." + name;
-    const YAML::Node& v = it->second;
-    const std::string where = origin + ":" + std::to_string(it->first.Mark().line + 1);
+    const std::string where = origin + ":" + std::to_string(k.Mark().line + 1);
     if (v.IsMap()) {
       if (find_field(fields, key)) {
         Field* f = find_field(fields, key);

@@ -176,3 +176,30 @@ TEST(Progress, RedrawnBarOnATerminal) {
   EXPECT_EQ(text.back(), '\n');
   EXPECT_EQ(text.find("7/10"), std::string::npos);
 }
+
+TEST(MetricsLog, FilledFromLossAndMismatchStatistics) {
+  GrpoStats s;
+  s.tokens = 10;
+  s.seqs = 2;
+  s.clipped = 3;
+  s.is_tokens = 10;
+  s.is_weight_sum = 10.5;
+  s.is_weight_min = 0.7;
+  s.is_weight_max = 1.6;
+  s.truncated = 1;
+  StepMetrics m;
+  step_metrics_set_loss_stats(m, s);
+  EXPECT_DOUBLE_EQ(m.clip_fraction, 0.3);
+  EXPECT_DOUBLE_EQ(m.is_weight_mean, 1.05);
+  EXPECT_DOUBLE_EQ(m.is_weight_max, 1.6);
+  EXPECT_DOUBLE_EQ(m.is_truncated_fraction, 0.1);
+  // no IS tokens at all: min/max are null, not +-inf
+  StepMetrics e;
+  step_metrics_set_loss_stats(e, GrpoStats{});
+  const auto j = nlohmann::json::parse(metrics_to_json_line(e));
+  EXPECT_TRUE(j["is_weight_min"].is_null());
+  EXPECT_TRUE(j["clip_fraction"].is_null());
+  const std::vector<float> a = {-1.0f, -2.0f}, b = {-1.1f, -2.0f};
+  step_metrics_set_mismatch(m, metrics_compute_mismatch(a, b));
+  EXPECT_NEAR(m.token_mult_prob_error, (std::exp(0.1) + 1.0) / 2, 1e-6);
+}
