@@ -1,11 +1,6 @@
 #include "rl/config.h"
 
-// yaml-cpp 0.7's headers trip GCC 12's -Wdangling-pointer (a known false positive).
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wpragmas"
-#pragma GCC diagnostic ignored "-Wdangling-pointer"
 #include <yaml-cpp/yaml.h>
-#pragma GCC diagnostic pop
 
 #include <algorithm>
 #include <charconv>
@@ -290,10 +285,11 @@ void set_field(std::vector<Field>& fields, const std::string& key, const std::st
 void apply_node(std::vector<Field>& fields, const YAML::Node& node, const std::string& prefix,
                 const std::string& origin) {
   for (auto it = node.begin(); it != node.end(); ++it) {
-    const std::string name = it->first.as<std::string>();
+    // Copies: the iterator hands out a temporary pair, references into it would dangle.
+    const YAML::Node k = it->first, v = it->second;
+    const std::string name = k.as<std::string>();
     const std::string key = prefix.empty() ? name : prefix + "." + name;
-    const YAML::Node& v = it->second;
-    const std::string where = origin + ":" + std::to_string(it->first.Mark().line + 1);
+    const std::string where = origin + ":" + std::to_string(k.Mark().line + 1);
     if (v.IsMap()) {
       if (find_field(fields, key)) {
         Field* f = find_field(fields, key);
@@ -329,9 +325,17 @@ std::vector<std::string> config_keys() {
 std::string config_nearest_key(const std::string& key) {
   // A key's distance is the smaller of the whole-key distance and the leaf distance plus one,
   // so that "lr" finds "train.lr" and "train.lrr" finds "train.lr".
+  // Candidates: every key and every section ("trian" -> "train").
+  std::vector<std::string> candidates;
+  for (const std::string& k : config_keys()) {
+    for (size_t dot = k.find('.'); dot != std::string::npos; dot = k.find('.', dot + 1))
+      if (std::find(candidates.begin(), candidates.end(), k.substr(0, dot)) == candidates.end())
+        candidates.push_back(k.substr(0, dot));
+    candidates.push_back(k);
+  }
   std::string best;
   size_t best_d = std::numeric_limits<size_t>::max();
-  for (const std::string& k : config_keys()) {
+  for (const std::string& k : candidates) {
     const size_t d = std::min(edit_distance(key, k), edit_distance(leaf(key), leaf(k)) + 1);
     if (d < best_d) best_d = d, best = k;
   }
@@ -473,11 +477,16 @@ void config_validate(const RunConfig& c) {
   const int64_t total_opt = static_cast<int64_t>(c.steps) * tr.optimizer_steps_per_rollout;
   need(tr.schedule != LrScheduleKind::Cosine || total_opt > tr.warmup_steps, "train.warmup_steps",
        "cosine decay needs steps * optimizer_steps_per_rollout (", total_opt, ") > warmup_steps");
-  try {
-    grpo_validate_options(config_grpo_options(tr));
-  } catch (const Error& e) {
-    FP8RL_FAIL("config: train: ", e.what());
-  }
+  need(tr.ratio_clip_low >= 0 && tr.ratio_clip_low < 1, "train.ratio_clip_low", "must be in [0, 1)");
+  need(tr.ratio_clip_high >= 0, "train.ratio_clip_high", "must be >= 0");
+  need(tr.kl_beta >= 0, "train.kl_beta", "must be >= 0 (0 = off)");
+  need(tr.is.tis_cap > 0, "train.is.tis_cap", "must be > 0");
+  need(tr.is.icepop_low >= 0 && tr.is.icepop_low < tr.is.icepop_high, "train.is.icepop_low",
+       "the icepop band needs 0 <= icepop_low < icepop_high, got [", tr.is.icepop_low, ", ", tr.is.icepop_high, "]");
+  need(tr.is.seq_mask_low > 0 && tr.is.seq_mask_low < tr.is.seq_mask_high, "train.is.seq_mask_low",
+       "the seq_mask band needs 0 < seq_mask_low < seq_mask_high, got [", tr.is.seq_mask_low, ", ",
+       tr.is.seq_mask_high, "]");
+  grpo_validate_options(config_grpo_options(tr));  // the loss's own checks (same conditions)
 
   const auto& p = c.precision;
   need(p.bf16_first_layers >= 0, "precision.bf16_first_layers", "must be >= 0");

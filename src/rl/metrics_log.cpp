@@ -29,6 +29,28 @@ std::string fmt(const char* f, double v) {
 
 }  // namespace
 
+void step_metrics_set_loss_stats(StepMetrics& m, const GrpoStats& s) {
+  m.clip_fraction = s.clip_fraction();
+  m.is_weight_mean = s.is_weight_mean();
+  m.is_weight_min = s.is_tokens ? s.is_weight_min : StepMetrics::kNone;
+  m.is_weight_max = s.is_tokens ? s.is_weight_max : StepMetrics::kNone;
+  m.is_truncated_fraction = s.truncated_fraction();
+  m.is_masked_fraction = s.masked_fraction();
+  m.kl_mean = s.kl_mean();
+}
+
+void step_metrics_set_mismatch(StepMetrics& m, const MismatchMetrics& mm) {
+  m.token_mult_prob_error = mm.token_mult_prob_error;
+  m.gen_kl_error = mm.gen_kl_error;
+  m.policy_kl_error = mm.policy_kl_error;
+}
+
+void step_metrics_set_lengths(StepMetrics& m, const LengthStats& l) {
+  m.response_length_mean = l.mean;
+  m.response_length_max = l.count ? static_cast<double>(l.max) : StepMetrics::kNone;
+  m.response_capped_fraction = l.capped_fraction;
+}
+
 std::string metrics_to_json_line(const StepMetrics& m) {
   nlohmann::ordered_json j;
   j["step"] = m.step;

@@ -11,6 +11,9 @@
 #include <utility>
 #include <vector>
 
+#include "rl/metrics.h"
+#include "train/grpo.h"
+
 namespace fp8rl {
 
 // NaN = not measured this step (JSON null). Names follow the reference system (recipe.md 5).
@@ -37,6 +40,12 @@ struct StepMetrics {
   // anything else, in this order after the fixed keys (names must not repeat a fixed key)
   std::vector<std::pair<std::string, double>> extra;
 };
+
+// Copy the loss statistics (clip fraction, IS weights, truncated/masked fractions, KL mean),
+// the mismatch metrics, and the response-length statistics into a step record.
+void step_metrics_set_loss_stats(StepMetrics& m, const GrpoStats& s);
+void step_metrics_set_mismatch(StepMetrics& m, const MismatchMetrics& mm);
+void step_metrics_set_lengths(StepMetrics& m, const LengthStats& l);
 
 // The JSON object of one step (one line, no newline). Every fixed key is present (null when
 // unmeasured) except val_accuracy, present only when set. Throws on a duplicate extra key.
