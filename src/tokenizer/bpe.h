@@ -61,3 +61,12 @@ class MergeTable {
 void merge_word(std::vector<int32_t>& ids, const MergeTable& merges, size_t heap_threshold = 48);
 
 }  // namespace fp8rl::bpe
+
+namespace fp8rl::bpe {
+// The pre-tokenizer regex the small tokenizer uses (Qwen2 / Llama 3 style, but digits split
+// one by one so numbers tokenize digit-wise).
+extern const char* const kSmallPattern;
+// Pieces of `text` for a PCRE2 (UTF + UCP) regex with HF Split "Isolated" semantics:
+// matches and the gaps between them, in order, none empty. Views into `text`.
+std::vector<std::string_view> split_regex(const std::string& pattern, std::string_view text);
+}  // namespace fp8rl::bpe

@@ -97,7 +97,43 @@ std::string read_file(const std::filesystem::path& p) {
   return ss.str();
 }
 
+// HF Split "Isolated" on one piece: matches and the gaps between them, none empty.
+void split_piece(const Regex& re, std::string_view piece, bool isolated,
+                 std::vector<std::string_view>& out) {
+  MatchState& ms = match_state();
+  const auto* subj = reinterpret_cast<PCRE2_SPTR>(piece.data());
+  size_t start = 0, prev_end = 0;
+  while (start <= piece.size()) {
+    const int rc = pcre2_match(re.code, subj, piece.size(), start, PCRE2_NO_UTF_CHECK, ms.data,
+                               ms.context);
+    if (rc == PCRE2_ERROR_NOMATCH) break;
+    FP8RL_CHECK(rc >= 0, "pre_tokenizer regex match failed (PCRE2 error ", rc, ")");
+    const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(ms.data);
+    const size_t b = ov[0], e = ov[1];
+    if (b == e) {  // empty match: not a piece; step one char
+      if (b >= piece.size()) break;
+      start = b + utf8_seq_len(static_cast<unsigned char>(piece[b]));
+      continue;
+    }
+    if (b > prev_end) out.push_back(piece.substr(prev_end, b - prev_end));
+    if (isolated) out.push_back(piece.substr(b, e - b));
+    prev_end = start = e;
+  }
+  if (prev_end < piece.size()) out.push_back(piece.substr(prev_end));
+}
+
 }  // namespace
+
+const char* const bpe::kSmallPattern =
+    R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
+
+std::vector<std::string_view> bpe::split_regex(const std::string& pattern, std::string_view text) {
+  FP8RL_CHECK(utf8_is_valid(text), "split_regex: text is not valid UTF-8");
+  const Regex re(pattern, false, "split_regex");
+  std::vector<std::string_view> out;
+  split_piece(re, text, true, out);
+  return out;
+}
 
 struct Tokenizer::Impl {
   std::string origin;
@@ -426,7 +462,6 @@ void Tokenizer::Impl::encode_segment(std::string_view seg, std::vector<int32_t>&
   // Pre-tokenize: each step splits every piece of the previous step.
   std::vector<std::string_view> pieces{seg}, next;
   std::vector<std::unique_ptr<std::string>> arena;  // pieces with a prefix space added
-  MatchState& ms = match_state();
   for (const PreStep& step : pre) {
     next.clear();
     for (std::string_view piece : pieces) {
@@ -438,25 +473,7 @@ void Tokenizer::Impl::encode_segment(std::string_view seg, std::vector<int32_t>&
         next.push_back(piece);
         continue;
       }
-      const auto* subj = reinterpret_cast<PCRE2_SPTR>(piece.data());
-      size_t start = 0, prev_end = 0;
-      while (start <= piece.size()) {
-        const int rc = pcre2_match(step.regex->code, subj, piece.size(), start, PCRE2_NO_UTF_CHECK,
-                                   ms.data, ms.context);
-        if (rc == PCRE2_ERROR_NOMATCH) break;
-        FP8RL_CHECK(rc >= 0, origin, ": pre_tokenizer regex match failed (PCRE2 error ", rc, ")");
-        const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(ms.data);
-        const size_t b = ov[0], e = ov[1];
-        if (b == e) {  // empty match: not a piece; step one char
-          if (b >= piece.size()) break;
-          start = b + utf8_seq_len(static_cast<unsigned char>(piece[b]));
-          continue;
-        }
-        if (b > prev_end) next.push_back(piece.substr(prev_end, b - prev_end));
-        if (step.isolated) next.push_back(piece.substr(b, e - b));
-        prev_end = start = e;
-      }
-      if (prev_end < piece.size()) next.push_back(piece.substr(prev_end));
+      split_piece(*step.regex, piece, step.isolated, next);
     }
     std::swap(pieces, next);
   }
