@@ -5,6 +5,7 @@ each string followed by a line __ggml_vocab_test__).
 
 tiny/       Sequence[Split(Qwen2 regex), ByteLevel(use_regex=false)], NFC, merges spelled "a b",
             special and non-special added tokens.
+small/      (tokenizer.json from fp8rl's trainer; golden.out only)
 tiny_gpt2/  ByteLevel(add_prefix_space=true, use_regex=true) alone, GPT-2 style, merges
             spelled ["a", "b"]. (HF wants one spelling per file.)
 usage: python3 make_tiny.py   (from any directory)"""
@@ -68,11 +69,15 @@ configs = {
     "tiny_gpt2": build(WORDS, {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True,
                                "use_regex": True}, False),
 }
+# small/ is written by fp8rl's tokenizer_train_small (FP8RL_UPDATE_GOLDEN=1 fp8rl_tests
+# --gtest_filter=SmallTokenizer.*); here only its HF golden ids are made.
+configs["small"] = None
 for name, tj in configs.items():
     d = os.path.join(here, name)
     os.makedirs(d, exist_ok=True)
-    with open(os.path.join(d, "tokenizer.json"), "w", encoding="utf-8") as f:
-        json.dump(tj, f, ensure_ascii=False, indent=1)
+    if tj is not None:
+        with open(os.path.join(d, "tokenizer.json"), "w", encoding="utf-8") as f:
+            json.dump(tj, f, ensure_ascii=False, indent=1)
     try:
         from tokenizers import Tokenizer
     except ImportError:
