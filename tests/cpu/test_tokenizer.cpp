@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 #include <utf8proc.h>
 
+#include <sys/wait.h>
+
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -257,6 +259,70 @@ TEST(Tokenizer, MalformedOrUnsupportedJsonCorpus) {
   for (const std::string& text : {std::string(""), std::string("{"), std::string("[1,2]"),
                                   good.substr(0, good.size() / 2), std::string("null")})
     EXPECT_THROW(Tokenizer::from_json(text), Error) << text.substr(0, 20);
+}
+
+}  // namespace
+}  // namespace fp8rl
+
+#include "tokenizer/bpe.h"
+
+namespace fp8rl {
+namespace {
+
+// The heap merge path (long words) and the scan path (short words) agree.
+TEST(Bpe, HeapAndScanMergeAgree) {
+  bpe::MergeTable m;
+  std::mt19937 rng(5);
+  int32_t next_id = 8;
+  for (int32_t r = 0; r < 40; ++r)  // random merges over an 8-symbol alphabet and their results
+    m.insert(int32_t(rng() % next_id), int32_t(rng() % next_id), r, next_id++);
+  for (int it = 0; it < 300; ++it) {
+    std::vector<int32_t> w(1 + rng() % 120);
+    for (int32_t& x : w) x = int32_t(rng() % 8);
+    std::vector<int32_t> a = w, b = w;
+    bpe::merge_word(a, m, /*heap_threshold=*/1 << 20);
+    bpe::merge_word(b, m, /*heap_threshold=*/0);
+    EXPECT_EQ(a, b);
+    EXPECT_LT(a.size(), w.size() + 1);
+  }
+}
+
+// `fp8rl tokenize`: all of stdin byte for byte (final newline kept), exact decode, errors.
+struct CliRun {
+  int rc;
+  std::string out;
+};
+CliRun run_cli(const std::string& args, const std::string& stdin_bytes) {
+  const std::string in = std::filesystem::temp_directory_path() / "fp8rl_tok_in";
+  std::ofstream(in, std::ios::binary) << stdin_bytes;
+  const std::string cmd = std::string(FP8RL_BINARY) + " tokenize " + args + " < " + in + " 2>/dev/null";
+  FILE* p = popen(cmd.c_str(), "r");
+  std::string out;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
+  const int status = pclose(p);
+  return {WEXITSTATUS(status), out};
+}
+
+TEST(TokenizeCli, EncodeDecodeContract) {
+  const std::string dir = kTokData + "/tiny";
+  const Tokenizer tok = Tokenizer::load(dir);
+  const std::string text = "the answer\n\n#### 12<|im_end|>\n";
+  const CliRun enc = run_cli("--tokenizer " + dir, text);
+  ASSERT_EQ(enc.rc, 0);
+  std::string expect;
+  for (int32_t id : tok.encode(text)) expect += (expect.empty() ? "" : " ") + std::to_string(id);
+  EXPECT_EQ(enc.out, expect + "\n");
+  const CliRun dec = run_cli("--tokenizer " + dir + "/tokenizer.json --decode", enc.out);
+  ASSERT_EQ(dec.rc, 0);
+  EXPECT_EQ(dec.out, text);  // exact, final newline included, nothing added
+  EXPECT_EQ(run_cli("--tokenizer " + dir, "").out, "\n");
+  EXPECT_NE(run_cli("--tokenizer " + dir, "ab\xFF").rc, 0);
+  EXPECT_NE(run_cli("--tokenizer " + dir + " --decode", "1 2 999999").rc, 0);
+  EXPECT_NE(run_cli("--tokenizer " + dir + " --decode", "1 x").rc, 0);
+  EXPECT_NE(run_cli("--tokenizer /nonexistent", "a").rc, 0);
+  EXPECT_NE(run_cli("--tokenizer " + kTokData + "/golden.inp", "a").rc, 0);  // not JSON
 }
 
 }  // namespace
