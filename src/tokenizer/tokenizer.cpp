@@ -368,6 +368,11 @@ void parse_config(std::string_view text, Tokenizer::Impl& t) {
   }
 }
 
+const Tokenizer::Impl& checked(const std::shared_ptr<const Tokenizer::Impl>& p) {
+  FP8RL_CHECK(p, "Tokenizer used before Tokenizer::load / from_json");
+  return *p;
+}
+
 }  // namespace
 
 Tokenizer Tokenizer::from_json(std::string_view tokenizer_json, std::string_view config_json,
@@ -481,7 +486,7 @@ void Tokenizer::Impl::encode_segment(std::string_view seg, std::vector<int32_t>&
 }
 
 std::vector<int32_t> Tokenizer::encode(std::string_view text, bool allow_special) const {
-  const Impl& t = *impl_;
+  const Impl& t = checked(impl_);
   const size_t bad = utf8_find_invalid(text);
   FP8RL_CHECK(bad == std::string_view::npos, "input text is not valid UTF-8 (byte offset ", bad,
               "); the tokenizer only encodes UTF-8 text");
@@ -520,7 +525,7 @@ std::vector<int32_t> Tokenizer::encode(std::string_view text, bool allow_special
 // ---- decoding and lookups ----------------------------------------------------------------
 
 std::string Tokenizer::decode(std::span<const int32_t> ids, bool skip_special) const {
-  const Impl& t = *impl_;
+  const Impl& t = checked(impl_);
   std::string out;
   for (int32_t id : ids) {
     FP8RL_CHECK(id >= 0 && size_t(id) < t.id_flags.size() && (t.id_flags[id] & 1),
@@ -532,23 +537,23 @@ std::string Tokenizer::decode(std::span<const int32_t> ids, bool skip_special) c
 }
 
 int32_t Tokenizer::token_to_id(std::string_view token) const {
-  auto it = impl_->vocab.find(token);
-  return it == impl_->vocab.end() ? -1 : it->second;
+  auto it = checked(impl_).vocab.find(token);
+  return it == checked(impl_).vocab.end() ? -1 : it->second;
 }
 
 std::string Tokenizer::id_to_token(int32_t id) const {
-  FP8RL_CHECK(id >= 0 && size_t(id) < impl_->id_flags.size() && (impl_->id_flags[id] & 1),
+  FP8RL_CHECK(id >= 0 && size_t(id) < checked(impl_).id_flags.size() && (checked(impl_).id_flags[id] & 1),
               "token id ", id, " is not in the vocabulary");
-  return impl_->id_token[id];
+  return checked(impl_).id_token[id];
 }
 
-int32_t Tokenizer::vocab_size() const { return int32_t(impl_->id_flags.size()); }
+int32_t Tokenizer::vocab_size() const { return int32_t(checked(impl_).id_flags.size()); }
 bool Tokenizer::is_special(int32_t id) const {
-  return id >= 0 && size_t(id) < impl_->id_flags.size() && (impl_->id_flags[id] & 2);
+  return id >= 0 && size_t(id) < checked(impl_).id_flags.size() && (checked(impl_).id_flags[id] & 2);
 }
-int32_t Tokenizer::eos_id() const { return impl_->eos; }
-int32_t Tokenizer::bos_id() const { return impl_->bos; }
-int32_t Tokenizer::pad_id() const { return impl_->pad; }
-const std::string& Tokenizer::chat_template_text() const { return impl_->chat_template; }
+int32_t Tokenizer::eos_id() const { return checked(impl_).eos; }
+int32_t Tokenizer::bos_id() const { return checked(impl_).bos; }
+int32_t Tokenizer::pad_id() const { return checked(impl_).pad; }
+const std::string& Tokenizer::chat_template_text() const { return checked(impl_).chat_template; }
 
 }  // namespace fp8rl
