@@ -146,16 +146,22 @@ std::vector<Field> config_fields(RunConfig& c) {
   auto& k = c.task;
   t.add_choice("task.name", k.name, {"arithmetic", "countdown", "gsm8k", "jsonl"}, "which task");
   t.add_int64("task.seed", k.seed, "prompt sampling seed; 0 = the run seed");
-  t.add_int("task.arithmetic.num_terms", k.arithmetic.num_terms, "operands per expression");
-  t.add_int("task.arithmetic.max_value", k.arithmetic.max_value, "operands in [0, max_value]");
-  t.add_string("task.arithmetic.ops", k.arithmetic.ops, "operators to draw from (subset of +-*)");
-  t.add_int("task.countdown.num_numbers", k.countdown.num_numbers, "numbers to combine");
+  t.add_int("task.arithmetic.min_operands", k.arithmetic.min_operands, "fewest operands per expression");
+  t.add_int("task.arithmetic.max_operands", k.arithmetic.max_operands, "most operands per expression");
+  t.add_int("task.arithmetic.digits", k.arithmetic.digits, "each operand has 1..digits digits");
+  t.add_string("task.arithmetic.operators", k.arithmetic.operators, "operators to draw from (subset of +-*/)");
+  t.add_bool("task.arithmetic.parentheses", k.arithmetic.parentheses, "allow parenthesized sub-expressions");
+  t.add_int("task.countdown.numbers", k.countdown.numbers, "given numbers, each used exactly once (2..6)");
   t.add_int("task.countdown.max_number", k.countdown.max_number, "each number in [1, max_number]");
   t.add_int("task.countdown.max_target", k.countdown.max_target, "target in [1, max_target]");
-  t.add_string("task.gsm8k.path", k.gsm8k.path, "GSM8K directory (train/test jsonl)");
-  t.add_string("task.jsonl.path", k.jsonl.path, "one JSON object per line");
+  t.add_string("task.gsm8k.path", k.gsm8k.path, "GSM8K directory (train.jsonl, test.jsonl)");
+  t.add_string("task.jsonl.path", k.jsonl.path, "training data: one JSON object per line");
+  t.add_string("task.jsonl.validation_path", k.jsonl.validation_path, "held-out data; empty = a fraction of path");
+  t.add_float("task.jsonl.validation_fraction", k.jsonl.validation_fraction, "held out when validation_path is empty");
   t.add_string("task.jsonl.prompt_field", k.jsonl.prompt_field, "field holding the prompt");
   t.add_string("task.jsonl.answer_field", k.jsonl.answer_field, "field holding the reference answer");
+  t.add_string("task.jsonl.solution_field", k.jsonl.solution_field, "field holding a worked solution (sft)");
+  t.add_string("task.jsonl.instruction", k.jsonl.instruction, "appended to every prompt when non-empty");
 
   auto& r = c.rollout;
   t.add_int("rollout.prompts_per_step", r.prompts_per_step, "P prompts per GRPO step");
@@ -436,12 +442,13 @@ void config_validate(const RunConfig& c) {
   }
   const auto& t = c.task;
   if (t.name == "arithmetic") {
-    need(t.arithmetic.num_terms >= 2, "task.arithmetic.num_terms", "must be >= 2");
-    need(t.arithmetic.max_value >= 1, "task.arithmetic.max_value", "must be >= 1");
-    need(!t.arithmetic.ops.empty() && t.arithmetic.ops.find_first_not_of("+-*") == std::string::npos,
-         "task.arithmetic.ops", "must be a non-empty subset of \"+-*\", got \"", t.arithmetic.ops, "\"");
+    need(t.arithmetic.min_operands >= 2 && t.arithmetic.max_operands >= t.arithmetic.min_operands,
+         "task.arithmetic.max_operands", "needs 2 <= min_operands <= max_operands");
+    need(t.arithmetic.digits >= 1 && t.arithmetic.digits <= 9, "task.arithmetic.digits", "must be in [1, 9]");
+    need(!t.arithmetic.operators.empty() && t.arithmetic.operators.find_first_not_of("+-*/") == std::string::npos,
+         "task.arithmetic.operators", "must be a non-empty subset of \"+-*/\", got \"", t.arithmetic.operators, "\"");
   } else if (t.name == "countdown") {
-    need(t.countdown.num_numbers >= 2, "task.countdown.num_numbers", "must be >= 2");
+    need(t.countdown.numbers >= 2 && t.countdown.numbers <= 6, "task.countdown.numbers", "must be in [2, 6]");
     need(t.countdown.max_number >= 1, "task.countdown.max_number", "must be >= 1");
     need(t.countdown.max_target >= 1, "task.countdown.max_target", "must be >= 1");
   } else if (t.name == "gsm8k") {

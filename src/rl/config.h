@@ -47,26 +47,31 @@ struct TokenizerSection {
 struct TaskSection {
   std::string name = "arithmetic";  // arithmetic | countdown | gsm8k | jsonl
   int64_t seed = 0;                 // 0 = the run seed
-  struct Arithmetic {
-    int num_terms = 2;              // operands per expression
-    int max_value = 20;             // operands drawn from [0, max_value]
-    std::string ops = "+-";         // operators to draw from (subset of "+-*")
+  struct Arithmetic {               // tasks/task.h ArithmeticConfig
+    int min_operands = 2, max_operands = 2;  // numbers per expression
+    int digits = 1;                 // each operand has 1..digits digits
+    std::string operators = "+-";   // any of "+-*/" ('/' only where exact)
+    bool parentheses = false;
     bool operator==(const Arithmetic&) const = default;
   } arithmetic;
-  struct Countdown {
-    int num_numbers = 3;            // numbers to combine
+  struct Countdown {                // tasks/task.h CountdownConfig
+    int numbers = 3;                // how many given numbers (2..6), each used exactly once
     int max_number = 10;            // each in [1, max_number]
     int max_target = 50;            // targets in [1, max_target]
     bool operator==(const Countdown&) const = default;
   } countdown;
   struct Gsm8k {
-    std::string path;               // directory with train/test jsonl (question, answer)
+    std::string path = "../shared/data/gsm8k";  // directory with train.jsonl / test.jsonl
     bool operator==(const Gsm8k&) const = default;
   } gsm8k;
   struct Jsonl {
-    std::string path;               // one JSON object per line
+    std::string path;               // training data, one JSON object per line
+    std::string validation_path;    // "" = hold out validation_fraction of path
+    double validation_fraction = 0.05;
     std::string prompt_field = "prompt";
     std::string answer_field = "answer";
+    std::string solution_field;     // worked solutions for sft ("" = none)
+    std::string instruction;        // appended to every prompt when non-empty
     bool operator==(const Jsonl&) const = default;
   } jsonl;
   bool operator==(const TaskSection&) const = default;

@@ -137,3 +137,42 @@ ValResult validate(const Session& s, RolloutEngine& engine, int n, int max_new_t
 }
 
 }  // namespace fp8rl
+
+namespace fp8rl {
+
+std::unique_ptr<Task> task_create(const TaskSection& t, uint64_t seed) {
+  if (t.name == "arithmetic") {
+    ArithmeticConfig a;
+    a.seed = seed;
+    a.min_operands = t.arithmetic.min_operands;
+    a.max_operands = t.arithmetic.max_operands;
+    a.digits = t.arithmetic.digits;
+    a.operators = t.arithmetic.operators;
+    a.parentheses = t.arithmetic.parentheses;
+    return task_make_arithmetic(a);
+  }
+  if (t.name == "countdown") {
+    CountdownConfig cd;
+    cd.seed = seed;
+    cd.numbers = t.countdown.numbers;
+    cd.max_number = t.countdown.max_number;
+    cd.max_target = t.countdown.max_target;
+    return task_make_countdown(cd);
+  }
+  if (t.name == "gsm8k") return task_make_gsm8k(t.gsm8k.path, seed);
+  if (t.name == "jsonl") {
+    JsonlConfig j;
+    j.train_path = t.jsonl.path;
+    j.validation_path = t.jsonl.validation_path;
+    j.validation_fraction = t.jsonl.validation_fraction;
+    j.prompt_field = t.jsonl.prompt_field;
+    j.answer_field = t.jsonl.answer_field;
+    j.solution_field = t.jsonl.solution_field;
+    j.instruction = t.jsonl.instruction;
+    j.seed = seed;
+    return task_make_jsonl(j);
+  }
+  FP8RL_FAIL("unknown task.name '", t.name, "' (expected arithmetic, countdown, gsm8k or jsonl)");
+}
+
+}  // namespace fp8rl

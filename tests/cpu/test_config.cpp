@@ -63,13 +63,13 @@ TEST(Config, GpuExampleLoads) {
 TEST(Config, OverridesApplyInOrder) {
   const RunConfig c = config_load("", {"train.lr=1e-6", "train.is.mode=icepop", "rollout.top_k=50",
                                        "tokenizer.chat_template=true", "out=runs/x", "train.lr=2e-6",
-                                       "task.arithmetic.ops=+-*", "train.schedule=cosine"});
+                                       "task.arithmetic.operators=+-*", "train.schedule=cosine"});
   EXPECT_DOUBLE_EQ(c.train.lr, 2e-6);
   EXPECT_EQ(c.train.is.mode, IsMode::Icepop);
   EXPECT_EQ(c.rollout.top_k, 50);
   EXPECT_TRUE(c.tokenizer.chat_template);
   EXPECT_EQ(c.out, "runs/x");
-  EXPECT_EQ(c.task.arithmetic.ops, "+-*");
+  EXPECT_EQ(c.task.arithmetic.operators, "+-*");
   EXPECT_EQ(c.train.schedule, LrScheduleKind::Cosine);
 }
 
