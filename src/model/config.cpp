@@ -223,11 +223,16 @@ void ModelConfig::validate() const {
   FP8RL_CHECK(bos_token_id >= -1 && eos_token_id >= -1, "token ids must be >= 0 (or -1 for none)");
 }
 
-// inv_freq[i] = 1 / theta^(2i / hd), all in FP32 as transformers computes it: the exponent
+// inv_freq[i] = 1 / theta^(2i / hd), in FP32 as transformers computes it: the exponent
 // (2i) / hd is an FP32 division, the power is rounded to FP32, and so is the reciprocal.
 // llama3 then rescales per wavelength (all operands FP32, Python scalars rounded to FP32):
 //   wavelen = 2*pi / f;  wavelen < orig/high: f;  wavelen > orig/low: f / factor;
 //   otherwise s = (orig / wavelen - low) / (high - low), f' = (1 - s) * f / factor + s * f.
+// torch evaluates `scalar / tensor` as reciprocal(tensor) * scalar; so do we (it changes
+// wavelen by an ulp). One known difference remains: torch's FP32 pow is SLEEF's (<= 1 ulp,
+// not correctly rounded, and for tails scalar libm), ours is correctly rounded, so a few
+// inv_freq values differ from transformers' by 1 ulp (measured with torch 2.15 on x86: 14 of
+// 1344 values over 40 theta/head_dim/rope_type combinations; the fixtures record HF's values).
 RopeParams ModelConfig::rope_params() const {
   validate();
   RopeParams p;
@@ -246,9 +251,9 @@ RopeParams ModelConfig::rope_params() const {
     const float origf = static_cast<float>(orig);
     const float range = static_cast<float>(static_cast<double>(rope_high_freq_factor) - rope_low_freq_factor);
     for (float& f : p.inv_freq) {
-      const float wavelen = two_pi / f;
+      const float wavelen = (1.0f / f) * two_pi;
       const float scaled = wavelen > low_wavelen ? f / rope_factor : f;
-      const float s = (origf / wavelen - rope_low_freq_factor) / range;
+      const float s = ((1.0f / wavelen) * origf - rope_low_freq_factor) / range;
       const float smoothed = (1.0f - s) * scaled / rope_factor + s * scaled;
       const bool medium = !(wavelen < high_wavelen) && !(wavelen > low_wavelen);
       f = medium ? smoothed : scaled;
