@@ -10,6 +10,8 @@
 #include <sys/stat.h>
 
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <sstream>
 
@@ -114,6 +116,16 @@ void parse_rope(const json& j, const std::string& origin, ModelConfig& c) {
   c.rope_high_freq_factor = static_cast<float>(r.get_number("high_freq_factor"));
   // transformers falls back to max_position_embeddings when this is absent.
   c.rope_original_max_position = r.get_int("original_max_position_embeddings", c.max_position_embeddings);
+}
+
+// The shortest decimal that reads back as `x` (1e-6f is written 1e-06, not 9.99999997e-07).
+double short_decimal(float x) {
+  char buf[32];
+  for (int digits = 6; digits <= 9; ++digits) {
+    std::snprintf(buf, sizeof buf, "%.*g", digits, static_cast<double>(x));
+    if (std::strtof(buf, nullptr) == x) break;
+  }
+  return std::strtod(buf, nullptr);
 }
 
 bool is_dir(const std::string& p) {
@@ -289,7 +301,7 @@ std::string model_config_to_json(const ModelConfig& c) {
   j["num_key_value_heads"] = c.num_kv_heads;
   j["head_dim"] = c.head_dim;
   j["hidden_act"] = "silu";
-  j["rms_norm_eps"] = c.rms_norm_eps;
+  j["rms_norm_eps"] = short_decimal(c.rms_norm_eps);
   j["tie_word_embeddings"] = c.tie_word_embeddings;
   j["max_position_embeddings"] = c.max_position_embeddings;
   if (c.model_type != "qwen2") j["attention_bias"] = false;
@@ -302,12 +314,12 @@ std::string model_config_to_json(const ModelConfig& c) {
   // 4.x reads torch_dtype, rope_theta and rope_scaling; 5.x reads all three too (rope_scaling
   // and rope_theta are converted into its rope_parameters), so the 4.x spelling serves both.
   j["torch_dtype"] = c.torch_dtype;
-  j["rope_theta"] = c.rope_theta;
+  j["rope_theta"] = short_decimal(c.rope_theta);
   if (c.rope_type == "llama3") {
     j["rope_scaling"] = {{"rope_type", "llama3"},
-                         {"factor", c.rope_factor},
-                         {"low_freq_factor", c.rope_low_freq_factor},
-                         {"high_freq_factor", c.rope_high_freq_factor},
+                         {"factor", short_decimal(c.rope_factor)},
+                         {"low_freq_factor", short_decimal(c.rope_low_freq_factor)},
+                         {"high_freq_factor", short_decimal(c.rope_high_freq_factor)},
                          {"original_max_position_embeddings", c.rope_original_max_position}};
   } else {
     j["rope_scaling"] = nullptr;
