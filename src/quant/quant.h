@@ -29,14 +29,17 @@ constexpr int kQuantBlock = 128;
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// The one scale rule: s = amax / 448; amax == 0 gives 1; pow2 rounds s up to a power of 2.
-// Throws on a non-finite amax (non-finite input is an error, never quantized).
+// The one scale rule: s = amax / 448 (one float division); amax == 0 gives 1; a division that
+// underflows to 0 gives the smallest positive float 2^-149; pow2 rounds s up to a power of 2
+// (frexpf/ldexpf; a power of two stays). Throws on a non-finite amax (non-finite input is an
+// error, never quantized). Quantized value q = e4m3_from_float(v / s) (float division, v the
+// element as float: BF16 exact, F64 rounded to float first); dequantized e4m3_to_float(q) * s.
 float quant_scale_from_amax(float amax, bool pow2);
 
 // Allocates an empty CPU QuantTensor of logical shape [rows, cols].
 QuantTensor quant_alloc(int64_t rows, int64_t cols, int block_rows, int block_cols, bool pow2);
 
-// Quantizes x (F32 or BF16, [r, c], CPU) into `out`, whose data is [r, c] or, with transpose,
+// Quantizes x (F32, BF16 or F64, [r, c], CPU) into `out`, whose data is [r, c] or, with transpose,
 // [c, r] (out describes x^T then). out's blocks and pow2 say how; its buffers are reused
 // (refit writes in place). `what` names the tensor in error messages.
 void quantize_blocks_into(const Tensor& x, bool transpose, QuantTensor& out, const char* what = "tensor");
