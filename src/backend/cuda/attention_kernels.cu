@@ -5,6 +5,8 @@
 //   KV-cache writes (E4M3 bit-exact with the CPU codec) and paged attention over the cache.
 #include <cuda_fp8.h>
 
+#include <type_traits>
+
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/kernels.h"
@@ -211,7 +213,8 @@ __global__ void attention_paged_kernel(const TQ* q, const int32_t* token_seq, co
 #pragma unroll
     for (int i = 0; i < EPL; ++i) amax = fmaxf(amax, fabsf(qv[i]));
     amax = warp_max(amax);
-    const float s = amax == 0.0f ? 1.0f : amax / 448.0f;
+    float s = amax == 0.0f ? 1.0f : amax / 448.0f;
+    if (s == 0.0f) s = __uint_as_float(1u);  // quant_scale_from_amax's underflow rule
 #pragma unroll
     for (int i = 0; i < EPL; ++i) qv[i] = e4m3_dec(e4m3_enc(qv[i] / s)) * s;
   }

@@ -421,7 +421,9 @@ void CudaBackend::linear_backward(const Tensor& dy, const Tensor& x, const Linea
   const DType ab = spec.mode == LinearMode::FP32 ? DType::F32 : DType::BF16;
   if (dx) {
     check_dev(*dx, "linear_backward dx");
-    check_dev(W.w, "linear_backward W.w (the high-precision weight)");
+    FP8RL_CHECK(W.w.defined(), "linear_backward on the GPU needs the high-precision weight W.w ",
+                "(a weight held only as FP8 wq cannot be trained)");
+    check_dev(W.w, "linear_backward W.w");
     FP8RL_CHECK(dx->numel() == M * K, "linear_backward: dx must be [", M, ", ", K, "], got ", dx->str());
     Tensor dx2 = dx->reshape({M, K});
     if (!fp8) {
@@ -607,8 +609,8 @@ void CudaBackend::token_logprobs_backward(const Tensor& hidden, const Tensor& lm
     check_dtype(*dlm_head, DType::F32, "token_logprobs_backward dlm_head");
     check_shape(*dlm_head, {V, D}, "token_logprobs_backward dlm_head");
   }
-  // The backward GEMMs run in FP32 for the FP32 mode and in BF16 otherwise (lm_head stays BF16).
-  const DType ab = spec.mode == LinearMode::FP32 ? DType::F32 : DType::BF16;
+  // Each chunk's raw-logit gradient goes through linear_backward in `spec` numerics, as the CPU
+  // reference does; its dx is summed over chunks in FP32.
   Tensor dh = scratch(kSlotDh, {T, D}, DType::F32);
   launch_fill(dh.raw(), DType::F32, dh.numel(), 0.0f, stream_);
   const int64_t vc = vocab_chunk(T, V);
@@ -620,11 +622,11 @@ void CudaBackend::token_logprobs_backward(const Tensor& hidden, const Tensor& lm
     linear_fwd(hidden, chunk, spec, logits);
     launch_logprob_grad_chunk(logits.data<float>(), T, n, v0, 1.0f / temperature, targets.data<int32_t>(),
                               lse.data<float>(), dlogp.data<float>(), stream_);
-    mm(false, false, T, D, n, logits, chunk.w, ab, dh, 1.0f);
-    if (dlm_head) {
-      Tensor dchunk = dlm_head->slice_rows(v0, v0 + n);
-      mm(true, false, n, D, T, logits, hidden, ab, dchunk, 1.0f);
-    }
+    Tensor dxc = scratch(kSlotTmp, {T, D}, DType::F32);
+    Tensor dchunk;
+    if (dlm_head) dchunk = dlm_head->slice_rows(v0, v0 + n);
+    linear_backward(logits, hidden, chunk, spec, &dxc, dlm_head ? &dchunk : nullptr, nullptr);
+    launch_add(dh.raw(), DType::F32, dxc.raw(), DType::F32, dh.raw(), DType::F32, dh.numel(), stream_);
   }
   launch_convert(dh.raw(), DType::F32, dhidden.raw(), dhidden.dtype(), dh.numel(), stream_);
 }

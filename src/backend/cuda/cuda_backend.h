@@ -77,7 +77,7 @@ class CudaBackend final : public Backend {
  private:
   enum Slot {
     kSlotA, kSlotB, kSlotC, kSlotAq, kSlotAs, kSlotBq, kSlotBs, kSlotLogits, kSlotState, kSlotDh, kSlotIdx,
-    kSlotAttn, kSlotCount
+    kSlotAttn, kSlotTmp, kSlotCount
   };
   // A device buffer reused across calls (grown on demand); valid until the next scratch(slot).
   Tensor scratch(Slot slot, const Shape& shape, DType dtype);

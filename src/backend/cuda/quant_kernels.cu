@@ -28,6 +28,7 @@ __device__ __forceinline__ float pow2_round_up(float s) {
 __device__ __forceinline__ float quant_scale(float amax, bool pow2) {
   if (amax == 0.0f) return 1.0f;
   float s = amax / 448.0f;
+  if (s == 0.0f) s = __uint_as_float(1u);  // underflow: the smallest positive float, as quant.cpp
   if (pow2) s = pow2_round_up(s);
   return s;
 }
