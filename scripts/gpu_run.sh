@@ -4,7 +4,11 @@
 #   then compute-sanitizer memcheck on a subset), `fp8rl bench-gemm`, the torch peer script.
 # Every log and JSON goes to $OUT (first argument, or the OUT environment variable).
 # If the native configure fails (a dependency missing on that machine), binaries prebuilt on
-# the development machine in ./prebuilt (with their shared libraries in ./prebuilt/lib) are used.
+# the development machine in ./prebuilt (with their shared libraries in ./prebuilt/lib) are used:
+# seen 2026-11 on the H200 image, which lacks libpcre2-8. Make them here with
+#   cmake -S . -B build -G Ninja && ninja -C build -j2 fp8rl fp8rl_gpu_tests fp8rl_tests
+#   mkdir -p prebuilt && cp build/fp8rl build/fp8rl_gpu_tests build/fp8rl_tests prebuilt/
+# (they link only libcudart/libcublasLt 13 and libstdc++ dynamically).
 set -u
 OUT="${1:-${OUT:-$PWD/gpu_out}}"
 mkdir -p "$OUT"

@@ -14,7 +14,8 @@
 //                VEC128_32F    (1 x 128):   [ceil(K/128)][rows]            (rows contiguous)
 //                BLK128x128_32F (128 x 128): [ceil(rows/128)][round_up(ceil(K/128), 4)]
 //              (the layouts torch._scaled_mm hands to cuBLASLt; the 128x128 one equals ours
-//              when ceil(K/128) is a multiple of 4, then no copy is made).
+//              when ceil(K/128) is a multiple of 4, then no copy is made; the padded form for
+//              other K was verified on the H200 by tests/cuda (M=256, N=512, K=384)).
 //              fp8_supported() says whether cuBLASLt's block mode takes the shape (M, N
 //              multiples of 16, K a multiple of 128); callers fall back otherwise
 //              (backend: dequantize + FP32 GEMM, which computes the same quantized product).
