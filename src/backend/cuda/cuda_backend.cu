@@ -1,9 +1,696 @@
-// Placeholder until the CUDA backend lands (issue 5): keeps the build graph complete.
-#include "backend/backend.h"
+// The CUDA backend (see cuda_backend.h): memory, validation, and the op implementations that
+// sequence kernels (kernels.h) and GEMMs (gemm.h) on the backend's one stream.
+#include "backend/cuda/cuda_backend.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <initializer_list>
+
+#include "backend/cuda/cuda_check.h"
+#include "backend/cuda/kernels.h"
 #include "core/error.h"
 
 namespace fp8rl {
-std::unique_ptr<Backend> make_cuda_backend(int) {
-  FP8RL_FAIL("the CUDA backend is not implemented yet; use --device cpu");
+
+namespace cuda {
+
+namespace {
+
+bool is_float(DType t) { return t == DType::F32 || t == DType::BF16; }
+
+void check_float(const Tensor& t, const char* what) {
+  FP8RL_CHECK(is_float(t.dtype()), what, " must be F32 or BF16 on the CUDA backend, got ", t.str());
 }
+
+void check_same_numel(const Tensor& a, const Tensor& b, const char* what) {
+  FP8RL_CHECK(a.numel() == b.numel(), what, ": element counts differ (", a.str(), " vs ", b.str(), ")");
+}
+
+// [.., K] -> rows of K.
+int64_t rows_of(const Tensor& t) { return t.ndim() == 0 ? 1 : t.numel() / std::max<int64_t>(t.dim(-1), 1); }
+
+}  // namespace
+
+CudaBackend::CudaBackend(int device_index) : device_(device_index) {
+  int count = 0;
+  const cudaError_t e = cudaGetDeviceCount(&count);
+  if (e != cudaSuccess || count == 0) {
+    cudaGetLastError();
+    FP8RL_FAIL("no usable CUDA GPU (", e == cudaSuccess ? "0 devices" : cudaGetErrorString(e),
+               "); check nvidia-smi and the driver, or use --device cpu");
+  }
+  FP8RL_CHECK(device_index >= 0 && device_index < count, "cuda:", device_index, " does not exist (", count,
+              " GPU(s) visible); use cuda:0..cuda:", count - 1);
+  CUDA_CHECK(cudaSetDevice(device_index), "selecting GPU ", device_index);
+  cudaDeviceProp prop{};
+  CUDA_CHECK(cudaGetDeviceProperties(&prop, device_index), "reading the GPU's properties");
+  name_ = "cuda:" + std::to_string(device_index) + " (" + prop.name + ", sm_" + std::to_string(prop.major) +
+          std::to_string(prop.minor) + ")";
+  CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "creating the backend's stream");
+  gemm_ = std::make_unique<GemmEngine>(stream_);
+  flag_dev_ = static_cast<int*>(cuda_malloc(2 * sizeof(int), "the device error flags"));
+  CUDA_CHECK(cudaMallocHost(&flag_host_, sizeof(int)), "allocating the pinned error flag");
+  slots_.resize(kSlotCount);
+}
+
+CudaBackend::~CudaBackend() {
+  if (stream_) cudaStreamSynchronize(stream_);
+  slots_.clear();
+  gemm_.reset();
+  if (flag_dev_) cudaFree(flag_dev_);
+  if (flag_host_) cudaFreeHost(flag_host_);
+  if (stream_) cudaStreamDestroy(stream_);
+}
+
+std::string CudaBackend::name() const { return name_; }
+
+void CudaBackend::check_dev(const Tensor& t, const char* what) const {
+  FP8RL_CHECK(t.defined(), what, " is undefined");
+  FP8RL_CHECK(t.device() == DeviceKind::CUDA, what, " must be on the GPU, got ", t.str(),
+              " (copy it with to_device first)");
+}
+
+// ---- memory ------------------------------------------------------------------------------------
+
+Tensor CudaBackend::alloc(const Shape& shape, DType dtype) {
+  const size_t bytes = static_cast<size_t>(shape_numel(shape)) * dtype_size(dtype);
+  auto st = std::make_shared<Storage>();
+  st->ptr = cuda_malloc(bytes, (std::string(dtype_name(dtype)) + shape_str(shape)).c_str());
+  st->bytes = bytes;
+  st->device = DeviceKind::CUDA;
+  st->release = [](void* p) { cudaFree(p); };
+  return Tensor(st, 0, shape, dtype);
+}
+
+Tensor CudaBackend::scratch(Slot slot, const Shape& shape, DType dtype) {
+  const size_t bytes = static_cast<size_t>(shape_numel(shape)) * dtype_size(dtype);
+  auto& st = slots_[slot];
+  if (!st || st->bytes < bytes) {
+    auto fresh = std::make_shared<Storage>();
+    const size_t want = std::max<size_t>(bytes + bytes / 4, 256);
+    fresh->ptr = cuda_malloc(want, "a scratch buffer");
+    fresh->bytes = want;
+    fresh->device = DeviceKind::CUDA;
+    fresh->release = [](void* p) { cudaFree(p); };
+    st = fresh;
+  }
+  return Tensor(st, 0, shape, dtype);
+}
+
+QuantTensor CudaBackend::scratch_quant(Slot data_slot, Slot scale_slot, int64_t rows, int64_t cols, int block_rows,
+                                       bool pow2) {
+  QuantTensor q;
+  q.block_rows = block_rows;
+  q.block_cols = kQuantBlock;
+  q.pow2 = pow2;
+  q.data = scratch(data_slot, {rows, cols}, DType::E4M3);
+  q.scales = scratch(scale_slot, {ceil_div(rows, block_rows), ceil_div(cols, kQuantBlock)}, DType::F32);
+  return q;
+}
+
+void CudaBackend::copy(const Tensor& src, Tensor& dst) {
+  FP8RL_CHECK(src.defined() && dst.defined(), "copy: undefined tensor");
+  FP8RL_CHECK(src.dtype() == dst.dtype(), "copy: dtypes differ (", src.str(), " -> ", dst.str(),
+              "); use convert for dtype changes");
+  check_same_numel(src, dst, "copy");
+  const size_t n = src.nbytes();
+  if (n == 0) return;
+  const bool sd = src.device() == DeviceKind::CUDA, dd = dst.device() == DeviceKind::CUDA;
+  const cudaMemcpyKind kind = sd ? (dd ? cudaMemcpyDeviceToDevice : cudaMemcpyDeviceToHost)
+                                 : (dd ? cudaMemcpyHostToDevice : cudaMemcpyHostToHost);
+  if (kind == cudaMemcpyHostToHost) {
+    std::memcpy(dst.raw(), src.raw(), n);
+    return;
+  }
+  CUDA_CHECK(cudaMemcpyAsync(dst.raw(), src.raw(), n, kind, stream_), "copying ", src.str(), " to ", dst.str());
+  // Host memory is pageable: wait so the host side may be read or freed on return.
+  if (kind != cudaMemcpyDeviceToDevice) CUDA_CHECK(cudaStreamSynchronize(stream_), "copying ", src.str());
+}
+
+void CudaBackend::convert(const Tensor& src, Tensor& dst) {
+  check_dev(src, "convert source");
+  check_dev(dst, "convert destination");
+  check_same_numel(src, dst, "convert");
+  if (src.dtype() == dst.dtype()) {
+    copy(src, dst);
+    return;
+  }
+  launch_convert(src.raw(), src.dtype(), dst.raw(), dst.dtype(), src.numel(), stream_);
+}
+
+void CudaBackend::fill(Tensor& t, float value) {
+  check_dev(t, "fill target");
+  launch_fill(t.raw(), t.dtype(), t.numel(), value, stream_);
+}
+
+void CudaBackend::synchronize() { CUDA_CHECK(cudaStreamSynchronize(stream_), "waiting for the GPU"); }
+
+int* CudaBackend::flag_reset() {
+  CUDA_CHECK(cudaMemsetAsync(flag_dev_, 0, sizeof(int), stream_), "resetting the device error flag");
+  return flag_dev_;
+}
+
+void CudaBackend::flag_check(const std::string& message) {
+  CUDA_CHECK(cudaMemcpyAsync(flag_host_, flag_dev_, sizeof(int), cudaMemcpyDeviceToHost, stream_),
+             "reading the device error flag");
+  CUDA_CHECK(cudaStreamSynchronize(stream_), "waiting for ", message);
+  if (*flag_host_) FP8RL_FAIL(message);
+}
+
+// ---- element-wise ----------------------------------------------------------------------------
+
+void CudaBackend::add(const Tensor& a, const Tensor& b, Tensor& out) {
+  check_dev(a, "add a");
+  check_dev(b, "add b");
+  check_dev(out, "add out");
+  check_same_numel(a, b, "add");
+  check_same_numel(a, out, "add");
+  launch_add(a.raw(), a.dtype(), b.raw(), b.dtype(), out.raw(), out.dtype(), a.numel(), stream_);
+}
+
+void CudaBackend::scale(Tensor& x, float s) {
+  check_dev(x, "scale x");
+  launch_scale(x.raw(), x.dtype(), x.numel(), s, stream_);
+}
+
+double CudaBackend::sum_squares(const Tensor& x) {
+  check_dev(x, "sum_squares x");
+  Tensor acc = scratch(kSlotState, {1}, DType::F64);
+  CUDA_CHECK(cudaMemsetAsync(acc.raw(), 0, sizeof(double), stream_), "zeroing the sum");
+  launch_sum_squares(x.raw(), x.dtype(), x.numel(), acc.data<double>(), stream_);
+  double h = 0.0;
+  CUDA_CHECK(cudaMemcpyAsync(&h, acc.raw(), sizeof(double), cudaMemcpyDeviceToHost, stream_), "reading the sum");
+  CUDA_CHECK(cudaStreamSynchronize(stream_), "sum_squares");
+  return h;
+}
+
+bool CudaBackend::all_finite(const Tensor& x) {
+  check_dev(x, "all_finite x");
+  launch_flag_nonfinite(x.raw(), x.dtype(), x.numel(), flag_reset(), stream_);
+  CUDA_CHECK(cudaMemcpyAsync(flag_host_, flag_dev_, sizeof(int), cudaMemcpyDeviceToHost, stream_), "reading the flag");
+  CUDA_CHECK(cudaStreamSynchronize(stream_), "all_finite");
+  return *flag_host_ == 0;
+}
+
+// ---- model ops ---------------------------------------------------------------------------------
+
+void CudaBackend::embedding(const Tensor& ids, const Tensor& table, Tensor& out) {
+  check_dev(ids, "embedding ids");
+  check_dev(table, "embedding table");
+  check_dev(out, "embedding out");
+  check_dtype(ids, DType::I32, "embedding ids");
+  FP8RL_CHECK(table.ndim() == 2, "embedding table must be [V, D], got ", table.str());
+  const int64_t T = ids.numel(), V = table.dim(0), D = table.dim(1);
+  check_shape(out, {T, D}, "embedding out");
+  launch_embedding(ids.data<int32_t>(), T, table.raw(), table.dtype(), V, D, out.raw(), out.dtype(), flag_reset(),
+                   stream_);
+  flag_check("embedding: a token id is out of range [0, " + std::to_string(V) +
+             "); check the tokenizer against the model's vocab_size");
+}
+
+void CudaBackend::embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable) {
+  check_dev(ids, "embedding ids");
+  check_dev(dout, "embedding dout");
+  check_dev(dtable, "embedding dtable");
+  check_dtype(ids, DType::I32, "embedding ids");
+  check_dtype(dtable, DType::F32, "embedding dtable");
+  const int64_t T = ids.numel(), V = dtable.dim(0), D = dtable.dim(1);
+  check_shape(dout, {T, D}, "embedding dout");
+  launch_embedding_backward(ids.data<int32_t>(), T, dout.raw(), dout.dtype(), V, D, dtable.data<float>(),
+                            flag_reset(), stream_);
+  flag_check("embedding_backward: a token id is out of range [0, " + std::to_string(V) + ")");
+}
+
+void CudaBackend::rmsnorm(const Tensor& x, const Tensor& w, float eps, Tensor& out, Tensor* rstd) {
+  check_dev(x, "rmsnorm x");
+  check_dev(w, "rmsnorm w");
+  check_dev(out, "rmsnorm out");
+  const int64_t D = x.dim(-1), R = rows_of(x);
+  check_shape(w, {D}, "rmsnorm w");
+  FP8RL_CHECK(out.shape() == x.shape(), "rmsnorm out must have x's shape ", shape_str(x.shape()), ", got ", out.str());
+  float* rs = nullptr;
+  if (rstd && rstd->defined()) {
+    check_dev(*rstd, "rmsnorm rstd");
+    check_dtype(*rstd, DType::F32, "rmsnorm rstd");
+    FP8RL_CHECK(rstd->numel() == R, "rmsnorm rstd must have ", R, " elements, got ", rstd->str());
+    rs = rstd->data<float>();
+  }
+  launch_rmsnorm(x.raw(), x.dtype(), w.raw(), w.dtype(), R, D, eps, out.raw(), out.dtype(), rs, stream_);
+}
+
+void CudaBackend::rmsnorm_backward(const Tensor& dout, const Tensor& x, const Tensor& w, const Tensor& rstd,
+                                   Tensor& dx, Tensor& dw) {
+  check_dev(dout, "rmsnorm dout");
+  check_dev(x, "rmsnorm x");
+  check_dev(w, "rmsnorm w");
+  check_dev(rstd, "rmsnorm rstd");
+  check_dev(dx, "rmsnorm dx");
+  check_dev(dw, "rmsnorm dw");
+  const int64_t D = x.dim(-1), R = rows_of(x);
+  FP8RL_CHECK(dout.shape() == x.shape() && dx.shape() == x.shape(), "rmsnorm_backward: dout/dx must have x's shape");
+  check_dtype(rstd, DType::F32, "rmsnorm rstd");
+  check_dtype(dw, DType::F32, "rmsnorm dw");
+  check_shape(dw, {D}, "rmsnorm dw");
+  launch_rmsnorm_backward(dout.raw(), dout.dtype(), x.raw(), x.dtype(), w.raw(), w.dtype(), rstd.data<float>(), R, D,
+                          dx.raw(), dx.dtype(), dw.data<float>(), stream_);
+}
+
+void CudaBackend::rope(Tensor& x, const Tensor& positions, const RopeParams& rope, bool inverse) {
+  check_dev(x, "rope x");
+  check_dev(positions, "rope positions");
+  check_dtype(positions, DType::I32, "rope positions");
+  FP8RL_CHECK(x.ndim() == 3, "rope x must be [T, H, head_dim], got ", x.str());
+  const int64_t T = x.dim(0), H = x.dim(1), hd = x.dim(2);
+  FP8RL_CHECK(hd % 2 == 0 && static_cast<int64_t>(rope.inv_freq.size()) == hd / 2, "rope: inv_freq must have ",
+              "head_dim / 2 = ", hd / 2, " entries, got ", rope.inv_freq.size());
+  FP8RL_CHECK(hd / 2 <= kMaxRopeHalf, "rope: head_dim up to ", 2 * kMaxRopeHalf, " supported, got ", hd);
+  check_shape(positions, {T}, "rope positions");
+  RopeTable tab{};
+  std::copy(rope.inv_freq.begin(), rope.inv_freq.end(), tab.inv_freq);
+  launch_rope(x.raw(), x.dtype(), T, H, hd, positions.data<int32_t>(), tab, rope.attention_scaling, inverse, stream_);
+}
+
+void CudaBackend::swiglu(const Tensor& gate, const Tensor& up, Tensor& out) {
+  check_dev(gate, "swiglu gate");
+  check_dev(up, "swiglu up");
+  check_dev(out, "swiglu out");
+  FP8RL_CHECK(gate.shape() == up.shape() && out.shape() == gate.shape(), "swiglu: gate, up and out must have one shape");
+  FP8RL_CHECK(gate.dtype() == up.dtype() && out.dtype() == gate.dtype(), "swiglu: one dtype for gate, up, out");
+  launch_swiglu(gate.raw(), up.raw(), out.raw(), gate.dtype(), gate.numel(), stream_);
+}
+
+void CudaBackend::swiglu_backward(const Tensor& dout, const Tensor& gate, const Tensor& up, Tensor& dgate,
+                                  Tensor& dup) {
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&dout, &gate, &up, &dgate, &dup}) {
+    check_dev(*t, "swiglu_backward tensor");
+    FP8RL_CHECK(t->shape() == gate.shape() && t->dtype() == gate.dtype(),
+                "swiglu_backward: all tensors must be ", gate.str(), ", got ", t->str());
+  }
+  launch_swiglu_backward(dout.raw(), gate.raw(), up.raw(), dgate.raw(), dup.raw(), gate.dtype(), gate.numel(), stream_);
+}
+
+void CudaBackend::adamw(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWParams& p) {
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&param, &grad, &m, &v}) {
+    check_dev(*t, "adamw tensor");
+    check_dtype(*t, DType::F32, "adamw tensor");
+    FP8RL_CHECK(t->shape() == param.shape(), "adamw: param/grad/m/v must have one shape");
+  }
+  FP8RL_CHECK(p.step >= 1, "adamw: step is 1-based, got ", p.step);
+  const float bc1 = 1.0f - std::pow(p.beta1, static_cast<float>(p.step));
+  const float bc2 = 1.0f - std::pow(p.beta2, static_cast<float>(p.step));
+  launch_adamw(param.data<float>(), grad.data<float>(), m.data<float>(), v.data<float>(), param.numel(), p.lr, p.beta1,
+               p.beta2, p.eps, p.weight_decay, bc1, bc2, stream_);
+}
+
+// ---- quantization ---------------------------------------------------------------------------
+
+void CudaBackend::quantize_async(const Tensor& x, bool transpose, QuantTensor& out) {
+  check_dev(x, "quantize x");
+  check_float(x, "quantize x");
+  FP8RL_CHECK(x.ndim() == 2, "quantize x must be 2-D, got ", x.str());
+  check_dev(out.data, "quantize out.data");
+  check_dev(out.scales, "quantize out.scales");
+  const int64_t R = transpose ? x.dim(1) : x.dim(0), C = transpose ? x.dim(0) : x.dim(1);
+  check_shape(out.data, {R, C}, "quantize out.data");
+  check_dtype(out.data, DType::E4M3, "quantize out.data");
+  check_shape(out.scales, {ceil_div(R, out.block_rows), ceil_div(C, out.block_cols)}, "quantize out.scales");
+  check_dtype(out.scales, DType::F32, "quantize out.scales");
+  launch_quantize(x.raw(), x.dtype(), x.dim(0), x.dim(1), transpose, out.block_rows, out.block_cols, out.pow2,
+                  out.data.data<uint8_t>(), out.scales.data<float>(), flag_dev_, stream_);
+}
+
+void CudaBackend::quantize(const Tensor& x, bool transpose, QuantTensor& out) {
+  flag_reset();
+  quantize_async(x, transpose, out);
+  flag_check("quantize: the input " + x.str() +
+             " holds NaN or Inf; FP8 quantization refuses non-finite values (check the loss scale / learning rate)");
+}
+
+// ---- GEMMs and linear layers ------------------------------------------------------------------
+
+void CudaBackend::mm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const Tensor& A, const Tensor& B, DType ab,
+                     Tensor& C, float beta) {
+  const Tensor* a = &A;
+  const Tensor* b = &B;
+  Tensor ac, bc;
+  if (A.dtype() != ab) {
+    ac = scratch(kSlotA, A.shape(), ab);
+    launch_convert(A.raw(), A.dtype(), ac.raw(), ab, A.numel(), stream_);
+    a = &ac;
+  }
+  if (B.dtype() != ab) {
+    bc = scratch(kSlotB, B.shape(), ab);
+    launch_convert(B.raw(), B.dtype(), bc.raw(), ab, B.numel(), stream_);
+    b = &bc;
+  }
+  if (ab == DType::F32 && C.dtype() != DType::F32) {  // FP32 GEMMs write F32: go through a buffer
+    Tensor c32 = scratch(kSlotC, C.shape(), DType::F32);
+    if (beta != 0.0f) launch_convert(C.raw(), C.dtype(), c32.raw(), DType::F32, C.numel(), stream_);
+    gemm_->gemm(ta, tb, M, N, K, a->raw(), b->raw(), ab, c32.raw(), DType::F32, 1.0f, beta);
+    launch_convert(c32.raw(), DType::F32, C.raw(), C.dtype(), C.numel(), stream_);
+    return;
+  }
+  gemm_->gemm(ta, tb, M, N, K, a->raw(), b->raw(), ab, C.raw(), C.dtype(), 1.0f, beta);
+}
+
+void CudaBackend::linear_fwd(const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor& out) {
+  const int64_t M = x.dim(0), K = x.dim(1), N = W.out_features();
+  if (spec.mode != LinearMode::FP8_BLOCK) {
+    check_dev(W.w, "linear W.w");
+    check_float(W.w, "linear W.w");
+    mm(false, true, M, N, K, x, W.w, spec.mode == LinearMode::FP32 ? DType::F32 : DType::BF16, out, 0.0f);
+  } else {
+    QuantTensor xq = scratch_quant(kSlotAq, kSlotAs, M, K, 1, spec.pow2_scales);
+    flag_reset();
+    quantize_async(x, false, xq);
+    QuantTensor wq;
+    if (W.wq.defined()) {
+      wq = W.wq;
+      check_dev(wq.data, "linear W.wq");
+      FP8RL_CHECK(wq.block_rows == kQuantBlock && wq.block_cols == kQuantBlock, "linear W.wq must be 128x128 blocks");
+    } else {
+      check_dev(W.w, "linear W.w");
+      wq = scratch_quant(kSlotBq, kSlotBs, N, K, kQuantBlock, spec.pow2_scales);
+      quantize_async(W.w, false, wq);
+    }
+    flag_check("linear (FP8): the input " + x.str() + " or the weight holds NaN or Inf");
+    if (GemmEngine::fp8_supported(M, N, K)) {
+      gemm_->gemm_fp8(M, N, K, xq.data.data<uint8_t>(), xq.scales.data<float>(), wq.data.data<uint8_t>(),
+                      wq.scales.data<float>(), kQuantBlock, out.raw(), out.dtype(), 1.0f, 0.0f);
+    } else {  // cuBLASLt's block mode rejects the shape: the same quantized product in FP32
+      Tensor xf = scratch(kSlotA, {M, K}, DType::F32), wf = scratch(kSlotB, {N, K}, DType::F32);
+      launch_dequantize(xq.data.data<uint8_t>(), xq.scales.data<float>(), M, K, 1, kQuantBlock, xf.raw(), DType::F32,
+                        stream_);
+      launch_dequantize(wq.data.data<uint8_t>(), wq.scales.data<float>(), N, K, kQuantBlock, kQuantBlock, wf.raw(),
+                        DType::F32, stream_);
+      mm(false, true, M, N, K, xf, wf, DType::F32, out, 0.0f);
+    }
+  }
+  if (W.bias.defined()) {
+    check_dev(W.bias, "linear bias");
+    check_shape(W.bias, {N}, "linear bias");
+    launch_add_bias(out.raw(), out.dtype(), W.bias.raw(), W.bias.dtype(), M, N, stream_);
+  }
+}
+
+void CudaBackend::linear(const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor& out) {
+  check_dev(x, "linear x");
+  check_dev(out, "linear out");
+  check_float(x, "linear x");
+  check_float(out, "linear out");
+  const int64_t K = W.in_features(), N = W.out_features();
+  FP8RL_CHECK(x.dim(-1) == K, "linear: x ", x.str(), " does not match the weight's in_features ", K);
+  const int64_t M = rows_of(x);
+  FP8RL_CHECK(out.numel() == M * N && out.dim(-1) == N, "linear: out must be [", M, ", ", N, "], got ", out.str());
+  Tensor x2 = x.reshape({M, K}), o2 = out.reshape({M, N});
+  linear_fwd(x2, W, spec, o2);
+}
+
+void CudaBackend::linear_backward(const Tensor& dy, const Tensor& x, const LinearWeight& W, const LinearSpec& spec,
+                                  Tensor* dx, Tensor* dw, Tensor* dbias) {
+  check_dev(dy, "linear_backward dy");
+  check_dev(x, "linear_backward x");
+  check_float(dy, "linear_backward dy");
+  check_float(x, "linear_backward x");
+  const int64_t K = W.in_features(), N = W.out_features(), M = rows_of(x);
+  FP8RL_CHECK(x.dim(-1) == K && dy.dim(-1) == N && rows_of(dy) == M, "linear_backward: dy ", dy.str(), " / x ",
+              x.str(), " do not match W [", N, ", ", K, "]");
+  const Tensor dy2 = dy.reshape({M, N}), x2 = x.reshape({M, K});
+  const bool fp8 = spec.mode == LinearMode::FP8_BLOCK;
+  const DType ab = spec.mode == LinearMode::FP32 ? DType::F32 : DType::BF16;
+  if (dx) {
+    check_dev(*dx, "linear_backward dx");
+    FP8RL_CHECK(W.w.defined(), "linear_backward on the GPU needs the high-precision weight W.w ",
+                "(a weight held only as FP8 wq cannot be trained)");
+    check_dev(W.w, "linear_backward W.w");
+    FP8RL_CHECK(dx->numel() == M * K, "linear_backward: dx must be [", M, ", ", K, "], got ", dx->str());
+    Tensor dx2 = dx->reshape({M, K});
+    if (!fp8) {
+      mm(false, false, M, K, N, dy2, W.w, ab, dx2, 0.0f);
+    } else {
+      // dgrad: dY 1x128 along N; W^T [K, N] 128x128 (the exact transpose of W's quantization).
+      QuantTensor dyq = scratch_quant(kSlotAq, kSlotAs, M, N, 1, spec.pow2_scales);
+      QuantTensor wtq = scratch_quant(kSlotBq, kSlotBs, K, N, kQuantBlock, spec.pow2_scales);
+      flag_reset();
+      quantize_async(dy2, false, dyq);
+      quantize_async(W.w, true, wtq);
+      flag_check("linear_backward (FP8 dgrad): dy " + dy.str() + " or the weight holds NaN or Inf");
+      if (GemmEngine::fp8_supported(M, K, N)) {
+        gemm_->gemm_fp8(M, K, N, dyq.data.data<uint8_t>(), dyq.scales.data<float>(), wtq.data.data<uint8_t>(),
+                        wtq.scales.data<float>(), kQuantBlock, dx2.raw(), dx2.dtype(), 1.0f, 0.0f);
+      } else {
+        Tensor af = scratch(kSlotA, {M, N}, DType::F32), bf = scratch(kSlotB, {K, N}, DType::F32);
+        launch_dequantize(dyq.data.data<uint8_t>(), dyq.scales.data<float>(), M, N, 1, kQuantBlock, af.raw(),
+                          DType::F32, stream_);
+        launch_dequantize(wtq.data.data<uint8_t>(), wtq.scales.data<float>(), K, N, kQuantBlock, kQuantBlock,
+                          bf.raw(), DType::F32, stream_);
+        mm(false, true, M, K, N, af, bf, DType::F32, dx2, 0.0f);
+      }
+    }
+  }
+  if (dw) {
+    check_dev(*dw, "linear_backward dw");
+    check_dtype(*dw, DType::F32, "linear_backward dw");
+    check_shape(*dw, {N, K}, "linear_backward dw");
+    if (!fp8) {
+      mm(true, false, N, K, M, dy2, x2, ab, *dw, 1.0f);
+    } else {
+      // wgrad: dY^T [N, M] and X^T [K, M], both requantized 1x128 along tokens.
+      QuantTensor dytq = scratch_quant(kSlotAq, kSlotAs, N, M, 1, spec.pow2_scales);
+      QuantTensor xtq = scratch_quant(kSlotBq, kSlotBs, K, M, 1, spec.pow2_scales);
+      flag_reset();
+      quantize_async(dy2, true, dytq);
+      quantize_async(x2, true, xtq);
+      flag_check("linear_backward (FP8 wgrad): dy " + dy.str() + " or x " + x.str() + " holds NaN or Inf");
+      if (GemmEngine::fp8_supported(N, K, M)) {
+        gemm_->gemm_fp8(N, K, M, dytq.data.data<uint8_t>(), dytq.scales.data<float>(), xtq.data.data<uint8_t>(),
+                        xtq.scales.data<float>(), 1, dw->raw(), DType::F32, 1.0f, 1.0f);
+      } else {
+        Tensor af = scratch(kSlotA, {N, M}, DType::F32), bf = scratch(kSlotB, {K, M}, DType::F32);
+        launch_dequantize(dytq.data.data<uint8_t>(), dytq.scales.data<float>(), N, M, 1, kQuantBlock, af.raw(),
+                          DType::F32, stream_);
+        launch_dequantize(xtq.data.data<uint8_t>(), xtq.scales.data<float>(), K, M, 1, kQuantBlock, bf.raw(),
+                          DType::F32, stream_);
+        mm(false, true, N, K, M, af, bf, DType::F32, *dw, 1.0f);
+      }
+    }
+  }
+  if (dbias) {
+    check_dev(*dbias, "linear_backward dbias");
+    check_dtype(*dbias, DType::F32, "linear_backward dbias");
+    check_shape(*dbias, {N}, "linear_backward dbias");
+    launch_bias_grad(dy2.raw(), dy2.dtype(), M, N, dbias->data<float>(), stream_);
+  }
+}
+
+// ---- attention -------------------------------------------------------------------------------
+
+namespace {
+// Host: per-token sequence start and end from cu_seqlens.
+void seq_bounds(const std::vector<int32_t>& cu, int64_t T, std::vector<int32_t>& out) {
+  FP8RL_CHECK(cu.size() >= 2 && cu.front() == 0 && cu.back() == T, "cu_seqlens must run from 0 to T = ", T,
+              " (got ", cu.size(), " entries ending at ", cu.empty() ? -1 : cu.back(), ")");
+  out.assign(2 * T, 0);
+  for (size_t b = 0; b + 1 < cu.size(); ++b) {
+    FP8RL_CHECK(cu[b] <= cu[b + 1], "cu_seqlens must be non-decreasing");
+    for (int32_t t = cu[b]; t < cu[b + 1]; ++t) {
+      out[t] = cu[b];
+      out[T + t] = cu[b + 1];
+    }
+  }
+}
+}  // namespace
+
+void CudaBackend::attention(const Tensor& q, const Tensor& k, const Tensor& v, const std::vector<int32_t>& cu_seqlens,
+                            float softmax_scale, Tensor& out, Tensor& lse) {
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&q, &k, &v, &out, &lse}) check_dev(*t, "attention tensor");
+  FP8RL_CHECK(q.ndim() == 3 && k.ndim() == 3, "attention: q, k, v must be [T, H, head_dim]");
+  const int64_t T = q.dim(0);
+  const int Hq = static_cast<int>(q.dim(1)), Hkv = static_cast<int>(k.dim(1)), hd = static_cast<int>(q.dim(2));
+  FP8RL_CHECK(Hkv > 0 && Hq % Hkv == 0, "attention: Hq (", Hq, ") must be a multiple of Hkv (", Hkv, ")");
+  check_shape(k, {T, Hkv, hd}, "attention k");
+  check_shape(v, {T, Hkv, hd}, "attention v");
+  check_shape(out, q.shape(), "attention out");
+  check_shape(lse, {Hq, T}, "attention lse");
+  check_dtype(lse, DType::F32, "attention lse");
+  FP8RL_CHECK(q.dtype() == k.dtype() && k.dtype() == v.dtype() && out.dtype() == q.dtype(),
+              "attention: q, k, v, out must share a dtype");
+  std::vector<int32_t> b;
+  seq_bounds(cu_seqlens, T, b);
+  Tensor idx = scratch(kSlotIdx, {2 * T}, DType::I32);
+  CUDA_CHECK(cudaMemcpyAsync(idx.raw(), b.data(), b.size() * 4, cudaMemcpyHostToDevice, stream_), "uploading seqlens");
+  launch_attention(q.raw(), k.raw(), v.raw(), q.dtype(), idx.data<int32_t>(), T, Hq, Hkv, hd, softmax_scale, out.raw(),
+                   lse.data<float>(), stream_);
+}
+
+void CudaBackend::attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                                     const Tensor& out, const Tensor& lse, const std::vector<int32_t>& cu_seqlens,
+                                     float softmax_scale, Tensor& dq, Tensor& dk, Tensor& dv) {
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&dout, &q, &k, &v, &out, &lse, &dq, &dk, &dv}) check_dev(*t, "attention_backward tensor");
+  const int64_t T = q.dim(0);
+  const int Hq = static_cast<int>(q.dim(1)), Hkv = static_cast<int>(k.dim(1)), hd = static_cast<int>(q.dim(2));
+  FP8RL_CHECK(Hkv > 0 && Hq % Hkv == 0, "attention_backward: Hq must be a multiple of Hkv");
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&dout, &out, &dq}) check_shape(*t, q.shape(), "attention_backward q-shaped tensor");
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&k, &v, &dk, &dv}) check_shape(*t, {T, Hkv, hd}, "attention_backward kv-shaped tensor");
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&dout, &k, &v, &out, &dq, &dk, &dv})
+    FP8RL_CHECK(t->dtype() == q.dtype(), "attention_backward: all tensors must share q's dtype");
+  check_shape(lse, {Hq, T}, "attention_backward lse");
+  std::vector<int32_t> b;
+  seq_bounds(cu_seqlens, T, b);
+  Tensor idx = scratch(kSlotIdx, {2 * T}, DType::I32);
+  CUDA_CHECK(cudaMemcpyAsync(idx.raw(), b.data(), b.size() * 4, cudaMemcpyHostToDevice, stream_), "uploading seqlens");
+  Tensor delta = scratch(kSlotAttn, {T * Hq}, DType::F32);
+  launch_attention_backward(dout.raw(), q.raw(), k.raw(), v.raw(), out.raw(), q.dtype(), lse.data<float>(),
+                            idx.data<int32_t>(), idx.data<int32_t>() + T, T, Hq, Hkv, hd, softmax_scale, dq.raw(),
+                            dk.raw(), dv.raw(), delta.data<float>(), stream_);
+}
+
+// ---- fused log-probabilities -------------------------------------------------------------------
+
+namespace {
+int64_t vocab_chunk(int64_t T, int64_t V) {
+  const int64_t budget = (256LL << 20) / 4;  // F32 logits of one chunk: at most 256 MiB
+  int64_t c = std::max<int64_t>(budget / std::max<int64_t>(T, 1), 128);
+  c = (c / 128) * 128;
+  return std::min(c, V);
+}
+}  // namespace
+
+void CudaBackend::token_logprobs(const Tensor& hidden, const Tensor& lm_head, const Tensor& targets, float temperature,
+                                 const LinearSpec& spec, Tensor& logp, Tensor& lse, Tensor* entropy) {
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&hidden, &lm_head, &targets, &logp, &lse}) check_dev(*t, "token_logprobs tensor");
+  FP8RL_CHECK(temperature > 0.0f, "token_logprobs: temperature must be > 0, got ", temperature);
+  const int64_t T = hidden.dim(0), D = hidden.dim(1), V = lm_head.dim(0);
+  check_shape(lm_head, {V, D}, "token_logprobs lm_head");
+  check_dtype(targets, DType::I32, "token_logprobs targets");
+  check_shape(targets, {T}, "token_logprobs targets");
+  check_shape(logp, {T}, "token_logprobs logp");
+  check_shape(lse, {T}, "token_logprobs lse");
+  check_dtype(logp, DType::F32, "token_logprobs logp");
+  check_dtype(lse, DType::F32, "token_logprobs lse");
+  if (entropy) {
+    check_dev(*entropy, "token_logprobs entropy");
+    check_shape(*entropy, {T}, "token_logprobs entropy");
+  }
+  Tensor state = scratch(kSlotState, {4, T}, DType::F32);
+  float* m = state.data<float>();
+  float *s = m + T, *e = m + 2 * T, *tgt = m + 3 * T;
+  launch_logprob_init(m, s, e, tgt, T, stream_);
+  int* bad = flag_dev_ + 1;  // flag 0 belongs to the quantizer inside linear_fwd
+  CUDA_CHECK(cudaMemsetAsync(bad, 0, sizeof(int), stream_), "resetting the target-range flag");
+  const int64_t vc = vocab_chunk(T, V);
+  for (int64_t v0 = 0; v0 < V; v0 += vc) {
+    const int64_t n = std::min(vc, V - v0);
+    Tensor logits = scratch(kSlotLogits, {T, n}, DType::F32);
+    LinearWeight chunk;
+    chunk.w = lm_head.slice_rows(v0, v0 + n);
+    linear_fwd(hidden, chunk, spec, logits);
+    launch_logprob_chunk(logits.data<float>(), T, n, v0, V, 1.0f / temperature, targets.data<int32_t>(), m, s, e, tgt,
+                         bad, stream_);
+  }
+  launch_logprob_finish(m, s, e, tgt, T, logp.data<float>(), lse.data<float>(),
+                        entropy ? entropy->data<float>() : nullptr, stream_);
+  CUDA_CHECK(cudaMemcpyAsync(flag_host_, bad, sizeof(int), cudaMemcpyDeviceToHost, stream_), "reading a flag");
+  CUDA_CHECK(cudaStreamSynchronize(stream_), "token_logprobs");
+  FP8RL_CHECK(*flag_host_ == 0, "token_logprobs: a target id is out of range [0, ", V, ")");
+}
+
+void CudaBackend::token_logprobs_backward(const Tensor& hidden, const Tensor& lm_head, const Tensor& targets,
+                                          float temperature, const LinearSpec& spec, const Tensor& lse,
+                                          const Tensor& dlogp, Tensor& dhidden, Tensor* dlm_head) {
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&hidden, &lm_head, &targets, &lse, &dlogp, &dhidden})
+    check_dev(*t, "token_logprobs_backward tensor");
+  const int64_t T = hidden.dim(0), D = hidden.dim(1), V = lm_head.dim(0);
+  check_shape(dhidden, {T, D}, "token_logprobs_backward dhidden");
+  check_shape(dlogp, {T}, "token_logprobs_backward dlogp");
+  if (dlm_head) {
+    check_dev(*dlm_head, "token_logprobs_backward dlm_head");
+    check_dtype(*dlm_head, DType::F32, "token_logprobs_backward dlm_head");
+    check_shape(*dlm_head, {V, D}, "token_logprobs_backward dlm_head");
+  }
+  // Each chunk's raw-logit gradient goes through linear_backward in `spec` numerics, as the CPU
+  // reference does; its dx is summed over chunks in FP32.
+  Tensor dh = scratch(kSlotDh, {T, D}, DType::F32);
+  launch_fill(dh.raw(), DType::F32, dh.numel(), 0.0f, stream_);
+  const int64_t vc = vocab_chunk(T, V);
+  for (int64_t v0 = 0; v0 < V; v0 += vc) {
+    const int64_t n = std::min(vc, V - v0);
+    Tensor logits = scratch(kSlotLogits, {T, n}, DType::F32);
+    LinearWeight chunk;
+    chunk.w = lm_head.slice_rows(v0, v0 + n);
+    linear_fwd(hidden, chunk, spec, logits);
+    launch_logprob_grad_chunk(logits.data<float>(), T, n, v0, 1.0f / temperature, targets.data<int32_t>(),
+                              lse.data<float>(), dlogp.data<float>(), stream_);
+    Tensor dxc = scratch(kSlotTmp, {T, D}, DType::F32);
+    Tensor dchunk;
+    if (dlm_head) dchunk = dlm_head->slice_rows(v0, v0 + n);
+    linear_backward(logits, hidden, chunk, spec, &dxc, dlm_head ? &dchunk : nullptr, nullptr);
+    launch_add(dh.raw(), DType::F32, dxc.raw(), DType::F32, dh.raw(), DType::F32, dh.numel(), stream_);
+  }
+  launch_convert(dh.raw(), DType::F32, dhidden.raw(), dhidden.dtype(), dh.numel(), stream_);
+}
+
+// ---- generation -------------------------------------------------------------------------------
+
+void CudaBackend::kv_write(KvCache& cache, int layer, const Tensor& k, const Tensor& v, const PagedBatch& batch) {
+  FP8RL_CHECK(layer >= 0 && layer < cache.num_layers, "kv_write: layer ", layer, " out of range");
+  check_dev(k, "kv_write k");
+  check_dev(v, "kv_write v");
+  check_dev(batch.slots, "kv_write slots");
+  const int64_t T = k.dim(0);
+  check_shape(k, {T, cache.num_kv_heads, cache.head_dim}, "kv_write k");
+  check_shape(v, {T, cache.num_kv_heads, cache.head_dim}, "kv_write v");
+  check_shape(batch.slots, {T}, "kv_write slots");
+  FP8RL_CHECK(k.dtype() == v.dtype(), "kv_write: k and v must share a dtype");
+  const float* ks = cache.k_scale.data<float>() + static_cast<int64_t>(layer) * cache.num_kv_heads;
+  const float* vs = cache.v_scale.data<float>() + static_cast<int64_t>(layer) * cache.num_kv_heads;
+  launch_kv_write(k.raw(), v.raw(), k.dtype(), batch.slots.data<int32_t>(), T, cache.num_kv_heads, cache.head_dim,
+                  cache.k[layer].raw(), cache.v[layer].raw(), cache.dtype, ks, vs, stream_);
+}
+
+void CudaBackend::attention_paged(const KvCache& cache, int layer, const Tensor& q, const PagedBatch& batch,
+                                  float softmax_scale, bool fp8_attention, Tensor& out) {
+  FP8RL_CHECK(layer >= 0 && layer < cache.num_layers, "attention_paged: layer ", layer, " out of range");
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&q, &out, &batch.token_seq, &batch.token_pos, &batch.page_table})
+    check_dev(*t, "attention_paged tensor");
+  const int64_t T = q.dim(0);
+  const int Hq = static_cast<int>(q.dim(1)), hd = static_cast<int>(q.dim(2));
+  FP8RL_CHECK(hd == cache.head_dim && Hq % cache.num_kv_heads == 0, "attention_paged: q ", q.str(),
+              " does not match the cache (", cache.num_kv_heads, " KV heads of ", cache.head_dim, ")");
+  check_shape(out, q.shape(), "attention_paged out");
+  FP8RL_CHECK(out.dtype() == q.dtype(), "attention_paged: out must have q's dtype");
+  check_shape(batch.token_seq, {T}, "attention_paged token_seq");
+  check_shape(batch.token_pos, {T}, "attention_paged token_pos");
+  FP8RL_CHECK(batch.page_table.ndim() == 2, "attention_paged: page_table must be [B, max_pages]");
+  const bool e4m3 = cache.dtype == DType::E4M3;
+  const float* ks = e4m3 ? cache.k_scale.data<float>() + static_cast<int64_t>(layer) * cache.num_kv_heads : nullptr;
+  const float* vs = e4m3 ? cache.v_scale.data<float>() + static_cast<int64_t>(layer) * cache.num_kv_heads : nullptr;
+  launch_attention_paged(q.raw(), q.dtype(), batch.token_seq.data<int32_t>(), batch.token_pos.data<int32_t>(),
+                         batch.page_table.data<int32_t>(), static_cast<int>(batch.page_table.dim(1)), T, Hq,
+                         cache.num_kv_heads, hd, cache.page_size, cache.k[layer].raw(), cache.v[layer].raw(),
+                         cache.dtype, ks, vs, softmax_scale, fp8_attention, out.raw(), stream_);
+}
+
+void CudaBackend::sample(const Tensor& logits, const std::vector<float>& temperature, const std::vector<float>& top_p,
+                         const std::vector<int>& top_k, const std::vector<float>& uniforms, Tensor& tokens,
+                         Tensor& logp) {
+  // First pass: the CPU reference on the host (exact parity; a GPU sampler comes later).
+  check_dev(logits, "sample logits");
+  check_dev(tokens, "sample tokens");
+  check_dev(logp, "sample logp");
+  Tensor hl = to_host(logits);
+  Tensor ht = Tensor::empty(tokens.shape(), tokens.dtype()), hp = Tensor::empty(logp.shape(), logp.dtype());
+  static std::unique_ptr<Backend> cpu = make_cpu_backend();
+  cpu->sample(hl, temperature, top_p, top_k, uniforms, ht, hp);
+  copy(ht, tokens);
+  copy(hp, logp);
+}
+
+}  // namespace cuda
+
+std::unique_ptr<Backend> make_cuda_backend(int device_index) {
+  return std::make_unique<cuda::CudaBackend>(device_index);
+}
+
 }  // namespace fp8rl

@@ -1,0 +1,90 @@
+// Device-side helpers shared by the CUDA kernels: element loads/stores as FP32 for the
+// activation dtypes (F32, BF16), the bit-exact BF16 codec (same as core/dtype.cpp), warp and
+// block reductions, and the dtype dispatch used by the launchers.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "core/dtype.h"
+#include "core/error.h"
+
+namespace fp8rl::cuda {
+
+using bf16 = __nv_bfloat16;
+
+// BF16 round-to-nearest-even with the NaN rule of bf16_from_float (dtype.cpp): bit-exact.
+__device__ __forceinline__ uint16_t bf16_bits_from_float(float x) {
+  uint32_t u = __float_as_uint(x);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x0040u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+__device__ __forceinline__ float bf16_bits_to_float(uint16_t h) { return __uint_as_float(static_cast<uint32_t>(h) << 16); }
+
+__device__ __forceinline__ float load_f(const float* p, int64_t i) { return p[i]; }
+__device__ __forceinline__ float load_f(const bf16* p, int64_t i) {
+  return bf16_bits_to_float(reinterpret_cast<const uint16_t*>(p)[i]);
+}
+__device__ __forceinline__ void store_f(float* p, int64_t i, float v) { p[i] = v; }
+__device__ __forceinline__ void store_f(bf16* p, int64_t i, float v) {
+  reinterpret_cast<uint16_t*>(p)[i] = bf16_bits_from_float(v);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+__device__ __forceinline__ double warp_sum_d(double v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Sum / max over a block of blockDim.x threads (a multiple of 32, at most 1024). `shared` holds
+// 32 floats. Every thread gets the result.
+__device__ __forceinline__ float block_sum(float v, float* shared) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+  v = warp_sum(v);
+  __syncthreads();
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  v = lane < nw ? shared[lane] : 0.0f;
+  return warp_sum(v);
+}
+__device__ __forceinline__ float block_max(float v, float* shared) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+  v = warp_max(v);
+  __syncthreads();
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  v = lane < nw ? shared[lane] : -INFINITY;
+  return warp_max(v);
+}
+
+inline unsigned grid_for(int64_t n, int threads, int64_t cap = 65535LL * 16) {
+  int64_t g = (n + threads - 1) / threads;
+  if (g < 1) g = 1;
+  return static_cast<unsigned>(g < cap ? g : cap);
+}
+
+}  // namespace fp8rl::cuda
+
+// Runs the body with `T` = float or bf16 according to a DType (F32/BF16 only).
+#define FP8RL_DISPATCH_FLOAT(dtype, what, ...)                                               \
+  do {                                                                                       \
+    if ((dtype) == ::fp8rl::DType::F32) {                                                    \
+      using T = float;                                                                       \
+      __VA_ARGS__;                                                                           \
+    } else if ((dtype) == ::fp8rl::DType::BF16) {                                            \
+      using T = ::fp8rl::cuda::bf16;                                                         \
+      __VA_ARGS__;                                                                           \
+    } else {                                                                                 \
+      FP8RL_FAIL(what, ": the CUDA backend supports F32 and BF16 here, got ",                \
+                 ::fp8rl::dtype_name(dtype));                                                \
+    }                                                                                        \
+  } while (0)

@@ -1,0 +1,103 @@
+// The CUDA backend: the ops of backend/backend.h on one GPU, one stream. Memory is plain
+// cudaMalloc (Storage released with cudaFree); kernels live in *_kernels.cu, GEMMs in gemm.*.
+// Activations are BF16 (act_dtype), every op also accepts F32 (the parity tests use both).
+// Errors: CUDA_CHECK / CUBLAS_CHECK (cuda_check.h); data errors found on the device (non-finite
+// quantizer input, out-of-range ids) are raised through a device flag checked after the op.
+//
+// First-pass limitations (documented, tested): attention kernels are one warp per (token, head)
+// with an online softmax (no T x T scores, no tensor cores yet); sample() runs the CPU
+// reference on the host (logits copied back).
+#pragma once
+#include <cuda_runtime.h>
+
+#include <memory>
+#include <vector>
+
+#include "backend/backend.h"
+#include "backend/cuda/gemm.h"
+
+namespace fp8rl::cuda {
+
+class CudaBackend final : public Backend {
+ public:
+  explicit CudaBackend(int device_index);
+  ~CudaBackend() override;
+
+  DeviceKind device() const override { return DeviceKind::CUDA; }
+  std::string name() const override;
+  DType act_dtype() const override { return DType::BF16; }
+
+  Tensor alloc(const Shape& shape, DType dtype) override;
+  void copy(const Tensor& src, Tensor& dst) override;
+  void convert(const Tensor& src, Tensor& dst) override;
+  void fill(Tensor& t, float value) override;
+  void synchronize() override;
+
+  void add(const Tensor& a, const Tensor& b, Tensor& out) override;
+  void scale(Tensor& x, float s) override;
+  double sum_squares(const Tensor& x) override;
+  bool all_finite(const Tensor& x) override;
+
+  void embedding(const Tensor& ids, const Tensor& table, Tensor& out) override;
+  void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable) override;
+  void rmsnorm(const Tensor& x, const Tensor& w, float eps, Tensor& out, Tensor* rstd) override;
+  void rmsnorm_backward(const Tensor& dout, const Tensor& x, const Tensor& w, const Tensor& rstd, Tensor& dx,
+                        Tensor& dw) override;
+  void linear(const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor& out) override;
+  void linear_backward(const Tensor& dy, const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor* dx,
+                       Tensor* dw, Tensor* dbias) override;
+  void rope(Tensor& x, const Tensor& positions, const RopeParams& rope, bool inverse) override;
+  void attention(const Tensor& q, const Tensor& k, const Tensor& v, const std::vector<int32_t>& cu_seqlens,
+                 float softmax_scale, Tensor& out, Tensor& lse) override;
+  void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                          const Tensor& lse, const std::vector<int32_t>& cu_seqlens, float softmax_scale, Tensor& dq,
+                          Tensor& dk, Tensor& dv) override;
+  void swiglu(const Tensor& gate, const Tensor& up, Tensor& out) override;
+  void swiglu_backward(const Tensor& dout, const Tensor& gate, const Tensor& up, Tensor& dgate, Tensor& dup) override;
+  void token_logprobs(const Tensor& hidden, const Tensor& lm_head, const Tensor& targets, float temperature,
+                      const LinearSpec& spec, Tensor& logp, Tensor& lse, Tensor* entropy) override;
+  void token_logprobs_backward(const Tensor& hidden, const Tensor& lm_head, const Tensor& targets, float temperature,
+                               const LinearSpec& spec, const Tensor& lse, const Tensor& dlogp, Tensor& dhidden,
+                               Tensor* dlm_head) override;
+  void adamw(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWParams& p) override;
+  void quantize(const Tensor& x, bool transpose, QuantTensor& out) override;
+  void kv_write(KvCache& cache, int layer, const Tensor& k, const Tensor& v, const PagedBatch& batch) override;
+  void attention_paged(const KvCache& cache, int layer, const Tensor& q, const PagedBatch& batch,
+                       float softmax_scale, bool fp8_attention, Tensor& out) override;
+  void sample(const Tensor& logits, const std::vector<float>& temperature, const std::vector<float>& top_p,
+              const std::vector<int>& top_k, const std::vector<float>& uniforms, Tensor& tokens,
+              Tensor& logp) override;
+
+  // ---- for the benchmark and tests ----
+  cudaStream_t stream() const { return stream_; }
+  GemmEngine& gemm() { return *gemm_; }
+  // Launches the quantizer without the host-side non-finite check (no synchronization).
+  void quantize_async(const Tensor& x, bool transpose, QuantTensor& out);
+
+ private:
+  enum Slot {
+    kSlotA, kSlotB, kSlotC, kSlotAq, kSlotAs, kSlotBq, kSlotBs, kSlotLogits, kSlotState, kSlotDh, kSlotIdx,
+    kSlotAttn, kSlotTmp, kSlotCount
+  };
+  // A device buffer reused across calls (grown on demand); valid until the next scratch(slot).
+  Tensor scratch(Slot slot, const Shape& shape, DType dtype);
+  QuantTensor scratch_quant(Slot data_slot, Slot scale_slot, int64_t rows, int64_t cols, int block_rows, bool pow2);
+  // Device flag protocol: reset before, check after (synchronizes).
+  int* flag_reset();
+  void flag_check(const std::string& message);
+  // C[M, N] = op(A) op(B) + beta C with A, B converted to `ab` (F32 or BF16) when they differ.
+  void mm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const Tensor& A, const Tensor& B, DType ab, Tensor& C,
+          float beta);
+  void linear_fwd(const Tensor& x2, const LinearWeight& W, const LinearSpec& spec, Tensor& out2);
+  void check_dev(const Tensor& t, const char* what) const;
+
+  int device_ = 0;
+  cudaStream_t stream_ = nullptr;
+  std::unique_ptr<GemmEngine> gemm_;
+  int* flag_dev_ = nullptr;
+  int* flag_host_ = nullptr;
+  std::vector<std::shared_ptr<Storage>> slots_;
+  std::string name_;
+};
+
+}  // namespace fp8rl::cuda

@@ -1,0 +1,161 @@
+// Element-wise kernels and reductions: fill, dtype conversion, add, scale, sum of squares,
+// non-finite detection, bias add and bias gradient. Grid-stride loops; FP32 math.
+#include <cuda_fp16.h>
+
+#include <algorithm>
+
+#include "backend/cuda/common.cuh"
+#include "backend/cuda/cuda_check.h"
+#include "backend/cuda/kernels.h"
+#include "quant/quant.h"
+
+namespace fp8rl::cuda {
+
+namespace {
+
+#define GRID_STRIDE(i, n)                                                                          \
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < (n); \
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+
+// Element access for every float dtype the backend stores (code 0 F32, 1 BF16, 2 F16).
+__device__ __forceinline__ float load_any(const void* p, int t, int64_t i) {
+  if (t == 0) return static_cast<const float*>(p)[i];
+  if (t == 1) return bf16_bits_to_float(static_cast<const uint16_t*>(p)[i]);
+  return __half2float(static_cast<const __half*>(p)[i]);
+}
+__device__ __forceinline__ void store_any(void* p, int t, int64_t i, float v) {
+  if (t == 0) {
+    static_cast<float*>(p)[i] = v;
+  } else if (t == 1) {
+    static_cast<uint16_t*>(p)[i] = bf16_bits_from_float(v);
+  } else {
+    uint16_t h;
+    if (isnan(v)) {
+      h = static_cast<uint16_t>(((__float_as_uint(v) >> 16) & 0x8000u) | 0x7e00u);
+    } else {
+      __half hv = __float2half_rn(v);
+      h = *reinterpret_cast<uint16_t*>(&hv);
+    }
+    static_cast<uint16_t*>(p)[i] = h;
+  }
+}
+int code(DType t) {
+  switch (t) {
+    case DType::F32: return 0;
+    case DType::BF16: return 1;
+    case DType::F16: return 2;
+    default: FP8RL_FAIL("expected a float dtype (F32, BF16, F16), got ", dtype_name(t));
+  }
+}
+
+__global__ void fill_kernel(void* p, int t, int64_t n, float v) {
+  GRID_STRIDE(i, n) store_any(p, t, i, v);
+}
+__global__ void fill_i32_kernel(int32_t* p, int64_t n, int32_t v) {
+  GRID_STRIDE(i, n) p[i] = v;
+}
+__global__ void convert_kernel(const void* s, int st, void* d, int dt, int64_t n) {
+  GRID_STRIDE(i, n) store_any(d, dt, i, load_any(s, st, i));
+}
+__global__ void add_kernel(const void* a, int at, const void* b, int bt, void* o, int ot, int64_t n) {
+  GRID_STRIDE(i, n) store_any(o, ot, i, load_any(a, at, i) + load_any(b, bt, i));
+}
+__global__ void scale_kernel(void* x, int t, int64_t n, float s) {
+  GRID_STRIDE(i, n) store_any(x, t, i, load_any(x, t, i) * s);
+}
+__global__ void sum_squares_kernel(const void* x, int t, int64_t n, double* out) {
+  double acc = 0.0;
+  GRID_STRIDE(i, n) {
+    const double v = load_any(x, t, i);
+    acc += v * v;
+  }
+  acc = warp_sum_d(acc);
+  if ((threadIdx.x & 31) == 0) atomicAdd(out, acc);
+}
+__global__ void nonfinite_kernel(const void* x, int t, int64_t n, int* flag) {
+  bool bad = false;
+  GRID_STRIDE(i, n) bad |= !isfinite(load_any(x, t, i));
+  if (__any_sync(0xffffffffu, bad) && (threadIdx.x & 31) == 0) atomicExch(flag, 1);
+}
+__global__ void add_bias_kernel(void* o, int ot, const void* b, int bt, int64_t rows, int64_t cols) {
+  GRID_STRIDE(i, rows * cols) store_any(o, ot, i, load_any(o, ot, i) + load_any(b, bt, i % cols));
+}
+// Column sums: block (32 x 8) covers 32 columns and strides over rows; one atomic per column.
+__global__ void bias_grad_kernel(const void* dy, int t, int64_t rows, int64_t cols, float* dbias) {
+  __shared__ float part[8][33];
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x;
+  float acc = 0.0f;
+  if (c < cols)
+    for (int64_t r = static_cast<int64_t>(blockIdx.y) * 8 + threadIdx.y; r < rows; r += 8LL * gridDim.y)
+      acc += load_any(dy, t, r * cols + c);
+  part[threadIdx.y][threadIdx.x] = acc;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < cols) {
+    float s = 0.0f;
+    for (int j = 0; j < 8; ++j) s += part[j][threadIdx.x];
+    atomicAdd(dbias + c, s);
+  }
+}
+
+}  // namespace
+
+void launch_fill(void* p, DType dtype, int64_t n, float value, cudaStream_t stream) {
+  if (n == 0) return;
+  if (dtype == DType::I32) {
+    fill_i32_kernel<<<grid_for(n, 256), 256, 0, stream>>>(static_cast<int32_t*>(p), n, static_cast<int32_t>(value));
+  } else if (dtype == DType::E4M3 || dtype == DType::U8) {
+    FP8RL_CHECK(value == 0.0f, "fill of ", dtype_name(dtype), " supports only 0");
+    CUDA_CHECK(cudaMemsetAsync(p, 0, static_cast<size_t>(n), stream), "zero-filling a byte tensor");
+    return;
+  } else {
+    fill_kernel<<<grid_for(n, 256), 256, 0, stream>>>(p, code(dtype), n, value);
+  }
+  CUDA_CHECK_LAUNCH("fill_kernel");
+}
+
+void launch_convert(const void* src, DType sdt, void* dst, DType ddt, int64_t n, cudaStream_t stream) {
+  if (n == 0) return;
+  convert_kernel<<<grid_for(n, 256), 256, 0, stream>>>(src, code(sdt), dst, code(ddt), n);
+  CUDA_CHECK_LAUNCH("convert_kernel");
+}
+
+void launch_add(const void* a, DType adt, const void* b, DType bdt, void* out, DType odt, int64_t n,
+                cudaStream_t stream) {
+  if (n == 0) return;
+  add_kernel<<<grid_for(n, 256), 256, 0, stream>>>(a, code(adt), b, code(bdt), out, code(odt), n);
+  CUDA_CHECK_LAUNCH("add_kernel");
+}
+
+void launch_scale(void* x, DType dtype, int64_t n, float s, cudaStream_t stream) {
+  if (n == 0) return;
+  scale_kernel<<<grid_for(n, 256), 256, 0, stream>>>(x, code(dtype), n, s);
+  CUDA_CHECK_LAUNCH("scale_kernel");
+}
+
+void launch_sum_squares(const void* x, DType dtype, int64_t n, double* out, cudaStream_t stream) {
+  if (n == 0) return;
+  sum_squares_kernel<<<grid_for(n, 256, 4096), 256, 0, stream>>>(x, code(dtype), n, out);
+  CUDA_CHECK_LAUNCH("sum_squares_kernel");
+}
+
+void launch_flag_nonfinite(const void* x, DType dtype, int64_t n, int* flag, cudaStream_t stream) {
+  if (n == 0) return;
+  nonfinite_kernel<<<grid_for(n, 256, 4096), 256, 0, stream>>>(x, code(dtype), n, flag);
+  CUDA_CHECK_LAUNCH("nonfinite_kernel");
+}
+
+void launch_add_bias(void* out, DType odt, const void* bias, DType bdt, int64_t rows, int64_t cols,
+                     cudaStream_t stream) {
+  if (rows * cols == 0) return;
+  add_bias_kernel<<<grid_for(rows * cols, 256), 256, 0, stream>>>(out, code(odt), bias, code(bdt), rows, cols);
+  CUDA_CHECK_LAUNCH("add_bias_kernel");
+}
+
+void launch_bias_grad(const void* dy, DType dt, int64_t rows, int64_t cols, float* dbias, cudaStream_t stream) {
+  if (rows * cols == 0) return;
+  dim3 grid(static_cast<unsigned>(ceil_div(cols, 32)), static_cast<unsigned>(std::min<int64_t>(ceil_div(rows, 8), 64)));
+  bias_grad_kernel<<<grid, dim3(32, 8), 0, stream>>>(dy, code(dt), rows, cols, dbias);
+  CUDA_CHECK_LAUNCH("bias_grad_kernel");
+}
+
+}  // namespace fp8rl::cuda

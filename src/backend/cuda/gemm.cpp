@@ -1,0 +1,183 @@
+#include "backend/cuda/gemm.h"
+
+#include "backend/cuda/cuda_check.h"
+#include "backend/cuda/kernels.h"
+#include "quant/quant.h"
+
+namespace fp8rl::cuda {
+
+namespace {
+
+constexpr size_t kWorkspaceBytes = 32u << 20;  // cuBLAS's recommendation for Hopper
+
+cudaDataType_t cuda_type(DType t) {
+  switch (t) {
+    case DType::F32: return CUDA_R_32F;
+    case DType::BF16: return CUDA_R_16BF;
+    case DType::F16: return CUDA_R_16F;
+    case DType::E4M3: return CUDA_R_8F_E4M3;
+    default: FP8RL_FAIL("GEMM: unsupported dtype ", dtype_name(t));
+  }
+}
+
+// RAII holders for the cuBLASLt descriptors of one call.
+struct Desc {
+  cublasLtMatmulDesc_t d = nullptr;
+  ~Desc() { if (d) cublasLtMatmulDescDestroy(d); }
+};
+struct Layout {
+  cublasLtMatrixLayout_t l = nullptr;
+  ~Layout() { if (l) cublasLtMatrixLayoutDestroy(l); }
+};
+struct Pref {
+  cublasLtMatmulPreference_t p = nullptr;
+  ~Pref() { if (p) cublasLtMatmulPreferenceDestroy(p); }
+};
+
+int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
+
+}  // namespace
+
+GemmEngine::GemmEngine(cudaStream_t stream) : stream_(stream) {
+  CUBLAS_CHECK(cublasLtCreate(&handle_), "creating the cuBLASLt handle");
+  workspace_ = cuda_malloc(kWorkspaceBytes, "the cuBLASLt workspace");
+  workspace_bytes_ = kWorkspaceBytes;
+}
+
+GemmEngine::~GemmEngine() {
+  if (scales_) cudaFree(scales_);
+  if (workspace_) cudaFree(workspace_);
+  if (handle_) cublasLtDestroy(handle_);
+}
+
+float* GemmEngine::scale_scratch(size_t floats) {
+  if (floats > scales_floats_) {
+    if (scales_) CUDA_CHECK(cudaFree(scales_), "freeing the GEMM scale scratch");
+    scales_floats_ = floats * 2;
+    scales_ = static_cast<float*>(cuda_malloc(scales_floats_ * sizeof(float), "the GEMM scale scratch"));
+  }
+  return scales_;
+}
+
+cublasLtMatmulAlgo_t GemmEngine::find_algo(const Key& key, cublasLtMatmulDesc_t desc, cublasLtMatrixLayout_t a,
+                                           cublasLtMatrixLayout_t b, cublasLtMatrixLayout_t c, const char* what) {
+  auto it = algos_.find(key);
+  if (it != algos_.end()) return it->second;
+  Pref pref;
+  CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref.p), "creating a matmul preference");
+  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref.p, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                    &workspace_bytes_, sizeof(workspace_bytes_)),
+               "setting the workspace size");
+  cublasLtMatmulHeuristicResult_t res{};
+  int n = 0;
+  CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle_, desc, a, b, c, c, pref.p, 1, &res, &n),
+               "asking cuBLASLt for a ", what, " algorithm (M=", std::get<5>(key), " N=", std::get<4>(key),
+               " K=", std::get<6>(key), ")");
+  FP8RL_CHECK(n > 0, "cuBLASLt has no ", what, " kernel for M=", std::get<5>(key), " N=", std::get<4>(key),
+              " K=", std::get<6>(key), "; use another precision for this layer");
+  algos_.emplace(key, res.algo);
+  return res.algo;
+}
+
+void GemmEngine::gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const void* A, const void* B, DType ab,
+                      void* C, DType c_dtype, float alpha, float beta) {
+  FP8RL_CHECK(ab == DType::F32 || ab == DType::BF16, "GEMM operands must be F32 or BF16, got ", dtype_name(ab));
+  FP8RL_CHECK(c_dtype == DType::F32 || c_dtype == DType::BF16, "GEMM output must be F32 or BF16, got ",
+              dtype_name(c_dtype));
+  FP8RL_CHECK(!(ab == DType::F32 && c_dtype != DType::F32), "an FP32 GEMM writes F32");
+  if (M == 0 || N == 0) return;
+  // Column-major view: C^T[N, M] = op(B)^T [N, K] * op(A)^T [K, M].
+  Desc desc;
+  const cublasComputeType_t compute = CUBLAS_COMPUTE_32F;  // never TF32
+  CUBLAS_CHECK(cublasLtMatmulDescCreate(&desc.d, compute, CUDA_R_32F), "creating a matmul descriptor");
+  const cublasOperation_t opa = tb ? CUBLAS_OP_T : CUBLAS_OP_N;  // cuBLAS A = our B
+  const cublasOperation_t opb = ta ? CUBLAS_OP_T : CUBLAS_OP_N;  // cuBLAS B = our A
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.d, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof(opa)), "TRANSA");
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.d, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof(opb)), "TRANSB");
+  Layout la, lb, lc;
+  // our B: [N, K] row-major (tb) = col-major [K, N] ld K; else [K, N] row-major = col-major [N, K] ld N.
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&la.l, cuda_type(ab), tb ? K : N, tb ? N : K, tb ? K : N), "layout A");
+  // our A: [K, M] row-major (ta) = col-major [M, K] ld M; else [M, K] = col-major [K, M] ld K.
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lb.l, cuda_type(ab), ta ? M : K, ta ? K : M, ta ? M : K), "layout B");
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lc.l, cuda_type(c_dtype), N, M, N), "layout C");
+  const Key key{0, static_cast<int>(ab), static_cast<int>(c_dtype), (ta ? 2 : 0) | (tb ? 1 : 0) | (beta != 0 ? 4 : 0),
+                N, M, K, 0, 0};
+  const char* what = ab == DType::F32 ? "FP32 GEMM" : "BF16 GEMM";
+  cublasLtMatmulAlgo_t algo = find_algo(key, desc.d, la.l, lb.l, lc.l, what);
+  CUBLAS_CHECK(cublasLtMatmul(handle_, desc.d, &alpha, B, la.l, A, lb.l, &beta, C, lc.l, C, lc.l, &algo, workspace_,
+                              workspace_bytes_, stream_),
+               what, " M=", M, " N=", N, " K=", K);
+}
+
+bool GemmEngine::fp8_supported(int64_t M, int64_t N, int64_t K) {
+  return M > 0 && N > 0 && K > 0 && M % 16 == 0 && N % 16 == 0 && K % kQuantBlock == 0;
+}
+
+int64_t GemmEngine::scale_buffer_floats(int64_t rows, int64_t K, int block_rows) {
+  const int64_t kb = ceil_div(K, kQuantBlock);
+  if (block_rows == 1) return kb * rows;
+  return ceil_div(rows, kQuantBlock) * round_up(kb, 4);
+}
+
+void GemmEngine::layout_scales(const float* src, int64_t rows, int64_t K, int block_rows, float* dst) {
+  const int64_t kb = ceil_div(K, kQuantBlock);
+  if (block_rows == 1) {
+    launch_scales_vec128(src, rows, kb, rows, dst, stream_);
+  } else {
+    launch_scales_blk(src, ceil_div(rows, kQuantBlock), kb, round_up(kb, 4), dst, stream_);
+  }
+}
+
+void GemmEngine::gemm_fp8(int64_t M, int64_t N, int64_t K, const uint8_t* a, const float* a_scales,
+                          const uint8_t* b, const float* b_scales, int b_block_rows, void* C, DType c_dtype,
+                          float alpha, float beta) {
+  FP8RL_CHECK(b_block_rows == 1 || b_block_rows == kQuantBlock, "FP8 GEMM: B blocks must be 1x128 or 128x128");
+  const int64_t na = scale_buffer_floats(M, K, 1);
+  const int64_t kb = ceil_div(K, kQuantBlock);
+  const bool b_as_is = b_block_rows == kQuantBlock && kb % 4 == 0;
+  const int64_t nb = b_as_is ? 0 : scale_buffer_floats(N, K, b_block_rows);
+  float* scratch = scale_scratch(static_cast<size_t>(na + nb));
+  layout_scales(a_scales, M, K, 1, scratch);
+  const float* b_lt = b_scales;
+  if (!b_as_is) {
+    layout_scales(b_scales, N, K, b_block_rows, scratch + na);
+    b_lt = scratch + na;
+  }
+  gemm_fp8_prelaid(M, N, K, a, scratch, b, b_lt, b_block_rows, C, c_dtype, alpha, beta);
+}
+
+void GemmEngine::gemm_fp8_prelaid(int64_t M, int64_t N, int64_t K, const uint8_t* a, const float* a_lt_scales,
+                                  const uint8_t* b, const float* b_lt_scales, int b_block_rows, void* C,
+                                  DType c_dtype, float alpha, float beta) {
+  FP8RL_CHECK(fp8_supported(M, N, K), "FP8 block GEMM: cuBLASLt needs M and N multiples of 16 and K a multiple of ",
+              "128, got M=", M, " N=", N, " K=", K, " (the backend falls back to a dequantized GEMM)");
+  FP8RL_CHECK(c_dtype == DType::F32 || c_dtype == DType::BF16, "FP8 GEMM output must be F32 or BF16");
+  Desc desc;
+  CUBLAS_CHECK(cublasLtMatmulDescCreate(&desc.d, CUBLAS_COMPUTE_32F, CUDA_R_32F), "creating an FP8 matmul descriptor");
+  const cublasOperation_t opt = CUBLAS_OP_T, opn = CUBLAS_OP_N;
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.d, CUBLASLT_MATMUL_DESC_TRANSA, &opt, sizeof(opt)), "TRANSA");
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.d, CUBLASLT_MATMUL_DESC_TRANSB, &opn, sizeof(opn)), "TRANSB");
+  // cuBLAS A = our B (weights or dY^T), cuBLAS B = our A (activations).
+  const int32_t mode_a = b_block_rows == 1 ? CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F
+                                           : CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
+  const int32_t mode_b = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.d, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode_a, sizeof(mode_a)),
+               "setting the A scale mode");
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.d, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode_b, sizeof(mode_b)),
+               "setting the B scale mode");
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.d, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &b_lt_scales,
+                                              sizeof(b_lt_scales)), "setting the A scale pointer");
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.d, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &a_lt_scales,
+                                              sizeof(a_lt_scales)), "setting the B scale pointer");
+  Layout la, lb, lc;
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&la.l, CUDA_R_8F_E4M3, K, N, K), "FP8 layout A");
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lb.l, CUDA_R_8F_E4M3, K, M, K), "FP8 layout B");
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lc.l, cuda_type(c_dtype), N, M, N), "FP8 layout C");
+  const Key key{1, b_block_rows, static_cast<int>(c_dtype), beta != 0 ? 4 : 0, N, M, K, 0, 0};
+  cublasLtMatmulAlgo_t algo = find_algo(key, desc.d, la.l, lb.l, lc.l, "FP8 block-scaled GEMM");
+  CUBLAS_CHECK(cublasLtMatmul(handle_, desc.d, &alpha, b, la.l, a, lb.l, &beta, C, lc.l, C, lc.l, &algo, workspace_,
+                              workspace_bytes_, stream_),
+               "FP8 block-scaled GEMM M=", M, " N=", N, " K=", K);
+}
+
+}  // namespace fp8rl::cuda

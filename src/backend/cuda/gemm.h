@@ -1,0 +1,78 @@
+// GEMMs through cuBLASLt, in row-major terms (cuBLAS is column-major: a row-major [r, c]
+// matrix is a column-major [c, r] one, so C = op(A) op(B) is issued as C^T = op(B)^T op(A)^T).
+//
+// gemm():      C[M, N] = alpha * op(A) op(B) + beta * C, FP32 accumulation.
+//              A is [M, K] (ta = false) or [K, M] (ta = true); B is [K, N] (tb = false) or
+//              [N, K] (tb = true). Types: F32 x F32 (FP32 math, no TF32) or BF16 x BF16;
+//              C is F32 or BF16.
+// gemm_fp8():  C[M, N] = alpha * A B^T + beta * C with A E4M3 [M, K] and B E4M3 [N, K], both
+//              K-major (cuBLAS "TN", the only FP8 layout), block-scaled:
+//                A: 1 x 128 blocks along K (activations, dY, X^T / dY^T along tokens);
+//                B: 1 x 128 along K, or 128 x 128 (weights).
+//              Scales are passed in our QuantTensor layout (row-major [rows / br, ceil(K / 128)])
+//              and rearranged here, on the stream, into what cuBLASLt 13 expects:
+//                VEC128_32F    (1 x 128):   [ceil(K/128)][rows]            (rows contiguous)
+//                BLK128x128_32F (128 x 128): [ceil(rows/128)][round_up(ceil(K/128), 4)]
+//              (the layouts torch._scaled_mm hands to cuBLASLt; the 128x128 one equals ours
+//              when ceil(K/128) is a multiple of 4, then no copy is made; the padded form for
+//              other K was verified on the H200 by tests/cuda (M=256, N=512, K=384)).
+//              fp8_supported() says whether cuBLASLt's block mode takes the shape (M, N
+//              multiples of 16, K a multiple of 128); callers fall back otherwise
+//              (backend: dequantize + FP32 GEMM, which computes the same quantized product).
+// Heuristics are cached per (types, layout, shape); one workspace serves every call.
+#pragma once
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <map>
+#include <tuple>
+
+#include "core/dtype.h"
+
+namespace fp8rl::cuda {
+
+class GemmEngine {
+ public:
+  explicit GemmEngine(cudaStream_t stream);
+  ~GemmEngine();
+  GemmEngine(const GemmEngine&) = delete;
+  GemmEngine& operator=(const GemmEngine&) = delete;
+
+  // See above. ab: F32 or BF16 (A and B alike); c_dtype: F32 or BF16.
+  void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const void* A, const void* B, DType ab,
+            void* C, DType c_dtype, float alpha, float beta);
+
+  static bool fp8_supported(int64_t M, int64_t N, int64_t K);
+  // a: E4M3 [M, K], a_scales F32 [M, ceil(K/128)] (1x128). b: E4M3 [N, K], b_scales F32
+  // [N, ceil(K/128)] when b_block_rows == 1, [ceil(N/128), ceil(K/128)] when 128.
+  void gemm_fp8(int64_t M, int64_t N, int64_t K, const uint8_t* a, const float* a_scales, const uint8_t* b,
+                const float* b_scales, int b_block_rows, void* C, DType c_dtype, float alpha, float beta);
+
+  // The scale rearrangement alone (exposed for the benchmark, which times pre-laid-out GEMMs).
+  // Writes into `dst` (device, at least scale_buffer_floats(...) floats).
+  static int64_t scale_buffer_floats(int64_t rows, int64_t K, int block_rows);
+  void layout_scales(const float* src, int64_t rows, int64_t K, int block_rows, float* dst);
+  // gemm_fp8 with scales already in cuBLASLt layout.
+  void gemm_fp8_prelaid(int64_t M, int64_t N, int64_t K, const uint8_t* a, const float* a_lt_scales,
+                        const uint8_t* b, const float* b_lt_scales, int b_block_rows, void* C, DType c_dtype,
+                        float alpha, float beta);
+
+  cudaStream_t stream() const { return stream_; }
+
+ private:
+  using Key = std::tuple<int, int, int, int, int64_t, int64_t, int64_t, int, int>;
+  cublasLtMatmulAlgo_t find_algo(const Key& key, cublasLtMatmulDesc_t desc, cublasLtMatrixLayout_t a,
+                                 cublasLtMatrixLayout_t b, cublasLtMatrixLayout_t c, const char* what);
+  float* scale_scratch(size_t floats);
+
+  cudaStream_t stream_;
+  cublasLtHandle_t handle_ = nullptr;
+  void* workspace_ = nullptr;
+  size_t workspace_bytes_ = 0;
+  float* scales_ = nullptr;
+  size_t scales_floats_ = 0;
+  std::map<Key, cublasLtMatmulAlgo_t> algos_;
+};
+
+}  // namespace fp8rl::cuda

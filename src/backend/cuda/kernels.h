@@ -1,0 +1,88 @@
+// Host-side launchers of the CUDA kernels (raw device pointers, shapes as integers). The
+// backend (cuda_backend.cu) validates tensors and calls these; every launcher checks its launch.
+// Float tensors are F32 or BF16 (`DType` arguments); math is FP32 inside.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "core/dtype.h"
+
+namespace fp8rl::cuda {
+
+// ---- quantization (quant_kernels.cu) ----
+// x [x_rows, x_cols]; q [R, C] with R, C = x's shape, swapped when `transpose`; scales
+// [ceil(R / block_rows), ceil(C / block_cols)]. Sets *bad_flag = 1 on non-finite input.
+void launch_quantize(const void* x, DType x_dtype, int64_t x_rows, int64_t x_cols, bool transpose, int block_rows,
+                     int block_cols, bool pow2, uint8_t* q, float* scales, int* bad_flag, cudaStream_t stream);
+void launch_dequantize(const uint8_t* q, const float* scales, int64_t rows, int64_t cols, int block_rows,
+                       int block_cols, void* out, DType out_dtype, cudaStream_t stream);
+void launch_scales_vec128(const float* s, int64_t rows, int64_t nb, int64_t ld, float* out, cudaStream_t stream);
+void launch_scales_blk(const float* s, int64_t rb, int64_t cb, int64_t ld, float* out, cudaStream_t stream);
+
+// ---- element-wise and reductions (elementwise_kernels.cu) ----
+void launch_fill(void* p, DType dtype, int64_t n, float value, cudaStream_t stream);
+void launch_convert(const void* src, DType sdt, void* dst, DType ddt, int64_t n, cudaStream_t stream);
+void launch_add(const void* a, DType adt, const void* b, DType bdt, void* out, DType odt, int64_t n,
+                cudaStream_t stream);
+void launch_scale(void* x, DType dtype, int64_t n, float s, cudaStream_t stream);
+void launch_sum_squares(const void* x, DType dtype, int64_t n, double* out, cudaStream_t stream);  // out zeroed by caller
+void launch_flag_nonfinite(const void* x, DType dtype, int64_t n, int* flag, cudaStream_t stream);
+// out[r, c] += bias[c] ; out [rows, cols].
+void launch_add_bias(void* out, DType odt, const void* bias, DType bdt, int64_t rows, int64_t cols, cudaStream_t stream);
+// dbias[c] += sum_r dy[r, c] ; dbias F32.
+void launch_bias_grad(const void* dy, DType dt, int64_t rows, int64_t cols, float* dbias, cudaStream_t stream);
+
+// ---- model ops (model_kernels.cu) ----
+void launch_embedding(const int32_t* ids, int64_t T, const void* table, DType tdt, int64_t V, int64_t D, void* out,
+                      DType odt, int* bad_flag, cudaStream_t stream);
+void launch_embedding_backward(const int32_t* ids, int64_t T, const void* dout, DType ddt, int64_t V, int64_t D,
+                               float* dtable, int* bad_flag, cudaStream_t stream);
+void launch_rmsnorm(const void* x, DType xdt, const void* w, DType wdt, int64_t R, int64_t D, float eps, void* out,
+                    DType odt, float* rstd, cudaStream_t stream);
+void launch_rmsnorm_backward(const void* dout, DType gdt, const void* x, DType xdt, const void* w, DType wdt,
+                             const float* rstd, int64_t R, int64_t D, void* dx, DType dxdt, float* dw,
+                             cudaStream_t stream);
+constexpr int kMaxRopeHalf = 256;
+struct RopeTable {
+  float inv_freq[kMaxRopeHalf];
+};
+void launch_rope(void* x, DType dt, int64_t T, int64_t H, int64_t hd, const int32_t* pos, const RopeTable& tab,
+                 float attention_scaling, bool inverse, cudaStream_t stream);
+void launch_swiglu(const void* g, const void* u, void* out, DType dt, int64_t n, cudaStream_t stream);
+void launch_swiglu_backward(const void* dout, const void* g, const void* u, void* dg, void* du, DType dt, int64_t n,
+                            cudaStream_t stream);
+void launch_adamw(float* p, const float* g, float* m, float* v, int64_t n, float lr, float beta1, float beta2,
+                  float eps, float wd, float bc1, float bc2, cudaStream_t stream);
+
+// ---- attention (attention_kernels.cu) ----
+// Packed causal GQA. seq_start[t]: first token of t's sequence; seq_end[t]: one past its last.
+void launch_attention(const void* q, const void* k, const void* v, DType dt, const int32_t* seq_start,
+                      int64_t T, int Hq, int Hkv, int hd, float scale, void* out, float* lse, cudaStream_t stream);
+void launch_attention_backward(const void* dout, const void* q, const void* k, const void* v, const void* out,
+                               DType dt, const float* lse, const int32_t* seq_start, const int32_t* seq_end,
+                               int64_t T, int Hq, int Hkv, int hd, float scale, void* dq, void* dk, void* dv,
+                               float* scratch_delta, cudaStream_t stream);
+// KV pool element type: F32, BF16 or E4M3 (then k_scale/v_scale [Hkv] of the layer apply).
+void launch_kv_write(const void* k, const void* v, DType src_dt, const int32_t* slots, int64_t T, int Hkv, int hd,
+                     void* kpool, void* vpool, DType pool_dt, const float* k_scale, const float* v_scale,
+                     cudaStream_t stream);
+void launch_attention_paged(const void* q, DType qdt, const int32_t* token_seq, const int32_t* token_pos,
+                            const int32_t* page_table, int max_pages, int64_t T, int Hq, int Hkv, int hd,
+                            int page_size, const void* kpool, const void* vpool, DType pool_dt, const float* k_scale,
+                            const float* v_scale, float scale, bool fp8_q, void* out, cudaStream_t stream);
+
+// ---- fused log-probabilities (logprob_kernels.cu) ----
+// Online log-sum-exp over one vocabulary chunk of raw logits [T, Vc] (F32) starting at v0;
+// state m, s, e (entropy accumulator) and tgt (target logit) of length T.
+void launch_logprob_chunk(const float* logits, int64_t T, int64_t Vc, int64_t v0, int64_t V, float inv_temp,
+                          const int32_t* targets, float* m, float* s, float* e, float* tgt, int* bad_flag,
+                          cudaStream_t stream);
+void launch_logprob_init(float* m, float* s, float* e, float* tgt, int64_t T, cudaStream_t stream);
+void launch_logprob_finish(const float* m, const float* s, const float* e, const float* tgt, int64_t T, float* logp,
+                           float* lse, float* entropy, cudaStream_t stream);
+// In place: logits [T, Vc] -> dlogits = dlogp[t] * (onehot - softmax) * inv_temp.
+void launch_logprob_grad_chunk(float* logits, int64_t T, int64_t Vc, int64_t v0, float inv_temp,
+                               const int32_t* targets, const float* lse, const float* dlogp, cudaStream_t stream);
+
+}  // namespace fp8rl::cuda

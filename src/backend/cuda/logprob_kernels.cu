@@ -1,0 +1,110 @@
+// Fused log-probabilities over vocabulary chunks: the backend computes raw logits for a chunk
+// of the vocabulary with a GEMM, and these kernels fold the chunk into a per-token online
+// log-sum-exp (m = running max, s = sum exp(l - m), e = sum exp(l - m) * l for the entropy),
+// pick the target's logit, and, in the backward, turn the chunk's logits into dlogits in place.
+#include "backend/cuda/common.cuh"
+#include "backend/cuda/cuda_check.h"
+#include "backend/cuda/kernels.h"
+
+namespace fp8rl::cuda {
+
+namespace {
+
+constexpr int kThreads = 256;
+
+__global__ void logprob_init_kernel(float* m, float* s, float* e, float* tgt, int64_t T) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < T;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    m[i] = -INFINITY;
+    s[i] = 0.0f;
+    e[i] = 0.0f;
+    tgt[i] = NAN;  // must be set by the chunk holding the target
+  }
+}
+
+// One block per token row.
+__global__ void logprob_chunk_kernel(const float* logits, int64_t Vc, int64_t v0, int64_t V, float inv_temp,
+                                     const int32_t* targets, float* m, float* s, float* e, float* tgt, int* bad) {
+  __shared__ float red[32];
+  const int64_t t = blockIdx.x;
+  const float* row = logits + t * Vc;
+  float cmax = -INFINITY;
+  for (int64_t j = threadIdx.x; j < Vc; j += blockDim.x) cmax = fmaxf(cmax, row[j] * inv_temp);
+  cmax = block_max(cmax, red);
+  const float m_old = m[t];
+  const float m_new = fmaxf(m_old, cmax);
+  float cs = 0.0f, ce = 0.0f;
+  for (int64_t j = threadIdx.x; j < Vc; j += blockDim.x) {
+    const float l = row[j] * inv_temp;
+    const float p = expf(l - m_new);
+    cs += p;
+    ce += p * l;
+  }
+  cs = block_sum(cs, red);
+  ce = block_sum(ce, red);
+  if (threadIdx.x == 0) {
+    const float corr = expf(m_old - m_new);  // 0 on the first chunk (m_old = -inf)
+    s[t] = s[t] * corr + cs;
+    e[t] = e[t] * corr + ce;
+    m[t] = m_new;
+    const int32_t y = targets[t];
+    if (y < 0 || y >= V) atomicExch(bad, 1);
+    else if (y >= v0 && y < v0 + Vc) tgt[t] = row[y - v0] * inv_temp;
+  }
+}
+
+__global__ void logprob_finish_kernel(const float* m, const float* s, const float* e, const float* tgt, int64_t T,
+                                      float* logp, float* lse, float* entropy) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < T;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float z = m[i] + logf(s[i]);
+    lse[i] = z;
+    logp[i] = tgt[i] - z;
+    if (entropy) entropy[i] = z - e[i] / s[i];
+  }
+}
+
+__global__ void logprob_grad_kernel(float* logits, int64_t T, int64_t Vc, int64_t v0, float inv_temp,
+                                    const int32_t* targets, const float* lse, const float* dlogp) {
+  const int64_t n = T * Vc;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t t = i / Vc, j = i % Vc;
+    const float p = expf(logits[i] * inv_temp - lse[t]);
+    const float onehot = (targets[t] == v0 + j) ? 1.0f : 0.0f;
+    logits[i] = dlogp[t] * (onehot - p) * inv_temp;
+  }
+}
+
+}  // namespace
+
+void launch_logprob_init(float* m, float* s, float* e, float* tgt, int64_t T, cudaStream_t stream) {
+  if (T == 0) return;
+  logprob_init_kernel<<<grid_for(T, 256), 256, 0, stream>>>(m, s, e, tgt, T);
+  CUDA_CHECK_LAUNCH("logprob_init_kernel");
+}
+
+void launch_logprob_chunk(const float* logits, int64_t T, int64_t Vc, int64_t v0, int64_t V, float inv_temp,
+                          const int32_t* targets, float* m, float* s, float* e, float* tgt, int* bad_flag,
+                          cudaStream_t stream) {
+  if (T == 0 || Vc == 0) return;
+  logprob_chunk_kernel<<<static_cast<unsigned>(T), kThreads, 0, stream>>>(logits, Vc, v0, V, inv_temp, targets, m, s,
+                                                                         e, tgt, bad_flag);
+  CUDA_CHECK_LAUNCH("logprob_chunk_kernel");
+}
+
+void launch_logprob_finish(const float* m, const float* s, const float* e, const float* tgt, int64_t T, float* logp,
+                           float* lse, float* entropy, cudaStream_t stream) {
+  if (T == 0) return;
+  logprob_finish_kernel<<<grid_for(T, 256), 256, 0, stream>>>(m, s, e, tgt, T, logp, lse, entropy);
+  CUDA_CHECK_LAUNCH("logprob_finish_kernel");
+}
+
+void launch_logprob_grad_chunk(float* logits, int64_t T, int64_t Vc, int64_t v0, float inv_temp,
+                               const int32_t* targets, const float* lse, const float* dlogp, cudaStream_t stream) {
+  if (T * Vc == 0) return;
+  logprob_grad_kernel<<<grid_for(T * Vc, 256), 256, 0, stream>>>(logits, T, Vc, v0, inv_temp, targets, lse, dlogp);
+  CUDA_CHECK_LAUNCH("logprob_grad_kernel");
+}
+
+}  // namespace fp8rl::cuda

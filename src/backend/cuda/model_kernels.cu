@@ -1,0 +1,239 @@
+// Model ops: embedding (+ backward), RMSNorm (+ backward), RoPE, SwiGLU (+ backward), AdamW.
+// Simple kernels (one block or one thread per row / element); FP32 math.
+#include "backend/cuda/common.cuh"
+#include "backend/cuda/cuda_check.h"
+#include "backend/cuda/kernels.h"
+#include "quant/quant.h"
+
+namespace fp8rl::cuda {
+
+namespace {
+
+template <class TT, class TO>
+__global__ void embedding_kernel(const int32_t* ids, const TT* table, int64_t V, int64_t D, TO* out, int* bad) {
+  const int64_t t = blockIdx.x;
+  const int32_t id = ids[t];
+  if (id < 0 || id >= V) {
+    if (threadIdx.x == 0) atomicExch(bad, 1);
+    for (int64_t d = threadIdx.x; d < D; d += blockDim.x) store_f(out, t * D + d, 0.0f);
+    return;
+  }
+  for (int64_t d = threadIdx.x; d < D; d += blockDim.x) store_f(out, t * D + d, load_f(table, id * D + d));
+}
+
+template <class TD>
+__global__ void embedding_backward_kernel(const int32_t* ids, const TD* dout, int64_t V, int64_t D, float* dtable,
+                                          int* bad) {
+  const int64_t t = blockIdx.x;
+  const int32_t id = ids[t];
+  if (id < 0 || id >= V) {
+    if (threadIdx.x == 0) atomicExch(bad, 1);
+    return;
+  }
+  for (int64_t d = threadIdx.x; d < D; d += blockDim.x) atomicAdd(dtable + id * D + d, load_f(dout, t * D + d));
+}
+
+// One block per row.
+template <class TX, class TW, class TO>
+__global__ void rmsnorm_kernel(const TX* x, const TW* w, int64_t D, float eps, TO* out, float* rstd) {
+  __shared__ float red[32];
+  const int64_t r = blockIdx.x;
+  float ss = 0.0f;
+  for (int64_t d = threadIdx.x; d < D; d += blockDim.x) {
+    const float v = load_f(x, r * D + d);
+    ss += v * v;
+  }
+  ss = block_sum(ss, red);
+  const float rs = 1.0f / sqrtf(ss / static_cast<float>(D) + eps);
+  if (rstd && threadIdx.x == 0) rstd[r] = rs;
+  for (int64_t d = threadIdx.x; d < D; d += blockDim.x) store_f(out, r * D + d, load_f(x, r * D + d) * rs * load_f(w, d));
+}
+
+// dx = rs * (w * g) - x * rs^3 / D * sum(w * g * x).
+template <class TG, class TX, class TW, class TO>
+__global__ void rmsnorm_backward_kernel(const TG* g, const TX* x, const TW* w, const float* rstd, int64_t D, TO* dx) {
+  __shared__ float red[32];
+  const int64_t r = blockIdx.x;
+  const float rs = rstd[r];
+  float dot = 0.0f;
+  for (int64_t d = threadIdx.x; d < D; d += blockDim.x)
+    dot += load_f(g, r * D + d) * load_f(w, d) * load_f(x, r * D + d);
+  dot = block_sum(dot, red);
+  const float c = rs * rs * rs * dot / static_cast<float>(D);
+  for (int64_t d = threadIdx.x; d < D; d += blockDim.x)
+    store_f(dx, r * D + d, rs * load_f(g, r * D + d) * load_f(w, d) - load_f(x, r * D + d) * c);
+}
+
+// dw[d] += sum_r g[r, d] * x[r, d] * rstd[r]; block (32 x 8) per 32 columns x row chunk.
+template <class TG, class TX>
+__global__ void rmsnorm_dw_kernel(const TG* g, const TX* x, const float* rstd, int64_t R, int64_t D, float* dw) {
+  __shared__ float part[8][33];
+  const int64_t d = static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x;
+  float acc = 0.0f;
+  if (d < D)
+    for (int64_t r = static_cast<int64_t>(blockIdx.y) * 8 + threadIdx.y; r < R; r += 8LL * gridDim.y)
+      acc += load_f(g, r * D + d) * load_f(x, r * D + d) * rstd[r];
+  part[threadIdx.y][threadIdx.x] = acc;
+  __syncthreads();
+  if (threadIdx.y == 0 && d < D) {
+    float s = 0.0f;
+    for (int j = 0; j < 8; ++j) s += part[j][threadIdx.x];
+    atomicAdd(dw + d, s);
+  }
+}
+
+template <class T>
+__global__ void rope_kernel(T* x, int64_t T_, int64_t H, int64_t hd, const int32_t* pos, RopeTable tab, float att,
+                            bool inverse) {
+  const int64_t half = hd / 2;
+  const int64_t n = T_ * H * half;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t j = i % half, th = i / half, t = th / H;
+    const float angle = static_cast<float>(pos[t]) * tab.inv_freq[j];
+    const float c = cosf(angle) * att;
+    float s = sinf(angle) * att;
+    if (inverse) s = -s;
+    const int64_t base = th * hd;
+    const float x1 = load_f(x, base + j), x2 = load_f(x, base + j + half);
+    store_f(x, base + j, x1 * c - x2 * s);
+    store_f(x, base + j + half, x2 * c + x1 * s);
+  }
+}
+
+__device__ __forceinline__ float sigmoidf_(float g) { return 1.0f / (1.0f + expf(-g)); }
+
+template <class T>
+__global__ void swiglu_kernel(const T* g, const T* u, T* out, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float gv = load_f(g, i);
+    store_f(out, i, gv * sigmoidf_(gv) * load_f(u, i));
+  }
+}
+
+template <class T>
+__global__ void swiglu_backward_kernel(const T* dout, const T* g, const T* u, T* dg, T* du, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float gv = load_f(g, i), uv = load_f(u, i), d = load_f(dout, i);
+    const float sg = sigmoidf_(gv);
+    store_f(du, i, d * gv * sg);
+    store_f(dg, i, d * uv * sg * (1.0f + gv * (1.0f - sg)));
+  }
+}
+
+__global__ void adamw_kernel(float* p, const float* g, float* m, float* v, int64_t n, float lr, float b1, float b2,
+                             float eps, float wd, float bc1, float bc2) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float gi = g[i];
+    const float mi = b1 * m[i] + (1.0f - b1) * gi;
+    const float vi = b2 * v[i] + (1.0f - b2) * gi * gi;
+    m[i] = mi;
+    v[i] = vi;
+    float pi = p[i] * (1.0f - lr * wd);
+    const float denom = sqrtf(vi) / sqrtf(bc2) + eps;
+    pi -= (lr / bc1) * mi / denom;
+    p[i] = pi;
+  }
+}
+
+}  // namespace
+
+void launch_embedding(const int32_t* ids, int64_t ntok, const void* table, DType tdt, int64_t V, int64_t D, void* out,
+                      DType odt, int* bad_flag, cudaStream_t stream) {
+  if (ntok == 0) return;
+  FP8RL_DISPATCH_FLOAT(tdt, "embedding table", {
+    using TT = T;
+    FP8RL_DISPATCH_FLOAT(odt, "embedding output", {
+      embedding_kernel<TT, T><<<static_cast<unsigned>(ntok), 256, 0, stream>>>(
+          ids, static_cast<const TT*>(table), V, D, static_cast<T*>(out), bad_flag);
+    });
+  });
+  CUDA_CHECK_LAUNCH("embedding_kernel");
+}
+
+void launch_embedding_backward(const int32_t* ids, int64_t ntok, const void* dout, DType ddt, int64_t V, int64_t D,
+                               float* dtable, int* bad_flag, cudaStream_t stream) {
+  if (ntok == 0) return;
+  FP8RL_DISPATCH_FLOAT(ddt, "embedding gradient", {
+    embedding_backward_kernel<T><<<static_cast<unsigned>(ntok), 256, 0, stream>>>(ids, static_cast<const T*>(dout), V,
+                                                                                 D, dtable, bad_flag);
+  });
+  CUDA_CHECK_LAUNCH("embedding_backward_kernel");
+}
+
+void launch_rmsnorm(const void* x, DType xdt, const void* w, DType wdt, int64_t R, int64_t D, float eps, void* out,
+                    DType odt, float* rstd, cudaStream_t stream) {
+  if (R == 0) return;
+  FP8RL_CHECK(xdt == odt, "rmsnorm: x and out must have the same dtype");
+  FP8RL_DISPATCH_FLOAT(wdt, "rmsnorm weight", {
+    using TW = T;
+    FP8RL_DISPATCH_FLOAT(xdt, "rmsnorm input", {
+      rmsnorm_kernel<T, TW, T><<<static_cast<unsigned>(R), 256, 0, stream>>>(
+          static_cast<const T*>(x), static_cast<const TW*>(w), D, eps, static_cast<T*>(out), rstd);
+    });
+  });
+  CUDA_CHECK_LAUNCH("rmsnorm_kernel");
+}
+
+void launch_rmsnorm_backward(const void* dout, DType gdt, const void* x, DType xdt, const void* w, DType wdt,
+                             const float* rstd, int64_t R, int64_t D, void* dx, DType dxdt, float* dw,
+                             cudaStream_t stream) {
+  if (R == 0) return;
+  FP8RL_CHECK(gdt == xdt && xdt == dxdt, "rmsnorm_backward: dout, x and dx must have the same dtype");
+  FP8RL_DISPATCH_FLOAT(wdt, "rmsnorm weight", {
+    using TW = T;
+    FP8RL_DISPATCH_FLOAT(xdt, "rmsnorm input", {
+      rmsnorm_backward_kernel<T, T, TW, T><<<static_cast<unsigned>(R), 256, 0, stream>>>(
+          static_cast<const T*>(dout), static_cast<const T*>(x), static_cast<const TW*>(w), rstd, D,
+          static_cast<T*>(dx));
+      CUDA_CHECK_LAUNCH("rmsnorm_backward_kernel");
+      dim3 grid(static_cast<unsigned>(ceil_div(D, 32)), static_cast<unsigned>(std::min<int64_t>(ceil_div(R, 8), 64)));
+      rmsnorm_dw_kernel<T, T><<<grid, dim3(32, 8), 0, stream>>>(static_cast<const T*>(dout),
+                                                                static_cast<const T*>(x), rstd, R, D, dw);
+      CUDA_CHECK_LAUNCH("rmsnorm_dw_kernel");
+    });
+  });
+}
+
+void launch_rope(void* x, DType dt, int64_t T_, int64_t H, int64_t hd, const int32_t* pos, const RopeTable& tab,
+                 float attention_scaling, bool inverse, cudaStream_t stream) {
+  const int64_t n = T_ * H * (hd / 2);
+  if (n == 0) return;
+  FP8RL_DISPATCH_FLOAT(dt, "rope", {
+    rope_kernel<T><<<grid_for(n, 256), 256, 0, stream>>>(static_cast<T*>(x), T_, H, hd, pos, tab, attention_scaling,
+                                                         inverse);
+  });
+  CUDA_CHECK_LAUNCH("rope_kernel");
+}
+
+void launch_swiglu(const void* g, const void* u, void* out, DType dt, int64_t n, cudaStream_t stream) {
+  if (n == 0) return;
+  FP8RL_DISPATCH_FLOAT(dt, "swiglu", {
+    swiglu_kernel<T><<<grid_for(n, 256), 256, 0, stream>>>(static_cast<const T*>(g), static_cast<const T*>(u),
+                                                           static_cast<T*>(out), n);
+  });
+  CUDA_CHECK_LAUNCH("swiglu_kernel");
+}
+
+void launch_swiglu_backward(const void* dout, const void* g, const void* u, void* dg, void* du, DType dt, int64_t n,
+                            cudaStream_t stream) {
+  if (n == 0) return;
+  FP8RL_DISPATCH_FLOAT(dt, "swiglu_backward", {
+    swiglu_backward_kernel<T><<<grid_for(n, 256), 256, 0, stream>>>(
+        static_cast<const T*>(dout), static_cast<const T*>(g), static_cast<const T*>(u), static_cast<T*>(dg),
+        static_cast<T*>(du), n);
+  });
+  CUDA_CHECK_LAUNCH("swiglu_backward_kernel");
+}
+
+void launch_adamw(float* p, const float* g, float* m, float* v, int64_t n, float lr, float beta1, float beta2,
+                  float eps, float wd, float bc1, float bc2, cudaStream_t stream) {
+  if (n == 0) return;
+  adamw_kernel<<<grid_for(n, 256), 256, 0, stream>>>(p, g, m, v, n, lr, beta1, beta2, eps, wd, bc1, bc2);
+  CUDA_CHECK_LAUNCH("adamw_kernel");
+}
+
+}  // namespace fp8rl::cuda

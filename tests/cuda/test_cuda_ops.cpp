@@ -1,0 +1,547 @@
+// Parity of every CUDA op with the CPU reference backend, on fresh random inputs (never zeros),
+// including ragged shapes (rows not a multiple of 128, a single row). Tolerances by class:
+//   bitwise: quantize (every block shape, transpose, pow2), dtype conversion, KV-cache writes;
+//   GEMMs: FP32 1e-5, BF16 (same rounded operands) 1e-4 relative to the CPU result; FP8 block:
+//          DeepGEMM's 1 - 2 sum(xy) / sum(x^2 + y^2) < 1e-3 against the CPU FP8 result;
+//   other F32 ops 1e-5 (1e-4 where a long reduction feeds an exp), BF16 activations 1e-2.
+// Every output is poisoned (NaN) before the op, so an unwritten element fails.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+#include "core/error.h"
+#include "quant/quant.h"
+
+namespace fp8rl {
+namespace {
+
+struct Env {
+  std::unique_ptr<Backend> gpu = make_cuda_backend(0);
+  std::unique_ptr<Backend> cpu = make_cpu_backend();
+};
+Env& env() {
+  static Env e;
+  return e;
+}
+Backend& G() { return *env().gpu; }
+Backend& C() { return *env().cpu; }
+
+Tensor rnd(const Shape& shape, uint32_t seed, DType dtype = DType::F32, float scale = 1.0f) {
+  std::mt19937 gen(seed);
+  std::normal_distribution<float> nd(0.0f, scale);
+  std::vector<float> v(shape_numel(shape));
+  for (float& x : v) x = nd(gen);
+  return from_float_vector(v, shape, dtype);
+}
+
+// Random values with a wide dynamic range: each row scaled by 10^U(-6, 3), to reach E4M3
+// subnormals, saturation neighbourhoods and both pow2 branches.
+Tensor rnd_wide(int64_t r, int64_t c, uint32_t seed, DType dtype) {
+  std::mt19937 gen(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::uniform_real_distribution<float> ue(-6.0f, 3.0f);
+  std::vector<float> v(r * c);
+  for (int64_t i = 0; i < r; ++i) {
+    const float s = std::pow(10.0f, ue(gen));
+    for (int64_t j = 0; j < c; ++j) v[i * c + j] = nd(gen) * s;
+  }
+  if (r > 2)  // one all-zero row: its 1x128 blocks take the amax == 0 rule
+    for (int64_t j = 0; j < c; ++j) v[1 * c + j] = 0.0f;
+  return from_float_vector(v, {r, c}, dtype);
+}
+
+Tensor poisoned(const Shape& s, DType d) {
+  Tensor t = G().alloc(s, d);
+  G().fill(t, NAN);
+  return t;
+}
+Tensor dev(const Tensor& h) { return G().to_device(h); }
+Tensor host(const Tensor& d) { return G().to_host(d); }
+
+std::vector<double> vals(const Tensor& t) {
+  Tensor h = t.device() == DeviceKind::CUDA ? host(t) : t;
+  std::vector<double> v(h.numel());
+  if (h.dtype() == DType::F64) {
+    for (int64_t i = 0; i < h.numel(); ++i) v[i] = h.data<double>()[i];
+  } else if (h.dtype() == DType::I32) {
+    for (int64_t i = 0; i < h.numel(); ++i) v[i] = h.data<int32_t>()[i];
+  } else {
+    const std::vector<float> f = to_float_vector(h);
+    for (size_t i = 0; i < f.size(); ++i) v[i] = f[i];
+  }
+  return v;
+}
+
+// max |a - b| / max |b| (NaN anywhere -> infinity).
+double rel_err(const Tensor& a, const Tensor& b) {
+  const std::vector<double> x = vals(a), y = vals(b);
+  EXPECT_EQ(x.size(), y.size());
+  double d = 0, m = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    if (!std::isfinite(x[i]) || !std::isfinite(y[i])) return INFINITY;
+    d = std::max(d, std::fabs(x[i] - y[i]));
+    m = std::max(m, std::fabs(y[i]));
+  }
+  return d / std::max(m, 1e-30);
+}
+
+// DeepGEMM's similarity metric: 1 - 2 sum(xy) / sum(x^2 + y^2).
+double deepgemm_diff(const Tensor& a, const Tensor& b) {
+  const std::vector<double> x = vals(a), y = vals(b);
+  double xy = 0, xx = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    if (!std::isfinite(x[i])) return INFINITY;
+    xy += x[i] * y[i];
+    xx += x[i] * x[i] + y[i] * y[i];
+  }
+  return 1.0 - 2.0 * xy / xx;
+}
+
+bool bytes_equal(const Tensor& a, const Tensor& b) {
+  Tensor x = a.device() == DeviceKind::CUDA ? host(a) : a;
+  Tensor y = b.device() == DeviceKind::CUDA ? host(b) : b;
+  return x.nbytes() == y.nbytes() && std::memcmp(x.raw(), y.raw(), x.nbytes()) == 0;
+}
+
+int64_t first_diff(const Tensor& a, const Tensor& b) {
+  Tensor x = host(a);
+  const uint8_t* p = static_cast<const uint8_t*>(x.raw());
+  const uint8_t* q = static_cast<const uint8_t*>(b.raw());
+  for (size_t i = 0; i < x.nbytes(); ++i)
+    if (p[i] != q[i]) return static_cast<int64_t>(i);
+  return -1;
+}
+
+Tensor to_f32_host(const Tensor& t) {
+  const std::vector<double> v = vals(t);
+  std::vector<float> f(v.begin(), v.end());
+  return from_float_vector(f, t.shape(), DType::F32);
+}
+
+// ---- memory ----------------------------------------------------------------------------------
+
+TEST(CudaMemory, CopyRoundTripAndFill) {
+  Tensor h = rnd({37, 129}, 1);
+  Tensor d = dev(h);
+  Tensor d2 = poisoned(h.shape(), DType::F32);
+  G().copy(d, d2);
+  EXPECT_TRUE(bytes_equal(d2, h));
+  G().fill(d2, 2.5f);
+  for (double v : vals(d2)) ASSERT_EQ(v, 2.5);
+}
+
+TEST(CudaMemory, ConvertIsBitExact) {
+  Tensor h = rnd_wide(33, 300, 2, DType::F32);
+  Tensor bf = poisoned(h.shape(), DType::BF16);
+  G().convert(dev(h), bf);
+  EXPECT_TRUE(bytes_equal(bf, from_float_vector(to_float_vector(h), h.shape(), DType::BF16)));
+  Tensor back = poisoned(h.shape(), DType::F32);
+  G().convert(bf, back);
+  EXPECT_TRUE(bytes_equal(back, from_float_vector(to_float_vector(host(bf)), h.shape(), DType::F32)));
+}
+
+TEST(CudaMemory, OutOfMemorySaysWhatToReduce) {
+  try {
+    G().alloc({int64_t(1) << 40}, DType::F32);  // 4 TiB
+    FAIL() << "expected an out-of-memory error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("out of GPU memory"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("reduce"), std::string::npos) << e.what();
+  }
+}
+
+// ---- quantization: bitwise -------------------------------------------------------------------
+
+struct QCase {
+  int64_t r, c;
+};
+
+TEST(CudaQuant, BitwiseEqualToReferenceEveryBlockShape) {
+  const QCase shapes[] = {{1, 128}, {1, 300}, {7, 128}, {130, 257}, {256, 512}, {3, 1000}, {200, 129}};
+  uint32_t seed = 10;
+  for (const QCase& s : shapes)
+    for (DType dt : {DType::F32, DType::BF16})
+      for (bool transpose : {false, true})
+        for (int br : {1, 128})
+          for (bool pow2 : {false, true}) {
+            SCOPED_TRACE(::testing::Message() << s.r << "x" << s.c << " " << dtype_name(dt) << " T=" << transpose
+                                              << " blocks " << br << "x128 pow2=" << pow2);
+            Tensor x = rnd_wide(s.r, s.c, seed++, dt);
+            const int64_t R = transpose ? s.c : s.r, Cc = transpose ? s.r : s.c;
+            QuantTensor ref = quant_alloc(R, Cc, br, 128, pow2);
+            quantize_blocks_into(x, transpose, ref);
+            QuantTensor q = G().alloc_quant(R, Cc, br, 128, pow2);
+            G().fill(q.scales, NAN);
+            G().quantize(dev(x), transpose, q);
+            EXPECT_TRUE(bytes_equal(q.scales, ref.scales)) << "first differing scale byte " << first_diff(q.scales, ref.scales);
+            EXPECT_TRUE(bytes_equal(q.data, ref.data)) << "first differing data byte " << first_diff(q.data, ref.data);
+          }
+}
+
+TEST(CudaQuant, NonFiniteInputIsAnError) {
+  for (float bad : {NAN, INFINITY}) {
+    Tensor x = rnd({5, 256}, 3);
+    x.data<float>()[3 * 256 + 17] = bad;
+    QuantTensor q = G().alloc_quant(5, 256, 1, 128, false);
+    EXPECT_THROW(G().quantize(dev(x), false, q), Error);
+    QuantTensor qt = G().alloc_quant(256, 5, 128, 128, false);
+    EXPECT_THROW(G().quantize(dev(x), true, qt), Error);
+  }
+}
+
+// ---- linear layers ---------------------------------------------------------------------------
+
+struct GemmCase {
+  int64_t M, N, K;
+};
+// cuBLASLt FP8 block path: M, N % 16 and K % 128; the rest fall back (dequantize + FP32 GEMM).
+const GemmCase kGemmCases[] = {{1, 256, 128},  {16, 256, 512},  {130, 384, 256}, {256, 512, 384},
+                               {128, 640, 1024}, {64, 128, 200}, {48, 256, 128}};
+
+LinearWeight host_weight(int64_t N, int64_t K, uint32_t seed, bool bias) {
+  LinearWeight W;
+  W.w = rnd({N, K}, seed, DType::F32, 0.05f);
+  if (bias) W.bias = rnd({N}, seed + 1);
+  return W;
+}
+LinearWeight dev_weight(const LinearWeight& h) {
+  LinearWeight W;
+  W.w = dev(h.w);
+  if (h.bias.defined()) W.bias = dev(h.bias);
+  return W;
+}
+
+void expect_linear_close(const Tensor& got, const Tensor& ref, LinearMode mode, const std::string& what) {
+  if (mode == LinearMode::FP8_BLOCK) {
+    const double d = deepgemm_diff(got, ref);
+    EXPECT_LT(d, 1e-3) << what << " (DeepGEMM diff; max rel err " << rel_err(got, ref) << ")";
+    EXPECT_LT(rel_err(got, ref), 2e-2) << what;
+  } else {
+    const double tol = got.dtype() == DType::BF16 ? 1e-2 : (mode == LinearMode::FP32 ? 1e-5 : 1e-4);
+    EXPECT_LT(rel_err(got, ref), tol) << what;
+  }
+}
+
+TEST(CudaLinear, ForwardMatchesCpuEveryMode) {
+  uint32_t seed = 100;
+  for (const GemmCase& g : kGemmCases)
+    for (LinearMode mode : {LinearMode::FP32, LinearMode::BF16, LinearMode::FP8_BLOCK})
+      for (DType odt : {DType::F32, DType::BF16}) {
+        if (mode == LinearMode::FP32 && odt == DType::BF16) continue;
+        const std::string what = ::testing::PrintToString(g.M) + "x" + std::to_string(g.N) + "x" +
+                                 std::to_string(g.K) + " " + linear_mode_name(mode) + " out " + dtype_name(odt);
+        SCOPED_TRACE(what);
+        LinearSpec spec{mode, (seed % 2) == 1};
+        Tensor x = rnd({g.M, g.K}, seed++);
+        const bool bias = (seed % 3) == 0;
+        LinearWeight Wh = host_weight(g.N, g.K, seed++, bias);
+        Tensor ref = Tensor::empty({g.M, g.N}, DType::F32);
+        C().linear(x, Wh, spec, ref);
+        Tensor out = poisoned({g.M, g.N}, odt);
+        G().linear(dev(x), dev_weight(Wh), spec, out);
+        expect_linear_close(out, ref, mode, what);
+      }
+}
+
+TEST(CudaLinear, PrequantizedWeightGivesTheSameResult) {
+  for (const GemmCase& g : {GemmCase{256, 512, 384}, GemmCase{130, 384, 256}}) {
+    LinearSpec spec{LinearMode::FP8_BLOCK, false};
+    Tensor x = rnd({g.M, g.K}, 7);
+    LinearWeight Wh = host_weight(g.N, g.K, 8, false);
+    LinearWeight Wd = dev_weight(Wh);
+    Wd.wq = G().alloc_quant(g.N, g.K, 128, 128, false);
+    G().quantize(Wd.w, false, Wd.wq);
+    Wd.w = Tensor();
+    Tensor ref = Tensor::empty({g.M, g.N}, DType::F32);
+    C().linear(x, Wh, spec, ref);
+    Tensor out = poisoned({g.M, g.N}, DType::F32);
+    G().linear(dev(x), Wd, spec, out);
+    expect_linear_close(out, ref, LinearMode::FP8_BLOCK, "prequantized");
+  }
+}
+
+TEST(CudaLinear, BackwardMatchesCpuEveryMode) {
+  uint32_t seed = 300;
+  const GemmCase cases[] = {{128, 256, 384}, {48, 256, 128}, {130, 200, 384}, {256, 128, 512}, {1, 128, 256}};
+  for (const GemmCase& g : cases)
+    for (LinearMode mode : {LinearMode::FP32, LinearMode::BF16, LinearMode::FP8_BLOCK}) {
+      const std::string what = std::to_string(g.M) + "x" + std::to_string(g.N) + "x" + std::to_string(g.K) + " " +
+                               linear_mode_name(mode);
+      SCOPED_TRACE(what);
+      LinearSpec spec{mode, (seed % 2) == 0};
+      Tensor x = rnd({g.M, g.K}, seed++), dy = rnd({g.M, g.N}, seed++);
+      LinearWeight Wh = host_weight(g.N, g.K, seed++, true);
+      Tensor dw0 = rnd({g.N, g.K}, seed++, DType::F32, 0.1f), db0 = rnd({g.N}, seed++);
+      Tensor rdx = Tensor::empty({g.M, g.K}, DType::F32);
+      Tensor rdw = to_f32_host(dw0), rdb = to_f32_host(db0);
+      C().linear_backward(dy, x, Wh, spec, &rdx, &rdw, &rdb);
+      Tensor gdx = poisoned({g.M, g.K}, DType::F32), gdw = dev(dw0), gdb = dev(db0);
+      G().linear_backward(dev(dy), dev(x), dev_weight(Wh), spec, &gdx, &gdw, &gdb);
+      expect_linear_close(gdx, rdx, mode, what + " dx");
+      expect_linear_close(gdw, rdw, mode, what + " dw");
+      EXPECT_LT(rel_err(gdb, rdb), 1e-5) << what << " dbias";
+    }
+}
+
+// ---- element-wise and layers ----------------------------------------------------------------
+
+TEST(CudaOps, ElementwiseAndReductions) {
+  Tensor a = rnd({77, 65}, 20), b = rnd({77, 65}, 21);
+  Tensor ref = Tensor::empty(a.shape(), DType::F32);
+  C().add(a, b, ref);
+  Tensor out = poisoned(a.shape(), DType::F32);
+  G().add(dev(a), dev(b), out);
+  EXPECT_LT(rel_err(out, ref), 1e-7);
+  Tensor s = dev(a);
+  G().scale(s, 0.37f);
+  Tensor sr = to_f32_host(a);
+  C().scale(sr, 0.37f);
+  EXPECT_LT(rel_err(s, sr), 1e-7);
+  const double ss = G().sum_squares(dev(a)), sref = C().sum_squares(a);
+  EXPECT_NEAR(ss, sref, 1e-9 * sref);
+  EXPECT_TRUE(G().all_finite(dev(a)));
+  Tensor bad = to_f32_host(a);
+  bad.data<float>()[1234] = NAN;
+  EXPECT_FALSE(G().all_finite(dev(bad)));
+  bad.data<float>()[1234] = -INFINITY;
+  EXPECT_FALSE(G().all_finite(dev(bad)));
+}
+
+TEST(CudaOps, EmbeddingForwardBackward) {
+  const int64_t V = 300, D = 96;
+  Tensor table = rnd({V, D}, 30);
+  std::vector<float> idsf;
+  std::vector<int32_t> ids = {5, 299, 0, 5, 17, 42, 5};
+  Tensor idh = Tensor::empty({7}, DType::I32);
+  std::memcpy(idh.raw(), ids.data(), 28);
+  Tensor ref = Tensor::empty({7, D}, DType::F32);
+  C().embedding(idh, table, ref);
+  Tensor out = poisoned({7, D}, DType::F32);
+  G().embedding(dev(idh), dev(table), out);
+  EXPECT_EQ(rel_err(out, ref), 0.0);
+  Tensor dout = rnd({7, D}, 31), dt0 = rnd({V, D}, 32);
+  Tensor rdt = to_f32_host(dt0), gdt = dev(dt0);
+  C().embedding_backward(idh, dout, rdt);
+  G().embedding_backward(dev(idh), dev(dout), gdt);
+  EXPECT_LT(rel_err(gdt, rdt), 1e-6);
+  idh.data<int32_t>()[3] = 300;
+  EXPECT_THROW(G().embedding(dev(idh), dev(table), out), Error);
+}
+
+TEST(CudaOps, RmsnormForwardBackward) {
+  for (DType dt : {DType::F32, DType::BF16})
+    for (int64_t R : {int64_t(1), int64_t(131)}) {
+      const int64_t D = 320;
+      Tensor x = rnd({R, D}, 40, dt), w = rnd({D}, 41), g = rnd({R, D}, 42, dt);
+      Tensor ro = Tensor::empty({R, D}, dt), rr = Tensor::empty({R}, DType::F32);
+      C().rmsnorm(x, w, 1e-6f, ro, &rr);
+      Tensor go = poisoned({R, D}, dt), gr = poisoned({R}, DType::F32);
+      G().rmsnorm(dev(x), dev(w), 1e-6f, go, &gr);
+      const double tol = dt == DType::F32 ? 1e-5 : 1e-2;
+      EXPECT_LT(rel_err(go, ro), tol);
+      EXPECT_LT(rel_err(gr, rr), 1e-5);
+      Tensor dw0 = rnd({D}, 43);
+      Tensor rdx = Tensor::empty({R, D}, dt), rdw = to_f32_host(dw0);
+      C().rmsnorm_backward(g, x, w, rr, rdx, rdw);
+      Tensor gdx = poisoned({R, D}, dt), gdw = dev(dw0);
+      G().rmsnorm_backward(dev(g), dev(x), dev(w), gr, gdx, gdw);
+      EXPECT_LT(rel_err(gdx, rdx), dt == DType::F32 ? 1e-5 : 2e-2);
+      EXPECT_LT(rel_err(gdw, rdw), dt == DType::F32 ? 1e-5 : 1e-2);
+    }
+}
+
+TEST(CudaOps, RopeForwardAndInverse) {
+  const int64_t T = 19, H = 3, hd = 64;
+  RopeParams rp;
+  for (int i = 0; i < hd / 2; ++i) rp.inv_freq.push_back(std::pow(10000.0f, -2.0f * i / hd));
+  std::vector<int32_t> pos(T);
+  for (int64_t t = 0; t < T; ++t) pos[t] = static_cast<int32_t>((t * 397) % 4000);
+  Tensor ph = Tensor::empty({T}, DType::I32);
+  std::memcpy(ph.raw(), pos.data(), T * 4);
+  for (bool inverse : {false, true}) {
+    Tensor x = rnd({T, H, hd}, 50 + inverse);
+    Tensor r = to_f32_host(x), g = dev(x);
+    C().rope(r, ph, rp, inverse);
+    G().rope(g, dev(ph), rp, inverse);
+    EXPECT_LT(rel_err(g, r), 1e-5);
+  }
+}
+
+TEST(CudaOps, SwigluForwardBackward) {
+  for (DType dt : {DType::F32, DType::BF16}) {
+    Tensor g = rnd({33, 200}, 60, dt, 3.0f), u = rnd({33, 200}, 61, dt), d = rnd({33, 200}, 62, dt);
+    Tensor ro = Tensor::empty(g.shape(), dt);
+    C().swiglu(g, u, ro);
+    Tensor go = poisoned(g.shape(), dt);
+    G().swiglu(dev(g), dev(u), go);
+    const double tol = dt == DType::F32 ? 1e-5 : 1e-2;
+    EXPECT_LT(rel_err(go, ro), tol);
+    Tensor rdg = Tensor::empty(g.shape(), dt), rdu = Tensor::empty(g.shape(), dt);
+    C().swiglu_backward(d, g, u, rdg, rdu);
+    Tensor gdg = poisoned(g.shape(), dt), gdu = poisoned(g.shape(), dt);
+    G().swiglu_backward(dev(d), dev(g), dev(u), gdg, gdu);
+    EXPECT_LT(rel_err(gdg, rdg), tol);
+    EXPECT_LT(rel_err(gdu, rdu), tol);
+  }
+}
+
+TEST(CudaOps, AdamW) {
+  AdamWParams p;
+  p.lr = 1e-2f;
+  p.weight_decay = 0.01f;
+  p.step = 3;
+  Tensor w = rnd({1000}, 70), g = rnd({1000}, 71), m = rnd({1000}, 72, DType::F32, 0.1f);
+  Tensor v = rnd({1000}, 73);
+  for (int64_t i = 0; i < 1000; ++i) v.data<float>()[i] = std::fabs(v.data<float>()[i]);
+  Tensor rw = to_f32_host(w), rm = to_f32_host(m), rv = to_f32_host(v);
+  C().adamw(rw, g, rm, rv, p);
+  Tensor gw = dev(w), gm = dev(m), gv = dev(v);
+  G().adamw(gw, dev(g), gm, gv, p);
+  EXPECT_LT(rel_err(gw, rw), 1e-6);
+  EXPECT_LT(rel_err(gm, rm), 1e-6);
+  EXPECT_LT(rel_err(gv, rv), 1e-6);
+}
+
+// ---- attention --------------------------------------------------------------------------------
+
+TEST(CudaAttention, ForwardBackwardRaggedGqa) {
+  struct Case {
+    int Hq, Hkv, hd;
+    std::vector<int32_t> cu;
+  };
+  const Case cases[] = {{4, 2, 64, {0, 1, 17, 50}}, {2, 2, 128, {0, 40, 41}}, {6, 1, 80, {0, 23}}};
+  uint32_t seed = 80;
+  for (const Case& c : cases)
+    for (DType dt : {DType::F32, DType::BF16}) {
+      SCOPED_TRACE(::testing::Message() << "Hq " << c.Hq << " Hkv " << c.Hkv << " hd " << c.hd << " "
+                                        << dtype_name(dt));
+      const int64_t T = c.cu.back();
+      const float sc = 1.0f / std::sqrt(static_cast<float>(c.hd));
+      Tensor q = rnd({T, c.Hq, c.hd}, seed++, dt), k = rnd({T, c.Hkv, c.hd}, seed++, dt);
+      Tensor v = rnd({T, c.Hkv, c.hd}, seed++, dt), dout = rnd({T, c.Hq, c.hd}, seed++, dt);
+      Tensor ro = Tensor::empty(q.shape(), dt), rl = Tensor::empty({c.Hq, T}, DType::F32);
+      C().attention(q, k, v, c.cu, sc, ro, rl);
+      Tensor go = poisoned(q.shape(), dt), gl = poisoned({c.Hq, T}, DType::F32);
+      G().attention(dev(q), dev(k), dev(v), c.cu, sc, go, gl);
+      const double tol = dt == DType::F32 ? 1e-5 : 1e-2;
+      EXPECT_LT(rel_err(go, ro), tol);
+      EXPECT_LT(rel_err(gl, rl), 1e-5);
+      Tensor rdq = Tensor::empty(q.shape(), dt), rdk = Tensor::empty(k.shape(), dt), rdv = Tensor::empty(k.shape(), dt);
+      C().attention_backward(dout, q, k, v, ro, rl, c.cu, sc, rdq, rdk, rdv);
+      Tensor gdq = poisoned(q.shape(), dt), gdk = poisoned(k.shape(), dt), gdv = poisoned(k.shape(), dt);
+      G().attention_backward(dev(dout), dev(q), dev(k), dev(v), dev(ro), dev(rl), c.cu, sc, gdq, gdk, gdv);
+      const double btol = dt == DType::F32 ? 1e-4 : 3e-2;
+      EXPECT_LT(rel_err(gdq, rdq), btol);
+      EXPECT_LT(rel_err(gdk, rdk), btol);
+      EXPECT_LT(rel_err(gdv, rdv), btol);
+    }
+}
+
+// ---- fused log-probabilities ---------------------------------------------------------------
+
+TEST(CudaLogprobs, ForwardBackwardMatchCpu) {
+  const int64_t T = 37, D = 256, V = 3000;
+  for (LinearMode mode : {LinearMode::FP32, LinearMode::BF16}) {
+    SCOPED_TRACE(linear_mode_name(mode));
+    LinearSpec spec{mode, false};
+    Tensor h = rnd({T, D}, 90), W = rnd({V, D}, 91, DType::F32, 0.1f), dl = rnd({T}, 92);
+    std::vector<int32_t> tg(T);
+    for (int64_t t = 0; t < T; ++t) tg[t] = static_cast<int32_t>((t * 977 + 5) % V);
+    Tensor th = Tensor::empty({T}, DType::I32);
+    std::memcpy(th.raw(), tg.data(), T * 4);
+    const float temp = 0.7f;
+    Tensor rl = Tensor::empty({T}, DType::F32), rz = Tensor::empty({T}, DType::F32), re = Tensor::empty({T}, DType::F32);
+    C().token_logprobs(h, W, th, temp, spec, rl, rz, &re);
+    Tensor gl = poisoned({T}, DType::F32), gz = poisoned({T}, DType::F32), ge = poisoned({T}, DType::F32);
+    G().token_logprobs(dev(h), dev(W), dev(th), temp, spec, gl, gz, &ge);
+    EXPECT_LT(rel_err(gl, rl), 1e-4);
+    EXPECT_LT(rel_err(gz, rz), 1e-5);
+    EXPECT_LT(rel_err(ge, re), 1e-4);
+    Tensor dW0 = rnd({V, D}, 93, DType::F32, 0.01f);
+    Tensor rdh = Tensor::empty({T, D}, DType::F32), rdW = to_f32_host(dW0);
+    C().token_logprobs_backward(h, W, th, temp, spec, rz, dl, rdh, &rdW);
+    Tensor gdh = poisoned({T, D}, DType::F32), gdW = dev(dW0);
+    G().token_logprobs_backward(dev(h), dev(W), dev(th), temp, spec, gz, dev(dl), gdh, &gdW);
+    EXPECT_LT(rel_err(gdh, rdh), 1e-4);
+    EXPECT_LT(rel_err(gdW, rdW), 1e-4);
+  }
+}
+
+// ---- generation: KV cache, paged attention, sampling -----------------------------------------
+
+TEST(CudaGeneration, KvWriteBitwiseAndPagedAttention) {
+  const int L = 2, pages = 12, ps = 4, Hkv = 2, hd = 64, Hq = 4;
+  // Two sequences: lengths 9 and 6, pages scattered.
+  const std::vector<std::vector<int32_t>> page_lists = {{7, 2, 9}, {0, 11}};
+  const std::vector<int32_t> lens = {9, 6};
+  std::vector<int32_t> seq, pos, slots;
+  for (int b = 0; b < 2; ++b)
+    for (int p = 0; p < lens[b]; ++p) {
+      seq.push_back(b);
+      pos.push_back(p);
+      slots.push_back(page_lists[b][p / ps] * ps + p % ps);
+    }
+  const int64_t T = static_cast<int64_t>(seq.size());
+  auto i32 = [](const std::vector<int32_t>& v, const Shape& s) {
+    Tensor t = Tensor::empty(s, DType::I32);
+    std::memcpy(t.raw(), v.data(), v.size() * 4);
+    return t;
+  };
+  std::vector<int32_t> table = {7, 2, 9, 0, 11, -1};
+  PagedBatch hb{i32(seq, {T}), i32(pos, {T}), i32(slots, {T}), i32(table, {2, 3}), 9};
+  PagedBatch db{dev(hb.token_seq), dev(hb.token_pos), dev(hb.slots), dev(hb.page_table), 9};
+  for (DType kdt : {DType::F32, DType::BF16, DType::E4M3})
+    for (bool fp8q : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << dtype_name(kdt) << " fp8_attention " << fp8q);
+      KvCache hc = C().alloc_kv_cache(L, pages, ps, Hkv, hd, kdt);
+      KvCache gc = G().alloc_kv_cache(L, pages, ps, Hkv, hd, kdt);
+      Tensor ks = rnd({L, Hkv}, 100), vs = rnd({L, Hkv}, 101);
+      for (int64_t i = 0; i < L * Hkv; ++i) {
+        ks.data<float>()[i] = 0.01f + std::fabs(ks.data<float>()[i]) * 0.02f;
+        vs.data<float>()[i] = 0.01f + std::fabs(vs.data<float>()[i]) * 0.02f;
+      }
+      C().copy(ks, hc.k_scale);
+      C().copy(vs, hc.v_scale);
+      G().copy(ks, gc.k_scale);
+      G().copy(vs, gc.v_scale);
+      for (int l = 0; l < L; ++l) {  // zero the pools so untouched slots compare equal
+        C().fill(hc.k[l], 0.0f); C().fill(hc.v[l], 0.0f);
+        G().fill(gc.k[l], 0.0f); G().fill(gc.v[l], 0.0f);
+      }
+      const int layer = 1;
+      Tensor k = rnd({T, Hkv, hd}, 102, DType::F32, 2.0f), v = rnd({T, Hkv, hd}, 103, DType::F32, 2.0f);
+      C().kv_write(hc, layer, k, v, hb);
+      G().kv_write(gc, layer, dev(k), dev(v), db);
+      EXPECT_TRUE(bytes_equal(gc.k[layer], hc.k[layer]));
+      EXPECT_TRUE(bytes_equal(gc.v[layer], hc.v[layer]));
+      Tensor q = rnd({T, Hq, hd}, 104);
+      const float sc = 1.0f / 8.0f;
+      Tensor ro = Tensor::empty(q.shape(), DType::F32);
+      C().attention_paged(hc, layer, q, hb, sc, fp8q, ro);
+      Tensor go = poisoned(q.shape(), DType::F32);
+      G().attention_paged(gc, layer, dev(q), db, sc, fp8q, go);
+      EXPECT_LT(rel_err(go, ro), 1e-5);
+    }
+}
+
+TEST(CudaGeneration, SampleMatchesCpu) {
+  const int64_t B = 5, V = 1000;
+  Tensor lg = rnd({B, V}, 110, DType::F32, 3.0f);
+  std::vector<float> temp = {0.0f, 1.0f, 0.7f, 1.0f, 1.3f}, top_p = {1.0f, 1.0f, 0.9f, 0.5f, 0.95f};
+  std::vector<int> top_k = {0, 0, 50, 0, 10};
+  std::vector<float> u = {0.1f, 0.5f, 0.9f, 0.3f, 0.99f};
+  Tensor rt = Tensor::empty({B}, DType::I32), rp = Tensor::empty({B}, DType::F32);
+  C().sample(lg, temp, top_p, top_k, u, rt, rp);
+  Tensor gt = G().alloc({B}, DType::I32), gp = poisoned({B}, DType::F32);
+  G().sample(dev(lg), temp, top_p, top_k, u, gt, gp);
+  EXPECT_TRUE(bytes_equal(gt, rt));
+  EXPECT_LT(rel_err(gp, rp), 1e-6);
+}
+
+}  // namespace
+}  // namespace fp8rl
