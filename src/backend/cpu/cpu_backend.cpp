@@ -1,7 +1,183 @@
-// Placeholder: the CPU reference backend lands with issue 2.
-#include "backend/backend.h"
+// CPU backend: tensor helpers, memory, element-wise ops, AdamW, quantize.
+#include "backend/cpu/cpu_backend.h"
+
+#include <cmath>
+#include <cstring>
+
 #include "core/error.h"
 
 namespace fp8rl {
-std::unique_ptr<Backend> make_cpu_backend() { FP8RL_FAIL("CPU backend not implemented yet"); }
+namespace cpu {
+
+bool is_float_dtype(DType t) {
+  return t == DType::F32 || t == DType::BF16 || t == DType::F16 || t == DType::F64;
+}
+
+void check_cpu(const Tensor& t, const char* what) {
+  FP8RL_CHECK(t.defined(), what, " is undefined (allocate it before calling the op)");
+  FP8RL_CHECK(t.device() == DeviceKind::CPU, what, " must be on the CPU for the cpu backend, got ", t.str());
+}
+
+void check_float(const Tensor& t, const char* what) {
+  check_cpu(t, what);
+  FP8RL_CHECK(is_float_dtype(t.dtype()), what, " must be F32, BF16, F16 or F64, got ", t.str());
+}
+
+std::vector<double> load(const Tensor& t, const char* what) {
+  check_float(t, what);
+  const int64_t n = t.numel();
+  std::vector<double> v(n);
+  switch (t.dtype()) {
+    case DType::F32: for (int64_t i = 0; i < n; ++i) v[i] = t.data<float>()[i]; break;
+    case DType::F64: for (int64_t i = 0; i < n; ++i) v[i] = t.data<double>()[i]; break;
+    case DType::BF16: for (int64_t i = 0; i < n; ++i) v[i] = bf16_to_float(t.data<uint16_t>()[i]); break;
+    case DType::F16: for (int64_t i = 0; i < n; ++i) v[i] = f16_to_float(t.data<uint16_t>()[i]); break;
+    default: break;
+  }
+  return v;
+}
+
+// BF16 and F16 are rounded from double through float (two roundings; the second is exact
+// unless the double lies within 2^-29 relative of a BF16/F16 midpoint).
+void store(const std::vector<double>& v, Tensor& t, const char* what) {
+  check_float(t, what);
+  const int64_t n = t.numel();
+  FP8RL_CHECK(static_cast<int64_t>(v.size()) == n, what, ": ", v.size(), " values for ", t.str());
+  switch (t.dtype()) {
+    case DType::F32: for (int64_t i = 0; i < n; ++i) t.data<float>()[i] = static_cast<float>(v[i]); break;
+    case DType::F64: for (int64_t i = 0; i < n; ++i) t.data<double>()[i] = v[i]; break;
+    case DType::BF16:
+      for (int64_t i = 0; i < n; ++i) t.data<uint16_t>()[i] = bf16_from_float(static_cast<float>(v[i]));
+      break;
+    case DType::F16:
+      for (int64_t i = 0; i < n; ++i) t.data<uint16_t>()[i] = f16_from_float(static_cast<float>(v[i]));
+      break;
+    default: break;
+  }
+}
+
+void accumulate(const std::vector<double>& v, Tensor& t, const char* what) {
+  std::vector<double> cur = load(t, what);
+  FP8RL_CHECK(cur.size() == v.size(), what, ": cannot accumulate ", v.size(), " values into ", t.str());
+  for (size_t i = 0; i < cur.size(); ++i) cur[i] += v[i];
+  store(cur, t, what);
+}
+
+std::vector<int32_t> load_i32(const Tensor& t, const char* what) {
+  check_cpu(t, what);
+  check_dtype(t, DType::I32, what);
+  return std::vector<int32_t>(t.data<int32_t>(), t.data<int32_t>() + t.numel());
+}
+
+std::vector<double> matmul_nt(const std::vector<double>& a, const std::vector<double>& b, int64_t M,
+                              int64_t N, int64_t K) {
+  std::vector<double> c(M * N);
+  for (int64_t i = 0; i < M; ++i) {
+    const double* ai = a.data() + i * K;
+    for (int64_t j = 0; j < N; ++j) {
+      const double* bj = b.data() + j * K;
+      double acc = 0;
+      for (int64_t k = 0; k < K; ++k) acc += ai[k] * bj[k];
+      c[i * N + j] = acc;
+    }
+  }
+  return c;
+}
+
+// ---- memory ------------------------------------------------------------------------------
+
+void CpuBackend::copy(const Tensor& src, Tensor& dst) {
+  check_cpu(src, "copy source");
+  check_cpu(dst, "copy destination");
+  FP8RL_CHECK(src.dtype() == dst.dtype() && src.numel() == dst.numel(), "copy needs the same dtype and size: ",
+              src.str(), " -> ", dst.str(), " (use convert to change dtype)");
+  if (src.nbytes() && src.raw() != dst.raw()) std::memmove(dst.raw(), src.raw(), src.nbytes());
+}
+
+void CpuBackend::convert(const Tensor& src, Tensor& dst) {
+  FP8RL_CHECK(src.numel() == dst.numel(), "convert needs the same number of elements: ", src.str(), " -> ",
+              dst.str());
+  store(load(src, "convert source"), dst, "convert destination");
+}
+
+void CpuBackend::fill(Tensor& t, float value) {
+  check_cpu(t, "fill target");
+  const int64_t n = t.numel();
+  switch (t.dtype()) {
+    case DType::E4M3: std::memset(t.raw(), e4m3_from_float(value), n); break;
+    case DType::I32:
+      for (int64_t i = 0; i < n; ++i) t.data<int32_t>()[i] = static_cast<int32_t>(value);
+      break;
+    case DType::I64:
+      for (int64_t i = 0; i < n; ++i) t.data<int64_t>()[i] = static_cast<int64_t>(value);
+      break;
+    default: store(std::vector<double>(n, value), t, "fill target");
+  }
+}
+
+// ---- element-wise and reductions ---------------------------------------------------------
+
+void CpuBackend::add(const Tensor& a, const Tensor& b, Tensor& out) {
+  FP8RL_CHECK(a.numel() == b.numel() && a.numel() == out.numel(), "add needs equal sizes: ", a.str(), " + ",
+              b.str(), " -> ", out.str());
+  std::vector<double> va = load(a, "add operand a");
+  const std::vector<double> vb = load(b, "add operand b");
+  for (size_t i = 0; i < va.size(); ++i) va[i] += vb[i];
+  store(va, out, "add output");
+}
+
+void CpuBackend::scale(Tensor& x, float s) {
+  std::vector<double> v = load(x, "scale operand");
+  for (double& e : v) e *= s;
+  store(v, x, "scale operand");
+}
+
+double CpuBackend::sum_squares(const Tensor& x) {
+  double acc = 0;
+  for (double e : load(x, "sum_squares operand")) acc += e * e;
+  return acc;
+}
+
+bool CpuBackend::all_finite(const Tensor& x) {
+  for (double e : load(x, "all_finite operand"))
+    if (!std::isfinite(e)) return false;
+  return true;
+}
+
+// ---- optimizer ---------------------------------------------------------------------------
+
+// torch.optim.AdamW (single-tensor path): p *= 1 - lr*wd; m = lerp(m, g, 1 - b1);
+// v = b2 v + (1 - b2) g^2; p -= (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps).
+void CpuBackend::adamw(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWParams& p) {
+  FP8RL_CHECK(param.shape() == grad.shape() && param.shape() == m.shape() && param.shape() == v.shape(),
+              "adamw needs param, grad, m, v of one shape: ", param.str(), ", ", grad.str(), ", ", m.str(),
+              ", ", v.str());
+  FP8RL_CHECK(p.step >= 1, "adamw step is 1-based, got ", p.step);
+  std::vector<double> w = load(param, "adamw param"), mm = load(m, "adamw m"), vv = load(v, "adamw v");
+  const std::vector<double> g = load(grad, "adamw grad");
+  const double bc1 = 1 - std::pow(double(p.beta1), double(p.step));
+  const double bc2_sqrt = std::sqrt(1 - std::pow(double(p.beta2), double(p.step)));
+  const double step_size = double(p.lr) / bc1;
+  for (size_t i = 0; i < w.size(); ++i) {
+    w[i] *= 1 - double(p.lr) * p.weight_decay;
+    mm[i] += (1 - double(p.beta1)) * (g[i] - mm[i]);
+    vv[i] = p.beta2 * vv[i] + (1 - double(p.beta2)) * g[i] * g[i];
+    w[i] -= step_size * mm[i] / (std::sqrt(vv[i]) / bc2_sqrt + p.eps);
+  }
+  store(w, param, "adamw param");
+  store(mm, m, "adamw m");
+  store(vv, v, "adamw v");
+}
+
+// ---- quantization ------------------------------------------------------------------------
+
+void CpuBackend::quantize(const Tensor& x, bool transpose, QuantTensor& out) {
+  check_cpu(x, "quantize input");
+  quantize_blocks_into(x, transpose, out, "tensor");
+}
+
+}  // namespace cpu
+
+std::unique_ptr<Backend> make_cpu_backend() { return std::make_unique<cpu::CpuBackend>(); }
+
 }  // namespace fp8rl

@@ -1,0 +1,297 @@
+// CPU backend: linear layers (FP32 / BF16 / FP8 block-scaled) and the fused lm_head log-probs.
+//
+// A GEMM here is: build the effective operands (the exact values the GEMM multiplies: plain,
+// BF16-rounded, or FP8 quantized-then-dequantized), multiply them in double, round once into
+// the output dtype. For FP8 this equals a per-block FP32-accumulated GEMM up to the
+// accumulation order (dequantized products are exact in double up to 2^-53).
+#include <algorithm>
+#include <cmath>
+
+#include "backend/cpu/cpu_backend.h"
+#include "core/error.h"
+
+namespace fp8rl {
+namespace cpu {
+namespace {
+
+constexpr int64_t kVocabChunk = 2048;  // token_logprobs vocabulary chunk (a multiple of 128)
+
+std::vector<double> transpose(const std::vector<double>& a, int64_t rows, int64_t cols) {
+  std::vector<double> t(a.size());
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < cols; ++j) t[j * rows + i] = a[i * cols + j];
+  return t;
+}
+
+void round_operand(std::vector<double>& v, LinearMode mode) {
+  if (mode == LinearMode::BF16)
+    for (double& e : v) e = bf16_round(static_cast<float>(e));
+}
+
+Tensor as_2d(const Tensor& x, int64_t cols, const char* what) {
+  FP8RL_CHECK(x.ndim() >= 1 && x.dim(-1) == cols, what, " must have last dimension ", cols, ", got ", x.str());
+  return x.reshape({cols ? x.numel() / cols : 0, cols});
+}
+
+// x [M, K] as the wgrad operand x^T [K, M] (FP8: 1x128 along tokens, requantized).
+std::vector<double> linear_operand_tokens(const Tensor& x, LinearMode mode, bool pow2) {
+  if (mode == LinearMode::FP8_BLOCK) return dequantize_exact(quantize_1x128_tokens(x, pow2));
+  std::vector<double> v = transpose(load(x, "linear operand"), x.dim(0), x.dim(1));
+  round_operand(v, mode);
+  return v;
+}
+
+// W^T [K, N], the dgrad weight operand (FP8: W's 128x128 quantization transposed exactly).
+// FP8 quantizes W.w when defined (the high-precision weight), else uses W.wq.
+std::vector<double> linear_operand_weight_t(const LinearWeight& W, LinearMode mode, bool pow2) {
+  if (mode == LinearMode::FP8_BLOCK) {
+    const QuantTensor wq = W.w.defined() ? quantize_128x128(W.w, pow2) : W.wq;
+    return dequantize_exact(transpose_128x128(wq));
+  }
+  return transpose(linear_operand_weight(W, mode, pow2), W.out_features(), W.in_features());
+}
+
+Tensor tensor_f64(const std::vector<double>& v, const Shape& shape) {
+  Tensor t = Tensor::empty(shape, DType::F64);
+  store(v, t, "temporary");
+  return t;
+}
+
+// Gradients of Y[M, N] = X[M, K] W[N, K]^T given dY (values), in `spec` numerics:
+// dx [M, K] = dY W, dw [N, K] = dY^T X (nullptr: not computed).
+void linear_grads(const Tensor& dy2, const Tensor& x2, const LinearWeight& W, const LinearSpec& spec,
+                  std::vector<double>* dx, std::vector<double>* dw) {
+  const int64_t M = dy2.dim(0), N = dy2.dim(1), K = x2.dim(1);
+  if (dx) {
+    const std::vector<double> a = linear_operand_act(dy2, spec.mode, spec.pow2_scales);  // [M, N]
+    const std::vector<double> b = linear_operand_weight_t(W, spec.mode, spec.pow2_scales);  // [K, N]
+    *dx = matmul_nt(a, b, M, K, N);
+  }
+  if (dw) {
+    const std::vector<double> a = linear_operand_tokens(dy2, spec.mode, spec.pow2_scales);  // [N, M]
+    const std::vector<double> b = linear_operand_tokens(x2, spec.mode, spec.pow2_scales);   // [K, M]
+    *dw = matmul_nt(a, b, N, K, M);
+  }
+}
+
+void check_weight(const LinearWeight& W, const LinearSpec& spec) {
+  FP8RL_CHECK(W.w.defined() || W.wq.defined(), "linear weight has neither w nor wq");
+  if (W.w.defined()) {
+    check_float(W.w, "linear weight w");
+    FP8RL_CHECK(W.w.ndim() == 2, "linear weight w must be [N, K], got ", W.w.str());
+  }
+  if (W.wq.defined()) {
+    FP8RL_CHECK(W.wq.block_rows == kQuantBlock && W.wq.block_cols == kQuantBlock,
+                "linear weight wq must have 128x128 blocks, got ", W.wq.block_rows, "x", W.wq.block_cols);
+    if (W.w.defined())
+      FP8RL_CHECK(W.wq.rows() == W.w.dim(0) && W.wq.cols() == W.w.dim(1), "linear weight wq ", W.wq.data.str(),
+                  " does not match w ", W.w.str());
+    if (spec.mode == LinearMode::FP8_BLOCK)
+      FP8RL_CHECK(W.wq.pow2 == spec.pow2_scales, "linear weight wq was quantized with pow2=", W.wq.pow2,
+                  " but the spec asks pow2=", spec.pow2_scales, " (refit with the recipe's scales)");
+  }
+  if (spec.mode != LinearMode::FP8_BLOCK)
+    FP8RL_CHECK(W.w.defined(), "a ", linear_mode_name(spec.mode), " linear needs the high-precision weight w");
+  if (W.bias.defined()) check_shape(W.bias, {W.out_features()}, "linear bias");
+}
+
+}  // namespace
+
+std::vector<double> dequantize_exact(const QuantTensor& q) {
+  check_cpu(q.data, "quantized data");
+  const int64_t R = q.rows(), C = q.cols(), nbc = q.scales.dim(1);
+  std::vector<double> v(R * C);
+  const uint8_t* d = q.data.data<uint8_t>();
+  const float* s = q.scales.data<float>();
+  for (int64_t i = 0; i < R; ++i)
+    for (int64_t j = 0; j < C; ++j)
+      v[i * C + j] = double(e4m3_to_float(d[i * C + j])) * s[(i / q.block_rows) * nbc + j / q.block_cols];
+  return v;
+}
+
+std::vector<double> linear_operand_act(const Tensor& x, LinearMode mode, bool pow2) {
+  if (mode == LinearMode::FP8_BLOCK) return dequantize_exact(quantize_1x128(x, pow2));
+  std::vector<double> v = load(x, "linear input");
+  round_operand(v, mode);
+  return v;
+}
+
+std::vector<double> linear_operand_weight(const LinearWeight& W, LinearMode mode, bool pow2) {
+  if (mode == LinearMode::FP8_BLOCK) {
+    if (W.wq.defined()) return dequantize_exact(W.wq);
+    return dequantize_exact(quantize_128x128(W.w, pow2));
+  }
+  std::vector<double> v = load(W.w, "linear weight");
+  round_operand(v, mode);
+  return v;
+}
+
+// ---- linear --------------------------------------------------------------------------------
+
+void CpuBackend::linear(const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor& out) {
+  check_weight(W, spec);
+  const int64_t N = W.out_features(), K = W.in_features();
+  const Tensor x2 = as_2d(x, K, "linear input x");
+  const int64_t M = x2.dim(0);
+  FP8RL_CHECK(out.ndim() >= 1 && out.dim(-1) == N && out.numel() == M * N, "linear output must be [", M, ", ",
+              N, "], got ", out.str());
+  const std::vector<double> a = linear_operand_act(x2, spec.mode, spec.pow2_scales);
+  const std::vector<double> b = linear_operand_weight(W, spec.mode, spec.pow2_scales);
+  std::vector<double> y = matmul_nt(a, b, M, N, K);
+  if (W.bias.defined()) {
+    const std::vector<double> bias = load(W.bias, "linear bias");
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t j = 0; j < N; ++j) y[i * N + j] += bias[j];
+  }
+  store(y, out, "linear output");
+}
+
+void CpuBackend::linear_backward(const Tensor& dy, const Tensor& x, const LinearWeight& W,
+                                 const LinearSpec& spec, Tensor* dx, Tensor* dw, Tensor* dbias) {
+  check_weight(W, spec);
+  const int64_t N = W.out_features(), K = W.in_features();
+  const Tensor x2 = as_2d(x, K, "linear input x");
+  const Tensor dy2 = as_2d(dy, N, "linear output gradient dy");
+  const int64_t M = x2.dim(0);
+  FP8RL_CHECK(dy2.dim(0) == M, "linear_backward: dy ", dy.str(), " and x ", x.str(), " differ in rows");
+  std::vector<double> gx, gw;
+  linear_grads(dy2, x2, W, spec, dx ? &gx : nullptr, dw ? &gw : nullptr);
+  if (dx) {
+    FP8RL_CHECK(dx->numel() == M * K && dx->dim(-1) == K, "linear dx must be [", M, ", ", K, "], got ", dx->str());
+    store(gx, *dx, "linear dx");
+  }
+  if (dw) {
+    check_shape(*dw, {N, K}, "linear dw");
+    accumulate(gw, *dw, "linear dw");
+  }
+  if (dbias) {
+    check_shape(*dbias, {N}, "linear dbias");
+    const std::vector<double> g = load(dy2, "linear dy");
+    std::vector<double> gb(N, 0.0);
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t j = 0; j < N; ++j) gb[j] += g[i * N + j];
+    accumulate(gb, *dbias, "linear dbias");
+  }
+}
+
+// ---- fused lm_head + log-softmax -------------------------------------------------------------
+
+namespace {
+
+struct LogitsChunk {
+  int64_t v0, n;
+  std::vector<double> z;  // [T, n] logits / temperature
+};
+
+// Calls f(chunk) for each vocabulary chunk of logits = hidden lm_head^T / temperature.
+template <class F>
+void for_each_logits_chunk(const Tensor& hidden, const Tensor& lm_head, float temperature,
+                           const LinearSpec& spec, const std::vector<double>& h_eff, F&& f) {
+  const int64_t T = hidden.dim(0), D = hidden.dim(1), V = lm_head.dim(0);
+  for (int64_t v0 = 0; v0 < V; v0 += kVocabChunk) {
+    const int64_t n = std::min(kVocabChunk, V - v0);
+    LinearWeight Wc;
+    Wc.w = lm_head.slice_rows(v0, v0 + n);
+    LogitsChunk c{v0, n, matmul_nt(h_eff, linear_operand_weight(Wc, spec.mode, spec.pow2_scales), T, n, D)};
+    for (double& e : c.z) e /= temperature;
+    f(c);
+  }
+}
+
+void check_logprobs_args(const Tensor& hidden, const Tensor& lm_head, const std::vector<int32_t>& targets,
+                         float temperature) {
+  check_float(hidden, "token_logprobs hidden");
+  check_float(lm_head, "token_logprobs lm_head");
+  FP8RL_CHECK(hidden.ndim() == 2 && lm_head.ndim() == 2 && hidden.dim(1) == lm_head.dim(1),
+              "token_logprobs needs hidden [T, D] and lm_head [V, D], got ", hidden.str(), " and ", lm_head.str());
+  FP8RL_CHECK(static_cast<int64_t>(targets.size()) == hidden.dim(0), "token_logprobs: ", targets.size(),
+              " targets for ", hidden.dim(0), " tokens");
+  FP8RL_CHECK(temperature > 0 && std::isfinite(temperature), "token_logprobs temperature must be > 0, got ",
+              temperature);
+  for (size_t t = 0; t < targets.size(); ++t)
+    FP8RL_CHECK(targets[t] >= 0 && targets[t] < lm_head.dim(0), "token_logprobs: target ", targets[t],
+                " of token ", t, " is outside the vocabulary [0, ", lm_head.dim(0), ")");
+}
+
+}  // namespace
+
+void CpuBackend::token_logprobs(const Tensor& hidden, const Tensor& lm_head, const Tensor& targets,
+                                float temperature, const LinearSpec& spec, Tensor& logp, Tensor& lse,
+                                Tensor* entropy) {
+  const std::vector<int32_t> tgt = load_i32(targets, "token_logprobs targets");
+  check_logprobs_args(hidden, lm_head, tgt, temperature);
+  const int64_t T = hidden.dim(0);
+  check_shape(logp, {T}, "token_logprobs logp");
+  check_shape(lse, {T}, "token_logprobs lse");
+  if (entropy) check_shape(*entropy, {T}, "token_logprobs entropy");
+  // Online log-sum-exp per token: running max m, S = sum e^(z-m), Z = sum e^(z-m) z.
+  std::vector<double> m(T, -INFINITY), S(T, 0.0), Z(T, 0.0), zt(T, 0.0);
+  const std::vector<double> h_eff = linear_operand_act(hidden, spec.mode, spec.pow2_scales);
+  for_each_logits_chunk(hidden, lm_head, temperature, spec, h_eff, [&](const LogitsChunk& c) {
+    for (int64_t t = 0; t < T; ++t) {
+      const double* z = c.z.data() + t * c.n;
+      const double cm = *std::max_element(z, z + c.n);
+      if (cm > m[t]) {
+        const double r = std::exp(m[t] - cm);  // 0 on the first chunk
+        S[t] *= r;
+        Z[t] *= r;
+        m[t] = cm;
+      }
+      for (int64_t j = 0; j < c.n; ++j) {
+        const double e = std::exp(z[j] - m[t]);
+        S[t] += e;
+        Z[t] += e * z[j];
+      }
+      if (tgt[t] >= c.v0 && tgt[t] < c.v0 + c.n) zt[t] = z[tgt[t] - c.v0];
+    }
+  });
+  std::vector<double> vlse(T), vlogp(T), vent(T);
+  for (int64_t t = 0; t < T; ++t) {
+    vlse[t] = m[t] + std::log(S[t]);
+    vlogp[t] = zt[t] - vlse[t];
+    vent[t] = vlse[t] - Z[t] / S[t];  // H = -sum p log p = lse - E_p[z]
+  }
+  store(vlogp, logp, "token_logprobs logp");
+  store(vlse, lse, "token_logprobs lse");
+  if (entropy) store(vent, *entropy, "token_logprobs entropy");
+}
+
+// d logp[t] / d z[t, v] = [v == target] - p[t, v]; z = raw / temperature. The raw-logit
+// gradient goes through the lm_head GEMM's backward in `spec` numerics (as linear_backward).
+void CpuBackend::token_logprobs_backward(const Tensor& hidden, const Tensor& lm_head, const Tensor& targets,
+                                         float temperature, const LinearSpec& spec, const Tensor& lse,
+                                         const Tensor& dlogp, Tensor& dhidden, Tensor* dlm_head) {
+  const std::vector<int32_t> tgt = load_i32(targets, "token_logprobs targets");
+  check_logprobs_args(hidden, lm_head, tgt, temperature);
+  const int64_t T = hidden.dim(0), D = hidden.dim(1);
+  check_shape(lse, {T}, "token_logprobs lse");
+  check_shape(dlogp, {T}, "token_logprobs dlogp");
+  check_shape(dhidden, {T, D}, "token_logprobs dhidden");
+  if (dlm_head) check_shape(*dlm_head, lm_head.shape(), "token_logprobs dlm_head");
+  const std::vector<double> vlse = load(lse, "token_logprobs lse"), g = load(dlogp, "token_logprobs dlogp");
+  const std::vector<double> h_eff = linear_operand_act(hidden, spec.mode, spec.pow2_scales);
+  std::vector<double> dh(T * D, 0.0);
+  for_each_logits_chunk(hidden, lm_head, temperature, spec, h_eff, [&](const LogitsChunk& c) {
+    std::vector<double> draw(T * c.n);  // gradient of the raw (untempered) logits [T, n]
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t j = 0; j < c.n; ++j) {
+        const double p = std::exp(c.z[t * c.n + j] - vlse[t]);
+        const double onehot = (tgt[t] == c.v0 + j) ? 1.0 : 0.0;
+        draw[t * c.n + j] = g[t] * (onehot - p) / temperature;
+      }
+    }
+    LinearWeight Wc;
+    Wc.w = lm_head.slice_rows(c.v0, c.v0 + c.n);
+    std::vector<double> gx, gw;
+    linear_grads(tensor_f64(draw, {T, c.n}), hidden, Wc, spec, &gx, dlm_head ? &gw : nullptr);
+    for (int64_t i = 0; i < T * D; ++i) dh[i] += gx[i];
+    if (dlm_head) {
+      Tensor rows = dlm_head->slice_rows(c.v0, c.v0 + c.n);
+      accumulate(gw, rows, "token_logprobs dlm_head");
+    }
+  });
+  store(dh, dhidden, "token_logprobs dhidden");
+}
+
+}  // namespace cpu
+}  // namespace fp8rl

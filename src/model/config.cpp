@@ -1,0 +1,314 @@
+// ModelConfig from a Hugging Face config.json (llama, qwen2, qwen3; transformers 4.x and 5.x
+// spellings). See model/config.h.
+//
+// Defaults for absent optional keys follow transformers' config classes (e.g. qwen3's
+// head_dim defaults to 128, not hidden_size / num_heads). Required keys (the sizes) have no
+// default: a config without them is an error, as is any key of the wrong JSON type or any
+// feature fp8rl does not implement (other rope types, sliding windows, o_proj/MLP biases).
+#include "model/config.h"
+
+#include <sys/stat.h>
+
+#include <cmath>
+#include <fstream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+
+namespace fp8rl {
+
+using nlohmann::json;
+
+namespace {
+
+// Reads typed keys of one JSON object; every error names the key and the file.
+struct Reader {
+  const json& j;
+  std::string origin;  // "path/config.json" or "path/config.json: rope_parameters"
+
+  bool has(const char* key) const { return j.contains(key) && !j.at(key).is_null(); }
+
+  [[noreturn]] void fail_type(const char* key, const char* want) const {
+    FP8RL_FAIL(origin, ": key '", key, "' must be ", want, ", got ", j.at(key).dump());
+  }
+
+  int get_int(const char* key) const {
+    if (!has(key)) FP8RL_FAIL(origin, ": required key '", key, "' is missing");
+    const json& v = j.at(key);
+    if (!v.is_number_integer()) fail_type(key, "an integer");
+    const int64_t x = v.get<int64_t>();
+    if (x < INT32_MIN || x > INT32_MAX) fail_type(key, "an integer that fits 32 bits");
+    return static_cast<int>(x);
+  }
+  int get_int(const char* key, int dflt) const { return has(key) ? get_int(key) : dflt; }
+
+  double get_number(const char* key, double dflt) const {
+    if (!has(key)) return dflt;
+    const json& v = j.at(key);
+    if (!v.is_number()) fail_type(key, "a number");
+    return v.get<double>();
+  }
+  double get_number(const char* key) const {
+    if (!has(key)) FP8RL_FAIL(origin, ": required key '", key, "' is missing");
+    return get_number(key, 0.0);
+  }
+
+  bool get_bool(const char* key, bool dflt) const {
+    if (!has(key)) return dflt;
+    if (!j.at(key).is_boolean()) fail_type(key, "true or false");
+    return j.at(key).get<bool>();
+  }
+
+  std::string get_string(const char* key, const std::string& dflt) const {
+    if (!has(key)) return dflt;
+    if (!j.at(key).is_string()) fail_type(key, "a string");
+    return j.at(key).get<std::string>();
+  }
+
+  // A token id: absent/null -> -1, an integer, or a list of integers (all kept in `all`).
+  int get_token_id(const char* key, std::vector<int>* all) const {
+    if (!has(key)) return -1;
+    const json& v = j.at(key);
+    std::vector<int> ids;
+    if (v.is_number_integer()) {
+      ids.push_back(get_int(key));
+    } else if (v.is_array()) {
+      for (const json& e : v) {
+        if (!e.is_number_integer() || e.get<int64_t>() < 0 || e.get<int64_t>() > INT32_MAX)
+          fail_type(key, "a token id or a list of token ids");
+        ids.push_back(static_cast<int>(e.get<int64_t>()));
+      }
+    } else {
+      fail_type(key, "a token id or a list of token ids");
+    }
+    if (all) *all = ids;
+    return ids.empty() ? -1 : ids.front();
+  }
+};
+
+// The RoPE settings, from rope_scaling (4.x; wins when present, as in transformers 5) or
+// rope_parameters (5.x), with rope_theta at top level (4.x) or inside the dict (5.x).
+void parse_rope(const json& j, const std::string& origin, ModelConfig& c) {
+  Reader top{j, origin};
+  c.rope_theta = static_cast<float>(top.get_number("rope_theta", 10000.0));
+  if (top.has("partial_rotary_factor") && top.get_number("partial_rotary_factor") != 1.0)
+    FP8RL_FAIL(origin, ": partial_rotary_factor != 1 is not supported");
+  const char* dict_key = top.has("rope_scaling") ? "rope_scaling" : top.has("rope_parameters") ? "rope_parameters" : nullptr;
+  if (!dict_key) return;
+  const json& d = j.at(dict_key);
+  if (!d.is_object()) top.fail_type(dict_key, "an object");
+  Reader r{d, origin + ": " + dict_key};
+  if (d.contains("full_attention") || d.contains("sliding_attention"))
+    FP8RL_FAIL(r.origin, ": per-layer-type RoPE parameters are not supported");
+  c.rope_theta = static_cast<float>(r.get_number("rope_theta", c.rope_theta));
+  c.rope_type = r.has("rope_type") ? r.get_string("rope_type", "") : r.get_string("type", "default");
+  if (r.has("partial_rotary_factor") && r.get_number("partial_rotary_factor") != 1.0)
+    FP8RL_FAIL(r.origin, ": partial_rotary_factor != 1 is not supported");
+  if (c.rope_type == "default") return;
+  if (c.rope_type != "llama3")
+    FP8RL_FAIL(r.origin, ": rope_type '", c.rope_type, "' is not supported (supported: default, llama3)");
+  c.rope_factor = static_cast<float>(r.get_number("factor"));
+  c.rope_low_freq_factor = static_cast<float>(r.get_number("low_freq_factor"));
+  c.rope_high_freq_factor = static_cast<float>(r.get_number("high_freq_factor"));
+  // transformers falls back to max_position_embeddings when this is absent.
+  c.rope_original_max_position = r.get_int("original_max_position_embeddings", c.max_position_embeddings);
+}
+
+bool is_dir(const std::string& p) {
+  struct stat st {};
+  return ::stat(p.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+}  // namespace
+
+ModelConfig model_config_from_json(const std::string& json_text, const std::string& origin) {
+  json j;
+  try {
+    j = json::parse(json_text);
+  } catch (const json::exception& ex) {
+    FP8RL_FAIL(origin, ": not valid JSON: ", ex.what());
+  }
+  if (!j.is_object()) FP8RL_FAIL(origin, ": must be a JSON object");
+  Reader r{j, origin};
+  ModelConfig c;
+  if (!r.has("model_type")) FP8RL_FAIL(origin, ": required key 'model_type' is missing");
+  c.model_type = r.get_string("model_type", "");
+  const bool llama = c.model_type == "llama", qwen2 = c.model_type == "qwen2", qwen3 = c.model_type == "qwen3";
+  if (!llama && !qwen2 && !qwen3)
+    FP8RL_FAIL(origin, ": model_type '", c.model_type, "' is not supported (supported: llama, qwen2, qwen3)");
+
+  c.vocab_size = r.get_int("vocab_size");
+  c.hidden_size = r.get_int("hidden_size");
+  c.intermediate_size = r.get_int("intermediate_size");
+  c.num_layers = r.get_int("num_hidden_layers");
+  c.num_heads = r.get_int("num_attention_heads");
+  c.num_kv_heads = r.get_int("num_key_value_heads", c.num_heads);
+  if (c.num_heads <= 0) FP8RL_FAIL(origin, ": num_attention_heads must be positive, got ", c.num_heads);
+  c.head_dim = r.get_int("head_dim", qwen3 ? 128 : c.hidden_size / c.num_heads);
+  c.rms_norm_eps = static_cast<float>(r.get_number("rms_norm_eps", 1e-6));
+  c.tie_word_embeddings = r.get_bool("tie_word_embeddings", false);
+  c.max_position_embeddings = r.get_int("max_position_embeddings", llama ? 2048 : 32768);
+  c.bos_token_id = r.get_token_id("bos_token_id", nullptr);
+  c.eos_token_id = r.get_token_id("eos_token_id", &c.eos_token_ids);
+  // 5.x writes "dtype"; 4.x "torch_dtype".
+  c.torch_dtype = r.has("dtype") ? r.get_string("dtype", "") : r.get_string("torch_dtype", "float32");
+
+  // Biases: qwen2 always has q/k/v biases and no o_proj bias. In llama and qwen3
+  // attention_bias adds biases to q, k, v *and* o_proj, which fp8rl does not implement.
+  if (qwen2) {
+    c.attention_bias = true;
+  } else if (r.get_bool("attention_bias", false)) {
+    FP8RL_FAIL(origin, ": attention_bias = true (", c.model_type, " then has an o_proj bias) is not supported");
+  }
+  if (r.get_bool("mlp_bias", false)) FP8RL_FAIL(origin, ": mlp_bias = true is not supported");
+  c.qk_norm = qwen3;
+  const std::string act = r.get_string("hidden_act", "silu");
+  if (act != "silu") FP8RL_FAIL(origin, ": hidden_act '", act, "' is not supported (only silu)");
+
+  // Sliding-window attention (qwen2/qwen3): only the disabled form is accepted.
+  if (r.get_bool("use_sliding_window", false))
+    FP8RL_FAIL(origin, ": use_sliding_window = true is not supported (full attention only)");
+  if (r.has("layer_types")) {
+    const json& lt = j.at("layer_types");
+    if (!lt.is_array()) r.fail_type("layer_types", "a list of strings");
+    for (const json& t : lt) {
+      if (!t.is_string()) r.fail_type("layer_types", "a list of strings");
+      if (t.get<std::string>() != "full_attention")
+        FP8RL_FAIL(origin, ": layer_types contains '", t.get<std::string>(), "'; only full_attention is supported");
+    }
+  }
+  parse_rope(j, origin, c);
+  try {
+    c.validate();
+  } catch (const Error& e) {
+    FP8RL_FAIL(origin, ": ", e.what());
+  }
+  return c;
+}
+
+ModelConfig model_config_load(const std::string& path) {
+  const std::string file = is_dir(path) ? path + "/config.json" : path;
+  std::ifstream in(file, std::ios::binary);
+  if (!in.good()) FP8RL_FAIL("cannot read model config ", file, " (is it an HF checkpoint directory?)");
+  std::ostringstream os;
+  os << in.rdbuf();
+  return model_config_from_json(os.str(), file);
+}
+
+void ModelConfig::validate() const {
+  FP8RL_CHECK(model_type == "llama" || model_type == "qwen2" || model_type == "qwen3", "model_type '",
+              model_type, "' is not supported");
+  FP8RL_CHECK(vocab_size > 0, "vocab_size must be positive");
+  FP8RL_CHECK(hidden_size > 0, "hidden_size must be positive");
+  FP8RL_CHECK(intermediate_size > 0, "intermediate_size must be positive");
+  FP8RL_CHECK(num_layers > 0, "num_hidden_layers must be positive");
+  FP8RL_CHECK(num_heads > 0, "num_attention_heads must be positive");
+  FP8RL_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "num_key_value_heads (", num_kv_heads,
+              ") must be positive and divide num_attention_heads (", num_heads, ")");
+  FP8RL_CHECK(head_dim > 0 && head_dim % 2 == 0, "head_dim (", head_dim, ") must be positive and even");
+  FP8RL_CHECK(std::isfinite(rms_norm_eps) && rms_norm_eps > 0, "rms_norm_eps must be positive");
+  FP8RL_CHECK(max_position_embeddings > 0, "max_position_embeddings must be positive");
+  FP8RL_CHECK(std::isfinite(rope_theta) && rope_theta > 1.0f, "rope_theta (", rope_theta, ") must be > 1");
+  FP8RL_CHECK(rope_type == "default" || rope_type == "llama3", "rope_type '", rope_type,
+              "' is not supported (default, llama3)");
+  if (rope_type == "llama3") {
+    FP8RL_CHECK(std::isfinite(rope_factor) && rope_factor > 0, "rope factor must be positive");
+    FP8RL_CHECK(rope_low_freq_factor > 0 && rope_high_freq_factor > rope_low_freq_factor,
+                "llama3 rope needs 0 < low_freq_factor < high_freq_factor, got ", rope_low_freq_factor, ", ",
+                rope_high_freq_factor);
+    FP8RL_CHECK(rope_original_max_position > 0, "original_max_position_embeddings must be positive");
+  }
+  FP8RL_CHECK(bos_token_id >= -1 && eos_token_id >= -1, "token ids must be >= 0 (or -1 for none)");
+}
+
+// inv_freq[i] = 1 / theta^(2i / hd), all in FP32 as transformers computes it: the exponent
+// (2i) / hd is an FP32 division, the power is rounded to FP32, and so is the reciprocal.
+// llama3 then rescales per wavelength (all operands FP32, Python scalars rounded to FP32):
+//   wavelen = 2*pi / f;  wavelen < orig/high: f;  wavelen > orig/low: f / factor;
+//   otherwise s = (orig / wavelen - low) / (high - low), f' = (1 - s) * f / factor + s * f.
+RopeParams ModelConfig::rope_params() const {
+  validate();
+  RopeParams p;
+  const int half = head_dim / 2;
+  p.inv_freq.resize(half);
+  for (int i = 0; i < half; ++i) {
+    const float e = static_cast<float>(2 * i) / static_cast<float>(head_dim);
+    const float pw = static_cast<float>(std::pow(static_cast<double>(rope_theta), static_cast<double>(e)));
+    p.inv_freq[i] = 1.0f / pw;
+  }
+  if (rope_type == "llama3") {
+    const double orig = rope_original_max_position;
+    const float low_wavelen = static_cast<float>(orig / rope_low_freq_factor);
+    const float high_wavelen = static_cast<float>(orig / rope_high_freq_factor);
+    const float two_pi = static_cast<float>(2.0 * M_PI);
+    const float origf = static_cast<float>(orig);
+    const float range = static_cast<float>(static_cast<double>(rope_high_freq_factor) - rope_low_freq_factor);
+    for (float& f : p.inv_freq) {
+      const float wavelen = two_pi / f;
+      const float scaled = wavelen > low_wavelen ? f / rope_factor : f;
+      const float s = (origf / wavelen - rope_low_freq_factor) / range;
+      const float smoothed = (1.0f - s) * scaled / rope_factor + s * scaled;
+      const bool medium = !(wavelen < high_wavelen) && !(wavelen > low_wavelen);
+      f = medium ? smoothed : scaled;
+    }
+  }
+  p.attention_scaling = 1.0f;
+  return p;
+}
+
+int64_t ModelConfig::num_parameters() const {
+  const int64_t d = hidden_size, f = intermediate_size, v = vocab_size, hd = head_dim;
+  const int64_t q = int64_t(num_heads) * hd, kv = int64_t(num_kv_heads) * hd;
+  int64_t layer = d * q + 2 * d * kv + q * d  // q, k, v, o
+                  + 3 * d * f                 // gate, up, down
+                  + 2 * d;                    // input and post-attention RMSNorm
+  if (attention_bias) layer += q + 2 * kv;
+  if (qk_norm) layer += 2 * hd;
+  return v * d + int64_t(num_layers) * layer + d + (tie_word_embeddings ? 0 : v * d);
+}
+
+std::string model_config_to_json(const ModelConfig& c) {
+  c.validate();
+  const char* arch = c.model_type == "llama" ? "LlamaForCausalLM" : c.model_type == "qwen2" ? "Qwen2ForCausalLM"
+                                                                                            : "Qwen3ForCausalLM";
+  json j;
+  j["architectures"] = {arch};
+  j["model_type"] = c.model_type;
+  j["vocab_size"] = c.vocab_size;
+  j["hidden_size"] = c.hidden_size;
+  j["intermediate_size"] = c.intermediate_size;
+  j["num_hidden_layers"] = c.num_layers;
+  j["num_attention_heads"] = c.num_heads;
+  j["num_key_value_heads"] = c.num_kv_heads;
+  j["head_dim"] = c.head_dim;
+  j["hidden_act"] = "silu";
+  j["rms_norm_eps"] = c.rms_norm_eps;
+  j["tie_word_embeddings"] = c.tie_word_embeddings;
+  j["max_position_embeddings"] = c.max_position_embeddings;
+  if (c.model_type != "qwen2") j["attention_bias"] = false;
+  if (c.bos_token_id >= 0) j["bos_token_id"] = c.bos_token_id;
+  if (c.eos_token_ids.size() > 1) {
+    j["eos_token_id"] = c.eos_token_ids;
+  } else if (c.eos_token_id >= 0) {
+    j["eos_token_id"] = c.eos_token_id;
+  }
+  // 4.x reads torch_dtype, rope_theta and rope_scaling; 5.x reads all three too (rope_scaling
+  // and rope_theta are converted into its rope_parameters), so the 4.x spelling serves both.
+  j["torch_dtype"] = c.torch_dtype;
+  j["rope_theta"] = c.rope_theta;
+  if (c.rope_type == "llama3") {
+    j["rope_scaling"] = {{"rope_type", "llama3"},
+                         {"factor", c.rope_factor},
+                         {"low_freq_factor", c.rope_low_freq_factor},
+                         {"high_freq_factor", c.rope_high_freq_factor},
+                         {"original_max_position_embeddings", c.rope_original_max_position}};
+  } else {
+    j["rope_scaling"] = nullptr;
+  }
+  if (c.model_type != "llama") j["use_sliding_window"] = false;
+  return j.dump(2) + "\n";
+}
+
+}  // namespace fp8rl
