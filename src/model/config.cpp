@@ -10,6 +10,8 @@
 #include <sys/stat.h>
 
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <sstream>
 
@@ -114,6 +116,16 @@ void parse_rope(const json& j, const std::string& origin, ModelConfig& c) {
   c.rope_high_freq_factor = static_cast<float>(r.get_number("high_freq_factor"));
   // transformers falls back to max_position_embeddings when this is absent.
   c.rope_original_max_position = r.get_int("original_max_position_embeddings", c.max_position_embeddings);
+}
+
+// The shortest decimal that reads back as `x` (1e-6f is written 1e-06, not 9.99999997e-07).
+double short_decimal(float x) {
+  char buf[32];
+  for (int digits = 6; digits <= 9; ++digits) {
+    std::snprintf(buf, sizeof buf, "%.*g", digits, static_cast<double>(x));
+    if (std::strtof(buf, nullptr) == x) break;
+  }
+  return std::strtod(buf, nullptr);
 }
 
 bool is_dir(const std::string& p) {
@@ -223,11 +235,16 @@ void ModelConfig::validate() const {
   FP8RL_CHECK(bos_token_id >= -1 && eos_token_id >= -1, "token ids must be >= 0 (or -1 for none)");
 }
 
-// inv_freq[i] = 1 / theta^(2i / hd), all in FP32 as transformers computes it: the exponent
+// inv_freq[i] = 1 / theta^(2i / hd), in FP32 as transformers computes it: the exponent
 // (2i) / hd is an FP32 division, the power is rounded to FP32, and so is the reciprocal.
 // llama3 then rescales per wavelength (all operands FP32, Python scalars rounded to FP32):
 //   wavelen = 2*pi / f;  wavelen < orig/high: f;  wavelen > orig/low: f / factor;
 //   otherwise s = (orig / wavelen - low) / (high - low), f' = (1 - s) * f / factor + s * f.
+// torch evaluates `scalar / tensor` as reciprocal(tensor) * scalar; so do we (it changes
+// wavelen by an ulp). One known difference remains: torch's FP32 pow is SLEEF's (<= 1 ulp,
+// not correctly rounded, and for tails scalar libm), ours is correctly rounded, so a few
+// inv_freq values differ from transformers' by 1 ulp (measured with torch 2.15 on x86: 14 of
+// 1344 values over 40 theta/head_dim/rope_type combinations; the fixtures record HF's values).
 RopeParams ModelConfig::rope_params() const {
   validate();
   RopeParams p;
@@ -246,9 +263,9 @@ RopeParams ModelConfig::rope_params() const {
     const float origf = static_cast<float>(orig);
     const float range = static_cast<float>(static_cast<double>(rope_high_freq_factor) - rope_low_freq_factor);
     for (float& f : p.inv_freq) {
-      const float wavelen = two_pi / f;
+      const float wavelen = (1.0f / f) * two_pi;
       const float scaled = wavelen > low_wavelen ? f / rope_factor : f;
-      const float s = (origf / wavelen - rope_low_freq_factor) / range;
+      const float s = ((1.0f / wavelen) * origf - rope_low_freq_factor) / range;
       const float smoothed = (1.0f - s) * scaled / rope_factor + s * scaled;
       const bool medium = !(wavelen < high_wavelen) && !(wavelen > low_wavelen);
       f = medium ? smoothed : scaled;
@@ -284,7 +301,7 @@ std::string model_config_to_json(const ModelConfig& c) {
   j["num_key_value_heads"] = c.num_kv_heads;
   j["head_dim"] = c.head_dim;
   j["hidden_act"] = "silu";
-  j["rms_norm_eps"] = c.rms_norm_eps;
+  j["rms_norm_eps"] = short_decimal(c.rms_norm_eps);
   j["tie_word_embeddings"] = c.tie_word_embeddings;
   j["max_position_embeddings"] = c.max_position_embeddings;
   if (c.model_type != "qwen2") j["attention_bias"] = false;
@@ -297,12 +314,12 @@ std::string model_config_to_json(const ModelConfig& c) {
   // 4.x reads torch_dtype, rope_theta and rope_scaling; 5.x reads all three too (rope_scaling
   // and rope_theta are converted into its rope_parameters), so the 4.x spelling serves both.
   j["torch_dtype"] = c.torch_dtype;
-  j["rope_theta"] = c.rope_theta;
+  j["rope_theta"] = short_decimal(c.rope_theta);
   if (c.rope_type == "llama3") {
     j["rope_scaling"] = {{"rope_type", "llama3"},
-                         {"factor", c.rope_factor},
-                         {"low_freq_factor", c.rope_low_freq_factor},
-                         {"high_freq_factor", c.rope_high_freq_factor},
+                         {"factor", short_decimal(c.rope_factor)},
+                         {"low_freq_factor", short_decimal(c.rope_low_freq_factor)},
+                         {"high_freq_factor", short_decimal(c.rope_high_freq_factor)},
                          {"original_max_position_embeddings", c.rope_original_max_position}};
   } else {
     j["rope_scaling"] = nullptr;
