@@ -323,6 +323,9 @@ void model_backward(Backend& be, const ModelWeights& w, const EnginePrecision& p
     dk_raw = be.alloc({T, Hkv * hd}, act);
   }
 
+  // The bias gradient of a linear, when it has a bias (q/k/v in qwen2; any with attention_bias).
+  auto bias = [](LinearWeight& gw) { return gw.bias.defined() ? &gw.bias : nullptr; };
+
   for (int l = L - 1; l >= 0; --l) {
     const LayerWeights& lw = w.layers[l];
     LayerWeights& lg = g.layers[l];
@@ -330,17 +333,17 @@ void model_backward(Backend& be, const ModelWeights& w, const EnginePrecision& p
     const LinearSpec spec = block_spec(prec, l, L);
 
     // ---- MLP: x_out = x_mid + down(silu(gate(xn)) * up(xn)), xn = mlp_norm(x_mid) ----
-    be.linear_backward(dx, a.act, lw.down, spec, &d_act, &lg.down.w, nullptr);
+    be.linear_backward(dx, a.act, lw.down, spec, &d_act, &lg.down.w, bias(lg.down));
     be.swiglu_backward(d_act, a.gate, a.up, d_gate, d_up);
-    be.linear_backward(d_gate, a.xn_mlp, lw.gate, spec, &d_xn, &lg.gate.w, nullptr);
-    be.linear_backward(d_up, a.xn_mlp, lw.up, spec, &d_tmp, &lg.up.w, nullptr);
+    be.linear_backward(d_gate, a.xn_mlp, lw.gate, spec, &d_xn, &lg.gate.w, bias(lg.gate));
+    be.linear_backward(d_up, a.xn_mlp, lw.up, spec, &d_tmp, &lg.up.w, bias(lg.up));
     be.add(d_xn, d_tmp, d_xn);
     be.rmsnorm_backward(d_xn, a.x_mid, lw.mlp_norm, a.mlp_rstd, d_tmp, lg.mlp_norm);
     be.add(dx, d_tmp, d_mid);  // d x_mid: residual + through the norm
 
     // ---- attention: x_mid = x + o(attention(rope(norm(q)), rope(norm(k)), v)) ----
     Tensor d_attn2 = d_attn.reshape({T, Hq * hd});
-    be.linear_backward(d_mid, a.attn.reshape({T, Hq * hd}), lw.o, spec, &d_attn2, &lg.o.w, nullptr);
+    be.linear_backward(d_mid, a.attn.reshape({T, Hq * hd}), lw.o, spec, &d_attn2, &lg.o.w, bias(lg.o));
     be.attention_backward(d_attn, a.q, a.k, a.v, a.attn, a.lse, A.batch.cu_seqlens, softmax_scale, dq, dk, dv);
     be.rope(dq, A.positions, rope, /*inverse=*/true);
     be.rope(dk, A.positions, rope, /*inverse=*/true);
@@ -354,7 +357,6 @@ void model_backward(Backend& be, const ModelWeights& w, const EnginePrecision& p
       dq2 = dq_raw;
       dk2 = dk_raw;
     }
-    auto bias = [](LinearWeight& gw) { return gw.bias.defined() ? &gw.bias : nullptr; };
     be.linear_backward(dq2, a.xn_attn, lw.q, spec, &d_xn, &lg.q.w, bias(lg.q));
     be.linear_backward(dk2, a.xn_attn, lw.k, spec, &d_tmp, &lg.k.w, bias(lg.k));
     be.add(d_xn, d_tmp, d_xn);

@@ -190,7 +190,7 @@ ModelWeights model_weights_random(const ModelConfig& c, const RandomInit& init, 
     L.q = lin(Hq * hd, D, c.attention_bias);
     L.k = lin(Hkv * hd, D, c.attention_bias);
     L.v = lin(Hkv * hd, D, c.attention_bias);
-    L.o = lin(D, Hq * hd, false);
+    L.o = lin(D, Hq * hd, c.attention_bias && c.model_type != "qwen2");  // HF: qwen2 never has an o bias
     if (c.qk_norm) {
       L.q_norm = norm(hd);
       L.k_norm = norm(hd);

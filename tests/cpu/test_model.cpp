@@ -92,8 +92,10 @@ TEST_P(ModelFamilyTest, PagedDecodeEqualsPackedForward) {
       const int n = static_cast<int>(seqs[b].size());
       const int begin = step == 0 ? 0 : prefill - 1 + step, end = step == 0 ? prefill : begin + 1;
       if (begin >= n - 1) continue;  // the last token has no next token to score
-      for (int p = begin; p < end; ++p) seq.push_back(b), pos.push_back(p), ids.push_back(seqs[b][p]);
-      rows.push_back(static_cast<int>(ids.size()) - 1);
+      for (int p = begin; p < end; ++p) {  // every token is scored (rows: all of this step's)
+        seq.push_back(b), pos.push_back(p), ids.push_back(seqs[b][p]);
+        rows.push_back(static_cast<int>(ids.size()) - 1);
+      }
     }
     if (ids.empty()) break;
     const PagedBatch pb = run.make(*be, seq, pos);

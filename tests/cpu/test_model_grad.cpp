@@ -101,8 +101,10 @@ INSTANTIATE_TEST_SUITE_P(Families, ModelGradTest,
                          ::testing::Values(GradCase{"qwen3"}, GradCase{"qwen2"}, GradCase{"llama"}),
                          [](const auto& info) { return std::string(info.param.family); });
 
-// In FP8 mode the backward still produces gradients close to the FP32 ones (same direction).
-TEST(ModelGrad, Fp8BackwardTracksFp32) {
+// In BF16 and FP8 modes the backward produces gradients close to the FP32 ones, with an error
+// that scales with the format: E4M3 keeps 3 mantissa bits, BF16 7, so FP8 rounding errors are
+// ~16x larger and 1 - cos(g_fp8, g_fp32) should be within ~16^2 of BF16's (factor 2 margin).
+TEST(ModelGrad, LowPrecisionBackwardTracksFp32) {
   auto be = make_cpu_backend();
   const ModelWeights w = model_weights_to_device(*be, tiny_model("qwen3", DType::F32, 11), DType::F32);
   const ForwardBatch batch = forward_batch_from_sequences(test::token_sequences({9, 5}, w.config.vocab_size, 5));
@@ -122,16 +124,22 @@ TEST(ModelGrad, Fp8BackwardTracksFp32) {
     });
     return all;
   };
-  const std::vector<double> a = grads_under(LinearMode::FP32), b = grads_under(LinearMode::FP8_BLOCK);
-  ASSERT_EQ(a.size(), b.size());
-  double dot = 0, na = 0, nb = 0, diff = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    ASSERT_TRUE(std::isfinite(b[i]));
-    dot += a[i] * b[i], na += a[i] * a[i], nb += b[i] * b[i], diff += (a[i] - b[i]) * (a[i] - b[i]);
-  }
-  ASSERT_GT(na, 0.0);
-  EXPECT_GT(dot / std::sqrt(na * nb), 0.99);  // same direction
-  EXPECT_GT(diff, 0.0);                        // but FP8 really was applied
+  const std::vector<double> ref = grads_under(LinearMode::FP32);
+  auto one_minus_cos = [&](const std::vector<double>& b) {
+    double dot = 0, na = 0, nb = 0;
+    for (size_t i = 0; i < ref.size(); ++i) {
+      EXPECT_TRUE(std::isfinite(b[i])) << i;
+      dot += ref[i] * b[i], na += ref[i] * ref[i], nb += b[i] * b[i];
+    }
+    return 1.0 - dot / std::sqrt(na * nb);
+  };
+  const double e_bf16 = one_minus_cos(grads_under(LinearMode::BF16));
+  const double e_fp8 = one_minus_cos(grads_under(LinearMode::FP8_BLOCK));
+  EXPECT_GT(e_bf16, 0.0);  // the precision was applied
+  EXPECT_LT(e_bf16, 1e-3);
+  EXPECT_GT(e_fp8, e_bf16);
+  EXPECT_LT(e_fp8, 2 * 256 * e_bf16);
+  EXPECT_LT(e_fp8, 0.05);
 }
 
 }  // namespace

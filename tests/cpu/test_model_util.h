@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "core/error.h"
 #include "model/transformer.h"
 #include "model/weights.h"
 
