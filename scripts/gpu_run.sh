@@ -10,10 +10,15 @@
 #   mkdir -p prebuilt && cp build/fp8rl build/fp8rl_gpu_tests build/fp8rl_tests prebuilt/
 # (they link only libcudart/libcublasLt 13 and libstdc++ dynamically).
 set -u
-OUT="${1:-${OUT:-$PWD/gpu_out}}"
+OUT_TOP="${1:-${OUT:-$PWD/gpu_out}}"
+# Logs go to $OUT_TOP/logs and are packed into $OUT_TOP/logs.tgz at the end (the device tool
+# brings back at most 8 files); summary.txt stays beside it.
+OUT="$OUT_TOP/logs"
 mkdir -p "$OUT"
 ROOT="$PWD"
-SUMMARY="$OUT/summary.txt"
+SUMMARY="$OUT_TOP/summary.txt"
+# shared/data does not travel to the GPU machine: a copy can be carried in .shared_copy.
+[ -d .shared_copy ] && export FP8RL_SHARED_DATA="$ROOT/.shared_copy"
 : > "$SUMMARY"
 note() { echo "$*" | tee -a "$SUMMARY"; }
 t0=$(date +%s)
@@ -43,6 +48,19 @@ if [ -z "$BIN" ] && [ -x prebuilt/fp8rl_gpu_tests ]; then
 fi
 [ -z "$BIN" ] && { note "no binaries: stopping"; cat "$SUMMARY"; exit 1; }
 
+# Reference fixtures (torch + transformers live there): FP8RL_FIXTURES=1.
+if [ "${FP8RL_FIXTURES:-0}" = 1 ]; then
+  timeout 240 python3 scripts/fixtures/make_fixtures.py "$OUT_TOP/fixtures" --device cpu > "$OUT/fixtures.log" 2>&1
+  note "fixtures: rc=$? $(tail -1 "$OUT/fixtures.log")"
+  tar czf "$OUT_TOP/fixtures.tgz" -C "$OUT_TOP" fixtures && rm -rf "$OUT_TOP/fixtures"
+fi
+
+# Tokenizer: fp8rl vs HF tokenizers, single thread, same text.
+if [ -n "${FP8RL_SHARED_DATA:-}" ]; then
+  timeout 120 bash scripts/bench_tokenizer.sh "$BIN/fp8rl" > "$OUT/bench_tokenizer.log" 2>&1
+  note "bench-tokenize: rc=$?"; grep -E "^(fp8rl|tokenizers)" "$OUT/bench_tokenizer.log" | tee -a "$SUMMARY"
+fi
+
 # CPU tests
 if [ "$BIN" = "$ROOT/build-gpu" ]; then
   (cd build-gpu && timeout 300 ctest -L cpu -j8 --output-on-failure) > "$OUT/ctest_cpu.log" 2>&1
@@ -57,10 +75,10 @@ timeout 400 "$BIN/fp8rl_gpu_tests" --gtest_color=no > "$OUT/gpu_tests.log" 2>&1
 note "gpu tests: rc=$? $(grep -E '^\[  (PASSED|FAILED)' "$OUT/gpu_tests.log" | tr '\n' ' ')"
 grep -E '^\[  FAILED|Failure|error' "$OUT/gpu_tests.log" | head -30 >> "$SUMMARY"
 
-# Benchmarks
-timeout 300 "$BIN/fp8rl" bench-gemm --json "$OUT/bench_gemm.json" > "$OUT/bench_gemm.log" 2>&1
+# Benchmarks (FP8RL_BENCH_GEMM=0 skips the GEMM ones)
+[ "${FP8RL_BENCH_GEMM:-1}" = 1 ] && timeout 300 "$BIN/fp8rl" bench-gemm --json "$OUT/bench_gemm.json" > "$OUT/bench_gemm.log" 2>&1
 note "bench-gemm: rc=$?"
-timeout 300 env PYTHONUNBUFFERED=1 python3 scripts/bench_gemm_torch.py --json "$OUT/bench_torch.json" \
+[ "${FP8RL_BENCH_GEMM:-1}" = 1 ] && timeout 300 env PYTHONUNBUFFERED=1 python3 scripts/bench_gemm_torch.py --json "$OUT/bench_torch.json" \
   > "$OUT/bench_torch.log" 2>&1
 note "torch peer: rc=$?"
 
@@ -79,3 +97,4 @@ grep -E "TFLOP/s" "$OUT/bench_torch.log"
 grep -A3 '"errors"' "$OUT/bench_torch.json" 2>/dev/null | head -5
 echo "===== summary ($(( $(date +%s) - t0 )) s) ====="
 cat "$SUMMARY"
+tar czf "$OUT_TOP/logs.tgz" -C "$OUT_TOP" logs && rm -rf "$OUT"

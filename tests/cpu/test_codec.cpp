@@ -138,20 +138,20 @@ TEST(Codec, F16RoundTripsAndRounds) {
   EXPECT_EQ(f16_from_float(1.0f + 3 * std::ldexp(1.0f, -11)), 0x3c02);
 }
 
-// The exhaustive torch table, written by scripts/fixtures/make_fixtures.py (branch io) on
-// the GPU machine. Format of tests/data/fixtures/e4m3_table.bin:
-//   65536 bytes: byte i = torch's float8_e4m3fn code of the BF16 bit pattern i, the value
-//                clamped to [-448, 448] first (torch's cast does not saturate; NaN stays NaN);
-//   then 256 float32 little-endian: the float value of E4M3 code c (torch's decode).
+// The exhaustive torch tables, written by scripts/fixtures/make_fixtures.py on the GPU machine:
+//   e4m3_from_bf16.bin  65536 bytes: byte i = torch's float8_e4m3fn code of the BF16 bit pattern i,
+//                       the value clamped to [-448, 448] first (torch's cast does not saturate;
+//                       NaN stays NaN);
+//   e4m3_to_f32.bin     256 float32 little-endian: the value of E4M3 code c (torch's decode).
 TEST(Codec, E4M3MatchesTorchTable) {
-  const std::string path = std::string(FP8RL_TEST_DATA) + "/fixtures/e4m3_table.bin";
-  std::ifstream f(path, std::ios::binary);
-  if (!f) GTEST_SKIP() << "no " << path << " (generate it with scripts/fixtures/make_fixtures.py on a GPU machine)";
+  const std::string dir = std::string(FP8RL_TEST_DATA) + "/fixtures/";
+  std::ifstream f(dir + "e4m3_from_bf16.bin", std::ios::binary), g(dir + "e4m3_to_f32.bin", std::ios::binary);
+  if (!f || !g) GTEST_SKIP() << "no " << dir << "e4m3_*.bin (generate them with scripts/fixtures/make_fixtures.py on a GPU machine)";
   std::vector<uint8_t> codes(65536);
   std::vector<float> decoded(256);
   f.read(reinterpret_cast<char*>(codes.data()), 65536);
-  f.read(reinterpret_cast<char*>(decoded.data()), 256 * 4);
-  ASSERT_TRUE(f.good()) << path << " is shorter than 65536 + 1024 bytes";
+  g.read(reinterpret_cast<char*>(decoded.data()), 256 * 4);
+  ASSERT_TRUE(f.good() && g.good()) << dir << "e4m3_*.bin are shorter than 65536 / 1024 bytes";
   int mismatches = 0;
   for (uint32_t h = 0; h < 0x10000; ++h) {
     const uint8_t got = e4m3_from_float(bf16_to_float(static_cast<uint16_t>(h)));
