@@ -61,7 +61,7 @@ struct TaskSection {
     bool operator==(const Countdown&) const = default;
   } countdown;
   struct Gsm8k {
-    std::string path = "../shared/data/gsm8k";  // directory with train.jsonl / test.jsonl
+    std::string path;               // directory with train.jsonl / test.jsonl (shared/data/gsm8k)
     bool operator==(const Gsm8k&) const = default;
   } gsm8k;
   struct Jsonl {
