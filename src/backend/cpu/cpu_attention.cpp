@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "backend/cpu/cpu_backend.h"
+#include "backend/cpu/cpu_parallel.h"
 #include "core/error.h"
 
 namespace fp8rl {
@@ -36,6 +37,16 @@ double dot(const double* a, const double* b, int64_t n) {
   return s;
 }
 
+// Multiply-adds of causal attention over these sequences (for the parallel split).
+int64_t attention_work(const std::vector<int32_t>& cu_seqlens, int64_t heads, int64_t hd) {
+  int64_t w = 0;
+  for (size_t b = 0; b + 1 < cu_seqlens.size(); ++b) {
+    const int64_t n = cu_seqlens[b + 1] - cu_seqlens[b];
+    w += n * (n + 1) / 2;
+  }
+  return w * heads * hd * 2;
+}
+
 }  // namespace
 
 void CpuBackend::attention(const Tensor& q, const Tensor& k, const Tensor& v, const std::vector<int32_t>& cu_seqlens,
@@ -45,10 +56,13 @@ void CpuBackend::attention(const Tensor& q, const Tensor& k, const Tensor& v, co
   check_shape(lse, {d.Hq, d.T}, "attention lse");
   const std::vector<double> vq = load(q, "attention q"), vk = load(k, "attention k"), vv = load(v, "attention v");
   std::vector<double> o(vq.size(), 0.0), l(d.Hq * d.T);
-  std::vector<double> p;
-  for (size_t b = 0; b + 1 < cu_seqlens.size(); ++b) {
-    const int64_t s0 = cu_seqlens[b], s1 = cu_seqlens[b + 1];
-    for (int64_t h = 0; h < d.Hq; ++h) {
+  // One task per (sequence, query head): each writes only its own rows of o and l.
+  const int64_t B = static_cast<int64_t>(cu_seqlens.size()) - 1;
+  cpu_parallel_for(B * d.Hq, attention_work(cu_seqlens, d.Hq, d.hd), [&](int64_t task0, int64_t task1) {
+    std::vector<double> p;
+    for (int64_t task = task0; task < task1; ++task) {
+      const int64_t b = task / d.Hq, h = task % d.Hq;
+      const int64_t s0 = cu_seqlens[b], s1 = cu_seqlens[b + 1];
       const int64_t kh = h / d.group;
       for (int64_t i = s0; i < s1; ++i) {
         const double* qi = vq.data() + (i * d.Hq + h) * d.hd;
@@ -68,7 +82,7 @@ void CpuBackend::attention(const Tensor& q, const Tensor& k, const Tensor& v, co
         l[h * d.T + i] = m + std::log(sum);
       }
     }
-  }
+  });
   store(o, out, "attention output");
   store(l, lse, "attention lse");
 }
@@ -89,31 +103,36 @@ void CpuBackend::attention_backward(const Tensor& dout, const Tensor& q, const T
                             g = load(dout, "attention dout"), vo = load(out, "attention out"),
                             l = load(lse, "attention lse");
   std::vector<double> gq(vq.size(), 0.0), gk(vk.size(), 0.0), gv(vv.size(), 0.0);
-  for (size_t b = 0; b + 1 < cu_seqlens.size(); ++b) {
-    const int64_t s0 = cu_seqlens[b], s1 = cu_seqlens[b + 1];
-    for (int64_t h = 0; h < d.Hq; ++h) {
-      const int64_t kh = h / d.group;
-      for (int64_t i = s0; i < s1; ++i) {
-        const double* qi = vq.data() + (i * d.Hq + h) * d.hd;
-        const double* gi = g.data() + (i * d.Hq + h) * d.hd;
-        const double Di = dot(gi, vo.data() + (i * d.Hq + h) * d.hd, d.hd);
-        double* gqi = gq.data() + (i * d.Hq + h) * d.hd;
-        for (int64_t j = s0; j <= i; ++j) {
-          const double* kj = vk.data() + (j * d.Hkv + kh) * d.hd;
-          const double* vj = vv.data() + (j * d.Hkv + kh) * d.hd;
-          const double P = std::exp(softmax_scale * dot(qi, kj, d.hd) - l[h * d.T + i]);
-          const double dS = P * (dot(gi, vj, d.hd) - Di);
-          double* gkj = gk.data() + (j * d.Hkv + kh) * d.hd;
-          double* gvj = gv.data() + (j * d.Hkv + kh) * d.hd;
-          for (int64_t c = 0; c < d.hd; ++c) {
-            gqi[c] += softmax_scale * dS * kj[c];
-            gkj[c] += softmax_scale * dS * qi[c];
-            gvj[c] += P * gi[c];
+  // One task per (sequence, KV head): it owns dk/dv of that head and dq of the query heads of
+  // its group; within a task the loops run in the serial order (same bits for any thread count).
+  const int64_t B = static_cast<int64_t>(cu_seqlens.size()) - 1;
+  cpu_parallel_for(B * d.Hkv, 3 * attention_work(cu_seqlens, d.Hq, d.hd), [&](int64_t task0, int64_t task1) {
+    for (int64_t task = task0; task < task1; ++task) {
+      const int64_t b = task / d.Hkv, kh = task % d.Hkv;
+      const int64_t s0 = cu_seqlens[b], s1 = cu_seqlens[b + 1];
+      for (int64_t h = kh * d.group; h < (kh + 1) * d.group; ++h) {
+        for (int64_t i = s0; i < s1; ++i) {
+          const double* qi = vq.data() + (i * d.Hq + h) * d.hd;
+          const double* gi = g.data() + (i * d.Hq + h) * d.hd;
+          const double Di = dot(gi, vo.data() + (i * d.Hq + h) * d.hd, d.hd);
+          double* gqi = gq.data() + (i * d.Hq + h) * d.hd;
+          for (int64_t j = s0; j <= i; ++j) {
+            const double* kj = vk.data() + (j * d.Hkv + kh) * d.hd;
+            const double* vj = vv.data() + (j * d.Hkv + kh) * d.hd;
+            const double P = std::exp(softmax_scale * dot(qi, kj, d.hd) - l[h * d.T + i]);
+            const double dS = P * (dot(gi, vj, d.hd) - Di);
+            double* gkj = gk.data() + (j * d.Hkv + kh) * d.hd;
+            double* gvj = gv.data() + (j * d.Hkv + kh) * d.hd;
+            for (int64_t c = 0; c < d.hd; ++c) {
+              gqi[c] += softmax_scale * dS * kj[c];
+              gkj[c] += softmax_scale * dS * qi[c];
+              gvj[c] += P * gi[c];
+            }
           }
         }
       }
     }
-  }
+  });
   store(gq, dq, "attention dq");
   store(gk, dk, "attention dk");
   store(gv, dv, "attention dv");
@@ -147,12 +166,21 @@ void cache_store(Tensor& pool, int64_t index, float x, float scale) {
   }
 }
 
-// The value the cache holds at `index` (E4M3: e4m3_to_float(q) * scale, one float product).
-float cache_load(const Tensor& pool, int64_t index, float scale) {
+// The values of n consecutive cache elements from `index` (E4M3: e4m3_to_float(q) * scale, one
+// float product).
+void cache_load_row(const Tensor& pool, int64_t index, int64_t n, float scale, float* out) {
   switch (pool.dtype()) {
-    case DType::F32: return pool.data<float>()[index];
-    case DType::BF16: return bf16_to_float(pool.data<uint16_t>()[index]);
-    case DType::E4M3: return e4m3_to_float(pool.data<uint8_t>()[index]) * scale;
+    case DType::F32: std::copy_n(pool.data<float>() + index, n, out); break;
+    case DType::BF16: {
+      const uint16_t* p = pool.data<uint16_t>() + index;
+      for (int64_t c = 0; c < n; ++c) out[c] = bf16_to_float(p[c]);
+      break;
+    }
+    case DType::E4M3: {
+      const uint8_t* p = pool.data<uint8_t>() + index;
+      for (int64_t c = 0; c < n; ++c) out[c] = e4m3_to_float(p[c]) * scale;
+      break;
+    }
     default: FP8RL_FAIL("KV cache dtype must be F32, BF16 or E4M3, got ", pool.str());
   }
 }
@@ -207,48 +235,55 @@ void CpuBackend::attention_paged(const KvCache& cache, int layer, const Tensor& 
   std::vector<double> vq = load(q, "attention_paged q");
   const float* ks = cache.k_scale.data<float>() + layer * Hkv;
   const float* vs = cache.v_scale.data<float>() + layer * Hkv;
-  std::vector<double> o(vq.size(), 0.0), kj(hd), p;
-  for (int64_t t = 0; t < T; ++t) {
-    FP8RL_CHECK(seq[t] >= 0 && seq[t] < B, "attention_paged: token ", t, " has sequence ", seq[t], " outside [0, ", B, ")");
-    FP8RL_CHECK(pos[t] >= 0 && pos[t] < max_pages * cache.page_size, "attention_paged: token ", t, " position ",
-                pos[t], " does not fit ", max_pages, " pages of ", cache.page_size);
-    const int64_t n = pos[t] + 1;
-    for (int64_t h = 0; h < Hq; ++h) {
-      const int64_t kh = h / group;
-      double* qi = vq.data() + (t * Hq + h) * hd;
-      if (fp8_attention) {
-        float amax = 0;
-        for (int64_t c = 0; c < hd; ++c) {
-          const float x = static_cast<float>(qi[c]);
-          FP8RL_CHECK(std::isfinite(x), "attention_paged: q of token ", t, " head ", h, " is not finite (", x, ")");
-          amax = std::fmax(amax, std::fabs(x));
-        }
-        const float s = quant_scale_from_amax(amax, false);
-        for (int64_t c = 0; c < hd; ++c) qi[c] = e4m3_to_float(e4m3_from_float(static_cast<float>(qi[c]) / s)) * s;
-      }
-      p.assign(n, 0.0);
-      double m = -INFINITY;
+  std::vector<double> o(vq.size(), 0.0);
+  // One task per query token: it writes only its own rows of o (and of its copy of q).
+  cpu_parallel_for(T, T * Hq * (batch.max_pos + 1) * hd * 2, [&](int64_t t0, int64_t t1) {
+    std::vector<double> p;
+    std::vector<float> kj(hd), vj(hd);
+    for (int64_t t = t0; t < t1; ++t) {
+      FP8RL_CHECK(seq[t] >= 0 && seq[t] < B, "attention_paged: token ", t, " has sequence ", seq[t], " outside [0, ",
+                  B, ")");
+      FP8RL_CHECK(pos[t] >= 0 && pos[t] < max_pages * cache.page_size, "attention_paged: token ", t, " position ",
+                  pos[t], " does not fit ", max_pages, " pages of ", cache.page_size);
+      const int64_t n = pos[t] + 1;
       auto slot_of = [&](int64_t j) {
         const int32_t page = table[seq[t] * max_pages + j / cache.page_size];
         FP8RL_CHECK(page >= 0 && page < cache.num_pages, "attention_paged: page ", page, " of sequence ", seq[t],
                     " is outside the cache [0, ", cache.num_pages, ")");
         return int64_t(page) * cache.page_size + j % cache.page_size;
       };
-      for (int64_t j = 0; j < n; ++j) {
-        const int64_t base = (slot_of(j) * Hkv + kh) * hd;
-        for (int64_t c = 0; c < hd; ++c) kj[c] = cache_load(cache.k[layer], base + c, ks[kh]);
-        p[j] = softmax_scale * dot(qi, kj.data(), hd);
-        m = std::max(m, p[j]);
-      }
-      double sum = 0;
-      for (double& e : p) sum += (e = std::exp(e - m));
-      double* oi = o.data() + (t * Hq + h) * hd;
-      for (int64_t j = 0; j < n; ++j) {
-        const int64_t base = (slot_of(j) * Hkv + kh) * hd;
-        for (int64_t c = 0; c < hd; ++c) oi[c] += p[j] / sum * cache_load(cache.v[layer], base + c, vs[kh]);
+      for (int64_t h = 0; h < Hq; ++h) {
+        const int64_t kh = h / group;
+        double* qi = vq.data() + (t * Hq + h) * hd;
+        if (fp8_attention) {
+          float amax = 0;
+          for (int64_t c = 0; c < hd; ++c) {
+            const float x = static_cast<float>(qi[c]);
+            FP8RL_CHECK(std::isfinite(x), "attention_paged: q of token ", t, " head ", h, " is not finite (", x, ")");
+            amax = std::fmax(amax, std::fabs(x));
+          }
+          const float s = quant_scale_from_amax(amax, false);
+          for (int64_t c = 0; c < hd; ++c) qi[c] = e4m3_to_float(e4m3_from_float(static_cast<float>(qi[c]) / s)) * s;
+        }
+        p.assign(n, 0.0);
+        double m = -INFINITY;
+        for (int64_t j = 0; j < n; ++j) {
+          cache_load_row(cache.k[layer], (slot_of(j) * Hkv + kh) * hd, hd, ks[kh], kj.data());
+          double acc = 0;
+          for (int64_t c = 0; c < hd; ++c) acc += qi[c] * kj[c];
+          p[j] = softmax_scale * acc;
+          m = std::max(m, p[j]);
+        }
+        double sum = 0;
+        for (double& e : p) sum += (e = std::exp(e - m));
+        double* oi = o.data() + (t * Hq + h) * hd;
+        for (int64_t j = 0; j < n; ++j) {
+          cache_load_row(cache.v[layer], (slot_of(j) * Hkv + kh) * hd, hd, vs[kh], vj.data());
+          for (int64_t c = 0; c < hd; ++c) oi[c] += p[j] / sum * vj[c];
+        }
       }
     }
-  }
+  });
   store(o, out, "attention_paged output");
 }
 

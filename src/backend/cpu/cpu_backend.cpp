@@ -1,8 +1,12 @@
 // CPU backend: tensor helpers, memory, element-wise ops, AdamW, quantize.
 #include "backend/cpu/cpu_backend.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 
 #include "core/error.h"
 
@@ -28,10 +32,18 @@ std::vector<double> load(const Tensor& t, const char* what) {
   const int64_t n = t.numel();
   std::vector<double> v(n);
   switch (t.dtype()) {
-    case DType::F32: for (int64_t i = 0; i < n; ++i) v[i] = t.data<float>()[i]; break;
-    case DType::F64: for (int64_t i = 0; i < n; ++i) v[i] = t.data<double>()[i]; break;
-    case DType::BF16: for (int64_t i = 0; i < n; ++i) v[i] = bf16_to_float(t.data<uint16_t>()[i]); break;
-    case DType::F16: for (int64_t i = 0; i < n; ++i) v[i] = f16_to_float(t.data<uint16_t>()[i]); break;
+    case DType::F32: std::copy_n(t.data<float>(), n, v.data()); break;
+    case DType::F64: std::copy_n(t.data<double>(), n, v.data()); break;
+    case DType::BF16: {
+      const uint16_t* p = t.data<uint16_t>();
+      for (int64_t i = 0; i < n; ++i) v[i] = bf16_to_float(p[i]);
+      break;
+    }
+    case DType::F16: {
+      const uint16_t* p = t.data<uint16_t>();
+      for (int64_t i = 0; i < n; ++i) v[i] = f16_to_float(p[i]);
+      break;
+    }
     default: break;
   }
   return v;
@@ -44,21 +56,36 @@ void store(const std::vector<double>& v, Tensor& t, const char* what) {
   const int64_t n = t.numel();
   FP8RL_CHECK(static_cast<int64_t>(v.size()) == n, what, ": ", v.size(), " values for ", t.str());
   switch (t.dtype()) {
-    case DType::F32: for (int64_t i = 0; i < n; ++i) t.data<float>()[i] = static_cast<float>(v[i]); break;
-    case DType::F64: for (int64_t i = 0; i < n; ++i) t.data<double>()[i] = v[i]; break;
-    case DType::BF16:
-      for (int64_t i = 0; i < n; ++i) t.data<uint16_t>()[i] = bf16_from_float(static_cast<float>(v[i]));
+    case DType::F32: {
+      float* p = t.data<float>();
+      for (int64_t i = 0; i < n; ++i) p[i] = static_cast<float>(v[i]);
       break;
-    case DType::F16:
-      for (int64_t i = 0; i < n; ++i) t.data<uint16_t>()[i] = f16_from_float(static_cast<float>(v[i]));
+    }
+    case DType::F64: std::copy_n(v.data(), n, t.data<double>()); break;
+    case DType::BF16: {
+      uint16_t* p = t.data<uint16_t>();
+      for (int64_t i = 0; i < n; ++i) p[i] = bf16_from_float(static_cast<float>(v[i]));
       break;
+    }
+    case DType::F16: {
+      uint16_t* p = t.data<uint16_t>();
+      for (int64_t i = 0; i < n; ++i) p[i] = f16_from_float(static_cast<float>(v[i]));
+      break;
+    }
     default: break;
   }
 }
 
 void accumulate(const std::vector<double>& v, Tensor& t, const char* what) {
+  check_float(t, what);
+  FP8RL_CHECK(static_cast<int64_t>(v.size()) == t.numel(), what, ": cannot accumulate ", v.size(), " values into ",
+              t.str());
+  if (t.dtype() == DType::F32) {  // the common case (gradients), without a double copy of t
+    float* p = t.data<float>();
+    for (size_t i = 0; i < v.size(); ++i) p[i] = static_cast<float>(double(p[i]) + v[i]);
+    return;
+  }
   std::vector<double> cur = load(t, what);
-  FP8RL_CHECK(cur.size() == v.size(), what, ": cannot accumulate ", v.size(), " values into ", t.str());
   for (size_t i = 0; i < cur.size(); ++i) cur[i] += v[i];
   store(cur, t, what);
 }
@@ -67,21 +94,6 @@ std::vector<int32_t> load_i32(const Tensor& t, const char* what) {
   check_cpu(t, what);
   check_dtype(t, DType::I32, what);
   return std::vector<int32_t>(t.data<int32_t>(), t.data<int32_t>() + t.numel());
-}
-
-std::vector<double> matmul_nt(const std::vector<double>& a, const std::vector<double>& b, int64_t M,
-                              int64_t N, int64_t K) {
-  std::vector<double> c(M * N);
-  for (int64_t i = 0; i < M; ++i) {
-    const double* ai = a.data() + i * K;
-    for (int64_t j = 0; j < N; ++j) {
-      const double* bj = b.data() + j * K;
-      double acc = 0;
-      for (int64_t k = 0; k < K; ++k) acc += ai[k] * bj[k];
-      c[i * N + j] = acc;
-    }
-  }
-  return c;
 }
 
 // ---- memory ------------------------------------------------------------------------------
@@ -178,6 +190,19 @@ void CpuBackend::quantize(const Tensor& x, bool transpose, QuantTensor& out) {
 
 }  // namespace cpu
 
-std::unique_ptr<Backend> make_cpu_backend() { return std::make_unique<cpu::CpuBackend>(); }
+std::unique_ptr<Backend> make_cpu_backend() {
+#if defined(__GLIBC__)
+  // The ops allocate and free many same-sized buffers (MBs) per call. glibc would hand large
+  // ones back to the kernel on free and page-fault them in again on the next call (a third
+  // of the run time of a training step); keeping them in the heap makes reuse free.
+  static const bool tuned = [] {
+    mallopt(M_MMAP_THRESHOLD, 32 << 20);  // glibc's largest allowed value on 64-bit
+    mallopt(M_TRIM_THRESHOLD, 512 << 20);
+    return true;
+  }();
+  (void)tuned;
+#endif
+  return std::make_unique<cpu::CpuBackend>();
+}
 
 }  // namespace fp8rl

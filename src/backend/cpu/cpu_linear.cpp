@@ -8,6 +8,7 @@
 #include <cmath>
 
 #include "backend/cpu/cpu_backend.h"
+#include "backend/cpu/cpu_parallel.h"
 #include "core/error.h"
 
 namespace fp8rl {
@@ -16,10 +17,14 @@ namespace {
 
 constexpr int64_t kVocabChunk = 2048;  // token_logprobs vocabulary chunk (a multiple of 128)
 
+// In 32 x 32 tiles, so that both the reads and the writes stay in cache.
 std::vector<double> transpose(const std::vector<double>& a, int64_t rows, int64_t cols) {
+  constexpr int64_t kTile = 32;
   std::vector<double> t(a.size());
-  for (int64_t i = 0; i < rows; ++i)
-    for (int64_t j = 0; j < cols; ++j) t[j * rows + i] = a[i * cols + j];
+  for (int64_t i0 = 0; i0 < rows; i0 += kTile)
+    for (int64_t j0 = 0; j0 < cols; j0 += kTile)
+      for (int64_t i = i0; i < std::min(rows, i0 + kTile); ++i)
+        for (int64_t j = j0; j < std::min(cols, j0 + kTile); ++j) t[j * rows + i] = a[i * cols + j];
   return t;
 }
 
@@ -228,7 +233,8 @@ void CpuBackend::token_logprobs(const Tensor& hidden, const Tensor& lm_head, con
   std::vector<double> m(T, -INFINITY), S(T, 0.0), Z(T, 0.0), zt(T, 0.0);
   const std::vector<double> h_eff = linear_operand_act(hidden, spec.mode, spec.pow2_scales);
   for_each_logits_chunk(hidden, lm_head, temperature, spec, h_eff, [&](const LogitsChunk& c) {
-    for (int64_t t = 0; t < T; ++t) {
+    cpu_parallel_for(T, T * c.n * 16, [&](int64_t t0, int64_t t1) {  // ~16 flops per exp
+    for (int64_t t = t0; t < t1; ++t) {
       const double* z = c.z.data() + t * c.n;
       const double cm = *std::max_element(z, z + c.n);
       if (cm > m[t]) {
@@ -244,6 +250,7 @@ void CpuBackend::token_logprobs(const Tensor& hidden, const Tensor& lm_head, con
       }
       if (tgt[t] >= c.v0 && tgt[t] < c.v0 + c.n) zt[t] = z[tgt[t] - c.v0];
     }
+    });
   });
   std::vector<double> vlse(T), vlogp(T), vent(T);
   for (int64_t t = 0; t < T; ++t) {
@@ -273,13 +280,15 @@ void CpuBackend::token_logprobs_backward(const Tensor& hidden, const Tensor& lm_
   std::vector<double> dh(T * D, 0.0);
   for_each_logits_chunk(hidden, lm_head, temperature, spec, h_eff, [&](const LogitsChunk& c) {
     std::vector<double> draw(T * c.n);  // gradient of the raw (untempered) logits [T, n]
-    for (int64_t t = 0; t < T; ++t) {
-      for (int64_t j = 0; j < c.n; ++j) {
-        const double p = std::exp(c.z[t * c.n + j] - vlse[t]);
-        const double onehot = (tgt[t] == c.v0 + j) ? 1.0 : 0.0;
-        draw[t * c.n + j] = g[t] * (onehot - p) / temperature;
+    cpu_parallel_for(T, T * c.n * 16, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        for (int64_t j = 0; j < c.n; ++j) {
+          const double p = std::exp(c.z[t * c.n + j] - vlse[t]);
+          const double onehot = (tgt[t] == c.v0 + j) ? 1.0 : 0.0;
+          draw[t * c.n + j] = g[t] * (onehot - p) / temperature;
+        }
       }
-    }
+    });
     LinearWeight Wc;
     Wc.w = lm_head.slice_rows(c.v0, c.v0 + c.n);
     std::vector<double> gx, gw;
