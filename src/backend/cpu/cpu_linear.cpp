@@ -6,6 +6,7 @@
 // accumulation order (dequantized products are exact in double up to 2^-53).
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include "backend/cpu/cpu_backend.h"
 #include "backend/cpu/cpu_parallel.h"
@@ -28,6 +29,35 @@ std::vector<double> transpose(const std::vector<double>& a, int64_t rows, int64_
   return t;
 }
 
+// quantize_1x128 (quant/quant.h) with the rows split across threads: a 1 x 128 block never
+// spans two rows and each is quantized by the same reference code, so the result is bitwise
+// that of quantize_1x128.
+QuantTensor quantize_rows_1x128(const Tensor& x, bool pow2) {
+  FP8RL_CHECK(x.ndim() == 2, "quantize_1x128 needs a 2-D tensor, got ", x.str());
+  QuantTensor q = quant_alloc(x.dim(0), x.dim(1), 1, kQuantBlock, pow2);
+  cpu_parallel_for(x.dim(0), x.numel() * 32, [&](int64_t r0, int64_t r1) {
+    QuantTensor part = q;
+    part.data = q.data.slice_rows(r0, r1);
+    part.scales = q.scales.slice_rows(r0, r1);
+    quantize_blocks_into(x.slice_rows(r0, r1), false, part, "activation");
+  });
+  return q;
+}
+
+// quantize_1x128_tokens(x) = quantize_1x128 of an exact copy of x^T [K, M] (same dtype, so the
+// quantizer reads the same values): bitwise equal, and its rows parallelize.
+QuantTensor quantize_tokens_1x128(const Tensor& x, bool pow2) {
+  FP8RL_CHECK(x.ndim() == 2, "quantize_1x128_tokens needs a 2-D tensor, got ", x.str());
+  const int64_t M = x.dim(0), K = x.dim(1);
+  const size_t es = dtype_size(x.dtype());
+  Tensor xt = Tensor::empty({K, M}, x.dtype());
+  const char* src = static_cast<const char*>(x.raw());
+  char* dst = static_cast<char*>(xt.raw());
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t j = 0; j < K; ++j) std::memcpy(dst + (j * M + i) * es, src + (i * K + j) * es, es);
+  return quantize_rows_1x128(xt, pow2);
+}
+
 void round_operand(std::vector<double>& v, LinearMode mode) {
   if (mode == LinearMode::BF16)
     for (double& e : v) e = bf16_round(static_cast<float>(e));
@@ -40,7 +70,7 @@ Tensor as_2d(const Tensor& x, int64_t cols, const char* what) {
 
 // x [M, K] as the wgrad operand x^T [K, M] (FP8: 1x128 along tokens, requantized).
 std::vector<double> linear_operand_tokens(const Tensor& x, LinearMode mode, bool pow2) {
-  if (mode == LinearMode::FP8_BLOCK) return dequantize_exact(quantize_1x128_tokens(x, pow2));
+  if (mode == LinearMode::FP8_BLOCK) return dequantize_exact(quantize_tokens_1x128(x, pow2));
   std::vector<double> v = transpose(load(x, "linear operand"), x.dim(0), x.dim(1));
   round_operand(v, mode);
   return v;
@@ -102,20 +132,33 @@ void check_weight(const LinearWeight& W, const LinearSpec& spec) {
 
 }  // namespace
 
+// e4m3_to_float of every code, once (a table of the codec's own values: bitwise the same).
+static const float* e4m3_table() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(256);
+    for (int c = 0; c < 256; ++c) t[c] = e4m3_to_float(static_cast<uint8_t>(c));
+    return t;
+  }();
+  return table.data();
+}
+
 std::vector<double> dequantize_exact(const QuantTensor& q) {
   check_cpu(q.data, "quantized data");
   const int64_t R = q.rows(), C = q.cols(), nbc = q.scales.dim(1);
   std::vector<double> v(R * C);
   const uint8_t* d = q.data.data<uint8_t>();
   const float* s = q.scales.data<float>();
-  for (int64_t i = 0; i < R; ++i)
-    for (int64_t j = 0; j < C; ++j)
-      v[i * C + j] = double(e4m3_to_float(d[i * C + j])) * s[(i / q.block_rows) * nbc + j / q.block_cols];
+  const float* e4m3 = e4m3_table();
+  cpu_parallel_for(R, R * C * 4, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i)
+      for (int64_t j = 0; j < C; ++j)
+        v[i * C + j] = double(e4m3[d[i * C + j]]) * s[(i / q.block_rows) * nbc + j / q.block_cols];
+  });
   return v;
 }
 
 std::vector<double> linear_operand_act(const Tensor& x, LinearMode mode, bool pow2) {
-  if (mode == LinearMode::FP8_BLOCK) return dequantize_exact(quantize_1x128(x, pow2));
+  if (mode == LinearMode::FP8_BLOCK) return dequantize_exact(quantize_rows_1x128(x, pow2));
   std::vector<double> v = load(x, "linear input");
   round_operand(v, mode);
   return v;
