@@ -59,6 +59,8 @@ std::string ensure_demo_policy(const RunConfig& c) {
     k.train.is = ImportanceSamplingSection{};
     k.precision = PrecisionSection{};
     k.val_every = 0;
+    k.val_size = 0;
+    k.checkpoint_every = 0;
     return k;
   }())));
   const std::string dir = cache_dir() + "/demo_policy_" + key;
@@ -134,7 +136,7 @@ int grpo_run(const RunConfig& config_in, bool resume) {
     std::printf("  e.g. %s\n", v.example.c_str());
   }
 
-  int bad_in_a_row = 0;
+  BadStepGuard bad_steps(c.max_consecutive_bad_steps, "Lower train.lr or check the data.");
   for (int64_t step = state.step + 1; step <= c.steps; ++step) {
     StepMetrics m;
     m.step = step;
@@ -238,18 +240,7 @@ int grpo_run(const RunConfig& config_in, bool resume) {
       }, static_cast<float>(lr));
       loss += sr.loss;
       gnorm = std::max(gnorm, sr.grad_norm);
-      if (sr.applied) {
-        ++applied;
-        bad_in_a_row = 0;
-      } else {
-        ++bad_in_a_row;
-        std::fprintf(stderr, "step %lld: optimizer step skipped (%s), %d in a row\n", static_cast<long long>(step),
-                     sr.skip_reason.c_str(), bad_in_a_row);
-        FP8RL_CHECK(bad_in_a_row < c.max_consecutive_bad_steps, bad_in_a_row,
-                    " consecutive optimizer steps had a non-finite loss or gradient; stopping. The last good "
-                    "checkpoint is kept. Lower train.lr or check the data (max_consecutive_bad_steps=",
-                    c.max_consecutive_bad_steps, ")");
-      }
+      applied += bad_steps.record(sr, step);
     }
     m.time_train_s = seconds_since(t0);
     m.loss = loss;
