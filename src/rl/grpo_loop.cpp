@@ -8,8 +8,11 @@
 #include <cstdio>
 #include <filesystem>
 #include <functional>
+#include <nlohmann/json.hpp>
+#include <sstream>
 
 #include "core/error.h"
+#include "core/fs.h"
 #include "rl/checkpoint.h"
 #include "rl/loop.h"
 #include "rl/metrics.h"
@@ -78,6 +81,29 @@ std::string ensure_demo_policy(const RunConfig& c) {
   return dir;
 }
 
+// On resume: metrics.jsonl keeps only the steps the checkpoint includes. Lines logged after it
+// (a crash between a step's log line and its checkpoint) and a torn last line are dropped, so
+// that the resumed run's lines are not duplicates.
+void metrics_truncate_after(const std::string& path, int64_t last_step) {
+  if (!std::filesystem::exists(path)) return;
+  std::istringstream in(read_file(path));
+  std::string kept;
+  int dropped = 0;
+  for (std::string line; std::getline(in, line);) {
+    if (line.empty()) continue;
+    const nlohmann::json j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (j.is_object() && j.contains("step") && j["step"].is_number_integer() && j["step"].get<int64_t>() <= last_step) {
+      kept += line + "\n";
+    } else {
+      ++dropped;
+    }
+  }
+  if (dropped == 0) return;
+  std::printf("resume: dropped %d metrics line(s) after step %lld from %s\n", dropped,
+              static_cast<long long>(last_step), path.c_str());
+  write_file_atomic(path, kept);
+}
+
 }  // namespace
 
 int grpo_run(const RunConfig& config_in, bool resume) {
@@ -124,6 +150,7 @@ int grpo_run(const RunConfig& config_in, bool resume) {
     std::printf("resumed from %s at step %lld\n", ckpt->c_str(), static_cast<long long>(state.step));
   }
 
+  if (resume) metrics_truncate_after(run.metrics_path(), ckpt ? state.step : -1);
   MetricsLog log(run.path);
   if (!ckpt && c.val_every > 0) {
     ValResult v = validate(s, engine, c.val_size, c.rollout.max_new_tokens);

@@ -122,11 +122,16 @@ TEST(RlLoop, ResumeContinuesAsIfNeverStopped) {
   ASSERT_EQ(grpo_run(config(a, 2), /*resume=*/false), 0);
   ASSERT_TRUE(fs::exists(a + "/checkpoints/step_000002/model.safetensors"));
   EXPECT_EQ(checkpoint_read_state(a + "/checkpoints/step_000002").kv_scales.k.size(), 1u);
+  // As if the run had died after logging step 3 but before its checkpoint, mid-way through a line.
+  {
+    std::ofstream f(a + "/metrics.jsonl", std::ios::app);
+    f << "{\"step\": 3, \"reward_mean\": 0.125}\n{\"step\": 4, \"rew";
+  }
   ASSERT_EQ(grpo_run(config(a, 4), /*resume=*/true), 0);
   ASSERT_EQ(grpo_run(config(b, 4), /*resume=*/false), 0);
 
   const auto la = read_metrics(a), lb = read_metrics(b);
-  ASSERT_EQ(la.size(), 4u);  // steps 1, 2 from the first run, 3, 4 from the resumed one
+  ASSERT_EQ(la.size(), 4u);  // steps 1, 2 from the first run, 3, 4 from the resumed one (once)
   ASSERT_EQ(lb.size(), 4u);
   for (int64_t step = 1; step <= 4; ++step) {
     const nlohmann::json *ja = line_of_step(la, step), *jb = line_of_step(lb, step);
