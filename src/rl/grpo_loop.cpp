@@ -8,8 +8,11 @@
 #include <cstdio>
 #include <filesystem>
 #include <functional>
+#include <nlohmann/json.hpp>
+#include <sstream>
 
 #include "core/error.h"
+#include "core/fs.h"
 #include "rl/checkpoint.h"
 #include "rl/loop.h"
 #include "rl/metrics.h"
@@ -59,6 +62,8 @@ std::string ensure_demo_policy(const RunConfig& c) {
     k.train.is = ImportanceSamplingSection{};
     k.precision = PrecisionSection{};
     k.val_every = 0;
+    k.val_size = 0;
+    k.checkpoint_every = 0;
     return k;
   }())));
   const std::string dir = cache_dir() + "/demo_policy_" + key;
@@ -74,6 +79,29 @@ std::string ensure_demo_policy(const RunConfig& c) {
   std::filesystem::create_directories(std::filesystem::path(dir).parent_path());
   std::filesystem::copy(ckpt, dir, std::filesystem::copy_options::recursive);
   return dir;
+}
+
+// On resume: metrics.jsonl keeps only the steps the checkpoint includes. Lines logged after it
+// (a crash between a step's log line and its checkpoint) and a torn last line are dropped, so
+// that the resumed run's lines are not duplicates.
+void metrics_truncate_after(const std::string& path, int64_t last_step) {
+  if (!std::filesystem::exists(path)) return;
+  std::istringstream in(read_file(path));
+  std::string kept;
+  int dropped = 0;
+  for (std::string line; std::getline(in, line);) {
+    if (line.empty()) continue;
+    const nlohmann::json j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (j.is_object() && j.contains("step") && j["step"].is_number_integer() && j["step"].get<int64_t>() <= last_step) {
+      kept += line + "\n";
+    } else {
+      ++dropped;
+    }
+  }
+  if (dropped == 0) return;
+  std::printf("resume: dropped %d metrics line(s) after step %lld from %s\n", dropped,
+              static_cast<long long>(last_step), path.c_str());
+  write_file_atomic(path, kept);
 }
 
 }  // namespace
@@ -122,6 +150,7 @@ int grpo_run(const RunConfig& config_in, bool resume) {
     std::printf("resumed from %s at step %lld\n", ckpt->c_str(), static_cast<long long>(state.step));
   }
 
+  if (resume) metrics_truncate_after(run.metrics_path(), ckpt ? state.step : -1);
   MetricsLog log(run.path);
   if (!ckpt && c.val_every > 0) {
     ValResult v = validate(s, engine, c.val_size, c.rollout.max_new_tokens);
@@ -134,7 +163,7 @@ int grpo_run(const RunConfig& config_in, bool resume) {
     std::printf("  e.g. %s\n", v.example.c_str());
   }
 
-  int bad_in_a_row = 0;
+  BadStepGuard bad_steps(c.max_consecutive_bad_steps, "Lower train.lr or check the data.");
   for (int64_t step = state.step + 1; step <= c.steps; ++step) {
     StepMetrics m;
     m.step = step;
@@ -238,18 +267,7 @@ int grpo_run(const RunConfig& config_in, bool resume) {
       }, static_cast<float>(lr));
       loss += sr.loss;
       gnorm = std::max(gnorm, sr.grad_norm);
-      if (sr.applied) {
-        ++applied;
-        bad_in_a_row = 0;
-      } else {
-        ++bad_in_a_row;
-        std::fprintf(stderr, "step %lld: optimizer step skipped (%s), %d in a row\n", static_cast<long long>(step),
-                     sr.skip_reason.c_str(), bad_in_a_row);
-        FP8RL_CHECK(bad_in_a_row < c.max_consecutive_bad_steps, bad_in_a_row,
-                    " consecutive optimizer steps had a non-finite loss or gradient; stopping. The last good "
-                    "checkpoint is kept. Lower train.lr or check the data (max_consecutive_bad_steps=",
-                    c.max_consecutive_bad_steps, ")");
-      }
+      applied += bad_steps.record(sr, step);
     }
     m.time_train_s = seconds_since(t0);
     m.loss = loss;

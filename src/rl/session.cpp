@@ -3,6 +3,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 
 #include "core/error.h"
 #include "core/fs.h"
@@ -24,19 +25,23 @@ std::string cache_dir() {
 namespace {
 
 // The small tokenizer of the tiny model: trained on the task's own text (prompts and worked
-// solutions of the training split), cached by task so that runs agree on ids.
+// solutions of the training split), cached by that text so that runs on the same data agree on
+// ids and runs on other data (another jsonl file, other task knobs) get their own.
 std::string small_tokenizer_path(const Session& s, const std::string& cache) {
   const TaskSection& t = s.config.task;
-  const std::string dir = cache + "/tokenizers";
-  const std::string path = dir + "/" + t.name + "_v" + std::to_string(s.config.model.tiny.vocab_size) + ".json";
-  if (fs::exists(path)) return path;
   std::vector<std::string> corpus;
+  std::string all;
   for (int64_t i = 0; i < 2000; ++i) {
     TaskItem it = s.train_item(i);
     corpus.push_back(it.prompt);
     corpus.push_back(it.solution);
+    all += it.prompt + '\0' + it.solution + '\0';
   }
   const int vocab = s.config.model.tiny.vocab_size > 0 ? s.config.model.tiny.vocab_size : 384;
+  const std::string dir = cache + "/tokenizers";
+  const std::string path = dir + "/" + t.name + "_v" + std::to_string(vocab) + "_" +
+                           std::to_string(std::hash<std::string>{}(all)) + ".json";
+  if (fs::exists(path)) return path;
   make_dirs(dir);
   write_file_atomic(path, tokenizer_train_small(corpus, vocab));
   return path;

@@ -38,7 +38,7 @@ std::string sft_run(const RunConfig& c) {
   const LrSchedule sched = config_lr_schedule(ts, c.sft.steps);
   MetricsLog log(run.path);
   Progress progress("sft", c.sft.steps);
-  int bad_in_a_row = 0;
+  BadStepGuard bad_steps(c.max_consecutive_bad_steps, "Lower sft.lr.");
   for (int64_t step = 1; step <= c.sft.steps; ++step) {
     const auto t0 = Clock::now();
     std::vector<TrainSequence> seqs;
@@ -62,12 +62,7 @@ std::string sft_run(const RunConfig& c) {
       }
       return l / static_cast<double>(tokens);
     }, static_cast<float>(lr));
-    if (!r.applied) {
-      FP8RL_CHECK(++bad_in_a_row < c.max_consecutive_bad_steps, bad_in_a_row, " consecutive SFT steps had a "
-                  "non-finite loss or gradient; stopping (lower sft.lr)");
-      continue;
-    }
-    bad_in_a_row = 0;
+    if (!bad_steps.record(r, step)) continue;
     StepMetrics m;
     m.step = step;
     m.loss = r.loss;

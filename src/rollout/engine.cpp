@@ -4,6 +4,7 @@
 // A sequence is admitted when a batch slot and the pages for prompt + max_new_tokens are free,
 // and gives its pages back when it finishes.
 #include <algorithm>
+#include <cmath>
 #include <numeric>
 #include <random>
 
@@ -52,15 +53,21 @@ RolloutEngine::RolloutEngine(Backend& be, const ModelWeights& weights, const Eng
 }
 
 void RolloutEngine::refit(const ModelWeights& master, const KvScales* scales) {
+  const int L = cache_.num_layers, H = cache_.num_kv_heads;
+  // Check the scales before touching anything: a refused refit leaves the engine as it was.
+  if (scales) {
+    FP8RL_CHECK(static_cast<int>(scales->k.size()) == L && static_cast<int>(scales->v.size()) == L,
+                "refit: KV scales for ", scales->k.size(), " layers, the cache has ", L);
+    for (int l = 0; l < L; ++l)
+      FP8RL_CHECK(std::isfinite(scales->k[l]) && scales->k[l] > 0 && std::isfinite(scales->v[l]) && scales->v[l] > 0,
+                  "refit: KV scales must be finite and positive, layer ", l, " has k ", scales->k[l], ", v ",
+                  scales->v[l]);
+  }
   generator_weights_refit(be_, master, prec_, gen_);
   if (!scales) return;
-  const int L = cache_.num_layers, H = cache_.num_kv_heads;
-  FP8RL_CHECK(static_cast<int>(scales->k.size()) == L && static_cast<int>(scales->v.size()) == L,
-              "refit: KV scales for ", scales->k.size(), " layers, the cache has ", L);
   Tensor k = Tensor::empty({L, H}, DType::F32), v = Tensor::empty({L, H}, DType::F32);
   for (int l = 0; l < L; ++l)
     for (int h = 0; h < H; ++h) {
-      FP8RL_CHECK(scales->k[l] > 0 && scales->v[l] > 0, "refit: KV scales must be positive (layer ", l, ")");
       k.data<float>()[l * H + h] = scales->k[l];
       v.data<float>()[l * H + h] = scales->v[l];
     }
@@ -118,7 +125,8 @@ std::vector<RolloutSample> RolloutEngine::generate(const std::vector<RolloutRequ
   Tensor logits_dev, tokens_dev, logp_dev;
 
   while (next < seqs.size() || !running.empty()) {
-    // Admit.
+    // Admit. A wave: an iteration that admits new sequences.
+    const size_t admitted_before = next;
     while (next < seqs.size() && static_cast<int>(running.size()) < max_batch_) {
       Sequence& s = seqs[next];
       const size_t need = ceil_div(s.prompt_len + sp.max_new_tokens, page_size_);
@@ -130,6 +138,7 @@ std::vector<RolloutSample> RolloutEngine::generate(const std::vector<RolloutRequ
       running.push_back(static_cast<int>(next++));
     }
     FP8RL_CHECK(!running.empty(), "rollout: no sequence fits the KV pool");
+    if (next > admitted_before) stats_.waves++;
 
     // The batch: every token not yet in the cache of every running sequence.
     const int B = static_cast<int>(running.size());

@@ -46,7 +46,8 @@ struct KvScales {
 
 struct RolloutStats {
   int64_t prompt_tokens = 0, generated_tokens = 0;
-  int decode_steps = 0, waves = 0;
+  int decode_steps = 0;  // generation forwards (one per iteration)
+  int waves = 0;         // iterations that admitted new sequences (1 when everything fit at once)
 };
 
 class RolloutEngine {

@@ -1,6 +1,7 @@
 #include "train/trainer.h"
 
 #include <cmath>
+#include <cstdio>
 
 #include "core/error.h"
 
@@ -44,6 +45,26 @@ std::vector<Tensor*> params_of(ModelWeights& w) {
 }
 
 }  // namespace
+
+BadStepGuard::BadStepGuard(int max_in_a_row, std::string hint) : max_in_a_row_(max_in_a_row), hint_(std::move(hint)) {
+  FP8RL_CHECK(max_in_a_row >= 1, "max_consecutive_bad_steps must be at least 1, got ", max_in_a_row);
+}
+
+bool BadStepGuard::record(const StepResult& r, int64_t step) {
+  if (r.applied) {
+    in_a_row_ = 0;
+    return true;
+  }
+  ++in_a_row_;
+  ++total_;
+  std::fprintf(stderr, "step %lld: optimizer step skipped (%s; loss %g, grad norm %g), %d in a row, %lld in all\n",
+               static_cast<long long>(step), r.skip_reason.c_str(), r.loss, r.grad_norm, in_a_row_,
+               static_cast<long long>(total_));
+  FP8RL_CHECK(in_a_row_ < max_in_a_row_, in_a_row_, " consecutive optimizer steps had a non-finite loss or gradient (",
+              "the last: ", r.skip_reason, " at step ", step, "); stopping. The weights were not updated by those "
+              "steps and the last good checkpoint is kept. ", hint_, " (max_consecutive_bad_steps=", max_in_a_row_, ")");
+  return false;
+}
 
 Trainer::Trainer(Backend& be, ModelWeights master, const EnginePrecision& prec, const TrainerOptions& opt)
     : be_(be), master_(std::move(master)), prec_(prec), opt_(opt) {

@@ -48,6 +48,23 @@ struct StepResult {
   std::string skip_reason;
 };
 
+// Fault handling of a training loop: every skipped step (StepResult::applied false: a
+// non-finite loss or gradient) is logged to stderr and counted; `max_in_a_row` consecutive
+// skips abort the run with an Error that says what happened and what to do (`hint`).
+class BadStepGuard {
+ public:
+  BadStepGuard(int max_in_a_row, std::string hint);
+  // Records the outcome of optimizer step `r` taken during loop step `step`; returns r.applied.
+  bool record(const StepResult& r, int64_t step);
+  int in_a_row() const { return in_a_row_; }
+  int64_t total_skipped() const { return total_; }
+
+ private:
+  int max_in_a_row_, in_a_row_ = 0;
+  int64_t total_ = 0;
+  std::string hint_;
+};
+
 class Trainer {
  public:
   // `master`: the policy on the backend's device, F32 (it becomes the master weights).
