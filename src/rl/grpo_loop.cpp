@@ -151,6 +151,21 @@ int grpo_run(const RunConfig& config_in, bool resume) {
   }
 
   if (resume) metrics_truncate_after(run.metrics_path(), ckpt ? state.step : -1);
+  if (fp8_kv && !ckpt) {
+    // Initial KV scales: the E4M3 cache must not start at scale 1. Calibrate from the trainer's
+    // forward over the first step's prompts, as every later step does over its whole batch.
+    std::vector<TrainSequence> calib;
+    for (int p = 0; p < P; ++p) {
+      TrainSequence t;
+      t.ids = s.prompt_ids(s.train_item(p));
+      t.prompt_len = static_cast<int>(t.ids.size());
+      calib.push_back(std::move(t));
+    }
+    ScoreResult sc = trainer.score(calib, temperature, /*entropy=*/false, /*record_amax=*/true);
+    state.kv_scales = kv_scales_calibrate(sc.k_amax, sc.v_amax, static_cast<float>(c.precision.kv_calib_percentile),
+                                          static_cast<float>(c.precision.kv_calib_margin));
+    engine.refit(trainer.master(), &state.kv_scales);
+  }
   MetricsLog log(run.path);
   if (!ckpt && c.val_every > 0) {
     ValResult v = validate(s, engine, c.val_size, c.rollout.max_new_tokens);
