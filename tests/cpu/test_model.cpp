@@ -217,7 +217,9 @@ TEST(ModelCheckpoint, SaveLoadRoundTripIsExact) {
     const ModelWeights r = model_weights_load(dir, DType::F32);
     EXPECT_EQ(r.config.model_type, w.config.model_type);
     EXPECT_EQ(r.config.tie_word_embeddings, w.config.tie_word_embeddings);
-    if (r.config.tie_word_embeddings) EXPECT_EQ(r.lm_head.raw(), r.embed.raw()) << "tie lost";
+    if (r.config.tie_word_embeddings) {
+      EXPECT_EQ(r.lm_head.raw(), r.embed.raw()) << "tie lost";
+    }
     std::vector<std::pair<std::string, std::vector<float>>> a, b;
     model_for_each_parameter(w, [&](const std::string& n, const Tensor& t) { a.push_back({n, to_float_vector(t)}); });
     model_for_each_parameter(r, [&](const std::string& n, const Tensor& t) { b.push_back({n, to_float_vector(t)}); });
