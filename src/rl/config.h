@@ -48,7 +48,7 @@ struct TaskSection {
   std::string name = "arithmetic";  // arithmetic | countdown | gsm8k | jsonl
   int64_t seed = 0;                 // 0 = the run seed
   struct Arithmetic {               // tasks/task.h ArithmeticConfig
-    int min_operands = 2, max_operands = 2;  // numbers per expression
+    int min_operands = 3, max_operands = 3;  // numbers per expression
     int digits = 1;                 // each operand has 1..digits digits
     std::string operators = "+-";   // any of "+-*/" ('/' only where exact)
     bool parentheses = false;
@@ -78,9 +78,9 @@ struct TaskSection {
 };
 
 struct RolloutSection {
-  int prompts_per_step = 8;         // P
+  int prompts_per_step = 16;        // P
   int generations_per_prompt = 8;   // G (the GRPO group)
-  int max_new_tokens = 24;
+  int max_new_tokens = 40;
   double temperature = 1.0;
   double top_p = 1.0;               // 1 = off
   int top_k = 0;                    // 0 = off
@@ -96,7 +96,7 @@ struct ImportanceSamplingSection {
 };
 
 struct TrainSection {
-  double lr = 3e-4;
+  double lr = 2e-4;
   int warmup_steps = 4;             // optimizer steps
   LrScheduleKind schedule = LrScheduleKind::Constant;
   double min_lr_ratio = 0.0;        // cosine: final lr / lr
@@ -129,7 +129,7 @@ struct PrecisionSection {
 };
 
 struct SftSection {
-  int steps = 200;                  // optimizer steps of `fp8rl sft`
+  int steps = 1000;                 // optimizer steps of `fp8rl sft`
   int batch_size = 16;              // sequences per optimizer step
   double lr = 1e-3;                 // sft uses train.* for the rest of the optimizer
   std::string data;                 // jsonl (prompt, answer) file; "" = the task's gold answers
@@ -144,9 +144,9 @@ struct RunConfig {
   TrainSection train;
   PrecisionSection precision;
   SftSection sft;
-  int steps = 40;                   // GRPO steps
-  int val_every = 10;               // validate at step 0 and every N steps; 0 = never
-  int val_size = 64;                // held-out prompts per validation
+  int steps = 20;                   // GRPO steps
+  int val_every = 5;               // validate at step 0 and every N steps; 0 = never
+  int val_size = 200;               // held-out prompts per validation
   int checkpoint_every = 0;         // 0 = only at the end
   std::string out = "runs/demo";    // run directory
   std::string device = "cpu";       // cpu | cuda

@@ -167,11 +167,13 @@ int grpo_run(const RunConfig& config_in, bool resume) {
     engine.refit(trainer.master(), &state.kv_scales);
   }
   MetricsLog log(run.path);
+  std::optional<std::pair<int64_t, double>> first_val, last_val;  // (step, accuracy), for the summary
   if (!ckpt && c.val_every > 0) {
     ValResult v = validate(s, engine, c.val_size, c.rollout.max_new_tokens);
     StepMetrics m;
     m.step = 0;
     m.val_accuracy = v.accuracy;
+    first_val = {0, v.accuracy};
     m.extra.push_back({"val_reward_mean", v.reward_mean});
     m.extra.push_back({"time_validation_s", v.seconds});
     log.write(m, c.steps);
@@ -318,6 +320,7 @@ int grpo_run(const RunConfig& config_in, bool resume) {
     if (c.val_every > 0 && (step % c.val_every == 0 || step == c.steps)) {
       ValResult v = validate(s, engine, c.val_size, c.rollout.max_new_tokens);
       m.val_accuracy = v.accuracy;
+      last_val = {step, v.accuracy};
       m.extra.push_back({"val_reward_mean", v.reward_mean});
       m.extra.push_back({"time_validation_s", v.seconds});
     }
@@ -326,6 +329,10 @@ int grpo_run(const RunConfig& config_in, bool resume) {
     if ((c.checkpoint_every > 0 && step % c.checkpoint_every == 0) || step == c.steps)
       checkpoint_save(be, trainer, state, run.checkpoints_dir(), s.tokenizer_json);
   }
+  if (first_val && last_val)
+    std::printf("validation accuracy: %.3f at step %lld -> %.3f at step %lld (%+.1f points)\n", first_val->second,
+                static_cast<long long>(first_val->first), last_val->second, static_cast<long long>(last_val->first),
+                100.0 * (last_val->second - first_val->second));
   std::printf("done: %s (metrics: %s)\n", run.path.c_str(), run.metrics_path().c_str());
   return 0;
 }

@@ -71,7 +71,7 @@ std::string sft_run(const RunConfig& c) {
     m.time_train_s = std::chrono::duration<double>(Clock::now() - t0).count();
     m.extra.push_back({"tokens", static_cast<double>(tokens)});
     const bool last = step == c.sft.steps;
-    if (c.val_every > 0 && (last || step % (c.val_every * 10) == 0)) {
+    if (c.val_every > 0 && (last || step % std::max(1, c.sft.steps / 5) == 0)) {
       RolloutEngine engine(be, trainer.master(), recipe.generator, c.val_size * 8 + 8);
       ValResult v = validate(s, engine, c.val_size, c.rollout.max_new_tokens);
       m.val_accuracy = v.accuracy;
