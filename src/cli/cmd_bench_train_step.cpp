@@ -1,0 +1,191 @@
+// fp8rl bench-train-step: times the three phases of a GRPO step on a random-weight model.
+//
+//   fp8rl bench-train-step [--device cpu|cuda] [--precision bf16|fp8|fp32] [--hidden 64] [--layers 2]
+//                          [--heads 4] [--kv-heads 2] [--head-dim 16] [--ffn 192] [--vocab 384]
+//                          [--seqs 64] [--seq-len 40] [--prompt-len 16] [--repeats 5] [--json PATH]
+//
+// The defaults are the CPU demo's shape (configs/demo_cpu.yaml). Phases, each timed after one
+// warm-up run, median of --repeats:
+//   score     Trainer::score of --seqs sequences of --seq-len tokens (logp + entropy [+ amax])
+//   train     one Trainer::step: forward + backward + AdamW, loss = -mean logp of the response
+//   generate  RolloutEngine::generate of --seqs sequences: prompt --prompt-len tokens, then
+//             seq-len - prompt-len new tokens (no stop token, so every sequence runs to the end)
+// --precision picks the recipe preset: fp32, bf16, or fp8 (= fp8_e2e: FP8 linears in both
+// engines, E4M3 KV cache). The backend is synchronized before each clock read, so the same
+// program times the CUDA backend. Prints a table; --json also writes the figures.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <functional>
+#include <random>
+
+#include <nlohmann/json.hpp>
+
+#include "backend/backend.h"
+#include "cli/commands.h"
+#include "core/error.h"
+#include "core/fs.h"
+#include "model/weights.h"
+#include "rollout/rollout.h"
+#include "train/trainer.h"
+
+namespace fp8rl::cli {
+namespace {
+
+constexpr const char* kUsage =
+    "usage: fp8rl bench-train-step [--device cpu|cuda] [--precision bf16|fp8|fp32] [--hidden N] [--layers N]\n"
+    "                              [--heads N] [--kv-heads N] [--head-dim N] [--ffn N] [--vocab N] [--seqs N]\n"
+    "                              [--seq-len N] [--prompt-len N] [--repeats N] [--json PATH]\n"
+    "Times the trainer's scoring forward, one training step and generation on a random-weight model\n"
+    "(defaults: the CPU demo shape, 64 sequences of 16 prompt + 24 response tokens, bf16).\n";
+
+using Clock = std::chrono::steady_clock;
+
+int int_flag(const Args& a, const std::string& name, int fallback, int lo) {
+  const std::string s = a.get(name, std::to_string(fallback));
+  size_t used = 0;
+  int v = 0;
+  try {
+    v = std::stoi(s, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  FP8RL_CHECK(used == s.size() && used > 0, "--", name, ": '", s, "' is not an integer");
+  FP8RL_CHECK(v >= lo, "--", name, " must be >= ", lo, ", got ", v);
+  return v;
+}
+
+struct Phase {
+  std::string name;
+  double tokens = 0;  // tokens one run processes (generate: new tokens)
+  std::vector<double> ms;
+  double median() const {
+    std::vector<double> s = ms;
+    std::sort(s.begin(), s.end());
+    const size_t n = s.size();
+    return n % 2 ? s[n / 2] : 0.5 * (s[n / 2 - 1] + s[n / 2]);
+  }
+};
+
+// Runs f once to warm up, then `repeats` times, each timed between two synchronizations.
+void time_phase(Backend& be, Phase& p, int repeats, const std::function<void()>& f) {
+  f();
+  be.synchronize();
+  for (int r = 0; r < repeats; ++r) {
+    const auto t0 = Clock::now();
+    f();
+    be.synchronize();
+    p.ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+  }
+}
+
+int run_bench(const std::vector<std::string>& argv) {
+  const Args args(argv,
+                  {"device", "precision", "hidden", "layers", "heads", "kv-heads", "head-dim", "ffn", "vocab", "seqs",
+                   "seq-len", "prompt-len", "repeats", "json"},
+                  {"help"});
+  if (args.has("help")) {
+    std::fputs(kUsage, stdout);
+    return 0;
+  }
+  FP8RL_CHECK(args.positional().empty(), "unexpected argument '", args.positional().front(), "'\n", kUsage);
+  const std::string device = args.get("device", "cpu");
+  const std::string prec_name = args.get("precision", "bf16");
+  FP8RL_CHECK(prec_name == "bf16" || prec_name == "fp8" || prec_name == "fp32", "--precision must be bf16, fp8 or ",
+              "fp32, got '", prec_name, "'");
+  const PrecisionRecipe recipe = PrecisionRecipe::preset(prec_name == "fp8" ? "fp8_e2e" : prec_name);
+  const int hidden = int_flag(args, "hidden", 64, 1), layers = int_flag(args, "layers", 2, 1);
+  const int heads = int_flag(args, "heads", 4, 1), kv_heads = int_flag(args, "kv-heads", 2, 1);
+  const int head_dim = int_flag(args, "head-dim", 16, 2), ffn = int_flag(args, "ffn", 192, 1);
+  const int vocab = int_flag(args, "vocab", 384, 2), nseq = int_flag(args, "seqs", 64, 1);
+  const int seq_len = int_flag(args, "seq-len", 40, 2), repeats = int_flag(args, "repeats", 5, 1);
+  const int prompt_len = int_flag(args, "prompt-len", std::min(16, seq_len - 1), 1);
+  FP8RL_CHECK(prompt_len < seq_len, "--prompt-len ", prompt_len, " must be shorter than --seq-len ", seq_len);
+  const int new_tokens = seq_len - prompt_len;
+
+  // The model: the demo's Qwen3-style tiny model with random weights (session_initial_policy).
+  ModelConfig mc = model_config_tiny("qwen3", vocab, hidden, layers, heads, kv_heads, ffn);
+  mc.head_dim = head_dim;
+  mc.max_position_embeddings = std::max(512, seq_len);
+  mc.validate();
+  const ModelWeights host = model_weights_random(mc, RandomInit{}, DType::F32);
+
+  std::unique_ptr<Backend> backend = make_backend(device);
+  Backend& be = *backend;
+  Trainer trainer(be, model_weights_to_device(be, host, DType::F32), recipe.trainer, TrainerOptions{});
+  const int pages = nseq * ((seq_len + 15) / 16) + 1;
+  RolloutEngine engine(be, trainer.master(), recipe.generator, pages, 16, std::max(nseq, 1));
+
+  // Random token sequences (ids avoid nothing: the model is random anyway).
+  std::mt19937 rng(1234);
+  std::uniform_int_distribution<int32_t> tok(0, vocab - 1);
+  std::vector<TrainSequence> seqs(nseq);
+  std::vector<RolloutRequest> reqs(nseq);
+  for (int i = 0; i < nseq; ++i) {
+    for (int t = 0; t < seq_len; ++t) seqs[i].ids.push_back(tok(rng));
+    seqs[i].prompt_len = prompt_len;
+    reqs[i].prompt.assign(seqs[i].ids.begin(), seqs[i].ids.begin() + prompt_len);
+    reqs[i].n = 1;
+  }
+  const bool fp8_kv = recipe.generator.kv_cache == DType::E4M3;
+  const TokenLossFn loss = [](size_t, size_t, const std::vector<float>& lp, std::vector<float>& grad) {
+    double l = 0;
+    const float n = static_cast<float>(std::max<size_t>(lp.size(), 1));
+    for (size_t i = 0; i < lp.size(); ++i) {
+      l -= lp[i] / n;
+      grad[i] = -1.0f / n;
+    }
+    return l;
+  };
+  SamplingParams sp;
+  sp.temperature = 1.0f;
+  sp.max_new_tokens = new_tokens;
+  sp.seed = 7;
+
+  const double total_tokens = double(nseq) * seq_len;
+  Phase score{"score", total_tokens, {}}, train{"train_step", total_tokens, {}},
+      gen{"generate", double(nseq) * new_tokens, {}};
+  std::printf("bench-train-step: device %s, precision %s (recipe %s), model D=%d L=%d H=%d/%d hd=%d F=%d V=%d, "
+              "%d seqs x %d tokens (prompt %d), %d repeats\n",
+              be.name().c_str(), prec_name.c_str(), recipe.name.c_str(), hidden, layers, heads, kv_heads, head_dim,
+              ffn, vocab, nseq, seq_len, prompt_len, repeats);
+  std::fflush(stdout);
+  time_phase(be, score, repeats, [&] { trainer.score(seqs, 1.0f, /*entropy=*/true, /*record_amax=*/fp8_kv); });
+  time_phase(be, train, repeats, [&] { trainer.step(seqs, 1.0f, loss, 1e-4f); });
+  time_phase(be, gen, repeats, [&] {
+    engine.generate(reqs, sp);
+    FP8RL_CHECK(engine.last_stats().generated_tokens == int64_t(nseq) * new_tokens, "generation produced ",
+                engine.last_stats().generated_tokens, " tokens, expected ", int64_t(nseq) * new_tokens);
+  });
+
+  nlohmann::json j;
+  j["device"] = be.name();
+  j["precision"] = prec_name;
+  j["recipe"] = recipe.name;
+  j["model"] = {{"hidden", hidden}, {"layers", layers}, {"heads", heads}, {"kv_heads", kv_heads},
+                {"head_dim", head_dim}, {"ffn", ffn}, {"vocab", vocab}};
+  j["seqs"] = nseq;
+  j["seq_len"] = seq_len;
+  j["prompt_len"] = prompt_len;
+  j["repeats"] = repeats;
+  std::printf("%-12s %12s %12s %14s\n", "phase", "median ms", "min ms", "tokens/s");
+  for (const Phase* p : {&score, &train, &gen}) {
+    const double med = p->median(), mn = *std::min_element(p->ms.begin(), p->ms.end());
+    const double tps = p->tokens / (med / 1000.0);
+    std::printf("%-12s %12.1f %12.1f %14.0f\n", p->name.c_str(), med, mn, tps);
+    j["phases"][p->name] = {{"median_ms", med}, {"min_ms", mn}, {"tokens", p->tokens}, {"tokens_per_s", tps},
+                            {"ms", p->ms}};
+  }
+  if (args.has("json")) {
+    write_file_atomic(args.get("json"), j.dump(2) + "\n");
+    std::printf("wrote %s\n", args.get("json").c_str());
+  }
+  return 0;
+}
+
+const Register kRegister{"bench-train-step",
+                         "time scoring, one training step and generation on a random model (--device cpu|cuda)",
+                         run_bench};
+
+}  // namespace
+}  // namespace fp8rl::cli
