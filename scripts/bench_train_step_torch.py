@@ -50,9 +50,9 @@ def main() -> int:
         vocab_size=a.vocab,
         max_position_embeddings=max(a.seq_len, 2048),
         tie_word_embeddings=True,  # as Llama-3.2-1B
-        rope_theta=500000.0,
-        attn_implementation="sdpa",
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},  # transformers 5 spelling
     )
+    cfg._attn_implementation = "sdpa"
     with torch.device(dev):
         model = LlamaForCausalLM(cfg)
     model.to(torch.bfloat16)

@@ -1,10 +1,11 @@
 // The whole model on the GPU against the CPU reference backend, and against Hugging Face.
 //
-// Models: the committed fixture checkpoints (tests/data/fixtures/{llama,qwen2,qwen3}, HF
-// init, nearly uniform outputs) and one "sharp" random model per family (weights ~N(0, 0.15^2),
-// far-from-uniform outputs, head_dim 64). Batches are ragged and packed: the fixture's three
-// sequences plus sequences of 1, 47 and 128 tokens (T = 272, a multiple of 16, so the FP8
-// linears with K % 128 == 0 take cuBLASLt's block-scaled path and down (K = 192) the fallback).
+// Models: the committed fixture checkpoints (tests/data/fixtures/{llama,qwen2,qwen3}: hidden
+// 128 / 160 / 96, head_dim 32 / 40 / 48, larger-than-HF-init weights) and one "sharp" random
+// model per family (hidden 256, head_dim 64, weights ~N(0, 0.15^2)). Batches are ragged and
+// packed: three sequences of 24 / 32 / 40 tokens plus sequences of 1, 47 and 128 tokens
+// (T = 272, a multiple of 16, so FP8 linears with K % 128 == 0 take cuBLASLt's block-scaled
+// path; the others, e.g. down with K = 192, the dequantized fallback).
 //
 // Checked for LinearMode FP32, BF16 and FP8_BLOCK, on two GPU backends:
 //   F32 activations (make_cuda_backend(0, F32), the exact path) and BF16 activations (the

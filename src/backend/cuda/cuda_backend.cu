@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <initializer_list>
 
@@ -708,6 +709,21 @@ void CudaBackend::sample(const Tensor& logits, const std::vector<float>& tempera
   check_dtype(logp, DType::F32, "sample logp");
   check_shape(logp, {B}, "sample logp");
   if (B == 0) return;
+  // FP8RL_CUDA_SAMPLER=host: the CPU reference on copied-back logits (a diagnostic switch; the
+  // results are the same up to the rounding described in sample_kernels.cu).
+  static const bool host_sampler = [] {
+    const char* e = std::getenv("FP8RL_CUDA_SAMPLER");
+    return e && std::string(e) == "host";
+  }();
+  if (host_sampler) {
+    Tensor hl = to_host(logits);
+    Tensor ht = Tensor::empty(tokens.shape(), tokens.dtype()), hp = Tensor::empty(logp.shape(), logp.dtype());
+    static std::unique_ptr<Backend> cpu = make_cpu_backend();
+    cpu->sample(hl, temperature, top_p, top_k, uniforms, ht, hp);
+    copy(ht, tokens);
+    copy(hp, logp);
+    return;
+  }
   // Parameters: [temperature | top_p | uniform | top_k] as 4 B words, checked as the CPU does.
   std::vector<float> params(4 * n);
   for (size_t b = 0; b < n; ++b) {
