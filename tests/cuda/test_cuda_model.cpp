@@ -8,18 +8,24 @@
 // path; the others, e.g. down with K = 192, the dequantized fallback).
 //
 // Checked for LinearMode FP32, BF16 and FP8_BLOCK, on two GPU backends:
-//   F32 activations (make_cuda_backend(0, F32), the exact path) and BF16 activations (the
-//   default, the training fast path);
+//   F32 activations (make_cuda_backend(0, F32), the exact path; FP8 products there are FP32
+//   GEMMs of the dequantized operands) and BF16 activations (the default fast path, cuBLASLt
+//   FP8 tensor cores);
 //   - scoring forward: logp, entropy and q/k/v amax (model_forward_logprobs);
 //   - backward: the gradient of every parameter (model_backward, random dlogp);
 //   - paged generation: a ragged prefill chunk then two decode steps (model_forward_paged),
 //     logits of every token, KV cache F32 / BF16 / E4M3 (with FP8 attention).
-// Tolerances by class (all measured values are printed, so one GPU run documents them):
-//   F32 activations, FP32 linears: FP32 accumulation-order noise only;
-//   F32 activations, BF16 / FP8 linears: operand roundings can flip where the two backends'
-//     FP32 inputs differ by an ulp, so DeepGEMM's similarity (1 - 2 sum(xy) / sum(x^2 + y^2))
-//     bounds the whole tensor and a max-relative bound catches outliers;
-//   BF16 activations: every stored activation carries BF16 rounding (2^-9 relative).
+// Tolerances by class. The exact class (F32 activations, FP32 linears) is tight: FP32
+// accumulation-order noise only (measured on the H200: logp <= 2e-5, gradients <= 1e-5
+// relative), on the fixtures and on the sharp models. The quantized classes (BF16 / FP8
+// linears, BF16 activations) are dominated by rounding-boundary flips: where the two backends'
+// FP32 values differ by an ulp, a BF16 / E4M3 rounding can go the other way, and these random
+// models amplify it. A CPU-only experiment shows the size: a 1-ulp random perturbation of the
+// q/k/v weights moves the CPU's own fixture logp by up to 1e-2 (BF16 linears) and 5e-2 (FP8),
+// mean 2e-3. So those classes run on the fixtures only (the sharp models are chaotic there),
+// with bounds about 2-3x the values measured on the H200 (docs/benchmarks.md, "CUDA model
+// parity"): they catch broken kernels and layouts (O(1) errors, NaN), not ulp-level drift,
+// which the op-level tests (test_cuda_ops.cpp) check on identical inputs.
 // And against HF: model_forward_logprobs on the F32-activation GPU backend versus reference.json
 // ("fp32": mean |diff| < 2e-4; "fp8" / "fp8_pow2" emulation: < 1e-2), as the CPU test does.
 #include <gtest/gtest.h>
@@ -105,14 +111,20 @@ struct Tol {
 };
 
 Tol tolerance(DType act, LinearMode mode) {
-  if (act == DType::BF16) return {5e-2, 5e-3, 1e-1, 2e-3};
+  if (act == DType::BF16) {
+    if (mode == LinearMode::FP8_BLOCK) return {0.6, 0.15, 0.5, 4e-2};
+    return {0.1, 2e-2, 6e-2, 1e-3};
+  }
   switch (mode) {
     case LinearMode::FP32: return {1e-4, 2e-5, 2e-4, 1e-8};
-    case LinearMode::BF16: return {2e-3, 2e-4, 2e-2, 1e-4};
-    case LinearMode::FP8_BLOCK: return {2e-2, 2e-3, 5e-2, 1e-3};
+    case LinearMode::BF16: return {3e-2, 5e-3, 3e-2, 1e-4};
+    case LinearMode::FP8_BLOCK: return {0.3, 5e-2, 0.2, 1e-2};
   }
   return {};
 }
+
+// The exact class; the others are flip-dominated and run on the fixtures only (see the top).
+bool exact_class(DType act, LinearMode mode) { return act == DType::F32 && mode == LinearMode::FP32; }
 
 std::string case_name(const std::string& model, DType act, LinearMode mode) {
   return model + " act " + dtype_name(act) + " linear " + linear_mode_name(mode);
@@ -122,6 +134,7 @@ std::string case_name(const std::string& model, DType act, LinearMode mode) {
 
 struct ModelCase {
   std::string name;
+  bool sharp = false;  // a "sharp" random model: exact class only
   ModelWeights host;  // F32 on the host
   std::vector<std::vector<int32_t>> seqs;
 };
@@ -158,6 +171,7 @@ std::vector<ModelCase> model_cases(bool fixtures_only = false) {
     init.norm_jitter = 0.2f;
     ModelCase c;
     c.name = std::string("sharp ") + family;
+    c.sharp = true;
     c.host = model_weights_random(mc, init, DType::F32);
     c.seqs = ragged_batch(test::token_sequences({24, 32, 40}, 512, 5), 512, 6);
     out.push_back(std::move(c));
@@ -224,12 +238,14 @@ TEST(CudaModel, ScoringAndBackwardMatchCpu) {
   std::normal_distribution<float> nd(0.0f, 1.0f);
   for (const ModelCase& mc : cases)
     for (LinearMode mode : {LinearMode::FP32, LinearMode::BF16, LinearMode::FP8_BLOCK}) {
+      if (mc.sharp && mode != LinearMode::FP32) continue;
       const ForwardBatch batch = forward_batch_from_sequences(mc.seqs);
       std::vector<float> dlogp(batch.num_tokens());
       for (float& x : dlogp) x = nd(gen);
       const CpuResult ref = run_model(*env().cpu, mc, mode, dlogp);
       for (Backend* gpu : {env().gpu32.get(), env().gpu16.get()}) {
         const DType act = gpu->act_dtype();
+        if (mc.sharp && !exact_class(act, mode)) continue;
         const std::string what = case_name(mc.name, act, mode);
         SCOPED_TRACE(what);
         const Tol tol = tolerance(act, mode);
@@ -330,6 +346,7 @@ TEST(CudaModel, PagedGenerationMatchesCpu) {
     for (LinearMode mode : {LinearMode::FP32, LinearMode::BF16, LinearMode::FP8_BLOCK})
       for (Backend* gpu : {env().gpu32.get(), env().gpu16.get()}) {
         const DType act = gpu->act_dtype();
+        if (mc.sharp && !exact_class(act, mode)) continue;
         // The cache follows the activations (F32 / BF16); FP8 linears also run the FP8 cache
         // with FP8 attention (the fp8_e2e generator).
         std::vector<std::pair<DType, bool>> kvs = {{act, false}};
@@ -344,7 +361,7 @@ TEST(CudaModel, PagedGenerationMatchesCpu) {
           const std::vector<double> got = run_paged(*gpu, mc, prec);
           const Diff d = compare(got, ref);
           Tol tol = tolerance(act, mode);
-          if (kv == DType::E4M3) tol = tolerance(DType::BF16, mode);  // E4M3 k/v: flips like BF16 activations
+          if (kv == DType::E4M3) tol = tolerance(DType::BF16, mode);  // E4M3 k/v: rounded like BF16 activations
           std::printf("  %-48s logits rel %.2e DeepGEMM %.2e\n", what.c_str(), d.rel, d.deepgemm);
           EXPECT_LT(d.rel, tol.rel) << "logits";
           EXPECT_LT(d.deepgemm, std::max(tol.deepgemm, 1e-8)) << "logits";

@@ -1,7 +1,9 @@
 // The CUDA backend: the ops of backend/backend.h on one GPU, one stream. Memory is plain
 // cudaMalloc (Storage released with cudaFree); kernels live in *_kernels.cu, GEMMs in gemm.*.
 // Activations are BF16 by default (act_dtype); a backend made with act_dtype F32 runs the model
-// with F32 activations (the exact path: FP32 references, `fp8rl logprobs`). Every op accepts
+// with F32 activations (the exact path: FP32 references, `fp8rl logprobs`), and computes FP8
+// block linears as FP32 GEMMs of the dequantized operands (exact, like the CPU reference)
+// instead of on cuBLASLt's FP8 tensor cores. Every op accepts
 // both dtypes whatever act_dtype says (the parity tests use both).
 // Errors: CUDA_CHECK / CUBLAS_CHECK (cuda_check.h); data errors found on the device (non-finite
 // quantizer input, out-of-range ids) are raised through a device flag checked after the op.
@@ -93,6 +95,8 @@ class CudaBackend final : public Backend {
           float beta);
   void linear_fwd(const Tensor& x2, const LinearWeight& W, const LinearSpec& spec, Tensor& out2);
   void check_dev(const Tensor& t, const char* what) const;
+  // Whether an FP8 block GEMM [M, N, K] takes cuBLASLt's FP8 kernels (else: dequantize + FP32 GEMM).
+  bool fp8_tensor_cores(int64_t M, int64_t N, int64_t K) const;
 
   int device_ = 0;
   DType act_dtype_ = DType::BF16;
