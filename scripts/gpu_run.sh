@@ -10,8 +10,13 @@
 # the development machine in ./prebuilt (with their shared libraries in ./prebuilt/lib) are used:
 # seen 2026-11 on the H200 image, which lacks libpcre2-8. Make them here with
 #   cmake -S . -B build -G Ninja && ninja -C build -j2 fp8rl fp8rl_gpu_tests fp8rl_tests
-#   mkdir -p prebuilt && cp build/fp8rl build/fp8rl_gpu_tests build/fp8rl_tests prebuilt/
-# (they link only libcudart/libcublasLt 13 and libstdc++ dynamically).
+#   mkdir -p prebuilt/lib && cp build/fp8rl build/fp8rl_gpu_tests build/fp8rl_tests prebuilt/
+#   for l in libpcre2-8.so.0 libyaml-cpp.so.0.7 libutf8proc.so.2; do cp -L /lib/x86_64-linux-gnu/$l prebuilt/lib/; done
+# (the rest they link, libcudart/libcublasLt 13, libstdc++, libc, is on the GPU machine). From a
+# worktree: copy it without build*/.git into <lead checkout>/.cudawt2 (git-ignored there), carry
+# .cudawt2 and run `cd .cudawt2 && FP8RL_BENCH_GEMM=0 bash scripts/gpu_run.sh`.
+# On the prebuilt path the CPU tests that read shared data or compiled-in source paths fail
+# there (seen 2026-11-29: 17 of 141, tokenizer / config / CLI tests); CI is their home.
 set -u
 OUT_TOP="${1:-${OUT:-$PWD/gpu_out}}"
 # Logs go to $OUT_TOP/logs and are packed into $OUT_TOP/logs.tgz at the end (the device tool
