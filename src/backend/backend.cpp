@@ -61,19 +61,22 @@ float Backend::amax(const Tensor& x) {
   return m;
 }
 
-std::unique_ptr<Backend> make_backend(const std::string& device) {
+std::unique_ptr<Backend> make_backend(const std::string& device, DType act_dtype) {
   if (device == "cpu") return make_cpu_backend();
   if (device.rfind("cuda", 0) == 0) {
     int index = 0;
     if (device.size() > 5 && device[4] == ':') index = std::stoi(device.substr(5));
     else FP8RL_CHECK(device == "cuda", "unknown device '", device, "' (expected cpu, cuda or cuda:N)");
-    return make_cuda_backend(index);
+    return make_cuda_backend(index, act_dtype);
   }
   FP8RL_FAIL("unknown device '", device, "' (expected cpu, cuda or cuda:N)");
 }
 
+std::unique_ptr<Backend> make_backend(const std::string& device) { return make_backend(device, DType::BF16); }
+
 #ifndef FP8RL_HAVE_CUDA
-std::unique_ptr<Backend> make_cuda_backend(int) {
+std::unique_ptr<Backend> make_cuda_backend(int index) { return make_cuda_backend(index, DType::BF16); }
+std::unique_ptr<Backend> make_cuda_backend(int, DType) {
   FP8RL_FAIL("this fp8rl was built without CUDA; rebuild with -DFP8RL_CUDA=ON on a machine with nvcc, "
              "or use --device cpu");
 }

@@ -5,7 +5,8 @@
 // Conventions
 // - Tensors are contiguous, row-major, on the backend's device; shapes in comments.
 // - "written" outputs are overwritten; "accumulated" outputs are added to (gradients).
-// - Activations use act_dtype(): F32 on the CPU, F32 or BF16 on CUDA. Math is FP32 inside.
+// - Activations use act_dtype(): F32 on the CPU; on CUDA BF16 by default, F32 when the backend
+//   is made with act_dtype F32 (make_cuda_backend). Math is FP32 inside.
 // - Token-major packing: a batch of sequences is concatenated along tokens, T = sum of lengths;
 //   cu_seqlens[B+1] (host) gives each sequence's token range.
 // - Every op validates shapes/dtypes and throws fp8rl::Error with what is wrong.
@@ -209,8 +210,12 @@ class Backend {
 
 std::unique_ptr<Backend> make_cpu_backend();
 // Throws a clear error when fp8rl was built without CUDA or no GPU is visible.
+// Activations are BF16 (the fast path) unless act_dtype says F32: the exact path, used where
+// results are compared with FP32 references (`fp8rl logprobs`, the CUDA model parity tests).
 std::unique_ptr<Backend> make_cuda_backend(int device_index = 0);
-// "cpu" or "cuda[:N]".
+std::unique_ptr<Backend> make_cuda_backend(int device_index, DType act_dtype);
+// "cpu" or "cuda[:N]". act_dtype applies to CUDA (F32 or BF16); the CPU backend is always F32.
 std::unique_ptr<Backend> make_backend(const std::string& device);
+std::unique_ptr<Backend> make_backend(const std::string& device, DType act_dtype);
 
 }  // namespace fp8rl

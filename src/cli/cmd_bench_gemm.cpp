@@ -82,16 +82,16 @@ struct Shape3 {
 };
 
 int run(const std::vector<std::string>& argv) {
-  Args args(argv, {"json", "reps", "warmup", "device"}, {"help", "quick"});
+  Args args(argv, {"json", "reps", "warmup", "device"}, {"help", "quick", "quant-only"});
   if (args.has("help")) {
-    std::printf("fp8rl bench-gemm [--json PATH] [--reps N] [--warmup N] [--device cuda:N] [--quick]\n");
+    std::printf("fp8rl bench-gemm [--json PATH] [--reps N] [--warmup N] [--device cuda:N] [--quick] [--quant-only]\n");
     return 0;
   }
   const int reps = std::stoi(args.get("reps", "20")), warm = std::stoi(args.get("warmup", "5"));
   const std::string device = args.get("device", "cuda:0");
   FP8RL_CHECK(device.rfind("cuda", 0) == 0, "bench-gemm needs a CUDA device, got ", device);
   const int index = device.size() > 5 ? std::stoi(device.substr(5)) : 0;
-  CudaBackend be(index);
+  CudaBackend be(index, DType::BF16);
   cudaStream_t s = be.stream();
   auto& gemm = be.gemm();
   nlohmann::json out;
@@ -140,6 +140,7 @@ int run(const std::vector<std::string>& argv) {
                            {"down 14336->4096", 14336, 4096}};
   std::vector<int64_t> Ms = {8192, 256, 64};
   if (args.has("quick")) Ms = {8192};
+  if (args.has("quant-only")) Ms.clear();  // the memory-bound kernels alone
   out["gemm"] = nlohmann::json::array();
   std::printf("\n%-22s %6s %-6s %10s %10s %10s %8s\n", "linear", "M", "pass", "BF16 TF/s", "FP8 TF/s", "FP8 ms",
               "FP8/BF16");

@@ -8,8 +8,9 @@
 // up, down): fp32 = operands as they are; bf16 = both operands rounded to BF16, FP32
 // accumulation; fp8 = the block-scaled FP8 recipe (activations 1x128, weights 128x128, E4M3,
 // FP32 accumulation; --pow2-scales rounds the scales up to powers of two). Everything else
-// (embedding, RMSNorm, RoPE, attention, SwiGLU, lm_head, log-softmax) is FP32 on the CPU; on
-// CUDA it runs in the backend's activation dtype with FP32 math.
+// (embedding, RMSNorm, RoPE, attention, SwiGLU, lm_head, log-softmax) is FP32, on the CPU and
+// on CUDA alike: this command is the reference check against HF, so the CUDA backend is made
+// with F32 activations (make_backend(device, F32)), not the BF16 of the training fast path.
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -66,9 +67,9 @@ int run_logprobs(const std::vector<std::string>& argv) {
   precision.linear = linear_mode_from_name(args.get("precision", "fp32"));
   precision.pow2_scales = args.has("pow2-scales");
 
-  std::unique_ptr<Backend> backend = make_backend(args.get("device", "cpu"));
+  std::unique_ptr<Backend> backend = make_backend(args.get("device", "cpu"), DType::F32);
   const ModelWeights host = model_weights_load(dir, DType::F32);
-  const ModelWeights weights = model_weights_to_device(*backend, host, backend->act_dtype());
+  const ModelWeights weights = model_weights_to_device(*backend, host, DType::F32);
 
   const ForwardBatch batch = forward_batch_from_sequences({ids});
   const LogprobResult r = model_forward_logprobs(*backend, weights, precision, batch, ForwardOptions{});

@@ -31,6 +31,16 @@ LinearSpec block_spec(const EnginePrecision& p, int layer, int num_layers) {
 
 const LinearSpec kFp32Spec{LinearMode::FP32, false};
 
+// The lm_head's numerics follow the activation dtype: FP32 with F32 / F64 activations (the
+// exact path: CPU reference, `fp8rl logprobs`, the CUDA backend made with F32 activations);
+// with BF16 activations (the CUDA fast path) the hidden state is already BF16, so the head is a
+// BF16 x BF16 tensor-core GEMM with FP32 accumulation (the weight rounded to BF16 once per
+// call) rather than an FP32 GEMM on the hidden state converted back to F32, which at a 128k
+// vocabulary would be the most expensive GEMM of the step.
+LinearSpec head_spec_for(DType act) {
+  return act == DType::BF16 ? LinearSpec{LinearMode::BF16, false} : kFp32Spec;
+}
+
 // Sets slots [e - 1] of every sequence of a [T] tensor to 0 (positions without a target).
 void zero_last_tokens(Backend& be, Tensor& t, const std::vector<int32_t>& cu_seqlens) {
   for (size_t b = 0; b + 1 < cu_seqlens.size(); ++b) {
@@ -224,7 +234,7 @@ LogprobResult model_forward_logprobs(Backend& be, const ModelWeights& w, const E
   r.logp = be.alloc({T}, st);
   A.lm_lse = be.alloc({T}, st);
   if (opt.entropy) r.entropy = be.alloc({T}, st);
-  be.token_logprobs(A.hidden, w.lm_head, A.targets, opt.temperature, kFp32Spec, r.logp, A.lm_lse,
+  be.token_logprobs(A.hidden, w.lm_head, A.targets, opt.temperature, head_spec_for(act), r.logp, A.lm_lse,
                     opt.entropy ? &r.entropy : nullptr);
   zero_last_tokens(be, r.logp, batch.cu_seqlens);
   r.q_amax = std::move(amax.q);
@@ -275,7 +285,7 @@ void model_forward_paged(Backend& be, const ModelWeights& w, const EnginePrecisi
     be.linear(hidden, head, kFp32Spec, logits);
   } else {
     Tensor tmp = be.alloc({R, c.vocab_size}, act);
-    be.linear(hidden, head, kFp32Spec, tmp);
+    be.linear(hidden, head, head_spec_for(act), tmp);
     be.convert(tmp, logits);
   }
   if (hidden_out) *hidden_out = hidden;
@@ -307,7 +317,7 @@ void model_backward(Backend& be, const ModelWeights& w, const EnginePrecision& p
 
   // lm_head + log-softmax, then the final norm. dx [T, D] is the gradient of the residual stream.
   Tensor dhidden = be.alloc({T, D}, act);
-  be.token_logprobs_backward(A.hidden, w.lm_head, A.targets, A.temperature, kFp32Spec, A.lm_lse, dlogp,
+  be.token_logprobs_backward(A.hidden, w.lm_head, A.targets, A.temperature, head_spec_for(act), A.lm_lse, dlogp,
                              dhidden, &g.lm_head);
   Tensor dx = be.alloc({T, D}, act);
   be.rmsnorm_backward(dhidden, A.x_final, w.final_norm, A.final_rstd, dx, g.final_norm);

@@ -15,7 +15,8 @@
 //
 // Precision: the 7 linears of block l run in precision.linear_for_layer(l, L); lm_head and
 // everything else run with LinearMode::FP32 in the backend's activation dtype (FP32 on the
-// CPU). With F64 weights (CPU only) every activation, statistic and logp is F64 instead: the
+// CPU), except that with BF16 activations (the CUDA fast path) lm_head is a BF16 GEMM with FP32
+// accumulation (transformer.cpp, head_spec_for). With F64 weights (CPU only) every activation, statistic and logp is F64 instead: the
 // CPU backend then computes in plain double math (the FP64 finite-difference checks).
 #pragma once
 #include <cstdint>

@@ -162,7 +162,11 @@ struct QCase {
 };
 
 TEST(CudaQuant, BitwiseEqualToReferenceEveryBlockShape) {
-  const QCase shapes[] = {{1, 128}, {1, 300}, {7, 128}, {130, 257}, {256, 512}, {3, 1000}, {200, 129}};
+  // Widths that are multiples of 8 take the vectorized kernels, the others the element-wise
+  // ones; {200, 136} and {130, 264} transposed give output rows not 16-byte aligned (mixed
+  // 16-byte and byte stores) and partial tiles.
+  const QCase shapes[] = {{1, 128},   {1, 300},   {7, 128},    {130, 257},  {256, 512},
+                          {3, 1000},  {200, 129}, {200, 136},  {130, 264},  {384, 256}};
   uint32_t seed = 10;
   for (const QCase& s : shapes)
     for (DType dt : {DType::F32, DType::BF16})
@@ -310,6 +314,22 @@ TEST(CudaOps, ElementwiseAndReductions) {
   EXPECT_FALSE(G().all_finite(dev(bad)));
   bad.data<float>()[1234] = -INFINITY;
   EXPECT_FALSE(G().all_finite(dev(bad)));
+}
+
+TEST(CudaOps, AmaxIsADeviceReductionEqualToTheHostOne) {
+  for (DType dt : {DType::F32, DType::BF16})
+    for (int64_t n : {int64_t(1), int64_t(1000), int64_t(1) << 20}) {
+      SCOPED_TRACE(::testing::Message() << dtype_name(dt) << " n " << n);
+      Tensor x = rnd({n}, 25 + static_cast<uint32_t>(n), dt, 3.0f);
+      const float want = C().amax(x);
+      EXPECT_GT(want, 0.0f);
+      EXPECT_EQ(G().amax(dev(x)), want);  // max is exact: bitwise equal
+    }
+  Tensor x = rnd({5000}, 26);
+  x.data<float>()[4321] = -1e30f;
+  EXPECT_EQ(G().amax(dev(x)), 1e30f);
+  x.data<float>()[17] = NAN;
+  EXPECT_TRUE(std::isnan(G().amax(dev(x))));
 }
 
 TEST(CudaOps, EmbeddingForwardBackward) {
@@ -529,18 +549,44 @@ TEST(CudaGeneration, KvWriteBitwiseAndPagedAttention) {
     }
 }
 
+// The GPU sampler (no sort: radix search on order keys) draws the CPU reference's token for the
+// same uniforms: greedy, plain, top-k, top-p, both, on continuous logits (well separated) and
+// on integer logits (many exact ties: the lower id comes first), several vocabulary sizes.
 TEST(CudaGeneration, SampleMatchesCpu) {
-  const int64_t B = 5, V = 1000;
-  Tensor lg = rnd({B, V}, 110, DType::F32, 3.0f);
-  std::vector<float> temp = {0.0f, 1.0f, 0.7f, 1.0f, 1.3f}, top_p = {1.0f, 1.0f, 0.9f, 0.5f, 0.95f};
-  std::vector<int> top_k = {0, 0, 50, 0, 10};
-  std::vector<float> u = {0.1f, 0.5f, 0.9f, 0.3f, 0.99f};
-  Tensor rt = Tensor::empty({B}, DType::I32), rp = Tensor::empty({B}, DType::F32);
-  C().sample(lg, temp, top_p, top_k, u, rt, rp);
-  Tensor gt = G().alloc({B}, DType::I32), gp = poisoned({B}, DType::F32);
-  G().sample(dev(lg), temp, top_p, top_k, u, gt, gp);
-  EXPECT_TRUE(bytes_equal(gt, rt));
-  EXPECT_LT(rel_err(gp, rp), 1e-6);
+  for (int64_t V : {int64_t(1000), int64_t(1), int64_t(50000)}) {
+    const int64_t B = 12;
+    SCOPED_TRACE(::testing::Message() << "V " << V);
+    Tensor lg = rnd({B, V}, 110 + static_cast<uint32_t>(V), DType::F32, 3.0f);
+    for (int64_t j = 0; j < V; ++j) {  // rows 8..11: integer logits, many exact ties
+      for (int64_t b = 8; b < 12; ++b) lg.data<float>()[b * V + j] = std::round(lg.data<float>()[b * V + j]);
+    }
+    if (V > 10) lg.data<float>()[5 * V + 7] = -INFINITY;  // a masked token
+    const std::vector<float> temp = {0.0f, 1.0f, 0.7f, 1.0f, 1.3f, 1.0f, 0.5f, 2.0f, 1.0f, 1.0f, 0.0f, 0.8f};
+    const std::vector<float> top_p = {1.0f, 1.0f, 0.9f, 0.5f, 0.95f, 1.0f, 0.3f, 1.0f, 1.0f, 0.6f, 1.0f, 0.9f};
+    const std::vector<int> top_k = {0, 0, 50, 0, 10, 1, 0, 3, 0, 0, 0, 20};
+    std::mt19937 gen(5);
+    std::uniform_real_distribution<float> ud(0.0f, 1.0f);
+    for (int draw = 0; draw < 4; ++draw) {
+      std::vector<float> u(B);
+      for (float& x : u) x = std::min(ud(gen), 0.99999f);
+      if (draw == 0) u[1] = 0.0f;
+      Tensor rt = Tensor::empty({B}, DType::I32), rp = Tensor::empty({B}, DType::F32);
+      C().sample(lg, temp, top_p, top_k, u, rt, rp);
+      Tensor gt = G().alloc({B}, DType::I32), gp = poisoned({B}, DType::F32);
+      G().fill(gt, -1.0f);
+      G().sample(dev(lg), temp, top_p, top_k, u, gt, gp);
+      const std::vector<double> a = vals(gt), r = vals(rt), pa = vals(gp), pr = vals(rp);
+      for (int64_t b = 0; b < B; ++b) {
+        EXPECT_EQ(a[b], r[b]) << "row " << b << " draw " << draw << " u " << u[b];
+        EXPECT_NEAR(pa[b], pr[b], 1e-5 * std::max(1.0, std::fabs(pr[b]))) << "row " << b;
+      }
+    }
+  }
+  Tensor bad = rnd({2, 100}, 120);
+  bad.data<float>()[150] = NAN;
+  Tensor gt = G().alloc({2}, DType::I32), gp = G().alloc({2}, DType::F32);
+  EXPECT_THROW(G().sample(dev(bad), {1.0f, 1.0f}, {1.0f, 1.0f}, {0, 0}, {0.5f, 0.5f}, gt, gp), Error);
+  EXPECT_THROW(G().sample(dev(rnd({2, 100}, 121)), {1.0f, 1.0f}, {1.0f, 1.0f}, {0, 0}, {0.5f, 1.0f}, gt, gp), Error);
 }
 
 }  // namespace

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <initializer_list>
 
@@ -32,7 +33,9 @@ int64_t rows_of(const Tensor& t) { return t.ndim() == 0 ? 1 : t.numel() / std::m
 
 }  // namespace
 
-CudaBackend::CudaBackend(int device_index) : device_(device_index) {
+CudaBackend::CudaBackend(int device_index, DType act_dtype) : device_(device_index), act_dtype_(act_dtype) {
+  FP8RL_CHECK(act_dtype == DType::F32 || act_dtype == DType::BF16, "the CUDA backend's activations are F32 or ",
+              "BF16, got ", dtype_name(act_dtype));
   int count = 0;
   const cudaError_t e = cudaGetDeviceCount(&count);
   if (e != cudaSuccess || count == 0) {
@@ -193,6 +196,22 @@ bool CudaBackend::all_finite(const Tensor& x) {
   return *flag_host_ == 0;
 }
 
+float CudaBackend::amax(const Tensor& x) {
+  check_dev(x, "amax x");
+  check_float(x, "amax x");
+  // Non-negative floats order like their bit patterns: an atomicMax on the bits of |x|; a NaN
+  // (bits above +inf's) wins and comes back as NaN, as the interface asks.
+  Tensor acc = scratch(kSlotState, {1}, DType::I32);
+  CUDA_CHECK(cudaMemsetAsync(acc.raw(), 0, sizeof(int32_t), stream_), "zeroing the amax");
+  launch_amax(x.raw(), x.dtype(), x.numel(), reinterpret_cast<uint32_t*>(acc.raw()), stream_);
+  uint32_t bits = 0;
+  CUDA_CHECK(cudaMemcpyAsync(&bits, acc.raw(), sizeof(bits), cudaMemcpyDeviceToHost, stream_), "reading the amax");
+  CUDA_CHECK(cudaStreamSynchronize(stream_), "amax");
+  float m;
+  std::memcpy(&m, &bits, sizeof m);
+  return m;
+}
+
 // ---- model ops ---------------------------------------------------------------------------------
 
 void CudaBackend::embedding(const Tensor& ids, const Tensor& table, Tensor& out) {
@@ -329,6 +348,15 @@ void CudaBackend::quantize(const Tensor& x, bool transpose, QuantTensor& out) {
 
 // ---- GEMMs and linear layers ------------------------------------------------------------------
 
+// FP8 block GEMMs run on cuBLASLt's FP8 tensor-core kernels when the shape allows, except on a
+// backend made with F32 activations (the exact path): there every FP8 product is the FP32 GEMM
+// of the dequantized operands, as the CPU reference computes it. Measured on the H200
+// (docs/benchmarks.md, "CUDA model parity"): with cuBLASLt the llama fixture's FP8 log-probs
+// were 3e-2 (mean) from the exact emulation, the dequantized path 5e-7 on the other fixtures.
+bool CudaBackend::fp8_tensor_cores(int64_t M, int64_t N, int64_t K) const {
+  return act_dtype_ != DType::F32 && GemmEngine::fp8_supported(M, N, K);
+}
+
 void CudaBackend::mm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const Tensor& A, const Tensor& B, DType ab,
                      Tensor& C, float beta) {
   const Tensor* a = &A;
@@ -375,7 +403,7 @@ void CudaBackend::linear_fwd(const Tensor& x, const LinearWeight& W, const Linea
       quantize_async(W.w, false, wq);
     }
     flag_check("linear (FP8): the input " + x.str() + " or the weight holds NaN or Inf");
-    if (GemmEngine::fp8_supported(M, N, K)) {
+    if (fp8_tensor_cores(M, N, K)) {
       gemm_->gemm_fp8(M, N, K, xq.data.data<uint8_t>(), xq.scales.data<float>(), wq.data.data<uint8_t>(),
                       wq.scales.data<float>(), kQuantBlock, out.raw(), out.dtype(), 1.0f, 0.0f);
     } else {  // cuBLASLt's block mode rejects the shape: the same quantized product in FP32
@@ -436,7 +464,7 @@ void CudaBackend::linear_backward(const Tensor& dy, const Tensor& x, const Linea
       quantize_async(dy2, false, dyq);
       quantize_async(W.w, true, wtq);
       flag_check("linear_backward (FP8 dgrad): dy " + dy.str() + " or the weight holds NaN or Inf");
-      if (GemmEngine::fp8_supported(M, K, N)) {
+      if (fp8_tensor_cores(M, K, N)) {
         gemm_->gemm_fp8(M, K, N, dyq.data.data<uint8_t>(), dyq.scales.data<float>(), wtq.data.data<uint8_t>(),
                         wtq.scales.data<float>(), kQuantBlock, dx2.raw(), dx2.dtype(), 1.0f, 0.0f);
       } else {
@@ -463,7 +491,7 @@ void CudaBackend::linear_backward(const Tensor& dy, const Tensor& x, const Linea
       quantize_async(dy2, true, dytq);
       quantize_async(x2, true, xtq);
       flag_check("linear_backward (FP8 wgrad): dy " + dy.str() + " or x " + x.str() + " holds NaN or Inf");
-      if (GemmEngine::fp8_supported(N, K, M)) {
+      if (fp8_tensor_cores(N, K, M)) {
         gemm_->gemm_fp8(N, K, M, dytq.data.data<uint8_t>(), dytq.scales.data<float>(), xtq.data.data<uint8_t>(),
                         xtq.scales.data<float>(), 1, dw->raw(), DType::F32, 1.0f, 1.0f);
       } else {
@@ -675,22 +703,68 @@ void CudaBackend::attention_paged(const KvCache& cache, int layer, const Tensor&
 void CudaBackend::sample(const Tensor& logits, const std::vector<float>& temperature, const std::vector<float>& top_p,
                          const std::vector<int>& top_k, const std::vector<float>& uniforms, Tensor& tokens,
                          Tensor& logp) {
-  // First pass: the CPU reference on the host (exact parity; a GPU sampler comes later).
   check_dev(logits, "sample logits");
   check_dev(tokens, "sample tokens");
   check_dev(logp, "sample logp");
-  Tensor hl = to_host(logits);
-  Tensor ht = Tensor::empty(tokens.shape(), tokens.dtype()), hp = Tensor::empty(logp.shape(), logp.dtype());
-  static std::unique_ptr<Backend> cpu = make_cpu_backend();
-  cpu->sample(hl, temperature, top_p, top_k, uniforms, ht, hp);
-  copy(ht, tokens);
-  copy(hp, logp);
+  check_dtype(logits, DType::F32, "sample logits");
+  FP8RL_CHECK(logits.ndim() == 2 && logits.dim(1) > 0, "sample logits must be [B, V], got ", logits.str());
+  const int64_t B = logits.dim(0), V = logits.dim(1);
+  const auto n = static_cast<size_t>(B);
+  FP8RL_CHECK(temperature.size() == n && top_p.size() == n && top_k.size() == n && uniforms.size() == n,
+              "sample needs one temperature, top_p, top_k and uniform per row (", B, " rows), got ",
+              temperature.size(), ", ", top_p.size(), ", ", top_k.size(), ", ", uniforms.size());
+  check_dtype(tokens, DType::I32, "sample tokens");
+  check_shape(tokens, {B}, "sample tokens");
+  check_dtype(logp, DType::F32, "sample logp");
+  check_shape(logp, {B}, "sample logp");
+  if (B == 0) return;
+  // FP8RL_CUDA_SAMPLER=host: the CPU reference on copied-back logits (a diagnostic switch; the
+  // results are the same up to the rounding described in sample_kernels.cu).
+  static const bool host_sampler = [] {
+    const char* e = std::getenv("FP8RL_CUDA_SAMPLER");
+    return e && std::string(e) == "host";
+  }();
+  if (host_sampler) {
+    Tensor hl = to_host(logits);
+    Tensor ht = Tensor::empty(tokens.shape(), tokens.dtype()), hp = Tensor::empty(logp.shape(), logp.dtype());
+    static std::unique_ptr<Backend> cpu = make_cpu_backend();
+    cpu->sample(hl, temperature, top_p, top_k, uniforms, ht, hp);
+    copy(ht, tokens);
+    copy(hp, logp);
+    return;
+  }
+  // Parameters: [temperature | top_p | uniform | top_k] as 4 B words, checked as the CPU does.
+  std::vector<float> params(4 * n);
+  for (size_t b = 0; b < n; ++b) {
+    FP8RL_CHECK(std::isfinite(temperature[b]) && temperature[b] >= 0, "sample: temperature of row ", b,
+                " must be >= 0, got ", temperature[b]);
+    FP8RL_CHECK(top_p[b] > 0 && top_p[b] <= 1, "sample: top_p of row ", b, " must be in (0, 1], got ", top_p[b]);
+    FP8RL_CHECK(top_k[b] >= 0, "sample: top_k of row ", b, " must be >= 0, got ", top_k[b]);
+    FP8RL_CHECK(uniforms[b] >= 0 && uniforms[b] < 1, "sample: uniform of row ", b, " must be in [0, 1), got ",
+                uniforms[b]);
+    params[b] = temperature[b];
+    params[n + b] = top_p[b];
+    params[2 * n + b] = uniforms[b];
+    const int32_t k = top_k[b];
+    std::memcpy(&params[3 * n + b], &k, sizeof k);
+  }
+  Tensor pd = scratch(kSlotIdx, {static_cast<int64_t>(4 * n)}, DType::F32);
+  CUDA_CHECK(cudaMemcpyAsync(pd.raw(), params.data(), params.size() * sizeof(float), cudaMemcpyHostToDevice, stream_),
+             "uploading the sampling parameters");
+  Tensor kw = scratch(kSlotLogits, {2, B, V}, DType::F32);  // keys (as bits) and weights
+  const float* p = pd.data<float>();
+  launch_sample(logits.data<float>(), B, V, p, p + n, reinterpret_cast<const int32_t*>(p + 3 * n), p + 2 * n,
+                reinterpret_cast<uint32_t*>(kw.data<float>()), kw.data<float>() + B * V, tokens.data<int32_t>(),
+                logp.data<float>(), flag_reset(), stream_);
+  // Synchronizes: the host-side parameter vector must outlive the upload.
+  flag_check("sample: a row of logits holds NaN or +inf, or only -inf");
 }
 
 }  // namespace cuda
 
-std::unique_ptr<Backend> make_cuda_backend(int device_index) {
-  return std::make_unique<cuda::CudaBackend>(device_index);
+std::unique_ptr<Backend> make_cuda_backend(int device_index, DType act_dtype) {
+  return std::make_unique<cuda::CudaBackend>(device_index, act_dtype);
 }
+std::unique_ptr<Backend> make_cuda_backend(int device_index) { return make_cuda_backend(device_index, DType::BF16); }
 
 }  // namespace fp8rl

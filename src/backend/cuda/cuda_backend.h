@@ -1,12 +1,16 @@
 // The CUDA backend: the ops of backend/backend.h on one GPU, one stream. Memory is plain
 // cudaMalloc (Storage released with cudaFree); kernels live in *_kernels.cu, GEMMs in gemm.*.
-// Activations are BF16 (act_dtype), every op also accepts F32 (the parity tests use both).
+// Activations are BF16 by default (act_dtype); a backend made with act_dtype F32 runs the model
+// with F32 activations (the exact path: FP32 references, `fp8rl logprobs`), and computes FP8
+// block linears as FP32 GEMMs of the dequantized operands (exact, like the CPU reference)
+// instead of on cuBLASLt's FP8 tensor cores. Every op accepts
+// both dtypes whatever act_dtype says (the parity tests use both).
 // Errors: CUDA_CHECK / CUBLAS_CHECK (cuda_check.h); data errors found on the device (non-finite
 // quantizer input, out-of-range ids) are raised through a device flag checked after the op.
 //
-// First-pass limitations (documented, tested): attention kernels are one warp per (token, head)
-// with an online softmax (no T x T scores, no tensor cores yet); sample() runs the CPU
-// reference on the host (logits copied back).
+// Limitations (documented, tested): attention kernels are one warp per (token, head) with an
+// online softmax (no T x T scores, no tensor cores yet). sample() runs on the GPU without a sort
+// (sample_kernels.cu: radix search on order keys, one block per row).
 #pragma once
 #include <cuda_runtime.h>
 
@@ -20,12 +24,12 @@ namespace fp8rl::cuda {
 
 class CudaBackend final : public Backend {
  public:
-  explicit CudaBackend(int device_index);
+  CudaBackend(int device_index, DType act_dtype);
   ~CudaBackend() override;
 
   DeviceKind device() const override { return DeviceKind::CUDA; }
   std::string name() const override;
-  DType act_dtype() const override { return DType::BF16; }
+  DType act_dtype() const override { return act_dtype_; }
 
   Tensor alloc(const Shape& shape, DType dtype) override;
   void copy(const Tensor& src, Tensor& dst) override;
@@ -37,6 +41,7 @@ class CudaBackend final : public Backend {
   void scale(Tensor& x, float s) override;
   double sum_squares(const Tensor& x) override;
   bool all_finite(const Tensor& x) override;
+  float amax(const Tensor& x) override;
 
   void embedding(const Tensor& ids, const Tensor& table, Tensor& out) override;
   void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable) override;
@@ -90,8 +95,11 @@ class CudaBackend final : public Backend {
           float beta);
   void linear_fwd(const Tensor& x2, const LinearWeight& W, const LinearSpec& spec, Tensor& out2);
   void check_dev(const Tensor& t, const char* what) const;
+  // Whether an FP8 block GEMM [M, N, K] takes cuBLASLt's FP8 kernels (else: dequantize + FP32 GEMM).
+  bool fp8_tensor_cores(int64_t M, int64_t N, int64_t K) const;
 
   int device_ = 0;
+  DType act_dtype_ = DType::BF16;
   cudaStream_t stream_ = nullptr;
   std::unique_ptr<GemmEngine> gemm_;
   int* flag_dev_ = nullptr;

@@ -72,6 +72,13 @@ __global__ void sum_squares_kernel(const void* x, int t, int64_t n, double* out)
   acc = warp_sum_d(acc);
   if ((threadIdx.x & 31) == 0) atomicAdd(out, acc);
 }
+// max |x| as the bits of a non-negative float (they order like the values; NaN bits exceed +inf's).
+__global__ void amax_kernel(const void* x, int t, int64_t n, uint32_t* out) {
+  uint32_t m = 0;
+  GRID_STRIDE(i, n) m = max(m, __float_as_uint(load_any(x, t, i)) & 0x7fffffffu);
+  for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
+  if ((threadIdx.x & 31) == 0) atomicMax(out, m);
+}
 __global__ void nonfinite_kernel(const void* x, int t, int64_t n, int* flag) {
   bool bad = false;
   GRID_STRIDE(i, n) bad |= !isfinite(load_any(x, t, i));
@@ -136,6 +143,12 @@ void launch_sum_squares(const void* x, DType dtype, int64_t n, double* out, cuda
   if (n == 0) return;
   sum_squares_kernel<<<grid_for(n, 256, 4096), 256, 0, stream>>>(x, code(dtype), n, out);
   CUDA_CHECK_LAUNCH("sum_squares_kernel");
+}
+
+void launch_amax(const void* x, DType dtype, int64_t n, uint32_t* out, cudaStream_t stream) {
+  if (n == 0) return;
+  amax_kernel<<<grid_for(n, 256, 4096), 256, 0, stream>>>(x, code(dtype), n, out);
+  CUDA_CHECK_LAUNCH("amax_kernel");
 }
 
 void launch_flag_nonfinite(const void* x, DType dtype, int64_t n, int* flag, cudaStream_t stream) {

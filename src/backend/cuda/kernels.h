@@ -27,6 +27,8 @@ void launch_add(const void* a, DType adt, const void* b, DType bdt, void* out, D
                 cudaStream_t stream);
 void launch_scale(void* x, DType dtype, int64_t n, float s, cudaStream_t stream);
 void launch_sum_squares(const void* x, DType dtype, int64_t n, double* out, cudaStream_t stream);  // out zeroed by caller
+// *out = max over i of the bits of |x[i]| (out zeroed by the caller): a float, NaN if any x is.
+void launch_amax(const void* x, DType dtype, int64_t n, uint32_t* out, cudaStream_t stream);
 void launch_flag_nonfinite(const void* x, DType dtype, int64_t n, int* flag, cudaStream_t stream);
 // out[r, c] += bias[c] ; out [rows, cols].
 void launch_add_bias(void* out, DType odt, const void* bias, DType bdt, int64_t rows, int64_t cols, cudaStream_t stream);
@@ -71,6 +73,13 @@ void launch_attention_paged(const void* q, DType qdt, const int32_t* token_seq, 
                             const int32_t* page_table, int max_pages, int64_t T, int Hq, int Hkv, int hd,
                             int page_size, const void* kpool, const void* vpool, DType pool_dt, const float* k_scale,
                             const float* v_scale, float scale, bool fp8_q, void* out, cudaStream_t stream);
+
+// ---- sampling (sample_kernels.cu) ----
+// One token per row of logits [B, V] (F32), backend.h's semantics; per-row parameters on the
+// device; keys/weights are scratch [B, V]. *bad_flag = 1 when a row holds NaN / +inf or only -inf.
+void launch_sample(const float* logits, int64_t B, int64_t V, const float* temperature, const float* top_p,
+                   const int32_t* top_k, const float* uniforms, uint32_t* keys, float* weights, int32_t* tokens,
+                   float* logp, int* bad_flag, cudaStream_t stream);
 
 // ---- fused log-probabilities (logprob_kernels.cu) ----
 // Online log-sum-exp over one vocabulary chunk of raw logits [T, Vc] (F32) starting at v0;

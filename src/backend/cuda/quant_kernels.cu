@@ -4,6 +4,9 @@
 //   q = __nv_cvt_float_to_fp8(x / s, __NV_SATFINITE, __NV_E4M3)  (RNE, saturate to +-448).
 // Non-finite input raises a device flag that the host checks after the launch (an error,
 // never quantized). Also here: dequantization and the cuBLASLt scale-layout kernels.
+// Two families: element-wise kernels (any shape) and vectorized ones (16-byte loads, 8- or
+// 16-byte stores, warp-shuffle / register-tile amax) for rows of whole 16-byte chunks; the
+// parity tests run both (odd widths take the first) against quant/quant.cpp.
 #include <cuda_fp8.h>
 
 #include "backend/cuda/common.cuh"
@@ -137,6 +140,166 @@ __global__ void quant_tile_kernel(const T* __restrict__ x, int64_t R, int64_t C,
   }
 }
 
+// ---- vectorized paths (16-byte loads; taken when x's last dim is a multiple of 8 and the
+// pointers are 16-byte aligned). Same arithmetic as above, element for element: bit-exact.
+
+// 8 consecutive elements as floats: one 16-byte load (BF16) or two (F32).
+__device__ __forceinline__ void load8(const bf16* p, float v[8]) {
+  const uint4 u = *reinterpret_cast<const uint4*>(p);
+  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    v[2 * i] = __uint_as_float(w[i] << 16);
+    v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+  }
+}
+__device__ __forceinline__ void load8(const float* p, float v[8]) {
+  const float4 a = *reinterpret_cast<const float4*>(p), b = *reinterpret_cast<const float4*>(p + 4);
+  v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+}
+// e4m3(v[i] / s) for 8 values, packed little-endian into two words.
+__device__ __forceinline__ uint2 encode8(const float v[8], float s) {
+  uint32_t w[2] = {0, 0};
+#pragma unroll
+  for (int i = 0; i < 8; ++i) w[i / 4] |= static_cast<uint32_t>(e4m3_encode(v[i] / s)) << (8 * (i % 4));
+  return make_uint2(w[0], w[1]);
+}
+
+// 1 x 128 along the last dim: 16 threads per (row, 128-column block), 8 elements each.
+template <class T>
+__global__ void quant_rows_vec_kernel(const T* __restrict__ x, int64_t rows, int64_t cols, bool pow2,
+                                      uint8_t* __restrict__ q, float* __restrict__ scales, int* bad) {
+  const int64_t nb = (cols + 127) / 128;
+  const int64_t gid = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 4;
+  const int sub = threadIdx.x & 15;
+  const unsigned mask = 0xffffu << (threadIdx.x & 16);  // this thread's half-warp
+  if (gid >= rows * nb) return;  // whole half-warps leave together (blockDim is a multiple of 16)
+  const int64_t r = gid / nb, b = gid % nb, c = b * 128 + sub * 8;
+  const bool in = c < cols;
+  float v[8];
+  float amax = 0.0f;
+  bool finite = true;
+  if (in) {
+    load8(x + r * cols + c, v);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      finite &= isfinite(v[i]);
+      amax = fmaxf(amax, fabsf(v[i]));
+    }
+  }
+  if (!finite) atomicExch(bad, 1);
+#pragma unroll
+  for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(mask, amax, o));
+  const float s = quant_scale(amax, pow2);
+  if (sub == 0) scales[r * nb + b] = s;
+  if (in) *reinterpret_cast<uint2*>(q + r * cols + c) = encode8(v, s);
+}
+
+// 128 x 128 blocks, no transpose: one 256-thread block per tile, the tile held in registers
+// (8 chunks of 8 per thread), one block-wide amax, then 8-byte stores.
+template <class T>
+__global__ void quant_blk_vec_kernel(const T* __restrict__ x, int64_t R, int64_t C, bool pow2,
+                                     uint8_t* __restrict__ q, float* __restrict__ scales, int* bad) {
+  __shared__ float red[32];
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * 128, c0 = static_cast<int64_t>(blockIdx.x) * 128;
+  float v[8][8];
+  float amax = 0.0f;
+  bool finite = true;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const int k = threadIdx.x + 256 * j;  // chunk k: tile row k / 16, columns (k % 16) * 8 ..
+    const int64_t r = r0 + k / 16, c = c0 + (k % 16) * 8;
+    if (r < R && c < C) {
+      load8(x + r * C + c, v[j]);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        finite &= isfinite(v[j][i]);
+        amax = fmaxf(amax, fabsf(v[j][i]));
+      }
+    }
+  }
+  if (!finite) atomicExch(bad, 1);
+  amax = block_max(amax, red);
+  const float s = quant_scale(amax, pow2);
+  if (threadIdx.x == 0) scales[static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x] = s;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const int k = threadIdx.x + 256 * j;
+    const int64_t r = r0 + k / 16, c = c0 + (k % 16) * 8;
+    if (r < R && c < C) *reinterpret_cast<uint2*>(q + r * C + c) = encode8(v[j], s);
+  }
+}
+
+// Transposed (L = x^T, x [C, R]), 1 x 128 or 128 x 128 blocks: a 128 x 128 tile of x staged in
+// shared memory as F32 (row stride 132: float4-aligned rows, conflict-free column reads), then
+// each thread encodes 16 consecutive elements of one L row and stores them as 16 bytes.
+constexpr int kVecTileLd = 132;
+template <class T>
+__global__ void quant_tile_t_vec_kernel(const T* __restrict__ x, int64_t R, int64_t C, int block_rows, bool pow2,
+                                        uint8_t* __restrict__ q, float* __restrict__ scales, int* bad) {
+  extern __shared__ float tile_t[];  // [128 (c)][kVecTileLd (r)]
+  __shared__ float red[32];
+  __shared__ float part[2][128];
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * 128, c0 = static_cast<int64_t>(blockIdx.x) * 128;
+  const int t = threadIdx.x;
+  float amax = 0.0f;
+  bool finite = true;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const int k = t + 256 * j;  // chunk k: tile row (x row) k / 16, x columns (k % 16) * 8 ..
+    const int a = k / 16, b = (k % 16) * 8;
+    const int64_t c = c0 + a, r = r0 + b;
+    float v[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    if (c < C && r < R) {
+      load8(x + c * R + r, v);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        finite &= isfinite(v[i]);
+        amax = fmaxf(amax, fabsf(v[i]));
+      }
+    }
+    float4* dst = reinterpret_cast<float4*>(tile_t + a * kVecTileLd + b);
+    dst[0] = make_float4(v[0], v[1], v[2], v[3]);
+    dst[1] = make_float4(v[4], v[5], v[6], v[7]);
+  }
+  if (!finite) atomicExch(bad, 1);
+  // Thread t encodes L row rr = t % 128, chunks of 16 columns ch = t / 128 + 2 j (j < 4).
+  const int rr = t % 128, half = t / 128;
+  const int64_t ncb = (C + 127) / 128;
+  float s;
+  if (block_rows == 1) {
+    __syncthreads();
+    float m = 0.0f;
+    for (int a = half * 64; a < half * 64 + 64; ++a) m = fmaxf(m, fabsf(tile_t[a * kVecTileLd + rr]));
+    part[half][rr] = m;
+    __syncthreads();
+    s = quant_scale(fmaxf(part[0][rr], part[1][rr]), pow2);
+    if (half == 0 && r0 + rr < R) scales[(r0 + rr) * ncb + blockIdx.x] = s;
+  } else {
+    amax = block_max(amax, red);  // synchronizes: the tile is complete
+    s = quant_scale(amax, pow2);
+    if (t == 0) scales[static_cast<int64_t>(blockIdx.y) * ncb + blockIdx.x] = s;
+  }
+  const int64_t r = r0 + rr;
+  if (r >= R) return;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int ch = half + 2 * j;
+    const int64_t c = c0 + ch * 16;
+    if (c >= C) break;
+    float v[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) v[i] = tile_t[(ch * 16 + i) * kVecTileLd + rr];
+    uint8_t* dst = q + r * C + c;
+    if (c + 16 <= C && (reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
+      const uint2 lo = encode8(v, s), hi = encode8(v + 8, s);
+      *reinterpret_cast<uint4*>(dst) = make_uint4(lo.x, lo.y, hi.x, hi.y);
+    } else {
+      for (int i = 0; i < 16 && c + i < C; ++i) dst[i] = e4m3_encode(v[i] / s);
+    }
+  }
+}
+
 void launch_quantize(const void* x, DType x_dtype, int64_t x_rows, int64_t x_cols, bool transpose,
                      int block_rows, int block_cols, bool pow2, uint8_t* q, float* scales, int* bad_flag,
                      cudaStream_t stream) {
@@ -144,9 +307,35 @@ void launch_quantize(const void* x, DType x_dtype, int64_t x_rows, int64_t x_col
               "the CUDA quantizer supports 1x128 and 128x128 blocks, got ", block_rows, "x", block_cols);
   if (x_rows == 0 || x_cols == 0) return;
   const int64_t R = transpose ? x_cols : x_rows, C = transpose ? x_rows : x_cols;
+  // The vectorized kernels need x's rows to be whole 16-byte chunks (last dim % 8) and aligned
+  // pointers; anything else takes the element-wise kernels (same results).
+  const bool vec = x_cols % 8 == 0 && (reinterpret_cast<uintptr_t>(x) & 15) == 0 &&
+                   (reinterpret_cast<uintptr_t>(q) & 15) == 0;
   FP8RL_DISPATCH_FLOAT(x_dtype, "quantize", {
     const T* xp = static_cast<const T*>(x);
-    if (!transpose && block_rows == 1) {
+    if (vec && !transpose && block_rows == 1) {
+      const int64_t threads_total = R * ceil_div(C, 128) * 16;
+      quant_rows_vec_kernel<T><<<static_cast<unsigned>(ceil_div(threads_total, 256)), 256, 0, stream>>>(
+          xp, R, C, pow2, q, scales, bad_flag);
+      CUDA_CHECK_LAUNCH("quant_rows_vec_kernel");
+    } else if (vec && !transpose) {
+      dim3 grid(static_cast<unsigned>(ceil_div(C, kTile)), static_cast<unsigned>(ceil_div(R, kTile)));
+      quant_blk_vec_kernel<T><<<grid, 256, 0, stream>>>(xp, R, C, pow2, q, scales, bad_flag);
+      CUDA_CHECK_LAUNCH("quant_blk_vec_kernel");
+    } else if (vec) {
+      const size_t smem = kTile * kVecTileLd * sizeof(float);
+      static bool attr_set_t = false;  // one device per process in this pass
+      if (!attr_set_t) {
+        CUDA_CHECK(cudaFuncSetAttribute(quant_tile_t_vec_kernel<float>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(smem)), "raising the quantizer's shared memory limit");
+        CUDA_CHECK(cudaFuncSetAttribute(quant_tile_t_vec_kernel<bf16>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(smem)), "raising the quantizer's shared memory limit");
+        attr_set_t = true;
+      }
+      dim3 grid(static_cast<unsigned>(ceil_div(C, kTile)), static_cast<unsigned>(ceil_div(R, kTile)));
+      quant_tile_t_vec_kernel<T><<<grid, 256, smem, stream>>>(xp, R, C, block_rows, pow2, q, scales, bad_flag);
+      CUDA_CHECK_LAUNCH("quant_tile_t_vec_kernel");
+    } else if (!transpose && block_rows == 1) {
       const int64_t warps = R * ceil_div(C, 128);
       const int threads = 256;
       quant_rows_1x128_kernel<T><<<static_cast<unsigned>(ceil_div(warps * 32, threads)), threads, 0, stream>>>(

@@ -1,0 +1,292 @@
+// Token sampling on the GPU, the semantics of backend.h / cpu_sample.cpp: per row b, z = logits
+// / temperature, tokens ordered by z descending (ties: lower id first), top-k, then the smallest
+// top-p prefix of the renormalized top-k mass, then an inverse-CDF draw with the given uniform.
+//
+// One block per row, no sort. Each token gets an order key (the float bits of z mapped to an
+// unsigned integer that orders like z) and a weight e = exp(z - zmax) (scratch [B, V] each).
+// "The first token in the order at which the cumulative weight passes Y" is found by a bitwise
+// radix search on the key: the largest key v with sum_{key >= v} weight > Y (or >= Y), 32 block
+// reductions; then the tokens of key v (equal z, equal weight) are split arithmetically and the
+// i-th of them by id is found with a block scan. Sums are FP64, weights FP32: results equal
+// the CPU's (FP64 throughout) unless a uniform lands within rounding of a boundary between two
+// tokens (logits that are well separated never do).
+#include <cstdint>
+
+#include "backend/cuda/common.cuh"
+#include "backend/cuda/cuda_check.h"
+#include "backend/cuda/kernels.h"
+
+namespace fp8rl::cuda {
+
+namespace {
+
+constexpr int kSampleThreads = 1024;
+
+__device__ __forceinline__ int64_t clamp64(int64_t v, int64_t lo, int64_t hi) { return v < lo ? lo : (v > hi ? hi : v); }
+
+__device__ __forceinline__ uint32_t order_key(float z) {
+  const uint32_t u = __float_as_uint(z);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+struct SampleShared {
+  double red[32];
+  float redf[32];
+  int redi[32];
+  int64_t counts[kSampleThreads];
+  int64_t found;
+};
+
+__device__ double block_sum_d(double v, SampleShared& sh) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  v = warp_sum_d(v);
+  __syncthreads();
+  if (lane == 0) sh.red[warp] = v;
+  __syncthreads();
+  v = lane < nw ? sh.red[lane] : 0.0;
+  return warp_sum_d(v);
+}
+
+// Largest key v such that W(v) = sum over tokens with key >= v of (count ? 1 : weight)
+// satisfies W(v) > Y (strict) or W(v) >= Y. Returns false when even v = 0 fails.
+template <bool kCount>
+__device__ bool search_key(const uint32_t* key, const float* w, int64_t V, double Y, bool strict, SampleShared& sh,
+                           uint32_t& out) {
+  uint32_t v = 0;
+  double all = 0.0;
+  for (int64_t j = threadIdx.x; j < V; j += blockDim.x) all += kCount ? 1.0 : static_cast<double>(w[j]);
+  all = block_sum_d(all, sh);
+  if (!(strict ? all > Y : all >= Y)) return false;
+  for (int bit = 31; bit >= 0; --bit) {
+    const uint32_t cand = v | (1u << bit);
+    double acc = 0.0;
+    for (int64_t j = threadIdx.x; j < V; j += blockDim.x)
+      if (key[j] >= cand) acc += kCount ? 1.0 : static_cast<double>(w[j]);
+    acc = block_sum_d(acc, sh);
+    if (strict ? acc > Y : acc >= Y) v = cand;
+  }
+  out = v;
+  return true;
+}
+
+struct KeyStats {
+  double above_w;     // weight of tokens with key > v
+  int64_t above_n;    // their count
+  int64_t tie_n;      // tokens with key == v
+  double tie_w;       // the weight of one of them (all equal: equal z)
+};
+
+__device__ KeyStats key_stats(const uint32_t* key, const float* w, int64_t V, uint32_t v, SampleShared& sh) {
+  double aw = 0.0, an = 0.0, tn = 0.0, tw = 0.0;
+  for (int64_t j = threadIdx.x; j < V; j += blockDim.x) {
+    if (key[j] > v) {
+      aw += w[j];
+      an += 1.0;
+    } else if (key[j] == v) {
+      tn += 1.0;
+      tw = fmax(tw, static_cast<double>(w[j]));
+    }
+  }
+  KeyStats s;
+  s.above_w = block_sum_d(aw, sh);
+  s.above_n = static_cast<int64_t>(block_sum_d(an, sh));
+  s.tie_n = static_cast<int64_t>(block_sum_d(tn, sh));
+  // The largest tie weight (they are all equal; max is robust to lanes without ties).
+  for (int o = 16; o > 0; o >>= 1) tw = fmax(tw, __shfl_xor_sync(0xffffffffu, tw, o));
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) sh.red[threadIdx.x >> 5] = tw;
+  __syncthreads();
+  double m = 0.0;
+  for (int i = 0; i < static_cast<int>(blockDim.x >> 5); ++i) m = fmax(m, sh.red[i]);
+  s.tie_w = m;
+  return s;
+}
+
+// The id of the i-th token (0-based, by id) whose key is v.
+__device__ int64_t nth_with_key(const uint32_t* key, int64_t V, uint32_t v, int64_t i, SampleShared& sh) {
+  const int64_t chunk = (V + blockDim.x - 1) / blockDim.x;
+  const int64_t b = threadIdx.x * chunk, e = clamp64(b + chunk, 0, V);
+  int64_t n = 0;
+  for (int64_t j = b; j < e; ++j) n += key[j] == v;
+  __syncthreads();
+  sh.counts[threadIdx.x] = n;
+  if (threadIdx.x == 0) sh.found = -1;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int64_t acc = 0;
+    for (int t = 0; t < static_cast<int>(blockDim.x); ++t) {
+      const int64_t c = sh.counts[t];
+      sh.counts[t] = acc;
+      acc += c;
+    }
+  }
+  __syncthreads();
+  const int64_t start = sh.counts[threadIdx.x];
+  if (i >= start && i < start + n) {
+    int64_t k = start;
+    for (int64_t j = b; j < e; ++j)
+      if (key[j] == v) {
+        if (k == i) {
+          sh.found = j;
+          break;
+        }
+        ++k;
+      }
+  }
+  __syncthreads();
+  return sh.found;
+}
+
+// The token at position pos (0-based) of the order.
+__device__ int64_t token_at(const uint32_t* key, const float* w, int64_t V, int64_t pos, SampleShared& sh) {
+  uint32_t v = 0;
+  search_key<true>(key, w, V, static_cast<double>(pos + 1), false, sh, v);
+  const KeyStats st = key_stats(key, w, V, v, sh);
+  int64_t i = pos - st.above_n;
+  i = clamp64(i, 0, st.tie_n - 1);
+  return nth_with_key(key, V, v, i, sh);
+}
+
+// The first position whose cumulative weight passes Y (> when strict, else >=), as (position,
+// token, cumulative weight through it); false if no position does (rounding at the very end).
+struct Crossing {
+  int64_t pos, token;
+  double cum;
+};
+__device__ bool first_crossing(const uint32_t* key, const float* w, int64_t V, double Y, bool strict, SampleShared& sh,
+                               Crossing& out) {
+  uint32_t v = 0;
+  if (!search_key<false>(key, w, V, Y, strict, sh, v)) return false;
+  const KeyStats st = key_stats(key, w, V, v, sh);
+  if (st.tie_n == 0 || st.tie_w <= 0.0) return false;
+  const double need = (Y - st.above_w) / st.tie_w;
+  int64_t i = strict ? static_cast<int64_t>(floor(need)) : static_cast<int64_t>(ceil(need)) - 1;
+  i = clamp64(i, 0, st.tie_n - 1);
+  out.pos = st.above_n + i;
+  out.cum = st.above_w + static_cast<double>(i + 1) * st.tie_w;
+  out.token = nth_with_key(key, V, v, i, sh);
+  return true;
+}
+
+__global__ void __launch_bounds__(kSampleThreads)
+    sample_kernel(const float* __restrict__ logits, int64_t V, const float* __restrict__ temperature,
+                  const float* __restrict__ top_p, const int32_t* __restrict__ top_k,
+                  const float* __restrict__ uniforms, uint32_t* __restrict__ keys, float* __restrict__ weights,
+                  int32_t* __restrict__ tokens, float* __restrict__ logp, int* bad) {
+  __shared__ SampleShared sh;
+  const int64_t b = blockIdx.x;
+  const float* row = logits + b * V;
+  uint32_t* key = keys + b * V;
+  float* w = weights + b * V;
+  const float tau = temperature[b];
+
+  // Max logit (lowest id on ties), and the NaN / +inf check.
+  float mx = -INFINITY;
+  int64_t arg = V;
+  bool invalid = false;
+  for (int64_t j = threadIdx.x; j < V; j += blockDim.x) {
+    const float l = row[j];
+    invalid |= isnan(l) || l == INFINITY;
+    if (l > mx) mx = l, arg = j;  // j increases: the first max of this thread is its lowest id
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    const float om = __shfl_xor_sync(0xffffffffu, mx, o);
+    const int64_t oa = __shfl_xor_sync(0xffffffffu, arg, o);
+    if (om > mx || (om == mx && oa < arg)) mx = om, arg = oa;
+  }
+  const int warp_bad = __any_sync(0xffffffffu, invalid);
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) {
+    sh.redf[threadIdx.x >> 5] = mx;
+    sh.counts[threadIdx.x >> 5] = arg;
+    sh.redi[threadIdx.x >> 5] = warp_bad;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float m = -INFINITY;
+    int64_t a = V;
+    int any_bad = 0;
+    for (int i = 0; i < static_cast<int>(blockDim.x >> 5); ++i) {
+      if (sh.redf[i] > m || (sh.redf[i] == m && sh.counts[i] < a)) m = sh.redf[i], a = sh.counts[i];
+      any_bad |= sh.redi[i];
+    }
+    sh.redf[0] = m;
+    sh.found = a;
+    sh.redi[0] = any_bad;
+  }
+  __syncthreads();
+  mx = sh.redf[0];
+  arg = sh.found;
+  if (sh.redi[0] || mx == -INFINITY) {
+    if (threadIdx.x == 0) {
+      atomicExch(bad, 1);
+      tokens[b] = 0;
+      logp[b] = NAN;
+    }
+    return;
+  }
+  if (tau == 0.0f) {  // greedy
+    if (threadIdx.x == 0) {
+      tokens[b] = static_cast<int32_t>(arg);
+      logp[b] = 0.0f;
+    }
+    return;
+  }
+
+  // Keys and weights; lse in FP64 (the CPU's z is FP64: logit / tau, exp(z - zmax)).
+  const double zmax = static_cast<double>(mx) / tau;
+  double se = 0.0;
+  for (int64_t j = threadIdx.x; j < V; j += blockDim.x) {
+    const float z = row[j] / tau;
+    key[j] = order_key(z);
+    const double e = exp(static_cast<double>(row[j]) / tau - zmax);
+    w[j] = static_cast<float>(e);
+    se += e;
+  }
+  se = block_sum_d(se, sh);  // synchronizes: keys and weights are visible to the block
+  const double lse = zmax + log(se);
+
+  // top-k: the kept mass is the cumulative weight through position keep - 1.
+  int64_t keep = top_k[b] > 0 ? clamp64(top_k[b], 1, V) : V;
+  double kept = se;
+  if (keep < V) {
+    uint32_t v = 0;
+    search_key<true>(key, w, V, static_cast<double>(keep), false, sh, v);
+    const KeyStats st = key_stats(key, w, V, v, sh);
+    kept = st.above_w + static_cast<double>(keep - st.above_n) * st.tie_w;
+  }
+  // top-p: the smallest prefix (within the top-k) whose weight reaches top_p * kept.
+  if (top_p[b] < 1.0f) {
+    Crossing c;
+    if (first_crossing(key, w, V, static_cast<double>(top_p[b]) * kept, false, sh, c) && c.pos + 1 < keep) {
+      keep = c.pos + 1;
+      kept = c.cum;
+    }
+  }
+  // The draw: the first kept token whose cumulative weight exceeds u * kept; else the last kept.
+  Crossing c;
+  int64_t tok;
+  if (first_crossing(key, w, V, static_cast<double>(uniforms[b]) * kept, true, sh, c) && c.pos < keep) {
+    tok = c.token;
+  } else {
+    tok = token_at(key, w, V, keep - 1, sh);
+  }
+  if (threadIdx.x == 0) {
+    tokens[b] = static_cast<int32_t>(tok);
+    logp[b] = static_cast<float>(static_cast<double>(row[tok]) / tau - lse);
+  }
+}
+
+}  // namespace
+
+void launch_sample(const float* logits, int64_t B, int64_t V, const float* temperature, const float* top_p,
+                   const int32_t* top_k, const float* uniforms, uint32_t* keys, float* weights, int32_t* tokens,
+                   float* logp, int* bad_flag, cudaStream_t stream) {
+  if (B == 0) return;
+  sample_kernel<<<static_cast<unsigned>(B), kSampleThreads, 0, stream>>>(logits, V, temperature, top_p, top_k,
+                                                                         uniforms, keys, weights, tokens, logp,
+                                                                         bad_flag);
+  CUDA_CHECK_LAUNCH("sample_kernel");
+}
+
+}  // namespace fp8rl::cuda
