@@ -9,14 +9,8 @@
 # If the native configure fails (a dependency missing on that machine), binaries prebuilt on
 # the development machine in ./prebuilt (with their shared libraries in ./prebuilt/lib) are used:
 # seen 2026-11 on the H200 image, which lacks libpcre2-8. Make them here with
-#   cmake -S . -B build -G Ninja && ninja -C build -j2 fp8rl fp8rl_gpu_tests fp8rl_tests
-#   mkdir -p prebuilt/lib && cp build/fp8rl build/fp8rl_gpu_tests build/fp8rl_tests prebuilt/
-#   for l in libpcre2-8.so.0 libyaml-cpp.so.0.7 libutf8proc.so.2; do cp -L /lib/x86_64-linux-gnu/$l prebuilt/lib/; done
-# (the rest they link, libcudart/libcublasLt 13, libstdc++, libc, is on the GPU machine). From a
-# worktree: copy it without build*/.git into <lead checkout>/.cudawt2 (git-ignored there), carry
-# .cudawt2 and run `cd .cudawt2 && FP8RL_BENCH_GEMM=0 bash scripts/gpu_run.sh`.
-# On the prebuilt path the CPU tests that read shared data or compiled-in source paths fail
-# there (seen 2026-11-29: 17 of 141, tokenizer / config / CLI tests); CI is their home.
+# scripts/make_prebuilt.sh, then run with carry ["prebuilt", ".shared_copy"]; the compiled-in
+# source paths of the tests are linked to this checkout below.
 set -u
 OUT_TOP="${1:-${OUT:-$PWD/gpu_out}}"
 # Logs go to $OUT_TOP/logs and are packed into $OUT_TOP/logs.tgz at the end (the device tool
@@ -52,7 +46,17 @@ fi
 if [ -z "$BIN" ] && [ -x prebuilt/fp8rl_gpu_tests ]; then
   BIN="$ROOT/prebuilt"
   export LD_LIBRARY_PATH="$ROOT/prebuilt/lib:${LD_LIBRARY_PATH:-}"
-  note "using prebuilt binaries from the development machine"
+  note "using prebuilt binaries from the development machine (scripts/make_prebuilt.sh)"
+  # The tests carry the development checkout's paths: make them resolve to this checkout.
+  if [ -f prebuilt/SOURCE_DIR ]; then
+    src="$(cat prebuilt/SOURCE_DIR)"
+    if [ ! -e "$src" ]; then
+      mkdir -p "$(dirname "$src")" && ln -s "$ROOT" "$src"
+      [ -d "$ROOT/.shared_copy" ] && [ ! -e "$(dirname "$src")/shared/data" ] &&
+        mkdir -p "$(dirname "$src")/shared" && ln -s "$ROOT/.shared_copy" "$(dirname "$src")/shared/data"
+    fi
+    [ -e "$ROOT/build/fp8rl" ] || { mkdir -p "$ROOT/build" && ln -sf "$ROOT/prebuilt/fp8rl" "$ROOT/build/fp8rl"; }
+  fi
 fi
 [ -z "$BIN" ] && { note "no binaries: stopping"; cat "$SUMMARY"; exit 1; }
 
