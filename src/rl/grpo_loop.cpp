@@ -36,16 +36,6 @@ uint64_t mix(uint64_t a, uint64_t b) {
   return x ^ (x >> 31);
 }
 
-TrainerOptions trainer_options(const RunConfig& c) {
-  TrainerOptions o;
-  o.grad_clip = static_cast<float>(c.train.grad_clip);
-  o.weight_decay = static_cast<float>(c.train.weight_decay);
-  o.beta1 = static_cast<float>(c.train.adam_beta1);
-  o.beta2 = static_cast<float>(c.train.adam_beta2);
-  o.eps = static_cast<float>(c.train.adam_eps);
-  o.micro_batch_tokens = c.train.micro_batch_tokens;
-  return o;
-}
 
 // KV pool pages for `seqs` concurrent sequences of up to `len` tokens.
 int kv_pages_for(int seqs, int len, int page_size) { return seqs * ((len + page_size - 1) / page_size) + 1; }
@@ -229,9 +219,7 @@ int grpo_run(const RunConfig& config_in, bool resume) {
     m.reward_mean = metrics_mean(rewards);
     m.accuracy = metrics_accuracy(correct);
     LengthStats ls = metrics_length_stats(lengths, c.rollout.max_new_tokens);
-    m.response_length_mean = ls.mean;
-    m.response_length_max = static_cast<double>(ls.max);
-    m.response_capped_fraction = ls.capped_fraction;
+    step_metrics_set_lengths(m, ls);
 
     // 3. Trainer scoring: logp_old (+ q/k/v amax for the KV scales).
     t0 = Clock::now();
@@ -240,9 +228,7 @@ int grpo_run(const RunConfig& config_in, bool resume) {
     if (reference) logp_ref = reference->score(seqs, temperature, false, false).logp;
     m.time_logprob_s = seconds_since(t0);
     MismatchMetrics mm = metrics_compute_mismatch(old.logp, logp_gen);
-    m.token_mult_prob_error = mm.token_mult_prob_error;
-    m.gen_kl_error = mm.gen_kl_error;
-    m.policy_kl_error = mm.policy_kl_error;
+    step_metrics_set_mismatch(m, mm);
     m.entropy_mean = metrics_masked_mean(old.entropy);
 
     // 4. Optimizer steps over mini-batches of whole sequences.
@@ -289,13 +275,7 @@ int grpo_run(const RunConfig& config_in, bool resume) {
     m.time_train_s = seconds_since(t0);
     m.loss = loss;
     m.grad_norm = gnorm;
-    m.clip_fraction = stats.clip_fraction();
-    m.is_weight_mean = stats.is_weight_mean();
-    m.is_weight_min = stats.is_tokens ? stats.is_weight_min : StepMetrics::kNone;
-    m.is_weight_max = stats.is_tokens ? stats.is_weight_max : StepMetrics::kNone;
-    m.is_truncated_fraction = stats.truncated_fraction();
-    m.is_masked_fraction = stats.masked_fraction();
-    m.kl_mean = stats.kl_mean();
+    step_metrics_set_loss_stats(m, stats);
     m.extra.push_back({"skipped_optimizer_steps", static_cast<double>(mini_batches - applied)});
 
     // 5. KV-scale calibration and refit.

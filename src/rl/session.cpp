@@ -145,6 +145,17 @@ ValResult validate(const Session& s, RolloutEngine& engine, int n, int max_new_t
 
 namespace fp8rl {
 
+TrainerOptions trainer_options(const RunConfig& c) {
+  TrainerOptions o;
+  o.grad_clip = static_cast<float>(c.train.grad_clip);
+  o.weight_decay = static_cast<float>(c.train.weight_decay);
+  o.beta1 = static_cast<float>(c.train.adam_beta1);
+  o.beta2 = static_cast<float>(c.train.adam_beta2);
+  o.eps = static_cast<float>(c.train.adam_eps);
+  o.micro_batch_tokens = c.train.micro_batch_tokens;
+  return o;
+}
+
 std::unique_ptr<Task> task_create(const TaskSection& t, uint64_t seed) {
   if (t.name == "arithmetic") {
     ArithmeticConfig a;

@@ -10,6 +10,7 @@
 #include "rl/config.h"
 #include "tasks/task.h"
 #include "tokenizer/tokenizer.h"
+#include "train/trainer.h"
 
 namespace fp8rl {
 
@@ -34,6 +35,9 @@ Session session_open(const RunConfig& config, const std::string& cache_dir);
 
 // The starting policy on the host (F32): model.path, or a tiny random model (seeded).
 ModelWeights session_initial_policy(const Session& s);
+
+// The trainer's optimizer settings from train.* (SFT and GRPO share them; SFT swaps the lr).
+TrainerOptions trainer_options(const RunConfig& config);
 
 // Task from its config section (tasks/task.h); `seed` seeds procedural tasks and shuffles.
 std::unique_ptr<Task> task_create(const TaskSection& section, uint64_t seed);

@@ -25,14 +25,7 @@ std::string sft_run(const RunConfig& c) {
   std::printf("sft: %s, %lld parameters, trainer %s, %d steps x %d sequences\n", host.config.model_type.c_str(),
               static_cast<long long>(model_count_parameters(host)), linear_mode_name(recipe.trainer.linear),
               c.sft.steps, c.sft.batch_size);
-  TrainerOptions to;
-  to.grad_clip = static_cast<float>(c.train.grad_clip);
-  to.weight_decay = static_cast<float>(c.train.weight_decay);
-  to.beta1 = static_cast<float>(c.train.adam_beta1);
-  to.beta2 = static_cast<float>(c.train.adam_beta2);
-  to.eps = static_cast<float>(c.train.adam_eps);
-  to.micro_batch_tokens = c.train.micro_batch_tokens;
-  Trainer trainer(be, model_weights_to_device(be, host, DType::F32), recipe.trainer, to);
+  Trainer trainer(be, model_weights_to_device(be, host, DType::F32), recipe.trainer, trainer_options(c));
   TrainSection ts = c.train;
   ts.lr = c.sft.lr;
   const LrSchedule sched = config_lr_schedule(ts, c.sft.steps);
