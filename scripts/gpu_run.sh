@@ -112,7 +112,7 @@ grep -E "FAIL" "$OUT/logprobs_cli.log" | head -5 >> "$SUMMARY"
 # generation phase to a 2040-token prefill + 8 decode steps.
 SHAPE1B="--hidden 2048 --layers 16 --heads 32 --kv-heads 8 --head-dim 64 --ffn 8192 --vocab 128256 --seqs 8 --seq-len 2048 --prompt-len 2040 --repeats 3"
 for prec in bf16 fp8; do
-  if [ "$(left)" -gt 100 ]; then
+  if [ "${FP8RL_BENCH_TRAIN:-1}" = 1 ] && [ "$(left)" -gt 100 ]; then
     timeout $(( $(left) - 60 > 150 ? 150 : $(left) - 60 )) "$BIN/fp8rl" bench-train-step --device cuda --precision $prec $SHAPE1B \
       --json "$OUT/bench_train_$prec.json" > "$OUT/bench_train_$prec.log" 2>&1
     note "bench-train-step $prec: rc=$?"; grep -E "^(score|train_step|generate) " "$OUT/bench_train_$prec.log" | tee -a "$SUMMARY"
@@ -121,7 +121,7 @@ for prec in bf16 fp8; do
     note "bench-train-step $prec: skipped (time)"
   fi
   if [ "$prec" = bf16 ] && [ "$(left)" -gt 80 ]; then
-    timeout 110 env PYTHONUNBUFFERED=1 python3 scripts/bench_train_step_torch.py --json "$OUT/bench_train_torch.json" \
+    [ "${FP8RL_BENCH_TRAIN:-1}" = 1 ] && timeout 110 env PYTHONUNBUFFERED=1 python3 scripts/bench_train_step_torch.py --json "$OUT/bench_train_torch.json" \
       > "$OUT/bench_train_torch.log" 2>&1
     note "torch train step: rc=$? $(grep -E 'median' "$OUT/bench_train_torch.log")"
     tail -3 "$OUT/bench_train_torch.log" | grep -iE "error" >> "$SUMMARY"
