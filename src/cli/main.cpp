@@ -71,7 +71,7 @@ static void print_usage() {
   std::fprintf(stderr, "usage: fp8rl <command> [options]\n\ncommands:\n");
   auto cmds = fp8rl::cli::registry();
   std::sort(cmds.begin(), cmds.end(), [](auto& a, auto& b) { return a.name < b.name; });
-  for (auto& c : cmds) std::fprintf(stderr, "  %-10s %s\n", c.name.c_str(), c.help.c_str());
+  for (auto& c : cmds) std::fprintf(stderr, "  %-18s %s\n", c.name.c_str(), c.help.c_str());
   std::fprintf(stderr, "\n'fp8rl <command> --help' for a command's options.\n");
 }
 
