@@ -12,7 +12,7 @@ echo "== CPU tests"
 ctest --test-dir build -L cpu --output-on-failure -j "$jobs"
 if [ "${FP8RL_TEST_SANITIZE:-1}" != "0" ]; then
   echo "== CPU tests under ASan + UBSan"
-  FP8RL_BUILD_DIR=build-asan FP8RL_CUDA=OFF FP8RL_BUILD_TYPE=RelWithDebInfo bash scripts/build.sh -DFP8RL_SANITIZE=ON
+  FP8RL_BUILD_DIR=build-asan FP8RL_CUDA=OFF FP8RL_BUILD_TYPE=Release bash scripts/build.sh -DFP8RL_SANITIZE=ON
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
     ctest --test-dir build-asan -L cpu --output-on-failure -j "$jobs"
 fi
