@@ -49,7 +49,16 @@ std::string ensure_demo_policy(const RunConfig& c) {
     k.out.clear();
     k.steps = 0;
     k.rollout = RolloutSection{};
-    k.train.is = ImportanceSamplingSection{};
+    // GRPO-only optimizer keys (SFT uses sft.lr and the rest of train.*).
+    const TrainSection d{};
+    k.train.is = d.is;
+    k.train.lr = d.lr;
+    k.train.optimizer_steps_per_rollout = d.optimizer_steps_per_rollout;
+    k.train.ratio_clip_low = d.ratio_clip_low;
+    k.train.ratio_clip_high = d.ratio_clip_high;
+    k.train.loss_aggregation = d.loss_aggregation;
+    k.train.baseline = d.baseline;
+    k.train.kl_beta = d.kl_beta;
     k.precision = PrecisionSection{};
     k.val_every = 0;
     k.val_size = 0;
