@@ -72,12 +72,15 @@ __device__ __forceinline__ void a_from_c(uint32_t (&a)[4], const float (&x0)[4],
 // Rows row0 .. row0 + NR - 1 of a [*, stride] BF16 global array (columns 0..D-1 of each row at
 // src + row * stride) into a row-major shared tile [NR][ld]; rows >= row_end are zero. With
 // dst_t, also the transpose [D][ld_t]. 16-byte loads (the caller checks the alignment).
+// Without a transpose a warp reads whole rows (coalesced); with one, a warp takes one 8-column
+// chunk of 32 consecutive rows, so that its transposed 2-byte stores hit consecutive addresses
+// (an 8-way bank conflict otherwise).
 template <int NR, int D>
 __device__ __forceinline__ void load_tile(const bf16* src, int64_t stride, int64_t row0, int64_t row_end, bf16* dst,
                                           int ld, bf16* dst_t, int ld_t) {
   constexpr int kChunks = D / 8;
   for (int i = threadIdx.x; i < NR * kChunks; i += kThreadsF) {
-    const int r = i / kChunks, ch = i % kChunks;
+    const int r = dst_t ? i % NR : i / kChunks, ch = dst_t ? i / NR : i % kChunks;
     uint4 v = make_uint4(0u, 0u, 0u, 0u);
     if (row0 + r < row_end) v = *reinterpret_cast<const uint4*>(src + (row0 + r) * stride + ch * 8);
     if (dst) *reinterpret_cast<uint4*>(dst + r * ld + ch * 8) = v;
