@@ -528,6 +528,20 @@ void seq_bounds(const std::vector<int32_t>& cu, int64_t T, std::vector<int32_t>&
     }
   }
 }
+
+// The tensor-core flash kernels (flash_attention.cu) serve BF16 activations with head_dim 64 or
+// 128 and 16-byte aligned tensors; everything else takes the simple kernels. The environment
+// variable FP8RL_CUDA_ATTENTION=simple forces the simple kernels (=flash: the flash ones where
+// supported), a diagnostic switch read at each call.
+constexpr bool kFlashByDefault = true;
+bool use_flash_attention(DType dt, int hd, std::initializer_list<const Tensor*> ts) {
+  const char* e = std::getenv("FP8RL_CUDA_ATTENTION");
+  const bool want = e && std::string(e) == "simple" ? false : (e && std::string(e) == "flash") || kFlashByDefault;
+  if (!want || !flash_attention_supported(dt, hd)) return false;
+  for (const Tensor* t : ts)
+    if (reinterpret_cast<uintptr_t>(t->raw()) % 16 != 0) return false;
+  return true;
+}
 }  // namespace
 
 void CudaBackend::attention(const Tensor& q, const Tensor& k, const Tensor& v, const std::vector<int32_t>& cu_seqlens,
@@ -546,6 +560,15 @@ void CudaBackend::attention(const Tensor& q, const Tensor& k, const Tensor& v, c
               "attention: q, k, v, out must share a dtype");
   std::vector<int32_t> b;
   seq_bounds(cu_seqlens, T, b);
+  if (use_flash_attention(q.dtype(), hd, {&q, &k, &v, &out})) {
+    const std::vector<int32_t> tiles = flash_attention_tiles(cu_seqlens);
+    Tensor td = scratch(kSlotIdx, {static_cast<int64_t>(tiles.size()) + 1}, DType::I32);
+    CUDA_CHECK(cudaMemcpyAsync(td.raw(), tiles.data(), tiles.size() * 4, cudaMemcpyHostToDevice, stream_),
+               "uploading attention tiles");
+    launch_flash_attention(q.raw(), k.raw(), v.raw(), td.data<int32_t>(), static_cast<int>(tiles.size() / 8), T, Hq,
+                           Hkv, hd, softmax_scale, out.raw(), lse.data<float>(), stream_);
+    return;
+  }
   Tensor idx = scratch(kSlotIdx, {2 * T}, DType::I32);
   CUDA_CHECK(cudaMemcpyAsync(idx.raw(), b.data(), b.size() * 4, cudaMemcpyHostToDevice, stream_), "uploading seqlens");
   launch_attention(q.raw(), k.raw(), v.raw(), q.dtype(), idx.data<int32_t>(), T, Hq, Hkv, hd, softmax_scale, out.raw(),
@@ -566,9 +589,19 @@ void CudaBackend::attention_backward(const Tensor& dout, const Tensor& q, const 
   check_shape(lse, {Hq, T}, "attention_backward lse");
   std::vector<int32_t> b;
   seq_bounds(cu_seqlens, T, b);
+  Tensor delta = scratch(kSlotAttn, {T * Hq}, DType::F32);
+  if (use_flash_attention(q.dtype(), hd, {&dout, &q, &k, &v, &out, &dq, &dk, &dv})) {
+    const std::vector<int32_t> tiles = flash_attention_tiles(cu_seqlens);
+    Tensor td = scratch(kSlotIdx, {static_cast<int64_t>(tiles.size()) + 1}, DType::I32);
+    CUDA_CHECK(cudaMemcpyAsync(td.raw(), tiles.data(), tiles.size() * 4, cudaMemcpyHostToDevice, stream_),
+               "uploading attention tiles");
+    launch_flash_attention_backward(dout.raw(), q.raw(), k.raw(), v.raw(), out.raw(), lse.data<float>(),
+                                    td.data<int32_t>(), static_cast<int>(tiles.size() / 8), T, Hq, Hkv, hd,
+                                    softmax_scale, dq.raw(), dk.raw(), dv.raw(), delta.data<float>(), stream_);
+    return;
+  }
   Tensor idx = scratch(kSlotIdx, {2 * T}, DType::I32);
   CUDA_CHECK(cudaMemcpyAsync(idx.raw(), b.data(), b.size() * 4, cudaMemcpyHostToDevice, stream_), "uploading seqlens");
-  Tensor delta = scratch(kSlotAttn, {T * Hq}, DType::F32);
   launch_attention_backward(dout.raw(), q.raw(), k.raw(), v.raw(), out.raw(), q.dtype(), lse.data<float>(),
                             idx.data<int32_t>(), idx.data<int32_t>() + T, T, Hq, Hkv, hd, softmax_scale, dq.raw(),
                             dk.raw(), dv.raw(), delta.data<float>(), stream_);

@@ -1,0 +1,94 @@
+// Host emulation shim for the flash attention kernels (see run.sh): 128 std::threads per block,
+// barriers for __syncthreads and warp exchanges, mma.sync m16n8k16 from the PTX fragment layouts.
+#pragma once
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <thread>
+#include <vector>
+#include <algorithm>
+#define __device__
+#define __global__
+#define __forceinline__ inline
+#define __launch_bounds__(x)
+struct EmuDim3 { int x = 0, y = 0, z = 0; };
+inline thread_local EmuDim3 threadIdx, blockIdx;
+inline EmuDim3 blockDim{128, 1, 1}, gridDim;
+struct bf16 { uint16_t x; };
+struct uint4 { uint32_t x, y, z, w; };
+inline uint4 make_uint4(uint32_t a, uint32_t b, uint32_t c, uint32_t d) { return {a, b, c, d}; }
+inline float __uint_as_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline uint32_t __float_as_uint(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+inline uint16_t bf16_bits_from_float(float x) {
+  uint32_t u = __float_as_uint(x);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x0040u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+inline float bf16_bits_to_float(uint16_t h) { return __uint_as_float(static_cast<uint32_t>(h) << 16); }
+struct EmuWarp {
+  std::barrier<> bar{32};
+  float f[32];
+  uint32_t a[32][4], b[32][2];
+};
+inline thread_local EmuWarp* tw;
+inline thread_local int tlane;
+inline std::barrier<>* g_block_bar;
+inline unsigned char* g_smem;
+inline void __syncthreads() { g_block_bar->arrive_and_wait(); }
+inline float __shfl_xor_sync(unsigned, float v, int o) {
+  tw->f[tlane] = v;
+  tw->bar.arrive_and_wait();
+  float r = tw->f[tlane ^ o];
+  tw->bar.arrive_and_wait();
+  return r;
+}
+inline float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+inline float half_of(uint32_t r, int h) { return bf16_bits_to_float(static_cast<uint16_t>(h ? r >> 16 : r & 0xffff)); }
+inline void emu_mma(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  for (int i = 0; i < 4; ++i) tw->a[tlane][i] = a[i];
+  for (int i = 0; i < 2; ++i) tw->b[tlane][i] = b[i];
+  tw->bar.arrive_and_wait();
+  const int g = tlane >> 2, c = tlane & 3;
+  for (int i = 0; i < 4; ++i) {
+    const int row = g + 8 * (i >> 1), col = 2 * c + (i & 1);
+    double s = d[i];
+    for (int k = 0; k < 16; ++k) {
+      const int al = (row % 8) * 4 + (k % 8) / 2, ar = (row >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0);
+      const int bl = col * 4 + (k % 8) / 2, br = k >= 8 ? 1 : 0;
+      s += double(half_of(tw->a[al][ar], k & 1)) * half_of(tw->b[bl][br], k & 1);
+    }
+    d[i] = static_cast<float>(s);
+  }
+  tw->bar.arrive_and_wait();
+}
+// Runs body() for every block of grid (gx, gy) with 128 threads.
+inline void emu_launch(int gx, int gy, size_t smem_bytes, const std::function<void()>& body) {
+  std::vector<unsigned char> smem(smem_bytes + 16);
+  unsigned char* base = smem.data();
+  while (reinterpret_cast<uintptr_t>(base) % 16) ++base;
+  g_smem = base;
+  std::barrier<> bb(128);
+  g_block_bar = &bb;
+  std::vector<EmuWarp> warps(4);
+  std::vector<std::thread> th;
+  gridDim = {gx, gy, 1};
+  for (int t = 0; t < 128; ++t)
+    th.emplace_back([&, t] {
+      threadIdx = {t, 0, 0};
+      tw = &warps[t / 32];
+      tlane = t % 32;
+      for (int y = 0; y < gy; ++y)
+        for (int x = 0; x < gx; ++x) {
+          blockIdx = {x, y, 0};
+          body();
+          bb.arrive_and_wait();
+        }
+    });
+  for (auto& t : th) t.join();
+}
