@@ -16,7 +16,7 @@ namespace fp8rl {
 enum class DType : uint8_t { F32, BF16, F16, E4M3, I32, I64, U8, F64 };
 
 size_t dtype_size(DType t);
-const char* dtype_name(DType t);
+const char* dtype_name(DType t);  // the safetensors spelling ("F32", "BF16", "F8_E4M3", ...)
 // Parses "f64", "f32"/"F32"/"float32", "bf16", "f16", "e4m3"/"F8_E4M3", "i32", "i64", "u8"; throws otherwise.
 DType dtype_from_name(const std::string& name);
 

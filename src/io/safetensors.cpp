@@ -103,19 +103,8 @@ SafetensorsEntry parse_entry(const std::string& name, const json& v, uint64_t da
 
 }  // namespace
 
-const char* safetensors_dtype_name(DType t) {
-  switch (t) {
-    case DType::F32: return "F32";
-    case DType::BF16: return "BF16";
-    case DType::F16: return "F16";
-    case DType::E4M3: return "F8_E4M3";
-    case DType::I32: return "I32";
-    case DType::I64: return "I64";
-    case DType::U8: return "U8";
-    case DType::F64: return "F64";
-  }
-  FP8RL_FAIL("safetensors: unknown dtype");
-}
+// fp8rl's dtype names are the safetensors spellings (core/dtype.cpp dtype_name).
+const char* safetensors_dtype_name(DType t) { return dtype_name(t); }
 
 DType safetensors_dtype_from_name(const std::string& name, const std::string& origin) {
   static const std::pair<const char*, DType> kNames[] = {
