@@ -69,6 +69,24 @@ __device__ __forceinline__ void a_from_c(uint32_t (&a)[4], const float (&x0)[4],
   a[3] = pack_bf16(x1[2], x1[3]);
 }
 
+// acc[nt] (C layout, ND tiles of 8 columns) += P Bt^T: P is the [16, kTile] score block held as
+// C-layout accumulators p[kTile / 8] (rounded to BF16 A fragments), Bt a [ND*8, ld] shared tile.
+template <int ND>
+__device__ __forceinline__ void mma_scores_times(float (&acc)[ND][4], const float (&p)[kTile / 8][4],
+                                                 const bf16* Bt, int ld, int g, int c) {
+#pragma unroll
+  for (int kk = 0; kk < kTile / 16; ++kk) {
+    uint32_t a[4];
+    a_from_c(a, p[2 * kk], p[2 * kk + 1]);
+#pragma unroll
+    for (int nt = 0; nt < ND; ++nt) {
+      uint32_t b[2];
+      load_b(b, Bt, ld, nt * 8, kk * 16, g, c);
+      mma_bf16(acc[nt], a, b);
+    }
+  }
+}
+
 // Rows row0 .. row0 + NR - 1 of a [*, stride] BF16 global array (columns 0..D-1 of each row at
 // src + row * stride) into a row-major shared tile [NR][ld]; rows >= row_end are zero. With
 // dst_t, also the transpose [D][ld_t]. 16-byte loads (the caller checks the alignment).
@@ -194,17 +212,7 @@ __global__ void __launch_bounds__(kThreadsF) flash_fwd_kernel(const bf16* q, con
       o[i][3] *= corr[1];
     }
     // O += P V (P as BF16 A fragments straight from the score registers).
-#pragma unroll
-    for (int kk = 0; kk < kTile / 16; ++kk) {
-      uint32_t a[4];
-      a_from_c(a, s[2 * kk], s[2 * kk + 1]);
-#pragma unroll
-      for (int nt = 0; nt < kNd; ++nt) {
-        uint32_t b[2];
-        load_b(b, sVt, S::kLdT, nt * 8, kk * 16, g, c);
-        mma_bf16(o[nt], a, b);
-      }
-    }
+    mma_scores_times(o, s, sVt, S::kLdT, g, c);
   }
 
 #pragma unroll
@@ -321,17 +329,7 @@ __global__ void __launch_bounds__(kThreadsF) flash_dq_kernel(const bf16* dout, c
         if (key > row || row >= seq_end) p = 0.0f;
         s[nt][e] = p * (dp[nt][e] - Dl[r]);
       }
-#pragma unroll
-    for (int kk = 0; kk < kTile / 16; ++kk) {
-      uint32_t a[4];
-      a_from_c(a, s[2 * kk], s[2 * kk + 1]);
-#pragma unroll
-      for (int nt = 0; nt < kNd; ++nt) {
-        uint32_t b[2];
-        load_b(b, sKt, S::kLdT, nt * 8, kk * 16, g, c);
-        mma_bf16(acc[nt], a, b);
-      }
-    }
+    mma_scores_times(acc, s, sKt, S::kLdT, g, c);
   }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
