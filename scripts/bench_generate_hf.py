@@ -12,8 +12,8 @@ fraction with the formula of src/rollout/rollout_bench.h: per decode step every 
 current length, over --peak-bw (4.8e12 B/s, H200) and over a measured device-to-device copy.
 
     python3 scripts/bench_generate_hf.py --model 1b --json out.json [--prompts 256] [--gen-len 1024]
-    [--budget-s S]: shrink --gen-len so that the full run should end within S seconds (estimated
-    from the prefill and a 16-token probe; the JSON says when it shrank).
+    [--budget-s S]: shrink --gen-len so that the whole script should end within S seconds of its
+    start (the full run estimated from the prefill and a 16-token probe; the JSON says when it shrank).
 """
 import argparse
 import json
@@ -55,6 +55,7 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=0.0)
     ap.add_argument("--json", default="")
     a = ap.parse_args()
+    script_t0 = time.time()
     if a.prompts < 1 or a.prompt_len < 1 or a.gen_len < 2:
         ap.error("--prompts and --prompt-len must be >= 1, --gen-len >= 2")
 
@@ -138,7 +139,8 @@ def main() -> int:
         probe = 16
         step_s = max(generate(probe) - prefill_s, 1e-6) / (probe - 1)
         # HF's per-step time grows with the cache length: budget for 2x the probe's step time.
-        fit = int((a.budget_s - 2 * prefill_s) / (2.0 * step_s))
+        remaining = a.budget_s - (time.time() - script_t0) - 10.0  # 10 s to report and exit
+        fit = int((remaining - 2 * prefill_s) / (2.0 * step_s))
         if fit < gen_len:
             gen_len, shrunk = max(2, fit), True
             print(f"--budget-s {a.budget_s:.0f}: --gen-len {a.gen_len} -> {gen_len} (probe: {step_s * 1e3:.1f} ms "

@@ -222,6 +222,10 @@ nlohmann::json run_recipe(const std::string& device, const std::string& recipe, 
   for (const Tensor& t : engine.kv_cache().k) kv_pool_bytes += static_cast<int64_t>(t.nbytes());
   for (const Tensor& t : engine.kv_cache().v) kv_pool_bytes += static_cast<int64_t>(t.nbytes());
   const int concurrency = static_cast<int>(std::min<int64_t>(w.prompts, pages / pages_per_seq));
+  std::fprintf(stderr, "  %s: weights %.1f s, engine %.1f s (generator %.2f GiB, KV pool %lld pages = %.2f GiB, %d "
+               "sequences at once)\n", recipe.c_str(), j["weights_build_s"].get<double>(),
+               j["engine_build_s"].get<double>(), gen_bytes / kGiB, static_cast<long long>(pages),
+               kv_pool_bytes / kGiB, concurrency);
 
   // 3. The runs.
   SamplingParams sp;
@@ -241,6 +245,7 @@ nlohmann::json run_recipe(const std::string& device, const std::string& recipe, 
   };
   for (int i = 0; i < w.warmup; ++i) timed(std::min(2, w.gen_len));
   const double prefill_s = timed(1);
+  std::fprintf(stderr, "  %s: prefill-only %.3f s\n", recipe.c_str(), prefill_s);
   const double wall_s = timed(w.gen_len);
   const RolloutStats stats = engine.last_stats();
   const int64_t min_free = sampler.stop();
@@ -292,6 +297,24 @@ nlohmann::json run_recipe(const std::string& device, const std::string& recipe, 
   mem["free_during_run_min_bytes"] = bytes_or_null(min_free);
   j["memory"] = mem;
   return j;
+}
+
+// One row of the table (columns as in the header printed by run_bench_generate).
+void print_row(const std::string& r, const nlohmann::json& j) {
+  const auto& m = j["memory"];
+  auto cell = [](const nlohmann::json& v, double mult, const char* fmt, int width) {
+    char buf[64];
+    if (v.is_null()) std::snprintf(buf, sizeof buf, "%*s", width, "-");
+    else std::snprintf(buf, sizeof buf, fmt, width, v.get<double>() * mult);
+    return std::string(buf);
+  };
+  std::printf("%-11s %8.2f %10.0f %9.3f %s %s %9.3f %s%% %s%% %8.2f %7.2f %s\n", r.c_str(), j["wall_s"].get<double>(),
+              j["tokens_per_s"].get<double>(), j["prefill_s"].get<double>(), cell(j["decode_s"], 1, "%*.2f", 9).c_str(),
+              cell(j["decode_tokens_per_s"], 1, "%*.0f", 10).c_str(), j["roofline"]["time_s_peak"].get<double>(),
+              cell(j["roofline"]["fraction_peak"], 100, "%*.1f", 6).c_str(),
+              cell(j["roofline"]["fraction_copy"], 100, "%*.1f", 6).c_str(),
+              m["generator_weights_bytes"].get<double>() / kGiB, m["kv_pool_bytes"].get<double>() / kGiB,
+              cell(m["measured_activations_peak_bytes"], 1 / kGiB, "%*.2f", 7).c_str());
 }
 
 int run_bench_generate(const std::vector<std::string>& argv) {
@@ -350,30 +373,29 @@ int run_bench_generate(const std::vector<std::string>& argv) {
 
   std::printf("%-11s %8s %10s %9s %9s %10s %9s %7s %7s %8s %7s %7s\n", "recipe", "wall s", "tok/s", "prefill s",
               "decode s", "dec tok/s", "roofl s", "%peak", "%copy", "wts GiB", "KV GiB", "act GiB");
+  // A recipe that fails is recorded and the others still run; the JSON is rewritten after every
+  // recipe so that a run cut short by a time limit keeps what it measured.
+  int failed = 0;
   for (const std::string& r : recipes) {
     std::fflush(stdout);
-    nlohmann::json j = run_recipe(device, r, mc, w, reqs);
-    const auto& m = j["memory"];
-    auto cell = [](const nlohmann::json& v, double mult, const char* fmt, int width) {
-      char buf[64];
-      if (v.is_null()) std::snprintf(buf, sizeof buf, "%*s", width, "-");
-      else std::snprintf(buf, sizeof buf, fmt, width, v.get<double>() * mult);
-      return std::string(buf);
-    };
-    std::printf("%-11s %8.2f %10.0f %9.3f %s %s %9.3f %s%% %s%% %8.2f %7.2f %s\n", r.c_str(), j["wall_s"].get<double>(),
-                j["tokens_per_s"].get<double>(), j["prefill_s"].get<double>(), cell(j["decode_s"], 1, "%*.2f", 9).c_str(),
-                cell(j["decode_tokens_per_s"], 1, "%*.0f", 10).c_str(), j["roofline"]["time_s_peak"].get<double>(),
-                cell(j["roofline"]["fraction_peak"], 100, "%*.1f", 6).c_str(),
-                cell(j["roofline"]["fraction_copy"], 100, "%*.1f", 6).c_str(),
-                m["generator_weights_bytes"].get<double>() / kGiB, m["kv_pool_bytes"].get<double>() / kGiB,
-                cell(m["measured_activations_peak_bytes"], 1 / kGiB, "%*.2f", 7).c_str());
+    nlohmann::json j;
+    try {
+      j = run_recipe(device, r, mc, w, reqs);
+    } catch (const std::exception& e) {
+      std::printf("%-11s failed: %s\n", r.c_str(), e.what());
+      out["recipes"].push_back({{"recipe", r}, {"error", e.what()}});
+      failed++;
+      continue;
+    }
+    print_row(r, j);
     out["recipes"].push_back(std::move(j));
+    if (args.has("json")) write_file_atomic(args.get("json"), out.dump(2) + "\n");
   }
   if (args.has("json")) {
     write_file_atomic(args.get("json"), out.dump(2) + "\n");
     std::printf("wrote %s\n", args.get("json").c_str());
   }
-  return 0;
+  return failed ? 1 : 0;
 }
 
 const Register kRegister{"bench-generate",
