@@ -10,11 +10,16 @@
 // - Token-major packing: a batch of sequences is concatenated along tokens, T = sum of lengths;
 //   cu_seqlens[B+1] (host) gives each sequence's token range.
 // - Every op validates shapes/dtypes and throws fp8rl::Error with what is wrong.
+// - Data errors only the device can see (an out-of-range id, a non-finite FP8 quantizer input)
+//   may be raised by the op itself (CPU) or at the backend's next synchronizing call
+//   (synchronize, a copy to/from the host, a reduction, sample, quantize) on the GPU, whose ops
+//   do not stall the stream to check; either way they are raised, once, naming the op.
 // - The CPU backend also accepts F64 tensors in every float argument (FP64 gradient checks);
 //   it computes in double and rounds once into each output's dtype. Saved statistics (rstd,
 //   lse) may then be F64 too, and should be for gradient checks.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -78,6 +83,14 @@ struct PagedBatch {
   int max_pos = 0;    // host: the largest token_pos + 1 (kernel sizing)
 };
 
+// A recorded sequence of ops (a CUDA graph) that replays with the same buffers: refill the
+// tensors the recorded ops read (same addresses), then replay(). Must not outlive its backend.
+class OpGraph {
+ public:
+  virtual ~OpGraph() = default;
+  virtual void replay() = 0;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -97,6 +110,17 @@ class Backend {
   Tensor to_device(const Tensor& host);  // allocates on this device and copies
   Tensor to_host(const Tensor& dev);     // allocates on the host and copies
   QuantTensor alloc_quant(int64_t rows, int64_t cols, int block_rows, int block_cols, bool pow2);
+
+  // Records the ops that `ops` issues, without running them, into a graph to replay later;
+  // nullptr when this backend cannot record (the CPU; CUDA with FP8RL_CUDA_GRAPHS=0 or plain
+  // allocation): the caller then just calls `ops`. Rules while recording: no synchronizing
+  // call (it fails), every tensor `ops` allocates is released inside it, and `ops` must have
+  // run once unrecorded with the same shapes (so scratch buffers have their size). Data errors
+  // of replays (flag_check) surface at the next synchronizing call.
+  virtual std::unique_ptr<OpGraph> record(const std::function<void()>& ops) {
+    (void)ops;
+    return nullptr;
+  }
 
   // ---- element-wise and reductions -------------------------------------------------------
   virtual void add(const Tensor& a, const Tensor& b, Tensor& out) = 0;     // out = a + b (out may alias a)

@@ -351,8 +351,20 @@ TEST(CudaOps, EmbeddingForwardBackward) {
   C().embedding_backward(idh, dout, rdt);
   G().embedding_backward(dev(idh), dev(dout), gdt);
   EXPECT_LT(rel_err(gdt, rdt), 1e-6);
+  Tensor good_ids = dev(idh);
   idh.data<int32_t>()[3] = 300;
-  EXPECT_THROW(G().embedding(dev(idh), dev(table), out), Error);
+  // Device-side data errors surface at the next synchronizing call, once, and name the op.
+  Tensor bad_ids = dev(idh);
+  G().embedding(bad_ids, dev(table), out);
+  try {
+    G().synchronize();
+    ADD_FAILURE() << "an out-of-range id was not reported";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("embedding"), std::string::npos) << e.what();
+  }
+  G().synchronize();  // reported once: the backend is usable again
+  G().embedding(good_ids, dev(table), out);
+  EXPECT_NO_THROW(G().synchronize());
 }
 
 TEST(CudaOps, RmsnormForwardBackward) {

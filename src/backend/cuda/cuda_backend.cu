@@ -52,8 +52,12 @@ CudaBackend::CudaBackend(int device_index, DType act_dtype) : device_(device_ind
           std::to_string(prop.minor) + ")";
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "creating the backend's stream");
   gemm_ = std::make_unique<GemmEngine>(stream_);
-  flag_dev_ = static_cast<int*>(cuda_malloc(2 * sizeof(int), "the device error flags"));
-  CUDA_CHECK(cudaMallocHost(&flag_host_, sizeof(int)), "allocating the pinned error flag");
+  flag_dev_ = static_cast<int*>(cuda_malloc(kFlagSlots * sizeof(int), "the device error flags"));
+  flag_cur_ = flag_dev_;
+  CUDA_CHECK(cudaMemset(flag_dev_, 0, kFlagSlots * sizeof(int)), "zeroing the device error flags");
+  CUDA_CHECK(cudaMallocHost(&flag_host_, kFlagSlots * sizeof(int)), "allocating the pinned error flags");
+  const char* sync_env = std::getenv("FP8RL_CUDA_SYNC_CHECKS");
+  sync_checks_ = sync_env && std::string(sync_env) == "1";
   slots_.resize(kSlotCount);
 }
 
@@ -90,6 +94,8 @@ Tensor CudaBackend::scratch(Slot slot, const Shape& shape, DType dtype) {
   const size_t bytes = static_cast<size_t>(shape_numel(shape)) * dtype_size(dtype);
   auto& st = slots_[slot];
   if (!st || st->bytes < bytes) {
+    FP8RL_CHECK(!recording_, "a scratch buffer must grow while recording a CUDA graph: run the ops once "
+                "unrecorded first");
     auto fresh = std::make_shared<Storage>();
     const size_t want = std::max<size_t>(bytes + bytes / 4, 256);
     fresh->ptr = cuda_malloc(want, "a scratch buffer");
@@ -128,7 +134,10 @@ void CudaBackend::copy(const Tensor& src, Tensor& dst) {
   }
   CUDA_CHECK(cudaMemcpyAsync(dst.raw(), src.raw(), n, kind, stream_), "copying ", src.str(), " to ", dst.str());
   // Host memory is pageable: wait so the host side may be read or freed on return.
-  if (kind != cudaMemcpyDeviceToDevice) CUDA_CHECK(cudaStreamSynchronize(stream_), "copying ", src.str());
+  if (kind != cudaMemcpyDeviceToDevice) {
+    CUDA_CHECK(cudaStreamSynchronize(stream_), "copying ", src.str());
+    flag_drain();  // errors of earlier ops surface here at the latest
+  }
 }
 
 void CudaBackend::convert(const Tensor& src, Tensor& dst) {
@@ -147,18 +156,93 @@ void CudaBackend::fill(Tensor& t, float value) {
   launch_fill(t.raw(), t.dtype(), t.numel(), value, stream_);
 }
 
-void CudaBackend::synchronize() { CUDA_CHECK(cudaStreamSynchronize(stream_), "waiting for the GPU"); }
+void CudaBackend::synchronize() {
+  CUDA_CHECK(cudaStreamSynchronize(stream_), "waiting for the GPU");
+  flag_drain();
+}
 
 int* CudaBackend::flag_reset() {
-  CUDA_CHECK(cudaMemsetAsync(flag_dev_, 0, sizeof(int), stream_), "resetting the device error flag");
-  return flag_dev_;
+  if (recording_) return flag_dev_ + kFlagSticky;  // a replay's errors accumulate there
+  if (pending_.size() + 1 >= static_cast<size_t>(kFlagSticky)) flag_drain();
+  flag_cur_ = flag_dev_ + pending_.size();
+  CUDA_CHECK(cudaMemsetAsync(flag_cur_, 0, sizeof(int), stream_), "resetting a device error flag");
+  return flag_cur_;
 }
 
 void CudaBackend::flag_check(const std::string& message) {
-  CUDA_CHECK(cudaMemcpyAsync(flag_host_, flag_dev_, sizeof(int), cudaMemcpyDeviceToHost, stream_),
-             "reading the device error flag");
-  CUDA_CHECK(cudaStreamSynchronize(stream_), "waiting for ", message);
-  if (*flag_host_) FP8RL_FAIL(message);
+  if (recording_) {
+    if (recorded_message_.empty()) recorded_message_ = message;
+    return;
+  }
+  pending_.push_back(message);  // the slot flag_reset() opened
+  if (sync_checks_) flag_drain();
+}
+
+void CudaBackend::flag_drain() {
+  FP8RL_CHECK(!recording_, "a synchronizing call while recording a CUDA graph: record only asynchronous ops");
+  if (pending_.empty() && sticky_message_.empty()) return;
+  CUDA_CHECK(cudaMemcpyAsync(flag_host_, flag_dev_, kFlagSlots * sizeof(int), cudaMemcpyDeviceToHost, stream_),
+             "reading the device error flags");
+  CUDA_CHECK(cudaStreamSynchronize(stream_), "waiting for the GPU to check its error flags");
+  std::vector<std::string> messages;
+  messages.swap(pending_);
+  std::string sticky;
+  sticky.swap(sticky_message_);
+  for (size_t i = 0; i < messages.size(); ++i)
+    if (flag_host_[i]) FP8RL_FAIL(messages[i]);
+  if (flag_host_[kFlagSticky]) {
+    CUDA_CHECK(cudaMemsetAsync(flag_dev_ + kFlagSticky, 0, sizeof(int), stream_), "resetting the sticky flag");
+    FP8RL_FAIL(sticky);
+  }
+}
+
+// ---- graphs ------------------------------------------------------------------------------------
+
+class CudaGraph final : public OpGraph {
+ public:
+  CudaGraph(CudaBackend& be, cudaGraphExec_t exec, std::string message)
+      : be_(be), exec_(exec), message_(std::move(message)), keep_(be.slots_) {}
+  ~CudaGraph() override { cudaGraphExecDestroy(exec_); }
+  void replay() override {
+    CUDA_CHECK(cudaGraphLaunch(exec_, be_.stream_), "replaying a CUDA graph");
+    if (!message_.empty() && be_.sticky_message_.empty())
+      be_.sticky_message_ = "in a CUDA-graph replay: " + message_;
+  }
+
+ private:
+  CudaBackend& be_;
+  cudaGraphExec_t exec_;
+  std::string message_;
+  std::vector<std::shared_ptr<Storage>> keep_;  // scratch buffers baked into the graph stay alive
+};
+
+std::unique_ptr<OpGraph> CudaBackend::record(const std::function<void()>& ops) {
+  static const bool off = [] {
+    const char* e = std::getenv("FP8RL_CUDA_GRAPHS");
+    return e && std::string(e) == "0";
+  }();
+  if (off || !stream_ordered_alloc()) return nullptr;
+  flag_drain();  // nothing of before belongs to the graph
+  recorded_message_.clear();
+  CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal), "starting a CUDA graph capture");
+  recording_ = true;
+  cudaGraph_t graph = nullptr;
+  try {
+    ops();
+  } catch (...) {
+    recording_ = false;
+    cudaStreamEndCapture(stream_, &graph);
+    if (graph) cudaGraphDestroy(graph);
+    cudaGetLastError();
+    throw;
+  }
+  recording_ = false;
+  CUDA_CHECK(cudaStreamEndCapture(stream_, &graph), "ending a CUDA graph capture");
+  cudaGraphExec_t exec = nullptr;
+  const cudaError_t e = cudaGraphInstantiate(&exec, graph, 0);
+  cudaGraphDestroy(graph);
+  CUDA_CHECK(e, "instantiating a CUDA graph");
+  return std::make_unique<CudaGraph>(*this, exec, recorded_message_);
 }
 
 // ---- element-wise ----------------------------------------------------------------------------
@@ -185,13 +269,16 @@ double CudaBackend::sum_squares(const Tensor& x) {
   double h = 0.0;
   CUDA_CHECK(cudaMemcpyAsync(&h, acc.raw(), sizeof(double), cudaMemcpyDeviceToHost, stream_), "reading the sum");
   CUDA_CHECK(cudaStreamSynchronize(stream_), "sum_squares");
+  flag_drain();
   return h;
 }
 
 bool CudaBackend::all_finite(const Tensor& x) {
   check_dev(x, "all_finite x");
-  launch_flag_nonfinite(x.raw(), x.dtype(), x.numel(), flag_reset(), stream_);
-  CUDA_CHECK(cudaMemcpyAsync(flag_host_, flag_dev_, sizeof(int), cudaMemcpyDeviceToHost, stream_), "reading the flag");
+  flag_drain();  // earlier ops' errors first: this op reads its flag itself
+  int* f = flag_reset();
+  launch_flag_nonfinite(x.raw(), x.dtype(), x.numel(), f, stream_);
+  CUDA_CHECK(cudaMemcpyAsync(flag_host_, f, sizeof(int), cudaMemcpyDeviceToHost, stream_), "reading the flag");
   CUDA_CHECK(cudaStreamSynchronize(stream_), "all_finite");
   return *flag_host_ == 0;
 }
@@ -207,6 +294,7 @@ float CudaBackend::amax(const Tensor& x) {
   uint32_t bits = 0;
   CUDA_CHECK(cudaMemcpyAsync(&bits, acc.raw(), sizeof(bits), cudaMemcpyDeviceToHost, stream_), "reading the amax");
   CUDA_CHECK(cudaStreamSynchronize(stream_), "amax");
+  flag_drain();
   float m;
   std::memcpy(&m, &bits, sizeof m);
   return m;
@@ -336,7 +424,7 @@ void CudaBackend::quantize_async(const Tensor& x, bool transpose, QuantTensor& o
   check_shape(out.scales, {ceil_div(R, out.block_rows), ceil_div(C, out.block_cols)}, "quantize out.scales");
   check_dtype(out.scales, DType::F32, "quantize out.scales");
   launch_quantize(x.raw(), x.dtype(), x.dim(0), x.dim(1), transpose, out.block_rows, out.block_cols, out.pow2,
-                  out.data.data<uint8_t>(), out.scales.data<float>(), flag_dev_, stream_);
+                  out.data.data<uint8_t>(), out.scales.data<float>(), flag_cur_, stream_);
 }
 
 void CudaBackend::quantize(const Tensor& x, bool transpose, QuantTensor& out) {
@@ -344,6 +432,7 @@ void CudaBackend::quantize(const Tensor& x, bool transpose, QuantTensor& out) {
   quantize_async(x, transpose, out);
   flag_check("quantize: the input " + x.str() +
              " holds NaN or Inf; FP8 quantization refuses non-finite values (check the loss scale / learning rate)");
+  flag_drain();  // the explicit op (refit, tests) reports at once
 }
 
 // ---- GEMMs and linear layers ------------------------------------------------------------------
@@ -638,8 +727,9 @@ void CudaBackend::token_logprobs(const Tensor& hidden, const Tensor& lm_head, co
   float* m = state.data<float>();
   float *s = m + T, *e = m + 2 * T, *tgt = m + 3 * T;
   launch_logprob_init(m, s, e, tgt, T, stream_);
-  int* bad = flag_dev_ + 1;  // flag 0 belongs to the quantizer inside linear_fwd
-  CUDA_CHECK(cudaMemsetAsync(bad, 0, sizeof(int), stream_), "resetting the target-range flag");
+  // The sticky slot: set by any out-of-range target of any call, read and cleared by flag_drain.
+  int* bad = flag_dev_ + kFlagSticky;
+  if (sticky_message_.empty()) sticky_message_ = "token_logprobs: a target id is out of range [0, " + std::to_string(V) + ")";
   const int64_t vc = vocab_chunk(T, V);
   for (int64_t v0 = 0; v0 < V; v0 += vc) {
     const int64_t n = std::min(vc, V - v0);
@@ -652,9 +742,6 @@ void CudaBackend::token_logprobs(const Tensor& hidden, const Tensor& lm_head, co
   }
   launch_logprob_finish(m, s, e, tgt, T, logp.data<float>(), lse.data<float>(),
                         entropy ? entropy->data<float>() : nullptr, stream_);
-  CUDA_CHECK(cudaMemcpyAsync(flag_host_, bad, sizeof(int), cudaMemcpyDeviceToHost, stream_), "reading a flag");
-  CUDA_CHECK(cudaStreamSynchronize(stream_), "token_logprobs");
-  FP8RL_CHECK(*flag_host_ == 0, "token_logprobs: a target id is out of range [0, ", V, ")");
 }
 
 void CudaBackend::token_logprobs_backward(const Tensor& hidden, const Tensor& lm_head, const Tensor& targets,
@@ -791,6 +878,7 @@ void CudaBackend::sample(const Tensor& logits, const std::vector<float>& tempera
                 logp.data<float>(), flag_reset(), stream_);
   // Synchronizes: the host-side parameter vector must outlive the upload.
   flag_check("sample: a row of logits holds NaN or +inf, or only -inf");
+  flag_drain();
 }
 
 }  // namespace cuda

@@ -6,7 +6,8 @@
 // instead of on cuBLASLt's FP8 tensor cores. Every op accepts
 // both dtypes whatever act_dtype says (the parity tests use both).
 // Errors: CUDA_CHECK / CUBLAS_CHECK (cuda_check.h); data errors found on the device (non-finite
-// quantizer input, out-of-range ids) are raised through a device flag checked after the op.
+// quantizer input, out-of-range ids) set device flags that are read back at the next
+// synchronizing call (see flag_reset), so ops never stall the stream to check their data.
 //
 // Limitations (documented, tested): attention kernels are one warp per (token, head) with an
 // online softmax (no T x T scores, no tensor cores yet). sample() runs on the GPU without a sort
@@ -73,6 +74,8 @@ class CudaBackend final : public Backend {
               const std::vector<int>& top_k, const std::vector<float>& uniforms, Tensor& tokens,
               Tensor& logp) override;
 
+  std::unique_ptr<OpGraph> record(const std::function<void()>& ops) override;
+
   // ---- for the benchmark and tests ----
   cudaStream_t stream() const { return stream_; }
   GemmEngine& gemm() { return *gemm_; }
@@ -87,9 +90,16 @@ class CudaBackend final : public Backend {
   // A device buffer reused across calls (grown on demand); valid until the next scratch(slot).
   Tensor scratch(Slot slot, const Shape& shape, DType dtype);
   QuantTensor scratch_quant(Slot data_slot, Slot scale_slot, int64_t rows, int64_t cols, int block_rows, bool pow2);
-  // Device flag protocol: reset before, check after (synchronizes).
+  // Device flag protocol, without stalling the stream: flag_reset() opens a fresh flag slot
+  // (an async memset) that the op's kernels set on bad data; flag_check(message) records that
+  // slot with its message. Recorded slots are read back at the next synchronizing call
+  // (synchronize, a copy to or from the host, a reduction, sample, quantize) by flag_drain,
+  // which raises the first set flag's message; FP8RL_CUDA_SYNC_CHECKS=1 drains after every op.
+  // Slot kFlagSticky is token_logprobs' cumulative target-range flag (never reset per call).
+  static constexpr int kFlagSlots = 256, kFlagSticky = kFlagSlots - 1;
   int* flag_reset();
   void flag_check(const std::string& message);
+  void flag_drain();
   // C[M, N] = op(A) op(B) + beta C with A, B converted to `ab` (F32 or BF16) when they differ.
   void mm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const Tensor& A, const Tensor& B, DType ab, Tensor& C,
           float beta);
@@ -102,8 +112,17 @@ class CudaBackend final : public Backend {
   DType act_dtype_ = DType::BF16;
   cudaStream_t stream_ = nullptr;
   std::unique_ptr<GemmEngine> gemm_;
-  int* flag_dev_ = nullptr;
-  int* flag_host_ = nullptr;
+  int* flag_dev_ = nullptr;   // [kFlagSlots]
+  int* flag_host_ = nullptr;  // pinned [kFlagSlots]
+  int* flag_cur_ = nullptr;   // the slot flag_reset() opened last
+  std::vector<std::string> pending_;  // message of slot i
+  std::string sticky_message_;        // set while the sticky slot may hold an unchecked error
+  bool sync_checks_ = false;
+  bool recording_ = false;            // inside record(): flags go to the sticky slot
+  std::string recorded_message_;      // first flag_check message while recording
+  bool stream_ordered_ = false;       // alloc() is stream-ordered (capturable): graphs allowed
+  bool stream_ordered_alloc() const { return stream_ordered_; }
+  friend class CudaGraph;
   std::vector<std::shared_ptr<Storage>> slots_;
   std::string name_;
 };
