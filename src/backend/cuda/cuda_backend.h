@@ -1,5 +1,6 @@
-// The CUDA backend: the ops of backend/backend.h on one GPU, one stream. Memory is plain
-// cudaMalloc (Storage released with cudaFree); kernels live in *_kernels.cu, GEMMs in gemm.*.
+// The CUDA backend: the ops of backend/backend.h on one GPU, one stream. Memory is
+// stream-ordered from a caching pool on that stream (device_memory.h; FP8RL_CUDA_ALLOC=plain:
+// cudaMalloc / cudaFree); kernels live in *_kernels.cu, GEMMs in gemm.*.
 // Activations are BF16 by default (act_dtype); a backend made with act_dtype F32 runs the model
 // with F32 activations (the exact path: FP32 references, `fp8rl logprobs`), and computes FP8
 // block linears as FP32 GEMMs of the dequantized operands (exact, like the CPU reference)
@@ -18,6 +19,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/cuda/device_memory.h"
 #include "backend/cuda/gemm.h"
 
 namespace fp8rl::cuda {
@@ -36,6 +38,8 @@ class CudaBackend final : public Backend {
   void convert(const Tensor& src, Tensor& dst) override;
   void fill(Tensor& t, float value) override;
   void synchronize() override;
+  MemoryStats memory_stats() override;
+  void reset_peak_memory_stats() override;
 
   void add(const Tensor& a, const Tensor& b, Tensor& out) override;
   void scale(Tensor& x, float s) override;
@@ -100,7 +104,8 @@ class CudaBackend final : public Backend {
 
   int device_ = 0;
   DType act_dtype_ = DType::BF16;
-  cudaStream_t stream_ = nullptr;
+  std::shared_ptr<DeviceMemory> mem_;  // owns the stream and the pool; shared with every Storage
+  cudaStream_t stream_ = nullptr;      // mem_->stream()
   std::unique_ptr<GemmEngine> gemm_;
   int* flag_dev_ = nullptr;
   int* flag_host_ = nullptr;
