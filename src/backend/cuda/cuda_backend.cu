@@ -31,6 +31,25 @@ void check_same_numel(const Tensor& a, const Tensor& b, const char* what) {
 // [.., K] -> rows of K.
 int64_t rows_of(const Tensor& t) { return t.ndim() == 0 ? 1 : t.numel() / std::max<int64_t>(t.dim(-1), 1); }
 
+// A defined W.wq as the FP8 ops take it (backend.h, LinearWeight): on the GPU, E4M3 [N, K] in
+// 128x128 blocks, w's shape when w is defined, quantized with the spec's pow2 setting.
+void check_wq(const LinearWeight& W, const LinearSpec& spec) {
+  const QuantTensor& q = W.wq;
+  FP8RL_CHECK(q.data.device() == DeviceKind::CUDA && q.scales.device() == DeviceKind::CUDA,
+              "linear W.wq must be on the GPU, got ", q.data.str());
+  FP8RL_CHECK(q.block_rows == kQuantBlock && q.block_cols == kQuantBlock, "linear W.wq must have 128x128 blocks, got ",
+              q.block_rows, "x", q.block_cols);
+  check_dtype(q.data, DType::E4M3, "linear W.wq data");
+  FP8RL_CHECK(q.data.ndim() == 2, "linear W.wq must be [N, K], got ", q.data.str());
+  check_shape(q.scales, {ceil_div(q.rows(), kQuantBlock), ceil_div(q.cols(), kQuantBlock)}, "linear W.wq scales");
+  check_dtype(q.scales, DType::F32, "linear W.wq scales");
+  if (W.w.defined())
+    FP8RL_CHECK(W.w.ndim() == 2 && q.rows() == W.w.dim(0) && q.cols() == W.w.dim(1), "linear W.wq ", q.data.str(),
+                " does not match w ", W.w.str());
+  FP8RL_CHECK(q.pow2 == spec.pow2_scales, "linear W.wq was quantized with pow2=", q.pow2, " but the spec asks pow2=",
+              spec.pow2_scales, " (requantize the weight with the recipe's scales)");
+}
+
 }  // namespace
 
 CudaBackend::CudaBackend(int device_index, DType act_dtype) : device_(device_index), act_dtype_(act_dtype) {
@@ -50,7 +69,8 @@ CudaBackend::CudaBackend(int device_index, DType act_dtype) : device_(device_ind
   CUDA_CHECK(cudaGetDeviceProperties(&prop, device_index), "reading the GPU's properties");
   name_ = "cuda:" + std::to_string(device_index) + " (" + prop.name + ", sm_" + std::to_string(prop.major) +
           std::to_string(prop.minor) + ")";
-  CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "creating the backend's stream");
+  mem_ = DeviceMemory::create(device_index);
+  stream_ = mem_->stream();
   gemm_ = std::make_unique<GemmEngine>(stream_);
   flag_dev_ = static_cast<int*>(cuda_malloc(kFlagSlots * sizeof(int), "the device error flags"));
   flag_cur_ = flag_dev_;
@@ -67,7 +87,8 @@ CudaBackend::~CudaBackend() {
   gemm_.reset();
   if (flag_dev_) cudaFree(flag_dev_);
   if (flag_host_) cudaFreeHost(flag_host_);
-  if (stream_) cudaStreamDestroy(stream_);
+  // The stream and the pool live on while a tensor of this backend does (device_memory.h).
+  mem_.reset();
 }
 
 std::string CudaBackend::name() const { return name_; }
@@ -82,13 +103,12 @@ void CudaBackend::check_dev(const Tensor& t, const char* what) const {
 
 Tensor CudaBackend::alloc(const Shape& shape, DType dtype) {
   const size_t bytes = static_cast<size_t>(shape_numel(shape)) * dtype_size(dtype);
-  auto st = std::make_shared<Storage>();
-  st->ptr = cuda_malloc(bytes, (std::string(dtype_name(dtype)) + shape_str(shape)).c_str());
-  st->bytes = bytes;
-  st->device = DeviceKind::CUDA;
-  st->release = [](void* p) { cudaFree(p); };
-  return Tensor(st, 0, shape, dtype);
+  auto st = mem_->allocate(bytes, [&] { return std::string("a tensor ") + dtype_name(dtype) + shape_str(shape); });
+  return Tensor(std::move(st), 0, shape, dtype);
 }
+
+MemoryStats CudaBackend::memory_stats() { return mem_->stats(); }
+void CudaBackend::reset_peak_memory_stats() { mem_->reset_peak(); }
 
 Tensor CudaBackend::scratch(Slot slot, const Shape& shape, DType dtype) {
   const size_t bytes = static_cast<size_t>(shape_numel(shape)) * dtype_size(dtype);
@@ -96,13 +116,9 @@ Tensor CudaBackend::scratch(Slot slot, const Shape& shape, DType dtype) {
   if (!st || st->bytes < bytes) {
     FP8RL_CHECK(!recording_, "a scratch buffer must grow while recording a CUDA graph: run the ops once "
                 "unrecorded first");
-    auto fresh = std::make_shared<Storage>();
     const size_t want = std::max<size_t>(bytes + bytes / 4, 256);
-    fresh->ptr = cuda_malloc(want, "a scratch buffer");
-    fresh->bytes = want;
-    fresh->device = DeviceKind::CUDA;
-    fresh->release = [](void* p) { cudaFree(p); };
-    st = fresh;
+    st.reset();  // the old buffer goes back to the pool first (stream-ordered)
+    st = mem_->allocate(want, [&] { return "a scratch buffer (slot " + std::to_string(slot) + ")"; });
   }
   return Tensor(st, 0, shape, dtype);
 }
@@ -482,10 +498,9 @@ void CudaBackend::linear_fwd(const Tensor& x, const LinearWeight& W, const Linea
     flag_reset();
     quantize_async(x, false, xq);
     QuantTensor wq;
-    if (W.wq.defined()) {
+    if (W.wq.defined()) {  // pre-quantized (the generator's, or the trainer's per-step cache)
+      check_wq(W, spec);
       wq = W.wq;
-      check_dev(wq.data, "linear W.wq");
-      FP8RL_CHECK(wq.block_rows == kQuantBlock && wq.block_cols == kQuantBlock, "linear W.wq must be 128x128 blocks");
     } else {
       check_dev(W.w, "linear W.w");
       wq = scratch_quant(kSlotBq, kSlotBs, N, K, kQuantBlock, spec.pow2_scales);
@@ -538,20 +553,28 @@ void CudaBackend::linear_backward(const Tensor& dy, const Tensor& x, const Linea
   const DType ab = spec.mode == LinearMode::FP32 ? DType::F32 : DType::BF16;
   if (dx) {
     check_dev(*dx, "linear_backward dx");
-    FP8RL_CHECK(W.w.defined(), "linear_backward on the GPU needs the high-precision weight W.w ",
-                "(a weight held only as FP8 wq cannot be trained)");
-    check_dev(W.w, "linear_backward W.w");
     FP8RL_CHECK(dx->numel() == M * K, "linear_backward: dx must be [", M, ", ", K, "], got ", dx->str());
     Tensor dx2 = dx->reshape({M, K});
     if (!fp8) {
+      FP8RL_CHECK(W.w.defined(), "linear_backward (", linear_mode_name(spec.mode), ") on the GPU needs the ",
+                  "high-precision weight W.w");
+      check_dev(W.w, "linear_backward W.w");
       mm(false, false, M, K, N, dy2, W.w, ab, dx2, 0.0f);
     } else {
-      // dgrad: dY 1x128 along N; W^T [K, N] 128x128 (the exact transpose of W's quantization).
+      // dgrad: dY 1x128 along N; W^T [K, N] 128x128, the exact transpose of W's quantization:
+      // of W.wq when defined (a byte transpose, no requantization), else of W.w quantized here.
       QuantTensor dyq = scratch_quant(kSlotAq, kSlotAs, M, N, 1, spec.pow2_scales);
       QuantTensor wtq = scratch_quant(kSlotBq, kSlotBs, K, N, kQuantBlock, spec.pow2_scales);
       flag_reset();
       quantize_async(dy2, false, dyq);
-      quantize_async(W.w, true, wtq);
+      if (W.wq.defined()) {
+        check_wq(W, spec);
+        launch_transpose_quant(W.wq.data.data<uint8_t>(), W.wq.scales.data<float>(), N, K, kQuantBlock,
+                               wtq.data.data<uint8_t>(), wtq.scales.data<float>(), stream_);
+      } else {
+        check_dev(W.w, "linear_backward W.w");
+        quantize_async(W.w, true, wtq);
+      }
       flag_check("linear_backward (FP8 dgrad): dy " + dy.str() + " or the weight holds NaN or Inf");
       if (fp8_tensor_cores(M, K, N)) {
         gemm_->gemm_fp8(M, K, N, dyq.data.data<uint8_t>(), dyq.scales.data<float>(), wtq.data.data<uint8_t>(),

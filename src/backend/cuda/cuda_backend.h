@@ -1,5 +1,6 @@
-// The CUDA backend: the ops of backend/backend.h on one GPU, one stream. Memory is plain
-// cudaMalloc (Storage released with cudaFree); kernels live in *_kernels.cu, GEMMs in gemm.*.
+// The CUDA backend: the ops of backend/backend.h on one GPU, one stream. Memory is
+// stream-ordered from a caching pool on that stream (device_memory.h; FP8RL_CUDA_ALLOC=plain:
+// cudaMalloc / cudaFree); kernels live in *_kernels.cu, GEMMs in gemm.*.
 // Activations are BF16 by default (act_dtype); a backend made with act_dtype F32 runs the model
 // with F32 activations (the exact path: FP32 references, `fp8rl logprobs`), and computes FP8
 // block linears as FP32 GEMMs of the dequantized operands (exact, like the CPU reference)
@@ -19,6 +20,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/cuda/device_memory.h"
 #include "backend/cuda/gemm.h"
 
 namespace fp8rl::cuda {
@@ -37,6 +39,8 @@ class CudaBackend final : public Backend {
   void convert(const Tensor& src, Tensor& dst) override;
   void fill(Tensor& t, float value) override;
   void synchronize() override;
+  MemoryStats memory_stats() override;
+  void reset_peak_memory_stats() override;
 
   void add(const Tensor& a, const Tensor& b, Tensor& out) override;
   void scale(Tensor& x, float s) override;
@@ -110,7 +114,8 @@ class CudaBackend final : public Backend {
 
   int device_ = 0;
   DType act_dtype_ = DType::BF16;
-  cudaStream_t stream_ = nullptr;
+  std::shared_ptr<DeviceMemory> mem_;  // owns the stream and the pool; shared with every Storage
+  cudaStream_t stream_ = nullptr;      // mem_->stream()
   std::unique_ptr<GemmEngine> gemm_;
   int* flag_dev_ = nullptr;   // [kFlagSlots]
   int* flag_host_ = nullptr;  // pinned [kFlagSlots]
@@ -120,8 +125,8 @@ class CudaBackend final : public Backend {
   bool sync_checks_ = false;
   bool recording_ = false;            // inside record(): flags go to the sticky slot
   std::string recorded_message_;      // first flag_check message while recording
-  bool stream_ordered_ = false;       // alloc() is stream-ordered (capturable): graphs allowed
-  bool stream_ordered_alloc() const { return stream_ordered_; }
+  // alloc() is stream-ordered from a pool (capturable): graphs allowed.
+  bool stream_ordered_alloc() const { return !mem_->plain(); }
   friend class CudaGraph;
   std::vector<std::shared_ptr<Storage>> slots_;
   std::string name_;
