@@ -154,6 +154,76 @@ TEST(RolloutScheduler, PagesAreSharedAndFreedByReference) {
   EXPECT_THROW(pool.retain(b), Error);
 }
 
+// The policy itself, without a model: chunks within the token budget, a follower sharing its
+// holder's full prompt pages, and preemption of the youngest sequence when the pool is short.
+std::vector<Sequence> sequences(const std::vector<std::pair<int, int>>& request_and_prompt_len) {
+  std::vector<Sequence> seqs;
+  for (auto [r, n] : request_and_prompt_len) {
+    Sequence s;
+    s.request = r;
+    s.ids.assign(n, 1);
+    s.prompt_len = n;
+    seqs.push_back(s);
+  }
+  return seqs;
+}
+
+// After a forward: every sequence whose chunk reached its last token gets one more token.
+void commit_and_sample(Scheduler& sched, std::vector<Sequence>& seqs) {
+  sched.commit();
+  for (Sequence& s : seqs)
+    if (!s.finished && s.cached == s.len() && !s.pages.empty()) s.ids.push_back(2);
+}
+
+TEST(RolloutScheduler, PlansChunksSharingAndPreemption) {
+  {
+    std::vector<Sequence> seqs = sequences({{0, 10}, {0, 10}, {1, 3}});
+    RolloutStats st;
+    Scheduler sched(seqs, /*num_pages=*/16, SchedulerLimits{kPage, 8, /*max_batch_tokens=*/8, true}, st);
+    EXPECT_EQ(sched.schedule(), std::vector<int>{0});  // the first prompt's first 8 tokens
+    EXPECT_EQ(seqs[0].chunk, 8);
+    EXPECT_EQ(seqs[0].pages.size(), 2u);
+    commit_and_sample(sched, seqs);
+    // Its last 2 tokens, then the follower (2 shared pages, recomputing tokens 8..9), then 3.
+    EXPECT_EQ(sched.schedule(), (std::vector<int>{0, 1, 2}));
+    EXPECT_EQ(seqs[1].cached, 8);
+    EXPECT_EQ(seqs[1].chunk, 2);
+    ASSERT_EQ(seqs[1].pages.size(), 3u);
+    EXPECT_EQ(seqs[1].pages[0], seqs[0].pages[0]);
+    EXPECT_EQ(seqs[1].pages[1], seqs[0].pages[1]);
+    EXPECT_NE(seqs[1].pages[2], seqs[0].pages[2]);
+    EXPECT_EQ(st.prefix_shared_tokens, 8);
+    EXPECT_EQ(st.max_pages_used, 3 + 1 + 1);
+    commit_and_sample(sched, seqs);
+    sched.schedule();  // three decodes
+    for (const Sequence& s : seqs) EXPECT_EQ(s.chunk, 1);
+    EXPECT_EQ(st.waves, 2);
+    EXPECT_EQ(st.preemptions, 0);
+    sched.commit();
+    for (int i : {0, 1, 2}) sched.finish(i);
+    EXPECT_TRUE(sched.done());
+  }
+  {
+    std::vector<Sequence> seqs = sequences({{0, 4}, {1, 4}});
+    RolloutStats st;
+    Scheduler sched(seqs, /*num_pages=*/3, SchedulerLimits{kPage, 8, 64, true}, st);
+    EXPECT_EQ(sched.schedule(), (std::vector<int>{0, 1}));
+    commit_and_sample(sched, seqs);
+    // Both need a second page; one is left: the youngest is preempted, keeping its tokens.
+    EXPECT_EQ(sched.schedule(), std::vector<int>{0});
+    EXPECT_EQ(st.preemptions, 1);
+    EXPECT_EQ(seqs[1].cached, 0);
+    EXPECT_TRUE(seqs[1].pages.empty());
+    EXPECT_EQ(seqs[1].len(), 5);
+    commit_and_sample(sched, seqs);
+    sched.finish(0);
+    // Re-admitted: prompt + generated token recomputed as one prefill.
+    EXPECT_EQ(sched.schedule(), std::vector<int>{1});
+    EXPECT_EQ(seqs[1].chunk, 5);
+    EXPECT_EQ(st.recomputed_tokens, 4);
+  }
+}
+
 TEST(RolloutScheduler, BadOptionsAreClearErrors) {
   Fixture f;
   EXPECT_THROW(RolloutEngine(*f.be, f.w, fp32_precision(), 8, kPage, 4, SchedulerOptions{0, true}), Error);
