@@ -4,7 +4,6 @@
 // chunk reached their last token, and ends the sequences that stopped.
 #include <algorithm>
 #include <cmath>
-#include <numeric>
 #include <random>
 
 #include "core/error.h"

@@ -1,7 +1,9 @@
 // The rollout engine: samples n answers for each prompt with the generator's weights and
 // numerics, and reports, for every sampled token, its log-probability under those numerics
 // (logp_gen). One implementation runs over any Backend (CPU reference or CUDA): the model's
-// paged generation forward, a page allocator, and batched decode.
+// paged generation forward, and a scheduler (scheduler.h) with reference-counted KV pages
+// allocated on demand, prompt pages shared by a request's samples, chunked prefill within a
+// token budget, and recompute preemption when the pool runs out.
 #pragma once
 #include <cstdint>
 #include <memory>
