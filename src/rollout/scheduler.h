@@ -70,6 +70,7 @@ class Scheduler {
   // `seqs` (fresh, nothing cached) outlive the scheduler; all start waiting, in order.
   Scheduler(std::vector<Sequence>& seqs, int num_pages, const SchedulerLimits& limits, RolloutStats& stats);
   bool done() const { return running_.empty() && waiting_.empty(); }
+  int free_pages() const { return pool_.free_pages(); }
   // Plans the next iteration: sets `chunk` of every running sequence (pages reserved for it)
   // and returns those with chunk > 0, in admission order. Throws if no progress is possible.
   const std::vector<int>& schedule();

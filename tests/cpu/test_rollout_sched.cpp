@@ -4,6 +4,7 @@
 // and logp-for-logp identical to a plain run (a big pool, no sharing, everything in one batch).
 #include <gtest/gtest.h>
 
+#include <random>
 #include <string>
 
 #include "rollout/rollout.h"
@@ -222,6 +223,56 @@ TEST(RolloutScheduler, PlansChunksSharingAndPreemption) {
     EXPECT_EQ(seqs[1].chunk, 5);
     EXPECT_EQ(st.recomputed_tokens, 4);
   }
+}
+
+// Random workloads through the scheduler alone: every sequence completes, no plan exceeds the
+// budget, the batch or its pages, and every page is free at the end.
+TEST(RolloutScheduler, RandomWorkloadsCompleteAndFreeEveryPage) {
+  std::mt19937 rng(7);
+  auto uni = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+  int64_t preemptions = 0, shared = 0;
+  for (int trial = 0; trial < 300; ++trial) {
+    const int page = uni(1, 5), max_new = uni(1, 10);
+    std::vector<std::pair<int, int>> spec;
+    int longest = 0;
+    for (int r = 0, R = uni(1, 5); r < R; ++r) {
+      const int len = uni(1, 20), n = uni(1, 4);
+      longest = std::max(longest, len);
+      for (int j = 0; j < n; ++j) spec.push_back({r, len});
+    }
+    std::vector<Sequence> seqs = sequences(spec);
+    const int pages = static_cast<int>(ceil_div(longest + max_new, page)) + uni(0, 10);
+    const SchedulerLimits lim{page, uni(1, 8), uni(1, 32), uni(0, 1) == 1};
+    RolloutStats st;
+    Scheduler sched(seqs, pages, lim, st);
+    int iterations = 0;
+    while (!sched.done()) {
+      ASSERT_LT(++iterations, 10000) << "trial " << trial << " makes no progress";
+      const std::vector<int> plan = sched.schedule();
+      int tokens = 0;
+      for (int si : plan) {
+        const Sequence& s = seqs[si];
+        tokens += s.chunk;
+        ASSERT_GE(static_cast<int>(s.pages.size()) * page, s.cached + s.chunk) << "trial " << trial;
+      }
+      ASSERT_LE(tokens, lim.max_batch_tokens);
+      ASSERT_LE(static_cast<int>(plan.size()), lim.max_batch);
+      ASSERT_LE(st.max_pages_used, pages);
+      sched.commit();
+      for (int si : plan) {
+        Sequence& s = seqs[si];
+        if (s.cached != s.len()) continue;
+        s.ids.push_back(uni(0, 9));
+        if (s.len() - s.prompt_len == max_new || s.ids.back() == 0) sched.finish(si);
+      }
+    }
+    EXPECT_EQ(sched.free_pages(), pages) << "trial " << trial;
+    for (const Sequence& s : seqs) EXPECT_TRUE(s.finished);
+    preemptions += st.preemptions;
+    shared += st.prefix_shared_tokens;
+  }
+  EXPECT_GT(preemptions, 100);  // the workloads do exercise preemption and sharing
+  EXPECT_GT(shared, 100);
 }
 
 TEST(RolloutScheduler, BadOptionsAreClearErrors) {
