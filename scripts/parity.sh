@@ -106,11 +106,11 @@ if [ ${#DIRS[@]} -gt 0 ]; then
     --metrics val_accuracy,reward_mean,token_mult_prob_error,gen_kl_error >> "$LOGS/parity.log" 2>&1 ||
     note "plot of the curves failed (see parity.log)"
   "$BIN" plot "${DIRS[@]}" --out "$REPORT/parity_time.png" --width 1600 --height 900 \
-    --metrics time_step_excl_val_s,time_generation_s,time_logprob_s,time_train_s,time_refit_s+time_calibration_s,refit_calib_fraction \
+    --metrics time_step_excl_val_s,time_generation_s,time_logprob_s,time_train_s,time_refit_s+time_calibration_s,time_refit_calib_fraction \
     >> "$LOGS/parity.log" 2>&1 || note "plot of the step times failed (see parity.log)"
 fi
 [ -f "$RUNS/sft/metrics.jsonl" ] &&
-  { "$BIN" plot "$RUNS/sft" --out "$REPORT/sft_loss.png" --width 1200 --height 500 --metrics loss,lr \
+  { "$BIN" plot "$RUNS/sft" --out "$REPORT/sft_loss.png" --width 1000 --height 400 --metrics loss,lr \
       >> "$LOGS/parity.log" 2>&1 || note "plot of the sft loss failed"; }
 args=()
 for i in "${!DIRS[@]}"; do args+=("${NAMES[$i]}=${DIRS[$i]}"); done

@@ -323,7 +323,7 @@ int grpo_run(const RunConfig& config_in, bool resume) {
     const double step_s = seconds_since(t_step);
     m.extra.push_back({"time_reward_s", time_reward_s});
     m.extra.push_back({"time_step_excl_val_s", step_s});
-    m.extra.push_back({"refit_calib_fraction", (m.time_refit_s + m.time_calibration_s) / std::max(1e-9, step_s)});
+    m.extra.push_back({"time_refit_calib_fraction", (m.time_refit_s + m.time_calibration_s) / std::max(1e-9, step_s)});
     if (c.val_every > 0 && (step % c.val_every == 0 || final_step)) {
       ValResult v = validate(s, engine, c.val_size, c.rollout.max_new_tokens);
       m.val_accuracy = v.accuracy;
