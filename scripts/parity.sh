@@ -50,15 +50,12 @@ elapsed() { echo $(( $(date +%s) - START )); }
 note() { echo "[parity $(elapsed)s] $*" | tee -a "$LOGS/parity.log"; }
 note "budget ${BUDGET}s (sft ${SFT_S}s, reserve ${RESERVE}s); data $DATA; overrides: ${EXTRA[*]:-none}"
 
-# The memory plans: this experiment's model, and a ~1B model on one H200 for comparison.
-"$BIN" plan --config "$ROOT/configs/parity/grpo.yaml" tokenizer.path="$DATA/tokenizers/qwen3" \
-  --device-gib 139 "${EXTRA[@]}" > "$LOGS/plan_parity.txt" 2>&1
+# The memory plans of a ~1B model on one H200 (GSM8K rollout sizes), for comparison; this
+# experiment's plan is printed after SFT (from its checkpoint) and by every run at its start.
 for shape in llama-3.2-1b qwen3-1.7b; do
   "$BIN" plan --config "$ROOT/configs/gsm8k_gpu.yaml" --shape "$shape" --device-gib 139 \
     > "$LOGS/plan_$shape.txt" 2>&1
 done
-cat "$LOGS/plan_parity.txt"
-
 # 1. SFT.
 note "sft: start"
 timeout --kill-after=10 $(( SFT_S + 30 )) "$BIN" sft --config "$ROOT/configs/parity/sft.yaml" \
@@ -68,6 +65,11 @@ rc=$?
 echo "$rc" > "$LOGS/sft.rc"
 CKPT="$(sed -n 's/^sft done: //p' "$LOGS/sft.log" | tail -1)"
 note "sft: exit $rc, checkpoint '${CKPT}'"
+if [ -d "$CKPT" ]; then
+  "$BIN" plan --config "$ROOT/configs/parity/grpo.yaml" model.path="$CKPT" --device-gib 139 "${EXTRA[@]}" \
+    > "$LOGS/plan_parity.txt" 2>&1
+  cat "$LOGS/plan_parity.txt"
+fi
 if [ "$rc" != 0 ] || [ ! -d "$CKPT" ]; then
   tail -20 "$LOGS/sft.log"
   note "sft failed: no GRPO arms"

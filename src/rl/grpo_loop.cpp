@@ -140,7 +140,8 @@ int grpo_run(const RunConfig& config_in, bool resume) {
     reference = std::make_unique<Trainer>(be, model_weights_to_device(be, ref, DType::F32), recipe.trainer,
                                           trainer_options(c));
   }
-  RolloutEngine engine(be, trainer.master(), recipe.generator, static_cast<int>(memory_plan_kv_pages(c)), 16);
+  RolloutEngine engine(be, trainer.master(), recipe.generator, static_cast<int>(memory_plan_kv_pages(c)), 16,
+                       kRolloutMaxBatch);
   if (ckpt) {
     state = checkpoint_read_state(*ckpt);
     checkpoint_load_optimizer(be, trainer, *ckpt, state);

@@ -126,7 +126,10 @@ MemoryPlan memory_plan_compute(const MemoryPlanInput& in) {
 }
 
 int64_t memory_plan_kv_pages(const RunConfig& c) {
-  const int seqs = std::max(c.rollout.prompts_per_step * c.rollout.generations_per_prompt, c.val_size);
+  // The engine runs at most kRolloutMaxBatch sequences at once (the rest wait for pages), so a
+  // pool for more would never be used.
+  const int seqs = std::min(kRolloutMaxBatch,
+                            std::max(c.rollout.prompts_per_step * c.rollout.generations_per_prompt, c.val_size));
   const int len = std::min(2048, 256 + c.rollout.max_new_tokens);
   const int page = 16;
   return int64_t(seqs) * ((len + page - 1) / page) + 1;
@@ -140,6 +143,7 @@ MemoryPlanInput memory_plan_input(const RunConfig& c, const ModelConfig& model, 
   in.reference_policy = c.train.kl_beta > 0;
   in.kv_pages = memory_plan_kv_pages(c);
   in.micro_batch_tokens = c.train.micro_batch_tokens;
+  in.generation_batch = kRolloutMaxBatch;
   return in;
 }
 

@@ -16,6 +16,9 @@
 
 namespace fp8rl {
 
+// Sequences the GRPO loop's RolloutEngine decodes at once (its max_batch).
+inline constexpr int kRolloutMaxBatch = 256;
+
 struct MemoryPlanInput {
   ModelConfig model;
   EnginePrecision generator;             // linears FP8 (128x128 blocks + F32 scales) or not; KV dtype
@@ -52,7 +55,9 @@ int64_t memory_plan_head_bytes_per_token(const ModelConfig& c, DType act);
 // Generator weight bytes (FP8 linears + scales when the precision says so, the rest in `act`).
 int64_t memory_plan_generator_bytes(const ModelConfig& c, const EnginePrecision& gen, DType act);
 
-// The KV pool `fp8rl train` allocates for this config (shared with rl/grpo_loop.cpp).
+// The KV pool `fp8rl train` allocates for this config (shared with rl/grpo_loop.cpp): pages
+// for min(kRolloutMaxBatch, max(P x G, val_size)) sequences of min(2048, 256 + max_new_tokens)
+// tokens, plus one.
 int64_t memory_plan_kv_pages(const RunConfig& c);
 
 // The plan's input from a run config, for a given model shape and backend activation dtype.

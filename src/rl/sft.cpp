@@ -116,6 +116,9 @@ std::string sft_run(const RunConfig& c) {
     }
     if (last || step % 20 == 0) log.write(m, c.sft.steps);
     progress.update(step);
+    if (last && step < c.sft.steps)
+      std::fprintf(stderr, "\nsft: step %lld is the last that fits in time_budget_s=%.0f s\n",
+                   static_cast<long long>(step), c.time_budget_s);
     if (last) break;
   }
   progress.finish();

@@ -142,7 +142,7 @@ class ArithmeticTask : public ProceduralTask {
   }
 
   // A left-to-right word problem; an operation that does not fit the current value (a
-  // subtraction below 0, an inexact division, growth past 10^9) is drawn again.
+  // subtraction below 0, an inexact division, growth to 10^(digits + 1) or more) is drawn again.
   TaskItem story(TaskRng& rng, int64_t max_value) const {
     const std::string name = kNames[rng.uniform(0, std::size(kNames) - 1)];
     const std::string items = kItems[rng.uniform(0, std::size(kItems) - 1)];
@@ -150,6 +150,7 @@ class ArithmeticTask : public ProceduralTask {
     TaskItem it;
     it.prompt = name + " has " + std::to_string(value) + " " + items + ".";
     it.solution = name + " starts with " + std::to_string(value) + " " + items + ".\n";
+    const int64_t cap = max_value * 10 + 9;  // every value stays below 10^(digits + 1)
     const int n = int(rng.uniform(cfg_.min_operands, cfg_.max_operands));
     for (int i = 1; i < n; ++i) {
       for (int attempt = 0;; ++attempt) {
@@ -161,7 +162,7 @@ class ArithmeticTask : public ProceduralTask {
         else if (op == '-') next = value - b;
         else if (op == '*') next = value * b;
         else next = value % b == 0 ? value / b : -1;
-        if (next < 0 || next > 1000000000LL) continue;
+        if (next < 0 || next > cap) continue;
         std::vector<const StoryStep*> choices;
         for (const StoryStep& s : kSteps)
           if (s.op == op) choices.push_back(&s);

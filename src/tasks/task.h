@@ -46,7 +46,8 @@ struct ArithmeticConfig {
   // story: a word problem instead of an expression ("Ava has 35 apples. Ava buys 12 more. ...
   // How many apples does Ava have now?"), computed left to right, one sentence and one
   // "35 + 12 = 47" per step in the worked solution (GSM8K style). Operands as above except
-  // multipliers and divisors (2..9); every intermediate value stays a whole number >= 0.
+  // multipliers and divisors (2..9); every intermediate value is a whole number in
+  // [0, 10^(digits + 1)) (2 digits: at most 999).
   bool story = false;
   size_t train_size = 100000, validation_size = 500;
 };

@@ -116,6 +116,24 @@ TEST(MemoryPlan, MatchesTheEnginesAllocations) {
   }
 }
 
+// The KV pool of `fp8rl train`: pages for the sequences decoded at once (at most 256) of up to
+// 256 prompt + max_new_tokens tokens (capped at 2048), plus one.
+TEST(MemoryPlan, KvPoolPages) {
+  RunConfig c;
+  c.rollout.prompts_per_step = 2;
+  c.rollout.generations_per_prompt = 4;
+  c.val_size = 4;
+  c.rollout.max_new_tokens = 40;
+  EXPECT_EQ(memory_plan_kv_pages(c), 8 * 19 + 1);  // 296 tokens = 19 pages of 16
+  c.rollout.prompts_per_step = 64;                  // GSM8K: 2048 samples, 1319 validation
+  c.rollout.generations_per_prompt = 32;
+  c.val_size = 1319;
+  c.rollout.max_new_tokens = 1024;
+  EXPECT_EQ(memory_plan_kv_pages(c), 256 * 80 + 1);  // 1280 tokens = 80 pages; 256 at once
+  c.rollout.max_new_tokens = 4000;
+  EXPECT_EQ(memory_plan_kv_pages(c), 256 * 128 + 1);  // capped at 2048 tokens
+}
+
 TEST(MemoryPlan, ShapesAndErrors) {
   const ModelConfig q = memory_plan_shape("qwen3-1.7b");
   EXPECT_GT(q.num_parameters(), 1500000000);  // Qwen3-1.7B: ~1.72B with tied embeddings

@@ -76,7 +76,7 @@ TEST(Tasks, ArithmeticContractAndKnobs) {
 }
 
 // Word problems: the contract, GSM8K-style worked steps ("35 + 12 = 47") whose chain reaches the
-// answer, whole numbers >= 0 throughout, and the operand-count knob.
+// answer, whole numbers in [0, 999] throughout (2 digits), and the operand-count knob.
 TEST(Tasks, ArithmeticStoryProblems) {
   ArithmeticConfig c;
   c.seed = 11;
@@ -115,6 +115,7 @@ TEST(Tasks, ArithmeticStoryProblems) {
         EXPECT_EQ(a % b, 0) << it.solution;
       }
       EXPECT_GE(r, 0) << it.solution;
+      EXPECT_LE(r, 999) << it.solution;  // below 10^(digits + 1)
       ops_seen.insert(op);
       value = r;
       ++steps;
