@@ -131,6 +131,31 @@ TEST(RlLoop, TimeBudgetStopsCleanlyWithValidationAndCheckpoint) {
   EXPECT_TRUE(fs::exists(ckpt + "/model.safetensors"));
 }
 
+// sft.mix_gsm8k_*: half of every batch are GSM8K train solutions (much longer than the
+// arithmetic ones), none longer than sft.max_seq_tokens.
+TEST(RlLoop, SftMixesGsm8kSolutions) {
+  Scratch::root();
+  const char* env = std::getenv("FP8RL_SHARED_DATA");
+  const std::string gsm8k = std::string(env && *env ? env : FP8RL_SHARED_DATA) + "/gsm8k";
+  auto tokens_of_first_step = [&](const std::string& name, std::vector<std::string> extra) {
+    std::vector<std::string> o = tiny_overrides("bf16", 1);
+    o.push_back("sft.steps=1");
+    o.push_back("sft.batch_size=8");
+    o.push_back("out=" + fresh_dir(name));
+    for (auto& e : extra) o.push_back(e);
+    sft_run(config_load("", o));
+    const auto lines = read_metrics(Scratch::root() + "/" + name);
+    return lines.at(0).at("tokens").get<double>();
+  };
+  const double plain = tokens_of_first_step("sft_plain", {});
+  const double mixed = tokens_of_first_step(
+      "sft_mixed", {"sft.mix_gsm8k_path=" + gsm8k, "sft.mix_gsm8k_fraction=0.5", "sft.max_seq_tokens=2000"});
+  EXPECT_GT(mixed, 2 * plain);  // 4 GSM8K solutions (hundreds of bytes each) outweigh 4 short ones
+  EXPECT_THROW(tokens_of_first_step("sft_tiny_cap", {"sft.mix_gsm8k_path=" + gsm8k, "sft.mix_gsm8k_fraction=0.5",
+                                                     "sft.max_seq_tokens=5"}),
+               Error);  // nothing fits: a clear error, not an endless loop
+}
+
 // ---- resume -------------------------------------------------------------------------------
 
 // A task a barely trained policy solves about half the time (answer "1" or "2", unrelated to
