@@ -8,6 +8,7 @@
 
 #include "core/error.h"
 #include "model/transformer.h"
+#include "rollout/decode_graphs.h"
 #include "rollout/rollout.h"
 #include "rollout/scheduler.h"
 
@@ -46,12 +47,18 @@ RolloutEngine::RolloutEngine(Backend& be, const ModelWeights& weights, const Eng
               "rollout: kv_pages, page_size, max_batch and max_batch_tokens must be positive");
   gen_ = generator_weights_alloc(be, weights, prec);
   cache_ = model_alloc_kv_cache(be, weights.config, kv_pages, page_size, prec.kv_cache);
-  for (Tensor* t : {&buf_.ids, &buf_.token_seq, &buf_.token_pos, &buf_.slots})
-    *t = be.alloc({options.max_batch_tokens}, DType::I32);
-  buf_.rows = be.alloc({max_batch}, DType::I32);
+  buf_.packed = be.alloc({5 * static_cast<int64_t>(options.max_batch_tokens) + 64 * max_batch}, DType::I32);
   buf_.tokens = be.alloc({max_batch}, DType::I32);
   buf_.logp = be.alloc({max_batch}, DType::F32);
+  // Decode-only steps replay CUDA graphs where the backend can record them; the pool's last
+  // page is then kept back for the graphs' padding rows.
+  if (options.cuda_graphs && kv_pages > 1) {
+    graphs_ = std::make_unique<DecodeGraphs>(be, gen_, prec_, cache_, max_batch, kv_pages - 1);
+    if (graphs_->disabled()) graphs_.reset();
+  }
 }
+
+RolloutEngine::~RolloutEngine() = default;
 
 void RolloutEngine::refit(const ModelWeights& master, const KvScales* scales) {
   const int L = cache_.num_layers, H = cache_.num_kv_heads;
@@ -96,14 +103,17 @@ std::vector<RolloutSample> RolloutEngine::generate(const std::vector<RolloutRequ
   stats_ = RolloutStats{};
 
   std::vector<Sequence> seqs;
+  const int usable_pages = cache_.num_pages - (graphs_ ? 1 : 0);  // the graphs' padding page
+  int max_seq_pages = 1;
   for (size_t i = 0; i < requests.size(); ++i) {
     const auto& r = requests[i];
     FP8RL_CHECK(!r.prompt.empty(), "request ", i, " has an empty prompt");
     FP8RL_CHECK(r.n >= 1, "request ", i, " asks for ", r.n, " samples");
     for (int32_t id : r.prompt) FP8RL_CHECK(id >= 0 && id < V, "request ", i, ": token id ", id, " outside the vocabulary [0, ", V, ")");
     const int need = static_cast<int>(ceil_div(static_cast<int64_t>(r.prompt.size()) + sp.max_new_tokens, page_size_));
-    FP8RL_CHECK(need <= cache_.num_pages, "request ", i, " needs ", need, " KV pages (prompt ", r.prompt.size(),
-                " + max_new_tokens ", sp.max_new_tokens, ") but the pool has ", cache_.num_pages,
+    max_seq_pages = std::max(max_seq_pages, need);
+    FP8RL_CHECK(need <= usable_pages, "request ", i, " needs ", need, " KV pages (prompt ", r.prompt.size(),
+                " + max_new_tokens ", sp.max_new_tokens, ") but the pool has ", usable_pages,
                 "; raise the KV pool size or lower max_new_tokens");
     for (int j = 0; j < r.n; ++j) {
       Sequence s;
@@ -120,11 +130,12 @@ std::vector<RolloutSample> RolloutEngine::generate(const std::vector<RolloutRequ
     }
   }
 
-  Scheduler sched(seqs, cache_.num_pages, {page_size_, max_batch_, opt_.max_batch_tokens, opt_.prefix_sharing}, stats_);
+  Scheduler sched(seqs, usable_pages, {page_size_, max_batch_, opt_.max_batch_tokens, opt_.prefix_sharing}, stats_);
   // Host staging of one iteration's batch (capacity kept across iterations).
-  std::vector<int32_t> ids, tok_seq, tok_pos, slots, rows, table;
+  std::vector<int32_t> ids, tok_seq, tok_pos, slots, rows, table, packed;
   std::vector<float> temp, top_p, uniforms;
   std::vector<int> top_k;
+  std::vector<const std::vector<int32_t>*> graph_pages;
   while (!sched.done()) {
     const std::vector<int>& batch_seqs = sched.schedule();
     if (batch_seqs.empty()) continue;  // everything scheduled was preempted: plan again
@@ -152,17 +163,32 @@ std::vector<RolloutSample> RolloutEngine::generate(const std::vector<RolloutRequ
     const bool any_row = !rows.empty();
     if (!any_row) rows.push_back(0);  // only unfinished prefills: one row computed, not sampled
     const int64_t T = static_cast<int64_t>(ids.size()), R = static_cast<int64_t>(rows.size());
-    PagedBatch batch;
-    batch.token_seq = upload(be_, tok_seq, buf_.token_seq, {T});
-    batch.token_pos = upload(be_, tok_pos, buf_.token_pos, {T});
-    batch.slots = upload(be_, slots, buf_.slots, {T});
-    batch.page_table = upload(be_, table, buf_.page_table, {B, static_cast<int64_t>(max_pages)});
-    batch.max_pos = max_pos;
-    const Tensor ids_dev = upload(be_, ids, buf_.ids, {T});
-    const Tensor rows_dev = upload(be_, rows, buf_.rows, {R});
+    Tensor logits;
+    bool ran = false;
+    if (graphs_ && T == B && R == B) {  // decode only: one token per sequence, each sampled
+      graph_pages.clear();
+      for (int si : batch_seqs) graph_pages.push_back(&seqs[si].pages);
+      ran = graphs_->run(ids, tok_pos, slots, graph_pages, max_seq_pages, logits);
+      if (ran) stats_.graph_steps++;
+    }
+    if (!ran) {
+      // One upload of [ids | seq | pos | slots | rows | page table] (one host round trip).
+      packed.clear();
+      for (const auto* v : {&ids, &tok_seq, &tok_pos, &slots, &rows, &table}) packed.insert(packed.end(), v->begin(), v->end());
+      const Tensor all = upload(be_, packed, buf_.packed, {static_cast<int64_t>(packed.size())});
+      PagedBatch batch;
+      const Tensor ids_dev = all.slice_rows(0, T);
+      batch.token_seq = all.slice_rows(T, 2 * T);
+      batch.token_pos = all.slice_rows(2 * T, 3 * T);
+      batch.slots = all.slice_rows(3 * T, 4 * T);
+      const Tensor rows_dev = all.slice_rows(4 * T, 4 * T + R);
+      batch.page_table = all.slice_rows(4 * T + R, 4 * T + R + static_cast<int64_t>(table.size()))
+                             .reshape({B, static_cast<int64_t>(max_pages)});
+      batch.max_pos = max_pos;
     if (!buf_.logits.defined() || buf_.logits.dim(0) < R) buf_.logits = be_.alloc({R, V}, DType::F32);
-    Tensor logits = buf_.logits.slice_rows(0, R);
+    logits = buf_.logits.slice_rows(0, R);
     model_forward_paged(be_, gen_, prec_, cache_, ids_dev, batch, rows_dev, logits);
+    }
     stats_.decode_steps++;
     sched.commit();
     if (!any_row) continue;

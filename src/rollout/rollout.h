@@ -57,13 +57,18 @@ struct RolloutStats {
   int preemptions = 0;   // sequences preempted because the KV pool was full (memory pressure)
   int max_running = 0;   // most sequences running at once
   int max_pages_used = 0;  // most KV pages in use at once
+  int graph_steps = 0;     // decode-only forwards run as CUDA-graph replays (or their recording step)
 };
 
 // How the engine batches (rollout/scheduler.h describes the policy).
 struct SchedulerOptions {
   int max_batch_tokens = 8192;  // tokens per forward: decode tokens first, then prefill chunks
   bool prefix_sharing = true;   // the n samples of a request share their prompt's full KV pages
+  bool cuda_graphs = true;      // decode-only steps as CUDA-graph replays where the backend records
+                                // them (rollout/decode_graphs.h; FP8RL_CUDA_GRAPHS=0 turns them off)
 };
+
+class DecodeGraphs;
 
 class RolloutEngine {
  public:
@@ -72,6 +77,9 @@ class RolloutEngine {
   // QuantTensors, others copied), and a KV pool of `kv_pages` pages of `page_size` tokens.
   RolloutEngine(Backend& backend, const ModelWeights& weights, const EnginePrecision& precision,
                 int kv_pages, int page_size = 16, int max_batch = 256, const SchedulerOptions& options = {});
+  ~RolloutEngine();
+  RolloutEngine(const RolloutEngine&) = delete;  // the decode graphs hold references to members
+  RolloutEngine& operator=(const RolloutEngine&) = delete;
 
   // Samples every request's n answers. Sequences are batched (up to max_batch sequences and
   // max_batch_tokens tokens per forward), KV pages allocated as they grow; when the pool runs
@@ -102,11 +110,11 @@ class RolloutEngine {
   // Device scratch reused across iterations and calls (fixed addresses once grown): the batch's
   // index tensors, sized for max_batch_tokens tokens / max_batch sequences, and the outputs.
   struct Buffers {
-    Tensor ids, token_seq, token_pos, slots;  // I32 [max_batch_tokens]
-    Tensor rows, tokens, logp;                // I32, I32, F32 [max_batch]
-    Tensor page_table;                        // I32 [page_table capacity], grown on demand
-    Tensor logits;                            // F32 [rows capacity * vocab], grown on demand
+    Tensor packed;        // I32: one iteration's [ids | seq | pos | slots | rows | page table], grown on demand
+    Tensor tokens, logp;  // I32, F32 [max_batch]
+    Tensor logits;        // F32 [rows capacity * vocab], grown on demand
   } buf_;
+  std::unique_ptr<DecodeGraphs> graphs_;  // null where the backend records no graphs
 };
 
 // The generator's copy of `master` in `precision`: FP8 linears get `wq` (and no `w`), the rest a
