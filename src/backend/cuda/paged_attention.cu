@@ -90,27 +90,39 @@ __device__ __forceinline__ void paged_store_out(void* out, bool bf, int64_t i, f
 // exp2(m - mn), 0 for an empty stream (m = -inf).
 __device__ __forceinline__ float paged_rescale(float m, float mn) { return m == -INFINITY ? 0.0f : exp2f(m - mn); }
 
-// kVec elements of a pool row as floats (E4M3 raw, without the scale).
+// A lane's kVec elements of a pool row: loaded as raw words (8 or 16 bytes), decoded to floats
+// where they are used (E4M3 without its scale), which keeps few registers live.
 template <class TP, int VEC>
-__device__ __forceinline__ void paged_load_row(const TP* p, float (&x)[VEC]) {
-  constexpr int kWords = VEC * static_cast<int>(sizeof(TP)) / 4;
+struct PagedRow {
+  static constexpr int kWords = VEC * static_cast<int>(sizeof(TP)) / 4;
   uint32_t w[kWords];
-  if constexpr (kWords == 4) {
+};
+template <class TP, int VEC>
+__device__ __forceinline__ void paged_load_row(const TP* p, PagedRow<TP, VEC>& r) {
+  if constexpr (PagedRow<TP, VEC>::kWords == 4) {
     const uint4 u = paged_ld16(p);
-    w[0] = u.x, w[1] = u.y, w[2] = u.z, w[3] = u.w;
+    r.w[0] = u.x, r.w[1] = u.y, r.w[2] = u.z, r.w[3] = u.w;
   } else {
     const uint2 u = paged_ld8(p);
-    w[0] = u.x, w[1] = u.y;
+    r.w[0] = u.x, r.w[1] = u.y;
   }
+}
+template <class TP, int VEC>
+__device__ __forceinline__ void paged_zero_row(PagedRow<TP, VEC>& r) {
 #pragma unroll
-  for (int i = 0; i < kWords; ++i) {
+  for (int i = 0; i < PagedRow<TP, VEC>::kWords; ++i) r.w[i] = 0;  // 0 is +0.0 in every pool dtype
+}
+template <class TP, int VEC>
+__device__ __forceinline__ void paged_decode_row(const PagedRow<TP, VEC>& r, float (&x)[VEC]) {
+#pragma unroll
+  for (int i = 0; i < PagedRow<TP, VEC>::kWords; ++i) {
     if constexpr (sizeof(TP) == 4) {
-      x[i] = __uint_as_float(w[i]);
+      x[i] = __uint_as_float(r.w[i]);
     } else if constexpr (sizeof(TP) == 2) {
-      x[2 * i] = bf16_bits_to_float(static_cast<uint16_t>(w[i] & 0xffffu));
-      x[2 * i + 1] = bf16_bits_to_float(static_cast<uint16_t>(w[i] >> 16));
+      x[2 * i] = bf16_bits_to_float(static_cast<uint16_t>(r.w[i] & 0xffffu));
+      x[2 * i + 1] = bf16_bits_to_float(static_cast<uint16_t>(r.w[i] >> 16));
     } else {
-      const float2 lo = e4m3x2_to_float2(w[i]), hi = e4m3x2_to_float2(w[i] >> 16);
+      const float2 lo = e4m3x2_to_float2(r.w[i]), hi = e4m3x2_to_float2(r.w[i] >> 16);
       x[4 * i] = lo.x, x[4 * i + 1] = lo.y, x[4 * i + 2] = hi.x, x[4 * i + 3] = hi.y;
     }
   }
@@ -182,7 +194,7 @@ __global__ void __launch_bounds__(32 * kPagedWarps) paged_attention_kernel(const
     const int n = sj1 - sj0;
     // Rows r = it * (NW * RPW * U) + u * (NW * RPW) + warp * RPW + rg, for u < U.
     for (int b0 = warp * RPW; b0 < n; b0 += NW * RPW * kPagedUnroll) {
-      float kx[kPagedUnroll][VEC], vx[kPagedUnroll][VEC];
+      PagedRow<TP, VEC> kr[kPagedUnroll], vr[kPagedUnroll];
       bool ok[kPagedUnroll];
 #pragma unroll
       for (int u = 0; u < kPagedUnroll; ++u) {
@@ -191,44 +203,58 @@ __global__ void __launch_bounds__(32 * kPagedWarps) paged_attention_kernel(const
         if (ok[u]) {
           const int64_t page = s_page[j / ps - p0];
           const int64_t off = ((page * ps + j % ps) * a.Hkv + hk) * HD + li * VEC;
-          paged_load_row<TP, VEC>(kpool + off, kx[u]);
-          paged_load_row<TP, VEC>(vpool + off, vx[u]);
+          paged_load_row(kpool + off, kr[u]);
+          paged_load_row(vpool + off, vr[u]);
         } else {
-#pragma unroll
-          for (int v = 0; v < VEC; ++v) kx[u][v] = vx[u][v] = 0.0f;
+          paged_zero_row(kr[u]);
+          paged_zero_row(vr[u]);
         }
       }
       float s[kPagedUnroll][GM];
 #pragma unroll
-      for (int u = 0; u < kPagedUnroll; ++u)
+      for (int u = 0; u < kPagedUnroll; ++u) {
+        float kx[VEC];
+        paged_decode_row(kr[u], kx);
 #pragma unroll
         for (int h = 0; h < GM; ++h) {
           float d = 0.0f;
 #pragma unroll
-          for (int v = 0; v < VEC; ++v) d += qr[h][v] * kx[u][v];
+          for (int v = 0; v < VEC; ++v) d += qr[h][v] * kx[v];
 #pragma unroll
           for (int o = LPR / 2; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
           s[u][h] = d;
         }
+      }
+      // Softmax update per head; V is decoded once per row and used by every head.
+      float corr[GM], p[kPagedUnroll][GM];
 #pragma unroll
       for (int h = 0; h < GM; ++h) {
         float mn = m[h];
 #pragma unroll
         for (int u = 0; u < kPagedUnroll; ++u)
           if (ok[u]) mn = fmaxf(mn, s[u][h]);
-        if (mn == -INFINITY) continue;  // no row for this stream in this step
-        const float corr = paged_rescale(m[h], mn);
-        l[h] *= corr;
-#pragma unroll
-        for (int v = 0; v < VEC; ++v) acc[h][v] *= corr;
+        // mn = -inf: no row for this stream in this step (corr 1 and p 0: nothing changes).
+        corr[h] = mn == -INFINITY ? 1.0f : paged_rescale(m[h], mn);
+        l[h] *= corr[h];
 #pragma unroll
         for (int u = 0; u < kPagedUnroll; ++u) {
-          const float p = ok[u] ? exp2f(s[u][h] - mn) : 0.0f;
-          l[h] += p;
-#pragma unroll
-          for (int v = 0; v < VEC; ++v) acc[h][v] += p * vx[u][v];
+          p[u][h] = ok[u] ? exp2f(s[u][h] - mn) : 0.0f;
+          l[h] += p[u][h];
         }
         m[h] = mn;
+      }
+#pragma unroll
+      for (int h = 0; h < GM; ++h)
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) acc[h][v] *= corr[h];
+#pragma unroll
+      for (int u = 0; u < kPagedUnroll; ++u) {
+        float vx[VEC];
+        paged_decode_row(vr[u], vx);
+#pragma unroll
+        for (int h = 0; h < GM; ++h)
+#pragma unroll
+          for (int v = 0; v < VEC; ++v) acc[h][v] += p[u][h] * vx[v];
       }
     }
   }
