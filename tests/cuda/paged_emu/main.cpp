@@ -192,7 +192,9 @@ int run(const Case& c) {
   return err < tol ? 0 : 1;
 }
 
-int main() {
+// Usage: emu [name-substring]  (runs only the cases whose name contains it)
+int main(int argc, char** argv) {
+  std::setvbuf(stdout, nullptr, _IONBF, 0);
   std::vector<Case> cases;
   {  // Llama-8B-like group 4, BF16 pool, decode of 3 sequences + a prefill chunk of one: auto splits
     Case c{"mixed decode+prefill G4 bf16", 128, 8, 2, 16, Pool::BF16, false, false, {37, 300, 1500}, {}, 0};
@@ -231,7 +233,8 @@ int main() {
     cases.push_back(c);
   }
   int bad = 0;
-  for (const Case& c : cases) bad += run(c);
+  for (const Case& c : cases)
+    if (argc < 2 || std::strstr(c.name, argv[1])) bad += run(c);
   std::printf(bad ? "FAIL\n" : "PASS\n");
   return bad;
 }
