@@ -49,14 +49,19 @@ std::vector<float> host_floats(const Tensor& t) {
   return to_float_vector(t.device() == DeviceKind::CUDA ? G().to_host(t) : t);
 }
 
-// Sets (or, with nullptr, clears) an environment switch for the scope.
+// Sets (or, with nullptr, clears) an environment switch for the scope; restores it after.
 struct EnvSwitch {
-  std::string name;
+  std::string name, old;
+  bool had = false;
   EnvSwitch(const char* n, const char* value) : name(n) {
+    if (const char* o = std::getenv(n)) had = true, old = o;
     if (value) setenv(n, value, 1);
     else unsetenv(n);
   }
-  ~EnvSwitch() { unsetenv(name.c_str()); }
+  ~EnvSwitch() {
+    if (had) setenv(name.c_str(), old.c_str(), 1);
+    else unsetenv(name.c_str());
+  }
 };
 
 struct Scenario {
@@ -193,7 +198,7 @@ TEST(CudaPagedAttention, GqaRatiosHeadDimsAndPools) {
   for (int hd : {64, 128})
     for (auto [Hq, Hkv] : {std::pair{4, 4}, std::pair{16, 4}, std::pair{16, 2}, std::pair{10, 2}})
       for (DType pool : {DType::BF16, DType::E4M3, DType::F32}) {
-        if (pool == DType::F32 && Hq != 16) continue;  // F32 pools: one ratio is enough
+        if (pool == DType::F32 && Hq != 16) continue;  // F32 pools: the two 16-head ratios suffice
         Scenario s{hd, Hq, Hkv, 16, pool, {1, 40, 131}, {}};
         s.tokens = {{0, 0}, {1, 39}, {2, 130}, {2, 100}, {2, 101}, {2, 102}, {1, 5}};
         check(s, static_cast<uint32_t>(hd + 7 * Hq + Hkv + static_cast<int>(pool)));
