@@ -6,8 +6,9 @@
 // online softmax, then either writes the output (one split) or a normalized partial output plus
 // its log-sum-exp (base 2) that paged_combine_kernel merges.
 //
-// Lanes: a row of hd elements is read by kLpr lanes, kVec elements each (16 bytes; 8 when a
-// group of 8 heads would need too many registers), so a warp reads kRpw rows per step. Each
+// Lanes: a row of hd elements is read by kLpr lanes, kVec elements each (16-byte loads; 8 bytes
+// where the group's q and accumulator registers would otherwise double the register count and
+// halve occupancy: E4M3 with 4+ heads, BF16 with 8), so a warp reads kRpw rows per step. Each
 // (warp, row group) is an independent softmax stream over every (4 * kRpw)-th row; the streams
 // are merged with log-sum-exp at the end (shuffles inside the warp, shared memory across warps).
 // q (FP8-quantized per (token, head) when asked, exactly as the CPU reference) is pre-scaled by
@@ -56,7 +57,10 @@ __device__ __forceinline__ int paged_imin(int a, int b) { return a < b ? a : b; 
 template <int HD, class TP, int GM>
 struct PagedCfg {
   static constexpr int kElt = static_cast<int>(sizeof(TP));
-  static constexpr int kVec = 16 / kElt < 64 / GM ? 16 / kElt : 64 / GM;  // elements per lane per row
+  // Elements per lane per row: q and the accumulator take 2 * GM * kVec registers, kept <= 64
+  // (ptxas: 128 -> 255 registers otherwise), within 8- to 16-byte loads.
+  static constexpr int kMaxVec = 16 / kElt, kMinVec = 8 / kElt, kWant = 32 / GM;
+  static constexpr int kVec = kWant > kMaxVec ? kMaxVec : kWant < kMinVec ? kMinVec : kWant;
   static constexpr int kLpr = HD / kVec;                                  // lanes per row
   static constexpr int kRpw = 32 / kLpr;                                  // rows per warp step
   static_assert(kLpr >= 1 && kLpr <= 32 && 32 % kLpr == 0, "head_dim / vector width must divide a warp");
