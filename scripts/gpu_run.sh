@@ -60,6 +60,44 @@ if [ -z "$BIN" ] && [ -x prebuilt/fp8rl_gpu_tests ]; then
 fi
 [ -z "$BIN" ] && { note "no binaries: stopping"; cat "$SUMMARY"; exit 1; }
 
+# Rollout throughput (issue #6), FP8RL_BENCH_GENERATE=1: `fp8rl bench generate` (4 recipes) on
+# each of FP8RL_BENCH_GENERATE_MODELS (default "1b 8b"), then the HF transformers floor
+# (scripts/bench_generate_hf.py) on FP8RL_BENCH_GENERATE_HF (default "1b 8b"), each while the
+# budget allows; HF shrinks its --gen-len to the time left. FP8RL_BENCH_GENERATE_WORKLOAD (e.g.
+# "--prompts 64 --gen-len 256") applies to both; FP8RL_BENCH_GENERATE_ONLY=1 stops after this.
+if [ "${FP8RL_BENCH_GENERATE:-0}" = 1 ]; then
+  bg_left() { echo $(( ${FP8RL_RUN_BUDGET_S:-520} - ($(date +%s) - t0) )); }
+  BG_WL="${FP8RL_BENCH_GENERATE_WORKLOAD:-}"
+  for m in ${FP8RL_BENCH_GENERATE_MODELS:-1b 8b}; do
+    if [ "$(bg_left)" -gt 90 ]; then
+      timeout $(( $(bg_left) - 45 )) "$BIN/fp8rl" bench generate --device cuda --model "$m" $BG_WL \
+        --json "$OUT/bench_generate_$m.json" > "$OUT/bench_generate_$m.log" 2>&1
+      note "bench generate $m: rc=$?"
+      grep -E "^(recipe |bf16 |fp8_)" "$OUT/bench_generate_$m.log" | tee -a "$SUMMARY"
+      grep -iE "error" "$OUT/bench_generate_$m.log" | head -3 >> "$SUMMARY"
+    else
+      note "bench generate $m: skipped (time)"
+    fi
+  done
+  for m in ${FP8RL_BENCH_GENERATE_HF:-1b 8b}; do
+    if [ "$(bg_left)" -gt 120 ]; then
+      timeout $(( $(bg_left) - 15 )) env PYTHONUNBUFFERED=1 python3 scripts/bench_generate_hf.py --model "$m" $BG_WL \
+        --budget-s $(( $(bg_left) - 30 )) --json "$OUT/bench_generate_hf_$m.json" > "$OUT/bench_generate_hf_$m.log" 2>&1
+      note "HF generate $m: rc=$?"
+      grep -E "^(engine |hf |--budget)" "$OUT/bench_generate_hf_$m.log" | tee -a "$SUMMARY"
+      tail -3 "$OUT/bench_generate_hf_$m.log" | grep -iE "error" >> "$SUMMARY"
+    else
+      note "HF generate $m: skipped (time)"
+    fi
+  done
+  if [ "${FP8RL_BENCH_GENERATE_ONLY:-0}" = 1 ]; then
+    echo "===== summary ($(( $(date +%s) - t0 )) s) ====="
+    cat "$SUMMARY"
+    tar czf "$OUT_TOP/logs.tgz" -C "$OUT_TOP" logs && rm -rf "$OUT"
+    exit 0
+  fi
+fi
+
 # Reference fixtures (torch + transformers live there): FP8RL_FIXTURES=1.
 if [ "${FP8RL_FIXTURES:-0}" = 1 ]; then
   timeout 240 python3 scripts/fixtures/make_fixtures.py "$OUT_TOP/fixtures" --device cpu > "$OUT/fixtures.log" 2>&1

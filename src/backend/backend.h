@@ -10,11 +10,16 @@
 // - Token-major packing: a batch of sequences is concatenated along tokens, T = sum of lengths;
 //   cu_seqlens[B+1] (host) gives each sequence's token range.
 // - Every op validates shapes/dtypes and throws fp8rl::Error with what is wrong.
+// - Data errors only the device can see (an out-of-range id, a non-finite FP8 quantizer input)
+//   may be raised by the op itself (CPU) or at the backend's next synchronizing call
+//   (synchronize, a copy to/from the host, a reduction, sample, quantize) on the GPU, whose ops
+//   do not stall the stream to check; either way they are raised, once, naming the op.
 // - The CPU backend also accepts F64 tensors in every float argument (FP64 gradient checks);
 //   it computes in double and rounds once into each output's dtype. Saved statistics (rstd,
 //   lse) may then be F64 too, and should be for gradient checks.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -26,10 +31,13 @@
 namespace fp8rl {
 
 // A linear layer's weight W[N, K] (+ bias[N]). `w` is the high-precision weight (FP32 master
-// on the trainer, or BF16). `wq`, when defined, is the pre-quantized 128x128 FP8 copy the
-// generator keeps (refit writes it); when the mode is FP8_BLOCK and `wq` is undefined, the op
-// quantizes `w` itself. A defined `wq` must have been quantized with the spec's pow2 setting
-// (checked). In FP8_BLOCK the output is the exact product of the dequantized operands rounded
+// on the trainer, or BF16). `wq`, when defined, is the pre-quantized 128x128 FP8 copy: the
+// generator's (refit writes it; no `w`), or the trainer's cache of quantize_128x128(w), made
+// once per optimizer step. In FP8_BLOCK a defined `wq` is THE quantized weight of the forward
+// and of dgrad (as W^T: the same 128x128 blocks and scales, transposed), and `w` is not read;
+// when `wq` is undefined the op quantizes `w` itself. So with both defined, `wq` must be the
+// quantization of `w` (the caller's invariant). A defined `wq` must have been quantized with the
+// spec's pow2 setting (checked). In FP8_BLOCK the output is the exact product of the dequantized operands rounded
 // once to the output dtype on the CPU (FP32 per-block accumulation on the GPU).
 struct LinearWeight {
   Tensor w;        // [N, K]
@@ -78,6 +86,23 @@ struct PagedBatch {
   int max_pos = 0;    // host: the largest token_pos + 1 (kernel sizing)
 };
 
+// A recorded sequence of ops (a CUDA graph) that replays with the same buffers: refill the
+// tensors the recorded ops read (same addresses), then replay(). Must not outlive its backend.
+class OpGraph {
+ public:
+  virtual ~OpGraph() = default;
+  virtual void replay() = 0;
+};
+
+// Device memory accounting of a backend (memory_stats). Bytes; "used" counts the live tensors
+// and scratch buffers the backend allocated, "reserved" what its allocator holds from the
+// device (>= used: a caching allocator keeps freed memory for reuse). Peaks since the backend
+// was made or since reset_peak_memory_stats().
+struct MemoryStats {
+  int64_t used_bytes = 0, peak_used_bytes = 0;
+  int64_t reserved_bytes = 0, peak_reserved_bytes = 0;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -94,9 +119,23 @@ class Backend {
   virtual void convert(const Tensor& src, Tensor& dst) = 0;
   virtual void fill(Tensor& t, float value) = 0;
   virtual void synchronize() {}
+  // Device memory accounting (CUDA); the CPU backend reports zeros.
+  virtual MemoryStats memory_stats() { return {}; }
+  virtual void reset_peak_memory_stats() {}
   Tensor to_device(const Tensor& host);  // allocates on this device and copies
   Tensor to_host(const Tensor& dev);     // allocates on the host and copies
   QuantTensor alloc_quant(int64_t rows, int64_t cols, int block_rows, int block_cols, bool pow2);
+
+  // Records the ops that `ops` issues, without running them, into a graph to replay later;
+  // nullptr when this backend cannot record (the CPU; CUDA with FP8RL_CUDA_GRAPHS=0 or plain
+  // allocation): the caller then just calls `ops`. Rules while recording: no synchronizing
+  // call (it fails), every tensor `ops` allocates is released inside it, and `ops` must have
+  // run once unrecorded with the same shapes (so scratch buffers have their size). Data errors
+  // of replays (flag_check) surface at the next synchronizing call.
+  virtual std::unique_ptr<OpGraph> record(const std::function<void()>& ops) {
+    (void)ops;
+    return nullptr;
+  }
 
   // ---- element-wise and reductions -------------------------------------------------------
   virtual void add(const Tensor& a, const Tensor& b, Tensor& out) = 0;     // out = a + b (out may alias a)
@@ -124,8 +163,8 @@ class Backend {
   virtual void linear(const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor& out) = 0;
   // Backward of linear. dx [M, K] written when non-null (dgrad: dY 1x128 along N, W^T);
   // dw F32 [N, K] and dbias F32 [N] accumulated when non-null (wgrad: dY^T and X^T requantized
-  // 1x128 along tokens). Uses W.w (the high-precision weight) for FP8 dgrad quantization
-  // (W.wq only when w is undefined). dbias is the sum of the unquantized dy.
+  // 1x128 along tokens). FP8 dgrad uses W.wq transposed when defined, else quantizes W.w
+  // (see LinearWeight); other modes need W.w. dbias is the sum of the unquantized dy.
   virtual void linear_backward(const Tensor& dy, const Tensor& x, const LinearWeight& W,
                                const LinearSpec& spec, Tensor* dx, Tensor* dw, Tensor* dbias) = 0;
 

@@ -65,9 +65,12 @@ Tensor random_device(CudaBackend& be, const Shape& shape, DType dtype, uint32_t 
   Tensor f = be.alloc({n}, DType::F32);
   for (int64_t off = 0; off < n; off += block) {
     const int64_t m = std::min(block, n - off);
-    CUDA_CHECK(cudaMemcpy(static_cast<float*>(f.raw()) + off, h.data(), m * 4, cudaMemcpyHostToDevice),
+    // On the backend's stream: its allocations are stream-ordered (device_memory.h).
+    CUDA_CHECK(cudaMemcpyAsync(static_cast<float*>(f.raw()) + off, h.data(), m * 4, cudaMemcpyHostToDevice,
+                               be.stream()),
                "uploading random data");
   }
+  be.synchronize();  // h (host) must outlive the uploads
   if (dtype == DType::F32) return f.reshape(shape);
   Tensor t = be.alloc(shape, dtype);
   Tensor fv = f.reshape(shape);

@@ -61,6 +61,7 @@ struct Phase {
   std::string name;
   double tokens = 0;  // tokens one run processes (generate: new tokens)
   std::vector<double> ms, cpu_ms;  // wall-clock and process CPU time (all threads) per run
+  MemoryStats mem;                 // device memory peaks over the phase (CUDA; zeros on the CPU)
   static double median(std::vector<double> s) {
     std::sort(s.begin(), s.end());
     const size_t n = s.size();
@@ -70,6 +71,7 @@ struct Phase {
 
 // Runs f once to warm up, then `repeats` times, each timed between two synchronizations.
 void time_phase(Backend& be, Phase& p, int repeats, const std::function<void()>& f) {
+  be.reset_peak_memory_stats();
   f();
   be.synchronize();
   for (int r = 0; r < repeats; ++r) {
@@ -80,6 +82,7 @@ void time_phase(Backend& be, Phase& p, int repeats, const std::function<void()>&
     p.ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
     p.cpu_ms.push_back(1000.0 * double(std::clock() - c0) / CLOCKS_PER_SEC);
   }
+  p.mem = be.memory_stats();
 }
 
 int run_bench(const std::vector<std::string>& argv) {
@@ -173,14 +176,21 @@ int run_bench(const std::vector<std::string>& argv) {
   j["repeats"] = repeats;
   // cpu ms: process CPU time of all threads (on a shared machine the wall time also counts
   // waiting for a core; on an idle one wall < cpu when the threads overlap).
-  std::printf("%-12s %11s %11s %11s %13s\n", "phase", "median ms", "min ms", "cpu ms", "tokens/s");
+  // peak GiB: device memory in use at the phase's peak (tensors + scratch; the pool reserves
+  // "reserved" of it); both include what was allocated before the phase and still lives.
+  std::printf("%-12s %11s %11s %11s %13s %10s %10s\n", "phase", "median ms", "min ms", "cpu ms", "tokens/s",
+              "peak GiB", "resv GiB");
   for (const Phase* p : {&score, &train, &gen}) {
     const double med = Phase::median(p->ms), mn = *std::min_element(p->ms.begin(), p->ms.end());
     const double cpu = Phase::median(p->cpu_ms);
     const double tps = p->tokens / (med / 1000.0);
-    std::printf("%-12s %11.1f %11.1f %11.1f %13.0f\n", p->name.c_str(), med, mn, cpu, tps);
+    const double gib = 1024.0 * 1024.0 * 1024.0;
+    std::printf("%-12s %11.1f %11.1f %11.1f %13.0f %10.2f %10.2f\n", p->name.c_str(), med, mn, cpu, tps,
+                p->mem.peak_used_bytes / gib, p->mem.peak_reserved_bytes / gib);
     j["phases"][p->name] = {{"median_ms", med}, {"min_ms", mn},         {"cpu_ms_median", cpu}, {"tokens", p->tokens},
-                            {"tokens_per_s", tps}, {"ms", p->ms}, {"cpu_ms", p->cpu_ms}};
+                            {"tokens_per_s", tps}, {"ms", p->ms}, {"cpu_ms", p->cpu_ms},
+                            {"peak_used_bytes", p->mem.peak_used_bytes},
+                            {"peak_reserved_bytes", p->mem.peak_reserved_bytes}};
   }
   j["threads_env"] = std::getenv("FP8RL_CPU_THREADS") ? std::getenv("FP8RL_CPU_THREADS") : "";
   if (args.has("json")) {

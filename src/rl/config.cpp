@@ -151,6 +151,8 @@ std::vector<Field> config_fields(RunConfig& c) {
   t.add_int("task.arithmetic.digits", k.arithmetic.digits, "each operand has 1..digits digits");
   t.add_string("task.arithmetic.operators", k.arithmetic.operators, "operators to draw from (subset of +-*/)");
   t.add_bool("task.arithmetic.parentheses", k.arithmetic.parentheses, "allow parenthesized sub-expressions");
+  t.add_choice("task.arithmetic.style", k.arithmetic.style, {"expression", "story"},
+               "expression: What is 3 + 4 * 2?; story: a word problem, worked left to right");
   t.add_int("task.countdown.numbers", k.countdown.numbers, "given numbers, each used exactly once (2..6)");
   t.add_int("task.countdown.max_number", k.countdown.max_number, "each number in [1, max_number]");
   t.add_int("task.countdown.max_target", k.countdown.max_target, "target in [1, max_target]");
@@ -218,6 +220,9 @@ std::vector<Field> config_fields(RunConfig& c) {
   t.add_int("sft.batch_size", c.sft.batch_size, "sequences per optimizer step");
   t.add_float("sft.lr", c.sft.lr, "peak learning rate of fp8rl sft (rest of the optimizer: train.*)");
   t.add_string("sft.data", c.sft.data, "jsonl of (prompt, answer); empty = the task's gold answers");
+  t.add_string("sft.mix_gsm8k_path", c.sft.mix_gsm8k_path, "GSM8K directory mixed into SFT batches; empty = none");
+  t.add_float("sft.mix_gsm8k_fraction", c.sft.mix_gsm8k_fraction, "fraction of each SFT batch from GSM8K train");
+  t.add_int64("sft.max_seq_tokens", c.sft.max_seq_tokens, "skip mixed-in sequences longer than this; 0 = no limit");
 
   t.add_int("steps", c.steps, "GRPO steps");
   t.add_int("val_every", c.val_every, "validate at step 0 and every N steps; 0 = never");
@@ -228,6 +233,7 @@ std::vector<Field> config_fields(RunConfig& c) {
   t.add_int64("seed", c.seed, "run seed");
   t.add_int("max_consecutive_bad_steps", c.max_consecutive_bad_steps,
             "abort after this many non-finite steps in a row");
+  t.add_float("time_budget_s", c.time_budget_s, "wall-clock budget of the run in seconds; 0 = none");
   return std::move(t.fields);
 }
 
@@ -507,6 +513,11 @@ void config_validate(const RunConfig& c) {
   need(c.sft.steps >= 0, "sft.steps", "must be >= 0");
   need(c.sft.batch_size >= 1, "sft.batch_size", "must be >= 1");
   need(c.sft.lr >= 0, "sft.lr", "must be >= 0");
+  need(c.sft.mix_gsm8k_fraction >= 0 && c.sft.mix_gsm8k_fraction <= 1, "sft.mix_gsm8k_fraction", "must be in [0, 1]");
+  need(c.sft.mix_gsm8k_fraction == 0 || !c.sft.mix_gsm8k_path.empty(), "sft.mix_gsm8k_path",
+       "is required when sft.mix_gsm8k_fraction > 0 (the GSM8K directory)");
+  need(c.sft.max_seq_tokens >= 0, "sft.max_seq_tokens", "must be >= 0 (0 = no limit)");
+  need(c.time_budget_s >= 0, "time_budget_s", "must be >= 0 (0 = none)");
 
   need(c.steps >= 0, "steps", "must be >= 0");
   need(c.val_every >= 0, "val_every", "must be >= 0 (0 = never)");

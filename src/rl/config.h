@@ -52,6 +52,8 @@ struct TaskSection {
     int digits = 1;                 // each operand has 1..digits digits
     std::string operators = "+-";   // any of "+-*/" ('/' only where exact)
     bool parentheses = false;
+    std::string style = "expression";  // expression ("What is 3 + 4 * 2?") | story (a word problem
+                                    // computed left to right, GSM8K-style worked solution)
     bool operator==(const Arithmetic&) const = default;
   } arithmetic;
   struct Countdown {                // tasks/task.h CountdownConfig
@@ -133,6 +135,9 @@ struct SftSection {
   int batch_size = 16;              // sequences per optimizer step
   double lr = 1e-3;                 // sft uses train.* for the rest of the optimizer
   std::string data;                 // jsonl (prompt, answer) file; "" = the task's gold answers
+  std::string mix_gsm8k_path;       // GSM8K directory whose train solutions are mixed in ("" = none)
+  double mix_gsm8k_fraction = 0.0;  // fraction of each SFT batch drawn from it
+  int64_t max_seq_tokens = 0;       // mixed-in sequences longer than this are skipped; 0 = no limit
   bool operator==(const SftSection&) const = default;
 };
 
@@ -152,6 +157,8 @@ struct RunConfig {
   std::string device = "cpu";       // cpu | cuda
   int64_t seed = 1234;
   int max_consecutive_bad_steps = 3;  // non-finite loss/grad steps skipped in a row before abort
+  double time_budget_s = 0;         // wall-clock budget of one train/sft run; 0 = none. The step
+                                    // that leaves no room for another is the last (validated, saved)
   bool operator==(const RunConfig&) const = default;
 };
 

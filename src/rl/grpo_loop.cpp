@@ -15,6 +15,7 @@
 #include "core/fs.h"
 #include "rl/checkpoint.h"
 #include "rl/loop.h"
+#include "rl/memory_plan.h"
 #include "rl/metrics.h"
 #include "rl/metrics_log.h"
 #include "rl/run_dir.h"
@@ -35,10 +36,6 @@ uint64_t mix(uint64_t a, uint64_t b) {
   x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
   return x ^ (x >> 31);
 }
-
-
-// KV pool pages for `seqs` concurrent sequences of up to `len` tokens.
-int kv_pages_for(int seqs, int len, int page_size) { return seqs * ((len + page_size - 1) / page_size) + 1; }
 
 // The starting policy of the demo: SFT of the tiny model, cached by config.
 std::string ensure_demo_policy(const RunConfig& c) {
@@ -106,6 +103,7 @@ void metrics_truncate_after(const std::string& path, int64_t last_step) {
 }  // namespace
 
 int grpo_run(const RunConfig& config_in, bool resume) {
+  const auto t_run = Clock::now();  // time_budget_s counts from here (setup and step-0 validation included)
   RunConfig c = config_in;
   if (c.model.path.empty()) {
     c.model.path = ensure_demo_policy(c);
@@ -132,6 +130,9 @@ int grpo_run(const RunConfig& config_in, bool resume) {
               host.config.model_type.c_str(), static_cast<long long>(model_count_parameters(host)), recipe.name.c_str(),
               linear_mode_name(recipe.generator.linear), fp8_kv ? " + FP8 KV" : "",
               linear_mode_name(recipe.trainer.linear), be.name().c_str());
+  std::fputs(memory_plan_format(memory_plan_compute(memory_plan_input(c, host.config, be.act_dtype())), host.config)
+                 .c_str(),
+             stdout);
   Trainer trainer(be, model_weights_to_device(be, host, DType::F32), recipe.trainer, trainer_options(c));
   std::unique_ptr<Trainer> reference;  // frozen initial policy for the k3 KL term
   if (c.train.kl_beta > 0) {
@@ -139,9 +140,8 @@ int grpo_run(const RunConfig& config_in, bool resume) {
     reference = std::make_unique<Trainer>(be, model_weights_to_device(be, ref, DType::F32), recipe.trainer,
                                           trainer_options(c));
   }
-  const int max_len = 2048;
-  RolloutEngine engine(be, trainer.master(), recipe.generator,
-                       kv_pages_for(std::max(P * G, c.val_size), std::min(max_len, 256 + c.rollout.max_new_tokens), 16));
+  RolloutEngine engine(be, trainer.master(), recipe.generator, static_cast<int>(memory_plan_kv_pages(c)), 16,
+                       kRolloutMaxBatch);
   if (ckpt) {
     state = checkpoint_read_state(*ckpt);
     checkpoint_load_optimizer(be, trainer, *ckpt, state);
@@ -180,7 +180,20 @@ int grpo_run(const RunConfig& config_in, bool resume) {
   }
 
   BadStepGuard bad_steps(c.max_consecutive_bad_steps, "Lower train.lr or check the data.");
+  double slowest_step_s = 0;  // with validation: what one more step may cost
   for (int64_t step = state.step + 1; step <= c.steps; ++step) {
+    // time_budget_s: a step that leaves no time for another (at the slowest step's pace) is the
+    // last: it validates and checkpoints like step `steps`. A step slower than predicted can
+    // still overrun; then the run stops here, before starting one that would not finish.
+    if (c.time_budget_s > 0 && step > state.step + 1 && seconds_since(t_run) + slowest_step_s > c.time_budget_s) {
+      std::printf("time budget: %.0f s of %.0f s used after step %lld of %d; stopping\n",
+                  seconds_since(t_run), c.time_budget_s, static_cast<long long>(step - 1), c.steps);
+      break;
+    }
+    const bool final_step =
+        step == c.steps || (c.time_budget_s > 0 && seconds_since(t_run) + 2 * slowest_step_s > c.time_budget_s);
+    if (final_step && step < c.steps)
+      std::printf("time budget: step %lld is the last that fits in %.0f s\n", static_cast<long long>(step), c.time_budget_s);
     StepMetrics m;
     m.step = step;
     const auto t_step = Clock::now();
@@ -211,6 +224,7 @@ int grpo_run(const RunConfig& config_in, bool resume) {
     std::vector<TrainSequence> seqs;
     std::vector<float> logp_gen;
     std::vector<int64_t> offsets{0};
+    t0 = Clock::now();
     for (const RolloutSample& r : samples) {
       const double rw = s.task->reward(s.response_text(r.tokens), items[r.request].answer);
       rewards.push_back(static_cast<float>(rw));
@@ -224,6 +238,7 @@ int grpo_run(const RunConfig& config_in, bool resume) {
       logp_gen.insert(logp_gen.end(), r.logp.begin(), r.logp.end());
       offsets.push_back(offsets.back() + static_cast<int64_t>(r.tokens.size()));
     }
+    const double time_reward_s = seconds_since(t0);
     const std::vector<float> adv = grpo_compute_advantages(rewards, G, c.train.baseline);
     m.reward_mean = metrics_mean(rewards);
     m.accuracy = metrics_accuracy(correct);
@@ -305,8 +320,12 @@ int grpo_run(const RunConfig& config_in, bool resume) {
     state.optimizer_step = trainer.optimizer_step();
     state.kv_scales = scales;
 
-    // 6. Validation, metrics, checkpoint.
-    if (c.val_every > 0 && (step % c.val_every == 0 || step == c.steps)) {
+    // 6. Validation, metrics, checkpoint. Timing without validation: what the step costs.
+    const double step_s = seconds_since(t_step);
+    m.extra.push_back({"time_reward_s", time_reward_s});
+    m.extra.push_back({"time_step_excl_val_s", step_s});
+    m.extra.push_back({"time_refit_calib_fraction", (m.time_refit_s + m.time_calibration_s) / std::max(1e-9, step_s)});
+    if (c.val_every > 0 && (step % c.val_every == 0 || final_step)) {
       ValResult v = validate(s, engine, c.val_size, c.rollout.max_new_tokens);
       m.val_accuracy = v.accuracy;
       last_val = {step, v.accuracy};
@@ -314,9 +333,11 @@ int grpo_run(const RunConfig& config_in, bool resume) {
       m.extra.push_back({"time_validation_s", v.seconds});
     }
     m.time_step_s = seconds_since(t_step);
+    slowest_step_s = std::max(slowest_step_s, m.time_step_s);
     log.write(m, c.steps);
-    if ((c.checkpoint_every > 0 && step % c.checkpoint_every == 0) || step == c.steps)
+    if ((c.checkpoint_every > 0 && step % c.checkpoint_every == 0) || final_step)
       checkpoint_save(be, trainer, state, run.checkpoints_dir(), s.tokenizer_json);
+    if (final_step) break;
   }
   if (first_val && last_val)
     std::printf("validation accuracy: %.3f at step %lld -> %.3f at step %lld (%+.1f points)\n", first_val->second,

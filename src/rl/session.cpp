@@ -91,22 +91,26 @@ std::string Session::response_text(const std::vector<int32_t>& tokens) const {
   return tokenizer.decode(t, /*skip_special=*/true);
 }
 
-ModelWeights session_initial_policy(const Session& s) {
-  const RunConfig& c = s.config;
-  if (!c.model.path.empty()) return model_weights_load(c.model.path, DType::F32);
-  const TinyModelConfig& t = c.model.tiny;
-  ModelConfig mc = model_config_tiny("qwen3", s.tokenizer.vocab_size(), t.hidden_size, t.num_layers, t.num_heads,
-                                     t.num_kv_heads, t.intermediate_size);
+ModelConfig session_tiny_model_config(const TinyModelConfig& t, int vocab_size, int32_t eos_id) {
+  ModelConfig mc = model_config_tiny("qwen3", vocab_size, t.hidden_size,
+                                     t.num_layers, t.num_heads, t.num_kv_heads, t.intermediate_size);
   mc.head_dim = t.head_dim;
   mc.qk_norm = t.qk_norm;
   mc.max_position_embeddings = t.max_position_embeddings;
   mc.rope_theta = static_cast<float>(t.rope_theta);
-  mc.eos_token_id = s.eos_id;
-  mc.eos_token_ids = {s.eos_id};
+  mc.eos_token_id = eos_id;
+  mc.eos_token_ids = {eos_id};
   mc.validate();
+  return mc;
+}
+
+ModelWeights session_initial_policy(const Session& s) {
+  const RunConfig& c = s.config;
+  if (!c.model.path.empty()) return model_weights_load(c.model.path, DType::F32);
+  ModelConfig mc = session_tiny_model_config(c.model.tiny, s.tokenizer.vocab_size(), s.eos_id);
   RandomInit init;
   init.seed = static_cast<uint64_t>(c.seed);
-  init.std = static_cast<float>(t.init_std);
+  init.std = static_cast<float>(c.model.tiny.init_std);
   return model_weights_random(mc, init, DType::F32);
 }
 
@@ -165,6 +169,7 @@ std::unique_ptr<Task> task_create(const TaskSection& t, uint64_t seed) {
     a.digits = t.arithmetic.digits;
     a.operators = t.arithmetic.operators;
     a.parentheses = t.arithmetic.parentheses;
+    a.story = t.arithmetic.style == "story";
     return task_make_arithmetic(a);
   }
   if (t.name == "countdown") {

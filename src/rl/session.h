@@ -36,6 +36,10 @@ Session session_open(const RunConfig& config, const std::string& cache_dir);
 // The starting policy on the host (F32): model.path, or a tiny random model (seeded).
 ModelWeights session_initial_policy(const Session& s);
 
+// The Qwen3-shaped config of the tiny model (model.tiny.*) over the tokenizer's vocabulary
+// (model.tiny.vocab_size only sizes the small built-in tokenizer).
+ModelConfig session_tiny_model_config(const TinyModelConfig& t, int vocab_size, int32_t eos_id);
+
 // The trainer's optimizer settings from train.* (SFT and GRPO share them; SFT swaps the lr).
 TrainerOptions trainer_options(const RunConfig& config);
 

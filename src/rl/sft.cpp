@@ -1,11 +1,14 @@
 // `fp8rl sft`: teacher forcing on the task's worked solutions (prompt tokens are context, the
 // loss is the mean negative log-likelihood of the solution tokens and the EOS).
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <memory>
 
 #include "core/error.h"
 #include "rl/checkpoint.h"
 #include "rl/loop.h"
+#include "rl/memory_plan.h"
 #include "rl/metrics_log.h"
 #include "rl/run_dir.h"
 #include "rl/session.h"
@@ -25,7 +28,31 @@ std::string sft_run(const RunConfig& c) {
   std::printf("sft: %s, %lld parameters, trainer %s, %d steps x %d sequences\n", host.config.model_type.c_str(),
               static_cast<long long>(model_count_parameters(host)), linear_mode_name(recipe.trainer.linear),
               c.sft.steps, c.sft.batch_size);
+  std::fputs(memory_plan_format(memory_plan_compute(memory_plan_input(c, host.config, be.act_dtype())), host.config)
+                 .c_str(),
+             stdout);
   Trainer trainer(be, model_weights_to_device(be, host, DType::F32), recipe.trainer, trainer_options(c));
+  // GSM8K train solutions mixed into every batch (sft.mix_gsm8k_*), read in order, wrapping.
+  std::unique_ptr<Task> mix;
+  int mix_per_batch = 0;
+  int64_t mix_next = 0, mix_skipped = 0;
+  if (c.sft.mix_gsm8k_fraction > 0) {
+    mix = task_make_gsm8k(c.sft.mix_gsm8k_path, static_cast<uint64_t>(c.task.seed ? c.task.seed : c.seed));
+    mix_per_batch = static_cast<int>(c.sft.mix_gsm8k_fraction * c.sft.batch_size + 0.5);
+    std::printf("sft: %d of %d sequences per batch from %s (GSM8K train, %zu items)\n", mix_per_batch,
+                c.sft.batch_size, c.sft.mix_gsm8k_path.c_str(), mix->size(Split::kTrain));
+  }
+  auto make_sequence = [&](const TaskItem& it) {
+    TrainSequence t;
+    t.ids = s.prompt_ids(it);
+    t.prompt_len = static_cast<int>(t.ids.size());
+    std::vector<int32_t> sol = s.solution_ids(it);
+    t.ids.insert(t.ids.end(), sol.begin(), sol.end());
+    return t;
+  };
+  const auto t_run = Clock::now();
+  double slowest_step_s = 0;
+  int64_t steps_done = 0;
   TrainSection ts = c.train;
   ts.lr = c.sft.lr;
   const LrSchedule sched = config_lr_schedule(ts, c.sft.steps);
@@ -34,18 +61,30 @@ std::string sft_run(const RunConfig& c) {
   BadStepGuard bad_steps(c.max_consecutive_bad_steps, "Lower sft.lr.");
   for (int64_t step = 1; step <= c.sft.steps; ++step) {
     const auto t0 = Clock::now();
+    const double elapsed = std::chrono::duration<double>(t0 - t_run).count();
+    if (c.time_budget_s > 0 && step > 1 && elapsed + slowest_step_s > c.time_budget_s) {
+      std::fprintf(stderr, "\nsft: time budget %.0f s reached after step %lld of %d; saving\n", c.time_budget_s,
+                   static_cast<long long>(step - 1), c.sft.steps);
+      break;
+    }
     std::vector<TrainSequence> seqs;
     int64_t tokens = 0;
-    for (int i = 0; i < c.sft.batch_size; ++i) {
-      TaskItem it = s.train_item((step - 1) * c.sft.batch_size + i);
-      TrainSequence t;
-      t.ids = s.prompt_ids(it);
-      t.prompt_len = static_cast<int>(t.ids.size());
-      std::vector<int32_t> sol = s.solution_ids(it);
-      t.ids.insert(t.ids.end(), sol.begin(), sol.end());
-      tokens += t.response_len();
-      seqs.push_back(std::move(t));
+    const int own = c.sft.batch_size - mix_per_batch;
+    for (int i = 0; i < own; ++i) seqs.push_back(make_sequence(s.train_item((step - 1) * own + i)));
+    for (int i = 0; i < mix_per_batch; ++i) {
+      for (int tries = 0;; ++tries) {
+        FP8RL_CHECK(tries < 1000, "sft: no GSM8K solution fits sft.max_seq_tokens=", c.sft.max_seq_tokens,
+                    "; raise it (0 = no limit)");
+        TrainSequence t = make_sequence(mix->item(Split::kTrain, static_cast<size_t>(mix_next++) % mix->size(Split::kTrain)));
+        if (c.sft.max_seq_tokens > 0 && static_cast<int64_t>(t.ids.size()) > c.sft.max_seq_tokens) {
+          ++mix_skipped;
+          continue;
+        }
+        seqs.push_back(std::move(t));
+        break;
+      }
     }
+    for (const TrainSequence& t : seqs) tokens += t.response_len();
     const double lr = lr_schedule_at(sched, step - 1);
     StepResult r = trainer.step(seqs, 1.0f, [&](size_t, size_t, const std::vector<float>& lp, std::vector<float>& g) {
       double l = 0;
@@ -55,6 +94,8 @@ std::string sft_run(const RunConfig& c) {
       }
       return l / static_cast<double>(tokens);
     }, static_cast<float>(lr));
+    steps_done = step;
+    slowest_step_s = std::max(slowest_step_s, std::chrono::duration<double>(Clock::now() - t0).count());
     if (!bad_steps.record(r, step)) continue;
     StepMetrics m;
     m.step = step;
@@ -63,7 +104,9 @@ std::string sft_run(const RunConfig& c) {
     m.lr = lr;
     m.time_train_s = std::chrono::duration<double>(Clock::now() - t0).count();
     m.extra.push_back({"tokens", static_cast<double>(tokens)});
-    const bool last = step == c.sft.steps;
+    const bool last = step == c.sft.steps ||
+                      (c.time_budget_s > 0 && std::chrono::duration<double>(Clock::now() - t_run).count() +
+                                                      2 * slowest_step_s > c.time_budget_s);
     if (c.val_every > 0 && (last || step % std::max(1, c.sft.steps / 5) == 0)) {
       RolloutEngine engine(be, trainer.master(), recipe.generator, c.val_size * 8 + 8);
       ValResult v = validate(s, engine, c.val_size, c.rollout.max_new_tokens);
@@ -73,10 +116,16 @@ std::string sft_run(const RunConfig& c) {
     }
     if (last || step % 20 == 0) log.write(m, c.sft.steps);
     progress.update(step);
+    if (last && step < c.sft.steps)
+      std::fprintf(stderr, "\nsft: step %lld is the last that fits in time_budget_s=%.0f s\n",
+                   static_cast<long long>(step), c.time_budget_s);
+    if (last) break;
   }
   progress.finish();
+  if (mix_skipped) std::printf("sft: skipped %lld GSM8K solutions longer than %lld tokens\n",
+                               static_cast<long long>(mix_skipped), static_cast<long long>(c.sft.max_seq_tokens));
   TrainerState st;
-  st.step = c.sft.steps;
+  st.step = steps_done;
   st.optimizer_step = trainer.optimizer_step();
   st.seed = static_cast<uint64_t>(c.seed);
   return checkpoint_save(be, trainer, st, run.checkpoints_dir(), s.tokenizer_json);

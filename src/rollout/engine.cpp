@@ -1,16 +1,16 @@
-// RolloutEngine: continuous batching over the paged KV cache. Each iteration runs one
-// generation forward over a mixed batch: the whole prompt of every newly admitted sequence
-// (prefill) and the last sampled token of every running one (decode); then one sampling op.
-// A sequence is admitted when a batch slot and the pages for prompt + max_new_tokens are free,
-// and gives its pages back when it finishes.
+// RolloutEngine: continuous batching over the paged KV cache. Each iteration the scheduler
+// (scheduler.h) plans a mixed batch of decode tokens and prefill chunks within max_batch_tokens;
+// the engine runs one generation forward over it and one sampling op over the sequences whose
+// chunk reached their last token, and ends the sequences that stopped.
 #include <algorithm>
 #include <cmath>
-#include <numeric>
 #include <random>
 
 #include "core/error.h"
 #include "model/transformer.h"
+#include "rollout/decode_graphs.h"
 #include "rollout/rollout.h"
+#include "rollout/scheduler.h"
 
 namespace fp8rl {
 
@@ -25,32 +25,40 @@ uint64_t splitmix64(uint64_t x) {
   return x ^ (x >> 31);
 }
 
-struct Sequence {
-  int request = 0, index = 0;
-  std::vector<int32_t> ids;    // prompt + generated so far
-  int prompt_len = 0;
-  int cached = 0;              // tokens whose k/v are in the cache
-  std::vector<int32_t> pages;  // in order
-  std::mt19937_64 rng;
-  RolloutSample out;
-};
-
-Tensor host_i32(const std::vector<int32_t>& v, Shape shape) {
-  Tensor t = Tensor::empty(shape, DType::I32);
-  std::copy(v.begin(), v.end(), t.data<int32_t>());
-  return t;
+// The first v.size() elements of the device buffer `buf` (I32, 1-D; grown when too small) as
+// `shape`, holding v (copied from the host).
+Tensor upload(Backend& be, const std::vector<int32_t>& v, Tensor& buf, const Shape& shape) {
+  const int64_t n = static_cast<int64_t>(v.size());
+  Tensor host = Tensor::empty(shape, DType::I32);
+  FP8RL_CHECK(host.numel() == n, "rollout: internal error: upload of ", n, " values as ", shape_str(shape));
+  std::copy(v.begin(), v.end(), host.data<int32_t>());
+  if (!buf.defined() || buf.numel() < n) buf = be.alloc({std::max<int64_t>(n, 2 * (buf.defined() ? buf.numel() : 0))}, DType::I32);
+  Tensor dst = buf.slice_rows(0, n).reshape(shape);
+  be.copy(host, dst);
+  return dst;
 }
 
 }  // namespace
 
 RolloutEngine::RolloutEngine(Backend& be, const ModelWeights& weights, const EnginePrecision& prec, int kv_pages,
-                             int page_size, int max_batch)
-    : be_(be), prec_(prec), page_size_(page_size), max_batch_(max_batch) {
-  FP8RL_CHECK(kv_pages > 0 && page_size > 0 && max_batch > 0, "rollout: kv_pages, page_size and max_batch must "
-              "be positive");
+                             int page_size, int max_batch, const SchedulerOptions& options)
+    : be_(be), prec_(prec), page_size_(page_size), max_batch_(max_batch), opt_(options) {
+  FP8RL_CHECK(kv_pages > 0 && page_size > 0 && max_batch > 0 && options.max_batch_tokens > 0,
+              "rollout: kv_pages, page_size, max_batch and max_batch_tokens must be positive");
   gen_ = generator_weights_alloc(be, weights, prec);
   cache_ = model_alloc_kv_cache(be, weights.config, kv_pages, page_size, prec.kv_cache);
+  buf_.packed = be.alloc({5 * static_cast<int64_t>(options.max_batch_tokens) + 64 * max_batch}, DType::I32);
+  buf_.tokens = be.alloc({max_batch}, DType::I32);
+  buf_.logp = be.alloc({max_batch}, DType::F32);
+  // Decode-only steps replay CUDA graphs where the backend can record them; the pool's last
+  // page is then kept back for the graphs' padding rows.
+  if (options.cuda_graphs && kv_pages > 1) {
+    graphs_ = std::make_unique<DecodeGraphs>(be, gen_, prec_, cache_, max_batch, kv_pages - 1);
+    if (graphs_->disabled()) graphs_.reset();
+  }
 }
+
+RolloutEngine::~RolloutEngine() = default;
 
 void RolloutEngine::refit(const ModelWeights& master, const KvScales* scales) {
   const int L = cache_.num_layers, H = cache_.num_kv_heads;
@@ -95,20 +103,24 @@ std::vector<RolloutSample> RolloutEngine::generate(const std::vector<RolloutRequ
   stats_ = RolloutStats{};
 
   std::vector<Sequence> seqs;
+  const int usable_pages = cache_.num_pages - (graphs_ ? 1 : 0);  // the graphs' padding page
+  int max_seq_pages = 1;
   for (size_t i = 0; i < requests.size(); ++i) {
     const auto& r = requests[i];
     FP8RL_CHECK(!r.prompt.empty(), "request ", i, " has an empty prompt");
     FP8RL_CHECK(r.n >= 1, "request ", i, " asks for ", r.n, " samples");
     for (int32_t id : r.prompt) FP8RL_CHECK(id >= 0 && id < V, "request ", i, ": token id ", id, " outside the vocabulary [0, ", V, ")");
     const int need = static_cast<int>(ceil_div(static_cast<int64_t>(r.prompt.size()) + sp.max_new_tokens, page_size_));
-    FP8RL_CHECK(need <= cache_.num_pages, "request ", i, " needs ", need, " KV pages (prompt ", r.prompt.size(),
-                " + max_new_tokens ", sp.max_new_tokens, ") but the pool has ", cache_.num_pages,
+    max_seq_pages = std::max(max_seq_pages, need);
+    FP8RL_CHECK(need <= usable_pages, "request ", i, " needs ", need, " KV pages (prompt ", r.prompt.size(),
+                " + max_new_tokens ", sp.max_new_tokens, ") but the pool has ", usable_pages,
                 "; raise the KV pool size or lower max_new_tokens");
     for (int j = 0; j < r.n; ++j) {
       Sequence s;
       s.request = static_cast<int>(i);
       s.index = j;
       s.ids = r.prompt;
+      s.ids.reserve(r.prompt.size() + sp.max_new_tokens);
       s.prompt_len = static_cast<int>(r.prompt.size());
       s.rng.seed(splitmix64(sp.seed ^ splitmix64((static_cast<uint64_t>(i) << 32) | static_cast<uint64_t>(j))));
       s.out.request = s.request;
@@ -118,86 +130,91 @@ std::vector<RolloutSample> RolloutEngine::generate(const std::vector<RolloutRequ
     }
   }
 
-  std::vector<int32_t> free_pages(cache_.num_pages);
-  std::iota(free_pages.rbegin(), free_pages.rend(), 0);
-  size_t next = 0;                  // next sequence to admit
-  std::vector<int> running;         // indices into seqs
-  Tensor logits_dev, tokens_dev, logp_dev;
+  Scheduler sched(seqs, usable_pages, {page_size_, max_batch_, opt_.max_batch_tokens, opt_.prefix_sharing}, stats_);
+  // Host staging of one iteration's batch (capacity kept across iterations).
+  std::vector<int32_t> ids, tok_seq, tok_pos, slots, rows, table, packed;
+  std::vector<float> temp, top_p, uniforms;
+  std::vector<int> top_k;
+  std::vector<const std::vector<int32_t>*> graph_pages;
+  while (!sched.done()) {
+    const std::vector<int>& batch_seqs = sched.schedule();
+    if (batch_seqs.empty()) continue;  // everything scheduled was preempted: plan again
 
-  while (next < seqs.size() || !running.empty()) {
-    // Admit. A wave: an iteration that admits new sequences.
-    const size_t admitted_before = next;
-    while (next < seqs.size() && static_cast<int>(running.size()) < max_batch_) {
-      Sequence& s = seqs[next];
-      const size_t need = ceil_div(s.prompt_len + sp.max_new_tokens, page_size_);
-      if (free_pages.size() < need) break;
-      for (size_t p = 0; p < need; ++p) {
-        s.pages.push_back(free_pages.back());
-        free_pages.pop_back();
-      }
-      running.push_back(static_cast<int>(next++));
-    }
-    FP8RL_CHECK(!running.empty(), "rollout: no sequence fits the KV pool");
-    if (next > admitted_before) stats_.waves++;
-
-    // The batch: every token not yet in the cache of every running sequence.
-    const int B = static_cast<int>(running.size());
+    // The batch: each scheduled sequence's chunk; a row of logits for each chunk that ends at
+    // its sequence's last token (the others are unfinished prefills).
+    const int B = static_cast<int>(batch_seqs.size());
     size_t max_pages = 0;
-    for (int si : running) max_pages = std::max(max_pages, seqs[si].pages.size());
-    std::vector<int32_t> ids, tok_seq, tok_pos, slots, rows, table(B * max_pages, 0);
+    for (int si : batch_seqs) max_pages = std::max(max_pages, seqs[si].pages.size());
+    ids.clear(), tok_seq.clear(), tok_pos.clear(), slots.clear(), rows.clear();
+    table.assign(B * max_pages, 0);
     int max_pos = 0;
     for (int b = 0; b < B; ++b) {
-      Sequence& s = seqs[running[b]];
+      const Sequence& s = seqs[batch_seqs[b]];
       std::copy(s.pages.begin(), s.pages.end(), table.begin() + b * max_pages);
-      for (int pos = s.cached; pos < static_cast<int>(s.ids.size()); ++pos) {
+      for (int pos = s.cached; pos < s.cached + s.chunk; ++pos) {
         ids.push_back(s.ids[pos]);
         tok_seq.push_back(b);
         tok_pos.push_back(pos);
         slots.push_back(s.pages[pos / page_size_] * page_size_ + pos % page_size_);
-        max_pos = std::max(max_pos, pos + 1);
       }
-      rows.push_back(static_cast<int32_t>(ids.size()) - 1);
-      s.cached = static_cast<int>(s.ids.size());
+      max_pos = std::max(max_pos, s.cached + s.chunk);
+      if (s.samples()) rows.push_back(static_cast<int32_t>(ids.size()) - 1);
     }
-    const int64_t T = static_cast<int64_t>(ids.size());
-    PagedBatch batch;
-    batch.token_seq = be_.to_device(host_i32(tok_seq, {T}));
-    batch.token_pos = be_.to_device(host_i32(tok_pos, {T}));
-    batch.slots = be_.to_device(host_i32(slots, {T}));
-    batch.page_table = be_.to_device(host_i32(table, {B, static_cast<int64_t>(max_pages)}));
-    batch.max_pos = max_pos;
-    Tensor ids_dev = be_.to_device(host_i32(ids, {T}));
-    Tensor rows_dev = be_.to_device(host_i32(rows, {B}));
-    logits_dev = be_.alloc({B, V}, DType::F32);
-    model_forward_paged(be_, gen_, prec_, cache_, ids_dev, batch, rows_dev, logits_dev);
-
-    std::vector<float> temp(B, sp.temperature), top_p(B, sp.top_p), uniforms(B);
-    std::vector<int> top_k(B, sp.top_k);
-    for (int b = 0; b < B; ++b) uniforms[b] = static_cast<float>(seqs[running[b]].rng() >> 40) * 0x1.0p-24f;
-    tokens_dev = be_.alloc({B}, DType::I32);
-    logp_dev = be_.alloc({B}, DType::F32);
-    be_.sample(logits_dev, temp, top_p, top_k, uniforms, tokens_dev, logp_dev);
-    Tensor tokens = be_.to_host(tokens_dev), logp = be_.to_host(logp_dev);
+    const bool any_row = !rows.empty();
+    if (!any_row) rows.push_back(0);  // only unfinished prefills: one row computed, not sampled
+    const int64_t T = static_cast<int64_t>(ids.size()), R = static_cast<int64_t>(rows.size());
+    Tensor logits;
+    bool ran = false;
+    if (graphs_ && T == B && R == B) {  // decode only: one token per sequence, each sampled
+      graph_pages.clear();
+      for (int si : batch_seqs) graph_pages.push_back(&seqs[si].pages);
+      ran = graphs_->run(ids, tok_pos, slots, graph_pages, max_seq_pages, logits);
+      if (ran) stats_.graph_steps++;
+    }
+    if (!ran) {
+      // One upload of [ids | seq | pos | slots | rows | page table] (one host round trip).
+      packed.clear();
+      for (const auto* v : {&ids, &tok_seq, &tok_pos, &slots, &rows, &table}) packed.insert(packed.end(), v->begin(), v->end());
+      const Tensor all = upload(be_, packed, buf_.packed, {static_cast<int64_t>(packed.size())});
+      PagedBatch batch;
+      const Tensor ids_dev = all.slice_rows(0, T);
+      batch.token_seq = all.slice_rows(T, 2 * T);
+      batch.token_pos = all.slice_rows(2 * T, 3 * T);
+      batch.slots = all.slice_rows(3 * T, 4 * T);
+      const Tensor rows_dev = all.slice_rows(4 * T, 4 * T + R);
+      batch.page_table = all.slice_rows(4 * T + R, 4 * T + R + static_cast<int64_t>(table.size()))
+                             .reshape({B, static_cast<int64_t>(max_pages)});
+      batch.max_pos = max_pos;
+    if (!buf_.logits.defined() || buf_.logits.dim(0) < R) buf_.logits = be_.alloc({R, V}, DType::F32);
+    logits = buf_.logits.slice_rows(0, R);
+    model_forward_paged(be_, gen_, prec_, cache_, ids_dev, batch, rows_dev, logits);
+    }
     stats_.decode_steps++;
+    sched.commit();
+    if (!any_row) continue;
 
-    std::vector<int> still;
-    for (int b = 0; b < B; ++b) {
-      Sequence& s = seqs[running[b]];
-      const int32_t tok = tokens.data<int32_t>()[b];
+    // Sample: each sequence draws its uniform from its own stream, once per sampled token.
+    temp.assign(R, sp.temperature), top_p.assign(R, sp.top_p), top_k.assign(R, sp.top_k), uniforms.clear();
+    for (int si : batch_seqs)
+      if (seqs[si].cached == seqs[si].len()) uniforms.push_back(static_cast<float>(seqs[si].rng() >> 40) * 0x1.0p-24f);
+    Tensor tokens_dev = buf_.tokens.slice_rows(0, R), logp_dev = buf_.logp.slice_rows(0, R);
+    be_.sample(logits, temp, top_p, top_k, uniforms, tokens_dev, logp_dev);
+    const Tensor tokens = be_.to_host(tokens_dev), logp = be_.to_host(logp_dev);
+    int r = 0;
+    for (int si : batch_seqs) {
+      Sequence& s = seqs[si];
+      if (s.cached != s.len()) continue;
+      const int32_t tok = tokens.data<int32_t>()[r];
       s.ids.push_back(tok);
       s.out.tokens.push_back(tok);
-      s.out.logp.push_back(logp.data<float>()[b]);
+      s.out.logp.push_back(logp.data<float>()[r++]);
       stats_.generated_tokens++;
       const bool stop = std::find(sp.stop_ids.begin(), sp.stop_ids.end(), tok) != sp.stop_ids.end();
       if (stop || static_cast<int>(s.out.tokens.size()) >= sp.max_new_tokens) {
         s.out.finish = stop ? FinishReason::Stop : FinishReason::Length;
-        free_pages.insert(free_pages.end(), s.pages.rbegin(), s.pages.rend());
-        s.pages.clear();
-      } else {
-        still.push_back(running[b]);
+        sched.finish(si);
       }
     }
-    running.swap(still);
   }
 
   std::vector<RolloutSample> out;

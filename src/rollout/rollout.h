@@ -1,7 +1,9 @@
 // The rollout engine: samples n answers for each prompt with the generator's weights and
 // numerics, and reports, for every sampled token, its log-probability under those numerics
 // (logp_gen). One implementation runs over any Backend (CPU reference or CUDA): the model's
-// paged generation forward, a page allocator, and batched decode.
+// paged generation forward, and a scheduler (scheduler.h) with reference-counted KV pages
+// allocated on demand, prompt pages shared by a request's samples, chunked prefill within a
+// token budget, and recompute preemption when the pool runs out.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -45,10 +47,28 @@ struct KvScales {
 };
 
 struct RolloutStats {
-  int64_t prompt_tokens = 0, generated_tokens = 0;
+  int64_t prompt_tokens = 0;         // sum of the prompt lengths of all samples
+  int64_t generated_tokens = 0;
+  int64_t prefill_tokens = 0;        // tokens run as prefill (prompts, recomputations), not decode
+  int64_t prefix_shared_tokens = 0;  // prompt tokens not computed: KV pages shared between samples
+  int64_t recomputed_tokens = 0;     // tokens computed again after a preemption
   int decode_steps = 0;  // generation forwards (one per iteration)
-  int waves = 0;         // iterations that admitted new sequences (1 when everything fit at once)
+  int waves = 0;         // iterations that admitted sequences (1 when everything fit at once)
+  int preemptions = 0;   // sequences preempted because the KV pool was full (memory pressure)
+  int max_running = 0;   // most sequences running at once
+  int max_pages_used = 0;  // most KV pages in use at once
+  int graph_steps = 0;     // decode-only forwards run as CUDA-graph replays (or their recording step)
 };
+
+// How the engine batches (rollout/scheduler.h describes the policy).
+struct SchedulerOptions {
+  int max_batch_tokens = 8192;  // tokens per forward: decode tokens first, then prefill chunks
+  bool prefix_sharing = true;   // the n samples of a request share their prompt's full KV pages
+  bool cuda_graphs = true;      // decode-only steps as CUDA-graph replays where the backend records
+                                // them (rollout/decode_graphs.h; FP8RL_CUDA_GRAPHS=0 turns them off)
+};
+
+class DecodeGraphs;
 
 class RolloutEngine {
  public:
@@ -56,10 +76,16 @@ class RolloutEngine {
   // the engine makes its own generator copy in the generator's numerics (FP8 linears as 128x128
   // QuantTensors, others copied), and a KV pool of `kv_pages` pages of `page_size` tokens.
   RolloutEngine(Backend& backend, const ModelWeights& weights, const EnginePrecision& precision,
-                int kv_pages, int page_size = 16, int max_batch = 256);
+                int kv_pages, int page_size = 16, int max_batch = 256, const SchedulerOptions& options = {});
+  ~RolloutEngine();
+  RolloutEngine(const RolloutEngine&) = delete;  // the decode graphs hold references to members
+  RolloutEngine& operator=(const RolloutEngine&) = delete;
 
-  // Samples every request's n answers. Sequences are batched (up to max_batch and the KV pool);
-  // results come back in request order, samples in index order.
+  // Samples every request's n answers. Sequences are batched (up to max_batch sequences and
+  // max_batch_tokens tokens per forward), KV pages allocated as they grow; when the pool runs
+  // out, the youngest sequences are preempted and recomputed later (stats().preemptions, and one
+  // warning line on stderr per call). Results do not depend on the batching: they come back in
+  // request order, samples in index order, sample j of request i drawing from its own stream.
   std::vector<RolloutSample> generate(const std::vector<RolloutRequest>& requests, const SamplingParams& params);
 
   // Refit: rewrites the generator's weights in place from `master` (same structure) with the
@@ -79,7 +105,16 @@ class RolloutEngine {
   ModelWeights gen_;
   KvCache cache_;
   int page_size_, max_batch_;
+  SchedulerOptions opt_;
   RolloutStats stats_;
+  // Device scratch reused across iterations and calls (fixed addresses once grown): the batch's
+  // index tensors, sized for max_batch_tokens tokens / max_batch sequences, and the outputs.
+  struct Buffers {
+    Tensor packed;        // I32: one iteration's [ids | seq | pos | slots | rows | page table], grown on demand
+    Tensor tokens, logp;  // I32, F32 [max_batch]
+    Tensor logits;        // F32 [rows capacity * vocab], grown on demand
+  } buf_;
+  std::unique_ptr<DecodeGraphs> graphs_;  // null where the backend records no graphs
 };
 
 // The generator's copy of `master` in `precision`: FP8 linears get `wq` (and no `w`), the rest a

@@ -1,5 +1,8 @@
 // Procedural multi-step arithmetic with worked, one-operation-per-line solutions.
 #include <algorithm>
+#include <iterator>
+#include <utility>
+#include <vector>
 
 #include "core/error.h"
 #include "tasks/answer.h"
@@ -38,6 +41,35 @@ std::string print(const std::vector<Node>& t, int i, bool top = true) {
   return side(n.left, false) + " " + std::string(1, n.op) + " " + side(n.right, true);
 }
 
+// Word problems: who, what, and one sentence (and its solution wording) per operation.
+constexpr const char* kNames[] = {"Ava", "Ben", "Chloe", "Dev", "Emma", "Finn", "Grace", "Hugo",
+                                  "Isla", "Jack", "Lena", "Omar", "Priya", "Sam", "Tara", "Yuki"};
+constexpr const char* kItems[] = {"apples", "marbles", "stickers", "coins", "books",
+                                  "cards",  "shells",  "pencils",  "stamps", "cookies"};
+struct StoryStep {
+  char op;
+  const char* sentence;  // {N} name, {B} operand, {I} items
+  const char* because;   // the solution's wording of the same step
+};
+constexpr StoryStep kSteps[] = {
+    {'+', "{N} buys {B} more {I}.", "After buying {B} more"},
+    {'+', "A friend gives {N} {B} {I}.", "After getting {B} from a friend"},
+    {'+', "{N} finds {B} more {I}.", "After finding {B} more"},
+    {'-', "{N} gives away {B} {I}.", "After giving away {B}"},
+    {'-', "{N} sells {B} {I}.", "After selling {B}"},
+    {'-', "{N} loses {B} {I}.", "After losing {B}"},
+    {'*', "Then the number of {I} {N} has becomes {B} times as large.", "After it becomes {B} times as large"},
+    {'/', "{N} splits the {I} into {B} equal piles and keeps one pile.", "After keeping one of {B} equal piles"},
+};
+
+std::string fill(std::string s, const std::string& name, int64_t b, const std::string& items) {
+  for (const auto& [key, value] : {std::pair<std::string, std::string>{"{N}", name}, {"{B}", std::to_string(b)},
+                                   {"{I}", items}})
+    for (size_t at = s.find(key); at != std::string::npos; at = s.find(key, at + value.size()))
+      s.replace(at, key.size(), value);
+  return s;
+}
+
 bool needs_parentheses(const std::vector<Node>& t, int root) {
   return print(t, root).find('(') != std::string::npos;
 }
@@ -53,7 +85,7 @@ class ArithmeticTask : public ProceduralTask {
                 "arithmetic: operators must be a non-empty subset of \"+-*/\"");
     build_validation_set();
   }
-  std::string name() const override { return "arithmetic"; }
+  std::string name() const override { return cfg_.story ? "arithmetic_story" : "arithmetic"; }
 
   double reward(std::string_view response, const std::string& answer) const override {
     const auto got = answer_extract(response);
@@ -64,6 +96,7 @@ class ArithmeticTask : public ProceduralTask {
   TaskItem generate(TaskRng& rng) const override {
     int64_t max_value = 9;
     for (int d = 1; d < cfg_.digits; ++d) max_value = max_value * 10 + 9;
+    if (cfg_.story) return story(rng, max_value);
     for (int attempt = 0;; ++attempt) {
       FP8RL_CHECK(attempt < 10000, "arithmetic: no valid expression found; loosen the knobs");
       std::vector<Node> t;
@@ -106,6 +139,46 @@ class ArithmeticTask : public ProceduralTask {
     if (l >= 0) return l;
     if (!t[t[i].left].op && !t[t[i].right].op) return i;
     return ready(t, t[i].right);
+  }
+
+  // A left-to-right word problem; an operation that does not fit the current value (a
+  // subtraction below 0, an inexact division, growth to 10^(digits + 1) or more) is drawn again.
+  TaskItem story(TaskRng& rng, int64_t max_value) const {
+    const std::string name = kNames[rng.uniform(0, std::size(kNames) - 1)];
+    const std::string items = kItems[rng.uniform(0, std::size(kItems) - 1)];
+    int64_t value = rng.uniform(2, std::max<int64_t>(2, max_value));
+    TaskItem it;
+    it.prompt = name + " has " + std::to_string(value) + " " + items + ".";
+    it.solution = name + " starts with " + std::to_string(value) + " " + items + ".\n";
+    const int64_t cap = max_value * 10 + 9;  // every value stays below 10^(digits + 1)
+    const int n = int(rng.uniform(cfg_.min_operands, cfg_.max_operands));
+    for (int i = 1; i < n; ++i) {
+      for (int attempt = 0;; ++attempt) {
+        FP8RL_CHECK(attempt < 1000, "arithmetic story: no operation fits; loosen the knobs");
+        const char op = cfg_.operators[rng.uniform(0, int64_t(cfg_.operators.size()) - 1)];
+        const int64_t b = op == '*' || op == '/' ? rng.uniform(2, 9) : rng.uniform(1, max_value);
+        int64_t next = 0;
+        if (op == '+') next = value + b;
+        else if (op == '-') next = value - b;
+        else if (op == '*') next = value * b;
+        else next = value % b == 0 ? value / b : -1;
+        if (next < 0 || next > cap) continue;
+        std::vector<const StoryStep*> choices;
+        for (const StoryStep& s : kSteps)
+          if (s.op == op) choices.push_back(&s);
+        const StoryStep& s = *choices[rng.uniform(0, int64_t(choices.size()) - 1)];
+        it.prompt += " " + fill(s.sentence, name, b, items);
+        it.solution += fill(s.because, name, b, items) + ", " + name + " has " + std::to_string(value) + " " +
+                       std::string(1, op) + " " + std::to_string(b) + " = " + std::to_string(next) +
+                       " " + items + ".\n";
+        value = next;
+        break;
+      }
+    }
+    it.prompt += " How many " + items + " does " + name + " have now?\n" + kMathInstruction;
+    it.answer = std::to_string(value);
+    it.solution += "#### " + it.answer;
+    return it;
   }
 
   TaskItem solve(std::vector<Node> t, int root) const {

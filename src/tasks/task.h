@@ -4,7 +4,7 @@
 // share a prompt. Each item has a prompt, the reference answer the verifier needs, and a
 // worked solution (for SFT) that ends in a final-answer line the verifier accepts.
 //   gsm8k       shared/data/gsm8k: train.jsonl (shuffled by seed) / test.jsonl
-//   arithmetic  procedural multi-step arithmetic with difficulty knobs
+//   arithmetic  procedural multi-step arithmetic with difficulty knobs (expressions or word problems)
 //   countdown   reach a target from given numbers, each used EXACTLY once
 //   jsonl       user datasets: JSONL with configurable prompt/answer/solution fields
 // Final answers are read from the last \boxed{...}, else the last "#### ...", else (math
@@ -43,6 +43,12 @@ struct ArithmeticConfig {
   int digits = 2;                          // each operand has 1..digits digits
   std::string operators = "+-*";           // any of "+-*/"; '/' only where exact
   bool parentheses = true;                 // false: only expressions needing none
+  // story: a word problem instead of an expression ("Ava has 35 apples. Ava buys 12 more. ...
+  // How many apples does Ava have now?"), computed left to right, one sentence and one
+  // "35 + 12 = 47" per step in the worked solution (GSM8K style). Operands as above except
+  // multipliers and divisors (2..9); every intermediate value is a whole number in
+  // [0, 10^(digits + 1)) (2 digits: at most 999).
+  bool story = false;
   size_t train_size = 100000, validation_size = 500;
 };
 

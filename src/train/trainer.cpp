@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 
 #include "core/error.h"
 
@@ -92,6 +93,51 @@ std::vector<std::pair<size_t, size_t>> Trainer::micro_batches(const std::vector<
   return out;
 }
 
+const ModelWeights& Trainer::compute_weights() {
+  if (!opt_.cache_fp8_weights) return master_;
+  if (!wq_stale_) {
+#ifndef NDEBUG
+    check_weight_cache();
+#endif
+    return compute_;
+  }
+  compute_ = master_;  // shares every tensor; a w replaced through master() is picked up here
+  const int L = master_.config.num_layers;
+  size_t i = 0;
+  model_for_each_linear(compute_, [&](const std::string&, int layer, LinearWeight& lw) {
+    if (prec_.linear_for_layer(layer, L) != LinearMode::FP8_BLOCK) return;
+    if (i == wq_.size()) wq_.emplace_back();
+    QuantTensor& q = wq_[i++];
+    const int64_t N = lw.w.dim(0), K = lw.w.dim(1);
+    if (!q.defined() || q.rows() != N || q.cols() != K || q.pow2 != prec_.pow2_scales)
+      q = be_.alloc_quant(N, K, kQuantBlock, kQuantBlock, prec_.pow2_scales);
+    be_.quantize(lw.w, /*transpose=*/false, q);  // in place; throws on non-finite weights
+    lw.wq = q;
+  });
+  wq_.resize(i);
+  wq_stale_ = false;
+  ++wq_refreshes_;
+  return compute_;
+}
+
+void Trainer::check_weight_cache() const {
+  const int L = master_.config.num_layers;
+  ModelWeights& m = const_cast<ModelWeights&>(master_);  // read only: model_for_each_linear is non-const
+  size_t i = 0;
+  model_for_each_linear(m, [&](const std::string& name, int layer, LinearWeight& lw) {
+    if (prec_.linear_for_layer(layer, L) != LinearMode::FP8_BLOCK) return;
+    FP8RL_CHECK(i < wq_.size(), "trainer FP8 weight cache: no entry for ", name);
+    const QuantTensor want = quantize_128x128(be_.to_host(lw.w), prec_.pow2_scales);
+    const QuantTensor& have = wq_[i++];
+    const Tensor hd = be_.to_host(have.data), hs = be_.to_host(have.scales);
+    FP8RL_CHECK(hd.nbytes() == want.data.nbytes() && hs.nbytes() == want.scales.nbytes() &&
+                    std::memcmp(hd.raw(), want.data.raw(), hd.nbytes()) == 0 &&
+                    std::memcmp(hs.raw(), want.scales.raw(), hs.nbytes()) == 0,
+                "trainer FP8 weight cache is stale for ", name, ": the master weight changed without marking ",
+                "the cache (write master weights through Trainer::master() before score/step)");
+  });
+}
+
 ScoreResult Trainer::score(const std::vector<TrainSequence>& seqs, float temperature, bool entropy, bool record_amax) {
   ScoreResult r;
   for (auto [first, end] : micro_batches(seqs)) {
@@ -100,7 +146,7 @@ ScoreResult Trainer::score(const std::vector<TrainSequence>& seqs, float tempera
     fo.temperature = temperature;
     fo.entropy = entropy;
     fo.record_qkv_amax = record_amax;
-    LogprobResult lr = model_forward_logprobs(be_, master_, prec_, p.batch, fo);
+    LogprobResult lr = model_forward_logprobs(be_, compute_weights(), prec_, p.batch, fo);
     std::vector<float> lp = gather(be_, lr.logp, p.logp_index);
     r.logp.insert(r.logp.end(), lp.begin(), lp.end());
     if (entropy) {
@@ -120,12 +166,13 @@ StepResult Trainer::step(const std::vector<TrainSequence>& seqs, float temperatu
                          float lr) {
   StepResult r;
   model_grads_zero(be_, grads_);
+  const ModelWeights& weights = compute_weights();
   for (auto [first, end] : micro_batches(seqs)) {
     Packed p = pack(seqs, first, end);
     Activations acts;
     ForwardOptions fo;
     fo.temperature = temperature;
-    LogprobResult out = model_forward_logprobs(be_, master_, prec_, p.batch, fo, &acts);
+    LogprobResult out = model_forward_logprobs(be_, weights, prec_, p.batch, fo, &acts);
     std::vector<float> logp_new = gather(be_, out.logp, p.logp_index);
     std::vector<float> grad(logp_new.size(), 0.0f);
     r.loss += loss_fn(first, end, logp_new, grad);
@@ -133,7 +180,7 @@ StepResult Trainer::step(const std::vector<TrainSequence>& seqs, float temperatu
     std::vector<float> dl(p.batch.num_tokens(), 0.0f);
     for (size_t i = 0; i < grad.size(); ++i) dl[p.logp_index[i]] = grad[i];
     Tensor dlogp = be_.to_device(from_float_vector(dl, {p.batch.num_tokens()}));
-    model_backward(be_, master_, prec_, acts, dlogp, grads_);
+    model_backward(be_, weights, prec_, acts, dlogp, grads_);
   }
 
   std::vector<Tensor*> g = params_of(grads_);
@@ -160,6 +207,7 @@ StepResult Trainer::step(const std::vector<TrainSequence>& seqs, float temperatu
     ap.step = adam_step_;
     be_.adamw(*w[i], *g[i], *m[i], *v[i], ap);
   }
+  wq_stale_ = true;  // requantized at the next score() / step()
   r.applied = true;
   return r;
 }

@@ -1,6 +1,14 @@
 // The trainer: FP32 master weights, gradients and AdamW moments on one backend; scores
 // sequences (logp_old, entropy, q/k/v amax for KV calibration) and runs optimizer steps of any
 // per-token loss given as dloss/dlogp (GRPO, SFT), micro-batched with gradient accumulation.
+//
+// FP8 weight cache: the master weights change only at the optimizer step (or when written
+// through the non-const master()), so the FP8_BLOCK linears' 128x128 E4M3 weights (LinearWeight
+// wq, 1/4 of the FP32 master's bytes plus scales) are quantized once per change, not in every
+// forward and dgrad of every micro-batch. The ops then read wq for the forward and, transposed,
+// for dgrad (backend.h); the results are bitwise those of quantizing w in each op. The cache is
+// marked stale by the optimizer step and by the non-const master(), and requantized at the next
+// score() / step(); debug builds also check it against a fresh quantization at every use.
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -27,6 +35,7 @@ struct TrainerOptions {
   float weight_decay = 0.0f;          // decoupled; applied to 2-D weights only (not norms, biases)
   float beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f;
   int64_t micro_batch_tokens = 4096;  // a micro-batch holds whole sequences up to this many tokens
+  bool cache_fp8_weights = true;      // the FP8 weight cache (above); false: the ops quantize w per call
 };
 
 struct ScoreResult {
@@ -73,10 +82,17 @@ class Trainer {
   ScoreResult score(const std::vector<TrainSequence>& seqs, float temperature, bool entropy, bool record_amax);
   StepResult step(const std::vector<TrainSequence>& seqs, float temperature, const TokenLossFn& loss_fn, float lr);
 
-  ModelWeights& master() { return master_; }
+  // Mutable access marks the FP8 weight cache stale: write the weights before the next score()
+  // or step() (a reference kept past that and written later is not seen by the cache).
+  ModelWeights& master() {
+    wq_stale_ = true;
+    return master_;
+  }
   const ModelWeights& master() const { return master_; }
   const EnginePrecision& precision() const { return prec_; }
   int64_t optimizer_step() const { return adam_step_; }
+  // How many times the FP8 weight cache was (re)quantized (tests, benchmarks).
+  int64_t weight_cache_refreshes() const { return wq_refreshes_; }
 
   // Optimizer state for checkpoints: the moments as named host tensors ("<param>.exp_avg",
   // "<param>.exp_avg_sq") and the step counter.
@@ -87,8 +103,17 @@ class Trainer {
   // Whole sequences [first, end) per micro-batch.
   std::vector<std::pair<size_t, size_t>> micro_batches(const std::vector<TrainSequence>& seqs) const;
 
+  // The weights forward and backward read: master_'s tensors, plus the cached wq of every
+  // FP8_BLOCK linear when the cache is on. Requantizes when stale.
+  const ModelWeights& compute_weights();
+  void check_weight_cache() const;  // debug builds: the cache equals quantize_128x128(w)
+
   Backend& be_;
   ModelWeights master_, grads_, m_, v_;
+  ModelWeights compute_;             // master_ + the cache (shares master_'s tensors)
+  std::vector<QuantTensor> wq_;      // [FP8 linears, model_for_each_linear order] the cache
+  bool wq_stale_ = true;
+  int64_t wq_refreshes_ = 0;
   EnginePrecision prec_;
   TrainerOptions opt_;
   int64_t adam_step_ = 0;

@@ -46,6 +46,38 @@ TEST(Config, DefaultsAreTheCpuDemoFile) {
   EXPECT_EQ(demo.device, "cpu");
 }
 
+// The parity experiment's two stages: the same task (so GRPO validates on the SFT task's
+// held-out problems), a Qwen3-shaped ~100-150M model, and the new keys read back.
+TEST(Config, ParityConfigsAgree) {
+  const RunConfig sft = config_load(kConfigs + "parity/sft.yaml");
+  const RunConfig grpo = config_load(kConfigs + "parity/grpo.yaml");
+  EXPECT_TRUE(sft.task == grpo.task) << config_to_yaml(sft) << config_to_yaml(grpo);
+  EXPECT_EQ(sft.task.arithmetic.style, "story");
+  EXPECT_EQ(sft.rollout.max_new_tokens, grpo.rollout.max_new_tokens);
+  EXPECT_EQ(sft.val_size, grpo.val_size);
+  EXPECT_EQ(sft.precision.recipe, "bf16");
+  EXPECT_GT(sft.time_budget_s, 0);
+  // ~110M parameters with the Qwen3 vocabulary (151,669 ids), embeddings tied.
+  const auto& t = sft.model.tiny;
+  const int64_t V = 151669, D = t.hidden_size, q = int64_t(t.num_heads) * t.head_dim,
+                kv = int64_t(t.num_kv_heads) * t.head_dim;
+  const int64_t n = V * D + t.num_layers * (2 * D * q + 2 * D * kv + 3 * D * t.intermediate_size);
+  EXPECT_GT(n, 100000000);
+  EXPECT_LT(n, 150000000);
+  // Overrides of the new keys, and their validation.
+  RunConfig c = grpo;
+  config_apply_override(c, "time_budget_s=90");
+  config_apply_override(c, "task.arithmetic.style=expression");
+  EXPECT_DOUBLE_EQ(c.time_budget_s, 90);
+  EXPECT_TRUE(has(error_of([&] { config_apply_override(c, "task.arithmetic.style=poem"); }), "expression, story"));
+  c.sft.mix_gsm8k_fraction = 0.5;
+  EXPECT_TRUE(has(error_of([&] { config_validate(c); }), "sft.mix_gsm8k_path"));
+  c.sft.mix_gsm8k_path = "somewhere";
+  EXPECT_NO_THROW(config_validate(c));
+  c.time_budget_s = -1;
+  EXPECT_TRUE(has(error_of([&] { config_validate(c); }), "time_budget_s"));
+}
+
 TEST(Config, GpuExampleLoads) {
   const RunConfig c = config_load(kConfigs + "gsm8k_gpu.yaml");
   EXPECT_EQ(c.task.name, "gsm8k");

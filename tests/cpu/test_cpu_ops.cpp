@@ -153,6 +153,41 @@ TEST_F(CpuOps, LinearFp8UsesWqWhenGiven) {
   EXPECT_THROW(be->linear(x, W, {LinearMode::FP8_BLOCK, false}, c), Error);
 }
 
+TEST_F(CpuOps, LinearFp8BackwardUsesWqWhenGiven) {
+  const int64_t M = 5, N = 130, K = 200;
+  const Tensor x = random_tensor({M, K}, 18, DType::F32), dy = random_tensor({M, N}, 19, DType::F32);
+  LinearWeight W;
+  W.w = random_tensor({N, K}, 20, DType::F32);
+  const LinearSpec spec{LinearMode::FP8_BLOCK, true};
+  auto grads = [&](const LinearWeight& w, std::vector<double>& gx, std::vector<double>& gw) {
+    Tensor dx = be->alloc({M, K}, DType::F32), dw = Tensor::zeros({N, K}, DType::F32);
+    be->linear_backward(dy, x, w, spec, &dx, &dw, nullptr);
+    gx = values(dx);
+    gw = values(dw);
+  };
+  std::vector<double> dx_w, dw_w, dx_both, dw_both, dx_q, dw_q, dx_other, dw_other;
+  grads(W, dx_w, dw_w);
+  // The trainer's cache: w and wq = quantize_128x128(w): bitwise the w-only result.
+  LinearWeight both = W;
+  both.wq = quantize_128x128(W.w, true);
+  grads(both, dx_both, dw_both);
+  EXPECT_EQ(dx_both, dx_w);
+  EXPECT_EQ(dw_both, dw_w);
+  LinearWeight only_q;
+  only_q.wq = both.wq;
+  grads(only_q, dx_q, dw_q);
+  EXPECT_EQ(dx_q, dx_w);
+  EXPECT_EQ(dw_q, dw_w);
+  // A wq that differs from w wins in dgrad too (w is not read); wgrad does not involve W.
+  LinearWeight other = W;
+  other.wq = quantize_128x128(random_tensor({N, K}, 21, DType::F32), true);
+  grads(other, dx_other, dw_other);
+  EXPECT_NE(dx_other, dx_w);
+  EXPECT_EQ(dw_other, dw_w);
+  Tensor dx = be->alloc({M, K}, DType::F32);
+  EXPECT_THROW(be->linear_backward(dy, x, other, {LinearMode::FP8_BLOCK, false}, &dx, nullptr, nullptr), Error);
+}
+
 TEST_F(CpuOps, LinearFp8BackwardIsQuantizeDequantizeComposition) {
   const int64_t M = 200, N = 136, K = 260;
   const Tensor x = random_tensor({M, K}, 15, DType::F32);

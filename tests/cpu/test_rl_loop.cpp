@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -84,6 +85,76 @@ const nlohmann::json* line_of_step(const std::vector<nlohmann::json>& lines, int
 }
 
 bool same_file(const std::string& a, const std::string& b) { return read_file(a) == read_file(b); }
+
+// ---- time budget ---------------------------------------------------------------------------
+
+// time_budget_s ends a GRPO run early and cleanly: the last step it runs validates and saves a
+// checkpoint, and every step before it is logged once. SFT stops the same way and saves.
+TEST(RlLoop, TimeBudgetStopsCleanlyWithValidationAndCheckpoint) {
+  Scratch::root();
+  const std::string warm = fresh_dir("budget_warm"), out = fresh_dir("budget_run"), sft = fresh_dir("budget_sft");
+  std::vector<std::string> o = tiny_overrides("fp8_e2e", 1);
+  o.push_back("out=" + warm);
+  ASSERT_EQ(grpo_run(config_load("", o), false), 0);  // builds the cached starting policy
+  o = tiny_overrides("fp8_e2e", 100000);
+  o.push_back("val_every=100000");  // validation only at step 0 and at the (budgeted) last step
+  o.push_back("time_budget_s=1.5");
+  o.push_back("out=" + out);
+  ASSERT_EQ(grpo_run(config_load("", o), false), 0);
+  const auto lines = read_metrics(out);
+  ASSERT_GE(lines.size(), 2u);
+  const int64_t last = lines.back().at("step").get<int64_t>();
+  EXPECT_GE(last, 1);
+  EXPECT_LT(last, 100000);
+  EXPECT_TRUE(lines.back().contains("val_accuracy"));
+  EXPECT_TRUE(lines.front().contains("val_accuracy"));  // step 0
+  EXPECT_EQ(static_cast<int64_t>(lines.size()), last + 1);  // steps 0..last, once each
+  char name[32];
+  std::snprintf(name, sizeof name, "step_%06lld", static_cast<long long>(last));
+  EXPECT_TRUE(fs::exists(out + "/checkpoints/" + name + "/model.safetensors"));
+  for (const auto& j : lines) {
+    if (j.at("step").get<int64_t>() == 0) continue;
+    EXPECT_TRUE(j.contains("time_step_excl_val_s") && j.at("time_step_excl_val_s").is_number());
+    const double f = j.at("time_refit_calib_fraction").get<double>();
+    EXPECT_GT(f, 0.0);  // the refit always runs
+    EXPECT_LT(f, 1.0);
+  }
+
+  std::vector<std::string> so = tiny_overrides("bf16", 1);
+  so.push_back("sft.steps=100000");
+  so.push_back("time_budget_s=1");
+  so.push_back("out=" + sft);
+  const std::string ckpt = sft_run(config_load("", so));
+  const int64_t sft_step = checkpoint_read_state(ckpt).step;
+  EXPECT_GE(sft_step, 1);
+  EXPECT_LT(sft_step, 100000);
+  EXPECT_TRUE(fs::exists(ckpt + "/model.safetensors"));
+}
+
+// sft.mix_gsm8k_*: half of every batch are GSM8K train solutions (much longer than the
+// arithmetic ones), none longer than sft.max_seq_tokens.
+TEST(RlLoop, SftMixesGsm8kSolutions) {
+  Scratch::root();
+  const char* env = std::getenv("FP8RL_SHARED_DATA");
+  const std::string gsm8k = std::string(env && *env ? env : FP8RL_SHARED_DATA) + "/gsm8k";
+  auto tokens_of_first_step = [&](const std::string& name, std::vector<std::string> extra) {
+    std::vector<std::string> o = tiny_overrides("bf16", 1);
+    o.push_back("sft.steps=1");
+    o.push_back("sft.batch_size=8");
+    o.push_back("out=" + fresh_dir(name));
+    for (auto& e : extra) o.push_back(e);
+    sft_run(config_load("", o));
+    const auto lines = read_metrics(Scratch::root() + "/" + name);
+    return lines.at(0).at("tokens").get<double>();
+  };
+  const double plain = tokens_of_first_step("sft_plain", {});
+  const double mixed = tokens_of_first_step(
+      "sft_mixed", {"sft.mix_gsm8k_path=" + gsm8k, "sft.mix_gsm8k_fraction=0.5", "sft.max_seq_tokens=2000"});
+  EXPECT_GT(mixed, 2 * plain);  // 4 GSM8K solutions (hundreds of bytes each) outweigh 4 short ones
+  EXPECT_THROW(tokens_of_first_step("sft_tiny_cap", {"sft.mix_gsm8k_path=" + gsm8k, "sft.mix_gsm8k_fraction=0.5",
+                                                     "sft.max_seq_tokens=5"}),
+               Error);  // nothing fits: a clear error, not an endless loop
+}
 
 // ---- resume -------------------------------------------------------------------------------
 

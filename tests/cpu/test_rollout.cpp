@@ -171,11 +171,12 @@ TEST(RolloutEngine, MoreSequencesThanBatchOrPoolCompleteInWaves) {
   ASSERT_EQ(ref.size(), 7u);
 
   RolloutEngine small_batch(*be, w, prec, 64, 4, /*max_batch=*/2);
-  // Each sequence needs at most ceil(13 / 4) = 4 pages: a pool of 8 holds two at a time.
+  // Each sequence needs up to ceil(13 / 4) = 4 pages, all 7 about 20: a pool of 8 admits some,
+  // then preempts as they grow and re-admits them later (test_rollout_sched.cpp goes further).
   RolloutEngine small_pool(*be, w, prec, /*kv_pages=*/8, 4, 64);
   for (RolloutEngine* e : {&small_batch, &small_pool}) {
     const std::vector<RolloutSample> out = e->generate(reqs, sp);
-    EXPECT_GE(e->last_stats().waves, 3);
+    EXPECT_GE(e->last_stats().waves, e == &small_batch ? 3 : 2);
     EXPECT_GT(e->last_stats().decode_steps, all.last_stats().decode_steps);
     EXPECT_EQ(e->last_stats().generated_tokens, all.last_stats().generated_tokens);
     ASSERT_EQ(out.size(), ref.size());

@@ -2,6 +2,7 @@
 // GSM8K loading, JSONL errors with line numbers.
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -72,6 +73,64 @@ TEST(Tasks, ArithmeticContractAndKnobs) {
   const TaskItem it = t->item(Split::kTrain, 0);
   EXPECT_NE(it.solution.find("\n= "), std::string::npos);
   EXPECT_EQ(it.solution.substr(it.solution.rfind('\n') + 1), "#### " + it.answer);
+}
+
+// Word problems: the contract, GSM8K-style worked steps ("35 + 12 = 47") whose chain reaches the
+// answer, whole numbers in [0, 999] throughout (2 digits), and the operand-count knob.
+TEST(Tasks, ArithmeticStoryProblems) {
+  ArithmeticConfig c;
+  c.seed = 11;
+  c.story = true;
+  c.min_operands = 3;
+  c.max_operands = 4;
+  c.digits = 2;
+  c.operators = "+-*/";
+  c.train_size = 2000;
+  c.validation_size = 200;
+  auto t = task_make_arithmetic(c);
+  EXPECT_EQ(t->name(), "arithmetic_story");
+  expect_task_contract(*t, 2000);
+  std::unordered_set<char> ops_seen;
+  for (size_t i = 0; i < 300; ++i) {
+    const TaskItem it = t->item(Split::kTrain, i);
+    EXPECT_NE(it.prompt.find("How many"), std::string::npos) << it.prompt;
+    EXPECT_NE(it.prompt.find(kMathInstruction), std::string::npos);
+    // Re-run the chain of "a op b = c" lines: each starts from the previous result.
+    long long value = -1;
+    int steps = 0;
+    size_t at = 0;
+    while ((at = it.solution.find(" = ", at)) != std::string::npos) {
+      const size_t line = it.solution.rfind('\n', at) + 1;
+      long long a = 0, b = 0, r = 0;
+      char op = 0;
+      const size_t has = it.solution.find(" has ", line);
+      ASSERT_NE(has, std::string::npos) << it.solution;
+      ASSERT_EQ(std::sscanf(it.solution.c_str() + has + 5, "%lld %c %lld = %lld", &a, &op, &b, &r), 4) << it.solution;
+      if (value >= 0) {
+        EXPECT_EQ(a, value) << it.solution;
+      }
+      const long long want = op == '+' ? a + b : op == '-' ? a - b : op == '*' ? a * b : (b ? a / b : -1);
+      EXPECT_EQ(r, want) << it.solution;
+      if (op == '/') {
+        EXPECT_EQ(a % b, 0) << it.solution;
+      }
+      EXPECT_GE(r, 0) << it.solution;
+      EXPECT_LE(r, 999) << it.solution;  // below 10^(digits + 1)
+      ops_seen.insert(op);
+      value = r;
+      ++steps;
+      at += 3;
+    }
+    EXPECT_GE(steps, 2) << it.solution;
+    EXPECT_LE(steps, 3) << it.solution;
+    EXPECT_EQ(std::to_string(value), it.answer) << it.solution;
+    EXPECT_EQ(it.solution.substr(it.solution.rfind('\n') + 1), "#### " + it.answer);
+  }
+  EXPECT_EQ(ops_seen.size(), 4u);
+  // Same seed, same problems; the expression style is unchanged by the new knob.
+  EXPECT_EQ(task_make_arithmetic(c)->item(Split::kTrain, 5).solution, t->item(Split::kTrain, 5).solution);
+  c.story = false;
+  EXPECT_EQ(task_make_arithmetic(c)->item(Split::kTrain, 5).prompt.rfind("What is ", 0), 0u);
 }
 
 TEST(Tasks, CountdownContract) {

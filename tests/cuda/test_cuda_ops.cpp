@@ -154,7 +154,74 @@ TEST(CudaMemory, OutOfMemorySaysWhatToReduce) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("out of GPU memory"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("reduce"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("F32[1099511627776]"), std::string::npos) << e.what();  // names it
   }
+  // The backend still works afterwards.
+  Tensor d = dev(rnd({3, 5}, 3));
+  EXPECT_EQ(vals(d).size(), 15u);
+}
+
+// Stream-ordered pool (device_memory.h): freed memory is reused without growing the pool, the
+// statistics follow, and FP8RL_CUDA_ALLOC=plain falls back to cudaMalloc.
+TEST(CudaMemory, PoolReusesFreedMemoryAndReportsStats) {
+  auto be = make_cuda_backend(0);
+  const int64_t n = 16 << 20;  // 64 MiB of F32
+  MemoryStats s0 = be->memory_stats();
+  {
+    Tensor a = be->alloc({n}, DType::F32);
+    be->fill(a, 1.0f);
+    const MemoryStats s1 = be->memory_stats();
+    EXPECT_EQ(s1.used_bytes - s0.used_bytes, n * 4);
+    EXPECT_GE(s1.reserved_bytes, s1.used_bytes);
+    EXPECT_GE(s1.peak_used_bytes, s1.used_bytes);
+  }
+  const MemoryStats s2 = be->memory_stats();
+  EXPECT_EQ(s2.used_bytes, s0.used_bytes);
+  EXPECT_GE(s2.reserved_bytes, n * 4) << "freed memory must stay in the pool";
+  for (int i = 0; i < 10; ++i) {
+    Tensor b = be->alloc({n}, DType::F32);
+    be->fill(b, static_cast<float>(i));
+  }
+  const MemoryStats s3 = be->memory_stats();
+  EXPECT_EQ(s3.reserved_bytes, s2.reserved_bytes) << "the pool grew instead of reusing its free block";
+  EXPECT_EQ(s3.peak_used_bytes, s0.used_bytes + n * 4);
+  be->reset_peak_memory_stats();
+  EXPECT_EQ(be->memory_stats().peak_used_bytes, be->memory_stats().used_bytes);
+
+  ::setenv("FP8RL_CUDA_ALLOC", "plain", 1);
+  auto plain = make_cuda_backend(0);
+  ::setenv("FP8RL_CUDA_ALLOC", "pooled?", 1);
+  EXPECT_THROW(make_cuda_backend(0), Error);
+  ::unsetenv("FP8RL_CUDA_ALLOC");
+  Tensor p = plain->alloc({1000}, DType::F32);
+  plain->fill(p, 3.0f);
+  EXPECT_EQ(plain->memory_stats().used_bytes, 4000);
+  EXPECT_EQ(plain->memory_stats().reserved_bytes, 4000);
+  EXPECT_EQ(vals(plain->to_host(p))[999], 3.0);
+}
+
+// A tensor may outlive its backend: the release must not touch a destroyed stream.
+TEST(CudaMemory, TensorOutlivesItsBackend) {
+  Tensor keep, keep_plain;
+  {
+    auto be = make_cuda_backend(0);
+    keep = be->alloc({4096}, DType::F32);
+    be->fill(keep, 7.0f);
+    Tensor scratch = be->alloc({1 << 20}, DType::BF16);  // freed before the backend
+    be->fill(scratch, 1.0f);
+  }
+  {
+    ::setenv("FP8RL_CUDA_ALLOC", "plain", 1);
+    auto be = make_cuda_backend(0);
+    ::unsetenv("FP8RL_CUDA_ALLOC");
+    keep_plain = be->alloc({64}, DType::F32);
+    be->fill(keep_plain, 5.0f);
+  }
+  EXPECT_EQ(vals(keep)[4095], 7.0);  // read through another backend
+  EXPECT_EQ(vals(keep_plain)[63], 5.0);
+  keep = Tensor();
+  keep_plain = Tensor();
+  G().synchronize();
 }
 
 // ---- quantization: bitwise -------------------------------------------------------------------
@@ -271,6 +338,41 @@ TEST(CudaLinear, PrequantizedWeightGivesTheSameResult) {
   }
 }
 
+// dgrad with a pre-quantized weight (the trainer's cache, the generator's wq) takes W.wq
+// transposed instead of requantizing W.w: bitwise the same dx, with or without w.
+TEST(CudaLinear, BackwardWithPrequantizedWeightIsBitwiseTheSame) {
+  for (const GemmCase& g : {GemmCase{256, 512, 384}, GemmCase{130, 200, 260}, GemmCase{64, 384, 128}})
+    for (bool pow2 : {false, true}) {
+      const std::string what = std::to_string(g.M) + "x" + std::to_string(g.N) + "x" + std::to_string(g.K) +
+                               (pow2 ? " pow2" : "");
+      SCOPED_TRACE(what);
+      const LinearSpec spec{LinearMode::FP8_BLOCK, pow2};
+      Tensor x = rnd({g.M, g.K}, 40), dy = rnd({g.M, g.N}, 41);
+      LinearWeight Wh = host_weight(g.N, g.K, 42, false);
+      LinearWeight Wd = dev_weight(Wh);
+      Tensor dx_w = poisoned({g.M, g.K}, DType::F32);
+      G().linear_backward(dev(dy), dev(x), Wd, spec, &dx_w, nullptr, nullptr);
+      LinearWeight both = Wd;
+      both.wq = G().alloc_quant(g.N, g.K, 128, 128, pow2);
+      G().quantize(Wd.w, false, both.wq);
+      Tensor dx_both = poisoned({g.M, g.K}, DType::F32);
+      G().linear_backward(dev(dy), dev(x), both, spec, &dx_both, nullptr, nullptr);
+      EXPECT_TRUE(bytes_equal(dx_both, dx_w)) << what;
+      LinearWeight only_q;
+      only_q.wq = both.wq;
+      Tensor dx_q = poisoned({g.M, g.K}, DType::F32);
+      G().linear_backward(dev(dy), dev(x), only_q, spec, &dx_q, nullptr, nullptr);
+      EXPECT_TRUE(bytes_equal(dx_q, dx_w)) << what;
+      Tensor ref = Tensor::empty({g.M, g.K}, DType::F32);
+      C().linear_backward(dy, x, Wh, spec, &ref, nullptr, nullptr);
+      expect_linear_close(dx_q, ref, LinearMode::FP8_BLOCK, what);
+      // The spec's pow2 must match the cached weight's.
+      EXPECT_THROW(G().linear_backward(dev(dy), dev(x), only_q, {LinearMode::FP8_BLOCK, !pow2}, &dx_q, nullptr,
+                                       nullptr),
+                   Error);
+    }
+}
+
 TEST(CudaLinear, BackwardMatchesCpuEveryMode) {
   uint32_t seed = 300;
   const GemmCase cases[] = {{128, 256, 384}, {48, 256, 128}, {130, 200, 384}, {256, 128, 512}, {1, 128, 256}};
@@ -351,8 +453,20 @@ TEST(CudaOps, EmbeddingForwardBackward) {
   C().embedding_backward(idh, dout, rdt);
   G().embedding_backward(dev(idh), dev(dout), gdt);
   EXPECT_LT(rel_err(gdt, rdt), 1e-6);
+  Tensor good_ids = dev(idh);
   idh.data<int32_t>()[3] = 300;
-  EXPECT_THROW(G().embedding(dev(idh), dev(table), out), Error);
+  // Device-side data errors surface at the next synchronizing call, once, and name the op.
+  Tensor bad_ids = dev(idh);
+  G().embedding(bad_ids, dev(table), out);
+  try {
+    G().synchronize();
+    ADD_FAILURE() << "an out-of-range id was not reported";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("embedding"), std::string::npos) << e.what();
+  }
+  G().synchronize();  // reported once: the backend is usable again
+  G().embedding(good_ids, dev(table), out);
+  EXPECT_NO_THROW(G().synchronize());
 }
 
 TEST(CudaOps, RmsnormForwardBackward) {

@@ -77,10 +77,10 @@ std::vector<double> linear_operand_tokens(const Tensor& x, LinearMode mode, bool
 }
 
 // W^T [K, N], the dgrad weight operand (FP8: W's 128x128 quantization transposed exactly).
-// FP8 quantizes W.w when defined (the high-precision weight), else uses W.wq.
+// FP8 uses W.wq when defined (the forward's quantized weight), else quantizes W.w.
 std::vector<double> linear_operand_weight_t(const LinearWeight& W, LinearMode mode, bool pow2) {
   if (mode == LinearMode::FP8_BLOCK) {
-    const QuantTensor wq = W.w.defined() ? quantize_128x128(W.w, pow2) : W.wq;
+    const QuantTensor wq = W.wq.defined() ? W.wq : quantize_128x128(W.w, pow2);
     return dequantize_exact(transpose_128x128(wq));
   }
   return transpose(linear_operand_weight(W, mode, pow2), W.out_features(), W.in_features());

@@ -31,6 +31,25 @@ void check_same_numel(const Tensor& a, const Tensor& b, const char* what) {
 // [.., K] -> rows of K.
 int64_t rows_of(const Tensor& t) { return t.ndim() == 0 ? 1 : t.numel() / std::max<int64_t>(t.dim(-1), 1); }
 
+// A defined W.wq as the FP8 ops take it (backend.h, LinearWeight): on the GPU, E4M3 [N, K] in
+// 128x128 blocks, w's shape when w is defined, quantized with the spec's pow2 setting.
+void check_wq(const LinearWeight& W, const LinearSpec& spec) {
+  const QuantTensor& q = W.wq;
+  FP8RL_CHECK(q.data.device() == DeviceKind::CUDA && q.scales.device() == DeviceKind::CUDA,
+              "linear W.wq must be on the GPU, got ", q.data.str());
+  FP8RL_CHECK(q.block_rows == kQuantBlock && q.block_cols == kQuantBlock, "linear W.wq must have 128x128 blocks, got ",
+              q.block_rows, "x", q.block_cols);
+  check_dtype(q.data, DType::E4M3, "linear W.wq data");
+  FP8RL_CHECK(q.data.ndim() == 2, "linear W.wq must be [N, K], got ", q.data.str());
+  check_shape(q.scales, {ceil_div(q.rows(), kQuantBlock), ceil_div(q.cols(), kQuantBlock)}, "linear W.wq scales");
+  check_dtype(q.scales, DType::F32, "linear W.wq scales");
+  if (W.w.defined())
+    FP8RL_CHECK(W.w.ndim() == 2 && q.rows() == W.w.dim(0) && q.cols() == W.w.dim(1), "linear W.wq ", q.data.str(),
+                " does not match w ", W.w.str());
+  FP8RL_CHECK(q.pow2 == spec.pow2_scales, "linear W.wq was quantized with pow2=", q.pow2, " but the spec asks pow2=",
+              spec.pow2_scales, " (requantize the weight with the recipe's scales)");
+}
+
 }  // namespace
 
 CudaBackend::CudaBackend(int device_index, DType act_dtype) : device_(device_index), act_dtype_(act_dtype) {
@@ -51,10 +70,15 @@ CudaBackend::CudaBackend(int device_index, DType act_dtype) : device_(device_ind
   name_ = "cuda:" + std::to_string(device_index) + " (" + prop.name + ", sm_" + std::to_string(prop.major) +
           std::to_string(prop.minor) + ")";
   sm_count_ = prop.multiProcessorCount;
-  CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "creating the backend's stream");
+  mem_ = DeviceMemory::create(device_index);
+  stream_ = mem_->stream();
   gemm_ = std::make_unique<GemmEngine>(stream_);
-  flag_dev_ = static_cast<int*>(cuda_malloc(2 * sizeof(int), "the device error flags"));
-  CUDA_CHECK(cudaMallocHost(&flag_host_, sizeof(int)), "allocating the pinned error flag");
+  flag_dev_ = static_cast<int*>(cuda_malloc(kFlagSlots * sizeof(int), "the device error flags"));
+  flag_cur_ = flag_dev_;
+  CUDA_CHECK(cudaMemset(flag_dev_, 0, kFlagSlots * sizeof(int)), "zeroing the device error flags");
+  CUDA_CHECK(cudaMallocHost(&flag_host_, kFlagSlots * sizeof(int)), "allocating the pinned error flags");
+  const char* sync_env = std::getenv("FP8RL_CUDA_SYNC_CHECKS");
+  sync_checks_ = sync_env && std::string(sync_env) == "1";
   slots_.resize(kSlotCount);
 }
 
@@ -64,7 +88,8 @@ CudaBackend::~CudaBackend() {
   gemm_.reset();
   if (flag_dev_) cudaFree(flag_dev_);
   if (flag_host_) cudaFreeHost(flag_host_);
-  if (stream_) cudaStreamDestroy(stream_);
+  // The stream and the pool live on while a tensor of this backend does (device_memory.h).
+  mem_.reset();
 }
 
 std::string CudaBackend::name() const { return name_; }
@@ -79,25 +104,22 @@ void CudaBackend::check_dev(const Tensor& t, const char* what) const {
 
 Tensor CudaBackend::alloc(const Shape& shape, DType dtype) {
   const size_t bytes = static_cast<size_t>(shape_numel(shape)) * dtype_size(dtype);
-  auto st = std::make_shared<Storage>();
-  st->ptr = cuda_malloc(bytes, (std::string(dtype_name(dtype)) + shape_str(shape)).c_str());
-  st->bytes = bytes;
-  st->device = DeviceKind::CUDA;
-  st->release = [](void* p) { cudaFree(p); };
-  return Tensor(st, 0, shape, dtype);
+  auto st = mem_->allocate(bytes, [&] { return std::string("a tensor ") + dtype_name(dtype) + shape_str(shape); });
+  return Tensor(std::move(st), 0, shape, dtype);
 }
+
+MemoryStats CudaBackend::memory_stats() { return mem_->stats(); }
+void CudaBackend::reset_peak_memory_stats() { mem_->reset_peak(); }
 
 Tensor CudaBackend::scratch(Slot slot, const Shape& shape, DType dtype) {
   const size_t bytes = static_cast<size_t>(shape_numel(shape)) * dtype_size(dtype);
   auto& st = slots_[slot];
   if (!st || st->bytes < bytes) {
-    auto fresh = std::make_shared<Storage>();
+    FP8RL_CHECK(!recording_, "a scratch buffer must grow while recording a CUDA graph: run the ops once "
+                "unrecorded first");
     const size_t want = std::max<size_t>(bytes + bytes / 4, 256);
-    fresh->ptr = cuda_malloc(want, "a scratch buffer");
-    fresh->bytes = want;
-    fresh->device = DeviceKind::CUDA;
-    fresh->release = [](void* p) { cudaFree(p); };
-    st = fresh;
+    st.reset();  // the old buffer goes back to the pool first (stream-ordered)
+    st = mem_->allocate(want, [&] { return "a scratch buffer (slot " + std::to_string(slot) + ")"; });
   }
   return Tensor(st, 0, shape, dtype);
 }
@@ -129,7 +151,10 @@ void CudaBackend::copy(const Tensor& src, Tensor& dst) {
   }
   CUDA_CHECK(cudaMemcpyAsync(dst.raw(), src.raw(), n, kind, stream_), "copying ", src.str(), " to ", dst.str());
   // Host memory is pageable: wait so the host side may be read or freed on return.
-  if (kind != cudaMemcpyDeviceToDevice) CUDA_CHECK(cudaStreamSynchronize(stream_), "copying ", src.str());
+  if (kind != cudaMemcpyDeviceToDevice) {
+    CUDA_CHECK(cudaStreamSynchronize(stream_), "copying ", src.str());
+    flag_drain();  // errors of earlier ops surface here at the latest
+  }
 }
 
 void CudaBackend::convert(const Tensor& src, Tensor& dst) {
@@ -148,18 +173,93 @@ void CudaBackend::fill(Tensor& t, float value) {
   launch_fill(t.raw(), t.dtype(), t.numel(), value, stream_);
 }
 
-void CudaBackend::synchronize() { CUDA_CHECK(cudaStreamSynchronize(stream_), "waiting for the GPU"); }
+void CudaBackend::synchronize() {
+  CUDA_CHECK(cudaStreamSynchronize(stream_), "waiting for the GPU");
+  flag_drain();
+}
 
 int* CudaBackend::flag_reset() {
-  CUDA_CHECK(cudaMemsetAsync(flag_dev_, 0, sizeof(int), stream_), "resetting the device error flag");
-  return flag_dev_;
+  if (recording_) return flag_dev_ + kFlagSticky;  // a replay's errors accumulate there
+  if (pending_.size() + 1 >= static_cast<size_t>(kFlagSticky)) flag_drain();
+  flag_cur_ = flag_dev_ + pending_.size();
+  CUDA_CHECK(cudaMemsetAsync(flag_cur_, 0, sizeof(int), stream_), "resetting a device error flag");
+  return flag_cur_;
 }
 
 void CudaBackend::flag_check(const std::string& message) {
-  CUDA_CHECK(cudaMemcpyAsync(flag_host_, flag_dev_, sizeof(int), cudaMemcpyDeviceToHost, stream_),
-             "reading the device error flag");
-  CUDA_CHECK(cudaStreamSynchronize(stream_), "waiting for ", message);
-  if (*flag_host_) FP8RL_FAIL(message);
+  if (recording_) {
+    if (recorded_message_.empty()) recorded_message_ = message;
+    return;
+  }
+  pending_.push_back(message);  // the slot flag_reset() opened
+  if (sync_checks_) flag_drain();
+}
+
+void CudaBackend::flag_drain() {
+  FP8RL_CHECK(!recording_, "a synchronizing call while recording a CUDA graph: record only asynchronous ops");
+  if (pending_.empty() && sticky_message_.empty()) return;
+  CUDA_CHECK(cudaMemcpyAsync(flag_host_, flag_dev_, kFlagSlots * sizeof(int), cudaMemcpyDeviceToHost, stream_),
+             "reading the device error flags");
+  CUDA_CHECK(cudaStreamSynchronize(stream_), "waiting for the GPU to check its error flags");
+  std::vector<std::string> messages;
+  messages.swap(pending_);
+  std::string sticky;
+  sticky.swap(sticky_message_);
+  for (size_t i = 0; i < messages.size(); ++i)
+    if (flag_host_[i]) FP8RL_FAIL(messages[i]);
+  if (flag_host_[kFlagSticky]) {
+    CUDA_CHECK(cudaMemsetAsync(flag_dev_ + kFlagSticky, 0, sizeof(int), stream_), "resetting the sticky flag");
+    FP8RL_FAIL(sticky);
+  }
+}
+
+// ---- graphs ------------------------------------------------------------------------------------
+
+class CudaGraph final : public OpGraph {
+ public:
+  CudaGraph(CudaBackend& be, cudaGraphExec_t exec, std::string message)
+      : be_(be), exec_(exec), message_(std::move(message)), keep_(be.slots_) {}
+  ~CudaGraph() override { cudaGraphExecDestroy(exec_); }
+  void replay() override {
+    CUDA_CHECK(cudaGraphLaunch(exec_, be_.stream_), "replaying a CUDA graph");
+    if (!message_.empty() && be_.sticky_message_.empty())
+      be_.sticky_message_ = "in a CUDA-graph replay: " + message_;
+  }
+
+ private:
+  CudaBackend& be_;
+  cudaGraphExec_t exec_;
+  std::string message_;
+  std::vector<std::shared_ptr<Storage>> keep_;  // scratch buffers baked into the graph stay alive
+};
+
+std::unique_ptr<OpGraph> CudaBackend::record(const std::function<void()>& ops) {
+  static const bool off = [] {
+    const char* e = std::getenv("FP8RL_CUDA_GRAPHS");
+    return e && std::string(e) == "0";
+  }();
+  if (off || !stream_ordered_alloc()) return nullptr;
+  flag_drain();  // nothing of before belongs to the graph
+  recorded_message_.clear();
+  CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal), "starting a CUDA graph capture");
+  recording_ = true;
+  cudaGraph_t graph = nullptr;
+  try {
+    ops();
+  } catch (...) {
+    recording_ = false;
+    cudaStreamEndCapture(stream_, &graph);
+    if (graph) cudaGraphDestroy(graph);
+    cudaGetLastError();
+    throw;
+  }
+  recording_ = false;
+  CUDA_CHECK(cudaStreamEndCapture(stream_, &graph), "ending a CUDA graph capture");
+  cudaGraphExec_t exec = nullptr;
+  const cudaError_t e = cudaGraphInstantiate(&exec, graph, 0);
+  cudaGraphDestroy(graph);
+  CUDA_CHECK(e, "instantiating a CUDA graph");
+  return std::make_unique<CudaGraph>(*this, exec, recorded_message_);
 }
 
 // ---- element-wise ----------------------------------------------------------------------------
@@ -186,13 +286,16 @@ double CudaBackend::sum_squares(const Tensor& x) {
   double h = 0.0;
   CUDA_CHECK(cudaMemcpyAsync(&h, acc.raw(), sizeof(double), cudaMemcpyDeviceToHost, stream_), "reading the sum");
   CUDA_CHECK(cudaStreamSynchronize(stream_), "sum_squares");
+  flag_drain();
   return h;
 }
 
 bool CudaBackend::all_finite(const Tensor& x) {
   check_dev(x, "all_finite x");
-  launch_flag_nonfinite(x.raw(), x.dtype(), x.numel(), flag_reset(), stream_);
-  CUDA_CHECK(cudaMemcpyAsync(flag_host_, flag_dev_, sizeof(int), cudaMemcpyDeviceToHost, stream_), "reading the flag");
+  flag_drain();  // earlier ops' errors first: this op reads its flag itself
+  int* f = flag_reset();
+  launch_flag_nonfinite(x.raw(), x.dtype(), x.numel(), f, stream_);
+  CUDA_CHECK(cudaMemcpyAsync(flag_host_, f, sizeof(int), cudaMemcpyDeviceToHost, stream_), "reading the flag");
   CUDA_CHECK(cudaStreamSynchronize(stream_), "all_finite");
   return *flag_host_ == 0;
 }
@@ -208,6 +311,7 @@ float CudaBackend::amax(const Tensor& x) {
   uint32_t bits = 0;
   CUDA_CHECK(cudaMemcpyAsync(&bits, acc.raw(), sizeof(bits), cudaMemcpyDeviceToHost, stream_), "reading the amax");
   CUDA_CHECK(cudaStreamSynchronize(stream_), "amax");
+  flag_drain();
   float m;
   std::memcpy(&m, &bits, sizeof m);
   return m;
@@ -337,7 +441,7 @@ void CudaBackend::quantize_async(const Tensor& x, bool transpose, QuantTensor& o
   check_shape(out.scales, {ceil_div(R, out.block_rows), ceil_div(C, out.block_cols)}, "quantize out.scales");
   check_dtype(out.scales, DType::F32, "quantize out.scales");
   launch_quantize(x.raw(), x.dtype(), x.dim(0), x.dim(1), transpose, out.block_rows, out.block_cols, out.pow2,
-                  out.data.data<uint8_t>(), out.scales.data<float>(), flag_dev_, stream_);
+                  out.data.data<uint8_t>(), out.scales.data<float>(), flag_cur_, stream_);
 }
 
 void CudaBackend::quantize(const Tensor& x, bool transpose, QuantTensor& out) {
@@ -345,6 +449,7 @@ void CudaBackend::quantize(const Tensor& x, bool transpose, QuantTensor& out) {
   quantize_async(x, transpose, out);
   flag_check("quantize: the input " + x.str() +
              " holds NaN or Inf; FP8 quantization refuses non-finite values (check the loss scale / learning rate)");
+  flag_drain();  // the explicit op (refit, tests) reports at once
 }
 
 // ---- GEMMs and linear layers ------------------------------------------------------------------
@@ -394,10 +499,9 @@ void CudaBackend::linear_fwd(const Tensor& x, const LinearWeight& W, const Linea
     flag_reset();
     quantize_async(x, false, xq);
     QuantTensor wq;
-    if (W.wq.defined()) {
+    if (W.wq.defined()) {  // pre-quantized (the generator's, or the trainer's per-step cache)
+      check_wq(W, spec);
       wq = W.wq;
-      check_dev(wq.data, "linear W.wq");
-      FP8RL_CHECK(wq.block_rows == kQuantBlock && wq.block_cols == kQuantBlock, "linear W.wq must be 128x128 blocks");
     } else {
       check_dev(W.w, "linear W.w");
       wq = scratch_quant(kSlotBq, kSlotBs, N, K, kQuantBlock, spec.pow2_scales);
@@ -450,20 +554,28 @@ void CudaBackend::linear_backward(const Tensor& dy, const Tensor& x, const Linea
   const DType ab = spec.mode == LinearMode::FP32 ? DType::F32 : DType::BF16;
   if (dx) {
     check_dev(*dx, "linear_backward dx");
-    FP8RL_CHECK(W.w.defined(), "linear_backward on the GPU needs the high-precision weight W.w ",
-                "(a weight held only as FP8 wq cannot be trained)");
-    check_dev(W.w, "linear_backward W.w");
     FP8RL_CHECK(dx->numel() == M * K, "linear_backward: dx must be [", M, ", ", K, "], got ", dx->str());
     Tensor dx2 = dx->reshape({M, K});
     if (!fp8) {
+      FP8RL_CHECK(W.w.defined(), "linear_backward (", linear_mode_name(spec.mode), ") on the GPU needs the ",
+                  "high-precision weight W.w");
+      check_dev(W.w, "linear_backward W.w");
       mm(false, false, M, K, N, dy2, W.w, ab, dx2, 0.0f);
     } else {
-      // dgrad: dY 1x128 along N; W^T [K, N] 128x128 (the exact transpose of W's quantization).
+      // dgrad: dY 1x128 along N; W^T [K, N] 128x128, the exact transpose of W's quantization:
+      // of W.wq when defined (a byte transpose, no requantization), else of W.w quantized here.
       QuantTensor dyq = scratch_quant(kSlotAq, kSlotAs, M, N, 1, spec.pow2_scales);
       QuantTensor wtq = scratch_quant(kSlotBq, kSlotBs, K, N, kQuantBlock, spec.pow2_scales);
       flag_reset();
       quantize_async(dy2, false, dyq);
-      quantize_async(W.w, true, wtq);
+      if (W.wq.defined()) {
+        check_wq(W, spec);
+        launch_transpose_quant(W.wq.data.data<uint8_t>(), W.wq.scales.data<float>(), N, K, kQuantBlock,
+                               wtq.data.data<uint8_t>(), wtq.scales.data<float>(), stream_);
+      } else {
+        check_dev(W.w, "linear_backward W.w");
+        quantize_async(W.w, true, wtq);
+      }
       flag_check("linear_backward (FP8 dgrad): dy " + dy.str() + " or the weight holds NaN or Inf");
       if (fp8_tensor_cores(M, K, N)) {
         gemm_->gemm_fp8(M, K, N, dyq.data.data<uint8_t>(), dyq.scales.data<float>(), wtq.data.data<uint8_t>(),
@@ -639,8 +751,9 @@ void CudaBackend::token_logprobs(const Tensor& hidden, const Tensor& lm_head, co
   float* m = state.data<float>();
   float *s = m + T, *e = m + 2 * T, *tgt = m + 3 * T;
   launch_logprob_init(m, s, e, tgt, T, stream_);
-  int* bad = flag_dev_ + 1;  // flag 0 belongs to the quantizer inside linear_fwd
-  CUDA_CHECK(cudaMemsetAsync(bad, 0, sizeof(int), stream_), "resetting the target-range flag");
+  // The sticky slot: set by any out-of-range target of any call, read and cleared by flag_drain.
+  int* bad = flag_dev_ + kFlagSticky;
+  if (sticky_message_.empty()) sticky_message_ = "token_logprobs: a target id is out of range [0, " + std::to_string(V) + ")";
   const int64_t vc = vocab_chunk(T, V);
   for (int64_t v0 = 0; v0 < V; v0 += vc) {
     const int64_t n = std::min(vc, V - v0);
@@ -653,9 +766,6 @@ void CudaBackend::token_logprobs(const Tensor& hidden, const Tensor& lm_head, co
   }
   launch_logprob_finish(m, s, e, tgt, T, logp.data<float>(), lse.data<float>(),
                         entropy ? entropy->data<float>() : nullptr, stream_);
-  CUDA_CHECK(cudaMemcpyAsync(flag_host_, bad, sizeof(int), cudaMemcpyDeviceToHost, stream_), "reading a flag");
-  CUDA_CHECK(cudaStreamSynchronize(stream_), "token_logprobs");
-  FP8RL_CHECK(*flag_host_ == 0, "token_logprobs: a target id is out of range [0, ", V, ")");
 }
 
 void CudaBackend::token_logprobs_backward(const Tensor& hidden, const Tensor& lm_head, const Tensor& targets,
@@ -813,6 +923,7 @@ void CudaBackend::sample(const Tensor& logits, const std::vector<float>& tempera
                 logp.data<float>(), flag_reset(), stream_);
   // Synchronizes: the host-side parameter vector must outlive the upload.
   flag_check("sample: a row of logits holds NaN or +inf, or only -inf");
+  flag_drain();
 }
 
 }  // namespace cuda

@@ -1,12 +1,14 @@
-// The CUDA backend: the ops of backend/backend.h on one GPU, one stream. Memory is plain
-// cudaMalloc (Storage released with cudaFree); kernels live in *_kernels.cu, GEMMs in gemm.*.
+// The CUDA backend: the ops of backend/backend.h on one GPU, one stream. Memory is
+// stream-ordered from a caching pool on that stream (device_memory.h; FP8RL_CUDA_ALLOC=plain:
+// cudaMalloc / cudaFree); kernels live in *_kernels.cu, GEMMs in gemm.*.
 // Activations are BF16 by default (act_dtype); a backend made with act_dtype F32 runs the model
 // with F32 activations (the exact path: FP32 references, `fp8rl logprobs`), and computes FP8
 // block linears as FP32 GEMMs of the dequantized operands (exact, like the CPU reference)
 // instead of on cuBLASLt's FP8 tensor cores. Every op accepts
 // both dtypes whatever act_dtype says (the parity tests use both).
 // Errors: CUDA_CHECK / CUBLAS_CHECK (cuda_check.h); data errors found on the device (non-finite
-// quantizer input, out-of-range ids) are raised through a device flag checked after the op.
+// quantizer input, out-of-range ids) set device flags that are read back at the next
+// synchronizing call (see flag_reset), so ops never stall the stream to check their data.
 //
 // Limitations (documented, tested): the simple attention kernels are one warp per (token, head)
 // with an online softmax; training attention takes the tensor-core flash kernels where they
@@ -20,6 +22,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/cuda/device_memory.h"
 #include "backend/cuda/gemm.h"
 
 namespace fp8rl::cuda {
@@ -38,6 +41,8 @@ class CudaBackend final : public Backend {
   void convert(const Tensor& src, Tensor& dst) override;
   void fill(Tensor& t, float value) override;
   void synchronize() override;
+  MemoryStats memory_stats() override;
+  void reset_peak_memory_stats() override;
 
   void add(const Tensor& a, const Tensor& b, Tensor& out) override;
   void scale(Tensor& x, float s) override;
@@ -75,6 +80,8 @@ class CudaBackend final : public Backend {
               const std::vector<int>& top_k, const std::vector<float>& uniforms, Tensor& tokens,
               Tensor& logp) override;
 
+  std::unique_ptr<OpGraph> record(const std::function<void()>& ops) override;
+
   // ---- for the benchmark and tests ----
   cudaStream_t stream() const { return stream_; }
   GemmEngine& gemm() { return *gemm_; }
@@ -89,9 +96,16 @@ class CudaBackend final : public Backend {
   // A device buffer reused across calls (grown on demand); valid until the next scratch(slot).
   Tensor scratch(Slot slot, const Shape& shape, DType dtype);
   QuantTensor scratch_quant(Slot data_slot, Slot scale_slot, int64_t rows, int64_t cols, int block_rows, bool pow2);
-  // Device flag protocol: reset before, check after (synchronizes).
+  // Device flag protocol, without stalling the stream: flag_reset() opens a fresh flag slot
+  // (an async memset) that the op's kernels set on bad data; flag_check(message) records that
+  // slot with its message. Recorded slots are read back at the next synchronizing call
+  // (synchronize, a copy to or from the host, a reduction, sample, quantize) by flag_drain,
+  // which raises the first set flag's message; FP8RL_CUDA_SYNC_CHECKS=1 drains after every op.
+  // Slot kFlagSticky is token_logprobs' cumulative target-range flag (never reset per call).
+  static constexpr int kFlagSlots = 256, kFlagSticky = kFlagSlots - 1;
   int* flag_reset();
   void flag_check(const std::string& message);
+  void flag_drain();
   // C[M, N] = op(A) op(B) + beta C with A, B converted to `ab` (F32 or BF16) when they differ.
   void mm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const Tensor& A, const Tensor& B, DType ab, Tensor& C,
           float beta);
@@ -103,10 +117,20 @@ class CudaBackend final : public Backend {
   int device_ = 0;
   int sm_count_ = 1;  // streaming multiprocessors (sizes the paged attention split plan)
   DType act_dtype_ = DType::BF16;
-  cudaStream_t stream_ = nullptr;
+  std::shared_ptr<DeviceMemory> mem_;  // owns the stream and the pool; shared with every Storage
+  cudaStream_t stream_ = nullptr;      // mem_->stream()
   std::unique_ptr<GemmEngine> gemm_;
-  int* flag_dev_ = nullptr;
-  int* flag_host_ = nullptr;
+  int* flag_dev_ = nullptr;   // [kFlagSlots]
+  int* flag_host_ = nullptr;  // pinned [kFlagSlots]
+  int* flag_cur_ = nullptr;   // the slot flag_reset() opened last
+  std::vector<std::string> pending_;  // message of slot i
+  std::string sticky_message_;        // set while the sticky slot may hold an unchecked error
+  bool sync_checks_ = false;
+  bool recording_ = false;            // inside record(): flags go to the sticky slot
+  std::string recorded_message_;      // first flag_check message while recording
+  // alloc() is stream-ordered from a pool (capturable): graphs allowed.
+  bool stream_ordered_alloc() const { return !mem_->plain(); }
+  friend class CudaGraph;
   std::vector<std::shared_ptr<Storage>> slots_;
   std::string name_;
 };

@@ -45,7 +45,11 @@ void* cuda_malloc(size_t bytes, const char* what) {
   void* p = nullptr;
   const cudaError_t e = cudaMalloc(&p, bytes);
   if (e == cudaSuccess) return p;
-  cudaGetLastError();  // clear the sticky-free allocation error
+  throw_alloc_error(e, bytes, what, "cudaMalloc");
+}
+
+void throw_alloc_error(cudaError_t e, size_t bytes, const std::string& what, const char* api) {
+  cudaGetLastError();  // clear the (non-sticky) allocation error
   size_t free_b = 0, total_b = 0;
   cudaMemGetInfo(&free_b, &total_b);
   const double gib = 1024.0 * 1024.0 * 1024.0;
@@ -55,7 +59,7 @@ void* cuda_malloc(size_t bytes, const char* what) {
   if (e == cudaErrorMemoryAllocation)
     FP8RL_FAIL("out of GPU memory allocating ", what, ": ", buf,
                "; reduce the batch size, the sequence length, the number of KV-cache pages or the model size");
-  FP8RL_FAIL("cudaMalloc of ", what, " failed: ", cudaGetErrorName(e), " (", cudaGetErrorString(e), "), ", buf);
+  FP8RL_FAIL(api, " of ", what, " failed: ", cudaGetErrorName(e), " (", cudaGetErrorString(e), "), ", buf);
 }
 
 }  // namespace fp8rl::cuda

@@ -26,6 +26,10 @@ const char* cublas_status_string(cublasStatus_t s);
 // cudaMalloc that throws a clear out-of-memory error ("asked for X GiB, Y GiB free of Z; reduce
 // the batch, the sequence length or the KV pages"). `what` names the buffer.
 void* cuda_malloc(size_t bytes, const char* what);
+// The error of a failed device allocation of `bytes` for `what` through `api` (cudaMalloc,
+// cudaMallocFromPoolAsync): out of memory says so with the free/total device memory and what
+// to reduce; other errors name the CUDA error. Clears the (non-sticky) error first.
+[[noreturn]] void throw_alloc_error(cudaError_t e, size_t bytes, const std::string& what, const char* api);
 
 }  // namespace fp8rl::cuda
 

@@ -18,6 +18,10 @@ void launch_quantize(const void* x, DType x_dtype, int64_t x_rows, int64_t x_col
                      int block_cols, bool pow2, uint8_t* q, float* scales, int* bad_flag, cudaStream_t stream);
 void launch_dequantize(const uint8_t* q, const float* scales, int64_t rows, int64_t cols, int block_rows,
                        int block_cols, void* out, DType out_dtype, cudaStream_t stream);
+// Exact transpose of a block x block quantization (block x block scales): q [rows, cols] ->
+// qt [cols, rows], scales [ceil(rows/block), ceil(cols/block)] -> scales_t transposed.
+void launch_transpose_quant(const uint8_t* q, const float* scales, int64_t rows, int64_t cols, int block,
+                            uint8_t* qt, float* scales_t, cudaStream_t stream);
 void launch_scales_vec128(const float* s, int64_t rows, int64_t nb, int64_t ld, float* out, cudaStream_t stream);
 void launch_scales_blk(const float* s, int64_t rb, int64_t cb, int64_t ld, float* out, cudaStream_t stream);
 

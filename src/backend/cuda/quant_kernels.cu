@@ -381,6 +381,43 @@ void launch_dequantize(const uint8_t* q, const float* scales, int64_t rows, int6
   });
 }
 
+// ---- exact transpose of a square-block quantization ---------------------------------------------
+// q [R, C] -> qt [C, R] (bytes), scales [ceil(R/b), ceil(C/b)] -> [ceil(C/b), ceil(R/b)]: the
+// quantization of x^T with b x b blocks is this (same blocks, same amax, same codes).
+constexpr int kTransTile = 32;
+__global__ void transpose_u8_kernel(const uint8_t* __restrict__ q, int64_t R, int64_t C, uint8_t* __restrict__ qt) {
+  __shared__ uint8_t tile[kTransTile][kTransTile + 4];
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kTransTile, c0 = static_cast<int64_t>(blockIdx.x) * kTransTile;
+  for (int i = threadIdx.y; i < kTransTile; i += blockDim.y) {
+    const int64_t r = r0 + i, c = c0 + threadIdx.x;
+    if (r < R && c < C) tile[i][threadIdx.x] = q[r * C + c];
+  }
+  __syncthreads();
+  for (int i = threadIdx.y; i < kTransTile; i += blockDim.y) {
+    const int64_t c = c0 + i, r = r0 + threadIdx.x;  // qt[c, r] = q[r, c]
+    if (r < R && c < C) qt[c * R + r] = tile[threadIdx.x][i];
+  }
+}
+__global__ void transpose_f32_kernel(const float* __restrict__ s, int64_t R, int64_t C, float* __restrict__ st) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < R * C;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t c = i / R, r = i % R;  // st[c, r] = s[r, c]
+    st[i] = s[r * C + c];
+  }
+}
+
+void launch_transpose_quant(const uint8_t* q, const float* scales, int64_t rows, int64_t cols, int block,
+                            uint8_t* qt, float* scales_t, cudaStream_t stream) {
+  if (rows * cols == 0) return;
+  FP8RL_CHECK(ceil_div(rows, kTransTile) <= 65535, "transpose_quant: ", rows, " rows exceed the grid");
+  const dim3 grid(static_cast<unsigned>(ceil_div(cols, kTransTile)), static_cast<unsigned>(ceil_div(rows, kTransTile)));
+  transpose_u8_kernel<<<grid, dim3(kTransTile, 8), 0, stream>>>(q, rows, cols, qt);
+  CUDA_CHECK_LAUNCH("transpose_u8_kernel");
+  const int64_t sr = ceil_div(rows, block), sc = ceil_div(cols, block);
+  transpose_f32_kernel<<<grid_for(sr * sc, 256), 256, 0, stream>>>(scales, sr, sc, scales_t);
+  CUDA_CHECK_LAUNCH("transpose_f32_kernel");
+}
+
 // ---- cuBLASLt scale layouts (see gemm.h) -------------------------------------------------------
 // VEC128: row-major [rows, nb] -> [nb][ld] (ld >= rows; padding 1).
 __global__ void scales_vec128_kernel(const float* __restrict__ s, int64_t rows, int64_t nb, int64_t ld,

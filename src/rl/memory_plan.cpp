@@ -1,0 +1,217 @@
+#include "rl/memory_plan.h"
+
+#include <algorithm>
+#include <cstdio>
+
+#include "core/error.h"
+#include "quant/quant.h"
+
+namespace fp8rl {
+
+namespace {
+
+constexpr int64_t kBlock = kQuantBlock;  // FP8 weight blocks are 128 x 128
+
+struct LinearShape {
+  int64_t rows, cols;  // [out, in]
+};
+
+// The 7 linears of one block, [out, in] each.
+std::vector<LinearShape> block_linears(const ModelConfig& c) {
+  const int64_t D = c.hidden_size, F = c.intermediate_size;
+  const int64_t q = int64_t(c.num_heads) * c.head_dim, kv = int64_t(c.num_kv_heads) * c.head_dim;
+  return {{q, D}, {kv, D}, {kv, D}, {D, q}, {F, D}, {F, D}, {D, F}};
+}
+
+std::string gib(int64_t bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.2f GiB", double(bytes) / double(1ll << 30));
+  return buf;
+}
+
+}  // namespace
+
+int64_t MemoryPlan::resident_bytes() const {
+  int64_t s = 0;
+  for (const auto& l : resident) s += l.bytes;
+  return s;
+}
+
+int64_t MemoryPlan::peak_bytes() const {
+  int64_t s = resident_bytes();
+  for (const auto& l : transient) s += l.bytes;
+  return s;
+}
+
+int64_t memory_plan_block_bytes_per_token(const ModelConfig& c, DType act) {
+  const int64_t a = int64_t(dtype_size(act));
+  const int64_t st = act == DType::F64 ? 8 : 4;  // per-row statistics (rstd, lse) are F32 (F64)
+  const int64_t D = c.hidden_size, F = c.intermediate_size;
+  const int64_t q = int64_t(c.num_heads) * c.head_dim, kv = int64_t(c.num_kv_heads) * c.head_dim;
+  // x, xn_attn, x_mid, xn_mlp, proj [D]; gate, up, act [F]; q, attn [Hq*hd]; k, v [Hkv*hd]
+  int64_t elems = 5 * D + 3 * F + 2 * q + 2 * kv;
+  int64_t stats = 2 + c.num_heads;  // attn_rstd, mlp_rstd, lse [Hq]
+  if (c.qk_norm) {
+    elems += q + kv;                         // q_raw, k_raw
+    stats += c.num_heads + c.num_kv_heads;   // q_rstd, k_rstd
+  }
+  return elems * a + stats * st;
+}
+
+int64_t memory_plan_head_bytes_per_token(const ModelConfig& c, DType act) {
+  const int64_t a = int64_t(dtype_size(act));
+  const int64_t st = act == DType::F64 ? 8 : 4;
+  // x_final, hidden [D]; final_rstd, lm_lse; ids, positions, targets (I32)
+  return 2 * int64_t(c.hidden_size) * a + 2 * st + 3 * 4;
+}
+
+int64_t memory_plan_generator_bytes(const ModelConfig& c, const EnginePrecision& gen, DType act) {
+  const int64_t a = int64_t(dtype_size(act));
+  const int64_t D = c.hidden_size, V = c.vocab_size, hd = c.head_dim;
+  int64_t bytes = V * D * a * (c.tie_word_embeddings ? 1 : 2) + D * a;  // embed (+ lm_head), final_norm
+  for (int l = 0; l < c.num_layers; ++l) {
+    bytes += 2 * D * a + (c.qk_norm ? 2 * hd * a : 0);  // attn_norm, mlp_norm (+ q_norm, k_norm)
+    if (c.attention_bias) bytes += (int64_t(c.num_heads) + 2 * c.num_kv_heads) * hd * a;
+    const bool fp8 = gen.linear_for_layer(l, c.num_layers) == LinearMode::FP8_BLOCK;
+    for (const LinearShape& s : block_linears(c))
+      bytes += fp8 ? s.rows * s.cols + ceil_div(s.rows, kBlock) * ceil_div(s.cols, kBlock) * 4 : s.rows * s.cols * a;
+  }
+  return bytes;
+}
+
+MemoryPlan memory_plan_compute(const MemoryPlanInput& in) {
+  const ModelConfig& c = in.model;
+  c.validate();
+  FP8RL_CHECK(in.kv_pages >= 0 && in.page_size > 0 && in.micro_batch_tokens > 0 && in.generation_batch > 0,
+              "memory plan: kv_pages, page_size, micro_batch_tokens and generation_batch must be positive");
+  MemoryPlan p;
+  p.parameters = c.num_parameters();
+  const int64_t N = p.parameters;
+  const int64_t a = int64_t(dtype_size(in.act_dtype));
+  const int64_t T = in.micro_batch_tokens, V = c.vocab_size, L = c.num_layers;
+
+  p.resident.push_back({"master weights (F32)", 4 * N, "4 B x parameters"});
+  p.resident.push_back({"gradients (F32)", 4 * N, "4 B x parameters"});
+  p.resident.push_back({"Adam moments m, v (F32)", 8 * N, "2 x 4 B x parameters"});
+  if (in.reference_policy)
+    p.resident.push_back({"reference policy (kl_beta > 0)", 16 * N,
+                          "a second Trainer: weights + gradients + moments, 16 B x parameters"});
+  const bool fp8 = in.generator.linear == LinearMode::FP8_BLOCK;
+  p.resident.push_back({fp8 ? "generator weights (FP8 linears + scales)" : "generator weights",
+                        memory_plan_generator_bytes(c, in.generator, in.act_dtype),
+                        fp8 ? "linears 1 B/elem + F32 scale per 128x128 block; embed/norms in activation dtype"
+                            : "every tensor in the activation dtype"});
+  const int64_t kv_tokens = in.kv_pages * in.page_size;
+  const int64_t kv = 2 * L * kv_tokens * c.num_kv_heads * c.head_dim * int64_t(dtype_size(in.generator.kv_cache)) +
+                     2 * L * c.num_kv_heads * 4;
+  p.resident.push_back({std::string("KV pool (") + dtype_name(in.generator.kv_cache) + ")", kv,
+                        std::to_string(in.kv_pages) + " pages x " + std::to_string(in.page_size) +
+                            " tokens x layers x K,V x kv_heads x head_dim"});
+
+  const int64_t act = T * (L * memory_plan_block_bytes_per_token(c, in.act_dtype) +
+                           memory_plan_head_bytes_per_token(c, in.act_dtype));
+  p.transient.push_back({"saved activations, one micro-batch", act,
+                         std::to_string(T) + " tokens x every block's LayerActivations (no recomputation)"});
+  const int64_t hq = int64_t(c.num_heads) * c.head_dim, hkv = int64_t(c.num_kv_heads) * c.head_dim;
+  p.transient.push_back({"backward scratch of one block (estimate)",
+                         T * (2 * int64_t(c.hidden_size) + 3 * int64_t(c.intermediate_size) + 2 * hq + 2 * hkv) * 4,
+                         "F32 gradients of one block's activations"});
+  p.transient.push_back({"lm_head logits chunk (F32)", std::min(in.logits_chunk_bytes, T * V * 4),
+                         "tokens x vocabulary chunk"});
+  p.transient.push_back({"decode logits (F32)", in.generation_batch * V * 4,
+                         std::to_string(in.generation_batch) + " sequences x vocabulary"});
+  p.activations_recompute_bytes = T * (L * int64_t(c.hidden_size) * a + memory_plan_block_bytes_per_token(c, in.act_dtype) +
+                                       memory_plan_head_bytes_per_token(c, in.act_dtype));
+  return p;
+}
+
+int64_t memory_plan_kv_pages(const RunConfig& c) {
+  // The engine runs at most kRolloutMaxBatch sequences at once (the rest wait for pages), so a
+  // pool for more would never be used.
+  const int seqs = std::min(kRolloutMaxBatch,
+                            std::max(c.rollout.prompts_per_step * c.rollout.generations_per_prompt, c.val_size));
+  const int len = std::min(2048, 256 + c.rollout.max_new_tokens);
+  const int page = 16;
+  return int64_t(seqs) * ((len + page - 1) / page) + 1;
+}
+
+MemoryPlanInput memory_plan_input(const RunConfig& c, const ModelConfig& model, DType act_dtype) {
+  MemoryPlanInput in;
+  in.model = model;
+  in.generator = config_precision_recipe(c.precision).generator;
+  in.act_dtype = act_dtype;
+  in.reference_policy = c.train.kl_beta > 0;
+  in.kv_pages = memory_plan_kv_pages(c);
+  in.micro_batch_tokens = c.train.micro_batch_tokens;
+  in.generation_batch = kRolloutMaxBatch;
+  return in;
+}
+
+std::string memory_plan_format(const MemoryPlan& p, const ModelConfig& c, int64_t device_bytes) {
+  std::string s;
+  char buf[512];
+  std::snprintf(buf, sizeof buf, "memory plan: %s, %.1fM parameters (D %d, F %d, %d layers, %d/%d heads x %d, vocab %d%s)\n",
+                c.model_type.c_str(), double(p.parameters) / 1e6, c.hidden_size, c.intermediate_size, c.num_layers,
+                c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size, c.tie_word_embeddings ? ", tied" : "");
+  s += buf;
+  auto add = [&](const MemoryPlanLine& l) {
+    std::snprintf(buf, sizeof buf, "  %-44s %12s  %s\n", l.name.c_str(), gib(l.bytes).c_str(), l.note.c_str());
+    s += buf;
+  };
+  s += " resident for the whole run:\n";
+  for (const auto& l : p.resident) add(l);
+  std::snprintf(buf, sizeof buf, "  %-44s %12s\n", "= resident", gib(p.resident_bytes()).c_str());
+  s += buf;
+  s += " per training micro-batch / decode step (as built):\n";
+  for (const auto& l : p.transient) add(l);
+  std::snprintf(buf, sizeof buf, "  %-44s %12s\n", "= peak (resident + transient)", gib(p.peak_bytes()).c_str());
+  s += buf;
+  std::snprintf(buf, sizeof buf, "  %-44s %12s  %s\n", "saved activations with block recomputation",
+                gib(p.activations_recompute_bytes).c_str(), "(not built: block inputs + one block)");
+  s += buf;
+  if (device_bytes > 0) {
+    const int64_t free = device_bytes - p.peak_bytes();
+    std::snprintf(buf, sizeof buf, "  %s in %s: %s %s\n", free >= 0 ? "fits" : "DOES NOT FIT", gib(device_bytes).c_str(),
+                  gib(free >= 0 ? free : -free).c_str(), free >= 0 ? "left" : "short (lower train.micro_batch_tokens or the KV pool)");
+    s += buf;
+  }
+  return s;
+}
+
+ModelConfig memory_plan_shape(const std::string& name) {
+  ModelConfig c;
+  c.tie_word_embeddings = true;
+  c.max_position_embeddings = 40960;
+  c.rope_theta = 1000000.0f;
+  if (name == "qwen3-0.6b" || name == "qwen3-1.7b") {
+    const bool small = name == "qwen3-0.6b";
+    c.model_type = "qwen3";
+    c.vocab_size = 151936;
+    c.hidden_size = small ? 1024 : 2048;
+    c.intermediate_size = small ? 3072 : 6144;
+    c.num_layers = 28;
+    c.num_heads = 16;
+    c.num_kv_heads = 8;
+    c.head_dim = 128;
+    c.qk_norm = true;
+  } else if (name == "llama-3.2-1b") {
+    c.model_type = "llama";
+    c.vocab_size = 128256;
+    c.hidden_size = 2048;
+    c.intermediate_size = 8192;
+    c.num_layers = 16;
+    c.num_heads = 32;
+    c.num_kv_heads = 8;
+    c.head_dim = 64;
+    c.rope_theta = 500000.0f;
+    c.max_position_embeddings = 131072;
+  } else {
+    FP8RL_FAIL("unknown shape '", name, "': expected qwen3-0.6b, qwen3-1.7b or llama-3.2-1b (or use model.path)");
+  }
+  c.eos_token_id = 0;
+  c.eos_token_ids = {0};
+  c.validate();
+  return c;
+}
+
+}  // namespace fp8rl

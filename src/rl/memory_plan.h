@@ -1,0 +1,72 @@
+// Device-memory plan of a GRPO run, computed from the shapes alone (nothing is allocated):
+// what the trainer, the reference policy, the generator and the KV pool hold for the whole run,
+// and what one training micro-batch needs on top. Printed at the start of `fp8rl train` and
+// `fp8rl sft`, and by `fp8rl plan` for any shape (e.g. a ~1B model on one H200) without running.
+// The byte counts follow what the code allocates (train/trainer.cpp, rollout/generator_weights.cpp,
+// model/transformer.cpp LayerActivations); allocator slack and the CUDA context are not counted.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/dtype.h"
+#include "core/precision.h"
+#include "model/config.h"
+#include "rl/config.h"
+
+namespace fp8rl {
+
+// Sequences the GRPO loop's RolloutEngine decodes at once (its max_batch).
+inline constexpr int kRolloutMaxBatch = 256;
+
+struct MemoryPlanInput {
+  ModelConfig model;
+  EnginePrecision generator;             // linears FP8 (128x128 blocks + F32 scales) or not; KV dtype
+  DType act_dtype = DType::BF16;         // activation / generator storage dtype (CUDA: BF16; CPU: F32)
+  bool reference_policy = false;         // kl_beta > 0: a frozen copy of the policy (a second Trainer)
+  int64_t kv_pages = 0, page_size = 16;  // the generator's KV pool
+  int64_t micro_batch_tokens = 4096;     // tokens per forward/backward chunk
+  int64_t generation_batch = 256;        // sequences decoded together (logits rows per decode step)
+  int64_t logits_chunk_bytes = 256ll << 20;  // the lm_head logits are computed in vocabulary chunks
+                                             // of at most this many bytes (CUDA backend)
+};
+
+struct MemoryPlanLine {
+  std::string name;   // "master weights (F32)"
+  int64_t bytes = 0;
+  std::string note;   // how it was counted
+};
+
+struct MemoryPlan {
+  int64_t parameters = 0;
+  std::vector<MemoryPlanLine> resident;    // held for the whole run
+  std::vector<MemoryPlanLine> transient;   // per training micro-batch / decode step, as built
+  int64_t activations_recompute_bytes = 0;  // saved activations if blocks were recomputed in
+                                            // backward (only block inputs + one block): not built
+  int64_t resident_bytes() const;
+  int64_t peak_bytes() const;               // resident + transient
+};
+
+MemoryPlan memory_plan_compute(const MemoryPlanInput& in);
+
+// Saved activation bytes per token of one block / of the model head (LayerActivations, Activations).
+int64_t memory_plan_block_bytes_per_token(const ModelConfig& c, DType act);
+int64_t memory_plan_head_bytes_per_token(const ModelConfig& c, DType act);
+// Generator weight bytes (FP8 linears + scales when the precision says so, the rest in `act`).
+int64_t memory_plan_generator_bytes(const ModelConfig& c, const EnginePrecision& gen, DType act);
+
+// The KV pool `fp8rl train` allocates for this config (shared with rl/grpo_loop.cpp): pages
+// for min(kRolloutMaxBatch, max(P x G, val_size)) sequences of min(2048, 256 + max_new_tokens)
+// tokens, plus one.
+int64_t memory_plan_kv_pages(const RunConfig& c);
+
+// The plan's input from a run config, for a given model shape and backend activation dtype.
+MemoryPlanInput memory_plan_input(const RunConfig& c, const ModelConfig& model, DType act_dtype);
+
+// A readable table; `device_bytes` > 0 adds the headroom line ("fits in 139.0 GiB: 12.3 GiB free").
+std::string memory_plan_format(const MemoryPlan& plan, const ModelConfig& model, int64_t device_bytes = 0);
+
+// Known shapes for `fp8rl plan --shape`: qwen3-0.6b, qwen3-1.7b, llama-3.2-1b. Throws on others.
+ModelConfig memory_plan_shape(const std::string& name);
+
+}  // namespace fp8rl

@@ -1,0 +1,103 @@
+#include "rollout/decode_graphs.h"
+
+#include <algorithm>
+#include <cstdio>
+
+#include "core/error.h"
+#include "model/transformer.h"
+
+namespace fp8rl {
+
+DecodeGraphs::DecodeGraphs(Backend& be, const ModelWeights& weights, const EnginePrecision& prec, KvCache& cache,
+                           int max_batch, int dummy_page)
+    : be_(be), gen_(weights), prec_(prec), cache_(cache), max_batch_(max_batch), dummy_page_(dummy_page) {
+  FP8RL_CHECK(dummy_page >= 0 && dummy_page < cache.num_pages, "decode graphs: dummy page ", dummy_page,
+              " outside the pool of ", cache.num_pages);
+  disabled_ = be_.record([] {}) == nullptr;  // the CPU, FP8RL_CUDA_GRAPHS=0, plain allocation
+}
+
+// Padded batch sizes: powers of two up to 32, then multiples of 32 (at most 1/32 + 31 rows of
+// padding waste), capped at max_batch.
+int DecodeGraphs::bucket(int B) const {
+  int b = 1;
+  while (b < B && b < 32) b *= 2;
+  if (B > 32) b = (B + 31) / 32 * 32;
+  return std::min(b, max_batch_);
+}
+
+void DecodeGraphs::forward(int Bp) {
+  const int64_t W = width_;
+  PagedBatch batch;
+  const Tensor ids = in_.slice_rows(0, Bp);
+  batch.token_seq = in_.slice_rows(Bp, 2 * Bp);
+  batch.token_pos = in_.slice_rows(2 * Bp, 3 * Bp);
+  batch.slots = in_.slice_rows(3 * Bp, 4 * Bp);
+  const Tensor rows = in_.slice_rows(4 * Bp, 5 * Bp);
+  batch.page_table = in_.slice_rows(5 * Bp, 5 * Bp + Bp * W).reshape({Bp, W});
+  batch.max_pos = static_cast<int>(W) * cache_.page_size;  // fixed: sequences grow under one graph
+  Tensor logits = logits_.slice_rows(0, Bp);
+  model_forward_paged(be_, gen_, prec_, cache_, ids, batch, rows, logits);
+}
+
+bool DecodeGraphs::run(const std::vector<int32_t>& ids, const std::vector<int32_t>& pos,
+                       const std::vector<int32_t>& slots, const std::vector<const std::vector<int32_t>*>& pages,
+                       int width, Tensor& logits_view) {
+  const int B = static_cast<int>(ids.size());
+  if (disabled_ || B == 0 || B > max_batch_) return false;
+  // A pow2 width keeps the graphs across calls whose contexts differ a little.
+  int W = 1;
+  while (W < width) W *= 2;
+  if (W != width_) {  // (re)size the buffers: graphs recorded over the old ones are dropped
+    graphs_.clear();
+    width_ = W;
+    in_ = be_.alloc({static_cast<int64_t>(max_batch_) * (5 + W)}, DType::I32);
+    if (!logits_.defined()) logits_ = be_.alloc({max_batch_, gen_.config.vocab_size}, DType::F32);
+  }
+  const int Bp = bucket(B);
+  host_.assign(static_cast<size_t>(Bp) * (5 + W), 0);
+  int32_t* h = host_.data();
+  for (int b = 0; b < Bp; ++b) {
+    const bool real = b < B;
+    h[b] = real ? ids[b] : 0;
+    h[Bp + b] = b;
+    h[2 * Bp + b] = real ? pos[b] : 0;
+    h[3 * Bp + b] = real ? slots[b] : dummy_page_ * cache_.page_size;
+    h[4 * Bp + b] = b;
+    int32_t* row = h + 5 * Bp + static_cast<size_t>(b) * W;
+    if (real) {
+      FP8RL_CHECK(static_cast<int>(pages[b]->size()) <= W, "decode graphs: a sequence has ", pages[b]->size(),
+                  " pages, more than the width ", W);
+      std::copy(pages[b]->begin(), pages[b]->end(), row);
+    } else {
+      row[0] = dummy_page_;
+    }
+  }
+  Tensor staged = Tensor::empty({static_cast<int64_t>(host_.size())}, DType::I32);
+  std::copy(host_.begin(), host_.end(), staged.data<int32_t>());
+  Tensor dst = in_.slice_rows(0, static_cast<int64_t>(host_.size()));
+  be_.copy(staged, dst);
+
+  auto it = graphs_.find(Bp);
+  if (it != graphs_.end()) {
+    it->second->replay();
+    ++replays_;
+  } else {
+    forward(Bp);  // this step's result, and the warm-up the recording needs
+    std::unique_ptr<OpGraph> g;
+    try {
+      g = be_.record([&] { forward(Bp); });
+    } catch (const Error& e) {
+      std::fprintf(stderr, "warning: recording a CUDA graph of the decode step failed (%s); decoding without "
+                           "graphs\n", e.what());
+    }
+    if (!g) {
+      disabled_ = true;  // this step already ran directly: its logits are valid
+    } else {
+      graphs_.emplace(Bp, std::move(g));
+    }
+  }
+  logits_view = logits_.slice_rows(0, B);
+  return true;
+}
+
+}  // namespace fp8rl

@@ -1,0 +1,185 @@
+#include "rollout/rollout_bench.h"
+
+#include <algorithm>
+#include <cmath>
+#include <thread>
+#include <vector>
+
+#include "core/error.h"
+
+namespace fp8rl {
+
+ModelConfig bench_model_config(const std::string& name) {
+  ModelConfig c;
+  if (name == "tiny") {
+    // Dimensions of 128 so that the FP8 recipes run whole 128x128 blocks, as on the real shapes.
+    c = model_config_tiny("llama", 512, 128, 2, 4, 2, 256);
+    c.max_position_embeddings = 8192;
+    c.validate();
+    return c;
+  }
+  FP8RL_CHECK(name == "8b" || name == "1b", "unknown benchmark model '", name, "' (expected 8b, 1b or tiny)");
+  const bool big = name == "8b";
+  c.model_type = "llama";
+  c.vocab_size = 128256;
+  c.hidden_size = big ? 4096 : 2048;
+  c.intermediate_size = big ? 14336 : 8192;
+  c.num_layers = big ? 32 : 16;
+  c.num_heads = 32;
+  c.num_kv_heads = 8;
+  c.head_dim = big ? 128 : 64;
+  c.rms_norm_eps = 1e-5f;
+  c.tie_word_embeddings = !big;
+  c.max_position_embeddings = 131072;
+  c.bos_token_id = 128000;
+  c.eos_token_id = 128001;
+  c.torch_dtype = "bfloat16";
+  c.rope_theta = 500000.0f;
+  c.rope_type = "llama3";
+  c.rope_factor = big ? 8.0f : 32.0f;
+  c.rope_low_freq_factor = 1.0f;
+  c.rope_high_freq_factor = 4.0f;
+  c.rope_original_max_position = 8192;
+  c.validate();
+  return c;
+}
+
+namespace {
+
+uint64_t mix64(uint64_t x) {  // splitmix64's finalizer
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+// host[0, n) <- amp * u, u uniform in [-1, 1) from hash(key, i); F32 or BF16; host threads.
+void fill_uniform_host(void* host, DType dtype, int64_t n, uint64_t key, float amp) {
+  const int64_t threads = std::clamp<int64_t>(std::thread::hardware_concurrency(), 1, 64);
+  const int64_t chunk = std::max<int64_t>(int64_t(1) << 16, ceil_div(n, threads));
+  auto work = [=](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const uint64_t h = mix64(key + static_cast<uint64_t>(i));  // splitmix64's stream from key
+      const float v = amp * (static_cast<float>(h >> 40) * 0x1.0p-23f - 1.0f);
+      if (dtype == DType::BF16) static_cast<uint16_t*>(host)[i] = bf16_from_float(v);
+      else static_cast<float*>(host)[i] = v;
+    }
+  };
+  std::vector<std::thread> pool;
+  for (int64_t b = chunk; b < n; b += chunk) pool.emplace_back(work, b, std::min(n, b + chunk));
+  work(0, std::min(n, chunk));
+  for (auto& t : pool) t.join();
+}
+
+}  // namespace
+
+ModelWeights bench_random_weights(Backend& be, const ModelConfig& c, DType dtype, uint64_t seed, float std) {
+  FP8RL_CHECK(dtype == DType::F32 || dtype == DType::BF16, "bench weights are F32 or BF16, not ", dtype_name(dtype));
+  c.validate();
+  FP8RL_CHECK(!c.attention_bias, "bench weights have no q/k/v biases (", c.model_type, " with attention_bias)");
+  const int64_t D = c.hidden_size, F = c.intermediate_size, V = c.vocab_size, hd = c.head_dim;
+  const int64_t Hq = c.num_heads, Hkv = c.num_kv_heads;
+  const int64_t largest = std::max({V * D, F * D, Hq * hd * D});
+  Tensor staging = Tensor::empty({largest}, dtype);
+  const float amp = std * std::sqrt(3.0f);
+  uint64_t tensor_index = 0;
+  auto random = [&](const Shape& shape) {
+    Tensor host(staging.storage(), 0, shape, dtype);
+    fill_uniform_host(host.raw(), dtype, host.numel(), mix64(seed) ^ mix64(~tensor_index++), amp);
+    Tensor dev = be.alloc(shape, dtype);
+    be.copy(host, dev);  // host -> device waits before returning: the staging buffer is free again
+    return dev;
+  };
+  auto ones = [&](int64_t n) {
+    Tensor t = be.alloc({n}, dtype);
+    be.fill(t, 1.0f);
+    return t;
+  };
+  auto linear = [&](int64_t n, int64_t k) {
+    LinearWeight w;
+    w.w = random({n, k});
+    return w;
+  };
+  ModelWeights w;
+  w.config = c;
+  w.embed = random({V, D});
+  for (int l = 0; l < c.num_layers; ++l) {
+    LayerWeights L;
+    L.attn_norm = ones(D);
+    L.q = linear(Hq * hd, D);
+    L.k = linear(Hkv * hd, D);
+    L.v = linear(Hkv * hd, D);
+    L.o.w = random({D, Hq * hd});
+    if (c.qk_norm) {
+      L.q_norm = ones(hd);
+      L.k_norm = ones(hd);
+    }
+    L.mlp_norm = ones(D);
+    L.gate.w = random({F, D});
+    L.up.w = random({F, D});
+    L.down.w = random({D, F});
+    w.layers.push_back(std::move(L));
+  }
+  w.final_norm = ones(D);
+  w.lm_head = c.tie_word_embeddings ? w.embed : random({V, D});
+  be.synchronize();
+  return w;
+}
+
+int64_t bench_generator_bytes(const ModelConfig& c, const EnginePrecision& prec, DType act) {
+  const int64_t D = c.hidden_size, F = c.intermediate_size, V = c.vocab_size, hd = c.head_dim;
+  const int64_t Hq = c.num_heads, Hkv = c.num_kv_heads, a = static_cast<int64_t>(dtype_size(act));
+  int64_t bytes = V * D * a * (c.tie_word_embeddings ? 1 : 2) + D * a;  // embed, lm_head, final norm
+  for (int l = 0; l < c.num_layers; ++l) {
+    const bool fp8 = prec.linear_for_layer(l, c.num_layers) == LinearMode::FP8_BLOCK;
+    auto linear = [&](int64_t n, int64_t k) {
+      return fp8 ? n * k + 4 * ceil_div(n, kQuantBlock) * ceil_div(k, kQuantBlock) : n * k * a;
+    };
+    bytes += 2 * D * a + (c.qk_norm ? 2 * hd * a : 0);
+    bytes += linear(Hq * hd, D) + 2 * linear(Hkv * hd, D) + linear(D, Hq * hd);
+    bytes += 2 * linear(F, D) + linear(D, F);
+    if (c.attention_bias) bytes += (Hq + 2 * Hkv) * hd * a;
+  }
+  return bytes;
+}
+
+int64_t bench_weights_bytes(const ModelWeights& w) {
+  int64_t bytes = 0;
+  auto add = [&](const Tensor& t) { bytes += t.defined() ? static_cast<int64_t>(t.nbytes()) : 0; };
+  auto add_linear = [&](const LinearWeight& lw) {
+    add(lw.w);
+    add(lw.wq.data);
+    add(lw.wq.scales);
+    add(lw.bias);
+  };
+  add(w.embed);
+  add(w.final_norm);
+  if (w.lm_head.defined() && w.lm_head.storage() != w.embed.storage()) add(w.lm_head);
+  for (const LayerWeights& L : w.layers) {
+    for (const Tensor* t : {&L.attn_norm, &L.mlp_norm, &L.q_norm, &L.k_norm}) add(*t);
+    for (const LinearWeight* lw : {&L.q, &L.k, &L.v, &L.o, &L.gate, &L.up, &L.down}) add_linear(*lw);
+  }
+  return bytes;
+}
+
+int64_t bench_kv_bytes_per_token(const ModelConfig& c, DType kv_dtype) {
+  return int64_t(2) * c.num_layers * c.num_kv_heads * c.head_dim * static_cast<int64_t>(dtype_size(kv_dtype));
+}
+
+DecodeRoofline bench_decode_roofline(double weight_bytes_per_step, double row_bytes, double kv_bytes_per_token,
+                                     int prompts, int prompt_len, int gen_len, int concurrency) {
+  FP8RL_CHECK(prompts > 0 && prompt_len > 0 && gen_len > 0 && concurrency > 0,
+              "roofline: prompts, prompt_len, gen_len and concurrency must be positive");
+  DecodeRoofline r;
+  for (int start = 0; start < prompts; start += concurrency) {
+    const double n = std::min(concurrency, prompts - start);
+    for (int s = 1; s < gen_len; ++s) {
+      r.steps++;
+      r.weight_bytes += weight_bytes_per_step + n * row_bytes;
+      r.kv_bytes += n * static_cast<double>(prompt_len + s) * kv_bytes_per_token;
+    }
+  }
+  return r;
+}
+
+}  // namespace fp8rl

@@ -1,0 +1,152 @@
+// The memory plan: its arithmetic on a small shape (numbers worked out by hand below), and its
+// generator / KV / master-weight lines against what the CPU backend really allocates.
+#include <gtest/gtest.h>
+
+#include "core/error.h"
+#include "model/weights.h"
+#include "rl/memory_plan.h"
+#include "rollout/rollout.h"
+
+namespace fp8rl {
+namespace {
+
+// V 1000, D 64, F 128, 2 layers, 4 query / 2 KV heads of 16, q/k-norm, tied (Qwen3-like).
+ModelConfig small_shape() {
+  ModelConfig c = model_config_tiny("qwen3", 1000, 64, 2, 4, 2, 128);
+  c.head_dim = 16;
+  c.validate();
+  return c;
+}
+
+int64_t find(const std::vector<MemoryPlanLine>& lines, const std::string& prefix) {
+  for (const auto& l : lines)
+    if (l.name.rfind(prefix, 0) == 0) return l.bytes;
+  ADD_FAILURE() << "no line starting with " << prefix;
+  return -1;
+}
+
+TEST(MemoryPlan, SmallShapeByHand) {
+  MemoryPlanInput in;
+  in.model = small_shape();
+  in.generator.linear = LinearMode::FP8_BLOCK;
+  in.generator.kv_cache = DType::E4M3;
+  in.act_dtype = DType::BF16;
+  in.kv_pages = 10;
+  in.page_size = 16;
+  in.micro_batch_tokens = 100;
+  in.generation_batch = 8;
+  const MemoryPlan p = memory_plan_compute(in);
+  // Parameters: per layer q 64x64 + k,v 2 x 32x64 + o 64x64 + 3 x 64x128 + 2 norms x 64
+  // + q/k-norm 2 x 16 = 4096 + 4096 + 4096 + 24576 + 128 + 32 = 37024;
+  // embed 64000 (tied) + 2 x 37024 + final norm 64 = 138112.
+  EXPECT_EQ(p.parameters, 138112);
+  EXPECT_EQ(find(p.resident, "master weights"), 4 * 138112);
+  EXPECT_EQ(find(p.resident, "gradients"), 4 * 138112);
+  EXPECT_EQ(find(p.resident, "Adam"), 8 * 138112);
+  // Generator: embed 64000 x 2 B + final norm 128 B; per layer norms (64 + 64 + 16 + 16) x 2 B
+  // = 320 B; linears 1 B/elem + 4 B per 128x128 block (each has one block here):
+  // 4100 + 2052 + 2052 + 4100 + 8196 + 8196 + 8196 = 36892. Total 128128 + 2 x 37212 = 202552.
+  EXPECT_EQ(find(p.resident, "generator weights"), 202552);
+  // KV: K and V x 2 layers x 160 slots x 2 heads x 16 x 1 B = 20480, + scales 2 x 2 x 2 x 4 B = 32.
+  EXPECT_EQ(find(p.resident, "KV pool"), 20512);
+  EXPECT_EQ(p.resident.size(), 5u);  // no reference policy
+  // Saved activations per token and block: 5 x 64 + 3 x 128 + 2 x 64 + 2 x 32 + (64 + 32 raw q, k)
+  // = 992 BF16 values = 1984 B, + F32 stats (2 rstd + 4 lse + 4 q_rstd + 2 k_rstd) = 48 B -> 2032 B.
+  EXPECT_EQ(memory_plan_block_bytes_per_token(in.model, DType::BF16), 2032);
+  // Head: x_final, hidden 2 x 64 x 2 B + rstd, lse 8 B + 3 I32 ids = 276 B. 100 tokens x (2 x 2032 + 276).
+  EXPECT_EQ(memory_plan_head_bytes_per_token(in.model, DType::BF16), 276);
+  EXPECT_EQ(find(p.transient, "saved activations"), 434000);
+  // Logits: 100 tokens x 1000 x 4 B (below the chunk cap); decode: 8 x 1000 x 4 B.
+  EXPECT_EQ(find(p.transient, "lm_head logits"), 400000);
+  EXPECT_EQ(find(p.transient, "decode logits"), 32000);
+  // Recomputation keeps the 2 block inputs (2 x 64 x 2 B) + one block + the head per token.
+  EXPECT_EQ(p.activations_recompute_bytes, 100 * (256 + 2032 + 276));
+  EXPECT_EQ(p.peak_bytes(), p.resident_bytes() + 434000 + find(p.transient, "backward") + 400000 + 32000);
+
+  in.reference_policy = true;
+  EXPECT_EQ(find(memory_plan_compute(in).resident, "reference policy"), 16 * 138112);
+  in.generator.linear = LinearMode::BF16;  // every generator tensor BF16: 2 B x parameters
+  EXPECT_EQ(find(memory_plan_compute(in).resident, "generator weights"), 2 * 138112);
+  const std::string text = memory_plan_format(p, in.model, int64_t(1) << 30);
+  EXPECT_NE(text.find("fits in 1.00 GiB"), std::string::npos) << text;
+  EXPECT_NE(memory_plan_format(p, in.model, 1000).find("DOES NOT FIT"), std::string::npos);
+}
+
+int64_t tensor_bytes(const Tensor& t) { return t.defined() ? int64_t(t.nbytes()) : 0; }
+
+int64_t linear_bytes(const LinearWeight& l) {
+  return tensor_bytes(l.w) + tensor_bytes(l.wq.data) + tensor_bytes(l.wq.scales) + tensor_bytes(l.bias);
+}
+
+// The plan's generator and KV lines equal what RolloutEngine allocates (CPU: F32 activations),
+// for FP8 and BF16 generators, with BF16 first/last layers and an untied qwen2 shape.
+TEST(MemoryPlan, MatchesTheEnginesAllocations) {
+  auto be = make_backend("cpu");
+  for (const std::string family : {"qwen3", "qwen2"}) {
+    ModelConfig c = model_config_tiny(family, 300, 128, 3, 4, 2, 256);
+    RandomInit init;
+    init.seed = 5;
+    ModelWeights host = model_weights_random(c, init, DType::F32);
+    ModelWeights dev = model_weights_to_device(*be, host, DType::F32);
+    for (LinearMode mode : {LinearMode::FP8_BLOCK, LinearMode::BF16}) {
+      EnginePrecision gen;
+      gen.linear = mode;
+      gen.bf16_first_layers = 1;
+      gen.kv_cache = mode == LinearMode::FP8_BLOCK ? DType::E4M3 : DType::BF16;
+      RolloutEngine engine(*be, dev, gen, 7, 16, 4);
+      const ModelWeights& g = engine.weights();
+      int64_t got = tensor_bytes(g.embed) + tensor_bytes(g.final_norm) +
+                    (c.tie_word_embeddings ? 0 : tensor_bytes(g.lm_head));
+      for (const LayerWeights& l : g.layers) {
+        got += tensor_bytes(l.attn_norm) + tensor_bytes(l.mlp_norm) + tensor_bytes(l.q_norm) + tensor_bytes(l.k_norm);
+        for (const LinearWeight* w : {&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down}) got += linear_bytes(*w);
+      }
+      EXPECT_EQ(memory_plan_generator_bytes(c, gen, be->act_dtype()), got) << family;
+      int64_t kv = tensor_bytes(engine.kv_cache().k_scale) + tensor_bytes(engine.kv_cache().v_scale);
+      for (const Tensor& t : engine.kv_cache().k) kv += tensor_bytes(t);
+      for (const Tensor& t : engine.kv_cache().v) kv += tensor_bytes(t);
+      MemoryPlanInput in;
+      in.model = c;
+      in.generator = gen;
+      in.act_dtype = be->act_dtype();
+      in.kv_pages = 7;
+      EXPECT_EQ(find(memory_plan_compute(in).resident, "KV pool"), kv) << family;
+      EXPECT_EQ(find(memory_plan_compute(in).resident, "master weights"), 4 * model_count_parameters(host));
+    }
+  }
+}
+
+// The KV pool of `fp8rl train`: pages for the sequences decoded at once (at most 256) of up to
+// 256 prompt + max_new_tokens tokens (capped at 2048), plus one.
+TEST(MemoryPlan, KvPoolPages) {
+  RunConfig c;
+  c.rollout.prompts_per_step = 2;
+  c.rollout.generations_per_prompt = 4;
+  c.val_size = 4;
+  c.rollout.max_new_tokens = 40;
+  EXPECT_EQ(memory_plan_kv_pages(c), 8 * 19 + 1);  // 296 tokens = 19 pages of 16
+  c.rollout.prompts_per_step = 64;                  // GSM8K: 2048 samples, 1319 validation
+  c.rollout.generations_per_prompt = 32;
+  c.val_size = 1319;
+  c.rollout.max_new_tokens = 1024;
+  EXPECT_EQ(memory_plan_kv_pages(c), 256 * 80 + 1);  // 1280 tokens = 80 pages; 256 at once
+  c.rollout.max_new_tokens = 4000;
+  EXPECT_EQ(memory_plan_kv_pages(c), 256 * 128 + 1);  // capped at 2048 tokens
+}
+
+TEST(MemoryPlan, ShapesAndErrors) {
+  const ModelConfig q = memory_plan_shape("qwen3-1.7b");
+  EXPECT_GT(q.num_parameters(), 1500000000);  // Qwen3-1.7B: ~1.72B with tied embeddings
+  EXPECT_LT(q.num_parameters(), 1800000000);
+  const ModelConfig l = memory_plan_shape("llama-3.2-1b");
+  EXPECT_GT(l.num_parameters(), 1200000000);  // Llama-3.2-1B: ~1.24B
+  EXPECT_LT(l.num_parameters(), 1300000000);
+  EXPECT_THROW(memory_plan_shape("gpt-5"), Error);
+  MemoryPlanInput bad;
+  bad.model = small_shape();
+  bad.micro_batch_tokens = 0;
+  EXPECT_THROW(memory_plan_compute(bad), Error);
+}
+
+}  // namespace
+}  // namespace fp8rl

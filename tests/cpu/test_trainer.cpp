@@ -1,0 +1,106 @@
+// The trainer's FP8 weight cache (train/trainer.h): a step with the cache is bitwise the step
+// without it (the ops quantizing the FP32 master in every call), the cache is requantized once
+// per optimizer step (not per micro-batch or op), and writes through master() are seen.
+#include <gtest/gtest.h>
+
+#include <map>
+
+#include "test_model_util.h"
+#include "train/trainer.h"
+
+namespace fp8rl {
+namespace {
+
+// Mean negative log-likelihood of the response tokens.
+double nll(size_t, size_t, const std::vector<float>& logp, std::vector<float>& grad) {
+  double l = 0;
+  for (size_t i = 0; i < logp.size(); ++i) {
+    l -= logp[i];
+    grad[i] = -1.0f / static_cast<float>(logp.size());
+  }
+  return l / static_cast<double>(logp.size());
+}
+
+std::vector<TrainSequence> sequences(int vocab) {
+  std::vector<TrainSequence> out;
+  for (const auto& ids : test::token_sequences({9, 7, 11, 6}, vocab, 5)) out.push_back({ids, 3});
+  return out;
+}
+
+std::map<std::string, std::vector<float>> params(Backend& be, const Trainer& t) {
+  std::map<std::string, std::vector<float>> out;
+  model_for_each_parameter(t.master(), [&](const std::string& n, const Tensor& x) {
+    out[n] = to_float_vector(be.to_host(x));
+  });
+  return out;
+}
+
+Trainer make_trainer(Backend& be, const EnginePrecision& prec, bool cache) {
+  TrainerOptions opt;
+  opt.micro_batch_tokens = 20;  // 2 micro-batches of the 4 sequences
+  opt.cache_fp8_weights = cache;
+  return Trainer(be, model_weights_to_device(be, test::tiny_model("qwen2", DType::F32, 71), DType::F32), prec, opt);
+}
+
+EnginePrecision fp8(bool pow2, int bf16_first) {
+  EnginePrecision p;
+  p.linear = LinearMode::FP8_BLOCK;
+  p.pow2_scales = pow2;
+  p.bf16_first_layers = bf16_first;
+  return p;
+}
+
+TEST(TrainerFp8Cache, StepsAreBitwiseThoseWithoutTheCache) {
+  auto be = make_cpu_backend();
+  const auto seqs = sequences(48);
+  for (const EnginePrecision& prec : {fp8(true, 0), fp8(false, 1)}) {
+    SCOPED_TRACE(prec.pow2_scales ? "pow2, all blocks FP8" : "no pow2, first block BF16");
+    Trainer cached = make_trainer(*be, prec, true), plain = make_trainer(*be, prec, false);
+    for (int s = 1; s <= 3; ++s) {
+      const StepResult a = cached.step(seqs, 1.0f, nll, 2e-2f), b = plain.step(seqs, 1.0f, nll, 2e-2f);
+      ASSERT_TRUE(a.applied && b.applied);
+      EXPECT_EQ(a.loss, b.loss) << "step " << s;
+      EXPECT_EQ(a.grad_norm, b.grad_norm) << "step " << s;
+      EXPECT_TRUE(params(*be, cached) == params(*be, plain)) << "step " << s << ": the weights differ";
+      // Once per optimizer step (both micro-batches' forward and dgrad read it), none without the cache.
+      EXPECT_EQ(cached.weight_cache_refreshes(), s);
+      EXPECT_EQ(plain.weight_cache_refreshes(), 0);
+    }
+    // The cache after the last optimizer step is fresh: scoring equals the uncached scoring.
+    const ScoreResult a = cached.score(seqs, 1.0f, true, false), b = plain.score(seqs, 1.0f, true, false);
+    EXPECT_EQ(a.logp, b.logp);
+    EXPECT_EQ(a.entropy, b.entropy);
+    EXPECT_EQ(cached.weight_cache_refreshes(), 4);
+    cached.score(seqs, 1.0f, false, false);  // nothing changed: no requantization
+    EXPECT_EQ(cached.weight_cache_refreshes(), 4);
+    // And the weights are really quantized: the FP32 trainer scores differently.
+    Trainer fp32 = make_trainer(*be, EnginePrecision{LinearMode::FP32}, true);
+    EXPECT_NE(fp32.score(seqs, 1.0f, false, false).logp,
+              make_trainer(*be, prec, true).score(seqs, 1.0f, false, false).logp);
+  }
+}
+
+TEST(TrainerFp8Cache, WritesThroughMasterAreSeen) {
+  auto be = make_cpu_backend();
+  const auto seqs = sequences(48);
+  Trainer cached = make_trainer(*be, fp8(true, 0), true), plain = make_trainer(*be, fp8(true, 0), false);
+  ASSERT_TRUE(cached.step(seqs, 1.0f, nll, 2e-2f).applied);
+  ASSERT_TRUE(plain.step(seqs, 1.0f, nll, 2e-2f).applied);
+  const std::vector<float> before = cached.score(seqs, 1.0f, false, false).logp;
+  // In place, and by replacing the tensor.
+  be->scale(cached.master().layers[1].up.w, 1.5f);
+  be->scale(plain.master().layers[1].up.w, 1.5f);
+  Tensor q = be->to_device(be->to_host(cached.master().layers[0].q.w));
+  be->scale(q, -0.5f);
+  cached.master().layers[0].q.w = q;
+  plain.master().layers[0].q.w = be->to_device(be->to_host(q));
+  const std::vector<float> after = cached.score(seqs, 1.0f, false, false).logp;
+  EXPECT_NE(after, before);
+  EXPECT_EQ(after, plain.score(seqs, 1.0f, false, false).logp);
+  const StepResult a = cached.step(seqs, 1.0f, nll, 2e-2f), b = plain.step(seqs, 1.0f, nll, 2e-2f);
+  EXPECT_EQ(a.loss, b.loss);
+  EXPECT_TRUE(params(*be, cached) == params(*be, plain));
+}
+
+}  // namespace
+}  // namespace fp8rl
