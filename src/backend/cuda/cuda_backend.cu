@@ -69,6 +69,7 @@ CudaBackend::CudaBackend(int device_index, DType act_dtype) : device_(device_ind
   CUDA_CHECK(cudaGetDeviceProperties(&prop, device_index), "reading the GPU's properties");
   name_ = "cuda:" + std::to_string(device_index) + " (" + prop.name + ", sm_" + std::to_string(prop.major) +
           std::to_string(prop.minor) + ")";
+  sm_count_ = prop.multiProcessorCount;
   mem_ = DeviceMemory::create(device_index);
   stream_ = mem_->stream();
   gemm_ = std::make_unique<GemmEngine>(stream_);
@@ -837,10 +838,31 @@ void CudaBackend::attention_paged(const KvCache& cache, int layer, const Tensor&
   const bool e4m3 = cache.dtype == DType::E4M3;
   const float* ks = e4m3 ? cache.k_scale.data<float>() + static_cast<int64_t>(layer) * cache.num_kv_heads : nullptr;
   const float* vs = e4m3 ? cache.v_scale.data<float>() + static_cast<int64_t>(layer) * cache.num_kv_heads : nullptr;
-  launch_attention_paged(q.raw(), q.dtype(), batch.token_seq.data<int32_t>(), batch.token_pos.data<int32_t>(),
-                         batch.page_table.data<int32_t>(), static_cast<int>(batch.page_table.dim(1)), T, Hq,
-                         cache.num_kv_heads, hd, cache.page_size, cache.k[layer].raw(), cache.v[layer].raw(),
-                         cache.dtype, ks, vs, softmax_scale, fp8_attention, out.raw(), stream_);
+  const int max_pages = static_cast<int>(batch.page_table.dim(1));
+  const void* kp = cache.k[layer].raw();
+  const void* vp = cache.v[layer].raw();
+  // The paged kernel (paged_attention.cu) unless FP8RL_CUDA_ATTENTION=simple (the one-warp-per-
+  // head reference kernel) or the shape is outside it. FP8RL_CUDA_PAGED_SPLITS=N forces N
+  // splits of the positions (diagnostics and tests). Both are read at each call.
+  const char* mode = std::getenv("FP8RL_CUDA_ATTENTION");
+  const bool simple = mode && std::string(mode) == "simple";
+  if (simple || !paged_attention_supported(hd, Hq / cache.num_kv_heads, cache.dtype, kp, vp)) {
+    launch_attention_paged(q.raw(), q.dtype(), batch.token_seq.data<int32_t>(), batch.token_pos.data<int32_t>(),
+                           batch.page_table.data<int32_t>(), max_pages, T, Hq, cache.num_kv_heads, hd,
+                           cache.page_size, kp, vp, cache.dtype, ks, vs, softmax_scale, fp8_attention, out.raw(),
+                           stream_);
+    return;
+  }
+  const char* forced = std::getenv("FP8RL_CUDA_PAGED_SPLITS");
+  // max_pos only sizes the split plan: a token past it is still served in full (last split).
+  const PagedSplit plan = paged_attention_split(T, cache.num_kv_heads, batch.max_pos, sm_count_,
+                                                forced ? std::atoi(forced) : 0);
+  float* part = nullptr;
+  if (plan.splits > 1) part = scratch(kSlotAttn, {T * Hq * plan.splits * (hd + 1)}, DType::F32).data<float>();
+  launch_paged_attention(q.raw(), q.dtype(), batch.token_seq.data<int32_t>(), batch.token_pos.data<int32_t>(),
+                         batch.page_table.data<int32_t>(), max_pages, T, Hq, cache.num_kv_heads, hd, cache.page_size,
+                         kp, vp, cache.dtype, ks, vs, softmax_scale, fp8_attention, plan, part,
+                         part ? part + T * Hq * plan.splits * hd : nullptr, out.raw(), stream_);
 }
 
 void CudaBackend::sample(const Tensor& logits, const std::vector<float>& temperature, const std::vector<float>& top_p,

@@ -10,8 +10,10 @@
 // quantizer input, out-of-range ids) set device flags that are read back at the next
 // synchronizing call (see flag_reset), so ops never stall the stream to check their data.
 //
-// Limitations (documented, tested): attention kernels are one warp per (token, head) with an
-// online softmax (no T x T scores, no tensor cores yet). sample() runs on the GPU without a sort
+// Limitations (documented, tested): the simple attention kernels are one warp per (token, head)
+// with an online softmax; training attention takes the tensor-core flash kernels where they
+// apply, paged (generation) attention the GQA-grouped split-K kernel of paged_attention.cu (CUDA
+// cores, no tensor cores yet). sample() runs on the GPU without a sort
 // (sample_kernels.cu: radix search on order keys, one block per row).
 #pragma once
 #include <cuda_runtime.h>
@@ -113,6 +115,7 @@ class CudaBackend final : public Backend {
   bool fp8_tensor_cores(int64_t M, int64_t N, int64_t K) const;
 
   int device_ = 0;
+  int sm_count_ = 1;  // streaming multiprocessors (sizes the paged attention split plan)
   DType act_dtype_ = DType::BF16;
   std::shared_ptr<DeviceMemory> mem_;  // owns the stream and the pool; shared with every Storage
   cudaStream_t stream_ = nullptr;      // mem_->stream()

@@ -92,6 +92,28 @@ void launch_attention_paged(const void* q, DType qdt, const int32_t* token_seq, 
                             const int32_t* page_table, int max_pages, int64_t T, int Hq, int Hkv, int hd,
                             int page_size, const void* kpool, const void* vpool, DType pool_dt, const float* k_scale,
                             const float* v_scale, float scale, bool fp8_q, void* out, cudaStream_t stream);
+// Paged decode/prefill attention (paged_attention.cu): same contract as launch_attention_paged
+// (the simple reference kernel above, one warp per (token, q head)); one CTA per (token, KV
+// head, split) serves the whole query-head group, the positions of a token are split into
+// `split.splits` chunks of `split.chunk` whose partials (part_o F32 [T, Hq, splits, hd],
+// part_lse F32 [T, Hq, splits]; unused when splits == 1) a combine kernel merges.
+// Supported: head_dim 64 or 128, group Hq / Hkv <= kPagedMaxGroup, 16-byte aligned pools.
+constexpr int kPagedMaxGroup = 8;
+constexpr int kPagedTargetCtasPerSm = 4;  // split until T * Hkv * splits fills this many CTAs per SM
+constexpr int kPagedMinChunk = 64;        // ... but never below this many positions per split
+constexpr int kPagedMaxSplits = 64;
+struct PagedSplit {
+  int splits = 1, chunk = 1;  // split s covers positions [s * chunk, (s + 1) * chunk); the last one runs to pos
+};
+bool paged_attention_supported(int hd, int group, DType pool_dt, const void* kpool, const void* vpool);
+// The split plan for T tokens of which the longest attends to max_pos positions; forced > 0
+// imposes that many splits (clamped to [1, max_pos]).
+PagedSplit paged_attention_split(int64_t T, int Hkv, int max_pos, int sm_count, int forced);
+void launch_paged_attention(const void* q, DType qdt, const int32_t* token_seq, const int32_t* token_pos,
+                            const int32_t* page_table, int max_pages, int64_t T, int Hq, int Hkv, int hd,
+                            int page_size, const void* kpool, const void* vpool, DType pool_dt, const float* k_scale,
+                            const float* v_scale, float scale, bool fp8_q, const PagedSplit& split, float* part_o,
+                            float* part_lse, void* out, cudaStream_t stream);
 
 // ---- sampling (sample_kernels.cu) ----
 // One token per row of logits [B, V] (F32), backend.h's semantics; per-row parameters on the

@@ -1,0 +1,240 @@
+// Driver of the paged attention host emulation (run.sh): random caches on scattered pages, the
+// kernels run through emu.h, compared with a double-precision reference of backend.h's contract.
+#include <algorithm>
+#include <cstdio>
+#include <random>
+#include <type_traits>
+
+#include "emu.h"
+#define __align__(n) alignas(n)
+#ifndef INFINITY
+#define INFINITY (__builtin_inff())
+#endif
+struct uint2 { uint32_t x, y; };
+struct float2 { float x, y; };
+inline uint4 paged_ld16(const void* p) { uint4 u; std::memcpy(&u, p, 16); return u; }
+inline uint2 paged_ld8(const void* p) { uint2 u; std::memcpy(&u, p, 8); return u; }
+inline float e4m3_dec(uint8_t b) {
+  const int e = (b >> 3) & 15, m = b & 7;
+  if (e == 15 && m == 7) return NAN;
+  const float mag = e == 0 ? std::ldexp(float(m), -9) : std::ldexp(1.0f + m / 8.0f, e - 7);
+  return (b & 0x80) ? -mag : mag;
+}
+// Saturating, round to nearest even (the __NV_SATFINITE conversion), by search over the codes.
+inline uint8_t e4m3_enc(float x) {
+  if (std::isnan(x)) return 0x7f;
+  const float a = std::min(std::fabs(x), 448.0f);
+  int best = 0;
+  for (int c = 1; c < 127; ++c) {
+    const float d = std::fabs(e4m3_dec(uint8_t(c)) - a), db = std::fabs(e4m3_dec(uint8_t(best)) - a);
+    if (d < db || (d == db && (c & 1) == 0)) best = c;
+  }
+  return uint8_t(best | (x < 0 ? 0x80 : 0));
+}
+inline float2 e4m3x2_to_float2(uint32_t two) { return {e4m3_dec(uint8_t(two & 0xff)), e4m3_dec(uint8_t((two >> 8) & 0xff))}; }
+inline float e4m3_round(float x) { return e4m3_dec(e4m3_enc(x)); }
+using ::fabsf;
+#include "kern.inc"
+
+using namespace emu;
+enum class Pool { F32, BF16, E4M3 };
+struct Case {
+  const char* name;
+  int hd, Hq, Hkv, ps;
+  Pool pool;
+  bool q_bf16, fp8q;
+  std::vector<int> lens;                      // sequence lengths (cache filled up to them)
+  std::vector<std::pair<int, int>> tokens;    // (sequence, position) of each query token
+  int forced;                                 // splits forced (0: the plan for 132 SMs)
+};
+
+template <int HD, class TP, int GM>
+void launch_main(const PagedArgs& a, int64_t T) {
+  emu_launch(int(T * a.Hkv), a.splits, 0, [&] { paged_attention_kernel<HD, TP, GM>(a); });
+}
+template <int HD, class TP>
+void launch_g(const PagedArgs& a, int64_t T) {
+  if (a.group == 1) launch_main<HD, TP, 1>(a, T);
+  else if (a.group == 2) launch_main<HD, TP, 2>(a, T);
+  else if (a.group <= 4) launch_main<HD, TP, 4>(a, T);
+  else launch_main<HD, TP, 8>(a, T);
+}
+template <int HD>
+void launch_p(const PagedArgs& a, Pool p, int64_t T) {
+  if (p == Pool::E4M3) launch_g<HD, uint8_t>(a, T);
+  else if (p == Pool::BF16) launch_g<HD, bf16>(a, T);
+  else launch_g<HD, float>(a, T);
+}
+
+int run(const Case& c) {
+  std::mt19937 gen(17 + c.hd + c.Hq);
+  std::normal_distribution<float> nd(0, 1);
+  const int B = int(c.lens.size()), hd = c.hd, Hkv = c.Hkv, Hq = c.Hq, G = Hq / Hkv;
+  int max_pages = 0, num_pages = 0;
+  for (int L : c.lens) max_pages = std::max(max_pages, (L + c.ps - 1) / c.ps), num_pages += (L + c.ps - 1) / c.ps;
+  num_pages += 3;  // unused pages
+  std::vector<int> perm(num_pages);
+  for (int i = 0; i < num_pages; ++i) perm[i] = i;
+  std::shuffle(perm.begin(), perm.end(), gen);
+  std::vector<int32_t> table(size_t(B) * max_pages, -1);
+  for (int b = 0, k = 0; b < B; ++b)
+    for (int p = 0; p < (c.lens[b] + c.ps - 1) / c.ps; ++p) table[b * max_pages + p] = perm[k++];
+  const int64_t pool_n = int64_t(num_pages) * c.ps * Hkv * hd;
+  const size_t esz = c.pool == Pool::F32 ? 4 : c.pool == Pool::BF16 ? 2 : 1;
+  std::vector<float> ks(Hkv, 1.0f), vs(Hkv, 1.0f);
+  if (c.pool == Pool::E4M3)
+    for (int h = 0; h < Hkv; ++h) ks[h] = 0.1f + 0.05f * h, vs[h] = 0.2f - 0.03f * h;
+  // pools as raw bytes (16-byte aligned) and their decoded values (scale applied, as the CPU does)
+  std::vector<uint4> kraw((pool_n * esz + 15) / 16), vraw((pool_n * esz + 15) / 16);
+  std::vector<float> kval(pool_n), vval(pool_n);
+  for (int which = 0; which < 2; ++which) {
+    unsigned char* raw = reinterpret_cast<unsigned char*>(which ? vraw.data() : kraw.data());
+    std::vector<float>& val = which ? vval : kval;
+    for (int64_t i = 0; i < pool_n; ++i) {
+      const int h = int((i / hd) % Hkv);
+      const float x = nd(gen) * (which ? 1.0f : 1.5f);
+      if (c.pool == Pool::F32) {
+        std::memcpy(raw + 4 * i, &x, 4);
+        val[i] = x;
+      } else if (c.pool == Pool::BF16) {
+        const uint16_t b = bf16_bits_from_float(x);
+        std::memcpy(raw + 2 * i, &b, 2);
+        val[i] = bf16_bits_to_float(b);
+      } else {
+        const float s = which ? vs[h] : ks[h];
+        raw[i] = e4m3_enc(x / s);
+        val[i] = e4m3_dec(raw[i]) * s;
+      }
+    }
+  }
+  const int64_t T = int64_t(c.tokens.size());
+  std::vector<int32_t> seq(T), pos(T);
+  int max_pos = 0;
+  for (int64_t t = 0; t < T; ++t) seq[t] = c.tokens[t].first, pos[t] = c.tokens[t].second, max_pos = std::max(max_pos, pos[t] + 1);
+  std::vector<float> qf(T * Hq * hd);
+  std::vector<uint16_t> qb(T * Hq * hd);
+  for (size_t i = 0; i < qf.size(); ++i) {
+    qf[i] = nd(gen);
+    qb[i] = bf16_bits_from_float(qf[i]);
+    if (c.q_bf16) qf[i] = bf16_bits_to_float(qb[i]);
+  }
+  const float scale = 1.0f / std::sqrt(float(hd));
+  // reference
+  std::vector<double> ref(T * Hq * hd, 0.0);
+  for (int64_t t = 0; t < T; ++t)
+    for (int h = 0; h < Hq; ++h) {
+      const int hk = h / G;
+      std::vector<float> qr(qf.begin() + (t * Hq + h) * hd, qf.begin() + (t * Hq + h + 1) * hd);
+      if (c.fp8q) {
+        float amax = 0;
+        for (float x : qr) amax = std::max(amax, std::fabs(x));
+        const float s = amax == 0 ? 1.0f : amax / 448.0f;
+        for (float& x : qr) x = e4m3_round(x / s) * s;
+      }
+      const int n = pos[t] + 1;
+      std::vector<double> p(n);
+      double m = -1e300;
+      auto row = [&](int j) { return ((int64_t(table[seq[t] * max_pages + j / c.ps]) * c.ps + j % c.ps) * Hkv + hk) * hd; };
+      for (int j = 0; j < n; ++j) {
+        double s = 0;
+        for (int d = 0; d < hd; ++d) s += double(qr[d]) * kval[row(j) + d];
+        p[j] = s * scale;
+        m = std::max(m, p[j]);
+      }
+      double l = 0;
+      for (double& x : p) l += (x = std::exp(x - m));
+      for (int j = 0; j < n; ++j)
+        for (int d = 0; d < hd; ++d) ref[(t * Hq + h) * hd + d] += p[j] / l * vval[row(j) + d];
+    }
+  // kernels
+  const PagedSplit plan = paged_attention_split(T, Hkv, max_pos, 132, c.forced);
+  std::vector<float> out_f(T * Hq * hd, NAN), part_o(size_t(T) * Hq * plan.splits * hd, NAN), part_l(size_t(T) * Hq * plan.splits, NAN);
+  std::vector<uint16_t> out_b(T * Hq * hd, 0x7fc0);
+  PagedArgs a;
+  a.q = c.q_bf16 ? static_cast<const void*>(qb.data()) : static_cast<const void*>(qf.data());
+  a.token_seq = seq.data();
+  a.token_pos = pos.data();
+  a.page_table = table.data();
+  a.kpool = kraw.data();
+  a.vpool = vraw.data();
+  a.k_scale = c.pool == Pool::E4M3 ? ks.data() : nullptr;
+  a.v_scale = c.pool == Pool::E4M3 ? vs.data() : nullptr;
+  a.out = c.q_bf16 ? static_cast<void*>(out_b.data()) : static_cast<void*>(out_f.data());
+  a.part_o = part_o.data();
+  a.part_lse = part_l.data();
+  a.max_pages = max_pages;
+  a.Hq = Hq;
+  a.Hkv = Hkv;
+  a.group = G;
+  a.page_size = c.ps;
+  a.splits = plan.splits;
+  a.chunk = plan.chunk;
+  a.scale_log2 = scale * 1.4426950408889634f;
+  a.q_bf16 = c.q_bf16;
+  a.fp8_q = c.fp8q;
+  if (hd == 64) launch_p<64>(a, c.pool, T);
+  else launch_p<128>(a, c.pool, T);
+  if (plan.splits > 1) {
+    const int64_t rows = T * Hq;
+    emu_launch(int((rows + 3) / 4), 1, 0, [&] {
+      paged_combine_kernel(part_o.data(), part_l.data(), pos.data(), rows, Hq, hd, plan.splits, plan.chunk, c.q_bf16, a.out);
+    });
+  }
+  double dmax = 0, rmax = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double x = c.q_bf16 ? bf16_bits_to_float(out_b[i]) : out_f[i];
+    dmax = std::max(dmax, std::isfinite(x) ? std::fabs(x - ref[i]) : INFINITY);
+    rmax = std::max(rmax, std::fabs(ref[i]));
+  }
+  const double err = dmax / rmax, tol = c.q_bf16 ? 8e-3 : 2e-6;
+  std::printf("%-34s hd %3d Hq %2d Hkv %d ps %2d T %3ld splits %2d x %4d: rel err %.2e (tol %.0e) %s\n", c.name, hd,
+              Hq, Hkv, c.ps, long(T), plan.splits, plan.chunk, err, tol, err < tol ? "ok" : "FAIL");
+  return err < tol ? 0 : 1;
+}
+
+// Usage: emu [name-substring]  (runs only the cases whose name contains it)
+int main(int argc, char** argv) {
+  std::setvbuf(stdout, nullptr, _IONBF, 0);
+  std::vector<Case> cases;
+  {  // Llama-8B-like group 4, BF16 pool, decode of 3 sequences + a prefill chunk of one: auto splits
+    Case c{"mixed decode+prefill G4 bf16", 128, 8, 2, 16, Pool::BF16, false, false, {37, 300, 1500}, {}, 0};
+    c.tokens = {{0, 36}, {1, 299}, {2, 1499}};
+    for (int p = 290; p < 300; ++p) c.tokens.push_back({1, p});
+    cases.push_back(c);
+  }
+  {  // group 8, E4M3, BF16 q, fp8 q, page size 2: the staged page list loops (600 > 255 * 2)
+    Case c{"G8 e4m3 fp8q staged pages", 64, 16, 2, 2, Pool::E4M3, true, true, {1, 70, 600}, {}, 1};
+    c.tokens = {{0, 0}, {1, 69}, {2, 100}, {2, 350}, {2, 598}, {2, 599}};
+    cases.push_back(c);
+  }
+  {  // MHA (group 1), F32 pool, fp8 q, odd page size, 5 forced splits (tokens shorter than some)
+    Case c{"G1 f32 fp8q forced splits", 128, 2, 2, 7, Pool::F32, false, true, {200, 45}, {}, 5};
+    c.tokens = {{0, 199}, {1, 44}, {1, 3}, {0, 0}};
+    cases.push_back(c);
+  }
+  {  // group 5 (padded to 8: masked heads), BF16 everywhere, auto splits
+    Case c{"G5 padded bf16", 64, 10, 2, 16, Pool::BF16, true, false, {129}, {}, 0};
+    c.tokens = {{0, 128}, {0, 0}, {0, 64}};
+    cases.push_back(c);
+  }
+  {  // one long decode, group 8, E4M3: many splits
+    Case c{"long decode G8 e4m3", 128, 16, 2, 16, Pool::E4M3, false, false, {1500}, {}, 0};
+    c.tokens = {{0, 1499}};
+    cases.push_back(c);
+  }
+  {  // group 2, F32 pool, BF16 q, page size 1 (staged list loops), one split
+    Case c{"G2 f32 ps1 staged", 64, 4, 2, 1, Pool::F32, true, false, {300}, {}, 1};
+    c.tokens = {{0, 299}, {0, 255}, {0, 254}};
+    cases.push_back(c);
+  }
+  {  // group 4, E4M3, hd 128, fp8 q, prefill + decode with forced 3 splits
+    Case c{"G4 e4m3 fp8q hd128 3 splits", 128, 8, 2, 16, Pool::E4M3, false, true, {90, 33}, {}, 3};
+    c.tokens = {{1, 32}, {0, 10}, {0, 89}, {0, 88}, {1, 0}};
+    cases.push_back(c);
+  }
+  int bad = 0;
+  for (const Case& c : cases)
+    if (argc < 2 || std::strstr(c.name, argv[1])) bad += run(c);
+  std::printf(bad ? "FAIL\n" : "PASS\n");
+  return bad;
+}
