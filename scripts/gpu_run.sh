@@ -61,7 +61,7 @@ fi
 [ -z "$BIN" ] && { note "no binaries: stopping"; cat "$SUMMARY"; exit 1; }
 
 # GPU tests (the whole binary, verbose per test); FP8RL_GPU_TESTS=0 skips them.
-[ "${FP8RL_GPU_TESTS:-1}" = 1 ] && timeout 200 "$BIN/fp8rl_gpu_tests" --gtest_color=no > "$OUT/gpu_tests.log" 2>&1
+[ "${FP8RL_GPU_TESTS:-1}" = 1 ] && timeout 200 "$BIN/fp8rl_gpu_tests" --gtest_color=no --gtest_filter="${FP8RL_GPU_TEST_FILTER:-*}" > "$OUT/gpu_tests.log" 2>&1
 note "gpu tests: rc=$? $(grep -E '^\[  (PASSED|FAILED)' "$OUT/gpu_tests.log" | tr '\n' ' ')"
 grep -E '^\[  FAILED|Failure|error' "$OUT/gpu_tests.log" | head -30 >> "$SUMMARY"
 # A failing GPU sampler must not take the benchmarks' generation phase down with it.
@@ -73,8 +73,17 @@ fi
 if grep -qE "FAILED +\] Cuda(PagedAttention|Attention|Generation)\." "$OUT/gpu_tests.log"; then
   export FP8RL_CUDA_ATTENTION=simple; note "a paged-attention/generation test failed: benchmarks use FP8RL_CUDA_ATTENTION=simple"
 fi
-if grep -qE "FAILED +\] CudaGraph\." "$OUT/gpu_tests.log"; then
+if grep -qE "FAILED +\] Cuda(Graph|Rollout)\." "$OUT/gpu_tests.log"; then
   export FP8RL_CUDA_GRAPHS=0; note "a CUDA-graph test failed: benchmarks use FP8RL_CUDA_GRAPHS=0"
+fi
+
+# Where a decode step's time goes (FP8RL_PROFILE_GENERATE=1): per-op stream time of a short
+# `bench generate` on the 1B shape (FP8RL_CUDA_PROFILE=1 prints the table per recipe).
+if [ "${FP8RL_PROFILE_GENERATE:-0}" = 1 ]; then
+  FP8RL_CUDA_PROFILE=1 timeout 150 "$BIN/fp8rl" bench generate --device cuda --model 1b --recipes bf16,fp8_kv \
+    --gen-len 128 --json "$OUT/profile_generate.json" > "$OUT/profile_generate.log" 2>&1
+  note "profile generate: rc=$?"
+  grep -E "^(recipe|bf16|fp8_kv) |cuda op profile|^  [a-z_]+ +[0-9]+ calls" "$OUT/profile_generate.log" | head -60 | tee -a "$SUMMARY"
 fi
 
 # The parity experiment (issue #7), FP8RL_PARITY=1: scripts/parity.sh with the time left

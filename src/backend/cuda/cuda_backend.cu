@@ -4,9 +4,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
+#include <map>
 
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/kernels.h"
@@ -77,12 +79,18 @@ CudaBackend::CudaBackend(int device_index, DType act_dtype) : device_(device_ind
   flag_cur_ = flag_dev_;
   CUDA_CHECK(cudaMemset(flag_dev_, 0, kFlagSlots * sizeof(int)), "zeroing the device error flags");
   CUDA_CHECK(cudaMallocHost(&flag_host_, kFlagSlots * sizeof(int)), "allocating the pinned error flags");
+  const char* prof_env = std::getenv("FP8RL_CUDA_PROFILE");
+  profile_ = prof_env && std::string(prof_env) == "1";
   const char* sync_env = std::getenv("FP8RL_CUDA_SYNC_CHECKS");
   sync_checks_ = sync_env && std::string(sync_env) == "1";
   slots_.resize(kSlotCount);
 }
 
 CudaBackend::~CudaBackend() {
+  try {
+    profile_report();
+  } catch (...) {
+  }
   if (stream_) cudaStreamSynchronize(stream_);
   slots_.clear();
   gemm_.reset();
@@ -136,6 +144,7 @@ QuantTensor CudaBackend::scratch_quant(Slot data_slot, Slot scale_slot, int64_t 
 }
 
 void CudaBackend::copy(const Tensor& src, Tensor& dst) {
+  const OpTimer op_timer_(*this, "copy");
   FP8RL_CHECK(src.defined() && dst.defined(), "copy: undefined tensor");
   FP8RL_CHECK(src.dtype() == dst.dtype(), "copy: dtypes differ (", src.str(), " -> ", dst.str(),
               "); use convert for dtype changes");
@@ -158,6 +167,7 @@ void CudaBackend::copy(const Tensor& src, Tensor& dst) {
 }
 
 void CudaBackend::convert(const Tensor& src, Tensor& dst) {
+  const OpTimer op_timer_(*this, "convert");
   check_dev(src, "convert source");
   check_dev(dst, "convert destination");
   check_same_numel(src, dst, "convert");
@@ -169,6 +179,7 @@ void CudaBackend::convert(const Tensor& src, Tensor& dst) {
 }
 
 void CudaBackend::fill(Tensor& t, float value) {
+  const OpTimer op_timer_(*this, "fill");
   check_dev(t, "fill target");
   launch_fill(t.raw(), t.dtype(), t.numel(), value, stream_);
 }
@@ -179,7 +190,7 @@ void CudaBackend::synchronize() {
 }
 
 int* CudaBackend::flag_reset() {
-  if (recording_) return flag_dev_ + kFlagSticky;  // a replay's errors accumulate there
+  if (recording_) return flag_cur_ = flag_dev_ + kFlagSticky;  // a replay's errors accumulate there
   if (pending_.size() + 1 >= static_cast<size_t>(kFlagSticky)) flag_drain();
   flag_cur_ = flag_dev_ + pending_.size();
   CUDA_CHECK(cudaMemsetAsync(flag_cur_, 0, sizeof(int), stream_), "resetting a device error flag");
@@ -211,6 +222,60 @@ void CudaBackend::flag_drain() {
     CUDA_CHECK(cudaMemsetAsync(flag_dev_ + kFlagSticky, 0, sizeof(int), stream_), "resetting the sticky flag");
     FP8RL_FAIL(sticky);
   }
+}
+
+// ---- op timing (FP8RL_CUDA_PROFILE=1) -----------------------------------------------------------
+
+CudaBackend::OpTimer::OpTimer(CudaBackend& be, const char* op) : be_(be.profile_ && !be.recording_ ? &be : nullptr) {
+  if (!be_) return;
+  if (be_->depth_++ > 0) {  // an op inside an op: counted in the outer one
+    be_ = nullptr;
+    be.depth_--;
+    return;
+  }
+  Record r;
+  r.op = op;
+  cudaEventCreate(&r.start);
+  cudaEventCreate(&r.stop);
+  cudaEventRecord(r.start, be_->stream_);
+  be_->records_.push_back(r);
+}
+
+CudaBackend::OpTimer::~OpTimer() {
+  if (!be_) return;
+  be_->depth_--;
+  cudaEventRecord(be_->records_.back().stop, be_->stream_);
+  if (be_->records_.size() >= 100000) be_->profile_flush();
+}
+
+void CudaBackend::profile_flush() {
+  cudaStreamSynchronize(stream_);
+  for (auto& r : records_) {
+    float ms = 0.0f;
+    cudaEventElapsedTime(&ms, r.start, r.stop);
+    auto& t = profile_totals_[r.op];
+    t.first += 1;
+    t.second += ms;
+    cudaEventDestroy(r.start);
+    cudaEventDestroy(r.stop);
+  }
+  records_.clear();
+}
+
+void CudaBackend::profile_report() {
+  if (!profile_) return;
+  profile_flush();
+  std::vector<std::pair<std::string, std::pair<int64_t, double>>> rows(profile_totals_.begin(), profile_totals_.end());
+  std::sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) { return a.second.second > b.second.second; });
+  double total = 0.0;
+  for (const auto& r : rows) total += r.second.second;
+  std::fprintf(stderr, "cuda op profile (stream time between each op's start and end events; graph replays not "
+                       "split): total %.1f ms\n", total);
+  for (const auto& r : rows)
+    std::fprintf(stderr, "  %-24s %9lld calls %10.2f ms %5.1f%%  %8.1f us/call\n", r.first.c_str(),
+                 static_cast<long long>(r.second.first), r.second.second, 100.0 * r.second.second / total,
+                 1000.0 * r.second.second / r.second.first);
+  profile_totals_.clear();
 }
 
 // ---- graphs ------------------------------------------------------------------------------------
@@ -265,6 +330,7 @@ std::unique_ptr<OpGraph> CudaBackend::record(const std::function<void()>& ops) {
 // ---- element-wise ----------------------------------------------------------------------------
 
 void CudaBackend::add(const Tensor& a, const Tensor& b, Tensor& out) {
+  const OpTimer op_timer_(*this, "add");
   check_dev(a, "add a");
   check_dev(b, "add b");
   check_dev(out, "add out");
@@ -274,11 +340,13 @@ void CudaBackend::add(const Tensor& a, const Tensor& b, Tensor& out) {
 }
 
 void CudaBackend::scale(Tensor& x, float s) {
+  const OpTimer op_timer_(*this, "scale");
   check_dev(x, "scale x");
   launch_scale(x.raw(), x.dtype(), x.numel(), s, stream_);
 }
 
 double CudaBackend::sum_squares(const Tensor& x) {
+  const OpTimer op_timer_(*this, "sum_squares");
   check_dev(x, "sum_squares x");
   Tensor acc = scratch(kSlotState, {1}, DType::F64);
   CUDA_CHECK(cudaMemsetAsync(acc.raw(), 0, sizeof(double), stream_), "zeroing the sum");
@@ -291,6 +359,7 @@ double CudaBackend::sum_squares(const Tensor& x) {
 }
 
 bool CudaBackend::all_finite(const Tensor& x) {
+  const OpTimer op_timer_(*this, "all_finite");
   check_dev(x, "all_finite x");
   flag_drain();  // earlier ops' errors first: this op reads its flag itself
   int* f = flag_reset();
@@ -301,6 +370,7 @@ bool CudaBackend::all_finite(const Tensor& x) {
 }
 
 float CudaBackend::amax(const Tensor& x) {
+  const OpTimer op_timer_(*this, "amax");
   check_dev(x, "amax x");
   check_float(x, "amax x");
   // Non-negative floats order like their bit patterns: an atomicMax on the bits of |x|; a NaN
@@ -320,6 +390,7 @@ float CudaBackend::amax(const Tensor& x) {
 // ---- model ops ---------------------------------------------------------------------------------
 
 void CudaBackend::embedding(const Tensor& ids, const Tensor& table, Tensor& out) {
+  const OpTimer op_timer_(*this, "embedding");
   check_dev(ids, "embedding ids");
   check_dev(table, "embedding table");
   check_dev(out, "embedding out");
@@ -334,6 +405,7 @@ void CudaBackend::embedding(const Tensor& ids, const Tensor& table, Tensor& out)
 }
 
 void CudaBackend::embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable) {
+  const OpTimer op_timer_(*this, "embedding_backward");
   check_dev(ids, "embedding ids");
   check_dev(dout, "embedding dout");
   check_dev(dtable, "embedding dtable");
@@ -347,6 +419,7 @@ void CudaBackend::embedding_backward(const Tensor& ids, const Tensor& dout, Tens
 }
 
 void CudaBackend::rmsnorm(const Tensor& x, const Tensor& w, float eps, Tensor& out, Tensor* rstd) {
+  const OpTimer op_timer_(*this, "rmsnorm");
   check_dev(x, "rmsnorm x");
   check_dev(w, "rmsnorm w");
   check_dev(out, "rmsnorm out");
@@ -365,6 +438,7 @@ void CudaBackend::rmsnorm(const Tensor& x, const Tensor& w, float eps, Tensor& o
 
 void CudaBackend::rmsnorm_backward(const Tensor& dout, const Tensor& x, const Tensor& w, const Tensor& rstd,
                                    Tensor& dx, Tensor& dw) {
+  const OpTimer op_timer_(*this, "rmsnorm_backward");
   check_dev(dout, "rmsnorm dout");
   check_dev(x, "rmsnorm x");
   check_dev(w, "rmsnorm w");
@@ -381,6 +455,7 @@ void CudaBackend::rmsnorm_backward(const Tensor& dout, const Tensor& x, const Te
 }
 
 void CudaBackend::rope(Tensor& x, const Tensor& positions, const RopeParams& rope, bool inverse) {
+  const OpTimer op_timer_(*this, "rope");
   check_dev(x, "rope x");
   check_dev(positions, "rope positions");
   check_dtype(positions, DType::I32, "rope positions");
@@ -396,6 +471,7 @@ void CudaBackend::rope(Tensor& x, const Tensor& positions, const RopeParams& rop
 }
 
 void CudaBackend::swiglu(const Tensor& gate, const Tensor& up, Tensor& out) {
+  const OpTimer op_timer_(*this, "swiglu");
   check_dev(gate, "swiglu gate");
   check_dev(up, "swiglu up");
   check_dev(out, "swiglu out");
@@ -406,6 +482,7 @@ void CudaBackend::swiglu(const Tensor& gate, const Tensor& up, Tensor& out) {
 
 void CudaBackend::swiglu_backward(const Tensor& dout, const Tensor& gate, const Tensor& up, Tensor& dgate,
                                   Tensor& dup) {
+  const OpTimer op_timer_(*this, "swiglu_backward");
   for (const Tensor* t : std::initializer_list<const Tensor*>{&dout, &gate, &up, &dgate, &dup}) {
     check_dev(*t, "swiglu_backward tensor");
     FP8RL_CHECK(t->shape() == gate.shape() && t->dtype() == gate.dtype(),
@@ -415,6 +492,7 @@ void CudaBackend::swiglu_backward(const Tensor& dout, const Tensor& gate, const 
 }
 
 void CudaBackend::adamw(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWParams& p) {
+  const OpTimer op_timer_(*this, "adamw");
   for (const Tensor* t : std::initializer_list<const Tensor*>{&param, &grad, &m, &v}) {
     check_dev(*t, "adamw tensor");
     check_dtype(*t, DType::F32, "adamw tensor");
@@ -445,6 +523,7 @@ void CudaBackend::quantize_async(const Tensor& x, bool transpose, QuantTensor& o
 }
 
 void CudaBackend::quantize(const Tensor& x, bool transpose, QuantTensor& out) {
+  const OpTimer op_timer_(*this, "quantize");
   flag_reset();
   quantize_async(x, transpose, out);
   flag_check("quantize: the input " + x.str() +
@@ -528,6 +607,7 @@ void CudaBackend::linear_fwd(const Tensor& x, const LinearWeight& W, const Linea
 }
 
 void CudaBackend::linear(const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor& out) {
+  const OpTimer op_timer_(*this, "linear");
   check_dev(x, "linear x");
   check_dev(out, "linear out");
   check_float(x, "linear x");
@@ -542,6 +622,7 @@ void CudaBackend::linear(const Tensor& x, const LinearWeight& W, const LinearSpe
 
 void CudaBackend::linear_backward(const Tensor& dy, const Tensor& x, const LinearWeight& W, const LinearSpec& spec,
                                   Tensor* dx, Tensor* dw, Tensor* dbias) {
+  const OpTimer op_timer_(*this, "linear_backward");
   check_dev(dy, "linear_backward dy");
   check_dev(x, "linear_backward x");
   check_float(dy, "linear_backward dy");
@@ -659,6 +740,7 @@ bool use_flash_attention(DType dt, int hd, std::initializer_list<const Tensor*> 
 
 void CudaBackend::attention(const Tensor& q, const Tensor& k, const Tensor& v, const std::vector<int32_t>& cu_seqlens,
                             float softmax_scale, Tensor& out, Tensor& lse) {
+  const OpTimer op_timer_(*this, "attention");
   for (const Tensor* t : std::initializer_list<const Tensor*>{&q, &k, &v, &out, &lse}) check_dev(*t, "attention tensor");
   FP8RL_CHECK(q.ndim() == 3 && k.ndim() == 3, "attention: q, k, v must be [T, H, head_dim]");
   const int64_t T = q.dim(0);
@@ -691,6 +773,7 @@ void CudaBackend::attention(const Tensor& q, const Tensor& k, const Tensor& v, c
 void CudaBackend::attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                                      const Tensor& out, const Tensor& lse, const std::vector<int32_t>& cu_seqlens,
                                      float softmax_scale, Tensor& dq, Tensor& dk, Tensor& dv) {
+  const OpTimer op_timer_(*this, "attention_backward");
   for (const Tensor* t : std::initializer_list<const Tensor*>{&dout, &q, &k, &v, &out, &lse, &dq, &dk, &dv}) check_dev(*t, "attention_backward tensor");
   const int64_t T = q.dim(0);
   const int Hq = static_cast<int>(q.dim(1)), Hkv = static_cast<int>(k.dim(1)), hd = static_cast<int>(q.dim(2));
@@ -733,6 +816,7 @@ int64_t vocab_chunk(int64_t T, int64_t V) {
 
 void CudaBackend::token_logprobs(const Tensor& hidden, const Tensor& lm_head, const Tensor& targets, float temperature,
                                  const LinearSpec& spec, Tensor& logp, Tensor& lse, Tensor* entropy) {
+  const OpTimer op_timer_(*this, "token_logprobs");
   for (const Tensor* t : std::initializer_list<const Tensor*>{&hidden, &lm_head, &targets, &logp, &lse}) check_dev(*t, "token_logprobs tensor");
   FP8RL_CHECK(temperature > 0.0f, "token_logprobs: temperature must be > 0, got ", temperature);
   const int64_t T = hidden.dim(0), D = hidden.dim(1), V = lm_head.dim(0);
@@ -771,6 +855,7 @@ void CudaBackend::token_logprobs(const Tensor& hidden, const Tensor& lm_head, co
 void CudaBackend::token_logprobs_backward(const Tensor& hidden, const Tensor& lm_head, const Tensor& targets,
                                           float temperature, const LinearSpec& spec, const Tensor& lse,
                                           const Tensor& dlogp, Tensor& dhidden, Tensor* dlm_head) {
+  const OpTimer op_timer_(*this, "token_logprobs_backward");
   for (const Tensor* t : std::initializer_list<const Tensor*>{&hidden, &lm_head, &targets, &lse, &dlogp, &dhidden})
     check_dev(*t, "token_logprobs_backward tensor");
   const int64_t T = hidden.dim(0), D = hidden.dim(1), V = lm_head.dim(0);
@@ -806,6 +891,7 @@ void CudaBackend::token_logprobs_backward(const Tensor& hidden, const Tensor& lm
 // ---- generation -------------------------------------------------------------------------------
 
 void CudaBackend::kv_write(KvCache& cache, int layer, const Tensor& k, const Tensor& v, const PagedBatch& batch) {
+  const OpTimer op_timer_(*this, "kv_write");
   FP8RL_CHECK(layer >= 0 && layer < cache.num_layers, "kv_write: layer ", layer, " out of range");
   check_dev(k, "kv_write k");
   check_dev(v, "kv_write v");
@@ -823,6 +909,7 @@ void CudaBackend::kv_write(KvCache& cache, int layer, const Tensor& k, const Ten
 
 void CudaBackend::attention_paged(const KvCache& cache, int layer, const Tensor& q, const PagedBatch& batch,
                                   float softmax_scale, bool fp8_attention, Tensor& out) {
+  const OpTimer op_timer_(*this, "attention_paged");
   FP8RL_CHECK(layer >= 0 && layer < cache.num_layers, "attention_paged: layer ", layer, " out of range");
   for (const Tensor* t : std::initializer_list<const Tensor*>{&q, &out, &batch.token_seq, &batch.token_pos, &batch.page_table})
     check_dev(*t, "attention_paged tensor");
@@ -868,6 +955,7 @@ void CudaBackend::attention_paged(const KvCache& cache, int layer, const Tensor&
 void CudaBackend::sample(const Tensor& logits, const std::vector<float>& temperature, const std::vector<float>& top_p,
                          const std::vector<int>& top_k, const std::vector<float>& uniforms, Tensor& tokens,
                          Tensor& logp) {
+  const OpTimer op_timer_(*this, "sample");
   check_dev(logits, "sample logits");
   check_dev(tokens, "sample tokens");
   check_dev(logp, "sample logp");

@@ -18,7 +18,9 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <map>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "backend/backend.h"
@@ -131,6 +133,31 @@ class CudaBackend final : public Backend {
   // alloc() is stream-ordered from a pool (capturable): graphs allowed.
   bool stream_ordered_alloc() const { return !mem_->plain(); }
   friend class CudaGraph;
+
+  // FP8RL_CUDA_PROFILE=1: every op's stream time (events around it), summed per op and printed
+  // to stderr when the backend is destroyed (or by profile_report()).
+  struct Record {
+    const char* op;
+    cudaEvent_t start, stop;
+  };
+  class OpTimer {
+   public:
+    OpTimer(CudaBackend& be, const char* op);
+    ~OpTimer();
+
+   private:
+    CudaBackend* be_;
+  };
+  bool profile_ = false;
+  int depth_ = 0;
+  std::vector<Record> records_;
+  std::map<std::string, std::pair<int64_t, double>> profile_totals_;
+  void profile_flush();
+
+ public:
+  void profile_report();
+
+ private:
   std::vector<std::shared_ptr<Storage>> slots_;
   std::string name_;
 };
