@@ -16,13 +16,11 @@ DecodeGraphs::DecodeGraphs(Backend& be, const ModelWeights& weights, const Engin
   disabled_ = be_.record([] {}) == nullptr;  // the CPU, FP8RL_CUDA_GRAPHS=0, plain allocation
 }
 
-// Padded batch sizes: powers of two up to 32, then multiples of 32 (at most 1/32 + 31 rows of
-// padding waste), capped at max_batch.
+// Padded batch sizes: multiples of 16 (cuBLASLt's FP8 block GEMMs need M % 16 == 0, so every
+// replay takes the tensor cores), 16 apart up to 64, then 32 apart, capped at max_batch.
 int DecodeGraphs::bucket(int B) const {
-  int b = 1;
-  while (b < B && b < 32) b *= 2;
-  if (B > 32) b = (B + 31) / 32 * 32;
-  return std::min(b, max_batch_);
+  const int step = B <= 64 ? 16 : 32;
+  return std::min((B + step - 1) / step * step, max_batch_);
 }
 
 void DecodeGraphs::forward(int Bp) {

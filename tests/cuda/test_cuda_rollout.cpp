@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <string>
 #include <vector>
 
 #include "backend/backend.h"
@@ -20,19 +21,24 @@ TEST(CudaRollout, GraphReplaysGiveTheDirectSamples) {
   init.seed = 5;
   init.std = 0.15f;
   const ModelWeights master = model_weights_to_device(*be, model_weights_random(mc, init, DType::F32), DType::F32);
-  std::vector<RolloutRequest> reqs;
-  for (int i = 0; i < 7; ++i) {
-    RolloutRequest r;
-    for (int j = 0; j < 5 + 3 * i; ++j) r.prompt.push_back((i * 37 + j * 11) % 500 + 1);
-    r.n = 1 + i % 3;  // 13 sequences: buckets 16, 8, 4 ... as they finish
-    reqs.push_back(r);
-  }
-  SamplingParams sp;
-  sp.temperature = 1.0f;
-  sp.max_new_tokens = 40;
-  sp.seed = 99;
-  sp.stop_ids = {7};  // some sequences stop early: the batch shrinks through several buckets
+  // bf16: prompts of several lengths, samples that stop early: the batch shrinks through the
+  // buckets. fp8_e2e: 16 sequences that never stop, so the direct forwards also have 16 rows
+  // and take cuBLASLt's FP8 GEMMs as the replays do (with fewer rows, or rows not a multiple of
+  // 16, the direct path takes the exact dequantized GEMM instead: different numerics).
   for (const char* recipe : {"bf16", "fp8_e2e"}) {
+    const bool fp8 = std::string(recipe) == "fp8_e2e";
+    std::vector<RolloutRequest> reqs;
+    for (int i = 0; i < (fp8 ? 4 : 7); ++i) {
+      RolloutRequest r;
+      for (int j = 0; j < 5 + 3 * i; ++j) r.prompt.push_back((i * 37 + j * 11) % 500 + 1);
+      r.n = fp8 ? 4 : 1 + i % 3;
+      reqs.push_back(r);
+    }
+    SamplingParams sp;
+    sp.temperature = 1.0f;
+    sp.max_new_tokens = 40;
+    sp.seed = 99;
+    if (!fp8) sp.stop_ids = {7, 8, 9, 10, 11};
     const EnginePrecision prec = PrecisionRecipe::preset(recipe).generator;
     SchedulerOptions with, without;
     without.cuda_graphs = false;
@@ -40,7 +46,7 @@ TEST(CudaRollout, GraphReplaysGiveTheDirectSamples) {
     const auto ga = a.generate(reqs, sp);
     const auto gb = b.generate(reqs, sp);
     if (a.last_stats().graph_steps == 0) GTEST_SKIP() << "no CUDA graphs in this build (FP8RL_CUDA_GRAPHS=0?)";
-    EXPECT_GT(a.last_stats().graph_steps, 20) << recipe;
+    EXPECT_GT(a.last_stats().graph_steps, 20) << recipe;  // every decode step after the prefill
     EXPECT_EQ(b.last_stats().graph_steps, 0) << recipe;
     ASSERT_EQ(ga.size(), gb.size());
     // Padding changes the GEMMs' row count, which may change BF16 roundings: allow rare flips
