@@ -124,10 +124,11 @@ if [ "${FP8RL_BENCH_GENERATE:-0}" = 1 ]; then
 fi
 
 # The parity experiment (issue #7), FP8RL_PARITY=1: scripts/parity.sh with the time left
-# (report files in $OUT_TOP/parity: at most 6), then stop.
+# (report files in $OUT_TOP/parity: at most 6), then stop. FP8RL_PARITY_BIN: another fp8rl
+# binary for it (e.g. one whose kernels already passed on the H200).
 if [ "${FP8RL_PARITY:-0}" = 1 ]; then
   p_left=$(( ${FP8RL_RUN_BUDGET_S:-520} - ($(date +%s) - t0) - 15 ))
-  PARITY_BUDGET_S=$p_left FP8RL_BIN="$BIN/fp8rl" bash scripts/parity.sh /tmp/parity_runs "$OUT_TOP/parity" \
+  PARITY_BUDGET_S=$p_left FP8RL_BIN="${FP8RL_PARITY_BIN:-$BIN/fp8rl}" bash scripts/parity.sh /tmp/parity_runs "$OUT_TOP/parity" \
     ${FP8RL_PARITY_OVERRIDES:-} > "$OUT/parity.log" 2>&1
   note "parity: rc=$? (budget ${p_left}s)"
   tail -40 "$OUT/parity.log"
