@@ -316,8 +316,9 @@ __global__ void __launch_bounds__(32 * kPagedWarps) paged_attention_kernel(const
 // shared memory (broadcast reads), so no per-position shuffle reductions. The warp's running max
 // is updated once per tile (5 shuffles per head); the row sums stay per lane until the end. P
 // goes to shared memory and PV runs with lanes over head dims (LPR lanes per V row, RPW rows
-// per load, as above). The V loads of a tile's first piece are issued before its QK^T, so a
-// warp keeps up to 8 KB of K and V in flight. Each warp is one softmax stream.
+// per load, as above). The V loads of a tile's first piece are issued before its QK^T (group
+// <= 4, BF16/E4M3), so a warp keeps up to 8 KB of K and V in flight. Each warp is one softmax
+// stream. 3 CTAs per SM (168 registers): the group-4 cases do not spill there, at 4 they do.
 template <int HD, class TP>
 struct PagedTileCfg {
   static constexpr int kElt = static_cast<int>(sizeof(TP));
@@ -338,6 +339,9 @@ __global__ void __launch_bounds__(32 * kPagedWarps, 3) paged_tiled_kernel(const 
   constexpr int kVWords = PagedRow<TP, VEC>::kWords;
   constexpr int kVPiece = kVLoads * kVWords > 32 ? 32 / kVWords : kVLoads;  // <= 32 words in flight
   static_assert(kVLoads % kVPiece == 0, "V pieces");
+  // V loads in flight during QK^T where the registers allow it (ptxas, 168 registers: spills
+  // for 8 heads or F32 pools otherwise); else they are issued after the softmax.
+  constexpr bool kVEarly = GM <= 2 || (GM == 4 && sizeof(TP) < 4);
   __shared__ __align__(16) float s_q[GM][HD];
   __shared__ __align__(16) float s_acc[NW][GM][HD];
   __shared__ __align__(16) float s_p[NW][32][GM];
@@ -415,7 +419,7 @@ __global__ void __launch_bounds__(32 * kPagedWarps, 3) paged_tiled_kernel(const 
           else paged_zero_row(vr[i]);
         }
       };
-      load_v(0);
+      if constexpr (kVEarly) load_v(0);
       // Scores of this lane's position for every head (base-2 logits).
       float s[GM];
 #pragma unroll
@@ -454,6 +458,7 @@ __global__ void __launch_bounds__(32 * kPagedWarps, 3) paged_tiled_kernel(const 
         m[h] = mn;
         s_p[warp][lane][h] = p;
       }
+      if constexpr (!kVEarly) load_v(0);
       __syncwarp();
 #pragma unroll
       for (int h = 0; h < GM; ++h)
