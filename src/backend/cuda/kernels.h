@@ -102,7 +102,7 @@ void launch_attention_paged(const void* q, DType qdt, const int32_t* token_seq, 
 // grouped one (grouped = true; lanes over head dims throughout, the earlier default).
 constexpr int kPagedMaxGroup = 8;
 constexpr int kPagedTargetCtasPerSm = 4;  // split until T * Hkv * splits fills this many CTAs per SM
-constexpr int kPagedMinChunk = 64;        // ... but never below this many positions per split
+constexpr int kPagedMinChunk = 128;       // ... but never below this many positions per split (a tile per warp)
 constexpr int kPagedMaxSplits = 64;
 struct PagedSplit {
   int splits = 1, chunk = 1;  // split s covers positions [s * chunk, (s + 1) * chunk); the last one runs to pos
