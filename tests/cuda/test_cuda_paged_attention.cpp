@@ -157,7 +157,8 @@ Err compare(const std::vector<float>& a, const std::vector<float>& r, int hd) {
 }
 
 // Runs the scenario with q F32 and BF16, fp8_attention off and on, splits by the plan and forced
-// (1 and 7), and the simple kernel; all against the CPU reference.
+// (1 and 7), the grouped paged kernel (plan and 7 splits) and the simple kernel; all against the
+// CPU reference.
 void check(const Scenario& s, uint32_t seed) {
   Built b = build(s, seed);
   const int layer = 1;
@@ -171,13 +172,15 @@ void check(const Scenario& s, uint32_t seed) {
       C().attention_paged(b.hc, layer, qh, b.hb, sc, fp8q, ro);
       const std::vector<float> ref = host_floats(ro);
       const Tensor qd = G().to_device(q);
-      for (const char* mode : {"auto", "1", "7", "simple"}) {
+      for (const char* mode : {"auto", "1", "7", "grouped", "grouped7", "simple"}) {
         SCOPED_TRACE(::testing::Message() << dtype_name(s.pool) << " pool, hd " << s.hd << ", Hq " << s.Hq << ", Hkv "
                                           << s.Hkv << ", q " << dtype_name(qdt) << ", fp8_attention " << fp8q
                                           << ", splits " << mode);
-        const bool simple = std::string(mode) == "simple", forced = !simple && std::string(mode) != "auto";
-        EnvSwitch e1("FP8RL_CUDA_ATTENTION", simple ? "simple" : nullptr);
-        EnvSwitch e2("FP8RL_CUDA_PAGED_SPLITS", forced ? mode : nullptr);
+        const std::string md = mode;
+        const bool simple = md == "simple", grouped = md.rfind("grouped", 0) == 0;
+        const char* splits = md == "1" || md == "7" ? mode : md == "grouped7" ? "7" : nullptr;
+        EnvSwitch e1("FP8RL_CUDA_ATTENTION", simple ? "simple" : grouped ? "grouped" : nullptr);
+        EnvSwitch e2("FP8RL_CUDA_PAGED_SPLITS", splits);
         Tensor go = G().alloc(q.shape(), qdt);
         G().fill(go, NAN);
         G().attention_paged(b.gc, layer, qd, b.db, sc, fp8q, go);

@@ -928,11 +928,13 @@ void CudaBackend::attention_paged(const KvCache& cache, int layer, const Tensor&
   const int max_pages = static_cast<int>(batch.page_table.dim(1));
   const void* kp = cache.k[layer].raw();
   const void* vp = cache.v[layer].raw();
-  // The paged kernel (paged_attention.cu) unless FP8RL_CUDA_ATTENTION=simple (the one-warp-per-
-  // head reference kernel) or the shape is outside it. FP8RL_CUDA_PAGED_SPLITS=N forces N
+  // The paged kernel (paged_attention.cu, tiled) unless FP8RL_CUDA_ATTENTION=simple (the one-
+  // warp-per-head reference kernel) or the shape is outside it; FP8RL_CUDA_ATTENTION=grouped
+  // runs the earlier paged kernel (lanes over head dims). FP8RL_CUDA_PAGED_SPLITS=N forces N
   // splits of the positions (diagnostics and tests). Both are read at each call.
   const char* mode = std::getenv("FP8RL_CUDA_ATTENTION");
   const bool simple = mode && std::string(mode) == "simple";
+  const bool grouped = mode && std::string(mode) == "grouped";
   if (simple || !paged_attention_supported(hd, Hq / cache.num_kv_heads, cache.dtype, kp, vp)) {
     launch_attention_paged(q.raw(), q.dtype(), batch.token_seq.data<int32_t>(), batch.token_pos.data<int32_t>(),
                            batch.page_table.data<int32_t>(), max_pages, T, Hq, cache.num_kv_heads, hd,
@@ -949,7 +951,7 @@ void CudaBackend::attention_paged(const KvCache& cache, int layer, const Tensor&
   launch_paged_attention(q.raw(), q.dtype(), batch.token_seq.data<int32_t>(), batch.token_pos.data<int32_t>(),
                          batch.page_table.data<int32_t>(), max_pages, T, Hq, cache.num_kv_heads, hd, cache.page_size,
                          kp, vp, cache.dtype, ks, vs, softmax_scale, fp8_attention, plan, part,
-                         part ? part + T * Hq * plan.splits * hd : nullptr, out.raw(), stream_);
+                         part ? part + T * Hq * plan.splits * hd : nullptr, out.raw(), stream_, grouped);
 }
 
 void CudaBackend::sample(const Tensor& logits, const std::vector<float>& temperature, const std::vector<float>& top_p,

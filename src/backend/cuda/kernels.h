@@ -98,9 +98,11 @@ void launch_attention_paged(const void* q, DType qdt, const int32_t* token_seq, 
 // `split.splits` chunks of `split.chunk` whose partials (part_o F32 [T, Hq, splits, hd],
 // part_lse F32 [T, Hq, splits]; unused when splits == 1) a combine kernel merges.
 // Supported: head_dim 64 or 128, group Hq / Hkv <= kPagedMaxGroup, 16-byte aligned pools.
+// Two kernels of that contract: the tiled one (default; lanes over positions for QK^T) and the
+// grouped one (grouped = true; lanes over head dims throughout, the earlier default).
 constexpr int kPagedMaxGroup = 8;
 constexpr int kPagedTargetCtasPerSm = 4;  // split until T * Hkv * splits fills this many CTAs per SM
-constexpr int kPagedMinChunk = 64;        // ... but never below this many positions per split
+constexpr int kPagedMinChunk = 128;       // ... but never below this many positions per split (a tile per warp)
 constexpr int kPagedMaxSplits = 64;
 struct PagedSplit {
   int splits = 1, chunk = 1;  // split s covers positions [s * chunk, (s + 1) * chunk); the last one runs to pos
@@ -113,7 +115,7 @@ void launch_paged_attention(const void* q, DType qdt, const int32_t* token_seq, 
                             const int32_t* page_table, int max_pages, int64_t T, int Hq, int Hkv, int hd,
                             int page_size, const void* kpool, const void* vpool, DType pool_dt, const float* k_scale,
                             const float* v_scale, float scale, bool fp8_q, const PagedSplit& split, float* part_o,
-                            float* part_lse, void* out, cudaStream_t stream);
+                            float* part_lse, void* out, cudaStream_t stream, bool grouped = false);
 
 // ---- sampling (sample_kernels.cu) ----
 // One token per row of logits [B, V] (F32), backend.h's semantics; per-row parameters on the

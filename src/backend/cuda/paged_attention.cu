@@ -309,6 +309,225 @@ __global__ void __launch_bounds__(32 * kPagedWarps) paged_attention_kernel(const
   }
 }
 
+// The tiled kernel (the default): same grid, split plan, partials and epilogue as the grouped
+// kernel above, but each warp streams tiles of 32 positions with lanes over positions for
+// QK^T: lane i reads the whole K row of position base + i (HD * elt bytes, 16-byte loads; rows
+// larger than 128 bytes in pieces of 128) and computes its scores for all GM heads against q in
+// shared memory (broadcast reads), so no per-position shuffle reductions. The warp's running max
+// is updated once per tile (5 shuffles per head); the row sums stay per lane until the end. P
+// goes to shared memory and PV runs with lanes over head dims (LPR lanes per V row, RPW rows
+// per load, as above). The V loads of a tile's first piece are issued before its QK^T (group
+// <= 4, BF16/E4M3), so a warp keeps up to 8 KB of K and V in flight. Each warp is one softmax
+// stream. 3 CTAs per SM (168 registers): the group-4 cases do not spill there, at 4 they do.
+template <int HD, class TP>
+struct PagedTileCfg {
+  static constexpr int kElt = static_cast<int>(sizeof(TP));
+  static constexpr int kRowLoads = HD * kElt / 16;                          // 16-byte loads per K row
+  static constexpr int kPieceLoads = kRowLoads < 8 ? kRowLoads : 8;         // ... per piece (<= 128 B)
+  static constexpr int kPieces = kRowLoads / kPieceLoads;
+  static constexpr int kPerLoad = 16 / kElt;                                // elements per 16-byte load
+  static_assert(kRowLoads % kPieceLoads == 0, "K row pieces");
+};
+
+template <int HD, class TP, int GM>
+__global__ void __launch_bounds__(32 * kPagedWarps, 3) paged_tiled_kernel(const PagedArgs a) {
+  using Cfg = PagedCfg<HD, TP, GM>;
+  using TCfg = PagedTileCfg<HD, TP>;
+  constexpr int VEC = Cfg::kVec, LPR = Cfg::kLpr, RPW = Cfg::kRpw, NW = kPagedWarps;
+  constexpr int KPL = TCfg::kPieceLoads, KPE = TCfg::kPerLoad;
+  constexpr int kVLoads = 32 / RPW;                          // V row loads per lane per tile
+  constexpr int kVWords = PagedRow<TP, VEC>::kWords;
+  constexpr int kVPiece = kVLoads * kVWords > 32 ? 32 / kVWords : kVLoads;  // <= 32 words in flight
+  static_assert(kVLoads % kVPiece == 0, "V pieces");
+  // V loads in flight during QK^T where the registers allow it (ptxas, 168 registers: spills
+  // for 8 heads or F32 pools otherwise); else they are issued after the softmax.
+  constexpr bool kVEarly = GM <= 2 || (GM == 4 && sizeof(TP) < 4);
+  __shared__ __align__(16) float s_q[GM][HD];
+  __shared__ __align__(16) float s_acc[NW][GM][HD];
+  __shared__ __align__(16) float s_p[NW][32][GM];
+  __shared__ float s_m[NW][GM], s_l[NW][GM];
+  __shared__ int32_t s_page[kPagedSubPages];
+
+  const int t = static_cast<int>(blockIdx.x) / a.Hkv, hk = static_cast<int>(blockIdx.x) % a.Hkv;
+  const int split = static_cast<int>(blockIdx.y);
+  const int len = a.token_pos[t] + 1;
+  const int j0 = split * a.chunk;
+  if (j0 >= len) return;  // uniform per CTA
+  const int j1 = split == a.splits - 1 ? len : paged_imin(len, j0 + a.chunk);
+  const int warp = static_cast<int>(threadIdx.x) >> 5, lane = static_cast<int>(threadIdx.x) & 31;
+  const int rg = lane / LPR, li = lane % LPR, g = a.group;
+  const int64_t head0 = static_cast<int64_t>(t) * a.Hq + static_cast<int64_t>(hk) * g;
+  const float kq = a.scale_log2 * (a.k_scale ? a.k_scale[hk] : 1.0f);
+
+  // q rows of the group into shared memory, pre-scaled by kq (FP8-quantized first when asked).
+  for (int h = warp; h < GM; h += NW) {
+    constexpr int kPer = HD / 32;
+    float x[kPer];
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) x[i] = h < g ? paged_load_q(a.q, a.q_bf16, (head0 + h) * HD + lane + 32 * i) : 0.0f;
+    if (a.fp8_q) {
+      float amax = 0.0f;
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) amax = fmaxf(amax, fabsf(x[i]));
+      for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+      float s = amax == 0.0f ? 1.0f : amax / 448.0f;
+      if (s == 0.0f) s = __uint_as_float(1u);
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) x[i] = e4m3_round(x[i] / s) * s;
+    }
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) s_q[h][lane + 32 * i] = x[i] * kq;
+  }
+
+  float acc[GM][VEC], m[GM], l[GM];  // m: warp-uniform; l: this lane's positions; acc: its dims
+#pragma unroll
+  for (int h = 0; h < GM; ++h) {
+    m[h] = -INFINITY;
+    l[h] = 0.0f;
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) acc[h][v] = 0.0f;
+  }
+  const int ps = a.page_size;
+  const int32_t* table = a.page_table + static_cast<int64_t>(a.token_seq[t]) * a.max_pages;
+  const TP* kpool = static_cast<const TP*>(a.kpool);
+  const TP* vpool = static_cast<const TP*>(a.vpool);
+  const int64_t rstride = static_cast<int64_t>(a.Hkv) * HD;  // elements between positions of a page
+  const int sub = (kPagedSubPages - 1) * ps;
+  for (int sj0 = j0; sj0 < j1; sj0 += sub) {
+    const int sj1 = paged_imin(j1, sj0 + sub), p0 = sj0 / ps, np = (sj1 - 1) / ps - p0 + 1;
+    __syncthreads();  // the previous page list is no longer read (first pass: s_q is written)
+    for (int i = static_cast<int>(threadIdx.x); i < np; i += 32 * NW) s_page[i] = table[p0 + i];
+    __syncthreads();
+    auto row_of = [&](int j) -> int64_t {
+      const int64_t page = s_page[j / ps - p0];
+      return (page * ps + j % ps) * rstride + static_cast<int64_t>(hk) * HD;
+    };
+    for (int base = sj0 + warp * 32; base < sj1; base += NW * 32) {
+      // Issue: the first K piece of this lane's position and the first V piece of the tile.
+      const int jk = base + lane;
+      const bool kok = jk < sj1;
+      const TP* krow = kpool + (kok ? row_of(jk) : 0);
+      uint4 kw[KPL];
+#pragma unroll
+      for (int i = 0; i < KPL; ++i) kw[i] = kok ? paged_ld16(krow + i * KPE) : make_uint4(0, 0, 0, 0);
+      PagedRow<TP, VEC> vr[kVPiece];
+      auto load_v = [&](int piece) {
+#pragma unroll
+        for (int i = 0; i < kVPiece; ++i) {
+          const int j = base + (piece * kVPiece + i) * RPW + rg;
+          if (j < sj1) paged_load_row(vpool + row_of(j) + li * VEC, vr[i]);
+          else paged_zero_row(vr[i]);
+        }
+      };
+      if constexpr (kVEarly) load_v(0);
+      // Scores of this lane's position for every head (base-2 logits).
+      float s[GM];
+#pragma unroll
+      for (int h = 0; h < GM; ++h) s[h] = 0.0f;
+#pragma unroll
+      for (int pc = 0; pc < TCfg::kPieces; ++pc) {
+        if (pc > 0) {
+#pragma unroll
+          for (int i = 0; i < KPL; ++i)
+            kw[i] = kok ? paged_ld16(krow + (pc * KPL + i) * KPE) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int i = 0; i < KPL; ++i) {
+          PagedRow<TP, KPE> r;
+          r.w[0] = kw[i].x, r.w[1] = kw[i].y, r.w[2] = kw[i].z, r.w[3] = kw[i].w;
+          float kx[KPE];
+          paged_decode_row(r, kx);
+          const int d0 = (pc * KPL + i) * KPE;
+#pragma unroll
+          for (int h = 0; h < GM; ++h)
+#pragma unroll
+            for (int e = 0; e < KPE; ++e) s[h] += s_q[h][d0 + e] * kx[e];
+        }
+      }
+      // Online softmax, once per tile: warp max per head, p of this lane's position to s_p.
+      float corr[GM];
+#pragma unroll
+      for (int h = 0; h < GM; ++h) {
+        float mx = kok ? s[h] : -INFINITY;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        const float mn = fmaxf(m[h], mx);  // finite: lane 0's position is in the tile
+        corr[h] = paged_rescale(m[h], mn);
+        const float p = kok ? exp2f(s[h] - mn) : 0.0f;
+        l[h] = l[h] * corr[h] + p;
+        m[h] = mn;
+        s_p[warp][lane][h] = p;
+      }
+      if constexpr (!kVEarly) load_v(0);
+      __syncwarp();
+#pragma unroll
+      for (int h = 0; h < GM; ++h)
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) acc[h][v] *= corr[h];
+#pragma unroll
+      for (int pc = 0; pc < kVLoads / kVPiece; ++pc) {
+        if (pc > 0) load_v(pc);
+#pragma unroll
+        for (int i = 0; i < kVPiece; ++i) {
+          const int r = (pc * kVPiece + i) * RPW + rg;  // row of the tile (p = 0 past the end)
+          float vx[VEC];
+          paged_decode_row(vr[i], vx);
+#pragma unroll
+          for (int h = 0; h < GM; ++h) {
+            const float p = s_p[warp][r][h];
+#pragma unroll
+            for (int v = 0; v < VEC; ++v) acc[h][v] += p * vx[v];
+          }
+        }
+      }
+      __syncwarp();  // s_p is read before the next tile writes it
+    }
+  }
+
+  // Merge the row groups of the warp (same m: plain sums) and the lanes' row sums.
+#pragma unroll
+  for (int h = 0; h < GM; ++h) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) l[h] += __shfl_xor_sync(0xffffffffu, l[h], o);
+#pragma unroll
+    for (int o = LPR; o < 32; o <<= 1)
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) acc[h][v] += __shfl_xor_sync(0xffffffffu, acc[h][v], o);
+  }
+  if (rg == 0) {
+#pragma unroll
+    for (int h = 0; h < GM; ++h) {
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) s_acc[warp][h][li * VEC + v] = acc[h][v];
+      if (li == 0) s_m[warp][h] = m[h], s_l[warp][h] = l[h];
+    }
+  }
+  __syncthreads();
+  // Merge the warps (a warp without positions has m = -inf, l = 0); as in the grouped kernel.
+  const float vsc = a.v_scale ? a.v_scale[hk] : 1.0f;
+  for (int i = static_cast<int>(threadIdx.x); i < g * HD; i += 32 * NW) {
+    const int h = i / HD, d = i % HD;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) mx = fmaxf(mx, s_m[w][h]);
+    float den = 0.0f, num = 0.0f;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) {
+      const float f = paged_rescale(s_m[w][h], mx);
+      den += s_l[w][h] * f;
+      num += s_acc[w][h][d] * f;
+    }
+    const float o = num / den * vsc;
+    if (a.splits == 1) {
+      paged_store_out(a.out, a.q_bf16, (head0 + h) * HD + d, o);
+    } else {
+      const int64_t row = (head0 + h) * a.splits + split;
+      a.part_o[row * HD + d] = o;
+      if (d == 0) a.part_lse[row] = mx + log2f(den);
+    }
+  }
+}
+
 // One warp per (token, q head): out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M) over the
 // splits that hold positions of the token.
 __global__ void __launch_bounds__(32 * kPagedWarps)
@@ -332,21 +551,26 @@ __global__ void __launch_bounds__(32 * kPagedWarps)
 }
 // ---- emulated: end --------------------------------------------------------------------------
 
+template <int HD, class TP, int GM>
+void launch_one(const PagedArgs& a, bool grouped, const dim3& grid, cudaStream_t stream) {
+  if (grouped) paged_attention_kernel<HD, TP, GM><<<grid, 32 * kPagedWarps, 0, stream>>>(a);
+  else paged_tiled_kernel<HD, TP, GM><<<grid, 32 * kPagedWarps, 0, stream>>>(a);
+}
+
 template <int HD, class TP>
-void launch_group(const PagedArgs& a, int64_t T, cudaStream_t stream) {
+void launch_group(const PagedArgs& a, bool grouped, int64_t T, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(T * a.Hkv), static_cast<unsigned>(a.splits));
-  const int threads = 32 * kPagedWarps;
-  if (a.group == 1) paged_attention_kernel<HD, TP, 1><<<grid, threads, 0, stream>>>(a);
-  else if (a.group == 2) paged_attention_kernel<HD, TP, 2><<<grid, threads, 0, stream>>>(a);
-  else if (a.group <= 4) paged_attention_kernel<HD, TP, 4><<<grid, threads, 0, stream>>>(a);
-  else paged_attention_kernel<HD, TP, 8><<<grid, threads, 0, stream>>>(a);
+  if (a.group == 1) launch_one<HD, TP, 1>(a, grouped, grid, stream);
+  else if (a.group == 2) launch_one<HD, TP, 2>(a, grouped, grid, stream);
+  else if (a.group <= 4) launch_one<HD, TP, 4>(a, grouped, grid, stream);
+  else launch_one<HD, TP, 8>(a, grouped, grid, stream);
 }
 
 template <int HD>
-void launch_pool(const PagedArgs& a, DType pool_dt, int64_t T, cudaStream_t stream) {
-  if (pool_dt == DType::E4M3) launch_group<HD, uint8_t>(a, T, stream);
-  else if (pool_dt == DType::BF16) launch_group<HD, bf16>(a, T, stream);
-  else launch_group<HD, float>(a, T, stream);
+void launch_pool(const PagedArgs& a, bool grouped, DType pool_dt, int64_t T, cudaStream_t stream) {
+  if (pool_dt == DType::E4M3) launch_group<HD, uint8_t>(a, grouped, T, stream);
+  else if (pool_dt == DType::BF16) launch_group<HD, bf16>(a, grouped, T, stream);
+  else launch_group<HD, float>(a, grouped, T, stream);
 }
 
 }  // namespace
@@ -373,7 +597,7 @@ void launch_paged_attention(const void* q, DType qdt, const int32_t* token_seq, 
                             const int32_t* page_table, int max_pages, int64_t T, int Hq, int Hkv, int hd,
                             int page_size, const void* kpool, const void* vpool, DType pool_dt, const float* k_scale,
                             const float* v_scale, float scale, bool fp8_q, const PagedSplit& split, float* part_o,
-                            float* part_lse, void* out, cudaStream_t stream) {
+                            float* part_lse, void* out, cudaStream_t stream, bool grouped) {
   if (T == 0) return;
   FP8RL_CHECK(qdt == DType::F32 || qdt == DType::BF16, "paged attention: q must be F32 or BF16, got ",
               dtype_name(qdt));
@@ -405,9 +629,9 @@ void launch_paged_attention(const void* q, DType qdt, const int32_t* token_seq, 
   a.scale_log2 = scale * 1.4426950408889634f;
   a.q_bf16 = qdt == DType::BF16;
   a.fp8_q = fp8_q;
-  if (hd == 64) launch_pool<64>(a, pool_dt, T, stream);
-  else launch_pool<128>(a, pool_dt, T, stream);
-  CUDA_CHECK_LAUNCH("paged_attention_kernel");
+  if (hd == 64) launch_pool<64>(a, grouped, pool_dt, T, stream);
+  else launch_pool<128>(a, grouped, pool_dt, T, stream);
+  CUDA_CHECK_LAUNCH(grouped ? "paged_attention_kernel" : "paged_tiled_kernel");
   if (split.splits > 1) {
     const int64_t rows = T * Hq;
     paged_combine_kernel<<<static_cast<unsigned>((rows + kPagedWarps - 1) / kPagedWarps), 32 * kPagedWarps, 0,

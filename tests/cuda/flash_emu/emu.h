@@ -12,7 +12,7 @@
 #define __device__
 #define __global__
 #define __forceinline__ inline
-#define __launch_bounds__(x)
+#define __launch_bounds__(...)
 struct EmuDim3 { int x = 0, y = 0, z = 0; };
 inline thread_local EmuDim3 threadIdx, blockIdx;
 inline EmuDim3 blockDim{128, 1, 1}, gridDim;

@@ -34,6 +34,7 @@ inline uint8_t e4m3_enc(float x) {
 inline float2 e4m3x2_to_float2(uint32_t two) { return {e4m3_dec(uint8_t(two & 0xff)), e4m3_dec(uint8_t((two >> 8) & 0xff))}; }
 inline float e4m3_round(float x) { return e4m3_dec(e4m3_enc(x)); }
 using ::fabsf;
+inline void __syncwarp() { tw->bar.arrive_and_wait(); }
 #include "kern.inc"
 
 using namespace emu;
@@ -48,9 +49,11 @@ struct Case {
   int forced;                                 // splits forced (0: the plan for 132 SMs)
 };
 
+inline bool g_grouped = false;  // which kernel: the grouped one or the tiled one
 template <int HD, class TP, int GM>
 void launch_main(const PagedArgs& a, int64_t T) {
-  emu_launch(int(T * a.Hkv), a.splits, 0, [&] { paged_attention_kernel<HD, TP, GM>(a); });
+  if (g_grouped) emu_launch(int(T * a.Hkv), a.splits, 0, [&] { paged_attention_kernel<HD, TP, GM>(a); });
+  else emu_launch(int(T * a.Hkv), a.splits, 0, [&] { paged_tiled_kernel<HD, TP, GM>(a); });
 }
 template <int HD, class TP>
 void launch_g(const PagedArgs& a, int64_t T) {
@@ -187,7 +190,7 @@ int run(const Case& c) {
     rmax = std::max(rmax, std::fabs(ref[i]));
   }
   const double err = dmax / rmax, tol = c.q_bf16 ? 8e-3 : 2e-6;
-  std::printf("%-34s hd %3d Hq %2d Hkv %d ps %2d T %3ld splits %2d x %4d: rel err %.2e (tol %.0e) %s\n", c.name, hd,
+  std::printf("%-8s %-34s hd %3d Hq %2d Hkv %d ps %2d T %3ld splits %2d x %4d: rel err %.2e (tol %.0e) %s\n", g_grouped ? "grouped" : "tiled", c.name, hd,
               Hq, Hkv, c.ps, long(T), plan.splits, plan.chunk, err, tol, err < tol ? "ok" : "FAIL");
   return err < tol ? 0 : 1;
 }
@@ -232,9 +235,20 @@ int main(int argc, char** argv) {
     c.tokens = {{1, 32}, {0, 10}, {0, 89}, {0, 88}, {1, 0}};
     cases.push_back(c);
   }
+  {  // the decode benchmark's shape (Llama-3.2-1B: group 4, hd 64), BF16 pool, contexts 512..640
+    Case c{"decode G4 bf16 hd64 bench shape", 64, 8, 2, 16, Pool::BF16, true, false, {512, 577, 640, 530}, {}, 0};
+    c.tokens = {{0, 511}, {1, 576}, {2, 639}, {3, 529}};
+    cases.push_back(c);
+  }
+  {  // the same with an E4M3 pool and fp8 q, one split (every warp walks several tiles)
+    Case c{"decode G4 e4m3 hd64 fp8q", 64, 8, 2, 16, Pool::E4M3, true, true, {600, 140}, {}, 1};
+    c.tokens = {{0, 599}, {1, 139}, {0, 31}, {0, 32}};
+    cases.push_back(c);
+  }
   int bad = 0;
-  for (const Case& c : cases)
-    if (argc < 2 || std::strstr(c.name, argv[1])) bad += run(c);
+  for (const bool grouped : {false, true})
+    for (const Case& c : cases)
+      if (argc < 2 || std::strstr(c.name, argv[1])) g_grouped = grouped, bad += run(c);
   std::printf(bad ? "FAIL\n" : "PASS\n");
   return bad;
 }
