@@ -80,6 +80,7 @@ template <bool kCount>
 __device__ bool search_key(const RowView& rv, int64_t V, double Y, bool strict, SampleShared& sh, double* bins,
                            uint32_t& out) {
   const int t = threadIdx.x;
+  __syncthreads();  // every thread is done reading the state of the previous search
   if (t == 0) {
     sh.prefix = 0;
     sh.above = 0.0;
