@@ -25,10 +25,10 @@ namespace fp8rl::cuda {
 
 namespace {
 
-constexpr int kSampleThreads = 1024;
+constexpr int kSampleThreads = 512;  // one block (row) per SM: ~82 registers, no spills
 constexpr int kDigitBits = 4;
 constexpr int kBins = 1 << kDigitBits;
-// Dynamic shared memory: per-thread bins [kBins][kSampleThreads] doubles (128 KiB).
+// Dynamic shared memory: per-thread bins [kBins][kSampleThreads] doubles (64 KiB).
 constexpr size_t kBinBytes = sizeof(double) * kBins * kSampleThreads;
 
 __device__ __forceinline__ int64_t clamp64(int64_t v, int64_t lo, int64_t hi) { return v < lo ? lo : (v > hi ? hi : v); }
@@ -36,6 +36,22 @@ __device__ __forceinline__ int64_t clamp64(int64_t v, int64_t lo, int64_t hi) { 
 __device__ __forceinline__ uint32_t order_key(float z) {
   const uint32_t u = __float_as_uint(z);
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// Calls f(logit, j) for j = threadIdx.x, + blockDim.x, ... < V, in that order, with kLoads
+// loads in flight per thread (the passes are bound by the memory latency).
+constexpr int kLoads = 4;
+template <class F>
+__device__ __forceinline__ void for_row(const float* row, int64_t V, F&& f) {
+  const int64_t T = blockDim.x;
+  for (int64_t j0 = threadIdx.x; j0 < V; j0 += kLoads * T) {
+    float l[kLoads];
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u) l[u] = j0 + u * T < V ? row[j0 + u * T] : 0.0f;
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u)
+      if (j0 + u * T < V) f(l[u], j0 + u * T);
+  }
 }
 
 // The row's view: key and FP32-rounded weight of token j, recomputed from the logit.
@@ -56,7 +72,8 @@ struct SampleShared {
   int64_t counts[kSampleThreads];
   int64_t found;
   double bin_total[kBins];
-  double bin_part[2 * kBins];
+  double w0[kBins];  // level-0 weight bins (the top digit), filled by the log-sum-exp pass
+  double bin_part[kSampleThreads / 32];
   uint32_t prefix;
   double above;
   int ok;
@@ -70,6 +87,25 @@ __device__ double block_sum_d(double v, SampleShared& sh) {
   __syncthreads();
   v = lane < nw ? sh.red[lane] : 0.0;
   return warp_sum_d(v);
+}
+
+// Sums the per-thread bins [kBins][kSampleThreads] into sh.bin_total in a fixed order: kPer
+// threads per bin, each sums kBins columns, then warp sums. Call after a barrier; ends with one.
+constexpr int kPer = kSampleThreads / kBins;
+static_assert(kPer % 32 == 0, "each bin needs whole warps");
+__device__ void reduce_bins(const double* bins, SampleShared& sh) {
+  const int t = threadIdx.x, d = t / kPer, r = t % kPer;
+  double s = 0.0;
+  for (int i = 0; i < kBins; ++i) s += bins[d * kSampleThreads + r + kPer * i];
+  s = warp_sum_d(s);
+  if ((t & 31) == 0) sh.bin_part[t >> 5] = s;
+  __syncthreads();
+  if (t < kBins) {
+    double tot = 0.0;
+    for (int p = 0; p < kPer / 32; ++p) tot += sh.bin_part[t * (kPer / 32) + p];
+    sh.bin_total[t] = tot;
+  }
+  __syncthreads();
 }
 
 // Largest key v such that W(v) = sum over tokens with key >= v of (count ? 1 : weight)
@@ -90,27 +126,22 @@ __device__ bool search_key(const RowView& rv, int64_t V, double Y, bool strict, 
     const int shift = 32 - kDigitBits * (level + 1);
     __syncthreads();  // the prefix of the previous level is visible; the bins are free
     const uint32_t prefix = sh.prefix;
+    const bool have_totals = !kCount && level == 0;  // the weight bins of the top digit: sh.w0
+    if (!have_totals) {
 #pragma unroll
-    for (int d = 0; d < kBins; ++d) bins[d * kSampleThreads + t] = 0.0;
-    // Thread t owns column t of the bins: no atomics, and its 32 lanes hit distinct banks.
-    for (int64_t j = t; j < V; j += blockDim.x) {
-      const float l = rv.row[j];
-      const uint32_t k = order_key(l / rv.tau);
-      if (level > 0 && (k >> (shift + kDigitBits)) != (prefix >> (shift + kDigitBits))) continue;
-      const int dg = static_cast<int>((k >> shift) & (kBins - 1));
-      bins[dg * kSampleThreads + t] += kCount ? 1.0 : rv.weight_of(l);
+      for (int d = 0; d < kBins; ++d) bins[d * kSampleThreads + t] = 0.0;
+      // Thread t owns column t of the bins: no atomics, and its 32 lanes hit distinct banks.
+      for_row(rv.row, V, [&](float l, int64_t) {
+        const uint32_t k = order_key(l / rv.tau);
+        if (level > 0 && (k >> (shift + kDigitBits)) != (prefix >> (shift + kDigitBits))) return;
+        const int dg = static_cast<int>((k >> shift) & (kBins - 1));
+        bins[dg * kSampleThreads + t] += kCount ? 1.0 : rv.weight_of(l);
+      });
+      __syncthreads();
+      reduce_bins(bins, sh);
+    } else if (t < kBins) {
+      sh.bin_total[t] = sh.w0[t];  // (read by thread 0 after the barrier below)
     }
-    __syncthreads();
-    // Reduce: 64 threads per bin, each sums 16 thread bins in a fixed order, then a warp sum.
-    {
-      const int d = t >> 6, r = t & 63;
-      double s = 0.0;
-      for (int i = 0; i < kSampleThreads / 64; ++i) s += bins[d * kSampleThreads + r + 64 * i];
-      s = warp_sum_d(s);
-      if ((t & 31) == 0) sh.bin_part[t >> 5] = s;
-    }
-    __syncthreads();
-    if (t < kBins) sh.bin_total[t] = sh.bin_part[2 * t] + sh.bin_part[2 * t + 1];
     __syncthreads();
     if (t == 0) {
       const double above = sh.above;
@@ -160,8 +191,7 @@ struct KeyStats {
 __device__ KeyStats key_stats(const RowView& rv, int64_t V, uint32_t v, SampleShared& sh) {
   double aw = 0.0, an = 0.0, tn = 0.0, tw = 0.0;
   int64_t first = V;
-  for (int64_t j = threadIdx.x; j < V; j += blockDim.x) {
-    const float l = rv.row[j];
+  for_row(rv.row, V, [&](float l, int64_t j) {
     const uint32_t k = order_key(l / rv.tau);
     if (k > v) {
       aw += rv.weight_of(l);
@@ -171,7 +201,7 @@ __device__ KeyStats key_stats(const RowView& rv, int64_t V, uint32_t v, SampleSh
       tw = fmax(tw, rv.weight_of(l));
       if (j < first) first = j;
     }
-  }
+  });
   KeyStats s;
   s.above_w = block_sum_d(aw, sh);
   s.above_n = static_cast<int64_t>(block_sum_d(an, sh));
@@ -267,7 +297,7 @@ __device__ bool first_crossing(const RowView& rv, int64_t V, double Y, bool stri
   return true;
 }
 
-__global__ void __launch_bounds__(kSampleThreads)
+__global__ void __launch_bounds__(kSampleThreads, 1)
     sample_kernel(const float* __restrict__ logits, int64_t V, const float* __restrict__ temperature,
                   const float* __restrict__ top_p, const int32_t* __restrict__ top_k,
                   const float* __restrict__ uniforms, int32_t* __restrict__ tokens, float* __restrict__ logp, int* bad) {
@@ -281,11 +311,10 @@ __global__ void __launch_bounds__(kSampleThreads)
   float mx = -INFINITY;
   int64_t arg = V;
   bool invalid = false;
-  for (int64_t j = threadIdx.x; j < V; j += blockDim.x) {
-    const float l = row[j];
+  for_row(row, V, [&](float l, int64_t j) {
     invalid |= isnan(l) || l == INFINITY;
     if (l > mx) mx = l, arg = j;  // j increases: the first max of this thread is its lowest id
-  }
+  });
   for (int o = 16; o > 0; o >>= 1) {
     const float om = __shfl_xor_sync(0xffffffffu, mx, o);
     const int64_t oa = __shfl_xor_sync(0xffffffffu, arg, o);
@@ -333,9 +362,19 @@ __global__ void __launch_bounds__(kSampleThreads)
   // lse in FP64 (the CPU's z is FP64: logit / tau, exp(z - zmax)).
   const double zmax = static_cast<double>(mx) / tau;
   const RowView rv{row, tau, zmax};
+  // The same pass fills the level-0 weight bins (top digit of the key) of the weight searches.
   double se = 0.0;
-  for (int64_t j = threadIdx.x; j < V; j += blockDim.x) se += exp(static_cast<double>(row[j]) / tau - zmax);
-  se = block_sum_d(se, sh);
+#pragma unroll
+  for (int d = 0; d < kBins; ++d) bins[d * kSampleThreads + threadIdx.x] = 0.0;
+  for_row(row, V, [&](float l, int64_t) {
+    const double e = exp(static_cast<double>(l) / tau - zmax);
+    se += e;
+    const uint32_t top = order_key(l / tau) >> (32 - kDigitBits);
+    bins[top * kSampleThreads + threadIdx.x] += static_cast<double>(static_cast<float>(e));  // = rv.weight_of(l)
+  });
+  se = block_sum_d(se, sh);  // synchronizes: the bins are complete
+  reduce_bins(bins, sh);
+  if (threadIdx.x < kBins) sh.w0[threadIdx.x] = sh.bin_total[threadIdx.x];  // read after search_key's barriers
   const double lse = zmax + log(se);
 
   // top-k: the kept mass is the cumulative weight through position keep - 1.

@@ -1,4 +1,4 @@
-// Host emulation shim for the sampling kernel (see run.sh): 1024 std::threads per block,
+// Host emulation shim for the sampling kernel (see run.sh): 512 std::threads per block,
 // std::barrier for __syncthreads and the warp exchanges, shared memory as host buffers.
 #pragma once
 #include <barrier>
@@ -25,7 +25,7 @@ using std::isnan;
 using std::log;
 struct EmuDim3 { int x = 0, y = 0, z = 0; };
 inline thread_local EmuDim3 threadIdx, blockIdx;
-inline EmuDim3 blockDim{1024, 1, 1}, gridDim;
+inline EmuDim3 blockDim{512, 1, 1}, gridDim;
 inline uint32_t __float_as_uint(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
 struct EmuWarp {
   std::barrier<> bar{32};
@@ -69,17 +69,17 @@ inline double warp_sum_d(double v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
-// Runs body() for every block of a 1-D grid of gx blocks with 1024 threads.
+// Runs body() for every block of a 1-D grid of gx blocks with 512 threads (kSampleThreads).
 inline void emu_launch(int gx, size_t static_bytes, size_t smem_bytes, const std::function<void()>& body) {
   std::vector<double> st(static_bytes / 8 + 2), dyn(smem_bytes / 8 + 2);
   g_static_smem = reinterpret_cast<unsigned char*>(st.data());
   g_smem = reinterpret_cast<unsigned char*>(dyn.data());
-  std::barrier<> bb(1024);
+  std::barrier<> bb(512);
   g_block_bar = &bb;
-  std::vector<EmuWarp> warps(32);
+  std::vector<EmuWarp> warps(16);
   std::vector<std::thread> th;
   gridDim = {gx, 1, 1};
-  for (int t = 0; t < 1024; ++t)
+  for (int t = 0; t < 512; ++t)
     th.emplace_back([&, t] {
       threadIdx = {t, 0, 0};
       tw = &warps[t / 32];

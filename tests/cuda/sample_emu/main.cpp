@@ -6,6 +6,8 @@
 
 #include "kern.inc"
 
+static_assert(emu::kSampleThreads == 512, "emu.h launches 512 threads per block");
+
 namespace {
 
 struct Ref {

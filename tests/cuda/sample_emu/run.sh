@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Host emulation of the sampling kernel (src/backend/cuda/sample_kernels.cu), for a machine
-# without a GPU: the kernel's source is extracted and compiled as C++ against emu.h (1024
+# without a GPU: the kernel's source is extracted and compiled as C++ against emu.h (512
 # std::threads per block, std::barrier for __syncthreads and the warp exchanges), under ASan +
 # UBSan, and its tokens / log-probs are checked against a double-precision re-statement of the
 # CPU reference (cpu_sample.cpp) on random rows: ties, -inf entries, top-k, top-p, greedy, and
