@@ -40,7 +40,7 @@ __device__ __forceinline__ uint32_t order_key(float z) {
 
 // Calls f(logit, j) for j = threadIdx.x, + blockDim.x, ... < V, in that order, with kLoads
 // loads in flight per thread (the passes are bound by the memory latency).
-constexpr int kLoads = 4;
+constexpr int kLoads = 8;
 template <class F>
 __device__ __forceinline__ void for_row(const float* row, int64_t V, F&& f) {
   const int64_t T = blockDim.x;

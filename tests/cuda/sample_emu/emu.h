@@ -13,7 +13,7 @@
 #define __global__
 #define __forceinline__ inline
 #define __restrict__
-#define __launch_bounds__(x)
+#define __launch_bounds__(...)
 #define __shared__
 #define INFINITY_F INFINITY
 namespace emu {
