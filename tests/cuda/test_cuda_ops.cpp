@@ -776,5 +776,50 @@ TEST(CudaGeneration, SampleMatchesCpu) {
   EXPECT_THROW(G().sample(dev(rnd({2, 100}, 121)), {1.0f, 1.0f}, {1.0f, 1.0f}, {0, 0}, {0.5f, 1.0f}, gt, gp), Error);
 }
 
+// A Llama-3 sized vocabulary: the digit search over 128256 keys, rows of bf16-rounded logits
+// (many exact ties), a masked half, top-k and top-p, greedy, uniforms at 0 and near 1.
+TEST(CudaGeneration, SampleLargeVocabMatchesCpu) {
+  const int64_t B = 64, V = 128256;
+  Tensor lg = rnd({B, V}, 130, DType::F32, 4.0f);
+  float* x = lg.data<float>();
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t j = 0; j < V; ++j) {
+      float& e = x[b * V + j];
+      if (b % 4 == 1) e = bf16_round(e);  // ties
+      if (b % 8 == 2 && j % 2 == 0) e = -INFINITY;                      // masked
+      if (b % 8 == 3) e *= 3.0f;                                          // peaked
+    }
+  }
+  std::vector<float> temp(B), top_p(B);
+  std::vector<int> top_k(B);
+  const float temps[] = {1.0f, 0.7f, 1.0f, 1.3f, 0.0f, 1.0f, 0.6f, 1.0f};
+  const float tps[] = {1.0f, 1.0f, 0.9f, 0.95f, 1.0f, 0.5f, 1.0f, 0.8f};
+  const int tks[] = {0, 0, 0, 40, 0, 0, 1000, 7};
+  for (int64_t b = 0; b < B; ++b) {
+    temp[b] = temps[b % 8];
+    top_p[b] = tps[(b / 8) % 8];
+    top_k[b] = tks[(b / 3) % 8];
+  }
+  std::mt19937 gen(9);
+  std::uniform_real_distribution<float> ud(0.0f, 1.0f);
+  const Tensor dlg = dev(lg);
+  for (int draw = 0; draw < 3; ++draw) {
+    std::vector<float> u(B);
+    for (float& e : u) e = std::min(ud(gen), 0.99999f);
+    u[0] = 0.0f;
+    u[1] = 0.99999f;
+    Tensor rt = Tensor::empty({B}, DType::I32), rp = Tensor::empty({B}, DType::F32);
+    C().sample(lg, temp, top_p, top_k, u, rt, rp);
+    Tensor gt = G().alloc({B}, DType::I32), gp = poisoned({B}, DType::F32);
+    G().fill(gt, -1.0f);
+    G().sample(dlg, temp, top_p, top_k, u, gt, gp);
+    const std::vector<double> a = vals(gt), r = vals(rt), pa = vals(gp), pr = vals(rp);
+    for (int64_t b = 0; b < B; ++b) {
+      EXPECT_EQ(a[b], r[b]) << "row " << b << " draw " << draw << " u " << u[b];
+      EXPECT_NEAR(pa[b], pr[b], 1e-5 * std::max(1.0, std::fabs(pr[b]))) << "row " << b;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace fp8rl
