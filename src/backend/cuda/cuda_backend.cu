@@ -1006,11 +1006,9 @@ void CudaBackend::sample(const Tensor& logits, const std::vector<float>& tempera
   Tensor pd = scratch(kSlotIdx, {static_cast<int64_t>(4 * n)}, DType::F32);
   CUDA_CHECK(cudaMemcpyAsync(pd.raw(), params.data(), params.size() * sizeof(float), cudaMemcpyHostToDevice, stream_),
              "uploading the sampling parameters");
-  Tensor kw = scratch(kSlotLogits, {2, B, V}, DType::F32);  // keys (as bits) and weights
-  const float* p = pd.data<float>();
+  const float* p = pd.data<float>();  // no [B, V] scratch: the kernel recomputes keys and weights
   launch_sample(logits.data<float>(), B, V, p, p + n, reinterpret_cast<const int32_t*>(p + 3 * n), p + 2 * n,
-                reinterpret_cast<uint32_t*>(kw.data<float>()), kw.data<float>() + B * V, tokens.data<int32_t>(),
-                logp.data<float>(), flag_reset(), stream_);
+                tokens.data<int32_t>(), logp.data<float>(), flag_reset(), stream_);
   // Synchronizes: the host-side parameter vector must outlive the upload.
   flag_check("sample: a row of logits holds NaN or +inf, or only -inf");
   flag_drain();

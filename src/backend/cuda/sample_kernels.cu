@@ -411,10 +411,8 @@ __global__ void __launch_bounds__(kSampleThreads, 1)
 }  // namespace
 
 void launch_sample(const float* logits, int64_t B, int64_t V, const float* temperature, const float* top_p,
-                   const int32_t* top_k, const float* uniforms, uint32_t* keys, float* weights, int32_t* tokens,
-                   float* logp, int* bad_flag, cudaStream_t stream) {
-  (void)keys;  // scratch no longer needed: keys and weights are recomputed from the logits
-  (void)weights;
+                   const int32_t* top_k, const float* uniforms, int32_t* tokens, float* logp, int* bad_flag,
+                   cudaStream_t stream) {
   if (B == 0) return;
   // The bins exceed the default 48 KiB of dynamic shared memory (set per call: per device).
   CUDA_CHECK(cudaFuncSetAttribute(sample_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
