@@ -12,9 +12,9 @@
 //
 // Limitations (documented, tested): the simple attention kernels are one warp per (token, head)
 // with an online softmax; training attention takes the tensor-core flash kernels where they
-// apply, paged (generation) attention the GQA-grouped split-K kernel of paged_attention.cu (CUDA
+// apply, paged (generation) attention the tiled split-K kernel of paged_attention.cu (CUDA
 // cores, no tensor cores yet). sample() runs on the GPU without a sort
-// (sample_kernels.cu: radix search on order keys, one block per row).
+// (sample_kernels.cu: a 4-bit-digit radix search on order keys, one block per row).
 #pragma once
 #include <cuda_runtime.h>
 
