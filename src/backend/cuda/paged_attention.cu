@@ -132,6 +132,51 @@ __device__ __forceinline__ void paged_decode_row(const PagedRow<TP, VEC>& r, flo
   }
 }
 
+// The epilogue both kernels share: each warp's streams (already merged inside the warp: lanes
+// with rg == 0 hold them) go to shared memory, the NW warps are merged by log-sum-exp (a warp
+// without positions has m = -inf, l = 0; the chunk is not empty, so some warp has l >= 1), and
+// the result, times v_scale, is written as the output (one split) or as this split's normalized
+// partial output and base-2 log-sum-exp.
+template <int HD, int GM, int VEC, int NW>
+__device__ __forceinline__ void paged_merge_warps_and_store(const PagedArgs& a, const float (&acc)[GM][VEC],
+                                                            const float (&m)[GM], const float (&l)[GM],
+                                                            float (&s_acc)[NW][GM][HD], float (&s_m)[NW][GM],
+                                                            float (&s_l)[NW][GM], int warp, int rg, int li, int hk,
+                                                            int64_t head0, int split) {
+  if (rg == 0) {
+#pragma unroll
+    for (int h = 0; h < GM; ++h) {
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) s_acc[warp][h][li * VEC + v] = acc[h][v];
+      if (li == 0) s_m[warp][h] = m[h], s_l[warp][h] = l[h];
+    }
+  }
+  __syncthreads();
+  const int g = a.group;
+  const float vsc = a.v_scale ? a.v_scale[hk] : 1.0f;
+  for (int i = static_cast<int>(threadIdx.x); i < g * HD; i += 32 * NW) {
+    const int h = i / HD, d = i % HD;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) mx = fmaxf(mx, s_m[w][h]);
+    float den = 0.0f, num = 0.0f;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) {
+      const float f = paged_rescale(s_m[w][h], mx);
+      den += s_l[w][h] * f;
+      num += s_acc[w][h][d] * f;
+    }
+    const float o = num / den * vsc;
+    if (a.splits == 1) {
+      paged_store_out(a.out, a.q_bf16, (head0 + h) * HD + d, o);
+    } else {
+      const int64_t row = (head0 + h) * a.splits + split;
+      a.part_o[row * HD + d] = o;
+      if (d == 0) a.part_lse[row] = mx + log2f(den);
+    }
+  }
+}
+
 // grid (T * Hkv, splits), block 32 * kPagedWarps. GM: group size rounded up (1, 2, 4 or 8).
 template <int HD, class TP, int GM>
 __global__ void __launch_bounds__(32 * kPagedWarps) paged_attention_kernel(const PagedArgs a) {
@@ -275,38 +320,7 @@ __global__ void __launch_bounds__(32 * kPagedWarps) paged_attention_kernel(const
       for (int v = 0; v < VEC; ++v) acc[h][v] = acc[h][v] * fa + __shfl_xor_sync(0xffffffffu, acc[h][v], o) * fb;
       m[h] = mn;
     }
-  if (rg == 0) {
-#pragma unroll
-    for (int h = 0; h < GM; ++h) {
-#pragma unroll
-      for (int v = 0; v < VEC; ++v) s_acc[warp][h][li * VEC + v] = acc[h][v];
-      if (li == 0) s_m[warp][h] = m[h], s_l[warp][h] = l[h];
-    }
-  }
-  __syncthreads();
-  // Merge the warps; the chunk is not empty, so some stream has l >= 1.
-  const float vsc = a.v_scale ? a.v_scale[hk] : 1.0f;
-  for (int i = static_cast<int>(threadIdx.x); i < g * HD; i += 32 * NW) {
-    const int h = i / HD, d = i % HD;
-    float mx = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < NW; ++w) mx = fmaxf(mx, s_m[w][h]);
-    float den = 0.0f, num = 0.0f;
-#pragma unroll
-    for (int w = 0; w < NW; ++w) {
-      const float f = paged_rescale(s_m[w][h], mx);
-      den += s_l[w][h] * f;
-      num += s_acc[w][h][d] * f;
-    }
-    const float o = num / den * vsc;
-    if (a.splits == 1) {
-      paged_store_out(a.out, a.q_bf16, (head0 + h) * HD + d, o);
-    } else {
-      const int64_t row = (head0 + h) * a.splits + split;
-      a.part_o[row * HD + d] = o;
-      if (d == 0) a.part_lse[row] = mx + log2f(den);
-    }
-  }
+  paged_merge_warps_and_store<HD, GM, VEC, NW>(a, acc, m, l, s_acc, s_m, s_l, warp, rg, li, hk, head0, split);
 }
 
 // The tiled kernel (the default): same grid, split plan, partials and epilogue as the grouped
@@ -494,38 +508,7 @@ __global__ void __launch_bounds__(32 * kPagedWarps, 3) paged_tiled_kernel(const 
 #pragma unroll
       for (int v = 0; v < VEC; ++v) acc[h][v] += __shfl_xor_sync(0xffffffffu, acc[h][v], o);
   }
-  if (rg == 0) {
-#pragma unroll
-    for (int h = 0; h < GM; ++h) {
-#pragma unroll
-      for (int v = 0; v < VEC; ++v) s_acc[warp][h][li * VEC + v] = acc[h][v];
-      if (li == 0) s_m[warp][h] = m[h], s_l[warp][h] = l[h];
-    }
-  }
-  __syncthreads();
-  // Merge the warps (a warp without positions has m = -inf, l = 0); as in the grouped kernel.
-  const float vsc = a.v_scale ? a.v_scale[hk] : 1.0f;
-  for (int i = static_cast<int>(threadIdx.x); i < g * HD; i += 32 * NW) {
-    const int h = i / HD, d = i % HD;
-    float mx = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < NW; ++w) mx = fmaxf(mx, s_m[w][h]);
-    float den = 0.0f, num = 0.0f;
-#pragma unroll
-    for (int w = 0; w < NW; ++w) {
-      const float f = paged_rescale(s_m[w][h], mx);
-      den += s_l[w][h] * f;
-      num += s_acc[w][h][d] * f;
-    }
-    const float o = num / den * vsc;
-    if (a.splits == 1) {
-      paged_store_out(a.out, a.q_bf16, (head0 + h) * HD + d, o);
-    } else {
-      const int64_t row = (head0 + h) * a.splits + split;
-      a.part_o[row * HD + d] = o;
-      if (d == 0) a.part_lse[row] = mx + log2f(den);
-    }
-  }
+  paged_merge_warps_and_store<HD, GM, VEC, NW>(a, acc, m, l, s_acc, s_m, s_l, warp, rg, li, hk, head0, split);
 }
 
 // One warp per (token, q head): out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M) over the
