@@ -57,20 +57,6 @@ constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
-int int_flag(const Args& a, const std::string& name, int fallback, int lo) {
-  const std::string s = a.get(name, std::to_string(fallback));
-  size_t used = 0;
-  int v = 0;
-  try {
-    v = std::stoi(s, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  FP8RL_CHECK(used == s.size() && used > 0, "--", name, ": '", s, "' is not an integer");
-  FP8RL_CHECK(v >= lo, "--", name, " must be >= ", lo, ", got ", v);
-  return v;
-}
-
 double real_flag(const Args& a, const std::string& name, double fallback, double lo, double hi) {
   const std::string s = a.get(name, "");
   if (s.empty()) return fallback;
@@ -329,11 +315,11 @@ int run_bench_generate(const std::vector<std::string>& argv) {
   FP8RL_CHECK(args.positional().empty(), "unexpected argument '", args.positional().front(), "'\n", kUsage);
   const std::string device = args.get("device", "cuda"), model = args.get("model", "8b");
   Workload w;
-  w.prompts = int_flag(args, "prompts", 256, 1);
-  w.prompt_len = int_flag(args, "prompt-len", 512, 1);
-  w.gen_len = int_flag(args, "gen-len", 1024, 2);
-  w.warmup = int_flag(args, "warmup", 1, 0);
-  w.seed = static_cast<uint64_t>(int_flag(args, "seed", 1, 0));
+  w.prompts = args.get_int("prompts", 256, 1);
+  w.prompt_len = args.get_int("prompt-len", 512, 1);
+  w.gen_len = args.get_int("gen-len", 1024, 2);
+  w.warmup = args.get_int("warmup", 1, 0);
+  w.seed = static_cast<uint64_t>(args.get_int("seed", 1, 0));
   w.kv_fraction = real_flag(args, "kv-fraction", 0.85, 0.0, 1.0);
   w.peak_bw = real_flag(args, "peak-bw", 4.8e12, 0.0, 1e15);
   const std::vector<std::string> recipes = split_list(args.get("recipes", "bf16,fp8_linear,fp8_kv,fp8_attn"));

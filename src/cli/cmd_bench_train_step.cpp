@@ -43,20 +43,6 @@ constexpr const char* kUsage =
 
 using Clock = std::chrono::steady_clock;
 
-int int_flag(const Args& a, const std::string& name, int fallback, int lo) {
-  const std::string s = a.get(name, std::to_string(fallback));
-  size_t used = 0;
-  int v = 0;
-  try {
-    v = std::stoi(s, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  FP8RL_CHECK(used == s.size() && used > 0, "--", name, ": '", s, "' is not an integer");
-  FP8RL_CHECK(v >= lo, "--", name, " must be >= ", lo, ", got ", v);
-  return v;
-}
-
 struct Phase {
   std::string name;
   double tokens = 0;  // tokens one run processes (generate: new tokens)
@@ -100,12 +86,12 @@ int run_bench(const std::vector<std::string>& argv) {
   FP8RL_CHECK(prec_name == "bf16" || prec_name == "fp8" || prec_name == "fp32", "--precision must be bf16, fp8 or ",
               "fp32, got '", prec_name, "'");
   const PrecisionRecipe recipe = PrecisionRecipe::preset(prec_name == "fp8" ? "fp8_e2e" : prec_name);
-  const int hidden = int_flag(args, "hidden", 64, 1), layers = int_flag(args, "layers", 2, 1);
-  const int heads = int_flag(args, "heads", 4, 1), kv_heads = int_flag(args, "kv-heads", 2, 1);
-  const int head_dim = int_flag(args, "head-dim", 16, 2), ffn = int_flag(args, "ffn", 192, 1);
-  const int vocab = int_flag(args, "vocab", 384, 2), nseq = int_flag(args, "seqs", 64, 1);
-  const int seq_len = int_flag(args, "seq-len", 40, 2), repeats = int_flag(args, "repeats", 5, 1);
-  const int prompt_len = int_flag(args, "prompt-len", std::min(16, seq_len - 1), 1);
+  const int hidden = args.get_int("hidden", 64, 1), layers = args.get_int("layers", 2, 1);
+  const int heads = args.get_int("heads", 4, 1), kv_heads = args.get_int("kv-heads", 2, 1);
+  const int head_dim = args.get_int("head-dim", 16, 2), ffn = args.get_int("ffn", 192, 1);
+  const int vocab = args.get_int("vocab", 384, 2), nseq = args.get_int("seqs", 64, 1);
+  const int seq_len = args.get_int("seq-len", 40, 2), repeats = args.get_int("repeats", 5, 1);
+  const int prompt_len = args.get_int("prompt-len", std::min(16, seq_len - 1), 1);
   FP8RL_CHECK(prompt_len < seq_len, "--prompt-len ", prompt_len, " must be shorter than --seq-len ", seq_len);
   const int new_tokens = seq_len - prompt_len;
 
@@ -149,8 +135,8 @@ int run_bench(const std::vector<std::string>& argv) {
   sp.seed = 7;
 
   const double total_tokens = double(nseq) * seq_len;
-  Phase score{"score", total_tokens, {}, {}}, train{"train_step", total_tokens, {}, {}},
-      gen{"generate", double(nseq) * new_tokens, {}, {}};
+  Phase score{"score", total_tokens, {}, {}, {}}, train{"train_step", total_tokens, {}, {}, {}},
+      gen{"generate", double(nseq) * new_tokens, {}, {}, {}};
   std::printf("bench-train-step: device %s, precision %s (recipe %s), model D=%d L=%d H=%d/%d hd=%d F=%d V=%d, "
               "%d seqs x %d tokens (prompt %d), %d repeats\n",
               be.name().c_str(), prec_name.c_str(), recipe.name.c_str(), hidden, layers, heads, kv_heads, head_dim,

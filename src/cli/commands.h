@@ -34,6 +34,8 @@ class Args {
   bool has(const std::string& name) const;
   std::string get(const std::string& name, const std::string& fallback = "") const;
   std::string require(const std::string& name) const;  // throws "missing --name"
+  // --name as an integer >= lo (fallback when absent); a malformed or too small value throws.
+  int get_int(const std::string& name, int fallback, int lo) const;
   const std::vector<std::string>& positional() const { return positional_; }
 
  private:

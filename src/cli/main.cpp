@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <exception>
 #include <new>
+#include <string>
 
 #include "cli/commands.h"
 #include "core/error.h"
@@ -63,6 +64,20 @@ std::string Args::get(const std::string& name, const std::string& fallback) cons
 std::string Args::require(const std::string& name) const {
   FP8RL_CHECK(has(name), "missing required option --", name);
   return get(name);
+}
+
+int Args::get_int(const std::string& name, int fallback, int lo) const {
+  const std::string s = get(name, std::to_string(fallback));
+  size_t used = 0;
+  int v = 0;
+  try {
+    v = std::stoi(s, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  FP8RL_CHECK(used == s.size() && used > 0, "--", name, ": '", s, "' is not an integer");
+  FP8RL_CHECK(v >= lo, "--", name, " must be >= ", lo, ", got ", v);
+  return v;
 }
 
 }  // namespace fp8rl::cli
