@@ -103,6 +103,14 @@ struct MemoryStats {
   int64_t reserved_bytes = 0, peak_reserved_bytes = 0;
 };
 
+// Slow paths a backend took (since it was made). Each is also reported on stderr once per shape
+// when first taken; the RL loop logs them per step and the GPU tests require zero fallbacks on
+// the benchmark shapes. The CPU reference has none.
+struct BackendCounters {
+  int64_t fp8_gemm_fallbacks = 0;  // FP8 products computed as dequantize + FP32 GEMM off the exact path
+  int64_t fp8_gemm_tails = 0;      // FP8 products whose last M % 16 rows ran as a padded second product
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -121,6 +129,7 @@ class Backend {
   virtual void synchronize() {}
   // Device memory accounting (CUDA); the CPU backend reports zeros.
   virtual MemoryStats memory_stats() { return {}; }
+  virtual BackendCounters counters() const { return {}; }
   virtual void reset_peak_memory_stats() {}
   Tensor to_device(const Tensor& host);  // allocates on this device and copies
   Tensor to_host(const Tensor& dev);     // allocates on the host and copies

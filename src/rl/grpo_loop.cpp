@@ -21,6 +21,7 @@
 #include "rl/run_dir.h"
 #include "rl/session.h"
 #include "rollout/rollout.h"
+#include "train/grpo_update.h"
 #include "train/trainer.h"
 
 namespace fp8rl {
@@ -257,45 +258,21 @@ int grpo_run(const RunConfig& config_in, bool resume) {
 
     // 4. Optimizer steps over mini-batches of whole sequences.
     t0 = Clock::now();
-    GrpoStats stats;
-    double loss = 0, gnorm = 0;
-    int applied = 0;
-    const size_t n = seqs.size();
-    for (int mb = 0; mb < mini_batches; ++mb) {
-      const size_t a = n * mb / mini_batches, b = n * (mb + 1) / mini_batches;
-      if (a == b) continue;
-      std::vector<TrainSequence> part(seqs.begin() + a, seqs.begin() + b);
-      std::vector<int64_t> offs;
-      for (size_t i = a; i <= b; ++i) offs.push_back(offsets[i] - offsets[a]);
-      const int64_t t_begin = offsets[a];
-      // Normalizer of this optimizer step: its whole mini-batch.
-      GrpoBatch whole;
-      whole.seq_offsets = offs;
-      const double norm = grpo_loss_normalizer(whole, loss_opt.aggregation);
-      const double lr = lr_schedule_at(lr_sched, trainer.optimizer_step());
-      m.lr = lr;
-      StepResult sr = trainer.step(part, temperature, [&](size_t f, size_t e, const std::vector<float>& lp_new,
-                                                          std::vector<float>& grad) {
-        std::vector<int64_t> so;
-        for (size_t i = f; i <= e; ++i) so.push_back(offs[i] - offs[f]);
-        const int64_t tb = t_begin + offs[f], te = t_begin + offs[e];
-        std::vector<float> adv_mb(adv.begin() + a + f, adv.begin() + a + e);
-        GrpoBatch gb;
-        gb.seq_offsets = so;
-        gb.advantages = adv_mb;
-        gb.logp_new = lp_new;
-        gb.logp_old = std::span<const float>(old.logp).subspan(tb, te - tb);
-        gb.logp_gen = std::span<const float>(logp_gen).subspan(tb, te - tb);
-        if (reference) gb.logp_ref = std::span<const float>(logp_ref).subspan(tb, te - tb);
-        GrpoLossResult lr_ = grpo_loss(gb, loss_opt, norm);
-        grad = lr_.grad_logp_new;
-        stats.merge(lr_.stats);
-        return lr_.loss;
-      }, static_cast<float>(lr));
-      loss += sr.loss;
-      gnorm = std::max(gnorm, sr.grad_norm);
-      applied += bad_steps.record(sr, step);
-    }
+    GrpoRollout ro;
+    ro.seqs = std::move(seqs);
+    ro.offsets = std::move(offsets);
+    ro.advantages = adv;
+    ro.logp_gen = std::move(logp_gen);
+    ro.logp_old = old.logp;
+    ro.logp_ref = std::move(logp_ref);
+    const GrpoUpdateResult up = grpo_update(
+        trainer, ro, loss_opt, mini_batches, temperature,
+        [&](int64_t opt_step) { return lr_schedule_at(lr_sched, opt_step); },
+        [&](const StepResult& sr) { return bad_steps.record(sr, step); });
+    const double loss = up.loss, gnorm = up.grad_norm;
+    const int applied = up.applied;
+    const GrpoStats& stats = up.stats;
+    m.lr = up.lr;
     m.time_train_s = seconds_since(t0);
     m.loss = loss;
     m.grad_norm = gnorm;

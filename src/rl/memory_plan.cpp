@@ -4,6 +4,7 @@
 #include <cstdio>
 
 #include "core/error.h"
+#include "model/shapes.h"
 #include "quant/quant.h"
 
 namespace fp8rl {
@@ -178,40 +179,6 @@ std::string memory_plan_format(const MemoryPlan& p, const ModelConfig& c, int64_
   return s;
 }
 
-ModelConfig memory_plan_shape(const std::string& name) {
-  ModelConfig c;
-  c.tie_word_embeddings = true;
-  c.max_position_embeddings = 40960;
-  c.rope_theta = 1000000.0f;
-  if (name == "qwen3-0.6b" || name == "qwen3-1.7b") {
-    const bool small = name == "qwen3-0.6b";
-    c.model_type = "qwen3";
-    c.vocab_size = 151936;
-    c.hidden_size = small ? 1024 : 2048;
-    c.intermediate_size = small ? 3072 : 6144;
-    c.num_layers = 28;
-    c.num_heads = 16;
-    c.num_kv_heads = 8;
-    c.head_dim = 128;
-    c.qk_norm = true;
-  } else if (name == "llama-3.2-1b") {
-    c.model_type = "llama";
-    c.vocab_size = 128256;
-    c.hidden_size = 2048;
-    c.intermediate_size = 8192;
-    c.num_layers = 16;
-    c.num_heads = 32;
-    c.num_kv_heads = 8;
-    c.head_dim = 64;
-    c.rope_theta = 500000.0f;
-    c.max_position_embeddings = 131072;
-  } else {
-    FP8RL_FAIL("unknown shape '", name, "': expected qwen3-0.6b, qwen3-1.7b or llama-3.2-1b (or use model.path)");
-  }
-  c.eos_token_id = 0;
-  c.eos_token_ids = {0};
-  c.validate();
-  return c;
-}
+ModelConfig memory_plan_shape(const std::string& name) { return model_shape(name); }
 
 }  // namespace fp8rl

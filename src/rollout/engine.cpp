@@ -109,6 +109,11 @@ std::vector<RolloutSample> RolloutEngine::generate(const std::vector<RolloutRequ
     const auto& r = requests[i];
     FP8RL_CHECK(!r.prompt.empty(), "request ", i, " has an empty prompt");
     FP8RL_CHECK(r.n >= 1, "request ", i, " asks for ", r.n, " samples");
+    FP8RL_CHECK(r.stop_after.empty() || static_cast<int>(r.stop_after.size()) == r.n, "request ", i, " has ",
+                r.stop_after.size(), " stop_after entries for ", r.n, " samples");
+    for (int len : r.stop_after)
+      FP8RL_CHECK(len >= 1 && len <= sp.max_new_tokens, "request ", i, ": stop_after ", len, " outside [1, ",
+                  sp.max_new_tokens, "]");
     for (int32_t id : r.prompt) FP8RL_CHECK(id >= 0 && id < V, "request ", i, ": token id ", id, " outside the vocabulary [0, ", V, ")");
     const int need = static_cast<int>(ceil_div(static_cast<int64_t>(r.prompt.size()) + sp.max_new_tokens, page_size_));
     max_seq_pages = std::max(max_seq_pages, need);
@@ -122,6 +127,7 @@ std::vector<RolloutSample> RolloutEngine::generate(const std::vector<RolloutRequ
       s.ids = r.prompt;
       s.ids.reserve(r.prompt.size() + sp.max_new_tokens);
       s.prompt_len = static_cast<int>(r.prompt.size());
+      s.max_new = r.stop_after.empty() ? sp.max_new_tokens : r.stop_after[j];
       s.rng.seed(splitmix64(sp.seed ^ splitmix64((static_cast<uint64_t>(i) << 32) | static_cast<uint64_t>(j))));
       s.out.request = s.request;
       s.out.index = j;
@@ -209,8 +215,10 @@ std::vector<RolloutSample> RolloutEngine::generate(const std::vector<RolloutRequ
       s.out.tokens.push_back(tok);
       s.out.logp.push_back(logp.data<float>()[r++]);
       stats_.generated_tokens++;
-      const bool stop = std::find(sp.stop_ids.begin(), sp.stop_ids.end(), tok) != sp.stop_ids.end();
-      if (stop || static_cast<int>(s.out.tokens.size()) >= sp.max_new_tokens) {
+      const int n_out = static_cast<int>(s.out.tokens.size());
+      const bool forced = !requests[s.request].stop_after.empty() && n_out >= s.max_new;
+      const bool stop = forced || std::find(sp.stop_ids.begin(), sp.stop_ids.end(), tok) != sp.stop_ids.end();
+      if (stop || n_out >= sp.max_new_tokens) {
         s.out.finish = stop ? FinishReason::Stop : FinishReason::Length;
         sched.finish(si);
       }

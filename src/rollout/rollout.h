@@ -28,6 +28,9 @@ struct SamplingParams {
 struct RolloutRequest {
   std::vector<int32_t> prompt;  // token ids, non-empty
   int n = 1;                    // samples of this prompt
+  // Optional [n]: sample j ends after stop_after[j] tokens (1..max_new_tokens) as if it had
+  // sampled a stop id (finish Stop). Benchmarks use it for ragged batches from random weights.
+  std::vector<int> stop_after = {};
 };
 
 enum class FinishReason { Stop, Length };

@@ -6,43 +6,11 @@
 #include <vector>
 
 #include "core/error.h"
+#include "model/shapes.h"
 
 namespace fp8rl {
 
-ModelConfig bench_model_config(const std::string& name) {
-  ModelConfig c;
-  if (name == "tiny") {
-    // Dimensions of 128 so that the FP8 recipes run whole 128x128 blocks, as on the real shapes.
-    c = model_config_tiny("llama", 512, 128, 2, 4, 2, 256);
-    c.max_position_embeddings = 8192;
-    c.validate();
-    return c;
-  }
-  FP8RL_CHECK(name == "8b" || name == "1b", "unknown benchmark model '", name, "' (expected 8b, 1b or tiny)");
-  const bool big = name == "8b";
-  c.model_type = "llama";
-  c.vocab_size = 128256;
-  c.hidden_size = big ? 4096 : 2048;
-  c.intermediate_size = big ? 14336 : 8192;
-  c.num_layers = big ? 32 : 16;
-  c.num_heads = 32;
-  c.num_kv_heads = 8;
-  c.head_dim = big ? 128 : 64;
-  c.rms_norm_eps = 1e-5f;
-  c.tie_word_embeddings = !big;
-  c.max_position_embeddings = 131072;
-  c.bos_token_id = 128000;
-  c.eos_token_id = 128001;
-  c.torch_dtype = "bfloat16";
-  c.rope_theta = 500000.0f;
-  c.rope_type = "llama3";
-  c.rope_factor = big ? 8.0f : 32.0f;
-  c.rope_low_freq_factor = 1.0f;
-  c.rope_high_freq_factor = 4.0f;
-  c.rope_original_max_position = 8192;
-  c.validate();
-  return c;
-}
+ModelConfig bench_model_config(const std::string& name) { return model_shape(name); }
 
 namespace {
 

@@ -36,6 +36,7 @@ struct Sequence {
   int cached = 0;              // tokens whose k/v are in the cache (a prefix of ids)
   int chunk = 0;               // tokens [cached, cached + chunk) scheduled in this iteration
   int computed = 0;            // most tokens ever cached (what a preemption made us recompute)
+  int max_new = 0;             // this sequence's token limit (the request's stop_after, or max_new_tokens)
   bool finished = false;
   std::vector<int32_t> pages;  // in order; may start with pages shared with other sequences
   std::mt19937_64 rng;

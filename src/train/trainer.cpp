@@ -103,9 +103,22 @@ const ModelWeights& Trainer::compute_weights() {
   }
   compute_ = master_;  // shares every tensor; a w replaced through master() is picked up here
   const int L = master_.config.num_layers;
-  size_t i = 0;
+  // BF16 copies where the backend's GEMMs would otherwise convert the FP32 master per call
+  // (BF16 activations: the CUDA fast path). Round-to-nearest-even once per step gives the same
+  // operands as the per-call conversion.
+  const bool bf16_copies = be_.act_dtype() == DType::BF16;
+  size_t i = 0, j = 0;
+  auto bf16_copy = [&](const Tensor& w) {
+    if (j == w16_.size()) w16_.emplace_back();
+    Tensor& c = w16_[j++];
+    if (!c.defined() || c.shape() != w.shape()) c = be_.alloc(w.shape(), DType::BF16);
+    be_.convert(w, c);
+    return c;
+  };
   model_for_each_linear(compute_, [&](const std::string&, int layer, LinearWeight& lw) {
-    if (prec_.linear_for_layer(layer, L) != LinearMode::FP8_BLOCK) return;
+    const LinearMode mode = prec_.linear_for_layer(layer, L);
+    if (mode == LinearMode::BF16 && bf16_copies) lw.w = bf16_copy(lw.w);
+    if (mode != LinearMode::FP8_BLOCK) return;
     if (i == wq_.size()) wq_.emplace_back();
     QuantTensor& q = wq_[i++];
     const int64_t N = lw.w.dim(0), K = lw.w.dim(1);
@@ -114,7 +127,13 @@ const ModelWeights& Trainer::compute_weights() {
     be_.quantize(lw.w, /*transpose=*/false, q);  // in place; throws on non-finite weights
     lw.wq = q;
   });
+  if (bf16_copies) {  // the lm_head runs in BF16 with BF16 activations (and the embedding reads rows)
+    const bool tied = master_.lm_head.storage() == master_.embed.storage();
+    compute_.embed = bf16_copy(master_.embed);
+    compute_.lm_head = tied ? compute_.embed : bf16_copy(master_.lm_head);
+  }
   wq_.resize(i);
+  w16_.resize(j);
   wq_stale_ = false;
   ++wq_refreshes_;
   return compute_;

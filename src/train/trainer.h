@@ -9,6 +9,8 @@
 // for dgrad (backend.h); the results are bitwise those of quantizing w in each op. The cache is
 // marked stale by the optimizer step and by the non-const master(), and requantized at the next
 // score() / step(); debug builds also check it against a fresh quantization at every use.
+// With BF16 activations (CUDA) the same cache holds BF16 copies of the BF16 linears, the
+// embedding and the lm_head, so no GEMM converts the FP32 master per call.
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -112,6 +114,7 @@ class Trainer {
   ModelWeights master_, grads_, m_, v_;
   ModelWeights compute_;             // master_ + the cache (shares master_'s tensors)
   std::vector<QuantTensor> wq_;      // [FP8 linears, model_for_each_linear order] the cache
+  std::vector<Tensor> w16_;          // BF16 compute copies (BF16 linears, embedding, lm_head) with BF16 activations
   bool wq_stale_ = true;
   int64_t wq_refreshes_ = 0;
   EnginePrecision prec_;

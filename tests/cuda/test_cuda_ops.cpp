@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/cuda/cuda_backend.h"
 #include "core/error.h"
 #include "quant/quant.h"
 
@@ -393,6 +394,66 @@ TEST(CudaLinear, BackwardMatchesCpuEveryMode) {
       expect_linear_close(gdx, rdx, mode, what + " dx");
       expect_linear_close(gdw, rdw, mode, what + " dw");
       EXPECT_LT(rel_err(gdb, rdb), 1e-5) << what << " dbias";
+    }
+}
+
+// The trainer's micro-batches have ragged token counts: every FP8 product must stay on the
+// tensor cores (rows M % 16 != 0 as a padded tail product; the wgrad's token contraction padded
+// to a multiple of 128), match the CPU reference, and count no fallback.
+TEST(CudaLinear, RaggedTokenCountsStayOnTensorCores) {
+  uint32_t seed = 900;
+  const GemmCase cases[] = {{1, 256, 384}, {15, 256, 384}, {17, 512, 256}, {1000, 512, 1024}, {4099, 256, 384}};
+  for (const GemmCase& g : cases)
+    for (bool pow2 : {false, true}) {
+      const std::string what = std::to_string(g.M) + "x" + std::to_string(g.N) + "x" + std::to_string(g.K) +
+                               (pow2 ? " pow2" : "");
+      SCOPED_TRACE(what);
+      const LinearSpec spec{LinearMode::FP8_BLOCK, pow2};
+      const BackendCounters c0 = G().counters();
+      Tensor x = rnd({g.M, g.K}, seed++), dy = rnd({g.M, g.N}, seed++);
+      LinearWeight Wh = host_weight(g.N, g.K, seed++, false);
+      Tensor ref = Tensor::empty({g.M, g.N}, DType::F32);
+      C().linear(x, Wh, spec, ref);
+      Tensor out = poisoned({g.M, g.N}, DType::BF16);
+      G().linear(dev(x), dev_weight(Wh), spec, out);
+      expect_linear_close(out, ref, LinearMode::FP8_BLOCK, what + " forward");
+      Tensor dw0 = rnd({g.N, g.K}, seed++, DType::F32, 0.1f);
+      Tensor rdx = Tensor::empty({g.M, g.K}, DType::F32), rdw = to_f32_host(dw0);
+      C().linear_backward(dy, x, Wh, spec, &rdx, &rdw, nullptr);
+      Tensor gdx = poisoned({g.M, g.K}, DType::F32), gdw = dev(dw0);
+      G().linear_backward(dev(dy), dev(x), dev_weight(Wh), spec, &gdx, &gdw, nullptr);
+      expect_linear_close(gdx, rdx, LinearMode::FP8_BLOCK, what + " dx");
+      expect_linear_close(gdw, rdw, LinearMode::FP8_BLOCK, what + " dw");
+      const BackendCounters c1 = G().counters();
+      EXPECT_EQ(c1.fp8_gemm_fallbacks, c0.fp8_gemm_fallbacks) << what;
+      if (g.M % 16 != 0) {
+        EXPECT_EQ(c1.fp8_gemm_tails - c0.fp8_gemm_tails, 2) << what << " (forward and dgrad)";
+      }
+    }
+}
+
+// A transposed quantization into a row stride padded to a multiple of 128 (the wgrad operands):
+// the real columns bitwise equal the unpadded quantization, the padding is zeros.
+TEST(CudaQuant, PaddedTransposeIsTheUnpaddedOnePlusZeros) {
+  for (int64_t M : {1, 100, 129, 300})
+    for (DType dt : {DType::F32, DType::BF16}) {
+      const int64_t K = 256, Mp = (M + 127) / 128 * 128;
+      Tensor x = dev(rnd_wide(M, K, static_cast<uint32_t>(M), dt));
+      QuantTensor plain = G().alloc_quant(K, M, 1, 128, false), padded = G().alloc_quant(K, Mp, 1, 128, false);
+      G().fill(padded.data, 0.0f);
+      auto* cuda = dynamic_cast<cuda::CudaBackend*>(&G());
+      ASSERT_NE(cuda, nullptr);
+      cuda->quantize_async(x, true, plain);
+      Tensor poison = host(padded.data);
+      std::memset(poison.raw(), 0x5a, poison.nbytes());
+      G().copy(poison, padded.data);
+      cuda->quantize_async(x, true, padded, /*pad_cols=*/true);
+      const Tensor hp = host(plain.data), hq = host(padded.data);
+      for (int64_t r = 0; r < K; ++r) {
+        ASSERT_EQ(std::memcmp(hq.data<uint8_t>() + r * Mp, hp.data<uint8_t>() + r * M, M), 0) << "row " << r;
+        for (int64_t c = M; c < Mp; ++c) ASSERT_EQ(hq.data<uint8_t>()[r * Mp + c], 0) << "row " << r << " col " << c;
+      }
+      EXPECT_TRUE(bytes_equal(padded.scales, plain.scales)) << "M " << M;
     }
 }
 

@@ -507,19 +507,20 @@ void CudaBackend::adamw(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v,
 
 // ---- quantization ---------------------------------------------------------------------------
 
-void CudaBackend::quantize_async(const Tensor& x, bool transpose, QuantTensor& out) {
+void CudaBackend::quantize_async(const Tensor& x, bool transpose, QuantTensor& out, bool pad_cols) {
   check_dev(x, "quantize x");
   check_float(x, "quantize x");
   FP8RL_CHECK(x.ndim() == 2, "quantize x must be 2-D, got ", x.str());
   check_dev(out.data, "quantize out.data");
   check_dev(out.scales, "quantize out.scales");
   const int64_t R = transpose ? x.dim(1) : x.dim(0), C = transpose ? x.dim(0) : x.dim(1);
-  check_shape(out.data, {R, C}, "quantize out.data");
+  const int64_t ld = pad_cols ? ceil_div(C, kQuantBlock) * kQuantBlock : C;
+  check_shape(out.data, {R, ld}, "quantize out.data");
   check_dtype(out.data, DType::E4M3, "quantize out.data");
   check_shape(out.scales, {ceil_div(R, out.block_rows), ceil_div(C, out.block_cols)}, "quantize out.scales");
   check_dtype(out.scales, DType::F32, "quantize out.scales");
   launch_quantize(x.raw(), x.dtype(), x.dim(0), x.dim(1), transpose, out.block_rows, out.block_cols, out.pow2,
-                  out.data.data<uint8_t>(), out.scales.data<float>(), flag_cur_, stream_);
+                  out.data.data<uint8_t>(), out.scales.data<float>(), flag_cur_, stream_, ld);
 }
 
 void CudaBackend::quantize(const Tensor& x, bool transpose, QuantTensor& out) {
@@ -538,8 +539,23 @@ void CudaBackend::quantize(const Tensor& x, bool transpose, QuantTensor& out) {
 // of the dequantized operands, as the CPU reference computes it. Measured on the H200
 // (docs/benchmarks.md, "CUDA model parity"): with cuBLASLt the llama fixture's FP8 log-probs
 // were 3e-2 (mean) from the exact emulation, the dequantized path 5e-7 on the other fixtures.
-bool CudaBackend::fp8_tensor_cores(int64_t M, int64_t N, int64_t K) const {
-  return act_dtype_ != DType::F32 && GemmEngine::fp8_supported(M, N, K);
+bool CudaBackend::fp8_tensor_cores(int64_t M, int64_t N, int64_t K) {
+  if (act_dtype_ == DType::F32) return false;  // the exact path: dequantize + FP32 by design
+  if (GemmEngine::fp8_supported(M, N, K)) return true;
+  ++fp8_fallbacks_;
+  if (fp8_fallback_shapes_.insert({N, K}).second)
+    std::fprintf(stderr, "warning: FP8 GEMM M=%lld N=%lld K=%lld runs as dequantize + FP32 GEMM (slow): cuBLASLt's "
+                         "block-scaled kernels need N %% 16 == 0 and K %% 128 == 0 (reported once per N, K; counted "
+                         "in fp8_gemm_fallbacks)\n",
+                 static_cast<long long>(M), static_cast<long long>(N), static_cast<long long>(K));
+  return false;
+}
+
+BackendCounters CudaBackend::counters() const {
+  BackendCounters c;
+  c.fp8_gemm_fallbacks = fp8_fallbacks_;
+  c.fp8_gemm_tails = gemm_->tail_products();
+  return c;
 }
 
 void CudaBackend::mm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const Tensor& A, const Tensor& B, DType ab,
@@ -678,15 +694,19 @@ void CudaBackend::linear_backward(const Tensor& dy, const Tensor& x, const Linea
     if (!fp8) {
       mm(true, false, N, K, M, dy2, x2, ab, *dw, 1.0f);
     } else {
-      // wgrad: dY^T [N, M] and X^T [K, M], both requantized 1x128 along tokens.
-      QuantTensor dytq = scratch_quant(kSlotAq, kSlotAs, N, M, 1, spec.pow2_scales);
-      QuantTensor xtq = scratch_quant(kSlotBq, kSlotBs, K, M, 1, spec.pow2_scales);
+      // wgrad: dY^T [N, M] and X^T [K, M], both requantized 1x128 along tokens. The token
+      // dimension is the contraction: its last block is padded with zeros to a multiple of 128
+      // (Mp), as cuBLASLt wants, which adds nothing to the product.
+      const int64_t Mp = ceil_div(M, kQuantBlock) * kQuantBlock;
+      const bool tc = fp8_tensor_cores(N, K, Mp);
+      QuantTensor dytq = scratch_quant(kSlotAq, kSlotAs, N, tc ? Mp : M, 1, spec.pow2_scales);
+      QuantTensor xtq = scratch_quant(kSlotBq, kSlotBs, K, tc ? Mp : M, 1, spec.pow2_scales);
       flag_reset();
-      quantize_async(dy2, true, dytq);
-      quantize_async(x2, true, xtq);
+      quantize_async(dy2, true, dytq, /*pad_cols=*/tc);
+      quantize_async(x2, true, xtq, /*pad_cols=*/tc);
       flag_check("linear_backward (FP8 wgrad): dy " + dy.str() + " or x " + x.str() + " holds NaN or Inf");
-      if (fp8_tensor_cores(N, K, M)) {
-        gemm_->gemm_fp8(N, K, M, dytq.data.data<uint8_t>(), dytq.scales.data<float>(), xtq.data.data<uint8_t>(),
+      if (tc) {
+        gemm_->gemm_fp8(N, K, Mp, dytq.data.data<uint8_t>(), dytq.scales.data<float>(), xtq.data.data<uint8_t>(),
                         xtq.scales.data<float>(), 1, dw->raw(), DType::F32, 1.0f, 1.0f);
       } else {
         Tensor af = scratch(kSlotA, {N, M}, DType::F32), bf = scratch(kSlotB, {K, M}, DType::F32);

@@ -19,6 +19,7 @@
 #include <cuda_runtime.h>
 
 #include <map>
+#include <set>
 #include <memory>
 #include <string>
 #include <vector>
@@ -88,7 +89,9 @@ class CudaBackend final : public Backend {
   cudaStream_t stream() const { return stream_; }
   GemmEngine& gemm() { return *gemm_; }
   // Launches the quantizer without the host-side non-finite check (no synchronization).
-  void quantize_async(const Tensor& x, bool transpose, QuantTensor& out);
+  // pad_cols (transpose only): out.data has round_up(C, 128) columns, the padding written as zeros.
+  void quantize_async(const Tensor& x, bool transpose, QuantTensor& out, bool pad_cols = false);
+  BackendCounters counters() const override;
 
  private:
   enum Slot {
@@ -114,7 +117,11 @@ class CudaBackend final : public Backend {
   void linear_fwd(const Tensor& x2, const LinearWeight& W, const LinearSpec& spec, Tensor& out2);
   void check_dev(const Tensor& t, const char* what) const;
   // Whether an FP8 block GEMM [M, N, K] takes cuBLASLt's FP8 kernels (else: dequantize + FP32 GEMM).
-  bool fp8_tensor_cores(int64_t M, int64_t N, int64_t K) const;
+  // On the fast path (BF16 activations) a shape that cannot is a fallback: counted, and reported
+  // on stderr once per (N, K).
+  bool fp8_tensor_cores(int64_t M, int64_t N, int64_t K);
+  int64_t fp8_fallbacks_ = 0;
+  std::set<std::pair<int64_t, int64_t>> fp8_fallback_shapes_;
 
   int device_ = 0;
   int sm_count_ = 1;  // streaming multiprocessors (sizes the paged attention split plan)

@@ -45,6 +45,7 @@ GemmEngine::GemmEngine(cudaStream_t stream) : stream_(stream) {
 }
 
 GemmEngine::~GemmEngine() {
+  if (tail_) cudaFree(tail_);
   if (scales_) cudaFree(scales_);
   if (workspace_) cudaFree(workspace_);
   if (handle_) cublasLtDestroy(handle_);
@@ -110,7 +111,7 @@ void GemmEngine::gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const v
 }
 
 bool GemmEngine::fp8_supported(int64_t M, int64_t N, int64_t K) {
-  return M > 0 && N > 0 && K > 0 && M % 16 == 0 && N % 16 == 0 && K % kQuantBlock == 0;
+  return M > 0 && N > 0 && K > 0 && N % kFp8RowGranule == 0 && K % kQuantBlock == 0;
 }
 
 int64_t GemmEngine::scale_buffer_floats(int64_t rows, int64_t K, int block_rows) {
@@ -128,29 +129,69 @@ void GemmEngine::layout_scales(const float* src, int64_t rows, int64_t K, int bl
   }
 }
 
+void* GemmEngine::tail_scratch(size_t bytes) {
+  if (bytes > tail_bytes_) {
+    if (tail_) CUDA_CHECK(cudaFree(tail_), "freeing the GEMM tail scratch");
+    tail_bytes_ = bytes * 2;
+    tail_ = cuda_malloc(tail_bytes_, "the FP8 GEMM tail scratch");
+  }
+  return tail_;
+}
+
+// cuBLASLt's block-scaled kernels take A's rows (tokens) in multiples of 16. Any M is served as
+// two products over the same B: rows [0, M16) in place, and the last M - M16 < 16 rows padded
+// to 16 with zero rows (zero data and zero scales) in a scratch tile whose result rows are
+// copied out. Both are the same quantized product row for row (each output row depends only on
+// its own A row), so the split changes no value's definition.
 void GemmEngine::gemm_fp8(int64_t M, int64_t N, int64_t K, const uint8_t* a, const float* a_scales,
                           const uint8_t* b, const float* b_scales, int b_block_rows, void* C, DType c_dtype,
                           float alpha, float beta) {
   FP8RL_CHECK(b_block_rows == 1 || b_block_rows == kQuantBlock, "FP8 GEMM: B blocks must be 1x128 or 128x128");
-  const int64_t na = scale_buffer_floats(M, K, 1);
-  const int64_t kb = ceil_div(K, kQuantBlock);
+  FP8RL_CHECK(fp8_supported(M, N, K), "FP8 block GEMM: cuBLASLt needs N a multiple of ", kFp8RowGranule,
+              " and K a multiple of ", kQuantBlock, ", got M=", M, " N=", N, " K=", K,
+              " (the backend pads K or falls back to a dequantized GEMM)");
+  const int64_t kb = K / kQuantBlock;
+  const int64_t m16 = M / kFp8RowGranule * kFp8RowGranule, tail = M - m16;
   const bool b_as_is = b_block_rows == kQuantBlock && kb % 4 == 0;
+  const int64_t na = kb * m16, nt = tail ? kb * kFp8RowGranule : 0;
   const int64_t nb = b_as_is ? 0 : scale_buffer_floats(N, K, b_block_rows);
-  float* scratch = scale_scratch(static_cast<size_t>(na + nb));
-  layout_scales(a_scales, M, K, 1, scratch);
+  float* scratch = scale_scratch(static_cast<size_t>(na + nt + nb));
   const float* b_lt = b_scales;
   if (!b_as_is) {
-    layout_scales(b_scales, N, K, b_block_rows, scratch + na);
-    b_lt = scratch + na;
+    layout_scales(b_scales, N, K, b_block_rows, scratch + na + nt);
+    b_lt = scratch + na + nt;
   }
-  gemm_fp8_prelaid(M, N, K, a, scratch, b, b_lt, b_block_rows, C, c_dtype, alpha, beta);
+  if (m16 > 0) {
+    layout_scales(a_scales, m16, K, 1, scratch);
+    gemm_fp8_prelaid(m16, N, K, a, scratch, b, b_lt, b_block_rows, C, c_dtype, alpha, beta);
+  }
+  if (tail == 0) return;
+  ++tail_products_;
+  const size_t esz = dtype_size(c_dtype);
+  const size_t a_bytes = static_cast<size_t>(kFp8RowGranule * K), c_bytes = static_cast<size_t>(kFp8RowGranule * N) * esz;
+  uint8_t* ta = static_cast<uint8_t*>(tail_scratch(a_bytes + c_bytes));
+  uint8_t* tc = ta + a_bytes;  // a_bytes is a multiple of 128 (K is)
+  uint8_t* c_tail = static_cast<uint8_t*>(C) + static_cast<size_t>(m16 * N) * esz;
+  CUDA_CHECK(cudaMemsetAsync(ta, 0, a_bytes, stream_), "zeroing the FP8 GEMM tail");
+  CUDA_CHECK(cudaMemcpyAsync(ta, a + m16 * K, static_cast<size_t>(tail * K), cudaMemcpyDeviceToDevice, stream_),
+             "staging the FP8 GEMM tail");
+  float* ts = scratch + na;  // [kb][16]: the tail rows' scales, zeros for the padding rows
+  CUDA_CHECK(cudaMemsetAsync(ts, 0, static_cast<size_t>(nt) * sizeof(float), stream_), "zeroing the tail scales");
+  launch_scales_vec128(a_scales + m16 * kb, tail, kb, kFp8RowGranule, ts, stream_);
+  if (beta != 0.0f)
+    CUDA_CHECK(cudaMemcpyAsync(tc, c_tail, static_cast<size_t>(tail * N) * esz, cudaMemcpyDeviceToDevice, stream_),
+               "staging the FP8 GEMM tail output");
+  gemm_fp8_prelaid(kFp8RowGranule, N, K, ta, ts, b, b_lt, b_block_rows, tc, c_dtype, alpha, beta);
+  CUDA_CHECK(cudaMemcpyAsync(c_tail, tc, static_cast<size_t>(tail * N) * esz, cudaMemcpyDeviceToDevice, stream_),
+             "copying the FP8 GEMM tail out");
 }
 
 void GemmEngine::gemm_fp8_prelaid(int64_t M, int64_t N, int64_t K, const uint8_t* a, const float* a_lt_scales,
                                   const uint8_t* b, const float* b_lt_scales, int b_block_rows, void* C,
                                   DType c_dtype, float alpha, float beta) {
-  FP8RL_CHECK(fp8_supported(M, N, K), "FP8 block GEMM: cuBLASLt needs M and N multiples of 16 and K a multiple of ",
-              "128, got M=", M, " N=", N, " K=", K, " (the backend falls back to a dequantized GEMM)");
+  FP8RL_CHECK(M % kFp8RowGranule == 0 && fp8_supported(M, N, K), "FP8 block GEMM (pre-laid scales): cuBLASLt ",
+              "needs M and N multiples of ", kFp8RowGranule, " and K a multiple of ", kQuantBlock, ", got M=", M,
+              " N=", N, " K=", K);
   FP8RL_CHECK(c_dtype == DType::F32 || c_dtype == DType::BF16, "FP8 GEMM output must be F32 or BF16");
   Desc desc;
   CUBLAS_CHECK(cublasLtMatmulDescCreate(&desc.d, CUBLAS_COMPUTE_32F, CUDA_R_32F), "creating an FP8 matmul descriptor");

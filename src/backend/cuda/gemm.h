@@ -16,9 +16,12 @@
 //              (the layouts torch._scaled_mm hands to cuBLASLt; the 128x128 one equals ours
 //              when ceil(K/128) is a multiple of 4, then no copy is made; the padded form for
 //              other K was verified on the H200 by tests/cuda (M=256, N=512, K=384)).
-//              fp8_supported() says whether cuBLASLt's block mode takes the shape (M, N
-//              multiples of 16, K a multiple of 128); callers fall back otherwise
-//              (backend: dequantize + FP32 GEMM, which computes the same quantized product).
+//              fp8_supported() says whether the shape runs on cuBLASLt's block-scaled kernels:
+//              N a multiple of 16 and K a multiple of 128 (callers pad K, e.g. the wgrad's token
+//              dimension, with zero columns); any M: cuBLASLt wants M % 16 == 0, so the last
+//              M % 16 rows run as a second product padded to 16 rows (tail_products() counts
+//              them). Shapes outside fp8_supported() are the caller's fallback (backend:
+//              dequantize + FP32 GEMM, the same quantized product, counted and reported).
 // Heuristics are cached per (types, layout, shape); one workspace serves every call.
 #pragma once
 #include <cublasLt.h>
@@ -31,6 +34,8 @@
 #include "core/dtype.h"
 
 namespace fp8rl::cuda {
+
+constexpr int64_t kFp8RowGranule = 16;  // cuBLASLt's FP8 block-scaled kernels: M and N in multiples of 16
 
 class GemmEngine {
  public:
@@ -53,18 +58,21 @@ class GemmEngine {
   // Writes into `dst` (device, at least scale_buffer_floats(...) floats).
   static int64_t scale_buffer_floats(int64_t rows, int64_t K, int block_rows);
   void layout_scales(const float* src, int64_t rows, int64_t K, int block_rows, float* dst);
-  // gemm_fp8 with scales already in cuBLASLt layout.
+  // gemm_fp8 with scales already in cuBLASLt layout; M must be a multiple of 16.
   void gemm_fp8_prelaid(int64_t M, int64_t N, int64_t K, const uint8_t* a, const float* a_lt_scales,
                         const uint8_t* b, const float* b_lt_scales, int b_block_rows, void* C, DType c_dtype,
                         float alpha, float beta);
 
   cudaStream_t stream() const { return stream_; }
+  // FP8 products whose last M % 16 rows ran as a padded second product (since construction).
+  int64_t tail_products() const { return tail_products_; }
 
  private:
   using Key = std::tuple<int, int, int, int, int64_t, int64_t, int64_t, int, int>;
   cublasLtMatmulAlgo_t find_algo(const Key& key, cublasLtMatmulDesc_t desc, cublasLtMatrixLayout_t a,
                                  cublasLtMatrixLayout_t b, cublasLtMatrixLayout_t c, const char* what);
   float* scale_scratch(size_t floats);
+  void* tail_scratch(size_t bytes);
 
   cudaStream_t stream_;
   cublasLtHandle_t handle_ = nullptr;
@@ -72,6 +80,9 @@ class GemmEngine {
   size_t workspace_bytes_ = 0;
   float* scales_ = nullptr;
   size_t scales_floats_ = 0;
+  void* tail_ = nullptr;  // the padded tail's A rows and output rows
+  size_t tail_bytes_ = 0;
+  int64_t tail_products_ = 0;
   std::map<Key, cublasLtMatmulAlgo_t> algos_;
 };
 

@@ -85,7 +85,7 @@ constexpr int kTileThreads = 256;
 
 template <class T>
 __global__ void quant_tile_kernel(const T* __restrict__ x, int64_t R, int64_t C, bool transpose,
-                                  int block_rows, bool pow2, uint8_t* __restrict__ q,
+                                  int block_rows, bool pow2, uint8_t* __restrict__ q, int64_t ldq,
                                   float* __restrict__ scales, int* bad) {
   extern __shared__ float tile[];  // [kTile][kTile + 1]
   __shared__ float row_scale[kTile];
@@ -136,7 +136,8 @@ __global__ void quant_tile_kernel(const T* __restrict__ x, int64_t R, int64_t C,
   for (int i = t; i < kTile * kTile; i += kTileThreads) {
     const int a = i / kTile, b = i % kTile;
     const int64_t r = r0 + a, c = c0 + b;
-    if (r < R && c < C) q[r * C + c] = e4m3_encode(tile[a * (kTile + 1) + b] / row_scale[a]);
+    // Columns [C, ldq) of the padded layout hold zeros (the tile is zero there).
+    if (r < R && c < ldq) q[r * ldq + c] = e4m3_encode(tile[a * (kTile + 1) + b] / row_scale[a]);
   }
 }
 
@@ -236,7 +237,8 @@ __global__ void quant_blk_vec_kernel(const T* __restrict__ x, int64_t R, int64_t
 constexpr int kVecTileLd = 132;
 template <class T>
 __global__ void quant_tile_t_vec_kernel(const T* __restrict__ x, int64_t R, int64_t C, int block_rows, bool pow2,
-                                        uint8_t* __restrict__ q, float* __restrict__ scales, int* bad) {
+                                        uint8_t* __restrict__ q, int64_t ldq, float* __restrict__ scales,
+                                        int* bad) {
   extern __shared__ float tile_t[];  // [128 (c)][kVecTileLd (r)]
   __shared__ float red[32];
   __shared__ float part[2][128];
@@ -286,27 +288,31 @@ __global__ void quant_tile_t_vec_kernel(const T* __restrict__ x, int64_t R, int6
   for (int j = 0; j < 4; ++j) {
     const int ch = half + 2 * j;
     const int64_t c = c0 + ch * 16;
-    if (c >= C) break;
+    if (c >= ldq) break;  // columns [C, ldq) of a padded layout get zeros (the tile is zero there)
     float v[16];
 #pragma unroll
     for (int i = 0; i < 16; ++i) v[i] = tile_t[(ch * 16 + i) * kVecTileLd + rr];
-    uint8_t* dst = q + r * C + c;
-    if (c + 16 <= C && (reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
+    uint8_t* dst = q + r * ldq + c;
+    if (c + 16 <= ldq && (reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
       const uint2 lo = encode8(v, s), hi = encode8(v + 8, s);
       *reinterpret_cast<uint4*>(dst) = make_uint4(lo.x, lo.y, hi.x, hi.y);
     } else {
-      for (int i = 0; i < 16 && c + i < C; ++i) dst[i] = e4m3_encode(v[i] / s);
+      for (int i = 0; i < 16 && c + i < ldq; ++i) dst[i] = e4m3_encode(v[i] / s);
     }
   }
 }
 
 void launch_quantize(const void* x, DType x_dtype, int64_t x_rows, int64_t x_cols, bool transpose,
                      int block_rows, int block_cols, bool pow2, uint8_t* q, float* scales, int* bad_flag,
-                     cudaStream_t stream) {
+                     cudaStream_t stream, int64_t q_ld) {
   FP8RL_CHECK(block_cols == kQuantBlock && (block_rows == 1 || block_rows == kQuantBlock),
               "the CUDA quantizer supports 1x128 and 128x128 blocks, got ", block_rows, "x", block_cols);
   if (x_rows == 0 || x_cols == 0) return;
   const int64_t R = transpose ? x_cols : x_rows, C = transpose ? x_rows : x_cols;
+  const int64_t ldq = q_ld == 0 ? C : q_ld;
+  FP8RL_CHECK(ldq == C || (transpose && ldq > C && ldq <= ceil_div(C, kQuantBlock) * kQuantBlock),
+              "quantize: a padded row stride (", ldq, " for ", C, " columns) is supported for transposed outputs, ",
+              "up to the next multiple of 128");
   // The vectorized kernels need x's rows to be whole 16-byte chunks (last dim % 8) and aligned
   // pointers; anything else takes the element-wise kernels (same results).
   const bool vec = x_cols % 8 == 0 && (reinterpret_cast<uintptr_t>(x) & 15) == 0 &&
@@ -333,7 +339,8 @@ void launch_quantize(const void* x, DType x_dtype, int64_t x_rows, int64_t x_col
         attr_set_t = true;
       }
       dim3 grid(static_cast<unsigned>(ceil_div(C, kTile)), static_cast<unsigned>(ceil_div(R, kTile)));
-      quant_tile_t_vec_kernel<T><<<grid, 256, smem, stream>>>(xp, R, C, block_rows, pow2, q, scales, bad_flag);
+      quant_tile_t_vec_kernel<T><<<grid, 256, smem, stream>>>(xp, R, C, block_rows, pow2, q, ldq, scales,
+                                                                bad_flag);
       CUDA_CHECK_LAUNCH("quant_tile_t_vec_kernel");
     } else if (!transpose && block_rows == 1) {
       const int64_t warps = R * ceil_div(C, 128);
@@ -353,7 +360,7 @@ void launch_quantize(const void* x, DType x_dtype, int64_t x_rows, int64_t x_col
       }
       dim3 grid(static_cast<unsigned>(ceil_div(C, kTile)), static_cast<unsigned>(ceil_div(R, kTile)));
       quant_tile_kernel<T><<<grid, kTileThreads, smem, stream>>>(xp, R, C, transpose, block_rows, pow2, q,
-                                                                 scales, bad_flag);
+                                                                 ldq, scales, bad_flag);
       CUDA_CHECK_LAUNCH("quant_tile_kernel");
     }
   });

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# One GPU iteration on the H200 machine, from the repository root (device tool: carry [".gpu"],
+# a copy of ../shared/gpu). Builds natively into /tmp/fp8rl-build (kept while the machine stays
+# warm), runs the GPU tests (FP8RL_GPU_TEST_FILTER, default all), then the stages listed in
+# FP8RL_STAGES (space-separated, default "rlstep"):
+#   rlstep          fp8rl bench rl-step on FP8RL_RLSTEP_MODEL (qwen3-1.7b): bf16, fp8_gen, fp8_e2e,
+#                   16 prompts x 16 samples x FP8RL_RLSTEP_NEW (512) new tokens, ragged
+#   rlstep_profile  one step of bf16 and fp8_e2e with FP8RL_CUDA_PROFILE=1 (per-op stream time)
+#   trainstep       fp8rl bench-train-step at the Llama-3.2-1B shape, bf16 and fp8, and PyTorch eager
+#   generate        fp8rl bench generate --model 1b (four recipes)
+# Logs and JSON go to $OUT (first argument or $OUT); summary.txt is the short version.
+set -u
+OUT="${1:-${OUT:-$PWD/gpu_out}}"
+mkdir -p "$OUT"
+SUMMARY="$OUT/summary.txt"
+: > "$SUMMARY"
+note() { echo "$*" | tee -a "$SUMMARY"; }
+t0=$(date +%s)
+left() { echo $(( ${FP8RL_RUN_BUDGET_S:-560} - ($(date +%s) - t0) )); }
+
+note "device: $(nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader 2>/dev/null | head -1)"
+note "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo ' (+ uncommitted changes)')"
+[ -f .gpu/deps-env.sh ] && source .gpu/deps-env.sh
+B=/tmp/fp8rl-build
+if ! { cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DFP8RL_CUDA=ON > "$OUT/configure.log" 2>&1 &&
+       ninja -C $B -j16 fp8rl fp8rl_gpu_tests > "$OUT/build.log" 2>&1; }; then
+  note "build FAILED:"; grep -E "error|FAILED" "$OUT/configure.log" "$OUT/build.log" | head -20 | tee -a "$SUMMARY"; exit 1
+fi
+note "build: OK ($(( $(date +%s) - t0 )) s)"
+FP8RL="$B/fp8rl"
+
+if [ "${FP8RL_GPU_TESTS:-1}" = 1 ]; then
+  timeout 240 "$B/fp8rl_gpu_tests" --gtest_color=no --gtest_filter="${FP8RL_GPU_TEST_FILTER:-*}" > "$OUT/gpu_tests.log" 2>&1
+  note "gpu tests: rc=$? $(grep -E '^\[  (PASSED|FAILED)' "$OUT/gpu_tests.log" | tr '\n' ' ')"
+  grep -E '^\[  FAILED|Failure' "$OUT/gpu_tests.log" | head -20 >> "$SUMMARY"
+fi
+
+for stage in ${FP8RL_STAGES:-rlstep}; do
+  [ "$(left)" -lt 40 ] && { note "$stage: skipped (time)"; continue; }
+  case $stage in
+    rlstep)
+      timeout $(( $(left) - 20 )) "$FP8RL" bench rl-step --device cuda --model "${FP8RL_RLSTEP_MODEL:-qwen3-1.7b}" \
+        --max-new-tokens "${FP8RL_RLSTEP_NEW:-512}" ${FP8RL_RLSTEP_ARGS:-} --json "$OUT/rlstep.json" > "$OUT/rlstep.log" 2>&1
+      note "bench rl-step: rc=$?"; sed -n '/^phase/,$p' "$OUT/rlstep.log" | tee -a "$SUMMARY"
+      grep -iE "error|warning" "$OUT/rlstep.log" | head -5 | tee -a "$SUMMARY" ;;
+    rlstep_profile)
+      FP8RL_CUDA_PROFILE=1 timeout $(( $(left) - 20 )) "$FP8RL" bench rl-step --device cuda \
+        --model "${FP8RL_RLSTEP_MODEL:-qwen3-1.7b}" --recipes bf16,fp8_e2e --steps 1 --warmup 1 \
+        --max-new-tokens "${FP8RL_RLSTEP_NEW:-512}" > "$OUT/rlstep_profile.log" 2>&1
+      note "bench rl-step (profile): rc=$?"; grep -A14 "cuda op profile" "$OUT/rlstep_profile.log" | tee -a "$SUMMARY" ;;
+    trainstep)
+      for prec in bf16 fp8; do
+        timeout 150 "$FP8RL" bench-train-step --device cuda --precision $prec --hidden 2048 --layers 16 --heads 32 \
+          --kv-heads 8 --head-dim 64 --ffn 8192 --vocab 128256 --seqs 8 --seq-len 2048 --prompt-len 2040 --repeats 3 \
+          --json "$OUT/trainstep_$prec.json" > "$OUT/trainstep_$prec.log" 2>&1
+        note "bench-train-step $prec: rc=$?"; grep -E "^(score|train_step) " "$OUT/trainstep_$prec.log" | tee -a "$SUMMARY"
+      done
+      timeout 120 env PYTHONUNBUFFERED=1 python3 scripts/bench_train_step_torch.py --json "$OUT/trainstep_torch.json" \
+        > "$OUT/trainstep_torch.log" 2>&1
+      note "torch train step: rc=$?"; tail -3 "$OUT/trainstep_torch.log" | tee -a "$SUMMARY" ;;
+    generate)
+      timeout $(( $(left) - 20 )) "$FP8RL" bench generate --device cuda --model 1b --json "$OUT/generate_1b.json" \
+        > "$OUT/generate_1b.log" 2>&1
+      note "bench generate 1b: rc=$?"; grep -E "^(recipe |bf16 |fp8_)" "$OUT/generate_1b.log" | tee -a "$SUMMARY" ;;
+    *) note "unknown stage $stage" ;;
+  esac
+done
+note "total: $(( $(date +%s) - t0 )) s"

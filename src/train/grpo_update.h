@@ -1,0 +1,41 @@
+// One GRPO update over a rollout: the optimizer steps over mini-batches of whole sequences
+// (GRPO loss + IS correction [+ k3 KL], recipe section 5). Shared by `fp8rl train`
+// (rl/grpo_loop.cpp) and `fp8rl bench rl-step`, so the benchmark times the loop's own update.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "train/grpo.h"
+#include "train/trainer.h"
+
+namespace fp8rl {
+
+// What the update reads from one rollout, response tokens packed in sequence order.
+struct GrpoRollout {
+  std::vector<TrainSequence> seqs;   // prompt + response ids
+  std::vector<int64_t> offsets;      // [seqs + 1] response-token offsets into the arrays below
+  std::vector<float> advantages;     // [seqs]
+  std::vector<float> logp_gen;       // [tokens] generator numerics, at sampling
+  std::vector<float> logp_old;       // [tokens] trainer numerics, before the update
+  std::vector<float> logp_ref;       // [tokens] reference policy; empty without the KL term
+  int64_t tokens() const { return offsets.empty() ? 0 : offsets.back(); }
+};
+
+struct GrpoUpdateResult {
+  double loss = 0;       // summed over the optimizer steps
+  double grad_norm = 0;  // the largest before clipping
+  double lr = 0;         // of the last optimizer step
+  int steps = 0, applied = 0;
+  GrpoStats stats;
+};
+
+// `mini_batches` optimizer steps, each over a contiguous share of the sequences, normalized by
+// its whole mini-batch. lr_at(optimizer step) gives each step's learning rate; on_step(result)
+// sees every optimizer step's outcome and returns whether it was applied (fault accounting:
+// BadStepGuard::record, which may throw to abort).
+GrpoUpdateResult grpo_update(Trainer& trainer, const GrpoRollout& rollout, const GrpoLossOptions& options,
+                             int mini_batches, float temperature, const std::function<double(int64_t)>& lr_at,
+                             const std::function<bool(const StepResult&)>& on_step);
+
+}  // namespace fp8rl
