@@ -5,7 +5,9 @@
 # FP8RL_STAGES (space-separated, default "rlstep"):
 #   rlstep          fp8rl bench rl-step on FP8RL_RLSTEP_MODEL (qwen3-1.7b): bf16, fp8_gen, fp8_e2e,
 #                   16 prompts x 16 samples x FP8RL_RLSTEP_NEW (512) new tokens, ragged
-#   rlstep_profile  one step of bf16 and fp8_e2e with FP8RL_CUDA_PROFILE=1 (per-op stream time)
+#   rlstep_profile  one step of bf16 and fp8_e2e with FP8RL_CUDA_PROFILE=1 (per-op stream time per
+#                   recipe and phase; with FP8RL_CUDA_GRAPHS=0 the decode step's ops are split too)
+#   rlstep_long     bench rl-step, bf16 and fp8_e2e, one step of up to 2048 new tokens
 #   trainstep       fp8rl bench-train-step at the Llama-3.2-1B shape, bf16 and fp8, and PyTorch eager
 #   generate        fp8rl bench generate --model 1b (four recipes)
 # Logs and JSON go to $OUT (first argument or $OUT); summary.txt is the short version.
@@ -47,7 +49,13 @@ for stage in ${FP8RL_STAGES:-rlstep}; do
       FP8RL_CUDA_PROFILE=1 timeout $(( $(left) - 20 )) "$FP8RL" bench rl-step --device cuda \
         --model "${FP8RL_RLSTEP_MODEL:-qwen3-1.7b}" --recipes bf16,fp8_e2e --steps 1 --warmup 1 \
         --max-new-tokens "${FP8RL_RLSTEP_NEW:-512}" > "$OUT/rlstep_profile.log" 2>&1
-      note "bench rl-step (profile): rc=$?"; grep -A14 "cuda op profile" "$OUT/rlstep_profile.log" | tee -a "$SUMMARY" ;;
+      note "bench rl-step (profile, FP8RL_CUDA_GRAPHS=${FP8RL_CUDA_GRAPHS:-1}): rc=$?"
+      grep -A12 "cuda op profile" "$OUT/rlstep_profile.log" | tee -a "$SUMMARY" ;;
+    rlstep_long)
+      timeout $(( $(left) - 20 )) "$FP8RL" bench rl-step --device cuda --model "${FP8RL_RLSTEP_MODEL:-qwen3-1.7b}" \
+        --recipes bf16,fp8_e2e --max-new-tokens 2048 --steps 1 --warmup 0 --json "$OUT/rlstep_2048.json" \
+        > "$OUT/rlstep_2048.log" 2>&1
+      note "bench rl-step 2048 new tokens: rc=$?"; sed -n '/^phase/,$p' "$OUT/rlstep_2048.log" | tee -a "$SUMMARY" ;;
     trainstep)
       for prec in bf16 fp8; do
         timeout 150 "$FP8RL" bench-train-step --device cuda --precision $prec --hidden 2048 --layers 16 --heads 32 \

@@ -130,6 +130,12 @@ class Backend {
   // Device memory accounting (CUDA); the CPU backend reports zeros.
   virtual MemoryStats memory_stats() { return {}; }
   virtual BackendCounters counters() const { return {}; }
+  // The per-op time table gathered since the last call (CUDA with FP8RL_CUDA_PROFILE=1: summed
+  // stream time per op), printed to stderr under `title` when `print`, then cleared. No-op elsewhere.
+  virtual void profile_report(const std::string& title, bool print) {
+    (void)title;
+    (void)print;
+  }
   virtual void reset_peak_memory_stats() {}
   Tensor to_device(const Tensor& host);  // allocates on this device and copies
   Tensor to_host(const Tensor& dev);     // allocates on the host and copies

@@ -132,7 +132,10 @@ RecipeResult bench_recipe(Backend& be, const BenchSetup& s, const std::string& r
     const std::vector<RolloutRequest> reqs = bench_requests(s, step);
     sp.seed = s.seed + static_cast<uint64_t>(step);
     std::vector<RolloutSample> samples;
+    const bool last = step + 1 == s.warmup + s.steps;  // FP8RL_CUDA_PROFILE=1: the last step's tables
+    be.profile_report("", false);
     phase("generation", [&] { samples = engine.generate(reqs, sp); });
+    be.profile_report(recipe_name + " generation", last);
 
     GrpoRollout ro;
     ro.offsets = {0};
@@ -161,6 +164,7 @@ RecipeResult bench_recipe(Backend& be, const BenchSetup& s, const std::string& r
       grpo_update(trainer, ro, lopt, s.optimizer_steps, sp.temperature, [](int64_t) { return 1e-6; },
                   [](const StepResult& r) { return r.applied; });
     });
+    be.profile_report(recipe_name + " scoring + reference + training", last);
     phase("refit_calibration", [&] {
       KvScales scales;
       if (fp8_kv) scales = kv_scales_calibrate(old.k_amax, old.v_amax);

@@ -88,7 +88,7 @@ CudaBackend::CudaBackend(int device_index, DType act_dtype) : device_(device_ind
 
 CudaBackend::~CudaBackend() {
   try {
-    profile_report();
+    profile_report("", true);
   } catch (...) {
   }
   if (stream_) cudaStreamSynchronize(stream_);
@@ -262,15 +262,20 @@ void CudaBackend::profile_flush() {
   records_.clear();
 }
 
-void CudaBackend::profile_report() {
+void CudaBackend::profile_report(const std::string& title, bool print) {
   if (!profile_) return;
   profile_flush();
+  if (!print) {
+    profile_totals_.clear();
+    return;
+  }
   std::vector<std::pair<std::string, std::pair<int64_t, double>>> rows(profile_totals_.begin(), profile_totals_.end());
   std::sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) { return a.second.second > b.second.second; });
   double total = 0.0;
   for (const auto& r : rows) total += r.second.second;
-  std::fprintf(stderr, "cuda op profile (stream time between each op's start and end events; graph replays not "
-                       "split): total %.1f ms\n", total);
+  std::fprintf(stderr, "cuda op profile%s%s (stream time between each op's start and end events; a CUDA-graph "
+                       "replay counts as one op, graph_replay): total %.1f ms\n",
+               title.empty() ? "" : ": ", title.c_str(), total);
   for (const auto& r : rows)
     std::fprintf(stderr, "  %-24s %9lld calls %10.2f ms %5.1f%%  %8.1f us/call\n", r.first.c_str(),
                  static_cast<long long>(r.second.first), r.second.second, 100.0 * r.second.second / total,
@@ -286,6 +291,7 @@ class CudaGraph final : public OpGraph {
       : be_(be), exec_(exec), message_(std::move(message)), keep_(be.slots_) {}
   ~CudaGraph() override { cudaGraphExecDestroy(exec_); }
   void replay() override {
+    const CudaBackend::OpTimer op_timer_(be_, "graph_replay");
     CUDA_CHECK(cudaGraphLaunch(exec_, be_.stream_), "replaying a CUDA graph");
     if (!message_.empty() && be_.sticky_message_.empty())
       be_.sticky_message_ = "in a CUDA-graph replay: " + message_;

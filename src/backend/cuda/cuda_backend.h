@@ -162,7 +162,7 @@ class CudaBackend final : public Backend {
   void profile_flush();
 
  public:
-  void profile_report();
+  void profile_report(const std::string& title, bool print) override;
 
  private:
   std::vector<std::shared_ptr<Storage>> slots_;
