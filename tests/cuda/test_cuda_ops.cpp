@@ -432,6 +432,28 @@ TEST(CudaLinear, RaggedTokenCountsStayOnTensorCores) {
     }
 }
 
+// Scales written straight into cuBLASLt's VEC128 layout [ceil(C/128)][R] are the transpose of
+// the standard [R][ceil(C/128)] grid, bitwise; the data is unchanged.
+TEST(CudaQuant, GemmLayoutScalesAreTheTransposedGrid) {
+  for (int64_t R : {16, 64, 256})
+    for (int64_t C : {128, 384, 2048, 100})
+      for (DType dt : {DType::F32, DType::BF16}) {
+        Tensor x = dev(rnd_wide(R, C, static_cast<uint32_t>(R + C), dt));
+        QuantTensor plain = G().alloc_quant(R, C, 1, 128, true), laid = G().alloc_quant(R, C, 1, 128, true);
+        auto* cuda = dynamic_cast<cuda::CudaBackend*>(&G());
+        ASSERT_NE(cuda, nullptr);
+        cuda->quantize_async(x, false, plain);
+        cuda->quantize_async(x, false, laid, false, /*gemm_layout=*/true);
+        EXPECT_TRUE(bytes_equal(plain.data, laid.data)) << R << "x" << C;
+        const Tensor sp = host(plain.scales), sl = host(laid.scales);
+        const int64_t kb = (C + 127) / 128;
+        for (int64_t r = 0; r < R; ++r)
+          for (int64_t b = 0; b < kb; ++b)
+            ASSERT_EQ(std::memcmp(&sp.data<float>()[r * kb + b], &sl.data<float>()[b * R + r], 4), 0)
+                << R << "x" << C << " row " << r << " block " << b;
+      }
+}
+
 // A transposed quantization into a row stride padded to a multiple of 128 (the wgrad operands):
 // the real columns bitwise equal the unpadded quantization, the padding is zeros.
 TEST(CudaQuant, PaddedTransposeIsTheUnpaddedOnePlusZeros) {

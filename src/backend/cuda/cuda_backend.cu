@@ -513,7 +513,7 @@ void CudaBackend::adamw(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v,
 
 // ---- quantization ---------------------------------------------------------------------------
 
-void CudaBackend::quantize_async(const Tensor& x, bool transpose, QuantTensor& out, bool pad_cols) {
+void CudaBackend::quantize_async(const Tensor& x, bool transpose, QuantTensor& out, bool pad_cols, bool gemm_layout) {
   check_dev(x, "quantize x");
   check_float(x, "quantize x");
   FP8RL_CHECK(x.ndim() == 2, "quantize x must be 2-D, got ", x.str());
@@ -526,7 +526,7 @@ void CudaBackend::quantize_async(const Tensor& x, bool transpose, QuantTensor& o
   check_shape(out.scales, {ceil_div(R, out.block_rows), ceil_div(C, out.block_cols)}, "quantize out.scales");
   check_dtype(out.scales, DType::F32, "quantize out.scales");
   launch_quantize(x.raw(), x.dtype(), x.dim(0), x.dim(1), transpose, out.block_rows, out.block_cols, out.pow2,
-                  out.data.data<uint8_t>(), out.scales.data<float>(), flag_cur_, stream_, ld);
+                  out.data.data<uint8_t>(), out.scales.data<float>(), flag_cur_, stream_, ld, gemm_layout);
 }
 
 void CudaBackend::quantize(const Tensor& x, bool transpose, QuantTensor& out) {
@@ -596,9 +596,12 @@ void CudaBackend::linear_fwd(const Tensor& x, const LinearWeight& W, const Linea
     check_float(W.w, "linear W.w");
     mm(false, true, M, N, K, x, W.w, spec.mode == LinearMode::FP32 ? DType::F32 : DType::BF16, out, 0.0f);
   } else {
+    // With M % 16 == 0 (decode batches, aligned micro-batches) the quantizer writes the scales
+    // straight into cuBLASLt's layout: no layout kernel.
+    const bool tc = fp8_tensor_cores(M, N, K), laid = tc && M % kFp8RowGranule == 0;
     QuantTensor xq = scratch_quant(kSlotAq, kSlotAs, M, K, 1, spec.pow2_scales);
     flag_reset();
-    quantize_async(x, false, xq);
+    quantize_async(x, false, xq, false, /*gemm_layout=*/laid);
     QuantTensor wq;
     if (W.wq.defined()) {  // pre-quantized (the generator's, or the trainer's per-step cache)
       check_wq(W, spec);
@@ -609,9 +612,9 @@ void CudaBackend::linear_fwd(const Tensor& x, const LinearWeight& W, const Linea
       quantize_async(W.w, false, wq);
     }
     flag_check("linear (FP8): the input " + x.str() + " or the weight holds NaN or Inf");
-    if (fp8_tensor_cores(M, N, K)) {
+    if (tc) {
       gemm_->gemm_fp8(M, N, K, xq.data.data<uint8_t>(), xq.scales.data<float>(), wq.data.data<uint8_t>(),
-                      wq.scales.data<float>(), kQuantBlock, out.raw(), out.dtype(), 1.0f, 0.0f);
+                      wq.scales.data<float>(), kQuantBlock, out.raw(), out.dtype(), 1.0f, 0.0f, laid);
     } else {  // cuBLASLt's block mode rejects the shape: the same quantized product in FP32
       Tensor xf = scratch(kSlotA, {M, K}, DType::F32), wf = scratch(kSlotB, {N, K}, DType::F32);
       launch_dequantize(xq.data.data<uint8_t>(), xq.scales.data<float>(), M, K, 1, kQuantBlock, xf.raw(), DType::F32,
@@ -667,10 +670,11 @@ void CudaBackend::linear_backward(const Tensor& dy, const Tensor& x, const Linea
     } else {
       // dgrad: dY 1x128 along N; W^T [K, N] 128x128, the exact transpose of W's quantization:
       // of W.wq when defined (a byte transpose, no requantization), else of W.w quantized here.
+      const bool tc = fp8_tensor_cores(M, K, N), laid = tc && M % kFp8RowGranule == 0;  // as in the forward
       QuantTensor dyq = scratch_quant(kSlotAq, kSlotAs, M, N, 1, spec.pow2_scales);
       QuantTensor wtq = scratch_quant(kSlotBq, kSlotBs, K, N, kQuantBlock, spec.pow2_scales);
       flag_reset();
-      quantize_async(dy2, false, dyq);
+      quantize_async(dy2, false, dyq, false, /*gemm_layout=*/laid);
       if (W.wq.defined()) {
         check_wq(W, spec);
         launch_transpose_quant(W.wq.data.data<uint8_t>(), W.wq.scales.data<float>(), N, K, kQuantBlock,
@@ -680,9 +684,9 @@ void CudaBackend::linear_backward(const Tensor& dy, const Tensor& x, const Linea
         quantize_async(W.w, true, wtq);
       }
       flag_check("linear_backward (FP8 dgrad): dy " + dy.str() + " or the weight holds NaN or Inf");
-      if (fp8_tensor_cores(M, K, N)) {
+      if (tc) {
         gemm_->gemm_fp8(M, K, N, dyq.data.data<uint8_t>(), dyq.scales.data<float>(), wtq.data.data<uint8_t>(),
-                        wtq.scales.data<float>(), kQuantBlock, dx2.raw(), dx2.dtype(), 1.0f, 0.0f);
+                        wtq.scales.data<float>(), kQuantBlock, dx2.raw(), dx2.dtype(), 1.0f, 0.0f, laid);
       } else {
         Tensor af = scratch(kSlotA, {M, N}, DType::F32), bf = scratch(kSlotB, {K, N}, DType::F32);
         launch_dequantize(dyq.data.data<uint8_t>(), dyq.scales.data<float>(), M, N, 1, kQuantBlock, af.raw(),

@@ -145,15 +145,17 @@ void* GemmEngine::tail_scratch(size_t bytes) {
 // its own A row), so the split changes no value's definition.
 void GemmEngine::gemm_fp8(int64_t M, int64_t N, int64_t K, const uint8_t* a, const float* a_scales,
                           const uint8_t* b, const float* b_scales, int b_block_rows, void* C, DType c_dtype,
-                          float alpha, float beta) {
+                          float alpha, float beta, bool a_scales_laid) {
   FP8RL_CHECK(b_block_rows == 1 || b_block_rows == kQuantBlock, "FP8 GEMM: B blocks must be 1x128 or 128x128");
+  FP8RL_CHECK(!a_scales_laid || M % kFp8RowGranule == 0, "FP8 GEMM: A scales in VEC128 layout need M % 16 == 0, got ",
+              "M=", M);
   FP8RL_CHECK(fp8_supported(M, N, K), "FP8 block GEMM: cuBLASLt needs N a multiple of ", kFp8RowGranule,
               " and K a multiple of ", kQuantBlock, ", got M=", M, " N=", N, " K=", K,
               " (the backend pads K or falls back to a dequantized GEMM)");
   const int64_t kb = K / kQuantBlock;
   const int64_t m16 = M / kFp8RowGranule * kFp8RowGranule, tail = M - m16;
   const bool b_as_is = b_block_rows == kQuantBlock && kb % 4 == 0;
-  const int64_t na = kb * m16, nt = tail ? kb * kFp8RowGranule : 0;
+  const int64_t na = a_scales_laid ? 0 : kb * m16, nt = tail ? kb * kFp8RowGranule : 0;
   const int64_t nb = b_as_is ? 0 : scale_buffer_floats(N, K, b_block_rows);
   float* scratch = scale_scratch(static_cast<size_t>(na + nt + nb));
   const float* b_lt = b_scales;
@@ -162,8 +164,9 @@ void GemmEngine::gemm_fp8(int64_t M, int64_t N, int64_t K, const uint8_t* a, con
     b_lt = scratch + na + nt;
   }
   if (m16 > 0) {
-    layout_scales(a_scales, m16, K, 1, scratch);
-    gemm_fp8_prelaid(m16, N, K, a, scratch, b, b_lt, b_block_rows, C, c_dtype, alpha, beta);
+    if (!a_scales_laid) layout_scales(a_scales, m16, K, 1, scratch);
+    gemm_fp8_prelaid(m16, N, K, a, a_scales_laid ? a_scales : scratch, b, b_lt, b_block_rows, C, c_dtype, alpha,
+                     beta);
   }
   if (tail == 0) return;
   ++tail_products_;

@@ -51,8 +51,11 @@ class GemmEngine {
   static bool fp8_supported(int64_t M, int64_t N, int64_t K);
   // a: E4M3 [M, K], a_scales F32 [M, ceil(K/128)] (1x128). b: E4M3 [N, K], b_scales F32
   // [N, ceil(K/128)] when b_block_rows == 1, [ceil(N/128), ceil(K/128)] when 128.
+  // a_scales_laid: a_scales are already in the VEC128 layout [ceil(K/128)][M] (the quantizer's
+  // gemm_layout; M % 16 == 0), so no layout kernel runs for A.
   void gemm_fp8(int64_t M, int64_t N, int64_t K, const uint8_t* a, const float* a_scales, const uint8_t* b,
-                const float* b_scales, int b_block_rows, void* C, DType c_dtype, float alpha, float beta);
+                const float* b_scales, int b_block_rows, void* C, DType c_dtype, float alpha, float beta,
+                bool a_scales_laid = false);
 
   // The scale rearrangement alone (exposed for the benchmark, which times pre-laid-out GEMMs).
   // Writes into `dst` (device, at least scale_buffer_floats(...) floats).

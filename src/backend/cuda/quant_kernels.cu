@@ -50,7 +50,8 @@ __device__ __forceinline__ float e4m3_decode(uint8_t q) {
 // One warp per (row, 128-column block); each lane holds 4 consecutive elements.
 template <class T>
 __global__ void quant_rows_1x128_kernel(const T* __restrict__ x, int64_t rows, int64_t cols, bool pow2,
-                                        uint8_t* __restrict__ q, float* __restrict__ scales, int* bad) {
+                                        uint8_t* __restrict__ q, float* __restrict__ scales, bool gemm_layout,
+                                        int* bad) {
   const int64_t nb = (cols + 127) / 128;
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
@@ -70,7 +71,7 @@ __global__ void quant_rows_1x128_kernel(const T* __restrict__ x, int64_t rows, i
   if (!finite) atomicExch(bad, 1);
   amax = warp_max(amax);
   const float s = quant_scale(amax, pow2);
-  if (lane == 0) scales[r * nb + b] = s;
+  if (lane == 0) scales[gemm_layout ? b * rows + r : r * nb + b] = s;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int64_t c = c0 + i;
@@ -169,7 +170,8 @@ __device__ __forceinline__ uint2 encode8(const float v[8], float s) {
 // 1 x 128 along the last dim: 16 threads per (row, 128-column block), 8 elements each.
 template <class T>
 __global__ void quant_rows_vec_kernel(const T* __restrict__ x, int64_t rows, int64_t cols, bool pow2,
-                                      uint8_t* __restrict__ q, float* __restrict__ scales, int* bad) {
+                                      uint8_t* __restrict__ q, float* __restrict__ scales, bool gemm_layout,
+                                      int* bad) {
   const int64_t nb = (cols + 127) / 128;
   const int64_t gid = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 4;
   const int sub = threadIdx.x & 15;
@@ -192,7 +194,7 @@ __global__ void quant_rows_vec_kernel(const T* __restrict__ x, int64_t rows, int
 #pragma unroll
   for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(mask, amax, o));
   const float s = quant_scale(amax, pow2);
-  if (sub == 0) scales[r * nb + b] = s;
+  if (sub == 0) scales[gemm_layout ? b * rows + r : r * nb + b] = s;
   if (in) *reinterpret_cast<uint2*>(q + r * cols + c) = encode8(v, s);
 }
 
@@ -304,7 +306,7 @@ __global__ void quant_tile_t_vec_kernel(const T* __restrict__ x, int64_t R, int6
 
 void launch_quantize(const void* x, DType x_dtype, int64_t x_rows, int64_t x_cols, bool transpose,
                      int block_rows, int block_cols, bool pow2, uint8_t* q, float* scales, int* bad_flag,
-                     cudaStream_t stream, int64_t q_ld) {
+                     cudaStream_t stream, int64_t q_ld, bool gemm_layout) {
   FP8RL_CHECK(block_cols == kQuantBlock && (block_rows == 1 || block_rows == kQuantBlock),
               "the CUDA quantizer supports 1x128 and 128x128 blocks, got ", block_rows, "x", block_cols);
   if (x_rows == 0 || x_cols == 0) return;
@@ -313,6 +315,8 @@ void launch_quantize(const void* x, DType x_dtype, int64_t x_rows, int64_t x_col
   FP8RL_CHECK(ldq == C || (transpose && ldq > C && ldq <= ceil_div(C, kQuantBlock) * kQuantBlock),
               "quantize: a padded row stride (", ldq, " for ", C, " columns) is supported for transposed outputs, ",
               "up to the next multiple of 128");
+  FP8RL_CHECK(!gemm_layout || (!transpose && block_rows == 1), "quantize: scales in cuBLASLt's VEC128 layout are ",
+              "for 1x128 blocks without transpose");
   // The vectorized kernels need x's rows to be whole 16-byte chunks (last dim % 8) and aligned
   // pointers; anything else takes the element-wise kernels (same results).
   const bool vec = x_cols % 8 == 0 && (reinterpret_cast<uintptr_t>(x) & 15) == 0 &&
@@ -322,7 +326,7 @@ void launch_quantize(const void* x, DType x_dtype, int64_t x_rows, int64_t x_col
     if (vec && !transpose && block_rows == 1) {
       const int64_t threads_total = R * ceil_div(C, 128) * 16;
       quant_rows_vec_kernel<T><<<static_cast<unsigned>(ceil_div(threads_total, 256)), 256, 0, stream>>>(
-          xp, R, C, pow2, q, scales, bad_flag);
+          xp, R, C, pow2, q, scales, gemm_layout, bad_flag);
       CUDA_CHECK_LAUNCH("quant_rows_vec_kernel");
     } else if (vec && !transpose) {
       dim3 grid(static_cast<unsigned>(ceil_div(C, kTile)), static_cast<unsigned>(ceil_div(R, kTile)));
@@ -346,7 +350,7 @@ void launch_quantize(const void* x, DType x_dtype, int64_t x_rows, int64_t x_col
       const int64_t warps = R * ceil_div(C, 128);
       const int threads = 256;
       quant_rows_1x128_kernel<T><<<static_cast<unsigned>(ceil_div(warps * 32, threads)), threads, 0, stream>>>(
-          xp, R, C, pow2, q, scales, bad_flag);
+          xp, R, C, pow2, q, scales, gemm_layout, bad_flag);
       CUDA_CHECK_LAUNCH("quant_rows_1x128_kernel");
     } else {
       const size_t smem = kTile * (kTile + 1) * sizeof(float);
