@@ -60,6 +60,18 @@ __global__ void convert_kernel(const void* s, int st, void* d, int dt, int64_t n
 __global__ void add_kernel(const void* a, int at, const void* b, int bt, void* o, int ot, int64_t n) {
   GRID_STRIDE(i, n) store_any(o, ot, i, load_any(a, at, i) + load_any(b, bt, i));
 }
+// One dtype throughout, 8 elements per access (vec8_ok): the same per-element sum.
+template <class T>
+__global__ void add_vec_kernel(const T* a, const T* b, T* o, int64_t n8) {
+  GRID_STRIDE(i, n8) {
+    float x[8], y[8];
+    load8(a + 8 * i, x);
+    load8(b + 8 * i, y);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) x[k] += y[k];
+    store8(o + 8 * i, x);
+  }
+}
 __global__ void scale_kernel(void* x, int t, int64_t n, float s) {
   GRID_STRIDE(i, n) store_any(x, t, i, load_any(x, t, i) * s);
 }
@@ -129,6 +141,14 @@ void launch_convert(const void* src, DType sdt, void* dst, DType ddt, int64_t n,
 void launch_add(const void* a, DType adt, const void* b, DType bdt, void* out, DType odt, int64_t n,
                 cudaStream_t stream) {
   if (n == 0) return;
+  if (adt == bdt && bdt == odt && (odt == DType::F32 || odt == DType::BF16) && vec8_ok(n, {a, b, out})) {
+    FP8RL_DISPATCH_FLOAT(odt, "add", {
+      add_vec_kernel<T><<<grid_for(n / 8, 256), 256, 0, stream>>>(static_cast<const T*>(a), static_cast<const T*>(b),
+                                                                  static_cast<T*>(out), n / 8);
+    });
+    CUDA_CHECK_LAUNCH("add_vec_kernel");
+    return;
+  }
   add_kernel<<<grid_for(n, 256), 256, 0, stream>>>(a, code(adt), b, code(bdt), out, code(odt), n);
   CUDA_CHECK_LAUNCH("add_kernel");
 }

@@ -145,20 +145,7 @@ __global__ void quant_tile_kernel(const T* __restrict__ x, int64_t R, int64_t C,
 // ---- vectorized paths (16-byte loads; taken when x's last dim is a multiple of 8 and the
 // pointers are 16-byte aligned). Same arithmetic as above, element for element: bit-exact.
 
-// 8 consecutive elements as floats: one 16-byte load (BF16) or two (F32).
-__device__ __forceinline__ void load8(const bf16* p, float v[8]) {
-  const uint4 u = *reinterpret_cast<const uint4*>(p);
-  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    v[2 * i] = __uint_as_float(w[i] << 16);
-    v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-  }
-}
-__device__ __forceinline__ void load8(const float* p, float v[8]) {
-  const float4 a = *reinterpret_cast<const float4*>(p), b = *reinterpret_cast<const float4*>(p + 4);
-  v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
-}
+// load8 (common.cuh): 8 consecutive elements as floats, one 16-byte load (BF16) or two (F32).
 // e4m3(v[i] / s) for 8 values, packed little-endian into two words.
 __device__ __forceinline__ uint2 encode8(const float v[8], float s) {
   uint32_t w[2] = {0, 0};
