@@ -2,6 +2,8 @@
 
 #include <yaml-cpp/yaml.h>
 
+#include <nlohmann/json.hpp>
+
 #include <algorithm>
 #include <charconv>
 #include <cmath>
@@ -97,6 +99,23 @@ class FieldTable {
   void add_string(const std::string& key, std::string& v, const std::string& help) {
     fields.push_back({key, "a string", help, [&v](const std::string& s) { v = s; }, [&v] { return v; }, true});
   }
+  // A JSON object held as its text ("" = none); checked when set.
+  void add_json_object(const std::string& key, std::string& v, const std::string& help) {
+    fields.push_back({key, "a JSON object", help,
+                      [&v](const std::string& s) {
+                        if (!s.empty()) {
+                          nlohmann::json j;
+                          try {
+                            j = nlohmann::json::parse(s);
+                          } catch (const nlohmann::json::exception&) {
+                            FP8RL_FAIL("expected a JSON object such as '{\"enable_thinking\": false}', got '", s, "'");
+                          }
+                          if (!j.is_object()) FP8RL_FAIL("expected a JSON object, got '", s, "'");
+                        }
+                        v = s;
+                      },
+                      [&v] { return v; }, true});
+  }
   void add_choice(const std::string& key, std::string& v, std::vector<std::string> choices, const std::string& help) {
     const std::string type = "one of " + join(choices, ", ");
     fields.push_back({key, type, help,
@@ -141,7 +160,10 @@ std::vector<Field> config_fields(RunConfig& c) {
   t.add_float("model.tiny.init_std", m.tiny.init_std, "std of the random initialization");
 
   t.add_string("tokenizer.path", c.tokenizer.path, "empty = model.path (tiny model: built-in byte tokenizer)");
-  t.add_bool("tokenizer.chat_template", c.tokenizer.chat_template, "wrap prompts in the chat template");
+  t.add_bool("tokenizer.chat_template", c.tokenizer.chat_template,
+             "wrap prompts in the chat template (the model's Jinja one if it has one)");
+  t.add_json_object("tokenizer.chat_template_kwargs", c.tokenizer.chat_template_kwargs,
+                    "extra chat template variables as JSON, e.g. {\"enable_thinking\": false}");
 
   auto& k = c.task;
   t.add_choice("task.name", k.name, {"arithmetic", "countdown", "gsm8k", "jsonl"}, "which task");
@@ -294,6 +316,32 @@ void set_field(std::vector<Field>& fields, const std::string& key, const std::st
   }
 }
 
+// A YAML value as JSON (for JSON-object keys written as a YAML mapping): plain scalars that
+// read as booleans, null or numbers become those, quoted ones stay strings.
+nlohmann::json yaml_to_json(const YAML::Node& n) {
+  if (n.IsMap()) {
+    nlohmann::json j = nlohmann::json::object();
+    for (auto it = n.begin(); it != n.end(); ++it) j[it->first.as<std::string>()] = yaml_to_json(it->second);
+    return j;
+  }
+  if (n.IsSequence()) {
+    nlohmann::json j = nlohmann::json::array();
+    for (auto it = n.begin(); it != n.end(); ++it) j.push_back(yaml_to_json(*it));
+    return j;
+  }
+  if (n.IsNull()) return nullptr;
+  const std::string s = n.Scalar();
+  if (n.Tag() == "!") return s;  // quoted
+  const std::string l = lower(s);
+  if (l == "true" || l == "false") return l == "true";
+  if (l == "null" || l == "~") return nullptr;
+  try {
+    return nlohmann::json::parse(s);  // numbers
+  } catch (const nlohmann::json::exception&) {
+    return s;
+  }
+}
+
 void apply_node(std::vector<Field>& fields, const YAML::Node& node, const std::string& prefix,
                 const std::string& origin) {
   for (auto it = node.begin(); it != node.end(); ++it) {
@@ -303,6 +351,10 @@ void apply_node(std::vector<Field>& fields, const YAML::Node& node, const std::s
     const std::string key = prefix.empty() ? name : prefix + "." + name;
     const std::string where = origin + ":" + std::to_string(k.Mark().line + 1);
     if (v.IsMap()) {
+      if (Field* f = find_field(fields, key); f && f->type == "a JSON object") {
+        set_field(fields, key, yaml_to_json(v).dump(), where);
+        continue;
+      }
       if (find_field(fields, key)) {
         Field* f = find_field(fields, key);
         FP8RL_FAIL(where, ": ", key, ": expected ", f->type, ", got a mapping");

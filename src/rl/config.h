@@ -40,7 +40,11 @@ struct ModelSection {
 struct TokenizerSection {
   std::string path;             // tokenizer.json directory; "" = model.path, or the built-in
                                 // byte-level tokenizer when the model is tiny
-  bool chat_template = false;   // wrap prompts in the tokenizer's chat template (instruct models)
+  bool chat_template = false;   // wrap prompts in the tokenizer's chat template (instruct models):
+                                // its own Jinja template when the directory has one, else a
+                                // built-in family (tokenizer/chat_template.h)
+  std::string chat_template_kwargs;  // extra Jinja template variables as a JSON object, e.g.
+                                     // {"enable_thinking": false}; "" = none
   bool operator==(const TokenizerSection&) const = default;
 };
 

@@ -63,12 +63,22 @@ Session session_open(const RunConfig& c, const std::string& cache) {
     s.tokenizer_json = small_tokenizer_path(s, cache);
   }
   s.tokenizer = Tokenizer::load(s.tokenizer_json);
+  if (c.tokenizer.chat_template) {
+    const std::string dir = fs::path(s.tokenizer_json).parent_path().string();
+    if (std::optional<ChatJinja> t = ChatJinja::load(dir.empty() ? "." : dir))
+      s.chat_jinja = std::make_shared<const ChatJinja>(std::move(*t));
+    if (!c.tokenizer.chat_template_kwargs.empty())
+      s.chat_vars.kwargs = nlohmann::ordered_json::parse(c.tokenizer.chat_template_kwargs);
+    s.chat_vars.add_generation_prompt = true;
+  }
   s.eos_id = s.tokenizer.eos_id();
   FP8RL_CHECK(s.eos_id >= 0, s.tokenizer_json, " defines no end-of-sequence token; fp8rl needs one to stop generation");
   return s;
 }
 
 std::vector<int32_t> Session::prompt_ids(const TaskItem& item) const {
+  if (config.tokenizer.chat_template && chat_jinja)
+    return tokenizer.encode(chat_jinja->render_prompt(item.prompt, "", chat_vars));
   if (config.tokenizer.chat_template) {
     ChatTemplate tpl = ChatTemplate::for_tokenizer(tokenizer);
     return tokenizer.encode(tpl.render_prompt(item.prompt));

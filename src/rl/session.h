@@ -9,6 +9,7 @@
 #include "model/weights.h"
 #include "rl/config.h"
 #include "tasks/task.h"
+#include "tokenizer/chat_template.h"
 #include "tokenizer/tokenizer.h"
 #include "train/trainer.h"
 
@@ -21,6 +22,10 @@ struct Session {
   std::string tokenizer_json;      // path of the tokenizer.json in use (copied into checkpoints)
   std::unique_ptr<Task> task;
   int32_t eos_id = -1;
+  // With tokenizer.chat_template: the model's Jinja template (null when its directory has none,
+  // then a built-in family formats prompts) and its extra variables (chat_template_kwargs).
+  std::shared_ptr<const ChatJinja> chat_jinja;
+  ChatJinja::Vars chat_vars;
 
   // Item i of the training split, wrapping around when i passes its size (epochs).
   TaskItem train_item(int64_t i) const { return task->item(Split::kTrain, static_cast<size_t>(i) % task->size(Split::kTrain)); }

@@ -11,6 +11,8 @@
 #include <sys/wait.h>
 
 #include "core/error.h"
+#include "rl/config.h"
+#include "rl/session.h"
 #include "tokenizer/chat_template.h"
 #include "tokenizer/jinja.h"
 
@@ -254,6 +256,24 @@ TEST(Jinja, TemplateCommand) {
   EXPECT_NE(run("--messages '" + dir + "/system_user.json'", &out), 0);
   EXPECT_NE(out.find("System role not supported"), std::string::npos) << out;
   EXPECT_EQ(out.find(".cpp:"), std::string::npos) << out;  // no source location
+}
+
+// Session setup: with tokenizer.chat_template the model's own Jinja template formats prompts,
+// with chat_template_kwargs as extra variables (Qwen3's enable_thinking here).
+TEST(Jinja, SessionUsesTheModelTemplate) {
+  const std::string qwen = shared_data() + "/tokenizers/qwen3";
+  if (!std::ifstream(qwen + "/chat_template.jinja").good()) GTEST_SKIP() << "no " << qwen;
+  RunConfig c = config_load("", {"tokenizer.path=" + qwen, "tokenizer.chat_template=true",
+                                 "tokenizer.chat_template_kwargs={\"enable_thinking\": false}"});
+  Session s = session_open(c, ::testing::TempDir());
+  ASSERT_TRUE(s.chat_jinja);
+  TaskItem item = s.train_item(0);
+  const std::string text = s.tokenizer.decode(s.prompt_ids(item), /*skip_special=*/false);
+  EXPECT_EQ(text, "<|im_start|>user\n" + item.prompt + "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n");
+  EXPECT_THROW(config_load("", {"tokenizer.chat_template_kwargs=[1]"}), Error);
+  RunConfig y;
+  config_apply_yaml(y, "tokenizer:\n  chat_template_kwargs: {enable_thinking: false, effort: \"low\"}\n", "t.yaml");
+  EXPECT_EQ(y.tokenizer.chat_template_kwargs, "{\"effort\":\"low\",\"enable_thinking\":false}");
 }
 
 }  // namespace
