@@ -246,6 +246,12 @@ std::vector<Field> config_fields(RunConfig& c) {
   t.add_float("sft.mix_gsm8k_fraction", c.sft.mix_gsm8k_fraction, "fraction of each SFT batch from GSM8K train");
   t.add_int64("sft.max_seq_tokens", c.sft.max_seq_tokens, "skip mixed-in sequences longer than this; 0 = no limit");
 
+  t.add_choice("checkpoint.dtype", c.checkpoint.dtype, {"bf16", "f32"},
+               "dtype of the checkpoint's model files (the F32 master is kept for resume)");
+  t.add_choice("checkpoint.format", c.checkpoint.format, {"hf", "fp8-block"},
+               "hf, or fp8-block: the FP8 linears as F8_E4M3 + weight_scale_inv (vLLM, transformers)");
+  t.add_float("checkpoint.max_shard_gb", c.checkpoint.max_shard_gb,
+              "shard the model files above this size (with the index); 0 = never");
   t.add_int("steps", c.steps, "GRPO steps");
   t.add_int("val_every", c.val_every, "validate at step 0 and every N steps; 0 = never");
   t.add_int("val_size", c.val_size, "held-out prompts per validation");
@@ -576,6 +582,7 @@ void config_validate(const RunConfig& c) {
   need(c.val_size >= 0, "val_size", "must be >= 0");
   need(c.val_every == 0 || c.val_size >= 1, "val_size", "must be >= 1 when val_every > 0");
   need(c.checkpoint_every >= 0, "checkpoint_every", "must be >= 0");
+  need(c.checkpoint.max_shard_gb >= 0, "checkpoint.max_shard_gb", "must be >= 0");
   need(!c.out.empty(), "out", "must name a run directory");
   need(c.max_consecutive_bad_steps >= 0, "max_consecutive_bad_steps", "must be >= 0");
 }

@@ -17,6 +17,8 @@
 #include "io/safetensors.h"
 #include "model/config.h"
 #include "quant/quant.h"
+#include "rl/checkpoint.h"
+#include "tokenizer/chat_template.h"
 #include "test_model_util.h"
 
 namespace fp8rl {
@@ -175,6 +177,51 @@ TEST(Export, CommandWritesFp8AndCopiesTokenizerFiles) {
   EXPECT_NE(std::system(bad.c_str()), 0);
   std::filesystem::remove_all(src);
   std::filesystem::remove_all(out);
+}
+
+// A training checkpoint: BF16 model files that say so, the tokenizer files of the starting
+// model, and the F32 master kept beside them so that the policy reloads exactly.
+TEST(Export, CheckpointIsBf16ForTransformersAndExactForResume) {
+  const std::string qwen = std::string(FP8RL_SHARED_DATA) + "/tokenizers/qwen3";
+  if (!std::filesystem::exists(qwen + "/tokenizer_config.json")) GTEST_SKIP() << "no " << qwen;
+  auto be = make_cpu_backend();
+  const ModelWeights w = tiny_model("qwen3", DType::F32, 21);
+  Trainer t(*be, model_weights_to_device(*be, w, DType::F32), EnginePrecision{}, TrainerOptions{});
+  const std::string dir = temp_dir("ckpt");
+  TrainerState st;
+  st.step = 3;
+  for (const char* format : {"hf", "fp8-block"}) {
+    RunConfig c = config_load("", {std::string("checkpoint.format=") + format});
+    const CheckpointOptions opt = checkpoint_options(c, qwen + "/tokenizer.json");
+    EXPECT_EQ(opt.model.dtype, DType::BF16);
+    const std::string ck = checkpoint_save(*be, t, st, dir, opt);
+    EXPECT_EQ(model_config_load(ck).torch_dtype, "bfloat16");
+    const SafetensorsFile f = SafetensorsFile::open(ck + "/model.safetensors");
+    EXPECT_EQ(f.entry("model.norm.weight").dtype, DType::BF16);
+    EXPECT_EQ(f.entry("model.layers.0.mlp.up_proj.weight").dtype,
+              std::string(format) == "hf" ? DType::BF16 : DType::E4M3);
+    for (const char* side : {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"})
+      EXPECT_EQ(read_file(ck + "/" + side), read_file(qwen + "/" + side)) << side;
+    EXPECT_TRUE(std::filesystem::exists(ck + "/generation_config.json"));
+    std::optional<ChatJinja> tpl = ChatJinja::load(ck);
+    ASSERT_TRUE(tpl);
+    EXPECT_EQ(tpl->eos_token, "<|im_end|>");
+    EXPECT_EQ(param_values(checkpoint_load_policy(ck)), param_values(w)) << format;
+  }
+  // The demo's own tokenizer has no tokenizer_config.json: one is written (eos, ChatML).
+  const std::string own = temp_dir("own_tok");
+  std::filesystem::create_directories(own);
+  write_file_atomic(own + "/small.json", read_file(qwen + "/tokenizer.json"));
+  CheckpointOptions o;
+  o.tokenizer_json = own + "/small.json";
+  const std::string ck = checkpoint_save(*be, t, st, dir, o);
+  const nlohmann::json tc = nlohmann::json::parse(read_file(ck + "/tokenizer_config.json"));
+  EXPECT_EQ(tc.at("eos_token"), "<|im_end|>");
+  std::optional<ChatJinja> tpl = ChatJinja::load(ck);
+  ASSERT_TRUE(tpl);
+  EXPECT_EQ(tpl->render_prompt("hi", "", ChatJinja::Vars{}), "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
+  std::filesystem::remove_all(dir);
+  std::filesystem::remove_all(own);
 }
 
 }  // namespace
