@@ -210,7 +210,7 @@ int grpo_run(const RunConfig& config_in, bool resume) {
     sp.top_p = static_cast<float>(c.rollout.top_p);
     sp.top_k = c.rollout.top_k;
     sp.max_new_tokens = c.rollout.max_new_tokens;
-    sp.stop_ids = {s.eos_id};
+    sp.stop_ids = s.stop_ids;
     sp.seed = mix(static_cast<uint64_t>(c.seed), static_cast<uint64_t>(step));
     auto t0 = Clock::now();
     std::vector<RolloutSample> samples = engine.generate(reqs, sp);

@@ -1,9 +1,11 @@
 #include "rl/session.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
 #include <functional>
+#include <nlohmann/json.hpp>
 
 #include "core/error.h"
 #include "core/fs.h"
@@ -73,6 +75,24 @@ Session session_open(const RunConfig& c, const std::string& cache) {
   }
   s.eos_id = s.tokenizer.eos_id();
   FP8RL_CHECK(s.eos_id >= 0, s.tokenizer_json, " defines no end-of-sequence token; fp8rl needs one to stop generation");
+  s.stop_ids = {s.eos_id};
+  const std::string gen_cfg = c.model.path + "/generation_config.json";
+  if (!c.model.path.empty() && fs::exists(gen_cfg)) {
+    nlohmann::json g;
+    try {
+      g = nlohmann::json::parse(read_file(gen_cfg));
+    } catch (const nlohmann::json::exception& e) {
+      throw Error(gen_cfg + " is not valid JSON: " + e.what());
+    }
+    std::vector<int32_t> ids;
+    if (g.contains("eos_token_id") && g["eos_token_id"].is_number_integer()) ids.push_back(g["eos_token_id"].get<int32_t>());
+    if (g.contains("eos_token_id") && g["eos_token_id"].is_array())
+      for (const auto& e : g["eos_token_id"])
+        if (e.is_number_integer()) ids.push_back(e.get<int32_t>());
+    for (int32_t id : ids)
+      if (id >= 0 && id < s.tokenizer.vocab_size() && std::find(s.stop_ids.begin(), s.stop_ids.end(), id) == s.stop_ids.end())
+        s.stop_ids.push_back(id);
+  }
   return s;
 }
 
@@ -95,7 +115,7 @@ std::vector<int32_t> Session::solution_ids(const TaskItem& item) const {
 std::string Session::response_text(const std::vector<int32_t>& tokens) const {
   std::vector<int32_t> t;
   for (int32_t id : tokens) {
-    if (id == eos_id) break;
+    if (std::find(stop_ids.begin(), stop_ids.end(), id) != stop_ids.end()) break;
     t.push_back(id);
   }
   return tokenizer.decode(t, /*skip_special=*/true);
@@ -136,7 +156,7 @@ ValResult validate(const Session& s, RolloutEngine& engine, int n, int max_new_t
   SamplingParams sp;
   sp.temperature = 0.0f;  // greedy
   sp.max_new_tokens = max_new_tokens;
-  sp.stop_ids = {s.eos_id};
+  sp.stop_ids = s.stop_ids;
   std::vector<RolloutSample> out = engine.generate(reqs, sp);
   ValResult r;
   n = static_cast<int>(out.size());

@@ -22,6 +22,9 @@ struct Session {
   std::string tokenizer_json;      // path of the tokenizer.json in use (copied into checkpoints)
   std::unique_ptr<Task> task;
   int32_t eos_id = -1;
+  // Generation stops after any of these: eos_id, then the eos_token_id(s) of the model's
+  // generation_config.json (e.g. Qwen's <|im_end|> and <|endoftext|>).
+  std::vector<int32_t> stop_ids;
   // With tokenizer.chat_template: the model's Jinja template (null when its directory has none,
   // then a built-in family formats prompts) and its extra variables (chat_template_kwargs).
   std::shared_ptr<const ChatJinja> chat_jinja;
@@ -31,7 +34,7 @@ struct Session {
   TaskItem train_item(int64_t i) const { return task->item(Split::kTrain, static_cast<size_t>(i) % task->size(Split::kTrain)); }
   std::vector<int32_t> prompt_ids(const TaskItem& item) const;    // prompt (chat-templated if asked)
   std::vector<int32_t> solution_ids(const TaskItem& item) const;  // worked solution + EOS (SFT target)
-  std::string response_text(const std::vector<int32_t>& tokens) const;  // up to the first EOS
+  std::string response_text(const std::vector<int32_t>& tokens) const;  // up to the first stop id
 };
 
 // Backend, task and tokenizer from the config. With a tiny model and no tokenizer path, the

@@ -271,6 +271,14 @@ TEST(Jinja, SessionUsesTheModelTemplate) {
   const std::string text = s.tokenizer.decode(s.prompt_ids(item), /*skip_special=*/false);
   EXPECT_EQ(text, "<|im_start|>user\n" + item.prompt + "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n");
   EXPECT_THROW(config_load("", {"tokenizer.chat_template_kwargs=[1]"}), Error);
+  // generation_config.json's eos ids stop generation too.
+  const std::string model_dir = ::testing::TempDir() + "/fp8rl_stop_ids";
+  std::system(("mkdir -p '" + model_dir + "'").c_str());
+  std::ofstream(model_dir + "/tokenizer.json") << slurp(qwen + "/tokenizer.json");
+  std::ofstream(model_dir + "/generation_config.json") << "{\"eos_token_id\": [151645, 151643]}";
+  Session m = session_open(config_load("", {"model.path=" + model_dir}), ::testing::TempDir());
+  EXPECT_EQ(m.stop_ids, (std::vector<int32_t>{m.eos_id, 151643}));
+  EXPECT_EQ(m.response_text({s.tokenizer.token_to_id("a"), 151643, s.tokenizer.token_to_id("b")}), "a");
   RunConfig y;
   config_apply_yaml(y, "tokenizer:\n  chat_template_kwargs: {enable_thinking: false, effort: \"low\"}\n", "t.yaml");
   EXPECT_EQ(y.tokenizer.chat_template_kwargs, "{\"effort\":\"low\",\"enable_thinking\":false}");
