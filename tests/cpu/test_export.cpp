@@ -127,6 +127,26 @@ TEST(Export, Fp8BlockFormatRoundTripsExactly) {
   std::filesystem::remove_all(dir);
 }
 
+// A loaded FP8 checkpoint's weights are the dequantized FP8 values; the generator re-quantizes
+// the master with the same 128x128 rule. Checked here: that gives back the stored FP8 values
+// exactly, the same bits and scales with amax/448 scales, and the same dequantized values with
+// pow2 scales (a block whose largest value had rounded down to 224 * s is re-encoded as 2q
+// with s/2, the same products).
+TEST(Export, RequantizingTheLoadedFp8WeightsIsExact) {
+  for (bool pow2 : {false, true}) {
+    const ModelWeights w = wide_model(pow2 ? 31 : 32);
+    ModelWeights m = w;
+    model_for_each_linear(m, [&](const std::string& name, int, LinearWeight& lw) {
+      const QuantTensor q = quantize_128x128(lw.w, pow2);
+      const QuantTensor again = quantize_128x128(dequantize(q), pow2);
+      EXPECT_EQ(to_float_vector(dequantize(again)), to_float_vector(dequantize(q))) << name << " pow2 " << pow2;
+      if (pow2) return;
+      EXPECT_EQ(0, std::memcmp(q.data.raw(), again.data.raw(), q.data.nbytes())) << name;
+      EXPECT_EQ(to_float_vector(q.scales), to_float_vector(again.scales)) << name;
+    });
+  }
+}
+
 TEST(Export, ShardedAboveMaxShardSizeWithIndex) {
   const ModelWeights w = wide_model(12);
   const std::string dir = temp_dir("shard");
