@@ -356,6 +356,7 @@ class Parser {
   // Statements until one of `ends` ({% end... %}): *end_found is the keyword (its tag is
   // left open after the keyword).
   Body parse_body(const std::vector<std::string>& ends, std::string* end_found) {
+    DepthGuard g(depth_, cur().line);
     Body body;
     while (cur().type != Tok::kEof) {
       const Token& t = cur();
@@ -535,7 +536,20 @@ class Parser {
     return t;
   }
 
-  ExprPtr parse_expression(bool with_cond = true) { return with_cond ? parse_condexpr() : parse_or(); }
+  // Nesting guard: the parser recurses per nested expression and statement.
+  struct DepthGuard {
+    int& d;
+    DepthGuard(int& depth, int line) : d(depth) {
+      if (++d > kMaxNesting) fail_at(line, "expressions or statements nested deeper than " + std::to_string(kMaxNesting));
+    }
+    ~DepthGuard() { --d; }
+  };
+  static constexpr int kMaxNesting = 200;
+
+  ExprPtr parse_expression(bool with_cond = true) {
+    DepthGuard g(depth_, cur().line);
+    return with_cond ? parse_condexpr() : parse_or();
+  }
 
   ExprPtr parse_condexpr() {
     ExprPtr e = parse_or();
@@ -634,6 +648,7 @@ class Parser {
     return e;
   }
   ExprPtr parse_unary(bool with_filter = true) {
+    DepthGuard g(depth_, cur().line);
     ExprPtr node;
     if (is_op("-") || is_op("+")) {
       node = make(is_op("-") ? Expr::Op::kNeg : Expr::Op::kPos, cur().line);
@@ -814,6 +829,7 @@ class Parser {
 
   std::vector<Token> t_;
   size_t p_ = 0;
+  int depth_ = 0;
 };
 
 }  // namespace

@@ -127,7 +127,18 @@ const Value* CallArgs::kwarg(const std::string& name) const {
   return nullptr;
 }
 
-Value value_from_json(const nlohmann::ordered_json& j) {
+namespace {
+Value from_json_at(const nlohmann::ordered_json& j, int depth);
+bool equal_at(const Value& a, const Value& b, int depth);
+}  // namespace
+
+Value value_from_json(const nlohmann::ordered_json& j) { return from_json_at(j, 0); }
+bool value_equal(const Value& a, const Value& b) { return equal_at(a, b, 0); }
+
+namespace {
+
+Value from_json_at(const nlohmann::ordered_json& j, int depth) {
+  check_depth(depth);
   switch (j.type()) {
     case nlohmann::ordered_json::value_t::null: return Value::none();
     case nlohmann::ordered_json::value_t::boolean: return Value::boolean(j.get<bool>());
@@ -137,17 +148,50 @@ Value value_from_json(const nlohmann::ordered_json& j) {
     case nlohmann::ordered_json::value_t::string: return Value::string(j.get<std::string>());
     case nlohmann::ordered_json::value_t::array: {
       List l;
-      for (const auto& e : j) l.push_back(value_from_json(e));
+      for (const auto& e : j) l.push_back(from_json_at(e, depth + 1));
       return Value::make_list(std::move(l));
     }
     case nlohmann::ordered_json::value_t::object: {
       Dict d;
-      for (auto it = j.begin(); it != j.end(); ++it) d.items.emplace_back(it.key(), value_from_json(it.value()));
+      for (auto it = j.begin(); it != j.end(); ++it) d.items.emplace_back(it.key(), from_json_at(it.value(), depth + 1));
       return Value::make_dict(std::move(d));
     }
     default: throw Error("chat template: unsupported JSON value (binary) in the template variables");
   }
 }
+
+bool equal_at(const Value& a, const Value& b, int depth) {
+  check_depth(depth);
+  if (a.is_number() && b.is_number()) {
+    if (a.kind == Kind::kFloat || b.kind == Kind::kFloat) return as_double(a) == as_double(b);
+    return (a.kind == Kind::kBool ? (int64_t)a.b : a.i) == (b.kind == Kind::kBool ? (int64_t)b.b : b.i);
+  }
+  if (a.kind != b.kind) return false;
+  switch (a.kind) {
+    case Kind::kUndefined:
+    case Kind::kNone: return true;
+    case Kind::kString: return a.s == b.s;
+    case Kind::kList: {
+      if (a.list->size() != b.list->size()) return false;
+      for (size_t k = 0; k < a.list->size(); ++k)
+        if (!equal_at((*a.list)[k], (*b.list)[k], depth + 1)) return false;
+      return true;
+    }
+    case Kind::kDict: {
+      if (a.dict->items.size() != b.dict->items.size()) return false;
+      for (const auto& kv : a.dict->items) {
+        const Value* o = b.dict->find(kv.first);
+        if (!o || !equal_at(kv.second, *o, depth + 1)) return false;
+      }
+      return true;
+    }
+    case Kind::kNamespace: return a.dict == b.dict;
+    case Kind::kCallable: return a.fn == b.fn;
+    default: return false;
+  }
+}
+
+}  // namespace
 
 bool value_truthy(const Value& v) {
   switch (v.kind) {
@@ -254,37 +298,10 @@ std::string value_tojson(const Value& v, int indent, int depth) {
   }
 }
 
-bool value_equal(const Value& a, const Value& b) {
-  if (a.is_number() && b.is_number()) {
-    if (a.kind == Kind::kFloat || b.kind == Kind::kFloat) return as_double(a) == as_double(b);
-    return (a.kind == Kind::kBool ? (int64_t)a.b : a.i) == (b.kind == Kind::kBool ? (int64_t)b.b : b.i);
-  }
-  if (a.kind != b.kind) return false;
-  switch (a.kind) {
-    case Kind::kUndefined:
-    case Kind::kNone: return true;
-    case Kind::kString: return a.s == b.s;
-    case Kind::kList: {
-      if (a.list->size() != b.list->size()) return false;
-      for (size_t k = 0; k < a.list->size(); ++k)
-        if (!value_equal((*a.list)[k], (*b.list)[k])) return false;
-      return true;
-    }
-    case Kind::kDict: {
-      if (a.dict->items.size() != b.dict->items.size()) return false;
-      for (const auto& kv : a.dict->items) {
-        const Value* o = b.dict->find(kv.first);
-        if (!o || !value_equal(kv.second, *o)) return false;
-      }
-      return true;
-    }
-    case Kind::kNamespace: return a.dict == b.dict;
-    case Kind::kCallable: return a.fn == b.fn;
-    default: return false;
-  }
-}
-
-int value_compare(const Value& a, const Value& b) {
+static int compare_at(const Value& a, const Value& b, int depth);
+int value_compare(const Value& a, const Value& b) { return compare_at(a, b, 0); }
+static int compare_at(const Value& a, const Value& b, int depth) {
+  check_depth(depth);
   if (a.is_number() && b.is_number()) {
     double x = as_double(a), y = as_double(b);
     if (a.kind != Kind::kFloat && b.kind != Kind::kFloat) {
@@ -297,7 +314,7 @@ int value_compare(const Value& a, const Value& b) {
   if (a.kind == Kind::kList && b.kind == Kind::kList) {
     size_t n = std::min(a.list->size(), b.list->size());
     for (size_t k = 0; k < n; ++k) {
-      int c = value_compare((*a.list)[k], (*b.list)[k]);
+      int c = compare_at((*a.list)[k], (*b.list)[k], depth + 1);
       if (c) return c;
     }
     return a.list->size() < b.list->size() ? -1 : a.list->size() > b.list->size() ? 1 : 0;

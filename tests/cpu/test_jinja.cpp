@@ -221,6 +221,12 @@ TEST(Jinja, Errors) {
   EXPECT_THROW(render("{{ 'a' + {} }}"), Error);
   EXPECT_THROW(render("{{ x.y }}"), Error);  // attribute of an undefined value
   EXPECT_THROW(render("{% if x %}"), Error);  // missing endif
+  // Depth bounds: template nesting, and user data nested deeper than 64 levels.
+  EXPECT_THROW(render("{{ " + std::string(300, '(') + "1" + std::string(300, ')') + " }}"), Error);
+  EXPECT_EQ(render("{{ " + std::string(50, '(') + "1" + std::string(50, ')') + " }}"), "1");
+  ojson deep = 1;
+  for (int i = 0; i < 100; ++i) deep = ojson::array({deep});
+  EXPECT_THROW(render("{{ x | length }}", {{"x", deep}}), Error);
 }
 
 TEST(Jinja, StrftimeNow) {
