@@ -45,13 +45,8 @@ int run(const std::vector<std::string>& argv) {
     }
     if (!vars.kwargs.is_object()) throw Error("--kwargs must be a JSON object");
   }
-  std::string out;
-  try {
-    out = tpl->render(conversation, vars);
-  } catch (const JinjaRaise& e) {
-    std::fprintf(stderr, "fp8rl template: %s: %s\n", tpl->origin.c_str(), e.what());
-    return 1;
-  }
+  // A template that raises (JinjaRaise) reaches main: "fp8rl template: error: <its message>", exit 1.
+  const std::string out = tpl->render(conversation, vars);
   std::fwrite(out.data(), 1, out.size(), stdout);
   return 0;
 }

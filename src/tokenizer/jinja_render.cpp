@@ -162,12 +162,12 @@ class Renderer {
         out += value_str(apply_filter_chain(*s.filter, Value::string(text), scope));
         return Flow::kNormal;
       }
-      case Stmt::Op::kMacro: scope->vars[s.name] = make_macro(s, s.name, scope, nullptr); return Flow::kNormal;
+      case Stmt::Op::kMacro: scope->vars[s.name] = make_macro(s, s.name, scope); return Flow::kNormal;
       case Stmt::Op::kCallBlock: {
         const Expr& c = *s.expr;
         Value callee = eval(*c.args[0], scope);
         CallArgs a = eval_args(c, scope, 1);
-        a.kw.emplace_back("caller", make_macro(s, "caller", scope, nullptr));
+        a.kw.emplace_back("caller", make_macro(s, "caller", scope));
         out += value_str(call(callee, a, s.line));
         return Flow::kNormal;
       }
@@ -254,7 +254,7 @@ class Renderer {
 
   // A macro (or a call block's caller) as a callable. The closure is held weakly: a macro
   // lives in the scope it closes over, and a strong reference would be a cycle.
-  Value make_macro(const Stmt& s, const std::string& name, const ScopePtr& closure, void*) {
+  Value make_macro(const Stmt& s, const std::string& name, const ScopePtr& closure) {
     std::weak_ptr<Scope> weak = closure;
     const Stmt* stmt = &s;
     Value v;
