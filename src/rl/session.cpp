@@ -9,6 +9,7 @@
 
 #include "core/error.h"
 #include "core/fs.h"
+#include "rl/checkpoint.h"
 #include "rollout/rollout.h"
 #include "tokenizer/chat_template.h"
 #include "tokenizer/train_small.h"
@@ -136,7 +137,9 @@ ModelConfig session_tiny_model_config(const TinyModelConfig& t, int vocab_size, 
 
 ModelWeights session_initial_policy(const Session& s) {
   const RunConfig& c = s.config;
-  if (!c.model.path.empty()) return model_weights_load(c.model.path, DType::F32);
+  // An fp8rl checkpoint (e.g. the demo's cached SFT policy) starts from its F32 master, not
+  // from the BF16 rounding in its model files; any other HF directory loads as it is.
+  if (!c.model.path.empty()) return checkpoint_load_policy(c.model.path);
   ModelConfig mc = session_tiny_model_config(c.model.tiny, s.tokenizer.vocab_size(), s.eos_id);
   RandomInit init;
   init.seed = static_cast<uint64_t>(c.seed);

@@ -41,7 +41,8 @@ struct Session {
 // small byte-level tokenizer is trained on the task's text and cached under `cache_dir`.
 Session session_open(const RunConfig& config, const std::string& cache_dir);
 
-// The starting policy on the host (F32): model.path, or a tiny random model (seeded).
+// The starting policy on the host (F32): model.path (an fp8rl checkpoint: its F32 master), or
+// a tiny random model (seeded).
 ModelWeights session_initial_policy(const Session& s);
 
 // The Qwen3-shaped config of the tiny model (model.tiny.*) over the tokenizer's vocabulary
