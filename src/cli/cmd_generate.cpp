@@ -33,7 +33,13 @@ int run_generate(const std::vector<std::string>& argv) {
   FP8RL_CHECK(std::filesystem::exists(tok_path), "no tokenizer at ", tok_path, "; pass --tokenizer PATH");
   Tokenizer tok = Tokenizer::load(tok_path);
   std::string prompt = a.require("prompt");
-  if (a.has("chat")) prompt = ChatTemplate::for_tokenizer(tok).render_prompt(prompt);
+  if (a.has("chat")) {
+    const std::string tok_dir = std::filesystem::path(tok_path).parent_path().string();
+    if (std::optional<ChatJinja> tpl = ChatJinja::load(tok_dir.empty() ? "." : tok_dir))
+      prompt = tpl->render_prompt(prompt, "", ChatJinja::Vars{});  // the model's own template
+    else
+      prompt = ChatTemplate::for_tokenizer(tok).render_prompt(prompt);
+  }
   const std::vector<int32_t> ids = tok.encode(prompt, /*allow_special=*/a.has("chat"));
   FP8RL_CHECK(!ids.empty(), "--prompt is empty");
 

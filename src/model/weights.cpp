@@ -80,23 +80,6 @@ bool is_float(DType t) {
   return t == DType::F32 || t == DType::BF16 || t == DType::F16 || t == DType::F64 || t == DType::E4M3;
 }
 
-void write_text_atomic(const std::string& path, const std::string& text) {
-  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    FP8RL_CHECK(f.good(), "cannot write ", tmp, " (is the directory writable?)");
-    f << text;
-    f.flush();
-    FP8RL_CHECK(f.good(), "writing ", tmp, " failed (disk full?)");
-  }
-  std::error_code ec;
-  std::filesystem::rename(tmp, path, ec);
-  if (ec) {
-    std::filesystem::remove(tmp);
-    FP8RL_FAIL("cannot rename ", tmp, " to ", path, ": ", ec.message());
-  }
-}
-
 }  // namespace
 
 // ---- host conversion -------------------------------------------------------------------------
@@ -287,24 +270,6 @@ ModelWeights model_weights_load(const std::string& dir, DType dtype, bool keep_f
                " layers); fp8rl does not know what to do with it");
   }
   return w;
-}
-
-void model_weights_save(const ModelWeights& w, const std::string& dir) {
-  std::error_code ec;
-  std::filesystem::create_directories(dir, ec);
-  FP8RL_CHECK(!ec && std::filesystem::is_directory(dir), "cannot create directory '", dir, "': ", ec.message());
-  std::vector<std::pair<std::string, Tensor>> tensors;
-  for (size_t i = 0; i < w.layers.size(); ++i)
-    for (const LinearRef& r : kLinears)
-      FP8RL_CHECK((w.layers[i].*(r.member)).w.defined(), "cannot save layer ", i, " ", r.name,
-                  ": it has only an FP8 copy (keep the high-precision weight to save)");
-  model_for_each_parameter(w, [&](const std::string& name, const Tensor& t) {
-    FP8RL_CHECK(t.device() == DeviceKind::CPU, "model_weights_save needs host tensors (", name, " is ", t.str(),
-                "); use model_weights_to_host first");
-    tensors.push_back({name, t});
-  });
-  safetensors_write(dir + "/model.safetensors", tensors, {{"format", "pt"}});
-  write_text_atomic(dir + "/config.json", model_config_to_json(w.config));
 }
 
 // ---- device copies and gradients ---------------------------------------------------------------

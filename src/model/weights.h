@@ -61,10 +61,36 @@ ModelWeights model_weights_random(const ModelConfig& config, const RandomInit& i
 // kept as the pre-quantized `wq`.
 ModelWeights model_weights_load(const std::string& dir, DType dtype = DType::F32, bool keep_fp8 = false);
 
-// Writes config.json and model.safetensors (HF layout, tensors in their current dtype, host
-// tensors only; lm_head.weight omitted when tied). Atomic: written to temporary files, then
-// renamed. Creates the directory if needed.
-void model_weights_save(const ModelWeights& weights, const std::string& dir);
+// How model_weights_save writes a checkpoint.
+struct SaveOptions {
+  // Stored dtype of every tensor not written as FP8: F32 or BF16. config.json's "torch_dtype"
+  // says it (transformers then loads the tensors as they are).
+  DType dtype = DType::F32;
+  // FP8 block format (DeepSeek-V3 / Qwen3-FP8 layout, what transformers' FineGrainedFP8 and
+  // vLLM load): the 7 linears of every block outside bf16_first/last_layers are written as
+  // F8_E4M3 [out, in] + "<name>.weight_scale_inv" F32 [ceil(out/128), ceil(in/128)] (the
+  // dequantization multipliers of the reference 128x128 quantizer), and config.json gets a
+  // "quantization_config" (quant_method fp8, e4m3, dynamic activations, 128x128 blocks; the
+  // kept linears listed in modules_to_not_convert / ignored_layers).
+  bool fp8_block = false;
+  bool pow2_scales = false;
+  int bf16_first_layers = 0, bf16_last_layers = 0;
+  // Above this many bytes of tensors, model-0000i-of-0000n.safetensors shards (each at most
+  // this size unless one tensor is larger) and model.safetensors.index.json; <= 0: one file.
+  double max_shard_gb = 5;
+};
+
+// Writes config.json and the safetensors (HF layout, host tensors only; lm_head.weight omitted
+// when tied) as `opt` says. Every file is written atomically (temporary file, then rename); a
+// model*.safetensors or index left in `dir` by an earlier save is removed first. Creates the
+// directory if needed.
+void model_weights_save(const ModelWeights& weights, const std::string& dir, const SaveOptions& opt = {});
+
+// The files of a HF model directory beside its weights that a checkpoint must carry for
+// transformers and serving stacks to behave as with the original (tokenizer.json,
+// tokenizer_config.json, special_tokens_map.json, chat_template.jinja, generation_config.json,
+// and the slow tokenizers' vocabulary files). Copies those `from_dir` has; returns their names.
+std::vector<std::string> model_copy_side_files(const std::string& from_dir, const std::string& to_dir);
 
 // A copy on `backend`'s device with every float tensor converted to `dtype`; wq kept as is.
 // Tied embeddings stay shared.

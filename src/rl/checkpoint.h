@@ -1,8 +1,15 @@
 // Checkpoints: a Hugging Face model directory that transformers loads as it is, plus the
 // trainer state needed to resume exactly.
 //   DIR/checkpoints/step_000012/
-//     config.json, model.safetensors, tokenizer.json   the policy (HF layout, FP32)
-//     optimizer.safetensors                             AdamW moments (<param>.exp_avg[_sq])
+//     config.json, model.safetensors                    the policy (HF layout; checkpoint.dtype,
+//                                                       BF16 by default; checkpoint.format fp8-block:
+//                                                       FP8 linears; sharded above max_shard_gb)
+//     tokenizer.json, tokenizer_config.json, special_tokens_map.json, chat_template.jinja,
+//     generation_config.json                            copied from the starting model / tokenizer
+//                                                       (written for the demo's own tokenizer)
+//     optimizer.safetensors                             AdamW moments (<param>.exp_avg[_sq]) and,
+//                                                       when the model files are not F32, the F32
+//                                                       master (master.<param>) for exact resume
 //     trainer_state.json                                step, optimizer step, KV scales, seed
 //   DIR/checkpoints/latest                              name of the newest complete checkpoint
 // A checkpoint is written into step_N.tmp and renamed when complete; `latest` is replaced
@@ -14,6 +21,8 @@
 #include <string>
 #include <vector>
 
+#include "model/weights.h"
+#include "rl/config.h"
 #include "rollout/rollout.h"
 #include "train/trainer.h"
 
@@ -26,10 +35,26 @@ struct TrainerState {
   KvScales kv_scales;          // the generator's current KV scales (empty when not FP8 KV)
 };
 
-// Writes a checkpoint of `trainer` under `dir` (the step directory is created); copies
-// `tokenizer_json` (a path, may be empty) beside the model. Returns the checkpoint path.
+struct CheckpointOptions {
+  SaveOptions model{DType::BF16};  // how the model files are written (weights.h)
+  std::string tokenizer_json;      // copied as tokenizer.json (may be empty), with the tokenizer
+                                   // files of its directory
+  std::string model_dir;           // the starting model: its tokenizer/generation files are copied
+};
+// From the run config (checkpoint.*; the FP8 format follows the generator's recipe: pow2 scales,
+// BF16 first/last layers).
+CheckpointOptions checkpoint_options(const RunConfig& config, const std::string& tokenizer_json);
+
+// Writes a checkpoint of `trainer` under `dir` (the step directory is created). Returns the
+// checkpoint path. The second form uses the default options (BF16 model files).
+std::string checkpoint_save(Backend& backend, const Trainer& trainer, const TrainerState& state,
+                            const std::string& checkpoints_dir, const CheckpointOptions& opt);
 std::string checkpoint_save(Backend& backend, const Trainer& trainer, const TrainerState& state,
                             const std::string& checkpoints_dir, const std::string& tokenizer_json);
+
+// The policy of a checkpoint as the F32 master it was saved from: the model files, with the
+// master.<param> tensors of optimizer.safetensors (when present) in place of their values.
+ModelWeights checkpoint_load_policy(const std::string& checkpoint_dir);
 
 // The newest complete checkpoint under `checkpoints_dir`, if any.
 std::optional<std::string> checkpoint_latest(const std::string& checkpoints_dir);

@@ -2,6 +2,8 @@
 
 #include <yaml-cpp/yaml.h>
 
+#include <nlohmann/json.hpp>
+
 #include <algorithm>
 #include <charconv>
 #include <cmath>
@@ -97,6 +99,23 @@ class FieldTable {
   void add_string(const std::string& key, std::string& v, const std::string& help) {
     fields.push_back({key, "a string", help, [&v](const std::string& s) { v = s; }, [&v] { return v; }, true});
   }
+  // A JSON object held as its text ("" = none); checked when set.
+  void add_json_object(const std::string& key, std::string& v, const std::string& help) {
+    fields.push_back({key, "a JSON object", help,
+                      [&v](const std::string& s) {
+                        if (!s.empty()) {
+                          nlohmann::json j;
+                          try {
+                            j = nlohmann::json::parse(s);
+                          } catch (const nlohmann::json::exception&) {
+                            FP8RL_FAIL("expected a JSON object such as '{\"enable_thinking\": false}', got '", s, "'");
+                          }
+                          if (!j.is_object()) FP8RL_FAIL("expected a JSON object, got '", s, "'");
+                        }
+                        v = s;
+                      },
+                      [&v] { return v; }, true});
+  }
   void add_choice(const std::string& key, std::string& v, std::vector<std::string> choices, const std::string& help) {
     const std::string type = "one of " + join(choices, ", ");
     fields.push_back({key, type, help,
@@ -141,7 +160,10 @@ std::vector<Field> config_fields(RunConfig& c) {
   t.add_float("model.tiny.init_std", m.tiny.init_std, "std of the random initialization");
 
   t.add_string("tokenizer.path", c.tokenizer.path, "empty = model.path (tiny model: built-in byte tokenizer)");
-  t.add_bool("tokenizer.chat_template", c.tokenizer.chat_template, "wrap prompts in the chat template");
+  t.add_bool("tokenizer.chat_template", c.tokenizer.chat_template,
+             "wrap prompts in the chat template (the model's Jinja one if it has one)");
+  t.add_json_object("tokenizer.chat_template_kwargs", c.tokenizer.chat_template_kwargs,
+                    "extra chat template variables as JSON, e.g. {\"enable_thinking\": false}");
 
   auto& k = c.task;
   t.add_choice("task.name", k.name, {"arithmetic", "countdown", "gsm8k", "jsonl"}, "which task");
@@ -224,6 +246,12 @@ std::vector<Field> config_fields(RunConfig& c) {
   t.add_float("sft.mix_gsm8k_fraction", c.sft.mix_gsm8k_fraction, "fraction of each SFT batch from GSM8K train");
   t.add_int64("sft.max_seq_tokens", c.sft.max_seq_tokens, "skip mixed-in sequences longer than this; 0 = no limit");
 
+  t.add_choice("checkpoint.dtype", c.checkpoint.dtype, {"bf16", "f32"},
+               "dtype of the checkpoint's model files (the F32 master is kept for resume)");
+  t.add_choice("checkpoint.format", c.checkpoint.format, {"hf", "fp8-block"},
+               "hf, or fp8-block: the FP8 linears as F8_E4M3 + weight_scale_inv (vLLM, transformers)");
+  t.add_float("checkpoint.max_shard_gb", c.checkpoint.max_shard_gb,
+              "shard the model files above this size (with the index); 0 = never");
   t.add_int("steps", c.steps, "GRPO steps");
   t.add_int("val_every", c.val_every, "validate at step 0 and every N steps; 0 = never");
   t.add_int("val_size", c.val_size, "held-out prompts per validation");
@@ -294,6 +322,32 @@ void set_field(std::vector<Field>& fields, const std::string& key, const std::st
   }
 }
 
+// A YAML value as JSON (for JSON-object keys written as a YAML mapping): plain scalars that
+// read as booleans, null or numbers become those, quoted ones stay strings.
+nlohmann::json yaml_to_json(const YAML::Node& n) {
+  if (n.IsMap()) {
+    nlohmann::json j = nlohmann::json::object();
+    for (auto it = n.begin(); it != n.end(); ++it) j[it->first.as<std::string>()] = yaml_to_json(it->second);
+    return j;
+  }
+  if (n.IsSequence()) {
+    nlohmann::json j = nlohmann::json::array();
+    for (auto it = n.begin(); it != n.end(); ++it) j.push_back(yaml_to_json(*it));
+    return j;
+  }
+  if (n.IsNull()) return nullptr;
+  const std::string s = n.Scalar();
+  if (n.Tag() == "!") return s;  // quoted
+  const std::string l = lower(s);
+  if (l == "true" || l == "false") return l == "true";
+  if (l == "null" || l == "~") return nullptr;
+  try {
+    return nlohmann::json::parse(s);  // numbers
+  } catch (const nlohmann::json::exception&) {
+    return s;
+  }
+}
+
 void apply_node(std::vector<Field>& fields, const YAML::Node& node, const std::string& prefix,
                 const std::string& origin) {
   for (auto it = node.begin(); it != node.end(); ++it) {
@@ -303,6 +357,10 @@ void apply_node(std::vector<Field>& fields, const YAML::Node& node, const std::s
     const std::string key = prefix.empty() ? name : prefix + "." + name;
     const std::string where = origin + ":" + std::to_string(k.Mark().line + 1);
     if (v.IsMap()) {
+      if (Field* f = find_field(fields, key); f && f->type == "a JSON object") {
+        set_field(fields, key, yaml_to_json(v).dump(), where);
+        continue;
+      }
       if (find_field(fields, key)) {
         Field* f = find_field(fields, key);
         FP8RL_FAIL(where, ": ", key, ": expected ", f->type, ", got a mapping");
@@ -524,6 +582,7 @@ void config_validate(const RunConfig& c) {
   need(c.val_size >= 0, "val_size", "must be >= 0");
   need(c.val_every == 0 || c.val_size >= 1, "val_size", "must be >= 1 when val_every > 0");
   need(c.checkpoint_every >= 0, "checkpoint_every", "must be >= 0");
+  need(c.checkpoint.max_shard_gb >= 0, "checkpoint.max_shard_gb", "must be >= 0");
   need(!c.out.empty(), "out", "must name a run directory");
   need(c.max_consecutive_bad_steps >= 0, "max_consecutive_bad_steps", "must be >= 0");
 }

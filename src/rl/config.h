@@ -40,7 +40,11 @@ struct ModelSection {
 struct TokenizerSection {
   std::string path;             // tokenizer.json directory; "" = model.path, or the built-in
                                 // byte-level tokenizer when the model is tiny
-  bool chat_template = false;   // wrap prompts in the tokenizer's chat template (instruct models)
+  bool chat_template = false;   // wrap prompts in the tokenizer's chat template (instruct models):
+                                // its own Jinja template when the directory has one, else a
+                                // built-in family (tokenizer/chat_template.h)
+  std::string chat_template_kwargs;  // extra Jinja template variables as a JSON object, e.g.
+                                     // {"enable_thinking": false}; "" = none
   bool operator==(const TokenizerSection&) const = default;
 };
 
@@ -141,6 +145,14 @@ struct SftSection {
   bool operator==(const SftSection&) const = default;
 };
 
+struct CheckpointSection {          // how checkpoints/step_N/ stores the policy (rl/checkpoint.h)
+  std::string dtype = "bf16";       // bf16 | f32: the model files (config.json says it); resume
+                                    // stays exact either way (the F32 master is kept beside)
+  std::string format = "hf";        // hf | fp8-block (FP8 linears + weight_scale_inv, vLLM/transformers)
+  double max_shard_gb = 5;          // shard model files above this size (with the index); 0 = never
+  bool operator==(const CheckpointSection&) const = default;
+};
+
 struct RunConfig {
   ModelSection model;
   TokenizerSection tokenizer;
@@ -149,6 +161,7 @@ struct RunConfig {
   TrainSection train;
   PrecisionSection precision;
   SftSection sft;
+  CheckpointSection checkpoint;
   int steps = 20;                   // GRPO steps
   int val_every = 5;               // validate at step 0 and every N steps; 0 = never
   int val_size = 200;               // held-out prompts per validation

@@ -126,7 +126,7 @@ int grpo_run(const RunConfig& config_in, bool resume) {
   std::optional<std::string> ckpt = resume ? checkpoint_latest(run.checkpoints_dir()) : std::nullopt;
   TrainerState state;
   state.seed = static_cast<uint64_t>(c.seed);
-  ModelWeights host = ckpt ? model_weights_load(*ckpt, DType::F32) : session_initial_policy(s);
+  ModelWeights host = ckpt ? checkpoint_load_policy(*ckpt) : session_initial_policy(s);
   std::printf("policy: %s, %lld parameters; recipe %s (generator %s%s, trainer %s); device %s\n",
               host.config.model_type.c_str(), static_cast<long long>(model_count_parameters(host)), recipe.name.c_str(),
               linear_mode_name(recipe.generator.linear), fp8_kv ? " + FP8 KV" : "",
@@ -211,7 +211,7 @@ int grpo_run(const RunConfig& config_in, bool resume) {
     sp.top_p = static_cast<float>(c.rollout.top_p);
     sp.top_k = c.rollout.top_k;
     sp.max_new_tokens = c.rollout.max_new_tokens;
-    sp.stop_ids = {s.eos_id};
+    sp.stop_ids = s.stop_ids;
     sp.seed = mix(static_cast<uint64_t>(c.seed), static_cast<uint64_t>(step));
     auto t0 = Clock::now();
     std::vector<RolloutSample> samples = engine.generate(reqs, sp);
@@ -313,7 +313,7 @@ int grpo_run(const RunConfig& config_in, bool resume) {
     slowest_step_s = std::max(slowest_step_s, m.time_step_s);
     log.write(m, c.steps);
     if ((c.checkpoint_every > 0 && step % c.checkpoint_every == 0) || final_step)
-      checkpoint_save(be, trainer, state, run.checkpoints_dir(), s.tokenizer_json);
+      checkpoint_save(be, trainer, state, run.checkpoints_dir(), checkpoint_options(c, s.tokenizer_json));
     if (final_step) break;
   }
   if (first_val && last_val)

@@ -1,12 +1,15 @@
 #include "rl/session.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
 #include <functional>
+#include <nlohmann/json.hpp>
 
 #include "core/error.h"
 #include "core/fs.h"
+#include "rl/checkpoint.h"
 #include "rollout/rollout.h"
 #include "tokenizer/chat_template.h"
 #include "tokenizer/train_small.h"
@@ -63,12 +66,40 @@ Session session_open(const RunConfig& c, const std::string& cache) {
     s.tokenizer_json = small_tokenizer_path(s, cache);
   }
   s.tokenizer = Tokenizer::load(s.tokenizer_json);
+  if (c.tokenizer.chat_template) {
+    const std::string dir = fs::path(s.tokenizer_json).parent_path().string();
+    if (std::optional<ChatJinja> t = ChatJinja::load(dir.empty() ? "." : dir))
+      s.chat_jinja = std::make_shared<const ChatJinja>(std::move(*t));
+    if (!c.tokenizer.chat_template_kwargs.empty())
+      s.chat_vars.kwargs = nlohmann::ordered_json::parse(c.tokenizer.chat_template_kwargs);
+    s.chat_vars.add_generation_prompt = true;
+  }
   s.eos_id = s.tokenizer.eos_id();
   FP8RL_CHECK(s.eos_id >= 0, s.tokenizer_json, " defines no end-of-sequence token; fp8rl needs one to stop generation");
+  s.stop_ids = {s.eos_id};
+  const std::string gen_cfg = c.model.path + "/generation_config.json";
+  if (!c.model.path.empty() && fs::exists(gen_cfg)) {
+    nlohmann::json g;
+    try {
+      g = nlohmann::json::parse(read_file(gen_cfg));
+    } catch (const nlohmann::json::exception& e) {
+      throw Error(gen_cfg + " is not valid JSON: " + e.what());
+    }
+    std::vector<int32_t> ids;
+    if (g.contains("eos_token_id") && g["eos_token_id"].is_number_integer()) ids.push_back(g["eos_token_id"].get<int32_t>());
+    if (g.contains("eos_token_id") && g["eos_token_id"].is_array())
+      for (const auto& e : g["eos_token_id"])
+        if (e.is_number_integer()) ids.push_back(e.get<int32_t>());
+    for (int32_t id : ids)
+      if (id >= 0 && id < s.tokenizer.vocab_size() && std::find(s.stop_ids.begin(), s.stop_ids.end(), id) == s.stop_ids.end())
+        s.stop_ids.push_back(id);
+  }
   return s;
 }
 
 std::vector<int32_t> Session::prompt_ids(const TaskItem& item) const {
+  if (config.tokenizer.chat_template && chat_jinja)
+    return tokenizer.encode(chat_jinja->render_prompt(item.prompt, "", chat_vars));
   if (config.tokenizer.chat_template) {
     ChatTemplate tpl = ChatTemplate::for_tokenizer(tokenizer);
     return tokenizer.encode(tpl.render_prompt(item.prompt));
@@ -85,7 +116,7 @@ std::vector<int32_t> Session::solution_ids(const TaskItem& item) const {
 std::string Session::response_text(const std::vector<int32_t>& tokens) const {
   std::vector<int32_t> t;
   for (int32_t id : tokens) {
-    if (id == eos_id) break;
+    if (std::find(stop_ids.begin(), stop_ids.end(), id) != stop_ids.end()) break;
     t.push_back(id);
   }
   return tokenizer.decode(t, /*skip_special=*/true);
@@ -106,7 +137,9 @@ ModelConfig session_tiny_model_config(const TinyModelConfig& t, int vocab_size, 
 
 ModelWeights session_initial_policy(const Session& s) {
   const RunConfig& c = s.config;
-  if (!c.model.path.empty()) return model_weights_load(c.model.path, DType::F32);
+  // An fp8rl checkpoint (e.g. the demo's cached SFT policy) starts from its F32 master, not
+  // from the BF16 rounding in its model files; any other HF directory loads as it is.
+  if (!c.model.path.empty()) return checkpoint_load_policy(c.model.path);
   ModelConfig mc = session_tiny_model_config(c.model.tiny, s.tokenizer.vocab_size(), s.eos_id);
   RandomInit init;
   init.seed = static_cast<uint64_t>(c.seed);
@@ -126,7 +159,7 @@ ValResult validate(const Session& s, RolloutEngine& engine, int n, int max_new_t
   SamplingParams sp;
   sp.temperature = 0.0f;  // greedy
   sp.max_new_tokens = max_new_tokens;
-  sp.stop_ids = {s.eos_id};
+  sp.stop_ids = s.stop_ids;
   std::vector<RolloutSample> out = engine.generate(reqs, sp);
   ValResult r;
   n = static_cast<int>(out.size());

@@ -9,6 +9,7 @@
 #include "model/weights.h"
 #include "rl/config.h"
 #include "tasks/task.h"
+#include "tokenizer/chat_template.h"
 #include "tokenizer/tokenizer.h"
 #include "train/trainer.h"
 
@@ -21,19 +22,27 @@ struct Session {
   std::string tokenizer_json;      // path of the tokenizer.json in use (copied into checkpoints)
   std::unique_ptr<Task> task;
   int32_t eos_id = -1;
+  // Generation stops after any of these: eos_id, then the eos_token_id(s) of the model's
+  // generation_config.json (e.g. Qwen's <|im_end|> and <|endoftext|>).
+  std::vector<int32_t> stop_ids;
+  // With tokenizer.chat_template: the model's Jinja template (null when its directory has none,
+  // then a built-in family formats prompts) and its extra variables (chat_template_kwargs).
+  std::shared_ptr<const ChatJinja> chat_jinja;
+  ChatJinja::Vars chat_vars;
 
   // Item i of the training split, wrapping around when i passes its size (epochs).
   TaskItem train_item(int64_t i) const { return task->item(Split::kTrain, static_cast<size_t>(i) % task->size(Split::kTrain)); }
   std::vector<int32_t> prompt_ids(const TaskItem& item) const;    // prompt (chat-templated if asked)
   std::vector<int32_t> solution_ids(const TaskItem& item) const;  // worked solution + EOS (SFT target)
-  std::string response_text(const std::vector<int32_t>& tokens) const;  // up to the first EOS
+  std::string response_text(const std::vector<int32_t>& tokens) const;  // up to the first stop id
 };
 
 // Backend, task and tokenizer from the config. With a tiny model and no tokenizer path, the
 // small byte-level tokenizer is trained on the task's text and cached under `cache_dir`.
 Session session_open(const RunConfig& config, const std::string& cache_dir);
 
-// The starting policy on the host (F32): model.path, or a tiny random model (seeded).
+// The starting policy on the host (F32): model.path (an fp8rl checkpoint: its F32 master), or
+// a tiny random model (seeded).
 ModelWeights session_initial_policy(const Session& s);
 
 // The Qwen3-shaped config of the tiny model (model.tiny.*) over the tokenizer's vocabulary

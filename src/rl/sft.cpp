@@ -128,7 +128,7 @@ std::string sft_run(const RunConfig& c) {
   st.step = steps_done;
   st.optimizer_step = trainer.optimizer_step();
   st.seed = static_cast<uint64_t>(c.seed);
-  return checkpoint_save(be, trainer, st, run.checkpoints_dir(), s.tokenizer_json);
+  return checkpoint_save(be, trainer, st, run.checkpoints_dir(), checkpoint_options(c, s.tokenizer_json));
 }
 
 }  // namespace fp8rl

@@ -16,9 +16,19 @@
 // Not reproduced: tool calls/tool messages, default system prompts some templates inject
 // (Qwen2.5's "You are Qwen...", Llama 3.1's "Cutting Knowledge Date"): pass a system
 // message explicitly if the model expects one.
+//
+// Models that ship a Jinja chat template (tokenizer_config.json's "chat_template" or
+// chat_template.jinja) are rendered by the Jinja interpreter (jinja.h) instead, exactly as
+// transformers' apply_chat_template(tokenize=False) does: see ChatJinja below. The fixed
+// families above are the fallback for tokenizers without a template.
 #pragma once
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
+
+#include "tokenizer/jinja.h"
 
 namespace fp8rl {
 
@@ -59,6 +69,36 @@ struct ChatTemplate {
                             const ChatOptions& opt = {}) const;
   // Text that ends an assistant turn (appended after a response for SFT): "<|im_end|>\n" etc.
   std::string end_of_turn() const { return message_end; }
+};
+
+// A model's Jinja chat template with the special tokens transformers passes to it.
+struct ChatJinja {
+  std::string source;                    // the template text
+  std::string origin;                    // file it came from (for messages)
+  std::optional<std::string> bos_token;  // absent: the variable is not passed (undefined)
+  std::optional<std::string> eos_token;
+  std::shared_ptr<const JinjaTemplate> tpl;  // parsed `source`
+
+  // From a model/tokenizer directory: chat_template.jinja if present, else
+  // tokenizer_config.json's "chat_template" (a string, or a list of {name, template}: the
+  // "default" one); bos/eos from tokenizer_config.json (a string or {"content": ...}).
+  // Returns nullopt when the directory has no template. Throws on a malformed one.
+  static std::optional<ChatJinja> load(const std::string& dir);
+  static ChatJinja from_source(std::string source, std::optional<std::string> bos = {},
+                               std::optional<std::string> eos = {});
+
+  struct Vars {
+    bool add_generation_prompt = true;
+    nlohmann::ordered_json kwargs = nlohmann::ordered_json::object();  // extra variables (enable_thinking, ...)
+    std::string now;                                                  // strftime_now clock; empty = now
+  };
+  // `conversation`: a list of messages, or {"messages": [...], "tools": [...], "kwargs": {...}}
+  // (its kwargs are overridden by vars.kwargs). Applies transformers' preprocessing (keys
+  // whose value is null are dropped; reasoning_content/thinking/reasoning aliased to both
+  // "thinking" and "reasoning_content"); tools and documents are passed as None when absent.
+  std::string render(const nlohmann::ordered_json& conversation, const Vars& vars) const;
+  // A single-turn prompt (optional system message, then the user message).
+  std::string render_prompt(const std::string& user, const std::string& system, const Vars& vars) const;
 };
 
 }  // namespace fp8rl
