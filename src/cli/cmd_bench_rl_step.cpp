@@ -104,9 +104,12 @@ RecipeResult bench_recipe(Backend& be, const BenchSetup& s, const std::string& r
   topt.micro_batch_tokens = s.micro_batch_tokens;
   Trainer trainer(be, bench_random_weights(be, s.model, DType::F32, s.seed), recipe.trainer, topt);
   std::unique_ptr<Trainer> reference;
-  if (s.kl_beta > 0)
+  if (s.kl_beta > 0) {
+    TrainerOptions frozen = topt;
+    frozen.frozen = true;
     reference = std::make_unique<Trainer>(be, bench_random_weights(be, s.model, DType::F32, s.seed), recipe.trainer,
-                                          topt);
+                                          frozen);
+  }
   const int64_t seq_pages = ceil_div(static_cast<int64_t>(s.prompt_len + s.max_new), 16);
   const int concurrent = std::min(256, s.P * s.G);
   RolloutEngine engine(be, trainer.master(), recipe.generator, static_cast<int>(concurrent * seq_pages + 1), 16, 256);

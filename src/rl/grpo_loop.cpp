@@ -138,8 +138,9 @@ int grpo_run(const RunConfig& config_in, bool resume) {
   std::unique_ptr<Trainer> reference;  // frozen initial policy for the k3 KL term
   if (c.train.kl_beta > 0) {
     ModelWeights ref = session_initial_policy(s);
-    reference = std::make_unique<Trainer>(be, model_weights_to_device(be, ref, DType::F32), recipe.trainer,
-                                          trainer_options(c));
+    TrainerOptions frozen = trainer_options(c);
+    frozen.frozen = true;  // weights only, in the trainer's compute dtypes
+    reference = std::make_unique<Trainer>(be, model_weights_to_device(be, ref, DType::F32), recipe.trainer, frozen);
   }
   RolloutEngine engine(be, trainer.master(), recipe.generator, static_cast<int>(memory_plan_kv_pages(c)), 16,
                        kRolloutMaxBatch);

@@ -95,8 +95,9 @@ MemoryPlan memory_plan_compute(const MemoryPlanInput& in) {
   p.resident.push_back({"gradients (F32)", 4 * N, "4 B x parameters"});
   p.resident.push_back({"Adam moments m, v (F32)", 8 * N, "2 x 4 B x parameters"});
   if (in.reference_policy)
-    p.resident.push_back({"reference policy (kl_beta > 0)", 16 * N,
-                          "a second Trainer: weights + gradients + moments, 16 B x parameters"});
+    p.resident.push_back({"reference policy (kl_beta > 0)", memory_plan_generator_bytes(c, in.trainer, in.act_dtype),
+                          "frozen: weights only, in the trainer's compute dtypes (FP8 linears + scales, or the "
+                          "activation dtype)"});
   const bool fp8 = in.generator.linear == LinearMode::FP8_BLOCK;
   p.resident.push_back({fp8 ? "generator weights (FP8 linears + scales)" : "generator weights",
                         memory_plan_generator_bytes(c, in.generator, in.act_dtype),
@@ -140,6 +141,7 @@ MemoryPlanInput memory_plan_input(const RunConfig& c, const ModelConfig& model, 
   MemoryPlanInput in;
   in.model = model;
   in.generator = config_precision_recipe(c.precision).generator;
+  in.trainer = config_precision_recipe(c.precision).trainer;
   in.act_dtype = act_dtype;
   in.reference_policy = c.train.kl_beta > 0;
   in.kv_pages = memory_plan_kv_pages(c);

@@ -22,8 +22,9 @@ inline constexpr int kRolloutMaxBatch = 256;
 struct MemoryPlanInput {
   ModelConfig model;
   EnginePrecision generator;             // linears FP8 (128x128 blocks + F32 scales) or not; KV dtype
+  EnginePrecision trainer;               // the frozen reference policy's weights follow it
   DType act_dtype = DType::BF16;         // activation / generator storage dtype (CUDA: BF16; CPU: F32)
-  bool reference_policy = false;         // kl_beta > 0: a frozen copy of the policy (a second Trainer)
+  bool reference_policy = false;         // kl_beta > 0: a frozen copy of the policy (weights only)
   int64_t kv_pages = 0, page_size = 16;  // the generator's KV pool
   int64_t micro_batch_tokens = 4096;     // tokens per forward/backward chunk
   int64_t generation_batch = 256;        // sequences decoded together (logits rows per decode step)
@@ -66,7 +67,7 @@ MemoryPlanInput memory_plan_input(const RunConfig& c, const ModelConfig& model, 
 // A readable table; `device_bytes` > 0 adds the headroom line ("fits in 139.0 GiB: 12.3 GiB free").
 std::string memory_plan_format(const MemoryPlan& plan, const ModelConfig& model, int64_t device_bytes = 0);
 
-// Known shapes for `fp8rl plan --shape`: qwen3-0.6b, qwen3-1.7b, llama-3.2-1b. Throws on others.
+// Shapes for `fp8rl plan --shape`: model/shapes.h's registry. Throws on others.
 ModelConfig memory_plan_shape(const std::string& name);
 
 }  // namespace fp8rl

@@ -71,6 +71,20 @@ Trainer::Trainer(Backend& be, ModelWeights master, const EnginePrecision& prec, 
     : be_(be), master_(std::move(master)), prec_(prec), opt_(opt) {
   FP8RL_CHECK(master_.embed.dtype() == DType::F32, "the trainer keeps FP32 master weights, got ", master_.embed.str());
   FP8RL_CHECK(opt_.micro_batch_tokens > 0, "micro_batch_tokens must be positive");
+  if (opt_.frozen) {
+    // Build the compute weights once, then drop every F32 tensor they replace: the FP8 linears
+    // read only wq, the others their BF16 copies (with BF16 activations); norms stay shared.
+    opt_.cache_fp8_weights = true;
+    compute_weights();
+    const int L = master_.config.num_layers;
+    model_for_each_linear(compute_, [&](const std::string&, int layer, LinearWeight& lw) {
+      if (prec_.linear_for_layer(layer, L) == LinearMode::FP8_BLOCK) lw.w = Tensor();
+    });
+    const ModelConfig config = master_.config;
+    master_ = ModelWeights{};
+    master_.config = config;
+    return;
+  }
   grads_ = model_grads_alloc(be_, master_, DType::F32);
   m_ = model_grads_alloc(be_, master_, DType::F32);
   v_ = model_grads_alloc(be_, master_, DType::F32);
@@ -97,7 +111,7 @@ const ModelWeights& Trainer::compute_weights() {
   if (!opt_.cache_fp8_weights) return master_;
   if (!wq_stale_) {
 #ifndef NDEBUG
-    check_weight_cache();
+    if (!opt_.frozen) check_weight_cache();
 #endif
     return compute_;
   }
@@ -183,6 +197,7 @@ ScoreResult Trainer::score(const std::vector<TrainSequence>& seqs, float tempera
 
 StepResult Trainer::step(const std::vector<TrainSequence>& seqs, float temperature, const TokenLossFn& loss_fn,
                          float lr) {
+  FP8RL_CHECK(!opt_.frozen, "a frozen policy (the KL reference) cannot take optimizer steps");
   StepResult r;
   model_grads_zero(be_, grads_);
   const ModelWeights& weights = compute_weights();

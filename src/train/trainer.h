@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "core/error.h"
 #include "core/precision.h"
 #include "model/transformer.h"
 #include "model/weights.h"
@@ -38,6 +39,10 @@ struct TrainerOptions {
   float beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f;
   int64_t micro_batch_tokens = 4096;  // a micro-batch holds whole sequences up to this many tokens
   bool cache_fp8_weights = true;      // the FP8 weight cache (above); false: the ops quantize w per call
+  // A frozen policy (the KL reference): it only scores. It keeps just its compute weights — the
+  // FP8 linears' wq, BF16 copies with BF16 activations, F32 norms — and no master, gradients or
+  // moments (2 B or ~1 B per parameter instead of 16). step() and master() are errors.
+  bool frozen = false;
 };
 
 struct ScoreResult {
@@ -87,6 +92,7 @@ class Trainer {
   // Mutable access marks the FP8 weight cache stale: write the weights before the next score()
   // or step() (a reference kept past that and written later is not seen by the cache).
   ModelWeights& master() {
+    FP8RL_CHECK(!opt_.frozen, "a frozen policy has no master weights to write");
     wq_stale_ = true;
     return master_;
   }

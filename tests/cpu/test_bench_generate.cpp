@@ -155,5 +155,42 @@ TEST(BenchGenerateCli, TinyCpuRunWritesEveryFigure) {
   fs::remove_all(dir);
 }
 
+
+// bench rl-step on the CPU: every recipe runs whole GRPO steps on the same ragged workload
+// (forced response lengths: the same token counts in every recipe), no FP8 fallback.
+TEST(BenchRlStepCli, TinyCpuRunTimesEveryPhaseOfEveryRecipe) {
+  const fs::path dir = fs::temp_directory_path() / ("fp8rl_bench_rl_step_" + std::to_string(getpid()));
+  fs::create_directories(dir);
+  const std::string json_path = (dir / "rl.json").string(), log = (dir / "log.txt").string();
+  std::string out;
+  ASSERT_EQ(run_fp8rl({"bench", "rl-step", "--model", "tiny", "--prompts", "2", "--samples", "3", "--prompt-len", "8",
+                       "--max-new-tokens", "12", "--steps", "1", "--warmup", "1", "--kl-beta", "0.01", "--json",
+                       json_path},
+                      log, out),
+            0)
+      << out;
+  const nlohmann::json j = nlohmann::json::parse(read_file(json_path));
+  ASSERT_EQ(j["recipes"].size(), 3u);
+  double gen_tokens = -1;
+  for (const char* r : {"bf16", "fp8_gen", "fp8_e2e"}) {
+    SCOPED_TRACE(r);
+    const nlohmann::json& x = j["recipes"][r];
+    for (const char* p : {"generation", "scoring", "reference", "training", "refit_calibration", "step"})
+      EXPECT_GE(x["seconds"][p]["median"].get<double>(), 0.0) << p;
+    EXPECT_GT(x["seconds"]["step"]["median"].get<double>(), 0.0);
+    EXPECT_EQ(x["fp8_gemm_fallbacks"], 0);
+    const double g = x["generated_tokens"][0].get<double>();
+    EXPECT_GT(g, 0.0);
+    EXPECT_LE(g, 2 * 3 * 12);
+    if (gen_tokens >= 0) {
+      EXPECT_EQ(g, gen_tokens) << "the forced lengths make every recipe generate the same count";
+    }
+    gen_tokens = g;
+    EXPECT_GE(x["token_mult_prob_error"][0].get<double>(), 1.0);
+  }
+  EXPECT_NE(out.find("scoring+training"), std::string::npos) << out;
+  fs::remove_all(dir);
+}
+
 }  // namespace
 }  // namespace fp8rl

@@ -63,8 +63,10 @@ TEST(MemoryPlan, SmallShapeByHand) {
   EXPECT_EQ(p.activations_recompute_bytes, 100 * (256 + 2032 + 276));
   EXPECT_EQ(p.peak_bytes(), p.resident_bytes() + 434000 + find(p.transient, "backward") + 400000 + 32000);
 
+  // The frozen reference policy holds only its weights in the trainer's compute dtypes.
   in.reference_policy = true;
-  EXPECT_EQ(find(memory_plan_compute(in).resident, "reference policy"), 16 * 138112);
+  in.trainer.linear = LinearMode::BF16;
+  EXPECT_EQ(find(memory_plan_compute(in).resident, "reference policy"), 2 * 138112);
   in.generator.linear = LinearMode::BF16;  // every generator tensor BF16: 2 B x parameters
   EXPECT_EQ(find(memory_plan_compute(in).resident, "generator weights"), 2 * 138112);
   const std::string text = memory_plan_format(p, in.model, int64_t(1) << 30);
