@@ -51,6 +51,13 @@ KvCache Backend::alloc_kv_cache(int num_layers, int num_pages, int page_size, in
   return c;
 }
 
+void Backend::linear_shared_input(const Tensor& x, const std::vector<const LinearWeight*>& W,
+                                  const LinearSpec& spec, const std::vector<Tensor*>& outs) {
+  FP8RL_CHECK(!W.empty() && W.size() == outs.size(), "linear_shared_input: ", W.size(), " weights for ", outs.size(),
+              " outputs");
+  for (size_t i = 0; i < W.size(); ++i) linear(x, *W[i], spec, *outs[i]);
+}
+
 float Backend::amax(const Tensor& x) {
   const Tensor h = x.device() == DeviceKind::CPU ? x : to_host(x);
   float m = 0.0f;

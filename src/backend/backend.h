@@ -176,6 +176,11 @@ class Backend {
 
   // out[M, N] = x[M, K] W^T (+ bias) under `spec` (FP8: x quantized 1x128 along K, W 128x128).
   virtual void linear(const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor& out) = 0;
+  // linear() of one input through several weights of equal in_features (q/k/v, gate/up):
+  // *outs[i] = x W[i]^T, each bitwise what linear(x, *W[i], spec, *outs[i]) writes. A backend
+  // may share work between them (CUDA FP8: x quantized once); the default calls linear().
+  virtual void linear_shared_input(const Tensor& x, const std::vector<const LinearWeight*>& W,
+                                   const LinearSpec& spec, const std::vector<Tensor*>& outs);
   // Backward of linear. dx [M, K] written when non-null (dgrad: dY 1x128 along N, W^T);
   // dw F32 [N, K] and dbias F32 [N] accumulated when non-null (wgrad: dY^T and X^T requantized
   // 1x128 along tokens). FP8 dgrad uses W.wq transposed when defined, else quantizes W.w

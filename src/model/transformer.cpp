@@ -121,16 +121,13 @@ void forward_layers(Backend& be, const ModelWeights& w, const EnginePrecision& p
     be.rmsnorm(x, lw.attn_norm, c.rms_norm_eps, a.xn_attn, &a.attn_rstd);
     Tensor q2 = a.q.reshape({T, Hq * hd}), k2 = a.k.reshape({T, Hkv * hd}), v2 = a.v.reshape({T, Hkv * hd});
     if (c.qk_norm) {
-      be.linear(a.xn_attn, lw.q, spec, a.q_raw);
-      be.linear(a.xn_attn, lw.k, spec, a.k_raw);
+      be.linear_shared_input(a.xn_attn, {&lw.q, &lw.k, &lw.v}, spec, {&a.q_raw, &a.k_raw, &v2});
       Tensor qh = a.q.reshape({T * Hq, hd}), kh = a.k.reshape({T * Hkv, hd});
       be.rmsnorm(a.q_raw.reshape({T * Hq, hd}), lw.q_norm, c.rms_norm_eps, qh, &a.q_rstd);
       be.rmsnorm(a.k_raw.reshape({T * Hkv, hd}), lw.k_norm, c.rms_norm_eps, kh, &a.k_rstd);
     } else {
-      be.linear(a.xn_attn, lw.q, spec, q2);
-      be.linear(a.xn_attn, lw.k, spec, k2);
+      be.linear_shared_input(a.xn_attn, {&lw.q, &lw.k, &lw.v}, spec, {&q2, &k2, &v2});
     }
-    be.linear(a.xn_attn, lw.v, spec, v2);
     be.rope(a.q, positions, rope, /*inverse=*/false);
     be.rope(a.k, positions, rope, /*inverse=*/false);
     if (amax) {
@@ -144,8 +141,7 @@ void forward_layers(Backend& be, const ModelWeights& w, const EnginePrecision& p
 
     // ---- MLP ----
     be.rmsnorm(a.x_mid, lw.mlp_norm, c.rms_norm_eps, a.xn_mlp, &a.mlp_rstd);
-    be.linear(a.xn_mlp, lw.gate, spec, a.gate);
-    be.linear(a.xn_mlp, lw.up, spec, a.up);
+    be.linear_shared_input(a.xn_mlp, {&lw.gate, &lw.up}, spec, {&a.gate, &a.up});
     be.swiglu(a.gate, a.up, a.act);
     be.linear(a.act, lw.down, spec, a.proj);
     // Saving: the next block's input is a new tensor (this block's x stays intact).

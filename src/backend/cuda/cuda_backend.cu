@@ -589,7 +589,8 @@ void CudaBackend::mm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const Te
   gemm_->gemm(ta, tb, M, N, K, a->raw(), b->raw(), ab, C.raw(), C.dtype(), 1.0f, beta);
 }
 
-void CudaBackend::linear_fwd(const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor& out) {
+void CudaBackend::linear_fwd(const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor& out,
+                             const QuantTensor* x_shared, bool x_shared_laid) {
   const int64_t M = x.dim(0), K = x.dim(1), N = W.out_features();
   if (spec.mode != LinearMode::FP8_BLOCK) {
     check_dev(W.w, "linear W.w");
@@ -597,11 +598,18 @@ void CudaBackend::linear_fwd(const Tensor& x, const LinearWeight& W, const Linea
     mm(false, true, M, N, K, x, W.w, spec.mode == LinearMode::FP32 ? DType::F32 : DType::BF16, out, 0.0f);
   } else {
     // With M % 16 == 0 (decode batches, aligned micro-batches) the quantizer writes the scales
-    // straight into cuBLASLt's layout: no layout kernel.
-    const bool tc = fp8_tensor_cores(M, N, K), laid = tc && M % kFp8RowGranule == 0;
-    QuantTensor xq = scratch_quant(kSlotAq, kSlotAs, M, K, 1, spec.pow2_scales);
-    flag_reset();
-    quantize_async(x, false, xq, false, /*gemm_layout=*/laid);
+    // straight into cuBLASLt's layout: no layout kernel. x_shared: x already quantized (by
+    // linear_shared_input, laid out as x_shared_laid says).
+    const bool tc = x_shared ? true : fp8_tensor_cores(M, N, K);
+    const bool laid = x_shared ? x_shared_laid : tc && M % kFp8RowGranule == 0;
+    QuantTensor xq;
+    if (x_shared) {
+      xq = *x_shared;
+    } else {
+      xq = scratch_quant(kSlotAq, kSlotAs, M, K, 1, spec.pow2_scales);
+      flag_reset();
+      quantize_async(x, false, xq, false, /*gemm_layout=*/laid);
+    }
     QuantTensor wq;
     if (W.wq.defined()) {  // pre-quantized (the generator's, or the trainer's per-step cache)
       check_wq(W, spec);
@@ -611,7 +619,7 @@ void CudaBackend::linear_fwd(const Tensor& x, const LinearWeight& W, const Linea
       wq = scratch_quant(kSlotBq, kSlotBs, N, K, kQuantBlock, spec.pow2_scales);
       quantize_async(W.w, false, wq);
     }
-    flag_check("linear (FP8): the input " + x.str() + " or the weight holds NaN or Inf");
+    if (!x_shared) flag_check("linear (FP8): the input " + x.str() + " or the weight holds NaN or Inf");
     if (tc) {
       gemm_->gemm_fp8(M, N, K, xq.data.data<uint8_t>(), xq.scales.data<float>(), wq.data.data<uint8_t>(),
                       wq.scales.data<float>(), kQuantBlock, out.raw(), out.dtype(), 1.0f, 0.0f, laid);
@@ -643,6 +651,44 @@ void CudaBackend::linear(const Tensor& x, const LinearWeight& W, const LinearSpe
   FP8RL_CHECK(out.numel() == M * N && out.dim(-1) == N, "linear: out must be [", M, ", ", N, "], got ", out.str());
   Tensor x2 = x.reshape({M, K}), o2 = out.reshape({M, N});
   linear_fwd(x2, W, spec, o2);
+}
+
+// FP8: x quantized once for every weight (q/k/v, gate/up) when all of them take the tensor
+// cores; the products are then exactly those of separate linear() calls.
+void CudaBackend::linear_shared_input(const Tensor& x, const std::vector<const LinearWeight*>& W,
+                                      const LinearSpec& spec, const std::vector<Tensor*>& outs) {
+  FP8RL_CHECK(!W.empty() && W.size() == outs.size(), "linear_shared_input: ", W.size(), " weights for ", outs.size(),
+              " outputs");
+  bool shared = spec.mode == LinearMode::FP8_BLOCK;
+  const int64_t K = W[0]->in_features(), M = rows_of(x);
+  for (const LinearWeight* w : W) shared = shared && w->in_features() == K;
+  if (shared)
+    for (const LinearWeight* w : W) shared = shared && GemmEngine::fp8_supported(M, w->out_features(), K);
+  if (!shared || act_dtype_ == DType::F32) {
+    Backend::linear_shared_input(x, W, spec, outs);
+    return;
+  }
+  const OpTimer op_timer_(*this, "linear");
+  check_dev(x, "linear x");
+  check_float(x, "linear x");
+  FP8RL_CHECK(x.dim(-1) == K, "linear: x ", x.str(), " does not match the weight's in_features ", K);
+  const Tensor x2 = x.reshape({M, K});
+  const bool laid = M % kFp8RowGranule == 0;
+  QuantTensor xq = scratch_quant(kSlotAq, kSlotAs, M, K, 1, spec.pow2_scales);
+  flag_reset();
+  quantize_async(x2, false, xq, false, /*gemm_layout=*/laid);
+  flag_check("linear (FP8): the input " + x.str() + " holds NaN or Inf");
+  for (size_t i = 0; i < W.size(); ++i) {
+    Tensor& out = *outs[i];
+    const int64_t N = W[i]->out_features();
+    check_dev(out, "linear out");
+    check_float(out, "linear out");
+    FP8RL_CHECK(out.numel() == M * N && out.dim(-1) == N, "linear: out must be [", M, ", ", N, "], got ", out.str());
+    Tensor o2 = out.reshape({M, N});
+    flag_reset();
+    linear_fwd(x2, *W[i], spec, o2, &xq, laid);
+    flag_check("linear (FP8): a weight holds NaN or Inf");
+  }
 }
 
 void CudaBackend::linear_backward(const Tensor& dy, const Tensor& x, const LinearWeight& W, const LinearSpec& spec,

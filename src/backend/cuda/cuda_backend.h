@@ -59,6 +59,8 @@ class CudaBackend final : public Backend {
   void rmsnorm_backward(const Tensor& dout, const Tensor& x, const Tensor& w, const Tensor& rstd, Tensor& dx,
                         Tensor& dw) override;
   void linear(const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor& out) override;
+  void linear_shared_input(const Tensor& x, const std::vector<const LinearWeight*>& W, const LinearSpec& spec,
+                           const std::vector<Tensor*>& outs) override;
   void linear_backward(const Tensor& dy, const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor* dx,
                        Tensor* dw, Tensor* dbias) override;
   void rope(Tensor& x, const Tensor& positions, const RopeParams& rope, bool inverse) override;
@@ -116,7 +118,8 @@ class CudaBackend final : public Backend {
   // C[M, N] = op(A) op(B) + beta C with A, B converted to `ab` (F32 or BF16) when they differ.
   void mm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const Tensor& A, const Tensor& B, DType ab, Tensor& C,
           float beta);
-  void linear_fwd(const Tensor& x2, const LinearWeight& W, const LinearSpec& spec, Tensor& out2);
+  void linear_fwd(const Tensor& x2, const LinearWeight& W, const LinearSpec& spec, Tensor& out2,
+                  const QuantTensor* x_shared = nullptr, bool x_shared_laid = false);
   void check_dev(const Tensor& t, const char* what) const;
   // Whether an FP8 block GEMM [M, N, K] takes cuBLASLt's FP8 kernels (else: dequantize + FP32 GEMM).
   // On the fast path (BF16 activations) a shape that cannot is a fallback: counted, and reported
