@@ -126,6 +126,7 @@ int grpo_run(const RunConfig& config_in, bool resume) {
   TrainerState state;
   state.seed = static_cast<uint64_t>(c.seed);
   ModelWeights host = ckpt ? model_weights_load(*ckpt, DType::F32) : session_initial_policy(s);
+  session_set_model(s, host.config.vocab_size);
   std::printf("policy: %s, %lld parameters; recipe %s (generator %s%s, trainer %s); device %s\n",
               host.config.model_type.c_str(), static_cast<long long>(model_count_parameters(host)), recipe.name.c_str(),
               linear_mode_name(recipe.generator.linear), fp8_kv ? " + FP8 KV" : "",
@@ -211,6 +212,7 @@ int grpo_run(const RunConfig& config_in, bool resume) {
     sp.top_k = c.rollout.top_k;
     sp.max_new_tokens = c.rollout.max_new_tokens;
     sp.stop_ids = {s.eos_id};
+    sp.valid_vocab = s.sampling_vocab;
     sp.seed = mix(static_cast<uint64_t>(c.seed), static_cast<uint64_t>(step));
     auto t0 = Clock::now();
     std::vector<RolloutSample> samples = engine.generate(reqs, sp);

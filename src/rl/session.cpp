@@ -1,6 +1,8 @@
 #include "rl/session.h"
 
+#include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <functional>
@@ -88,7 +90,25 @@ std::string Session::response_text(const std::vector<int32_t>& tokens) const {
     if (id == eos_id) break;
     t.push_back(id);
   }
-  return tokenizer.decode(t, /*skip_special=*/true);
+  return tokenizer.decode_lossy(t, /*skip_special=*/true);  // never throws mid-run
+}
+
+int64_t session_set_model(Session& s, int64_t model_vocab, std::FILE* note) {
+  const int64_t tok_vocab = s.tokenizer.vocab_size();
+  s.sampling_vocab = std::min(tok_vocab, model_vocab);
+  if (model_vocab > tok_vocab) {
+    std::fprintf(note, "vocabulary: the model has %lld ids, its tokenizer %lld; ids %lld..%lld are padding and are "
+                "never sampled\n",
+                static_cast<long long>(model_vocab), static_cast<long long>(tok_vocab),
+                static_cast<long long>(tok_vocab), static_cast<long long>(model_vocab - 1));
+  } else if (model_vocab < tok_vocab) {
+    std::fprintf(stderr,
+                 "warning: the tokenizer has %lld ids but the model only %lld; a prompt holding an id >= %lld "
+                 "cannot be scored\n",
+                 static_cast<long long>(tok_vocab), static_cast<long long>(model_vocab),
+                 static_cast<long long>(model_vocab));
+  }
+  return s.sampling_vocab;
 }
 
 ModelConfig session_tiny_model_config(const TinyModelConfig& t, int vocab_size, int32_t eos_id) {
@@ -126,6 +146,7 @@ ValResult validate(const Session& s, RolloutEngine& engine, int n, int max_new_t
   SamplingParams sp;
   sp.temperature = 0.0f;  // greedy
   sp.max_new_tokens = max_new_tokens;
+  sp.valid_vocab = s.sampling_vocab;
   sp.stop_ids = {s.eos_id};
   std::vector<RolloutSample> out = engine.generate(reqs, sp);
   ValResult r;

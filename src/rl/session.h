@@ -1,6 +1,7 @@
 // What `fp8rl train` and `fp8rl sft` set up the same way: the backend, the tokenizer, the task,
 // the starting policy, and how a task item becomes token ids.
 #pragma once
+#include <cstdio>
 #include <memory>
 #include <string>
 #include <vector>
@@ -21,6 +22,8 @@ struct Session {
   std::string tokenizer_json;      // path of the tokenizer.json in use (copied into checkpoints)
   std::unique_ptr<Task> task;
   int32_t eos_id = -1;
+  // Ids the samplers may draw (SamplingParams::valid_vocab; 0 = all): set by session_set_model.
+  int64_t sampling_vocab = 0;
 
   // Item i of the training split, wrapping around when i passes its size (epochs).
   TaskItem train_item(int64_t i) const { return task->item(Split::kTrain, static_cast<size_t>(i) % task->size(Split::kTrain)); }
@@ -32,6 +35,14 @@ struct Session {
 // Backend, task and tokenizer from the config. With a tiny model and no tokenizer path, the
 // small byte-level tokenizer is trained on the task's text and cached under `cache_dir`.
 Session session_open(const RunConfig& config, const std::string& cache_dir);
+
+// Records the policy's vocabulary size against the tokenizer's: sampling_vocab becomes the
+// tokenizer's size (at most the model's), and when they differ one line says so on stdout (a
+// padded vocabulary, e.g. Qwen's 151936 rows over 151669 ids: the extra ids are never sampled)
+// or on stderr (a tokenizer larger than the model: prompts with those ids cannot be scored).
+// Returns sampling_vocab. Call once at start. `note` receives the padding line (stdout; `fp8rl
+// eval`, whose stdout is JSON, passes stderr).
+int64_t session_set_model(Session& s, int64_t model_vocab, std::FILE* note = stdout);
 
 // The starting policy on the host (F32): model.path, or a tiny random model (seeded).
 ModelWeights session_initial_policy(const Session& s);

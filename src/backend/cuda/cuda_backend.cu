@@ -956,7 +956,7 @@ void CudaBackend::attention_paged(const KvCache& cache, int layer, const Tensor&
 
 void CudaBackend::sample(const Tensor& logits, const std::vector<float>& temperature, const std::vector<float>& top_p,
                          const std::vector<int>& top_k, const std::vector<float>& uniforms, Tensor& tokens,
-                         Tensor& logp) {
+                         Tensor& logp, int64_t valid_vocab) {
   const OpTimer op_timer_(*this, "sample");
   check_dev(logits, "sample logits");
   check_dev(tokens, "sample tokens");
@@ -964,6 +964,9 @@ void CudaBackend::sample(const Tensor& logits, const std::vector<float>& tempera
   check_dtype(logits, DType::F32, "sample logits");
   FP8RL_CHECK(logits.ndim() == 2 && logits.dim(1) > 0, "sample logits must be [B, V], got ", logits.str());
   const int64_t B = logits.dim(0), V = logits.dim(1);
+  FP8RL_CHECK(valid_vocab >= 0 && valid_vocab <= V, "sample: valid_vocab ", valid_vocab, " must be in [0, V = ", V,
+              "] (0: all V)");
+  const int64_t Vv = valid_vocab > 0 ? valid_vocab : V;  // sampled ids [0, Vv); rows are V apart
   const auto n = static_cast<size_t>(B);
   FP8RL_CHECK(temperature.size() == n && top_p.size() == n && top_k.size() == n && uniforms.size() == n,
               "sample needs one temperature, top_p, top_k and uniform per row (", B, " rows), got ",
@@ -983,7 +986,7 @@ void CudaBackend::sample(const Tensor& logits, const std::vector<float>& tempera
     Tensor hl = to_host(logits);
     Tensor ht = Tensor::empty(tokens.shape(), tokens.dtype()), hp = Tensor::empty(logp.shape(), logp.dtype());
     static std::unique_ptr<Backend> cpu = make_cpu_backend();
-    cpu->sample(hl, temperature, top_p, top_k, uniforms, ht, hp);
+    cpu->sample(hl, temperature, top_p, top_k, uniforms, ht, hp, valid_vocab);
     copy(ht, tokens);
     copy(hp, logp);
     return;
@@ -1007,7 +1010,7 @@ void CudaBackend::sample(const Tensor& logits, const std::vector<float>& tempera
   CUDA_CHECK(cudaMemcpyAsync(pd.raw(), params.data(), params.size() * sizeof(float), cudaMemcpyHostToDevice, stream_),
              "uploading the sampling parameters");
   const float* p = pd.data<float>();  // no [B, V] scratch: the kernel recomputes keys and weights
-  launch_sample(logits.data<float>(), B, V, p, p + n, reinterpret_cast<const int32_t*>(p + 3 * n), p + 2 * n,
+  launch_sample(logits.data<float>(), B, V, Vv, p, p + n, reinterpret_cast<const int32_t*>(p + 3 * n), p + 2 * n,
                 tokens.data<int32_t>(), logp.data<float>(), flag_reset(), stream_);
   // Synchronizes: the host-side parameter vector must outlive the upload.
   flag_check("sample: a row of logits holds NaN or +inf, or only -inf");

@@ -80,7 +80,7 @@ class CudaBackend final : public Backend {
                        float softmax_scale, bool fp8_attention, Tensor& out) override;
   void sample(const Tensor& logits, const std::vector<float>& temperature, const std::vector<float>& top_p,
               const std::vector<int>& top_k, const std::vector<float>& uniforms, Tensor& tokens,
-              Tensor& logp) override;
+              Tensor& logp, int64_t valid_vocab = 0) override;
 
   std::unique_ptr<OpGraph> record(const std::function<void()>& ops) override;
 

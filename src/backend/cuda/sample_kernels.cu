@@ -14,7 +14,8 @@
 // they are split arithmetically; only when the i-th of them by id is not the first is it found
 // with a block scan. Sums are FP64, weights FP32: results equal the CPU's (FP64 throughout)
 // unless a uniform lands within rounding of a boundary between two tokens (logits that are
-// well separated never do).
+// well separated never do). Rows are ld apart and only their first V ids are read (V < ld: a
+// vocabulary padded past the tokenizer's; the padding ids count as -inf, backend.h).
 #include <cstdint>
 
 #include "backend/cuda/common.cuh"
@@ -298,13 +299,13 @@ __device__ bool first_crossing(const RowView& rv, int64_t V, double Y, bool stri
 }
 
 __global__ void __launch_bounds__(kSampleThreads, 1)
-    sample_kernel(const float* __restrict__ logits, int64_t V, const float* __restrict__ temperature,
+    sample_kernel(const float* __restrict__ logits, int64_t ld, int64_t V, const float* __restrict__ temperature,
                   const float* __restrict__ top_p, const int32_t* __restrict__ top_k,
                   const float* __restrict__ uniforms, int32_t* __restrict__ tokens, float* __restrict__ logp, int* bad) {
   __shared__ SampleShared sh;
   extern __shared__ double bins[];  // [kBins][kSampleThreads]
   const int64_t b = blockIdx.x;
-  const float* row = logits + b * V;
+  const float* row = logits + b * ld;  // ids [0, V) only: V < ld masks a padded vocabulary
   const float tau = temperature[b];
 
   // Max logit (lowest id on ties), and the NaN / +inf check.
@@ -410,7 +411,7 @@ __global__ void __launch_bounds__(kSampleThreads, 1)
 
 }  // namespace
 
-void launch_sample(const float* logits, int64_t B, int64_t V, const float* temperature, const float* top_p,
+void launch_sample(const float* logits, int64_t B, int64_t ld, int64_t V, const float* temperature, const float* top_p,
                    const int32_t* top_k, const float* uniforms, int32_t* tokens, float* logp, int* bad_flag,
                    cudaStream_t stream) {
   if (B == 0) return;
@@ -418,7 +419,7 @@ void launch_sample(const float* logits, int64_t B, int64_t V, const float* tempe
   CUDA_CHECK(cudaFuncSetAttribute(sample_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   static_cast<int>(kBinBytes)),
              "raising sample_kernel's shared memory limit");
-  sample_kernel<<<static_cast<unsigned>(B), kSampleThreads, kBinBytes, stream>>>(logits, V, temperature, top_p, top_k,
+  sample_kernel<<<static_cast<unsigned>(B), kSampleThreads, kBinBytes, stream>>>(logits, ld, V, temperature, top_p, top_k,
                                                                                  uniforms, tokens, logp, bad_flag);
   CUDA_CHECK_LAUNCH("sample_kernel");
 }

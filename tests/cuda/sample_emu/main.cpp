@@ -59,6 +59,7 @@ Ref ref_sample(const float* lg, int64_t V, float tau, float top_p, int top_k, fl
 
 struct Batch {
   int64_t V;
+  int64_t ld = 0;  // row stride (0: V); ld > V is a padded vocabulary, ids >= V never sampled
   std::vector<float> logits, temp, top_p, u;
   std::vector<int32_t> top_k;
 };
@@ -70,7 +71,7 @@ int run_kernel(const Batch& b, std::vector<int32_t>& tok, std::vector<float>& lp
   lp.assign(B, -7.0f);
   int bad = 0;
   emu::emu_launch(B, sizeof(emu::SampleShared), emu::kBinBytes, [&] {
-    emu::sample_kernel(b.logits.data(), b.V, b.temp.data(), b.top_p.data(), b.top_k.data(), b.u.data(), tok.data(),
+    emu::sample_kernel(b.logits.data(), b.ld ? b.ld : b.V, b.V, b.temp.data(), b.top_p.data(), b.top_k.data(), b.u.data(), tok.data(),
                        lp.data(), &bad);
   });
   return bad;
@@ -87,7 +88,7 @@ void check(const char* name, const Batch& b) {
     ++g_fail;
   }
   for (size_t r = 0; r < b.temp.size(); ++r) {
-    const Ref ref = ref_sample(b.logits.data() + r * b.V, b.V, b.temp[r], b.top_p[r], b.top_k[r], b.u[r]);
+    const Ref ref = ref_sample(b.logits.data() + r * (b.ld ? b.ld : b.V), b.V, b.temp[r], b.top_p[r], b.top_k[r], b.u[r]);
     ++g_checked;
     const bool lp_ok = std::fabs(lp[r] - ref.logp) <= 1e-5 * std::max(1.0, std::fabs(ref.logp));
     if (tok[r] != ref.token || !lp_ok) {
@@ -133,6 +134,28 @@ int main() {
       std::snprintf(name, sizeof name, "V%lld kind%d", static_cast<long long>(V), kind);
       check(name, b);
     }
+  }
+  // A padded vocabulary: rows of ld = V + 37 logits, only the first V sampled. The padding holds
+  // the row's largest logits, NaN and +inf: never read, never drawn, no flag.
+  for (int64_t V : {int64_t(1), int64_t(1000), int64_t(5003)}) {
+    Batch b;
+    b.V = V;
+    b.ld = V + 37;
+    const int B = 8;
+    for (int r = 0; r < B; ++r) {
+      for (int64_t j = 0; j < b.ld; ++j) {
+        float x = nd(gen);
+        if (j >= V) x = (j - V) % 3 == 0 ? 1e4f : ((j - V) % 3 == 1 ? NAN : INFINITY);
+        b.logits.push_back(x);
+      }
+      b.temp.push_back(temps[r % 8]);
+      b.top_p.push_back(tps[(r + 1) % 8]);
+      b.top_k.push_back(tks[(r + 2) % 8]);
+      b.u.push_back(r == 2 ? 0.99999f : std::min(ud(gen), 0.99999f));
+    }
+    char name[64];
+    std::snprintf(name, sizeof name, "padded V%lld ld%lld", static_cast<long long>(V), static_cast<long long>(b.ld));
+    check(name, b);
   }
   // Invalid rows raise the flag: NaN, +inf, only -inf.
   {
