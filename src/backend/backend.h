@@ -122,6 +122,10 @@ class Backend {
   // Device memory accounting (CUDA); the CPU backend reports zeros.
   virtual MemoryStats memory_stats() { return {}; }
   virtual void reset_peak_memory_stats() {}
+  // Bytes this process could still allocate on the device now (CUDA: cudaMemGetInfo's free plus
+  // what this backend's cache holds unused); -1 = not known (the CPU backend: host memory is
+  // not checked).
+  virtual int64_t free_device_bytes() { return -1; }
   Tensor to_device(const Tensor& host);  // allocates on this device and copies
   Tensor to_host(const Tensor& dev);     // allocates on the host and copies
   QuantTensor alloc_quant(int64_t rows, int64_t cols, int block_rows, int block_cols, bool pow2);

@@ -60,6 +60,7 @@ std::string ensure_demo_policy(const RunConfig& c) {
     k.val_every = 0;
     k.val_size = 0;
     k.checkpoint_every = 0;
+    k.memory = MemorySection{};
     return k;
   }())));
   const std::string dir = cache_dir() + "/demo_policy_" + key;
@@ -110,6 +111,7 @@ int grpo_run(const RunConfig& config_in, bool resume) {
     if (c.tokenizer.path.empty()) c.tokenizer.path = c.model.path + "/tokenizer.json";
   }
   Session s = session_open(c, cache_dir());
+  session_check_memory(s);  // refused here, before any work, when the plan cannot fit
   Backend& be = *s.backend;
   RunDir run = run_dir_create(c.out, resume);
   run_dir_save_config(run, c);

@@ -66,6 +66,22 @@ MemoryPlanInput memory_plan_input(const RunConfig& c, const ModelConfig& model, 
 // A readable table; `device_bytes` > 0 adds the headroom line ("fits in 139.0 GiB: 12.3 GiB free").
 std::string memory_plan_format(const MemoryPlan& plan, const ModelConfig& model, int64_t device_bytes = 0);
 
+// The start-up check of `fp8rl train` / `fp8rl sft`, before any work: the plan's peak for
+// (config, model, act) against `free_bytes` of free device memory (< 0: unknown, nothing is
+// checked). When the peak does not fit it throws an Error that says by how much and names what
+// would make it fit, each computed with the plan: the largest train.micro_batch_tokens, the
+// largest rollout batch (rollout.prompts_per_step x generations_per_prompt, val_size) and
+// rollout.max_new_tokens the KV pool allows, train.kl_beta = 0 when a reference policy is held,
+// and what block recomputation (not built) would give; unless memory.allow_overcommit, then it
+// returns a warning instead. Otherwise returns the "fits" line. The plan does not count the CUDA
+// context, library workspaces (cuBLASLt), CUDA-graph pools and allocator slack (see
+// memory_plan_format): a peak just under the free memory can still run out.
+std::string memory_plan_check(const RunConfig& c, const ModelConfig& model, DType act_dtype, int64_t free_bytes);
+
+// The free memory memory_plan_check is given: memory.free_gib when > 0, else what the backend
+// reports (Backend::free_device_bytes; the CPU backend: -1, no check).
+int64_t memory_plan_free_bytes(const RunConfig& c, int64_t backend_free_bytes);
+
 // Known shapes for `fp8rl plan --shape`: qwen3-0.6b, qwen3-1.7b, llama-3.2-1b. Throws on others.
 ModelConfig memory_plan_shape(const std::string& name);
 

@@ -9,6 +9,7 @@
 
 #include "core/error.h"
 #include "core/fs.h"
+#include "rl/memory_plan.h"
 #include "rollout/rollout.h"
 #include "tokenizer/chat_template.h"
 #include "tokenizer/train_small.h"
@@ -122,6 +123,18 @@ ModelConfig session_tiny_model_config(const TinyModelConfig& t, int vocab_size, 
   mc.eos_token_ids = {eos_id};
   mc.validate();
   return mc;
+}
+
+ModelConfig session_model_config(const Session& s) {
+  const RunConfig& c = s.config;
+  if (!c.model.path.empty()) return model_config_load(c.model.path);
+  return session_tiny_model_config(c.model.tiny, s.tokenizer.vocab_size(), s.eos_id);
+}
+
+void session_check_memory(const Session& s) {
+  Backend& be = *s.backend;
+  const int64_t free_bytes = memory_plan_free_bytes(s.config, be.free_device_bytes());
+  std::fputs(memory_plan_check(s.config, session_model_config(s), be.act_dtype(), free_bytes).c_str(), stdout);
 }
 
 ModelWeights session_initial_policy(const Session& s) {

@@ -44,6 +44,13 @@ Session session_open(const RunConfig& config, const std::string& cache_dir);
 // eval`, whose stdout is JSON, passes stderr).
 int64_t session_set_model(Session& s, int64_t model_vocab, std::FILE* note = stdout);
 
+// The policy's config without loading its weights: model.path's config.json, or the tiny model's.
+ModelConfig session_model_config(const Session& s);
+
+// The start-up memory check (rl/memory_plan.h memory_plan_check) for this session's model and
+// backend, printed to stdout; throws, before any work, when the plan cannot fit.
+void session_check_memory(const Session& s);
+
 // The starting policy on the host (F32): model.path, or a tiny random model (seeded).
 ModelWeights session_initial_policy(const Session& s);
 

@@ -20,6 +20,7 @@ namespace fp8rl {
 std::string sft_run(const RunConfig& c) {
   using Clock = std::chrono::steady_clock;
   Session s = session_open(c, cache_dir());
+  session_check_memory(s);  // refused here, before any work, when the plan cannot fit
   Backend& be = *s.backend;
   RunDir run = run_dir_create(c.out, /*resume=*/false);
   run_dir_save_config(run, c);

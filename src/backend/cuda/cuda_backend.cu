@@ -118,6 +118,12 @@ Tensor CudaBackend::alloc(const Shape& shape, DType dtype) {
 
 MemoryStats CudaBackend::memory_stats() { return mem_->stats(); }
 void CudaBackend::reset_peak_memory_stats() { mem_->reset_peak(); }
+int64_t CudaBackend::free_device_bytes() {
+  size_t free_b = 0, total_b = 0;
+  CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b), "cudaMemGetInfo");
+  const MemoryStats st = mem_->stats();
+  return static_cast<int64_t>(free_b) + std::max<int64_t>(0, st.reserved_bytes - st.used_bytes);
+}
 
 Tensor CudaBackend::scratch(Slot slot, const Shape& shape, DType dtype) {
   const size_t bytes = static_cast<size_t>(shape_numel(shape)) * dtype_size(dtype);

@@ -45,6 +45,7 @@ class CudaBackend final : public Backend {
   void synchronize() override;
   MemoryStats memory_stats() override;
   void reset_peak_memory_stats() override;
+  int64_t free_device_bytes() override;
 
   void add(const Tensor& a, const Tensor& b, Tensor& out) override;
   void scale(Tensor& x, float s) override;
