@@ -246,11 +246,12 @@ class Backend {
   // tokens reaches top_p (at least one token); the draw is the first kept token whose
   // cumulative mass exceeds uniform * kept mass. Greedy: the lowest-id argmax, logp = 0 (the
   // one-hot limit distribution). Uniforms outside [0, 1) and NaN/+inf logits are errors.
-  // valid_vocab (0 = V): only ids < valid_vocab <= V can be drawn: the logits of ids >= valid_vocab
-  // count as -inf (never read: they may hold anything), so softmax, top-k, top-p, the greedy
-  // argmax and logp are all over the first valid_vocab ids. For a model whose vocabulary is
-  // padded past its tokenizer's (Qwen: 151936 rows, 151669 ids), the caller passes the
-  // tokenizer's size and no undecodable id is ever sampled.
+  // valid_vocab (0 = V): only ids < valid_vocab <= V can be drawn: softmax, top-k, top-p, the
+  // draw and the greedy argmax run over them as if the other logits were -inf. logp stays, as
+  // with top-k / top-p, the log-prob before truncation, normalized over all V ids: the log-prob
+  // the trainer's scoring forward gives the same token (so the mask adds no generator/trainer
+  // mismatch). For a model whose vocabulary is padded past its tokenizer's (Qwen: 151936 rows,
+  // 151669 ids), the caller passes the tokenizer's size and no undecodable id is ever sampled.
   virtual void sample(const Tensor& logits, const std::vector<float>& temperature,
                       const std::vector<float>& top_p, const std::vector<int>& top_k,
                       const std::vector<float>& uniforms, Tensor& tokens, Tensor& logp,

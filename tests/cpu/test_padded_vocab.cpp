@@ -22,8 +22,9 @@ namespace fs = std::filesystem;
 
 Tensor logits_tensor(const std::vector<float>& v, int64_t B, int64_t V) { return from_float_vector(v, {B, V}); }
 
-// Rows whose padding ids [Vv, V) hold the largest logits (and NaN / +inf, which would be errors
-// if read): sampling with valid_vocab = Vv equals sampling the first Vv columns, bit for bit.
+// Rows whose padding ids [Vv, V) hold the largest logits (and -inf): sampling with valid_vocab =
+// Vv draws the token of sampling the first Vv columns alone, never a padding id; its logp is
+// the log-prob before truncation, normalized over all V ids (the trainer's log-prob).
 TEST(PaddedVocab, CpuSampleMasksIdsPastValidVocab) {
   auto be = make_cpu_backend();
   const int64_t B = 6, V = 50, Vv = 37;
@@ -33,7 +34,7 @@ TEST(PaddedVocab, CpuSampleMasksIdsPastValidVocab) {
   for (int64_t b = 0; b < B; ++b)
     for (int64_t j = 0; j < V; ++j) {
       float x = nd(gen);
-      if (j >= Vv) x = j % 3 == 0 ? 1e4f : (j % 3 == 1 ? NAN : INFINITY);
+      if (j >= Vv) x = j % 3 == 0 ? 6.0f + x : (j % 3 == 1 ? -INFINITY : x);
       full[b * V + j] = x;
       if (j < Vv) cut[b * Vv + j] = x;
     }
@@ -45,13 +46,22 @@ TEST(PaddedVocab, CpuSampleMasksIdsPastValidVocab) {
   be->sample(logits_tensor(full, B, V), temp, top_p, top_k, u, t1, l1, Vv);
   be->sample(logits_tensor(cut, B, Vv), temp, top_p, top_k, u, t2, l2);
   for (int64_t b = 0; b < B; ++b) {
-    EXPECT_LT(t1.data<int32_t>()[b], Vv) << "row " << b;
-    EXPECT_EQ(t1.data<int32_t>()[b], t2.data<int32_t>()[b]) << "row " << b;
-    EXPECT_EQ(l1.data<float>()[b], l2.data<float>()[b]) << "row " << b;
+    const int32_t tok = t1.data<int32_t>()[b];
+    EXPECT_LT(tok, Vv) << "row " << b;
+    EXPECT_EQ(tok, t2.data<int32_t>()[b]) << "row " << b;
+    if (temp[b] == 0) {
+      EXPECT_EQ(l1.data<float>()[b], 0.0f);
+      continue;
+    }
+    double mx = -INFINITY, s = 0;  // log-softmax over all V at the token
+    for (int64_t j = 0; j < V; ++j) mx = std::max(mx, double(full[b * V + j]) / temp[b]);
+    for (int64_t j = 0; j < V; ++j) s += std::exp(double(full[b * V + j]) / temp[b] - mx);
+    EXPECT_NEAR(l1.data<float>()[b], double(full[b * V + tok]) / temp[b] - mx - std::log(s), 1e-5) << "row " << b;
   }
-  // valid_vocab = 0 is all V (the padding then is read: NaN is an error), > V is refused.
-  EXPECT_THROW(be->sample(logits_tensor(full, B, V), temp, top_p, top_k, u, t1, l1), Error);
+  // > V is refused; NaN in the padding is an error (it is read for logp).
   EXPECT_THROW(be->sample(logits_tensor(full, B, V), temp, top_p, top_k, u, t1, l1, V + 1), Error);
+  full[2 * V + Vv + 4] = NAN;
+  EXPECT_THROW(be->sample(logits_tensor(full, B, V), temp, top_p, top_k, u, t1, l1, Vv), Error);
 }
 
 // A model of 64 ids of which the last 24 are padding: with valid_vocab 40 the rollout engine
@@ -84,7 +94,8 @@ TEST(PaddedVocab, RolloutNeverSamplesPaddingIds) {
   EXPECT_GT(padding_without_mask, 20) << "the padding ids should carry ~3/8 of the mass without the mask";
   sp.valid_vocab = Vv;
   int n = 0;
-  for (const RolloutSample& s : engine.generate(reqs, sp)) {
+  std::vector<RolloutSample> masked = engine.generate(reqs, sp);
+  for (const RolloutSample& s : masked) {
     for (size_t i = 0; i < s.tokens.size(); ++i) {
       EXPECT_LT(s.tokens[i], Vv);
       EXPECT_TRUE(std::isfinite(s.logp[i]) && s.logp[i] <= 0.0f);
@@ -92,6 +103,20 @@ TEST(PaddedVocab, RolloutNeverSamplesPaddingIds) {
     }
   }
   EXPECT_EQ(n, 16 * 12);
+  // logp_gen is the scoring forward's log-prob of the token (normalized over all V): the mask adds
+  // no generator/trainer mismatch.
+  std::vector<std::vector<int32_t>> seqs;
+  for (const RolloutSample& s : masked) {
+    seqs.push_back(reqs[s.request].prompt);
+    seqs.back().insert(seqs.back().end(), s.tokens.begin(), s.tokens.end());
+  }
+  const ForwardBatch batch = forward_batch_from_sequences(seqs);
+  const std::vector<double> lp = test::values_f64(*be, model_forward_logprobs(*be, w, p, batch, {}).logp);
+  for (size_t i = 0; i < masked.size(); ++i) {
+    const size_t plen = reqs[masked[i].request].prompt.size();
+    for (size_t t = 0; t < masked[i].tokens.size(); ++t)
+      EXPECT_NEAR(masked[i].logp[t], lp[batch.cu_seqlens[i] + plen - 1 + t], 2e-5) << "sample " << i << " token " << t;
+  }
   sp.temperature = 0.0f;  // greedy too
   for (const RolloutSample& s : engine.generate(reqs, sp))
     for (int32_t t : s.tokens) EXPECT_LT(t, Vv);

@@ -9,8 +9,9 @@
 // logp[b] = z[token] - logsumexp(z): the log-prob before truncation.
 // temperature 0 is greedy: the lowest-id argmax of the logits, logp = 0 (the log-prob of the
 // one-hot limit distribution).
-// valid_vocab Vv (0 = V): every step above runs over ids [0, Vv) only (ids >= Vv count as -inf
-// logits and are never read), so no id >= Vv is ever drawn and logp is over the first Vv ids.
+// valid_vocab Vv (0 = V): steps 1-4 and greedy run over ids [0, Vv) only (ids >= Vv as if their
+// logits were -inf), so no id >= Vv is ever drawn; logp stays the log-prob before truncation,
+// over all V ids: lse = log(e^lse_valid + e^lse_padding), each part with its own max.
 #include <algorithm>
 #include <cmath>
 #include <numeric>
@@ -55,6 +56,11 @@ void CpuBackend::sample(const Tensor& logits, const std::vector<float>& temperat
       mx = std::max(mx, row[j]);
     }
     FP8RL_CHECK(mx > -INFINITY, "sample: every logit of row ", b, " is -inf");
+    double pad_mx = -INFINITY;  // ids [V, ld): never drawn, but in logp's normalization
+    for (int64_t j = V; j < ld; ++j) {
+      FP8RL_CHECK(!std::isnan(row[j]) && row[j] != INFINITY, "sample: logit ", j, " of row ", b, " is ", row[j]);
+      pad_mx = std::max(pad_mx, row[j]);
+    }
     if (tau == 0) {
       tokens.data<int32_t>()[b] = static_cast<int32_t>(std::find(row, row + V, mx) - row);
       lp[b] = 0;
@@ -93,8 +99,17 @@ void CpuBackend::sample(const Tensor& logits, const std::vector<float>& temperat
         break;
       }
     }
+    double lse_all = lse;
+    if (pad_mx > -INFINITY) {
+      const double pmax = pad_mx / tau;
+      double ps = 0;
+      for (int64_t j = V; j < ld; ++j) ps += std::exp(row[j] / tau - pmax);
+      const double lse_pad = pmax + std::log(ps);
+      const double hi = std::max(lse, lse_pad), lo = std::min(lse, lse_pad);
+      lse_all = hi + std::log(1.0 + std::exp(lo - hi));
+    }
     tokens.data<int32_t>()[b] = static_cast<int32_t>(tok);
-    lp[b] = z[tok] - lse;
+    lp[b] = z[tok] - lse_all;
   }
   store(lp, logp, "sample logp");
 }
