@@ -135,13 +135,13 @@ int64_t memory_plan_kv_pages(const RunConfig& c) {
   return int64_t(seqs) * ((len + page - 1) / page) + 1;
 }
 
-MemoryPlanInput memory_plan_input(const RunConfig& c, const ModelConfig& model, DType act_dtype) {
+MemoryPlanInput memory_plan_input(const RunConfig& c, const ModelConfig& model, DType act_dtype, bool sft) {
   MemoryPlanInput in;
   in.model = model;
   in.generator = config_precision_recipe(c.precision).generator;
   in.act_dtype = act_dtype;
-  in.reference_policy = c.train.kl_beta > 0;
-  in.kv_pages = memory_plan_kv_pages(c);
+  in.reference_policy = !sft && c.train.kl_beta > 0;
+  in.kv_pages = sft ? memory_plan_sft_kv_pages(c) : memory_plan_kv_pages(c);
   in.micro_batch_tokens = c.train.micro_batch_tokens;
   in.generation_batch = kRolloutMaxBatch;
   return in;
@@ -184,8 +184,8 @@ std::string memory_plan_format(const MemoryPlan& p, const ModelConfig& c, int64_
 
 namespace {
 
-int64_t peak_for(const RunConfig& c, const ModelConfig& model, DType act) {
-  return memory_plan_compute(memory_plan_input(c, model, act)).peak_bytes();
+int64_t peak_for(const RunConfig& c, const ModelConfig& model, DType act, bool sft) {
+  return memory_plan_compute(memory_plan_input(c, model, act, sft)).peak_bytes();
 }
 
 // Largest v in [lo, hi] with fits(v), fits monotone (true then false); lo - 1 when none.
@@ -207,9 +207,9 @@ int64_t memory_plan_free_bytes(const RunConfig& c, int64_t backend_free_bytes) {
   return backend_free_bytes;
 }
 
-std::string memory_plan_check(const RunConfig& c, const ModelConfig& model, DType act, int64_t free_bytes) {
+std::string memory_plan_check(const RunConfig& c, const ModelConfig& model, DType act, int64_t free_bytes, bool sft) {
   if (free_bytes < 0) return "memory check: skipped (the device reports no free memory; set memory.free_gib to check)\n";
-  const int64_t peak = peak_for(c, model, act);
+  const int64_t peak = peak_for(c, model, act, sft);
   char buf[512];
   if (peak <= free_bytes) {
     std::snprintf(buf, sizeof buf, "memory check: peak %s fits in %s free (%s left for what the plan does not count)\n",
@@ -221,7 +221,7 @@ std::string memory_plan_check(const RunConfig& c, const ModelConfig& model, DTyp
                 gib(peak).c_str(), gib(free_bytes).c_str(), gib(peak - free_bytes).c_str());
   msg += buf;
   std::vector<std::string> fixes;
-  auto fits = [&](const RunConfig& t) { return peak_for(t, model, act) <= free_bytes; };
+  auto fits = [&](const RunConfig& t) { return peak_for(t, model, act, sft) <= free_bytes; };
   // train.micro_batch_tokens (saved activations, backward scratch, the logits chunk).
   {
     const int64_t cur = c.train.micro_batch_tokens;
@@ -237,8 +237,21 @@ std::string memory_plan_check(const RunConfig& c, const ModelConfig& model, DTyp
       fixes.push_back(buf);
     }
   }
+  // sft: its validation KV pool (val_size prompts).
+  if (sft) {
+    const int64_t best = largest_fitting(1, c.val_size - 1, [&](int64_t v) {
+      RunConfig t = c;
+      t.val_size = static_cast<int>(v);
+      return fits(t);
+    });
+    if (best >= 1) {
+      std::snprintf(buf, sizeof buf, "val_size <= %lld (now %d: the validation engine's KV pool)",
+                    static_cast<long long>(best), c.val_size);
+      fixes.push_back(buf);
+    }
+  }
   // The KV pool: sequences decoded at once (min(256, max(P x G, val_size))) and their length.
-  {
+  if (!sft) {
     const int P = c.rollout.prompts_per_step, G = c.rollout.generations_per_prompt;
     const int cur = std::min(kRolloutMaxBatch, std::max(P * G, c.val_size));
     const int64_t best = largest_fitting(1, cur - 1, [&](int64_t s) {
@@ -266,20 +279,22 @@ std::string memory_plan_check(const RunConfig& c, const ModelConfig& model, DTyp
       fixes.push_back(buf);
     }
   }
-  if (c.train.kl_beta > 0) {
+  if (!sft && c.train.kl_beta > 0) {
     RunConfig t = c;
     t.train.kl_beta = 0;
     if (fits(t)) fixes.push_back("train.kl_beta: 0 (drops the reference policy's weights, gradients and moments)");
   }
   if (fixes.empty()) {
-    msg += " No single knob makes it fit (train.micro_batch_tokens, the rollout sizes, train.kl_beta): combine them, or "
-           "use a smaller model or more memory.";
+    msg += sft ? " No single knob makes it fit (train.micro_batch_tokens, val_size): combine them, or use a smaller "
+                 "model or more memory."
+               : " No single knob makes it fit (train.micro_batch_tokens, the rollout sizes, train.kl_beta): combine "
+                 "them, or use a smaller model or more memory.";
   } else {
     msg += " Any one of these makes it fit:";
     for (const std::string& f : fixes) msg += "\n  - " + f;
   }
   {
-    const MemoryPlan p = memory_plan_compute(memory_plan_input(c, model, act));
+    const MemoryPlan p = memory_plan_compute(memory_plan_input(c, model, act, sft));
     const int64_t saved = p.transient.empty() ? 0 : p.transient.front().bytes - p.activations_recompute_bytes;
     std::snprintf(buf, sizeof buf,
                   "\n  (block recomputation in backward would save %s of activations, but it is not built yet)", gib(saved).c_str());

@@ -131,10 +131,10 @@ ModelConfig session_model_config(const Session& s) {
   return session_tiny_model_config(c.model.tiny, s.tokenizer.vocab_size(), s.eos_id);
 }
 
-void session_check_memory(const Session& s) {
+void session_check_memory(const Session& s, bool sft) {
   Backend& be = *s.backend;
   const int64_t free_bytes = memory_plan_free_bytes(s.config, be.free_device_bytes());
-  std::fputs(memory_plan_check(s.config, session_model_config(s), be.act_dtype(), free_bytes).c_str(), stdout);
+  std::fputs(memory_plan_check(s.config, session_model_config(s), be.act_dtype(), free_bytes, sft).c_str(), stdout);
 }
 
 ModelWeights session_initial_policy(const Session& s) {

@@ -48,8 +48,9 @@ int64_t session_set_model(Session& s, int64_t model_vocab, std::FILE* note = std
 ModelConfig session_model_config(const Session& s);
 
 // The start-up memory check (rl/memory_plan.h memory_plan_check) for this session's model and
-// backend, printed to stdout; throws, before any work, when the plan cannot fit.
-void session_check_memory(const Session& s);
+// backend, printed to stdout; throws, before any work, when the plan cannot fit. sft: the plan
+// of `fp8rl sft` (memory_plan_input's sft).
+void session_check_memory(const Session& s, bool sft = false);
 
 // The starting policy on the host (F32): model.path, or a tiny random model (seeded).
 ModelWeights session_initial_policy(const Session& s);

@@ -234,6 +234,31 @@ TEST(MemoryCheck, NamesRolloutSizesAndKlBeta) {
   EXPECT_EQ(memory_plan_free_bytes(c, -1), -1);
 }
 
+// `fp8rl sft` is planned with its own KV pool (the validation engine's) and no reference policy;
+// its knobs are train.micro_batch_tokens and val_size, not the rollout sizes or kl_beta.
+TEST(MemoryCheck, SftPlansItsOwnPoolAndKnobs) {
+  RunConfig c;
+  c.precision.recipe = "bf16";
+  c.train.kl_beta = 0.05;
+  c.val_size = 200;
+  const ModelConfig m = memory_plan_shape("qwen3-0.6b");
+  const MemoryPlanInput sft = memory_plan_input(c, m, DType::BF16, /*sft=*/true);
+  EXPECT_EQ(sft.kv_pages, memory_plan_sft_kv_pages(c));
+  EXPECT_FALSE(sft.reference_policy);
+  EXPECT_LT(memory_plan_compute(sft).peak_bytes(), memory_plan_compute(memory_plan_input(c, m, DType::BF16)).peak_bytes());
+  c.train.micro_batch_tokens = 1;
+  const int64_t free_bytes = memory_plan_compute(memory_plan_input(c, m, DType::BF16, true)).peak_bytes() - (1 << 20);
+  std::string msg;
+  try {
+    memory_plan_check(c, m, DType::BF16, free_bytes, /*sft=*/true);
+  } catch (const Error& e) {
+    msg = e.what();
+  }
+  EXPECT_NE(msg.find("val_size <= "), std::string::npos) << msg;
+  EXPECT_EQ(msg.find("rollout."), std::string::npos) << msg;
+  EXPECT_EQ(msg.find("kl_beta"), std::string::npos) << msg;
+}
+
 // End to end on the CPU with an injected free memory: `fp8rl sft` and `fp8rl train` stop before
 // any work (no run directory is made) with the message, and exit non-zero.
 TEST(MemoryCheck, TrainAndSftRefuseBeforeAnyWork) {
