@@ -33,18 +33,30 @@ __global__ void embedding_backward_kernel(const int32_t* ids, const TD* dout, in
   for (int64_t d = threadIdx.x; d < D; d += blockDim.x) atomicAdd(dtable + id * D + d, load_f(dout, t * D + d));
 }
 
-// One block per row.
+// One block per row. The rounding of the CPU reference (cpu_layers.cpp) and of HF's float32
+// forward, step by step: var = mean(x^2) rounded once to float (the squares summed in double, so
+// that the block's summation order does not show), r = 1 / sqrt(var + eps) in float, y = (x * r)
+// * w with both products rounded to float. With F32 activations the output is the CPU's bit for
+// bit: it feeds the FP8 quantizers, where one ulp flips codes at E4M3 midpoints (design.md).
 template <class TX, class TW, class TO>
 __global__ void rmsnorm_kernel(const TX* x, const TW* w, int64_t D, float eps, TO* out, float* rstd) {
-  __shared__ float red[32];
+  __shared__ double red[32];
   const int64_t r = blockIdx.x;
-  float ss = 0.0f;
+  double ss = 0.0;
   for (int64_t d = threadIdx.x; d < D; d += blockDim.x) {
-    const float v = load_f(x, r * D + d);
+    const double v = load_f(x, r * D + d);
     ss += v * v;
   }
-  ss = block_sum(ss, red);
-  const float rs = 1.0f / sqrtf(ss / static_cast<float>(D) + eps);
+  {  // block sum in double (blockDim.x a multiple of 32)
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    ss = warp_sum_d(ss);
+    if (lane == 0) red[warp] = ss;
+    __syncthreads();
+    ss = lane < nw ? red[lane] : 0.0;
+    ss = warp_sum_d(ss);
+  }
+  const float var = static_cast<float>(ss / static_cast<double>(D));
+  const float rs = 1.0f / sqrtf(var + eps);
   if (rstd && threadIdx.x == 0) rstd[r] = rs;
   for (int64_t d = threadIdx.x; d < D; d += blockDim.x) store_f(out, r * D + d, load_f(x, r * D + d) * rs * load_f(w, d));
 }
