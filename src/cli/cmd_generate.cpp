@@ -55,6 +55,13 @@ int run_generate(const std::vector<std::string>& argv) {
   sp.max_new_tokens = std::stoi(a.get("max-new-tokens", "64"));
   sp.seed = std::stoull(a.get("seed", "0"));
   if (tok.eos_id() >= 0) sp.stop_ids = {tok.eos_id()};
+  // A vocabulary padded past the tokenizer's: the extra ids are never sampled.
+  sp.valid_vocab = std::min<int64_t>(tok.vocab_size(), w.config.vocab_size);
+  if (w.config.vocab_size != tok.vocab_size())
+    std::fprintf(stderr, "vocabulary: the model has %d ids, its tokenizer %d; %s\n", w.config.vocab_size,
+                 tok.vocab_size(),
+                 w.config.vocab_size > tok.vocab_size() ? "the extra ids are padding and are never sampled"
+                                                        : "a prompt id past the model's cannot be scored");
   const int n = std::stoi(a.get("n", "1"));
   const int pages = n * static_cast<int>(ceil_div(static_cast<int64_t>(ids.size()) + sp.max_new_tokens, 16)) + 1;
   RolloutEngine engine(*be, w, prec, pages);
@@ -65,7 +72,7 @@ int run_generate(const std::vector<std::string>& argv) {
     std::vector<int32_t> out = s.tokens;
     if (!out.empty() && out.back() == tok.eos_id()) out.pop_back();
     std::printf("--- sample %d (%zu tokens, %s, mean logp %.4f)\n%s\n", s.index, s.tokens.size(),
-                finish_reason_name(s.finish), mean, tok.decode(out, /*skip_special=*/true).c_str());
+                finish_reason_name(s.finish), mean, tok.decode_lossy(out, /*skip_special=*/true).c_str());
   }
   return 0;
 }
@@ -83,6 +90,7 @@ int run_eval(const std::vector<std::string>& argv) {
   Session s = session_open(c, cache_dir());
   const PrecisionRecipe recipe = config_precision_recipe(c.precision);
   ModelWeights w = model_weights_to_device(*s.backend, model_weights_load(c.model.path, DType::F32), DType::F32);
+  session_set_model(s, w.config.vocab_size, stderr);
   const int n = std::stoi(a.get("n", std::to_string(c.val_size)));
   RolloutEngine engine(*s.backend, w, recipe.generator,
                        n * static_cast<int>(ceil_div(512 + c.rollout.max_new_tokens, 16)) + 1);

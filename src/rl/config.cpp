@@ -252,6 +252,11 @@ std::vector<Field> config_fields(RunConfig& c) {
                "hf, or fp8-block: the FP8 linears as F8_E4M3 + weight_scale_inv (vLLM, transformers)");
   t.add_float("checkpoint.max_shard_gb", c.checkpoint.max_shard_gb,
               "shard the model files above this size (with the index); 0 = never");
+  t.add_bool("memory.allow_overcommit", c.memory.allow_overcommit,
+             "start even if the memory plan's peak exceeds the device's free memory");
+  t.add_float("memory.free_gib", c.memory.free_gib,
+              "free device memory to check the plan against, GiB; 0 = ask the device (CPU: no check)");
+
   t.add_int("steps", c.steps, "GRPO steps");
   t.add_int("val_every", c.val_every, "validate at step 0 and every N steps; 0 = never");
   t.add_int("val_size", c.val_size, "held-out prompts per validation");
@@ -576,6 +581,7 @@ void config_validate(const RunConfig& c) {
        "is required when sft.mix_gsm8k_fraction > 0 (the GSM8K directory)");
   need(c.sft.max_seq_tokens >= 0, "sft.max_seq_tokens", "must be >= 0 (0 = no limit)");
   need(c.time_budget_s >= 0, "time_budget_s", "must be >= 0 (0 = none)");
+  need(c.memory.free_gib >= 0, "memory.free_gib", "must be >= 0 (0 = ask the device)");
 
   need(c.steps >= 0, "steps", "must be >= 0");
   need(c.val_every >= 0, "val_every", "must be >= 0 (0 = never)");

@@ -153,6 +153,14 @@ struct CheckpointSection {          // how checkpoints/step_N/ stores the policy
   bool operator==(const CheckpointSection&) const = default;
 };
 
+// The start-up memory check of `fp8rl train` / `sft` (rl/memory_plan.h memory_plan_check).
+struct MemorySection {
+  bool allow_overcommit = false;  // start even when the plan's peak exceeds the device's free memory
+  double free_gib = 0;            // free device memory to plan against; 0 = ask the device (CUDA:
+                                  // cudaMemGetInfo; the CPU backend reports none: no check)
+  bool operator==(const MemorySection&) const = default;
+};
+
 struct RunConfig {
   ModelSection model;
   TokenizerSection tokenizer;
@@ -162,6 +170,7 @@ struct RunConfig {
   PrecisionSection precision;
   SftSection sft;
   CheckpointSection checkpoint;
+  MemorySection memory;
   int steps = 20;                   // GRPO steps
   int val_every = 5;               // validate at step 0 and every N steps; 0 = never
   int val_size = 200;               // held-out prompts per validation

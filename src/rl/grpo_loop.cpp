@@ -61,6 +61,7 @@ std::string ensure_demo_policy(const RunConfig& c) {
     k.val_every = 0;
     k.val_size = 0;
     k.checkpoint_every = 0;
+    k.memory = MemorySection{};
     return k;
   }())));
   const std::string dir = cache_dir() + "/demo_policy_" + key;
@@ -111,6 +112,7 @@ int grpo_run(const RunConfig& config_in, bool resume) {
     if (c.tokenizer.path.empty()) c.tokenizer.path = c.model.path + "/tokenizer.json";
   }
   Session s = session_open(c, cache_dir());
+  session_check_memory(s);  // refused here, before any work, when the plan cannot fit
   Backend& be = *s.backend;
   RunDir run = run_dir_create(c.out, resume);
   run_dir_save_config(run, c);
@@ -127,6 +129,7 @@ int grpo_run(const RunConfig& config_in, bool resume) {
   TrainerState state;
   state.seed = static_cast<uint64_t>(c.seed);
   ModelWeights host = ckpt ? checkpoint_load_policy(*ckpt) : session_initial_policy(s);
+  session_set_model(s, host.config.vocab_size);
   std::printf("policy: %s, %lld parameters; recipe %s (generator %s%s, trainer %s); device %s\n",
               host.config.model_type.c_str(), static_cast<long long>(model_count_parameters(host)), recipe.name.c_str(),
               linear_mode_name(recipe.generator.linear), fp8_kv ? " + FP8 KV" : "",
@@ -213,6 +216,7 @@ int grpo_run(const RunConfig& config_in, bool resume) {
     sp.top_k = c.rollout.top_k;
     sp.max_new_tokens = c.rollout.max_new_tokens;
     sp.stop_ids = s.stop_ids;
+    sp.valid_vocab = s.sampling_vocab;
     sp.seed = mix(static_cast<uint64_t>(c.seed), static_cast<uint64_t>(step));
     auto t0 = Clock::now();
     std::vector<RolloutSample> samples = engine.generate(reqs, sp);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <functional>
@@ -10,6 +11,7 @@
 #include "core/error.h"
 #include "core/fs.h"
 #include "rl/checkpoint.h"
+#include "rl/memory_plan.h"
 #include "rollout/rollout.h"
 #include "tokenizer/chat_template.h"
 #include "tokenizer/train_small.h"
@@ -119,7 +121,25 @@ std::string Session::response_text(const std::vector<int32_t>& tokens) const {
     if (std::find(stop_ids.begin(), stop_ids.end(), id) != stop_ids.end()) break;
     t.push_back(id);
   }
-  return tokenizer.decode(t, /*skip_special=*/true);
+  return tokenizer.decode_lossy(t, /*skip_special=*/true);  // never throws mid-run
+}
+
+int64_t session_set_model(Session& s, int64_t model_vocab, std::FILE* note) {
+  const int64_t tok_vocab = s.tokenizer.vocab_size();
+  s.sampling_vocab = std::min(tok_vocab, model_vocab);
+  if (model_vocab > tok_vocab) {
+    std::fprintf(note, "vocabulary: the model has %lld ids, its tokenizer %lld; ids %lld..%lld are padding and are "
+                "never sampled\n",
+                static_cast<long long>(model_vocab), static_cast<long long>(tok_vocab),
+                static_cast<long long>(tok_vocab), static_cast<long long>(model_vocab - 1));
+  } else if (model_vocab < tok_vocab) {
+    std::fprintf(stderr,
+                 "warning: the tokenizer has %lld ids but the model only %lld; a prompt holding an id >= %lld "
+                 "cannot be scored\n",
+                 static_cast<long long>(tok_vocab), static_cast<long long>(model_vocab),
+                 static_cast<long long>(model_vocab));
+  }
+  return s.sampling_vocab;
 }
 
 ModelConfig session_tiny_model_config(const TinyModelConfig& t, int vocab_size, int32_t eos_id) {
@@ -133,6 +153,18 @@ ModelConfig session_tiny_model_config(const TinyModelConfig& t, int vocab_size, 
   mc.eos_token_ids = {eos_id};
   mc.validate();
   return mc;
+}
+
+ModelConfig session_model_config(const Session& s) {
+  const RunConfig& c = s.config;
+  if (!c.model.path.empty()) return model_config_load(c.model.path);
+  return session_tiny_model_config(c.model.tiny, s.tokenizer.vocab_size(), s.eos_id);
+}
+
+void session_check_memory(const Session& s, bool sft) {
+  Backend& be = *s.backend;
+  const int64_t free_bytes = memory_plan_free_bytes(s.config, be.free_device_bytes());
+  std::fputs(memory_plan_check(s.config, session_model_config(s), be.act_dtype(), free_bytes, sft).c_str(), stdout);
 }
 
 ModelWeights session_initial_policy(const Session& s) {
@@ -159,6 +191,7 @@ ValResult validate(const Session& s, RolloutEngine& engine, int n, int max_new_t
   SamplingParams sp;
   sp.temperature = 0.0f;  // greedy
   sp.max_new_tokens = max_new_tokens;
+  sp.valid_vocab = s.sampling_vocab;
   sp.stop_ids = s.stop_ids;
   std::vector<RolloutSample> out = engine.generate(reqs, sp);
   ValResult r;

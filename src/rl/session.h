@@ -1,6 +1,7 @@
 // What `fp8rl train` and `fp8rl sft` set up the same way: the backend, the tokenizer, the task,
 // the starting policy, and how a task item becomes token ids.
 #pragma once
+#include <cstdio>
 #include <memory>
 #include <string>
 #include <vector>
@@ -29,6 +30,8 @@ struct Session {
   // then a built-in family formats prompts) and its extra variables (chat_template_kwargs).
   std::shared_ptr<const ChatJinja> chat_jinja;
   ChatJinja::Vars chat_vars;
+  // Ids the samplers may draw (SamplingParams::valid_vocab; 0 = all): set by session_set_model.
+  int64_t sampling_vocab = 0;
 
   // Item i of the training split, wrapping around when i passes its size (epochs).
   TaskItem train_item(int64_t i) const { return task->item(Split::kTrain, static_cast<size_t>(i) % task->size(Split::kTrain)); }
@@ -43,6 +46,23 @@ Session session_open(const RunConfig& config, const std::string& cache_dir);
 
 // The starting policy on the host (F32): model.path (an fp8rl checkpoint: its F32 master), or
 // a tiny random model (seeded).
+// Records the policy's vocabulary size against the tokenizer's: sampling_vocab becomes the
+// tokenizer's size (at most the model's), and when they differ one line says so on stdout (a
+// padded vocabulary, e.g. Qwen's 151936 rows over 151669 ids: the extra ids are never sampled)
+// or on stderr (a tokenizer larger than the model: prompts with those ids cannot be scored).
+// Returns sampling_vocab. Call once at start. `note` receives the padding line (stdout; `fp8rl
+// eval`, whose stdout is JSON, passes stderr).
+int64_t session_set_model(Session& s, int64_t model_vocab, std::FILE* note = stdout);
+
+// The policy's config without loading its weights: model.path's config.json, or the tiny model's.
+ModelConfig session_model_config(const Session& s);
+
+// The start-up memory check (rl/memory_plan.h memory_plan_check) for this session's model and
+// backend, printed to stdout; throws, before any work, when the plan cannot fit. sft: the plan
+// of `fp8rl sft` (memory_plan_input's sft).
+void session_check_memory(const Session& s, bool sft = false);
+
+// The starting policy on the host (F32): model.path, or a tiny random model (seeded).
 ModelWeights session_initial_policy(const Session& s);
 
 // The Qwen3-shaped config of the tiny model (model.tiny.*) over the tokenizer's vocabulary

@@ -20,15 +20,18 @@ namespace fp8rl {
 std::string sft_run(const RunConfig& c) {
   using Clock = std::chrono::steady_clock;
   Session s = session_open(c, cache_dir());
+  session_check_memory(s, /*sft=*/true);  // refused here, before any work, when the plan cannot fit
   Backend& be = *s.backend;
   RunDir run = run_dir_create(c.out, /*resume=*/false);
   run_dir_save_config(run, c);
   const PrecisionRecipe recipe = config_precision_recipe(c.precision);
   ModelWeights host = session_initial_policy(s);
+  session_set_model(s, host.config.vocab_size);
   std::printf("sft: %s, %lld parameters, trainer %s, %d steps x %d sequences\n", host.config.model_type.c_str(),
               static_cast<long long>(model_count_parameters(host)), linear_mode_name(recipe.trainer.linear),
               c.sft.steps, c.sft.batch_size);
-  std::fputs(memory_plan_format(memory_plan_compute(memory_plan_input(c, host.config, be.act_dtype())), host.config)
+  std::fputs(memory_plan_format(memory_plan_compute(memory_plan_input(c, host.config, be.act_dtype(), /*sft=*/true)),
+                                host.config)
                  .c_str(),
              stdout);
   Trainer trainer(be, model_weights_to_device(be, host, DType::F32), recipe.trainer, trainer_options(c));
@@ -108,7 +111,7 @@ std::string sft_run(const RunConfig& c) {
                       (c.time_budget_s > 0 && std::chrono::duration<double>(Clock::now() - t_run).count() +
                                                       2 * slowest_step_s > c.time_budget_s);
     if (c.val_every > 0 && (last || step % std::max(1, c.sft.steps / 5) == 0)) {
-      RolloutEngine engine(be, trainer.master(), recipe.generator, c.val_size * 8 + 8);
+      RolloutEngine engine(be, trainer.master(), recipe.generator, static_cast<int>(memory_plan_sft_kv_pages(c)));
       ValResult v = validate(s, engine, c.val_size, c.rollout.max_new_tokens);
       m.val_accuracy = v.accuracy;
       progress.update(step);

@@ -98,6 +98,8 @@ std::vector<RolloutSample> RolloutEngine::generate(const std::vector<RolloutRequ
                                                    const SamplingParams& sp) {
   const int V = gen_.config.vocab_size;
   FP8RL_CHECK(sp.max_new_tokens > 0, "max_new_tokens must be positive");
+  FP8RL_CHECK(sp.valid_vocab >= 0, "valid_vocab must be >= 0 (0: the whole vocabulary), got ", sp.valid_vocab);
+  const int64_t valid_vocab = sp.valid_vocab > 0 ? std::min<int64_t>(sp.valid_vocab, V) : V;
   FP8RL_CHECK(sp.temperature >= 0.0f && sp.top_p > 0.0f && sp.top_p <= 1.0f && sp.top_k >= 0,
               "bad sampling parameters: temperature >= 0, top_p in (0, 1], top_k >= 0");
   stats_ = RolloutStats{};
@@ -204,7 +206,7 @@ std::vector<RolloutSample> RolloutEngine::generate(const std::vector<RolloutRequ
     for (int si : batch_seqs)
       if (seqs[si].cached == seqs[si].len()) uniforms.push_back(static_cast<float>(seqs[si].rng() >> 40) * 0x1.0p-24f);
     Tensor tokens_dev = buf_.tokens.slice_rows(0, R), logp_dev = buf_.logp.slice_rows(0, R);
-    be_.sample(logits, temp, top_p, top_k, uniforms, tokens_dev, logp_dev);
+    be_.sample(logits, temp, top_p, top_k, uniforms, tokens_dev, logp_dev, valid_vocab);
     const Tensor tokens = be_.to_host(tokens_dev), logp = be_.to_host(logp_dev);
     int r = 0;
     for (int si : batch_seqs) {

@@ -23,6 +23,11 @@ struct SamplingParams {
   int max_new_tokens = 64;
   std::vector<int32_t> stop_ids;  // generation ends after emitting one of these (kept in tokens)
   uint64_t seed = 0;              // sample j of request i draws from a stream seeded by (seed, i, j)
+  // Ids >= valid_vocab are never sampled (0 = the model's whole vocabulary; larger than the
+  // model's is clamped to it). Callers pass the tokenizer's size, so that a model whose
+  // vocabulary is padded past the tokenizer's (Qwen: 151936 rows, 151669 ids) never emits an
+  // id the tokenizer cannot decode (Backend::sample masks their logits).
+  int64_t valid_vocab = 0;
 };
 
 struct RolloutRequest {

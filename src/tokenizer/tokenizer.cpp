@@ -536,6 +536,25 @@ std::string Tokenizer::decode(std::span<const int32_t> ids, bool skip_special) c
   return out;
 }
 
+std::string Tokenizer::decode_lossy(std::span<const int32_t> ids, bool skip_special) const {
+  const Impl& t = checked(impl_);
+  std::string out;
+  for (int32_t id : ids) {
+    if (!(id >= 0 && size_t(id) < t.id_flags.size() && (t.id_flags[id] & 1))) {
+      out += "\xEF\xBF\xBD";  // U+FFFD REPLACEMENT CHARACTER
+      continue;
+    }
+    if (skip_special && (t.id_flags[id] & 2)) continue;
+    out += t.id_bytes[id];
+  }
+  return out;
+}
+
+bool Tokenizer::can_decode(int32_t id) const {
+  const Impl& t = checked(impl_);
+  return id >= 0 && size_t(id) < t.id_flags.size() && (t.id_flags[id] & 1);
+}
+
 int32_t Tokenizer::token_to_id(std::string_view token) const {
   auto it = checked(impl_).vocab.find(token);
   return it == checked(impl_).vocab.end() ? -1 : it->second;

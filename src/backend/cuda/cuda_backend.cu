@@ -118,6 +118,12 @@ Tensor CudaBackend::alloc(const Shape& shape, DType dtype) {
 
 MemoryStats CudaBackend::memory_stats() { return mem_->stats(); }
 void CudaBackend::reset_peak_memory_stats() { mem_->reset_peak(); }
+int64_t CudaBackend::free_device_bytes() {
+  size_t free_b = 0, total_b = 0;
+  CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b), "cudaMemGetInfo");
+  const MemoryStats st = mem_->stats();
+  return static_cast<int64_t>(free_b) + std::max<int64_t>(0, st.reserved_bytes - st.used_bytes);
+}
 
 Tensor CudaBackend::scratch(Slot slot, const Shape& shape, DType dtype) {
   const size_t bytes = static_cast<size_t>(shape_numel(shape)) * dtype_size(dtype);
@@ -1032,7 +1038,7 @@ void CudaBackend::attention_paged(const KvCache& cache, int layer, const Tensor&
 
 void CudaBackend::sample(const Tensor& logits, const std::vector<float>& temperature, const std::vector<float>& top_p,
                          const std::vector<int>& top_k, const std::vector<float>& uniforms, Tensor& tokens,
-                         Tensor& logp) {
+                         Tensor& logp, int64_t valid_vocab) {
   const OpTimer op_timer_(*this, "sample");
   check_dev(logits, "sample logits");
   check_dev(tokens, "sample tokens");
@@ -1040,6 +1046,9 @@ void CudaBackend::sample(const Tensor& logits, const std::vector<float>& tempera
   check_dtype(logits, DType::F32, "sample logits");
   FP8RL_CHECK(logits.ndim() == 2 && logits.dim(1) > 0, "sample logits must be [B, V], got ", logits.str());
   const int64_t B = logits.dim(0), V = logits.dim(1);
+  FP8RL_CHECK(valid_vocab >= 0 && valid_vocab <= V, "sample: valid_vocab ", valid_vocab, " must be in [0, V = ", V,
+              "] (0: all V)");
+  const int64_t Vv = valid_vocab > 0 ? valid_vocab : V;  // sampled ids [0, Vv); rows are V apart
   const auto n = static_cast<size_t>(B);
   FP8RL_CHECK(temperature.size() == n && top_p.size() == n && top_k.size() == n && uniforms.size() == n,
               "sample needs one temperature, top_p, top_k and uniform per row (", B, " rows), got ",
@@ -1059,7 +1068,7 @@ void CudaBackend::sample(const Tensor& logits, const std::vector<float>& tempera
     Tensor hl = to_host(logits);
     Tensor ht = Tensor::empty(tokens.shape(), tokens.dtype()), hp = Tensor::empty(logp.shape(), logp.dtype());
     static std::unique_ptr<Backend> cpu = make_cpu_backend();
-    cpu->sample(hl, temperature, top_p, top_k, uniforms, ht, hp);
+    cpu->sample(hl, temperature, top_p, top_k, uniforms, ht, hp, valid_vocab);
     copy(ht, tokens);
     copy(hp, logp);
     return;
@@ -1083,7 +1092,7 @@ void CudaBackend::sample(const Tensor& logits, const std::vector<float>& tempera
   CUDA_CHECK(cudaMemcpyAsync(pd.raw(), params.data(), params.size() * sizeof(float), cudaMemcpyHostToDevice, stream_),
              "uploading the sampling parameters");
   const float* p = pd.data<float>();  // no [B, V] scratch: the kernel recomputes keys and weights
-  launch_sample(logits.data<float>(), B, V, p, p + n, reinterpret_cast<const int32_t*>(p + 3 * n), p + 2 * n,
+  launch_sample(logits.data<float>(), B, V, Vv, p, p + n, reinterpret_cast<const int32_t*>(p + 3 * n), p + 2 * n,
                 tokens.data<int32_t>(), logp.data<float>(), flag_reset(), stream_);
   // Synchronizes: the host-side parameter vector must outlive the upload.
   flag_check("sample: a row of logits holds NaN or +inf, or only -inf");

@@ -46,6 +46,7 @@ class CudaBackend final : public Backend {
   void synchronize() override;
   MemoryStats memory_stats() override;
   void reset_peak_memory_stats() override;
+  int64_t free_device_bytes() override;
 
   void add(const Tensor& a, const Tensor& b, Tensor& out) override;
   void scale(Tensor& x, float s) override;
@@ -83,7 +84,7 @@ class CudaBackend final : public Backend {
                        float softmax_scale, bool fp8_attention, Tensor& out) override;
   void sample(const Tensor& logits, const std::vector<float>& temperature, const std::vector<float>& top_p,
               const std::vector<int>& top_k, const std::vector<float>& uniforms, Tensor& tokens,
-              Tensor& logp) override;
+              Tensor& logp, int64_t valid_vocab = 0) override;
 
   std::unique_ptr<OpGraph> record(const std::function<void()>& ops) override;
 
