@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "io/json_input.h"
 #include "io/safetensors.h"
 
 namespace fp8rl {
@@ -50,7 +51,8 @@ CheckpointReader CheckpointReader::open(const std::string& path) {
     if (is_file(index_path)) {
       nlohmann::json idx;
       try {
-        idx = nlohmann::json::parse(read_text(index_path));
+        idx = json_parse_limited(read_file_limited(index_path, size_t(256) << 20, "safetensors index"), index_path,
+                                 {size_t(256) << 20, 16});
       } catch (const nlohmann::json::exception& ex) {
         FP8RL_FAIL(index_path, ": not valid JSON: ", ex.what());
       }
@@ -74,7 +76,7 @@ CheckpointReader CheckpointReader::open(const std::string& path) {
       }
       if (idx.contains("metadata") && idx["metadata"].is_object()) {
         for (const auto& [k, v] : idx["metadata"].items())
-          r.metadata_[k] = v.is_string() ? v.get<std::string>() : v.dump();
+          r.metadata_[k] = v.is_string() ? v.get<std::string>() : json_brief(v, 1024);
       }
     } else {
       FP8RL_CHECK(is_file(single_path), "checkpoint directory ", path,
