@@ -61,9 +61,10 @@ bool BadStepGuard::record(const StepResult& r, int64_t step) {
   std::fprintf(stderr, "step %lld: optimizer step skipped (%s; loss %g, grad norm %g), %d in a row, %lld in all\n",
                static_cast<long long>(step), r.skip_reason.c_str(), r.loss, r.grad_norm, in_a_row_,
                static_cast<long long>(total_));
-  FP8RL_CHECK(in_a_row_ < max_in_a_row_, in_a_row_, " consecutive optimizer steps had a non-finite loss or gradient (",
-              "the last: ", r.skip_reason, " at step ", step, "); stopping. The weights were not updated by those "
-              "steps and the last good checkpoint is kept. ", hint_, " (max_consecutive_bad_steps=", max_in_a_row_, ")");
+  if (in_a_row_ >= max_in_a_row_)
+    FP8RL_FAIL(in_a_row_, " consecutive optimizer steps met non-finite values (a non-finite loss or gradient; the ",
+               "last: ", r.skip_reason, " at step ", step, "); stopping. The weights were not updated by those "
+               "steps and the last good checkpoint is kept. ", hint_, " (max_consecutive_bad_steps=", max_in_a_row_, ")");
   return false;
 }
 
