@@ -88,8 +88,11 @@ int run_eval(const std::vector<std::string>& argv) {
   const PrecisionRecipe recipe = config_precision_recipe(c.precision);
   ModelWeights w = model_weights_to_device(*s.backend, model_weights_load(c.model.path, DType::F32), DType::F32);
   const int n = a.get_int("n", c.val_size, 1, kMaxSamples);
-  RolloutEngine engine(*s.backend, w, recipe.generator,
-                       n * static_cast<int>(ceil_div(512 + c.rollout.max_new_tokens, 16)) + 1);
+  const int64_t pages = int64_t(n) * ceil_div(512 + int64_t(c.rollout.max_new_tokens), 16) + 1;  // 64-bit
+  if (pages > INT32_MAX)
+    FP8RL_FAIL("--n ", n, " x rollout.max_new_tokens ", c.rollout.max_new_tokens, " needs a KV pool of ", pages,
+               " pages; lower --n or rollout.max_new_tokens");
+  RolloutEngine engine(*s.backend, w, recipe.generator, static_cast<int>(pages));
   ValResult v = validate(s, engine, n, c.rollout.max_new_tokens);
   nlohmann::json j{{"task", c.task.name}, {"n", n}, {"accuracy", v.accuracy}, {"reward_mean", v.reward_mean},
                    {"seconds", v.seconds}, {"recipe", recipe.name}};

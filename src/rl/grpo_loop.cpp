@@ -174,9 +174,10 @@ int grpo_run(const RunConfig& config_in, bool resume) {
               host.config.model_type.c_str(), static_cast<long long>(model_count_parameters(host)), recipe.name.c_str(),
               linear_mode_name(recipe.generator.linear), fp8_kv ? " + FP8 KV" : "",
               linear_mode_name(recipe.trainer.linear), be.name().c_str());
-  std::fputs(memory_plan_format(memory_plan_compute(memory_plan_input(c, host.config, be.act_dtype())), host.config)
-                 .c_str(),
-             stdout);
+  const MemoryPlan plan = memory_plan_compute(memory_plan_input(c, host.config, be.act_dtype()));
+  std::fputs(memory_plan_format(plan, host.config).c_str(), stdout);
+  std::fflush(stdout);
+  memory_plan_check_host(plan, c.device);
   Trainer trainer(be, model_weights_to_device(be, host, DType::F32), recipe.trainer, trainer_options(c));
   std::unique_ptr<Trainer> reference;  // frozen initial policy for the k3 KL term
   if (c.train.kl_beta > 0) {

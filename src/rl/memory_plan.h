@@ -63,6 +63,11 @@ int64_t memory_plan_kv_pages(const RunConfig& c);
 // The plan's input from a run config, for a given model shape and backend activation dtype.
 MemoryPlanInput memory_plan_input(const RunConfig& c, const ModelConfig& model, DType act_dtype);
 
+// The machine's physical memory in bytes (0 when unknown).
+int64_t memory_plan_host_bytes();
+// On the CPU backend the plan must fit the machine's memory: refused before anything is allocated.
+void memory_plan_check_host(const MemoryPlan& plan, const std::string& device);
+
 // A readable table; `device_bytes` > 0 adds the headroom line ("fits in 139.0 GiB: 12.3 GiB free").
 std::string memory_plan_format(const MemoryPlan& plan, const ModelConfig& model, int64_t device_bytes = 0);
 

@@ -28,9 +28,10 @@ std::string sft_run(const RunConfig& c) {
   std::printf("sft: %s, %lld parameters, trainer %s, %d steps x %d sequences\n", host.config.model_type.c_str(),
               static_cast<long long>(model_count_parameters(host)), linear_mode_name(recipe.trainer.linear),
               c.sft.steps, c.sft.batch_size);
-  std::fputs(memory_plan_format(memory_plan_compute(memory_plan_input(c, host.config, be.act_dtype())), host.config)
-                 .c_str(),
-             stdout);
+  const MemoryPlan plan = memory_plan_compute(memory_plan_input(c, host.config, be.act_dtype()));
+  std::fputs(memory_plan_format(plan, host.config).c_str(), stdout);
+  std::fflush(stdout);
+  memory_plan_check_host(plan, c.device);
   Trainer trainer(be, model_weights_to_device(be, host, DType::F32), recipe.trainer, trainer_options(c));
   // GSM8K train solutions mixed into every batch (sft.mix_gsm8k_*), read in order, wrapping.
   std::unique_ptr<Task> mix;

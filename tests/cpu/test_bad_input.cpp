@@ -19,6 +19,7 @@
 #include "rl/checkpoint.h"
 #include "rl/config.h"
 #include "rl/loop.h"
+#include "rl/session.h"
 #include "tasks/task.h"
 #include "test_cli_util.h"
 #include "test_model_util.h"
@@ -251,6 +252,54 @@ TEST(BadInputData, JsonlLinesAndTinyFilesAreRefusedWithTheirName) {
   cfg.train_path = deep;
   msg = error_of([&] { task_make_jsonl(cfg); });
   EXPECT_NE(msg.find(deep + ":1"), std::string::npos) << msg.substr(0, 300);
+}
+
+// "PCRE2 error -47" used to come with no file.
+TEST(BadInputData, RegexFailuresNameTheTokenizer) {
+  json j = json::parse(tokenizer_text());
+  j["pre_tokenizer"] = {{"type", "Sequence"},
+                        {"pretokenizers",
+                         json::array({{{"type", "Split"}, {"pattern", {{"Regex", "(a|a)+$"}}}, {"behavior", "Isolated"}},
+                                      {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"use_regex", false}}})}};
+  const Tokenizer t = Tokenizer::from_json(j.dump(), "", "backtrack/tokenizer.json");
+  const std::string msg = error_of([&] { t.encode(std::string(40, 'a') + "!", false); });
+  EXPECT_NE(msg.find("backtrack/tokenizer.json"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("pre_tokenizer regex"), std::string::npos) << msg;
+}
+
+std::string long_prompt_jsonl(const std::string& name) {
+  const std::string path = scratch() + "/" + name + ".jsonl";
+  std::string text;
+  for (int i = 0; i < 20; ++i) {
+    std::string prompt;
+    for (int k = 0; k < 40; ++k) prompt += std::to_string((i * 7919 + k * 104729) % 9973) + " ";
+    text += "{\"prompt\": \"" + prompt + "\", \"answer\": \"1\", \"solution\": \"1\"}\n";
+  }
+  write_file_atomic(path, text);
+  return path;
+}
+
+// Prompts are checked against the model's positions before a rollout (with max_new_tokens),
+// and SFT sequences before training (sft used to train past max_position_embeddings).
+TEST(BadInputData, SequencesMustFitTheModelPositions) {
+  scratch();
+  const std::string path = long_prompt_jsonl("long_prompts");
+  std::vector<std::string> o = {"task.name=jsonl", "task.jsonl.path=" + path, "task.jsonl.solution_field=solution",
+                                "model.tiny.max_position_embeddings=32", "rollout.max_new_tokens=6",
+                                "out=" + fresh_dir("long_sft"), "sft.steps=2", "sft.batch_size=2",
+                                "model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.num_heads=2",
+                                "model.tiny.num_kv_heads=1", "model.tiny.intermediate_size=64", "val_every=0"};
+  const RunConfig c = config_load("", o);
+  const std::string msg = error_of([&] { sft_run(c); });
+  EXPECT_NE(msg.find("max_position_embeddings (32)"), std::string::npos) << msg;
+  Session s = session_open(c, scratch() + "/cache");
+  TaskItem it = s.train_item(0);
+  EXPECT_GT(s.prompt_ids(it).size(), 26u);  // unchecked without a model
+  s.max_positions = 32;
+  s.max_new_tokens = 6;
+  const std::string pmsg = error_of([&] { s.prompt_ids(it); });
+  EXPECT_NE(pmsg.find("rollout.max_new_tokens=6"), std::string::npos) << pmsg;
+  EXPECT_NE(pmsg.find("max_position_embeddings (32)"), std::string::npos) << pmsg;
 }
 
 // ---- the CLI: strict numbers, values against the model's real bounds -------------------------
