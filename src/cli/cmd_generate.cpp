@@ -53,6 +53,10 @@ int run_generate(const std::vector<std::string>& argv) {
   // Sizes against their real bounds before anything is allocated: positions stop at the
   // model's max_position_embeddings, and the KV pool holds n whole sequences.
   const int64_t max_pos = w.config.max_position_embeddings, prompt_len = static_cast<int64_t>(ids.size());
+  for (int32_t id : ids)
+    if (id >= w.config.vocab_size)
+      FP8RL_FAIL("--prompt encodes to token id ", id, " but the model's vocab_size is ", w.config.vocab_size, ": ",
+                 tok_path, " is not this model's tokenizer (pass --tokenizer)");
   if (prompt_len >= max_pos)
     FP8RL_FAIL("--prompt is ", prompt_len, " tokens; the model's max_position_embeddings is ", max_pos);
   sp.max_new_tokens = a.get_int("max-new-tokens", static_cast<int>(std::min<int64_t>(64, max_pos - prompt_len)), 1,

@@ -74,7 +74,7 @@ int64_t Args::get_int64(const std::string& name, int64_t fallback, int64_t lo, i
   if (!has(name)) return fallback;
   const std::string s = get(name);
   int64_t v = 0;
-  const char* b = s.data() + (!s.empty() && s[0] == '+');
+  const char* b = s.data() + (s.size() > 1 && s[0] == '+' && s[1] != '-');  // "+5", not "+-5"
   const auto [p, ec] = std::from_chars(b, s.data() + s.size(), v);
   if (ec == std::errc::result_out_of_range)
     FP8RL_FAIL("--", name, " must be an integer in [", lo, ", ", hi, "], got ", s);
@@ -92,7 +92,7 @@ double Args::get_float(const std::string& name, double fallback, double lo, doub
   if (!has(name)) return fallback;
   const std::string s = get(name);
   double v = 0;
-  const char* b = s.data() + (!s.empty() && s[0] == '+');
+  const char* b = s.data() + (s.size() > 1 && s[0] == '+' && s[1] != '-');  // "+5", not "+-5"
   const auto [p, ec] = std::from_chars(b, s.data() + s.size(), v);
   if (s.empty() || ec != std::errc() || p != s.data() + s.size() || !std::isfinite(v))
     FP8RL_FAIL("--", name, ": '", s, "' is not a number");

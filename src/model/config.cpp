@@ -220,6 +220,14 @@ void ModelConfig::validate() const {
   FP8RL_CHECK(head_dim > 0 && head_dim % 2 == 0, "head_dim (", head_dim, ") must be positive and even");
   FP8RL_CHECK(std::isfinite(rms_norm_eps) && rms_norm_eps > 0, "rms_norm_eps must be positive");
   FP8RL_CHECK(max_position_embeddings > 0, "max_position_embeddings must be positive");
+  // Upper bounds far above any real model (Llama 3.1 405B: hidden 16384, 126 layers; vocabularies
+  // < 300k): a value past them is a broken config.json, refused before anything is sized by it.
+  FP8RL_CHECK(vocab_size <= (1 << 24) && hidden_size <= (1 << 16) && intermediate_size <= (1 << 20) &&
+                  num_layers <= 1024 && num_heads <= 1024 && head_dim <= 1024 && max_position_embeddings <= (1 << 28),
+              "a dimension is beyond any supported model (vocab_size ", vocab_size, " <= 2^24, hidden_size ",
+              hidden_size, " <= 65536, intermediate_size ", intermediate_size, " <= 2^20, num_hidden_layers ",
+              num_layers, " <= 1024, num_attention_heads ", num_heads, " and head_dim ", head_dim,
+              " <= 1024, max_position_embeddings ", max_position_embeddings, " <= 2^28)");
   FP8RL_CHECK(std::isfinite(rope_theta) && rope_theta > 1.0f, "rope_theta (", rope_theta, ") must be > 1");
   FP8RL_CHECK(rope_type == "default" || rope_type == "llama3", "rope_type '", rope_type,
               "' is not supported (default, llama3)");

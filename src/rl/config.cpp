@@ -55,7 +55,7 @@ Int parse_int(const std::string& s, const char* type) {
   Int v{};
   const char* b = s.data();
   const char* e = b + s.size();
-  if (b != e && *b == '+') ++b;
+  if (e - b > 1 && *b == '+' && b[1] != '-') ++b;  // "+5", not "+-5"
   auto [p, ec] = std::from_chars(b, e, v);
   if (s.empty() || ec != std::errc() || p != e) FP8RL_FAIL("expected ", type, ", got '", s, "'");
   return v;
@@ -510,8 +510,9 @@ void config_validate(const RunConfig& c) {
   }
   const auto& t = c.task;
   if (t.name == "arithmetic") {
-    need(t.arithmetic.min_operands >= 2 && t.arithmetic.max_operands >= t.arithmetic.min_operands,
-         "task.arithmetic.max_operands", "needs 2 <= min_operands <= max_operands");
+    need(t.arithmetic.min_operands >= 2 && t.arithmetic.max_operands >= t.arithmetic.min_operands &&
+             t.arithmetic.max_operands <= 64,
+         "task.arithmetic.max_operands", "needs 2 <= min_operands <= max_operands <= 64");
     need(t.arithmetic.digits >= 1 && t.arithmetic.digits <= 9, "task.arithmetic.digits", "must be in [1, 9]");
     need(!t.arithmetic.operators.empty() && t.arithmetic.operators.find_first_not_of("+-*/") == std::string::npos,
          "task.arithmetic.operators", "must be a non-empty subset of \"+-*/\", got \"", t.arithmetic.operators, "\"");

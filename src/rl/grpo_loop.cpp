@@ -86,9 +86,6 @@ std::string ensure_demo_policy(const RunConfig& c) {
   return dir;
 }
 
-// On resume: metrics.jsonl keeps only the steps the checkpoint includes. Lines logged after it
-// (a crash between a step's log line and its checkpoint) and a torn last line are dropped, so
-// that the resumed run's lines are not duplicates.
 // The step of the last complete line of metrics.jsonl (-1: none or no file).
 int64_t metrics_last_step(const std::string& path) {
   if (!std::filesystem::exists(path)) return -1;
@@ -109,6 +106,9 @@ void check_positions(const RunConfig& c, const ModelConfig& m) {
                "max_position_embeddings (", m.max_position_embeddings, "): prompt and response share its positions");
 }
 
+// On resume: metrics.jsonl keeps only the steps the checkpoint includes. Lines logged after it
+// (a crash between a step's log line and its checkpoint) and a torn last line are dropped, so
+// that the resumed run's lines are not duplicates.
 void metrics_truncate_after(const std::string& path, int64_t last_step) {
   if (!std::filesystem::exists(path)) return;
   std::istringstream in(read_file(path));
@@ -168,6 +168,7 @@ int grpo_run(const RunConfig& config_in, bool resume) {
   }
   ModelWeights host = ckpt ? model_weights_load(*ckpt, DType::F32) : session_initial_policy(s);
   check_positions(c, host.config);
+  session_check_model(s, host.config);
   s.max_positions = host.config.max_position_embeddings;
   s.max_new_tokens = c.rollout.max_new_tokens;
   std::printf("policy: %s, %lld parameters; recipe %s (generator %s%s, trainer %s); device %s\n",
@@ -243,7 +244,7 @@ int grpo_run(const RunConfig& config_in, bool resume) {
     const auto t_step = Clock::now();
     double time_reward_s = 0;
     bool diverged = false;  // generation, scoring or the refit met a NaN/Inf: the step is skipped
-    try {
+    try {  // phases 1-5 (not re-indented, to keep the diff small)
 
     // 1. Prompts and rollout.
     std::vector<TaskItem> items;

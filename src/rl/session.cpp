@@ -158,6 +158,13 @@ ValResult validate(const Session& s, RolloutEngine& engine, int n, int max_new_t
 
 namespace fp8rl {
 
+void session_check_model(const Session& s, const ModelConfig& m) {
+  if (s.tokenizer.vocab_size() > m.vocab_size)
+    FP8RL_FAIL("the tokenizer ", s.tokenizer_json, " has ids up to ", s.tokenizer.vocab_size() - 1,
+               " but the model's vocab_size is ", m.vocab_size,
+               ": they do not belong together (set tokenizer.path to the model's own tokenizer)");
+}
+
 std::string bad_step_hint(const RunConfig& c, const char* lr_key, double lr) {
   std::ostringstream os;
   os << "Likely causes: the learning rate is too high (" << lr_key << "=" << lr << ") or the Adam epsilon too "

@@ -46,6 +46,8 @@ ModelConfig session_tiny_model_config(const TinyModelConfig& t, int vocab_size, 
 
 // The trainer's optimizer settings from train.* (SFT and GRPO share them; SFT swaps the lr).
 TrainerOptions trainer_options(const RunConfig& config);
+// The tokenizer must fit the model: every id it can produce is a row of the embedding.
+void session_check_model(const Session& s, const ModelConfig& model);
 // What BadStepGuard tells the user when non-finite steps stop a run: the likely causes with
 // their current values (`lr_key`=`lr`: train.lr or sft.lr; train.adam_eps; train.kl_beta).
 std::string bad_step_hint(const RunConfig& config, const char* lr_key, double lr);

@@ -25,6 +25,7 @@ std::string sft_run(const RunConfig& c) {
   run_dir_save_config(run, c);
   const PrecisionRecipe recipe = config_precision_recipe(c.precision);
   ModelWeights host = session_initial_policy(s);
+  session_check_model(s, host.config);
   std::printf("sft: %s, %lld parameters, trainer %s, %d steps x %d sequences\n", host.config.model_type.c_str(),
               static_cast<long long>(model_count_parameters(host)), linear_mode_name(recipe.trainer.linear),
               c.sft.steps, c.sft.batch_size);

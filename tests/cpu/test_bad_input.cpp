@@ -208,6 +208,8 @@ TEST(BadInputConfig, SizesAreRefusedBeforeAllocation) {
       {{"train.adam_eps=1e-50"}, "train.adam_eps"},
       {{"train.lr=1e39"}, "train.lr"},
       {{"max_consecutive_bad_steps=0"}, "max_consecutive_bad_steps"},
+      {{"task.arithmetic.max_operands=1000000000"}, "task.arithmetic.max_operands"},
+      {{"checkpoint_max_abs_weight=-1"}, "checkpoint_max_abs_weight"},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.overrides.back());
@@ -218,9 +220,29 @@ TEST(BadInputConfig, SizesAreRefusedBeforeAllocation) {
   EXPECT_NO_THROW(config_load("", {"rollout.max_new_tokens=500"}));
 }
 
+// A config.json with an absurd dimension is refused where it is read, and a tokenizer whose ids
+// pass the model's vocabulary is refused before a run starts.
+TEST(BadInputConfig, ModelDimensionsAndTokenizerAreCheckedAgainstTheirBounds) {
+  json j = json::parse(read_file(kData + "/fixtures/qwen3/config.json"));
+  j["hidden_size"] = 1000000000;
+  const std::string msg = error_of([&] { model_config_from_json(j.dump(), "big/config.json"); });
+  EXPECT_NE(msg.find("big/config.json"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("hidden_size 1000000000"), std::string::npos) << msg;
+  j["hidden_size"] = 4294967296 + 64;  // 2^32 + 64 must not wrap to 64
+  EXPECT_NE(error_of([&] { model_config_from_json(j.dump(), "big/config.json"); }).find("32 bits"),
+            std::string::npos);
+  Session s;
+  s.tokenizer_json = kData + "/tokenizers/small/tokenizer.json";
+  s.tokenizer = Tokenizer::load(s.tokenizer_json);  // ids up to 399
+  const ModelConfig qwen2 = model_config_load(kData + "/fixtures/qwen2");  // vocab 320
+  EXPECT_NE(error_of([&] { session_check_model(s, qwen2); }).find("do not belong together"), std::string::npos);
+  EXPECT_NO_THROW(session_check_model(s, model_config_load(kData + "/fixtures/qwen3")));  // vocab 448
+}
+
 TEST(BadInputConfig, NumbersAreParsedStrictly) {
   for (const std::string o : {"rollout.max_new_tokens=3.7", "rollout.max_new_tokens=4294967301",
-                              "rollout.max_new_tokens=12abc", "train.lr=1e-3x", "seed=18446744073709551621"}) {
+                              "rollout.max_new_tokens=12abc", "train.lr=1e-3x", "seed=18446744073709551621",
+                              "rollout.max_new_tokens=+-5"}) {
     SCOPED_TRACE(o);
     const std::string msg = error_of([&] { config_load("", {o}); });
     EXPECT_NE(msg.find("expected"), std::string::npos) << msg;
@@ -315,6 +337,7 @@ TEST(BadInputCli, FlagsAreStrictNumbersWithinTheirBounds) {
       {{"--n", "100000000"}, "--n must be an integer in [1, "},
       {{"--n", "3.7"}, "--n: '3.7' is not an integer"},
       {{"--n", "abc"}, "--n: 'abc' is not an integer"},
+      {{"--n", "+-2"}, "--n: '+-2' is not an integer"},
       {{"--seed", "18446744073709551621"}, "--seed must be an integer"},
       {{"--temperature", "warm"}, "--temperature: 'warm' is not a number"},
       {{"--top-k", "4294967301"}, "--top-k must be an integer"},
