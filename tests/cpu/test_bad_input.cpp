@@ -438,6 +438,26 @@ TEST(BadInputNonFinite, ExplodingLearningRateReachesTheBadStepGuard) {
   EXPECT_FALSE(fs::exists(c.out + "/checkpoints/latest")) << "an exploded run saved a checkpoint";
 }
 
+// lr 3e38 and kl_beta 1e38 used to abort with internal messages ("logp_new[0] is not finite"):
+// now a run either trains through (the update clipped, the loss finite) or the guard stops it.
+TEST(BadInputNonFinite, ExtremeSettingsNeverEndInAnInternalMessage) {
+  scratch();
+  for (const std::string setting : {"train.lr=3e38", "train.kl_beta=1e38"}) {
+    SCOPED_TRACE(setting);
+    std::vector<std::string> o = tiny_run(4);
+    o.push_back(setting);
+    o.push_back("out=" + fresh_dir("extreme"));
+    const RunConfig c = config_load("", o);
+    try {
+      EXPECT_EQ(grpo_run(c, false), 0);
+    } catch (const Error& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find("max_consecutive_bad_steps="), std::string::npos) << msg;
+      EXPECT_EQ(msg.find("check failed"), std::string::npos) << msg;
+    }
+  }
+}
+
 TEST(BadInputNonFinite, ExplodedOrNonFiniteWeightsAreNeverSavedOrLoaded) {
   auto be = make_cpu_backend();
   Trainer t(*be, model_weights_to_device(*be, test::tiny_model("qwen3", DType::F32, 6), DType::F32),
