@@ -7,6 +7,7 @@ pkgs=(build-essential cmake ninja-build pkg-config
       libyaml-cpp-dev      # YAML run configs
       libpcre2-dev         # tokenizer pre-tokenizer regex (Unicode, JIT)
       libutf8proc-dev      # Unicode NFC normalization
+      zlib1g-dev           # CRC-32 of checkpoint files (verified on resume)
       libgtest-dev)        # tests
 missing=()
 for p in "${pkgs[@]}"; do

@@ -1,5 +1,7 @@
 #include "backend/backend.h"
 
+#include <charconv>
+
 #include <algorithm>
 #include <cmath>
 
@@ -72,8 +74,14 @@ std::unique_ptr<Backend> make_backend(const std::string& device, DType act_dtype
   if (device == "cpu") return make_cpu_backend();
   if (device.rfind("cuda", 0) == 0) {
     int index = 0;
-    if (device.size() > 5 && device[4] == ':') index = std::stoi(device.substr(5));
-    else FP8RL_CHECK(device == "cuda", "unknown device '", device, "' (expected cpu, cuda or cuda:N)");
+    if (device.size() > 5 && device[4] == ':') {
+      const char* e = device.data() + device.size();
+      const auto [p, ec] = std::from_chars(device.data() + 5, e, index);
+      if (ec != std::errc() || p != e || index < 0)
+        FP8RL_FAIL("unknown device '", device, "' (expected cpu, cuda or cuda:N with N a GPU index)");
+    } else {
+      FP8RL_CHECK(device == "cuda", "unknown device '", device, "' (expected cpu, cuda or cuda:N)");
+    }
     return make_cuda_backend(index, act_dtype);
   }
   FP8RL_FAIL("unknown device '", device, "' (expected cpu, cuda or cuda:N)");

@@ -23,8 +23,7 @@ int run(const std::vector<std::string>& argv) {
   std::ostringstream ss;
   ss << f.rdbuf();
   const std::string text = ss.str();
-  const int repeat = std::stoi(args.get("repeat", "1"));
-  FP8RL_CHECK(repeat >= 1, "--repeat must be >= 1");
+  const int repeat = args.get_int("repeat", 1, 1);
   double best = 1e30;
   size_t tokens = 0;
   for (int r = 0; r < repeat; ++r) {

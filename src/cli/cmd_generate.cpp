@@ -14,6 +14,8 @@
 namespace fp8rl::cli {
 namespace {
 
+constexpr int kMaxSamples = 1 << 16;  // --n: samples (generate) or prompts (eval)
+
 constexpr const char* kGenerateUsage =
     "usage: fp8rl generate --model DIR --prompt TEXT [--chat] [--n N] [--max-new-tokens N]\n"
     "                      [--temperature T] [--top-p P] [--top-k K] [--seed S]\n"
@@ -49,11 +51,10 @@ int run_generate(const std::vector<std::string>& argv) {
   std::unique_ptr<Backend> be = make_backend(a.get("device", "cpu"));
   ModelWeights w = model_weights_to_device(*be, model_weights_load(dir, DType::F32), DType::F32);
   SamplingParams sp;
-  sp.temperature = std::stof(a.get("temperature", "1.0"));
-  sp.top_p = std::stof(a.get("top-p", "1.0"));
-  sp.top_k = std::stoi(a.get("top-k", "0"));
-  sp.max_new_tokens = std::stoi(a.get("max-new-tokens", "64"));
-  sp.seed = std::stoull(a.get("seed", "0"));
+  sp.temperature = static_cast<float>(a.get_float("temperature", 1.0, 0.0, 1e6));
+  sp.top_p = static_cast<float>(a.get_float("top-p", 1.0, 0.0, 1.0));
+  sp.top_k = a.get_int("top-k", 0, 0);
+  sp.seed = static_cast<uint64_t>(a.get_int64("seed", 0, 0, INT64_MAX));
   if (tok.eos_id() >= 0) sp.stop_ids = {tok.eos_id()};
   // A vocabulary padded past the tokenizer's: the extra ids are never sampled.
   sp.valid_vocab = std::min<int64_t>(tok.vocab_size(), w.config.vocab_size);
@@ -62,8 +63,21 @@ int run_generate(const std::vector<std::string>& argv) {
                  tok.vocab_size(),
                  w.config.vocab_size > tok.vocab_size() ? "the extra ids are padding and are never sampled"
                                                         : "a prompt id past the model's cannot be scored");
-  const int n = std::stoi(a.get("n", "1"));
-  const int pages = n * static_cast<int>(ceil_div(static_cast<int64_t>(ids.size()) + sp.max_new_tokens, 16)) + 1;
+  // Sizes against their real bounds before anything is allocated: positions stop at the
+  // model's max_position_embeddings, and the KV pool holds n whole sequences.
+  const int64_t max_pos = w.config.max_position_embeddings, prompt_len = static_cast<int64_t>(ids.size());
+  for (int32_t id : ids)
+    if (id >= w.config.vocab_size)
+      FP8RL_FAIL("--prompt encodes to token id ", id, " but the model's vocab_size is ", w.config.vocab_size, ": ",
+                 tok_path, " is not this model's tokenizer (pass --tokenizer)");
+  if (prompt_len >= max_pos)
+    FP8RL_FAIL("--prompt is ", prompt_len, " tokens; the model's max_position_embeddings is ", max_pos);
+  sp.max_new_tokens = a.get_int("max-new-tokens", static_cast<int>(std::min<int64_t>(64, max_pos - prompt_len)), 1,
+                                static_cast<int>(max_pos - prompt_len));
+  const int n = a.get_int("n", 1, 1, kMaxSamples);
+  const int64_t pages64 = n * ceil_div(prompt_len + sp.max_new_tokens, 16) + 1;
+  FP8RL_CHECK(pages64 < INT32_MAX, "internal: KV pool of ", pages64, " pages");
+  const int pages = static_cast<int>(pages64);
   RolloutEngine engine(*be, w, prec, pages);
   for (const RolloutSample& s : engine.generate({{ids, n}}, sp)) {
     double mean = 0;
@@ -91,9 +105,12 @@ int run_eval(const std::vector<std::string>& argv) {
   const PrecisionRecipe recipe = config_precision_recipe(c.precision);
   ModelWeights w = model_weights_to_device(*s.backend, model_weights_load(c.model.path, DType::F32), DType::F32);
   session_set_model(s, w.config.vocab_size, stderr);
-  const int n = std::stoi(a.get("n", std::to_string(c.val_size)));
-  RolloutEngine engine(*s.backend, w, recipe.generator,
-                       n * static_cast<int>(ceil_div(512 + c.rollout.max_new_tokens, 16)) + 1);
+  const int n = a.get_int("n", c.val_size, 1, kMaxSamples);
+  const int64_t pages = int64_t(n) * ceil_div(512 + int64_t(c.rollout.max_new_tokens), 16) + 1;  // 64-bit
+  if (pages > INT32_MAX)
+    FP8RL_FAIL("--n ", n, " x rollout.max_new_tokens ", c.rollout.max_new_tokens, " needs a KV pool of ", pages,
+               " pages; lower --n or rollout.max_new_tokens");
+  RolloutEngine engine(*s.backend, w, recipe.generator, static_cast<int>(pages));
   ValResult v = validate(s, engine, n, c.rollout.max_new_tokens);
   nlohmann::json j{{"task", c.task.name}, {"n", n}, {"accuracy", v.accuracy}, {"reward_mean", v.reward_mean},
                    {"seconds", v.seconds}, {"recipe", recipe.name}};

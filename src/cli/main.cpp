@@ -1,5 +1,7 @@
 // fp8rl: one command, many subcommands (src/cli/cmd_*.cpp).
 #include <algorithm>
+#include <charconv>
+#include <cmath>
 #include <cstdio>
 #include <exception>
 #include <new>
@@ -66,17 +68,35 @@ std::string Args::require(const std::string& name) const {
   return get(name);
 }
 
-int Args::get_int(const std::string& name, int fallback, int lo) const {
-  const std::string s = get(name, std::to_string(fallback));
-  size_t used = 0;
-  int v = 0;
-  try {
-    v = std::stoi(s, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  FP8RL_CHECK(used == s.size() && used > 0, "--", name, ": '", s, "' is not an integer");
-  FP8RL_CHECK(v >= lo, "--", name, " must be >= ", lo, ", got ", v);
+// Strict numbers: the whole text must be the number (no "3.7" for an integer, no trailing
+// garbage, no silent wrap of 2^32+5), and it must lie in [lo, hi]; messages name the flag.
+int64_t Args::get_int64(const std::string& name, int64_t fallback, int64_t lo, int64_t hi) const {
+  if (!has(name)) return fallback;
+  const std::string s = get(name);
+  int64_t v = 0;
+  const char* b = s.data() + (s.size() > 1 && s[0] == '+' && s[1] != '-');  // "+5", not "+-5"
+  const auto [p, ec] = std::from_chars(b, s.data() + s.size(), v);
+  if (ec == std::errc::result_out_of_range)
+    FP8RL_FAIL("--", name, " must be an integer in [", lo, ", ", hi, "], got ", s);
+  if (s.empty() || ec != std::errc() || p != s.data() + s.size())
+    FP8RL_FAIL("--", name, ": '", s, "' is not an integer");
+  if (v < lo || v > hi) FP8RL_FAIL("--", name, " must be an integer in [", lo, ", ", hi, "], got ", s);
+  return v;
+}
+
+int Args::get_int(const std::string& name, int fallback, int lo, int hi) const {
+  return static_cast<int>(get_int64(name, fallback, lo, hi));
+}
+
+double Args::get_float(const std::string& name, double fallback, double lo, double hi) const {
+  if (!has(name)) return fallback;
+  const std::string s = get(name);
+  double v = 0;
+  const char* b = s.data() + (s.size() > 1 && s[0] == '+' && s[1] != '-');  // "+5", not "+-5"
+  const auto [p, ec] = std::from_chars(b, s.data() + s.size(), v);
+  if (s.empty() || ec != std::errc() || p != s.data() + s.size() || !std::isfinite(v))
+    FP8RL_FAIL("--", name, ": '", s, "' is not a number");
+  if (v < lo || v > hi) FP8RL_FAIL("--", name, " must be in [", lo, ", ", hi, "], got ", s);
   return v;
 }
 

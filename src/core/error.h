@@ -12,8 +12,17 @@ class Error : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// A non-finite value (NaN, Inf) met in data the computation produced: activations, logits,
+// losses, gradients. A training step that meets one skips its update (train/trainer.h
+// BadStepGuard); anywhere else it is an Error like any other.
+class NonFiniteError : public Error {
+ public:
+  using Error::Error;
+};
+
 namespace detail {
 [[noreturn]] void throw_error(const char* file, int line, const std::string& msg);
+[[noreturn]] void throw_nonfinite(const char* file, int line, const std::string& msg);
 template <class... Args>
 std::string concat(Args&&... args) {
   std::ostringstream os;
@@ -36,3 +45,7 @@ std::string concat(Args&&... args) {
 // FP8RL_FAIL("message", ...): unconditional error (user-facing messages, no expression).
 #define FP8RL_FAIL(...) \
   ::fp8rl::detail::throw_error(__FILE__, __LINE__, ::fp8rl::detail::concat(__VA_ARGS__))
+
+// FP8RL_FAIL_NONFINITE("message", ...): throws NonFiniteError (a NaN/Inf in computed data).
+#define FP8RL_FAIL_NONFINITE(...) \
+  ::fp8rl::detail::throw_nonfinite(__FILE__, __LINE__, ::fp8rl::detail::concat(__VA_ARGS__))

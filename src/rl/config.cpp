@@ -1,5 +1,6 @@
 #include "rl/config.h"
 
+#include <unistd.h>
 #include <yaml-cpp/yaml.h>
 
 #include <nlohmann/json.hpp>
@@ -13,11 +14,29 @@
 
 #include "core/error.h"
 #include "core/fs.h"
+#include "io/json_input.h"
 
 namespace fp8rl {
 
 // ---- the key table ---------------------------------------------------------------------------
 namespace {
+
+constexpr size_t kMaxYamlBytes = size_t(4) << 20;  // a full config is ~10 KB
+constexpr int kMaxYamlDepth = 8;
+
+// The real bounds of size-like values (docs/design.md "What is validated where").
+constexpr int kMaxVocab = 1 << 24;               // the tokenizer's id limit
+constexpr int kMaxWidth = 1 << 16;               // hidden size
+constexpr int kMaxPositions = 1 << 20;           // positions (max_position_embeddings, max_new_tokens)
+constexpr int64_t kMaxSequences = 1 << 20;       // sequences per rollout / SFT batch
+constexpr int64_t kMaxRolloutTokens = int64_t(1) << 32;  // tokens per step (response caps summed)
+constexpr double kMaxFloat = 3.0e38;             // FP32 max is 3.4e38
+constexpr double kMinNormalFloat = 1.1754944e-38;
+
+int64_t host_memory_bytes() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGE_SIZE);
+  return pages > 0 && page > 0 ? int64_t(pages) * page : 0;
+}
 
 // One configurable value: its dotted key, the type as users read it, a help line, and how to
 // parse/print it. `set` throws a bare message ("expected ..."); callers prefix the key.
@@ -38,7 +57,7 @@ Int parse_int(const std::string& s, const char* type) {
   Int v{};
   const char* b = s.data();
   const char* e = b + s.size();
-  if (b != e && *b == '+') ++b;
+  if (e - b > 1 && *b == '+' && b[1] != '-') ++b;  // "+5", not "+-5"
   auto [p, ec] = std::from_chars(b, e, v);
   if (s.empty() || ec != std::errc() || p != e) FP8RL_FAIL("expected ", type, ", got '", s, "'");
   return v;
@@ -267,6 +286,8 @@ std::vector<Field> config_fields(RunConfig& c) {
   t.add_int("max_consecutive_bad_steps", c.max_consecutive_bad_steps,
             "abort after this many non-finite steps in a row");
   t.add_float("time_budget_s", c.time_budget_s, "wall-clock budget of the run in seconds; 0 = none");
+  t.add_float("checkpoint_max_abs_weight", c.checkpoint_max_abs_weight,
+              "refuse to save a checkpoint with a weight of larger magnitude (exploded); 0 = no bound");
   return std::move(t.fields);
 }
 
@@ -353,6 +374,21 @@ nlohmann::json yaml_to_json(const YAML::Node& n) {
   }
 }
 
+// Nesting depth of a loaded document, walked with an explicit stack (no recursion over user
+// data): a config is at most 4 levels deep (train.is.mode); deeper nesting is refused.
+void check_yaml_depth(const YAML::Node& root, const std::string& origin) {
+  std::vector<std::pair<YAML::Node, int>> stack{{root, 1}};
+  while (!stack.empty()) {
+    auto [n, depth] = stack.back();
+    stack.pop_back();
+    if (!n.IsMap() && !n.IsSequence()) continue;
+    if (depth > kMaxYamlDepth)
+      FP8RL_FAIL(origin, ":", n.Mark().line + 1, ": nested more than ", kMaxYamlDepth,
+                 " levels deep; a run config has sections of keys (train: {lr: ..., is: {mode: ...}})");
+    for (auto it = n.begin(); it != n.end(); ++it) stack.push_back({n.IsMap() ? it->second : *it, depth + 1});
+  }
+}
+
 void apply_node(std::vector<Field>& fields, const YAML::Node& node, const std::string& prefix,
                 const std::string& origin) {
   for (auto it = node.begin(); it != node.end(); ++it) {
@@ -430,7 +466,14 @@ void config_apply_override(RunConfig& c, const std::string& assignment) {
   set_field(fields, assignment.substr(0, eq), assignment.substr(eq + 1), "override '" + assignment + "'");
 }
 
-void config_apply_yaml(RunConfig& c, const std::string& yaml_text, const std::string& origin) {
+void config_apply_yaml(RunConfig& c, const std::string& yaml_text_in, const std::string& origin) {
+  if (yaml_text_in.size() > kMaxYamlBytes)
+    FP8RL_FAIL(origin, ": ", yaml_text_in.size(), " bytes is far more than a run config needs (limit ",
+               kMaxYamlBytes >> 20, " MiB); is this the right file?");
+  // yaml-cpp ends an unclosed quoted string at a final newline instead of failing ("illegal EOF
+  // in scalar" only without one): parse the text without its trailing line breaks.
+  std::string yaml_text = yaml_text_in;
+  while (!yaml_text.empty() && (yaml_text.back() == '\n' || yaml_text.back() == '\r')) yaml_text.pop_back();
   YAML::Node root;
   try {
     root = YAML::Load(yaml_text);
@@ -439,6 +482,7 @@ void config_apply_yaml(RunConfig& c, const std::string& yaml_text, const std::st
   }
   if (root.IsNull()) return;  // an empty file: the defaults
   if (!root.IsMap()) FP8RL_FAIL(origin, ": the top level must be a mapping of sections (model:, train:, ...)");
+  check_yaml_depth(root, origin);
   auto fields = config_fields(c);
   try {
     apply_node(fields, root, "", origin);
@@ -449,7 +493,7 @@ void config_apply_yaml(RunConfig& c, const std::string& yaml_text, const std::st
 
 RunConfig config_load(const std::string& yaml_path, const std::vector<std::string>& overrides) {
   RunConfig c;
-  if (!yaml_path.empty()) config_apply_yaml(c, read_file(yaml_path), yaml_path);
+  if (!yaml_path.empty()) config_apply_yaml(c, read_file_limited(yaml_path, kMaxYamlBytes, "config file"), yaml_path);
   for (const std::string& o : overrides) config_apply_override(c, o);
   config_validate(c);
   return c;
@@ -508,11 +552,30 @@ void config_validate(const RunConfig& c) {
     need(tiny.max_position_embeddings > 0, "model.tiny.max_position_embeddings", "must be > 0");
     need(tiny.rope_theta > 0, "model.tiny.rope_theta", "must be > 0");
     need(tiny.init_std > 0, "model.tiny.init_std", "must be > 0");
+    // Real bounds before anything is allocated: each dimension, then the whole model's training
+    // state (FP32 weights, gradients and two Adam moments: 16 bytes per parameter) in 64 bits.
+    need(tiny.vocab_size <= kMaxVocab, "model.tiny.vocab_size", "must be <= ", kMaxVocab);
+    need(tiny.hidden_size <= kMaxWidth, "model.tiny.hidden_size", "must be <= ", kMaxWidth);
+    need(tiny.intermediate_size <= 4 * kMaxWidth, "model.tiny.intermediate_size", "must be <= ", 4 * kMaxWidth);
+    need(tiny.num_layers <= 1024, "model.tiny.num_layers", "must be <= 1024");
+    need(tiny.num_heads <= 1024, "model.tiny.num_heads", "must be <= 1024");
+    need(tiny.head_dim <= 1024, "model.tiny.head_dim", "must be <= 1024");
+    need(tiny.max_position_embeddings <= kMaxPositions, "model.tiny.max_position_embeddings", "must be <= ",
+         kMaxPositions);
+    const int64_t D = tiny.hidden_size, F = tiny.intermediate_size, L = tiny.num_layers, hd = tiny.head_dim;
+    const int64_t V = std::max(tiny.vocab_size, 384);
+    const int64_t per_layer = D * hd * (2 * int64_t(tiny.num_heads) + 2 * int64_t(tiny.num_kv_heads)) + 3 * D * F + 2 * D;
+    const int64_t params = 2 * V * D + L * per_layer + D;
+    const int64_t mem = host_memory_bytes();
+    need(mem <= 0 || params * 16 <= mem, "model.tiny", "a model of ", params, " parameters needs ",
+         params * 16 / (int64_t(1) << 20), " MiB of training state (16 bytes per parameter), more than this "
+         "machine's ", mem / (int64_t(1) << 20), " MiB: reduce hidden_size, intermediate_size or num_layers");
   }
   const auto& t = c.task;
   if (t.name == "arithmetic") {
-    need(t.arithmetic.min_operands >= 2 && t.arithmetic.max_operands >= t.arithmetic.min_operands,
-         "task.arithmetic.max_operands", "needs 2 <= min_operands <= max_operands");
+    need(t.arithmetic.min_operands >= 2 && t.arithmetic.max_operands >= t.arithmetic.min_operands &&
+             t.arithmetic.max_operands <= 64,
+         "task.arithmetic.max_operands", "needs 2 <= min_operands <= max_operands <= 64");
     need(t.arithmetic.digits >= 1 && t.arithmetic.digits <= 9, "task.arithmetic.digits", "must be in [1, 9]");
     need(!t.arithmetic.operators.empty() && t.arithmetic.operators.find_first_not_of("+-*/") == std::string::npos,
          "task.arithmetic.operators", "must be a non-empty subset of \"+-*/\", got \"", t.arithmetic.operators, "\"");
@@ -528,27 +591,43 @@ void config_validate(const RunConfig& c) {
          "prompt_field and answer_field must be non-empty");
   }
   const auto& r = c.rollout;
-  need(r.prompts_per_step >= 1, "rollout.prompts_per_step", "must be >= 1");
-  need(r.generations_per_prompt >= 2, "rollout.generations_per_prompt",
-       "must be >= 2 (a group of one has no baseline, its advantage is always 0)");
-  need(r.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1");
+  need(r.prompts_per_step >= 1 && r.prompts_per_step <= kMaxSequences, "rollout.prompts_per_step",
+       "must be in [1, ", kMaxSequences, "]");
+  need(r.generations_per_prompt >= 2 && r.generations_per_prompt <= kMaxSequences, "rollout.generations_per_prompt",
+       "must be in [2, ", kMaxSequences, "] (a group of one has no baseline, its advantage is always 0)");
+  const int64_t sequences = int64_t(r.prompts_per_step) * r.generations_per_prompt;  // 64-bit: no overflow
+  need(sequences <= kMaxSequences, "rollout.generations_per_prompt", "prompts_per_step x generations_per_prompt = ",
+       sequences, " sequences per step; at most ", kMaxSequences, " fit the rollout batch");
+  need(r.max_new_tokens >= 1 && r.max_new_tokens <= kMaxPositions, "rollout.max_new_tokens", "must be in [1, ",
+       kMaxPositions, "]");
+  if (c.model.path.empty())
+    need(r.max_new_tokens < tiny.max_position_embeddings, "rollout.max_new_tokens", "must be below ",
+         "model.tiny.max_position_embeddings (", tiny.max_position_embeddings, "): prompt and response share the ",
+         "model's positions");
+  need(int64_t(r.max_new_tokens) * sequences <= kMaxRolloutTokens, "rollout.max_new_tokens",
+       "x the sequences per step (", sequences, ") is more than ", kMaxRolloutTokens, " tokens per step");
   need(r.temperature > 0, "rollout.temperature", "must be > 0 (use a small value for near-greedy sampling)");
   need(r.top_p > 0 && r.top_p <= 1, "rollout.top_p", "must be in (0, 1]");
   need(r.top_k >= 0, "rollout.top_k", "must be >= 0 (0 = off)");
 
   const auto& tr = c.train;
-  need(tr.lr >= 0, "train.lr", "must be >= 0");
+  // Values the engines use as FP32 must be representable there (1e-50 would become 0).
+  need(tr.lr >= 0 && tr.lr <= kMaxFloat, "train.lr", "must be in [0, ", kMaxFloat, "]");
+  need(tr.adam_eps >= kMinNormalFloat || tr.adam_eps <= 0, "train.adam_eps", "is ", tr.adam_eps,
+       ", below the smallest normal FP32 value (", kMinNormalFloat, "): it would be 0 in the optimizer; use 1e-8");
+  need(tr.kl_beta <= kMaxFloat, "train.kl_beta", "must be <= ", kMaxFloat);
+  need(tr.grad_clip <= kMaxFloat, "train.grad_clip", "must be <= ", kMaxFloat);
   need(tr.warmup_steps >= 0, "train.warmup_steps", "must be >= 0");
   need(tr.weight_decay >= 0, "train.weight_decay", "must be >= 0");
   need(tr.adam_beta1 >= 0 && tr.adam_beta1 < 1, "train.adam_beta1", "must be in [0, 1)");
   need(tr.adam_beta2 >= 0 && tr.adam_beta2 < 1, "train.adam_beta2", "must be in [0, 1)");
   need(tr.adam_eps > 0, "train.adam_eps", "must be > 0");
   need(tr.grad_clip >= 0, "train.grad_clip", "must be >= 0 (0 = off)");
-  need(tr.micro_batch_tokens >= 1, "train.micro_batch_tokens", "must be >= 1");
+  need(tr.micro_batch_tokens >= 1 && tr.micro_batch_tokens <= kMaxRolloutTokens, "train.micro_batch_tokens",
+       "must be in [1, ", kMaxRolloutTokens, "]");
   need(tr.optimizer_steps_per_rollout >= 1, "train.optimizer_steps_per_rollout", "must be >= 1");
-  need(tr.optimizer_steps_per_rollout <= r.prompts_per_step * r.generations_per_prompt,
-       "train.optimizer_steps_per_rollout", "must not exceed the sequences per step (",
-       r.prompts_per_step * r.generations_per_prompt, ")");
+  need(tr.optimizer_steps_per_rollout <= sequences, "train.optimizer_steps_per_rollout",
+       "must not exceed the sequences per step (", sequences, ")");
   need(tr.min_lr_ratio >= 0 && tr.min_lr_ratio <= 1, "train.min_lr_ratio", "must be in [0, 1]");
   const int64_t total_opt = static_cast<int64_t>(c.steps) * tr.optimizer_steps_per_rollout;
   need(tr.schedule != LrScheduleKind::Cosine || total_opt > tr.warmup_steps, "train.warmup_steps",
@@ -574,7 +653,8 @@ void config_validate(const RunConfig& c) {
   need(p.kv_calib_margin >= 1, "precision.kv_calib_margin", "must be >= 1 (a margin below 1 clips the largest values)");
 
   need(c.sft.steps >= 0, "sft.steps", "must be >= 0");
-  need(c.sft.batch_size >= 1, "sft.batch_size", "must be >= 1");
+  need(c.sft.batch_size >= 1 && c.sft.batch_size <= kMaxSequences, "sft.batch_size", "must be in [1, ",
+       kMaxSequences, "]");
   need(c.sft.lr >= 0, "sft.lr", "must be >= 0");
   need(c.sft.mix_gsm8k_fraction >= 0 && c.sft.mix_gsm8k_fraction <= 1, "sft.mix_gsm8k_fraction", "must be in [0, 1]");
   need(c.sft.mix_gsm8k_fraction == 0 || !c.sft.mix_gsm8k_path.empty(), "sft.mix_gsm8k_path",
@@ -585,12 +665,16 @@ void config_validate(const RunConfig& c) {
 
   need(c.steps >= 0, "steps", "must be >= 0");
   need(c.val_every >= 0, "val_every", "must be >= 0 (0 = never)");
-  need(c.val_size >= 0, "val_size", "must be >= 0");
+  need(c.val_size >= 0 && c.val_size <= kMaxSequences, "val_size", "must be in [0, ", kMaxSequences, "]");
+  need(r.top_k <= kMaxVocab, "rollout.top_k", "must be <= ", kMaxVocab);
+  need(r.temperature <= kMaxFloat, "rollout.temperature", "must be <= ", kMaxFloat);
   need(c.val_every == 0 || c.val_size >= 1, "val_size", "must be >= 1 when val_every > 0");
   need(c.checkpoint_every >= 0, "checkpoint_every", "must be >= 0");
   need(c.checkpoint.max_shard_gb >= 0, "checkpoint.max_shard_gb", "must be >= 0");
   need(!c.out.empty(), "out", "must name a run directory");
-  need(c.max_consecutive_bad_steps >= 0, "max_consecutive_bad_steps", "must be >= 0");
+  need(c.max_consecutive_bad_steps >= 1, "max_consecutive_bad_steps",
+       "must be >= 1 (the run stops after this many skipped optimizer steps in a row)");
+  need(c.checkpoint_max_abs_weight >= 0, "checkpoint_max_abs_weight", "must be >= 0 (0 = no bound)");
 }
 
 // ---- mapping onto the engines ----------------------------------------------------------------

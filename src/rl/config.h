@@ -178,9 +178,11 @@ struct RunConfig {
   std::string out = "runs/demo";    // run directory
   std::string device = "cpu";       // cpu | cuda
   int64_t seed = 1234;
-  int max_consecutive_bad_steps = 3;  // non-finite loss/grad steps skipped in a row before abort
+  int max_consecutive_bad_steps = 3;  // non-finite optimizer steps skipped in a row before abort (>= 1)
   double time_budget_s = 0;         // wall-clock budget of one train/sft run; 0 = none. The step
                                     // that leaves no room for another is the last (validated, saved)
+  double checkpoint_max_abs_weight = 1e5;  // a checkpoint with a larger |weight| is refused (the
+                                    // run exploded: lr too high); 0 = no bound
   bool operator==(const RunConfig&) const = default;
 };
 

@@ -62,6 +62,7 @@ std::string ensure_demo_policy(const RunConfig& c) {
     k.val_size = 0;
     k.checkpoint_every = 0;
     k.memory = MemorySection{};
+    k.checkpoint_max_abs_weight = RunConfig{}.checkpoint_max_abs_weight;
     return k;
   }())));
   const std::string dir = cache_dir() + "/demo_policy_" + key;
@@ -70,13 +71,41 @@ std::string ensure_demo_policy(const RunConfig& c) {
     return dir;
   }
   std::printf("starting policy: not cached; training it with SFT (%d steps) into %s\n", s.sft.steps, dir.c_str());
+  // Atomic: the SFT run and the copy live in scratch directories (left over by a killed run,
+  // they are simply replaced) and `dir` appears by one rename, complete or not at all.
+  namespace fs = std::filesystem;
   s.out = dir + ".run";
   s.precision.recipe = "bf16";
+  fs::remove_all(s.out);
   const std::string ckpt = sft_run(s);
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(std::filesystem::path(dir).parent_path());
-  std::filesystem::copy(ckpt, dir, std::filesystem::copy_options::recursive);
+  const std::string tmp = dir + ".tmp";
+  fs::remove_all(tmp);
+  fs::create_directories(fs::path(dir).parent_path());
+  fs::copy(ckpt, tmp, fs::copy_options::recursive);
+  fs::remove_all(dir);  // a directory without model.safetensors (not ours, or from an older fp8rl)
+  fs::rename(tmp, dir);
+  fs::remove_all(s.out);
   return dir;
+}
+
+// The step of the last complete line of metrics.jsonl (-1: none or no file).
+int64_t metrics_last_step(const std::string& path) {
+  if (!std::filesystem::exists(path)) return -1;
+  std::istringstream in(read_file(path));
+  int64_t last = -1;
+  for (std::string line; std::getline(in, line);) {
+    if (line.empty() || line.size() > (size_t(1) << 20)) continue;
+    const nlohmann::json j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (j.is_object() && j.contains("step") && j["step"].is_number_integer()) last = std::max(last, j["step"].get<int64_t>());
+  }
+  return last;
+}
+
+// Prompt and response share the model's positions: max_new_tokens must leave room for a prompt.
+void check_positions(const RunConfig& c, const ModelConfig& m) {
+  if (c.rollout.max_new_tokens >= m.max_position_embeddings)
+    FP8RL_FAIL("config: rollout.max_new_tokens (", c.rollout.max_new_tokens, ") must be below the model's ",
+               "max_position_embeddings (", m.max_position_embeddings, "): prompt and response share its positions");
 }
 
 // On resume: metrics.jsonl keeps only the steps the checkpoint includes. Lines logged after it
@@ -128,15 +157,32 @@ int grpo_run(const RunConfig& config_in, bool resume) {
   std::optional<std::string> ckpt = resume ? checkpoint_latest(run.checkpoints_dir()) : std::nullopt;
   TrainerState state;
   state.seed = static_cast<uint64_t>(c.seed);
+  if (ckpt) {
+    // Validated before anything is loaded: the state itself, every file's checksum, and the
+    // run's metrics.jsonl, which must reach the checkpoint's step (lines after it are dropped).
+    state = checkpoint_read_state(*ckpt);
+    checkpoint_verify_files(*ckpt, state);
+    const int64_t logged = metrics_last_step(run.metrics_path());
+    if (logged < state.step)
+      FP8RL_FAIL("cannot resume: ", *ckpt, " is the checkpoint of step ", state.step, " but ", run.metrics_path(),
+                 logged < 0 ? std::string(" has no step lines") : " ends at step " + std::to_string(logged),
+                 "; the run directory's files do not belong together (resume from a matching checkpoint "
+                 "by fixing checkpoints/latest, or start a new run)");
+  }
   ModelWeights host = ckpt ? checkpoint_load_policy(*ckpt) : session_initial_policy(s);
   session_set_model(s, host.config.vocab_size);
+  check_positions(c, host.config);
+  session_check_model(s, host.config);
+  s.max_positions = host.config.max_position_embeddings;
+  s.max_new_tokens = c.rollout.max_new_tokens;
   std::printf("policy: %s, %lld parameters; recipe %s (generator %s%s, trainer %s); device %s\n",
               host.config.model_type.c_str(), static_cast<long long>(model_count_parameters(host)), recipe.name.c_str(),
               linear_mode_name(recipe.generator.linear), fp8_kv ? " + FP8 KV" : "",
               linear_mode_name(recipe.trainer.linear), be.name().c_str());
-  std::fputs(memory_plan_format(memory_plan_compute(memory_plan_input(c, host.config, be.act_dtype())), host.config)
-                 .c_str(),
-             stdout);
+  const MemoryPlan plan = memory_plan_compute(memory_plan_input(c, host.config, be.act_dtype()));
+  std::fputs(memory_plan_format(plan, host.config).c_str(), stdout);
+  std::fflush(stdout);
+  memory_plan_check_host(plan, c.device);
   Trainer trainer(be, model_weights_to_device(be, host, DType::F32), recipe.trainer, trainer_options(c));
   std::unique_ptr<Trainer> reference;  // frozen initial policy for the k3 KL term
   if (c.train.kl_beta > 0) {
@@ -148,7 +194,6 @@ int grpo_run(const RunConfig& config_in, bool resume) {
   RolloutEngine engine(be, trainer.master(), recipe.generator, static_cast<int>(memory_plan_kv_pages(c)), 16,
                        kRolloutMaxBatch);
   if (ckpt) {
-    state = checkpoint_read_state(*ckpt);
     checkpoint_load_optimizer(be, trainer, *ckpt, state);
     if (fp8_kv && !state.kv_scales.k.empty()) engine.refit(trainer.master(), &state.kv_scales);
     std::printf("resumed from %s at step %lld\n", ckpt->c_str(), static_cast<long long>(state.step));
@@ -184,7 +229,7 @@ int grpo_run(const RunConfig& config_in, bool resume) {
     std::printf("  e.g. %s\n", v.example.c_str());
   }
 
-  BadStepGuard bad_steps(c.max_consecutive_bad_steps, "Lower train.lr or check the data.");
+  BadStepGuard bad_steps(c.max_consecutive_bad_steps, bad_step_hint(c, "train.lr", c.train.lr));
   double slowest_step_s = 0;  // with validation: what one more step may cost
   for (int64_t step = state.step + 1; step <= c.steps; ++step) {
     // time_budget_s: a step that leaves no time for another (at the slowest step's pace) is the
@@ -202,6 +247,9 @@ int grpo_run(const RunConfig& config_in, bool resume) {
     StepMetrics m;
     m.step = step;
     const auto t_step = Clock::now();
+    double time_reward_s = 0;
+    bool diverged = false;  // generation, scoring or the refit met a NaN/Inf: the step is skipped
+    try {  // phases 1-5 (not re-indented, to keep the diff small)
 
     // 1. Prompts and rollout.
     std::vector<TaskItem> items;
@@ -244,7 +292,7 @@ int grpo_run(const RunConfig& config_in, bool resume) {
       logp_gen.insert(logp_gen.end(), r.logp.begin(), r.logp.end());
       offsets.push_back(offsets.back() + static_cast<int64_t>(r.tokens.size()));
     }
-    const double time_reward_s = seconds_since(t0);
+    time_reward_s = seconds_since(t0);
     const std::vector<float> adv = grpo_compute_advantages(rewards, G, c.train.baseline);
     m.reward_mean = metrics_mean(rewards);
     m.accuracy = metrics_accuracy(correct);
@@ -298,16 +346,32 @@ int grpo_run(const RunConfig& config_in, bool resume) {
     engine.refit(trainer.master(), fp8_kv ? &scales : nullptr);
     be.synchronize();
     m.time_refit_s = seconds_since(t0);
+    state.kv_scales = scales;
+    } catch (const NonFiniteError& e) {
+      // The policy produced NaN/Inf outside an optimizer step (sampling, scoring, the refit):
+      // nothing of this step is used; it counts as a skipped step, and max_consecutive_bad_steps
+      // of them in a row stop the run with the likely cause.
+      std::string msg = e.what();
+      if (const size_t tag = msg.rfind(" ["); tag != std::string::npos) msg.resize(tag);
+      StepResult sr;
+      sr.loss = sr.grad_norm = std::nan("");
+      sr.skip_reason = "non-finite values in generation or scoring: " + msg;
+      diverged = true;
+      bad_steps.record(sr, step);
+      bool logged = false;
+      for (auto& [k, v] : m.extra) logged |= k == "skipped_optimizer_steps";
+      if (!logged) m.extra.push_back({"skipped_optimizer_steps", static_cast<double>(mini_batches)});
+      m.extra.push_back({"skipped_step", 1.0});
+    }
     state.step = step;
     state.optimizer_step = trainer.optimizer_step();
-    state.kv_scales = scales;
 
     // 6. Validation, metrics, checkpoint. Timing without validation: what the step costs.
     const double step_s = seconds_since(t_step);
     m.extra.push_back({"time_reward_s", time_reward_s});
     m.extra.push_back({"time_step_excl_val_s", step_s});
     m.extra.push_back({"time_refit_calib_fraction", (m.time_refit_s + m.time_calibration_s) / std::max(1e-9, step_s)});
-    if (c.val_every > 0 && (step % c.val_every == 0 || final_step)) {
+    if (!diverged && c.val_every > 0 && (step % c.val_every == 0 || final_step)) {
       ValResult v = validate(s, engine, c.val_size, c.rollout.max_new_tokens);
       m.val_accuracy = v.accuracy;
       last_val = {step, v.accuracy};

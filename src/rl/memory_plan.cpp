@@ -1,5 +1,7 @@
 #include "rl/memory_plan.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdio>
 
@@ -125,6 +127,20 @@ MemoryPlan memory_plan_compute(const MemoryPlanInput& in) {
   p.activations_recompute_bytes = T * (L * int64_t(c.hidden_size) * a + memory_plan_block_bytes_per_token(c, in.act_dtype) +
                                        memory_plan_head_bytes_per_token(c, in.act_dtype));
   return p;
+}
+
+int64_t memory_plan_host_bytes() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGE_SIZE);
+  return pages > 0 && page > 0 ? int64_t(pages) * page : 0;
+}
+
+void memory_plan_check_host(const MemoryPlan& plan, const std::string& device) {
+  if (device != "cpu") return;
+  const int64_t host = memory_plan_host_bytes();
+  if (host > 0 && plan.peak_bytes() > host)
+    FP8RL_FAIL("the run needs ", plan.peak_bytes() / double(int64_t(1) << 30), " GiB at its peak (the memory plan ",
+               "above) but this machine has ", host / double(int64_t(1) << 30), " GiB: reduce the model, ",
+               "rollout.prompts_per_step x generations_per_prompt, max_new_tokens or train.micro_batch_tokens");
 }
 
 int64_t memory_plan_kv_pages(const RunConfig& c) {

@@ -68,6 +68,11 @@ inline int64_t memory_plan_sft_kv_pages(const RunConfig& c) { return int64_t(c.v
 // sft: `fp8rl sft`'s run (its validation KV pool, no reference policy) instead of GRPO's.
 MemoryPlanInput memory_plan_input(const RunConfig& c, const ModelConfig& model, DType act_dtype, bool sft = false);
 
+// The machine's physical memory in bytes (0 when unknown).
+int64_t memory_plan_host_bytes();
+// On the CPU backend the plan must fit the machine's memory: refused before anything is allocated.
+void memory_plan_check_host(const MemoryPlan& plan, const std::string& device);
+
 // A readable table; `device_bytes` > 0 adds the headroom line ("fits in 139.0 GiB: 12.3 GiB free").
 std::string memory_plan_format(const MemoryPlan& plan, const ModelConfig& model, int64_t device_bytes = 0);
 

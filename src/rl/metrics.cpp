@@ -18,7 +18,7 @@ MismatchMetrics metrics_compute_mismatch(std::span<const float> logp_old, std::s
   for (size_t t = 0; t < logp_old.size(); ++t) {
     if (!token_mask.empty() && token_mask[t] == 0) continue;
     if (!std::isfinite(logp_old[t]) || !std::isfinite(logp_gen[t]))
-      FP8RL_FAIL("log-prob of token ", t, " is not finite (old ", logp_old[t], ", gen ", logp_gen[t],
+      FP8RL_FAIL_NONFINITE("log-prob of token ", t, " is not finite (old ", logp_old[t], ", gen ", logp_gen[t],
                  "): one engine diverged");
     const double log_r = static_cast<double>(logp_old[t]) - logp_gen[t];  // log(train / gen)
     mult += std::exp(std::fabs(log_r));

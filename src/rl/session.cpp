@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <functional>
 #include <nlohmann/json.hpp>
+#include <sstream>
 
 #include "core/error.h"
 #include "core/fs.h"
@@ -102,11 +103,19 @@ Session session_open(const RunConfig& c, const std::string& cache) {
 std::vector<int32_t> Session::prompt_ids(const TaskItem& item) const {
   if (config.tokenizer.chat_template && chat_jinja)
     return tokenizer.encode(chat_jinja->render_prompt(item.prompt, "", chat_vars));
+  std::vector<int32_t> ids;
   if (config.tokenizer.chat_template) {
     ChatTemplate tpl = ChatTemplate::for_tokenizer(tokenizer);
-    return tokenizer.encode(tpl.render_prompt(item.prompt));
+    ids = tokenizer.encode(tpl.render_prompt(item.prompt));
+  } else {
+    ids = tokenizer.encode(item.prompt, /*allow_special=*/false);
   }
-  return tokenizer.encode(item.prompt, /*allow_special=*/false);
+  if (max_positions > 0 && static_cast<int64_t>(ids.size()) + max_new_tokens > max_positions)
+    FP8RL_FAIL("task ", config.task.name, ": a prompt of ", ids.size(), " tokens (\"",
+               item.prompt.substr(0, 60), item.prompt.size() > 60 ? "...\"" : "\"", ") plus rollout.max_new_tokens=",
+               max_new_tokens, " exceeds the model's max_position_embeddings (", max_positions,
+               "); shorten the prompts or lower rollout.max_new_tokens");
+  return ids;
 }
 
 std::vector<int32_t> Session::solution_ids(const TaskItem& item) const {
@@ -214,6 +223,22 @@ ValResult validate(const Session& s, RolloutEngine& engine, int n, int max_new_t
 }  // namespace fp8rl
 
 namespace fp8rl {
+
+void session_check_model(const Session& s, const ModelConfig& m) {
+  if (s.tokenizer.vocab_size() > m.vocab_size)
+    FP8RL_FAIL("the tokenizer ", s.tokenizer_json, " has ids up to ", s.tokenizer.vocab_size() - 1,
+               " but the model's vocab_size is ", m.vocab_size,
+               ": they do not belong together (set tokenizer.path to the model's own tokenizer)");
+}
+
+std::string bad_step_hint(const RunConfig& c, const char* lr_key, double lr) {
+  std::ostringstream os;
+  os << "Likely causes: the learning rate is too high (" << lr_key << "=" << lr << ") or the Adam epsilon too "
+     << "small (train.adam_eps=" << c.train.adam_eps << "; 1e-8 is usual)";
+  if (c.train.kl_beta > 0) os << ", or train.kl_beta=" << c.train.kl_beta << " is too large";
+  os << "; also check the data and the starting model.";
+  return os.str();
+}
 
 TrainerOptions trainer_options(const RunConfig& c) {
   TrainerOptions o;

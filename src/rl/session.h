@@ -32,6 +32,10 @@ struct Session {
   ChatJinja::Vars chat_vars;
   // Ids the samplers may draw (SamplingParams::valid_vocab; 0 = all): set by session_set_model.
   int64_t sampling_vocab = 0;
+  // Set once the model is known (0 = unchecked): prompt_ids() refuses a prompt that leaves
+  // fewer than max_new_tokens of the model's max_position_embeddings for the response.
+  int64_t max_positions = 0;
+  int64_t max_new_tokens = 0;
 
   // Item i of the training split, wrapping around when i passes its size (epochs).
   TaskItem train_item(int64_t i) const { return task->item(Split::kTrain, static_cast<size_t>(i) % task->size(Split::kTrain)); }
@@ -71,6 +75,11 @@ ModelConfig session_tiny_model_config(const TinyModelConfig& t, int vocab_size, 
 
 // The trainer's optimizer settings from train.* (SFT and GRPO share them; SFT swaps the lr).
 TrainerOptions trainer_options(const RunConfig& config);
+// The tokenizer must fit the model: every id it can produce is a row of the embedding.
+void session_check_model(const Session& s, const ModelConfig& model);
+// What BadStepGuard tells the user when non-finite steps stop a run: the likely causes with
+// their current values (`lr_key`=`lr`: train.lr or sft.lr; train.adam_eps; train.kl_beta).
+std::string bad_step_hint(const RunConfig& config, const char* lr_key, double lr);
 
 // Task from its config section (tasks/task.h); `seed` seeds procedural tasks and shuffles.
 std::unique_ptr<Task> task_create(const TaskSection& section, uint64_t seed);

@@ -27,13 +27,14 @@ std::string sft_run(const RunConfig& c) {
   const PrecisionRecipe recipe = config_precision_recipe(c.precision);
   ModelWeights host = session_initial_policy(s);
   session_set_model(s, host.config.vocab_size);
+  session_check_model(s, host.config);
   std::printf("sft: %s, %lld parameters, trainer %s, %d steps x %d sequences\n", host.config.model_type.c_str(),
               static_cast<long long>(model_count_parameters(host)), linear_mode_name(recipe.trainer.linear),
               c.sft.steps, c.sft.batch_size);
-  std::fputs(memory_plan_format(memory_plan_compute(memory_plan_input(c, host.config, be.act_dtype(), /*sft=*/true)),
-                                host.config)
-                 .c_str(),
-             stdout);
+  const MemoryPlan plan = memory_plan_compute(memory_plan_input(c, host.config, be.act_dtype(), /*sft=*/true));
+  std::fputs(memory_plan_format(plan, host.config).c_str(), stdout);
+  std::fflush(stdout);
+  memory_plan_check_host(plan, c.device);
   Trainer trainer(be, model_weights_to_device(be, host, DType::F32), recipe.trainer, trainer_options(c));
   // GSM8K train solutions mixed into every batch (sft.mix_gsm8k_*), read in order, wrapping.
   std::unique_ptr<Task> mix;
@@ -45,6 +46,10 @@ std::string sft_run(const RunConfig& c) {
     std::printf("sft: %d of %d sequences per batch from %s (GSM8K train, %zu items)\n", mix_per_batch,
                 c.sft.batch_size, c.sft.mix_gsm8k_path.c_str(), mix->size(Split::kTrain));
   }
+  // Every sequence must fit the model's positions; the task's own items are an error (the data
+  // or the model is wrong), mixed-in GSM8K solutions that do not fit are skipped.
+  const int64_t max_pos = host.config.max_position_embeddings;
+  const int64_t mix_limit = c.sft.max_seq_tokens > 0 ? std::min<int64_t>(c.sft.max_seq_tokens, max_pos) : max_pos;
   auto make_sequence = [&](const TaskItem& it) {
     TrainSequence t;
     t.ids = s.prompt_ids(it);
@@ -61,7 +66,7 @@ std::string sft_run(const RunConfig& c) {
   const LrSchedule sched = config_lr_schedule(ts, c.sft.steps);
   MetricsLog log(run.path);
   Progress progress("sft", c.sft.steps);
-  BadStepGuard bad_steps(c.max_consecutive_bad_steps, "Lower sft.lr.");
+  BadStepGuard bad_steps(c.max_consecutive_bad_steps, bad_step_hint(c, "sft.lr", c.sft.lr));
   for (int64_t step = 1; step <= c.sft.steps; ++step) {
     const auto t0 = Clock::now();
     const double elapsed = std::chrono::duration<double>(t0 - t_run).count();
@@ -73,13 +78,19 @@ std::string sft_run(const RunConfig& c) {
     std::vector<TrainSequence> seqs;
     int64_t tokens = 0;
     const int own = c.sft.batch_size - mix_per_batch;
-    for (int i = 0; i < own; ++i) seqs.push_back(make_sequence(s.train_item((step - 1) * own + i)));
+    for (int i = 0; i < own; ++i) {
+      seqs.push_back(make_sequence(s.train_item((step - 1) * own + i)));
+      if (static_cast<int64_t>(seqs.back().ids.size()) > max_pos)
+        FP8RL_FAIL("sft: training item ", (step - 1) * own + i, " of task ", c.task.name, " is ",
+                   seqs.back().ids.size(), " tokens (prompt + solution), more than the model's max_position_embeddings (",
+                   max_pos, "); shorten the data or use a model with more positions");
+    }
     for (int i = 0; i < mix_per_batch; ++i) {
       for (int tries = 0;; ++tries) {
-        FP8RL_CHECK(tries < 1000, "sft: no GSM8K solution fits sft.max_seq_tokens=", c.sft.max_seq_tokens,
-                    "; raise it (0 = no limit)");
+        FP8RL_CHECK(tries < 1000, "sft: no GSM8K solution fits ", mix_limit, " tokens (sft.max_seq_tokens=",
+                    c.sft.max_seq_tokens, ", max_position_embeddings ", max_pos, "); raise sft.max_seq_tokens (0 = no limit)");
         TrainSequence t = make_sequence(mix->item(Split::kTrain, static_cast<size_t>(mix_next++) % mix->size(Split::kTrain)));
-        if (c.sft.max_seq_tokens > 0 && static_cast<int64_t>(t.ids.size()) > c.sft.max_seq_tokens) {
+        if (static_cast<int64_t>(t.ids.size()) > mix_limit) {
           ++mix_skipped;
           continue;
         }
@@ -126,7 +137,7 @@ std::string sft_run(const RunConfig& c) {
   }
   progress.finish();
   if (mix_skipped) std::printf("sft: skipped %lld GSM8K solutions longer than %lld tokens\n",
-                               static_cast<long long>(mix_skipped), static_cast<long long>(c.sft.max_seq_tokens));
+                               static_cast<long long>(mix_skipped), static_cast<long long>(mix_limit));
   TrainerState st;
   st.step = steps_done;
   st.optimizer_step = trainer.optimizer_step();

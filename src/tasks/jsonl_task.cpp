@@ -5,6 +5,7 @@
 #include <unordered_set>
 
 #include "core/error.h"
+#include "io/json_input.h"
 #include "tasks/answer.h"
 #include "tasks/procedural.h"
 #include "tokenizer/utf8.h"
@@ -34,6 +35,23 @@ std::string strip_annotations(const std::string& s) {
   return out;
 }
 
+// One record per line; a line longer than this is refused before it is parsed or tokenized (a
+// prompt that long could never fit a model's context).
+constexpr size_t kMaxLineBytes = size_t(1) << 20;
+
+// std::getline without the unbounded string: reads at most kMaxLineBytes before failing.
+bool read_line_limited(std::istream& in, std::string& line, const std::string& path, size_t line_no) {
+  line.clear();
+  for (int ch; (ch = in.get()) != EOF;) {
+    if (ch == '\n') return true;
+    if (line.size() == kMaxLineBytes)
+      FP8RL_FAIL(path, ":", line_no, ": line is longer than ", kMaxLineBytes >> 20,
+                 " MiB; a JSONL record must hold one prompt/answer, and no model context fits a prompt this long");
+    line.push_back(static_cast<char>(ch));
+  }
+  return !line.empty();
+}
+
 std::vector<TaskItem> read_jsonl(const std::string& path, const JsonlConfig& cfg) {
   std::ifstream f(path, std::ios::binary);
   FP8RL_CHECK(f.good(), cfg.name, ": cannot open ", path);
@@ -48,16 +66,11 @@ std::vector<TaskItem> read_jsonl(const std::string& path, const JsonlConfig& cfg
     FP8RL_FAIL(path, ":", line_no, ": field \"", key, "\" must be a string", allow_number ? " or a number" : "",
                ", got ", v.type_name());
   };
-  while (std::getline(f, line)) {
+  while (read_line_limited(f, line, path, line_no + 1)) {
     ++line_no;
     if (trim(line).empty()) continue;
     FP8RL_CHECK(utf8_is_valid(line), path, ":", line_no, ": line is not valid UTF-8");
-    nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(line);
-    } catch (const nlohmann::json::exception& e) {
-      FP8RL_FAIL(path, ":", line_no, ": malformed JSON (", e.what(), ")");
-    }
+    const nlohmann::json j = json_parse_limited(line, path + ":" + std::to_string(line_no), {kMaxLineBytes, 16});
     FP8RL_CHECK(j.is_object(), path, ":", line_no, ": each line must be a JSON object");
     TaskItem it;
     it.prompt = field(j, cfg.prompt_field, false);
@@ -98,7 +111,8 @@ class JsonlTask : public Task {
       FP8RL_CHECK(cfg.validation_fraction > 0 && cfg.validation_fraction < 1, name_,
                   ": validation_fraction must be in (0, 1) without a validation file");
       const size_t n_val = std::max<size_t>(1, size_t(cfg.validation_fraction * double(pool.size())));
-      FP8RL_CHECK(pool.size() > n_val, name_, ": too few items (", pool.size(), ") to hold out validation");
+      FP8RL_CHECK(pool.size() > n_val, cfg.train_path, ": too few distinct items (", pool.size(),
+                  ") to hold out a validation split; add items or set task.jsonl.validation_path");
       validation_.assign(std::make_move_iterator(pool.end() - long(n_val)), std::make_move_iterator(pool.end()));
       pool.resize(pool.size() - n_val);
     }

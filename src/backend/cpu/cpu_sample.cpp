@@ -52,7 +52,8 @@ void CpuBackend::sample(const Tensor& logits, const std::vector<float>& temperat
                 uniforms[b]);
     double mx = -INFINITY;
     for (int64_t j = 0; j < V; ++j) {
-      FP8RL_CHECK(!std::isnan(row[j]) && row[j] != INFINITY, "sample: logit ", j, " of row ", b, " is ", row[j]);
+      if (std::isnan(row[j]) || row[j] == INFINITY)
+        FP8RL_FAIL_NONFINITE("sample: logit ", j, " of row ", b, " is ", row[j]);
       mx = std::max(mx, row[j]);
     }
     FP8RL_CHECK(mx > -INFINITY, "sample: every logit of row ", b, " is -inf");

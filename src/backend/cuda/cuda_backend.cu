@@ -222,8 +222,14 @@ void CudaBackend::flag_drain() {
   messages.swap(pending_);
   std::string sticky;
   sticky.swap(sticky_message_);
-  for (size_t i = 0; i < messages.size(); ++i)
-    if (flag_host_[i]) FP8RL_FAIL(messages[i]);
+  for (size_t i = 0; i < messages.size(); ++i) {
+    if (!flag_host_[i]) continue;
+    // Non-finite data (quantizer/linear inputs, logits) is a NonFiniteError: a training step
+    // that meets one skips its update (train/trainer.h).
+    if (messages[i].find("NaN") != std::string::npos || messages[i].find("non-finite") != std::string::npos)
+      FP8RL_FAIL_NONFINITE(messages[i]);
+    FP8RL_FAIL(messages[i]);
+  }
   if (flag_host_[kFlagSticky]) {
     CUDA_CHECK(cudaMemsetAsync(flag_dev_ + kFlagSticky, 0, sizeof(int), stream_), "resetting the sticky flag");
     FP8RL_FAIL(sticky);
