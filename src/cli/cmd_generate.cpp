@@ -65,7 +65,7 @@ int run_generate(const std::vector<std::string>& argv) {
 }
 
 int run_eval(const std::vector<std::string>& argv) {
-  Args a(argv, {"config", "model", "n"}, {"help"});
+  Args a(argv, {"config", "model", "n"}, {"help"}, /*config_overrides=*/true);
   if (a.has("help")) {
     std::puts("usage: fp8rl eval --model DIR [--config FILE] [--n N] [key.sub=value ...]\n"
               "Greedy accuracy of DIR on the task's validation split (task.* keys as in train); prints JSON.");

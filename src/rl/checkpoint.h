@@ -31,6 +31,12 @@ struct TrainerState {
 std::string checkpoint_save(Backend& backend, const Trainer& trainer, const TrainerState& state,
                             const std::string& checkpoints_dir, const std::string& tokenizer_json);
 
+// checkpoint.keep_last: removes all but the newest `keep_last` step_N checkpoints (0 = keep
+// all), never the one `latest` names. Each is first renamed to step_N.pruned (atomic: a crash
+// leaves a complete checkpoint or a .pruned leftover, never a half-deleted step_N), then
+// deleted; leftovers of an earlier crash are deleted too. Returns the pruned paths.
+std::vector<std::string> checkpoint_prune(const std::string& checkpoints_dir, int keep_last);
+
 // The newest complete checkpoint under `checkpoints_dir`, if any.
 std::optional<std::string> checkpoint_latest(const std::string& checkpoints_dir);
 

@@ -74,8 +74,16 @@ struct TaskSection {
     std::string answer_field = "answer";
     std::string solution_field;     // worked solutions for sft ("" = none)
     std::string instruction;        // appended to every prompt when non-empty
+    std::string prompt_template;    // "" = the prompt field; else the prompt with {field} (nested:
+                                    // {a.b}) replaced by the row's values, e.g. "Q: {problem}"
     bool operator==(const Jsonl&) const = default;
   } jsonl;
+  struct Reward {
+    std::string python;             // "module:function" or "path/file.py:function": a Python
+                                    // reward called once per batch (rl/python_reward.h); "" = the
+                                    // task's own verifier
+    bool operator==(const Reward&) const = default;
+  } reward;
   bool operator==(const TaskSection&) const = default;
 };
 
@@ -141,6 +149,16 @@ struct SftSection {
   bool operator==(const SftSection&) const = default;
 };
 
+struct CheckpointSection {
+  int keep_last = 0;                // keep the newest N checkpoints (older ones pruned); 0 = all
+  bool operator==(const CheckpointSection&) const = default;
+};
+
+struct LoggerSection {
+  bool tensorboard = false;         // also write TensorBoard event files under RUN/tensorboard/
+  bool operator==(const LoggerSection&) const = default;
+};
+
 struct RunConfig {
   ModelSection model;
   TokenizerSection tokenizer;
@@ -153,6 +171,8 @@ struct RunConfig {
   int val_every = 5;               // validate at step 0 and every N steps; 0 = never
   int val_size = 200;               // held-out prompts per validation
   int checkpoint_every = 0;         // 0 = only at the end
+  CheckpointSection checkpoint;
+  LoggerSection logger;
   std::string out = "runs/demo";    // run directory
   std::string device = "cpu";       // cpu | cuda
   int64_t seed = 1234;
@@ -163,11 +183,18 @@ struct RunConfig {
 };
 
 // Loads `yaml_path` ("" = defaults only), then applies `overrides` ("train.lr=1e-6") in order,
-// then validates. Errors name the file/key and say what is expected.
+// then validates. Errors name the file/key and say what is expected. Relative paths (model.path,
+// task.jsonl.path, ...) in the file resolve against the file's folder, on the command line
+// against the current directory; both are stored absolute.
 RunConfig config_load(const std::string& yaml_path, const std::vector<std::string>& overrides = {});
-// Applies a YAML document (a subset of keys) on top of `c`; `origin` names it in errors.
-void config_apply_yaml(RunConfig& c, const std::string& yaml_text, const std::string& origin);
-// One "key.sub=value" override.
+// Applies a YAML document (a subset of keys) on top of `c`; `origin` names it in errors;
+// relative path values resolve against `base_dir` (empty: kept as written).
+void config_apply_yaml(RunConfig& c, const std::string& yaml_text, const std::string& origin,
+                       const std::string& base_dir = "");
+// "key: old -> new" for every key whose value differs between `from` and `to` (key order).
+std::vector<std::string> config_diff(const RunConfig& from, const RunConfig& to);
+// One "key.sub=value" override (a relative path value becomes absolute against the current
+// directory).
 void config_apply_override(RunConfig& c, const std::string& assignment);
 // Sets one key from its text form (the same parser as YAML scalars).
 void config_set(RunConfig& c, const std::string& key, const std::string& value);

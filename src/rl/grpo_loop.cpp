@@ -14,6 +14,7 @@
 #include "core/error.h"
 #include "core/fs.h"
 #include "rl/checkpoint.h"
+#include "rl/interrupt.h"
 #include "rl/loop.h"
 #include "rl/memory_plan.h"
 #include "rl/metrics.h"
@@ -100,6 +101,20 @@ void metrics_truncate_after(const std::string& path, int64_t last_step) {
   write_file_atomic(path, kept);
 }
 
+// The validation example, prompt and response apart (a response may start mid-line).
+void print_example(const ValResult& v) {
+  auto indent = [](std::string s) {
+    for (size_t p = s.find('\n'); p != std::string::npos; p = s.find('\n', p + 1)) s.insert(p + 1, "    | ");
+    return s;
+  };
+  console_line(stdout, "  example prompt:   %s", indent(v.example_prompt).c_str());
+  console_line(stdout, "  example response: %s", indent(v.example_response).c_str());
+}
+
+std::string resume_hint(const std::string& out) {
+  return "continue with: fp8rl train --out " + out + " --resume";
+}
+
 }  // namespace
 
 int grpo_run(const RunConfig& config_in, bool resume) {
@@ -166,6 +181,13 @@ int grpo_run(const RunConfig& config_in, bool resume) {
     engine.refit(trainer.master(), &state.kv_scales);
   }
   MetricsLog log(run.path);
+  if (c.logger.tensorboard) {
+    log.enable_tensorboard(run.path + "/tensorboard");
+    std::printf("tensorboard: %s/tensorboard (tensorboard --logdir %s)\n", run.path.c_str(), run.path.c_str());
+  }
+  InterruptNote interrupt_note(ckpt ? "interrupted; the last checkpoint is " + *ckpt + ": " + resume_hint(c.out)
+                                    : "interrupted before the first checkpoint of " + c.out +
+                                          " (nothing to resume; checkpoint_every=N saves every N steps)");
   std::optional<std::pair<int64_t, double>> first_val, last_val;  // (step, accuracy), for the summary
   if (!ckpt && c.val_every > 0) {
     ValResult v = validate(s, engine, c.val_size, c.rollout.max_new_tokens);
@@ -176,10 +198,14 @@ int grpo_run(const RunConfig& config_in, bool resume) {
     m.extra.push_back({"val_reward_mean", v.reward_mean});
     m.extra.push_back({"time_validation_s", v.seconds});
     log.write(m, c.steps);
-    std::printf("  e.g. %s\n", v.example.c_str());
+    print_example(v);
   }
 
   BadStepGuard bad_steps(c.max_consecutive_bad_steps, "Lower train.lr or check the data.");
+  NoSignalWatch no_signal(3);
+  Progress run_bar("run", c.steps, stderr);
+  run_bar.update(state.step);
+  int64_t generated_tokens = 0, steps_run = 0;
   double slowest_step_s = 0;  // with validation: what one more step may cost
   for (int64_t step = state.step + 1; step <= c.steps; ++step) {
     // time_budget_s: a step that leaves no time for another (at the slowest step's pace) is the
@@ -213,8 +239,15 @@ int grpo_run(const RunConfig& config_in, bool resume) {
     sp.stop_ids = {s.eos_id};
     sp.seed = mix(static_cast<uint64_t>(c.seed), static_cast<uint64_t>(step));
     auto t0 = Clock::now();
-    std::vector<RolloutSample> samples = engine.generate(reqs, sp);
+    std::vector<RolloutSample> samples;
+    {
+      Progress bar("step " + std::to_string(step) + " generate", static_cast<int64_t>(P) * G, stderr);
+      sp.on_progress = [&](int64_t done, int64_t) { bar.update(done); };
+      samples = engine.generate(reqs, sp);
+      bar.finish_quietly();
+    }
     m.time_generation_s = seconds_since(t0);
+    generated_tokens += engine.last_stats().generated_tokens;
     m.generation_tokens_per_s = engine.last_stats().generated_tokens / std::max(1e-9, m.time_generation_s);
 
     // 2. Rewards and advantages.
@@ -261,7 +294,9 @@ int grpo_run(const RunConfig& config_in, bool resume) {
     double loss = 0, gnorm = 0;
     int applied = 0;
     const size_t n = seqs.size();
+    Progress train_bar("step " + std::to_string(step) + " train", mini_batches, stderr);
     for (int mb = 0; mb < mini_batches; ++mb) {
+      train_bar.update(mb);
       const size_t a = n * mb / mini_batches, b = n * (mb + 1) / mini_batches;
       if (a == b) continue;
       std::vector<TrainSequence> part(seqs.begin() + a, seqs.begin() + b);
@@ -296,6 +331,7 @@ int grpo_run(const RunConfig& config_in, bool resume) {
       gnorm = std::max(gnorm, sr.grad_norm);
       applied += bad_steps.record(sr, step);
     }
+    train_bar.finish_quietly();
     m.time_train_s = seconds_since(t0);
     m.loss = loss;
     m.grad_norm = gnorm;
@@ -335,15 +371,28 @@ int grpo_run(const RunConfig& config_in, bool resume) {
     m.time_step_s = seconds_since(t_step);
     slowest_step_s = std::max(slowest_step_s, m.time_step_s);
     log.write(m, c.steps);
-    if ((c.checkpoint_every > 0 && step % c.checkpoint_every == 0) || final_step)
-      checkpoint_save(be, trainer, state, run.checkpoints_dir(), s.tokenizer_json);
+    ++steps_run;
+    if (auto warn = no_signal.record(step, rewards, G, gnorm)) console_line(stderr, "%s", warn->c_str());
+    if ((c.checkpoint_every > 0 && step % c.checkpoint_every == 0) || final_step) {
+      const std::string saved = checkpoint_save(be, trainer, state, run.checkpoints_dir(), s.tokenizer_json);
+      interrupt_note.set("interrupted; the last checkpoint is " + saved + " (step " + std::to_string(step) + "): " +
+                         resume_hint(c.out));
+      for (const std::string& p : checkpoint_prune(run.checkpoints_dir(), c.checkpoint.keep_last))
+        console_line(stdout, "checkpoint.keep_last=%d: removed %s", c.checkpoint.keep_last, p.c_str());
+    }
+    run_bar.update(step);
     if (final_step) break;
   }
+  run_bar.finish_quietly();
   if (first_val && last_val)
     std::printf("validation accuracy: %.3f at step %lld -> %.3f at step %lld (%+.1f points)\n", first_val->second,
                 static_cast<long long>(first_val->first), last_val->second, static_cast<long long>(last_val->first),
                 100.0 * (last_val->second - first_val->second));
-  std::printf("done: %s (metrics: %s)\n", run.path.c_str(), run.metrics_path().c_str());
+  const double total_s = seconds_since(t_run);
+  std::printf("done in %s: %lld steps, %lld tokens generated (%.0f tokens/s over the whole run); %s (metrics: %s)\n",
+              format_duration(total_s).c_str(), static_cast<long long>(steps_run),
+              static_cast<long long>(generated_tokens), generated_tokens / std::max(1e-9, total_s), run.path.c_str(),
+              run.metrics_path().c_str());
   return 0;
 }
 

@@ -57,11 +57,17 @@ Session session_open(const RunConfig& c, const std::string& cache) {
   if (!c.tokenizer.path.empty()) {
     s.tokenizer_json = fs::is_directory(c.tokenizer.path) ? c.tokenizer.path + "/tokenizer.json" : c.tokenizer.path;
   } else if (!c.model.path.empty()) {
+    if (!fs::is_directory(c.model.path))
+      FP8RL_FAIL("model.path '", c.model.path, "' ", fs::exists(c.model.path) ? "is not a directory" : "does not exist",
+                 ": it must be a Hugging Face model directory (config.json, *.safetensors, tokenizer.json)");
     s.tokenizer_json = c.model.path + "/tokenizer.json";
-    FP8RL_CHECK(fs::exists(s.tokenizer_json), "model.path ", c.model.path, " has no tokenizer.json; set tokenizer.path");
+    if (!fs::exists(s.tokenizer_json))
+      FP8RL_FAIL("model.path '", c.model.path, "' has no tokenizer.json; set tokenizer.path to the model's tokenizer");
   } else {
     s.tokenizer_json = small_tokenizer_path(s, cache);
   }
+  if (!fs::exists(s.tokenizer_json))
+    FP8RL_FAIL("tokenizer.path: '", s.tokenizer_json, "' does not exist (a tokenizer.json file or its directory)");
   s.tokenizer = Tokenizer::load(s.tokenizer_json);
   s.eos_id = s.tokenizer.eos_id();
   FP8RL_CHECK(s.eos_id >= 0, s.tokenizer_json, " defines no end-of-sequence token; fp8rl needs one to stop generation");
@@ -106,7 +112,15 @@ ModelConfig session_tiny_model_config(const TinyModelConfig& t, int vocab_size, 
 
 ModelWeights session_initial_policy(const Session& s) {
   const RunConfig& c = s.config;
-  if (!c.model.path.empty()) return model_weights_load(c.model.path, DType::F32);
+  if (!c.model.path.empty()) {
+    ModelWeights w = model_weights_load(c.model.path, DType::F32);
+    if (s.tokenizer.vocab_size() > w.config.vocab_size)
+      FP8RL_FAIL("the tokenizer (", s.tokenizer_json, ") has ", s.tokenizer.vocab_size(), " ids but the model in '",
+                 c.model.path, "' only ", w.config.vocab_size,
+                 " (config.json vocab_size): they do not belong together; set tokenizer.path to the model's own "
+                 "tokenizer");
+    return w;
+  }
   ModelConfig mc = session_tiny_model_config(c.model.tiny, s.tokenizer.vocab_size(), s.eos_id);
   RandomInit init;
   init.seed = static_cast<uint64_t>(c.seed);
@@ -137,7 +151,11 @@ ValResult validate(const Session& s, RolloutEngine& engine, int n, int max_new_t
     const double rw = s.task->reward(text, items[i].answer);
     reward += rw;
     correct += rw >= 0.5;
-    if (i == 0) r.example = items[i].prompt + text;
+    if (i == 0) {
+      r.example = items[i].prompt + text;
+      r.example_prompt = items[i].prompt;
+      r.example_response = text;
+    }
   }
   r.accuracy = n ? static_cast<double>(correct) / n : 0.0;
   r.reward_mean = n ? reward / n : 0.0;

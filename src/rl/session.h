@@ -55,6 +55,7 @@ std::string cache_dir();
 struct ValResult {
   double accuracy = 0, reward_mean = 0, seconds = 0;
   std::string example;  // one prompt + response, for the console
+  std::string example_prompt, example_response;  // the same, apart
 };
 class RolloutEngine;
 ValResult validate(const Session& s, RolloutEngine& engine, int n, int max_new_tokens);

@@ -31,6 +31,17 @@ std::string sft_run(const RunConfig& c) {
   std::fputs(memory_plan_format(memory_plan_compute(memory_plan_input(c, host.config, be.act_dtype())), host.config)
                  .c_str(),
              stdout);
+  // SFT teaches worked solutions: a task without them would train on nothing but EOS.
+  {
+    const size_t n = std::min<size_t>(s.task->size(Split::kTrain), 64);
+    size_t with = 0;
+    for (size_t i = 0; i < n; ++i) with += !s.task->item(Split::kTrain, i).solution.empty();
+    if (with == 0)
+      FP8RL_FAIL("sft: task ", s.task->name(), " has no worked solutions to train on",
+                 c.task.name == "jsonl" ? " (task.jsonl.solution_field is empty or names an empty field)" : "",
+                 ". The tiny demo model starts from SFT: set task.jsonl.solution_field, or start from a "
+                 "pretrained model (model.path=DIR)");
+  }
   Trainer trainer(be, model_weights_to_device(be, host, DType::F32), recipe.trainer, trainer_options(c));
   // GSM8K train solutions mixed into every batch (sft.mix_gsm8k_*), read in order, wrapping.
   std::unique_ptr<Task> mix;

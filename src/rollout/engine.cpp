@@ -136,7 +136,9 @@ std::vector<RolloutSample> RolloutEngine::generate(const std::vector<RolloutRequ
   std::vector<float> temp, top_p, uniforms;
   std::vector<int> top_k;
   std::vector<const std::vector<int32_t>*> graph_pages;
+  int64_t n_finished = 0;
   while (!sched.done()) {
+    if (sp.on_progress) sp.on_progress(n_finished, static_cast<int64_t>(seqs.size()));
     const std::vector<int>& batch_seqs = sched.schedule();
     if (batch_seqs.empty()) continue;  // everything scheduled was preempted: plan again
 
@@ -213,6 +215,7 @@ std::vector<RolloutSample> RolloutEngine::generate(const std::vector<RolloutRequ
       if (stop || static_cast<int>(s.out.tokens.size()) >= sp.max_new_tokens) {
         s.out.finish = stop ? FinishReason::Stop : FinishReason::Length;
         sched.finish(si);
+        ++n_finished;
       }
     }
   }
