@@ -258,8 +258,28 @@ int grpo_run(const RunConfig& config_in, bool resume) {
     std::vector<float> logp_gen;
     std::vector<int64_t> offsets{0};
     t0 = Clock::now();
+    std::vector<const TaskItem*> sample_items;
+    std::vector<std::string> texts;
     for (const RolloutSample& r : samples) {
-      const double rw = s.task->reward(s.response_text(r.tokens), items[r.request].answer);
+      sample_items.push_back(&items[r.request]);
+      texts.push_back(s.response_text(r.tokens));
+    }
+    std::vector<double> rws;
+    std::vector<std::pair<std::string, double>> reward_metrics;
+    try {
+      rws = s.rewards(sample_items, texts, &reward_metrics);
+    } catch (const Error& e) {
+      // Keep the failing batch for reproduction; metrics and checkpoints so far are on disk.
+      std::string dump;
+      for (const nlohmann::json& j : s.reward_samples(sample_items, texts)) dump += j.dump() + "\n";
+      const std::string path = run.path + "/reward_failure.jsonl";
+      write_file_atomic(path, dump);
+      FP8RL_FAIL(e.message(), "\nstep ", step, ": the batch's ", texts.size(), " samples are in ", path,
+                 "; metrics.jsonl holds every finished step");
+    }
+    for (size_t i = 0; i < samples.size(); ++i) {
+      const RolloutSample& r = samples[i];
+      const double rw = rws[i];
       rewards.push_back(static_cast<float>(rw));
       correct.push_back(rw >= 0.5);
       lengths.push_back(static_cast<int64_t>(r.tokens.size()));
@@ -359,6 +379,7 @@ int grpo_run(const RunConfig& config_in, bool resume) {
     // 6. Validation, metrics, checkpoint. Timing without validation: what the step costs.
     const double step_s = seconds_since(t_step);
     m.extra.push_back({"time_reward_s", time_reward_s});
+    for (const auto& kv : reward_metrics) m.extra.push_back(kv);
     m.extra.push_back({"time_step_excl_val_s", step_s});
     m.extra.push_back({"time_refit_calib_fraction", (m.time_refit_s + m.time_calibration_s) / std::max(1e-9, step_s)});
     if (c.val_every > 0 && (step % c.val_every == 0 || final_step)) {

@@ -1,6 +1,7 @@
 #include "rl/session.h"
 
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <functional>
@@ -70,6 +71,10 @@ Session session_open(const RunConfig& c, const std::string& cache) {
     FP8RL_FAIL("tokenizer.path: '", s.tokenizer_json, "' does not exist (a tokenizer.json file or its directory)");
   s.tokenizer = Tokenizer::load(s.tokenizer_json);
   s.eos_id = s.tokenizer.eos_id();
+  if (!c.task.reward.python.empty()) {
+    s.python_reward = std::make_unique<PythonReward>(c.task.reward.python);
+    std::printf("reward: %s (Python, once per batch)\n", c.task.reward.python.c_str());
+  }
   FP8RL_CHECK(s.eos_id >= 0, s.tokenizer_json, " defines no end-of-sequence token; fp8rl needs one to stop generation");
   return s;
 }
@@ -86,6 +91,34 @@ std::vector<int32_t> Session::solution_ids(const TaskItem& item) const {
   std::vector<int32_t> ids = tokenizer.encode(item.solution, /*allow_special=*/false);
   ids.push_back(eos_id);
   return ids;
+}
+
+std::vector<nlohmann::json> Session::reward_samples(const std::vector<const TaskItem*>& items,
+                                                    const std::vector<std::string>& responses) const {
+  std::vector<nlohmann::json> out;
+  for (size_t i = 0; i < items.size(); ++i) {
+    nlohmann::json j = items[i]->fields_json.empty() ? nlohmann::json::object()
+                                                     : nlohmann::json::parse(items[i]->fields_json);
+    j["prompt"] = items[i]->prompt;
+    j["response"] = responses[i];
+    j["answer"] = items[i]->answer;
+    out.push_back(std::move(j));
+  }
+  return out;
+}
+
+std::vector<double> Session::rewards(const std::vector<const TaskItem*>& items, const std::vector<std::string>& responses,
+                                     std::vector<std::pair<std::string, double>>* metrics) const {
+  FP8RL_CHECK(items.size() == responses.size(), "rewards: ", items.size(), " items for ", responses.size(), " responses");
+  if (!python_reward) {
+    std::vector<double> r;
+    for (size_t i = 0; i < items.size(); ++i) r.push_back(task->reward(responses[i], items[i]->answer));
+    return r;
+  }
+  PythonRewardResult pr = python_reward->score(reward_samples(items, responses));
+  if (metrics)
+    for (auto& [k, v] : pr.metrics) metrics->push_back({"reward/" + k, v});
+  return pr.rewards;
 }
 
 std::string Session::response_text(const std::vector<int32_t>& tokens) const {
@@ -146,9 +179,16 @@ ValResult validate(const Session& s, RolloutEngine& engine, int n, int max_new_t
   n = static_cast<int>(out.size());
   int correct = 0;
   double reward = 0;
+  std::vector<const TaskItem*> item_of;
+  std::vector<std::string> texts;
   for (size_t i = 0; i < out.size(); ++i) {
-    const std::string text = s.response_text(out[i].tokens);
-    const double rw = s.task->reward(text, items[i].answer);
+    item_of.push_back(&items[i]);
+    texts.push_back(s.response_text(out[i].tokens));
+  }
+  const std::vector<double> rws = s.rewards(item_of, texts);
+  for (size_t i = 0; i < out.size(); ++i) {
+    const std::string& text = texts[i];
+    const double rw = rws[i];
     reward += rw;
     correct += rw >= 0.5;
     if (i == 0) {
@@ -208,6 +248,7 @@ std::unique_ptr<Task> task_create(const TaskSection& t, uint64_t seed) {
     j.answer_field = t.jsonl.answer_field;
     j.solution_field = t.jsonl.solution_field;
     j.instruction = t.jsonl.instruction;
+    j.prompt_template = t.jsonl.prompt_template;
     j.seed = seed;
     return task_make_jsonl(j);
   }
