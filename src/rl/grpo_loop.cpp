@@ -206,6 +206,7 @@ int grpo_run(const RunConfig& config_in, bool resume) {
   Progress run_bar("run", c.steps, stderr);
   run_bar.update(state.step);
   int64_t generated_tokens = 0, steps_run = 0;
+  double generation_s = 0;
   double slowest_step_s = 0;  // with validation: what one more step may cost
   for (int64_t step = state.step + 1; step <= c.steps; ++step) {
     // time_budget_s: a step that leaves no time for another (at the slowest step's pace) is the
@@ -241,13 +242,15 @@ int grpo_run(const RunConfig& config_in, bool resume) {
     auto t0 = Clock::now();
     std::vector<RolloutSample> samples;
     {
-      Progress bar("step " + std::to_string(step) + " generate", static_cast<int64_t>(P) * G, stderr);
+      Progress bar("step " + std::to_string(step) + " generate", static_cast<int64_t>(P) * G * sp.max_new_tokens,
+                   stderr);
       sp.on_progress = [&](int64_t done, int64_t) { bar.update(done); };
       samples = engine.generate(reqs, sp);
       bar.finish_quietly();
     }
     m.time_generation_s = seconds_since(t0);
     generated_tokens += engine.last_stats().generated_tokens;
+    generation_s += m.time_generation_s;
     m.generation_tokens_per_s = engine.last_stats().generated_tokens / std::max(1e-9, m.time_generation_s);
 
     // 2. Rewards and advantages.
@@ -410,10 +413,10 @@ int grpo_run(const RunConfig& config_in, bool resume) {
                 static_cast<long long>(first_val->first), last_val->second, static_cast<long long>(last_val->first),
                 100.0 * (last_val->second - first_val->second));
   const double total_s = seconds_since(t_run);
-  std::printf("done in %s: %lld steps, %lld tokens generated (%.0f tokens/s over the whole run); %s (metrics: %s)\n",
+  std::printf("done in %s (setup included): %lld steps, %lld tokens generated at %.0f tokens/s; %s (metrics: %s)\n",
               format_duration(total_s).c_str(), static_cast<long long>(steps_run),
-              static_cast<long long>(generated_tokens), generated_tokens / std::max(1e-9, total_s), run.path.c_str(),
-              run.metrics_path().c_str());
+              static_cast<long long>(generated_tokens), generated_tokens / std::max(1e-9, generation_s),
+              run.path.c_str(), run.metrics_path().c_str());
   return 0;
 }
 

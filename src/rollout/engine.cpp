@@ -136,9 +136,11 @@ std::vector<RolloutSample> RolloutEngine::generate(const std::vector<RolloutRequ
   std::vector<float> temp, top_p, uniforms;
   std::vector<int> top_k;
   std::vector<const std::vector<int32_t>*> graph_pages;
-  int64_t n_finished = 0;
+  // Progress in token slots: every sample has max_new_tokens; a finished one counts them all.
+  int64_t slots_done = 0;
+  const int64_t slots_total = static_cast<int64_t>(seqs.size()) * sp.max_new_tokens;
   while (!sched.done()) {
-    if (sp.on_progress) sp.on_progress(n_finished, static_cast<int64_t>(seqs.size()));
+    if (sp.on_progress) sp.on_progress(slots_done, slots_total);
     const std::vector<int>& batch_seqs = sched.schedule();
     if (batch_seqs.empty()) continue;  // everything scheduled was preempted: plan again
 
@@ -211,11 +213,12 @@ std::vector<RolloutSample> RolloutEngine::generate(const std::vector<RolloutRequ
       s.out.tokens.push_back(tok);
       s.out.logp.push_back(logp.data<float>()[r++]);
       stats_.generated_tokens++;
+      ++slots_done;
       const bool stop = std::find(sp.stop_ids.begin(), sp.stop_ids.end(), tok) != sp.stop_ids.end();
       if (stop || static_cast<int>(s.out.tokens.size()) >= sp.max_new_tokens) {
         s.out.finish = stop ? FinishReason::Stop : FinishReason::Length;
         sched.finish(si);
-        ++n_finished;
+        slots_done += sp.max_new_tokens - static_cast<int64_t>(s.out.tokens.size());
       }
     }
   }

@@ -24,8 +24,9 @@ struct SamplingParams {
   int max_new_tokens = 64;
   std::vector<int32_t> stop_ids;  // generation ends after emitting one of these (kept in tokens)
   uint64_t seed = 0;              // sample j of request i draws from a stream seeded by (seed, i, j)
-  // Called after every engine iteration with (finished samples, all samples); for progress
-  // display only (never changes results).
+  // Called before every engine iteration with (done, total) token slots: total = samples x
+  // max_new_tokens, done = generated tokens + the unused budget of finished samples. For
+  // progress display only (never changes results).
   std::function<void(int64_t done, int64_t total)> on_progress;
 };
 
