@@ -193,7 +193,7 @@ PythonReward::~PythonReward() {
 PythonRewardResult PythonReward::score(const std::vector<nlohmann::json>& samples) const {
   py::gil_scoped_acquire gil;
   py::object loads = py::module_::import("json").attr("loads");
-  py::object batch = loads(nlohmann::json(samples).dump());
+  py::object batch = loads(nlohmann::json(samples).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
   py::object out;
   try {
     out = impl_->fn(batch);
@@ -207,7 +207,7 @@ PythonRewardResult PythonReward::score(const std::vector<nlohmann::json>& sample
       try {
         impl_->fn(one);
       } catch (py::error_already_set&) {
-        which = "the first sample that fails on its own is #" + std::to_string(i) + ": " + clip(samples[i].dump(), 2000);
+        which = "the first sample that fails on its own is #" + std::to_string(i) + ": " + clip(samples[i].dump(-1, ' ', false, nlohmann::json::error_handler_t::replace), 2000);
         break;
       }
     }

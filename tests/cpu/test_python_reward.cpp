@@ -176,6 +176,9 @@ TEST(PythonReward, ScoresBatchesAndReportsErrors) {
                                        {{"prompt", "b"}, {"response", "abc"}, {"answer", "5"}}};
   PythonReward r(file + ":score");
   EXPECT_EQ(r.score(batch).rewards, (std::vector<double>{1.0, 0.0}));
+  // A byte-level tokenizer can decode a partial UTF-8 sequence: the text reaches Python with U+FFFD.
+  std::vector<nlohmann::json> torn = {{{"prompt", "a"}, {"response", "7\xBF"}, {"answer", "7"}}};
+  EXPECT_EQ(r.score(torn).rewards, (std::vector<double>{0.0}));
   const PythonRewardResult d = PythonReward(file + ":detailed").score(batch);
   EXPECT_EQ(d.rewards, (std::vector<double>{1.0, 3.0}));
   ASSERT_EQ(d.metrics.size(), 1u);
