@@ -29,6 +29,9 @@ int run_generate(const std::vector<std::string>& argv) {
     return 0;
   }
   const std::string dir = a.require("model");
+  if (!std::filesystem::is_directory(dir))
+    FP8RL_FAIL("--model '", dir, "' ", std::filesystem::exists(dir) ? "is not a directory" : "does not exist",
+               " (a Hugging Face model directory: config.json, *.safetensors, tokenizer.json)");
   const std::string tok_path = a.get("tokenizer", dir + "/tokenizer.json");
   FP8RL_CHECK(std::filesystem::exists(tok_path), "no tokenizer at ", tok_path, "; pass --tokenizer PATH");
   Tokenizer tok = Tokenizer::load(tok_path);
@@ -42,6 +45,9 @@ int run_generate(const std::vector<std::string>& argv) {
   prec.kv_cache = dtype_from_name(a.get("kv-cache", prec.linear == LinearMode::FP8_BLOCK ? "e4m3" : "bf16"));
   std::unique_ptr<Backend> be = make_backend(a.get("device", "cpu"));
   ModelWeights w = model_weights_to_device(*be, model_weights_load(dir, DType::F32), DType::F32);
+  if (tok.vocab_size() > w.config.vocab_size)
+    FP8RL_FAIL("the tokenizer (", tok_path, ") has ", tok.vocab_size(), " ids but the model in '", dir, "' only ",
+               w.config.vocab_size, ": they do not belong together; pass the model's own --tokenizer");
   SamplingParams sp;
   sp.temperature = std::stof(a.get("temperature", "1.0"));
   sp.top_p = std::stof(a.get("top-p", "1.0"));

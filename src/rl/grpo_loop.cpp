@@ -71,7 +71,7 @@ std::string ensure_demo_policy(const RunConfig& c) {
   std::printf("starting policy: not cached; training it with SFT (%d steps) into %s\n", s.sft.steps, dir.c_str());
   s.out = dir + ".run";
   s.precision.recipe = "bf16";
-  const std::string ckpt = sft_run(s);
+  const std::string ckpt = sft_run(s, /*print_plan=*/false);
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(std::filesystem::path(dir).parent_path());
   std::filesystem::copy(ckpt, dir, std::filesystem::copy_options::recursive);

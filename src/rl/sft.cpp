@@ -17,7 +17,7 @@
 
 namespace fp8rl {
 
-std::string sft_run(const RunConfig& c) {
+std::string sft_run(const RunConfig& c, bool print_plan) {
   using Clock = std::chrono::steady_clock;
   Session s = session_open(c, cache_dir());
   Backend& be = *s.backend;
@@ -28,9 +28,10 @@ std::string sft_run(const RunConfig& c) {
   std::printf("sft: %s, %lld parameters, trainer %s, %d steps x %d sequences\n", host.config.model_type.c_str(),
               static_cast<long long>(model_count_parameters(host)), linear_mode_name(recipe.trainer.linear),
               c.sft.steps, c.sft.batch_size);
-  std::fputs(memory_plan_format(memory_plan_compute(memory_plan_input(c, host.config, be.act_dtype())), host.config)
-                 .c_str(),
-             stdout);
+  if (print_plan)
+    std::fputs(memory_plan_format(memory_plan_compute(memory_plan_input(c, host.config, be.act_dtype())), host.config)
+                   .c_str(),
+               stdout);
   // SFT teaches worked solutions: a task without them would train on nothing but EOS.
   {
     const size_t n = std::min<size_t>(s.task->size(Split::kTrain), 64);

@@ -30,6 +30,7 @@
 #include "rl/metrics.h"
 #include "rl/metrics_log.h"
 #include "rl/run_dir.h"
+#include "test_model_util.h"
 
 namespace fp8rl {
 namespace {
@@ -113,6 +114,22 @@ TEST(Workflow, UserErrorsHaveNoSourceLocationUnlessDebug) {
   EXPECT_FALSE(has(out, "check failed")) << out;
   EXPECT_EQ(run_fp8rl({"train", "model.path=/nonexistent/model"}, out, "FP8RL_DEBUG=1"), 1);
   EXPECT_TRUE(has(out, "session.cpp:")) << out;
+}
+
+// A tokenizer that does not belong to the model: said so, not an out-of-vocabulary id later.
+TEST(Workflow, TokenizerModelMismatchIsNamed) {
+  const std::string dir = fresh_dir("mismatch_model");
+  model_weights_save(test::tiny_model("qwen3", DType::F32, 5, /*vocab=*/48), dir);
+  const char* env = std::getenv("FP8RL_SHARED_DATA");
+  const std::string tok = std::string(env && *env ? env : FP8RL_SHARED_DATA) + "/tokenizers/qwen3/tokenizer.json";
+  if (!fs::exists(tok)) GTEST_SKIP() << tok << " is missing";
+  std::string out;
+  EXPECT_EQ(run_fp8rl({"generate", "--model", dir, "--tokenizer", tok, "--prompt", "hi"}, out), 1);
+  EXPECT_TRUE(has(out, "they do not belong together")) << out;
+  EXPECT_EQ(run_fp8rl({"train", "model.path=" + dir, "tokenizer.path=" + tok, "out=" + fresh_dir("mm_run")}, out), 1);
+  EXPECT_TRUE(has(out, "they do not belong together")) << out;
+  EXPECT_EQ(run_fp8rl({"train", "model.path=" + dir, "out=" + fresh_dir("mm_run2")}, out), 1);
+  EXPECT_TRUE(has(out, "has no tokenizer.json; set tokenizer.path")) << out;
 }
 
 TEST(Workflow, SuggestNearest) {
