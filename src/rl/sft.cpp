@@ -75,7 +75,7 @@ std::string sft_run(const RunConfig& c, bool print_plan) {
     const auto t0 = Clock::now();
     const double elapsed = std::chrono::duration<double>(t0 - t_run).count();
     if (c.time_budget_s > 0 && step > 1 && elapsed + slowest_step_s > c.time_budget_s) {
-      std::fprintf(stderr, "\nsft: time budget %.0f s reached after step %lld of %d; saving\n", c.time_budget_s,
+      console_line(stderr, "sft: time budget %.0f s reached after step %lld of %d; saving", c.time_budget_s,
                    static_cast<long long>(step - 1), c.sft.steps);
       break;
     }
@@ -123,13 +123,11 @@ std::string sft_run(const RunConfig& c, bool print_plan) {
       RolloutEngine engine(be, trainer.master(), recipe.generator, c.val_size * 8 + 8);
       ValResult v = validate(s, engine, c.val_size, c.rollout.max_new_tokens);
       m.val_accuracy = v.accuracy;
-      progress.update(step);
-      std::fprintf(stderr, "\n");
     }
     if (last || step % 20 == 0) log.write(m, c.sft.steps);
     progress.update(step);
     if (last && step < c.sft.steps)
-      std::fprintf(stderr, "\nsft: step %lld is the last that fits in time_budget_s=%.0f s\n",
+      console_line(stderr, "sft: step %lld is the last that fits in time_budget_s=%.0f s",
                    static_cast<long long>(step), c.time_budget_s);
     if (last) break;
   }
