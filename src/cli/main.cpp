@@ -22,7 +22,7 @@ Args::Args(const std::vector<std::string>& argv, const std::vector<std::string>&
   auto in = [](const std::vector<std::string>& v, const std::string& s) {
     return std::find(v.begin(), v.end(), s) != v.end();
   };
-  const std::vector<std::string> keys = config_overrides ? config_keys() : std::vector<std::string>{};
+  auto is_key = [&](const std::string& s) { return config_overrides && config_has_key(s); };
   for (size_t i = 0; i < argv.size(); ++i) {
     const std::string& a = argv[i];
     if (a == "-h") {
@@ -32,7 +32,7 @@ Args::Args(const std::vector<std::string>& argv, const std::vector<std::string>&
     if (a.rfind("--", 0) != 0 || a.size() == 2) {
       // name=value with a flag's name is that flag (one grammar: --out DIR, --out=DIR, out=DIR).
       const size_t eq = a.find('=');
-      if (eq != std::string::npos && eq > 0 && in(flags, a.substr(0, eq)) && !in(keys, a.substr(0, eq))) {
+      if (eq != std::string::npos && eq > 0 && in(flags, a.substr(0, eq)) && !is_key(a.substr(0, eq))) {
         values_.push_back({a.substr(0, eq), a.substr(eq + 1)});
         continue;
       }
@@ -55,7 +55,7 @@ Args::Args(const std::vector<std::string>& argv, const std::vector<std::string>&
         value = argv[++i];
       }
       values_.push_back({name, value});
-    } else if (in(keys, name)) {
+    } else if (is_key(name)) {
       // A config key as a flag: --train.lr=1e-4 or --train.lr 1e-4 == train.lr=1e-4.
       if (!inline_value) {
         if (i + 1 >= argv.size()) FP8RL_FAIL("--", name, " needs a value (e.g. --", name, "=VALUE)");

@@ -251,7 +251,17 @@ std::vector<Field> config_fields(RunConfig& c) {
   return std::move(t.fields);
 }
 
-Field* find_field(std::vector<Field>& fields, const std::string& key) {
+// Other spellings of a key that users bring from other tools (stored under the main name).
+constexpr std::pair<const char*, const char*> kKeyAliases[] = {
+    {"task.jsonl.prompt_key", "task.jsonl.prompt_field"},
+    {"task.jsonl.answer_key", "task.jsonl.answer_field"},
+    {"task.jsonl.solution_key", "task.jsonl.solution_field"},
+};
+
+Field* find_field(std::vector<Field>& fields, const std::string& key_in) {
+  std::string key = key_in;
+  for (const auto& [alias, name] : kKeyAliases)
+    if (key == alias) key = name;
   for (auto& f : fields)
     if (f.key == key) return &f;
   return nullptr;
@@ -349,6 +359,12 @@ std::vector<std::string> config_keys() {
   std::vector<std::string> keys;
   for (auto& f : config_fields(c)) keys.push_back(f.key);
   return keys;
+}
+
+bool config_has_key(const std::string& key) {
+  RunConfig c;
+  auto fields = config_fields(c);
+  return find_field(fields, key) != nullptr;
 }
 
 std::string config_nearest_key(const std::string& key) {

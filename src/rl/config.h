@@ -206,6 +206,9 @@ std::string config_to_yaml(const RunConfig& c);
 // Every valid key ("train.is.mode", ...) in declaration order, and the nearest to `key`.
 std::vector<std::string> config_keys();
 std::string config_nearest_key(const std::string& key);
+// True for a valid key or one of its aliases (task.jsonl.prompt_key = task.jsonl.prompt_field,
+// answer_key, solution_key).
+bool config_has_key(const std::string& key);
 
 // The mapping onto the engines' structs.
 PrecisionRecipe config_precision_recipe(const PrecisionSection& p);

@@ -69,6 +69,7 @@ std::string sft_run(const RunConfig& c, bool print_plan) {
   ts.lr = c.sft.lr;
   const LrSchedule sched = config_lr_schedule(ts, c.sft.steps);
   MetricsLog log(run.path);
+  if (c.logger.tensorboard) log.enable_tensorboard(run.path + "/tensorboard");
   Progress progress("sft", c.sft.steps);
   BadStepGuard bad_steps(c.max_consecutive_bad_steps, "Lower sft.lr.");
   for (int64_t step = 1; step <= c.sft.steps; ++step) {

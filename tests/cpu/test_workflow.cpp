@@ -152,6 +152,11 @@ TEST(Workflow, OneGrammarForConfigKeys) {
   ASSERT_EQ(run_fp8rl({"train", "--print-config", "--train.lr=0.5", "--out=/tmp/x_run"}, out), 0) << out;
   EXPECT_TRUE(has(out, "lr: 0.5 ")) << out;
   EXPECT_TRUE(has(out, "out: \"/tmp/x_run\"")) << out;
+  // Key aliases users bring from other tools.
+  ASSERT_EQ(run_fp8rl({"train", "--print-config", "--task.jsonl.prompt_key=problem", "task.jsonl.answer_key=gt"}, out), 0)
+      << out;
+  EXPECT_TRUE(has(out, "prompt_field: \"problem\"")) << out;
+  EXPECT_TRUE(has(out, "answer_field: \"gt\"")) << out;
   EXPECT_EQ(run_fp8rl({"train", "--stesp=2"}, out), 1);
   EXPECT_TRUE(has(out, "did you mean --steps?")) << out;
   EXPECT_EQ(run_fp8rl({"train", "--resum"}, out), 1);
