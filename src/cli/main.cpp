@@ -142,6 +142,9 @@ static void print_usage() {
 }
 
 int main(int argc, char** argv) {
+  // Line-buffered even into a file or pipe: `tail -f` sees each step, and a run stopped by
+  // Ctrl-C (which exits from the signal handler, rl/interrupt.h) loses no printed line.
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
   if (argc < 2 || std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h") {
     print_usage();
     return argc < 2 ? 2 : 0;
