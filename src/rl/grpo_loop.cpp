@@ -274,7 +274,8 @@ int grpo_run(const RunConfig& config_in, bool resume) {
     } catch (const Error& e) {
       // Keep the failing batch for reproduction; metrics and checkpoints so far are on disk.
       std::string dump;
-      for (const nlohmann::json& j : s.reward_samples(sample_items, texts)) dump += j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
+      for (const nlohmann::json& j : s.reward_samples(sample_items, texts))
+        dump += j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
       const std::string path = run.path + "/reward_failure.jsonl";
       write_file_atomic(path, dump);
       FP8RL_FAIL(e.message(), "\nstep ", step, ": the batch's ", texts.size(), " samples are in ", path,

@@ -193,7 +193,9 @@ PythonReward::~PythonReward() {
 PythonRewardResult PythonReward::score(const std::vector<nlohmann::json>& samples) const {
   py::gil_scoped_acquire gil;
   py::object loads = py::module_::import("json").attr("loads");
-  py::object batch = loads(nlohmann::json(samples).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
+  // Invalid UTF-8 (a byte-level tokenizer can decode half a character) becomes U+FFFD.
+  const auto replace = nlohmann::json::error_handler_t::replace;
+  py::object batch = loads(nlohmann::json(samples).dump(-1, ' ', false, replace));
   py::object out;
   try {
     out = impl_->fn(batch);
@@ -207,7 +209,8 @@ PythonRewardResult PythonReward::score(const std::vector<nlohmann::json>& sample
       try {
         impl_->fn(one);
       } catch (py::error_already_set&) {
-        which = "the first sample that fails on its own is #" + std::to_string(i) + ": " + clip(samples[i].dump(-1, ' ', false, nlohmann::json::error_handler_t::replace), 2000);
+        which = "the first sample that fails on its own is #" + std::to_string(i) + ": " +
+                clip(samples[i].dump(-1, ' ', false, replace), 2000);
         break;
       }
     }
