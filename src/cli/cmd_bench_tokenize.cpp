@@ -16,7 +16,12 @@ namespace fp8rl::cli {
 namespace {
 
 int run(const std::vector<std::string>& argv) {
-  Args args(argv, {"tokenizer", "file", "repeat"}, {});
+  Args args(argv, {"tokenizer", "file", "repeat"}, {"help"});
+  if (args.has("help")) {
+    std::printf("usage: fp8rl bench tokenize --tokenizer PATH --file TEXT [--repeat N]\n"
+                "  Times single-thread encoding of TEXT (best of N loads + encodes); prints JSON.\n");
+    return 0;
+  }
   const std::string file = args.require("file");
   std::ifstream f(file, std::ios::binary);
   FP8RL_CHECK(f.good(), "cannot open --file ", file);

@@ -31,6 +31,9 @@ int run_generate(const std::vector<std::string>& argv) {
     return 0;
   }
   const std::string dir = a.require("model");
+  if (!std::filesystem::is_directory(dir))
+    FP8RL_FAIL("--model '", dir, "' ", std::filesystem::exists(dir) ? "is not a directory" : "does not exist",
+               " (a Hugging Face model directory: config.json, *.safetensors, tokenizer.json)");
   const std::string tok_path = a.get("tokenizer", dir + "/tokenizer.json");
   FP8RL_CHECK(std::filesystem::exists(tok_path), "no tokenizer at ", tok_path, "; pass --tokenizer PATH");
   Tokenizer tok = Tokenizer::load(tok_path);
@@ -50,6 +53,9 @@ int run_generate(const std::vector<std::string>& argv) {
   prec.kv_cache = dtype_from_name(a.get("kv-cache", prec.linear == LinearMode::FP8_BLOCK ? "e4m3" : "bf16"));
   std::unique_ptr<Backend> be = make_backend(a.get("device", "cpu"));
   ModelWeights w = model_weights_to_device(*be, model_weights_load(dir, DType::F32), DType::F32);
+  if (tok.vocab_size() > w.config.vocab_size)
+    FP8RL_FAIL("the tokenizer (", tok_path, ") has ", tok.vocab_size(), " ids but the model in '", dir, "' only ",
+               w.config.vocab_size, ": they do not belong together; pass the model's own --tokenizer");
   SamplingParams sp;
   sp.temperature = static_cast<float>(a.get_float("temperature", 1.0, 0.0, 1e6));
   sp.top_p = static_cast<float>(a.get_float("top-p", 1.0, 0.0, 1.0));
@@ -92,7 +98,7 @@ int run_generate(const std::vector<std::string>& argv) {
 }
 
 int run_eval(const std::vector<std::string>& argv) {
-  Args a(argv, {"config", "model", "n"}, {"help"});
+  Args a(argv, {"config", "model", "n"}, {"help"}, /*config_overrides=*/true);
   if (a.has("help")) {
     std::puts("usage: fp8rl eval --model DIR [--config FILE] [--n N] [key.sub=value ...]\n"
               "Greedy accuracy of DIR on the task's validation split (task.* keys as in train); prints JSON.");

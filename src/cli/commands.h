@@ -26,13 +26,16 @@ struct Register {
   }
 };
 
-// Tiny flag parser shared by subcommands: --key value, --key=value, --flag, and bare
-// positional words (key=value overrides are positional). Unknown flags are errors.
+// Tiny flag parser shared by subcommands: --key value, --key=value, key=value (for a flag's
+// name), --flag, -h (= --help), and bare positional words. With `config_overrides`, a config
+// key given as --key=value or --key value becomes the positional override key=value (so
+// `--steps=2`, `--steps 2` and `steps=2` are one thing). Unknown flags are errors that name the
+// nearest flag (or config key).
 class Args {
  public:
   // `flags`: names taking a value; `switches`: names without a value.
   Args(const std::vector<std::string>& argv, const std::vector<std::string>& flags,
-       const std::vector<std::string>& switches);
+       const std::vector<std::string>& switches, bool config_overrides = false);
   bool has(const std::string& name) const;
   std::string get(const std::string& name, const std::string& fallback = "") const;
   std::string require(const std::string& name) const;  // throws "missing --name"

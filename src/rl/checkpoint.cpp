@@ -201,6 +201,35 @@ ModelWeights checkpoint_load_policy(const std::string& dir) {
   return w;
 }
 
+std::vector<std::string> checkpoint_prune(const std::string& checkpoints_dir, int keep_last) {
+  std::vector<std::string> pruned;
+  if (keep_last <= 0 || !fs::is_directory(checkpoints_dir)) return pruned;
+  std::string latest;
+  if (fs::exists(checkpoints_dir + "/latest")) {
+    latest = read_file(checkpoints_dir + "/latest");
+    while (!latest.empty() && (latest.back() == '\n' || latest.back() == ' ')) latest.pop_back();
+  }
+  std::vector<std::string> steps, leftovers;
+  for (const auto& e : fs::directory_iterator(checkpoints_dir)) {
+    if (!e.is_directory()) continue;
+    const std::string name = e.path().filename().string();
+    if (name.rfind("step_", 0) != 0) continue;
+    if (name.size() > 7 && name.compare(name.size() - 7, 7, ".pruned") == 0) leftovers.push_back(e.path().string());
+    else if (name.find('.') == std::string::npos) steps.push_back(name);
+  }
+  std::sort(steps.begin(), steps.end());  // zero-padded: name order is step order
+  const size_t keep = static_cast<size_t>(keep_last);
+  for (size_t i = 0; i + keep < steps.size(); ++i) {
+    if (steps[i] == latest) continue;
+    const std::string dir = checkpoints_dir + "/" + steps[i];
+    fs::rename(dir, dir + ".pruned");
+    leftovers.push_back(dir + ".pruned");
+    pruned.push_back(dir);
+  }
+  for (const std::string& d : leftovers) fs::remove_all(d);
+  return pruned;
+}
+
 std::optional<std::string> checkpoint_latest(const std::string& checkpoints_dir) {
   const std::string latest = checkpoints_dir + "/latest";
   if (!fs::exists(latest)) return std::nullopt;

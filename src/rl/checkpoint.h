@@ -68,6 +68,12 @@ std::string checkpoint_save(Backend& backend, const Trainer& trainer, const Trai
 // master.<param> tensors of optimizer.safetensors (when present) in place of their values.
 ModelWeights checkpoint_load_policy(const std::string& checkpoint_dir);
 
+// checkpoint.keep_last: removes all but the newest `keep_last` step_N checkpoints (0 = keep
+// all), never the one `latest` names. Each is first renamed to step_N.pruned (atomic: a crash
+// leaves a complete checkpoint or a .pruned leftover, never a half-deleted step_N), then
+// deleted; leftovers of an earlier crash are deleted too. Returns the pruned paths.
+std::vector<std::string> checkpoint_prune(const std::string& checkpoints_dir, int keep_last);
+
 // The newest complete checkpoint under `checkpoints_dir`, if any. `latest` must name a step_N
 // directory inside checkpoints_dir (no path, no "..", no link out of the run).
 std::optional<std::string> checkpoint_latest(const std::string& checkpoints_dir);

@@ -9,12 +9,14 @@
 #include <charconv>
 #include <cmath>
 #include <cstdlib>
+#include <filesystem>
 #include <functional>
 #include <limits>
 
 #include "core/error.h"
 #include "core/fs.h"
 #include "io/json_input.h"
+#include "core/suggest.h"
 
 namespace fp8rl {
 
@@ -45,6 +47,8 @@ struct Field {
   std::function<void(const std::string&)> set;
   std::function<std::string()> get;
   bool quote = false;  // strings are written double-quoted in YAML
+  bool path = false;   // a file or directory: relative values resolve against the config's folder
+                       // (for "file.py:function" values, the file part)
 };
 
 std::string lower(std::string s) {
@@ -135,6 +139,11 @@ class FieldTable {
                       },
                       [&v] { return v; }, true});
   }
+
+  void add_path(const std::string& key, std::string& v, const std::string& help) {
+    add_string(key, v, help);
+    fields.back().path = true;
+  }
   void add_choice(const std::string& key, std::string& v, std::vector<std::string> choices, const std::string& help) {
     const std::string type = "one of " + join(choices, ", ");
     fields.push_back({key, type, help,
@@ -165,7 +174,7 @@ class FieldTable {
 std::vector<Field> config_fields(RunConfig& c) {
   FieldTable t;
   auto& m = c.model;
-  t.add_string("model.path", m.path, "HF checkpoint directory; empty = the tiny model below");
+  t.add_path("model.path", m.path, "HF checkpoint directory; empty = the tiny model below");
   t.add_int("model.tiny.vocab_size", m.tiny.vocab_size, "0 = the tokenizer's vocabulary size");
   t.add_int("model.tiny.hidden_size", m.tiny.hidden_size, "D");
   t.add_int("model.tiny.intermediate_size", m.tiny.intermediate_size, "F (MLP)");
@@ -178,7 +187,7 @@ std::vector<Field> config_fields(RunConfig& c) {
   t.add_float("model.tiny.rope_theta", m.tiny.rope_theta, "RoPE base");
   t.add_float("model.tiny.init_std", m.tiny.init_std, "std of the random initialization");
 
-  t.add_string("tokenizer.path", c.tokenizer.path, "empty = model.path (tiny model: built-in byte tokenizer)");
+  t.add_path("tokenizer.path", c.tokenizer.path, "empty = model.path (tiny model: built-in byte tokenizer)");
   t.add_bool("tokenizer.chat_template", c.tokenizer.chat_template,
              "wrap prompts in the chat template (the model's Jinja one if it has one)");
   t.add_json_object("tokenizer.chat_template_kwargs", c.tokenizer.chat_template_kwargs,
@@ -197,14 +206,18 @@ std::vector<Field> config_fields(RunConfig& c) {
   t.add_int("task.countdown.numbers", k.countdown.numbers, "given numbers, each used exactly once (2..6)");
   t.add_int("task.countdown.max_number", k.countdown.max_number, "each number in [1, max_number]");
   t.add_int("task.countdown.max_target", k.countdown.max_target, "target in [1, max_target]");
-  t.add_string("task.gsm8k.path", k.gsm8k.path, "GSM8K directory (train.jsonl, test.jsonl)");
-  t.add_string("task.jsonl.path", k.jsonl.path, "training data: one JSON object per line");
-  t.add_string("task.jsonl.validation_path", k.jsonl.validation_path, "held-out data; empty = a fraction of path");
+  t.add_path("task.gsm8k.path", k.gsm8k.path, "GSM8K directory (train.jsonl, test.jsonl)");
+  t.add_path("task.jsonl.path", k.jsonl.path, "training data: one JSON object per line");
+  t.add_path("task.jsonl.validation_path", k.jsonl.validation_path, "held-out data; empty = a fraction of path");
   t.add_float("task.jsonl.validation_fraction", k.jsonl.validation_fraction, "held out when validation_path is empty");
   t.add_string("task.jsonl.prompt_field", k.jsonl.prompt_field, "field holding the prompt");
   t.add_string("task.jsonl.answer_field", k.jsonl.answer_field, "field holding the reference answer");
   t.add_string("task.jsonl.solution_field", k.jsonl.solution_field, "field holding a worked solution (sft)");
   t.add_string("task.jsonl.instruction", k.jsonl.instruction, "appended to every prompt when non-empty");
+  t.add_string("task.jsonl.prompt_template", k.jsonl.prompt_template,
+               "empty = the prompt field; else {field} / {a.b} replaced by the row's values");
+  t.add_path("task.reward.python", k.reward.python,
+             "module:function or file.py:function scoring a batch; empty = the task's verifier");
 
   auto& r = c.rollout;
   t.add_int("rollout.prompts_per_step", r.prompts_per_step, "P prompts per GRPO step");
@@ -260,8 +273,8 @@ std::vector<Field> config_fields(RunConfig& c) {
   t.add_int("sft.steps", c.sft.steps, "optimizer steps of fp8rl sft");
   t.add_int("sft.batch_size", c.sft.batch_size, "sequences per optimizer step");
   t.add_float("sft.lr", c.sft.lr, "peak learning rate of fp8rl sft (rest of the optimizer: train.*)");
-  t.add_string("sft.data", c.sft.data, "jsonl of (prompt, answer); empty = the task's gold answers");
-  t.add_string("sft.mix_gsm8k_path", c.sft.mix_gsm8k_path, "GSM8K directory mixed into SFT batches; empty = none");
+  t.add_path("sft.data", c.sft.data, "jsonl of (prompt, answer); empty = the task's gold answers");
+  t.add_path("sft.mix_gsm8k_path", c.sft.mix_gsm8k_path, "GSM8K directory mixed into SFT batches; empty = none");
   t.add_float("sft.mix_gsm8k_fraction", c.sft.mix_gsm8k_fraction, "fraction of each SFT batch from GSM8K train");
   t.add_int64("sft.max_seq_tokens", c.sft.max_seq_tokens, "skip mixed-in sequences longer than this; 0 = no limit");
 
@@ -280,6 +293,8 @@ std::vector<Field> config_fields(RunConfig& c) {
   t.add_int("val_every", c.val_every, "validate at step 0 and every N steps; 0 = never");
   t.add_int("val_size", c.val_size, "held-out prompts per validation");
   t.add_int("checkpoint_every", c.checkpoint_every, "checkpoint every N steps; 0 = only at the end");
+  t.add_int("checkpoint.keep_last", c.checkpoint.keep_last, "keep only the newest N checkpoints; 0 = all");
+  t.add_bool("logger.tensorboard", c.logger.tensorboard, "also write TensorBoard events under RUN/tensorboard/");
   t.add_string("out", c.out, "run directory (config, metrics.jsonl, checkpoints)");
   t.add_choice("device", c.device, {"cpu", "cuda"}, "backend");
   t.add_int64("seed", c.seed, "run seed");
@@ -291,7 +306,17 @@ std::vector<Field> config_fields(RunConfig& c) {
   return std::move(t.fields);
 }
 
-Field* find_field(std::vector<Field>& fields, const std::string& key) {
+// Other spellings of a key that users bring from other tools (stored under the main name).
+constexpr std::pair<const char*, const char*> kKeyAliases[] = {
+    {"task.jsonl.prompt_key", "task.jsonl.prompt_field"},
+    {"task.jsonl.answer_key", "task.jsonl.answer_field"},
+    {"task.jsonl.solution_key", "task.jsonl.solution_field"},
+};
+
+Field* find_field(std::vector<Field>& fields, const std::string& key_in) {
+  std::string key = key_in;
+  for (const auto& [alias, name] : kKeyAliases)
+    if (key == alias) key = name;
   for (auto& f : fields)
     if (f.key == key) return &f;
   return nullptr;
@@ -302,18 +327,6 @@ bool is_section(const std::vector<Field>& fields, const std::string& prefix) {
     if (f.key.size() > prefix.size() && f.key.compare(0, prefix.size(), prefix) == 0 && f.key[prefix.size()] == '.')
       return true;
   return false;
-}
-
-size_t edit_distance(const std::string& a, const std::string& b) {
-  std::vector<size_t> prev(b.size() + 1), cur(b.size() + 1);
-  for (size_t j = 0; j <= b.size(); ++j) prev[j] = j;
-  for (size_t i = 1; i <= a.size(); ++i) {
-    cur[0] = i;
-    for (size_t j = 1; j <= b.size(); ++j)
-      cur[j] = std::min({prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1)});
-    std::swap(prev, cur);
-  }
-  return prev[b.size()];
 }
 
 std::string leaf(const std::string& key) {
@@ -341,10 +354,7 @@ void set_field(std::vector<Field>& fields, const std::string& key, const std::st
   try {
     f->set(value);
   } catch (const Error& e) {
-    std::string msg = e.what();
-    const size_t tag = msg.rfind(" [");  // drop the file:line tag of the inner message
-    if (tag != std::string::npos) msg.resize(tag);
-    FP8RL_FAIL(origin, ": ", key, ": ", msg);
+    FP8RL_FAIL(origin, ": ", key, ": ", e.message());
   }
 }
 
@@ -389,8 +399,24 @@ void check_yaml_depth(const YAML::Node& root, const std::string& origin) {
   }
 }
 
+// A relative path value made absolute against `base_dir` ("" = the current directory).
+std::string resolve_path(const std::string& value, const std::string& base_dir) {
+  if (value.empty()) return value;
+  // "module:function" stays (a module on PYTHONPATH); "file.py:function" resolves the file.
+  if (const size_t colon = value.rfind(':'); colon != std::string::npos) {
+    const std::string file = value.substr(0, colon);
+    if (file.size() < 3 || file.compare(file.size() - 3, 3, ".py") != 0) return value;
+    return resolve_path(file, base_dir) + value.substr(colon);
+  }
+  std::filesystem::path p(value);
+  if (p.is_absolute()) return value;
+  const std::filesystem::path base = base_dir.empty() ? std::filesystem::current_path()
+                                                      : std::filesystem::absolute(base_dir);
+  return (base / p).lexically_normal().string();
+}
+
 void apply_node(std::vector<Field>& fields, const YAML::Node& node, const std::string& prefix,
-                const std::string& origin) {
+                const std::string& origin, const std::string& base_dir) {
   for (auto it = node.begin(); it != node.end(); ++it) {
     // Copies: the iterator hands out a temporary pair, references into it would dangle.
     const YAML::Node k = it->first, v = it->second;
@@ -407,7 +433,7 @@ void apply_node(std::vector<Field>& fields, const YAML::Node& node, const std::s
         FP8RL_FAIL(where, ": ", key, ": expected ", f->type, ", got a mapping");
       }
       if (!is_section(fields, key)) fail_unknown(key, where);
-      apply_node(fields, v, key, origin);
+      apply_node(fields, v, key, origin, base_dir);
     } else if (v.IsSequence()) {
       Field* f = find_field(fields, key);
       if (!f) fail_unknown(key, where);
@@ -418,7 +444,9 @@ void apply_node(std::vector<Field>& fields, const YAML::Node& node, const std::s
       if (!f || !f->quote) FP8RL_FAIL(where, ": ", key, ": no value given (expected ", f ? f->type : "a mapping", ")");
       f->set("");
     } else {
-      set_field(fields, key, v.Scalar(), where);
+      Field* f = find_field(fields, key);
+      const bool resolve = f && f->path && !base_dir.empty();
+      set_field(fields, key, resolve ? resolve_path(v.Scalar(), base_dir) : v.Scalar(), where);
     }
   }
 }
@@ -431,6 +459,12 @@ std::vector<std::string> config_keys() {
   std::vector<std::string> keys;
   for (auto& f : config_fields(c)) keys.push_back(f.key);
   return keys;
+}
+
+bool config_has_key(const std::string& key) {
+  RunConfig c;
+  auto fields = config_fields(c);
+  return find_field(fields, key) != nullptr;
 }
 
 std::string config_nearest_key(const std::string& key) {
@@ -463,10 +497,16 @@ void config_apply_override(RunConfig& c, const std::string& assignment) {
   if (eq == std::string::npos || eq == 0)
     FP8RL_FAIL("override '", assignment, "' must look like key.sub=value (e.g. train.lr=1e-6)");
   auto fields = config_fields(c);
-  set_field(fields, assignment.substr(0, eq), assignment.substr(eq + 1), "override '" + assignment + "'");
+  const std::string key = assignment.substr(0, eq);
+  std::string value = assignment.substr(eq + 1);
+  // Paths on the command line are relative to the current directory; stored absolute, so that a
+  // saved run config means the same files from anywhere (--resume from another directory).
+  if (Field* f = find_field(fields, key); f && f->path) value = resolve_path(value, "");
+  set_field(fields, key, value, "override '" + assignment + "'");
 }
 
-void config_apply_yaml(RunConfig& c, const std::string& yaml_text_in, const std::string& origin) {
+void config_apply_yaml(RunConfig& c, const std::string& yaml_text_in, const std::string& origin,
+                       const std::string& base_dir) {
   if (yaml_text_in.size() > kMaxYamlBytes)
     FP8RL_FAIL(origin, ": ", yaml_text_in.size(), " bytes is far more than a run config needs (limit ",
                kMaxYamlBytes >> 20, " MiB); is this the right file?");
@@ -485,7 +525,7 @@ void config_apply_yaml(RunConfig& c, const std::string& yaml_text_in, const std:
   check_yaml_depth(root, origin);
   auto fields = config_fields(c);
   try {
-    apply_node(fields, root, "", origin);
+    apply_node(fields, root, "", origin, base_dir);
   } catch (const YAML::Exception& e) {
     FP8RL_FAIL(origin, ":", e.mark.line + 1, ": ", e.msg);
   }
@@ -493,10 +533,27 @@ void config_apply_yaml(RunConfig& c, const std::string& yaml_text_in, const std:
 
 RunConfig config_load(const std::string& yaml_path, const std::vector<std::string>& overrides) {
   RunConfig c;
-  if (!yaml_path.empty()) config_apply_yaml(c, read_file_limited(yaml_path, kMaxYamlBytes, "config file"), yaml_path);
+  if (!yaml_path.empty()) {
+    if (!std::filesystem::exists(yaml_path)) FP8RL_FAIL("config file '", yaml_path, "' does not exist");
+    const std::string dir = std::filesystem::path(yaml_path).parent_path().string();
+    config_apply_yaml(c, read_file_limited(yaml_path, kMaxYamlBytes, "config file"), yaml_path, dir.empty() ? "." : dir);
+  }
   for (const std::string& o : overrides) config_apply_override(c, o);
   config_validate(c);
   return c;
+}
+
+std::vector<std::string> config_diff(const RunConfig& a_in, const RunConfig& b_in) {
+  RunConfig a = a_in, b = b_in;  // the field tables bind to mutable configs; we only read them
+  const auto fa = config_fields(a), fb = config_fields(b);
+  std::vector<std::string> out;
+  for (size_t i = 0; i < fa.size(); ++i) {
+    const std::string va = fa[i].get(), vb = fb[i].get();
+    if (va == vb) continue;
+    auto show = [&](const std::string& v) { return fa[i].quote ? "\"" + v + "\"" : v; };
+    out.push_back(fa[i].key + ": " + show(va) + " -> " + show(vb));
+  }
+  return out;
 }
 
 std::string config_to_yaml(const RunConfig& c_in) {
@@ -671,6 +728,9 @@ void config_validate(const RunConfig& c) {
   need(c.val_every == 0 || c.val_size >= 1, "val_size", "must be >= 1 when val_every > 0");
   need(c.checkpoint_every >= 0, "checkpoint_every", "must be >= 0");
   need(c.checkpoint.max_shard_gb >= 0, "checkpoint.max_shard_gb", "must be >= 0");
+  need(c.checkpoint.keep_last >= 0, "checkpoint.keep_last", "must be >= 0 (0 = keep all)");
+  need(c.task.reward.python.empty() || c.task.reward.python.find(':') != std::string::npos, "task.reward.python",
+       "must look like module:function or path/to/file.py:function, got \"", c.task.reward.python, "\"");
   need(!c.out.empty(), "out", "must name a run directory");
   need(c.max_consecutive_bad_steps >= 1, "max_consecutive_bad_steps",
        "must be >= 1 (the run stops after this many skipped optimizer steps in a row)");

@@ -14,6 +14,7 @@
 #include "core/error.h"
 #include "core/fs.h"
 #include "rl/checkpoint.h"
+#include "rl/interrupt.h"
 #include "rl/loop.h"
 #include "rl/memory_plan.h"
 #include "rl/metrics.h"
@@ -77,7 +78,7 @@ std::string ensure_demo_policy(const RunConfig& c) {
   s.out = dir + ".run";
   s.precision.recipe = "bf16";
   fs::remove_all(s.out);
-  const std::string ckpt = sft_run(s);
+  const std::string ckpt = sft_run(s, /*print_plan=*/false);
   const std::string tmp = dir + ".tmp";
   fs::remove_all(tmp);
   fs::create_directories(fs::path(dir).parent_path());
@@ -129,6 +130,20 @@ void metrics_truncate_after(const std::string& path, int64_t last_step) {
   std::printf("resume: dropped %d metrics line(s) after step %lld from %s\n", dropped,
               static_cast<long long>(last_step), path.c_str());
   write_file_atomic(path, kept);
+}
+
+// The validation example, prompt and response apart (a response may start mid-line).
+void print_example(const ValResult& v) {
+  auto indent = [](std::string s) {
+    for (size_t p = s.find('\n'); p != std::string::npos; p = s.find('\n', p + 1)) s.insert(p + 1, "    | ");
+    return s;
+  };
+  console_line(stdout, "  example prompt:   %s", indent(v.example_prompt).c_str());
+  console_line(stdout, "  example response: %s", indent(v.example_response).c_str());
+}
+
+std::string resume_hint(const std::string& out) {
+  return "continue with: fp8rl train --out " + out + " --resume";
 }
 
 }  // namespace
@@ -216,6 +231,13 @@ int grpo_run(const RunConfig& config_in, bool resume) {
     engine.refit(trainer.master(), &state.kv_scales);
   }
   MetricsLog log(run.path);
+  if (c.logger.tensorboard) {
+    log.enable_tensorboard(run.path + "/tensorboard");
+    std::printf("tensorboard: %s/tensorboard (tensorboard --logdir %s)\n", run.path.c_str(), run.path.c_str());
+  }
+  InterruptNote interrupt_note(ckpt ? "interrupted; the last checkpoint is " + *ckpt + ": " + resume_hint(c.out)
+                                    : "interrupted before the first checkpoint of " + c.out +
+                                          " (nothing to resume; checkpoint_every=N saves every N steps)");
   std::optional<std::pair<int64_t, double>> first_val, last_val;  // (step, accuracy), for the summary
   if (!ckpt && c.val_every > 0) {
     ValResult v = validate(s, engine, c.val_size, c.rollout.max_new_tokens);
@@ -226,10 +248,15 @@ int grpo_run(const RunConfig& config_in, bool resume) {
     m.extra.push_back({"val_reward_mean", v.reward_mean});
     m.extra.push_back({"time_validation_s", v.seconds});
     log.write(m, c.steps);
-    std::printf("  e.g. %s\n", v.example.c_str());
+    print_example(v);
   }
 
   BadStepGuard bad_steps(c.max_consecutive_bad_steps, bad_step_hint(c, "train.lr", c.train.lr));
+  NoSignalWatch no_signal(3);
+  Progress run_bar("run", c.steps, stderr);
+  run_bar.update(state.step);
+  int64_t generated_tokens = 0, steps_run = 0;
+  double generation_s = 0;
   double slowest_step_s = 0;  // with validation: what one more step may cost
   for (int64_t step = state.step + 1; step <= c.steps; ++step) {
     // time_budget_s: a step that leaves no time for another (at the slowest step's pace) is the
@@ -247,7 +274,9 @@ int grpo_run(const RunConfig& config_in, bool resume) {
     StepMetrics m;
     m.step = step;
     const auto t_step = Clock::now();
-    double time_reward_s = 0;
+    double time_reward_s = 0, step_grad_norm = 0;
+    std::vector<float> rewards;                                    // [P x G], for the no-signal watch
+    std::vector<std::pair<std::string, double>> reward_metrics;  // a Python reward's extra keys
     bool diverged = false;  // generation, scoring or the refit met a NaN/Inf: the step is skipped
     try {  // phases 1-5 (not re-indented, to keep the diff small)
 
@@ -267,20 +296,48 @@ int grpo_run(const RunConfig& config_in, bool resume) {
     sp.valid_vocab = s.sampling_vocab;
     sp.seed = mix(static_cast<uint64_t>(c.seed), static_cast<uint64_t>(step));
     auto t0 = Clock::now();
-    std::vector<RolloutSample> samples = engine.generate(reqs, sp);
+    std::vector<RolloutSample> samples;
+    {
+      Progress bar("step " + std::to_string(step) + " generate", static_cast<int64_t>(P) * G * sp.max_new_tokens,
+                   stderr);
+      sp.on_progress = [&](int64_t done, int64_t) { bar.update(done); };
+      samples = engine.generate(reqs, sp);
+      bar.finish_quietly();
+    }
     m.time_generation_s = seconds_since(t0);
+    generated_tokens += engine.last_stats().generated_tokens;
+    generation_s += m.time_generation_s;
     m.generation_tokens_per_s = engine.last_stats().generated_tokens / std::max(1e-9, m.time_generation_s);
 
     // 2. Rewards and advantages.
-    std::vector<float> rewards;
     std::vector<uint8_t> correct;
     std::vector<int64_t> lengths;
     std::vector<TrainSequence> seqs;
     std::vector<float> logp_gen;
     std::vector<int64_t> offsets{0};
     t0 = Clock::now();
+    std::vector<const TaskItem*> sample_items;
+    std::vector<std::string> texts;
     for (const RolloutSample& r : samples) {
-      const double rw = s.task->reward(s.response_text(r.tokens), items[r.request].answer);
+      sample_items.push_back(&items[r.request]);
+      texts.push_back(s.response_text(r.tokens));
+    }
+    std::vector<double> rws;
+    try {
+      rws = s.rewards(sample_items, texts, &reward_metrics);
+    } catch (const Error& e) {
+      // Keep the failing batch for reproduction; metrics and checkpoints so far are on disk.
+      std::string dump;
+      for (const nlohmann::json& j : s.reward_samples(sample_items, texts))
+        dump += j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
+      const std::string path = run.path + "/reward_failure.jsonl";
+      write_file_atomic(path, dump);
+      FP8RL_FAIL(e.message(), "\nstep ", step, ": the batch's ", texts.size(), " samples are in ", path,
+                 "; metrics.jsonl holds every finished step");
+    }
+    for (size_t i = 0; i < samples.size(); ++i) {
+      const RolloutSample& r = samples[i];
+      const double rw = rws[i];
       rewards.push_back(static_cast<float>(rw));
       correct.push_back(rw >= 0.5);
       lengths.push_back(static_cast<int64_t>(r.tokens.size()));
@@ -318,11 +375,18 @@ int grpo_run(const RunConfig& config_in, bool resume) {
     ro.logp_gen = std::move(logp_gen);
     ro.logp_old = old.logp;
     ro.logp_ref = std::move(logp_ref);
+    Progress train_bar("step " + std::to_string(step) + " train", mini_batches, stderr);
+    int optimizer_steps_done = 0;
     const GrpoUpdateResult up = grpo_update(
         trainer, ro, loss_opt, mini_batches, temperature,
         [&](int64_t opt_step) { return lr_schedule_at(lr_sched, opt_step); },
-        [&](const StepResult& sr) { return bad_steps.record(sr, step); });
+        [&](const StepResult& sr) {
+          train_bar.update(++optimizer_steps_done);
+          return bad_steps.record(sr, step);
+        });
+    train_bar.finish_quietly();
     const double loss = up.loss, gnorm = up.grad_norm;
+    step_grad_norm = gnorm;
     const int applied = up.applied;
     const GrpoStats& stats = up.stats;
     m.lr = up.lr;
@@ -369,6 +433,7 @@ int grpo_run(const RunConfig& config_in, bool resume) {
     // 6. Validation, metrics, checkpoint. Timing without validation: what the step costs.
     const double step_s = seconds_since(t_step);
     m.extra.push_back({"time_reward_s", time_reward_s});
+    for (const auto& kv : reward_metrics) m.extra.push_back(kv);
     m.extra.push_back({"time_step_excl_val_s", step_s});
     m.extra.push_back({"time_refit_calib_fraction", (m.time_refit_s + m.time_calibration_s) / std::max(1e-9, step_s)});
     if (!diverged && c.val_every > 0 && (step % c.val_every == 0 || final_step)) {
@@ -381,15 +446,30 @@ int grpo_run(const RunConfig& config_in, bool resume) {
     m.time_step_s = seconds_since(t_step);
     slowest_step_s = std::max(slowest_step_s, m.time_step_s);
     log.write(m, c.steps);
-    if ((c.checkpoint_every > 0 && step % c.checkpoint_every == 0) || final_step)
-      checkpoint_save(be, trainer, state, run.checkpoints_dir(), checkpoint_options(c, s.tokenizer_json));
+    ++steps_run;
+    if (!diverged)
+      if (auto warn = no_signal.record(step, rewards, G, step_grad_norm)) console_line(stderr, "%s", warn->c_str());
+    if ((c.checkpoint_every > 0 && step % c.checkpoint_every == 0) || final_step) {
+      const std::string saved = checkpoint_save(be, trainer, state, run.checkpoints_dir(),
+                                                  checkpoint_options(c, s.tokenizer_json));
+      interrupt_note.set("interrupted; the last checkpoint is " + saved + " (step " + std::to_string(step) + "): " +
+                         resume_hint(c.out));
+      for (const std::string& p : checkpoint_prune(run.checkpoints_dir(), c.checkpoint.keep_last))
+        console_line(stdout, "checkpoint.keep_last=%d: removed %s", c.checkpoint.keep_last, p.c_str());
+    }
+    run_bar.update(step);
     if (final_step) break;
   }
+  run_bar.finish_quietly();
   if (first_val && last_val)
     std::printf("validation accuracy: %.3f at step %lld -> %.3f at step %lld (%+.1f points)\n", first_val->second,
                 static_cast<long long>(first_val->first), last_val->second, static_cast<long long>(last_val->first),
                 100.0 * (last_val->second - first_val->second));
-  std::printf("done: %s (metrics: %s)\n", run.path.c_str(), run.metrics_path().c_str());
+  const double total_s = seconds_since(t_run);
+  std::printf("done in %s (setup included): %lld steps, %lld tokens generated at %.0f tokens/s; %s (metrics: %s)\n",
+              format_duration(total_s).c_str(), static_cast<long long>(steps_run),
+              static_cast<long long>(generated_tokens), generated_tokens / std::max(1e-9, generation_s),
+              run.path.c_str(), run.metrics_path().c_str());
   return 0;
 }
 

@@ -63,11 +63,17 @@ Session session_open(const RunConfig& c, const std::string& cache) {
   if (!c.tokenizer.path.empty()) {
     s.tokenizer_json = fs::is_directory(c.tokenizer.path) ? c.tokenizer.path + "/tokenizer.json" : c.tokenizer.path;
   } else if (!c.model.path.empty()) {
+    if (!fs::is_directory(c.model.path))
+      FP8RL_FAIL("model.path '", c.model.path, "' ", fs::exists(c.model.path) ? "is not a directory" : "does not exist",
+                 ": it must be a Hugging Face model directory (config.json, *.safetensors, tokenizer.json)");
     s.tokenizer_json = c.model.path + "/tokenizer.json";
-    FP8RL_CHECK(fs::exists(s.tokenizer_json), "model.path ", c.model.path, " has no tokenizer.json; set tokenizer.path");
+    if (!fs::exists(s.tokenizer_json))
+      FP8RL_FAIL("model.path '", c.model.path, "' has no tokenizer.json; set tokenizer.path to the model's tokenizer");
   } else {
     s.tokenizer_json = small_tokenizer_path(s, cache);
   }
+  if (!fs::exists(s.tokenizer_json))
+    FP8RL_FAIL("tokenizer.path: '", s.tokenizer_json, "' does not exist (a tokenizer.json file or its directory)");
   s.tokenizer = Tokenizer::load(s.tokenizer_json);
   if (c.tokenizer.chat_template) {
     const std::string dir = fs::path(s.tokenizer_json).parent_path().string();
@@ -78,6 +84,10 @@ Session session_open(const RunConfig& c, const std::string& cache) {
     s.chat_vars.add_generation_prompt = true;
   }
   s.eos_id = s.tokenizer.eos_id();
+  if (!c.task.reward.python.empty()) {
+    s.python_reward = std::make_unique<PythonReward>(c.task.reward.python);
+    std::printf("reward: %s (Python, once per batch)\n", c.task.reward.python.c_str());
+  }
   FP8RL_CHECK(s.eos_id >= 0, s.tokenizer_json, " defines no end-of-sequence token; fp8rl needs one to stop generation");
   s.stop_ids = {s.eos_id};
   const std::string gen_cfg = c.model.path + "/generation_config.json";
@@ -122,6 +132,34 @@ std::vector<int32_t> Session::solution_ids(const TaskItem& item) const {
   std::vector<int32_t> ids = tokenizer.encode(item.solution, /*allow_special=*/false);
   ids.push_back(eos_id);
   return ids;
+}
+
+std::vector<nlohmann::json> Session::reward_samples(const std::vector<const TaskItem*>& items,
+                                                    const std::vector<std::string>& responses) const {
+  std::vector<nlohmann::json> out;
+  for (size_t i = 0; i < items.size(); ++i) {
+    nlohmann::json j = items[i]->fields_json.empty() ? nlohmann::json::object()
+                                                     : nlohmann::json::parse(items[i]->fields_json);
+    j["prompt"] = items[i]->prompt;
+    j["response"] = responses[i];
+    j["answer"] = items[i]->answer;
+    out.push_back(std::move(j));
+  }
+  return out;
+}
+
+std::vector<double> Session::rewards(const std::vector<const TaskItem*>& items, const std::vector<std::string>& responses,
+                                     std::vector<std::pair<std::string, double>>* metrics) const {
+  FP8RL_CHECK(items.size() == responses.size(), "rewards: ", items.size(), " items for ", responses.size(), " responses");
+  if (!python_reward) {
+    std::vector<double> r;
+    for (size_t i = 0; i < items.size(); ++i) r.push_back(task->reward(responses[i], items[i]->answer));
+    return r;
+  }
+  PythonRewardResult pr = python_reward->score(reward_samples(items, responses));
+  if (metrics)
+    for (auto& [k, v] : pr.metrics) metrics->push_back({"reward/" + k, v});
+  return pr.rewards;
 }
 
 std::string Session::response_text(const std::vector<int32_t>& tokens) const {
@@ -178,9 +216,17 @@ void session_check_memory(const Session& s, bool sft) {
 
 ModelWeights session_initial_policy(const Session& s) {
   const RunConfig& c = s.config;
-  // An fp8rl checkpoint (e.g. the demo's cached SFT policy) starts from its F32 master, not
-  // from the BF16 rounding in its model files; any other HF directory loads as it is.
-  if (!c.model.path.empty()) return checkpoint_load_policy(c.model.path);
+  if (!c.model.path.empty()) {
+    // An fp8rl checkpoint (e.g. the demo's cached SFT policy) starts from its F32 master, not
+    // from the BF16 rounding in its model files; any other HF directory loads as it is.
+    ModelWeights w = checkpoint_load_policy(c.model.path);
+    if (s.tokenizer.vocab_size() > w.config.vocab_size)
+      FP8RL_FAIL("the tokenizer (", s.tokenizer_json, ") has ", s.tokenizer.vocab_size(), " ids but the model in '",
+                 c.model.path, "' only ", w.config.vocab_size,
+                 " (config.json vocab_size): they do not belong together; set tokenizer.path to the model's own "
+                 "tokenizer");
+    return w;
+  }
   ModelConfig mc = session_tiny_model_config(c.model.tiny, s.tokenizer.vocab_size(), s.eos_id);
   RandomInit init;
   init.seed = static_cast<uint64_t>(c.seed);
@@ -207,12 +253,23 @@ ValResult validate(const Session& s, RolloutEngine& engine, int n, int max_new_t
   n = static_cast<int>(out.size());
   int correct = 0;
   double reward = 0;
+  std::vector<const TaskItem*> item_of;
+  std::vector<std::string> texts;
   for (size_t i = 0; i < out.size(); ++i) {
-    const std::string text = s.response_text(out[i].tokens);
-    const double rw = s.task->reward(text, items[i].answer);
+    item_of.push_back(&items[i]);
+    texts.push_back(s.response_text(out[i].tokens));
+  }
+  const std::vector<double> rws = s.rewards(item_of, texts);
+  for (size_t i = 0; i < out.size(); ++i) {
+    const std::string& text = texts[i];
+    const double rw = rws[i];
     reward += rw;
     correct += rw >= 0.5;
-    if (i == 0) r.example = items[i].prompt + text;
+    if (i == 0) {
+      r.example = items[i].prompt + text;
+      r.example_prompt = items[i].prompt;
+      r.example_response = text;
+    }
   }
   r.accuracy = n ? static_cast<double>(correct) / n : 0.0;
   r.reward_mean = n ? reward / n : 0.0;
@@ -281,6 +338,7 @@ std::unique_ptr<Task> task_create(const TaskSection& t, uint64_t seed) {
     j.answer_field = t.jsonl.answer_field;
     j.solution_field = t.jsonl.solution_field;
     j.instruction = t.jsonl.instruction;
+    j.prompt_template = t.jsonl.prompt_template;
     j.seed = seed;
     return task_make_jsonl(j);
   }

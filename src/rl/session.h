@@ -9,6 +9,7 @@
 #include "backend/backend.h"
 #include "model/weights.h"
 #include "rl/config.h"
+#include "tasks/python_bridge.h"
 #include "tasks/task.h"
 #include "tokenizer/chat_template.h"
 #include "tokenizer/tokenizer.h"
@@ -22,6 +23,7 @@ struct Session {
   Tokenizer tokenizer;
   std::string tokenizer_json;      // path of the tokenizer.json in use (copied into checkpoints)
   std::unique_ptr<Task> task;
+  std::unique_ptr<PythonReward> python_reward;  // task.reward.python, when set
   int32_t eos_id = -1;
   // Generation stops after any of these: eos_id, then the eos_token_id(s) of the model's
   // generation_config.json (e.g. Qwen's <|im_end|> and <|endoftext|>).
@@ -42,6 +44,14 @@ struct Session {
   std::vector<int32_t> prompt_ids(const TaskItem& item) const;    // prompt (chat-templated if asked)
   std::vector<int32_t> solution_ids(const TaskItem& item) const;  // worked solution + EOS (SFT target)
   std::string response_text(const std::vector<int32_t>& tokens) const;  // up to the first stop id
+  // The reward of each response (responses[i] answers *items[i]): the task's verifier, or
+  // task.reward.python called once for the whole batch; `metrics` (optional) receives the
+  // Python function's extra keys (batch means, named reward/<key>).
+  std::vector<double> rewards(const std::vector<const TaskItem*>& items, const std::vector<std::string>& responses,
+                              std::vector<std::pair<std::string, double>>* metrics = nullptr) const;
+  // The dicts a Python reward receives: the row's fields, then prompt, response, answer.
+  std::vector<nlohmann::json> reward_samples(const std::vector<const TaskItem*>& items,
+                                             const std::vector<std::string>& responses) const;
 };
 
 // Backend, task and tokenizer from the config. With a tiny model and no tokenizer path, the
@@ -93,6 +103,7 @@ std::string cache_dir();
 struct ValResult {
   double accuracy = 0, reward_mean = 0, seconds = 0;
   std::string example;  // one prompt + response, for the console
+  std::string example_prompt, example_response;  // the same, apart
 };
 class RolloutEngine;
 ValResult validate(const Session& s, RolloutEngine& engine, int n, int max_new_tokens);

@@ -17,7 +17,7 @@
 
 namespace fp8rl {
 
-std::string sft_run(const RunConfig& c) {
+std::string sft_run(const RunConfig& c, bool print_plan) {
   using Clock = std::chrono::steady_clock;
   Session s = session_open(c, cache_dir());
   session_check_memory(s, /*sft=*/true);  // refused here, before any work, when the plan cannot fit
@@ -32,9 +32,20 @@ std::string sft_run(const RunConfig& c) {
               static_cast<long long>(model_count_parameters(host)), linear_mode_name(recipe.trainer.linear),
               c.sft.steps, c.sft.batch_size);
   const MemoryPlan plan = memory_plan_compute(memory_plan_input(c, host.config, be.act_dtype(), /*sft=*/true));
-  std::fputs(memory_plan_format(plan, host.config).c_str(), stdout);
+  if (print_plan) std::fputs(memory_plan_format(plan, host.config).c_str(), stdout);
   std::fflush(stdout);
   memory_plan_check_host(plan, c.device);
+  // SFT teaches worked solutions: a task without them would train on nothing but EOS.
+  {
+    const size_t n = std::min<size_t>(s.task->size(Split::kTrain), 64);
+    size_t with = 0;
+    for (size_t i = 0; i < n; ++i) with += !s.task->item(Split::kTrain, i).solution.empty();
+    if (with == 0)
+      FP8RL_FAIL("sft: task ", s.task->name(), " has no worked solutions to train on",
+                 c.task.name == "jsonl" ? " (task.jsonl.solution_field is empty or names an empty field)" : "",
+                 ". The tiny demo model starts from SFT: set task.jsonl.solution_field, or start from a "
+                 "pretrained model (model.path=DIR)");
+  }
   Trainer trainer(be, model_weights_to_device(be, host, DType::F32), recipe.trainer, trainer_options(c));
   // GSM8K train solutions mixed into every batch (sft.mix_gsm8k_*), read in order, wrapping.
   std::unique_ptr<Task> mix;
@@ -65,13 +76,14 @@ std::string sft_run(const RunConfig& c) {
   ts.lr = c.sft.lr;
   const LrSchedule sched = config_lr_schedule(ts, c.sft.steps);
   MetricsLog log(run.path);
+  if (c.logger.tensorboard) log.enable_tensorboard(run.path + "/tensorboard");
   Progress progress("sft", c.sft.steps);
   BadStepGuard bad_steps(c.max_consecutive_bad_steps, bad_step_hint(c, "sft.lr", c.sft.lr));
   for (int64_t step = 1; step <= c.sft.steps; ++step) {
     const auto t0 = Clock::now();
     const double elapsed = std::chrono::duration<double>(t0 - t_run).count();
     if (c.time_budget_s > 0 && step > 1 && elapsed + slowest_step_s > c.time_budget_s) {
-      std::fprintf(stderr, "\nsft: time budget %.0f s reached after step %lld of %d; saving\n", c.time_budget_s,
+      console_line(stderr, "sft: time budget %.0f s reached after step %lld of %d; saving", c.time_budget_s,
                    static_cast<long long>(step - 1), c.sft.steps);
       break;
     }
@@ -125,13 +137,11 @@ std::string sft_run(const RunConfig& c) {
       RolloutEngine engine(be, trainer.master(), recipe.generator, static_cast<int>(memory_plan_sft_kv_pages(c)));
       ValResult v = validate(s, engine, c.val_size, c.rollout.max_new_tokens);
       m.val_accuracy = v.accuracy;
-      progress.update(step);
-      std::fprintf(stderr, "\n");
     }
     if (last || step % 20 == 0) log.write(m, c.sft.steps);
     progress.update(step);
     if (last && step < c.sft.steps)
-      std::fprintf(stderr, "\nsft: step %lld is the last that fits in time_budget_s=%.0f s\n",
+      console_line(stderr, "sft: step %lld is the last that fits in time_budget_s=%.0f s",
                    static_cast<long long>(step), c.time_budget_s);
     if (last) break;
   }

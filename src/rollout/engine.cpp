@@ -144,7 +144,11 @@ std::vector<RolloutSample> RolloutEngine::generate(const std::vector<RolloutRequ
   std::vector<float> temp, top_p, uniforms;
   std::vector<int> top_k;
   std::vector<const std::vector<int32_t>*> graph_pages;
+  // Progress in token slots: every sample has max_new_tokens; a finished one counts them all.
+  int64_t slots_done = 0;
+  const int64_t slots_total = static_cast<int64_t>(seqs.size()) * sp.max_new_tokens;
   while (!sched.done()) {
+    if (sp.on_progress) sp.on_progress(slots_done, slots_total);
     const std::vector<int>& batch_seqs = sched.schedule();
     if (batch_seqs.empty()) continue;  // everything scheduled was preempted: plan again
 
@@ -217,12 +221,14 @@ std::vector<RolloutSample> RolloutEngine::generate(const std::vector<RolloutRequ
       s.out.tokens.push_back(tok);
       s.out.logp.push_back(logp.data<float>()[r++]);
       stats_.generated_tokens++;
+      ++slots_done;
       const int n_out = static_cast<int>(s.out.tokens.size());
       const bool forced = !requests[s.request].stop_after.empty() && n_out >= s.max_new;
       const bool stop = forced || std::find(sp.stop_ids.begin(), sp.stop_ids.end(), tok) != sp.stop_ids.end();
       if (stop || n_out >= sp.max_new_tokens) {
         s.out.finish = stop ? FinishReason::Stop : FinishReason::Length;
         sched.finish(si);
+        slots_done += sp.max_new_tokens - static_cast<int64_t>(s.out.tokens.size());
       }
     }
   }

@@ -6,6 +6,7 @@
 // token budget, and recompute preemption when the pool runs out.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -28,6 +29,10 @@ struct SamplingParams {
   // vocabulary is padded past the tokenizer's (Qwen: 151936 rows, 151669 ids) never emits an
   // id the tokenizer cannot decode (Backend::sample masks their logits).
   int64_t valid_vocab = 0;
+  // Called before every engine iteration with (done, total) token slots: total = samples x
+  // max_new_tokens, done = generated tokens + the unused budget of finished samples. For
+  // progress display only (never changes results).
+  std::function<void(int64_t done, int64_t total)> on_progress;
 };
 
 struct RolloutRequest {
