@@ -608,3 +608,71 @@ TEST(MoeModel, PagedForwardMatchesScoring) {
 
 }  // namespace
 }  // namespace fp8rl
+
+namespace fp8rl {
+namespace {
+
+// ---- fixtures -----------------------------------------------------------------------------------
+// moe_reference_np.json: the numpy reference (scripts/fixtures/make_moe_fixtures_numpy.py,
+// committed); moe_reference.json: transformers' (scripts/fixtures/make_moe_fixtures.py, made on
+// the GPU machine). Each is skipped, with a message, when absent.
+
+struct MoeFixtureCase {
+  const char* file;
+  const char* reference;  // key in "logprobs"
+  LinearMode mode;
+  double max_mean_abs_diff;
+};
+
+class MoeFixtureTest : public ::testing::TestWithParam<MoeFixtureCase> {};
+
+TEST_P(MoeFixtureTest, LogprobsMatchReference) {
+  const MoeFixtureCase& fc = GetParam();
+  const std::string dir = std::string(FP8RL_TEST_DATA) + "/fixtures";
+  std::ifstream f(dir + "/" + fc.file);
+  if (!f)
+    GTEST_SKIP() << dir << "/" << fc.file << " is missing: generate it with "
+                 << (std::string(fc.file) == "moe_reference.json"
+                         ? "`python3 scripts/fixtures/make_moe_fixtures.py tests/data/fixtures` (torch + transformers 5, "
+                           "on the GPU machine)"
+                         : "`python3 scripts/fixtures/make_moe_fixtures_numpy.py tests/data/fixtures` (numpy)")
+                 << " and commit it";
+  const json ref = json::parse(f);
+  auto be = make_cpu_backend();
+  int models = 0;
+  for (const auto& [name, m] : ref["models"].items()) {
+    const auto seqs = m["sequences"].get<std::vector<std::vector<int32_t>>>();
+    if (!m["logprobs"].contains(fc.reference)) continue;
+    const auto want = m["logprobs"][fc.reference].get<std::vector<std::vector<double>>>();
+    const ModelWeights w = model_weights_load(dir + "/" + m["dir"].get<std::string>(), DType::F32);
+    ASSERT_TRUE(w.config.is_moe()) << name;
+    const ForwardBatch batch = forward_batch_from_sequences(seqs);
+    const std::vector<double> got = score(*be, w, batch, fc.mode);
+    double sum = 0, worst = 0;
+    size_t n = 0;
+    for (size_t s = 0; s < seqs.size(); ++s)
+      for (size_t t = 0; t + 1 < seqs[s].size(); ++t) {
+        const double d = std::fabs(got[batch.cu_seqlens[s] + t] - want[s][t]);
+        sum += d, worst = std::max(worst, d), ++n;
+      }
+    EXPECT_LT(sum / n, fc.max_mean_abs_diff) << name << " " << fc.reference << ": worst " << worst;
+    std::printf("  %s %-5s mean |diff| %.3e  worst %.3e  over %zu tokens\n", name.c_str(), fc.reference, sum / n,
+                worst, n);
+    ++models;
+  }
+  EXPECT_GT(models, 0) << fc.file << " has no model with '" << fc.reference << "' log-probs";
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Qwen3Moe, MoeFixtureTest,
+    ::testing::Values(MoeFixtureCase{"moe_reference_np.json", "fp32", LinearMode::FP32, 2e-4},
+                      MoeFixtureCase{"moe_reference_np.json", "fp8", LinearMode::FP8_BLOCK, 1e-2},
+                      MoeFixtureCase{"moe_reference.json", "fp32", LinearMode::FP32, 2e-4},
+                      MoeFixtureCase{"moe_reference.json", "fp8", LinearMode::FP8_BLOCK, 1e-2}),
+    [](const auto& info) {
+      return std::string(std::string(info.param.file) == "moe_reference.json" ? "hf_" : "numpy_") +
+             info.param.reference;
+    });
+
+}  // namespace
+}  // namespace fp8rl
