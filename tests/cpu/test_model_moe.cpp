@@ -676,3 +676,66 @@ INSTANTIATE_TEST_SUITE_P(
 
 }  // namespace
 }  // namespace fp8rl
+
+#include "rollout/rollout.h"
+#include "train/trainer.h"
+
+namespace fp8rl {
+namespace {
+
+// The rollout engine generates with a tiny MoE (paged prefill + decode through the same MoE
+// block), its sampled logp is the trainer's score (FP32; and FP8 generator vs FP8 trainer), a
+// trainer step moves the experts and keeps a frozen router as it was, and a refit carries the
+// new weights to the generator.
+TEST(MoeRollout, GenerateScoreStepRefit) {
+  auto be = make_cpu_backend();
+  for (LinearMode mode : {LinearMode::FP32, LinearMode::FP8_BLOCK}) {
+    EnginePrecision prec;
+    prec.linear = mode;
+    prec.kv_cache = DType::F32;
+    Trainer trainer(*be, model_weights_to_device(*be, tiny_moe(DType::F32, 41), DType::F32), prec, TrainerOptions{});
+    RolloutEngine engine(*be, trainer.master(), prec, /*kv_pages=*/32, /*page_size=*/4, /*max_batch=*/8);
+    const auto prompts = test::token_sequences({5, 3, 8}, 48, 23);
+    const std::vector<RolloutRequest> reqs = {{prompts[0], 2}, {prompts[1], 2}, {prompts[2], 1}};
+    SamplingParams sp;
+    sp.temperature = 1.0f;
+    sp.max_new_tokens = 6;
+    sp.seed = 5;
+    const std::vector<RolloutSample> out = engine.generate(reqs, sp);
+    ASSERT_EQ(out.size(), 5u);
+    std::vector<TrainSequence> seqs;
+    std::vector<float> logp_gen;
+    for (const RolloutSample& s : out) {
+      TrainSequence t{reqs[s.request].prompt, static_cast<int>(reqs[s.request].prompt.size())};
+      t.ids.insert(t.ids.end(), s.tokens.begin(), s.tokens.end());
+      seqs.push_back(t);
+      logp_gen.insert(logp_gen.end(), s.logp.begin(), s.logp.end());
+    }
+    const ScoreResult sr = trainer.score(seqs, 1.0f, false, false);
+    ASSERT_EQ(sr.logp.size(), logp_gen.size());
+    double max_diff = 0;
+    for (size_t i = 0; i < logp_gen.size(); ++i)
+      max_diff = std::max(max_diff, std::abs(static_cast<double>(sr.logp[i]) - logp_gen[i]));
+    EXPECT_LE(max_diff, 1e-4) << "generator vs trainer, linear mode " << static_cast<int>(mode);
+
+    // One step of "maximize the sampled log-probs": experts move, the frozen router does not.
+    const std::vector<float> router_before = to_float_vector(be->to_host(trainer.master().layers[1].router.w));
+    const std::vector<float> expert_before = to_float_vector(be->to_host(trainer.master().layers[1].experts[0].up.w));
+    TokenLossFn loss = [](size_t, size_t, const std::vector<float>& lp, std::vector<float>& grad) {
+      double l = 0;
+      for (size_t i = 0; i < lp.size(); ++i) l -= lp[i], grad[i] = -1.0f / lp.size();
+      return l / lp.size();
+    };
+    const StepResult st = trainer.step(seqs, 1.0f, loss, 1e-2f);
+    EXPECT_TRUE(st.applied);
+    const ModelWeights& m = static_cast<const Trainer&>(trainer).master();
+    EXPECT_EQ(to_float_vector(be->to_host(m.layers[1].router.w)), router_before);
+    EXPECT_NE(to_float_vector(be->to_host(m.layers[1].experts[0].up.w)), expert_before);
+    engine.refit(m, nullptr);
+    const std::vector<RolloutSample> after = engine.generate(reqs, sp);
+    EXPECT_EQ(after.size(), 5u);
+  }
+}
+
+}  // namespace
+}  // namespace fp8rl
