@@ -238,6 +238,19 @@ class Backend {
   // selection is piecewise constant, so only the weights carry a gradient.
   virtual void moe_route_softmax_backward(const Tensor& logits, const Tensor& experts, bool renormalize,
                                           const Tensor& dweights, Tensor& dlogits) = 0;
+  // DeepSeek-V3 routing (topk_method noaux_tc, scoring_func sigmoid): s = sigmoid(logits)
+  // (FP32); choice c = s + bias (e_score_correction_bias [E] F32, or null for none); the E experts
+  // form n_group equal groups of consecutive ids, a group's score is the sum of its two largest
+  // c (its one c when a group has one expert); the topk_group best groups are kept (ties: the
+  // lower group) and the other experts' c set to 0 (as transformers and DeepSeek's reference
+  // code, not -inf); experts = the top_k largest c (descending; ties: the lower id); weights =
+  // their *uncorrected* s, divided by (sum + 1e-20) when `renormalize`, times `scaling`
+  // (routed_scaling_factor). Shapes as moe_route_softmax.
+  virtual void moe_route_sigmoid(const Tensor& logits, const Tensor* bias, int top_k, int n_group, int topk_group,
+                                 bool renormalize, float scaling, Tensor& experts, Tensor& weights) = 0;
+  // Its backward: dlogits [T, E] written (nonzero only at the selected experts).
+  virtual void moe_route_sigmoid_backward(const Tensor& logits, const Tensor& experts, bool renormalize,
+                                          float scaling, const Tensor& dweights, Tensor& dlogits) = 0;
   // out[r] = x[row_slot[r] / top_k] * (weights ? weights[row_slot[r]] : 1). x [T, D];
   // row_slot I32 [R], each in [0, T * top_k); weights [T * top_k] (F32/F64) or null; out [R, D].
   // Forward: the gather of the expert inputs; backward: the weighted gather of dy.

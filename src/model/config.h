@@ -8,7 +8,7 @@
 namespace fp8rl {
 
 struct ModelConfig {
-  std::string model_type;         // "llama" | "qwen2" | "qwen3" | "qwen3_moe"
+  std::string model_type;         // "llama" | "qwen2" | "qwen3" | "qwen3_moe" | "deepseek_v3" (config only)
   int vocab_size = 0;
   int hidden_size = 0;            // D
   int intermediate_size = 0;      // F
@@ -41,7 +41,21 @@ struct ModelConfig {
   int decoder_sparse_step = 1;     // layer l is sparse when (l + 1) % step == 0 ...
   std::vector<int> mlp_only_layers;  // ... and l is not listed here
 
+  // DeepSeek-V3 / Moonlight (deepseek_v3): sigmoid routing with a score-correction bias, grouped
+  // top-k, routed_scaling_factor, always-on shared experts, the first layers dense. Parsed and
+  // validated; the model runs only once MLA attention exists (weights/forward refuse it now).
+  std::string moe_router = "softmax";  // "softmax" (qwen3_moe) | "sigmoid" (deepseek_v3 noaux_tc)
+  int n_group = 1, topk_group = 1;     // expert groups; groups kept per token
+  float routed_scaling_factor = 1.0f;  // multiplies the routing weights
+  int n_shared_experts = 0;            // shared MLP of n_shared * moe_intermediate_size, always on
+  int first_k_dense_replace = 0;       // layers [0, k) dense
+  int moe_layer_freq = 1;              // then layer l sparse when l % freq == 0
+  // MLA attention (deepseek_v3): q_lora_rank 0 = no q compression (null in the config).
+  int q_lora_rank = 0, kv_lora_rank = 0, qk_nope_head_dim = 0, qk_rope_head_dim = 0, v_head_dim = 0;
+  bool rope_interleave = true;
+
   bool is_moe() const { return num_experts > 0; }
+  bool is_mla() const { return kv_lora_rank > 0; }
   // Whether block `layer` has a mixture-of-experts MLP (HF's Qwen3MoeDecoderLayer rule).
   bool layer_is_moe(int layer) const;
 

@@ -91,6 +91,13 @@ void alloc_layer(Backend& be, const ModelConfig& c, DType act, int64_t T, bool m
     a.up = be.alloc({T, F}, act);
     a.act = be.alloc({T, F}, act);
   }
+  if (moe && c.n_shared_experts > 0 && !a.shared_out.defined()) {  // the shared experts' buffers
+    const int64_t Fs = int64_t(c.n_shared_experts) * c.moe_intermediate_size;
+    a.shared_gate = be.alloc({T, Fs}, act);
+    a.shared_up = be.alloc({T, Fs}, act);
+    a.shared_act = be.alloc({T, Fs}, act);
+    a.shared_out = be.alloc({T, D}, act);
+  }
   if (moe && !a.moe_x.defined()) {
     const int64_t E = c.num_experts, k = c.num_experts_per_tok, R = T * k, Fe = c.moe_intermediate_size;
     const DType rt = act == DType::F64 ? DType::F64 : DType::F32;  // the router runs in FP32
@@ -117,7 +124,13 @@ void moe_forward(Backend& be, const ModelConfig& c, const LayerWeights& lw, cons
   const int64_t T = a.xn_mlp.dim(0), E = c.num_experts, k = c.num_experts_per_tok, R = T * k;
   if (a.router_x.storage() != a.xn_mlp.storage()) be.convert(a.xn_mlp, a.router_x);
   be.linear(a.router_x, lw.router, kFp32Spec, a.router_logits);
-  be.moe_route_softmax(a.router_logits, static_cast<int>(k), c.norm_topk_prob, a.moe_experts, a.moe_weights);
+  if (c.moe_router == "sigmoid") {
+    be.moe_route_sigmoid(a.router_logits, lw.router_bias.defined() ? &lw.router_bias : nullptr, static_cast<int>(k),
+                         c.n_group, c.topk_group, c.norm_topk_prob, c.routed_scaling_factor, a.moe_experts,
+                         a.moe_weights);
+  } else {
+    be.moe_route_softmax(a.router_logits, static_cast<int>(k), c.norm_topk_prob, a.moe_experts, a.moe_weights);
+  }
 
   const Tensor experts = be.to_host(a.moe_experts);  // the host sizes the expert GEMMs
   const int32_t* ex = experts.data<int32_t>();
@@ -151,6 +164,13 @@ void moe_forward(Backend& be, const ModelConfig& c, const LayerWeights& lw, cons
   }
   const Tensor w = a.moe_weights.reshape({R});
   be.moe_unpermute(a.moe_y, a.moe_slot_row, &w, a.proj);
+  if (lw.gate.w.defined() || lw.gate.wq.defined()) {  // always-on shared experts (DeepSeek)
+    be.linear(a.xn_mlp, lw.gate, spec, a.shared_gate);
+    be.linear(a.xn_mlp, lw.up, spec, a.shared_up);
+    be.swiglu(a.shared_gate, a.shared_up, a.shared_act);
+    be.linear(a.shared_act, lw.down, spec, a.shared_out);
+    be.add(a.proj, a.shared_out, a.proj);
+  }
 }
 
 struct QkvAmax {
@@ -374,7 +394,8 @@ namespace {
 struct MoeGradScratch {
   Tensor d_y, d_xe, d_xe2;         // [R, D]
   Tensor d_act, d_gate, d_up;      // [R, Fe]
-  Tensor d_w, d_logits, d_router_x;  // [T * k], [T, E], [T, D] (router gradient only; FP32 / F64)
+  Tensor d_w, d_logits, d_router_x;  // [T * k], [T, E], [T, D] (FP32 / F64)
+  Tensor d_shared_act, d_shared_gate, d_shared_up, d_shared_x;  // [T, Fs] x 3, [T, D] (shared experts)
 };
 
 // Backward of a.proj = moe(xn_mlp) given dproj [T, D]: d_xn [T, D] written (through the experts
@@ -424,10 +445,30 @@ void moe_backward(Backend& be, const ModelConfig& c, const LayerWeights& lw, Lay
   }
   Tensor dw = sc.d_w.reshape({R});
   be.moe_unpermute_backward_weights(dproj, a.moe_y, a.moe_slot_row, dw);
-  be.moe_route_softmax_backward(a.router_logits, a.moe_experts, c.norm_topk_prob, sc.d_w, sc.d_logits);
+  if (c.moe_router == "sigmoid") {
+    be.moe_route_sigmoid_backward(a.router_logits, a.moe_experts, c.norm_topk_prob, c.routed_scaling_factor, sc.d_w,
+                                  sc.d_logits);
+  } else {
+    be.moe_route_softmax_backward(a.router_logits, a.moe_experts, c.norm_topk_prob, sc.d_w, sc.d_logits);
+  }
   be.linear_backward(sc.d_logits, a.router_x, lw.router, kFp32Spec, &sc.d_router_x,
                      router_grad ? &lg.router.w : nullptr, nullptr);
   be.add(d_xn, sc.d_router_x, d_xn);
+  if (lw.gate.w.defined() || lw.gate.wq.defined()) {  // the shared experts
+    const int64_t Fs = a.shared_gate.dim(1);
+    if (!sc.d_shared_act.defined()) {
+      sc.d_shared_act = be.alloc({T, Fs}, act);
+      sc.d_shared_gate = be.alloc({T, Fs}, act);
+      sc.d_shared_up = be.alloc({T, Fs}, act);
+      sc.d_shared_x = be.alloc({T, D}, act);
+    }
+    be.linear_backward(dproj, a.shared_act, lw.down, spec, &sc.d_shared_act, &lg.down.w, nullptr);
+    be.swiglu_backward(sc.d_shared_act, a.shared_gate, a.shared_up, sc.d_shared_gate, sc.d_shared_up);
+    be.linear_backward(sc.d_shared_gate, a.xn_mlp, lw.gate, spec, &sc.d_shared_x, &lg.gate.w, nullptr);
+    be.add(d_xn, sc.d_shared_x, d_xn);
+    be.linear_backward(sc.d_shared_up, a.xn_mlp, lw.up, spec, &sc.d_shared_x, &lg.up.w, nullptr);
+    be.add(d_xn, sc.d_shared_x, d_xn);
+  }
 }
 
 }  // namespace

@@ -14,7 +14,10 @@
 //   or, in a mixture-of-experts layer (qwen3_moe, config.layer_is_moe):
 //   p = softmax(xn Wr^T) (FP32) over E experts; the top-k experts of each token, weights
 //   w_j = p_j (/ sum of the k when norm_topk_prob);  x = x + sum_j w_j expert_j(xn), each expert
-//   a SwiGLU MLP [experts.{e}.gate, up, down]. The tokens are permuted by expert on the host
+//   a SwiGLU MLP [experts.{e}.gate, up, down]. DeepSeek-V3 routing (moe_router "sigmoid"):
+//   sigmoid scores, grouped top-k on the bias-corrected scores, weights from the uncorrected
+//   ones times routed_scaling_factor (moe_route_sigmoid), plus always-on shared experts
+//   [gate, up, down of the layer, mlp.shared_experts.*]. The tokens are permuted by expert on the host
 //   (the per-expert counts size the GEMMs), each expert's rows run as plain linears, and the
 //   weighted un-permute sums the k outputs of a token (moe_* ops, backend.h).
 // then hidden = rmsnorm(x, final_norm) and logits = hidden lm_head^T.
@@ -73,6 +76,8 @@ struct LayerActivations {
   Tensor moe_x;         // [R, D]        permuted xn_mlp: the experts' input
   Tensor moe_gate, moe_up, moe_act;  // [R, Fe]
   Tensor moe_y;         // [R, D]        expert outputs, before the routing weights
+  Tensor shared_gate, shared_up, shared_act;  // [T, Fs]  shared experts (n_shared_experts * Fe)
+  Tensor shared_out;    // [T, D]        the shared experts' output, added to the routed one
   Tensor proj;          // [T, D]        scratch: output of o, then of down (not needed by backward)
 };
 

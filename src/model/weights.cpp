@@ -33,9 +33,16 @@ std::string layer_prefix(int i) { return "model.layers." + std::to_string(i) + "
 // fn(name relative to the layer prefix, linear) for every linear of block L that follows the
 // block's precision: the 7 of kLinears (the dense MLP's undefined in an MoE layer), then every
 // expert's gate, up, down. Not the router.
+// An MoE layer's dense gate/up/down are its shared experts (DeepSeek: mlp.shared_experts.*).
+std::string linear_name(const LayerWeights& L, const char* name) {
+  const std::string n = name;
+  if (L.is_moe() && n.rfind("mlp.", 0) == 0) return "mlp.shared_experts." + n.substr(4);
+  return n;
+}
+
 template <class Layer, class Fn>
 void for_each_block_linear(Layer& L, Fn fn) {
-  for (const LinearRef& r : kLinears) fn(std::string(r.name), L.*(r.member));
+  for (const LinearRef& r : kLinears) fn(linear_name(L, r.name), L.*(r.member));
   for (size_t e = 0; e < L.experts.size(); ++e) {
     const std::string p = "mlp.experts." + std::to_string(e) + ".";
     fn(p + "gate_proj", L.experts[e].gate);
@@ -54,13 +61,14 @@ void visit_slots(ModelWeights& w, const std::function<void(const std::string&, T
     fn(p + "input_layernorm.weight", l.attn_norm);
     for (const LinearRef& r : kLinears) {
       LinearWeight& lin = l.*(r.member);
-      fn(p + r.name + ".weight", lin.w);
-      fn(p + r.name + ".bias", lin.bias);
+      fn(p + linear_name(l, r.name) + ".weight", lin.w);
+      fn(p + linear_name(l, r.name) + ".bias", lin.bias);
     }
     fn(p + "self_attn.q_norm.weight", l.q_norm);
     fn(p + "self_attn.k_norm.weight", l.k_norm);
     fn(p + "post_attention_layernorm.weight", l.mlp_norm);
     fn(p + "mlp.gate.weight", l.router.w);
+    fn(p + "mlp.gate.e_score_correction_bias", l.router_bias);
     for (size_t e = 0; e < l.experts.size(); ++e) {
       const std::string pe = p + "mlp.experts." + std::to_string(e) + ".";
       fn(pe + "gate_proj.weight", l.experts[e].gate.w);
@@ -183,6 +191,7 @@ ModelConfig model_config_tiny(const std::string& family, int vocab_size, int hid
 
 ModelWeights model_weights_random(const ModelConfig& c, const RandomInit& init, DType dtype) {
   c.validate();
+  FP8RL_CHECK(!c.is_mla(), c.model_type, " uses MLA attention, which fp8rl does not implement yet");
   Normal rng(init.seed);
   const int64_t D = c.hidden_size, F = c.intermediate_size, V = c.vocab_size, hd = c.head_dim;
   const int64_t Hq = c.num_heads, Hkv = c.num_kv_heads;
@@ -212,11 +221,18 @@ ModelWeights model_weights_random(const ModelConfig& c, const RandomInit& init, 
     if (c.layer_is_moe(l)) {
       const int64_t Fe = c.moe_intermediate_size;
       L.router = lin(c.num_experts, D, false);
+      if (c.moe_router == "sigmoid") L.router_bias = random_tensor({c.num_experts}, dtype, rng, 0.0, init.std);
       L.experts.resize(c.num_experts);
       for (ExpertWeights& e : L.experts) {
         e.gate = lin(Fe, D, false);
         e.up = lin(Fe, D, false);
         e.down = lin(D, Fe, false);
+      }
+      if (c.n_shared_experts > 0) {  // always-on shared experts: one SwiGLU of n_shared * Fe
+        const int64_t Fs = int64_t(c.n_shared_experts) * Fe;
+        L.gate = lin(Fs, D, false);
+        L.up = lin(Fs, D, false);
+        L.down = lin(D, Fs, false);
       }
     } else {
       L.gate = lin(F, D, false);
@@ -237,6 +253,8 @@ ModelWeights model_weights_load(const std::string& dir, DType dtype, bool keep_f
               "Hugging Face checkpoint: config.json + *.safetensors)");
   const ModelConfig c = model_config_load(dir);
   c.validate();
+  FP8RL_CHECK(!c.is_mla(), dir, ": ", c.model_type, " uses MLA attention (kv_lora_rank), which fp8rl does not "
+              "implement yet: its config and MoE routing load, its weights do not (issue 16)");
   const CheckpointReader ck = CheckpointReader::open(dir);
   std::set<std::string> used;
 

@@ -36,7 +36,11 @@ struct LayerWeights {
   LinearWeight down;       // [D, F]       mlp.down_proj
   // Mixture-of-experts MLP (config.layer_is_moe(i); empty / undefined otherwise). The router
   // is never FP8: it runs in FP32 (model/transformer.h).
+  // In an MoE layer gate/up/down, when defined, are the always-on shared experts
+  // (mlp.shared_experts.*, width n_shared_experts * Fe; DeepSeek-V3 routing).
   LinearWeight router;                 // [E, D]  mlp.gate (no bias)
+  Tensor router_bias;                  // [E]     mlp.gate.e_score_correction_bias (sigmoid routing;
+                                       //         selection only: its gradient is zero)
   std::vector<ExpertWeights> experts;  // [E]     mlp.experts.{e}
   bool is_moe() const { return !experts.empty(); }
 };

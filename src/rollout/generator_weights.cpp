@@ -28,7 +28,7 @@ void for_each_linear_pair(const LayerWeights& m, LayerWeights& g, Fn fn) {
   fn(m.k, g.k);
   fn(m.v, g.v);
   fn(m.o, g.o);
-  if (!m.is_moe()) {
+  if (m.gate.w.defined() || m.gate.wq.defined()) {  // the dense MLP, or an MoE layer's shared experts
     fn(m.gate, g.gate);
     fn(m.up, g.up);
     fn(m.down, g.down);
@@ -59,6 +59,7 @@ ModelWeights generator_weights_alloc(Backend& be, const ModelWeights& master, co
     gl.q_norm = alloc_like(be, m.q_norm, act);
     gl.k_norm = alloc_like(be, m.k_norm, act);
     gl.router.w = alloc_like(be, m.router.w, DType::F32);  // the router stays FP32 (model/transformer.h)
+    gl.router_bias = alloc_like(be, m.router_bias, DType::F32);
     gl.experts.resize(m.experts.size());
     const LinearMode mode = prec.linear_for_layer(l, L);
     for_each_linear_pair(m, gl, [&](const LinearWeight& mw, LinearWeight& gw) {
@@ -91,6 +92,7 @@ void generator_weights_refit(Backend& be, const ModelWeights& master, const Engi
     if (m.q_norm.defined()) assign(be, m.q_norm, gl.q_norm);
     if (m.k_norm.defined()) assign(be, m.k_norm, gl.k_norm);
     if (m.router.w.defined()) assign(be, m.router.w, gl.router.w);
+    if (m.router_bias.defined()) assign(be, m.router_bias, gl.router_bias);
     for_each_linear_pair(m, gl, [&](const LinearWeight& mw, LinearWeight& gw) {
       if (gw.wq.defined()) be.quantize(mw.w, /*transpose=*/false, gw.wq);  // in place, same quantizer
       else assign(be, mw.w, gw.w);

@@ -111,7 +111,7 @@ TEST(MoeConfig, DefaultsSparseStepAndMlpOnlyLayers) {
 
 TEST(MoeConfig, UnsupportedVariantsAreClearErrors) {
   const std::string t = kQwen3Moe4x;
-  expect_error(edit(t, "model_type", "deepseek_v3"), {"deepseek_v3", "mixture-of-experts", "not supported"});
+  expect_error(edit(t, "model_type", "qwen2_moe"), {"qwen2_moe", "mixture-of-experts", "not supported"});
   expect_error(edit(t, "model_type", "mixtral"), {"mixtral", "not supported"});
   expect_error(edit(t, "shared_expert_intermediate_size", 512), {"shared_expert_intermediate_size", "shared"});
   expect_error(edit(t, "n_shared_experts", 2), {"n_shared_experts"});
@@ -177,7 +177,9 @@ TEST(MoeOps, RouteSoftmaxTopKAndTies) {
     const double* wv = w.data<double>();
     EXPECT_NEAR(wv[0], renorm ? p1 / (p1 + p3) : p1, 1e-15);
     EXPECT_NEAR(wv[1], renorm ? p3 / (p1 + p3) : p3, 1e-15);
-    if (renorm) EXPECT_NEAR(wv[2] + wv[3], 1.0, 1e-15);
+    if (renorm) {
+      EXPECT_NEAR(wv[2] + wv[3], 1.0, 1e-15);
+    }
   }
   Tensor bad = Tensor::empty({2, 5}, DType::I32);
   EXPECT_THROW(be->moe_route_softmax(logits, 5, true, bad, w), Error);
@@ -445,16 +447,40 @@ double loss(Backend& be, const ModelWeights& w, const ForwardBatch& batch, const
   return L;
 }
 
-class MoeGradTest : public ::testing::TestWithParam<bool> {};
+struct MoeGradCase {
+  bool router_grad;
+  bool deepseek;  // sigmoid grouped routing + bias + shared experts (DeepSeek-V3's MoE on qwen3 attention)
+};
+class MoeGradTest : public ::testing::TestWithParam<MoeGradCase> {};
+
+// A tiny model with DeepSeek-V3's MoE block: 8 experts in 4 groups, 2 groups kept, top-3,
+// routed_scaling_factor 2.5, e_score_correction_bias, one shared expert.
+ModelWeights tiny_deepseek_moe(DType dtype, uint64_t seed) {
+  ModelConfig c = model_config_tiny("qwen3_moe", 48, 64, 3, 4, 2, 96);
+  c.num_experts = 8;
+  c.num_experts_per_tok = 3;
+  c.moe_intermediate_size = 24;
+  c.moe_router = "sigmoid";
+  c.n_group = 4;
+  c.topk_group = 2;
+  c.routed_scaling_factor = 2.5f;
+  c.n_shared_experts = 1;
+  c.validate();
+  RandomInit init;
+  init.seed = seed;
+  init.std = 0.15f;
+  init.norm_jitter = 0.2f;
+  return model_weights_random(c, init, dtype);
+}
 
 // Central differences in FP64 for every parameter tensor (the largest entry and 3 more each).
 // The routing of each perturbed forward stays the same (h = 1e-5 crosses no top-k tie here),
 // so the loss is smooth in every weight. router_grad off: the router's gradient is zero and
 // every other gradient is still exact (the routing weights' path into the input is kept).
 TEST_P(MoeGradTest, BackwardMatchesFiniteDifferencesFp64) {
-  const bool router_grad = GetParam();
+  const bool router_grad = GetParam().router_grad, deepseek = GetParam().deepseek;
   auto be = make_cpu_backend();
-  ModelWeights w = tiny_moe(DType::F64, 21);
+  ModelWeights w = deepseek ? tiny_deepseek_moe(DType::F64, 22) : tiny_moe(DType::F64, 21);
   const ForwardBatch batch = forward_batch_from_sequences(test::token_sequences({6, 5}, 48, 3));
   const int64_t T = batch.num_tokens();
   std::vector<double> c(T);
@@ -471,7 +497,7 @@ TEST_P(MoeGradTest, BackwardMatchesFiniteDifferencesFp64) {
   std::vector<std::pair<std::string, Tensor>> grads;
   model_for_each_parameter(g, [&](const std::string& n, Tensor& t) { grads.push_back({n, t}); });
   size_t gi = 0;
-  int checked = 0, routers = 0;
+  int checked = 0, routers = 0, biases = 0, unrouted = 0;
   double worst = 0;
   model_for_each_parameter(w, [&](const std::string& name, Tensor& p) {
     ASSERT_EQ(grads[gi].first, name);
@@ -481,13 +507,27 @@ TEST_P(MoeGradTest, BackwardMatchesFiniteDifferencesFp64) {
     size_t imax = 0;
     for (size_t i = 0; i < an.size(); ++i)
       if (std::fabs(an[i]) > gmax) gmax = std::fabs(an[i]), imax = i;
+    if (name.find("e_score_correction_bias") != std::string::npos) {
+      EXPECT_EQ(gmax, 0.0) << name << ": the correction bias only selects";
+      ++biases;
+      return;
+    }
     if (router && !router_grad) {
       EXPECT_EQ(gmax, 0.0) << name << ": a frozen router has no gradient";
       ++routers;
       return;
     }
-    ASSERT_GT(gmax, 0.0) << name << ": gradient is identically zero";
     double* data = p.data<double>();
+    if (gmax == 0.0 && name.find(".mlp.experts.") != std::string::npos) {  // an expert no token chose
+      const double orig = data[0];
+      data[0] = orig + 1e-3;
+      const double lp = loss(*be, w, batch, c);
+      data[0] = orig;
+      EXPECT_EQ(lp, loss(*be, w, batch, c)) << name << ": an unrouted expert must not affect the loss";
+      ++unrouted;
+      return;
+    }
+    ASSERT_GT(gmax, 0.0) << name << ": gradient is identically zero";
     for (size_t i : {imax, an.size() / 3, (2 * an.size()) / 3 + 1, an.size() - 1}) {
       i = std::min(i, an.size() - 1);
       const double orig = data[i], h = 1e-5 * std::max(1.0, std::fabs(orig));
@@ -505,15 +545,23 @@ TEST_P(MoeGradTest, BackwardMatchesFiniteDifferencesFp64) {
     if (router) ++routers;
   });
   EXPECT_EQ(routers, 2);
+  EXPECT_EQ(biases, deepseek ? 2 : 0);
   // embed, lm_head, final norm; layer 0 (dense): 7 linears + 4 norms; layers 1-2: 4 linears +
-  // 4 norms + 4 experts * 3 (+ the router).
-  const int tensors = 3 + 11 + 2 * (8 + 12 + (router_grad ? 1 : 0));
-  EXPECT_EQ(checked, 4 * tensors);
+  // 4 norms + E experts * 3 (+ the router) (+ 3 shared-expert linears).
+  const int E = w.config.num_experts;
+  const int tensors = 3 + 11 + 2 * (8 + 3 * E + (router_grad ? 1 : 0) + (deepseek ? 3 : 0));
+  EXPECT_EQ(checked, 4 * (tensors - unrouted));
+  EXPECT_LE(unrouted, 3 * E / 2) << "most experts should get tokens";
   RecordProperty("worst_relative_error", std::to_string(worst));
 }
 
-INSTANTIATE_TEST_SUITE_P(Router, MoeGradTest, ::testing::Values(false, true),
-                         [](const auto& info) { return info.param ? "Trained" : "Frozen"; });
+INSTANTIATE_TEST_SUITE_P(Router, MoeGradTest,
+                         ::testing::Values(MoeGradCase{false, false}, MoeGradCase{true, false},
+                                           MoeGradCase{false, true}, MoeGradCase{true, true}),
+                         [](const auto& info) {
+                           return std::string(info.param.deepseek ? "DeepSeekRouting" : "Softmax") +
+                                  (info.param.router_grad ? "Trained" : "Frozen");
+                         });
 
 // FP8 experts (128x128-block linears like every linear; the router stays FP32): the router's
 // logits are the FP32 product even in FP8_BLOCK; gradients track FP32 as the dense models' do
@@ -735,6 +783,147 @@ TEST(MoeRollout, GenerateScoreStepRefit) {
     const std::vector<RolloutSample> after = engine.generate(reqs, sp);
     EXPECT_EQ(after.size(), 5u);
   }
+}
+
+}  // namespace
+}  // namespace fp8rl
+
+namespace fp8rl {
+namespace {
+
+// ---- DeepSeek-V3 / Moonlight: config and routing ------------------------------------------------
+
+// Moonlight-16B-A3B's config.json (transformers 4 spelling).
+const char* kMoonlight = R"({
+  "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 163840,
+  "hidden_size": 2048, "intermediate_size": 11264, "moe_intermediate_size": 1408,
+  "num_hidden_layers": 27, "num_attention_heads": 16, "num_key_value_heads": 16,
+  "n_shared_experts": 2, "n_routed_experts": 64, "routed_scaling_factor": 2.446,
+  "kv_lora_rank": 512, "q_lora_rank": null, "qk_rope_head_dim": 64, "v_head_dim": 128,
+  "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 1, "topk_group": 1,
+  "num_experts_per_tok": 6, "moe_layer_freq": 1, "first_k_dense_replace": 1, "norm_topk_prob": true,
+  "scoring_func": "sigmoid", "aux_loss_alpha": 0.001, "seq_aux": true, "hidden_act": "silu",
+  "max_position_embeddings": 8192, "rms_norm_eps": 1e-05, "bos_token_id": 163584,
+  "eos_token_id": 163585, "tie_word_embeddings": false, "rope_theta": 50000.0, "rope_scaling": null,
+  "attention_bias": false, "attention_dropout": 0.0, "torch_dtype": "bfloat16"})";
+
+TEST(MoeDeepseek, MoonlightConfigBothSpellings) {
+  json j5 = json::parse(kMoonlight);
+  j5.erase("n_routed_experts");
+  j5.erase("rope_theta");
+  j5.erase("rope_scaling");
+  j5["num_local_experts"] = 64;
+  j5["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 50000.0}};
+  for (const std::string& text : {std::string(kMoonlight), j5.dump()}) {
+    const ModelConfig c = model_config_from_json(text);
+    EXPECT_EQ(c.model_type, "deepseek_v3");
+    EXPECT_EQ(c.num_experts, 64);
+    EXPECT_EQ(c.num_experts_per_tok, 6);
+    EXPECT_EQ(c.moe_router, "sigmoid");
+    EXPECT_EQ(c.n_group, 1);
+    EXPECT_EQ(c.topk_group, 1);
+    EXPECT_FLOAT_EQ(c.routed_scaling_factor, 2.446f);
+    EXPECT_EQ(c.n_shared_experts, 2);
+    EXPECT_TRUE(c.is_mla());
+    EXPECT_EQ(c.q_lora_rank, 0);
+    EXPECT_EQ(c.kv_lora_rank, 512);
+    EXPECT_EQ(c.head_dim, 64);  // RoPE runs on the qk_rope_head_dim part
+    EXPECT_EQ(c.rope_params().inv_freq.size(), 32u);
+    EXPECT_FALSE(c.layer_is_moe(0));  // first_k_dense_replace
+    for (int l = 1; l < 27; ++l) EXPECT_TRUE(c.layer_is_moe(l)) << l;
+    // "16B" total, counting MLA, 26 MoE layers of 64 + 2 shared experts and one dense layer.
+    EXPECT_GT(c.num_parameters(), 15.5e9);
+    EXPECT_LT(c.num_parameters(), 16.5e9);
+  }
+}
+
+TEST(MoeDeepseek, UnsupportedVariantsAndMlaAreClearErrors) {
+  const std::string t = kMoonlight;
+  expect_error(edit(t, "topk_method", "greedy"), {"topk_method", "greedy", "noaux_tc"});
+  expect_error(edit(t, "scoring_func", "softmax"), {"scoring_func", "softmax"});
+  expect_error(edit(t, "n_group", 3), {"n_group"});
+  expect_error(edit(edit(t, "n_group", 8), "topk_group", 9), {"topk_group"});
+  expect_error(edit(t, "rope_scaling", json{{"type", "yarn"}, {"factor", 40}}), {"yarn"});  // DeepSeek-V3's rope
+  EXPECT_THROW(model_config_to_json(model_config_from_json(t)), Error);
+  // The weights need MLA attention: a clear refusal, naming it.
+  TempDir dir("fp8rl_moonlight_");
+  std::ofstream(dir.path / "config.json") << t;
+  try {
+    model_weights_load(dir.path.string());
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("MLA"), std::string::npos) << e.what();
+  }
+}
+
+// 8 experts in 4 groups {0,1} {2,3} {4,5} {6,7}; s = sigmoid(z) = .9 .1 .6 .6 .95 .05 .3 .3 and a
+// bias of .5 on expert 6: c = .9 .1 .6 .6 .95 .05 .8 .3, group scores 1.0 1.2 1.0 1.1, the 2 kept
+// groups are 1 and 3 (expert 4's .95 is dropped with its group), top-3 of the kept: 6 (.8), 2, 3
+// (tie: lower id first); weights = uncorrected s .3 .6 .6, renormalized / 1.5, times 2.5.
+TEST(MoeOps, RouteSigmoidGroupedTopK) {
+  auto be = make_cpu_backend();
+  const std::vector<double> s = {0.9, 0.1, 0.6, 0.6, 0.95, 0.05, 0.3, 0.3};
+  std::vector<double> z;
+  for (double v : s) z.push_back(std::log(v / (1 - v)));
+  const Tensor logits = host_f64(z, {1, 8});
+  const Tensor bias = host_f64({0, 0, 0, 0, 0, 0, 0.5, 0}, {8});
+  Tensor experts = Tensor::empty({1, 3}, DType::I32), w = Tensor::zeros({1, 3}, DType::F64);
+  be->moe_route_sigmoid(logits, &bias, 3, 4, 2, true, 2.5f, experts, w);
+  EXPECT_EQ(experts.data<int32_t>()[0], 6);
+  EXPECT_EQ(experts.data<int32_t>()[1], 2);
+  EXPECT_EQ(experts.data<int32_t>()[2], 3);
+  EXPECT_NEAR(w.data<double>()[0], 0.5, 1e-12);
+  EXPECT_NEAR(w.data<double>()[1], 1.0, 1e-12);
+  EXPECT_NEAR(w.data<double>()[2], 1.0, 1e-12);
+  // One group, no bias, no renormalization: plain top-k of the sigmoid, weights s * scaling.
+  be->moe_route_sigmoid(logits, nullptr, 3, 1, 1, false, 1.0f, experts, w);
+  EXPECT_EQ(experts.data<int32_t>()[0], 4);
+  EXPECT_EQ(experts.data<int32_t>()[1], 0);
+  EXPECT_EQ(experts.data<int32_t>()[2], 2);
+  EXPECT_NEAR(w.data<double>()[0], 0.95, 1e-12);
+  EXPECT_THROW(be->moe_route_sigmoid(logits, nullptr, 3, 3, 1, true, 1.0f, experts, w), Error);  // 3 does not divide 8
+  EXPECT_THROW(be->moe_route_sigmoid(logits, nullptr, 3, 4, 1, true, 1.0f, experts, w), Error);  // 3 > 1 group of 2
+}
+
+TEST(MoeOps, RouteSigmoidBackwardMatchesFiniteDifferences) {
+  auto be = make_cpu_backend();
+  const int64_t T = 3, E = 8, k = 3;
+  std::vector<double> z(T * E), c(T * k), bv(E);
+  for (int64_t i = 0; i < T * E; ++i) z[i] = std::sin(1.3 * i + 0.4) * 2.0;
+  for (int64_t i = 0; i < T * k; ++i) c[i] = std::cos(0.7 * i + 0.2);
+  for (int64_t e = 0; e < E; ++e) bv[e] = 0.1 * std::sin(e);
+  const Tensor bias = host_f64(bv, {E});
+  for (bool renorm : {false, true}) {
+    Tensor experts = Tensor::empty({T, k}, DType::I32), w = Tensor::zeros({T, k}, DType::F64);
+    be->moe_route_sigmoid(host_f64(z, {T, E}), &bias, k, 4, 2, renorm, 2.5f, experts, w);
+    Tensor dz = Tensor::zeros({T, E}, DType::F64);
+    be->moe_route_sigmoid_backward(host_f64(z, {T, E}), experts, renorm, 2.5f, host_f64(c, {T, k}), dz);
+    auto loss = [&](const std::vector<double>& zz) {
+      Tensor e2 = Tensor::empty({T, k}, DType::I32), w2 = Tensor::zeros({T, k}, DType::F64);
+      be->moe_route_sigmoid(host_f64(zz, {T, E}), &bias, k, 4, 2, renorm, 2.5f, e2, w2);
+      double L = 0;
+      for (int64_t i = 0; i < T * k; ++i) L += c[i] * w2.data<double>()[i];
+      return L;
+    };
+    for (int64_t i = 0; i < T * E; ++i) {
+      std::vector<double> zp = z, zm = z;
+      zp[i] += 1e-6;
+      zm[i] -= 1e-6;
+      EXPECT_NEAR(dz.data<double>()[i], (loss(zp) - loss(zm)) / 2e-6, 1e-8) << "renorm " << renorm << " i " << i;
+    }
+  }
+}
+
+TEST(MoeDeepseek, SharedExpertsAndBiasHaveHfNames) {
+  const ModelWeights w = tiny_deepseek_moe(DType::F32, 3);
+  std::vector<std::string> names;
+  model_for_each_parameter(w, [&](const std::string& n, const Tensor&) { names.push_back(n); });
+  auto has = [&](const std::string& n) { return std::find(names.begin(), names.end(), n) != names.end(); };
+  EXPECT_TRUE(has("model.layers.1.mlp.shared_experts.gate_proj.weight"));
+  EXPECT_TRUE(has("model.layers.1.mlp.gate.e_score_correction_bias"));
+  EXPECT_TRUE(has("model.layers.0.mlp.gate_proj.weight"));  // the dense layer keeps its names
+  EXPECT_FALSE(has("model.layers.1.mlp.gate_proj.weight"));
+  EXPECT_EQ(model_count_parameters(w), w.config.num_parameters());
 }
 
 }  // namespace

@@ -626,6 +626,21 @@ TEST(CudaOps, MoeRoutingPermuteUnpermute) {
     G().moe_route_softmax_backward(dev(logits), dev(re), renorm, dev(dw), gdz);
     EXPECT_LT(rel_err(gdz, rdz), 1e-5);
   }
+  // DeepSeek-V3 routing: 12 experts in 4 groups, 2 kept, with a correction bias.
+  const Tensor bias = rnd({E}, 96, DType::F32, 0.1f);
+  for (bool renorm : {false, true}) {
+    Tensor re = Tensor::empty({T, k}, DType::I32), rw = Tensor::empty({T, k}, DType::F32);
+    C().moe_route_sigmoid(logits, &bias, static_cast<int>(k), 4, 2, renorm, 2.5f, re, rw);
+    Tensor ge = G().alloc({T, k}, DType::I32), gw = poisoned({T, k}, DType::F32);
+    const Tensor gb = dev(bias);
+    G().moe_route_sigmoid(dev(logits), &gb, static_cast<int>(k), 4, 2, renorm, 2.5f, ge, gw);
+    EXPECT_TRUE(bytes_equal(ge, re)) << "sigmoid renorm " << renorm;
+    EXPECT_LT(rel_err(gw, rw), 1e-5);
+    Tensor rdz = Tensor::empty({T, E}, DType::F32), gdz = poisoned({T, E}, DType::F32);
+    C().moe_route_sigmoid_backward(logits, re, renorm, 2.5f, dw, rdz);
+    G().moe_route_sigmoid_backward(dev(logits), dev(re), renorm, 2.5f, dev(dw), gdz);
+    EXPECT_LT(rel_err(gdz, rdz), 1e-5);
+  }
   // A permutation of the slots (sorted by a pseudo expert id) and its inverse.
   std::vector<int32_t> row_slot(R), slot_row(R);
   for (int64_t i = 0; i < R; ++i) row_slot[i] = static_cast<int32_t>((i * 7 + 3) % R);

@@ -87,6 +87,82 @@ void CpuBackend::moe_route_softmax_backward(const Tensor& logits, const Tensor& 
   store(dz, dlogits, "moe_route_softmax_backward dlogits");
 }
 
+void CpuBackend::moe_route_sigmoid(const Tensor& logits, const Tensor* bias, int top_k, int n_group, int topk_group,
+                                   bool renormalize, float scaling, Tensor& experts, Tensor& weights) {
+  check_route_shapes(logits, experts, top_k, "moe_route_sigmoid");
+  check_shape(weights, {logits.dim(0), top_k}, "moe_route_sigmoid weights");
+  const int64_t T = logits.dim(0), E = logits.dim(1), k = top_k;
+  FP8RL_CHECK(n_group >= 1 && E % n_group == 0 && topk_group >= 1 && topk_group <= n_group,
+              "moe_route_sigmoid: n_group (", n_group, ") must divide E (", E, ") and 1 <= topk_group (", topk_group,
+              ") <= n_group");
+  const int64_t G = E / n_group;
+  FP8RL_CHECK(k <= topk_group * G, "moe_route_sigmoid: top_k (", k, ") exceeds the experts of the kept groups (",
+              topk_group * G, ")");
+  std::vector<double> b(E, 0.0);
+  if (bias) {
+    check_shape(*bias, {E}, "moe_route_sigmoid bias");
+    b = load(*bias, "moe_route_sigmoid bias");
+  }
+  const std::vector<double> z = load(logits, "moe logits");
+  std::vector<double> w(T * k), s(E), c(E), gs(n_group);
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t e = 0; e < E; ++e) {
+      s[e] = 1.0 / (1.0 + std::exp(-z[t * E + e]));
+      c[e] = s[e] + b[e];
+    }
+    for (int g = 0; g < n_group; ++g) {
+      double m1 = -INFINITY, m2 = -INFINITY;
+      for (int64_t e = g * G; e < (g + 1) * G; ++e) {
+        if (c[e] > m1) m2 = m1, m1 = c[e];
+        else if (c[e] > m2) m2 = c[e];
+      }
+      gs[g] = G == 1 ? m1 : m1 + m2;
+    }
+    std::vector<int64_t> gorder(n_group);
+    std::iota(gorder.begin(), gorder.end(), 0);
+    std::stable_sort(gorder.begin(), gorder.end(), [&](int64_t a, int64_t bb) { return gs[a] > gs[bb]; });
+    std::vector<bool> kept(n_group, false);
+    for (int j = 0; j < topk_group; ++j) kept[gorder[j]] = true;
+    for (int64_t e = 0; e < E; ++e)
+      if (!kept[e / G]) c[e] = 0.0;
+    std::vector<int64_t> eorder(E);
+    std::iota(eorder.begin(), eorder.end(), 0);
+    std::stable_sort(eorder.begin(), eorder.end(), [&](int64_t a, int64_t bb) { return c[a] > c[bb]; });
+    double sum = 0.0;
+    for (int64_t j = 0; j < k; ++j) sum += s[eorder[j]];
+    for (int64_t j = 0; j < k; ++j) {
+      experts.data<int32_t>()[t * k + j] = static_cast<int32_t>(eorder[j]);
+      w[t * k + j] = (renormalize ? s[eorder[j]] / (sum + 1e-20) : s[eorder[j]]) * scaling;
+    }
+  }
+  store(w, weights, "moe_route_sigmoid weights");
+}
+
+// w_j = a s_j / S' (S' = sum s + 1e-20) or a s_j:  ds_i = (a / S') (dw_i - sum_j dw_j s_j / S')
+// or a dw_i;  dz_i = ds_i s_i (1 - s_i).
+void CpuBackend::moe_route_sigmoid_backward(const Tensor& logits, const Tensor& experts, bool renormalize,
+                                            float scaling, const Tensor& dweights, Tensor& dlogits) {
+  const int64_t k = experts.ndim() == 2 ? experts.dim(1) : 0;
+  check_route_shapes(logits, experts, k, "moe_route_sigmoid_backward");
+  const int64_t T = logits.dim(0), E = logits.dim(1);
+  check_shape(dweights, {T, k}, "moe_route_sigmoid_backward dweights");
+  check_shape(dlogits, {T, E}, "moe_route_sigmoid_backward dlogits");
+  const std::vector<double> z = load(logits, "moe logits"), dw = load(dweights, "moe dweights");
+  const std::vector<int32_t> ex = load_i32(experts, "moe experts");
+  std::vector<double> dz(T * E, 0.0);
+  for (int64_t t = 0; t < T; ++t) {
+    std::vector<double> s(k);
+    double S = 1e-20, dot = 0.0;
+    for (int64_t j = 0; j < k; ++j) S += (s[j] = 1.0 / (1.0 + std::exp(-z[t * E + ex[t * k + j]])));
+    for (int64_t j = 0; j < k; ++j) dot += dw[t * k + j] * s[j];
+    for (int64_t j = 0; j < k; ++j) {
+      const double ds = renormalize ? scaling / S * (dw[t * k + j] - dot / S) : scaling * dw[t * k + j];
+      dz[t * E + ex[t * k + j]] += ds * s[j] * (1.0 - s[j]);
+    }
+  }
+  store(dz, dlogits, "moe_route_sigmoid_backward dlogits");
+}
+
 void CpuBackend::moe_permute(const Tensor& x, const Tensor& row_slot, int top_k, const Tensor* weights,
                              Tensor& out) {
   check_float(x, "moe_permute x");

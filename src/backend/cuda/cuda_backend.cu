@@ -537,6 +537,54 @@ void CudaBackend::moe_route_softmax_backward(const Tensor& logits, const Tensor&
                                     stream_);
 }
 
+void CudaBackend::moe_route_sigmoid(const Tensor& logits, const Tensor* bias, int top_k, int n_group, int topk_group,
+                                    bool renormalize, float scaling, Tensor& experts, Tensor& weights) {
+  const OpTimer op_timer_(*this, "moe_route_sigmoid");
+  check_dev(logits, "moe_route_sigmoid logits");
+  check_dev(experts, "moe_route_sigmoid experts");
+  check_dev(weights, "moe_route_sigmoid weights");
+  check_dtype(logits, DType::F32, "moe_route_sigmoid logits");
+  FP8RL_CHECK(logits.ndim() == 2 && top_k >= 1 && top_k <= logits.dim(1), "moe_route_sigmoid: logits [T, E] and "
+              "1 <= top_k <= E expected, got ", logits.str(), ", top_k ", top_k);
+  const int64_t T = logits.dim(0), E = logits.dim(1);
+  FP8RL_CHECK(n_group >= 1 && E % n_group == 0 && topk_group >= 1 && topk_group <= n_group &&
+                  top_k <= topk_group * (E / n_group),
+              "moe_route_sigmoid: n_group (", n_group, ") must divide E (", E, "), 1 <= topk_group (", topk_group,
+              ") <= n_group, and top_k (", top_k, ") fit the kept groups");
+  check_shape(experts, {T, top_k}, "moe_route_sigmoid experts");
+  check_dtype(experts, DType::I32, "moe_route_sigmoid experts");
+  check_shape(weights, {T, top_k}, "moe_route_sigmoid weights");
+  check_dtype(weights, DType::F32, "moe_route_sigmoid weights");
+  if (bias) {
+    check_dev(*bias, "moe_route_sigmoid bias");
+    check_shape(*bias, {E}, "moe_route_sigmoid bias");
+    check_dtype(*bias, DType::F32, "moe_route_sigmoid bias");
+  }
+  launch_moe_route_sigmoid(logits.data<float>(), bias ? bias->data<float>() : nullptr, T, static_cast<int>(E), top_k,
+                           n_group, topk_group, renormalize, scaling, experts.data<int32_t>(), weights.data<float>(),
+                           stream_);
+}
+
+void CudaBackend::moe_route_sigmoid_backward(const Tensor& logits, const Tensor& experts, bool renormalize,
+                                             float scaling, const Tensor& dweights, Tensor& dlogits) {
+  const OpTimer op_timer_(*this, "moe_route_sigmoid_backward");
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&logits, &experts, &dweights, &dlogits})
+    check_dev(*t, "moe_route_sigmoid_backward tensor");
+  check_dtype(logits, DType::F32, "moe_route_sigmoid_backward logits");
+  FP8RL_CHECK(logits.ndim() == 2 && experts.ndim() == 2 && experts.dim(0) == logits.dim(0),
+              "moe_route_sigmoid_backward: logits [T, E] and experts [T, k] expected, got ", logits.str(), ", ",
+              experts.str());
+  const int64_t T = logits.dim(0), E = logits.dim(1), k = experts.dim(1);
+  check_dtype(experts, DType::I32, "moe_route_sigmoid_backward experts");
+  check_shape(dweights, {T, k}, "moe_route_sigmoid_backward dweights");
+  check_dtype(dweights, DType::F32, "moe_route_sigmoid_backward dweights");
+  check_shape(dlogits, {T, E}, "moe_route_sigmoid_backward dlogits");
+  check_dtype(dlogits, DType::F32, "moe_route_sigmoid_backward dlogits");
+  launch_moe_route_sigmoid_backward(logits.data<float>(), experts.data<int32_t>(), dweights.data<float>(), T,
+                                    static_cast<int>(E), static_cast<int>(k), renormalize, scaling,
+                                    dlogits.data<float>(), stream_);
+}
+
 void CudaBackend::moe_permute(const Tensor& x, const Tensor& row_slot, int top_k, const Tensor* weights, Tensor& out) {
   const OpTimer op_timer_(*this, "moe_permute");
   check_dev(x, "moe_permute x");

@@ -78,6 +78,10 @@ class CudaBackend final : public Backend {
                          Tensor& weights) override;
   void moe_route_softmax_backward(const Tensor& logits, const Tensor& experts, bool renormalize,
                                   const Tensor& dweights, Tensor& dlogits) override;
+  void moe_route_sigmoid(const Tensor& logits, const Tensor* bias, int top_k, int n_group, int topk_group,
+                         bool renormalize, float scaling, Tensor& experts, Tensor& weights) override;
+  void moe_route_sigmoid_backward(const Tensor& logits, const Tensor& experts, bool renormalize, float scaling,
+                                  const Tensor& dweights, Tensor& dlogits) override;
   void moe_permute(const Tensor& x, const Tensor& row_slot, int top_k, const Tensor* weights,
                    Tensor& out) override;
   void moe_unpermute(const Tensor& y, const Tensor& slot_row, const Tensor* weights, Tensor& out) override;

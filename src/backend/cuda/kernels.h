@@ -52,6 +52,12 @@ void launch_moe_route_softmax(const float* logits, int64_t T, int E, int k, bool
                               float* weights, cudaStream_t stream);
 void launch_moe_route_softmax_backward(const float* logits, const int32_t* experts, const float* dweights, int64_t T,
                                        int E, int k, bool renorm, float* dlogits, cudaStream_t stream);
+// DeepSeek-V3 sigmoid routing (bias F32 [E] or null; n_group <= 64) and its backward.
+void launch_moe_route_sigmoid(const float* logits, const float* bias, int64_t T, int E, int k, int n_group,
+                              int topk_group, bool renorm, float scaling, int32_t* experts, float* weights,
+                              cudaStream_t stream);
+void launch_moe_route_sigmoid_backward(const float* logits, const int32_t* experts, const float* dweights, int64_t T,
+                                       int E, int k, bool renorm, float scaling, float* dlogits, cudaStream_t stream);
 // out [R, D] = x[row_slot / k] (* weights[row_slot]); slots = T * k bounds row_slot (else *bad_flag = 1).
 void launch_moe_permute(const void* x, DType dt, const int32_t* row_slot, const float* weights, int64_t R, int64_t D,
                         int k, int64_t slots, void* out, int* bad_flag, cudaStream_t stream);

@@ -66,6 +66,73 @@ __global__ void moe_route_softmax_backward_kernel(const float* logits, const int
   }
 }
 
+// DeepSeek-V3 routing for token t (see backend.h moe_route_sigmoid). Groups are at most
+// kMaxGroups; a group is kept when fewer than topk_group groups beat it (ties: the lower group).
+constexpr int kMaxGroups = 64;
+__global__ void moe_route_sigmoid_kernel(const float* logits, const float* bias, int64_t T, int E, int k, int n_group,
+                                         int topk_group, bool renorm, float scaling, int32_t* experts, float* weights) {
+  const int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (t >= T) return;
+  const float* z = logits + t * E;
+  const int G = E / n_group;
+  auto sig = [&](int e) { return 1.0f / (1.0f + expf(-z[e])); };
+  auto choice = [&](int e) { return sig(e) + (bias ? bias[e] : 0.0f); };
+  float gs[kMaxGroups];
+  for (int g = 0; g < n_group; ++g) {
+    float m1 = -INFINITY, m2 = -INFINITY;
+    for (int e = g * G; e < (g + 1) * G; ++e) {
+      const float c = choice(e);
+      if (c > m1) m2 = m1, m1 = c;
+      else if (c > m2) m2 = c;
+    }
+    gs[g] = G == 1 ? m1 : m1 + m2;
+  }
+  auto kept = [&](int g) {
+    int better = 0;
+    for (int h = 0; h < n_group; ++h) better += gs[h] > gs[g] || (gs[h] == gs[g] && h < g);
+    return better < topk_group;
+  };
+  auto masked = [&](int e) { return kept(e / G) ? choice(e) : 0.0f; };
+  float sel = 0.0f;
+  for (int j = 0; j < k; ++j) {
+    int best = -1;
+    float bv = 0.0f;
+    for (int e = 0; e < E; ++e) {
+      bool taken = false;
+      for (int i = 0; i < j; ++i) taken |= experts[t * k + i] == e;
+      if (taken) continue;
+      const float v = masked(e);
+      if (best < 0 || v > bv) best = e, bv = v;
+    }
+    experts[t * k + j] = best;
+    weights[t * k + j] = sig(best);
+    sel += sig(best);
+  }
+  for (int j = 0; j < k; ++j)
+    weights[t * k + j] = (renorm ? weights[t * k + j] / (sel + 1e-20f) : weights[t * k + j]) * scaling;
+}
+
+__global__ void moe_route_sigmoid_backward_kernel(const float* logits, const int32_t* experts, const float* dw,
+                                                  int64_t T, int E, int k, bool renorm, float scaling, float* dlogits) {
+  const int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (t >= T) return;
+  const float* z = logits + t * E;
+  float* dz = dlogits + t * E;
+  for (int e = 0; e < E; ++e) dz[e] = 0.0f;
+  float S = 1e-20f, dot = 0.0f;
+  for (int j = 0; j < k; ++j) {
+    const float s = 1.0f / (1.0f + expf(-z[experts[t * k + j]]));
+    S += s;
+    dot += dw[t * k + j] * s;
+  }
+  for (int j = 0; j < k; ++j) {
+    const int e = experts[t * k + j];
+    const float s = 1.0f / (1.0f + expf(-z[e]));
+    const float ds = renorm ? scaling / S * (dw[t * k + j] - dot / S) : scaling * dw[t * k + j];
+    dz[e] += ds * s * (1.0f - s);
+  }
+}
+
 template <class T>
 __global__ void moe_permute_kernel(const T* x, const int32_t* row_slot, const float* w, int64_t R, int64_t D, int k,
                                    int64_t slots, T* out, int* bad) {
@@ -135,6 +202,24 @@ void launch_moe_route_softmax_backward(const float* logits, const int32_t* exper
   moe_route_softmax_backward_kernel<<<grid_for(T, 128), 128, 0, stream>>>(logits, experts, dweights, T, E, k, renorm,
                                                                           dlogits);
   CUDA_CHECK_LAUNCH("moe_route_softmax_backward_kernel");
+}
+
+void launch_moe_route_sigmoid(const float* logits, const float* bias, int64_t T, int E, int k, int n_group,
+                              int topk_group, bool renorm, float scaling, int32_t* experts, float* weights,
+                              cudaStream_t stream) {
+  if (T == 0) return;
+  FP8RL_CHECK(n_group <= kMaxGroups, "moe_route_sigmoid: at most ", kMaxGroups, " groups on the GPU, got ", n_group);
+  moe_route_sigmoid_kernel<<<grid_for(T, 128), 128, 0, stream>>>(logits, bias, T, E, k, n_group, topk_group, renorm,
+                                                                 scaling, experts, weights);
+  CUDA_CHECK_LAUNCH("moe_route_sigmoid_kernel");
+}
+
+void launch_moe_route_sigmoid_backward(const float* logits, const int32_t* experts, const float* dweights, int64_t T,
+                                       int E, int k, bool renorm, float scaling, float* dlogits, cudaStream_t stream) {
+  if (T == 0) return;
+  moe_route_sigmoid_backward_kernel<<<grid_for(T, 128), 128, 0, stream>>>(logits, experts, dweights, T, E, k, renorm,
+                                                                          scaling, dlogits);
+  CUDA_CHECK_LAUNCH("moe_route_sigmoid_backward_kernel");
 }
 
 void launch_moe_permute(const void* x, DType dt, const int32_t* row_slot, const float* weights, int64_t R, int64_t D,
