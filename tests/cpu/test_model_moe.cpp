@@ -928,3 +928,27 @@ TEST(MoeDeepseek, SharedExpertsAndBiasHaveHfNames) {
 
 }  // namespace
 }  // namespace fp8rl
+
+#include "rl/memory_plan.h"
+
+namespace fp8rl {
+namespace {
+
+// The memory plan counts every expert: Qwen3-30B-A3B's generator weights are ~2 bytes per
+// parameter in BF16 (the FP32 router aside) and ~1 byte (+ scales) in FP8.
+TEST(MoeMemoryPlan, GeneratorWeightsCountEveryExpert) {
+  const ModelConfig c = model_config_from_json(kQwen3Moe4x);
+  const double P = static_cast<double>(c.num_parameters());
+  EnginePrecision bf16, fp8;
+  bf16.linear = LinearMode::BF16;
+  fp8.linear = LinearMode::FP8_BLOCK;
+  const double b16 = static_cast<double>(memory_plan_generator_bytes(c, bf16, DType::BF16));
+  const double b8 = static_cast<double>(memory_plan_generator_bytes(c, fp8, DType::BF16));
+  EXPECT_NEAR(b16 / (2 * P), 1.0, 2e-3);
+  const double linears = 48.0 * (128 * 3 * 2048 * 768 + 2 * 4096 * 2048 + 2 * 512 * 2048);  // experts, q/k/v/o
+  EXPECT_NEAR(b8, b16 - linears, 1e-3 * b16);  // every FP8 linear at 1 byte instead of 2 (+ scales)
+  EXPECT_GT(memory_plan_block_bytes_per_token(c, DType::BF16), 0);
+}
+
+}  // namespace
+}  // namespace fp8rl
