@@ -130,6 +130,8 @@ void model_weights_save(const ModelWeights& w, const std::string& dir, const Sav
   if (opt.fp8_block) {
     std::vector<std::string> not_converted = {"lm_head"};
     not_converted.insert(not_converted.end(), kept_linears.begin(), kept_linears.end());
+    for (int l = 0; l < L; ++l)  // MoE routers stay high precision (an nn.Linear in transformers 4)
+      if (w.layers[l].is_moe()) not_converted.push_back("model.layers." + std::to_string(l) + ".mlp.gate");
     cj["quantization_config"] = {{"quant_method", "fp8"},
                                  {"fmt", "e4m3"},
                                  {"activation_scheme", "dynamic"},

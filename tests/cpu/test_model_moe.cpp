@@ -436,6 +436,10 @@ TEST(MoeCheckpoint, Fp8BlockSaveQuantizesExpertsNotTheRouter) {
   EXPECT_NE(ck.entry("model.layers.1.mlp.gate.weight").dtype, DType::E4M3);
   const ModelWeights r = model_weights_load(dir.path.string(), DType::F32, /*keep_fp8=*/true);
   EXPECT_TRUE(r.layers[1].experts[2].up.wq.defined());
+  std::ifstream cf(dir.path / "config.json");
+  const json cj = json::parse(cf);
+  const auto kept = cj["quantization_config"]["modules_to_not_convert"].get<std::vector<std::string>>();
+  EXPECT_NE(std::find(kept.begin(), kept.end(), "model.layers.1.mlp.gate"), kept.end()) << "routers are not FP8";
 }
 
 // ---- gradients --------------------------------------------------------------------------------
