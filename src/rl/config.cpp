@@ -158,6 +158,9 @@ std::vector<Field> config_fields(RunConfig& c) {
   t.add_int("model.tiny.max_position_embeddings", m.tiny.max_position_embeddings, "longest sequence");
   t.add_float("model.tiny.rope_theta", m.tiny.rope_theta, "RoPE base");
   t.add_float("model.tiny.init_std", m.tiny.init_std, "std of the random initialization");
+  t.add_int("model.tiny.num_experts", m.tiny.num_experts, "mixture of experts (Qwen3-MoE): experts per block; 0 = dense MLP");
+  t.add_int("model.tiny.num_experts_per_tok", m.tiny.num_experts_per_tok, "experts each token uses (with num_experts > 0)");
+  t.add_int("model.tiny.moe_intermediate_size", m.tiny.moe_intermediate_size, "F of each expert (with num_experts > 0)");
 
   t.add_string("tokenizer.path", c.tokenizer.path, "empty = model.path (tiny model: built-in byte tokenizer)");
   t.add_bool("tokenizer.chat_template", c.tokenizer.chat_template,
@@ -503,6 +506,12 @@ void config_validate(const RunConfig& c) {
     need(tiny.max_position_embeddings > 0, "model.tiny.max_position_embeddings", "must be > 0");
     need(tiny.rope_theta > 0, "model.tiny.rope_theta", "must be > 0");
     need(tiny.init_std > 0, "model.tiny.init_std", "must be > 0");
+    need(tiny.num_experts >= 0, "model.tiny.num_experts", "must be >= 0 (0 = dense)");
+    if (tiny.num_experts > 0) {
+      need(tiny.num_experts_per_tok >= 1 && tiny.num_experts_per_tok <= tiny.num_experts,
+           "model.tiny.num_experts_per_tok", "must be in [1, num_experts = ", tiny.num_experts, "]");
+      need(tiny.moe_intermediate_size > 0, "model.tiny.moe_intermediate_size", "must be > 0");
+    }
   }
   const auto& t = c.task;
   if (t.name == "arithmetic") {

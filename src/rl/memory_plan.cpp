@@ -175,8 +175,12 @@ MemoryPlanInput memory_plan_input(const RunConfig& c, const ModelConfig& model, 
 std::string memory_plan_format(const MemoryPlan& p, const ModelConfig& c, int64_t device_bytes) {
   std::string s;
   char buf[512];
-  std::snprintf(buf, sizeof buf, "memory plan: %s, %.1fM parameters (D %d, F %d, %d layers, %d/%d heads x %d, vocab %d%s)\n",
-                c.model_type.c_str(), double(p.parameters) / 1e6, c.hidden_size, c.intermediate_size, c.num_layers,
+  char moe[96] = "";
+  if (c.is_moe())
+    std::snprintf(moe, sizeof moe, ", %d experts x F %d top-%d", c.num_experts, c.moe_intermediate_size,
+                  c.num_experts_per_tok);
+  std::snprintf(buf, sizeof buf, "memory plan: %s, %.1fM parameters (D %d, F %d%s, %d layers, %d/%d heads x %d, vocab %d%s)\n",
+                c.model_type.c_str(), double(p.parameters) / 1e6, c.hidden_size, c.intermediate_size, moe, c.num_layers,
                 c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size, c.tie_word_embeddings ? ", tied" : "");
   s += buf;
   auto add = [&](const MemoryPlanLine& l) {
