@@ -10,6 +10,9 @@
 #   rlstep_long     bench rl-step, bf16 and fp8_e2e, one step of up to 2048 new tokens
 #   trainstep       fp8rl bench-train-step at the Llama-3.2-1B shape, bf16 and fp8, and PyTorch eager
 #   generate        fp8rl bench generate --model 1b (four recipes)
+#   rlstep_kl       bench rl-step with the frozen KL reference policy (kl_beta 0.01): its memory and time
+#   multiblock      transformers-made multi-block FP8 fixtures vs fp8rl on CPU and CUDA (issue 11)
+#   export          fp8rl's FP8-block export loaded by transformers, logprobs compared (issue 17)
 # Logs and JSON go to $OUT (first argument or $OUT); summary.txt is the short version.
 set -u
 OUT="${1:-${OUT:-$PWD/gpu_out}}"
@@ -70,7 +73,29 @@ for stage in ${FP8RL_STAGES:-rlstep}; do
       timeout $(( $(left) - 20 )) "$FP8RL" bench generate --device cuda --model 1b --json "$OUT/generate_1b.json" \
         > "$OUT/generate_1b.log" 2>&1
       note "bench generate 1b: rc=$?"; grep -E "^(recipe |bf16 |fp8_)" "$OUT/generate_1b.log" | tee -a "$SUMMARY" ;;
+    rlstep_kl)
+      timeout $(( $(left) - 20 )) "$FP8RL" bench rl-step --device cuda --model "${FP8RL_RLSTEP_MODEL:-qwen3-1.7b}" \
+        --recipes bf16,fp8_e2e --kl-beta 0.01 --max-new-tokens 256 --steps 1 --warmup 0 \
+        --json "$OUT/rlstep_kl.json" > "$OUT/rlstep_kl.log" 2>&1
+      note "bench rl-step kl_beta 0.01: rc=$?"; sed -n '/^phase/,$p' "$OUT/rlstep_kl.log" | tee -a "$SUMMARY" ;;
+    multiblock)  # issue 11: transformers-made multi-block fixtures vs fp8rl (CPU, CUDA) and the emulation
+      { python3 scripts/fixtures/make_multiblock_fixtures.py /tmp/tf_small --maker transformers --size small \
+          --models llama_sharp,qwen2_sharp,qwen3_default &&
+        python3 scripts/fixtures/compare_logprobs.py /tmp/tf_small --fp8rl "$FP8RL" --devices cpu,cuda --torch-emulation &&
+        tar -C /tmp/tf_small -czf "$OUT/tf_small.tar.gz" . &&
+        python3 scripts/fixtures/compare_logprobs.py tests/data/multiblock --fp8rl "$FP8RL" --devices cpu,cuda; } \
+        > "$OUT/multiblock.log" 2>&1
+      note "multiblock fixtures: rc=$?"; tail -30 "$OUT/multiblock.log" | tee -a "$SUMMARY" ;;
+    export)  # issue 17: an fp8rl FP8-block export loads in transformers with matching logprobs
+      for m in tests/data/multiblock/llama_sharp tests/data/multiblock/qwen3_default; do
+        timeout 120 python3 scripts/check_fp8_export_hf.py --model "$m" --fp8rl "$FP8RL" --out "/tmp/export_$(basename $m)" \
+          > "$OUT/export_$(basename $m).log" 2>&1
+        note "fp8 export check $m: rc=$?"; tail -12 "$OUT/export_$(basename $m).log" | tee -a "$SUMMARY"
+      done ;;
     *) note "unknown stage $stage" ;;
   esac
 done
 note "total: $(( $(date +%s) - t0 )) s"
+# The device tool brings back at most 8 files: the logs travel packed.
+(cd "$OUT" && tar -czf logs.tgz --exclude=logs.tgz --exclude=tf_small.tar.gz --exclude=summary.txt --exclude='*.json' . 2>/dev/null &&
+  find . -maxdepth 1 -name '*.log' -delete)

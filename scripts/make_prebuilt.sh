@@ -7,13 +7,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH=/usr/local/cuda/bin:$PATH
-cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DFP8RL_CUDA=ON -DFP8RL_TESTS=ON > /dev/null
+# No embedded Python there (its interpreter and standard library do not travel); libpng does.
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DFP8RL_CUDA=ON -DFP8RL_TESTS=ON -DFP8RL_PYTHON=OFF > /dev/null
 ninja -C build -j"$(nproc)" fp8rl fp8rl_tests fp8rl_gpu_tests
 rm -rf prebuilt && mkdir -p prebuilt/lib
 cp build/fp8rl build/fp8rl_tests build/fp8rl_gpu_tests prebuilt/
 for lib in $(ldd build/fp8rl build/fp8rl_tests | awk '/=>/ {print $3}' | sort -u); do
   case "$(basename "$lib")" in
-    libpcre2*|libyaml-cpp*|libutf8proc*) cp -L "$lib" prebuilt/lib/ ;;
+    libpcre2*|libyaml-cpp*|libutf8proc*|libpng16*) cp -L "$lib" prebuilt/lib/ ;;
   esac
 done
 pwd > prebuilt/SOURCE_DIR

@@ -3,6 +3,8 @@
 # build (which also compiles the CUDA sources when nvcc is present) and once under
 # AddressSanitizer + UndefinedBehaviorSanitizer (CPU only). GPU tests (label gpu) run only on
 # a GPU machine: scripts/gpu_run.sh. Set FP8RL_TEST_SANITIZE=0 to skip the sanitizer pass.
+# Then the libFuzzer targets run for a bounded time (scripts/fuzz.sh; FP8RL_TEST_FUZZ=0 skips,
+# FP8RL_FUZZ_SECONDS sets the time per target; skipped without clang/libFuzzer).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 jobs=$(nproc)
@@ -12,8 +14,16 @@ echo "== CPU tests"
 ctest --test-dir build -L cpu --output-on-failure -j "$jobs"
 if [ "${FP8RL_TEST_SANITIZE:-1}" != "0" ]; then
   echo "== CPU tests under ASan + UBSan"
-  FP8RL_BUILD_DIR=build-asan FP8RL_CUDA=OFF FP8RL_BUILD_TYPE=Release bash scripts/build.sh -DFP8RL_SANITIZE=ON
+  # Without the embedded Python here: an uninstrumented libpython and its extension modules
+  # (pyarrow) under LeakSanitizer report their own allocations; the Python tests run above.
+  FP8RL_BUILD_DIR=build-asan FP8RL_CUDA=OFF FP8RL_BUILD_TYPE=Release bash scripts/build.sh -DFP8RL_SANITIZE=ON \
+    -DFP8RL_PYTHON=OFF
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
     ctest --test-dir build-asan -L cpu --output-on-failure -j "$jobs"
+fi
+if [ "${FP8RL_TEST_FUZZ:-1}" != "0" ]; then
+  secs=${FP8RL_FUZZ_SECONDS:-25}
+  echo "== fuzzing the input parsers (libFuzzer + ASan + UBSan, ${secs} s per target)"
+  FP8RL_FUZZ_SECONDS=$secs bash scripts/fuzz.sh
 fi
 echo "== all tests passed"

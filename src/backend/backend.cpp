@@ -1,5 +1,7 @@
 #include "backend/backend.h"
 
+#include <charconv>
+
 #include <algorithm>
 #include <cmath>
 
@@ -51,6 +53,13 @@ KvCache Backend::alloc_kv_cache(int num_layers, int num_pages, int page_size, in
   return c;
 }
 
+void Backend::linear_shared_input(const Tensor& x, const std::vector<const LinearWeight*>& W,
+                                  const LinearSpec& spec, const std::vector<Tensor*>& outs) {
+  FP8RL_CHECK(!W.empty() && W.size() == outs.size(), "linear_shared_input: ", W.size(), " weights for ", outs.size(),
+              " outputs");
+  for (size_t i = 0; i < W.size(); ++i) linear(x, *W[i], spec, *outs[i]);
+}
+
 float Backend::amax(const Tensor& x) {
   const Tensor h = x.device() == DeviceKind::CPU ? x : to_host(x);
   float m = 0.0f;
@@ -65,8 +74,14 @@ std::unique_ptr<Backend> make_backend(const std::string& device, DType act_dtype
   if (device == "cpu") return make_cpu_backend();
   if (device.rfind("cuda", 0) == 0) {
     int index = 0;
-    if (device.size() > 5 && device[4] == ':') index = std::stoi(device.substr(5));
-    else FP8RL_CHECK(device == "cuda", "unknown device '", device, "' (expected cpu, cuda or cuda:N)");
+    if (device.size() > 5 && device[4] == ':') {
+      const char* e = device.data() + device.size();
+      const auto [p, ec] = std::from_chars(device.data() + 5, e, index);
+      if (ec != std::errc() || p != e || index < 0)
+        FP8RL_FAIL("unknown device '", device, "' (expected cpu, cuda or cuda:N with N a GPU index)");
+    } else {
+      FP8RL_CHECK(device == "cuda", "unknown device '", device, "' (expected cpu, cuda or cuda:N)");
+    }
     return make_cuda_backend(index, act_dtype);
   }
   FP8RL_FAIL("unknown device '", device, "' (expected cpu, cuda or cuda:N)");

@@ -137,6 +137,10 @@ class Backend {
     (void)print;
   }
   virtual void reset_peak_memory_stats() {}
+  // Bytes this process could still allocate on the device now (CUDA: cudaMemGetInfo's free plus
+  // what this backend's cache holds unused); -1 = not known (the CPU backend: host memory is
+  // not checked).
+  virtual int64_t free_device_bytes() { return -1; }
   Tensor to_device(const Tensor& host);  // allocates on this device and copies
   Tensor to_host(const Tensor& dev);     // allocates on the host and copies
   QuantTensor alloc_quant(int64_t rows, int64_t cols, int block_rows, int block_cols, bool pow2);
@@ -176,6 +180,11 @@ class Backend {
 
   // out[M, N] = x[M, K] W^T (+ bias) under `spec` (FP8: x quantized 1x128 along K, W 128x128).
   virtual void linear(const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor& out) = 0;
+  // linear() of one input through several weights of equal in_features (q/k/v, gate/up):
+  // *outs[i] = x W[i]^T, each bitwise what linear(x, *W[i], spec, *outs[i]) writes. A backend
+  // may share work between them (CUDA FP8: x quantized once); the default calls linear().
+  virtual void linear_shared_input(const Tensor& x, const std::vector<const LinearWeight*>& W,
+                                   const LinearSpec& spec, const std::vector<Tensor*>& outs);
   // Backward of linear. dx [M, K] written when non-null (dgrad: dY 1x128 along N, W^T);
   // dw F32 [N, K] and dbias F32 [N] accumulated when non-null (wgrad: dY^T and X^T requantized
   // 1x128 along tokens). FP8 dgrad uses W.wq transposed when defined, else quantizes W.w
@@ -300,9 +309,16 @@ class Backend {
   // tokens reaches top_p (at least one token); the draw is the first kept token whose
   // cumulative mass exceeds uniform * kept mass. Greedy: the lowest-id argmax, logp = 0 (the
   // one-hot limit distribution). Uniforms outside [0, 1) and NaN/+inf logits are errors.
+  // valid_vocab (0 = V): only ids < valid_vocab <= V can be drawn: softmax, top-k, top-p, the
+  // draw and the greedy argmax run over them as if the other logits were -inf. logp stays, as
+  // with top-k / top-p, the log-prob before truncation, normalized over all V ids: the log-prob
+  // the trainer's scoring forward gives the same token (so the mask adds no generator/trainer
+  // mismatch). For a model whose vocabulary is padded past its tokenizer's (Qwen: 151936 rows,
+  // 151669 ids), the caller passes the tokenizer's size and no undecodable id is ever sampled.
   virtual void sample(const Tensor& logits, const std::vector<float>& temperature,
                       const std::vector<float>& top_p, const std::vector<int>& top_k,
-                      const std::vector<float>& uniforms, Tensor& tokens, Tensor& logp) = 0;
+                      const std::vector<float>& uniforms, Tensor& tokens, Tensor& logp,
+                      int64_t valid_vocab = 0) = 0;
 };
 
 std::unique_ptr<Backend> make_cpu_backend();

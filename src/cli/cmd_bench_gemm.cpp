@@ -90,7 +90,7 @@ int run(const std::vector<std::string>& argv) {
     std::printf("fp8rl bench-gemm [--json PATH] [--reps N] [--warmup N] [--device cuda:N] [--quick] [--quant-only]\n");
     return 0;
   }
-  const int reps = std::stoi(args.get("reps", "20")), warm = std::stoi(args.get("warmup", "5"));
+  const int reps = args.get_int("reps", 20, 1), warm = args.get_int("warmup", 5, 0);
   const std::string device = args.get("device", "cuda:0");
   FP8RL_CHECK(device.rfind("cuda", 0) == 0, "bench-gemm needs a CUDA device, got ", device);
   const int index = device.size() > 5 ? std::stoi(device.substr(5)) : 0;
@@ -202,7 +202,13 @@ int run(const std::vector<std::string>& argv) {
 
 #else
 
-int run(const std::vector<std::string>&) {
+int run(const std::vector<std::string>& argv) {
+  Args args(argv, {"json", "reps", "warmup", "device"}, {"help", "quick", "quant-only"});
+  if (args.has("help")) {
+    std::printf("fp8rl bench-gemm [--json PATH] [--reps N] [--warmup N] [--device cuda:N] [--quick] [--quant-only]\n"
+                "  (needs the CUDA backend; this build has none)\n");
+    return 0;
+  }
   FP8RL_FAIL("bench-gemm needs the CUDA backend; this fp8rl was built without CUDA (rebuild with -DFP8RL_CUDA=ON on a "
              "machine with nvcc)");
 }

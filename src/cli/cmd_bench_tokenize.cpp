@@ -16,15 +16,19 @@ namespace fp8rl::cli {
 namespace {
 
 int run(const std::vector<std::string>& argv) {
-  Args args(argv, {"tokenizer", "file", "repeat"}, {});
+  Args args(argv, {"tokenizer", "file", "repeat"}, {"help"});
+  if (args.has("help")) {
+    std::printf("usage: fp8rl bench tokenize --tokenizer PATH --file TEXT [--repeat N]\n"
+                "  Times single-thread encoding of TEXT (best of N loads + encodes); prints JSON.\n");
+    return 0;
+  }
   const std::string file = args.require("file");
   std::ifstream f(file, std::ios::binary);
   FP8RL_CHECK(f.good(), "cannot open --file ", file);
   std::ostringstream ss;
   ss << f.rdbuf();
   const std::string text = ss.str();
-  const int repeat = std::stoi(args.get("repeat", "1"));
-  FP8RL_CHECK(repeat >= 1, "--repeat must be >= 1");
+  const int repeat = args.get_int("repeat", 1, 1);
   double best = 1e30;
   size_t tokens = 0;
   for (int r = 0; r < repeat; ++r) {

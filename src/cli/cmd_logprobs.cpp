@@ -31,7 +31,7 @@ constexpr const char* kUsage =
     "                      [--device cpu|cuda]\n"
     "Prints the log-probability of each token from the second on, given the tokens before it.\n";
 
-std::vector<int32_t> parse_ids(const std::string& text, int vocab_size) {
+std::vector<int32_t> parse_ids(const std::string& text, int vocab_size, int max_positions) {
   std::vector<int32_t> ids;
   std::string s = text;
   for (char& ch : s)
@@ -39,6 +39,8 @@ std::vector<int32_t> parse_ids(const std::string& text, int vocab_size) {
   std::istringstream in(s);
   std::string word;
   while (in >> word) {
+    FP8RL_CHECK(static_cast<int64_t>(ids.size()) < max_positions, "--ids: more than the model's ",
+                "max_position_embeddings (", max_positions, ") ids; score a shorter sequence");
     char* end = nullptr;
     errno = 0;
     const long long v = std::strtoll(word.c_str(), &end, 10);
@@ -61,7 +63,7 @@ int run_logprobs(const std::vector<std::string>& argv) {
   FP8RL_CHECK(args.positional().empty(), "unexpected argument '", args.positional().front(), "'\n", kUsage);
   const std::string dir = args.require("model");
   const ModelConfig config = model_config_load(dir);
-  const std::vector<int32_t> ids = parse_ids(args.require("ids"), config.vocab_size);
+  const std::vector<int32_t> ids = parse_ids(args.require("ids"), config.vocab_size, config.max_position_embeddings);
 
   EnginePrecision precision;
   precision.linear = linear_mode_from_name(args.get("precision", "fp32"));

@@ -42,7 +42,7 @@ ModelConfig plan_model(const RunConfig& c, const std::string& shape) {
 }
 
 int run(const std::vector<std::string>& argv) {
-  Args a(argv, {"config", "shape", "device-gib"}, {"help"});
+  Args a(argv, {"config", "shape", "device-gib"}, {"help"}, /*config_overrides=*/true);
   if (a.has("help")) {
     std::printf("usage: fp8rl plan [--config FILE] [--shape qwen3-0.6b|qwen3-1.7b|llama-3.2-1b] [--device-gib G]"
                 " [key.sub=value ...]\n"

@@ -1,6 +1,8 @@
 // Subcommand registry: each src/cli/cmd_<name>.cpp registers one subcommand with
 //   static fp8rl::cli::Register reg{"name", "one-line help", run_function};
 #pragma once
+#include <climits>
+#include <cstdint>
 #include <functional>
 #include <string>
 #include <vector>
@@ -24,18 +26,25 @@ struct Register {
   }
 };
 
-// Tiny flag parser shared by subcommands: --key value, --key=value, --flag, and bare
-// positional words (key=value overrides are positional). Unknown flags are errors.
+// Tiny flag parser shared by subcommands: --key value, --key=value, key=value (for a flag's
+// name), --flag, -h (= --help), and bare positional words. With `config_overrides`, a config
+// key given as --key=value or --key value becomes the positional override key=value (so
+// `--steps=2`, `--steps 2` and `steps=2` are one thing). Unknown flags are errors that name the
+// nearest flag (or config key).
 class Args {
  public:
   // `flags`: names taking a value; `switches`: names without a value.
   Args(const std::vector<std::string>& argv, const std::vector<std::string>& flags,
-       const std::vector<std::string>& switches);
+       const std::vector<std::string>& switches, bool config_overrides = false);
   bool has(const std::string& name) const;
   std::string get(const std::string& name, const std::string& fallback = "") const;
   std::string require(const std::string& name) const;  // throws "missing --name"
-  // --name as an integer >= lo (fallback when absent); a malformed or too small value throws.
-  int get_int(const std::string& name, int fallback, int lo) const;
+  // --name as an integer in [lo, hi] (fallback when absent); a malformed value (3.7, 12x, a
+  // number beyond the type) or one out of range throws a message naming the flag.
+  int get_int(const std::string& name, int fallback, int lo, int hi = INT_MAX) const;
+  int64_t get_int64(const std::string& name, int64_t fallback, int64_t lo, int64_t hi) const;
+  // --name as a finite number in [lo, hi] (fallback when absent).
+  double get_float(const std::string& name, double fallback, double lo, double hi) const;
   const std::vector<std::string>& positional() const { return positional_; }
 
  private:

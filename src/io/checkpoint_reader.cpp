@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "io/json_input.h"
 #include "io/safetensors.h"
 
 namespace fp8rl {
@@ -21,14 +22,6 @@ bool is_dir(const std::string& p) {
 bool is_file(const std::string& p) {
   struct stat st {};
   return ::stat(p.c_str(), &st) == 0 && S_ISREG(st.st_mode);
-}
-
-std::string read_text(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  FP8RL_CHECK(in.good(), "cannot read ", path);
-  std::ostringstream os;
-  os << in.rdbuf();
-  return os.str();
 }
 
 // A shard name from an index must be a plain file name in the checkpoint directory.
@@ -50,7 +43,8 @@ CheckpointReader CheckpointReader::open(const std::string& path) {
     if (is_file(index_path)) {
       nlohmann::json idx;
       try {
-        idx = nlohmann::json::parse(read_text(index_path));
+        idx = json_parse_limited(read_file_limited(index_path, size_t(256) << 20, "safetensors index"), index_path,
+                                 {size_t(256) << 20, 16});
       } catch (const nlohmann::json::exception& ex) {
         FP8RL_FAIL(index_path, ": not valid JSON: ", ex.what());
       }
@@ -74,7 +68,7 @@ CheckpointReader CheckpointReader::open(const std::string& path) {
       }
       if (idx.contains("metadata") && idx["metadata"].is_object()) {
         for (const auto& [k, v] : idx["metadata"].items())
-          r.metadata_[k] = v.is_string() ? v.get<std::string>() : v.dump();
+          r.metadata_[k] = v.is_string() ? v.get<std::string>() : json_brief(v, 1024);
       }
     } else {
       FP8RL_CHECK(is_file(single_path), "checkpoint directory ", path,

@@ -1,7 +1,12 @@
 #include "io/png.h"
 
+#ifdef FP8RL_HAVE_LIBPNG
+#include <png.h>
+#endif
+
 #include <algorithm>
 #include <array>
+#include <cstring>
 
 #include "core/error.h"
 #include "core/fs.h"
@@ -92,7 +97,7 @@ uint32_t png_adler32(const uint8_t* data, size_t n, uint32_t adler) {
   return (b << 16) | a;
 }
 
-std::string png_encode_rgb(const uint8_t* rgb, int width, int height) {
+std::string png_encode_rgb_stored(const uint8_t* rgb, int width, int height) {
   FP8RL_CHECK(width > 0 && height > 0 && width <= 65535 && height <= 65535, "PNG image size ", width, "x",
               height, " is out of range: both sides must be 1..65535 pixels");
   FP8RL_CHECK(rgb != nullptr, "PNG pixel buffer is null");
@@ -119,6 +124,112 @@ std::string png_encode_rgb(const uint8_t* rgb, int width, int height) {
   put_chunk(png, "IEND", std::string());
   return png;
 }
+
+#ifdef FP8RL_HAVE_LIBPNG
+
+namespace {
+
+// libpng reports errors by longjmp to the setjmp in the caller (no C++ exception crosses C code).
+thread_local std::string t_png_error;
+void on_png_error(png_structp png, png_const_charp msg) {
+  t_png_error = msg ? msg : "unknown error";
+  png_longjmp(png, 1);
+}
+void on_png_warning(png_structp, png_const_charp) {}
+
+void append_bytes(png_structp png, png_bytep data, png_size_t n) {
+  static_cast<std::string*>(png_get_io_ptr(png))->append(reinterpret_cast<const char*>(data), n);
+}
+void flush_none(png_structp) {}
+
+struct Reader {
+  const std::string* src;
+  size_t at = 0;
+};
+void read_bytes(png_structp png, png_bytep out, png_size_t n) {
+  Reader* r = static_cast<Reader*>(png_get_io_ptr(png));
+  if (r->at + n > r->src->size()) png_error(png, "truncated PNG");
+  std::memcpy(out, r->src->data() + r->at, n);
+  r->at += n;
+}
+
+}  // namespace
+
+bool png_have_libpng() { return true; }
+
+std::string png_encode_rgb(const uint8_t* rgb, int width, int height) {
+  FP8RL_CHECK(width > 0 && height > 0 && width <= 65535 && height <= 65535, "PNG image size ", width, "x",
+              height, " is out of range: both sides must be 1..65535 pixels");
+  FP8RL_CHECK(rgb != nullptr, "PNG pixel buffer is null");
+  png_structp png = png_create_write_struct(PNG_LIBPNG_VER_STRING, nullptr, on_png_error, on_png_warning);
+  FP8RL_CHECK(png, "libpng: cannot create a write struct");
+  png_infop info = png_create_info_struct(png);
+  std::string out;
+  if (!info) {
+    png_destroy_write_struct(&png, nullptr);
+    FP8RL_FAIL("libpng: cannot create an info struct");
+  }
+  if (setjmp(png_jmpbuf(png))) {
+    png_destroy_write_struct(&png, &info);
+    FP8RL_FAIL("libpng: cannot encode the image: ", t_png_error);
+  }
+  {
+    png_set_write_fn(png, &out, append_bytes, flush_none);
+    png_set_IHDR(png, info, static_cast<png_uint_32>(width), static_cast<png_uint_32>(height), 8, PNG_COLOR_TYPE_RGB,
+                 PNG_INTERLACE_NONE, PNG_COMPRESSION_TYPE_DEFAULT, PNG_FILTER_TYPE_DEFAULT);
+    png_set_compression_level(png, 9);
+    png_write_info(png, info);
+    const size_t row_bytes = size_t(width) * 3;
+    for (int y = 0; y < height; ++y)
+      png_write_row(png, const_cast<png_bytep>(rgb + size_t(y) * row_bytes));
+    png_write_end(png, nullptr);
+  }
+  png_destroy_write_struct(&png, &info);
+  return out;
+}
+
+std::string png_decode_rgb(const std::string& bytes, int& width, int& height) {
+  png_structp png = png_create_read_struct(PNG_LIBPNG_VER_STRING, nullptr, on_png_error, on_png_warning);
+  FP8RL_CHECK(png, "libpng: cannot create a read struct");
+  png_infop info = png_create_info_struct(png);
+  std::string pixels;
+  Reader r{&bytes};
+  bool rgb8 = true;
+  if (!info) {
+    png_destroy_read_struct(&png, nullptr, nullptr);
+    FP8RL_FAIL("libpng: cannot create an info struct");
+  }
+  if (setjmp(png_jmpbuf(png))) {
+    png_destroy_read_struct(&png, &info, nullptr);
+    FP8RL_FAIL("libpng: cannot decode the PNG: ", t_png_error);
+  }
+  {
+    png_set_read_fn(png, &r, read_bytes);
+    png_read_info(png, info);
+    width = static_cast<int>(png_get_image_width(png, info));
+    height = static_cast<int>(png_get_image_height(png, info));
+    rgb8 = png_get_color_type(png, info) == PNG_COLOR_TYPE_RGB && png_get_bit_depth(png, info) == 8;
+    if (!rgb8) png_error(png, "png_decode_rgb reads 8-bit RGB PNGs only");
+    pixels.resize(size_t(width) * size_t(height) * 3);
+    for (int y = 0; y < height; ++y)
+      png_read_row(png, reinterpret_cast<png_bytep>(pixels.data()) + size_t(y) * size_t(width) * 3, nullptr);
+    png_read_end(png, nullptr);
+  }
+  png_destroy_read_struct(&png, &info, nullptr);
+  return pixels;
+}
+
+#else
+
+bool png_have_libpng() { return false; }
+
+std::string png_encode_rgb(const uint8_t* rgb, int width, int height) { return png_encode_rgb_stored(rgb, width, height); }
+
+std::string png_decode_rgb(const std::string&, int&, int&) {
+  FP8RL_FAIL("png_decode_rgb needs libpng (libpng-dev; CMake option FP8RL_LIBPNG)");
+}
+
+#endif
 
 void png_write_rgb(const std::string& path, const uint8_t* rgb, int width, int height) {
   write_file_atomic(path, png_encode_rgb(rgb, width, height));

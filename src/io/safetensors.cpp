@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "io/json_input.h"
 
 namespace fp8rl {
 
@@ -74,21 +75,21 @@ SafetensorsEntry parse_entry(const std::string& name, const json& v, uint64_t da
   for (const json& d : sh) {
     int64_t n = 0;
     if (!json_nonneg_int(d, n))
-      fail_header(origin, where, ": shape entries must be non-negative integers, got ", d.dump());
+      fail_header(origin, where, ": shape entries must be non-negative integers, got ", json_brief(d));
     e.shape.push_back(n);
     if (__builtin_mul_overflow(numel, static_cast<uint64_t>(n), &numel) ||
         numel > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
-      fail_header(origin, where, ": shape ", sh.dump(), " has too many elements");
+      fail_header(origin, where, ": shape ", json_brief(sh), " has too many elements");
   }
   uint64_t nbytes = 0;
   if (__builtin_mul_overflow(numel, static_cast<uint64_t>(dtype_size(e.dtype)), &nbytes))
-    fail_header(origin, where, ": shape ", sh.dump(), " is too large");
+    fail_header(origin, where, ": shape ", json_brief(sh), " is too large");
 
   const json& off = v.at("data_offsets");
   int64_t b = 0, en = 0;
   if (!off.is_array() || off.size() != 2 || !json_nonneg_int(off[0], b) || !json_nonneg_int(off[1], en))
     fail_header(origin, where, ": data_offsets must be [begin, end] (non-negative integers), got ",
-                off.dump());
+                json_brief(off));
   e.begin = static_cast<uint64_t>(b);
   e.end = static_cast<uint64_t>(en);
   if (e.begin > e.end) fail_header(origin, where, ": data_offsets begin ", e.begin, " > end ", e.end);
@@ -96,7 +97,7 @@ SafetensorsEntry parse_entry(const std::string& name, const json& v, uint64_t da
     fail_header(origin, where, ": data_offsets end ", e.end, " is past the data section (",
                 data_bytes, " bytes; file truncated?)");
   if (e.end - e.begin != nbytes)
-    fail_header(origin, where, ": ", dtype_name(e.dtype), sh.dump(), " needs ", nbytes,
+    fail_header(origin, where, ": ", dtype_name(e.dtype), json_brief(sh), " needs ", nbytes,
                 " bytes but data_offsets span ", e.end - e.begin);
   return e;
 }
@@ -132,19 +133,11 @@ SafetensorsHeader safetensors_parse_header(const uint8_t* data, size_t size, con
   // Parse, recording top-level keys to catch duplicates (nlohmann keeps only the last one).
   std::set<std::string> seen;
   std::string duplicate;
-  json::parser_callback_t cb = [&](int depth, json::parse_event_t ev, json& parsed) {
-    if (ev == json::parse_event_t::key && depth == 1) {
-      const std::string k = parsed.get<std::string>();
-      if (!seen.insert(k).second && duplicate.empty()) duplicate = k;
-    }
-    return true;
-  };
-  json h;
-  try {
-    h = json::parse(text, text + n, cb);
-  } catch (const json::exception& ex) {
-    fail_header(origin, "header is not valid JSON: ", ex.what());
-  }
+  // Depth: a header is {name: {dtype, shape: [..], data_offsets: [..]}}, 3 levels.
+  const json h = json_parse_limited(std::string_view(text, n), origin + ": safetensors header",
+                                    {kSafetensorsMaxHeaderBytes, 8}, [&](int depth, const std::string& k) {
+                                      if (depth == 1 && !seen.insert(k).second && duplicate.empty()) duplicate = k;
+                                    });
   if (!duplicate.empty()) fail_header(origin, "tensor name '", duplicate, "' appears twice");
   if (!h.is_object()) fail_header(origin, "header must be a JSON object");
 

@@ -18,10 +18,13 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "io/json_input.h"
 
 namespace fp8rl {
 
 using nlohmann::json;
+
+constexpr size_t kMaxConfigJsonBytes = size_t(16) << 20;  // real config.json files are a few KB
 
 namespace {
 
@@ -33,13 +36,14 @@ struct Reader {
   bool has(const char* key) const { return j.contains(key) && !j.at(key).is_null(); }
 
   [[noreturn]] void fail_type(const char* key, const char* want) const {
-    FP8RL_FAIL(origin, ": key '", key, "' must be ", want, ", got ", j.at(key).dump());
+    FP8RL_FAIL(origin, ": key '", key, "' must be ", want, ", got ", json_brief(j.at(key)));
   }
 
   int get_int(const char* key) const {
     if (!has(key)) FP8RL_FAIL(origin, ": required key '", key, "' is missing");
     const json& v = j.at(key);
     if (!v.is_number_integer()) fail_type(key, "an integer");
+    if (v.is_number_unsigned() && v.get<uint64_t>() > uint64_t(INT32_MAX)) fail_type(key, "an integer that fits 32 bits");
     const int64_t x = v.get<int64_t>();
     if (x < INT32_MIN || x > INT32_MAX) fail_type(key, "an integer that fits 32 bits");
     return static_cast<int>(x);
@@ -78,7 +82,8 @@ struct Reader {
       ids.push_back(get_int(key));
     } else if (v.is_array()) {
       for (const json& e : v) {
-        if (!e.is_number_integer() || e.get<int64_t>() < 0 || e.get<int64_t>() > INT32_MAX)
+        if (!e.is_number_integer() || (e.is_number_unsigned() && e.get<uint64_t>() > uint64_t(INT32_MAX)) ||
+            e.get<int64_t>() < 0 || e.get<int64_t>() > INT32_MAX)
           fail_type(key, "a token id or a list of token ids");
         ids.push_back(static_cast<int>(e.get<int64_t>()));
       }
@@ -197,12 +202,7 @@ bool is_dir(const std::string& p) {
 }  // namespace
 
 ModelConfig model_config_from_json(const std::string& json_text, const std::string& origin) {
-  json j;
-  try {
-    j = json::parse(json_text);
-  } catch (const json::exception& ex) {
-    FP8RL_FAIL(origin, ": not valid JSON: ", ex.what());
-  }
+  const json j = json_parse_limited(json_text, origin, {kMaxConfigJsonBytes, 32});
   if (!j.is_object()) FP8RL_FAIL(origin, ": must be a JSON object");
   Reader r{j, origin};
   ModelConfig c;
@@ -273,11 +273,9 @@ ModelConfig model_config_from_json(const std::string& json_text, const std::stri
 
 ModelConfig model_config_load(const std::string& path) {
   const std::string file = is_dir(path) ? path + "/config.json" : path;
-  std::ifstream in(file, std::ios::binary);
-  if (!in.good()) FP8RL_FAIL("cannot read model config ", file, " (is it an HF checkpoint directory?)");
-  std::ostringstream os;
-  os << in.rdbuf();
-  return model_config_from_json(os.str(), file);
+  if (!std::ifstream(file, std::ios::binary).good())
+    FP8RL_FAIL("cannot read model config ", file, " (is it an HF checkpoint directory?)");
+  return model_config_from_json(read_file_limited(file, kMaxConfigJsonBytes, "config.json"), file);
 }
 
 void ModelConfig::validate() const {
@@ -294,6 +292,14 @@ void ModelConfig::validate() const {
   FP8RL_CHECK(head_dim > 0 && head_dim % 2 == 0, "head_dim (", head_dim, ") must be positive and even");
   FP8RL_CHECK(std::isfinite(rms_norm_eps) && rms_norm_eps > 0, "rms_norm_eps must be positive");
   FP8RL_CHECK(max_position_embeddings > 0, "max_position_embeddings must be positive");
+  // Upper bounds far above any real model (Llama 3.1 405B: hidden 16384, 126 layers; vocabularies
+  // < 300k): a value past them is a broken config.json, refused before anything is sized by it.
+  FP8RL_CHECK(vocab_size <= (1 << 24) && hidden_size <= (1 << 16) && intermediate_size <= (1 << 20) &&
+                  num_layers <= 1024 && num_heads <= 1024 && head_dim <= 1024 && max_position_embeddings <= (1 << 28),
+              "a dimension is beyond any supported model (vocab_size ", vocab_size, " <= 2^24, hidden_size ",
+              hidden_size, " <= 65536, intermediate_size ", intermediate_size, " <= 2^20, num_hidden_layers ",
+              num_layers, " <= 1024, num_attention_heads ", num_heads, " and head_dim ", head_dim,
+              " <= 1024, max_position_embeddings ", max_position_embeddings, " <= 2^28)");
   FP8RL_CHECK(std::isfinite(rope_theta) && rope_theta > 1.0f, "rope_theta (", rope_theta, ") must be > 1");
   FP8RL_CHECK(rope_type == "default" || rope_type == "llama3", "rope_type '", rope_type,
               "' is not supported (default, llama3)");

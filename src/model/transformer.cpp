@@ -157,16 +157,14 @@ void moe_forward(Backend& be, const ModelConfig& c, const LayerWeights& lw, cons
     const ExpertWeights& ew = lw.experts[e];
     Tensor xe = a.moe_x.slice_rows(r0, r1), ge = a.moe_gate.slice_rows(r0, r1), ue = a.moe_up.slice_rows(r0, r1);
     Tensor he = a.moe_act.slice_rows(r0, r1), ye = a.moe_y.slice_rows(r0, r1);
-    be.linear(xe, ew.gate, spec, ge);
-    be.linear(xe, ew.up, spec, ue);
+    be.linear_shared_input(xe, {&ew.gate, &ew.up}, spec, {&ge, &ue});
     be.swiglu(ge, ue, he);
     be.linear(he, ew.down, spec, ye);
   }
   const Tensor w = a.moe_weights.reshape({R});
   be.moe_unpermute(a.moe_y, a.moe_slot_row, &w, a.proj);
   if (lw.gate.w.defined() || lw.gate.wq.defined()) {  // always-on shared experts (DeepSeek)
-    be.linear(a.xn_mlp, lw.gate, spec, a.shared_gate);
-    be.linear(a.xn_mlp, lw.up, spec, a.shared_up);
+    be.linear_shared_input(a.xn_mlp, {&lw.gate, &lw.up}, spec, {&a.shared_gate, &a.shared_up});
     be.swiglu(a.shared_gate, a.shared_up, a.shared_act);
     be.linear(a.shared_act, lw.down, spec, a.shared_out);
     be.add(a.proj, a.shared_out, a.proj);
@@ -206,16 +204,13 @@ void forward_layers(Backend& be, const ModelWeights& w, const EnginePrecision& p
     be.rmsnorm(x, lw.attn_norm, c.rms_norm_eps, a.xn_attn, &a.attn_rstd);
     Tensor q2 = a.q.reshape({T, Hq * hd}), k2 = a.k.reshape({T, Hkv * hd}), v2 = a.v.reshape({T, Hkv * hd});
     if (c.qk_norm) {
-      be.linear(a.xn_attn, lw.q, spec, a.q_raw);
-      be.linear(a.xn_attn, lw.k, spec, a.k_raw);
+      be.linear_shared_input(a.xn_attn, {&lw.q, &lw.k, &lw.v}, spec, {&a.q_raw, &a.k_raw, &v2});
       Tensor qh = a.q.reshape({T * Hq, hd}), kh = a.k.reshape({T * Hkv, hd});
       be.rmsnorm(a.q_raw.reshape({T * Hq, hd}), lw.q_norm, c.rms_norm_eps, qh, &a.q_rstd);
       be.rmsnorm(a.k_raw.reshape({T * Hkv, hd}), lw.k_norm, c.rms_norm_eps, kh, &a.k_rstd);
     } else {
-      be.linear(a.xn_attn, lw.q, spec, q2);
-      be.linear(a.xn_attn, lw.k, spec, k2);
+      be.linear_shared_input(a.xn_attn, {&lw.q, &lw.k, &lw.v}, spec, {&q2, &k2, &v2});
     }
-    be.linear(a.xn_attn, lw.v, spec, v2);
     be.rope(a.q, positions, rope, /*inverse=*/false);
     be.rope(a.k, positions, rope, /*inverse=*/false);
     if (amax) {
@@ -234,8 +229,7 @@ void forward_layers(Backend& be, const ModelWeights& w, const EnginePrecision& p
                   "weights have no router/experts");
       moe_forward(be, c, lw, spec, a);
     } else {
-      be.linear(a.xn_mlp, lw.gate, spec, a.gate);
-      be.linear(a.xn_mlp, lw.up, spec, a.up);
+      be.linear_shared_input(a.xn_mlp, {&lw.gate, &lw.up}, spec, {&a.gate, &a.up});
       be.swiglu(a.gate, a.up, a.act);
       be.linear(a.act, lw.down, spec, a.proj);
     }

@@ -248,6 +248,31 @@ ModelWeights model_weights_random(const ModelConfig& c, const RandomInit& init, 
 
 // ---- checkpoints -------------------------------------------------------------------------------
 
+namespace {
+// A loaded weight with a NaN or Inf is refused at load, naming the tensor (not at the first
+// sampling step that meets it).
+void check_loaded_finite(const Tensor& t, const std::string& dir, const std::string& name) {
+  int64_t bad = -1;
+  const int64_t n = t.numel();
+  if (t.dtype() == DType::F32) {
+    const float* p = t.data<float>();
+    for (int64_t i = 0; i < n && bad < 0; ++i) if (!std::isfinite(p[i])) bad = i;
+  } else if (t.dtype() == DType::F64) {
+    const double* p = t.data<double>();
+    for (int64_t i = 0; i < n && bad < 0; ++i) if (!std::isfinite(p[i])) bad = i;
+  } else if (t.dtype() == DType::BF16) {
+    const uint16_t* p = t.data<uint16_t>();
+    for (int64_t i = 0; i < n && bad < 0; ++i) if ((p[i] & 0x7f80u) == 0x7f80u) bad = i;
+  } else if (t.dtype() == DType::F16) {
+    const uint16_t* p = t.data<uint16_t>();
+    for (int64_t i = 0; i < n && bad < 0; ++i) if ((p[i] & 0x7c00u) == 0x7c00u) bad = i;
+  }
+  if (bad >= 0)
+    FP8RL_FAIL(dir, ": tensor '", name, "' holds a non-finite value (NaN or Inf) at element ", bad,
+               "; the checkpoint is damaged or was saved from a diverged run");
+}
+}  // namespace
+
 ModelWeights model_weights_load(const std::string& dir, DType dtype, bool keep_fp8) {
   FP8RL_CHECK(std::filesystem::is_directory(dir), "model directory '", dir, "' does not exist (expected a "
               "Hugging Face checkpoint: config.json + *.safetensors)");
@@ -267,7 +292,9 @@ ModelWeights model_weights_load(const std::string& dir, DType dtype, bool keep_f
     FP8RL_CHECK(e.dtype != DType::E4M3, dir, ": '", name, "' is F8_E4M3 without a block scale; only the 7 "
                 "linears of each block may be FP8 (with weight_scale_inv)");
     used.insert(name);
-    return tensor_convert_host(ck.get(name), dtype);
+    Tensor t = tensor_convert_host(ck.get(name), dtype);
+    check_loaded_finite(t, dir, name);
+    return t;
   };
   auto load_linear = [&](const std::string& prefix, int64_t n, int64_t k) {
     LinearWeight lw;
@@ -277,6 +304,7 @@ ModelWeights model_weights_load(const std::string& dir, DType dtype, bool keep_f
                   shape_str(ck.entry(wn).shape), ", expected ", shape_str({n, k}));
       QuantTensor q = ck.get_quant(wn);
       lw.w = tensor_convert_host(dequantize(q), dtype);
+      check_loaded_finite(lw.w, dir, wn);
       if (keep_fp8) lw.wq = q;
       used.insert(wn);
       used.insert(wn + "_scale_inv");

@@ -18,8 +18,10 @@
 namespace fp8rl {
 
 float quant_scale_from_amax(float amax, bool pow2) {
-  FP8RL_CHECK(std::isfinite(amax) && amax >= 0.0f, "quantization amax must be finite and >= 0, got ",
-              amax, " (non-finite values cannot be quantized: look for an overflow upstream)");
+  if (!std::isfinite(amax))
+    FP8RL_FAIL_NONFINITE("quantization amax must be finite, got ", amax,
+                         " (non-finite values cannot be quantized: look for an overflow upstream)");
+  FP8RL_CHECK(amax >= 0.0f, "quantization amax must be >= 0, got ", amax);
   if (amax == 0.0f) return 1.0f;
   float s = amax / kE4M3Max;
   if (s == 0.0f) s = std::numeric_limits<float>::denorm_min();
@@ -90,7 +92,7 @@ void quantize_blocks_into(const Tensor& x, bool transpose, QuantTensor& out, con
           const int64_t idx = index_of(i, j);
           const float v = read_as_float(x, idx);
           if (!std::isfinite(v)) {
-            FP8RL_FAIL("cannot quantize ", what, " ", x.str(), ": element [", idx / xc, ", ",
+            FP8RL_FAIL_NONFINITE("cannot quantize ", what, " ", x.str(), ": element [", idx / xc, ", ",
                        idx % xc, "] is ", v,
                        " (non-finite; an overflow or NaN upstream, or an F64 value beyond float range)");
           }

@@ -1,5 +1,6 @@
 #include "rl/config.h"
 
+#include <unistd.h>
 #include <yaml-cpp/yaml.h>
 
 #include <nlohmann/json.hpp>
@@ -8,16 +9,36 @@
 #include <charconv>
 #include <cmath>
 #include <cstdlib>
+#include <filesystem>
 #include <functional>
 #include <limits>
 
 #include "core/error.h"
 #include "core/fs.h"
+#include "io/json_input.h"
+#include "core/suggest.h"
 
 namespace fp8rl {
 
 // ---- the key table ---------------------------------------------------------------------------
 namespace {
+
+constexpr size_t kMaxYamlBytes = size_t(4) << 20;  // a full config is ~10 KB
+constexpr int kMaxYamlDepth = 8;
+
+// The real bounds of size-like values (docs/design.md "What is validated where").
+constexpr int kMaxVocab = 1 << 24;               // the tokenizer's id limit
+constexpr int kMaxWidth = 1 << 16;               // hidden size
+constexpr int kMaxPositions = 1 << 20;           // positions (max_position_embeddings, max_new_tokens)
+constexpr int64_t kMaxSequences = 1 << 20;       // sequences per rollout / SFT batch
+constexpr int64_t kMaxRolloutTokens = int64_t(1) << 32;  // tokens per step (response caps summed)
+constexpr double kMaxFloat = 3.0e38;             // FP32 max is 3.4e38
+constexpr double kMinNormalFloat = 1.1754944e-38;
+
+int64_t host_memory_bytes() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGE_SIZE);
+  return pages > 0 && page > 0 ? int64_t(pages) * page : 0;
+}
 
 // One configurable value: its dotted key, the type as users read it, a help line, and how to
 // parse/print it. `set` throws a bare message ("expected ..."); callers prefix the key.
@@ -26,6 +47,8 @@ struct Field {
   std::function<void(const std::string&)> set;
   std::function<std::string()> get;
   bool quote = false;  // strings are written double-quoted in YAML
+  bool path = false;   // a file or directory: relative values resolve against the config's folder
+                       // (for "file.py:function" values, the file part)
 };
 
 std::string lower(std::string s) {
@@ -38,7 +61,7 @@ Int parse_int(const std::string& s, const char* type) {
   Int v{};
   const char* b = s.data();
   const char* e = b + s.size();
-  if (b != e && *b == '+') ++b;
+  if (e - b > 1 && *b == '+' && b[1] != '-') ++b;  // "+5", not "+-5"
   auto [p, ec] = std::from_chars(b, e, v);
   if (s.empty() || ec != std::errc() || p != e) FP8RL_FAIL("expected ", type, ", got '", s, "'");
   return v;
@@ -116,6 +139,11 @@ class FieldTable {
                       },
                       [&v] { return v; }, true});
   }
+
+  void add_path(const std::string& key, std::string& v, const std::string& help) {
+    add_string(key, v, help);
+    fields.back().path = true;
+  }
   void add_choice(const std::string& key, std::string& v, std::vector<std::string> choices, const std::string& help) {
     const std::string type = "one of " + join(choices, ", ");
     fields.push_back({key, type, help,
@@ -146,7 +174,7 @@ class FieldTable {
 std::vector<Field> config_fields(RunConfig& c) {
   FieldTable t;
   auto& m = c.model;
-  t.add_string("model.path", m.path, "HF checkpoint directory; empty = the tiny model below");
+  t.add_path("model.path", m.path, "HF checkpoint directory; empty = the tiny model below");
   t.add_int("model.tiny.vocab_size", m.tiny.vocab_size, "0 = the tokenizer's vocabulary size");
   t.add_int("model.tiny.hidden_size", m.tiny.hidden_size, "D");
   t.add_int("model.tiny.intermediate_size", m.tiny.intermediate_size, "F (MLP)");
@@ -162,7 +190,7 @@ std::vector<Field> config_fields(RunConfig& c) {
   t.add_int("model.tiny.num_experts_per_tok", m.tiny.num_experts_per_tok, "experts each token uses (with num_experts > 0)");
   t.add_int("model.tiny.moe_intermediate_size", m.tiny.moe_intermediate_size, "F of each expert (with num_experts > 0)");
 
-  t.add_string("tokenizer.path", c.tokenizer.path, "empty = model.path (tiny model: built-in byte tokenizer)");
+  t.add_path("tokenizer.path", c.tokenizer.path, "empty = model.path (tiny model: built-in byte tokenizer)");
   t.add_bool("tokenizer.chat_template", c.tokenizer.chat_template,
              "wrap prompts in the chat template (the model's Jinja one if it has one)");
   t.add_json_object("tokenizer.chat_template_kwargs", c.tokenizer.chat_template_kwargs,
@@ -181,14 +209,18 @@ std::vector<Field> config_fields(RunConfig& c) {
   t.add_int("task.countdown.numbers", k.countdown.numbers, "given numbers, each used exactly once (2..6)");
   t.add_int("task.countdown.max_number", k.countdown.max_number, "each number in [1, max_number]");
   t.add_int("task.countdown.max_target", k.countdown.max_target, "target in [1, max_target]");
-  t.add_string("task.gsm8k.path", k.gsm8k.path, "GSM8K directory (train.jsonl, test.jsonl)");
-  t.add_string("task.jsonl.path", k.jsonl.path, "training data: one JSON object per line");
-  t.add_string("task.jsonl.validation_path", k.jsonl.validation_path, "held-out data; empty = a fraction of path");
+  t.add_path("task.gsm8k.path", k.gsm8k.path, "GSM8K directory (train.jsonl, test.jsonl)");
+  t.add_path("task.jsonl.path", k.jsonl.path, "training data: one JSON object per line");
+  t.add_path("task.jsonl.validation_path", k.jsonl.validation_path, "held-out data; empty = a fraction of path");
   t.add_float("task.jsonl.validation_fraction", k.jsonl.validation_fraction, "held out when validation_path is empty");
   t.add_string("task.jsonl.prompt_field", k.jsonl.prompt_field, "field holding the prompt");
   t.add_string("task.jsonl.answer_field", k.jsonl.answer_field, "field holding the reference answer");
   t.add_string("task.jsonl.solution_field", k.jsonl.solution_field, "field holding a worked solution (sft)");
   t.add_string("task.jsonl.instruction", k.jsonl.instruction, "appended to every prompt when non-empty");
+  t.add_string("task.jsonl.prompt_template", k.jsonl.prompt_template,
+               "empty = the prompt field; else {field} / {a.b} replaced by the row's values");
+  t.add_path("task.reward.python", k.reward.python,
+             "module:function or file.py:function scoring a batch; empty = the task's verifier");
 
   auto& r = c.rollout;
   t.add_int("rollout.prompts_per_step", r.prompts_per_step, "P prompts per GRPO step");
@@ -244,8 +276,8 @@ std::vector<Field> config_fields(RunConfig& c) {
   t.add_int("sft.steps", c.sft.steps, "optimizer steps of fp8rl sft");
   t.add_int("sft.batch_size", c.sft.batch_size, "sequences per optimizer step");
   t.add_float("sft.lr", c.sft.lr, "peak learning rate of fp8rl sft (rest of the optimizer: train.*)");
-  t.add_string("sft.data", c.sft.data, "jsonl of (prompt, answer); empty = the task's gold answers");
-  t.add_string("sft.mix_gsm8k_path", c.sft.mix_gsm8k_path, "GSM8K directory mixed into SFT batches; empty = none");
+  t.add_path("sft.data", c.sft.data, "jsonl of (prompt, answer); empty = the task's gold answers");
+  t.add_path("sft.mix_gsm8k_path", c.sft.mix_gsm8k_path, "GSM8K directory mixed into SFT batches; empty = none");
   t.add_float("sft.mix_gsm8k_fraction", c.sft.mix_gsm8k_fraction, "fraction of each SFT batch from GSM8K train");
   t.add_int64("sft.max_seq_tokens", c.sft.max_seq_tokens, "skip mixed-in sequences longer than this; 0 = no limit");
 
@@ -255,20 +287,39 @@ std::vector<Field> config_fields(RunConfig& c) {
                "hf, or fp8-block: the FP8 linears as F8_E4M3 + weight_scale_inv (vLLM, transformers)");
   t.add_float("checkpoint.max_shard_gb", c.checkpoint.max_shard_gb,
               "shard the model files above this size (with the index); 0 = never");
+  t.add_bool("memory.allow_overcommit", c.memory.allow_overcommit,
+             "start even if the memory plan's peak exceeds the device's free memory");
+  t.add_float("memory.free_gib", c.memory.free_gib,
+              "free device memory to check the plan against, GiB; 0 = ask the device (CPU: no check)");
+
   t.add_int("steps", c.steps, "GRPO steps");
   t.add_int("val_every", c.val_every, "validate at step 0 and every N steps; 0 = never");
   t.add_int("val_size", c.val_size, "held-out prompts per validation");
   t.add_int("checkpoint_every", c.checkpoint_every, "checkpoint every N steps; 0 = only at the end");
+  t.add_int("checkpoint.keep_last", c.checkpoint.keep_last, "keep only the newest N checkpoints; 0 = all");
+  t.add_bool("logger.tensorboard", c.logger.tensorboard, "also write TensorBoard events under RUN/tensorboard/");
   t.add_string("out", c.out, "run directory (config, metrics.jsonl, checkpoints)");
   t.add_choice("device", c.device, {"cpu", "cuda"}, "backend");
   t.add_int64("seed", c.seed, "run seed");
   t.add_int("max_consecutive_bad_steps", c.max_consecutive_bad_steps,
             "abort after this many non-finite steps in a row");
   t.add_float("time_budget_s", c.time_budget_s, "wall-clock budget of the run in seconds; 0 = none");
+  t.add_float("checkpoint_max_abs_weight", c.checkpoint_max_abs_weight,
+              "refuse to save a checkpoint with a weight of larger magnitude (exploded); 0 = no bound");
   return std::move(t.fields);
 }
 
-Field* find_field(std::vector<Field>& fields, const std::string& key) {
+// Other spellings of a key that users bring from other tools (stored under the main name).
+constexpr std::pair<const char*, const char*> kKeyAliases[] = {
+    {"task.jsonl.prompt_key", "task.jsonl.prompt_field"},
+    {"task.jsonl.answer_key", "task.jsonl.answer_field"},
+    {"task.jsonl.solution_key", "task.jsonl.solution_field"},
+};
+
+Field* find_field(std::vector<Field>& fields, const std::string& key_in) {
+  std::string key = key_in;
+  for (const auto& [alias, name] : kKeyAliases)
+    if (key == alias) key = name;
   for (auto& f : fields)
     if (f.key == key) return &f;
   return nullptr;
@@ -279,18 +330,6 @@ bool is_section(const std::vector<Field>& fields, const std::string& prefix) {
     if (f.key.size() > prefix.size() && f.key.compare(0, prefix.size(), prefix) == 0 && f.key[prefix.size()] == '.')
       return true;
   return false;
-}
-
-size_t edit_distance(const std::string& a, const std::string& b) {
-  std::vector<size_t> prev(b.size() + 1), cur(b.size() + 1);
-  for (size_t j = 0; j <= b.size(); ++j) prev[j] = j;
-  for (size_t i = 1; i <= a.size(); ++i) {
-    cur[0] = i;
-    for (size_t j = 1; j <= b.size(); ++j)
-      cur[j] = std::min({prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1)});
-    std::swap(prev, cur);
-  }
-  return prev[b.size()];
 }
 
 std::string leaf(const std::string& key) {
@@ -318,10 +357,7 @@ void set_field(std::vector<Field>& fields, const std::string& key, const std::st
   try {
     f->set(value);
   } catch (const Error& e) {
-    std::string msg = e.what();
-    const size_t tag = msg.rfind(" [");  // drop the file:line tag of the inner message
-    if (tag != std::string::npos) msg.resize(tag);
-    FP8RL_FAIL(origin, ": ", key, ": ", msg);
+    FP8RL_FAIL(origin, ": ", key, ": ", e.message());
   }
 }
 
@@ -351,8 +387,39 @@ nlohmann::json yaml_to_json(const YAML::Node& n) {
   }
 }
 
+// Nesting depth of a loaded document, walked with an explicit stack (no recursion over user
+// data): a config is at most 4 levels deep (train.is.mode); deeper nesting is refused.
+void check_yaml_depth(const YAML::Node& root, const std::string& origin) {
+  std::vector<std::pair<YAML::Node, int>> stack{{root, 1}};
+  while (!stack.empty()) {
+    auto [n, depth] = stack.back();
+    stack.pop_back();
+    if (!n.IsMap() && !n.IsSequence()) continue;
+    if (depth > kMaxYamlDepth)
+      FP8RL_FAIL(origin, ":", n.Mark().line + 1, ": nested more than ", kMaxYamlDepth,
+                 " levels deep; a run config has sections of keys (train: {lr: ..., is: {mode: ...}})");
+    for (auto it = n.begin(); it != n.end(); ++it) stack.push_back({n.IsMap() ? it->second : *it, depth + 1});
+  }
+}
+
+// A relative path value made absolute against `base_dir` ("" = the current directory).
+std::string resolve_path(const std::string& value, const std::string& base_dir) {
+  if (value.empty()) return value;
+  // "module:function" stays (a module on PYTHONPATH); "file.py:function" resolves the file.
+  if (const size_t colon = value.rfind(':'); colon != std::string::npos) {
+    const std::string file = value.substr(0, colon);
+    if (file.size() < 3 || file.compare(file.size() - 3, 3, ".py") != 0) return value;
+    return resolve_path(file, base_dir) + value.substr(colon);
+  }
+  std::filesystem::path p(value);
+  if (p.is_absolute()) return value;
+  const std::filesystem::path base = base_dir.empty() ? std::filesystem::current_path()
+                                                      : std::filesystem::absolute(base_dir);
+  return (base / p).lexically_normal().string();
+}
+
 void apply_node(std::vector<Field>& fields, const YAML::Node& node, const std::string& prefix,
-                const std::string& origin) {
+                const std::string& origin, const std::string& base_dir) {
   for (auto it = node.begin(); it != node.end(); ++it) {
     // Copies: the iterator hands out a temporary pair, references into it would dangle.
     const YAML::Node k = it->first, v = it->second;
@@ -369,7 +436,7 @@ void apply_node(std::vector<Field>& fields, const YAML::Node& node, const std::s
         FP8RL_FAIL(where, ": ", key, ": expected ", f->type, ", got a mapping");
       }
       if (!is_section(fields, key)) fail_unknown(key, where);
-      apply_node(fields, v, key, origin);
+      apply_node(fields, v, key, origin, base_dir);
     } else if (v.IsSequence()) {
       Field* f = find_field(fields, key);
       if (!f) fail_unknown(key, where);
@@ -380,7 +447,9 @@ void apply_node(std::vector<Field>& fields, const YAML::Node& node, const std::s
       if (!f || !f->quote) FP8RL_FAIL(where, ": ", key, ": no value given (expected ", f ? f->type : "a mapping", ")");
       f->set("");
     } else {
-      set_field(fields, key, v.Scalar(), where);
+      Field* f = find_field(fields, key);
+      const bool resolve = f && f->path && !base_dir.empty();
+      set_field(fields, key, resolve ? resolve_path(v.Scalar(), base_dir) : v.Scalar(), where);
     }
   }
 }
@@ -393,6 +462,12 @@ std::vector<std::string> config_keys() {
   std::vector<std::string> keys;
   for (auto& f : config_fields(c)) keys.push_back(f.key);
   return keys;
+}
+
+bool config_has_key(const std::string& key) {
+  RunConfig c;
+  auto fields = config_fields(c);
+  return find_field(fields, key) != nullptr;
 }
 
 std::string config_nearest_key(const std::string& key) {
@@ -425,10 +500,23 @@ void config_apply_override(RunConfig& c, const std::string& assignment) {
   if (eq == std::string::npos || eq == 0)
     FP8RL_FAIL("override '", assignment, "' must look like key.sub=value (e.g. train.lr=1e-6)");
   auto fields = config_fields(c);
-  set_field(fields, assignment.substr(0, eq), assignment.substr(eq + 1), "override '" + assignment + "'");
+  const std::string key = assignment.substr(0, eq);
+  std::string value = assignment.substr(eq + 1);
+  // Paths on the command line are relative to the current directory; stored absolute, so that a
+  // saved run config means the same files from anywhere (--resume from another directory).
+  if (Field* f = find_field(fields, key); f && f->path) value = resolve_path(value, "");
+  set_field(fields, key, value, "override '" + assignment + "'");
 }
 
-void config_apply_yaml(RunConfig& c, const std::string& yaml_text, const std::string& origin) {
+void config_apply_yaml(RunConfig& c, const std::string& yaml_text_in, const std::string& origin,
+                       const std::string& base_dir) {
+  if (yaml_text_in.size() > kMaxYamlBytes)
+    FP8RL_FAIL(origin, ": ", yaml_text_in.size(), " bytes is far more than a run config needs (limit ",
+               kMaxYamlBytes >> 20, " MiB); is this the right file?");
+  // yaml-cpp ends an unclosed quoted string at a final newline instead of failing ("illegal EOF
+  // in scalar" only without one): parse the text without its trailing line breaks.
+  std::string yaml_text = yaml_text_in;
+  while (!yaml_text.empty() && (yaml_text.back() == '\n' || yaml_text.back() == '\r')) yaml_text.pop_back();
   YAML::Node root;
   try {
     root = YAML::Load(yaml_text);
@@ -437,9 +525,10 @@ void config_apply_yaml(RunConfig& c, const std::string& yaml_text, const std::st
   }
   if (root.IsNull()) return;  // an empty file: the defaults
   if (!root.IsMap()) FP8RL_FAIL(origin, ": the top level must be a mapping of sections (model:, train:, ...)");
+  check_yaml_depth(root, origin);
   auto fields = config_fields(c);
   try {
-    apply_node(fields, root, "", origin);
+    apply_node(fields, root, "", origin, base_dir);
   } catch (const YAML::Exception& e) {
     FP8RL_FAIL(origin, ":", e.mark.line + 1, ": ", e.msg);
   }
@@ -447,10 +536,27 @@ void config_apply_yaml(RunConfig& c, const std::string& yaml_text, const std::st
 
 RunConfig config_load(const std::string& yaml_path, const std::vector<std::string>& overrides) {
   RunConfig c;
-  if (!yaml_path.empty()) config_apply_yaml(c, read_file(yaml_path), yaml_path);
+  if (!yaml_path.empty()) {
+    if (!std::filesystem::exists(yaml_path)) FP8RL_FAIL("config file '", yaml_path, "' does not exist");
+    const std::string dir = std::filesystem::path(yaml_path).parent_path().string();
+    config_apply_yaml(c, read_file_limited(yaml_path, kMaxYamlBytes, "config file"), yaml_path, dir.empty() ? "." : dir);
+  }
   for (const std::string& o : overrides) config_apply_override(c, o);
   config_validate(c);
   return c;
+}
+
+std::vector<std::string> config_diff(const RunConfig& a_in, const RunConfig& b_in) {
+  RunConfig a = a_in, b = b_in;  // the field tables bind to mutable configs; we only read them
+  const auto fa = config_fields(a), fb = config_fields(b);
+  std::vector<std::string> out;
+  for (size_t i = 0; i < fa.size(); ++i) {
+    const std::string va = fa[i].get(), vb = fb[i].get();
+    if (va == vb) continue;
+    auto show = [&](const std::string& v) { return fa[i].quote ? "\"" + v + "\"" : v; };
+    out.push_back(fa[i].key + ": " + show(va) + " -> " + show(vb));
+  }
+  return out;
 }
 
 std::string config_to_yaml(const RunConfig& c_in) {
@@ -512,11 +618,36 @@ void config_validate(const RunConfig& c) {
            "model.tiny.num_experts_per_tok", "must be in [1, num_experts = ", tiny.num_experts, "]");
       need(tiny.moe_intermediate_size > 0, "model.tiny.moe_intermediate_size", "must be > 0");
     }
+    need(tiny.num_experts <= 1024 && tiny.moe_intermediate_size <= 4 * kMaxWidth, "model.tiny",
+         "num_experts must be <= 1024 and moe_intermediate_size <= ", 4 * kMaxWidth);
+    // Real bounds before anything is allocated: each dimension, then the whole model's training
+    // state (FP32 weights, gradients and two Adam moments: 16 bytes per parameter) in 64 bits.
+    need(tiny.vocab_size <= kMaxVocab, "model.tiny.vocab_size", "must be <= ", kMaxVocab);
+    need(tiny.hidden_size <= kMaxWidth, "model.tiny.hidden_size", "must be <= ", kMaxWidth);
+    need(tiny.intermediate_size <= 4 * kMaxWidth, "model.tiny.intermediate_size", "must be <= ", 4 * kMaxWidth);
+    need(tiny.num_layers <= 1024, "model.tiny.num_layers", "must be <= 1024");
+    need(tiny.num_heads <= 1024, "model.tiny.num_heads", "must be <= 1024");
+    need(tiny.head_dim <= 1024, "model.tiny.head_dim", "must be <= 1024");
+    need(tiny.max_position_embeddings <= kMaxPositions, "model.tiny.max_position_embeddings", "must be <= ",
+         kMaxPositions);
+    const int64_t D = tiny.hidden_size, F = tiny.intermediate_size, L = tiny.num_layers, hd = tiny.head_dim;
+    const int64_t V = std::max(tiny.vocab_size, 384);
+    // A mixture-of-experts MLP holds num_experts experts of moe_intermediate_size (and a router).
+    const int64_t mlp = tiny.num_experts > 0
+                            ? int64_t(tiny.num_experts) * (3 * D * int64_t(tiny.moe_intermediate_size) + D)
+                            : 3 * D * F;
+    const int64_t per_layer = D * hd * (2 * int64_t(tiny.num_heads) + 2 * int64_t(tiny.num_kv_heads)) + mlp + 2 * D;
+    const int64_t params = 2 * V * D + L * per_layer + D;
+    const int64_t mem = host_memory_bytes();
+    need(mem <= 0 || params * 16 <= mem, "model.tiny", "a model of ", params, " parameters needs ",
+         params * 16 / (int64_t(1) << 20), " MiB of training state (16 bytes per parameter), more than this "
+         "machine's ", mem / (int64_t(1) << 20), " MiB: reduce hidden_size, intermediate_size or num_layers");
   }
   const auto& t = c.task;
   if (t.name == "arithmetic") {
-    need(t.arithmetic.min_operands >= 2 && t.arithmetic.max_operands >= t.arithmetic.min_operands,
-         "task.arithmetic.max_operands", "needs 2 <= min_operands <= max_operands");
+    need(t.arithmetic.min_operands >= 2 && t.arithmetic.max_operands >= t.arithmetic.min_operands &&
+             t.arithmetic.max_operands <= 64,
+         "task.arithmetic.max_operands", "needs 2 <= min_operands <= max_operands <= 64");
     need(t.arithmetic.digits >= 1 && t.arithmetic.digits <= 9, "task.arithmetic.digits", "must be in [1, 9]");
     need(!t.arithmetic.operators.empty() && t.arithmetic.operators.find_first_not_of("+-*/") == std::string::npos,
          "task.arithmetic.operators", "must be a non-empty subset of \"+-*/\", got \"", t.arithmetic.operators, "\"");
@@ -532,27 +663,43 @@ void config_validate(const RunConfig& c) {
          "prompt_field and answer_field must be non-empty");
   }
   const auto& r = c.rollout;
-  need(r.prompts_per_step >= 1, "rollout.prompts_per_step", "must be >= 1");
-  need(r.generations_per_prompt >= 2, "rollout.generations_per_prompt",
-       "must be >= 2 (a group of one has no baseline, its advantage is always 0)");
-  need(r.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1");
+  need(r.prompts_per_step >= 1 && r.prompts_per_step <= kMaxSequences, "rollout.prompts_per_step",
+       "must be in [1, ", kMaxSequences, "]");
+  need(r.generations_per_prompt >= 2 && r.generations_per_prompt <= kMaxSequences, "rollout.generations_per_prompt",
+       "must be in [2, ", kMaxSequences, "] (a group of one has no baseline, its advantage is always 0)");
+  const int64_t sequences = int64_t(r.prompts_per_step) * r.generations_per_prompt;  // 64-bit: no overflow
+  need(sequences <= kMaxSequences, "rollout.generations_per_prompt", "prompts_per_step x generations_per_prompt = ",
+       sequences, " sequences per step; at most ", kMaxSequences, " fit the rollout batch");
+  need(r.max_new_tokens >= 1 && r.max_new_tokens <= kMaxPositions, "rollout.max_new_tokens", "must be in [1, ",
+       kMaxPositions, "]");
+  if (c.model.path.empty())
+    need(r.max_new_tokens < tiny.max_position_embeddings, "rollout.max_new_tokens", "must be below ",
+         "model.tiny.max_position_embeddings (", tiny.max_position_embeddings, "): prompt and response share the ",
+         "model's positions");
+  need(int64_t(r.max_new_tokens) * sequences <= kMaxRolloutTokens, "rollout.max_new_tokens",
+       "x the sequences per step (", sequences, ") is more than ", kMaxRolloutTokens, " tokens per step");
   need(r.temperature > 0, "rollout.temperature", "must be > 0 (use a small value for near-greedy sampling)");
   need(r.top_p > 0 && r.top_p <= 1, "rollout.top_p", "must be in (0, 1]");
   need(r.top_k >= 0, "rollout.top_k", "must be >= 0 (0 = off)");
 
   const auto& tr = c.train;
-  need(tr.lr >= 0, "train.lr", "must be >= 0");
+  // Values the engines use as FP32 must be representable there (1e-50 would become 0).
+  need(tr.lr >= 0 && tr.lr <= kMaxFloat, "train.lr", "must be in [0, ", kMaxFloat, "]");
+  need(tr.adam_eps >= kMinNormalFloat || tr.adam_eps <= 0, "train.adam_eps", "is ", tr.adam_eps,
+       ", below the smallest normal FP32 value (", kMinNormalFloat, "): it would be 0 in the optimizer; use 1e-8");
+  need(tr.kl_beta <= kMaxFloat, "train.kl_beta", "must be <= ", kMaxFloat);
+  need(tr.grad_clip <= kMaxFloat, "train.grad_clip", "must be <= ", kMaxFloat);
   need(tr.warmup_steps >= 0, "train.warmup_steps", "must be >= 0");
   need(tr.weight_decay >= 0, "train.weight_decay", "must be >= 0");
   need(tr.adam_beta1 >= 0 && tr.adam_beta1 < 1, "train.adam_beta1", "must be in [0, 1)");
   need(tr.adam_beta2 >= 0 && tr.adam_beta2 < 1, "train.adam_beta2", "must be in [0, 1)");
   need(tr.adam_eps > 0, "train.adam_eps", "must be > 0");
   need(tr.grad_clip >= 0, "train.grad_clip", "must be >= 0 (0 = off)");
-  need(tr.micro_batch_tokens >= 1, "train.micro_batch_tokens", "must be >= 1");
+  need(tr.micro_batch_tokens >= 1 && tr.micro_batch_tokens <= kMaxRolloutTokens, "train.micro_batch_tokens",
+       "must be in [1, ", kMaxRolloutTokens, "]");
   need(tr.optimizer_steps_per_rollout >= 1, "train.optimizer_steps_per_rollout", "must be >= 1");
-  need(tr.optimizer_steps_per_rollout <= r.prompts_per_step * r.generations_per_prompt,
-       "train.optimizer_steps_per_rollout", "must not exceed the sequences per step (",
-       r.prompts_per_step * r.generations_per_prompt, ")");
+  need(tr.optimizer_steps_per_rollout <= sequences, "train.optimizer_steps_per_rollout",
+       "must not exceed the sequences per step (", sequences, ")");
   need(tr.min_lr_ratio >= 0 && tr.min_lr_ratio <= 1, "train.min_lr_ratio", "must be in [0, 1]");
   const int64_t total_opt = static_cast<int64_t>(c.steps) * tr.optimizer_steps_per_rollout;
   need(tr.schedule != LrScheduleKind::Cosine || total_opt > tr.warmup_steps, "train.warmup_steps",
@@ -578,22 +725,31 @@ void config_validate(const RunConfig& c) {
   need(p.kv_calib_margin >= 1, "precision.kv_calib_margin", "must be >= 1 (a margin below 1 clips the largest values)");
 
   need(c.sft.steps >= 0, "sft.steps", "must be >= 0");
-  need(c.sft.batch_size >= 1, "sft.batch_size", "must be >= 1");
+  need(c.sft.batch_size >= 1 && c.sft.batch_size <= kMaxSequences, "sft.batch_size", "must be in [1, ",
+       kMaxSequences, "]");
   need(c.sft.lr >= 0, "sft.lr", "must be >= 0");
   need(c.sft.mix_gsm8k_fraction >= 0 && c.sft.mix_gsm8k_fraction <= 1, "sft.mix_gsm8k_fraction", "must be in [0, 1]");
   need(c.sft.mix_gsm8k_fraction == 0 || !c.sft.mix_gsm8k_path.empty(), "sft.mix_gsm8k_path",
        "is required when sft.mix_gsm8k_fraction > 0 (the GSM8K directory)");
   need(c.sft.max_seq_tokens >= 0, "sft.max_seq_tokens", "must be >= 0 (0 = no limit)");
   need(c.time_budget_s >= 0, "time_budget_s", "must be >= 0 (0 = none)");
+  need(c.memory.free_gib >= 0, "memory.free_gib", "must be >= 0 (0 = ask the device)");
 
   need(c.steps >= 0, "steps", "must be >= 0");
   need(c.val_every >= 0, "val_every", "must be >= 0 (0 = never)");
-  need(c.val_size >= 0, "val_size", "must be >= 0");
+  need(c.val_size >= 0 && c.val_size <= kMaxSequences, "val_size", "must be in [0, ", kMaxSequences, "]");
+  need(r.top_k <= kMaxVocab, "rollout.top_k", "must be <= ", kMaxVocab);
+  need(r.temperature <= kMaxFloat, "rollout.temperature", "must be <= ", kMaxFloat);
   need(c.val_every == 0 || c.val_size >= 1, "val_size", "must be >= 1 when val_every > 0");
   need(c.checkpoint_every >= 0, "checkpoint_every", "must be >= 0");
   need(c.checkpoint.max_shard_gb >= 0, "checkpoint.max_shard_gb", "must be >= 0");
+  need(c.checkpoint.keep_last >= 0, "checkpoint.keep_last", "must be >= 0 (0 = keep all)");
+  need(c.task.reward.python.empty() || c.task.reward.python.find(':') != std::string::npos, "task.reward.python",
+       "must look like module:function or path/to/file.py:function, got \"", c.task.reward.python, "\"");
   need(!c.out.empty(), "out", "must name a run directory");
-  need(c.max_consecutive_bad_steps >= 0, "max_consecutive_bad_steps", "must be >= 0");
+  need(c.max_consecutive_bad_steps >= 1, "max_consecutive_bad_steps",
+       "must be >= 1 (the run stops after this many skipped optimizer steps in a row)");
+  need(c.checkpoint_max_abs_weight >= 0, "checkpoint_max_abs_weight", "must be >= 0 (0 = no bound)");
 }
 
 // ---- mapping onto the engines ----------------------------------------------------------------

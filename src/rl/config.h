@@ -83,8 +83,16 @@ struct TaskSection {
     std::string answer_field = "answer";
     std::string solution_field;     // worked solutions for sft ("" = none)
     std::string instruction;        // appended to every prompt when non-empty
+    std::string prompt_template;    // "" = the prompt field; else the prompt with {field} (nested:
+                                    // {a.b}) replaced by the row's values, e.g. "Q: {problem}"
     bool operator==(const Jsonl&) const = default;
   } jsonl;
+  struct Reward {
+    std::string python;             // "module:function" or "path/file.py:function": a Python
+                                    // reward called once per batch (rl/python_reward.h); "" = the
+                                    // task's own verifier
+    bool operator==(const Reward&) const = default;
+  } reward;
   bool operator==(const TaskSection&) const = default;
 };
 
@@ -155,7 +163,21 @@ struct CheckpointSection {          // how checkpoints/step_N/ stores the policy
                                     // stays exact either way (the F32 master is kept beside)
   std::string format = "hf";        // hf | fp8-block (FP8 linears + weight_scale_inv, vLLM/transformers)
   double max_shard_gb = 5;          // shard model files above this size (with the index); 0 = never
+  int keep_last = 0;                // keep the newest N checkpoints (older ones pruned); 0 = all
   bool operator==(const CheckpointSection&) const = default;
+};
+
+// The start-up memory check of `fp8rl train` / `sft` (rl/memory_plan.h memory_plan_check).
+struct MemorySection {
+  bool allow_overcommit = false;  // start even when the plan's peak exceeds the device's free memory
+  double free_gib = 0;            // free device memory to plan against; 0 = ask the device (CUDA:
+                                  // cudaMemGetInfo; the CPU backend reports none: no check)
+  bool operator==(const MemorySection&) const = default;
+};
+
+struct LoggerSection {
+  bool tensorboard = false;         // also write TensorBoard event files under RUN/tensorboard/
+  bool operator==(const LoggerSection&) const = default;
 };
 
 struct RunConfig {
@@ -167,25 +189,36 @@ struct RunConfig {
   PrecisionSection precision;
   SftSection sft;
   CheckpointSection checkpoint;
+  MemorySection memory;
   int steps = 20;                   // GRPO steps
   int val_every = 5;               // validate at step 0 and every N steps; 0 = never
   int val_size = 200;               // held-out prompts per validation
   int checkpoint_every = 0;         // 0 = only at the end
+  LoggerSection logger;
   std::string out = "runs/demo";    // run directory
   std::string device = "cpu";       // cpu | cuda
   int64_t seed = 1234;
-  int max_consecutive_bad_steps = 3;  // non-finite loss/grad steps skipped in a row before abort
+  int max_consecutive_bad_steps = 3;  // non-finite optimizer steps skipped in a row before abort (>= 1)
   double time_budget_s = 0;         // wall-clock budget of one train/sft run; 0 = none. The step
                                     // that leaves no room for another is the last (validated, saved)
+  double checkpoint_max_abs_weight = 1e5;  // a checkpoint with a larger |weight| is refused (the
+                                    // run exploded: lr too high); 0 = no bound
   bool operator==(const RunConfig&) const = default;
 };
 
 // Loads `yaml_path` ("" = defaults only), then applies `overrides` ("train.lr=1e-6") in order,
-// then validates. Errors name the file/key and say what is expected.
+// then validates. Errors name the file/key and say what is expected. Relative paths (model.path,
+// task.jsonl.path, ...) in the file resolve against the file's folder, on the command line
+// against the current directory; both are stored absolute.
 RunConfig config_load(const std::string& yaml_path, const std::vector<std::string>& overrides = {});
-// Applies a YAML document (a subset of keys) on top of `c`; `origin` names it in errors.
-void config_apply_yaml(RunConfig& c, const std::string& yaml_text, const std::string& origin);
-// One "key.sub=value" override.
+// Applies a YAML document (a subset of keys) on top of `c`; `origin` names it in errors;
+// relative path values resolve against `base_dir` (empty: kept as written).
+void config_apply_yaml(RunConfig& c, const std::string& yaml_text, const std::string& origin,
+                       const std::string& base_dir = "");
+// "key: old -> new" for every key whose value differs between `from` and `to` (key order).
+std::vector<std::string> config_diff(const RunConfig& from, const RunConfig& to);
+// One "key.sub=value" override (a relative path value becomes absolute against the current
+// directory).
 void config_apply_override(RunConfig& c, const std::string& assignment);
 // Sets one key from its text form (the same parser as YAML scalars).
 void config_set(RunConfig& c, const std::string& key, const std::string& value);
@@ -197,6 +230,9 @@ std::string config_to_yaml(const RunConfig& c);
 // Every valid key ("train.is.mode", ...) in declaration order, and the nearest to `key`.
 std::vector<std::string> config_keys();
 std::string config_nearest_key(const std::string& key);
+// True for a valid key or one of its aliases (task.jsonl.prompt_key = task.jsonl.prompt_field,
+// answer_key, solution_key).
+bool config_has_key(const std::string& key);
 
 // The mapping onto the engines' structs.
 PrecisionRecipe config_precision_recipe(const PrecisionSection& p);

@@ -14,6 +14,7 @@
 #include "core/error.h"
 #include "core/fs.h"
 #include "rl/checkpoint.h"
+#include "rl/interrupt.h"
 #include "rl/loop.h"
 #include "rl/memory_plan.h"
 #include "rl/metrics.h"
@@ -61,6 +62,8 @@ std::string ensure_demo_policy(const RunConfig& c) {
     k.val_every = 0;
     k.val_size = 0;
     k.checkpoint_every = 0;
+    k.memory = MemorySection{};
+    k.checkpoint_max_abs_weight = RunConfig{}.checkpoint_max_abs_weight;
     return k;
   }())));
   const std::string dir = cache_dir() + "/demo_policy_" + key;
@@ -69,13 +72,41 @@ std::string ensure_demo_policy(const RunConfig& c) {
     return dir;
   }
   std::printf("starting policy: not cached; training it with SFT (%d steps) into %s\n", s.sft.steps, dir.c_str());
+  // Atomic: the SFT run and the copy live in scratch directories (left over by a killed run,
+  // they are simply replaced) and `dir` appears by one rename, complete or not at all.
+  namespace fs = std::filesystem;
   s.out = dir + ".run";
   s.precision.recipe = "bf16";
-  const std::string ckpt = sft_run(s);
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(std::filesystem::path(dir).parent_path());
-  std::filesystem::copy(ckpt, dir, std::filesystem::copy_options::recursive);
+  fs::remove_all(s.out);
+  const std::string ckpt = sft_run(s, /*print_plan=*/false);
+  const std::string tmp = dir + ".tmp";
+  fs::remove_all(tmp);
+  fs::create_directories(fs::path(dir).parent_path());
+  fs::copy(ckpt, tmp, fs::copy_options::recursive);
+  fs::remove_all(dir);  // a directory without model.safetensors (not ours, or from an older fp8rl)
+  fs::rename(tmp, dir);
+  fs::remove_all(s.out);
   return dir;
+}
+
+// The step of the last complete line of metrics.jsonl (-1: none or no file).
+int64_t metrics_last_step(const std::string& path) {
+  if (!std::filesystem::exists(path)) return -1;
+  std::istringstream in(read_file(path));
+  int64_t last = -1;
+  for (std::string line; std::getline(in, line);) {
+    if (line.empty() || line.size() > (size_t(1) << 20)) continue;
+    const nlohmann::json j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (j.is_object() && j.contains("step") && j["step"].is_number_integer()) last = std::max(last, j["step"].get<int64_t>());
+  }
+  return last;
+}
+
+// Prompt and response share the model's positions: max_new_tokens must leave room for a prompt.
+void check_positions(const RunConfig& c, const ModelConfig& m) {
+  if (c.rollout.max_new_tokens >= m.max_position_embeddings)
+    FP8RL_FAIL("config: rollout.max_new_tokens (", c.rollout.max_new_tokens, ") must be below the model's ",
+               "max_position_embeddings (", m.max_position_embeddings, "): prompt and response share its positions");
 }
 
 // On resume: metrics.jsonl keeps only the steps the checkpoint includes. Lines logged after it
@@ -101,6 +132,20 @@ void metrics_truncate_after(const std::string& path, int64_t last_step) {
   write_file_atomic(path, kept);
 }
 
+// The validation example, prompt and response apart (a response may start mid-line).
+void print_example(const ValResult& v) {
+  auto indent = [](std::string s) {
+    for (size_t p = s.find('\n'); p != std::string::npos; p = s.find('\n', p + 1)) s.insert(p + 1, "    | ");
+    return s;
+  };
+  console_line(stdout, "  example prompt:   %s", indent(v.example_prompt).c_str());
+  console_line(stdout, "  example response: %s", indent(v.example_response).c_str());
+}
+
+std::string resume_hint(const std::string& out) {
+  return "continue with: fp8rl train --out " + out + " --resume";
+}
+
 }  // namespace
 
 int grpo_run(const RunConfig& config_in, bool resume) {
@@ -111,6 +156,7 @@ int grpo_run(const RunConfig& config_in, bool resume) {
     if (c.tokenizer.path.empty()) c.tokenizer.path = c.model.path + "/tokenizer.json";
   }
   Session s = session_open(c, cache_dir());
+  session_check_memory(s);  // refused here, before any work, when the plan cannot fit
   Backend& be = *s.backend;
   RunDir run = run_dir_create(c.out, resume);
   run_dir_save_config(run, c);
@@ -126,14 +172,32 @@ int grpo_run(const RunConfig& config_in, bool resume) {
   std::optional<std::string> ckpt = resume ? checkpoint_latest(run.checkpoints_dir()) : std::nullopt;
   TrainerState state;
   state.seed = static_cast<uint64_t>(c.seed);
+  if (ckpt) {
+    // Validated before anything is loaded: the state itself, every file's checksum, and the
+    // run's metrics.jsonl, which must reach the checkpoint's step (lines after it are dropped).
+    state = checkpoint_read_state(*ckpt);
+    checkpoint_verify_files(*ckpt, state);
+    const int64_t logged = metrics_last_step(run.metrics_path());
+    if (logged < state.step)
+      FP8RL_FAIL("cannot resume: ", *ckpt, " is the checkpoint of step ", state.step, " but ", run.metrics_path(),
+                 logged < 0 ? std::string(" has no step lines") : " ends at step " + std::to_string(logged),
+                 "; the run directory's files do not belong together (resume from a matching checkpoint "
+                 "by fixing checkpoints/latest, or start a new run)");
+  }
   ModelWeights host = ckpt ? checkpoint_load_policy(*ckpt) : session_initial_policy(s);
+  session_set_model(s, host.config.vocab_size);
+  check_positions(c, host.config);
+  session_check_model(s, host.config);
+  s.max_positions = host.config.max_position_embeddings;
+  s.max_new_tokens = c.rollout.max_new_tokens;
   std::printf("policy: %s, %lld parameters; recipe %s (generator %s%s, trainer %s); device %s\n",
               host.config.model_type.c_str(), static_cast<long long>(model_count_parameters(host)), recipe.name.c_str(),
               linear_mode_name(recipe.generator.linear), fp8_kv ? " + FP8 KV" : "",
               linear_mode_name(recipe.trainer.linear), be.name().c_str());
-  std::fputs(memory_plan_format(memory_plan_compute(memory_plan_input(c, host.config, be.act_dtype())), host.config)
-                 .c_str(),
-             stdout);
+  const MemoryPlan plan = memory_plan_compute(memory_plan_input(c, host.config, be.act_dtype()));
+  std::fputs(memory_plan_format(plan, host.config).c_str(), stdout);
+  std::fflush(stdout);
+  memory_plan_check_host(plan, c.device);
   Trainer trainer(be, model_weights_to_device(be, host, DType::F32), recipe.trainer, trainer_options(c));
   std::unique_ptr<Trainer> reference;  // frozen initial policy for the k3 KL term
   if (c.train.kl_beta > 0) {
@@ -145,7 +209,6 @@ int grpo_run(const RunConfig& config_in, bool resume) {
   RolloutEngine engine(be, trainer.master(), recipe.generator, static_cast<int>(memory_plan_kv_pages(c)), 16,
                        kRolloutMaxBatch);
   if (ckpt) {
-    state = checkpoint_read_state(*ckpt);
     checkpoint_load_optimizer(be, trainer, *ckpt, state);
     if (fp8_kv && !state.kv_scales.k.empty()) engine.refit(trainer.master(), &state.kv_scales);
     std::printf("resumed from %s at step %lld\n", ckpt->c_str(), static_cast<long long>(state.step));
@@ -168,6 +231,13 @@ int grpo_run(const RunConfig& config_in, bool resume) {
     engine.refit(trainer.master(), &state.kv_scales);
   }
   MetricsLog log(run.path);
+  if (c.logger.tensorboard) {
+    log.enable_tensorboard(run.path + "/tensorboard");
+    std::printf("tensorboard: %s/tensorboard (tensorboard --logdir %s)\n", run.path.c_str(), run.path.c_str());
+  }
+  InterruptNote interrupt_note(ckpt ? "interrupted; the last checkpoint is " + *ckpt + ": " + resume_hint(c.out)
+                                    : "interrupted before the first checkpoint of " + c.out +
+                                          " (nothing to resume; checkpoint_every=N saves every N steps)");
   std::optional<std::pair<int64_t, double>> first_val, last_val;  // (step, accuracy), for the summary
   if (!ckpt && c.val_every > 0) {
     ValResult v = validate(s, engine, c.val_size, c.rollout.max_new_tokens);
@@ -178,10 +248,15 @@ int grpo_run(const RunConfig& config_in, bool resume) {
     m.extra.push_back({"val_reward_mean", v.reward_mean});
     m.extra.push_back({"time_validation_s", v.seconds});
     log.write(m, c.steps);
-    std::printf("  e.g. %s\n", v.example.c_str());
+    print_example(v);
   }
 
-  BadStepGuard bad_steps(c.max_consecutive_bad_steps, "Lower train.lr or check the data.");
+  BadStepGuard bad_steps(c.max_consecutive_bad_steps, bad_step_hint(c, "train.lr", c.train.lr));
+  NoSignalWatch no_signal(3);
+  Progress run_bar("run", c.steps, stderr);
+  run_bar.update(state.step);
+  int64_t generated_tokens = 0, steps_run = 0;
+  double generation_s = 0;
   double slowest_step_s = 0;  // with validation: what one more step may cost
   for (int64_t step = state.step + 1; step <= c.steps; ++step) {
     // time_budget_s: a step that leaves no time for another (at the slowest step's pace) is the
@@ -199,6 +274,11 @@ int grpo_run(const RunConfig& config_in, bool resume) {
     StepMetrics m;
     m.step = step;
     const auto t_step = Clock::now();
+    double time_reward_s = 0, step_grad_norm = 0;
+    std::vector<float> rewards;                                    // [P x G], for the no-signal watch
+    std::vector<std::pair<std::string, double>> reward_metrics;  // a Python reward's extra keys
+    bool diverged = false;  // generation, scoring or the refit met a NaN/Inf: the step is skipped
+    try {  // phases 1-5 (not re-indented, to keep the diff small)
 
     // 1. Prompts and rollout.
     std::vector<TaskItem> items;
@@ -213,22 +293,51 @@ int grpo_run(const RunConfig& config_in, bool resume) {
     sp.top_k = c.rollout.top_k;
     sp.max_new_tokens = c.rollout.max_new_tokens;
     sp.stop_ids = s.stop_ids;
+    sp.valid_vocab = s.sampling_vocab;
     sp.seed = mix(static_cast<uint64_t>(c.seed), static_cast<uint64_t>(step));
     auto t0 = Clock::now();
-    std::vector<RolloutSample> samples = engine.generate(reqs, sp);
+    std::vector<RolloutSample> samples;
+    {
+      Progress bar("step " + std::to_string(step) + " generate", static_cast<int64_t>(P) * G * sp.max_new_tokens,
+                   stderr);
+      sp.on_progress = [&](int64_t done, int64_t) { bar.update(done); };
+      samples = engine.generate(reqs, sp);
+      bar.finish_quietly();
+    }
     m.time_generation_s = seconds_since(t0);
+    generated_tokens += engine.last_stats().generated_tokens;
+    generation_s += m.time_generation_s;
     m.generation_tokens_per_s = engine.last_stats().generated_tokens / std::max(1e-9, m.time_generation_s);
 
     // 2. Rewards and advantages.
-    std::vector<float> rewards;
     std::vector<uint8_t> correct;
     std::vector<int64_t> lengths;
     std::vector<TrainSequence> seqs;
     std::vector<float> logp_gen;
     std::vector<int64_t> offsets{0};
     t0 = Clock::now();
+    std::vector<const TaskItem*> sample_items;
+    std::vector<std::string> texts;
     for (const RolloutSample& r : samples) {
-      const double rw = s.task->reward(s.response_text(r.tokens), items[r.request].answer);
+      sample_items.push_back(&items[r.request]);
+      texts.push_back(s.response_text(r.tokens));
+    }
+    std::vector<double> rws;
+    try {
+      rws = s.rewards(sample_items, texts, &reward_metrics);
+    } catch (const Error& e) {
+      // Keep the failing batch for reproduction; metrics and checkpoints so far are on disk.
+      std::string dump;
+      for (const nlohmann::json& j : s.reward_samples(sample_items, texts))
+        dump += j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
+      const std::string path = run.path + "/reward_failure.jsonl";
+      write_file_atomic(path, dump);
+      FP8RL_FAIL(e.message(), "\nstep ", step, ": the batch's ", texts.size(), " samples are in ", path,
+                 "; metrics.jsonl holds every finished step");
+    }
+    for (size_t i = 0; i < samples.size(); ++i) {
+      const RolloutSample& r = samples[i];
+      const double rw = rws[i];
       rewards.push_back(static_cast<float>(rw));
       correct.push_back(rw >= 0.5);
       lengths.push_back(static_cast<int64_t>(r.tokens.size()));
@@ -240,7 +349,7 @@ int grpo_run(const RunConfig& config_in, bool resume) {
       logp_gen.insert(logp_gen.end(), r.logp.begin(), r.logp.end());
       offsets.push_back(offsets.back() + static_cast<int64_t>(r.tokens.size()));
     }
-    const double time_reward_s = seconds_since(t0);
+    time_reward_s = seconds_since(t0);
     const std::vector<float> adv = grpo_compute_advantages(rewards, G, c.train.baseline);
     m.reward_mean = metrics_mean(rewards);
     m.accuracy = metrics_accuracy(correct);
@@ -266,11 +375,18 @@ int grpo_run(const RunConfig& config_in, bool resume) {
     ro.logp_gen = std::move(logp_gen);
     ro.logp_old = old.logp;
     ro.logp_ref = std::move(logp_ref);
+    Progress train_bar("step " + std::to_string(step) + " train", mini_batches, stderr);
+    int optimizer_steps_done = 0;
     const GrpoUpdateResult up = grpo_update(
         trainer, ro, loss_opt, mini_batches, temperature,
         [&](int64_t opt_step) { return lr_schedule_at(lr_sched, opt_step); },
-        [&](const StepResult& sr) { return bad_steps.record(sr, step); });
+        [&](const StepResult& sr) {
+          train_bar.update(++optimizer_steps_done);
+          return bad_steps.record(sr, step);
+        });
+    train_bar.finish_quietly();
     const double loss = up.loss, gnorm = up.grad_norm;
+    step_grad_norm = gnorm;
     const int applied = up.applied;
     const GrpoStats& stats = up.stats;
     m.lr = up.lr;
@@ -294,16 +410,33 @@ int grpo_run(const RunConfig& config_in, bool resume) {
     engine.refit(trainer.master(), fp8_kv ? &scales : nullptr);
     be.synchronize();
     m.time_refit_s = seconds_since(t0);
+    state.kv_scales = scales;
+    } catch (const NonFiniteError& e) {
+      // The policy produced NaN/Inf outside an optimizer step (sampling, scoring, the refit):
+      // nothing of this step is used; it counts as a skipped step, and max_consecutive_bad_steps
+      // of them in a row stop the run with the likely cause.
+      std::string msg = e.what();
+      if (const size_t tag = msg.rfind(" ["); tag != std::string::npos) msg.resize(tag);
+      StepResult sr;
+      sr.loss = sr.grad_norm = std::nan("");
+      sr.skip_reason = "non-finite values in generation or scoring: " + msg;
+      diverged = true;
+      bad_steps.record(sr, step);
+      bool logged = false;
+      for (auto& [k, v] : m.extra) logged |= k == "skipped_optimizer_steps";
+      if (!logged) m.extra.push_back({"skipped_optimizer_steps", static_cast<double>(mini_batches)});
+      m.extra.push_back({"skipped_step", 1.0});
+    }
     state.step = step;
     state.optimizer_step = trainer.optimizer_step();
-    state.kv_scales = scales;
 
     // 6. Validation, metrics, checkpoint. Timing without validation: what the step costs.
     const double step_s = seconds_since(t_step);
     m.extra.push_back({"time_reward_s", time_reward_s});
+    for (const auto& kv : reward_metrics) m.extra.push_back(kv);
     m.extra.push_back({"time_step_excl_val_s", step_s});
     m.extra.push_back({"time_refit_calib_fraction", (m.time_refit_s + m.time_calibration_s) / std::max(1e-9, step_s)});
-    if (c.val_every > 0 && (step % c.val_every == 0 || final_step)) {
+    if (!diverged && c.val_every > 0 && (step % c.val_every == 0 || final_step)) {
       ValResult v = validate(s, engine, c.val_size, c.rollout.max_new_tokens);
       m.val_accuracy = v.accuracy;
       last_val = {step, v.accuracy};
@@ -313,15 +446,30 @@ int grpo_run(const RunConfig& config_in, bool resume) {
     m.time_step_s = seconds_since(t_step);
     slowest_step_s = std::max(slowest_step_s, m.time_step_s);
     log.write(m, c.steps);
-    if ((c.checkpoint_every > 0 && step % c.checkpoint_every == 0) || final_step)
-      checkpoint_save(be, trainer, state, run.checkpoints_dir(), checkpoint_options(c, s.tokenizer_json));
+    ++steps_run;
+    if (!diverged)
+      if (auto warn = no_signal.record(step, rewards, G, step_grad_norm)) console_line(stderr, "%s", warn->c_str());
+    if ((c.checkpoint_every > 0 && step % c.checkpoint_every == 0) || final_step) {
+      const std::string saved = checkpoint_save(be, trainer, state, run.checkpoints_dir(),
+                                                  checkpoint_options(c, s.tokenizer_json));
+      interrupt_note.set("interrupted; the last checkpoint is " + saved + " (step " + std::to_string(step) + "): " +
+                         resume_hint(c.out));
+      for (const std::string& p : checkpoint_prune(run.checkpoints_dir(), c.checkpoint.keep_last))
+        console_line(stdout, "checkpoint.keep_last=%d: removed %s", c.checkpoint.keep_last, p.c_str());
+    }
+    run_bar.update(step);
     if (final_step) break;
   }
+  run_bar.finish_quietly();
   if (first_val && last_val)
     std::printf("validation accuracy: %.3f at step %lld -> %.3f at step %lld (%+.1f points)\n", first_val->second,
                 static_cast<long long>(first_val->first), last_val->second, static_cast<long long>(last_val->first),
                 100.0 * (last_val->second - first_val->second));
-  std::printf("done: %s (metrics: %s)\n", run.path.c_str(), run.metrics_path().c_str());
+  const double total_s = seconds_since(t_run);
+  std::printf("done in %s (setup included): %lld steps, %lld tokens generated at %.0f tokens/s; %s (metrics: %s)\n",
+              format_duration(total_s).c_str(), static_cast<long long>(steps_run),
+              static_cast<long long>(generated_tokens), generated_tokens / std::max(1e-9, generation_s),
+              run.path.c_str(), run.metrics_path().c_str());
   return 0;
 }
 

@@ -1,5 +1,7 @@
 #include "rl/memory_plan.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdio>
 
@@ -149,6 +151,20 @@ MemoryPlan memory_plan_compute(const MemoryPlanInput& in) {
   return p;
 }
 
+int64_t memory_plan_host_bytes() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGE_SIZE);
+  return pages > 0 && page > 0 ? int64_t(pages) * page : 0;
+}
+
+void memory_plan_check_host(const MemoryPlan& plan, const std::string& device) {
+  if (device != "cpu") return;
+  const int64_t host = memory_plan_host_bytes();
+  if (host > 0 && plan.peak_bytes() > host)
+    FP8RL_FAIL("the run needs ", plan.peak_bytes() / double(int64_t(1) << 30), " GiB at its peak (the memory plan ",
+               "above) but this machine has ", host / double(int64_t(1) << 30), " GiB: reduce the model, ",
+               "rollout.prompts_per_step x generations_per_prompt, max_new_tokens or train.micro_batch_tokens");
+}
+
 int64_t memory_plan_kv_pages(const RunConfig& c) {
   // The engine runs at most kRolloutMaxBatch sequences at once (the rest wait for pages), so a
   // pool for more would never be used.
@@ -159,14 +175,14 @@ int64_t memory_plan_kv_pages(const RunConfig& c) {
   return int64_t(seqs) * ((len + page - 1) / page) + 1;
 }
 
-MemoryPlanInput memory_plan_input(const RunConfig& c, const ModelConfig& model, DType act_dtype) {
+MemoryPlanInput memory_plan_input(const RunConfig& c, const ModelConfig& model, DType act_dtype, bool sft) {
   MemoryPlanInput in;
   in.model = model;
   in.generator = config_precision_recipe(c.precision).generator;
   in.trainer = config_precision_recipe(c.precision).trainer;
   in.act_dtype = act_dtype;
-  in.reference_policy = c.train.kl_beta > 0;
-  in.kv_pages = memory_plan_kv_pages(c);
+  in.reference_policy = !sft && c.train.kl_beta > 0;
+  in.kv_pages = sft ? memory_plan_sft_kv_pages(c) : memory_plan_kv_pages(c);
   in.micro_batch_tokens = c.train.micro_batch_tokens;
   in.generation_batch = kRolloutMaxBatch;
   return in;
@@ -198,6 +214,10 @@ std::string memory_plan_format(const MemoryPlan& p, const ModelConfig& c, int64_
   std::snprintf(buf, sizeof buf, "  %-44s %12s  %s\n", "saved activations with block recomputation",
                 gib(p.activations_recompute_bytes).c_str(), "(not built: block inputs + one block)");
   s += buf;
+  s += " not counted: the CUDA context, cuBLASLt workspaces, CUDA-graph memory pools, allocator slack\n"
+       " (fragmentation), the host side; the generator's prefill activations (one layer's buffers of at\n"
+       " most max_batch_tokens tokens, reused) and the trainer's scoring forward (no saved activations)\n"
+       " are below the training micro-batch's peak and not added to it.\n";
   if (device_bytes > 0) {
     const int64_t free = device_bytes - p.peak_bytes();
     std::snprintf(buf, sizeof buf, "  %s in %s: %s %s\n", free >= 0 ? "fits" : "DOES NOT FIT", gib(device_bytes).c_str(),
@@ -205,6 +225,130 @@ std::string memory_plan_format(const MemoryPlan& p, const ModelConfig& c, int64_
     s += buf;
   }
   return s;
+}
+
+namespace {
+
+int64_t peak_for(const RunConfig& c, const ModelConfig& model, DType act, bool sft) {
+  return memory_plan_compute(memory_plan_input(c, model, act, sft)).peak_bytes();
+}
+
+// Largest v in [lo, hi] with fits(v), fits monotone (true then false); lo - 1 when none.
+template <class F>
+int64_t largest_fitting(int64_t lo, int64_t hi, F&& fits) {
+  if (lo > hi || !fits(lo)) return lo - 1;
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo + 1) / 2;
+    if (fits(mid)) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
+}  // namespace
+
+int64_t memory_plan_free_bytes(const RunConfig& c, int64_t backend_free_bytes) {
+  if (c.memory.free_gib > 0) return static_cast<int64_t>(c.memory.free_gib * double(1ll << 30));
+  return backend_free_bytes;
+}
+
+std::string memory_plan_check(const RunConfig& c, const ModelConfig& model, DType act, int64_t free_bytes, bool sft) {
+  if (free_bytes < 0) return "memory check: skipped (the device reports no free memory; set memory.free_gib to check)\n";
+  const int64_t peak = peak_for(c, model, act, sft);
+  char buf[512];
+  if (peak <= free_bytes) {
+    std::snprintf(buf, sizeof buf, "memory check: peak %s fits in %s free (%s left for what the plan does not count)\n",
+                  gib(peak).c_str(), gib(free_bytes).c_str(), gib(free_bytes - peak).c_str());
+    return buf;
+  }
+  std::string msg;
+  std::snprintf(buf, sizeof buf, "the memory plan's peak, %s, exceeds the device's free memory, %s, by %s.",
+                gib(peak).c_str(), gib(free_bytes).c_str(), gib(peak - free_bytes).c_str());
+  msg += buf;
+  std::vector<std::string> fixes;
+  auto fits = [&](const RunConfig& t) { return peak_for(t, model, act, sft) <= free_bytes; };
+  // train.micro_batch_tokens (saved activations, backward scratch, the logits chunk).
+  {
+    const int64_t cur = c.train.micro_batch_tokens;
+    const int64_t best = largest_fitting(1, cur - 1, [&](int64_t v) {
+      RunConfig t = c;
+      t.train.micro_batch_tokens = v;
+      return fits(t);
+    });
+    if (best >= 1) {
+      const int64_t nice = best >= 256 ? best / 256 * 256 : best;
+      std::snprintf(buf, sizeof buf, "train.micro_batch_tokens <= %lld (now %lld)", static_cast<long long>(nice),
+                    static_cast<long long>(cur));
+      fixes.push_back(buf);
+    }
+  }
+  // sft: its validation KV pool (val_size prompts).
+  if (sft) {
+    const int64_t best = largest_fitting(1, c.val_size - 1, [&](int64_t v) {
+      RunConfig t = c;
+      t.val_size = static_cast<int>(v);
+      return fits(t);
+    });
+    if (best >= 1) {
+      std::snprintf(buf, sizeof buf, "val_size <= %lld (now %d: the validation engine's KV pool)",
+                    static_cast<long long>(best), c.val_size);
+      fixes.push_back(buf);
+    }
+  }
+  // The KV pool: sequences decoded at once (min(256, max(P x G, val_size))) and their length.
+  if (!sft) {
+    const int P = c.rollout.prompts_per_step, G = c.rollout.generations_per_prompt;
+    const int cur = std::min(kRolloutMaxBatch, std::max(P * G, c.val_size));
+    const int64_t best = largest_fitting(1, cur - 1, [&](int64_t s) {
+      RunConfig t = c;
+      t.rollout.prompts_per_step = static_cast<int>(s);
+      t.rollout.generations_per_prompt = 1;
+      t.val_size = static_cast<int>(s);
+      return fits(t);
+    });
+    if (best >= 1) {
+      std::snprintf(buf, sizeof buf,
+                    "rollout.prompts_per_step x rollout.generations_per_prompt and val_size <= %lld (now %d x %d, "
+                    "val_size %d: a KV pool for %d sequences)",
+                    static_cast<long long>(best), P, G, c.val_size, cur);
+      fixes.push_back(buf);
+    }
+    const int64_t best_len = largest_fitting(1, c.rollout.max_new_tokens - 1, [&](int64_t m) {
+      RunConfig t = c;
+      t.rollout.max_new_tokens = static_cast<int>(m);
+      return fits(t);
+    });
+    if (best_len >= 1) {
+      std::snprintf(buf, sizeof buf, "rollout.max_new_tokens <= %lld (now %d)", static_cast<long long>(best_len),
+                    c.rollout.max_new_tokens);
+      fixes.push_back(buf);
+    }
+  }
+  if (!sft && c.train.kl_beta > 0) {
+    RunConfig t = c;
+    t.train.kl_beta = 0;
+    if (fits(t)) fixes.push_back("train.kl_beta: 0 (drops the frozen reference policy's weights)");
+  }
+  if (fixes.empty()) {
+    msg += sft ? " No single knob makes it fit (train.micro_batch_tokens, val_size): combine them, or use a smaller "
+                 "model or more memory."
+               : " No single knob makes it fit (train.micro_batch_tokens, the rollout sizes, train.kl_beta): combine "
+                 "them, or use a smaller model or more memory.";
+  } else {
+    msg += " Any one of these makes it fit:";
+    for (const std::string& f : fixes) msg += "\n  - " + f;
+  }
+  {
+    const MemoryPlan p = memory_plan_compute(memory_plan_input(c, model, act, sft));
+    const int64_t saved = p.transient.empty() ? 0 : p.transient.front().bytes - p.activations_recompute_bytes;
+    std::snprintf(buf, sizeof buf,
+                  "\n  (block recomputation in backward would save %s of activations, but it is not built yet)", gib(saved).c_str());
+    msg += buf;
+  }
+  if (c.memory.allow_overcommit)
+    return "warning: " + msg + "\nmemory.allow_overcommit is set: starting anyway\n";
+  FP8RL_FAIL(msg, "\nNothing was run. To start anyway (e.g. the plan over-counts your case), set "
+             "memory.allow_overcommit: true.");
 }
 
 ModelConfig memory_plan_shape(const std::string& name) { return model_shape(name); }

@@ -61,11 +61,38 @@ int64_t memory_plan_generator_bytes(const ModelConfig& c, const EnginePrecision&
 // tokens, plus one.
 int64_t memory_plan_kv_pages(const RunConfig& c);
 
+// The KV pool of `fp8rl sft`'s validation engine: 8 pages of 16 tokens per validation prompt, plus 8.
+inline int64_t memory_plan_sft_kv_pages(const RunConfig& c) { return int64_t(c.val_size) * 8 + 8; }
+
 // The plan's input from a run config, for a given model shape and backend activation dtype.
-MemoryPlanInput memory_plan_input(const RunConfig& c, const ModelConfig& model, DType act_dtype);
+// sft: `fp8rl sft`'s run (its validation KV pool, no reference policy) instead of GRPO's.
+MemoryPlanInput memory_plan_input(const RunConfig& c, const ModelConfig& model, DType act_dtype, bool sft = false);
+
+// The machine's physical memory in bytes (0 when unknown).
+int64_t memory_plan_host_bytes();
+// On the CPU backend the plan must fit the machine's memory: refused before anything is allocated.
+void memory_plan_check_host(const MemoryPlan& plan, const std::string& device);
 
 // A readable table; `device_bytes` > 0 adds the headroom line ("fits in 139.0 GiB: 12.3 GiB free").
 std::string memory_plan_format(const MemoryPlan& plan, const ModelConfig& model, int64_t device_bytes = 0);
+
+// The start-up check of `fp8rl train` / `fp8rl sft`, before any work: the plan's peak for
+// (config, model, act) against `free_bytes` of free device memory (< 0: unknown, nothing is
+// checked). When the peak does not fit it throws an Error that says by how much and names what
+// would make it fit, each computed with the plan: the largest train.micro_batch_tokens, the
+// largest rollout batch (rollout.prompts_per_step x generations_per_prompt, val_size) and
+// rollout.max_new_tokens the KV pool allows, train.kl_beta = 0 when a reference policy is held,
+// and what block recomputation (not built) would give; unless memory.allow_overcommit, then it
+// returns a warning instead. Otherwise returns the "fits" line. The plan does not count the CUDA
+// context, library workspaces (cuBLASLt), CUDA-graph pools and allocator slack (see
+// memory_plan_format): a peak just under the free memory can still run out.
+// sft: the plan of `fp8rl sft` (knobs: train.micro_batch_tokens, val_size).
+std::string memory_plan_check(const RunConfig& c, const ModelConfig& model, DType act_dtype, int64_t free_bytes,
+                              bool sft = false);
+
+// The free memory memory_plan_check is given: memory.free_gib when > 0, else what the backend
+// reports (Backend::free_device_bytes; the CPU backend: -1, no check).
+int64_t memory_plan_free_bytes(const RunConfig& c, int64_t backend_free_bytes);
 
 // Shapes for `fp8rl plan --shape`: model/shapes.h's registry. Throws on others.
 ModelConfig memory_plan_shape(const std::string& name);

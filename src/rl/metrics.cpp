@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 
 #include "core/error.h"
 
@@ -18,7 +19,7 @@ MismatchMetrics metrics_compute_mismatch(std::span<const float> logp_old, std::s
   for (size_t t = 0; t < logp_old.size(); ++t) {
     if (!token_mask.empty() && token_mask[t] == 0) continue;
     if (!std::isfinite(logp_old[t]) || !std::isfinite(logp_gen[t]))
-      FP8RL_FAIL("log-prob of token ", t, " is not finite (old ", logp_old[t], ", gen ", logp_gen[t],
+      FP8RL_FAIL_NONFINITE("log-prob of token ", t, " is not finite (old ", logp_old[t], ", gen ", logp_gen[t],
                  "): one engine diverged");
     const double log_r = static_cast<double>(logp_old[t]) - logp_gen[t];  // log(train / gen)
     mult += std::exp(std::fabs(log_r));
@@ -80,6 +81,38 @@ double metrics_accuracy(std::span<const uint8_t> correct) {
   int64_t k = 0;
   for (uint8_t c : correct) k += c != 0;
   return static_cast<double>(k) / static_cast<double>(correct.size());
+}
+
+std::optional<std::string> NoSignalWatch::record(int64_t step, std::span<const float> rewards, int group,
+                                                 double grad_norm) {
+  bool flat = group > 0 && !rewards.empty() && grad_norm == 0.0;
+  float lo = rewards.empty() ? 0.f : rewards[0], hi = lo;
+  for (size_t i = 0; flat && i < rewards.size(); ++i) {
+    if (rewards[i] != rewards[i - i % static_cast<size_t>(group)]) flat = false;
+    lo = std::min(lo, rewards[i]);
+    hi = std::max(hi, rewards[i]);
+  }
+  if (!flat) {
+    streak_ = 0;
+    return std::nullopt;
+  }
+  if (streak_++ == 0) first_ = step;
+  if (streak_ != steps_) return std::nullopt;
+  char buf[512];
+  if (lo == hi)
+    std::snprintf(buf, sizeof buf,
+                  "warning: steps %lld-%lld learned nothing: every reward was %g and the gradient norm 0 (GRPO "
+                  "learns only from differences within a group). Check the reward function (task.reward.*) "
+                  "against a few responses, or make the task easier / the policy better (SFT first).",
+                  static_cast<long long>(first_), static_cast<long long>(step), static_cast<double>(lo));
+  else
+    std::snprintf(buf, sizeof buf,
+                  "warning: steps %lld-%lld learned nothing: within every group all rewards were equal (values "
+                  "%g..%g) and the gradient norm 0. Raise rollout.temperature or "
+                  "rollout.generations_per_prompt for more varied answers, or check the reward function.",
+                  static_cast<long long>(first_), static_cast<long long>(step), static_cast<double>(lo),
+                  static_cast<double>(hi));
+  return std::string(buf);
 }
 
 }  // namespace fp8rl

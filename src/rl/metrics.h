@@ -3,7 +3,9 @@
 // Every mean of nothing is NaN, which the metrics log writes as JSON null.
 #pragma once
 #include <cstdint>
+#include <optional>
 #include <span>
+#include <string>
 
 namespace fp8rl {
 
@@ -39,6 +41,20 @@ struct LengthStats {
 };
 // lengths: [responses] generated tokens per response. max_new_tokens <= 0: no cap check (0).
 LengthStats metrics_length_stats(std::span<const int64_t> lengths, int64_t max_new_tokens);
+
+// Watches for runs that learn nothing: a step where every GRPO group's rewards are equal (so
+// every advantage is 0) and the gradient norm is 0. After `steps` such steps in a row, record()
+// returns a warning (once per streak) that says what the rewards were and what to check.
+class NoSignalWatch {
+ public:
+  explicit NoSignalWatch(int steps = 3) : steps_(steps) {}
+  // rewards: [prompts * group] in group order.
+  std::optional<std::string> record(int64_t step, std::span<const float> rewards, int group, double grad_norm);
+
+ private:
+  int steps_;
+  int64_t streak_ = 0, first_ = 0;
+};
 
 double metrics_mean(std::span<const float> values);       // NaN when empty; throws on non-finite
 double metrics_accuracy(std::span<const uint8_t> correct);  // fraction of nonzero; NaN when empty

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdarg>
 #include <cstring>
 #include <nlohmann/json.hpp>
 
@@ -98,9 +99,25 @@ std::string metrics_console_line(const StepMetrics& m, int64_t total_steps) {
   s += " | mult_err " + fmt("%.4f", m.token_mult_prob_error) + " gen_kl " + fmt("%.2e", m.gen_kl_error);
   s += " | loss " + fmt("%.4f", m.loss) + " clip " + fmt("%.3f", m.clip_fraction) + " gnorm " + fmt("%.3g", m.grad_norm);
   s += " | gen " + fmt("%.2fs", m.time_generation_s) + " train " + fmt("%.2fs", m.time_train_s) + " refit " +
-       fmt("%.3fs", m.time_refit_s);
+       fmt("%.3fs", m.time_refit_s) + " tok/s " + fmt("%.0f", m.generation_tokens_per_s);
   if (m.val_accuracy) s += " | val_acc " + fmt("%.3f", *m.val_accuracy);
   return s;
+}
+
+std::string metrics_console_legend() {
+  return "legend: reward/acc = mean reward / fraction correct; len = mean response tokens; mult_err = "
+         "token_mult_prob_error (1 = engines agree); gen_kl = KL(generator||trainer); clip = clipped-ratio "
+         "fraction; gnorm = gradient norm; gen/train/refit = phase seconds; tok/s = generated tokens per second "
+         "(metrics.jsonl has every metric)";
+}
+
+std::string format_duration(double s) {
+  if (!std::isfinite(s) || s < 0) return "-";
+  char buf[32];
+  if (s < 60) std::snprintf(buf, sizeof buf, "%.1fs", s);
+  else if (s < 3600) std::snprintf(buf, sizeof buf, "%dm%02ds", int(s) / 60, int(s) % 60);
+  else std::snprintf(buf, sizeof buf, "%dh%02dm", int(s) / 3600, int(s) % 3600 / 60);
+  return buf;
 }
 
 MetricsLog::MetricsLog(const std::string& dir, std::FILE* console_out)
@@ -114,20 +131,63 @@ MetricsLog::~MetricsLog() {
   if (file_) std::fclose(file_);
 }
 
+void MetricsLog::enable_tensorboard(const std::string& dir) { tb_ = std::make_unique<TensorBoardWriter>(dir); }
+
 void MetricsLog::write(const StepMetrics& m, int64_t total_steps) {
   const std::string line = metrics_to_json_line(m) + "\n";
   if (std::fwrite(line.data(), 1, line.size(), file_) != line.size() || std::fflush(file_) != 0)
     FP8RL_FAIL("cannot write '", path_, "': ", std::strerror(errno), " (disk full?)");
+  if (tb_) {
+    std::vector<std::pair<std::string, float>> scalars;
+    const nlohmann::ordered_json j = nlohmann::ordered_json::parse(line);
+    for (const auto& [k, v] : j.items())
+      if (k != "step" && v.is_number()) scalars.push_back({k, v.get<float>()});
+    tb_->write_scalars(m.step, scalars);
+  }
   if (console_) {
-    std::fprintf(console_, "%s\n", metrics_console_line(m, total_steps).c_str());
-    std::fflush(console_);
+    if (!legend_printed_) console_line(console_, "%s", metrics_console_legend().c_str());
+    legend_printed_ = true;
+    console_line(console_, "%s", metrics_console_line(m, total_steps).c_str());
   }
 }
 
 // ---- progress ------------------------------------------------------------------------------
+namespace {
+Progress* g_live = nullptr;        // the newest unfinished terminal bar
+std::FILE* g_drawn_on = nullptr;   // where a bar line is on screen now (nullptr: none)
+}  // namespace
+
+void progress_clear_line() {
+  if (!g_drawn_on) return;
+  std::fputs("\r\033[K", g_drawn_on);
+  std::fflush(g_drawn_on);
+  g_drawn_on = nullptr;
+}
+
+void console_line(std::FILE* out, const char* fmt, ...) {
+  progress_clear_line();
+  va_list ap;
+  va_start(ap, fmt);
+  std::vfprintf(out, fmt, ap);
+  va_end(ap);
+  std::fputc('\n', out);
+  std::fflush(out);
+}
+
+std::string Progress::format_tail(int64_t done, int64_t total, double elapsed) {
+  std::string s = std::to_string(done) + "/" + std::to_string(total) + " " + format_duration(elapsed);
+  if (done > 0 && total > done) s += " ETA " + format_duration(elapsed * double(total - done) / double(done));
+  return s;
+}
+
 Progress::Progress(std::string label, int64_t total, std::FILE* out, int tty, double line_interval_s)
     : label_(std::move(label)), total_(total), out_(out), interval_s_(line_interval_s), start_s_(now_s()) {
   tty_ = tty < 0 ? (out_ && ::isatty(::fileno(out_)) == 1) : tty == 1;
+  if (!tty_) last_s_ = start_s_;  // plain lines: the first after one interval, not at once
+  if (tty_ && out_) {
+    below_ = g_live;
+    g_live = this;
+  }
 }
 
 Progress::~Progress() { finish(); }
@@ -135,6 +195,7 @@ Progress::~Progress() { finish(); }
 void Progress::update(int64_t done) {
   if (!out_ || finished_) return;
   done_ = done;
+  if (tty_ && g_live != this) return;  // a newer bar is live: it owns the line
   const double t = now_s();
   const double min_gap = tty_ ? 0.1 : interval_s_;
   if (t - last_s_ < min_gap) return;
@@ -145,23 +206,29 @@ void Progress::update(int64_t done) {
 void Progress::finish() {
   if (!out_ || finished_) return;
   finished_ = true;
-  draw(true);
+  if (!tty_ || g_live == this) draw(true);
+  if (g_live == this) g_live = below_;
+}
+
+void Progress::finish_quietly() {
+  if (!out_ || finished_) return;
+  finished_ = true;
+  if (tty_ && g_drawn_on == out_ && g_live == this) progress_clear_line();
+  if (g_live == this) g_live = below_;
 }
 
 void Progress::draw(bool final_line) {
-  const double elapsed = now_s() - start_s_;
-  char tail[96];
-  std::snprintf(tail, sizeof tail, "%lld/%lld %.1fs", static_cast<long long>(done_), static_cast<long long>(total_),
-                elapsed);
+  const std::string tail = format_tail(done_, total_, now_s() - start_s_);
   if (tty_) {
     constexpr int kWidth = 30;
     const double frac = total_ > 0 ? std::min(1.0, std::max(0.0, double(done_) / double(total_))) : 0.0;
     const int filled = static_cast<int>(frac * kWidth);
     std::string bar(static_cast<size_t>(filled), '#');
     bar.append(static_cast<size_t>(kWidth - filled), '-');
-    std::fprintf(out_, "\r%s [%s] %s\033[K%s", label_.c_str(), bar.c_str(), tail, final_line ? "\n" : "");
+    std::fprintf(out_, "\r%s [%s] %s\033[K%s", label_.c_str(), bar.c_str(), tail.c_str(), final_line ? "\n" : "");
+    g_drawn_on = final_line ? nullptr : out_;
   } else {
-    std::fprintf(out_, "%s: %s%s\n", label_.c_str(), tail, final_line ? " done" : "");
+    std::fprintf(out_, "%s: %s%s\n", label_.c_str(), tail.c_str(), final_line ? " done" : "");
   }
   std::fflush(out_);
 }

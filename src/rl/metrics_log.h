@@ -3,14 +3,16 @@
 // for long phases.
 #pragma once
 #include <cmath>
-#include <limits>
 #include <cstdint>
 #include <cstdio>
+#include <limits>
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "io/tensorboard.h"
 #include "rl/metrics.h"
 #include "train/grpo.h"
 
@@ -52,6 +54,10 @@ void step_metrics_set_lengths(StepMetrics& m, const LengthStats& l);
 std::string metrics_to_json_line(const StepMetrics& m);
 // A readable line: "step 12/40 | reward 0.531 acc 0.500 | ... | gen 1.2s train 0.4s refit 0.01s".
 std::string metrics_console_line(const StepMetrics& m, int64_t total_steps);
+// One line naming what the console line's abbreviations are (printed once before the first).
+std::string metrics_console_legend();
+// "1h02m", "3m07s", "12.3s".
+std::string format_duration(double seconds);
 
 class MetricsLog {
  public:
@@ -62,24 +68,37 @@ class MetricsLog {
   MetricsLog(const MetricsLog&) = delete;
   MetricsLog& operator=(const MetricsLog&) = delete;
   void write(const StepMetrics& m, int64_t total_steps);
+  // logger.tensorboard: every finite metric of every later write() also goes to a TensorBoard
+  // event file under `dir` (io/tensorboard.h), tagged with its metrics.jsonl name.
+  void enable_tensorboard(const std::string& dir);
   const std::string& path() const { return path_; }
 
  private:
   std::string path_;
   std::FILE* file_ = nullptr;
   std::FILE* console_ = nullptr;
+  std::unique_ptr<TensorBoardWriter> tb_;
+  bool legend_printed_ = false;
 };
 
-// A progress indicator for a long phase (generation, validation, SFT epochs). On a terminal it
-// redraws one line ("\rlabel [#####-----] 12/64 3.1s") at most ~10 times a second; otherwise
-// (a log file, CI) it prints a plain line at most every `line_interval_s` seconds and at the end.
+// A progress indicator for a long phase (generation, training, validation, SFT, the whole run).
+// On a terminal it redraws one line ("\rlabel [#####-----] 12/64 3.1s ETA 9.4s") at most ~10
+// times a second; otherwise (a log file, CI) it prints a plain line at most every
+// `line_interval_s` seconds and at the end. Only the newest live bar draws on a terminal; lines
+// printed through console_line() (or after progress_clear_line()) erase it first, so that bars
+// and log lines do not collide.
 class Progress {
  public:
   // tty: 1 / 0 force the mode; -1 = isatty(out).
   Progress(std::string label, int64_t total, std::FILE* out = stderr, int tty = -1, double line_interval_s = 10.0);
   ~Progress();
   void update(int64_t done);
+  void set_label(std::string label) { label_ = std::move(label); }
   void finish();  // prints the final state once (also called by the destructor)
+  // quiet: no final line (a sub-phase bar that the next log line replaces).
+  void finish_quietly();
+  // "12/64 3.1s ETA 9.4s" (the ETA from the mean pace so far; absent before the first unit).
+  static std::string format_tail(int64_t done, int64_t total, double elapsed_s);
 
  private:
   void draw(bool final_line);
@@ -88,6 +107,12 @@ class Progress {
   std::FILE* out_;
   bool tty_, finished_ = false;
   double interval_s_, start_s_, last_s_ = -1e300;
+  Progress* below_ = nullptr;  // the bar that was live when this one started
 };
+
+// Erases the live terminal progress bar, if one is drawn (before printing a log line).
+void progress_clear_line();
+// printf to `out` (a line, newline added) after erasing the live bar; flushed.
+void console_line(std::FILE* out, const char* fmt, ...) __attribute__((format(printf, 2, 3)));
 
 }  // namespace fp8rl

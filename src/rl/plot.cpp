@@ -12,6 +12,7 @@
 
 #include "core/error.h"
 #include "core/fs.h"
+#include "io/json_input.h"
 
 namespace fp8rl {
 
@@ -47,7 +48,7 @@ int64_t step_of(const nlohmann::json& j, const std::string& where) {
     const double v = it->get<double>();
     if (std::isfinite(v) && v == std::floor(v) && std::fabs(v) < 9e15) return int64_t(v);
   }
-  FP8RL_FAIL(where, ": \"step\" is ", it->dump(), ", expected an integer");
+  FP8RL_FAIL(where, ": \"step\" is ", json_brief(*it), ", expected an integer");
 }
 
 // ---- axes -----------------------------------------------------------------------------------
@@ -307,10 +308,9 @@ RunMetrics plot_load_run(const std::string& dir) {
     const std::string where = path + ":" + std::to_string(line_no);
     nlohmann::json j;
     try {
-      j = nlohmann::json::parse(line);
-    } catch (const nlohmann::json::parse_error& e) {
-      FP8RL_FAIL(where, ": not valid JSON (", e.what(), "); a run killed mid-write can leave a torn last line: ",
-                 "delete that line and plot again");
+      j = json_parse_limited(line, where, {size_t(1) << 20, 16});
+    } catch (const Error& e) {
+      FP8RL_FAIL(e.what(), "; a run killed mid-write can leave a torn last line: delete that line and plot again");
     }
     if (!j.is_object()) FP8RL_FAIL(where, ": expected a JSON object per line, got ", j.type_name());
     const int64_t step = step_of(j, where);

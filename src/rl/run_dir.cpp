@@ -30,4 +30,22 @@ void run_dir_save_config(const RunDir& dir, const RunConfig& config) {
   write_file_atomic(dir.config_path(), config_to_yaml(config));
 }
 
+RunConfig run_dir_resume_config(const std::string& path, const std::vector<std::string>& overrides,
+                                std::vector<std::string>* changes) {
+  const RunDir d{path};
+  if (!std::filesystem::exists(d.config_path()))
+    FP8RL_FAIL("nothing to resume in '", path, "': it has no config.yaml (not a run directory, or the run never "
+               "started); start it without --resume");
+  RunConfig saved;
+  // Saved configs hold absolute paths (config_load); older ones were relative to the directory
+  // the run was started from, which is the best guess here too.
+  config_apply_yaml(saved, read_file(d.config_path()), d.config_path());
+  saved.out = path;
+  RunConfig c = saved;
+  for (const std::string& o : overrides) config_apply_override(c, o);
+  config_validate(c);
+  if (changes) *changes = config_diff(saved, c);
+  return c;
+}
+
 }  // namespace fp8rl

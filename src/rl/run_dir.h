@@ -26,4 +26,10 @@ RunDir run_dir_create(const std::string& path, bool resume = false);
 // Writes DIR/config.yaml atomically (core/fs.h write_file_atomic).
 void run_dir_save_config(const RunDir& dir, const RunConfig& config);
 
+// The config `fp8rl train --out DIR --resume [key=value ...]` continues with: DIR/config.yaml
+// (the run's own), out=DIR, then `overrides` on top, validated. `changes` (optional) receives
+// config_diff(saved, result). Throws when DIR holds no run config.
+RunConfig run_dir_resume_config(const std::string& dir, const std::vector<std::string>& overrides,
+                                std::vector<std::string>* changes = nullptr);
+
 }  // namespace fp8rl

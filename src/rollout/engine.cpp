@@ -98,6 +98,8 @@ std::vector<RolloutSample> RolloutEngine::generate(const std::vector<RolloutRequ
                                                    const SamplingParams& sp) {
   const int V = gen_.config.vocab_size;
   FP8RL_CHECK(sp.max_new_tokens > 0, "max_new_tokens must be positive");
+  FP8RL_CHECK(sp.valid_vocab >= 0, "valid_vocab must be >= 0 (0: the whole vocabulary), got ", sp.valid_vocab);
+  const int64_t valid_vocab = sp.valid_vocab > 0 ? std::min<int64_t>(sp.valid_vocab, V) : V;
   FP8RL_CHECK(sp.temperature >= 0.0f && sp.top_p > 0.0f && sp.top_p <= 1.0f && sp.top_k >= 0,
               "bad sampling parameters: temperature >= 0, top_p in (0, 1], top_k >= 0");
   stats_ = RolloutStats{};
@@ -142,7 +144,11 @@ std::vector<RolloutSample> RolloutEngine::generate(const std::vector<RolloutRequ
   std::vector<float> temp, top_p, uniforms;
   std::vector<int> top_k;
   std::vector<const std::vector<int32_t>*> graph_pages;
+  // Progress in token slots: every sample has max_new_tokens; a finished one counts them all.
+  int64_t slots_done = 0;
+  const int64_t slots_total = static_cast<int64_t>(seqs.size()) * sp.max_new_tokens;
   while (!sched.done()) {
+    if (sp.on_progress) sp.on_progress(slots_done, slots_total);
     const std::vector<int>& batch_seqs = sched.schedule();
     if (batch_seqs.empty()) continue;  // everything scheduled was preempted: plan again
 
@@ -204,7 +210,7 @@ std::vector<RolloutSample> RolloutEngine::generate(const std::vector<RolloutRequ
     for (int si : batch_seqs)
       if (seqs[si].cached == seqs[si].len()) uniforms.push_back(static_cast<float>(seqs[si].rng() >> 40) * 0x1.0p-24f);
     Tensor tokens_dev = buf_.tokens.slice_rows(0, R), logp_dev = buf_.logp.slice_rows(0, R);
-    be_.sample(logits, temp, top_p, top_k, uniforms, tokens_dev, logp_dev);
+    be_.sample(logits, temp, top_p, top_k, uniforms, tokens_dev, logp_dev, valid_vocab);
     const Tensor tokens = be_.to_host(tokens_dev), logp = be_.to_host(logp_dev);
     int r = 0;
     for (int si : batch_seqs) {
@@ -215,12 +221,14 @@ std::vector<RolloutSample> RolloutEngine::generate(const std::vector<RolloutRequ
       s.out.tokens.push_back(tok);
       s.out.logp.push_back(logp.data<float>()[r++]);
       stats_.generated_tokens++;
+      ++slots_done;
       const int n_out = static_cast<int>(s.out.tokens.size());
       const bool forced = !requests[s.request].stop_after.empty() && n_out >= s.max_new;
       const bool stop = forced || std::find(sp.stop_ids.begin(), sp.stop_ids.end(), tok) != sp.stop_ids.end();
       if (stop || n_out >= sp.max_new_tokens) {
         s.out.finish = stop ? FinishReason::Stop : FinishReason::Length;
         sched.finish(si);
+        slots_done += sp.max_new_tokens - static_cast<int64_t>(s.out.tokens.size());
       }
     }
   }

@@ -6,6 +6,7 @@
 // token budget, and recompute preemption when the pool runs out.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -23,6 +24,15 @@ struct SamplingParams {
   int max_new_tokens = 64;
   std::vector<int32_t> stop_ids;  // generation ends after emitting one of these (kept in tokens)
   uint64_t seed = 0;              // sample j of request i draws from a stream seeded by (seed, i, j)
+  // Ids >= valid_vocab are never sampled (0 = the model's whole vocabulary; larger than the
+  // model's is clamped to it). Callers pass the tokenizer's size, so that a model whose
+  // vocabulary is padded past the tokenizer's (Qwen: 151936 rows, 151669 ids) never emits an
+  // id the tokenizer cannot decode (Backend::sample masks their logits).
+  int64_t valid_vocab = 0;
+  // Called before every engine iteration with (done, total) token slots: total = samples x
+  // max_new_tokens, done = generated tokens + the unused budget of finished samples. For
+  // progress display only (never changes results).
+  std::function<void(int64_t done, int64_t total)> on_progress;
 };
 
 struct RolloutRequest {

@@ -178,4 +178,109 @@ std::optional<std::string> answer_extract(std::string_view r, bool last_number_f
   return std::nullopt;
 }
 
+// ---- normalization of \boxed{} answers ----------------------------------------------------------
+namespace {
+
+void replace_all(std::string& s, std::string_view from, std::string_view to) {
+  for (size_t p = s.find(from); p != std::string::npos; p = s.find(from, p + to.size())) s.replace(p, from.size(), to);
+}
+
+// The index after the '}' closing the '{' at `open`, or npos.
+size_t close_brace(const std::string& s, size_t open) {
+  int depth = 0;
+  for (size_t k = open; k < s.size(); ++k) {
+    if (s[k] == '{') ++depth;
+    else if (s[k] == '}' && --depth == 0) return k + 1;
+  }
+  return std::string::npos;
+}
+
+// \cmd{X} -> X for every occurrence (innermost content kept as written).
+void unwrap(std::string& s, std::string_view cmd) {
+  const std::string head = std::string(cmd) + "{";
+  for (size_t p = s.find(head); p != std::string::npos; p = s.find(head, p)) {
+    const size_t open = p + head.size() - 1, end = close_brace(s, open);
+    if (end == std::string::npos) return;
+    s = s.substr(0, p) + s.substr(open + 1, end - open - 2) + s.substr(end);
+  }
+}
+
+bool is_alpha(char c) { return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z'); }
+
+}  // namespace
+
+std::string answer_normalize(std::string_view in) {
+  std::string s(trim(in));
+  for (std::string_view w : {"\\boxed", "\\fbox", "\\text", "\\textbf", "\\textit", "\\mathrm", "\\mathbf",
+                             "\\operatorname"})
+    unwrap(s, w);
+  for (std::string_view w : {"\\left", "\\right", "\\displaystyle"}) replace_all(s, w, "");
+  replace_all(s, "{,}", ",");
+  replace_all(s, "\\!", "");
+  replace_all(s, "\\;", " ");
+  replace_all(s, "\\:", " ");
+  replace_all(s, "\\ ", " ");
+  replace_all(s, "\\$", "");
+  replace_all(s, "$", "");
+  for (std::string_view w : {"^{\\circ}", "^\\circ", "\\circ", "\xC2\xB0", "\\%", "%"}) replace_all(s, w, "");
+  replace_all(s, "\\dfrac", "\\frac");
+  replace_all(s, "\\tfrac", "\\frac");
+  // "1\,000" (a thin space between digit groups) -> "1000"; any other \, is a space.
+  for (size_t p = s.find("\\,"); p != std::string::npos; p = s.find("\\,", p)) {
+    const bool grouped = p > 0 && is_digit(s[p - 1]) && p + 5 <= s.size() && is_digit(s[p + 2]) && is_digit(s[p + 3]) &&
+                         is_digit(s[p + 4]) && (p + 5 == s.size() || !is_digit(s[p + 5]));
+    s.replace(p, 2, grouped ? "" : " ");
+  }
+  // \frac12 -> \frac{1}{2}
+  for (size_t p = s.find("\\frac"); p != std::string::npos; p = s.find("\\frac", p + 5))
+    if (p + 6 < s.size() && is_digit(s[p + 5]) && is_digit(s[p + 6]))
+      s = s.substr(0, p) + "\\frac{" + s[p + 5] + "}{" + s[p + 6] + "}" + s.substr(p + 7);
+  // \frac{-3}{4} -> -\frac{3}{4}
+  for (size_t p = s.find("\\frac{-"); p != std::string::npos; p = s.find("\\frac{-", p + 1))
+    s = s.substr(0, p) + "-\\frac{" + s.substr(p + 7);
+  std::string t(trim(s));
+  // "x = 5" -> "5" (one variable name, then '=')
+  if (t.size() > 2) {
+    size_t k = 0;
+    while (k < t.size() && is_alpha(t[k])) ++k;
+    size_t e = k;
+    while (e < t.size() && t[e] == ' ') ++e;
+    if (k >= 1 && k <= 2 && e < t.size() && t[e] == '=') t = std::string(trim(std::string_view(t).substr(e + 1)));
+  }
+  // Trailing unit words: "5 cm", "12.50 dollars", "3 square meters." -> the number before them.
+  const size_t sp = t.find(' ');
+  if (sp != std::string::npos) {
+    ExactNumber n;
+    const std::string head = t.substr(0, sp), tail = t.substr(sp + 1);
+    bool words = !tail.empty();
+    for (char c : tail) words = words && (is_alpha(c) || c == ' ' || c == '.' || c == '^' || is_digit(c));
+    if (words && is_alpha(trim(tail).empty() ? ' ' : trim(tail)[0]) && answer_parse_number(head, n)) t = head;
+  }
+  return t;
+}
+
+bool answer_equal_normalized(std::string_view candidate, std::string_view reference) {
+  return answer_equal(answer_normalize(candidate), answer_normalize(reference));
+}
+
+std::optional<std::string> answer_extract_boxed(std::string_view r) {
+  size_t best = std::string_view::npos, width = 0;
+  for (std::string_view head : {std::string_view("\\boxed{"), std::string_view("\\fbox{")}) {
+    const size_t p = r.rfind(head);
+    if (p != std::string_view::npos && (best == std::string_view::npos || p > best)) best = p, width = head.size();
+  }
+  for (size_t pos = best; pos != std::string_view::npos;) {
+    const size_t start = pos + width;
+    int depth = 1;
+    for (size_t k = start; k < r.size(); ++k) {
+      if (r[k] == '{') ++depth;
+      else if (r[k] == '}' && --depth == 0) return answer_normalize(r.substr(start, k - start));
+    }
+    if (pos == 0) break;
+    pos = r.rfind("\\boxed{", pos - 1);
+    width = 7;
+  }
+  return std::nullopt;
+}
+
 }  // namespace fp8rl

@@ -29,4 +29,15 @@ bool answer_equal(std::string_view candidate, std::string_view reference);
 // The last number in the text ("-1,234.5", "3/4"), or nullopt.
 std::optional<std::string> answer_last_number(std::string_view text);
 
+// A math final answer made comparable (MATH / DAPO-style \boxed{} answers): unwraps \text{},
+// \textbf{}, \mathrm{}, \mathbf{}, \boxed{}; drops $ and \$, \left / \right, spacing commands
+// (\, \! \; \:), degree and percent signs, a leading "x =", trailing unit words ("5 cm",
+// "12 dollars", "\text{ meters}"); turns {,} and \, thousands separators into plain digits,
+// \dfrac / \tfrac into \frac, \frac12 into \frac{1}{2}, \frac{-3}{4} into -\frac{3}{4}.
+std::string answer_normalize(std::string_view answer);
+// answer_equal of the normalized texts.
+bool answer_equal_normalized(std::string_view candidate, std::string_view reference);
+// The normalized content of the last \boxed{...} or \fbox{...} (braces balanced); nullopt if none.
+std::optional<std::string> answer_extract_boxed(std::string_view response);
+
 }  // namespace fp8rl

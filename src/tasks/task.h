@@ -6,7 +6,10 @@
 //   gsm8k       shared/data/gsm8k: train.jsonl (shuffled by seed) / test.jsonl
 //   arithmetic  procedural multi-step arithmetic with difficulty knobs (expressions or word problems)
 //   countdown   reach a target from given numbers, each used EXACTLY once
-//   jsonl       user datasets: JSONL with configurable prompt/answer/solution fields
+//   jsonl       user datasets: JSONL (or, with Python, parquet / HF save_to_disk directories) with
+//               configurable prompt/answer/solution fields; nested fields as "a.b" (DAPO's
+//               reward_model.ground_truth); a prompt that is a chat (a list of {role, content})
+//               uses its last user message
 // Final answers are read from the last \boxed{...}, else the last "#### ...", else (math
 // tasks only) the last number in the response; see tasks/answer.h.
 #pragma once
@@ -23,6 +26,7 @@ struct TaskItem {
   std::string prompt;    // the user message (no chat template applied)
   std::string answer;    // the reference the verifier compares with
   std::string solution;  // worked solution for SFT, ending in "#### <answer>" or \boxed{...}
+  std::string fields_json;  // dataset tasks: the whole row as a JSON object (for Python rewards)
 };
 
 class Task {
@@ -68,6 +72,8 @@ struct JsonlConfig {
   std::string solution_field;      // optional; empty: no worked solutions
   bool answer_after_hashes = false;  // the answer field is a solution ending "#### n" (GSM8K)
   std::string instruction;         // appended to every prompt after a newline, if not empty
+  std::string prompt_template;     // "" = prompt_field; else {field} / {a.b} replaced by the row's
+                                   // values ({{ and }} are literal braces)
   uint64_t seed = 0;               // shuffles the train split
   std::string name = "jsonl";
 };

@@ -15,6 +15,7 @@
 #include <unordered_map>
 
 #include "core/error.h"
+#include "io/json_input.h"
 #include "tokenizer/bpe.h"
 #include "tokenizer/utf8.h"
 
@@ -37,7 +38,8 @@ using WordCache = std::unordered_map<std::string, std::vector<int32_t>, StringHa
 
 struct Regex {
   pcre2_code* code = nullptr;
-  explicit Regex(const std::string& pattern, bool literal, const std::string& origin) {
+  std::string origin;  // the tokenizer.json it came from, for match-time errors
+  explicit Regex(const std::string& pattern, bool literal, const std::string& origin_) : origin(origin_) {
     int err = 0;
     PCRE2_SIZE off = 0;
     const uint32_t opts = PCRE2_UTF | PCRE2_UCP | (literal ? PCRE2_LITERAL : 0);
@@ -89,13 +91,6 @@ struct AddedToken {
 
 bool is_ascii_space(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v'; }
 
-std::string read_file(const std::filesystem::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  FP8RL_CHECK(f.good(), "cannot open ", p.string(), ": check the path");
-  std::ostringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
 
 // HF Split "Isolated" on one piece: matches and the gaps between them, none empty.
 void split_piece(const Regex& re, std::string_view piece, bool isolated,
@@ -107,7 +102,13 @@ void split_piece(const Regex& re, std::string_view piece, bool isolated,
     const int rc = pcre2_match(re.code, subj, piece.size(), start, PCRE2_NO_UTF_CHECK, ms.data,
                                ms.context);
     if (rc == PCRE2_ERROR_NOMATCH) break;
-    FP8RL_CHECK(rc >= 0, "pre_tokenizer regex match failed (PCRE2 error ", rc, ")");
+    if (rc < 0) {
+      PCRE2_UCHAR msg[256];
+      pcre2_get_error_message(rc, msg, sizeof msg);
+      FP8RL_FAIL(re.origin, ": the pre_tokenizer regex failed on a piece of ", piece.size(), " bytes: ",
+                 reinterpret_cast<char*>(msg), " (PCRE2 error ", rc,
+                 "); the pattern backtracks too much for this input: simplify the regex in tokenizer.json");
+    }
     const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(ms.data);
     const size_t b = ov[0], e = ov[1];
     if (b == e) {  // empty match: not a piece; step one char
@@ -135,8 +136,16 @@ std::vector<std::string_view> bpe::split_regex(const std::string& pattern, std::
   return out;
 }
 
+// Input limits (docs/design.md "What is validated where").
+constexpr size_t kMaxTokenizerJsonBytes = size_t(256) << 20;  // the largest real ones are ~35 MB
+constexpr size_t kMaxJsonConfigBytes = size_t(16) << 20;      // tokenizer_config.json
+constexpr int64_t kMaxTokenId = (int64_t(1) << 24) - 1;       // 16.7M; real vocabularies are < 300k
+constexpr int64_t kTokenIdSlack = 65536;                      // ids may exceed the token count by this
+
 struct Tokenizer::Impl {
   std::string origin;
+  int64_t num_tokens = 0;  // vocab entries + added tokens in the file
+  int32_t max_id = 0;      // the largest id accepted (min(kMaxTokenId, num_tokens + kTokenIdSlack))
   std::vector<int> normalizers;  // utf8proc option sets, applied in order
   std::vector<PreStep> pre;
   std::unordered_map<std::string, int32_t, StringHash, std::equal_to<>> vocab;  // incl. added
@@ -224,9 +233,18 @@ void check_decoder(const json& j, const std::string& origin) {
               "' (supported: ByteLevel)");
 }
 
+// Token ids are dense in real tokenizers (0..N-1 plus a few added tokens): an id far beyond the
+// number of tokens would only allocate a huge id table, so it is refused. t.max_id is set from
+// the file's token count before any id is read.
+int32_t read_token_id(const json& v, const Tokenizer::Impl& t, const std::string& spelling) {
+  return static_cast<int32_t>(json_get_int(v, 0, t.max_id, t.origin + ": the id of token '" + spelling +
+                                                               "' (this tokenizer has " +
+                                                               std::to_string(t.num_tokens) + " tokens)"));
+}
+
 void set_token(Tokenizer::Impl& t, int32_t id, const std::string& spelling, const std::string& bytes) {
-  FP8RL_CHECK(id >= 0 && id < (1 << 28), t.origin, ": token id ", id, " of '", spelling,
-              "' is out of range [0, 2^28)");
+  FP8RL_CHECK(id >= 0 && id <= t.max_id, t.origin, ": token id ", id, " of '", spelling,
+              "' is out of range [0, ", t.max_id, "]");
   if (size_t(id) >= t.id_token.size()) {
     t.id_token.resize(id + 1);
     t.id_bytes.resize(id + 1);
@@ -263,12 +281,12 @@ void parse_model(const json& m, Tokenizer::Impl& t) {
         ((key == "continuing_subword_prefix" || key == "end_of_word_suffix") &&
          (val.is_null() || val.get<std::string>().empty())) ||
         (key == "byte_fallback" && !val.get<bool>());
-    FP8RL_CHECK(ok, t.origin, ": unsupported BPE model key '", key, "' = ", val.dump(),
+    FP8RL_CHECK(ok, t.origin, ": unsupported BPE model key '", key, "' = ", json_brief(val),
                 " (only plain byte-level BPE is supported)");
   }
   t.ignore_merges = m.value("ignore_merges", false);
   for (auto& [tok, id] : m.at("vocab").items()) {
-    const int32_t i = id.get<int32_t>();
+    const int32_t i = read_token_id(id, t, tok);
     FP8RL_CHECK(t.vocab.emplace(tok, i).second, t.origin, ": duplicate vocab token ", tok);
     FP8RL_CHECK(size_t(i) >= t.id_flags.size() || !(t.id_flags[i] & 1), t.origin,
                 ": vocab id ", i, " is given to two tokens");
@@ -292,7 +310,7 @@ void parse_model(const json& m, Tokenizer::Impl& t) {
       b = s.substr(sp + 1);
     } else {
       FP8RL_CHECK(mj.is_array() && mj.size() == 2, t.origin, ": merge #", rank,
-                  " must be \"a b\" or [\"a\", \"b\"], got ", mj.dump());
+                  " must be \"a b\" or [\"a\", \"b\"], got ", json_brief(mj));
       a = mj[0].get<std::string>();
       b = mj[1].get<std::string>();
     }
@@ -309,7 +327,7 @@ void parse_added(const json& arr, Tokenizer::Impl& t) {
   for (const json& a : arr) {
     AddedToken tok;
     tok.content = a.at("content").get<std::string>();
-    tok.id = a.at("id").get<int32_t>();
+    tok.id = read_token_id(a.at("id"), t, tok.content);
     tok.special = a.value("special", false);
     tok.lstrip = a.value("lstrip", false);
     tok.rstrip = a.value("rstrip", false);
@@ -342,7 +360,7 @@ int32_t config_token(const json& cfg, const char* key, const Tokenizer::Impl& t)
 
 void parse_config(std::string_view text, Tokenizer::Impl& t) {
   if (!text.empty()) {
-    const json cfg = json::parse(text);
+    const json cfg = json_parse_limited(text, t.origin + " (tokenizer_config.json)");
     t.eos = config_token(cfg, "eos_token", t);
     t.bos = config_token(cfg, "bos_token", t);
     t.pad = config_token(cfg, "pad_token", t);
@@ -380,9 +398,14 @@ Tokenizer Tokenizer::from_json(std::string_view tokenizer_json, std::string_view
   auto t = std::make_shared<Impl>();
   t->origin = origin;
   try {
-    const json j = json::parse(tokenizer_json);
+    const json j = json_parse_limited(tokenizer_json, origin, {kMaxTokenizerJsonBytes, 64});
     FP8RL_CHECK(j.is_object(), origin, ": tokenizer.json must be a JSON object");
-    FP8RL_CHECK(j.contains("model"), origin, ": tokenizer.json has no 'model'");
+    FP8RL_CHECK(j.contains("model") && j["model"].is_object() && j["model"].contains("vocab") &&
+                    j["model"]["vocab"].is_object(),
+                origin, ": tokenizer.json has no 'model' with a 'vocab' object");
+    const json& added = j.contains("added_tokens") ? j["added_tokens"] : json();
+    t->num_tokens = static_cast<int64_t>(j["model"]["vocab"].size() + (added.is_array() ? added.size() : 0));
+    t->max_id = static_cast<int32_t>(std::min<int64_t>(kMaxTokenId, t->num_tokens + kTokenIdSlack));
     parse_normalizer(j.value("normalizer", json()), *t);
     parse_pre_tokenizer(j.value("pre_tokenizer", json()), *t);
     const bool byte_level = std::any_of(t->pre.begin(), t->pre.end(),
@@ -408,8 +431,9 @@ Tokenizer Tokenizer::load(const std::string& path) {
   FP8RL_CHECK(fs::is_regular_file(p), "no tokenizer.json at '", path,
               "': pass a tokenizer.json file or a directory holding one");
   const fs::path cfg = p.parent_path() / "tokenizer_config.json";
-  const std::string cfg_text = fs::is_regular_file(cfg) ? read_file(cfg) : std::string();
-  return from_json(read_file(p), cfg_text, p.string());
+  const std::string cfg_text =
+      fs::is_regular_file(cfg) ? read_file_limited(cfg, kMaxJsonConfigBytes, "tokenizer_config.json") : std::string();
+  return from_json(read_file_limited(p, kMaxTokenizerJsonBytes, "tokenizer.json"), cfg_text, p.string());
 }
 
 // ---- encoding ------------------------------------------------------------------------
@@ -534,6 +558,25 @@ std::string Tokenizer::decode(std::span<const int32_t> ids, bool skip_special) c
     out += t.id_bytes[id];
   }
   return out;
+}
+
+std::string Tokenizer::decode_lossy(std::span<const int32_t> ids, bool skip_special) const {
+  const Impl& t = checked(impl_);
+  std::string out;
+  for (int32_t id : ids) {
+    if (!(id >= 0 && size_t(id) < t.id_flags.size() && (t.id_flags[id] & 1))) {
+      out += "\xEF\xBF\xBD";  // U+FFFD REPLACEMENT CHARACTER
+      continue;
+    }
+    if (skip_special && (t.id_flags[id] & 2)) continue;
+    out += t.id_bytes[id];
+  }
+  return out;
+}
+
+bool Tokenizer::can_decode(int32_t id) const {
+  const Impl& t = checked(impl_);
+  return id >= 0 && size_t(id) < t.id_flags.size() && (t.id_flags[id] & 1);
 }
 
 int32_t Tokenizer::token_to_id(std::string_view token) const {

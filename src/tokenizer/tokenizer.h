@@ -37,6 +37,11 @@ class Tokenizer {
   std::vector<int32_t> encode(std::string_view text, bool allow_special = true) const;
   // Bytes of the tokens, concatenated. Throws on an id that names no token.
   std::string decode(std::span<const int32_t> ids, bool skip_special = false) const;
+  // decode() that never throws: an id the tokenizer has no token for (negative, past its size,
+  // or a hole in its ids; e.g. a padded model vocabulary's extra rows) becomes U+FFFD. For
+  // text made in the middle of a run (rewards, validation, `fp8rl generate`).
+  std::string decode_lossy(std::span<const int32_t> ids, bool skip_special = false) const;
+  bool can_decode(int32_t id) const;  // decode() accepts id
 
   int32_t token_to_id(std::string_view token) const;  // -1 if absent
   std::string id_to_token(int32_t id) const;          // vocab spelling; throws if absent

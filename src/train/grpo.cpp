@@ -140,7 +140,7 @@ bool valid(const GrpoBatch& b, size_t t) { return b.token_mask.empty() || b.toke
 
 void check_finite(const char* what, std::span<const float> v, size_t t) {
   if (!v.empty() && !std::isfinite(v[t]))
-    FP8RL_FAIL(what, "[", t, "] is not finite (", v[t], "): the engine producing it diverged");
+    FP8RL_FAIL_NONFINITE(what, "[", t, "] is not finite (", v[t], "): the engine producing it diverged");
 }
 
 }  // namespace

@@ -61,9 +61,10 @@ bool BadStepGuard::record(const StepResult& r, int64_t step) {
   std::fprintf(stderr, "step %lld: optimizer step skipped (%s; loss %g, grad norm %g), %d in a row, %lld in all\n",
                static_cast<long long>(step), r.skip_reason.c_str(), r.loss, r.grad_norm, in_a_row_,
                static_cast<long long>(total_));
-  FP8RL_CHECK(in_a_row_ < max_in_a_row_, in_a_row_, " consecutive optimizer steps had a non-finite loss or gradient (",
-              "the last: ", r.skip_reason, " at step ", step, "); stopping. The weights were not updated by those "
-              "steps and the last good checkpoint is kept. ", hint_, " (max_consecutive_bad_steps=", max_in_a_row_, ")");
+  if (in_a_row_ >= max_in_a_row_)
+    FP8RL_FAIL(in_a_row_, " consecutive optimizer steps met non-finite values (a non-finite loss or gradient; the ",
+               "last: ", r.skip_reason, " at step ", step, "); stopping. The weights were not updated by those "
+               "steps and the last good checkpoint is kept. ", hint_, " (max_consecutive_bad_steps=", max_in_a_row_, ")");
   return false;
 }
 
@@ -195,11 +196,8 @@ ScoreResult Trainer::score(const std::vector<TrainSequence>& seqs, float tempera
   return r;
 }
 
-StepResult Trainer::step(const std::vector<TrainSequence>& seqs, float temperature, const TokenLossFn& loss_fn,
-                         float lr) {
-  FP8RL_CHECK(!opt_.frozen, "a frozen policy (the KL reference) cannot take optimizer steps");
-  StepResult r;
-  model_grads_zero(be_, grads_);
+void Trainer::forward_backward(const std::vector<TrainSequence>& seqs, float temperature, const TokenLossFn& loss_fn,
+                               StepResult& r) {
   const ModelWeights& weights = compute_weights();
   for (auto [first, end] : micro_batches(seqs)) {
     Packed p = pack(seqs, first, end);
@@ -218,15 +216,35 @@ StepResult Trainer::step(const std::vector<TrainSequence>& seqs, float temperatu
     bo.router_grad = opt_.train_router;
     model_backward(be_, weights, prec_, acts, dlogp, grads_, bo);
   }
-
-  std::vector<Tensor*> g = params_of(grads_);
   double sq = 0;
-  for (Tensor* t : g) sq += be_.sum_squares(*t);
+  for (Tensor* t : params_of(grads_)) sq += be_.sum_squares(*t);  // synchronizes: device errors surface here
   r.grad_norm = std::sqrt(sq);
+}
+
+StepResult Trainer::step(const std::vector<TrainSequence>& seqs, float temperature, const TokenLossFn& loss_fn,
+                         float lr) {
+  FP8RL_CHECK(!opt_.frozen, "a frozen policy (the KL reference) cannot take optimizer steps");
+  StepResult r;
+  model_grads_zero(be_, grads_);
+  // A non-finite activation, logit, loss or gradient met on the way (the FP8 quantizer, the
+  // loss and the attention refuse them with NonFiniteError) skips this update like a
+  // non-finite loss does: the weights and the optimizer state are only written below.
+  try {
+    forward_backward(seqs, temperature, loss_fn, r);
+  } catch (const NonFiniteError& e) {
+    std::string msg = e.what();
+    const size_t tag = msg.rfind(" [");  // drop the file:line tag
+    if (tag != std::string::npos) msg.resize(tag);
+    r.skip_reason = "non-finite values in the forward/backward pass: " + msg;
+    r.loss = std::nan("");
+    r.grad_norm = std::nan("");
+    return r;
+  }
   if (!std::isfinite(r.loss) || !std::isfinite(r.grad_norm)) {
     r.skip_reason = !std::isfinite(r.loss) ? "non-finite loss" : "non-finite gradient";
     return r;  // the weights and the optimizer state stay untouched
   }
+  std::vector<Tensor*> g = params_of(grads_);
   if (opt_.grad_clip > 0 && r.grad_norm > opt_.grad_clip) {
     const float s = static_cast<float>(opt_.grad_clip / (r.grad_norm + 1e-6));
     for (Tensor* t : g) be_.scale(*t, s);

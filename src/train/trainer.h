@@ -64,7 +64,7 @@ using TokenLossFn = std::function<double(size_t first_seq, size_t end_seq, const
 struct StepResult {
   double loss = 0;
   double grad_norm = 0;  // before clipping
-  bool applied = false;  // false: a non-finite loss or gradient, the update was skipped
+  bool applied = false;  // false: a non-finite loss, gradient or activation; the update was skipped
   std::string skip_reason;
 };
 
@@ -112,6 +112,10 @@ class Trainer {
   void load_optimizer_state(const std::function<Tensor(const std::string&)>& get, int64_t adam_step);
 
  private:
+  // step()'s forward and backward over every micro-batch: accumulates r.loss, the gradients
+  // and r.grad_norm; throws NonFiniteError on non-finite data.
+  void forward_backward(const std::vector<TrainSequence>& seqs, float temperature, const TokenLossFn& loss_fn,
+                        StepResult& r);
   // Whole sequences [first, end) per micro-batch.
   std::vector<std::pair<size_t, size_t>> micro_batches(const std::vector<TrainSequence>& seqs) const;
 

@@ -2,6 +2,10 @@
 // generator / KV / master-weight lines against what the CPU backend really allocates.
 #include <gtest/gtest.h>
 
+#include <cstdio>
+#include <filesystem>
+#include <unistd.h>
+
 #include "core/error.h"
 #include "model/weights.h"
 #include "rl/memory_plan.h"
@@ -148,6 +152,135 @@ TEST(MemoryPlan, ShapesAndErrors) {
   bad.model = small_shape();
   bad.micro_batch_tokens = 0;
   EXPECT_THROW(memory_plan_compute(bad), Error);
+}
+
+// The start-up check (issue 11): BF16 at the Qwen3-1.7B shape with micro_batch_tokens 32768
+// plans a ~119 GiB peak, above 100 GiB of free memory. It is refused with a message naming the knobs, and the
+// micro_batch_tokens it names does fit; memory.allow_overcommit turns the refusal into a warning;
+// an unknown free memory (the CPU backend) checks nothing.
+TEST(MemoryCheck, RefusesWhatCannotFitAndNamesTheKnob) {
+  RunConfig c;
+  c.precision.recipe = "bf16";
+  c.train.micro_batch_tokens = 32768;
+  c.rollout.prompts_per_step = 16;
+  c.rollout.generations_per_prompt = 16;
+  c.rollout.max_new_tokens = 512;
+  const ModelConfig m = memory_plan_shape("qwen3-1.7b");
+  const int64_t free_bytes = 100ll << 30;  // an H200 with 39 GiB already taken
+  const int64_t peak = memory_plan_compute(memory_plan_input(c, m, DType::BF16)).peak_bytes();
+  ASSERT_GT(peak, free_bytes);
+  std::string msg;
+  try {
+    memory_plan_check(c, m, DType::BF16, free_bytes);
+    ADD_FAILURE() << "expected a refusal";
+  } catch (const Error& e) {
+    msg = e.what();
+  }
+  EXPECT_NE(msg.find("exceeds the device's free memory"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("memory.allow_overcommit"), std::string::npos) << msg;
+  const size_t at = msg.find("train.micro_batch_tokens <= ");
+  ASSERT_NE(at, std::string::npos) << msg;
+  const int64_t suggested = std::stoll(msg.substr(at + 28));
+  EXPECT_GT(suggested, 0);
+  EXPECT_LT(suggested, 32768);
+  RunConfig fixed = c;
+  fixed.train.micro_batch_tokens = suggested;
+  EXPECT_LE(memory_plan_compute(memory_plan_input(fixed, m, DType::BF16)).peak_bytes(), free_bytes);
+  EXPECT_NE(memory_plan_check(fixed, m, DType::BF16, free_bytes).find("fits"), std::string::npos);
+  // Proceeding anyway: a warning, no throw.
+  RunConfig over = c;
+  over.memory.allow_overcommit = true;
+  std::string warn;
+  EXPECT_NO_THROW(warn = memory_plan_check(over, m, DType::BF16, free_bytes));
+  EXPECT_NE(warn.find("warning"), std::string::npos) << warn;
+  // Unknown free memory: skipped.
+  EXPECT_NE(memory_plan_check(c, m, DType::BF16, -1).find("skipped"), std::string::npos);
+}
+
+// The KV-pool knobs: a plan over by less than the KV pool is fixed by smaller rollouts, and a
+// reference policy by kl_beta = 0; each suggestion is checked with the plan.
+TEST(MemoryCheck, NamesRolloutSizesAndKlBeta) {
+  RunConfig c;
+  c.precision.recipe = "bf16";
+  c.train.micro_batch_tokens = 1;  // activations negligible: only the resident part matters
+  c.train.kl_beta = 0.05;
+  c.rollout.prompts_per_step = 16;
+  c.rollout.generations_per_prompt = 16;
+  c.rollout.max_new_tokens = 2048;
+  const ModelConfig m = memory_plan_shape("qwen3-0.6b");
+  const MemoryPlan p = memory_plan_compute(memory_plan_input(c, m, DType::BF16));
+  const int64_t free_bytes = p.peak_bytes() - (64ll << 20);  // 64 MiB short
+  std::string msg;
+  try {
+    memory_plan_check(c, m, DType::BF16, free_bytes);
+  } catch (const Error& e) {
+    msg = e.what();
+  }
+  ASSERT_FALSE(msg.empty());
+  EXPECT_NE(msg.find("rollout.prompts_per_step x rollout.generations_per_prompt and val_size <= "), std::string::npos)
+      << msg;
+  EXPECT_NE(msg.find("rollout.max_new_tokens <= "), std::string::npos) << msg;
+  EXPECT_NE(msg.find("train.kl_beta: 0"), std::string::npos) << msg;
+  const size_t at = msg.find("val_size <= ");
+  const int s = std::stoi(msg.substr(at + 12));
+  RunConfig fixed = c;
+  fixed.rollout.prompts_per_step = s;
+  fixed.rollout.generations_per_prompt = 1;
+  fixed.val_size = s;
+  EXPECT_LE(memory_plan_compute(memory_plan_input(fixed, m, DType::BF16)).peak_bytes(), free_bytes);
+  // memory.free_gib overrides what the device reports.
+  RunConfig g = c;
+  g.memory.free_gib = 2.5;
+  EXPECT_EQ(memory_plan_free_bytes(g, 123), int64_t(2.5 * double(1ll << 30)));
+  EXPECT_EQ(memory_plan_free_bytes(c, 123), 123);
+  EXPECT_EQ(memory_plan_free_bytes(c, -1), -1);
+}
+
+// `fp8rl sft` is planned with its own KV pool (the validation engine's) and no reference policy;
+// its knobs are train.micro_batch_tokens and val_size, not the rollout sizes or kl_beta.
+TEST(MemoryCheck, SftPlansItsOwnPoolAndKnobs) {
+  RunConfig c;
+  c.precision.recipe = "bf16";
+  c.train.kl_beta = 0.05;
+  c.val_size = 200;
+  const ModelConfig m = memory_plan_shape("qwen3-0.6b");
+  const MemoryPlanInput sft = memory_plan_input(c, m, DType::BF16, /*sft=*/true);
+  EXPECT_EQ(sft.kv_pages, memory_plan_sft_kv_pages(c));
+  EXPECT_FALSE(sft.reference_policy);
+  EXPECT_LT(memory_plan_compute(sft).peak_bytes(), memory_plan_compute(memory_plan_input(c, m, DType::BF16)).peak_bytes());
+  c.train.micro_batch_tokens = 1;
+  const int64_t free_bytes = memory_plan_compute(memory_plan_input(c, m, DType::BF16, true)).peak_bytes() - (1 << 20);
+  std::string msg;
+  try {
+    memory_plan_check(c, m, DType::BF16, free_bytes, /*sft=*/true);
+  } catch (const Error& e) {
+    msg = e.what();
+  }
+  EXPECT_NE(msg.find("val_size <= "), std::string::npos) << msg;
+  EXPECT_EQ(msg.find("rollout."), std::string::npos) << msg;
+  EXPECT_EQ(msg.find("kl_beta"), std::string::npos) << msg;
+}
+
+// End to end on the CPU with an injected free memory: `fp8rl sft` and `fp8rl train` stop before
+// any work (no run directory is made) with the message, and exit non-zero.
+TEST(MemoryCheck, TrainAndSftRefuseBeforeAnyWork) {
+  const std::string root = ::testing::TempDir() + "fp8rl_memcheck_" + std::to_string(::getpid());
+  const std::string out = root + "/run";
+  for (const char* cmd : {"sft", "train"}) {  // train: the demo's SFT starting policy is refused first
+    std::string line = "FP8RL_CACHE_DIR='" + root + "/cache' '" + FP8RL_BINARY + "' " + cmd +
+                       " memory.free_gib=0.00001 out=" + out + " 2>&1";
+    FILE* f = popen(line.c_str(), "r");
+    ASSERT_NE(f, nullptr);
+    std::string text;
+    char buf[512];
+    while (fgets(buf, sizeof buf, f)) text += buf;
+    const int status = pclose(f);
+    EXPECT_NE(status, 0) << cmd << ": " << text;
+    EXPECT_NE(text.find("exceeds the device's free memory"), std::string::npos) << cmd << ": " << text;
+    EXPECT_NE(text.find("Nothing was run"), std::string::npos) << cmd << ": " << text;
+    EXPECT_FALSE(std::filesystem::exists(out)) << cmd << " created its run directory";
+  }
+  std::filesystem::remove_all(root);
 }
 
 }  // namespace

@@ -157,7 +157,7 @@ TEST(Png, ChecksumsMatchTheirDefinitions) {
 TEST(Png, SmallImageDecodesToItsPixels) {
   const int w = 7, h = 5;
   const std::vector<uint8_t> img = random_image(w, h, 1);
-  const Decoded d = decode_png(png_encode_rgb(img.data(), w, h));
+  const Decoded d = decode_png(png_encode_rgb_stored(img.data(), w, h));
   EXPECT_EQ(d.width, uint32_t(w));
   EXPECT_EQ(d.height, uint32_t(h));
   EXPECT_EQ(d.stored_blocks, 1);
@@ -167,7 +167,7 @@ TEST(Png, SmallImageDecodesToItsPixels) {
 TEST(Png, LargeImageSpansSeveralStoredBlocks) {
   const int w = 301, h = 173;  // 156,746 bytes of scanlines: three blocks, the last one partial
   const std::vector<uint8_t> img = random_image(w, h, 2);
-  const Decoded d = decode_png(png_encode_rgb(img.data(), w, h));
+  const Decoded d = decode_png(png_encode_rgb_stored(img.data(), w, h));
   EXPECT_EQ(d.width, uint32_t(w));
   EXPECT_EQ(d.height, uint32_t(h));
   EXPECT_EQ(d.stored_blocks, 3);
@@ -404,6 +404,36 @@ int run_fp8rl(const std::vector<std::string>& args, const std::string& log, std:
   return WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
 }
 
+// What `fp8rl plot` writes: libpng's compressed PNG when built with it, else the stored one.
+Decoded decode_written(const std::string& bytes) {
+  if (!png_have_libpng()) return decode_png(bytes);
+  Decoded d;
+  int w = 0, h = 0;
+  const std::string px = png_decode_rgb(bytes, w, h);
+  d.width = uint32_t(w);
+  d.height = uint32_t(h);
+  d.rgb.assign(px.begin(), px.end());
+  return d;
+}
+
+// libpng writes the chart's exact pixels (the text stays as drawn), far smaller than stored.
+TEST(Png, LibpngRoundTripsAChartExactly) {
+  if (!png_have_libpng()) GTEST_SKIP() << "built without libpng (libpng-dev; FP8RL_LIBPNG): the stored encoder is used";
+  TempDir t;
+  const std::vector<RunMetrics> runs = plot_load_runs({t.make_run("a", synthetic_metrics(20, 0.01), "bf16")});
+  const Canvas c = plot_render_runs(runs, PlotOptions{});
+  const std::string png = png_encode_rgb(c.rgb.data(), c.width, c.height);
+  int w = 0, h = 0;
+  const std::string px = png_decode_rgb(png, w, h);
+  EXPECT_EQ(w, c.width);
+  EXPECT_EQ(h, c.height);
+  ASSERT_EQ(px.size(), c.rgb.size());
+  EXPECT_EQ(std::memcmp(px.data(), c.rgb.data(), px.size()), 0) << "pixels differ";
+  const std::string stored = png_encode_rgb_stored(c.rgb.data(), c.width, c.height);
+  EXPECT_LT(png.size() * 10, stored.size()) << png.size() << " vs stored " << stored.size();
+  EXPECT_THROW(png_decode_rgb(png.substr(0, 100), w, h), Error);
+}
+
 TEST(PlotCli, WritesAPngThatDecodesAndPrintsItsPath) {
   TempDir t;
   const std::string a = t.make_run("bf16", synthetic_metrics(8, 0.02), "bf16");
@@ -412,7 +442,7 @@ TEST(PlotCli, WritesAPngThatDecodesAndPrintsItsPath) {
   const std::string log = (t.path / "log.txt").string();
   ASSERT_EQ(run_fp8rl({"plot", a, "--width", "400", "--height", "300"}, log, out), 0) << out;
   EXPECT_EQ(out, a + "/plots.png\n");
-  const Decoded d = decode_png(read_file(a + "/plots.png"));
+  const Decoded d = decode_written(read_file(a + "/plots.png"));
   EXPECT_EQ(d.width, 400u);
   EXPECT_EQ(d.height, 300u);
   EXPECT_EQ(d.rgb.size(), 400u * 300u * 3u);
@@ -421,7 +451,7 @@ TEST(PlotCli, WritesAPngThatDecodesAndPrintsItsPath) {
   ASSERT_EQ(run_fp8rl({"plot", a, b, "--out", png, "--metrics", "reward_mean,time_step_s+time_train_s"}, log, out), 0)
       << out;
   EXPECT_EQ(out, png + "\n");
-  EXPECT_EQ(decode_png(read_file(png)).width, 1600u);
+  EXPECT_EQ(decode_written(read_file(png)).width, 1600u);
 
   EXPECT_NE(run_fp8rl({"plot", a, "--metrics", "reward_maen"}, log, out), 0);
   EXPECT_NE(out.find("reward_maen"), std::string::npos) << out;

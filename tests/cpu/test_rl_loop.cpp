@@ -22,6 +22,7 @@
 #include "rl/checkpoint.h"
 #include "rl/config.h"
 #include "rl/loop.h"
+#include "test_cli_util.h"
 #include "test_model_util.h"
 
 namespace fp8rl {
@@ -361,13 +362,7 @@ TEST(FaultHandling, NonFiniteModelIsNeverSaved) {
 
 // Runs the fp8rl binary; returns its exit status, stdout+stderr in `output`.
 int run_binary(const std::vector<std::string>& args, std::string& output) {
-  const std::string log = Scratch::root() + "/cli_" + std::to_string(std::rand()) + ".log";
-  std::string cmd = std::string("'") + FP8RL_BINARY + "'";
-  for (const std::string& a : args) cmd += " '" + a + "'";
-  cmd += " > '" + log + "' 2>&1";
-  const int rc = std::system(cmd.c_str());
-  output = fs::exists(log) ? read_file(log) : "";
-  return WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
+  return test::run_binary_in(Scratch::root(), args, output);
 }
 
 TEST(Cli, UnknownKeyExitsNonZeroNamingTheNearestKey) {

@@ -190,7 +190,7 @@ TEST(Tasks, JsonlUserDataset) {
     }
   };
   const std::string good = "{\"q\": \"x\", \"a\": \"1\", \"s\": \"#### 1\"}\n";
-  expect_error(good + good + "{\"q\": \"y\", \"a\": 2\n", "bad.jsonl:3: malformed JSON");
+  expect_error(good + good + "{\"q\": \"y\", \"a\": 2\n", "bad.jsonl:3: not valid JSON");
   expect_error(good + "\n{\"a\": \"1\", \"s\": \"\"}\n", "bad.jsonl:3: missing field \"q\"");
   expect_error(good + "[1, 2]\n", "bad.jsonl:2: each line must be a JSON object");
   expect_error(good + "{\"q\": 5, \"a\": \"1\", \"s\": \"\"}\n", "bad.jsonl:2: field \"q\" must be a string");

@@ -92,7 +92,9 @@ void expect_golden(const Tokenizer& tok, const std::string& inp, const std::stri
     const std::vector<int32_t> ids = tok.encode(g.texts[i]);
     EXPECT_EQ(ids, g.ids[i]) << "case " << i << ": '" << g.texts[i] << "'";
     failures += ids != g.ids[i];
-    if (round_trip) EXPECT_EQ(tok.decode(ids), nfc(g.texts[i])) << "round trip of case " << i;
+    if (round_trip) {
+      EXPECT_EQ(tok.decode(ids), nfc(g.texts[i])) << "round trip of case " << i;
+    }
   }
   EXPECT_EQ(failures, 0);
 }
@@ -240,8 +242,8 @@ TEST(Tokenizer, MalformedOrUnsupportedJsonCorpus) {
       {"merge not in vocab", "merge #0", [](json& j) { j["model"]["merges"][0] = "qqq zzz"; }},
       {"merge spelling", "merge #1", [](json& j) { j["model"]["merges"][1] = "abc"; }},
       {"merge array", "merge #2", [](json& j) { j["model"]["merges"][2] = json::array({"a"}); }},
-      {"vocab id", "out of range", [](json& j) { j["model"]["vocab"]["the"] = -5; }},
-      {"vocab type", "malformed", [](json& j) { j["model"]["vocab"]["the"] = "x"; }},
+      {"vocab id", "must be an integer in [0, ", [](json& j) { j["model"]["vocab"]["the"] = -5; }},
+      {"vocab type", "must be an integer", [](json& j) { j["model"]["vocab"]["the"] = "x"; }},
       {"duplicate id", "two tokens", [](json& j) { j["model"]["vocab"]["zzzz"] = 0; }},
       {"single_word", "single_word", [](json& j) { j["added_tokens"][0]["single_word"] = true; }},
       {"no model", "model", [](json& j) { j.erase("model"); }},
@@ -274,8 +276,10 @@ TEST(Bpe, HeapAndScanMergeAgree) {
   bpe::MergeTable m;
   std::mt19937 rng(5);
   int32_t next_id = 8;
-  for (int32_t r = 0; r < 40; ++r)  // random merges over an 8-symbol alphabet and their results
-    m.insert(int32_t(rng() % next_id), int32_t(rng() % next_id), r, next_id++);
+  for (int32_t r = 0; r < 40; ++r) {  // random merges over an 8-symbol alphabet and their results
+    const int32_t a = int32_t(rng() % next_id), b = int32_t(rng() % next_id);
+    m.insert(a, b, r, next_id++);
+  }
   for (int it = 0; it < 300; ++it) {
     std::vector<int32_t> w(1 + rng() % 120);
     for (int32_t& x : w) x = int32_t(rng() % 8);

@@ -931,6 +931,66 @@ TEST(CudaGeneration, SampleMatchesCpu) {
   EXPECT_THROW(G().sample(dev(rnd({2, 100}, 121)), {1.0f, 1.0f}, {1.0f, 1.0f}, {0, 0}, {0.5f, 1.0f}, gt, gp), Error);
 }
 
+// A padded vocabulary (Qwen: 151936 rows, 151669 tokenizer ids): with valid_vocab the GPU
+// sampler draws only among the first Vv ids of each row (the padding holds the largest logits
+// and -inf: never drawn) the CPU reference's token, which is the token of sampling the first Vv
+// columns alone; logp, normalized over all V ids, matches the CPU's. NaN in the padding is an
+// error (it is read for logp).
+TEST(CudaGeneration, SamplePaddedVocabMatchesCpu) {
+  const int64_t B = 16, V = 151936, Vv = 151669;
+  Tensor lg = rnd({B, V}, 140, DType::F32, 3.0f);
+  Tensor cut = Tensor::empty({B, Vv}, DType::F32);
+  float* x = lg.data<float>();
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t j = 0; j < V; ++j) {
+      float& e = x[b * V + j];
+      if (b % 4 == 1) e = bf16_round(e);  // ties
+      if (j >= Vv) e = (j - Vv) % 3 == 0 ? 12.0f + e : ((j - Vv) % 3 == 1 ? -INFINITY : e);
+      else cut.data<float>()[b * Vv + j] = e;
+    }
+  }
+  std::vector<float> temp(B), top_p(B);
+  std::vector<int> top_k(B);
+  const float temps[] = {1.0f, 0.7f, 1.0f, 0.0f};
+  const float tps[] = {1.0f, 0.9f, 0.5f, 1.0f};
+  const int tks[] = {0, 0, 40, 1000};
+  for (int64_t b = 0; b < B; ++b) {
+    temp[b] = temps[b % 4];
+    top_p[b] = tps[(b / 4) % 4];
+    top_k[b] = tks[(b / 2) % 4];
+  }
+  std::mt19937 gen(13);
+  std::uniform_real_distribution<float> ud(0.0f, 1.0f);
+  const Tensor dlg = dev(lg);
+  for (int draw = 0; draw < 2; ++draw) {
+    std::vector<float> u(B);
+    for (float& e : u) e = std::min(ud(gen), 0.99999f);
+    u[0] = 0.0f;
+    u[2] = 0.99999f;
+    Tensor rt = Tensor::empty({B}, DType::I32), rp = Tensor::empty({B}, DType::F32);
+    C().sample(lg, temp, top_p, top_k, u, rt, rp, Vv);
+    Tensor ct = Tensor::empty({B}, DType::I32), cp = Tensor::empty({B}, DType::F32);
+    C().sample(cut, temp, top_p, top_k, u, ct, cp);
+    Tensor gt = G().alloc({B}, DType::I32), gp = poisoned({B}, DType::F32);
+    G().fill(gt, -1.0f);
+    G().sample(dlg, temp, top_p, top_k, u, gt, gp, Vv);
+    const std::vector<double> a = vals(gt), r = vals(rt), c = vals(ct), pa = vals(gp), pr = vals(rp), pc = vals(cp);
+    for (int64_t b = 0; b < B; ++b) {
+      EXPECT_LT(a[b], Vv) << "row " << b;
+      EXPECT_EQ(r[b], c[b]) << "row " << b;
+      if (temp[b] > 0) {
+        EXPECT_LT(pr[b], pc[b] - 1.0) << "row " << b << ": the padding carries most of the mass";
+      }
+      EXPECT_EQ(a[b], r[b]) << "row " << b << " draw " << draw << " u " << u[b];
+      EXPECT_NEAR(pa[b], pr[b], 1e-5 * std::max(1.0, std::fabs(pr[b]))) << "row " << b;
+    }
+  }
+  Tensor gt = G().alloc({B}, DType::I32), gp = G().alloc({B}, DType::F32);
+  EXPECT_THROW(G().sample(dlg, temp, top_p, top_k, std::vector<float>(B, 0.5f), gt, gp, V + 1), Error);
+  lg.data<float>()[3 * V + Vv + 5] = NAN;
+  EXPECT_THROW(G().sample(dev(lg), temp, top_p, top_k, std::vector<float>(B, 0.5f), gt, gp, Vv), Error);
+}
+
 // A Llama-3 sized vocabulary: the digit search over 128256 keys, rows of bf16-rounded logits
 // (many exact ties), a masked half, top-k and top-p, greedy, uniforms at 0 and near 1.
 TEST(CudaGeneration, SampleLargeVocabMatchesCpu) {

@@ -1,9 +1,8 @@
 // libFuzzer target for the safetensors header parser: any input must either parse into a
 // header whose entries all lie inside the buffer, or throw fp8rl::Error. Anything else
 // (a crash, an ASan report, another exception type) is a bug.
-// Build: CC=clang CXX=clang++ cmake -S . -B build-fuzz -DFP8RL_FUZZ=ON -DFP8RL_CUDA=OFF -DFP8RL_TESTS=OFF
-//        ninja -C build-fuzz fuzz_safetensors
-// Run:   build-fuzz/fuzz_safetensors -max_total_time=60 -max_len=4096 tests/data/broken_safetensors
+// Build and run (every target, bounded time, inputs up to 1 MB): bash scripts/fuzz.sh
+// Corpus: tests/fuzz/corpus/safetensors (more seeds: tests/data/broken_safetensors).
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>

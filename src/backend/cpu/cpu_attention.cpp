@@ -259,7 +259,8 @@ void CpuBackend::attention_paged(const KvCache& cache, int layer, const Tensor& 
           float amax = 0;
           for (int64_t c = 0; c < hd; ++c) {
             const float x = static_cast<float>(qi[c]);
-            FP8RL_CHECK(std::isfinite(x), "attention_paged: q of token ", t, " head ", h, " is not finite (", x, ")");
+            if (!std::isfinite(x))
+              FP8RL_FAIL_NONFINITE("attention_paged: q of token ", t, " head ", h, " is not finite (", x, ")");
             amax = std::fmax(amax, std::fabs(x));
           }
           const float s = quant_scale_from_amax(amax, false);

@@ -99,7 +99,7 @@ class CpuBackend final : public Backend {
                        float softmax_scale, bool fp8_attention, Tensor& out) override;
   void sample(const Tensor& logits, const std::vector<float>& temperature, const std::vector<float>& top_p,
               const std::vector<int>& top_k, const std::vector<float>& uniforms, Tensor& tokens,
-              Tensor& logp) override;
+              Tensor& logp, int64_t valid_vocab = 0) override;
 };
 
 }  // namespace fp8rl::cpu

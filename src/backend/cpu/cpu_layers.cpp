@@ -41,7 +41,17 @@ void CpuBackend::embedding_backward(const Tensor& ids, const Tensor& dout, Tenso
 }
 
 // ---- RMSNorm ---------------------------------------------------------------------------------
-// y = w * (x * r), r = 1 / sqrt(mean(x^2) + eps), over the last dimension (HF: variance in FP32).
+// y = w * (x * r), r = 1 / sqrt(mean(x^2) + eps), over the last dimension.
+//
+// With float (F32 / BF16) outputs this is Hugging Face's float32 op sequence, rounding step by
+// rounding step: var = mean(x^2) as a float (the exact mean, summed in double, rounded once),
+// r = 1 / sqrt(var + eps) in float (var + eps, sqrtf and the division each rounded), then
+// y = w * (x * r) with both products rounded to float. This matters for FP8: an RMSNorm output
+// feeds the q/k/v and gate/up quantizers directly, and on BF16-valued weights and embeddings
+// x / s often lands exactly on an E4M3 rounding midpoint, so one ulp of difference in r or y
+// flips codes; rounding the way a float32 PyTorch forward does keeps `fp8rl logprobs --precision
+// fp8` on the same codes as an FP8 emulation built on transformers (docs/design.md, Numerics).
+// With F64 activations (gradient checks) everything is double.
 
 void CpuBackend::rmsnorm(const Tensor& x, const Tensor& w, float eps, Tensor& out, Tensor* rstd) {
   check_float(w, "rmsnorm weight");
@@ -52,12 +62,23 @@ void CpuBackend::rmsnorm(const Tensor& x, const Tensor& w, float eps, Tensor& ou
               out.str());
   if (rstd) FP8RL_CHECK(rstd->numel() == R, "rmsnorm rstd must have ", R, " elements, got ", rstd->str());
   const std::vector<double> vx = load(x, "rmsnorm x"), vw = load(w, "rmsnorm weight");
+  const bool f64 = out.dtype() == DType::F64;
   std::vector<double> y(R * D), r(R);
   for (int64_t i = 0; i < R; ++i) {
     double ss = 0;
     for (int64_t j = 0; j < D; ++j) ss += vx[i * D + j] * vx[i * D + j];
-    r[i] = 1.0 / std::sqrt(ss / D + eps);
-    for (int64_t j = 0; j < D; ++j) y[i * D + j] = vw[j] * (vx[i * D + j] * r[i]);
+    if (f64) {
+      r[i] = 1.0 / std::sqrt(ss / D + eps);
+      for (int64_t j = 0; j < D; ++j) y[i * D + j] = vw[j] * (vx[i * D + j] * r[i]);
+      continue;
+    }
+    const float var = static_cast<float>(ss / D);
+    const float rf = 1.0f / std::sqrt(var + eps);
+    r[i] = rf;
+    for (int64_t j = 0; j < D; ++j) {
+      const float xr = static_cast<float>(vx[i * D + j]) * rf;
+      y[i * D + j] = static_cast<float>(vw[j]) * xr;
+    }
   }
   store(y, out, "rmsnorm output");
   if (rstd) store(r, *rstd, "rmsnorm rstd");

@@ -9,6 +9,9 @@
 // logp[b] = z[token] - logsumexp(z): the log-prob before truncation.
 // temperature 0 is greedy: the lowest-id argmax of the logits, logp = 0 (the log-prob of the
 // one-hot limit distribution).
+// valid_vocab Vv (0 = V): steps 1-4 and greedy run over ids [0, Vv) only (ids >= Vv as if their
+// logits were -inf), so no id >= Vv is ever drawn; logp stays the log-prob before truncation,
+// over all V ids: lse = log(e^lse_valid + e^lse_padding), each part with its own max.
 #include <algorithm>
 #include <cmath>
 #include <numeric>
@@ -21,10 +24,13 @@ namespace cpu {
 
 void CpuBackend::sample(const Tensor& logits, const std::vector<float>& temperature, const std::vector<float>& top_p,
                         const std::vector<int>& top_k, const std::vector<float>& uniforms, Tensor& tokens,
-                        Tensor& logp) {
+                        Tensor& logp, int64_t valid_vocab) {
   check_float(logits, "sample logits");
   FP8RL_CHECK(logits.ndim() == 2 && logits.dim(1) > 0, "sample logits must be [B, V], got ", logits.str());
-  const int64_t B = logits.dim(0), V = logits.dim(1);
+  const int64_t B = logits.dim(0), ld = logits.dim(1);
+  FP8RL_CHECK(valid_vocab >= 0 && valid_vocab <= ld, "sample: valid_vocab ", valid_vocab,
+              " must be in [0, V = ", ld, "] (0: all V)");
+  const int64_t V = valid_vocab > 0 ? valid_vocab : ld;  // the row's sampled ids [0, V)
   const auto n = static_cast<size_t>(B);
   FP8RL_CHECK(temperature.size() == n && top_p.size() == n && top_k.size() == n && uniforms.size() == n,
               "sample needs one temperature, top_p, top_k and uniform per row (", B, " rows), got ",
@@ -37,7 +43,7 @@ void CpuBackend::sample(const Tensor& logits, const std::vector<float>& temperat
   std::vector<double> lp(B);
   std::vector<int64_t> order(V);
   for (int64_t b = 0; b < B; ++b) {
-    const double* row = x.data() + b * V;
+    const double* row = x.data() + b * ld;
     const float tau = temperature[b];
     FP8RL_CHECK(std::isfinite(tau) && tau >= 0, "sample: temperature of row ", b, " must be >= 0, got ", tau);
     FP8RL_CHECK(top_p[b] > 0 && top_p[b] <= 1, "sample: top_p of row ", b, " must be in (0, 1], got ", top_p[b]);
@@ -46,10 +52,16 @@ void CpuBackend::sample(const Tensor& logits, const std::vector<float>& temperat
                 uniforms[b]);
     double mx = -INFINITY;
     for (int64_t j = 0; j < V; ++j) {
-      FP8RL_CHECK(!std::isnan(row[j]) && row[j] != INFINITY, "sample: logit ", j, " of row ", b, " is ", row[j]);
+      if (std::isnan(row[j]) || row[j] == INFINITY)
+        FP8RL_FAIL_NONFINITE("sample: logit ", j, " of row ", b, " is ", row[j]);
       mx = std::max(mx, row[j]);
     }
     FP8RL_CHECK(mx > -INFINITY, "sample: every logit of row ", b, " is -inf");
+    double pad_mx = -INFINITY;  // ids [V, ld): never drawn, but in logp's normalization
+    for (int64_t j = V; j < ld; ++j) {
+      FP8RL_CHECK(!std::isnan(row[j]) && row[j] != INFINITY, "sample: logit ", j, " of row ", b, " is ", row[j]);
+      pad_mx = std::max(pad_mx, row[j]);
+    }
     if (tau == 0) {
       tokens.data<int32_t>()[b] = static_cast<int32_t>(std::find(row, row + V, mx) - row);
       lp[b] = 0;
@@ -88,8 +100,17 @@ void CpuBackend::sample(const Tensor& logits, const std::vector<float>& temperat
         break;
       }
     }
+    double lse_all = lse;
+    if (pad_mx > -INFINITY) {
+      const double pmax = pad_mx / tau;
+      double ps = 0;
+      for (int64_t j = V; j < ld; ++j) ps += std::exp(row[j] / tau - pmax);
+      const double lse_pad = pmax + std::log(ps);
+      const double hi = std::max(lse, lse_pad), lo = std::min(lse, lse_pad);
+      lse_all = hi + std::log(1.0 + std::exp(lo - hi));
+    }
     tokens.data<int32_t>()[b] = static_cast<int32_t>(tok);
-    lp[b] = z[tok] - lse;
+    lp[b] = z[tok] - lse_all;
   }
   store(lp, logp, "sample logp");
 }

@@ -92,6 +92,15 @@ __device__ __forceinline__ float block_sum(float v, float* shared) {
   v = lane < nw ? shared[lane] : 0.0f;
   return warp_sum(v);
 }
+__device__ __forceinline__ double block_sum_d(double v, double* shared) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+  v = warp_sum_d(v);
+  __syncthreads();
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  v = lane < nw ? shared[lane] : 0.0;
+  return warp_sum_d(v);
+}
 __device__ __forceinline__ float block_max(float v, float* shared) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
   v = warp_max(v);

@@ -118,6 +118,12 @@ Tensor CudaBackend::alloc(const Shape& shape, DType dtype) {
 
 MemoryStats CudaBackend::memory_stats() { return mem_->stats(); }
 void CudaBackend::reset_peak_memory_stats() { mem_->reset_peak(); }
+int64_t CudaBackend::free_device_bytes() {
+  size_t free_b = 0, total_b = 0;
+  CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b), "cudaMemGetInfo");
+  const MemoryStats st = mem_->stats();
+  return static_cast<int64_t>(free_b) + std::max<int64_t>(0, st.reserved_bytes - st.used_bytes);
+}
 
 Tensor CudaBackend::scratch(Slot slot, const Shape& shape, DType dtype) {
   const size_t bytes = static_cast<size_t>(shape_numel(shape)) * dtype_size(dtype);
@@ -216,8 +222,14 @@ void CudaBackend::flag_drain() {
   messages.swap(pending_);
   std::string sticky;
   sticky.swap(sticky_message_);
-  for (size_t i = 0; i < messages.size(); ++i)
-    if (flag_host_[i]) FP8RL_FAIL(messages[i]);
+  for (size_t i = 0; i < messages.size(); ++i) {
+    if (!flag_host_[i]) continue;
+    // Non-finite data (quantizer/linear inputs, logits) is a NonFiniteError: a training step
+    // that meets one skips its update (train/trainer.h).
+    if (messages[i].find("NaN") != std::string::npos || messages[i].find("non-finite") != std::string::npos)
+      FP8RL_FAIL_NONFINITE(messages[i]);
+    FP8RL_FAIL(messages[i]);
+  }
   if (flag_host_[kFlagSticky]) {
     CUDA_CHECK(cudaMemsetAsync(flag_dev_ + kFlagSticky, 0, sizeof(int), stream_), "resetting the sticky flag");
     FP8RL_FAIL(sticky);
@@ -738,7 +750,8 @@ void CudaBackend::mm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const Te
   gemm_->gemm(ta, tb, M, N, K, a->raw(), b->raw(), ab, C.raw(), C.dtype(), 1.0f, beta);
 }
 
-void CudaBackend::linear_fwd(const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor& out) {
+void CudaBackend::linear_fwd(const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor& out,
+                             const QuantTensor* x_shared, bool x_shared_laid) {
   const int64_t M = x.dim(0), K = x.dim(1), N = W.out_features();
   if (spec.mode != LinearMode::FP8_BLOCK) {
     check_dev(W.w, "linear W.w");
@@ -746,11 +759,18 @@ void CudaBackend::linear_fwd(const Tensor& x, const LinearWeight& W, const Linea
     mm(false, true, M, N, K, x, W.w, spec.mode == LinearMode::FP32 ? DType::F32 : DType::BF16, out, 0.0f);
   } else {
     // With M % 16 == 0 (decode batches, aligned micro-batches) the quantizer writes the scales
-    // straight into cuBLASLt's layout: no layout kernel.
-    const bool tc = fp8_tensor_cores(M, N, K), laid = tc && M % kFp8RowGranule == 0;
-    QuantTensor xq = scratch_quant(kSlotAq, kSlotAs, M, K, 1, spec.pow2_scales);
-    flag_reset();
-    quantize_async(x, false, xq, false, /*gemm_layout=*/laid);
+    // straight into cuBLASLt's layout: no layout kernel. x_shared: x already quantized (by
+    // linear_shared_input, laid out as x_shared_laid says).
+    const bool tc = x_shared ? true : fp8_tensor_cores(M, N, K);
+    const bool laid = x_shared ? x_shared_laid : tc && M % kFp8RowGranule == 0;
+    QuantTensor xq;
+    if (x_shared) {
+      xq = *x_shared;
+    } else {
+      xq = scratch_quant(kSlotAq, kSlotAs, M, K, 1, spec.pow2_scales);
+      flag_reset();
+      quantize_async(x, false, xq, false, /*gemm_layout=*/laid);
+    }
     QuantTensor wq;
     if (W.wq.defined()) {  // pre-quantized (the generator's, or the trainer's per-step cache)
       check_wq(W, spec);
@@ -760,7 +780,7 @@ void CudaBackend::linear_fwd(const Tensor& x, const LinearWeight& W, const Linea
       wq = scratch_quant(kSlotBq, kSlotBs, N, K, kQuantBlock, spec.pow2_scales);
       quantize_async(W.w, false, wq);
     }
-    flag_check("linear (FP8): the input " + x.str() + " or the weight holds NaN or Inf");
+    if (!x_shared) flag_check("linear (FP8): the input " + x.str() + " or the weight holds NaN or Inf");
     if (tc) {
       gemm_->gemm_fp8(M, N, K, xq.data.data<uint8_t>(), xq.scales.data<float>(), wq.data.data<uint8_t>(),
                       wq.scales.data<float>(), kQuantBlock, out.raw(), out.dtype(), 1.0f, 0.0f, laid);
@@ -792,6 +812,44 @@ void CudaBackend::linear(const Tensor& x, const LinearWeight& W, const LinearSpe
   FP8RL_CHECK(out.numel() == M * N && out.dim(-1) == N, "linear: out must be [", M, ", ", N, "], got ", out.str());
   Tensor x2 = x.reshape({M, K}), o2 = out.reshape({M, N});
   linear_fwd(x2, W, spec, o2);
+}
+
+// FP8: x quantized once for every weight (q/k/v, gate/up) when all of them take the tensor
+// cores; the products are then exactly those of separate linear() calls.
+void CudaBackend::linear_shared_input(const Tensor& x, const std::vector<const LinearWeight*>& W,
+                                      const LinearSpec& spec, const std::vector<Tensor*>& outs) {
+  FP8RL_CHECK(!W.empty() && W.size() == outs.size(), "linear_shared_input: ", W.size(), " weights for ", outs.size(),
+              " outputs");
+  bool shared = spec.mode == LinearMode::FP8_BLOCK;
+  const int64_t K = W[0]->in_features(), M = rows_of(x);
+  for (const LinearWeight* w : W) shared = shared && w->in_features() == K;
+  if (shared)
+    for (const LinearWeight* w : W) shared = shared && GemmEngine::fp8_supported(M, w->out_features(), K);
+  if (!shared || act_dtype_ == DType::F32) {
+    Backend::linear_shared_input(x, W, spec, outs);
+    return;
+  }
+  const OpTimer op_timer_(*this, "linear");
+  check_dev(x, "linear x");
+  check_float(x, "linear x");
+  FP8RL_CHECK(x.dim(-1) == K, "linear: x ", x.str(), " does not match the weight's in_features ", K);
+  const Tensor x2 = x.reshape({M, K});
+  const bool laid = M % kFp8RowGranule == 0;
+  QuantTensor xq = scratch_quant(kSlotAq, kSlotAs, M, K, 1, spec.pow2_scales);
+  flag_reset();
+  quantize_async(x2, false, xq, false, /*gemm_layout=*/laid);
+  flag_check("linear (FP8): the input " + x.str() + " holds NaN or Inf");
+  for (size_t i = 0; i < W.size(); ++i) {
+    Tensor& out = *outs[i];
+    const int64_t N = W[i]->out_features();
+    check_dev(out, "linear out");
+    check_float(out, "linear out");
+    FP8RL_CHECK(out.numel() == M * N && out.dim(-1) == N, "linear: out must be [", M, ", ", N, "], got ", out.str());
+    Tensor o2 = out.reshape({M, N});
+    flag_reset();
+    linear_fwd(x2, *W[i], spec, o2, &xq, laid);
+    flag_check("linear (FP8): a weight holds NaN or Inf");
+  }
 }
 
 void CudaBackend::linear_backward(const Tensor& dy, const Tensor& x, const LinearWeight& W, const LinearSpec& spec,
@@ -1135,7 +1193,7 @@ void CudaBackend::attention_paged(const KvCache& cache, int layer, const Tensor&
 
 void CudaBackend::sample(const Tensor& logits, const std::vector<float>& temperature, const std::vector<float>& top_p,
                          const std::vector<int>& top_k, const std::vector<float>& uniforms, Tensor& tokens,
-                         Tensor& logp) {
+                         Tensor& logp, int64_t valid_vocab) {
   const OpTimer op_timer_(*this, "sample");
   check_dev(logits, "sample logits");
   check_dev(tokens, "sample tokens");
@@ -1143,6 +1201,9 @@ void CudaBackend::sample(const Tensor& logits, const std::vector<float>& tempera
   check_dtype(logits, DType::F32, "sample logits");
   FP8RL_CHECK(logits.ndim() == 2 && logits.dim(1) > 0, "sample logits must be [B, V], got ", logits.str());
   const int64_t B = logits.dim(0), V = logits.dim(1);
+  FP8RL_CHECK(valid_vocab >= 0 && valid_vocab <= V, "sample: valid_vocab ", valid_vocab, " must be in [0, V = ", V,
+              "] (0: all V)");
+  const int64_t Vv = valid_vocab > 0 ? valid_vocab : V;  // sampled ids [0, Vv); rows are V apart
   const auto n = static_cast<size_t>(B);
   FP8RL_CHECK(temperature.size() == n && top_p.size() == n && top_k.size() == n && uniforms.size() == n,
               "sample needs one temperature, top_p, top_k and uniform per row (", B, " rows), got ",
@@ -1162,7 +1223,7 @@ void CudaBackend::sample(const Tensor& logits, const std::vector<float>& tempera
     Tensor hl = to_host(logits);
     Tensor ht = Tensor::empty(tokens.shape(), tokens.dtype()), hp = Tensor::empty(logp.shape(), logp.dtype());
     static std::unique_ptr<Backend> cpu = make_cpu_backend();
-    cpu->sample(hl, temperature, top_p, top_k, uniforms, ht, hp);
+    cpu->sample(hl, temperature, top_p, top_k, uniforms, ht, hp, valid_vocab);
     copy(ht, tokens);
     copy(hp, logp);
     return;
@@ -1186,7 +1247,7 @@ void CudaBackend::sample(const Tensor& logits, const std::vector<float>& tempera
   CUDA_CHECK(cudaMemcpyAsync(pd.raw(), params.data(), params.size() * sizeof(float), cudaMemcpyHostToDevice, stream_),
              "uploading the sampling parameters");
   const float* p = pd.data<float>();  // no [B, V] scratch: the kernel recomputes keys and weights
-  launch_sample(logits.data<float>(), B, V, p, p + n, reinterpret_cast<const int32_t*>(p + 3 * n), p + 2 * n,
+  launch_sample(logits.data<float>(), B, V, Vv, p, p + n, reinterpret_cast<const int32_t*>(p + 3 * n), p + 2 * n,
                 tokens.data<int32_t>(), logp.data<float>(), flag_reset(), stream_);
   // Synchronizes: the host-side parameter vector must outlive the upload.
   flag_check("sample: a row of logits holds NaN or +inf, or only -inf");

@@ -46,6 +46,7 @@ class CudaBackend final : public Backend {
   void synchronize() override;
   MemoryStats memory_stats() override;
   void reset_peak_memory_stats() override;
+  int64_t free_device_bytes() override;
 
   void add(const Tensor& a, const Tensor& b, Tensor& out) override;
   void scale(Tensor& x, float s) override;
@@ -59,6 +60,8 @@ class CudaBackend final : public Backend {
   void rmsnorm_backward(const Tensor& dout, const Tensor& x, const Tensor& w, const Tensor& rstd, Tensor& dx,
                         Tensor& dw) override;
   void linear(const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor& out) override;
+  void linear_shared_input(const Tensor& x, const std::vector<const LinearWeight*>& W, const LinearSpec& spec,
+                           const std::vector<Tensor*>& outs) override;
   void linear_backward(const Tensor& dy, const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor* dx,
                        Tensor* dw, Tensor* dbias) override;
   void rope(Tensor& x, const Tensor& positions, const RopeParams& rope, bool inverse) override;
@@ -94,7 +97,7 @@ class CudaBackend final : public Backend {
                        float softmax_scale, bool fp8_attention, Tensor& out) override;
   void sample(const Tensor& logits, const std::vector<float>& temperature, const std::vector<float>& top_p,
               const std::vector<int>& top_k, const std::vector<float>& uniforms, Tensor& tokens,
-              Tensor& logp) override;
+              Tensor& logp, int64_t valid_vocab = 0) override;
 
   std::unique_ptr<OpGraph> record(const std::function<void()>& ops) override;
 
@@ -129,7 +132,8 @@ class CudaBackend final : public Backend {
   // C[M, N] = op(A) op(B) + beta C with A, B converted to `ab` (F32 or BF16) when they differ.
   void mm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const Tensor& A, const Tensor& B, DType ab, Tensor& C,
           float beta);
-  void linear_fwd(const Tensor& x2, const LinearWeight& W, const LinearSpec& spec, Tensor& out2);
+  void linear_fwd(const Tensor& x2, const LinearWeight& W, const LinearSpec& spec, Tensor& out2,
+                  const QuantTensor* x_shared = nullptr, bool x_shared_laid = false);
   void check_dev(const Tensor& t, const char* what) const;
   // Whether an FP8 block GEMM [M, N, K] takes cuBLASLt's FP8 kernels (else: dequantize + FP32 GEMM).
   // On the fast path (BF16 activations) a shape that cannot is a fallback: counted, and reported

@@ -148,7 +148,8 @@ void launch_paged_attention(const void* q, DType qdt, const int32_t* token_seq, 
 // ---- sampling (sample_kernels.cu) ----
 // One token per row of logits [B, V] (F32), backend.h's semantics; per-row parameters on the
 // device; keys/weights are scratch [B, V]. *bad_flag = 1 when a row holds NaN / +inf or only -inf.
-void launch_sample(const float* logits, int64_t B, int64_t V, const float* temperature, const float* top_p,
+// logits [B, ld]; row b samples over its first V <= ld ids (the rest are never read).
+void launch_sample(const float* logits, int64_t B, int64_t ld, int64_t V, const float* temperature, const float* top_p,
                    const int32_t* top_k, const float* uniforms, int32_t* tokens, float* logp, int* bad_flag,
                    cudaStream_t stream);
 

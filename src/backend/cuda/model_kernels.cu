@@ -35,38 +35,44 @@ __global__ void embedding_backward_kernel(const int32_t* ids, const TD* dout, in
   for (int64_t d = threadIdx.x; d < D; d += blockDim.x) atomicAdd(dtable + id * D + d, load_f(dout, t * D + d));
 }
 
-// One block per row.
+// One block per row. The rounding of the CPU reference (cpu_layers.cpp) and of HF's float32
+// forward, step by step: var = mean(x^2) rounded once to float (the squares summed in double, so
+// that the block's summation order does not show), r = 1 / sqrt(var + eps) in float, y = (x * r)
+// * w with both products rounded to float. With F32 activations the output is the CPU's bit for
+// bit: it feeds the FP8 quantizers, where one ulp flips codes at E4M3 midpoints (design.md).
 template <class TX, class TW, class TO>
 __global__ void rmsnorm_kernel(const TX* x, const TW* w, int64_t D, float eps, TO* out, float* rstd) {
-  __shared__ float red[32];
+  __shared__ double red[32];
   const int64_t r = blockIdx.x;
-  float ss = 0.0f;
+  double ss = 0.0;
   for (int64_t d = threadIdx.x; d < D; d += blockDim.x) {
-    const float v = load_f(x, r * D + d);
+    const double v = load_f(x, r * D + d);
     ss += v * v;
   }
-  ss = block_sum(ss, red);
-  const float rs = 1.0f / sqrtf(ss / static_cast<float>(D) + eps);
+  ss = block_sum_d(ss, red);  // in double (blockDim.x a multiple of 32)
+  const float var = static_cast<float>(ss / static_cast<double>(D));
+  const float rs = 1.0f / sqrtf(var + eps);
   if (rstd && threadIdx.x == 0) rstd[r] = rs;
   for (int64_t d = threadIdx.x; d < D; d += blockDim.x) store_f(out, r * D + d, load_f(x, r * D + d) * rs * load_f(w, d));
 }
 
 // The same with 8 elements per access (D % 8 == 0, 16-byte aligned rows): the row is read twice,
-// the second time from cache; per element the same float operations as above.
+// the second time from cache; the same roundings as above (the double sum hides the order).
 template <class TX, class TW, class TO>
 __global__ void rmsnorm_vec_kernel(const TX* x, const TW* w, int64_t D, float eps, TO* out, float* rstd) {
-  __shared__ float red[32];
+  __shared__ double red[32];
   const int64_t r = blockIdx.x;
   const TX* xr = x + r * D;
-  float ss = 0.0f;
+  double ss = 0.0;
   for (int64_t d = threadIdx.x * 8; d < D; d += blockDim.x * 8) {
     float v[8];
     load8(xr + d, v);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) ss += v[i] * v[i];
+    for (int i = 0; i < 8; ++i) ss += static_cast<double>(v[i]) * v[i];
   }
-  ss = block_sum(ss, red);
-  const float rs = 1.0f / sqrtf(ss / static_cast<float>(D) + eps);
+  ss = block_sum_d(ss, red);
+  const float var = static_cast<float>(ss / static_cast<double>(D));
+  const float rs = 1.0f / sqrtf(var + eps);
   if (rstd && threadIdx.x == 0) rstd[r] = rs;
   for (int64_t d = threadIdx.x * 8; d < D; d += blockDim.x * 8) {
     float v[8], wv[8];

@@ -14,7 +14,8 @@
 // they are split arithmetically; only when the i-th of them by id is not the first is it found
 // with a block scan. Sums are FP64, weights FP32: results equal the CPU's (FP64 throughout)
 // unless a uniform lands within rounding of a boundary between two tokens (logits that are
-// well separated never do).
+// well separated never do). Rows are ld apart; only their first V ids can be drawn (V < ld: a
+// vocabulary padded past the tokenizer's), the rest enter only logp's normalization (backend.h).
 #include <cstdint>
 
 #include "backend/cuda/common.cuh"
@@ -87,6 +88,21 @@ __device__ double block_sum_d(double v, SampleShared& sh) {
   __syncthreads();
   v = lane < nw ? sh.red[lane] : 0.0;
   return warp_sum_d(v);
+}
+
+// Block max of v, NaN counted as +inf (the caller flags +inf). Every thread gets the result.
+__device__ float block_max_nan_inf(float v, SampleShared& sh) {
+  if (isnan(v)) v = INFINITY;
+  for (int o = 16; o > 0; o >>= 1) {
+    const float w = __shfl_xor_sync(0xffffffffu, v, o);
+    v = w > v ? w : v;
+  }
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) sh.redf[threadIdx.x >> 5] = v;
+  __syncthreads();
+  float m = -INFINITY;
+  for (int i = 0; i < static_cast<int>(blockDim.x >> 5); ++i) m = sh.redf[i] > m ? sh.redf[i] : m;
+  return m;
 }
 
 // Sums the per-thread bins [kBins][kSampleThreads] into sh.bin_total in a fixed order: kPer
@@ -298,13 +314,13 @@ __device__ bool first_crossing(const RowView& rv, int64_t V, double Y, bool stri
 }
 
 __global__ void __launch_bounds__(kSampleThreads, 1)
-    sample_kernel(const float* __restrict__ logits, int64_t V, const float* __restrict__ temperature,
+    sample_kernel(const float* __restrict__ logits, int64_t ld, int64_t V, const float* __restrict__ temperature,
                   const float* __restrict__ top_p, const int32_t* __restrict__ top_k,
                   const float* __restrict__ uniforms, int32_t* __restrict__ tokens, float* __restrict__ logp, int* bad) {
   __shared__ SampleShared sh;
   extern __shared__ double bins[];  // [kBins][kSampleThreads]
   const int64_t b = blockIdx.x;
-  const float* row = logits + b * V;
+  const float* row = logits + b * ld;  // ids [0, V) only: V < ld masks a padded vocabulary
   const float tau = temperature[b];
 
   // Max logit (lowest id on ties), and the NaN / +inf check.
@@ -351,6 +367,24 @@ __global__ void __launch_bounds__(kSampleThreads, 1)
     }
     return;
   }
+  // A padded vocabulary (ld > V): the padding's max, and the NaN / +inf check there too.
+  float pm = -INFINITY;
+  if (ld > V) {
+    for (int64_t j = V + threadIdx.x; j < ld; j += blockDim.x) {
+      const float l = row[j];
+      if (isnan(l) || l == INFINITY) pm = INFINITY;
+      else if (l > pm) pm = l;
+    }
+    pm = block_max_nan_inf(pm, sh);
+    if (pm == INFINITY) {
+      if (threadIdx.x == 0) {
+        atomicExch(bad, 1);
+        tokens[b] = 0;
+        logp[b] = NAN;
+      }
+      return;
+    }
+  }
   if (tau == 0.0f) {  // greedy
     if (threadIdx.x == 0) {
       tokens[b] = static_cast<int32_t>(arg);
@@ -376,6 +410,20 @@ __global__ void __launch_bounds__(kSampleThreads, 1)
   reduce_bins(bins, sh);
   if (threadIdx.x < kBins) sh.w0[threadIdx.x] = sh.bin_total[threadIdx.x];  // read after search_key's barriers
   const double lse = zmax + log(se);
+  // A padded vocabulary: ids [V, ld) are never drawn, but logp is normalized over all ld ids
+  // (backend.h): lse_all = log(e^lse + e^lse_pad), each with its own max.
+  double lse_all = lse;
+  if (ld > V) {
+    if (pm > -INFINITY) {
+      const double pmax = static_cast<double>(pm) / tau;
+      double ps = 0.0;
+      for (int64_t j = V + threadIdx.x; j < ld; j += blockDim.x) ps += exp(static_cast<double>(row[j]) / tau - pmax);
+      ps = block_sum_d(ps, sh);
+      const double lse_pad = pmax + log(ps);
+      const double hi = lse > lse_pad ? lse : lse_pad, lo = lse > lse_pad ? lse_pad : lse;
+      lse_all = hi + log(1.0 + exp(lo - hi));
+    }
+  }
 
   // top-k: the kept mass is the cumulative weight through position keep - 1.
   int64_t keep = top_k[b] > 0 ? clamp64(top_k[b], 1, V) : V;
@@ -404,13 +452,13 @@ __global__ void __launch_bounds__(kSampleThreads, 1)
   }
   if (threadIdx.x == 0) {
     tokens[b] = static_cast<int32_t>(tok);
-    logp[b] = static_cast<float>(static_cast<double>(row[tok]) / tau - lse);
+    logp[b] = static_cast<float>(static_cast<double>(row[tok]) / tau - lse_all);
   }
 }
 
 }  // namespace
 
-void launch_sample(const float* logits, int64_t B, int64_t V, const float* temperature, const float* top_p,
+void launch_sample(const float* logits, int64_t B, int64_t ld, int64_t V, const float* temperature, const float* top_p,
                    const int32_t* top_k, const float* uniforms, int32_t* tokens, float* logp, int* bad_flag,
                    cudaStream_t stream) {
   if (B == 0) return;
@@ -418,7 +466,7 @@ void launch_sample(const float* logits, int64_t B, int64_t V, const float* tempe
   CUDA_CHECK(cudaFuncSetAttribute(sample_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   static_cast<int>(kBinBytes)),
              "raising sample_kernel's shared memory limit");
-  sample_kernel<<<static_cast<unsigned>(B), kSampleThreads, kBinBytes, stream>>>(logits, V, temperature, top_p, top_k,
+  sample_kernel<<<static_cast<unsigned>(B), kSampleThreads, kBinBytes, stream>>>(logits, ld, V, temperature, top_p, top_k,
                                                                                  uniforms, tokens, logp, bad_flag);
   CUDA_CHECK_LAUNCH("sample_kernel");
 }

@@ -15,8 +15,10 @@ struct Ref {
   double logp;
 };
 
-// cpu_sample.cpp's algorithm for one row (double throughout, stable sort).
-Ref ref_sample(const float* lg, int64_t V, float tau, float top_p, int top_k, float u) {
+// cpu_sample.cpp's algorithm for one row (double throughout, stable sort). The draw is over the
+// first V ids; logp is normalized over all ld >= V ids (a padded vocabulary, backend.h).
+Ref ref_sample(const float* lg, int64_t V, float tau, float top_p, int top_k, float u, int64_t ld = 0) {
+  if (ld == 0) ld = V;
   std::vector<double> row(lg, lg + V);
   const double mx = *std::max_element(row.begin(), row.end());
   if (tau == 0) return {static_cast<int32_t>(std::find(row.begin(), row.end(), mx) - row.begin()), 0.0};
@@ -54,11 +56,21 @@ Ref ref_sample(const float* lg, int64_t V, float tau, float top_p, int top_k, fl
       break;
     }
   }
-  return {static_cast<int32_t>(tok), z[tok] - lse};
+  double lse_all = lse;
+  double pm = -INFINITY;
+  for (int64_t j = V; j < ld; ++j) pm = std::max(pm, double(lg[j]));
+  if (pm > -INFINITY) {
+    double ps = 0;
+    for (int64_t j = V; j < ld; ++j) ps += std::exp(double(lg[j]) / tau - pm / tau);
+    const double lp = pm / tau + std::log(ps), hi = std::max(lse, lp), lo = std::min(lse, lp);
+    lse_all = hi + std::log(1.0 + std::exp(lo - hi));
+  }
+  return {static_cast<int32_t>(tok), z[tok] - lse_all};
 }
 
 struct Batch {
   int64_t V;
+  int64_t ld = 0;  // row stride (0: V); ld > V is a padded vocabulary, ids >= V never sampled
   std::vector<float> logits, temp, top_p, u;
   std::vector<int32_t> top_k;
 };
@@ -70,7 +82,7 @@ int run_kernel(const Batch& b, std::vector<int32_t>& tok, std::vector<float>& lp
   lp.assign(B, -7.0f);
   int bad = 0;
   emu::emu_launch(B, sizeof(emu::SampleShared), emu::kBinBytes, [&] {
-    emu::sample_kernel(b.logits.data(), b.V, b.temp.data(), b.top_p.data(), b.top_k.data(), b.u.data(), tok.data(),
+    emu::sample_kernel(b.logits.data(), b.ld ? b.ld : b.V, b.V, b.temp.data(), b.top_p.data(), b.top_k.data(), b.u.data(), tok.data(),
                        lp.data(), &bad);
   });
   return bad;
@@ -87,7 +99,8 @@ void check(const char* name, const Batch& b) {
     ++g_fail;
   }
   for (size_t r = 0; r < b.temp.size(); ++r) {
-    const Ref ref = ref_sample(b.logits.data() + r * b.V, b.V, b.temp[r], b.top_p[r], b.top_k[r], b.u[r]);
+    const Ref ref = ref_sample(b.logits.data() + r * (b.ld ? b.ld : b.V), b.V, b.temp[r], b.top_p[r], b.top_k[r], b.u[r],
+                               b.ld);
     ++g_checked;
     const bool lp_ok = std::fabs(lp[r] - ref.logp) <= 1e-5 * std::max(1.0, std::fabs(ref.logp));
     if (tok[r] != ref.token || !lp_ok) {
@@ -132,6 +145,45 @@ int main() {
       char name[64];
       std::snprintf(name, sizeof name, "V%lld kind%d", static_cast<long long>(V), kind);
       check(name, b);
+    }
+  }
+  // A padded vocabulary: rows of ld = V + 37 logits, only the first V sampled. The padding holds
+  // the row's largest logits and -inf: never drawn, but in logp's normalization.
+  for (int64_t V : {int64_t(1), int64_t(1000), int64_t(5003)}) {
+    Batch b;
+    b.V = V;
+    b.ld = V + 37;
+    const int B = 8;
+    for (int r = 0; r < B; ++r) {
+      for (int64_t j = 0; j < b.ld; ++j) {
+        float x = nd(gen);
+        if (j >= V) x = (j - V) % 3 == 0 ? 8.0f + nd(gen) : ((j - V) % 3 == 1 ? -INFINITY : nd(gen));
+        b.logits.push_back(x);
+      }
+      b.temp.push_back(temps[r % 8]);
+      b.top_p.push_back(tps[(r + 1) % 8]);
+      b.top_k.push_back(tks[(r + 2) % 8]);
+      b.u.push_back(r == 2 ? 0.99999f : std::min(ud(gen), 0.99999f));
+    }
+    char name[64];
+    std::snprintf(name, sizeof name, "padded V%lld ld%lld", static_cast<long long>(V), static_cast<long long>(b.ld));
+    check(name, b);
+  }
+  // NaN in the padding raises the flag too (it is read for logp).
+  {
+    Batch b;
+    b.V = 50;
+    b.ld = 60;
+    for (int j = 0; j < 60; ++j) b.logits.push_back(j == 55 ? NAN : nd(gen));
+    b.temp = {1};
+    b.top_p = {1};
+    b.top_k = {0};
+    b.u = {0.5f};
+    std::vector<int32_t> tok;
+    std::vector<float> lp;
+    if (!run_kernel(b, tok, lp) || !std::isnan(lp[0])) {
+      std::printf("FAIL NaN in the padding not flagged\n");
+      ++g_fail;
     }
   }
   // Invalid rows raise the flag: NaN, +inf, only -inf.

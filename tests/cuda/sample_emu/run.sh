@@ -4,7 +4,7 @@
 # std::threads per block, std::barrier for __syncthreads and the warp exchanges), under ASan +
 # UBSan, and its tokens / log-probs are checked against a double-precision re-statement of the
 # CPU reference (cpu_sample.cpp) on random rows: ties, -inf entries, top-k, top-p, greedy, and
-# uniforms at 0 and near 1 (main.cpp). It checks the digit search, the tie split, the shared
+# uniforms at 0 and near 1, and padded vocabularies (row stride > sampled ids; main.cpp). It checks the digit search, the tie split, the shared
 # memory indexing and the reductions; not the PTX itself nor timing.
 # Usage: bash tests/cuda/sample_emu/run.sh   (a few minutes on 2 cores)
 set -euo pipefail

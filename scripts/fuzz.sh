@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Builds the libFuzzer targets (tests/fuzz/*.cpp: tokenizer.json, config.json + run-config YAML,
+# safetensors headers) with clang, ASan and UBSan, and runs each for FP8RL_FUZZ_SECONDS
+# (default 30) on inputs up to 1 MB, starting from the committed corpus tests/fuzz/corpus/<name>
+# (read only; what the run finds goes to $dir/corpus/<name>). A crash, a sanitizer report, an
+# uncaught exception or a hang fails the script and leaves the input in $dir (crash-*, timeout-*).
+# Without clang or libFuzzer it says so and exits 0.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+secs=${FP8RL_FUZZ_SECONDS:-30}
+dir=${FP8RL_FUZZ_BUILD_DIR:-build-fuzz}
+if ! command -v clang++ >/dev/null; then
+  echo "fuzz: no clang++; skipped"
+  exit 0
+fi
+probe=$(mktemp -d)
+trap 'rm -rf "$probe"' EXIT
+echo 'extern "C" int LLVMFuzzerTestOneInput(const unsigned char*, unsigned long) { return 0; }' > "$probe/t.cpp"
+if ! clang++ -fsanitize=fuzzer "$probe/t.cpp" -o "$probe/t" 2>/dev/null; then
+  echo "fuzz: clang++ has no libFuzzer (Debian: libclang-rt-dev); skipped"
+  exit 0
+fi
+CC=clang CXX=clang++ cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFP8RL_FUZZ=ON \
+  -DFP8RL_TESTS=OFF -DFP8RL_CUDA=OFF "$@" > /dev/null
+targets=(fuzz_tokenizer fuzz_config fuzz_safetensors)
+cmake --build "$dir" -j "$(nproc)" --target "${targets[@]}"
+export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+for t in "${targets[@]}"; do
+  name=${t#fuzz_}
+  mkdir -p "$dir/corpus/$name"
+  log="$dir/$t.log"
+  if ! (cd "$dir" && "./$t" -max_total_time="$secs" -max_len=1048576 -timeout=30 -rss_limit_mb=4096 \
+          -print_final_stats=1 "corpus/$name" "../tests/fuzz/corpus/$name" > "$t.log" 2>&1); then
+    cat "$log"
+    echo "fuzz: $t FAILED (input saved in $dir)"
+    exit 1
+  fi
+  echo "fuzz: $t ok: $(grep -E '^stat::number_of_executed_units' "$log" | awk '{print $2}') inputs in ${secs}s"
+done
