@@ -232,6 +232,49 @@ class Backend {
                                        const LinearSpec& spec, const Tensor& lse,
                                        const Tensor& dlogp, Tensor& dhidden, Tensor* dlm_head) = 0;
 
+  // ---- mixture of experts (model/transformer.cpp, moe_forward) ---------------------------------
+  // A token's k routing slots are numbered t * k + j. The model sorts the T * k slots by expert
+  // on the host (the per-expert row counts size the expert GEMMs); row r of the permuted
+  // activations [R = T * k, D] holds slot row_slot[r], and slot s sits in row slot_row[s].
+  //
+  // Softmax routing (Qwen3-MoE, Mixtral): p = softmax(logits[t]) over all E experts; the top_k
+  // largest p (descending; ties: the lower expert id first) give experts I32 [T, k] and weights
+  // [T, k] = their p, divided by their sum when `renormalize`. logits F32 [T, E] (F64 on the
+  // CPU); weights F32 (F64 on the CPU, for gradient checks); math in FP32 (CPU: double).
+  virtual void moe_route_softmax(const Tensor& logits, int top_k, bool renormalize, Tensor& experts,
+                                 Tensor& weights) = 0;
+  // The routing's backward: dlogits [T, E] (logits' dtype) written from dweights [T, k]; the
+  // selection is piecewise constant, so only the weights carry a gradient.
+  virtual void moe_route_softmax_backward(const Tensor& logits, const Tensor& experts, bool renormalize,
+                                          const Tensor& dweights, Tensor& dlogits) = 0;
+  // DeepSeek-V3 routing (topk_method noaux_tc, scoring_func sigmoid): s = sigmoid(logits)
+  // (FP32); choice c = s + bias (e_score_correction_bias [E] F32, or null for none); the E experts
+  // form n_group equal groups of consecutive ids, a group's score is the sum of its two largest
+  // c (its one c when a group has one expert); the topk_group best groups are kept (ties: the
+  // lower group) and the other experts' c set to 0 (as transformers and DeepSeek's reference
+  // code, not -inf); experts = the top_k largest c (descending; ties: the lower id); weights =
+  // their *uncorrected* s, divided by (sum + 1e-20) when `renormalize`, times `scaling`
+  // (routed_scaling_factor). Shapes as moe_route_softmax.
+  virtual void moe_route_sigmoid(const Tensor& logits, const Tensor* bias, int top_k, int n_group, int topk_group,
+                                 bool renormalize, float scaling, Tensor& experts, Tensor& weights) = 0;
+  // Its backward: dlogits [T, E] written (nonzero only at the selected experts).
+  virtual void moe_route_sigmoid_backward(const Tensor& logits, const Tensor& experts, bool renormalize,
+                                          float scaling, const Tensor& dweights, Tensor& dlogits) = 0;
+  // out[r] = x[row_slot[r] / top_k] * (weights ? weights[row_slot[r]] : 1). x [T, D];
+  // row_slot I32 [R], each in [0, T * top_k); weights [T * top_k] (F32/F64) or null; out [R, D].
+  // Forward: the gather of the expert inputs; backward: the weighted gather of dy.
+  virtual void moe_permute(const Tensor& x, const Tensor& row_slot, int top_k, const Tensor* weights,
+                           Tensor& out) = 0;
+  // out[t] = sum_j (weights ? weights[t*k + j] : 1) * y[slot_row[t*k + j]] over j = 0..k-1 in
+  // order, accumulated in FP32 (CPU: double), written. y [R, D]; slot_row I32 [T * k], each in
+  // [0, R); out [T, D] with k = slot_row.numel() / T. Forward: the weighted un-permute; backward
+  // (no weights): the gradient of the gather. Deterministic (no atomics).
+  virtual void moe_unpermute(const Tensor& y, const Tensor& slot_row, const Tensor* weights, Tensor& out) = 0;
+  // The weights' gradient of moe_unpermute: dweights[s] = dot(dout[s / k], y[slot_row[s]]),
+  // dout [T, D], y [R, D], slot_row I32 [T * k]; dweights [T * k] (F32/F64) written.
+  virtual void moe_unpermute_backward_weights(const Tensor& dout, const Tensor& y, const Tensor& slot_row,
+                                              Tensor& dweights) = 0;
+
   // ---- optimizer -------------------------------------------------------------------------
   // Decoupled AdamW on F32 param/grad/m/v of equal shape (in place).
   virtual void adamw(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWParams& p) = 0;

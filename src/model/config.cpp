@@ -1,5 +1,5 @@
-// ModelConfig from a Hugging Face config.json (llama, qwen2, qwen3; transformers 4.x and 5.x
-// spellings). See model/config.h.
+// ModelConfig from a Hugging Face config.json (llama, qwen2, qwen3, qwen3_moe; transformers 4.x
+// and 5.x spellings). See model/config.h.
 //
 // Defaults for absent optional keys follow transformers' config classes (e.g. qwen3's
 // head_dim defaults to 128, not hidden_size / num_heads). Required keys (the sizes) have no
@@ -123,6 +123,67 @@ void parse_rope(const json& j, const std::string& origin, ModelConfig& c) {
   c.rope_original_max_position = r.get_int("original_max_position_embeddings", c.max_position_embeddings);
 }
 
+// The qwen3_moe keys (Qwen3MoeConfig defaults for the absent ones). transformers 5 stores the
+// expert count as num_local_experts (num_experts is its alias), 4.x as num_experts.
+void parse_moe(const json& j, const std::string& origin, ModelConfig& c) {
+  Reader r{j, origin};
+  if (r.has("num_experts") && r.has("num_local_experts") && r.get_int("num_experts") != r.get_int("num_local_experts"))
+    FP8RL_FAIL(origin, ": num_experts (", r.get_int("num_experts"), ") and num_local_experts (",
+               r.get_int("num_local_experts"), ") disagree");
+  c.num_experts = r.has("num_local_experts") ? r.get_int("num_local_experts") : r.get_int("num_experts", 128);
+  c.num_experts_per_tok = r.get_int("num_experts_per_tok", 8);
+  c.moe_intermediate_size = r.get_int("moe_intermediate_size", 768);
+  c.norm_topk_prob = r.get_bool("norm_topk_prob", false);
+  c.decoder_sparse_step = r.get_int("decoder_sparse_step", 1);
+  if (r.has("mlp_only_layers")) {
+    const json& v = j.at("mlp_only_layers");
+    if (!v.is_array()) r.fail_type("mlp_only_layers", "a list of layer indices");
+    for (const json& e : v) {
+      if (!e.is_number_integer()) r.fail_type("mlp_only_layers", "a list of layer indices");
+      c.mlp_only_layers.push_back(static_cast<int>(e.get<int64_t>()));
+    }
+  }
+  // Variants of other MoE families that a qwen3_moe config might carry: refuse, never ignore.
+  for (const char* key : {"shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts"})
+    if (r.has(key) && r.get_number(key) != 0)
+      FP8RL_FAIL(origin, ": '", key, "' (shared experts) is not part of qwen3_moe and is not supported");
+  if (r.has("moe_layer_freq") || r.has("first_k_dense_replace"))
+    FP8RL_FAIL(origin, ": moe_layer_freq / first_k_dense_replace are DeepSeek keys; qwen3_moe uses "
+               "decoder_sparse_step and mlp_only_layers");
+}
+
+// deepseek_v3 (DeepSeek-V3, Moonlight): the MoE keys (DeepseekV3Config defaults for absent ones;
+// 5.x may spell n_routed_experts num_local_experts) and the MLA sizes. Only the routing this
+// code implements is accepted: topk_method noaux_tc with scoring_func sigmoid.
+void parse_deepseek(const json& j, const std::string& origin, ModelConfig& c) {
+  Reader r{j, origin};
+  c.num_experts = r.has("num_local_experts") ? r.get_int("num_local_experts") : r.get_int("n_routed_experts", 256);
+  c.num_experts_per_tok = r.get_int("num_experts_per_tok", 8);
+  c.moe_intermediate_size = r.get_int("moe_intermediate_size", 2048);
+  c.norm_topk_prob = r.get_bool("norm_topk_prob", true);
+  c.moe_router = "sigmoid";
+  c.n_group = r.get_int("n_group", 8);
+  c.topk_group = r.get_int("topk_group", 4);
+  c.routed_scaling_factor = static_cast<float>(r.get_number("routed_scaling_factor", 2.5));
+  c.n_shared_experts = r.get_int("n_shared_experts", 1);
+  c.first_k_dense_replace = r.get_int("first_k_dense_replace", 3);
+  c.moe_layer_freq = r.get_int("moe_layer_freq", 1);
+  const std::string method = r.get_string("topk_method", "noaux_tc"), scoring = r.get_string("scoring_func", "sigmoid");
+  if (method != "noaux_tc" || scoring != "sigmoid")
+    FP8RL_FAIL(origin, ": topk_method '", method, "' with scoring_func '", scoring, "' is not supported (only "
+               "noaux_tc with sigmoid, DeepSeek-V3's)");
+  c.q_lora_rank = r.get_int("q_lora_rank", 0);  // null: no q compression
+  c.kv_lora_rank = r.get_int("kv_lora_rank", 512);
+  c.qk_nope_head_dim = r.get_int("qk_nope_head_dim", 128);
+  c.qk_rope_head_dim = r.get_int("qk_rope_head_dim", 64);
+  c.v_head_dim = r.get_int("v_head_dim", 128);
+  c.rope_interleave = r.get_bool("rope_interleave", true);
+  // The rotary part of a head: RoPE's head_dim is qk_rope_head_dim.
+  c.head_dim = c.qk_rope_head_dim;
+  if (r.get_int("num_nextn_predict_layers", 0) > 0)
+    std::fprintf(stderr, "%s: num_nextn_predict_layers (multi-token prediction) is ignored\n", origin.c_str());
+}
+
 // The shortest decimal that reads back as `x` (1e-6f is written 1e-06, not 9.99999997e-07).
 double short_decimal(float x) {
   char buf[32];
@@ -148,8 +209,14 @@ ModelConfig model_config_from_json(const std::string& json_text, const std::stri
   if (!r.has("model_type")) FP8RL_FAIL(origin, ": required key 'model_type' is missing");
   c.model_type = r.get_string("model_type", "");
   const bool llama = c.model_type == "llama", qwen2 = c.model_type == "qwen2", qwen3 = c.model_type == "qwen3";
-  if (!llama && !qwen2 && !qwen3)
-    FP8RL_FAIL(origin, ": model_type '", c.model_type, "' is not supported (supported: llama, qwen2, qwen3)");
+  const bool qwen3_moe = c.model_type == "qwen3_moe";
+  const bool deepseek_v3 = c.model_type == "deepseek_v3";
+  if (c.model_type == "deepseek_v2" || c.model_type == "qwen2_moe" ||
+      c.model_type == "mixtral" || c.model_type == "qwen3_next" || c.model_type == "olmoe")
+    FP8RL_FAIL(origin, ": model_type '", c.model_type, "' (a mixture-of-experts family) is not supported yet "
+               "(supported: llama, qwen2, qwen3, qwen3_moe; deepseek_v3 config only)");
+  if (!llama && !qwen2 && !qwen3 && !qwen3_moe && !deepseek_v3)
+    FP8RL_FAIL(origin, ": model_type '", c.model_type, "' is not supported (supported: llama, qwen2, qwen3, qwen3_moe)");
 
   c.vocab_size = r.get_int("vocab_size");
   c.hidden_size = r.get_int("hidden_size");
@@ -158,6 +225,8 @@ ModelConfig model_config_from_json(const std::string& json_text, const std::stri
   c.num_heads = r.get_int("num_attention_heads");
   c.num_kv_heads = r.get_int("num_key_value_heads", c.num_heads);
   if (c.num_heads <= 0) FP8RL_FAIL(origin, ": num_attention_heads must be positive, got ", c.num_heads);
+  // Qwen3Config defaults head_dim to 128; Qwen3MoeConfig has no such default (the attention
+  // then uses hidden_size / num_heads).
   c.head_dim = r.get_int("head_dim", qwen3 ? 128 : c.hidden_size / c.num_heads);
   c.rms_norm_eps = static_cast<float>(r.get_number("rms_norm_eps", 1e-6));
   c.tie_word_embeddings = r.get_bool("tie_word_embeddings", false);
@@ -175,7 +244,9 @@ ModelConfig model_config_from_json(const std::string& json_text, const std::stri
     FP8RL_FAIL(origin, ": attention_bias = true (", c.model_type, " then has an o_proj bias) is not supported");
   }
   if (r.get_bool("mlp_bias", false)) FP8RL_FAIL(origin, ": mlp_bias = true is not supported");
-  c.qk_norm = qwen3;
+  c.qk_norm = qwen3 || qwen3_moe;
+  if (qwen3_moe) parse_moe(j, origin, c);
+  if (deepseek_v3) parse_deepseek(j, origin, c);
   const std::string act = r.get_string("hidden_act", "silu");
   if (act != "silu") FP8RL_FAIL(origin, ": hidden_act '", act, "' is not supported (only silu)");
 
@@ -208,8 +279,9 @@ ModelConfig model_config_load(const std::string& path) {
 }
 
 void ModelConfig::validate() const {
-  FP8RL_CHECK(model_type == "llama" || model_type == "qwen2" || model_type == "qwen3", "model_type '",
-              model_type, "' is not supported");
+  FP8RL_CHECK(model_type == "llama" || model_type == "qwen2" || model_type == "qwen3" || model_type == "qwen3_moe" ||
+                  model_type == "deepseek_v3",
+              "model_type '", model_type, "' is not supported");
   FP8RL_CHECK(vocab_size > 0, "vocab_size must be positive");
   FP8RL_CHECK(hidden_size > 0, "hidden_size must be positive");
   FP8RL_CHECK(intermediate_size > 0, "intermediate_size must be positive");
@@ -239,6 +311,43 @@ void ModelConfig::validate() const {
     FP8RL_CHECK(rope_original_max_position > 0, "original_max_position_embeddings must be positive");
   }
   FP8RL_CHECK(bos_token_id >= -1 && eos_token_id >= -1, "token ids must be >= 0 (or -1 for none)");
+  const bool moe_type = model_type == "qwen3_moe" || model_type == "deepseek_v3";
+  FP8RL_CHECK(moe_type == is_moe(), moe_type ? "num_experts (deepseek_v3: n_routed_experts) must be positive for " +
+                                                   model_type
+                                             : "num_experts is set but " + model_type + " is not a mixture of experts");
+  FP8RL_CHECK((model_type == "deepseek_v3") == is_mla(), "MLA sizes (kv_lora_rank) belong to deepseek_v3 only");
+  if (is_moe()) {
+    FP8RL_CHECK(num_experts_per_tok >= 1 && num_experts_per_tok <= num_experts, "num_experts_per_tok (",
+                num_experts_per_tok, ") must be in [1, num_experts = ", num_experts, "]");
+    FP8RL_CHECK(moe_intermediate_size > 0, "moe_intermediate_size must be positive");
+    FP8RL_CHECK(decoder_sparse_step >= 1, "decoder_sparse_step (", decoder_sparse_step, ") must be >= 1");
+    for (int l : mlp_only_layers)
+      FP8RL_CHECK(l >= 0 && l < num_layers, "mlp_only_layers lists layer ", l, ", outside [0, num_hidden_layers = ",
+                  num_layers, ")");
+    FP8RL_CHECK(moe_router == "softmax" || moe_router == "sigmoid", "moe router '", moe_router, "' is unknown");
+    FP8RL_CHECK(n_group >= 1 && num_experts % n_group == 0, "n_group (", n_group, ") must divide the ", num_experts,
+                " routed experts");
+    FP8RL_CHECK(topk_group >= 1 && topk_group <= n_group, "topk_group (", topk_group, ") must be in [1, n_group = ",
+                n_group, "]");
+    FP8RL_CHECK(num_experts_per_tok <= topk_group * (num_experts / n_group), "num_experts_per_tok (",
+                num_experts_per_tok, ") exceeds the experts of the topk_group kept groups");
+    FP8RL_CHECK(std::isfinite(routed_scaling_factor) && routed_scaling_factor > 0,
+                "routed_scaling_factor must be positive");
+    FP8RL_CHECK(n_shared_experts >= 0 && first_k_dense_replace >= 0 && moe_layer_freq >= 1,
+                "n_shared_experts and first_k_dense_replace must be >= 0, moe_layer_freq >= 1");
+  }
+  if (is_mla())
+    FP8RL_CHECK(qk_nope_head_dim > 0 && qk_rope_head_dim > 0 && qk_rope_head_dim % 2 == 0 && v_head_dim > 0 &&
+                    q_lora_rank >= 0,
+                "MLA sizes must be positive (qk_rope_head_dim even; q_lora_rank 0 = none)");
+}
+
+bool ModelConfig::layer_is_moe(int layer) const {
+  if (!is_moe()) return false;
+  if (model_type == "deepseek_v3") return layer >= first_k_dense_replace && layer % moe_layer_freq == 0;
+  for (int l : mlp_only_layers)
+    if (l == layer) return false;
+  return (layer + 1) % decoder_sparse_step == 0;
 }
 
 // inv_freq[i] = 1 / theta^(2i / hd), in FP32 as transformers computes it: the exponent
@@ -284,18 +393,40 @@ RopeParams ModelConfig::rope_params() const {
 int64_t ModelConfig::num_parameters() const {
   const int64_t d = hidden_size, f = intermediate_size, v = vocab_size, hd = head_dim;
   const int64_t q = int64_t(num_heads) * hd, kv = int64_t(num_kv_heads) * hd;
-  int64_t layer = d * q + 2 * d * kv + q * d  // q, k, v, o
-                  + 3 * d * f                 // gate, up, down
-                  + 2 * d;                    // input and post-attention RMSNorm
-  if (attention_bias) layer += q + 2 * kv;
-  if (qk_norm) layer += 2 * hd;
-  return v * d + int64_t(num_layers) * layer + d + (tie_word_embeddings ? 0 : v * d);
+  int64_t layers = 0;
+  for (int l = 0; l < num_layers; ++l) {
+    int64_t layer = 2 * d;  // input and post-attention RMSNorm
+    if (is_mla()) {          // q (or q_a, q_a_norm, q_b), kv_a_proj_with_mqa, kv_a_layernorm, kv_b, o
+      const int64_t H = num_heads, qk = qk_nope_head_dim + qk_rope_head_dim, r = q_lora_rank;
+      layer += r > 0 ? d * r + r + r * H * qk : d * H * qk;
+      layer += d * (kv_lora_rank + qk_rope_head_dim) + kv_lora_rank + int64_t(kv_lora_rank) * H * (qk_nope_head_dim + v_head_dim);
+      layer += H * v_head_dim * d;
+    } else {
+      layer += d * q + 2 * d * kv + q * d;  // q, k, v, o
+    }
+    if (layer_is_moe(l)) {
+      layer += int64_t(num_experts) * (d + 3 * d * moe_intermediate_size);  // router, experts
+      layer += 3 * d * int64_t(n_shared_experts) * moe_intermediate_size;    // shared experts
+      if (moe_router == "sigmoid") layer += num_experts;                      // e_score_correction_bias
+    } else {
+      layer += 3 * d * f;  // gate, up, down
+    }
+    if (attention_bias) layer += q + 2 * kv;
+    if (qk_norm) layer += 2 * hd;
+    layers += layer;
+  }
+  return v * d + layers + d + (tie_word_embeddings ? 0 : v * d);
 }
 
 std::string model_config_to_json(const ModelConfig& c) {
   c.validate();
-  const char* arch = c.model_type == "llama" ? "LlamaForCausalLM" : c.model_type == "qwen2" ? "Qwen2ForCausalLM"
-                                                                                            : "Qwen3ForCausalLM";
+  FP8RL_CHECK(c.model_type != "deepseek_v3", "writing a deepseek_v3 config.json is not supported (config only)");
+  FP8RL_CHECK(c.moe_router == "softmax" && c.n_shared_experts == 0, "a qwen3_moe config.json cannot carry sigmoid "
+              "routing or shared experts (DeepSeek features on a test model)");
+  const char* arch = c.model_type == "llama"       ? "LlamaForCausalLM"
+                     : c.model_type == "qwen2"     ? "Qwen2ForCausalLM"
+                     : c.model_type == "qwen3_moe" ? "Qwen3MoeForCausalLM"
+                                                   : "Qwen3ForCausalLM";
   json j;
   j["architectures"] = {arch};
   j["model_type"] = c.model_type;
@@ -331,6 +462,15 @@ std::string model_config_to_json(const ModelConfig& c) {
     j["rope_scaling"] = nullptr;
   }
   if (c.model_type != "llama") j["use_sliding_window"] = false;
+  if (c.is_moe()) {  // both spellings: 4.x reads num_experts, 5.x num_local_experts
+    j["num_experts"] = c.num_experts;
+    j["num_local_experts"] = c.num_experts;
+    j["num_experts_per_tok"] = c.num_experts_per_tok;
+    j["moe_intermediate_size"] = c.moe_intermediate_size;
+    j["norm_topk_prob"] = c.norm_topk_prob;
+    j["decoder_sparse_step"] = c.decoder_sparse_step;
+    j["mlp_only_layers"] = c.mlp_only_layers;
+  }
   return j.dump(2) + "\n";
 }
 

@@ -1,4 +1,4 @@
-// ModelConfig: what fp8rl needs of a Hugging Face config.json (llama, qwen2, qwen3).
+// ModelConfig: what fp8rl needs of a Hugging Face config.json (llama, qwen2, qwen3, qwen3_moe).
 #pragma once
 #include <string>
 #include <vector>
@@ -8,7 +8,7 @@
 namespace fp8rl {
 
 struct ModelConfig {
-  std::string model_type;         // "llama" | "qwen2" | "qwen3"
+  std::string model_type;         // "llama" | "qwen2" | "qwen3" | "qwen3_moe" | "deepseek_v3" (config only)
   int vocab_size = 0;
   int hidden_size = 0;            // D
   int intermediate_size = 0;      // F
@@ -30,6 +30,34 @@ struct ModelConfig {
   std::string rope_type = "default";
   float rope_factor = 1.0f, rope_low_freq_factor = 1.0f, rope_high_freq_factor = 4.0f;
   int rope_original_max_position = 8192;
+
+  // Mixture of experts (qwen3_moe): the MLP of a sparse layer is a router [E, D] and E SwiGLU
+  // experts of width moe_intermediate_size, k of them per token; the other ("mlp_only") layers
+  // keep a dense MLP of intermediate_size. num_experts == 0: a dense model.
+  int num_experts = 0;             // E: num_experts (4.x) / num_local_experts (5.x)
+  int num_experts_per_tok = 0;     // k
+  int moe_intermediate_size = 0;   // Fe
+  bool norm_topk_prob = false;     // renormalize the k routing weights to sum to 1
+  int decoder_sparse_step = 1;     // layer l is sparse when (l + 1) % step == 0 ...
+  std::vector<int> mlp_only_layers;  // ... and l is not listed here
+
+  // DeepSeek-V3 / Moonlight (deepseek_v3): sigmoid routing with a score-correction bias, grouped
+  // top-k, routed_scaling_factor, always-on shared experts, the first layers dense. Parsed and
+  // validated; the model runs only once MLA attention exists (weights/forward refuse it now).
+  std::string moe_router = "softmax";  // "softmax" (qwen3_moe) | "sigmoid" (deepseek_v3 noaux_tc)
+  int n_group = 1, topk_group = 1;     // expert groups; groups kept per token
+  float routed_scaling_factor = 1.0f;  // multiplies the routing weights
+  int n_shared_experts = 0;            // shared MLP of n_shared * moe_intermediate_size, always on
+  int first_k_dense_replace = 0;       // layers [0, k) dense
+  int moe_layer_freq = 1;              // then layer l sparse when l % freq == 0
+  // MLA attention (deepseek_v3): q_lora_rank 0 = no q compression (null in the config).
+  int q_lora_rank = 0, kv_lora_rank = 0, qk_nope_head_dim = 0, qk_rope_head_dim = 0, v_head_dim = 0;
+  bool rope_interleave = true;
+
+  bool is_moe() const { return num_experts > 0; }
+  bool is_mla() const { return kv_lora_rank > 0; }
+  // Whether block `layer` has a mixture-of-experts MLP (HF's Qwen3MoeDecoderLayer rule).
+  bool layer_is_moe(int layer) const;
 
   // inv_freq [head_dim / 2] exactly as HF computes it (FP32), llama3 scaling applied.
   RopeParams rope_params() const;

@@ -61,30 +61,114 @@ void check_weights_on(const Backend& be, const ModelWeights& w) {
 // q/k-norm and RoPE), writes a.attn [T, Hq, hd] (and whatever the step saves, e.g. a.lse).
 using AttentionStep = std::function<void(int layer, LayerActivations& a)>;
 
-// Allocates the buffers of one block for T tokens (x, the block input, is set by the caller).
-void alloc_layer(Backend& be, const ModelConfig& c, DType act, int64_t T, LayerActivations& a) {
+// Allocates the buffers of one block for T tokens (x, the block input, is set by the caller):
+// those of the attention and, for the MLP, the dense or the mixture-of-experts ones. Buffers
+// already defined are kept (the generation forward reuses one set across blocks of both kinds).
+void alloc_layer(Backend& be, const ModelConfig& c, DType act, int64_t T, bool moe, LayerActivations& a) {
   const DType st = stat_dtype_for(act);
   const int64_t D = c.hidden_size, F = c.intermediate_size, hd = c.head_dim;
   const int64_t Hq = c.num_heads, Hkv = c.num_kv_heads;
-  a.attn_rstd = be.alloc({T}, st);
-  a.xn_attn = be.alloc({T, D}, act);
-  if (c.qk_norm) {
-    a.q_raw = be.alloc({T, Hq * hd}, act);
-    a.k_raw = be.alloc({T, Hkv * hd}, act);
-    a.q_rstd = be.alloc({T * Hq}, st);
-    a.k_rstd = be.alloc({T * Hkv}, st);
+  if (!a.xn_attn.defined()) {
+    a.attn_rstd = be.alloc({T}, st);
+    a.xn_attn = be.alloc({T, D}, act);
+    if (c.qk_norm) {
+      a.q_raw = be.alloc({T, Hq * hd}, act);
+      a.k_raw = be.alloc({T, Hkv * hd}, act);
+      a.q_rstd = be.alloc({T * Hq}, st);
+      a.k_rstd = be.alloc({T * Hkv}, st);
+    }
+    a.q = be.alloc({T, Hq, hd}, act);
+    a.k = be.alloc({T, Hkv, hd}, act);
+    a.v = be.alloc({T, Hkv, hd}, act);
+    a.attn = be.alloc({T, Hq, hd}, act);
+    a.x_mid = be.alloc({T, D}, act);
+    a.mlp_rstd = be.alloc({T}, st);
+    a.xn_mlp = be.alloc({T, D}, act);
+    a.proj = be.alloc({T, D}, act);
   }
-  a.q = be.alloc({T, Hq, hd}, act);
-  a.k = be.alloc({T, Hkv, hd}, act);
-  a.v = be.alloc({T, Hkv, hd}, act);
-  a.attn = be.alloc({T, Hq, hd}, act);
-  a.x_mid = be.alloc({T, D}, act);
-  a.mlp_rstd = be.alloc({T}, st);
-  a.xn_mlp = be.alloc({T, D}, act);
-  a.gate = be.alloc({T, F}, act);
-  a.up = be.alloc({T, F}, act);
-  a.act = be.alloc({T, F}, act);
-  a.proj = be.alloc({T, D}, act);
+  if (!moe && !a.gate.defined()) {
+    a.gate = be.alloc({T, F}, act);
+    a.up = be.alloc({T, F}, act);
+    a.act = be.alloc({T, F}, act);
+  }
+  if (moe && c.n_shared_experts > 0 && !a.shared_out.defined()) {  // the shared experts' buffers
+    const int64_t Fs = int64_t(c.n_shared_experts) * c.moe_intermediate_size;
+    a.shared_gate = be.alloc({T, Fs}, act);
+    a.shared_up = be.alloc({T, Fs}, act);
+    a.shared_act = be.alloc({T, Fs}, act);
+    a.shared_out = be.alloc({T, D}, act);
+  }
+  if (moe && !a.moe_x.defined()) {
+    const int64_t E = c.num_experts, k = c.num_experts_per_tok, R = T * k, Fe = c.moe_intermediate_size;
+    const DType rt = act == DType::F64 ? DType::F64 : DType::F32;  // the router runs in FP32
+    a.router_x = rt == act ? a.xn_mlp : be.alloc({T, D}, rt);
+    a.router_logits = be.alloc({T, E}, rt);
+    a.moe_experts = be.alloc({T, k}, DType::I32);
+    a.moe_weights = be.alloc({T, k}, st);
+    a.moe_row_slot = be.alloc({R}, DType::I32);
+    a.moe_slot_row = be.alloc({R}, DType::I32);
+    a.moe_x = be.alloc({R, D}, act);
+    a.moe_gate = be.alloc({R, Fe}, act);
+    a.moe_up = be.alloc({R, Fe}, act);
+    a.moe_act = be.alloc({R, Fe}, act);
+    a.moe_y = be.alloc({R, D}, act);
+  }
+}
+
+// The mixture-of-experts MLP of one block: a.proj [T, D] = sum_j w_j expert_j(a.xn_mlp).
+// 1. router logits in FP32 and the softmax top-k routing (on the device);
+// 2. the slots sorted by expert on the host (stable: token order within an expert);
+// 3. permute, each expert's SwiGLU on its rows, the weighted un-permute.
+void moe_forward(Backend& be, const ModelConfig& c, const LayerWeights& lw, const LinearSpec& spec,
+                 LayerActivations& a) {
+  const int64_t T = a.xn_mlp.dim(0), E = c.num_experts, k = c.num_experts_per_tok, R = T * k;
+  if (a.router_x.storage() != a.xn_mlp.storage()) be.convert(a.xn_mlp, a.router_x);
+  be.linear(a.router_x, lw.router, kFp32Spec, a.router_logits);
+  if (c.moe_router == "sigmoid") {
+    be.moe_route_sigmoid(a.router_logits, lw.router_bias.defined() ? &lw.router_bias : nullptr, static_cast<int>(k),
+                         c.n_group, c.topk_group, c.norm_topk_prob, c.routed_scaling_factor, a.moe_experts,
+                         a.moe_weights);
+  } else {
+    be.moe_route_softmax(a.router_logits, static_cast<int>(k), c.norm_topk_prob, a.moe_experts, a.moe_weights);
+  }
+
+  const Tensor experts = be.to_host(a.moe_experts);  // the host sizes the expert GEMMs
+  const int32_t* ex = experts.data<int32_t>();
+  a.moe_offsets.assign(E + 1, 0);
+  for (int64_t s = 0; s < R; ++s) {
+    FP8RL_CHECK(ex[s] >= 0 && ex[s] < E, "moe routing produced expert ", ex[s], " outside [0, ", E, ")");
+    ++a.moe_offsets[ex[s] + 1];
+  }
+  for (int64_t e = 0; e < E; ++e) a.moe_offsets[e + 1] += a.moe_offsets[e];
+  Tensor row_slot = Tensor::empty({R}, DType::I32), slot_row = Tensor::empty({R}, DType::I32);
+  std::vector<int64_t> next(a.moe_offsets.begin(), a.moe_offsets.end() - 1);
+  for (int64_t s = 0; s < R; ++s) {
+    const int64_t r = next[ex[s]]++;
+    row_slot.data<int32_t>()[r] = static_cast<int32_t>(s);
+    slot_row.data<int32_t>()[s] = static_cast<int32_t>(r);
+  }
+  be.copy(row_slot, a.moe_row_slot);
+  be.copy(slot_row, a.moe_slot_row);
+
+  be.moe_permute(a.xn_mlp, a.moe_row_slot, static_cast<int>(k), nullptr, a.moe_x);
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t r0 = a.moe_offsets[e], r1 = a.moe_offsets[e + 1];
+    if (r0 == r1) continue;
+    const ExpertWeights& ew = lw.experts[e];
+    Tensor xe = a.moe_x.slice_rows(r0, r1), ge = a.moe_gate.slice_rows(r0, r1), ue = a.moe_up.slice_rows(r0, r1);
+    Tensor he = a.moe_act.slice_rows(r0, r1), ye = a.moe_y.slice_rows(r0, r1);
+    be.linear_shared_input(xe, {&ew.gate, &ew.up}, spec, {&ge, &ue});
+    be.swiglu(ge, ue, he);
+    be.linear(he, ew.down, spec, ye);
+  }
+  const Tensor w = a.moe_weights.reshape({R});
+  be.moe_unpermute(a.moe_y, a.moe_slot_row, &w, a.proj);
+  if (lw.gate.w.defined() || lw.gate.wq.defined()) {  // always-on shared experts (DeepSeek)
+    be.linear_shared_input(a.xn_mlp, {&lw.gate, &lw.up}, spec, {&a.shared_gate, &a.shared_up});
+    be.swiglu(a.shared_gate, a.shared_up, a.shared_act);
+    be.linear(a.shared_act, lw.down, spec, a.shared_out);
+    be.add(a.proj, a.shared_out, a.proj);
+  }
 }
 
 struct QkvAmax {
@@ -106,7 +190,6 @@ void forward_layers(Backend& be, const ModelWeights& w, const EnginePrecision& p
   const DType act = x_in.dtype();
 
   LayerActivations scratch;
-  if (!saved) alloc_layer(be, c, act, T, scratch);
   if (saved) saved->assign(L, LayerActivations{});
 
   Tensor x = x_in;  // [T, D] residual stream
@@ -114,7 +197,7 @@ void forward_layers(Backend& be, const ModelWeights& w, const EnginePrecision& p
     const LayerWeights& lw = w.layers[l];
     const LinearSpec spec = block_spec(prec, l, L);
     LayerActivations& a = saved ? (*saved)[l] : scratch;
-    if (saved) alloc_layer(be, c, act, T, a);
+    alloc_layer(be, c, act, T, c.layer_is_moe(l), a);
     a.x = x;
 
     // ---- attention ----
@@ -141,9 +224,15 @@ void forward_layers(Backend& be, const ModelWeights& w, const EnginePrecision& p
 
     // ---- MLP ----
     be.rmsnorm(a.x_mid, lw.mlp_norm, c.rms_norm_eps, a.xn_mlp, &a.mlp_rstd);
-    be.linear_shared_input(a.xn_mlp, {&lw.gate, &lw.up}, spec, {&a.gate, &a.up});
-    be.swiglu(a.gate, a.up, a.act);
-    be.linear(a.act, lw.down, spec, a.proj);
+    if (c.layer_is_moe(l)) {
+      FP8RL_CHECK(lw.is_moe() && lw.router.w.defined(), "layer ", l, " is a mixture-of-experts layer but its "
+                  "weights have no router/experts");
+      moe_forward(be, c, lw, spec, a);
+    } else {
+      be.linear_shared_input(a.xn_mlp, {&lw.gate, &lw.up}, spec, {&a.gate, &a.up});
+      be.swiglu(a.gate, a.up, a.act);
+      be.linear(a.act, lw.down, spec, a.proj);
+    }
     // Saving: the next block's input is a new tensor (this block's x stays intact).
     Tensor x_next = saved ? be.alloc({T, D}, act) : x;
     be.add(a.x_mid, a.proj, x_next);
@@ -293,8 +382,93 @@ KvCache model_alloc_kv_cache(Backend& be, const ModelConfig& c, int num_pages, i
 
 // ---- the backward ------------------------------------------------------------------------------
 
+namespace {
+
+// Scratch gradients of the MoE MLP backward (R = T * k rows), allocated at the first MoE block.
+struct MoeGradScratch {
+  Tensor d_y, d_xe, d_xe2;         // [R, D]
+  Tensor d_act, d_gate, d_up;      // [R, Fe]
+  Tensor d_w, d_logits, d_router_x;  // [T * k], [T, E], [T, D] (FP32 / F64)
+  Tensor d_shared_act, d_shared_gate, d_shared_up, d_shared_x;  // [T, Fs] x 3, [T, D] (shared experts)
+};
+
+// Backward of a.proj = moe(xn_mlp) given dproj [T, D]: d_xn [T, D] written (through the experts
+// and the routing weights); the experts' weight gradients accumulated; with router_grad, the
+// router's too.
+void moe_backward(Backend& be, const ModelConfig& c, const LayerWeights& lw, LayerWeights& lg,
+                  const LinearSpec& spec, const LayerActivations& a, const Tensor& dproj, bool router_grad,
+                  MoeGradScratch& sc, Tensor& d_xn) {
+  const int64_t T = dproj.dim(0), D = c.hidden_size, E = c.num_experts, k = c.num_experts_per_tok, R = T * k;
+  const int64_t Fe = c.moe_intermediate_size;
+  const DType act = dproj.dtype();
+  if (!sc.d_y.defined()) {
+    sc.d_y = be.alloc({R, D}, act);
+    sc.d_xe = be.alloc({R, D}, act);
+    sc.d_xe2 = be.alloc({R, D}, act);
+    sc.d_act = be.alloc({R, Fe}, act);
+    sc.d_gate = be.alloc({R, Fe}, act);
+    sc.d_up = be.alloc({R, Fe}, act);
+  }
+  const Tensor w = a.moe_weights.reshape({R});
+  be.moe_permute(dproj, a.moe_row_slot, static_cast<int>(k), &w, sc.d_y);  // dy[r] = w * dproj[token]
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t r0 = a.moe_offsets[e], r1 = a.moe_offsets[e + 1];
+    if (r0 == r1) continue;
+    const ExpertWeights& ew = lw.experts[e];
+    ExpertWeights& eg = lg.experts[e];
+    Tensor dy = sc.d_y.slice_rows(r0, r1), dh = sc.d_act.slice_rows(r0, r1);
+    Tensor dg = sc.d_gate.slice_rows(r0, r1), du = sc.d_up.slice_rows(r0, r1);
+    Tensor dx = sc.d_xe.slice_rows(r0, r1), dx2 = sc.d_xe2.slice_rows(r0, r1);
+    const Tensor xe = a.moe_x.slice_rows(r0, r1), he = a.moe_act.slice_rows(r0, r1);
+    be.linear_backward(dy, he, ew.down, spec, &dh, &eg.down.w, nullptr);
+    be.swiglu_backward(dh, a.moe_gate.slice_rows(r0, r1), a.moe_up.slice_rows(r0, r1), dg, du);
+    be.linear_backward(dg, xe, ew.gate, spec, &dx, &eg.gate.w, nullptr);
+    be.linear_backward(du, xe, ew.up, spec, &dx2, &eg.up.w, nullptr);
+    be.add(dx, dx2, dx);
+  }
+  // Rows of experts that got no token hold stale values but are never read: every slot_row
+  // entry points into a routed expert's range.
+  be.moe_unpermute(sc.d_xe, a.moe_slot_row, nullptr, d_xn);
+  // Through the routing weights into the block input (always: a frozen router is a constant
+  // weight, as requires_grad = False in torch, not a stop-gradient) and the router weight.
+  const DType rt = a.router_logits.dtype();
+  if (!sc.d_w.defined()) {
+    sc.d_w = be.alloc({T, k}, a.moe_weights.dtype());
+    sc.d_logits = be.alloc({T, E}, rt);
+    sc.d_router_x = be.alloc({T, D}, rt);
+  }
+  Tensor dw = sc.d_w.reshape({R});
+  be.moe_unpermute_backward_weights(dproj, a.moe_y, a.moe_slot_row, dw);
+  if (c.moe_router == "sigmoid") {
+    be.moe_route_sigmoid_backward(a.router_logits, a.moe_experts, c.norm_topk_prob, c.routed_scaling_factor, sc.d_w,
+                                  sc.d_logits);
+  } else {
+    be.moe_route_softmax_backward(a.router_logits, a.moe_experts, c.norm_topk_prob, sc.d_w, sc.d_logits);
+  }
+  be.linear_backward(sc.d_logits, a.router_x, lw.router, kFp32Spec, &sc.d_router_x,
+                     router_grad ? &lg.router.w : nullptr, nullptr);
+  be.add(d_xn, sc.d_router_x, d_xn);
+  if (lw.gate.w.defined() || lw.gate.wq.defined()) {  // the shared experts
+    const int64_t Fs = a.shared_gate.dim(1);
+    if (!sc.d_shared_act.defined()) {
+      sc.d_shared_act = be.alloc({T, Fs}, act);
+      sc.d_shared_gate = be.alloc({T, Fs}, act);
+      sc.d_shared_up = be.alloc({T, Fs}, act);
+      sc.d_shared_x = be.alloc({T, D}, act);
+    }
+    be.linear_backward(dproj, a.shared_act, lw.down, spec, &sc.d_shared_act, &lg.down.w, nullptr);
+    be.swiglu_backward(sc.d_shared_act, a.shared_gate, a.shared_up, sc.d_shared_gate, sc.d_shared_up);
+    be.linear_backward(sc.d_shared_gate, a.xn_mlp, lw.gate, spec, &sc.d_shared_x, &lg.gate.w, nullptr);
+    be.add(d_xn, sc.d_shared_x, d_xn);
+    be.linear_backward(sc.d_shared_up, a.xn_mlp, lw.up, spec, &sc.d_shared_x, &lg.up.w, nullptr);
+    be.add(d_xn, sc.d_shared_x, d_xn);
+  }
+}
+
+}  // namespace
+
 void model_backward(Backend& be, const ModelWeights& w, const EnginePrecision& prec, const Activations& A,
-                    const Tensor& dlogp_in, ModelWeights& g) {
+                    const Tensor& dlogp_in, ModelWeights& g, const BackwardOptions& opt) {
   const ModelConfig& c = w.config;
   const int L = c.num_layers;
   FP8RL_CHECK(static_cast<int>(A.layers.size()) == L, "model_backward needs the activations saved by "
@@ -320,7 +494,8 @@ void model_backward(Backend& be, const ModelWeights& w, const EnginePrecision& p
 
   // Scratch gradients, reused by every block.
   Tensor d_xn = be.alloc({T, D}, act), d_tmp = be.alloc({T, D}, act), d_mid = be.alloc({T, D}, act);
-  Tensor d_act = be.alloc({T, F}, act), d_gate = be.alloc({T, F}, act), d_up = be.alloc({T, F}, act);
+  Tensor d_act, d_gate, d_up;  // [T, F] (dense MLP blocks)
+  MoeGradScratch moe_scratch;  // (MoE blocks)
   Tensor d_attn = be.alloc({T, Hq, hd}, act);
   Tensor dq = be.alloc({T, Hq, hd}, act), dk = be.alloc({T, Hkv, hd}, act), dv = be.alloc({T, Hkv, hd}, act);
   Tensor dq_raw, dk_raw;
@@ -338,12 +513,21 @@ void model_backward(Backend& be, const ModelWeights& w, const EnginePrecision& p
     const LayerActivations& a = A.layers[l];
     const LinearSpec spec = block_spec(prec, l, L);
 
-    // ---- MLP: x_out = x_mid + down(silu(gate(xn)) * up(xn)), xn = mlp_norm(x_mid) ----
-    be.linear_backward(dx, a.act, lw.down, spec, &d_act, &lg.down.w, bias(lg.down));
-    be.swiglu_backward(d_act, a.gate, a.up, d_gate, d_up);
-    be.linear_backward(d_gate, a.xn_mlp, lw.gate, spec, &d_xn, &lg.gate.w, bias(lg.gate));
-    be.linear_backward(d_up, a.xn_mlp, lw.up, spec, &d_tmp, &lg.up.w, bias(lg.up));
-    be.add(d_xn, d_tmp, d_xn);
+    // ---- MLP: x_out = x_mid + mlp(xn), xn = mlp_norm(x_mid) ----
+    if (c.layer_is_moe(l)) {
+      moe_backward(be, c, lw, lg, spec, a, dx, opt.router_grad, moe_scratch, d_xn);
+    } else {  // mlp(xn) = down(silu(gate(xn)) * up(xn))
+      if (!d_act.defined()) {
+        d_act = be.alloc({T, F}, act);
+        d_gate = be.alloc({T, F}, act);
+        d_up = be.alloc({T, F}, act);
+      }
+      be.linear_backward(dx, a.act, lw.down, spec, &d_act, &lg.down.w, bias(lg.down));
+      be.swiglu_backward(d_act, a.gate, a.up, d_gate, d_up);
+      be.linear_backward(d_gate, a.xn_mlp, lw.gate, spec, &d_xn, &lg.gate.w, bias(lg.gate));
+      be.linear_backward(d_up, a.xn_mlp, lw.up, spec, &d_tmp, &lg.up.w, bias(lg.up));
+      be.add(d_xn, d_tmp, d_xn);
+    }
     be.rmsnorm_backward(d_xn, a.x_mid, lw.mlp_norm, a.mlp_rstd, d_tmp, lg.mlp_norm);
     be.add(dx, d_tmp, d_mid);  // d x_mid: residual + through the norm
 

@@ -11,9 +11,19 @@
 //   x = x + attention(q, k, v) Wo^T                                [o]
 //   xn = rmsnorm(x, mlp_norm)
 //   x = x + (silu(xn Wg^T) * (xn Wu^T)) Wd^T                       [gate, up, down]
+//   or, in a mixture-of-experts layer (qwen3_moe, config.layer_is_moe):
+//   p = softmax(xn Wr^T) (FP32) over E experts; the top-k experts of each token, weights
+//   w_j = p_j (/ sum of the k when norm_topk_prob);  x = x + sum_j w_j expert_j(xn), each expert
+//   a SwiGLU MLP [experts.{e}.gate, up, down]. DeepSeek-V3 routing (moe_router "sigmoid"):
+//   sigmoid scores, grouped top-k on the bias-corrected scores, weights from the uncorrected
+//   ones times routed_scaling_factor (moe_route_sigmoid), plus always-on shared experts
+//   [gate, up, down of the layer, mlp.shared_experts.*]. The tokens are permuted by expert on the host
+//   (the per-expert counts size the GEMMs), each expert's rows run as plain linears, and the
+//   weighted un-permute sums the k outputs of a token (moe_* ops, backend.h).
 // then hidden = rmsnorm(x, final_norm) and logits = hidden lm_head^T.
 //
-// Precision: the 7 linears of block l run in precision.linear_for_layer(l, L); lm_head and
+// Precision: the 7 linears of block l (an MoE block: q, k, v, o and every expert's gate, up,
+// down) run in precision.linear_for_layer(l, L); the MoE router is an FP32 GEMM on FP32 inputs; lm_head and
 // everything else run with LinearMode::FP32 in the backend's activation dtype (FP32 on the
 // CPU), except that with BF16 activations (the CUDA fast path) lm_head is a BF16 GEMM with FP32
 // accumulation (transformer.cpp, head_spec_for). With F64 weights (CPU only) every activation, statistic and logp is F64 instead: the
@@ -54,7 +64,20 @@ struct LayerActivations {
   Tensor mlp_rstd;      // [T]           1/rms of x_mid (mlp_norm)
   Tensor xn_mlp;        // [T, D]        mlp_norm(x_mid): input of gate, up
   Tensor gate, up;      // [T, F]        gate and up projections
-  Tensor act;           // [T, F]        silu(gate) * up: input of down
+  Tensor act;           // [T, F]        silu(gate) * up: input of down (dense MLP)
+  // Mixture-of-experts MLP (R = T * k permuted rows, sorted by expert):
+  Tensor router_x;      // F32 [T, D]    the router's input: xn_mlp, or its F32 copy (BF16 activations)
+  Tensor router_logits; // F32 [T, E]    router_x Wr^T (F64 with F64 weights)
+  Tensor moe_experts;   // I32 [T, k]    each token's experts, by descending probability
+  Tensor moe_weights;   // F32 [T, k]    routing weights (F64 with F64 weights)
+  Tensor moe_row_slot;  // I32 [R]       slot (t * k + j) of each permuted row
+  Tensor moe_slot_row;  // I32 [T * k]   permuted row of each slot
+  std::vector<int64_t> moe_offsets;  // host [E + 1]: rows [offsets[e], offsets[e+1]) are expert e's
+  Tensor moe_x;         // [R, D]        permuted xn_mlp: the experts' input
+  Tensor moe_gate, moe_up, moe_act;  // [R, Fe]
+  Tensor moe_y;         // [R, D]        expert outputs, before the routing weights
+  Tensor shared_gate, shared_up, shared_act;  // [T, Fs]  shared experts (n_shared_experts * Fe)
+  Tensor shared_out;    // [T, D]        the shared experts' output, added to the routed one
   Tensor proj;          // [T, D]        scratch: output of o, then of down (not needed by backward)
 };
 
@@ -88,11 +111,20 @@ LogprobResult model_forward_logprobs(Backend& backend, const ModelWeights& weigh
                                      const EnginePrecision& precision, const ForwardBatch& batch,
                                      const ForwardOptions& options, Activations* acts = nullptr);
 
+struct BackwardOptions {
+  // The MoE router's weight gradient. Off by default: the router is frozen in RL post-training
+  // (its gradient stays zero), like requires_grad = False in torch: the gradient still flows
+  // through the routing weights into the block input either way. The top-k selection itself is
+  // piecewise constant (no gradient).
+  bool router_grad = false;
+};
+
 // Backward of sum_t dlogp[t] * logp[t] (dlogp F32 [T] on the device; the entries of the last
 // token of each sequence are ignored). Accumulates into `grads` (model_grads_alloc: F32, or
 // F64 with F64 weights). `weights` and `precision` must be the forward's.
 void model_backward(Backend& backend, const ModelWeights& weights, const EnginePrecision& precision,
-                    const Activations& acts, const Tensor& dlogp, ModelWeights& grads);
+                    const Activations& acts, const Tensor& dlogp, ModelWeights& grads,
+                    const BackwardOptions& options = {});
 
 // The generation forward over the paged KV cache. ids I32 [T] (device) are the batch's query
 // tokens (a prefill chunk, a decode step, or a mix), described by `batch` (positions =

@@ -30,6 +30,28 @@ constexpr LinearRef kLinears[] = {
 
 std::string layer_prefix(int i) { return "model.layers." + std::to_string(i) + "."; }
 
+// fn(name relative to the layer prefix, linear) for every linear of block L that follows the
+// block's precision: the 7 of kLinears (the dense MLP's undefined in an MoE layer), then every
+// expert's gate, up, down. Not the router.
+// An MoE layer's dense gate/up/down are its shared experts (DeepSeek: mlp.shared_experts.*).
+std::string linear_name(const LayerWeights& L, const char* name) {
+  const std::string n = name;
+  if (L.is_moe() && n.rfind("mlp.", 0) == 0) return "mlp.shared_experts." + n.substr(4);
+  return n;
+}
+
+template <class Layer, class Fn>
+void for_each_block_linear(Layer& L, Fn fn) {
+  for (const LinearRef& r : kLinears) fn(linear_name(L, r.name), L.*(r.member));
+  for (size_t e = 0; e < L.experts.size(); ++e) {
+    const std::string p = "mlp.experts." + std::to_string(e) + ".";
+    fn(p + "gate_proj", L.experts[e].gate);
+    fn(p + "up_proj", L.experts[e].up);
+    fn(p + "down_proj", L.experts[e].down);
+  }
+}
+bool linear_defined(const LinearWeight& w) { return w.w.defined() || w.wq.defined(); }
+
 // Every parameter tensor slot with its HF name (defined or not). Tied lm_head excluded.
 void visit_slots(ModelWeights& w, const std::function<void(const std::string&, Tensor&)>& fn) {
   fn("model.embed_tokens.weight", w.embed);
@@ -39,12 +61,20 @@ void visit_slots(ModelWeights& w, const std::function<void(const std::string&, T
     fn(p + "input_layernorm.weight", l.attn_norm);
     for (const LinearRef& r : kLinears) {
       LinearWeight& lin = l.*(r.member);
-      fn(p + r.name + ".weight", lin.w);
-      fn(p + r.name + ".bias", lin.bias);
+      fn(p + linear_name(l, r.name) + ".weight", lin.w);
+      fn(p + linear_name(l, r.name) + ".bias", lin.bias);
     }
     fn(p + "self_attn.q_norm.weight", l.q_norm);
     fn(p + "self_attn.k_norm.weight", l.k_norm);
     fn(p + "post_attention_layernorm.weight", l.mlp_norm);
+    fn(p + "mlp.gate.weight", l.router.w);
+    fn(p + "mlp.gate.e_score_correction_bias", l.router_bias);
+    for (size_t e = 0; e < l.experts.size(); ++e) {
+      const std::string pe = p + "mlp.experts." + std::to_string(e) + ".";
+      fn(pe + "gate_proj.weight", l.experts[e].gate.w);
+      fn(pe + "up_proj.weight", l.experts[e].up.w);
+      fn(pe + "down_proj.weight", l.experts[e].down.w);
+    }
   }
   fn("model.norm.weight", w.final_norm);
   if (!w.config.tie_word_embeddings) fn("lm_head.weight", w.lm_head);
@@ -113,8 +143,8 @@ Tensor tensor_convert_host(const Tensor& t, DType dtype) {
 
 ModelConfig model_config_tiny(const std::string& family, int vocab_size, int hidden_size, int num_layers,
                               int num_heads, int num_kv_heads, int intermediate_size) {
-  FP8RL_CHECK(family == "llama" || family == "qwen2" || family == "qwen3", "unknown model family '", family,
-              "' (expected llama, qwen2 or qwen3)");
+  FP8RL_CHECK(family == "llama" || family == "qwen2" || family == "qwen3" || family == "qwen3_moe",
+              "unknown model family '", family, "' (expected llama, qwen2, qwen3 or qwen3_moe)");
   FP8RL_CHECK(num_heads > 0 && hidden_size % num_heads == 0, "hidden_size ", hidden_size,
               " must be a multiple of num_heads ", num_heads);
   ModelConfig c;
@@ -141,11 +171,19 @@ ModelConfig model_config_tiny(const std::string& family, int vocab_size, int hid
   } else if (family == "qwen2") {
     c.rope_theta = 1000000.0f;
     c.attention_bias = true;
-  } else {  // qwen3: q/k-norm, tied embeddings, head_dim independent of hidden_size / heads
+  } else if (family == "qwen3") {  // q/k-norm, tied embeddings, head_dim independent of hidden_size / heads
     c.rope_theta = 1000000.0f;
     c.qk_norm = true;
     c.tie_word_embeddings = true;
     c.head_dim = 2 * hidden_size / num_heads;
+  } else {  // qwen3_moe: q/k-norm, 4 experts top-2 (renormalized), a dense first layer when L > 2
+    c.rope_theta = 1000000.0f;
+    c.qk_norm = true;
+    c.num_experts = 4;
+    c.num_experts_per_tok = 2;
+    c.moe_intermediate_size = hidden_size;
+    c.norm_topk_prob = true;
+    if (num_layers > 2) c.mlp_only_layers = {0};
   }
   c.validate();
   return c;
@@ -153,6 +191,7 @@ ModelConfig model_config_tiny(const std::string& family, int vocab_size, int hid
 
 ModelWeights model_weights_random(const ModelConfig& c, const RandomInit& init, DType dtype) {
   c.validate();
+  FP8RL_CHECK(!c.is_mla(), c.model_type, " uses MLA attention, which fp8rl does not implement yet");
   Normal rng(init.seed);
   const int64_t D = c.hidden_size, F = c.intermediate_size, V = c.vocab_size, hd = c.head_dim;
   const int64_t Hq = c.num_heads, Hkv = c.num_kv_heads;
@@ -179,9 +218,27 @@ ModelWeights model_weights_random(const ModelConfig& c, const RandomInit& init, 
       L.k_norm = norm(hd);
     }
     L.mlp_norm = norm(D);
-    L.gate = lin(F, D, false);
-    L.up = lin(F, D, false);
-    L.down = lin(D, F, false);
+    if (c.layer_is_moe(l)) {
+      const int64_t Fe = c.moe_intermediate_size;
+      L.router = lin(c.num_experts, D, false);
+      if (c.moe_router == "sigmoid") L.router_bias = random_tensor({c.num_experts}, dtype, rng, 0.0, init.std);
+      L.experts.resize(c.num_experts);
+      for (ExpertWeights& e : L.experts) {
+        e.gate = lin(Fe, D, false);
+        e.up = lin(Fe, D, false);
+        e.down = lin(D, Fe, false);
+      }
+      if (c.n_shared_experts > 0) {  // always-on shared experts: one SwiGLU of n_shared * Fe
+        const int64_t Fs = int64_t(c.n_shared_experts) * Fe;
+        L.gate = lin(Fs, D, false);
+        L.up = lin(Fs, D, false);
+        L.down = lin(D, Fs, false);
+      }
+    } else {
+      L.gate = lin(F, D, false);
+      L.up = lin(F, D, false);
+      L.down = lin(D, F, false);
+    }
     w.layers.push_back(std::move(L));
   }
   w.final_norm = norm(D);
@@ -221,6 +278,8 @@ ModelWeights model_weights_load(const std::string& dir, DType dtype, bool keep_f
               "Hugging Face checkpoint: config.json + *.safetensors)");
   const ModelConfig c = model_config_load(dir);
   c.validate();
+  FP8RL_CHECK(!c.is_mla(), dir, ": ", c.model_type, " uses MLA attention (kv_lora_rank), which fp8rl does not "
+              "implement yet: its config and MoE routing load, its weights do not (issue 16)");
   const CheckpointReader ck = CheckpointReader::open(dir);
   std::set<std::string> used;
 
@@ -258,6 +317,41 @@ ModelWeights model_weights_load(const std::string& dir, DType dtype, bool keep_f
 
   const int64_t D = c.hidden_size, F = c.intermediate_size, V = c.vocab_size, hd = c.head_dim;
   const int64_t Hq = c.num_heads, Hkv = c.num_kv_heads;
+  // A mixture-of-experts MLP: the router mlp.gate.weight [E, D] and the experts, stored per
+  // expert (mlp.experts.{e}.{gate,up,down}_proj.weight: the original checkpoints, transformers
+  // 4) or fused (mlp.experts.gate_up_proj [E, 2 Fe, D], gate rows first, and
+  // mlp.experts.down_proj [E, D, Fe]: transformers 5's in-memory layout, if a file has it).
+  auto load_moe = [&](const std::string& p, LayerWeights& L) {
+    const int64_t E = c.num_experts, Fe = c.moe_intermediate_size;
+    L.router.w = load(p + "mlp.gate.weight", {E, D});
+    FP8RL_CHECK(!ck.contains(p + "mlp.gate.bias") && !ck.contains(p + "mlp.e_score_correction_bias"), dir,
+                ": layer ", p, " has a router bias / e_score_correction_bias; qwen3_moe routers have none");
+    FP8RL_CHECK(!ck.contains(p + "mlp.shared_expert.gate_proj.weight") &&
+                    !ck.contains(p + "mlp.shared_experts.gate_proj.weight"),
+                dir, ": ", p, "mlp has shared experts, which qwen3_moe does not have (not supported)");
+    L.experts.resize(E);
+    if (ck.contains(p + "mlp.experts.gate_up_proj")) {
+      const Tensor gu = tensor_convert_host(load(p + "mlp.experts.gate_up_proj", {E, 2 * Fe, D}), DType::F64);
+      const Tensor dn = tensor_convert_host(load(p + "mlp.experts.down_proj", {E, D, Fe}), DType::F64);
+      auto rows = [&](const Tensor& t, int64_t first, int64_t n, int64_t cols) {
+        Tensor r = Tensor::empty({n, cols}, DType::F64);
+        std::copy_n(t.data<double>() + first * cols, n * cols, r.data<double>());
+        return tensor_convert_host(r, dtype);
+      };
+      for (int64_t e = 0; e < E; ++e) {
+        L.experts[e].gate.w = rows(gu, e * 2 * Fe, Fe, D);
+        L.experts[e].up.w = rows(gu, e * 2 * Fe + Fe, Fe, D);
+        L.experts[e].down.w = rows(dn, e * D, D, Fe);
+      }
+      return;
+    }
+    for (int64_t e = 0; e < E; ++e) {
+      const std::string pe = p + "mlp.experts." + std::to_string(e) + ".";
+      L.experts[e].gate = load_linear(pe + "gate_proj", Fe, D);
+      L.experts[e].up = load_linear(pe + "up_proj", Fe, D);
+      L.experts[e].down = load_linear(pe + "down_proj", D, Fe);
+    }
+  };
   ModelWeights w;
   w.config = c;
   w.embed = load("model.embed_tokens.weight", {V, D});
@@ -277,9 +371,13 @@ ModelWeights model_weights_load(const std::string& dir, DType dtype, bool keep_f
       L.k_norm = load(p + "self_attn.k_norm.weight", {hd});
     }
     L.mlp_norm = load(p + "post_attention_layernorm.weight", {D});
-    L.gate = load_linear(p + "mlp.gate_proj", F, D);
-    L.up = load_linear(p + "mlp.up_proj", F, D);
-    L.down = load_linear(p + "mlp.down_proj", D, F);
+    if (c.layer_is_moe(l)) {
+      load_moe(p, L);
+    } else {
+      L.gate = load_linear(p + "mlp.gate_proj", F, D);
+      L.up = load_linear(p + "mlp.up_proj", F, D);
+      L.down = load_linear(p + "mlp.down_proj", D, F);
+    }
     w.layers.push_back(std::move(L));
   }
   w.final_norm = load("model.norm.weight", {D});
@@ -313,10 +411,9 @@ ModelWeights map_weights(const ModelWeights& w, const std::function<Tensor(const
     if (t.defined()) t = make(t);
   });
   for (auto& L : r.layers)
-    for (const LinearRef& ref : kLinears) {
-      LinearWeight& lw = L.*(ref.member);
+    for_each_block_linear(L, [&](const std::string&, LinearWeight& lw) {
       if (lw.wq.defined()) lw.wq = make_quant(lw.wq);
-    }
+    });
   r.lm_head = w.config.tie_word_embeddings ? r.embed : r.lm_head;
   return r;
 }
@@ -364,15 +461,18 @@ ModelWeights model_grads_alloc(Backend& be, const ModelWeights& w, DType dtype) 
       },
       [](const QuantTensor&) { return QuantTensor{}; });
   // A linear held only as FP8 (no `w`) still needs a weight gradient of its logical shape.
-  for (size_t i = 0; i < w.layers.size(); ++i)
-    for (const LinearRef& r : kLinears) {
-      const LinearWeight& lw = w.layers[i].*(r.member);
-      LinearWeight& lg = g.layers[i].*(r.member);
-      if (!lg.w.defined()) {
+  for (size_t i = 0; i < w.layers.size(); ++i) {
+    std::vector<const LinearWeight*> src;
+    for_each_block_linear(w.layers[i], [&](const std::string&, const LinearWeight& lw) { src.push_back(&lw); });
+    size_t j = 0;
+    for_each_block_linear(g.layers[i], [&](const std::string&, LinearWeight& lg) {
+      const LinearWeight& lw = *src[j++];
+      if (!lg.w.defined() && linear_defined(lw)) {
         lg.w = be.alloc({lw.out_features(), lw.in_features()}, dtype);
         be.fill(lg.w, 0.0f);
       }
-    }
+    });
+  }
   return g;
 }
 
@@ -398,8 +498,9 @@ void model_for_each_parameter(const ModelWeights& w,
 
 void model_for_each_linear(ModelWeights& w, const std::function<void(const std::string&, int, LinearWeight&)>& fn) {
   for (size_t i = 0; i < w.layers.size(); ++i)
-    for (const LinearRef& r : kLinears)
-      fn(layer_prefix(static_cast<int>(i)) + r.name, static_cast<int>(i), w.layers[i].*(r.member));
+    for_each_block_linear(w.layers[i], [&](const std::string& name, LinearWeight& lw) {
+      if (linear_defined(lw)) fn(layer_prefix(static_cast<int>(i)) + name, static_cast<int>(i), lw);
+    });
 }
 
 int64_t model_count_parameters(const ModelWeights& w) {

@@ -1,8 +1,8 @@
-// ModelWeights: the parameters of a Llama / Qwen2 / Qwen3 decoder as one struct of named
-// tensors, mapped one to one onto Hugging Face tensor names (weights.cpp, hf_name_*).
+// ModelWeights: the parameters of a Llama / Qwen2 / Qwen3 / Qwen3-MoE decoder as one struct of
+// named tensors, mapped one to one onto Hugging Face tensor names (weights.cpp, visit_slots).
 //
 // Shapes use D = hidden_size, F = intermediate_size, V = vocab_size, Hq / Hkv = query / KV
-// heads, hd = head_dim. A linear weight is [out_features, in_features] as in HF (Y = X W^T).
+// heads, hd = head_dim, E = num_experts, Fe = moe_intermediate_size. A linear weight is [out_features, in_features] as in HF (Y = X W^T).
 // The same struct holds gradients (model_grads_alloc): every tensor then is the gradient of
 // the parameter of the same name, F32 or F64.
 #pragma once
@@ -16,6 +16,13 @@
 
 namespace fp8rl {
 
+// One SwiGLU expert of a mixture-of-experts MLP: model.layers.{i}.mlp.experts.{e}.*
+struct ExpertWeights {
+  LinearWeight gate;  // [Fe, D]  gate_proj
+  LinearWeight up;    // [Fe, D]  up_proj
+  LinearWeight down;  // [D, Fe]  down_proj
+};
+
 struct LayerWeights {
   Tensor attn_norm;        // [D]          model.layers.{i}.input_layernorm.weight
   LinearWeight q;          // [Hq*hd, D]   self_attn.q_proj (+ bias [Hq*hd] when attention_bias)
@@ -24,9 +31,18 @@ struct LayerWeights {
   LinearWeight o;          // [D, Hq*hd]   self_attn.o_proj (never a bias)
   Tensor q_norm, k_norm;   // [hd]         self_attn.q_norm / k_norm (qwen3 only)
   Tensor mlp_norm;         // [D]          post_attention_layernorm.weight
-  LinearWeight gate;       // [F, D]       mlp.gate_proj
+  LinearWeight gate;       // [F, D]       mlp.gate_proj   (dense MLP; undefined in an MoE layer)
   LinearWeight up;         // [F, D]       mlp.up_proj
   LinearWeight down;       // [D, F]       mlp.down_proj
+  // Mixture-of-experts MLP (config.layer_is_moe(i); empty / undefined otherwise). The router
+  // is never FP8: it runs in FP32 (model/transformer.h).
+  // In an MoE layer gate/up/down, when defined, are the always-on shared experts
+  // (mlp.shared_experts.*, width n_shared_experts * Fe; DeepSeek-V3 routing).
+  LinearWeight router;                 // [E, D]  mlp.gate (no bias)
+  Tensor router_bias;                  // [E]     mlp.gate.e_score_correction_bias (sigmoid routing;
+                                       //         selection only: its gradient is zero)
+  std::vector<ExpertWeights> experts;  // [E]     mlp.experts.{e}
+  bool is_moe() const { return !experts.empty(); }
 };
 
 struct ModelWeights {
@@ -40,7 +56,9 @@ struct ModelWeights {
 // ---- construction ------------------------------------------------------------------------
 
 // A small config for models trained from scratch (tests, the RL demo). `family` is "llama"
-// (llama3 rope scaling), "qwen2" (q/k/v biases) or "qwen3" (q/k-norm, tied embeddings).
+// (llama3 rope scaling), "qwen2" (q/k/v biases), "qwen3" (q/k-norm, tied embeddings) or
+// "qwen3_moe" (q/k-norm, 4 experts of width hidden_size, top-2 renormalized, untied, every layer
+// sparse except layer 0 when num_layers > 2).
 ModelConfig model_config_tiny(const std::string& family, int vocab_size, int hidden_size = 64,
                               int num_layers = 2, int num_heads = 4, int num_kv_heads = 2,
                               int intermediate_size = 0 /* 0: 3 * hidden_size */);
@@ -111,7 +129,10 @@ void model_grads_zero(Backend& backend, ModelWeights& grads);
 void model_for_each_parameter(ModelWeights& weights, const std::function<void(const std::string&, Tensor&)>& fn);
 void model_for_each_parameter(const ModelWeights& weights,
                               const std::function<void(const std::string&, const Tensor&)>& fn);
-// Calls fn(hf_prefix, layer, weight) for the 7 linears of every block ("model.layers.3.mlp.up_proj").
+// Calls fn(hf_prefix, layer, weight) for the linears of every block that follow the block's
+// precision (linear_for_layer): q, k, v, o, then the dense gate, up, down
+// ("model.layers.3.mlp.up_proj") or every expert's ("model.layers.3.mlp.experts.5.up_proj").
+// The MoE router is not one of them (it stays high precision).
 void model_for_each_linear(ModelWeights& weights,
                            const std::function<void(const std::string&, int, LinearWeight&)>& fn);
 int64_t model_count_parameters(const ModelWeights& weights);

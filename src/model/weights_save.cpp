@@ -50,7 +50,9 @@ void model_weights_save(const ModelWeights& w, const std::string& dir, const Sav
 
   // 1. The tensors in their stored form, in model_for_each_parameter's order.
   for (size_t i = 0; i < w.layers.size(); ++i)
-    FP8RL_CHECK(w.layers[i].q.w.defined() && w.layers[i].down.w.defined(), "cannot save layer ", i,
+    FP8RL_CHECK(w.layers[i].q.w.defined() &&
+                    (w.layers[i].is_moe() ? w.layers[i].experts[0].down.w.defined() : w.layers[i].down.w.defined()),
+                "cannot save layer ", i,
                 ": it has only an FP8 copy (keep the high-precision weight to save)");
   std::vector<std::pair<std::string, Tensor>> params;  // as held (F32 master)
   model_for_each_parameter(w, [&](const std::string& name, const Tensor& t) {
@@ -128,6 +130,8 @@ void model_weights_save(const ModelWeights& w, const std::string& dir, const Sav
   if (opt.fp8_block) {
     std::vector<std::string> not_converted = {"lm_head"};
     not_converted.insert(not_converted.end(), kept_linears.begin(), kept_linears.end());
+    for (int l = 0; l < L; ++l)  // MoE routers stay high precision (an nn.Linear in transformers 4)
+      if (w.layers[l].is_moe()) not_converted.push_back("model.layers." + std::to_string(l) + ".mlp.gate");
     cj["quantization_config"] = {{"quant_method", "fp8"},
                                  {"fmt", "e4m3"},
                                  {"activation_scheme", "dynamic"},

@@ -186,6 +186,9 @@ std::vector<Field> config_fields(RunConfig& c) {
   t.add_int("model.tiny.max_position_embeddings", m.tiny.max_position_embeddings, "longest sequence");
   t.add_float("model.tiny.rope_theta", m.tiny.rope_theta, "RoPE base");
   t.add_float("model.tiny.init_std", m.tiny.init_std, "std of the random initialization");
+  t.add_int("model.tiny.num_experts", m.tiny.num_experts, "mixture of experts (Qwen3-MoE): experts per block; 0 = dense MLP");
+  t.add_int("model.tiny.num_experts_per_tok", m.tiny.num_experts_per_tok, "experts each token uses (with num_experts > 0)");
+  t.add_int("model.tiny.moe_intermediate_size", m.tiny.moe_intermediate_size, "F of each expert (with num_experts > 0)");
 
   t.add_path("tokenizer.path", c.tokenizer.path, "empty = model.path (tiny model: built-in byte tokenizer)");
   t.add_bool("tokenizer.chat_template", c.tokenizer.chat_template,
@@ -609,6 +612,14 @@ void config_validate(const RunConfig& c) {
     need(tiny.max_position_embeddings > 0, "model.tiny.max_position_embeddings", "must be > 0");
     need(tiny.rope_theta > 0, "model.tiny.rope_theta", "must be > 0");
     need(tiny.init_std > 0, "model.tiny.init_std", "must be > 0");
+    need(tiny.num_experts >= 0, "model.tiny.num_experts", "must be >= 0 (0 = dense)");
+    if (tiny.num_experts > 0) {
+      need(tiny.num_experts_per_tok >= 1 && tiny.num_experts_per_tok <= tiny.num_experts,
+           "model.tiny.num_experts_per_tok", "must be in [1, num_experts = ", tiny.num_experts, "]");
+      need(tiny.moe_intermediate_size > 0, "model.tiny.moe_intermediate_size", "must be > 0");
+    }
+    need(tiny.num_experts <= 1024 && tiny.moe_intermediate_size <= 4 * kMaxWidth, "model.tiny",
+         "num_experts must be <= 1024 and moe_intermediate_size <= ", 4 * kMaxWidth);
     // Real bounds before anything is allocated: each dimension, then the whole model's training
     // state (FP32 weights, gradients and two Adam moments: 16 bytes per parameter) in 64 bits.
     need(tiny.vocab_size <= kMaxVocab, "model.tiny.vocab_size", "must be <= ", kMaxVocab);
@@ -621,7 +632,11 @@ void config_validate(const RunConfig& c) {
          kMaxPositions);
     const int64_t D = tiny.hidden_size, F = tiny.intermediate_size, L = tiny.num_layers, hd = tiny.head_dim;
     const int64_t V = std::max(tiny.vocab_size, 384);
-    const int64_t per_layer = D * hd * (2 * int64_t(tiny.num_heads) + 2 * int64_t(tiny.num_kv_heads)) + 3 * D * F + 2 * D;
+    // A mixture-of-experts MLP holds num_experts experts of moe_intermediate_size (and a router).
+    const int64_t mlp = tiny.num_experts > 0
+                            ? int64_t(tiny.num_experts) * (3 * D * int64_t(tiny.moe_intermediate_size) + D)
+                            : 3 * D * F;
+    const int64_t per_layer = D * hd * (2 * int64_t(tiny.num_heads) + 2 * int64_t(tiny.num_kv_heads)) + mlp + 2 * D;
     const int64_t params = 2 * V * D + L * per_layer + D;
     const int64_t mem = host_memory_bytes();
     need(mem <= 0 || params * 16 <= mem, "model.tiny", "a model of ", params, " parameters needs ",

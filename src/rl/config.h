@@ -28,6 +28,11 @@ struct TinyModelConfig {
   int max_position_embeddings = 512;
   double rope_theta = 10000.0;
   double init_std = 0.02;       // normal(0, init_std) for every matrix; norms start at 1
+  // Mixture of experts (qwen3_moe): every block's MLP becomes num_experts SwiGLU experts of
+  // moe_intermediate_size, num_experts_per_tok per token (renormalized). 0 = a dense MLP.
+  int num_experts = 0;
+  int num_experts_per_tok = 2;
+  int moe_intermediate_size = 64;
   bool operator==(const TinyModelConfig&) const = default;
 };
 

@@ -19,11 +19,22 @@ struct LinearShape {
   int64_t rows, cols;  // [out, in]
 };
 
-// The 7 linears of one block, [out, in] each.
-std::vector<LinearShape> block_linears(const ModelConfig& c) {
+// The linears of block `layer` that follow the block precision, [out, in] each: q, k, v, o and
+// the dense MLP's 3, or (mixture of experts) every expert's 3 and the shared experts' 3.
+std::vector<LinearShape> block_linears(const ModelConfig& c, int layer) {
   const int64_t D = c.hidden_size, F = c.intermediate_size;
   const int64_t q = int64_t(c.num_heads) * c.head_dim, kv = int64_t(c.num_kv_heads) * c.head_dim;
-  return {{q, D}, {kv, D}, {kv, D}, {D, q}, {F, D}, {F, D}, {D, F}};
+  std::vector<LinearShape> out = {{q, D}, {kv, D}, {kv, D}, {D, q}};
+  if (!c.layer_is_moe(layer)) {
+    for (LinearShape s : {LinearShape{F, D}, LinearShape{F, D}, LinearShape{D, F}}) out.push_back(s);
+    return out;
+  }
+  const int64_t Fe = c.moe_intermediate_size, Fs = int64_t(c.n_shared_experts) * Fe;
+  for (int e = 0; e < c.num_experts; ++e)
+    for (LinearShape s : {LinearShape{Fe, D}, LinearShape{Fe, D}, LinearShape{D, Fe}}) out.push_back(s);
+  if (Fs > 0)
+    for (LinearShape s : {LinearShape{Fs, D}, LinearShape{Fs, D}, LinearShape{D, Fs}}) out.push_back(s);
+  return out;
 }
 
 std::string gib(int64_t bytes) {
@@ -51,14 +62,24 @@ int64_t memory_plan_block_bytes_per_token(const ModelConfig& c, DType act) {
   const int64_t st = act == DType::F64 ? 8 : 4;  // per-row statistics (rstd, lse) are F32 (F64)
   const int64_t D = c.hidden_size, F = c.intermediate_size;
   const int64_t q = int64_t(c.num_heads) * c.head_dim, kv = int64_t(c.num_kv_heads) * c.head_dim;
-  // x, xn_attn, x_mid, xn_mlp, proj [D]; gate, up, act [F]; q, attn [Hq*hd]; k, v [Hkv*hd]
-  int64_t elems = 5 * D + 3 * F + 2 * q + 2 * kv;
+  // x, xn_attn, x_mid, xn_mlp, proj [D]; q, attn [Hq*hd]; k, v [Hkv*hd]
+  int64_t attn_elems = 5 * D + 2 * q + 2 * kv;
   int64_t stats = 2 + c.num_heads;  // attn_rstd, mlp_rstd, lse [Hq]
   if (c.qk_norm) {
-    elems += q + kv;                         // q_raw, k_raw
+    attn_elems += q + kv;                    // q_raw, k_raw
     stats += c.num_heads + c.num_kv_heads;   // q_rstd, k_rstd
   }
-  return elems * a + stats * st;
+  const int64_t dense = (attn_elems + 3 * F) * a + stats * st;  // + gate, up, act [F]
+  if (!c.is_moe()) return dense;
+  // A sparse block: moe_x, moe_y [k * D]; moe_gate, moe_up, moe_act [k * Fe]; the shared experts'
+  // gate, up, act [Fs] and output [D]; FP32 router input (a copy with BF16 activations) [D],
+  // logits [E], weights [k]; I32 experts, row_slot, slot_row [k] each.
+  const int64_t k = c.num_experts_per_tok, Fe = c.moe_intermediate_size, Fs = int64_t(c.n_shared_experts) * Fe;
+  const int64_t sparse = (attn_elems + k * (2 * D + 3 * Fe) + (Fs > 0 ? 3 * Fs + D : 0)) * a + stats * st +
+                         ((a == 4 ? 0 : D) + c.num_experts + k) * 4 + 3 * k * 4;
+  bool any_dense = false;
+  for (int l = 0; l < c.num_layers; ++l) any_dense |= !c.layer_is_moe(l);
+  return any_dense ? std::max(dense, sparse) : sparse;  // the plan counts L blocks of the larger kind
 }
 
 int64_t memory_plan_head_bytes_per_token(const ModelConfig& c, DType act) {
@@ -76,7 +97,8 @@ int64_t memory_plan_generator_bytes(const ModelConfig& c, const EnginePrecision&
     bytes += 2 * D * a + (c.qk_norm ? 2 * hd * a : 0);  // attn_norm, mlp_norm (+ q_norm, k_norm)
     if (c.attention_bias) bytes += (int64_t(c.num_heads) + 2 * c.num_kv_heads) * hd * a;
     const bool fp8 = gen.linear_for_layer(l, c.num_layers) == LinearMode::FP8_BLOCK;
-    for (const LinearShape& s : block_linears(c))
+    if (c.layer_is_moe(l)) bytes += int64_t(c.num_experts) * (D + 1) * 4;  // FP32 router (+ correction bias)
+    for (const LinearShape& s : block_linears(c, l))
       bytes += fp8 ? s.rows * s.cols + ceil_div(s.rows, kBlock) * ceil_div(s.cols, kBlock) * 4 : s.rows * s.cols * a;
   }
   return bytes;
@@ -169,8 +191,12 @@ MemoryPlanInput memory_plan_input(const RunConfig& c, const ModelConfig& model, 
 std::string memory_plan_format(const MemoryPlan& p, const ModelConfig& c, int64_t device_bytes) {
   std::string s;
   char buf[512];
-  std::snprintf(buf, sizeof buf, "memory plan: %s, %.1fM parameters (D %d, F %d, %d layers, %d/%d heads x %d, vocab %d%s)\n",
-                c.model_type.c_str(), double(p.parameters) / 1e6, c.hidden_size, c.intermediate_size, c.num_layers,
+  char moe[96] = "";
+  if (c.is_moe())
+    std::snprintf(moe, sizeof moe, ", %d experts x F %d top-%d", c.num_experts, c.moe_intermediate_size,
+                  c.num_experts_per_tok);
+  std::snprintf(buf, sizeof buf, "memory plan: %s, %.1fM parameters (D %d, F %d%s, %d layers, %d/%d heads x %d, vocab %d%s)\n",
+                c.model_type.c_str(), double(p.parameters) / 1e6, c.hidden_size, c.intermediate_size, moe, c.num_layers,
                 c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size, c.tie_word_embeddings ? ", tied" : "");
   s += buf;
   auto add = [&](const MemoryPlanLine& l) {

@@ -198,6 +198,13 @@ ModelConfig session_tiny_model_config(const TinyModelConfig& t, int vocab_size, 
   mc.rope_theta = static_cast<float>(t.rope_theta);
   mc.eos_token_id = eos_id;
   mc.eos_token_ids = {eos_id};
+  if (t.num_experts > 0) {  // the same model with a Qwen3-MoE MLP in every block
+    mc.model_type = "qwen3_moe";
+    mc.num_experts = t.num_experts;
+    mc.num_experts_per_tok = t.num_experts_per_tok;
+    mc.moe_intermediate_size = t.moe_intermediate_size;
+    mc.norm_topk_prob = true;
+  }
   mc.validate();
   return mc;
 }

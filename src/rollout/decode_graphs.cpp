@@ -14,6 +14,9 @@ DecodeGraphs::DecodeGraphs(Backend& be, const ModelWeights& weights, const Engin
   FP8RL_CHECK(dummy_page >= 0 && dummy_page < cache.num_pages, "decode graphs: dummy page ", dummy_page,
               " outside the pool of ", cache.num_pages);
   disabled_ = be_.record([] {}) == nullptr;  // the CPU, FP8RL_CUDA_GRAPHS=0, plain allocation
+  // A mixture-of-experts block reads its routing on the host to size the expert GEMMs (a
+  // synchronizing copy), which a graph cannot record: MoE models decode without graphs.
+  if (weights.config.is_moe()) disabled_ = true;
 }
 
 // Padded batch sizes: multiples of 16 (cuBLASLt's FP8 block GEMMs need M % 16 == 0, so every

@@ -20,16 +20,24 @@ Tensor alloc_like(Backend& be, const Tensor& t, DType dtype) {
   return t.defined() ? be.alloc(t.shape(), dtype) : Tensor();
 }
 
-// Visits the 7 linears of block l of two weight sets side by side.
+// Visits the linears of block l that follow the block's precision (q, k, v, o and the dense MLP's
+// or every expert's gate, up, down) of two weight sets side by side. g.experts must be sized.
 template <class Fn>
 void for_each_linear_pair(const LayerWeights& m, LayerWeights& g, Fn fn) {
   fn(m.q, g.q);
   fn(m.k, g.k);
   fn(m.v, g.v);
   fn(m.o, g.o);
-  fn(m.gate, g.gate);
-  fn(m.up, g.up);
-  fn(m.down, g.down);
+  if (m.gate.w.defined() || m.gate.wq.defined()) {  // the dense MLP, or an MoE layer's shared experts
+    fn(m.gate, g.gate);
+    fn(m.up, g.up);
+    fn(m.down, g.down);
+  }
+  for (size_t e = 0; e < m.experts.size(); ++e) {
+    fn(m.experts[e].gate, g.experts[e].gate);
+    fn(m.experts[e].up, g.experts[e].up);
+    fn(m.experts[e].down, g.experts[e].down);
+  }
 }
 
 }  // namespace
@@ -50,6 +58,9 @@ ModelWeights generator_weights_alloc(Backend& be, const ModelWeights& master, co
     gl.mlp_norm = alloc_like(be, m.mlp_norm, act);
     gl.q_norm = alloc_like(be, m.q_norm, act);
     gl.k_norm = alloc_like(be, m.k_norm, act);
+    gl.router.w = alloc_like(be, m.router.w, DType::F32);  // the router stays FP32 (model/transformer.h)
+    gl.router_bias = alloc_like(be, m.router_bias, DType::F32);
+    gl.experts.resize(m.experts.size());
     const LinearMode mode = prec.linear_for_layer(l, L);
     for_each_linear_pair(m, gl, [&](const LinearWeight& mw, LinearWeight& gw) {
       FP8RL_CHECK(mw.w.defined(), "the generator is built from high-precision master weights");
@@ -80,6 +91,8 @@ void generator_weights_refit(Backend& be, const ModelWeights& master, const Engi
     assign(be, m.mlp_norm, gl.mlp_norm);
     if (m.q_norm.defined()) assign(be, m.q_norm, gl.q_norm);
     if (m.k_norm.defined()) assign(be, m.k_norm, gl.k_norm);
+    if (m.router.w.defined()) assign(be, m.router.w, gl.router.w);
+    if (m.router_bias.defined()) assign(be, m.router_bias, gl.router_bias);
     for_each_linear_pair(m, gl, [&](const LinearWeight& mw, LinearWeight& gw) {
       if (gw.wq.defined()) be.quantize(mw.w, /*transpose=*/false, gw.wq);  // in place, same quantizer
       else assign(be, mw.w, gw.w);

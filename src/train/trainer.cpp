@@ -212,7 +212,9 @@ void Trainer::forward_backward(const std::vector<TrainSequence>& seqs, float tem
     std::vector<float> dl(p.batch.num_tokens(), 0.0f);
     for (size_t i = 0; i < grad.size(); ++i) dl[p.logp_index[i]] = grad[i];
     Tensor dlogp = be_.to_device(from_float_vector(dl, {p.batch.num_tokens()}));
-    model_backward(be_, weights, prec_, acts, dlogp, grads_);
+    BackwardOptions bo;
+    bo.router_grad = opt_.train_router;
+    model_backward(be_, weights, prec_, acts, dlogp, grads_, bo);
   }
   double sq = 0;
   for (Tensor* t : params_of(grads_)) sq += be_.sum_squares(*t);  // synchronizes: device errors surface here
@@ -249,7 +251,12 @@ StepResult Trainer::step(const std::vector<TrainSequence>& seqs, float temperatu
   }
   ++adam_step_;
   std::vector<Tensor*> w = params_of(master_), m = params_of(m_), v = params_of(v_);
+  std::vector<bool> frozen;  // a frozen MoE router gets no update (weight decay included)
+  model_for_each_parameter(master_, [&](const std::string& n, Tensor&) {
+    frozen.push_back(!opt_.train_router && n.size() > 16 && n.compare(n.size() - 16, 16, ".mlp.gate.weight") == 0);
+  });
   for (size_t i = 0; i < w.size(); ++i) {
+    if (frozen[i]) continue;
     AdamWParams ap;
     ap.lr = lr;
     ap.beta1 = opt_.beta1;

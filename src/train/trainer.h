@@ -43,6 +43,10 @@ struct TrainerOptions {
   // FP8 linears' wq, BF16 copies with BF16 activations, F32 norms — and no master, gradients or
   // moments (2 B or ~1 B per parameter instead of 16). step() and master() are errors.
   bool frozen = false;
+  // Mixture-of-experts models: train the router too (its gradient flows through the routing
+  // weights). Off by default, as in the reference RL recipes: the router gets no gradient and
+  // no optimizer update (no weight decay either).
+  bool train_router = false;
 };
 
 struct ScoreResult {

@@ -609,6 +609,78 @@ TEST(CudaOps, SwigluForwardBackward) {
   }
 }
 
+// MoE routing (F32 logits; the selection must agree exactly away from ties, weights 1e-5),
+// the permute / un-permute (F32 1e-5, BF16 1e-2) and the weights' gradient.
+TEST(CudaOps, MoeRoutingPermuteUnpermute) {
+  const int64_t T = 37, E = 12, k = 3, D = 72, R = T * k;
+  Tensor logits = rnd({T, E}, 90, DType::F32, 2.0f), dw = rnd({T, k}, 91);
+  for (bool renorm : {false, true}) {
+    Tensor re = Tensor::empty({T, k}, DType::I32), rw = Tensor::empty({T, k}, DType::F32);
+    C().moe_route_softmax(logits, static_cast<int>(k), renorm, re, rw);
+    Tensor ge = G().alloc({T, k}, DType::I32), gw = poisoned({T, k}, DType::F32);
+    G().moe_route_softmax(dev(logits), static_cast<int>(k), renorm, ge, gw);
+    EXPECT_TRUE(bytes_equal(ge, re)) << "renorm " << renorm;
+    EXPECT_LT(rel_err(gw, rw), 1e-5);
+    Tensor rdz = Tensor::empty({T, E}, DType::F32), gdz = poisoned({T, E}, DType::F32);
+    C().moe_route_softmax_backward(logits, re, renorm, dw, rdz);
+    G().moe_route_softmax_backward(dev(logits), dev(re), renorm, dev(dw), gdz);
+    EXPECT_LT(rel_err(gdz, rdz), 1e-5);
+  }
+  // DeepSeek-V3 routing: 12 experts in 4 groups, 2 kept, with a correction bias.
+  const Tensor bias = rnd({E}, 96, DType::F32, 0.1f);
+  for (bool renorm : {false, true}) {
+    Tensor re = Tensor::empty({T, k}, DType::I32), rw = Tensor::empty({T, k}, DType::F32);
+    C().moe_route_sigmoid(logits, &bias, static_cast<int>(k), 4, 2, renorm, 2.5f, re, rw);
+    Tensor ge = G().alloc({T, k}, DType::I32), gw = poisoned({T, k}, DType::F32);
+    const Tensor gb = dev(bias);
+    G().moe_route_sigmoid(dev(logits), &gb, static_cast<int>(k), 4, 2, renorm, 2.5f, ge, gw);
+    EXPECT_TRUE(bytes_equal(ge, re)) << "sigmoid renorm " << renorm;
+    EXPECT_LT(rel_err(gw, rw), 1e-5);
+    Tensor rdz = Tensor::empty({T, E}, DType::F32), gdz = poisoned({T, E}, DType::F32);
+    C().moe_route_sigmoid_backward(logits, re, renorm, 2.5f, dw, rdz);
+    G().moe_route_sigmoid_backward(dev(logits), dev(re), renorm, 2.5f, dev(dw), gdz);
+    EXPECT_LT(rel_err(gdz, rdz), 1e-5);
+  }
+  // A permutation of the slots (sorted by a pseudo expert id) and its inverse.
+  std::vector<int32_t> row_slot(R), slot_row(R);
+  for (int64_t i = 0; i < R; ++i) row_slot[i] = static_cast<int32_t>((i * 7 + 3) % R);
+  for (int64_t r = 0; r < R; ++r) slot_row[row_slot[r]] = static_cast<int32_t>(r);
+  Tensor rs = Tensor::empty({R}, DType::I32), sr = Tensor::empty({R}, DType::I32);
+  std::copy(row_slot.begin(), row_slot.end(), rs.data<int32_t>());
+  std::copy(slot_row.begin(), slot_row.end(), sr.data<int32_t>());
+  const Tensor w = rnd({R}, 92);
+  const Tensor gwt = dev(w);
+  for (DType dt : {DType::F32, DType::BF16}) {
+    const double tol = dt == DType::F32 ? 1e-5 : 1e-2;
+    const Tensor x = rnd({T, D}, 93, dt), y = rnd({R, D}, 94, dt);
+    for (const Tensor* wp : {static_cast<const Tensor*>(nullptr), &w}) {
+      Tensor rp = Tensor::empty({R, D}, dt), gp = poisoned({R, D}, dt);
+      C().moe_permute(x, rs, static_cast<int>(k), wp, rp);
+      G().moe_permute(dev(x), dev(rs), static_cast<int>(k), wp ? &gwt : nullptr, gp);
+      EXPECT_LT(rel_err(gp, rp), tol);
+      Tensor ru = Tensor::empty({T, D}, dt), gu = poisoned({T, D}, dt);
+      C().moe_unpermute(y, sr, wp, ru);
+      G().moe_unpermute(dev(y), dev(sr), wp ? &gwt : nullptr, gu);
+      EXPECT_LT(rel_err(gu, ru), tol);
+    }
+    Tensor rg = Tensor::empty({R}, DType::F32), gg = poisoned({R}, DType::F32);
+    C().moe_unpermute_backward_weights(x, y, sr, rg);
+    G().moe_unpermute_backward_weights(dev(x), dev(y), dev(sr), gg);
+    EXPECT_LT(rel_err(gg, rg), dt == DType::F32 ? 1e-5 : 1e-3);
+  }
+  // An out-of-range index is an error (raised at the next synchronizing call at the latest).
+  Tensor bad = Tensor::empty({R}, DType::I32);
+  std::copy(slot_row.begin(), slot_row.end(), bad.data<int32_t>());
+  bad.data<int32_t>()[5] = static_cast<int32_t>(R);
+  Tensor gu = poisoned({T, D}, DType::F32);
+  EXPECT_THROW(
+      {
+        G().moe_unpermute(dev(rnd({R, D}, 95)), dev(bad), nullptr, gu);
+        G().synchronize();
+      },
+      Error);
+}
+
 TEST(CudaOps, AdamW) {
   AdamWParams p;
   p.lr = 1e-2f;

@@ -509,6 +509,155 @@ void CudaBackend::swiglu_backward(const Tensor& dout, const Tensor& gate, const 
   launch_swiglu_backward(dout.raw(), gate.raw(), up.raw(), dgate.raw(), dup.raw(), gate.dtype(), gate.numel(), stream_);
 }
 
+// ---- mixture of experts --------------------------------------------------------------------------
+
+void CudaBackend::moe_route_softmax(const Tensor& logits, int top_k, bool renormalize, Tensor& experts,
+                                    Tensor& weights) {
+  const OpTimer op_timer_(*this, "moe_route_softmax");
+  check_dev(logits, "moe_route_softmax logits");
+  check_dev(experts, "moe_route_softmax experts");
+  check_dev(weights, "moe_route_softmax weights");
+  check_dtype(logits, DType::F32, "moe_route_softmax logits");
+  FP8RL_CHECK(logits.ndim() == 2 && top_k >= 1 && top_k <= logits.dim(1), "moe_route_softmax: logits [T, E] and "
+              "1 <= top_k <= E expected, got ", logits.str(), ", top_k ", top_k);
+  const int64_t T = logits.dim(0), E = logits.dim(1);
+  check_shape(experts, {T, top_k}, "moe_route_softmax experts");
+  check_dtype(experts, DType::I32, "moe_route_softmax experts");
+  check_shape(weights, {T, top_k}, "moe_route_softmax weights");
+  check_dtype(weights, DType::F32, "moe_route_softmax weights");
+  launch_moe_route_softmax(logits.data<float>(), T, static_cast<int>(E), top_k, renormalize, experts.data<int32_t>(),
+                           weights.data<float>(), stream_);
+}
+
+void CudaBackend::moe_route_softmax_backward(const Tensor& logits, const Tensor& experts, bool renormalize,
+                                             const Tensor& dweights, Tensor& dlogits) {
+  const OpTimer op_timer_(*this, "moe_route_softmax_backward");
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&logits, &experts, &dweights, &dlogits})
+    check_dev(*t, "moe_route_softmax_backward tensor");
+  check_dtype(logits, DType::F32, "moe_route_softmax_backward logits");
+  FP8RL_CHECK(logits.ndim() == 2 && experts.ndim() == 2 && experts.dim(0) == logits.dim(0),
+              "moe_route_softmax_backward: logits [T, E] and experts [T, k] expected, got ", logits.str(), ", ",
+              experts.str());
+  const int64_t T = logits.dim(0), E = logits.dim(1), k = experts.dim(1);
+  check_dtype(experts, DType::I32, "moe_route_softmax_backward experts");
+  check_shape(dweights, {T, k}, "moe_route_softmax_backward dweights");
+  check_dtype(dweights, DType::F32, "moe_route_softmax_backward dweights");
+  check_shape(dlogits, {T, E}, "moe_route_softmax_backward dlogits");
+  check_dtype(dlogits, DType::F32, "moe_route_softmax_backward dlogits");
+  launch_moe_route_softmax_backward(logits.data<float>(), experts.data<int32_t>(), dweights.data<float>(), T,
+                                    static_cast<int>(E), static_cast<int>(k), renormalize, dlogits.data<float>(),
+                                    stream_);
+}
+
+void CudaBackend::moe_route_sigmoid(const Tensor& logits, const Tensor* bias, int top_k, int n_group, int topk_group,
+                                    bool renormalize, float scaling, Tensor& experts, Tensor& weights) {
+  const OpTimer op_timer_(*this, "moe_route_sigmoid");
+  check_dev(logits, "moe_route_sigmoid logits");
+  check_dev(experts, "moe_route_sigmoid experts");
+  check_dev(weights, "moe_route_sigmoid weights");
+  check_dtype(logits, DType::F32, "moe_route_sigmoid logits");
+  FP8RL_CHECK(logits.ndim() == 2 && top_k >= 1 && top_k <= logits.dim(1), "moe_route_sigmoid: logits [T, E] and "
+              "1 <= top_k <= E expected, got ", logits.str(), ", top_k ", top_k);
+  const int64_t T = logits.dim(0), E = logits.dim(1);
+  FP8RL_CHECK(n_group >= 1 && E % n_group == 0 && topk_group >= 1 && topk_group <= n_group &&
+                  top_k <= topk_group * (E / n_group),
+              "moe_route_sigmoid: n_group (", n_group, ") must divide E (", E, "), 1 <= topk_group (", topk_group,
+              ") <= n_group, and top_k (", top_k, ") fit the kept groups");
+  check_shape(experts, {T, top_k}, "moe_route_sigmoid experts");
+  check_dtype(experts, DType::I32, "moe_route_sigmoid experts");
+  check_shape(weights, {T, top_k}, "moe_route_sigmoid weights");
+  check_dtype(weights, DType::F32, "moe_route_sigmoid weights");
+  if (bias) {
+    check_dev(*bias, "moe_route_sigmoid bias");
+    check_shape(*bias, {E}, "moe_route_sigmoid bias");
+    check_dtype(*bias, DType::F32, "moe_route_sigmoid bias");
+  }
+  launch_moe_route_sigmoid(logits.data<float>(), bias ? bias->data<float>() : nullptr, T, static_cast<int>(E), top_k,
+                           n_group, topk_group, renormalize, scaling, experts.data<int32_t>(), weights.data<float>(),
+                           stream_);
+}
+
+void CudaBackend::moe_route_sigmoid_backward(const Tensor& logits, const Tensor& experts, bool renormalize,
+                                             float scaling, const Tensor& dweights, Tensor& dlogits) {
+  const OpTimer op_timer_(*this, "moe_route_sigmoid_backward");
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&logits, &experts, &dweights, &dlogits})
+    check_dev(*t, "moe_route_sigmoid_backward tensor");
+  check_dtype(logits, DType::F32, "moe_route_sigmoid_backward logits");
+  FP8RL_CHECK(logits.ndim() == 2 && experts.ndim() == 2 && experts.dim(0) == logits.dim(0),
+              "moe_route_sigmoid_backward: logits [T, E] and experts [T, k] expected, got ", logits.str(), ", ",
+              experts.str());
+  const int64_t T = logits.dim(0), E = logits.dim(1), k = experts.dim(1);
+  check_dtype(experts, DType::I32, "moe_route_sigmoid_backward experts");
+  check_shape(dweights, {T, k}, "moe_route_sigmoid_backward dweights");
+  check_dtype(dweights, DType::F32, "moe_route_sigmoid_backward dweights");
+  check_shape(dlogits, {T, E}, "moe_route_sigmoid_backward dlogits");
+  check_dtype(dlogits, DType::F32, "moe_route_sigmoid_backward dlogits");
+  launch_moe_route_sigmoid_backward(logits.data<float>(), experts.data<int32_t>(), dweights.data<float>(), T,
+                                    static_cast<int>(E), static_cast<int>(k), renormalize, scaling,
+                                    dlogits.data<float>(), stream_);
+}
+
+void CudaBackend::moe_permute(const Tensor& x, const Tensor& row_slot, int top_k, const Tensor* weights, Tensor& out) {
+  const OpTimer op_timer_(*this, "moe_permute");
+  check_dev(x, "moe_permute x");
+  check_dev(row_slot, "moe_permute row_slot");
+  check_dev(out, "moe_permute out");
+  check_dtype(row_slot, DType::I32, "moe_permute row_slot");
+  FP8RL_CHECK(x.ndim() == 2 && top_k >= 1, "moe_permute: x [T, D] and top_k >= 1 expected, got ", x.str());
+  const int64_t T = x.dim(0), D = x.dim(1), R = row_slot.numel();
+  check_shape(out, {R, D}, "moe_permute out");
+  check_dtype(out, x.dtype(), "moe_permute out");
+  if (weights) {
+    check_dev(*weights, "moe_permute weights");
+    check_shape(*weights, {T * top_k}, "moe_permute weights");
+    check_dtype(*weights, DType::F32, "moe_permute weights");
+  }
+  launch_moe_permute(x.raw(), x.dtype(), row_slot.data<int32_t>(), weights ? weights->data<float>() : nullptr, R, D,
+                     top_k, T * top_k, out.raw(), flag_reset(), stream_);
+  flag_check("moe_permute: a row_slot entry is outside [0, T * top_k)");
+}
+
+void CudaBackend::moe_unpermute(const Tensor& y, const Tensor& slot_row, const Tensor* weights, Tensor& out) {
+  const OpTimer op_timer_(*this, "moe_unpermute");
+  check_dev(y, "moe_unpermute y");
+  check_dev(slot_row, "moe_unpermute slot_row");
+  check_dev(out, "moe_unpermute out");
+  check_dtype(slot_row, DType::I32, "moe_unpermute slot_row");
+  FP8RL_CHECK(y.ndim() == 2 && out.ndim() == 2 && out.dim(1) == y.dim(1) && out.dim(0) > 0,
+              "moe_unpermute: y [R, D] and out [T, D] expected, got ", y.str(), ", ", out.str());
+  check_dtype(out, y.dtype(), "moe_unpermute out");
+  const int64_t R = y.dim(0), D = y.dim(1), T = out.dim(0), S = slot_row.numel();
+  FP8RL_CHECK(S > 0 && S % T == 0, "moe_unpermute: slot_row has ", S, " entries, not a multiple of T = ", T);
+  if (weights) {
+    check_dev(*weights, "moe_unpermute weights");
+    check_shape(*weights, {S}, "moe_unpermute weights");
+    check_dtype(*weights, DType::F32, "moe_unpermute weights");
+  }
+  launch_moe_unpermute(y.raw(), y.dtype(), slot_row.data<int32_t>(), weights ? weights->data<float>() : nullptr, T, D,
+                       static_cast<int>(S / T), R, out.raw(), flag_reset(), stream_);
+  flag_check("moe_unpermute: a slot_row entry is outside [0, R)");
+}
+
+void CudaBackend::moe_unpermute_backward_weights(const Tensor& dout, const Tensor& y, const Tensor& slot_row,
+                                                 Tensor& dweights) {
+  const OpTimer op_timer_(*this, "moe_unpermute_backward_weights");
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&dout, &y, &slot_row, &dweights})
+    check_dev(*t, "moe_unpermute_backward_weights tensor");
+  check_dtype(slot_row, DType::I32, "moe_unpermute_backward_weights slot_row");
+  FP8RL_CHECK(y.ndim() == 2 && dout.ndim() == 2 && dout.dim(1) == y.dim(1) && dout.dim(0) > 0 &&
+                  dout.dtype() == y.dtype(),
+              "moe_unpermute_backward_weights: dout [T, D] and y [R, D] of one dtype expected, got ", dout.str(),
+              ", ", y.str());
+  const int64_t R = y.dim(0), D = y.dim(1), T = dout.dim(0), S = slot_row.numel();
+  FP8RL_CHECK(S > 0 && S % T == 0, "moe_unpermute_backward_weights: slot_row has ", S,
+              " entries, not a multiple of T = ", T);
+  check_shape(dweights, {S}, "moe_unpermute_backward_weights dweights");
+  check_dtype(dweights, DType::F32, "moe_unpermute_backward_weights dweights");
+  launch_moe_weight_grad(dout.raw(), y.raw(), y.dtype(), slot_row.data<int32_t>(), S, D, static_cast<int>(S / T), R,
+                         dweights.data<float>(), flag_reset(), stream_);
+  flag_check("moe_unpermute_backward_weights: a slot_row entry is outside [0, R)");
+}
+
 void CudaBackend::adamw(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWParams& p) {
   const OpTimer op_timer_(*this, "adamw");
   for (const Tensor* t : std::initializer_list<const Tensor*>{&param, &grad, &m, &v}) {

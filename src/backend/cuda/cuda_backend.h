@@ -77,6 +77,19 @@ class CudaBackend final : public Backend {
   void token_logprobs_backward(const Tensor& hidden, const Tensor& lm_head, const Tensor& targets, float temperature,
                                const LinearSpec& spec, const Tensor& lse, const Tensor& dlogp, Tensor& dhidden,
                                Tensor* dlm_head) override;
+  void moe_route_softmax(const Tensor& logits, int top_k, bool renormalize, Tensor& experts,
+                         Tensor& weights) override;
+  void moe_route_softmax_backward(const Tensor& logits, const Tensor& experts, bool renormalize,
+                                  const Tensor& dweights, Tensor& dlogits) override;
+  void moe_route_sigmoid(const Tensor& logits, const Tensor* bias, int top_k, int n_group, int topk_group,
+                         bool renormalize, float scaling, Tensor& experts, Tensor& weights) override;
+  void moe_route_sigmoid_backward(const Tensor& logits, const Tensor& experts, bool renormalize, float scaling,
+                                  const Tensor& dweights, Tensor& dlogits) override;
+  void moe_permute(const Tensor& x, const Tensor& row_slot, int top_k, const Tensor* weights,
+                   Tensor& out) override;
+  void moe_unpermute(const Tensor& y, const Tensor& slot_row, const Tensor* weights, Tensor& out) override;
+  void moe_unpermute_backward_weights(const Tensor& dout, const Tensor& y, const Tensor& slot_row,
+                                      Tensor& dweights) override;
   void adamw(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWParams& p) override;
   void quantize(const Tensor& x, bool transpose, QuantTensor& out) override;
   void kv_write(KvCache& cache, int layer, const Tensor& k, const Tensor& v, const PagedBatch& batch) override;

@@ -46,6 +46,28 @@ void launch_add_bias(void* out, DType odt, const void* bias, DType bdt, int64_t 
 // dbias[c] += sum_r dy[r, c] ; dbias F32.
 void launch_bias_grad(const void* dy, DType dt, int64_t rows, int64_t cols, float* dbias, cudaStream_t stream);
 
+// ---- mixture of experts (moe_kernels.cu); shapes as in backend.h ----
+// logits F32 [T, E] -> experts I32 [T, k], weights F32 [T, k]; dlogits F32 [T, E] from dweights [T, k].
+void launch_moe_route_softmax(const float* logits, int64_t T, int E, int k, bool renorm, int32_t* experts,
+                              float* weights, cudaStream_t stream);
+void launch_moe_route_softmax_backward(const float* logits, const int32_t* experts, const float* dweights, int64_t T,
+                                       int E, int k, bool renorm, float* dlogits, cudaStream_t stream);
+// DeepSeek-V3 sigmoid routing (bias F32 [E] or null; n_group <= 64) and its backward.
+void launch_moe_route_sigmoid(const float* logits, const float* bias, int64_t T, int E, int k, int n_group,
+                              int topk_group, bool renorm, float scaling, int32_t* experts, float* weights,
+                              cudaStream_t stream);
+void launch_moe_route_sigmoid_backward(const float* logits, const int32_t* experts, const float* dweights, int64_t T,
+                                       int E, int k, bool renorm, float scaling, float* dlogits, cudaStream_t stream);
+// out [R, D] = x[row_slot / k] (* weights[row_slot]); slots = T * k bounds row_slot (else *bad_flag = 1).
+void launch_moe_permute(const void* x, DType dt, const int32_t* row_slot, const float* weights, int64_t R, int64_t D,
+                        int k, int64_t slots, void* out, int* bad_flag, cudaStream_t stream);
+// out [T, D] = sum_j (weights[t*k+j] *) y[slot_row[t*k+j]], y [R, D].
+void launch_moe_unpermute(const void* y, DType dt, const int32_t* slot_row, const float* weights, int64_t T,
+                          int64_t D, int k, int64_t R, void* out, int* bad_flag, cudaStream_t stream);
+// dweights F32 [S = T*k] = dot(dout[s / k], y[slot_row[s]]).
+void launch_moe_weight_grad(const void* dout, const void* y, DType dt, const int32_t* slot_row, int64_t S, int64_t D,
+                            int k, int64_t R, float* dweights, int* bad_flag, cudaStream_t stream);
+
 // ---- model ops (model_kernels.cu) ----
 void launch_embedding(const int32_t* ids, int64_t T, const void* table, DType tdt, int64_t V, int64_t D, void* out,
                       DType odt, int* bad_flag, cudaStream_t stream);
