@@ -8,17 +8,34 @@ pkgs=(build-essential cmake ninja-build pkg-config
       libpcre2-dev         # tokenizer pre-tokenizer regex (Unicode, JIT)
       libutf8proc-dev      # Unicode NFC normalization
       libgtest-dev)        # tests
+# Optional: `mpirun -np N fp8rl train` and its CI test (FP8RL_MPI). Without them the build
+# still works (the TCP rendezvous covers multi-process runs); a failed install only warns.
+optional=(libopenmpi-dev openmpi-bin)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
-if [ ${#missing[@]} -eq 0 ]; then
+missing_optional=()
+for p in "${optional[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing_optional+=("$p")
+done
+if [ ${#missing[@]} -eq 0 ] && { [ ${#missing_optional[@]} -eq 0 ] || [ "${FP8RL_SKIP_OPTIONAL_DEPS:-0}" = 1 ]; }; then
   echo "install-deps: all packages present"
   exit 0
 fi
-echo "install-deps: installing ${missing[*]}"
 SUDO=""
 [ "$(id -u)" -eq 0 ] || SUDO="sudo"
 export DEBIAN_FRONTEND=noninteractive
-$SUDO apt-get update -qq
-$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "install-deps: installing ${missing[*]}"
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+if [ ${#missing_optional[@]} -gt 0 ] && [ "${FP8RL_SKIP_OPTIONAL_DEPS:-0}" != 1 ]; then
+  echo "install-deps: installing optional ${missing_optional[*]}"
+  if ! { $SUDO apt-get install -y -qq --no-install-recommends "${missing_optional[@]}" ||
+         { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq --no-install-recommends "${missing_optional[@]}"; }; }; then
+    echo "install-deps: warning: could not install ${missing_optional[*]}; building without MPI" \
+         "(set FP8RL_SKIP_OPTIONAL_DEPS=1 to stop trying)" >&2
+  fi
+fi

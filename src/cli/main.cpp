@@ -7,6 +7,7 @@
 
 #include "cli/commands.h"
 #include "core/error.h"
+#include "dist/comm.h"
 
 namespace fp8rl::cli {
 
@@ -102,10 +103,12 @@ int main(int argc, char** argv) {
     try {
       return c.run(args);
     } catch (const std::bad_alloc&) {
-      std::fprintf(stderr, "fp8rl %s: error: out of host memory; reduce the batch or model size\n", name.c_str());
+      std::fprintf(stderr, "%sfp8rl %s: error: out of host memory; reduce the batch or model size\n",
+                   fp8rl::dist_log_prefix().c_str(), name.c_str());
       return 1;
     } catch (const std::exception& e) {
-      std::fprintf(stderr, "fp8rl %s: error: %s\n", name.c_str(), e.what());
+      // Several ranks: "[rank 1/4] fp8rl train: error: ..." (dist/comm.h).
+      std::fprintf(stderr, "%sfp8rl %s: error: %s\n", fp8rl::dist_log_prefix().c_str(), name.c_str(), e.what());
       return 1;
     }
   }

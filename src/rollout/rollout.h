@@ -23,6 +23,9 @@ struct SamplingParams {
   int max_new_tokens = 64;
   std::vector<int32_t> stop_ids;  // generation ends after emitting one of these (kept in tokens)
   uint64_t seed = 0;              // sample j of request i draws from a stream seeded by (seed, i, j)
+  // Request i draws as request first_request + i: a data-parallel rank generating prompts
+  // [first, ...) of a global batch samples what one rank generating all of them would.
+  int64_t first_request = 0;
 };
 
 struct RolloutRequest {

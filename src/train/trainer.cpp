@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "core/error.h"
+#include "dist/comm.h"
 
 namespace fp8rl {
 
@@ -218,6 +219,10 @@ StepResult Trainer::step(const std::vector<TrainSequence>& seqs, float temperatu
   }
 
   std::vector<Tensor*> g = params_of(grads_);
+  if (comm_ && comm_->world_size() > 1) {  // data parallel: the global loss and gradient
+    comm_->all_reduce(&r.loss, 1, ReduceOp::Sum);
+    dist_all_reduce_sum(*comm_, be_, g);
+  }
   double sq = 0;
   for (Tensor* t : g) sq += be_.sum_squares(*t);
   r.grad_norm = std::sqrt(sq);

@@ -25,6 +25,8 @@
 
 namespace fp8rl {
 
+class Communicator;
+
 // A sequence to train on: prompt + response ids. Its response tokens ids[prompt_len..] are the
 // ones scored and trained; their per-token arrays are packed in sequence order.
 struct TrainSequence {
@@ -89,6 +91,12 @@ class Trainer {
   ScoreResult score(const std::vector<TrainSequence>& seqs, float temperature, bool entropy, bool record_amax);
   StepResult step(const std::vector<TrainSequence>& seqs, float temperature, const TokenLossFn& loss_fn, float lr);
 
+  // Data parallelism: step() sums the loss and the gradients over the communicator's ranks
+  // before the norm, the clipping and AdamW, so every rank (each holding the full optimizer
+  // state) takes the same step. `seqs` is then this rank's share (possibly empty) and loss_fn
+  // must normalize by the global count. nullptr (the default): one rank.
+  void set_communicator(Communicator* comm) { comm_ = comm; }
+
   // Mutable access marks the FP8 weight cache stale: write the weights before the next score()
   // or step() (a reference kept past that and written later is not seen by the cache).
   ModelWeights& master() {
@@ -126,6 +134,7 @@ class Trainer {
   EnginePrecision prec_;
   TrainerOptions opt_;
   int64_t adam_step_ = 0;
+  Communicator* comm_ = nullptr;
 };
 
 }  // namespace fp8rl
