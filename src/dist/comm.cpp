@@ -93,6 +93,7 @@ std::unique_ptr<Communicator> dist_open(const DistEnv& e, DeviceKind device) {
   if (!e.backend.empty() && e.backend != "tcp" && e.backend != "mpi" && e.backend != "nccl")
     FP8RL_FAIL("FP8RL_DIST_BACKEND='", e.backend, "' is not one of tcp, mpi, nccl");
   if (e.world_size == 1 && e.backend.empty()) return comm_single_open();
+  dist_set_log_prefix(e.rank, e.world_size);  // rendezvous errors name the rank too
   std::unique_ptr<Communicator> host;
   const bool want_mpi = e.backend == "mpi" || (e.backend != "tcp" && e.from_mpi && comm_mpi_available());
   if (want_mpi) {
