@@ -61,6 +61,7 @@ std::string ensure_demo_policy(const RunConfig& c) {
     k.train.is = d.is;
     k.train.lr = d.lr;
     k.train.optimizer_steps_per_rollout = d.optimizer_steps_per_rollout;
+    k.train.shard_optimizer = d.shard_optimizer;
     k.train.ratio_clip_low = d.ratio_clip_low;
     k.train.ratio_clip_high = d.ratio_clip_high;
     k.train.loss_aggregation = d.loss_aggregation;
@@ -158,8 +159,8 @@ int grpo_run(const RunConfig& config_in, bool resume) {
                "prompt groups: raise rollout.prompts_per_step to at least ", W, " or launch fewer ranks");
   const int p_begin = P * rank / W, p_end = P * (rank + 1) / W;  // this rank's prompts of each step
   if (W > 1 && lead)
-    std::printf("data parallel: %d ranks (%s), %d-%d prompts of %d per rank\n", W, comm->name().c_str(), P / W,
-                (P + W - 1) / W, P);
+    std::printf("data parallel: %d ranks (%s), %d-%d prompts of %d per rank%s\n", W, comm->name().c_str(), P / W,
+                (P + W - 1) / W, P, c.train.shard_optimizer ? "; AdamW moments sharded (ZeRO-1)" : "");
   if (c.model.path.empty()) {
     if (lead) c.model.path = ensure_demo_policy(c);
     comm->barrier();  // rank 0 trains and caches the starting policy once; the others find it
@@ -198,7 +199,7 @@ int grpo_run(const RunConfig& config_in, bool resume) {
                stdout);
   }
   Trainer trainer(be, model_weights_to_device(be, host, DType::F32), recipe.trainer, trainer_options(c));
-  if (W > 1) trainer.set_communicator(comm.get());  // gradients summed over the ranks
+  if (W > 1) trainer.set_communicator(comm.get(), c.train.shard_optimizer);  // gradients summed over the ranks
   std::unique_ptr<Trainer> reference;  // frozen initial policy for the k3 KL term
   if (c.train.kl_beta > 0) {
     ModelWeights ref = session_initial_policy(s);
@@ -396,7 +397,9 @@ int grpo_run(const RunConfig& config_in, bool resume) {
     m.time_step_s = seconds_since(t_step);
     slowest_step_s = std::max(slowest_step_s, m.time_step_s);
     if (lead) log->write(m, c.steps);
-    if (lead && ((c.checkpoint_every > 0 && step % c.checkpoint_every == 0) || final_step))
+    const bool save = (c.checkpoint_every > 0 && step % c.checkpoint_every == 0) || final_step;
+    if (save) trainer.gather_optimizer_state();  // ZeRO-1: the moments to rank 0 (every rank)
+    if (save && lead)
       checkpoint_save(be, trainer, state, run.checkpoints_dir(), checkpoint_options(c, s.tokenizer_json));
     if (final_step) break;
   }

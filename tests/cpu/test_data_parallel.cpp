@@ -346,14 +346,18 @@ void expect_same_run(const std::string& one, const std::string& many, size_t ste
   }
 }
 
-std::string run_ranks_ok(const std::string& recipe, int world) {
-  const std::string out = Scratch::root() + "/" + recipe + "_w" + std::to_string(world);
+std::string run_ranks_ok(const std::string& recipe, int world, const std::vector<std::string>& extra = {},
+                         const std::string& tag = "") {
+  const std::string out = Scratch::root() + "/" + recipe + "_w" + std::to_string(world) + tag;
   fs::remove_all(out);
-  const auto rc = launch(tiny_args(out, recipe), out, world);
+  std::vector<std::string> args = tiny_args(out, recipe);
+  args.insert(args.end(), extra.begin(), extra.end());
+  const auto rc = launch(args, out, world);
   for (size_t r = 0; r < rc.size(); ++r) EXPECT_EQ(rc[r], 0) << "rank " << r << "\n" << logs_of(out, world);
-  if (world > 1)
+  if (world > 1) {
     EXPECT_NE(read_file(out + ".rank0.log").find("data parallel: " + std::to_string(world) + " ranks (tcp)"),
               std::string::npos);
+  }
   return out;
 }
 
@@ -364,6 +368,27 @@ TEST(DataParallel, Bf16OnTwoAndFourRanksMatchesOneRank) {
   const std::string one = run_ranks_ok("bf16", 0);  // no launcher variables: the plain process
   for (int world : {2, 4}) expect_same_run(one, run_ranks_ok("bf16", world), 3, true, 1e-5,
                                            std::to_string(world) + " ranks, bf16");
+}
+
+// ZeRO-1 (train.shard_optimizer): each rank keeps and updates only its parameters' moments and
+// broadcasts the new weights: the same step, bitwise. The checkpoint holds the full state, so a
+// run saved on 4 ranks resumes on one and finishes as the one-rank run does.
+TEST(DataParallel, ShardedOptimizerMatchesOneRankAndResumesOnAnotherRankCount) {
+  const std::string one = run_ranks_ok("bf16", 0);
+  for (int world : {2, 4})
+    expect_same_run(one, run_ranks_ok("bf16", world, {"train.shard_optimizer=true"}, "_zero1"), 3, true, 1e-5,
+                    std::to_string(world) + " ranks, bf16, ZeRO-1");
+  const std::string part = run_ranks_ok("bf16", 4, {"train.shard_optimizer=true", "steps=2"}, "_resume");
+  ASSERT_EQ(read_metrics(part).size(), 2u);
+  {  // resume the 4-rank run on one rank (logs: part + "_resumed.rank0.log")
+    const auto rc = launch([&] {
+      std::vector<std::string> a = tiny_args(part, "bf16");
+      a.push_back("--resume");
+      return a;
+    }(), part + "_resumed", 0);
+    ASSERT_EQ(rc[0], 0) << logs_of(part + "_resumed", 1);
+  }
+  expect_same_run(one, part, 3, true, 1e-5, "4 ranks ZeRO-1 for 2 steps, resumed on 1 rank for step 3");
 }
 
 // The demo's fp8_e2e recipe. With 2 ranks each mini-batch lies on one rank: equal throughout.
