@@ -105,10 +105,13 @@ int main(int argc, char** argv) {
     } catch (const std::bad_alloc&) {
       std::fprintf(stderr, "%sfp8rl %s: error: out of host memory; reduce the batch or model size\n",
                    fp8rl::dist_log_prefix().c_str(), name.c_str());
+      fp8rl::dist_abort_job(1);
       return 1;
     } catch (const std::exception& e) {
       // Several ranks: "[rank 1/4] fp8rl train: error: ..." (dist/comm.h).
       std::fprintf(stderr, "%sfp8rl %s: error: %s\n", fp8rl::dist_log_prefix().c_str(), name.c_str(), e.what());
+      std::fflush(stderr);
+      fp8rl::dist_abort_job(1);  // MPI: stop the other ranks (TCP: they see this rank's sockets close)
       return 1;
     }
   }

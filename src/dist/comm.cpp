@@ -61,6 +61,8 @@ std::string& log_prefix() {
   return p;
 }
 
+void (*g_abort_hook)(int) = nullptr;
+
 }  // namespace
 
 DistEnv dist_env_read() {
@@ -116,6 +118,11 @@ std::unique_ptr<Communicator> dist_open(const DistEnv& e, DeviceKind device) {
 }
 
 std::unique_ptr<Communicator> comm_single_open() { return std::make_unique<SingleCommunicator>(); }
+
+void dist_abort_job(int exit_code) {
+  if (g_abort_hook) g_abort_hook(exit_code);
+}
+void dist_set_abort_hook(void (*hook)(int)) { g_abort_hook = hook; }
 
 const std::string& dist_log_prefix() { return log_prefix(); }
 

@@ -90,6 +90,12 @@ bool comm_nccl_available();                     // built with FP8RL_NCCL
 // ncclCommInitRank; host collectives go to `bootstrap`.
 std::unique_ptr<Communicator> comm_nccl_open(std::unique_ptr<Communicator> bootstrap);
 
+// After an error that ends this rank: stops the whole job where the communicator cannot let
+// the others know by itself (MPI: MPI_Abort; MPI_Finalize would wait on ranks blocked in a
+// collective). main calls it after printing the error; without such a hook it does nothing.
+void dist_abort_job(int exit_code);
+void dist_set_abort_hook(void (*hook)(int exit_code));
+
 // "[rank 1/4] " once a job of several ranks is open, else "": main prefixes its error lines.
 const std::string& dist_log_prefix();
 void dist_set_log_prefix(int rank, int world_size);

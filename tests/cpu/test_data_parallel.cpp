@@ -218,8 +218,9 @@ std::vector<std::string> tiny_args(const std::string& out, const std::string& re
 
 // Launches `argv` once per rank with `env` (+ RANK etc. when world > 0); waits at most 60 s.
 // Returns every process's exit status; logs under out + ".rank<r>.log".
-std::vector<int> launch(const std::vector<std::string>& argv, const std::string& out, int world,
-                        const std::vector<std::pair<std::string, std::string>>& env = {}) {
+std::vector<int> launch(const std::vector<std::string>& argv_in, const std::string& out, int world,
+                        const std::vector<std::pair<std::string, std::string>>& env = {},
+                        const std::vector<std::string>& last_rank_extra = {}) {
   const int port = free_port();
   const int n = world > 0 ? world : 1;
   std::vector<pid_t> pids;
@@ -241,6 +242,8 @@ std::vector<int> launch(const std::vector<std::string>& argv, const std::string&
         ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
       }
       for (auto& [k, v] : env) ::setenv(k.c_str(), v.c_str(), 1);
+      std::vector<std::string> argv = argv_in;
+      if (r == n - 1) argv.insert(argv.end(), last_rank_extra.begin(), last_rank_extra.end());
       std::vector<char*> args;
       for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
       args.push_back(nullptr);
@@ -422,6 +425,38 @@ TEST(DataParallel, MpirunMatchesOneRank) {
   expect_same_run(one, many, 3, true, 1e-5, "mpirun -np 2, bf16");
   EXPECT_NE(read_file(many + ".rank0.log").find("data parallel: 2 ranks (mpi)"), std::string::npos)
       << logs_of(many, 1);
+}
+
+// A rank that fails after the job started (here: a model path that does not exist) stops
+// every rank, each naming the rank, within the test's deadline.
+TEST(DataParallel, ARankThatFailsStopsTheJob) {
+  const std::string out = Scratch::root() + "/dies";
+  fs::remove_all(out);
+  const auto rc = launch(tiny_args(out, "bf16"), out, 3, {}, {"model.path=/nonexistent/model"});
+  for (int r = 0; r < 3; ++r) EXPECT_NE(rc[r], 0) << "rank " << r;
+  const std::string log0 = read_file(out + ".rank0.log"), log2 = read_file(out + ".rank2.log");
+  EXPECT_NE(log2.find("[rank 2/3] fp8rl train: error:"), std::string::npos) << log2;
+  EXPECT_NE(log2.find("/nonexistent/model"), std::string::npos) << log2;
+  EXPECT_NE(log0.find("[rank 0/3] fp8rl train: error: rank 2 closed its connection"), std::string::npos) << log0;
+}
+
+TEST(DataParallel, MpirunStopsTheJobWhenARankFails) {
+  if (std::system("command -v mpirun > /dev/null 2>&1") != 0) GTEST_SKIP() << "mpirun not installed (openmpi-bin)";
+  if (!comm_mpi_available()) GTEST_SKIP() << "built without MPI (FP8RL_MPI, libopenmpi-dev)";
+  const std::string out = Scratch::root() + "/mpi_dies";
+  fs::remove_all(out);
+  std::string args;
+  for (const std::string& a : tiny_args(out, "bf16")) args += " '" + a + "'";
+  std::string cmd = "exec mpirun --oversubscribe";
+  if (::geteuid() == 0) cmd += " --allow-run-as-root";
+  cmd += " -np 1" + args + " : -np 1" + args + " model.path=/nonexistent/model";  // MPMD: rank 1 differs
+  const char* asan = std::getenv("ASAN_OPTIONS");
+  const auto rc = launch({"/bin/sh", "-c", cmd}, out, 0,
+                         {{"OMPI_MCA_btl", "self,vader"}, {"OMPI_MCA_oob_tcp_if_include", "lo"},
+                          {"ASAN_OPTIONS", std::string(asan ? asan : "") + ":detect_leaks=0"}});
+  EXPECT_NE(rc[0], 0);
+  const std::string log = read_file(out + ".rank0.log");
+  EXPECT_NE(log.find("[rank 1/2] fp8rl train: error:"), std::string::npos) << log;
 }
 
 TEST(DataParallel, ErrorsNameTheRank) {

@@ -1,8 +1,11 @@
 // The MPI communicator (`mpirun -np N fp8rl train ...`), built when CMake finds MPI
 // (FP8RL_MPI). Host buffers only; MPI's default error handler aborts the whole job when a rank
 // fails, so a dead rank stops every rank (mpirun reports which). MPI has no collective timeout.
+// A rank that fails with an fp8rl error does not MPI_Finalize (which would wait for ranks
+// blocked in a collective): main prints the error, then dist_abort_job MPI_Aborts the job.
 #include <mpi.h>
 
+#include <exception>
 #include <string>
 
 #include "core/error.h"
@@ -19,6 +22,8 @@ void mpi_check(int rc, const char* what) {
   MPI_Error_string(rc, msg, &len);
   FP8RL_FAIL("MPI ", what, " failed: ", std::string(msg, len));
 }
+
+void mpi_abort(int code) { MPI_Abort(MPI_COMM_WORLD, code); }
 
 MPI_Op mpi_op(ReduceOp op) { return op == ReduceOp::Sum ? MPI_SUM : op == ReduceOp::Max ? MPI_MAX : MPI_MIN; }
 
@@ -40,7 +45,9 @@ class MpiCommunicator final : public Communicator {
     MPI_Comm_free(&local);
   }
   ~MpiCommunicator() override {
-    if (owns_) MPI_Finalize();
+    if (!owns_) return;
+    if (std::uncaught_exceptions() > 0) dist_set_abort_hook(mpi_abort);  // unwinding from an error
+    else MPI_Finalize();
   }
   int rank() const override { return rank_; }
   int world_size() const override { return world_; }
