@@ -149,8 +149,8 @@ int grpo_run(const RunConfig& config_in, bool resume) {
   const auto t_run = Clock::now();  // time_budget_s counts from here (setup and step-0 validation included)
   RunConfig c = config_in;
   // The job's ranks (one without launcher variables); opened first: NCCL picks the GPU.
-  std::unique_ptr<Communicator> comm =
-      dist_open(dist_env_read(), c.device == "cuda" ? DeviceKind::CUDA : DeviceKind::CPU);
+  const bool on_cuda = c.device.rfind("cuda", 0) == 0;
+  std::unique_ptr<Communicator> comm = dist_open(dist_env_read(), on_cuda ? DeviceKind::CUDA : DeviceKind::CPU);
   const int rank = comm->rank(), W = comm->world_size();
   const bool lead = rank == 0;  // writes the run directory, validates, prints
   const int P = c.rollout.prompts_per_step, G = c.rollout.generations_per_prompt;
@@ -167,7 +167,10 @@ int grpo_run(const RunConfig& config_in, bool resume) {
     if (!lead) c.model.path = ensure_demo_policy(c);
     if (c.tokenizer.path.empty()) c.tokenizer.path = c.model.path + "/tokenizer.json";
   }
-  Session s = session_open(c, cache_dir());
+  // Several ranks on `device: cuda`: each takes GPU LOCAL_RANK (the one NCCL selected).
+  RunConfig c_session = c;
+  if (W > 1 && c.device == "cuda") c_session.device = "cuda:" + std::to_string(comm->local_rank());
+  Session s = session_open(c_session, cache_dir());
   Backend& be = *s.backend;
   RunDir run;
   if (lead) {
