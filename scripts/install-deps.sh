@@ -33,8 +33,8 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 if [ ${#missing_optional[@]} -gt 0 ] && [ "${FP8RL_SKIP_OPTIONAL_DEPS:-0}" != 1 ]; then
   echo "install-deps: installing optional ${missing_optional[*]}"
-  if ! { $SUDO apt-get install -y -qq --no-install-recommends "${missing_optional[@]}" ||
-         { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq --no-install-recommends "${missing_optional[@]}"; }; }; then
+  # One attempt from the package lists as they are (no apt-get update: offline machines fail fast).
+  if ! $SUDO apt-get install -y -qq --no-install-recommends "${missing_optional[@]}"; then
     echo "install-deps: warning: could not install ${missing_optional[*]}; building without MPI" \
          "(set FP8RL_SKIP_OPTIONAL_DEPS=1 to stop trying)" >&2
   fi
