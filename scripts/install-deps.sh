@@ -16,7 +16,8 @@ pkgs=(build-essential cmake ninja-build pkg-config
       libgtest-dev)        # tests
 optional=(python3-dev pybind11-dev   # embedded Python: rewards and datasets
           libpng-dev zlib1g-dev      # PNG charts through libpng
-          python3-pip)               # tensorboard / pyarrow for the tests (below)
+          python3-pip                # tensorboard / pyarrow for the tests (below)
+          libopenmpi-dev openmpi-bin)  # `mpirun -np N fp8rl train` and its CI test (FP8RL_MPI)
 missing_of() {
   local out=()
   for p in "$@"; do
@@ -39,7 +40,7 @@ fi
 if [ ${#missing_opt[@]} -gt 0 ]; then
   echo "install-deps: installing optional ${missing_opt[*]}"
   $SUDO apt-get install -y -qq --no-install-recommends "${missing_opt[@]}" ||
-    echo "install-deps: optional packages unavailable (${missing_opt[*]}): Python rewards/datasets or libpng stay off"
+    echo "install-deps: optional packages unavailable (${missing_opt[*]}): Python rewards/datasets, libpng or MPI stay off"
 fi
 # The Python CMake embeds is the python3 on the PATH; the tests need tensorboard and pyarrow in it.
 if [ "${FP8RL_SKIP_PIP:-0}" != 1 ] && command -v python3 >/dev/null &&

@@ -11,6 +11,7 @@
 #include "core/error.h"
 #include "core/suggest.h"
 #include "rl/config.h"
+#include "dist/comm.h"
 
 namespace fp8rl::cli {
 
@@ -180,10 +181,16 @@ int main(int argc, char** argv) {
     try {
       return c.run(args);
     } catch (const std::bad_alloc&) {
-      std::fprintf(stderr, "fp8rl %s: error: out of host memory; reduce the batch or model size\n", name.c_str());
+      std::fprintf(stderr, "%sfp8rl %s: error: out of host memory; reduce the batch or model size\n",
+                   fp8rl::dist_log_prefix().c_str(), name.c_str());
+      fp8rl::dist_abort_job(1);
       return 1;
     } catch (const std::exception& e) {
-      std::fprintf(stderr, "fp8rl %s: error: %s\n", name.c_str(), fp8rl::error_user_text(e).c_str());
+      // Several ranks: "[rank 1/4] fp8rl train: error: ..." (dist/comm.h).
+      std::fprintf(stderr, "%sfp8rl %s: error: %s\n", fp8rl::dist_log_prefix().c_str(), name.c_str(),
+                   fp8rl::error_user_text(e).c_str());
+      std::fflush(stderr);
+      fp8rl::dist_abort_job(1);  // MPI: stop the other ranks (TCP: they see this rank's sockets close)
       return 1;
     }
   }

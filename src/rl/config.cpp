@@ -244,6 +244,8 @@ std::vector<Field> config_fields(RunConfig& c) {
   t.add_int64("train.micro_batch_tokens", tr.micro_batch_tokens, "tokens per forward/backward chunk");
   t.add_int("train.optimizer_steps_per_rollout", tr.optimizer_steps_per_rollout,
             "optimizer steps per GRPO step (mini-batches of the rollout batch)");
+  t.add_bool("train.shard_optimizer", tr.shard_optimizer,
+             "data parallel: AdamW moments sharded over the ranks (ZeRO-1)");
   t.add_float("train.ratio_clip_low", tr.ratio_clip_low, "ratio clipped below at 1 - low");
   t.add_float("train.ratio_clip_high", tr.ratio_clip_high, "ratio clipped above at 1 + high");
   t.add_enum("train.loss_aggregation", tr.loss_aggregation, {"token", "sequence"}, loss_aggregation_from_name,

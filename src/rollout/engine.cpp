@@ -130,7 +130,8 @@ std::vector<RolloutSample> RolloutEngine::generate(const std::vector<RolloutRequ
       s.ids.reserve(r.prompt.size() + sp.max_new_tokens);
       s.prompt_len = static_cast<int>(r.prompt.size());
       s.max_new = r.stop_after.empty() ? sp.max_new_tokens : r.stop_after[j];
-      s.rng.seed(splitmix64(sp.seed ^ splitmix64((static_cast<uint64_t>(i) << 32) | static_cast<uint64_t>(j))));
+      const uint64_t gi = static_cast<uint64_t>(sp.first_request) + static_cast<uint64_t>(i);
+      s.rng.seed(splitmix64(sp.seed ^ splitmix64((gi << 32) | static_cast<uint64_t>(j))));
       s.out.request = s.request;
       s.out.index = j;
       stats_.prompt_tokens += s.prompt_len;

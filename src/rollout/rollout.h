@@ -33,6 +33,9 @@ struct SamplingParams {
   // max_new_tokens, done = generated tokens + the unused budget of finished samples. For
   // progress display only (never changes results).
   std::function<void(int64_t done, int64_t total)> on_progress;
+  // Request i draws as request first_request + i: a data-parallel rank generating prompts
+  // [first, ...) of a global batch samples what one rank generating all of them would.
+  int64_t first_request = 0;
 };
 
 struct RolloutRequest {

@@ -2,24 +2,35 @@
 
 #include <algorithm>
 
+#include "core/error.h"
+#include "dist/comm.h"
+
 namespace fp8rl {
 
 GrpoUpdateResult grpo_update(Trainer& trainer, const GrpoRollout& r, const GrpoLossOptions& options,
                              int mini_batches, float temperature, const std::function<double(int64_t)>& lr_at,
-                             const std::function<bool(const StepResult&)>& on_step) {
+                             const std::function<bool(const StepResult&)>& on_step, const GrpoShard& shard) {
   GrpoUpdateResult out;
-  const size_t n = r.seqs.size();
+  const int64_t n = static_cast<int64_t>(r.seqs.size());
+  const int64_t N = shard.global_seqs < 0 ? n : shard.global_seqs;
+  const bool dp = shard.comm && shard.comm->world_size() > 1;
+  FP8RL_CHECK(shard.first >= 0 && shard.first + n <= N, "GRPO shard: sequences [", shard.first, ", ",
+              shard.first + n, ") of a global batch of ", N);
   mini_batches = std::max(1, mini_batches);
   for (int mb = 0; mb < mini_batches; ++mb) {
-    const size_t a = n * mb / mini_batches, b = n * (mb + 1) / mini_batches;
-    if (a == b) continue;
+    // The global mini-batch [ga, gb), and this rank's part of it [a, b) (local indices).
+    const int64_t ga = N * mb / mini_batches, gb = N * (mb + 1) / mini_batches;
+    if (ga == gb) continue;
+    const size_t a = static_cast<size_t>(std::clamp(ga - shard.first, int64_t{0}, n));
+    const size_t b = static_cast<size_t>(std::clamp(gb - shard.first, int64_t{0}, n));
     const std::vector<TrainSequence> part(r.seqs.begin() + a, r.seqs.begin() + b);
     std::vector<int64_t> offs;  // this mini-batch's response-token offsets, from 0
     for (size_t i = a; i <= b; ++i) offs.push_back(r.offsets[i] - r.offsets[a]);
     const int64_t t_begin = r.offsets[a];
     GrpoBatch whole;
     whole.seq_offsets = offs;
-    const double norm = grpo_loss_normalizer(whole, options.aggregation);
+    double norm = grpo_loss_normalizer(whole, options.aggregation);
+    if (dp) shard.comm->all_reduce(&norm, 1, ReduceOp::Sum);  // the global token (or sequence) count
     out.lr = lr_at(trainer.optimizer_step());
     const TokenLossFn loss = [&](size_t f, size_t e, const std::vector<float>& lp_new, std::vector<float>& grad) {
       std::vector<int64_t> so;  // the micro-batch's offsets, from 0

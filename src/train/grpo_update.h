@@ -30,12 +30,23 @@ struct GrpoUpdateResult {
   GrpoStats stats;
 };
 
+// Data parallelism: this rank holds sequences [first, first + seqs) of a global batch of
+// `global_seqs` (whole prompt groups per rank, rank order). Mini-batches are cut from the
+// global batch — the same sequences as on one rank — so a rank's share of one may be empty;
+// normalizers are summed over the ranks and the trainer (Trainer::set_communicator) sums the
+// gradients. The default: one rank.
+struct GrpoShard {
+  Communicator* comm = nullptr;  // nullptr: one rank
+  int64_t first = 0;
+  int64_t global_seqs = -1;  // -1: the rollout's own sequence count
+};
+
 // `mini_batches` optimizer steps, each over a contiguous share of the sequences, normalized by
 // its whole mini-batch. lr_at(optimizer step) gives each step's learning rate; on_step(result)
 // sees every optimizer step's outcome and returns whether it was applied (fault accounting:
 // BadStepGuard::record, which may throw to abort).
 GrpoUpdateResult grpo_update(Trainer& trainer, const GrpoRollout& rollout, const GrpoLossOptions& options,
                              int mini_batches, float temperature, const std::function<double(int64_t)>& lr_at,
-                             const std::function<bool(const StepResult&)>& on_step);
+                             const std::function<bool(const StepResult&)>& on_step, const GrpoShard& shard = {});
 
 }  // namespace fp8rl

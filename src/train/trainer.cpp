@@ -1,10 +1,13 @@
 #include "train/trainer.h"
 
+#include <algorithm>
 #include <cmath>
+#include <numeric>
 #include <cstdio>
 #include <cstring>
 
 #include "core/error.h"
+#include "dist/comm.h"
 
 namespace fp8rl {
 
@@ -216,6 +219,12 @@ void Trainer::forward_backward(const std::vector<TrainSequence>& seqs, float tem
     bo.router_grad = opt_.train_router;
     model_backward(be_, weights, prec_, acts, dlogp, grads_, bo);
   }
+
+  std::vector<Tensor*> g = params_of(grads_);
+  if (comm_ && comm_->world_size() > 1) {  // data parallel: the global loss and gradient
+    comm_->all_reduce(&r.loss, 1, ReduceOp::Sum);
+    dist_all_reduce_sum(*comm_, be_, g);
+  }
   double sq = 0;
   for (Tensor* t : params_of(grads_)) sq += be_.sum_squares(*t);  // synchronizes: device errors surface here
   r.grad_norm = std::sqrt(sq);
@@ -250,13 +259,15 @@ StepResult Trainer::step(const std::vector<TrainSequence>& seqs, float temperatu
     for (Tensor* t : g) be_.scale(*t, s);
   }
   ++adam_step_;
-  std::vector<Tensor*> w = params_of(master_), m = params_of(m_), v = params_of(v_);
+  std::vector<Tensor*> w = params_of(master_);
+  std::vector<Tensor*> m = owner_.empty() ? params_of(m_) : m_ptr_, v = owner_.empty() ? params_of(v_) : v_ptr_;
   std::vector<bool> frozen;  // a frozen MoE router gets no update (weight decay included)
   model_for_each_parameter(master_, [&](const std::string& n, Tensor&) {
     frozen.push_back(!opt_.train_router && n.size() > 16 && n.compare(n.size() - 16, 16, ".mlp.gate.weight") == 0);
   });
   for (size_t i = 0; i < w.size(); ++i) {
     if (frozen[i]) continue;
+    if (!owner_.empty() && owner_[i] != comm_->rank()) continue;  // ZeRO-1: another rank's
     AdamWParams ap;
     ap.lr = lr;
     ap.beta1 = opt_.beta1;
@@ -266,12 +277,91 @@ StepResult Trainer::step(const std::vector<TrainSequence>& seqs, float temperatu
     ap.step = adam_step_;
     be_.adamw(*w[i], *g[i], *m[i], *v[i], ap);
   }
+  if (!owner_.empty()) broadcast_from_owners(w, nullptr);  // every rank gets every new weight
   wq_stale_ = true;  // requantized at the next score() / step()
   r.applied = true;
   return r;
 }
 
+void Trainer::set_communicator(Communicator* comm, bool shard_optimizer) {
+  comm_ = comm;
+  owner_.clear();
+  gathered_.clear();
+  if (!comm || comm->world_size() == 1 || !shard_optimizer) return;
+  FP8RL_CHECK(!opt_.frozen, "a frozen policy has no optimizer state to shard");
+  const std::vector<Tensor*> w = params_of(master_);
+  std::vector<size_t> order(w.size());
+  std::iota(order.begin(), order.end(), size_t{0});
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return w[a]->numel() > w[b]->numel(); });
+  std::vector<int64_t> load(comm->world_size(), 0);
+  owner_.assign(w.size(), 0);
+  for (size_t i : order) {
+    const int r = static_cast<int>(std::min_element(load.begin(), load.end()) - load.begin());
+    owner_[i] = r;
+    load[r] += w[i]->numel();
+  }
+  // Kept by index: model_for_each_parameter skips the undefined tensors freed here.
+  m_ptr_ = params_of(m_);
+  v_ptr_ = params_of(v_);
+  FP8RL_CHECK(m_ptr_.size() == w.size() && v_ptr_.size() == w.size(), "ZeRO-1: moments do not match the parameters");
+  for (size_t i = 0; i < w.size(); ++i)
+    if (owner_[i] != comm->rank()) *m_ptr_[i] = *v_ptr_[i] = Tensor();  // freed: only the owner keeps them
+}
+
+void Trainer::broadcast_from_owners(const std::vector<Tensor*>& of, std::vector<Tensor>* keep_host) {
+  if (keep_host) keep_host->assign(of.size(), Tensor());
+  const bool want_host = keep_host != nullptr;
+  const std::vector<Tensor*> shapes = params_of(master_);  // `of` may lack non-owned tensors
+  for (int r = 0; r < comm_->world_size(); ++r) {
+    std::vector<size_t> mine;
+    size_t n = 0;
+    for (size_t i = 0; i < of.size(); ++i)
+      if (owner_[i] == r) {
+        mine.push_back(i);
+        n += static_cast<size_t>(shapes[i]->numel());
+      }
+    if (mine.empty()) continue;
+    std::vector<float> flat;
+    flat.reserve(n);
+    if (comm_->rank() == r)
+      for (size_t i : mine) {
+        const std::vector<float> h = to_float_vector(be_.to_host(*of[i]));
+        flat.insert(flat.end(), h.begin(), h.end());
+      }
+    flat.resize(n);
+    comm_->broadcast(flat.data(), n * sizeof(float), r);
+    size_t at = 0;
+    for (size_t i : mine) {
+      const size_t k = static_cast<size_t>(shapes[i]->numel());
+      const std::vector<float> part(flat.begin() + at, flat.begin() + at + k);
+      Tensor h = from_float_vector(part, shapes[i]->shape());
+      if (want_host) (*keep_host)[i] = h;
+      else if (comm_->rank() != r) be_.copy(h, *of[i]);
+      at += k;
+    }
+  }
+}
+
+void Trainer::gather_optimizer_state() {
+  if (owner_.empty()) return;
+  std::vector<std::string> names;
+  model_for_each_parameter(master_, [&](const std::string& n, const Tensor&) { names.push_back(n); });
+  std::vector<Tensor> hm, hv;
+  broadcast_from_owners(m_ptr_, &hm);
+  broadcast_from_owners(v_ptr_, &hv);
+  gathered_.clear();
+  if (comm_->rank() != 0) return;
+  for (size_t i = 0; i < names.size(); ++i) gathered_.push_back({names[i] + ".exp_avg", hm[i]});
+  for (size_t i = 0; i < names.size(); ++i) gathered_.push_back({names[i] + ".exp_avg_sq", hv[i]});
+  gathered_step_ = adam_step_;
+}
+
 std::vector<std::pair<std::string, Tensor>> Trainer::optimizer_state() const {
+  if (!owner_.empty()) {
+    FP8RL_CHECK(comm_->rank() == 0 && gathered_step_ == adam_step_ && !gathered_.empty(), "the optimizer state is "
+                "sharded (ZeRO-1): call gather_optimizer_state() on every rank, then read it on rank 0");
+    return gathered_;
+  }
   std::vector<std::pair<std::string, Tensor>> out;
   model_for_each_parameter(m_, [&](const std::string& n, const Tensor& t) { out.push_back({n + ".exp_avg", be_.to_host(t)}); });
   model_for_each_parameter(v_, [&](const std::string& n, const Tensor& t) { out.push_back({n + ".exp_avg_sq", be_.to_host(t)}); });
@@ -281,6 +371,7 @@ std::vector<std::pair<std::string, Tensor>> Trainer::optimizer_state() const {
 void Trainer::load_optimizer_state(const std::function<Tensor(const std::string&)>& get, int64_t adam_step) {
   auto load = [&](ModelWeights& dst, const char* suffix) {
     model_for_each_parameter(dst, [&](const std::string& n, Tensor& t) {
+      if (!t.defined()) return;  // ZeRO-1: another rank's
       Tensor h = get(n + suffix);
       FP8RL_CHECK(h.shape() == t.shape() && h.dtype() == DType::F32, "optimizer state ", n, suffix, " is ", h.str(),
                   ", expected F32", shape_str(t.shape()), "; the checkpoint does not match this model");

@@ -25,6 +25,8 @@
 
 namespace fp8rl {
 
+class Communicator;
+
 // A sequence to train on: prompt + response ids. Its response tokens ids[prompt_len..] are the
 // ones scored and trained; their per-token arrays are packed in sequence order.
 struct TrainSequence {
@@ -93,6 +95,20 @@ class Trainer {
   ScoreResult score(const std::vector<TrainSequence>& seqs, float temperature, bool entropy, bool record_amax);
   StepResult step(const std::vector<TrainSequence>& seqs, float temperature, const TokenLossFn& loss_fn, float lr);
 
+  // Data parallelism: step() sums the loss and the gradients over the communicator's ranks
+  // before the norm, the clipping and AdamW, so every rank takes the same step. `seqs` is then
+  // this rank's share (possibly empty) and loss_fn must normalize by the global count.
+  // nullptr (the default): one rank.
+  // shard_optimizer (ZeRO-1): each parameter's AdamW moments live on one owner rank (whole
+  // tensors, largest first to the least-loaded rank); the owner updates it and broadcasts the
+  // new weights. Bitwise the same step as unsharded; the moments take 8 B/param / W per rank.
+  // Call before load_optimizer_state (a checkpoint's full state loads on any rank count).
+  void set_communicator(Communicator* comm, bool shard_optimizer = false);
+  bool optimizer_sharded() const { return !owner_.empty(); }
+  // Sharded: a collective that brings every moment to rank 0 for optimizer_state() (call it on
+  // every rank before rank 0 saves a checkpoint). Unsharded: nothing to do.
+  void gather_optimizer_state();
+
   // Mutable access marks the FP8 weight cache stale: write the weights before the next score()
   // or step() (a reference kept past that and written later is not seen by the cache).
   ModelWeights& master() {
@@ -134,6 +150,13 @@ class Trainer {
   EnginePrecision prec_;
   TrainerOptions opt_;
   int64_t adam_step_ = 0;
+  Communicator* comm_ = nullptr;
+  std::vector<int> owner_;  // [parameters] ZeRO-1 owner rank of each; empty: unsharded
+  std::vector<Tensor*> m_ptr_, v_ptr_;  // [parameters] into m_, v_ (undefined where not owned)
+  std::vector<std::pair<std::string, Tensor>> gathered_;  // rank 0, sharded: the last gather
+  int64_t gathered_step_ = -1;
+  // Each owner's parameters `of` (params_of order), packed, broadcast from the owner.
+  void broadcast_from_owners(const std::vector<Tensor*>& of, std::vector<Tensor>* keep_host);
 };
 
 }  // namespace fp8rl
