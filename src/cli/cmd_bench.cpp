@@ -37,7 +37,7 @@ int run_bench_dispatch(const std::vector<std::string>& argv) {
   return fn(std::vector<std::string>(argv.begin() + 1, argv.end()));
 }
 
-const Register kRegister{"bench", "benchmarks: bench generate | gemm | train-step | tokenize", run_bench_dispatch};
+const Register kRegister{"bench", "benchmarks: bench rl-step | generate | gemm | train-step | tokenize", run_bench_dispatch};
 
 }  // namespace
 }  // namespace fp8rl::cli
