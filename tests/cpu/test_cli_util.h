@@ -28,4 +28,34 @@ inline int run_binary_in(const std::string& log_dir, const std::vector<std::stri
   return WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
 }
 
+// A per-process scratch directory (removed at exit); FP8RL_CACHE_DIR points into it, for the
+// test process and for the fp8rl processes it starts. One for the whole test binary.
+class Scratch {
+ public:
+  static const std::string& root() {
+    static Scratch s;
+    return s.root_;
+  }
+
+ private:
+  Scratch() {
+    root_ = (std::filesystem::temp_directory_path() / ("fp8rl_tests_" + std::to_string(::getpid()))).string();
+    std::filesystem::remove_all(root_);
+    std::filesystem::create_directories(root_ + "/cache");
+    ::setenv("FP8RL_CACHE_DIR", (root_ + "/cache").c_str(), 1);
+  }
+  ~Scratch() {
+    std::error_code ec;
+    std::filesystem::remove_all(root_, ec);
+  }
+  std::string root_;
+};
+
+// Scratch::root()/name, emptied.
+inline std::string fresh_dir(const std::string& name) {
+  const std::string d = Scratch::root() + "/" + name;
+  std::filesystem::remove_all(d);
+  return d;
+}
+
 }  // namespace fp8rl::test

@@ -17,32 +17,14 @@
 #include "tasks/answer.h"
 #include "tasks/python_bridge.h"
 #include "tasks/task.h"
+#include "test_cli_util.h"
 
 namespace fp8rl {
 namespace {
 
 namespace fs = std::filesystem;
 
-class Scratch {
- public:
-  static const std::string& root() {
-    static Scratch s;
-    return s.root_;
-  }
-
- private:
-  Scratch() {
-    root_ = (fs::temp_directory_path() / ("fp8rl_test_pyreward_" + std::to_string(::getpid()))).string();
-    fs::remove_all(root_);
-    fs::create_directories(root_ + "/cache");
-    ::setenv("FP8RL_CACHE_DIR", (root_ + "/cache").c_str(), 1);
-  }
-  ~Scratch() {
-    std::error_code ec;
-    fs::remove_all(root_, ec);
-  }
-  std::string root_;
-};
+using test::Scratch;
 
 std::string write(const std::string& name, const std::string& text) {
   const std::string p = Scratch::root() + "/" + name;

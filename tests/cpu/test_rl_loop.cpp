@@ -30,33 +30,9 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// A per-process scratch directory (removed at exit); FP8RL_CACHE_DIR points into it.
-class Scratch {
- public:
-  static const std::string& root() {
-    static Scratch s;
-    return s.root_;
-  }
+using test::Scratch;
 
- private:
-  Scratch() {
-    root_ = (fs::temp_directory_path() / ("fp8rl_test_rl_loop_" + std::to_string(::getpid()))).string();
-    fs::remove_all(root_);
-    fs::create_directories(root_ + "/cache");
-    ::setenv("FP8RL_CACHE_DIR", (root_ + "/cache").c_str(), 1);
-  }
-  ~Scratch() {
-    std::error_code ec;
-    fs::remove_all(root_, ec);
-  }
-  std::string root_;
-};
-
-std::string fresh_dir(const std::string& name) {
-  const std::string d = Scratch::root() + "/" + name;
-  fs::remove_all(d);
-  return d;
-}
+using test::fresh_dir;
 
 // The tiny run: seconds on one CPU core.
 std::vector<std::string> tiny_overrides(const std::string& recipe, int steps) {

@@ -31,40 +31,16 @@
 #include "rl/metrics_log.h"
 #include "rl/run_dir.h"
 #include "test_model_util.h"
+#include "test_cli_util.h"
 
 namespace fp8rl {
 namespace {
 
 namespace fs = std::filesystem;
 
-// A per-process scratch directory (removed at exit); FP8RL_CACHE_DIR points into it, for the
-// test process and for the fp8rl processes it starts.
-class Scratch {
- public:
-  static const std::string& root() {
-    static Scratch s;
-    return s.root_;
-  }
+using test::Scratch;
 
- private:
-  Scratch() {
-    root_ = (fs::temp_directory_path() / ("fp8rl_test_workflow_" + std::to_string(::getpid()))).string();
-    fs::remove_all(root_);
-    fs::create_directories(root_ + "/cache");
-    ::setenv("FP8RL_CACHE_DIR", (root_ + "/cache").c_str(), 1);
-  }
-  ~Scratch() {
-    std::error_code ec;
-    fs::remove_all(root_, ec);
-  }
-  std::string root_;
-};
-
-std::string fresh_dir(const std::string& name) {
-  const std::string d = Scratch::root() + "/" + name;
-  fs::remove_all(d);
-  return d;
-}
+using test::fresh_dir;
 
 std::string quote(const std::string& s) { return "'" + s + "'"; }
 
