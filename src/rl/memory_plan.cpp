@@ -118,6 +118,11 @@ MemoryPlan memory_plan_compute(const MemoryPlanInput& in) {
   p.resident.push_back({"master weights (F32)", 4 * N, "4 B x parameters"});
   p.resident.push_back({"gradients (F32)", 4 * N, "4 B x parameters"});
   p.resident.push_back({"Adam moments m, v (F32)", 8 * N, "2 x 4 B x parameters"});
+  // Trainer::compute_weights, rebuilt in place every optimizer step (an FP32 trainer, the exact
+  // recipe, keeps only BF16 embedding/lm_head copies: not counted).
+  if (in.act_dtype == DType::BF16 && in.trainer.linear != LinearMode::FP32)
+    p.resident.push_back({"trainer compute copies", memory_plan_generator_bytes(c, in.trainer, in.act_dtype),
+                          "FP8 linears' 128x128 cache + scales, BF16 copies of the other linears, embedding, lm_head"});
   if (in.reference_policy)
     p.resident.push_back({"reference policy (kl_beta > 0)", memory_plan_generator_bytes(c, in.trainer, in.act_dtype),
                           "frozen: weights only, in the trainer's compute dtypes (FP8 linears + scales, or the "

@@ -53,7 +53,10 @@ TEST(MemoryPlan, SmallShapeByHand) {
   EXPECT_EQ(find(p.resident, "generator weights"), 202552);
   // KV: K and V x 2 layers x 160 slots x 2 heads x 16 x 1 B = 20480, + scales 2 x 2 x 2 x 4 B = 32.
   EXPECT_EQ(find(p.resident, "KV pool"), 20512);
-  EXPECT_EQ(p.resident.size(), 5u);  // no reference policy
+  // The trainer's per-step compute copies (BF16 trainer, BF16 activations): BF16 copies of every
+  // linear and of the tied embedding, as the generator's BF16 weights count them.
+  EXPECT_EQ(find(p.resident, "trainer compute copies"), memory_plan_generator_bytes(in.model, in.trainer, DType::BF16));
+  EXPECT_EQ(p.resident.size(), 6u);  // no reference policy
   // Saved activations per token and block: 5 x 64 + 3 x 128 + 2 x 64 + 2 x 32 + (64 + 32 raw q, k)
   // = 992 BF16 values = 1984 B, + F32 stats (2 rstd + 4 lse + 4 q_rstd + 2 k_rstd) = 48 B -> 2032 B.
   EXPECT_EQ(memory_plan_block_bytes_per_token(in.model, DType::BF16), 2032);
