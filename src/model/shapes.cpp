@@ -74,7 +74,7 @@ ModelConfig model_shape(const std::string& name) {
   } else {
     std::string known;
     for (const std::string& n : model_shape_names()) known += (known.empty() ? "" : ", ") + n;
-    FP8RL_FAIL("unknown model shape '", name, "' (known: ", known, "; or give a model directory)");
+    FP8RL_FAIL("unknown model shape '", name, "' (known: ", known, ")");
   }
   c.validate();
   return c;
