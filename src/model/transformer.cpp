@@ -175,70 +175,88 @@ struct QkvAmax {
   std::vector<float> q, k, v;
 };
 
-// THE layer loop, shared by both forwards. x [T, D] is the residual stream after the
-// embedding; on return `out` [T, D] holds the residual stream after the last block.
-// saved != null: every block keeps its own buffers in (*saved)[l] (scoring forward);
-// otherwise one set of buffers is reused and x is updated in place.
-void forward_layers(Backend& be, const ModelWeights& w, const EnginePrecision& prec, const Tensor& x_in,
-                    const Tensor& positions, const AttentionStep& attention,
-                    std::vector<LayerActivations>* saved, QkvAmax* amax, Tensor& out) {
+// One transformer block: fills `a` (its activations, buffers allocated here) from the block
+// input x [T, D] and writes the block output into x_next [T, D] (may be x itself).
+void forward_block(Backend& be, const ModelWeights& w, const EnginePrecision& prec, int l, const Tensor& x,
+                   const Tensor& positions, const AttentionStep& attention, QkvAmax* amax, LayerActivations& a,
+                   Tensor& x_next) {
   const ModelConfig& c = w.config;
   const int L = c.num_layers;
-  const int64_t T = x_in.dim(0), D = c.hidden_size, hd = c.head_dim;
+  const int64_t T = x.dim(0), hd = c.head_dim;
   const int64_t Hq = c.num_heads, Hkv = c.num_kv_heads;
   const RopeParams rope = c.rope_params();
-  const DType act = x_in.dtype();
+  const LayerWeights& lw = w.layers[l];
+  const LinearSpec spec = block_spec(prec, l, L);
+  alloc_layer(be, c, x.dtype(), T, c.layer_is_moe(l), a);
+  a.x = x;
 
+  // ---- attention ----
+  be.rmsnorm(x, lw.attn_norm, c.rms_norm_eps, a.xn_attn, &a.attn_rstd);
+  Tensor q2 = a.q.reshape({T, Hq * hd}), k2 = a.k.reshape({T, Hkv * hd}), v2 = a.v.reshape({T, Hkv * hd});
+  if (c.qk_norm) {
+    be.linear_shared_input(a.xn_attn, {&lw.q, &lw.k, &lw.v}, spec, {&a.q_raw, &a.k_raw, &v2});
+    Tensor qh = a.q.reshape({T * Hq, hd}), kh = a.k.reshape({T * Hkv, hd});
+    be.rmsnorm(a.q_raw.reshape({T * Hq, hd}), lw.q_norm, c.rms_norm_eps, qh, &a.q_rstd);
+    be.rmsnorm(a.k_raw.reshape({T * Hkv, hd}), lw.k_norm, c.rms_norm_eps, kh, &a.k_rstd);
+  } else {
+    be.linear_shared_input(a.xn_attn, {&lw.q, &lw.k, &lw.v}, spec, {&q2, &k2, &v2});
+  }
+  be.rope(a.q, positions, rope, /*inverse=*/false);
+  be.rope(a.k, positions, rope, /*inverse=*/false);
+  if (amax) {
+    amax->q.push_back(be.amax(a.q));
+    amax->k.push_back(be.amax(a.k));
+    amax->v.push_back(be.amax(a.v));
+  }
+  attention(l, a);
+  be.linear(a.attn.reshape({T, Hq * hd}), lw.o, spec, a.proj);
+  be.add(x, a.proj, a.x_mid);
+
+  // ---- MLP ----
+  be.rmsnorm(a.x_mid, lw.mlp_norm, c.rms_norm_eps, a.xn_mlp, &a.mlp_rstd);
+  if (c.layer_is_moe(l)) {
+    FP8RL_CHECK(lw.is_moe() && lw.router.w.defined(), "layer ", l, " is a mixture-of-experts layer but its "
+                "weights have no router/experts");
+    moe_forward(be, c, lw, spec, a);
+  } else {
+    be.linear_shared_input(a.xn_mlp, {&lw.gate, &lw.up}, spec, {&a.gate, &a.up});
+    be.swiglu(a.gate, a.up, a.act);
+    be.linear(a.act, lw.down, spec, a.proj);
+  }
+  be.add(a.x_mid, a.proj, x_next);
+}
+
+// THE layer loop, shared by both forwards. x [T, D] is the residual stream after the
+// embedding; on return `out` [T, D] holds the residual stream after the last block.
+// saved != null: every block keeps its own buffers in (*saved)[l] (scoring forward), or with
+// `inputs_only` just its input x (block recomputation); otherwise one set of buffers is reused
+// and x is updated in place.
+void forward_layers(Backend& be, const ModelWeights& w, const EnginePrecision& prec, const Tensor& x_in,
+                    const Tensor& positions, const AttentionStep& attention,
+                    std::vector<LayerActivations>* saved, bool inputs_only, QkvAmax* amax, Tensor& out) {
+  const int L = w.config.num_layers;
   LayerActivations scratch;
   if (saved) saved->assign(L, LayerActivations{});
-
   Tensor x = x_in;  // [T, D] residual stream
   for (int l = 0; l < L; ++l) {
-    const LayerWeights& lw = w.layers[l];
-    const LinearSpec spec = block_spec(prec, l, L);
-    LayerActivations& a = saved ? (*saved)[l] : scratch;
-    alloc_layer(be, c, act, T, c.layer_is_moe(l), a);
-    a.x = x;
-
-    // ---- attention ----
-    be.rmsnorm(x, lw.attn_norm, c.rms_norm_eps, a.xn_attn, &a.attn_rstd);
-    Tensor q2 = a.q.reshape({T, Hq * hd}), k2 = a.k.reshape({T, Hkv * hd}), v2 = a.v.reshape({T, Hkv * hd});
-    if (c.qk_norm) {
-      be.linear_shared_input(a.xn_attn, {&lw.q, &lw.k, &lw.v}, spec, {&a.q_raw, &a.k_raw, &v2});
-      Tensor qh = a.q.reshape({T * Hq, hd}), kh = a.k.reshape({T * Hkv, hd});
-      be.rmsnorm(a.q_raw.reshape({T * Hq, hd}), lw.q_norm, c.rms_norm_eps, qh, &a.q_rstd);
-      be.rmsnorm(a.k_raw.reshape({T * Hkv, hd}), lw.k_norm, c.rms_norm_eps, kh, &a.k_rstd);
-    } else {
-      be.linear_shared_input(a.xn_attn, {&lw.q, &lw.k, &lw.v}, spec, {&q2, &k2, &v2});
-    }
-    be.rope(a.q, positions, rope, /*inverse=*/false);
-    be.rope(a.k, positions, rope, /*inverse=*/false);
-    if (amax) {
-      amax->q.push_back(be.amax(a.q));
-      amax->k.push_back(be.amax(a.k));
-      amax->v.push_back(be.amax(a.v));
-    }
-    attention(l, a);
-    be.linear(a.attn.reshape({T, Hq * hd}), lw.o, spec, a.proj);
-    be.add(x, a.proj, a.x_mid);
-
-    // ---- MLP ----
-    be.rmsnorm(a.x_mid, lw.mlp_norm, c.rms_norm_eps, a.xn_mlp, &a.mlp_rstd);
-    if (c.layer_is_moe(l)) {
-      FP8RL_CHECK(lw.is_moe() && lw.router.w.defined(), "layer ", l, " is a mixture-of-experts layer but its "
-                  "weights have no router/experts");
-      moe_forward(be, c, lw, spec, a);
-    } else {
-      be.linear_shared_input(a.xn_mlp, {&lw.gate, &lw.up}, spec, {&a.gate, &a.up});
-      be.swiglu(a.gate, a.up, a.act);
-      be.linear(a.act, lw.down, spec, a.proj);
-    }
+    LayerActivations& a = saved && !inputs_only ? (*saved)[l] : scratch;
     // Saving: the next block's input is a new tensor (this block's x stays intact).
-    Tensor x_next = saved ? be.alloc({T, D}, act) : x;
-    be.add(a.x_mid, a.proj, x_next);
+    Tensor x_next = saved ? be.alloc(x.shape(), x.dtype()) : x;
+    forward_block(be, w, prec, l, x, positions, attention, amax, a, x_next);
+    if (saved && inputs_only) (*saved)[l].x = x;
     x = x_next;
   }
   out = x;
+}
+
+// The training forward's attention step (causal over the batch's packed sequences; lse saved).
+AttentionStep training_attention(Backend& be, const ModelConfig& c, const ForwardBatch& batch, DType st) {
+  const float softmax_scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+  const int64_t T = batch.num_tokens();
+  return [&be, &c, &batch, st, softmax_scale, T](int, LayerActivations& a) {
+    if (!a.lse.defined()) a.lse = be.alloc({c.num_heads, T}, st);
+    be.attention(a.q, a.k, a.v, batch.cu_seqlens, softmax_scale, a.attn, a.lse);
+  };
 }
 
 }  // namespace
@@ -302,13 +320,10 @@ LogprobResult model_forward_logprobs(Backend& be, const ModelWeights& w, const E
   Tensor x = be.alloc({T, D}, act);  // [T, D]
   be.embedding(A.ids, w.embed, x);
 
-  const float softmax_scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
-  AttentionStep attention = [&](int, LayerActivations& a) {
-    if (!a.lse.defined()) a.lse = be.alloc({c.num_heads, T}, st);
-    be.attention(a.q, a.k, a.v, batch.cu_seqlens, softmax_scale, a.attn, a.lse);
-  };
+  const AttentionStep attention = training_attention(be, c, A.batch, st);
   QkvAmax amax;
-  forward_layers(be, w, prec, x, A.positions, attention, acts ? &A.layers : nullptr,
+  A.recompute = acts && opt.recompute;
+  forward_layers(be, w, prec, x, A.positions, attention, acts ? &A.layers : nullptr, A.recompute,
                  opt.record_qkv_amax ? &amax : nullptr, A.x_final);
 
   A.final_rstd = be.alloc({T}, st);
@@ -357,7 +372,7 @@ void model_forward_paged(Backend& be, const ModelWeights& w, const EnginePrecisi
     be.attention_paged(cache, layer, a.q, batch, softmax_scale, prec.fp8_attention, a.attn);
   };
   Tensor x_final;
-  forward_layers(be, w, prec, x, batch.token_pos, attention, nullptr, nullptr, x_final);
+  forward_layers(be, w, prec, x, batch.token_pos, attention, nullptr, false, nullptr, x_final);
 
   // Select the requested rows (embedding is a row gather: out[r] = table[rows[r]]), then norm.
   Tensor sel = be.alloc({R, D}, act);
@@ -507,10 +522,15 @@ void model_backward(Backend& be, const ModelWeights& w, const EnginePrecision& p
   // The bias gradient of a linear, when it has a bias (q/k/v in qwen2; any with attention_bias).
   auto bias = [](LinearWeight& gw) { return gw.bias.defined() ? &gw.bias : nullptr; };
 
+  const AttentionStep attention = training_attention(be, c, A.batch, stat_dtype_for(act));
+  LayerActivations recomputed;  // block recomputation: one block's activations at a time
+  Tensor recomputed_out = A.recompute ? be.alloc({T, D}, act) : Tensor();
   for (int l = L - 1; l >= 0; --l) {
     const LayerWeights& lw = w.layers[l];
     LayerWeights& lg = g.layers[l];
-    const LayerActivations& a = A.layers[l];
+    if (A.recompute)
+      forward_block(be, w, prec, l, A.layers[l].x, A.positions, attention, nullptr, recomputed, recomputed_out);
+    const LayerActivations& a = A.recompute ? recomputed : A.layers[l];
     const LinearSpec spec = block_spec(prec, l, L);
 
     // ---- MLP: x_out = x_mid + mlp(xn), xn = mlp_norm(x_mid) ----

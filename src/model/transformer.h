@@ -86,6 +86,9 @@ struct Activations {
   float temperature = 1.0f;
   Tensor ids, positions, targets;   // I32 [T] on the device
   std::vector<LayerActivations> layers;
+  // Block recomputation (ForwardOptions::recompute): layers[l] holds only its block input x;
+  // model_backward runs the block's forward again from it before its backward.
+  bool recompute = false;
   Tensor x_final;                   // [T, D] residual stream after the last block
   Tensor final_rstd;                // [T]
   Tensor hidden;                    // [T, D] final_norm(x_final)
@@ -96,6 +99,9 @@ struct ForwardOptions {
   float temperature = 1.0f;   // logits / temperature before the softmax
   bool entropy = false;       // also compute the entropy of each position's distribution
   bool record_qkv_amax = false;  // per-layer amax of q, k (after q/k-norm and RoPE) and v
+  // With saved activations: keep only each block's input and recompute the block in backward
+  // (train.recompute: block). The same ops on the same inputs: gradients equal bit for bit.
+  bool recompute = false;
 };
 
 struct LogprobResult {

@@ -244,6 +244,9 @@ std::vector<Field> config_fields(RunConfig& c) {
   t.add_int64("train.micro_batch_tokens", tr.micro_batch_tokens, "tokens per forward/backward chunk");
   t.add_int("train.optimizer_steps_per_rollout", tr.optimizer_steps_per_rollout,
             "optimizer steps per GRPO step (mini-batches of the rollout batch)");
+  t.add_choice("train.recompute", tr.recompute, {"none", "block"},
+               "activation recomputation: block keeps only each block's input and recomputes the block in "
+               "backward (same gradients, ~1/5 of the saved activations, one more forward)");
   t.add_bool("train.shard_optimizer", tr.shard_optimizer,
              "data parallel: AdamW moments sharded over the ranks (ZeRO-1)");
   t.add_float("train.ratio_clip_low", tr.ratio_clip_low, "ratio clipped below at 1 - low");

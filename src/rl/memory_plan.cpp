@@ -141,8 +141,15 @@ MemoryPlan memory_plan_compute(const MemoryPlanInput& in) {
 
   const int64_t act = T * (L * memory_plan_block_bytes_per_token(c, in.act_dtype) +
                            memory_plan_head_bytes_per_token(c, in.act_dtype));
-  p.transient.push_back({"saved activations, one micro-batch", act,
-                         std::to_string(T) + " tokens x every block's LayerActivations (no recomputation)"});
+  p.activations_recompute_bytes = T * (L * int64_t(c.hidden_size) * a + memory_plan_block_bytes_per_token(c, in.act_dtype) +
+                                       memory_plan_head_bytes_per_token(c, in.act_dtype));
+  if (in.recompute)
+    p.transient.push_back({"saved activations, one micro-batch", p.activations_recompute_bytes,
+                           std::to_string(T) + " tokens x (every block's input + one recomputed block) "
+                           "(train.recompute: block)"});
+  else
+    p.transient.push_back({"saved activations, one micro-batch", act,
+                           std::to_string(T) + " tokens x every block's LayerActivations (no recomputation)"});
   const int64_t hq = int64_t(c.num_heads) * c.head_dim, hkv = int64_t(c.num_kv_heads) * c.head_dim;
   p.transient.push_back({"backward scratch of one block (estimate)",
                          T * (2 * int64_t(c.hidden_size) + 3 * int64_t(c.intermediate_size) + 2 * hq + 2 * hkv) * 4,
@@ -151,8 +158,6 @@ MemoryPlan memory_plan_compute(const MemoryPlanInput& in) {
                          "tokens x vocabulary chunk"});
   p.transient.push_back({"decode logits (F32)", in.generation_batch * V * 4,
                          std::to_string(in.generation_batch) + " sequences x vocabulary"});
-  p.activations_recompute_bytes = T * (L * int64_t(c.hidden_size) * a + memory_plan_block_bytes_per_token(c, in.act_dtype) +
-                                       memory_plan_head_bytes_per_token(c, in.act_dtype));
   return p;
 }
 
@@ -189,6 +194,7 @@ MemoryPlanInput memory_plan_input(const RunConfig& c, const ModelConfig& model, 
   in.reference_policy = !sft && c.train.kl_beta > 0;
   in.kv_pages = sft ? memory_plan_sft_kv_pages(c) : memory_plan_kv_pages(c);
   in.micro_batch_tokens = c.train.micro_batch_tokens;
+  in.recompute = c.train.recompute == "block";
   in.generation_batch = kRolloutMaxBatch;
   return in;
 }
@@ -216,9 +222,11 @@ std::string memory_plan_format(const MemoryPlan& p, const ModelConfig& c, int64_
   for (const auto& l : p.transient) add(l);
   std::snprintf(buf, sizeof buf, "  %-44s %12s\n", "= peak (resident + transient)", gib(p.peak_bytes()).c_str());
   s += buf;
-  std::snprintf(buf, sizeof buf, "  %-44s %12s  %s\n", "saved activations with block recomputation",
-                gib(p.activations_recompute_bytes).c_str(), "(not built: block inputs + one block)");
-  s += buf;
+  if (p.transient.empty() || p.transient.front().bytes != p.activations_recompute_bytes) {
+    std::snprintf(buf, sizeof buf, "  %-44s %12s  %s\n", "saved activations with block recomputation",
+                  gib(p.activations_recompute_bytes).c_str(), "(train.recompute: block)");
+    s += buf;
+  }
   s += " not counted: the CUDA context, cuBLASLt workspaces, CUDA-graph memory pools, allocator slack\n"
        " (fragmentation), the host side; the generator's prefill activations (one layer's buffers of at\n"
        " most max_batch_tokens tokens, reused) and the trainer's scoring forward (no saved activations)\n"
@@ -334,22 +342,23 @@ std::string memory_plan_check(const RunConfig& c, const ModelConfig& model, DTyp
     t.train.kl_beta = 0;
     if (fits(t)) fixes.push_back("train.kl_beta: 0 (drops the frozen reference policy's weights)");
   }
+  if (c.train.recompute != "block") {
+    RunConfig t = c;
+    t.train.recompute = "block";
+    if (fits(t))
+      fixes.insert(fixes.begin(), "train.recompute: block (keeps only each block's input and recomputes the block "
+                                  "in backward: one more forward per micro-batch)");
+  }
   if (fixes.empty()) {
-    msg += sft ? " No single knob makes it fit (train.micro_batch_tokens, val_size): combine them, or use a smaller "
+    msg += sft ? " No single knob makes it fit (train.recompute, train.micro_batch_tokens, val_size): combine them, or use a smaller "
                  "model or more memory."
-               : " No single knob makes it fit (train.micro_batch_tokens, the rollout sizes, train.kl_beta): combine "
+               : " No single knob makes it fit (train.recompute, train.micro_batch_tokens, the rollout sizes, train.kl_beta): combine "
                  "them, or use a smaller model or more memory.";
   } else {
     msg += " Any one of these makes it fit:";
     for (const std::string& f : fixes) msg += "\n  - " + f;
   }
-  {
-    const MemoryPlan p = memory_plan_compute(memory_plan_input(c, model, act, sft));
-    const int64_t saved = p.transient.empty() ? 0 : p.transient.front().bytes - p.activations_recompute_bytes;
-    std::snprintf(buf, sizeof buf,
-                  "\n  (block recomputation in backward would save %s of activations, but it is not built yet)", gib(saved).c_str());
-    msg += buf;
-  }
+
   if (c.memory.allow_overcommit)
     return "warning: " + msg + "\nmemory.allow_overcommit is set: starting anyway\n";
   FP8RL_FAIL(msg, "\nNothing was run. To start anyway (e.g. the plan over-counts your case), set "

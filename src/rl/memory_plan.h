@@ -27,6 +27,7 @@ struct MemoryPlanInput {
   bool reference_policy = false;         // kl_beta > 0: a frozen copy of the policy (weights only)
   int64_t kv_pages = 0, page_size = 16;  // the generator's KV pool
   int64_t micro_batch_tokens = 4096;     // tokens per forward/backward chunk
+  bool recompute = false;                // train.recompute: block (saved activations: block inputs)
   int64_t generation_batch = 256;        // sequences decoded together (logits rows per decode step)
   int64_t logits_chunk_bytes = 256ll << 20;  // the lm_head logits are computed in vocabulary chunks
                                              // of at most this many bytes (CUDA backend)
@@ -42,8 +43,8 @@ struct MemoryPlan {
   int64_t parameters = 0;
   std::vector<MemoryPlanLine> resident;    // held for the whole run
   std::vector<MemoryPlanLine> transient;   // per training micro-batch / decode step, as built
-  int64_t activations_recompute_bytes = 0;  // saved activations if blocks were recomputed in
-                                            // backward (only block inputs + one block): not built
+  int64_t activations_recompute_bytes = 0;  // saved activations with blocks recomputed in
+                                            // backward (block inputs + one block + the head)
   int64_t resident_bytes() const;
   int64_t peak_bytes() const;               // resident + transient
 };

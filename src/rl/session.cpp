@@ -312,6 +312,7 @@ TrainerOptions trainer_options(const RunConfig& c) {
   o.beta2 = static_cast<float>(c.train.adam_beta2);
   o.eps = static_cast<float>(c.train.adam_eps);
   o.micro_batch_tokens = c.train.micro_batch_tokens;
+  o.recompute = c.train.recompute == "block";
   return o;
 }
 

@@ -207,6 +207,7 @@ void Trainer::forward_backward(const std::vector<TrainSequence>& seqs, float tem
     Activations acts;
     ForwardOptions fo;
     fo.temperature = temperature;
+    fo.recompute = opt_.recompute;
     LogprobResult out = model_forward_logprobs(be_, weights, prec_, p.batch, fo, &acts);
     std::vector<float> logp_new = gather(be_, out.logp, p.logp_index);
     std::vector<float> grad(logp_new.size(), 0.0f);

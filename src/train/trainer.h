@@ -40,6 +40,7 @@ struct TrainerOptions {
   float weight_decay = 0.0f;          // decoupled; applied to 2-D weights only (not norms, biases)
   float beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f;
   int64_t micro_batch_tokens = 4096;  // a micro-batch holds whole sequences up to this many tokens
+  bool recompute = false;             // block recomputation in backward (ForwardOptions::recompute)
   bool cache_fp8_weights = true;      // the FP8 weight cache (above); false: the ops quantize w per call
   // A frozen policy (the KL reference): it only scores. It keeps just its compute weights — the
   // FP8 linears' wq, BF16 copies with BF16 activations, F32 norms — and no master, gradients or

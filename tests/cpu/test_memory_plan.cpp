@@ -70,6 +70,14 @@ TEST(MemoryPlan, SmallShapeByHand) {
   EXPECT_EQ(p.activations_recompute_bytes, 100 * (256 + 2032 + 276));
   EXPECT_EQ(p.peak_bytes(), p.resident_bytes() + 434000 + find(p.transient, "backward") + 400000 + 32000);
 
+  // train.recompute: block saves the block inputs + one block + the head instead.
+  {
+    MemoryPlanInput r = in;
+    r.recompute = true;
+    const MemoryPlan pr = memory_plan_compute(r);
+    EXPECT_EQ(find(pr.transient, "saved activations"), p.activations_recompute_bytes);
+    EXPECT_LT(pr.peak_bytes(), p.peak_bytes());
+  }
   // The frozen reference policy holds only its weights in the trainer's compute dtypes.
   in.reference_policy = true;
   in.trainer.linear = LinearMode::BF16;
