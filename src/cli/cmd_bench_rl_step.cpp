@@ -229,10 +229,7 @@ int run_bench(const std::vector<std::string>& argv) {
   s.steps = args.get_int("steps", 2, 1);
   s.warmup = args.get_int("warmup", 1, 0);
   s.seed = static_cast<uint64_t>(args.get_int("seed", 1, 0));
-  const std::string kl = args.get("kl-beta", "0");
-  char* end = nullptr;
-  s.kl_beta = std::strtod(kl.c_str(), &end);
-  FP8RL_CHECK(end && *end == '\0' && s.kl_beta >= 0, "--kl-beta must be a number >= 0, got '", kl, "'");
+  s.kl_beta = args.get_float("kl-beta", 0.0, 0.0, 1e6);
   FP8RL_CHECK(s.prompt_len + s.max_new <= s.model.max_position_embeddings, "--prompt-len + --max-new-tokens (",
               s.prompt_len + s.max_new, ") exceeds the shape's max_position_embeddings (",
               s.model.max_position_embeddings, ")");

@@ -179,7 +179,6 @@ void GemmEngine::gemm_fp8(int64_t M, int64_t N, int64_t K, const uint8_t* a, con
   CUDA_CHECK(cudaMemcpyAsync(ta, a + m16 * K, static_cast<size_t>(tail * K), cudaMemcpyDeviceToDevice, stream_),
              "staging the FP8 GEMM tail");
   float* ts = scratch + na;  // [kb][16]: the tail rows' scales; the layout kernel gives padding rows 1 (zero data)
-  CUDA_CHECK(cudaMemsetAsync(ts, 0, static_cast<size_t>(nt) * sizeof(float), stream_), "zeroing the tail scales");
   launch_scales_vec128(a_scales + m16 * kb, tail, kb, kFp8RowGranule, ts, stream_);
   if (beta != 0.0f)
     CUDA_CHECK(cudaMemcpyAsync(tc, c_tail, static_cast<size_t>(tail * N) * esz, cudaMemcpyDeviceToDevice, stream_),
