@@ -46,6 +46,9 @@ constexpr const char* kUsage =
     "                           [--warmup N] [--seed N] [--json PATH]\n"
     "Times whole GRPO steps (generation, scoring, reference, training, refit + calibration) of a\n"
     "random-weight model with ragged response lengths, for each recipe (default bf16,fp8_gen,fp8_e2e).\n"
+    "A recipe is a preset with optional overrides, PRESET[:key=value[+key=value]]: gen / train (linear\n"
+    "fp32|bf16|fp8), kv (f32|bf16|e4m3), attn (fp8|off), pow2 (on|off), first / last (BF16 blocks);\n"
+    "e.g. --recipes bf16,fp8_e2e:kv=bf16,fp8_e2e isolates the E4M3 KV cache's share of the mismatch.\n"
     "Shapes: qwen3-0.6b, qwen3-1.7b (default), qwen3-8b, llama-3.2-1b, llama-3.1-8b, tiny (CPU smoke).\n";
 
 using Clock = std::chrono::steady_clock;
@@ -95,7 +98,7 @@ std::vector<RolloutRequest> bench_requests(const BenchSetup& s, int step) {
 RecipeResult bench_recipe(Backend& be, const BenchSetup& s, const std::string& recipe_name) {
   RecipeResult res;
   res.recipe = recipe_name;
-  const PrecisionRecipe recipe = PrecisionRecipe::preset(recipe_name);
+  const PrecisionRecipe recipe = PrecisionRecipe::parse(recipe_name);
   const bool fp8_kv = recipe.generator.kv_cache == DType::E4M3;
   be.synchronize();
   be.reset_peak_memory_stats();
@@ -235,7 +238,7 @@ int run_bench(const std::vector<std::string>& argv) {
               s.model.max_position_embeddings, ")");
   const std::vector<std::string> recipes = split_list(args.get("recipes", "bf16,fp8_gen,fp8_e2e"));
   FP8RL_CHECK(!recipes.empty(), "--recipes lists no recipe");
-  for (const std::string& r : recipes) (void)PrecisionRecipe::preset(r);  // unknown names fail before any work
+  for (const std::string& r : recipes) (void)PrecisionRecipe::parse(r);  // unknown names fail before any work
 
   std::unique_ptr<Backend> backend = make_backend(args.get("device", "cpu"));
   Backend& be = *backend;
@@ -262,13 +265,15 @@ int run_bench(const std::vector<std::string>& argv) {
   j["micro_batch_tokens"] = s.micro_batch_tokens;
   j["steps"] = s.steps;
   const RecipeResult& base = results.front();
+  int w = 12;  // column width: the longest recipe spec
+  for (const RecipeResult& r : results) w = std::max(w, static_cast<int>(r.recipe.size()));
   std::printf("\n%-18s", "phase (median s)");
-  for (const RecipeResult& r : results) std::printf(" %12s", r.recipe.c_str());
+  for (const RecipeResult& r : results) std::printf(" %*s", w, r.recipe.c_str());
   for (size_t i = 1; i < results.size(); ++i) std::printf(" %9s", (results[i].recipe + "x").substr(0, 9).c_str());
   std::printf("   (x: speed-up vs %s)\n", base.recipe.c_str());
   auto row = [&](const std::string& name, const std::function<double(const RecipeResult&)>& f) {
     std::printf("%-18s", name.c_str());
-    for (const RecipeResult& r : results) std::printf(" %12.3f", f(r));
+    for (const RecipeResult& r : results) std::printf(" %*.3f", w, f(r));
     for (size_t i = 1; i < results.size(); ++i) std::printf(" %8.2fx", f(base) / std::max(1e-12, f(results[i])));
     std::printf("\n");
   };
@@ -278,17 +283,17 @@ int run_bench(const std::vector<std::string>& argv) {
   });
   std::printf("%-18s", "gen tokens/s");
   for (const RecipeResult& r : results)
-    std::printf(" %12.0f", median(r.gen_tokens) / std::max(1e-12, median(r.seconds.at("generation"))));
+    std::printf(" %*.0f", w, median(r.gen_tokens) / std::max(1e-12, median(r.seconds.at("generation"))));
   std::printf("\n%-18s", "mult_prob_error");
-  for (const RecipeResult& r : results) std::printf(" %12.4f", median(r.mult_prob_error));
+  for (const RecipeResult& r : results) std::printf(" %*.4f", w, median(r.mult_prob_error));
   std::printf("\n%-18s", "gen_kl_error");
-  for (const RecipeResult& r : results) std::printf(" %12.2e", median(r.gen_kl_error));
+  for (const RecipeResult& r : results) std::printf(" %*.2e", w, median(r.gen_kl_error));
   std::printf("\n%-18s", "peak GiB");
-  for (const RecipeResult& r : results) std::printf(" %12.2f", r.mem.peak_used_bytes / double(1ll << 30));
+  for (const RecipeResult& r : results) std::printf(" %*.2f", w, r.mem.peak_used_bytes / double(1ll << 30));
   std::printf("\n%-18s", "fp8 fallbacks");
-  for (const RecipeResult& r : results) std::printf(" %12lld", static_cast<long long>(r.counters.fp8_gemm_fallbacks));
+  for (const RecipeResult& r : results) std::printf(" %*lld", w, static_cast<long long>(r.counters.fp8_gemm_fallbacks));
   std::printf("\n%-18s", "fp8 row tails");
-  for (const RecipeResult& r : results) std::printf(" %12lld", static_cast<long long>(r.counters.fp8_gemm_tails));
+  for (const RecipeResult& r : results) std::printf(" %*lld", w, static_cast<long long>(r.counters.fp8_gemm_tails));
   std::printf("\n");
   for (const RecipeResult& r : results) {
     nlohmann::json jr;

@@ -1,5 +1,7 @@
 #include "core/precision.h"
 
+#include <sstream>
+
 #include "core/error.h"
 
 namespace fp8rl {
@@ -39,6 +41,47 @@ PrecisionRecipe PrecisionRecipe::preset(const std::string& name) {
   } else {
     FP8RL_FAIL("unknown precision recipe '", name, "' (expected fp32, bf16, fp8_gen or fp8_e2e)");
   }
+  return r;
+}
+
+PrecisionRecipe PrecisionRecipe::parse(const std::string& spec) {
+  const size_t colon = spec.find(':');
+  PrecisionRecipe r = preset(spec.substr(0, colon));
+  r.name = spec;
+  if (colon == std::string::npos) return r;
+  std::stringstream ss(spec.substr(colon + 1));
+  std::string item;
+  while (std::getline(ss, item, '+')) {
+    const size_t eq = item.find('=');
+    FP8RL_CHECK(eq != std::string::npos, "recipe '", spec, "': override '", item, "' is not key=value");
+    const std::string k = item.substr(0, eq), v = item.substr(eq + 1);
+    auto on_off = [&]() {
+      FP8RL_CHECK(v == "on" || v == "off", "recipe '", spec, "': ", k, " must be on or off, got '", v, "'");
+      return v == "on";
+    };
+    if (k == "gen") {
+      r.generator.linear = linear_mode_from_name(v);
+    } else if (k == "train") {
+      r.trainer.linear = linear_mode_from_name(v);
+    } else if (k == "kv") {
+      FP8RL_CHECK(v == "f32" || v == "bf16" || v == "e4m3", "recipe '", spec, "': kv must be f32, bf16 or e4m3");
+      r.generator.kv_cache = v == "f32" ? DType::F32 : v == "bf16" ? DType::BF16 : DType::E4M3;
+    } else if (k == "attn") {
+      FP8RL_CHECK(v == "fp8" || v == "off", "recipe '", spec, "': attn must be fp8 or off");
+      r.generator.fp8_attention = v == "fp8";
+    } else if (k == "pow2") {
+      r.generator.pow2_scales = r.trainer.pow2_scales = on_off();
+    } else if (k == "first" || k == "last") {
+      const int n = std::stoi(v);
+      FP8RL_CHECK(n >= 0, "recipe '", spec, "': ", k, " must be >= 0");
+      (k == "first" ? r.generator.bf16_first_layers : r.generator.bf16_last_layers) = n;
+      (k == "first" ? r.trainer.bf16_first_layers : r.trainer.bf16_last_layers) = n;
+    } else {
+      FP8RL_FAIL("recipe '", spec, "': unknown override '", k, "' (gen, train, kv, attn, pow2, first, last)");
+    }
+  }
+  FP8RL_CHECK(!r.generator.fp8_attention || r.generator.kv_cache == DType::E4M3, "recipe '", spec,
+              "': attn=fp8 needs kv=e4m3");
   return r;
 }
 

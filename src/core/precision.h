@@ -43,6 +43,12 @@ struct PrecisionRecipe {
   // Presets: "fp32" (exact reference), "bf16", "fp8_gen" (FP8 generation + FP8 KV, BF16
   // training), "fp8_e2e" (FP8 both, FP8 KV). Throws on anything else.
   static PrecisionRecipe preset(const std::string& name);
+  // A preset with overrides, for experiments that isolate one component (bench rl-step):
+  // "PRESET[:key=value[+key=value...]]" with keys gen / train (linear: fp32|bf16|fp8),
+  // kv (f32|bf16|e4m3), attn (fp8|off), pow2 (on|off), first / last (BF16 blocks, both engines).
+  // E.g. "fp8_e2e:kv=bf16" = FP8 linears in both engines over a BF16 KV cache. The recipe's name
+  // is the whole spec. Throws on an unknown preset, key or value.
+  static PrecisionRecipe parse(const std::string& spec);
 };
 
 }  // namespace fp8rl

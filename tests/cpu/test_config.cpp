@@ -6,6 +6,7 @@
 
 #include "core/error.h"
 #include "core/fs.h"
+#include "core/precision.h"
 #include "rl/config.h"
 #include "rl/run_dir.h"
 
@@ -269,4 +270,23 @@ TEST(Fs, AtomicWriteReplacesAndLeavesNoTemporary) {
   EXPECT_THROW(write_file_atomic(root + "/no/such/dir/x", "x"), Error);
   EXPECT_THROW(read_file(root + "/missing"), Error);
   std::filesystem::remove_all(root);
+}
+
+TEST(Config, RecipeSpecOverridesOnePart) {
+  const PrecisionRecipe base = PrecisionRecipe::parse("fp8_e2e");
+  EXPECT_EQ(base.generator.kv_cache, DType::E4M3);
+  EXPECT_EQ(base.trainer.linear, LinearMode::FP8_BLOCK);
+  const PrecisionRecipe r = PrecisionRecipe::parse("fp8_e2e:kv=bf16+train=bf16+pow2=on+last=2");
+  EXPECT_EQ(r.name, "fp8_e2e:kv=bf16+train=bf16+pow2=on+last=2");
+  EXPECT_EQ(r.generator.kv_cache, DType::BF16);
+  EXPECT_EQ(r.generator.linear, LinearMode::FP8_BLOCK);
+  EXPECT_EQ(r.trainer.linear, LinearMode::BF16);
+  EXPECT_TRUE(r.generator.pow2_scales && r.trainer.pow2_scales);
+  EXPECT_EQ(r.generator.bf16_last_layers, 2);
+  EXPECT_EQ(r.trainer.bf16_last_layers, 2);
+  EXPECT_TRUE(PrecisionRecipe::parse("fp8_e2e:attn=fp8").generator.fp8_attention);
+  EXPECT_THROW(PrecisionRecipe::parse("fp8_e2e:kv=bf16+attn=fp8"), Error);  // FP8 attention needs E4M3 KV
+  EXPECT_THROW(PrecisionRecipe::parse("fp8_e2e:kv"), Error);
+  EXPECT_THROW(PrecisionRecipe::parse("fp8_e2e:colour=red"), Error);
+  EXPECT_THROW(PrecisionRecipe::parse("fp9:kv=bf16"), Error);
 }
