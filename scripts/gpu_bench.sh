@@ -15,8 +15,8 @@
 #   export          fp8rl's FP8-block export loaded by transformers, logprobs compared (issue 17)
 #   mismatch        issue 11's split of token_mult_prob_error by component (one step, 256 new tokens):
 #                   bf16; FP8 generator linears alone; FP8 linears in both engines over BF16 KV;
-#                   + E4M3 KV (fp8_e2e); + FP8 attention
-#   rlstep_tune     the rlstep stage with FP8RL_GEMM_TUNE=1 (cuBLASLt candidates timed per shape)
+#                   + E4M3 KV (fp8_e2e); + the trainer rounding k/v as the E4M3 cache (tkv=e4m3);
+#                   FP8RL_MISMATCH_TEMPERATURE=T adds a run at sampling temperature T (lower entropy)
 # Logs and JSON go to $OUT (first argument or $OUT); summary.txt is the short version.
 set -u
 OUT="${1:-${OUT:-$PWD/gpu_out}}"
@@ -52,16 +52,18 @@ for stage in ${FP8RL_STAGES:-rlstep}; do
         --max-new-tokens "${FP8RL_RLSTEP_NEW:-512}" ${FP8RL_RLSTEP_ARGS:-} --json "$OUT/rlstep.json" > "$OUT/rlstep.log" 2>&1
       note "bench rl-step: rc=$?"; sed -n '/^phase/,$p' "$OUT/rlstep.log" | tee -a "$SUMMARY"
       grep -iE "error|warning" "$OUT/rlstep.log" | head -5 | tee -a "$SUMMARY" ;;
-    rlstep_tune)
-      FP8RL_GEMM_TUNE=2 timeout $(( $(left) - 20 )) "$FP8RL" bench rl-step --device cuda \
-        --model "${FP8RL_RLSTEP_MODEL:-qwen3-1.7b}" --max-new-tokens "${FP8RL_RLSTEP_NEW:-512}" ${FP8RL_RLSTEP_ARGS:-} \
-        --json "$OUT/rlstep_tune.json" > "$OUT/rlstep_tune.log" 2>&1
-      note "bench rl-step FP8RL_GEMM_TUNE=1: rc=$?"; sed -n '/^phase/,$p' "$OUT/rlstep_tune.log" | tee -a "$SUMMARY" ;;
     mismatch)
       timeout $(( $(left) - 20 )) "$FP8RL" bench rl-step --device cuda --model "${FP8RL_RLSTEP_MODEL:-qwen3-1.7b}" \
-        --recipes bf16,fp8_gen:kv=bf16,fp8_e2e:kv=bf16,fp8_e2e,fp8_e2e:attn=fp8 --max-new-tokens 256 --steps 1 \
-        --json "$OUT/mismatch.json" > "$OUT/mismatch.log" 2>&1
-      note "mismatch by component: rc=$?"; sed -n '/^phase/,$p' "$OUT/mismatch.log" | grep -iE "phase|mult_prob|gen_kl" | tee -a "$SUMMARY" ;;
+        --recipes "${FP8RL_MISMATCH_RECIPES:-bf16,fp8_gen:kv=bf16,fp8_e2e:kv=bf16,fp8_e2e,fp8_e2e:tkv=e4m3}" \
+        --max-new-tokens 256 --steps 1 --json "$OUT/mismatch.json" > "$OUT/mismatch.log" 2>&1
+      note "mismatch by component: rc=$?"; sed -n '/^phase/,$p' "$OUT/mismatch.log" | grep -iE "phase|mult_prob|gen_kl|entropy" | tee -a "$SUMMARY"
+      if [ -n "${FP8RL_MISMATCH_TEMPERATURE:-}" ]; then
+        timeout $(( $(left) - 20 )) "$FP8RL" bench rl-step --device cuda --model "${FP8RL_RLSTEP_MODEL:-qwen3-1.7b}" \
+          --recipes bf16,fp8_e2e,fp8_e2e:tkv=e4m3 --temperature "$FP8RL_MISMATCH_TEMPERATURE" \
+          --max-new-tokens 256 --steps 1 > "$OUT/mismatch_t.log" 2>&1
+        note "mismatch at temperature $FP8RL_MISMATCH_TEMPERATURE: rc=$?"
+        sed -n '/^phase/,$p' "$OUT/mismatch_t.log" | grep -iE "phase|mult_prob|gen_kl|entropy" | tee -a "$SUMMARY"
+      fi ;;
     rlstep_profile)
       FP8RL_CUDA_PROFILE=1 timeout $(( $(left) - 20 )) "$FP8RL" bench rl-step --device cuda \
         --model "${FP8RL_RLSTEP_MODEL:-qwen3-1.7b}" --recipes bf16,fp8_e2e --steps 1 --warmup 1 \

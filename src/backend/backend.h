@@ -291,6 +291,11 @@ class Backend {
   // Writes k, v [T, Hkv, hd] of `layer` into their slots (E4M3: quantized with the layer's scales).
   virtual void kv_write(KvCache& cache, int layer, const Tensor& k, const Tensor& v,
                         const PagedBatch& batch) = 0;
+  // x [T, H, hd] in place: each element of head h becomes e4m3(x / head_scale[h]) * head_scale[h],
+  // the value an E4M3 KV cache with those scales hands the attention (kv_write then the pool
+  // load), rounded to x's dtype. The trainer applies it to its k and v when the recipe rounds
+  // them as the generator's cache does (trainer kv_cache e4m3); gradients pass straight through.
+  virtual void kv_round(Tensor& x, const std::vector<float>& head_scale) = 0;
   // Causal attention of q [T, Hq, hd] over the cached keys/values of each token's sequence,
   // positions 0..token_pos (inclusive; the token's own k/v must already be written).
   // out [T, Hq, hd]. With fp8_attention, q is quantized per token and head (FP32 scale) too:

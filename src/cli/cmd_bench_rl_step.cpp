@@ -42,12 +42,13 @@ namespace {
 constexpr const char* kUsage =
     "usage: fp8rl bench rl-step [--device cpu|cuda] [--model SHAPE] [--layers N] [--recipes LIST]\n"
     "                           [--prompts P] [--samples G] [--prompt-len N] [--max-new-tokens N]\n"
-    "                           [--kl-beta B] [--optimizer-steps N] [--micro-batch-tokens N] [--steps N]\n"
-    "                           [--warmup N] [--seed N] [--json PATH]\n"
+    "                           [--kl-beta B] [--temperature T] [--optimizer-steps N] [--micro-batch-tokens N]\n"
+    "                           [--steps N] [--warmup N] [--seed N] [--json PATH]\n"
     "Times whole GRPO steps (generation, scoring, reference, training, refit + calibration) of a\n"
     "random-weight model with ragged response lengths, for each recipe (default bf16,fp8_gen,fp8_e2e).\n"
     "A recipe is a preset with optional overrides, PRESET[:key=value[+key=value]]: gen / train (linear\n"
-    "fp32|bf16|fp8), kv (f32|bf16|e4m3), attn (fp8|off), pow2 (on|off), first / last (BF16 blocks);\n"
+    "fp32|bf16|fp8), kv (f32|bf16|e4m3), tkv (bf16|e4m3: the trainer rounds k/v as the E4M3 cache),\n"
+    "attn (fp8|off), pow2 (on|off), first / last (BF16 blocks);\n"
     "e.g. --recipes bf16,fp8_e2e:kv=bf16,fp8_e2e isolates the E4M3 KV cache's share of the mismatch.\n"
     "Shapes: qwen3-0.6b, qwen3-1.7b (default), qwen3-8b, llama-3.2-1b, llama-3.1-8b, tiny (CPU smoke).\n";
 
@@ -67,13 +68,14 @@ struct BenchSetup {
   int P = 16, G = 16, prompt_len = 160, max_new = 512, optimizer_steps = 1, steps = 2, warmup = 1;
   int64_t micro_batch_tokens = 16384;
   double kl_beta = 0;
+  double temperature = 1.0;
   uint64_t seed = 1;
 };
 
 struct RecipeResult {
   std::string recipe;
   std::map<std::string, std::vector<double>> seconds;  // phase -> per timed step
-  std::vector<double> gen_tokens, train_tokens, mult_prob_error, gen_kl_error;
+  std::vector<double> gen_tokens, train_tokens, mult_prob_error, gen_kl_error, entropy;
   MemoryStats mem;
   BackendCounters counters;
 };
@@ -120,7 +122,7 @@ RecipeResult bench_recipe(Backend& be, const BenchSetup& s, const std::string& r
   lopt.is_mode = IsMode::TIS;
   lopt.kl_beta = s.kl_beta;
   SamplingParams sp;
-  sp.temperature = 1.0f;
+  sp.temperature = static_cast<float>(s.temperature);
   sp.max_new_tokens = s.max_new;
   std::mt19937_64 reward_rng(s.seed ^ 0x5eedull);
 
@@ -160,6 +162,10 @@ RecipeResult bench_recipe(Backend& be, const BenchSetup& s, const std::string& r
     }
     ro.advantages = grpo_compute_advantages(rewards, s.G, AdvantageBaseline::GroupNorm);
     ScoreResult old;
+    if (fp8_kv) {
+      const KvScales used = engine.kv_scales();  // the scales this rollout was generated with
+      trainer.set_kv_rounding(used.k, used.v);
+    }
     phase("scoring", [&] { old = trainer.score(ro.seqs, sp.temperature, /*entropy=*/true, fp8_kv); });
     ro.logp_old = old.logp;
     phase("reference", [&] {
@@ -189,6 +195,9 @@ RecipeResult bench_recipe(Backend& be, const BenchSetup& s, const std::string& r
     res.train_tokens.push_back(static_cast<double>(train_tokens));
     res.mult_prob_error.push_back(mm.token_mult_prob_error);
     res.gen_kl_error.push_back(mm.gen_kl_error);
+    double ent = 0;
+    for (float e : old.entropy) ent += e;
+    res.entropy.push_back(old.entropy.empty() ? 0.0 : ent / static_cast<double>(old.entropy.size()));
   }
   be.synchronize();
   res.mem = be.memory_stats();
@@ -209,7 +218,7 @@ std::vector<std::string> split_list(const std::string& s) {
 int run_bench(const std::vector<std::string>& argv) {
   const Args args(argv,
                   {"device", "model", "layers", "recipes", "prompts", "samples", "prompt-len", "max-new-tokens",
-                   "kl-beta", "optimizer-steps", "micro-batch-tokens", "steps", "warmup", "seed", "json"},
+                   "kl-beta", "temperature", "optimizer-steps", "micro-batch-tokens", "steps", "warmup", "seed", "json"},
                   {"help"});
   if (args.has("help")) {
     std::fputs(kUsage, stdout);
@@ -233,6 +242,7 @@ int run_bench(const std::vector<std::string>& argv) {
   s.warmup = args.get_int("warmup", 1, 0);
   s.seed = static_cast<uint64_t>(args.get_int("seed", 1, 0));
   s.kl_beta = args.get_float("kl-beta", 0.0, 0.0, 1e6);
+  s.temperature = args.get_float("temperature", 1.0, 0.01, 100.0);
   FP8RL_CHECK(s.prompt_len + s.max_new <= s.model.max_position_embeddings, "--prompt-len + --max-new-tokens (",
               s.prompt_len + s.max_new, ") exceeds the shape's max_position_embeddings (",
               s.model.max_position_embeddings, ")");
@@ -288,6 +298,8 @@ int run_bench(const std::vector<std::string>& argv) {
   for (const RecipeResult& r : results) std::printf(" %*.4f", w, median(r.mult_prob_error));
   std::printf("\n%-18s", "gen_kl_error");
   for (const RecipeResult& r : results) std::printf(" %*.2e", w, median(r.gen_kl_error));
+  std::printf("\n%-18s", "entropy nats/tok");
+  for (const RecipeResult& r : results) std::printf(" %*.3f", w, median(r.entropy));
   std::printf("\n%-18s", "peak GiB");
   for (const RecipeResult& r : results) std::printf(" %*.2f", w, r.mem.peak_used_bytes / double(1ll << 30));
   std::printf("\n%-18s", "fp8 fallbacks");
@@ -303,6 +315,7 @@ int run_bench(const std::vector<std::string>& argv) {
     jr["generation_tokens_per_s"] = median(r.gen_tokens) / std::max(1e-12, median(r.seconds.at("generation")));
     jr["token_mult_prob_error"] = r.mult_prob_error;
     jr["gen_kl_error"] = r.gen_kl_error;
+    jr["entropy_per_token"] = r.entropy;  // the trainer's scoring, mean over response tokens
     jr["peak_used_bytes"] = r.mem.peak_used_bytes;
     jr["peak_reserved_bytes"] = r.mem.peak_reserved_bytes;
     jr["fp8_gemm_fallbacks"] = r.counters.fp8_gemm_fallbacks;

@@ -66,6 +66,9 @@ PrecisionRecipe PrecisionRecipe::parse(const std::string& spec) {
     } else if (k == "kv") {
       FP8RL_CHECK(v == "f32" || v == "bf16" || v == "e4m3", "recipe '", spec, "': kv must be f32, bf16 or e4m3");
       r.generator.kv_cache = v == "f32" ? DType::F32 : v == "bf16" ? DType::BF16 : DType::E4M3;
+    } else if (k == "tkv") {
+      FP8RL_CHECK(v == "bf16" || v == "e4m3", "recipe '", spec, "': tkv must be bf16 or e4m3");
+      r.trainer.kv_cache = v == "e4m3" ? DType::E4M3 : DType::BF16;
     } else if (k == "attn") {
       FP8RL_CHECK(v == "fp8" || v == "off", "recipe '", spec, "': attn must be fp8 or off");
       r.generator.fp8_attention = v == "fp8";
@@ -77,11 +80,13 @@ PrecisionRecipe PrecisionRecipe::parse(const std::string& spec) {
       (k == "first" ? r.generator.bf16_first_layers : r.generator.bf16_last_layers) = n;
       (k == "first" ? r.trainer.bf16_first_layers : r.trainer.bf16_last_layers) = n;
     } else {
-      FP8RL_FAIL("recipe '", spec, "': unknown override '", k, "' (gen, train, kv, attn, pow2, first, last)");
+      FP8RL_FAIL("recipe '", spec, "': unknown override '", k, "' (gen, train, kv, tkv, attn, pow2, first, last)");
     }
   }
   FP8RL_CHECK(!r.generator.fp8_attention || r.generator.kv_cache == DType::E4M3, "recipe '", spec,
               "': attn=fp8 needs kv=e4m3");
+  FP8RL_CHECK(r.trainer.kv_cache != DType::E4M3 || r.generator.kv_cache == DType::E4M3, "recipe '", spec,
+              "': tkv=e4m3 rounds as the generator's E4M3 cache does and needs kv=e4m3");
   return r;
 }
 

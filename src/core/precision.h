@@ -22,7 +22,8 @@ struct EnginePrecision {
   bool pow2_scales = false;              // round FP8 scales up to powers of two (UE8M0)
   int bf16_first_layers = 0;             // keep the first n blocks' linears in BF16
   int bf16_last_layers = 0;              // keep the last m blocks' linears in BF16
-  DType kv_cache = DType::BF16;          // generator only: F32 | BF16 | E4M3
+  DType kv_cache = DType::BF16;          // generator: F32 | BF16 | E4M3. Trainer: E4M3 = its k and v
+                                         // are rounded as the generator's E4M3 cache stores them
   bool fp8_attention = false;            // generator only: Q quantized, QK^T and PV in FP8
   // Everything else (embedding, norms, RoPE, softmax, SiLU, lm_head, loss) stays in high
   // precision: FP32 on the CPU backend, BF16 storage with FP32 math on the CUDA backend.
@@ -45,7 +46,8 @@ struct PrecisionRecipe {
   static PrecisionRecipe preset(const std::string& name);
   // A preset with overrides, for experiments that isolate one component (bench rl-step):
   // "PRESET[:key=value[+key=value...]]" with keys gen / train (linear: fp32|bf16|fp8),
-  // kv (f32|bf16|e4m3), attn (fp8|off), pow2 (on|off), first / last (BF16 blocks, both engines).
+  // kv (f32|bf16|e4m3), tkv (trainer: bf16|e4m3 = round k/v as the generator's E4M3 cache does),
+  // attn (fp8|off), pow2 (on|off), first / last (BF16 blocks, both engines).
   // E.g. "fp8_e2e:kv=bf16" = FP8 linears in both engines over a BF16 KV cache. The recipe's name
   // is the whole spec. Throws on an unknown preset, key or value.
   static PrecisionRecipe parse(const std::string& spec);

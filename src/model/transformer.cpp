@@ -250,10 +250,21 @@ void forward_layers(Backend& be, const ModelWeights& w, const EnginePrecision& p
 }
 
 // The training forward's attention step (causal over the batch's packed sequences; lse saved).
-AttentionStep training_attention(Backend& be, const ModelConfig& c, const ForwardBatch& batch, DType st) {
+// With kv_round_k/v (per-layer E4M3 scales), k and v are first rounded as an E4M3 KV cache stores them.
+AttentionStep training_attention(Backend& be, const ModelConfig& c, const ForwardBatch& batch, DType st,
+                                 const std::vector<float>& kv_round_k, const std::vector<float>& kv_round_v) {
   const float softmax_scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
   const int64_t T = batch.num_tokens();
-  return [&be, &c, &batch, st, softmax_scale, T](int, LayerActivations& a) {
+  const bool round = !kv_round_k.empty();
+  FP8RL_CHECK(!round || (static_cast<int>(kv_round_k.size()) == c.num_layers &&
+                         static_cast<int>(kv_round_v.size()) == c.num_layers),
+              "KV rounding needs one k and one v scale per layer (", c.num_layers, "), got ", kv_round_k.size(), " and ",
+              kv_round_v.size());
+  return [&be, &c, &batch, st, softmax_scale, T, round, &kv_round_k, &kv_round_v](int layer, LayerActivations& a) {
+    if (round) {
+      be.kv_round(a.k, std::vector<float>(static_cast<size_t>(c.num_kv_heads), kv_round_k[static_cast<size_t>(layer)]));
+      be.kv_round(a.v, std::vector<float>(static_cast<size_t>(c.num_kv_heads), kv_round_v[static_cast<size_t>(layer)]));
+    }
     if (!a.lse.defined()) a.lse = be.alloc({c.num_heads, T}, st);
     be.attention(a.q, a.k, a.v, batch.cu_seqlens, softmax_scale, a.attn, a.lse);
   };
@@ -320,7 +331,9 @@ LogprobResult model_forward_logprobs(Backend& be, const ModelWeights& w, const E
   Tensor x = be.alloc({T, D}, act);  // [T, D]
   be.embedding(A.ids, w.embed, x);
 
-  const AttentionStep attention = training_attention(be, c, A.batch, st);
+  A.kv_round_k = opt.kv_round_k;
+  A.kv_round_v = opt.kv_round_v;
+  const AttentionStep attention = training_attention(be, c, A.batch, st, A.kv_round_k, A.kv_round_v);
   QkvAmax amax;
   A.recompute = acts && opt.recompute;
   forward_layers(be, w, prec, x, A.positions, attention, acts ? &A.layers : nullptr, A.recompute,
@@ -522,7 +535,8 @@ void model_backward(Backend& be, const ModelWeights& w, const EnginePrecision& p
   // The bias gradient of a linear, when it has a bias (q/k/v in qwen2; any with attention_bias).
   auto bias = [](LinearWeight& gw) { return gw.bias.defined() ? &gw.bias : nullptr; };
 
-  const AttentionStep attention = training_attention(be, c, A.batch, stat_dtype_for(act));
+  const AttentionStep attention =
+      training_attention(be, c, A.batch, stat_dtype_for(act), A.kv_round_k, A.kv_round_v);
   LayerActivations recomputed;  // block recomputation: one block's activations at a time
   Tensor recomputed_out = A.recompute ? be.alloc({T, D}, act) : Tensor();
   for (int l = L - 1; l >= 0; --l) {

@@ -93,6 +93,8 @@ struct Activations {
   Tensor final_rstd;                // [T]
   Tensor hidden;                    // [T, D] final_norm(x_final)
   Tensor lm_lse;                    // [T]    log-sum-exp of the logits (token_logprobs)
+  // The E4M3 KV rounding the forward applied (ForwardOptions::kv_round_k/v), for the recompute.
+  std::vector<float> kv_round_k, kv_round_v;
 };
 
 struct ForwardOptions {
@@ -102,6 +104,11 @@ struct ForwardOptions {
   // With saved activations: keep only each block's input and recompute the block in backward
   // (train.recompute: block). The same ops on the same inputs: gradients equal bit for bit.
   bool recompute = false;
+  // Per-layer E4M3 KV scales (empty: none): k and v are rounded as the generator's E4M3 cache
+  // stores them (Backend::kv_round, every head with its layer's scale) before the attention, so
+  // the trainer attends over the values the generator attended over; gradients pass straight
+  // through. Set by the trainer when its recipe says kv_cache e4m3.
+  std::vector<float> kv_round_k, kv_round_v;
 };
 
 struct LogprobResult {

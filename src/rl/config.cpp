@@ -275,6 +275,8 @@ std::vector<Field> config_fields(RunConfig& c) {
   t.add_int("precision.bf16_last_layers", p.bf16_last_layers, "last m blocks stay BF16, both engines");
   t.add_choice("precision.kv_cache", p.kv_cache, {"auto", "f32", "bf16", "e4m3"}, "generator KV cache dtype");
   t.add_bool("precision.fp8_attention", p.fp8_attention, "generator: QK^T and PV in FP8 (needs e4m3 KV)");
+  t.add_choice("precision.trainer_kv_rounding", p.trainer_kv_rounding, {"auto", "on", "off"},
+               "trainer: round k/v as the generator's E4M3 cache (needs e4m3 KV)");
   t.add_float("precision.kv_calib_percentile", p.kv_calib_percentile, "KV scale: percentile of micro-batch amax");
   t.add_float("precision.kv_calib_margin", p.kv_calib_margin, "KV scale: margin on that amax");
 
@@ -724,6 +726,8 @@ void config_validate(const RunConfig& c) {
   need(p.bf16_first_layers >= 0, "precision.bf16_first_layers", "must be >= 0");
   need(p.bf16_last_layers >= 0, "precision.bf16_last_layers", "must be >= 0");
   const PrecisionRecipe recipe = config_precision_recipe(p);
+  need(p.trainer_kv_rounding != "on" || recipe.generator.kv_cache == DType::E4M3, "precision.trainer_kv_rounding",
+       "needs an E4M3 KV cache (set precision.kv_cache=e4m3 or use an fp8 recipe)");
   need(!recipe.generator.fp8_attention || recipe.generator.kv_cache == DType::E4M3, "precision.fp8_attention",
        "needs an E4M3 KV cache (set precision.kv_cache=e4m3 or use an fp8 recipe)");
   need(p.kv_calib_percentile > 0 && p.kv_calib_percentile <= 1, "precision.kv_calib_percentile", "must be in (0, 1]");
@@ -769,8 +773,11 @@ PrecisionRecipe config_precision_recipe(const PrecisionSection& p) {
   }
   if (p.kv_cache != "auto") r.generator.kv_cache = dtype_from_name(p.kv_cache);
   r.generator.fp8_attention = p.fp8_attention;
+  if (p.trainer_kv_rounding != "auto") r.trainer.kv_cache = p.trainer_kv_rounding == "on" ? DType::E4M3 : DType::BF16;
+  if (r.generator.kv_cache != DType::E4M3) r.trainer.kv_cache = DType::BF16;  // nothing to round as
   const bool custom = p.generator_linear != "auto" || p.trainer_linear != "auto" || p.kv_cache != "auto" ||
-                      p.fp8_attention || p.pow2_scales || p.bf16_first_layers || p.bf16_last_layers;
+                      p.fp8_attention || p.pow2_scales || p.bf16_first_layers || p.bf16_last_layers ||
+                      p.trainer_kv_rounding != "auto";
   if (custom) r.name += "+custom";
   return r;
 }

@@ -144,6 +144,9 @@ struct PrecisionSection {
   int bf16_last_layers = 0;               // both engines
   std::string kv_cache = "auto";          // auto | f32 | bf16 | e4m3 (generator)
   bool fp8_attention = false;             // generator; needs an E4M3 KV cache
+  // auto | on | off: the trainer rounds its k and v as the generator's E4M3 cache stores them
+  // (the rollout's scales), so both engines attend over the same values. auto: the preset's choice.
+  std::string trainer_kv_rounding = "auto";
   double kv_calib_percentile = 0.999;     // KV-scale recalibration: percentile of per-micro-batch amax
   double kv_calib_margin = 1.05;          // ... times this margin, / 448
   bool operator==(const PrecisionSection&) const = default;

@@ -433,6 +433,10 @@ int grpo_run(const RunConfig& config_in, bool resume) {
 
     // 3. Trainer scoring: logp_old (+ q/k/v amax for the KV scales).
     t0 = Clock::now();
+    if (fp8_kv) {  // a recipe whose trainer rounds k/v as the cache does uses this rollout's scales
+      const KvScales used = engine.kv_scales();
+      trainer.set_kv_rounding(used.k, used.v);
+    }
     ScoreResult old = trainer.score(seqs, temperature, /*entropy=*/true, /*record_amax=*/fp8_kv);
     std::vector<float> logp_ref;
     if (reference) logp_ref = reference->score(seqs, temperature, false, false).logp;

@@ -183,6 +183,8 @@ ScoreResult Trainer::score(const std::vector<TrainSequence>& seqs, float tempera
     fo.temperature = temperature;
     fo.entropy = entropy;
     fo.record_qkv_amax = record_amax;
+    fo.kv_round_k = kv_round_k_;
+    fo.kv_round_v = kv_round_v_;
     LogprobResult lr = model_forward_logprobs(be_, compute_weights(), prec_, p.batch, fo);
     std::vector<float> lp = gather(be_, lr.logp, p.logp_index);
     r.logp.insert(r.logp.end(), lp.begin(), lp.end());
@@ -208,6 +210,8 @@ void Trainer::forward_backward(const std::vector<TrainSequence>& seqs, float tem
     ForwardOptions fo;
     fo.temperature = temperature;
     fo.recompute = opt_.recompute;
+    fo.kv_round_k = kv_round_k_;
+    fo.kv_round_v = kv_round_v_;
     LogprobResult out = model_forward_logprobs(be_, weights, prec_, p.batch, fo, &acts);
     std::vector<float> logp_new = gather(be_, out.logp, p.logp_index);
     std::vector<float> grad(logp_new.size(), 0.0f);
@@ -282,6 +286,16 @@ StepResult Trainer::step(const std::vector<TrainSequence>& seqs, float temperatu
   wq_stale_ = true;  // requantized at the next score() / step()
   r.applied = true;
   return r;
+}
+
+void Trainer::set_kv_rounding(std::vector<float> k_scales, std::vector<float> v_scales) {
+  FP8RL_CHECK(k_scales.size() == v_scales.size(), "set_kv_rounding: ", k_scales.size(), " k scales and ",
+              v_scales.size(), " v scales");
+  FP8RL_CHECK(k_scales.empty() || static_cast<int>(k_scales.size()) == master_.config.num_layers,
+              "set_kv_rounding: one scale per layer (", master_.config.num_layers, "), got ", k_scales.size());
+  if (prec_.kv_cache != DType::E4M3) return;  // the recipe does not round: nothing to keep
+  kv_round_k_ = std::move(k_scales);
+  kv_round_v_ = std::move(v_scales);
 }
 
 void Trainer::set_communicator(Communicator* comm, bool shard_optimizer) {

@@ -105,6 +105,12 @@ class Trainer {
   // new weights. Bitwise the same step as unsharded; the moments take 8 B/param / W per rank.
   // Call before load_optimizer_state (a checkpoint's full state loads on any rank count).
   void set_communicator(Communicator* comm, bool shard_optimizer = false);
+  // The generator's per-layer E4M3 KV scales of the rollout being scored and trained on. When the
+  // trainer's recipe says kv_cache e4m3, score() and step() round k and v with them as the
+  // generator's cache did (ForwardOptions::kv_round_k/v); otherwise they are ignored. Empty: no
+  // rounding (e.g. before the first calibration).
+  void set_kv_rounding(std::vector<float> k_scales, std::vector<float> v_scales);
+  bool kv_rounding() const { return !kv_round_k_.empty(); }
   bool optimizer_sharded() const { return !owner_.empty(); }
   // Sharded: a collective that brings every moment to rank 0 for optimizer_state() (call it on
   // every rank before rank 0 saves a checkpoint). Unsharded: nothing to do.
@@ -151,6 +157,7 @@ class Trainer {
   EnginePrecision prec_;
   TrainerOptions opt_;
   int64_t adam_step_ = 0;
+  std::vector<float> kv_round_k_, kv_round_v_;  // set_kv_rounding, when the recipe rounds
   Communicator* comm_ = nullptr;
   std::vector<int> owner_;  // [parameters] ZeRO-1 owner rank of each; empty: unsharded
   std::vector<Tensor*> m_ptr_, v_ptr_;  // [parameters] into m_, v_ (undefined where not owned)

@@ -214,6 +214,24 @@ void CpuBackend::kv_write(KvCache& cache, int layer, const Tensor& k, const Tens
   }
 }
 
+void CpuBackend::kv_round(Tensor& x, const std::vector<float>& head_scale) {
+  check_float(x, "kv_round x");
+  FP8RL_CHECK(x.ndim() == 3 && x.dim(1) == static_cast<int64_t>(head_scale.size()), "kv_round: x must be [T, H, hd] ",
+              "with one scale per head, got ", x.str(), " and ", head_scale.size(), " scales");
+  for (float s : head_scale)
+    FP8RL_CHECK(std::isfinite(s) && s > 0, "kv_round: scales must be finite and > 0, got ", s);
+  const int64_t T = x.dim(0), H = x.dim(1), hd = x.dim(2);
+  std::vector<double> v = load(x, "kv_round x");
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t c = 0; c < hd; ++c) {
+        double& e = v[static_cast<size_t>((t * H + h) * hd + c)];
+        const float s = head_scale[static_cast<size_t>(h)];
+        e = e4m3_to_float(e4m3_from_float(static_cast<float>(e) / s)) * s;  // cache_store + cache_load_row
+      }
+  store(v, x, "kv_round x");
+}
+
 // With fp8_attention, each (token, head) row of q is quantized with s = amax / 448 (the
 // quant_scale_from_amax rule, no pow2) and the dequantized e4m3(q / s) * s is used; the
 // softmax probabilities stay FP32 in this reference.

@@ -190,6 +190,17 @@ __global__ void kv_write_kernel(const TS* k, const TS* v, const int32_t* slots, 
   }
 }
 
+// x [n / (H hd), H, hd] in place: e4m3(x / s[h]) * s[h] (kv_write's quantization, pool_load's
+// dequantization), rounded to T.
+template <class T>
+__global__ void kv_round_kernel(T* x, int64_t n, int H, int hd, KvRoundScales s) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float sc = s.v[(i / hd) % H];
+    store_f(x, i, e4m3_dec(e4m3_enc(load_f(x, i) / sc)) * sc);
+  }
+}
+
 template <class TP>
 __device__ __forceinline__ float pool_load(const TP* p, int64_t i, float s) {
   if constexpr (std::is_same_v<TP, uint8_t>) return e4m3_dec(p[i]) * s;
@@ -297,6 +308,15 @@ void launch_attention_backward(const void* dout, const void* q, const void* k, c
       CUDA_CHECK_LAUNCH("attention_dkv_kernel");
     });
   });
+}
+
+void launch_kv_round(void* x, DType dt, int64_t T_, int H, int hd, const KvRoundScales& s, cudaStream_t stream) {
+  const int64_t n = T_ * H * hd;
+  if (n == 0) return;
+  FP8RL_DISPATCH_FLOAT(dt, "kv_round", {
+    kv_round_kernel<T><<<grid_for(n, 256), 256, 0, stream>>>(static_cast<T*>(x), n, H, hd, s);
+  });
+  CUDA_CHECK_LAUNCH("kv_round_kernel");
 }
 
 void launch_kv_write(const void* k, const void* v, DType src_dt, const int32_t* slots, int64_t T_, int Hkv, int hd,

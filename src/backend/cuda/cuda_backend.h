@@ -93,6 +93,7 @@ class CudaBackend final : public Backend {
   void adamw(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWParams& p) override;
   void quantize(const Tensor& x, bool transpose, QuantTensor& out) override;
   void kv_write(KvCache& cache, int layer, const Tensor& k, const Tensor& v, const PagedBatch& batch) override;
+  void kv_round(Tensor& x, const std::vector<float>& head_scale) override;
   void attention_paged(const KvCache& cache, int layer, const Tensor& q, const PagedBatch& batch,
                        float softmax_scale, bool fp8_attention, Tensor& out) override;
   void sample(const Tensor& logits, const std::vector<float>& temperature, const std::vector<float>& top_p,

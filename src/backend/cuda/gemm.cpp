@@ -1,8 +1,5 @@
 #include "backend/cuda/gemm.h"
 
-#include <cstdio>
-#include <cstdlib>
-
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/kernels.h"
 #include "quant/quant.h"
@@ -39,22 +36,12 @@ struct Pref {
 
 int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
 
-// The M bucket a tuned choice is shared across: multiples of 16 up to 256, then quarters of a
-// power of two (257..320 -> 320, ..., 12289..16384 -> 16384).
-int64_t m_bucket(int64_t M) {
-  if (M <= 256) return round_up(M, 16);
-  int64_t p = 256;
-  while (p * 2 < M) p *= 2;
-  return round_up(M, p / 4);
-}
-
 }  // namespace
 
 GemmEngine::GemmEngine(cudaStream_t stream) : stream_(stream) {
   CUBLAS_CHECK(cublasLtCreate(&handle_), "creating the cuBLASLt handle");
   workspace_ = cuda_malloc(kWorkspaceBytes, "the cuBLASLt workspace");
   workspace_bytes_ = kWorkspaceBytes;
-  if (const char* t = std::getenv("FP8RL_GEMM_TUNE")) tune_mode_ = std::atoi(t);
 }
 
 GemmEngine::~GemmEngine() {
@@ -74,95 +61,23 @@ float* GemmEngine::scale_scratch(size_t floats) {
 }
 
 cublasLtMatmulAlgo_t GemmEngine::find_algo(const Key& key, cublasLtMatmulDesc_t desc, cublasLtMatrixLayout_t a,
-                                           cublasLtMatrixLayout_t b, cublasLtMatrixLayout_t c, const char* what,
-                                           const RunFn& run, void* C, size_t c_bytes, bool beta_nonzero) {
+                                           cublasLtMatrixLayout_t b, cublasLtMatrixLayout_t c, const char* what) {
   auto it = algos_.find(key);
   if (it != algos_.end()) return it->second;
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  CUDA_CHECK(cudaStreamIsCapturing(stream_, &capture), "querying the stream's capture status");
-  const bool can_tune = tune_mode_ > 0 && capture == cudaStreamCaptureStatusNone;
-  Key bkey = key;
-  std::get<5>(bkey) = m_bucket(std::get<5>(key));
-  if (can_tune) {
-    auto t = tuned_.find(bkey);
-    if (t != tuned_.end()) {
-      cublasLtMatmulHeuristicResult_t check{};
-      if (cublasLtMatmulAlgoCheck(handle_, desc, a, b, c, c, &t->second, &check) == CUBLAS_STATUS_SUCCESS &&
-          check.workspaceSize <= workspace_bytes_) {
-        algos_.emplace(key, t->second);
-        return t->second;
-      }
-    }
-  }
   Pref pref;
   CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref.p), "creating a matmul preference");
   CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref.p, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                                     &workspace_bytes_, sizeof(workspace_bytes_)),
                "setting the workspace size");
-  constexpr int kCandidates = 8;
-  cublasLtMatmulHeuristicResult_t res[kCandidates]{};
+  cublasLtMatmulHeuristicResult_t res{};
   int n = 0;
-  CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle_, desc, a, b, c, c, pref.p, can_tune ? kCandidates : 1, res, &n),
+  CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle_, desc, a, b, c, c, pref.p, 1, &res, &n),
                "asking cuBLASLt for a ", what, " algorithm (M=", std::get<5>(key), " N=", std::get<4>(key),
                " K=", std::get<6>(key), ")");
   FP8RL_CHECK(n > 0, "cuBLASLt has no ", what, " kernel for M=", std::get<5>(key), " N=", std::get<4>(key),
               " K=", std::get<6>(key), "; use another precision for this layer");
-  if (!can_tune || n == 1) {
-    // Not cached during a capture when tuning is on: the eager run that precedes it decides.
-    if (tune_mode_ == 0 || n == 1) algos_.emplace(key, res[0].algo);
-    return res[0].algo;
-  }
-  const cublasLtMatmulAlgo_t best = tune(key, res, n, run, C, c_bytes, beta_nonzero, what);
-  tuned_[bkey] = best;
-  algos_.emplace(key, best);
-  return best;
-}
-
-cublasLtMatmulAlgo_t GemmEngine::tune(const Key& key, const cublasLtMatmulHeuristicResult_t* cand, int n,
-                                      const RunFn& run, void* C, size_t c_bytes, bool beta_nonzero, const char* what) {
-  // beta != 0 accumulates into C: time into a scratch output so the caller's C is untouched.
-  void* out = C;
-  void* scratch = nullptr;
-  if (beta_nonzero) {
-    scratch = cuda_malloc(c_bytes, "the GEMM tuning scratch output");
-    CUDA_CHECK(cudaMemsetAsync(scratch, 0, c_bytes, stream_), "zeroing the GEMM tuning scratch");
-    out = scratch;
-  }
-  cudaEvent_t e0, e1;
-  CUDA_CHECK(cudaEventCreate(&e0), "creating a timing event");
-  CUDA_CHECK(cudaEventCreate(&e1), "creating a timing event");
-  constexpr int kReps = 5;
-  int best = 0;
-  float best_ms = 0, first_ms = 0;
-  for (int i = 0; i < n; ++i) {
-    if (run(cand[i].algo, out) != CUBLAS_STATUS_SUCCESS) continue;  // warm-up; a failing candidate is skipped
-    CUDA_CHECK(cudaEventRecord(e0, stream_), "recording a timing event");
-    bool ok = true;
-    for (int r = 0; r < kReps && ok; ++r) ok = run(cand[i].algo, out) == CUBLAS_STATUS_SUCCESS;
-    CUDA_CHECK(cudaEventRecord(e1, stream_), "recording a timing event");
-    CUDA_CHECK(cudaEventSynchronize(e1), "timing a GEMM candidate");
-    float ms = 0;
-    CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1), "reading a GEMM candidate's time");
-    if (!ok) continue;
-    if (i == 0) first_ms = ms;
-    // Keep the heuristic's first choice unless another is clearly (> 3%) faster.
-    if (i == 0 || ms < best_ms * 0.97f) {
-      best = i;
-      best_ms = ms;
-    }
-  }
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
-  if (scratch) {
-    CUDA_CHECK(cudaStreamSynchronize(stream_), "finishing GEMM tuning");
-    cudaFree(scratch);
-  }
-  if (tune_mode_ >= 2)
-    std::fprintf(stderr, "fp8rl: GEMM tune %s M=%lld N=%lld K=%lld: candidate %d of %d, %.1f us (first %.1f us)\n",
-                 what, static_cast<long long>(std::get<5>(key)), static_cast<long long>(std::get<4>(key)),
-                 static_cast<long long>(std::get<6>(key)), best, n, 1000.0f * best_ms / kReps,
-                 1000.0f * first_ms / kReps);
-  return cand[best].algo;
+  algos_.emplace(key, res.algo);
+  return res.algo;
 }
 
 void GemmEngine::gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const void* A, const void* B, DType ab,
@@ -189,13 +104,10 @@ void GemmEngine::gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const v
   const Key key{0, static_cast<int>(ab), static_cast<int>(c_dtype), (ta ? 2 : 0) | (tb ? 1 : 0) | (beta != 0 ? 4 : 0),
                 N, M, K, 0, 0};
   const char* what = ab == DType::F32 ? "FP32 GEMM" : "BF16 GEMM";
-  const RunFn run = [&](const cublasLtMatmulAlgo_t& al, void* c) {
-    return cublasLtMatmul(handle_, desc.d, &alpha, B, la.l, A, lb.l, &beta, c, lc.l, c, lc.l, &al, workspace_,
-                          workspace_bytes_, stream_);
-  };
-  const size_t c_bytes = static_cast<size_t>(M * N) * dtype_size(c_dtype);
-  cublasLtMatmulAlgo_t algo = find_algo(key, desc.d, la.l, lb.l, lc.l, what, run, C, c_bytes, beta != 0);
-  CUBLAS_CHECK(run(algo, C), what, " M=", M, " N=", N, " K=", K);
+  cublasLtMatmulAlgo_t algo = find_algo(key, desc.d, la.l, lb.l, lc.l, what);
+  CUBLAS_CHECK(cublasLtMatmul(handle_, desc.d, &alpha, B, la.l, A, lb.l, &beta, C, lc.l, C, lc.l, &algo, workspace_,
+                              workspace_bytes_, stream_),
+               what, " M=", M, " N=", N, " K=", K);
 }
 
 bool GemmEngine::fp8_supported(int64_t M, int64_t N, int64_t K) {
@@ -305,14 +217,10 @@ void GemmEngine::gemm_fp8_prelaid(int64_t M, int64_t N, int64_t K, const uint8_t
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lb.l, CUDA_R_8F_E4M3, K, M, K), "FP8 layout B");
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lc.l, cuda_type(c_dtype), N, M, N), "FP8 layout C");
   const Key key{1, b_block_rows, static_cast<int>(c_dtype), beta != 0 ? 4 : 0, N, M, K, 0, 0};
-  const RunFn run = [&](const cublasLtMatmulAlgo_t& al, void* c) {
-    return cublasLtMatmul(handle_, desc.d, &alpha, b, la.l, a, lb.l, &beta, c, lc.l, c, lc.l, &al, workspace_,
-                          workspace_bytes_, stream_);
-  };
-  const size_t c_bytes = static_cast<size_t>(M * N) * dtype_size(c_dtype);
-  cublasLtMatmulAlgo_t algo = find_algo(key, desc.d, la.l, lb.l, lc.l, "FP8 block-scaled GEMM", run, C, c_bytes,
-                                        beta != 0);
-  CUBLAS_CHECK(run(algo, C), "FP8 block-scaled GEMM M=", M, " N=", N, " K=", K);
+  cublasLtMatmulAlgo_t algo = find_algo(key, desc.d, la.l, lb.l, lc.l, "FP8 block-scaled GEMM");
+  CUBLAS_CHECK(cublasLtMatmul(handle_, desc.d, &alpha, b, la.l, a, lb.l, &beta, C, lc.l, C, lc.l, &algo, workspace_,
+                              workspace_bytes_, stream_),
+               "FP8 block-scaled GEMM M=", M, " N=", N, " K=", K);
 }
 
 }  // namespace fp8rl::cuda

@@ -23,18 +23,11 @@
 //              them). Shapes outside fp8_supported() are the caller's fallback (backend:
 //              dequantize + FP32 GEMM, the same quantized product, counted and reported).
 // Heuristics are cached per (types, layout, shape); one workspace serves every call.
-// Algorithm choice: cuBLASLt's first heuristic, or, with FP8RL_GEMM_TUNE=1 (2: also print each
-// choice), the fastest of its first 8 candidates timed on the call's own operands (outside graph
-// captures; beta != 0 products are timed into a scratch output). The choice is made once per
-// (types, layout, N, K, M bucket) — M rounded up to 16 up to 256, then to a quarter of its power
-// of two — and reused for every M of the bucket that cuBLASLt accepts it for. A different
-// algorithm may sum in another order, so tuned runs are not bitwise reproducible across processes.
 #pragma once
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <functional>
 #include <map>
 #include <tuple>
 
@@ -79,13 +72,8 @@ class GemmEngine {
 
  private:
   using Key = std::tuple<int, int, int, int, int64_t, int64_t, int64_t, int, int>;
-  // run(algo, C) issues the product with `algo` into output C (the call's own, or a scratch one).
-  using RunFn = std::function<cublasStatus_t(const cublasLtMatmulAlgo_t&, void*)>;
   cublasLtMatmulAlgo_t find_algo(const Key& key, cublasLtMatmulDesc_t desc, cublasLtMatrixLayout_t a,
-                                 cublasLtMatrixLayout_t b, cublasLtMatrixLayout_t c, const char* what,
-                                 const RunFn& run, void* C, size_t c_bytes, bool beta_nonzero);
-  cublasLtMatmulAlgo_t tune(const Key& key, const cublasLtMatmulHeuristicResult_t* cand, int n, const RunFn& run,
-                            void* C, size_t c_bytes, bool beta_nonzero, const char* what);
+                                 cublasLtMatrixLayout_t b, cublasLtMatrixLayout_t c, const char* what);
   float* scale_scratch(size_t floats);
   void* tail_scratch(size_t bytes);
 
@@ -99,8 +87,6 @@ class GemmEngine {
   size_t tail_bytes_ = 0;
   int64_t tail_products_ = 0;
   std::map<Key, cublasLtMatmulAlgo_t> algos_;
-  std::map<Key, cublasLtMatmulAlgo_t> tuned_;  // by M bucket (key's M field bucketed)
-  int tune_mode_ = 0;                           // FP8RL_GEMM_TUNE: 0 off, 1 on, 2 on + print
 };
 
 }  // namespace fp8rl::cuda

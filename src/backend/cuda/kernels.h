@@ -113,6 +113,12 @@ void launch_flash_attention_backward(const void* dout, const void* q, const void
                                      int Hkv, int hd, float scale, void* dq, void* dk, void* dv, float* delta,
                                      cudaStream_t stream);
 // KV pool element type: F32, BF16 or E4M3 (then k_scale/v_scale [Hkv] of the layer apply).
+// Per-head scales by value (at most kMaxKvRoundHeads KV heads).
+constexpr int kMaxKvRoundHeads = 64;
+struct KvRoundScales {
+  float v[kMaxKvRoundHeads];
+};
+void launch_kv_round(void* x, DType dt, int64_t T, int H, int hd, const KvRoundScales& s, cudaStream_t stream);
 void launch_kv_write(const void* k, const void* v, DType src_dt, const int32_t* slots, int64_t T, int Hkv, int hd,
                      void* kpool, void* vpool, DType pool_dt, const float* k_scale, const float* v_scale,
                      cudaStream_t stream);
