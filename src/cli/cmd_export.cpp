@@ -61,6 +61,17 @@ int run(const std::vector<std::string>& argv) {
   const std::vector<std::string> copied = model_copy_side_files(src, out);
   std::printf("exported %s -> %s (%s, %lld parameters%s)\n", src.c_str(), out.c_str(), format.c_str(),
               static_cast<long long>(model_count_parameters(w)), copied.empty() ? "; no tokenizer files to copy" : "");
+  const std::vector<std::string> misread = model_fp8_hf_dequantize_misreads(w, opt);
+  if (!misread.empty()) {  // docs/benchmarks.md, "FP8-block export loaded by transformers"
+    std::fprintf(stderr,
+                 "note: %zu FP8 linear(s) have a width that is not a multiple of 128 (partial scale blocks). vLLM and "
+                 "transformers' FP8 kernels read them right; transformers' dequantize=True load (FineGrainedFP8Config("
+                 "dequantize=True), and its automatic fallback on a CPU or a GPU below sm_89) derives the block size "
+                 "from the scale grid and does not:\n",
+                 misread.size());
+    for (size_t i = 0; i < misread.size() && i < 8; ++i) std::fprintf(stderr, "  %s\n", misread[i].c_str());
+    if (misread.size() > 8) std::fprintf(stderr, "  ... and %zu more\n", misread.size() - 8);
+  }
   return 0;
 }
 

@@ -104,6 +104,21 @@ struct SaveOptions {
 // directory if needed.
 void model_weights_save(const ModelWeights& weights, const std::string& dir, const SaveOptions& opt = {});
 
+// Issue 17. transformers' dequantize=True load of the FP8 block format (Fp8Dequantize in
+// integrations/finegrained_fp8.py, 5.17 through 5.24; also what it falls back to by itself on a
+// CPU or a GPU below compute capability 8.9) takes the block of a weight_scale_inv grid
+// [gr, gc] on an [out, in] weight to be out/gr x in/gc, not the weight_block_size 128 x 128
+// that the format, DeepSeek-V3, vLLM and transformers' own FP8Linear use. It reads [out, in]
+// right when each dimension is a multiple of 128 or at most 128 (one block); otherwise it
+// uses wrong scales for some rows or columns (160 rows, 2 scale rows: blocks of 80) or refuses
+// the weight when the grid does not divide it (576 rows, 5 scale rows). Returns "" when the
+// shape is read right, else what happens to it.
+std::string hf_dequantize_block_misread(int64_t out, int64_t in);
+// The FP8 linears model_weights_save(weights, dir, opt) writes that transformers' dequantize=True
+// load misreads: "<module> [out, in] scales [gr, gc]: <what happens>", in save order. Empty when
+// !opt.fp8_block, and for every real checkpoint whose widths are multiples of 128.
+std::vector<std::string> model_fp8_hf_dequantize_misreads(const ModelWeights& weights, const SaveOptions& opt);
+
 // The files of a HF model directory beside its weights that a checkpoint must carry for
 // transformers and serving stacks to behave as with the original (tokenizer.json,
 // tokenizer_config.json, special_tokens_map.json, chat_template.jinja, generation_config.json,

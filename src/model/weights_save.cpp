@@ -34,7 +34,50 @@ void remove_old_weights(const std::string& dir) {
   }
 }
 
+// "model.layers.{i}.<self_attn|mlp>.<x>_proj.weight" (experts too) -> i, else -1: the linears the
+// FP8 block format may store as F8_E4M3.
+int fp8_candidate_layer(const std::string& name) {
+  const bool linear = name.rfind("model.layers.", 0) == 0 && name.size() > 12 &&
+                      name.compare(name.size() - 12, 12, "_proj.weight") == 0;
+  return linear ? std::stoi(name.substr(13)) : -1;
+}
+
+bool stored_fp8(const std::string& name, const SaveOptions& opt, int num_layers) {
+  const int layer = fp8_candidate_layer(name);
+  if (!opt.fp8_block || layer < 0) return false;
+  EnginePrecision fp8;
+  fp8.linear = LinearMode::FP8_BLOCK;
+  fp8.bf16_first_layers = opt.bf16_first_layers;
+  fp8.bf16_last_layers = opt.bf16_last_layers;
+  return fp8.linear_for_layer(layer, num_layers) == LinearMode::FP8_BLOCK;
+}
+
 }  // namespace
+
+std::string hf_dequantize_block_misread(int64_t out, int64_t in) {
+  const int64_t gr = (out + kQuantBlock - 1) / kQuantBlock, gc = (in + kQuantBlock - 1) / kQuantBlock;
+  const bool rows_ok = gr == 1 || out == gr * kQuantBlock, cols_ok = gc == 1 || in == gc * kQuantBlock;
+  if (rows_ok && cols_ok) return "";
+  if (out % gr != 0 || in % gc != 0)
+    return "refused (\"Weight shape (" + std::to_string(out) + ", " + std::to_string(in) +
+           ") not divisible by scale grid (" + std::to_string(gr) + ", " + std::to_string(gc) + ")\")";
+  return "read with " + std::to_string(out / gr) + "x" + std::to_string(in / gc) +
+         " blocks instead of 128x128: silently wrong weights";
+}
+
+std::vector<std::string> model_fp8_hf_dequantize_misreads(const ModelWeights& w, const SaveOptions& opt) {
+  std::vector<std::string> out;
+  model_for_each_parameter(w, [&](const std::string& name, const Tensor& t) {
+    if (!stored_fp8(name, opt, w.config.num_layers) || t.ndim() != 2) return;
+    const std::string why = hf_dequantize_block_misread(t.dim(0), t.dim(1));
+    if (why.empty()) return;
+    const int64_t gr = (t.dim(0) + kQuantBlock - 1) / kQuantBlock, gc = (t.dim(1) + kQuantBlock - 1) / kQuantBlock;
+    out.push_back(name.substr(0, name.size() - 7) + " [" + std::to_string(t.dim(0)) + ", " +
+                  std::to_string(t.dim(1)) + "] scales [" + std::to_string(gr) + ", " + std::to_string(gc) +
+                  "]: " + why);
+  });
+  return out;
+}
 
 void model_weights_save(const ModelWeights& w, const std::string& dir, const SaveOptions& opt) {
   std::error_code ec;
@@ -43,11 +86,6 @@ void model_weights_save(const ModelWeights& w, const std::string& dir, const Sav
   FP8RL_CHECK(opt.dtype == DType::F32 || opt.dtype == DType::BF16, "checkpoints are saved in F32 or BF16, not ",
               dtype_name(opt.dtype));
   const int L = w.config.num_layers;
-  EnginePrecision fp8;
-  fp8.linear = LinearMode::FP8_BLOCK;
-  fp8.bf16_first_layers = opt.bf16_first_layers;
-  fp8.bf16_last_layers = opt.bf16_last_layers;
-
   // 1. The tensors in their stored form, in model_for_each_parameter's order.
   for (size_t i = 0; i < w.layers.size(); ++i)
     FP8RL_CHECK(w.layers[i].q.w.defined() &&
@@ -68,16 +106,12 @@ void model_weights_save(const ModelWeights& w, const std::string& dir, const Sav
     for (size_t i = 0; i < tensors.size(); ++i) {
       const std::string& name = tensors[i].first;
       const Tensor& t = tensors[i].second;
-      // "model.layers.{i}.<self_attn|mlp>.<x>_proj.weight"
-      const bool linear = name.rfind("model.layers.", 0) == 0 && name.size() > 12 &&
-                          name.compare(name.size() - 12, 12, "_proj.weight") == 0;
-      if (!linear) {
+      if (fp8_candidate_layer(name) < 0) {
         out.push_back({name, t});
         continue;
       }
-      const int layer = std::stoi(name.substr(13));
       const std::string module = name.substr(0, name.size() - 7);  // without ".weight"
-      if (fp8.linear_for_layer(layer, L) != LinearMode::FP8_BLOCK) {
+      if (!stored_fp8(name, opt, L)) {
         kept_linears.push_back(module);
         out.push_back({name, t});
         continue;

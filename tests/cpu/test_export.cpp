@@ -199,6 +199,53 @@ TEST(Export, CommandWritesFp8AndCopiesTokenizerFiles) {
   std::filesystem::remove_all(out);
 }
 
+// Issue 17: transformers' dequantize=True load derives the block size from the scale grid, so an
+// FP8 linear whose width is not a multiple of 128 is misread there (docs/benchmarks.md has the
+// measurement: 0.166 nats/token on tests/data/multiblock/llama_sharp). The export names them.
+TEST(Export, NamesTheLinearsTransformersDequantizeMisreads) {
+  EXPECT_EQ(hf_dequantize_block_misread(40, 256), "");     // one row block, full column blocks
+  EXPECT_EQ(hf_dequantize_block_misread(128, 384), "");
+  EXPECT_EQ(hf_dequantize_block_misread(96, 100), "");     // one block
+  EXPECT_NE(hf_dequantize_block_misread(160, 256).find("80x128 blocks"), std::string::npos);
+  EXPECT_NE(hf_dequantize_block_misread(256, 192).find("128x96 blocks"), std::string::npos);
+  EXPECT_NE(hf_dequantize_block_misread(576, 7168).find("refused"), std::string::npos);  // DeepSeek-V3 kv_a_proj
+  EXPECT_NE(hf_dequantize_block_misread(301, 256).find("refused"), std::string::npos);
+
+  SaveOptions opt;
+  opt.fp8_block = true;
+  const ModelWeights wide = wide_model(21);  // hidden 160, q 320, k/v 64, MLP 200: every linear misread
+  const std::vector<std::string> m = model_fp8_hf_dequantize_misreads(wide, opt);
+  EXPECT_EQ(m.size(), 3u * 7u);
+  ASSERT_FALSE(m.empty());
+  EXPECT_EQ(m[0].rfind("model.layers.0.self_attn.q_proj [320, 160] scales [3, 2]: refused", 0), 0u)
+      << m[0];
+  opt.bf16_first_layers = 1;  // BF16-kept linears are not FP8, so not misread
+  EXPECT_EQ(model_fp8_hf_dequantize_misreads(wide, opt).size(), 2u * 7u);
+  opt.bf16_first_layers = 0;
+  EXPECT_TRUE(model_fp8_hf_dequantize_misreads(wide, SaveOptions{}).empty());  // not FP8 at all
+  // Widths that are multiples of 128 (every real Llama/Qwen checkpoint): nothing to report.
+  const ModelConfig c = model_config_tiny("qwen3", 64, /*hidden=*/256, /*layers=*/2, /*heads=*/4, /*kv_heads=*/1,
+                                          /*intermediate=*/384);  // qwen3 tiny: head_dim 2 * 256 / 4
+  ASSERT_EQ(c.head_dim, 128);
+  EXPECT_TRUE(model_fp8_hf_dequantize_misreads(model_weights_random(c, RandomInit{}, DType::F32), opt).empty());
+
+  // `fp8rl export` says so on stderr.
+  const std::string src = temp_dir("misread_src"), out = temp_dir("misread_out");
+  model_weights_save(wide, src);
+  const std::string cmd = std::string("'") + FP8RL_BINARY + "' export --model '" + src + "' --out '" + out +
+                          "' --format fp8-block 2>&1";
+  FILE* p = ::popen(cmd.c_str(), "r");
+  ASSERT_NE(p, nullptr);
+  std::string text;
+  char buf[512];
+  while (std::fgets(buf, sizeof buf, p)) text += buf;
+  ASSERT_EQ(::pclose(p), 0) << text;
+  EXPECT_NE(text.find("note: 21 FP8 linear(s)"), std::string::npos) << text;
+  EXPECT_NE(text.find("dequantize=True"), std::string::npos) << text;
+  std::filesystem::remove_all(src);
+  std::filesystem::remove_all(out);
+}
+
 // A training checkpoint: BF16 model files that say so, the tokenizer files of the starting
 // model, and the F32 master kept beside them so that the policy reloads exactly.
 TEST(Export, CheckpointIsBf16ForTransformersAndExactForResume) {

@@ -13,6 +13,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/fs.h"
 #include "io/safetensors.h"
 #include "test_model_util.h"
 
@@ -665,9 +666,11 @@ namespace fp8rl {
 namespace {
 
 // ---- fixtures -----------------------------------------------------------------------------------
-// moe_reference_np.json: the numpy reference (scripts/fixtures/make_moe_fixtures_numpy.py,
-// committed); moe_reference.json: transformers' (scripts/fixtures/make_moe_fixtures.py, made on
-// the GPU machine). Each is skipped, with a message, when absent.
+// moe_reference_np.json: the numpy reference (scripts/fixtures/make_moe_fixtures_numpy.py);
+// moe_reference.json: transformers' (scripts/fixtures/make_moe_fixtures.py, torch 2.15 +
+// transformers 5.24 on the CPU: Qwen3MoeForCausalLM x 2 with fp32/fp8/fp8_pow2 references, and
+// DeepseekV3ForCausalLM x 2, MLA, fp32 only: MoeDeepseekFixture below). Both committed; each
+// is skipped, with a message, when absent.
 
 struct MoeFixtureCase {
   const char* file;
@@ -694,6 +697,7 @@ TEST_P(MoeFixtureTest, LogprobsMatchReference) {
   int models = 0;
   for (const auto& [name, m] : ref["models"].items()) {
     const auto seqs = m["sequences"].get<std::vector<std::vector<int32_t>>>();
+    if (m.value("architecture", std::string("Qwen3MoeForCausalLM")) != "Qwen3MoeForCausalLM") continue;  // MLA: below
     if (!m["logprobs"].contains(fc.reference)) continue;
     const auto want = m["logprobs"][fc.reference].get<std::vector<std::vector<double>>>();
     const ModelWeights w = model_weights_load(dir + "/" + m["dir"].get<std::string>(), DType::F32);
@@ -719,12 +723,85 @@ INSTANTIATE_TEST_SUITE_P(
     Qwen3Moe, MoeFixtureTest,
     ::testing::Values(MoeFixtureCase{"moe_reference_np.json", "fp32", LinearMode::FP32, 2e-4},
                       MoeFixtureCase{"moe_reference_np.json", "fp8", LinearMode::FP8_BLOCK, 1e-2},
-                      MoeFixtureCase{"moe_reference.json", "fp32", LinearMode::FP32, 2e-4},
-                      MoeFixtureCase{"moe_reference.json", "fp8", LinearMode::FP8_BLOCK, 1e-2}),
+                      MoeFixtureCase{"moe_reference.json", "fp32", LinearMode::FP32, 2e-4},    // measured <= 5.9e-7
+                      MoeFixtureCase{"moe_reference.json", "fp8", LinearMode::FP8_BLOCK, 1e-3}),  // <= 3.3e-7
     [](const auto& info) {
       return std::string(std::string(info.param.file) == "moe_reference.json" ? "hf_" : "numpy_") +
              info.param.reference;
     });
+
+// DeepSeek-V3 checkpoints made by transformers (MLA with and without q compression, grouped
+// sigmoid routing with a non-zero e_score_correction_bias, shared experts, first_k_dense_replace).
+// fp8rl parses their config as transformers does; their weights need MLA attention, which fp8rl
+// does not implement yet, so the log-prob comparison is skipped (with the refusal's message)
+// while the load refuses them, and runs (< 2e-4 mean |diff| against transformers' fp32) once it
+// does not.
+std::vector<std::pair<std::string, json>> deepseek_fixtures(std::string& dir) {
+  dir = std::string(FP8RL_TEST_DATA) + "/fixtures";
+  std::ifstream f(dir + "/moe_reference.json");
+  std::vector<std::pair<std::string, json>> out;
+  if (!f) return out;
+  const json ref = json::parse(f);
+  for (const auto& [name, m] : ref["models"].items())
+    if (m.value("architecture", std::string()) == "DeepseekV3ForCausalLM") out.push_back({name, m});
+  return out;
+}
+
+TEST(MoeDeepseekFixture, ConfigReadAsTransformersReadsIt) {
+  std::string dir;
+  const auto models = deepseek_fixtures(dir);
+  if (models.empty()) GTEST_SKIP() << dir << "/moe_reference.json has no DeepSeek-V3 model";
+  ASSERT_EQ(models.size(), 2u);
+  for (const auto& [name, m] : models) {
+    const json& hf = m["config"];
+    const ModelConfig c = model_config_from_json(read_file(dir + "/" + m["dir"].get<std::string>() + "/config.json"));
+    EXPECT_EQ(c.model_type, "deepseek_v3") << name;
+    EXPECT_EQ(c.moe_router, "sigmoid") << name;
+    EXPECT_EQ(c.num_experts, hf["n_routed_experts"].get<int>()) << name;
+    EXPECT_EQ(c.num_experts_per_tok, hf["num_experts_per_tok"].get<int>()) << name;
+    EXPECT_EQ(c.moe_intermediate_size, hf["moe_intermediate_size"].get<int>()) << name;
+    EXPECT_EQ(c.n_group, hf["n_group"].get<int>()) << name;
+    EXPECT_EQ(c.topk_group, hf["topk_group"].get<int>()) << name;
+    EXPECT_EQ(c.n_shared_experts, hf["n_shared_experts"].get<int>()) << name;
+    EXPECT_FLOAT_EQ(c.routed_scaling_factor, hf["routed_scaling_factor"].get<float>()) << name;
+    EXPECT_EQ(c.norm_topk_prob, hf["norm_topk_prob"].get<bool>()) << name;
+    EXPECT_EQ(c.q_lora_rank, hf["q_lora_rank"].is_null() ? 0 : hf["q_lora_rank"].get<int>()) << name;
+    EXPECT_EQ(c.kv_lora_rank, hf["kv_lora_rank"].get<int>()) << name;
+    EXPECT_EQ(c.qk_nope_head_dim, hf["qk_nope_head_dim"].get<int>()) << name;
+    EXPECT_EQ(c.qk_rope_head_dim, hf["qk_rope_head_dim"].get<int>()) << name;
+    EXPECT_EQ(c.v_head_dim, hf["v_head_dim"].get<int>()) << name;
+    EXPECT_EQ(c.rope_interleave, hf["rope_interleave"].get<bool>()) << name;
+    EXPECT_TRUE(c.is_mla()) << name;
+    const int k = hf["first_k_dense_replace"].get<int>();
+    for (int l = 0; l < c.num_layers; ++l) EXPECT_EQ(c.layer_is_moe(l), l >= k) << name << " layer " << l;
+  }
+}
+
+TEST(MoeDeepseekFixture, LogprobsMatchTransformersFp32) {
+  std::string dir;
+  const auto models = deepseek_fixtures(dir);
+  if (models.empty()) GTEST_SKIP() << dir << "/moe_reference.json has no DeepSeek-V3 model";
+  auto be = make_cpu_backend();
+  for (const auto& [name, m] : models) {
+    ModelWeights w;
+    try {
+      w = model_weights_load(dir + "/" + m["dir"].get<std::string>(), DType::F32);
+    } catch (const Error& e) {
+      const std::string what = e.what();
+      ASSERT_NE(what.find("MLA"), std::string::npos) << name << ": refused for another reason: " << what;
+      GTEST_SKIP() << name << ": " << e.message() << " -- transformers' fp32 log-probs are in moe_reference.json";
+    }
+    const auto seqs = m["sequences"].get<std::vector<std::vector<int32_t>>>();
+    const auto want = m["logprobs"]["fp32"].get<std::vector<std::vector<double>>>();
+    const ForwardBatch batch = forward_batch_from_sequences(seqs);
+    const std::vector<double> got = score(*be, w, batch, LinearMode::FP32);
+    double sum = 0;
+    size_t n = 0;
+    for (size_t s = 0; s < seqs.size(); ++s)
+      for (size_t t = 0; t + 1 < seqs[s].size(); ++t) sum += std::fabs(got[batch.cu_seqlens[s] + t] - want[s][t]), ++n;
+    EXPECT_LT(sum / n, 2e-4) << name;
+  }
+}
 
 }  // namespace
 }  // namespace fp8rl
