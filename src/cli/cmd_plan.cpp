@@ -48,7 +48,8 @@ int run(const std::vector<std::string>& argv) {
                 " [key.sub=value ...]\n"
                 "  The device-memory plan of `fp8rl train` with this config (rollout sizes, micro_batch_tokens,\n"
                 "  precision.recipe, kl_beta), for the config's model or a named shape. --device-gib: memory of\n"
-                "  the device to check against (default 139 with device=cuda, none on the CPU).\n");
+                "  the device to check against (default 139 with device=cuda, none on the CPU); train.recompute=auto\n"
+                "  is decided against it. train.optimizer_state_dtype=bf16 / train.grad_dtype=bf16: the lean optimizer.\n");
     return 0;
   }
   RunConfig c = config_load(a.get("config"), a.positional());
