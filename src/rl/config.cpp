@@ -711,6 +711,8 @@ void config_validate(const RunConfig& c) {
   need(tr.grad_clip >= 0, "train.grad_clip", "must be >= 0 (0 = off)");
   need(tr.micro_batch_tokens >= 1 && tr.micro_batch_tokens <= kMaxRolloutTokens, "train.micro_batch_tokens",
        "must be in [1, ", kMaxRolloutTokens, "]");
+  need(tr.optimizer_state_rounding == "nearest" || tr.optimizer_state_dtype == "bf16", "train.optimizer_state_rounding",
+       "stochastic rounds BF16 moments: set train.optimizer_state_dtype: bf16 too, or leave the rounding nearest");
   need(tr.optimizer_steps_per_rollout >= 1, "train.optimizer_steps_per_rollout", "must be >= 1");
   need(tr.optimizer_steps_per_rollout <= sequences, "train.optimizer_steps_per_rollout",
        "must not exceed the sequences per step (", sequences, ")");

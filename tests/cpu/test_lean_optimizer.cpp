@@ -12,6 +12,7 @@
 
 #include "backend/adamw_rule.h"
 #include "model/transformer.h"
+#include "rl/config.h"
 #include "test_cpu_ops_util.h"
 #include "train/trainer.h"
 
@@ -254,6 +255,26 @@ TEST(LeanOptimizer, TrainerOptionsTrackTheFp32Trainer) {
       EXPECT_NEAR(l[i], ref[i], 2e-3 * std::fabs(ref[i])) << dtype_name(gd) << " grads, " << dtype_name(md)
                                                          << " moments, sr " << sr << ", step " << i;
   }
+}
+
+// The config keys: their values, and stochastic rounding only with BF16 moments.
+TEST(LeanOptimizer, ConfigKeys) {
+  RunConfig c;
+  EXPECT_EQ(c.train.grad_dtype, "fp32");  // defaults: the FP32 optimizer
+  EXPECT_EQ(c.train.optimizer_state_dtype, "fp32");
+  EXPECT_EQ(c.train.optimizer_state_rounding, "nearest");
+  config_apply_override(c, "train.grad_dtype=bf16");
+  config_apply_override(c, "train.recompute=auto");
+  EXPECT_THROW(config_apply_override(c, "train.optimizer_state_dtype=fp8"), Error);
+  config_apply_override(c, "train.optimizer_state_rounding=stochastic");
+  try {
+    config_validate(c);
+    ADD_FAILURE() << "stochastic rounding of FP32 moments was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("train.optimizer_state_dtype: bf16"), std::string::npos) << e.what();
+  }
+  config_apply_override(c, "train.optimizer_state_dtype=bf16");
+  EXPECT_NO_THROW(config_validate(c));
 }
 
 }  // namespace
