@@ -17,6 +17,9 @@
 // - The CPU backend also accepts F64 tensors in every float argument (FP64 gradient checks);
 //   it computes in double and rounds once into each output's dtype. Saved statistics (rstd,
 //   lse) may then be F64 too, and should be for gradient checks.
+// - "Accumulated" weight gradients (dw, dbias, dtable, dlm_head) may also be BF16
+//   (train.grad_dtype: bf16): each op adds its whole contribution in FP32 (CPU: double) and rounds
+//   the sum into the BF16 gradient once per call (CUDA: through an F32 copy of the gradient).
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -63,6 +66,13 @@ struct RopeParams {
 struct AdamWParams {
   float lr = 1e-3f, beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f, weight_decay = 0.0f;
   int64_t step = 1;  // 1-based, for bias correction
+  // Multiplies the gradient before use (the clipping factor: a BF16 gradient is then not rounded a
+  // second time by scaling it in place).
+  float grad_scale = 1.0f;
+  // BF16 moments only (backend/adamw_rule.h): round m and v stochastically instead of to nearest,
+  // with bits drawn from (rounding_key, step, element); the caller gives each tensor its own key.
+  bool stochastic_rounding = false;
+  uint64_t rounding_key = 0;
 };
 
 // Paged KV cache, flashinfer style (NHD): per layer one K and one V pool of
@@ -276,7 +286,10 @@ class Backend {
                                               Tensor& dweights) = 0;
 
   // ---- optimizer -------------------------------------------------------------------------
-  // Decoupled AdamW on F32 param/grad/m/v of equal shape (in place).
+  // Decoupled AdamW (torch.optim.AdamW), in place, on tensors of one shape: param F32 (the master),
+  // grad F32 or BF16, m and v both F32 or both BF16. F32 moments: the CPU computes in double,
+  // CUDA in FP32. BF16 moments: FP32 math by backend/adamw_rule.h on both (bitwise equal), m and v
+  // rounded to nearest even or, with p.stochastic_rounding, stochastically.
   virtual void adamw(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWParams& p) = 0;
 
   // ---- quantization ----------------------------------------------------------------------

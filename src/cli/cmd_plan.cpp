@@ -48,15 +48,21 @@ int run(const std::vector<std::string>& argv) {
                 " [key.sub=value ...]\n"
                 "  The device-memory plan of `fp8rl train` with this config (rollout sizes, micro_batch_tokens,\n"
                 "  precision.recipe, kl_beta), for the config's model or a named shape. --device-gib: memory of\n"
-                "  the device to check against (default 139 with device=cuda, none on the CPU).\n");
+                "  the device to check against (default 139 with device=cuda, none on the CPU); train.recompute=auto\n"
+                "  is decided against it. train.optimizer_state_dtype=bf16 / train.grad_dtype=bf16: the lean optimizer.\n");
     return 0;
   }
-  const RunConfig c = config_load(a.get("config"), a.positional());
+  RunConfig c = config_load(a.get("config"), a.positional());
   const ModelConfig model = plan_model(c, a.get("shape"));
   const bool cuda = c.device == "cuda";
   const double gib = parse_gib(a.get("device-gib", cuda ? "139" : "0"));
-  const MemoryPlan plan = memory_plan_compute(memory_plan_input(c, model, cuda ? DType::BF16 : DType::F32));
-  std::fputs(memory_plan_format(plan, model, static_cast<int64_t>(gib * double(1ll << 30))).c_str(), stdout);
+  const DType act = cuda ? DType::BF16 : DType::F32;
+  const int64_t device_bytes = static_cast<int64_t>(gib * double(1ll << 30));
+  std::string why;  // train.recompute: auto, decided against the device's memory (none when unknown)
+  c.train.recompute = memory_plan_resolve_recompute(c, model, act, device_bytes > 0 ? device_bytes : -1, false, &why);
+  const MemoryPlan plan = memory_plan_compute(memory_plan_input(c, model, act));
+  std::fputs(memory_plan_format(plan, model, device_bytes).c_str(), stdout);
+  std::fputs(why.c_str(), stdout);
   return 0;
 }
 

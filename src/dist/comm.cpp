@@ -132,9 +132,15 @@ void dist_set_log_prefix(int rank, int world_size) {
 
 void dist_all_reduce_sum(Communicator& comm, Backend& be, const std::vector<Tensor*>& tensors) {
   if (comm.world_size() == 1) return;
-  for (const Tensor* t : tensors)
-    FP8RL_CHECK(t->dtype() == DType::F32, "dist_all_reduce_sum takes F32 tensors, got ", t->str());
+  bool all_f32 = true;
+  for (const Tensor* t : tensors) {
+    FP8RL_CHECK(t->dtype() == DType::F32 || t->dtype() == DType::BF16, "dist_all_reduce_sum takes F32 or BF16 "
+                "tensors, got ", t->str());
+    all_f32 &= t->dtype() == DType::F32;
+  }
   if (be.device() == DeviceKind::CUDA && comm.reduces_on(DeviceKind::CUDA)) {
+    FP8RL_CHECK(all_f32, "the NCCL gradient all-reduce takes F32 gradients; train.grad_dtype: bf16 is not supported "
+                "with NCCL yet (use train.grad_dtype: fp32, or FP8RL_DIST_BACKEND=tcp)");
     be.synchronize();  // the gradients are written on the backend's stream; NCCL runs on its own
     for (Tensor* t : tensors) comm.device_all_reduce_sum(t->data<float>(), static_cast<size_t>(t->numel()));
     return;
@@ -150,7 +156,7 @@ void dist_all_reduce_sum(Communicator& comm, Backend& be, const std::vector<Tens
   for (Tensor* t : tensors) {
     const size_t n = static_cast<size_t>(t->numel());
     const std::vector<float> part(flat.begin() + at, flat.begin() + at + n);
-    be.copy(from_float_vector(part, t->shape()), *t);
+    be.copy(from_float_vector(part, t->shape(), t->dtype()), *t);  // BF16: the F32 sum rounded once
     at += n;
   }
 }

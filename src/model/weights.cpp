@@ -451,7 +451,8 @@ ModelWeights model_weights_to_host(Backend& be, const ModelWeights& w, DType dty
 }
 
 ModelWeights model_grads_alloc(Backend& be, const ModelWeights& w, DType dtype) {
-  FP8RL_CHECK(dtype == DType::F32 || dtype == DType::F64, "gradients must be F32 or F64, got ", dtype_name(dtype));
+  FP8RL_CHECK(dtype == DType::F32 || dtype == DType::F64 || dtype == DType::BF16,
+              "gradients (and optimizer moments) must be F32, BF16 or F64, got ", dtype_name(dtype));
   ModelWeights g = map_weights(
       w,
       [&](const Tensor& t) {

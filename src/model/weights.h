@@ -131,7 +131,8 @@ ModelWeights model_weights_to_device(Backend& backend, const ModelWeights& weigh
 // A host copy (for saving), float tensors in `dtype`.
 ModelWeights model_weights_to_host(Backend& backend, const ModelWeights& weights, DType dtype);
 
-// Gradients: a zero-filled ModelWeights of the same structure on `backend` (F32 or F64);
+// Gradients (and Adam moments): a zero-filled ModelWeights of the same structure on `backend`
+// (F32, BF16 or F64);
 // linears get `w` (and `bias` where the weight has one), never `wq`; tied lm_head shares embed.
 ModelWeights model_grads_alloc(Backend& backend, const ModelWeights& weights, DType dtype = DType::F32);
 void model_grads_zero(Backend& backend, ModelWeights& grads);

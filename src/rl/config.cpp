@@ -244,9 +244,18 @@ std::vector<Field> config_fields(RunConfig& c) {
   t.add_int64("train.micro_batch_tokens", tr.micro_batch_tokens, "tokens per forward/backward chunk");
   t.add_int("train.optimizer_steps_per_rollout", tr.optimizer_steps_per_rollout,
             "optimizer steps per GRPO step (mini-batches of the rollout batch)");
-  t.add_choice("train.recompute", tr.recompute, {"none", "block"},
+  t.add_choice("train.recompute", tr.recompute, {"none", "block", "auto"},
                "activation recomputation: block keeps only each block's input and recomputes the block in "
-               "backward (same gradients, ~1/5 of the saved activations, one more forward)");
+               "backward (same gradients, ~1/5 of the saved activations, one more forward); auto: block when "
+               "the memory plan does not fit the device without it (said at start)");
+  t.add_choice("train.grad_dtype", tr.grad_dtype, {"fp32", "bf16"},
+               "gradient accumulation dtype (bf16: 2 B/param instead of 4; each op's contribution added in FP32 "
+               "and rounded once)");
+  t.add_choice("train.optimizer_state_dtype", tr.optimizer_state_dtype, {"fp32", "bf16"},
+               "Adam moments m, v (bf16: 2+2 B/param instead of 4+4; FP32 math, FP32 master weights)");
+  t.add_choice("train.optimizer_state_rounding", tr.optimizer_state_rounding, {"nearest", "stochastic"},
+               "how BF16 moments are rounded: nearest (even) or stochastic (unbiased; seeded by the step, "
+               "so runs and resumes are reproducible)");
   t.add_bool("train.shard_optimizer", tr.shard_optimizer,
              "data parallel: AdamW moments sharded over the ranks (ZeRO-1)");
   t.add_float("train.ratio_clip_low", tr.ratio_clip_low, "ratio clipped below at 1 - low");
@@ -704,6 +713,8 @@ void config_validate(const RunConfig& c) {
   need(tr.grad_clip >= 0, "train.grad_clip", "must be >= 0 (0 = off)");
   need(tr.micro_batch_tokens >= 1 && tr.micro_batch_tokens <= kMaxRolloutTokens, "train.micro_batch_tokens",
        "must be in [1, ", kMaxRolloutTokens, "]");
+  need(tr.optimizer_state_rounding == "nearest" || tr.optimizer_state_dtype == "bf16", "train.optimizer_state_rounding",
+       "stochastic rounds BF16 moments: set train.optimizer_state_dtype: bf16 too, or leave the rounding nearest");
   need(tr.optimizer_steps_per_rollout >= 1, "train.optimizer_steps_per_rollout", "must be >= 1");
   need(tr.optimizer_steps_per_rollout <= sequences, "train.optimizer_steps_per_rollout",
        "must not exceed the sequences per step (", sequences, ")");

@@ -124,7 +124,11 @@ struct TrainSection {
   double grad_clip = 1.0;           // global grad-norm clip; 0 = off
   int64_t micro_batch_tokens = 4096;  // tokens per forward/backward chunk
   int optimizer_steps_per_rollout = 2;  // the rollout batch is split in this many mini-batches
-  std::string recompute = "none";   // none | block: keep each block's input, recompute it in backward
+  std::string recompute = "none";   // none | block: keep each block's input, recompute it in backward;
+                                    // auto: block when the memory plan does not fit otherwise
+  std::string grad_dtype = "fp32";  // fp32 | bf16: gradients accumulated over micro-batches in this dtype
+  std::string optimizer_state_dtype = "fp32";        // fp32 | bf16: the Adam moments m, v
+  std::string optimizer_state_rounding = "nearest";  // nearest | stochastic: BF16 moments' rounding
   bool shard_optimizer = false;     // data parallel: AdamW moments sharded over the ranks (ZeRO-1)
   double ratio_clip_low = 0.2, ratio_clip_high = 0.2;
   LossAggregation loss_aggregation = LossAggregation::Token;

@@ -216,15 +216,16 @@ int grpo_run(const RunConfig& config_in, bool resume) {
   RunConfig c_session = c;
   if (W > 1 && c.device == "cuda") c_session.device = "cuda:" + std::to_string(comm->local_rank());
   Session s = session_open(c_session, cache_dir());
-  session_check_memory(s);  // refused here, before any work, when the plan cannot fit
+  const std::string recompute = session_check_memory(s);  // refused here, before any work, when the plan cannot fit
   Backend& be = *s.backend;
   RunDir run;
   if (lead) {
     run = run_dir_create(c.out, resume);
-    run_dir_save_config(run, c);
+    run_dir_save_config(run, c);  // train.recompute as given (auto stays auto)
   } else {
     run.path = c.out;
   }
+  c.train.recompute = recompute;
   comm->barrier();  // the run directory exists (and a refused one stopped every rank)
   const PrecisionRecipe recipe = config_precision_recipe(c.precision);
   const GrpoLossOptions loss_opt = config_grpo_options(c.train);

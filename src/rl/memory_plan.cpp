@@ -115,9 +115,15 @@ MemoryPlan memory_plan_compute(const MemoryPlanInput& in) {
   const int64_t a = int64_t(dtype_size(in.act_dtype));
   const int64_t T = in.micro_batch_tokens, V = c.vocab_size, L = c.num_layers;
 
+  FP8RL_CHECK((in.grad_dtype == DType::F32 || in.grad_dtype == DType::BF16) &&
+                  (in.moment_dtype == DType::F32 || in.moment_dtype == DType::BF16),
+              "memory plan: gradients and moments are F32 or BF16");
+  const int64_t gb = int64_t(dtype_size(in.grad_dtype)), mb = int64_t(dtype_size(in.moment_dtype));
   p.resident.push_back({"master weights (F32)", 4 * N, "4 B x parameters"});
-  p.resident.push_back({"gradients (F32)", 4 * N, "4 B x parameters"});
-  p.resident.push_back({"Adam moments m, v (F32)", 8 * N, "2 x 4 B x parameters"});
+  p.resident.push_back({std::string("gradients (") + dtype_name(in.grad_dtype) + ")", gb * N,
+                        std::to_string(gb) + " B x parameters (train.grad_dtype)"});
+  p.resident.push_back({std::string("Adam moments m, v (") + dtype_name(in.moment_dtype) + ")", 2 * mb * N,
+                        "2 x " + std::to_string(mb) + " B x parameters (train.optimizer_state_dtype)"});
   // Trainer::compute_weights, rebuilt in place every optimizer step (an FP32 trainer, the exact
   // recipe, keeps only BF16 embedding/lm_head copies: not counted).
   if (in.act_dtype == DType::BF16 && in.trainer.linear != LinearMode::FP32)
@@ -150,6 +156,13 @@ MemoryPlan memory_plan_compute(const MemoryPlanInput& in) {
   else
     p.transient.push_back({"saved activations, one micro-batch", act,
                            std::to_string(T) + " tokens x every block's LayerActivations (no recomputation)"});
+  if (in.grad_dtype == DType::BF16) {  // CUDA: a BF16 gradient accumulates through an F32 copy, one tensor at a time
+    int64_t largest = int64_t(V) * c.hidden_size;  // the embedding (and an untied lm_head)
+    for (int l = 0; l < c.num_layers; ++l)
+      for (const LinearShape& s : block_linears(c, l)) largest = std::max(largest, s.rows * s.cols);
+    p.transient.push_back({"F32 copy of one BF16 gradient", 4 * largest,
+                           "the largest parameter tensor, while an op accumulates into it (train.grad_dtype: bf16)"});
+  }
   const int64_t hq = int64_t(c.num_heads) * c.head_dim, hkv = int64_t(c.num_kv_heads) * c.head_dim;
   p.transient.push_back({"backward scratch of one block (estimate)",
                          T * (2 * int64_t(c.hidden_size) + 3 * int64_t(c.intermediate_size) + 2 * hq + 2 * hkv) * 4,
@@ -195,6 +208,8 @@ MemoryPlanInput memory_plan_input(const RunConfig& c, const ModelConfig& model, 
   in.kv_pages = sft ? memory_plan_sft_kv_pages(c) : memory_plan_kv_pages(c);
   in.micro_batch_tokens = c.train.micro_batch_tokens;
   in.recompute = c.train.recompute == "block";
+  in.grad_dtype = c.train.grad_dtype == "bf16" ? DType::BF16 : DType::F32;
+  in.moment_dtype = c.train.optimizer_state_dtype == "bf16" ? DType::BF16 : DType::F32;
   in.generation_batch = kRolloutMaxBatch;
   return in;
 }
@@ -228,9 +243,11 @@ std::string memory_plan_format(const MemoryPlan& p, const ModelConfig& c, int64_
     s += buf;
   }
   s += " not counted: the CUDA context, cuBLASLt workspaces, CUDA-graph memory pools, allocator slack\n"
-       " (fragmentation), the host side; the generator's prefill activations (one layer's buffers of at\n"
-       " most max_batch_tokens tokens, reused) and the trainer's scoring forward (no saved activations)\n"
-       " are below the training micro-batch's peak and not added to it.\n";
+       " (fragmentation), the host side (checkpoint staging: a host copy of master + moments while saving);\n"
+       " ZeRO-1's split of the moments over ranks (train.shard_optimizer: counted whole); the generator's\n"
+       " prefill activations (one layer's buffers of at most max_batch_tokens tokens, reused) and the\n"
+       " trainer's scoring forward (no saved activations) are below the training micro-batch's peak and\n"
+       " not added to it.\n";
   if (device_bytes > 0) {
     const int64_t free = device_bytes - p.peak_bytes();
     std::snprintf(buf, sizeof buf, "  %s in %s: %s %s\n", free >= 0 ? "fits" : "DOES NOT FIT", gib(device_bytes).c_str(),
@@ -265,16 +282,47 @@ int64_t memory_plan_free_bytes(const RunConfig& c, int64_t backend_free_bytes) {
   return backend_free_bytes;
 }
 
-std::string memory_plan_check(const RunConfig& c, const ModelConfig& model, DType act, int64_t free_bytes, bool sft) {
-  if (free_bytes < 0) return "memory check: skipped (the device reports no free memory; set memory.free_gib to check)\n";
+std::string memory_plan_resolve_recompute(const RunConfig& c, const ModelConfig& model, DType act, int64_t free_bytes,
+                                          bool sft, std::string* why) {
+  if (c.train.recompute != "auto") return c.train.recompute;
+  RunConfig t = c;
+  t.train.recompute = "none";
+  char buf[512];
+  std::string pick = "none";
+  if (free_bytes < 0) {
+    std::snprintf(buf, sizeof buf, "train.recompute: auto -> none (the device's free memory is unknown; set "
+                  "memory.free_gib to let the plan choose)\n");
+  } else {
+    const int64_t peak = peak_for(t, model, act, sft);
+    if (peak <= free_bytes) {
+      std::snprintf(buf, sizeof buf, "train.recompute: auto -> none (the plan's peak without recomputation, %s, "
+                    "fits in %s free)\n", gib(peak).c_str(), gib(free_bytes).c_str());
+    } else {
+      pick = "block";
+      t.train.recompute = "block";
+      const int64_t with = peak_for(t, model, act, sft);
+      std::snprintf(buf, sizeof buf, "train.recompute: auto -> block (without recomputation the plan's peak, %s, "
+                    "exceeds the %s free; with it: %s)\n", gib(peak).c_str(), gib(free_bytes).c_str(), gib(with).c_str());
+    }
+  }
+  if (why) *why = buf;
+  return pick;
+}
+
+std::string memory_plan_check(const RunConfig& c_in, const ModelConfig& model, DType act, int64_t free_bytes, bool sft) {
+  RunConfig c = c_in;
+  std::string lead;  // train.recompute: auto, resolved
+  c.train.recompute = memory_plan_resolve_recompute(c_in, model, act, free_bytes, sft, &lead);
+  if (free_bytes < 0)
+    return lead + "memory check: skipped (the device reports no free memory; set memory.free_gib to check)\n";
   const int64_t peak = peak_for(c, model, act, sft);
   char buf[512];
   if (peak <= free_bytes) {
     std::snprintf(buf, sizeof buf, "memory check: peak %s fits in %s free (%s left for what the plan does not count)\n",
                   gib(peak).c_str(), gib(free_bytes).c_str(), gib(free_bytes - peak).c_str());
-    return buf;
+    return lead + buf;
   }
-  std::string msg;
+  std::string msg = lead;
   std::snprintf(buf, sizeof buf, "the memory plan's peak, %s, exceeds the device's free memory, %s, by %s.",
                 gib(peak).c_str(), gib(free_bytes).c_str(), gib(peak - free_bytes).c_str());
   msg += buf;
@@ -342,18 +390,30 @@ std::string memory_plan_check(const RunConfig& c, const ModelConfig& model, DTyp
     t.train.kl_beta = 0;
     if (fits(t)) fixes.push_back("train.kl_beta: 0 (drops the frozen reference policy's weights)");
   }
+  // The lean optimizer: 2 B/param per moment instead of 4, BF16 gradients 2 B instead of 4.
+  if (c.train.optimizer_state_dtype != "bf16") {
+    RunConfig t = c;
+    t.train.optimizer_state_dtype = "bf16";
+    if (fits(t)) fixes.push_back("train.optimizer_state_dtype: bf16 (Adam moments in BF16: saves 4 B per parameter)");
+  }
+  if (c.train.grad_dtype != "bf16") {
+    RunConfig t = c;
+    t.train.grad_dtype = "bf16";
+    if (fits(t)) fixes.push_back("train.grad_dtype: bf16 (BF16 gradients: saves 2 B per parameter)");
+  }
   if (c.train.recompute != "block") {
     RunConfig t = c;
     t.train.recompute = "block";
     if (fits(t))
       fixes.insert(fixes.begin(), "train.recompute: block (keeps only each block's input and recomputes the block "
-                                  "in backward: one more forward per micro-batch)");
+                                  "in backward: one more forward per micro-batch; or train.recompute: auto)");
   }
   if (fixes.empty()) {
-    msg += sft ? " No single knob makes it fit (train.recompute, train.micro_batch_tokens, val_size): combine them, or use a smaller "
-                 "model or more memory."
-               : " No single knob makes it fit (train.recompute, train.micro_batch_tokens, the rollout sizes, train.kl_beta): combine "
-                 "them, or use a smaller model or more memory.";
+    msg += sft ? " No single knob makes it fit (train.recompute, train.micro_batch_tokens, val_size, "
+                 "train.optimizer_state_dtype, train.grad_dtype): combine them, or use a smaller model or more memory."
+               : " No single knob makes it fit (train.recompute, train.micro_batch_tokens, the rollout sizes, "
+                 "train.kl_beta, train.optimizer_state_dtype, train.grad_dtype): combine them, or use a smaller "
+                 "model or more memory.";
   } else {
     msg += " Any one of these makes it fit:";
     for (const std::string& f : fixes) msg += "\n  - " + f;

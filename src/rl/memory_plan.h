@@ -28,6 +28,8 @@ struct MemoryPlanInput {
   int64_t kv_pages = 0, page_size = 16;  // the generator's KV pool
   int64_t micro_batch_tokens = 4096;     // tokens per forward/backward chunk
   bool recompute = false;                // train.recompute: block (saved activations: block inputs)
+  DType grad_dtype = DType::F32;         // train.grad_dtype
+  DType moment_dtype = DType::F32;       // train.optimizer_state_dtype (m and v)
   int64_t generation_batch = 256;        // sequences decoded together (logits rows per decode step)
   int64_t logits_chunk_bytes = 256ll << 20;  // the lm_head logits are computed in vocabulary chunks
                                              // of at most this many bytes (CUDA backend)
@@ -67,7 +69,14 @@ inline int64_t memory_plan_sft_kv_pages(const RunConfig& c) { return int64_t(c.v
 
 // The plan's input from a run config, for a given model shape and backend activation dtype.
 // sft: `fp8rl sft`'s run (its validation KV pool, no reference policy) instead of GRPO's.
+// train.recompute: auto counts as none here (resolve it first: memory_plan_resolve_recompute).
 MemoryPlanInput memory_plan_input(const RunConfig& c, const ModelConfig& model, DType act_dtype, bool sft = false);
+
+// train.recompute as the run uses it: none or block as configured; auto -> block when the plan's
+// peak without recomputation exceeds `free_bytes` (known: >= 0), else none. `why` (optional)
+// receives one line that says which and why, printed at start.
+std::string memory_plan_resolve_recompute(const RunConfig& c, const ModelConfig& model, DType act_dtype,
+                                          int64_t free_bytes, bool sft = false, std::string* why = nullptr);
 
 // The machine's physical memory in bytes (0 when unknown).
 int64_t memory_plan_host_bytes();
@@ -88,6 +97,9 @@ std::string memory_plan_format(const MemoryPlan& plan, const ModelConfig& model,
 // context, library workspaces (cuBLASLt), CUDA-graph pools and allocator slack (see
 // memory_plan_format): a peak just under the free memory can still run out.
 // sft: the plan of `fp8rl sft` (knobs: train.micro_batch_tokens, val_size).
+// train.recompute: auto is resolved first (memory_plan_resolve_recompute) and its line leads
+// the result. Among the knobs: train.recompute: block, and the lean optimizer's
+// train.optimizer_state_dtype / train.grad_dtype: bf16 when not already set.
 std::string memory_plan_check(const RunConfig& c, const ModelConfig& model, DType act_dtype, int64_t free_bytes,
                               bool sft = false);
 

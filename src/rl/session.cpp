@@ -215,10 +215,12 @@ ModelConfig session_model_config(const Session& s) {
   return session_tiny_model_config(c.model.tiny, s.tokenizer.vocab_size(), s.eos_id);
 }
 
-void session_check_memory(const Session& s, bool sft) {
+std::string session_check_memory(const Session& s, bool sft) {
   Backend& be = *s.backend;
   const int64_t free_bytes = memory_plan_free_bytes(s.config, be.free_device_bytes());
-  std::fputs(memory_plan_check(s.config, session_model_config(s), be.act_dtype(), free_bytes, sft).c_str(), stdout);
+  const ModelConfig model = session_model_config(s);
+  std::fputs(memory_plan_check(s.config, model, be.act_dtype(), free_bytes, sft).c_str(), stdout);
+  return memory_plan_resolve_recompute(s.config, model, be.act_dtype(), free_bytes, sft);
 }
 
 ModelWeights session_initial_policy(const Session& s) {
@@ -312,7 +314,10 @@ TrainerOptions trainer_options(const RunConfig& c) {
   o.beta2 = static_cast<float>(c.train.adam_beta2);
   o.eps = static_cast<float>(c.train.adam_eps);
   o.micro_batch_tokens = c.train.micro_batch_tokens;
-  o.recompute = c.train.recompute == "block";
+  o.recompute = c.train.recompute == "block";  // "auto" is resolved by session_check_memory
+  o.grad_dtype = c.train.grad_dtype == "bf16" ? DType::BF16 : DType::F32;
+  o.moment_dtype = c.train.optimizer_state_dtype == "bf16" ? DType::BF16 : DType::F32;
+  o.stochastic_rounding = c.train.optimizer_state_rounding == "stochastic";
   return o;
 }
 

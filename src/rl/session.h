@@ -73,8 +73,9 @@ ModelConfig session_model_config(const Session& s);
 
 // The start-up memory check (rl/memory_plan.h memory_plan_check) for this session's model and
 // backend, printed to stdout; throws, before any work, when the plan cannot fit. sft: the plan
-// of `fp8rl sft` (memory_plan_input's sft).
-void session_check_memory(const Session& s, bool sft = false);
+// of `fp8rl sft` (memory_plan_input's sft). Returns train.recompute as the run must use it
+// ("none" or "block": `auto` resolved by the plan, memory_plan_resolve_recompute).
+std::string session_check_memory(const Session& s, bool sft = false);
 
 // The starting policy on the host (F32): model.path, or a tiny random model (seeded).
 ModelWeights session_initial_policy(const Session& s);

@@ -17,13 +17,15 @@
 
 namespace fp8rl {
 
-std::string sft_run(const RunConfig& c, bool print_plan) {
+std::string sft_run(const RunConfig& c_in, bool print_plan) {
   using Clock = std::chrono::steady_clock;
+  RunConfig c = c_in;
   Session s = session_open(c, cache_dir());
-  session_check_memory(s, /*sft=*/true);  // refused here, before any work, when the plan cannot fit
+  const std::string recompute = session_check_memory(s, /*sft=*/true);  // refused here, before any work
   Backend& be = *s.backend;
   RunDir run = run_dir_create(c.out, /*resume=*/false);
-  run_dir_save_config(run, c);
+  run_dir_save_config(run, c);  // train.recompute as given (auto stays auto)
+  c.train.recompute = recompute;
   const PrecisionRecipe recipe = config_precision_recipe(c.precision);
   ModelWeights host = session_initial_policy(s);
   session_set_model(s, host.config.vocab_size);

@@ -89,9 +89,13 @@ Trainer::Trainer(Backend& be, ModelWeights master, const EnginePrecision& prec, 
     master_.config = config;
     return;
   }
-  grads_ = model_grads_alloc(be_, master_, DType::F32);
-  m_ = model_grads_alloc(be_, master_, DType::F32);
-  v_ = model_grads_alloc(be_, master_, DType::F32);
+  FP8RL_CHECK(opt_.grad_dtype == DType::F32 || opt_.grad_dtype == DType::BF16, "trainer gradients must be F32 or "
+              "BF16, got ", dtype_name(opt_.grad_dtype));
+  FP8RL_CHECK(opt_.moment_dtype == DType::F32 || opt_.moment_dtype == DType::BF16, "Adam moments must be F32 or "
+              "BF16, got ", dtype_name(opt_.moment_dtype));
+  grads_ = model_grads_alloc(be_, master_, opt_.grad_dtype);
+  m_ = model_grads_alloc(be_, master_, opt_.moment_dtype);
+  v_ = model_grads_alloc(be_, master_, opt_.moment_dtype);
 }
 
 std::vector<std::pair<size_t, size_t>> Trainer::micro_batches(const std::vector<TrainSequence>& seqs) const {
@@ -259,9 +263,12 @@ StepResult Trainer::step(const std::vector<TrainSequence>& seqs, float temperatu
     return r;  // the weights and the optimizer state stay untouched
   }
   std::vector<Tensor*> g = params_of(grads_);
+  float grad_scale = 1.0f;  // BF16 gradients: the clipping factor is applied inside AdamW (no second rounding)
   if (opt_.grad_clip > 0 && r.grad_norm > opt_.grad_clip) {
     const float s = static_cast<float>(opt_.grad_clip / (r.grad_norm + 1e-6));
-    for (Tensor* t : g) be_.scale(*t, s);
+    if (opt_.grad_dtype == DType::BF16) grad_scale = s;
+    else
+      for (Tensor* t : g) be_.scale(*t, s);
   }
   ++adam_step_;
   std::vector<Tensor*> w = params_of(master_);
@@ -280,6 +287,9 @@ StepResult Trainer::step(const std::vector<TrainSequence>& seqs, float temperatu
     ap.eps = opt_.eps;
     ap.weight_decay = w[i]->ndim() == 2 ? opt_.weight_decay : 0.0f;
     ap.step = adam_step_;
+    ap.grad_scale = grad_scale;
+    ap.stochastic_rounding = opt_.stochastic_rounding;
+    ap.rounding_key = 0x6f7074696d000000ull + i;  // per parameter tensor (model_for_each_parameter order)
     be_.adamw(*w[i], *g[i], *m[i], *v[i], ap);
   }
   if (!owner_.empty()) broadcast_from_owners(w, nullptr);  // every rank gets every new weight
@@ -366,8 +376,12 @@ void Trainer::gather_optimizer_state() {
   broadcast_from_owners(v_ptr_, &hv);
   gathered_.clear();
   if (comm_->rank() != 0) return;
-  for (size_t i = 0; i < names.size(); ++i) gathered_.push_back({names[i] + ".exp_avg", hm[i]});
-  for (size_t i = 0; i < names.size(); ++i) gathered_.push_back({names[i] + ".exp_avg_sq", hv[i]});
+  // The broadcast moves F32; BF16 moments convert back exactly.
+  auto in_dtype = [&](const Tensor& h) {
+    return h.dtype() == opt_.moment_dtype ? h : from_float_vector(to_float_vector(h), h.shape(), opt_.moment_dtype);
+  };
+  for (size_t i = 0; i < names.size(); ++i) gathered_.push_back({names[i] + ".exp_avg", in_dtype(hm[i])});
+  for (size_t i = 0; i < names.size(); ++i) gathered_.push_back({names[i] + ".exp_avg_sq", in_dtype(hv[i])});
   gathered_step_ = adam_step_;
 }
 
@@ -388,8 +402,12 @@ void Trainer::load_optimizer_state(const std::function<Tensor(const std::string&
     model_for_each_parameter(dst, [&](const std::string& n, Tensor& t) {
       if (!t.defined()) return;  // ZeRO-1: another rank's
       Tensor h = get(n + suffix);
-      FP8RL_CHECK(h.shape() == t.shape() && h.dtype() == DType::F32, "optimizer state ", n, suffix, " is ", h.str(),
-                  ", expected F32", shape_str(t.shape()), "; the checkpoint does not match this model");
+      FP8RL_CHECK(h.shape() == t.shape(), "optimizer state ", n, suffix, " is ", h.str(), ", expected ",
+                  dtype_name(t.dtype()), shape_str(t.shape()), "; the checkpoint does not match this model");
+      if (h.dtype() != t.dtype())
+        FP8RL_FAIL("the checkpoint's Adam moments are ", dtype_name(h.dtype()), " (", n, suffix, ") but this run keeps ",
+                   dtype_name(t.dtype()), " moments: resume with the run's train.optimizer_state_dtype (",
+                   h.dtype() == DType::BF16 ? "bf16" : "fp32", ")");
       be_.copy(h, t);
     });
   };

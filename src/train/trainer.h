@@ -39,6 +39,13 @@ struct TrainerOptions {
   float grad_clip = 1.0f;             // global L2 norm; <= 0 disables clipping
   float weight_decay = 0.0f;          // decoupled; applied to 2-D weights only (not norms, biases)
   float beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f;
+  // The lean optimizer (train.grad_dtype, train.optimizer_state_dtype): the master stays F32.
+  // Gradients F32 or BF16: accumulated over the micro-batches in the gradient's dtype, each op's
+  // contribution added in FP32 and rounded once (backend.h). Adam moments F32 or BF16 (FP32 math,
+  // backend/adamw_rule.h), rounded to nearest or stochastically (stochastic_rounding).
+  DType grad_dtype = DType::F32;
+  DType moment_dtype = DType::F32;
+  bool stochastic_rounding = false;
   int64_t micro_batch_tokens = 4096;  // a micro-batch holds whole sequences up to this many tokens
   bool recompute = false;             // block recomputation in backward (ForwardOptions::recompute)
   bool cache_fp8_weights = true;      // the FP8 weight cache (above); false: the ops quantize w per call
@@ -125,12 +132,14 @@ class Trainer {
   }
   const ModelWeights& master() const { return master_; }
   const EnginePrecision& precision() const { return prec_; }
+  const TrainerOptions& options() const { return opt_; }
   int64_t optimizer_step() const { return adam_step_; }
   // How many times the FP8 weight cache was (re)quantized (tests, benchmarks).
   int64_t weight_cache_refreshes() const { return wq_refreshes_; }
 
   // Optimizer state for checkpoints: the moments as named host tensors ("<param>.exp_avg",
-  // "<param>.exp_avg_sq") and the step counter.
+  // "<param>.exp_avg_sq") in their dtype (TrainerOptions::moment_dtype) and the step counter;
+  // loading requires that dtype (a resumed run continues bit for bit).
   std::vector<std::pair<std::string, Tensor>> optimizer_state() const;
   void load_optimizer_state(const std::function<Tensor(const std::string&)>& get, int64_t adam_step);
 

@@ -294,5 +294,130 @@ TEST(MemoryCheck, TrainAndSftRefuseBeforeAnyWork) {
   std::filesystem::remove_all(root);
 }
 
+// The lean optimizer's lines: BF16 gradients 2 B/param, BF16 moments 2 + 2 B/param, and (BF16
+// gradients) the F32 copy of the largest gradient an op accumulates through.
+TEST(MemoryPlan, LeanOptimizerCountsTwoBytesPerValue) {
+  MemoryPlanInput in;
+  in.model = small_shape();
+  in.kv_pages = 10;
+  in.micro_batch_tokens = 100;
+  in.generation_batch = 8;
+  const MemoryPlan full = memory_plan_compute(in);
+  in.grad_dtype = DType::BF16;
+  in.moment_dtype = DType::BF16;
+  const MemoryPlan lean = memory_plan_compute(in);
+  const int64_t N = 138112;
+  EXPECT_EQ(find(lean.resident, "master weights"), 4 * N);  // the master stays F32
+  EXPECT_EQ(find(lean.resident, "gradients (BF16)"), 2 * N);
+  EXPECT_EQ(find(lean.resident, "Adam moments m, v (BF16)"), 4 * N);
+  EXPECT_EQ(find(full.resident, "gradients (F32)"), 4 * N);
+  EXPECT_EQ(find(full.resident, "Adam moments m, v (F32)"), 8 * N);
+  // The largest tensor is the embedding, 1000 x 64.
+  EXPECT_EQ(find(lean.transient, "F32 copy of one BF16 gradient"), 4 * 64000);
+  EXPECT_EQ(full.resident_bytes() - lean.resident_bytes(), 6 * N);
+  EXPECT_EQ(full.peak_bytes() - lean.peak_bytes(), 6 * N - 4 * 64000);
+  // From the config keys.
+  RunConfig c;
+  c.train.grad_dtype = "bf16";
+  c.train.optimizer_state_dtype = "bf16";
+  const MemoryPlanInput ci = memory_plan_input(c, small_shape(), DType::BF16);
+  EXPECT_EQ(ci.grad_dtype, DType::BF16);
+  EXPECT_EQ(ci.moment_dtype, DType::BF16);
+  const std::string text = memory_plan_format(memory_plan_compute(ci), small_shape());
+  EXPECT_NE(text.find("train.optimizer_state_dtype"), std::string::npos) << text;
+  EXPECT_NE(text.find("ZeRO-1"), std::string::npos) << text;  // says what it does not count
+}
+
+// train.recompute: auto picks block exactly when the plan does not fit without it, and says so;
+// with the free memory unknown it keeps none.
+TEST(MemoryCheck, RecomputeAutoChoosesBlockOnlyWhenNeeded) {
+  RunConfig c;
+  c.precision.recipe = "bf16";
+  c.train.micro_batch_tokens = 32768;
+  c.train.recompute = "auto";
+  const ModelConfig m = memory_plan_shape("qwen3-1.7b");
+  RunConfig none = c, block = c;
+  none.train.recompute = "none";
+  block.train.recompute = "block";
+  const int64_t p_none = memory_plan_compute(memory_plan_input(none, m, DType::BF16)).peak_bytes();
+  const int64_t p_block = memory_plan_compute(memory_plan_input(block, m, DType::BF16)).peak_bytes();
+  ASSERT_LT(p_block, p_none);
+  EXPECT_EQ(memory_plan_input(c, m, DType::BF16).recompute, false);  // auto counts as none until resolved
+  std::string why;
+  EXPECT_EQ(memory_plan_resolve_recompute(c, m, DType::BF16, p_none, false, &why), "none");
+  EXPECT_NE(why.find("auto -> none"), std::string::npos) << why;
+  EXPECT_EQ(memory_plan_resolve_recompute(c, m, DType::BF16, p_none - 1, false, &why), "block");
+  EXPECT_NE(why.find("auto -> block"), std::string::npos) << why;
+  EXPECT_EQ(memory_plan_resolve_recompute(c, m, DType::BF16, -1, false, &why), "none");
+  EXPECT_NE(why.find("unknown"), std::string::npos) << why;
+  EXPECT_EQ(memory_plan_resolve_recompute(none, m, DType::BF16, 1, false), "none");  // as configured
+  EXPECT_EQ(memory_plan_resolve_recompute(block, m, DType::BF16, -1, false), "block");
+  // The start-up check resolves it first: fits with block between the two peaks, says why.
+  const std::string ok = memory_plan_check(c, m, DType::BF16, (p_none + p_block) / 2);
+  EXPECT_NE(ok.find("auto -> block"), std::string::npos) << ok;
+  EXPECT_NE(ok.find("fits"), std::string::npos) << ok;
+  // Below block's peak it still refuses, naming the other knobs (not block again).
+  try {
+    memory_plan_check(c, m, DType::BF16, p_block - (1ll << 30));
+    ADD_FAILURE() << "expected a refusal";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("auto -> block"), std::string::npos) << msg;
+    EXPECT_EQ(msg.find("- train.recompute: block"), std::string::npos) << msg;
+  }
+}
+
+// The lean optimizer is among the knobs a refusal names, each checked with the plan.
+TEST(MemoryCheck, NamesTheLeanOptimizerKnobs) {
+  RunConfig c;
+  c.precision.recipe = "bf16";
+  c.train.recompute = "block";
+  const ModelConfig m = memory_plan_shape("qwen3-8b");
+  RunConfig lean = c;
+  lean.train.optimizer_state_dtype = "bf16";
+  const int64_t p = memory_plan_compute(memory_plan_input(c, m, DType::BF16)).peak_bytes();
+  const int64_t pl = memory_plan_compute(memory_plan_input(lean, m, DType::BF16)).peak_bytes();
+  ASSERT_LT(pl, p);
+  try {
+    memory_plan_check(c, m, DType::BF16, (p + pl) / 2);
+    ADD_FAILURE() << "expected a refusal";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("train.optimizer_state_dtype: bf16"), std::string::npos) << msg;
+  }
+}
+
+std::string run_command(const std::string& line, int* status) {
+  FILE* f = popen((line + " 2>&1").c_str(), "r");
+  std::string text;
+  if (!f) return text;
+  char buf[512];
+  while (fgets(buf, sizeof buf, f)) text += buf;
+  *status = pclose(f);
+  return text;
+}
+
+// `fp8rl plan` and the start of `fp8rl sft` say what train.recompute: auto chose and why.
+TEST(MemoryCheck, RecomputeAutoIsSaidAtStart) {
+  int st = 0;
+  const std::string plan = std::string("'") + FP8RL_BINARY + "' plan --shape qwen3-1.7b device=cuda precision.recipe=bf16 "
+                           "train.micro_batch_tokens=32768 train.recompute=auto";
+  std::string text = run_command(plan + " --device-gib 40", &st);
+  EXPECT_EQ(st, 0) << text;
+  EXPECT_NE(text.find("train.recompute: auto -> block"), std::string::npos) << text;
+  EXPECT_NE(text.find("(train.recompute: block)"), std::string::npos) << text;  // the plan counted it
+  text = run_command(plan + " --device-gib 139", &st);
+  EXPECT_NE(text.find("train.recompute: auto -> none"), std::string::npos) << text;
+  const std::string root = ::testing::TempDir() + "fp8rl_recompute_auto_" + std::to_string(::getpid());
+  text = run_command("FP8RL_CACHE_DIR='" + root + "/cache' '" + FP8RL_BINARY + "' sft sft.steps=1 sft.batch_size=2 "
+                     "val_size=2 model.tiny.hidden_size=32 model.tiny.num_layers=1 model.tiny.num_heads=2 "
+                     "model.tiny.num_kv_heads=1 model.tiny.head_dim=16 model.tiny.intermediate_size=64 "
+                     "train.recompute=auto memory.free_gib=100 out=" + root + "/run", &st);
+  EXPECT_EQ(st, 0) << text;
+  EXPECT_NE(text.find("train.recompute: auto -> none (the plan's peak without recomputation"), std::string::npos)
+      << text;
+  std::filesystem::remove_all(root);
+}
+
 }  // namespace
 }  // namespace fp8rl

@@ -157,12 +157,14 @@ std::vector<std::string> coin_task_overrides() {
 // A run stopped after 2 steps and resumed to 4 equals an uninterrupted 4-step run: the same
 // metrics for steps 3-4 (everything but timings) and the same final weights and optimizer state.
 // fp8_e2e: the resumed generator also needs the checkpoint's KV scales.
-TEST(RlLoop, ResumeContinuesAsIfNeverStopped) {
+// `extra`: more overrides (the lean optimizer's keys below); `tag` names the run directories.
+void check_resume_continues(const std::vector<std::string>& extra, const std::string& tag) {
   Scratch::root();
-  const std::string a = fresh_dir("resume_a"), b = fresh_dir("resume_b");
+  const std::string a = fresh_dir("resume_a" + tag), b = fresh_dir("resume_b" + tag);
   auto config = [&](const std::string& out, int steps) {
     std::vector<std::string> o = tiny_overrides("fp8_e2e", steps);
     for (const std::string& t : coin_task_overrides()) o.push_back(t);
+    for (const std::string& t : extra) o.push_back(t);
     o.push_back("checkpoint_every=1");
     o.push_back("out=" + out);
     return config_load("", o);
@@ -204,6 +206,35 @@ TEST(RlLoop, ResumeContinuesAsIfNeverStopped) {
   EXPECT_TRUE(same_file(ca + "/optimizer.safetensors", cb + "/optimizer.safetensors"));
   EXPECT_TRUE(same_file(ca + "/trainer_state.json", cb + "/trainer_state.json"));
   EXPECT_FALSE(same_file(a + "/checkpoints/step_000002/model.safetensors", ca + "/model.safetensors"));
+}
+
+TEST(RlLoop, ResumeContinuesAsIfNeverStopped) { check_resume_continues({}, ""); }
+
+// The lean optimizer (train.grad_dtype, train.optimizer_state_dtype, train.optimizer_state_rounding):
+// each resumes bit for bit too; the checkpoint keeps the moments in their own dtype.
+TEST(RlLoop, ResumeContinuesWithTheLeanOptimizer) {
+  const std::vector<std::pair<std::string, std::vector<std::string>>> cases = {
+      {"_grad_bf16", {"train.grad_dtype=bf16"}},
+      {"_moments_bf16", {"train.optimizer_state_dtype=bf16"}},
+      {"_moments_bf16_sr", {"train.optimizer_state_dtype=bf16", "train.optimizer_state_rounding=stochastic"}},
+      {"_lean", {"train.grad_dtype=bf16", "train.optimizer_state_dtype=bf16", "train.optimizer_state_rounding=stochastic"}}};
+  for (const auto& [tag, extra] : cases) {
+    SCOPED_TRACE(tag);
+    check_resume_continues(extra, tag);
+    const bool bf16_moments = tag.find("moments") != std::string::npos || tag == "_lean";
+    const SafetensorsFile f = SafetensorsFile::open(Scratch::root() + "/resume_a" + tag +
+                                                    "/checkpoints/step_000002/optimizer.safetensors");
+    int moments = 0;
+    for (const std::string& n : f.tensor_names()) {
+      if (n.rfind("master.", 0) == 0) {
+        EXPECT_EQ(f.get(n).dtype(), DType::F32) << n;  // the master stays F32
+      } else if (n.size() > 8 && (n.find(".exp_avg") != std::string::npos)) {
+        EXPECT_EQ(f.get(n).dtype(), bf16_moments ? DType::BF16 : DType::F32) << n;
+        ++moments;
+      }
+    }
+    EXPECT_GT(moments, 0);
+  }
 }
 
 // ---- fault handling -------------------------------------------------------------------------

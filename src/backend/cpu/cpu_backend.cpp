@@ -8,6 +8,7 @@
 #include <malloc.h>
 #endif
 
+#include "backend/adamw_rule.h"
 #include "core/error.h"
 
 namespace fp8rl {
@@ -160,13 +161,34 @@ bool CpuBackend::all_finite(const Tensor& x) {
 
 // torch.optim.AdamW (single-tensor path): p *= 1 - lr*wd; m = lerp(m, g, 1 - b1);
 // v = b2 v + (1 - b2) g^2; p -= (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps).
+// F32 moments: in double, rounded once into each output. BF16 moments: adamw_rule.h (FP32).
 void CpuBackend::adamw(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWParams& p) {
   FP8RL_CHECK(param.shape() == grad.shape() && param.shape() == m.shape() && param.shape() == v.shape(),
               "adamw needs param, grad, m, v of one shape: ", param.str(), ", ", grad.str(), ", ", m.str(),
               ", ", v.str());
   FP8RL_CHECK(p.step >= 1, "adamw step is 1-based, got ", p.step);
+  FP8RL_CHECK(m.dtype() == v.dtype(), "adamw: m and v must have one dtype, got ", m.str(), " and ", v.str());
+  if (m.dtype() == DType::BF16) {
+    check_cpu(param, "adamw param");
+    check_cpu(m, "adamw m");
+    check_cpu(v, "adamw v");
+    FP8RL_CHECK(param.dtype() == DType::F32, "adamw with BF16 moments needs the F32 master, got ", param.str());
+    FP8RL_CHECK(grad.dtype() == DType::F32 || grad.dtype() == DType::BF16, "adamw grad must be F32 or BF16, got ",
+                grad.str());
+    const std::vector<double> g = load(grad, "adamw grad");  // exact: F32 and BF16 widen to double
+    const AdamWScalars sc = adamw_scalars(p.lr, p.beta1, p.beta2, p.eps, p.weight_decay, p.step, p.grad_scale);
+    float* w = param.data<float>();
+    uint16_t *mm = m.data<uint16_t>(), *vv = v.data<uint16_t>();
+    for (int64_t i = 0; i < param.numel(); ++i) {
+      const uint32_t bits = p.stochastic_rounding ? adamw_rounding_bits(p.rounding_key, p.step, i) : 0;
+      adamw_bf16_moments_step(w[i], static_cast<float>(g[i]), mm[i], vv[i], sc, p.stochastic_rounding, bits);
+    }
+    return;
+  }
   std::vector<double> w = load(param, "adamw param"), mm = load(m, "adamw m"), vv = load(v, "adamw v");
-  const std::vector<double> g = load(grad, "adamw grad");
+  std::vector<double> g = load(grad, "adamw grad");
+  if (p.grad_scale != 1.0f)
+    for (double& e : g) e *= p.grad_scale;
   const double bc1 = 1 - std::pow(double(p.beta1), double(p.step));
   const double bc2_sqrt = std::sqrt(1 - std::pow(double(p.beta2), double(p.step)));
   const double step_size = double(p.lr) / bc1;

@@ -1,5 +1,6 @@
 // CPU backend: embedding, RMSNorm, RoPE, SwiGLU (forward and backward).
 #include <cmath>
+#include <map>
 
 #include "backend/cpu/cpu_backend.h"
 #include "core/error.h"
@@ -32,11 +33,26 @@ void CpuBackend::embedding_backward(const Tensor& ids, const Tensor& dout, Tenso
   const int64_t T = static_cast<int64_t>(id.size()), V = dtable.dim(0), D = dtable.dim(1);
   check_shape(dout, {T, D}, "embedding dout");
   const std::vector<double> g = load(dout, "embedding dout");
-  for (int64_t t = 0; t < T; ++t) {
+  for (int64_t t = 0; t < T; ++t)
     FP8RL_CHECK(id[t] >= 0 && id[t] < V, "embedding_backward: token id ", id[t], " at position ", t,
                 " is outside the vocabulary [0, ", V, ")");
-    Tensor row = dtable.select(id[t]);
-    accumulate(std::vector<double>(g.begin() + t * D, g.begin() + (t + 1) * D), row, "embedding dtable");
+  if (dtable.dtype() == DType::F32 || dtable.dtype() == DType::F64) {  // row by row, in token order
+    for (int64_t t = 0; t < T; ++t) {
+      Tensor row = dtable.select(id[t]);
+      accumulate(std::vector<double>(g.begin() + t * D, g.begin() + (t + 1) * D), row, "embedding dtable");
+    }
+    return;
+  }
+  // A 16-bit gradient: each row's contributions summed in double, then rounded into it once.
+  std::map<int32_t, std::vector<double>> rows;
+  for (int64_t t = 0; t < T; ++t) {
+    std::vector<double>& r = rows[id[t]];
+    r.resize(D, 0.0);
+    for (int64_t j = 0; j < D; ++j) r[j] += g[t * D + j];
+  }
+  for (auto& [i, r] : rows) {
+    Tensor row = dtable.select(i);
+    accumulate(r, row, "embedding dtable");
   }
 }
 

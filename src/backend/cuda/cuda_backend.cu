@@ -52,6 +52,22 @@ void check_wq(const LinearWeight& W, const LinearSpec& spec) {
               spec.pow2_scales, " (requantize the weight with the recipe's scales)");
 }
 
+
+// A BF16 weight gradient (train.grad_dtype: bf16; backend.h) is accumulated through an F32 copy:
+// widened exactly, the op's F32 path adds its contribution, rounded back once.
+bool is_bf16_grad(const Tensor* g) { return g && g->defined() && g->dtype() == DType::BF16; }
+
+Tensor grad_widen(Backend& be, const Tensor* g) {
+  if (!is_bf16_grad(g)) return Tensor();
+  Tensor w = be.alloc(g->shape(), DType::F32);
+  be.convert(*g, w);
+  return w;
+}
+
+void grad_narrow(Backend& be, const Tensor& w, Tensor* g) {
+  if (w.defined()) be.convert(w, *g);
+}
+
 }  // namespace
 
 CudaBackend::CudaBackend(int device_index, DType act_dtype) : device_(device_index), act_dtype_(act_dtype) {
@@ -423,6 +439,12 @@ void CudaBackend::embedding(const Tensor& ids, const Tensor& table, Tensor& out)
 }
 
 void CudaBackend::embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable) {
+  if (is_bf16_grad(&dtable)) {
+    Tensor d32 = grad_widen(*this, &dtable);
+    embedding_backward(ids, dout, d32);
+    grad_narrow(*this, d32, &dtable);
+    return;
+  }
   const OpTimer op_timer_(*this, "embedding_backward");
   check_dev(ids, "embedding ids");
   check_dev(dout, "embedding dout");
@@ -456,6 +478,12 @@ void CudaBackend::rmsnorm(const Tensor& x, const Tensor& w, float eps, Tensor& o
 
 void CudaBackend::rmsnorm_backward(const Tensor& dout, const Tensor& x, const Tensor& w, const Tensor& rstd,
                                    Tensor& dx, Tensor& dw) {
+  if (is_bf16_grad(&dw)) {
+    Tensor dw32 = grad_widen(*this, &dw);
+    rmsnorm_backward(dout, x, w, rstd, dx, dw32);
+    grad_narrow(*this, dw32, &dw);
+    return;
+  }
   const OpTimer op_timer_(*this, "rmsnorm_backward");
   check_dev(dout, "rmsnorm dout");
   check_dev(x, "rmsnorm x");
@@ -662,13 +690,29 @@ void CudaBackend::adamw(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v,
   const OpTimer op_timer_(*this, "adamw");
   for (const Tensor* t : std::initializer_list<const Tensor*>{&param, &grad, &m, &v}) {
     check_dev(*t, "adamw tensor");
-    check_dtype(*t, DType::F32, "adamw tensor");
     FP8RL_CHECK(t->shape() == param.shape(), "adamw: param/grad/m/v must have one shape");
   }
+  check_dtype(param, DType::F32, "adamw param");
+  FP8RL_CHECK(grad.dtype() == DType::F32 || grad.dtype() == DType::BF16, "adamw grad must be F32 or BF16, got ",
+              grad.str());
+  FP8RL_CHECK(m.dtype() == v.dtype() && (m.dtype() == DType::F32 || m.dtype() == DType::BF16),
+              "adamw: m and v must be both F32 or both BF16, got ", m.str(), " and ", v.str());
   FP8RL_CHECK(p.step >= 1, "adamw: step is 1-based, got ", p.step);
+  if (m.dtype() == DType::BF16) {
+    const AdamWScalars sc = adamw_scalars(p.lr, p.beta1, p.beta2, p.eps, p.weight_decay, p.step, p.grad_scale);
+    launch_adamw_bf16_moments(param.data<float>(), grad.raw(), grad.dtype(), m.data<uint16_t>(), v.data<uint16_t>(),
+                              param.numel(), sc, p.stochastic_rounding, p.rounding_key, p.step, stream_);
+    return;
+  }
+  Tensor g32 = grad;  // a BF16 or scaled gradient: an F32 copy for the F32 kernel
+  if (grad.dtype() == DType::BF16 || p.grad_scale != 1.0f) {
+    g32 = alloc(grad.shape(), DType::F32);
+    launch_convert(grad.raw(), grad.dtype(), g32.raw(), DType::F32, grad.numel(), stream_);
+    if (p.grad_scale != 1.0f) launch_scale(g32.raw(), DType::F32, g32.numel(), p.grad_scale, stream_);
+  }
   const float bc1 = 1.0f - std::pow(p.beta1, static_cast<float>(p.step));
   const float bc2 = 1.0f - std::pow(p.beta2, static_cast<float>(p.step));
-  launch_adamw(param.data<float>(), grad.data<float>(), m.data<float>(), v.data<float>(), param.numel(), p.lr, p.beta1,
+  launch_adamw(param.data<float>(), g32.data<float>(), m.data<float>(), v.data<float>(), param.numel(), p.lr, p.beta1,
                p.beta2, p.eps, p.weight_decay, bc1, bc2, stream_);
 }
 
@@ -854,6 +898,13 @@ void CudaBackend::linear_shared_input(const Tensor& x, const std::vector<const L
 
 void CudaBackend::linear_backward(const Tensor& dy, const Tensor& x, const LinearWeight& W, const LinearSpec& spec,
                                   Tensor* dx, Tensor* dw, Tensor* dbias) {
+  if (is_bf16_grad(dw) || is_bf16_grad(dbias)) {
+    Tensor dw32 = grad_widen(*this, dw), db32 = grad_widen(*this, dbias);
+    linear_backward(dy, x, W, spec, dx, dw32.defined() ? &dw32 : dw, db32.defined() ? &db32 : dbias);
+    grad_narrow(*this, dw32, dw);
+    grad_narrow(*this, db32, dbias);
+    return;
+  }
   const OpTimer op_timer_(*this, "linear_backward");
   check_dev(dy, "linear_backward dy");
   check_dev(x, "linear_backward x");
@@ -1100,7 +1151,8 @@ void CudaBackend::token_logprobs_backward(const Tensor& hidden, const Tensor& lm
   check_shape(dlogp, {T}, "token_logprobs_backward dlogp");
   if (dlm_head) {
     check_dev(*dlm_head, "token_logprobs_backward dlm_head");
-    check_dtype(*dlm_head, DType::F32, "token_logprobs_backward dlm_head");
+    FP8RL_CHECK(dlm_head->dtype() == DType::F32 || dlm_head->dtype() == DType::BF16,
+                "token_logprobs_backward dlm_head must be F32 or BF16, got ", dlm_head->str());  // chunks: linear_backward
     check_shape(*dlm_head, {V, D}, "token_logprobs_backward dlm_head");
   }
   // Each chunk's raw-logit gradient goes through linear_backward in `spec` numerics, as the CPU

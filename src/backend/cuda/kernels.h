@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "backend/adamw_rule.h"
 #include "core/dtype.h"
 
 namespace fp8rl::cuda {
@@ -89,6 +90,11 @@ void launch_swiglu_backward(const void* dout, const void* g, const void* u, void
                             cudaStream_t stream);
 void launch_adamw(float* p, const float* g, float* m, float* v, int64_t n, float lr, float beta1, float beta2,
                   float eps, float wd, float bc1, float bc2, cudaStream_t stream);
+// ---- optimizer (optimizer_kernels.cu) ----
+// AdamW with BF16 moments m, v [n] (bits) by adamw_rule.h; p F32 [n], g F32 or BF16 [n].
+void launch_adamw_bf16_moments(float* p, const void* g, DType g_dtype, uint16_t* m, uint16_t* v, int64_t n,
+                               const AdamWScalars& s, bool stochastic, uint64_t key, int64_t step,
+                               cudaStream_t stream);
 
 // ---- attention (attention_kernels.cu) ----
 // Packed causal GQA. seq_start[t]: first token of t's sequence; seq_end[t]: one past its last.

@@ -1,0 +1,180 @@
+// The lean optimizer on the GPU (issue 15) against the CPU reference:
+//   AdamW with BF16 moments: bitwise (master weights and both moments; backend/adamw_rule.h is
+//   the one rule both compile), to nearest and stochastic, F32 and BF16 gradients, a clipping
+//   factor (grad_scale), ragged sizes;
+//   AdamW with F32 moments and BF16 gradients: as the F32 kernel (a BF16 gradient is read exactly);
+//   BF16 weight gradients (train.grad_dtype: bf16): each op accumulates through an F32 copy, so the
+//   result is the F32 op on the widened gradient, rounded once to BF16: bitwise for the GEMM
+//   (wgrad, lm_head), within 1 BF16 ulp where the F32 kernel sums with atomics in no fixed order
+//   (rmsnorm dw, bias, embedding rows), so two runs of it may differ in the last F32 bit.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <algorithm>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <vector>
+
+#include "backend/backend.h"
+#include "backend/cuda/cuda_backend.h"
+#include "core/error.h"
+
+namespace fp8rl {
+namespace {
+
+struct Env {
+  std::unique_ptr<Backend> gpu = make_cuda_backend(0);
+  std::unique_ptr<Backend> cpu = make_cpu_backend();
+};
+Env& env() {
+  static Env e;
+  return e;
+}
+Backend& G() { return *env().gpu; }
+Backend& C() { return *env().cpu; }
+
+Tensor rnd(const Shape& shape, uint32_t seed, DType dtype = DType::F32, float scale = 1.0f, bool square = false) {
+  std::mt19937 gen(seed);
+  std::normal_distribution<float> nd(0.0f, scale);
+  std::vector<float> v(shape_numel(shape));
+  for (float& x : v) {
+    x = nd(gen);
+    if (square) x *= x;
+  }
+  return from_float_vector(v, shape, dtype);
+}
+
+Tensor dev(const Tensor& h) { return G().to_device(h); }
+Tensor host(const Tensor& t) { return t.device() == DeviceKind::CUDA ? G().to_host(t) : t; }
+
+bool bytes_equal(const Tensor& a, const Tensor& b) {
+  const Tensor x = host(a), y = host(b);
+  return x.dtype() == y.dtype() && x.nbytes() == y.nbytes() && std::memcmp(x.raw(), y.raw(), x.nbytes()) == 0;
+}
+
+// The number of elements whose bytes differ (for the failure message).
+int64_t differing(const Tensor& a, const Tensor& b) {
+  const Tensor x = host(a), y = host(b);
+  const size_t es = dtype_size(x.dtype());
+  int64_t n = 0;
+  for (int64_t i = 0; i < x.numel(); ++i)
+    n += std::memcmp(static_cast<const char*>(x.raw()) + i * es, static_cast<const char*>(y.raw()) + i * es, es) != 0;
+  return n;
+}
+
+TEST(CudaOptimizer, AdamwBf16MomentsBitwiseEqualsCpu) {
+  for (int64_t n : {int64_t(1), int64_t(1000), int64_t(100003)})
+    for (bool sr : {false, true})
+      for (DType gd : {DType::F32, DType::BF16})
+        for (int64_t step : {int64_t(1), int64_t(5), int64_t(1000)}) {
+          SCOPED_TRACE(::testing::Message() << "n " << n << " sr " << sr << " grad " << dtype_name(gd) << " step " << step);
+          AdamWParams p;
+          p.lr = 1e-3f;
+          p.weight_decay = 0.01f;
+          p.step = step;
+          p.grad_scale = step == 5 ? 0.37f : 1.0f;
+          p.stochastic_rounding = sr;
+          p.rounding_key = 0x6f7074696d000000ull + uint64_t(n);
+          const uint32_t s = static_cast<uint32_t>(n + step);
+          Tensor w = rnd({n}, s, DType::F32), g = rnd({n}, s + 1, gd, 0.1f);
+          Tensor m = rnd({n}, s + 2, DType::BF16, 0.05f), v = rnd({n}, s + 3, DType::BF16, 0.05f, /*square=*/true);
+          Tensor gw = dev(w), gm = dev(m), gv = dev(v);
+          C().adamw(w, g, m, v, p);
+          G().adamw(gw, dev(g), gm, gv, p);
+          EXPECT_TRUE(bytes_equal(gw, w)) << differing(gw, w) << " master weights differ";
+          EXPECT_TRUE(bytes_equal(gm, m)) << differing(gm, m) << " exp_avg differ";
+          EXPECT_TRUE(bytes_equal(gv, v)) << differing(gv, v) << " exp_avg_sq differ";
+        }
+}
+
+TEST(CudaOptimizer, AdamwF32MomentsTakeBf16GradientsExactly) {
+  const int64_t n = 5000;
+  AdamWParams p;
+  p.lr = 1e-2f;
+  p.step = 3;
+  const Tensor g16 = rnd({n}, 1, DType::BF16, 0.1f), g32 = from_float_vector(to_float_vector(g16), {n});
+  const Tensor w = rnd({n}, 2), m = rnd({n}, 3, DType::F32, 0.1f), v = rnd({n}, 4, DType::F32, 0.1f, true);
+  Tensor a = dev(w), am = dev(m), av = dev(v), b = dev(w), bm = dev(m), bv = dev(v);
+  G().adamw(a, dev(g16), am, av, p);
+  G().adamw(b, dev(g32), bm, bv, p);
+  EXPECT_TRUE(bytes_equal(a, b) && bytes_equal(am, bm) && bytes_equal(av, bv));
+}
+
+// Distance in BF16 ulps of two finite BF16 values (sign-magnitude bits, ordered).
+int ulps(uint16_t a, uint16_t b) {
+  auto key = [](uint16_t h) { return (h & 0x8000) ? -int(h & 0x7fff) : int(h & 0x7fff); };
+  return std::abs(key(a) - key(b));
+}
+
+// An op into a BF16 gradient == the op into the F32 widening of it, then rounded (both on the GPU),
+// within max_ulps.
+void check_bf16_grad(const char* what, const Tensor& start, const std::function<void(Tensor&)>& op,
+                     int max_ulps = 0) {
+  SCOPED_TRACE(what);
+  Tensor g16 = dev(from_float_vector(to_float_vector(start), start.shape(), DType::BF16));
+  Tensor g32 = G().alloc(start.shape(), DType::F32);
+  G().convert(g16, g32);
+  op(g16);
+  op(g32);
+  Tensor want = G().alloc(start.shape(), DType::BF16);
+  G().convert(g32, want);
+  if (max_ulps == 0) {
+    EXPECT_TRUE(bytes_equal(g16, want)) << differing(g16, want) << " elements differ";
+    return;
+  }
+  const Tensor a = host(g16), b = host(want);
+  int worst = 0;
+  for (int64_t i = 0; i < a.numel(); ++i) worst = std::max(worst, ulps(a.data<uint16_t>()[i], b.data<uint16_t>()[i]));
+  EXPECT_LE(worst, max_ulps);
+}
+
+TEST(CudaOptimizer, Bf16GradientsAccumulateThroughF32Once) {
+  const int64_t M = 200, N = 256, K = 384;
+  const Tensor x = dev(rnd({M, K}, 11, DType::BF16)), dy = dev(rnd({M, N}, 12, DType::BF16));
+  for (LinearMode mode : {LinearMode::FP32, LinearMode::BF16, LinearMode::FP8_BLOCK}) {
+    LinearWeight W;
+    W.w = dev(rnd({N, K}, 13, DType::F32, 0.05f));
+    LinearSpec spec;
+    spec.mode = mode;
+    const Tensor xa = mode == LinearMode::FP32 ? dev(rnd({M, K}, 11)) : x;
+    const Tensor dya = mode == LinearMode::FP32 ? dev(rnd({M, N}, 12)) : dy;
+    check_bf16_grad(linear_mode_name(mode), rnd({N, K}, 14, DType::F32, 0.01f),
+                    [&](Tensor& dw) { G().linear_backward(dya, xa, W, spec, nullptr, &dw, nullptr); });
+    check_bf16_grad("linear dbias", rnd({N}, 15, DType::F32, 0.01f),
+                    [&](Tensor& db) { G().linear_backward(dya, xa, W, spec, nullptr, nullptr, &db); }, 1);
+  }
+  const Tensor w = dev(rnd({K}, 16)), rstd = dev(rnd({M}, 17, DType::F32, 1.0f, true));
+  const Tensor dout = dev(rnd({M, K}, 19, DType::BF16));
+  check_bf16_grad("rmsnorm dw", rnd({K}, 18, DType::F32, 0.01f), [&](Tensor& dw) {
+    Tensor dx = G().alloc({M, K}, DType::BF16);
+    G().rmsnorm_backward(dout, x, w, rstd, dx, dw);
+  }, 1);
+  std::vector<int32_t> ids(M);
+  for (int64_t t = 0; t < M; ++t) ids[t] = static_cast<int32_t>((t * 7) % 50);  // repeated rows
+  Tensor hid = Tensor::empty({M}, DType::I32);
+  std::memcpy(hid.raw(), ids.data(), ids.size() * 4);
+  const Tensor gid = dev(hid);
+  const Tensor demb = dev(rnd({M, K}, 21, DType::BF16));
+  check_bf16_grad("embedding dtable", rnd({64, K}, 20, DType::F32, 0.01f),
+                  [&](Tensor& dt) { G().embedding_backward(gid, demb, dt); }, 1);
+  // The lm_head's gradient (tied: the embedding's), chunk by chunk through linear_backward.
+  const int64_t V = 1000;
+  const Tensor lm = dev(rnd({V, K}, 22, DType::F32, 0.05f));
+  std::vector<int32_t> tg(M);
+  for (int64_t t = 0; t < M; ++t) tg[t] = static_cast<int32_t>((t * 13) % V);
+  Tensor htg = Tensor::empty({M}, DType::I32);
+  std::memcpy(htg.raw(), tg.data(), tg.size() * 4);
+  const Tensor targets = dev(htg), dlogp = dev(rnd({M}, 23));
+  LinearSpec spec;
+  spec.mode = LinearMode::BF16;
+  Tensor logp = G().alloc({M}, DType::F32), lse2 = G().alloc({M}, DType::F32);
+  G().token_logprobs(x, lm, targets, 1.0f, spec, logp, lse2, nullptr);
+  check_bf16_grad("token_logprobs dlm_head", rnd({V, K}, 24, DType::F32, 0.01f), [&](Tensor& dl) {
+    Tensor dh = G().alloc({M, K}, DType::BF16);
+    G().token_logprobs_backward(x, lm, targets, 1.0f, spec, lse2, dlogp, dh, &dl);
+  });
+}
+
+}  // namespace
+}  // namespace fp8rl
