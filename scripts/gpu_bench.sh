@@ -9,6 +9,7 @@
 #                   recipe and phase; with FP8RL_CUDA_GRAPHS=0 the decode step's ops are split too)
 #   rlstep_long     bench rl-step, bf16 and fp8_e2e, one step of up to 2048 new tokens
 #   trainstep       fp8rl bench-train-step at the Llama-3.2-1B shape, bf16 and fp8, and PyTorch eager
+#   trainstep_profile  FP8RL_CUDA_PROFILE=1 train steps (bf16, fp8) at that shape: the per-op table
 #   generate        fp8rl bench generate --model 1b (four recipes)
 #   rlstep_kl       bench rl-step with the frozen KL reference policy (kl_beta 0.01): its memory and time
 #   multiblock      transformers-made multi-block FP8 fixtures vs fp8rl on CPU and CUDA (issue 11)
@@ -85,6 +86,13 @@ for stage in ${FP8RL_STAGES:-rlstep}; do
       timeout 120 env PYTHONUNBUFFERED=1 python3 scripts/bench_train_step_torch.py --json "$OUT/trainstep_torch.json" \
         > "$OUT/trainstep_torch.log" 2>&1
       note "torch train step: rc=$?"; tail -3 "$OUT/trainstep_torch.log" | tee -a "$SUMMARY" ;;
+    trainstep_profile)  # the per-op stream time of one bf16 and one fp8 train step (1B shape)
+      for prec in bf16 fp8; do
+        FP8RL_CUDA_PROFILE=1 timeout 150 "$FP8RL" bench-train-step --device cuda --precision $prec --hidden 2048 \
+          --layers 16 --heads 32 --kv-heads 8 --head-dim 64 --ffn 8192 --vocab 128256 --seqs 8 --seq-len 2048 \
+          --prompt-len 2040 --repeats 1 > "$OUT/trainstep_profile_$prec.log" 2>&1
+        note "bench-train-step $prec (profile): rc=$?"; grep -A16 "cuda op profile" "$OUT/trainstep_profile_$prec.log" | tail -17 | tee -a "$SUMMARY"
+      done ;;
     generate)
       timeout $(( $(left) - 20 )) "$FP8RL" bench generate --device cuda --model 1b --json "$OUT/generate_1b.json" \
         > "$OUT/generate_1b.log" 2>&1
