@@ -8,9 +8,12 @@
 
 #include "backend/backend.h"
 #include "core/precision.h"
+#include "model/transformer.h"
+#include "model/weights.h"
 #include "quant/quant.h"
 #include "rl/config.h"
 #include "test_cpu_ops_util.h"
+#include "test_model_util.h"
 
 namespace fp8rl::test {
 namespace {
@@ -165,6 +168,55 @@ TEST_F(FusedFp8, Bf16WgradIsTheBf16WeightGradient) {
   // A BF16 linear ignores the key.
   grads({LinearMode::BF16, false, LinearMode::BF16}, dxm, dwm);
   EXPECT_EQ(dwm, dwb);
+}
+
+// Through the model: with trainer.wgrad = bf16 the dgrad chain is the FP8 one, so every
+// gradient that is not a block linear's weight (norms, embedding, lm_head) is bitwise the
+// fp8-wgrad one; the linears' weight gradients differ and are closer to the FP32 ones.
+TEST(ModelGrad, Bf16WgradChangesOnlyTheLinearWeightGradients) {
+  auto be = make_cpu_backend();
+  const ModelWeights w = model_weights_to_device(*be, tiny_model("qwen3", DType::F32, 11, 48), DType::F32);
+  // hidden 64 / intermediate 96 are under one block: still real FP8 (padded blocks).
+  const ForwardBatch batch = forward_batch_from_sequences(token_sequences({9, 5}, w.config.vocab_size, 5));
+  const int64_t T = batch.num_tokens();
+  Tensor dlogp = Tensor::empty({T}, DType::F32);
+  for (int64_t t = 0; t < T; ++t) dlogp.data<float>()[t] = 1.0f;
+  auto grads_under = [&](LinearMode mode, LinearMode wgrad) {
+    EnginePrecision p;
+    p.linear = mode;
+    p.wgrad = wgrad;
+    Activations acts;
+    model_forward_logprobs(*be, w, p, batch, ForwardOptions{}, &acts);
+    ModelWeights g = model_grads_alloc(*be, w);
+    model_backward(*be, w, p, acts, be->to_device(dlogp), g);
+    std::vector<std::pair<std::string, std::vector<double>>> all;
+    model_for_each_parameter(g, [&](const std::string& name, Tensor& t) { all.push_back({name, values_f64(*be, t)}); });
+    return all;
+  };
+  const auto ref = grads_under(LinearMode::FP32, LinearMode::FP8_BLOCK);
+  const auto g8 = grads_under(LinearMode::FP8_BLOCK, LinearMode::FP8_BLOCK);
+  const auto gb = grads_under(LinearMode::FP8_BLOCK, LinearMode::BF16);
+  ASSERT_EQ(g8.size(), gb.size());
+  double e8 = 0, eb = 0, n = 0;
+  int linears = 0;
+  for (size_t i = 0; i < g8.size(); ++i) {
+    const std::string& name = g8[i].first;
+    const bool block_linear = name.find("_proj.weight") != std::string::npos;
+    if (!block_linear) {
+      EXPECT_EQ(g8[i].second, gb[i].second) << name;
+      continue;
+    }
+    ++linears;
+    EXPECT_NE(g8[i].second, gb[i].second) << name;
+    for (size_t j = 0; j < ref[i].second.size(); ++j) {
+      const double r = ref[i].second[j];
+      e8 += (g8[i].second[j] - r) * (g8[i].second[j] - r);
+      eb += (gb[i].second[j] - r) * (gb[i].second[j] - r);
+      n += r * r;
+    }
+  }
+  EXPECT_EQ(linears, 2 * 7);
+  EXPECT_LT(eb, e8) << "BF16 wgrad error " << std::sqrt(eb / n) << " vs FP8 " << std::sqrt(e8 / n);
 }
 
 TEST(PrecisionRecipe, Bf16WgradSpecAndConfigKey) {
