@@ -54,10 +54,71 @@ KvCache Backend::alloc_kv_cache(int num_layers, int num_pages, int page_size, in
 }
 
 void Backend::linear_shared_input(const Tensor& x, const std::vector<const LinearWeight*>& W,
-                                  const LinearSpec& spec, const std::vector<Tensor*>& outs) {
+                                  const LinearSpec& spec, const std::vector<Tensor*>& outs, const Fp8View* x_fp8) {
   FP8RL_CHECK(!W.empty() && W.size() == outs.size(), "linear_shared_input: ", W.size(), " weights for ", outs.size(),
               " outputs");
-  for (size_t i = 0; i < W.size(); ++i) linear(x, *W[i], spec, *outs[i]);
+  for (size_t i = 0; i < W.size(); ++i) linear(x, *W[i], spec, *outs[i], x_fp8);
+}
+
+// ---- fused producers: the reference is the unfused sequence -----------------------------------
+
+Fp8View Backend::alloc_fp8_view(int64_t rows, int64_t cols, bool pow2) {
+  Fp8View v;
+  v.q = alloc_quant(rows, cols, 1, kQuantBlock, pow2);
+  return v;
+}
+
+void fp8_view_check(const Fp8View& view, const Tensor& x, const LinearSpec& spec, const char* what) {
+  FP8RL_CHECK(view.defined(), what, ": the FP8 view of the input is undefined");
+  const int64_t K = x.ndim() >= 1 ? x.dim(-1) : 0, M = K ? x.numel() / K : 0;
+  FP8RL_CHECK(view.q.block_rows == 1 && view.q.block_cols == kQuantBlock && view.q.rows() == M && view.q.cols() == K,
+              what, ": the FP8 view ", view.q.data.str(), " (blocks ", view.q.block_rows, "x", view.q.block_cols,
+              ") is not a 1x128 quantization of the input ", x.str());
+  FP8RL_CHECK(view.q.pow2 == spec.pow2_scales, what, ": the FP8 view has pow2=", view.q.pow2, " but the spec asks pow2=",
+              spec.pow2_scales);
+  FP8RL_CHECK(view.source == x.raw(), what, ": the FP8 view was made from another tensor than the input ", x.str(),
+              " (a stale view: pass the view its producer wrote with this tensor)");
+}
+
+namespace {
+// out [..., D] as the 2-D tensor the quantizer takes, checked against the view's shape.
+Tensor fp8_view_target(const Tensor& out, const Fp8View& fp8, const char* op) {
+  FP8RL_CHECK(out.ndim() >= 1 && out.dim(-1) > 0, op, ": out must have a last dimension, got ", out.str());
+  const int64_t D = out.dim(-1), R = out.numel() / D;
+  FP8RL_CHECK(fp8.defined() && fp8.q.rows() == R && fp8.q.cols() == D && fp8.q.block_rows == 1 &&
+                  fp8.q.block_cols == kQuantBlock,
+              op, ": the FP8 view must be alloc_fp8_view(", R, ", ", D, ", pow2), got ",
+              fp8.defined() ? fp8.q.data.str() : std::string("an undefined view"));
+  return out.reshape({R, D});
+}
+}  // namespace
+
+void Backend::rmsnorm_fp8(const Tensor& x, const Tensor& w, float eps, Tensor& out, Tensor* rstd, Fp8View& fp8) {
+  const Tensor o2 = fp8_view_target(out, fp8, "rmsnorm_fp8");
+  rmsnorm(x, w, eps, out, rstd);
+  quantize(o2, false, fp8.q);
+  fp8.scales_gemm_layout = false;
+  fp8.source = out.raw();
+}
+
+void Backend::add_rmsnorm(const Tensor& a, const Tensor& b, Tensor& sum, const Tensor& w, float eps, Tensor& out,
+                          Tensor* rstd, Fp8View* fp8) {
+  const Tensor o2 = fp8 ? fp8_view_target(out, *fp8, "add_rmsnorm") : Tensor();
+  add(a, b, sum);
+  rmsnorm(sum, w, eps, out, rstd);
+  if (fp8) {
+    quantize(o2, false, fp8->q);
+    fp8->scales_gemm_layout = false;
+    fp8->source = out.raw();
+  }
+}
+
+void Backend::swiglu_fp8(const Tensor& gate, const Tensor& up, Tensor& out, Fp8View& fp8) {
+  const Tensor o2 = fp8_view_target(out, fp8, "swiglu_fp8");
+  swiglu(gate, up, out);
+  quantize(o2, false, fp8.q);
+  fp8.scales_gemm_layout = false;
+  fp8.source = out.raw();
 }
 
 float Backend::amax(const Tensor& x) {

@@ -53,7 +53,28 @@ struct LinearWeight {
 struct LinearSpec {
   LinearMode mode = LinearMode::FP32;
   bool pow2_scales = false;
+  // FP8_BLOCK only: the weight gradient's GEMM, FP8_BLOCK (dY^T and X^T requantized 1x128 along
+  // tokens) or BF16 (the unquantized dY and X rounded to BF16). Ignored by the other modes.
+  LinearMode wgrad = LinearMode::FP8_BLOCK;
 };
+
+// The 1x128 E4M3 copy of an activation x [M, K] that a fused producer (rmsnorm_fp8,
+// add_rmsnorm, swiglu_fp8) writes together with x, for the FP8 linears that read x: passed to
+// linear / linear_shared_input, it stands for their own quantization of x, and is bitwise that
+// quantization (the producer quantizes the x it stores, with the one scale rule of quant.h).
+// Allocate with Backend::alloc_fp8_view; the producer fills q, scales_gemm_layout and source.
+struct Fp8View {
+  QuantTensor q;  // E4M3 [M, K], 1x128 blocks; scales: M * ceil(K / 128) F32 values
+  // Scales block-major, value (r, b) at [b * M + r] (cuBLASLt's VEC128 layout: the CUDA
+  // producer writes it when M % 16 == 0, so the GEMM needs no layout kernel), else row-major
+  // [M, ceil(K / 128)] as QuantTensor says.
+  bool scales_gemm_layout = false;
+  const void* source = nullptr;  // raw() of the x it quantizes: a consumer checks it is given that x
+  bool defined() const { return q.defined(); }
+};
+// Throws unless `view` can stand for the quantization of x [M, K] under `spec`: 1x128 blocks,
+// shape [M, K], the spec's pow2, made from x (source == x.raw()). `what` names the op.
+void fp8_view_check(const Fp8View& view, const Tensor& x, const LinearSpec& spec, const char* what);
 
 // Rotary embedding, non-interleaved (rotate_half, as HF Llama/Qwen). inv_freq has head_dim/2
 // entries (llama3 scaling already applied by model config code); angle = pos * inv_freq[i],
@@ -188,16 +209,38 @@ class Backend {
   virtual void rmsnorm_backward(const Tensor& dout, const Tensor& x, const Tensor& w,
                                 const Tensor& rstd, Tensor& dx, Tensor& dw) = 0;
 
+  // ---- fused producers of FP8 linear inputs (backend.h, Fp8View) ----
+  // Each is bitwise its unfused form followed by quantize(out, false, fp8.q) (1x128 along the
+  // last dim, fp8.q.pow2 as allocated); the default runs exactly that, a backend may fuse it.
+  // fp8 must come from alloc_fp8_view(rows, last dim, pow2).
+  // rmsnorm(x, w, eps, out, rstd), then out's FP8 copy into fp8.
+  virtual void rmsnorm_fp8(const Tensor& x, const Tensor& w, float eps, Tensor& out, Tensor* rstd, Fp8View& fp8);
+  // sum = a + b (may alias a), then rmsnorm(sum, w, eps, out, rstd) — the residual add and the
+  // next norm — and, when fp8 is non-null, out's FP8 copy. a, b, sum, out [R, D].
+  virtual void add_rmsnorm(const Tensor& a, const Tensor& b, Tensor& sum, const Tensor& w, float eps, Tensor& out,
+                           Tensor* rstd, Fp8View* fp8);
+  // swiglu(gate, up, out), then out's FP8 copy into fp8 (the down projection's input).
+  virtual void swiglu_fp8(const Tensor& gate, const Tensor& up, Tensor& out, Fp8View& fp8);
+  // An empty view for an activation [rows, cols] (1x128 blocks, pow2 scales when asked).
+  Fp8View alloc_fp8_view(int64_t rows, int64_t cols, bool pow2);
+
   // out[M, N] = x[M, K] W^T (+ bias) under `spec` (FP8: x quantized 1x128 along K, W 128x128).
-  virtual void linear(const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor& out) = 0;
+  // x_fp8 (FP8_BLOCK only; ignored by the other modes): x's FP8 copy from a fused producer,
+  // used instead of quantizing x (the result is the same bits); it must have been made from
+  // this x ([M, K], source == x.raw(), the spec's pow2): anything else is an error.
+  virtual void linear(const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor& out,
+                      const Fp8View* x_fp8 = nullptr) = 0;
   // linear() of one input through several weights of equal in_features (q/k/v, gate/up):
   // *outs[i] = x W[i]^T, each bitwise what linear(x, *W[i], spec, *outs[i]) writes. A backend
-  // may share work between them (CUDA FP8: x quantized once); the default calls linear().
+  // may share work between them (CUDA FP8: x quantized once, or not at all with x_fp8); the
+  // default calls linear().
   virtual void linear_shared_input(const Tensor& x, const std::vector<const LinearWeight*>& W,
-                                   const LinearSpec& spec, const std::vector<Tensor*>& outs);
+                                   const LinearSpec& spec, const std::vector<Tensor*>& outs,
+                                   const Fp8View* x_fp8 = nullptr);
   // Backward of linear. dx [M, K] written when non-null (dgrad: dY 1x128 along N, W^T);
   // dw F32 [N, K] and dbias F32 [N] accumulated when non-null (wgrad: dY^T and X^T requantized
-  // 1x128 along tokens). FP8 dgrad uses W.wq transposed when defined, else quantizes W.w
+  // 1x128 along tokens, or with spec.wgrad == BF16 the BF16 GEMM of dY and X). FP8 dgrad uses
+  // W.wq transposed when defined, else quantizes W.w
   // (see LinearWeight); other modes need W.w. dbias is the sum of the unquantized dy.
   virtual void linear_backward(const Tensor& dy, const Tensor& x, const LinearWeight& W,
                                const LinearSpec& spec, Tensor* dx, Tensor* dw, Tensor* dbias) = 0;

@@ -48,8 +48,9 @@ constexpr const char* kUsage =
     "random-weight model with ragged response lengths, for each recipe (default bf16,fp8_gen,fp8_e2e).\n"
     "A recipe is a preset with optional overrides, PRESET[:key=value[+key=value]]: gen / train (linear\n"
     "fp32|bf16|fp8), kv (f32|bf16|e4m3), tkv (bf16|e4m3: the trainer rounds k/v as the E4M3 cache),\n"
-    "attn (fp8|off), pow2 (on|off), first / last (BF16 blocks);\n"
-    "e.g. --recipes bf16,fp8_e2e:kv=bf16,fp8_e2e isolates the E4M3 KV cache's share of the mismatch.\n"
+    "attn (fp8|off), pow2 (on|off), first / last (BF16 blocks), wgrad (fp8|bf16: an FP8 trainer's\n"
+    "weight gradients); e.g. --recipes bf16,fp8_e2e:kv=bf16,fp8_e2e isolates the E4M3 KV cache's\n"
+    "share of the mismatch, fp8_e2e,fp8_e2e:wgrad=bf16 times BF16 wgrad.\n"
     "Shapes: qwen3-0.6b, qwen3-1.7b (default), qwen3-8b, llama-3.2-1b, llama-3.1-8b, tiny (CPU smoke).\n";
 
 using Clock = std::chrono::steady_clock;

@@ -79,8 +79,12 @@ PrecisionRecipe PrecisionRecipe::parse(const std::string& spec) {
       FP8RL_CHECK(n >= 0, "recipe '", spec, "': ", k, " must be >= 0");
       (k == "first" ? r.generator.bf16_first_layers : r.generator.bf16_last_layers) = n;
       (k == "first" ? r.trainer.bf16_first_layers : r.trainer.bf16_last_layers) = n;
+    } else if (k == "wgrad") {
+      FP8RL_CHECK(v == "fp8" || v == "bf16", "recipe '", spec, "': wgrad must be fp8 or bf16");
+      r.trainer.wgrad = linear_mode_from_name(v);
     } else {
-      FP8RL_FAIL("recipe '", spec, "': unknown override '", k, "' (gen, train, kv, tkv, attn, pow2, first, last)");
+      FP8RL_FAIL("recipe '", spec, "': unknown override '", k,
+                 "' (gen, train, kv, tkv, attn, pow2, first, last, wgrad)");
     }
   }
   FP8RL_CHECK(!r.generator.fp8_attention || r.generator.kv_cache == DType::E4M3, "recipe '", spec,

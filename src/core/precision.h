@@ -25,6 +25,10 @@ struct EnginePrecision {
   DType kv_cache = DType::BF16;          // generator: F32 | BF16 | E4M3. Trainer: E4M3 = its k and v
                                          // are rounded as the generator's E4M3 cache stores them
   bool fp8_attention = false;            // generator only: Q quantized, QK^T and PV in FP8
+  // Trainer, FP8 linears only: the weight gradient dW = dY^T X as an FP8 GEMM of dY and X
+  // requantized 1x128 along tokens (FP8_BLOCK, recipe.md section 2), or as a BF16 GEMM of the
+  // unquantized dY and X (BF16: no transposed quantizations). The forward and dgrad stay FP8.
+  LinearMode wgrad = LinearMode::FP8_BLOCK;
   // Everything else (embedding, norms, RoPE, softmax, SiLU, lm_head, loss) stays in high
   // precision: FP32 on the CPU backend, BF16 storage with FP32 math on the CUDA backend.
 
@@ -47,7 +51,8 @@ struct PrecisionRecipe {
   // A preset with overrides, for experiments that isolate one component (bench rl-step):
   // "PRESET[:key=value[+key=value...]]" with keys gen / train (linear: fp32|bf16|fp8),
   // kv (f32|bf16|e4m3), tkv (trainer: bf16|e4m3 = round k/v as the generator's E4M3 cache does),
-  // attn (fp8|off), pow2 (on|off), first / last (BF16 blocks, both engines).
+  // attn (fp8|off), pow2 (on|off), first / last (BF16 blocks, both engines), wgrad (fp8|bf16:
+  // trainer.wgrad).
   // E.g. "fp8_e2e:kv=bf16" = FP8 linears in both engines over a BF16 KV cache. The recipe's name
   // is the whole spec. Throws on an unknown preset, key or value.
   static PrecisionRecipe parse(const std::string& spec);

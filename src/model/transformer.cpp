@@ -26,7 +26,7 @@ Tensor upload_i32(Backend& be, const std::vector<int32_t>& v) {
 }
 
 LinearSpec block_spec(const EnginePrecision& p, int layer, int num_layers) {
-  return LinearSpec{p.linear_for_layer(layer, num_layers), p.pow2_scales};
+  return LinearSpec{p.linear_for_layer(layer, num_layers), p.pow2_scales, p.wgrad};
 }
 
 const LinearSpec kFp32Spec{LinearMode::FP32, false};
@@ -189,17 +189,25 @@ void forward_block(Backend& be, const ModelWeights& w, const EnginePrecision& pr
   const LinearSpec spec = block_spec(prec, l, L);
   alloc_layer(be, c, x.dtype(), T, c.layer_is_moe(l), a);
   a.x = x;
+  // FP8 linears: the norms and the SwiGLU write their output's FP8 copy too (xq: of xn_attn,
+  // then of xn_mlp; hq: of act), which the linears take instead of quantizing their input.
+  const bool fp8 = spec.mode == LinearMode::FP8_BLOCK;
+  Fp8View xq = fp8 ? be.alloc_fp8_view(T, c.hidden_size, spec.pow2_scales) : Fp8View{};
+  Fp8View* xq_or_null = fp8 ? &xq : nullptr;
 
   // ---- attention ----
-  be.rmsnorm(x, lw.attn_norm, c.rms_norm_eps, a.xn_attn, &a.attn_rstd);
+  if (fp8)
+    be.rmsnorm_fp8(x, lw.attn_norm, c.rms_norm_eps, a.xn_attn, &a.attn_rstd, xq);
+  else
+    be.rmsnorm(x, lw.attn_norm, c.rms_norm_eps, a.xn_attn, &a.attn_rstd);
   Tensor q2 = a.q.reshape({T, Hq * hd}), k2 = a.k.reshape({T, Hkv * hd}), v2 = a.v.reshape({T, Hkv * hd});
   if (c.qk_norm) {
-    be.linear_shared_input(a.xn_attn, {&lw.q, &lw.k, &lw.v}, spec, {&a.q_raw, &a.k_raw, &v2});
+    be.linear_shared_input(a.xn_attn, {&lw.q, &lw.k, &lw.v}, spec, {&a.q_raw, &a.k_raw, &v2}, xq_or_null);
     Tensor qh = a.q.reshape({T * Hq, hd}), kh = a.k.reshape({T * Hkv, hd});
     be.rmsnorm(a.q_raw.reshape({T * Hq, hd}), lw.q_norm, c.rms_norm_eps, qh, &a.q_rstd);
     be.rmsnorm(a.k_raw.reshape({T * Hkv, hd}), lw.k_norm, c.rms_norm_eps, kh, &a.k_rstd);
   } else {
-    be.linear_shared_input(a.xn_attn, {&lw.q, &lw.k, &lw.v}, spec, {&q2, &k2, &v2});
+    be.linear_shared_input(a.xn_attn, {&lw.q, &lw.k, &lw.v}, spec, {&q2, &k2, &v2}, xq_or_null);
   }
   be.rope(a.q, positions, rope, /*inverse=*/false);
   be.rope(a.k, positions, rope, /*inverse=*/false);
@@ -210,18 +218,25 @@ void forward_block(Backend& be, const ModelWeights& w, const EnginePrecision& pr
   }
   attention(l, a);
   be.linear(a.attn.reshape({T, Hq * hd}), lw.o, spec, a.proj);
-  be.add(x, a.proj, a.x_mid);
 
-  // ---- MLP ----
-  be.rmsnorm(a.x_mid, lw.mlp_norm, c.rms_norm_eps, a.xn_mlp, &a.mlp_rstd);
-  if (c.layer_is_moe(l)) {
+  // ---- MLP ---- (the residual add and the norm in one op; the MoE MLP permutes xn_mlp's rows
+  // first, so its experts quantize their own inputs)
+  const bool moe = c.layer_is_moe(l);
+  be.add_rmsnorm(x, a.proj, a.x_mid, lw.mlp_norm, c.rms_norm_eps, a.xn_mlp, &a.mlp_rstd, moe ? nullptr : xq_or_null);
+  if (moe) {
     FP8RL_CHECK(lw.is_moe() && lw.router.w.defined(), "layer ", l, " is a mixture-of-experts layer but its "
                 "weights have no router/experts");
     moe_forward(be, c, lw, spec, a);
   } else {
-    be.linear_shared_input(a.xn_mlp, {&lw.gate, &lw.up}, spec, {&a.gate, &a.up});
-    be.swiglu(a.gate, a.up, a.act);
-    be.linear(a.act, lw.down, spec, a.proj);
+    be.linear_shared_input(a.xn_mlp, {&lw.gate, &lw.up}, spec, {&a.gate, &a.up}, xq_or_null);
+    if (fp8) {
+      Fp8View hq = be.alloc_fp8_view(T, a.act.dim(1), spec.pow2_scales);
+      be.swiglu_fp8(a.gate, a.up, a.act, hq);
+      be.linear(a.act, lw.down, spec, a.proj, &hq);
+    } else {
+      be.swiglu(a.gate, a.up, a.act);
+      be.linear(a.act, lw.down, spec, a.proj);
+    }
   }
   be.add(a.x_mid, a.proj, x_next);
 }

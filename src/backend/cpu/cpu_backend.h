@@ -62,7 +62,8 @@ class CpuBackend final : public Backend {
   void rmsnorm(const Tensor& x, const Tensor& w, float eps, Tensor& out, Tensor* rstd) override;
   void rmsnorm_backward(const Tensor& dout, const Tensor& x, const Tensor& w, const Tensor& rstd,
                         Tensor& dx, Tensor& dw) override;
-  void linear(const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor& out) override;
+  void linear(const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor& out,
+              const Fp8View* x_fp8 = nullptr) override;
   void linear_backward(const Tensor& dy, const Tensor& x, const LinearWeight& W, const LinearSpec& spec,
                        Tensor* dx, Tensor* dw, Tensor* dbias) override;
   void rope(Tensor& x, const Tensor& positions, const RopeParams& rope, bool inverse) override;

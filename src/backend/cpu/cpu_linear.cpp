@@ -103,8 +103,12 @@ void linear_grads(const Tensor& dy2, const Tensor& x2, const LinearWeight& W, co
     *dx = matmul_nt(a, b, M, K, N);
   }
   if (dw) {
-    const std::vector<double> a = linear_operand_tokens(dy2, spec.mode, spec.pow2_scales);  // [N, M]
-    const std::vector<double> b = linear_operand_tokens(x2, spec.mode, spec.pow2_scales);   // [K, M]
+    // FP8 linears: wgrad in FP8 (requantized along tokens) or, with spec.wgrad == BF16, in BF16.
+    const LinearMode wm = spec.mode == LinearMode::FP8_BLOCK ? spec.wgrad : spec.mode;
+    FP8RL_CHECK(wm != LinearMode::FP32 || spec.mode == LinearMode::FP32, "an FP8 linear's wgrad must be fp8 or bf16, got ",
+                linear_mode_name(wm));
+    const std::vector<double> a = linear_operand_tokens(dy2, wm, spec.pow2_scales);  // [N, M]
+    const std::vector<double> b = linear_operand_tokens(x2, wm, spec.pow2_scales);   // [K, M]
     *dw = matmul_nt(a, b, N, K, M);
   }
 }
@@ -176,14 +180,22 @@ std::vector<double> linear_operand_weight(const LinearWeight& W, LinearMode mode
 
 // ---- linear --------------------------------------------------------------------------------
 
-void CpuBackend::linear(const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor& out) {
+void CpuBackend::linear(const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor& out,
+                        const Fp8View* x_fp8) {
   check_weight(W, spec);
   const int64_t N = W.out_features(), K = W.in_features();
   const Tensor x2 = as_2d(x, K, "linear input x");
   const int64_t M = x2.dim(0);
   FP8RL_CHECK(out.ndim() >= 1 && out.dim(-1) == N && out.numel() == M * N, "linear output must be [", M, ", ",
               N, "], got ", out.str());
-  const std::vector<double> a = linear_operand_act(x2, spec.mode, spec.pow2_scales);
+  const bool view = x_fp8 && spec.mode == LinearMode::FP8_BLOCK;
+  if (view) {
+    fp8_view_check(*x_fp8, x, spec, "linear");
+    FP8RL_CHECK(!x_fp8->scales_gemm_layout && x_fp8->q.data.device() == DeviceKind::CPU,
+                "linear: the CPU backend takes FP8 views with row-major scales on the host");
+  }
+  // With a view: its values are the quantization linear_operand_act would make (the producer's contract).
+  const std::vector<double> a = view ? dequantize_exact(x_fp8->q) : linear_operand_act(x2, spec.mode, spec.pow2_scales);
   const std::vector<double> b = linear_operand_weight(W, spec.mode, spec.pow2_scales);
   std::vector<double> y = matmul_nt(a, b, M, N, K);
   if (W.bias.defined()) {

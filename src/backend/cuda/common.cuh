@@ -60,6 +60,22 @@ __device__ __forceinline__ void store8(float* p, const float v[8]) {
   *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
   *reinterpret_cast<float4*>(p + 4) = make_float4(v[4], v[5], v[6], v[7]);
 }
+// v rounded as a T stores it (BF16: nearest even, as store_f / store8; F32: v itself).
+__device__ __forceinline__ float round_as(const float*, float v) { return v; }
+__device__ __forceinline__ float round_as(const bf16*, float v) { return bf16_bits_to_float(bf16_bits_from_float(v)); }
+
+// SwiGLU's per-element value silu(g) * u = (g * sigmoid(g)) * u in FP32: one copy for the
+// swiglu kernels and the fused swiglu -> FP8 producer.
+__device__ __forceinline__ float swiglu_value(float g, float u) { return g * (1.0f / (1.0f + expf(-g))) * u; }
+
+// Host: the block size of the one-block-per-row vectorized RMSNorm kernels (8 elements per
+// thread and pass, a multiple of 32 in [32, 256]); the fused RMSNorm -> FP8 kernel uses the same,
+// so its double sum of squares is added in the same order.
+inline int rmsnorm_row_threads(int64_t D) {
+  const int64_t t = (D / 8 + 31) / 32 * 32;
+  return static_cast<int>(t < 32 ? 32 : t > 256 ? 256 : t);
+}
+
 // Host: whether tensors of n elements at these addresses can take the load8/store8 kernels.
 inline bool vec8_ok(int64_t n, std::initializer_list<const void*> ptrs) {
   if (n % 8 != 0) return false;

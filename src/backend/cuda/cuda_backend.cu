@@ -537,6 +537,107 @@ void CudaBackend::swiglu_backward(const Tensor& dout, const Tensor& gate, const 
   launch_swiglu_backward(dout.raw(), gate.raw(), up.raw(), dgate.raw(), dup.raw(), gate.dtype(), gate.numel(), stream_);
 }
 
+// ---- fused producers of FP8 linear inputs ------------------------------------------------------
+
+bool CudaBackend::fp8_view_gemm_layout(int64_t R, int64_t C) const {
+  return act_dtype_ == DType::BF16 && R % kFp8RowGranule == 0 && C % kQuantBlock == 0;
+}
+
+// The view a fused producer fills for out [R, D]: checked, its scale layout chosen, bound to out.
+void CudaBackend::fp8_view_prepare(Fp8View& fp8, const Tensor& out, const char* what) {
+  const int64_t D = out.dim(-1), R = rows_of(out);
+  FP8RL_CHECK(fp8.defined() && fp8.q.block_rows == 1 && fp8.q.block_cols == kQuantBlock && fp8.q.rows() == R &&
+                  fp8.q.cols() == D,
+              what, ": the FP8 view must be alloc_fp8_view(", R, ", ", D, ", pow2), got ",
+              fp8.defined() ? fp8.q.data.str() : std::string("an undefined view"));
+  check_dev(fp8.q.data, "FP8 view data");
+  check_dev(fp8.q.scales, "FP8 view scales");
+  check_dtype(fp8.q.data, DType::E4M3, "FP8 view data");
+  check_dtype(fp8.q.scales, DType::F32, "FP8 view scales");
+  FP8RL_CHECK(fp8.q.scales.numel() == R * ceil_div(D, kQuantBlock), what, ": the FP8 view's scales ",
+              fp8.q.scales.str(), " do not hold ", R, " x ", ceil_div(D, kQuantBlock), " values");
+  fp8.scales_gemm_layout = fp8_view_gemm_layout(R, D);
+  fp8.source = out.raw();
+}
+
+// rmsnorm's checks; returns rstd's pointer (null when not asked).
+float* CudaBackend::rmsnorm_check(const Tensor& x, const Tensor& w, Tensor& out, Tensor* rstd) {
+  check_dev(x, "rmsnorm x");
+  check_dev(w, "rmsnorm w");
+  check_dev(out, "rmsnorm out");
+  const int64_t D = x.dim(-1), R = rows_of(x);
+  check_shape(w, {D}, "rmsnorm w");
+  FP8RL_CHECK(out.shape() == x.shape(), "rmsnorm out must have x's shape ", shape_str(x.shape()), ", got ", out.str());
+  FP8RL_CHECK(out.dtype() == x.dtype(), "rmsnorm: x and out must have the same dtype");
+  if (!rstd || !rstd->defined()) return nullptr;
+  check_dev(*rstd, "rmsnorm rstd");
+  check_dtype(*rstd, DType::F32, "rmsnorm rstd");
+  FP8RL_CHECK(rstd->numel() == R, "rmsnorm rstd must have ", R, " elements, got ", rstd->str());
+  return rstd->data<float>();
+}
+
+void CudaBackend::rmsnorm_fp8(const Tensor& x, const Tensor& w, float eps, Tensor& out, Tensor* rstd, Fp8View& fp8) {
+  const OpTimer op_timer_(*this, "rmsnorm_fp8");
+  float* rs = rmsnorm_check(x, w, out, rstd);
+  fp8_view_prepare(fp8, out, "rmsnorm_fp8");
+  const int64_t D = x.dim(-1), R = rows_of(x);
+  int* bad = flag_reset();
+  if (!launch_rmsnorm_fused(x.raw(), nullptr, nullptr, x.dtype(), w.raw(), w.dtype(), R, D, eps, out.raw(), rs,
+                            fp8.q.pow2, fp8.q.data.data<uint8_t>(), fp8.q.scales.data<float>(), fp8.scales_gemm_layout,
+                            bad, stream_)) {
+    launch_rmsnorm(x.raw(), x.dtype(), w.raw(), w.dtype(), R, D, eps, out.raw(), out.dtype(), rs, stream_);
+    quantize_async(out.reshape({R, D}), false, fp8.q, false, fp8.scales_gemm_layout);
+  }
+  flag_check("rmsnorm_fp8: the output " + out.str() + " holds NaN or Inf (FP8 quantization refuses non-finite values)");
+}
+
+void CudaBackend::add_rmsnorm(const Tensor& a, const Tensor& b, Tensor& sum, const Tensor& w, float eps, Tensor& out,
+                              Tensor* rstd, Fp8View* fp8) {
+  const OpTimer op_timer_(*this, "add_rmsnorm");
+  check_dev(a, "add a");
+  check_dev(b, "add b");
+  check_dev(sum, "add out");
+  FP8RL_CHECK(a.shape() == sum.shape() && b.shape() == sum.shape() && a.dtype() == sum.dtype() &&
+                  b.dtype() == sum.dtype(),
+              "add_rmsnorm: a, b and sum must have one shape and dtype, got ", a.str(), ", ", b.str(), ", ", sum.str());
+  float* rs = rmsnorm_check(sum, w, out, rstd);
+  FP8RL_CHECK(out.raw() != sum.raw(), "add_rmsnorm: out must not alias sum");
+  if (fp8) fp8_view_prepare(*fp8, out, "add_rmsnorm");
+  const int64_t D = sum.dim(-1), R = rows_of(sum);
+  int* bad = fp8 ? flag_reset() : nullptr;
+  uint8_t* q = fp8 ? fp8->q.data.data<uint8_t>() : nullptr;
+  float* qs = fp8 ? fp8->q.scales.data<float>() : nullptr;
+  const bool laid = fp8 && fp8->scales_gemm_layout;
+  if (!launch_rmsnorm_fused(a.raw(), b.raw(), sum.raw(), sum.dtype(), w.raw(), w.dtype(), R, D, eps, out.raw(), rs,
+                            fp8 && fp8->q.pow2, q, qs, laid, bad, stream_)) {
+    launch_add(a.raw(), a.dtype(), b.raw(), b.dtype(), sum.raw(), sum.dtype(), sum.numel(), stream_);
+    launch_rmsnorm(sum.raw(), sum.dtype(), w.raw(), w.dtype(), R, D, eps, out.raw(), out.dtype(), rs, stream_);
+    if (fp8) quantize_async(out.reshape({R, D}), false, fp8->q, false, laid);
+  }
+  if (fp8)
+    flag_check("add_rmsnorm: the output " + out.str() + " holds NaN or Inf (FP8 quantization refuses non-finite "
+               "values)");
+}
+
+void CudaBackend::swiglu_fp8(const Tensor& gate, const Tensor& up, Tensor& out, Fp8View& fp8) {
+  const OpTimer op_timer_(*this, "swiglu_fp8");
+  check_dev(gate, "swiglu gate");
+  check_dev(up, "swiglu up");
+  check_dev(out, "swiglu out");
+  FP8RL_CHECK(gate.shape() == up.shape() && out.shape() == gate.shape(), "swiglu: gate, up and out must have one shape");
+  FP8RL_CHECK(gate.dtype() == up.dtype() && out.dtype() == gate.dtype(), "swiglu: one dtype for gate, up, out");
+  FP8RL_CHECK(out.ndim() >= 1, "swiglu_fp8: out must have a last dimension, got ", out.str());
+  fp8_view_prepare(fp8, out, "swiglu_fp8");
+  const int64_t F = out.dim(-1), R = rows_of(out);
+  int* bad = flag_reset();
+  if (!launch_swiglu_fp8(gate.raw(), up.raw(), out.raw(), out.dtype(), R, F, fp8.q.pow2, fp8.q.data.data<uint8_t>(),
+                         fp8.q.scales.data<float>(), fp8.scales_gemm_layout, bad, stream_)) {
+    launch_swiglu(gate.raw(), up.raw(), out.raw(), gate.dtype(), gate.numel(), stream_);
+    quantize_async(out.reshape({R, F}), false, fp8.q, false, fp8.scales_gemm_layout);
+  }
+  flag_check("swiglu_fp8: the output " + out.str() + " holds NaN or Inf (FP8 quantization refuses non-finite values)");
+}
+
 // ---- mixture of experts --------------------------------------------------------------------------
 
 void CudaBackend::moe_route_softmax(const Tensor& logits, int top_k, bool renormalize, Tensor& experts,
@@ -795,7 +896,7 @@ void CudaBackend::mm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const Te
 }
 
 void CudaBackend::linear_fwd(const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor& out,
-                             const QuantTensor* x_shared, bool x_shared_laid) {
+                             const Fp8View* x_view) {
   const int64_t M = x.dim(0), K = x.dim(1), N = W.out_features();
   if (spec.mode != LinearMode::FP8_BLOCK) {
     check_dev(W.w, "linear W.w");
@@ -803,16 +904,19 @@ void CudaBackend::linear_fwd(const Tensor& x, const LinearWeight& W, const Linea
     mm(false, true, M, N, K, x, W.w, spec.mode == LinearMode::FP32 ? DType::F32 : DType::BF16, out, 0.0f);
   } else {
     // With M % 16 == 0 (decode batches, aligned micro-batches) the quantizer writes the scales
-    // straight into cuBLASLt's layout: no layout kernel. x_shared: x already quantized (by
-    // linear_shared_input, laid out as x_shared_laid says).
-    const bool tc = x_shared ? true : fp8_tensor_cores(M, N, K);
-    const bool laid = x_shared ? x_shared_laid : tc && M % kFp8RowGranule == 0;
+    // straight into cuBLASLt's layout: no layout kernel. x_view: x already quantized (by a fused
+    // producer or linear_shared_input); the dequantize path reads row-major scales only, so a
+    // view in cuBLASLt's layout is then ignored and x quantized again (the same values).
+    const bool tc = fp8_tensor_cores(M, N, K);
+    const bool use_view = x_view && (tc || !x_view->scales_gemm_layout);
+    const bool laid = use_view ? x_view->scales_gemm_layout : tc && M % kFp8RowGranule == 0;
+    const bool quantizes = !use_view || !W.wq.defined();  // a flag slot only when a quantizer runs
+    if (quantizes) flag_reset();
     QuantTensor xq;
-    if (x_shared) {
-      xq = *x_shared;
+    if (use_view) {
+      xq = x_view->q;
     } else {
       xq = scratch_quant(kSlotAq, kSlotAs, M, K, 1, spec.pow2_scales);
-      flag_reset();
       quantize_async(x, false, xq, false, /*gemm_layout=*/laid);
     }
     QuantTensor wq;
@@ -824,7 +928,9 @@ void CudaBackend::linear_fwd(const Tensor& x, const LinearWeight& W, const Linea
       wq = scratch_quant(kSlotBq, kSlotBs, N, K, kQuantBlock, spec.pow2_scales);
       quantize_async(W.w, false, wq);
     }
-    if (!x_shared) flag_check("linear (FP8): the input " + x.str() + " or the weight holds NaN or Inf");
+    if (quantizes)
+      flag_check(use_view ? "linear (FP8): the weight holds NaN or Inf"
+                          : "linear (FP8): the input " + x.str() + " or the weight holds NaN or Inf");
     if (tc) {
       gemm_->gemm_fp8(M, N, K, xq.data.data<uint8_t>(), xq.scales.data<float>(), wq.data.data<uint8_t>(),
                       wq.scales.data<float>(), kQuantBlock, out.raw(), out.dtype(), 1.0f, 0.0f, laid);
@@ -844,7 +950,8 @@ void CudaBackend::linear_fwd(const Tensor& x, const LinearWeight& W, const Linea
   }
 }
 
-void CudaBackend::linear(const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor& out) {
+void CudaBackend::linear(const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor& out,
+                         const Fp8View* x_fp8) {
   const OpTimer op_timer_(*this, "linear");
   check_dev(x, "linear x");
   check_dev(out, "linear out");
@@ -854,14 +961,21 @@ void CudaBackend::linear(const Tensor& x, const LinearWeight& W, const LinearSpe
   FP8RL_CHECK(x.dim(-1) == K, "linear: x ", x.str(), " does not match the weight's in_features ", K);
   const int64_t M = rows_of(x);
   FP8RL_CHECK(out.numel() == M * N && out.dim(-1) == N, "linear: out must be [", M, ", ", N, "], got ", out.str());
+  const Fp8View* view = spec.mode == LinearMode::FP8_BLOCK ? x_fp8 : nullptr;
+  if (view) {
+    fp8_view_check(*view, x, spec, "linear");
+    check_dev(view->q.data, "linear x_fp8 data");
+    check_dev(view->q.scales, "linear x_fp8 scales");
+  }
   Tensor x2 = x.reshape({M, K}), o2 = out.reshape({M, N});
-  linear_fwd(x2, W, spec, o2);
+  linear_fwd(x2, W, spec, o2, view);
 }
 
 // FP8: x quantized once for every weight (q/k/v, gate/up) when all of them take the tensor
-// cores; the products are then exactly those of separate linear() calls.
+// cores, or not at all when a fused producer gave its FP8 copy (x_fp8); the products are then
+// exactly those of separate linear() calls.
 void CudaBackend::linear_shared_input(const Tensor& x, const std::vector<const LinearWeight*>& W,
-                                      const LinearSpec& spec, const std::vector<Tensor*>& outs) {
+                                      const LinearSpec& spec, const std::vector<Tensor*>& outs, const Fp8View* x_fp8) {
   FP8RL_CHECK(!W.empty() && W.size() == outs.size(), "linear_shared_input: ", W.size(), " weights for ", outs.size(),
               " outputs");
   bool shared = spec.mode == LinearMode::FP8_BLOCK;
@@ -870,7 +984,7 @@ void CudaBackend::linear_shared_input(const Tensor& x, const std::vector<const L
   if (shared)
     for (const LinearWeight* w : W) shared = shared && GemmEngine::fp8_supported(M, w->out_features(), K);
   if (!shared || act_dtype_ == DType::F32) {
-    Backend::linear_shared_input(x, W, spec, outs);
+    Backend::linear_shared_input(x, W, spec, outs, x_fp8);
     return;
   }
   const OpTimer op_timer_(*this, "linear");
@@ -878,11 +992,20 @@ void CudaBackend::linear_shared_input(const Tensor& x, const std::vector<const L
   check_float(x, "linear x");
   FP8RL_CHECK(x.dim(-1) == K, "linear: x ", x.str(), " does not match the weight's in_features ", K);
   const Tensor x2 = x.reshape({M, K});
-  const bool laid = M % kFp8RowGranule == 0;
-  QuantTensor xq = scratch_quant(kSlotAq, kSlotAs, M, K, 1, spec.pow2_scales);
-  flag_reset();
-  quantize_async(x2, false, xq, false, /*gemm_layout=*/laid);
-  flag_check("linear (FP8): the input " + x.str() + " holds NaN or Inf");
+  Fp8View view;
+  if (x_fp8) {
+    fp8_view_check(*x_fp8, x, spec, "linear");
+    check_dev(x_fp8->q.data, "linear x_fp8 data");
+    check_dev(x_fp8->q.scales, "linear x_fp8 scales");
+    view = *x_fp8;
+  } else {
+    view.q = scratch_quant(kSlotAq, kSlotAs, M, K, 1, spec.pow2_scales);
+    view.scales_gemm_layout = M % kFp8RowGranule == 0;
+    view.source = x.raw();
+    flag_reset();
+    quantize_async(x2, false, view.q, false, /*gemm_layout=*/view.scales_gemm_layout);
+    flag_check("linear (FP8): the input " + x.str() + " holds NaN or Inf");
+  }
   for (size_t i = 0; i < W.size(); ++i) {
     Tensor& out = *outs[i];
     const int64_t N = W[i]->out_features();
@@ -890,9 +1013,7 @@ void CudaBackend::linear_shared_input(const Tensor& x, const std::vector<const L
     check_float(out, "linear out");
     FP8RL_CHECK(out.numel() == M * N && out.dim(-1) == N, "linear: out must be [", M, ", ", N, "], got ", out.str());
     Tensor o2 = out.reshape({M, N});
-    flag_reset();
-    linear_fwd(x2, *W[i], spec, o2, &xq, laid);
-    flag_check("linear (FP8): a weight holds NaN or Inf");
+    linear_fwd(x2, *W[i], spec, o2, &view);
   }
 }
 
@@ -959,7 +1080,9 @@ void CudaBackend::linear_backward(const Tensor& dy, const Tensor& x, const Linea
     check_dev(*dw, "linear_backward dw");
     check_dtype(*dw, DType::F32, "linear_backward dw");
     check_shape(*dw, {N, K}, "linear_backward dw");
-    if (!fp8) {
+    FP8RL_CHECK(!fp8 || spec.wgrad == LinearMode::FP8_BLOCK || spec.wgrad == LinearMode::BF16,
+                "an FP8 linear's wgrad must be fp8 or bf16, got ", linear_mode_name(spec.wgrad));
+    if (!fp8 || spec.wgrad == LinearMode::BF16) {  // BF16 wgrad of an FP8 linear: ab is BF16 here
       mm(true, false, N, K, M, dy2, x2, ab, *dw, 1.0f);
     } else {
       // wgrad: dY^T [N, M] and X^T [K, M], both requantized 1x128 along tokens. The token

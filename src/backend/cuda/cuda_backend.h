@@ -59,9 +59,14 @@ class CudaBackend final : public Backend {
   void rmsnorm(const Tensor& x, const Tensor& w, float eps, Tensor& out, Tensor* rstd) override;
   void rmsnorm_backward(const Tensor& dout, const Tensor& x, const Tensor& w, const Tensor& rstd, Tensor& dx,
                         Tensor& dw) override;
-  void linear(const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor& out) override;
+  void linear(const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor& out,
+              const Fp8View* x_fp8 = nullptr) override;
   void linear_shared_input(const Tensor& x, const std::vector<const LinearWeight*>& W, const LinearSpec& spec,
-                           const std::vector<Tensor*>& outs) override;
+                           const std::vector<Tensor*>& outs, const Fp8View* x_fp8 = nullptr) override;
+  void rmsnorm_fp8(const Tensor& x, const Tensor& w, float eps, Tensor& out, Tensor* rstd, Fp8View& fp8) override;
+  void add_rmsnorm(const Tensor& a, const Tensor& b, Tensor& sum, const Tensor& w, float eps, Tensor& out, Tensor* rstd,
+                   Fp8View* fp8) override;
+  void swiglu_fp8(const Tensor& gate, const Tensor& up, Tensor& out, Fp8View& fp8) override;
   void linear_backward(const Tensor& dy, const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor* dx,
                        Tensor* dw, Tensor* dbias) override;
   void rope(Tensor& x, const Tensor& positions, const RopeParams& rope, bool inverse) override;
@@ -133,8 +138,15 @@ class CudaBackend final : public Backend {
   // C[M, N] = op(A) op(B) + beta C with A, B converted to `ab` (F32 or BF16) when they differ.
   void mm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const Tensor& A, const Tensor& B, DType ab, Tensor& C,
           float beta);
+  // x_view: x2's FP8 copy (a fused producer's, or linear_shared_input's), used when the product
+  // can take it (any layout on the tensor cores; row-major scales on the dequantize path).
   void linear_fwd(const Tensor& x2, const LinearWeight& W, const LinearSpec& spec, Tensor& out2,
-                  const QuantTensor* x_shared = nullptr, bool x_shared_laid = false);
+                  const Fp8View* x_view = nullptr);
+  // Where a fused producer's FP8 copy of an [R, C] activation puts its scales: cuBLASLt's layout
+  // when the GEMMs will take it as is (BF16 activations, R % 16 == 0), else row-major.
+  bool fp8_view_gemm_layout(int64_t R, int64_t C) const;
+  void fp8_view_prepare(Fp8View& fp8, const Tensor& out, const char* what);
+  float* rmsnorm_check(const Tensor& x, const Tensor& w, Tensor& out, Tensor* rstd);
   void check_dev(const Tensor& t, const char* what) const;
   // Whether an FP8 block GEMM [M, N, K] takes cuBLASLt's FP8 kernels (else: dequantize + FP32 GEMM).
   // On the fast path (BF16 activations) a shape that cannot is a fallback: counted, and reported

@@ -79,6 +79,19 @@ void launch_rmsnorm(const void* x, DType xdt, const void* w, DType wdt, int64_t 
 void launch_rmsnorm_backward(const void* dout, DType gdt, const void* x, DType xdt, const void* w, DType wdt,
                              const float* rstd, int64_t R, int64_t D, void* dx, DType dxdt, float* dw,
                              cudaStream_t stream);
+// ---- fused producers of FP8 linear inputs (fused_kernels.cu) ----
+// out = rmsnorm(x) over rows [R, D] (x = a, or with b non-null x = sum = a + b, written; sum may
+// alias a), rstd [R] written when non-null, and with q non-null out's 1x128 E4M3 copy q [R, D]
+// with scales [R][ceil(D/128)] (gemm_layout: [ceil(D/128)][R]); non-finite outputs set
+// *bad_flag. a, b, sum, out share dtype dt. Bitwise launch_add + launch_rmsnorm + launch_quantize.
+// Returns false, launching nothing, when the shape or alignment has no fused kernel (D % 8 != 0,
+// pointers not 16-byte aligned): the caller then runs the unfused ops.
+bool launch_rmsnorm_fused(const void* a, const void* b, void* sum, DType dt, const void* w, DType wdt, int64_t R,
+                          int64_t D, float eps, void* out, float* rstd, bool pow2, uint8_t* q, float* scales,
+                          bool gemm_layout, int* bad_flag, cudaStream_t stream);
+// out = swiglu(g, u) over [R, F] and its 1x128 E4M3 copy (scales as above); false as above.
+bool launch_swiglu_fp8(const void* g, const void* u, void* out, DType dt, int64_t R, int64_t F, bool pow2, uint8_t* q,
+                       float* scales, bool gemm_layout, int* bad_flag, cudaStream_t stream);
 constexpr int kMaxRopeHalf = 256;
 struct RopeTable {
   float inv_freq[kMaxRopeHalf];

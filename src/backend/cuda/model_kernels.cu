@@ -170,8 +170,7 @@ template <class T>
 __global__ void swiglu_kernel(const T* g, const T* u, T* out, int64_t n) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const float gv = load_f(g, i);
-    store_f(out, i, gv * sigmoidf_(gv) * load_f(u, i));
+    store_f(out, i, swiglu_value(load_f(g, i), load_f(u, i)));
   }
 }
 
@@ -184,7 +183,7 @@ __global__ void swiglu_vec_kernel(const T* g, const T* u, T* out, int64_t n8) {
     load8(g + 8 * i, gv);
     load8(u + 8 * i, uv);
 #pragma unroll
-    for (int k = 0; k < 8; ++k) gv[k] = gv[k] * sigmoidf_(gv[k]) * uv[k];
+    for (int k = 0; k < 8; ++k) gv[k] = swiglu_value(gv[k], uv[k]);
     store8(out + 8 * i, gv);
   }
 }
@@ -236,10 +235,7 @@ __global__ void adamw_kernel(float* p, const float* g, float* m, float* v, int64
 }
 
 // Threads of a row-per-block vectorized kernel: one 8-element chunk each, 32..256.
-int vec_row_threads(int64_t D) {
-  const int64_t t = (D / 8 + 31) / 32 * 32;
-  return static_cast<int>(std::clamp<int64_t>(t, 32, 256));
-}
+int vec_row_threads(int64_t D) { return rmsnorm_row_threads(D); }
 
 }  // namespace
 

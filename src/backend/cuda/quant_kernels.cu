@@ -7,44 +7,13 @@
 // Two families: element-wise kernels (any shape) and vectorized ones (16-byte loads, 8- or
 // 16-byte stores, warp-shuffle / register-tile amax) for rows of whole 16-byte chunks; the
 // parity tests run both (odd widths take the first) against quant/quant.cpp.
-#include <cuda_fp8.h>
-
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/kernels.h"
+#include "backend/cuda/quant.cuh"
 #include "quant/quant.h"
 
 namespace fp8rl::cuda {
-
-__device__ __forceinline__ float pow2_round_up(float s) {
-  uint32_t u = __float_as_uint(s);
-  const uint32_t man = u & 0x7fffffu, exp = u >> 23;  // s > 0 here
-  if (man == 0) return s;
-  if (exp > 0) return __uint_as_float((exp + 1) << 23);
-  // Subnormal: the next power of two above m * 2^-149 is 2^(p+1) * 2^-149 (p = top bit of m),
-  // which is 1 << (p + 1) as bits (the smallest normal when p + 1 == 23).
-  const int p = 31 - __clz(man);
-  if ((man & (man - 1)) == 0) return s;
-  return __uint_as_float(1u << (p + 1));
-}
-
-__device__ __forceinline__ float quant_scale(float amax, bool pow2) {
-  if (amax == 0.0f) return 1.0f;
-  float s = amax / 448.0f;
-  if (s == 0.0f) s = __uint_as_float(1u);  // underflow: the smallest positive float, as quant.cpp
-  if (pow2) s = pow2_round_up(s);
-  return s;
-}
-
-__device__ __forceinline__ uint8_t e4m3_encode(float v) {
-  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
-}
-
-__device__ __forceinline__ float e4m3_decode(uint8_t q) {
-  __nv_fp8_e4m3 f;
-  f.__x = q;
-  return static_cast<float>(f);
-}
 
 // ---- fast path: 1 x 128 blocks along the last dim, no transpose -------------------------------
 // One warp per (row, 128-column block); each lane holds 4 consecutive elements.
@@ -144,15 +113,6 @@ __global__ void quant_tile_kernel(const T* __restrict__ x, int64_t R, int64_t C,
 
 // ---- vectorized paths (16-byte loads; taken when x's last dim is a multiple of 8 and the
 // pointers are 16-byte aligned). Same arithmetic as above, element for element: bit-exact.
-
-// load8 (common.cuh): 8 consecutive elements as floats, one 16-byte load (BF16) or two (F32).
-// e4m3(v[i] / s) for 8 values, packed little-endian into two words.
-__device__ __forceinline__ uint2 encode8(const float v[8], float s) {
-  uint32_t w[2] = {0, 0};
-#pragma unroll
-  for (int i = 0; i < 8; ++i) w[i / 4] |= static_cast<uint32_t>(e4m3_encode(v[i] / s)) << (8 * (i % 4));
-  return make_uint2(w[0], w[1]);
-}
 
 // 1 x 128 along the last dim: 16 threads per (row, 128-column block), 8 elements each.
 template <class T>
