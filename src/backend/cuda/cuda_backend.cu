@@ -1248,10 +1248,46 @@ void CudaBackend::sample(const Tensor& logits, const std::vector<float>& tempera
              "uploading the sampling parameters");
   const float* p = pd.data<float>();  // no [B, V] scratch: the kernel recomputes keys and weights
   launch_sample(logits.data<float>(), B, V, Vv, p, p + n, reinterpret_cast<const int32_t*>(p + 3 * n), p + 2 * n,
-                tokens.data<int32_t>(), logp.data<float>(), flag_reset(), stream_);
+                1, false, tokens.data<int32_t>(), logp.data<float>(), flag_reset(), stream_);
   // Synchronizes: the host-side parameter vector must outlive the upload.
   flag_check("sample: a row of logits holds NaN or +inf, or only -inf");
   flag_drain();
+}
+
+void CudaBackend::sample_rows(const Tensor& logits, const Tensor& rows, bool truncation, Tensor& tokens, Tensor& logp,
+                              int64_t valid_vocab) {
+  const OpTimer op_timer_(*this, "sample");
+  check_dev(logits, "sample logits");
+  check_dev(rows, "sample_rows rows");
+  check_dev(tokens, "sample tokens");
+  check_dev(logp, "sample logp");
+  check_dtype(logits, DType::F32, "sample logits");
+  FP8RL_CHECK(logits.ndim() == 2 && logits.dim(1) > 0, "sample logits must be [B, V], got ", logits.str());
+  const int64_t B = logits.dim(0), V = logits.dim(1);
+  FP8RL_CHECK(valid_vocab >= 0 && valid_vocab <= V, "sample: valid_vocab ", valid_vocab, " must be in [0, V = ", V,
+              "] (0: all V)");
+  const int64_t Vv = valid_vocab > 0 ? valid_vocab : V;  // sampled ids [0, Vv); rows are V apart
+  check_dtype(rows, DType::I32, "sample_rows rows");
+  check_shape(rows, {B, 8}, "sample_rows rows (one SampleRow each)");
+  check_dtype(tokens, DType::I32, "sample tokens");
+  check_shape(tokens, {B}, "sample tokens");
+  check_dtype(logp, DType::F32, "sample logp");
+  check_shape(logp, {B}, "sample logp");
+  if (B == 0) return;
+  const auto* r = reinterpret_cast<const SampleRow*>(rows.raw());
+  const int splits = sample_gumbel_splits(B, V, sm_count_);
+  Tensor part = scratch(kSlotTmp, {static_cast<int64_t>(sample_gumbel_scratch_bytes(B, splits))}, DType::U8);
+  int* f = flag_reset();
+  launch_sample_gumbel(logits.data<float>(), B, V, Vv, r, truncation, splits, part.raw(), tokens.data<int32_t>(),
+                       logp.data<float>(), f, stream_);
+  if (truncation) {
+    const auto* w = reinterpret_cast<const float*>(rows.raw());  // SampleRow's first four words
+    launch_sample(logits.data<float>(), B, V, Vv, w, w + 1, reinterpret_cast<const int32_t*>(w + 2), w + 3, 8, true,
+                  tokens.data<int32_t>(), logp.data<float>(), f, stream_);
+  }
+  flag_check("sample: a row of logits holds NaN or +inf, or only -inf, or its parameters are out of range "
+             "(temperature >= 0, top_p in (0, 1], top_k >= 0, uniform in [0, 1); top-k / top-p only with "
+             "truncation)");
 }
 
 }  // namespace cuda
