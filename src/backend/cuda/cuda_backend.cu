@@ -1191,6 +1191,18 @@ void CudaBackend::attention_paged(const KvCache& cache, int layer, const Tensor&
                          part ? part + T * Hq * plan.splits * hd : nullptr, out.raw(), stream_, grouped);
 }
 
+namespace {
+// FP8RL_CUDA_SAMPLER=host: sampling runs on the CPU reference on copied-back logits (a
+// diagnostic switch; sample_kernels.cu / sample_gumbel_kernels.cu say how results compare).
+bool host_sampler_enabled() {
+  static const bool on = [] {
+    const char* e = std::getenv("FP8RL_CUDA_SAMPLER");
+    return e && std::string(e) == "host";
+  }();
+  return on;
+}
+}  // namespace
+
 void CudaBackend::sample(const Tensor& logits, const std::vector<float>& temperature, const std::vector<float>& top_p,
                          const std::vector<int>& top_k, const std::vector<float>& uniforms, Tensor& tokens,
                          Tensor& logp, int64_t valid_vocab) {
@@ -1215,11 +1227,7 @@ void CudaBackend::sample(const Tensor& logits, const std::vector<float>& tempera
   if (B == 0) return;
   // FP8RL_CUDA_SAMPLER=host: the CPU reference on copied-back logits (a diagnostic switch; the
   // results are the same up to the rounding described in sample_kernels.cu).
-  static const bool host_sampler = [] {
-    const char* e = std::getenv("FP8RL_CUDA_SAMPLER");
-    return e && std::string(e) == "host";
-  }();
-  if (host_sampler) {
+  if (host_sampler_enabled()) {
     Tensor hl = to_host(logits);
     Tensor ht = Tensor::empty(tokens.shape(), tokens.dtype()), hp = Tensor::empty(logp.shape(), logp.dtype());
     static std::unique_ptr<Backend> cpu = make_cpu_backend();
@@ -1274,6 +1282,14 @@ void CudaBackend::sample_rows(const Tensor& logits, const Tensor& rows, bool tru
   check_dtype(logp, DType::F32, "sample logp");
   check_shape(logp, {B}, "sample logp");
   if (B == 0) return;
+  if (host_sampler_enabled()) {  // FP8RL_CUDA_SAMPLER=host: the CPU reference (synchronizes: no graphs)
+    Tensor ht = Tensor::empty(tokens.shape(), tokens.dtype()), hp = Tensor::empty(logp.shape(), logp.dtype());
+    static std::unique_ptr<Backend> cpu = make_cpu_backend();
+    cpu->sample_rows(to_host(logits), to_host(rows), truncation, ht, hp, valid_vocab);
+    copy(ht, tokens);
+    copy(hp, logp);
+    return;
+  }
   const auto* r = reinterpret_cast<const SampleRow*>(rows.raw());
   const int splits = sample_gumbel_splits(B, V, sm_count_);
   Tensor part = scratch(kSlotTmp, {static_cast<int64_t>(sample_gumbel_scratch_bytes(B, splits))}, DType::U8);

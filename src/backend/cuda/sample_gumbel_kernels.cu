@@ -228,6 +228,7 @@ void launch_sample_gumbel(const float* logits, int64_t B, int64_t ld, int64_t V,
                           bool truncation, int splits, void* scratch, int32_t* tokens, float* logp, int* bad_flag,
                           cudaStream_t stream) {
   if (B == 0) return;
+  FP8RL_CHECK(B <= 65535, "sample_rows: ", B, " rows exceed the grid's 65535 (sample in parts)");
   const int64_t G = (ld + 3) / 4;
   const int64_t gps = (G + splits - 1) / splits;
   const bool vec = ld % 4 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0;

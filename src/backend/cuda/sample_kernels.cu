@@ -327,8 +327,8 @@ __global__ void __launch_bounds__(kSampleThreads, 1)
   const float tau = temperature[b * pstride], row_top_p = top_p[b * pstride], u = uniforms[b * pstride];
   const int32_t row_top_k = top_k[b * pstride];
   const bool truncates = tau != 0.0f && (row_top_k != 0 || row_top_p < 1.0f);
-  if (only_truncating && !(truncates && isfinite(tau) && tau > 0.0f)) return;
-  if (!(isfinite(tau) && tau >= 0.0f) || !(row_top_p > 0.0f && row_top_p <= 1.0f) || row_top_k < 0 ||
+  if (only_truncating && !(truncates && tau > 0.0f && tau < INFINITY)) return;
+  if (!(tau >= 0.0f && tau < INFINITY) || !(row_top_p > 0.0f && row_top_p <= 1.0f) || row_top_k < 0 ||
       !(u >= 0.0f && u < 1.0f)) {  // the parameters (checked on the host too, when they come from it)
     if (threadIdx.x == 0) {
       atomicExch(bad, 1);
