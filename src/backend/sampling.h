@@ -153,9 +153,12 @@ FP8RL_HD float log1p_core(float f) {
   return mul_rn(add_rn(t, t), p);
 }
 
-// log(x) for a finite normal x > 0: x = m 2^e with m in [sqrt(1/2), sqrt(2)), m - 1 exact,
-// e ln2 in two parts (ln2_hi has 16 significant bits: e * ln2_hi is exact for |e| < 256).
-FP8RL_HD float log_pos(float x) {
+// x = (1 + f) 2^e for a finite normal x > 0, with 1 + f in [sqrt(1/2), sqrt(2)) (f exact).
+struct LogParts {
+  float f;
+  int e;
+};
+FP8RL_HD LogParts log_reduce(float x) {
   const uint32_t u = float_bits(x);
   int e = static_cast<int>(u >> 23) - 127;
   uint32_t mb = (u & 0x007FFFFFu) | 0x3F800000u;  // m in [1, 2)
@@ -163,21 +166,31 @@ FP8RL_HD float log_pos(float x) {
     mb -= 0x00800000u;
     e += 1;
   }
-  const float f = sub_rn(bits_float(mb), 1.0f);
+  return LogParts{sub_rn(bits_float(mb), 1.0f), e};
+}
+
+// e ln2 + log1p(f), e ln2 in two parts (ln2_hi has 16 significant bits: e * ln2_hi is exact
+// for |e| < 256; e = 0 adds nothing: fmaf(0, c, y) = y).
+FP8RL_HD float log_join(LogParts p) {
   constexpr float kLn2Hi = 0x1.62e4p-1f;     // 0.693145751953125 (0x3F317200)
   constexpr float kLn2Lo = 0x1.7f7d1cp-20f;  // ln2 - kLn2Hi, rounded
-  const float ef = static_cast<float>(e);
-  return fma_rn(ef, kLn2Hi, fma_rn(ef, kLn2Lo, log1p_core(f)));
+  const float ef = static_cast<float>(p.e);
+  return fma_rn(ef, kLn2Hi, fma_rn(ef, kLn2Lo, log1p_core(p.f)));
 }
+
+// log(x) for a finite normal x > 0.
+FP8RL_HD float log_pos(float x) { return log_join(log_reduce(x)); }
 
 // E = -log(U) > 0, an Exp(1) variate, from 32 random bits h: U = (h + 1/2) 2^-32 in (0, 1).
 // U near 1 (E small: the large tail of the Gumbel draw) keeps its full relative precision
 // through the complement S = 1 - U = (~h + 1/2) 2^-32: E = -log1p(-S) for S < 0.29; else
-// E = -log(U) with U rounded from h directly (>= 2^-33: the log is finite).
+// E = -log(U) with U rounded from h directly (>= 2^-33: the log is finite). Both branches end
+// in the one log1p_core (a warp that takes both evaluates it once).
 FP8RL_HD float exponential_from_bits(uint32_t h) {
   const float s = fma_rn(u32_to_float(~h), 0x1.0p-32f, 0x1.0p-33f);
-  if (s < 0x1.28f5c2p-2f) return -log1p_core(-s);  // 0.29f
-  return -log_pos(fma_rn(u32_to_float(h), 0x1.0p-32f, 0x1.0p-33f));
+  LogParts p{-s, 0};
+  if (!(s < 0x1.28f5c2p-2f)) p = log_reduce(fma_rn(u32_to_float(h), 0x1.0p-32f, 0x1.0p-33f));  // 0.29f
+  return -log_join(p);
 }
 
 // g = -log(E) = -log(-log(U)): a standard Gumbel variate, in [-3.13, 22.88].
