@@ -77,11 +77,12 @@ for stage in ${FP8RL_STAGES:-rlstep}; do
         > "$OUT/rlstep_2048.log" 2>&1
       note "bench rl-step 2048 new tokens: rc=$?"; sed -n '/^phase/,$p' "$OUT/rlstep_2048.log" | tee -a "$SUMMARY" ;;
     trainstep)
-      for prec in bf16 fp8; do
-        timeout 150 "$FP8RL" bench-train-step --device cuda --precision $prec --hidden 2048 --layers 16 --heads 32 \
-          --kv-heads 8 --head-dim 64 --ffn 8192 --vocab 128256 --seqs 8 --seq-len 2048 --prompt-len 2040 --repeats 3 \
-          --json "$OUT/trainstep_$prec.json" > "$OUT/trainstep_$prec.log" 2>&1
-        note "bench-train-step $prec: rc=$?"; grep -E "^(score|train_step) " "$OUT/trainstep_$prec.log" | tee -a "$SUMMARY"
+      for run in bf16 fp8 fp8:bf16; do  # precision[:wgrad]
+        prec=${run%%:*}; wg=fp8; [ "$run" != "$prec" ] && wg=${run#*:}
+        timeout 150 "$FP8RL" bench-train-step --device cuda --precision $prec --wgrad $wg --hidden 2048 --layers 16 \
+          --heads 32 --kv-heads 8 --head-dim 64 --ffn 8192 --vocab 128256 --seqs 8 --seq-len 2048 --prompt-len 2040 \
+          --repeats 3 --json "$OUT/trainstep_${prec}_$wg.json" > "$OUT/trainstep_${prec}_$wg.log" 2>&1
+        note "bench-train-step $prec wgrad $wg: rc=$?"; grep -E "^(score|train_step) " "$OUT/trainstep_${prec}_$wg.log" | tee -a "$SUMMARY"
       done
       timeout 120 env PYTHONUNBUFFERED=1 python3 scripts/bench_train_step_torch.py --json "$OUT/trainstep_torch.json" \
         > "$OUT/trainstep_torch.log" 2>&1

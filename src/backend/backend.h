@@ -27,6 +27,7 @@
 #include <string>
 #include <vector>
 
+#include "backend/sampling.h"
 #include "core/precision.h"
 #include "core/tensor.h"
 #include "quant/quant.h"
@@ -361,6 +362,7 @@ class Backend {
   virtual void attention_paged(const KvCache& cache, int layer, const Tensor& q,
                                const PagedBatch& batch, float softmax_scale, bool fp8_attention,
                                Tensor& out) = 0;
+  // The inverse-CDF sampler with host parameters (every row, top-k / top-p or not; synchronizes).
   // Samples one token per row of logits F32 [B, V]: softmax(logits / temperature[b]) restricted
   // to top_k[b] (0 = all) and the smallest top_p[b] nucleus; uniforms F32 [B] in [0, 1) drive an
   // inverse-CDF draw over the kept tokens in descending-probability order (ties: lower id
@@ -380,6 +382,27 @@ class Backend {
                       const std::vector<float>& top_p, const std::vector<int>& top_k,
                       const std::vector<float>& uniforms, Tensor& tokens, Tensor& logp,
                       int64_t valid_vocab = 0) = 0;
+  // The sampler of generation, with its parameters in device memory (so a recorded graph reads
+  // each replay's values; no synchronization): rows I32 [B, 8] on this backend, one SampleRow
+  // (backend/sampling.h) per row of logits F32 [B, V]; tokens I32 [B], logp F32 [B] as above.
+  // Per row, by its parameters:
+  //  - temperature 0: greedy, as above (lowest-id argmax, logp = 0);
+  //  - top_k > 0 or top_p < 1 (a truncating row): sample()'s inverse-CDF draw with `uniform`;
+  //    allowed only when `truncation` is true (else a data error: the fast path launches no
+  //    truncating kernel);
+  //  - otherwise (plain temperature sampling, GRPO's default) the Gumbel-max draw:
+  //    token = argmax over ids < valid_vocab of fl(logit * fl(1 / temperature)) + g_id (ties:
+  //    the lowest id), g_id = -log(-log(u_id)) with u_id from Philox4x32-10 keyed by
+  //    (key_hi:key_lo) at counter (id / 4, counter, "GUMB", 0), word id % 4, and the logarithms
+  //    of sampling.h: the same code on every backend, so CPU and CUDA draw the same token from
+  //    the same logits. The draw is an exact sample of softmax(logit / temperature) up to the
+  //    32-bit uniforms (sampling.h); one read of the logits on the GPU.
+  // logp is, in every case, the log-prob under softmax(logits / temperature) over all V ids
+  // (the padding past valid_vocab included), as for sample(). Data errors (NaN / +inf logits,
+  // a row of only -inf, parameters out of range) are raised here on the CPU and at the next
+  // synchronizing call on the GPU (that row gets token 0, logp NaN).
+  virtual void sample_rows(const Tensor& logits, const Tensor& rows, bool truncation, Tensor& tokens, Tensor& logp,
+                           int64_t valid_vocab = 0) = 0;
 };
 
 std::unique_ptr<Backend> make_cpu_backend();

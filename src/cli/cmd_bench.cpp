@@ -1,6 +1,6 @@
 // fp8rl bench <what> [options]: one entry point for the benchmarks, as issue #6 spells them
 // (`fp8rl bench generate`). Dispatches to the subcommand registered as "bench-<what>"
-// (bench-generate, bench-gemm, bench-train-step, bench-tokenize), which keep working under
+// (bench-generate, bench-sample, bench-gemm, bench-train-step, bench-tokenize), which keep working under
 // their dashed names.
 #include <algorithm>
 #include <cstdio>
@@ -37,7 +37,7 @@ int run_bench_dispatch(const std::vector<std::string>& argv) {
   return fn(std::vector<std::string>(argv.begin() + 1, argv.end()));
 }
 
-const Register kRegister{"bench", "benchmarks: bench rl-step | generate | gemm | train-step | tokenize", run_bench_dispatch};
+const Register kRegister{"bench", "benchmarks: bench rl-step | generate | sample | gemm | train-step | tokenize", run_bench_dispatch};
 
 }  // namespace
 }  // namespace fp8rl::cli

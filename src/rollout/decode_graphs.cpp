@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
 
 #include "core/error.h"
 #include "model/transformer.h"
@@ -26,7 +27,7 @@ int DecodeGraphs::bucket(int B) const {
   return std::min((B + step - 1) / step * step, max_batch_);
 }
 
-void DecodeGraphs::forward(int Bp) {
+void DecodeGraphs::step(int Bp) {
   const int64_t W = width_;
   PagedBatch batch;
   const Tensor ids = in_.slice_rows(0, Bp);
@@ -38,24 +39,39 @@ void DecodeGraphs::forward(int Bp) {
   batch.max_pos = static_cast<int>(W) * cache_.page_size;  // fixed: sequences grow under one graph
   Tensor logits = logits_.slice_rows(0, Bp);
   model_forward_paged(be_, gen_, prec_, cache_, ids, batch, rows, logits);
+  const Tensor srows = in_.slice_rows(5 * Bp + Bp * W, 5 * Bp + Bp * W + 8 * Bp).reshape({Bp, 8});
+  Tensor tokens = tokens_.slice_rows(0, Bp), logp = logp_.slice_rows(0, Bp);
+  be_.sample_rows(logits, srows, truncation_, tokens, logp, valid_vocab_);
 }
 
 bool DecodeGraphs::run(const std::vector<int32_t>& ids, const std::vector<int32_t>& pos,
                        const std::vector<int32_t>& slots, const std::vector<const std::vector<int32_t>*>& pages,
-                       int width, Tensor& logits_view) {
+                       int width, const std::vector<SampleRow>& sample_rows, bool truncation, int64_t valid_vocab,
+                       Tensor& tokens_view, Tensor& logp_view) {
   const int B = static_cast<int>(ids.size());
   if (disabled_ || B == 0 || B > max_batch_) return false;
+  FP8RL_CHECK(static_cast<int>(sample_rows.size()) == B, "decode graphs: ", sample_rows.size(),
+              " sampling rows for ", B, " sequences");
   // A pow2 width keeps the graphs across calls whose contexts differ a little.
   int W = 1;
   while (W < width) W *= 2;
   if (W != width_) {  // (re)size the buffers: graphs recorded over the old ones are dropped
     graphs_.clear();
     width_ = W;
-    in_ = be_.alloc({static_cast<int64_t>(max_batch_) * (5 + W)}, DType::I32);
-    if (!logits_.defined()) logits_ = be_.alloc({max_batch_, gen_.config.vocab_size}, DType::F32);
+    in_ = be_.alloc({static_cast<int64_t>(max_batch_) * (5 + W + 8)}, DType::I32);
+    if (!logits_.defined()) {
+      logits_ = be_.alloc({max_batch_, gen_.config.vocab_size}, DType::F32);
+      tokens_ = be_.alloc({max_batch_}, DType::I32);
+      logp_ = be_.alloc({max_batch_}, DType::F32);
+    }
+  }
+  if (truncation != truncation_ || valid_vocab != valid_vocab_) {  // recorded into the sampler's launch
+    graphs_.clear();
+    truncation_ = truncation;
+    valid_vocab_ = valid_vocab;
   }
   const int Bp = bucket(B);
-  host_.assign(static_cast<size_t>(Bp) * (5 + W), 0);
+  host_.assign(static_cast<size_t>(Bp) * (5 + W + 8), 0);
   int32_t* h = host_.data();
   for (int b = 0; b < Bp; ++b) {
     const bool real = b < B;
@@ -72,6 +88,11 @@ bool DecodeGraphs::run(const std::vector<int32_t>& ids, const std::vector<int32_
     } else {
       row[0] = dummy_page_;
     }
+    // The sampling row (padding rows: greedy; their tokens are dropped).
+    SampleRow sr;
+    if (real) sr = sample_rows[b];
+    else sr.temperature = 0.0f;
+    std::memcpy(h + 5 * Bp + static_cast<size_t>(Bp) * W + 8 * static_cast<size_t>(b), &sr, sizeof sr);
   }
   Tensor staged = Tensor::empty({static_cast<int64_t>(host_.size())}, DType::I32);
   std::copy(host_.begin(), host_.end(), staged.data<int32_t>());
@@ -83,10 +104,10 @@ bool DecodeGraphs::run(const std::vector<int32_t>& ids, const std::vector<int32_
     it->second->replay();
     ++replays_;
   } else {
-    forward(Bp);  // this step's result, and the warm-up the recording needs
+    step(Bp);  // this step's result, and the warm-up the recording needs
     std::unique_ptr<OpGraph> g;
     try {
-      g = be_.record([&] { forward(Bp); });
+      g = be_.record([&] { step(Bp); });
     } catch (const Error& e) {
       std::fprintf(stderr, "warning: recording a CUDA graph of the decode step failed (%s); decoding without "
                            "graphs\n", e.what());
@@ -97,7 +118,8 @@ bool DecodeGraphs::run(const std::vector<int32_t>& ids, const std::vector<int32_
       graphs_.emplace(Bp, std::move(g));
     }
   }
-  logits_view = logits_.slice_rows(0, B);
+  tokens_view = tokens_.slice_rows(0, B);
+  logp_view = logp_.slice_rows(0, B);
   return true;
 }
 

@@ -1,9 +1,12 @@
 // CUDA graphs for decode-only iterations of the rollout engine. A decode step of a small model
 // is bound by kernel launches (tens of ops per layer, microseconds each); recorded once per
 // padded batch size and replayed, a step costs one launch. The engine hands over a decode-only
-// batch (one query token per sequence); DecodeGraphs pads it to a bucket size with dummy rows
-// that write into a reserved page and attend to it alone, uploads everything in one copy, and
-// replays (or, the first time a bucket is seen, runs directly and records it). Backends that
+// batch (one query token per sequence) and its sampling rows; DecodeGraphs pads it to a bucket
+// size with dummy rows that write into a reserved page, attend to it alone and sample greedily,
+// uploads everything (ids, positions, slots, page table, SampleRows) in one copy, and replays
+// the forward and the sampler (Backend::sample_rows reads the rows, so each replay draws with
+// its own keys and counters), or, the first time a bucket is seen, runs directly and records
+// it. Graphs are dropped when the page-table width, `truncation` or valid_vocab change. Backends that
 // cannot record (the CPU) or a failed recording make run() return false: the caller runs the
 // forward itself. Refit and KV-scale changes need no re-recording: they rewrite the same
 // buffers in place.
@@ -26,10 +29,12 @@ class DecodeGraphs {
                int max_batch, int dummy_page);
 
   // One decode step of B = ids.size() sequences: ids/pos/slots [B]; pages[b] the page list of
-  // sequence b (at most `width` pages). Writes logits F32 [B, V] into logits_out's first B
-  // rows (the returned view). Returns false (nothing run) when graphs are not available.
+  // sequence b (at most `width` pages); rows [B] their sampling parameters (sample_rows, with
+  // `truncation` and valid_vocab). Writes the sampled tokens I32 [B] and logp F32 [B] (the
+  // returned views). Returns false (nothing run) when graphs are not available.
   bool run(const std::vector<int32_t>& ids, const std::vector<int32_t>& pos, const std::vector<int32_t>& slots,
-           const std::vector<const std::vector<int32_t>*>& pages, int width, Tensor& logits_view);
+           const std::vector<const std::vector<int32_t>*>& pages, int width, const std::vector<SampleRow>& rows,
+           bool truncation, int64_t valid_vocab, Tensor& tokens_view, Tensor& logp_view);
 
   int replays() const { return replays_; }
   int recorded() const { return static_cast<int>(graphs_.size()); }
@@ -37,7 +42,7 @@ class DecodeGraphs {
 
  private:
   int bucket(int B) const;
-  void forward(int Bp);  // the recorded ops of bucket Bp over the fixed buffers
+  void step(int Bp);  // the recorded ops of bucket Bp over the fixed buffers: forward + sample
 
   Backend& be_;
   const ModelWeights& gen_;
@@ -45,8 +50,13 @@ class DecodeGraphs {
   KvCache& cache_;
   int max_batch_, dummy_page_;
   int width_ = 0;      // page-table width the graphs were recorded with
-  Tensor in_;          // I32: per bucket [ids | seq | pos | slots | rows | table (Bp x width)]
+  bool truncation_ = false;  // the sampler settings they were recorded with
+  int64_t valid_vocab_ = 0;
+  // I32: per bucket [ids | seq | pos | slots | rows | table (Bp x width) | SampleRow (Bp x 8)]
+  Tensor in_;
   Tensor logits_;      // F32 [max_batch, V]
+  Tensor tokens_;      // I32 [max_batch]
+  Tensor logp_;        // F32 [max_batch]
   std::vector<int32_t> host_;
   std::map<int, std::unique_ptr<OpGraph>> graphs_;
   bool disabled_ = false;

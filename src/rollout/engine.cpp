@@ -4,6 +4,7 @@
 // chunk reached their last token, and ends the sequences that stopped.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <random>
 
 #include "core/error.h"
@@ -23,6 +24,12 @@ uint64_t splitmix64(uint64_t x) {
   x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
   x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
   return x ^ (x >> 31);
+}
+
+// Sample j of global request gi: the seed of its uniforms' stream (top-k / top-p rows) and the
+// Philox key of its Gumbel draws (every other row), so a run's tokens depend only on the seed.
+uint64_t sequence_key(uint64_t seed, uint64_t gi, int j) {
+  return splitmix64(seed ^ splitmix64((gi << 32) | static_cast<uint64_t>(j)));
 }
 
 // The first v.size() elements of the device buffer `buf` (I32, 1-D; grown when too small) as
@@ -131,7 +138,7 @@ std::vector<RolloutSample> RolloutEngine::generate(const std::vector<RolloutRequ
       s.prompt_len = static_cast<int>(r.prompt.size());
       s.max_new = r.stop_after.empty() ? sp.max_new_tokens : r.stop_after[j];
       const uint64_t gi = static_cast<uint64_t>(sp.first_request) + static_cast<uint64_t>(i);
-      s.rng.seed(splitmix64(sp.seed ^ splitmix64((gi << 32) | static_cast<uint64_t>(j))));
+      s.rng.seed(sequence_key(sp.seed, gi, j));
       s.out.request = s.request;
       s.out.index = j;
       stats_.prompt_tokens += s.prompt_len;
@@ -142,8 +149,11 @@ std::vector<RolloutSample> RolloutEngine::generate(const std::vector<RolloutRequ
   Scheduler sched(seqs, usable_pages, {page_size_, max_batch_, opt_.max_batch_tokens, opt_.prefix_sharing}, stats_);
   // Host staging of one iteration's batch (capacity kept across iterations).
   std::vector<int32_t> ids, tok_seq, tok_pos, slots, rows, table, packed;
-  std::vector<float> temp, top_p, uniforms;
-  std::vector<int> top_k;
+  std::vector<SampleRow> sample_rows;
+  // Top-k / top-p rows draw by inverse CDF with a uniform from the sequence's stream; plain
+  // temperature rows (and greedy ones) by Gumbel-max keyed by (sequence, position): one read of
+  // the logits (Backend::sample_rows).
+  const bool truncation = sp.temperature > 0.0f && (sp.top_k > 0 || sp.top_p < 1.0f);
   std::vector<const std::vector<int32_t>*> graph_pages;
   // Progress in token slots: every sample has max_new_tokens; a finished one counts them all.
   int64_t slots_done = 0;
@@ -176,18 +186,39 @@ std::vector<RolloutSample> RolloutEngine::generate(const std::vector<RolloutRequ
     const bool any_row = !rows.empty();
     if (!any_row) rows.push_back(0);  // only unfinished prefills: one row computed, not sampled
     const int64_t T = static_cast<int64_t>(ids.size()), R = static_cast<int64_t>(rows.size());
-    Tensor logits;
+    // Each sampled sequence's draw: key (seed, request, sample), counter = the position of the
+    // token drawn; the uniform, when it truncates, from its own stream once per sampled token.
+    sample_rows.clear();
+    for (int si : batch_seqs) {
+      Sequence& s = seqs[si];
+      if (!s.samples()) continue;
+      SampleRow r;
+      r.temperature = sp.temperature;
+      r.top_p = sp.top_p;
+      r.top_k = sp.top_k;
+      if (truncation) r.uniform = static_cast<float>(s.rng() >> 40) * 0x1.0p-24f;
+      const uint64_t key = sequence_key(sp.seed, static_cast<uint64_t>(sp.first_request) + s.request, s.index);
+      r.key_lo = static_cast<uint32_t>(key), r.key_hi = static_cast<uint32_t>(key >> 32);
+      r.counter = static_cast<uint32_t>(s.len());
+      sample_rows.push_back(r);
+    }
+    if (!any_row) sample_rows.emplace_back().temperature = 0.0f;  // (never run)
+    Tensor tokens_dev, logp_dev;
     bool ran = false;
     if (graphs_ && T == B && R == B) {  // decode only: one token per sequence, each sampled
       graph_pages.clear();
       for (int si : batch_seqs) graph_pages.push_back(&seqs[si].pages);
-      ran = graphs_->run(ids, tok_pos, slots, graph_pages, max_seq_pages, logits);
+      ran = graphs_->run(ids, tok_pos, slots, graph_pages, max_seq_pages, sample_rows, truncation, valid_vocab,
+                         tokens_dev, logp_dev);
       if (ran) stats_.graph_steps++;
     }
     if (!ran) {
-      // One upload of [ids | seq | pos | slots | rows | page table] (one host round trip).
+      // One upload of [ids | seq | pos | slots | rows | page table | SampleRows] (one host round trip).
       packed.clear();
       for (const auto* v : {&ids, &tok_seq, &tok_pos, &slots, &rows, &table}) packed.insert(packed.end(), v->begin(), v->end());
+      const size_t sr0 = packed.size();
+      packed.resize(sr0 + 8 * sample_rows.size());
+      std::memcpy(packed.data() + sr0, sample_rows.data(), sample_rows.size() * sizeof(SampleRow));
       const Tensor all = upload(be_, packed, buf_.packed, {static_cast<int64_t>(packed.size())});
       PagedBatch batch;
       const Tensor ids_dev = all.slice_rows(0, T);
@@ -198,20 +229,17 @@ std::vector<RolloutSample> RolloutEngine::generate(const std::vector<RolloutRequ
       batch.page_table = all.slice_rows(4 * T + R, 4 * T + R + static_cast<int64_t>(table.size()))
                              .reshape({B, static_cast<int64_t>(max_pages)});
       batch.max_pos = max_pos;
-    if (!buf_.logits.defined() || buf_.logits.dim(0) < R) buf_.logits = be_.alloc({R, V}, DType::F32);
-    logits = buf_.logits.slice_rows(0, R);
-    model_forward_paged(be_, gen_, prec_, cache_, ids_dev, batch, rows_dev, logits);
+      const Tensor srows_dev = all.slice_rows(static_cast<int64_t>(sr0), static_cast<int64_t>(packed.size())).reshape({R, 8});
+      if (!buf_.logits.defined() || buf_.logits.dim(0) < R) buf_.logits = be_.alloc({R, V}, DType::F32);
+      Tensor logits = buf_.logits.slice_rows(0, R);
+      model_forward_paged(be_, gen_, prec_, cache_, ids_dev, batch, rows_dev, logits);
+      tokens_dev = buf_.tokens.slice_rows(0, R), logp_dev = buf_.logp.slice_rows(0, R);
+      if (any_row) be_.sample_rows(logits, srows_dev, truncation, tokens_dev, logp_dev, valid_vocab);
     }
     stats_.decode_steps++;
     sched.commit();
     if (!any_row) continue;
 
-    // Sample: each sequence draws its uniform from its own stream, once per sampled token.
-    temp.assign(R, sp.temperature), top_p.assign(R, sp.top_p), top_k.assign(R, sp.top_k), uniforms.clear();
-    for (int si : batch_seqs)
-      if (seqs[si].cached == seqs[si].len()) uniforms.push_back(static_cast<float>(seqs[si].rng() >> 40) * 0x1.0p-24f);
-    Tensor tokens_dev = buf_.tokens.slice_rows(0, R), logp_dev = buf_.logp.slice_rows(0, R);
-    be_.sample(logits, temp, top_p, top_k, uniforms, tokens_dev, logp_dev, valid_vocab);
     const Tensor tokens = be_.to_host(tokens_dev), logp = be_.to_host(logp_dev);
     int r = 0;
     for (int si : batch_seqs) {

@@ -399,11 +399,18 @@ TEST(DataParallel, ShardedOptimizerMatchesOneRankAndResumesOnAnotherRankCount) {
 // operands in blocks along the tokens (128x128 recipe): which tokens share a scale depends on
 // the packing, so the gradient differs at FP8-quantization level (as changing
 // train.micro_batch_tokens does on one rank) and later rollouts sample differently. Step 1 —
-// same rollout, same loss, gradient norm — still matches.
+// the same rollout (equal), loss and gradient norm at the FP8 quantization's level (1e-2: one
+// E4M3 rounding is up to 6%; with the Gumbel-max draw's rollout the norm differs by 1.4e-3,
+// with the former inverse-CDF draw's by < 1e-4) — still matches.
 TEST(DataParallel, Fp8OnTwoRanksMatchesOneRankAndFourRanksTheFirstStep) {
   const std::string one = run_ranks_ok("fp8_e2e", 0);
   expect_same_run(one, run_ranks_ok("fp8_e2e", 2), 3, true, 1e-5, "2 ranks, fp8_e2e");
-  expect_same_run(one, run_ranks_ok("fp8_e2e", 4), 1, false, 1e-4, "4 ranks, fp8_e2e, step 1");
+  const std::string four = run_ranks_ok("fp8_e2e", 4);
+  expect_same_run(one, four, 1, false, 1e-2, "4 ranks, fp8_e2e, step 1");
+  const auto a = read_metrics(one), b = read_metrics(four);
+  ASSERT_FALSE(a.empty() || b.empty());
+  for (const char* k : {"reward_mean", "response_length_mean", "token_mult_prob_error", "gen_kl_error"})
+    EXPECT_EQ(a[0][k], b[0][k]) << k << ": step 1's rollout is the same on 4 ranks";
 }
 
 TEST(DataParallel, MpirunMatchesOneRank) {

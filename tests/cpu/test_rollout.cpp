@@ -131,6 +131,43 @@ TEST(RolloutEngine, SampledLogpMatchesTrainerScore) {
   }
 }
 
+// The draws are keyed by (seed, request, sample, position): the same seed gives the same tokens
+// (plain temperature: Gumbel-max; top-k: the uniforms' streams), another seed other tokens, and
+// a request's samples do not depend on what else is in the call.
+TEST(RolloutEngine, TheSeedFixesTheTokens) {
+  auto be = make_cpu_backend();
+  const EnginePrecision prec = fp32_precision();
+  const ModelWeights w = model_weights_to_device(*be, test::tiny_model("qwen3", DType::F32, 5), DType::F32);
+  RolloutEngine engine(*be, w, prec, 32, 4, 8);
+  const std::vector<RolloutRequest> reqs = some_requests();
+  for (int top_k : {0, 10}) {
+    SamplingParams sp;
+    sp.top_k = top_k;
+    sp.max_new_tokens = 6;
+    sp.seed = 7;
+    const std::vector<RolloutSample> a = engine.generate(reqs, sp), b = engine.generate(reqs, sp);
+    sp.seed = 8;
+    const std::vector<RolloutSample> c = engine.generate(reqs, sp);
+    sp.seed = 7;
+    const std::vector<RolloutSample> last = engine.generate({reqs[2]}, [&] {
+      SamplingParams q = sp;
+      q.first_request = 2;  // request 2 alone, drawing as request 2
+      return q;
+    }());
+    ASSERT_EQ(a.size(), b.size());
+    int differ = 0;
+    for (size_t i = 0; i < a.size(); ++i) {
+      EXPECT_EQ(a[i].tokens, b[i].tokens) << "top_k " << top_k << " sample " << i;
+      EXPECT_EQ(a[i].logp, b[i].logp);
+      differ += a[i].tokens != c[i].tokens;
+    }
+    EXPECT_GE(differ, 3) << "top_k " << top_k << ": another seed must draw other tokens";
+    ASSERT_EQ(last.size(), 2u);
+    EXPECT_EQ(last[0].tokens, a[5].tokens);
+    EXPECT_EQ(last[1].tokens, a[6].tokens);
+  }
+}
+
 TEST(RolloutEngine, RequestLargerThanThePoolIsAClearError) {
   auto be = make_cpu_backend();
   const ModelWeights w = model_weights_to_device(*be, test::tiny_model("qwen3", DType::F32, 33), DType::F32);

@@ -146,7 +146,7 @@ TEST(Workflow, OneGrammarForConfigKeys) {
 
 TEST(Workflow, EverySubcommandHasHelp) {
   for (const char* cmd : {"train", "sft", "eval", "generate", "logprobs", "tokenize", "plot", "plan", "bench",
-                          "bench-generate", "bench-train-step", "bench-gemm", "bench-tokenize"}) {
+                          "bench-generate", "bench-sample", "bench-train-step", "bench-gemm", "bench-tokenize"}) {
     std::string out;
     EXPECT_EQ(run_fp8rl({cmd, "--help"}, out), 0) << cmd << ": " << out;
     EXPECT_TRUE(has(out, "usage") || has(out, "fp8rl")) << cmd << ": " << out;

@@ -102,6 +102,8 @@ class CpuBackend final : public Backend {
   void sample(const Tensor& logits, const std::vector<float>& temperature, const std::vector<float>& top_p,
               const std::vector<int>& top_k, const std::vector<float>& uniforms, Tensor& tokens,
               Tensor& logp, int64_t valid_vocab = 0) override;
+  void sample_rows(const Tensor& logits, const Tensor& rows, bool truncation, Tensor& tokens, Tensor& logp,
+                   int64_t valid_vocab = 0) override;
 };
 
 }  // namespace fp8rl::cpu

@@ -1381,6 +1381,18 @@ void CudaBackend::attention_paged(const KvCache& cache, int layer, const Tensor&
                          part ? part + T * Hq * plan.splits * hd : nullptr, out.raw(), stream_, grouped);
 }
 
+namespace {
+// FP8RL_CUDA_SAMPLER=host: sampling runs on the CPU reference on copied-back logits (a
+// diagnostic switch; sample_kernels.cu / sample_gumbel_kernels.cu say how results compare).
+bool host_sampler_enabled() {
+  static const bool on = [] {
+    const char* e = std::getenv("FP8RL_CUDA_SAMPLER");
+    return e && std::string(e) == "host";
+  }();
+  return on;
+}
+}  // namespace
+
 void CudaBackend::sample(const Tensor& logits, const std::vector<float>& temperature, const std::vector<float>& top_p,
                          const std::vector<int>& top_k, const std::vector<float>& uniforms, Tensor& tokens,
                          Tensor& logp, int64_t valid_vocab) {
@@ -1405,11 +1417,7 @@ void CudaBackend::sample(const Tensor& logits, const std::vector<float>& tempera
   if (B == 0) return;
   // FP8RL_CUDA_SAMPLER=host: the CPU reference on copied-back logits (a diagnostic switch; the
   // results are the same up to the rounding described in sample_kernels.cu).
-  static const bool host_sampler = [] {
-    const char* e = std::getenv("FP8RL_CUDA_SAMPLER");
-    return e && std::string(e) == "host";
-  }();
-  if (host_sampler) {
+  if (host_sampler_enabled()) {
     Tensor hl = to_host(logits);
     Tensor ht = Tensor::empty(tokens.shape(), tokens.dtype()), hp = Tensor::empty(logp.shape(), logp.dtype());
     static std::unique_ptr<Backend> cpu = make_cpu_backend();
@@ -1438,10 +1446,54 @@ void CudaBackend::sample(const Tensor& logits, const std::vector<float>& tempera
              "uploading the sampling parameters");
   const float* p = pd.data<float>();  // no [B, V] scratch: the kernel recomputes keys and weights
   launch_sample(logits.data<float>(), B, V, Vv, p, p + n, reinterpret_cast<const int32_t*>(p + 3 * n), p + 2 * n,
-                tokens.data<int32_t>(), logp.data<float>(), flag_reset(), stream_);
+                1, false, tokens.data<int32_t>(), logp.data<float>(), flag_reset(), stream_);
   // Synchronizes: the host-side parameter vector must outlive the upload.
   flag_check("sample: a row of logits holds NaN or +inf, or only -inf");
   flag_drain();
+}
+
+void CudaBackend::sample_rows(const Tensor& logits, const Tensor& rows, bool truncation, Tensor& tokens, Tensor& logp,
+                              int64_t valid_vocab) {
+  const OpTimer op_timer_(*this, "sample");
+  check_dev(logits, "sample logits");
+  check_dev(rows, "sample_rows rows");
+  check_dev(tokens, "sample tokens");
+  check_dev(logp, "sample logp");
+  check_dtype(logits, DType::F32, "sample logits");
+  FP8RL_CHECK(logits.ndim() == 2 && logits.dim(1) > 0, "sample logits must be [B, V], got ", logits.str());
+  const int64_t B = logits.dim(0), V = logits.dim(1);
+  FP8RL_CHECK(valid_vocab >= 0 && valid_vocab <= V, "sample: valid_vocab ", valid_vocab, " must be in [0, V = ", V,
+              "] (0: all V)");
+  const int64_t Vv = valid_vocab > 0 ? valid_vocab : V;  // sampled ids [0, Vv); rows are V apart
+  check_dtype(rows, DType::I32, "sample_rows rows");
+  check_shape(rows, {B, 8}, "sample_rows rows (one SampleRow each)");
+  check_dtype(tokens, DType::I32, "sample tokens");
+  check_shape(tokens, {B}, "sample tokens");
+  check_dtype(logp, DType::F32, "sample logp");
+  check_shape(logp, {B}, "sample logp");
+  if (B == 0) return;
+  if (host_sampler_enabled()) {  // FP8RL_CUDA_SAMPLER=host: the CPU reference (synchronizes: no graphs)
+    Tensor ht = Tensor::empty(tokens.shape(), tokens.dtype()), hp = Tensor::empty(logp.shape(), logp.dtype());
+    static std::unique_ptr<Backend> cpu = make_cpu_backend();
+    cpu->sample_rows(to_host(logits), to_host(rows), truncation, ht, hp, valid_vocab);
+    copy(ht, tokens);
+    copy(hp, logp);
+    return;
+  }
+  const auto* r = reinterpret_cast<const SampleRow*>(rows.raw());
+  const int splits = sample_gumbel_splits(B, V, sm_count_);
+  Tensor part = scratch(kSlotTmp, {static_cast<int64_t>(sample_gumbel_scratch_bytes(B, splits))}, DType::U8);
+  int* f = flag_reset();
+  launch_sample_gumbel(logits.data<float>(), B, V, Vv, r, truncation, splits, part.raw(), tokens.data<int32_t>(),
+                       logp.data<float>(), f, stream_);
+  if (truncation) {
+    const auto* w = reinterpret_cast<const float*>(rows.raw());  // SampleRow's first four words
+    launch_sample(logits.data<float>(), B, V, Vv, w, w + 1, reinterpret_cast<const int32_t*>(w + 2), w + 3, 8, true,
+                  tokens.data<int32_t>(), logp.data<float>(), f, stream_);
+  }
+  flag_check("sample: a row of logits holds NaN or +inf, or only -inf, or its parameters are out of range "
+             "(temperature >= 0, top_p in (0, 1], top_k >= 0, uniform in [0, 1); top-k / top-p only with "
+             "truncation)");
 }
 
 }  // namespace cuda

@@ -13,7 +13,8 @@
 // Limitations (documented, tested): the simple attention kernels are one warp per (token, head)
 // with an online softmax; training attention takes the tensor-core flash kernels where they
 // apply, paged (generation) attention the tiled split-K kernel of paged_attention.cu (CUDA
-// cores, no tensor cores yet). sample() runs on the GPU without a sort
+// cores, no tensor cores yet). sample_rows() draws plain-temperature rows by Gumbel-max in one
+// read of the logits (sample_gumbel_kernels.cu); top-k / top-p rows, and sample(), without a sort
 // (sample_kernels.cu: a 4-bit-digit radix search on order keys, one block per row).
 #pragma once
 #include <cuda_runtime.h>
@@ -104,6 +105,8 @@ class CudaBackend final : public Backend {
   void sample(const Tensor& logits, const std::vector<float>& temperature, const std::vector<float>& top_p,
               const std::vector<int>& top_k, const std::vector<float>& uniforms, Tensor& tokens,
               Tensor& logp, int64_t valid_vocab = 0) override;
+  void sample_rows(const Tensor& logits, const Tensor& rows, bool truncation, Tensor& tokens, Tensor& logp,
+                   int64_t valid_vocab = 0) override;
 
   std::unique_ptr<OpGraph> record(const std::function<void()>& ops) override;
 

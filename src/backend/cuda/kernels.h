@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "backend/adamw_rule.h"
+#include "backend/sampling.h"
 #include "core/dtype.h"
 
 namespace fp8rl::cuda {
@@ -174,9 +175,24 @@ void launch_paged_attention(const void* q, DType qdt, const int32_t* token_seq, 
 // One token per row of logits [B, V] (F32), backend.h's semantics; per-row parameters on the
 // device; keys/weights are scratch [B, V]. *bad_flag = 1 when a row holds NaN / +inf or only -inf.
 // logits [B, ld]; row b samples over its first V <= ld ids (the rest are never read).
+// Row b's parameters are element b * pstride of temperature / top_p / top_k / uniforms (1: four
+// arrays; 8: the fields of a SampleRow array); only_truncating skips rows without top-k / top-p
+// (sample_rows: the Gumbel kernel's); out-of-range parameters set *bad_flag (token 0, logp NaN).
 void launch_sample(const float* logits, int64_t B, int64_t ld, int64_t V, const float* temperature, const float* top_p,
-                   const int32_t* top_k, const float* uniforms, int32_t* tokens, float* logp, int* bad_flag,
-                   cudaStream_t stream);
+                   const int32_t* top_k, const float* uniforms, int64_t pstride, bool only_truncating, int32_t* tokens,
+                   float* logp, int* bad_flag, cudaStream_t stream);
+
+// ---- the Gumbel-max sampler (sample_gumbel_kernels.cu) ----
+// sample_rows' rows that do not truncate (greedy or plain temperature), backend.h's semantics:
+// rows[B] SampleRow on the device; logits [B, ld], ids [0, V) drawable. Truncating rows are
+// left alone when `truncation` (launch_sample draws them), else they are errors. splits blocks
+// per row (sample_gumbel_splits), scratch of sample_gumbel_scratch_bytes. *bad_flag = 1 for a
+// row with NaN / +inf, only -inf drawable, or bad parameters (token 0, logp NaN).
+int sample_gumbel_splits(int64_t B, int64_t ld, int sm_count);
+size_t sample_gumbel_scratch_bytes(int64_t B, int splits);
+void launch_sample_gumbel(const float* logits, int64_t B, int64_t ld, int64_t V, const SampleRow* rows,
+                          bool truncation, int splits, void* scratch, int32_t* tokens, float* logp, int* bad_flag,
+                          cudaStream_t stream);
 
 // ---- fused log-probabilities (logprob_kernels.cu) ----
 // Online log-sum-exp over one vocabulary chunk of raw logits [T, Vc] (F32) starting at v0;

@@ -316,12 +316,27 @@ __device__ bool first_crossing(const RowView& rv, int64_t V, double Y, bool stri
 __global__ void __launch_bounds__(kSampleThreads, 1)
     sample_kernel(const float* __restrict__ logits, int64_t ld, int64_t V, const float* __restrict__ temperature,
                   const float* __restrict__ top_p, const int32_t* __restrict__ top_k,
-                  const float* __restrict__ uniforms, int32_t* __restrict__ tokens, float* __restrict__ logp, int* bad) {
+                  const float* __restrict__ uniforms, int64_t pstride, bool only_truncating,
+                  int32_t* __restrict__ tokens, float* __restrict__ logp, int* bad) {
   __shared__ SampleShared sh;
   extern __shared__ double bins[];  // [kBins][kSampleThreads]
   const int64_t b = blockIdx.x;
   const float* row = logits + b * ld;  // ids [0, V) only: V < ld masks a padded vocabulary
-  const float tau = temperature[b];
+  // Row b's parameters are element b * pstride of each array (1: separate arrays; 8: fields of
+  // SampleRow). only_truncating: rows without top-k / top-p are another kernel's (skipped).
+  const float tau = temperature[b * pstride], row_top_p = top_p[b * pstride], u = uniforms[b * pstride];
+  const int32_t row_top_k = top_k[b * pstride];
+  const bool truncates = tau != 0.0f && (row_top_k != 0 || row_top_p < 1.0f);
+  if (only_truncating && !(truncates && tau > 0.0f && tau < INFINITY)) return;
+  if (!(tau >= 0.0f && tau < INFINITY) || !(row_top_p > 0.0f && row_top_p <= 1.0f) || row_top_k < 0 ||
+      !(u >= 0.0f && u < 1.0f)) {  // the parameters (checked on the host too, when they come from it)
+    if (threadIdx.x == 0) {
+      atomicExch(bad, 1);
+      tokens[b] = 0;
+      logp[b] = NAN;
+    }
+    return;
+  }
 
   // Max logit (lowest id on ties), and the NaN / +inf check.
   float mx = -INFINITY;
@@ -426,7 +441,7 @@ __global__ void __launch_bounds__(kSampleThreads, 1)
   }
 
   // top-k: the kept mass is the cumulative weight through position keep - 1.
-  int64_t keep = top_k[b] > 0 ? clamp64(top_k[b], 1, V) : V;
+  int64_t keep = row_top_k > 0 ? clamp64(row_top_k, 1, V) : V;
   double kept = se;
   if (keep < V) {
     uint32_t v = 0;
@@ -435,9 +450,9 @@ __global__ void __launch_bounds__(kSampleThreads, 1)
     kept = st.above_w + static_cast<double>(keep - st.above_n) * st.tie_w;
   }
   // top-p: the smallest prefix (within the top-k) whose weight reaches top_p * kept.
-  if (top_p[b] < 1.0f) {
+  if (row_top_p < 1.0f) {
     Crossing c;
-    if (first_crossing(rv, V, static_cast<double>(top_p[b]) * kept, false, sh, bins, c) && c.pos + 1 < keep) {
+    if (first_crossing(rv, V, static_cast<double>(row_top_p) * kept, false, sh, bins, c) && c.pos + 1 < keep) {
       keep = c.pos + 1;
       kept = c.cum;
     }
@@ -445,7 +460,7 @@ __global__ void __launch_bounds__(kSampleThreads, 1)
   // The draw: the first kept token whose cumulative weight exceeds u * kept; else the last kept.
   Crossing c;
   int64_t tok;
-  if (first_crossing(rv, V, static_cast<double>(uniforms[b]) * kept, true, sh, bins, c) && c.pos < keep) {
+  if (first_crossing(rv, V, static_cast<double>(u) * kept, true, sh, bins, c) && c.pos < keep) {
     tok = c.token;
   } else {
     tok = token_at(rv, V, keep - 1, sh, bins);
@@ -459,15 +474,19 @@ __global__ void __launch_bounds__(kSampleThreads, 1)
 }  // namespace
 
 void launch_sample(const float* logits, int64_t B, int64_t ld, int64_t V, const float* temperature, const float* top_p,
-                   const int32_t* top_k, const float* uniforms, int32_t* tokens, float* logp, int* bad_flag,
-                   cudaStream_t stream) {
+                   const int32_t* top_k, const float* uniforms, int64_t pstride, bool only_truncating, int32_t* tokens,
+                   float* logp, int* bad_flag, cudaStream_t stream) {
   if (B == 0) return;
   // The bins exceed the default 48 KiB of dynamic shared memory (set per call: per device).
-  CUDA_CHECK(cudaFuncSetAttribute(sample_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  static_cast<int>(kBinBytes)),
-             "raising sample_kernel's shared memory limit");
-  sample_kernel<<<static_cast<unsigned>(B), kSampleThreads, kBinBytes, stream>>>(logits, ld, V, temperature, top_p, top_k,
-                                                                                 uniforms, tokens, logp, bad_flag);
+  // Not while a graph is being captured: the op ran once before (backend.h's rule for record).
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  CUDA_CHECK(cudaStreamIsCapturing(stream, &capture), "querying the stream's capture status");
+  if (capture == cudaStreamCaptureStatusNone)
+    CUDA_CHECK(cudaFuncSetAttribute(sample_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    static_cast<int>(kBinBytes)),
+               "raising sample_kernel's shared memory limit");
+  sample_kernel<<<static_cast<unsigned>(B), kSampleThreads, kBinBytes, stream>>>(
+      logits, ld, V, temperature, top_p, top_k, uniforms, pstride, only_truncating, tokens, logp, bad_flag);
   CUDA_CHECK_LAUNCH("sample_kernel");
 }
 

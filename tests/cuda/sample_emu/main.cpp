@@ -82,7 +82,7 @@ int run_kernel(const Batch& b, std::vector<int32_t>& tok, std::vector<float>& lp
   lp.assign(B, -7.0f);
   int bad = 0;
   emu::emu_launch(B, sizeof(emu::SampleShared), emu::kBinBytes, [&] {
-    emu::sample_kernel(b.logits.data(), b.ld ? b.ld : b.V, b.V, b.temp.data(), b.top_p.data(), b.top_k.data(), b.u.data(), tok.data(),
+    emu::sample_kernel(b.logits.data(), b.ld ? b.ld : b.V, b.V, b.temp.data(), b.top_p.data(), b.top_k.data(), b.u.data(), 1, false, tok.data(),
                        lp.data(), &bad);
   });
   return bad;
