@@ -712,31 +712,34 @@ __global__ void __launch_bounds__(32 * kMmaWarps, PagedMmaCfg<HD, TP>::kMinBlock
     else pi = j / a.page_size, off = j - pi * a.page_size;
     return table[pi] * a.page_size + off;
   };
-  int k_issue = 0;                                // the next of this warp's tiles to load
-  int slot_next = nk > 0 ? slot_of(warp) : -1;   // its slot (loaded one tile ahead)
-  // Loads tile k_issue into stage k_issue % S (if the warp has one left); one commit group always,
-  // so the group count is the tile count.
-  auto issue = [&]() {
-    if (k_issue < nk) {
-      unsigned char* sk = wbuf + (k_issue % S) * Cfg::kStageBytes;
-      unsigned char* sv = sk + Cfg::kTileBytes;
-      const int mine = slot_next;
+  // Loads this warp's tile kt (< nk) into stage kt % S; `mine` is the slot of row lane % 16.
+  auto issue = [&](int kt, int mine) {
+    unsigned char* sk = wbuf + (kt % S) * Cfg::kStageBytes;
+    unsigned char* sv = sk + Cfg::kTileBytes;
 #pragma unroll
-      for (int i = 0; i < kMmaTile * CPR / 32; ++i) {
-        const int idx = i * 32 + lane, r = idx / CPR, q = idx % CPR;
-        const int sl = paged_shfl(mine, r);
-        const int64_t off = sl >= 0 ? static_cast<int64_t>(sl) * slot_bytes + q * 16 : 0;
-        const int nb = sl >= 0 ? 16 : 0;  // rows past the chunk: zeros (P = 0 there, no NaN)
-        paged_cp_async16(sk + r * RB + ((q ^ paged_kswz<CPR>(r)) << 4), kpool + off, nb);
-        paged_cp_async16(sv + r * RB + ((q ^ paged_vswz<CPR>(r)) << 4), vpool + off, nb);
-      }
-      ++k_issue;
-      slot_next = k_issue < nk ? slot_of(warp + NW * k_issue) : -1;
+    for (int i = 0; i < kMmaTile * CPR / 32; ++i) {
+      const int idx = i * 32 + lane, r = idx / CPR, q = idx % CPR;
+      const int sl = paged_shfl(mine, r);
+      const int64_t off = sl >= 0 ? static_cast<int64_t>(sl) * slot_bytes + q * 16 : 0;
+      const int nb = sl >= 0 ? 16 : 0;  // rows past the chunk: zeros (P = 0 there, no NaN)
+      paged_cp_async16(sk + r * RB + ((q ^ paged_kswz<CPR>(r)) << 4), kpool + off, nb);
+      paged_cp_async16(sv + r * RB + ((q ^ paged_vswz<CPR>(r)) << 4), vpool + off, nb);
     }
-    paged_cp_async_commit();
   };
+  // The first S - 1 tiles: their page-table entries loaded together, then one commit group per
+  // tile (empty past nk: the group count is the tile count); the next tile's slot is loaded one
+  // tile ahead of its issue.
+  {
+    int pre[S - 1];
 #pragma unroll
-  for (int st = 0; st < S - 1; ++st) issue();
+    for (int st = 0; st < S - 1; ++st) pre[st] = st < nk ? slot_of(warp + NW * st) : -1;
+#pragma unroll
+    for (int st = 0; st < S - 1; ++st) {
+      if (st < nk) issue(st, pre[st]);
+      paged_cp_async_commit();
+    }
+  }
+  int slot_next = S - 1 < nk ? slot_of(warp + NW * (S - 1)) : -1;
 
   // q rows of the group (one warp per row; rows >= group are zero) as MMA inputs, and their
   // score scales: fp8_attention s, or the FP16 power of two, times k_scale * scale * log2(e).
@@ -785,7 +788,11 @@ __global__ void __launch_bounds__(32 * kMmaWarps, PagedMmaCfg<HD, TP>::kMinBlock
   for (int k = 0; k < nk; ++k) {
     paged_cp_async_wait<S - 2>();  // tile k has landed (this thread's copies) ...
     __syncwarp();                  // ... and every lane's; stage (k - 1) % S is free
-    issue();
+    if (const int kt = k + S - 1; kt < nk) {
+      issue(kt, slot_next);
+      slot_next = kt + 1 < nk ? slot_of(warp + NW * (kt + 1)) : -1;
+    }
+    paged_cp_async_commit();
     const unsigned char* sk = wbuf + (k % S) * Cfg::kStageBytes;
     const unsigned char* sv = sk + Cfg::kTileBytes;
     const int base = j0 + (warp + NW * k) * kMmaTile;
@@ -920,17 +927,20 @@ __global__ void __launch_bounds__(32 * kMmaWarps, PagedMmaCfg<HD, TP>::kMinBlock
 // The split plan of paged_mma_kernel for `slots` resident CTAs (SMs x CTAs per SM): chunks are
 // whole tiles; the number of splits minimizes waves x (chunk + a per-CTA overhead of
 // kMmaCtaOverhead positions), where waves = ceil(T * Hkv * splits / slots), preferring fewer
-// splits unless more are 3% faster. Many sequences (T * Hkv >= 2 waves) keep one split; B = 16 x
+// splits unless more are 3% faster, with at least kMmaWarps tiles per split. Many sequences (T * Hkv >= 2 waves) keep one split; B = 16 x
 // 8 heads at 4096 positions on 264 slots takes 2 (256 CTAs, one wave of 2048 positions each).
 constexpr int kMmaCtaOverhead = 96;
 inline PagedSplit paged_mma_split(int64_t T, int Hkv, int max_pos, int slots, int forced) {
   const int64_t len = max_pos > 1 ? max_pos : 1, ctas = T * Hkv > 1 ? T * Hkv : 1;
-  const int64_t tiles = (len + kMmaTile - 1) / kMmaTile, cap = tiles < kPagedMaxSplits ? tiles : kPagedMaxSplits;
+  const int64_t tiles = (len + kMmaTile - 1) / kMmaTile;
   const int64_t sl = slots > 1 ? slots : 1;
   int64_t best = 1;
   if (forced > 0) {
-    best = forced < cap ? forced : cap;
+    const int64_t fcap = tiles < kPagedMaxSplits ? tiles : kPagedMaxSplits;
+    best = forced < fcap ? forced : fcap;
   } else {
+    // at least a tile per warp in every split
+    const int64_t per = tiles / kMmaWarps > 1 ? tiles / kMmaWarps : 1, cap = per < kPagedMaxSplits ? per : kPagedMaxSplits;
     double best_cost = 0.0;
     for (int64_t s = 1; s <= cap; ++s) {
       const int64_t ct = (tiles + s - 1) / s, se = (tiles + ct - 1) / ct;  // tiles per chunk, splits used

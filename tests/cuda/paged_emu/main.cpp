@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <deque>
 #include <random>
+#include <string>
 #include <type_traits>
 
 #include "emu.h"
@@ -295,7 +296,8 @@ int run(const Case& c) {
   return err < tol ? 0 : 1;
 }
 
-// Usage: emu [name-substring]  (runs only the cases whose name contains it)
+// Usage: emu [name-substring [tiled|grouped|mma]]  (runs only the cases whose name contains it
+// ("" for all), on one kernel)
 int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IONBF, 0);
   std::vector<Case> cases;
@@ -380,6 +382,7 @@ int main(int argc, char** argv) {
   int bad = 0;
   for (const Kern k : {Kern::Tiled, Kern::Grouped, Kern::Mma}) {
     g_kern = k;
+    if (argc >= 3 && std::string(argv[2]) != kern_name()) continue;
     for (Case c : cases) {
       if (k == Kern::Mma) {
         if (c.pool == Pool::F32) continue;
