@@ -8,17 +8,26 @@
 // (token, head) row relative to that row's largest |output| (long contexts give small rows, a
 // wrong merge shows there); BF16 q/out 1e-2 against the CPU on the same BF16-rounded q.
 // Every output is poisoned (NaN) before the call, so an unwritten row fails.
+// The decode shapes of issue 14 (Qwen3-1.7B and Llama-3.1-8B heads, 256 sequences of 80..700
+// positions and 16 of 4096, BF16 / E4M3 pools): the tensor-core kernel against the CPU
+// (DecodeShapesMatchCpu), and, with FP8RL_PAGED_BENCH=1, the timing of the tiled and the
+// tensor-core kernel there (DecodeBench: us per call and GB/s of K/V read; a table on stdout and,
+// with FP8RL_PAGED_BENCH_JSON=FILE, the rows as JSON).
+#include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <functional>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/cuda/kernels.h"
 #include "core/error.h"
 
 namespace fp8rl {
@@ -157,8 +166,9 @@ Err compare(const std::vector<float>& a, const std::vector<float>& r, int hd) {
 }
 
 // Runs the scenario with q F32 and BF16, fp8_attention off and on, splits by the plan and forced
-// (1 and 7), the grouped paged kernel (plan and 7 splits) and the simple kernel; all against the
-// CPU reference.
+// (1 and 7), the tiled and grouped paged kernels (plan and 7 splits) and the simple kernel; all
+// against the CPU reference. "auto" / "1" / "7" run the tensor-core kernel for BF16 q over BF16 /
+// E4M3 pools and the tiled one otherwise.
 void check(const Scenario& s, uint32_t seed) {
   Built b = build(s, seed);
   const int layer = 1;
@@ -172,14 +182,14 @@ void check(const Scenario& s, uint32_t seed) {
       C().attention_paged(b.hc, layer, qh, b.hb, sc, fp8q, ro);
       const std::vector<float> ref = host_floats(ro);
       const Tensor qd = G().to_device(q);
-      for (const char* mode : {"auto", "1", "7", "grouped", "grouped7", "simple"}) {
+      for (const char* mode : {"auto", "1", "7", "tiled", "tiled7", "grouped", "grouped7", "simple"}) {
         SCOPED_TRACE(::testing::Message() << dtype_name(s.pool) << " pool, hd " << s.hd << ", Hq " << s.Hq << ", Hkv "
                                           << s.Hkv << ", q " << dtype_name(qdt) << ", fp8_attention " << fp8q
                                           << ", splits " << mode);
         const std::string md = mode;
-        const bool simple = md == "simple", grouped = md.rfind("grouped", 0) == 0;
-        const char* splits = md == "1" || md == "7" ? mode : md == "grouped7" ? "7" : nullptr;
-        EnvSwitch e1("FP8RL_CUDA_ATTENTION", simple ? "simple" : grouped ? "grouped" : nullptr);
+        const bool simple = md == "simple", grouped = md.rfind("grouped", 0) == 0, tiled = md.rfind("tiled", 0) == 0;
+        const char* splits = md == "1" || md == "7" ? mode : md == "grouped7" || md == "tiled7" ? "7" : nullptr;
+        EnvSwitch e1("FP8RL_CUDA_ATTENTION", simple ? "simple" : grouped ? "grouped" : tiled ? "tiled" : nullptr);
         EnvSwitch e2("FP8RL_CUDA_PAGED_SPLITS", splits);
         Tensor go = G().alloc(q.shape(), qdt);
         G().fill(go, NAN);
@@ -242,6 +252,258 @@ TEST(CudaPagedAttention, ManyTokensNoSplit) {
     s.tokens.push_back({q, 99 + 7 * q});
   }
   check(s, 500);
+}
+
+// ---- issue 14's decode shapes -------------------------------------------------------------
+
+// A cache of two layers whose pools hold random values (written as raw BF16 / E4M3 codes: no
+// kv_write, which the tests above check, so 100k-position caches build in seconds), sequences of
+// the given lengths on shuffled pages of 16, one decode token per sequence at its last position,
+// on the GPU and (with_cpu) the same bytes in a CPU cache, whose batch hb holds only every
+// `cpu_every`-th token (cpu_rows: their rows in the GPU output). Both layers differ.
+struct Big {
+  KvCache hc, gc;
+  PagedBatch hb, db;
+  int64_t T = 0, positions = 0;  // tokens; positions attended in all (sum of pos + 1)
+  std::vector<int> cpu_rows;
+};
+Big build_big(const std::vector<int>& lens, int Hkv, int hd, DType pool, uint32_t seed, bool with_cpu,
+              int cpu_every = 1) {
+  Big b;
+  const int B = static_cast<int>(lens.size()), L = 2, ps = 16;
+  int max_pages = 1, used = 0, max_pos = 0;
+  for (int n : lens) {
+    max_pages = std::max(max_pages, (n + ps - 1) / ps);
+    used += (n + ps - 1) / ps;
+    max_pos = std::max(max_pos, n);
+    b.positions += n;
+  }
+  const int pages = used + 3;
+  std::vector<int32_t> perm(pages);
+  for (int i = 0; i < pages; ++i) perm[i] = i;
+  std::shuffle(perm.begin(), perm.end(), std::mt19937(seed));
+  std::vector<int32_t> table(static_cast<size_t>(B) * max_pages, -1), seq(B), pos(B);
+  for (int q = 0, k = 0; q < B; ++q) {
+    for (int p = 0; p < (lens[q] + ps - 1) / ps; ++p) table[q * max_pages + p] = perm[k++];
+    seq[q] = q;
+    pos[q] = lens[q] - 1;
+  }
+  b.gc = G().alloc_kv_cache(L, pages, ps, Hkv, hd, pool);
+  if (with_cpu) b.hc = C().alloc_kv_cache(L, pages, ps, Hkv, hd, pool);
+  uint64_t st = 0x9e3779b97f4a7c15ull ^ seed;
+  auto next = [&st]() {  // splitmix64
+    uint64_t z = (st += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  };
+  for (int l = 0; l < L; ++l)
+    for (int which = 0; which < 2; ++which) {
+      Tensor h = Tensor::empty({pages, ps, Hkv, hd}, pool);
+      const int64_t n = h.numel();
+      if (pool == DType::E4M3) {
+        uint8_t* d = static_cast<uint8_t*>(h.raw());
+        for (int64_t i = 0; i < n; i += 8) {
+          const uint64_t r = next();
+          for (int j = 0; j < 8 && i + j < n; ++j) {
+            uint8_t c = static_cast<uint8_t>(r >> (8 * j));
+            if ((c & 0x7f) == 0x7f) c ^= 1;  // no NaN codes
+            d[i + j] = c;
+          }
+        }
+      } else {  // BF16: random sign and mantissa, |x| in [2^-6, 4): 8 exponents, 4 values per draw
+        uint16_t* d = static_cast<uint16_t*>(h.raw());
+        for (int64_t i = 0; i < n; i += 4) {
+          const uint64_t r = next();
+          for (int j = 0; j < 4 && i + j < n; ++j) {
+            const uint32_t u = static_cast<uint32_t>(r >> (16 * j)) & 0xffffu;
+            d[i + j] = static_cast<uint16_t>((u & 0x807fu) | ((121u + ((u >> 7) & 7u)) << 7));
+          }
+        }
+      }
+      G().copy(h, which ? b.gc.v[l] : b.gc.k[l]);
+      if (with_cpu) C().copy(h, which ? b.hc.v[l] : b.hc.k[l]);
+    }
+  Tensor ks = Tensor::empty({L, Hkv}, DType::F32), vs = Tensor::empty({L, Hkv}, DType::F32);
+  for (int64_t i = 0; i < L * Hkv; ++i) {  // E4M3 codes span +-448: scores of a few units
+    ks.data<float>()[i] = 0.004f + 0.0005f * static_cast<float>(i % 5);
+    vs.data<float>()[i] = 0.01f + 0.002f * static_cast<float>(i % 3);
+  }
+  G().copy(ks, b.gc.k_scale);
+  G().copy(vs, b.gc.v_scale);
+  if (with_cpu) C().copy(ks, b.hc.k_scale), C().copy(vs, b.hc.v_scale);
+  b.T = B;
+  const Tensor ts = i32(seq, {B}), tp = i32(pos, {B}), tt = i32(table, {B, max_pages});
+  b.db = PagedBatch{G().to_device(ts), G().to_device(tp), Tensor(), G().to_device(tt), max_pos};
+  std::vector<int32_t> hs, hp;
+  for (int q = 0; q < B; q += cpu_every) hs.push_back(q), hp.push_back(pos[q]), b.cpu_rows.push_back(q);
+  const int64_t Th = static_cast<int64_t>(hs.size());
+  b.hb = PagedBatch{i32(hs, {Th}), i32(hp, {Th}), Tensor(), tt, max_pos};
+  return b;
+}
+
+std::vector<int> uniform_lens(int B, int lo, int hi, uint32_t seed) {
+  std::mt19937 gen(seed);
+  std::uniform_int_distribution<int> d(lo, hi);
+  std::vector<int> v(B);
+  for (int& x : v) x = d(gen);
+  return v;
+}
+
+struct DecodeShape {
+  const char* name;
+  int Hq, Hkv, hd, B, lo, hi;
+};
+const DecodeShape kDecodeShapes[] = {
+    {"qwen3-1.7b B256 ctx 80..700", 16, 8, 128, 256, 80, 700},
+    {"qwen3-1.7b B16 ctx 4096", 16, 8, 128, 16, 4096, 4096},
+    {"llama-3.1-8b B256 ctx 80..700", 32, 8, 128, 256, 80, 700},
+    {"llama-3.1-8b B16 ctx 4096", 32, 8, 128, 16, 4096, 4096},
+};
+
+TEST(CudaPagedAttention, DecodeShapesMatchCpu) {
+  // The tensor-core kernel (default mode) at the benchmark's shapes, BF16 q, both layers,
+  // fp8_attention off and (E4M3 pools) on, against the CPU reference; the tiled kernel at the
+  // same inputs as the scale of the BF16 class.
+  uint32_t seed = 900;
+  for (const DecodeShape& sh : kDecodeShapes)
+    for (DType pool : {DType::BF16, DType::E4M3}) {
+      // The CPU reference on every 4th sequence of the 256 (all 16 of the long ones).
+      Big b = build_big(uniform_lens(sh.B, sh.lo, sh.hi, seed), sh.Hkv, sh.hd, pool, seed, true, sh.B > 64 ? 4 : 1);
+      const int64_t Th = static_cast<int64_t>(b.cpu_rows.size());
+      const float sc = 1.0f / std::sqrt(static_cast<float>(sh.hd));
+      for (int layer : {0, 1})
+        for (bool fp8q : {false, true}) {
+          if (fp8q && (pool != DType::E4M3 || layer == 0)) continue;
+          const Tensor q32 = rnd({b.T, sh.Hq, sh.hd}, seed + 7 + layer);
+          const Tensor q = from_float_vector(to_float_vector(q32), q32.shape(), DType::BF16);
+          const std::vector<float> qv = to_float_vector(q);
+          std::vector<float> qsub;  // the CPU batch's rows of q
+          const size_t rowlen = static_cast<size_t>(sh.Hq) * sh.hd;
+          for (int r : b.cpu_rows) qsub.insert(qsub.end(), qv.begin() + r * rowlen, qv.begin() + (r + 1) * rowlen);
+          const Tensor qh = from_float_vector(qsub, {Th, sh.Hq, sh.hd}, DType::F32);
+          Tensor ro = Tensor::empty(qh.shape(), DType::F32);
+          C().attention_paged(b.hc, layer, qh, b.hb, sc, fp8q, ro);
+          const std::vector<float> ref = host_floats(ro);
+          const Tensor qd = G().to_device(q);
+          // "mma-short": max_pos understated (100) with 3 forced splits, so the last split runs
+          // far past its chunk (as a stale plan would).
+          for (const char* mode : {"mma", "mma-short", "tiled"}) {
+            const std::string md = mode;
+            if (md == "mma-short" && layer == 1) continue;
+            SCOPED_TRACE(::testing::Message() << sh.name << ", " << dtype_name(pool) << " pool, layer " << layer
+                                              << ", fp8_attention " << fp8q << ", kernel " << mode);
+            EnvSwitch e1("FP8RL_CUDA_ATTENTION", md == "tiled" ? "tiled" : nullptr);
+            EnvSwitch e2("FP8RL_CUDA_PAGED_SPLITS", md == "mma-short" ? "3" : nullptr);
+            PagedBatch db = b.db;
+            if (md == "mma-short") db.max_pos = 100;
+            Tensor go = G().alloc(q.shape(), DType::BF16);
+            G().fill(go, NAN);
+            G().attention_paged(b.gc, layer, qd, db, sc, fp8q, go);
+            const std::vector<float> all = host_floats(go);
+            std::vector<float> got;
+            for (int r : b.cpu_rows) got.insert(got.end(), all.begin() + r * rowlen, all.begin() + (r + 1) * rowlen);
+            for (float x : all) ASSERT_TRUE(std::isfinite(x)) << "an output row was not written";
+            const Err e = compare(got, ref, sh.hd);
+            std::printf("  %-30s %-4s layer %d fp8q %d %-9s: err global %.2e row %.2e\n", sh.name, dtype_name(pool),
+                        layer, int(fp8q), mode, e.global, e.row);
+            EXPECT_LT(e.global, 1e-2);
+            EXPECT_LT(e.row, 2e-2);
+          }
+        }
+      ++seed;
+    }
+}
+
+// Times one kernel: median over 7 repeats of 20 calls (alternating the two layers, so the L2
+// never holds the next call's bytes) after 3 warm-up calls; microseconds per call.
+double time_calls(const std::function<void(int layer)>& call, cudaStream_t stream) {
+  for (int i = 0; i < 3; ++i) call(i & 1);
+  cudaEvent_t e0, e1;
+  EXPECT_EQ(cudaEventCreate(&e0), cudaSuccess);
+  EXPECT_EQ(cudaEventCreate(&e1), cudaSuccess);
+  std::vector<double> us;
+  for (int r = 0; r < 7; ++r) {
+    EXPECT_EQ(cudaEventRecord(e0, stream), cudaSuccess);
+    for (int i = 0; i < 20; ++i) call(i & 1);
+    EXPECT_EQ(cudaEventRecord(e1, stream), cudaSuccess);
+    EXPECT_EQ(cudaEventSynchronize(e1), cudaSuccess);
+    float ms = 0;
+    EXPECT_EQ(cudaEventElapsedTime(&ms, e0, e1), cudaSuccess);
+    us.push_back(1000.0 * ms / 20);
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  std::sort(us.begin(), us.end());
+  return us[us.size() / 2];
+}
+
+TEST(CudaPagedAttention, DecodeBench) {
+  const char* on = std::getenv("FP8RL_PAGED_BENCH");
+  if (!on || std::string(on) != "1") GTEST_SKIP() << "timing mode: FP8RL_PAGED_BENCH=1";
+  int sm = 0, dev = 0;
+  ASSERT_EQ(cudaGetDevice(&dev), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&sm, cudaDevAttrMultiProcessorCount, dev), cudaSuccess);
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  const double peak = 4.8e12;
+  std::string json = "[\n";
+  std::printf("\n%-30s %-5s %-6s %7s %9s %8s %6s %8s\n", "shape", "pool", "kernel", "splits", "us/call", "GB/s",
+              "%peak", "speedup");
+  uint32_t seed = 1900;
+  for (const DecodeShape& sh : kDecodeShapes)
+    for (DType pool : {DType::BF16, DType::E4M3}) {
+      ++seed;
+      Big b = build_big(uniform_lens(sh.B, sh.lo, sh.hi, seed), sh.Hkv, sh.hd, pool, seed, false);
+      const Tensor q = G().to_device(
+          from_float_vector(to_float_vector(rnd({b.T, sh.Hq, sh.hd}, seed)), {b.T, sh.Hq, sh.hd}, DType::BF16));
+      Tensor out = G().alloc(q.shape(), DType::BF16);
+      const bool e4m3 = pool == DType::E4M3;
+      const double bytes = double(b.positions) * sh.Hkv * sh.hd * 2 * (e4m3 ? 1 : 2);  // K and V read
+      const float sc = 1.0f / std::sqrt(static_cast<float>(sh.hd));
+      const int max_pages = static_cast<int>(b.db.page_table.dim(1));
+      double base_us = 0;
+      for (const char* kern : {"tiled", "mma"}) {
+        const bool mma = std::string(kern) == "mma";
+        const cuda::PagedSplit plan = mma ? cuda::paged_attention_mma_split(b.T, sh.Hkv, sh.hd, pool, b.db.max_pos, sm, 0)
+                                    : cuda::paged_attention_split(b.T, sh.Hkv, b.db.max_pos, sm, 0);
+        Tensor part = G().alloc({std::max<int64_t>(b.T * sh.Hq * plan.splits * (sh.hd + 1), 1)}, DType::F32);
+        float* po = part.data<float>();
+        float* pl = po + b.T * sh.Hq * plan.splits * sh.hd;
+        G().synchronize();
+        auto call = [&](int layer) {
+          const float* ks = e4m3 ? b.gc.k_scale.data<float>() + layer * sh.Hkv : nullptr;
+          const float* vs = e4m3 ? b.gc.v_scale.data<float>() + layer * sh.Hkv : nullptr;
+          const auto* seqp = b.db.token_seq.data<int32_t>();
+          const auto* posp = b.db.token_pos.data<int32_t>();
+          const auto* tab = b.db.page_table.data<int32_t>();
+          if (mma)
+            cuda::launch_paged_attention_mma(q.raw(), DType::BF16, seqp, posp, tab, max_pages, b.T, sh.Hq, sh.Hkv, sh.hd, 16,
+                                       b.gc.k[layer].raw(), b.gc.v[layer].raw(), pool, ks, vs, sc, false, plan, po, pl,
+                                       out.raw(), stream);
+          else
+            cuda::launch_paged_attention(q.raw(), DType::BF16, seqp, posp, tab, max_pages, b.T, sh.Hq, sh.Hkv, sh.hd, 16,
+                                   b.gc.k[layer].raw(), b.gc.v[layer].raw(), pool, ks, vs, sc, false, plan, po, pl,
+                                   out.raw(), stream, false);
+        };
+        const double us = time_calls(call, stream);
+        ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+        const double gbs = bytes / (us * 1e-6) / 1e9;
+        if (!mma) base_us = us;
+        std::printf("%-30s %-5s %-6s %7d %9.1f %8.0f %5.0f%% %7.2fx\n", sh.name, dtype_name(pool), kern, plan.splits, us,
+                    gbs, 100.0 * gbs * 1e9 / peak, base_us / us);
+        char row[512];
+        std::snprintf(row, sizeof row,
+                      "  {\"shape\": \"%s\", \"pool\": \"%s\", \"kernel\": \"%s\", \"splits\": %d, \"chunk\": %d, "
+                      "\"us_per_call\": %.2f, \"gb_per_s\": %.1f, \"bytes\": %.0f},\n",
+                      sh.name, dtype_name(pool), kern, plan.splits, plan.chunk, us, gbs, bytes);
+        json += row;
+      }
+    }
+  cudaStreamDestroy(stream);
+  if (json.size() > 2) json.erase(json.size() - 2, 1);  // the last comma
+  json += "]\n";
+  if (const char* path = std::getenv("FP8RL_PAGED_BENCH_JSON")) std::ofstream(path) << json;
 }
 
 }  // namespace

@@ -1355,14 +1355,17 @@ void CudaBackend::attention_paged(const KvCache& cache, int layer, const Tensor&
   const int max_pages = static_cast<int>(batch.page_table.dim(1));
   const void* kp = cache.k[layer].raw();
   const void* vp = cache.v[layer].raw();
-  // The paged kernel (paged_attention.cu, tiled) unless FP8RL_CUDA_ATTENTION=simple (the one-
-  // warp-per-head reference kernel) or the shape is outside it; FP8RL_CUDA_ATTENTION=grouped
-  // runs the earlier paged kernel (lanes over head dims). FP8RL_CUDA_PAGED_SPLITS=N forces N
-  // splits of the positions (diagnostics and tests). Both are read at each call.
+  // The tensor-core paged kernel (paged_attention.cu, paged_mma_kernel) for BF16 q over BF16 /
+  // E4M3 pools, the tiled CUDA-core kernel for the other cases (F32 q or pools), the simple one
+  // outside both. FP8RL_CUDA_ATTENTION=tiled / grouped / simple selects the tiled kernel, the
+  // earlier paged kernel (lanes over head dims) or the one-warp-per-head reference kernel.
+  // FP8RL_CUDA_PAGED_SPLITS=N forces N splits of the positions (diagnostics and tests). Both are
+  // read at each call.
   const char* mode = std::getenv("FP8RL_CUDA_ATTENTION");
-  const bool simple = mode && std::string(mode) == "simple";
-  const bool grouped = mode && std::string(mode) == "grouped";
-  if (simple || !paged_attention_supported(hd, Hq / cache.num_kv_heads, cache.dtype, kp, vp)) {
+  const std::string md = mode ? mode : "";
+  const bool simple = md == "simple", grouped = md == "grouped", tiled = md == "tiled";
+  const int group = Hq / cache.num_kv_heads;
+  if (simple || !paged_attention_supported(hd, group, cache.dtype, kp, vp)) {
     launch_attention_paged(q.raw(), q.dtype(), batch.token_seq.data<int32_t>(), batch.token_pos.data<int32_t>(),
                            batch.page_table.data<int32_t>(), max_pages, T, Hq, cache.num_kv_heads, hd,
                            cache.page_size, kp, vp, cache.dtype, ks, vs, softmax_scale, fp8_attention, out.raw(),
@@ -1370,15 +1373,26 @@ void CudaBackend::attention_paged(const KvCache& cache, int layer, const Tensor&
     return;
   }
   const char* forced = std::getenv("FP8RL_CUDA_PAGED_SPLITS");
+  const int nforced = forced ? std::atoi(forced) : 0;
+  const bool mma = !grouped && !tiled && paged_attention_mma_supported(hd, group, cache.dtype, q.dtype(), kp, vp);
   // max_pos only sizes the split plan: a token past it is still served in full (last split).
-  const PagedSplit plan = paged_attention_split(T, cache.num_kv_heads, batch.max_pos, sm_count_,
-                                                forced ? std::atoi(forced) : 0);
+  const PagedSplit plan =
+      mma ? paged_attention_mma_split(T, cache.num_kv_heads, hd, cache.dtype, batch.max_pos, sm_count_, nforced)
+          : paged_attention_split(T, cache.num_kv_heads, batch.max_pos, sm_count_, nforced);
   float* part = nullptr;
   if (plan.splits > 1) part = scratch(kSlotAttn, {T * Hq * plan.splits * (hd + 1)}, DType::F32).data<float>();
+  float* part_lse = part ? part + T * Hq * plan.splits * hd : nullptr;
+  if (mma) {
+    launch_paged_attention_mma(q.raw(), q.dtype(), batch.token_seq.data<int32_t>(), batch.token_pos.data<int32_t>(),
+                               batch.page_table.data<int32_t>(), max_pages, T, Hq, cache.num_kv_heads, hd,
+                               cache.page_size, kp, vp, cache.dtype, ks, vs, softmax_scale, fp8_attention, plan, part,
+                               part_lse, out.raw(), stream_);
+    return;
+  }
   launch_paged_attention(q.raw(), q.dtype(), batch.token_seq.data<int32_t>(), batch.token_pos.data<int32_t>(),
                          batch.page_table.data<int32_t>(), max_pages, T, Hq, cache.num_kv_heads, hd, cache.page_size,
-                         kp, vp, cache.dtype, ks, vs, softmax_scale, fp8_attention, plan, part,
-                         part ? part + T * Hq * plan.splits * hd : nullptr, out.raw(), stream_, grouped);
+                         kp, vp, cache.dtype, ks, vs, softmax_scale, fp8_attention, plan, part, part_lse, out.raw(),
+                         stream_, grouped);
 }
 
 namespace {

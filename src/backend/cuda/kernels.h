@@ -170,6 +170,22 @@ void launch_paged_attention(const void* q, DType qdt, const int32_t* token_seq, 
                             int page_size, const void* kpool, const void* vpool, DType pool_dt, const float* k_scale,
                             const float* v_scale, float scale, bool fp8_q, const PagedSplit& split, float* part_o,
                             float* part_lse, void* out, cudaStream_t stream, bool grouped = false);
+// The tensor-core decode kernel (paged_attention.cu, paged_mma_kernel; the default where it
+// applies): same contract and partial layout, for BF16 q over BF16 or E4M3 pools, head_dim 64 or
+// 128, group <= 8 (prefill chunks too: one CTA per token, as above). Its split plan
+// (paged_attention_mma_split: chunks are multiples of 16 positions, chosen for the CTAs the
+// device holds at once) must be the one passed to launch_paged_attention_mma.
+bool paged_attention_mma_supported(int hd, int group, DType pool_dt, DType qdt, const void* kpool,
+                                   const void* vpool);
+int paged_attention_mma_blocks_per_sm(int hd, DType pool_dt);
+PagedSplit paged_attention_mma_split(int64_t T, int Hkv, int hd, DType pool_dt, int max_pos, int sm_count,
+                                     int forced);
+void launch_paged_attention_mma(const void* q, DType qdt, const int32_t* token_seq, const int32_t* token_pos,
+                                const int32_t* page_table, int max_pages, int64_t T, int Hq, int Hkv, int hd,
+                                int page_size, const void* kpool, const void* vpool, DType pool_dt,
+                                const float* k_scale, const float* v_scale, float scale, bool fp8_q,
+                                const PagedSplit& split, float* part_o, float* part_lse, void* out,
+                                cudaStream_t stream);
 
 // ---- sampling (sample_kernels.cu) ----
 // One token per row of logits [B, V] (F32), backend.h's semantics; per-row parameters on the

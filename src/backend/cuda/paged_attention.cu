@@ -20,6 +20,7 @@
 #include <cuda_fp8.h>
 
 #include <algorithm>
+#include <atomic>
 #include <type_traits>
 
 #include "backend/cuda/common.cuh"
@@ -45,6 +46,66 @@ __device__ __forceinline__ float e4m3_round(float x) {
   __nv_fp8_e4m3 f;
   f.__x = __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3);
   return static_cast<float>(f);
+}
+
+// For the tensor-core kernel (paged_mma_kernel below):
+// cp.async of 16 bytes into shared memory; src_bytes = 0 writes 16 zero bytes and reads nothing.
+__device__ __forceinline__ void paged_cp_async16(void* smem_dst, const void* src, int src_bytes) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void paged_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// Waits until at most N of this thread's committed groups are still in flight.
+template <int N>
+__device__ __forceinline__ void paged_cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+// d = A * B + c, m16n8k16, FP32 accumulate; A rows 8..15 are zero (a1 = a3 = 0), so only d0, d1
+// (row groupID) are returned: A {a0, a2}, B {b0, b1} in the PTX fragment layouts. F16: the
+// inputs are FP16, else BF16.
+template <bool F16>
+__device__ __forceinline__ void paged_mma(float& d0, float& d1, uint32_t a0, uint32_t a2, uint32_t b0, uint32_t b1) {
+  float d2, d3;  // row groupID + 8: zero, discarded
+  const uint32_t z = 0;
+  if constexpr (F16) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%10,%11};\n"
+        : "+f"(d0), "+f"(d1), "=f"(d2), "=f"(d3)
+        : "r"(a0), "r"(z), "r"(a2), "r"(z), "r"(b0), "r"(b1), "f"(0.0f), "f"(0.0f));
+  } else {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%10,%11};\n"
+        : "+f"(d0), "+f"(d1), "=f"(d2), "=f"(d3)
+        : "r"(a0), "r"(z), "r"(a2), "r"(z), "r"(b0), "r"(b1), "f"(0.0f), "f"(0.0f));
+  }
+}
+// The two E4M3 bytes in the low (lo) or high (hi) half of w to an FP16 pair (the lower byte in
+// the low half), exact (every E4M3 value is an FP16 value): one hardware conversion on sm_90.
+__device__ __forceinline__ uint32_t paged_e4m3x2_lo_f16x2(uint32_t w) {
+  uint32_t r;
+  asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, lo;\n}\n" : "=r"(r) : "r"(w));
+  return r;
+}
+__device__ __forceinline__ uint32_t paged_e4m3x2_hi_f16x2(uint32_t w) {
+  uint32_t r;
+  asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, hi;\n}\n" : "=r"(r) : "r"(w));
+  return r;
+}
+__device__ __forceinline__ uint32_t paged_prmt(uint32_t a, uint32_t b, uint32_t sel) { return __byte_perm(a, b, sel); }
+// FP16 bits of x, round to nearest even (exact where x is an FP16 value).
+__device__ __forceinline__ uint16_t paged_f16_bits(float x) { return __half_as_ushort(__float2half_rn(x)); }
+__device__ __forceinline__ uint32_t paged_pack_f16x2(float lo, float hi) {
+  const __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+__device__ __forceinline__ uint32_t paged_pack_bf16x2(float lo, float hi) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+__device__ __forceinline__ uint4 paged_lds16(const unsigned char* p) { return *reinterpret_cast<const uint4*>(p); }
+__device__ __forceinline__ uint2 paged_lds8(const unsigned char* p) { return *reinterpret_cast<const uint2*>(p); }
+__device__ __forceinline__ int paged_shfl(int v, int src) { return __shfl_sync(0xffffffffu, v, src); }
+__device__ __forceinline__ unsigned char* paged_dyn_smem() {
+  extern __shared__ __align__(16) unsigned char paged_smem[];
+  return paged_smem;
 }
 
 // ---- emulated: begin ------------------------------------------------------------------------
@@ -82,6 +143,7 @@ struct PagedArgs {
   int max_pages, Hq, Hkv, group, page_size, splits, chunk;
   float scale_log2;            // softmax_scale * log2(e)
   bool q_bf16, fp8_q;
+  int ps_shift = -1;           // log2(page_size) when it is a power of two, else -1 (paged_mma_kernel)
 };
 
 __device__ __forceinline__ float paged_load_q(const void* q, bool bf, int64_t i) {
@@ -532,6 +594,367 @@ __global__ void __launch_bounds__(32 * kPagedWarps)
     paged_store_out(out, out_bf16, w * hd + d, num / den);
   }
 }
+// ---- the tensor-core decode kernel (the default for BF16 q over BF16 / E4M3 pools) ----------
+// Same grid, split plan contract, partials and combine as the kernels above: one CTA of 4 warps
+// per (token, KV head, split), every K/V row of the chunk read once for the whole query-head
+// group. Why tensor cores: per position a KV head's K and V rows are 2 * hd elements and take
+// 4 * group * hd FLOPs; on CUDA cores that is group FMAs per element plus the E4M3 decode, which
+// for E4M3 at 4 TB/s (4e12 elements/s) and group 4 is most of the FP32 issue rate (the tiled
+// kernel's E4M3 calls run at ~45% of HBM bandwidth). mma.sync m16n8k16 does a 16 x 8 x 16 block
+// in one instruction, leaving the CUDA cores the E4M3 -> FP16 conversions (one per 2 elements),
+// the softmax and the cp.async issue: far below their rate, so the kernel is bound by HBM.
+//
+// Layout (FlashAttention-2 style, heads as MMA rows): S[16 heads, 8 positions] = Q K^T with the
+// group's heads in rows 0..group-1 (rows 8..15 zero and never stored), then
+// O[16 heads, 8 dims] += P[heads, 16 positions] V[16 positions, 8 dims]; the S accumulators of
+// two 8-position tiles are the A fragment of P V as they are (no shuffles). BF16 pools: BF16
+// MMAs (q BF16 exactly, P rounded to BF16 as in FlashAttention). E4M3 pools: FP16 MMAs: K and V
+// E4M3 -> FP16 exactly (cvt.rn.f16x2.e4m3x2), q (BF16) scaled per (token, head) by a power of two
+// so its amax is in [2^14, 2^15) and rounded to FP16 (exact: BF16 has 8 significant bits, FP16
+// 11; only elements below amax * 2^-28 lose bits), P in FP16; the power of two, k_scale and
+// softmax_scale * log2(e) scale the FP32 scores, v_scale the output. fp8_attention: q is the
+// E4M3 value e4m3(q / s) (exact in BF16 and FP16) and s joins the score scale. The softmax is
+// FP32 with online rescaling per 16-position tile.
+//
+// Pipeline: each warp streams its own tiles of 16 positions (tiles warp, warp + 4, ...) through
+// a ring of kStages shared-memory stages (K tile then V tile), filled by 16-byte cp.async with
+// zero fill past the chunk's end; the page-table entry of each row is loaded one tile ahead. The
+// reads are conflict-free for hd 128 (XOR swizzles of the 16-byte chunks, kswz / vswz) and need
+// no __syncthreads: a warp only waits for its own groups (cp.async.wait_group + __syncwarp).
+// Fragment dims: thread (g = lane / 4, c = lane % 4) reads 16-byte K chunks 4i + c of rows g and
+// 8 + g, and its k-slots of QK^T step kk are the dims paged_kdim(c, kk, e) (the reduction is
+// over all dims, so q's fragments take the same permutation); for P V it reads the V dims
+// paged_vdim(g, nt) of rows 2c, 2c+1, 2c+8, 2c+9 (pairs of positions interleaved with prmt), and
+// holds the output dims paged_vdim(2c + e, nt).
+constexpr int kMmaWarps = 4;
+constexpr int kMmaTile = 16;  // positions per tile (one k-step of P V)
+constexpr int kMmaRows = 8;   // MMA rows that hold heads (group <= 8)
+
+template <int HD, class TP>
+struct PagedMmaCfg {
+  static constexpr bool kF16 = sizeof(TP) == 1;  // E4M3 pools: FP16 MMAs; BF16 pools: BF16 MMAs
+  static constexpr int kElt = static_cast<int>(sizeof(TP));
+  static constexpr int kRowBytes = HD * kElt;       // a K or V row of one KV head
+  static constexpr int kCpr = kRowBytes / 16;       // 16-byte chunks per row: 16, 8 or 4
+  static constexpr int kChunkDims = 16 / kElt;      // dims per chunk: 8 or 16
+  static constexpr int kMpc = kChunkDims / 4;       // QK^T k-steps per chunk: 2 or 4
+  static constexpr int kKChunks = kCpr / 4;         // K chunks a thread reads per row
+  static constexpr int kKSteps = HD / 16;           // QK^T k-steps (MMAs per 8 positions)
+  static constexpr int kNTiles = HD / 8;            // P V MMAs per tile (8 dims each)
+  static constexpr int kVDims = HD / 8;             // V dims a thread reads per row
+  static constexpr int kTileBytes = kMmaTile * kRowBytes;
+  static constexpr int kStageBytes = 2 * kTileBytes;  // K tile, then V tile
+  static constexpr int kStages = kStageBytes >= 8192 ? 3 : kStageBytes >= 4096 ? 4 : 6;
+  static constexpr int kWarpBytes = kStages * kStageBytes;
+  static constexpr int kSmemBytes = kMmaWarps * kWarpBytes;  // dynamic shared memory
+  // CTAs per SM the shared memory allows (228 KB per SM): 2 (BF16 hd 128), 3, or 4 (E4M3 hd 64).
+  static constexpr int kMinBlocks = kSmemBytes > 75 * 1024 ? 2 : kSmemBytes > 56 * 1024 ? 3 : 4;
+  static_assert(kCpr >= 4 && kCpr <= 16 && kKChunks * kMpc == kKSteps, "head_dim 64 or 128");
+  static_assert(kSmemBytes >= kMmaWarps * kMmaRows * HD * 4, "the epilogue reuses the stages");
+  static_assert(kVDims * 8 == HD && kNTiles * 8 == HD, "P V tiles");
+};
+
+// XOR swizzles of a row's 16-byte chunk index: K (rows g and g + 1 read by one quarter-warp) and
+// V (rows 2c, c = 0..3, read by one quarter-warp). 64-byte rows (E4M3 hd 64) are not swizzled.
+template <int CPR>
+__device__ __forceinline__ int paged_kswz(int r) {
+  return CPR >= 8 ? (r & 1) << 2 : 0;
+}
+template <int CPR>
+__device__ __forceinline__ int paged_vswz(int r) {
+  return CPR >= 8 ? ((r >> 1) & 3) << 1 : 0;
+}
+// The head dim at k-slot e (0, 1: b0 lo/hi; 2, 3: b1 lo/hi) of QK^T step kk for threads c.
+template <class Cfg>
+__device__ __forceinline__ int paged_kdim(int c, int kk, int e) {
+  return Cfg::kChunkDims * (4 * (kk / Cfg::kMpc) + c) + 4 * (kk % Cfg::kMpc) + e;
+}
+// The head dim of column n (0..7) of P V n-tile nt.
+template <class Cfg>
+__device__ __forceinline__ int paged_vdim(int n, int nt) {
+  if constexpr (Cfg::kF16) return Cfg::kVDims * n + nt;  // E4M3: a thread's kVDims contiguous bytes
+  else return 8 * (n + 8 * (nt >> 3)) + (nt & 7);        // BF16: 16-byte chunks n, n + 8
+}
+
+// grid (T * Hkv, splits), block 32 * kMmaWarps, dynamic shared memory Cfg::kSmemBytes. q BF16.
+template <int HD, class TP>
+__global__ void __launch_bounds__(32 * kMmaWarps, PagedMmaCfg<HD, TP>::kMinBlocks) paged_mma_kernel(const PagedArgs a) {
+  using Cfg = PagedMmaCfg<HD, TP>;
+  constexpr int NW = kMmaWarps, S = Cfg::kStages, CPR = Cfg::kCpr, RB = Cfg::kRowBytes;
+  __shared__ __align__(16) uint16_t s_q[kMmaRows][HD];  // q rows as MMA inputs (BF16 or FP16 bits)
+  __shared__ float s_kq[kMmaRows];                      // score scale per head row
+  __shared__ float s_m[NW][kMmaRows], s_l[NW][kMmaRows];
+  unsigned char* smem = paged_dyn_smem();
+
+  const int t = static_cast<int>(blockIdx.x) / a.Hkv, hk = static_cast<int>(blockIdx.x) % a.Hkv;
+  const int split = static_cast<int>(blockIdx.y);
+  const int len = a.token_pos[t] + 1;
+  const int j0 = split * a.chunk;  // a multiple of kMmaTile (paged_mma_split)
+  if (j0 >= len) return;           // uniform per CTA
+  const int j1 = split == a.splits - 1 ? len : paged_imin(len, j0 + a.chunk);
+  const int ntiles = (j1 - j0 + kMmaTile - 1) / kMmaTile;
+  const int warp = static_cast<int>(threadIdx.x) >> 5, lane = static_cast<int>(threadIdx.x) & 31;
+  const int g = lane >> 2, c = lane & 3, G = a.group;
+  const int64_t head0 = static_cast<int64_t>(t) * a.Hq + static_cast<int64_t>(hk) * G;
+  const int32_t* table = a.page_table + static_cast<int64_t>(a.token_seq[t]) * a.max_pages;
+  const unsigned char* kpool = static_cast<const unsigned char*>(a.kpool) + static_cast<int64_t>(hk) * RB;
+  const unsigned char* vpool = static_cast<const unsigned char*>(a.vpool) + static_cast<int64_t>(hk) * RB;
+  const int64_t slot_bytes = static_cast<int64_t>(a.Hkv) * RB;  // bytes between cache slots
+  unsigned char* wbuf = smem + warp * Cfg::kWarpBytes;           // this warp's stages
+  const int nk = warp < ntiles ? (ntiles - warp + NW - 1) / NW : 0;  // its tiles: warp + NW * k
+
+  // The cache slot of row lane % 16 of tile ti (positions j0 + 16 ti ...), -1 past the chunk.
+  auto slot_of = [&](int ti) -> int {
+    const int j = j0 + ti * kMmaTile + (lane & 15);
+    if (j >= j1) return -1;
+    int pi, off;
+    if (a.ps_shift >= 0) pi = j >> a.ps_shift, off = j & (a.page_size - 1);
+    else pi = j / a.page_size, off = j - pi * a.page_size;
+    return table[pi] * a.page_size + off;
+  };
+  // Loads this warp's tile kt (< nk) into stage kt % S; `mine` is the slot of row lane % 16.
+  auto issue = [&](int kt, int mine) {
+    unsigned char* sk = wbuf + (kt % S) * Cfg::kStageBytes;
+    unsigned char* sv = sk + Cfg::kTileBytes;
+#pragma unroll
+    for (int i = 0; i < kMmaTile * CPR / 32; ++i) {
+      const int idx = i * 32 + lane, r = idx / CPR, q = idx % CPR;
+      const int sl = paged_shfl(mine, r);
+      const int64_t off = sl >= 0 ? static_cast<int64_t>(sl) * slot_bytes + q * 16 : 0;
+      const int nb = sl >= 0 ? 16 : 0;  // rows past the chunk: zeros (P = 0 there, no NaN)
+      paged_cp_async16(sk + r * RB + ((q ^ paged_kswz<CPR>(r)) << 4), kpool + off, nb);
+      paged_cp_async16(sv + r * RB + ((q ^ paged_vswz<CPR>(r)) << 4), vpool + off, nb);
+    }
+  };
+  // The first S - 1 tiles: their page-table entries loaded together, then one commit group per
+  // tile (empty past nk: the group count is the tile count); the next tile's slot is loaded one
+  // tile ahead of its issue.
+  {
+    int pre[S - 1];
+#pragma unroll
+    for (int st = 0; st < S - 1; ++st) pre[st] = st < nk ? slot_of(warp + NW * st) : -1;
+#pragma unroll
+    for (int st = 0; st < S - 1; ++st) {
+      if (st < nk) issue(st, pre[st]);
+      paged_cp_async_commit();
+    }
+  }
+  int slot_next = S - 1 < nk ? slot_of(warp + NW * (S - 1)) : -1;
+
+  // q rows of the group (one warp per row; rows >= group are zero) as MMA inputs, and their
+  // score scales: fp8_attention s, or the FP16 power of two, times k_scale * scale * log2(e).
+  const float ksc = a.k_scale ? a.k_scale[hk] : 1.0f;
+  for (int h = warp; h < kMmaRows; h += NW) {
+    constexpr int kPer = HD / 32;
+    float x[kPer];
+    const uint16_t* qrow = static_cast<const uint16_t*>(a.q) + (head0 + h) * HD;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) x[i] = h < G ? bf16_bits_to_float(qrow[lane + 32 * i]) : 0.0f;
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) amax = fmaxf(amax, fabsf(x[i]));
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    float fs = 1.0f;
+    if (a.fp8_q) {  // s = quant_scale_from_amax(amax, pow2 = false); the MMA takes e4m3(q / s)
+      float sq = amax == 0.0f ? 1.0f : amax / 448.0f;
+      if (sq == 0.0f) sq = __uint_as_float(1u);
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) x[i] = e4m3_round(x[i] / sq);
+      fs = sq;
+    } else if (Cfg::kF16 && amax > 0.0f) {
+      int e;
+      frexpf(amax, &e);  // amax = m 2^e, m in [0.5, 1): amax 2^(15 - e) in [2^14, 2^15)
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) x[i] = ldexpf(x[i], 15 - e);
+      fs = ldexpf(1.0f, e - 15);
+    }
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) s_q[h][lane + 32 * i] = Cfg::kF16 ? paged_f16_bits(x[i]) : bf16_bits_from_float(x[i]);
+    if (lane == 0) s_kq[h] = fs * a.scale_log2 * ksc;
+  }
+  __syncthreads();
+  uint32_t qa[Cfg::kKSteps][2];  // A fragments of q (row g), k-slots as paged_kdim
+#pragma unroll
+  for (int kk = 0; kk < Cfg::kKSteps; ++kk) {
+    qa[kk][0] = uint32_t(s_q[g][paged_kdim<Cfg>(c, kk, 0)]) | (uint32_t(s_q[g][paged_kdim<Cfg>(c, kk, 1)]) << 16);
+    qa[kk][1] = uint32_t(s_q[g][paged_kdim<Cfg>(c, kk, 2)]) | (uint32_t(s_q[g][paged_kdim<Cfg>(c, kk, 3)]) << 16);
+  }
+  const float kq = s_kq[g];
+
+  float o[Cfg::kNTiles][2];  // O[head g][dims paged_vdim(2c + e, nt)]
+#pragma unroll
+  for (int nt = 0; nt < Cfg::kNTiles; ++nt) o[nt][0] = o[nt][1] = 0.0f;
+  float m = -INFINITY, l = 0.0f;  // m: uniform over the 4 threads of row g; l: this thread's positions
+  for (int k = 0; k < nk; ++k) {
+    paged_cp_async_wait<S - 2>();  // tile k has landed (this thread's copies) ...
+    __syncwarp();                  // ... and every lane's; stage (k - 1) % S is free
+    if (const int kt = k + S - 1; kt < nk) {
+      issue(kt, slot_next);
+      slot_next = kt + 1 < nk ? slot_of(warp + NW * (kt + 1)) : -1;
+    }
+    paged_cp_async_commit();
+    const unsigned char* sk = wbuf + (k % S) * Cfg::kStageBytes;
+    const unsigned char* sv = sk + Cfg::kTileBytes;
+    const int base = j0 + (warp + NW * k) * kMmaTile;
+
+    // Scores of head g at positions base + 8 nt + 2c + e (base-2 logits), -inf past the chunk.
+    float sc[2][2];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      float d0 = 0.0f, d1 = 0.0f;
+      const int r = nt * 8 + g;  // the K row this thread feeds (column g of B)
+#pragma unroll
+      for (int i = 0; i < Cfg::kKChunks; ++i) {
+        const uint4 w = paged_lds16(sk + r * RB + (((4 * i + c) ^ paged_kswz<CPR>(r)) << 4));
+        const uint32_t ww[4] = {w.x, w.y, w.z, w.w};
+        if constexpr (Cfg::kF16) {
+#pragma unroll
+          for (int j = 0; j < 4; ++j)
+            paged_mma<true>(d0, d1, qa[4 * i + j][0], qa[4 * i + j][1], paged_e4m3x2_lo_f16x2(ww[j]),
+                            paged_e4m3x2_hi_f16x2(ww[j]));
+        } else {
+          paged_mma<false>(d0, d1, qa[2 * i][0], qa[2 * i][1], ww[0], ww[1]);
+          paged_mma<false>(d0, d1, qa[2 * i + 1][0], qa[2 * i + 1][1], ww[2], ww[3]);
+        }
+      }
+      sc[nt][0] = base + nt * 8 + 2 * c < j1 ? d0 * kq : -INFINITY;
+      sc[nt][1] = base + nt * 8 + 2 * c + 1 < j1 ? d1 * kq : -INFINITY;
+    }
+    // Online softmax (FP32) over the tile: row max over the 4 threads of the row.
+    float mx = fmaxf(fmaxf(sc[0][0], sc[0][1]), fmaxf(sc[1][0], sc[1][1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float mn = fmaxf(m, mx);     // finite: position base is in the chunk
+    const float corr = exp2f(m - mn);  // 0 on the first tile (m = -inf)
+    float p[2][2];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) p[nt][e] = exp2f(sc[nt][e] - mn);
+    l = l * corr + ((p[0][0] + p[0][1]) + (p[1][0] + p[1][1]));
+    m = mn;
+#pragma unroll
+    for (int nt = 0; nt < Cfg::kNTiles; ++nt) o[nt][0] *= corr, o[nt][1] *= corr;
+    // P as the A fragment of P V: k-slots 2c, 2c + 1 = positions 2c + e, slots 2c + 8.. = 8 + 2c + e.
+    const uint32_t pa0 = Cfg::kF16 ? paged_pack_f16x2(p[0][0], p[0][1]) : paged_pack_bf16x2(p[0][0], p[0][1]);
+    const uint32_t pa2 = Cfg::kF16 ? paged_pack_f16x2(p[1][0], p[1][1]) : paged_pack_bf16x2(p[1][0], p[1][1]);
+
+    // O += P V: B fragments from V rows 2c, 2c + 1 (b0) and 2c + 8, 2c + 9 (b1), column g.
+    if constexpr (Cfg::kF16) {
+      constexpr int VB = Cfg::kVDims;  // bytes of a row this thread reads: 16 (hd 128) or 8
+      const int ch = (VB * g) >> 4, sub = (VB * g) & 15;
+      auto vrow = [&](int r) { return sv + r * RB + (((ch ^ paged_vswz<CPR>(r)) << 4) | sub); };
+      uint32_t w[4][VB / 4];  // rows 2c, 2c + 1, 2c + 8, 2c + 9
+#pragma unroll
+      for (int rr = 0; rr < 4; ++rr) {
+        const int r = 2 * c + (rr & 1) + 8 * (rr >> 1);
+        if constexpr (VB == 16) {
+          const uint4 u = paged_lds16(vrow(r));
+          w[rr][0] = u.x, w[rr][1] = u.y, w[rr][2] = u.z, w[rr][3] = u.w;
+        } else {
+          const uint2 u = paged_lds8(vrow(r));
+          w[rr][0] = u.x, w[rr][1] = u.y;
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < VB / 4; ++j) {  // dims 4j .. 4j + 3 of this thread's: n-tiles 4j + e
+        const uint32_t x0 = paged_prmt(w[0][j], w[1][j], 0x5140), y0 = paged_prmt(w[0][j], w[1][j], 0x7362);
+        const uint32_t x1 = paged_prmt(w[2][j], w[3][j], 0x5140), y1 = paged_prmt(w[2][j], w[3][j], 0x7362);
+        paged_mma<true>(o[4 * j][0], o[4 * j][1], pa0, pa2, paged_e4m3x2_lo_f16x2(x0), paged_e4m3x2_lo_f16x2(x1));
+        paged_mma<true>(o[4 * j + 1][0], o[4 * j + 1][1], pa0, pa2, paged_e4m3x2_hi_f16x2(x0), paged_e4m3x2_hi_f16x2(x1));
+        paged_mma<true>(o[4 * j + 2][0], o[4 * j + 2][1], pa0, pa2, paged_e4m3x2_lo_f16x2(y0), paged_e4m3x2_lo_f16x2(y1));
+        paged_mma<true>(o[4 * j + 3][0], o[4 * j + 3][1], pa0, pa2, paged_e4m3x2_hi_f16x2(y0), paged_e4m3x2_hi_f16x2(y1));
+      }
+    } else {
+#pragma unroll
+      for (int h = 0; h < HD / 64; ++h) {  // 16-byte chunk g + 8h: n-tiles 8h .. 8h + 7
+        const int q = g + 8 * h;
+        uint32_t w[4][4];
+#pragma unroll
+        for (int rr = 0; rr < 4; ++rr) {
+          const int r = 2 * c + (rr & 1) + 8 * (rr >> 1);
+          const uint4 u = paged_lds16(sv + r * RB + ((q ^ paged_vswz<CPR>(r)) << 4));
+          w[rr][0] = u.x, w[rr][1] = u.y, w[rr][2] = u.z, w[rr][3] = u.w;
+        }
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          const uint32_t sel = (e & 1) ? 0x7632 : 0x5410;
+          paged_mma<false>(o[8 * h + e][0], o[8 * h + e][1], pa0, pa2, paged_prmt(w[0][e >> 1], w[1][e >> 1], sel),
+                           paged_prmt(w[2][e >> 1], w[3][e >> 1], sel));
+        }
+      }
+    }
+  }
+
+  // Epilogue: the warps' streams merged by log-sum-exp through shared memory (the stages).
+  paged_cp_async_wait<0>();
+  l += __shfl_xor_sync(0xffffffffu, l, 1);
+  l += __shfl_xor_sync(0xffffffffu, l, 2);
+  __syncthreads();  // every warp is done with its stages
+  float* s_o = reinterpret_cast<float*>(smem);  // [NW][kMmaRows][HD]
+  if (g < G) {
+#pragma unroll
+    for (int nt = 0; nt < Cfg::kNTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) s_o[(warp * kMmaRows + g) * HD + paged_vdim<Cfg>(2 * c + e, nt)] = o[nt][e];
+    if (c == 0) s_m[warp][g] = m, s_l[warp][g] = l;  // a warp without tiles: -inf, 0
+  }
+  __syncthreads();
+  const float vsc = a.v_scale ? a.v_scale[hk] : 1.0f;
+  for (int i = static_cast<int>(threadIdx.x); i < G * HD; i += 32 * NW) {
+    const int h = i / HD, d = i % HD;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) mx = fmaxf(mx, s_m[w][h]);
+    float den = 0.0f, num = 0.0f;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) {
+      const float f = paged_rescale(s_m[w][h], mx);
+      den += s_l[w][h] * f;
+      num += s_o[(w * kMmaRows + h) * HD + d] * f;
+    }
+    const float ov = num / den * vsc;
+    if (a.splits == 1) {
+      paged_store_out(a.out, true, (head0 + h) * HD + d, ov);
+    } else {
+      const int64_t row = (head0 + h) * a.splits + split;
+      a.part_o[row * HD + d] = ov;
+      if (d == 0) a.part_lse[row] = mx + log2f(den);
+    }
+  }
+}
+
+// The split plan of paged_mma_kernel for `slots` resident CTAs (SMs x CTAs per SM): chunks are
+// whole tiles; the number of splits minimizes waves x (chunk + a per-CTA overhead of
+// kMmaCtaOverhead positions), where waves = ceil(T * Hkv * splits / slots), preferring fewer
+// splits unless more are 3% faster, with at least kMmaWarps tiles per split. Many sequences (T * Hkv >= 2 waves) keep one split; B = 16 x
+// 8 heads at 4096 positions on 264 slots takes 2 (256 CTAs, one wave of 2048 positions each).
+constexpr int kMmaCtaOverhead = 96;
+inline PagedSplit paged_mma_split(int64_t T, int Hkv, int max_pos, int slots, int forced) {
+  const int64_t len = max_pos > 1 ? max_pos : 1, ctas = T * Hkv > 1 ? T * Hkv : 1;
+  const int64_t tiles = (len + kMmaTile - 1) / kMmaTile;
+  const int64_t sl = slots > 1 ? slots : 1;
+  int64_t best = 1;
+  if (forced > 0) {
+    const int64_t fcap = tiles < kPagedMaxSplits ? tiles : kPagedMaxSplits;
+    best = forced < fcap ? forced : fcap;
+  } else {
+    // at least a tile per warp in every split
+    const int64_t per = tiles / kMmaWarps > 1 ? tiles / kMmaWarps : 1, cap = per < kPagedMaxSplits ? per : kPagedMaxSplits;
+    double best_cost = 0.0;
+    for (int64_t s = 1; s <= cap; ++s) {
+      const int64_t ct = (tiles + s - 1) / s, se = (tiles + ct - 1) / ct;  // tiles per chunk, splits used
+      if (se != s) continue;
+      const double cost = double((ctas * s + sl - 1) / sl) * double(ct * kMmaTile + kMmaCtaOverhead);
+      if (s == 1 || cost < 0.97 * best_cost) best = s, best_cost = cost;
+    }
+  }
+  PagedSplit p;
+  const int64_t ct = (tiles + best - 1) / best;
+  p.chunk = static_cast<int>(ct * kMmaTile);
+  p.splits = static_cast<int>((tiles + ct - 1) / ct);  // no split without positions
+  return p;
+}
 // ---- emulated: end --------------------------------------------------------------------------
 
 template <int HD, class TP, int GM>
@@ -556,7 +979,112 @@ void launch_pool(const PagedArgs& a, bool grouped, DType pool_dt, int64_t T, cud
   else launch_group<HD, float>(a, grouped, T, stream);
 }
 
+// The tensor-core kernel's shared-memory opt-in and its CTAs per SM (occupancy), once per
+// instantiation and device.
+template <int HD, class TP>
+int mma_blocks_per_sm() {
+  using Cfg = PagedMmaCfg<HD, TP>;
+  constexpr int kDevices = 64;
+  static std::atomic<int> cached[kDevices];
+  int dev = 0;
+  CUDA_CHECK(cudaGetDevice(&dev), "paged attention: cudaGetDevice");
+  const int i = dev >= 0 && dev < kDevices ? dev : 0;
+  int n = cached[i].load(std::memory_order_relaxed);
+  if (n > 0) return n;
+  CUDA_CHECK(cudaFuncSetAttribute(paged_mma_kernel<HD, TP>, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes),
+             "paged attention: shared memory opt-in of ", Cfg::kSmemBytes, " bytes (hd ", HD, ")");
+  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, paged_mma_kernel<HD, TP>, 32 * kMmaWarps, Cfg::kSmemBytes),
+             "paged attention: occupancy query");
+  FP8RL_CHECK(n >= 1, "paged attention: the tensor-core kernel (hd ", HD, ", ", Cfg::kSmemBytes,
+              " bytes of shared memory) cannot run on this device; FP8RL_CUDA_ATTENTION=tiled avoids it");
+  cached[i].store(n, std::memory_order_relaxed);
+  return n;
+}
+
+template <int HD, class TP>
+void launch_mma(const PagedArgs& a, int64_t T, cudaStream_t stream) {
+  using Cfg = PagedMmaCfg<HD, TP>;
+  mma_blocks_per_sm<HD, TP>();  // the shared-memory opt-in precedes the first launch
+  const dim3 grid(static_cast<unsigned>(T * a.Hkv), static_cast<unsigned>(a.splits));
+  paged_mma_kernel<HD, TP><<<grid, 32 * kMmaWarps, Cfg::kSmemBytes, stream>>>(a);
+}
+
 }  // namespace
+
+bool paged_attention_mma_supported(int hd, int group, DType pool_dt, DType qdt, const void* kpool,
+                                   const void* vpool) {
+  return (hd == 64 || hd == 128) && group >= 1 && group <= kMmaRows && qdt == DType::BF16 &&
+         (pool_dt == DType::BF16 || pool_dt == DType::E4M3) && reinterpret_cast<uintptr_t>(kpool) % 16 == 0 &&
+         reinterpret_cast<uintptr_t>(vpool) % 16 == 0;
+}
+
+int paged_attention_mma_blocks_per_sm(int hd, DType pool_dt) {
+  FP8RL_CHECK((hd == 64 || hd == 128) && (pool_dt == DType::BF16 || pool_dt == DType::E4M3),
+              "paged attention (tensor cores): unsupported head_dim ", hd, " / pool ", dtype_name(pool_dt));
+  if (pool_dt == DType::E4M3) return hd == 64 ? mma_blocks_per_sm<64, uint8_t>() : mma_blocks_per_sm<128, uint8_t>();
+  return hd == 64 ? mma_blocks_per_sm<64, bf16>() : mma_blocks_per_sm<128, bf16>();
+}
+
+PagedSplit paged_attention_mma_split(int64_t T, int Hkv, int hd, DType pool_dt, int max_pos, int sm_count,
+                                     int forced) {
+  return paged_mma_split(T, Hkv, max_pos, sm_count * paged_attention_mma_blocks_per_sm(hd, pool_dt), forced);
+}
+
+void launch_paged_attention_mma(const void* q, DType qdt, const int32_t* token_seq, const int32_t* token_pos,
+                                const int32_t* page_table, int max_pages, int64_t T, int Hq, int Hkv, int hd,
+                                int page_size, const void* kpool, const void* vpool, DType pool_dt,
+                                const float* k_scale, const float* v_scale, float scale, bool fp8_q,
+                                const PagedSplit& split, float* part_o, float* part_lse, void* out,
+                                cudaStream_t stream) {
+  if (T == 0) return;
+  FP8RL_CHECK(Hkv > 0 && Hq % Hkv == 0 && paged_attention_mma_supported(hd, Hq / Hkv, pool_dt, qdt, kpool, vpool),
+              "paged attention (tensor cores): unsupported case: q ", dtype_name(qdt), ", pool ", dtype_name(pool_dt),
+              ", head_dim ", hd, ", group ", Hq / std::max(Hkv, 1),
+              " (needs BF16 q, a BF16/E4M3 pool, head_dim 64/128, group <= 8, 16-byte aligned pools)");
+  FP8RL_CHECK(page_size >= 1, "paged attention: page_size ", page_size);
+  FP8RL_CHECK(split.splits >= 1 && split.chunk >= kMmaTile && split.chunk % kMmaTile == 0 &&
+                  (split.splits == 1 || (part_o && part_lse)),
+              "paged attention (tensor cores): bad split plan (", split.splits, " x ", split.chunk,
+              "; chunks must be multiples of ", kMmaTile, ": use paged_attention_mma_split)");
+  FP8RL_CHECK(T * Hkv < (int64_t(1) << 31), "paged attention: T * Hkv = ", T * Hkv, " exceeds the grid");
+  PagedArgs a;
+  a.q = q;
+  a.token_seq = token_seq;
+  a.token_pos = token_pos;
+  a.page_table = page_table;
+  a.kpool = kpool;
+  a.vpool = vpool;
+  a.k_scale = k_scale;
+  a.v_scale = v_scale;
+  a.out = out;
+  a.part_o = part_o;
+  a.part_lse = part_lse;
+  a.max_pages = max_pages;
+  a.Hq = Hq;
+  a.Hkv = Hkv;
+  a.group = Hq / Hkv;
+  a.page_size = page_size;
+  a.splits = split.splits;
+  a.chunk = split.chunk;
+  a.scale_log2 = scale * 1.4426950408889634f;
+  a.q_bf16 = true;
+  a.fp8_q = fp8_q;
+  a.ps_shift = (page_size & (page_size - 1)) == 0 ? __builtin_ctz(static_cast<unsigned>(page_size)) : -1;
+  if (pool_dt == DType::E4M3) {
+    if (hd == 64) launch_mma<64, uint8_t>(a, T, stream);
+    else launch_mma<128, uint8_t>(a, T, stream);
+  } else {
+    if (hd == 64) launch_mma<64, bf16>(a, T, stream);
+    else launch_mma<128, bf16>(a, T, stream);
+  }
+  CUDA_CHECK_LAUNCH("paged_mma_kernel");
+  if (split.splits > 1) {
+    const int64_t rows = T * Hq;
+    paged_combine_kernel<<<static_cast<unsigned>((rows + kPagedWarps - 1) / kPagedWarps), 32 * kPagedWarps, 0,
+                           stream>>>(part_o, part_lse, token_pos, rows, Hq, hd, split.splits, split.chunk, true, out);
+    CUDA_CHECK_LAUNCH("paged_combine_kernel");
+  }
+}
 
 bool paged_attention_supported(int hd, int group, DType pool_dt, const void* kpool, const void* vpool) {
   const bool pool_ok = pool_dt == DType::F32 || pool_dt == DType::BF16 || pool_dt == DType::E4M3;

@@ -2,7 +2,10 @@
 // kernels run through emu.h, compared with a double-precision reference of backend.h's contract.
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
+#include <deque>
 #include <random>
+#include <string>
 #include <type_traits>
 
 #include "emu.h"
@@ -35,6 +38,87 @@ inline float2 e4m3x2_to_float2(uint32_t two) { return {e4m3_dec(uint8_t(two & 0x
 inline float e4m3_round(float x) { return e4m3_dec(e4m3_enc(x)); }
 using ::fabsf;
 inline void __syncwarp() { tw->bar.arrive_and_wait(); }
+
+// ---- shims of the tensor-core kernel's primitives (paged_mma_kernel) ----
+// cp.async: the 16 bytes are read at issue but land in shared memory only when a wait_group
+// retires their group, so a read of a stage before its wait sees the stale (poisoned) bytes.
+struct EmuCopy {
+  unsigned char* dst;
+  unsigned char data[16];
+};
+inline thread_local std::vector<EmuCopy> t_open;
+inline thread_local std::deque<std::vector<EmuCopy>> t_groups;
+inline void paged_cp_async16(void* dst, const void* src, int nbytes) {
+  EmuCopy e;
+  e.dst = static_cast<unsigned char*>(dst);
+  std::memset(e.data, 0, 16);
+  if (nbytes) std::memcpy(e.data, src, 16);
+  t_open.push_back(e);
+}
+inline void paged_cp_async_commit() {
+  t_groups.push_back(std::move(t_open));
+  t_open.clear();
+}
+template <int N>
+inline void paged_cp_async_wait() {
+  while (t_groups.size() > size_t(N)) {
+    for (const EmuCopy& e : t_groups.front()) std::memcpy(e.dst, e.data, 16);
+    t_groups.pop_front();
+  }
+}
+inline float f16_to_float(uint16_t h) { _Float16 x; std::memcpy(&x, &h, 2); return float(x); }
+inline uint16_t paged_f16_bits(float x) { const _Float16 h = static_cast<_Float16>(x); uint16_t b; std::memcpy(&b, &h, 2); return b; }
+inline uint32_t paged_pack_f16x2(float lo, float hi) { return uint32_t(paged_f16_bits(lo)) | (uint32_t(paged_f16_bits(hi)) << 16); }
+inline uint32_t paged_pack_bf16x2(float lo, float hi) { return uint32_t(bf16_bits_from_float(lo)) | (uint32_t(bf16_bits_from_float(hi)) << 16); }
+inline uint32_t paged_e4m3x2_lo_f16x2(uint32_t w) { return paged_pack_f16x2(e4m3_dec(uint8_t(w)), e4m3_dec(uint8_t(w >> 8))); }
+inline uint32_t paged_e4m3x2_hi_f16x2(uint32_t w) { return paged_e4m3x2_lo_f16x2(w >> 16); }
+inline uint32_t paged_prmt(uint32_t a, uint32_t b, uint32_t sel) {  // __byte_perm (no sign mode)
+  const uint64_t v = uint64_t(a) | (uint64_t(b) << 32);
+  uint32_t r = 0;
+  for (int i = 0; i < 4; ++i) r |= uint32_t((v >> (8 * ((sel >> (4 * i)) & 7))) & 0xff) << (8 * i);
+  return r;
+}
+inline uint4 paged_lds16(const unsigned char* p) {
+  if (reinterpret_cast<uintptr_t>(p) % 16) std::abort();
+  uint4 u; std::memcpy(&u, p, 16); return u;
+}
+inline uint2 paged_lds8(const unsigned char* p) {
+  if (reinterpret_cast<uintptr_t>(p) % 8) std::abort();
+  uint2 u; std::memcpy(&u, p, 8); return u;
+}
+inline int paged_shfl(int v, int src) {
+  tw->a[tlane][0] = uint32_t(v);
+  tw->bar.arrive_and_wait();
+  const int r = int(tw->a[src & 31][0]);
+  tw->bar.arrive_and_wait();
+  return r;
+}
+inline unsigned char* paged_dyn_smem() { return g_smem; }
+// mma.sync m16n8k16 (A rows 8..15 zero), from the PTX fragment layouts; F16 or BF16 inputs.
+template <bool F16>
+inline void paged_mma(float& d0, float& d1, uint32_t a0, uint32_t a2, uint32_t b0, uint32_t b1) {
+  auto dec = [](uint32_t r, int h) {
+    const uint16_t x = uint16_t(h ? r >> 16 : r & 0xffff);
+    return F16 ? f16_to_float(x) : bf16_bits_to_float(x);
+  };
+  tw->a[tlane][0] = a0, tw->a[tlane][1] = 0, tw->a[tlane][2] = a2, tw->a[tlane][3] = 0;
+  tw->b[tlane][0] = b0, tw->b[tlane][1] = b1;
+  tw->bar.arrive_and_wait();
+  const int g = tlane >> 2, c = tlane & 3;
+  float d[2] = {d0, d1};
+  for (int i = 0; i < 2; ++i) {
+    const int row = g, col = 2 * c + i;
+    double s = d[i];
+    for (int k = 0; k < 16; ++k) {
+      const int al = row * 4 + (k % 8) / 2, ar = k >= 8 ? 2 : 0;
+      const int bl = col * 4 + (k % 8) / 2, br = k >= 8 ? 1 : 0;
+      s += double(dec(tw->a[al][ar], k & 1)) * dec(tw->b[bl][br], k & 1);
+    }
+    d[i] = static_cast<float>(s);
+  }
+  tw->bar.arrive_and_wait();
+  d0 = d[0], d1 = d[1];
+}
 #include "kern.inc"
 
 using namespace emu;
@@ -49,10 +133,25 @@ struct Case {
   int forced;                                 // splits forced (0: the plan for 132 SMs)
 };
 
-inline bool g_grouped = false;  // which kernel: the grouped one or the tiled one
+enum class Kern { Tiled, Grouped, Mma };
+inline Kern g_kern = Kern::Tiled;  // which kernel runs
+inline const char* kern_name() { return g_kern == Kern::Tiled ? "tiled" : g_kern == Kern::Grouped ? "grouped" : "mma"; }
+template <int HD, class TP>
+void launch_mma(const PagedArgs& a, int64_t T) {
+  constexpr int smem = PagedMmaCfg<HD, TP>::kSmemBytes;
+  emu_launch(int(T * a.Hkv), a.splits, smem, [&] {
+    if (threadIdx.x == 0) std::memset(g_smem, 0xff, smem);  // poison: NaN in every format
+    __syncthreads();
+    paged_mma_kernel<HD, TP>(a);
+    if (!t_open.empty() || !t_groups.empty()) std::abort();  // every copy retired
+  });
+}
 template <int HD, class TP, int GM>
 void launch_main(const PagedArgs& a, int64_t T) {
-  if (g_grouped) emu_launch(int(T * a.Hkv), a.splits, 0, [&] { paged_attention_kernel<HD, TP, GM>(a); });
+  if constexpr (!std::is_same_v<TP, float>) {
+    if (g_kern == Kern::Mma) return launch_mma<HD, TP>(a, T);
+  }
+  if (g_kern == Kern::Grouped) emu_launch(int(T * a.Hkv), a.splits, 0, [&] { paged_attention_kernel<HD, TP, GM>(a); });
   else emu_launch(int(T * a.Hkv), a.splits, 0, [&] { paged_tiled_kernel<HD, TP, GM>(a); });
 }
 template <int HD, class TP>
@@ -150,7 +249,8 @@ int run(const Case& c) {
         for (int d = 0; d < hd; ++d) ref[(t * Hq + h) * hd + d] += p[j] / l * vval[row(j) + d];
     }
   // kernels
-  const PagedSplit plan = paged_attention_split(T, Hkv, max_pos, 132, c.forced);
+  const PagedSplit plan = g_kern == Kern::Mma ? paged_mma_split(T, Hkv, max_pos, 132 * 2, c.forced)
+                                              : paged_attention_split(T, Hkv, max_pos, 132, c.forced);
   std::vector<float> out_f(T * Hq * hd, NAN), part_o(size_t(T) * Hq * plan.splits * hd, NAN), part_l(size_t(T) * Hq * plan.splits, NAN);
   std::vector<uint16_t> out_b(T * Hq * hd, 0x7fc0);
   PagedArgs a;
@@ -175,6 +275,7 @@ int run(const Case& c) {
   a.scale_log2 = scale * 1.4426950408889634f;
   a.q_bf16 = c.q_bf16;
   a.fp8_q = c.fp8q;
+  a.ps_shift = (c.ps & (c.ps - 1)) == 0 ? __builtin_ctz(unsigned(c.ps)) : -1;
   if (hd == 64) launch_p<64>(a, c.pool, T);
   else launch_p<128>(a, c.pool, T);
   if (plan.splits > 1) {
@@ -190,12 +291,13 @@ int run(const Case& c) {
     rmax = std::max(rmax, std::fabs(ref[i]));
   }
   const double err = dmax / rmax, tol = c.q_bf16 ? 8e-3 : 2e-6;
-  std::printf("%-8s %-34s hd %3d Hq %2d Hkv %d ps %2d T %3ld splits %2d x %4d: rel err %.2e (tol %.0e) %s\n", g_grouped ? "grouped" : "tiled", c.name, hd,
+  std::printf("%-8s %-34s hd %3d Hq %2d Hkv %d ps %2d T %3ld splits %2d x %4d: rel err %.2e (tol %.0e) %s\n", kern_name(), c.name, hd,
               Hq, Hkv, c.ps, long(T), plan.splits, plan.chunk, err, tol, err < tol ? "ok" : "FAIL");
   return err < tol ? 0 : 1;
 }
 
-// Usage: emu [name-substring]  (runs only the cases whose name contains it)
+// Usage: emu [name-substring [tiled|grouped|mma]]  (runs only the cases whose name contains it
+// ("" for all), on one kernel)
 int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IONBF, 0);
   std::vector<Case> cases;
@@ -245,10 +347,53 @@ int main(int argc, char** argv) {
     c.tokens = {{0, 599}, {1, 139}, {0, 31}, {0, 32}};
     cases.push_back(c);
   }
+  // Cases for the tensor-core kernel only (BF16 q; the tiled kernel's cases above run on it too,
+  // with q rounded to BF16, where the pool is BF16 or E4M3).
+  std::vector<Case> mma_cases;
+  {  // Qwen3-1.7B heads (16 / 8, group 2, hd 128): decode of 6 sequences with contexts 80..700
+    for (Pool pool : {Pool::BF16, Pool::E4M3}) {
+      Case c{pool == Pool::BF16 ? "qwen decode G2 hd128 bf16" : "qwen decode G2 hd128 e4m3", 128, 16, 8, 16, pool, true,
+             false, {80, 700, 333, 97, 512, 129}, {}, 0};
+      for (int b = 0; b < 6; ++b) c.tokens.push_back({b, c.lens[b] - 1});
+      mma_cases.push_back(c);
+    }
+  }
+  {  // Llama-3.1-8B heads (32 / 8, group 4): one long decode (plan splits) plus a 20-token prefill chunk
+    Case c{"llama G4 e4m3 long + prefill", 128, 32, 8, 16, Pool::E4M3, true, false, {2100, 50}, {}, 0};
+    c.tokens.push_back({0, 2099});
+    for (int p = 30; p < 50; ++p) c.tokens.push_back({1, p});
+    mma_cases.push_back(c);
+  }
+  {  // group 3 (rows padded), fp8 q, page size 5 (division path), forced 4 splits, BF16 pool
+    Case c{"G3 bf16 fp8q ps5 4 splits", 128, 6, 2, 5, Pool::BF16, true, true, {203, 17}, {}, 4};
+    c.tokens = {{0, 202}, {1, 16}, {0, 15}, {0, 16}, {1, 0}};
+    mma_cases.push_back(c);
+  }
+  {  // group 8, hd 64 E4M3 (LDS.64 V path), fp8 q, page size 1, contexts not multiples of 16
+    Case c{"G8 e4m3 hd64 fp8q ps1", 64, 16, 2, 1, Pool::E4M3, true, true, {77, 301}, {}, 0};
+    c.tokens = {{0, 76}, {1, 300}, {1, 33}};
+    mma_cases.push_back(c);
+  }
+  {  // group 1 (MHA), hd 64 BF16, page size 32, one split: every warp walks several tiles
+    Case c{"G1 bf16 hd64 ps32 1 split", 64, 4, 4, 32, Pool::BF16, true, false, {260, 1}, {}, 1};
+    c.tokens = {{0, 259}, {1, 0}, {0, 64}};
+    mma_cases.push_back(c);
+  }
   int bad = 0;
-  for (const bool grouped : {false, true})
-    for (const Case& c : cases)
-      if (argc < 2 || std::strstr(c.name, argv[1])) g_grouped = grouped, bad += run(c);
+  for (const Kern k : {Kern::Tiled, Kern::Grouped, Kern::Mma}) {
+    g_kern = k;
+    if (argc >= 3 && std::string(argv[2]) != kern_name()) continue;
+    for (Case c : cases) {
+      if (k == Kern::Mma) {
+        if (c.pool == Pool::F32) continue;
+        c.q_bf16 = true;
+      }
+      if (argc < 2 || std::strstr(c.name, argv[1])) bad += run(c);
+    }
+    if (k == Kern::Mma)
+      for (const Case& c : mma_cases)
+        if (argc < 2 || std::strstr(c.name, argv[1])) bad += run(c);
+  }
   std::printf(bad ? "FAIL\n" : "PASS\n");
   return bad;
 }

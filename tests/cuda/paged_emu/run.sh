@@ -7,8 +7,12 @@
 # head_dim 64/128, F32/BF16/E4M3 pools, BF16/F32 q, fp8 q, mixed prefill + decode batches,
 # scattered pages of several sizes, one or many splits and the staged page-list loop. It checks
 # indexing, the online softmax, the stream/warp/split merges; not the PTX itself nor timing.
-# Usage: bash tests/cuda/paged_emu/run.sh [case-name-substring]   (a few minutes on 2 idle cores;
-# 25 minutes on a machine with a load average of 100)
+# The tensor-core kernel (paged_mma_kernel) runs through shims of cp.async (copies land at their
+# wait_group, into shared memory poisoned with NaN), mma.sync m16n8k16 (BF16 and FP16, from the
+# PTX fragment layouts), prmt and the E4M3 -> FP16 conversion, on the cases above with BF16 q and
+# on its own cases (the Qwen3-1.7B / Llama-3.1-8B head shapes, page sizes 1, 5, 32).
+# Usage: bash tests/cuda/paged_emu/run.sh [case-name-substring [tiled|grouped|mma]]   (a few
+# minutes on 2 idle cores; 25 minutes on a machine with a load average of 100)
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 ROOT="$HERE/../../.."
