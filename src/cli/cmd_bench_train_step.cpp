@@ -1,6 +1,6 @@
 // fp8rl bench-train-step: times the three phases of a GRPO step on a random-weight model.
 //
-//   fp8rl bench-train-step [--device cpu|cuda] [--precision bf16|fp8|fp32] [--wgrad fp8|bf16] [--hidden 64] [--layers 2]
+//   fp8rl bench-train-step [--device cpu|cuda] [--precision bf16|fp8|fp32] [--wgrad auto|fp8|bf16] [--hidden 64] [--layers 2]
 //                          [--heads 4] [--kv-heads 2] [--head-dim 16] [--ffn 192] [--vocab 384]
 //                          [--seqs 64] [--seq-len 40] [--prompt-len 16] [--repeats 5] [--json PATH]
 //
@@ -11,8 +11,8 @@
 //   generate  RolloutEngine::generate of --seqs sequences: prompt --prompt-len tokens, then
 //             seq-len - prompt-len new tokens (no stop token, so every sequence runs to the end)
 // --precision picks the recipe preset: fp32, bf16, or fp8 (= fp8_e2e: FP8 linears in both
-// engines, E4M3 KV cache); --wgrad bf16 makes an FP8 trainer's weight gradients BF16 GEMMs
-// (precision.trainer_wgrad, default fp8). The backend is synchronized before each clock read, so the same
+// engines, E4M3 KV cache); --wgrad fp8|bf16 overrides the preset (fp8_e2e: BF16 weight gradients)
+// (precision.trainer_wgrad). The backend is synchronized before each clock read, so the same
 // program times the CUDA backend. Prints a table; --json also writes the figures.
 #include <algorithm>
 #include <chrono>
@@ -36,7 +36,7 @@ namespace fp8rl::cli {
 namespace {
 
 constexpr const char* kUsage =
-    "usage: fp8rl bench-train-step [--device cpu|cuda] [--precision bf16|fp8|fp32] [--wgrad fp8|bf16]\n"
+    "usage: fp8rl bench-train-step [--device cpu|cuda] [--precision bf16|fp8|fp32] [--wgrad auto|fp8|bf16]\n"
     "                              [--hidden N] [--layers N] [--heads N] [--kv-heads N] [--head-dim N] [--ffn N] [--vocab N] [--seqs N]\n"
     "                              [--seq-len N] [--prompt-len N] [--repeats N] [--json PATH]\n"
     "Times the trainer's scoring forward, one training step and generation on a random-weight model\n"
@@ -86,10 +86,11 @@ int run_bench(const std::vector<std::string>& argv) {
   const std::string prec_name = args.get("precision", "bf16");
   FP8RL_CHECK(prec_name == "bf16" || prec_name == "fp8" || prec_name == "fp32", "--precision must be bf16, fp8 or ",
               "fp32, got '", prec_name, "'");
-  const std::string wgrad = args.get("wgrad", "fp8");
-  FP8RL_CHECK(wgrad == "fp8" || wgrad == "bf16", "--wgrad must be fp8 or bf16, got '", wgrad, "'");
+  const std::string wgrad = args.get("wgrad", "auto");
+  FP8RL_CHECK(wgrad == "auto" || wgrad == "fp8" || wgrad == "bf16", "--wgrad must be auto, fp8 or bf16, got '",
+              wgrad, "'");
   const PrecisionRecipe recipe = PrecisionRecipe::parse((prec_name == "fp8" ? "fp8_e2e" : prec_name) +
-                                                        (wgrad == "bf16" ? ":wgrad=bf16" : ""));
+                                                        (wgrad != "auto" ? ":wgrad=" + wgrad : ""));
   const int hidden = args.get_int("hidden", 64, 1), layers = args.get_int("layers", 2, 1);
   const int heads = args.get_int("heads", 4, 1), kv_heads = args.get_int("kv-heads", 2, 1);
   const int head_dim = args.get_int("head-dim", 16, 2), ffn = args.get_int("ffn", 192, 1);

@@ -46,7 +46,8 @@ struct PrecisionRecipe {
   EnginePrecision generator;
   EnginePrecision trainer;
   // Presets: "fp32" (exact reference), "bf16", "fp8_gen" (FP8 generation + FP8 KV, BF16
-  // training), "fp8_e2e" (FP8 both, FP8 KV). Throws on anything else.
+  // training), "fp8_e2e" (FP8 both, FP8 KV, BF16 weight gradients). Both FP8 presets have the
+  // trainer round k/v as the E4M3 cache stores them. Throws on anything else.
   static PrecisionRecipe preset(const std::string& name);
   // A preset with overrides, for experiments that isolate one component (bench rl-step):
   // "PRESET[:key=value[+key=value...]]" with keys gen / train (linear: fp32|bf16|fp8),

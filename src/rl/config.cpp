@@ -279,7 +279,7 @@ std::vector<Field> config_fields(RunConfig& c) {
                "override the preset's generator linears");
   t.add_choice("precision.trainer_linear", p.trainer_linear, {"auto", "fp32", "bf16", "fp8"},
                "override the preset's trainer linears");
-  t.add_choice("precision.trainer_wgrad", p.trainer_wgrad, {"fp8", "bf16"},
+  t.add_choice("precision.trainer_wgrad", p.trainer_wgrad, {"auto", "fp8", "bf16"},
                "FP8 trainer linears: weight gradient as an FP8 GEMM (dY, X requantized along tokens) or BF16");
   t.add_bool("precision.pow2_scales", p.pow2_scales, "power-of-two FP8 scales (UE8M0), both engines");
   t.add_int("precision.bf16_first_layers", p.bf16_first_layers, "first n blocks stay BF16, both engines");
@@ -779,7 +779,7 @@ PrecisionRecipe config_precision_recipe(const PrecisionSection& p) {
   PrecisionRecipe r = PrecisionRecipe::preset(p.recipe);
   if (p.generator_linear != "auto") r.generator.linear = linear_mode_from_name(p.generator_linear);
   if (p.trainer_linear != "auto") r.trainer.linear = linear_mode_from_name(p.trainer_linear);
-  r.trainer.wgrad = linear_mode_from_name(p.trainer_wgrad);
+  if (p.trainer_wgrad != "auto") r.trainer.wgrad = linear_mode_from_name(p.trainer_wgrad);
   for (EnginePrecision* e : {&r.generator, &r.trainer}) {
     e->pow2_scales = p.pow2_scales;
     e->bf16_first_layers = p.bf16_first_layers;
@@ -791,7 +791,7 @@ PrecisionRecipe config_precision_recipe(const PrecisionSection& p) {
   if (r.generator.kv_cache != DType::E4M3) r.trainer.kv_cache = DType::BF16;  // nothing to round as
   const bool custom = p.generator_linear != "auto" || p.trainer_linear != "auto" || p.kv_cache != "auto" ||
                       p.fp8_attention || p.pow2_scales || p.bf16_first_layers || p.bf16_last_layers ||
-                      p.trainer_kv_rounding != "auto" || p.trainer_wgrad != "fp8";
+                      p.trainer_kv_rounding != "auto" || p.trainer_wgrad != "auto";
   if (custom) r.name += "+custom";
   return r;
 }

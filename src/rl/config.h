@@ -143,7 +143,7 @@ struct PrecisionSection {
   // Fine-grained overrides of the preset ("auto" = the preset's choice).
   std::string generator_linear = "auto";  // auto | fp32 | bf16 | fp8
   std::string trainer_linear = "auto";    // auto | fp32 | bf16 | fp8
-  std::string trainer_wgrad = "fp8";      // fp8 | bf16: an FP8 trainer linear's weight-gradient GEMM
+  std::string trainer_wgrad = "auto";     // auto | fp8 | bf16: an FP8 trainer linear's weight-gradient GEMM
   bool pow2_scales = false;               // both engines (same quantizer on both sides)
   int bf16_first_layers = 0;              // both engines
   int bf16_last_layers = 0;               // both engines

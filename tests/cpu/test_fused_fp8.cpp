@@ -221,7 +221,7 @@ TEST(ModelGrad, Bf16WgradChangesOnlyTheLinearWeightGradients) {
 
 TEST(PrecisionRecipe, Bf16WgradSpecAndConfigKey) {
   const PrecisionRecipe base = PrecisionRecipe::preset("fp8_e2e");
-  EXPECT_EQ(base.trainer.wgrad, LinearMode::FP8_BLOCK);
+  EXPECT_EQ(base.trainer.wgrad, LinearMode::BF16);  // the preset's choice (measured faster on the H200)
   const PrecisionRecipe r = PrecisionRecipe::parse("fp8_e2e:wgrad=bf16");
   EXPECT_EQ(r.name, "fp8_e2e:wgrad=bf16");
   EXPECT_EQ(r.trainer.wgrad, LinearMode::BF16);
@@ -232,11 +232,11 @@ TEST(PrecisionRecipe, Bf16WgradSpecAndConfigKey) {
   EXPECT_THROW(PrecisionRecipe::parse("fp8_e2e:wgrad=fp32"), Error);
 
   RunConfig c;
-  EXPECT_EQ(config_precision_recipe(c.precision).trainer.wgrad, LinearMode::FP8_BLOCK);
-  config_apply_override(c, "precision.trainer_wgrad=bf16");
+  EXPECT_EQ(config_precision_recipe(c.precision).trainer.wgrad, LinearMode::BF16);  // auto: the preset's
+  config_apply_override(c, "precision.trainer_wgrad=fp8");
   config_validate(c);
   const PrecisionRecipe cr = config_precision_recipe(c.precision);
-  EXPECT_EQ(cr.trainer.wgrad, LinearMode::BF16);
+  EXPECT_EQ(cr.trainer.wgrad, LinearMode::FP8_BLOCK);
   EXPECT_EQ(cr.name, "fp8_e2e+custom");
   EXPECT_THROW(config_apply_override(c, "precision.trainer_wgrad=fp16"), Error);
 }
