@@ -4,6 +4,7 @@
 
 #include <cstring>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "backend/backend.h"
@@ -24,22 +25,24 @@ Tensor random_heads(int64_t T, int64_t H, int64_t hd, uint32_t seed) {
 TEST(CudaKvRound, MatchesCpuBitwise) {
   std::unique_ptr<Backend> gpu = make_cuda_backend(0, DType::F32), cpu = make_cpu_backend();
   const std::vector<float> scales = {0.02f, 0.7f, 1.0f / 3.0f, 0.0045f, 1.0f, 3.5f, 0.11f, 0.013f};
-  for (int64_t T : {1, 17, 1000}) {
+  // hd 128: 8 elements per thread; hd 20: the scalar path.
+  for (const auto& [hd, T] : std::vector<std::pair<int64_t, int64_t>>{{128, 1}, {128, 17}, {128, 1000}, {20, 33}}) {
     SCOPED_TRACE(T);
-    const Tensor host = random_heads(T, 8, 128, static_cast<uint32_t>(T));
+    SCOPED_TRACE(hd);
+    const Tensor host = random_heads(T, 8, hd, static_cast<uint32_t>(T + hd));
     Tensor c = cpu->to_device(host), g = gpu->to_device(host);
     cpu->kv_round(c, scales);
     gpu->kv_round(g, scales);
     const Tensor hc = cpu->to_host(c), hg = gpu->to_host(g);
     ASSERT_EQ(std::memcmp(hc.raw(), hg.raw(), hc.nbytes()), 0) << "F32 kv_round differs from the CPU";
     // BF16 activations: the round trip of the BF16 value, rounded to BF16.
-    Tensor gb = gpu->alloc({T, 8, 128}, DType::BF16);
+    Tensor gb = gpu->alloc({T, 8, hd}, DType::BF16);
     gpu->convert(gpu->to_device(host), gb);
     gpu->kv_round(gb, scales);
     const Tensor hb = gpu->to_host(gb);
     for (int64_t i = 0; i < host.numel(); ++i) {
       const float x = bf16_to_float(bf16_from_float(host.data<float>()[i]));
-      const float s = scales[static_cast<size_t>((i / 128) % 8)];
+      const float s = scales[static_cast<size_t>((i / hd) % 8)];
       ASSERT_EQ(hb.data<uint16_t>()[i], bf16_from_float(e4m3_to_float(e4m3_from_float(x / s)) * s))
           << "BF16 element " << i;
     }

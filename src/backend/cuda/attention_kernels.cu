@@ -200,6 +200,19 @@ __global__ void kv_round_kernel(T* x, int64_t n, int H, int hd, KvRoundScales s)
     store_f(x, i, e4m3_dec(e4m3_enc(load_f(x, i) / sc)) * sc);
   }
 }
+// The same, 8 elements per thread (hd % 8 == 0 and x 16-byte aligned: the 8 share a head).
+template <class T>
+__global__ void kv_round8_kernel(T* x, int64_t n8, int H, int hd8, KvRoundScales s) {
+  for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < n8;
+       j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float sc = s.v[(j / hd8) % H];
+    float v[8];
+    load8(x + 8 * j, v);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v[e] = e4m3_dec(e4m3_enc(v[e] / sc)) * sc;
+    store8(x + 8 * j, v);
+  }
+}
 
 template <class TP>
 __device__ __forceinline__ float pool_load(const TP* p, int64_t i, float s) {
@@ -313,8 +326,12 @@ void launch_attention_backward(const void* dout, const void* q, const void* k, c
 void launch_kv_round(void* x, DType dt, int64_t T_, int H, int hd, const KvRoundScales& s, cudaStream_t stream) {
   const int64_t n = T_ * H * hd;
   if (n == 0) return;
+  const bool vec = hd % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
   FP8RL_DISPATCH_FLOAT(dt, "kv_round", {
-    kv_round_kernel<T><<<grid_for(n, 256), 256, 0, stream>>>(static_cast<T*>(x), n, H, hd, s);
+    if (vec)
+      kv_round8_kernel<T><<<grid_for(n / 8, 256), 256, 0, stream>>>(static_cast<T*>(x), n / 8, H, hd / 8, s);
+    else
+      kv_round_kernel<T><<<grid_for(n, 256), 256, 0, stream>>>(static_cast<T*>(x), n, H, hd, s);
   });
   CUDA_CHECK_LAUNCH("kv_round_kernel");
 }
