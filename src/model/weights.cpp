@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include "core/error.h"
+#include "core/rng.h"
 #include "io/safetensors.h"
 
 namespace fp8rl {
@@ -80,24 +81,18 @@ void visit_slots(ModelWeights& w, const std::function<void(const std::string&, T
   if (!w.config.tie_word_embeddings) fn("lm_head.weight", w.lm_head);
 }
 
-// splitmix64 + Box-Muller: a small, seeded, platform-independent normal generator.
+// splitmix64 (core/rng.h) + Box-Muller: a small, seeded, platform-independent normal generator.
 class Normal {
  public:
-  explicit Normal(uint64_t seed) : state_(seed * 0x9E3779B97F4A7C15ull + 0x1234567ull) {}
+  explicit Normal(uint64_t seed) : bits_(seed * kSplitMix64Gamma + 0x1234567ull) {}
   double next() {
-    const double u1 = (static_cast<double>(bits() >> 11) + 0.5) * 0x1.0p-53;
-    const double u2 = static_cast<double>(bits() >> 11) * 0x1.0p-53;
+    const double u1 = (static_cast<double>(bits_.next() >> 11) + 0.5) * 0x1.0p-53;
+    const double u2 = static_cast<double>(bits_.next() >> 11) * 0x1.0p-53;
     return std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2);
   }
 
  private:
-  uint64_t bits() {
-    uint64_t z = (state_ += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  }
-  uint64_t state_;
+  SplitMix64 bits_;
 };
 
 Tensor random_tensor(const Shape& shape, DType dtype, Normal& rng, double mean, double std) {

@@ -21,6 +21,7 @@
 
 #include "core/error.h"
 #include "core/fs.h"
+#include "core/rng.h"
 #include "dist/comm.h"
 #include "rl/checkpoint.h"
 #include "rl/interrupt.h"
@@ -41,12 +42,8 @@ namespace {
 using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
-uint64_t mix(uint64_t a, uint64_t b) {
-  uint64_t x = a * 0x9e3779b97f4a7c15ull ^ (b + 0x632be59bd9b4e019ull);
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
+// The sampling seed of step b of a run seeded a.
+uint64_t mix(uint64_t a, uint64_t b) { return splitmix64_mix(a * kSplitMix64Gamma ^ (b + 0x632be59bd9b4e019ull)); }
 
 // The starting policy of the demo: SFT of the tiny model, cached by config.
 std::string ensure_demo_policy(const RunConfig& c) {

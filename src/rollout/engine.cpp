@@ -8,6 +8,7 @@
 #include <random>
 
 #include "core/error.h"
+#include "core/rng.h"
 #include "model/transformer.h"
 #include "rollout/decode_graphs.h"
 #include "rollout/rollout.h"
@@ -18,13 +19,6 @@ namespace fp8rl {
 const char* finish_reason_name(FinishReason r) { return r == FinishReason::Stop ? "stop" : "length"; }
 
 namespace {
-
-uint64_t splitmix64(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
 
 // Sample j of global request gi: the seed of its uniforms' stream (top-k / top-p rows) and the
 // Philox key of its Gumbel draws (every other row), so a run's tokens depend only on the seed.

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/rng.h"
 #include "model/shapes.h"
 
 namespace fp8rl {
@@ -14,20 +15,13 @@ ModelConfig bench_model_config(const std::string& name) { return model_shape(nam
 
 namespace {
 
-uint64_t mix64(uint64_t x) {  // splitmix64's finalizer
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
-
 // host[0, n) <- amp * u, u uniform in [-1, 1) from hash(key, i); F32 or BF16; host threads.
 void fill_uniform_host(void* host, DType dtype, int64_t n, uint64_t key, float amp) {
   const int64_t threads = std::clamp<int64_t>(std::thread::hardware_concurrency(), 1, 64);
   const int64_t chunk = std::max<int64_t>(int64_t(1) << 16, ceil_div(n, threads));
   auto work = [=](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const uint64_t h = mix64(key + static_cast<uint64_t>(i));  // splitmix64's stream from key
+      const uint64_t h = splitmix64(key + static_cast<uint64_t>(i));  // splitmix64's stream from key
       const float v = amp * (static_cast<float>(h >> 40) * 0x1.0p-23f - 1.0f);
       if (dtype == DType::BF16) static_cast<uint16_t*>(host)[i] = bf16_from_float(v);
       else static_cast<float*>(host)[i] = v;
@@ -53,7 +47,7 @@ ModelWeights bench_random_weights(Backend& be, const ModelConfig& c, DType dtype
   uint64_t tensor_index = 0;
   auto random = [&](const Shape& shape) {
     Tensor host(staging.storage(), 0, shape, dtype);
-    fill_uniform_host(host.raw(), dtype, host.numel(), mix64(seed) ^ mix64(~tensor_index++), amp);
+    fill_uniform_host(host.raw(), dtype, host.numel(), splitmix64(seed) ^ splitmix64(~tensor_index++), amp);
     Tensor dev = be.alloc(shape, dtype);
     be.copy(host, dev);  // host -> device waits before returning: the staging buffer is free again
     return dev;

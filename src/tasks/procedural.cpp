@@ -5,9 +5,8 @@
 namespace fp8rl {
 namespace {
 uint64_t mix(uint64_t seed, uint64_t split, uint64_t index, uint64_t attempt) {
-  TaskRng r(seed ^ (split * 0x632be59bd9b4e019ull) ^ (index * 0x9e3779b97f4a7c15ull) ^
-            (attempt * 0xd1b54a32d192ed03ull));
-  return r.next();
+  return splitmix64(seed ^ (split * 0x632be59bd9b4e019ull) ^ (index * kSplitMix64Gamma) ^
+                    (attempt * 0xd1b54a32d192ed03ull));
 }
 }  // namespace
 

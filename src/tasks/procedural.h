@@ -5,25 +5,21 @@
 #include <string>
 #include <unordered_set>
 
+#include "core/rng.h"
 #include "tasks/task.h"
 
 namespace fp8rl {
 
-// splitmix64: the same numbers on every platform (std distributions are not).
+// splitmix64 (core/rng.h): the same numbers on every platform (std distributions are not).
 class TaskRng {
  public:
   explicit TaskRng(uint64_t seed) : s_(seed) {}
-  uint64_t next() {
-    uint64_t z = (s_ += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-  }
+  uint64_t next() { return s_.next(); }
   int64_t uniform(int64_t lo, int64_t hi) { return lo + int64_t(next() % uint64_t(hi - lo + 1)); }
   bool chance(double p) { return double(next() >> 11) * 0x1.0p-53 < p; }
 
  private:
-  uint64_t s_;
+  SplitMix64 s_;
 };
 
 // Item (split, index) is generated from an RNG seeded by (seed, split, index, attempt).

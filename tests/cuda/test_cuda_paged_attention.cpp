@@ -29,6 +29,7 @@
 #include "backend/backend.h"
 #include "backend/cuda/kernels.h"
 #include "core/error.h"
+#include "core/rng.h"
 
 namespace fp8rl {
 namespace {
@@ -290,13 +291,8 @@ Big build_big(const std::vector<int>& lens, int Hkv, int hd, DType pool, uint32_
   }
   b.gc = G().alloc_kv_cache(L, pages, ps, Hkv, hd, pool);
   if (with_cpu) b.hc = C().alloc_kv_cache(L, pages, ps, Hkv, hd, pool);
-  uint64_t st = 0x9e3779b97f4a7c15ull ^ seed;
-  auto next = [&st]() {  // splitmix64
-    uint64_t z = (st += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-  };
+  SplitMix64 rng(kSplitMix64Gamma ^ seed);
+  auto next = [&rng]() { return rng.next(); };
   for (int l = 0; l < L; ++l)
     for (int which = 0; which < 2; ++which) {
       Tensor h = Tensor::empty({pages, ps, Hkv, hd}, pool);
