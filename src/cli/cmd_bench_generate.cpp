@@ -30,6 +30,8 @@
 #include "cli/commands.h"
 #include "core/error.h"
 #include "core/fs.h"
+#include "model/shapes.h"
+#include "rl/memory_plan.h"
 #include "rollout/rollout.h"
 #include "rollout/rollout_bench.h"
 
@@ -181,7 +183,7 @@ nlohmann::json run_recipe(const std::string& device, const std::string& recipe, 
   const int64_t master_bytes = bench_weights_bytes(master);
 
   // 2. The engine (the master is still held while it copies).
-  const int64_t gen_bytes_est = bench_generator_bytes(mc, prec, be.act_dtype());
+  const int64_t gen_bytes_est = memory_plan_generator_bytes(mc, prec, be.act_dtype());
   const int64_t kv_tok = bench_kv_bytes_per_token(mc, prec.kv_cache);
   const int64_t page_bytes = kv_tok * kPageSize;
   const int pages_per_seq = static_cast<int>(ceil_div(w.prompt_len + w.gen_len, kPageSize));
@@ -325,7 +327,7 @@ int run_bench_generate(const std::vector<std::string>& argv) {
   const std::vector<std::string> recipes = split_list(args.get("recipes", "bf16,fp8_linear,fp8_kv,fp8_attn"));
   FP8RL_CHECK(!recipes.empty(), "--recipes is empty (expected a comma-separated list)");
   for (auto& r : recipes) recipe_precision(r);  // reject unknown names before any work
-  ModelConfig mc = bench_model_config(model);
+  ModelConfig mc = model_shape(model);
   FP8RL_CHECK(w.prompt_len + w.gen_len <= mc.max_position_embeddings, "--prompt-len + --gen-len = ",
               w.prompt_len + w.gen_len, " exceeds the model's ", mc.max_position_embeddings, " positions");
 

@@ -7,6 +7,7 @@
 
 #include "cli/commands.h"
 #include "core/error.h"
+#include "model/shapes.h"
 #include "rl/config.h"
 #include "rl/memory_plan.h"
 #include "rl/session.h"
@@ -28,7 +29,7 @@ double parse_gib(const std::string& text) {
 }
 
 ModelConfig plan_model(const RunConfig& c, const std::string& shape) {
-  if (!shape.empty()) return memory_plan_shape(shape);
+  if (!shape.empty()) return model_shape(shape);
   if (!c.model.path.empty()) return model_config_load(c.model.path);
   int vocab = c.model.tiny.vocab_size;
   if (vocab <= 0) {

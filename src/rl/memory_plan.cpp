@@ -425,6 +425,5 @@ std::string memory_plan_check(const RunConfig& c_in, const ModelConfig& model, D
              "memory.allow_overcommit: true.");
 }
 
-ModelConfig memory_plan_shape(const std::string& name) { return model_shape(name); }
 
 }  // namespace fp8rl

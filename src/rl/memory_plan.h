@@ -56,7 +56,9 @@ MemoryPlan memory_plan_compute(const MemoryPlanInput& in);
 // Saved activation bytes per token of one block / of the model head (LayerActivations, Activations).
 int64_t memory_plan_block_bytes_per_token(const ModelConfig& c, DType act);
 int64_t memory_plan_head_bytes_per_token(const ModelConfig& c, DType act);
-// Generator weight bytes (FP8 linears + scales when the precision says so, the rest in `act`).
+// Generator weight bytes: what generator_weights_alloc (rollout/rollout.h) holds for a `c` model
+// under `gen` with activation dtype `act` (FP8 linears: E4M3 data + F32 128x128 scales; the
+// rest in `act`). The one count of them: the plan, `bench generate` and its tests use it.
 int64_t memory_plan_generator_bytes(const ModelConfig& c, const EnginePrecision& gen, DType act);
 
 // The KV pool `fp8rl train` allocates for this config (shared with rl/grpo_loop.cpp): pages
@@ -106,8 +108,5 @@ std::string memory_plan_check(const RunConfig& c, const ModelConfig& model, DTyp
 // The free memory memory_plan_check is given: memory.free_gib when > 0, else what the backend
 // reports (Backend::free_device_bytes; the CPU backend: -1, no check).
 int64_t memory_plan_free_bytes(const RunConfig& c, int64_t backend_free_bytes);
-
-// Shapes for `fp8rl plan --shape`: model/shapes.h's registry. Throws on others.
-ModelConfig memory_plan_shape(const std::string& name);
 
 }  // namespace fp8rl

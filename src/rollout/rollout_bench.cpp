@@ -7,11 +7,8 @@
 
 #include "core/error.h"
 #include "core/rng.h"
-#include "model/shapes.h"
 
 namespace fp8rl {
-
-ModelConfig bench_model_config(const std::string& name) { return model_shape(name); }
 
 namespace {
 
@@ -86,23 +83,6 @@ ModelWeights bench_random_weights(Backend& be, const ModelConfig& c, DType dtype
   w.lm_head = c.tie_word_embeddings ? w.embed : random({V, D});
   be.synchronize();
   return w;
-}
-
-int64_t bench_generator_bytes(const ModelConfig& c, const EnginePrecision& prec, DType act) {
-  const int64_t D = c.hidden_size, F = c.intermediate_size, V = c.vocab_size, hd = c.head_dim;
-  const int64_t Hq = c.num_heads, Hkv = c.num_kv_heads, a = static_cast<int64_t>(dtype_size(act));
-  int64_t bytes = V * D * a * (c.tie_word_embeddings ? 1 : 2) + D * a;  // embed, lm_head, final norm
-  for (int l = 0; l < c.num_layers; ++l) {
-    const bool fp8 = prec.linear_for_layer(l, c.num_layers) == LinearMode::FP8_BLOCK;
-    auto linear = [&](int64_t n, int64_t k) {
-      return fp8 ? n * k + 4 * ceil_div(n, kQuantBlock) * ceil_div(k, kQuantBlock) : n * k * a;
-    };
-    bytes += 2 * D * a + (c.qk_norm ? 2 * hd * a : 0);
-    bytes += linear(Hq * hd, D) + 2 * linear(Hkv * hd, D) + linear(D, Hq * hd);
-    bytes += 2 * linear(F, D) + linear(D, F);
-    if (c.attention_bias) bytes += (Hq + 2 * Hkv) * hd * a;
-  }
-  return bytes;
 }
 
 int64_t bench_weights_bytes(const ModelWeights& w) {

@@ -1,5 +1,6 @@
-// What `fp8rl bench generate` needs besides the engine: the benchmark model shapes, random
-// weights built fast on any backend, and the memory-bandwidth roofline of decoding.
+// What `fp8rl bench generate` needs besides the engine: random weights built fast on any backend
+// and the memory-bandwidth roofline of decoding. The model shapes: model/shapes.h; the bytes of
+// the generator copy a shape and precision make: memory_plan_generator_bytes (rl/memory_plan.h).
 //
 // Roofline (issue #6): a decode step must read every generator weight it uses once (linears
 // in their storage dtype with their FP8 scales, norms, lm_head; of an untied embedding table
@@ -16,10 +17,6 @@
 
 namespace fp8rl {
 
-// "8b" (Llama-3.1-8B shape), "1b" (Llama-3.2-1B shape) or "tiny" (a 2-layer llama for CPU
-// smoke runs). Throws on anything else.
-ModelConfig bench_model_config(const std::string& name);
-
 // Random weights directly on `backend` in `dtype` (F32 or BF16): linears and the embedding
 // uniform in [-std*sqrt(3), std*sqrt(3)) (standard deviation `std`) from a counter-based hash
 // of (seed, tensor, index), filled by host threads one tensor at a time through one staging
@@ -28,9 +25,6 @@ ModelConfig bench_model_config(const std::string& name);
 ModelWeights bench_random_weights(Backend& backend, const ModelConfig& config, DType dtype, uint64_t seed,
                                   float std = 0.02f);
 
-// Bytes of the generator copy generator_weights_alloc makes of a `config` model under
-// `precision` with activation dtype `act` (FP8 linears: E4M3 data + F32 128x128 scales).
-int64_t bench_generator_bytes(const ModelConfig& config, const EnginePrecision& precision, DType act);
 // Bytes actually held by a weight set (every defined tensor, FP8 data and scales; a tied
 // lm_head counted once).
 int64_t bench_weights_bytes(const ModelWeights& weights);

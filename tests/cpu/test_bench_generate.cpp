@@ -12,6 +12,8 @@
 
 #include "core/error.h"
 #include "core/fs.h"
+#include "model/shapes.h"
+#include "rl/memory_plan.h"
 #include "rollout/rollout.h"
 #include "rollout/rollout_bench.h"
 
@@ -22,7 +24,7 @@ namespace fs = std::filesystem;
 
 TEST(BenchGenerate, ModelShapesHaveThePublishedParameterCounts) {
   // Llama-3.1-8B: 8,030,261,248 parameters; Llama-3.2-1B: 1,235,814,400 (tied embeddings).
-  const ModelConfig big = bench_model_config("8b"), small = bench_model_config("1b");
+  const ModelConfig big = model_shape("8b"), small = model_shape("1b");
   EXPECT_EQ(big.num_parameters(), 8030261248LL);
   EXPECT_EQ(small.num_parameters(), 1235814400LL);
   EXPECT_FALSE(big.tie_word_embeddings);
@@ -30,11 +32,11 @@ TEST(BenchGenerate, ModelShapesHaveThePublishedParameterCounts) {
   // KV per token: 32 layers x (K + V) x 8 heads x 128 x 2 bytes = 128 KiB in BF16, half in E4M3.
   EXPECT_EQ(bench_kv_bytes_per_token(big, DType::BF16), 2 * 32 * 8 * 128 * 2);
   EXPECT_EQ(bench_kv_bytes_per_token(big, DType::E4M3), 2 * 32 * 8 * 128);
-  EXPECT_THROW(bench_model_config("70b"), Error);
+  EXPECT_THROW(model_shape("70b"), Error);
 }
 
 TEST(BenchGenerate, GeneratorBytesMatchWhatTheEngineAllocates) {
-  const ModelConfig c = bench_model_config("tiny");
+  const ModelConfig c = model_shape("tiny");
   auto be = make_cpu_backend();
   const ModelWeights master = bench_random_weights(*be, c, DType::F32, 3);
   EXPECT_EQ(bench_weights_bytes(master), c.num_parameters() * 4);
@@ -43,18 +45,18 @@ TEST(BenchGenerate, GeneratorBytesMatchWhatTheEngineAllocates) {
   fp8.bf16_last_layers = 1;  // one block FP8, one high precision
   for (const EnginePrecision& p : {EnginePrecision{}, fp8}) {
     const ModelWeights gen = generator_weights_alloc(*be, master, p);
-    EXPECT_EQ(bench_generator_bytes(c, p, be->act_dtype()), bench_weights_bytes(gen));
+    EXPECT_EQ(memory_plan_generator_bytes(c, p, be->act_dtype()), bench_weights_bytes(gen));
   }
   // FP8 storage is smaller than F32 storage, but more than a quarter (scales, norms, embeddings).
-  const int64_t full = bench_generator_bytes(c, EnginePrecision{}, DType::F32);
+  const int64_t full = memory_plan_generator_bytes(c, EnginePrecision{}, DType::F32);
   fp8.bf16_last_layers = 0;
-  const int64_t q = bench_generator_bytes(c, fp8, DType::F32);
+  const int64_t q = memory_plan_generator_bytes(c, fp8, DType::F32);
   EXPECT_LT(q, full);
   EXPECT_GT(4 * q, full);
 }
 
 TEST(BenchGenerate, RandomWeightsAreSeededAndHaveTheAskedSpread) {
-  const ModelConfig c = bench_model_config("tiny");
+  const ModelConfig c = model_shape("tiny");
   auto be = make_cpu_backend();
   const ModelWeights a = bench_random_weights(*be, c, DType::F32, 7, 0.05f);
   const ModelWeights b = bench_random_weights(*be, c, DType::F32, 7, 0.05f);

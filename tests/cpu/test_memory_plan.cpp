@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include "core/error.h"
+#include "model/shapes.h"
 #include "model/weights.h"
 #include "rl/memory_plan.h"
 #include "rollout/rollout.h"
@@ -152,13 +153,13 @@ TEST(MemoryPlan, KvPoolPages) {
 }
 
 TEST(MemoryPlan, ShapesAndErrors) {
-  const ModelConfig q = memory_plan_shape("qwen3-1.7b");
+  const ModelConfig q = model_shape("qwen3-1.7b");
   EXPECT_GT(q.num_parameters(), 1500000000);  // Qwen3-1.7B: ~1.72B with tied embeddings
   EXPECT_LT(q.num_parameters(), 1800000000);
-  const ModelConfig l = memory_plan_shape("llama-3.2-1b");
+  const ModelConfig l = model_shape("llama-3.2-1b");
   EXPECT_GT(l.num_parameters(), 1200000000);  // Llama-3.2-1B: ~1.24B
   EXPECT_LT(l.num_parameters(), 1300000000);
-  EXPECT_THROW(memory_plan_shape("gpt-5"), Error);
+  EXPECT_THROW(model_shape("gpt-5"), Error);
   MemoryPlanInput bad;
   bad.model = small_shape();
   bad.micro_batch_tokens = 0;
@@ -176,7 +177,7 @@ TEST(MemoryCheck, RefusesWhatCannotFitAndNamesTheKnob) {
   c.rollout.prompts_per_step = 16;
   c.rollout.generations_per_prompt = 16;
   c.rollout.max_new_tokens = 512;
-  const ModelConfig m = memory_plan_shape("qwen3-1.7b");
+  const ModelConfig m = model_shape("qwen3-1.7b");
   const int64_t free_bytes = 100ll << 30;  // an H200 with 39 GiB already taken
   const int64_t peak = memory_plan_compute(memory_plan_input(c, m, DType::BF16)).peak_bytes();
   ASSERT_GT(peak, free_bytes);
@@ -218,7 +219,7 @@ TEST(MemoryCheck, NamesRolloutSizesAndKlBeta) {
   c.rollout.prompts_per_step = 16;
   c.rollout.generations_per_prompt = 16;
   c.rollout.max_new_tokens = 2048;
-  const ModelConfig m = memory_plan_shape("qwen3-0.6b");
+  const ModelConfig m = model_shape("qwen3-0.6b");
   const MemoryPlan p = memory_plan_compute(memory_plan_input(c, m, DType::BF16));
   const int64_t free_bytes = p.peak_bytes() - (64ll << 20);  // 64 MiB short
   std::string msg;
@@ -254,7 +255,7 @@ TEST(MemoryCheck, SftPlansItsOwnPoolAndKnobs) {
   c.precision.recipe = "bf16";
   c.train.kl_beta = 0.05;
   c.val_size = 200;
-  const ModelConfig m = memory_plan_shape("qwen3-0.6b");
+  const ModelConfig m = model_shape("qwen3-0.6b");
   const MemoryPlanInput sft = memory_plan_input(c, m, DType::BF16, /*sft=*/true);
   EXPECT_EQ(sft.kv_pages, memory_plan_sft_kv_pages(c));
   EXPECT_FALSE(sft.reference_policy);
@@ -335,7 +336,7 @@ TEST(MemoryCheck, RecomputeAutoChoosesBlockOnlyWhenNeeded) {
   c.precision.recipe = "bf16";
   c.train.micro_batch_tokens = 32768;
   c.train.recompute = "auto";
-  const ModelConfig m = memory_plan_shape("qwen3-1.7b");
+  const ModelConfig m = model_shape("qwen3-1.7b");
   RunConfig none = c, block = c;
   none.train.recompute = "none";
   block.train.recompute = "block";
@@ -372,7 +373,7 @@ TEST(MemoryCheck, NamesTheLeanOptimizerKnobs) {
   RunConfig c;
   c.precision.recipe = "bf16";
   c.train.recompute = "block";
-  const ModelConfig m = memory_plan_shape("qwen3-8b");
+  const ModelConfig m = model_shape("qwen3-8b");
   RunConfig lean = c;
   lean.train.optimizer_state_dtype = "bf16";
   const int64_t p = memory_plan_compute(memory_plan_input(c, m, DType::BF16)).peak_bytes();
