@@ -185,388 +185,509 @@ std::vector<std::vector<float>> amax_all_gather(Communicator& comm, const std::v
   return out;
 }
 
-}  // namespace
+// ---- the run: what it holds from start to end ---------------------------------------------
 
-int grpo_run(const RunConfig& config_in, bool resume) {
-  const auto t_run = Clock::now();  // time_budget_s counts from here (setup and step-0 validation included)
-  RunConfig c = config_in;
-  // The job's ranks (one without launcher variables); opened first: NCCL picks the GPU.
+struct GrpoRun {
+  RunConfig c;
+  std::unique_ptr<Communicator> comm;
+  int rank = 0, W = 1;
+  bool lead = true;  // rank 0: writes the run directory, validates, prints
+  int P = 0, G = 0;  // prompts per step, generations per prompt
+  int p_begin = 0, p_end = 0;  // this rank's prompts of each step
+  Session s;
+  RunDir run;
+  PrecisionRecipe recipe;
+  GrpoLossOptions loss_opt;
+  int mini_batches = 1;
+  LrSchedule lr_sched;
+  bool fp8_kv = false;
+  float temperature = 1;
+  std::optional<std::string> ckpt;  // the checkpoint resumed from
+  TrainerState state;
+  std::unique_ptr<Trainer> trainer;
+  std::unique_ptr<Trainer> reference;  // frozen initial policy for the k3 KL term
+  std::unique_ptr<RolloutEngine> engine;
+  std::optional<MetricsLog> log;  // rank 0
+  std::optional<std::pair<int64_t, double>> first_val, last_val;  // (step, accuracy), for the summary
+  int64_t generated_tokens = 0, steps_run = 0;
+  double generation_s = 0;
+  double slowest_step_s = 0;  // with validation: what one more step may cost
+};
+
+// One step's data, handed from phase to phase.
+struct GrpoStep {
+  int64_t step = 0;
+  bool final_step = false;
+  StepMetrics m;
+  Clock::time_point t_start;
+  double time_reward_s = 0, grad_norm = 0, generated = 0;
+  std::vector<TaskItem> items;            // this rank's prompts
+  std::vector<RolloutRequest> reqs;
+  std::vector<RolloutSample> samples;
+  std::vector<float> rewards;             // [P x G], for the no-signal watch
+  std::vector<std::pair<std::string, double>> reward_metrics;  // a Python reward's extra keys
+  std::vector<TrainSequence> seqs;        // prompt + response per sample
+  std::vector<float> logp_gen;            // the generator's logprobs, concatenated over samples
+  std::vector<int64_t> offsets{0};        // where each sample's tokens start in logp_gen
+  std::vector<float> advantages;
+  ScoreResult old;                        // logp_old, entropy (+ q/k/v amax)
+  std::vector<float> logp_ref;
+  bool diverged = false;  // generation, scoring or the refit met a NaN/Inf: the step is skipped
+};
+
+// ---- setup ------------------------------------------------------------------------------
+
+// The job's ranks (one without launcher variables), opened first: NCCL picks the GPU. The
+// demo's starting policy is trained (rank 0) or found (the others).
+void setup_ranks(GrpoRun& r, const RunConfig& config_in) {
+  r.c = config_in;
+  RunConfig& c = r.c;
   const bool on_cuda = c.device.rfind("cuda", 0) == 0;
-  std::unique_ptr<Communicator> comm = dist_open(dist_env_read(), on_cuda ? DeviceKind::CUDA : DeviceKind::CPU);
-  const int rank = comm->rank(), W = comm->world_size();
-  const bool lead = rank == 0;  // writes the run directory, validates, prints
-  const int P = c.rollout.prompts_per_step, G = c.rollout.generations_per_prompt;
+  r.comm = dist_open(dist_env_read(), on_cuda ? DeviceKind::CUDA : DeviceKind::CPU);
+  r.rank = r.comm->rank(), r.W = r.comm->world_size();
+  r.lead = r.rank == 0;
+  r.P = c.rollout.prompts_per_step, r.G = c.rollout.generations_per_prompt;
+  const int P = r.P, W = r.W;
   if (P < W)
     FP8RL_FAIL("rollout.prompts_per_step=", P, " is below the number of ranks (", W, "); every rank needs whole "
                "prompt groups: raise rollout.prompts_per_step to at least ", W, " or launch fewer ranks");
-  const int p_begin = P * rank / W, p_end = P * (rank + 1) / W;  // this rank's prompts of each step
-  if (W > 1 && lead)
-    std::printf("data parallel: %d ranks (%s), %d-%d prompts of %d per rank%s\n", W, comm->name().c_str(), P / W,
+  r.p_begin = P * r.rank / W, r.p_end = P * (r.rank + 1) / W;
+  if (W > 1 && r.lead)
+    std::printf("data parallel: %d ranks (%s), %d-%d prompts of %d per rank%s\n", W, r.comm->name().c_str(), P / W,
                 (P + W - 1) / W, P, c.train.shard_optimizer ? "; AdamW moments sharded (ZeRO-1)" : "");
   if (c.model.path.empty()) {
-    if (lead) c.model.path = ensure_demo_policy(c);
-    comm->barrier();  // rank 0 trains and caches the starting policy once; the others find it
-    if (!lead) c.model.path = ensure_demo_policy(c);
+    if (r.lead) c.model.path = ensure_demo_policy(c);
+    r.comm->barrier();  // rank 0 trains and caches the starting policy once; the others find it
+    if (!r.lead) c.model.path = ensure_demo_policy(c);
     if (c.tokenizer.path.empty()) c.tokenizer.path = c.model.path + "/tokenizer.json";
   }
+}
+
+// The session (backend, task, tokenizer), the memory check, the run directory and the recipe.
+void setup_session(GrpoRun& r, bool resume) {
+  RunConfig& c = r.c;
   // Several ranks on `device: cuda`: each takes GPU LOCAL_RANK (the one NCCL selected).
   RunConfig c_session = c;
-  if (W > 1 && c.device == "cuda") c_session.device = "cuda:" + std::to_string(comm->local_rank());
-  Session s = session_open(c_session, cache_dir());
-  const std::string recompute = session_check_memory(s);  // refused here, before any work, when the plan cannot fit
-  Backend& be = *s.backend;
-  RunDir run;
-  if (lead) {
-    run = run_dir_create(c.out, resume);
-    run_dir_save_config(run, c);  // train.recompute as given (auto stays auto)
+  if (r.W > 1 && c.device == "cuda") c_session.device = "cuda:" + std::to_string(r.comm->local_rank());
+  r.s = session_open(c_session, cache_dir());
+  const std::string recompute = session_check_memory(r.s);  // refused here, before any work, when the plan cannot fit
+  if (r.lead) {
+    r.run = run_dir_create(c.out, resume);
+    run_dir_save_config(r.run, c);  // train.recompute as given (auto stays auto)
   } else {
-    run.path = c.out;
+    r.run.path = c.out;
   }
   c.train.recompute = recompute;
-  comm->barrier();  // the run directory exists (and a refused one stopped every rank)
-  const PrecisionRecipe recipe = config_precision_recipe(c.precision);
-  const GrpoLossOptions loss_opt = config_grpo_options(c.train);
-  const int mini_batches = std::max(1, c.train.optimizer_steps_per_rollout);
-  const LrSchedule lr_sched = config_lr_schedule(c.train, static_cast<int64_t>(c.steps) * mini_batches);
-  const bool fp8_kv = recipe.generator.kv_cache == DType::E4M3;
-  const float temperature = static_cast<float>(c.rollout.temperature);
+  r.comm->barrier();  // the run directory exists (and a refused one stopped every rank)
+  r.recipe = config_precision_recipe(c.precision);
+  r.loss_opt = config_grpo_options(c.train);
+  r.mini_batches = std::max(1, c.train.optimizer_steps_per_rollout);
+  r.lr_sched = config_lr_schedule(c.train, static_cast<int64_t>(c.steps) * r.mini_batches);
+  r.fp8_kv = r.recipe.generator.kv_cache == DType::E4M3;
+  r.temperature = static_cast<float>(c.rollout.temperature);
+}
 
-  // Policy: the latest checkpoint when resuming, else the starting policy.
-  std::optional<std::string> ckpt = resume ? checkpoint_latest(run.checkpoints_dir()) : std::nullopt;
-  TrainerState state;
-  state.seed = static_cast<uint64_t>(c.seed);
-  if (ckpt) {
+// Policy: the latest checkpoint when resuming, else the starting policy; the trainer, the
+// reference policy (kl_beta > 0) and the rollout engine.
+void setup_models(GrpoRun& r, bool resume) {
+  const RunConfig& c = r.c;
+  Backend& be = *r.s.backend;
+  r.ckpt = resume ? checkpoint_latest(r.run.checkpoints_dir()) : std::nullopt;
+  r.state.seed = static_cast<uint64_t>(c.seed);
+  if (r.ckpt) {
     // Validated before anything is loaded: the state itself, every file's checksum, and the
     // run's metrics.jsonl, which must reach the checkpoint's step (lines after it are dropped).
-    state = checkpoint_read_state(*ckpt);
-    checkpoint_verify_files(*ckpt, state);
-    const int64_t logged = metrics_last_step(run.metrics_path());
-    if (logged < state.step)
-      FP8RL_FAIL("cannot resume: ", *ckpt, " is the checkpoint of step ", state.step, " but ", run.metrics_path(),
+    r.state = checkpoint_read_state(*r.ckpt);
+    checkpoint_verify_files(*r.ckpt, r.state);
+    const int64_t logged = metrics_last_step(r.run.metrics_path());
+    if (logged < r.state.step)
+      FP8RL_FAIL("cannot resume: ", *r.ckpt, " is the checkpoint of step ", r.state.step, " but ",
+                 r.run.metrics_path(),
                  logged < 0 ? std::string(" has no step lines") : " ends at step " + std::to_string(logged),
                  "; the run directory's files do not belong together (resume from a matching checkpoint "
                  "by fixing checkpoints/latest, or start a new run)");
   }
-  ModelWeights host = ckpt ? checkpoint_load_policy(*ckpt) : session_initial_policy(s);
-  session_set_model(s, host.config.vocab_size);
+  ModelWeights host = r.ckpt ? checkpoint_load_policy(*r.ckpt) : session_initial_policy(r.s);
+  session_set_model(r.s, host.config.vocab_size);
   check_positions(c, host.config);
-  session_check_model(s, host.config);
-  s.max_positions = host.config.max_position_embeddings;
-  s.max_new_tokens = c.rollout.max_new_tokens;
+  session_check_model(r.s, host.config);
+  r.s.max_positions = host.config.max_position_embeddings;
+  r.s.max_new_tokens = c.rollout.max_new_tokens;
   const MemoryPlan plan = memory_plan_compute(memory_plan_input(c, host.config, be.act_dtype()));
-  if (lead) {
+  if (r.lead) {
     std::printf("policy: %s, %lld parameters; recipe %s (generator %s%s, trainer %s); device %s\n",
                 host.config.model_type.c_str(), static_cast<long long>(model_count_parameters(host)),
-                recipe.name.c_str(), linear_mode_name(recipe.generator.linear), fp8_kv ? " + FP8 KV" : "",
-                linear_mode_name(recipe.trainer.linear), be.name().c_str());
+                r.recipe.name.c_str(), linear_mode_name(r.recipe.generator.linear), r.fp8_kv ? " + FP8 KV" : "",
+                linear_mode_name(r.recipe.trainer.linear), be.name().c_str());
     std::fputs(memory_plan_format(plan, host.config).c_str(), stdout);
   }
   std::fflush(stdout);
   memory_plan_check_host(plan, c.device);
-  Trainer trainer(be, model_weights_to_device(be, host, DType::F32), recipe.trainer, trainer_options(c));
-  if (W > 1) trainer.set_communicator(comm.get(), c.train.shard_optimizer);  // gradients summed over the ranks
-  std::unique_ptr<Trainer> reference;  // frozen initial policy for the k3 KL term
+  r.trainer = std::make_unique<Trainer>(be, model_weights_to_device(be, host, DType::F32), r.recipe.trainer,
+                                        trainer_options(c));
+  if (r.W > 1) r.trainer->set_communicator(r.comm.get(), c.train.shard_optimizer);  // gradients summed over the ranks
   if (c.train.kl_beta > 0) {
-    ModelWeights ref = session_initial_policy(s);
+    ModelWeights ref = session_initial_policy(r.s);
     TrainerOptions frozen = trainer_options(c);
     frozen.frozen = true;  // weights only, in the trainer's compute dtypes
-    reference = std::make_unique<Trainer>(be, model_weights_to_device(be, ref, DType::F32), recipe.trainer, frozen);
+    r.reference =
+        std::make_unique<Trainer>(be, model_weights_to_device(be, ref, DType::F32), r.recipe.trainer, frozen);
   }
-  RolloutEngine engine(be, trainer.master(), recipe.generator, static_cast<int>(memory_plan_kv_pages(c)), 16,
-                       kRolloutMaxBatch);
-  if (ckpt) {
-    checkpoint_load_optimizer(be, trainer, *ckpt, state);
-    if (fp8_kv && !state.kv_scales.k.empty()) engine.refit(trainer.master(), &state.kv_scales);
-    if (lead) std::printf("resumed from %s at step %lld\n", ckpt->c_str(), static_cast<long long>(state.step));
+  r.engine = std::make_unique<RolloutEngine>(be, r.trainer->master(), r.recipe.generator,
+                                             static_cast<int>(memory_plan_kv_pages(c)), 16, kRolloutMaxBatch);
+  if (r.ckpt) {
+    checkpoint_load_optimizer(be, *r.trainer, *r.ckpt, r.state);
+    if (r.fp8_kv && !r.state.kv_scales.k.empty()) r.engine->refit(r.trainer->master(), &r.state.kv_scales);
+    if (r.lead) std::printf("resumed from %s at step %lld\n", r.ckpt->c_str(), static_cast<long long>(r.state.step));
   }
+  if (resume && r.lead) metrics_truncate_after(r.run.metrics_path(), r.ckpt ? r.state.step : -1);
+}
 
-  if (resume && lead) metrics_truncate_after(run.metrics_path(), ckpt ? state.step : -1);
-  if (fp8_kv && !ckpt) {
-    // Initial KV scales: the E4M3 cache must not start at scale 1. Calibrate from the trainer's
-    // forward over the first step's prompts, as every later step does over its whole batch.
-    // Every rank scores all P prompts (cheap): the same scales everywhere, no communication.
-    std::vector<TrainSequence> calib;
-    for (int p = 0; p < P; ++p) {
-      TrainSequence t;
-      t.ids = s.prompt_ids(s.train_item(p));
-      t.prompt_len = static_cast<int>(t.ids.size());
-      calib.push_back(std::move(t));
-    }
-    ScoreResult sc = trainer.score(calib, temperature, /*entropy=*/false, /*record_amax=*/true);
-    state.kv_scales = kv_scales_calibrate(sc.k_amax, sc.v_amax, static_cast<float>(c.precision.kv_calib_percentile),
-                                          static_cast<float>(c.precision.kv_calib_margin));
-    engine.refit(trainer.master(), &state.kv_scales);
+// Initial KV scales: the E4M3 cache must not start at scale 1. Calibrate from the trainer's
+// forward over the first step's prompts, as every later step does over its whole batch.
+// Every rank scores all P prompts (cheap): the same scales everywhere, no communication.
+void setup_initial_kv_scales(GrpoRun& r) {
+  std::vector<TrainSequence> calib;
+  for (int p = 0; p < r.P; ++p) {
+    TrainSequence t;
+    t.ids = r.s.prompt_ids(r.s.train_item(p));
+    t.prompt_len = static_cast<int>(t.ids.size());
+    calib.push_back(std::move(t));
   }
-  std::optional<MetricsLog> log;
-  if (lead) {
-    log.emplace(run.path);
-    if (c.logger.tensorboard) {
-      log->enable_tensorboard(run.path + "/tensorboard");
-      std::printf("tensorboard: %s/tensorboard (tensorboard --logdir %s)\n", run.path.c_str(), run.path.c_str());
-    }
+  ScoreResult sc = r.trainer->score(calib, r.temperature, /*entropy=*/false, /*record_amax=*/true);
+  r.state.kv_scales = kv_scales_calibrate(sc.k_amax, sc.v_amax, static_cast<float>(r.c.precision.kv_calib_percentile),
+                                          static_cast<float>(r.c.precision.kv_calib_margin));
+  r.engine->refit(r.trainer->master(), &r.state.kv_scales);
+}
+
+// metrics.jsonl (+ TensorBoard) on rank 0.
+void setup_log(GrpoRun& r) {
+  if (!r.lead) return;
+  r.log.emplace(r.run.path);
+  if (r.c.logger.tensorboard) {
+    r.log->enable_tensorboard(r.run.path + "/tensorboard");
+    std::printf("tensorboard: %s/tensorboard (tensorboard --logdir %s)\n", r.run.path.c_str(), r.run.path.c_str());
   }
-  InterruptNote interrupt_note(ckpt ? "interrupted; the last checkpoint is " + *ckpt + ": " + resume_hint(c.out)
-                                    : "interrupted before the first checkpoint of " + c.out +
-                                          " (nothing to resume; checkpoint_every=N saves every N steps)");
-  std::optional<std::pair<int64_t, double>> first_val, last_val;  // (step, accuracy), for the summary
-  if (!ckpt && c.val_every > 0 && lead) {
-    ValResult v = validate(s, engine, c.val_size, c.rollout.max_new_tokens);
-    StepMetrics m;
-    m.step = 0;
-    m.val_accuracy = v.accuracy;
-    first_val = {0, v.accuracy};
-    m.extra.push_back({"val_reward_mean", v.reward_mean});
-    m.extra.push_back({"time_validation_s", v.seconds});
-    log->write(m, c.steps);
-    print_example(v);
+}
+
+// Step 0's validation (a fresh run, rank 0): the starting point of the validation curve.
+void validate_start(GrpoRun& r) {
+  ValResult v = validate(r.s, *r.engine, r.c.val_size, r.c.rollout.max_new_tokens);
+  StepMetrics m;
+  m.step = 0;
+  m.val_accuracy = v.accuracy;
+  r.first_val = {0, v.accuracy};
+  m.extra.push_back({"val_reward_mean", v.reward_mean});
+  m.extra.push_back({"time_validation_s", v.seconds});
+  r.log->write(m, r.c.steps);
+  print_example(v);
+}
+
+// ---- the phases of one step ---------------------------------------------------------------
+
+// Prompts and rollout (this rank's prompts): samples with the generator's logprobs.
+void step_rollout(GrpoRun& r, GrpoStep& d) {
+  const RunConfig& c = r.c;
+  for (int p = r.p_begin; p < r.p_end; ++p) {
+    d.items.push_back(r.s.train_item((d.step - 1) * r.P + p));
+    d.reqs.push_back({r.s.prompt_ids(d.items.back()), r.G});
   }
+  SamplingParams sp;
+  sp.temperature = r.temperature;
+  sp.top_p = static_cast<float>(c.rollout.top_p);
+  sp.top_k = c.rollout.top_k;
+  sp.max_new_tokens = c.rollout.max_new_tokens;
+  sp.stop_ids = r.s.stop_ids;
+  sp.valid_vocab = r.s.sampling_vocab;
+  sp.seed = mix(static_cast<uint64_t>(c.seed), static_cast<uint64_t>(d.step));
+  sp.first_request = r.p_begin;
+  auto t0 = Clock::now();
+  {
+    Progress bar("step " + std::to_string(d.step) + " generate",
+                 static_cast<int64_t>(r.P) * r.G * sp.max_new_tokens, stderr);
+    sp.on_progress = [&](int64_t done, int64_t) { bar.update(done); };
+    d.samples = r.engine->generate(d.reqs, sp);
+    bar.finish_quietly();
+  }
+  d.m.time_generation_s = seconds_since(t0);
+  d.generated = static_cast<double>(r.engine->last_stats().generated_tokens);
+}
+
+// Rewards and advantages (whole groups); the training sequences; reward and length metrics.
+void step_rewards(GrpoRun& r, GrpoStep& d) {
+  Communicator& comm = *r.comm;
+  std::vector<uint8_t> correct;
+  std::vector<int64_t> lengths;
+  auto t0 = Clock::now();
+  std::vector<const TaskItem*> sample_items;
+  std::vector<std::string> texts;
+  for (const RolloutSample& rs : d.samples) {
+    sample_items.push_back(&d.items[rs.request]);
+    texts.push_back(r.s.response_text(rs.tokens));
+  }
+  std::vector<double> rws;
+  try {
+    rws = r.s.rewards(sample_items, texts, &d.reward_metrics);
+  } catch (const Error& e) {
+    // Keep the failing batch for reproduction; metrics and checkpoints so far are on disk.
+    std::string dump;
+    for (const nlohmann::json& j : r.s.reward_samples(sample_items, texts))
+      dump += j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
+    const std::string path = r.run.path + "/reward_failure.jsonl";
+    write_file_atomic(path, dump);
+    FP8RL_FAIL(e.message(), "\nstep ", d.step, ": the batch's ", texts.size(), " samples are in ", path,
+               "; metrics.jsonl holds every finished step");
+  }
+  for (size_t i = 0; i < d.samples.size(); ++i) {
+    const RolloutSample& rs = d.samples[i];
+    const double rw = rws[i];
+    d.rewards.push_back(static_cast<float>(rw));
+    correct.push_back(rw >= 0.5);
+    lengths.push_back(static_cast<int64_t>(rs.tokens.size()));
+    TrainSequence ts;
+    ts.ids = d.reqs[rs.request].prompt;
+    ts.prompt_len = static_cast<int>(ts.ids.size());
+    ts.ids.insert(ts.ids.end(), rs.tokens.begin(), rs.tokens.end());
+    d.seqs.push_back(std::move(ts));
+    d.logp_gen.insert(d.logp_gen.end(), rs.logp.begin(), rs.logp.end());
+    d.offsets.push_back(d.offsets.back() + static_cast<int64_t>(rs.tokens.size()));
+  }
+  d.time_reward_s = seconds_since(t0);
+  d.advantages = grpo_compute_advantages(d.rewards, r.G, r.c.train.baseline);  // whole groups
+  d.m.reward_mean = metrics_mean(dist_all_gather_v(comm, d.rewards));
+  d.m.accuracy = metrics_accuracy(dist_all_gather_v(comm, correct));
+  LengthStats ls = metrics_length_stats(dist_all_gather_v(comm, lengths), r.c.rollout.max_new_tokens);
+  step_metrics_set_lengths(d.m, ls);
+}
+
+// Trainer scoring: logp_old (+ q/k/v amax for the KV scales), the reference's logprobs, and the
+// generator/trainer mismatch.
+void step_score(GrpoRun& r, GrpoStep& d) {
+  Communicator& comm = *r.comm;
+  auto t0 = Clock::now();
+  if (r.fp8_kv) {  // a recipe whose trainer rounds k/v as the cache does uses this rollout's scales
+    const KvScales used = r.engine->kv_scales();
+    r.trainer->set_kv_rounding(used.k, used.v);
+  }
+  d.old = r.trainer->score(d.seqs, r.temperature, /*entropy=*/true, /*record_amax=*/r.fp8_kv);
+  if (r.reference) d.logp_ref = r.reference->score(d.seqs, r.temperature, false, false).logp;
+  d.m.time_logprob_s = seconds_since(t0);
+  MismatchMetrics mm = metrics_compute_mismatch(dist_all_gather_v(comm, d.old.logp), dist_all_gather_v(comm, d.logp_gen));
+  step_metrics_set_mismatch(d.m, mm);
+  d.m.entropy_mean = metrics_masked_mean(dist_all_gather_v(comm, d.old.entropy));
+}
+
+// Optimizer steps over mini-batches of whole sequences (GRPO loss + IS correction [+ k3 KL]).
+void step_optimize(GrpoRun& r, GrpoStep& d, BadStepGuard& bad_steps) {
+  auto t0 = Clock::now();
+  GrpoRollout ro;
+  ro.seqs = std::move(d.seqs);
+  ro.offsets = std::move(d.offsets);
+  ro.advantages = d.advantages;
+  ro.logp_gen = std::move(d.logp_gen);
+  ro.logp_old = d.old.logp;
+  ro.logp_ref = std::move(d.logp_ref);
+  GrpoShard shard;  // this rank's sequences of the global batch (one rank: all of them)
+  shard.comm = r.comm.get();
+  shard.first = static_cast<int64_t>(r.p_begin) * r.G;
+  shard.global_seqs = static_cast<int64_t>(r.P) * r.G;
+  Progress train_bar("step " + std::to_string(d.step) + " train", r.mini_batches, stderr);
+  int optimizer_steps_done = 0;
+  const int64_t step = d.step;
+  GrpoUpdateResult up = grpo_update(
+      *r.trainer, ro, r.loss_opt, r.mini_batches, r.temperature,
+      [&](int64_t opt_step) { return lr_schedule_at(r.lr_sched, opt_step); },
+      [&](const StepResult& sr) {
+        train_bar.update(++optimizer_steps_done);
+        return bad_steps.record(sr, step);
+      },
+      shard);
+  train_bar.finish_quietly();
+  grpo_stats_all_reduce(*r.comm, up.stats);
+  const double loss = up.loss, gnorm = up.grad_norm;  // global: the trainer reduced them
+  d.grad_norm = gnorm;
+  const int applied = up.applied;
+  const GrpoStats& stats = up.stats;
+  d.m.lr = up.lr;
+  d.m.time_train_s = seconds_since(t0);
+  d.m.loss = loss;
+  d.m.grad_norm = gnorm;
+  step_metrics_set_loss_stats(d.m, stats);
+  d.m.extra.push_back({"skipped_optimizer_steps", static_cast<double>(r.mini_batches - applied)});
+}
+
+// KV-scale calibration (every rank's amax) and the refit of the generator.
+void step_refit(GrpoRun& r, GrpoStep& d) {
+  auto t0 = Clock::now();
+  KvScales scales;
+  if (r.fp8_kv) {
+    scales = kv_scales_calibrate(amax_all_gather(*r.comm, d.old.k_amax), amax_all_gather(*r.comm, d.old.v_amax),
+                                 static_cast<float>(r.c.precision.kv_calib_percentile),
+                                 static_cast<float>(r.c.precision.kv_calib_margin));
+    d.m.extra.push_back({"kv_scale_k_mean", metrics_mean(scales.k)});
+    d.m.extra.push_back({"kv_scale_v_mean", metrics_mean(scales.v)});
+  }
+  d.m.time_calibration_s = seconds_since(t0);
+  t0 = Clock::now();
+  r.engine->refit(r.trainer->master(), r.fp8_kv ? &scales : nullptr);
+  r.s.backend->synchronize();
+  d.m.time_refit_s = seconds_since(t0);
+  r.state.kv_scales = scales;
+}
+
+// The policy produced NaN/Inf outside an optimizer step (sampling, scoring, the refit): nothing
+// of this step is used; it counts as a skipped step, and max_consecutive_bad_steps of them in a
+// row stop the run with the likely cause.
+void step_skip_diverged(GrpoRun& r, GrpoStep& d, BadStepGuard& bad_steps, const NonFiniteError& e) {
+  std::string msg = e.what();
+  if (const size_t tag = msg.rfind(" ["); tag != std::string::npos) msg.resize(tag);
+  StepResult sr;
+  sr.loss = sr.grad_norm = std::nan("");
+  sr.skip_reason = "non-finite values in generation or scoring: " + msg;
+  d.diverged = true;
+  bad_steps.record(sr, d.step);
+  bool logged = false;
+  for (auto& [k, v] : d.m.extra) logged |= k == "skipped_optimizer_steps";
+  if (!logged) d.m.extra.push_back({"skipped_optimizer_steps", static_cast<double>(r.mini_batches)});
+  d.m.extra.push_back({"skipped_step", 1.0});
+}
+
+// The step's timings and throughput over the ranks (phase times: the slowest rank's;
+// throughput: the job's). Timing without validation: what the step costs.
+void step_reduce_timings(GrpoRun& r, GrpoStep& d) {
+  StepMetrics& m = d.m;
+  double times[] = {m.time_generation_s, m.time_logprob_s, m.time_train_s, d.time_reward_s, seconds_since(d.t_start)};
+  r.comm->all_reduce(times, std::size(times), ReduceOp::Max);
+  r.comm->all_reduce(&d.generated, 1, ReduceOp::Sum);
+  m.time_generation_s = times[0], m.time_logprob_s = times[1], m.time_train_s = times[2];
+  m.generation_tokens_per_s = d.generated / std::max(1e-9, m.time_generation_s);
+  r.generated_tokens += static_cast<int64_t>(d.generated);
+  r.generation_s += m.time_generation_s;
+  const double step_s = times[4];
+  m.extra.push_back({"time_reward_s", times[3]});
+  for (const auto& kv : d.reward_metrics) m.extra.push_back(kv);
+  m.extra.push_back({"time_step_excl_val_s", step_s});
+  m.extra.push_back({"time_refit_calib_fraction", (m.time_refit_s + m.time_calibration_s) / std::max(1e-9, step_s)});
+}
+
+// Validation (rank 0, every val_every steps and at the last).
+void step_validate(GrpoRun& r, GrpoStep& d) {
+  const RunConfig& c = r.c;
+  if (d.diverged || c.val_every <= 0 || !(d.step % c.val_every == 0 || d.final_step) || !r.lead) return;
+  ValResult v = validate(r.s, *r.engine, c.val_size, c.rollout.max_new_tokens);
+  d.m.val_accuracy = v.accuracy;
+  r.last_val = {d.step, v.accuracy};
+  d.m.extra.push_back({"val_reward_mean", v.reward_mean});
+  d.m.extra.push_back({"time_validation_s", v.seconds});
+}
+
+// The metrics line (rank 0) and the no-signal watch.
+void step_log(GrpoRun& r, GrpoStep& d, NoSignalWatch& no_signal) {
+  d.m.time_step_s = seconds_since(d.t_start);
+  r.slowest_step_s = std::max(r.slowest_step_s, d.m.time_step_s);
+  if (r.lead) r.log->write(d.m, r.c.steps);
+  ++r.steps_run;
+  if (!d.diverged && r.lead)
+    if (auto warn = no_signal.record(d.step, d.rewards, r.G, d.grad_norm)) console_line(stderr, "%s", warn->c_str());
+}
+
+// The checkpoint (every checkpoint_every steps and at the last; rank 0 writes it) and the pruning.
+void step_checkpoint(GrpoRun& r, GrpoStep& d, InterruptNote& interrupt_note) {
+  const RunConfig& c = r.c;
+  const bool save = (c.checkpoint_every > 0 && d.step % c.checkpoint_every == 0) || d.final_step;
+  if (save) r.trainer->gather_optimizer_state();  // ZeRO-1: the moments to rank 0 (every rank)
+  if (!save || !r.lead) return;
+  const std::string saved = checkpoint_save(*r.s.backend, *r.trainer, r.state, r.run.checkpoints_dir(),
+                                            checkpoint_options(c, r.s.tokenizer_json));
+  interrupt_note.set("interrupted; the last checkpoint is " + saved + " (step " + std::to_string(d.step) + "): " +
+                     resume_hint(c.out));
+  for (const std::string& p : checkpoint_prune(r.run.checkpoints_dir(), c.checkpoint.keep_last))
+    console_line(stdout, "checkpoint.keep_last=%d: removed %s", c.checkpoint.keep_last, p.c_str());
+}
+
+// time_budget_s: a step that leaves no time for another (at the slowest step's pace) is the
+// last: it validates and checkpoints like step `steps`. A step slower than predicted can still
+// overrun; then the run stops here, before starting one that would not finish. With several
+// ranks, rank 0's clock decides for all. Returns false to stop before `step`; sets final_step.
+bool step_fits_budget(GrpoRun& r, int64_t step, Clock::time_point t_run, bool& final_step) {
+  const RunConfig& c = r.c;
+  int budget[2] = {c.time_budget_s > 0 && step > r.state.step + 1 && seconds_since(t_run) + r.slowest_step_s > c.time_budget_s,
+                   step == c.steps || (c.time_budget_s > 0 && seconds_since(t_run) + 2 * r.slowest_step_s > c.time_budget_s)};
+  if (r.W > 1 && c.time_budget_s > 0) r.comm->broadcast(budget, sizeof budget, 0);
+  if (budget[0]) {
+    if (r.lead)
+      std::printf("time budget: %.0f s of %.0f s used after step %lld of %d; stopping\n", seconds_since(t_run),
+                  c.time_budget_s, static_cast<long long>(step - 1), c.steps);
+    return false;
+  }
+  final_step = budget[1];
+  if (final_step && step < c.steps && r.lead)
+    std::printf("time budget: step %lld is the last that fits in %.0f s\n", static_cast<long long>(step),
+                c.time_budget_s);
+  return true;
+}
+
+// The run's summary lines: the validation curve's ends and the throughput.
+void print_summary(GrpoRun& r, Clock::time_point t_run) {
+  if (r.first_val && r.last_val)
+    std::printf("validation accuracy: %.3f at step %lld -> %.3f at step %lld (%+.1f points)\n", r.first_val->second,
+                static_cast<long long>(r.first_val->first), r.last_val->second,
+                static_cast<long long>(r.last_val->first), 100.0 * (r.last_val->second - r.first_val->second));
+  r.comm->barrier();  // every rank ends after rank 0 has written the last checkpoint
+  if (r.lead) {
+    const double total_s = seconds_since(t_run);
+    std::printf("done in %s (setup included): %lld steps, %lld tokens generated at %.0f tokens/s; %s (metrics: %s)\n",
+                format_duration(total_s).c_str(), static_cast<long long>(r.steps_run),
+                static_cast<long long>(r.generated_tokens), r.generated_tokens / std::max(1e-9, r.generation_s),
+                r.run.path.c_str(), r.run.metrics_path().c_str());
+  }
+}
+
+}  // namespace
+
+int grpo_run(const RunConfig& config_in, bool resume) {
+  const auto t_run = Clock::now();  // time_budget_s counts from here (setup and step-0 validation included)
+  GrpoRun r;
+  setup_ranks(r, config_in);
+  setup_session(r, resume);
+  setup_models(r, resume);
+  if (r.fp8_kv && !r.ckpt) setup_initial_kv_scales(r);
+  setup_log(r);
+  const RunConfig& c = r.c;
+  InterruptNote interrupt_note(r.ckpt ? "interrupted; the last checkpoint is " + *r.ckpt + ": " + resume_hint(c.out)
+                                      : "interrupted before the first checkpoint of " + c.out +
+                                            " (nothing to resume; checkpoint_every=N saves every N steps)");
+  if (!r.ckpt && c.val_every > 0 && r.lead) validate_start(r);
 
   BadStepGuard bad_steps(c.max_consecutive_bad_steps, bad_step_hint(c, "train.lr", c.train.lr));
   NoSignalWatch no_signal(3);
   Progress run_bar("run", c.steps, stderr);
-  run_bar.update(state.step);
-  int64_t generated_tokens = 0, steps_run = 0;
-  double generation_s = 0;
-  double slowest_step_s = 0;  // with validation: what one more step may cost
-  for (int64_t step = state.step + 1; step <= c.steps; ++step) {
-    // time_budget_s: a step that leaves no time for another (at the slowest step's pace) is the
-    // last: it validates and checkpoints like step `steps`. A step slower than predicted can
-    // still overrun; then the run stops here, before starting one that would not finish.
-    // With several ranks, rank 0's clock decides for all.
-    int budget[2] = {c.time_budget_s > 0 && step > state.step + 1 && seconds_since(t_run) + slowest_step_s > c.time_budget_s,
-                     step == c.steps || (c.time_budget_s > 0 && seconds_since(t_run) + 2 * slowest_step_s > c.time_budget_s)};
-    if (W > 1 && c.time_budget_s > 0) comm->broadcast(budget, sizeof budget, 0);
-    if (budget[0]) {
-      if (lead)
-        std::printf("time budget: %.0f s of %.0f s used after step %lld of %d; stopping\n", seconds_since(t_run),
-                    c.time_budget_s, static_cast<long long>(step - 1), c.steps);
-      break;
-    }
-    const bool final_step = budget[1];
-    if (final_step && step < c.steps && lead)
-      std::printf("time budget: step %lld is the last that fits in %.0f s\n", static_cast<long long>(step), c.time_budget_s);
-    StepMetrics m;
-    m.step = step;
-    const auto t_step = Clock::now();
-    double time_reward_s = 0, step_grad_norm = 0, step_generated = 0;
-    std::vector<float> rewards;                                    // [P x G], for the no-signal watch
-    std::vector<std::pair<std::string, double>> reward_metrics;  // a Python reward's extra keys
-    bool diverged = false;  // generation, scoring or the refit met a NaN/Inf: the step is skipped
-    try {  // phases 1-5 (not re-indented, to keep the diff small)
-
-    // 1. Prompts and rollout (this rank's prompts).
-    std::vector<TaskItem> items;
-    std::vector<RolloutRequest> reqs;
-    for (int p = p_begin; p < p_end; ++p) {
-      items.push_back(s.train_item((step - 1) * P + p));
-      reqs.push_back({s.prompt_ids(items.back()), G});
-    }
-    SamplingParams sp;
-    sp.temperature = temperature;
-    sp.top_p = static_cast<float>(c.rollout.top_p);
-    sp.top_k = c.rollout.top_k;
-    sp.max_new_tokens = c.rollout.max_new_tokens;
-    sp.stop_ids = s.stop_ids;
-    sp.valid_vocab = s.sampling_vocab;
-    sp.seed = mix(static_cast<uint64_t>(c.seed), static_cast<uint64_t>(step));
-    sp.first_request = p_begin;
-    auto t0 = Clock::now();
-    std::vector<RolloutSample> samples;
-    {
-      Progress bar("step " + std::to_string(step) + " generate", static_cast<int64_t>(P) * G * sp.max_new_tokens,
-                   stderr);
-      sp.on_progress = [&](int64_t done, int64_t) { bar.update(done); };
-      samples = engine.generate(reqs, sp);
-      bar.finish_quietly();
-    }
-    m.time_generation_s = seconds_since(t0);
-    step_generated = static_cast<double>(engine.last_stats().generated_tokens);
-
-    // 2. Rewards and advantages.
-    std::vector<uint8_t> correct;
-    std::vector<int64_t> lengths;
-    std::vector<TrainSequence> seqs;
-    std::vector<float> logp_gen;
-    std::vector<int64_t> offsets{0};
-    t0 = Clock::now();
-    std::vector<const TaskItem*> sample_items;
-    std::vector<std::string> texts;
-    for (const RolloutSample& r : samples) {
-      sample_items.push_back(&items[r.request]);
-      texts.push_back(s.response_text(r.tokens));
-    }
-    std::vector<double> rws;
+  run_bar.update(r.state.step);
+  for (int64_t step = r.state.step + 1; step <= c.steps; ++step) {
+    GrpoStep d;
+    if (!step_fits_budget(r, step, t_run, d.final_step)) break;
+    d.step = d.m.step = step;
+    d.t_start = Clock::now();
     try {
-      rws = s.rewards(sample_items, texts, &reward_metrics);
-    } catch (const Error& e) {
-      // Keep the failing batch for reproduction; metrics and checkpoints so far are on disk.
-      std::string dump;
-      for (const nlohmann::json& j : s.reward_samples(sample_items, texts))
-        dump += j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
-      const std::string path = run.path + "/reward_failure.jsonl";
-      write_file_atomic(path, dump);
-      FP8RL_FAIL(e.message(), "\nstep ", step, ": the batch's ", texts.size(), " samples are in ", path,
-                 "; metrics.jsonl holds every finished step");
-    }
-    for (size_t i = 0; i < samples.size(); ++i) {
-      const RolloutSample& r = samples[i];
-      const double rw = rws[i];
-      rewards.push_back(static_cast<float>(rw));
-      correct.push_back(rw >= 0.5);
-      lengths.push_back(static_cast<int64_t>(r.tokens.size()));
-      TrainSequence ts;
-      ts.ids = reqs[r.request].prompt;
-      ts.prompt_len = static_cast<int>(ts.ids.size());
-      ts.ids.insert(ts.ids.end(), r.tokens.begin(), r.tokens.end());
-      seqs.push_back(std::move(ts));
-      logp_gen.insert(logp_gen.end(), r.logp.begin(), r.logp.end());
-      offsets.push_back(offsets.back() + static_cast<int64_t>(r.tokens.size()));
-    }
-    time_reward_s = seconds_since(t0);
-    const std::vector<float> adv = grpo_compute_advantages(rewards, G, c.train.baseline);  // whole groups
-    m.reward_mean = metrics_mean(dist_all_gather_v(*comm, rewards));
-    m.accuracy = metrics_accuracy(dist_all_gather_v(*comm, correct));
-    LengthStats ls = metrics_length_stats(dist_all_gather_v(*comm, lengths), c.rollout.max_new_tokens);
-    step_metrics_set_lengths(m, ls);
-
-    // 3. Trainer scoring: logp_old (+ q/k/v amax for the KV scales).
-    t0 = Clock::now();
-    if (fp8_kv) {  // a recipe whose trainer rounds k/v as the cache does uses this rollout's scales
-      const KvScales used = engine.kv_scales();
-      trainer.set_kv_rounding(used.k, used.v);
-    }
-    ScoreResult old = trainer.score(seqs, temperature, /*entropy=*/true, /*record_amax=*/fp8_kv);
-    std::vector<float> logp_ref;
-    if (reference) logp_ref = reference->score(seqs, temperature, false, false).logp;
-    m.time_logprob_s = seconds_since(t0);
-    MismatchMetrics mm = metrics_compute_mismatch(dist_all_gather_v(*comm, old.logp), dist_all_gather_v(*comm, logp_gen));
-    step_metrics_set_mismatch(m, mm);
-    m.entropy_mean = metrics_masked_mean(dist_all_gather_v(*comm, old.entropy));
-
-    // 4. Optimizer steps over mini-batches of whole sequences.
-    t0 = Clock::now();
-    GrpoRollout ro;
-    ro.seqs = std::move(seqs);
-    ro.offsets = std::move(offsets);
-    ro.advantages = adv;
-    ro.logp_gen = std::move(logp_gen);
-    ro.logp_old = old.logp;
-    ro.logp_ref = std::move(logp_ref);
-    GrpoShard shard;  // this rank's sequences of the global batch (one rank: all of them)
-    shard.comm = comm.get();
-    shard.first = static_cast<int64_t>(p_begin) * G;
-    shard.global_seqs = static_cast<int64_t>(P) * G;
-    Progress train_bar("step " + std::to_string(step) + " train", mini_batches, stderr);
-    int optimizer_steps_done = 0;
-    GrpoUpdateResult up = grpo_update(
-        trainer, ro, loss_opt, mini_batches, temperature,
-        [&](int64_t opt_step) { return lr_schedule_at(lr_sched, opt_step); },
-        [&](const StepResult& sr) {
-          train_bar.update(++optimizer_steps_done);
-          return bad_steps.record(sr, step);
-        },
-        shard);
-    train_bar.finish_quietly();
-    grpo_stats_all_reduce(*comm, up.stats);
-    const double loss = up.loss, gnorm = up.grad_norm;  // global: the trainer reduced them
-    step_grad_norm = gnorm;
-    const int applied = up.applied;
-    const GrpoStats& stats = up.stats;
-    m.lr = up.lr;
-    m.time_train_s = seconds_since(t0);
-    m.loss = loss;
-    m.grad_norm = gnorm;
-    step_metrics_set_loss_stats(m, stats);
-    m.extra.push_back({"skipped_optimizer_steps", static_cast<double>(mini_batches - applied)});
-
-    // 5. KV-scale calibration and refit.
-    t0 = Clock::now();
-    KvScales scales;
-    if (fp8_kv) {
-      scales = kv_scales_calibrate(amax_all_gather(*comm, old.k_amax), amax_all_gather(*comm, old.v_amax),
-                                   static_cast<float>(c.precision.kv_calib_percentile),
-                                   static_cast<float>(c.precision.kv_calib_margin));
-      m.extra.push_back({"kv_scale_k_mean", metrics_mean(scales.k)});
-      m.extra.push_back({"kv_scale_v_mean", metrics_mean(scales.v)});
-    }
-    m.time_calibration_s = seconds_since(t0);
-    t0 = Clock::now();
-    engine.refit(trainer.master(), fp8_kv ? &scales : nullptr);
-    be.synchronize();
-    m.time_refit_s = seconds_since(t0);
-    state.kv_scales = scales;
+      step_rollout(r, d);   // prompts -> samples + logp_gen
+      step_rewards(r, d);   // rewards -> advantages
+      step_score(r, d);     // logp_old, entropy, amax; mismatch metrics
+      step_optimize(r, d, bad_steps);  // optimizer steps on mini-batches
+      step_refit(r, d);     // KV-scale calibration + refit
     } catch (const NonFiniteError& e) {
-      // The policy produced NaN/Inf outside an optimizer step (sampling, scoring, the refit):
-      // nothing of this step is used; it counts as a skipped step, and max_consecutive_bad_steps
-      // of them in a row stop the run with the likely cause.
-      std::string msg = e.what();
-      if (const size_t tag = msg.rfind(" ["); tag != std::string::npos) msg.resize(tag);
-      StepResult sr;
-      sr.loss = sr.grad_norm = std::nan("");
-      sr.skip_reason = "non-finite values in generation or scoring: " + msg;
-      diverged = true;
-      bad_steps.record(sr, step);
-      bool logged = false;
-      for (auto& [k, v] : m.extra) logged |= k == "skipped_optimizer_steps";
-      if (!logged) m.extra.push_back({"skipped_optimizer_steps", static_cast<double>(mini_batches)});
-      m.extra.push_back({"skipped_step", 1.0});
+      step_skip_diverged(r, d, bad_steps, e);
     }
-    state.step = step;
-    state.optimizer_step = trainer.optimizer_step();
-
-    // 6. Validation, metrics, checkpoint. Timing without validation: what the step costs.
-    // Several ranks: phase times are the slowest rank's, throughput the job's.
-    double times[] = {m.time_generation_s, m.time_logprob_s, m.time_train_s, time_reward_s, seconds_since(t_step)};
-    comm->all_reduce(times, std::size(times), ReduceOp::Max);
-    comm->all_reduce(&step_generated, 1, ReduceOp::Sum);
-    m.time_generation_s = times[0], m.time_logprob_s = times[1], m.time_train_s = times[2];
-    m.generation_tokens_per_s = step_generated / std::max(1e-9, m.time_generation_s);
-    generated_tokens += static_cast<int64_t>(step_generated);
-    generation_s += m.time_generation_s;
-    const double step_s = times[4];
-    m.extra.push_back({"time_reward_s", times[3]});
-    for (const auto& kv : reward_metrics) m.extra.push_back(kv);
-    m.extra.push_back({"time_step_excl_val_s", step_s});
-    m.extra.push_back({"time_refit_calib_fraction", (m.time_refit_s + m.time_calibration_s) / std::max(1e-9, step_s)});
-    if (!diverged && c.val_every > 0 && (step % c.val_every == 0 || final_step) && lead) {
-      ValResult v = validate(s, engine, c.val_size, c.rollout.max_new_tokens);
-      m.val_accuracy = v.accuracy;
-      last_val = {step, v.accuracy};
-      m.extra.push_back({"val_reward_mean", v.reward_mean});
-      m.extra.push_back({"time_validation_s", v.seconds});
-    }
-    m.time_step_s = seconds_since(t_step);
-    slowest_step_s = std::max(slowest_step_s, m.time_step_s);
-    if (lead) log->write(m, c.steps);
-    ++steps_run;
-    if (!diverged && lead)
-      if (auto warn = no_signal.record(step, rewards, G, step_grad_norm)) console_line(stderr, "%s", warn->c_str());
-    const bool save = (c.checkpoint_every > 0 && step % c.checkpoint_every == 0) || final_step;
-    if (save) trainer.gather_optimizer_state();  // ZeRO-1: the moments to rank 0 (every rank)
-    if (save && lead) {
-      const std::string saved = checkpoint_save(be, trainer, state, run.checkpoints_dir(),
-                                                  checkpoint_options(c, s.tokenizer_json));
-      interrupt_note.set("interrupted; the last checkpoint is " + saved + " (step " + std::to_string(step) + "): " +
-                         resume_hint(c.out));
-      for (const std::string& p : checkpoint_prune(run.checkpoints_dir(), c.checkpoint.keep_last))
-        console_line(stdout, "checkpoint.keep_last=%d: removed %s", c.checkpoint.keep_last, p.c_str());
-    }
+    r.state.step = step;
+    r.state.optimizer_step = r.trainer->optimizer_step();
+    step_reduce_timings(r, d);
+    step_validate(r, d);
+    step_log(r, d, no_signal);
+    step_checkpoint(r, d, interrupt_note);
     run_bar.update(step);
-    if (final_step) break;
+    if (d.final_step) break;
   }
   run_bar.finish_quietly();
-  if (first_val && last_val)
-    std::printf("validation accuracy: %.3f at step %lld -> %.3f at step %lld (%+.1f points)\n", first_val->second,
-                static_cast<long long>(first_val->first), last_val->second, static_cast<long long>(last_val->first),
-                100.0 * (last_val->second - first_val->second));
-  comm->barrier();  // every rank ends after rank 0 has written the last checkpoint
-  if (lead) {
-    const double total_s = seconds_since(t_run);
-    std::printf("done in %s (setup included): %lld steps, %lld tokens generated at %.0f tokens/s; %s (metrics: %s)\n",
-                format_duration(total_s).c_str(), static_cast<long long>(steps_run),
-                static_cast<long long>(generated_tokens), generated_tokens / std::max(1e-9, generation_s),
-                run.path.c_str(), run.metrics_path().c_str());
-  }
+  print_summary(r, t_run);
   return 0;
 }
 
