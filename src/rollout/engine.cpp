@@ -39,6 +39,131 @@ Tensor upload(Backend& be, const std::vector<int32_t>& v, Tensor& buf, const Sha
   return dst;
 }
 
+// The sequences of `requests` (n each, in order), every request checked against the vocabulary
+// and the pool; `max_seq_pages` receives the most pages one sequence can need.
+std::vector<Sequence> generate_make_sequences(const std::vector<RolloutRequest>& requests, const SamplingParams& sp,
+                                              int V, int page_size, int usable_pages, RolloutStats& stats,
+                                              int& max_seq_pages) {
+  std::vector<Sequence> seqs;
+  max_seq_pages = 1;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    const auto& r = requests[i];
+    FP8RL_CHECK(!r.prompt.empty(), "request ", i, " has an empty prompt");
+    FP8RL_CHECK(r.n >= 1, "request ", i, " asks for ", r.n, " samples");
+    FP8RL_CHECK(r.stop_after.empty() || static_cast<int>(r.stop_after.size()) == r.n, "request ", i, " has ",
+                r.stop_after.size(), " stop_after entries for ", r.n, " samples");
+    for (int len : r.stop_after)
+      FP8RL_CHECK(len >= 1 && len <= sp.max_new_tokens, "request ", i, ": stop_after ", len, " outside [1, ",
+                  sp.max_new_tokens, "]");
+    for (int32_t id : r.prompt)
+      FP8RL_CHECK(id >= 0 && id < V, "request ", i, ": token id ", id, " outside the vocabulary [0, ", V, ")");
+    const int need = static_cast<int>(ceil_div(static_cast<int64_t>(r.prompt.size()) + sp.max_new_tokens, page_size));
+    max_seq_pages = std::max(max_seq_pages, need);
+    FP8RL_CHECK(need <= usable_pages, "request ", i, " needs ", need, " KV pages (prompt ", r.prompt.size(),
+                " + max_new_tokens ", sp.max_new_tokens, ") but the pool has ", usable_pages,
+                "; raise the KV pool size or lower max_new_tokens");
+    for (int j = 0; j < r.n; ++j) {
+      Sequence s;
+      s.request = static_cast<int>(i);
+      s.index = j;
+      s.ids = r.prompt;
+      s.ids.reserve(r.prompt.size() + sp.max_new_tokens);
+      s.prompt_len = static_cast<int>(r.prompt.size());
+      s.max_new = r.stop_after.empty() ? sp.max_new_tokens : r.stop_after[j];
+      const uint64_t gi = static_cast<uint64_t>(sp.first_request) + static_cast<uint64_t>(i);
+      s.rng.seed(sequence_key(sp.seed, gi, j));
+      s.out.request = s.request;
+      s.out.index = j;
+      stats.prompt_tokens += s.prompt_len;
+      seqs.push_back(std::move(s));
+    }
+  }
+  return seqs;
+}
+
+// Host staging of one iteration's batch (capacity kept across iterations).
+struct HostBatch {
+  std::vector<int32_t> ids, tok_seq, tok_pos, slots, rows, table, packed;
+  std::vector<SampleRow> sample_rows;
+  size_t max_pages = 0;  // page-table width
+  int max_pos = 0;
+  bool any_row = false;  // false: only unfinished prefills (one row computed, not sampled)
+};
+
+// The batch: each scheduled sequence's chunk; a row of logits for each chunk that ends at its
+// sequence's last token (the others are unfinished prefills).
+void generate_stage_batch(const std::vector<Sequence>& seqs, const std::vector<int>& batch_seqs, int page_size,
+                          HostBatch& hb) {
+  const int B = static_cast<int>(batch_seqs.size());
+  hb.max_pages = 0;
+  for (int si : batch_seqs) hb.max_pages = std::max(hb.max_pages, seqs[si].pages.size());
+  hb.ids.clear(), hb.tok_seq.clear(), hb.tok_pos.clear(), hb.slots.clear(), hb.rows.clear();
+  hb.table.assign(B * hb.max_pages, 0);
+  hb.max_pos = 0;
+  for (int b = 0; b < B; ++b) {
+    const Sequence& s = seqs[batch_seqs[b]];
+    std::copy(s.pages.begin(), s.pages.end(), hb.table.begin() + b * hb.max_pages);
+    for (int pos = s.cached; pos < s.cached + s.chunk; ++pos) {
+      hb.ids.push_back(s.ids[pos]);
+      hb.tok_seq.push_back(b);
+      hb.tok_pos.push_back(pos);
+      hb.slots.push_back(s.pages[pos / page_size] * page_size + pos % page_size);
+    }
+    hb.max_pos = std::max(hb.max_pos, s.cached + s.chunk);
+    if (s.samples()) hb.rows.push_back(static_cast<int32_t>(hb.ids.size()) - 1);
+  }
+  hb.any_row = !hb.rows.empty();
+  if (!hb.any_row) hb.rows.push_back(0);  // only unfinished prefills: one row computed, not sampled
+}
+
+// Each sampled sequence's draw: key (seed, request, sample), counter = the position of the token
+// drawn; the uniform, when it truncates, from its own stream once per sampled token.
+void generate_stage_sample_rows(std::vector<Sequence>& seqs, const std::vector<int>& batch_seqs,
+                                const SamplingParams& sp, bool truncation, HostBatch& hb) {
+  hb.sample_rows.clear();
+  for (int si : batch_seqs) {
+    Sequence& s = seqs[si];
+    if (!s.samples()) continue;
+    SampleRow r;
+    r.temperature = sp.temperature;
+    r.top_p = sp.top_p;
+    r.top_k = sp.top_k;
+    if (truncation) r.uniform = static_cast<float>(s.rng() >> 40) * 0x1.0p-24f;
+    const uint64_t key = sequence_key(sp.seed, static_cast<uint64_t>(sp.first_request) + s.request, s.index);
+    r.key_lo = static_cast<uint32_t>(key), r.key_hi = static_cast<uint32_t>(key >> 32);
+    r.counter = static_cast<uint32_t>(s.len());
+    hb.sample_rows.push_back(r);
+  }
+  if (!hb.any_row) hb.sample_rows.emplace_back().temperature = 0.0f;  // (never run)
+}
+
+// The sampled tokens appended to their sequences; a sequence that stopped (a stop id, its
+// stop_after) or reached max_new_tokens is finished. `slots_done` counts progress.
+void generate_append_tokens(std::vector<Sequence>& seqs, const std::vector<int>& batch_seqs,
+                            const std::vector<RolloutRequest>& requests, const SamplingParams& sp,
+                            const Tensor& tokens, const Tensor& logp, Scheduler& sched, RolloutStats& stats,
+                            int64_t& slots_done) {
+  int r = 0;
+  for (int si : batch_seqs) {
+    Sequence& s = seqs[si];
+    if (s.cached != s.len()) continue;
+    const int32_t tok = tokens.data<int32_t>()[r];
+    s.ids.push_back(tok);
+    s.out.tokens.push_back(tok);
+    s.out.logp.push_back(logp.data<float>()[r++]);
+    stats.generated_tokens++;
+    ++slots_done;
+    const int n_out = static_cast<int>(s.out.tokens.size());
+    const bool forced = !requests[s.request].stop_after.empty() && n_out >= s.max_new;
+    const bool stop = forced || std::find(sp.stop_ids.begin(), sp.stop_ids.end(), tok) != sp.stop_ids.end();
+    if (stop || n_out >= sp.max_new_tokens) {
+      s.out.finish = stop ? FinishReason::Stop : FinishReason::Length;
+      sched.finish(si);
+      slots_done += sp.max_new_tokens - static_cast<int64_t>(s.out.tokens.size());
+    }
+  }
+}
+
 }  // namespace
 
 RolloutEngine::RolloutEngine(Backend& be, const ModelWeights& weights, const EnginePrecision& prec, int kv_pages,
@@ -105,45 +230,12 @@ std::vector<RolloutSample> RolloutEngine::generate(const std::vector<RolloutRequ
               "bad sampling parameters: temperature >= 0, top_p in (0, 1], top_k >= 0");
   stats_ = RolloutStats{};
 
-  std::vector<Sequence> seqs;
   const int usable_pages = cache_.num_pages - (graphs_ ? 1 : 0);  // the graphs' padding page
   int max_seq_pages = 1;
-  for (size_t i = 0; i < requests.size(); ++i) {
-    const auto& r = requests[i];
-    FP8RL_CHECK(!r.prompt.empty(), "request ", i, " has an empty prompt");
-    FP8RL_CHECK(r.n >= 1, "request ", i, " asks for ", r.n, " samples");
-    FP8RL_CHECK(r.stop_after.empty() || static_cast<int>(r.stop_after.size()) == r.n, "request ", i, " has ",
-                r.stop_after.size(), " stop_after entries for ", r.n, " samples");
-    for (int len : r.stop_after)
-      FP8RL_CHECK(len >= 1 && len <= sp.max_new_tokens, "request ", i, ": stop_after ", len, " outside [1, ",
-                  sp.max_new_tokens, "]");
-    for (int32_t id : r.prompt) FP8RL_CHECK(id >= 0 && id < V, "request ", i, ": token id ", id, " outside the vocabulary [0, ", V, ")");
-    const int need = static_cast<int>(ceil_div(static_cast<int64_t>(r.prompt.size()) + sp.max_new_tokens, page_size_));
-    max_seq_pages = std::max(max_seq_pages, need);
-    FP8RL_CHECK(need <= usable_pages, "request ", i, " needs ", need, " KV pages (prompt ", r.prompt.size(),
-                " + max_new_tokens ", sp.max_new_tokens, ") but the pool has ", usable_pages,
-                "; raise the KV pool size or lower max_new_tokens");
-    for (int j = 0; j < r.n; ++j) {
-      Sequence s;
-      s.request = static_cast<int>(i);
-      s.index = j;
-      s.ids = r.prompt;
-      s.ids.reserve(r.prompt.size() + sp.max_new_tokens);
-      s.prompt_len = static_cast<int>(r.prompt.size());
-      s.max_new = r.stop_after.empty() ? sp.max_new_tokens : r.stop_after[j];
-      const uint64_t gi = static_cast<uint64_t>(sp.first_request) + static_cast<uint64_t>(i);
-      s.rng.seed(sequence_key(sp.seed, gi, j));
-      s.out.request = s.request;
-      s.out.index = j;
-      stats_.prompt_tokens += s.prompt_len;
-      seqs.push_back(std::move(s));
-    }
-  }
-
+  std::vector<Sequence> seqs =
+      generate_make_sequences(requests, sp, V, page_size_, usable_pages, stats_, max_seq_pages);
   Scheduler sched(seqs, usable_pages, {page_size_, max_batch_, opt_.max_batch_tokens, opt_.prefix_sharing}, stats_);
-  // Host staging of one iteration's batch (capacity kept across iterations).
-  std::vector<int32_t> ids, tok_seq, tok_pos, slots, rows, table, packed;
-  std::vector<SampleRow> sample_rows;
+  HostBatch hb;
   // Top-k / top-p rows draw by inverse CDF with a uniform from the sequence's stream; plain
   // temperature rows (and greedy ones) by Gumbel-max keyed by (sequence, position): one read of
   // the logits (Backend::sample_rows).
@@ -156,63 +248,30 @@ std::vector<RolloutSample> RolloutEngine::generate(const std::vector<RolloutRequ
     if (sp.on_progress) sp.on_progress(slots_done, slots_total);
     const std::vector<int>& batch_seqs = sched.schedule();
     if (batch_seqs.empty()) continue;  // everything scheduled was preempted: plan again
+    generate_stage_batch(seqs, batch_seqs, page_size_, hb);
+    generate_stage_sample_rows(seqs, batch_seqs, sp, truncation, hb);
 
-    // The batch: each scheduled sequence's chunk; a row of logits for each chunk that ends at
-    // its sequence's last token (the others are unfinished prefills).
+    // The forward and the sampling op: a recorded decode graph, else one eager pass.
     const int B = static_cast<int>(batch_seqs.size());
-    size_t max_pages = 0;
-    for (int si : batch_seqs) max_pages = std::max(max_pages, seqs[si].pages.size());
-    ids.clear(), tok_seq.clear(), tok_pos.clear(), slots.clear(), rows.clear();
-    table.assign(B * max_pages, 0);
-    int max_pos = 0;
-    for (int b = 0; b < B; ++b) {
-      const Sequence& s = seqs[batch_seqs[b]];
-      std::copy(s.pages.begin(), s.pages.end(), table.begin() + b * max_pages);
-      for (int pos = s.cached; pos < s.cached + s.chunk; ++pos) {
-        ids.push_back(s.ids[pos]);
-        tok_seq.push_back(b);
-        tok_pos.push_back(pos);
-        slots.push_back(s.pages[pos / page_size_] * page_size_ + pos % page_size_);
-      }
-      max_pos = std::max(max_pos, s.cached + s.chunk);
-      if (s.samples()) rows.push_back(static_cast<int32_t>(ids.size()) - 1);
-    }
-    const bool any_row = !rows.empty();
-    if (!any_row) rows.push_back(0);  // only unfinished prefills: one row computed, not sampled
-    const int64_t T = static_cast<int64_t>(ids.size()), R = static_cast<int64_t>(rows.size());
-    // Each sampled sequence's draw: key (seed, request, sample), counter = the position of the
-    // token drawn; the uniform, when it truncates, from its own stream once per sampled token.
-    sample_rows.clear();
-    for (int si : batch_seqs) {
-      Sequence& s = seqs[si];
-      if (!s.samples()) continue;
-      SampleRow r;
-      r.temperature = sp.temperature;
-      r.top_p = sp.top_p;
-      r.top_k = sp.top_k;
-      if (truncation) r.uniform = static_cast<float>(s.rng() >> 40) * 0x1.0p-24f;
-      const uint64_t key = sequence_key(sp.seed, static_cast<uint64_t>(sp.first_request) + s.request, s.index);
-      r.key_lo = static_cast<uint32_t>(key), r.key_hi = static_cast<uint32_t>(key >> 32);
-      r.counter = static_cast<uint32_t>(s.len());
-      sample_rows.push_back(r);
-    }
-    if (!any_row) sample_rows.emplace_back().temperature = 0.0f;  // (never run)
+    const int64_t T = static_cast<int64_t>(hb.ids.size()), R = static_cast<int64_t>(hb.rows.size());
     Tensor tokens_dev, logp_dev;
     bool ran = false;
     if (graphs_ && T == B && R == B) {  // decode only: one token per sequence, each sampled
       graph_pages.clear();
       for (int si : batch_seqs) graph_pages.push_back(&seqs[si].pages);
-      ran = graphs_->run(ids, tok_pos, slots, graph_pages, max_seq_pages, sample_rows, truncation, valid_vocab,
-                         tokens_dev, logp_dev);
+      ran = graphs_->run(hb.ids, hb.tok_pos, hb.slots, graph_pages, max_seq_pages, hb.sample_rows, truncation,
+                         valid_vocab, tokens_dev, logp_dev);
       if (ran) stats_.graph_steps++;
     }
     if (!ran) {
       // One upload of [ids | seq | pos | slots | rows | page table | SampleRows] (one host round trip).
+      std::vector<int32_t>& packed = hb.packed;
       packed.clear();
-      for (const auto* v : {&ids, &tok_seq, &tok_pos, &slots, &rows, &table}) packed.insert(packed.end(), v->begin(), v->end());
+      for (const auto* v : {&hb.ids, &hb.tok_seq, &hb.tok_pos, &hb.slots, &hb.rows, &hb.table})
+        packed.insert(packed.end(), v->begin(), v->end());
       const size_t sr0 = packed.size();
-      packed.resize(sr0 + 8 * sample_rows.size());
-      std::memcpy(packed.data() + sr0, sample_rows.data(), sample_rows.size() * sizeof(SampleRow));
+      packed.resize(sr0 + 8 * hb.sample_rows.size());
+      std::memcpy(packed.data() + sr0, hb.sample_rows.data(), hb.sample_rows.size() * sizeof(SampleRow));
       const Tensor all = upload(be_, packed, buf_.packed, {static_cast<int64_t>(packed.size())});
       PagedBatch batch;
       const Tensor ids_dev = all.slice_rows(0, T);
@@ -220,40 +279,22 @@ std::vector<RolloutSample> RolloutEngine::generate(const std::vector<RolloutRequ
       batch.token_pos = all.slice_rows(2 * T, 3 * T);
       batch.slots = all.slice_rows(3 * T, 4 * T);
       const Tensor rows_dev = all.slice_rows(4 * T, 4 * T + R);
-      batch.page_table = all.slice_rows(4 * T + R, 4 * T + R + static_cast<int64_t>(table.size()))
-                             .reshape({B, static_cast<int64_t>(max_pages)});
-      batch.max_pos = max_pos;
-      const Tensor srows_dev = all.slice_rows(static_cast<int64_t>(sr0), static_cast<int64_t>(packed.size())).reshape({R, 8});
+      batch.page_table = all.slice_rows(4 * T + R, 4 * T + R + static_cast<int64_t>(hb.table.size()))
+                             .reshape({B, static_cast<int64_t>(hb.max_pages)});
+      batch.max_pos = hb.max_pos;
+      const Tensor srows_dev =
+          all.slice_rows(static_cast<int64_t>(sr0), static_cast<int64_t>(packed.size())).reshape({R, 8});
       if (!buf_.logits.defined() || buf_.logits.dim(0) < R) buf_.logits = be_.alloc({R, V}, DType::F32);
       Tensor logits = buf_.logits.slice_rows(0, R);
       model_forward_paged(be_, gen_, prec_, cache_, ids_dev, batch, rows_dev, logits);
       tokens_dev = buf_.tokens.slice_rows(0, R), logp_dev = buf_.logp.slice_rows(0, R);
-      if (any_row) be_.sample_rows(logits, srows_dev, truncation, tokens_dev, logp_dev, valid_vocab);
+      if (hb.any_row) be_.sample_rows(logits, srows_dev, truncation, tokens_dev, logp_dev, valid_vocab);
     }
     stats_.decode_steps++;
     sched.commit();
-    if (!any_row) continue;
-
+    if (!hb.any_row) continue;
     const Tensor tokens = be_.to_host(tokens_dev), logp = be_.to_host(logp_dev);
-    int r = 0;
-    for (int si : batch_seqs) {
-      Sequence& s = seqs[si];
-      if (s.cached != s.len()) continue;
-      const int32_t tok = tokens.data<int32_t>()[r];
-      s.ids.push_back(tok);
-      s.out.tokens.push_back(tok);
-      s.out.logp.push_back(logp.data<float>()[r++]);
-      stats_.generated_tokens++;
-      ++slots_done;
-      const int n_out = static_cast<int>(s.out.tokens.size());
-      const bool forced = !requests[s.request].stop_after.empty() && n_out >= s.max_new;
-      const bool stop = forced || std::find(sp.stop_ids.begin(), sp.stop_ids.end(), tok) != sp.stop_ids.end();
-      if (stop || n_out >= sp.max_new_tokens) {
-        s.out.finish = stop ? FinishReason::Stop : FinishReason::Length;
-        sched.finish(si);
-        slots_done += sp.max_new_tokens - static_cast<int64_t>(s.out.tokens.size());
-      }
-    }
+    generate_append_tokens(seqs, batch_seqs, requests, sp, tokens, logp, sched, stats_, slots_done);
   }
 
   std::vector<RolloutSample> out;
