@@ -7,7 +7,7 @@ random prompts of --prompt-len ids, --gen-len new tokens each, min_new_tokens = 
 so EOS never ends a sequence, do_sample with temperature 1 and no top-k / top-p truncation,
 the default cache, SDPA attention). Times a prefill-only generate (1 new token) and the full
 one; decode = full - prefill. Prints output tokens/s and the decode memory-bandwidth roofline
-fraction with the formula of src/rollout/rollout_bench.h: per decode step every weight once
+fraction with the formula of src/bench/rollout_bench.h: per decode step every weight once
 (BF16; of an untied embedding only the looked-up rows) plus K and V of every sequence at its
 current length, over --peak-bw (4.8e12 B/s, H200) and over a measured device-to-device copy.
 

@@ -12,7 +12,7 @@
 //      master is freed;
 //   3. --warmup untimed runs of 2 new tokens; a timed prefill-only run (1 new token); the timed
 //      full run (gen-len new tokens, no stop ids: every sequence runs to the end).
-//   decode time = full - prefill-only. The roofline (rollout/rollout_bench.h) over the decode
+//   decode time = full - prefill-only. The roofline (bench/rollout_bench.h) over the decode
 //   steps at --peak-bw and at the device-to-device copy bandwidth measured first.
 // GPU memory per component from cudaMemGetInfo before/after each phase; the activations' peak
 // from a thread sampling it every 2 ms during the runs.
@@ -33,10 +33,10 @@
 #include "model/shapes.h"
 #include "rl/memory_plan.h"
 #include "rollout/rollout.h"
-#include "rollout/rollout_bench.h"
+#include "bench/rollout_bench.h"
 
 #ifdef FP8RL_HAVE_CUDA
-#include <cuda_runtime.h>
+#include "bench/cuda_memory.h"  // a plain C++ header over cudaMemGetInfo
 #endif
 
 namespace fp8rl::cli {
@@ -99,10 +99,7 @@ std::vector<std::string> split_list(const std::string& s) {
 
 int64_t device_free_bytes(const Backend& be) {
 #ifdef FP8RL_HAVE_CUDA
-  if (be.device() == DeviceKind::CUDA) {
-    size_t free_b = 0, total_b = 0;
-    if (cudaMemGetInfo(&free_b, &total_b) == cudaSuccess) return static_cast<int64_t>(free_b);
-  }
+  if (be.device() == DeviceKind::CUDA) return bench_cuda_free_bytes();
 #endif
   return -1;
 }
@@ -113,14 +110,13 @@ class FreeMemorySampler {
   explicit FreeMemorySampler(const Backend& be) : min_free_(device_free_bytes(be)) {
 #ifdef FP8RL_HAVE_CUDA
     if (be.device() != DeviceKind::CUDA || min_free_ < 0) return;
-    int dev = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess) return;
+    const int dev = bench_cuda_current_device();
+    if (dev < 0) return;
     thread_ = std::thread([this, dev] {
-      cudaSetDevice(dev);
+      bench_cuda_set_device(dev);
       while (!stop_.load()) {
-        size_t f = 0, t = 0;
-        if (cudaMemGetInfo(&f, &t) == cudaSuccess && static_cast<int64_t>(f) < min_free_.load())
-          min_free_.store(static_cast<int64_t>(f));
+        const int64_t f = bench_cuda_free_bytes();
+        if (f >= 0 && f < min_free_.load()) min_free_.store(f);
         std::this_thread::sleep_for(std::chrono::milliseconds(2));
       }
     });

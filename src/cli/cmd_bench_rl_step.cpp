@@ -33,7 +33,7 @@
 #include "model/shapes.h"
 #include "rl/metrics.h"
 #include "rollout/rollout.h"
-#include "rollout/rollout_bench.h"
+#include "bench/rollout_bench.h"
 #include "train/grpo_update.h"
 
 namespace fp8rl::cli {

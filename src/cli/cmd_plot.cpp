@@ -7,7 +7,7 @@
 #include "cli/commands.h"
 #include "core/error.h"
 #include "io/png.h"
-#include "rl/plot.h"
+#include "plot/plot.h"
 
 namespace fp8rl::cli {
 namespace {

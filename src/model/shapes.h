@@ -1,6 +1,6 @@
 // The one registry of named model shapes (HF config values of real checkpoints), used wherever a
 // shape is named instead of loaded: `fp8rl plan --shape`, `bench generate --model`,
-// `bench rl-step --model`. Random weights of these shapes: rollout_bench.h.
+// `bench rl-step --model`. Random weights of these shapes: bench/rollout_bench.h.
 #pragma once
 #include <string>
 #include <vector>

@@ -15,7 +15,7 @@
 #include "model/shapes.h"
 #include "rl/memory_plan.h"
 #include "rollout/rollout.h"
-#include "rollout/rollout_bench.h"
+#include "bench/rollout_bench.h"
 
 namespace fp8rl {
 namespace {

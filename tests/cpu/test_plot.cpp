@@ -1,4 +1,4 @@
-// io/png.h and rl/plot.h: the PNG writer's bytes decoded by an independent reader written here
+// io/png.h and plot/plot.h: the PNG writer's bytes decoded by an independent reader written here
 // (chunk CRCs, zlib header, stored deflate blocks, Adler-32, filter bytes, pixels), the canvas,
 // reading run directories, and the `fp8rl plot` command end to end.
 #include <gtest/gtest.h>
@@ -15,7 +15,7 @@
 #include "core/error.h"
 #include "core/fs.h"
 #include "io/png.h"
-#include "rl/plot.h"
+#include "plot/plot.h"
 
 namespace fp8rl {
 namespace {

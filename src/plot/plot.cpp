@@ -1,5 +1,5 @@
-// rl/plot.h: reading run directories, and laying out the grid of metric panels.
-#include "rl/plot.h"
+// plot/plot.h: reading run directories, and laying out the grid of metric panels.
+#include "plot/plot.h"
 
 #include <yaml-cpp/yaml.h>
 

@@ -1,10 +1,10 @@
-// The raster canvas of rl/plot.h: blending, rectangles, anti-aliased lines, circles, and text in a
+// The raster canvas of plot/plot.h: blending, rectangles, anti-aliased lines, circles, and text in a
 // built-in bitmap font.
 #include <algorithm>
 #include <cmath>
 
 #include "core/error.h"
-#include "rl/plot.h"
+#include "plot/plot.h"
 
 namespace fp8rl {
 

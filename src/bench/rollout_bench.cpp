@@ -1,4 +1,4 @@
-#include "rollout/rollout_bench.h"
+#include "bench/rollout_bench.h"
 
 #include <algorithm>
 #include <cmath>

@@ -1,0 +1,183 @@
+// bench_gemm_run (bench/gemm_bench.h): `fp8rl bench-gemm`'s body, built into the CUDA library.
+// CUDA events, warm-up, median of repeats, random non-zero data.
+#include "bench/gemm_bench.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/cuda_check.h"
+#include "backend/cuda/kernels.h"
+#include "core/error.h"
+
+namespace fp8rl {
+namespace {
+
+using cuda::CudaBackend;
+
+// Median milliseconds of `reps` timed runs of fn after `warm` untimed ones.
+template <class F>
+double time_ms(cudaStream_t s, int warm, int reps, F&& fn) {
+  for (int i = 0; i < warm; ++i) fn();
+  cudaEvent_t a, b;
+  CUDA_CHECK(cudaEventCreate(&a), "creating an event");
+  CUDA_CHECK(cudaEventCreate(&b), "creating an event");
+  std::vector<double> t;
+  for (int i = 0; i < reps; ++i) {
+    CUDA_CHECK(cudaEventRecord(a, s), "recording an event");
+    fn();
+    CUDA_CHECK(cudaEventRecord(b, s), "recording an event");
+    CUDA_CHECK(cudaEventSynchronize(b), "timing");
+    float ms = 0;
+    CUDA_CHECK(cudaEventElapsedTime(&ms, a, b), "reading an event");
+    t.push_back(ms);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+Tensor random_device(CudaBackend& be, const Shape& shape, DType dtype, uint32_t seed) {
+  // Uniform in [-1, 1) via a host-generated F32 block (repeated), converted on the device.
+  const int64_t n = shape_numel(shape);
+  const int64_t block = std::min<int64_t>(n, 1 << 22);
+  std::vector<float> h(block);
+  uint32_t x = seed * 2654435761u + 12345u;
+  for (auto& v : h) {
+    x = x * 1664525u + 1013904223u;
+    v = static_cast<float>((x >> 8) & 0xffffff) / 8388608.0f - 1.0f;
+    if (v == 0.0f) v = 0.5f;
+  }
+  Tensor f = be.alloc({n}, DType::F32);
+  for (int64_t off = 0; off < n; off += block) {
+    const int64_t m = std::min(block, n - off);
+    // On the backend's stream: its allocations are stream-ordered (device_memory.h).
+    CUDA_CHECK(cudaMemcpyAsync(static_cast<float*>(f.raw()) + off, h.data(), m * 4, cudaMemcpyHostToDevice,
+                               be.stream()),
+               "uploading random data");
+  }
+  be.synchronize();  // h (host) must outlive the uploads
+  if (dtype == DType::F32) return f.reshape(shape);
+  Tensor t = be.alloc(shape, dtype);
+  Tensor fv = f.reshape(shape);
+  be.convert(fv, t);
+  be.synchronize();
+  return t;
+}
+
+struct Shape3 {
+  const char* name;
+  int64_t K, N;
+};
+
+}  // namespace
+
+nlohmann::json bench_gemm_run(const GemmBenchOptions& options) {
+  const int reps = options.reps, warm = options.warmup;
+  CudaBackend be(options.device, DType::BF16);
+  cudaStream_t s = be.stream();
+  auto& gemm = be.gemm();
+  nlohmann::json out;
+  out["device"] = be.name();
+  out["reps"] = reps;
+  out["warmup"] = warm;
+
+  // ---- copy bandwidth and quantization kernels ----
+  {
+    const int64_t rows = 8192, cols = 14336;  // 117M elements
+    Tensor x = random_device(be, {rows, cols}, DType::BF16, 1);
+    Tensor y = be.alloc({rows, cols}, DType::BF16);
+    const double bytes_copy = 2.0 * x.nbytes();
+    const double ms_copy = time_ms(s, warm, reps, [&] {
+      CUDA_CHECK(cudaMemcpyAsync(y.raw(), x.raw(), x.nbytes(), cudaMemcpyDeviceToDevice, s), "copy");
+    });
+    const double copy_gbs = bytes_copy / ms_copy / 1e6;
+    out["copy"] = {{"bytes", bytes_copy}, {"ms", ms_copy}, {"GBps", copy_gbs}};
+    std::printf("\n%-34s %10s %10s %8s\n", "memory-bound kernel", "ms", "GB/s", "of copy");
+    std::printf("%-34s %10.3f %10.1f %8s\n", "device-to-device copy (BF16)", ms_copy, copy_gbs, "100%");
+    struct Q {
+      const char* name;
+      bool transpose;
+      int br;
+      int64_t r, c;
+    };
+    const Q qs[] = {{"quant 1x128 (act, BF16 in)", false, 1, rows, cols},
+                    {"quant 1x128 along tokens (T)", true, 1, cols, rows},
+                    {"quant 128x128 (weight)", false, 128, rows, cols}};
+    out["quant"] = nlohmann::json::array();
+    for (const Q& q : qs) {
+      QuantTensor qt = be.alloc_quant(q.r, q.c, q.br, 128, false);
+      const double bytes = x.nbytes() + static_cast<double>(x.numel()) + qt.scales.nbytes();
+      const double ms = time_ms(s, warm, reps, [&] { be.quantize_async(x, q.transpose, qt); });
+      be.synchronize();
+      const double gbs = bytes / ms / 1e6;
+      std::printf("%-34s %10.3f %10.1f %7.0f%%\n", q.name, ms, gbs, 100.0 * gbs / copy_gbs);
+      out["quant"].push_back({{"name", q.name}, {"ms", ms}, {"GBps", gbs}, {"fraction_of_copy", gbs / copy_gbs}});
+    }
+  }
+
+  // ---- GEMMs ----
+  const Shape3 shapes[] = {{"qkv 4096->6144", 4096, 6144},
+                           {"o 4096->4096", 4096, 4096},
+                           {"gate/up 4096->14336", 4096, 14336},
+                           {"down 14336->4096", 14336, 4096}};
+  std::vector<int64_t> Ms = {8192, 256, 64};
+  if (options.quick) Ms = {8192};
+  if (options.quant_only) Ms.clear();  // the memory-bound kernels alone
+  out["gemm"] = nlohmann::json::array();
+  std::printf("\n%-22s %6s %-6s %10s %10s %10s %8s\n", "linear", "M", "pass", "BF16 TF/s", "FP8 TF/s", "FP8 ms",
+              "FP8/BF16");
+  for (const Shape3& sh : shapes)
+    for (int64_t M : Ms) {
+      const int64_t K = sh.K, N = sh.N;
+      struct Pass {
+        const char* name;
+        int64_t m, n, k;  // C[m, n] = A[m, k] B[n, k]^T
+        int b_block_rows;
+      };
+      std::vector<Pass> passes = {{"fwd", M, N, K, 128}};
+      if (M == 8192) {
+        passes.push_back({"dgrad", M, K, N, 128});
+        passes.push_back({"wgrad", N, K, M, 1});
+      }
+      for (const Pass& p : passes) {
+        const double flops = 2.0 * p.m * p.n * p.k;
+        // BF16: C = A B^T with A [m, k], B [n, k] (layouts of each pass as the backend issues them).
+        Tensor a = random_device(be, {p.m, p.k}, DType::BF16, 2), b = random_device(be, {p.n, p.k}, DType::BF16, 3);
+        Tensor c = be.alloc({p.m, p.n}, DType::BF16);
+        const double ms_bf16 = time_ms(s, warm, reps, [&] {
+          gemm.gemm(false, true, p.m, p.n, p.k, a.raw(), b.raw(), DType::BF16, c.raw(), DType::BF16, 1.0f, 0.0f);
+        });
+        // FP8: operands quantized once (1x128 / 128x128), scales laid out once: GEMM alone.
+        QuantTensor aq = be.alloc_quant(p.m, p.k, 1, 128, false);
+        QuantTensor bq = be.alloc_quant(p.n, p.k, p.b_block_rows, 128, false);
+        be.quantize(a, false, aq);
+        be.quantize(b, false, bq);
+        Tensor as = be.alloc({cuda::GemmEngine::scale_buffer_floats(p.m, p.k, 1)}, DType::F32);
+        Tensor bs = be.alloc({cuda::GemmEngine::scale_buffer_floats(p.n, p.k, p.b_block_rows)}, DType::F32);
+        gemm.layout_scales(aq.scales.data<float>(), p.m, p.k, 1, as.data<float>());
+        gemm.layout_scales(bq.scales.data<float>(), p.n, p.k, p.b_block_rows, bs.data<float>());
+        const DType cdt = p.b_block_rows == 1 ? DType::F32 : DType::BF16;  // wgrad accumulates F32
+        Tensor c8 = be.alloc({p.m, p.n}, cdt);
+        const double ms_fp8 = time_ms(s, warm, reps, [&] {
+          gemm.gemm_fp8_prelaid(p.m, p.n, p.k, aq.data.data<uint8_t>(), as.data<float>(), bq.data.data<uint8_t>(),
+                                bs.data<float>(), p.b_block_rows, c8.raw(), cdt, 1.0f, p.b_block_rows == 1 ? 1.0f : 0.0f);
+        });
+        const double tf_bf16 = flops / ms_bf16 / 1e9, tf_fp8 = flops / ms_fp8 / 1e9;
+        std::printf("%-22s %6lld %-6s %10.1f %10.1f %10.3f %7.2fx\n", sh.name, static_cast<long long>(M), p.name,
+                    tf_bf16, tf_fp8, ms_fp8, tf_fp8 / tf_bf16);
+        out["gemm"].push_back({{"linear", sh.name}, {"M_tokens", M}, {"pass", p.name}, {"m", p.m}, {"n", p.n},
+                               {"k", p.k}, {"bf16_ms", ms_bf16}, {"bf16_tflops", tf_bf16}, {"fp8_ms", ms_fp8},
+                               {"fp8_tflops", tf_fp8}, {"fp8_over_bf16", tf_fp8 / tf_bf16}});
+      }
+    }
+  be.synchronize();
+  return out;
+}
+
+}  // namespace fp8rl
