@@ -4,10 +4,13 @@
 # AddressSanitizer + UndefinedBehaviorSanitizer (CPU only). GPU tests (label gpu) run only on
 # a GPU machine: scripts/gpu_run.sh. Set FP8RL_TEST_SANITIZE=0 to skip the sanitizer pass.
 # Then the libFuzzer targets run for a bounded time (scripts/fuzz.sh; FP8RL_TEST_FUZZ=0 skips,
-# FP8RL_FUZZ_SECONDS sets the time per target; skipped without clang/libFuzzer).
+# FP8RL_FUZZ_SECONDS sets the time per target; skipped without clang/libFuzzer). First of all,
+# the format check (scripts/format_check.sh: the files listed in scripts/format_files.txt).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 jobs=$(nproc)
+echo "== format (clang-format --dry-run -Werror over scripts/format_files.txt)"
+bash scripts/format_check.sh
 echo "== build (Release$(command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ] && echo ' + CUDA compile'))"
 bash scripts/build.sh
 echo "== CPU tests"

@@ -7,8 +7,8 @@
 
 namespace fp8rl {
 
-int64_t bench_cuda_free_bytes();          // cudaMemGetInfo's free bytes on the current device; -1 on failure
-int bench_cuda_current_device();          // the calling thread's device; -1 on failure
-bool bench_cuda_set_device(int device);   // for the calling thread; false on failure
+int64_t bench_cuda_free_bytes();         // cudaMemGetInfo's free bytes on the current device; -1 on failure
+int bench_cuda_current_device();         // the calling thread's device; -1 on failure
+bool bench_cuda_set_device(int device);  // for the calling thread; false on failure
 
 }  // namespace fp8rl

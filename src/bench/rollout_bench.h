@@ -32,9 +32,9 @@ int64_t bench_weights_bytes(const ModelWeights& weights);
 int64_t bench_kv_bytes_per_token(const ModelConfig& config, DType kv_dtype);
 
 struct DecodeRoofline {
-  int64_t steps = 0;          // decode steps (every forward after the prefill of each wave)
-  double weight_bytes = 0;    // summed over steps
-  double kv_bytes = 0;        // summed over steps
+  int64_t steps = 0;        // decode steps (every forward after the prefill of each wave)
+  double weight_bytes = 0;  // summed over steps
+  double kv_bytes = 0;      // summed over steps
   double bytes() const { return weight_bytes + kv_bytes; }
   double seconds(double bandwidth) const { return bytes() / bandwidth; }
 };

@@ -49,12 +49,14 @@ int run(const std::vector<std::string>& argv) {
 int run(const std::vector<std::string>& argv) {
   Args args(argv, {"json", "reps", "warmup", "device"}, {"help", "quick", "quant-only"});
   if (args.has("help")) {
-    std::printf("fp8rl bench-gemm [--json PATH] [--reps N] [--warmup N] [--device cuda:N] [--quick] [--quant-only]\n"
-                "  (needs the CUDA backend; this build has none)\n");
+    std::printf(
+        "fp8rl bench-gemm [--json PATH] [--reps N] [--warmup N] [--device cuda:N] [--quick] [--quant-only]\n"
+        "  (needs the CUDA backend; this build has none)\n");
     return 0;
   }
-  FP8RL_FAIL("bench-gemm needs the CUDA backend; this fp8rl was built without CUDA (rebuild with -DFP8RL_CUDA=ON on a "
-             "machine with nvcc)");
+  FP8RL_FAIL(
+      "bench-gemm needs the CUDA backend; this fp8rl was built without CUDA (rebuild with -DFP8RL_CUDA=ON on a "
+      "machine with nvcc)");
 }
 
 #endif

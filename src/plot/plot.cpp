@@ -114,10 +114,8 @@ Axis log_axis(double min_v, double max_v, int target) {
       const double pos = std::log10(double(m)) + k;
       if (pos < a.lo || pos > a.hi) continue;
       char buf[32];
-      if (k >= -3 && k <= 4)
-        std::snprintf(buf, sizeof buf, "%.*f", std::max(0, -k), m * std::pow(10.0, k));
-      else
-        std::snprintf(buf, sizeof buf, "%de%d", m, k);
+      if (k >= -3 && k <= 4) std::snprintf(buf, sizeof buf, "%.*f", std::max(0, -k), m * std::pow(10.0, k));
+      else std::snprintf(buf, sizeof buf, "%de%d", m, k);
       a.ticks.push_back({pos, buf});
     }
   }
@@ -128,8 +126,8 @@ Axis log_axis(double min_v, double max_v, int target) {
 
 constexpr Rgb kWhite{255, 255, 255}, kPanelBg{246, 247, 249}, kFrame{170, 174, 182}, kGrid{228, 230, 234};
 constexpr Rgb kText{40, 44, 52}, kMuted{110, 116, 128};
-constexpr Rgb kPalette[] = {{37, 99, 235},  {220, 38, 38},  {22, 163, 74},  {234, 88, 12},  {147, 51, 234},
-                            {8, 145, 178},  {202, 138, 4},  {219, 39, 119}, {71, 85, 105},  {101, 163, 13}};
+constexpr Rgb kPalette[] = {{37, 99, 235}, {220, 38, 38}, {22, 163, 74},  {234, 88, 12}, {147, 51, 234},
+                            {8, 145, 178}, {202, 138, 4}, {219, 39, 119}, {71, 85, 105}, {101, 163, 13}};
 constexpr int kPaletteSize = int(sizeof kPalette / sizeof kPalette[0]);
 
 Rgb run_color(size_t i) { return kPalette[i % kPaletteSize]; }
@@ -157,8 +155,7 @@ std::vector<std::string> short_names(const std::vector<std::string>& keys) {
   while (pre > 0 && keys[0][pre - 1] != '_') --pre;
   while (suf > 0 && keys[0][keys[0].size() - suf] != '_') --suf;
   std::vector<std::string> out;
-  for (const std::string& k : keys)
-    out.push_back(k.size() > pre + suf ? k.substr(pre, k.size() - pre - suf) : k);
+  for (const std::string& k : keys) out.push_back(k.size() > pre + suf ? k.substr(pre, k.size() - pre - suf) : k);
   return out;
 }
 
@@ -178,8 +175,8 @@ struct Layout {
 };
 
 // One panel in `cell`: title, key legend, axes with ticks and grid, one line per run and key.
-void draw_panel(Canvas& c, Rect cell, const PlotPanel& panel, const std::vector<RunMetrics>& runs,
-                const Axis& x_axis, const Layout& L) {
+void draw_panel(Canvas& c, Rect cell, const PlotPanel& panel, const std::vector<RunMetrics>& runs, const Axis& x_axis,
+                const Layout& L) {
   const int s = L.scale, pad = 6 * s, line_h = kLineHeight * s;
   canvas_fill_rect(c, cell, kPanelBg);
 
@@ -217,7 +214,8 @@ void draw_panel(Canvas& c, Rect cell, const PlotPanel& panel, const std::vector<
     }
     for (size_t k = 0; k < names.size(); ++k) {
       const double ly = y + 3.5 * s;
-      canvas_draw_polyline(c, {{x, ly}, {x + sample, ly}}, kMuted, L.thickness, key_dash(k, s), {0, 0, c.width, c.height});
+      canvas_draw_polyline(c, {{x, ly}, {x + sample, ly}}, kMuted, L.thickness, key_dash(k, s),
+                           {0, 0, c.width, c.height});
       x += sample + 4 * s;
       canvas_draw_text(c, x, y, names[k], kMuted, s);
       x += canvas_text_width(names[k], s) + 12 * s;

@@ -36,12 +36,11 @@ void canvas_blend_pixel(Canvas& c, int x, int y, Rgb color, double alpha);
 void canvas_fill_rect(Canvas& c, Rect r, Rgb color);  // clipped to the canvas
 // An anti-aliased segment `thickness` pixels wide with round ends, drawn only inside `clip`.
 // Coordinates are continuous: pixel (x, y) covers [x, x+1) x [y, y+1).
-void canvas_draw_line(Canvas& c, double x0, double y0, double x1, double y1, Rgb color, double thickness,
-                      Rect clip);
+void canvas_draw_line(Canvas& c, double x0, double y0, double x1, double y1, Rgb color, double thickness, Rect clip);
 // A connected line through `points` ({x, y} pairs); dash = {on, off} lengths in pixels along the
 // line, {0, 0} = solid.
-void canvas_draw_polyline(Canvas& c, const std::vector<std::pair<double, double>>& points, Rgb color,
-                          double thickness, std::pair<double, double> dash, Rect clip);
+void canvas_draw_polyline(Canvas& c, const std::vector<std::pair<double, double>>& points, Rgb color, double thickness,
+                          std::pair<double, double> dash, Rect clip);
 void canvas_fill_circle(Canvas& c, double cx, double cy, double radius, Rgb color, Rect clip);
 // Text with its top-left corner at (x, y), each font pixel drawn as scale x scale; characters
 // outside printable ASCII are drawn as '?'. canvas_text_width: the width the text takes.

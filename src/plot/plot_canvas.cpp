@@ -127,8 +127,8 @@ double segment_distance(double px, double py, double ax, double ay, double bx, d
 }  // namespace
 
 Canvas canvas_create(int width, int height, Rgb background) {
-  FP8RL_CHECK(width > 0 && height > 0 && width <= 16384 && height <= 16384, "canvas size ", width, "x",
-              height, " is out of range: both sides must be 1..16384 pixels");
+  FP8RL_CHECK(width > 0 && height > 0 && width <= 16384 && height <= 16384, "canvas size ", width, "x", height,
+              " is out of range: both sides must be 1..16384 pixels");
   Canvas c;
   c.width = width;
   c.height = height;
@@ -142,8 +142,8 @@ Canvas canvas_create(int width, int height, Rgb background) {
 }
 
 Rgb canvas_get_pixel(const Canvas& c, int x, int y) {
-  FP8RL_CHECK(x >= 0 && y >= 0 && x < c.width && y < c.height, "pixel (", x, ", ", y, ") is off the ",
-              c.width, "x", c.height, " canvas");
+  FP8RL_CHECK(x >= 0 && y >= 0 && x < c.width && y < c.height, "pixel (", x, ", ", y, ") is off the ", c.width, "x",
+              c.height, " canvas");
   const uint8_t* p = &c.rgb[(size_t(y) * size_t(c.width) + size_t(x)) * 3];
   return {p[0], p[1], p[2]};
 }
@@ -168,8 +168,7 @@ void canvas_fill_rect(Canvas& c, Rect r, Rgb color) {
   }
 }
 
-void canvas_draw_line(Canvas& c, double x0, double y0, double x1, double y1, Rgb color, double thickness,
-                      Rect clip) {
+void canvas_draw_line(Canvas& c, double x0, double y0, double x1, double y1, Rgb color, double thickness, Rect clip) {
   if (!std::isfinite(x0) || !std::isfinite(y0) || !std::isfinite(x1) || !std::isfinite(y1)) return;
   const double r = thickness / 2;
   clip = intersect(clip, whole(c));
@@ -187,8 +186,8 @@ void canvas_draw_line(Canvas& c, double x0, double y0, double x1, double y1, Rgb
     }
 }
 
-void canvas_draw_polyline(Canvas& c, const std::vector<std::pair<double, double>>& points, Rgb color,
-                          double thickness, std::pair<double, double> dash, Rect clip) {
+void canvas_draw_polyline(Canvas& c, const std::vector<std::pair<double, double>>& points, Rgb color, double thickness,
+                          std::pair<double, double> dash, Rect clip) {
   const auto [on, off] = dash;
   const bool solid = !(on > 0 && off > 0);
   double phase = 0;  // distance walked into the current on+off period
@@ -207,8 +206,8 @@ void canvas_draw_polyline(Canvas& c, const std::vector<std::pair<double, double>
       const double step = std::min(len - t, drawing ? on - phase : on + off - phase);
       if (drawing) {
         const double f0 = t / len, f1 = (t + step) / len;
-        canvas_draw_line(c, ax + (bx - ax) * f0, ay + (by - ay) * f0, ax + (bx - ax) * f1, ay + (by - ay) * f1,
-                         color, thickness, clip);
+        canvas_draw_line(c, ax + (bx - ax) * f0, ay + (by - ay) * f0, ax + (bx - ax) * f1, ay + (by - ay) * f1, color,
+                         thickness, clip);
       }
       t += step;
       phase += step;
@@ -234,8 +233,7 @@ void canvas_draw_text(Canvas& c, int x, int y, std::string_view text, Rgb color,
     for (int row = 0; row < kGlyphHeight; ++row)
       for (int col = 0; col < kGlyphWidth; ++col)
         if (glyph[row] & (0x10 >> col))
-          canvas_fill_rect(c, {x + col * scale, y + row * scale, x + (col + 1) * scale, y + (row + 1) * scale},
-                           color);
+          canvas_fill_rect(c, {x + col * scale, y + row * scale, x + (col + 1) * scale, y + (row + 1) * scale}, color);
     x += kGlyphAdvance * scale;
   }
 }

@@ -104,7 +104,8 @@ int64_t metrics_last_step(const std::string& path) {
   for (std::string line; std::getline(in, line);) {
     if (line.empty() || line.size() > (size_t(1) << 20)) continue;
     const nlohmann::json j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
-    if (j.is_object() && j.contains("step") && j["step"].is_number_integer()) last = std::max(last, j["step"].get<int64_t>());
+    if (j.is_object() && j.contains("step") && j["step"].is_number_integer())
+      last = std::max(last, j["step"].get<int64_t>());
   }
   return last;
 }
@@ -149,9 +150,7 @@ void print_example(const ValResult& v) {
   console_line(stdout, "  example response: %s", indent(v.example_response).c_str());
 }
 
-std::string resume_hint(const std::string& out) {
-  return "continue with: fp8rl train --out " + out + " --resume";
-}
+std::string resume_hint(const std::string& out) { return "continue with: fp8rl train --out " + out + " --resume"; }
 
 // ---- data parallel: every rank's share, combined -----------------------------------------
 
@@ -191,8 +190,8 @@ struct GrpoRun {
   RunConfig c;
   std::unique_ptr<Communicator> comm;
   int rank = 0, W = 1;
-  bool lead = true;  // rank 0: writes the run directory, validates, prints
-  int P = 0, G = 0;  // prompts per step, generations per prompt
+  bool lead = true;            // rank 0: writes the run directory, validates, prints
+  int P = 0, G = 0;            // prompts per step, generations per prompt
   int p_begin = 0, p_end = 0;  // this rank's prompts of each step
   Session s;
   RunDir run;
@@ -207,7 +206,7 @@ struct GrpoRun {
   std::unique_ptr<Trainer> trainer;
   std::unique_ptr<Trainer> reference;  // frozen initial policy for the k3 KL term
   std::unique_ptr<RolloutEngine> engine;
-  std::optional<MetricsLog> log;  // rank 0
+  std::optional<MetricsLog> log;                                  // rank 0
   std::optional<std::pair<int64_t, double>> first_val, last_val;  // (step, accuracy), for the summary
   int64_t generated_tokens = 0, steps_run = 0;
   double generation_s = 0;
@@ -221,16 +220,16 @@ struct GrpoStep {
   StepMetrics m;
   Clock::time_point t_start;
   double time_reward_s = 0, grad_norm = 0, generated = 0;
-  std::vector<TaskItem> items;            // this rank's prompts
+  std::vector<TaskItem> items;  // this rank's prompts
   std::vector<RolloutRequest> reqs;
   std::vector<RolloutSample> samples;
-  std::vector<float> rewards;             // [P x G], for the no-signal watch
+  std::vector<float> rewards;                                  // [P x G], for the no-signal watch
   std::vector<std::pair<std::string, double>> reward_metrics;  // a Python reward's extra keys
-  std::vector<TrainSequence> seqs;        // prompt + response per sample
-  std::vector<float> logp_gen;            // the generator's logprobs, concatenated over samples
-  std::vector<int64_t> offsets{0};        // where each sample's tokens start in logp_gen
+  std::vector<TrainSequence> seqs;                             // prompt + response per sample
+  std::vector<float> logp_gen;                                 // the generator's logprobs, concatenated over samples
+  std::vector<int64_t> offsets{0};                             // where each sample's tokens start in logp_gen
   std::vector<float> advantages;
-  ScoreResult old;                        // logp_old, entropy (+ q/k/v amax)
+  ScoreResult old;  // logp_old, entropy (+ q/k/v amax)
   std::vector<float> logp_ref;
   bool diverged = false;  // generation, scoring or the refit met a NaN/Inf: the step is skipped
 };
@@ -249,8 +248,10 @@ void setup_ranks(GrpoRun& r, const RunConfig& config_in) {
   r.P = c.rollout.prompts_per_step, r.G = c.rollout.generations_per_prompt;
   const int P = r.P, W = r.W;
   if (P < W)
-    FP8RL_FAIL("rollout.prompts_per_step=", P, " is below the number of ranks (", W, "); every rank needs whole "
-               "prompt groups: raise rollout.prompts_per_step to at least ", W, " or launch fewer ranks");
+    FP8RL_FAIL("rollout.prompts_per_step=", P, " is below the number of ranks (", W,
+               "); every rank needs whole "
+               "prompt groups: raise rollout.prompts_per_step to at least ",
+               W, " or launch fewer ranks");
   r.p_begin = P * r.rank / W, r.p_end = P * (r.rank + 1) / W;
   if (W > 1 && r.lead)
     std::printf("data parallel: %d ranks (%s), %d-%d prompts of %d per rank%s\n", W, r.comm->name().c_str(), P / W,
@@ -301,8 +302,7 @@ void setup_models(GrpoRun& r, bool resume) {
     checkpoint_verify_files(*r.ckpt, r.state);
     const int64_t logged = metrics_last_step(r.run.metrics_path());
     if (logged < r.state.step)
-      FP8RL_FAIL("cannot resume: ", *r.ckpt, " is the checkpoint of step ", r.state.step, " but ",
-                 r.run.metrics_path(),
+      FP8RL_FAIL("cannot resume: ", *r.ckpt, " is the checkpoint of step ", r.state.step, " but ", r.run.metrics_path(),
                  logged < 0 ? std::string(" has no step lines") : " ends at step " + std::to_string(logged),
                  "; the run directory's files do not belong together (resume from a matching checkpoint "
                  "by fixing checkpoints/latest, or start a new run)");
@@ -330,8 +330,7 @@ void setup_models(GrpoRun& r, bool resume) {
     ModelWeights ref = session_initial_policy(r.s);
     TrainerOptions frozen = trainer_options(c);
     frozen.frozen = true;  // weights only, in the trainer's compute dtypes
-    r.reference =
-        std::make_unique<Trainer>(be, model_weights_to_device(be, ref, DType::F32), r.recipe.trainer, frozen);
+    r.reference = std::make_unique<Trainer>(be, model_weights_to_device(be, ref, DType::F32), r.recipe.trainer, frozen);
   }
   r.engine = std::make_unique<RolloutEngine>(be, r.trainer->master(), r.recipe.generator,
                                              static_cast<int>(memory_plan_kv_pages(c)), 16, kRolloutMaxBatch);
@@ -403,8 +402,8 @@ void step_rollout(GrpoRun& r, GrpoStep& d) {
   sp.first_request = r.p_begin;
   auto t0 = Clock::now();
   {
-    Progress bar("step " + std::to_string(d.step) + " generate",
-                 static_cast<int64_t>(r.P) * r.G * sp.max_new_tokens, stderr);
+    Progress bar("step " + std::to_string(d.step) + " generate", static_cast<int64_t>(r.P) * r.G * sp.max_new_tokens,
+                 stderr);
     sp.on_progress = [&](int64_t done, int64_t) { bar.update(done); };
     d.samples = r.engine->generate(d.reqs, sp);
     bar.finish_quietly();
@@ -472,7 +471,8 @@ void step_score(GrpoRun& r, GrpoStep& d) {
   d.old = r.trainer->score(d.seqs, r.temperature, /*entropy=*/true, /*record_amax=*/r.fp8_kv);
   if (r.reference) d.logp_ref = r.reference->score(d.seqs, r.temperature, false, false).logp;
   d.m.time_logprob_s = seconds_since(t0);
-  MismatchMetrics mm = metrics_compute_mismatch(dist_all_gather_v(comm, d.old.logp), dist_all_gather_v(comm, d.logp_gen));
+  MismatchMetrics mm =
+      metrics_compute_mismatch(dist_all_gather_v(comm, d.old.logp), dist_all_gather_v(comm, d.logp_gen));
   step_metrics_set_mismatch(d.m, mm);
   d.m.entropy_mean = metrics_masked_mean(dist_all_gather_v(comm, d.old.entropy));
 }
@@ -599,8 +599,8 @@ void step_checkpoint(GrpoRun& r, GrpoStep& d, InterruptNote& interrupt_note) {
   if (!save || !r.lead) return;
   const std::string saved = checkpoint_save(*r.s.backend, *r.trainer, r.state, r.run.checkpoints_dir(),
                                             checkpoint_options(c, r.s.tokenizer_json));
-  interrupt_note.set("interrupted; the last checkpoint is " + saved + " (step " + std::to_string(d.step) + "): " +
-                     resume_hint(c.out));
+  interrupt_note.set("interrupted; the last checkpoint is " + saved + " (step " + std::to_string(d.step) +
+                     "): " + resume_hint(c.out));
   for (const std::string& p : checkpoint_prune(r.run.checkpoints_dir(), c.checkpoint.keep_last))
     console_line(stdout, "checkpoint.keep_last=%d: removed %s", c.checkpoint.keep_last, p.c_str());
 }
@@ -611,8 +611,9 @@ void step_checkpoint(GrpoRun& r, GrpoStep& d, InterruptNote& interrupt_note) {
 // ranks, rank 0's clock decides for all. Returns false to stop before `step`; sets final_step.
 bool step_fits_budget(GrpoRun& r, int64_t step, Clock::time_point t_run, bool& final_step) {
   const RunConfig& c = r.c;
-  int budget[2] = {c.time_budget_s > 0 && step > r.state.step + 1 && seconds_since(t_run) + r.slowest_step_s > c.time_budget_s,
-                   step == c.steps || (c.time_budget_s > 0 && seconds_since(t_run) + 2 * r.slowest_step_s > c.time_budget_s)};
+  int budget[2] = {
+      c.time_budget_s > 0 && step > r.state.step + 1 && seconds_since(t_run) + r.slowest_step_s > c.time_budget_s,
+      step == c.steps || (c.time_budget_s > 0 && seconds_since(t_run) + 2 * r.slowest_step_s > c.time_budget_s)};
   if (r.W > 1 && c.time_budget_s > 0) r.comm->broadcast(budget, sizeof budget, 0);
   if (budget[0]) {
     if (r.lead)
@@ -669,11 +670,11 @@ int grpo_run(const RunConfig& config_in, bool resume) {
     d.step = d.m.step = step;
     d.t_start = Clock::now();
     try {
-      step_rollout(r, d);   // prompts -> samples + logp_gen
-      step_rewards(r, d);   // rewards -> advantages
-      step_score(r, d);     // logp_old, entropy, amax; mismatch metrics
+      step_rollout(r, d);              // prompts -> samples + logp_gen
+      step_rewards(r, d);              // rewards -> advantages
+      step_score(r, d);                // logp_old, entropy, amax; mismatch metrics
       step_optimize(r, d, bad_steps);  // optimizer steps on mini-batches
-      step_refit(r, d);     // KV-scale calibration + refit
+      step_refit(r, d);                // KV-scale calibration + refit
     } catch (const NonFiniteError& e) {
       step_skip_diverged(r, d, bad_steps, e);
     }

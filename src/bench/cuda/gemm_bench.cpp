@@ -57,9 +57,9 @@ Tensor random_device(CudaBackend& be, const Shape& shape, DType dtype, uint32_t 
   for (int64_t off = 0; off < n; off += block) {
     const int64_t m = std::min(block, n - off);
     // On the backend's stream: its allocations are stream-ordered (device_memory.h).
-    CUDA_CHECK(cudaMemcpyAsync(static_cast<float*>(f.raw()) + off, h.data(), m * 4, cudaMemcpyHostToDevice,
-                               be.stream()),
-               "uploading random data");
+    CUDA_CHECK(
+        cudaMemcpyAsync(static_cast<float*>(f.raw()) + off, h.data(), m * 4, cudaMemcpyHostToDevice, be.stream()),
+        "uploading random data");
   }
   be.synchronize();  // h (host) must outlive the uploads
   if (dtype == DType::F32) return f.reshape(shape);
@@ -166,14 +166,23 @@ nlohmann::json bench_gemm_run(const GemmBenchOptions& options) {
         Tensor c8 = be.alloc({p.m, p.n}, cdt);
         const double ms_fp8 = time_ms(s, warm, reps, [&] {
           gemm.gemm_fp8_prelaid(p.m, p.n, p.k, aq.data.data<uint8_t>(), as.data<float>(), bq.data.data<uint8_t>(),
-                                bs.data<float>(), p.b_block_rows, c8.raw(), cdt, 1.0f, p.b_block_rows == 1 ? 1.0f : 0.0f);
+                                bs.data<float>(), p.b_block_rows, c8.raw(), cdt, 1.0f,
+                                p.b_block_rows == 1 ? 1.0f : 0.0f);
         });
         const double tf_bf16 = flops / ms_bf16 / 1e9, tf_fp8 = flops / ms_fp8 / 1e9;
         std::printf("%-22s %6lld %-6s %10.1f %10.1f %10.3f %7.2fx\n", sh.name, static_cast<long long>(M), p.name,
                     tf_bf16, tf_fp8, ms_fp8, tf_fp8 / tf_bf16);
-        out["gemm"].push_back({{"linear", sh.name}, {"M_tokens", M}, {"pass", p.name}, {"m", p.m}, {"n", p.n},
-                               {"k", p.k}, {"bf16_ms", ms_bf16}, {"bf16_tflops", tf_bf16}, {"fp8_ms", ms_fp8},
-                               {"fp8_tflops", tf_fp8}, {"fp8_over_bf16", tf_fp8 / tf_bf16}});
+        out["gemm"].push_back({{"linear", sh.name},
+                               {"M_tokens", M},
+                               {"pass", p.name},
+                               {"m", p.m},
+                               {"n", p.n},
+                               {"k", p.k},
+                               {"bf16_ms", ms_bf16},
+                               {"bf16_tflops", tf_bf16},
+                               {"fp8_ms", ms_fp8},
+                               {"fp8_tflops", tf_fp8},
+                               {"fp8_over_bf16", tf_fp8 / tf_bf16}});
       }
     }
   be.synchronize();
