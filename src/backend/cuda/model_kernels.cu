@@ -145,22 +145,41 @@ __global__ void rmsnorm_dw_kernel(const TG* g, const TX* x, const float* rstd, i
   }
 }
 
+// One block per token (grid-stride): thread (j, hc) computes the token's angle j once and rotates
+// the pair (j, j + half) of heads hc, hc + HC, ... (at most kRopeHeadsPerThread): the heads share
+// the angle, so cosf/sinf run once per (token, j, hc) instead of per element, the loads of a
+// thread's heads are issued before its stores, and no index needs a 64-bit division. The
+// arithmetic of each element is that of one thread per pair.
+constexpr int kRopeHeadsPerThread = 8;
 template <class T>
-__global__ void rope_kernel(T* x, int64_t T_, int64_t H, int64_t hd, const int32_t* pos, RopeTable tab, float att,
+__global__ void rope_kernel(T* x, int64_t T_, int H, int hd, const int32_t* pos, RopeTable tab, float att,
                             bool inverse) {
-  const int64_t half = hd / 2;
-  const int64_t n = T_ * H * half;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t j = i % half, th = i / half, t = th / H;
+  const int half = hd / 2, j = static_cast<int>(threadIdx.x), hc = static_cast<int>(threadIdx.y);
+  const int HC = static_cast<int>(blockDim.y);
+  for (int64_t t = blockIdx.x; t < T_; t += gridDim.x) {
     const float angle = static_cast<float>(pos[t]) * tab.inv_freq[j];
     const float c = cosf(angle) * att;
     float s = sinf(angle) * att;
     if (inverse) s = -s;
-    const int64_t base = th * hd;
-    const float x1 = load_f(x, base + j), x2 = load_f(x, base + j + half);
-    store_f(x, base + j, x1 * c - x2 * s);
-    store_f(x, base + j + half, x2 * c + x1 * s);
+    float x1[kRopeHeadsPerThread], x2[kRopeHeadsPerThread];
+#pragma unroll
+    for (int k = 0; k < kRopeHeadsPerThread; ++k) {
+      const int h = hc + k * HC;
+      if (h < H) {
+        const int64_t base = (t * H + h) * hd;
+        x1[k] = load_f(x, base + j);
+        x2[k] = load_f(x, base + j + half);
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kRopeHeadsPerThread; ++k) {
+      const int h = hc + k * HC;
+      if (h < H) {
+        const int64_t base = (t * H + h) * hd;
+        store_f(x, base + j, x1[k] * c - x2[k] * s);
+        store_f(x, base + j + half, x2[k] * c + x1[k] * s);
+      }
+    }
   }
 }
 
@@ -311,9 +330,19 @@ void launch_rope(void* x, DType dt, int64_t T_, int64_t H, int64_t hd, const int
                  float attention_scaling, bool inverse, cudaStream_t stream) {
   const int64_t n = T_ * H * (hd / 2);
   if (n == 0) return;
+  const int half = static_cast<int>(hd / 2);
+  FP8RL_CHECK(half >= 1 && half <= kMaxRopeHalf, "rope: head_dim ", hd, " out of range");
+  const int heads = static_cast<int>(H);
+  // Head groups per block: enough threads (~256) per token, at most kRopeHeadsPerThread heads each.
+  int hc = std::max(1, std::min(heads, 256 / half));
+  hc = std::max(hc, static_cast<int>(ceil_div(heads, kRopeHeadsPerThread)));
+  FP8RL_CHECK(static_cast<int64_t>(half) * hc <= 1024, "rope: ", H, " heads of head_dim ", hd,
+              " exceed one block's threads");
+  const dim3 block(static_cast<unsigned>(half), static_cast<unsigned>(hc));
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(T_, 65535LL * 16));
   FP8RL_DISPATCH_FLOAT(dt, "rope", {
-    rope_kernel<T><<<grid_for(n, 256), 256, 0, stream>>>(static_cast<T*>(x), T_, H, hd, pos, tab, attention_scaling,
-                                                         inverse);
+    rope_kernel<T><<<grid, block, 0, stream>>>(static_cast<T*>(x), T_, heads, static_cast<int>(hd), pos, tab,
+                                               attention_scaling, inverse);
   });
   CUDA_CHECK_LAUNCH("rope_kernel");
 }
