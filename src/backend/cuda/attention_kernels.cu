@@ -199,7 +199,7 @@ __global__ void kv_round8_kernel(T* x, int64_t n8, int H, int hd8, KvRoundScales
     float v[8];
     load8(x + 8 * j, v);
 #pragma unroll
-    for (int e = 0; e < 8; ++e) v[e] = fp8_e4m3_decode(fp8_e4m3_encode(v[e] / sc)) * sc;
+    for (int e = 0; e < 8; ++e) v[e] = fp8_e4m3_round(v[e] / sc) * sc;
     store8(x + 8 * j, v);
   }
 }

@@ -84,6 +84,37 @@ __global__ void rmsnorm_vec_kernel(const TX* x, const TW* w, int64_t D, float ep
   }
 }
 
+// Rows of D <= 256 (q/k-norm over head_dim): one warp per row, kRmsRowsPerBlock rows per block,
+// no block barrier. For such D the vec kernel runs one warp too (rmsnorm_row_threads), whose
+// block_sum_d is this warp_sum_d plus exact zeros, so the results are the same bits.
+constexpr int kRmsRowsPerBlock = 8;
+template <class TX, class TW, class TO>
+__global__ void rmsnorm_warp_kernel(const TX* x, const TW* w, int64_t R, int64_t D, float eps, TO* out, float* rstd) {
+  const int lane = static_cast<int>(threadIdx.x);
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * kRmsRowsPerBlock + threadIdx.y;
+  if (r >= R) return;
+  const TX* xr = x + r * D;
+  double ss = 0.0;
+  for (int64_t d = lane * 8; d < D; d += 32 * 8) {
+    float v[8];
+    load8(xr + d, v);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) ss += static_cast<double>(v[i]) * v[i];
+  }
+  ss = warp_sum_d(ss);
+  const float var = static_cast<float>(ss / static_cast<double>(D));
+  const float rs = 1.0f / sqrtf(var + eps);
+  if (rstd && lane == 0) rstd[r] = rs;
+  for (int64_t d = lane * 8; d < D; d += 32 * 8) {
+    float v[8], wv[8];
+    load8(xr + d, v);
+    load8(w + d, wv);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = v[i] * rs * wv[i];
+    store8(out + r * D + d, v);
+  }
+}
+
 template <class TG, class TX, class TW, class TO>
 __global__ void rmsnorm_backward_vec_kernel(const TG* g, const TX* x, const TW* w, const float* rstd, int64_t D,
                                             TO* dx) {
@@ -102,6 +133,37 @@ __global__ void rmsnorm_backward_vec_kernel(const TG* g, const TX* x, const TW* 
   dot = block_sum(dot, red);
   const float c = rs * rs * rs * dot / static_cast<float>(D);
   for (int64_t d = threadIdx.x * 8; d < D; d += blockDim.x * 8) {
+    float gv[8], wv[8], xv[8];
+    load8(g + r * D + d, gv);
+    load8(w + d, wv);
+    load8(x + r * D + d, xv);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) gv[i] = rs * gv[i] * wv[i] - xv[i] * c;
+    store8(dx + r * D + d, gv);
+  }
+}
+
+// The backward for rows of D <= 256, one warp per row (see rmsnorm_warp_kernel). "+ 0.0f"
+// reproduces block_sum's second stage, which adds exact zeros (and so turns a -0 sum into +0).
+template <class TG, class TX, class TW, class TO>
+__global__ void rmsnorm_backward_warp_kernel(const TG* g, const TX* x, const TW* w, const float* rstd, int64_t R,
+                                             int64_t D, TO* dx) {
+  const int lane = static_cast<int>(threadIdx.x);
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * kRmsRowsPerBlock + threadIdx.y;
+  if (r >= R) return;
+  const float rs = rstd[r];
+  float dot = 0.0f;
+  for (int64_t d = lane * 8; d < D; d += 32 * 8) {
+    float gv[8], wv[8], xv[8];
+    load8(g + r * D + d, gv);
+    load8(w + d, wv);
+    load8(x + r * D + d, xv);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) dot += gv[i] * wv[i] * xv[i];
+  }
+  dot = warp_sum(dot) + 0.0f;
+  const float c = rs * rs * rs * dot / static_cast<float>(D);
+  for (int64_t d = lane * 8; d < D; d += 32 * 8) {
     float gv[8], wv[8], xv[8];
     load8(g + r * D + d, gv);
     load8(w + d, wv);
@@ -288,7 +350,11 @@ void launch_rmsnorm(const void* x, DType xdt, const void* w, DType wdt, int64_t 
   FP8RL_DISPATCH_FLOAT(wdt, "rmsnorm weight", {
     using TW = T;
     FP8RL_DISPATCH_FLOAT(xdt, "rmsnorm input", {
-      if (vec8_ok(D, {x, w, out})) {
+      if (vec8_ok(D, {x, w, out}) && D <= 256) {
+        const dim3 block(32, kRmsRowsPerBlock);
+        rmsnorm_warp_kernel<T, TW, T><<<static_cast<unsigned>(ceil_div(R, kRmsRowsPerBlock)), block, 0, stream>>>(
+            static_cast<const T*>(x), static_cast<const TW*>(w), R, D, eps, static_cast<T*>(out), rstd);
+      } else if (vec8_ok(D, {x, w, out})) {
         rmsnorm_vec_kernel<T, TW, T><<<static_cast<unsigned>(R), vec_row_threads(D), 0, stream>>>(
             static_cast<const T*>(x), static_cast<const TW*>(w), D, eps, static_cast<T*>(out), rstd);
       } else {
@@ -308,7 +374,13 @@ void launch_rmsnorm_backward(const void* dout, DType gdt, const void* x, DType x
   FP8RL_DISPATCH_FLOAT(wdt, "rmsnorm weight", {
     using TW = T;
     FP8RL_DISPATCH_FLOAT(xdt, "rmsnorm input", {
-      if (vec8_ok(D, {dout, x, w, dx})) {
+      if (vec8_ok(D, {dout, x, w, dx}) && D <= 256) {
+        const dim3 block(32, kRmsRowsPerBlock);
+        rmsnorm_backward_warp_kernel<T, T, TW, T>
+            <<<static_cast<unsigned>(ceil_div(R, kRmsRowsPerBlock)), block, 0, stream>>>(
+                static_cast<const T*>(dout), static_cast<const T*>(x), static_cast<const TW*>(w), rstd, R, D,
+                static_cast<T*>(dx));
+      } else if (vec8_ok(D, {dout, x, w, dx})) {
         rmsnorm_backward_vec_kernel<T, T, TW, T><<<static_cast<unsigned>(R), vec_row_threads(D), 0, stream>>>(
             static_cast<const T*>(dout), static_cast<const T*>(x), static_cast<const TW*>(w), rstd, D,
             static_cast<T*>(dx));
