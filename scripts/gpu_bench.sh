@@ -9,6 +9,8 @@
 #                   recipe and phase; with FP8RL_CUDA_GRAPHS=0 the decode step's ops are split too)
 #   rlstep_long     bench rl-step, bf16 and fp8_e2e, one step of up to 2048 new tokens
 #   trainstep       fp8rl bench-train-step at the Llama-3.2-1B shape, bf16 and fp8, and PyTorch eager
+#   memory          bench rl-step with 32k-token micro-batches and kl_beta 0.01, recompute none and
+#                   block: measured peak against the memory plan of the same setup (issue 15)
 #   kernels         the tensor-core paged decode attention (old vs new, GB/s) and the sampler alone
 #   trainstep_profile  FP8RL_CUDA_PROFILE=1 train steps (bf16, fp8) at that shape: the per-op table
 #   generate        fp8rl bench generate --model 1b (four recipes)
@@ -92,6 +94,15 @@ for stage in ${FP8RL_STAGES:-rlstep}; do
       timeout 120 env PYTHONUNBUFFERED=1 python3 scripts/bench_train_step_torch.py --json "$OUT/trainstep_torch.json" \
         > "$OUT/trainstep_torch.log" 2>&1
       note "torch train step: rc=$?"; tail -3 "$OUT/trainstep_torch.log" | tee -a "$SUMMARY" ;;
+    memory)  # issue 15: the recipe's 32k-token micro-batches with the KL reference, measured peak vs the plan
+      for rc in none block; do
+        recipes=bf16,fp8_e2e; [ $rc = block ] && recipes=bf16
+        timeout $(( $(left) - 20 )) "$FP8RL" bench rl-step --device cuda --model "${FP8RL_RLSTEP_MODEL:-qwen3-1.7b}" \
+          --recipes $recipes --kl-beta 0.01 --micro-batch-tokens 32768 --recompute $rc --max-new-tokens 256 \
+          --steps 1 --json "$OUT/memory_$rc.json" > "$OUT/memory_$rc.log" 2>&1
+        note "bench rl-step 32k micro-batches, kl 0.01, recompute $rc: rc=$?"
+        sed -n '/^phase/,$p' "$OUT/memory_$rc.log" | grep -E "phase|^step|training|peak|plan" | tee -a "$SUMMARY"
+      done ;;
     kernels)  # the decode attention and the sampler alone (issue 14)
       FP8RL_PAGED_BENCH=1 FP8RL_PAGED_BENCH_JSON="$OUT/paged_bench.json" timeout 120 "$B/fp8rl_gpu_tests" --gtest_color=no \
         --gtest_filter='CudaPagedAttention.DecodeBench' > "$OUT/paged_bench.log" 2>&1

@@ -31,6 +31,7 @@
 #include "core/error.h"
 #include "core/fs.h"
 #include "model/shapes.h"
+#include "rl/memory_plan.h"
 #include "rl/metrics.h"
 #include "rollout/rollout.h"
 #include "bench/rollout_bench.h"
@@ -42,7 +43,8 @@ namespace {
 constexpr const char* kUsage =
     "usage: fp8rl bench rl-step [--device cpu|cuda] [--model SHAPE] [--layers N] [--recipes LIST]\n"
     "                           [--prompts P] [--samples G] [--prompt-len N] [--max-new-tokens N]\n"
-    "                           [--kl-beta B] [--temperature T] [--optimizer-steps N] [--micro-batch-tokens N]\n"
+    "                           [--kl-beta B] [--temperature T] [--recompute none|block] [--optimizer-steps N]\n"
+    "                           [--micro-batch-tokens N]\n"
     "                           [--steps N] [--warmup N] [--seed N] [--json PATH]\n"
     "Times whole GRPO steps (generation, scoring, reference, training, refit + calibration) of a\n"
     "random-weight model with ragged response lengths, for each recipe (default bf16,fp8_gen,fp8_e2e).\n"
@@ -70,6 +72,7 @@ struct BenchSetup {
   int64_t micro_batch_tokens = 16384;
   double kl_beta = 0;
   double temperature = 1.0;
+  bool recompute = false;
   uint64_t seed = 1;
 };
 
@@ -78,6 +81,7 @@ struct RecipeResult {
   std::map<std::string, std::vector<double>> seconds;  // phase -> per timed step
   std::vector<double> gen_tokens, train_tokens, mult_prob_error, gen_kl_error, entropy;
   MemoryStats mem;
+  int64_t plan_peak = 0;  // the memory plan's peak for this recipe's setup (rl/memory_plan.h)
   BackendCounters counters;
 };
 
@@ -108,6 +112,7 @@ RecipeResult bench_recipe(Backend& be, const BenchSetup& s, const std::string& r
   const BackendCounters c0 = be.counters();
   TrainerOptions topt;
   topt.micro_batch_tokens = s.micro_batch_tokens;
+  topt.recompute = s.recompute;
   Trainer trainer(be, bench_random_weights(be, s.model, DType::F32, s.seed), recipe.trainer, topt);
   std::unique_ptr<Trainer> reference;
   if (s.kl_beta > 0) {
@@ -118,7 +123,19 @@ RecipeResult bench_recipe(Backend& be, const BenchSetup& s, const std::string& r
   }
   const int64_t seq_pages = ceil_div(static_cast<int64_t>(s.prompt_len + s.max_new), 16);
   const int concurrent = std::min(256, s.P * s.G);
-  RolloutEngine engine(be, trainer.master(), recipe.generator, static_cast<int>(concurrent * seq_pages + 1), 16, 256);
+  const int kv_pages = static_cast<int>(concurrent * seq_pages + 1);
+  RolloutEngine engine(be, trainer.master(), recipe.generator, kv_pages, 16, 256);
+  MemoryPlanInput plan_in;  // what the plan predicts for exactly this setup
+  plan_in.model = s.model;
+  plan_in.generator = recipe.generator;
+  plan_in.trainer = recipe.trainer;
+  plan_in.act_dtype = be.act_dtype();
+  plan_in.reference_policy = s.kl_beta > 0;
+  plan_in.kv_pages = kv_pages;
+  plan_in.micro_batch_tokens = s.micro_batch_tokens;
+  plan_in.recompute = s.recompute;
+  plan_in.generation_batch = concurrent;
+  res.plan_peak = memory_plan_compute(plan_in).peak_bytes();
   GrpoLossOptions lopt;
   lopt.is_mode = IsMode::TIS;
   lopt.kl_beta = s.kl_beta;
@@ -219,7 +236,7 @@ std::vector<std::string> split_list(const std::string& s) {
 int run_bench(const std::vector<std::string>& argv) {
   const Args args(argv,
                   {"device", "model", "layers", "recipes", "prompts", "samples", "prompt-len", "max-new-tokens",
-                   "kl-beta", "temperature", "optimizer-steps", "micro-batch-tokens", "steps", "warmup", "seed", "json"},
+                   "kl-beta", "temperature", "recompute", "optimizer-steps", "micro-batch-tokens", "steps", "warmup", "seed", "json"},
                   {"help"});
   if (args.has("help")) {
     std::fputs(kUsage, stdout);
@@ -244,6 +261,10 @@ int run_bench(const std::vector<std::string>& argv) {
   s.seed = static_cast<uint64_t>(args.get_int("seed", 1, 0));
   s.kl_beta = args.get_float("kl-beta", 0.0, 0.0, 1e6);
   s.temperature = args.get_float("temperature", 1.0, 0.01, 100.0);
+  const std::string recompute = args.get("recompute", "none");
+  FP8RL_CHECK(recompute == "none" || recompute == "block", "--recompute must be none or block, got '", recompute,
+              "'");
+  s.recompute = recompute == "block";
   FP8RL_CHECK(s.prompt_len + s.max_new <= s.model.max_position_embeddings, "--prompt-len + --max-new-tokens (",
               s.prompt_len + s.max_new, ") exceeds the shape's max_position_embeddings (",
               s.model.max_position_embeddings, ")");
@@ -274,6 +295,7 @@ int run_bench(const std::vector<std::string>& argv) {
   j["kl_beta"] = s.kl_beta;
   j["optimizer_steps"] = s.optimizer_steps;
   j["micro_batch_tokens"] = s.micro_batch_tokens;
+  j["recompute"] = s.recompute;
   j["steps"] = s.steps;
   const RecipeResult& base = results.front();
   int w = 12;  // column width: the longest recipe spec
@@ -303,6 +325,11 @@ int run_bench(const std::vector<std::string>& argv) {
   for (const RecipeResult& r : results) std::printf(" %*.3f", w, median(r.entropy));
   std::printf("\n%-18s", "peak GiB");
   for (const RecipeResult& r : results) std::printf(" %*.2f", w, r.mem.peak_used_bytes / double(1ll << 30));
+  std::printf("\n%-18s", "plan peak GiB");
+  for (const RecipeResult& r : results) std::printf(" %*.2f", w, r.plan_peak / double(1ll << 30));
+  std::printf("\n%-18s", "peak / plan");
+  for (const RecipeResult& r : results)
+    std::printf(" %*.3f", w, static_cast<double>(r.mem.peak_used_bytes) / std::max<double>(1.0, r.plan_peak));
   std::printf("\n%-18s", "fp8 fallbacks");
   for (const RecipeResult& r : results) std::printf(" %*lld", w, static_cast<long long>(r.counters.fp8_gemm_fallbacks));
   std::printf("\n%-18s", "fp8 row tails");
@@ -319,6 +346,7 @@ int run_bench(const std::vector<std::string>& argv) {
     jr["entropy_per_token"] = r.entropy;  // the trainer's scoring, mean over response tokens
     jr["peak_used_bytes"] = r.mem.peak_used_bytes;
     jr["peak_reserved_bytes"] = r.mem.peak_reserved_bytes;
+    jr["plan_peak_bytes"] = r.plan_peak;
     jr["fp8_gemm_fallbacks"] = r.counters.fp8_gemm_fallbacks;
     jr["fp8_gemm_tails"] = r.counters.fp8_gemm_tails;
     j["recipes"][r.recipe] = jr;

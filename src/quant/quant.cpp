@@ -4,8 +4,9 @@
 //   - amax = max |v| over the block's real elements (fabsf / fmaxf: exact, order-free);
 //   - s = amax / 448 as one IEEE float division; amax == 0 gives s = 1; if the division
 //     underflows to 0 (amax < 448 * 2^-150) s is the smallest positive float 2^-149;
-//   - pow2: s is rounded up to the next power of two (frexpf / ldexpf, exact; s already a
+//   - pow2: s is rounded up to the next power of two (exact, on the float's bits; s already a
 //     power of two stays);
+//   (the scale rule itself is quant/fp8_rule.h's fp8_scale_from_amax, shared with the device);
 //   - q = e4m3_from_float(v / s), v / s one IEEE float division (never v * (1 / s));
 //   - dequantized value = e4m3_to_float(q) * s, one float multiplication.
 #include "quant/quant.h"
@@ -14,6 +15,7 @@
 #include <limits>
 
 #include "core/error.h"
+#include "quant/fp8_rule.h"
 
 namespace fp8rl {
 
@@ -22,15 +24,7 @@ float quant_scale_from_amax(float amax, bool pow2) {
     FP8RL_FAIL_NONFINITE("quantization amax must be finite, got ", amax,
                          " (non-finite values cannot be quantized: look for an overflow upstream)");
   FP8RL_CHECK(amax >= 0.0f, "quantization amax must be >= 0, got ", amax);
-  if (amax == 0.0f) return 1.0f;
-  float s = amax / kE4M3Max;
-  if (s == 0.0f) s = std::numeric_limits<float>::denorm_min();
-  if (pow2) {
-    int e = 0;
-    const float f = std::frexp(s, &e);  // s = f * 2^e, f in [0.5, 1)
-    if (f != 0.5f) s = std::ldexp(1.0f, e);
-  }
-  return s;
+  return fp8_scale_from_amax(amax, pow2);  // fp8_rule.h: the copy the CUDA kernels use too
 }
 
 QuantTensor quant_alloc(int64_t rows, int64_t cols, int block_rows, int block_cols, bool pow2) {

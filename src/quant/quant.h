@@ -31,9 +31,10 @@ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // The one scale rule: s = amax / 448 (one float division); amax == 0 gives 1; a division that
 // underflows to 0 gives the smallest positive float 2^-149; pow2 rounds s up to a power of 2
-// (frexpf/ldexpf; a power of two stays). Throws on a non-finite amax (non-finite input is an
-// error, never quantized). Quantized value q = e4m3_from_float(v / s) (float division, v the
-// element as float: BF16 exact, F64 rounded to float first); dequantized e4m3_to_float(q) * s.
+// (a power of two stays); the rule is fp8_rule.h's fp8_scale_from_amax, the one copy host and
+// device share. Throws on a non-finite amax (non-finite input is an error, never quantized).
+// Quantized value q = e4m3_from_float(v / s) (float division, v the element as float: BF16
+// exact, F64 rounded to float first); dequantized e4m3_to_float(q) * s.
 float quant_scale_from_amax(float amax, bool pow2);
 
 // Allocates an empty CPU QuantTensor of logical shape [rows, cols].

@@ -6,6 +6,7 @@
 #include <random>
 
 #include "core/error.h"
+#include "quant/fp8_rule.h"
 #include "quant/quant.h"
 
 namespace fp8rl {
@@ -108,6 +109,21 @@ TEST(Quant, ScaleRule) {
   int e;
   EXPECT_EQ(std::frexp(tiny, &e), 0.5f);
   EXPECT_GE(tiny, 1e-41f / 448.0f);
+}
+
+// fp8_rule.h's bit-level pow2 rounding (host and device share it) against frexp / ldexp, on every
+// subnormal scale and on every 251st normal one (an exhaustive run over all finite amax agreed).
+TEST(Quant, ScaleRulePow2Bits) {
+  const auto by_frexp = [](float s) {
+    int e = 0;
+    return std::frexp(s, &e) == 0.5f ? s : std::ldexp(1.0f, e);
+  };
+  for (uint32_t u = 1; u < 0x7f800000u; u += u < 0x800000u ? 1u : 251u) {
+    const float s = fp8_bits_float(u);
+    ASSERT_EQ(fp8_float_bits(fp8_pow2_round_up(s)), fp8_float_bits(by_frexp(s))) << "s bits " << u;
+  }
+  EXPECT_EQ(fp8_scale_from_amax(1e-44f, false), std::numeric_limits<float>::denorm_min());  // underflow
+  EXPECT_EQ(fp8_scale_from_amax(448.0f * 3.0f, true), 4.0f);
 }
 
 TEST(Quant, Blocks1x128AndPadding) {

@@ -591,6 +591,48 @@ TEST(CudaOps, RopeForwardAndInverse) {
   }
 }
 
+// The kernels for q/k-norm and RoPE at the model's head shapes: RMSNorm over rows of D <= 256 (one
+// warp per row) and RoPE with several heads per thread, against the CPU.
+TEST(CudaOps, HeadNormAndRopeAtModelShapes) {
+  for (DType dt : {DType::F32, DType::BF16})
+    for (int64_t D : {int64_t(128), int64_t(64), int64_t(40), int64_t(256)})
+      for (int64_t R : {int64_t(1), int64_t(9), int64_t(4099)}) {
+        SCOPED_TRACE(std::to_string(R) + " rows of " + std::to_string(D));
+        Tensor x = rnd({R, D}, 60, dt), w = rnd({D}, 61), g = rnd({R, D}, 62, dt);
+        Tensor ro = Tensor::empty({R, D}, dt), rr = Tensor::empty({R}, DType::F32);
+        C().rmsnorm(x, w, 1e-6f, ro, &rr);
+        Tensor go = poisoned({R, D}, dt), gr = poisoned({R}, DType::F32);
+        G().rmsnorm(dev(x), dev(w), 1e-6f, go, &gr);
+        EXPECT_LT(rel_err(go, ro), dt == DType::F32 ? 1e-6 : 1e-2);
+        EXPECT_LT(rel_err(gr, rr), 1e-6);
+        Tensor rdx = Tensor::empty({R, D}, dt), rdw = Tensor::zeros({D}, DType::F32);
+        C().rmsnorm_backward(g, x, w, rr, rdx, rdw);
+        Tensor gdx = poisoned({R, D}, dt), gdw = dev(Tensor::zeros({D}, DType::F32));
+        G().rmsnorm_backward(dev(g), dev(x), dev(w), gr, gdx, gdw);
+        EXPECT_LT(rel_err(gdx, rdx), dt == DType::F32 ? 1e-5 : 2e-2);
+        EXPECT_LT(rel_err(gdw, rdw), dt == DType::F32 ? 1e-5 : 1e-2);
+      }
+  struct RopeCase { int64_t T, H, hd; };
+  for (const RopeCase rc : {RopeCase{37, 16, 128}, RopeCase{300, 8, 128}, RopeCase{5, 32, 64}, RopeCase{3, 1, 64}}) {
+    SCOPED_TRACE(std::to_string(rc.T) + " x " + std::to_string(rc.H) + " x " + std::to_string(rc.hd));
+    RopeParams rp;
+    for (int i = 0; i < rc.hd / 2; ++i) rp.inv_freq.push_back(std::pow(1000000.0f, -2.0f * i / rc.hd));
+    std::vector<int32_t> pos(rc.T);
+    for (int64_t t = 0; t < rc.T; ++t) pos[t] = static_cast<int32_t>((t * 397) % 4000);
+    Tensor ph = Tensor::empty({rc.T}, DType::I32);
+    std::memcpy(ph.raw(), pos.data(), rc.T * 4);
+    for (DType dt : {DType::F32, DType::BF16})
+      for (bool inverse : {false, true}) {
+        Tensor x = rnd({rc.T, rc.H, rc.hd}, 70 + inverse, dt);
+        Tensor r = to_f32_host(x), gx = poisoned({rc.T, rc.H, rc.hd}, dt);
+        G().copy(dev(x), gx);
+        C().rope(r, ph, rp, inverse);
+        G().rope(gx, dev(ph), rp, inverse);
+        EXPECT_LT(rel_err(gx, r), dt == DType::F32 ? 1e-5 : 1e-2) << (inverse ? "inverse" : "forward");
+      }
+  }
+}
+
 TEST(CudaOps, SwigluForwardBackward) {
   for (DType dt : {DType::F32, DType::BF16}) {
     Tensor g = rnd({33, 200}, 60, dt, 3.0f), u = rnd({33, 200}, 61, dt), d = rnd({33, 200}, 62, dt);

@@ -3,13 +3,12 @@
 // and of the output accumulator; keys are visited one by one with an online softmax.
 //   packed causal GQA forward (+ lse) and backward (dq per query; dk/dv per key),
 //   KV-cache writes (E4M3 bit-exact with the CPU codec) and paged attention over the cache.
-#include <cuda_fp8.h>
-
 #include <type_traits>
 
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/kernels.h"
+#include "quant/fp8_rule.h"
 #include "quant/quant.h"
 
 namespace fp8rl::cuda {
@@ -162,15 +161,6 @@ __global__ void attention_dkv_kernel(const T* dout, const T* q, const T* k, cons
 }
 
 // ---- KV cache -----------------------------------------------------------------------------
-__device__ __forceinline__ uint8_t e4m3_enc(float v) {
-  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
-}
-__device__ __forceinline__ float e4m3_dec(uint8_t q) {
-  __nv_fp8_e4m3 f;
-  f.__x = q;
-  return static_cast<float>(f);
-}
-
 template <class TS, class TP>
 __global__ void kv_write_kernel(const TS* k, const TS* v, const int32_t* slots, int64_t T_, int Hkv, int hd, TP* kp,
                                 TP* vp, const float* ks, const float* vs) {
@@ -181,8 +171,8 @@ __global__ void kv_write_kernel(const TS* k, const TS* v, const int32_t* slots, 
     const int hk = static_cast<int>(rem / hd);
     const int64_t dst = static_cast<int64_t>(slots[t]) * Hkv * hd + rem;
     if constexpr (std::is_same_v<TP, uint8_t>) {
-      kp[dst] = e4m3_enc(load_f(k, i) / ks[hk]);
-      vp[dst] = e4m3_enc(load_f(v, i) / vs[hk]);
+      kp[dst] = fp8_e4m3_encode(load_f(k, i) / ks[hk]);
+      vp[dst] = fp8_e4m3_encode(load_f(v, i) / vs[hk]);
     } else {
       store_f(kp, dst, load_f(k, i));
       store_f(vp, dst, load_f(v, i));
@@ -197,7 +187,7 @@ __global__ void kv_round_kernel(T* x, int64_t n, int H, int hd, KvRoundScales s)
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const float sc = s.v[(i / hd) % H];
-    store_f(x, i, e4m3_dec(e4m3_enc(load_f(x, i) / sc)) * sc);
+    store_f(x, i, fp8_e4m3_round(load_f(x, i) / sc) * sc);
   }
 }
 // The same, 8 elements per thread (hd % 8 == 0 and x 16-byte aligned: the 8 share a head).
@@ -209,14 +199,14 @@ __global__ void kv_round8_kernel(T* x, int64_t n8, int H, int hd8, KvRoundScales
     float v[8];
     load8(x + 8 * j, v);
 #pragma unroll
-    for (int e = 0; e < 8; ++e) v[e] = e4m3_dec(e4m3_enc(v[e] / sc)) * sc;
+    for (int e = 0; e < 8; ++e) v[e] = fp8_e4m3_round(v[e] / sc) * sc;
     store8(x + 8 * j, v);
   }
 }
 
 template <class TP>
 __device__ __forceinline__ float pool_load(const TP* p, int64_t i, float s) {
-  if constexpr (std::is_same_v<TP, uint8_t>) return e4m3_dec(p[i]) * s;
+  if constexpr (std::is_same_v<TP, uint8_t>) return fp8_e4m3_decode(p[i]) * s;
   else return load_f(p, i);
 }
 
@@ -232,15 +222,14 @@ __global__ void attention_paged_kernel(const TQ* q, const int32_t* token_seq, co
   const int h = static_cast<int>(w % Hq), hk = h / (Hq / Hkv);
   float qv[EPL], acc[EPL];
   load_vec<EPL>(q + (t * Hq + h) * hd, hd, lane, qv);
-  if (fp8_q) {  // per (token, head) E4M3 quantization of q, FP32 scale amax / 448
+  if (fp8_q) {  // per (token, head) E4M3 quantization of q, FP32 scale quant_scale_from_amax(amax, false)
     float amax = 0.0f;
 #pragma unroll
     for (int i = 0; i < EPL; ++i) amax = fmaxf(amax, fabsf(qv[i]));
     amax = warp_max(amax);
-    float s = amax == 0.0f ? 1.0f : amax / 448.0f;
-    if (s == 0.0f) s = __uint_as_float(1u);  // quant_scale_from_amax's underflow rule
+    const float s = fp8_scale_from_amax(amax, false);
 #pragma unroll
-    for (int i = 0; i < EPL; ++i) qv[i] = e4m3_dec(e4m3_enc(qv[i] / s)) * s;
+    for (int i = 0; i < EPL; ++i) qv[i] = fp8_e4m3_round(qv[i] / s) * s;
   }
 #pragma unroll
   for (int i = 0; i < EPL; ++i) acc[i] = 0.0f;

@@ -21,7 +21,7 @@ namespace {
 __device__ __forceinline__ float half_warp_scale(float amax, bool pow2) {
 #pragma unroll
   for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-  return quant_scale(amax, pow2);
+  return fp8_scale_from_amax(amax, pow2);
 }
 
 // One block of rmsnorm_row_threads(D) threads per row; thread t holds columns d = t * 8 + k *
@@ -126,7 +126,7 @@ __global__ void swiglu_fp8_kernel(const T* __restrict__ g, const T* __restrict__
   if (!finite) atomicExch(bad, 1);
 #pragma unroll
   for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(mask, amax, o));
-  const float s = quant_scale(amax, pow2);
+  const float s = fp8_scale_from_amax(amax, pow2);
   if (sub == 0) scales[gemm_layout ? blk * R + r : r * nb + blk] = s;
   if (in) *reinterpret_cast<uint2*>(q + r * F + c) = encode8(v, s);
 }

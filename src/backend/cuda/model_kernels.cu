@@ -84,6 +84,37 @@ __global__ void rmsnorm_vec_kernel(const TX* x, const TW* w, int64_t D, float ep
   }
 }
 
+// Rows of D <= 256 (q/k-norm over head_dim): one warp per row, kRmsRowsPerBlock rows per block,
+// no block barrier. For such D the vec kernel runs one warp too (rmsnorm_row_threads), whose
+// block_sum_d is this warp_sum_d plus exact zeros, so the results are the same bits.
+constexpr int kRmsRowsPerBlock = 8;
+template <class TX, class TW, class TO>
+__global__ void rmsnorm_warp_kernel(const TX* x, const TW* w, int64_t R, int64_t D, float eps, TO* out, float* rstd) {
+  const int lane = static_cast<int>(threadIdx.x);
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * kRmsRowsPerBlock + threadIdx.y;
+  if (r >= R) return;
+  const TX* xr = x + r * D;
+  double ss = 0.0;
+  for (int64_t d = lane * 8; d < D; d += 32 * 8) {
+    float v[8];
+    load8(xr + d, v);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) ss += static_cast<double>(v[i]) * v[i];
+  }
+  ss = warp_sum_d(ss);
+  const float var = static_cast<float>(ss / static_cast<double>(D));
+  const float rs = 1.0f / sqrtf(var + eps);
+  if (rstd && lane == 0) rstd[r] = rs;
+  for (int64_t d = lane * 8; d < D; d += 32 * 8) {
+    float v[8], wv[8];
+    load8(xr + d, v);
+    load8(w + d, wv);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = v[i] * rs * wv[i];
+    store8(out + r * D + d, v);
+  }
+}
+
 template <class TG, class TX, class TW, class TO>
 __global__ void rmsnorm_backward_vec_kernel(const TG* g, const TX* x, const TW* w, const float* rstd, int64_t D,
                                             TO* dx) {
@@ -102,6 +133,37 @@ __global__ void rmsnorm_backward_vec_kernel(const TG* g, const TX* x, const TW* 
   dot = block_sum(dot, red);
   const float c = rs * rs * rs * dot / static_cast<float>(D);
   for (int64_t d = threadIdx.x * 8; d < D; d += blockDim.x * 8) {
+    float gv[8], wv[8], xv[8];
+    load8(g + r * D + d, gv);
+    load8(w + d, wv);
+    load8(x + r * D + d, xv);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) gv[i] = rs * gv[i] * wv[i] - xv[i] * c;
+    store8(dx + r * D + d, gv);
+  }
+}
+
+// The backward for rows of D <= 256, one warp per row (see rmsnorm_warp_kernel). "+ 0.0f"
+// reproduces block_sum's second stage, which adds exact zeros (and so turns a -0 sum into +0).
+template <class TG, class TX, class TW, class TO>
+__global__ void rmsnorm_backward_warp_kernel(const TG* g, const TX* x, const TW* w, const float* rstd, int64_t R,
+                                             int64_t D, TO* dx) {
+  const int lane = static_cast<int>(threadIdx.x);
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * kRmsRowsPerBlock + threadIdx.y;
+  if (r >= R) return;
+  const float rs = rstd[r];
+  float dot = 0.0f;
+  for (int64_t d = lane * 8; d < D; d += 32 * 8) {
+    float gv[8], wv[8], xv[8];
+    load8(g + r * D + d, gv);
+    load8(w + d, wv);
+    load8(x + r * D + d, xv);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) dot += gv[i] * wv[i] * xv[i];
+  }
+  dot = warp_sum(dot) + 0.0f;
+  const float c = rs * rs * rs * dot / static_cast<float>(D);
+  for (int64_t d = lane * 8; d < D; d += 32 * 8) {
     float gv[8], wv[8], xv[8];
     load8(g + r * D + d, gv);
     load8(w + d, wv);
@@ -145,22 +207,41 @@ __global__ void rmsnorm_dw_kernel(const TG* g, const TX* x, const float* rstd, i
   }
 }
 
+// One block per token (grid-stride): thread (j, hc) computes the token's angle j once and rotates
+// the pair (j, j + half) of heads hc, hc + HC, ... (at most kRopeHeadsPerThread): the heads share
+// the angle, so cosf/sinf run once per (token, j, hc) instead of per element, the loads of a
+// thread's heads are issued before its stores, and no index needs a 64-bit division. The
+// arithmetic of each element is that of one thread per pair.
+constexpr int kRopeHeadsPerThread = 8;
 template <class T>
-__global__ void rope_kernel(T* x, int64_t T_, int64_t H, int64_t hd, const int32_t* pos, RopeTable tab, float att,
+__global__ void rope_kernel(T* x, int64_t T_, int H, int hd, const int32_t* pos, RopeTable tab, float att,
                             bool inverse) {
-  const int64_t half = hd / 2;
-  const int64_t n = T_ * H * half;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t j = i % half, th = i / half, t = th / H;
+  const int half = hd / 2, j = static_cast<int>(threadIdx.x), hc = static_cast<int>(threadIdx.y);
+  const int HC = static_cast<int>(blockDim.y);
+  for (int64_t t = blockIdx.x; t < T_; t += gridDim.x) {
     const float angle = static_cast<float>(pos[t]) * tab.inv_freq[j];
     const float c = cosf(angle) * att;
     float s = sinf(angle) * att;
     if (inverse) s = -s;
-    const int64_t base = th * hd;
-    const float x1 = load_f(x, base + j), x2 = load_f(x, base + j + half);
-    store_f(x, base + j, x1 * c - x2 * s);
-    store_f(x, base + j + half, x2 * c + x1 * s);
+    float x1[kRopeHeadsPerThread], x2[kRopeHeadsPerThread];
+#pragma unroll
+    for (int k = 0; k < kRopeHeadsPerThread; ++k) {
+      const int h = hc + k * HC;
+      if (h < H) {
+        const int64_t base = (t * H + h) * hd;
+        x1[k] = load_f(x, base + j);
+        x2[k] = load_f(x, base + j + half);
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kRopeHeadsPerThread; ++k) {
+      const int h = hc + k * HC;
+      if (h < H) {
+        const int64_t base = (t * H + h) * hd;
+        store_f(x, base + j, x1[k] * c - x2[k] * s);
+        store_f(x, base + j + half, x2[k] * c + x1[k] * s);
+      }
+    }
   }
 }
 
@@ -269,7 +350,11 @@ void launch_rmsnorm(const void* x, DType xdt, const void* w, DType wdt, int64_t 
   FP8RL_DISPATCH_FLOAT(wdt, "rmsnorm weight", {
     using TW = T;
     FP8RL_DISPATCH_FLOAT(xdt, "rmsnorm input", {
-      if (vec8_ok(D, {x, w, out})) {
+      if (vec8_ok(D, {x, w, out}) && D <= 256) {
+        const dim3 block(32, kRmsRowsPerBlock);
+        rmsnorm_warp_kernel<T, TW, T><<<static_cast<unsigned>(ceil_div(R, kRmsRowsPerBlock)), block, 0, stream>>>(
+            static_cast<const T*>(x), static_cast<const TW*>(w), R, D, eps, static_cast<T*>(out), rstd);
+      } else if (vec8_ok(D, {x, w, out})) {
         rmsnorm_vec_kernel<T, TW, T><<<static_cast<unsigned>(R), vec_row_threads(D), 0, stream>>>(
             static_cast<const T*>(x), static_cast<const TW*>(w), D, eps, static_cast<T*>(out), rstd);
       } else {
@@ -289,7 +374,13 @@ void launch_rmsnorm_backward(const void* dout, DType gdt, const void* x, DType x
   FP8RL_DISPATCH_FLOAT(wdt, "rmsnorm weight", {
     using TW = T;
     FP8RL_DISPATCH_FLOAT(xdt, "rmsnorm input", {
-      if (vec8_ok(D, {dout, x, w, dx})) {
+      if (vec8_ok(D, {dout, x, w, dx}) && D <= 256) {
+        const dim3 block(32, kRmsRowsPerBlock);
+        rmsnorm_backward_warp_kernel<T, T, TW, T>
+            <<<static_cast<unsigned>(ceil_div(R, kRmsRowsPerBlock)), block, 0, stream>>>(
+                static_cast<const T*>(dout), static_cast<const T*>(x), static_cast<const TW*>(w), rstd, R, D,
+                static_cast<T*>(dx));
+      } else if (vec8_ok(D, {dout, x, w, dx})) {
         rmsnorm_backward_vec_kernel<T, T, TW, T><<<static_cast<unsigned>(R), vec_row_threads(D), 0, stream>>>(
             static_cast<const T*>(dout), static_cast<const T*>(x), static_cast<const TW*>(w), rstd, D,
             static_cast<T*>(dx));
@@ -311,9 +402,19 @@ void launch_rope(void* x, DType dt, int64_t T_, int64_t H, int64_t hd, const int
                  float attention_scaling, bool inverse, cudaStream_t stream) {
   const int64_t n = T_ * H * (hd / 2);
   if (n == 0) return;
+  const int half = static_cast<int>(hd / 2);
+  FP8RL_CHECK(half >= 1 && half <= kMaxRopeHalf, "rope: head_dim ", hd, " out of range");
+  const int heads = static_cast<int>(H);
+  // Head groups per block: enough threads (~256) per token, at most kRopeHeadsPerThread heads each.
+  int hc = std::max(1, std::min(heads, 256 / half));
+  hc = std::max(hc, static_cast<int>(ceil_div(heads, kRopeHeadsPerThread)));
+  FP8RL_CHECK(static_cast<int64_t>(half) * hc <= 1024, "rope: ", H, " heads of head_dim ", hd,
+              " exceed one block's threads");
+  const dim3 block(static_cast<unsigned>(half), static_cast<unsigned>(hc));
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(T_, 65535LL * 16));
   FP8RL_DISPATCH_FLOAT(dt, "rope", {
-    rope_kernel<T><<<grid_for(n, 256), 256, 0, stream>>>(static_cast<T*>(x), T_, H, hd, pos, tab, attention_scaling,
-                                                         inverse);
+    rope_kernel<T><<<grid, block, 0, stream>>>(static_cast<T*>(x), T_, heads, static_cast<int>(hd), pos, tab,
+                                               attention_scaling, inverse);
   });
   CUDA_CHECK_LAUNCH("rope_kernel");
 }

@@ -26,6 +26,7 @@
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/kernels.h"
+#include "quant/fp8_rule.h"
 
 namespace fp8rl::cuda {
 
@@ -34,20 +35,6 @@ namespace {
 // ---- device primitives (the host emulation supplies its own) --------------------------------
 __device__ __forceinline__ uint4 paged_ld16(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
 __device__ __forceinline__ uint2 paged_ld8(const void* p) { return __ldg(reinterpret_cast<const uint2*>(p)); }
-// Two E4M3 bytes (the first in the low byte) to floats, exact.
-__device__ __forceinline__ float2 e4m3x2_to_float2(uint32_t two) {
-  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two & 0xffffu), __NV_E4M3);
-  __half2 hh;
-  hh = h;
-  return __half22float2(hh);
-}
-// e4m3_to_float(e4m3_from_float(x)): round to nearest even, saturating to +-448.
-__device__ __forceinline__ float e4m3_round(float x) {
-  __nv_fp8_e4m3 f;
-  f.__x = __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3);
-  return static_cast<float>(f);
-}
-
 // For the tensor-core kernel (paged_mma_kernel below):
 // cp.async of 16 bytes into shared memory; src_bytes = 0 writes 16 zero bytes and reads nothing.
 __device__ __forceinline__ void paged_cp_async16(void* smem_dst, const void* src, int src_bytes) {
@@ -188,7 +175,7 @@ __device__ __forceinline__ void paged_decode_row(const PagedRow<TP, VEC>& r, flo
       x[2 * i] = bf16_bits_to_float(static_cast<uint16_t>(r.w[i] & 0xffffu));
       x[2 * i + 1] = bf16_bits_to_float(static_cast<uint16_t>(r.w[i] >> 16));
     } else {
-      const float2 lo = e4m3x2_to_float2(r.w[i]), hi = e4m3x2_to_float2(r.w[i] >> 16);
+      const float2 lo = fp8_e4m3x2_to_float2(r.w[i]), hi = fp8_e4m3x2_to_float2(r.w[i] >> 16);
       x[4 * i] = lo.x, x[4 * i + 1] = lo.y, x[4 * i + 2] = hi.x, x[4 * i + 3] = hi.y;
     }
   }
@@ -270,10 +257,9 @@ __global__ void __launch_bounds__(32 * kPagedWarps) paged_attention_kernel(const
 #pragma unroll
       for (int i = 0; i < kPer; ++i) amax = fmaxf(amax, fabsf(x[i]));
       for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-      float s = amax == 0.0f ? 1.0f : amax / 448.0f;
-      if (s == 0.0f) s = __uint_as_float(1u);
+      const float s = fp8_scale_from_amax(amax, false);
 #pragma unroll
-      for (int i = 0; i < kPer; ++i) x[i] = e4m3_round(x[i] / s) * s;
+      for (int i = 0; i < kPer; ++i) x[i] = fp8_e4m3_round(x[i] / s) * s;
     }
 #pragma unroll
     for (int i = 0; i < kPer; ++i) s_q[h][lane + 32 * i] = x[i];
@@ -446,10 +432,9 @@ __global__ void __launch_bounds__(32 * kPagedWarps, 3) paged_tiled_kernel(const 
 #pragma unroll
       for (int i = 0; i < kPer; ++i) amax = fmaxf(amax, fabsf(x[i]));
       for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-      float s = amax == 0.0f ? 1.0f : amax / 448.0f;
-      if (s == 0.0f) s = __uint_as_float(1u);
+      const float s = fp8_scale_from_amax(amax, false);
 #pragma unroll
-      for (int i = 0; i < kPer; ++i) x[i] = e4m3_round(x[i] / s) * s;
+      for (int i = 0; i < kPer; ++i) x[i] = fp8_e4m3_round(x[i] / s) * s;
     }
 #pragma unroll
     for (int i = 0; i < kPer; ++i) s_q[h][lane + 32 * i] = x[i] * kq;
@@ -756,10 +741,9 @@ __global__ void __launch_bounds__(32 * kMmaWarps, PagedMmaCfg<HD, TP>::kMinBlock
     for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
     float fs = 1.0f;
     if (a.fp8_q) {  // s = quant_scale_from_amax(amax, pow2 = false); the MMA takes e4m3(q / s)
-      float sq = amax == 0.0f ? 1.0f : amax / 448.0f;
-      if (sq == 0.0f) sq = __uint_as_float(1u);
+      const float sq = fp8_scale_from_amax(amax, false);
 #pragma unroll
-      for (int i = 0; i < kPer; ++i) x[i] = e4m3_round(x[i] / sq);
+      for (int i = 0; i < kPer; ++i) x[i] = fp8_e4m3_round(x[i] / sq);
       fs = sq;
     } else if (Cfg::kF16 && amax > 0.0f) {
       int e;

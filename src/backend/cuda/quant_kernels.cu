@@ -1,7 +1,6 @@
 // Block-scaled E4M3 quantization on the GPU, bit-exact with quant/quant.cpp:
-//   s = amax / 448 (IEEE division; nvcc's default -prec-div=true, no fast-math), amax 0 -> 1,
-//   pow2: s rounded *up* to a power of two by exponent manipulation;
-//   q = __nv_cvt_float_to_fp8(x / s, __NV_SATFINITE, __NV_E4M3)  (RNE, saturate to +-448).
+//   s = fp8_scale_from_amax(amax, pow2) and q = fp8_e4m3_encode(x / s), quant/fp8_rule.h's
+//   (the divisions are IEEE: nvcc's default -prec-div=true, no fast-math).
 // Non-finite input raises a device flag that the host checks after the launch (an error,
 // never quantized). Also here: dequantization and the cuBLASLt scale-layout kernels.
 // Two families: element-wise kernels (any shape) and vectorized ones (16-byte loads, 8- or
@@ -39,12 +38,12 @@ __global__ void quant_rows_1x128_kernel(const T* __restrict__ x, int64_t rows, i
   }
   if (!finite) atomicExch(bad, 1);
   amax = warp_max(amax);
-  const float s = quant_scale(amax, pow2);
+  const float s = fp8_scale_from_amax(amax, pow2);
   if (lane == 0) scales[gemm_layout ? b * rows + r : r * nb + b] = s;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int64_t c = c0 + i;
-    if (c < cols) q[r * cols + c] = e4m3_encode(v[i] / s);
+    if (c < cols) q[r * cols + c] = fp8_e4m3_encode(v[i] / s);
   }
 }
 
@@ -88,7 +87,7 @@ __global__ void quant_tile_kernel(const T* __restrict__ x, int64_t R, int64_t C,
       float m = 0.0f;
       for (int b = lane; b < kTile; b += 32) m = fmaxf(m, fabsf(tile[a * (kTile + 1) + b]));
       m = warp_max(m);
-      const float s = quant_scale(m, pow2);
+      const float s = fp8_scale_from_amax(m, pow2);
       if (lane == 0) {
         row_scale[a] = s;
         if (r0 + a < R) scales[(r0 + a) * ncb + blockIdx.x] = s;
@@ -98,7 +97,7 @@ __global__ void quant_tile_kernel(const T* __restrict__ x, int64_t R, int64_t C,
     float m = 0.0f;
     for (int i = t; i < kTile * kTile; i += kTileThreads) m = fmaxf(m, fabsf(tile[(i / kTile) * (kTile + 1) + i % kTile]));
     m = block_max(m, red);
-    const float s = quant_scale(m, pow2);
+    const float s = fp8_scale_from_amax(m, pow2);
     if (t < kTile) row_scale[t] = s;
     if (t == 0) scales[static_cast<int64_t>(blockIdx.y) * ncb + blockIdx.x] = s;
   }
@@ -107,7 +106,7 @@ __global__ void quant_tile_kernel(const T* __restrict__ x, int64_t R, int64_t C,
     const int a = i / kTile, b = i % kTile;
     const int64_t r = r0 + a, c = c0 + b;
     // Columns [C, ldq) of the padded layout hold zeros (the tile is zero there).
-    if (r < R && c < ldq) q[r * ldq + c] = e4m3_encode(tile[a * (kTile + 1) + b] / row_scale[a]);
+    if (r < R && c < ldq) q[r * ldq + c] = fp8_e4m3_encode(tile[a * (kTile + 1) + b] / row_scale[a]);
   }
 }
 
@@ -140,7 +139,7 @@ __global__ void quant_rows_vec_kernel(const T* __restrict__ x, int64_t rows, int
   if (!finite) atomicExch(bad, 1);
 #pragma unroll
   for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(mask, amax, o));
-  const float s = quant_scale(amax, pow2);
+  const float s = fp8_scale_from_amax(amax, pow2);
   if (sub == 0) scales[gemm_layout ? b * rows + r : r * nb + b] = s;
   if (in) *reinterpret_cast<uint2*>(q + r * cols + c) = encode8(v, s);
 }
@@ -170,7 +169,7 @@ __global__ void quant_blk_vec_kernel(const T* __restrict__ x, int64_t R, int64_t
   }
   if (!finite) atomicExch(bad, 1);
   amax = block_max(amax, red);
-  const float s = quant_scale(amax, pow2);
+  const float s = fp8_scale_from_amax(amax, pow2);
   if (threadIdx.x == 0) scales[static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x] = s;
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
@@ -224,11 +223,11 @@ __global__ void quant_tile_t_vec_kernel(const T* __restrict__ x, int64_t R, int6
     for (int a = half * 64; a < half * 64 + 64; ++a) m = fmaxf(m, fabsf(tile_t[a * kVecTileLd + rr]));
     part[half][rr] = m;
     __syncthreads();
-    s = quant_scale(fmaxf(part[0][rr], part[1][rr]), pow2);
+    s = fp8_scale_from_amax(fmaxf(part[0][rr], part[1][rr]), pow2);
     if (half == 0 && r0 + rr < R) scales[(r0 + rr) * ncb + blockIdx.x] = s;
   } else {
     amax = block_max(amax, red);  // synchronizes: the tile is complete
-    s = quant_scale(amax, pow2);
+    s = fp8_scale_from_amax(amax, pow2);
     if (t == 0) scales[static_cast<int64_t>(blockIdx.y) * ncb + blockIdx.x] = s;
   }
   const int64_t r = r0 + rr;
@@ -246,7 +245,7 @@ __global__ void quant_tile_t_vec_kernel(const T* __restrict__ x, int64_t R, int6
       const uint2 lo = encode8(v, s), hi = encode8(v + 8, s);
       *reinterpret_cast<uint4*>(dst) = make_uint4(lo.x, lo.y, hi.x, hi.y);
     } else {
-      for (int i = 0; i < 16 && c + i < ldq; ++i) dst[i] = e4m3_encode(v[i] / s);
+      for (int i = 0; i < 16 && c + i < ldq; ++i) dst[i] = fp8_e4m3_encode(v[i] / s);
     }
   }
 }
@@ -325,7 +324,7 @@ __global__ void dequant_kernel(const uint8_t* __restrict__ q, const float* __res
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < R * C;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t r = i / C, c = i % C;
-    store_f(out, i, e4m3_decode(q[i]) * scales[(r / br) * ncb + c / bc]);
+    store_f(out, i, fp8_e4m3_decode(q[i]) * scales[(r / br) * ncb + c / bc]);
   }
 }
 

@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "emu.h"
+#include "quant/fp8_rule.h"  // fp8_scale_from_amax (plain C++); the codec shims are below
 #define __align__(n) alignas(n)
 #ifndef INFINITY
 #define INFINITY (__builtin_inff())
@@ -34,9 +35,10 @@ inline uint8_t e4m3_enc(float x) {
   }
   return uint8_t(best | (x < 0 ? 0x80 : 0));
 }
-inline float2 e4m3x2_to_float2(uint32_t two) { return {e4m3_dec(uint8_t(two & 0xff)), e4m3_dec(uint8_t((two >> 8) & 0xff))}; }
-inline float e4m3_round(float x) { return e4m3_dec(e4m3_enc(x)); }
+inline float2 fp8_e4m3x2_to_float2(uint32_t two) { return {e4m3_dec(uint8_t(two & 0xff)), e4m3_dec(uint8_t((two >> 8) & 0xff))}; }
+inline float fp8_e4m3_round(float x) { return e4m3_dec(e4m3_enc(x)); }
 using ::fabsf;
+using fp8rl::fp8_scale_from_amax;
 inline void __syncwarp() { tw->bar.arrive_and_wait(); }
 
 // ---- shims of the tensor-core kernel's primitives (paged_mma_kernel) ----
@@ -231,7 +233,7 @@ int run(const Case& c) {
         float amax = 0;
         for (float x : qr) amax = std::max(amax, std::fabs(x));
         const float s = amax == 0 ? 1.0f : amax / 448.0f;
-        for (float& x : qr) x = e4m3_round(x / s) * s;
+        for (float& x : qr) x = fp8_e4m3_round(x / s) * s;
       }
       const int n = pos[t] + 1;
       std::vector<double> p(n);

@@ -31,6 +31,6 @@ open(sys.argv[3], 'w').write('namespace emu {\n' + consts + '\n' + body + '\n' +
 PY
 cp "$HERE/main.cpp" "$WORK/"
 cp "$HERE/../flash_emu/emu.h" "$WORK/"
-g++ -std=c++20 -O1 -g -fno-strict-aliasing -fsanitize=address,undefined -pthread -I"$WORK" "$WORK/main.cpp" -o "$WORK/emu"
+g++ -std=c++20 -O1 -g -fno-strict-aliasing -fsanitize=address,undefined -pthread -I"$WORK" -I"$ROOT/src" "$WORK/main.cpp" -o "$WORK/emu"
 "$WORK/emu" "$@"
 rm -rf "$WORK"
