@@ -360,9 +360,17 @@ bool ModelConfig::layer_is_moe(int layer) const {
 // not correctly rounded, and for tails scalar libm), ours is correctly rounded, so a few
 // inv_freq values differ from transformers' by 1 ulp (measured with torch 2.15 on x86: 14 of
 // 1344 values over 40 theta/head_dim/rope_type combinations; the fixtures record HF's values).
+float ModelConfig::softmax_scale() const {
+  // MLA: 1 / sqrt(qk_nope_head_dim + qk_rope_head_dim) (yarn's mscale factor would multiply it;
+  // yarn rope scaling is refused by the config parser).
+  const int d = is_mla() ? qk_head_dim() : head_dim;
+  return 1.0f / std::sqrt(static_cast<float>(d));
+}
+
 RopeParams ModelConfig::rope_params() const {
   validate();
   RopeParams p;
+  p.interleaved = is_mla() && rope_interleave;  // DeepSeek's rope_interleave (pairs 2i, 2i + 1)
   const int half = head_dim / 2;
   p.inv_freq.resize(half);
   for (int i = 0; i < half; ++i) {
