@@ -10,6 +10,7 @@
 #include <cmath>
 
 #include "test_model_util.h"
+#include "rollout/rollout.h"
 #include "train/trainer.h"
 
 namespace fp8rl {
@@ -405,6 +406,16 @@ TEST(MlaModel, TrainerStepsAndGenerationIsRefused) {
     EXPECT_TRUE(st.applied);
     const ModelWeights& m = static_cast<const Trainer&>(trainer).master();
     EXPECT_NE(to_float_vector(be->to_host(m.layers[1].kv_b.w)), before);
+  }
+  // The rollout engine refuses an MLA model at construction, with the same message.
+  EnginePrecision prec;
+  prec.linear = LinearMode::FP32;
+  prec.kv_cache = DType::F32;
+  try {
+    RolloutEngine engine(*be, model_weights_to_device(*be, tiny_mla(DType::F32, 2, false), DType::F32), prec, 8, 4, 2);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("MLA"), std::string::npos) << e.what();
   }
   try {
     model_alloc_kv_cache(*be, tiny_mla_config(false, true), 8, 4, DType::F32);
