@@ -214,7 +214,7 @@ ModelConfig model_config_from_json(const std::string& json_text, const std::stri
   if (c.model_type == "deepseek_v2" || c.model_type == "qwen2_moe" ||
       c.model_type == "mixtral" || c.model_type == "qwen3_next" || c.model_type == "olmoe")
     FP8RL_FAIL(origin, ": model_type '", c.model_type, "' (a mixture-of-experts family) is not supported yet "
-               "(supported: llama, qwen2, qwen3, qwen3_moe; deepseek_v3 config only)");
+               "(supported: llama, qwen2, qwen3, qwen3_moe; deepseek_v3 with MLA)");
   if (!llama && !qwen2 && !qwen3 && !qwen3_moe && !deepseek_v3)
     FP8RL_FAIL(origin, ": model_type '", c.model_type, "' is not supported (supported: llama, qwen2, qwen3, qwen3_moe)");
 
@@ -428,7 +428,8 @@ int64_t ModelConfig::num_parameters() const {
 
 std::string model_config_to_json(const ModelConfig& c) {
   c.validate();
-  FP8RL_CHECK(c.model_type != "deepseek_v3", "writing a deepseek_v3 config.json is not supported (config only)");
+  FP8RL_CHECK(c.model_type != "deepseek_v3", "writing a deepseek_v3 config.json is not supported yet: MLA models "
+              "load, score and train (CPU), but cannot be saved or exported");
   FP8RL_CHECK(c.moe_router == "softmax" && c.n_shared_experts == 0, "a qwen3_moe config.json cannot carry sigmoid "
               "routing or shared experts (DeepSeek features on a test model)");
   const char* arch = c.model_type == "llama"       ? "LlamaForCausalLM"

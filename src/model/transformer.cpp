@@ -271,20 +271,20 @@ void forward_block(Backend& be, const ModelWeights& w, const EnginePrecision& pr
     be.rmsnorm_fp8(x, lw.attn_norm, c.rms_norm_eps, a.xn_attn, &a.attn_rstd, xq);
   else
     be.rmsnorm(x, lw.attn_norm, c.rms_norm_eps, a.xn_attn, &a.attn_rstd);
-  if (c.is_mla()) {
+  if (c.is_mla()) {  // q [T, H, qk], k [T, H, qk], v [T, H, dv]
     mla_qkv(be, c, lw, spec, positions, rope, xq_or_null, a);
   } else {
-  Tensor q2 = a.q.reshape({T, Hq * hd}), k2 = a.k.reshape({T, Hkv * hd}), v2 = a.v.reshape({T, Hkv * hd});
-  if (c.qk_norm) {
-    be.linear_shared_input(a.xn_attn, {&lw.q, &lw.k, &lw.v}, spec, {&a.q_raw, &a.k_raw, &v2}, xq_or_null);
-    Tensor qh = a.q.reshape({T * Hq, hd}), kh = a.k.reshape({T * Hkv, hd});
-    be.rmsnorm(a.q_raw.reshape({T * Hq, hd}), lw.q_norm, c.rms_norm_eps, qh, &a.q_rstd);
-    be.rmsnorm(a.k_raw.reshape({T * Hkv, hd}), lw.k_norm, c.rms_norm_eps, kh, &a.k_rstd);
-  } else {
-    be.linear_shared_input(a.xn_attn, {&lw.q, &lw.k, &lw.v}, spec, {&q2, &k2, &v2}, xq_or_null);
-  }
-  be.rope(a.q, positions, rope, /*inverse=*/false);
-  be.rope(a.k, positions, rope, /*inverse=*/false);
+    Tensor q2 = a.q.reshape({T, Hq * hd}), k2 = a.k.reshape({T, Hkv * hd}), v2 = a.v.reshape({T, Hkv * hd});
+    if (c.qk_norm) {
+      be.linear_shared_input(a.xn_attn, {&lw.q, &lw.k, &lw.v}, spec, {&a.q_raw, &a.k_raw, &v2}, xq_or_null);
+      Tensor qh = a.q.reshape({T * Hq, hd}), kh = a.k.reshape({T * Hkv, hd});
+      be.rmsnorm(a.q_raw.reshape({T * Hq, hd}), lw.q_norm, c.rms_norm_eps, qh, &a.q_rstd);
+      be.rmsnorm(a.k_raw.reshape({T * Hkv, hd}), lw.k_norm, c.rms_norm_eps, kh, &a.k_rstd);
+    } else {
+      be.linear_shared_input(a.xn_attn, {&lw.q, &lw.k, &lw.v}, spec, {&q2, &k2, &v2}, xq_or_null);
+    }
+    be.rope(a.q, positions, rope, /*inverse=*/false);
+    be.rope(a.k, positions, rope, /*inverse=*/false);
   }
   if (amax) {
     amax->q.push_back(be.amax(a.q));

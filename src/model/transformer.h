@@ -30,7 +30,9 @@
 // then hidden = rmsnorm(x, final_norm) and logits = hidden lm_head^T.
 //
 // Precision: the 7 linears of block l (an MoE block: q, k, v, o and every expert's gate, up,
-// down) run in precision.linear_for_layer(l, L); the MoE router is an FP32 GEMM on FP32 inputs; lm_head and
+// down; an MLA block: its projections) run in precision.linear_for_layer(l, L) (MLA
+// projections whose widths are not multiples of 128 stay BF16 under FP8: model_linear_mode,
+// weights.h); the MoE router is an FP32 GEMM on FP32 inputs; lm_head and
 // everything else run with LinearMode::FP32 in the backend's activation dtype (FP32 on the
 // CPU), except that with BF16 activations (the CUDA fast path) lm_head is a BF16 GEMM with FP32
 // accumulation (transformer.cpp, head_spec_for). With F64 weights (CPU only) every activation, statistic and logp is F64 instead: the
