@@ -77,12 +77,17 @@ struct Fp8View {
 // shape [M, K], the spec's pow2, made from x (source == x.raw()). `what` names the op.
 void fp8_view_check(const Fp8View& view, const Tensor& x, const LinearSpec& spec, const char* what);
 
-// Rotary embedding, non-interleaved (rotate_half, as HF Llama/Qwen). inv_freq has head_dim/2
-// entries (llama3 scaling already applied by model config code); angle = pos * inv_freq[i],
-// computed in FP32 as HF does.
+// Rotary embedding. Non-interleaved (rotate_half, as HF Llama/Qwen): dims i and i + hd/2 form
+// pair i. Interleaved (DeepSeek-V3's rope_interleave, CPU backend only): dims 2i and 2i + 1 form
+// pair i, rotated in place. (HF's apply_rotary_pos_emb_interleave writes the rotated pairs
+// de-interleaved, evens then odds: a fixed permutation of the dims applied to q and k alike,
+// which leaves every q.k, hence the attention, unchanged.) inv_freq has head_dim/2 entries
+// (llama3 scaling already applied by model config code); angle = pos * inv_freq[i], computed
+// in FP32 as HF does.
 struct RopeParams {
   std::vector<float> inv_freq;  // [head_dim / 2]
   float attention_scaling = 1.0f;  // multiplies cos and sin (1 for the supported rope types)
+  bool interleaved = false;
 };
 
 struct AdamWParams {
@@ -158,6 +163,10 @@ class Backend {
   // numel. Rounds to nearest even (F64 -> BF16/F16 goes through F32).
   virtual void convert(const Tensor& src, Tensor& dst) = 0;
   virtual void fill(Tensor& t, float value) = 0;
+  // A column block copy between 2-D views of one dtype: dst[r, dst_col + c] = src[r, src_col + c]
+  // for r < R, c < cols, where src is viewed as [R, Cs] and dst as [R, Cd] (each by its last
+  // dim: R = numel / Cs = numel / Cd). Column slices and concatenations (MLA's nope | rope).
+  virtual void copy_cols(const Tensor& src, int64_t src_col, Tensor& dst, int64_t dst_col, int64_t cols) = 0;
   virtual void synchronize() {}
   // Device memory accounting (CUDA); the CPU backend reports zeros.
   virtual MemoryStats memory_stats() { return {}; }
@@ -253,12 +262,13 @@ class Backend {
   virtual void rope(Tensor& x, const Tensor& positions, const RopeParams& rope, bool inverse) = 0;
 
   // Causal grouped-query attention over packed sequences (training and reference prefill).
-  // q [T, Hq, hd], k/v [T, Hkv, hd], Hq % Hkv == 0; out [T, Hq, hd]; lse F32 [Hq, T]
-  // (log-sum-exp of the scaled scores, saved for backward). cu_seqlens host [B + 1].
+  // q [T, Hq, hd], k [T, Hkv, hd], v [T, Hkv, hdv], Hq % Hkv == 0; out [T, Hq, hdv]; lse F32
+  // [Hq, T] (log-sum-exp of the scaled scores, saved for backward). cu_seqlens host [B + 1].
+  // hdv != hd (MLA: v_head_dim != qk_nope + qk_rope) on the CPU backend only; CUDA refuses it.
   virtual void attention(const Tensor& q, const Tensor& k, const Tensor& v,
                          const std::vector<int32_t>& cu_seqlens, float softmax_scale,
                          Tensor& out, Tensor& lse) = 0;
-  // dq [T, Hq, hd], dk/dv [T, Hkv, hd] written.
+  // dq [T, Hq, hd], dk [T, Hkv, hd], dv [T, Hkv, hdv] written.
   virtual void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k,
                                   const Tensor& v, const Tensor& out, const Tensor& lse,
                                   const std::vector<int32_t>& cu_seqlens, float softmax_scale,

@@ -214,7 +214,7 @@ ModelConfig model_config_from_json(const std::string& json_text, const std::stri
   if (c.model_type == "deepseek_v2" || c.model_type == "qwen2_moe" ||
       c.model_type == "mixtral" || c.model_type == "qwen3_next" || c.model_type == "olmoe")
     FP8RL_FAIL(origin, ": model_type '", c.model_type, "' (a mixture-of-experts family) is not supported yet "
-               "(supported: llama, qwen2, qwen3, qwen3_moe; deepseek_v3 config only)");
+               "(supported: llama, qwen2, qwen3, qwen3_moe; deepseek_v3 with MLA)");
   if (!llama && !qwen2 && !qwen3 && !qwen3_moe && !deepseek_v3)
     FP8RL_FAIL(origin, ": model_type '", c.model_type, "' is not supported (supported: llama, qwen2, qwen3, qwen3_moe)");
 
@@ -360,9 +360,17 @@ bool ModelConfig::layer_is_moe(int layer) const {
 // not correctly rounded, and for tails scalar libm), ours is correctly rounded, so a few
 // inv_freq values differ from transformers' by 1 ulp (measured with torch 2.15 on x86: 14 of
 // 1344 values over 40 theta/head_dim/rope_type combinations; the fixtures record HF's values).
+float ModelConfig::softmax_scale() const {
+  // MLA: 1 / sqrt(qk_nope_head_dim + qk_rope_head_dim) (yarn's mscale factor would multiply it;
+  // yarn rope scaling is refused by the config parser).
+  const int d = is_mla() ? qk_head_dim() : head_dim;
+  return 1.0f / std::sqrt(static_cast<float>(d));
+}
+
 RopeParams ModelConfig::rope_params() const {
   validate();
   RopeParams p;
+  p.interleaved = is_mla() && rope_interleave;  // DeepSeek's rope_interleave (pairs 2i, 2i + 1)
   const int half = head_dim / 2;
   p.inv_freq.resize(half);
   for (int i = 0; i < half; ++i) {
@@ -420,7 +428,8 @@ int64_t ModelConfig::num_parameters() const {
 
 std::string model_config_to_json(const ModelConfig& c) {
   c.validate();
-  FP8RL_CHECK(c.model_type != "deepseek_v3", "writing a deepseek_v3 config.json is not supported (config only)");
+  FP8RL_CHECK(c.model_type != "deepseek_v3", "writing a deepseek_v3 config.json is not supported yet: MLA models "
+              "load, score and train (CPU), but cannot be saved or exported");
   FP8RL_CHECK(c.moe_router == "softmax" && c.n_shared_experts == 0, "a qwen3_moe config.json cannot carry sigmoid "
               "routing or shared experts (DeepSeek features on a test model)");
   const char* arch = c.model_type == "llama"       ? "LlamaForCausalLM"

@@ -8,7 +8,7 @@
 namespace fp8rl {
 
 struct ModelConfig {
-  std::string model_type;         // "llama" | "qwen2" | "qwen3" | "qwen3_moe" | "deepseek_v3" (config only)
+  std::string model_type;         // "llama" | "qwen2" | "qwen3" | "qwen3_moe" | "deepseek_v3" (MLA)
   int vocab_size = 0;
   int hidden_size = 0;            // D
   int intermediate_size = 0;      // F
@@ -43,7 +43,7 @@ struct ModelConfig {
 
   // DeepSeek-V3 / Moonlight (deepseek_v3): sigmoid routing with a score-correction bias, grouped
   // top-k, routed_scaling_factor, always-on shared experts, the first layers dense. Parsed and
-  // validated; the model runs only once MLA attention exists (weights/forward refuse it now).
+  // validated; the MLA attention below runs on the CPU backend (scoring and training).
   std::string moe_router = "softmax";  // "softmax" (qwen3_moe) | "sigmoid" (deepseek_v3 noaux_tc)
   int n_group = 1, topk_group = 1;     // expert groups; groups kept per token
   float routed_scaling_factor = 1.0f;  // multiplies the routing weights
@@ -56,6 +56,9 @@ struct ModelConfig {
 
   bool is_moe() const { return num_experts > 0; }
   bool is_mla() const { return kv_lora_rank > 0; }
+  int qk_head_dim() const { return qk_nope_head_dim + qk_rope_head_dim; }  // MLA q/k head width
+  // The attention's softmax scale: 1/sqrt(head_dim), MLA 1/sqrt(qk_head_dim()).
+  float softmax_scale() const;
   // Whether block `layer` has a mixture-of-experts MLP (HF's Qwen3MoeDecoderLayer rule).
   bool layer_is_moe(int layer) const;
 

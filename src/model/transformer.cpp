@@ -68,6 +68,32 @@ void alloc_layer(Backend& be, const ModelConfig& c, DType act, int64_t T, bool m
   const DType st = stat_dtype_for(act);
   const int64_t D = c.hidden_size, F = c.intermediate_size, hd = c.head_dim;
   const int64_t Hq = c.num_heads, Hkv = c.num_kv_heads;
+  if (!a.xn_attn.defined() && c.is_mla()) {
+    const int64_t H = c.num_heads, qk = c.qk_head_dim(), dv = c.v_head_dim, r = c.qk_rope_head_dim;
+    const int64_t kvr = c.kv_lora_rank, qr = c.q_lora_rank;
+    a.attn_rstd = be.alloc({T}, st);
+    a.xn_attn = be.alloc({T, D}, act);
+    if (qr > 0) {
+      a.q_a = be.alloc({T, qr}, act);
+      a.q_a_rstd = be.alloc({T}, st);
+      a.q_an = be.alloc({T, qr}, act);
+    }
+    a.kv_a = be.alloc({T, kvr + r}, act);
+    a.kv_lat = be.alloc({T, kvr}, act);
+    a.kv_rstd = be.alloc({T}, st);
+    a.kv_latn = be.alloc({T, kvr}, act);
+    a.kv_b = be.alloc({T, H * (c.qk_nope_head_dim + dv)}, act);
+    a.rope_q = be.alloc({T, H, r}, act);
+    a.rope_k = be.alloc({T, 1, r}, act);
+    a.q = be.alloc({T, H, qk}, act);
+    a.k = be.alloc({T, H, qk}, act);
+    a.v = be.alloc({T, H, dv}, act);
+    a.attn = be.alloc({T, H, dv}, act);
+    a.x_mid = be.alloc({T, D}, act);
+    a.mlp_rstd = be.alloc({T}, st);
+    a.xn_mlp = be.alloc({T, D}, act);
+    a.proj = be.alloc({T, D}, act);
+  }
   if (!a.xn_attn.defined()) {
     a.attn_rstd = be.alloc({T}, st);
     a.xn_attn = be.alloc({T, D}, act);
@@ -171,6 +197,51 @@ void moe_forward(Backend& be, const ModelConfig& c, const LayerWeights& lw, cons
   }
 }
 
+// HF's DeepseekV3RMSNorm default: q_a_layernorm and kv_a_layernorm are built without the
+// config's rms_norm_eps.
+constexpr float kMlaNormEps = 1e-6f;
+
+// The spec of an MLA projection: the block's, or BF16 where model_linear_mode keeps it BF16.
+LinearSpec mla_spec(const ModelConfig& c, const LinearSpec& block, const LinearWeight& W) {
+  LinearSpec s = block;
+  if (s.mode == LinearMode::FP8_BLOCK && mla_projection_kept_bf16(c, W.out_features(), W.in_features()))
+    s.mode = LinearMode::BF16;
+  return s;
+}
+
+// MLA's q, k, v (after RoPE) from a.xn_attn: a.q [T, H, qk], a.k [T, H, qk], a.v [T, H, dv].
+// xq: xn_attn's FP8 copy, used by the projections that run FP8.
+void mla_qkv(Backend& be, const ModelConfig& c, const LayerWeights& lw, const LinearSpec& spec,
+             const Tensor& positions, const RopeParams& rope, const Fp8View* xq, LayerActivations& a) {
+  const int64_t T = a.xn_attn.dim(0), H = c.num_heads, nope = c.qk_nope_head_dim, r = c.qk_rope_head_dim;
+  const int64_t qk = c.qk_head_dim(), dv = c.v_head_dim, kvr = c.kv_lora_rank;
+  Tensor q2 = a.q.reshape({T, H * qk});
+  if (c.q_lora_rank > 0) {
+    be.linear(a.xn_attn, lw.q_a, mla_spec(c, spec, lw.q_a), a.q_a, xq);
+    be.rmsnorm(a.q_a, lw.q_a_norm, kMlaNormEps, a.q_an, &a.q_a_rstd);
+    be.linear(a.q_an, lw.q_b, mla_spec(c, spec, lw.q_b), q2);
+  } else {
+    be.linear(a.xn_attn, lw.q, mla_spec(c, spec, lw.q), q2, xq);
+  }
+  Tensor qh = a.q.reshape({T * H, qk}), rq = a.rope_q.reshape({T * H, r});
+  be.copy_cols(qh, nope, rq, 0, r);
+  be.rope(a.rope_q, positions, rope, /*inverse=*/false);
+  be.copy_cols(rq, 0, qh, nope, r);
+
+  be.linear(a.xn_attn, lw.kv_a, mla_spec(c, spec, lw.kv_a), a.kv_a, xq);
+  be.copy_cols(a.kv_a, 0, a.kv_lat, 0, kvr);
+  be.rmsnorm(a.kv_lat, lw.kv_a_norm, kMlaNormEps, a.kv_latn, &a.kv_rstd);
+  Tensor rk = a.rope_k.reshape({T, r});
+  be.copy_cols(a.kv_a, kvr, rk, 0, r);
+  be.rope(a.rope_k, positions, rope, /*inverse=*/false);
+  be.linear(a.kv_latn, lw.kv_b, mla_spec(c, spec, lw.kv_b), a.kv_b);
+  const Tensor kvh = a.kv_b.reshape({T * H, nope + dv});
+  Tensor kh = a.k.reshape({T * H, qk}), vh = a.v.reshape({T * H, dv}), k2 = a.k.reshape({T, H * qk});
+  be.copy_cols(kvh, 0, kh, 0, nope);
+  be.copy_cols(kvh, nope, vh, 0, dv);
+  for (int64_t h = 0; h < H; ++h) be.copy_cols(rk, 0, k2, h * qk + nope, r);  // the shared rotary key
+}
+
 struct QkvAmax {
   std::vector<float> q, k, v;
 };
@@ -200,24 +271,31 @@ void forward_block(Backend& be, const ModelWeights& w, const EnginePrecision& pr
     be.rmsnorm_fp8(x, lw.attn_norm, c.rms_norm_eps, a.xn_attn, &a.attn_rstd, xq);
   else
     be.rmsnorm(x, lw.attn_norm, c.rms_norm_eps, a.xn_attn, &a.attn_rstd);
-  Tensor q2 = a.q.reshape({T, Hq * hd}), k2 = a.k.reshape({T, Hkv * hd}), v2 = a.v.reshape({T, Hkv * hd});
-  if (c.qk_norm) {
-    be.linear_shared_input(a.xn_attn, {&lw.q, &lw.k, &lw.v}, spec, {&a.q_raw, &a.k_raw, &v2}, xq_or_null);
-    Tensor qh = a.q.reshape({T * Hq, hd}), kh = a.k.reshape({T * Hkv, hd});
-    be.rmsnorm(a.q_raw.reshape({T * Hq, hd}), lw.q_norm, c.rms_norm_eps, qh, &a.q_rstd);
-    be.rmsnorm(a.k_raw.reshape({T * Hkv, hd}), lw.k_norm, c.rms_norm_eps, kh, &a.k_rstd);
+  if (c.is_mla()) {  // q [T, H, qk], k [T, H, qk], v [T, H, dv]
+    mla_qkv(be, c, lw, spec, positions, rope, xq_or_null, a);
   } else {
-    be.linear_shared_input(a.xn_attn, {&lw.q, &lw.k, &lw.v}, spec, {&q2, &k2, &v2}, xq_or_null);
+    Tensor q2 = a.q.reshape({T, Hq * hd}), k2 = a.k.reshape({T, Hkv * hd}), v2 = a.v.reshape({T, Hkv * hd});
+    if (c.qk_norm) {
+      be.linear_shared_input(a.xn_attn, {&lw.q, &lw.k, &lw.v}, spec, {&a.q_raw, &a.k_raw, &v2}, xq_or_null);
+      Tensor qh = a.q.reshape({T * Hq, hd}), kh = a.k.reshape({T * Hkv, hd});
+      be.rmsnorm(a.q_raw.reshape({T * Hq, hd}), lw.q_norm, c.rms_norm_eps, qh, &a.q_rstd);
+      be.rmsnorm(a.k_raw.reshape({T * Hkv, hd}), lw.k_norm, c.rms_norm_eps, kh, &a.k_rstd);
+    } else {
+      be.linear_shared_input(a.xn_attn, {&lw.q, &lw.k, &lw.v}, spec, {&q2, &k2, &v2}, xq_or_null);
+    }
+    be.rope(a.q, positions, rope, /*inverse=*/false);
+    be.rope(a.k, positions, rope, /*inverse=*/false);
   }
-  be.rope(a.q, positions, rope, /*inverse=*/false);
-  be.rope(a.k, positions, rope, /*inverse=*/false);
   if (amax) {
     amax->q.push_back(be.amax(a.q));
     amax->k.push_back(be.amax(a.k));
     amax->v.push_back(be.amax(a.v));
   }
   attention(l, a);
-  be.linear(a.attn.reshape({T, Hq * hd}), lw.o, spec, a.proj);
+  if (c.is_mla())
+    be.linear(a.attn.reshape({T, Hq * c.v_head_dim}), lw.o, mla_spec(c, spec, lw.o), a.proj);
+  else
+    be.linear(a.attn.reshape({T, Hq * hd}), lw.o, spec, a.proj);
 
   // ---- MLP ---- (the residual add and the norm in one op; the MoE MLP permutes xn_mlp's rows
   // first, so its experts quantize their own inputs)
@@ -268,7 +346,7 @@ void forward_layers(Backend& be, const ModelWeights& w, const EnginePrecision& p
 // With kv_round_k/v (per-layer E4M3 scales), k and v are first rounded as an E4M3 KV cache stores them.
 AttentionStep training_attention(Backend& be, const ModelConfig& c, const ForwardBatch& batch, DType st,
                                  const std::vector<float>& kv_round_k, const std::vector<float>& kv_round_v) {
-  const float softmax_scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+  const float softmax_scale = c.softmax_scale();
   const int64_t T = batch.num_tokens();
   const bool round = !kv_round_k.empty();
   FP8RL_CHECK(!round || (static_cast<int>(kv_round_k.size()) == c.num_layers &&
@@ -277,8 +355,8 @@ AttentionStep training_attention(Backend& be, const ModelConfig& c, const Forwar
               kv_round_v.size());
   return [&be, &c, &batch, st, softmax_scale, T, round, &kv_round_k, &kv_round_v](int layer, LayerActivations& a) {
     if (round) {
-      be.kv_round(a.k, std::vector<float>(static_cast<size_t>(c.num_kv_heads), kv_round_k[static_cast<size_t>(layer)]));
-      be.kv_round(a.v, std::vector<float>(static_cast<size_t>(c.num_kv_heads), kv_round_v[static_cast<size_t>(layer)]));
+      be.kv_round(a.k, std::vector<float>(static_cast<size_t>(a.k.dim(1)), kv_round_k[static_cast<size_t>(layer)]));
+      be.kv_round(a.v, std::vector<float>(static_cast<size_t>(a.v.dim(1)), kv_round_v[static_cast<size_t>(layer)]));
     }
     if (!a.lse.defined()) a.lse = be.alloc({c.num_heads, T}, st);
     be.attention(a.q, a.k, a.v, batch.cu_seqlens, softmax_scale, a.attn, a.lse);
@@ -378,6 +456,8 @@ void model_forward_paged(Backend& be, const ModelWeights& w, const EnginePrecisi
                          Tensor* hidden_out) {
   const ModelConfig& c = w.config;
   check_weights_on(be, w);
+  FP8RL_CHECK(!c.is_mla(), "MLA attention (", c.model_type, ", kv_lora_rank ", c.kv_lora_rank, ") has no paged KV cache yet: "
+              "generation is not supported for this model (scoring and training are, on the CPU backend)");
   FP8RL_CHECK(cache.num_layers == c.num_layers && cache.num_kv_heads == c.num_kv_heads &&
                   cache.head_dim == c.head_dim,
               "the KV cache (", cache.num_layers, " layers, ", cache.num_kv_heads, " KV heads, head_dim ",
@@ -420,6 +500,8 @@ void model_forward_paged(Backend& be, const ModelWeights& w, const EnginePrecisi
 }
 
 KvCache model_alloc_kv_cache(Backend& be, const ModelConfig& c, int num_pages, int page_size, DType dtype) {
+  FP8RL_CHECK(!c.is_mla(), "MLA attention (", c.model_type, ", kv_lora_rank ", c.kv_lora_rank, ") has no paged KV cache yet: "
+              "generation is not supported for this model (scoring and training are, on the CPU backend)");
   return be.alloc_kv_cache(c.num_layers, num_pages, page_size, c.num_kv_heads, c.head_dim, dtype);
 }
 
@@ -508,6 +590,75 @@ void moe_backward(Backend& be, const ModelConfig& c, const LayerWeights& lw, Lay
   }
 }
 
+// Scratch gradients of the MLA projections' backward.
+struct MlaGradScratch {
+  Tensor d_rq, d_rk, d_rk_h;   // [T, H, r], [T, 1, r], [T, r]
+  Tensor d_qan, d_qa;          // [T, qr] x 2 (q_lora_rank > 0)
+  Tensor d_kvb;                // [T, H * (nope + dv)]
+  Tensor d_latn, d_lat;        // [T, kvr] x 2
+  Tensor d_kva;                // [T, kvr + r]
+  Tensor d_x2;                 // [T, D]
+};
+
+// Backward of mla_qkv: from dq [T, H, qk], dk [T, H, qk], dv [T, H, dv] (the attention's
+// input gradients; dq is modified) to d_xn [T, D] (written); the projections' and the two
+// norms' weight gradients accumulated.
+void mla_backward(Backend& be, const ModelConfig& c, const LayerWeights& lw, LayerWeights& lg, const LinearSpec& spec,
+                  const Tensor& positions, const RopeParams& rope, const LayerActivations& a, Tensor& dq,
+                  const Tensor& dk, const Tensor& dv, MlaGradScratch& sc, Tensor& d_xn) {
+  const int64_t T = dq.dim(0), H = c.num_heads, nope = c.qk_nope_head_dim, r = c.qk_rope_head_dim;
+  const int64_t qk = c.qk_head_dim(), hdv = c.v_head_dim, kvr = c.kv_lora_rank, qr = c.q_lora_rank;
+  const int64_t D = c.hidden_size;
+  const DType act = dq.dtype();
+  if (!sc.d_kva.defined()) {
+    sc.d_rq = be.alloc({T, H, r}, act);
+    sc.d_rk = be.alloc({T, 1, r}, act);
+    sc.d_rk_h = be.alloc({T, r}, act);
+    if (qr > 0) {
+      sc.d_qan = be.alloc({T, qr}, act);
+      sc.d_qa = be.alloc({T, qr}, act);
+    }
+    sc.d_kvb = be.alloc({T, H * (nope + hdv)}, act);
+    sc.d_latn = be.alloc({T, kvr}, act);
+    sc.d_lat = be.alloc({T, kvr}, act);
+    sc.d_kva = be.alloc({T, kvr + r}, act);
+    sc.d_x2 = be.alloc({T, D}, act);
+  }
+  auto bias = [](LinearWeight& gw) { return gw.bias.defined() ? &gw.bias : nullptr; };
+  // q: the rotary part back through RoPE (its transpose), then the q projection(s).
+  Tensor dqh = dq.reshape({T * H, qk}), drq = sc.d_rq.reshape({T * H, r});
+  be.copy_cols(dqh, nope, drq, 0, r);
+  be.rope(sc.d_rq, positions, rope, /*inverse=*/true);
+  be.copy_cols(drq, 0, dqh, nope, r);
+  const Tensor dq2 = dq.reshape({T, H * qk});
+  if (qr > 0) {
+    be.linear_backward(dq2, a.q_an, lw.q_b, mla_spec(c, spec, lw.q_b), &sc.d_qan, &lg.q_b.w, nullptr);
+    be.rmsnorm_backward(sc.d_qan, a.q_a, lw.q_a_norm, a.q_a_rstd, sc.d_qa, lg.q_a_norm);
+    be.linear_backward(sc.d_qa, a.xn_attn, lw.q_a, mla_spec(c, spec, lw.q_a), &d_xn, &lg.q_a.w, bias(lg.q_a));
+  } else {
+    be.linear_backward(dq2, a.xn_attn, lw.q, mla_spec(c, spec, lw.q), &d_xn, &lg.q.w, nullptr);
+  }
+  // k_nope | v per head -> kv_b -> kv_a_layernorm -> the latent columns of kv_a.
+  Tensor dkvh = sc.d_kvb.reshape({T * H, nope + hdv});
+  be.copy_cols(dk.reshape({T * H, qk}), 0, dkvh, 0, nope);
+  be.copy_cols(dv.reshape({T * H, hdv}), 0, dkvh, nope, hdv);
+  be.linear_backward(sc.d_kvb, a.kv_latn, lw.kv_b, mla_spec(c, spec, lw.kv_b), &sc.d_latn, &lg.kv_b.w, nullptr);
+  be.rmsnorm_backward(sc.d_latn, a.kv_lat, lw.kv_a_norm, a.kv_rstd, sc.d_lat, lg.kv_a_norm);
+  be.copy_cols(sc.d_lat, 0, sc.d_kva, 0, kvr);
+  // The shared rotary key: the sum over heads of their k_rope gradients, back through RoPE.
+  const Tensor dk2 = dk.reshape({T, H * qk});
+  Tensor drk = sc.d_rk.reshape({T, r});
+  be.copy_cols(dk2, nope, drk, 0, r);
+  for (int64_t h = 1; h < H; ++h) {
+    be.copy_cols(dk2, h * qk + nope, sc.d_rk_h, 0, r);
+    be.add(drk, sc.d_rk_h, drk);
+  }
+  be.rope(sc.d_rk, positions, rope, /*inverse=*/true);
+  be.copy_cols(drk, 0, sc.d_kva, kvr, r);
+  be.linear_backward(sc.d_kva, a.xn_attn, lw.kv_a, mla_spec(c, spec, lw.kv_a), &sc.d_x2, &lg.kv_a.w, bias(lg.kv_a));
+  be.add(d_xn, sc.d_x2, d_xn);
+}
+
 }  // namespace
 
 void model_backward(Backend& be, const ModelWeights& w, const EnginePrecision& prec, const Activations& A,
@@ -521,7 +672,7 @@ void model_backward(Backend& be, const ModelWeights& w, const EnginePrecision& p
   check_shape(dlogp_in, {T}, "dlogp");
   const DType act = act_dtype_for(be, w);
   const RopeParams rope = c.rope_params();
-  const float softmax_scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const float softmax_scale = c.softmax_scale();
 
   // dlogp without the targetless last tokens.
   Tensor dlogp = be.alloc({T}, dlogp_in.dtype());
@@ -539,8 +690,12 @@ void model_backward(Backend& be, const ModelWeights& w, const EnginePrecision& p
   Tensor d_xn = be.alloc({T, D}, act), d_tmp = be.alloc({T, D}, act), d_mid = be.alloc({T, D}, act);
   Tensor d_act, d_gate, d_up;  // [T, F] (dense MLP blocks)
   MoeGradScratch moe_scratch;  // (MoE blocks)
-  Tensor d_attn = be.alloc({T, Hq, hd}, act);
-  Tensor dq = be.alloc({T, Hq, hd}, act), dk = be.alloc({T, Hkv, hd}, act), dv = be.alloc({T, Hkv, hd}, act);
+  const bool mla = c.is_mla();
+  // MLA: q/k heads of qk_nope + qk_rope, v heads of v_head_dim, H = Hq for k and v too.
+  const int64_t hq = mla ? c.qk_head_dim() : hd, hkv_heads = mla ? Hq : Hkv, hdv = mla ? c.v_head_dim : hd;
+  Tensor d_attn = be.alloc({T, Hq, hdv}, act);
+  Tensor dq = be.alloc({T, Hq, hq}, act), dk = be.alloc({T, hkv_heads, hq}, act), dv = be.alloc({T, hkv_heads, hdv}, act);
+  MlaGradScratch mla_scratch;
   Tensor dq_raw, dk_raw;
   if (c.qk_norm) {
     dq_raw = be.alloc({T, Hq * hd}, act);
@@ -581,6 +736,16 @@ void model_backward(Backend& be, const ModelWeights& w, const EnginePrecision& p
     be.add(dx, d_tmp, d_mid);  // d x_mid: residual + through the norm
 
     // ---- attention: x_mid = x + o(attention(rope(norm(q)), rope(norm(k)), v)) ----
+    if (mla) {
+      Tensor d_attn2 = d_attn.reshape({T, Hq * hdv});
+      be.linear_backward(d_mid, a.attn.reshape({T, Hq * hdv}), lw.o, mla_spec(c, spec, lw.o), &d_attn2, &lg.o.w,
+                         bias(lg.o));
+      be.attention_backward(d_attn, a.q, a.k, a.v, a.attn, a.lse, A.batch.cu_seqlens, softmax_scale, dq, dk, dv);
+      mla_backward(be, c, lw, lg, spec, A.positions, rope, a, dq, dk, dv, mla_scratch, d_xn);
+      be.rmsnorm_backward(d_xn, a.x, lw.attn_norm, a.attn_rstd, d_tmp, lg.attn_norm);
+      be.add(d_mid, d_tmp, dx);
+      continue;
+    }
     Tensor d_attn2 = d_attn.reshape({T, Hq * hd});
     be.linear_backward(d_mid, a.attn.reshape({T, Hq * hd}), lw.o, spec, &d_attn2, &lg.o.w, bias(lg.o));
     be.attention_backward(d_attn, a.q, a.k, a.v, a.attn, a.lse, A.batch.cu_seqlens, softmax_scale, dq, dk, dv);

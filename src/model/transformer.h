@@ -3,6 +3,13 @@
 // over the paged KV cache. Both forwards run the same layer loop (transformer.cpp,
 // forward_layers); only the attention step differs.
 //
+// MLA attention (deepseek_v3, DeepseekV3Attention), replacing q, k, v above:
+//   q = xn Wq^T, or with q_lora_rank q = rmsnorm(xn Wqa^T, q_a_norm) Wqb^T      [T, H, nope + r]
+//   [c | kr] = xn Wkva^T (kv_a_proj_with_mqa); c = rmsnorm(c, kv_a_norm)       [kvr | r]
+//   [k_nope | v] = c Wkvb^T per head; k = [k_nope | rope(kr)] (kr shared by the heads)
+//   q = [q_nope | rope(q_rope)]; attention with scale 1/sqrt(nope + r); o over [T, H*dv].
+//   (q_a/kv_a layernorms use eps 1e-6, as HF's DeepseekV3RMSNorm default.) The nope | rope
+//   splits and joins are copy_cols; RoPE is interleaved when rope_interleave.
 // One block, pre-norm:
 //   xn = rmsnorm(x, attn_norm)
 //   q, k, v = xn Wq^T (+bq), xn Wk^T (+bk), xn Wv^T (+bv)        [the linears q, k, v]
@@ -23,7 +30,9 @@
 // then hidden = rmsnorm(x, final_norm) and logits = hidden lm_head^T.
 //
 // Precision: the 7 linears of block l (an MoE block: q, k, v, o and every expert's gate, up,
-// down) run in precision.linear_for_layer(l, L); the MoE router is an FP32 GEMM on FP32 inputs; lm_head and
+// down; an MLA block: its projections) run in precision.linear_for_layer(l, L) (MLA
+// projections whose widths are not multiples of 128 stay BF16 under FP8: model_linear_mode,
+// weights.h); the MoE router is an FP32 GEMM on FP32 inputs; lm_head and
 // everything else run with LinearMode::FP32 in the backend's activation dtype (FP32 on the
 // CPU), except that with BF16 activations (the CUDA fast path) lm_head is a BF16 GEMM with FP32
 // accumulation (transformer.cpp, head_spec_for). With F64 weights (CPU only) every activation, statistic and logp is F64 instead: the
@@ -58,7 +67,14 @@ struct LayerActivations {
   Tensor q_raw, k_raw;  // [T, Hq*hd], [T, Hkv*hd]  projections before q/k-norm (qwen3 only)
   Tensor q_rstd, k_rstd;  // [T*Hq], [T*Hkv]        1/rms of each head (qwen3 only)
   Tensor q, k, v;       // [T, Hq, hd], [T, Hkv, hd], [T, Hkv, hd]  after q/k-norm and RoPE
-  Tensor attn;          // [T, Hq, hd]   attention output: input of o
+  // MLA (deepseek_v3; H = Hq heads, qk = qk_nope + qk_rope, dv = v_head_dim, r = qk_rope,
+  // kvr = kv_lora_rank, qr = q_lora_rank): q [T, H, qk], k [T, H, qk], v [T, H, dv] above, and
+  Tensor q_a, q_a_rstd, q_an;  // [T, qr], [T], [T, qr]  q_a_proj output, its 1/rms, q_a_layernorm (qr > 0)
+  Tensor kv_a;                 // [T, kvr + r]  kv_a_proj_with_mqa output: latent | rotary key
+  Tensor kv_lat, kv_rstd, kv_latn;  // [T, kvr], [T], [T, kvr]  the latent, 1/rms, kv_a_layernorm (kv_b's input)
+  Tensor kv_b;                 // [T, H * (qk_nope + dv)]  kv_b_proj output: per head k_nope | v
+  Tensor rope_q, rope_k;       // [T, H, r], [T, 1, r]  scratch: the rotary parts
+  Tensor attn;          // [T, Hq, hd]   attention output: input of o (MLA: [T, H, dv])
   Tensor lse;           // [Hq, T]       attention log-sum-exp (scoring forward only)
   Tensor x_mid;         // [T, D]        x + o(attn)
   Tensor mlp_rstd;      // [T]           1/rms of x_mid (mlp_norm)

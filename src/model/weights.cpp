@@ -17,7 +17,8 @@ namespace fp8rl {
 
 namespace {
 
-// The 7 linears of a block with their HF prefixes, in a fixed order.
+// The linears of a block with their HF prefixes, in a fixed order (q, k, v, o, the MLA
+// projections, gate, up, down); a block defines the ones its attention and MLP have.
 struct LinearRef {
   const char* name;
   LinearWeight LayerWeights::*member;
@@ -25,6 +26,8 @@ struct LinearRef {
 constexpr LinearRef kLinears[] = {
     {"self_attn.q_proj", &LayerWeights::q}, {"self_attn.k_proj", &LayerWeights::k},
     {"self_attn.v_proj", &LayerWeights::v}, {"self_attn.o_proj", &LayerWeights::o},
+    {"self_attn.q_a_proj", &LayerWeights::q_a}, {"self_attn.q_b_proj", &LayerWeights::q_b},  // MLA
+    {"self_attn.kv_a_proj_with_mqa", &LayerWeights::kv_a}, {"self_attn.kv_b_proj", &LayerWeights::kv_b},
     {"mlp.gate_proj", &LayerWeights::gate}, {"mlp.up_proj", &LayerWeights::up},
     {"mlp.down_proj", &LayerWeights::down},
 };
@@ -67,6 +70,8 @@ void visit_slots(ModelWeights& w, const std::function<void(const std::string&, T
     }
     fn(p + "self_attn.q_norm.weight", l.q_norm);
     fn(p + "self_attn.k_norm.weight", l.k_norm);
+    fn(p + "self_attn.q_a_layernorm.weight", l.q_a_norm);
+    fn(p + "self_attn.kv_a_layernorm.weight", l.kv_a_norm);
     fn(p + "post_attention_layernorm.weight", l.mlp_norm);
     fn(p + "mlp.gate.weight", l.router.w);
     fn(p + "mlp.gate.e_score_correction_bias", l.router_bias);
@@ -186,7 +191,6 @@ ModelConfig model_config_tiny(const std::string& family, int vocab_size, int hid
 
 ModelWeights model_weights_random(const ModelConfig& c, const RandomInit& init, DType dtype) {
   c.validate();
-  FP8RL_CHECK(!c.is_mla(), c.model_type, " uses MLA attention, which fp8rl does not implement yet");
   Normal rng(init.seed);
   const int64_t D = c.hidden_size, F = c.intermediate_size, V = c.vocab_size, hd = c.head_dim;
   const int64_t Hq = c.num_heads, Hkv = c.num_kv_heads;
@@ -204,10 +208,25 @@ ModelWeights model_weights_random(const ModelConfig& c, const RandomInit& init, 
   for (int l = 0; l < c.num_layers; ++l) {
     LayerWeights L;
     L.attn_norm = norm(D);
-    L.q = lin(Hq * hd, D, c.attention_bias);
-    L.k = lin(Hkv * hd, D, c.attention_bias);
-    L.v = lin(Hkv * hd, D, c.attention_bias);
-    L.o = lin(D, Hq * hd, c.attention_bias && c.model_type != "qwen2");  // HF: qwen2 never has an o bias
+    if (c.is_mla()) {
+      const int64_t qk = c.qk_head_dim(), kvr = c.kv_lora_rank, r = c.qk_rope_head_dim, qr = c.q_lora_rank;
+      if (qr > 0) {
+        L.q_a = lin(qr, D, c.attention_bias);
+        L.q_a_norm = norm(qr);
+        L.q_b = lin(Hq * qk, qr, false);
+      } else {
+        L.q = lin(Hq * qk, D, false);
+      }
+      L.kv_a = lin(kvr + r, D, c.attention_bias);
+      L.kv_a_norm = norm(kvr);
+      L.kv_b = lin(Hq * (c.qk_nope_head_dim + c.v_head_dim), kvr, false);
+      L.o = lin(D, Hq * c.v_head_dim, c.attention_bias);
+    } else {
+      L.q = lin(Hq * hd, D, c.attention_bias);
+      L.k = lin(Hkv * hd, D, c.attention_bias);
+      L.v = lin(Hkv * hd, D, c.attention_bias);
+      L.o = lin(D, Hq * hd, c.attention_bias && c.model_type != "qwen2");  // HF: qwen2 never has an o bias
+    }
     if (c.qk_norm) {
       L.q_norm = norm(hd);
       L.k_norm = norm(hd);
@@ -273,8 +292,6 @@ ModelWeights model_weights_load(const std::string& dir, DType dtype, bool keep_f
               "Hugging Face checkpoint: config.json + *.safetensors)");
   const ModelConfig c = model_config_load(dir);
   c.validate();
-  FP8RL_CHECK(!c.is_mla(), dir, ": ", c.model_type, " uses MLA attention (kv_lora_rank), which fp8rl does not "
-              "implement yet: its config and MoE routing load, its weights do not (issue 16)");
   const CheckpointReader ck = CheckpointReader::open(dir);
   std::set<std::string> used;
 
@@ -320,10 +337,24 @@ ModelWeights model_weights_load(const std::string& dir, DType dtype, bool keep_f
     const int64_t E = c.num_experts, Fe = c.moe_intermediate_size;
     L.router.w = load(p + "mlp.gate.weight", {E, D});
     FP8RL_CHECK(!ck.contains(p + "mlp.gate.bias") && !ck.contains(p + "mlp.e_score_correction_bias"), dir,
-                ": layer ", p, " has a router bias / e_score_correction_bias; qwen3_moe routers have none");
-    FP8RL_CHECK(!ck.contains(p + "mlp.shared_expert.gate_proj.weight") &&
-                    !ck.contains(p + "mlp.shared_experts.gate_proj.weight"),
-                dir, ": ", p, "mlp has shared experts, which qwen3_moe does not have (not supported)");
+                ": layer ", p, " has a router bias / mlp.e_score_correction_bias, which ", c.model_type,
+                " routers do not have");
+    FP8RL_CHECK(!ck.contains(p + "mlp.shared_expert.gate_proj.weight"), dir, ": ", p,
+                "mlp has a Qwen2-MoE style shared_expert, which ", c.model_type, " does not have (not supported)");
+    if (c.moe_router == "sigmoid") {  // DeepSeek-V3: the score-correction bias and the shared experts
+      L.router_bias = load(p + "mlp.gate.e_score_correction_bias", {E});
+      if (c.n_shared_experts > 0) {
+        const int64_t Fs = int64_t(c.n_shared_experts) * Fe;
+        L.gate = load_linear(p + "mlp.shared_experts.gate_proj", Fs, D);
+        L.up = load_linear(p + "mlp.shared_experts.up_proj", Fs, D);
+        L.down = load_linear(p + "mlp.shared_experts.down_proj", D, Fs);
+      }
+    } else {
+      FP8RL_CHECK(!ck.contains(p + "mlp.gate.e_score_correction_bias") &&
+                      !ck.contains(p + "mlp.shared_experts.gate_proj.weight"),
+                  dir, ": ", p, "mlp has an e_score_correction_bias / shared experts, which ", c.model_type,
+                  " does not have (not supported)");
+    }
     L.experts.resize(E);
     if (ck.contains(p + "mlp.experts.gate_up_proj")) {
       const Tensor gu = tensor_convert_host(load(p + "mlp.experts.gate_up_proj", {E, 2 * Fe, D}), DType::F64);
@@ -354,11 +385,28 @@ ModelWeights model_weights_load(const std::string& dir, DType dtype, bool keep_f
     const std::string p = layer_prefix(l);
     LayerWeights L;
     L.attn_norm = load(p + "input_layernorm.weight", {D});
-    L.q = load_linear(p + "self_attn.q_proj", Hq * hd, D);
-    L.k = load_linear(p + "self_attn.k_proj", Hkv * hd, D);
-    L.v = load_linear(p + "self_attn.v_proj", Hkv * hd, D);
-    L.o = load_linear(p + "self_attn.o_proj", D, Hq * hd);
-    if (c.attention_bias)
+    if (c.is_mla()) {  // DeepseekV3Attention's projections (weights.h, LayerWeights)
+      const int64_t qk = c.qk_head_dim(), kvr = c.kv_lora_rank, r = c.qk_rope_head_dim, qr = c.q_lora_rank;
+      if (qr > 0) {
+        L.q_a = load_linear(p + "self_attn.q_a_proj", qr, D);
+        L.q_a_norm = load(p + "self_attn.q_a_layernorm.weight", {qr});
+        L.q_b = load_linear(p + "self_attn.q_b_proj", Hq * qk, qr);
+      } else {
+        L.q = load_linear(p + "self_attn.q_proj", Hq * qk, D);
+      }
+      L.kv_a = load_linear(p + "self_attn.kv_a_proj_with_mqa", kvr + r, D);
+      L.kv_a_norm = load(p + "self_attn.kv_a_layernorm.weight", {kvr});
+      L.kv_b = load_linear(p + "self_attn.kv_b_proj", Hq * (c.qk_nope_head_dim + c.v_head_dim), kvr);
+      L.o = load_linear(p + "self_attn.o_proj", D, Hq * c.v_head_dim);
+      FP8RL_CHECK(!L.q.bias.defined() && !L.q_b.bias.defined() && !L.kv_b.bias.defined(), dir, ": layer ", l,
+                  " has a q_proj / q_b_proj / kv_b_proj bias, which DeepseekV3Attention never has");
+    } else {
+      L.q = load_linear(p + "self_attn.q_proj", Hq * hd, D);
+      L.k = load_linear(p + "self_attn.k_proj", Hkv * hd, D);
+      L.v = load_linear(p + "self_attn.v_proj", Hkv * hd, D);
+      L.o = load_linear(p + "self_attn.o_proj", D, Hq * hd);
+    }
+    if (c.attention_bias && !c.is_mla())
       FP8RL_CHECK(L.q.bias.defined() && L.k.bias.defined() && L.v.bias.defined(), dir, ": layer ", l,
                   " lacks q/k/v_proj.bias although config.json implies attention biases");
     if (c.qk_norm) {
@@ -497,6 +545,29 @@ void model_for_each_linear(ModelWeights& w, const std::function<void(const std::
     for_each_block_linear(w.layers[i], [&](const std::string& name, LinearWeight& lw) {
       if (linear_defined(lw)) fn(layer_prefix(static_cast<int>(i)) + name, static_cast<int>(i), lw);
     });
+}
+
+bool mla_projection_kept_bf16(const ModelConfig& c, int64_t out, int64_t in) {
+  return c.is_mla() && (out % kQuantBlock != 0 || in % kQuantBlock != 0);
+}
+
+LinearMode model_linear_mode(const ModelConfig& c, const EnginePrecision& p, const std::string& name, int layer,
+                             const LinearWeight& w) {
+  const LinearMode mode = p.linear_for_layer(layer, c.num_layers);
+  if (mode == LinearMode::FP8_BLOCK && name.find(".self_attn.") != std::string::npos &&
+      mla_projection_kept_bf16(c, w.out_features(), w.in_features()))
+    return LinearMode::BF16;
+  return mode;
+}
+
+std::vector<std::string> model_bf16_kept_linears(const ModelWeights& w, const EnginePrecision& p) {
+  std::vector<std::string> out;
+  model_for_each_linear(const_cast<ModelWeights&>(w), [&](const std::string& name, int layer, LinearWeight& lw) {
+    if (p.linear_for_layer(layer, w.config.num_layers) == LinearMode::FP8_BLOCK &&
+        model_linear_mode(w.config, p, name, layer, lw) == LinearMode::BF16)
+      out.push_back(name + " [" + std::to_string(lw.out_features()) + ", " + std::to_string(lw.in_features()) + "]");
+  });
+  return out;
 }
 
 int64_t model_count_parameters(const ModelWeights& w) {

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "core/precision.h"
 #include "model/config.h"
 
 namespace fp8rl {
@@ -30,6 +31,15 @@ struct LayerWeights {
   LinearWeight v;          // [Hkv*hd, D]  self_attn.v_proj (+ bias [Hkv*hd])
   LinearWeight o;          // [D, Hq*hd]   self_attn.o_proj (never a bias)
   Tensor q_norm, k_norm;   // [hd]         self_attn.q_norm / k_norm (qwen3 only)
+  // MLA attention (deepseek_v3, config.is_mla(); H heads, qk = qk_nope + qk_rope, r = qk_rope,
+  // dv = v_head_dim, kvr = kv_lora_rank, qr = q_lora_rank). k and v are undefined; q is
+  // self_attn.q_proj [H*qk, D] without q compression (qr = 0), else undefined and
+  // q_a [qr, D] (q_a_proj) -> q_a_norm [qr] (q_a_layernorm) -> q_b [H*qk, qr] (q_b_proj);
+  // kv_a [kvr + r, D] (kv_a_proj_with_mqa: the latent, then the shared rotary key),
+  // kv_a_norm [kvr] (kv_a_layernorm), kv_b [H*(qk_nope + dv), kvr] (kv_b_proj: per head k_nope
+  // then v); o [D, H*dv].
+  LinearWeight q_a, q_b, kv_a, kv_b;
+  Tensor q_a_norm, kv_a_norm;
   Tensor mlp_norm;         // [D]          post_attention_layernorm.weight
   LinearWeight gate;       // [F, D]       mlp.gate_proj   (dense MLP; undefined in an MoE layer)
   LinearWeight up;         // [F, D]       mlp.up_proj
@@ -152,6 +162,20 @@ void model_for_each_parameter(const ModelWeights& weights,
 void model_for_each_linear(ModelWeights& weights,
                            const std::function<void(const std::string&, int, LinearWeight&)>& fn);
 int64_t model_count_parameters(const ModelWeights& weights);
+
+// The mode of block linear `name` (as model_for_each_linear names it) of `layer`: the block's
+// precision.linear_for_layer, except that in an MLA model (deepseek_v3) an attention projection
+// (self_attn.*) whose out or in features are not multiples of 128 stays BF16 where the block is
+// FP8: its 128x128 weight blocks would be partial (Moonlight's / DeepSeek-V3's
+// kv_a_proj_with_mqa, 576 = kv_lora_rank 512 + qk_rope_head_dim 64 rows: its last block row
+// holds only the rotary key; transformers refuses such a grid in an FP8 export, and the CUDA
+// FP8 GEMM wants K % 128 == 0). The model, the trainer's weight cache and the FP8 save use it.
+bool mla_projection_kept_bf16(const ModelConfig& config, int64_t out_features, int64_t in_features);
+LinearMode model_linear_mode(const ModelConfig& config, const EnginePrecision& precision, const std::string& name,
+                             int layer, const LinearWeight& w);
+// The linears model_linear_mode keeps BF16 under this (FP8) precision, "name [out, in]" (empty
+// for every model but MLA ones with such widths). Printed at start by the trainer.
+std::vector<std::string> model_bf16_kept_linears(const ModelWeights& weights, const EnginePrecision& precision);
 
 // Host helper: a float tensor (F32/BF16/F16/E4M3/F64) converted to `dtype` (F32/BF16/F16/F64).
 Tensor tensor_convert_host(const Tensor& t, DType dtype);

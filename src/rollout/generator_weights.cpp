@@ -43,6 +43,9 @@ void for_each_linear_pair(const LayerWeights& m, LayerWeights& g, Fn fn) {
 }  // namespace
 
 ModelWeights generator_weights_alloc(Backend& be, const ModelWeights& master, const EnginePrecision& prec) {
+  FP8RL_CHECK(!master.config.is_mla(), "MLA attention (", master.config.model_type, ", kv_lora_rank ",
+              master.config.kv_lora_rank, ") has no paged KV cache yet: generation (the rollout engine) is not "
+              "supported for this model (scoring and training are, on the CPU backend)");
   const DType act = be.act_dtype();
   const int L = master.config.num_layers;
   ModelWeights g;

@@ -75,14 +75,23 @@ Trainer::Trainer(Backend& be, ModelWeights master, const EnginePrecision& prec, 
     : be_(be), master_(std::move(master)), prec_(prec), opt_(opt) {
   FP8RL_CHECK(master_.embed.dtype() == DType::F32, "the trainer keeps FP32 master weights, got ", master_.embed.str());
   FP8RL_CHECK(opt_.micro_batch_tokens > 0, "micro_batch_tokens must be positive");
+  {  // FP8 linears that stay BF16 by their width (MLA projections), said once at start
+    const std::vector<std::string> kept = model_bf16_kept_linears(master_, prec_);
+    if (!kept.empty()) {
+      std::string list;
+      for (size_t i = 0; i < kept.size() && i < 8; ++i) list += (i ? ", " : "") + kept[i];
+      if (kept.size() > 8) list += ", ...";
+      std::fprintf(stderr, "trainer: %zu MLA projection(s) stay BF16 under the FP8 recipe (out or in features not a "
+                   "multiple of 128): %s\n", kept.size(), list.c_str());
+    }
+  }
   if (opt_.frozen) {
     // Build the compute weights once, then drop every F32 tensor they replace: the FP8 linears
     // read only wq, the others their BF16 copies (with BF16 activations); norms stay shared.
     opt_.cache_fp8_weights = true;
     compute_weights();
-    const int L = master_.config.num_layers;
-    model_for_each_linear(compute_, [&](const std::string&, int layer, LinearWeight& lw) {
-      if (prec_.linear_for_layer(layer, L) == LinearMode::FP8_BLOCK) lw.w = Tensor();
+    model_for_each_linear(compute_, [&](const std::string& name, int layer, LinearWeight& lw) {
+      if (model_linear_mode(compute_.config, prec_, name, layer, lw) == LinearMode::FP8_BLOCK) lw.w = Tensor();
     });
     const ModelConfig config = master_.config;
     master_ = ModelWeights{};
@@ -124,7 +133,6 @@ const ModelWeights& Trainer::compute_weights() {
     return compute_;
   }
   compute_ = master_;  // shares every tensor; a w replaced through master() is picked up here
-  const int L = master_.config.num_layers;
   // BF16 copies where the backend's GEMMs would otherwise convert the FP32 master per call
   // (BF16 activations: the CUDA fast path). Round-to-nearest-even once per step gives the same
   // operands as the per-call conversion.
@@ -137,8 +145,8 @@ const ModelWeights& Trainer::compute_weights() {
     be_.convert(w, c);
     return c;
   };
-  model_for_each_linear(compute_, [&](const std::string&, int layer, LinearWeight& lw) {
-    const LinearMode mode = prec_.linear_for_layer(layer, L);
+  model_for_each_linear(compute_, [&](const std::string& name, int layer, LinearWeight& lw) {
+    const LinearMode mode = model_linear_mode(compute_.config, prec_, name, layer, lw);
     if (mode == LinearMode::BF16 && bf16_copies) lw.w = bf16_copy(lw.w);
     if (mode != LinearMode::FP8_BLOCK) return;
     if (i == wq_.size()) wq_.emplace_back();
@@ -162,11 +170,10 @@ const ModelWeights& Trainer::compute_weights() {
 }
 
 void Trainer::check_weight_cache() const {
-  const int L = master_.config.num_layers;
   ModelWeights& m = const_cast<ModelWeights&>(master_);  // read only: model_for_each_linear is non-const
   size_t i = 0;
   model_for_each_linear(m, [&](const std::string& name, int layer, LinearWeight& lw) {
-    if (prec_.linear_for_layer(layer, L) != LinearMode::FP8_BLOCK) return;
+    if (model_linear_mode(m.config, prec_, name, layer, lw) != LinearMode::FP8_BLOCK) return;
     FP8RL_CHECK(i < wq_.size(), "trainer FP8 weight cache: no entry for ", name);
     const QuantTensor want = quantize_128x128(be_.to_host(lw.w), prec_.pow2_scales);
     const QuantTensor& have = wq_[i++];

@@ -12,16 +12,17 @@ namespace cpu {
 namespace {
 
 struct AttnDims {
-  int64_t T, Hq, Hkv, hd, group;
+  int64_t T, Hq, Hkv, hd, group, hdv;  // hdv: v's head dim (MLA: may differ from q/k's hd)
 };
 
 AttnDims check_attention_args(const Tensor& q, const Tensor& k, const Tensor& v,
                               const std::vector<int32_t>& cu_seqlens) {
   FP8RL_CHECK(q.ndim() == 3 && k.ndim() == 3 && v.ndim() == 3, "attention needs q [T, Hq, hd], k/v [T, Hkv, hd], got ",
               q.str(), ", ", k.str(), ", ", v.str());
-  AttnDims d{q.dim(0), q.dim(1), k.dim(1), q.dim(2), 0};
-  FP8RL_CHECK(k.shape() == v.shape() && k.dim(0) == d.T && k.dim(2) == d.hd, "attention: k ", k.str(), " and v ",
-              v.str(), " must be [", d.T, ", Hkv, ", d.hd, "]");
+  AttnDims d{q.dim(0), q.dim(1), k.dim(1), q.dim(2), 0, v.dim(2)};
+  FP8RL_CHECK(k.dim(0) == d.T && k.dim(2) == d.hd && v.dim(0) == d.T && v.dim(1) == d.Hkv && d.hdv > 0,
+              "attention: k ", k.str(), " must be [", d.T, ", Hkv, ", d.hd, "] and v ", v.str(), " [", d.T,
+              ", Hkv, hdv]");
   FP8RL_CHECK(d.Hkv > 0 && d.Hq % d.Hkv == 0, "attention: Hq = ", d.Hq, " is not a multiple of Hkv = ", d.Hkv);
   d.group = d.Hq / d.Hkv;
   FP8RL_CHECK(cu_seqlens.size() >= 2 && cu_seqlens.front() == 0 && cu_seqlens.back() == d.T,
@@ -52,10 +53,10 @@ int64_t attention_work(const std::vector<int32_t>& cu_seqlens, int64_t heads, in
 void CpuBackend::attention(const Tensor& q, const Tensor& k, const Tensor& v, const std::vector<int32_t>& cu_seqlens,
                            float softmax_scale, Tensor& out, Tensor& lse) {
   const AttnDims d = check_attention_args(q, k, v, cu_seqlens);
-  check_shape(out, q.shape(), "attention output");
+  check_shape(out, {d.T, d.Hq, d.hdv}, "attention output");
   check_shape(lse, {d.Hq, d.T}, "attention lse");
   const std::vector<double> vq = load(q, "attention q"), vk = load(k, "attention k"), vv = load(v, "attention v");
-  std::vector<double> o(vq.size(), 0.0), l(d.Hq * d.T);
+  std::vector<double> o(d.T * d.Hq * d.hdv, 0.0), l(d.Hq * d.T);
   // One task per (sequence, query head): each writes only its own rows of o and l.
   const int64_t B = static_cast<int64_t>(cu_seqlens.size()) - 1;
   cpu_parallel_for(B * d.Hq, attention_work(cu_seqlens, d.Hq, d.hd), [&](int64_t task0, int64_t task1) {
@@ -74,10 +75,10 @@ void CpuBackend::attention(const Tensor& q, const Tensor& k, const Tensor& v, co
         }
         double sum = 0;
         for (double& e : p) sum += (e = std::exp(e - m));
-        double* oi = o.data() + (i * d.Hq + h) * d.hd;
+        double* oi = o.data() + (i * d.Hq + h) * d.hdv;
         for (int64_t j = s0; j <= i; ++j) {
-          const double* vj = vv.data() + (j * d.Hkv + kh) * d.hd;
-          for (int64_t c = 0; c < d.hd; ++c) oi[c] += p[j - s0] / sum * vj[c];
+          const double* vj = vv.data() + (j * d.Hkv + kh) * d.hdv;
+          for (int64_t c = 0; c < d.hdv; ++c) oi[c] += p[j - s0] / sum * vj[c];
         }
         l[h * d.T + i] = m + std::log(sum);
       }
@@ -93,8 +94,8 @@ void CpuBackend::attention_backward(const Tensor& dout, const Tensor& q, const T
                                     const Tensor& out, const Tensor& lse, const std::vector<int32_t>& cu_seqlens,
                                     float softmax_scale, Tensor& dq, Tensor& dk, Tensor& dv) {
   const AttnDims d = check_attention_args(q, k, v, cu_seqlens);
-  check_shape(dout, q.shape(), "attention dout");
-  check_shape(out, q.shape(), "attention out");
+  check_shape(dout, {d.T, d.Hq, d.hdv}, "attention dout");
+  check_shape(out, {d.T, d.Hq, d.hdv}, "attention out");
   check_shape(lse, {d.Hq, d.T}, "attention lse");
   check_shape(dq, q.shape(), "attention dq");
   check_shape(dk, k.shape(), "attention dk");
@@ -113,21 +114,21 @@ void CpuBackend::attention_backward(const Tensor& dout, const Tensor& q, const T
       for (int64_t h = kh * d.group; h < (kh + 1) * d.group; ++h) {
         for (int64_t i = s0; i < s1; ++i) {
           const double* qi = vq.data() + (i * d.Hq + h) * d.hd;
-          const double* gi = g.data() + (i * d.Hq + h) * d.hd;
-          const double Di = dot(gi, vo.data() + (i * d.Hq + h) * d.hd, d.hd);
+          const double* gi = g.data() + (i * d.Hq + h) * d.hdv;
+          const double Di = dot(gi, vo.data() + (i * d.Hq + h) * d.hdv, d.hdv);
           double* gqi = gq.data() + (i * d.Hq + h) * d.hd;
           for (int64_t j = s0; j <= i; ++j) {
             const double* kj = vk.data() + (j * d.Hkv + kh) * d.hd;
-            const double* vj = vv.data() + (j * d.Hkv + kh) * d.hd;
+            const double* vj = vv.data() + (j * d.Hkv + kh) * d.hdv;
             const double P = std::exp(softmax_scale * dot(qi, kj, d.hd) - l[h * d.T + i]);
-            const double dS = P * (dot(gi, vj, d.hd) - Di);
+            const double dS = P * (dot(gi, vj, d.hdv) - Di);
             double* gkj = gk.data() + (j * d.Hkv + kh) * d.hd;
-            double* gvj = gv.data() + (j * d.Hkv + kh) * d.hd;
+            double* gvj = gv.data() + (j * d.Hkv + kh) * d.hdv;
             for (int64_t c = 0; c < d.hd; ++c) {
               gqi[c] += softmax_scale * dS * kj[c];
               gkj[c] += softmax_scale * dS * qi[c];
-              gvj[c] += P * gi[c];
             }
+            for (int64_t c = 0; c < d.hdv; ++c) gvj[c] += P * gi[c];
           }
         }
       }

@@ -107,6 +107,24 @@ void CpuBackend::copy(const Tensor& src, Tensor& dst) {
   if (src.nbytes() && src.raw() != dst.raw()) std::memmove(dst.raw(), src.raw(), src.nbytes());
 }
 
+void CpuBackend::copy_cols(const Tensor& src, int64_t src_col, Tensor& dst, int64_t dst_col, int64_t cols) {
+  check_cpu(src, "copy_cols source");
+  check_cpu(dst, "copy_cols destination");
+  FP8RL_CHECK(src.dtype() == dst.dtype() && src.ndim() >= 1 && dst.ndim() >= 1, "copy_cols needs two tensors of one "
+              "dtype: ", src.str(), " -> ", dst.str());
+  const int64_t cs = src.dim(src.ndim() - 1), cd = dst.dim(dst.ndim() - 1);
+  FP8RL_CHECK(cs > 0 && cd > 0 && src.numel() / cs == dst.numel() / cd, "copy_cols: ", src.str(), " and ", dst.str(),
+              " do not have the same number of rows");
+  FP8RL_CHECK(cols >= 0 && src_col >= 0 && dst_col >= 0 && src_col + cols <= cs && dst_col + cols <= cd,
+              "copy_cols: columns [", src_col, ", ", src_col + cols, ") of ", src.str(), " -> [", dst_col, ", ",
+              dst_col + cols, ") of ", dst.str(), " out of range");
+  const int64_t R = src.numel() / cs, es = static_cast<int64_t>(dtype_size(src.dtype()));
+  const auto* s = static_cast<const uint8_t*>(src.raw());
+  auto* d = static_cast<uint8_t*>(dst.raw());
+  for (int64_t r = 0; r < R; ++r)
+    std::memmove(d + (r * cd + dst_col) * es, s + (r * cs + src_col) * es, static_cast<size_t>(cols * es));
+}
+
 void CpuBackend::convert(const Tensor& src, Tensor& dst) {
   FP8RL_CHECK(src.numel() == dst.numel(), "convert needs the same number of elements: ", src.str(), " -> ",
               dst.str());

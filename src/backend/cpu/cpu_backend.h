@@ -49,6 +49,7 @@ class CpuBackend final : public Backend {
 
   Tensor alloc(const Shape& shape, DType dtype) override { return Tensor::zeros(shape, dtype); }
   void copy(const Tensor& src, Tensor& dst) override;
+  void copy_cols(const Tensor& src, int64_t src_col, Tensor& dst, int64_t dst_col, int64_t cols) override;
   void convert(const Tensor& src, Tensor& dst) override;
   void fill(Tensor& t, float value) override;
 

@@ -147,11 +147,13 @@ void CpuBackend::rope(Tensor& x, const Tensor& positions, const RopeParams& rope
       const float c = static_cast<float>(std::cos(static_cast<double>(angle))) * rope.attention_scaling;
       float s = static_cast<float>(std::sin(static_cast<double>(angle))) * rope.attention_scaling;
       if (inverse) s = -s;
+      // Pair i: dims (i, i + half), or (2i, 2i + 1) interleaved.
+      const int64_t ia = rope.interleaved ? 2 * i : i, ib = rope.interleaved ? 2 * i + 1 : i + half;
       for (int64_t h = 0; h < H; ++h) {
         double* row = v.data() + (t * H + h) * hd;
-        const double a = row[i], b = row[i + half];
-        row[i] = a * c - b * s;
-        row[i + half] = b * c + a * s;
+        const double a = row[ia], b = row[ib];
+        row[ia] = a * c - b * s;
+        row[ib] = b * c + a * s;
       }
     }
   }

@@ -500,7 +500,31 @@ void CudaBackend::rmsnorm_backward(const Tensor& dout, const Tensor& x, const Te
                           dx.raw(), dx.dtype(), dw.data<float>(), stream_);
 }
 
+// One strided 2-D copy on the stream (rows of `cols` elements at pitches Cs and Cd).
+void CudaBackend::copy_cols(const Tensor& src, int64_t src_col, Tensor& dst, int64_t dst_col, int64_t cols) {
+  const OpTimer op_timer_(*this, "copy_cols");
+  check_dev(src, "copy_cols source");
+  check_dev(dst, "copy_cols destination");
+  FP8RL_CHECK(src.dtype() == dst.dtype() && src.ndim() >= 1 && dst.ndim() >= 1, "copy_cols needs two tensors of one "
+              "dtype: ", src.str(), " -> ", dst.str());
+  const int64_t cs = src.dim(src.ndim() - 1), cd = dst.dim(dst.ndim() - 1);
+  FP8RL_CHECK(cs > 0 && cd > 0 && src.numel() / cs == dst.numel() / cd, "copy_cols: ", src.str(), " and ", dst.str(),
+              " do not have the same number of rows");
+  FP8RL_CHECK(cols >= 0 && src_col >= 0 && dst_col >= 0 && src_col + cols <= cs && dst_col + cols <= cd,
+              "copy_cols: columns [", src_col, ", ", src_col + cols, ") of ", src.str(), " -> [", dst_col, ", ",
+              dst_col + cols, ") of ", dst.str(), " out of range");
+  const int64_t R = src.numel() / cs;
+  const size_t es = dtype_size(src.dtype());
+  if (R == 0 || cols == 0) return;
+  CUDA_CHECK(cudaMemcpy2DAsync(static_cast<uint8_t*>(dst.raw()) + dst_col * es, cd * es,
+                               static_cast<const uint8_t*>(src.raw()) + src_col * es, cs * es, cols * es, R,
+                               cudaMemcpyDeviceToDevice, stream_),
+             "copying columns of ", src.str(), " to ", dst.str());
+}
+
 void CudaBackend::rope(Tensor& x, const Tensor& positions, const RopeParams& rope, bool inverse) {
+  FP8RL_CHECK(!rope.interleaved, "rope: the interleaved layout (DeepSeek-V3 rope_interleave, MLA) is implemented on "
+              "the CPU backend only; the CUDA rope kernel rotates rotate_half pairs");
   const OpTimer op_timer_(*this, "rope");
   check_dev(x, "rope x");
   check_dev(positions, "rope positions");
@@ -1157,6 +1181,8 @@ void CudaBackend::attention(const Tensor& q, const Tensor& k, const Tensor& v, c
   const int64_t T = q.dim(0);
   const int Hq = static_cast<int>(q.dim(1)), Hkv = static_cast<int>(k.dim(1)), hd = static_cast<int>(q.dim(2));
   FP8RL_CHECK(Hkv > 0 && Hq % Hkv == 0, "attention: Hq (", Hq, ") must be a multiple of Hkv (", Hkv, ")");
+  FP8RL_CHECK(v.ndim() != 3 || v.dim(2) == hd, "attention: v head_dim ", v.dim(2), " differs from q/k head_dim ", hd,
+              " (MLA); the CUDA attention kernels need equal head dims: MLA runs on the CPU backend only");
   check_shape(k, {T, Hkv, hd}, "attention k");
   check_shape(v, {T, Hkv, hd}, "attention v");
   check_shape(out, q.shape(), "attention out");
@@ -1189,6 +1215,8 @@ void CudaBackend::attention_backward(const Tensor& dout, const Tensor& q, const 
   const int64_t T = q.dim(0);
   const int Hq = static_cast<int>(q.dim(1)), Hkv = static_cast<int>(k.dim(1)), hd = static_cast<int>(q.dim(2));
   FP8RL_CHECK(Hkv > 0 && Hq % Hkv == 0, "attention_backward: Hq must be a multiple of Hkv");
+  FP8RL_CHECK(v.ndim() != 3 || v.dim(2) == hd, "attention_backward: v head_dim ", v.dim(2), " differs from q/k "
+              "head_dim ", hd, " (MLA); the CUDA attention kernels need equal head dims: MLA runs on the CPU backend only");
   for (const Tensor* t : std::initializer_list<const Tensor*>{&dout, &out, &dq}) check_shape(*t, q.shape(), "attention_backward q-shaped tensor");
   for (const Tensor* t : std::initializer_list<const Tensor*>{&k, &v, &dk, &dv}) check_shape(*t, {T, Hkv, hd}, "attention_backward kv-shaped tensor");
   for (const Tensor* t : std::initializer_list<const Tensor*>{&dout, &k, &v, &out, &dq, &dk, &dv})

@@ -42,6 +42,7 @@ class CudaBackend final : public Backend {
 
   Tensor alloc(const Shape& shape, DType dtype) override;
   void copy(const Tensor& src, Tensor& dst) override;
+  void copy_cols(const Tensor& src, int64_t src_col, Tensor& dst, int64_t dst_col, int64_t cols) override;
   void convert(const Tensor& src, Tensor& dst) override;
   void fill(Tensor& t, float value) override;
   void synchronize() override;
