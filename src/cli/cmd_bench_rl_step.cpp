@@ -183,6 +183,7 @@ RecipeResult bench_recipe(Backend& be, const BenchSetup& s, const std::string& r
     if (fp8_kv) {
       const KvScales used = engine.kv_scales();  // the scales this rollout was generated with
       trainer.set_kv_rounding(used.k, used.v);
+      if (reference) reference->set_kv_rounding(used.k, used.v);  // no KL from the rounding alone
     }
     phase("scoring", [&] { old = trainer.score(ro.seqs, sp.temperature, /*entropy=*/true, fp8_kv); });
     ro.logp_old = old.logp;

@@ -467,6 +467,8 @@ void step_score(GrpoRun& r, GrpoStep& d) {
   if (r.fp8_kv) {  // a recipe whose trainer rounds k/v as the cache does uses this rollout's scales
     const KvScales used = r.engine->kv_scales();
     r.trainer->set_kv_rounding(used.k, used.v);
+    // The KL reference rounds the same way, so that rounding alone adds no KL at equal weights.
+    if (r.reference) r.reference->set_kv_rounding(used.k, used.v);
   }
   d.old = r.trainer->score(d.seqs, r.temperature, /*entropy=*/true, /*record_amax=*/r.fp8_kv);
   if (r.reference) d.logp_ref = r.reference->score(d.seqs, r.temperature, false, false).logp;

@@ -92,6 +92,15 @@ TEST(KvRounding, TrainerScoresWhatTheE4m3GeneratorSampled) {
   mean_plain /= static_cast<double>(b.size());
   EXPECT_LT(max_rounded, 2e-5) << "the rounding trainer must score the generator's own log-probs";
   EXPECT_GT(mean_plain, 20 * std::max(max_rounded, 1e-7)) << "without rounding the KV quantization shows";
+
+  // A frozen KL reference of the same weights, rounding with the same scales, scores bit for bit
+  // what the rounding trainer scores (so the rounding adds no KL at equal weights).
+  TrainerOptions frozen_opt;
+  frozen_opt.frozen = true;
+  Trainer reference(*be, model_weights_to_device(*be, host, DType::F32), recipe.trainer, frozen_opt);
+  reference.set_kv_rounding(used.k, used.v);
+  EXPECT_TRUE(reference.kv_rounding());
+  EXPECT_EQ(reference.score(seqs, 1.0f, false, false).logp, a);
 }
 
 }  // namespace
