@@ -1014,23 +1014,12 @@ PagedSplit paged_attention_mma_split(int64_t T, int Hkv, int hd, DType pool_dt, 
   return paged_mma_split(T, Hkv, max_pos, sm_count * paged_attention_mma_blocks_per_sm(hd, pool_dt), forced);
 }
 
-void launch_paged_attention_mma(const void* q, DType qdt, const int32_t* token_seq, const int32_t* token_pos,
-                                const int32_t* page_table, int max_pages, int64_t T, int Hq, int Hkv, int hd,
-                                int page_size, const void* kpool, const void* vpool, DType pool_dt,
-                                const float* k_scale, const float* v_scale, float scale, bool fp8_q,
-                                const PagedSplit& split, float* part_o, float* part_lse, void* out,
-                                cudaStream_t stream) {
-  if (T == 0) return;
-  FP8RL_CHECK(Hkv > 0 && Hq % Hkv == 0 && paged_attention_mma_supported(hd, Hq / Hkv, pool_dt, qdt, kpool, vpool),
-              "paged attention (tensor cores): unsupported case: q ", dtype_name(qdt), ", pool ", dtype_name(pool_dt),
-              ", head_dim ", hd, ", group ", Hq / std::max(Hkv, 1),
-              " (needs BF16 q, a BF16/E4M3 pool, head_dim 64/128, group <= 8, 16-byte aligned pools)");
-  FP8RL_CHECK(page_size >= 1, "paged attention: page_size ", page_size);
-  FP8RL_CHECK(split.splits >= 1 && split.chunk >= kMmaTile && split.chunk % kMmaTile == 0 &&
-                  (split.splits == 1 || (part_o && part_lse)),
-              "paged attention (tensor cores): bad split plan (", split.splits, " x ", split.chunk,
-              "; chunks must be multiples of ", kMmaTile, ": use paged_attention_mma_split)");
-  FP8RL_CHECK(T * Hkv < (int64_t(1) << 31), "paged attention: T * Hkv = ", T * Hkv, " exceeds the grid");
+// The kernels' arguments from a launcher's (the tensor-core and the CUDA-core launchers alike).
+static PagedArgs paged_args(const void* q, DType qdt, const int32_t* token_seq, const int32_t* token_pos,
+                            const int32_t* page_table, int max_pages, int Hq, int Hkv, int page_size,
+                            const void* kpool, const void* vpool, const float* k_scale, const float* v_scale,
+                            float scale, bool fp8_q, const PagedSplit& split, float* part_o, float* part_lse,
+                            void* out) {
   PagedArgs a;
   a.q = q;
   a.token_seq = token_seq;
@@ -1051,8 +1040,30 @@ void launch_paged_attention_mma(const void* q, DType qdt, const int32_t* token_s
   a.splits = split.splits;
   a.chunk = split.chunk;
   a.scale_log2 = scale * 1.4426950408889634f;
-  a.q_bf16 = true;
+  a.q_bf16 = qdt == DType::BF16;
   a.fp8_q = fp8_q;
+  return a;
+}
+
+void launch_paged_attention_mma(const void* q, DType qdt, const int32_t* token_seq, const int32_t* token_pos,
+                                const int32_t* page_table, int max_pages, int64_t T, int Hq, int Hkv, int hd,
+                                int page_size, const void* kpool, const void* vpool, DType pool_dt,
+                                const float* k_scale, const float* v_scale, float scale, bool fp8_q,
+                                const PagedSplit& split, float* part_o, float* part_lse, void* out,
+                                cudaStream_t stream) {
+  if (T == 0) return;
+  FP8RL_CHECK(Hkv > 0 && Hq % Hkv == 0 && paged_attention_mma_supported(hd, Hq / Hkv, pool_dt, qdt, kpool, vpool),
+              "paged attention (tensor cores): unsupported case: q ", dtype_name(qdt), ", pool ", dtype_name(pool_dt),
+              ", head_dim ", hd, ", group ", Hq / std::max(Hkv, 1),
+              " (needs BF16 q, a BF16/E4M3 pool, head_dim 64/128, group <= 8, 16-byte aligned pools)");
+  FP8RL_CHECK(page_size >= 1, "paged attention: page_size ", page_size);
+  FP8RL_CHECK(split.splits >= 1 && split.chunk >= kMmaTile && split.chunk % kMmaTile == 0 &&
+                  (split.splits == 1 || (part_o && part_lse)),
+              "paged attention (tensor cores): bad split plan (", split.splits, " x ", split.chunk,
+              "; chunks must be multiples of ", kMmaTile, ": use paged_attention_mma_split)");
+  FP8RL_CHECK(T * Hkv < (int64_t(1) << 31), "paged attention: T * Hkv = ", T * Hkv, " exceeds the grid");
+  PagedArgs a = paged_args(q, qdt, token_seq, token_pos, page_table, max_pages, Hq, Hkv, page_size, kpool, vpool,
+                           k_scale, v_scale, scale, fp8_q, split, part_o, part_lse, out);
   a.ps_shift = (page_size & (page_size - 1)) == 0 ? __builtin_ctz(static_cast<unsigned>(page_size)) : -1;
   if (pool_dt == DType::E4M3) {
     if (hd == 64) launch_mma<64, uint8_t>(a, T, stream);
@@ -1102,28 +1113,8 @@ void launch_paged_attention(const void* q, DType qdt, const int32_t* token_seq, 
   FP8RL_CHECK(split.splits >= 1 && split.chunk >= 1 && (split.splits == 1 || (part_o && part_lse)),
               "paged attention: bad split plan (", split.splits, " x ", split.chunk, ")");
   FP8RL_CHECK(T * Hkv < (int64_t(1) << 31), "paged attention: T * Hkv = ", T * Hkv, " exceeds the grid");
-  PagedArgs a;
-  a.q = q;
-  a.token_seq = token_seq;
-  a.token_pos = token_pos;
-  a.page_table = page_table;
-  a.kpool = kpool;
-  a.vpool = vpool;
-  a.k_scale = k_scale;
-  a.v_scale = v_scale;
-  a.out = out;
-  a.part_o = part_o;
-  a.part_lse = part_lse;
-  a.max_pages = max_pages;
-  a.Hq = Hq;
-  a.Hkv = Hkv;
-  a.group = Hq / Hkv;
-  a.page_size = page_size;
-  a.splits = split.splits;
-  a.chunk = split.chunk;
-  a.scale_log2 = scale * 1.4426950408889634f;
-  a.q_bf16 = qdt == DType::BF16;
-  a.fp8_q = fp8_q;
+  PagedArgs a = paged_args(q, qdt, token_seq, token_pos, page_table, max_pages, Hq, Hkv, page_size, kpool, vpool,
+                           k_scale, v_scale, scale, fp8_q, split, part_o, part_lse, out);
   if (hd == 64) launch_pool<64>(a, grouped, pool_dt, T, stream);
   else launch_pool<128>(a, grouped, pool_dt, T, stream);
   CUDA_CHECK_LAUNCH(grouped ? "paged_attention_kernel" : "paged_tiled_kernel");
