@@ -80,6 +80,13 @@ void fp8_view_check(const Fp8View& view, const Tensor& x, const LinearSpec& spec
               " (a stale view: pass the view its producer wrote with this tensor)");
 }
 
+void kv_round_check(const Tensor& x, const std::vector<float>& head_scale) {
+  FP8RL_CHECK(x.ndim() == 3 && x.dim(1) == static_cast<int64_t>(head_scale.size()), "kv_round: x must be [T, H, hd] ",
+              "with one scale per head, got ", x.str(), " and ", head_scale.size(), " scales");
+  for (float s : head_scale)
+    FP8RL_CHECK(std::isfinite(s) && s > 0, "kv_round: scales must be finite and > 0, got ", s);
+}
+
 namespace {
 // out [..., D] as the 2-D tensor the quantizer takes, checked against the view's shape.
 Tensor fp8_view_target(const Tensor& out, const Fp8View& fp8, const char* op) {

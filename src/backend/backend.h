@@ -76,6 +76,8 @@ struct Fp8View {
 // Throws unless `view` can stand for the quantization of x [M, K] under `spec`: 1x128 blocks,
 // shape [M, K], the spec's pow2, made from x (source == x.raw()). `what` names the op.
 void fp8_view_check(const Fp8View& view, const Tensor& x, const LinearSpec& spec, const char* what);
+// kv_round's contract, checked by both backends: x [T, H, hd] with one finite scale > 0 per head.
+void kv_round_check(const Tensor& x, const std::vector<float>& head_scale);
 
 // Rotary embedding. Non-interleaved (rotate_half, as HF Llama/Qwen): dims i and i + hd/2 form
 // pair i. Interleaved (DeepSeek-V3's rope_interleave, CPU backend only): dims 2i and 2i + 1 form

@@ -217,10 +217,7 @@ void CpuBackend::kv_write(KvCache& cache, int layer, const Tensor& k, const Tens
 
 void CpuBackend::kv_round(Tensor& x, const std::vector<float>& head_scale) {
   check_float(x, "kv_round x");
-  FP8RL_CHECK(x.ndim() == 3 && x.dim(1) == static_cast<int64_t>(head_scale.size()), "kv_round: x must be [T, H, hd] ",
-              "with one scale per head, got ", x.str(), " and ", head_scale.size(), " scales");
-  for (float s : head_scale)
-    FP8RL_CHECK(std::isfinite(s) && s > 0, "kv_round: scales must be finite and > 0, got ", s);
+  kv_round_check(x, head_scale);
   const int64_t T = x.dim(0), H = x.dim(1), hd = x.dim(2);
   std::vector<double> v = load(x, "kv_round x");
   for (int64_t t = 0; t < T; ++t)

@@ -1333,15 +1333,10 @@ void CudaBackend::token_logprobs_backward(const Tensor& hidden, const Tensor& lm
 void CudaBackend::kv_round(Tensor& x, const std::vector<float>& head_scale) {
   const OpTimer op_timer_(*this, "kv_round");
   check_dev(x, "kv_round x");
-  FP8RL_CHECK(x.ndim() == 3 && x.dim(1) == static_cast<int64_t>(head_scale.size()), "kv_round: x must be [T, H, hd] ",
-              "with one scale per head, got ", x.str(), " and ", head_scale.size(), " scales");
+  kv_round_check(x, head_scale);
   FP8RL_CHECK(x.dim(1) <= kMaxKvRoundHeads, "kv_round: at most ", kMaxKvRoundHeads, " heads, got ", x.dim(1));
   KvRoundScales s{};
-  for (size_t h = 0; h < head_scale.size(); ++h) {
-    FP8RL_CHECK(std::isfinite(head_scale[h]) && head_scale[h] > 0, "kv_round: scales must be finite and > 0, got ",
-                head_scale[h]);
-    s.v[h] = head_scale[h];
-  }
+  for (size_t h = 0; h < head_scale.size(); ++h) s.v[h] = head_scale[h];
   launch_kv_round(x.raw(), x.dtype(), x.dim(0), static_cast<int>(x.dim(1)), static_cast<int>(x.dim(2)), s, stream_);
 }
 
