@@ -223,6 +223,7 @@ RecipeResult bench_recipe(Backend& be, const BenchSetup& s, const std::string& r
   const BackendCounters c1 = be.counters();
   res.counters.fp8_gemm_fallbacks = c1.fp8_gemm_fallbacks - c0.fp8_gemm_fallbacks;
   res.counters.fp8_gemm_tails = c1.fp8_gemm_tails - c0.fp8_gemm_tails;
+  res.counters.fp8_gemm_own = c1.fp8_gemm_own - c0.fp8_gemm_own;
   return res;
 }
 
@@ -335,6 +336,8 @@ int run_bench(const std::vector<std::string>& argv) {
   for (const RecipeResult& r : results) std::printf(" %*lld", w, static_cast<long long>(r.counters.fp8_gemm_fallbacks));
   std::printf("\n%-18s", "fp8 row tails");
   for (const RecipeResult& r : results) std::printf(" %*lld", w, static_cast<long long>(r.counters.fp8_gemm_tails));
+  std::printf("\n%-18s", "fp8 own-kernel");
+  for (const RecipeResult& r : results) std::printf(" %*lld", w, static_cast<long long>(r.counters.fp8_gemm_own));
   std::printf("\n");
   for (const RecipeResult& r : results) {
     nlohmann::json jr;
@@ -350,6 +353,7 @@ int run_bench(const std::vector<std::string>& argv) {
     jr["plan_peak_bytes"] = r.plan_peak;
     jr["fp8_gemm_fallbacks"] = r.counters.fp8_gemm_fallbacks;
     jr["fp8_gemm_tails"] = r.counters.fp8_gemm_tails;
+    jr["fp8_gemm_own"] = r.counters.fp8_gemm_own;
     j["recipes"][r.recipe] = jr;
   }
   if (args.has("json")) {

@@ -66,6 +66,17 @@ class GemmEngine {
                         const uint8_t* b, const float* b_lt_scales, int b_block_rows, void* C, DType c_dtype,
                         float alpha, float beta);
 
+  // The own sm_90a kernel (fp8_gemm.h) for the same product (B in 128x128 blocks): any M, no
+  // tail; split-K chosen from the shape (splits = 0) or given. a_scales_kb_major: A's scales
+  // are [ceil(K/128)][M] (the quantizer's gemm_layout), else [M][ceil(K/128)].
+  void gemm_fp8_own(int64_t M, int64_t N, int64_t K, const uint8_t* a, const float* a_scales, bool a_scales_kb_major,
+                    const uint8_t* b, const float* b_scales, void* C, DType c_dtype, float alpha, float beta,
+                    int splits = 0);
+  // Which kernel gemm_fp8 runs for 128x128-block B: cuBLASLt's (default) or the own one
+  // (FP8RL_FP8_GEMM=own); products of 1x128-block B (the FP8 wgrad) always run on cuBLASLt.
+  bool own_fp8() const { return own_fp8_; }
+  int64_t own_products() const { return own_products_; }
+
   cudaStream_t stream() const { return stream_; }
   // FP8 products whose last M % 16 rows ran as a padded second product (since construction).
   int64_t tail_products() const { return tail_products_; }
@@ -86,6 +97,11 @@ class GemmEngine {
   void* tail_ = nullptr;  // the padded tail's A rows and output rows
   size_t tail_bytes_ = 0;
   int64_t tail_products_ = 0;
+  int64_t own_products_ = 0;
+  bool own_fp8_ = false;  // FP8RL_FP8_GEMM=own|cublaslt
+  int sm_count_ = 132;
+  float* own_ws_ = nullptr;  // split-K partials of the own kernel
+  size_t own_ws_floats_ = 0;
   std::map<Key, cublasLtMatmulAlgo_t> algos_;
 };
 
