@@ -7,6 +7,9 @@
 #                   16 prompts x 16 samples x FP8RL_RLSTEP_NEW (512) new tokens, ragged
 #   rlstep_own      rlstep with the own sm_90a FP8 GEMM (FP8RL_FP8_GEMM=own); skipped when the
 #                   CudaFp8Gemm tests failed
+#   mismatch_own    the mismatch of FP8 linears over BF16 KV (and of fp8_e2e with the trainer's KV
+#                   rounding) with the default GEMM choice and with every FP8 product on the own
+#                   kernel at one split (row-invariant: both engines compute each row alike)
 #   gemm            fp8rl bench-gemm: BF16, cuBLASLt FP8 and the own FP8 kernel at 8B and 1.7B widths
 #   rlstep_profile  one step of bf16 and fp8_e2e with FP8RL_CUDA_PROFILE=1 (per-op stream time per
 #                   recipe and phase; with FP8RL_CUDA_GRAPHS=0 the decode step's ops are split too)
@@ -71,6 +74,14 @@ for stage in ${FP8RL_STAGES:-rlstep}; do
         --json "$OUT/rlstep_own.json" > "$OUT/rlstep_own.log" 2>&1
       note "bench rl-step (own FP8 GEMM): rc=$?"; sed -n '/^phase/,$p' "$OUT/rlstep_own.log" | tee -a "$SUMMARY"
       grep -iE "error|warning" "$OUT/rlstep_own.log" | head -5 | tee -a "$SUMMARY" ;;
+    mismatch_own)
+      for mode in auto own1; do
+        envs="FP8RL_FP8_GEMM=auto"; [ $mode = own1 ] && envs="FP8RL_FP8_GEMM=own FP8RL_FP8_GEMM_SPLITS=1"
+        env $envs timeout $(( $(left) - 20 )) "$FP8RL" bench rl-step --device cuda --model "${FP8RL_RLSTEP_MODEL:-qwen3-1.7b}" \
+          --recipes bf16,fp8_e2e:kv=bf16,fp8_e2e:tkv=e4m3 --max-new-tokens 256 --steps 1 \
+          --json "$OUT/mismatch_$mode.json" > "$OUT/mismatch_$mode.log" 2>&1
+        note "mismatch ($envs): rc=$?"; sed -n '/^phase/,$p' "$OUT/mismatch_$mode.log" | grep -iE "phase|^step|mult_prob|gen_kl|own" | tee -a "$SUMMARY"
+      done ;;
     gemm)
       if [ -n "${OWN_GEMM_BROKEN:-}" ]; then note "gemm: skipped (CudaFp8Gemm failed)"; continue; fi
       timeout 200 "$FP8RL" bench-gemm --json "$OUT/bench_gemm.json" > "$OUT/bench_gemm.log" 2>&1

@@ -92,6 +92,34 @@ struct Shape {
   int64_t M, N, K;
 };
 
+// Hopper's FP8 MMA adds the products of a K block with fewer bits than FP32 (measured on the
+// H200: ~1e-4 of sum |terms| within one 128-block; DeepSeek-V3's report gives ~14 bits), which
+// is why both kernels promote to FP32 every 128 K. So the bound against the exact FP64 product
+// is 2^-11 of sum |terms|, and the own kernel must be as close as cuBLASLt's within 25%.
+constexpr double kMmaBound = 1.0 / 2048.0;
+
+Tensor run_cublaslt(cuda::CudaBackend& be, const Operands& o, int64_t M, int64_t N, int64_t K) {
+  Tensor c = be.alloc({M, N}, DType::F32);
+  be.gemm().set_fp8_kernel("cublaslt");
+  be.gemm().gemm_fp8(M, N, K, o.da.data.data<uint8_t>(), o.da.scales.data<float>(), o.db.data.data<uint8_t>(),
+                     o.db.scales.data<float>(), kQuantBlock, c.raw(), DType::F32, 1.0f, 0.0f);
+  be.gemm().set_fp8_kernel("auto");
+  be.synchronize();
+  return be.to_host(c);
+}
+
+// The largest |C - exact| / sum |terms| over a grid of sampled elements.
+double max_error(const Operands& o, const Tensor& c, int64_t M, int64_t N) {
+  double worst = 0;
+  for (int64_t m = 0; m < M; m += std::max<int64_t>(1, M / 9))
+    for (int64_t n = 0; n < N; n += std::max<int64_t>(1, N / 37) | 1) {
+      double v, mag;
+      host_product(o, m, n, &v, &mag);
+      worst = std::max(worst, std::fabs(c.data<float>()[m * N + n] - v) / (mag + 1e-30));
+    }
+  return worst;
+}
+
 TEST(CudaFp8Gemm, MatchesTheHostProductAtEveryShapeAndSplit) {
   cuda::CudaBackend be(0, DType::BF16);
   // Ragged M (1, 5, 77, 200, 1000), partial N and K blocks (208, 336, 640), the 1.7B decode and
@@ -101,22 +129,19 @@ TEST(CudaFp8Gemm, MatchesTheHostProductAtEveryShapeAndSplit) {
   for (const Shape& s : shapes) {
     SCOPED_TRACE(testing::Message() << "M=" << s.M << " N=" << s.N << " K=" << s.K);
     const Operands o = make_operands(be, s.M, s.N, s.K, static_cast<uint32_t>(s.M * 31 + s.N + s.K));
+    // cuBLASLt's block mode takes K in multiples of 128 only: elsewhere the bound alone.
+    const double lt = s.K % kQuantBlock == 0 ? max_error(o, run_cublaslt(be, o, s.M, s.N, s.K), s.M, s.N)
+                                             : kMmaBound / 1.25;
     const int kb = static_cast<int>(ceil_div(s.K, kQuantBlock));
     for (int splits : {1, 3, kb}) {
       for (bool kb_major : {false, true}) {
         SCOPED_TRACE(testing::Message() << "splits=" << splits << " kb_major=" << kb_major);
-        const Tensor c = run_own(be, o, s.M, s.N, s.K, DType::F32, kb_major, splits);
-        int checked = 0;
-        for (int64_t m = 0; m < s.M; m += std::max<int64_t>(1, s.M / 9))
-          for (int64_t n = 0; n < s.N; n += std::max<int64_t>(1, s.N / 37) | 1) {
-            double v, mag;
-            host_product(o, m, n, &v, &mag);
-            const double got = c.data<float>()[m * s.N + n];
-            // FP32 sums of K terms in another order: a few ulps of the magnitude per 128-block.
-            ASSERT_NEAR(got, v, 2e-6 * mag + 1e-30) << "m=" << m << " n=" << n;
-            ++checked;
-          }
-        ASSERT_GT(checked, 10);
+        const double own = max_error(o, run_own(be, o, s.M, s.N, s.K, DType::F32, kb_major, splits), s.M, s.N);
+        EXPECT_LT(own, kMmaBound);
+        EXPECT_LE(own, 1.25 * lt + 1e-6) << "cuBLASLt's error " << lt;
+        if (splits == 1 && !kb_major)
+          std::printf("[ fp8 gemm ] M=%lld N=%lld K=%lld: max |C - exact| / sum|terms|: own %.2e, cuBLASLt %.2e\n",
+                      static_cast<long long>(s.M), static_cast<long long>(s.N), static_cast<long long>(s.K), own, lt);
       }
     }
     // BF16 output: the F32 result rounded once.
@@ -127,31 +152,18 @@ TEST(CudaFp8Gemm, MatchesTheHostProductAtEveryShapeAndSplit) {
   }
 }
 
-TEST(CudaFp8Gemm, AgreesWithCublasLt) {
+TEST(CudaFp8Gemm, AgreesWithCublasLtAtTrainerShapes) {
   cuda::CudaBackend be(0, DType::BF16);
-  for (const Shape& s : {Shape{256, 2048, 2048}, Shape{16384, 2048, 2048}, Shape{4096, 12288, 2048},
-                         Shape{16384, 2048, 6144}, Shape{48, 1024, 2048}}) {
+  for (const Shape& s : {Shape{16384, 2048, 2048}, Shape{4096, 12288, 2048}, Shape{16384, 2048, 6144},
+                         Shape{48, 1024, 2048}}) {
     SCOPED_TRACE(testing::Message() << "M=" << s.M << " N=" << s.N << " K=" << s.K);
     const Operands o = make_operands(be, s.M, s.N, s.K, static_cast<uint32_t>(s.M + s.N * 3 + s.K));
-    const Tensor own = run_own(be, o, s.M, s.N, s.K, DType::F32, false, 0);
-    Tensor c = be.alloc({s.M, s.N}, DType::F32);
-    be.gemm().gemm_fp8(s.M, s.N, s.K, o.da.data.data<uint8_t>(), o.da.scales.data<float>(), o.db.data.data<uint8_t>(),
-                       o.db.scales.data<float>(), kQuantBlock, c.raw(), DType::F32, 1.0f, 0.0f);
-    be.synchronize();
-    const Tensor lt = be.to_host(c);
-    double max_rel = 0;
-    for (int64_t m = 0; m < s.M; m += std::max<int64_t>(1, s.M / 61))
-      for (int64_t n = 0; n < s.N; n += 7) {
-        double v, mag;
-        host_product(o, m, n, &v, &mag);
-        const int64_t i = m * s.N + n;
-        ASSERT_NEAR(own.data<float>()[i], v, 2e-6 * mag) << "own m=" << m << " n=" << n;
-        max_rel = std::max(max_rel, std::fabs(own.data<float>()[i] - lt.data<float>()[i]) / (mag + 1e-30));
-      }
-    // cuBLASLt's FP8 tensor cores accumulate within a block with fewer bits: agreement to ~1e-4.
-    EXPECT_LT(max_rel, 1e-3) << "own vs cuBLASLt";
-    std::printf("[ fp8 gemm ] M=%lld N=%lld K=%lld: max |own - cuBLASLt| / sum|terms| = %.2e\n",
-                static_cast<long long>(s.M), static_cast<long long>(s.N), static_cast<long long>(s.K), max_rel);
+    const double own = max_error(o, run_own(be, o, s.M, s.N, s.K, DType::F32, false, 0), s.M, s.N);
+    const double lt = max_error(o, run_cublaslt(be, o, s.M, s.N, s.K), s.M, s.N);
+    EXPECT_LT(own, kMmaBound);
+    EXPECT_LE(own, 1.25 * lt + 1e-6) << "cuBLASLt's error " << lt;
+    std::printf("[ fp8 gemm ] M=%lld N=%lld K=%lld: max |C - exact| / sum|terms|: own %.2e, cuBLASLt %.2e\n",
+                static_cast<long long>(s.M), static_cast<long long>(s.N), static_cast<long long>(s.K), own, lt);
   }
 }
 

@@ -22,6 +22,7 @@ struct Fp8GemmArgs {
   DType c_dtype = DType::BF16;
   float alpha = 1.0f, beta = 0.0f;
   int splits = 1;                    // K splits (fp8_gemm_sm90_splits); > 1 needs the workspace
+  int block_m = 0;                   // rows per CTA: 64 or 128 (0: 64 for M <= 64, else 128)
   float* workspace = nullptr;        // fp8_gemm_sm90_workspace_floats(M, N, splits) floats
 };
 

@@ -292,6 +292,7 @@ bool fp8_gemm_sm90_supported(int64_t M, int64_t N, int64_t K) {
   return M > 0 && N > 0 && K > 0 && N % 16 == 0 && K % 16 == 0 && M < (int64_t{1} << 31) && N < (int64_t{1} << 31);
 }
 
+// Splits are chosen for the default block_m.
 int fp8_gemm_sm90_splits(int64_t M, int64_t N, int64_t K, int sm_count) {
   const int64_t kblocks = ceil_div(K, int64_t{kBK});
   const int64_t tiles = ceil_div(M, M <= 64 ? int64_t{64} : int64_t{128}) * ceil_div(N, int64_t{kBN});
@@ -324,7 +325,8 @@ void fp8_gemm_sm90(const Fp8GemmArgs& a, cudaStream_t stream) {
   p.c_bf16 = a.c_dtype == DType::BF16;
   p.alpha = a.alpha, p.beta = a.beta;
   const int n_tiles = static_cast<int>(ceil_div(a.N, int64_t{kBN}));
-  const bool small = a.M <= 64;
+  FP8RL_CHECK(a.block_m == 0 || a.block_m == 64 || a.block_m == 128, "FP8 GEMM (sm90): block_m must be 64 or 128");
+  const bool small = a.block_m ? a.block_m == 64 : a.M <= 64;
   const int bm = small ? 64 : 128;
   const int m_tiles = static_cast<int>(ceil_div(a.M, int64_t{bm}));
   const CUtensorMap ta = tensor_map(a.a, a.M, a.K, bm), tb = tensor_map(a.b, a.N, a.K, kBN);

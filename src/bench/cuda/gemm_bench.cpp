@@ -129,7 +129,7 @@ nlohmann::json bench_gemm_run(const GemmBenchOptions& options) {
                            {"8b gate/up 4096->14336", 4096, 14336}, {"8b down 14336->4096", 14336, 4096},
                            {"1.7b qkv 2048->4096", 2048, 4096},    {"1.7b o 2048->2048", 2048, 2048},
                            {"1.7b gate/up 2048->12288", 2048, 12288}, {"1.7b down 6144->2048", 6144, 2048}};
-  std::vector<int64_t> Ms = {8192, 256, 64};
+  std::vector<int64_t> Ms = {8192, 256, 128, 64, 32};
   if (options.quick) Ms = {8192};
   if (options.quant_only) Ms.clear();  // the memory-bound kernels alone
   out["gemm"] = nlohmann::json::array();
@@ -209,6 +209,25 @@ nlohmann::json bench_gemm_run(const GemmBenchOptions& options) {
           }
           own_vs_lt = dmax / std::max(cmax, 1e-30);
         }
+        // Decode shapes: the own kernel's configurations (rows per CTA x K splits), timed alike.
+        nlohmann::json sweep = nlohmann::json::array();
+        if (p.b_block_rows == kQuantBlock && p.m <= 256) {
+          Tensor co = be.alloc({p.m, p.n}, cdt);
+          std::printf("    own configs (block_m x splits: us):");
+          for (int bm : {64, 128})
+            for (int sp : {1, 2, 4, 8}) {
+              rot = 0;
+              const double ms = time_ms(s, warm, reps, [&] {
+                const size_t i = static_cast<size_t>(rot++ % copies);
+                gemm.gemm_fp8_own(p.m, p.n, p.k, aq.data.data<uint8_t>(), as.data<float>(), true,
+                                  bq[i].data.data<uint8_t>(), bq[i].scales.data<float>(), co.raw(), cdt, 1.0f, 0.0f, sp,
+                                  bm);
+              });
+              std::printf(" %dx%d %.1f", bm, sp, ms * 1e3);
+              sweep.push_back({{"block_m", bm}, {"splits", sp}, {"ms", ms}});
+            }
+          std::printf("\n");
+        }
         const double tf_bf16 = flops / ms_bf16 / 1e9, tf_fp8 = ms_fp8 > 0 ? flops / ms_fp8 / 1e9 : 0.0;
         const double tf_own = ms_own > 0 ? flops / ms_own / 1e9 : 0.0;
         std::printf("%-26s %6lld %-6s %10.1f %10.1f %10.1f %10.3f %7.2fx %7.2fx %9.1e\n", sh.name,
@@ -228,6 +247,7 @@ nlohmann::json bench_gemm_run(const GemmBenchOptions& options) {
                                {"own_ms", ms_own},
                                {"own_tflops", tf_own},
                                {"own_vs_cublaslt_max_rel", own_vs_lt},
+                               {"own_configs", sweep},
                                {"fp8_over_bf16", tf_fp8 / tf_bf16}});
       }
     }
