@@ -440,10 +440,11 @@ std::string memory_plan_check(const RunConfig& c_in, const ModelConfig& model, D
   std::vector<std::string> fixes;
   // Each knob is checked with the plan at the shape-sized KV pool (the least the run gets).
   auto fits = [&](const RunConfig& t) { return peak_for(t, model, act, sft) <= memory_plan_budget_bytes(t, free_bytes, sft); };
-  if (fraction && u < 1 && peak <= free_bytes) {
-    const double at_least = std::ceil(100.0 * double(peak) / double(free_bytes)) / 100.0;
+  if (fraction && u < 1 && peak <= free_bytes) {  // the smallest fraction (in hundredths) that holds the peak
+    int hundredths = static_cast<int>(std::ceil(100.0 * double(peak) / double(free_bytes)));
+    while (hundredths < 100 && static_cast<int64_t>(double(free_bytes) * (hundredths / 100.0)) < peak) ++hundredths;
     std::snprintf(buf, sizeof buf, "rollout.gpu_memory_utilization >= %.2f (now %.2f; or 0: the plan against all the "
-                  "free memory)", std::min(1.0, at_least), u);
+                  "free memory)", std::min(100, hundredths) / 100.0, u);
     fixes.push_back(buf);
   }
   // train.micro_batch_tokens (saved activations, backward scratch, the logits chunk).
