@@ -206,8 +206,8 @@ struct GrpoRun {
   std::unique_ptr<Trainer> trainer;
   std::unique_ptr<Trainer> reference;  // frozen initial policy for the k3 KL term
   std::unique_ptr<RolloutEngine> engine;
-  MemoryChoice memory;  // train.recompute (auto resolved) and the KV pool, from the start-up check
-  std::optional<MetricsLog> log;                                  // rank 0
+  MemoryChoice memory;            // train.recompute (auto resolved) and the KV pool, from the start-up check
+  std::optional<MetricsLog> log;  // rank 0
   std::optional<std::pair<int64_t, double>> first_val, last_val;  // (step, accuracy), for the summary
   int64_t generated_tokens = 0, steps_run = 0;
   double generation_s = 0;

@@ -4,12 +4,12 @@
 // fit. The free memory is faked with memory.free_gib / --free-gib (the CPU backend reports none).
 #include <gtest/gtest.h>
 
+#include <unistd.h>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
-#include <unistd.h>
 
 #include "core/error.h"
 #include "model/shapes.h"
@@ -84,7 +84,8 @@ TEST(KvPool, TakesWhatThePlanLeavesOfTheFraction) {
   more.kv_pages += 1;
   EXPECT_GT(peak_of(c, m, more), budget);
   EXPECT_NE(ch.lines.find("rollout.gpu_memory_utilization 0.90: KV pool " + std::to_string(ch.kv_pages) + " pages"),
-            std::string::npos) << ch.lines;
+            std::string::npos)
+      << ch.lines;
   EXPECT_NE(ch.lines.find("rollout.max_num_seqs = 256"), std::string::npos) << ch.lines;
   const std::string text = memory_plan_format(memory_plan_compute(memory_plan_input_chosen(c, m, DType::BF16, ch)), m);
   EXPECT_NE(text.find(std::to_string(ch.kv_pages) + " pages x 16 tokens"), std::string::npos) << text;
@@ -190,7 +191,8 @@ TEST(KvPool, Llama8BBf16IsRefusedWithItsShortfall) {
 // prints what `fp8rl train` would refuse, with the shortfall and the knobs.
 TEST(KvPool, PlanSaysWhatTrainWouldRefuse) {
   int st = 0;
-  const std::string base = std::string("'") + FP8RL_BINARY + "' plan --shape llama-3.1-8b device=cuda "
+  const std::string base = std::string("'") + FP8RL_BINARY +
+                           "' plan --shape llama-3.1-8b device=cuda "
                            "rollout.prompts_per_step=16 rollout.generations_per_prompt=16 rollout.max_new_tokens=1024 "
                            "train.kl_beta=0.01 train.recompute=auto train.grad_dtype=bf16 "
                            "train.optimizer_state_dtype=bf16";
@@ -214,11 +216,14 @@ TEST(KvPool, TrainBuildsTheChosenPool) {
   const std::string root = ::testing::TempDir() + "fp8rl_kvpool_" + std::to_string(::getpid());
   int st = 0;
   const std::string text = run_command(
-      "FP8RL_CACHE_DIR='" + root + "/cache' '" + FP8RL_BINARY + "' train steps=1 val_every=0 sft.steps=2 "
-      "sft.batch_size=2 rollout.prompts_per_step=2 rollout.generations_per_prompt=2 rollout.max_new_tokens=8 "
-      "model.tiny.hidden_size=32 model.tiny.num_layers=1 model.tiny.num_heads=2 model.tiny.num_kv_heads=1 "
-      "model.tiny.head_dim=16 model.tiny.intermediate_size=64 memory.free_gib=0.5 "
-      "rollout.gpu_memory_utilization=0.1 rollout.max_num_seqs=4 out=" + root + "/run", &st);
+      "FP8RL_CACHE_DIR='" + root + "/cache' '" + FP8RL_BINARY +
+          "' train steps=1 val_every=0 sft.steps=2 "
+          "sft.batch_size=2 rollout.prompts_per_step=2 rollout.generations_per_prompt=2 rollout.max_new_tokens=8 "
+          "model.tiny.hidden_size=32 model.tiny.num_layers=1 model.tiny.num_heads=2 model.tiny.num_kv_heads=1 "
+          "model.tiny.head_dim=16 model.tiny.intermediate_size=64 memory.free_gib=0.5 "
+          "rollout.gpu_memory_utilization=0.1 rollout.max_num_seqs=4 out=" +
+          root + "/run",
+      &st);
   EXPECT_EQ(st, 0) << text;
   const std::string said = "rollout.gpu_memory_utilization 0.10: KV pool ";
   const size_t at = text.find(said);
@@ -233,9 +238,11 @@ TEST(KvPool, TrainBuildsTheChosenPool) {
 // (shortfall, nothing run), the other runs; when none fits it exits non-zero.
 TEST(KvPool, BenchRlStepRefusesARecipeThatCannotFit) {
   const std::string json = ::testing::TempDir() + "fp8rl_bench_refuse_" + std::to_string(::getpid()) + ".json";
-  const std::string base = std::string("'") + FP8RL_BINARY + "' bench rl-step --model tiny --prompts 2 --samples 2 "
+  const std::string base = std::string("'") + FP8RL_BINARY +
+                           "' bench rl-step --model tiny --prompts 2 --samples 2 "
                            "--prompt-len 8 --max-new-tokens 8 --steps 1 --warmup 0 --micro-batch-tokens 256 "
-                           "--recipes fp8_e2e,fp32 --json '" + json + "'";
+                           "--recipes fp8_e2e,fp32 --json '" +
+                           json + "'";
   int st = 0;
   std::string text = run_command(base + " --free-gib 100", &st);
   ASSERT_EQ(st, 0) << text;

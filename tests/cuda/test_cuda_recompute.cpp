@@ -49,7 +49,8 @@ ModelWeights recompute_model(const std::string& family) {
 std::vector<std::vector<int32_t>> recompute_sequences() {
   std::mt19937 rng(9);
   std::uniform_int_distribution<int32_t> tok(0, 63);
-  std::vector<std::vector<int32_t>> seqs = {std::vector<int32_t>(13), std::vector<int32_t>(7), std::vector<int32_t>(28)};
+  std::vector<std::vector<int32_t>> seqs = {std::vector<int32_t>(13), std::vector<int32_t>(7),
+                                            std::vector<int32_t>(28)};
   for (auto& s : seqs)
     for (int32_t& t : s) t = tok(rng);
   return seqs;
