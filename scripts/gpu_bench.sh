@@ -21,6 +21,12 @@
 #   trainstep_profile  FP8RL_CUDA_PROFILE=1 train steps (bf16, fp8) at that shape: the per-op table
 #   generate        fp8rl bench generate --model 1b (four recipes)
 #   rlstep_kl       bench rl-step with the frozen KL reference policy (kl_beta 0.01): its memory and time
+#   rlstep_8b       issue 15: bench rl-step at the Llama-3.1-8B shape, 16 prompts x 16 samples x 1024 new
+#                   tokens, kl_beta 0.01, 1 optimizer step, 3 GRPO steps, fp8_e2e then bf16, with what the
+#                   plan needs to fit one H200 (recompute auto, BF16 gradients and Adam moments, 8k-token
+#                   micro-batches); a recipe whose plan does not fit (bf16) is refused with its shortfall
+#                   (rlstep_8b.log, rlstep_8b.json "refused"). Several minutes: give it the run alone
+#                   (FP8RL_STAGES=rlstep_8b FP8RL_GPU_TESTS=0)
 #   multiblock      transformers-made multi-block FP8 fixtures vs fp8rl on CPU and CUDA (issue 11)
 #   export          fp8rl's FP8-block export loaded by transformers, logprobs compared (issue 17)
 #   mismatch        issue 11's split of token_mult_prob_error by component (one step, 256 new tokens):
@@ -151,6 +157,15 @@ for stage in ${FP8RL_STAGES:-rlstep}; do
         --recipes bf16,fp8_e2e --kl-beta 0.01 --max-new-tokens 256 --steps 1 --warmup 0 \
         --json "$OUT/rlstep_kl.json" > "$OUT/rlstep_kl.log" 2>&1
       note "bench rl-step kl_beta 0.01: rc=$?"; sed -n '/^phase/,$p' "$OUT/rlstep_kl.log" | tee -a "$SUMMARY" ;;
+    rlstep_8b)  # issue 15: Llama-3.1-8B GRPO on one H200 (a refused recipe is reported, not a failure)
+      timeout $(( $(left) - 20 )) "$FP8RL" bench rl-step --device cuda --model llama-3.1-8b --recipes fp8_e2e,bf16 \
+        --prompts 16 --samples 16 --max-new-tokens 1024 --kl-beta 0.01 --optimizer-steps 1 --steps 3 --warmup 0 \
+        --recompute auto --grad-dtype bf16 --optimizer-state-dtype bf16 --micro-batch-tokens 8192 \
+        --json "$OUT/rlstep_8b.json" > "$OUT/rlstep_8b.log" 2>&1
+      note "bench rl-step llama-3.1-8b (fp8_e2e, bf16): rc=$?"
+      grep -E "plans checked|recompute auto|refused|step [0-9]" "$OUT/rlstep_8b.log" | tee -a "$SUMMARY"
+      sed -n '/^phase/,$p' "$OUT/rlstep_8b.log" | tee -a "$SUMMARY"
+      grep -iE "error" "$OUT/rlstep_8b.log" | head -5 | tee -a "$SUMMARY" ;;
     multiblock)  # issue 11: transformers-made multi-block fixtures vs fp8rl (CPU, CUDA) and the emulation
       { python3 scripts/fixtures/make_multiblock_fixtures.py /tmp/tf_small --maker transformers --size small \
           --models llama_sharp,qwen2_sharp,qwen3_default &&
