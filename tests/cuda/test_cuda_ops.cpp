@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/cuda/fp8_gemm.h"
 #include "backend/cuda/gemm.h"
 #include "backend/cuda/cuda_backend.h"
 #include "core/error.h"
@@ -427,9 +428,9 @@ TEST(CudaLinear, RaggedTokenCountsStayOnTensorCores) {
       expect_linear_close(gdw, rdw, LinearMode::FP8_BLOCK, what + " dw");
       const BackendCounters c1 = G().counters();
       EXPECT_EQ(c1.fp8_gemm_fallbacks, c0.fp8_gemm_fallbacks) << what;
-      // Forward and dgrad: M <= 64 runs on the own kernel (any M), larger M on cuBLASLt, whose last
-      // M % 16 rows are a padded second product.
-      if (g.M <= cuda::GemmEngine::kOwnMaxM) {
+      // Forward and dgrad: decode-sized products of small N run on the own kernel (any M), the
+      // rest on cuBLASLt, whose last M % 16 rows are a padded second product.
+      if (cuda::fp8_gemm_sm90_preferred(g.M, g.N, g.K) && cuda::fp8_gemm_sm90_preferred(g.M, g.K, g.N)) {
         EXPECT_EQ(c1.fp8_gemm_own - c0.fp8_gemm_own, 2) << what << " (forward and dgrad)";
       } else if (g.M % 16 != 0) {
         EXPECT_EQ(c1.fp8_gemm_tails - c0.fp8_gemm_tails, 2) << what << " (forward and dgrad)";

@@ -21,14 +21,22 @@ struct Fp8GemmArgs {
   void* c = nullptr;                 // [M, N]
   DType c_dtype = DType::BF16;
   float alpha = 1.0f, beta = 0.0f;
-  int splits = 1;                    // K splits (fp8_gemm_sm90_splits); > 1 needs the workspace
-  int block_m = 0;                   // rows per CTA: 64 or 128 (0: 64 for M <= 64, else 128)
+  int splits = 1;                    // K splits (fp8_gemm_sm90_config); > 1 needs the workspace
+  int block_m = 0;                   // rows per CTA: 64 or 128 (0: 64 for M <= 256, else 128)
   float* workspace = nullptr;        // fp8_gemm_sm90_workspace_floats(M, N, splits) floats
 };
 
 bool fp8_gemm_sm90_supported(int64_t M, int64_t N, int64_t K);
-// The split count that fills the SMs for a shape (1 for shapes with enough tiles).
-int fp8_gemm_sm90_splits(int64_t M, int64_t N, int64_t K, int sm_count);
+// The configuration for a shape: decode-sized products (M <= 256) take 64-row tiles and enough
+// K splits for about two CTAs per SM; larger M, 128-row tiles and splits only where the tiles
+// leave most SMs idle. Measured on the H200 (docs/benchmarks.md, session 5: bench-gemm's sweep).
+struct Fp8GemmConfig {
+  int block_m = 128, splits = 1;
+};
+Fp8GemmConfig fp8_gemm_sm90_config(int64_t M, int64_t N, int64_t K, int sm_count);
+// Whether this kernel beats cuBLASLt's block-scaled one at the shape (graph-timed decode
+// products on the H200: the small-N ones, M <= 256 with few 64-row tiles; cuBLASLt above).
+bool fp8_gemm_sm90_preferred(int64_t M, int64_t N, int64_t K);
 int64_t fp8_gemm_sm90_workspace_floats(int64_t M, int64_t N, int splits);
 void fp8_gemm_sm90(const Fp8GemmArgs& args, cudaStream_t stream);
 

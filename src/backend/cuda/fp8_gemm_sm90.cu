@@ -292,14 +292,26 @@ bool fp8_gemm_sm90_supported(int64_t M, int64_t N, int64_t K) {
   return M > 0 && N > 0 && K > 0 && N % 16 == 0 && K % 16 == 0 && M < (int64_t{1} << 31) && N < (int64_t{1} << 31);
 }
 
-// Splits are chosen for the default block_m.
-int fp8_gemm_sm90_splits(int64_t M, int64_t N, int64_t K, int sm_count) {
-  const int64_t kblocks = ceil_div(K, int64_t{kBK});
-  const int64_t tiles = ceil_div(M, M <= 64 ? int64_t{64} : int64_t{128}) * ceil_div(N, int64_t{kBN});
-  if (tiles * 2 > sm_count || kblocks < 4) return 1;
-  // Fill the SMs once, keeping at least two K blocks per split.
-  const int64_t want = std::min<int64_t>(ceil_div(int64_t{sm_count}, tiles), kblocks / 2);
-  return static_cast<int>(std::max<int64_t>(1, want));
+Fp8GemmConfig fp8_gemm_sm90_config(int64_t M, int64_t N, int64_t K, int sm_count) {
+  const int64_t kblocks = ceil_div(K, int64_t{kBK}), n_tiles = ceil_div(N, int64_t{kBN});
+  Fp8GemmConfig c;
+  if (M <= 256) {
+    c.block_m = 64;
+    const int64_t tiles = ceil_div(M, int64_t{64}) * n_tiles;
+    // About two CTAs per SM (one fits at a time: the other's loads hide the first's tail),
+    // at least two K blocks per split.
+    c.splits = static_cast<int>(std::clamp<int64_t>(ceil_div(2 * int64_t{sm_count}, tiles), 1,
+                                                    std::max<int64_t>(1, kblocks / 2)));
+    return c;
+  }
+  const int64_t tiles = ceil_div(M, int64_t{128}) * n_tiles;
+  if (tiles * 2 <= sm_count && kblocks >= 4)
+    c.splits = static_cast<int>(std::min<int64_t>(ceil_div(int64_t{sm_count}, tiles), kblocks / 2));
+  return c;
+}
+
+bool fp8_gemm_sm90_preferred(int64_t M, int64_t N, int64_t K) {
+  return fp8_gemm_sm90_supported(M, N, K) && M <= 256 && ceil_div(M, int64_t{64}) * ceil_div(N, int64_t{kBN}) <= 64;
 }
 
 int64_t fp8_gemm_sm90_workspace_floats(int64_t M, int64_t N, int splits) { return splits > 1 ? splits * M * N : 0; }
@@ -326,7 +338,7 @@ void fp8_gemm_sm90(const Fp8GemmArgs& a, cudaStream_t stream) {
   p.alpha = a.alpha, p.beta = a.beta;
   const int n_tiles = static_cast<int>(ceil_div(a.N, int64_t{kBN}));
   FP8RL_CHECK(a.block_m == 0 || a.block_m == 64 || a.block_m == 128, "FP8 GEMM (sm90): block_m must be 64 or 128");
-  const bool small = a.block_m ? a.block_m == 64 : a.M <= 64;
+  const bool small = a.block_m ? a.block_m == 64 : a.M <= 256;
   const int bm = small ? 64 : 128;
   const int m_tiles = static_cast<int>(ceil_div(a.M, int64_t{bm}));
   const CUtensorMap ta = tensor_map(a.a, a.M, a.K, bm), tb = tensor_map(a.b, a.N, a.K, kBN);

@@ -56,6 +56,10 @@ GemmEngine::GemmEngine(cudaStream_t stream) : stream_(stream) {
   }
 }
 
+bool GemmEngine::use_own_fp8(int64_t M, int64_t N, int64_t K) const {
+  return own_mode_ == 2 ? fp8_gemm_sm90_supported(M, N, K) : own_mode_ == 1 && fp8_gemm_sm90_preferred(M, N, K);
+}
+
 void GemmEngine::set_fp8_kernel(const std::string& v) {
   FP8RL_CHECK(v == "auto" || v == "own" || v == "cublaslt", "FP8RL_FP8_GEMM must be auto, own or cublaslt, got '", v,
               "'");
@@ -171,7 +175,7 @@ void GemmEngine::gemm_fp8(int64_t M, int64_t N, int64_t K, const uint8_t* a, con
   FP8RL_CHECK(fp8_supported(M, N, K), "FP8 block GEMM: cuBLASLt needs N a multiple of ", kFp8RowGranule,
               " and K a multiple of ", kQuantBlock, ", got M=", M, " N=", N, " K=", K,
               " (the backend pads K or falls back to a dequantized GEMM)");
-  if (use_own_fp8(M) && b_block_rows == kQuantBlock && fp8_gemm_sm90_supported(M, N, K)) {
+  if (use_own_fp8(M, N, K) && b_block_rows == kQuantBlock && fp8_gemm_sm90_supported(M, N, K)) {
     gemm_fp8_own(M, N, K, a, a_scales, a_scales_laid, b, b_scales, C, c_dtype, alpha, beta, own_splits_);
     return;
   }
@@ -214,13 +218,14 @@ void GemmEngine::gemm_fp8(int64_t M, int64_t N, int64_t K, const uint8_t* a, con
 void GemmEngine::gemm_fp8_own(int64_t M, int64_t N, int64_t K, const uint8_t* a, const float* a_scales,
                               bool a_scales_kb_major, const uint8_t* b, const float* b_scales, void* C, DType c_dtype,
                               float alpha, float beta, int splits, int block_m) {
+  const Fp8GemmConfig cfg = fp8_gemm_sm90_config(M, N, K, sm_count_);
   Fp8GemmArgs g;
-  g.block_m = block_m;
+  g.block_m = block_m > 0 ? block_m : cfg.block_m;
   g.M = M, g.N = N, g.K = K;
   g.a = a, g.a_scales = a_scales, g.a_scales_kb_major = a_scales_kb_major;
   g.b = b, g.b_scales = b_scales;
   g.c = C, g.c_dtype = c_dtype, g.alpha = alpha, g.beta = beta;
-  g.splits = splits > 0 ? splits : own_splits_ > 0 ? own_splits_ : fp8_gemm_sm90_splits(M, N, K, sm_count_);
+  g.splits = splits > 0 ? splits : own_splits_ > 0 ? own_splits_ : cfg.splits;
   const size_t ws = static_cast<size_t>(fp8_gemm_sm90_workspace_floats(M, N, g.splits));
   if (ws > own_ws_floats_) {
     if (own_ws_) CUDA_CHECK(cudaFree(own_ws_), "freeing the FP8 GEMM split-K workspace");

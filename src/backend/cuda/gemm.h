@@ -72,14 +72,13 @@ class GemmEngine {
   // are [ceil(K/128)][M] (the quantizer's gemm_layout), else [M][ceil(K/128)].
   void gemm_fp8_own(int64_t M, int64_t N, int64_t K, const uint8_t* a, const float* a_scales, bool a_scales_kb_major,
                     const uint8_t* b, const float* b_scales, void* C, DType c_dtype, float alpha, float beta,
-                    int splits = 0, int block_m = 0);
+                    int splits = 0, int block_m = 0);  // 0, 0: fp8_gemm_sm90_config's
   // Which kernel gemm_fp8 runs for 128x128-block B (FP8RL_FP8_GEMM): auto (default) = the own
-  // one for M <= kOwnMaxM (decode batches, where it is faster: docs/benchmarks.md, session 5)
-  // and cuBLASLt's above; own = always; cublaslt = never. Products of 1x128-block B (the FP8
+  // one where it is faster (fp8_gemm_sm90_preferred: decode-sized products of small N) and
+  // cuBLASLt's elsewhere; own = always; cublaslt = never. Products of 1x128-block B (the FP8
   // wgrad) always run on cuBLASLt. FP8RL_FP8_GEMM_SPLITS=S fixes the own kernel's split count
   // (1: every row's result independent of M, for the consistency experiments).
-  static constexpr int64_t kOwnMaxM = 64;
-  bool use_own_fp8(int64_t M) const { return own_mode_ == 2 || (own_mode_ == 1 && M <= kOwnMaxM); }
+  bool use_own_fp8(int64_t M, int64_t N, int64_t K) const;
   // The same choice in code (tests and benchmarks): "auto", "own" or "cublaslt".
   void set_fp8_kernel(const std::string& mode);
   int64_t own_products() const { return own_products_; }
