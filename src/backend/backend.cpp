@@ -31,8 +31,8 @@ QuantTensor Backend::alloc_quant(int64_t rows, int64_t cols, int block_rows, int
   return q;
 }
 
-KvCache Backend::alloc_kv_cache(int num_layers, int num_pages, int page_size, int num_kv_heads,
-                                int head_dim, DType dtype) {
+KvCache Backend::alloc_kv_cache(int num_layers, int num_pages, int page_size, int num_kv_heads, int head_dim,
+                                DType dtype) {
   FP8RL_CHECK(dtype == DType::F32 || dtype == DType::BF16 || dtype == DType::E4M3,
               "KV cache dtype must be F32, BF16 or E4M3, got ", dtype_name(dtype));
   KvCache c;
@@ -120,8 +120,8 @@ void weight_contract(const Contract& c, const LinearWeight& W, const LinearSpec&
     const QuantTensor& q = W.wq;
     c.on_device(q.data, (o + " weight wq data").c_str());
     c.on_device(q.scales, (o + " weight wq scales").c_str());
-    FP8RL_CHECK(q.block_rows == kQuantBlock && q.block_cols == kQuantBlock, o, " weight wq must have 128x128 blocks, got ",
-                q.block_rows, "x", q.block_cols);
+    FP8RL_CHECK(q.block_rows == kQuantBlock && q.block_cols == kQuantBlock, o,
+                " weight wq must have 128x128 blocks, got ", q.block_rows, "x", q.block_cols);
     check_dtype(q.data, DType::E4M3, (o + " weight wq data").c_str());
     FP8RL_CHECK(q.data.ndim() == 2, o, " weight wq must be [N, K], got ", q.data.str());
     check_dtype(q.scales, DType::F32, (o + " weight wq scales").c_str());
@@ -152,8 +152,8 @@ void fp8_view_check(const Contract& c, const Fp8View& view, const Tensor& x, con
   FP8RL_CHECK(view.q.block_rows == 1 && view.q.block_cols == kQuantBlock && view.q.rows() == M && view.q.cols() == K,
               what, ": the FP8 view ", view.q.data.str(), " (blocks ", view.q.block_rows, "x", view.q.block_cols,
               ") is not a 1x128 quantization of the input ", x.str());
-  FP8RL_CHECK(view.q.pow2 == spec.pow2_scales, what, ": the FP8 view has pow2=", view.q.pow2, " but the spec asks pow2=",
-              spec.pow2_scales);
+  FP8RL_CHECK(view.q.pow2 == spec.pow2_scales, what, ": the FP8 view has pow2=", view.q.pow2,
+              " but the spec asks pow2=", spec.pow2_scales);
   FP8RL_CHECK(view.source == x.raw(), what, ": the FP8 view was made from another tensor than the input ", x.str(),
               " (a stale view: pass the view its producer wrote with this tensor)");
 }
@@ -170,15 +170,15 @@ void fp8_view_target(const Contract& c, const Tensor& out, const Fp8View& fp8, c
   c.on_device(fp8.q.scales, "the FP8 view's scales");
   check_dtype(fp8.q.data, DType::E4M3, "the FP8 view's data");
   check_dtype(fp8.q.scales, DType::F32, "the FP8 view's scales");
-  FP8RL_CHECK(fp8.q.scales.numel() == R * ceil_div(D, kQuantBlock), op, ": the FP8 view's scales ",
-              fp8.q.scales.str(), " do not hold ", R, " x ", ceil_div(D, kQuantBlock), " values");
+  FP8RL_CHECK(fp8.q.scales.numel() == R * ceil_div(D, kQuantBlock), op, ": the FP8 view's scales ", fp8.q.scales.str(),
+              " do not hold ", R, " x ", ceil_div(D, kQuantBlock), " values");
 }
 
 // The weight gradient's GEMM of an FP8 linear (LinearSpec::wgrad).
 void wgrad_contract(const LinearSpec& spec) {
-  FP8RL_CHECK(spec.mode != LinearMode::FP8_BLOCK || spec.wgrad == LinearMode::FP8_BLOCK ||
-                  spec.wgrad == LinearMode::BF16,
-              "an FP8 linear's wgrad must be fp8 or bf16, got ", linear_mode_name(spec.wgrad));
+  FP8RL_CHECK(
+      spec.mode != LinearMode::FP8_BLOCK || spec.wgrad == LinearMode::FP8_BLOCK || spec.wgrad == LinearMode::BF16,
+      "an FP8 linear's wgrad must be fp8 or bf16, got ", linear_mode_name(spec.wgrad));
 }
 
 void seqlens_contract(const std::vector<int32_t>& cu, int64_t T, const char* op) {
@@ -198,8 +198,8 @@ void attention_shapes(const Contract& c, const Tensor& q, const Tensor& k, const
   FP8RL_CHECK(q.ndim() == 3 && k.ndim() == 3 && v.ndim() == 3, op, " needs q [T, Hq, hd], k/v [T, Hkv, hd], got ",
               q.str(), ", ", k.str(), ", ", v.str());
   const int64_t T = q.dim(0), hd = q.dim(2), Hkv = k.dim(1);
-  FP8RL_CHECK(k.dim(0) == T && k.dim(2) == hd && v.dim(0) == T && v.dim(1) == Hkv && v.dim(2) > 0, op, ": k ",
-              k.str(), " must be [", T, ", Hkv, ", hd, "] and v ", v.str(), " [", T, ", Hkv, hdv]");
+  FP8RL_CHECK(k.dim(0) == T && k.dim(2) == hd && v.dim(0) == T && v.dim(1) == Hkv && v.dim(2) > 0, op, ": k ", k.str(),
+              " must be [", T, ", Hkv, ", hd, "] and v ", v.str(), " [", T, ", Hkv, hdv]");
   FP8RL_CHECK(Hkv > 0 && q.dim(1) % Hkv == 0, op, ": Hq = ", q.dim(1), " is not a multiple of Hkv = ", Hkv);
   seqlens_contract(cu, T, op);
 }
@@ -266,13 +266,14 @@ void sample_shapes(const Contract& c, const Tensor& logits, const Tensor& tokens
 // ---- memory and element-wise ----
 
 void Backend::copy(const Tensor& src, Tensor& dst) {
-  for (const auto& [t, what] : {std::pair<const Tensor*, const char*>{&src, "copy source"}, {&dst, "copy destination"}}) {
+  for (const auto& [t, what] :
+       {std::pair<const Tensor*, const char*>{&src, "copy source"}, {&dst, "copy destination"}}) {
     FP8RL_CHECK(t->defined(), what, " is undefined (allocate it before calling the op)");
     FP8RL_CHECK(t->device() == DeviceKind::CPU || t->device() == device(), what, " must be on the host or on the ",
                 device_name(device()), " for the ", name(), " backend, got ", t->str());
   }
-  FP8RL_CHECK(src.dtype() == dst.dtype() && src.numel() == dst.numel(), "copy needs the same dtype and size: ",
-              src.str(), " -> ", dst.str(), " (use convert to change dtype)");
+  FP8RL_CHECK(src.dtype() == dst.dtype() && src.numel() == dst.numel(),
+              "copy needs the same dtype and size: ", src.str(), " -> ", dst.str(), " (use convert to change dtype)");
   copy_impl(src, dst);
 }
 
@@ -293,8 +294,10 @@ void Backend::copy_cols(const Tensor& src, int64_t src_col, Tensor& dst, int64_t
   const Contract c(*this);
   c.on_device(src, "copy_cols source");
   c.on_device(dst, "copy_cols destination");
-  FP8RL_CHECK(src.dtype() == dst.dtype() && src.ndim() >= 1 && dst.ndim() >= 1, "copy_cols needs two tensors of one "
-              "dtype: ", src.str(), " -> ", dst.str());
+  FP8RL_CHECK(src.dtype() == dst.dtype() && src.ndim() >= 1 && dst.ndim() >= 1,
+              "copy_cols needs two tensors of one "
+              "dtype: ",
+              src.str(), " -> ", dst.str());
   const int64_t cs = src.dim(-1), cd = dst.dim(-1);
   FP8RL_CHECK(cs > 0 && cd > 0 && src.numel() / cs == dst.numel() / cd, "copy_cols: ", src.str(), " and ", dst.str(),
               " do not have the same number of rows");
@@ -392,8 +395,8 @@ void Backend::rmsnorm_backward(const Tensor& dout, const Tensor& x, const Tensor
   const Contract c(*this);
   c.floating(x, "rmsnorm x");
   c.floating(w, "rmsnorm weight");
-  FP8RL_CHECK(w.ndim() == 1 && x.ndim() >= 1 && x.dim(-1) == w.dim(0), "rmsnorm_backward: x ", x.str(),
-              " and weight ", w.str(), " disagree on the normalized dimension");
+  FP8RL_CHECK(w.ndim() == 1 && x.ndim() >= 1 && x.dim(-1) == w.dim(0), "rmsnorm_backward: x ", x.str(), " and weight ",
+              w.str(), " disagree on the normalized dimension");
   const int64_t D = w.dim(0), R = D ? x.numel() / D : 0;
   c.floating(dout, "rmsnorm dout");
   c.floating(dx, "rmsnorm dx");
@@ -426,8 +429,8 @@ void Backend::add_rmsnorm(const Tensor& a, const Tensor& b, Tensor& sum, const T
   c.floating(a, "add_rmsnorm a");
   c.floating(b, "add_rmsnorm b");
   c.floating(sum, "add_rmsnorm sum");
-  FP8RL_CHECK(a.numel() == sum.numel() && b.numel() == sum.numel(), "add_rmsnorm: a, b and sum must have one size, got ",
-              a.str(), ", ", b.str(), ", ", sum.str());
+  FP8RL_CHECK(a.numel() == sum.numel() && b.numel() == sum.numel(),
+              "add_rmsnorm: a, b and sum must have one size, got ", a.str(), ", ", b.str(), ", ", sum.str());
   Tensor* r = rmsnorm_contract(c, sum, w, out, rstd, "add_rmsnorm");
   if (fp8) fp8_view_target(c, out, *fp8, "add_rmsnorm");
   add_rmsnorm_impl(a, b, sum, w, eps, out, r, fp8);
@@ -438,8 +441,8 @@ void swiglu_contract(const Contract& c, const Tensor& gate, const Tensor& up, co
   c.floating(gate, "swiglu gate");
   c.floating(up, "swiglu up");
   c.floating(out, "swiglu output");
-  FP8RL_CHECK(gate.shape() == up.shape() && gate.shape() == out.shape(), "swiglu needs gate, up, out of one shape: ",
-              gate.str(), ", ", up.str(), ", ", out.str());
+  FP8RL_CHECK(gate.shape() == up.shape() && gate.shape() == out.shape(),
+              "swiglu needs gate, up, out of one shape: ", gate.str(), ", ", up.str(), ", ", out.str());
 }
 }  // namespace
 
@@ -589,8 +592,11 @@ void Backend::swiglu(const Tensor& gate, const Tensor& up, Tensor& out) {
 
 void Backend::swiglu_backward(const Tensor& dout, const Tensor& gate, const Tensor& up, Tensor& dgate, Tensor& dup) {
   const Contract c(*this);
-  for (const auto& [t, what] : {std::pair<const Tensor*, const char*>{&dout, "swiglu dout"}, {&gate, "swiglu gate"},
-                                {&up, "swiglu up"}, {&dgate, "swiglu dgate"}, {&dup, "swiglu dup"}})
+  for (const auto& [t, what] : {std::pair<const Tensor*, const char*>{&dout, "swiglu dout"},
+                                {&gate, "swiglu gate"},
+                                {&up, "swiglu up"},
+                                {&dgate, "swiglu dgate"},
+                                {&dup, "swiglu dup"}})
     c.floating(*t, what);
   FP8RL_CHECK(gate.shape() == up.shape() && gate.shape() == dout.shape() && gate.shape() == dgate.shape() &&
                   gate.shape() == dup.shape(),
@@ -611,8 +617,8 @@ void Backend::token_logprobs(const Tensor& hidden, const Tensor& lm_head, const 
 }
 
 void Backend::token_logprobs_backward(const Tensor& hidden, const Tensor& lm_head, const Tensor& targets,
-                                      float temperature, const LinearSpec& spec, const Tensor& lse,
-                                      const Tensor& dlogp, Tensor& dhidden, Tensor* dlm_head) {
+                                      float temperature, const LinearSpec& spec, const Tensor& lse, const Tensor& dlogp,
+                                      Tensor& dhidden, Tensor* dlm_head) {
   const Contract c(*this);
   logprobs_shapes(c, hidden, lm_head, targets, temperature, "token_logprobs_backward");
   const int64_t T = hidden.dim(0);
@@ -753,8 +759,7 @@ void Backend::kv_round(Tensor& x, const std::vector<float>& head_scale) {
   Contract(*this).floating(x, "kv_round x");
   FP8RL_CHECK(x.ndim() == 3 && x.dim(1) == static_cast<int64_t>(head_scale.size()), "kv_round: x must be [T, H, hd] ",
               "with one scale per head, got ", x.str(), " and ", head_scale.size(), " scales");
-  for (float s : head_scale)
-    FP8RL_CHECK(std::isfinite(s) && s > 0, "kv_round: scales must be finite and > 0, got ", s);
+  for (float s : head_scale) FP8RL_CHECK(std::isfinite(s) && s > 0, "kv_round: scales must be finite and > 0, got ", s);
   kv_round_impl(x, head_scale);
 }
 
@@ -763,10 +768,10 @@ void Backend::attention_paged(const KvCache& cache, int layer, const Tensor& q, 
   const Contract c(*this);
   cache_layer_contract(c, cache, layer, "attention_paged");
   c.floating(q, "attention_paged q");
-  FP8RL_CHECK(q.ndim() == 3 && q.dim(2) == cache.head_dim && cache.num_kv_heads > 0 &&
-                  q.dim(1) % cache.num_kv_heads == 0,
-              "attention_paged q must be [T, Hq, ", cache.head_dim, "] with Hq a multiple of ", cache.num_kv_heads,
-              ", got ", q.str());
+  FP8RL_CHECK(
+      q.ndim() == 3 && q.dim(2) == cache.head_dim && cache.num_kv_heads > 0 && q.dim(1) % cache.num_kv_heads == 0,
+      "attention_paged q must be [T, Hq, ", cache.head_dim, "] with Hq a multiple of ", cache.num_kv_heads, ", got ",
+      q.str());
   const int64_t T = q.dim(0);
   c.i32(batch.token_seq, "paged batch token_seq");
   c.i32(batch.token_pos, "paged batch token_pos");
@@ -785,8 +790,8 @@ void Backend::sample(const Tensor& logits, const std::vector<float>& temperature
   const int64_t B = logits.dim(0);
   const auto n = static_cast<size_t>(B);
   FP8RL_CHECK(temperature.size() == n && top_p.size() == n && top_k.size() == n && uniforms.size() == n,
-              "sample needs one temperature, top_p, top_k and uniform per row (", B, " rows), got ",
-              temperature.size(), ", ", top_p.size(), ", ", top_k.size(), ", ", uniforms.size());
+              "sample needs one temperature, top_p, top_k and uniform per row (", B, " rows), got ", temperature.size(),
+              ", ", top_p.size(), ", ", top_k.size(), ", ", uniforms.size());
   for (size_t b = 0; b < n; ++b) {
     FP8RL_CHECK(std::isfinite(temperature[b]) && temperature[b] >= 0, "sample: temperature of row ", b,
                 " must be >= 0, got ", temperature[b]);
@@ -828,8 +833,9 @@ std::unique_ptr<Backend> make_backend(const std::string& device) { return make_b
 #ifndef FP8RL_HAVE_CUDA
 std::unique_ptr<Backend> make_cuda_backend(int index) { return make_cuda_backend(index, DType::BF16); }
 std::unique_ptr<Backend> make_cuda_backend(int, DType) {
-  FP8RL_FAIL("this fp8rl was built without CUDA; rebuild with -DFP8RL_CUDA=ON on a machine with nvcc, "
-             "or use --device cpu");
+  FP8RL_FAIL(
+      "this fp8rl was built without CUDA; rebuild with -DFP8RL_CUDA=ON on a machine with nvcc, "
+      "or use --device cpu");
 }
 #endif
 

@@ -46,13 +46,38 @@ INSTANTIATE_TEST_SUITE_P(Table, OpTableCpu, ::testing::Range<size_t>(0, op_table
 
 // The table covers every op of the interface (backend.h): adding an op means adding its row.
 TEST(OpTableCpu, CoversEveryOp) {
-  const char* ops[] = {"copy",        "convert",          "fill",        "copy_cols",        "add",
-                       "scale",       "sum_squares",      "all_finite",  "amax",             "embedding",
-                       "rmsnorm",     "rmsnorm_fp8",      "add_rmsnorm", "swiglu_fp8",       "linear",
-                       "linear_shared_input", "linear_backward", "rope", "attention",        "swiglu",
-                       "token_logprobs", "moe_route_softmax", "moe_route_sigmoid", "moe_permute", "moe_unpermute",
-                       "adamw",       "quantize",         "kv_write",    "kv_round",         "attention_paged",
-                       "sample",      "sample_rows"};
+  const char* ops[] = {"copy",
+                       "convert",
+                       "fill",
+                       "copy_cols",
+                       "add",
+                       "scale",
+                       "sum_squares",
+                       "all_finite",
+                       "amax",
+                       "embedding",
+                       "rmsnorm",
+                       "rmsnorm_fp8",
+                       "add_rmsnorm",
+                       "swiglu_fp8",
+                       "linear",
+                       "linear_shared_input",
+                       "linear_backward",
+                       "rope",
+                       "attention",
+                       "swiglu",
+                       "token_logprobs",
+                       "moe_route_softmax",
+                       "moe_route_sigmoid",
+                       "moe_permute",
+                       "moe_unpermute",
+                       "adamw",
+                       "quantize",
+                       "kv_write",
+                       "kv_round",
+                       "attention_paged",
+                       "sample",
+                       "sample_rows"};
   for (const char* op : ops) {
     bool found = false;
     for (const OpCase& c : op_table()) {

@@ -13,8 +13,8 @@
 #include <random>
 #include <string>
 
-#include "ops/op_table.h"
 #include "backend/sampling.h"
+#include "ops/op_table.h"
 #include "quant/quant.h"
 
 namespace fp8rl::test {
@@ -29,8 +29,11 @@ std::string dims(std::initializer_list<int64_t> d) {
 // ---- memory and element-wise ----------------------------------------------------------------
 
 void memory_cases(std::vector<OpCase>& t) {
-  t.push_back({"copy + fill", "37x129 F32",
-               [] { return Tensors{{"x", rnd({37, 129}, 1)}}; },
+  t.push_back({"copy + fill",
+               "37x129 F32",
+               [] {
+                 return Tensors{{"x", rnd({37, 129}, 1)}};
+               },
                [](OpRun& r) {
                  r.be.copy(r["x"], r.output("copy", {37, 129}, DType::F32));
                  r.be.fill(r.output("filled", {37, 129}, DType::F32), 2.5f);
@@ -39,8 +42,11 @@ void memory_cases(std::vector<OpCase>& t) {
   t.back().invariants = [](const Tensors& o) {
     for (double v : values(o.at("filled"))) ASSERT_EQ(v, 2.5);
   };
-  t.push_back({"convert", "33x300 F32 -> BF16 -> F32, wide range",
-               [] { return Tensors{{"x", rnd_wide(33, 300, 2, DType::F32)}}; },
+  t.push_back({"convert",
+               "33x300 F32 -> BF16 -> F32, wide range",
+               [] {
+                 return Tensors{{"x", rnd_wide(33, 300, 2, DType::F32)}};
+               },
                [](OpRun& r) {
                  Tensor& bf = r.output("bf16", {33, 300}, DType::BF16);
                  r.be.convert(r["x"], bf);
@@ -51,8 +57,11 @@ void memory_cases(std::vector<OpCase>& t) {
     const Tensor ref = from_float_vector(to_float_vector(o.at("bf16")), {33, 300}, DType::F32);
     EXPECT_EQ(std::memcmp(ref.raw(), o.at("back").raw(), ref.nbytes()), 0);
   };
-  t.push_back({"copy_cols", "MLA's nope | rope concatenation, 5x3x(16+8)",
-               [] { return Tensors{{"a", rnd({15, 16}, 3)}, {"b", rnd({15, 8}, 4)}}; },
+  t.push_back({"copy_cols",
+               "MLA's nope | rope concatenation, 5x3x(16+8)",
+               [] {
+                 return Tensors{{"a", rnd({15, 16}, 3)}, {"b", rnd({15, 8}, 4)}};
+               },
                [](OpRun& r) {
                  Tensor& cat = r.output("cat", {15, 24}, DType::F32);
                  r.be.copy_cols(r["a"], 0, cat, 0, 16);
@@ -65,7 +74,8 @@ void memory_cases(std::vector<OpCase>& t) {
     Tensor other = r.be.alloc({14, 24}, DType::F32);
     EXPECT_THROW(r.be.copy_cols(r["a"], 0, other, 0, 16), Error);  // rows differ
   };
-  t.push_back({"add + scale + sum_squares + all_finite", "77x65 F32",
+  t.push_back({"add + scale + sum_squares + all_finite",
+               "77x65 F32",
                [] {
                  Tensor bad = rnd({77, 65}, 20);
                  bad.data<float>()[1234] = NAN;
@@ -86,9 +96,7 @@ void memory_cases(std::vector<OpCase>& t) {
                  r.out["all_finite"] = fin;
                },
                {{"sum", rel(1e-7)}, {"scaled", rel(1e-7)}, {"sum_squares", rel(1e-9)}, {"all_finite", bitwise()}}});
-  t.back().invariants = [](const Tensors& o) {
-    EXPECT_EQ(values(o.at("all_finite")), (std::vector<double>{1, 0, 0}));
-  };
+  t.back().invariants = [](const Tensors& o) { EXPECT_EQ(values(o.at("all_finite")), (std::vector<double>{1, 0, 0})); };
   t.back().errors = [](OpRun& r) {
     Tensor wrong = r.be.alloc({4, 5}, DType::F32);
     EXPECT_THROW(r.be.add(r["a"], r["b"], wrong), Error);
@@ -97,8 +105,11 @@ void memory_cases(std::vector<OpCase>& t) {
   };
   for (DType dt : {DType::F32, DType::BF16})
     for (int64_t n : {int64_t(1), int64_t(1000), int64_t(1) << 20}) {
-      t.push_back({"amax", std::string(dtype_name(dt)) + " n " + std::to_string(n),
-                   [=] { return Tensors{{"x", rnd({n}, 25 + static_cast<uint32_t>(n), dt, 3.0f)}}; },
+      t.push_back({"amax",
+                   std::string(dtype_name(dt)) + " n " + std::to_string(n),
+                   [=] {
+                     return Tensors{{"x", rnd({n}, 25 + static_cast<uint32_t>(n), dt, 3.0f)}};
+                   },
                    [](OpRun& r) {
                      Tensor h = Tensor::empty({1}, DType::F32);
                      h.data<float>()[0] = r.be.amax(r["x"]);
@@ -107,7 +118,8 @@ void memory_cases(std::vector<OpCase>& t) {
                    {{"amax", bitwise()}}});  // max is exact
       t.back().invariants = [](const Tensors& o) { EXPECT_GT(values(o.at("amax"))[0], 0.0); };
     }
-  t.push_back({"amax", "F32 5000, one -1e30 and one NaN",
+  t.push_back({"amax",
+               "F32 5000, one -1e30 and one NaN",
                [] {
                  Tensor x = rnd({5000}, 26), y = rnd({5000}, 26);
                  x.data<float>()[4321] = -1e30f;
@@ -147,7 +159,9 @@ void quantize_cases(std::vector<OpCase>& t) {
             t.push_back({"quantize",
                          dims({r, c}) + " " + dtype_name(dt) + (transpose ? " T" : "") + " blocks " +
                              std::to_string(br) + "x128" + (pow2 ? " pow2" : ""),
-                         [=] { return Tensors{{"x", rnd_wide(r, c, s, dt)}}; },
+                         [=] {
+                           return Tensors{{"x", rnd_wide(r, c, s, dt)}};
+                         },
                          [=](OpRun& run) {
                            QuantTensor q = run.be.alloc_quant(R, C, br, 128, pow2);
                            run.be.fill(q.scales, NAN);
@@ -163,7 +177,8 @@ void quantize_cases(std::vector<OpCase>& t) {
                 EXPECT_EQ(std::memcmp(ref.data.raw(), o.at("data").raw(), ref.data.nbytes()), 0);
               };
           }
-  t.push_back({"quantize", "non-finite input (NaN, Inf) is an error",
+  t.push_back({"quantize",
+               "non-finite input (NaN, Inf) is an error",
                [] {
                  Tensors in;
                  for (float bad : {NAN, INFINITY}) {
@@ -214,8 +229,9 @@ void linear_cases(std::vector<OpCase>& t) {
         const uint32_t sx = seed++;
         const bool bias = (seed % 3) == 0;
         const uint32_t sw = seed++;
-        t.push_back({"linear", gemm_name(g) + " " + linear_mode_name(mode) + (spec.pow2_scales ? " pow2" : "") +
-                                   " out " + dtype_name(odt) + (bias ? " bias" : ""),
+        t.push_back({"linear",
+                     gemm_name(g) + " " + linear_mode_name(mode) + (spec.pow2_scales ? " pow2" : "") + " out " +
+                         dtype_name(odt) + (bias ? " bias" : ""),
                      [=] {
                        Tensors in{{"x", rnd({g.M, g.K}, sx)}, {"w", rnd({g.N, g.K}, sw, DType::F32, 0.05f)}};
                        if (bias) in["bias"] = rnd({g.N}, sw + 1);
@@ -231,8 +247,11 @@ void linear_cases(std::vector<OpCase>& t) {
   // quantizing w.
   for (const Gemm& g : {Gemm{256, 512, 384}, Gemm{130, 384, 256}}) {
     const LinearSpec spec{LinearMode::FP8_BLOCK, false};
-    t.push_back({"linear", gemm_name(g) + " fp8 with W.wq only",
-                 [=] { return Tensors{{"x", rnd({g.M, g.K}, 7)}, {"w", rnd({g.N, g.K}, 8, DType::F32, 0.05f)}}; },
+    t.push_back({"linear",
+                 gemm_name(g) + " fp8 with W.wq only",
+                 [=] {
+                   return Tensors{{"x", rnd({g.M, g.K}, 7)}, {"w", rnd({g.N, g.K}, 8, DType::F32, 0.05f)}};
+                 },
                  [=](OpRun& r) {
                    LinearWeight W;
                    W.wq = r.be.alloc_quant(g.N, g.K, 128, 128, false);
@@ -258,15 +277,17 @@ void linear_cases(std::vector<OpCase>& t) {
   for (const Gemm& g : {Gemm{256, 512, 384}, Gemm{130, 200, 260}, Gemm{64, 384, 128}})
     for (bool pow2 : {false, true}) {
       const LinearSpec spec{LinearMode::FP8_BLOCK, pow2};
-      t.push_back({"linear_backward", gemm_name(g) + " fp8 dgrad with W.wq" + (pow2 ? " pow2" : ""),
+      t.push_back({"linear_backward",
+                   gemm_name(g) + " fp8 dgrad with W.wq" + (pow2 ? " pow2" : ""),
                    [=] {
-                     return Tensors{{"x", rnd({g.M, g.K}, 40)}, {"dy", rnd({g.M, g.N}, 41)},
+                     return Tensors{{"x", rnd({g.M, g.K}, 40)},
+                                    {"dy", rnd({g.M, g.N}, 41)},
                                     {"w", rnd({g.N, g.K}, 42, DType::F32, 0.05f)}};
                    },
                    [=](OpRun& r) {
                      const LinearWeight W = weight_of(r, false);
-                     r.be.linear_backward(r["dy"], r["x"], W, spec, &r.output("dx_w", {g.M, g.K}, DType::F32),
-                                          nullptr, nullptr);
+                     r.be.linear_backward(r["dy"], r["x"], W, spec, &r.output("dx_w", {g.M, g.K}, DType::F32), nullptr,
+                                          nullptr);
                      LinearWeight both = W;
                      both.wq = r.be.alloc_quant(g.N, g.K, 128, 128, pow2);
                      r.be.quantize(W.w, false, both.wq);
@@ -284,9 +305,9 @@ void linear_cases(std::vector<OpCase>& t) {
         only_q.wq = r.be.alloc_quant(g.N, g.K, 128, 128, pow2);
         r.be.quantize(r["w"], false, only_q.wq);
         Tensor dx = r.be.alloc({g.M, g.K}, DType::F32);
-        EXPECT_THROW(r.be.linear_backward(r["dy"], r["x"], only_q, {LinearMode::FP8_BLOCK, !pow2}, &dx, nullptr,
-                                          nullptr),
-                     Error);
+        EXPECT_THROW(
+            r.be.linear_backward(r["dy"], r["x"], only_q, {LinearMode::FP8_BLOCK, !pow2}, &dx, nullptr, nullptr),
+            Error);
       };
     }
   seed = 300;
@@ -295,11 +316,15 @@ void linear_cases(std::vector<OpCase>& t) {
     for (LinearMode mode : {LinearMode::FP32, LinearMode::BF16, LinearMode::FP8_BLOCK}) {
       const LinearSpec spec{mode, (seed % 2) == 0};
       const uint32_t sx = seed++, sdy = seed++, sw = seed++, sdw = seed++, sdb = seed++;
-      t.push_back({"linear_backward", gemm_name(g) + " " + linear_mode_name(mode) + (spec.pow2_scales ? " pow2" : ""),
+      t.push_back({"linear_backward",
+                   gemm_name(g) + " " + linear_mode_name(mode) + (spec.pow2_scales ? " pow2" : ""),
                    [=] {
-                     return Tensors{{"x", rnd({g.M, g.K}, sx)},        {"dy", rnd({g.M, g.N}, sdy)},
-                                    {"w", rnd({g.N, g.K}, sw, DType::F32, 0.05f)}, {"bias", rnd({g.N}, sw + 1)},
-                                    {"dw0", rnd({g.N, g.K}, sdw, DType::F32, 0.1f)}, {"db0", rnd({g.N}, sdb)}};
+                     return Tensors{{"x", rnd({g.M, g.K}, sx)},
+                                    {"dy", rnd({g.M, g.N}, sdy)},
+                                    {"w", rnd({g.N, g.K}, sw, DType::F32, 0.05f)},
+                                    {"bias", rnd({g.N}, sw + 1)},
+                                    {"dw0", rnd({g.N, g.K}, sdw, DType::F32, 0.1f)},
+                                    {"db0", rnd({g.N}, sdb)}};
                    },
                    [=](OpRun& r) {
                      r.be.linear_backward(r["dy"], r["x"], weight_of(r, true), spec,
@@ -314,12 +339,13 @@ void linear_cases(std::vector<OpCase>& t) {
   // tensor cores (rows M % 16 != 0 as a padded tail product; the wgrad's token contraction padded
   // to a multiple of 128), match the CPU reference, and count no fallback.
   seed = 900;
-  for (const Gemm& g : {Gemm{1, 256, 384}, Gemm{15, 256, 384}, Gemm{17, 512, 256}, Gemm{1000, 512, 1024},
-                        Gemm{4099, 256, 384}})
+  for (const Gemm& g :
+       {Gemm{1, 256, 384}, Gemm{15, 256, 384}, Gemm{17, 512, 256}, Gemm{1000, 512, 1024}, Gemm{4099, 256, 384}})
     for (bool pow2 : {false, true}) {
       const LinearSpec spec{LinearMode::FP8_BLOCK, pow2};
       const uint32_t sx = seed++, sdy = seed++, sw = seed++, sdw = seed++;
-      t.push_back({"linear + linear_backward", gemm_name(g) + " fp8 ragged tokens" + (pow2 ? " pow2" : ""),
+      t.push_back({"linear + linear_backward",
+                   gemm_name(g) + " fp8 ragged tokens" + (pow2 ? " pow2" : ""),
                    [=] {
                      return Tensors{{"x", rnd({g.M, g.K}, sx)},
                                     {"dy", rnd({g.M, g.N}, sdy)},
@@ -345,12 +371,15 @@ void layer_cases(std::vector<OpCase>& t) {
   {
     const int64_t V = 300, D = 96;
     const std::vector<int32_t> ids = {5, 299, 0, 5, 17, 42, 5};
-    t.push_back({"embedding + embedding_backward", "V 300, D 96, 7 ids (repeated)",
+    t.push_back({"embedding + embedding_backward",
+                 "V 300, D 96, 7 ids (repeated)",
                  [=] {
                    std::vector<int32_t> bad = ids;
                    bad[3] = 300;
-                   return Tensors{{"table", rnd({V, D}, 30)}, {"ids", i32_tensor(ids, {7})},
-                                  {"bad_ids", i32_tensor(bad, {7})}, {"dout", rnd({7, D}, 31)},
+                   return Tensors{{"table", rnd({V, D}, 30)},
+                                  {"ids", i32_tensor(ids, {7})},
+                                  {"bad_ids", i32_tensor(bad, {7})},
+                                  {"dout", rnd({7, D}, 31)},
                                   {"dt0", rnd({V, D}, 32)}};
                  },
                  [=](OpRun& r) {
@@ -390,12 +419,14 @@ void layer_cases(std::vector<OpCase>& t) {
   for (const Norm& n : norms)
     for (DType dt : {DType::F32, DType::BF16}) {
       const bool f32 = dt == DType::F32;
-      t.push_back({"rmsnorm + rmsnorm_backward", dims({n.R, n.D}) + " " + dtype_name(dt),
+      t.push_back({"rmsnorm + rmsnorm_backward",
+                   dims({n.R, n.D}) + " " + dtype_name(dt),
                    [=] {
-                     return Tensors{{"x", rnd({n.R, n.D}, n.seed, dt)},
-                                    {"w", rnd({n.D}, n.seed + 1)},
-                                    {"g", rnd({n.R, n.D}, n.seed + 2, dt)},
-                                    {"dw0", n.dw_from_input ? rnd({n.D}, n.seed + 3) : Tensor::zeros({n.D}, DType::F32)}};
+                     return Tensors{
+                         {"x", rnd({n.R, n.D}, n.seed, dt)},
+                         {"w", rnd({n.D}, n.seed + 1)},
+                         {"g", rnd({n.R, n.D}, n.seed + 2, dt)},
+                         {"dw0", n.dw_from_input ? rnd({n.D}, n.seed + 3) : Tensor::zeros({n.D}, DType::F32)}};
                    },
                    [=](OpRun& r) {
                      Tensor& out = r.output("out", {n.R, n.D}, dt);
@@ -416,33 +447,38 @@ void layer_cases(std::vector<OpCase>& t) {
     uint32_t seed;
     bool bf16;
   };
-  const Rope ropes[] = {{19, 3, 64, 10000.0f, 50, false},   {37, 16, 128, 1000000.0f, 70, true},
-                        {300, 8, 128, 1000000.0f, 70, true}, {5, 32, 64, 1000000.0f, 70, true},
+  const Rope ropes[] = {{19, 3, 64, 10000.0f, 50, false},
+                        {37, 16, 128, 1000000.0f, 70, true},
+                        {300, 8, 128, 1000000.0f, 70, true},
+                        {5, 32, 64, 1000000.0f, 70, true},
                         {3, 1, 64, 1000000.0f, 70, true}};
   for (const Rope& rc : ropes)
     for (DType dt : {DType::F32, DType::BF16}) {
       if (dt == DType::BF16 && !rc.bf16) continue;
       for (bool inverse : {false, true}) {
-        t.push_back({"rope", dims({rc.T, rc.H, rc.hd}) + " " + dtype_name(dt) + (inverse ? " inverse" : ""),
-                     [=] {
-                       std::vector<int32_t> pos(rc.T);
-                       for (int64_t i = 0; i < rc.T; ++i) pos[i] = static_cast<int32_t>((i * 397) % 4000);
-                       return Tensors{{"x", rnd({rc.T, rc.H, rc.hd}, rc.seed + inverse, dt)},
-                                      {"pos", i32_tensor(pos, {rc.T})}};
-                     },
-                     [=](OpRun& r) {
-                       RopeParams rp;
-                       for (int i = 0; i < rc.hd / 2; ++i) rp.inv_freq.push_back(std::pow(rc.theta, -2.0f * i / rc.hd));
-                       r.be.rope(r.updated("x", "x"), r["pos"], rp, inverse);
-                     },
-                     {{"x", rel(dt == DType::F32 ? 1e-5 : 1e-2)}}});
+        t.push_back(
+            {"rope",
+             dims({rc.T, rc.H, rc.hd}) + " " + dtype_name(dt) + (inverse ? " inverse" : ""),
+             [=] {
+               std::vector<int32_t> pos(rc.T);
+               for (int64_t i = 0; i < rc.T; ++i) pos[i] = static_cast<int32_t>((i * 397) % 4000);
+               return Tensors{{"x", rnd({rc.T, rc.H, rc.hd}, rc.seed + inverse, dt)}, {"pos", i32_tensor(pos, {rc.T})}};
+             },
+             [=](OpRun& r) {
+               RopeParams rp;
+               for (int i = 0; i < rc.hd / 2; ++i) rp.inv_freq.push_back(std::pow(rc.theta, -2.0f * i / rc.hd));
+               r.be.rope(r.updated("x", "x"), r["pos"], rp, inverse);
+             },
+             {{"x", rel(dt == DType::F32 ? 1e-5 : 1e-2)}}});
       }
     }
   for (DType dt : {DType::F32, DType::BF16}) {
     const double tol = dt == DType::F32 ? 1e-5 : 1e-2;
-    t.push_back({"swiglu + swiglu_backward", std::string("33x200 ") + dtype_name(dt),
+    t.push_back({"swiglu + swiglu_backward",
+                 std::string("33x200 ") + dtype_name(dt),
                  [=] {
-                   return Tensors{{"g", rnd({33, 200}, 60, dt, 3.0f)}, {"u", rnd({33, 200}, 61, dt)},
+                   return Tensors{{"g", rnd({33, 200}, 60, dt, 3.0f)},
+                                  {"u", rnd({33, 200}, 61, dt)},
                                   {"d", rnd({33, 200}, 62, dt)}};
                  },
                  [=](OpRun& r) {
@@ -457,15 +493,17 @@ void layer_cases(std::vector<OpCase>& t) {
     p.lr = 1e-2f;
     p.weight_decay = 0.01f;
     p.step = 3;
-    t.push_back({"adamw", "1000 F32, step 3",
-                 [] {
-                   Tensor v = rnd({1000}, 73);
-                   for (int64_t i = 0; i < 1000; ++i) v.data<float>()[i] = std::fabs(v.data<float>()[i]);
-                   return Tensors{{"w", rnd({1000}, 70)}, {"g", rnd({1000}, 71)},
-                                  {"m", rnd({1000}, 72, DType::F32, 0.1f)}, {"v", v}};
-                 },
-                 [=](OpRun& r) { r.be.adamw(r.updated("w", "w"), r["g"], r.updated("m", "m"), r.updated("v", "v"), p); },
-                 {{"w", rel(1e-6)}, {"m", rel(1e-6)}, {"v", rel(1e-6)}}});
+    t.push_back(
+        {"adamw",
+         "1000 F32, step 3",
+         [] {
+           Tensor v = rnd({1000}, 73);
+           for (int64_t i = 0; i < 1000; ++i) v.data<float>()[i] = std::fabs(v.data<float>()[i]);
+           return Tensors{
+               {"w", rnd({1000}, 70)}, {"g", rnd({1000}, 71)}, {"m", rnd({1000}, 72, DType::F32, 0.1f)}, {"v", v}};
+         },
+         [=](OpRun& r) { r.be.adamw(r.updated("w", "w"), r["g"], r.updated("m", "m"), r.updated("v", "v"), p); },
+         {{"w", rel(1e-6)}, {"m", rel(1e-6)}, {"v", rel(1e-6)}}});
     t.back().errors = [=](OpRun& r) {
       Tensor w = r.be.alloc({1000}, DType::F32), m = r.be.alloc({1000}, DType::F32), v = r.be.alloc({999}, DType::F32);
       EXPECT_THROW(r.be.adamw(w, r["g"], m, v, p), Error);  // shapes differ
@@ -510,10 +548,15 @@ void fused_cases(std::vector<OpCase>& t) {
       const bool f32 = dt == DType::F32, pow2 = R == 37;
       const std::string v = dims({R, D}) + " " + dtype_name(dt) + (pow2 ? " pow2" : "");
       auto inputs = [=] {
-        return Tensors{{"x", rnd({R, D}, 500, dt)}, {"b", rnd({R, D}, 501, dt)}, {"w", rnd({D}, 502)},
-                       {"gate", rnd({R, D}, 503, dt, 3.0f)}, {"up", rnd({R, D}, 504, dt)}};
+        return Tensors{{"x", rnd({R, D}, 500, dt)},
+                       {"b", rnd({R, D}, 501, dt)},
+                       {"w", rnd({D}, 502)},
+                       {"gate", rnd({R, D}, 503, dt, 3.0f)},
+                       {"up", rnd({R, D}, 504, dt)}};
       };
-      t.push_back({"rmsnorm_fp8", v, inputs,
+      t.push_back({"rmsnorm_fp8",
+                   v,
+                   inputs,
                    [=](OpRun& r) {
                      Fp8View view = r.be.alloc_fp8_view(R, D, pow2);
                      r.be.rmsnorm_fp8(r["x"], r["w"], 1e-6f, r.output("out", {R, D}, dt),
@@ -522,7 +565,9 @@ void fused_cases(std::vector<OpCase>& t) {
                    },
                    {{"out", rel(f32 ? 1e-5 : 1e-2)}, {"rstd", rel(1e-5)}}});
       t.back().invariants = [=](const Tensors& o) { expect_view_is_quantized_out(o, pow2); };
-      t.push_back({"add_rmsnorm", v + ", with its FP8 view", inputs,
+      t.push_back({"add_rmsnorm",
+                   v + ", with its FP8 view",
+                   inputs,
                    [=](OpRun& r) {
                      Fp8View view = r.be.alloc_fp8_view(R, D, pow2);
                      r.be.add_rmsnorm(r["x"], r["b"], r.output("sum", {R, D}, dt), r["w"], 1e-6f,
@@ -531,7 +576,9 @@ void fused_cases(std::vector<OpCase>& t) {
                    },
                    {{"sum", rel(f32 ? 1e-6 : 1e-2)}, {"out", rel(f32 ? 1e-5 : 1e-2)}, {"rstd", rel(1e-5)}}});
       t.back().invariants = [=](const Tensors& o) { expect_view_is_quantized_out(o, pow2); };
-      t.push_back({"swiglu_fp8", v, inputs,
+      t.push_back({"swiglu_fp8",
+                   v,
+                   inputs,
                    [=](OpRun& r) {
                      Fp8View view = r.be.alloc_fp8_view(R, D, pow2);
                      r.be.swiglu_fp8(r["gate"], r["up"], r.output("out", {R, D}, dt), view);
@@ -550,7 +597,8 @@ void fused_cases(std::vector<OpCase>& t) {
     for (int64_t M : {int64_t(64), int64_t(37)}) {
       const LinearSpec spec{mode, false};
       const int64_t K = 256, N[3] = {256, 128, 384};
-      t.push_back({"linear_shared_input", std::to_string(M) + " tokens, K 256, N 256/128/384 " + linear_mode_name(mode),
+      t.push_back({"linear_shared_input",
+                   std::to_string(M) + " tokens, K 256, N 256/128/384 " + linear_mode_name(mode),
                    [=] {
                      Tensors in{{"x", rnd({M, K}, 510)}};
                      for (int i = 0; i < 3; ++i)
@@ -582,26 +630,30 @@ void fused_cases(std::vector<OpCase>& t) {
 void moe_cases(std::vector<OpCase>& t) {
   const int64_t T = 37, E = 12, k = 3, D = 72, R = T * k;
   // Routing: F32 logits; the selection must agree exactly away from ties, weights 1e-5.
-  auto route_inputs = [=] { return Tensors{{"logits", rnd({T, E}, 90, DType::F32, 2.0f)}, {"dw", rnd({T, k}, 91)},
-                                           {"bias", rnd({E}, 96, DType::F32, 0.1f)}}; };
+  auto route_inputs = [=] {
+    return Tensors{{"logits", rnd({T, E}, 90, DType::F32, 2.0f)},
+                   {"dw", rnd({T, k}, 91)},
+                   {"bias", rnd({E}, 96, DType::F32, 0.1f)}};
+  };
   for (bool renorm : {false, true}) {
-    t.push_back({"moe_route_softmax + backward", dims({T, E}) + " top 3" + (renorm ? " renormalized" : ""),
-                 route_inputs,
-                 [=](OpRun& r) {
-                   Tensor& ex = r.output("experts", {T, k}, DType::I32);
-                   r.be.moe_route_softmax(r["logits"], static_cast<int>(k), renorm, ex,
-                                          r.output("weights", {T, k}, DType::F32));
-                   r.be.moe_route_softmax_backward(r["logits"], ex, renorm, r["dw"],
-                                                   r.output("dlogits", {T, E}, DType::F32));
-                 },
-                 {{"experts", bitwise()}, {"weights", rel(1e-5)}, {"dlogits", rel(1e-5)}}});
+    t.push_back(
+        {"moe_route_softmax + backward",
+         dims({T, E}) + " top 3" + (renorm ? " renormalized" : ""),
+         route_inputs,
+         [=](OpRun& r) {
+           Tensor& ex = r.output("experts", {T, k}, DType::I32);
+           r.be.moe_route_softmax(r["logits"], static_cast<int>(k), renorm, ex,
+                                  r.output("weights", {T, k}, DType::F32));
+           r.be.moe_route_softmax_backward(r["logits"], ex, renorm, r["dw"], r.output("dlogits", {T, E}, DType::F32));
+         },
+         {{"experts", bitwise()}, {"weights", rel(1e-5)}, {"dlogits", rel(1e-5)}}});
     t.back().errors = [=](OpRun& r) {
       Tensor ex = r.be.alloc({T, k}, DType::I32), w = r.be.alloc({T, k}, DType::F32);
       EXPECT_THROW(r.be.moe_route_softmax(r["logits"], static_cast<int>(E + 1), renorm, ex, w), Error);
     };
     // DeepSeek-V3 routing: 12 experts in 4 groups, 2 kept, with a correction bias.
-    t.push_back({"moe_route_sigmoid + backward", dims({T, E}) + " 4 groups, 2 kept, bias" +
-                                                     (renorm ? " renormalized" : ""),
+    t.push_back({"moe_route_sigmoid + backward",
+                 dims({T, E}) + " 4 groups, 2 kept, bias" + (renorm ? " renormalized" : ""),
                  route_inputs,
                  [=](OpRun& r) {
                    Tensor& ex = r.output("experts", {T, k}, DType::I32);
@@ -629,9 +681,12 @@ void moe_cases(std::vector<OpCase>& t) {
                    [=] {
                      std::vector<int32_t> bad = slot_row;
                      bad[5] = static_cast<int32_t>(R);
-                     return Tensors{{"x", rnd({T, D}, 93, dt)},          {"y", rnd({R, D}, 94, dt)},
-                                    {"w", rnd({R}, 92)},                 {"row_slot", i32_tensor(row_slot, {R})},
-                                    {"slot_row", i32_tensor(slot_row, {R})}, {"bad", i32_tensor(bad, {R})}};
+                     return Tensors{{"x", rnd({T, D}, 93, dt)},
+                                    {"y", rnd({R, D}, 94, dt)},
+                                    {"w", rnd({R}, 92)},
+                                    {"row_slot", i32_tensor(row_slot, {R})},
+                                    {"slot_row", i32_tensor(slot_row, {R})},
+                                    {"bad", i32_tensor(bad, {R})}};
                    },
                    [=](OpRun& r) {
                      const Tensor* w = weighted ? &r["w"] : nullptr;
@@ -676,8 +731,10 @@ void attention_cases(std::vector<OpCase>& t) {
                    "Hq " + std::to_string(c.Hq) + " Hkv " + std::to_string(c.Hkv) + " hd " + std::to_string(c.hd) +
                        " T " + std::to_string(T) + " " + dtype_name(dt),
                    [=] {
-                     return Tensors{{"q", rnd({T, c.Hq, c.hd}, s, dt)}, {"k", rnd({T, c.Hkv, c.hd}, s + 1, dt)},
-                                    {"v", rnd({T, c.Hkv, c.hd}, s + 2, dt)}, {"dout", rnd({T, c.Hq, c.hd}, s + 3, dt)}};
+                     return Tensors{{"q", rnd({T, c.Hq, c.hd}, s, dt)},
+                                    {"k", rnd({T, c.Hkv, c.hd}, s + 1, dt)},
+                                    {"v", rnd({T, c.Hkv, c.hd}, s + 2, dt)},
+                                    {"dout", rnd({T, c.Hq, c.hd}, s + 3, dt)}};
                    },
                    [=](OpRun& r) {
                      Tensor& o = r.output("out", {T, c.Hq, c.hd}, dt);
@@ -742,11 +799,11 @@ void attention_cases(std::vector<OpCase>& t) {
     OpCase c{"attention + attention_backward",
              std::string("BF16 ragged GQA 4, hd ") + std::to_string(hd) + ", flash and simple kernels", inputs, run};
     for (const std::string mode : {"flash", "simple"})
-      for (const auto& [name, tol] : {std::pair<const char*, double>{"out_", 1e-2}, {"lse_", 1e-5}, {"dq_", 3e-2},
-                                      {"dk_", 3e-2}, {"dv_", 3e-2}})
+      for (const auto& [name, tol] :
+           {std::pair<const char*, double>{"out_", 1e-2}, {"lse_", 1e-5}, {"dq_", 3e-2}, {"dk_", 3e-2}, {"dv_", 3e-2}})
         c.checks.push_back({name + mode, rel(tol)});
-    for (const auto& [name, tol] : {std::pair<const char*, double>{"out_", 1e-2}, {"dq_", 3e-2}, {"dk_", 3e-2},
-                                    {"dv_", 3e-2}})
+    for (const auto& [name, tol] :
+         {std::pair<const char*, double>{"out_", 1e-2}, {"dq_", 3e-2}, {"dk_", 3e-2}, {"dv_", 3e-2}})
       c.close.push_back({name + std::string("flash"), name + std::string("simple"), rel(tol)});
     t.push_back(c);
   }
@@ -758,23 +815,26 @@ void logprob_cases(std::vector<OpCase>& t) {
   const int64_t T = 37, D = 256, V = 3000;
   for (LinearMode mode : {LinearMode::FP32, LinearMode::BF16}) {
     const LinearSpec spec{mode, false};
-    t.push_back({"token_logprobs + backward", std::string("T 37, D 256, V 3000 ") + linear_mode_name(mode),
-                 [=] {
-                   std::vector<int32_t> tg(T);
-                   for (int64_t i = 0; i < T; ++i) tg[i] = static_cast<int32_t>((i * 977 + 5) % V);
-                   return Tensors{{"h", rnd({T, D}, 90)},       {"W", rnd({V, D}, 91, DType::F32, 0.1f)},
-                                  {"dl", rnd({T}, 92)},         {"targets", i32_tensor(tg, {T})},
-                                  {"dW0", rnd({V, D}, 93, DType::F32, 0.01f)}};
-                 },
-                 [=](OpRun& r) {
-                   Tensor& lse = r.output("lse", {T}, DType::F32);
-                   r.be.token_logprobs(r["h"], r["W"], r["targets"], 0.7f, spec, r.output("logp", {T}, DType::F32),
-                                       lse, &r.output("entropy", {T}, DType::F32));
-                   r.be.token_logprobs_backward(r["h"], r["W"], r["targets"], 0.7f, spec, lse, r["dl"],
-                                                r.output("dh", {T, D}, DType::F32), &r.updated("dW", "dW0"));
-                 },
-                 {{"logp", rel(1e-4)}, {"lse", rel(1e-5)}, {"entropy", rel(1e-4)}, {"dh", rel(1e-4)},
-                  {"dW", rel(1e-4)}}});
+    t.push_back(
+        {"token_logprobs + backward",
+         std::string("T 37, D 256, V 3000 ") + linear_mode_name(mode),
+         [=] {
+           std::vector<int32_t> tg(T);
+           for (int64_t i = 0; i < T; ++i) tg[i] = static_cast<int32_t>((i * 977 + 5) % V);
+           return Tensors{{"h", rnd({T, D}, 90)},
+                          {"W", rnd({V, D}, 91, DType::F32, 0.1f)},
+                          {"dl", rnd({T}, 92)},
+                          {"targets", i32_tensor(tg, {T})},
+                          {"dW0", rnd({V, D}, 93, DType::F32, 0.01f)}};
+         },
+         [=](OpRun& r) {
+           Tensor& lse = r.output("lse", {T}, DType::F32);
+           r.be.token_logprobs(r["h"], r["W"], r["targets"], 0.7f, spec, r.output("logp", {T}, DType::F32), lse,
+                               &r.output("entropy", {T}, DType::F32));
+           r.be.token_logprobs_backward(r["h"], r["W"], r["targets"], 0.7f, spec, lse, r["dl"],
+                                        r.output("dh", {T, D}, DType::F32), &r.updated("dW", "dW0"));
+         },
+         {{"logp", rel(1e-4)}, {"lse", rel(1e-5)}, {"entropy", rel(1e-4)}, {"dh", rel(1e-4)}, {"dW", rel(1e-4)}}});
     t.back().errors = [=](OpRun& r) {
       Tensor logp = r.be.alloc({T}, DType::F32), lse = r.be.alloc({T}, DType::F32);
       EXPECT_THROW(r.be.token_logprobs(r["h"], r["W"], r["targets"], 0.0f, spec, logp, lse, nullptr), Error);
@@ -846,9 +906,14 @@ void generation_cases(std::vector<OpCase>& t) {
     }
   // The trainer's KV rounding: the value an E4M3 cache hands the attention, in place.
   for (DType dt : {DType::F32, DType::BF16})
-    t.push_back({"kv_round", std::string("T 21, 3 heads of 64 ") + dtype_name(dt),
-                 [=] { return Tensors{{"x", rnd({21, 3, 64}, 105, dt, 2.0f)}}; },
-                 [](OpRun& r) { r.be.kv_round(r.updated("x", "x"), {0.01f, 0.02f, 0.005f}); },
+    t.push_back({"kv_round",
+                 std::string("T 21, 3 heads of 64 ") + dtype_name(dt),
+                 [=] {
+                   return Tensors{{"x", rnd({21, 3, 64}, 105, dt, 2.0f)}};
+                 },
+                 [](OpRun& r) {
+                   r.be.kv_round(r.updated("x", "x"), {0.01f, 0.02f, 0.005f});
+                 },
                  {{"x", bitwise()}}});
   t.back().errors = [](OpRun& r) {
     Tensor x = r.be.alloc({21, 3, 64}, DType::BF16);
@@ -870,11 +935,13 @@ void generation_cases(std::vector<OpCase>& t) {
       std::vector<float> u(B);
       for (float& x : u) x = std::min(ud(gen), 0.99999f);
       if (draw == 0) u[1] = 0.0f;
-      t.push_back({"sample", "V " + std::to_string(V) + ", 12 rows, draw " + std::to_string(draw),
+      t.push_back({"sample",
+                   "V " + std::to_string(V) + ", 12 rows, draw " + std::to_string(draw),
                    [=] {
                      Tensor lg = rnd({B, V}, 110 + static_cast<uint32_t>(V), DType::F32, 3.0f);
                      for (int64_t j = 0; j < V; ++j)  // rows 8..11: integer logits, many exact ties
-                       for (int64_t b = 8; b < 12; ++b) lg.data<float>()[b * V + j] = std::round(lg.data<float>()[b * V + j]);
+                       for (int64_t b = 8; b < 12; ++b)
+                         lg.data<float>()[b * V + j] = std::round(lg.data<float>()[b * V + j]);
                      if (V > 10) lg.data<float>()[5 * V + 7] = -INFINITY;  // a masked token
                      Tensor bad = rnd({2, 100}, 120);
                      bad.data<float>()[150] = NAN;
@@ -916,7 +983,8 @@ void generation_cases(std::vector<OpCase>& t) {
       for (float& e : u) e = std::min(ud(gen), 0.99999f);
       u[0] = 0.0f;
       u[2] = 0.99999f;
-      t.push_back({"sample", "padded vocabulary 151936 / 151669, 16 rows, draw " + std::to_string(draw),
+      t.push_back({"sample",
+                   "padded vocabulary 151936 / 151669, 16 rows, draw " + std::to_string(draw),
                    [=] {
                      Tensor lg = rnd({B, V}, 140, DType::F32, 3.0f);
                      Tensor cut = Tensor::empty({B, Vv}, DType::F32);
@@ -980,7 +1048,8 @@ void generation_cases(std::vector<OpCase>& t) {
       for (float& e : u) e = std::min(ud(gen), 0.99999f);
       u[0] = 0.0f;
       u[1] = 0.99999f;
-      t.push_back({"sample", "V 128256, 64 rows, draw " + std::to_string(draw),
+      t.push_back({"sample",
+                   "V 128256, 64 rows, draw " + std::to_string(draw),
                    [=] {
                      Tensor lg = rnd({B, V}, 130, DType::F32, 4.0f);
                      float* x = lg.data<float>();
@@ -1007,7 +1076,8 @@ void generation_cases(std::vector<OpCase>& t) {
 void sample_rows_cases(std::vector<OpCase>& t) {
   const int64_t B = 16, V = 5000;
   for (bool truncation : {false, true}) {
-    t.push_back({"sample_rows", "V 5000, 16 rows" + std::string(truncation ? ", with top-k / top-p rows" : ", plain"),
+    t.push_back({"sample_rows",
+                 "V 5000, 16 rows" + std::string(truncation ? ", with top-k / top-p rows" : ", plain"),
                  [=] {
                    std::vector<SampleRow> rows(B);
                    for (int64_t b = 0; b < B; ++b) {

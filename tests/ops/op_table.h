@@ -69,8 +69,12 @@ struct OpCase {
   OpCase(std::string op_, std::string variant_, std::function<Tensors()> inputs_, std::function<void(OpRun&)> run_,
          std::vector<std::pair<std::string, Tolerance>> checks_ = {},
          std::vector<std::pair<std::string, std::string>> same_ = {})
-      : op(std::move(op_)), variant(std::move(variant_)), inputs(std::move(inputs_)), run(std::move(run_)),
-        checks(std::move(checks_)), same(std::move(same_)) {}
+      : op(std::move(op_)),
+        variant(std::move(variant_)),
+        inputs(std::move(inputs_)),
+        run(std::move(run_)),
+        checks(std::move(checks_)),
+        same(std::move(same_)) {}
 
   std::string op;       // the Backend op(s) the case calls
   std::string variant;  // shapes, dtypes, modes

@@ -122,7 +122,9 @@ void expect_close(const Tensor& a, const Tensor& b, const Tolerance& t, const st
     case Tolerance::kBitwise:
       EXPECT_TRUE(bytes_equal(a, b)) << what << ": first differing byte " << first_diff(a, b);
       break;
-    case Tolerance::kRel: EXPECT_LT(rel_err(a, b), t.bound) << what; break;
+    case Tolerance::kRel:
+      EXPECT_LT(rel_err(a, b), t.bound) << what;
+      break;
     case Tolerance::kNear: {
       const std::vector<double> x = values(a), y = values(b);
       for (size_t i = 0; i < x.size(); ++i)

@@ -70,8 +70,7 @@ class ScopedEnv {
 inline int run_binary_in(const std::string& log_dir, const std::vector<std::string>& args, std::string& output,
                          const std::string& env = "") {
   static int counter = 0;
-  const std::string log =
-      log_dir + "/cli_" + std::to_string(::getpid()) + "_" + std::to_string(counter++) + ".log";
+  const std::string log = log_dir + "/cli_" + std::to_string(::getpid()) + "_" + std::to_string(counter++) + ".log";
   std::string cmd = env + (env.empty() ? "" : " ") + "'" + FP8RL_BINARY + "'";
   for (const std::string& a : args) cmd += " '" + a + "'";
   cmd += " > '" + log + "' 2>&1 < /dev/null";

@@ -40,8 +40,8 @@ int64_t attention_work(const std::vector<int32_t>& cu_seqlens, int64_t heads, in
 
 }  // namespace
 
-void CpuBackend::attention_impl(const Tensor& q, const Tensor& k, const Tensor& v, const std::vector<int32_t>& cu_seqlens,
-                           float softmax_scale, Tensor& out, Tensor& lse) {
+void CpuBackend::attention_impl(const Tensor& q, const Tensor& k, const Tensor& v,
+                                const std::vector<int32_t>& cu_seqlens, float softmax_scale, Tensor& out, Tensor& lse) {
   const AttnDims d = attention_dims(q, k, v);
   const std::vector<double> vq = load(q, "attention q"), vk = load(k, "attention k"), vv = load(v, "attention v");
   std::vector<double> o(d.T * d.Hq * d.hdv, 0.0), l(d.Hq * d.T);
@@ -79,8 +79,8 @@ void CpuBackend::attention_impl(const Tensor& q, const Tensor& k, const Tensor& 
 // P_ij = exp(scale q_i.k_j - lse_i); D_i = dout_i . out_i; dS_ij = P_ij (dout_i . v_j - D_i);
 // dq_i = scale sum_j dS_ij k_j; dk_j = scale sum_i dS_ij q_i; dv_j = sum_i P_ij dout_i.
 void CpuBackend::attention_backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
-                                    const Tensor& out, const Tensor& lse, const std::vector<int32_t>& cu_seqlens,
-                                    float softmax_scale, Tensor& dq, Tensor& dk, Tensor& dv) {
+                                         const Tensor& out, const Tensor& lse, const std::vector<int32_t>& cu_seqlens,
+                                         float softmax_scale, Tensor& dq, Tensor& dk, Tensor& dv) {
   const AttnDims d = attention_dims(q, k, v);
   const std::vector<double> vq = load(q, "attention q"), vk = load(k, "attention k"), vv = load(v, "attention v"),
                             g = load(dout, "attention dout"), vo = load(out, "attention out"),
@@ -197,7 +197,7 @@ void CpuBackend::kv_round_impl(Tensor& x, const std::vector<float>& head_scale) 
 // quant_scale_from_amax rule, no pow2) and the dequantized e4m3(q / s) * s is used; the
 // softmax probabilities stay FP32 in this reference.
 void CpuBackend::attention_paged_impl(const KvCache& cache, int layer, const Tensor& q, const PagedBatch& batch,
-                                 float softmax_scale, bool fp8_attention, Tensor& out) {
+                                      float softmax_scale, bool fp8_attention, Tensor& out) {
   const std::vector<int32_t> seq = load_i32(batch.token_seq, "paged batch token_seq");
   const std::vector<int32_t> pos = load_i32(batch.token_pos, "paged batch token_pos");
   const std::vector<int32_t> table = load_i32(batch.page_table, "paged batch page_table");

@@ -29,8 +29,8 @@ void check_cpu(const Tensor& t, const char* what);
 void check_float(const Tensor& t, const char* what);
 
 // C[M, N] = A[M, K] B[N, K]^T in double (cpu_gemm.cpp: blocked, vectorized, threaded).
-std::vector<double> matmul_nt(const std::vector<double>& a, const std::vector<double>& b, int64_t M,
-                              int64_t N, int64_t K);
+std::vector<double> matmul_nt(const std::vector<double>& a, const std::vector<double>& b, int64_t M, int64_t N,
+                              int64_t K);
 
 // The effective operands of a linear layer under `mode` (values the GEMM multiplies), as
 // double: FP32 as they are, BF16 rounded to BF16, FP8 quantized and dequantized exactly.
@@ -66,30 +66,50 @@ class CpuBackend final : public Backend {
   void embedding_impl(const Tensor& ids, const Tensor& table, Tensor& out) override;
   void embedding_backward_impl(const Tensor& ids, const Tensor& dout, Tensor& dtable) override;
   void rmsnorm_impl(const Tensor& x, const Tensor& w, float eps, Tensor& out, Tensor* rstd) override;
-  void rmsnorm_backward_impl(const Tensor& dout, const Tensor& x, const Tensor& w, const Tensor& rstd, Tensor& dx, Tensor& dw) override;
-  void linear_impl(const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor& out, const Fp8View* x_fp8) override;
-  void linear_backward_impl(const Tensor& dy, const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor* dx, Tensor* dw, Tensor* dbias) override;
+  void rmsnorm_backward_impl(const Tensor& dout, const Tensor& x, const Tensor& w, const Tensor& rstd, Tensor& dx,
+                             Tensor& dw) override;
+  void linear_impl(const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor& out,
+                   const Fp8View* x_fp8) override;
+  void linear_backward_impl(const Tensor& dy, const Tensor& x, const LinearWeight& W, const LinearSpec& spec,
+                            Tensor* dx, Tensor* dw, Tensor* dbias) override;
   void rope_impl(Tensor& x, const Tensor& positions, const RopeParams& rope, bool inverse) override;
-  void attention_impl(const Tensor& q, const Tensor& k, const Tensor& v, const std::vector<int32_t>& cu_seqlens, float softmax_scale, Tensor& out, Tensor& lse) override;
-  void attention_backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse, const std::vector<int32_t>& cu_seqlens, float softmax_scale, Tensor& dq, Tensor& dk, Tensor& dv) override;
+  void attention_impl(const Tensor& q, const Tensor& k, const Tensor& v, const std::vector<int32_t>& cu_seqlens,
+                      float softmax_scale, Tensor& out, Tensor& lse) override;
+  void attention_backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                               const Tensor& lse, const std::vector<int32_t>& cu_seqlens, float softmax_scale,
+                               Tensor& dq, Tensor& dk, Tensor& dv) override;
   void swiglu_impl(const Tensor& gate, const Tensor& up, Tensor& out) override;
-  void swiglu_backward_impl(const Tensor& dout, const Tensor& gate, const Tensor& up, Tensor& dgate, Tensor& dup) override;
-  void token_logprobs_impl(const Tensor& hidden, const Tensor& lm_head, const Tensor& targets, float temperature, const LinearSpec& spec, Tensor& logp, Tensor& lse, Tensor* entropy) override;
-  void token_logprobs_backward_impl(const Tensor& hidden, const Tensor& lm_head, const Tensor& targets, float temperature, const LinearSpec& spec, const Tensor& lse, const Tensor& dlogp, Tensor& dhidden, Tensor* dlm_head) override;
-  void moe_route_softmax_impl(const Tensor& logits, int top_k, bool renormalize, Tensor& experts, Tensor& weights) override;
-  void moe_route_softmax_backward_impl(const Tensor& logits, const Tensor& experts, bool renormalize, const Tensor& dweights, Tensor& dlogits) override;
-  void moe_route_sigmoid_impl(const Tensor& logits, const Tensor* bias, int top_k, int n_group, int topk_group, bool renormalize, float scaling, Tensor& experts, Tensor& weights) override;
-  void moe_route_sigmoid_backward_impl(const Tensor& logits, const Tensor& experts, bool renormalize, float scaling, const Tensor& dweights, Tensor& dlogits) override;
-  void moe_permute_impl(const Tensor& x, const Tensor& row_slot, int top_k, const Tensor* weights, Tensor& out) override;
+  void swiglu_backward_impl(const Tensor& dout, const Tensor& gate, const Tensor& up, Tensor& dgate,
+                            Tensor& dup) override;
+  void token_logprobs_impl(const Tensor& hidden, const Tensor& lm_head, const Tensor& targets, float temperature,
+                           const LinearSpec& spec, Tensor& logp, Tensor& lse, Tensor* entropy) override;
+  void token_logprobs_backward_impl(const Tensor& hidden, const Tensor& lm_head, const Tensor& targets,
+                                    float temperature, const LinearSpec& spec, const Tensor& lse, const Tensor& dlogp,
+                                    Tensor& dhidden, Tensor* dlm_head) override;
+  void moe_route_softmax_impl(const Tensor& logits, int top_k, bool renormalize, Tensor& experts,
+                              Tensor& weights) override;
+  void moe_route_softmax_backward_impl(const Tensor& logits, const Tensor& experts, bool renormalize,
+                                       const Tensor& dweights, Tensor& dlogits) override;
+  void moe_route_sigmoid_impl(const Tensor& logits, const Tensor* bias, int top_k, int n_group, int topk_group,
+                              bool renormalize, float scaling, Tensor& experts, Tensor& weights) override;
+  void moe_route_sigmoid_backward_impl(const Tensor& logits, const Tensor& experts, bool renormalize, float scaling,
+                                       const Tensor& dweights, Tensor& dlogits) override;
+  void moe_permute_impl(const Tensor& x, const Tensor& row_slot, int top_k, const Tensor* weights,
+                        Tensor& out) override;
   void moe_unpermute_impl(const Tensor& y, const Tensor& slot_row, const Tensor* weights, Tensor& out) override;
-  void moe_unpermute_backward_weights_impl(const Tensor& dout, const Tensor& y, const Tensor& slot_row, Tensor& dweights) override;
+  void moe_unpermute_backward_weights_impl(const Tensor& dout, const Tensor& y, const Tensor& slot_row,
+                                           Tensor& dweights) override;
   void adamw_impl(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWParams& p) override;
   void quantize_impl(const Tensor& x, bool transpose, QuantTensor& out) override;
   void kv_write_impl(KvCache& cache, int layer, const Tensor& k, const Tensor& v, const PagedBatch& batch) override;
   void kv_round_impl(Tensor& x, const std::vector<float>& head_scale) override;
-  void attention_paged_impl(const KvCache& cache, int layer, const Tensor& q, const PagedBatch& batch, float softmax_scale, bool fp8_attention, Tensor& out) override;
-  void sample_impl(const Tensor& logits, const std::vector<float>& temperature, const std::vector<float>& top_p, const std::vector<int>& top_k, const std::vector<float>& uniforms, Tensor& tokens, Tensor& logp, int64_t valid_vocab) override;
-  void sample_rows_impl(const Tensor& logits, const Tensor& rows, bool truncation, Tensor& tokens, Tensor& logp, int64_t valid_vocab) override;
+  void attention_paged_impl(const KvCache& cache, int layer, const Tensor& q, const PagedBatch& batch,
+                            float softmax_scale, bool fp8_attention, Tensor& out) override;
+  void sample_impl(const Tensor& logits, const std::vector<float>& temperature, const std::vector<float>& top_p,
+                   const std::vector<int>& top_k, const std::vector<float>& uniforms, Tensor& tokens, Tensor& logp,
+                   int64_t valid_vocab) override;
+  void sample_rows_impl(const Tensor& logits, const Tensor& rows, bool truncation, Tensor& tokens, Tensor& logp,
+                        int64_t valid_vocab) override;
 };
 
 }  // namespace fp8rl::cpu

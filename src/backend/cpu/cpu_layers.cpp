@@ -90,7 +90,7 @@ void CpuBackend::rmsnorm_impl(const Tensor& x, const Tensor& w, float eps, Tenso
 
 // dx_j = r (w_j g_j) - r^3 / D * x_j * sum_k (w_k g_k x_k);  dw_j += sum_rows g_j x_j r.
 void CpuBackend::rmsnorm_backward_impl(const Tensor& dout, const Tensor& x, const Tensor& w, const Tensor& rstd,
-                                  Tensor& dx, Tensor& dw) {
+                                       Tensor& dx, Tensor& dw) {
   const int64_t D = w.dim(0), R = D ? x.numel() / D : 0;
   const std::vector<double> g = load(dout, "rmsnorm dout"), vx = load(x, "rmsnorm x"), vw = load(w, "rmsnorm w"),
                             r = load(rstd, "rmsnorm rstd");
@@ -153,7 +153,7 @@ void CpuBackend::swiglu_impl(const Tensor& gate, const Tensor& up, Tensor& out) 
 }
 
 void CpuBackend::swiglu_backward_impl(const Tensor& dout, const Tensor& gate, const Tensor& up, Tensor& dgate,
-                                 Tensor& dup) {
+                                      Tensor& dup) {
   const std::vector<double> d = load(dout, "swiglu dout"), g = load(gate, "swiglu gate"), u = load(up, "swiglu up");
   std::vector<double> dg(g.size()), du(g.size());
   for (size_t i = 0; i < g.size(); ++i) {

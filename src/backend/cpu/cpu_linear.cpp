@@ -157,7 +157,7 @@ std::vector<double> linear_operand_weight(const LinearWeight& W, LinearMode mode
 // ---- linear --------------------------------------------------------------------------------
 
 void CpuBackend::linear_impl(const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor& out,
-                        const Fp8View* x_fp8) {
+                             const Fp8View* x_fp8) {
   const int64_t N = W.out_features(), K = W.in_features();
   const Tensor x2 = as_2d(x, K);
   const int64_t M = x2.dim(0);
@@ -177,8 +177,8 @@ void CpuBackend::linear_impl(const Tensor& x, const LinearWeight& W, const Linea
   store(y, out, "linear output");
 }
 
-void CpuBackend::linear_backward_impl(const Tensor& dy, const Tensor& x, const LinearWeight& W,
-                                 const LinearSpec& spec, Tensor* dx, Tensor* dw, Tensor* dbias) {
+void CpuBackend::linear_backward_impl(const Tensor& dy, const Tensor& x, const LinearWeight& W, const LinearSpec& spec,
+                                      Tensor* dx, Tensor* dw, Tensor* dbias) {
   const int64_t N = W.out_features(), K = W.in_features();
   const Tensor x2 = as_2d(x, K);
   const Tensor dy2 = as_2d(dy, N);
@@ -230,8 +230,8 @@ void check_targets(const Tensor& lm_head, const std::vector<int32_t>& targets) {
 }  // namespace
 
 void CpuBackend::token_logprobs_impl(const Tensor& hidden, const Tensor& lm_head, const Tensor& targets,
-                                float temperature, const LinearSpec& spec, Tensor& logp, Tensor& lse,
-                                Tensor* entropy) {
+                                     float temperature, const LinearSpec& spec, Tensor& logp, Tensor& lse,
+                                     Tensor* entropy) {
   const std::vector<int32_t> tgt = load_i32(targets, "token_logprobs targets");
   check_targets(lm_head, tgt);
   const int64_t T = hidden.dim(0);
@@ -272,8 +272,8 @@ void CpuBackend::token_logprobs_impl(const Tensor& hidden, const Tensor& lm_head
 // d logp[t] / d z[t, v] = [v == target] - p[t, v]; z = raw / temperature. The raw-logit
 // gradient goes through the lm_head GEMM's backward in `spec` numerics (as linear_backward).
 void CpuBackend::token_logprobs_backward_impl(const Tensor& hidden, const Tensor& lm_head, const Tensor& targets,
-                                         float temperature, const LinearSpec& spec, const Tensor& lse,
-                                         const Tensor& dlogp, Tensor& dhidden, Tensor* dlm_head) {
+                                              float temperature, const LinearSpec& spec, const Tensor& lse,
+                                              const Tensor& dlogp, Tensor& dhidden, Tensor* dlm_head) {
   const std::vector<int32_t> tgt = load_i32(targets, "token_logprobs targets");
   check_targets(lm_head, tgt);
   const int64_t T = hidden.dim(0), D = hidden.dim(1);

@@ -27,7 +27,7 @@ std::vector<double> softmax_rows(const std::vector<double>& z, int64_t T, int64_
 }  // namespace
 
 void CpuBackend::moe_route_softmax_impl(const Tensor& logits, int top_k, bool renormalize, Tensor& experts,
-                                   Tensor& weights) {
+                                        Tensor& weights) {
   const int64_t T = logits.dim(0), E = logits.dim(1), k = top_k;
   const std::vector<double> p = softmax_rows(load(logits, "moe logits"), T, E);
   std::vector<double> w(T * k);
@@ -49,7 +49,7 @@ void CpuBackend::moe_route_softmax_impl(const Tensor& logits, int top_k, bool re
 // With s_j = p[e_j] and w = s (or s / S, S = sum s):  ds_j = dw_j (or (dw_j - sum_i dw_i w_i) / S);
 // then dz_e = p_e (g_e - sum_j ds_j s_j), g_e = ds_j for e = e_j, else 0.
 void CpuBackend::moe_route_softmax_backward_impl(const Tensor& logits, const Tensor& experts, bool renormalize,
-                                            const Tensor& dweights, Tensor& dlogits) {
+                                                 const Tensor& dweights, Tensor& dlogits) {
   const int64_t T = logits.dim(0), E = logits.dim(1), k = experts.dim(1);
   const std::vector<double> p = softmax_rows(load(logits, "moe logits"), T, E);
   const std::vector<double> dw = load(dweights, "moe dweights");
@@ -73,8 +73,9 @@ void CpuBackend::moe_route_softmax_backward_impl(const Tensor& logits, const Ten
   store(dz, dlogits, "moe_route_softmax_backward dlogits");
 }
 
-void CpuBackend::moe_route_sigmoid_impl(const Tensor& logits, const Tensor* bias, int top_k, int n_group, int topk_group,
-                                   bool renormalize, float scaling, Tensor& experts, Tensor& weights) {
+void CpuBackend::moe_route_sigmoid_impl(const Tensor& logits, const Tensor* bias, int top_k, int n_group,
+                                        int topk_group, bool renormalize, float scaling, Tensor& experts,
+                                        Tensor& weights) {
   const int64_t T = logits.dim(0), E = logits.dim(1), k = top_k, G = E / n_group;
   std::vector<double> b(E, 0.0);
   if (bias) b = load(*bias, "moe_route_sigmoid bias");
@@ -116,7 +117,7 @@ void CpuBackend::moe_route_sigmoid_impl(const Tensor& logits, const Tensor* bias
 // w_j = a s_j / S' (S' = sum s + 1e-20) or a s_j:  ds_i = (a / S') (dw_i - sum_j dw_j s_j / S')
 // or a dw_i;  dz_i = ds_i s_i (1 - s_i).
 void CpuBackend::moe_route_sigmoid_backward_impl(const Tensor& logits, const Tensor& experts, bool renormalize,
-                                            float scaling, const Tensor& dweights, Tensor& dlogits) {
+                                                 float scaling, const Tensor& dweights, Tensor& dlogits) {
   const int64_t T = logits.dim(0), E = logits.dim(1), k = experts.dim(1);
   const std::vector<double> z = load(logits, "moe logits"), dw = load(dweights, "moe dweights");
   const std::vector<int32_t> ex = load_i32(experts, "moe experts");
@@ -135,7 +136,7 @@ void CpuBackend::moe_route_sigmoid_backward_impl(const Tensor& logits, const Ten
 }
 
 void CpuBackend::moe_permute_impl(const Tensor& x, const Tensor& row_slot, int top_k, const Tensor* weights,
-                             Tensor& out) {
+                                  Tensor& out) {
   const int64_t T = x.dim(0), D = x.dim(1), S = T * top_k;
   const std::vector<int32_t> rs = load_i32(row_slot, "moe_permute row_slot");
   const int64_t R = static_cast<int64_t>(rs.size());
@@ -171,7 +172,7 @@ void CpuBackend::moe_unpermute_impl(const Tensor& y, const Tensor& slot_row, con
 }
 
 void CpuBackend::moe_unpermute_backward_weights_impl(const Tensor& dout, const Tensor& y, const Tensor& slot_row,
-                                                Tensor& dweights) {
+                                                     Tensor& dweights) {
   const int64_t R = y.dim(0), D = y.dim(1), T = dout.dim(0);
   const std::vector<int32_t> sr = load_i32(slot_row, "moe_unpermute_backward_weights slot_row");
   const int64_t S = static_cast<int64_t>(sr.size()), k = S / T;

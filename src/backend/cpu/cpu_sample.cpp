@@ -143,9 +143,9 @@ void row_dims(const Tensor& logits, int64_t valid_vocab, int64_t& B, int64_t& ld
 
 }  // namespace
 
-void CpuBackend::sample_impl(const Tensor& logits, const std::vector<float>& temperature, const std::vector<float>& top_p,
-                        const std::vector<int>& top_k, const std::vector<float>& uniforms, Tensor& tokens,
-                        Tensor& logp, int64_t valid_vocab) {
+void CpuBackend::sample_impl(const Tensor& logits, const std::vector<float>& temperature,
+                             const std::vector<float>& top_p, const std::vector<int>& top_k,
+                             const std::vector<float>& uniforms, Tensor& tokens, Tensor& logp, int64_t valid_vocab) {
   int64_t B, ld, V;
   row_dims(logits, valid_vocab, B, ld, V);
   const std::vector<double> x = load(logits, "sample logits");
@@ -163,8 +163,8 @@ void CpuBackend::sample_impl(const Tensor& logits, const std::vector<float>& tem
   store(lp, logp, "sample logp");
 }
 
-void CpuBackend::sample_rows_impl(const Tensor& logits, const Tensor& rows, bool truncation, Tensor& tokens, Tensor& logp,
-                             int64_t valid_vocab) {
+void CpuBackend::sample_rows_impl(const Tensor& logits, const Tensor& rows, bool truncation, Tensor& tokens,
+                                  Tensor& logp, int64_t valid_vocab) {
   int64_t B, ld, V;
   row_dims(logits, valid_vocab, B, ld, V);
   // The rows' parameters are data (on the device on the GPU): checked here, as the GPU checks them.
@@ -179,8 +179,7 @@ void CpuBackend::sample_rows_impl(const Tensor& logits, const Tensor& rows, bool
                 " but the call says no row truncates (pass truncation = true)");
     FP8RL_CHECK(p.top_p > 0 && p.top_p <= 1, "sample: top_p of row ", b, " must be in (0, 1], got ", p.top_p);
     FP8RL_CHECK(p.top_k >= 0, "sample: top_k of row ", b, " must be >= 0, got ", p.top_k);
-    FP8RL_CHECK(p.uniform >= 0 && p.uniform < 1, "sample: uniform of row ", b, " must be in [0, 1), got ",
-                p.uniform);
+    FP8RL_CHECK(p.uniform >= 0 && p.uniform < 1, "sample: uniform of row ", b, " must be in [0, 1), got ", p.uniform);
   }
   const std::vector<double> x = load(logits, "sample logits");
   std::vector<double> lp(B);
@@ -192,7 +191,7 @@ void CpuBackend::sample_rows_impl(const Tensor& logits, const Tensor& rows, bool
       const double* row = x.data() + b * ld;
       const SampleRow& p = params[b];
       const double mx = check_row(row, V, ld, b);
-      const RowResult r = p.temperature == 0   ? row_greedy(row, V, mx)
+      const RowResult r = p.temperature == 0 ? row_greedy(row, V, mx)
                           : sample_row_truncates(p)
                               ? row_inverse_cdf(row, V, ld, p.temperature, p.top_p, p.top_k, p.uniform, mx, order)
                               : row_gumbel(row, V, ld, p.temperature, p, mx);

@@ -420,7 +420,7 @@ void CudaBackend::rmsnorm_impl(const Tensor& x, const Tensor& w, float eps, Tens
 }
 
 void CudaBackend::rmsnorm_backward_impl(const Tensor& dout, const Tensor& x, const Tensor& w, const Tensor& rstd,
-                                   Tensor& dx, Tensor& dw) {
+                                        Tensor& dx, Tensor& dw) {
   if (is_bf16_grad(&dw)) {
     Tensor dw32 = grad_widen(*this, &dw);
     rmsnorm_backward_impl(dout, x, w, rstd, dx, dw32);
@@ -465,7 +465,7 @@ void CudaBackend::swiglu_impl(const Tensor& gate, const Tensor& up, Tensor& out)
 }
 
 void CudaBackend::swiglu_backward_impl(const Tensor& dout, const Tensor& gate, const Tensor& up, Tensor& dgate,
-                                  Tensor& dup) {
+                                       Tensor& dup) {
   const OpTimer op_timer_(*this, "swiglu_backward");
   one_dtype({&dout, &gate, &up, &dgate, &dup}, "swiglu_backward");
   launch_swiglu_backward(dout.raw(), gate.raw(), up.raw(), dgate.raw(), dup.raw(), gate.dtype(), gate.numel(), stream_);
@@ -484,7 +484,8 @@ void CudaBackend::fp8_view_prepare(Fp8View& fp8, const Tensor& out) {
   fp8.source = out.raw();
 }
 
-void CudaBackend::rmsnorm_fp8_impl(const Tensor& x, const Tensor& w, float eps, Tensor& out, Tensor* rstd, Fp8View& fp8) {
+void CudaBackend::rmsnorm_fp8_impl(const Tensor& x, const Tensor& w, float eps, Tensor& out, Tensor* rstd,
+                                   Fp8View& fp8) {
   const OpTimer op_timer_(*this, "rmsnorm_fp8");
   // The fused kernel's own limit: it writes out in x's dtype.
   FP8RL_CHECK(out.dtype() == x.dtype(), "rmsnorm_fp8: x and out must have the same dtype on the CUDA backend");
@@ -501,8 +502,8 @@ void CudaBackend::rmsnorm_fp8_impl(const Tensor& x, const Tensor& w, float eps, 
   flag_check("rmsnorm_fp8: the output " + out.str() + " holds NaN or Inf (FP8 quantization refuses non-finite values)");
 }
 
-void CudaBackend::add_rmsnorm_impl(const Tensor& a, const Tensor& b, Tensor& sum, const Tensor& w, float eps, Tensor& out,
-                              Tensor* rstd, Fp8View* fp8) {
+void CudaBackend::add_rmsnorm_impl(const Tensor& a, const Tensor& b, Tensor& sum, const Tensor& w, float eps,
+                                   Tensor& out, Tensor* rstd, Fp8View* fp8) {
   const OpTimer op_timer_(*this, "add_rmsnorm");
   // The fused kernel's own limits: one dtype for a, b, sum and out, and out written while sum
   // is read (so no aliasing).
@@ -543,7 +544,7 @@ void CudaBackend::swiglu_fp8_impl(const Tensor& gate, const Tensor& up, Tensor& 
 // ---- mixture of experts --------------------------------------------------------------------------
 
 void CudaBackend::moe_route_softmax_impl(const Tensor& logits, int top_k, bool renormalize, Tensor& experts,
-                                    Tensor& weights) {
+                                         Tensor& weights) {
   const OpTimer op_timer_(*this, "moe_route_softmax");
   const int64_t T = logits.dim(0), E = logits.dim(1);
   launch_moe_route_softmax(logits.data<float>(), T, static_cast<int>(E), top_k, renormalize, experts.data<int32_t>(),
@@ -551,7 +552,7 @@ void CudaBackend::moe_route_softmax_impl(const Tensor& logits, int top_k, bool r
 }
 
 void CudaBackend::moe_route_softmax_backward_impl(const Tensor& logits, const Tensor& experts, bool renormalize,
-                                             const Tensor& dweights, Tensor& dlogits) {
+                                                  const Tensor& dweights, Tensor& dlogits) {
   const OpTimer op_timer_(*this, "moe_route_softmax_backward");
   const int64_t T = logits.dim(0), E = logits.dim(1), k = experts.dim(1);
   launch_moe_route_softmax_backward(logits.data<float>(), experts.data<int32_t>(), dweights.data<float>(), T,
@@ -559,8 +560,9 @@ void CudaBackend::moe_route_softmax_backward_impl(const Tensor& logits, const Te
                                     stream_);
 }
 
-void CudaBackend::moe_route_sigmoid_impl(const Tensor& logits, const Tensor* bias, int top_k, int n_group, int topk_group,
-                                    bool renormalize, float scaling, Tensor& experts, Tensor& weights) {
+void CudaBackend::moe_route_sigmoid_impl(const Tensor& logits, const Tensor* bias, int top_k, int n_group,
+                                         int topk_group, bool renormalize, float scaling, Tensor& experts,
+                                         Tensor& weights) {
   const OpTimer op_timer_(*this, "moe_route_sigmoid");
   const int64_t T = logits.dim(0), E = logits.dim(1);
   launch_moe_route_sigmoid(logits.data<float>(), bias ? bias->data<float>() : nullptr, T, static_cast<int>(E), top_k,
@@ -569,7 +571,7 @@ void CudaBackend::moe_route_sigmoid_impl(const Tensor& logits, const Tensor* bia
 }
 
 void CudaBackend::moe_route_sigmoid_backward_impl(const Tensor& logits, const Tensor& experts, bool renormalize,
-                                             float scaling, const Tensor& dweights, Tensor& dlogits) {
+                                                  float scaling, const Tensor& dweights, Tensor& dlogits) {
   const OpTimer op_timer_(*this, "moe_route_sigmoid_backward");
   const int64_t T = logits.dim(0), E = logits.dim(1), k = experts.dim(1);
   launch_moe_route_sigmoid_backward(logits.data<float>(), experts.data<int32_t>(), dweights.data<float>(), T,
@@ -577,7 +579,8 @@ void CudaBackend::moe_route_sigmoid_backward_impl(const Tensor& logits, const Te
                                     dlogits.data<float>(), stream_);
 }
 
-void CudaBackend::moe_permute_impl(const Tensor& x, const Tensor& row_slot, int top_k, const Tensor* weights, Tensor& out) {
+void CudaBackend::moe_permute_impl(const Tensor& x, const Tensor& row_slot, int top_k, const Tensor* weights,
+                                   Tensor& out) {
   const OpTimer op_timer_(*this, "moe_permute");
   one_dtype({&x, &out}, "moe_permute");
   const int64_t T = x.dim(0), D = x.dim(1), R = row_slot.numel();
@@ -596,7 +599,7 @@ void CudaBackend::moe_unpermute_impl(const Tensor& y, const Tensor& slot_row, co
 }
 
 void CudaBackend::moe_unpermute_backward_weights_impl(const Tensor& dout, const Tensor& y, const Tensor& slot_row,
-                                                 Tensor& dweights) {
+                                                      Tensor& dweights) {
   const OpTimer op_timer_(*this, "moe_unpermute_backward_weights");
   one_dtype({&dout, &y}, "moe_unpermute_backward_weights");
   const int64_t R = y.dim(0), D = y.dim(1), T = dout.dim(0), S = slot_row.numel();
@@ -753,7 +756,7 @@ void CudaBackend::linear_fwd(const Tensor& x, const LinearWeight& W, const Linea
 }
 
 void CudaBackend::linear_impl(const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor& out,
-                         const Fp8View* x_fp8) {
+                              const Fp8View* x_fp8) {
   const OpTimer op_timer_(*this, "linear");
   const int64_t K = W.in_features(), N = W.out_features(), M = rows_of(x);
   Tensor x2 = x.reshape({M, K}), o2 = out.reshape({M, N});
@@ -764,7 +767,8 @@ void CudaBackend::linear_impl(const Tensor& x, const LinearWeight& W, const Line
 // cores, or not at all when a fused producer gave its FP8 copy (x_fp8); the products are then
 // exactly those of separate linear() calls.
 void CudaBackend::linear_shared_input_impl(const Tensor& x, const std::vector<const LinearWeight*>& W,
-                                      const LinearSpec& spec, const std::vector<Tensor*>& outs, const Fp8View* x_fp8) {
+                                           const LinearSpec& spec, const std::vector<Tensor*>& outs,
+                                           const Fp8View* x_fp8) {
   bool shared = spec.mode == LinearMode::FP8_BLOCK;
   const int64_t K = W[0]->in_features(), M = rows_of(x);
   for (const LinearWeight* w : W) shared = shared && w->in_features() == K;
@@ -796,7 +800,7 @@ void CudaBackend::linear_shared_input_impl(const Tensor& x, const std::vector<co
 }
 
 void CudaBackend::linear_backward_impl(const Tensor& dy, const Tensor& x, const LinearWeight& W, const LinearSpec& spec,
-                                  Tensor* dx, Tensor* dw, Tensor* dbias) {
+                                       Tensor* dx, Tensor* dw, Tensor* dbias) {
   if (is_bf16_grad(dw) || is_bf16_grad(dbias)) {
     Tensor dw32 = grad_widen(*this, dw), db32 = grad_widen(*this, dbias);
     linear_backward_impl(dy, x, W, spec, dx, dw32.defined() ? &dw32 : dw, db32.defined() ? &db32 : dbias);
@@ -901,8 +905,9 @@ bool use_flash_attention(DType dt, int hd, std::initializer_list<const Tensor*> 
 }
 }  // namespace
 
-void CudaBackend::attention_impl(const Tensor& q, const Tensor& k, const Tensor& v, const std::vector<int32_t>& cu_seqlens,
-                            float softmax_scale, Tensor& out, Tensor& lse) {
+void CudaBackend::attention_impl(const Tensor& q, const Tensor& k, const Tensor& v,
+                                 const std::vector<int32_t>& cu_seqlens, float softmax_scale, Tensor& out,
+                                 Tensor& lse) {
   const OpTimer op_timer_(*this, "attention");
   const int64_t T = q.dim(0);
   const int Hq = static_cast<int>(q.dim(1)), Hkv = static_cast<int>(k.dim(1)), hd = static_cast<int>(q.dim(2));
@@ -928,8 +933,8 @@ void CudaBackend::attention_impl(const Tensor& q, const Tensor& k, const Tensor&
 }
 
 void CudaBackend::attention_backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
-                                     const Tensor& out, const Tensor& lse, const std::vector<int32_t>& cu_seqlens,
-                                     float softmax_scale, Tensor& dq, Tensor& dk, Tensor& dv) {
+                                          const Tensor& out, const Tensor& lse, const std::vector<int32_t>& cu_seqlens,
+                                          float softmax_scale, Tensor& dq, Tensor& dk, Tensor& dv) {
   const OpTimer op_timer_(*this, "attention_backward");
   const int64_t T = q.dim(0);
   const int Hq = static_cast<int>(q.dim(1)), Hkv = static_cast<int>(k.dim(1)), hd = static_cast<int>(q.dim(2));
@@ -968,8 +973,9 @@ int64_t vocab_chunk(int64_t T, int64_t V) {
 }
 }  // namespace
 
-void CudaBackend::token_logprobs_impl(const Tensor& hidden, const Tensor& lm_head, const Tensor& targets, float temperature,
-                                 const LinearSpec& spec, Tensor& logp, Tensor& lse, Tensor* entropy) {
+void CudaBackend::token_logprobs_impl(const Tensor& hidden, const Tensor& lm_head, const Tensor& targets,
+                                      float temperature, const LinearSpec& spec, Tensor& logp, Tensor& lse,
+                                      Tensor* entropy) {
   const OpTimer op_timer_(*this, "token_logprobs");
   const int64_t T = hidden.dim(0), V = lm_head.dim(0);
   Tensor state = scratch(kSlotState, {4, T}, DType::F32);
@@ -994,8 +1000,8 @@ void CudaBackend::token_logprobs_impl(const Tensor& hidden, const Tensor& lm_hea
 }
 
 void CudaBackend::token_logprobs_backward_impl(const Tensor& hidden, const Tensor& lm_head, const Tensor& targets,
-                                          float temperature, const LinearSpec& spec, const Tensor& lse,
-                                          const Tensor& dlogp, Tensor& dhidden, Tensor* dlm_head) {
+                                               float temperature, const LinearSpec& spec, const Tensor& lse,
+                                               const Tensor& dlogp, Tensor& dhidden, Tensor* dlm_head) {
   const OpTimer op_timer_(*this, "token_logprobs_backward");
   const int64_t T = hidden.dim(0), D = hidden.dim(1), V = lm_head.dim(0);
   // Each chunk's raw-logit gradient goes through linear_backward in `spec` numerics, as the CPU
@@ -1042,7 +1048,7 @@ void CudaBackend::kv_write_impl(KvCache& cache, int layer, const Tensor& k, cons
 }
 
 void CudaBackend::attention_paged_impl(const KvCache& cache, int layer, const Tensor& q, const PagedBatch& batch,
-                                  float softmax_scale, bool fp8_attention, Tensor& out) {
+                                       float softmax_scale, bool fp8_attention, Tensor& out) {
   const OpTimer op_timer_(*this, "attention_paged");
   one_dtype({&q, &out}, "attention_paged");
   const int64_t T = q.dim(0);
@@ -1105,9 +1111,9 @@ bool host_sampler_enabled() {
 }
 }  // namespace
 
-void CudaBackend::sample_impl(const Tensor& logits, const std::vector<float>& temperature, const std::vector<float>& top_p,
-                         const std::vector<int>& top_k, const std::vector<float>& uniforms, Tensor& tokens,
-                         Tensor& logp, int64_t valid_vocab) {
+void CudaBackend::sample_impl(const Tensor& logits, const std::vector<float>& temperature,
+                              const std::vector<float>& top_p, const std::vector<int>& top_k,
+                              const std::vector<float>& uniforms, Tensor& tokens, Tensor& logp, int64_t valid_vocab) {
   const OpTimer op_timer_(*this, "sample");
   const int64_t B = logits.dim(0), V = logits.dim(1);
   const int64_t Vv = valid_vocab > 0 ? valid_vocab : V;  // sampled ids [0, Vv); rows are V apart
@@ -1144,8 +1150,8 @@ void CudaBackend::sample_impl(const Tensor& logits, const std::vector<float>& te
   flag_drain();
 }
 
-void CudaBackend::sample_rows_impl(const Tensor& logits, const Tensor& rows, bool truncation, Tensor& tokens, Tensor& logp,
-                              int64_t valid_vocab) {
+void CudaBackend::sample_rows_impl(const Tensor& logits, const Tensor& rows, bool truncation, Tensor& tokens,
+                                   Tensor& logp, int64_t valid_vocab) {
   const OpTimer op_timer_(*this, "sample");
   const int64_t B = logits.dim(0), V = logits.dim(1);
   const int64_t Vv = valid_vocab > 0 ? valid_vocab : V;  // sampled ids [0, Vv); rows are V apart
