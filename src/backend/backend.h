@@ -9,7 +9,9 @@
 //   is made with act_dtype F32 (make_cuda_backend). Math is FP32 inside.
 // - Token-major packing: a batch of sequences is concatenated along tokens, T = sum of lengths;
 //   cu_seqlens[B+1] (host) gives each sequence's token range.
-// - Every op validates shapes/dtypes and throws fp8rl::Error with what is wrong.
+// - Every op has one contract, checked once before a backend runs it: the public ops are
+//   non-virtual, check their arguments (backend.cpp) and call the backend's protected *_impl.
+//   A broken contract throws fp8rl::Error saying what is wrong, naming the op and argument.
 // - Data errors only the device can see (an out-of-range id, a non-finite FP8 quantizer input)
 //   may be raised by the op itself (CPU) or at the backend's next synchronizing call
 //   (synchronize, a copy to/from the host, a reduction, sample, quantize) on the GPU, whose ops
@@ -73,11 +75,6 @@ struct Fp8View {
   const void* source = nullptr;  // raw() of the x it quantizes: a consumer checks it is given that x
   bool defined() const { return q.defined(); }
 };
-// Throws unless `view` can stand for the quantization of x [M, K] under `spec`: 1x128 blocks,
-// shape [M, K], the spec's pow2, made from x (source == x.raw()). `what` names the op.
-void fp8_view_check(const Fp8View& view, const Tensor& x, const LinearSpec& spec, const char* what);
-// kv_round's contract, checked by both backends: x [T, H, hd] with one finite scale > 0 per head.
-void kv_round_check(const Tensor& x, const std::vector<float>& head_scale);
 
 // Rotary embedding. Non-interleaved (rotate_half, as HF Llama/Qwen): dims i and i + hd/2 form
 // pair i. Interleaved (DeepSeek-V3's rope_interleave, CPU backend only): dims 2i and 2i + 1 form
@@ -87,7 +84,7 @@ void kv_round_check(const Tensor& x, const std::vector<float>& head_scale);
 // (llama3 scaling already applied by model config code); angle = pos * inv_freq[i], computed
 // in FP32 as HF does.
 struct RopeParams {
-  std::vector<float> inv_freq;  // [head_dim / 2]
+  std::vector<float> inv_freq;     // [head_dim / 2]
   float attention_scaling = 1.0f;  // multiplies cos and sin (1 for the supported rope types)
   bool interleaved = false;
 };
@@ -157,19 +154,26 @@ class Backend {
   virtual DeviceKind device() const = 0;
   virtual std::string name() const = 0;
   virtual DType act_dtype() const = 0;
+  // Whether this backend's kernels take float dtype t (ggml's supports_op, for dtypes): the
+  // contracts check every float tensor argument with it. stat: a tensor the interface calls F32
+  // (saved statistics, logits, log-probs, routing weights, the FP32 master). The CPU reference
+  // takes F32, BF16, F16 and F64 everywhere (it computes in double); CUDA F32 and BF16, and F32
+  // where the interface says F32. Element-wise ops (convert, fill, add, scale, sum_squares,
+  // all_finite) leave the dtype to the backend's kernels.
+  virtual bool takes_float(DType t, bool stat) const = 0;
 
   // ---- memory ----------------------------------------------------------------------------
   virtual Tensor alloc(const Shape& shape, DType dtype) = 0;
   // Copies between the host and this device or within it; same dtype and numel.
-  virtual void copy(const Tensor& src, Tensor& dst) = 0;
+  void copy(const Tensor& src, Tensor& dst);
   // Element-wise dtype conversion on this device (F32 <-> BF16 <-> F16; F64 on the CPU), same
   // numel. Rounds to nearest even (F64 -> BF16/F16 goes through F32).
-  virtual void convert(const Tensor& src, Tensor& dst) = 0;
-  virtual void fill(Tensor& t, float value) = 0;
+  void convert(const Tensor& src, Tensor& dst);
+  void fill(Tensor& t, float value);
   // A column block copy between 2-D views of one dtype: dst[r, dst_col + c] = src[r, src_col + c]
   // for r < R, c < cols, where src is viewed as [R, Cs] and dst as [R, Cd] (each by its last
   // dim: R = numel / Cs = numel / Cd). Column slices and concatenations (MLA's nope | rope).
-  virtual void copy_cols(const Tensor& src, int64_t src_col, Tensor& dst, int64_t dst_col, int64_t cols) = 0;
+  void copy_cols(const Tensor& src, int64_t src_col, Tensor& dst, int64_t dst_col, int64_t cols);
   virtual void synchronize() {}
   // Device memory accounting (CUDA); the CPU backend reports zeros.
   virtual MemoryStats memory_stats() { return {}; }
@@ -201,39 +205,39 @@ class Backend {
   }
 
   // ---- element-wise and reductions -------------------------------------------------------
-  virtual void add(const Tensor& a, const Tensor& b, Tensor& out) = 0;     // out = a + b (out may alias a)
-  virtual void scale(Tensor& x, float s) = 0;                             // x *= s
-  virtual double sum_squares(const Tensor& x) = 0;                        // sum x^2 (F32/BF16), FP64 result
-  virtual bool all_finite(const Tensor& x) = 0;
+  void add(const Tensor& a, const Tensor& b, Tensor& out);  // out = a + b (out may alias a)
+  void scale(Tensor& x, float s);                           // x *= s
+  double sum_squares(const Tensor& x);                      // sum x^2 (F32/BF16), FP64 result
+  bool all_finite(const Tensor& x);
   // max |x| (F32/BF16/F64; NaN when x holds a NaN). The default copies x to the host and reduces there; backends
   // override it with a device reduction. Used for FP8 KV-scale calibration (q/k/v amax).
-  virtual float amax(const Tensor& x);
+  float amax(const Tensor& x);
 
   // ---- model ops ---------------------------------------------------------------------------
   // out[t] = table[ids[t]]; ids I32 [T] (out of range is an error), table [V, D], out [T, D].
-  virtual void embedding(const Tensor& ids, const Tensor& table, Tensor& out) = 0;
+  void embedding(const Tensor& ids, const Tensor& table, Tensor& out);
   // dtable[ids[t]] += dout[t]; dtable F32 [V, D] accumulated.
-  virtual void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable) = 0;
+  void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable);
 
   // out = x / sqrt(mean(x^2) + eps) * w over the last dim. x, out [R, D]; w [D];
   // rstd F32 [R] written when defined (saved for backward).
-  virtual void rmsnorm(const Tensor& x, const Tensor& w, float eps, Tensor& out, Tensor* rstd) = 0;
+  void rmsnorm(const Tensor& x, const Tensor& w, float eps, Tensor& out, Tensor* rstd);
   // dx [R, D] written; dw F32 [D] accumulated.
-  virtual void rmsnorm_backward(const Tensor& dout, const Tensor& x, const Tensor& w,
-                                const Tensor& rstd, Tensor& dx, Tensor& dw) = 0;
+  void rmsnorm_backward(const Tensor& dout, const Tensor& x, const Tensor& w, const Tensor& rstd, Tensor& dx,
+                        Tensor& dw);
 
   // ---- fused producers of FP8 linear inputs (backend.h, Fp8View) ----
   // Each is bitwise its unfused form followed by quantize(out, false, fp8.q) (1x128 along the
   // last dim, fp8.q.pow2 as allocated); the default runs exactly that, a backend may fuse it.
   // fp8 must come from alloc_fp8_view(rows, last dim, pow2).
   // rmsnorm(x, w, eps, out, rstd), then out's FP8 copy into fp8.
-  virtual void rmsnorm_fp8(const Tensor& x, const Tensor& w, float eps, Tensor& out, Tensor* rstd, Fp8View& fp8);
+  void rmsnorm_fp8(const Tensor& x, const Tensor& w, float eps, Tensor& out, Tensor* rstd, Fp8View& fp8);
   // sum = a + b (may alias a), then rmsnorm(sum, w, eps, out, rstd) — the residual add and the
   // next norm — and, when fp8 is non-null, out's FP8 copy. a, b, sum, out [R, D].
-  virtual void add_rmsnorm(const Tensor& a, const Tensor& b, Tensor& sum, const Tensor& w, float eps, Tensor& out,
-                           Tensor* rstd, Fp8View* fp8);
+  void add_rmsnorm(const Tensor& a, const Tensor& b, Tensor& sum, const Tensor& w, float eps, Tensor& out, Tensor* rstd,
+                   Fp8View* fp8);
   // swiglu(gate, up, out), then out's FP8 copy into fp8 (the down projection's input).
-  virtual void swiglu_fp8(const Tensor& gate, const Tensor& up, Tensor& out, Fp8View& fp8);
+  void swiglu_fp8(const Tensor& gate, const Tensor& up, Tensor& out, Fp8View& fp8);
   // An empty view for an activation [rows, cols] (1x128 blocks, pow2 scales when asked).
   Fp8View alloc_fp8_view(int64_t rows, int64_t cols, bool pow2);
 
@@ -241,63 +245,57 @@ class Backend {
   // x_fp8 (FP8_BLOCK only; ignored by the other modes): x's FP8 copy from a fused producer,
   // used instead of quantizing x (the result is the same bits); it must have been made from
   // this x ([M, K], source == x.raw(), the spec's pow2): anything else is an error.
-  virtual void linear(const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor& out,
-                      const Fp8View* x_fp8 = nullptr) = 0;
+  void linear(const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor& out,
+              const Fp8View* x_fp8 = nullptr);
   // linear() of one input through several weights of equal in_features (q/k/v, gate/up):
   // *outs[i] = x W[i]^T, each bitwise what linear(x, *W[i], spec, *outs[i]) writes. A backend
   // may share work between them (CUDA FP8: x quantized once, or not at all with x_fp8); the
   // default calls linear().
-  virtual void linear_shared_input(const Tensor& x, const std::vector<const LinearWeight*>& W,
-                                   const LinearSpec& spec, const std::vector<Tensor*>& outs,
-                                   const Fp8View* x_fp8 = nullptr);
+  void linear_shared_input(const Tensor& x, const std::vector<const LinearWeight*>& W, const LinearSpec& spec,
+                           const std::vector<Tensor*>& outs, const Fp8View* x_fp8 = nullptr);
   // Backward of linear. dx [M, K] written when non-null (dgrad: dY 1x128 along N, W^T);
   // dw F32 [N, K] and dbias F32 [N] accumulated when non-null (wgrad: dY^T and X^T requantized
   // 1x128 along tokens, or with spec.wgrad == BF16 the BF16 GEMM of dY and X). FP8 dgrad uses
   // W.wq transposed when defined, else quantizes W.w
   // (see LinearWeight); other modes need W.w. dbias is the sum of the unquantized dy.
-  virtual void linear_backward(const Tensor& dy, const Tensor& x, const LinearWeight& W,
-                               const LinearSpec& spec, Tensor* dx, Tensor* dw, Tensor* dbias) = 0;
+  void linear_backward(const Tensor& dy, const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor* dx,
+                       Tensor* dw, Tensor* dbias);
 
   // In place on x [T, H, head_dim]; positions I32 [T]. inverse=true rotates by -angle with the
   // same (scaled) cos/sin: the transpose of the forward map, i.e. its backward (the exact
   // inverse only when attention_scaling == 1). cos/sin are FP32 values of the FP32 angle,
   // times attention_scaling in FP32 (as HF's cos/sin cache).
-  virtual void rope(Tensor& x, const Tensor& positions, const RopeParams& rope, bool inverse) = 0;
+  void rope(Tensor& x, const Tensor& positions, const RopeParams& rope, bool inverse);
 
   // Causal grouped-query attention over packed sequences (training and reference prefill).
   // q [T, Hq, hd], k [T, Hkv, hd], v [T, Hkv, hdv], Hq % Hkv == 0; out [T, Hq, hdv]; lse F32
   // [Hq, T] (log-sum-exp of the scaled scores, saved for backward). cu_seqlens host [B + 1].
   // hdv != hd (MLA: v_head_dim != qk_nope + qk_rope) on the CPU backend only; CUDA refuses it.
-  virtual void attention(const Tensor& q, const Tensor& k, const Tensor& v,
-                         const std::vector<int32_t>& cu_seqlens, float softmax_scale,
-                         Tensor& out, Tensor& lse) = 0;
+  void attention(const Tensor& q, const Tensor& k, const Tensor& v, const std::vector<int32_t>& cu_seqlens,
+                 float softmax_scale, Tensor& out, Tensor& lse);
   // dq [T, Hq, hd], dk [T, Hkv, hd], dv [T, Hkv, hdv] written.
-  virtual void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k,
-                                  const Tensor& v, const Tensor& out, const Tensor& lse,
-                                  const std::vector<int32_t>& cu_seqlens, float softmax_scale,
-                                  Tensor& dq, Tensor& dk, Tensor& dv) = 0;
+  void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                          const Tensor& lse, const std::vector<int32_t>& cu_seqlens, float softmax_scale, Tensor& dq,
+                          Tensor& dk, Tensor& dv);
 
   // out = silu(gate) * up; all [T, F].
-  virtual void swiglu(const Tensor& gate, const Tensor& up, Tensor& out) = 0;
+  void swiglu(const Tensor& gate, const Tensor& up, Tensor& out);
   // dgate, dup [T, F] written.
-  virtual void swiglu_backward(const Tensor& dout, const Tensor& gate, const Tensor& up,
-                               Tensor& dgate, Tensor& dup) = 0;
+  void swiglu_backward(const Tensor& dout, const Tensor& gate, const Tensor& up, Tensor& dgate, Tensor& dup);
 
   // Fused lm_head + log-softmax + gather, in vocabulary chunks (no [T, V] FP32 logits):
   // logits = hidden[T, D] lm_head[V, D]^T / temperature (lm_head in `spec` precision);
   // logp[t] = log_softmax(logits[t])[targets[t]]; lse F32 [T] saved for backward;
   // entropy F32 [T] written when non-null. targets I32 [T], each in [0, V) (no ignore index:
   // out of range is an error); logp F32 [T]; temperature > 0.
-  virtual void token_logprobs(const Tensor& hidden, const Tensor& lm_head, const Tensor& targets,
-                              float temperature, const LinearSpec& spec, Tensor& logp,
-                              Tensor& lse, Tensor* entropy) = 0;
+  void token_logprobs(const Tensor& hidden, const Tensor& lm_head, const Tensor& targets, float temperature,
+                      const LinearSpec& spec, Tensor& logp, Tensor& lse, Tensor* entropy);
   // Given dlogp F32 [T]: dhidden [T, D] written; dlm_head F32 [V, D] accumulated when non-null.
   // The logits' gradient goes through the lm_head GEMM's backward in `spec` numerics (the
   // same operand roundings/quantizations as linear_backward).
-  virtual void token_logprobs_backward(const Tensor& hidden, const Tensor& lm_head,
-                                       const Tensor& targets, float temperature,
-                                       const LinearSpec& spec, const Tensor& lse,
-                                       const Tensor& dlogp, Tensor& dhidden, Tensor* dlm_head) = 0;
+  void token_logprobs_backward(const Tensor& hidden, const Tensor& lm_head, const Tensor& targets, float temperature,
+                               const LinearSpec& spec, const Tensor& lse, const Tensor& dlogp, Tensor& dhidden,
+                               Tensor* dlm_head);
 
   // ---- mixture of experts (model/transformer.cpp, moe_forward) ---------------------------------
   // A token's k routing slots are numbered t * k + j. The model sorts the T * k slots by expert
@@ -308,12 +306,11 @@ class Backend {
   // largest p (descending; ties: the lower expert id first) give experts I32 [T, k] and weights
   // [T, k] = their p, divided by their sum when `renormalize`. logits F32 [T, E] (F64 on the
   // CPU); weights F32 (F64 on the CPU, for gradient checks); math in FP32 (CPU: double).
-  virtual void moe_route_softmax(const Tensor& logits, int top_k, bool renormalize, Tensor& experts,
-                                 Tensor& weights) = 0;
+  void moe_route_softmax(const Tensor& logits, int top_k, bool renormalize, Tensor& experts, Tensor& weights);
   // The routing's backward: dlogits [T, E] (logits' dtype) written from dweights [T, k]; the
   // selection is piecewise constant, so only the weights carry a gradient.
-  virtual void moe_route_softmax_backward(const Tensor& logits, const Tensor& experts, bool renormalize,
-                                          const Tensor& dweights, Tensor& dlogits) = 0;
+  void moe_route_softmax_backward(const Tensor& logits, const Tensor& experts, bool renormalize, const Tensor& dweights,
+                                  Tensor& dlogits);
   // DeepSeek-V3 routing (topk_method noaux_tc, scoring_func sigmoid): s = sigmoid(logits)
   // (FP32); choice c = s + bias (e_score_correction_bias [E] F32, or null for none); the E experts
   // form n_group equal groups of consecutive ids, a group's score is the sum of its two largest
@@ -322,59 +319,54 @@ class Backend {
   // code, not -inf); experts = the top_k largest c (descending; ties: the lower id); weights =
   // their *uncorrected* s, divided by (sum + 1e-20) when `renormalize`, times `scaling`
   // (routed_scaling_factor). Shapes as moe_route_softmax.
-  virtual void moe_route_sigmoid(const Tensor& logits, const Tensor* bias, int top_k, int n_group, int topk_group,
-                                 bool renormalize, float scaling, Tensor& experts, Tensor& weights) = 0;
+  void moe_route_sigmoid(const Tensor& logits, const Tensor* bias, int top_k, int n_group, int topk_group,
+                         bool renormalize, float scaling, Tensor& experts, Tensor& weights);
   // Its backward: dlogits [T, E] written (nonzero only at the selected experts).
-  virtual void moe_route_sigmoid_backward(const Tensor& logits, const Tensor& experts, bool renormalize,
-                                          float scaling, const Tensor& dweights, Tensor& dlogits) = 0;
+  void moe_route_sigmoid_backward(const Tensor& logits, const Tensor& experts, bool renormalize, float scaling,
+                                  const Tensor& dweights, Tensor& dlogits);
   // out[r] = x[row_slot[r] / top_k] * (weights ? weights[row_slot[r]] : 1). x [T, D];
   // row_slot I32 [R], each in [0, T * top_k); weights [T * top_k] (F32/F64) or null; out [R, D].
   // Forward: the gather of the expert inputs; backward: the weighted gather of dy.
-  virtual void moe_permute(const Tensor& x, const Tensor& row_slot, int top_k, const Tensor* weights,
-                           Tensor& out) = 0;
+  void moe_permute(const Tensor& x, const Tensor& row_slot, int top_k, const Tensor* weights, Tensor& out);
   // out[t] = sum_j (weights ? weights[t*k + j] : 1) * y[slot_row[t*k + j]] over j = 0..k-1 in
   // order, accumulated in FP32 (CPU: double), written. y [R, D]; slot_row I32 [T * k], each in
   // [0, R); out [T, D] with k = slot_row.numel() / T. Forward: the weighted un-permute; backward
   // (no weights): the gradient of the gather. Deterministic (no atomics).
-  virtual void moe_unpermute(const Tensor& y, const Tensor& slot_row, const Tensor* weights, Tensor& out) = 0;
+  void moe_unpermute(const Tensor& y, const Tensor& slot_row, const Tensor* weights, Tensor& out);
   // The weights' gradient of moe_unpermute: dweights[s] = dot(dout[s / k], y[slot_row[s]]),
   // dout [T, D], y [R, D], slot_row I32 [T * k]; dweights [T * k] (F32/F64) written.
-  virtual void moe_unpermute_backward_weights(const Tensor& dout, const Tensor& y, const Tensor& slot_row,
-                                              Tensor& dweights) = 0;
+  void moe_unpermute_backward_weights(const Tensor& dout, const Tensor& y, const Tensor& slot_row, Tensor& dweights);
 
   // ---- optimizer -------------------------------------------------------------------------
   // Decoupled AdamW (torch.optim.AdamW), in place, on tensors of one shape: param F32 (the master),
   // grad F32 or BF16, m and v both F32 or both BF16. F32 moments: the CPU computes in double,
   // CUDA in FP32. BF16 moments: FP32 math by backend/adamw_rule.h on both (bitwise equal), m and v
   // rounded to nearest even or, with p.stochastic_rounding, stochastically.
-  virtual void adamw(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWParams& p) = 0;
+  void adamw(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWParams& p);
 
   // ---- quantization ----------------------------------------------------------------------
   // Bitwise equal to quantize_blocks_into (quant/quant.h): x [r, c] (F32 or BF16) into out
   // (data [r, c], or [c, r] with transpose), reusing out's buffers (refit writes in place).
-  virtual void quantize(const Tensor& x, bool transpose, QuantTensor& out) = 0;
+  void quantize(const Tensor& x, bool transpose, QuantTensor& out);
 
   // ---- generation --------------------------------------------------------------------------
   // Allocates a paged cache (scales initialized to 1).
-  KvCache alloc_kv_cache(int num_layers, int num_pages, int page_size, int num_kv_heads,
-                         int head_dim, DType dtype);
+  KvCache alloc_kv_cache(int num_layers, int num_pages, int page_size, int num_kv_heads, int head_dim, DType dtype);
   // Writes k, v [T, Hkv, hd] of `layer` into their slots (E4M3: quantized with the layer's scales).
-  virtual void kv_write(KvCache& cache, int layer, const Tensor& k, const Tensor& v,
-                        const PagedBatch& batch) = 0;
+  void kv_write(KvCache& cache, int layer, const Tensor& k, const Tensor& v, const PagedBatch& batch);
   // x [T, H, hd] in place: each element of head h becomes e4m3(x / head_scale[h]) * head_scale[h],
   // the value an E4M3 KV cache with those scales hands the attention (kv_write then the pool
   // load), rounded to x's dtype. The trainer applies it to its k and v when the recipe rounds
   // them as the generator's cache does (trainer kv_cache e4m3); gradients pass straight through.
-  virtual void kv_round(Tensor& x, const std::vector<float>& head_scale) = 0;
+  void kv_round(Tensor& x, const std::vector<float>& head_scale);
   // Causal attention of q [T, Hq, hd] over the cached keys/values of each token's sequence,
   // positions 0..token_pos (inclusive; the token's own k/v must already be written).
   // out [T, Hq, hd]. With fp8_attention, q is quantized per token and head (FP32 scale) too:
   // each q[t, h, :] row uses s = quant_scale_from_amax(amax of the row, pow2=false) and the
   // value e4m3_to_float(e4m3_from_float(q / s)) * s. The CPU reference keeps the softmax
   // probabilities in FP32 (a GPU PV product in FP8 is compared against it with a tolerance).
-  virtual void attention_paged(const KvCache& cache, int layer, const Tensor& q,
-                               const PagedBatch& batch, float softmax_scale, bool fp8_attention,
-                               Tensor& out) = 0;
+  void attention_paged(const KvCache& cache, int layer, const Tensor& q, const PagedBatch& batch, float softmax_scale,
+                       bool fp8_attention, Tensor& out);
   // The inverse-CDF sampler with host parameters (every row, top-k / top-p or not; synchronizes).
   // Samples one token per row of logits F32 [B, V]: softmax(logits / temperature[b]) restricted
   // to top_k[b] (0 = all) and the smallest top_p[b] nucleus; uniforms F32 [B] in [0, 1) drive an
@@ -391,10 +383,9 @@ class Backend {
   // the trainer's scoring forward gives the same token (so the mask adds no generator/trainer
   // mismatch). For a model whose vocabulary is padded past its tokenizer's (Qwen: 151936 rows,
   // 151669 ids), the caller passes the tokenizer's size and no undecodable id is ever sampled.
-  virtual void sample(const Tensor& logits, const std::vector<float>& temperature,
-                      const std::vector<float>& top_p, const std::vector<int>& top_k,
-                      const std::vector<float>& uniforms, Tensor& tokens, Tensor& logp,
-                      int64_t valid_vocab = 0) = 0;
+  void sample(const Tensor& logits, const std::vector<float>& temperature, const std::vector<float>& top_p,
+              const std::vector<int>& top_k, const std::vector<float>& uniforms, Tensor& tokens, Tensor& logp,
+              int64_t valid_vocab = 0);
   // The sampler of generation, with its parameters in device memory (so a recorded graph reads
   // each replay's values; no synchronization): rows I32 [B, 8] on this backend, one SampleRow
   // (backend/sampling.h) per row of logits F32 [B, V]; tokens I32 [B], logp F32 [B] as above.
@@ -414,8 +405,81 @@ class Backend {
   // (the padding past valid_vocab included), as for sample(). Data errors (NaN / +inf logits,
   // a row of only -inf, parameters out of range) are raised here on the CPU and at the next
   // synchronizing call on the GPU (that row gets token 0, logp NaN).
-  virtual void sample_rows(const Tensor& logits, const Tensor& rows, bool truncation, Tensor& tokens, Tensor& logp,
-                           int64_t valid_vocab = 0) = 0;
+  void sample_rows(const Tensor& logits, const Tensor& rows, bool truncation, Tensor& tokens, Tensor& logp,
+                   int64_t valid_vocab = 0);
+
+ protected:
+  // ---- what a backend implements ---------------------------------------------------------
+  // Each public op above checks its contract (backend.cpp: shapes, dtypes, devices, host
+  // parameters; the errors name the op and the argument) and then calls its _impl, which may
+  // assume the contract holds. An _impl checks only what is its own: a kernel's size limit or
+  // dtype combination, a layout only it needs, or data only it can see (an id out of range).
+  // The fused producers, linear_shared_input and amax have default implementations (the
+  // unfused sequence, one linear per weight, a host reduction) that a backend may replace.
+
+  virtual void copy_impl(const Tensor& src, Tensor& dst) = 0;
+  virtual void convert_impl(const Tensor& src, Tensor& dst) = 0;
+  virtual void fill_impl(Tensor& t, float value) = 0;
+  virtual void copy_cols_impl(const Tensor& src, int64_t src_col, Tensor& dst, int64_t dst_col, int64_t cols) = 0;
+  virtual void add_impl(const Tensor& a, const Tensor& b, Tensor& out) = 0;
+  virtual void scale_impl(Tensor& x, float s) = 0;
+  virtual double sum_squares_impl(const Tensor& x) = 0;
+  virtual bool all_finite_impl(const Tensor& x) = 0;
+  virtual float amax_impl(const Tensor& x);
+  virtual void embedding_impl(const Tensor& ids, const Tensor& table, Tensor& out) = 0;
+  virtual void embedding_backward_impl(const Tensor& ids, const Tensor& dout, Tensor& dtable) = 0;
+  virtual void rmsnorm_impl(const Tensor& x, const Tensor& w, float eps, Tensor& out, Tensor* rstd) = 0;
+  virtual void rmsnorm_backward_impl(const Tensor& dout, const Tensor& x, const Tensor& w, const Tensor& rstd,
+                                     Tensor& dx, Tensor& dw) = 0;
+  virtual void rmsnorm_fp8_impl(const Tensor& x, const Tensor& w, float eps, Tensor& out, Tensor* rstd, Fp8View& fp8);
+  virtual void add_rmsnorm_impl(const Tensor& a, const Tensor& b, Tensor& sum, const Tensor& w, float eps, Tensor& out,
+                                Tensor* rstd, Fp8View* fp8);
+  virtual void swiglu_fp8_impl(const Tensor& gate, const Tensor& up, Tensor& out, Fp8View& fp8);
+  virtual void linear_impl(const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor& out,
+                           const Fp8View* x_fp8) = 0;
+  virtual void linear_shared_input_impl(const Tensor& x, const std::vector<const LinearWeight*>& W,
+                                        const LinearSpec& spec, const std::vector<Tensor*>& outs, const Fp8View* x_fp8);
+  virtual void linear_backward_impl(const Tensor& dy, const Tensor& x, const LinearWeight& W, const LinearSpec& spec,
+                                    Tensor* dx, Tensor* dw, Tensor* dbias) = 0;
+  virtual void rope_impl(Tensor& x, const Tensor& positions, const RopeParams& rope, bool inverse) = 0;
+  virtual void attention_impl(const Tensor& q, const Tensor& k, const Tensor& v, const std::vector<int32_t>& cu_seqlens,
+                              float softmax_scale, Tensor& out, Tensor& lse) = 0;
+  virtual void attention_backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                                       const Tensor& out, const Tensor& lse, const std::vector<int32_t>& cu_seqlens,
+                                       float softmax_scale, Tensor& dq, Tensor& dk, Tensor& dv) = 0;
+  virtual void swiglu_impl(const Tensor& gate, const Tensor& up, Tensor& out) = 0;
+  virtual void swiglu_backward_impl(const Tensor& dout, const Tensor& gate, const Tensor& up, Tensor& dgate,
+                                    Tensor& dup) = 0;
+  virtual void token_logprobs_impl(const Tensor& hidden, const Tensor& lm_head, const Tensor& targets,
+                                   float temperature, const LinearSpec& spec, Tensor& logp, Tensor& lse,
+                                   Tensor* entropy) = 0;
+  virtual void token_logprobs_backward_impl(const Tensor& hidden, const Tensor& lm_head, const Tensor& targets,
+                                            float temperature, const LinearSpec& spec, const Tensor& lse,
+                                            const Tensor& dlogp, Tensor& dhidden, Tensor* dlm_head) = 0;
+  virtual void moe_route_softmax_impl(const Tensor& logits, int top_k, bool renormalize, Tensor& experts,
+                                      Tensor& weights) = 0;
+  virtual void moe_route_softmax_backward_impl(const Tensor& logits, const Tensor& experts, bool renormalize,
+                                               const Tensor& dweights, Tensor& dlogits) = 0;
+  virtual void moe_route_sigmoid_impl(const Tensor& logits, const Tensor* bias, int top_k, int n_group, int topk_group,
+                                      bool renormalize, float scaling, Tensor& experts, Tensor& weights) = 0;
+  virtual void moe_route_sigmoid_backward_impl(const Tensor& logits, const Tensor& experts, bool renormalize,
+                                               float scaling, const Tensor& dweights, Tensor& dlogits) = 0;
+  virtual void moe_permute_impl(const Tensor& x, const Tensor& row_slot, int top_k, const Tensor* weights,
+                                Tensor& out) = 0;
+  virtual void moe_unpermute_impl(const Tensor& y, const Tensor& slot_row, const Tensor* weights, Tensor& out) = 0;
+  virtual void moe_unpermute_backward_weights_impl(const Tensor& dout, const Tensor& y, const Tensor& slot_row,
+                                                   Tensor& dweights) = 0;
+  virtual void adamw_impl(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWParams& p) = 0;
+  virtual void quantize_impl(const Tensor& x, bool transpose, QuantTensor& out) = 0;
+  virtual void kv_write_impl(KvCache& cache, int layer, const Tensor& k, const Tensor& v, const PagedBatch& batch) = 0;
+  virtual void kv_round_impl(Tensor& x, const std::vector<float>& head_scale) = 0;
+  virtual void attention_paged_impl(const KvCache& cache, int layer, const Tensor& q, const PagedBatch& batch,
+                                    float softmax_scale, bool fp8_attention, Tensor& out) = 0;
+  virtual void sample_impl(const Tensor& logits, const std::vector<float>& temperature, const std::vector<float>& top_p,
+                           const std::vector<int>& top_k, const std::vector<float>& uniforms, Tensor& tokens,
+                           Tensor& logp, int64_t valid_vocab) = 0;
+  virtual void sample_rows_impl(const Tensor& logits, const Tensor& rows, bool truncation, Tensor& tokens, Tensor& logp,
+                                int64_t valid_vocab) = 0;
 };
 
 std::unique_ptr<Backend> make_cpu_backend();

@@ -21,7 +21,7 @@
 #include "rl/loop.h"
 #include "rl/session.h"
 #include "tasks/task.h"
-#include "test_cli_util.h"
+#include "support/test_support.h"
 #include "test_model_util.h"
 #include "tokenizer/tokenizer.h"
 #include "train/trainer.h"

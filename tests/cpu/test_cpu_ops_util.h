@@ -9,6 +9,7 @@
 
 #include "backend/backend.h"
 #include "core/error.h"
+#include "support/test_support.h"
 
 namespace fp8rl::test {
 
@@ -23,17 +24,6 @@ inline Tensor random_tensor(const Shape& shape, uint32_t seed, DType dtype = DTy
   return from_float_vector(v, shape, dtype);
 }
 
-inline std::vector<double> values(const Tensor& t) {
-  std::vector<double> v(t.numel());
-  if (t.dtype() == DType::F64) {
-    for (int64_t i = 0; i < t.numel(); ++i) v[i] = t.data<double>()[i];
-  } else {
-    const std::vector<float> f = to_float_vector(t);
-    for (size_t i = 0; i < f.size(); ++i) v[i] = f[i];
-  }
-  return v;
-}
-
 inline Tensor i32_tensor(const std::vector<int32_t>& v) {
   Tensor t = Tensor::empty({static_cast<int64_t>(v.size())}, DType::I32);
   for (size_t i = 0; i < v.size(); ++i) t.data<int32_t>()[i] = v[i];
@@ -46,16 +36,6 @@ inline double dot_loss(const Tensor& out, const Tensor& R) {
   double s = 0;
   for (size_t i = 0; i < a.size(); ++i) s += a[i] * b[i];
   return s;
-}
-
-// max |a - b| / max |b|.
-inline double rel_err(const std::vector<double>& a, const std::vector<double>& b) {
-  double d = 0, m = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    d = std::max(d, std::fabs(a[i] - b[i]));
-    m = std::max(m, std::fabs(b[i]));
-  }
-  return d / std::max(m, 1e-300);
 }
 
 // Central finite differences of loss() w.r.t. the elements `which` of the F64 tensor x

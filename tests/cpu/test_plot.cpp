@@ -13,6 +13,7 @@
 #include <random>
 
 #include "core/error.h"
+#include "support/test_support.h"
 #include "core/fs.h"
 #include "io/png.h"
 #include "plot/plot.h"
@@ -395,13 +396,9 @@ TEST(PlotRender, DefaultPanelsDrawWithoutErrorsAndMissingKeysSayNoData) {
 
 // ---- the command --------------------------------------------------------------------------
 
+// `log` names the folder of the command's log.
 int run_fp8rl(const std::vector<std::string>& args, const std::string& log, std::string& output) {
-  std::string cmd = std::string("'") + FP8RL_BINARY + "'";
-  for (const std::string& a : args) cmd += " '" + a + "'";
-  cmd += " > '" + log + "' 2>&1";
-  const int rc = std::system(cmd.c_str());
-  output = fs::exists(log) ? read_file(log) : "";
-  return WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
+  return test::run_binary_in(fs::path(log).parent_path().string(), args, output);
 }
 
 // What `fp8rl plot` writes: libpng's compressed PNG when built with it, else the stored one.

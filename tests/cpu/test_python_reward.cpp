@@ -17,7 +17,7 @@
 #include "tasks/answer.h"
 #include "tasks/python_bridge.h"
 #include "tasks/task.h"
-#include "test_cli_util.h"
+#include "support/test_support.h"
 
 namespace fp8rl {
 namespace {

@@ -22,7 +22,7 @@
 #include "rl/checkpoint.h"
 #include "rl/config.h"
 #include "rl/loop.h"
-#include "test_cli_util.h"
+#include "support/test_support.h"
 #include "test_model_util.h"
 
 namespace fp8rl {

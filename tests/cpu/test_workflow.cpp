@@ -31,7 +31,7 @@
 #include "rl/metrics_log.h"
 #include "rl/run_dir.h"
 #include "test_model_util.h"
-#include "test_cli_util.h"
+#include "support/test_support.h"
 
 namespace fp8rl {
 namespace {
@@ -46,13 +46,7 @@ std::string quote(const std::string& s) { return "'" + s + "'"; }
 
 // Runs fp8rl with `args`; stdout and stderr together in `out`. Returns the exit code.
 int run_fp8rl(const std::vector<std::string>& args, std::string& out, const std::string& env = "") {
-  const std::string log = Scratch::root() + "/cli_log.txt";
-  std::string cmd = env + (env.empty() ? "" : " ") + quote(FP8RL_BINARY);
-  for (const std::string& a : args) cmd += " " + quote(a);
-  cmd += " > " + quote(log) + " 2>&1 < /dev/null";
-  const int rc = std::system(cmd.c_str());
-  out = fs::exists(log) ? read_file(log) : "";
-  return WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
+  return test::run_binary_in(Scratch::root(), args, out, env);
 }
 
 bool has(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }

@@ -21,6 +21,7 @@
 #include "backend/cuda/cuda_backend.h"
 #include "core/error.h"
 #include "quant/quant.h"
+#include "support/test_support.h"
 
 namespace fp8rl {
 namespace {
@@ -71,17 +72,8 @@ std::vector<float> row_major_scales(Backend& be, const Fp8View& v) {
 
 std::vector<float> floats(const Tensor& t) { return std::vector<float>(t.data<float>(), t.data<float>() + t.numel()); }
 
-// max |a - b| / max |b| (NaN anywhere -> infinity).
-double rel_err(Backend& be, const Tensor& a, const Tensor& b) {
-  const std::vector<float> x = to_float_vector(be.to_host(a)), y = to_float_vector(b);
-  double d = 0, m = 0;
-  for (size_t i = 0; i < x.size(); ++i) {
-    if (!std::isfinite(x[i]) || !std::isfinite(y[i])) return INFINITY;
-    d = std::max(d, double(std::fabs(x[i] - y[i])));
-    m = std::max(m, double(std::fabs(y[i])));
-  }
-  return d / std::max(m, 1e-30);
-}
+// max |a - b| / max |b| (NaN anywhere -> infinity) of a device tensor against a host one.
+double rel_err(Backend& be, const Tensor& a, const Tensor& b) { return test::rel_err(be.to_host(a), b); }
 
 // The view equals, bitwise: the GPU's unfused quantization `ref` (row-major scales) and the CPU
 // reference quantizer applied to the GPU's output `out`.

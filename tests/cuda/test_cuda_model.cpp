@@ -43,6 +43,7 @@
 #include "../cpu/test_model_util.h"
 #include "backend/backend.h"
 #include "core/error.h"
+#include "support/test_support.h"
 #include "model/transformer.h"
 #include "model/weights.h"
 
@@ -306,22 +307,7 @@ TEST(CudaModel, ScoringAndBackwardMatchCpu) {
 
 // ---- flash attention inside the model ------------------------------------------------------------
 
-// Sets an environment variable for a scope (restores the old value).
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    if (const char* old = std::getenv(name)) old_ = old, had_ = true;
-    setenv(name, value, 1);
-  }
-  ~ScopedEnv() {
-    if (had_) setenv(name_.c_str(), old_.c_str(), 1);
-    else unsetenv(name_.c_str());
-  }
-
- private:
-  std::string name_, old_;
-  bool had_ = false;
-};
+using test::ScopedEnv;
 
 // The BF16-activation backend's tensor-core flash attention (head_dim 64 and 128, GQA 4) in the
 // whole model: scoring forward and backward against the CPU, in the BF16-activation class

@@ -15,20 +15,10 @@ struct AttnDims {
   int64_t T, Hq, Hkv, hd, group, hdv;  // hdv: v's head dim (MLA: may differ from q/k's hd)
 };
 
-AttnDims check_attention_args(const Tensor& q, const Tensor& k, const Tensor& v,
-                              const std::vector<int32_t>& cu_seqlens) {
-  FP8RL_CHECK(q.ndim() == 3 && k.ndim() == 3 && v.ndim() == 3, "attention needs q [T, Hq, hd], k/v [T, Hkv, hd], got ",
-              q.str(), ", ", k.str(), ", ", v.str());
+// The dimensions of q [T, Hq, hd], k [T, Hkv, hd], v [T, Hkv, hdv] (the contract checked them).
+AttnDims attention_dims(const Tensor& q, const Tensor& k, const Tensor& v) {
   AttnDims d{q.dim(0), q.dim(1), k.dim(1), q.dim(2), 0, v.dim(2)};
-  FP8RL_CHECK(k.dim(0) == d.T && k.dim(2) == d.hd && v.dim(0) == d.T && v.dim(1) == d.Hkv && d.hdv > 0,
-              "attention: k ", k.str(), " must be [", d.T, ", Hkv, ", d.hd, "] and v ", v.str(), " [", d.T,
-              ", Hkv, hdv]");
-  FP8RL_CHECK(d.Hkv > 0 && d.Hq % d.Hkv == 0, "attention: Hq = ", d.Hq, " is not a multiple of Hkv = ", d.Hkv);
   d.group = d.Hq / d.Hkv;
-  FP8RL_CHECK(cu_seqlens.size() >= 2 && cu_seqlens.front() == 0 && cu_seqlens.back() == d.T,
-              "attention: cu_seqlens must run from 0 to T = ", d.T, " (got ", cu_seqlens.size(), " entries)");
-  for (size_t b = 1; b < cu_seqlens.size(); ++b)
-    FP8RL_CHECK(cu_seqlens[b] >= cu_seqlens[b - 1], "attention: cu_seqlens decreases at entry ", b);
   return d;
 }
 
@@ -50,11 +40,9 @@ int64_t attention_work(const std::vector<int32_t>& cu_seqlens, int64_t heads, in
 
 }  // namespace
 
-void CpuBackend::attention(const Tensor& q, const Tensor& k, const Tensor& v, const std::vector<int32_t>& cu_seqlens,
-                           float softmax_scale, Tensor& out, Tensor& lse) {
-  const AttnDims d = check_attention_args(q, k, v, cu_seqlens);
-  check_shape(out, {d.T, d.Hq, d.hdv}, "attention output");
-  check_shape(lse, {d.Hq, d.T}, "attention lse");
+void CpuBackend::attention_impl(const Tensor& q, const Tensor& k, const Tensor& v,
+                                const std::vector<int32_t>& cu_seqlens, float softmax_scale, Tensor& out, Tensor& lse) {
+  const AttnDims d = attention_dims(q, k, v);
   const std::vector<double> vq = load(q, "attention q"), vk = load(k, "attention k"), vv = load(v, "attention v");
   std::vector<double> o(d.T * d.Hq * d.hdv, 0.0), l(d.Hq * d.T);
   // One task per (sequence, query head): each writes only its own rows of o and l.
@@ -90,16 +78,10 @@ void CpuBackend::attention(const Tensor& q, const Tensor& k, const Tensor& v, co
 
 // P_ij = exp(scale q_i.k_j - lse_i); D_i = dout_i . out_i; dS_ij = P_ij (dout_i . v_j - D_i);
 // dq_i = scale sum_j dS_ij k_j; dk_j = scale sum_i dS_ij q_i; dv_j = sum_i P_ij dout_i.
-void CpuBackend::attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
-                                    const Tensor& out, const Tensor& lse, const std::vector<int32_t>& cu_seqlens,
-                                    float softmax_scale, Tensor& dq, Tensor& dk, Tensor& dv) {
-  const AttnDims d = check_attention_args(q, k, v, cu_seqlens);
-  check_shape(dout, {d.T, d.Hq, d.hdv}, "attention dout");
-  check_shape(out, {d.T, d.Hq, d.hdv}, "attention out");
-  check_shape(lse, {d.Hq, d.T}, "attention lse");
-  check_shape(dq, q.shape(), "attention dq");
-  check_shape(dk, k.shape(), "attention dk");
-  check_shape(dv, v.shape(), "attention dv");
+void CpuBackend::attention_backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                                         const Tensor& out, const Tensor& lse, const std::vector<int32_t>& cu_seqlens,
+                                         float softmax_scale, Tensor& dq, Tensor& dk, Tensor& dv) {
+  const AttnDims d = attention_dims(q, k, v);
   const std::vector<double> vq = load(q, "attention q"), vk = load(k, "attention k"), vv = load(v, "attention v"),
                             g = load(dout, "attention dout"), vo = load(out, "attention out"),
                             l = load(lse, "attention lse");
@@ -143,20 +125,6 @@ void CpuBackend::attention_backward(const Tensor& dout, const Tensor& q, const T
 
 namespace {
 
-void check_cache_layer(const KvCache& cache, int layer) {
-  FP8RL_CHECK(layer >= 0 && layer < cache.num_layers && static_cast<int>(cache.k.size()) == cache.num_layers &&
-                  static_cast<int>(cache.v.size()) == cache.num_layers,
-              "KV cache layer ", layer, " out of range [0, ", cache.num_layers, ")");
-  check_shape(cache.k[layer], {cache.num_pages, cache.page_size, cache.num_kv_heads, cache.head_dim}, "KV cache k");
-  check_shape(cache.v[layer], {cache.num_pages, cache.page_size, cache.num_kv_heads, cache.head_dim}, "KV cache v");
-  check_dtype(cache.k[layer], cache.dtype, "KV cache k");
-  check_dtype(cache.v[layer], cache.dtype, "KV cache v");
-  check_shape(cache.k_scale, {cache.num_layers, cache.num_kv_heads}, "KV cache k_scale");
-  check_shape(cache.v_scale, {cache.num_layers, cache.num_kv_heads}, "KV cache v_scale");
-  check_dtype(cache.k_scale, DType::F32, "KV cache k_scale");
-  check_dtype(cache.v_scale, DType::F32, "KV cache v_scale");
-}
-
 // Stores value x as element `index` of a cache pool (E4M3: e4m3(x / scale)).
 void cache_store(Tensor& pool, int64_t index, float x, float scale) {
   switch (pool.dtype()) {
@@ -188,12 +156,9 @@ void cache_load_row(const Tensor& pool, int64_t index, int64_t n, float scale, f
 
 }  // namespace
 
-void CpuBackend::kv_write(KvCache& cache, int layer, const Tensor& k, const Tensor& v, const PagedBatch& batch) {
-  check_cache_layer(cache, layer);
+void CpuBackend::kv_write_impl(KvCache& cache, int layer, const Tensor& k, const Tensor& v, const PagedBatch& batch) {
   const std::vector<int32_t> slots = load_i32(batch.slots, "paged batch slots");
   const int64_t T = static_cast<int64_t>(slots.size()), H = cache.num_kv_heads, hd = cache.head_dim;
-  check_shape(k, {T, H, hd}, "kv_write k");
-  check_shape(v, {T, H, hd}, "kv_write v");
   const std::vector<double> vk = load(k, "kv_write k"), vv = load(v, "kv_write v");
   const float* ks = cache.k_scale.data<float>() + layer * H;
   const float* vs = cache.v_scale.data<float>() + layer * H;
@@ -215,9 +180,7 @@ void CpuBackend::kv_write(KvCache& cache, int layer, const Tensor& k, const Tens
   }
 }
 
-void CpuBackend::kv_round(Tensor& x, const std::vector<float>& head_scale) {
-  check_float(x, "kv_round x");
-  kv_round_check(x, head_scale);
+void CpuBackend::kv_round_impl(Tensor& x, const std::vector<float>& head_scale) {
   const int64_t T = x.dim(0), H = x.dim(1), hd = x.dim(2);
   std::vector<double> v = load(x, "kv_round x");
   for (int64_t t = 0; t < T; ++t)
@@ -233,21 +196,13 @@ void CpuBackend::kv_round(Tensor& x, const std::vector<float>& head_scale) {
 // With fp8_attention, each (token, head) row of q is quantized with s = amax / 448 (the
 // quant_scale_from_amax rule, no pow2) and the dequantized e4m3(q / s) * s is used; the
 // softmax probabilities stay FP32 in this reference.
-void CpuBackend::attention_paged(const KvCache& cache, int layer, const Tensor& q, const PagedBatch& batch,
-                                 float softmax_scale, bool fp8_attention, Tensor& out) {
-  check_cache_layer(cache, layer);
+void CpuBackend::attention_paged_impl(const KvCache& cache, int layer, const Tensor& q, const PagedBatch& batch,
+                                      float softmax_scale, bool fp8_attention, Tensor& out) {
   const std::vector<int32_t> seq = load_i32(batch.token_seq, "paged batch token_seq");
   const std::vector<int32_t> pos = load_i32(batch.token_pos, "paged batch token_pos");
   const std::vector<int32_t> table = load_i32(batch.page_table, "paged batch page_table");
-  FP8RL_CHECK(batch.page_table.ndim() == 2, "page_table must be [B, max_pages], got ", batch.page_table.str());
   const int64_t B = batch.page_table.dim(0), max_pages = batch.page_table.dim(1);
-  FP8RL_CHECK(q.ndim() == 3 && q.dim(2) == cache.head_dim && q.dim(1) % cache.num_kv_heads == 0,
-              "attention_paged q must be [T, Hq, ", cache.head_dim, "] with Hq a multiple of ", cache.num_kv_heads,
-              ", got ", q.str());
   const int64_t T = q.dim(0), Hq = q.dim(1), Hkv = cache.num_kv_heads, hd = cache.head_dim, group = Hq / Hkv;
-  FP8RL_CHECK(static_cast<int64_t>(seq.size()) == T && static_cast<int64_t>(pos.size()) == T,
-              "attention_paged: token_seq and token_pos need ", T, " entries");
-  check_shape(out, q.shape(), "attention_paged output");
   std::vector<double> vq = load(q, "attention_paged q");
   const float* ks = cache.k_scale.data<float>() + layer * Hkv;
   const float* vs = cache.v_scale.data<float>() + layer * Hkv;

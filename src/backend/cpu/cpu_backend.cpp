@@ -99,25 +99,12 @@ std::vector<int32_t> load_i32(const Tensor& t, const char* what) {
 
 // ---- memory ------------------------------------------------------------------------------
 
-void CpuBackend::copy(const Tensor& src, Tensor& dst) {
-  check_cpu(src, "copy source");
-  check_cpu(dst, "copy destination");
-  FP8RL_CHECK(src.dtype() == dst.dtype() && src.numel() == dst.numel(), "copy needs the same dtype and size: ",
-              src.str(), " -> ", dst.str(), " (use convert to change dtype)");
+void CpuBackend::copy_impl(const Tensor& src, Tensor& dst) {
   if (src.nbytes() && src.raw() != dst.raw()) std::memmove(dst.raw(), src.raw(), src.nbytes());
 }
 
-void CpuBackend::copy_cols(const Tensor& src, int64_t src_col, Tensor& dst, int64_t dst_col, int64_t cols) {
-  check_cpu(src, "copy_cols source");
-  check_cpu(dst, "copy_cols destination");
-  FP8RL_CHECK(src.dtype() == dst.dtype() && src.ndim() >= 1 && dst.ndim() >= 1, "copy_cols needs two tensors of one "
-              "dtype: ", src.str(), " -> ", dst.str());
+void CpuBackend::copy_cols_impl(const Tensor& src, int64_t src_col, Tensor& dst, int64_t dst_col, int64_t cols) {
   const int64_t cs = src.dim(src.ndim() - 1), cd = dst.dim(dst.ndim() - 1);
-  FP8RL_CHECK(cs > 0 && cd > 0 && src.numel() / cs == dst.numel() / cd, "copy_cols: ", src.str(), " and ", dst.str(),
-              " do not have the same number of rows");
-  FP8RL_CHECK(cols >= 0 && src_col >= 0 && dst_col >= 0 && src_col + cols <= cs && dst_col + cols <= cd,
-              "copy_cols: columns [", src_col, ", ", src_col + cols, ") of ", src.str(), " -> [", dst_col, ", ",
-              dst_col + cols, ") of ", dst.str(), " out of range");
   const int64_t R = src.numel() / cs, es = static_cast<int64_t>(dtype_size(src.dtype()));
   const auto* s = static_cast<const uint8_t*>(src.raw());
   auto* d = static_cast<uint8_t*>(dst.raw());
@@ -125,14 +112,12 @@ void CpuBackend::copy_cols(const Tensor& src, int64_t src_col, Tensor& dst, int6
     std::memmove(d + (r * cd + dst_col) * es, s + (r * cs + src_col) * es, static_cast<size_t>(cols * es));
 }
 
-void CpuBackend::convert(const Tensor& src, Tensor& dst) {
-  FP8RL_CHECK(src.numel() == dst.numel(), "convert needs the same number of elements: ", src.str(), " -> ",
-              dst.str());
+// Any float dtype to any other (load and store refuse the others).
+void CpuBackend::convert_impl(const Tensor& src, Tensor& dst) {
   store(load(src, "convert source"), dst, "convert destination");
 }
 
-void CpuBackend::fill(Tensor& t, float value) {
-  check_cpu(t, "fill target");
+void CpuBackend::fill_impl(Tensor& t, float value) {
   const int64_t n = t.numel();
   switch (t.dtype()) {
     case DType::E4M3: std::memset(t.raw(), e4m3_from_float(value), n); break;
@@ -148,28 +133,26 @@ void CpuBackend::fill(Tensor& t, float value) {
 
 // ---- element-wise and reductions ---------------------------------------------------------
 
-void CpuBackend::add(const Tensor& a, const Tensor& b, Tensor& out) {
-  FP8RL_CHECK(a.numel() == b.numel() && a.numel() == out.numel(), "add needs equal sizes: ", a.str(), " + ",
-              b.str(), " -> ", out.str());
+void CpuBackend::add_impl(const Tensor& a, const Tensor& b, Tensor& out) {
   std::vector<double> va = load(a, "add operand a");
   const std::vector<double> vb = load(b, "add operand b");
   for (size_t i = 0; i < va.size(); ++i) va[i] += vb[i];
   store(va, out, "add output");
 }
 
-void CpuBackend::scale(Tensor& x, float s) {
+void CpuBackend::scale_impl(Tensor& x, float s) {
   std::vector<double> v = load(x, "scale operand");
   for (double& e : v) e *= s;
   store(v, x, "scale operand");
 }
 
-double CpuBackend::sum_squares(const Tensor& x) {
+double CpuBackend::sum_squares_impl(const Tensor& x) {
   double acc = 0;
   for (double e : load(x, "sum_squares operand")) acc += e * e;
   return acc;
 }
 
-bool CpuBackend::all_finite(const Tensor& x) {
+bool CpuBackend::all_finite_impl(const Tensor& x) {
   for (double e : load(x, "all_finite operand"))
     if (!std::isfinite(e)) return false;
   return true;
@@ -180,19 +163,8 @@ bool CpuBackend::all_finite(const Tensor& x) {
 // torch.optim.AdamW (single-tensor path): p *= 1 - lr*wd; m = lerp(m, g, 1 - b1);
 // v = b2 v + (1 - b2) g^2; p -= (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps).
 // F32 moments: in double, rounded once into each output. BF16 moments: adamw_rule.h (FP32).
-void CpuBackend::adamw(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWParams& p) {
-  FP8RL_CHECK(param.shape() == grad.shape() && param.shape() == m.shape() && param.shape() == v.shape(),
-              "adamw needs param, grad, m, v of one shape: ", param.str(), ", ", grad.str(), ", ", m.str(),
-              ", ", v.str());
-  FP8RL_CHECK(p.step >= 1, "adamw step is 1-based, got ", p.step);
-  FP8RL_CHECK(m.dtype() == v.dtype(), "adamw: m and v must have one dtype, got ", m.str(), " and ", v.str());
+void CpuBackend::adamw_impl(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWParams& p) {
   if (m.dtype() == DType::BF16) {
-    check_cpu(param, "adamw param");
-    check_cpu(m, "adamw m");
-    check_cpu(v, "adamw v");
-    FP8RL_CHECK(param.dtype() == DType::F32, "adamw with BF16 moments needs the F32 master, got ", param.str());
-    FP8RL_CHECK(grad.dtype() == DType::F32 || grad.dtype() == DType::BF16, "adamw grad must be F32 or BF16, got ",
-                grad.str());
     const std::vector<double> g = load(grad, "adamw grad");  // exact: F32 and BF16 widen to double
     const AdamWScalars sc = adamw_scalars(p.lr, p.beta1, p.beta2, p.eps, p.weight_decay, p.step, p.grad_scale);
     float* w = param.data<float>();
@@ -223,8 +195,7 @@ void CpuBackend::adamw(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, 
 
 // ---- quantization ------------------------------------------------------------------------
 
-void CpuBackend::quantize(const Tensor& x, bool transpose, QuantTensor& out) {
-  check_cpu(x, "quantize input");
+void CpuBackend::quantize_impl(const Tensor& x, bool transpose, QuantTensor& out) {
   quantize_blocks_into(x, transpose, out, "tensor");
 }
 

@@ -29,8 +29,8 @@ void check_cpu(const Tensor& t, const char* what);
 void check_float(const Tensor& t, const char* what);
 
 // C[M, N] = A[M, K] B[N, K]^T in double (cpu_gemm.cpp: blocked, vectorized, threaded).
-std::vector<double> matmul_nt(const std::vector<double>& a, const std::vector<double>& b, int64_t M,
-                              int64_t N, int64_t K);
+std::vector<double> matmul_nt(const std::vector<double>& a, const std::vector<double>& b, int64_t M, int64_t N,
+                              int64_t K);
 
 // The effective operands of a linear layer under `mode` (values the GEMM multiplies), as
 // double: FP32 as they are, BF16 rounded to BF16, FP8 quantized and dequantized exactly.
@@ -47,64 +47,69 @@ class CpuBackend final : public Backend {
   std::string name() const override { return "cpu"; }
   DType act_dtype() const override { return DType::F32; }
 
+  // Every float dtype, everywhere: the reference computes in double and rounds once per output.
+  bool takes_float(DType t, bool) const override { return is_float_dtype(t); }
   Tensor alloc(const Shape& shape, DType dtype) override { return Tensor::zeros(shape, dtype); }
-  void copy(const Tensor& src, Tensor& dst) override;
-  void copy_cols(const Tensor& src, int64_t src_col, Tensor& dst, int64_t dst_col, int64_t cols) override;
-  void convert(const Tensor& src, Tensor& dst) override;
-  void fill(Tensor& t, float value) override;
 
-  void add(const Tensor& a, const Tensor& b, Tensor& out) override;
-  void scale(Tensor& x, float s) override;
-  double sum_squares(const Tensor& x) override;
-  bool all_finite(const Tensor& x) override;
+ protected:
+  // The ops of backend.h; each runs after its contract held (backend.cpp).
+  void copy_impl(const Tensor& src, Tensor& dst) override;
+  void copy_cols_impl(const Tensor& src, int64_t src_col, Tensor& dst, int64_t dst_col, int64_t cols) override;
+  void convert_impl(const Tensor& src, Tensor& dst) override;
+  void fill_impl(Tensor& t, float value) override;
 
-  void embedding(const Tensor& ids, const Tensor& table, Tensor& out) override;
-  void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable) override;
-  void rmsnorm(const Tensor& x, const Tensor& w, float eps, Tensor& out, Tensor* rstd) override;
-  void rmsnorm_backward(const Tensor& dout, const Tensor& x, const Tensor& w, const Tensor& rstd,
-                        Tensor& dx, Tensor& dw) override;
-  void linear(const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor& out,
-              const Fp8View* x_fp8 = nullptr) override;
-  void linear_backward(const Tensor& dy, const Tensor& x, const LinearWeight& W, const LinearSpec& spec,
-                       Tensor* dx, Tensor* dw, Tensor* dbias) override;
-  void rope(Tensor& x, const Tensor& positions, const RopeParams& rope, bool inverse) override;
-  void attention(const Tensor& q, const Tensor& k, const Tensor& v, const std::vector<int32_t>& cu_seqlens,
-                 float softmax_scale, Tensor& out, Tensor& lse) override;
-  void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
-                          const Tensor& out, const Tensor& lse, const std::vector<int32_t>& cu_seqlens,
-                          float softmax_scale, Tensor& dq, Tensor& dk, Tensor& dv) override;
-  void swiglu(const Tensor& gate, const Tensor& up, Tensor& out) override;
-  void swiglu_backward(const Tensor& dout, const Tensor& gate, const Tensor& up, Tensor& dgate,
-                       Tensor& dup) override;
-  void token_logprobs(const Tensor& hidden, const Tensor& lm_head, const Tensor& targets, float temperature,
-                      const LinearSpec& spec, Tensor& logp, Tensor& lse, Tensor* entropy) override;
-  void token_logprobs_backward(const Tensor& hidden, const Tensor& lm_head, const Tensor& targets,
-                               float temperature, const LinearSpec& spec, const Tensor& lse,
-                               const Tensor& dlogp, Tensor& dhidden, Tensor* dlm_head) override;
-  void moe_route_softmax(const Tensor& logits, int top_k, bool renormalize, Tensor& experts,
-                         Tensor& weights) override;
-  void moe_route_softmax_backward(const Tensor& logits, const Tensor& experts, bool renormalize,
-                                  const Tensor& dweights, Tensor& dlogits) override;
-  void moe_route_sigmoid(const Tensor& logits, const Tensor* bias, int top_k, int n_group, int topk_group,
-                         bool renormalize, float scaling, Tensor& experts, Tensor& weights) override;
-  void moe_route_sigmoid_backward(const Tensor& logits, const Tensor& experts, bool renormalize, float scaling,
-                                  const Tensor& dweights, Tensor& dlogits) override;
-  void moe_permute(const Tensor& x, const Tensor& row_slot, int top_k, const Tensor* weights,
-                   Tensor& out) override;
-  void moe_unpermute(const Tensor& y, const Tensor& slot_row, const Tensor* weights, Tensor& out) override;
-  void moe_unpermute_backward_weights(const Tensor& dout, const Tensor& y, const Tensor& slot_row,
-                                      Tensor& dweights) override;
-  void adamw(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWParams& p) override;
-  void quantize(const Tensor& x, bool transpose, QuantTensor& out) override;
-  void kv_write(KvCache& cache, int layer, const Tensor& k, const Tensor& v, const PagedBatch& batch) override;
-  void kv_round(Tensor& x, const std::vector<float>& head_scale) override;
-  void attention_paged(const KvCache& cache, int layer, const Tensor& q, const PagedBatch& batch,
-                       float softmax_scale, bool fp8_attention, Tensor& out) override;
-  void sample(const Tensor& logits, const std::vector<float>& temperature, const std::vector<float>& top_p,
-              const std::vector<int>& top_k, const std::vector<float>& uniforms, Tensor& tokens,
-              Tensor& logp, int64_t valid_vocab = 0) override;
-  void sample_rows(const Tensor& logits, const Tensor& rows, bool truncation, Tensor& tokens, Tensor& logp,
-                   int64_t valid_vocab = 0) override;
+  void add_impl(const Tensor& a, const Tensor& b, Tensor& out) override;
+  void scale_impl(Tensor& x, float s) override;
+  double sum_squares_impl(const Tensor& x) override;
+  bool all_finite_impl(const Tensor& x) override;
+
+  void embedding_impl(const Tensor& ids, const Tensor& table, Tensor& out) override;
+  void embedding_backward_impl(const Tensor& ids, const Tensor& dout, Tensor& dtable) override;
+  void rmsnorm_impl(const Tensor& x, const Tensor& w, float eps, Tensor& out, Tensor* rstd) override;
+  void rmsnorm_backward_impl(const Tensor& dout, const Tensor& x, const Tensor& w, const Tensor& rstd, Tensor& dx,
+                             Tensor& dw) override;
+  void linear_impl(const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor& out,
+                   const Fp8View* x_fp8) override;
+  void linear_backward_impl(const Tensor& dy, const Tensor& x, const LinearWeight& W, const LinearSpec& spec,
+                            Tensor* dx, Tensor* dw, Tensor* dbias) override;
+  void rope_impl(Tensor& x, const Tensor& positions, const RopeParams& rope, bool inverse) override;
+  void attention_impl(const Tensor& q, const Tensor& k, const Tensor& v, const std::vector<int32_t>& cu_seqlens,
+                      float softmax_scale, Tensor& out, Tensor& lse) override;
+  void attention_backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                               const Tensor& lse, const std::vector<int32_t>& cu_seqlens, float softmax_scale,
+                               Tensor& dq, Tensor& dk, Tensor& dv) override;
+  void swiglu_impl(const Tensor& gate, const Tensor& up, Tensor& out) override;
+  void swiglu_backward_impl(const Tensor& dout, const Tensor& gate, const Tensor& up, Tensor& dgate,
+                            Tensor& dup) override;
+  void token_logprobs_impl(const Tensor& hidden, const Tensor& lm_head, const Tensor& targets, float temperature,
+                           const LinearSpec& spec, Tensor& logp, Tensor& lse, Tensor* entropy) override;
+  void token_logprobs_backward_impl(const Tensor& hidden, const Tensor& lm_head, const Tensor& targets,
+                                    float temperature, const LinearSpec& spec, const Tensor& lse, const Tensor& dlogp,
+                                    Tensor& dhidden, Tensor* dlm_head) override;
+  void moe_route_softmax_impl(const Tensor& logits, int top_k, bool renormalize, Tensor& experts,
+                              Tensor& weights) override;
+  void moe_route_softmax_backward_impl(const Tensor& logits, const Tensor& experts, bool renormalize,
+                                       const Tensor& dweights, Tensor& dlogits) override;
+  void moe_route_sigmoid_impl(const Tensor& logits, const Tensor* bias, int top_k, int n_group, int topk_group,
+                              bool renormalize, float scaling, Tensor& experts, Tensor& weights) override;
+  void moe_route_sigmoid_backward_impl(const Tensor& logits, const Tensor& experts, bool renormalize, float scaling,
+                                       const Tensor& dweights, Tensor& dlogits) override;
+  void moe_permute_impl(const Tensor& x, const Tensor& row_slot, int top_k, const Tensor* weights,
+                        Tensor& out) override;
+  void moe_unpermute_impl(const Tensor& y, const Tensor& slot_row, const Tensor* weights, Tensor& out) override;
+  void moe_unpermute_backward_weights_impl(const Tensor& dout, const Tensor& y, const Tensor& slot_row,
+                                           Tensor& dweights) override;
+  void adamw_impl(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWParams& p) override;
+  void quantize_impl(const Tensor& x, bool transpose, QuantTensor& out) override;
+  void kv_write_impl(KvCache& cache, int layer, const Tensor& k, const Tensor& v, const PagedBatch& batch) override;
+  void kv_round_impl(Tensor& x, const std::vector<float>& head_scale) override;
+  void attention_paged_impl(const KvCache& cache, int layer, const Tensor& q, const PagedBatch& batch,
+                            float softmax_scale, bool fp8_attention, Tensor& out) override;
+  void sample_impl(const Tensor& logits, const std::vector<float>& temperature, const std::vector<float>& top_p,
+                   const std::vector<int>& top_k, const std::vector<float>& uniforms, Tensor& tokens, Tensor& logp,
+                   int64_t valid_vocab) override;
+  void sample_rows_impl(const Tensor& logits, const Tensor& rows, bool truncation, Tensor& tokens, Tensor& logp,
+                        int64_t valid_vocab) override;
 };
 
 }  // namespace fp8rl::cpu

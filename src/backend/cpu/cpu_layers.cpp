@@ -10,12 +10,9 @@ namespace cpu {
 
 // ---- embedding -------------------------------------------------------------------------------
 
-void CpuBackend::embedding(const Tensor& ids, const Tensor& table, Tensor& out) {
+void CpuBackend::embedding_impl(const Tensor& ids, const Tensor& table, Tensor& out) {
   const std::vector<int32_t> id = load_i32(ids, "embedding ids");
-  check_float(table, "embedding table");
-  FP8RL_CHECK(table.ndim() == 2, "embedding table must be [V, D], got ", table.str());
   const int64_t T = static_cast<int64_t>(id.size()), V = table.dim(0), D = table.dim(1);
-  check_shape(out, {T, D}, "embedding output");
   std::vector<double> o(T * D);
   for (int64_t t = 0; t < T; ++t) {
     FP8RL_CHECK(id[t] >= 0 && id[t] < V, "embedding: token id ", id[t], " at position ", t,
@@ -26,12 +23,9 @@ void CpuBackend::embedding(const Tensor& ids, const Tensor& table, Tensor& out) 
   store(o, out, "embedding output");
 }
 
-void CpuBackend::embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable) {
+void CpuBackend::embedding_backward_impl(const Tensor& ids, const Tensor& dout, Tensor& dtable) {
   const std::vector<int32_t> id = load_i32(ids, "embedding ids");
-  check_float(dtable, "embedding dtable");
-  FP8RL_CHECK(dtable.ndim() == 2, "embedding dtable must be [V, D], got ", dtable.str());
   const int64_t T = static_cast<int64_t>(id.size()), V = dtable.dim(0), D = dtable.dim(1);
-  check_shape(dout, {T, D}, "embedding dout");
   const std::vector<double> g = load(dout, "embedding dout");
   for (int64_t t = 0; t < T; ++t)
     FP8RL_CHECK(id[t] >= 0 && id[t] < V, "embedding_backward: token id ", id[t], " at position ", t,
@@ -69,14 +63,8 @@ void CpuBackend::embedding_backward(const Tensor& ids, const Tensor& dout, Tenso
 // fp8` on the same codes as an FP8 emulation built on transformers (docs/design.md, Numerics).
 // With F64 activations (gradient checks) everything is double.
 
-void CpuBackend::rmsnorm(const Tensor& x, const Tensor& w, float eps, Tensor& out, Tensor* rstd) {
-  check_float(w, "rmsnorm weight");
-  FP8RL_CHECK(w.ndim() == 1 && x.ndim() >= 1 && x.dim(-1) == w.dim(0), "rmsnorm: x ", x.str(),
-              " and weight ", w.str(), " disagree on the normalized dimension");
+void CpuBackend::rmsnorm_impl(const Tensor& x, const Tensor& w, float eps, Tensor& out, Tensor* rstd) {
   const int64_t D = w.dim(0), R = D ? x.numel() / D : 0;
-  FP8RL_CHECK(out.shape() == x.shape(), "rmsnorm output must have x's shape ", shape_str(x.shape()), ", got ",
-              out.str());
-  if (rstd) FP8RL_CHECK(rstd->numel() == R, "rmsnorm rstd must have ", R, " elements, got ", rstd->str());
   const std::vector<double> vx = load(x, "rmsnorm x"), vw = load(w, "rmsnorm weight");
   const bool f64 = out.dtype() == DType::F64;
   std::vector<double> y(R * D), r(R);
@@ -101,15 +89,9 @@ void CpuBackend::rmsnorm(const Tensor& x, const Tensor& w, float eps, Tensor& ou
 }
 
 // dx_j = r (w_j g_j) - r^3 / D * x_j * sum_k (w_k g_k x_k);  dw_j += sum_rows g_j x_j r.
-void CpuBackend::rmsnorm_backward(const Tensor& dout, const Tensor& x, const Tensor& w, const Tensor& rstd,
-                                  Tensor& dx, Tensor& dw) {
-  FP8RL_CHECK(w.ndim() == 1 && x.ndim() >= 1 && x.dim(-1) == w.dim(0), "rmsnorm_backward: x ", x.str(),
-              " and weight ", w.str(), " disagree on the normalized dimension");
+void CpuBackend::rmsnorm_backward_impl(const Tensor& dout, const Tensor& x, const Tensor& w, const Tensor& rstd,
+                                       Tensor& dx, Tensor& dw) {
   const int64_t D = w.dim(0), R = D ? x.numel() / D : 0;
-  FP8RL_CHECK(dout.shape() == x.shape() && dx.shape() == x.shape(), "rmsnorm_backward: dout ", dout.str(),
-              " and dx ", dx.str(), " must have x's shape ", shape_str(x.shape()));
-  FP8RL_CHECK(rstd.numel() == R, "rmsnorm rstd must have ", R, " elements, got ", rstd.str());
-  check_shape(dw, {D}, "rmsnorm dw");
   const std::vector<double> g = load(dout, "rmsnorm dout"), vx = load(x, "rmsnorm x"), vw = load(w, "rmsnorm w"),
                             r = load(rstd, "rmsnorm rstd");
   std::vector<double> gx(R * D), gw(D, 0.0);
@@ -133,13 +115,9 @@ void CpuBackend::rmsnorm_backward(const Tensor& dout, const Tensor& x, const Ten
 // inverse=true uses -s: the transpose of the forward map, i.e. its backward (and its exact
 // inverse when attention_scaling == 1).
 
-void CpuBackend::rope(Tensor& x, const Tensor& positions, const RopeParams& rope, bool inverse) {
+void CpuBackend::rope_impl(Tensor& x, const Tensor& positions, const RopeParams& rope, bool inverse) {
   const std::vector<int32_t> pos = load_i32(positions, "rope positions");
-  FP8RL_CHECK(x.ndim() == 3, "rope input must be [T, H, head_dim], got ", x.str());
   const int64_t T = x.dim(0), H = x.dim(1), hd = x.dim(2), half = hd / 2;
-  FP8RL_CHECK(hd % 2 == 0 && static_cast<int64_t>(rope.inv_freq.size()) == half, "rope: head_dim ", hd,
-              " needs ", hd / 2, " inverse frequencies, got ", rope.inv_freq.size());
-  FP8RL_CHECK(static_cast<int64_t>(pos.size()) == T, "rope: ", pos.size(), " positions for ", T, " tokens");
   std::vector<double> v = load(x, "rope input");
   for (int64_t t = 0; t < T; ++t) {
     for (int64_t i = 0; i < half; ++i) {
@@ -167,20 +145,15 @@ namespace {
 double sigmoid(double g) { return 1.0 / (1.0 + std::exp(-g)); }
 }  // namespace
 
-void CpuBackend::swiglu(const Tensor& gate, const Tensor& up, Tensor& out) {
-  FP8RL_CHECK(gate.shape() == up.shape() && gate.shape() == out.shape(), "swiglu needs gate, up, out of one shape: ",
-              gate.str(), ", ", up.str(), ", ", out.str());
+void CpuBackend::swiglu_impl(const Tensor& gate, const Tensor& up, Tensor& out) {
   const std::vector<double> g = load(gate, "swiglu gate"), u = load(up, "swiglu up");
   std::vector<double> y(g.size());
   for (size_t i = 0; i < g.size(); ++i) y[i] = g[i] * sigmoid(g[i]) * u[i];
   store(y, out, "swiglu output");
 }
 
-void CpuBackend::swiglu_backward(const Tensor& dout, const Tensor& gate, const Tensor& up, Tensor& dgate,
-                                 Tensor& dup) {
-  FP8RL_CHECK(gate.shape() == up.shape() && gate.shape() == dout.shape() && gate.shape() == dgate.shape() &&
-                  gate.shape() == dup.shape(),
-              "swiglu_backward needs dout, gate, up, dgate, dup of one shape, got gate ", gate.str());
+void CpuBackend::swiglu_backward_impl(const Tensor& dout, const Tensor& gate, const Tensor& up, Tensor& dgate,
+                                      Tensor& dup) {
   const std::vector<double> d = load(dout, "swiglu dout"), g = load(gate, "swiglu gate"), u = load(up, "swiglu up");
   std::vector<double> dg(g.size()), du(g.size());
   for (size_t i = 0; i < g.size(); ++i) {

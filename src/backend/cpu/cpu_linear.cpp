@@ -63,10 +63,8 @@ void round_operand(std::vector<double>& v, LinearMode mode) {
     for (double& e : v) e = bf16_round(static_cast<float>(e));
 }
 
-Tensor as_2d(const Tensor& x, int64_t cols, const char* what) {
-  FP8RL_CHECK(x.ndim() >= 1 && x.dim(-1) == cols, what, " must have last dimension ", cols, ", got ", x.str());
-  return x.reshape({cols ? x.numel() / cols : 0, cols});
-}
+// x [..., cols] as [rows, cols] (the contract checked the last dimension).
+Tensor as_2d(const Tensor& x, int64_t cols) { return x.reshape({cols ? x.numel() / cols : 0, cols}); }
 
 // x [M, K] as the wgrad operand x^T [K, M] (FP8: 1x128 along tokens, requantized).
 std::vector<double> linear_operand_tokens(const Tensor& x, LinearMode mode, bool pow2) {
@@ -103,35 +101,13 @@ void linear_grads(const Tensor& dy2, const Tensor& x2, const LinearWeight& W, co
     *dx = matmul_nt(a, b, M, K, N);
   }
   if (dw) {
-    // FP8 linears: wgrad in FP8 (requantized along tokens) or, with spec.wgrad == BF16, in BF16.
+    // FP8 linears: wgrad in FP8 (requantized along tokens) or, with spec.wgrad == BF16, in BF16
+    // (the contracts refuse any other wgrad).
     const LinearMode wm = spec.mode == LinearMode::FP8_BLOCK ? spec.wgrad : spec.mode;
-    FP8RL_CHECK(wm != LinearMode::FP32 || spec.mode == LinearMode::FP32, "an FP8 linear's wgrad must be fp8 or bf16, got ",
-                linear_mode_name(wm));
     const std::vector<double> a = linear_operand_tokens(dy2, wm, spec.pow2_scales);  // [N, M]
     const std::vector<double> b = linear_operand_tokens(x2, wm, spec.pow2_scales);   // [K, M]
     *dw = matmul_nt(a, b, N, K, M);
   }
-}
-
-void check_weight(const LinearWeight& W, const LinearSpec& spec) {
-  FP8RL_CHECK(W.w.defined() || W.wq.defined(), "linear weight has neither w nor wq");
-  if (W.w.defined()) {
-    check_float(W.w, "linear weight w");
-    FP8RL_CHECK(W.w.ndim() == 2, "linear weight w must be [N, K], got ", W.w.str());
-  }
-  if (W.wq.defined()) {
-    FP8RL_CHECK(W.wq.block_rows == kQuantBlock && W.wq.block_cols == kQuantBlock,
-                "linear weight wq must have 128x128 blocks, got ", W.wq.block_rows, "x", W.wq.block_cols);
-    if (W.w.defined())
-      FP8RL_CHECK(W.wq.rows() == W.w.dim(0) && W.wq.cols() == W.w.dim(1), "linear weight wq ", W.wq.data.str(),
-                  " does not match w ", W.w.str());
-    if (spec.mode == LinearMode::FP8_BLOCK)
-      FP8RL_CHECK(W.wq.pow2 == spec.pow2_scales, "linear weight wq was quantized with pow2=", W.wq.pow2,
-                  " but the spec asks pow2=", spec.pow2_scales, " (refit with the recipe's scales)");
-  }
-  if (spec.mode != LinearMode::FP8_BLOCK)
-    FP8RL_CHECK(W.w.defined(), "a ", linear_mode_name(spec.mode), " linear needs the high-precision weight w");
-  if (W.bias.defined()) check_shape(W.bias, {W.out_features()}, "linear bias");
 }
 
 }  // namespace
@@ -180,20 +156,15 @@ std::vector<double> linear_operand_weight(const LinearWeight& W, LinearMode mode
 
 // ---- linear --------------------------------------------------------------------------------
 
-void CpuBackend::linear(const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor& out,
-                        const Fp8View* x_fp8) {
-  check_weight(W, spec);
+void CpuBackend::linear_impl(const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor& out,
+                             const Fp8View* x_fp8) {
   const int64_t N = W.out_features(), K = W.in_features();
-  const Tensor x2 = as_2d(x, K, "linear input x");
+  const Tensor x2 = as_2d(x, K);
   const int64_t M = x2.dim(0);
-  FP8RL_CHECK(out.ndim() >= 1 && out.dim(-1) == N && out.numel() == M * N, "linear output must be [", M, ", ",
-              N, "], got ", out.str());
-  const bool view = x_fp8 && spec.mode == LinearMode::FP8_BLOCK;
-  if (view) {
-    fp8_view_check(*x_fp8, x, spec, "linear");
-    FP8RL_CHECK(!x_fp8->scales_gemm_layout && x_fp8->q.data.device() == DeviceKind::CPU,
-                "linear: the CPU backend takes FP8 views with row-major scales on the host");
-  }
+  const bool view = x_fp8 != nullptr;  // FP8_BLOCK only (the contract drops it otherwise)
+  // The CPU's own limit: it reads the view's scales row-major (a CPU producer writes no other).
+  if (view)
+    FP8RL_CHECK(!x_fp8->scales_gemm_layout, "linear: the CPU backend takes FP8 views with row-major scales");
   // With a view: its values are the quantization linear_operand_act would make (the producer's contract).
   const std::vector<double> a = view ? dequantize_exact(x_fp8->q) : linear_operand_act(x2, spec.mode, spec.pow2_scales);
   const std::vector<double> b = linear_operand_weight(W, spec.mode, spec.pow2_scales);
@@ -206,26 +177,17 @@ void CpuBackend::linear(const Tensor& x, const LinearWeight& W, const LinearSpec
   store(y, out, "linear output");
 }
 
-void CpuBackend::linear_backward(const Tensor& dy, const Tensor& x, const LinearWeight& W,
-                                 const LinearSpec& spec, Tensor* dx, Tensor* dw, Tensor* dbias) {
-  check_weight(W, spec);
+void CpuBackend::linear_backward_impl(const Tensor& dy, const Tensor& x, const LinearWeight& W, const LinearSpec& spec,
+                                      Tensor* dx, Tensor* dw, Tensor* dbias) {
   const int64_t N = W.out_features(), K = W.in_features();
-  const Tensor x2 = as_2d(x, K, "linear input x");
-  const Tensor dy2 = as_2d(dy, N, "linear output gradient dy");
+  const Tensor x2 = as_2d(x, K);
+  const Tensor dy2 = as_2d(dy, N);
   const int64_t M = x2.dim(0);
-  FP8RL_CHECK(dy2.dim(0) == M, "linear_backward: dy ", dy.str(), " and x ", x.str(), " differ in rows");
   std::vector<double> gx, gw;
   linear_grads(dy2, x2, W, spec, dx ? &gx : nullptr, dw ? &gw : nullptr);
-  if (dx) {
-    FP8RL_CHECK(dx->numel() == M * K && dx->dim(-1) == K, "linear dx must be [", M, ", ", K, "], got ", dx->str());
-    store(gx, *dx, "linear dx");
-  }
-  if (dw) {
-    check_shape(*dw, {N, K}, "linear dw");
-    accumulate(gw, *dw, "linear dw");
-  }
+  if (dx) store(gx, *dx, "linear dx");
+  if (dw) accumulate(gw, *dw, "linear dw");
   if (dbias) {
-    check_shape(*dbias, {N}, "linear dbias");
     const std::vector<double> g = load(dy2, "linear dy");
     std::vector<double> gb(N, 0.0);
     for (int64_t i = 0; i < M; ++i)
@@ -258,16 +220,8 @@ void for_each_logits_chunk(const Tensor& hidden, const Tensor& lm_head, float te
   }
 }
 
-void check_logprobs_args(const Tensor& hidden, const Tensor& lm_head, const std::vector<int32_t>& targets,
-                         float temperature) {
-  check_float(hidden, "token_logprobs hidden");
-  check_float(lm_head, "token_logprobs lm_head");
-  FP8RL_CHECK(hidden.ndim() == 2 && lm_head.ndim() == 2 && hidden.dim(1) == lm_head.dim(1),
-              "token_logprobs needs hidden [T, D] and lm_head [V, D], got ", hidden.str(), " and ", lm_head.str());
-  FP8RL_CHECK(static_cast<int64_t>(targets.size()) == hidden.dim(0), "token_logprobs: ", targets.size(),
-              " targets for ", hidden.dim(0), " tokens");
-  FP8RL_CHECK(temperature > 0 && std::isfinite(temperature), "token_logprobs temperature must be > 0, got ",
-              temperature);
+// Data the contract cannot see without reading it: each target inside the vocabulary.
+void check_targets(const Tensor& lm_head, const std::vector<int32_t>& targets) {
   for (size_t t = 0; t < targets.size(); ++t)
     FP8RL_CHECK(targets[t] >= 0 && targets[t] < lm_head.dim(0), "token_logprobs: target ", targets[t],
                 " of token ", t, " is outside the vocabulary [0, ", lm_head.dim(0), ")");
@@ -275,15 +229,12 @@ void check_logprobs_args(const Tensor& hidden, const Tensor& lm_head, const std:
 
 }  // namespace
 
-void CpuBackend::token_logprobs(const Tensor& hidden, const Tensor& lm_head, const Tensor& targets,
-                                float temperature, const LinearSpec& spec, Tensor& logp, Tensor& lse,
-                                Tensor* entropy) {
+void CpuBackend::token_logprobs_impl(const Tensor& hidden, const Tensor& lm_head, const Tensor& targets,
+                                     float temperature, const LinearSpec& spec, Tensor& logp, Tensor& lse,
+                                     Tensor* entropy) {
   const std::vector<int32_t> tgt = load_i32(targets, "token_logprobs targets");
-  check_logprobs_args(hidden, lm_head, tgt, temperature);
+  check_targets(lm_head, tgt);
   const int64_t T = hidden.dim(0);
-  check_shape(logp, {T}, "token_logprobs logp");
-  check_shape(lse, {T}, "token_logprobs lse");
-  if (entropy) check_shape(*entropy, {T}, "token_logprobs entropy");
   // Online log-sum-exp per token: running max m, S = sum e^(z-m), Z = sum e^(z-m) z.
   std::vector<double> m(T, -INFINITY), S(T, 0.0), Z(T, 0.0), zt(T, 0.0);
   const std::vector<double> h_eff = linear_operand_act(hidden, spec.mode, spec.pow2_scales);
@@ -320,16 +271,12 @@ void CpuBackend::token_logprobs(const Tensor& hidden, const Tensor& lm_head, con
 
 // d logp[t] / d z[t, v] = [v == target] - p[t, v]; z = raw / temperature. The raw-logit
 // gradient goes through the lm_head GEMM's backward in `spec` numerics (as linear_backward).
-void CpuBackend::token_logprobs_backward(const Tensor& hidden, const Tensor& lm_head, const Tensor& targets,
-                                         float temperature, const LinearSpec& spec, const Tensor& lse,
-                                         const Tensor& dlogp, Tensor& dhidden, Tensor* dlm_head) {
+void CpuBackend::token_logprobs_backward_impl(const Tensor& hidden, const Tensor& lm_head, const Tensor& targets,
+                                              float temperature, const LinearSpec& spec, const Tensor& lse,
+                                              const Tensor& dlogp, Tensor& dhidden, Tensor* dlm_head) {
   const std::vector<int32_t> tgt = load_i32(targets, "token_logprobs targets");
-  check_logprobs_args(hidden, lm_head, tgt, temperature);
+  check_targets(lm_head, tgt);
   const int64_t T = hidden.dim(0), D = hidden.dim(1);
-  check_shape(lse, {T}, "token_logprobs lse");
-  check_shape(dlogp, {T}, "token_logprobs dlogp");
-  check_shape(dhidden, {T, D}, "token_logprobs dhidden");
-  if (dlm_head) check_shape(*dlm_head, lm_head.shape(), "token_logprobs dlm_head");
   const std::vector<double> vlse = load(lse, "token_logprobs lse"), g = load(dlogp, "token_logprobs dlogp");
   const std::vector<double> h_eff = linear_operand_act(hidden, spec.mode, spec.pow2_scales);
   std::vector<double> dh(T * D, 0.0);

@@ -24,20 +24,10 @@ std::vector<double> softmax_rows(const std::vector<double>& z, int64_t T, int64_
   return p;
 }
 
-void check_route_shapes(const Tensor& logits, const Tensor& experts, int64_t k, const char* op) {
-  check_float(logits, op);
-  FP8RL_CHECK(logits.ndim() == 2, op, ": logits must be [T, E], got ", logits.str());
-  FP8RL_CHECK(k >= 1 && k <= logits.dim(1), op, ": top_k (", k, ") must be in [1, E = ", logits.dim(1), "]");
-  check_shape(experts, {logits.dim(0), k}, "moe experts");
-  check_dtype(experts, DType::I32, "moe experts");
-}
-
 }  // namespace
 
-void CpuBackend::moe_route_softmax(const Tensor& logits, int top_k, bool renormalize, Tensor& experts,
-                                   Tensor& weights) {
-  check_route_shapes(logits, experts, top_k, "moe_route_softmax");
-  check_shape(weights, {logits.dim(0), top_k}, "moe_route_softmax weights");
+void CpuBackend::moe_route_softmax_impl(const Tensor& logits, int top_k, bool renormalize, Tensor& experts,
+                                        Tensor& weights) {
   const int64_t T = logits.dim(0), E = logits.dim(1), k = top_k;
   const std::vector<double> p = softmax_rows(load(logits, "moe logits"), T, E);
   std::vector<double> w(T * k);
@@ -58,13 +48,9 @@ void CpuBackend::moe_route_softmax(const Tensor& logits, int top_k, bool renorma
 
 // With s_j = p[e_j] and w = s (or s / S, S = sum s):  ds_j = dw_j (or (dw_j - sum_i dw_i w_i) / S);
 // then dz_e = p_e (g_e - sum_j ds_j s_j), g_e = ds_j for e = e_j, else 0.
-void CpuBackend::moe_route_softmax_backward(const Tensor& logits, const Tensor& experts, bool renormalize,
-                                            const Tensor& dweights, Tensor& dlogits) {
-  const int64_t k = experts.ndim() == 2 ? experts.dim(1) : 0;
-  check_route_shapes(logits, experts, k, "moe_route_softmax_backward");
-  const int64_t T = logits.dim(0), E = logits.dim(1);
-  check_shape(dweights, {T, k}, "moe_route_softmax_backward dweights");
-  check_shape(dlogits, {T, E}, "moe_route_softmax_backward dlogits");
+void CpuBackend::moe_route_softmax_backward_impl(const Tensor& logits, const Tensor& experts, bool renormalize,
+                                                 const Tensor& dweights, Tensor& dlogits) {
+  const int64_t T = logits.dim(0), E = logits.dim(1), k = experts.dim(1);
   const std::vector<double> p = softmax_rows(load(logits, "moe logits"), T, E);
   const std::vector<double> dw = load(dweights, "moe dweights");
   const std::vector<int32_t> ex = load_i32(experts, "moe experts");
@@ -87,22 +73,12 @@ void CpuBackend::moe_route_softmax_backward(const Tensor& logits, const Tensor& 
   store(dz, dlogits, "moe_route_softmax_backward dlogits");
 }
 
-void CpuBackend::moe_route_sigmoid(const Tensor& logits, const Tensor* bias, int top_k, int n_group, int topk_group,
-                                   bool renormalize, float scaling, Tensor& experts, Tensor& weights) {
-  check_route_shapes(logits, experts, top_k, "moe_route_sigmoid");
-  check_shape(weights, {logits.dim(0), top_k}, "moe_route_sigmoid weights");
-  const int64_t T = logits.dim(0), E = logits.dim(1), k = top_k;
-  FP8RL_CHECK(n_group >= 1 && E % n_group == 0 && topk_group >= 1 && topk_group <= n_group,
-              "moe_route_sigmoid: n_group (", n_group, ") must divide E (", E, ") and 1 <= topk_group (", topk_group,
-              ") <= n_group");
-  const int64_t G = E / n_group;
-  FP8RL_CHECK(k <= topk_group * G, "moe_route_sigmoid: top_k (", k, ") exceeds the experts of the kept groups (",
-              topk_group * G, ")");
+void CpuBackend::moe_route_sigmoid_impl(const Tensor& logits, const Tensor* bias, int top_k, int n_group,
+                                        int topk_group, bool renormalize, float scaling, Tensor& experts,
+                                        Tensor& weights) {
+  const int64_t T = logits.dim(0), E = logits.dim(1), k = top_k, G = E / n_group;
   std::vector<double> b(E, 0.0);
-  if (bias) {
-    check_shape(*bias, {E}, "moe_route_sigmoid bias");
-    b = load(*bias, "moe_route_sigmoid bias");
-  }
+  if (bias) b = load(*bias, "moe_route_sigmoid bias");
   const std::vector<double> z = load(logits, "moe logits");
   std::vector<double> w(T * k), s(E), c(E), gs(n_group);
   for (int64_t t = 0; t < T; ++t) {
@@ -140,13 +116,9 @@ void CpuBackend::moe_route_sigmoid(const Tensor& logits, const Tensor* bias, int
 
 // w_j = a s_j / S' (S' = sum s + 1e-20) or a s_j:  ds_i = (a / S') (dw_i - sum_j dw_j s_j / S')
 // or a dw_i;  dz_i = ds_i s_i (1 - s_i).
-void CpuBackend::moe_route_sigmoid_backward(const Tensor& logits, const Tensor& experts, bool renormalize,
-                                            float scaling, const Tensor& dweights, Tensor& dlogits) {
-  const int64_t k = experts.ndim() == 2 ? experts.dim(1) : 0;
-  check_route_shapes(logits, experts, k, "moe_route_sigmoid_backward");
-  const int64_t T = logits.dim(0), E = logits.dim(1);
-  check_shape(dweights, {T, k}, "moe_route_sigmoid_backward dweights");
-  check_shape(dlogits, {T, E}, "moe_route_sigmoid_backward dlogits");
+void CpuBackend::moe_route_sigmoid_backward_impl(const Tensor& logits, const Tensor& experts, bool renormalize,
+                                                 float scaling, const Tensor& dweights, Tensor& dlogits) {
+  const int64_t T = logits.dim(0), E = logits.dim(1), k = experts.dim(1);
   const std::vector<double> z = load(logits, "moe logits"), dw = load(dweights, "moe dweights");
   const std::vector<int32_t> ex = load_i32(experts, "moe experts");
   std::vector<double> dz(T * E, 0.0);
@@ -163,19 +135,13 @@ void CpuBackend::moe_route_sigmoid_backward(const Tensor& logits, const Tensor& 
   store(dz, dlogits, "moe_route_sigmoid_backward dlogits");
 }
 
-void CpuBackend::moe_permute(const Tensor& x, const Tensor& row_slot, int top_k, const Tensor* weights,
-                             Tensor& out) {
-  check_float(x, "moe_permute x");
-  FP8RL_CHECK(x.ndim() == 2 && top_k >= 1, "moe_permute: x must be [T, D] and top_k >= 1, got ", x.str(), ", ", top_k);
+void CpuBackend::moe_permute_impl(const Tensor& x, const Tensor& row_slot, int top_k, const Tensor* weights,
+                                  Tensor& out) {
   const int64_t T = x.dim(0), D = x.dim(1), S = T * top_k;
   const std::vector<int32_t> rs = load_i32(row_slot, "moe_permute row_slot");
   const int64_t R = static_cast<int64_t>(rs.size());
-  check_shape(out, {R, D}, "moe_permute out");
   std::vector<double> w;
-  if (weights) {
-    check_shape(*weights, {S}, "moe_permute weights");
-    w = load(*weights, "moe_permute weights");
-  }
+  if (weights) w = load(*weights, "moe_permute weights");
   const std::vector<double> vx = load(x, "moe_permute x");
   std::vector<double> o(R * D);
   for (int64_t r = 0; r < R; ++r) {
@@ -187,20 +153,12 @@ void CpuBackend::moe_permute(const Tensor& x, const Tensor& row_slot, int top_k,
   store(o, out, "moe_permute out");
 }
 
-void CpuBackend::moe_unpermute(const Tensor& y, const Tensor& slot_row, const Tensor* weights, Tensor& out) {
-  check_float(y, "moe_unpermute y");
-  FP8RL_CHECK(y.ndim() == 2 && out.ndim() == 2 && out.dim(1) == y.dim(1) && out.dim(0) > 0,
-              "moe_unpermute: y [R, D] and out [T, D] expected, got ", y.str(), ", ", out.str());
+void CpuBackend::moe_unpermute_impl(const Tensor& y, const Tensor& slot_row, const Tensor* weights, Tensor& out) {
   const int64_t R = y.dim(0), D = y.dim(1), T = out.dim(0);
   const std::vector<int32_t> sr = load_i32(slot_row, "moe_unpermute slot_row");
-  const int64_t S = static_cast<int64_t>(sr.size());
-  FP8RL_CHECK(S % T == 0 && S > 0, "moe_unpermute: slot_row has ", S, " entries, not a multiple of T = ", T);
-  const int64_t k = S / T;
+  const int64_t S = static_cast<int64_t>(sr.size()), k = S / T;
   std::vector<double> w;
-  if (weights) {
-    check_shape(*weights, {S}, "moe_unpermute weights");
-    w = load(*weights, "moe_unpermute weights");
-  }
+  if (weights) w = load(*weights, "moe_unpermute weights");
   const std::vector<double> vy = load(y, "moe_unpermute y");
   std::vector<double> o(T * D, 0.0);
   for (int64_t t = 0; t < T; ++t)
@@ -213,17 +171,11 @@ void CpuBackend::moe_unpermute(const Tensor& y, const Tensor& slot_row, const Te
   store(o, out, "moe_unpermute out");
 }
 
-void CpuBackend::moe_unpermute_backward_weights(const Tensor& dout, const Tensor& y, const Tensor& slot_row,
-                                                Tensor& dweights) {
-  FP8RL_CHECK(y.ndim() == 2 && dout.ndim() == 2 && dout.dim(1) == y.dim(1) && dout.dim(0) > 0,
-              "moe_unpermute_backward_weights: dout [T, D] and y [R, D] expected, got ", dout.str(), ", ", y.str());
+void CpuBackend::moe_unpermute_backward_weights_impl(const Tensor& dout, const Tensor& y, const Tensor& slot_row,
+                                                     Tensor& dweights) {
   const int64_t R = y.dim(0), D = y.dim(1), T = dout.dim(0);
   const std::vector<int32_t> sr = load_i32(slot_row, "moe_unpermute_backward_weights slot_row");
-  const int64_t S = static_cast<int64_t>(sr.size());
-  FP8RL_CHECK(S % T == 0 && S > 0, "moe_unpermute_backward_weights: slot_row has ", S,
-              " entries, not a multiple of T = ", T);
-  check_shape(dweights, {S}, "moe_unpermute_backward_weights dweights");
-  const int64_t k = S / T;
+  const int64_t S = static_cast<int64_t>(sr.size()), k = S / T;
   const std::vector<double> g = load(dout, "moe dout"), vy = load(y, "moe y");
   std::vector<double> dw(S, 0.0);
   for (int64_t s = 0; s < S; ++s) {

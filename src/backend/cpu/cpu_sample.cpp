@@ -135,42 +135,25 @@ RowResult row_gumbel(const double* row, int64_t V, int64_t ld, float tau, const 
   return {static_cast<int32_t>(tok), row[tok] / tau - row_lse(row, V, ld, tau, mx)};
 }
 
-void check_outputs(const Tensor& logits, int64_t valid_vocab, const Tensor& tokens, const Tensor& logp,
-                   int64_t& B, int64_t& ld, int64_t& V) {
-  check_float(logits, "sample logits");
-  FP8RL_CHECK(logits.ndim() == 2 && logits.dim(1) > 0, "sample logits must be [B, V], got ", logits.str());
+// Rows B, row length ld and drawable ids V of logits [B, ld] (the contract checked the shapes).
+void row_dims(const Tensor& logits, int64_t valid_vocab, int64_t& B, int64_t& ld, int64_t& V) {
   B = logits.dim(0), ld = logits.dim(1);
-  FP8RL_CHECK(valid_vocab >= 0 && valid_vocab <= ld, "sample: valid_vocab ", valid_vocab,
-              " must be in [0, V = ", ld, "] (0: all V)");
   V = valid_vocab > 0 ? valid_vocab : ld;  // the row's sampled ids [0, V)
-  check_cpu(tokens, "sample tokens");
-  check_dtype(tokens, DType::I32, "sample tokens");
-  check_shape(tokens, {B}, "sample tokens");
-  check_shape(logp, {B}, "sample logp");
 }
 
 }  // namespace
 
-void CpuBackend::sample(const Tensor& logits, const std::vector<float>& temperature, const std::vector<float>& top_p,
-                        const std::vector<int>& top_k, const std::vector<float>& uniforms, Tensor& tokens,
-                        Tensor& logp, int64_t valid_vocab) {
+void CpuBackend::sample_impl(const Tensor& logits, const std::vector<float>& temperature,
+                             const std::vector<float>& top_p, const std::vector<int>& top_k,
+                             const std::vector<float>& uniforms, Tensor& tokens, Tensor& logp, int64_t valid_vocab) {
   int64_t B, ld, V;
-  check_outputs(logits, valid_vocab, tokens, logp, B, ld, V);
-  const auto n = static_cast<size_t>(B);
-  FP8RL_CHECK(temperature.size() == n && top_p.size() == n && top_k.size() == n && uniforms.size() == n,
-              "sample needs one temperature, top_p, top_k and uniform per row (", B, " rows), got ",
-              temperature.size(), ", ", top_p.size(), ", ", top_k.size(), ", ", uniforms.size());
+  row_dims(logits, valid_vocab, B, ld, V);
   const std::vector<double> x = load(logits, "sample logits");
   std::vector<double> lp(B);
   std::vector<int64_t> order;
   for (int64_t b = 0; b < B; ++b) {
     const double* row = x.data() + b * ld;
     const float tau = temperature[b];
-    FP8RL_CHECK(std::isfinite(tau) && tau >= 0, "sample: temperature of row ", b, " must be >= 0, got ", tau);
-    FP8RL_CHECK(top_p[b] > 0 && top_p[b] <= 1, "sample: top_p of row ", b, " must be in (0, 1], got ", top_p[b]);
-    FP8RL_CHECK(top_k[b] >= 0, "sample: top_k of row ", b, " must be >= 0, got ", top_k[b]);
-    FP8RL_CHECK(uniforms[b] >= 0 && uniforms[b] < 1, "sample: uniform of row ", b, " must be in [0, 1), got ",
-                uniforms[b]);
     const double mx = check_row(row, V, ld, b);
     const RowResult r = tau == 0 ? row_greedy(row, V, mx)
                                  : row_inverse_cdf(row, V, ld, tau, top_p[b], top_k[b], uniforms[b], mx, order);
@@ -180,13 +163,11 @@ void CpuBackend::sample(const Tensor& logits, const std::vector<float>& temperat
   store(lp, logp, "sample logp");
 }
 
-void CpuBackend::sample_rows(const Tensor& logits, const Tensor& rows, bool truncation, Tensor& tokens, Tensor& logp,
-                             int64_t valid_vocab) {
+void CpuBackend::sample_rows_impl(const Tensor& logits, const Tensor& rows, bool truncation, Tensor& tokens,
+                                  Tensor& logp, int64_t valid_vocab) {
   int64_t B, ld, V;
-  check_outputs(logits, valid_vocab, tokens, logp, B, ld, V);
-  check_cpu(rows, "sample_rows rows");
-  check_dtype(rows, DType::I32, "sample_rows rows");
-  check_shape(rows, {B, 8}, "sample_rows rows (one SampleRow each)");
+  row_dims(logits, valid_vocab, B, ld, V);
+  // The rows' parameters are data (on the device on the GPU): checked here, as the GPU checks them.
   std::vector<SampleRow> params(B);
   if (B > 0) std::memcpy(params.data(), rows.raw(), static_cast<size_t>(B) * sizeof(SampleRow));
   for (int64_t b = 0; b < B; ++b) {
@@ -198,8 +179,7 @@ void CpuBackend::sample_rows(const Tensor& logits, const Tensor& rows, bool trun
                 " but the call says no row truncates (pass truncation = true)");
     FP8RL_CHECK(p.top_p > 0 && p.top_p <= 1, "sample: top_p of row ", b, " must be in (0, 1], got ", p.top_p);
     FP8RL_CHECK(p.top_k >= 0, "sample: top_k of row ", b, " must be >= 0, got ", p.top_k);
-    FP8RL_CHECK(p.uniform >= 0 && p.uniform < 1, "sample: uniform of row ", b, " must be in [0, 1), got ",
-                p.uniform);
+    FP8RL_CHECK(p.uniform >= 0 && p.uniform < 1, "sample: uniform of row ", b, " must be in [0, 1), got ", p.uniform);
   }
   const std::vector<double> x = load(logits, "sample logits");
   std::vector<double> lp(B);
@@ -211,7 +191,7 @@ void CpuBackend::sample_rows(const Tensor& logits, const Tensor& rows, bool trun
       const double* row = x.data() + b * ld;
       const SampleRow& p = params[b];
       const double mx = check_row(row, V, ld, b);
-      const RowResult r = p.temperature == 0   ? row_greedy(row, V, mx)
+      const RowResult r = p.temperature == 0 ? row_greedy(row, V, mx)
                           : sample_row_truncates(p)
                               ? row_inverse_cdf(row, V, ld, p.temperature, p.top_p, p.top_k, p.uniform, mx, order)
                               : row_gumbel(row, V, ld, p.temperature, p, mx);

@@ -20,38 +20,22 @@ namespace cuda {
 
 namespace {
 
-bool is_float(DType t) { return t == DType::F32 || t == DType::BF16; }
-
 void check_float(const Tensor& t, const char* what) {
-  FP8RL_CHECK(is_float(t.dtype()), what, " must be F32 or BF16 on the CUDA backend, got ", t.str());
-}
-
-void check_same_numel(const Tensor& a, const Tensor& b, const char* what) {
-  FP8RL_CHECK(a.numel() == b.numel(), what, ": element counts differ (", a.str(), " vs ", b.str(), ")");
+  FP8RL_CHECK(t.dtype() == DType::F32 || t.dtype() == DType::BF16, what, " must be F32 or BF16 on the CUDA backend, got ",
+              t.str());
 }
 
 // [.., K] -> rows of K.
 int64_t rows_of(const Tensor& t) { return t.ndim() == 0 ? 1 : t.numel() / std::max<int64_t>(t.dim(-1), 1); }
 
-// A defined W.wq as the FP8 ops take it (backend.h, LinearWeight): on the GPU, E4M3 [N, K] in
-// 128x128 blocks, w's shape when w is defined, quantized with the spec's pow2 setting.
-void check_wq(const LinearWeight& W, const LinearSpec& spec) {
-  const QuantTensor& q = W.wq;
-  FP8RL_CHECK(q.data.device() == DeviceKind::CUDA && q.scales.device() == DeviceKind::CUDA,
-              "linear W.wq must be on the GPU, got ", q.data.str());
-  FP8RL_CHECK(q.block_rows == kQuantBlock && q.block_cols == kQuantBlock, "linear W.wq must have 128x128 blocks, got ",
-              q.block_rows, "x", q.block_cols);
-  check_dtype(q.data, DType::E4M3, "linear W.wq data");
-  FP8RL_CHECK(q.data.ndim() == 2, "linear W.wq must be [N, K], got ", q.data.str());
-  check_shape(q.scales, {ceil_div(q.rows(), kQuantBlock), ceil_div(q.cols(), kQuantBlock)}, "linear W.wq scales");
-  check_dtype(q.scales, DType::F32, "linear W.wq scales");
-  if (W.w.defined())
-    FP8RL_CHECK(W.w.ndim() == 2 && q.rows() == W.w.dim(0) && q.cols() == W.w.dim(1), "linear W.wq ", q.data.str(),
-                " does not match w ", W.w.str());
-  FP8RL_CHECK(q.pow2 == spec.pow2_scales, "linear W.wq was quantized with pow2=", q.pow2, " but the spec asks pow2=",
-              spec.pow2_scales, " (requantize the weight with the recipe's scales)");
+// The CUDA kernels' own limit: one dtype for all the tensors of a call (the CPU reference reads
+// and writes each tensor in its own dtype).
+void one_dtype(std::initializer_list<const Tensor*> ts, const char* op) {
+  const Tensor& first = **ts.begin();
+  for (const Tensor* t : ts)
+    FP8RL_CHECK(t->dtype() == first.dtype(), op, ": the CUDA kernels take one dtype for all tensors, got ",
+                first.str(), " and ", t->str());
 }
-
 
 // A BF16 weight gradient (train.grad_dtype: bf16; backend.h) is accumulated through an F32 copy:
 // widened exactly, the op's F32 path adds its contribution, rounded back once.
@@ -165,12 +149,8 @@ QuantTensor CudaBackend::scratch_quant(Slot data_slot, Slot scale_slot, int64_t 
   return q;
 }
 
-void CudaBackend::copy(const Tensor& src, Tensor& dst) {
+void CudaBackend::copy_impl(const Tensor& src, Tensor& dst) {
   const OpTimer op_timer_(*this, "copy");
-  FP8RL_CHECK(src.defined() && dst.defined(), "copy: undefined tensor");
-  FP8RL_CHECK(src.dtype() == dst.dtype(), "copy: dtypes differ (", src.str(), " -> ", dst.str(),
-              "); use convert for dtype changes");
-  check_same_numel(src, dst, "copy");
   const size_t n = src.nbytes();
   if (n == 0) return;
   const bool sd = src.device() == DeviceKind::CUDA, dd = dst.device() == DeviceKind::CUDA;
@@ -188,21 +168,17 @@ void CudaBackend::copy(const Tensor& src, Tensor& dst) {
   }
 }
 
-void CudaBackend::convert(const Tensor& src, Tensor& dst) {
+void CudaBackend::convert_impl(const Tensor& src, Tensor& dst) {
   const OpTimer op_timer_(*this, "convert");
-  check_dev(src, "convert source");
-  check_dev(dst, "convert destination");
-  check_same_numel(src, dst, "convert");
   if (src.dtype() == dst.dtype()) {
-    copy(src, dst);
+    copy_impl(src, dst);
     return;
   }
   launch_convert(src.raw(), src.dtype(), dst.raw(), dst.dtype(), src.numel(), stream_);
 }
 
-void CudaBackend::fill(Tensor& t, float value) {
+void CudaBackend::fill_impl(Tensor& t, float value) {
   const OpTimer op_timer_(*this, "fill");
-  check_dev(t, "fill target");
   launch_fill(t.raw(), t.dtype(), t.numel(), value, stream_);
 }
 
@@ -363,25 +339,18 @@ std::unique_ptr<OpGraph> CudaBackend::record(const std::function<void()>& ops) {
 
 // ---- element-wise ----------------------------------------------------------------------------
 
-void CudaBackend::add(const Tensor& a, const Tensor& b, Tensor& out) {
+void CudaBackend::add_impl(const Tensor& a, const Tensor& b, Tensor& out) {
   const OpTimer op_timer_(*this, "add");
-  check_dev(a, "add a");
-  check_dev(b, "add b");
-  check_dev(out, "add out");
-  check_same_numel(a, b, "add");
-  check_same_numel(a, out, "add");
   launch_add(a.raw(), a.dtype(), b.raw(), b.dtype(), out.raw(), out.dtype(), a.numel(), stream_);
 }
 
-void CudaBackend::scale(Tensor& x, float s) {
+void CudaBackend::scale_impl(Tensor& x, float s) {
   const OpTimer op_timer_(*this, "scale");
-  check_dev(x, "scale x");
   launch_scale(x.raw(), x.dtype(), x.numel(), s, stream_);
 }
 
-double CudaBackend::sum_squares(const Tensor& x) {
+double CudaBackend::sum_squares_impl(const Tensor& x) {
   const OpTimer op_timer_(*this, "sum_squares");
-  check_dev(x, "sum_squares x");
   Tensor acc = scratch(kSlotState, {1}, DType::F64);
   CUDA_CHECK(cudaMemsetAsync(acc.raw(), 0, sizeof(double), stream_), "zeroing the sum");
   launch_sum_squares(x.raw(), x.dtype(), x.numel(), acc.data<double>(), stream_);
@@ -392,9 +361,8 @@ double CudaBackend::sum_squares(const Tensor& x) {
   return h;
 }
 
-bool CudaBackend::all_finite(const Tensor& x) {
+bool CudaBackend::all_finite_impl(const Tensor& x) {
   const OpTimer op_timer_(*this, "all_finite");
-  check_dev(x, "all_finite x");
   flag_drain();  // earlier ops' errors first: this op reads its flag itself
   int* f = flag_reset();
   launch_flag_nonfinite(x.raw(), x.dtype(), x.numel(), f, stream_);
@@ -403,10 +371,8 @@ bool CudaBackend::all_finite(const Tensor& x) {
   return *flag_host_ == 0;
 }
 
-float CudaBackend::amax(const Tensor& x) {
+float CudaBackend::amax_impl(const Tensor& x) {
   const OpTimer op_timer_(*this, "amax");
-  check_dev(x, "amax x");
-  check_float(x, "amax x");
   // Non-negative floats order like their bit patterns: an atomicMax on the bits of |x|; a NaN
   // (bits above +inf's) wins and comes back as NaN, as the interface asks.
   Tensor acc = scratch(kSlotState, {1}, DType::I32);
@@ -423,96 +389,54 @@ float CudaBackend::amax(const Tensor& x) {
 
 // ---- model ops ---------------------------------------------------------------------------------
 
-void CudaBackend::embedding(const Tensor& ids, const Tensor& table, Tensor& out) {
+void CudaBackend::embedding_impl(const Tensor& ids, const Tensor& table, Tensor& out) {
   const OpTimer op_timer_(*this, "embedding");
-  check_dev(ids, "embedding ids");
-  check_dev(table, "embedding table");
-  check_dev(out, "embedding out");
-  check_dtype(ids, DType::I32, "embedding ids");
-  FP8RL_CHECK(table.ndim() == 2, "embedding table must be [V, D], got ", table.str());
   const int64_t T = ids.numel(), V = table.dim(0), D = table.dim(1);
-  check_shape(out, {T, D}, "embedding out");
   launch_embedding(ids.data<int32_t>(), T, table.raw(), table.dtype(), V, D, out.raw(), out.dtype(), flag_reset(),
                    stream_);
   flag_check("embedding: a token id is out of range [0, " + std::to_string(V) +
              "); check the tokenizer against the model's vocab_size");
 }
 
-void CudaBackend::embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable) {
+void CudaBackend::embedding_backward_impl(const Tensor& ids, const Tensor& dout, Tensor& dtable) {
   if (is_bf16_grad(&dtable)) {
     Tensor d32 = grad_widen(*this, &dtable);
-    embedding_backward(ids, dout, d32);
+    embedding_backward_impl(ids, dout, d32);
     grad_narrow(*this, d32, &dtable);
     return;
   }
   const OpTimer op_timer_(*this, "embedding_backward");
-  check_dev(ids, "embedding ids");
-  check_dev(dout, "embedding dout");
-  check_dev(dtable, "embedding dtable");
-  check_dtype(ids, DType::I32, "embedding ids");
-  check_dtype(dtable, DType::F32, "embedding dtable");
   const int64_t T = ids.numel(), V = dtable.dim(0), D = dtable.dim(1);
-  check_shape(dout, {T, D}, "embedding dout");
   launch_embedding_backward(ids.data<int32_t>(), T, dout.raw(), dout.dtype(), V, D, dtable.data<float>(),
                             flag_reset(), stream_);
   flag_check("embedding_backward: a token id is out of range [0, " + std::to_string(V) + ")");
 }
 
-void CudaBackend::rmsnorm(const Tensor& x, const Tensor& w, float eps, Tensor& out, Tensor* rstd) {
+void CudaBackend::rmsnorm_impl(const Tensor& x, const Tensor& w, float eps, Tensor& out, Tensor* rstd) {
   const OpTimer op_timer_(*this, "rmsnorm");
-  check_dev(x, "rmsnorm x");
-  check_dev(w, "rmsnorm w");
-  check_dev(out, "rmsnorm out");
   const int64_t D = x.dim(-1), R = rows_of(x);
-  check_shape(w, {D}, "rmsnorm w");
-  FP8RL_CHECK(out.shape() == x.shape(), "rmsnorm out must have x's shape ", shape_str(x.shape()), ", got ", out.str());
-  float* rs = nullptr;
-  if (rstd && rstd->defined()) {
-    check_dev(*rstd, "rmsnorm rstd");
-    check_dtype(*rstd, DType::F32, "rmsnorm rstd");
-    FP8RL_CHECK(rstd->numel() == R, "rmsnorm rstd must have ", R, " elements, got ", rstd->str());
-    rs = rstd->data<float>();
-  }
+  float* rs = rstd ? rstd->data<float>() : nullptr;
   launch_rmsnorm(x.raw(), x.dtype(), w.raw(), w.dtype(), R, D, eps, out.raw(), out.dtype(), rs, stream_);
 }
 
-void CudaBackend::rmsnorm_backward(const Tensor& dout, const Tensor& x, const Tensor& w, const Tensor& rstd,
-                                   Tensor& dx, Tensor& dw) {
+void CudaBackend::rmsnorm_backward_impl(const Tensor& dout, const Tensor& x, const Tensor& w, const Tensor& rstd,
+                                        Tensor& dx, Tensor& dw) {
   if (is_bf16_grad(&dw)) {
     Tensor dw32 = grad_widen(*this, &dw);
-    rmsnorm_backward(dout, x, w, rstd, dx, dw32);
+    rmsnorm_backward_impl(dout, x, w, rstd, dx, dw32);
     grad_narrow(*this, dw32, &dw);
     return;
   }
   const OpTimer op_timer_(*this, "rmsnorm_backward");
-  check_dev(dout, "rmsnorm dout");
-  check_dev(x, "rmsnorm x");
-  check_dev(w, "rmsnorm w");
-  check_dev(rstd, "rmsnorm rstd");
-  check_dev(dx, "rmsnorm dx");
-  check_dev(dw, "rmsnorm dw");
   const int64_t D = x.dim(-1), R = rows_of(x);
-  FP8RL_CHECK(dout.shape() == x.shape() && dx.shape() == x.shape(), "rmsnorm_backward: dout/dx must have x's shape");
-  check_dtype(rstd, DType::F32, "rmsnorm rstd");
-  check_dtype(dw, DType::F32, "rmsnorm dw");
-  check_shape(dw, {D}, "rmsnorm dw");
   launch_rmsnorm_backward(dout.raw(), dout.dtype(), x.raw(), x.dtype(), w.raw(), w.dtype(), rstd.data<float>(), R, D,
                           dx.raw(), dx.dtype(), dw.data<float>(), stream_);
 }
 
 // One strided 2-D copy on the stream (rows of `cols` elements at pitches Cs and Cd).
-void CudaBackend::copy_cols(const Tensor& src, int64_t src_col, Tensor& dst, int64_t dst_col, int64_t cols) {
+void CudaBackend::copy_cols_impl(const Tensor& src, int64_t src_col, Tensor& dst, int64_t dst_col, int64_t cols) {
   const OpTimer op_timer_(*this, "copy_cols");
-  check_dev(src, "copy_cols source");
-  check_dev(dst, "copy_cols destination");
-  FP8RL_CHECK(src.dtype() == dst.dtype() && src.ndim() >= 1 && dst.ndim() >= 1, "copy_cols needs two tensors of one "
-              "dtype: ", src.str(), " -> ", dst.str());
   const int64_t cs = src.dim(src.ndim() - 1), cd = dst.dim(dst.ndim() - 1);
-  FP8RL_CHECK(cs > 0 && cd > 0 && src.numel() / cs == dst.numel() / cd, "copy_cols: ", src.str(), " and ", dst.str(),
-              " do not have the same number of rows");
-  FP8RL_CHECK(cols >= 0 && src_col >= 0 && dst_col >= 0 && src_col + cols <= cs && dst_col + cols <= cd,
-              "copy_cols: columns [", src_col, ", ", src_col + cols, ") of ", src.str(), " -> [", dst_col, ", ",
-              dst_col + cols, ") of ", dst.str(), " out of range");
   const int64_t R = src.numel() / cs;
   const size_t es = dtype_size(src.dtype());
   if (R == 0 || cols == 0) return;
@@ -522,42 +446,28 @@ void CudaBackend::copy_cols(const Tensor& src, int64_t src_col, Tensor& dst, int
              "copying columns of ", src.str(), " to ", dst.str());
 }
 
-void CudaBackend::rope(Tensor& x, const Tensor& positions, const RopeParams& rope, bool inverse) {
+void CudaBackend::rope_impl(Tensor& x, const Tensor& positions, const RopeParams& rope, bool inverse) {
+  // The kernel's own limits: rotate_half pairs only, and the frequency table it takes by value.
   FP8RL_CHECK(!rope.interleaved, "rope: the interleaved layout (DeepSeek-V3 rope_interleave, MLA) is implemented on "
               "the CPU backend only; the CUDA rope kernel rotates rotate_half pairs");
   const OpTimer op_timer_(*this, "rope");
-  check_dev(x, "rope x");
-  check_dev(positions, "rope positions");
-  check_dtype(positions, DType::I32, "rope positions");
-  FP8RL_CHECK(x.ndim() == 3, "rope x must be [T, H, head_dim], got ", x.str());
   const int64_t T = x.dim(0), H = x.dim(1), hd = x.dim(2);
-  FP8RL_CHECK(hd % 2 == 0 && static_cast<int64_t>(rope.inv_freq.size()) == hd / 2, "rope: inv_freq must have ",
-              "head_dim / 2 = ", hd / 2, " entries, got ", rope.inv_freq.size());
   FP8RL_CHECK(hd / 2 <= kMaxRopeHalf, "rope: head_dim up to ", 2 * kMaxRopeHalf, " supported, got ", hd);
-  check_shape(positions, {T}, "rope positions");
   RopeTable tab{};
   std::copy(rope.inv_freq.begin(), rope.inv_freq.end(), tab.inv_freq);
   launch_rope(x.raw(), x.dtype(), T, H, hd, positions.data<int32_t>(), tab, rope.attention_scaling, inverse, stream_);
 }
 
-void CudaBackend::swiglu(const Tensor& gate, const Tensor& up, Tensor& out) {
+void CudaBackend::swiglu_impl(const Tensor& gate, const Tensor& up, Tensor& out) {
   const OpTimer op_timer_(*this, "swiglu");
-  check_dev(gate, "swiglu gate");
-  check_dev(up, "swiglu up");
-  check_dev(out, "swiglu out");
-  FP8RL_CHECK(gate.shape() == up.shape() && out.shape() == gate.shape(), "swiglu: gate, up and out must have one shape");
-  FP8RL_CHECK(gate.dtype() == up.dtype() && out.dtype() == gate.dtype(), "swiglu: one dtype for gate, up, out");
+  one_dtype({&gate, &up, &out}, "swiglu");
   launch_swiglu(gate.raw(), up.raw(), out.raw(), gate.dtype(), gate.numel(), stream_);
 }
 
-void CudaBackend::swiglu_backward(const Tensor& dout, const Tensor& gate, const Tensor& up, Tensor& dgate,
-                                  Tensor& dup) {
+void CudaBackend::swiglu_backward_impl(const Tensor& dout, const Tensor& gate, const Tensor& up, Tensor& dgate,
+                                       Tensor& dup) {
   const OpTimer op_timer_(*this, "swiglu_backward");
-  for (const Tensor* t : std::initializer_list<const Tensor*>{&dout, &gate, &up, &dgate, &dup}) {
-    check_dev(*t, "swiglu_backward tensor");
-    FP8RL_CHECK(t->shape() == gate.shape() && t->dtype() == gate.dtype(),
-                "swiglu_backward: all tensors must be ", gate.str(), ", got ", t->str());
-  }
+  one_dtype({&dout, &gate, &up, &dgate, &dup}, "swiglu_backward");
   launch_swiglu_backward(dout.raw(), gate.raw(), up.raw(), dgate.raw(), dup.raw(), gate.dtype(), gate.numel(), stream_);
 }
 
@@ -567,43 +477,20 @@ bool CudaBackend::fp8_view_gemm_layout(int64_t R, int64_t C) const {
   return act_dtype_ == DType::BF16 && R % kFp8RowGranule == 0 && C % kQuantBlock == 0;
 }
 
-// The view a fused producer fills for out [R, D]: checked, its scale layout chosen, bound to out.
-void CudaBackend::fp8_view_prepare(Fp8View& fp8, const Tensor& out, const char* what) {
-  const int64_t D = out.dim(-1), R = rows_of(out);
-  FP8RL_CHECK(fp8.defined() && fp8.q.block_rows == 1 && fp8.q.block_cols == kQuantBlock && fp8.q.rows() == R &&
-                  fp8.q.cols() == D,
-              what, ": the FP8 view must be alloc_fp8_view(", R, ", ", D, ", pow2), got ",
-              fp8.defined() ? fp8.q.data.str() : std::string("an undefined view"));
-  check_dev(fp8.q.data, "FP8 view data");
-  check_dev(fp8.q.scales, "FP8 view scales");
-  check_dtype(fp8.q.data, DType::E4M3, "FP8 view data");
-  check_dtype(fp8.q.scales, DType::F32, "FP8 view scales");
-  FP8RL_CHECK(fp8.q.scales.numel() == R * ceil_div(D, kQuantBlock), what, ": the FP8 view's scales ",
-              fp8.q.scales.str(), " do not hold ", R, " x ", ceil_div(D, kQuantBlock), " values");
-  fp8.scales_gemm_layout = fp8_view_gemm_layout(R, D);
+// The view a fused producer fills for out [R, D] (the contract checked its shape): its scale
+// layout chosen, bound to out.
+void CudaBackend::fp8_view_prepare(Fp8View& fp8, const Tensor& out) {
+  fp8.scales_gemm_layout = fp8_view_gemm_layout(rows_of(out), out.dim(-1));
   fp8.source = out.raw();
 }
 
-// rmsnorm's checks; returns rstd's pointer (null when not asked).
-float* CudaBackend::rmsnorm_check(const Tensor& x, const Tensor& w, Tensor& out, Tensor* rstd) {
-  check_dev(x, "rmsnorm x");
-  check_dev(w, "rmsnorm w");
-  check_dev(out, "rmsnorm out");
-  const int64_t D = x.dim(-1), R = rows_of(x);
-  check_shape(w, {D}, "rmsnorm w");
-  FP8RL_CHECK(out.shape() == x.shape(), "rmsnorm out must have x's shape ", shape_str(x.shape()), ", got ", out.str());
-  FP8RL_CHECK(out.dtype() == x.dtype(), "rmsnorm: x and out must have the same dtype");
-  if (!rstd || !rstd->defined()) return nullptr;
-  check_dev(*rstd, "rmsnorm rstd");
-  check_dtype(*rstd, DType::F32, "rmsnorm rstd");
-  FP8RL_CHECK(rstd->numel() == R, "rmsnorm rstd must have ", R, " elements, got ", rstd->str());
-  return rstd->data<float>();
-}
-
-void CudaBackend::rmsnorm_fp8(const Tensor& x, const Tensor& w, float eps, Tensor& out, Tensor* rstd, Fp8View& fp8) {
+void CudaBackend::rmsnorm_fp8_impl(const Tensor& x, const Tensor& w, float eps, Tensor& out, Tensor* rstd,
+                                   Fp8View& fp8) {
   const OpTimer op_timer_(*this, "rmsnorm_fp8");
-  float* rs = rmsnorm_check(x, w, out, rstd);
-  fp8_view_prepare(fp8, out, "rmsnorm_fp8");
+  // The fused kernel's own limit: it writes out in x's dtype.
+  FP8RL_CHECK(out.dtype() == x.dtype(), "rmsnorm_fp8: x and out must have the same dtype on the CUDA backend");
+  float* rs = rstd ? rstd->data<float>() : nullptr;
+  fp8_view_prepare(fp8, out);
   const int64_t D = x.dim(-1), R = rows_of(x);
   int* bad = flag_reset();
   if (!launch_rmsnorm_fused(x.raw(), nullptr, nullptr, x.dtype(), w.raw(), w.dtype(), R, D, eps, out.raw(), rs,
@@ -615,18 +502,15 @@ void CudaBackend::rmsnorm_fp8(const Tensor& x, const Tensor& w, float eps, Tenso
   flag_check("rmsnorm_fp8: the output " + out.str() + " holds NaN or Inf (FP8 quantization refuses non-finite values)");
 }
 
-void CudaBackend::add_rmsnorm(const Tensor& a, const Tensor& b, Tensor& sum, const Tensor& w, float eps, Tensor& out,
-                              Tensor* rstd, Fp8View* fp8) {
+void CudaBackend::add_rmsnorm_impl(const Tensor& a, const Tensor& b, Tensor& sum, const Tensor& w, float eps,
+                                   Tensor& out, Tensor* rstd, Fp8View* fp8) {
   const OpTimer op_timer_(*this, "add_rmsnorm");
-  check_dev(a, "add a");
-  check_dev(b, "add b");
-  check_dev(sum, "add out");
-  FP8RL_CHECK(a.shape() == sum.shape() && b.shape() == sum.shape() && a.dtype() == sum.dtype() &&
-                  b.dtype() == sum.dtype(),
-              "add_rmsnorm: a, b and sum must have one shape and dtype, got ", a.str(), ", ", b.str(), ", ", sum.str());
-  float* rs = rmsnorm_check(sum, w, out, rstd);
-  FP8RL_CHECK(out.raw() != sum.raw(), "add_rmsnorm: out must not alias sum");
-  if (fp8) fp8_view_prepare(*fp8, out, "add_rmsnorm");
+  // The fused kernel's own limits: one dtype for a, b, sum and out, and out written while sum
+  // is read (so no aliasing).
+  one_dtype({&a, &b, &sum, &out}, "add_rmsnorm");
+  FP8RL_CHECK(out.raw() != sum.raw(), "add_rmsnorm: out must not alias sum on the CUDA backend");
+  float* rs = rstd ? rstd->data<float>() : nullptr;
+  if (fp8) fp8_view_prepare(*fp8, out);
   const int64_t D = sum.dim(-1), R = rows_of(sum);
   int* bad = fp8 ? flag_reset() : nullptr;
   uint8_t* q = fp8 ? fp8->q.data.data<uint8_t>() : nullptr;
@@ -643,15 +527,10 @@ void CudaBackend::add_rmsnorm(const Tensor& a, const Tensor& b, Tensor& sum, con
                "values)");
 }
 
-void CudaBackend::swiglu_fp8(const Tensor& gate, const Tensor& up, Tensor& out, Fp8View& fp8) {
+void CudaBackend::swiglu_fp8_impl(const Tensor& gate, const Tensor& up, Tensor& out, Fp8View& fp8) {
   const OpTimer op_timer_(*this, "swiglu_fp8");
-  check_dev(gate, "swiglu gate");
-  check_dev(up, "swiglu up");
-  check_dev(out, "swiglu out");
-  FP8RL_CHECK(gate.shape() == up.shape() && out.shape() == gate.shape(), "swiglu: gate, up and out must have one shape");
-  FP8RL_CHECK(gate.dtype() == up.dtype() && out.dtype() == gate.dtype(), "swiglu: one dtype for gate, up, out");
-  FP8RL_CHECK(out.ndim() >= 1, "swiglu_fp8: out must have a last dimension, got ", out.str());
-  fp8_view_prepare(fp8, out, "swiglu_fp8");
+  one_dtype({&gate, &up, &out}, "swiglu_fp8");
+  fp8_view_prepare(fp8, out);
   const int64_t F = out.dim(-1), R = rows_of(out);
   int* bad = flag_reset();
   if (!launch_swiglu_fp8(gate.raw(), up.raw(), out.raw(), out.dtype(), R, F, fp8.q.pow2, fp8.q.data.data<uint8_t>(),
@@ -664,165 +543,73 @@ void CudaBackend::swiglu_fp8(const Tensor& gate, const Tensor& up, Tensor& out, 
 
 // ---- mixture of experts --------------------------------------------------------------------------
 
-void CudaBackend::moe_route_softmax(const Tensor& logits, int top_k, bool renormalize, Tensor& experts,
-                                    Tensor& weights) {
+void CudaBackend::moe_route_softmax_impl(const Tensor& logits, int top_k, bool renormalize, Tensor& experts,
+                                         Tensor& weights) {
   const OpTimer op_timer_(*this, "moe_route_softmax");
-  check_dev(logits, "moe_route_softmax logits");
-  check_dev(experts, "moe_route_softmax experts");
-  check_dev(weights, "moe_route_softmax weights");
-  check_dtype(logits, DType::F32, "moe_route_softmax logits");
-  FP8RL_CHECK(logits.ndim() == 2 && top_k >= 1 && top_k <= logits.dim(1), "moe_route_softmax: logits [T, E] and "
-              "1 <= top_k <= E expected, got ", logits.str(), ", top_k ", top_k);
   const int64_t T = logits.dim(0), E = logits.dim(1);
-  check_shape(experts, {T, top_k}, "moe_route_softmax experts");
-  check_dtype(experts, DType::I32, "moe_route_softmax experts");
-  check_shape(weights, {T, top_k}, "moe_route_softmax weights");
-  check_dtype(weights, DType::F32, "moe_route_softmax weights");
   launch_moe_route_softmax(logits.data<float>(), T, static_cast<int>(E), top_k, renormalize, experts.data<int32_t>(),
                            weights.data<float>(), stream_);
 }
 
-void CudaBackend::moe_route_softmax_backward(const Tensor& logits, const Tensor& experts, bool renormalize,
-                                             const Tensor& dweights, Tensor& dlogits) {
+void CudaBackend::moe_route_softmax_backward_impl(const Tensor& logits, const Tensor& experts, bool renormalize,
+                                                  const Tensor& dweights, Tensor& dlogits) {
   const OpTimer op_timer_(*this, "moe_route_softmax_backward");
-  for (const Tensor* t : std::initializer_list<const Tensor*>{&logits, &experts, &dweights, &dlogits})
-    check_dev(*t, "moe_route_softmax_backward tensor");
-  check_dtype(logits, DType::F32, "moe_route_softmax_backward logits");
-  FP8RL_CHECK(logits.ndim() == 2 && experts.ndim() == 2 && experts.dim(0) == logits.dim(0),
-              "moe_route_softmax_backward: logits [T, E] and experts [T, k] expected, got ", logits.str(), ", ",
-              experts.str());
   const int64_t T = logits.dim(0), E = logits.dim(1), k = experts.dim(1);
-  check_dtype(experts, DType::I32, "moe_route_softmax_backward experts");
-  check_shape(dweights, {T, k}, "moe_route_softmax_backward dweights");
-  check_dtype(dweights, DType::F32, "moe_route_softmax_backward dweights");
-  check_shape(dlogits, {T, E}, "moe_route_softmax_backward dlogits");
-  check_dtype(dlogits, DType::F32, "moe_route_softmax_backward dlogits");
   launch_moe_route_softmax_backward(logits.data<float>(), experts.data<int32_t>(), dweights.data<float>(), T,
                                     static_cast<int>(E), static_cast<int>(k), renormalize, dlogits.data<float>(),
                                     stream_);
 }
 
-void CudaBackend::moe_route_sigmoid(const Tensor& logits, const Tensor* bias, int top_k, int n_group, int topk_group,
-                                    bool renormalize, float scaling, Tensor& experts, Tensor& weights) {
+void CudaBackend::moe_route_sigmoid_impl(const Tensor& logits, const Tensor* bias, int top_k, int n_group,
+                                         int topk_group, bool renormalize, float scaling, Tensor& experts,
+                                         Tensor& weights) {
   const OpTimer op_timer_(*this, "moe_route_sigmoid");
-  check_dev(logits, "moe_route_sigmoid logits");
-  check_dev(experts, "moe_route_sigmoid experts");
-  check_dev(weights, "moe_route_sigmoid weights");
-  check_dtype(logits, DType::F32, "moe_route_sigmoid logits");
-  FP8RL_CHECK(logits.ndim() == 2 && top_k >= 1 && top_k <= logits.dim(1), "moe_route_sigmoid: logits [T, E] and "
-              "1 <= top_k <= E expected, got ", logits.str(), ", top_k ", top_k);
   const int64_t T = logits.dim(0), E = logits.dim(1);
-  FP8RL_CHECK(n_group >= 1 && E % n_group == 0 && topk_group >= 1 && topk_group <= n_group &&
-                  top_k <= topk_group * (E / n_group),
-              "moe_route_sigmoid: n_group (", n_group, ") must divide E (", E, "), 1 <= topk_group (", topk_group,
-              ") <= n_group, and top_k (", top_k, ") fit the kept groups");
-  check_shape(experts, {T, top_k}, "moe_route_sigmoid experts");
-  check_dtype(experts, DType::I32, "moe_route_sigmoid experts");
-  check_shape(weights, {T, top_k}, "moe_route_sigmoid weights");
-  check_dtype(weights, DType::F32, "moe_route_sigmoid weights");
-  if (bias) {
-    check_dev(*bias, "moe_route_sigmoid bias");
-    check_shape(*bias, {E}, "moe_route_sigmoid bias");
-    check_dtype(*bias, DType::F32, "moe_route_sigmoid bias");
-  }
   launch_moe_route_sigmoid(logits.data<float>(), bias ? bias->data<float>() : nullptr, T, static_cast<int>(E), top_k,
                            n_group, topk_group, renormalize, scaling, experts.data<int32_t>(), weights.data<float>(),
                            stream_);
 }
 
-void CudaBackend::moe_route_sigmoid_backward(const Tensor& logits, const Tensor& experts, bool renormalize,
-                                             float scaling, const Tensor& dweights, Tensor& dlogits) {
+void CudaBackend::moe_route_sigmoid_backward_impl(const Tensor& logits, const Tensor& experts, bool renormalize,
+                                                  float scaling, const Tensor& dweights, Tensor& dlogits) {
   const OpTimer op_timer_(*this, "moe_route_sigmoid_backward");
-  for (const Tensor* t : std::initializer_list<const Tensor*>{&logits, &experts, &dweights, &dlogits})
-    check_dev(*t, "moe_route_sigmoid_backward tensor");
-  check_dtype(logits, DType::F32, "moe_route_sigmoid_backward logits");
-  FP8RL_CHECK(logits.ndim() == 2 && experts.ndim() == 2 && experts.dim(0) == logits.dim(0),
-              "moe_route_sigmoid_backward: logits [T, E] and experts [T, k] expected, got ", logits.str(), ", ",
-              experts.str());
   const int64_t T = logits.dim(0), E = logits.dim(1), k = experts.dim(1);
-  check_dtype(experts, DType::I32, "moe_route_sigmoid_backward experts");
-  check_shape(dweights, {T, k}, "moe_route_sigmoid_backward dweights");
-  check_dtype(dweights, DType::F32, "moe_route_sigmoid_backward dweights");
-  check_shape(dlogits, {T, E}, "moe_route_sigmoid_backward dlogits");
-  check_dtype(dlogits, DType::F32, "moe_route_sigmoid_backward dlogits");
   launch_moe_route_sigmoid_backward(logits.data<float>(), experts.data<int32_t>(), dweights.data<float>(), T,
                                     static_cast<int>(E), static_cast<int>(k), renormalize, scaling,
                                     dlogits.data<float>(), stream_);
 }
 
-void CudaBackend::moe_permute(const Tensor& x, const Tensor& row_slot, int top_k, const Tensor* weights, Tensor& out) {
+void CudaBackend::moe_permute_impl(const Tensor& x, const Tensor& row_slot, int top_k, const Tensor* weights,
+                                   Tensor& out) {
   const OpTimer op_timer_(*this, "moe_permute");
-  check_dev(x, "moe_permute x");
-  check_dev(row_slot, "moe_permute row_slot");
-  check_dev(out, "moe_permute out");
-  check_dtype(row_slot, DType::I32, "moe_permute row_slot");
-  FP8RL_CHECK(x.ndim() == 2 && top_k >= 1, "moe_permute: x [T, D] and top_k >= 1 expected, got ", x.str());
+  one_dtype({&x, &out}, "moe_permute");
   const int64_t T = x.dim(0), D = x.dim(1), R = row_slot.numel();
-  check_shape(out, {R, D}, "moe_permute out");
-  check_dtype(out, x.dtype(), "moe_permute out");
-  if (weights) {
-    check_dev(*weights, "moe_permute weights");
-    check_shape(*weights, {T * top_k}, "moe_permute weights");
-    check_dtype(*weights, DType::F32, "moe_permute weights");
-  }
   launch_moe_permute(x.raw(), x.dtype(), row_slot.data<int32_t>(), weights ? weights->data<float>() : nullptr, R, D,
                      top_k, T * top_k, out.raw(), flag_reset(), stream_);
   flag_check("moe_permute: a row_slot entry is outside [0, T * top_k)");
 }
 
-void CudaBackend::moe_unpermute(const Tensor& y, const Tensor& slot_row, const Tensor* weights, Tensor& out) {
+void CudaBackend::moe_unpermute_impl(const Tensor& y, const Tensor& slot_row, const Tensor* weights, Tensor& out) {
   const OpTimer op_timer_(*this, "moe_unpermute");
-  check_dev(y, "moe_unpermute y");
-  check_dev(slot_row, "moe_unpermute slot_row");
-  check_dev(out, "moe_unpermute out");
-  check_dtype(slot_row, DType::I32, "moe_unpermute slot_row");
-  FP8RL_CHECK(y.ndim() == 2 && out.ndim() == 2 && out.dim(1) == y.dim(1) && out.dim(0) > 0,
-              "moe_unpermute: y [R, D] and out [T, D] expected, got ", y.str(), ", ", out.str());
-  check_dtype(out, y.dtype(), "moe_unpermute out");
+  one_dtype({&y, &out}, "moe_unpermute");
   const int64_t R = y.dim(0), D = y.dim(1), T = out.dim(0), S = slot_row.numel();
-  FP8RL_CHECK(S > 0 && S % T == 0, "moe_unpermute: slot_row has ", S, " entries, not a multiple of T = ", T);
-  if (weights) {
-    check_dev(*weights, "moe_unpermute weights");
-    check_shape(*weights, {S}, "moe_unpermute weights");
-    check_dtype(*weights, DType::F32, "moe_unpermute weights");
-  }
   launch_moe_unpermute(y.raw(), y.dtype(), slot_row.data<int32_t>(), weights ? weights->data<float>() : nullptr, T, D,
                        static_cast<int>(S / T), R, out.raw(), flag_reset(), stream_);
   flag_check("moe_unpermute: a slot_row entry is outside [0, R)");
 }
 
-void CudaBackend::moe_unpermute_backward_weights(const Tensor& dout, const Tensor& y, const Tensor& slot_row,
-                                                 Tensor& dweights) {
+void CudaBackend::moe_unpermute_backward_weights_impl(const Tensor& dout, const Tensor& y, const Tensor& slot_row,
+                                                      Tensor& dweights) {
   const OpTimer op_timer_(*this, "moe_unpermute_backward_weights");
-  for (const Tensor* t : std::initializer_list<const Tensor*>{&dout, &y, &slot_row, &dweights})
-    check_dev(*t, "moe_unpermute_backward_weights tensor");
-  check_dtype(slot_row, DType::I32, "moe_unpermute_backward_weights slot_row");
-  FP8RL_CHECK(y.ndim() == 2 && dout.ndim() == 2 && dout.dim(1) == y.dim(1) && dout.dim(0) > 0 &&
-                  dout.dtype() == y.dtype(),
-              "moe_unpermute_backward_weights: dout [T, D] and y [R, D] of one dtype expected, got ", dout.str(),
-              ", ", y.str());
+  one_dtype({&dout, &y}, "moe_unpermute_backward_weights");
   const int64_t R = y.dim(0), D = y.dim(1), T = dout.dim(0), S = slot_row.numel();
-  FP8RL_CHECK(S > 0 && S % T == 0, "moe_unpermute_backward_weights: slot_row has ", S,
-              " entries, not a multiple of T = ", T);
-  check_shape(dweights, {S}, "moe_unpermute_backward_weights dweights");
-  check_dtype(dweights, DType::F32, "moe_unpermute_backward_weights dweights");
   launch_moe_weight_grad(dout.raw(), y.raw(), y.dtype(), slot_row.data<int32_t>(), S, D, static_cast<int>(S / T), R,
                          dweights.data<float>(), flag_reset(), stream_);
   flag_check("moe_unpermute_backward_weights: a slot_row entry is outside [0, R)");
 }
 
-void CudaBackend::adamw(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWParams& p) {
+void CudaBackend::adamw_impl(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWParams& p) {
   const OpTimer op_timer_(*this, "adamw");
-  for (const Tensor* t : std::initializer_list<const Tensor*>{&param, &grad, &m, &v}) {
-    check_dev(*t, "adamw tensor");
-    FP8RL_CHECK(t->shape() == param.shape(), "adamw: param/grad/m/v must have one shape");
-  }
-  check_dtype(param, DType::F32, "adamw param");
-  FP8RL_CHECK(grad.dtype() == DType::F32 || grad.dtype() == DType::BF16, "adamw grad must be F32 or BF16, got ",
-              grad.str());
-  FP8RL_CHECK(m.dtype() == v.dtype() && (m.dtype() == DType::F32 || m.dtype() == DType::BF16),
-              "adamw: m and v must be both F32 or both BF16, got ", m.str(), " and ", v.str());
-  FP8RL_CHECK(p.step >= 1, "adamw: step is 1-based, got ", p.step);
   if (m.dtype() == DType::BF16) {
     const AdamWScalars sc = adamw_scalars(p.lr, p.beta1, p.beta2, p.eps, p.weight_decay, p.step, p.grad_scale);
     launch_adamw_bf16_moments(param.data<float>(), grad.raw(), grad.dtype(), m.data<uint16_t>(), v.data<uint16_t>(),
@@ -843,6 +630,8 @@ void CudaBackend::adamw(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v,
 
 // ---- quantization ---------------------------------------------------------------------------
 
+// quantize_async is the CUDA backend's own entry (the GEMMs' operands, pad_cols, gemm_layout; the
+// tests call it directly), so it checks its layout itself; quantize() came through the contract.
 void CudaBackend::quantize_async(const Tensor& x, bool transpose, QuantTensor& out, bool pad_cols, bool gemm_layout) {
   check_dev(x, "quantize x");
   check_float(x, "quantize x");
@@ -859,7 +648,7 @@ void CudaBackend::quantize_async(const Tensor& x, bool transpose, QuantTensor& o
                   out.data.data<uint8_t>(), out.scales.data<float>(), flag_cur_, stream_, ld, gemm_layout);
 }
 
-void CudaBackend::quantize(const Tensor& x, bool transpose, QuantTensor& out) {
+void CudaBackend::quantize_impl(const Tensor& x, bool transpose, QuantTensor& out) {
   const OpTimer op_timer_(*this, "quantize");
   flag_reset();
   quantize_async(x, transpose, out);
@@ -924,8 +713,6 @@ void CudaBackend::linear_fwd(const Tensor& x, const LinearWeight& W, const Linea
                              const Fp8View* x_view) {
   const int64_t M = x.dim(0), K = x.dim(1), N = W.out_features();
   if (spec.mode != LinearMode::FP8_BLOCK) {
-    check_dev(W.w, "linear W.w");
-    check_float(W.w, "linear W.w");
     mm(false, true, M, N, K, x, W.w, spec.mode == LinearMode::FP32 ? DType::F32 : DType::BF16, out, 0.0f);
   } else {
     // With M % 16 == 0 (decode batches, aligned micro-batches) the quantizer writes the scales
@@ -946,10 +733,8 @@ void CudaBackend::linear_fwd(const Tensor& x, const LinearWeight& W, const Linea
     }
     QuantTensor wq;
     if (W.wq.defined()) {  // pre-quantized (the generator's, or the trainer's per-step cache)
-      check_wq(W, spec);
       wq = W.wq;
     } else {
-      check_dev(W.w, "linear W.w");
       wq = scratch_quant(kSlotBq, kSlotBs, N, K, kQuantBlock, spec.pow2_scales);
       quantize_async(W.w, false, wq);
     }
@@ -968,60 +753,36 @@ void CudaBackend::linear_fwd(const Tensor& x, const LinearWeight& W, const Linea
       mm(false, true, M, N, K, xf, wf, DType::F32, out, 0.0f);
     }
   }
-  if (W.bias.defined()) {
-    check_dev(W.bias, "linear bias");
-    check_shape(W.bias, {N}, "linear bias");
-    launch_add_bias(out.raw(), out.dtype(), W.bias.raw(), W.bias.dtype(), M, N, stream_);
-  }
+  if (W.bias.defined()) launch_add_bias(out.raw(), out.dtype(), W.bias.raw(), W.bias.dtype(), M, N, stream_);
 }
 
-void CudaBackend::linear(const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor& out,
-                         const Fp8View* x_fp8) {
+void CudaBackend::linear_impl(const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor& out,
+                              const Fp8View* x_fp8) {
   const OpTimer op_timer_(*this, "linear");
-  check_dev(x, "linear x");
-  check_dev(out, "linear out");
-  check_float(x, "linear x");
-  check_float(out, "linear out");
-  const int64_t K = W.in_features(), N = W.out_features();
-  FP8RL_CHECK(x.dim(-1) == K, "linear: x ", x.str(), " does not match the weight's in_features ", K);
-  const int64_t M = rows_of(x);
-  FP8RL_CHECK(out.numel() == M * N && out.dim(-1) == N, "linear: out must be [", M, ", ", N, "], got ", out.str());
-  const Fp8View* view = spec.mode == LinearMode::FP8_BLOCK ? x_fp8 : nullptr;
-  if (view) {
-    fp8_view_check(*view, x, spec, "linear");
-    check_dev(view->q.data, "linear x_fp8 data");
-    check_dev(view->q.scales, "linear x_fp8 scales");
-  }
+  const int64_t K = W.in_features(), N = W.out_features(), M = rows_of(x);
   Tensor x2 = x.reshape({M, K}), o2 = out.reshape({M, N});
-  linear_fwd(x2, W, spec, o2, view);
+  linear_fwd(x2, W, spec, o2, x_fp8);  // x_fp8: FP8_BLOCK only (the contract drops it otherwise)
 }
 
 // FP8: x quantized once for every weight (q/k/v, gate/up) when all of them take the tensor
 // cores, or not at all when a fused producer gave its FP8 copy (x_fp8); the products are then
 // exactly those of separate linear() calls.
-void CudaBackend::linear_shared_input(const Tensor& x, const std::vector<const LinearWeight*>& W,
-                                      const LinearSpec& spec, const std::vector<Tensor*>& outs, const Fp8View* x_fp8) {
-  FP8RL_CHECK(!W.empty() && W.size() == outs.size(), "linear_shared_input: ", W.size(), " weights for ", outs.size(),
-              " outputs");
+void CudaBackend::linear_shared_input_impl(const Tensor& x, const std::vector<const LinearWeight*>& W,
+                                           const LinearSpec& spec, const std::vector<Tensor*>& outs,
+                                           const Fp8View* x_fp8) {
   bool shared = spec.mode == LinearMode::FP8_BLOCK;
   const int64_t K = W[0]->in_features(), M = rows_of(x);
   for (const LinearWeight* w : W) shared = shared && w->in_features() == K;
   if (shared)
     for (const LinearWeight* w : W) shared = shared && GemmEngine::fp8_supported(M, w->out_features(), K);
   if (!shared || act_dtype_ == DType::F32) {
-    Backend::linear_shared_input(x, W, spec, outs, x_fp8);
+    Backend::linear_shared_input_impl(x, W, spec, outs, x_fp8);
     return;
   }
   const OpTimer op_timer_(*this, "linear");
-  check_dev(x, "linear x");
-  check_float(x, "linear x");
-  FP8RL_CHECK(x.dim(-1) == K, "linear: x ", x.str(), " does not match the weight's in_features ", K);
   const Tensor x2 = x.reshape({M, K});
   Fp8View view;
   if (x_fp8) {
-    fp8_view_check(*x_fp8, x, spec, "linear");
-    check_dev(x_fp8->q.data, "linear x_fp8 data");
-    check_dev(x_fp8->q.scales, "linear x_fp8 scales");
     view = *x_fp8;
   } else {
     view.q = scratch_quant(kSlotAq, kSlotAs, M, K, 1, spec.pow2_scales);
@@ -1034,42 +795,28 @@ void CudaBackend::linear_shared_input(const Tensor& x, const std::vector<const L
   for (size_t i = 0; i < W.size(); ++i) {
     Tensor& out = *outs[i];
     const int64_t N = W[i]->out_features();
-    check_dev(out, "linear out");
-    check_float(out, "linear out");
-    FP8RL_CHECK(out.numel() == M * N && out.dim(-1) == N, "linear: out must be [", M, ", ", N, "], got ", out.str());
     Tensor o2 = out.reshape({M, N});
     linear_fwd(x2, *W[i], spec, o2, &view);
   }
 }
 
-void CudaBackend::linear_backward(const Tensor& dy, const Tensor& x, const LinearWeight& W, const LinearSpec& spec,
-                                  Tensor* dx, Tensor* dw, Tensor* dbias) {
+void CudaBackend::linear_backward_impl(const Tensor& dy, const Tensor& x, const LinearWeight& W, const LinearSpec& spec,
+                                       Tensor* dx, Tensor* dw, Tensor* dbias) {
   if (is_bf16_grad(dw) || is_bf16_grad(dbias)) {
     Tensor dw32 = grad_widen(*this, dw), db32 = grad_widen(*this, dbias);
-    linear_backward(dy, x, W, spec, dx, dw32.defined() ? &dw32 : dw, db32.defined() ? &db32 : dbias);
+    linear_backward_impl(dy, x, W, spec, dx, dw32.defined() ? &dw32 : dw, db32.defined() ? &db32 : dbias);
     grad_narrow(*this, dw32, dw);
     grad_narrow(*this, db32, dbias);
     return;
   }
   const OpTimer op_timer_(*this, "linear_backward");
-  check_dev(dy, "linear_backward dy");
-  check_dev(x, "linear_backward x");
-  check_float(dy, "linear_backward dy");
-  check_float(x, "linear_backward x");
   const int64_t K = W.in_features(), N = W.out_features(), M = rows_of(x);
-  FP8RL_CHECK(x.dim(-1) == K && dy.dim(-1) == N && rows_of(dy) == M, "linear_backward: dy ", dy.str(), " / x ",
-              x.str(), " do not match W [", N, ", ", K, "]");
   const Tensor dy2 = dy.reshape({M, N}), x2 = x.reshape({M, K});
   const bool fp8 = spec.mode == LinearMode::FP8_BLOCK;
   const DType ab = spec.mode == LinearMode::FP32 ? DType::F32 : DType::BF16;
   if (dx) {
-    check_dev(*dx, "linear_backward dx");
-    FP8RL_CHECK(dx->numel() == M * K, "linear_backward: dx must be [", M, ", ", K, "], got ", dx->str());
     Tensor dx2 = dx->reshape({M, K});
     if (!fp8) {
-      FP8RL_CHECK(W.w.defined(), "linear_backward (", linear_mode_name(spec.mode), ") on the GPU needs the ",
-                  "high-precision weight W.w");
-      check_dev(W.w, "linear_backward W.w");
       mm(false, false, M, K, N, dy2, W.w, ab, dx2, 0.0f);
     } else {
       // dgrad: dY 1x128 along N; W^T [K, N] 128x128, the exact transpose of W's quantization:
@@ -1080,11 +827,9 @@ void CudaBackend::linear_backward(const Tensor& dy, const Tensor& x, const Linea
       flag_reset();
       quantize_async(dy2, false, dyq, false, /*gemm_layout=*/laid);
       if (W.wq.defined()) {
-        check_wq(W, spec);
         launch_transpose_quant(W.wq.data.data<uint8_t>(), W.wq.scales.data<float>(), N, K, kQuantBlock,
                                wtq.data.data<uint8_t>(), wtq.scales.data<float>(), stream_);
       } else {
-        check_dev(W.w, "linear_backward W.w");
         quantize_async(W.w, true, wtq);
       }
       flag_check("linear_backward (FP8 dgrad): dy " + dy.str() + " or the weight holds NaN or Inf");
@@ -1102,11 +847,6 @@ void CudaBackend::linear_backward(const Tensor& dy, const Tensor& x, const Linea
     }
   }
   if (dw) {
-    check_dev(*dw, "linear_backward dw");
-    check_dtype(*dw, DType::F32, "linear_backward dw");
-    check_shape(*dw, {N, K}, "linear_backward dw");
-    FP8RL_CHECK(!fp8 || spec.wgrad == LinearMode::FP8_BLOCK || spec.wgrad == LinearMode::BF16,
-                "an FP8 linear's wgrad must be fp8 or bf16, got ", linear_mode_name(spec.wgrad));
     if (!fp8 || spec.wgrad == LinearMode::BF16) {  // BF16 wgrad of an FP8 linear: ab is BF16 here
       mm(true, false, N, K, M, dy2, x2, ab, *dw, 1.0f);
     } else {
@@ -1134,24 +874,16 @@ void CudaBackend::linear_backward(const Tensor& dy, const Tensor& x, const Linea
       }
     }
   }
-  if (dbias) {
-    check_dev(*dbias, "linear_backward dbias");
-    check_dtype(*dbias, DType::F32, "linear_backward dbias");
-    check_shape(*dbias, {N}, "linear_backward dbias");
-    launch_bias_grad(dy2.raw(), dy2.dtype(), M, N, dbias->data<float>(), stream_);
-  }
+  if (dbias) launch_bias_grad(dy2.raw(), dy2.dtype(), M, N, dbias->data<float>(), stream_);
 }
 
 // ---- attention -------------------------------------------------------------------------------
 
 namespace {
-// Host: per-token sequence start and end from cu_seqlens.
+// Host: per-token sequence start and end from cu_seqlens (the contract checked it).
 void seq_bounds(const std::vector<int32_t>& cu, int64_t T, std::vector<int32_t>& out) {
-  FP8RL_CHECK(cu.size() >= 2 && cu.front() == 0 && cu.back() == T, "cu_seqlens must run from 0 to T = ", T,
-              " (got ", cu.size(), " entries ending at ", cu.empty() ? -1 : cu.back(), ")");
   out.assign(2 * T, 0);
   for (size_t b = 0; b + 1 < cu.size(); ++b) {
-    FP8RL_CHECK(cu[b] <= cu[b + 1], "cu_seqlens must be non-decreasing");
     for (int32_t t = cu[b]; t < cu[b + 1]; ++t) {
       out[t] = cu[b];
       out[T + t] = cu[b + 1];
@@ -1174,23 +906,16 @@ bool use_flash_attention(DType dt, int hd, std::initializer_list<const Tensor*> 
 }
 }  // namespace
 
-void CudaBackend::attention(const Tensor& q, const Tensor& k, const Tensor& v, const std::vector<int32_t>& cu_seqlens,
-                            float softmax_scale, Tensor& out, Tensor& lse) {
+void CudaBackend::attention_impl(const Tensor& q, const Tensor& k, const Tensor& v,
+                                 const std::vector<int32_t>& cu_seqlens, float softmax_scale, Tensor& out,
+                                 Tensor& lse) {
   const OpTimer op_timer_(*this, "attention");
-  for (const Tensor* t : std::initializer_list<const Tensor*>{&q, &k, &v, &out, &lse}) check_dev(*t, "attention tensor");
-  FP8RL_CHECK(q.ndim() == 3 && k.ndim() == 3, "attention: q, k, v must be [T, H, head_dim]");
   const int64_t T = q.dim(0);
   const int Hq = static_cast<int>(q.dim(1)), Hkv = static_cast<int>(k.dim(1)), hd = static_cast<int>(q.dim(2));
-  FP8RL_CHECK(Hkv > 0 && Hq % Hkv == 0, "attention: Hq (", Hq, ") must be a multiple of Hkv (", Hkv, ")");
-  FP8RL_CHECK(v.ndim() != 3 || v.dim(2) == hd, "attention: v head_dim ", v.dim(2), " differs from q/k head_dim ", hd,
+  // The kernels' own limits: equal q/k and v head dims (no MLA kernel yet), one dtype.
+  FP8RL_CHECK(v.dim(2) == hd, "attention: v head_dim ", v.dim(2), " differs from q/k head_dim ", hd,
               " (MLA); the CUDA attention kernels need equal head dims: MLA runs on the CPU backend only");
-  check_shape(k, {T, Hkv, hd}, "attention k");
-  check_shape(v, {T, Hkv, hd}, "attention v");
-  check_shape(out, q.shape(), "attention out");
-  check_shape(lse, {Hq, T}, "attention lse");
-  check_dtype(lse, DType::F32, "attention lse");
-  FP8RL_CHECK(q.dtype() == k.dtype() && k.dtype() == v.dtype() && out.dtype() == q.dtype(),
-              "attention: q, k, v, out must share a dtype");
+  one_dtype({&q, &k, &v, &out}, "attention");
   std::vector<int32_t> b;
   seq_bounds(cu_seqlens, T, b);
   if (use_flash_attention(q.dtype(), hd, {&q, &k, &v, &out})) {
@@ -1208,21 +933,16 @@ void CudaBackend::attention(const Tensor& q, const Tensor& k, const Tensor& v, c
                    lse.data<float>(), stream_);
 }
 
-void CudaBackend::attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
-                                     const Tensor& out, const Tensor& lse, const std::vector<int32_t>& cu_seqlens,
-                                     float softmax_scale, Tensor& dq, Tensor& dk, Tensor& dv) {
+void CudaBackend::attention_backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                                          const Tensor& out, const Tensor& lse, const std::vector<int32_t>& cu_seqlens,
+                                          float softmax_scale, Tensor& dq, Tensor& dk, Tensor& dv) {
   const OpTimer op_timer_(*this, "attention_backward");
-  for (const Tensor* t : std::initializer_list<const Tensor*>{&dout, &q, &k, &v, &out, &lse, &dq, &dk, &dv}) check_dev(*t, "attention_backward tensor");
   const int64_t T = q.dim(0);
   const int Hq = static_cast<int>(q.dim(1)), Hkv = static_cast<int>(k.dim(1)), hd = static_cast<int>(q.dim(2));
-  FP8RL_CHECK(Hkv > 0 && Hq % Hkv == 0, "attention_backward: Hq must be a multiple of Hkv");
-  FP8RL_CHECK(v.ndim() != 3 || v.dim(2) == hd, "attention_backward: v head_dim ", v.dim(2), " differs from q/k "
+  // The kernels' own limits, as in the forward.
+  FP8RL_CHECK(v.dim(2) == hd, "attention_backward: v head_dim ", v.dim(2), " differs from q/k "
               "head_dim ", hd, " (MLA); the CUDA attention kernels need equal head dims: MLA runs on the CPU backend only");
-  for (const Tensor* t : std::initializer_list<const Tensor*>{&dout, &out, &dq}) check_shape(*t, q.shape(), "attention_backward q-shaped tensor");
-  for (const Tensor* t : std::initializer_list<const Tensor*>{&k, &v, &dk, &dv}) check_shape(*t, {T, Hkv, hd}, "attention_backward kv-shaped tensor");
-  for (const Tensor* t : std::initializer_list<const Tensor*>{&dout, &k, &v, &out, &dq, &dk, &dv})
-    FP8RL_CHECK(t->dtype() == q.dtype(), "attention_backward: all tensors must share q's dtype");
-  check_shape(lse, {Hq, T}, "attention_backward lse");
+  one_dtype({&dout, &q, &k, &v, &out, &dq, &dk, &dv}, "attention_backward");
   std::vector<int32_t> b;
   seq_bounds(cu_seqlens, T, b);
   Tensor delta = scratch(kSlotAttn, {T * Hq}, DType::F32);
@@ -1254,23 +974,11 @@ int64_t vocab_chunk(int64_t T, int64_t V) {
 }
 }  // namespace
 
-void CudaBackend::token_logprobs(const Tensor& hidden, const Tensor& lm_head, const Tensor& targets, float temperature,
-                                 const LinearSpec& spec, Tensor& logp, Tensor& lse, Tensor* entropy) {
+void CudaBackend::token_logprobs_impl(const Tensor& hidden, const Tensor& lm_head, const Tensor& targets,
+                                      float temperature, const LinearSpec& spec, Tensor& logp, Tensor& lse,
+                                      Tensor* entropy) {
   const OpTimer op_timer_(*this, "token_logprobs");
-  for (const Tensor* t : std::initializer_list<const Tensor*>{&hidden, &lm_head, &targets, &logp, &lse}) check_dev(*t, "token_logprobs tensor");
-  FP8RL_CHECK(temperature > 0.0f, "token_logprobs: temperature must be > 0, got ", temperature);
-  const int64_t T = hidden.dim(0), D = hidden.dim(1), V = lm_head.dim(0);
-  check_shape(lm_head, {V, D}, "token_logprobs lm_head");
-  check_dtype(targets, DType::I32, "token_logprobs targets");
-  check_shape(targets, {T}, "token_logprobs targets");
-  check_shape(logp, {T}, "token_logprobs logp");
-  check_shape(lse, {T}, "token_logprobs lse");
-  check_dtype(logp, DType::F32, "token_logprobs logp");
-  check_dtype(lse, DType::F32, "token_logprobs lse");
-  if (entropy) {
-    check_dev(*entropy, "token_logprobs entropy");
-    check_shape(*entropy, {T}, "token_logprobs entropy");
-  }
+  const int64_t T = hidden.dim(0), V = lm_head.dim(0);
   Tensor state = scratch(kSlotState, {4, T}, DType::F32);
   float* m = state.data<float>();
   float *s = m + T, *e = m + 2 * T, *tgt = m + 3 * T;
@@ -1292,21 +1000,11 @@ void CudaBackend::token_logprobs(const Tensor& hidden, const Tensor& lm_head, co
                         entropy ? entropy->data<float>() : nullptr, stream_);
 }
 
-void CudaBackend::token_logprobs_backward(const Tensor& hidden, const Tensor& lm_head, const Tensor& targets,
-                                          float temperature, const LinearSpec& spec, const Tensor& lse,
-                                          const Tensor& dlogp, Tensor& dhidden, Tensor* dlm_head) {
+void CudaBackend::token_logprobs_backward_impl(const Tensor& hidden, const Tensor& lm_head, const Tensor& targets,
+                                               float temperature, const LinearSpec& spec, const Tensor& lse,
+                                               const Tensor& dlogp, Tensor& dhidden, Tensor* dlm_head) {
   const OpTimer op_timer_(*this, "token_logprobs_backward");
-  for (const Tensor* t : std::initializer_list<const Tensor*>{&hidden, &lm_head, &targets, &lse, &dlogp, &dhidden})
-    check_dev(*t, "token_logprobs_backward tensor");
   const int64_t T = hidden.dim(0), D = hidden.dim(1), V = lm_head.dim(0);
-  check_shape(dhidden, {T, D}, "token_logprobs_backward dhidden");
-  check_shape(dlogp, {T}, "token_logprobs_backward dlogp");
-  if (dlm_head) {
-    check_dev(*dlm_head, "token_logprobs_backward dlm_head");
-    FP8RL_CHECK(dlm_head->dtype() == DType::F32 || dlm_head->dtype() == DType::BF16,
-                "token_logprobs_backward dlm_head must be F32 or BF16, got ", dlm_head->str());  // chunks: linear_backward
-    check_shape(*dlm_head, {V, D}, "token_logprobs_backward dlm_head");
-  }
   // Each chunk's raw-logit gradient goes through linear_backward in `spec` numerics, as the CPU
   // reference does; its dx is summed over chunks in FP32.
   Tensor dh = scratch(kSlotDh, {T, D}, DType::F32);
@@ -1323,7 +1021,7 @@ void CudaBackend::token_logprobs_backward(const Tensor& hidden, const Tensor& lm
     Tensor dxc = scratch(kSlotTmp, {T, D}, DType::F32);
     Tensor dchunk;
     if (dlm_head) dchunk = dlm_head->slice_rows(v0, v0 + n);
-    linear_backward(logits, hidden, chunk, spec, &dxc, dlm_head ? &dchunk : nullptr, nullptr);
+    linear_backward_impl(logits, hidden, chunk, spec, &dxc, dlm_head ? &dchunk : nullptr, nullptr);
     launch_add(dh.raw(), DType::F32, dxc.raw(), DType::F32, dh.raw(), DType::F32, dh.numel(), stream_);
   }
   launch_convert(dh.raw(), DType::F32, dhidden.raw(), dhidden.dtype(), dh.numel(), stream_);
@@ -1331,48 +1029,31 @@ void CudaBackend::token_logprobs_backward(const Tensor& hidden, const Tensor& lm
 
 // ---- generation -------------------------------------------------------------------------------
 
-void CudaBackend::kv_round(Tensor& x, const std::vector<float>& head_scale) {
+void CudaBackend::kv_round_impl(Tensor& x, const std::vector<float>& head_scale) {
   const OpTimer op_timer_(*this, "kv_round");
-  check_dev(x, "kv_round x");
-  kv_round_check(x, head_scale);
+  // The kernel's own limit: the per-head scales go by value.
   FP8RL_CHECK(x.dim(1) <= kMaxKvRoundHeads, "kv_round: at most ", kMaxKvRoundHeads, " heads, got ", x.dim(1));
   KvRoundScales s{};
   for (size_t h = 0; h < head_scale.size(); ++h) s.v[h] = head_scale[h];
   launch_kv_round(x.raw(), x.dtype(), x.dim(0), static_cast<int>(x.dim(1)), static_cast<int>(x.dim(2)), s, stream_);
 }
 
-void CudaBackend::kv_write(KvCache& cache, int layer, const Tensor& k, const Tensor& v, const PagedBatch& batch) {
+void CudaBackend::kv_write_impl(KvCache& cache, int layer, const Tensor& k, const Tensor& v, const PagedBatch& batch) {
   const OpTimer op_timer_(*this, "kv_write");
-  FP8RL_CHECK(layer >= 0 && layer < cache.num_layers, "kv_write: layer ", layer, " out of range");
-  check_dev(k, "kv_write k");
-  check_dev(v, "kv_write v");
-  check_dev(batch.slots, "kv_write slots");
+  one_dtype({&k, &v}, "kv_write");
   const int64_t T = k.dim(0);
-  check_shape(k, {T, cache.num_kv_heads, cache.head_dim}, "kv_write k");
-  check_shape(v, {T, cache.num_kv_heads, cache.head_dim}, "kv_write v");
-  check_shape(batch.slots, {T}, "kv_write slots");
-  FP8RL_CHECK(k.dtype() == v.dtype(), "kv_write: k and v must share a dtype");
   const float* ks = cache.k_scale.data<float>() + static_cast<int64_t>(layer) * cache.num_kv_heads;
   const float* vs = cache.v_scale.data<float>() + static_cast<int64_t>(layer) * cache.num_kv_heads;
   launch_kv_write(k.raw(), v.raw(), k.dtype(), batch.slots.data<int32_t>(), T, cache.num_kv_heads, cache.head_dim,
                   cache.k[layer].raw(), cache.v[layer].raw(), cache.dtype, ks, vs, stream_);
 }
 
-void CudaBackend::attention_paged(const KvCache& cache, int layer, const Tensor& q, const PagedBatch& batch,
-                                  float softmax_scale, bool fp8_attention, Tensor& out) {
+void CudaBackend::attention_paged_impl(const KvCache& cache, int layer, const Tensor& q, const PagedBatch& batch,
+                                       float softmax_scale, bool fp8_attention, Tensor& out) {
   const OpTimer op_timer_(*this, "attention_paged");
-  FP8RL_CHECK(layer >= 0 && layer < cache.num_layers, "attention_paged: layer ", layer, " out of range");
-  for (const Tensor* t : std::initializer_list<const Tensor*>{&q, &out, &batch.token_seq, &batch.token_pos, &batch.page_table})
-    check_dev(*t, "attention_paged tensor");
+  one_dtype({&q, &out}, "attention_paged");
   const int64_t T = q.dim(0);
   const int Hq = static_cast<int>(q.dim(1)), hd = static_cast<int>(q.dim(2));
-  FP8RL_CHECK(hd == cache.head_dim && Hq % cache.num_kv_heads == 0, "attention_paged: q ", q.str(),
-              " does not match the cache (", cache.num_kv_heads, " KV heads of ", cache.head_dim, ")");
-  check_shape(out, q.shape(), "attention_paged out");
-  FP8RL_CHECK(out.dtype() == q.dtype(), "attention_paged: out must have q's dtype");
-  check_shape(batch.token_seq, {T}, "attention_paged token_seq");
-  check_shape(batch.token_pos, {T}, "attention_paged token_pos");
-  FP8RL_CHECK(batch.page_table.ndim() == 2, "attention_paged: page_table must be [B, max_pages]");
   const bool e4m3 = cache.dtype == DType::E4M3;
   const float* ks = e4m3 ? cache.k_scale.data<float>() + static_cast<int64_t>(layer) * cache.num_kv_heads : nullptr;
   const float* vs = e4m3 ? cache.v_scale.data<float>() + static_cast<int64_t>(layer) * cache.num_kv_heads : nullptr;
@@ -1431,27 +1112,13 @@ bool host_sampler_enabled() {
 }
 }  // namespace
 
-void CudaBackend::sample(const Tensor& logits, const std::vector<float>& temperature, const std::vector<float>& top_p,
-                         const std::vector<int>& top_k, const std::vector<float>& uniforms, Tensor& tokens,
-                         Tensor& logp, int64_t valid_vocab) {
+void CudaBackend::sample_impl(const Tensor& logits, const std::vector<float>& temperature,
+                              const std::vector<float>& top_p, const std::vector<int>& top_k,
+                              const std::vector<float>& uniforms, Tensor& tokens, Tensor& logp, int64_t valid_vocab) {
   const OpTimer op_timer_(*this, "sample");
-  check_dev(logits, "sample logits");
-  check_dev(tokens, "sample tokens");
-  check_dev(logp, "sample logp");
-  check_dtype(logits, DType::F32, "sample logits");
-  FP8RL_CHECK(logits.ndim() == 2 && logits.dim(1) > 0, "sample logits must be [B, V], got ", logits.str());
   const int64_t B = logits.dim(0), V = logits.dim(1);
-  FP8RL_CHECK(valid_vocab >= 0 && valid_vocab <= V, "sample: valid_vocab ", valid_vocab, " must be in [0, V = ", V,
-              "] (0: all V)");
   const int64_t Vv = valid_vocab > 0 ? valid_vocab : V;  // sampled ids [0, Vv); rows are V apart
   const auto n = static_cast<size_t>(B);
-  FP8RL_CHECK(temperature.size() == n && top_p.size() == n && top_k.size() == n && uniforms.size() == n,
-              "sample needs one temperature, top_p, top_k and uniform per row (", B, " rows), got ",
-              temperature.size(), ", ", top_p.size(), ", ", top_k.size(), ", ", uniforms.size());
-  check_dtype(tokens, DType::I32, "sample tokens");
-  check_shape(tokens, {B}, "sample tokens");
-  check_dtype(logp, DType::F32, "sample logp");
-  check_shape(logp, {B}, "sample logp");
   if (B == 0) return;
   // FP8RL_CUDA_SAMPLER=host: the CPU reference on copied-back logits (a diagnostic switch; the
   // results are the same up to the rounding described in sample_kernels.cu).
@@ -1464,15 +1131,9 @@ void CudaBackend::sample(const Tensor& logits, const std::vector<float>& tempera
     copy(hp, logp);
     return;
   }
-  // Parameters: [temperature | top_p | uniform | top_k] as 4 B words, checked as the CPU does.
+  // Parameters: [temperature | top_p | uniform | top_k] as 4 B words (the contract checked them).
   std::vector<float> params(4 * n);
   for (size_t b = 0; b < n; ++b) {
-    FP8RL_CHECK(std::isfinite(temperature[b]) && temperature[b] >= 0, "sample: temperature of row ", b,
-                " must be >= 0, got ", temperature[b]);
-    FP8RL_CHECK(top_p[b] > 0 && top_p[b] <= 1, "sample: top_p of row ", b, " must be in (0, 1], got ", top_p[b]);
-    FP8RL_CHECK(top_k[b] >= 0, "sample: top_k of row ", b, " must be >= 0, got ", top_k[b]);
-    FP8RL_CHECK(uniforms[b] >= 0 && uniforms[b] < 1, "sample: uniform of row ", b, " must be in [0, 1), got ",
-                uniforms[b]);
     params[b] = temperature[b];
     params[n + b] = top_p[b];
     params[2 * n + b] = uniforms[b];
@@ -1490,25 +1151,11 @@ void CudaBackend::sample(const Tensor& logits, const std::vector<float>& tempera
   flag_drain();
 }
 
-void CudaBackend::sample_rows(const Tensor& logits, const Tensor& rows, bool truncation, Tensor& tokens, Tensor& logp,
-                              int64_t valid_vocab) {
+void CudaBackend::sample_rows_impl(const Tensor& logits, const Tensor& rows, bool truncation, Tensor& tokens,
+                                   Tensor& logp, int64_t valid_vocab) {
   const OpTimer op_timer_(*this, "sample");
-  check_dev(logits, "sample logits");
-  check_dev(rows, "sample_rows rows");
-  check_dev(tokens, "sample tokens");
-  check_dev(logp, "sample logp");
-  check_dtype(logits, DType::F32, "sample logits");
-  FP8RL_CHECK(logits.ndim() == 2 && logits.dim(1) > 0, "sample logits must be [B, V], got ", logits.str());
   const int64_t B = logits.dim(0), V = logits.dim(1);
-  FP8RL_CHECK(valid_vocab >= 0 && valid_vocab <= V, "sample: valid_vocab ", valid_vocab, " must be in [0, V = ", V,
-              "] (0: all V)");
   const int64_t Vv = valid_vocab > 0 ? valid_vocab : V;  // sampled ids [0, Vv); rows are V apart
-  check_dtype(rows, DType::I32, "sample_rows rows");
-  check_shape(rows, {B, 8}, "sample_rows rows (one SampleRow each)");
-  check_dtype(tokens, DType::I32, "sample tokens");
-  check_shape(tokens, {B}, "sample tokens");
-  check_dtype(logp, DType::F32, "sample logp");
-  check_shape(logp, {B}, "sample logp");
   if (B == 0) return;
   if (host_sampler_enabled()) {  // FP8RL_CUDA_SAMPLER=host: the CPU reference (synchronizes: no graphs)
     Tensor ht = Tensor::empty(tokens.shape(), tokens.dtype()), hp = Tensor::empty(logp.shape(), logp.dtype());

@@ -20,8 +20,8 @@
 #include <cuda_runtime.h>
 
 #include <map>
-#include <set>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -40,75 +40,83 @@ class CudaBackend final : public Backend {
   std::string name() const override;
   DType act_dtype() const override { return act_dtype_; }
 
+  // F32 and BF16 (F32 where the interface says F32): what the kernels are written for.
+  bool takes_float(DType t, bool stat) const override { return t == DType::F32 || (!stat && t == DType::BF16); }
   Tensor alloc(const Shape& shape, DType dtype) override;
-  void copy(const Tensor& src, Tensor& dst) override;
-  void copy_cols(const Tensor& src, int64_t src_col, Tensor& dst, int64_t dst_col, int64_t cols) override;
-  void convert(const Tensor& src, Tensor& dst) override;
-  void fill(Tensor& t, float value) override;
   void synchronize() override;
   MemoryStats memory_stats() override;
   void reset_peak_memory_stats() override;
   int64_t free_device_bytes() override;
 
-  void add(const Tensor& a, const Tensor& b, Tensor& out) override;
-  void scale(Tensor& x, float s) override;
-  double sum_squares(const Tensor& x) override;
-  bool all_finite(const Tensor& x) override;
-  float amax(const Tensor& x) override;
+ protected:
+  // The ops of backend.h; each runs after its contract held (backend.cpp) and checks only its
+  // kernels' own limits (dtype combinations, sizes, the MLA shapes no kernel serves yet).
+  void copy_impl(const Tensor& src, Tensor& dst) override;
+  void copy_cols_impl(const Tensor& src, int64_t src_col, Tensor& dst, int64_t dst_col, int64_t cols) override;
+  void convert_impl(const Tensor& src, Tensor& dst) override;
+  void fill_impl(Tensor& t, float value) override;
 
-  void embedding(const Tensor& ids, const Tensor& table, Tensor& out) override;
-  void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable) override;
-  void rmsnorm(const Tensor& x, const Tensor& w, float eps, Tensor& out, Tensor* rstd) override;
-  void rmsnorm_backward(const Tensor& dout, const Tensor& x, const Tensor& w, const Tensor& rstd, Tensor& dx,
-                        Tensor& dw) override;
-  void linear(const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor& out,
-              const Fp8View* x_fp8 = nullptr) override;
-  void linear_shared_input(const Tensor& x, const std::vector<const LinearWeight*>& W, const LinearSpec& spec,
-                           const std::vector<Tensor*>& outs, const Fp8View* x_fp8 = nullptr) override;
-  void rmsnorm_fp8(const Tensor& x, const Tensor& w, float eps, Tensor& out, Tensor* rstd, Fp8View& fp8) override;
-  void add_rmsnorm(const Tensor& a, const Tensor& b, Tensor& sum, const Tensor& w, float eps, Tensor& out, Tensor* rstd,
-                   Fp8View* fp8) override;
-  void swiglu_fp8(const Tensor& gate, const Tensor& up, Tensor& out, Fp8View& fp8) override;
-  void linear_backward(const Tensor& dy, const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor* dx,
-                       Tensor* dw, Tensor* dbias) override;
-  void rope(Tensor& x, const Tensor& positions, const RopeParams& rope, bool inverse) override;
-  void attention(const Tensor& q, const Tensor& k, const Tensor& v, const std::vector<int32_t>& cu_seqlens,
-                 float softmax_scale, Tensor& out, Tensor& lse) override;
-  void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-                          const Tensor& lse, const std::vector<int32_t>& cu_seqlens, float softmax_scale, Tensor& dq,
-                          Tensor& dk, Tensor& dv) override;
-  void swiglu(const Tensor& gate, const Tensor& up, Tensor& out) override;
-  void swiglu_backward(const Tensor& dout, const Tensor& gate, const Tensor& up, Tensor& dgate, Tensor& dup) override;
-  void token_logprobs(const Tensor& hidden, const Tensor& lm_head, const Tensor& targets, float temperature,
-                      const LinearSpec& spec, Tensor& logp, Tensor& lse, Tensor* entropy) override;
-  void token_logprobs_backward(const Tensor& hidden, const Tensor& lm_head, const Tensor& targets, float temperature,
-                               const LinearSpec& spec, const Tensor& lse, const Tensor& dlogp, Tensor& dhidden,
-                               Tensor* dlm_head) override;
-  void moe_route_softmax(const Tensor& logits, int top_k, bool renormalize, Tensor& experts,
-                         Tensor& weights) override;
-  void moe_route_softmax_backward(const Tensor& logits, const Tensor& experts, bool renormalize,
-                                  const Tensor& dweights, Tensor& dlogits) override;
-  void moe_route_sigmoid(const Tensor& logits, const Tensor* bias, int top_k, int n_group, int topk_group,
-                         bool renormalize, float scaling, Tensor& experts, Tensor& weights) override;
-  void moe_route_sigmoid_backward(const Tensor& logits, const Tensor& experts, bool renormalize, float scaling,
-                                  const Tensor& dweights, Tensor& dlogits) override;
-  void moe_permute(const Tensor& x, const Tensor& row_slot, int top_k, const Tensor* weights,
-                   Tensor& out) override;
-  void moe_unpermute(const Tensor& y, const Tensor& slot_row, const Tensor* weights, Tensor& out) override;
-  void moe_unpermute_backward_weights(const Tensor& dout, const Tensor& y, const Tensor& slot_row,
-                                      Tensor& dweights) override;
-  void adamw(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWParams& p) override;
-  void quantize(const Tensor& x, bool transpose, QuantTensor& out) override;
-  void kv_write(KvCache& cache, int layer, const Tensor& k, const Tensor& v, const PagedBatch& batch) override;
-  void kv_round(Tensor& x, const std::vector<float>& head_scale) override;
-  void attention_paged(const KvCache& cache, int layer, const Tensor& q, const PagedBatch& batch,
-                       float softmax_scale, bool fp8_attention, Tensor& out) override;
-  void sample(const Tensor& logits, const std::vector<float>& temperature, const std::vector<float>& top_p,
-              const std::vector<int>& top_k, const std::vector<float>& uniforms, Tensor& tokens,
-              Tensor& logp, int64_t valid_vocab = 0) override;
-  void sample_rows(const Tensor& logits, const Tensor& rows, bool truncation, Tensor& tokens, Tensor& logp,
-                   int64_t valid_vocab = 0) override;
+  void add_impl(const Tensor& a, const Tensor& b, Tensor& out) override;
+  void scale_impl(Tensor& x, float s) override;
+  double sum_squares_impl(const Tensor& x) override;
+  bool all_finite_impl(const Tensor& x) override;
+  float amax_impl(const Tensor& x) override;
 
+  void embedding_impl(const Tensor& ids, const Tensor& table, Tensor& out) override;
+  void embedding_backward_impl(const Tensor& ids, const Tensor& dout, Tensor& dtable) override;
+  void rmsnorm_impl(const Tensor& x, const Tensor& w, float eps, Tensor& out, Tensor* rstd) override;
+  void rmsnorm_backward_impl(const Tensor& dout, const Tensor& x, const Tensor& w, const Tensor& rstd, Tensor& dx,
+                             Tensor& dw) override;
+  void linear_impl(const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor& out,
+                   const Fp8View* x_fp8) override;
+  void linear_shared_input_impl(const Tensor& x, const std::vector<const LinearWeight*>& W, const LinearSpec& spec,
+                                const std::vector<Tensor*>& outs, const Fp8View* x_fp8) override;
+  void rmsnorm_fp8_impl(const Tensor& x, const Tensor& w, float eps, Tensor& out, Tensor* rstd, Fp8View& fp8) override;
+  void add_rmsnorm_impl(const Tensor& a, const Tensor& b, Tensor& sum, const Tensor& w, float eps, Tensor& out,
+                        Tensor* rstd, Fp8View* fp8) override;
+  void swiglu_fp8_impl(const Tensor& gate, const Tensor& up, Tensor& out, Fp8View& fp8) override;
+  void linear_backward_impl(const Tensor& dy, const Tensor& x, const LinearWeight& W, const LinearSpec& spec,
+                            Tensor* dx, Tensor* dw, Tensor* dbias) override;
+  void rope_impl(Tensor& x, const Tensor& positions, const RopeParams& rope, bool inverse) override;
+  void attention_impl(const Tensor& q, const Tensor& k, const Tensor& v, const std::vector<int32_t>& cu_seqlens,
+                      float softmax_scale, Tensor& out, Tensor& lse) override;
+  void attention_backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                               const Tensor& lse, const std::vector<int32_t>& cu_seqlens, float softmax_scale,
+                               Tensor& dq, Tensor& dk, Tensor& dv) override;
+  void swiglu_impl(const Tensor& gate, const Tensor& up, Tensor& out) override;
+  void swiglu_backward_impl(const Tensor& dout, const Tensor& gate, const Tensor& up, Tensor& dgate,
+                            Tensor& dup) override;
+  void token_logprobs_impl(const Tensor& hidden, const Tensor& lm_head, const Tensor& targets, float temperature,
+                           const LinearSpec& spec, Tensor& logp, Tensor& lse, Tensor* entropy) override;
+  void token_logprobs_backward_impl(const Tensor& hidden, const Tensor& lm_head, const Tensor& targets,
+                                    float temperature, const LinearSpec& spec, const Tensor& lse, const Tensor& dlogp,
+                                    Tensor& dhidden, Tensor* dlm_head) override;
+  void moe_route_softmax_impl(const Tensor& logits, int top_k, bool renormalize, Tensor& experts,
+                              Tensor& weights) override;
+  void moe_route_softmax_backward_impl(const Tensor& logits, const Tensor& experts, bool renormalize,
+                                       const Tensor& dweights, Tensor& dlogits) override;
+  void moe_route_sigmoid_impl(const Tensor& logits, const Tensor* bias, int top_k, int n_group, int topk_group,
+                              bool renormalize, float scaling, Tensor& experts, Tensor& weights) override;
+  void moe_route_sigmoid_backward_impl(const Tensor& logits, const Tensor& experts, bool renormalize, float scaling,
+                                       const Tensor& dweights, Tensor& dlogits) override;
+  void moe_permute_impl(const Tensor& x, const Tensor& row_slot, int top_k, const Tensor* weights,
+                        Tensor& out) override;
+  void moe_unpermute_impl(const Tensor& y, const Tensor& slot_row, const Tensor* weights, Tensor& out) override;
+  void moe_unpermute_backward_weights_impl(const Tensor& dout, const Tensor& y, const Tensor& slot_row,
+                                           Tensor& dweights) override;
+  void adamw_impl(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWParams& p) override;
+  void quantize_impl(const Tensor& x, bool transpose, QuantTensor& out) override;
+  void kv_write_impl(KvCache& cache, int layer, const Tensor& k, const Tensor& v, const PagedBatch& batch) override;
+  void kv_round_impl(Tensor& x, const std::vector<float>& head_scale) override;
+  void attention_paged_impl(const KvCache& cache, int layer, const Tensor& q, const PagedBatch& batch,
+                            float softmax_scale, bool fp8_attention, Tensor& out) override;
+  void sample_impl(const Tensor& logits, const std::vector<float>& temperature, const std::vector<float>& top_p,
+                   const std::vector<int>& top_k, const std::vector<float>& uniforms, Tensor& tokens, Tensor& logp,
+                   int64_t valid_vocab) override;
+  void sample_rows_impl(const Tensor& logits, const Tensor& rows, bool truncation, Tensor& tokens, Tensor& logp,
+                        int64_t valid_vocab) override;
+
+ public:
   std::unique_ptr<OpGraph> record(const std::function<void()>& ops) override;
 
   // ---- for the benchmark and tests ----
@@ -123,8 +131,20 @@ class CudaBackend final : public Backend {
 
  private:
   enum Slot {
-    kSlotA, kSlotB, kSlotC, kSlotAq, kSlotAs, kSlotBq, kSlotBs, kSlotLogits, kSlotState, kSlotDh, kSlotIdx,
-    kSlotAttn, kSlotTmp, kSlotCount
+    kSlotA,
+    kSlotB,
+    kSlotC,
+    kSlotAq,
+    kSlotAs,
+    kSlotBq,
+    kSlotBs,
+    kSlotLogits,
+    kSlotState,
+    kSlotDh,
+    kSlotIdx,
+    kSlotAttn,
+    kSlotTmp,
+    kSlotCount
   };
   // A device buffer reused across calls (grown on demand); valid until the next scratch(slot).
   Tensor scratch(Slot slot, const Shape& shape, DType dtype);
@@ -149,9 +169,8 @@ class CudaBackend final : public Backend {
   // Where a fused producer's FP8 copy of an [R, C] activation puts its scales: cuBLASLt's layout
   // when the GEMMs will take it as is (BF16 activations, R % 16 == 0), else row-major.
   bool fp8_view_gemm_layout(int64_t R, int64_t C) const;
-  void fp8_view_prepare(Fp8View& fp8, const Tensor& out, const char* what);
-  float* rmsnorm_check(const Tensor& x, const Tensor& w, Tensor& out, Tensor* rstd);
-  void check_dev(const Tensor& t, const char* what) const;
+  void fp8_view_prepare(Fp8View& fp8, const Tensor& out);
+  void check_dev(const Tensor& t, const char* what) const;  // quantize_async's own entry
   // Whether an FP8 block GEMM [M, N, K] takes cuBLASLt's FP8 kernels (else: dequantize + FP32 GEMM).
   // On the fast path (BF16 activations) a shape that cannot is a fallback: counted, and reported
   // on stderr once per (N, K).
@@ -165,14 +184,14 @@ class CudaBackend final : public Backend {
   std::shared_ptr<DeviceMemory> mem_;  // owns the stream and the pool; shared with every Storage
   cudaStream_t stream_ = nullptr;      // mem_->stream()
   std::unique_ptr<GemmEngine> gemm_;
-  int* flag_dev_ = nullptr;   // [kFlagSlots]
-  int* flag_host_ = nullptr;  // pinned [kFlagSlots]
-  int* flag_cur_ = nullptr;   // the slot flag_reset() opened last
+  int* flag_dev_ = nullptr;           // [kFlagSlots]
+  int* flag_host_ = nullptr;          // pinned [kFlagSlots]
+  int* flag_cur_ = nullptr;           // the slot flag_reset() opened last
   std::vector<std::string> pending_;  // message of slot i
   std::string sticky_message_;        // set while the sticky slot may hold an unchecked error
   bool sync_checks_ = false;
-  bool recording_ = false;            // inside record(): flags go to the sticky slot
-  std::string recorded_message_;      // first flag_check message while recording
+  bool recording_ = false;        // inside record(): flags go to the sticky slot
+  std::string recorded_message_;  // first flag_check message while recording
   // alloc() is stream-ordered from a pool (capturable): graphs allowed.
   bool stream_ordered_alloc() const { return !mem_->plain(); }
   friend class CudaGraph;

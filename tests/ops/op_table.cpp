@@ -1,0 +1,1130 @@
+// The rows of the op table (op_table.h): every op of backend/backend.h, on fresh random inputs
+// (never zeros), ragged shapes (rows not a multiple of 128, a single row). Tolerance classes,
+// against the CPU reference:
+//   bitwise: quantize (every block shape, transpose, pow2), dtype conversion, copies, KV-cache
+//            writes, routing choices, sampled tokens, amax;
+//   GEMMs: FP32 1e-5, BF16 (same rounded operands) 1e-4; FP8 block: DeepGEMM's
+//          1 - 2 sum(xy) / sum(x^2 + y^2) < 1e-3 and 2e-2 relative, against the CPU FP8 result;
+//   other F32 ops 1e-5 (1e-4 where a long reduction feeds an exp), BF16 activations 1e-2
+//   (backward 2e-2 / 3e-2 where two BF16 roundings meet).
+// Every output starts as NaN (OpRun::output), so an unwritten element fails.
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+
+#include "backend/sampling.h"
+#include "ops/op_table.h"
+#include "quant/quant.h"
+
+namespace fp8rl::test {
+namespace {
+
+std::string dims(std::initializer_list<int64_t> d) {
+  std::string s;
+  for (int64_t x : d) s += (s.empty() ? "" : "x") + std::to_string(x);
+  return s;
+}
+
+// ---- memory and element-wise ----------------------------------------------------------------
+
+void memory_cases(std::vector<OpCase>& t) {
+  t.push_back({"copy + fill",
+               "37x129 F32",
+               [] {
+                 return Tensors{{"x", rnd({37, 129}, 1)}};
+               },
+               [](OpRun& r) {
+                 r.be.copy(r["x"], r.output("copy", {37, 129}, DType::F32));
+                 r.be.fill(r.output("filled", {37, 129}, DType::F32), 2.5f);
+               },
+               {{"copy", bitwise()}, {"filled", bitwise()}}});
+  t.back().invariants = [](const Tensors& o) {
+    for (double v : values(o.at("filled"))) ASSERT_EQ(v, 2.5);
+  };
+  t.push_back({"convert",
+               "33x300 F32 -> BF16 -> F32, wide range",
+               [] {
+                 return Tensors{{"x", rnd_wide(33, 300, 2, DType::F32)}};
+               },
+               [](OpRun& r) {
+                 Tensor& bf = r.output("bf16", {33, 300}, DType::BF16);
+                 r.be.convert(r["x"], bf);
+                 r.be.convert(bf, r.output("back", {33, 300}, DType::F32));
+               },
+               {{"bf16", bitwise()}, {"back", bitwise()}}});
+  t.back().invariants = [](const Tensors& o) {  // round to nearest even, then exactly back
+    const Tensor ref = from_float_vector(to_float_vector(o.at("bf16")), {33, 300}, DType::F32);
+    EXPECT_EQ(std::memcmp(ref.raw(), o.at("back").raw(), ref.nbytes()), 0);
+  };
+  t.push_back({"copy_cols",
+               "MLA's nope | rope concatenation, 5x3x(16+8)",
+               [] {
+                 return Tensors{{"a", rnd({15, 16}, 3)}, {"b", rnd({15, 8}, 4)}};
+               },
+               [](OpRun& r) {
+                 Tensor& cat = r.output("cat", {15, 24}, DType::F32);
+                 r.be.copy_cols(r["a"], 0, cat, 0, 16);
+                 r.be.copy_cols(r["b"], 0, cat, 16, 8);
+               },
+               {{"cat", bitwise()}}});
+  t.back().errors = [](OpRun& r) {
+    Tensor cat = r.be.alloc({15, 24}, DType::F32);
+    EXPECT_THROW(r.be.copy_cols(r["a"], 0, cat, 10, 16), Error);  // past the destination's columns
+    Tensor other = r.be.alloc({14, 24}, DType::F32);
+    EXPECT_THROW(r.be.copy_cols(r["a"], 0, other, 0, 16), Error);  // rows differ
+  };
+  t.push_back({"add + scale + sum_squares + all_finite",
+               "77x65 F32",
+               [] {
+                 Tensor bad = rnd({77, 65}, 20);
+                 bad.data<float>()[1234] = NAN;
+                 Tensor ninf = rnd({77, 65}, 20);
+                 ninf.data<float>()[1234] = -INFINITY;
+                 return Tensors{{"a", rnd({77, 65}, 20)}, {"b", rnd({77, 65}, 21)}, {"bad", bad}, {"ninf", ninf}};
+               },
+               [](OpRun& r) {
+                 r.be.add(r["a"], r["b"], r.output("sum", {77, 65}, DType::F32));
+                 r.be.scale(r.updated("scaled", "a"), 0.37f);
+                 Tensor ss = Tensor::empty({1}, DType::F64);  // host results of the reductions
+                 ss.data<double>()[0] = r.be.sum_squares(r["a"]);
+                 r.out["sum_squares"] = ss;
+                 Tensor fin = Tensor::empty({3}, DType::I32);
+                 fin.data<int32_t>()[0] = r.be.all_finite(r["a"]);
+                 fin.data<int32_t>()[1] = r.be.all_finite(r["bad"]);
+                 fin.data<int32_t>()[2] = r.be.all_finite(r["ninf"]);
+                 r.out["all_finite"] = fin;
+               },
+               {{"sum", rel(1e-7)}, {"scaled", rel(1e-7)}, {"sum_squares", rel(1e-9)}, {"all_finite", bitwise()}}});
+  t.back().invariants = [](const Tensors& o) { EXPECT_EQ(values(o.at("all_finite")), (std::vector<double>{1, 0, 0})); };
+  t.back().errors = [](OpRun& r) {
+    Tensor wrong = r.be.alloc({4, 5}, DType::F32);
+    EXPECT_THROW(r.be.add(r["a"], r["b"], wrong), Error);
+    Tensor h = r.be.alloc({77, 65}, DType::BF16);
+    EXPECT_THROW(r.be.copy(r["a"], h), Error);  // copy does not convert
+  };
+  for (DType dt : {DType::F32, DType::BF16})
+    for (int64_t n : {int64_t(1), int64_t(1000), int64_t(1) << 20}) {
+      t.push_back({"amax",
+                   std::string(dtype_name(dt)) + " n " + std::to_string(n),
+                   [=] {
+                     return Tensors{{"x", rnd({n}, 25 + static_cast<uint32_t>(n), dt, 3.0f)}};
+                   },
+                   [](OpRun& r) {
+                     Tensor h = Tensor::empty({1}, DType::F32);
+                     h.data<float>()[0] = r.be.amax(r["x"]);
+                     r.out["amax"] = h;
+                   },
+                   {{"amax", bitwise()}}});  // max is exact
+      t.back().invariants = [](const Tensors& o) { EXPECT_GT(values(o.at("amax"))[0], 0.0); };
+    }
+  t.push_back({"amax",
+               "F32 5000, one -1e30 and one NaN",
+               [] {
+                 Tensor x = rnd({5000}, 26), y = rnd({5000}, 26);
+                 x.data<float>()[4321] = -1e30f;
+                 y.data<float>()[4321] = -1e30f;
+                 y.data<float>()[17] = NAN;
+                 return Tensors{{"x", x}, {"nan", y}};
+               },
+               [](OpRun& r) {
+                 Tensor h = Tensor::empty({2}, DType::F32);
+                 h.data<float>()[0] = r.be.amax(r["x"]);
+                 h.data<float>()[1] = std::isnan(r.be.amax(r["nan"])) ? 1.0f : 0.0f;
+                 r.out["amax"] = h;
+               },
+               {{"amax", bitwise()}}});
+  t.back().invariants = [](const Tensors& o) {
+    EXPECT_EQ(values(o.at("amax"))[0], double(1e30f));
+    EXPECT_EQ(values(o.at("amax"))[1], 1.0) << "a NaN must come back as NaN";
+  };
+}
+
+// ---- quantization ----------------------------------------------------------------------------
+
+void quantize_cases(std::vector<OpCase>& t) {
+  // Widths that are multiples of 8 take the vectorized kernels, the others the element-wise
+  // ones; {200, 136} and {130, 264} transposed give output rows not 16-byte aligned (mixed
+  // 16-byte and byte stores) and partial tiles.
+  const std::pair<int64_t, int64_t> shapes[] = {{1, 128},  {1, 300},   {7, 128},   {130, 257}, {256, 512},
+                                                {3, 1000}, {200, 129}, {200, 136}, {130, 264}, {384, 256}};
+  uint32_t seed = 10;
+  for (const auto& [rows, cols] : shapes)
+    for (DType dt : {DType::F32, DType::BF16})
+      for (bool transpose : {false, true})
+        for (int br : {1, 128})
+          for (bool pow2 : {false, true}) {
+            const uint32_t s = seed++;
+            const int64_t r = rows, c = cols, R = transpose ? c : r, C = transpose ? r : c;
+            t.push_back({"quantize",
+                         dims({r, c}) + " " + dtype_name(dt) + (transpose ? " T" : "") + " blocks " +
+                             std::to_string(br) + "x128" + (pow2 ? " pow2" : ""),
+                         [=] {
+                           return Tensors{{"x", rnd_wide(r, c, s, dt)}};
+                         },
+                         [=](OpRun& run) {
+                           QuantTensor q = run.be.alloc_quant(R, C, br, 128, pow2);
+                           run.be.fill(q.scales, NAN);
+                           run.be.quantize(run["x"], transpose, q);
+                           run.out["data"] = q.data;
+                           run.out["scales"] = q.scales;
+                         },
+                         {{"scales", bitwise()}, {"data", bitwise()}}});
+            if (r == 130 && c == 257 && dt == DType::F32 && !transpose && br == 1 && !pow2)
+              t.back().invariants = [=](const Tensors& o) {  // the reference quantizer itself
+                QuantTensor ref = quant_alloc(R, C, br, 128, pow2);
+                quantize_blocks_into(rnd_wide(r, c, s, dt), transpose, ref);
+                EXPECT_EQ(std::memcmp(ref.data.raw(), o.at("data").raw(), ref.data.nbytes()), 0);
+              };
+          }
+  t.push_back({"quantize",
+               "non-finite input (NaN, Inf) is an error",
+               [] {
+                 Tensors in;
+                 for (float bad : {NAN, INFINITY}) {
+                   Tensor x = rnd({5, 256}, 3);
+                   x.data<float>()[3 * 256 + 17] = bad;
+                   in[std::isnan(bad) ? "nan" : "inf"] = x;
+                 }
+                 return in;
+               },
+               [](OpRun&) {},
+               {}});
+  t.back().errors = [](OpRun& r) {
+    for (const char* name : {"nan", "inf"}) {
+      QuantTensor q = r.be.alloc_quant(5, 256, 1, 128, false);
+      EXPECT_THROW(r.be.quantize(r[name], false, q), Error) << name;
+      QuantTensor qt = r.be.alloc_quant(256, 5, 128, 128, false);
+      EXPECT_THROW(r.be.quantize(r[name], true, qt), Error) << name;
+    }
+    QuantTensor wrong = r.be.alloc_quant(5, 200, 1, 128, false);
+    EXPECT_THROW(r.be.quantize(r["nan"], false, wrong), Error);  // shape mismatch: the contract
+  };
+}
+
+// ---- linear layers ---------------------------------------------------------------------------
+
+struct Gemm {
+  int64_t M, N, K;
+};
+std::string gemm_name(const Gemm& g) { return dims({g.M, g.N, g.K}); }
+
+LinearWeight weight_of(OpRun& r, bool bias) {
+  LinearWeight W;
+  W.w = r["w"];
+  if (bias) W.bias = r["bias"];
+  return W;
+}
+
+void linear_cases(std::vector<OpCase>& t) {
+  // cuBLASLt FP8 block path: M, N % 16 and K % 128; the rest fall back (dequantize + FP32 GEMM).
+  const Gemm fwd[] = {{1, 256, 128},    {16, 256, 512}, {130, 384, 256}, {256, 512, 384},
+                      {128, 640, 1024}, {64, 128, 200}, {48, 256, 128}};
+  uint32_t seed = 100;
+  for (const Gemm& g : fwd)
+    for (LinearMode mode : {LinearMode::FP32, LinearMode::BF16, LinearMode::FP8_BLOCK})
+      for (DType odt : {DType::F32, DType::BF16}) {
+        if (mode == LinearMode::FP32 && odt == DType::BF16) continue;
+        const LinearSpec spec{mode, (seed % 2) == 1};
+        const uint32_t sx = seed++;
+        const bool bias = (seed % 3) == 0;
+        const uint32_t sw = seed++;
+        t.push_back({"linear",
+                     gemm_name(g) + " " + linear_mode_name(mode) + (spec.pow2_scales ? " pow2" : "") + " out " +
+                         dtype_name(odt) + (bias ? " bias" : ""),
+                     [=] {
+                       Tensors in{{"x", rnd({g.M, g.K}, sx)}, {"w", rnd({g.N, g.K}, sw, DType::F32, 0.05f)}};
+                       if (bias) in["bias"] = rnd({g.N}, sw + 1);
+                       return in;
+                     },
+                     [=](OpRun& r) {  // the CPU reference in F32, as the GPU's is compared with it
+                       const DType o = r.be.device() == DeviceKind::CPU ? DType::F32 : odt;
+                       r.be.linear(r["x"], weight_of(r, bias), spec, r.output("out", {g.M, g.N}, o));
+                     },
+                     {{"out", linear_tolerance(mode, odt)}}});
+      }
+  // A pre-quantized weight (the generator's wq, the trainer's per-step cache) gives the result of
+  // quantizing w.
+  for (const Gemm& g : {Gemm{256, 512, 384}, Gemm{130, 384, 256}}) {
+    const LinearSpec spec{LinearMode::FP8_BLOCK, false};
+    t.push_back({"linear",
+                 gemm_name(g) + " fp8 with W.wq only",
+                 [=] {
+                   return Tensors{{"x", rnd({g.M, g.K}, 7)}, {"w", rnd({g.N, g.K}, 8, DType::F32, 0.05f)}};
+                 },
+                 [=](OpRun& r) {
+                   LinearWeight W;
+                   W.wq = r.be.alloc_quant(g.N, g.K, 128, 128, false);
+                   r.be.quantize(r["w"], false, W.wq);
+                   r.be.linear(r["x"], W, spec, r.output("out", {g.M, g.N}, DType::F32));
+                   r.be.linear(r["x"], weight_of(r, false), spec, r.output("out_w", {g.M, g.N}, DType::F32));
+                 },
+                 {{"out", fp8_gemm()}},
+                 {{"out", "out_w"}}});
+    t.back().errors = [=](OpRun& r) {
+      LinearWeight W;
+      W.wq = r.be.alloc_quant(g.N, g.K, 128, 128, false);
+      r.be.quantize(r["w"], false, W.wq);
+      Tensor out = r.be.alloc({g.M, g.N}, DType::F32);
+      EXPECT_THROW(r.be.linear(r["x"], W, {LinearMode::FP8_BLOCK, true}, out), Error);  // pow2 mismatch
+      EXPECT_THROW(r.be.linear(r["x"], W, {LinearMode::FP32, false}, out), Error);      // FP32 needs w
+      Tensor narrow = r.be.alloc({g.M, g.N - 1}, DType::F32);
+      EXPECT_THROW(r.be.linear(r["x"], weight_of(r, false), spec, narrow), Error);
+    };
+  }
+  // dgrad with a pre-quantized weight takes W.wq transposed instead of requantizing W.w: bitwise
+  // the same dx, with or without w.
+  for (const Gemm& g : {Gemm{256, 512, 384}, Gemm{130, 200, 260}, Gemm{64, 384, 128}})
+    for (bool pow2 : {false, true}) {
+      const LinearSpec spec{LinearMode::FP8_BLOCK, pow2};
+      t.push_back({"linear_backward",
+                   gemm_name(g) + " fp8 dgrad with W.wq" + (pow2 ? " pow2" : ""),
+                   [=] {
+                     return Tensors{{"x", rnd({g.M, g.K}, 40)},
+                                    {"dy", rnd({g.M, g.N}, 41)},
+                                    {"w", rnd({g.N, g.K}, 42, DType::F32, 0.05f)}};
+                   },
+                   [=](OpRun& r) {
+                     const LinearWeight W = weight_of(r, false);
+                     r.be.linear_backward(r["dy"], r["x"], W, spec, &r.output("dx_w", {g.M, g.K}, DType::F32), nullptr,
+                                          nullptr);
+                     LinearWeight both = W;
+                     both.wq = r.be.alloc_quant(g.N, g.K, 128, 128, pow2);
+                     r.be.quantize(W.w, false, both.wq);
+                     r.be.linear_backward(r["dy"], r["x"], both, spec, &r.output("dx_both", {g.M, g.K}, DType::F32),
+                                          nullptr, nullptr);
+                     LinearWeight only_q;
+                     only_q.wq = both.wq;
+                     r.be.linear_backward(r["dy"], r["x"], only_q, spec, &r.output("dx_q", {g.M, g.K}, DType::F32),
+                                          nullptr, nullptr);
+                   },
+                   {{"dx_q", fp8_gemm()}},
+                   {{"dx_both", "dx_w"}, {"dx_q", "dx_w"}}});
+      t.back().errors = [=](OpRun& r) {  // the spec's pow2 must match the cached weight's
+        LinearWeight only_q;
+        only_q.wq = r.be.alloc_quant(g.N, g.K, 128, 128, pow2);
+        r.be.quantize(r["w"], false, only_q.wq);
+        Tensor dx = r.be.alloc({g.M, g.K}, DType::F32);
+        EXPECT_THROW(
+            r.be.linear_backward(r["dy"], r["x"], only_q, {LinearMode::FP8_BLOCK, !pow2}, &dx, nullptr, nullptr),
+            Error);
+      };
+    }
+  seed = 300;
+  const Gemm bwd[] = {{128, 256, 384}, {48, 256, 128}, {130, 200, 384}, {256, 128, 512}, {1, 128, 256}};
+  for (const Gemm& g : bwd)
+    for (LinearMode mode : {LinearMode::FP32, LinearMode::BF16, LinearMode::FP8_BLOCK}) {
+      const LinearSpec spec{mode, (seed % 2) == 0};
+      const uint32_t sx = seed++, sdy = seed++, sw = seed++, sdw = seed++, sdb = seed++;
+      t.push_back({"linear_backward",
+                   gemm_name(g) + " " + linear_mode_name(mode) + (spec.pow2_scales ? " pow2" : ""),
+                   [=] {
+                     return Tensors{{"x", rnd({g.M, g.K}, sx)},
+                                    {"dy", rnd({g.M, g.N}, sdy)},
+                                    {"w", rnd({g.N, g.K}, sw, DType::F32, 0.05f)},
+                                    {"bias", rnd({g.N}, sw + 1)},
+                                    {"dw0", rnd({g.N, g.K}, sdw, DType::F32, 0.1f)},
+                                    {"db0", rnd({g.N}, sdb)}};
+                   },
+                   [=](OpRun& r) {
+                     r.be.linear_backward(r["dy"], r["x"], weight_of(r, true), spec,
+                                          &r.output("dx", {g.M, g.K}, DType::F32), &r.updated("dw", "dw0"),
+                                          &r.updated("dbias", "db0"));
+                   },
+                   {{"dx", linear_tolerance(mode, DType::F32)},
+                    {"dw", linear_tolerance(mode, DType::F32)},
+                    {"dbias", rel(1e-5)}}});
+    }
+  // The trainer's micro-batches have ragged token counts: every FP8 product must stay on the
+  // tensor cores (rows M % 16 != 0 as a padded tail product; the wgrad's token contraction padded
+  // to a multiple of 128), match the CPU reference, and count no fallback.
+  seed = 900;
+  for (const Gemm& g :
+       {Gemm{1, 256, 384}, Gemm{15, 256, 384}, Gemm{17, 512, 256}, Gemm{1000, 512, 1024}, Gemm{4099, 256, 384}})
+    for (bool pow2 : {false, true}) {
+      const LinearSpec spec{LinearMode::FP8_BLOCK, pow2};
+      const uint32_t sx = seed++, sdy = seed++, sw = seed++, sdw = seed++;
+      t.push_back({"linear + linear_backward",
+                   gemm_name(g) + " fp8 ragged tokens" + (pow2 ? " pow2" : ""),
+                   [=] {
+                     return Tensors{{"x", rnd({g.M, g.K}, sx)},
+                                    {"dy", rnd({g.M, g.N}, sdy)},
+                                    {"w", rnd({g.N, g.K}, sw, DType::F32, 0.05f)},
+                                    {"dw0", rnd({g.N, g.K}, sdw, DType::F32, 0.1f)}};
+                   },
+                   [=](OpRun& r) {
+                     const LinearWeight W = weight_of(r, false);
+                     const DType o = r.be.device() == DeviceKind::CPU ? DType::F32 : DType::BF16;
+                     r.be.linear(r["x"], W, spec, r.output("out", {g.M, g.N}, o));
+                     r.be.linear_backward(r["dy"], r["x"], W, spec, &r.output("dx", {g.M, g.K}, DType::F32),
+                                          &r.updated("dw", "dw0"), nullptr);
+                   },
+                   {{"out", fp8_gemm()}, {"dx", fp8_gemm()}, {"dw", fp8_gemm()}}});
+      t.back().no_fp8_fallback = true;
+      if (g.M % 16 != 0) t.back().fp8_tails = 2;  // forward and dgrad
+    }
+}
+
+// ---- layers ----------------------------------------------------------------------------------
+
+void layer_cases(std::vector<OpCase>& t) {
+  {
+    const int64_t V = 300, D = 96;
+    const std::vector<int32_t> ids = {5, 299, 0, 5, 17, 42, 5};
+    t.push_back({"embedding + embedding_backward",
+                 "V 300, D 96, 7 ids (repeated)",
+                 [=] {
+                   std::vector<int32_t> bad = ids;
+                   bad[3] = 300;
+                   return Tensors{{"table", rnd({V, D}, 30)},
+                                  {"ids", i32_tensor(ids, {7})},
+                                  {"bad_ids", i32_tensor(bad, {7})},
+                                  {"dout", rnd({7, D}, 31)},
+                                  {"dt0", rnd({V, D}, 32)}};
+                 },
+                 [=](OpRun& r) {
+                   r.be.embedding(r["ids"], r["table"], r.output("out", {7, D}, DType::F32));
+                   r.be.embedding_backward(r["ids"], r["dout"], r.updated("dtable", "dt0"));
+                 },
+                 {{"out", bitwise()}, {"dtable", rel(1e-6)}}});
+    t.back().errors = [=](OpRun& r) {
+      // A data error (on the GPU found on the device) surfaces at the next synchronizing call at
+      // the latest, once, naming the op; the backend is usable afterwards.
+      Tensor out = r.be.alloc({7, D}, DType::F32);
+      try {
+        r.be.embedding(r["bad_ids"], r["table"], out);
+        r.be.synchronize();
+        ADD_FAILURE() << "an out-of-range id was not reported";
+      } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("embedding"), std::string::npos) << e.what();
+      }
+      r.be.synchronize();
+      r.be.embedding(r["ids"], r["table"], out);
+      EXPECT_NO_THROW(r.be.synchronize());
+      Tensor wrong = r.be.alloc({6, D}, DType::F32);
+      EXPECT_THROW(r.be.embedding(r["ids"], r["table"], wrong), Error);
+    };
+  }
+  // RMSNorm: the model's rows (D 320) and the q/k-norm head shapes (D <= 256, one warp per row).
+  struct Norm {
+    int64_t R, D;
+    uint32_t seed;
+    double fwd, rstd;
+    bool dw_from_input;
+  };
+  std::vector<Norm> norms;
+  for (int64_t R : {int64_t(1), int64_t(131)}) norms.push_back({R, 320, 40, 1e-5, 1e-5, true});
+  for (int64_t D : {int64_t(128), int64_t(64), int64_t(40), int64_t(256)})
+    for (int64_t R : {int64_t(1), int64_t(9), int64_t(4099)}) norms.push_back({R, D, 60, 1e-6, 1e-6, false});
+  for (const Norm& n : norms)
+    for (DType dt : {DType::F32, DType::BF16}) {
+      const bool f32 = dt == DType::F32;
+      t.push_back({"rmsnorm + rmsnorm_backward",
+                   dims({n.R, n.D}) + " " + dtype_name(dt),
+                   [=] {
+                     return Tensors{
+                         {"x", rnd({n.R, n.D}, n.seed, dt)},
+                         {"w", rnd({n.D}, n.seed + 1)},
+                         {"g", rnd({n.R, n.D}, n.seed + 2, dt)},
+                         {"dw0", n.dw_from_input ? rnd({n.D}, n.seed + 3) : Tensor::zeros({n.D}, DType::F32)}};
+                   },
+                   [=](OpRun& r) {
+                     Tensor& out = r.output("out", {n.R, n.D}, dt);
+                     Tensor& rstd = r.output("rstd", {n.R}, DType::F32);
+                     r.be.rmsnorm(r["x"], r["w"], 1e-6f, out, &rstd);
+                     r.be.rmsnorm_backward(r["g"], r["x"], r["w"], rstd, r.output("dx", {n.R, n.D}, dt),
+                                           r.updated("dw", "dw0"));
+                   },
+                   {{"out", rel(f32 ? n.fwd : 1e-2)},
+                    {"rstd", rel(n.rstd)},
+                    {"dx", rel(f32 ? 1e-5 : 2e-2)},
+                    {"dw", rel(f32 ? 1e-5 : 1e-2)}}});
+    }
+  // RoPE: the test shapes (hd 64) and the model's heads (several heads per thread).
+  struct Rope {
+    int64_t T, H, hd;
+    float theta;
+    uint32_t seed;
+    bool bf16;
+  };
+  const Rope ropes[] = {{19, 3, 64, 10000.0f, 50, false},
+                        {37, 16, 128, 1000000.0f, 70, true},
+                        {300, 8, 128, 1000000.0f, 70, true},
+                        {5, 32, 64, 1000000.0f, 70, true},
+                        {3, 1, 64, 1000000.0f, 70, true}};
+  for (const Rope& rc : ropes)
+    for (DType dt : {DType::F32, DType::BF16}) {
+      if (dt == DType::BF16 && !rc.bf16) continue;
+      for (bool inverse : {false, true}) {
+        t.push_back(
+            {"rope",
+             dims({rc.T, rc.H, rc.hd}) + " " + dtype_name(dt) + (inverse ? " inverse" : ""),
+             [=] {
+               std::vector<int32_t> pos(rc.T);
+               for (int64_t i = 0; i < rc.T; ++i) pos[i] = static_cast<int32_t>((i * 397) % 4000);
+               return Tensors{{"x", rnd({rc.T, rc.H, rc.hd}, rc.seed + inverse, dt)}, {"pos", i32_tensor(pos, {rc.T})}};
+             },
+             [=](OpRun& r) {
+               RopeParams rp;
+               for (int i = 0; i < rc.hd / 2; ++i) rp.inv_freq.push_back(std::pow(rc.theta, -2.0f * i / rc.hd));
+               r.be.rope(r.updated("x", "x"), r["pos"], rp, inverse);
+             },
+             {{"x", rel(dt == DType::F32 ? 1e-5 : 1e-2)}}});
+      }
+    }
+  for (DType dt : {DType::F32, DType::BF16}) {
+    const double tol = dt == DType::F32 ? 1e-5 : 1e-2;
+    t.push_back({"swiglu + swiglu_backward",
+                 std::string("33x200 ") + dtype_name(dt),
+                 [=] {
+                   return Tensors{{"g", rnd({33, 200}, 60, dt, 3.0f)},
+                                  {"u", rnd({33, 200}, 61, dt)},
+                                  {"d", rnd({33, 200}, 62, dt)}};
+                 },
+                 [=](OpRun& r) {
+                   r.be.swiglu(r["g"], r["u"], r.output("out", {33, 200}, dt));
+                   r.be.swiglu_backward(r["d"], r["g"], r["u"], r.output("dgate", {33, 200}, dt),
+                                        r.output("dup", {33, 200}, dt));
+                 },
+                 {{"out", rel(tol)}, {"dgate", rel(tol)}, {"dup", rel(tol)}}});
+  }
+  {
+    AdamWParams p;
+    p.lr = 1e-2f;
+    p.weight_decay = 0.01f;
+    p.step = 3;
+    t.push_back(
+        {"adamw",
+         "1000 F32, step 3",
+         [] {
+           Tensor v = rnd({1000}, 73);
+           for (int64_t i = 0; i < 1000; ++i) v.data<float>()[i] = std::fabs(v.data<float>()[i]);
+           return Tensors{
+               {"w", rnd({1000}, 70)}, {"g", rnd({1000}, 71)}, {"m", rnd({1000}, 72, DType::F32, 0.1f)}, {"v", v}};
+         },
+         [=](OpRun& r) { r.be.adamw(r.updated("w", "w"), r["g"], r.updated("m", "m"), r.updated("v", "v"), p); },
+         {{"w", rel(1e-6)}, {"m", rel(1e-6)}, {"v", rel(1e-6)}}});
+    t.back().errors = [=](OpRun& r) {
+      Tensor w = r.be.alloc({1000}, DType::F32), m = r.be.alloc({1000}, DType::F32), v = r.be.alloc({999}, DType::F32);
+      EXPECT_THROW(r.be.adamw(w, r["g"], m, v, p), Error);  // shapes differ
+      AdamWParams p0 = p;
+      p0.step = 0;
+      Tensor v2 = r.be.alloc({1000}, DType::F32);
+      EXPECT_THROW(r.be.adamw(w, r["g"], m, v2, p0), Error);  // steps are 1-based
+    };
+  }
+}
+
+// ---- fused producers of FP8 linear inputs and linear_shared_input --------------------------------
+
+// The FP8 view a fused producer wrote is bitwise the reference quantizer applied to the output
+// the same backend wrote (any scale layout: "layout" 1 = cuBLASLt's block-major scales).
+void expect_view_is_quantized_out(const Tensors& o, bool pow2) {
+  const Tensor& out = o.at("out");
+  const int64_t D = out.dim(-1), R = out.numel() / D, nb = (D + 127) / 128;
+  QuantTensor ref = quant_alloc(R, D, 1, 128, pow2);
+  quantize_blocks_into(out.reshape({R, D}), false, ref);
+  EXPECT_EQ(std::memcmp(ref.data.raw(), o.at("q").raw(), ref.data.nbytes()), 0) << "FP8 view data";
+  const bool laid = o.at("layout").data<int32_t>()[0] != 0;
+  const float* s = o.at("scales").data<float>();
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t b = 0; b < nb; ++b)
+      ASSERT_EQ(std::memcmp(&ref.scales.data<float>()[r * nb + b], &s[laid ? b * R + r : r * nb + b], 4), 0)
+          << "FP8 view scale of row " << r << " block " << b;
+}
+
+void keep_view(OpRun& r, const Fp8View& v) {
+  r.out["q"] = v.q.data;
+  r.out["scales"] = v.q.scales;
+  Tensor l = Tensor::empty({1}, DType::I32);
+  l.data<int32_t>()[0] = v.scales_gemm_layout;
+  r.out["layout"] = l;
+}
+
+void fused_cases(std::vector<OpCase>& t) {
+  for (DType dt : {DType::F32, DType::BF16})
+    for (int64_t R : {int64_t(48), int64_t(37)}) {
+      const int64_t D = 384;
+      const bool f32 = dt == DType::F32, pow2 = R == 37;
+      const std::string v = dims({R, D}) + " " + dtype_name(dt) + (pow2 ? " pow2" : "");
+      auto inputs = [=] {
+        return Tensors{{"x", rnd({R, D}, 500, dt)},
+                       {"b", rnd({R, D}, 501, dt)},
+                       {"w", rnd({D}, 502)},
+                       {"gate", rnd({R, D}, 503, dt, 3.0f)},
+                       {"up", rnd({R, D}, 504, dt)}};
+      };
+      t.push_back({"rmsnorm_fp8",
+                   v,
+                   inputs,
+                   [=](OpRun& r) {
+                     Fp8View view = r.be.alloc_fp8_view(R, D, pow2);
+                     r.be.rmsnorm_fp8(r["x"], r["w"], 1e-6f, r.output("out", {R, D}, dt),
+                                      &r.output("rstd", {R}, DType::F32), view);
+                     keep_view(r, view);
+                   },
+                   {{"out", rel(f32 ? 1e-5 : 1e-2)}, {"rstd", rel(1e-5)}}});
+      t.back().invariants = [=](const Tensors& o) { expect_view_is_quantized_out(o, pow2); };
+      t.push_back({"add_rmsnorm",
+                   v + ", with its FP8 view",
+                   inputs,
+                   [=](OpRun& r) {
+                     Fp8View view = r.be.alloc_fp8_view(R, D, pow2);
+                     r.be.add_rmsnorm(r["x"], r["b"], r.output("sum", {R, D}, dt), r["w"], 1e-6f,
+                                      r.output("out", {R, D}, dt), &r.output("rstd", {R}, DType::F32), &view);
+                     keep_view(r, view);
+                   },
+                   {{"sum", rel(f32 ? 1e-6 : 1e-2)}, {"out", rel(f32 ? 1e-5 : 1e-2)}, {"rstd", rel(1e-5)}}});
+      t.back().invariants = [=](const Tensors& o) { expect_view_is_quantized_out(o, pow2); };
+      t.push_back({"swiglu_fp8",
+                   v,
+                   inputs,
+                   [=](OpRun& r) {
+                     Fp8View view = r.be.alloc_fp8_view(R, D, pow2);
+                     r.be.swiglu_fp8(r["gate"], r["up"], r.output("out", {R, D}, dt), view);
+                     keep_view(r, view);
+                   },
+                   {{"out", rel(f32 ? 1e-5 : 1e-2)}}});
+      t.back().invariants = [=](const Tensors& o) { expect_view_is_quantized_out(o, pow2); };
+      t.back().errors = [=](OpRun& r) {
+        Fp8View wrong = r.be.alloc_fp8_view(R, D - 128, pow2);
+        Tensor out = r.be.alloc({R, D}, dt);
+        EXPECT_THROW(r.be.swiglu_fp8(r["gate"], r["up"], out, wrong), Error);  // not out's view
+      };
+    }
+  // q/k/v through linear_shared_input: each output bitwise what linear() writes.
+  for (LinearMode mode : {LinearMode::BF16, LinearMode::FP8_BLOCK})
+    for (int64_t M : {int64_t(64), int64_t(37)}) {
+      const LinearSpec spec{mode, false};
+      const int64_t K = 256, N[3] = {256, 128, 384};
+      t.push_back({"linear_shared_input",
+                   std::to_string(M) + " tokens, K 256, N 256/128/384 " + linear_mode_name(mode),
+                   [=] {
+                     Tensors in{{"x", rnd({M, K}, 510)}};
+                     for (int i = 0; i < 3; ++i)
+                       in["w" + std::to_string(i)] = rnd({N[i], K}, 511 + i, DType::F32, 0.05f);
+                     return in;
+                   },
+                   [=](OpRun& r) {
+                     LinearWeight W[3];
+                     std::vector<const LinearWeight*> ws;
+                     std::vector<Tensor*> outs;
+                     for (int i = 0; i < 3; ++i) {
+                       W[i].w = r["w" + std::to_string(i)];
+                       ws.push_back(&W[i]);
+                       outs.push_back(&r.output("out" + std::to_string(i), {M, N[i]}, DType::F32));
+                     }
+                     r.be.linear_shared_input(r["x"], ws, spec, outs);
+                     for (int i = 0; i < 3; ++i)
+                       r.be.linear(r["x"], W[i], spec, r.output("single" + std::to_string(i), {M, N[i]}, DType::F32));
+                   },
+                   {{"out0", linear_tolerance(mode, DType::F32)},
+                    {"out1", linear_tolerance(mode, DType::F32)},
+                    {"out2", linear_tolerance(mode, DType::F32)}},
+                   {{"out0", "single0"}, {"out1", "single1"}, {"out2", "single2"}}});
+    }
+}
+
+// ---- mixture of experts ------------------------------------------------------------------------
+
+void moe_cases(std::vector<OpCase>& t) {
+  const int64_t T = 37, E = 12, k = 3, D = 72, R = T * k;
+  // Routing: F32 logits; the selection must agree exactly away from ties, weights 1e-5.
+  auto route_inputs = [=] {
+    return Tensors{{"logits", rnd({T, E}, 90, DType::F32, 2.0f)},
+                   {"dw", rnd({T, k}, 91)},
+                   {"bias", rnd({E}, 96, DType::F32, 0.1f)}};
+  };
+  for (bool renorm : {false, true}) {
+    t.push_back(
+        {"moe_route_softmax + backward",
+         dims({T, E}) + " top 3" + (renorm ? " renormalized" : ""),
+         route_inputs,
+         [=](OpRun& r) {
+           Tensor& ex = r.output("experts", {T, k}, DType::I32);
+           r.be.moe_route_softmax(r["logits"], static_cast<int>(k), renorm, ex,
+                                  r.output("weights", {T, k}, DType::F32));
+           r.be.moe_route_softmax_backward(r["logits"], ex, renorm, r["dw"], r.output("dlogits", {T, E}, DType::F32));
+         },
+         {{"experts", bitwise()}, {"weights", rel(1e-5)}, {"dlogits", rel(1e-5)}}});
+    t.back().errors = [=](OpRun& r) {
+      Tensor ex = r.be.alloc({T, k}, DType::I32), w = r.be.alloc({T, k}, DType::F32);
+      EXPECT_THROW(r.be.moe_route_softmax(r["logits"], static_cast<int>(E + 1), renorm, ex, w), Error);
+    };
+    // DeepSeek-V3 routing: 12 experts in 4 groups, 2 kept, with a correction bias.
+    t.push_back({"moe_route_sigmoid + backward",
+                 dims({T, E}) + " 4 groups, 2 kept, bias" + (renorm ? " renormalized" : ""),
+                 route_inputs,
+                 [=](OpRun& r) {
+                   Tensor& ex = r.output("experts", {T, k}, DType::I32);
+                   r.be.moe_route_sigmoid(r["logits"], &r["bias"], static_cast<int>(k), 4, 2, renorm, 2.5f, ex,
+                                          r.output("weights", {T, k}, DType::F32));
+                   r.be.moe_route_sigmoid_backward(r["logits"], ex, renorm, 2.5f, r["dw"],
+                                                   r.output("dlogits", {T, E}, DType::F32));
+                 },
+                 {{"experts", bitwise()}, {"weights", rel(1e-5)}, {"dlogits", rel(1e-5)}}});
+    t.back().errors = [=](OpRun& r) {
+      Tensor ex = r.be.alloc({T, k}, DType::I32), w = r.be.alloc({T, k}, DType::F32);
+      EXPECT_THROW(r.be.moe_route_sigmoid(r["logits"], nullptr, static_cast<int>(k), 5, 2, renorm, 1.0f, ex, w),
+                   Error);  // 5 groups do not divide 12 experts
+    };
+  }
+  // A permutation of the slots (sorted by a pseudo expert id) and its inverse.
+  std::vector<int32_t> row_slot(R), slot_row(R);
+  for (int64_t i = 0; i < R; ++i) row_slot[i] = static_cast<int32_t>((i * 7 + 3) % R);
+  for (int64_t r = 0; r < R; ++r) slot_row[row_slot[r]] = static_cast<int32_t>(r);
+  for (DType dt : {DType::F32, DType::BF16})
+    for (bool weighted : {false, true}) {
+      const double tol = dt == DType::F32 ? 1e-5 : 1e-2;
+      t.push_back({"moe_permute + moe_unpermute (+ backward_weights)",
+                   std::string(dtype_name(dt)) + " T 37, k 3, D 72" + (weighted ? " weighted" : ""),
+                   [=] {
+                     std::vector<int32_t> bad = slot_row;
+                     bad[5] = static_cast<int32_t>(R);
+                     return Tensors{{"x", rnd({T, D}, 93, dt)},
+                                    {"y", rnd({R, D}, 94, dt)},
+                                    {"w", rnd({R}, 92)},
+                                    {"row_slot", i32_tensor(row_slot, {R})},
+                                    {"slot_row", i32_tensor(slot_row, {R})},
+                                    {"bad", i32_tensor(bad, {R})}};
+                   },
+                   [=](OpRun& r) {
+                     const Tensor* w = weighted ? &r["w"] : nullptr;
+                     r.be.moe_permute(r["x"], r["row_slot"], static_cast<int>(k), w, r.output("permuted", {R, D}, dt));
+                     r.be.moe_unpermute(r["y"], r["slot_row"], w, r.output("unpermuted", {T, D}, dt));
+                     if (weighted)
+                       r.be.moe_unpermute_backward_weights(r["x"], r["y"], r["slot_row"],
+                                                           r.output("dweights", {R}, DType::F32));
+                   },
+                   {{"permuted", rel(tol)}, {"unpermuted", rel(tol)}}});
+      if (weighted) t.back().checks.push_back({"dweights", rel(dt == DType::F32 ? 1e-5 : 1e-3)});
+      // An out-of-range index is an error (raised at the next synchronizing call at the latest).
+      t.back().errors = [=](OpRun& r) {
+        Tensor out = r.be.alloc({T, D}, dt);
+        EXPECT_THROW(
+            {
+              r.be.moe_unpermute(r["y"], r["bad"], nullptr, out);
+              r.be.synchronize();
+            },
+            Error);
+      };
+    }
+}
+
+// ---- attention -------------------------------------------------------------------------------
+
+void attention_cases(std::vector<OpCase>& t) {
+  struct Attn {
+    int Hq, Hkv, hd;
+    std::vector<int32_t> cu;
+  };
+  const Attn cases[] = {{4, 2, 64, {0, 1, 17, 50}}, {2, 2, 128, {0, 40, 41}}, {6, 1, 80, {0, 23}}};
+  uint32_t seed = 80;
+  for (const Attn& c : cases)
+    for (DType dt : {DType::F32, DType::BF16}) {
+      const int64_t T = c.cu.back();
+      const float sc = 1.0f / std::sqrt(static_cast<float>(c.hd));
+      const uint32_t s = seed;
+      seed += 4;
+      const bool f32 = dt == DType::F32;
+      t.push_back({"attention + attention_backward",
+                   "Hq " + std::to_string(c.Hq) + " Hkv " + std::to_string(c.Hkv) + " hd " + std::to_string(c.hd) +
+                       " T " + std::to_string(T) + " " + dtype_name(dt),
+                   [=] {
+                     return Tensors{{"q", rnd({T, c.Hq, c.hd}, s, dt)},
+                                    {"k", rnd({T, c.Hkv, c.hd}, s + 1, dt)},
+                                    {"v", rnd({T, c.Hkv, c.hd}, s + 2, dt)},
+                                    {"dout", rnd({T, c.Hq, c.hd}, s + 3, dt)}};
+                   },
+                   [=](OpRun& r) {
+                     Tensor& o = r.output("out", {T, c.Hq, c.hd}, dt);
+                     Tensor& l = r.output("lse", {c.Hq, T}, DType::F32);
+                     r.be.attention(r["q"], r["k"], r["v"], c.cu, sc, o, l);
+                     r.be.attention_backward(r["dout"], r["q"], r["k"], r["v"], o, l, c.cu, sc,
+                                             r.output("dq", {T, c.Hq, c.hd}, dt), r.output("dk", {T, c.Hkv, c.hd}, dt),
+                                             r.output("dv", {T, c.Hkv, c.hd}, dt));
+                   },
+                   {{"out", rel(f32 ? 1e-5 : 1e-2)},
+                    {"lse", rel(1e-5)},
+                    {"dq", rel(f32 ? 1e-4 : 3e-2)},
+                    {"dk", rel(f32 ? 1e-4 : 3e-2)},
+                    {"dv", rel(f32 ? 1e-4 : 3e-2)}}});
+      t.back().errors = [=](OpRun& r) {
+        Tensor o = r.be.alloc({T, c.Hq, c.hd}, dt), l = r.be.alloc({c.Hq, T}, DType::F32);
+        EXPECT_THROW(r.be.attention(r["q"], r["k"], r["v"], {0, static_cast<int32_t>(T - 1)}, sc, o, l), Error);
+        if (T > 2) {
+          EXPECT_THROW(r.be.attention(r["q"], r["k"], r["v"], {0, 2, 1, static_cast<int32_t>(T)}, sc, o, l), Error);
+        }
+      };
+    }
+  // The tensor-core flash path (BF16 activations, head_dim 64 / 128): packed ragged sequences
+  // (lengths 1, 17, 64, 130, 300: partial, exact and multi-tile 64-token tiles, tiles starting
+  // off a multiple of 64), GQA ratio 4, on the flash kernels and on the simple ones
+  // (FP8RL_CUDA_ATTENTION=simple), both against the CPU op on the same BF16 inputs and against
+  // each other. BF16 class: P and dS are rounded to BF16 before their tensor-core products, so
+  // 1e-2 forward and 3e-2 backward; lse 1e-5 (exact BF16 products accumulated in FP32). The
+  // backward runs from the CPU's out / lse ("out_ref", "lse_ref"), so both paths see identical
+  // inputs.
+  const std::vector<int32_t> cu = {0, 1, 18, 82, 212, 512};
+  const int Hq = 8, Hkv = 2;
+  const int64_t T = cu.back();
+  const DType dt = DType::BF16;
+  seed = 300;
+  for (int hd : {64, 128}) {
+    const float sc = 1.0f / std::sqrt(static_cast<float>(hd));
+    const uint32_t s = seed;
+    seed += 4;
+    auto inputs = [=] {
+      Tensors in{{"q", rnd({T, Hq, hd}, s, dt, 2.0f)},  // sharper softmax rows: masking errors show
+                 {"k", rnd({T, Hkv, hd}, s + 1, dt)},
+                 {"v", rnd({T, Hkv, hd}, s + 2, dt)},
+                 {"dout", rnd({T, Hq, hd}, s + 3, dt)}};
+      auto cpu = make_cpu_backend();
+      Tensor o = Tensor::empty({T, Hq, hd}, dt), l = Tensor::empty({Hq, T}, DType::F32);
+      cpu->attention(in["q"], in["k"], in["v"], cu, sc, o, l);
+      in["out_ref"] = o;
+      in["lse_ref"] = l;
+      return in;
+    };
+    auto run = [=](OpRun& r) {
+      for (const std::string mode : {"flash", "simple"}) {
+        const ScopedEnv env("FP8RL_CUDA_ATTENTION", mode.c_str());  // the CPU has one path
+        r.be.attention(r["q"], r["k"], r["v"], cu, sc, r.output("out_" + mode, {T, Hq, hd}, dt),
+                       r.output("lse_" + mode, {Hq, T}, DType::F32));
+        r.be.attention_backward(r["dout"], r["q"], r["k"], r["v"], r["out_ref"], r["lse_ref"], cu, sc,
+                                r.output("dq_" + mode, {T, Hq, hd}, dt), r.output("dk_" + mode, {T, Hkv, hd}, dt),
+                                r.output("dv_" + mode, {T, Hkv, hd}, dt));
+      }
+    };
+    OpCase c{"attention + attention_backward",
+             std::string("BF16 ragged GQA 4, hd ") + std::to_string(hd) + ", flash and simple kernels", inputs, run};
+    for (const std::string mode : {"flash", "simple"})
+      for (const auto& [name, tol] :
+           {std::pair<const char*, double>{"out_", 1e-2}, {"lse_", 1e-5}, {"dq_", 3e-2}, {"dk_", 3e-2}, {"dv_", 3e-2}})
+        c.checks.push_back({name + mode, rel(tol)});
+    for (const auto& [name, tol] :
+         {std::pair<const char*, double>{"out_", 1e-2}, {"dq_", 3e-2}, {"dk_", 3e-2}, {"dv_", 3e-2}})
+      c.close.push_back({name + std::string("flash"), name + std::string("simple"), rel(tol)});
+    t.push_back(c);
+  }
+}
+
+// ---- fused log-probabilities ---------------------------------------------------------------
+
+void logprob_cases(std::vector<OpCase>& t) {
+  const int64_t T = 37, D = 256, V = 3000;
+  for (LinearMode mode : {LinearMode::FP32, LinearMode::BF16}) {
+    const LinearSpec spec{mode, false};
+    t.push_back(
+        {"token_logprobs + backward",
+         std::string("T 37, D 256, V 3000 ") + linear_mode_name(mode),
+         [=] {
+           std::vector<int32_t> tg(T);
+           for (int64_t i = 0; i < T; ++i) tg[i] = static_cast<int32_t>((i * 977 + 5) % V);
+           return Tensors{{"h", rnd({T, D}, 90)},
+                          {"W", rnd({V, D}, 91, DType::F32, 0.1f)},
+                          {"dl", rnd({T}, 92)},
+                          {"targets", i32_tensor(tg, {T})},
+                          {"dW0", rnd({V, D}, 93, DType::F32, 0.01f)}};
+         },
+         [=](OpRun& r) {
+           Tensor& lse = r.output("lse", {T}, DType::F32);
+           r.be.token_logprobs(r["h"], r["W"], r["targets"], 0.7f, spec, r.output("logp", {T}, DType::F32), lse,
+                               &r.output("entropy", {T}, DType::F32));
+           r.be.token_logprobs_backward(r["h"], r["W"], r["targets"], 0.7f, spec, lse, r["dl"],
+                                        r.output("dh", {T, D}, DType::F32), &r.updated("dW", "dW0"));
+         },
+         {{"logp", rel(1e-4)}, {"lse", rel(1e-5)}, {"entropy", rel(1e-4)}, {"dh", rel(1e-4)}, {"dW", rel(1e-4)}}});
+    t.back().errors = [=](OpRun& r) {
+      Tensor logp = r.be.alloc({T}, DType::F32), lse = r.be.alloc({T}, DType::F32);
+      EXPECT_THROW(r.be.token_logprobs(r["h"], r["W"], r["targets"], 0.0f, spec, logp, lse, nullptr), Error);
+      Tensor short_lse = r.be.alloc({T - 1}, DType::F32);
+      EXPECT_THROW(r.be.token_logprobs(r["h"], r["W"], r["targets"], 1.0f, spec, logp, short_lse, nullptr), Error);
+    };
+  }
+}
+
+// ---- generation ----------------------------------------------------------------------------------
+
+void generation_cases(std::vector<OpCase>& t) {
+  // KV-cache writes (bitwise) and paged attention over them: two sequences of 9 and 6 tokens in
+  // scattered pages of 4.
+  const int L = 2, pages = 12, ps = 4, Hkv = 2, hd = 64, Hq = 4;
+  const std::vector<std::vector<int32_t>> page_lists = {{7, 2, 9}, {0, 11}};
+  const std::vector<int32_t> lens = {9, 6};
+  std::vector<int32_t> seq, pos, slots;
+  for (int b = 0; b < 2; ++b)
+    for (int p = 0; p < lens[b]; ++p) {
+      seq.push_back(b);
+      pos.push_back(p);
+      slots.push_back(page_lists[b][p / ps] * ps + p % ps);
+    }
+  const int64_t T = static_cast<int64_t>(seq.size());
+  const std::vector<int32_t> table = {7, 2, 9, 0, 11, -1};
+  for (DType kdt : {DType::F32, DType::BF16, DType::E4M3})
+    for (bool fp8q : {false, true}) {
+      t.push_back({"kv_write + attention_paged",
+                   std::string(dtype_name(kdt)) + " cache" + (fp8q ? ", FP8 attention" : "") + ", 2 sequences",
+                   [=] {
+                     Tensor ks = rnd({L, Hkv}, 100), vs = rnd({L, Hkv}, 101);
+                     for (int64_t i = 0; i < L * Hkv; ++i) {
+                       ks.data<float>()[i] = 0.01f + std::fabs(ks.data<float>()[i]) * 0.02f;
+                       vs.data<float>()[i] = 0.01f + std::fabs(vs.data<float>()[i]) * 0.02f;
+                     }
+                     return Tensors{{"k_scale", ks},
+                                    {"v_scale", vs},
+                                    {"k", rnd({T, Hkv, hd}, 102, DType::F32, 2.0f)},
+                                    {"v", rnd({T, Hkv, hd}, 103, DType::F32, 2.0f)},
+                                    {"q", rnd({T, Hq, hd}, 104)},
+                                    {"seq", i32_tensor(seq, {T})},
+                                    {"pos", i32_tensor(pos, {T})},
+                                    {"slots", i32_tensor(slots, {T})},
+                                    {"table", i32_tensor(table, {2, 3})}};
+                   },
+                   [=](OpRun& r) {
+                     KvCache c = r.be.alloc_kv_cache(L, pages, ps, Hkv, hd, kdt);
+                     r.be.copy(r["k_scale"], c.k_scale);
+                     r.be.copy(r["v_scale"], c.v_scale);
+                     for (int l = 0; l < L; ++l) {  // zero the pools so untouched slots compare equal
+                       r.be.fill(c.k[l], 0.0f);
+                       r.be.fill(c.v[l], 0.0f);
+                     }
+                     const PagedBatch b{r["seq"], r["pos"], r["slots"], r["table"], 9};
+                     r.be.kv_write(c, 1, r["k"], r["v"], b);
+                     r.out["k_pool"] = c.k[1];
+                     r.out["v_pool"] = c.v[1];
+                     r.be.attention_paged(c, 1, r["q"], b, 1.0f / 8.0f, fp8q, r.output("out", {T, Hq, hd}, DType::F32));
+                   },
+                   {{"k_pool", bitwise()}, {"v_pool", bitwise()}, {"out", rel(1e-5)}}});
+      t.back().errors = [=](OpRun& r) {
+        KvCache c = r.be.alloc_kv_cache(L, pages, ps, Hkv, hd, kdt);
+        const PagedBatch b{r["seq"], r["pos"], r["slots"], r["table"], 9};
+        EXPECT_THROW(r.be.kv_write(c, L, r["k"], r["v"], b), Error);  // no such layer
+        Tensor out = r.be.alloc({T, Hq, hd}, DType::F32);
+        EXPECT_THROW(r.be.attention_paged(c, 1, r["k"], b, 1.0f, fp8q, out), Error);  // k is not [T, Hq, hd]
+      };
+    }
+  // The trainer's KV rounding: the value an E4M3 cache hands the attention, in place.
+  for (DType dt : {DType::F32, DType::BF16})
+    t.push_back({"kv_round",
+                 std::string("T 21, 3 heads of 64 ") + dtype_name(dt),
+                 [=] {
+                   return Tensors{{"x", rnd({21, 3, 64}, 105, dt, 2.0f)}};
+                 },
+                 [](OpRun& r) {
+                   r.be.kv_round(r.updated("x", "x"), {0.01f, 0.02f, 0.005f});
+                 },
+                 {{"x", bitwise()}}});
+  t.back().errors = [](OpRun& r) {
+    Tensor x = r.be.alloc({21, 3, 64}, DType::BF16);
+    EXPECT_THROW(r.be.kv_round(x, {0.01f, 0.02f}), Error);        // one scale per head
+    EXPECT_THROW(r.be.kv_round(x, {0.01f, 0.0f, 0.01f}), Error);  // scales > 0
+  };
+
+  // The GPU sampler (no sort: radix search on order keys) draws the CPU reference's token for the
+  // same uniforms: greedy, plain, top-k, top-p, both, on continuous logits (well separated) and
+  // on integer logits (many exact ties: the lower id comes first), several vocabulary sizes.
+  for (int64_t V : {int64_t(1000), int64_t(1), int64_t(50000)}) {
+    const int64_t B = 12;
+    const std::vector<float> temp = {0.0f, 1.0f, 0.7f, 1.0f, 1.3f, 1.0f, 0.5f, 2.0f, 1.0f, 1.0f, 0.0f, 0.8f};
+    const std::vector<float> top_p = {1.0f, 1.0f, 0.9f, 0.5f, 0.95f, 1.0f, 0.3f, 1.0f, 1.0f, 0.6f, 1.0f, 0.9f};
+    const std::vector<int> top_k = {0, 0, 50, 0, 10, 1, 0, 3, 0, 0, 0, 20};
+    std::mt19937 gen(5);
+    std::uniform_real_distribution<float> ud(0.0f, 1.0f);
+    for (int draw = 0; draw < 4; ++draw) {
+      std::vector<float> u(B);
+      for (float& x : u) x = std::min(ud(gen), 0.99999f);
+      if (draw == 0) u[1] = 0.0f;
+      t.push_back({"sample",
+                   "V " + std::to_string(V) + ", 12 rows, draw " + std::to_string(draw),
+                   [=] {
+                     Tensor lg = rnd({B, V}, 110 + static_cast<uint32_t>(V), DType::F32, 3.0f);
+                     for (int64_t j = 0; j < V; ++j)  // rows 8..11: integer logits, many exact ties
+                       for (int64_t b = 8; b < 12; ++b)
+                         lg.data<float>()[b * V + j] = std::round(lg.data<float>()[b * V + j]);
+                     if (V > 10) lg.data<float>()[5 * V + 7] = -INFINITY;  // a masked token
+                     Tensor bad = rnd({2, 100}, 120);
+                     bad.data<float>()[150] = NAN;
+                     return Tensors{{"logits", lg}, {"bad", bad}, {"good", rnd({2, 100}, 121)}};
+                   },
+                   [=](OpRun& r) {
+                     r.be.sample(r["logits"], temp, top_p, top_k, u, r.output("tokens", {B}, DType::I32),
+                                 r.output("logp", {B}, DType::F32));
+                   },
+                   {{"tokens", bitwise()}, {"logp", near(1e-5)}}});
+      if (V == 1000 && draw == 0)
+        t.back().errors = [](OpRun& r) {
+          Tensor tk = r.be.alloc({2}, DType::I32), lp = r.be.alloc({2}, DType::F32);
+          EXPECT_THROW(r.be.sample(r["bad"], {1.0f, 1.0f}, {1.0f, 1.0f}, {0, 0}, {0.5f, 0.5f}, tk, lp), Error);
+          EXPECT_THROW(r.be.sample(r["good"], {1.0f, 1.0f}, {1.0f, 1.0f}, {0, 0}, {0.5f, 1.0f}, tk, lp), Error);
+        };
+    }
+  }
+  // A padded vocabulary (Qwen: 151936 rows, 151669 tokenizer ids): with valid_vocab the sampler
+  // draws only among the first Vv ids of each row (the padding holds the largest logits and
+  // -inf: never drawn), the token of sampling the first Vv columns alone; logp, normalized over
+  // all V ids, matches the CPU's. NaN in the padding is an error (it is read for logp).
+  {
+    const int64_t B = 16, V = 151936, Vv = 151669;
+    std::vector<float> temp(B), top_p(B);
+    std::vector<int> top_k(B);
+    const float temps[] = {1.0f, 0.7f, 1.0f, 0.0f};
+    const float tps[] = {1.0f, 0.9f, 0.5f, 1.0f};
+    const int tks[] = {0, 0, 40, 1000};
+    for (int64_t b = 0; b < B; ++b) {
+      temp[b] = temps[b % 4];
+      top_p[b] = tps[(b / 4) % 4];
+      top_k[b] = tks[(b / 2) % 4];
+    }
+    std::mt19937 gen(13);
+    std::uniform_real_distribution<float> ud(0.0f, 1.0f);
+    for (int draw = 0; draw < 2; ++draw) {
+      std::vector<float> u(B);
+      for (float& e : u) e = std::min(ud(gen), 0.99999f);
+      u[0] = 0.0f;
+      u[2] = 0.99999f;
+      t.push_back({"sample",
+                   "padded vocabulary 151936 / 151669, 16 rows, draw " + std::to_string(draw),
+                   [=] {
+                     Tensor lg = rnd({B, V}, 140, DType::F32, 3.0f);
+                     Tensor cut = Tensor::empty({B, Vv}, DType::F32);
+                     float* x = lg.data<float>();
+                     for (int64_t b = 0; b < B; ++b)
+                       for (int64_t j = 0; j < V; ++j) {
+                         float& e = x[b * V + j];
+                         if (b % 4 == 1) e = bf16_round(e);  // ties
+                         if (j >= Vv) e = (j - Vv) % 3 == 0 ? 12.0f + e : ((j - Vv) % 3 == 1 ? -INFINITY : e);
+                         else cut.data<float>()[b * Vv + j] = e;
+                       }
+                     Tensor nan_pad = Tensor::empty({B, V}, DType::F32);
+                     std::memcpy(nan_pad.raw(), lg.raw(), lg.nbytes());
+                     nan_pad.data<float>()[3 * V + Vv + 5] = NAN;
+                     return Tensors{{"logits", lg}, {"cut", cut}, {"nan_pad", nan_pad}};
+                   },
+                   [=](OpRun& r) {
+                     r.be.sample(r["logits"], temp, top_p, top_k, u, r.output("tokens", {B}, DType::I32),
+                                 r.output("logp", {B}, DType::F32), Vv);
+                     r.be.sample(r["cut"], temp, top_p, top_k, u, r.output("tokens_cut", {B}, DType::I32),
+                                 r.output("logp_cut", {B}, DType::F32));
+                   },
+                   {{"tokens", bitwise()}, {"logp", near(1e-5)}},
+                   {{"tokens", "tokens_cut"}}});
+      t.back().invariants = [=](const Tensors& o) {
+        const std::vector<double> tk = values(o.at("tokens")), lp = values(o.at("logp")), lc = values(o.at("logp_cut"));
+        for (int64_t b = 0; b < B; ++b) {
+          EXPECT_LT(tk[b], Vv) << "row " << b;
+          if (temp[b] > 0) {
+            EXPECT_LT(lp[b], lc[b] - 1.0) << "row " << b << ": the padding carries most of the mass";
+          }
+        }
+      };
+      if (draw == 0)
+        t.back().errors = [=](OpRun& r) {
+          Tensor tk = r.be.alloc({B}, DType::I32), lp = r.be.alloc({B}, DType::F32);
+          const std::vector<float> half(B, 0.5f);
+          EXPECT_THROW(r.be.sample(r["logits"], temp, top_p, top_k, half, tk, lp, V + 1), Error);
+          EXPECT_THROW(r.be.sample(r["nan_pad"], temp, top_p, top_k, half, tk, lp, Vv), Error);
+        };
+    }
+  }
+  // A Llama-3 sized vocabulary: the digit search over 128256 keys, rows of bf16-rounded logits
+  // (many exact ties), a masked half, top-k and top-p, greedy, uniforms at 0 and near 1.
+  {
+    const int64_t B = 64, V = 128256;
+    std::vector<float> temp(B), top_p(B);
+    std::vector<int> top_k(B);
+    const float temps[] = {1.0f, 0.7f, 1.0f, 1.3f, 0.0f, 1.0f, 0.6f, 1.0f};
+    const float tps[] = {1.0f, 1.0f, 0.9f, 0.95f, 1.0f, 0.5f, 1.0f, 0.8f};
+    const int tks[] = {0, 0, 0, 40, 0, 0, 1000, 7};
+    for (int64_t b = 0; b < B; ++b) {
+      temp[b] = temps[b % 8];
+      top_p[b] = tps[(b / 8) % 8];
+      top_k[b] = tks[(b / 3) % 8];
+    }
+    std::mt19937 gen(9);
+    std::uniform_real_distribution<float> ud(0.0f, 1.0f);
+    for (int draw = 0; draw < 3; ++draw) {
+      std::vector<float> u(B);
+      for (float& e : u) e = std::min(ud(gen), 0.99999f);
+      u[0] = 0.0f;
+      u[1] = 0.99999f;
+      t.push_back({"sample",
+                   "V 128256, 64 rows, draw " + std::to_string(draw),
+                   [=] {
+                     Tensor lg = rnd({B, V}, 130, DType::F32, 4.0f);
+                     float* x = lg.data<float>();
+                     for (int64_t b = 0; b < B; ++b)
+                       for (int64_t j = 0; j < V; ++j) {
+                         float& e = x[b * V + j];
+                         if (b % 4 == 1) e = bf16_round(e);            // ties
+                         if (b % 8 == 2 && j % 2 == 0) e = -INFINITY;  // masked
+                         if (b % 8 == 3) e *= 3.0f;                    // peaked
+                       }
+                     return Tensors{{"logits", lg}};
+                   },
+                   [=](OpRun& r) {
+                     r.be.sample(r["logits"], temp, top_p, top_k, u, r.output("tokens", {B}, DType::I32),
+                                 r.output("logp", {B}, DType::F32));
+                   },
+                   {{"tokens", bitwise()}, {"logp", near(1e-5)}}});
+    }
+  }
+}
+
+// sample_rows: the generator's sampler with device parameters (Gumbel-max rows, greedy rows, and
+// inverse-CDF rows when truncation is allowed): the CPU's token, logp within 1e-5.
+void sample_rows_cases(std::vector<OpCase>& t) {
+  const int64_t B = 16, V = 5000;
+  for (bool truncation : {false, true}) {
+    t.push_back({"sample_rows",
+                 "V 5000, 16 rows" + std::string(truncation ? ", with top-k / top-p rows" : ", plain"),
+                 [=] {
+                   std::vector<SampleRow> rows(B);
+                   for (int64_t b = 0; b < B; ++b) {
+                     SampleRow& p = rows[b];
+                     p.temperature = b % 5 == 0 ? 0.0f : 0.6f + 0.1f * static_cast<float>(b % 4);
+                     p.key_lo = static_cast<uint32_t>(1000 + b);
+                     p.key_hi = 7;
+                     p.counter = static_cast<uint32_t>(3 * b);
+                     p.uniform = 0.37f;
+                     if (truncation && b % 3 == 1) p.top_k = 40;
+                     if (truncation && b % 3 == 2) p.top_p = 0.9f;
+                   }
+                   Tensor rt = Tensor::empty({B, 8}, DType::I32);
+                   std::memcpy(rt.raw(), rows.data(), B * sizeof(SampleRow));
+                   return Tensors{{"logits", rnd({B, V}, 520, DType::F32, 3.0f)}, {"rows", rt}};
+                 },
+                 [=](OpRun& r) {
+                   r.be.sample_rows(r["logits"], r["rows"], truncation, r.output("tokens", {B}, DType::I32),
+                                    r.output("logp", {B}, DType::F32));
+                 },
+                 {{"tokens", bitwise()}, {"logp", near(1e-5)}}});
+    t.back().errors = [=](OpRun& r) {
+      Tensor tk = r.be.alloc({B}, DType::I32), lp = r.be.alloc({B}, DType::F32);
+      Tensor short_rows = r.be.alloc({B, 7}, DType::I32);
+      EXPECT_THROW(r.be.sample_rows(r["logits"], short_rows, truncation, tk, lp), Error);
+    };
+  }
+}
+
+}  // namespace
+
+const std::vector<OpCase>& op_table() {
+  static const std::vector<OpCase> table = [] {
+    std::vector<OpCase> t;
+    memory_cases(t);
+    quantize_cases(t);
+    linear_cases(t);
+    layer_cases(t);
+    fused_cases(t);
+    moe_cases(t);
+    attention_cases(t);
+    logprob_cases(t);
+    generation_cases(t);
+    sample_rows_cases(t);
+    return t;
+  }();
+  return table;
+}
+
+}  // namespace fp8rl::test
