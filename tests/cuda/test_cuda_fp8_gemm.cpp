@@ -103,7 +103,7 @@ Tensor run_cublaslt(cuda::CudaBackend& be, const Operands& o, int64_t M, int64_t
   be.gemm().set_fp8_kernel("cublaslt");
   be.gemm().gemm_fp8(M, N, K, o.da.data.data<uint8_t>(), o.da.scales.data<float>(), o.db.data.data<uint8_t>(),
                      o.db.scales.data<float>(), kQuantBlock, c.raw(), DType::F32, 1.0f, 0.0f);
-  be.gemm().set_fp8_kernel("auto");
+  be.gemm().set_fp8_kernel("cublaslt");
   be.synchronize();
   return be.to_host(c);
 }

@@ -73,9 +73,10 @@ class GemmEngine {
   void gemm_fp8_own(int64_t M, int64_t N, int64_t K, const uint8_t* a, const float* a_scales, bool a_scales_kb_major,
                     const uint8_t* b, const float* b_scales, void* C, DType c_dtype, float alpha, float beta,
                     int splits = 0, int block_m = 0);  // 0, 0: fp8_gemm_sm90_config's
-  // Which kernel gemm_fp8 runs for 128x128-block B (FP8RL_FP8_GEMM): auto (default) = the own
-  // one where it is faster (fp8_gemm_sm90_preferred: decode-sized products of small N) and
-  // cuBLASLt's elsewhere; own = always; cublaslt = never. Products of 1x128-block B (the FP8
+  // Which kernel gemm_fp8 runs for 128x128-block B (FP8RL_FP8_GEMM): cublaslt (default); auto =
+  // the own one where the graph-timed sweep found it faster (fp8_gemm_sm90_preferred: decode
+  // products of small N) — in the real decode step that made generation 6% slower (bench
+  // rl-step, docs/benchmarks.md session 5), so it is not the default; own = always. Products of 1x128-block B (the FP8
   // wgrad) always run on cuBLASLt. FP8RL_FP8_GEMM_SPLITS=S fixes the own kernel's split count
   // (1: every row's result independent of M, for the consistency experiments).
   bool use_own_fp8(int64_t M, int64_t N, int64_t K) const;
@@ -104,7 +105,7 @@ class GemmEngine {
   size_t tail_bytes_ = 0;
   int64_t tail_products_ = 0;
   int64_t own_products_ = 0;
-  int own_mode_ = 1;     // 0 cublaslt, 1 auto, 2 own (FP8RL_FP8_GEMM)
+  int own_mode_ = 0;     // 0 cublaslt, 1 auto, 2 own (FP8RL_FP8_GEMM)
   int own_splits_ = 0;   // FP8RL_FP8_GEMM_SPLITS (0: from the shape)
   int sm_count_ = 132;
   float* own_ws_ = nullptr;  // split-K partials of the own kernel
