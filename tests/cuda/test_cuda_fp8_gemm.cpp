@@ -84,7 +84,8 @@ float host_value(const Tensor& c, int64_t i) {
 Tensor host_rows(const Tensor& t, int64_t r0, int64_t m) {
   Tensor out = Tensor::empty({m, t.dim(1)}, t.dtype());
   const size_t row = t.nbytes() / static_cast<size_t>(t.dim(0));
-  std::memcpy(out.raw(), static_cast<const uint8_t*>(t.raw()) + static_cast<size_t>(r0) * row, static_cast<size_t>(m) * row);
+  std::memcpy(out.raw(), static_cast<const uint8_t*>(t.raw()) + static_cast<size_t>(r0) * row,
+              static_cast<size_t>(m) * row);
   return out;
 }
 
@@ -124,14 +125,14 @@ TEST(CudaFp8Gemm, MatchesTheHostProductAtEveryShapeAndSplit) {
   cuda::CudaBackend be(0, DType::BF16);
   // Ragged M (1, 5, 77, 200, 1000), partial N and K blocks (208, 336, 640), the 1.7B decode and
   // trainer widths, and split-K forced on shapes with few tiles.
-  const Shape shapes[] = {{1, 128, 128},   {5, 2048, 2048}, {77, 384, 640},  {200, 208, 336},
+  const Shape shapes[] = {{1, 128, 128},    {5, 2048, 2048},   {77, 384, 640},     {200, 208, 336},
                           {64, 4096, 2048}, {256, 2048, 6144}, {1000, 1536, 1024}, {129, 12288, 2048}};
   for (const Shape& s : shapes) {
     SCOPED_TRACE(testing::Message() << "M=" << s.M << " N=" << s.N << " K=" << s.K);
     const Operands o = make_operands(be, s.M, s.N, s.K, static_cast<uint32_t>(s.M * 31 + s.N + s.K));
     // cuBLASLt's block mode takes K in multiples of 128 only: elsewhere the bound alone.
-    const double lt = s.K % kQuantBlock == 0 ? max_error(o, run_cublaslt(be, o, s.M, s.N, s.K), s.M, s.N)
-                                             : kMmaBound / 1.25;
+    const double lt =
+        s.K % kQuantBlock == 0 ? max_error(o, run_cublaslt(be, o, s.M, s.N, s.K), s.M, s.N) : kMmaBound / 1.25;
     const int kb = static_cast<int>(ceil_div(s.K, kQuantBlock));
     for (int splits : {1, 3, kb}) {
       for (bool kb_major : {false, true}) {
@@ -154,8 +155,8 @@ TEST(CudaFp8Gemm, MatchesTheHostProductAtEveryShapeAndSplit) {
 
 TEST(CudaFp8Gemm, AgreesWithCublasLtAtTrainerShapes) {
   cuda::CudaBackend be(0, DType::BF16);
-  for (const Shape& s : {Shape{16384, 2048, 2048}, Shape{4096, 12288, 2048}, Shape{16384, 2048, 6144},
-                         Shape{48, 1024, 2048}}) {
+  for (const Shape& s :
+       {Shape{16384, 2048, 2048}, Shape{4096, 12288, 2048}, Shape{16384, 2048, 6144}, Shape{48, 1024, 2048}}) {
     SCOPED_TRACE(testing::Message() << "M=" << s.M << " N=" << s.N << " K=" << s.K);
     const Operands o = make_operands(be, s.M, s.N, s.K, static_cast<uint32_t>(s.M + s.N * 3 + s.K));
     const double own = max_error(o, run_own(be, o, s.M, s.N, s.K, DType::F32, false, 0), s.M, s.N);

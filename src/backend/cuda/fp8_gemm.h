@@ -13,17 +13,17 @@ namespace fp8rl::cuda {
 
 struct Fp8GemmArgs {
   int64_t M = 0, N = 0, K = 0;
-  const uint8_t* a = nullptr;        // [M, K]
-  const float* a_scales = nullptr;   // [M][ceil(K/128)], or [ceil(K/128)][M] when a_scales_kb_major
+  const uint8_t* a = nullptr;       // [M, K]
+  const float* a_scales = nullptr;  // [M][ceil(K/128)], or [ceil(K/128)][M] when a_scales_kb_major
   bool a_scales_kb_major = false;
-  const uint8_t* b = nullptr;        // [N, K]
-  const float* b_scales = nullptr;   // [ceil(N/128)][ceil(K/128)]
-  void* c = nullptr;                 // [M, N]
+  const uint8_t* b = nullptr;       // [N, K]
+  const float* b_scales = nullptr;  // [ceil(N/128)][ceil(K/128)]
+  void* c = nullptr;                // [M, N]
   DType c_dtype = DType::BF16;
   float alpha = 1.0f, beta = 0.0f;
-  int splits = 1;                    // K splits (fp8_gemm_sm90_config); > 1 needs the workspace
-  int block_m = 0;                   // rows per CTA: 64 or 128 (0: 64 for M <= 256, else 128)
-  float* workspace = nullptr;        // fp8_gemm_sm90_workspace_floats(M, N, splits) floats
+  int splits = 1;              // K splits (fp8_gemm_sm90_config); > 1 needs the workspace
+  int block_m = 0;             // rows per CTA: 64 or 128 (0: 64 for M <= 256, else 128)
+  float* workspace = nullptr;  // fp8_gemm_sm90_workspace_floats(M, N, splits) floats
 };
 
 bool fp8_gemm_sm90_supported(int64_t M, int64_t N, int64_t K);

@@ -43,8 +43,7 @@ __device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count));
 }
 __device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes)
-               : "memory");
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
 }
 __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
@@ -83,16 +82,26 @@ __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.a
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
 
-__device__ __forceinline__ void wgmma_m64n128k32_e4m3(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+__device__ __forceinline__ void wgmma_m64n128k32_e4m3(float (&d)[64], uint64_t desc_a, uint64_t desc_b,
+                                                      int accumulate) {
   asm volatile(
       "{\n"
       ".reg .pred p;\n"
       "setp.ne.b32 p, %66, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, "
+      "%24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, "
+      "%46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
       "%64, %65, p, 1, 1;\n"
       "}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),
+        "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]),
+        "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
+        "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
       : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
 
@@ -104,12 +113,12 @@ __device__ __forceinline__ void fence_acc(float (&d)[64]) {
 
 struct GemmParams {
   int64_t M, N, K;
-  int kblocks;        // ceil(K / 128)
-  int kb_per_split;   // K blocks per split
-  const float* sa;    // A scales: element (m, kb) at sa[m * sa_m + kb * sa_k]
+  int kblocks;       // ceil(K / 128)
+  int kb_per_split;  // K blocks per split
+  const float* sa;   // A scales: element (m, kb) at sa[m * sa_m + kb * sa_k]
   int64_t sa_m, sa_k;
-  const float* sb;    // B scales [ceil(N / 128)][kblocks]
-  void* c;            // [M, N] BF16 or F32 (splits == 1), else F32 partials [splits][M][N]
+  const float* sb;  // B scales [ceil(N / 128)][kblocks]
+  void* c;          // [M, N] BF16 or F32 (splits == 1), else F32 partials [splits][M][N]
   bool c_bf16;
   float alpha, beta;
   bool partials;
@@ -182,7 +191,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1)
     wgmma_wait_all();
     fence_acc(acc);
     if (lane == 0) mbar_arrive(&empty[s]);
-    // Fragment of m64n128 (FP32): acc[4 i + j] is row (j < 2 ? row0 : row1), column 8 i + 2 (lane % 4) + j % 2.
+      // Fragment of m64n128 (FP32): acc[4 i + j] is row (j < 2 ? row0 : row1), column 8 i + 2 (lane % 4) + j % 2.
 #pragma unroll
     for (int i = 0; i < 64; ++i) total[i] = fmaf(acc[i], (i & 2) ? s1 : s0, total[i]);
   }
@@ -227,8 +236,8 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1)
 
 // C = alpha * (sum of the splits' partials, in split order) + beta * C.
 template <typename T>
-__global__ void fp8_gemm_reduce_kernel(const float* __restrict__ parts, int splits, int64_t MN, float alpha,
-                                       float beta, T* __restrict__ c) {
+__global__ void fp8_gemm_reduce_kernel(const float* __restrict__ parts, int splits, int64_t MN, float alpha, float beta,
+                                       T* __restrict__ c) {
   const int64_t i = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) * 4;
   if (i >= MN) return;  // MN is a multiple of 4 (N is of 16)
   float4 s = *reinterpret_cast<const float4*>(parts + i);
@@ -275,9 +284,9 @@ void launch(const CUtensorMap& ta, const CUtensorMap& tb, const GemmParams& p, i
             cudaStream_t stream) {
   constexpr int kSmem = kStages * (64 * kConsumers + kBN) * kBK + 2 * kStages * 8 + 1024;
   static const bool attr = [] {
-    CUDA_CHECK(cudaFuncSetAttribute(fp8_gemm_kernel<kConsumers, kStages>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    kSmem),
-               "FP8 GEMM: setting the shared memory size");
+    CUDA_CHECK(
+        cudaFuncSetAttribute(fp8_gemm_kernel<kConsumers, kStages>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem),
+        "FP8 GEMM: setting the shared memory size");
     return true;
   }();
   (void)attr;
@@ -300,8 +309,8 @@ Fp8GemmConfig fp8_gemm_sm90_config(int64_t M, int64_t N, int64_t K, int sm_count
     const int64_t tiles = ceil_div(M, int64_t{64}) * n_tiles;
     // About two CTAs per SM (one fits at a time: the other's loads hide the first's tail),
     // at least two K blocks per split.
-    c.splits = static_cast<int>(std::clamp<int64_t>(ceil_div(2 * int64_t{sm_count}, tiles), 1,
-                                                    std::max<int64_t>(1, kblocks / 2)));
+    c.splits = static_cast<int>(
+        std::clamp<int64_t>(ceil_div(2 * int64_t{sm_count}, tiles), 1, std::max<int64_t>(1, kblocks / 2)));
     return c;
   }
   const int64_t tiles = ceil_div(M, int64_t{128}) * n_tiles;
@@ -342,10 +351,8 @@ void fp8_gemm_sm90(const Fp8GemmArgs& a, cudaStream_t stream) {
   const int bm = small ? 64 : 128;
   const int m_tiles = static_cast<int>(ceil_div(a.M, int64_t{bm}));
   const CUtensorMap ta = tensor_map(a.a, a.M, a.K, bm), tb = tensor_map(a.b, a.N, a.K, kBN);
-  if (small)
-    launch<1, 8>(ta, tb, p, m_tiles, n_tiles, used_splits, stream);
-  else
-    launch<2, 6>(ta, tb, p, m_tiles, n_tiles, used_splits, stream);
+  if (small) launch<1, 8>(ta, tb, p, m_tiles, n_tiles, used_splits, stream);
+  else launch<2, 6>(ta, tb, p, m_tiles, n_tiles, used_splits, stream);
   if (p.partials) {
     const int64_t mn = a.M * a.N, threads = 256, blocks = ceil_div(ceil_div(mn, int64_t{4}), threads);
     if (p.c_bf16)

@@ -144,9 +144,9 @@ nlohmann::json bench_gemm_run(const GemmBenchOptions& options) {
   // ---- GEMMs ----
   // Llama-3.1-8B and Qwen3-1.7B linear widths. Decode-sized products (M <= 256) rotate over
   // enough copies of the weight that L2 (50 MB) never holds the next call's: as in a decode step.
-  const Shape3 shapes[] = {{"8b qkv 4096->6144", 4096, 6144},     {"8b o 4096->4096", 4096, 4096},
-                           {"8b gate/up 4096->14336", 4096, 14336}, {"8b down 14336->4096", 14336, 4096},
-                           {"1.7b qkv 2048->4096", 2048, 4096},    {"1.7b o 2048->2048", 2048, 2048},
+  const Shape3 shapes[] = {{"8b qkv 4096->6144", 4096, 6144},         {"8b o 4096->4096", 4096, 4096},
+                           {"8b gate/up 4096->14336", 4096, 14336},   {"8b down 14336->4096", 14336, 4096},
+                           {"1.7b qkv 2048->4096", 2048, 4096},       {"1.7b o 2048->2048", 2048, 2048},
                            {"1.7b gate/up 2048->12288", 2048, 12288}, {"1.7b down 6144->2048", 6144, 2048}};
   std::vector<int64_t> Ms = {8192, 256, 128, 64, 32};
   if (options.quick) Ms = {8192};
@@ -177,7 +177,9 @@ nlohmann::json bench_gemm_run(const GemmBenchOptions& options) {
         for (int i = 0; i < copies; ++i) b.push_back(random_device(be, {p.n, p.k}, DType::BF16, 3 + i));
         Tensor c = be.alloc({p.m, p.n}, DType::BF16);
         int rot = 0;
-        auto timer = [&](auto&& fn) { return p.m <= 256 ? time_graph_ms(s, warm, reps, fn) : time_ms(s, warm, reps, fn); };
+        auto timer = [&](auto&& fn) {
+          return p.m <= 256 ? time_graph_ms(s, warm, reps, fn) : time_ms(s, warm, reps, fn);
+        };
         const double ms_bf16 = timer([&] {
           const Tensor& bi = b[static_cast<size_t>(rot++ % copies)];
           gemm.gemm(false, true, p.m, p.n, p.k, a.raw(), bi.raw(), DType::BF16, c.raw(), DType::BF16, 1.0f, 0.0f);
