@@ -80,7 +80,8 @@ CudaBackend::CudaBackend(int device_index, DType act_dtype) : device_(device_ind
   CUDA_CHECK(cudaMemset(flag_dev_, 0, kFlagSlots * sizeof(int)), "zeroing the device error flags");
   CUDA_CHECK(cudaMallocHost(&flag_host_, kFlagSlots * sizeof(int)), "allocating the pinned error flags");
   const char* prof_env = std::getenv("FP8RL_CUDA_PROFILE");
-  profile_ = prof_env && std::string(prof_env) == "1";
+  profile_level_ = prof_env && std::string(prof_env) == "2" ? 2 : prof_env && std::string(prof_env) == "1" ? 1 : 0;
+  profile_ = profile_level_ > 0;
   const char* sync_env = std::getenv("FP8RL_CUDA_SYNC_CHECKS");
   sync_checks_ = sync_env && std::string(sync_env) == "1";
   slots_.resize(kSlotCount);
@@ -230,7 +231,8 @@ void CudaBackend::flag_drain() {
 
 // ---- op timing (FP8RL_CUDA_PROFILE=1) -----------------------------------------------------------
 
-CudaBackend::OpTimer::OpTimer(CudaBackend& be, const char* op) : be_(be.profile_ && !be.recording_ ? &be : nullptr) {
+CudaBackend::OpTimer::OpTimer(CudaBackend& be, const char* op, int level)
+    : be_(be.profile_ && !be.recording_ && (level == 0 || level == be.profile_level_) ? &be : nullptr) {
   if (!be_) return;
   if (be_->depth_++ > 0) {  // an op inside an op: counted in the outer one
     be_ = nullptr;
@@ -713,6 +715,7 @@ void CudaBackend::linear_fwd(const Tensor& x, const LinearWeight& W, const Linea
                              const Fp8View* x_view) {
   const int64_t M = x.dim(0), K = x.dim(1), N = W.out_features();
   if (spec.mode != LinearMode::FP8_BLOCK) {
+    const OpTimer t(*this, "linear: BF16/FP32 GEMM", 2);
     mm(false, true, M, N, K, x, W.w, spec.mode == LinearMode::FP32 ? DType::F32 : DType::BF16, out, 0.0f);
   } else {
     // With M % 16 == 0 (decode batches, aligned micro-batches) the quantizer writes the scales
@@ -728,6 +731,7 @@ void CudaBackend::linear_fwd(const Tensor& x, const LinearWeight& W, const Linea
     if (use_view) {
       xq = x_view->q;
     } else {
+      const OpTimer t(*this, "linear: quantize x", 2);
       xq = scratch_quant(kSlotAq, kSlotAs, M, K, 1, spec.pow2_scales);
       quantize_async(x, false, xq, false, /*gemm_layout=*/laid);
     }
@@ -735,6 +739,7 @@ void CudaBackend::linear_fwd(const Tensor& x, const LinearWeight& W, const Linea
     if (W.wq.defined()) {  // pre-quantized (the generator's, or the trainer's per-step cache)
       wq = W.wq;
     } else {
+      const OpTimer t(*this, "linear: quantize W", 2);
       wq = scratch_quant(kSlotBq, kSlotBs, N, K, kQuantBlock, spec.pow2_scales);
       quantize_async(W.w, false, wq);
     }
@@ -742,6 +747,7 @@ void CudaBackend::linear_fwd(const Tensor& x, const LinearWeight& W, const Linea
       flag_check(use_view ? "linear (FP8): the weight holds NaN or Inf"
                           : "linear (FP8): the input " + x.str() + " or the weight holds NaN or Inf");
     if (tc) {
+      const OpTimer t(*this, "linear: FP8 GEMM", 2);
       gemm_->gemm_fp8(M, N, K, xq.data.data<uint8_t>(), xq.scales.data<float>(), wq.data.data<uint8_t>(),
                       wq.scales.data<float>(), kQuantBlock, out.raw(), out.dtype(), 1.0f, 0.0f, laid);
     } else {  // cuBLASLt's block mode rejects the shape: the same quantized product in FP32
@@ -758,7 +764,7 @@ void CudaBackend::linear_fwd(const Tensor& x, const LinearWeight& W, const Linea
 
 void CudaBackend::linear_impl(const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor& out,
                               const Fp8View* x_fp8) {
-  const OpTimer op_timer_(*this, "linear");
+  const OpTimer op_timer_(*this, "linear", 1);
   const int64_t K = W.in_features(), N = W.out_features(), M = rows_of(x);
   Tensor x2 = x.reshape({M, K}), o2 = out.reshape({M, N});
   linear_fwd(x2, W, spec, o2, x_fp8);  // x_fp8: FP8_BLOCK only (the contract drops it otherwise)
@@ -779,7 +785,7 @@ void CudaBackend::linear_shared_input_impl(const Tensor& x, const std::vector<co
     Backend::linear_shared_input_impl(x, W, spec, outs, x_fp8);
     return;
   }
-  const OpTimer op_timer_(*this, "linear");
+  const OpTimer op_timer_(*this, "linear", 1);
   const Tensor x2 = x.reshape({M, K});
   Fp8View view;
   if (x_fp8) {
@@ -803,13 +809,18 @@ void CudaBackend::linear_shared_input_impl(const Tensor& x, const std::vector<co
 void CudaBackend::linear_backward_impl(const Tensor& dy, const Tensor& x, const LinearWeight& W, const LinearSpec& spec,
                                        Tensor* dx, Tensor* dw, Tensor* dbias) {
   if (is_bf16_grad(dw) || is_bf16_grad(dbias)) {
-    Tensor dw32 = grad_widen(*this, dw), db32 = grad_widen(*this, dbias);
+    Tensor dw32, db32;
+    {
+      const OpTimer t(*this, "linear_backward: BF16 grad widen/narrow", 2);
+      dw32 = grad_widen(*this, dw), db32 = grad_widen(*this, dbias);
+    }
     linear_backward_impl(dy, x, W, spec, dx, dw32.defined() ? &dw32 : dw, db32.defined() ? &db32 : dbias);
+    const OpTimer t(*this, "linear_backward: BF16 grad widen/narrow", 2);
     grad_narrow(*this, dw32, dw);
     grad_narrow(*this, db32, dbias);
     return;
   }
-  const OpTimer op_timer_(*this, "linear_backward");
+  const OpTimer op_timer_(*this, "linear_backward", 1);
   const int64_t K = W.in_features(), N = W.out_features(), M = rows_of(x);
   const Tensor dy2 = dy.reshape({M, N}), x2 = x.reshape({M, K});
   const bool fp8 = spec.mode == LinearMode::FP8_BLOCK;
@@ -817,6 +828,7 @@ void CudaBackend::linear_backward_impl(const Tensor& dy, const Tensor& x, const 
   if (dx) {
     Tensor dx2 = dx->reshape({M, K});
     if (!fp8) {
+      const OpTimer t(*this, "linear_backward: dgrad BF16/FP32 GEMM", 2);
       mm(false, false, M, K, N, dy2, W.w, ab, dx2, 0.0f);
     } else {
       // dgrad: dY 1x128 along N; W^T [K, N] 128x128, the exact transpose of W's quantization:
@@ -825,15 +837,21 @@ void CudaBackend::linear_backward_impl(const Tensor& dy, const Tensor& x, const 
       QuantTensor dyq = scratch_quant(kSlotAq, kSlotAs, M, N, 1, spec.pow2_scales);
       QuantTensor wtq = scratch_quant(kSlotBq, kSlotBs, K, N, kQuantBlock, spec.pow2_scales);
       flag_reset();
-      quantize_async(dy2, false, dyq, false, /*gemm_layout=*/laid);
+      {
+        const OpTimer t(*this, "linear_backward: dgrad quantize dy", 2);
+        quantize_async(dy2, false, dyq, false, /*gemm_layout=*/laid);
+      }
       if (W.wq.defined()) {
+        const OpTimer t(*this, "linear_backward: dgrad transpose W", 2);
         launch_transpose_quant(W.wq.data.data<uint8_t>(), W.wq.scales.data<float>(), N, K, kQuantBlock,
                                wtq.data.data<uint8_t>(), wtq.scales.data<float>(), stream_);
       } else {
+        const OpTimer t(*this, "linear_backward: dgrad quantize W^T", 2);
         quantize_async(W.w, true, wtq);
       }
       flag_check("linear_backward (FP8 dgrad): dy " + dy.str() + " or the weight holds NaN or Inf");
       if (tc) {
+        const OpTimer t(*this, "linear_backward: dgrad FP8 GEMM", 2);
         gemm_->gemm_fp8(M, K, N, dyq.data.data<uint8_t>(), dyq.scales.data<float>(), wtq.data.data<uint8_t>(),
                         wtq.scales.data<float>(), kQuantBlock, dx2.raw(), dx2.dtype(), 1.0f, 0.0f, laid);
       } else {
@@ -848,6 +866,7 @@ void CudaBackend::linear_backward_impl(const Tensor& dy, const Tensor& x, const 
   }
   if (dw) {
     if (!fp8 || spec.wgrad == LinearMode::BF16) {  // BF16 wgrad of an FP8 linear: ab is BF16 here
+      const OpTimer t(*this, "linear_backward: wgrad BF16/FP32 GEMM", 2);
       mm(true, false, N, K, M, dy2, x2, ab, *dw, 1.0f);
     } else {
       // wgrad: dY^T [N, M] and X^T [K, M], both requantized 1x128 along tokens. The token
@@ -858,10 +877,14 @@ void CudaBackend::linear_backward_impl(const Tensor& dy, const Tensor& x, const 
       QuantTensor dytq = scratch_quant(kSlotAq, kSlotAs, N, tc ? Mp : M, 1, spec.pow2_scales);
       QuantTensor xtq = scratch_quant(kSlotBq, kSlotBs, K, tc ? Mp : M, 1, spec.pow2_scales);
       flag_reset();
-      quantize_async(dy2, true, dytq, /*pad_cols=*/tc);
-      quantize_async(x2, true, xtq, /*pad_cols=*/tc);
+      {
+        const OpTimer t(*this, "linear_backward: wgrad quantize dy^T, x^T", 2);
+        quantize_async(dy2, true, dytq, /*pad_cols=*/tc);
+        quantize_async(x2, true, xtq, /*pad_cols=*/tc);
+      }
       flag_check("linear_backward (FP8 wgrad): dy " + dy.str() + " or x " + x.str() + " holds NaN or Inf");
       if (tc) {
+        const OpTimer t(*this, "linear_backward: wgrad FP8 GEMM", 2);
         gemm_->gemm_fp8(N, K, Mp, dytq.data.data<uint8_t>(), dytq.scales.data<float>(), xtq.data.data<uint8_t>(),
                         xtq.scales.data<float>(), 1, dw->raw(), DType::F32, 1.0f, 1.0f);
       } else {
@@ -874,7 +897,10 @@ void CudaBackend::linear_backward_impl(const Tensor& dy, const Tensor& x, const 
       }
     }
   }
-  if (dbias) launch_bias_grad(dy2.raw(), dy2.dtype(), M, N, dbias->data<float>(), stream_);
+  if (dbias) {
+    const OpTimer t(*this, "linear_backward: bias", 2);
+    launch_bias_grad(dy2.raw(), dy2.dtype(), M, N, dbias->data<float>(), stream_);
+  }
 }
 
 // ---- attention -------------------------------------------------------------------------------
@@ -1003,8 +1029,45 @@ void CudaBackend::token_logprobs_impl(const Tensor& hidden, const Tensor& lm_hea
 void CudaBackend::token_logprobs_backward_impl(const Tensor& hidden, const Tensor& lm_head, const Tensor& targets,
                                                float temperature, const LinearSpec& spec, const Tensor& lse,
                                                const Tensor& dlogp, Tensor& dhidden, Tensor* dlm_head) {
-  const OpTimer op_timer_(*this, "token_logprobs_backward");
+  const OpTimer op_timer_(*this, "token_logprobs_backward", 1);
   const int64_t T = hidden.dim(0), D = hidden.dim(1), V = lm_head.dim(0);
+  // BF16 lm_head (every recipe's): the chunk's gradient is written in BF16 by the gradient kernel
+  // (the rounding the BF16 GEMMs' operand conversion applies), the dgrad accumulates into dh in
+  // place (beta = 1) and the wgrad into dlm_head: no F32 gradient, no conversions, no per-chunk
+  // dx buffer and add. The products are those of the general path below, summed by the GEMM's
+  // epilogue instead of a separate add.
+  if (spec.mode == LinearMode::BF16 && hidden.dtype() == DType::BF16 && lm_head.dtype() == DType::BF16 &&
+      (!dlm_head || dlm_head->dtype() == DType::F32) && T <= 65535) {
+    Tensor dh = scratch(kSlotDh, {T, D}, DType::F32);
+    const int64_t vc = vocab_chunk(T, V);
+    for (int64_t v0 = 0; v0 < V; v0 += vc) {
+      const int64_t n = std::min(vc, V - v0);
+      Tensor logits = scratch(kSlotLogits, {T, n}, DType::F32);
+      Tensor g = scratch(kSlotTmp, {T, n}, DType::BF16);
+      const Tensor w = lm_head.slice_rows(v0, v0 + n);
+      {
+        const OpTimer t(*this, "token_logprobs_backward: logits GEMM", 2);
+        gemm_->gemm(false, true, T, n, D, hidden.raw(), w.raw(), DType::BF16, logits.raw(), DType::F32, 1.0f, 0.0f);
+      }
+      {
+        const OpTimer t(*this, "token_logprobs_backward: softmax gradient", 2);
+        launch_logprob_grad_chunk(logits.data<float>(), T, n, v0, 1.0f / temperature, targets.data<int32_t>(),
+                                  lse.data<float>(), dlogp.data<float>(), stream_, g.raw());
+      }
+      {
+        const OpTimer t(*this, "token_logprobs_backward: dgrad GEMM", 2);
+        gemm_->gemm(false, false, T, D, n, g.raw(), w.raw(), DType::BF16, dh.raw(), DType::F32, 1.0f,
+                    v0 == 0 ? 0.0f : 1.0f);
+      }
+      if (dlm_head) {
+        const OpTimer t(*this, "token_logprobs_backward: wgrad GEMM", 2);
+        Tensor dchunk = dlm_head->slice_rows(v0, v0 + n);
+        gemm_->gemm(true, false, n, D, T, g.raw(), hidden.raw(), DType::BF16, dchunk.raw(), DType::F32, 1.0f, 1.0f);
+      }
+    }
+    launch_convert(dh.raw(), DType::F32, dhidden.raw(), dhidden.dtype(), dh.numel(), stream_);
+    return;
+  }
   // Each chunk's raw-logit gradient goes through linear_backward in `spec` numerics, as the CPU
   // reference does; its dx is summed over chunks in FP32.
   Tensor dh = scratch(kSlotDh, {T, D}, DType::F32);

@@ -204,13 +204,16 @@ class CudaBackend final : public Backend {
   };
   class OpTimer {
    public:
-    OpTimer(CudaBackend& be, const char* op);
+    // level 0: timed whenever profiling; 1: only at FP8RL_CUDA_PROFILE=1 (the linear ops as a
+    // whole); 2: only at FP8RL_CUDA_PROFILE=2 (their phases: quantizers, transposes, GEMMs).
+    OpTimer(CudaBackend& be, const char* op, int level = 0);
     ~OpTimer();
 
    private:
     CudaBackend* be_;
   };
   bool profile_ = false;
+  int profile_level_ = 0;
   int depth_ = 0;
   std::vector<Record> records_;
   std::map<std::string, std::pair<int64_t, double>> profile_totals_;

@@ -2,6 +2,8 @@
 // of the vocabulary with a GEMM, and these kernels fold the chunk into a per-token online
 // log-sum-exp (m = running max, s = sum exp(l - m), e = sum exp(l - m) * l for the entropy),
 // pick the target's logit, and, in the backward, turn the chunk's logits into dlogits in place.
+#include <algorithm>
+
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/kernels.h"
@@ -76,6 +78,26 @@ __global__ void logprob_grad_kernel(float* logits, int64_t T, int64_t Vc, int64_
   }
 }
 
+// The same gradient, one row per blockIdx.y (no 64-bit index division per element), written in
+// place (F32) or to a BF16 copy for the BF16 GEMMs that consume it (the rounding those GEMMs'
+// operand conversion would apply): the values are those of logprob_grad_kernel.
+template <typename TO>
+__global__ void logprob_grad_rows_kernel(const float* __restrict__ logits, int64_t Vc, int64_t v0, float inv_temp,
+                                         const int32_t* __restrict__ targets, const float* __restrict__ lse,
+                                         const float* __restrict__ dlogp, TO* out) {
+  const int64_t t = blockIdx.y;
+  const float l = lse[t], d = dlogp[t];
+  const int64_t tgt = static_cast<int64_t>(targets[t]) - v0;
+  const float* row = logits + t * Vc;
+  TO* orow = out + t * Vc;
+  for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < Vc;
+       j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float p = expf(row[j] * inv_temp - l);
+    const float onehot = j == tgt ? 1.0f : 0.0f;
+    store_f(orow, j, d * (onehot - p) * inv_temp);
+  }
+}
+
 }  // namespace
 
 void launch_logprob_init(float* m, float* s, float* e, float* tgt, int64_t T, cudaStream_t stream) {
@@ -101,10 +123,22 @@ void launch_logprob_finish(const float* m, const float* s, const float* e, const
 }
 
 void launch_logprob_grad_chunk(float* logits, int64_t T, int64_t Vc, int64_t v0, float inv_temp,
-                               const int32_t* targets, const float* lse, const float* dlogp, cudaStream_t stream) {
+                               const int32_t* targets, const float* lse, const float* dlogp, cudaStream_t stream,
+                               void* out_bf16) {
   if (T * Vc == 0) return;
-  logprob_grad_kernel<<<grid_for(T * Vc, 256), 256, 0, stream>>>(logits, T, Vc, v0, inv_temp, targets, lse, dlogp);
-  CUDA_CHECK_LAUNCH("logprob_grad_kernel");
+  if (T > 65535) {  // grid.y's limit: the flat kernel
+    FP8RL_CHECK(!out_bf16, "logprob gradient: a BF16 copy needs at most 65535 rows per chunk, got ", T);
+    logprob_grad_kernel<<<grid_for(T * Vc, 256), 256, 0, stream>>>(logits, T, Vc, v0, inv_temp, targets, lse, dlogp);
+    CUDA_CHECK_LAUNCH("logprob_grad_kernel");
+    return;
+  }
+  const dim3 grid(static_cast<unsigned>(std::min<int64_t>((Vc + 255) / 256, 16)), static_cast<unsigned>(T));
+  if (out_bf16)
+    logprob_grad_rows_kernel<<<grid, 256, 0, stream>>>(logits, Vc, v0, inv_temp, targets, lse, dlogp,
+                                                       static_cast<bf16*>(out_bf16));
+  else
+    logprob_grad_rows_kernel<<<grid, 256, 0, stream>>>(logits, Vc, v0, inv_temp, targets, lse, dlogp, logits);
+  CUDA_CHECK_LAUNCH("logprob_grad_rows_kernel");
 }
 
 }  // namespace fp8rl::cuda
