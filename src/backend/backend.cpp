@@ -32,19 +32,22 @@ QuantTensor Backend::alloc_quant(int64_t rows, int64_t cols, int block_rows, int
 }
 
 KvCache Backend::alloc_kv_cache(int num_layers, int num_pages, int page_size, int num_kv_heads,
-                                int head_dim, DType dtype) {
+                                int head_dim, DType dtype, int latent_v_dim) {
   FP8RL_CHECK(dtype == DType::F32 || dtype == DType::BF16 || dtype == DType::E4M3,
               "KV cache dtype must be F32, BF16 or E4M3, got ", dtype_name(dtype));
+  FP8RL_CHECK(latent_v_dim >= 0 && latent_v_dim <= head_dim, "a latent KV cache's V width (", latent_v_dim,
+              ") must be in [0, head_dim = ", head_dim, "]");
   KvCache c;
   c.num_layers = num_layers;
   c.num_pages = num_pages;
   c.page_size = page_size;
   c.num_kv_heads = num_kv_heads;
   c.head_dim = head_dim;
+  c.latent_v_dim = latent_v_dim;
   c.dtype = dtype;
   for (int l = 0; l < num_layers; ++l) {
     c.k.push_back(alloc({num_pages, page_size, num_kv_heads, head_dim}, dtype));
-    c.v.push_back(alloc({num_pages, page_size, num_kv_heads, head_dim}, dtype));
+    if (latent_v_dim == 0) c.v.push_back(alloc({num_pages, page_size, num_kv_heads, head_dim}, dtype));
   }
   c.k_scale = alloc({num_layers, num_kv_heads}, DType::F32);
   c.v_scale = alloc({num_layers, num_kv_heads}, DType::F32);

@@ -109,11 +109,16 @@ struct AdamWParams {
 // the stored value is e4m3(x / scale) and the read value e4m3_to_float(q) * scale, with FP32
 // scales per layer and KV head (k_scale/v_scale [num_layers, num_kv_heads], on the device;
 // per-layer calibration writes the same value to every head). Refit replaces the scales.
+// MLA's latent cache (latent_v_dim > 0; DeepSeek / vLLM / FlashMLA): one K row per token and
+// KV head ([latent | rope key], head_dim wide) and no V pools: the V of a position is the first
+// latent_v_dim values of its K row (the latent), read with k_scale (v_scale is unused).
 struct KvCache {
   int num_layers = 0, num_pages = 0, page_size = 16, num_kv_heads = 0, head_dim = 0;
+  int latent_v_dim = 0;      // > 0: V = K[..., :latent_v_dim], v pools empty (MLA)
   DType dtype = DType::BF16;
-  std::vector<Tensor> k, v;  // per layer: [num_pages, page_size, num_kv_heads, head_dim]
+  std::vector<Tensor> k, v;  // per layer: [num_pages, page_size, num_kv_heads, head_dim] (v: none when latent)
   Tensor k_scale, v_scale;   // F32 [num_layers, num_kv_heads]
+  int v_dim() const { return latent_v_dim > 0 ? latent_v_dim : head_dim; }  // V's width (the output's)
 };
 
 // The query tokens of one paged-attention call (a prefill chunk, a decode step, or both).
@@ -354,10 +359,12 @@ class Backend {
   virtual void quantize(const Tensor& x, bool transpose, QuantTensor& out) = 0;
 
   // ---- generation --------------------------------------------------------------------------
-  // Allocates a paged cache (scales initialized to 1).
+  // Allocates a paged cache (scales initialized to 1); latent_v_dim > 0 (<= head_dim): MLA's
+  // latent cache, K pools only (KvCache).
   KvCache alloc_kv_cache(int num_layers, int num_pages, int page_size, int num_kv_heads,
-                         int head_dim, DType dtype);
+                         int head_dim, DType dtype, int latent_v_dim = 0);
   // Writes k, v [T, Hkv, hd] of `layer` into their slots (E4M3: quantized with the layer's scales).
+  // A latent cache (latent_v_dim > 0) stores k only: v must be undefined.
   virtual void kv_write(KvCache& cache, int layer, const Tensor& k, const Tensor& v,
                         const PagedBatch& batch) = 0;
   // x [T, H, hd] in place: each element of head h becomes e4m3(x / head_scale[h]) * head_scale[h],
@@ -367,7 +374,8 @@ class Backend {
   virtual void kv_round(Tensor& x, const std::vector<float>& head_scale) = 0;
   // Causal attention of q [T, Hq, hd] over the cached keys/values of each token's sequence,
   // positions 0..token_pos (inclusive; the token's own k/v must already be written).
-  // out [T, Hq, hd]. With fp8_attention, q is quantized per token and head (FP32 scale) too:
+  // out [T, Hq, cache.v_dim()] (hd, or a latent cache's latent_v_dim: MLA's absorbed attention,
+  // an MQA over [latent | rope key] rows whose V is the latent). With fp8_attention, q is quantized per token and head (FP32 scale) too:
   // each q[t, h, :] row uses s = quant_scale_from_amax(amax of the row, pow2=false) and the
   // value e4m3_to_float(e4m3_from_float(q / s)) * s. The CPU reference keeps the softmax
   // probabilities in FP32 (a GPU PV product in FP8 is compared against it with a tolerance).

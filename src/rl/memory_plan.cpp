@@ -7,6 +7,7 @@
 
 #include "core/error.h"
 #include "model/shapes.h"
+#include "model/transformer.h"
 #include "quant/quant.h"
 
 namespace fp8rl {
@@ -139,11 +140,16 @@ MemoryPlan memory_plan_compute(const MemoryPlanInput& in) {
                         fp8 ? "linears 1 B/elem + F32 scale per 128x128 block; embed/norms in activation dtype"
                             : "every tensor in the activation dtype"});
   const int64_t kv_tokens = in.kv_pages * in.page_size;
-  const int64_t kv = 2 * L * kv_tokens * c.num_kv_heads * c.head_dim * int64_t(dtype_size(in.generator.kv_cache)) +
-                     2 * L * c.num_kv_heads * 4;
+  // MLA (model_kv_cache_shape): one latent row of kv_lora_rank + qk_rope_head_dim per token and
+  // layer, no V pool (V is the latent).
+  const KvCacheShape kvs = model_kv_cache_shape(c);
+  const int64_t pools = kvs.latent_v_dim > 0 ? 1 : 2;
+  const int64_t kv = pools * L * kv_tokens * kvs.num_kv_heads * kvs.head_dim * int64_t(dtype_size(in.generator.kv_cache)) +
+                     2 * L * kvs.num_kv_heads * 4;
   p.resident.push_back({std::string("KV pool (") + dtype_name(in.generator.kv_cache) + ")", kv,
                         std::to_string(in.kv_pages) + " pages x " + std::to_string(in.page_size) +
-                            " tokens x layers x K,V x kv_heads x head_dim"});
+                            (kvs.latent_v_dim > 0 ? " tokens x layers x (kv_lora_rank + qk_rope_head_dim) (MLA latent)"
+                                                  : " tokens x layers x K,V x kv_heads x head_dim")});
 
   const int64_t act = T * (L * memory_plan_block_bytes_per_token(c, in.act_dtype) +
                            memory_plan_head_bytes_per_token(c, in.act_dtype));

@@ -144,13 +144,18 @@ void CpuBackend::attention_backward(const Tensor& dout, const Tensor& q, const T
 namespace {
 
 void check_cache_layer(const KvCache& cache, int layer) {
+  const bool latent = cache.latent_v_dim > 0;  // MLA: K pools only, V = the first latent_v_dim of K
   FP8RL_CHECK(layer >= 0 && layer < cache.num_layers && static_cast<int>(cache.k.size()) == cache.num_layers &&
-                  static_cast<int>(cache.v.size()) == cache.num_layers,
+                  static_cast<int>(cache.v.size()) == (latent ? 0 : cache.num_layers),
               "KV cache layer ", layer, " out of range [0, ", cache.num_layers, ")");
+  FP8RL_CHECK(cache.latent_v_dim <= cache.head_dim, "KV cache: latent_v_dim ", cache.latent_v_dim, " > head_dim ",
+              cache.head_dim);
   check_shape(cache.k[layer], {cache.num_pages, cache.page_size, cache.num_kv_heads, cache.head_dim}, "KV cache k");
-  check_shape(cache.v[layer], {cache.num_pages, cache.page_size, cache.num_kv_heads, cache.head_dim}, "KV cache v");
   check_dtype(cache.k[layer], cache.dtype, "KV cache k");
-  check_dtype(cache.v[layer], cache.dtype, "KV cache v");
+  if (!latent) {
+    check_shape(cache.v[layer], {cache.num_pages, cache.page_size, cache.num_kv_heads, cache.head_dim}, "KV cache v");
+    check_dtype(cache.v[layer], cache.dtype, "KV cache v");
+  }
   check_shape(cache.k_scale, {cache.num_layers, cache.num_kv_heads}, "KV cache k_scale");
   check_shape(cache.v_scale, {cache.num_layers, cache.num_kv_heads}, "KV cache v_scale");
   check_dtype(cache.k_scale, DType::F32, "KV cache k_scale");
@@ -192,9 +197,13 @@ void CpuBackend::kv_write(KvCache& cache, int layer, const Tensor& k, const Tens
   check_cache_layer(cache, layer);
   const std::vector<int32_t> slots = load_i32(batch.slots, "paged batch slots");
   const int64_t T = static_cast<int64_t>(slots.size()), H = cache.num_kv_heads, hd = cache.head_dim;
+  const bool latent = cache.latent_v_dim > 0;
   check_shape(k, {T, H, hd}, "kv_write k");
-  check_shape(v, {T, H, hd}, "kv_write v");
-  const std::vector<double> vk = load(k, "kv_write k"), vv = load(v, "kv_write v");
+  if (latent)
+    FP8RL_CHECK(!v.defined(), "kv_write: a latent (MLA) cache stores k only; v must be undefined, got ", v.str());
+  else
+    check_shape(v, {T, H, hd}, "kv_write v");
+  const std::vector<double> vk = load(k, "kv_write k"), vv = latent ? std::vector<double>() : load(v, "kv_write v");
   const float* ks = cache.k_scale.data<float>() + layer * H;
   const float* vs = cache.v_scale.data<float>() + layer * H;
   if (cache.dtype == DType::E4M3)
@@ -209,7 +218,7 @@ void CpuBackend::kv_write(KvCache& cache, int layer, const Tensor& k, const Tens
       for (int64_t c = 0; c < hd; ++c) {
         const int64_t src = (t * H + h) * hd + c, dst = (int64_t(slots[t]) * H + h) * hd + c;
         cache_store(cache.k[layer], dst, static_cast<float>(vk[src]), ks[h]);
-        cache_store(cache.v[layer], dst, static_cast<float>(vv[src]), vs[h]);
+        if (!latent) cache_store(cache.v[layer], dst, static_cast<float>(vv[src]), vs[h]);
       }
     }
   }
@@ -245,17 +254,21 @@ void CpuBackend::attention_paged(const KvCache& cache, int layer, const Tensor& 
               "attention_paged q must be [T, Hq, ", cache.head_dim, "] with Hq a multiple of ", cache.num_kv_heads,
               ", got ", q.str());
   const int64_t T = q.dim(0), Hq = q.dim(1), Hkv = cache.num_kv_heads, hd = cache.head_dim, group = Hq / Hkv;
+  // V: its own pool, or (a latent MLA cache) the first dv values of the K row, read with k's scale.
+  const bool latent = cache.latent_v_dim > 0;
+  const int64_t dv = cache.v_dim();
   FP8RL_CHECK(static_cast<int64_t>(seq.size()) == T && static_cast<int64_t>(pos.size()) == T,
               "attention_paged: token_seq and token_pos need ", T, " entries");
-  check_shape(out, q.shape(), "attention_paged output");
+  check_shape(out, {T, Hq, dv}, "attention_paged output");
   std::vector<double> vq = load(q, "attention_paged q");
   const float* ks = cache.k_scale.data<float>() + layer * Hkv;
-  const float* vs = cache.v_scale.data<float>() + layer * Hkv;
-  std::vector<double> o(vq.size(), 0.0);
+  const float* vs = latent ? ks : cache.v_scale.data<float>() + layer * Hkv;
+  const Tensor& vpool = latent ? cache.k[layer] : cache.v[layer];
+  std::vector<double> o(T * Hq * dv, 0.0);
   // One task per query token: it writes only its own rows of o (and of its copy of q).
   cpu_parallel_for(T, T * Hq * (batch.max_pos + 1) * hd * 2, [&](int64_t t0, int64_t t1) {
     std::vector<double> p;
-    std::vector<float> kj(hd), vj(hd);
+    std::vector<float> kj(hd), vj(dv);
     for (int64_t t = t0; t < t1; ++t) {
       FP8RL_CHECK(seq[t] >= 0 && seq[t] < B, "attention_paged: token ", t, " has sequence ", seq[t], " outside [0, ",
                   B, ")");
@@ -293,10 +306,10 @@ void CpuBackend::attention_paged(const KvCache& cache, int layer, const Tensor& 
         }
         double sum = 0;
         for (double& e : p) sum += (e = std::exp(e - m));
-        double* oi = o.data() + (t * Hq + h) * hd;
+        double* oi = o.data() + (t * Hq + h) * dv;
         for (int64_t j = 0; j < n; ++j) {
-          cache_load_row(cache.v[layer], (slot_of(j) * Hkv + kh) * hd, hd, vs[kh], vj.data());
-          for (int64_t c = 0; c < hd; ++c) oi[c] += p[j] / sum * vj[c];
+          cache_load_row(vpool, (slot_of(j) * Hkv + kh) * hd, dv, vs[kh], vj.data());
+          for (int64_t c = 0; c < dv; ++c) oi[c] += p[j] / sum * vj[c];
         }
       }
     }
