@@ -80,7 +80,7 @@ void fp8_view_check(const Fp8View& view, const Tensor& x, const LinearSpec& spec
 void kv_round_check(const Tensor& x, const std::vector<float>& head_scale);
 
 // Rotary embedding. Non-interleaved (rotate_half, as HF Llama/Qwen): dims i and i + hd/2 form
-// pair i. Interleaved (DeepSeek-V3's rope_interleave, CPU backend only): dims 2i and 2i + 1 form
+// pair i. Interleaved (DeepSeek-V3's rope_interleave): dims 2i and 2i + 1 form
 // pair i, rotated in place. (HF's apply_rotary_pos_emb_interleave writes the rotated pairs
 // de-interleaved, evens then odds: a fixed permutation of the dims applied to q and k alike,
 // which leaves every q.k, hence the attention, unchanged.) inv_freq has head_dim/2 entries
@@ -271,7 +271,7 @@ class Backend {
   // Causal grouped-query attention over packed sequences (training and reference prefill).
   // q [T, Hq, hd], k [T, Hkv, hd], v [T, Hkv, hdv], Hq % Hkv == 0; out [T, Hq, hdv]; lse F32
   // [Hq, T] (log-sum-exp of the scaled scores, saved for backward). cu_seqlens host [B + 1].
-  // hdv != hd (MLA: v_head_dim != qk_nope + qk_rope) on the CPU backend only; CUDA refuses it.
+  // hdv != hd: MLA (v_head_dim != qk_nope + qk_rope; CUDA: the simple kernels).
   virtual void attention(const Tensor& q, const Tensor& k, const Tensor& v,
                          const std::vector<int32_t>& cu_seqlens, float softmax_scale,
                          Tensor& out, Tensor& lse) = 0;

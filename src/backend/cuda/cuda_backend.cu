@@ -523,8 +523,6 @@ void CudaBackend::copy_cols(const Tensor& src, int64_t src_col, Tensor& dst, int
 }
 
 void CudaBackend::rope(Tensor& x, const Tensor& positions, const RopeParams& rope, bool inverse) {
-  FP8RL_CHECK(!rope.interleaved, "rope: the interleaved layout (DeepSeek-V3 rope_interleave, MLA) is implemented on "
-              "the CPU backend only; the CUDA rope kernel rotates rotate_half pairs");
   const OpTimer op_timer_(*this, "rope");
   check_dev(x, "rope x");
   check_dev(positions, "rope positions");
@@ -537,7 +535,8 @@ void CudaBackend::rope(Tensor& x, const Tensor& positions, const RopeParams& rop
   check_shape(positions, {T}, "rope positions");
   RopeTable tab{};
   std::copy(rope.inv_freq.begin(), rope.inv_freq.end(), tab.inv_freq);
-  launch_rope(x.raw(), x.dtype(), T, H, hd, positions.data<int32_t>(), tab, rope.attention_scaling, inverse, stream_);
+  launch_rope(x.raw(), x.dtype(), T, H, hd, positions.data<int32_t>(), tab, rope.attention_scaling, inverse,
+              rope.interleaved, stream_);
 }
 
 void CudaBackend::swiglu(const Tensor& gate, const Tensor& up, Tensor& out) {
@@ -1181,18 +1180,20 @@ void CudaBackend::attention(const Tensor& q, const Tensor& k, const Tensor& v, c
   const int64_t T = q.dim(0);
   const int Hq = static_cast<int>(q.dim(1)), Hkv = static_cast<int>(k.dim(1)), hd = static_cast<int>(q.dim(2));
   FP8RL_CHECK(Hkv > 0 && Hq % Hkv == 0, "attention: Hq (", Hq, ") must be a multiple of Hkv (", Hkv, ")");
-  FP8RL_CHECK(v.ndim() != 3 || v.dim(2) == hd, "attention: v head_dim ", v.dim(2), " differs from q/k head_dim ", hd,
-              " (MLA); the CUDA attention kernels need equal head dims: MLA runs on the CPU backend only");
+  FP8RL_CHECK(v.ndim() == 3 && v.dim(2) > 0, "attention: v must be [T, Hkv, hdv], got ", v.str());
+  // MLA: v's heads (v_head_dim) are narrower than q/k's (qk_nope + qk_rope); the simple kernels
+  // take both widths, the flash kernel one (so MLA runs the simple ones).
+  const int hdv = static_cast<int>(v.dim(2));
   check_shape(k, {T, Hkv, hd}, "attention k");
-  check_shape(v, {T, Hkv, hd}, "attention v");
-  check_shape(out, q.shape(), "attention out");
+  check_shape(v, {T, Hkv, hdv}, "attention v");
+  check_shape(out, {T, Hq, hdv}, "attention out");
   check_shape(lse, {Hq, T}, "attention lse");
   check_dtype(lse, DType::F32, "attention lse");
   FP8RL_CHECK(q.dtype() == k.dtype() && k.dtype() == v.dtype() && out.dtype() == q.dtype(),
               "attention: q, k, v, out must share a dtype");
   std::vector<int32_t> b;
   seq_bounds(cu_seqlens, T, b);
-  if (use_flash_attention(q.dtype(), hd, {&q, &k, &v, &out})) {
+  if (hdv == hd && use_flash_attention(q.dtype(), hd, {&q, &k, &v, &out})) {
     const std::vector<int32_t> tiles = flash_attention_tiles(cu_seqlens);
     Tensor td = scratch(kSlotIdx, {static_cast<int64_t>(tiles.size()) + 1}, DType::I32);
     CUDA_CHECK(cudaMemcpyAsync(td.raw(), tiles.data(), tiles.size() * 4, cudaMemcpyHostToDevice, stream_),
@@ -1203,8 +1204,8 @@ void CudaBackend::attention(const Tensor& q, const Tensor& k, const Tensor& v, c
   }
   Tensor idx = scratch(kSlotIdx, {2 * T}, DType::I32);
   CUDA_CHECK(cudaMemcpyAsync(idx.raw(), b.data(), b.size() * 4, cudaMemcpyHostToDevice, stream_), "uploading seqlens");
-  launch_attention(q.raw(), k.raw(), v.raw(), q.dtype(), idx.data<int32_t>(), T, Hq, Hkv, hd, softmax_scale, out.raw(),
-                   lse.data<float>(), stream_);
+  launch_attention(q.raw(), k.raw(), v.raw(), q.dtype(), idx.data<int32_t>(), T, Hq, Hkv, hd, hdv, softmax_scale,
+                   out.raw(), lse.data<float>(), stream_);
 }
 
 void CudaBackend::attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
@@ -1215,17 +1216,19 @@ void CudaBackend::attention_backward(const Tensor& dout, const Tensor& q, const 
   const int64_t T = q.dim(0);
   const int Hq = static_cast<int>(q.dim(1)), Hkv = static_cast<int>(k.dim(1)), hd = static_cast<int>(q.dim(2));
   FP8RL_CHECK(Hkv > 0 && Hq % Hkv == 0, "attention_backward: Hq must be a multiple of Hkv");
-  FP8RL_CHECK(v.ndim() != 3 || v.dim(2) == hd, "attention_backward: v head_dim ", v.dim(2), " differs from q/k "
-              "head_dim ", hd, " (MLA); the CUDA attention kernels need equal head dims: MLA runs on the CPU backend only");
-  for (const Tensor* t : std::initializer_list<const Tensor*>{&dout, &out, &dq}) check_shape(*t, q.shape(), "attention_backward q-shaped tensor");
-  for (const Tensor* t : std::initializer_list<const Tensor*>{&k, &v, &dk, &dv}) check_shape(*t, {T, Hkv, hd}, "attention_backward kv-shaped tensor");
+  FP8RL_CHECK(v.ndim() == 3 && v.dim(2) > 0, "attention_backward: v must be [T, Hkv, hdv], got ", v.str());
+  const int hdv = static_cast<int>(v.dim(2));  // MLA: v_head_dim (the simple kernels; see attention)
+  check_shape(dq, q.shape(), "attention_backward dq");
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&dout, &out}) check_shape(*t, {T, Hq, hdv}, "attention_backward out-shaped tensor");
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&k, &dk}) check_shape(*t, {T, Hkv, hd}, "attention_backward k-shaped tensor");
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&v, &dv}) check_shape(*t, {T, Hkv, hdv}, "attention_backward v-shaped tensor");
   for (const Tensor* t : std::initializer_list<const Tensor*>{&dout, &k, &v, &out, &dq, &dk, &dv})
     FP8RL_CHECK(t->dtype() == q.dtype(), "attention_backward: all tensors must share q's dtype");
   check_shape(lse, {Hq, T}, "attention_backward lse");
   std::vector<int32_t> b;
   seq_bounds(cu_seqlens, T, b);
   Tensor delta = scratch(kSlotAttn, {T * Hq}, DType::F32);
-  if (use_flash_attention(q.dtype(), hd, {&dout, &q, &k, &v, &out, &dq, &dk, &dv})) {
+  if (hdv == hd && use_flash_attention(q.dtype(), hd, {&dout, &q, &k, &v, &out, &dq, &dk, &dv})) {
     const std::vector<int32_t> tiles = flash_attention_tiles(cu_seqlens);
     Tensor td = scratch(kSlotIdx, {static_cast<int64_t>(tiles.size()) + 1}, DType::I32);
     CUDA_CHECK(cudaMemcpyAsync(td.raw(), tiles.data(), tiles.size() * 4, cudaMemcpyHostToDevice, stream_),
@@ -1238,8 +1241,8 @@ void CudaBackend::attention_backward(const Tensor& dout, const Tensor& q, const 
   Tensor idx = scratch(kSlotIdx, {2 * T}, DType::I32);
   CUDA_CHECK(cudaMemcpyAsync(idx.raw(), b.data(), b.size() * 4, cudaMemcpyHostToDevice, stream_), "uploading seqlens");
   launch_attention_backward(dout.raw(), q.raw(), k.raw(), v.raw(), out.raw(), q.dtype(), lse.data<float>(),
-                            idx.data<int32_t>(), idx.data<int32_t>() + T, T, Hq, Hkv, hd, softmax_scale, dq.raw(),
-                            dk.raw(), dv.raw(), delta.data<float>(), stream_);
+                            idx.data<int32_t>(), idx.data<int32_t>() + T, T, Hq, Hkv, hd, hdv, softmax_scale,
+                            dq.raw(), dk.raw(), dv.raw(), delta.data<float>(), stream_);
 }
 
 // ---- fused log-probabilities -------------------------------------------------------------------
@@ -1343,18 +1346,25 @@ void CudaBackend::kv_round(Tensor& x, const std::vector<float>& head_scale) {
 void CudaBackend::kv_write(KvCache& cache, int layer, const Tensor& k, const Tensor& v, const PagedBatch& batch) {
   const OpTimer op_timer_(*this, "kv_write");
   FP8RL_CHECK(layer >= 0 && layer < cache.num_layers, "kv_write: layer ", layer, " out of range");
+  const bool latent = cache.latent_v_dim > 0;  // MLA: k only (KvCache)
   check_dev(k, "kv_write k");
-  check_dev(v, "kv_write v");
+  if (latent)
+    FP8RL_CHECK(!v.defined(), "kv_write: a latent (MLA) cache stores k only; v must be undefined, got ", v.str());
+  else
+    check_dev(v, "kv_write v");
   check_dev(batch.slots, "kv_write slots");
   const int64_t T = k.dim(0);
   check_shape(k, {T, cache.num_kv_heads, cache.head_dim}, "kv_write k");
-  check_shape(v, {T, cache.num_kv_heads, cache.head_dim}, "kv_write v");
+  if (!latent) {
+    check_shape(v, {T, cache.num_kv_heads, cache.head_dim}, "kv_write v");
+    FP8RL_CHECK(k.dtype() == v.dtype(), "kv_write: k and v must share a dtype");
+  }
   check_shape(batch.slots, {T}, "kv_write slots");
-  FP8RL_CHECK(k.dtype() == v.dtype(), "kv_write: k and v must share a dtype");
   const float* ks = cache.k_scale.data<float>() + static_cast<int64_t>(layer) * cache.num_kv_heads;
   const float* vs = cache.v_scale.data<float>() + static_cast<int64_t>(layer) * cache.num_kv_heads;
-  launch_kv_write(k.raw(), v.raw(), k.dtype(), batch.slots.data<int32_t>(), T, cache.num_kv_heads, cache.head_dim,
-                  cache.k[layer].raw(), cache.v[layer].raw(), cache.dtype, ks, vs, stream_);
+  launch_kv_write(k.raw(), latent ? nullptr : v.raw(), k.dtype(), batch.slots.data<int32_t>(), T, cache.num_kv_heads,
+                  cache.head_dim, cache.k[layer].raw(), latent ? nullptr : cache.v[layer].raw(), cache.dtype, ks, vs,
+                  stream_);
 }
 
 void CudaBackend::attention_paged(const KvCache& cache, int layer, const Tensor& q, const PagedBatch& batch,
@@ -1367,17 +1377,20 @@ void CudaBackend::attention_paged(const KvCache& cache, int layer, const Tensor&
   const int Hq = static_cast<int>(q.dim(1)), hd = static_cast<int>(q.dim(2));
   FP8RL_CHECK(hd == cache.head_dim && Hq % cache.num_kv_heads == 0, "attention_paged: q ", q.str(),
               " does not match the cache (", cache.num_kv_heads, " KV heads of ", cache.head_dim, ")");
-  check_shape(out, q.shape(), "attention_paged out");
+  const bool latent = cache.latent_v_dim > 0;  // MLA: V = the first latent_v_dim values of the K row
+  check_shape(out, {T, Hq, cache.v_dim()}, "attention_paged out");
   FP8RL_CHECK(out.dtype() == q.dtype(), "attention_paged: out must have q's dtype");
   check_shape(batch.token_seq, {T}, "attention_paged token_seq");
   check_shape(batch.token_pos, {T}, "attention_paged token_pos");
   FP8RL_CHECK(batch.page_table.ndim() == 2, "attention_paged: page_table must be [B, max_pages]");
   const bool e4m3 = cache.dtype == DType::E4M3;
   const float* ks = e4m3 ? cache.k_scale.data<float>() + static_cast<int64_t>(layer) * cache.num_kv_heads : nullptr;
-  const float* vs = e4m3 ? cache.v_scale.data<float>() + static_cast<int64_t>(layer) * cache.num_kv_heads : nullptr;
+  const float* vs = !e4m3  ? nullptr
+                    : latent ? ks
+                             : cache.v_scale.data<float>() + static_cast<int64_t>(layer) * cache.num_kv_heads;
   const int max_pages = static_cast<int>(batch.page_table.dim(1));
   const void* kp = cache.k[layer].raw();
-  const void* vp = cache.v[layer].raw();
+  const void* vp = latent ? kp : cache.v[layer].raw();
   // The tensor-core paged kernel (paged_attention.cu, paged_mma_kernel) for BF16 q over BF16 /
   // E4M3 pools, the tiled CUDA-core kernel for the other cases (F32 q or pools), the simple one
   // outside both. FP8RL_CUDA_ATTENTION=tiled / grouped / simple selects the tiled kernel, the
@@ -1388,10 +1401,12 @@ void CudaBackend::attention_paged(const KvCache& cache, int layer, const Tensor&
   const std::string md = mode ? mode : "";
   const bool simple = md == "simple", grouped = md == "grouped", tiled = md == "tiled";
   const int group = Hq / cache.num_kv_heads;
-  if (simple || !paged_attention_supported(hd, group, cache.dtype, kp, vp)) {
+  // MLA's latent cache (one 576-wide row per token, Hq query heads over it) runs the simple
+  // kernel: correct, not fast (a FlashMLA-style kernel is the next step; docs/design.md).
+  if (simple || latent || !paged_attention_supported(hd, group, cache.dtype, kp, vp)) {
     launch_attention_paged(q.raw(), q.dtype(), batch.token_seq.data<int32_t>(), batch.token_pos.data<int32_t>(),
-                           batch.page_table.data<int32_t>(), max_pages, T, Hq, cache.num_kv_heads, hd,
-                           cache.page_size, kp, vp, cache.dtype, ks, vs, softmax_scale, fp8_attention, out.raw(),
+                           batch.page_table.data<int32_t>(), max_pages, T, Hq, cache.num_kv_heads, hd, cache.v_dim(),
+                           hd, cache.page_size, kp, vp, cache.dtype, ks, vs, softmax_scale, fp8_attention, out.raw(),
                            stream_);
     return;
   }
