@@ -116,7 +116,8 @@ TEST(CudaMlaOps, AttentionWithNarrowerValueHeadsMatchesCpu) {
   const int64_t H = 4, hd = 192, hdv = 128;
   const std::vector<int32_t> cu = {0, 17, 18, 61};
   const int64_t T = cu.back();
-  const Tensor hq = host_f32(randn(T * H * hd, 2, 0.3f), {T, H, hd}), hk = host_f32(randn(T * H * hd, 3, 0.3f), {T, H, hd});
+  const Tensor hq = host_f32(randn(T * H * hd, 2, 0.3f), {T, H, hd}),
+               hk = host_f32(randn(T * H * hd, 3, 0.3f), {T, H, hd});
   const Tensor hv = host_f32(randn(T * H * hdv, 4), {T, H, hdv}), hg = host_f32(randn(T * H * hdv, 5), {T, H, hdv});
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   auto run = [&](Backend& be) {
@@ -153,7 +154,8 @@ TEST(CudaMlaOps, LatentPagedAttentionMatchesCpu) {
       slots.push_back(table[b * 5 + p / page_size] * page_size + p % page_size);
     }
   const int64_t T = static_cast<int64_t>(token_seq.size());
-  const Tensor hrow = host_f32(randn(T * row, 7, 0.5f), {T, 1, row}), hq = host_f32(randn(T * Hq * row, 8, 0.2f), {T, Hq, row});
+  const Tensor hrow = host_f32(randn(T * row, 7, 0.5f), {T, 1, row}),
+               hq = host_f32(randn(T * Hq * row, 8, 0.2f), {T, Hq, row});
   Tensor ht = Tensor::empty({3, 5}, DType::I32);
   std::copy(table.begin(), table.end(), ht.data<int32_t>());
   for (DType pool : {DType::F32, DType::BF16, DType::E4M3})
@@ -257,7 +259,8 @@ TEST(CudaMla, LogprobsMatchTransformersFp32) {
     double sum = 0;
     size_t n = 0;
     for (size_t s = 0; s < fx.seqs.size(); ++s)
-      for (size_t t = 0; t + 1 < fx.seqs[s].size(); ++t, ++n) sum += std::fabs(got[batch.cu_seqlens[s] + t] - fx.hf_fp32[s][t]);
+      for (size_t t = 0; t + 1 < fx.seqs[s].size(); ++t, ++n)
+        sum += std::fabs(got[batch.cu_seqlens[s] + t] - fx.hf_fp32[s][t]);
     EXPECT_LT(sum / n, 2e-4) << fx.name;
   }
 }
@@ -266,7 +269,8 @@ std::vector<RolloutSample> generate(Backend& be, const Fixture& fx, const Engine
   const ModelWeights w = model_weights_to_device(be, fx.host, DType::F32);
   RolloutEngine engine(be, w, prec, /*kv_pages=*/64, /*page_size=*/16, /*max_batch=*/8);
   std::vector<RolloutRequest> reqs;
-  for (const auto& s : fx.seqs) reqs.push_back({std::vector<int32_t>(s.begin(), s.begin() + std::min<size_t>(s.size(), 7)), 2});
+  for (const auto& s : fx.seqs)
+    reqs.push_back({std::vector<int32_t>(s.begin(), s.begin() + std::min<size_t>(s.size(), 7)), 2});
   SamplingParams sp;
   sp.temperature = temperature;
   sp.max_new_tokens = 16;
@@ -289,7 +293,8 @@ TEST(CudaMla, GenerationMatchesCpuFp32) {
     double worst = 0;
     for (size_t i = 0; i < ws.size(); ++i) {
       if (gs[i].tokens != ws[i].tokens) continue;  // a draw at a near-tie may differ; compare the equal ones
-      for (size_t t = 0; t < ws[i].logp.size(); ++t) worst = std::max(worst, double(std::fabs(gs[i].logp[t] - ws[i].logp[t])));
+      for (size_t t = 0; t < ws[i].logp.size(); ++t)
+        worst = std::max(worst, double(std::fabs(gs[i].logp[t] - ws[i].logp[t])));
     }
     EXPECT_LT(worst, 1e-4) << fx.name;
     std::printf("  %s: greedy equal; sampled logp_gen worst |diff| %.3e\n", fx.name.c_str(), worst);
