@@ -152,6 +152,7 @@ struct MemoryStats {
 // the benchmark shapes. The CPU reference has none.
 struct BackendCounters {
   int64_t fp8_gemm_fallbacks = 0;  // FP8 products computed as dequantize + FP32 GEMM off the exact path
+  int64_t fp8_gemm_own = 0;        // FP8 products on the own sm_90a kernel (the rest: cuBLASLt)
   int64_t fp8_gemm_tails = 0;      // FP8 products whose last M % 16 rows ran as a padded second product
 };
 

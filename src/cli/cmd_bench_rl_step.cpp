@@ -5,7 +5,10 @@
 //   fp8rl bench rl-step [--device cpu|cuda] [--model qwen3-1.7b] [--layers N]
 //                       [--recipes bf16,fp8_gen,fp8_e2e] [--prompts 16] [--samples 16]
 //                       [--prompt-len 160] [--max-new-tokens 512] [--kl-beta 0] [--optimizer-steps 1]
-//                       [--micro-batch-tokens 16384] [--steps 2] [--warmup 1] [--seed 1] [--json PATH]
+//                       [--micro-batch-tokens 16384] [--recompute none|block|auto]
+//                       [--grad-dtype fp32|bf16] [--optimizer-state-dtype fp32|bf16]
+//                       [--free-gib G] [--allow-overcommit]
+//                       [--steps 2] [--warmup 1] [--seed 1] [--json PATH]
 //
 // Per recipe: a fresh trainer (FP32 master of random weights, the same for every recipe), an
 // optional frozen reference policy (--kl-beta > 0), a generator and its KV pool; then --warmup
@@ -17,6 +20,12 @@
 // the update (train/grpo_update.h, the loop's own), KV-scale calibration + refit. Per phase the
 // median seconds over the timed steps, tokens/s, the mismatch metrics, peak device memory and
 // the backend's slow-path counters (FP8 GEMM fallbacks must be 0). Table + JSON.
+// Before a recipe allocates anything its memory plan (rl/memory_plan.h, this exact setup) is
+// checked against the device's free memory (--free-gib: against G GiB instead; the CPU backend
+// reports none, so nothing is checked there without it): a recipe that cannot fit is refused
+// with the shortfall and the flags that alone would make it fit, and the others still run
+// (--allow-overcommit runs it anyway). --recompute auto: block only when the plan does not fit
+// without it, as train.recompute: auto.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -43,8 +52,9 @@ namespace {
 constexpr const char* kUsage =
     "usage: fp8rl bench rl-step [--device cpu|cuda] [--model SHAPE] [--layers N] [--recipes LIST]\n"
     "                           [--prompts P] [--samples G] [--prompt-len N] [--max-new-tokens N]\n"
-    "                           [--kl-beta B] [--temperature T] [--recompute none|block] [--optimizer-steps N]\n"
-    "                           [--micro-batch-tokens N]\n"
+    "                           [--kl-beta B] [--temperature T] [--recompute none|block|auto] [--optimizer-steps N]\n"
+    "                           [--micro-batch-tokens N] [--grad-dtype fp32|bf16] [--optimizer-state-dtype fp32|bf16]\n"
+    "                           [--free-gib G] [--allow-overcommit]\n"
     "                           [--steps N] [--warmup N] [--seed N] [--json PATH]\n"
     "Times whole GRPO steps (generation, scoring, reference, training, refit + calibration) of a\n"
     "random-weight model with ragged response lengths, for each recipe (default bf16,fp8_gen,fp8_e2e).\n"
@@ -53,7 +63,11 @@ constexpr const char* kUsage =
     "attn (fp8|off), pow2 (on|off), first / last (BF16 blocks), wgrad (fp8|bf16: an FP8 trainer's\n"
     "weight gradients); e.g. --recipes bf16,fp8_e2e:kv=bf16,fp8_e2e isolates the E4M3 KV cache's\n"
     "share of the mismatch, fp8_e2e,fp8_e2e:wgrad=bf16 times BF16 wgrad.\n"
-    "Shapes: qwen3-0.6b, qwen3-1.7b (default), qwen3-8b, llama-3.2-1b, llama-3.1-8b, tiny (CPU smoke).\n";
+    "Shapes: qwen3-0.6b, qwen3-1.7b (default), qwen3-8b, llama-3.2-1b, llama-3.1-8b, tiny (CPU smoke).\n"
+    "Each recipe's memory plan is checked first against the device's free memory (--free-gib G: against G GiB):\n"
+    "a recipe that cannot fit is refused with its shortfall and the flags that would make it fit, the others\n"
+    "run (--allow-overcommit: run it anyway). --recompute auto: block only where the plan needs it.\n"
+    "--grad-dtype / --optimizer-state-dtype bf16: the lean optimizer (train.grad_dtype, train.optimizer_state_dtype).\n";
 
 using Clock = std::chrono::steady_clock;
 
@@ -72,7 +86,10 @@ struct BenchSetup {
   int64_t micro_batch_tokens = 16384;
   double kl_beta = 0;
   double temperature = 1.0;
-  bool recompute = false;
+  std::string recompute = "none";  // none | block | auto (decided per recipe by the plan)
+  DType grad_dtype = DType::F32, moment_dtype = DType::F32;
+  int64_t free_bytes = -1;  // what each recipe's plan is checked against (< 0: unknown, no check)
+  bool allow_overcommit = false;
   uint64_t seed = 1;
 };
 
@@ -82,8 +99,81 @@ struct RecipeResult {
   std::vector<double> gen_tokens, train_tokens, mult_prob_error, gen_kl_error, entropy;
   MemoryStats mem;
   int64_t plan_peak = 0;  // the memory plan's peak for this recipe's setup (rl/memory_plan.h)
+  bool recompute = false;  // block recomputation (--recompute, auto resolved)
   BackendCounters counters;
+  std::string refused;  // non-empty: the plan did not fit, nothing was run (why)
 };
+
+// The KV pool: every sequence of a step at once (up to 256), each of prompt_len + max_new tokens.
+int64_t bench_kv_pages(const BenchSetup& s) {
+  const int64_t seq_pages = ceil_div(static_cast<int64_t>(s.prompt_len + s.max_new), 16);
+  return std::min(256, s.P * s.G) * seq_pages + 1;
+}
+
+// The memory plan of exactly this setup: what bench_recipe allocates.
+MemoryPlanInput bench_plan_input(const BenchSetup& s, const PrecisionRecipe& recipe, DType act, bool recompute) {
+  MemoryPlanInput in;
+  in.model = s.model;
+  in.generator = recipe.generator;
+  in.trainer = recipe.trainer;
+  in.act_dtype = act;
+  in.reference_policy = s.kl_beta > 0;
+  in.kv_pages = bench_kv_pages(s);
+  in.micro_batch_tokens = s.micro_batch_tokens;
+  in.recompute = recompute;
+  in.grad_dtype = s.grad_dtype;
+  in.moment_dtype = s.moment_dtype;
+  in.generation_batch = std::min(256, s.P * s.G);
+  return in;
+}
+
+std::string gib_text(int64_t bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.2f GiB", double(bytes) / double(1ll << 30));
+  return buf;
+}
+
+// The recipe's plan against the free memory: decides --recompute auto, and returns why the
+// recipe cannot run ("" when it fits, the free memory is unknown, or --allow-overcommit).
+std::string bench_check_memory(const BenchSetup& s, const std::string& name, const PrecisionRecipe& recipe, DType act,
+                               bool& recompute) {
+  auto peak = [&](const BenchSetup& t, bool rc) { return memory_plan_compute(bench_plan_input(t, recipe, act, rc)).peak_bytes(); };
+  recompute = s.recompute == "block";
+  if (s.free_bytes < 0) return "";
+  if (s.recompute == "auto") recompute = peak(s, false) > s.free_bytes;
+  const int64_t p = peak(s, recompute);
+  if (p <= s.free_bytes) return "";
+  std::string why = "the memory plan's peak, " + gib_text(p) + ", exceeds the " + gib_text(s.free_bytes) +
+                    " free by " + gib_text(p - s.free_bytes);
+  std::vector<std::string> fixes;
+  if (!recompute && peak(s, true) <= s.free_bytes) fixes.push_back("--recompute block (or auto)");
+  BenchSetup t = s;
+  t.moment_dtype = DType::BF16;
+  if (s.moment_dtype != DType::BF16 && peak(t, recompute) <= s.free_bytes) fixes.push_back("--optimizer-state-dtype bf16");
+  t = s;
+  t.grad_dtype = DType::BF16;
+  if (s.grad_dtype != DType::BF16 && peak(t, recompute) <= s.free_bytes) fixes.push_back("--grad-dtype bf16");
+  t = s;
+  t.kl_beta = 0;
+  if (s.kl_beta > 0 && peak(t, recompute) <= s.free_bytes) fixes.push_back("--kl-beta 0");
+  for (int64_t mb = s.micro_batch_tokens / 2; mb >= 256; mb /= 2) {
+    t = s;
+    t.micro_batch_tokens = mb;
+    if (peak(t, recompute) <= s.free_bytes) {
+      fixes.push_back("--micro-batch-tokens " + std::to_string(mb));
+      break;
+    }
+  }
+  why += fixes.empty() ? "; no single flag makes it fit (combine --recompute block, --optimizer-state-dtype bf16, "
+                         "--grad-dtype bf16, smaller --micro-batch-tokens / --samples / --max-new-tokens)"
+                       : "; any one of these makes it fit: ";
+  for (size_t i = 0; i < fixes.size(); ++i) why += (i ? ", " : "") + fixes[i];
+  if (s.allow_overcommit) {
+    std::printf("  %s: warning: %s; --allow-overcommit: running anyway\n", name.c_str(), why.c_str());
+    return "";
+  }
+  return why;
+}
 
 // Step `step`'s requests: prompts of random ids and forced response lengths, seeded by step.
 std::vector<RolloutRequest> bench_requests(const BenchSetup& s, int step) {
@@ -107,12 +197,23 @@ RecipeResult bench_recipe(Backend& be, const BenchSetup& s, const std::string& r
   res.recipe = recipe_name;
   const PrecisionRecipe recipe = PrecisionRecipe::parse(recipe_name);
   const bool fp8_kv = recipe.generator.kv_cache == DType::E4M3;
+  res.refused = bench_check_memory(s, recipe_name, recipe, be.act_dtype(), res.recompute);
+  res.plan_peak = memory_plan_compute(bench_plan_input(s, recipe, be.act_dtype(), res.recompute)).peak_bytes();
+  if (!res.refused.empty()) {
+    std::printf("  %-8s refused, nothing run: %s\n", recipe_name.c_str(), res.refused.c_str());
+    std::fflush(stdout);
+    return res;
+  }
+  if (s.recompute == "auto")
+    std::printf("  %-8s --recompute auto -> %s\n", recipe_name.c_str(), res.recompute ? "block" : "none");
   be.synchronize();
   be.reset_peak_memory_stats();
   const BackendCounters c0 = be.counters();
   TrainerOptions topt;
   topt.micro_batch_tokens = s.micro_batch_tokens;
-  topt.recompute = s.recompute;
+  topt.recompute = res.recompute;
+  topt.grad_dtype = s.grad_dtype;
+  topt.moment_dtype = s.moment_dtype;
   Trainer trainer(be, bench_random_weights(be, s.model, DType::F32, s.seed), recipe.trainer, topt);
   std::unique_ptr<Trainer> reference;
   if (s.kl_beta > 0) {
@@ -121,21 +222,7 @@ RecipeResult bench_recipe(Backend& be, const BenchSetup& s, const std::string& r
     reference = std::make_unique<Trainer>(be, bench_random_weights(be, s.model, DType::F32, s.seed), recipe.trainer,
                                           frozen);
   }
-  const int64_t seq_pages = ceil_div(static_cast<int64_t>(s.prompt_len + s.max_new), 16);
-  const int concurrent = std::min(256, s.P * s.G);
-  const int kv_pages = static_cast<int>(concurrent * seq_pages + 1);
-  RolloutEngine engine(be, trainer.master(), recipe.generator, kv_pages, 16, 256);
-  MemoryPlanInput plan_in;  // what the plan predicts for exactly this setup
-  plan_in.model = s.model;
-  plan_in.generator = recipe.generator;
-  plan_in.trainer = recipe.trainer;
-  plan_in.act_dtype = be.act_dtype();
-  plan_in.reference_policy = s.kl_beta > 0;
-  plan_in.kv_pages = kv_pages;
-  plan_in.micro_batch_tokens = s.micro_batch_tokens;
-  plan_in.recompute = s.recompute;
-  plan_in.generation_batch = concurrent;
-  res.plan_peak = memory_plan_compute(plan_in).peak_bytes();
+  RolloutEngine engine(be, trainer.master(), recipe.generator, static_cast<int>(bench_kv_pages(s)), 16, 256);
   GrpoLossOptions lopt;
   lopt.is_mode = IsMode::TIS;
   lopt.kl_beta = s.kl_beta;
@@ -223,6 +310,7 @@ RecipeResult bench_recipe(Backend& be, const BenchSetup& s, const std::string& r
   const BackendCounters c1 = be.counters();
   res.counters.fp8_gemm_fallbacks = c1.fp8_gemm_fallbacks - c0.fp8_gemm_fallbacks;
   res.counters.fp8_gemm_tails = c1.fp8_gemm_tails - c0.fp8_gemm_tails;
+  res.counters.fp8_gemm_own = c1.fp8_gemm_own - c0.fp8_gemm_own;
   return res;
 }
 
@@ -237,8 +325,9 @@ std::vector<std::string> split_list(const std::string& s) {
 int run_bench(const std::vector<std::string>& argv) {
   const Args args(argv,
                   {"device", "model", "layers", "recipes", "prompts", "samples", "prompt-len", "max-new-tokens",
-                   "kl-beta", "temperature", "recompute", "optimizer-steps", "micro-batch-tokens", "steps", "warmup", "seed", "json"},
-                  {"help"});
+                   "kl-beta", "temperature", "recompute", "optimizer-steps", "micro-batch-tokens", "grad-dtype",
+                   "optimizer-state-dtype", "free-gib", "steps", "warmup", "seed", "json"},
+                  {"help", "allow-overcommit"});
   if (args.has("help")) {
     std::fputs(kUsage, stdout);
     return 0;
@@ -262,10 +351,18 @@ int run_bench(const std::vector<std::string>& argv) {
   s.seed = static_cast<uint64_t>(args.get_int("seed", 1, 0));
   s.kl_beta = args.get_float("kl-beta", 0.0, 0.0, 1e6);
   s.temperature = args.get_float("temperature", 1.0, 0.01, 100.0);
-  const std::string recompute = args.get("recompute", "none");
-  FP8RL_CHECK(recompute == "none" || recompute == "block", "--recompute must be none or block, got '", recompute,
-              "'");
-  s.recompute = recompute == "block";
+  s.recompute = args.get("recompute", "none");
+  FP8RL_CHECK(s.recompute == "none" || s.recompute == "block" || s.recompute == "auto",
+              "--recompute must be none, block or auto, got '", s.recompute, "'");
+  auto dtype_flag = [&](const char* flag) {
+    const std::string v = args.get(flag, "fp32");
+    FP8RL_CHECK(v == "fp32" || v == "bf16", "--", flag, " must be fp32 or bf16, got '", v, "'");
+    return v == "bf16" ? DType::BF16 : DType::F32;
+  };
+  s.grad_dtype = dtype_flag("grad-dtype");
+  s.moment_dtype = dtype_flag("optimizer-state-dtype");
+  s.allow_overcommit = args.has("allow-overcommit");
+  const double free_gib = args.get_float("free-gib", 0.0, 0.0, 1e6);
   FP8RL_CHECK(s.prompt_len + s.max_new <= s.model.max_position_embeddings, "--prompt-len + --max-new-tokens (",
               s.prompt_len + s.max_new, ") exceeds the shape's max_position_embeddings (",
               s.model.max_position_embeddings, ")");
@@ -275,15 +372,21 @@ int run_bench(const std::vector<std::string>& argv) {
 
   std::unique_ptr<Backend> backend = make_backend(args.get("device", "cpu"));
   Backend& be = *backend;
+  s.free_bytes = free_gib > 0 ? static_cast<int64_t>(free_gib * double(1ll << 30)) : be.free_device_bytes();
   std::printf("bench rl-step: device %s, model %s (%d layers, hidden %d, vocab %d), %d prompts x %d samples, prompt "
               "<= %d, new tokens <= %d (ragged), kl_beta %g, %d optimizer step(s), micro-batch %lld tokens, %d "
-              "warm-up + %d timed steps per recipe\n",
+              "warm-up + %d timed steps per recipe; recompute %s, gradients %s, Adam moments %s; %s\n",
               be.name().c_str(), shape.c_str(), s.model.num_layers, s.model.hidden_size, s.model.vocab_size, s.P, s.G,
               s.prompt_len, s.max_new, s.kl_beta, s.optimizer_steps, static_cast<long long>(s.micro_batch_tokens),
-              s.warmup, s.steps);
+              s.warmup, s.steps, s.recompute.c_str(), dtype_name(s.grad_dtype), dtype_name(s.moment_dtype),
+              s.free_bytes < 0 ? "free memory unknown (no memory check)"
+                               : ("plans checked against " + gib_text(s.free_bytes) + " free").c_str());
   std::fflush(stdout);
-  std::vector<RecipeResult> results;
-  for (const std::string& r : recipes) results.push_back(bench_recipe(be, s, r));
+  std::vector<RecipeResult> results, refused;
+  for (const std::string& r : recipes) {
+    RecipeResult res = bench_recipe(be, s, r);
+    (res.refused.empty() ? results : refused).push_back(std::move(res));
+  }
 
   nlohmann::json j;
   j["device"] = be.name();
@@ -297,7 +400,19 @@ int run_bench(const std::vector<std::string>& argv) {
   j["optimizer_steps"] = s.optimizer_steps;
   j["micro_batch_tokens"] = s.micro_batch_tokens;
   j["recompute"] = s.recompute;
+  j["grad_dtype"] = dtype_name(s.grad_dtype);
+  j["optimizer_state_dtype"] = dtype_name(s.moment_dtype);
+  j["free_bytes"] = s.free_bytes;
   j["steps"] = s.steps;
+  for (const RecipeResult& r : refused) {
+    j["refused"][r.recipe] = {{"plan_peak_bytes", r.plan_peak}, {"why", r.refused}};
+    std::printf("%s: refused by the memory plan (nothing run): %s\n", r.recipe.c_str(), r.refused.c_str());
+  }
+  if (results.empty()) {
+    if (args.has("json")) write_file_atomic(args.get("json"), j.dump(2) + "\n");
+    std::printf("no recipe fits: nothing was run\n");
+    return 1;
+  }
   const RecipeResult& base = results.front();
   int w = 12;  // column width: the longest recipe spec
   for (const RecipeResult& r : results) w = std::max(w, static_cast<int>(r.recipe.size()));
@@ -335,6 +450,8 @@ int run_bench(const std::vector<std::string>& argv) {
   for (const RecipeResult& r : results) std::printf(" %*lld", w, static_cast<long long>(r.counters.fp8_gemm_fallbacks));
   std::printf("\n%-18s", "fp8 row tails");
   for (const RecipeResult& r : results) std::printf(" %*lld", w, static_cast<long long>(r.counters.fp8_gemm_tails));
+  std::printf("\n%-18s", "fp8 own-kernel");
+  for (const RecipeResult& r : results) std::printf(" %*lld", w, static_cast<long long>(r.counters.fp8_gemm_own));
   std::printf("\n");
   for (const RecipeResult& r : results) {
     nlohmann::json jr;
@@ -348,8 +465,10 @@ int run_bench(const std::vector<std::string>& argv) {
     jr["peak_used_bytes"] = r.mem.peak_used_bytes;
     jr["peak_reserved_bytes"] = r.mem.peak_reserved_bytes;
     jr["plan_peak_bytes"] = r.plan_peak;
+    jr["recompute"] = r.recompute ? "block" : "none";
     jr["fp8_gemm_fallbacks"] = r.counters.fp8_gemm_fallbacks;
     jr["fp8_gemm_tails"] = r.counters.fp8_gemm_tails;
+    jr["fp8_gemm_own"] = r.counters.fp8_gemm_own;
     j["recipes"][r.recipe] = jr;
   }
   if (args.has("json")) {

@@ -1,6 +1,7 @@
 // fp8rl plan [--config FILE] [--shape NAME] [--device-gib G] [key.sub=value ...]
 //   Prints the device-memory plan of a GRPO run (rl/memory_plan.h) without running anything:
-//   the model from --shape (qwen3-0.6b, qwen3-1.7b, llama-3.2-1b), else model.path's
+//   the model from --shape (model/shapes.h: qwen3-0.6b, qwen3-1.7b, qwen3-8b, llama-3.2-1b,
+//   llama-3.1-8b, tiny), else model.path's
 //   config.json, else the tiny model (its vocabulary from model.tiny.vocab_size or the tokenizer).
 #include <cstdio>
 #include <filesystem>
@@ -45,25 +46,51 @@ ModelConfig plan_model(const RunConfig& c, const std::string& shape) {
 int run(const std::vector<std::string>& argv) {
   Args a(argv, {"config", "shape", "device-gib"}, {"help"}, /*config_overrides=*/true);
   if (a.has("help")) {
-    std::printf("usage: fp8rl plan [--config FILE] [--shape qwen3-0.6b|qwen3-1.7b|llama-3.2-1b] [--device-gib G]"
+    std::string shapes;
+    for (const std::string& n : model_shape_names()) shapes += (shapes.empty() ? "" : "|") + n;
+    std::printf("usage: fp8rl plan [--config FILE] [--shape %s] [--device-gib G]"
                 " [key.sub=value ...]\n"
                 "  The device-memory plan of `fp8rl train` with this config (rollout sizes, micro_batch_tokens,\n"
                 "  precision.recipe, kl_beta), for the config's model or a named shape. --device-gib: memory of\n"
                 "  the device to check against (default 139 with device=cuda, none on the CPU); train.recompute=auto\n"
-                "  is decided against it. train.optimizer_state_dtype=bf16 / train.grad_dtype=bf16: the lean optimizer.\n");
+                "  and the KV pool of rollout.gpu_memory_utilization are decided against it.\n"
+                "  train.optimizer_state_dtype=bf16 / train.grad_dtype=bf16: the lean optimizer.\n", shapes.c_str());
     return 0;
   }
-  RunConfig c = config_load(a.get("config"), a.positional());
+  // A named shape stands for the model: the config is validated against its positions, not the
+  // tiny model's (rollout.max_new_tokens=1024 is fine for llama-3.1-8b).
+  std::vector<std::string> overrides = a.positional();
+  if (a.has("shape"))
+    overrides.insert(overrides.begin(), "model.tiny.max_position_embeddings=" +
+                                            std::to_string(model_shape(a.get("shape")).max_position_embeddings));
+  RunConfig c = config_load(a.get("config"), overrides);
   const ModelConfig model = plan_model(c, a.get("shape"));
   const bool cuda = c.device == "cuda";
   const double gib = parse_gib(a.get("device-gib", cuda ? "139" : "0"));
   const DType act = cuda ? DType::BF16 : DType::F32;
   const int64_t device_bytes = static_cast<int64_t>(gib * double(1ll << 30));
-  std::string why;  // train.recompute: auto, decided against the device's memory (none when unknown)
-  c.train.recompute = memory_plan_resolve_recompute(c, model, act, device_bytes > 0 ? device_bytes : -1, false, &why);
-  const MemoryPlan plan = memory_plan_compute(memory_plan_input(c, model, act));
-  std::fputs(memory_plan_format(plan, model, device_bytes).c_str(), stdout);
-  std::fputs(why.c_str(), stdout);
+  // train.recompute: auto and the KV pool (rollout.gpu_memory_utilization), decided against the
+  // device's memory as `fp8rl train` decides them against its free memory (unknown: none, the
+  // shape-sized pool).
+  const MemoryChoice choice = memory_plan_choose(c, model, act, device_bytes > 0 ? device_bytes : -1);
+  const MemoryPlan plan = memory_plan_compute(memory_plan_input_chosen(c, model, act, choice));
+  const int64_t budget = memory_plan_budget_bytes(c, device_bytes);
+  std::fputs(memory_plan_format(plan, model, budget).c_str(), stdout);
+  if (budget != device_bytes && device_bytes > 0)
+    std::printf("  (checked against rollout.gpu_memory_utilization %.2f of the %.2f GiB device)\n",
+                c.rollout.gpu_memory_utilization, gib);
+  std::fputs(choice.lines.c_str(), stdout);
+  if (device_bytes > 0 && plan.peak_bytes() > budget) {  // what `fp8rl train` would say, with its knobs
+    RunConfig strict = c;
+    strict.memory.allow_overcommit = true;  // the refusal's text as a warning, not an exception
+    std::string text = memory_plan_check(strict, model, act, device_bytes);
+    if (text.rfind("warning: " + choice.lines, 0) == 0) text = "warning: " + text.substr(9 + choice.lines.size());
+    const size_t at = text.find("warning: ");
+    if (at != std::string::npos) text = text.substr(at + 9);
+    const size_t tail = text.find("\nmemory.allow_overcommit is set");
+    if (tail != std::string::npos) text = text.substr(0, tail + 1);
+    std::printf("fp8rl train would refuse this run: %s", text.c_str());
+  }
   return 0;
 }
 

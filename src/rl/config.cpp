@@ -229,6 +229,11 @@ std::vector<Field> config_fields(RunConfig& c) {
   t.add_float("rollout.temperature", r.temperature, "sampling temperature (> 0)");
   t.add_float("rollout.top_p", r.top_p, "nucleus sampling; 1 = off");
   t.add_int("rollout.top_k", r.top_k, "top-k sampling; 0 = off");
+  t.add_float("rollout.gpu_memory_utilization", r.gpu_memory_utilization,
+              "as vLLM's: the fraction of the device's free memory the run may use; the KV pool gets what the "
+              "memory plan leaves of it (more concurrent sequences, up to max_num_seqs); 0 = the pool sized from "
+              "the rollout shape");
+  t.add_int("rollout.max_num_seqs", r.max_num_seqs, "sequences the rollout engine runs at once (as vLLM's)");
 
   auto& tr = c.train;
   t.add_float("train.lr", tr.lr, "peak learning rate (Adam)");
@@ -699,6 +704,10 @@ void config_validate(const RunConfig& c) {
   need(r.temperature > 0, "rollout.temperature", "must be > 0 (use a small value for near-greedy sampling)");
   need(r.top_p > 0 && r.top_p <= 1, "rollout.top_p", "must be in (0, 1]");
   need(r.top_k >= 0, "rollout.top_k", "must be >= 0 (0 = off)");
+  need(r.gpu_memory_utilization >= 0 && r.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization",
+       "must be in [0, 1] (0 = the KV pool sized from the rollout shape; e.g. 0.9)");
+  need(r.max_num_seqs >= 1 && r.max_num_seqs <= kMaxSequences, "rollout.max_num_seqs", "must be in [1, ",
+       kMaxSequences, "]");
 
   const auto& tr = c.train;
   // Values the engines use as FP32 must be representable there (1e-50 would become 0).

@@ -103,6 +103,17 @@ struct RolloutSection {
   double temperature = 1.0;
   double top_p = 1.0;               // 1 = off
   int top_k = 0;                    // 0 = off
+  // The generator's KV pool (rl/memory_plan.h memory_plan_choose). 0 = sized from the rollout
+  // shape: pages for min(max_num_seqs, max(P x G, val_size)) sequences of min(2048, 256 +
+  // max_new_tokens) tokens. In (0, 1], as vLLM's gpu_memory_utilization: the run's planned peak
+  // may use this fraction of the device's free memory at start, and the KV pool gets what the
+  // rest of the plan leaves (never less than the shape-sized pool; never more than max_num_seqs
+  // sequences of max_position_embeddings tokens). Needs a known free memory (CUDA, or
+  // memory.free_gib); otherwise the shape-sized pool.
+  double gpu_memory_utilization = 0;
+  // Sequences the rollout engine runs at once (vLLM's max_num_seqs): a larger KV pool holds
+  // more of them only up to this count; the rest wait for a batch slot.
+  int max_num_seqs = 256;
   bool operator==(const RolloutSection&) const = default;
 };
 

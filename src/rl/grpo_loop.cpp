@@ -206,7 +206,8 @@ struct GrpoRun {
   std::unique_ptr<Trainer> trainer;
   std::unique_ptr<Trainer> reference;  // frozen initial policy for the k3 KL term
   std::unique_ptr<RolloutEngine> engine;
-  std::optional<MetricsLog> log;                                  // rank 0
+  MemoryChoice memory;            // train.recompute (auto resolved) and the KV pool, from the start-up check
+  std::optional<MetricsLog> log;  // rank 0
   std::optional<std::pair<int64_t, double>> first_val, last_val;  // (step, accuracy), for the summary
   int64_t generated_tokens = 0, steps_run = 0;
   double generation_s = 0;
@@ -271,14 +272,14 @@ void setup_session(GrpoRun& r, bool resume) {
   RunConfig c_session = c;
   if (r.W > 1 && c.device == "cuda") c_session.device = "cuda:" + std::to_string(r.comm->local_rank());
   r.s = session_open(c_session, cache_dir());
-  const std::string recompute = session_check_memory(r.s);  // refused here, before any work, when the plan cannot fit
+  r.memory = session_check_memory(r.s);  // refused here, before any work, when the plan cannot fit
   if (r.lead) {
     r.run = run_dir_create(c.out, resume);
     run_dir_save_config(r.run, c);  // train.recompute as given (auto stays auto)
   } else {
     r.run.path = c.out;
   }
-  c.train.recompute = recompute;
+  c.train.recompute = r.memory.recompute;
   r.comm->barrier();  // the run directory exists (and a refused one stopped every rank)
   r.recipe = config_precision_recipe(c.precision);
   r.loss_opt = config_grpo_options(c.train);
@@ -313,7 +314,7 @@ void setup_models(GrpoRun& r, bool resume) {
   session_check_model(r.s, host.config);
   r.s.max_positions = host.config.max_position_embeddings;
   r.s.max_new_tokens = c.rollout.max_new_tokens;
-  const MemoryPlan plan = memory_plan_compute(memory_plan_input(c, host.config, be.act_dtype()));
+  const MemoryPlan plan = memory_plan_compute(memory_plan_input_chosen(c, host.config, be.act_dtype(), r.memory));
   if (r.lead) {
     std::printf("policy: %s, %lld parameters; recipe %s (generator %s%s, trainer %s); device %s\n",
                 host.config.model_type.c_str(), static_cast<long long>(model_count_parameters(host)),
@@ -333,7 +334,7 @@ void setup_models(GrpoRun& r, bool resume) {
     r.reference = std::make_unique<Trainer>(be, model_weights_to_device(be, ref, DType::F32), r.recipe.trainer, frozen);
   }
   r.engine = std::make_unique<RolloutEngine>(be, r.trainer->master(), r.recipe.generator,
-                                             static_cast<int>(memory_plan_kv_pages(c)), 16, kRolloutMaxBatch);
+                                             static_cast<int>(r.memory.kv_pages), 16, c.rollout.max_num_seqs);
   if (r.ckpt) {
     checkpoint_load_optimizer(be, *r.trainer, *r.ckpt, r.state);
     if (r.fp8_kv && !r.state.kv_scales.k.empty()) r.engine->refit(r.trainer->master(), &r.state.kv_scales);

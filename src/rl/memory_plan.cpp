@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 
 #include "core/error.h"
@@ -149,7 +150,8 @@ MemoryPlan memory_plan_compute(const MemoryPlanInput& in) {
   p.resident.push_back({std::string("KV pool (") + dtype_name(in.generator.kv_cache) + ")", kv,
                         std::to_string(in.kv_pages) + " pages x " + std::to_string(in.page_size) +
                             (kvs.latent_v_dim > 0 ? " tokens x layers x (kv_lora_rank + qk_rope_head_dim) (MLA latent)"
-                                                  : " tokens x layers x K,V x kv_heads x head_dim")});
+                                                  : " tokens x layers x K,V x kv_heads x head_dim") +
+                            (in.kv_note.empty() ? "" : "; " + in.kv_note)});
 
   const int64_t act = T * (L * memory_plan_block_bytes_per_token(c, in.act_dtype) +
                            memory_plan_head_bytes_per_token(c, in.act_dtype));
@@ -194,14 +196,36 @@ void memory_plan_check_host(const MemoryPlan& plan, const std::string& device) {
                "rollout.prompts_per_step x generations_per_prompt, max_new_tokens or train.micro_batch_tokens");
 }
 
+namespace {
+
+// Sequences the engine can hold at once: at most max_num_seqs, and no more than a step (or a
+// validation) ever asks for.
+int64_t kv_sequences(const RunConfig& c) {
+  const int64_t asked = std::max<int64_t>(int64_t(c.rollout.prompts_per_step) * c.rollout.generations_per_prompt,
+                                          c.val_size);
+  return std::min<int64_t>(c.rollout.max_num_seqs, asked);
+}
+
+}  // namespace
+
 int64_t memory_plan_kv_pages(const RunConfig& c) {
-  // The engine runs at most kRolloutMaxBatch sequences at once (the rest wait for pages), so a
+  // The engine runs at most max_num_seqs sequences at once (the rest wait for a slot), so a
   // pool for more would never be used.
-  const int seqs = std::min(kRolloutMaxBatch,
-                            std::max(c.rollout.prompts_per_step * c.rollout.generations_per_prompt, c.val_size));
-  const int len = std::min(2048, 256 + c.rollout.max_new_tokens);
-  const int page = 16;
-  return int64_t(seqs) * ((len + page - 1) / page) + 1;
+  const int64_t len = std::min(2048, 256 + c.rollout.max_new_tokens);
+  const int64_t page = 16;
+  return kv_sequences(c) * ((len + page - 1) / page) + 1;
+}
+
+int64_t memory_plan_kv_pages_max(const RunConfig& c, const ModelConfig& model) {
+  const int64_t page = 16;
+  const int64_t pages = kv_sequences(c) * ceil_div(int64_t(model.max_position_embeddings), page) + 1;
+  return std::min<int64_t>(pages, (int64_t(1) << 31) - 1);  // page ids are I32
+}
+
+int64_t memory_plan_kv_page_bytes(const ModelConfig& m, DType kv_dtype, int64_t page_size) {
+  const KvCacheShape kvs = model_kv_cache_shape(m);  // MLA: one latent row, no V pool
+  const int64_t pools = kvs.latent_v_dim > 0 ? 1 : 2;
+  return pools * int64_t(m.num_layers) * page_size * kvs.num_kv_heads * kvs.head_dim * int64_t(dtype_size(kv_dtype));
 }
 
 MemoryPlanInput memory_plan_input(const RunConfig& c, const ModelConfig& model, DType act_dtype, bool sft) {
@@ -216,7 +240,17 @@ MemoryPlanInput memory_plan_input(const RunConfig& c, const ModelConfig& model, 
   in.recompute = c.train.recompute == "block";
   in.grad_dtype = c.train.grad_dtype == "bf16" ? DType::BF16 : DType::F32;
   in.moment_dtype = c.train.optimizer_state_dtype == "bf16" ? DType::BF16 : DType::F32;
-  in.generation_batch = kRolloutMaxBatch;
+  in.generation_batch = c.rollout.max_num_seqs;
+  return in;
+}
+
+MemoryPlanInput memory_plan_input_chosen(const RunConfig& c_in, const ModelConfig& model, DType act,
+                                         const MemoryChoice& choice, bool sft) {
+  RunConfig c = c_in;
+  c.train.recompute = choice.recompute;
+  MemoryPlanInput in = memory_plan_input(c, model, act, sft);
+  in.kv_pages = choice.kv_pages;
+  in.kv_note = choice.kv_note;
   return in;
 }
 
@@ -315,25 +349,112 @@ std::string memory_plan_resolve_recompute(const RunConfig& c, const ModelConfig&
   return pick;
 }
 
+int64_t memory_plan_budget_bytes(const RunConfig& c, int64_t free_bytes, bool sft) {
+  const double u = c.rollout.gpu_memory_utilization;
+  if (free_bytes < 0 || sft || u <= 0) return free_bytes;
+  return static_cast<int64_t>(double(free_bytes) * u);
+}
+
+MemoryChoice memory_plan_choose(const RunConfig& c_in, const ModelConfig& model, DType act, int64_t free_bytes,
+                                bool sft) {
+  MemoryChoice ch;
+  const int64_t budget = memory_plan_budget_bytes(c_in, free_bytes, sft);
+  ch.recompute = memory_plan_resolve_recompute(c_in, model, act, budget, sft, &ch.lines);
+  ch.kv_pages = sft ? memory_plan_sft_kv_pages(c_in) : memory_plan_kv_pages(c_in);
+  const double u = c_in.rollout.gpu_memory_utilization;
+  if (sft || u <= 0) return ch;
+  RunConfig c = c_in;
+  c.train.recompute = ch.recompute;
+  char buf[768];
+  const int64_t need = ch.kv_pages;  // the shape-sized pool: the least the rollout gets
+  if (budget < 0) {
+    ch.kv_note = "sized from the rollout shape (free memory unknown)";
+    std::snprintf(buf, sizeof buf, "rollout.gpu_memory_utilization %.2f: the device's free memory is unknown (set "
+                  "memory.free_gib): the KV pool is sized from the rollout shape, %lld pages\n", u,
+                  static_cast<long long>(need));
+    ch.lines += buf;
+    return ch;
+  }
+  MemoryPlanInput in = memory_plan_input(c, model, act);
+  in.kv_pages = 0;
+  const int64_t rest = memory_plan_compute(in).peak_bytes();  // everything but the pages
+  const int64_t page_bytes = memory_plan_kv_page_bytes(model, in.generator.kv_cache, in.page_size);
+  const int64_t room = budget > rest ? (budget - rest) / page_bytes : 0;
+  const int64_t most = std::max(need, memory_plan_kv_pages_max(c, model));
+  const int64_t len_pages = ceil_div(int64_t(256 + c.rollout.max_new_tokens), in.page_size);
+  if (room < need) {
+    ch.kv_note = "the rollout shape's (gpu_memory_utilization leaves less)";
+    std::snprintf(buf, sizeof buf, "rollout.gpu_memory_utilization %.2f: %s x %.2f = %s, less the rest of the plan "
+                  "(%s), leaves room for %lld KV pages, below the %lld the rollout needs (%s); the pool keeps those\n",
+                  u, gib(free_bytes).c_str(), u, gib(budget).c_str(), gib(rest).c_str(), static_cast<long long>(room),
+                  static_cast<long long>(need), gib(need * page_bytes).c_str());
+    ch.lines += buf;
+    return ch;
+  }
+  ch.kv_pages = std::min(room, most);
+  const bool capped = room > most;
+  std::snprintf(buf, sizeof buf, "what gpu_memory_utilization %.2f leaves%s", u,
+                capped ? ", capped at max_num_seqs x max_position_embeddings" : "");
+  ch.kv_note = buf;
+  char how[256];
+  if (capped)
+    std::snprintf(how, sizeof how, "the most the engine can use (max_num_seqs sequences of max_position_embeddings "
+                  "tokens; %s x %.2f would allow more)", gib(free_bytes).c_str(), u);
+  else
+    std::snprintf(how, sizeof how, "what %s free x %.2f = %s leaves after the rest of the plan (%s)",
+                  gib(free_bytes).c_str(), u, gib(budget).c_str(), gib(rest).c_str());
+  std::snprintf(buf, sizeof buf,
+                "rollout.gpu_memory_utilization %.2f: KV pool %lld pages, %s (the rollout shape needs %lld, %s): %s; "
+                "it holds %lld sequences of 256 + max_new_tokens tokens; the engine runs at most "
+                "rollout.max_num_seqs = %d at once\n",
+                u, static_cast<long long>(ch.kv_pages), gib(ch.kv_pages * page_bytes).c_str(),
+                static_cast<long long>(need), gib(need * page_bytes).c_str(), how,
+                static_cast<long long>((ch.kv_pages - 1) / std::max<int64_t>(1, len_pages)), c.rollout.max_num_seqs);
+  ch.lines += buf;
+  return ch;
+}
+
 std::string memory_plan_check(const RunConfig& c_in, const ModelConfig& model, DType act, int64_t free_bytes, bool sft) {
   RunConfig c = c_in;
-  std::string lead;  // train.recompute: auto, resolved
-  c.train.recompute = memory_plan_resolve_recompute(c_in, model, act, free_bytes, sft, &lead);
+  const MemoryChoice choice = memory_plan_choose(c_in, model, act, free_bytes, sft);
+  const std::string lead = choice.lines;  // train.recompute: auto, resolved; the KV pool
+  c.train.recompute = choice.recompute;
   if (free_bytes < 0)
     return lead + "memory check: skipped (the device reports no free memory; set memory.free_gib to check)\n";
-  const int64_t peak = peak_for(c, model, act, sft);
-  char buf[512];
-  if (peak <= free_bytes) {
-    std::snprintf(buf, sizeof buf, "memory check: peak %s fits in %s free (%s left for what the plan does not count)\n",
-                  gib(peak).c_str(), gib(free_bytes).c_str(), gib(free_bytes - peak).c_str());
+  const int64_t budget = memory_plan_budget_bytes(c, free_bytes, sft);
+  const double u = c.rollout.gpu_memory_utilization;
+  const bool fraction = budget != free_bytes;
+  char where[256];  // what the peak is checked against
+  if (fraction)
+    std::snprintf(where, sizeof where, "%s (rollout.gpu_memory_utilization %.2f of the device's %s free)",
+                  gib(budget).c_str(), u, gib(free_bytes).c_str());
+  else
+    std::snprintf(where, sizeof where, "%s free", gib(free_bytes).c_str());
+  const int64_t peak = memory_plan_compute(memory_plan_input_chosen(c, model, act, choice, sft)).peak_bytes();
+  char buf[768];
+  if (peak <= budget) {
+    std::snprintf(buf, sizeof buf, "memory check: peak %s fits in %s (%s left for what the plan does not count)\n",
+                  gib(peak).c_str(), where, gib(free_bytes - peak).c_str());
     return lead + buf;
   }
   std::string msg = lead;
-  std::snprintf(buf, sizeof buf, "the memory plan's peak, %s, exceeds the device's free memory, %s, by %s.",
-                gib(peak).c_str(), gib(free_bytes).c_str(), gib(peak - free_bytes).c_str());
+  if (fraction)
+    std::snprintf(buf, sizeof buf, "the memory plan's peak, %s, exceeds %s by %s.", gib(peak).c_str(), where,
+                  gib(peak - budget).c_str());
+  else
+    std::snprintf(buf, sizeof buf, "the memory plan's peak, %s, exceeds the device's free memory, %s, by %s.",
+                  gib(peak).c_str(), gib(free_bytes).c_str(), gib(peak - free_bytes).c_str());
   msg += buf;
   std::vector<std::string> fixes;
-  auto fits = [&](const RunConfig& t) { return peak_for(t, model, act, sft) <= free_bytes; };
+  // Each knob is checked with the plan at the shape-sized KV pool (the least the run gets).
+  auto fits = [&](const RunConfig& t) { return peak_for(t, model, act, sft) <= memory_plan_budget_bytes(t, free_bytes, sft); };
+  if (fraction && u < 1 && peak <= free_bytes) {  // the smallest fraction (in hundredths) that holds the peak
+    int hundredths = static_cast<int>(std::ceil(100.0 * double(peak) / double(free_bytes)));
+    while (hundredths < 100 && static_cast<int64_t>(double(free_bytes) * (hundredths / 100.0)) < peak) ++hundredths;
+    std::snprintf(buf, sizeof buf, "rollout.gpu_memory_utilization >= %.2f (now %.2f; or 0: the plan against all the "
+                  "free memory)", std::min(100, hundredths) / 100.0, u);
+    fixes.push_back(buf);
+  }
   // train.micro_batch_tokens (saved activations, backward scratch, the logits chunk).
   {
     const int64_t cur = c.train.micro_batch_tokens;
@@ -362,10 +483,20 @@ std::string memory_plan_check(const RunConfig& c_in, const ModelConfig& model, D
       fixes.push_back(buf);
     }
   }
-  // The KV pool: sequences decoded at once (min(256, max(P x G, val_size))) and their length.
+  // The KV pool: sequences decoded at once (min(max_num_seqs, max(P x G, val_size))) and their length.
   if (!sft) {
     const int P = c.rollout.prompts_per_step, G = c.rollout.generations_per_prompt;
-    const int cur = std::min(kRolloutMaxBatch, std::max(P * G, c.val_size));
+    const int cur = static_cast<int>(kv_sequences(c));
+    const int64_t best_seqs = largest_fitting(1, c.rollout.max_num_seqs - 1, [&](int64_t n) {
+      RunConfig t = c;
+      t.rollout.max_num_seqs = static_cast<int>(n);
+      return fits(t);
+    });
+    if (best_seqs >= 1) {
+      std::snprintf(buf, sizeof buf, "rollout.max_num_seqs <= %lld (now %d: fewer sequences at once, the rest wait)",
+                    static_cast<long long>(best_seqs), c.rollout.max_num_seqs);
+      fixes.push_back(buf);
+    }
     const int64_t best = largest_fitting(1, cur - 1, [&](int64_t s) {
       RunConfig t = c;
       t.rollout.prompts_per_step = static_cast<int>(s);
@@ -417,9 +548,10 @@ std::string memory_plan_check(const RunConfig& c_in, const ModelConfig& model, D
   if (fixes.empty()) {
     msg += sft ? " No single knob makes it fit (train.recompute, train.micro_batch_tokens, val_size, "
                  "train.optimizer_state_dtype, train.grad_dtype): combine them, or use a smaller model or more memory."
-               : " No single knob makes it fit (train.recompute, train.micro_batch_tokens, the rollout sizes, "
-                 "train.kl_beta, train.optimizer_state_dtype, train.grad_dtype): combine them, or use a smaller "
-                 "model or more memory.";
+               : std::string(" No single knob makes it fit (train.recompute, train.micro_batch_tokens, the rollout "
+                             "sizes, train.kl_beta, train.optimizer_state_dtype, train.grad_dtype") +
+                     (fraction ? ", rollout.gpu_memory_utilization" : "") +
+                     "): combine them, or use a smaller model or more memory.";
   } else {
     msg += " Any one of these makes it fit:";
     for (const std::string& f : fixes) msg += "\n  - " + f;

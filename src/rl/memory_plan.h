@@ -16,7 +16,8 @@
 
 namespace fp8rl {
 
-// Sequences the GRPO loop's RolloutEngine decodes at once (its max_batch).
+// Sequences a RolloutEngine decodes at once by default (rollout.max_num_seqs's default; the
+// engine's max_batch).
 inline constexpr int kRolloutMaxBatch = 256;
 
 struct MemoryPlanInput {
@@ -26,6 +27,7 @@ struct MemoryPlanInput {
   DType act_dtype = DType::BF16;         // activation / generator storage dtype (CUDA: BF16; CPU: F32)
   bool reference_policy = false;         // kl_beta > 0: a frozen copy of the policy (weights only)
   int64_t kv_pages = 0, page_size = 16;  // the generator's KV pool
+  std::string kv_note;                   // how its size was chosen (MemoryChoice::kv_note), shown in the plan
   int64_t micro_batch_tokens = 4096;     // tokens per forward/backward chunk
   bool recompute = false;                // train.recompute: block (saved activations: block inputs)
   DType grad_dtype = DType::F32;         // train.grad_dtype
@@ -61,10 +63,16 @@ int64_t memory_plan_head_bytes_per_token(const ModelConfig& c, DType act);
 // rest in `act`). The one count of them: the plan, `bench generate` and its tests use it.
 int64_t memory_plan_generator_bytes(const ModelConfig& c, const EnginePrecision& gen, DType act);
 
-// The KV pool `fp8rl train` allocates for this config (shared with rl/grpo_loop.cpp): pages
-// for min(kRolloutMaxBatch, max(P x G, val_size)) sequences of min(2048, 256 + max_new_tokens)
-// tokens, plus one.
+// The KV pool sized from the rollout shape (`fp8rl train` without rollout.gpu_memory_utilization,
+// and the least it gets with it): pages for min(rollout.max_num_seqs, max(P x G, val_size))
+// sequences of min(2048, 256 + max_new_tokens) tokens, plus one (the decode graphs' padding page).
 int64_t memory_plan_kv_pages(const RunConfig& c);
+// The most pages the rollout engine can ever use: min(max_num_seqs, max(P x G, val_size))
+// sequences of the model's max_position_embeddings tokens (prompt + response never exceed it),
+// plus one. A larger pool would never be touched: the scheduler admits at most max_num_seqs.
+int64_t memory_plan_kv_pages_max(const RunConfig& c, const ModelConfig& model);
+// Bytes of one KV page (K and V of every layer, `page_size` tokens, the cache's dtype).
+int64_t memory_plan_kv_page_bytes(const ModelConfig& model, DType kv_dtype, int64_t page_size = 16);
 
 // The KV pool of `fp8rl sft`'s validation engine: 8 pages of 16 tokens per validation prompt, plus 8.
 inline int64_t memory_plan_sft_kv_pages(const RunConfig& c) { return int64_t(c.val_size) * 8 + 8; }
@@ -73,6 +81,28 @@ inline int64_t memory_plan_sft_kv_pages(const RunConfig& c) { return int64_t(c.v
 // sft: `fp8rl sft`'s run (its validation KV pool, no reference policy) instead of GRPO's.
 // train.recompute: auto counts as none here (resolve it first: memory_plan_resolve_recompute).
 MemoryPlanInput memory_plan_input(const RunConfig& c, const ModelConfig& model, DType act_dtype, bool sft = false);
+
+// How a run uses the device, decided at start from the plan and the free memory (`fp8rl
+// train`, `fp8rl sft`, `fp8rl plan` against --device-gib): train.recompute with auto resolved,
+// and the KV pool. The pool is the shape-sized one (memory_plan_kv_pages; sft: its validation
+// pool) unless rollout.gpu_memory_utilization > 0 and the free memory is known; then it gets
+// what the rest of the plan leaves of gpu_memory_utilization x free_bytes, at least the
+// shape-sized pool (when even that does not fit, memory_plan_check refuses) and at most
+// memory_plan_kv_pages_max.
+struct MemoryChoice {
+  std::string recompute = "none";  // none | block
+  int64_t kv_pages = 0;
+  std::string kv_note;  // how the pool was sized (for the plan's KV line)
+  std::string lines;    // one line per automatic choice, printed at start
+};
+MemoryChoice memory_plan_choose(const RunConfig& c, const ModelConfig& model, DType act_dtype, int64_t free_bytes,
+                                bool sft = false);
+// What the plan's peak may reach: free_bytes x rollout.gpu_memory_utilization when that is set
+// (GRPO runs), else free_bytes (< 0: unknown).
+int64_t memory_plan_budget_bytes(const RunConfig& c, int64_t free_bytes, bool sft = false);
+// The plan's input as memory_plan_input, with the choice applied (recompute, KV pool).
+MemoryPlanInput memory_plan_input_chosen(const RunConfig& c, const ModelConfig& model, DType act_dtype,
+                                         const MemoryChoice& choice, bool sft = false);
 
 // train.recompute as the run uses it: none or block as configured; auto -> block when the plan's
 // peak without recomputation exceeds `free_bytes` (known: >= 0), else none. `why` (optional)
@@ -101,7 +131,10 @@ std::string memory_plan_format(const MemoryPlan& plan, const ModelConfig& model,
 // sft: the plan of `fp8rl sft` (knobs: train.micro_batch_tokens, val_size).
 // train.recompute: auto is resolved first (memory_plan_resolve_recompute) and its line leads
 // the result. Among the knobs: train.recompute: block, and the lean optimizer's
-// train.optimizer_state_dtype / train.grad_dtype: bf16 when not already set.
+// train.optimizer_state_dtype / train.grad_dtype: bf16 when not already set. With
+// rollout.gpu_memory_utilization the peak is checked against that fraction of the free memory
+// (memory_plan_budget_bytes), with the KV pool memory_plan_choose gives (the line saying how
+// leads the result too), and a larger fraction that would fit is among the knobs.
 std::string memory_plan_check(const RunConfig& c, const ModelConfig& model, DType act_dtype, int64_t free_bytes,
                               bool sft = false);
 

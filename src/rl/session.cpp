@@ -215,12 +215,12 @@ ModelConfig session_model_config(const Session& s) {
   return session_tiny_model_config(c.model.tiny, s.tokenizer.vocab_size(), s.eos_id);
 }
 
-std::string session_check_memory(const Session& s, bool sft) {
+MemoryChoice session_check_memory(const Session& s, bool sft) {
   Backend& be = *s.backend;
   const int64_t free_bytes = memory_plan_free_bytes(s.config, be.free_device_bytes());
   const ModelConfig model = session_model_config(s);
   std::fputs(memory_plan_check(s.config, model, be.act_dtype(), free_bytes, sft).c_str(), stdout);
-  return memory_plan_resolve_recompute(s.config, model, be.act_dtype(), free_bytes, sft);
+  return memory_plan_choose(s.config, model, be.act_dtype(), free_bytes, sft);
 }
 
 ModelWeights session_initial_policy(const Session& s) {

@@ -9,6 +9,7 @@
 #include "backend/backend.h"
 #include "model/weights.h"
 #include "rl/config.h"
+#include "rl/memory_plan.h"
 #include "tasks/python_bridge.h"
 #include "tasks/task.h"
 #include "tokenizer/chat_template.h"
@@ -73,9 +74,10 @@ ModelConfig session_model_config(const Session& s);
 
 // The start-up memory check (rl/memory_plan.h memory_plan_check) for this session's model and
 // backend, printed to stdout; throws, before any work, when the plan cannot fit. sft: the plan
-// of `fp8rl sft` (memory_plan_input's sft). Returns train.recompute as the run must use it
-// ("none" or "block": `auto` resolved by the plan, memory_plan_resolve_recompute).
-std::string session_check_memory(const Session& s, bool sft = false);
+// of `fp8rl sft` (memory_plan_input's sft). Returns how the run must use the device
+// (memory_plan_choose): train.recompute ("none" or "block": `auto` resolved by the plan) and
+// the KV pool (rollout.gpu_memory_utilization).
+MemoryChoice session_check_memory(const Session& s, bool sft = false);
 
 // The starting policy on the host (F32): model.path, or a tiny random model (seeded).
 ModelWeights session_initial_policy(const Session& s);

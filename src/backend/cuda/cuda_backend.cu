@@ -890,6 +890,7 @@ BackendCounters CudaBackend::counters() const {
   BackendCounters c;
   c.fp8_gemm_fallbacks = fp8_fallbacks_;
   c.fp8_gemm_tails = gemm_->tail_products();
+  c.fp8_gemm_own = gemm_->own_products();
   return c;
 }
 

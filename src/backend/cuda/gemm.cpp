@@ -1,8 +1,12 @@
 #include "backend/cuda/gemm.h"
 
 #include "backend/cuda/cuda_check.h"
+#include "backend/cuda/fp8_gemm.h"
 #include "backend/cuda/kernels.h"
 #include "quant/quant.h"
+
+#include <cstdlib>
+#include <string>
 
 namespace fp8rl::cuda {
 
@@ -42,9 +46,24 @@ GemmEngine::GemmEngine(cudaStream_t stream) : stream_(stream) {
   CUBLAS_CHECK(cublasLtCreate(&handle_), "creating the cuBLASLt handle");
   workspace_ = cuda_malloc(kWorkspaceBytes, "the cuBLASLt workspace");
   workspace_bytes_ = kWorkspaceBytes;
+  int dev = 0;
+  CUDA_CHECK(cudaGetDevice(&dev), "cudaGetDevice");
+  CUDA_CHECK(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, dev), "reading the SM count");
+  if (const char* e = std::getenv("FP8RL_FP8_GEMM")) set_fp8_kernel(e);
+  if (const char* e = std::getenv("FP8RL_FP8_GEMM_SPLITS")) {
+    own_splits_ = std::atoi(e);
+    FP8RL_CHECK(own_splits_ >= 1 && own_splits_ <= 64, "FP8RL_FP8_GEMM_SPLITS must be 1..64, got '", e, "'");
+  }
+}
+
+void GemmEngine::set_fp8_kernel(const std::string& v) {
+  FP8RL_CHECK(v == "auto" || v == "own" || v == "cublaslt", "FP8RL_FP8_GEMM must be auto, own or cublaslt, got '", v,
+              "'");
+  own_mode_ = v == "cublaslt" ? 0 : v == "auto" ? 1 : 2;
 }
 
 GemmEngine::~GemmEngine() {
+  if (own_ws_) cudaFree(own_ws_);
   if (tail_) cudaFree(tail_);
   if (scales_) cudaFree(scales_);
   if (workspace_) cudaFree(workspace_);
@@ -152,6 +171,10 @@ void GemmEngine::gemm_fp8(int64_t M, int64_t N, int64_t K, const uint8_t* a, con
   FP8RL_CHECK(fp8_supported(M, N, K), "FP8 block GEMM: cuBLASLt needs N a multiple of ", kFp8RowGranule,
               " and K a multiple of ", kQuantBlock, ", got M=", M, " N=", N, " K=", K,
               " (the backend pads K or falls back to a dequantized GEMM)");
+  if (use_own_fp8(M) && b_block_rows == kQuantBlock && fp8_gemm_sm90_supported(M, N, K)) {
+    gemm_fp8_own(M, N, K, a, a_scales, a_scales_laid, b, b_scales, C, c_dtype, alpha, beta, own_splits_);
+    return;
+  }
   const int64_t kb = K / kQuantBlock;
   const int64_t m16 = M / kFp8RowGranule * kFp8RowGranule, tail = M - m16;
   const bool b_as_is = b_block_rows == kQuantBlock && kb % 4 == 0;
@@ -186,6 +209,27 @@ void GemmEngine::gemm_fp8(int64_t M, int64_t N, int64_t K, const uint8_t* a, con
   gemm_fp8_prelaid(kFp8RowGranule, N, K, ta, ts, b, b_lt, b_block_rows, tc, c_dtype, alpha, beta);
   CUDA_CHECK(cudaMemcpyAsync(c_tail, tc, static_cast<size_t>(tail * N) * esz, cudaMemcpyDeviceToDevice, stream_),
              "copying the FP8 GEMM tail out");
+}
+
+void GemmEngine::gemm_fp8_own(int64_t M, int64_t N, int64_t K, const uint8_t* a, const float* a_scales,
+                              bool a_scales_kb_major, const uint8_t* b, const float* b_scales, void* C, DType c_dtype,
+                              float alpha, float beta, int splits, int block_m) {
+  Fp8GemmArgs g;
+  g.block_m = block_m;
+  g.M = M, g.N = N, g.K = K;
+  g.a = a, g.a_scales = a_scales, g.a_scales_kb_major = a_scales_kb_major;
+  g.b = b, g.b_scales = b_scales;
+  g.c = C, g.c_dtype = c_dtype, g.alpha = alpha, g.beta = beta;
+  g.splits = splits > 0 ? splits : own_splits_ > 0 ? own_splits_ : fp8_gemm_sm90_splits(M, N, K, sm_count_);
+  const size_t ws = static_cast<size_t>(fp8_gemm_sm90_workspace_floats(M, N, g.splits));
+  if (ws > own_ws_floats_) {
+    if (own_ws_) CUDA_CHECK(cudaFree(own_ws_), "freeing the FP8 GEMM split-K workspace");
+    own_ws_floats_ = ws * 2;
+    own_ws_ = static_cast<float*>(cuda_malloc(own_ws_floats_ * sizeof(float), "the FP8 GEMM split-K workspace"));
+  }
+  g.workspace = own_ws_;
+  fp8_gemm_sm90(g, stream_);
+  ++own_products_;
 }
 
 void GemmEngine::gemm_fp8_prelaid(int64_t M, int64_t N, int64_t K, const uint8_t* a, const float* a_lt_scales,

@@ -29,6 +29,7 @@
 
 #include <cstdint>
 #include <map>
+#include <string>
 #include <tuple>
 
 #include "core/dtype.h"
@@ -66,6 +67,23 @@ class GemmEngine {
                         const uint8_t* b, const float* b_lt_scales, int b_block_rows, void* C, DType c_dtype,
                         float alpha, float beta);
 
+  // The own sm_90a kernel (fp8_gemm.h) for the same product (B in 128x128 blocks): any M, no
+  // tail; split-K chosen from the shape (splits = 0) or given. a_scales_kb_major: A's scales
+  // are [ceil(K/128)][M] (the quantizer's gemm_layout), else [M][ceil(K/128)].
+  void gemm_fp8_own(int64_t M, int64_t N, int64_t K, const uint8_t* a, const float* a_scales, bool a_scales_kb_major,
+                    const uint8_t* b, const float* b_scales, void* C, DType c_dtype, float alpha, float beta,
+                    int splits = 0, int block_m = 0);
+  // Which kernel gemm_fp8 runs for 128x128-block B (FP8RL_FP8_GEMM): auto (default) = the own
+  // one for M <= kOwnMaxM (decode batches, where it is faster: docs/benchmarks.md, session 5)
+  // and cuBLASLt's above; own = always; cublaslt = never. Products of 1x128-block B (the FP8
+  // wgrad) always run on cuBLASLt. FP8RL_FP8_GEMM_SPLITS=S fixes the own kernel's split count
+  // (1: every row's result independent of M, for the consistency experiments).
+  static constexpr int64_t kOwnMaxM = 64;
+  bool use_own_fp8(int64_t M) const { return own_mode_ == 2 || (own_mode_ == 1 && M <= kOwnMaxM); }
+  // The same choice in code (tests and benchmarks): "auto", "own" or "cublaslt".
+  void set_fp8_kernel(const std::string& mode);
+  int64_t own_products() const { return own_products_; }
+
   cudaStream_t stream() const { return stream_; }
   // FP8 products whose last M % 16 rows ran as a padded second product (since construction).
   int64_t tail_products() const { return tail_products_; }
@@ -86,6 +104,12 @@ class GemmEngine {
   void* tail_ = nullptr;  // the padded tail's A rows and output rows
   size_t tail_bytes_ = 0;
   int64_t tail_products_ = 0;
+  int64_t own_products_ = 0;
+  int own_mode_ = 1;     // 0 cublaslt, 1 auto, 2 own (FP8RL_FP8_GEMM)
+  int own_splits_ = 0;   // FP8RL_FP8_GEMM_SPLITS (0: from the shape)
+  int sm_count_ = 132;
+  float* own_ws_ = nullptr;  // split-K partials of the own kernel
+  size_t own_ws_floats_ = 0;
   std::map<Key, cublasLtMatmulAlgo_t> algos_;
 };
 

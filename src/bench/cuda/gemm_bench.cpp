@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -70,6 +71,25 @@ Tensor random_device(CudaBackend& be, const Shape& shape, DType dtype, uint32_t 
   return t;
 }
 
+// Decode-sized products: per-call milliseconds of `reps` back-to-back calls replayed from one
+// CUDA graph (median of 5 replays), as the decode step runs them: no host work between calls.
+template <class F>
+double time_graph_ms(cudaStream_t s, int warm, int reps, F&& fn) {
+  for (int i = 0; i < warm; ++i) fn();
+  CUDA_CHECK(cudaStreamSynchronize(s), "warm-up");
+  cudaGraph_t g;
+  cudaGraphExec_t ge;
+  CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed), "beginning a capture");
+  for (int i = 0; i < reps; ++i) fn();
+  CUDA_CHECK(cudaStreamEndCapture(s, &g), "ending a capture");
+  CUDA_CHECK(cudaGraphInstantiate(&ge, g, 0), "instantiating a graph");
+  CUDA_CHECK(cudaGraphLaunch(ge, s), "replaying a graph");
+  const double ms = time_ms(s, 1, 5, [&] { CUDA_CHECK(cudaGraphLaunch(ge, s), "replaying a graph"); }) / reps;
+  cudaGraphExecDestroy(ge);
+  cudaGraphDestroy(g);
+  return ms;
+}
+
 struct Shape3 {
   const char* name;
   int64_t K, N;
@@ -122,16 +142,18 @@ nlohmann::json bench_gemm_run(const GemmBenchOptions& options) {
   }
 
   // ---- GEMMs ----
-  const Shape3 shapes[] = {{"qkv 4096->6144", 4096, 6144},
-                           {"o 4096->4096", 4096, 4096},
-                           {"gate/up 4096->14336", 4096, 14336},
-                           {"down 14336->4096", 14336, 4096}};
-  std::vector<int64_t> Ms = {8192, 256, 64};
+  // Llama-3.1-8B and Qwen3-1.7B linear widths. Decode-sized products (M <= 256) rotate over
+  // enough copies of the weight that L2 (50 MB) never holds the next call's: as in a decode step.
+  const Shape3 shapes[] = {{"8b qkv 4096->6144", 4096, 6144},     {"8b o 4096->4096", 4096, 4096},
+                           {"8b gate/up 4096->14336", 4096, 14336}, {"8b down 14336->4096", 14336, 4096},
+                           {"1.7b qkv 2048->4096", 2048, 4096},    {"1.7b o 2048->2048", 2048, 2048},
+                           {"1.7b gate/up 2048->12288", 2048, 12288}, {"1.7b down 6144->2048", 6144, 2048}};
+  std::vector<int64_t> Ms = {8192, 256, 128, 64, 32};
   if (options.quick) Ms = {8192};
   if (options.quant_only) Ms.clear();  // the memory-bound kernels alone
   out["gemm"] = nlohmann::json::array();
-  std::printf("\n%-22s %6s %-6s %10s %10s %10s %8s\n", "linear", "M", "pass", "BF16 TF/s", "FP8 TF/s", "FP8 ms",
-              "FP8/BF16");
+  std::printf("\n%-26s %6s %-6s %10s %10s %10s %10s %8s %8s %9s\n", "linear", "M", "pass", "BF16 TF/s", "FP8 TF/s",
+              "own TF/s", "own ms", "FP8/BF16", "own/BF16", "own-vs-lt");
   for (const Shape3& sh : shapes)
     for (int64_t M : Ms) {
       const int64_t K = sh.K, N = sh.N;
@@ -147,41 +169,105 @@ nlohmann::json bench_gemm_run(const GemmBenchOptions& options) {
       }
       for (const Pass& p : passes) {
         const double flops = 2.0 * p.m * p.n * p.k;
+        const int copies =
+            p.m <= 256 ? static_cast<int>(std::min<int64_t>(16, 1 + (120ll << 20) / (2 * p.n * p.k))) : 1;
         // BF16: C = A B^T with A [m, k], B [n, k] (layouts of each pass as the backend issues them).
-        Tensor a = random_device(be, {p.m, p.k}, DType::BF16, 2), b = random_device(be, {p.n, p.k}, DType::BF16, 3);
+        Tensor a = random_device(be, {p.m, p.k}, DType::BF16, 2);
+        std::vector<Tensor> b;
+        for (int i = 0; i < copies; ++i) b.push_back(random_device(be, {p.n, p.k}, DType::BF16, 3 + i));
         Tensor c = be.alloc({p.m, p.n}, DType::BF16);
-        const double ms_bf16 = time_ms(s, warm, reps, [&] {
-          gemm.gemm(false, true, p.m, p.n, p.k, a.raw(), b.raw(), DType::BF16, c.raw(), DType::BF16, 1.0f, 0.0f);
+        int rot = 0;
+        auto timer = [&](auto&& fn) { return p.m <= 256 ? time_graph_ms(s, warm, reps, fn) : time_ms(s, warm, reps, fn); };
+        const double ms_bf16 = timer([&] {
+          const Tensor& bi = b[static_cast<size_t>(rot++ % copies)];
+          gemm.gemm(false, true, p.m, p.n, p.k, a.raw(), bi.raw(), DType::BF16, c.raw(), DType::BF16, 1.0f, 0.0f);
         });
         // FP8: operands quantized once (1x128 / 128x128), scales laid out once: GEMM alone.
         QuantTensor aq = be.alloc_quant(p.m, p.k, 1, 128, false);
-        QuantTensor bq = be.alloc_quant(p.n, p.k, p.b_block_rows, 128, false);
         be.quantize(a, false, aq);
-        be.quantize(b, false, bq);
+        std::vector<QuantTensor> bq;
+        std::vector<Tensor> bs;
+        for (int i = 0; i < copies; ++i) {
+          bq.push_back(be.alloc_quant(p.n, p.k, p.b_block_rows, 128, false));
+          be.quantize(b[static_cast<size_t>(i)], false, bq.back());
+          bs.push_back(be.alloc({cuda::GemmEngine::scale_buffer_floats(p.n, p.k, p.b_block_rows)}, DType::F32));
+          gemm.layout_scales(bq.back().scales.data<float>(), p.n, p.k, p.b_block_rows, bs.back().data<float>());
+        }
         Tensor as = be.alloc({cuda::GemmEngine::scale_buffer_floats(p.m, p.k, 1)}, DType::F32);
-        Tensor bs = be.alloc({cuda::GemmEngine::scale_buffer_floats(p.n, p.k, p.b_block_rows)}, DType::F32);
         gemm.layout_scales(aq.scales.data<float>(), p.m, p.k, 1, as.data<float>());
-        gemm.layout_scales(bq.scales.data<float>(), p.n, p.k, p.b_block_rows, bs.data<float>());
         const DType cdt = p.b_block_rows == 1 ? DType::F32 : DType::BF16;  // wgrad accumulates F32
         Tensor c8 = be.alloc({p.m, p.n}, cdt);
-        const double ms_fp8 = time_ms(s, warm, reps, [&] {
-          gemm.gemm_fp8_prelaid(p.m, p.n, p.k, aq.data.data<uint8_t>(), as.data<float>(), bq.data.data<uint8_t>(),
-                                bs.data<float>(), p.b_block_rows, c8.raw(), cdt, 1.0f,
+        rot = 0;
+        const bool m16 = p.m % 16 == 0;
+        const double ms_fp8 = !m16 ? 0.0 : timer([&] {
+          const size_t i = static_cast<size_t>(rot++ % copies);
+          gemm.gemm_fp8_prelaid(p.m, p.n, p.k, aq.data.data<uint8_t>(), as.data<float>(), bq[i].data.data<uint8_t>(),
+                                bs[i].data<float>(), p.b_block_rows, c8.raw(), cdt, 1.0f,
                                 p.b_block_rows == 1 ? 1.0f : 0.0f);
         });
-        const double tf_bf16 = flops / ms_bf16 / 1e9, tf_fp8 = flops / ms_fp8 / 1e9;
-        std::printf("%-22s %6lld %-6s %10.1f %10.1f %10.3f %7.2fx\n", sh.name, static_cast<long long>(M), p.name,
-                    tf_bf16, tf_fp8, ms_fp8, tf_fp8 / tf_bf16);
+        // The own sm_90a kernel (128x128-block B only), A scales in the same [kb][M] layout.
+        double ms_own = 0.0, own_vs_lt = 0.0;
+        if (p.b_block_rows == kQuantBlock) {
+          Tensor co = be.alloc({p.m, p.n}, cdt);
+          rot = 0;
+          ms_own = timer([&] {
+            const size_t i = static_cast<size_t>(rot++ % copies);
+            gemm.gemm_fp8_own(p.m, p.n, p.k, aq.data.data<uint8_t>(), as.data<float>(), true,
+                              bq[i].data.data<uint8_t>(), bq[i].scales.data<float>(), co.raw(), cdt, 1.0f, 0.0f);
+          });
+          // Same operands (copy 0) through both kernels: the largest difference relative to the largest |C|.
+          gemm.gemm_fp8_own(p.m, p.n, p.k, aq.data.data<uint8_t>(), as.data<float>(), true, bq[0].data.data<uint8_t>(),
+                            bq[0].scales.data<float>(), co.raw(), cdt, 1.0f, 0.0f);
+          gemm.gemm_fp8_prelaid(p.m, p.n, p.k, aq.data.data<uint8_t>(), as.data<float>(), bq[0].data.data<uint8_t>(),
+                                bs[0].data<float>(), p.b_block_rows, c8.raw(), cdt, 1.0f, 0.0f);
+          const Tensor ho = be.to_host(co), hl = be.to_host(c8);
+          double dmax = 0.0, cmax = 0.0;
+          for (int64_t i = 0; i < ho.numel(); ++i) {
+            const double x = bf16_to_float(ho.data<uint16_t>()[i]), y = bf16_to_float(hl.data<uint16_t>()[i]);
+            dmax = std::max(dmax, std::fabs(x - y));
+            cmax = std::max(cmax, std::fabs(y));
+          }
+          own_vs_lt = dmax / std::max(cmax, 1e-30);
+        }
+        // Decode shapes: the own kernel's configurations (rows per CTA x K splits), timed alike.
+        nlohmann::json sweep = nlohmann::json::array();
+        if (p.b_block_rows == kQuantBlock && p.m <= 256) {
+          Tensor co = be.alloc({p.m, p.n}, cdt);
+          std::printf("    own configs (block_m x splits: us):");
+          for (int bm : {64, 128})
+            for (int sp : {1, 2, 4, 8}) {
+              rot = 0;
+              const double ms = timer([&] {
+                const size_t i = static_cast<size_t>(rot++ % copies);
+                gemm.gemm_fp8_own(p.m, p.n, p.k, aq.data.data<uint8_t>(), as.data<float>(), true,
+                                  bq[i].data.data<uint8_t>(), bq[i].scales.data<float>(), co.raw(), cdt, 1.0f, 0.0f, sp,
+                                  bm);
+              });
+              std::printf(" %dx%d %.1f", bm, sp, ms * 1e3);
+              sweep.push_back({{"block_m", bm}, {"splits", sp}, {"ms", ms}});
+            }
+          std::printf("\n");
+        }
+        const double tf_bf16 = flops / ms_bf16 / 1e9, tf_fp8 = ms_fp8 > 0 ? flops / ms_fp8 / 1e9 : 0.0;
+        const double tf_own = ms_own > 0 ? flops / ms_own / 1e9 : 0.0;
+        std::printf("%-26s %6lld %-6s %10.1f %10.1f %10.1f %10.3f %7.2fx %7.2fx %9.1e\n", sh.name,
+                    static_cast<long long>(M), p.name, tf_bf16, tf_fp8, tf_own, ms_own, tf_fp8 / tf_bf16,
+                    tf_own / tf_bf16, own_vs_lt);
         out["gemm"].push_back({{"linear", sh.name},
                                {"M_tokens", M},
                                {"pass", p.name},
                                {"m", p.m},
                                {"n", p.n},
                                {"k", p.k},
+                               {"weight_copies", copies},
                                {"bf16_ms", ms_bf16},
                                {"bf16_tflops", tf_bf16},
                                {"fp8_ms", ms_fp8},
                                {"fp8_tflops", tf_fp8},
+                               {"own_ms", ms_own},
+                               {"own_tflops", tf_own},
+                               {"own_vs_cublaslt_max_rel", own_vs_lt},
+                               {"own_configs", sweep},
                                {"fp8_over_bf16", tf_fp8 / tf_bf16}});
       }
     }

@@ -1,0 +1,349 @@
+// An own block-scaled FP8 GEMM for Hopper (sm_90a): C[M, N] = alpha * A B^T (+ beta * C) with
+// A E4M3 [M, K] in 1x128 blocks along K (activations, dY) and B E4M3 [N, K] in 128x128 blocks
+// (weights, W^T), the recipe's forward and dgrad products. DeepGEMM's structure, written here:
+//
+// - One CTA computes a BM x 128 tile of C (BM = 64 or 128: one or two consumer warpgroups of 64
+//   rows) over a range of K blocks (all of them, or a split of them: split-K for the decode
+//   shapes, whose few tiles would leave most SMs idle).
+// - A producer warp streams A and B tiles of 128 K-bytes through a ring of shared-memory stages
+//   with TMA (128-byte swizzle, zero fill past M, N and K) and mbarriers.
+// - Per K block each consumer warpgroup issues four wgmma m64n128k32 (FP32 accumulators in the
+//   tensor cores), waits for them, and promotes: acc_total += acc_block * (sa[row] * sb), with
+//   the 1x128 scale of its row and the 128x128 scale of the tile's weight block. Promoting every
+//   128 K keeps the sum in true FP32 (Hopper's FP8 MMA accumulates with fewer bits).
+// - Splits write FP32 partials that a second kernel sums in split order: no atomics, so every
+//   result is deterministic, and each output element's arithmetic depends only on its own row
+//   of A, its column of B, K and the split count — never on M or on the other rows (the row
+//   invariance the consistent mode needs; the split count is the caller's choice).
+//
+// Any M (no padding), N and K multiples of 16 (TMA's 16-byte row strides); partial blocks of N
+// and K are read as zeros.
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
+#include <algorithm>
+
+#include "backend/cuda/common.cuh"
+#include "backend/cuda/cuda_check.h"
+#include "backend/cuda/fp8_gemm.h"
+#include "quant/quant.h"
+
+namespace fp8rl::cuda {
+
+namespace {
+
+constexpr int kBK = 128;  // K bytes per stage = one scale block
+constexpr int kBN = 128;  // = the weight scale block: one B scale per tile and K block
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count));
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      "@!p bra WAIT;\n"
+      "}\n" ::"r"(smem_addr(bar)),
+      "r"(parity)
+      : "memory");
+}
+
+__device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];" ::"r"(
+          smem_addr(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1)
+      : "memory");
+}
+
+// A K-major operand tile of rows x 128 bytes written by TMA with the 128-byte swizzle: 8-row
+// groups 1024 bytes apart (the stride byte offset), layout type 1 (SW128) in bits 62-63; the
+// leading byte offset is unused for swizzled K-major layouts. Tiles are 1024-byte aligned, so a
+// k-step of 32 bytes inside the row is a plain +32 on the start address (the hardware applies the
+// swizzle to the address bits).
+__device__ __forceinline__ uint64_t sw128_desc(const void* tile) {
+  const uint64_t addr = smem_addr(tile);
+  return ((addr & 0x3FFFFull) >> 4) | (1ull << 16) | (static_cast<uint64_t>(1024 >> 4) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+
+__device__ __forceinline__ void wgmma_m64n128k32_e4m3(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "%64, %65, p, 1, 1;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+// Keeps the compiler from moving accesses of an accumulator across the asynchronous wgmma.
+__device__ __forceinline__ void fence_acc(float (&d)[64]) {
+#pragma unroll
+  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+struct GemmParams {
+  int64_t M, N, K;
+  int kblocks;        // ceil(K / 128)
+  int kb_per_split;   // K blocks per split
+  const float* sa;    // A scales: element (m, kb) at sa[m * sa_m + kb * sa_k]
+  int64_t sa_m, sa_k;
+  const float* sb;    // B scales [ceil(N / 128)][kblocks]
+  void* c;            // [M, N] BF16 or F32 (splits == 1), else F32 partials [splits][M][N]
+  bool c_bf16;
+  float alpha, beta;
+  bool partials;
+};
+
+// kConsumers warpgroups of 64 rows each (BM = 64 kConsumers) plus one producer warpgroup.
+template <int kConsumers, int kStages>
+__global__ void __launch_bounds__(128 * (kConsumers + 1), 1)
+    fp8_gemm_kernel(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b, GemmParams p) {
+  constexpr int kBM = 64 * kConsumers;
+  constexpr int kTileA = kBM * kBK, kTileB = kBN * kBK;
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  // 1024-byte alignment for the swizzled tiles.
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint8_t* sm_a = smem;
+  uint8_t* sm_b = smem + kStages * kTileA;
+  uint64_t* full = reinterpret_cast<uint64_t*>(sm_b + kStages * kTileB);
+  uint64_t* empty = full + kStages;
+
+  const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
+  const int n_tile = blockIdx.x, m_tile = blockIdx.y, split = blockIdx.z;
+  const int kb0 = split * p.kb_per_split;
+  const int nk = min(p.kb_per_split, p.kblocks - kb0);
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], kConsumers * 4);  // one arrive per consumer warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (wg == kConsumers) {  // the producer: one thread issues every load
+    if (tid == 0) {
+      for (int it = 0; it < nk; ++it) {
+        const int s = it % kStages;
+        mbar_wait(&empty[s], ((it / kStages) & 1) ^ 1);
+        mbar_expect_tx(&full[s], kTileA + kTileB);
+        const int k = (kb0 + it) * kBK;
+        tma_load_2d(sm_a + s * kTileA, &tm_a, &full[s], k, m_tile * kBM);
+        tma_load_2d(sm_b + s * kTileB, &tm_b, &full[s], k, n_tile * kBN);
+      }
+    }
+    return;
+  }
+
+  // A consumer warpgroup: rows [m_tile * kBM + wg * 64, + 64) of the tile.
+  const int warp = tid / 32, lane = tid % 32;
+  const int64_t row0 = static_cast<int64_t>(m_tile) * kBM + wg * 64 + warp * 16 + lane / 4, row1 = row0 + 8;
+  const bool in0 = row0 < p.M, in1 = row1 < p.M;
+  float total[64], acc[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) total[i] = 0.0f;
+  const float* sb = p.sb + static_cast<int64_t>(n_tile) * p.kblocks;
+  for (int it = 0; it < nk; ++it) {
+    const int s = it % kStages, kb = kb0 + it;
+    // The scales of this K block, loaded while the tiles arrive.
+    const float sbv = __ldg(sb + kb);
+    const float s0 = in0 ? __ldg(p.sa + row0 * p.sa_m + kb * p.sa_k) * sbv : 0.0f;
+    const float s1 = in1 ? __ldg(p.sa + row1 * p.sa_m + kb * p.sa_k) * sbv : 0.0f;
+    mbar_wait(&full[s], (it / kStages) & 1);
+    const uint64_t da = sw128_desc(sm_a + s * kTileA + wg * 64 * kBK), db = sw128_desc(sm_b + s * kTileB);
+    fence_acc(acc);
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < kBK / 32; ++k) wgmma_m64n128k32_e4m3(acc, da + 2 * k, db + 2 * k, k > 0);
+    wgmma_commit();
+    fence_acc(acc);
+    wgmma_wait_all();
+    fence_acc(acc);
+    if (lane == 0) mbar_arrive(&empty[s]);
+    // Fragment of m64n128 (FP32): acc[4 i + j] is row (j < 2 ? row0 : row1), column 8 i + 2 (lane % 4) + j % 2.
+#pragma unroll
+    for (int i = 0; i < 64; ++i) total[i] = fmaf(acc[i], (i & 2) ? s1 : s0, total[i]);
+  }
+
+  const int64_t col_base = static_cast<int64_t>(n_tile) * kBN + 2 * (lane % 4);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int64_t row = half ? row1 : row0;
+    if (row >= p.M) continue;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const int64_t col = col_base + 8 * i;
+      if (col >= p.N) continue;  // N is even: col + 1 < N as well
+      float v0 = total[4 * i + 2 * half], v1 = total[4 * i + 2 * half + 1];
+      if (p.partials) {
+        float* out = static_cast<float*>(p.c) + (static_cast<int64_t>(split) * p.M + row) * p.N + col;
+        *reinterpret_cast<float2*>(out) = make_float2(v0, v1);
+        continue;
+      }
+      v0 *= p.alpha, v1 *= p.alpha;
+      if (p.c_bf16) {
+        uint16_t* out = static_cast<uint16_t*>(p.c) + row * p.N + col;
+        if (p.beta != 0.0f) {
+          const uint32_t old = *reinterpret_cast<const uint32_t*>(out);
+          v0 = fmaf(p.beta, bf16_bits_to_float(static_cast<uint16_t>(old & 0xffffu)), v0);
+          v1 = fmaf(p.beta, bf16_bits_to_float(static_cast<uint16_t>(old >> 16)), v1);
+        }
+        *reinterpret_cast<uint32_t*>(out) =
+            static_cast<uint32_t>(bf16_bits_from_float(v0)) | (static_cast<uint32_t>(bf16_bits_from_float(v1)) << 16);
+      } else {
+        float* out = static_cast<float*>(p.c) + row * p.N + col;
+        if (p.beta != 0.0f) {
+          const float2 old = *reinterpret_cast<const float2*>(out);
+          v0 = fmaf(p.beta, old.x, v0);
+          v1 = fmaf(p.beta, old.y, v1);
+        }
+        *reinterpret_cast<float2*>(out) = make_float2(v0, v1);
+      }
+    }
+  }
+}
+
+// C = alpha * (sum of the splits' partials, in split order) + beta * C.
+template <typename T>
+__global__ void fp8_gemm_reduce_kernel(const float* __restrict__ parts, int splits, int64_t MN, float alpha,
+                                       float beta, T* __restrict__ c) {
+  const int64_t i = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) * 4;
+  if (i >= MN) return;  // MN is a multiple of 4 (N is of 16)
+  float4 s = *reinterpret_cast<const float4*>(parts + i);
+  for (int k = 1; k < splits; ++k) {
+    const float4 v = *reinterpret_cast<const float4*>(parts + k * MN + i);
+    s.x += v.x, s.y += v.y, s.z += v.z, s.w += v.w;
+  }
+  float o[4] = {s.x * alpha, s.y * alpha, s.z * alpha, s.w * alpha};
+  for (int j = 0; j < 4; ++j) {
+    if (beta != 0.0f) o[j] = fmaf(beta, load_f(c, i + j), o[j]);
+    store_f(c, i + j, o[j]);
+  }
+}
+
+PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q),
+               "looking up cuTensorMapEncodeTiled");
+    FP8RL_CHECK(q == cudaDriverEntryPointSuccess && f, "the CUDA driver has no cuTensorMapEncodeTiled (needs 12.0+)");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  }();
+  return fn;
+}
+
+// [rows, K] bytes, K-major, boxes of box_rows x 128 bytes, 128-byte swizzle, zeros out of bounds.
+CUtensorMap tensor_map(const uint8_t* base, int64_t rows, int64_t K, int box_rows) {
+  CUtensorMap m;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(K)};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(kBK), static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t elem[2] = {1, 1};
+  const CUresult r = encode_fn()(&m, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<uint8_t*>(base), dims, strides, box,
+                                 elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  FP8RL_CHECK(r == CUDA_SUCCESS, "FP8 GEMM: cuTensorMapEncodeTiled failed (", static_cast<int>(r), ") for [", rows,
+              ", ", K, "]");
+  return m;
+}
+
+template <int kConsumers, int kStages>
+void launch(const CUtensorMap& ta, const CUtensorMap& tb, const GemmParams& p, int m_tiles, int n_tiles, int splits,
+            cudaStream_t stream) {
+  constexpr int kSmem = kStages * (64 * kConsumers + kBN) * kBK + 2 * kStages * 8 + 1024;
+  static const bool attr = [] {
+    CUDA_CHECK(cudaFuncSetAttribute(fp8_gemm_kernel<kConsumers, kStages>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    kSmem),
+               "FP8 GEMM: setting the shared memory size");
+    return true;
+  }();
+  (void)attr;
+  fp8_gemm_kernel<kConsumers, kStages>
+      <<<dim3(n_tiles, m_tiles, splits), 128 * (kConsumers + 1), kSmem, stream>>>(ta, tb, p);
+  CUDA_CHECK(cudaGetLastError(), "FP8 GEMM kernel launch");
+}
+
+}  // namespace
+
+bool fp8_gemm_sm90_supported(int64_t M, int64_t N, int64_t K) {
+  return M > 0 && N > 0 && K > 0 && N % 16 == 0 && K % 16 == 0 && M < (int64_t{1} << 31) && N < (int64_t{1} << 31);
+}
+
+// Splits are chosen for the default block_m.
+int fp8_gemm_sm90_splits(int64_t M, int64_t N, int64_t K, int sm_count) {
+  const int64_t kblocks = ceil_div(K, int64_t{kBK});
+  const int64_t tiles = ceil_div(M, M <= 64 ? int64_t{64} : int64_t{128}) * ceil_div(N, int64_t{kBN});
+  if (tiles * 2 > sm_count || kblocks < 4) return 1;
+  // Fill the SMs once, keeping at least two K blocks per split.
+  const int64_t want = std::min<int64_t>(ceil_div(int64_t{sm_count}, tiles), kblocks / 2);
+  return static_cast<int>(std::max<int64_t>(1, want));
+}
+
+int64_t fp8_gemm_sm90_workspace_floats(int64_t M, int64_t N, int splits) { return splits > 1 ? splits * M * N : 0; }
+
+void fp8_gemm_sm90(const Fp8GemmArgs& a, cudaStream_t stream) {
+  FP8RL_CHECK(fp8_gemm_sm90_supported(a.M, a.N, a.K), "FP8 GEMM (sm90): needs N and K multiples of 16, got M=", a.M,
+              " N=", a.N, " K=", a.K);
+  FP8RL_CHECK(a.c_dtype == DType::BF16 || a.c_dtype == DType::F32, "FP8 GEMM (sm90): output must be BF16 or F32");
+  const int kblocks = static_cast<int>(ceil_div(a.K, int64_t{kBK}));
+  const int splits = std::max(1, std::min(a.splits, kblocks));
+  const int kb_per_split = static_cast<int>(ceil_div(int64_t{kblocks}, int64_t{splits}));
+  const int used_splits = static_cast<int>(ceil_div(int64_t{kblocks}, int64_t{kb_per_split}));
+  FP8RL_CHECK(used_splits == 1 || a.workspace, "FP8 GEMM (sm90): split-K needs a workspace");
+  GemmParams p;
+  p.M = a.M, p.N = a.N, p.K = a.K;
+  p.kblocks = kblocks, p.kb_per_split = kb_per_split;
+  p.sa = a.a_scales;
+  p.sa_m = a.a_scales_kb_major ? 1 : kblocks;
+  p.sa_k = a.a_scales_kb_major ? a.M : 1;
+  p.sb = a.b_scales;
+  p.partials = used_splits > 1;
+  p.c = p.partials ? static_cast<void*>(a.workspace) : a.c;
+  p.c_bf16 = a.c_dtype == DType::BF16;
+  p.alpha = a.alpha, p.beta = a.beta;
+  const int n_tiles = static_cast<int>(ceil_div(a.N, int64_t{kBN}));
+  FP8RL_CHECK(a.block_m == 0 || a.block_m == 64 || a.block_m == 128, "FP8 GEMM (sm90): block_m must be 64 or 128");
+  const bool small = a.block_m ? a.block_m == 64 : a.M <= 64;
+  const int bm = small ? 64 : 128;
+  const int m_tiles = static_cast<int>(ceil_div(a.M, int64_t{bm}));
+  const CUtensorMap ta = tensor_map(a.a, a.M, a.K, bm), tb = tensor_map(a.b, a.N, a.K, kBN);
+  if (small)
+    launch<1, 8>(ta, tb, p, m_tiles, n_tiles, used_splits, stream);
+  else
+    launch<2, 6>(ta, tb, p, m_tiles, n_tiles, used_splits, stream);
+  if (p.partials) {
+    const int64_t mn = a.M * a.N, threads = 256, blocks = ceil_div(ceil_div(mn, int64_t{4}), threads);
+    if (p.c_bf16)
+      fp8_gemm_reduce_kernel<<<blocks, threads, 0, stream>>>(a.workspace, used_splits, mn, a.alpha, a.beta,
+                                                             static_cast<bf16*>(a.c));
+    else
+      fp8_gemm_reduce_kernel<<<blocks, threads, 0, stream>>>(a.workspace, used_splits, mn, a.alpha, a.beta,
+                                                             static_cast<float*>(a.c));
+    CUDA_CHECK(cudaGetLastError(), "FP8 GEMM split-K reduction launch");
+  }
+}
+
+}  // namespace fp8rl::cuda

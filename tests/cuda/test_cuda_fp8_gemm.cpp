@@ -1,0 +1,191 @@
+// The own sm_90a FP8 block GEMM (fp8_gemm_sm90.cu) against an FP64 host product of the same
+// quantized operands, against cuBLASLt's block-scaled kernel, and for the properties the
+// consistent mode relies on: deterministic, and each row's result independent of the other rows.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/gemm.h"
+#include "core/dtype.h"
+#include "quant/quant.h"
+
+namespace fp8rl {
+namespace {
+
+Tensor random_matrix(int64_t r, int64_t c, uint32_t seed, float spread) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> v(static_cast<size_t>(r * c));
+  // Rows of different magnitudes and a few outliers: the scales differ per block.
+  for (int64_t i = 0; i < r; ++i)
+    for (int64_t j = 0; j < c; ++j)
+      v[static_cast<size_t>(i * c + j)] =
+          nd(rng) * std::exp2(spread * static_cast<float>((i * 7 + j / 128) % 5) - spread * 2.0f) *
+          ((i + j) % 97 == 0 ? 20.0f : 1.0f);
+  return from_float_vector(v, {r, c}, DType::F32);
+}
+
+struct Operands {
+  QuantTensor ha, hb;  // host
+  QuantTensor da, db;  // device copies (A scales row-major [M][kb])
+  Tensor da_kb;        // A scales [kb][M]
+};
+
+Operands make_operands(cuda::CudaBackend& be, int64_t M, int64_t N, int64_t K, uint32_t seed) {
+  Operands o;
+  o.ha = quantize_1x128(random_matrix(M, K, seed, 1.5f), false);
+  o.hb = quantize_128x128(random_matrix(N, K, seed + 1, 1.0f), false);
+  o.da = o.ha, o.db = o.hb;
+  o.da.data = be.to_device(o.ha.data), o.da.scales = be.to_device(o.ha.scales);
+  o.db.data = be.to_device(o.hb.data), o.db.scales = be.to_device(o.hb.scales);
+  const int64_t kb = ceil_div(K, kQuantBlock);
+  std::vector<float> t(static_cast<size_t>(kb * M));
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < kb; ++b) t[static_cast<size_t>(b * M + m)] = o.ha.scales.data<float>()[m * kb + b];
+  o.da_kb = be.to_device(from_float_vector(t, {kb, M}, DType::F32));
+  return o;
+}
+
+// C[m, n] = sum_k (qa sa)(qb sb) in FP64, and the sum of |terms| (the error scale).
+void host_product(const Operands& o, int64_t m, int64_t n, double* value, double* magnitude) {
+  const int64_t K = o.ha.cols(), kb = ceil_div(K, kQuantBlock);
+  const uint8_t* qa = o.ha.data.data<uint8_t>();
+  const uint8_t* qb = o.hb.data.data<uint8_t>();
+  double s = 0, a = 0;
+  for (int64_t k = 0; k < K; ++k) {
+    const double x = static_cast<double>(e4m3_to_float(qa[m * K + k])) * o.ha.scales.data<float>()[m * kb + k / 128];
+    const double w =
+        static_cast<double>(e4m3_to_float(qb[n * K + k])) * o.hb.scales.data<float>()[(n / 128) * kb + k / 128];
+    s += x * w;
+    a += std::fabs(x * w);
+  }
+  *value = s, *magnitude = a;
+}
+
+Tensor run_own(cuda::CudaBackend& be, const Operands& o, int64_t M, int64_t N, int64_t K, DType out, bool kb_major,
+               int splits) {
+  Tensor c = be.alloc({M, N}, out);
+  be.gemm().gemm_fp8_own(M, N, K, o.da.data.data<uint8_t>(),
+                         kb_major ? o.da_kb.data<float>() : o.da.scales.data<float>(), kb_major,
+                         o.db.data.data<uint8_t>(), o.db.scales.data<float>(), c.raw(), out, 1.0f, 0.0f, splits);
+  be.synchronize();
+  return be.to_host(c);
+}
+
+float host_value(const Tensor& c, int64_t i) {
+  return c.dtype() == DType::F32 ? c.data<float>()[i] : bf16_to_float(c.data<uint16_t>()[i]);
+}
+
+// Rows [r0, r0 + m) of a host matrix, as a new host tensor.
+Tensor host_rows(const Tensor& t, int64_t r0, int64_t m) {
+  Tensor out = Tensor::empty({m, t.dim(1)}, t.dtype());
+  const size_t row = t.nbytes() / static_cast<size_t>(t.dim(0));
+  std::memcpy(out.raw(), static_cast<const uint8_t*>(t.raw()) + static_cast<size_t>(r0) * row, static_cast<size_t>(m) * row);
+  return out;
+}
+
+struct Shape {
+  int64_t M, N, K;
+};
+
+// Hopper's FP8 MMA adds the products of a K block with fewer bits than FP32 (measured on the
+// H200: ~1e-4 of sum |terms| within one 128-block; DeepSeek-V3's report gives ~14 bits), which
+// is why both kernels promote to FP32 every 128 K. So the bound against the exact FP64 product
+// is 2^-11 of sum |terms|, and the own kernel must be as close as cuBLASLt's within 25%.
+constexpr double kMmaBound = 1.0 / 2048.0;
+
+Tensor run_cublaslt(cuda::CudaBackend& be, const Operands& o, int64_t M, int64_t N, int64_t K) {
+  Tensor c = be.alloc({M, N}, DType::F32);
+  be.gemm().set_fp8_kernel("cublaslt");
+  be.gemm().gemm_fp8(M, N, K, o.da.data.data<uint8_t>(), o.da.scales.data<float>(), o.db.data.data<uint8_t>(),
+                     o.db.scales.data<float>(), kQuantBlock, c.raw(), DType::F32, 1.0f, 0.0f);
+  be.gemm().set_fp8_kernel("auto");
+  be.synchronize();
+  return be.to_host(c);
+}
+
+// The largest |C - exact| / sum |terms| over a grid of sampled elements.
+double max_error(const Operands& o, const Tensor& c, int64_t M, int64_t N) {
+  double worst = 0;
+  for (int64_t m = 0; m < M; m += std::max<int64_t>(1, M / 9))
+    for (int64_t n = 0; n < N; n += std::max<int64_t>(1, N / 37) | 1) {
+      double v, mag;
+      host_product(o, m, n, &v, &mag);
+      worst = std::max(worst, std::fabs(c.data<float>()[m * N + n] - v) / (mag + 1e-30));
+    }
+  return worst;
+}
+
+TEST(CudaFp8Gemm, MatchesTheHostProductAtEveryShapeAndSplit) {
+  cuda::CudaBackend be(0, DType::BF16);
+  // Ragged M (1, 5, 77, 200, 1000), partial N and K blocks (208, 336, 640), the 1.7B decode and
+  // trainer widths, and split-K forced on shapes with few tiles.
+  const Shape shapes[] = {{1, 128, 128},   {5, 2048, 2048}, {77, 384, 640},  {200, 208, 336},
+                          {64, 4096, 2048}, {256, 2048, 6144}, {1000, 1536, 1024}, {129, 12288, 2048}};
+  for (const Shape& s : shapes) {
+    SCOPED_TRACE(testing::Message() << "M=" << s.M << " N=" << s.N << " K=" << s.K);
+    const Operands o = make_operands(be, s.M, s.N, s.K, static_cast<uint32_t>(s.M * 31 + s.N + s.K));
+    // cuBLASLt's block mode takes K in multiples of 128 only: elsewhere the bound alone.
+    const double lt = s.K % kQuantBlock == 0 ? max_error(o, run_cublaslt(be, o, s.M, s.N, s.K), s.M, s.N)
+                                             : kMmaBound / 1.25;
+    const int kb = static_cast<int>(ceil_div(s.K, kQuantBlock));
+    for (int splits : {1, 3, kb}) {
+      for (bool kb_major : {false, true}) {
+        SCOPED_TRACE(testing::Message() << "splits=" << splits << " kb_major=" << kb_major);
+        const double own = max_error(o, run_own(be, o, s.M, s.N, s.K, DType::F32, kb_major, splits), s.M, s.N);
+        EXPECT_LT(own, kMmaBound);
+        EXPECT_LE(own, 1.25 * lt + 1e-6) << "cuBLASLt's error " << lt;
+        if (splits == 1 && !kb_major)
+          std::printf("[ fp8 gemm ] M=%lld N=%lld K=%lld: max |C - exact| / sum|terms|: own %.2e, cuBLASLt %.2e\n",
+                      static_cast<long long>(s.M), static_cast<long long>(s.N), static_cast<long long>(s.K), own, lt);
+      }
+    }
+    // BF16 output: the F32 result rounded once.
+    const Tensor c32 = run_own(be, o, s.M, s.N, s.K, DType::F32, false, 1);
+    const Tensor c16 = run_own(be, o, s.M, s.N, s.K, DType::BF16, false, 1);
+    for (int64_t i = 0; i < s.M * s.N; i += 13)
+      ASSERT_EQ(c16.data<uint16_t>()[i], bf16_from_float(c32.data<float>()[i])) << "element " << i;
+  }
+}
+
+TEST(CudaFp8Gemm, AgreesWithCublasLtAtTrainerShapes) {
+  cuda::CudaBackend be(0, DType::BF16);
+  for (const Shape& s : {Shape{16384, 2048, 2048}, Shape{4096, 12288, 2048}, Shape{16384, 2048, 6144},
+                         Shape{48, 1024, 2048}}) {
+    SCOPED_TRACE(testing::Message() << "M=" << s.M << " N=" << s.N << " K=" << s.K);
+    const Operands o = make_operands(be, s.M, s.N, s.K, static_cast<uint32_t>(s.M + s.N * 3 + s.K));
+    const double own = max_error(o, run_own(be, o, s.M, s.N, s.K, DType::F32, false, 0), s.M, s.N);
+    const double lt = max_error(o, run_cublaslt(be, o, s.M, s.N, s.K), s.M, s.N);
+    EXPECT_LT(own, kMmaBound);
+    EXPECT_LE(own, 1.25 * lt + 1e-6) << "cuBLASLt's error " << lt;
+    std::printf("[ fp8 gemm ] M=%lld N=%lld K=%lld: max |C - exact| / sum|terms|: own %.2e, cuBLASLt %.2e\n",
+                static_cast<long long>(s.M), static_cast<long long>(s.N), static_cast<long long>(s.K), own, lt);
+  }
+}
+
+TEST(CudaFp8Gemm, RowsDoNotDependOnTheOtherRowsAndRunsRepeat) {
+  cuda::CudaBackend be(0, DType::BF16);
+  const int64_t M = 600, N = 2048, K = 2048;
+  const Operands o = make_operands(be, M, N, K, 7);
+  for (int splits : {1, 4}) {
+    const Tensor full = run_own(be, o, M, N, K, DType::BF16, false, splits);
+    const Tensor again = run_own(be, o, M, N, K, DType::BF16, false, splits);
+    ASSERT_EQ(std::memcmp(full.raw(), again.raw(), full.nbytes()), 0) << "two runs differ, splits=" << splits;
+    // Rows [r0, r0 + m) as their own product (fewer tiles, BM 64 for m <= 64): the same bits.
+    for (const auto& [r0, m] : std::vector<std::pair<int64_t, int64_t>>{{0, 1}, {37, 5}, {100, 64}, {333, 200}}) {
+      Operands sub = o;
+      sub.da.data = be.to_device(host_rows(o.ha.data, r0, m));
+      sub.da.scales = be.to_device(host_rows(o.ha.scales, r0, m));
+      const Tensor part = run_own(be, sub, m, N, K, DType::BF16, false, splits);
+      ASSERT_EQ(std::memcmp(part.raw(), full.data<uint16_t>() + r0 * N, part.nbytes()), 0)
+          << "rows " << r0 << "+" << m << " differ from the full product, splits=" << splits;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace fp8rl

@@ -1,0 +1,131 @@
+// Block recomputation on the GPU (train.recompute: block; issue 15), as tests/cpu/test_recompute.cpp
+// checks it on the CPU: model_backward reruns each block's forward from its saved input with the
+// same kernels on the same inputs, so the gradients are those of the backward that saved every
+// activation.
+//
+// What "equal" means on CUDA, by how each gradient is produced:
+//   - bitwise: the scoring forward's logp, and the gradient of every linear (q/k/v/o, MLP, an
+//     untied lm_head): GEMMs (cuBLASLt, the dequantized FP8 fallback) and everything upstream of
+//     them (RMSNorm dx, attention backward, SwiGLU, RoPE) are deterministic: each output element
+//     is written by one thread in a fixed order;
+//   - within 1e-4 of the tensor's largest |gradient|: the RMSNorm weights, the embedding and the
+//     biases. Their kernels (rmsnorm_dw_kernel, embedding_backward_kernel, bias_grad_kernel in
+//     src/backend/cuda/) add per-block partial sums with FP32 atomicAdd, whose order is not fixed,
+//     so two backwards without recomputation can already differ in the last bits there. The bound
+//     is far above that reordering (a few ulps of the partial sums) and far below what a real
+//     difference (a block recomputed from the wrong input, a missing term) makes.
+// The batch is ragged (13 + 7 + 28 = 48 tokens: a multiple of 16, so FP8 linears with K % 128 == 0
+// take cuBLASLt's block-scaled tensor-core path and down (K = 256) too), on both GPU backends
+// (F32 activations: the exact path; BF16: the default), for the fp32, bf16 and fp8_e2e trainers,
+// for a Llama (tied), a Qwen2 (q/k/v biases, untied) and a Qwen3 (q/k-norm) model.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "../cpu/test_model_util.h"
+#include "backend/backend.h"
+#include "model/transformer.h"
+#include "model/weights.h"
+
+namespace fp8rl {
+namespace {
+
+using test::values_f64;
+
+ModelWeights recompute_model(const std::string& family) {
+  ModelConfig c = model_config_tiny(family, /*vocab=*/64, /*hidden=*/128, /*layers=*/3, /*heads=*/4,
+                                    /*kv_heads=*/2, /*intermediate=*/256);
+  RandomInit init;
+  init.seed = 21;
+  init.std = 0.08f;
+  return model_weights_random(c, init, DType::F32);
+}
+
+std::vector<std::vector<int32_t>> recompute_sequences() {
+  std::mt19937 rng(9);
+  std::uniform_int_distribution<int32_t> tok(0, 63);
+  std::vector<std::vector<int32_t>> seqs = {std::vector<int32_t>(13), std::vector<int32_t>(7),
+                                            std::vector<int32_t>(28)};
+  for (auto& s : seqs)
+    for (int32_t& t : s) t = tok(rng);
+  return seqs;
+}
+
+bool bitwise_equal(Backend& be, const Tensor& a, const Tensor& b) {
+  const Tensor ha = be.to_host(a), hb = be.to_host(b);
+  return ha.nbytes() == hb.nbytes() && std::memcmp(ha.raw(), hb.raw(), ha.nbytes()) == 0;
+}
+
+// Gradients accumulated through FP32 atomics (their summation order is not fixed on the GPU).
+bool atomic_accumulated(const std::string& name) {
+  return name.find("norm") != std::string::npos || name.find("embed_tokens") != std::string::npos ||
+         (name.size() >= 5 && name.compare(name.size() - 5, 5, ".bias") == 0);
+}
+
+TEST(CudaRecompute, BlockRecomputationGivesTheSameGradients) {
+  for (const DType act : {DType::F32, DType::BF16}) {
+    std::unique_ptr<Backend> be = make_cuda_backend(0, act);
+    for (const char* family : {"llama", "qwen2", "qwen3"})
+      for (const char* preset : {"fp32", "bf16", "fp8_e2e"}) {
+        SCOPED_TRACE(std::string(family) + " " + preset + " activations " + dtype_name(act));
+        const ModelWeights w = model_weights_to_device(*be, recompute_model(family), DType::F32);
+        const EnginePrecision prec = PrecisionRecipe::preset(preset).trainer;
+        const ForwardBatch batch = forward_batch_from_sequences(recompute_sequences());
+        const int64_t T = batch.num_tokens();
+        ASSERT_EQ(T % 16, 0);
+        std::vector<float> dl(T);
+        for (int64_t t = 0; t < T; ++t) dl[t] = 0.01f * static_cast<float>((t * 7) % 11) - 0.05f;
+        ModelWeights grads[2];
+        Tensor logp[2];
+        for (int r = 0; r < 2; ++r) {
+          Activations acts;
+          ForwardOptions fo;
+          fo.recompute = r == 1;
+          logp[r] = model_forward_logprobs(*be, w, prec, batch, fo, &acts).logp;
+          ASSERT_EQ(acts.recompute, r == 1);
+          if (r == 1)
+            for (const LayerActivations& a : acts.layers) {
+              EXPECT_TRUE(a.x.defined());
+              EXPECT_FALSE(a.xn_attn.defined()) << "only the block input is saved";
+            }
+          grads[r] = model_grads_alloc(*be, w, DType::F32);
+          model_grads_zero(*be, grads[r]);
+          model_backward(*be, w, prec, acts, be->to_device(from_float_vector(dl, {T})), grads[r]);
+        }
+        EXPECT_TRUE(bitwise_equal(*be, logp[0], logp[1])) << "the scoring forward";
+        std::vector<std::pair<std::string, Tensor>> g0, g1;
+        model_for_each_parameter(grads[0], [&](const std::string& n, const Tensor& t) { g0.emplace_back(n, t); });
+        model_for_each_parameter(grads[1], [&](const std::string& n, const Tensor& t) { g1.emplace_back(n, t); });
+        ASSERT_EQ(g0.size(), g1.size());
+        int bitwise = 0;
+        for (size_t i = 0; i < g0.size(); ++i) {
+          const std::string& name = g0[i].first;
+          ASSERT_EQ(name, g1[i].first);
+          if (!atomic_accumulated(name)) {
+            EXPECT_TRUE(bitwise_equal(*be, g0[i].second, g1[i].second)) << name;
+            ++bitwise;
+            continue;
+          }
+          const std::vector<double> a = values_f64(*be, g0[i].second), b = values_f64(*be, g1[i].second);
+          ASSERT_EQ(a.size(), b.size()) << name;
+          double amax = 0, dmax = 0;
+          for (size_t k = 0; k < a.size(); ++k) {
+            ASSERT_TRUE(std::isfinite(a[k]) && std::isfinite(b[k])) << name << "[" << k << "]";
+            amax = std::max(amax, std::fabs(a[k]));
+            dmax = std::max(dmax, std::fabs(a[k] - b[k]));
+          }
+          EXPECT_LE(dmax, 1e-4 * amax) << name << ": max |diff| " << dmax << " of max |gradient| " << amax;
+          EXPECT_GT(amax, 0) << name << " has no gradient";
+        }
+        EXPECT_GE(bitwise, 3 * 7) << "every block's linears are compared bitwise";
+      }
+  }
+}
+
+}  // namespace
+}  // namespace fp8rl
