@@ -31,20 +31,23 @@ QuantTensor Backend::alloc_quant(int64_t rows, int64_t cols, int block_rows, int
   return q;
 }
 
-KvCache Backend::alloc_kv_cache(int num_layers, int num_pages, int page_size, int num_kv_heads, int head_dim,
-                                DType dtype) {
+KvCache Backend::alloc_kv_cache(int num_layers, int num_pages, int page_size, int num_kv_heads,
+                                int head_dim, DType dtype, int latent_v_dim) {
   FP8RL_CHECK(dtype == DType::F32 || dtype == DType::BF16 || dtype == DType::E4M3,
               "KV cache dtype must be F32, BF16 or E4M3, got ", dtype_name(dtype));
+  FP8RL_CHECK(latent_v_dim >= 0 && latent_v_dim <= head_dim, "a latent KV cache's V width (", latent_v_dim,
+              ") must be in [0, head_dim = ", head_dim, "]");
   KvCache c;
   c.num_layers = num_layers;
   c.num_pages = num_pages;
   c.page_size = page_size;
   c.num_kv_heads = num_kv_heads;
   c.head_dim = head_dim;
+  c.latent_v_dim = latent_v_dim;
   c.dtype = dtype;
   for (int l = 0; l < num_layers; ++l) {
     c.k.push_back(alloc({num_pages, page_size, num_kv_heads, head_dim}, dtype));
-    c.v.push_back(alloc({num_pages, page_size, num_kv_heads, head_dim}, dtype));
+    if (latent_v_dim == 0) c.v.push_back(alloc({num_pages, page_size, num_kv_heads, head_dim}, dtype));
   }
   c.k_scale = alloc({num_layers, num_kv_heads}, DType::F32);
   c.v_scale = alloc({num_layers, num_kv_heads}, DType::F32);
@@ -233,11 +236,16 @@ void route_backward_shapes(const Contract& c, const Tensor& logits, const Tensor
 
 // The KV cache's pools and scales of `layer`, on this device.
 void cache_layer_contract(const Contract& c, const KvCache& cache, int layer, const char* op) {
+  const bool latent = cache.latent_v_dim > 0;  // MLA: K pools only, V = the first latent_v_dim of K
   FP8RL_CHECK(layer >= 0 && layer < cache.num_layers && static_cast<int>(cache.k.size()) == cache.num_layers &&
-                  static_cast<int>(cache.v.size()) == cache.num_layers,
+                  static_cast<int>(cache.v.size()) == (latent ? 0 : cache.num_layers),
               op, ": KV cache layer ", layer, " out of range [0, ", cache.num_layers, ")");
+  FP8RL_CHECK(cache.latent_v_dim <= cache.head_dim, op, ": KV cache latent_v_dim ", cache.latent_v_dim,
+              " > head_dim ", cache.head_dim);
   const Shape pool = {cache.num_pages, cache.page_size, cache.num_kv_heads, cache.head_dim};
-  for (const Tensor* t : {&cache.k[layer], &cache.v[layer]}) {
+  std::vector<const Tensor*> pools = {&cache.k[layer]};
+  if (!latent) pools.push_back(&cache.v[layer]);
+  for (const Tensor* t : pools) {
     c.on_device(*t, "KV cache pool");
     check_shape(*t, pool, "KV cache pool");
     check_dtype(*t, cache.dtype, "KV cache pool");
@@ -751,7 +759,10 @@ void Backend::kv_write(KvCache& cache, int layer, const Tensor& k, const Tensor&
   c.i32(batch.slots, "paged batch slots");
   const int64_t T = batch.slots.numel();
   c.floating(k, {T, cache.num_kv_heads, cache.head_dim}, "kv_write k");
-  c.floating(v, {T, cache.num_kv_heads, cache.head_dim}, "kv_write v");
+  if (cache.latent_v_dim > 0)
+    FP8RL_CHECK(!v.defined(), "kv_write: a latent (MLA) cache stores k only; v must be undefined, got ", v.str());
+  else
+    c.floating(v, {T, cache.num_kv_heads, cache.head_dim}, "kv_write v");
   kv_write_impl(cache, layer, k, v, batch);
 }
 
@@ -779,7 +790,7 @@ void Backend::attention_paged(const KvCache& cache, int layer, const Tensor& q, 
               "need ", T, " entries, got ", batch.token_seq.str(), " and ", batch.token_pos.str());
   c.i32(batch.page_table, "paged batch page_table");
   FP8RL_CHECK(batch.page_table.ndim() == 2, "page_table must be [B, max_pages], got ", batch.page_table.str());
-  c.floating(out, q.shape(), "attention_paged output");
+  c.floating(out, {T, q.dim(1), cache.v_dim()}, "attention_paged output");
   attention_paged_impl(cache, layer, q, batch, softmax_scale, fp8_attention, out);
 }
 

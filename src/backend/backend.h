@@ -77,7 +77,7 @@ struct Fp8View {
 };
 
 // Rotary embedding. Non-interleaved (rotate_half, as HF Llama/Qwen): dims i and i + hd/2 form
-// pair i. Interleaved (DeepSeek-V3's rope_interleave, CPU backend only): dims 2i and 2i + 1 form
+// pair i. Interleaved (DeepSeek-V3's rope_interleave): dims 2i and 2i + 1 form
 // pair i, rotated in place. (HF's apply_rotary_pos_emb_interleave writes the rotated pairs
 // de-interleaved, evens then odds: a fixed permutation of the dims applied to q and k alike,
 // which leaves every q.k, hence the attention, unchanged.) inv_freq has head_dim/2 entries
@@ -106,11 +106,16 @@ struct AdamWParams {
 // the stored value is e4m3(x / scale) and the read value e4m3_to_float(q) * scale, with FP32
 // scales per layer and KV head (k_scale/v_scale [num_layers, num_kv_heads], on the device;
 // per-layer calibration writes the same value to every head). Refit replaces the scales.
+// MLA's latent cache (latent_v_dim > 0; DeepSeek / vLLM / FlashMLA): one K row per token and
+// KV head ([latent | rope key], head_dim wide) and no V pools: the V of a position is the first
+// latent_v_dim values of its K row (the latent), read with k_scale (v_scale is unused).
 struct KvCache {
   int num_layers = 0, num_pages = 0, page_size = 16, num_kv_heads = 0, head_dim = 0;
+  int latent_v_dim = 0;      // > 0: V = K[..., :latent_v_dim], v pools empty (MLA)
   DType dtype = DType::BF16;
-  std::vector<Tensor> k, v;  // per layer: [num_pages, page_size, num_kv_heads, head_dim]
+  std::vector<Tensor> k, v;  // per layer: [num_pages, page_size, num_kv_heads, head_dim] (v: none when latent)
   Tensor k_scale, v_scale;   // F32 [num_layers, num_kv_heads]
+  int v_dim() const { return latent_v_dim > 0 ? latent_v_dim : head_dim; }  // V's width (the output's)
 };
 
 // The query tokens of one paged-attention call (a prefill chunk, a decode step, or both).
@@ -270,7 +275,7 @@ class Backend {
   // Causal grouped-query attention over packed sequences (training and reference prefill).
   // q [T, Hq, hd], k [T, Hkv, hd], v [T, Hkv, hdv], Hq % Hkv == 0; out [T, Hq, hdv]; lse F32
   // [Hq, T] (log-sum-exp of the scaled scores, saved for backward). cu_seqlens host [B + 1].
-  // hdv != hd (MLA: v_head_dim != qk_nope + qk_rope) on the CPU backend only; CUDA refuses it.
+  // hdv != hd: MLA (v_head_dim != qk_nope + qk_rope; CUDA: the simple kernels).
   void attention(const Tensor& q, const Tensor& k, const Tensor& v, const std::vector<int32_t>& cu_seqlens,
                  float softmax_scale, Tensor& out, Tensor& lse);
   // dq [T, Hq, hd], dk [T, Hkv, hd], dv [T, Hkv, hdv] written.
@@ -350,9 +355,12 @@ class Backend {
   void quantize(const Tensor& x, bool transpose, QuantTensor& out);
 
   // ---- generation --------------------------------------------------------------------------
-  // Allocates a paged cache (scales initialized to 1).
-  KvCache alloc_kv_cache(int num_layers, int num_pages, int page_size, int num_kv_heads, int head_dim, DType dtype);
+  // Allocates a paged cache (scales initialized to 1); latent_v_dim > 0 (<= head_dim): MLA's
+  // latent cache, K pools only (KvCache).
+  KvCache alloc_kv_cache(int num_layers, int num_pages, int page_size, int num_kv_heads, int head_dim, DType dtype,
+                         int latent_v_dim = 0);
   // Writes k, v [T, Hkv, hd] of `layer` into their slots (E4M3: quantized with the layer's scales).
+  // A latent cache (latent_v_dim > 0) stores k only: v must be undefined.
   void kv_write(KvCache& cache, int layer, const Tensor& k, const Tensor& v, const PagedBatch& batch);
   // x [T, H, hd] in place: each element of head h becomes e4m3(x / head_scale[h]) * head_scale[h],
   // the value an E4M3 KV cache with those scales hands the attention (kv_write then the pool
@@ -361,7 +369,8 @@ class Backend {
   void kv_round(Tensor& x, const std::vector<float>& head_scale);
   // Causal attention of q [T, Hq, hd] over the cached keys/values of each token's sequence,
   // positions 0..token_pos (inclusive; the token's own k/v must already be written).
-  // out [T, Hq, hd]. With fp8_attention, q is quantized per token and head (FP32 scale) too:
+  // out [T, Hq, cache.v_dim()] (hd, or a latent cache's latent_v_dim: MLA's absorbed attention,
+  // an MQA over [latent | rope key] rows whose V is the latent). With fp8_attention, q is quantized per token and head (FP32 scale) too:
   // each q[t, h, :] row uses s = quant_scale_from_amax(amax of the row, pow2=false) and the
   // value e4m3_to_float(e4m3_from_float(q / s)) * s. The CPU reference keeps the softmax
   // probabilities in FP32 (a GPU PV product in FP8 is compared against it with a tolerance).

@@ -428,14 +428,17 @@ int64_t ModelConfig::num_parameters() const {
 
 std::string model_config_to_json(const ModelConfig& c) {
   c.validate();
-  FP8RL_CHECK(c.model_type != "deepseek_v3", "writing a deepseek_v3 config.json is not supported yet: MLA models "
-              "load, score and train (CPU), but cannot be saved or exported");
-  FP8RL_CHECK(c.moe_router == "softmax" && c.n_shared_experts == 0, "a qwen3_moe config.json cannot carry sigmoid "
-              "routing or shared experts (DeepSeek features on a test model)");
-  const char* arch = c.model_type == "llama"       ? "LlamaForCausalLM"
-                     : c.model_type == "qwen2"     ? "Qwen2ForCausalLM"
-                     : c.model_type == "qwen3_moe" ? "Qwen3MoeForCausalLM"
-                                                   : "Qwen3ForCausalLM";
+  const bool deepseek = c.model_type == "deepseek_v3";
+  FP8RL_CHECK(deepseek || (c.moe_router == "softmax" && c.n_shared_experts == 0), "a qwen3_moe config.json cannot "
+              "carry sigmoid routing or shared experts (DeepSeek features on a test model)");
+  FP8RL_CHECK(!deepseek || (c.moe_router == "sigmoid" && c.mlp_only_layers.empty() && c.decoder_sparse_step == 1),
+              "a deepseek_v3 config.json carries sigmoid routing and first_k_dense_replace / moe_layer_freq, not "
+              "qwen3_moe's softmax routing, mlp_only_layers or decoder_sparse_step (a mixed test model)");
+  const char* arch = c.model_type == "llama"         ? "LlamaForCausalLM"
+                     : c.model_type == "qwen2"       ? "Qwen2ForCausalLM"
+                     : c.model_type == "qwen3_moe"   ? "Qwen3MoeForCausalLM"
+                     : deepseek                      ? "DeepseekV3ForCausalLM"
+                                                     : "Qwen3ForCausalLM";
   json j;
   j["architectures"] = {arch};
   j["model_type"] = c.model_type;
@@ -470,8 +473,28 @@ std::string model_config_to_json(const ModelConfig& c) {
   } else {
     j["rope_scaling"] = nullptr;
   }
-  if (c.model_type != "llama") j["use_sliding_window"] = false;
-  if (c.is_moe()) {  // both spellings: 4.x reads num_experts, 5.x num_local_experts
+  if (c.model_type != "llama" && !deepseek) j["use_sliding_window"] = false;
+  if (deepseek) {  // DeepseekV3Config's keys (4.x and 5.x read the same names; rope as above)
+    j["n_routed_experts"] = c.num_experts;
+    j["num_experts_per_tok"] = c.num_experts_per_tok;
+    j["moe_intermediate_size"] = c.moe_intermediate_size;
+    j["norm_topk_prob"] = c.norm_topk_prob;
+    j["n_group"] = c.n_group;
+    j["topk_group"] = c.topk_group;
+    j["routed_scaling_factor"] = short_decimal(c.routed_scaling_factor);
+    j["n_shared_experts"] = c.n_shared_experts;
+    j["first_k_dense_replace"] = c.first_k_dense_replace;
+    j["moe_layer_freq"] = c.moe_layer_freq;
+    j["topk_method"] = "noaux_tc";
+    j["scoring_func"] = "sigmoid";
+    j["q_lora_rank"] = c.q_lora_rank > 0 ? json(c.q_lora_rank) : json(nullptr);
+    j["kv_lora_rank"] = c.kv_lora_rank;
+    j["qk_nope_head_dim"] = c.qk_nope_head_dim;
+    j["qk_rope_head_dim"] = c.qk_rope_head_dim;
+    j["qk_head_dim"] = c.qk_head_dim();
+    j["v_head_dim"] = c.v_head_dim;
+    j["rope_interleave"] = c.rope_interleave;
+  } else if (c.is_moe()) {  // both spellings: 4.x reads num_experts, 5.x num_local_experts
     j["num_experts"] = c.num_experts;
     j["num_local_experts"] = c.num_experts;
     j["num_experts_per_tok"] = c.num_experts_per_tok;

@@ -43,7 +43,7 @@ struct ModelConfig {
 
   // DeepSeek-V3 / Moonlight (deepseek_v3): sigmoid routing with a score-correction bias, grouped
   // top-k, routed_scaling_factor, always-on shared experts, the first layers dense. Parsed and
-  // validated; the MLA attention below runs on the CPU backend (scoring and training).
+  // validated; the MLA attention below scores, trains and generates (latent cache) on both backends.
   std::string moe_router = "softmax";  // "softmax" (qwen3_moe) | "sigmoid" (deepseek_v3 noaux_tc)
   int n_group = 1, topk_group = 1;     // expert groups; groups kept per token
   float routed_scaling_factor = 1.0f;  // multiplies the routing weights

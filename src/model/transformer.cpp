@@ -59,12 +59,24 @@ void check_weights_on(const Backend& be, const ModelWeights& w) {
 
 // The attention step of one block: given a.q [T, Hq, hd], a.k, a.v [T, Hkv, hd] (after
 // q/k-norm and RoPE), writes a.attn [T, Hq, hd] (and whatever the step saves, e.g. a.lse).
-using AttentionStep = std::function<void(int layer, LayerActivations& a)>;
+// MLA blocks: the step also says what the projections hand it. Expanded (training): q, k, v
+// per head as above. Latent (mla_latent, generation's absorbed attention): a.q [T, H, qk], the
+// normed latent a.kv_latn [T, kvr] and the roped shared key a.rope_k [T, 1, r]; kv_b is not run.
+// mla_kv_round (per layer, empty: none): the latent and the rope key rounded as an E4M3 latent
+// cache with that layer's scale stores them, before kv_b (the trainer of a generator whose MLA
+// cache is E4M3; gradients pass straight through).
+struct AttentionStep {
+  std::function<void(int layer, LayerActivations& a)> run;
+  bool mla_latent = false;
+  std::vector<float> mla_kv_round;
+};
 
 // Allocates the buffers of one block for T tokens (x, the block input, is set by the caller):
 // those of the attention and, for the MLP, the dense or the mixture-of-experts ones. Buffers
 // already defined are kept (the generation forward reuses one set across blocks of both kinds).
-void alloc_layer(Backend& be, const ModelConfig& c, DType act, int64_t T, bool moe, LayerActivations& a) {
+// mla_latent: an MLA block's expanded k, v (and kv_b's output) are not needed (generation).
+void alloc_layer(Backend& be, const ModelConfig& c, DType act, int64_t T, bool moe, bool mla_latent,
+                 LayerActivations& a) {
   const DType st = stat_dtype_for(act);
   const int64_t D = c.hidden_size, F = c.intermediate_size, hd = c.head_dim;
   const int64_t Hq = c.num_heads, Hkv = c.num_kv_heads;
@@ -82,12 +94,14 @@ void alloc_layer(Backend& be, const ModelConfig& c, DType act, int64_t T, bool m
     a.kv_lat = be.alloc({T, kvr}, act);
     a.kv_rstd = be.alloc({T}, st);
     a.kv_latn = be.alloc({T, kvr}, act);
-    a.kv_b = be.alloc({T, H * (c.qk_nope_head_dim + dv)}, act);
     a.rope_q = be.alloc({T, H, r}, act);
     a.rope_k = be.alloc({T, 1, r}, act);
     a.q = be.alloc({T, H, qk}, act);
-    a.k = be.alloc({T, H, qk}, act);
-    a.v = be.alloc({T, H, dv}, act);
+    if (!mla_latent) {
+      a.kv_b = be.alloc({T, H * (c.qk_nope_head_dim + dv)}, act);
+      a.k = be.alloc({T, H, qk}, act);
+      a.v = be.alloc({T, H, dv}, act);
+    }
     a.attn = be.alloc({T, H, dv}, act);
     a.x_mid = be.alloc({T, D}, act);
     a.mlp_rstd = be.alloc({T}, st);
@@ -209,10 +223,19 @@ LinearSpec mla_spec(const ModelConfig& c, const LinearSpec& block, const LinearW
   return s;
 }
 
-// MLA's q, k, v (after RoPE) from a.xn_attn: a.q [T, H, qk], a.k [T, H, qk], a.v [T, H, dv].
-// xq: xn_attn's FP8 copy, used by the projections that run FP8.
+struct QkvAmax {
+  std::vector<float> q, k, v;
+};
+
+// MLA's q, k, v (after RoPE) from a.xn_attn: a.q [T, H, qk], a.k [T, H, qk], a.v [T, H, dv];
+// with `latent` only a.q, a.kv_latn [T, kvr] and a.rope_k [T, 1, r] (what a latent cache
+// holds: kv_b is not run). xq: xn_attn's FP8 copy, used by the projections that run FP8.
+// amax: k's is the amax of the cached row [latent | rope key], v's of the latent (V is the
+// latent): they size the latent cache's one scale. kv_round > 0: the latent and the rope key are
+// rounded as an E4M3 latent cache with that scale stores them, after the amax, before kv_b.
 void mla_qkv(Backend& be, const ModelConfig& c, const LayerWeights& lw, const LinearSpec& spec,
-             const Tensor& positions, const RopeParams& rope, const Fp8View* xq, LayerActivations& a) {
+             const Tensor& positions, const RopeParams& rope, const Fp8View* xq, bool latent, float kv_round,
+             QkvAmax* amax, LayerActivations& a) {
   const int64_t T = a.xn_attn.dim(0), H = c.num_heads, nope = c.qk_nope_head_dim, r = c.qk_rope_head_dim;
   const int64_t qk = c.qk_head_dim(), dv = c.v_head_dim, kvr = c.kv_lora_rank;
   Tensor q2 = a.q.reshape({T, H * qk});
@@ -234,6 +257,18 @@ void mla_qkv(Backend& be, const ModelConfig& c, const LayerWeights& lw, const Li
   Tensor rk = a.rope_k.reshape({T, r});
   be.copy_cols(a.kv_a, kvr, rk, 0, r);
   be.rope(a.rope_k, positions, rope, /*inverse=*/false);
+  if (amax) {
+    const float lat = be.amax(a.kv_latn);
+    amax->q.push_back(be.amax(a.q));
+    amax->k.push_back(std::fmax(lat, be.amax(a.rope_k)));
+    amax->v.push_back(lat);
+  }
+  if (kv_round > 0.0f) {
+    Tensor lat3 = a.kv_latn.reshape({T, 1, kvr});
+    be.kv_round(lat3, {kv_round});
+    be.kv_round(a.rope_k, {kv_round});
+  }
+  if (latent) return;
   be.linear(a.kv_latn, lw.kv_b, mla_spec(c, spec, lw.kv_b), a.kv_b);
   const Tensor kvh = a.kv_b.reshape({T * H, nope + dv});
   Tensor kh = a.k.reshape({T * H, qk}), vh = a.v.reshape({T * H, dv}), k2 = a.k.reshape({T, H * qk});
@@ -241,10 +276,6 @@ void mla_qkv(Backend& be, const ModelConfig& c, const LayerWeights& lw, const Li
   be.copy_cols(kvh, nope, vh, 0, dv);
   for (int64_t h = 0; h < H; ++h) be.copy_cols(rk, 0, k2, h * qk + nope, r);  // the shared rotary key
 }
-
-struct QkvAmax {
-  std::vector<float> q, k, v;
-};
 
 // One transformer block: fills `a` (its activations, buffers allocated here) from the block
 // input x [T, D] and writes the block output into x_next [T, D] (may be x itself).
@@ -258,7 +289,7 @@ void forward_block(Backend& be, const ModelWeights& w, const EnginePrecision& pr
   const RopeParams rope = c.rope_params();
   const LayerWeights& lw = w.layers[l];
   const LinearSpec spec = block_spec(prec, l, L);
-  alloc_layer(be, c, x.dtype(), T, c.layer_is_moe(l), a);
+  alloc_layer(be, c, x.dtype(), T, c.layer_is_moe(l), c.is_mla() && attention.mla_latent, a);
   a.x = x;
   // FP8 linears: the norms and the SwiGLU write their output's FP8 copy too (xq: of xn_attn,
   // then of xn_mlp; hq: of act), which the linears take instead of quantizing their input.
@@ -271,8 +302,9 @@ void forward_block(Backend& be, const ModelWeights& w, const EnginePrecision& pr
     be.rmsnorm_fp8(x, lw.attn_norm, c.rms_norm_eps, a.xn_attn, &a.attn_rstd, xq);
   else
     be.rmsnorm(x, lw.attn_norm, c.rms_norm_eps, a.xn_attn, &a.attn_rstd);
-  if (c.is_mla()) {  // q [T, H, qk], k [T, H, qk], v [T, H, dv]
-    mla_qkv(be, c, lw, spec, positions, rope, xq_or_null, a);
+  if (c.is_mla()) {  // q [T, H, qk], k [T, H, qk], v [T, H, dv] (or the latent: AttentionStep)
+    const float kv_round = attention.mla_kv_round.empty() ? 0.0f : attention.mla_kv_round[static_cast<size_t>(l)];
+    mla_qkv(be, c, lw, spec, positions, rope, xq_or_null, attention.mla_latent, kv_round, amax, a);
   } else {
     Tensor q2 = a.q.reshape({T, Hq * hd}), k2 = a.k.reshape({T, Hkv * hd}), v2 = a.v.reshape({T, Hkv * hd});
     if (c.qk_norm) {
@@ -286,12 +318,12 @@ void forward_block(Backend& be, const ModelWeights& w, const EnginePrecision& pr
     be.rope(a.q, positions, rope, /*inverse=*/false);
     be.rope(a.k, positions, rope, /*inverse=*/false);
   }
-  if (amax) {
+  if (amax && !c.is_mla()) {
     amax->q.push_back(be.amax(a.q));
     amax->k.push_back(be.amax(a.k));
     amax->v.push_back(be.amax(a.v));
   }
-  attention(l, a);
+  attention.run(l, a);
   if (c.is_mla())
     be.linear(a.attn.reshape({T, Hq * c.v_head_dim}), lw.o, mla_spec(c, spec, lw.o), a.proj);
   else
@@ -353,14 +385,101 @@ AttentionStep training_attention(Backend& be, const ModelConfig& c, const Forwar
                          static_cast<int>(kv_round_v.size()) == c.num_layers),
               "KV rounding needs one k and one v scale per layer (", c.num_layers, "), got ", kv_round_k.size(), " and ",
               kv_round_v.size());
-  return [&be, &c, &batch, st, softmax_scale, T, round, &kv_round_k, &kv_round_v](int layer, LayerActivations& a) {
-    if (round) {
+  AttentionStep step;
+  // MLA: the cache holds the latent and the rope key, so those are what gets rounded (mla_qkv).
+  if (round && c.is_mla()) step.mla_kv_round = kv_round_k;
+  const bool round_kv = round && !c.is_mla();
+  step.run = [&be, &c, &batch, st, softmax_scale, T, round_kv, &kv_round_k, &kv_round_v](int layer,
+                                                                                        LayerActivations& a) {
+    if (round_kv) {
       be.kv_round(a.k, std::vector<float>(static_cast<size_t>(a.k.dim(1)), kv_round_k[static_cast<size_t>(layer)]));
       be.kv_round(a.v, std::vector<float>(static_cast<size_t>(a.v.dim(1)), kv_round_v[static_cast<size_t>(layer)]));
     }
     if (!a.lse.defined()) a.lse = be.alloc({c.num_heads, T}, st);
     be.attention(a.q, a.k, a.v, batch.cu_seqlens, softmax_scale, a.attn, a.lse);
   };
+  return step;
+}
+
+// ---- MLA generation: the absorbed attention over the latent cache ----
+// Per token the cache holds one row [c | kr] (kvr + r values, shared by the H heads): c the
+// normed latent (kv_a_layernorm's output), kr the roped shared key. With kv_b's rows of head h
+// split into W_k [nope, kvr] (k_nope = c W_k^T) and W_v [dv, kvr] (v = c W_v^T), the expanded
+// score q_nope . k_nope + q_rope . kr equals [q_nope W_k | q_rope] . [c | kr] and the output
+// sum_j p_j v_j equals (sum_j p_j c_j) W_v^T. So: q_abs = [q_nope W_k | q_rope] per head, an MQA
+// over the cache rows with V = c (attention_paged on a latent cache), then each head's W_v.
+// The same function as the expanded form up to FP32 rounding order. kv_b runs unquantized
+// (the generator keeps it BF16 / FP32, as vLLM dequantizes it for the absorption).
+// Per head: H small GEMMs each way (a batched GEMM op would make it one launch on the GPU).
+struct MlaLatentScratch {
+  Tensor kv_row;                // [T, 1, kvr + r]  the rows written into the cache
+  Tensor q_abs;                 // [T, H, kvr + r]  absorbed queries
+  Tensor o_lat;                 // [T, H, kvr]      attention output in latent space
+  Tensor q_nope_h, q_lat_h;     // [T, nope], [T, kvr]  one head's slices
+  Tensor o_lat_h, attn_h;       // [T, kvr], [T, dv]
+};
+
+MlaLatentScratch mla_latent_scratch_alloc(Backend& be, const ModelConfig& c, DType act, int64_t T) {
+  const int64_t H = c.num_heads, kvr = c.kv_lora_rank, r = c.qk_rope_head_dim;
+  MlaLatentScratch s;
+  s.kv_row = be.alloc({T, 1, kvr + r}, act);
+  s.q_abs = be.alloc({T, H, kvr + r}, act);
+  s.o_lat = be.alloc({T, H, kvr}, act);
+  s.q_nope_h = be.alloc({T, c.qk_nope_head_dim}, act);
+  s.q_lat_h = be.alloc({T, kvr}, act);
+  s.o_lat_h = be.alloc({T, kvr}, act);
+  s.attn_h = be.alloc({T, c.v_head_dim}, act);
+  return s;
+}
+
+// The absorbed products run as FP32 GEMMs on their operands as stored: q_nope and the latent
+// output in the activation dtype, kv_b as the generator keeps it (BF16 under a BF16 / FP8
+// block, the trainer's rounding of the weight; the activation dtype under FP32). Rounding q_nope
+// or the latent output to BF16 as well would add a rounding the trainer's expanded form does
+// not have (measured: 2-5x the BF16 recipe's own mismatch on the fixtures).
+const LinearSpec kMlaAbsorbSpec{LinearMode::FP32, false};
+
+// From a.q [T, H, qk], a.kv_latn [T, kvr], a.rope_k [T, 1, r] (mla_qkv with latent): writes the
+// cache rows of the batch's tokens, attends, and writes a.attn [T, H, dv].
+void mla_attention_paged(Backend& be, const ModelWeights& w, const EnginePrecision& prec, int l, KvCache& cache,
+                         const PagedBatch& batch, MlaLatentScratch& s, LayerActivations& a) {
+  const ModelConfig& c = w.config;
+  const int64_t T = a.q.dim(0), H = c.num_heads, nope = c.qk_nope_head_dim, r = c.qk_rope_head_dim;
+  const int64_t qk = c.qk_head_dim(), dv = c.v_head_dim, kvr = c.kv_lora_rank, w_rows = nope + dv;
+  const LayerWeights& lw = w.layers[l];
+  const LinearSpec& spec = kMlaAbsorbSpec;
+  FP8RL_CHECK(lw.kv_b.w.defined(), "MLA generation needs kv_b_proj's unquantized weight (the generator keeps it)");
+  // 1. the cache rows [c | kr]
+  Tensor row = s.kv_row.reshape({T, kvr + r});
+  be.copy_cols(a.kv_latn, 0, row, 0, kvr);
+  be.copy_cols(a.rope_k.reshape({T, r}), 0, row, kvr, r);
+  be.kv_write(cache, l, s.kv_row, Tensor(), batch);
+  // 2. q_abs = [q_nope W_k | q_rope] per head. q_nope W_k (no transpose of W_k) is the input
+  // gradient of the linear x -> x W_k^T for the output gradient q_nope: linear_backward's dgrad
+  // (its x is only shape-checked when no weight gradient is asked).
+  const Tensor q2 = a.q.reshape({T, H * qk});
+  Tensor qa2 = s.q_abs.reshape({T, H * (kvr + r)});
+  for (int64_t h = 0; h < H; ++h) {
+    LinearWeight wk;
+    wk.w = lw.kv_b.w.slice_rows(h * w_rows, h * w_rows + nope);  // [nope, kvr]
+    be.copy_cols(q2, h * qk, s.q_nope_h, 0, nope);
+    be.linear_backward(s.q_nope_h, s.q_lat_h, wk, spec, &s.q_lat_h, nullptr, nullptr);
+    be.copy_cols(s.q_lat_h, 0, qa2, h * (kvr + r), kvr);
+  }
+  Tensor qah = s.q_abs.reshape({T * H, kvr + r});
+  be.copy_cols(a.q.reshape({T * H, qk}), nope, qah, kvr, r);
+  // 3. the MQA over the latent rows (softmax scale of the expanded head, 1/sqrt(qk)), V = c
+  be.attention_paged(cache, l, s.q_abs, batch, c.softmax_scale(), prec.fp8_attention, s.o_lat);
+  // 4. each head's output through its W_v [dv, kvr]
+  const Tensor ol2 = s.o_lat.reshape({T, H * kvr});
+  Tensor attn2 = a.attn.reshape({T, H * dv});
+  for (int64_t h = 0; h < H; ++h) {
+    LinearWeight wv;
+    wv.w = lw.kv_b.w.slice_rows(h * w_rows + nope, (h + 1) * w_rows);  // [dv, kvr]
+    be.copy_cols(ol2, h * kvr, s.o_lat_h, 0, kvr);
+    be.linear(s.o_lat_h, wv, spec, s.attn_h);
+    be.copy_cols(s.attn_h, 0, attn2, h * dv, dv);
+  }
 }
 
 }  // namespace
@@ -456,13 +575,13 @@ void model_forward_paged(Backend& be, const ModelWeights& w, const EnginePrecisi
                          Tensor* hidden_out) {
   const ModelConfig& c = w.config;
   check_weights_on(be, w);
-  FP8RL_CHECK(!c.is_mla(), "MLA attention (", c.model_type, ", kv_lora_rank ", c.kv_lora_rank, ") has no paged KV cache yet: "
-              "generation is not supported for this model (scoring and training are, on the CPU backend)");
-  FP8RL_CHECK(cache.num_layers == c.num_layers && cache.num_kv_heads == c.num_kv_heads &&
-                  cache.head_dim == c.head_dim,
+  const KvCacheShape want = model_kv_cache_shape(c);
+  FP8RL_CHECK(cache.num_layers == c.num_layers && cache.num_kv_heads == want.num_kv_heads &&
+                  cache.head_dim == want.head_dim && cache.latent_v_dim == want.latent_v_dim,
               "the KV cache (", cache.num_layers, " layers, ", cache.num_kv_heads, " KV heads, head_dim ",
-              cache.head_dim, ") does not fit the model (", c.num_layers, ", ", c.num_kv_heads, ", ",
-              c.head_dim, "); allocate it with model_alloc_kv_cache");
+              cache.head_dim, ", latent V ", cache.latent_v_dim, ") does not fit the model (", c.num_layers, ", ",
+              want.num_kv_heads, ", ", want.head_dim, ", ", want.latent_v_dim,
+              "); allocate it with model_alloc_kv_cache");
   check_dtype(ids, DType::I32, "ids");
   check_dtype(rows, DType::I32, "rows");
   const int64_t T = ids.numel(), R = rows.numel(), D = c.hidden_size;
@@ -474,11 +593,21 @@ void model_forward_paged(Backend& be, const ModelWeights& w, const EnginePrecisi
   Tensor x = be.alloc({T, D}, act);  // [T, D]
   be.embedding(ids, w.embed, x);
 
-  const float softmax_scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
-  AttentionStep attention = [&](int layer, LayerActivations& a) {
-    be.kv_write(cache, layer, a.k, a.v, batch);
-    be.attention_paged(cache, layer, a.q, batch, softmax_scale, prec.fp8_attention, a.attn);
-  };
+  AttentionStep attention;
+  MlaLatentScratch mla;
+  if (c.is_mla()) {
+    mla = mla_latent_scratch_alloc(be, c, act, T);
+    attention.mla_latent = true;
+    attention.run = [&](int layer, LayerActivations& a) {
+      mla_attention_paged(be, w, prec, layer, cache, batch, mla, a);
+    };
+  } else {
+    const float softmax_scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+    attention.run = [&](int layer, LayerActivations& a) {
+      be.kv_write(cache, layer, a.k, a.v, batch);
+      be.attention_paged(cache, layer, a.q, batch, softmax_scale, prec.fp8_attention, a.attn);
+    };
+  }
   Tensor x_final;
   forward_layers(be, w, prec, x, batch.token_pos, attention, nullptr, false, nullptr, x_final);
 
@@ -499,10 +628,14 @@ void model_forward_paged(Backend& be, const ModelWeights& w, const EnginePrecisi
   if (hidden_out) *hidden_out = hidden;
 }
 
+KvCacheShape model_kv_cache_shape(const ModelConfig& c) {
+  if (c.is_mla()) return {1, c.kv_lora_rank + c.qk_rope_head_dim, c.kv_lora_rank};
+  return {c.num_kv_heads, c.head_dim, 0};
+}
+
 KvCache model_alloc_kv_cache(Backend& be, const ModelConfig& c, int num_pages, int page_size, DType dtype) {
-  FP8RL_CHECK(!c.is_mla(), "MLA attention (", c.model_type, ", kv_lora_rank ", c.kv_lora_rank, ") has no paged KV cache yet: "
-              "generation is not supported for this model (scoring and training are, on the CPU backend)");
-  return be.alloc_kv_cache(c.num_layers, num_pages, page_size, c.num_kv_heads, c.head_dim, dtype);
+  const KvCacheShape s = model_kv_cache_shape(c);
+  return be.alloc_kv_cache(c.num_layers, num_pages, page_size, s.num_kv_heads, s.head_dim, dtype, s.latent_v_dim);
 }
 
 // ---- the backward ------------------------------------------------------------------------------

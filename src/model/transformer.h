@@ -164,7 +164,15 @@ void model_forward_paged(Backend& backend, const ModelWeights& weights, const En
                          KvCache& cache, const Tensor& ids, const PagedBatch& batch, const Tensor& rows,
                          Tensor& logits, Tensor* hidden = nullptr);
 
-// A KV cache sized for this model (layers, KV heads, head_dim from its config).
+// The paged cache's per-layer row of a model: num_kv_heads x head_dim per token; MLA
+// (deepseek_v3) caches one row of kv_lora_rank + qk_rope_head_dim values (the normed latent and
+// the roped shared key) whose first kv_lora_rank are V (latent_v_dim): the absorbed attention
+// (transformer.cpp, mla_attention_paged; docs/design.md says why).
+struct KvCacheShape {
+  int num_kv_heads = 0, head_dim = 0, latent_v_dim = 0;
+};
+KvCacheShape model_kv_cache_shape(const ModelConfig& config);
+// A KV cache sized for this model (layers and model_kv_cache_shape from its config).
 KvCache model_alloc_kv_cache(Backend& backend, const ModelConfig& config, int num_pages, int page_size,
                              DType dtype);
 

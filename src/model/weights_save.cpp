@@ -34,17 +34,24 @@ void remove_old_weights(const std::string& dir) {
   }
 }
 
-// "model.layers.{i}.<self_attn|mlp>.<x>_proj.weight" (experts too) -> i, else -1: the linears the
-// FP8 block format may store as F8_E4M3.
+// "model.layers.{i}.<self_attn|mlp>.<x>_proj.weight" (experts too; MLA's
+// kv_a_proj_with_mqa.weight) -> i, else -1: the linears the FP8 block format may store as F8_E4M3.
 int fp8_candidate_layer(const std::string& name) {
-  const bool linear = name.rfind("model.layers.", 0) == 0 && name.size() > 12 &&
-                      name.compare(name.size() - 12, 12, "_proj.weight") == 0;
+  auto ends_with = [&](const std::string& s) {
+    return name.size() > s.size() && name.compare(name.size() - s.size(), s.size(), s) == 0;
+  };
+  const bool linear = name.rfind("model.layers.", 0) == 0 &&
+                      (ends_with("_proj.weight") || ends_with(".kv_a_proj_with_mqa.weight"));
   return linear ? std::stoi(name.substr(13)) : -1;
 }
 
-bool stored_fp8(const std::string& name, const SaveOptions& opt, int num_layers) {
-  const int layer = fp8_candidate_layer(name);
+// An MLA projection whose widths the recipe cannot block (kv_a_proj_with_mqa) stays BF16 as in
+// the FP8 engines (model_linear_mode).
+bool stored_fp8(const std::string& name, const Tensor& t, const SaveOptions& opt, const ModelConfig& c) {
+  const int layer = fp8_candidate_layer(name), num_layers = c.num_layers;
   if (!opt.fp8_block || layer < 0) return false;
+  if (name.find(".self_attn.") != std::string::npos && t.ndim() == 2 && mla_projection_kept_bf16(c, t.dim(0), t.dim(1)))
+    return false;
   EnginePrecision fp8;
   fp8.linear = LinearMode::FP8_BLOCK;
   fp8.bf16_first_layers = opt.bf16_first_layers;
@@ -68,7 +75,7 @@ std::string hf_dequantize_block_misread(int64_t out, int64_t in) {
 std::vector<std::string> model_fp8_hf_dequantize_misreads(const ModelWeights& w, const SaveOptions& opt) {
   std::vector<std::string> out;
   model_for_each_parameter(w, [&](const std::string& name, const Tensor& t) {
-    if (!stored_fp8(name, opt, w.config.num_layers) || t.ndim() != 2) return;
+    if (!stored_fp8(name, t, opt, w.config) || t.ndim() != 2) return;
     const std::string why = hf_dequantize_block_misread(t.dim(0), t.dim(1));
     if (why.empty()) return;
     const int64_t gr = (t.dim(0) + kQuantBlock - 1) / kQuantBlock, gc = (t.dim(1) + kQuantBlock - 1) / kQuantBlock;
@@ -88,7 +95,7 @@ void model_weights_save(const ModelWeights& w, const std::string& dir, const Sav
   const int L = w.config.num_layers;
   // 1. The tensors in their stored form, in model_for_each_parameter's order.
   for (size_t i = 0; i < w.layers.size(); ++i)
-    FP8RL_CHECK(w.layers[i].q.w.defined() &&
+    FP8RL_CHECK((w.layers[i].q.w.defined() || w.layers[i].q_a.w.defined()) &&
                     (w.layers[i].is_moe() ? w.layers[i].experts[0].down.w.defined() : w.layers[i].down.w.defined()),
                 "cannot save layer ", i,
                 ": it has only an FP8 copy (keep the high-precision weight to save)");
@@ -111,7 +118,7 @@ void model_weights_save(const ModelWeights& w, const std::string& dir, const Sav
         continue;
       }
       const std::string module = name.substr(0, name.size() - 7);  // without ".weight"
-      if (!stored_fp8(name, opt, L)) {
+      if (!stored_fp8(name, t, opt, w.config)) {
         kept_linears.push_back(module);
         out.push_back({name, t});
         continue;

@@ -8,6 +8,7 @@
 
 #include "core/error.h"
 #include "model/shapes.h"
+#include "model/transformer.h"
 #include "quant/quant.h"
 
 namespace fp8rl {
@@ -140,11 +141,16 @@ MemoryPlan memory_plan_compute(const MemoryPlanInput& in) {
                         fp8 ? "linears 1 B/elem + F32 scale per 128x128 block; embed/norms in activation dtype"
                             : "every tensor in the activation dtype"});
   const int64_t kv_tokens = in.kv_pages * in.page_size;
-  const int64_t kv = 2 * L * kv_tokens * c.num_kv_heads * c.head_dim * int64_t(dtype_size(in.generator.kv_cache)) +
-                     2 * L * c.num_kv_heads * 4;
+  // MLA (model_kv_cache_shape): one latent row of kv_lora_rank + qk_rope_head_dim per token and
+  // layer, no V pool (V is the latent).
+  const KvCacheShape kvs = model_kv_cache_shape(c);
+  const int64_t pools = kvs.latent_v_dim > 0 ? 1 : 2;
+  const int64_t kv = pools * L * kv_tokens * kvs.num_kv_heads * kvs.head_dim * int64_t(dtype_size(in.generator.kv_cache)) +
+                     2 * L * kvs.num_kv_heads * 4;
   p.resident.push_back({std::string("KV pool (") + dtype_name(in.generator.kv_cache) + ")", kv,
                         std::to_string(in.kv_pages) + " pages x " + std::to_string(in.page_size) +
-                            " tokens x layers x K,V x kv_heads x head_dim" +
+                            (kvs.latent_v_dim > 0 ? " tokens x layers x (kv_lora_rank + qk_rope_head_dim) (MLA latent)"
+                                                  : " tokens x layers x K,V x kv_heads x head_dim") +
                             (in.kv_note.empty() ? "" : "; " + in.kv_note)});
 
   const int64_t act = T * (L * memory_plan_block_bytes_per_token(c, in.act_dtype) +
@@ -217,7 +223,9 @@ int64_t memory_plan_kv_pages_max(const RunConfig& c, const ModelConfig& model) {
 }
 
 int64_t memory_plan_kv_page_bytes(const ModelConfig& m, DType kv_dtype, int64_t page_size) {
-  return 2 * int64_t(m.num_layers) * page_size * m.num_kv_heads * m.head_dim * int64_t(dtype_size(kv_dtype));
+  const KvCacheShape kvs = model_kv_cache_shape(m);  // MLA: one latent row, no V pool
+  const int64_t pools = kvs.latent_v_dim > 0 ? 1 : 2;
+  return pools * int64_t(m.num_layers) * page_size * kvs.num_kv_heads * kvs.head_dim * int64_t(dtype_size(kv_dtype));
 }
 
 MemoryPlanInput memory_plan_input(const RunConfig& c, const ModelConfig& model, DType act_dtype, bool sft) {

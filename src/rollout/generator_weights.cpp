@@ -20,14 +20,15 @@ Tensor alloc_like(Backend& be, const Tensor& t, DType dtype) {
   return t.defined() ? be.alloc(t.shape(), dtype) : Tensor();
 }
 
-// Visits the linears of block l that follow the block's precision (q, k, v, o and the dense MLP's
-// or every expert's gate, up, down) of two weight sets side by side. g.experts must be sized.
+// Visits the linears of block l that follow the block's precision (q, k, v, o, MLA's
+// projections, and the dense MLP's or every expert's gate, up, down) of two weight sets side by
+// side. g.experts must be sized.
 template <class Fn>
 void for_each_linear_pair(const LayerWeights& m, LayerWeights& g, Fn fn) {
-  fn(m.q, g.q);
-  fn(m.k, g.k);
-  fn(m.v, g.v);
-  fn(m.o, g.o);
+  auto defined = [](const LinearWeight& w) { return w.w.defined() || w.wq.defined(); };
+  for (auto p : {&LayerWeights::q, &LayerWeights::k, &LayerWeights::v, &LayerWeights::o, &LayerWeights::q_a,
+                 &LayerWeights::q_b, &LayerWeights::kv_a, &LayerWeights::kv_b})
+    if (defined(m.*p)) fn(m.*p, g.*p);  // (MLA has no k, v; the others have no q_a ... kv_b)
   if (m.gate.w.defined() || m.gate.wq.defined()) {  // the dense MLP, or an MoE layer's shared experts
     fn(m.gate, g.gate);
     fn(m.up, g.up);
@@ -43,9 +44,6 @@ void for_each_linear_pair(const LayerWeights& m, LayerWeights& g, Fn fn) {
 }  // namespace
 
 ModelWeights generator_weights_alloc(Backend& be, const ModelWeights& master, const EnginePrecision& prec) {
-  FP8RL_CHECK(!master.config.is_mla(), "MLA attention (", master.config.model_type, ", kv_lora_rank ",
-              master.config.kv_lora_rank, ") has no paged KV cache yet: generation (the rollout engine) is not "
-              "supported for this model (scoring and training are, on the CPU backend)");
   const DType act = be.act_dtype();
   const int L = master.config.num_layers;
   ModelWeights g;
@@ -61,14 +59,21 @@ ModelWeights generator_weights_alloc(Backend& be, const ModelWeights& master, co
     gl.mlp_norm = alloc_like(be, m.mlp_norm, act);
     gl.q_norm = alloc_like(be, m.q_norm, act);
     gl.k_norm = alloc_like(be, m.k_norm, act);
+    gl.q_a_norm = alloc_like(be, m.q_a_norm, act);  // MLA
+    gl.kv_a_norm = alloc_like(be, m.kv_a_norm, act);
     gl.router.w = alloc_like(be, m.router.w, DType::F32);  // the router stays FP32 (model/transformer.h)
     gl.router_bias = alloc_like(be, m.router_bias, DType::F32);
     gl.experts.resize(m.experts.size());
     const LinearMode mode = prec.linear_for_layer(l, L);
     for_each_linear_pair(m, gl, [&](const LinearWeight& mw, LinearWeight& gw) {
       FP8RL_CHECK(mw.w.defined(), "the generator is built from high-precision master weights");
-      if (mode == LinearMode::FP8_BLOCK) {
+      // MLA: kv_b is kept unquantized for the absorbed attention (transformer.cpp,
+      // mla_attention_paged), and projections of widths the recipe cannot block stay BF16.
+      const bool mla_unquantized = &mw == &m.kv_b || mla_projection_kept_bf16(master.config, mw.w.dim(0), mw.w.dim(1));
+      if (mode == LinearMode::FP8_BLOCK && !mla_unquantized) {
         gw.wq = be.alloc_quant(mw.w.dim(0), mw.w.dim(1), kQuantBlock, kQuantBlock, prec.pow2_scales);
+      } else if (&mw == &m.kv_b && mode != LinearMode::FP32) {
+        gw.w = alloc_like(be, mw.w, DType::BF16);  // the absorbed products read it as stored (BF16: the trainer's rounding)
       } else {
         gw.w = alloc_like(be, mw.w, act);
       }
@@ -94,6 +99,8 @@ void generator_weights_refit(Backend& be, const ModelWeights& master, const Engi
     assign(be, m.mlp_norm, gl.mlp_norm);
     if (m.q_norm.defined()) assign(be, m.q_norm, gl.q_norm);
     if (m.k_norm.defined()) assign(be, m.k_norm, gl.k_norm);
+    if (m.q_a_norm.defined()) assign(be, m.q_a_norm, gl.q_a_norm);
+    if (m.kv_a_norm.defined()) assign(be, m.kv_a_norm, gl.kv_a_norm);
     if (m.router.w.defined()) assign(be, m.router.w, gl.router.w);
     if (m.router_bias.defined()) assign(be, m.router_bias, gl.router_bias);
     for_each_linear_pair(m, gl, [&](const LinearWeight& mw, LinearWeight& gw) {

@@ -422,3 +422,62 @@ TEST(MemoryCheck, RecomputeAutoIsSaidAtStart) {
 
 }  // namespace
 }  // namespace fp8rl
+
+namespace fp8rl {
+namespace {
+
+// MLA (deepseek_v3): the KV pool is the latent cache, one row of kv_lora_rank + qk_rope_head_dim
+// per token and layer and no V pool, as the engine allocates it. At Moonlight-16B-A3B's shape
+// (27 layers, 16 heads, latent 512 + rope 64) an E4M3 pool holds 27 x 576 = 15552 B per token,
+// where expanded per-head K (192) and V (128) would take 27 x 16 x 320 = 138240 B (8.9x).
+TEST(MemoryPlan, CountsTheMlaLatentCache) {
+  const char* moonlight = R"({"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+    "vocab_size": 163840, "hidden_size": 2048, "intermediate_size": 11264, "moe_intermediate_size": 1408,
+    "num_hidden_layers": 27, "num_attention_heads": 16, "num_key_value_heads": 16, "n_shared_experts": 2,
+    "n_routed_experts": 64, "routed_scaling_factor": 2.446, "kv_lora_rank": 512, "q_lora_rank": null,
+    "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc",
+    "n_group": 1, "topk_group": 1, "num_experts_per_tok": 6, "moe_layer_freq": 1, "first_k_dense_replace": 1,
+    "norm_topk_prob": true, "scoring_func": "sigmoid", "hidden_act": "silu", "rms_norm_eps": 1e-05,
+    "tie_word_embeddings": false, "rope_theta": 50000.0, "rope_scaling": null})";
+  MemoryPlanInput in;
+  in.model = model_config_from_json(moonlight);
+  in.generator.kv_cache = DType::E4M3;
+  in.kv_pages = 1000;
+  in.page_size = 16;
+  const int64_t scales = 2 * 27 * 1 * 4;  // k_scale, v_scale [layers, 1]
+  EXPECT_EQ(find(memory_plan_compute(in).resident, "KV pool"), 16000 * 27 * 576 + scales);
+
+  // A tiny MLA model: the plan's bytes are the engine's cache, tensor for tensor.
+  ModelConfig c = model_config_tiny("qwen3_moe", 48, 64, 2, 4, 4, 96);
+  c.model_type = "deepseek_v3";
+  c.qk_norm = false;
+  c.tie_word_embeddings = false;
+  c.mlp_only_layers = {0, 1};
+  c.kv_lora_rank = 20;
+  c.qk_nope_head_dim = 12;
+  c.qk_rope_head_dim = 8;
+  c.v_head_dim = 10;
+  c.head_dim = 8;
+  c.validate();
+  RandomInit init;
+  auto be = make_backend("cpu");
+  const ModelWeights dev = model_weights_to_device(*be, model_weights_random(c, init, DType::F32), DType::F32);
+  for (DType kv_dtype : {DType::E4M3, DType::BF16}) {
+    EnginePrecision gen;
+    gen.kv_cache = kv_dtype;
+    RolloutEngine engine(*be, dev, gen, 7, 16, 4);
+    int64_t kv = tensor_bytes(engine.kv_cache().k_scale) + tensor_bytes(engine.kv_cache().v_scale);
+    for (const Tensor& t : engine.kv_cache().k) kv += tensor_bytes(t);
+    EXPECT_TRUE(engine.kv_cache().v.empty());
+    MemoryPlanInput tin;
+    tin.model = c;
+    tin.generator = gen;
+    tin.act_dtype = be->act_dtype();
+    tin.kv_pages = 7;
+    EXPECT_EQ(find(memory_plan_compute(tin).resident, "KV pool"), kv);
+    EXPECT_EQ(kv, 2 * 7 * 16 * 28 * int64_t(dtype_size(kv_dtype)) + 2 * 2 * 4);
+  }
+}
+
+}  // namespace
+}  // namespace fp8rl

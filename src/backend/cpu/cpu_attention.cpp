@@ -159,7 +159,8 @@ void cache_load_row(const Tensor& pool, int64_t index, int64_t n, float scale, f
 void CpuBackend::kv_write_impl(KvCache& cache, int layer, const Tensor& k, const Tensor& v, const PagedBatch& batch) {
   const std::vector<int32_t> slots = load_i32(batch.slots, "paged batch slots");
   const int64_t T = static_cast<int64_t>(slots.size()), H = cache.num_kv_heads, hd = cache.head_dim;
-  const std::vector<double> vk = load(k, "kv_write k"), vv = load(v, "kv_write v");
+  const bool latent = cache.latent_v_dim > 0;
+  const std::vector<double> vk = load(k, "kv_write k"), vv = latent ? std::vector<double>() : load(v, "kv_write v");
   const float* ks = cache.k_scale.data<float>() + layer * H;
   const float* vs = cache.v_scale.data<float>() + layer * H;
   if (cache.dtype == DType::E4M3)
@@ -174,7 +175,7 @@ void CpuBackend::kv_write_impl(KvCache& cache, int layer, const Tensor& k, const
       for (int64_t c = 0; c < hd; ++c) {
         const int64_t src = (t * H + h) * hd + c, dst = (int64_t(slots[t]) * H + h) * hd + c;
         cache_store(cache.k[layer], dst, static_cast<float>(vk[src]), ks[h]);
-        cache_store(cache.v[layer], dst, static_cast<float>(vv[src]), vs[h]);
+        if (!latent) cache_store(cache.v[layer], dst, static_cast<float>(vv[src]), vs[h]);
       }
     }
   }
@@ -203,14 +204,18 @@ void CpuBackend::attention_paged_impl(const KvCache& cache, int layer, const Ten
   const std::vector<int32_t> table = load_i32(batch.page_table, "paged batch page_table");
   const int64_t B = batch.page_table.dim(0), max_pages = batch.page_table.dim(1);
   const int64_t T = q.dim(0), Hq = q.dim(1), Hkv = cache.num_kv_heads, hd = cache.head_dim, group = Hq / Hkv;
+  // V: its own pool, or (a latent MLA cache) the first dv values of the K row, read with k's scale.
+  const bool latent = cache.latent_v_dim > 0;
+  const int64_t dv = cache.v_dim();
   std::vector<double> vq = load(q, "attention_paged q");
   const float* ks = cache.k_scale.data<float>() + layer * Hkv;
-  const float* vs = cache.v_scale.data<float>() + layer * Hkv;
-  std::vector<double> o(vq.size(), 0.0);
+  const float* vs = latent ? ks : cache.v_scale.data<float>() + layer * Hkv;
+  const Tensor& vpool = latent ? cache.k[layer] : cache.v[layer];
+  std::vector<double> o(T * Hq * dv, 0.0);
   // One task per query token: it writes only its own rows of o (and of its copy of q).
   cpu_parallel_for(T, T * Hq * (batch.max_pos + 1) * hd * 2, [&](int64_t t0, int64_t t1) {
     std::vector<double> p;
-    std::vector<float> kj(hd), vj(hd);
+    std::vector<float> kj(hd), vj(dv);
     for (int64_t t = t0; t < t1; ++t) {
       FP8RL_CHECK(seq[t] >= 0 && seq[t] < B, "attention_paged: token ", t, " has sequence ", seq[t], " outside [0, ",
                   B, ")");
@@ -248,10 +253,10 @@ void CpuBackend::attention_paged_impl(const KvCache& cache, int layer, const Ten
         }
         double sum = 0;
         for (double& e : p) sum += (e = std::exp(e - m));
-        double* oi = o.data() + (t * Hq + h) * hd;
+        double* oi = o.data() + (t * Hq + h) * dv;
         for (int64_t j = 0; j < n; ++j) {
-          cache_load_row(cache.v[layer], (slot_of(j) * Hkv + kh) * hd, hd, vs[kh], vj.data());
-          for (int64_t c = 0; c < hd; ++c) oi[c] += p[j] / sum * vj[c];
+          cache_load_row(vpool, (slot_of(j) * Hkv + kh) * hd, dv, vs[kh], vj.data());
+          for (int64_t c = 0; c < dv; ++c) oi[c] += p[j] / sum * vj[c];
         }
       }
     }

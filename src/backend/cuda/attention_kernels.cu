@@ -3,6 +3,7 @@
 // and of the output accumulator; keys are visited one by one with an online softmax.
 //   packed causal GQA forward (+ lse) and backward (dq per query; dk/dv per key),
 //   KV-cache writes (E4M3 bit-exact with the CPU codec) and paged attention over the cache.
+#include <algorithm>
 #include <type_traits>
 
 #include "backend/cuda/common.cuh"
@@ -38,7 +39,7 @@ __device__ __forceinline__ float dot_vec(const T* p, int hd, int lane, const flo
 
 template <int EPL, class T>
 __global__ void attention_fwd_kernel(const T* q, const T* k, const T* v, const int32_t* seq_start, int64_t T_, int Hq,
-                                     int Hkv, int hd, float scale, T* out, float* lse) {
+                                     int Hkv, int hd, int hdv, float scale, T* out, float* lse) {
   const int64_t w = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
   const int lane = threadIdx.x & 31;
   if (w >= T_ * Hq) return;
@@ -54,18 +55,18 @@ __global__ void attention_fwd_kernel(const T* q, const T* k, const T* v, const i
     const float mn = fmaxf(m, s);
     const float corr = expf(m - mn), p = expf(s - mn);
     l = l * corr + p;
-    const T* vp = v + (j * Hkv + hk) * hd;
+    const T* vp = v + (j * Hkv + hk) * hdv;
 #pragma unroll
     for (int i = 0; i < EPL; ++i) {
       const int d = lane + 32 * i;
-      acc[i] = acc[i] * corr + (d < hd ? p * load_f(vp, d) : 0.0f);
+      acc[i] = acc[i] * corr + (d < hdv ? p * load_f(vp, d) : 0.0f);
     }
     m = mn;
   }
 #pragma unroll
   for (int i = 0; i < EPL; ++i) {
     const int d = lane + 32 * i;
-    if (d < hd) store_f(out, (t * Hq + h) * hd + d, acc[i] / l);
+    if (d < hdv) store_f(out, (t * Hq + h) * hdv + d, acc[i] / l);
   }
   if (lane == 0) lse[static_cast<int64_t>(h) * T_ + t] = m + logf(l);
 }
@@ -86,7 +87,7 @@ __global__ void attention_delta_kernel(const T* dout, const T* out, int64_t rows
 template <int EPL, class T>
 __global__ void attention_dq_kernel(const T* dout, const T* q, const T* k, const T* v, const float* lse,
                                     const float* delta, const int32_t* seq_start, int64_t T_, int Hq, int Hkv, int hd,
-                                    float scale, T* dq) {
+                                    int hdv, float scale, T* dq) {
   const int64_t w = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
   const int lane = threadIdx.x & 31;
   if (w >= T_ * Hq) return;
@@ -94,14 +95,14 @@ __global__ void attention_dq_kernel(const T* dout, const T* q, const T* k, const
   const int h = static_cast<int>(w % Hq), hk = h / (Hq / Hkv);
   float qv[EPL], gv[EPL], acc[EPL];
   load_vec<EPL>(q + (t * Hq + h) * hd, hd, lane, qv);
-  load_vec<EPL>(dout + (t * Hq + h) * hd, hd, lane, gv);
+  load_vec<EPL>(dout + (t * Hq + h) * hdv, hdv, lane, gv);
 #pragma unroll
   for (int i = 0; i < EPL; ++i) acc[i] = 0.0f;
   const float L = lse[static_cast<int64_t>(h) * T_ + t], D = delta[t * Hq + h];
   for (int64_t j = seq_start[t]; j <= t; ++j) {
     const T* kp = k + (j * Hkv + hk) * hd;
     const float p = expf(dot_vec<EPL>(kp, hd, lane, qv) * scale - L);
-    const float dp = dot_vec<EPL>(v + (j * Hkv + hk) * hd, hd, lane, gv);
+    const float dp = dot_vec<EPL>(v + (j * Hkv + hk) * hdv, hdv, lane, gv);
     const float ds = p * (dp - D) * scale;
 #pragma unroll
     for (int i = 0; i < EPL; ++i) {
@@ -120,7 +121,7 @@ __global__ void attention_dq_kernel(const T* dout, const T* q, const T* k, const
 template <int EPL, class T>
 __global__ void attention_dkv_kernel(const T* dout, const T* q, const T* k, const T* v, const float* lse,
                                      const float* delta, const int32_t* seq_end, int64_t T_, int Hq, int Hkv, int hd,
-                                     float scale, T* dk, T* dv) {
+                                     int hdv, float scale, T* dk, T* dv) {
   const int64_t w = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
   const int lane = threadIdx.x & 31;
   if (w >= T_ * Hkv) return;
@@ -128,7 +129,7 @@ __global__ void attention_dkv_kernel(const T* dout, const T* q, const T* k, cons
   const int hk = static_cast<int>(w % Hkv), group = Hq / Hkv;
   float kv[EPL], vv[EPL], ak[EPL], av[EPL];
   load_vec<EPL>(k + (j * Hkv + hk) * hd, hd, lane, kv);
-  load_vec<EPL>(v + (j * Hkv + hk) * hd, hd, lane, vv);
+  load_vec<EPL>(v + (j * Hkv + hk) * hdv, hdv, lane, vv);
 #pragma unroll
   for (int i = 0; i < EPL; ++i) ak[i] = av[i] = 0.0f;
   const int64_t end = seq_end[j];
@@ -136,27 +137,23 @@ __global__ void attention_dkv_kernel(const T* dout, const T* q, const T* k, cons
     const int h = hk * group + hg;
     for (int64_t t = j; t < end; ++t) {
       const T* qp = q + (t * Hq + h) * hd;
-      const T* gp = dout + (t * Hq + h) * hd;
+      const T* gp = dout + (t * Hq + h) * hdv;
       const float p = expf(dot_vec<EPL>(qp, hd, lane, kv) * scale - lse[static_cast<int64_t>(h) * T_ + t]);
-      const float dp = dot_vec<EPL>(gp, hd, lane, vv);
+      const float dp = dot_vec<EPL>(gp, hdv, lane, vv);
       const float ds = p * (dp - delta[t * Hq + h]) * scale;
 #pragma unroll
       for (int i = 0; i < EPL; ++i) {
         const int d = lane + 32 * i;
-        if (d < hd) {
-          av[i] += p * load_f(gp, d);
-          ak[i] += ds * load_f(qp, d);
-        }
+        if (d < hdv) av[i] += p * load_f(gp, d);
+        if (d < hd) ak[i] += ds * load_f(qp, d);
       }
     }
   }
 #pragma unroll
   for (int i = 0; i < EPL; ++i) {
     const int d = lane + 32 * i;
-    if (d < hd) {
-      store_f(dk, (j * Hkv + hk) * hd + d, ak[i]);
-      store_f(dv, (j * Hkv + hk) * hd + d, av[i]);
-    }
+    if (d < hd) store_f(dk, (j * Hkv + hk) * hd + d, ak[i]);
+    if (d < hdv) store_f(dv, (j * Hkv + hk) * hdv + d, av[i]);
   }
 }
 
@@ -172,10 +169,10 @@ __global__ void kv_write_kernel(const TS* k, const TS* v, const int32_t* slots, 
     const int64_t dst = static_cast<int64_t>(slots[t]) * Hkv * hd + rem;
     if constexpr (std::is_same_v<TP, uint8_t>) {
       kp[dst] = fp8_e4m3_encode(load_f(k, i) / ks[hk]);
-      vp[dst] = fp8_e4m3_encode(load_f(v, i) / vs[hk]);
+      if (vp) vp[dst] = fp8_e4m3_encode(load_f(v, i) / vs[hk]);
     } else {
       store_f(kp, dst, load_f(k, i));
-      store_f(vp, dst, load_f(v, i));
+      if (vp) store_f(vp, dst, load_f(v, i));
     }
   }
 }
@@ -213,8 +210,8 @@ __device__ __forceinline__ float pool_load(const TP* p, int64_t i, float s) {
 template <int EPL, class TQ, class TP>
 __global__ void attention_paged_kernel(const TQ* q, const int32_t* token_seq, const int32_t* token_pos,
                                        const int32_t* page_table, int max_pages, int64_t T_, int Hq, int Hkv, int hd,
-                                       int page_size, const TP* kpool, const TP* vpool, const float* ks,
-                                       const float* vs, float scale, bool fp8_q, TQ* out) {
+                                       int hdv, int v_row, int page_size, const TP* kpool, const TP* vpool,
+                                       const float* ks, const float* vs, float scale, bool fp8_q, TQ* out) {
   const int64_t w = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
   const int lane = threadIdx.x & 31;
   if (w >= T_ * Hq) return;
@@ -238,7 +235,8 @@ __global__ void attention_paged_kernel(const TQ* q, const int32_t* token_seq, co
   float m = -INFINITY, l = 0.0f;
   for (int j = 0; j <= pos; ++j) {
     const int64_t page = page_table[static_cast<int64_t>(seq) * max_pages + j / page_size];
-    const int64_t base = ((page * page_size + j % page_size) * Hkv + hk) * hd;
+    const int64_t row = (page * page_size + j % page_size) * Hkv + hk;
+    const int64_t base = row * hd, vbase = row * v_row;
     float s = 0.0f;
 #pragma unroll
     for (int i = 0; i < EPL; ++i) {
@@ -252,14 +250,14 @@ __global__ void attention_paged_kernel(const TQ* q, const int32_t* token_seq, co
 #pragma unroll
     for (int i = 0; i < EPL; ++i) {
       const int d = lane + 32 * i;
-      acc[i] = acc[i] * corr + (d < hd ? p * pool_load(vpool, base + d, vsc) : 0.0f);
+      acc[i] = acc[i] * corr + (d < hdv ? p * pool_load(vpool, vbase + d, vsc) : 0.0f);
     }
     m = mn;
   }
 #pragma unroll
   for (int i = 0; i < EPL; ++i) {
     const int d = lane + 32 * i;
-    if (d < hd) store_f(out, (t * Hq + h) * hd + d, acc[i] / l);
+    if (d < hdv) store_f(out, (t * Hq + h) * hdv + d, acc[i] / l);
   }
 }
 
@@ -273,18 +271,28 @@ __global__ void attention_paged_kernel(const TQ* q, const int32_t* token_seq, co
     else { constexpr int EPL = 8; __VA_ARGS__; }                                      \
   } while (0)
 
+// The paged kernel also serves MLA's latent rows (kvr + r = 576 in DeepSeek-V3 / Moonlight).
+#define FP8RL_DISPATCH_EPL_WIDE(hd, ...)                                              \
+  do {                                                                                \
+    FP8RL_CHECK((hd) > 0 && (hd) <= kPagedSimpleMaxDim, "paged attention: head widths must be in [1, ", \
+                kPagedSimpleMaxDim, "], got ", (hd));                                 \
+    if ((hd) <= 256) { FP8RL_DISPATCH_EPL(hd, __VA_ARGS__); }                         \
+    else if ((hd) <= 512) { constexpr int EPL = 16; __VA_ARGS__; }                    \
+    else { constexpr int EPL = 24; __VA_ARGS__; }                                     \
+  } while (0)
+
 unsigned warp_grid(int64_t warps) { return static_cast<unsigned>(ceil_div(warps, kWarps)); }
 
 }  // namespace
 
 void launch_attention(const void* q, const void* k, const void* v, DType dt, const int32_t* seq_start, int64_t T_,
-                      int Hq, int Hkv, int hd, float scale, void* out, float* lse, cudaStream_t stream) {
+                      int Hq, int Hkv, int hd, int hdv, float scale, void* out, float* lse, cudaStream_t stream) {
   if (T_ == 0) return;
   FP8RL_DISPATCH_FLOAT(dt, "attention", {
-    FP8RL_DISPATCH_EPL(hd, {
+    FP8RL_DISPATCH_EPL(std::max(hd, hdv), {
       attention_fwd_kernel<EPL, T><<<warp_grid(T_ * Hq), kWarps * 32, 0, stream>>>(
           static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v), seq_start, T_, Hq, Hkv, hd,
-          scale, static_cast<T*>(out), lse);
+          hdv, scale, static_cast<T*>(out), lse);
     });
   });
   CUDA_CHECK_LAUNCH("attention_fwd_kernel");
@@ -292,21 +300,21 @@ void launch_attention(const void* q, const void* k, const void* v, DType dt, con
 
 void launch_attention_backward(const void* dout, const void* q, const void* k, const void* v, const void* out,
                                DType dt, const float* lse, const int32_t* seq_start, const int32_t* seq_end,
-                               int64_t T_, int Hq, int Hkv, int hd, float scale, void* dq, void* dk, void* dv,
+                               int64_t T_, int Hq, int Hkv, int hd, int hdv, float scale, void* dq, void* dk, void* dv,
                                float* delta, cudaStream_t stream) {
   if (T_ == 0) return;
   FP8RL_DISPATCH_FLOAT(dt, "attention_backward", {
     attention_delta_kernel<T><<<warp_grid(T_ * Hq), kWarps * 32, 0, stream>>>(
-        static_cast<const T*>(dout), static_cast<const T*>(out), T_ * Hq, hd, delta);
+        static_cast<const T*>(dout), static_cast<const T*>(out), T_ * Hq, hdv, delta);
     CUDA_CHECK_LAUNCH("attention_delta_kernel");
-    FP8RL_DISPATCH_EPL(hd, {
+    FP8RL_DISPATCH_EPL(std::max(hd, hdv), {
       attention_dq_kernel<EPL, T><<<warp_grid(T_ * Hq), kWarps * 32, 0, stream>>>(
           static_cast<const T*>(dout), static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v),
-          lse, delta, seq_start, T_, Hq, Hkv, hd, scale, static_cast<T*>(dq));
+          lse, delta, seq_start, T_, Hq, Hkv, hd, hdv, scale, static_cast<T*>(dq));
       CUDA_CHECK_LAUNCH("attention_dq_kernel");
       attention_dkv_kernel<EPL, T><<<warp_grid(T_ * Hkv), kWarps * 32, 0, stream>>>(
           static_cast<const T*>(dout), static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v),
-          lse, delta, seq_end, T_, Hq, Hkv, hd, scale, static_cast<T*>(dk), static_cast<T*>(dv));
+          lse, delta, seq_end, T_, Hq, Hkv, hd, hdv, scale, static_cast<T*>(dk), static_cast<T*>(dv));
       CUDA_CHECK_LAUNCH("attention_dkv_kernel");
     });
   });
@@ -348,23 +356,24 @@ void launch_kv_write(const void* k, const void* v, DType src_dt, const int32_t* 
 }
 
 void launch_attention_paged(const void* q, DType qdt, const int32_t* token_seq, const int32_t* token_pos,
-                            const int32_t* page_table, int max_pages, int64_t T_, int Hq, int Hkv, int hd,
-                            int page_size, const void* kpool, const void* vpool, DType pool_dt, const float* k_scale,
-                            const float* v_scale, float scale, bool fp8_q, void* out, cudaStream_t stream) {
+                            const int32_t* page_table, int max_pages, int64_t T_, int Hq, int Hkv, int hd, int hdv,
+                            int v_row, int page_size, const void* kpool, const void* vpool, DType pool_dt,
+                            const float* k_scale, const float* v_scale, float scale, bool fp8_q, void* out,
+                            cudaStream_t stream) {
   if (T_ == 0) return;
   FP8RL_DISPATCH_FLOAT(qdt, "attention_paged q", {
     using TQ = T;
-    FP8RL_DISPATCH_EPL(hd, {
+    FP8RL_DISPATCH_EPL_WIDE(std::max(hd, hdv), {
       if (pool_dt == DType::E4M3) {
         attention_paged_kernel<EPL, TQ, uint8_t><<<warp_grid(T_ * Hq), kWarps * 32, 0, stream>>>(
-            static_cast<const TQ*>(q), token_seq, token_pos, page_table, max_pages, T_, Hq, Hkv, hd, page_size,
-            static_cast<const uint8_t*>(kpool), static_cast<const uint8_t*>(vpool), k_scale, v_scale, scale, fp8_q,
+            static_cast<const TQ*>(q), token_seq, token_pos, page_table, max_pages, T_, Hq, Hkv, hd, hdv, v_row,
+            page_size, static_cast<const uint8_t*>(kpool), static_cast<const uint8_t*>(vpool), k_scale, v_scale, scale, fp8_q,
             static_cast<TQ*>(out));
       } else {
         FP8RL_DISPATCH_FLOAT(pool_dt, "KV cache", {
           attention_paged_kernel<EPL, TQ, T><<<warp_grid(T_ * Hq), kWarps * 32, 0, stream>>>(
-              static_cast<const TQ*>(q), token_seq, token_pos, page_table, max_pages, T_, Hq, Hkv, hd, page_size,
-              static_cast<const T*>(kpool), static_cast<const T*>(vpool), nullptr, nullptr, scale, fp8_q,
+              static_cast<const TQ*>(q), token_seq, token_pos, page_table, max_pages, T_, Hq, Hkv, hd, hdv, v_row,
+              page_size, static_cast<const T*>(kpool), static_cast<const T*>(vpool), nullptr, nullptr, scale, fp8_q,
               static_cast<TQ*>(out));
         });
       }

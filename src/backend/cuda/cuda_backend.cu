@@ -449,15 +449,15 @@ void CudaBackend::copy_cols_impl(const Tensor& src, int64_t src_col, Tensor& dst
 }
 
 void CudaBackend::rope_impl(Tensor& x, const Tensor& positions, const RopeParams& rope, bool inverse) {
-  // The kernel's own limits: rotate_half pairs only, and the frequency table it takes by value.
-  FP8RL_CHECK(!rope.interleaved, "rope: the interleaved layout (DeepSeek-V3 rope_interleave, MLA) is implemented on "
-              "the CPU backend only; the CUDA rope kernel rotates rotate_half pairs");
+  // The kernel's own limit: the frequency table it takes by value (both layouts: rotate_half and
+  // DeepSeek's interleaved pairs).
   const OpTimer op_timer_(*this, "rope");
   const int64_t T = x.dim(0), H = x.dim(1), hd = x.dim(2);
   FP8RL_CHECK(hd / 2 <= kMaxRopeHalf, "rope: head_dim up to ", 2 * kMaxRopeHalf, " supported, got ", hd);
   RopeTable tab{};
   std::copy(rope.inv_freq.begin(), rope.inv_freq.end(), tab.inv_freq);
-  launch_rope(x.raw(), x.dtype(), T, H, hd, positions.data<int32_t>(), tab, rope.attention_scaling, inverse, stream_);
+  launch_rope(x.raw(), x.dtype(), T, H, hd, positions.data<int32_t>(), tab, rope.attention_scaling, inverse,
+              rope.interleaved, stream_);
 }
 
 void CudaBackend::swiglu_impl(const Tensor& gate, const Tensor& up, Tensor& out) {
@@ -938,13 +938,12 @@ void CudaBackend::attention_impl(const Tensor& q, const Tensor& k, const Tensor&
   const OpTimer op_timer_(*this, "attention");
   const int64_t T = q.dim(0);
   const int Hq = static_cast<int>(q.dim(1)), Hkv = static_cast<int>(k.dim(1)), hd = static_cast<int>(q.dim(2));
-  // The kernels' own limits: equal q/k and v head dims (no MLA kernel yet), one dtype.
-  FP8RL_CHECK(v.dim(2) == hd, "attention: v head_dim ", v.dim(2), " differs from q/k head_dim ", hd,
-              " (MLA); the CUDA attention kernels need equal head dims: MLA runs on the CPU backend only");
+  // The kernels' own limits: one dtype; v heads narrower than q/k's (MLA) take the simple kernels.
   one_dtype({&q, &k, &v, &out}, "attention");
+  const int hdv = static_cast<int>(v.dim(2));
   std::vector<int32_t> b;
   seq_bounds(cu_seqlens, T, b);
-  if (use_flash_attention(q.dtype(), hd, {&q, &k, &v, &out})) {
+  if (hdv == hd && use_flash_attention(q.dtype(), hd, {&q, &k, &v, &out})) {
     const std::vector<int32_t> tiles = flash_attention_tiles(cu_seqlens);
     Tensor td = scratch(kSlotIdx, {static_cast<int64_t>(tiles.size()) + 1}, DType::I32);
     CUDA_CHECK(cudaMemcpyAsync(td.raw(), tiles.data(), tiles.size() * 4, cudaMemcpyHostToDevice, stream_),
@@ -955,8 +954,8 @@ void CudaBackend::attention_impl(const Tensor& q, const Tensor& k, const Tensor&
   }
   Tensor idx = scratch(kSlotIdx, {2 * T}, DType::I32);
   CUDA_CHECK(cudaMemcpyAsync(idx.raw(), b.data(), b.size() * 4, cudaMemcpyHostToDevice, stream_), "uploading seqlens");
-  launch_attention(q.raw(), k.raw(), v.raw(), q.dtype(), idx.data<int32_t>(), T, Hq, Hkv, hd, softmax_scale, out.raw(),
-                   lse.data<float>(), stream_);
+  launch_attention(q.raw(), k.raw(), v.raw(), q.dtype(), idx.data<int32_t>(), T, Hq, Hkv, hd, hdv, softmax_scale,
+                   out.raw(), lse.data<float>(), stream_);
 }
 
 void CudaBackend::attention_backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
@@ -966,13 +965,12 @@ void CudaBackend::attention_backward_impl(const Tensor& dout, const Tensor& q, c
   const int64_t T = q.dim(0);
   const int Hq = static_cast<int>(q.dim(1)), Hkv = static_cast<int>(k.dim(1)), hd = static_cast<int>(q.dim(2));
   // The kernels' own limits, as in the forward.
-  FP8RL_CHECK(v.dim(2) == hd, "attention_backward: v head_dim ", v.dim(2), " differs from q/k "
-              "head_dim ", hd, " (MLA); the CUDA attention kernels need equal head dims: MLA runs on the CPU backend only");
   one_dtype({&dout, &q, &k, &v, &out, &dq, &dk, &dv}, "attention_backward");
+  const int hdv = static_cast<int>(v.dim(2));  // MLA: v_head_dim (the simple kernels; see attention)
   std::vector<int32_t> b;
   seq_bounds(cu_seqlens, T, b);
   Tensor delta = scratch(kSlotAttn, {T * Hq}, DType::F32);
-  if (use_flash_attention(q.dtype(), hd, {&dout, &q, &k, &v, &out, &dq, &dk, &dv})) {
+  if (hdv == hd && use_flash_attention(q.dtype(), hd, {&dout, &q, &k, &v, &out, &dq, &dk, &dv})) {
     const std::vector<int32_t> tiles = flash_attention_tiles(cu_seqlens);
     Tensor td = scratch(kSlotIdx, {static_cast<int64_t>(tiles.size()) + 1}, DType::I32);
     CUDA_CHECK(cudaMemcpyAsync(td.raw(), tiles.data(), tiles.size() * 4, cudaMemcpyHostToDevice, stream_),
@@ -985,8 +983,8 @@ void CudaBackend::attention_backward_impl(const Tensor& dout, const Tensor& q, c
   Tensor idx = scratch(kSlotIdx, {2 * T}, DType::I32);
   CUDA_CHECK(cudaMemcpyAsync(idx.raw(), b.data(), b.size() * 4, cudaMemcpyHostToDevice, stream_), "uploading seqlens");
   launch_attention_backward(dout.raw(), q.raw(), k.raw(), v.raw(), out.raw(), q.dtype(), lse.data<float>(),
-                            idx.data<int32_t>(), idx.data<int32_t>() + T, T, Hq, Hkv, hd, softmax_scale, dq.raw(),
-                            dk.raw(), dv.raw(), delta.data<float>(), stream_);
+                            idx.data<int32_t>(), idx.data<int32_t>() + T, T, Hq, Hkv, hd, hdv, softmax_scale,
+                            dq.raw(), dk.raw(), dv.raw(), delta.data<float>(), stream_);
 }
 
 // ---- fused log-probabilities -------------------------------------------------------------------
@@ -1103,12 +1101,14 @@ void CudaBackend::kv_round_impl(Tensor& x, const std::vector<float>& head_scale)
 
 void CudaBackend::kv_write_impl(KvCache& cache, int layer, const Tensor& k, const Tensor& v, const PagedBatch& batch) {
   const OpTimer op_timer_(*this, "kv_write");
-  one_dtype({&k, &v}, "kv_write");
+  const bool latent = cache.latent_v_dim > 0;  // MLA: k only (KvCache)
+  if (!latent) one_dtype({&k, &v}, "kv_write");
   const int64_t T = k.dim(0);
   const float* ks = cache.k_scale.data<float>() + static_cast<int64_t>(layer) * cache.num_kv_heads;
   const float* vs = cache.v_scale.data<float>() + static_cast<int64_t>(layer) * cache.num_kv_heads;
-  launch_kv_write(k.raw(), v.raw(), k.dtype(), batch.slots.data<int32_t>(), T, cache.num_kv_heads, cache.head_dim,
-                  cache.k[layer].raw(), cache.v[layer].raw(), cache.dtype, ks, vs, stream_);
+  launch_kv_write(k.raw(), latent ? nullptr : v.raw(), k.dtype(), batch.slots.data<int32_t>(), T, cache.num_kv_heads,
+                  cache.head_dim, cache.k[layer].raw(), latent ? nullptr : cache.v[layer].raw(), cache.dtype, ks, vs,
+                  stream_);
 }
 
 void CudaBackend::attention_paged_impl(const KvCache& cache, int layer, const Tensor& q, const PagedBatch& batch,
@@ -1117,12 +1117,15 @@ void CudaBackend::attention_paged_impl(const KvCache& cache, int layer, const Te
   one_dtype({&q, &out}, "attention_paged");
   const int64_t T = q.dim(0);
   const int Hq = static_cast<int>(q.dim(1)), hd = static_cast<int>(q.dim(2));
+  const bool latent = cache.latent_v_dim > 0;  // MLA: V = the first latent_v_dim values of the K row
   const bool e4m3 = cache.dtype == DType::E4M3;
   const float* ks = e4m3 ? cache.k_scale.data<float>() + static_cast<int64_t>(layer) * cache.num_kv_heads : nullptr;
-  const float* vs = e4m3 ? cache.v_scale.data<float>() + static_cast<int64_t>(layer) * cache.num_kv_heads : nullptr;
+  const float* vs = !e4m3  ? nullptr
+                    : latent ? ks
+                             : cache.v_scale.data<float>() + static_cast<int64_t>(layer) * cache.num_kv_heads;
   const int max_pages = static_cast<int>(batch.page_table.dim(1));
   const void* kp = cache.k[layer].raw();
-  const void* vp = cache.v[layer].raw();
+  const void* vp = latent ? kp : cache.v[layer].raw();
   // The tensor-core paged kernel (paged_attention.cu, paged_mma_kernel) for BF16 q over BF16 /
   // E4M3 pools, the tiled CUDA-core kernel for the other cases (F32 q or pools), the simple one
   // outside both. FP8RL_CUDA_ATTENTION=tiled / grouped / simple selects the tiled kernel, the
@@ -1133,10 +1136,12 @@ void CudaBackend::attention_paged_impl(const KvCache& cache, int layer, const Te
   const std::string md = mode ? mode : "";
   const bool simple = md == "simple", grouped = md == "grouped", tiled = md == "tiled";
   const int group = Hq / cache.num_kv_heads;
-  if (simple || !paged_attention_supported(hd, group, cache.dtype, kp, vp)) {
+  // MLA's latent cache (one 576-wide row per token, Hq query heads over it) runs the simple
+  // kernel: correct, not fast (a FlashMLA-style kernel is the next step; docs/design.md).
+  if (simple || latent || !paged_attention_supported(hd, group, cache.dtype, kp, vp)) {
     launch_attention_paged(q.raw(), q.dtype(), batch.token_seq.data<int32_t>(), batch.token_pos.data<int32_t>(),
-                           batch.page_table.data<int32_t>(), max_pages, T, Hq, cache.num_kv_heads, hd,
-                           cache.page_size, kp, vp, cache.dtype, ks, vs, softmax_scale, fp8_attention, out.raw(),
+                           batch.page_table.data<int32_t>(), max_pages, T, Hq, cache.num_kv_heads, hd, cache.v_dim(),
+                           hd, cache.page_size, kp, vp, cache.dtype, ks, vs, softmax_scale, fp8_attention, out.raw(),
                            stream_);
     return;
   }

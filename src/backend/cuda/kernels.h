@@ -97,8 +97,9 @@ constexpr int kMaxRopeHalf = 256;
 struct RopeTable {
   float inv_freq[kMaxRopeHalf];
 };
+// interleaved: pairs (2i, 2i + 1) (DeepSeek-V3's rope_interleave), else (i, i + hd / 2).
 void launch_rope(void* x, DType dt, int64_t T, int64_t H, int64_t hd, const int32_t* pos, const RopeTable& tab,
-                 float attention_scaling, bool inverse, cudaStream_t stream);
+                 float attention_scaling, bool inverse, bool interleaved, cudaStream_t stream);
 void launch_swiglu(const void* g, const void* u, void* out, DType dt, int64_t n, cudaStream_t stream);
 void launch_swiglu_backward(const void* dout, const void* g, const void* u, void* dg, void* du, DType dt, int64_t n,
                             cudaStream_t stream);
@@ -112,11 +113,13 @@ void launch_adamw_bf16_moments(float* p, const void* g, DType g_dtype, uint16_t*
 
 // ---- attention (attention_kernels.cu) ----
 // Packed causal GQA. seq_start[t]: first token of t's sequence; seq_end[t]: one past its last.
+// q, k [T, H*, hd]; v [T, Hkv, hdv], out, dout [T, Hq, hdv] (MLA: hdv = v_head_dim != hd).
 void launch_attention(const void* q, const void* k, const void* v, DType dt, const int32_t* seq_start,
-                      int64_t T, int Hq, int Hkv, int hd, float scale, void* out, float* lse, cudaStream_t stream);
+                      int64_t T, int Hq, int Hkv, int hd, int hdv, float scale, void* out, float* lse,
+                      cudaStream_t stream);
 void launch_attention_backward(const void* dout, const void* q, const void* k, const void* v, const void* out,
                                DType dt, const float* lse, const int32_t* seq_start, const int32_t* seq_end,
-                               int64_t T, int Hq, int Hkv, int hd, float scale, void* dq, void* dk, void* dv,
+                               int64_t T, int Hq, int Hkv, int hd, int hdv, float scale, void* dq, void* dk, void* dv,
                                float* scratch_delta, cudaStream_t stream);
 // Tensor-core flash attention (flash_attention.cu): BF16 q/k/v/out/dout, head_dim 64 or 128,
 // 16-byte aligned tensors. Same contract as the launchers above; tiles are kFlashTile tokens of
@@ -139,13 +142,20 @@ struct KvRoundScales {
   float v[kMaxKvRoundHeads];
 };
 void launch_kv_round(void* x, DType dt, int64_t T, int H, int hd, const KvRoundScales& s, cudaStream_t stream);
+// v / vpool null: a latent (MLA) cache, k only.
 void launch_kv_write(const void* k, const void* v, DType src_dt, const int32_t* slots, int64_t T, int Hkv, int hd,
                      void* kpool, void* vpool, DType pool_dt, const float* k_scale, const float* v_scale,
                      cudaStream_t stream);
+// The simple paged kernel. K rows of hd values; V rows of hdv values at a row stride of v_row
+// elements per (slot, KV head) in vpool: hdv = v_row = hd for a K/V cache; for MLA's latent
+// cache vpool = kpool, v_row = hd and hdv = latent_v_dim (V is the first values of the K row).
+// out [T, Hq, hdv]. hd, hdv <= kPagedSimpleMaxDim.
+constexpr int kPagedSimpleMaxDim = 768;
 void launch_attention_paged(const void* q, DType qdt, const int32_t* token_seq, const int32_t* token_pos,
-                            const int32_t* page_table, int max_pages, int64_t T, int Hq, int Hkv, int hd,
-                            int page_size, const void* kpool, const void* vpool, DType pool_dt, const float* k_scale,
-                            const float* v_scale, float scale, bool fp8_q, void* out, cudaStream_t stream);
+                            const int32_t* page_table, int max_pages, int64_t T, int Hq, int Hkv, int hd, int hdv,
+                            int v_row, int page_size, const void* kpool, const void* vpool, DType pool_dt,
+                            const float* k_scale, const float* v_scale, float scale, bool fp8_q, void* out,
+                            cudaStream_t stream);
 // Paged decode/prefill attention (paged_attention.cu): same contract as launch_attention_paged
 // (the simple reference kernel above, one warp per (token, q head)); one CTA per (token, KV
 // head, split) serves the whole query-head group, the positions of a token are split into

@@ -215,8 +215,10 @@ __global__ void rmsnorm_dw_kernel(const TG* g, const TX* x, const float* rstd, i
 constexpr int kRopeHeadsPerThread = 8;
 template <class T>
 __global__ void rope_kernel(T* x, int64_t T_, int H, int hd, const int32_t* pos, RopeTable tab, float att,
-                            bool inverse) {
+                            bool inverse, bool interleaved) {
   const int half = hd / 2, j = static_cast<int>(threadIdx.x), hc = static_cast<int>(threadIdx.y);
+  // Pair j: dims (j, j + half) (rotate_half), or (2j, 2j + 1) (DeepSeek's rope_interleave).
+  const int i1 = interleaved ? 2 * j : j, i2 = interleaved ? 2 * j + 1 : j + half;
   const int HC = static_cast<int>(blockDim.y);
   for (int64_t t = blockIdx.x; t < T_; t += gridDim.x) {
     const float angle = static_cast<float>(pos[t]) * tab.inv_freq[j];
@@ -229,8 +231,8 @@ __global__ void rope_kernel(T* x, int64_t T_, int H, int hd, const int32_t* pos,
       const int h = hc + k * HC;
       if (h < H) {
         const int64_t base = (t * H + h) * hd;
-        x1[k] = load_f(x, base + j);
-        x2[k] = load_f(x, base + j + half);
+        x1[k] = load_f(x, base + i1);
+        x2[k] = load_f(x, base + i2);
       }
     }
 #pragma unroll
@@ -238,8 +240,8 @@ __global__ void rope_kernel(T* x, int64_t T_, int H, int hd, const int32_t* pos,
       const int h = hc + k * HC;
       if (h < H) {
         const int64_t base = (t * H + h) * hd;
-        store_f(x, base + j, x1[k] * c - x2[k] * s);
-        store_f(x, base + j + half, x2[k] * c + x1[k] * s);
+        store_f(x, base + i1, x1[k] * c - x2[k] * s);
+        store_f(x, base + i2, x2[k] * c + x1[k] * s);
       }
     }
   }
@@ -399,7 +401,7 @@ void launch_rmsnorm_backward(const void* dout, DType gdt, const void* x, DType x
 }
 
 void launch_rope(void* x, DType dt, int64_t T_, int64_t H, int64_t hd, const int32_t* pos, const RopeTable& tab,
-                 float attention_scaling, bool inverse, cudaStream_t stream) {
+                 float attention_scaling, bool inverse, bool interleaved, cudaStream_t stream) {
   const int64_t n = T_ * H * (hd / 2);
   if (n == 0) return;
   const int half = static_cast<int>(hd / 2);
@@ -414,7 +416,7 @@ void launch_rope(void* x, DType dt, int64_t T_, int64_t H, int64_t hd, const int
   const unsigned grid = static_cast<unsigned>(std::min<int64_t>(T_, 65535LL * 16));
   FP8RL_DISPATCH_FLOAT(dt, "rope", {
     rope_kernel<T><<<grid, block, 0, stream>>>(static_cast<T*>(x), T_, heads, static_cast<int>(hd), pos, tab,
-                                               attention_scaling, inverse);
+                                               attention_scaling, inverse, interleaved);
   });
   CUDA_CHECK_LAUNCH("rope_kernel");
 }
