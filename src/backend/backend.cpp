@@ -31,8 +31,8 @@ QuantTensor Backend::alloc_quant(int64_t rows, int64_t cols, int block_rows, int
   return q;
 }
 
-KvCache Backend::alloc_kv_cache(int num_layers, int num_pages, int page_size, int num_kv_heads,
-                                int head_dim, DType dtype, int latent_v_dim) {
+KvCache Backend::alloc_kv_cache(int num_layers, int num_pages, int page_size, int num_kv_heads, int head_dim,
+                                DType dtype, int latent_v_dim) {
   FP8RL_CHECK(dtype == DType::F32 || dtype == DType::BF16 || dtype == DType::E4M3,
               "KV cache dtype must be F32, BF16 or E4M3, got ", dtype_name(dtype));
   FP8RL_CHECK(latent_v_dim >= 0 && latent_v_dim <= head_dim, "a latent KV cache's V width (", latent_v_dim,
@@ -240,8 +240,8 @@ void cache_layer_contract(const Contract& c, const KvCache& cache, int layer, co
   FP8RL_CHECK(layer >= 0 && layer < cache.num_layers && static_cast<int>(cache.k.size()) == cache.num_layers &&
                   static_cast<int>(cache.v.size()) == (latent ? 0 : cache.num_layers),
               op, ": KV cache layer ", layer, " out of range [0, ", cache.num_layers, ")");
-  FP8RL_CHECK(cache.latent_v_dim <= cache.head_dim, op, ": KV cache latent_v_dim ", cache.latent_v_dim,
-              " > head_dim ", cache.head_dim);
+  FP8RL_CHECK(cache.latent_v_dim <= cache.head_dim, op, ": KV cache latent_v_dim ", cache.latent_v_dim, " > head_dim ",
+              cache.head_dim);
   const Shape pool = {cache.num_pages, cache.page_size, cache.num_kv_heads, cache.head_dim};
   std::vector<const Tensor*> pools = {&cache.k[layer]};
   if (!latent) pools.push_back(&cache.v[layer]);
@@ -761,8 +761,7 @@ void Backend::kv_write(KvCache& cache, int layer, const Tensor& k, const Tensor&
   c.floating(k, {T, cache.num_kv_heads, cache.head_dim}, "kv_write k");
   if (cache.latent_v_dim > 0)
     FP8RL_CHECK(!v.defined(), "kv_write: a latent (MLA) cache stores k only; v must be undefined, got ", v.str());
-  else
-    c.floating(v, {T, cache.num_kv_heads, cache.head_dim}, "kv_write v");
+  else c.floating(v, {T, cache.num_kv_heads, cache.head_dim}, "kv_write v");
   kv_write_impl(cache, layer, k, v, batch);
 }
 

@@ -111,7 +111,7 @@ struct AdamWParams {
 // latent_v_dim values of its K row (the latent), read with k_scale (v_scale is unused).
 struct KvCache {
   int num_layers = 0, num_pages = 0, page_size = 16, num_kv_heads = 0, head_dim = 0;
-  int latent_v_dim = 0;      // > 0: V = K[..., :latent_v_dim], v pools empty (MLA)
+  int latent_v_dim = 0;  // > 0: V = K[..., :latent_v_dim], v pools empty (MLA)
   DType dtype = DType::BF16;
   std::vector<Tensor> k, v;  // per layer: [num_pages, page_size, num_kv_heads, head_dim] (v: none when latent)
   Tensor k_scale, v_scale;   // F32 [num_layers, num_kv_heads]
@@ -370,10 +370,10 @@ class Backend {
   // Causal attention of q [T, Hq, hd] over the cached keys/values of each token's sequence,
   // positions 0..token_pos (inclusive; the token's own k/v must already be written).
   // out [T, Hq, cache.v_dim()] (hd, or a latent cache's latent_v_dim: MLA's absorbed attention,
-  // an MQA over [latent | rope key] rows whose V is the latent). With fp8_attention, q is quantized per token and head (FP32 scale) too:
-  // each q[t, h, :] row uses s = quant_scale_from_amax(amax of the row, pow2=false) and the
-  // value e4m3_to_float(e4m3_from_float(q / s)) * s. The CPU reference keeps the softmax
-  // probabilities in FP32 (a GPU PV product in FP8 is compared against it with a tolerance).
+  // an MQA over [latent | rope key] rows whose V is the latent). With fp8_attention, q is quantized per token and head
+  // (FP32 scale) too: each q[t, h, :] row uses s = quant_scale_from_amax(amax of the row, pow2=false) and the value
+  // e4m3_to_float(e4m3_from_float(q / s)) * s. The CPU reference keeps the softmax probabilities in FP32 (a GPU PV
+  // product in FP8 is compared against it with a tolerance).
   void attention_paged(const KvCache& cache, int layer, const Tensor& q, const PagedBatch& batch, float softmax_scale,
                        bool fp8_attention, Tensor& out);
   // The inverse-CDF sampler with host parameters (every row, top-k / top-p or not; synchronizes).
