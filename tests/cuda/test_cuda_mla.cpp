@@ -142,11 +142,11 @@ TEST(CudaMlaOps, AttentionWithNarrowerValueHeadsMatchesCpu) {
 // The latent cache at Moonlight's widths (rows of 512 + 64, V = the first 512, 16 query heads
 // over one KV head): kv_write then attention_paged, F32 / BF16 / E4M3 pools.
 TEST(CudaMlaOps, LatentPagedAttentionMatchesCpu) {
-  const int row = 576, dv = 512, Hq = 16, page_size = 16, pages = 12, L = 1;
+  const int row = 576, dv = 512, Hq = 16, page_size = 16, pages = 15, L = 1;
   const std::vector<int32_t> seq_len = {40, 1, 70};
   std::vector<int32_t> table(3 * 5, 0), token_seq, token_pos, slots;
   for (int b = 0; b < 3; ++b)
-    for (int j = 0; j < 5; ++j) table[b * 5 + j] = (j * 3 + b) % pages;
+    for (int j = 0; j < 5; ++j) table[b * 5 + j] = (j * 7 + b * 5) % pages;  // 15 distinct pages
   // every position of every sequence (prefill), page j of sequence b at table[b * 5 + j]
   for (int b = 0; b < 3; ++b)
     for (int p = 0; p < seq_len[b]; ++p) {
