@@ -600,10 +600,15 @@ void step_checkpoint(GrpoRun& r, GrpoStep& d, InterruptNote& interrupt_note) {
   const bool save = (c.checkpoint_every > 0 && d.step % c.checkpoint_every == 0) || d.final_step;
   if (save) r.trainer->gather_optimizer_state();  // ZeRO-1: the moments to rank 0 (every rank)
   if (!save || !r.lead) return;
-  const std::string saved = checkpoint_save(*r.s.backend, *r.trainer, r.state, r.run.checkpoints_dir(),
-                                            checkpoint_options(c, r.s.tokenizer_json));
-  interrupt_note.set("interrupted; the last checkpoint is " + saved + " (step " + std::to_string(d.step) +
-                     "): " + resume_hint(c.out));
+  {
+    // A Ctrl-C between the checkpoint becoming `latest` and the note naming it would report the
+    // previous one (seen under load in CI): the signal waits for both.
+    const InterruptNote::Hold hold;
+    const std::string saved = checkpoint_save(*r.s.backend, *r.trainer, r.state, r.run.checkpoints_dir(),
+                                              checkpoint_options(c, r.s.tokenizer_json));
+    interrupt_note.set("interrupted; the last checkpoint is " + saved + " (step " + std::to_string(d.step) +
+                       "): " + resume_hint(c.out));
+  }
   for (const std::string& p : checkpoint_prune(r.run.checkpoints_dir(), c.checkpoint.keep_last))
     console_line(stdout, "checkpoint.keep_last=%d: removed %s", c.checkpoint.keep_last, p.c_str());
 }

@@ -14,9 +14,14 @@ namespace {
 // set() still finds a complete note.
 char g_notes[2][4096];
 std::atomic<int> g_current{-1};
+std::atomic<int> g_hold{0}, g_pending{0};  // lock-free: safe in the handler
 struct sigaction g_old_int, g_old_term;
 
 void on_signal(int sig) {
+  if (g_hold.load() > 0) {  // inside a Hold: handled when it ends
+    g_pending.store(sig);
+    return;
+  }
   const int i = g_current.load();
   if (i >= 0) {
     const char* p = g_notes[i];
@@ -46,6 +51,14 @@ InterruptNote::~InterruptNote() {
   ::sigaction(SIGINT, &g_old_int, nullptr);
   ::sigaction(SIGTERM, &g_old_term, nullptr);
   g_current.store(-1);
+}
+
+InterruptNote::Hold::Hold() { g_hold.fetch_add(1); }
+
+InterruptNote::Hold::~Hold() {
+  if (g_hold.fetch_sub(1) != 1) return;
+  const int sig = g_pending.exchange(0);
+  if (sig != 0) on_signal(sig);  // a signal after the store above is handled as usual
 }
 
 void InterruptNote::set(const std::string& note) {

@@ -15,6 +15,17 @@ class InterruptNote {
   InterruptNote(const InterruptNote&) = delete;
   InterruptNote& operator=(const InterruptNote&) = delete;
   void set(const std::string& note);
+
+  // While a Hold lives, a signal is kept pending instead of ending the process; when the Hold
+  // ends, a pending signal is handled with the note set by then. Around writing a checkpoint and
+  // updating the note, so the note never names an older checkpoint than the one on disk.
+  class Hold {
+   public:
+    Hold();
+    ~Hold();
+    Hold(const Hold&) = delete;
+    Hold& operator=(const Hold&) = delete;
+  };
 };
 
 }  // namespace fp8rl
