@@ -10,10 +10,7 @@
 namespace fp8rl {
 namespace {
 
-using test::bitwise_equal;
-using test::recompute_model;
-using test::recompute_run_twice;
-using test::recompute_sequences;
+using namespace test;  // the shared body: tests/support/recompute_util.h
 
 TEST(Recompute, BlockRecomputationGivesBitwiseTheSameGradients) {
   std::unique_ptr<Backend> be = make_cpu_backend();

@@ -28,11 +28,7 @@
 namespace fp8rl {
 namespace {
 
-using test::compare;
-using test::Diff;
-using test::env;
-using test::fixtures_dir;
-using test::values_f64;
+using namespace test;  // values_f64 (test_model_util.h); env, compare, fixtures_dir (cuda_model_util.h)
 
 std::vector<float> randn(size_t n, uint32_t seed, float scale = 1.0f) {
   std::mt19937 g(seed);
