@@ -24,6 +24,7 @@
 #include "core/fs.h"
 #include "dist/comm.h"
 #include "io/safetensors.h"
+#include "support/test_support.h"
 
 namespace fp8rl {
 namespace {
@@ -184,25 +185,7 @@ TEST(Comm, EnvironmentErrorsAreWordedForTheUser) {
 
 // ---- fp8rl train on several ranks ----------------------------------------------------
 
-class Scratch {
- public:
-  static const std::string& root() {
-    static Scratch s;
-    return s.root_;
-  }
-
- private:
-  Scratch() {
-    root_ = (fs::temp_directory_path() / ("fp8rl_test_dp_" + std::to_string(::getpid()))).string();
-    fs::remove_all(root_);
-    fs::create_directories(root_ + "/cache");
-  }
-  ~Scratch() {
-    std::error_code ec;
-    fs::remove_all(root_, ec);
-  }
-  std::string root_;
-};
+using test::Scratch;  // the test binary's scratch directory (tests/support/test_support.h)
 
 // The tiny demo run: 4 prompts x 8 samples, 3 GRPO steps of 2 optimizer steps each, from a
 // 200-step SFT policy (about 2 s, once per test process); seed 3 earns rewards (a gradient) in

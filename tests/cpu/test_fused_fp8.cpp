@@ -12,7 +12,7 @@
 #include "model/weights.h"
 #include "quant/quant.h"
 #include "rl/config.h"
-#include "test_cpu_ops_util.h"
+#include "support/random_tensor.h"
 #include "test_model_util.h"
 
 namespace fp8rl::test {

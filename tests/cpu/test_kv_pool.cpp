@@ -14,9 +14,12 @@
 #include "core/error.h"
 #include "model/shapes.h"
 #include "rl/memory_plan.h"
+#include "support/test_support.h"
 
 namespace fp8rl {
 namespace {
+
+using test::run_shell;
 
 constexpr int64_t kGiB = int64_t(1) << 30;
 
@@ -30,14 +33,15 @@ std::string gib2(int64_t bytes) {
   return buf;
 }
 
-std::string run_command(const std::string& line, int* status) {
-  FILE* f = popen((line + " 2>&1").c_str(), "r");
-  std::string text;
-  if (!f) return text;
-  char buf[512];
-  while (fgets(buf, sizeof buf, f)) text += buf;
-  *status = pclose(f);
-  return text;
+// The message of memory_plan_check's refusal at BF16 activations (a failure if it accepts).
+std::string refusal_of(const RunConfig& c, const ModelConfig& m, int64_t free_bytes) {
+  try {
+    memory_plan_check(c, m, DType::BF16, free_bytes);
+    ADD_FAILURE() << "expected a refusal";
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
 }
 
 // A GRPO run at the Qwen3-0.6B shape (BF16 activations, as on CUDA).
@@ -138,13 +142,7 @@ TEST(KvPool, NeverBelowTheRolloutsNeedRefusedNamingTheFraction) {
   EXPECT_EQ(ch.kv_pages, memory_plan_kv_pages(c));
   EXPECT_NE(ch.lines.find("below the " + std::to_string(ch.kv_pages) + " the rollout needs"), std::string::npos)
       << ch.lines;
-  std::string msg;
-  try {
-    memory_plan_check(c, m, DType::BF16, free_bytes);
-    ADD_FAILURE() << "expected a refusal";
-  } catch (const Error& e) {
-    msg = e.what();
-  }
+  const std::string msg = refusal_of(c, m, free_bytes);
   EXPECT_NE(msg.find("(rollout.gpu_memory_utilization 0.50 of the device's"), std::string::npos) << msg;
   const size_t at = msg.find("rollout.gpu_memory_utilization >= ");
   ASSERT_NE(at, std::string::npos) << msg;
@@ -173,13 +171,7 @@ TEST(KvPool, Llama8BBf16IsRefusedWithItsShortfall) {
   EXPECT_EQ(ch.recompute, "block");
   const int64_t peak = peak_of(c, m, ch);
   ASSERT_GT(peak, free_bytes);
-  std::string msg;
-  try {
-    memory_plan_check(c, m, DType::BF16, free_bytes);
-    ADD_FAILURE() << "expected a refusal";
-  } catch (const Error& e) {
-    msg = e.what();
-  }
+  const std::string msg = refusal_of(c, m, free_bytes);
   EXPECT_NE(msg.find("the memory plan's peak, " + gib2(peak) + ", exceeds the device's free memory, 139.00 GiB, by " +
                      gib2(peak - free_bytes)),
             std::string::npos)
@@ -196,16 +188,16 @@ TEST(KvPool, PlanSaysWhatTrainWouldRefuse) {
                            "rollout.prompts_per_step=16 rollout.generations_per_prompt=16 rollout.max_new_tokens=1024 "
                            "train.kl_beta=0.01 train.recompute=auto train.grad_dtype=bf16 "
                            "train.optimizer_state_dtype=bf16";
-  std::string text = run_command(base + " precision.recipe=bf16", &st);
+  std::string text = run_shell(base + " precision.recipe=bf16", &st);
   EXPECT_EQ(st, 0) << text;
   EXPECT_NE(text.find("fp8rl train would refuse this run: the memory plan's peak"), std::string::npos) << text;
   EXPECT_NE(text.find("exceeds the device's free memory, 139.00 GiB, by "), std::string::npos) << text;
-  text = run_command(base + " precision.recipe=fp8_e2e rollout.gpu_memory_utilization=0.9", &st);
+  text = run_shell(base + " precision.recipe=fp8_e2e rollout.gpu_memory_utilization=0.9", &st);
   EXPECT_EQ(st, 0) << text;
   EXPECT_NE(text.find("fits in 125.10 GiB"), std::string::npos) << text;
   EXPECT_NE(text.find("rollout.gpu_memory_utilization 0.90: KV pool"), std::string::npos) << text;
   EXPECT_EQ(text.find("would refuse"), std::string::npos) << text;
-  text = run_command(std::string("'") + FP8RL_BINARY + "' plan --shape qwen3-8b device=cuda", &st);
+  text = run_shell(std::string("'") + FP8RL_BINARY + "' plan --shape qwen3-8b device=cuda", &st);
   EXPECT_EQ(st, 0) << text;
   EXPECT_NE(text.find("memory plan: qwen3"), std::string::npos) << text;
 }
@@ -215,7 +207,7 @@ TEST(KvPool, PlanSaysWhatTrainWouldRefuse) {
 TEST(KvPool, TrainBuildsTheChosenPool) {
   const std::string root = ::testing::TempDir() + "fp8rl_kvpool_" + std::to_string(::getpid());
   int st = 0;
-  const std::string text = run_command(
+  const std::string text = run_shell(
       "FP8RL_CACHE_DIR='" + root + "/cache' '" + FP8RL_BINARY +
           "' train steps=1 val_every=0 sft.steps=2 "
           "sft.batch_size=2 rollout.prompts_per_step=2 rollout.generations_per_prompt=2 rollout.max_new_tokens=8 "
@@ -244,13 +236,13 @@ TEST(KvPool, BenchRlStepRefusesARecipeThatCannotFit) {
                            "--recipes fp8_e2e,fp32 --json '" +
                            json + "'";
   int st = 0;
-  std::string text = run_command(base + " --free-gib 100", &st);
+  std::string text = run_shell(base + " --free-gib 100", &st);
   ASSERT_EQ(st, 0) << text;
   nlohmann::json j = nlohmann::json::parse(std::ifstream(json));
   const int64_t p8 = j["recipes"]["fp8_e2e"]["plan_peak_bytes"], p32 = j["recipes"]["fp32"]["plan_peak_bytes"];
   ASSERT_LT(p8, p32);
   const double between = double(p8 + p32) / 2 / double(kGiB);
-  text = run_command(base + " --free-gib " + std::to_string(between), &st);
+  text = run_shell(base + " --free-gib " + std::to_string(between), &st);
   EXPECT_EQ(st, 0) << text;
   EXPECT_NE(text.find("fp32: refused by the memory plan (nothing run): the memory plan's peak"), std::string::npos)
       << text;
@@ -258,10 +250,10 @@ TEST(KvPool, BenchRlStepRefusesARecipeThatCannotFit) {
   EXPECT_TRUE(j["recipes"].contains("fp8_e2e"));
   EXPECT_FALSE(j["recipes"].contains("fp32"));
   EXPECT_TRUE(j["refused"].contains("fp32"));
-  text = run_command(base + " --free-gib " + std::to_string(between) + " --allow-overcommit", &st);
+  text = run_shell(base + " --free-gib " + std::to_string(between) + " --allow-overcommit", &st);
   EXPECT_EQ(st, 0) << text;
   EXPECT_NE(text.find("--allow-overcommit: running anyway"), std::string::npos) << text;
-  text = run_command(base + " --free-gib 0.000001", &st);
+  text = run_shell(base + " --free-gib 0.000001", &st);
   EXPECT_NE(st, 0) << text;
   EXPECT_NE(text.find("no recipe fits: nothing was run"), std::string::npos) << text;
   std::filesystem::remove(json);

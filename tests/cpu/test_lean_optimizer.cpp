@@ -13,7 +13,7 @@
 #include "backend/adamw_rule.h"
 #include "model/transformer.h"
 #include "rl/config.h"
-#include "test_cpu_ops_util.h"
+#include "support/random_tensor.h"
 #include "train/trainer.h"
 
 namespace fp8rl {

@@ -11,9 +11,12 @@
 #include "model/weights.h"
 #include "rl/memory_plan.h"
 #include "rollout/rollout.h"
+#include "support/test_support.h"
 
 namespace fp8rl {
 namespace {
+
+using test::run_shell;
 
 // V 1000, D 64, F 128, 2 layers, 4 query / 2 KV heads of 16, q/k-norm, tied (Qwen3-like).
 ModelConfig small_shape() {
@@ -388,29 +391,19 @@ TEST(MemoryCheck, NamesTheLeanOptimizerKnobs) {
   }
 }
 
-std::string run_command(const std::string& line, int* status) {
-  FILE* f = popen((line + " 2>&1").c_str(), "r");
-  std::string text;
-  if (!f) return text;
-  char buf[512];
-  while (fgets(buf, sizeof buf, f)) text += buf;
-  *status = pclose(f);
-  return text;
-}
-
 // `fp8rl plan` and the start of `fp8rl sft` say what train.recompute: auto chose and why.
 TEST(MemoryCheck, RecomputeAutoIsSaidAtStart) {
   int st = 0;
   const std::string plan = std::string("'") + FP8RL_BINARY + "' plan --shape qwen3-1.7b device=cuda precision.recipe=bf16 "
                            "train.micro_batch_tokens=32768 train.recompute=auto";
-  std::string text = run_command(plan + " --device-gib 40", &st);
+  std::string text = run_shell(plan + " --device-gib 40", &st);
   EXPECT_EQ(st, 0) << text;
   EXPECT_NE(text.find("train.recompute: auto -> block"), std::string::npos) << text;
   EXPECT_NE(text.find("(train.recompute: block)"), std::string::npos) << text;  // the plan counted it
-  text = run_command(plan + " --device-gib 139", &st);
+  text = run_shell(plan + " --device-gib 139", &st);
   EXPECT_NE(text.find("train.recompute: auto -> none"), std::string::npos) << text;
   const std::string root = ::testing::TempDir() + "fp8rl_recompute_auto_" + std::to_string(::getpid());
-  text = run_command("FP8RL_CACHE_DIR='" + root + "/cache' '" + FP8RL_BINARY + "' sft sft.steps=1 sft.batch_size=2 "
+  text = run_shell("FP8RL_CACHE_DIR='" + root + "/cache' '" + FP8RL_BINARY + "' sft sft.steps=1 sft.batch_size=2 "
                      "val_size=2 model.tiny.hidden_size=32 model.tiny.num_layers=1 model.tiny.num_heads=2 "
                      "model.tiny.num_kv_heads=1 model.tiny.head_dim=16 model.tiny.intermediate_size=64 "
                      "train.recompute=auto memory.free_gib=100 out=" + root + "/run", &st);

@@ -1,7 +1,8 @@
 // The op table (tests/ops/op_table.h) on the CPU reference: every case runs twice and must give
 // the same bits (the threaded reference is deterministic), write every output (they start as
-// NaN / -1), keep its invariants, refuse its contract violations, and pass its FP64
-// finite-difference gradient check where it has one. FP8RL_OP_TABLE_PERF=1 also times each case.
+// NaN / -1), keep its invariants, refuse its contract violations, pass its FP64
+// finite-difference gradient check where it has one and its naive references (op_reference.cpp). FP8RL_OP_TABLE_PERF=1
+// also times each case.
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -38,7 +39,11 @@ TEST_P(OpTableCpu, DeterministicWrittenAndConsistent) {
     }
   }
   check_run(c, cpu(), in, a);
-  if (c.grad) c.grad();
+  if (c.grad) check_grad(c.grad, cpu());
+  for (const auto& [what, ref] : c.references) {
+    SCOPED_TRACE(what);
+    ref(cpu());
+  }
   maybe_time_case(c, cpu(), in);
 }
 

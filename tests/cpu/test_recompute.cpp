@@ -3,37 +3,14 @@
 // bit those of the run that saved every activation, and the saved set is the block inputs only.
 #include <gtest/gtest.h>
 
-#include <cstring>
-#include <random>
-
 #include "model/transformer.h"
+#include "support/recompute_util.h"
 #include "train/trainer.h"
 
 namespace fp8rl {
 namespace {
 
-ModelWeights recompute_model(const std::string& family) {
-  ModelConfig c = model_config_tiny(family, /*vocab=*/64, /*hidden=*/128, /*layers=*/3, /*heads=*/4,
-                                    /*kv_heads=*/2, /*intermediate=*/256);
-  RandomInit init;
-  init.seed = 21;
-  init.std = 0.08f;
-  return model_weights_random(c, init, DType::F32);
-}
-
-std::vector<std::vector<int32_t>> recompute_sequences() {
-  std::mt19937 rng(9);
-  std::uniform_int_distribution<int32_t> tok(0, 63);
-  std::vector<std::vector<int32_t>> seqs = {std::vector<int32_t>(13), std::vector<int32_t>(7), std::vector<int32_t>(20)};
-  for (auto& s : seqs)
-    for (int32_t& t : s) t = tok(rng);
-  return seqs;
-}
-
-bool bitwise_equal(Backend& be, const Tensor& a, const Tensor& b) {
-  const Tensor ha = be.to_host(a), hb = be.to_host(b);
-  return ha.nbytes() == hb.nbytes() && std::memcmp(ha.raw(), hb.raw(), ha.nbytes()) == 0;
-}
+using namespace test;  // the shared body: tests/support/recompute_util.h
 
 TEST(Recompute, BlockRecomputationGivesBitwiseTheSameGradients) {
   std::unique_ptr<Backend> be = make_cpu_backend();
@@ -42,27 +19,11 @@ TEST(Recompute, BlockRecomputationGivesBitwiseTheSameGradients) {
       SCOPED_TRACE(std::string(family) + " " + preset);
       const ModelWeights w = model_weights_to_device(*be, recompute_model(family), DType::F32);
       const EnginePrecision prec = PrecisionRecipe::preset(preset).trainer;
-      const ForwardBatch batch = forward_batch_from_sequences(recompute_sequences());
-      const int64_t T = batch.num_tokens();
-      std::vector<float> dl(T);
-      for (int64_t t = 0; t < T; ++t) dl[t] = 0.01f * static_cast<float>((t * 7) % 11) - 0.05f;
+      const ForwardBatch batch = forward_batch_from_sequences(recompute_sequences(20));
       ModelWeights grads[2];
       Tensor logp[2];
-      for (int r = 0; r < 2; ++r) {
-        Activations acts;
-        ForwardOptions fo;
-        fo.recompute = r == 1;
-        logp[r] = model_forward_logprobs(*be, w, prec, batch, fo, &acts).logp;
-        ASSERT_EQ(acts.recompute, r == 1);
-        if (r == 1)
-          for (const LayerActivations& a : acts.layers) {
-            EXPECT_TRUE(a.x.defined());
-            EXPECT_FALSE(a.xn_attn.defined()) << "only the block input is saved";
-          }
-        grads[r] = model_grads_alloc(*be, w, DType::F32);
-        model_grads_zero(*be, grads[r]);
-        model_backward(*be, w, prec, acts, be->to_device(from_float_vector(dl, {T})), grads[r]);
-      }
+      recompute_run_twice(*be, w, prec, batch, logp, grads);
+      ASSERT_FALSE(HasFatalFailure());
       EXPECT_TRUE(bitwise_equal(*be, logp[0], logp[1]));
       std::vector<Tensor> g0, g1;
       std::vector<std::string> names;
@@ -79,7 +40,7 @@ TEST(Recompute, BlockRecomputationGivesBitwiseTheSameGradients) {
 TEST(Recompute, TrainerStepWithRecomputationTrainsTheSameWeights) {
   std::unique_ptr<Backend> be = make_cpu_backend();
   std::vector<TrainSequence> seqs;
-  for (const auto& ids : recompute_sequences()) seqs.push_back({ids, 3});
+  for (const auto& ids : recompute_sequences(20)) seqs.push_back({ids, 3});
   const TokenLossFn loss = [](size_t, size_t, const std::vector<float>& lp, std::vector<float>& grad) {
     double l = 0;
     for (size_t i = 0; i < lp.size(); ++i) {

@@ -20,6 +20,7 @@
 #include "../cpu/test_model_util.h"
 #include "backend/backend.h"
 #include "core/error.h"
+#include "cuda_model_util.h"
 #include "model/transformer.h"
 #include "model/weights.h"
 #include "rollout/rollout.h"
@@ -27,40 +28,7 @@
 namespace fp8rl {
 namespace {
 
-using test::values_f64;
-
-std::string fixtures_dir() {
-  if (const char* e = std::getenv("FP8RL_TEST_DATA")) return std::string(e) + "/fixtures";
-  if (std::ifstream("tests/data/fixtures/moe_reference.json")) return "tests/data/fixtures";
-  return std::string(FP8RL_TEST_DATA) + "/fixtures";
-}
-
-struct Env {
-  std::unique_ptr<Backend> cpu = make_cpu_backend();
-  std::unique_ptr<Backend> gpu32 = make_cuda_backend(0, DType::F32);
-  std::unique_ptr<Backend> gpu16 = make_cuda_backend(0, DType::BF16);
-};
-Env& env() {
-  static Env e;
-  return e;
-}
-
-struct Diff {
-  double max_abs = 0, mean_abs = 0, rel = 0;
-};
-Diff compare(const std::vector<double>& got, const std::vector<double>& ref) {
-  Diff d;
-  EXPECT_EQ(got.size(), ref.size());
-  double m = 0;
-  for (size_t i = 0; i < got.size() && i < ref.size(); ++i) {
-    const double e = std::isfinite(got[i]) ? std::fabs(got[i] - ref[i]) : INFINITY;
-    d.max_abs = std::max(d.max_abs, e);
-    d.mean_abs += e / static_cast<double>(got.size());
-    m = std::max(m, std::fabs(ref[i]));
-  }
-  d.rel = d.max_abs / std::max(m, 1e-30);
-  return d;
-}
+using namespace test;  // values_f64 (test_model_util.h); env, compare, fixtures_dir (cuda_model_util.h)
 
 std::vector<float> randn(size_t n, uint32_t seed, float scale = 1.0f) {
   std::mt19937 g(seed);

@@ -41,6 +41,7 @@
 #include <vector>
 
 #include "../cpu/test_model_util.h"
+#include "cuda_model_util.h"
 #include "backend/backend.h"
 #include "core/error.h"
 #include "support/test_support.h"
@@ -50,58 +51,17 @@
 namespace fp8rl {
 namespace {
 
+using test::compare;
+using test::Diff;
+using test::env;
+using test::fixtures_dir;
 using test::values_f64;
-
-// The fixtures: $FP8RL_TEST_DATA/fixtures, else ./tests/data/fixtures (gpu_run.sh runs from the
-// repository root on the GPU machine, where the compiled-in path does not exist), else the
-// compiled-in source path.
-std::string fixtures_dir() {
-  if (const char* e = std::getenv("FP8RL_TEST_DATA")) return std::string(e) + "/fixtures";
-  if (std::filesystem::exists("tests/data/fixtures/reference.json")) return "tests/data/fixtures";
-  return std::string(FP8RL_TEST_DATA) + "/fixtures";
-}
 
 bool load_reference(nlohmann::json& ref) {
   std::ifstream f(fixtures_dir() + "/reference.json");
   if (!f) return false;
   ref = nlohmann::json::parse(f);
   return true;
-}
-
-struct Env {
-  std::unique_ptr<Backend> cpu = make_cpu_backend();
-  std::unique_ptr<Backend> gpu32 = make_cuda_backend(0, DType::F32);
-  std::unique_ptr<Backend> gpu16 = make_cuda_backend(0, DType::BF16);
-};
-Env& env() {
-  static Env e;
-  return e;
-}
-
-// ---- comparison helpers ------------------------------------------------------------------------
-
-struct Diff {
-  double max_abs = 0, mean_abs = 0, rel = 0, deepgemm = 0;  // rel: max |a - b| / max |b|
-  bool finite = true;
-};
-
-Diff compare(const std::vector<double>& got, const std::vector<double>& ref) {
-  Diff d;
-  EXPECT_EQ(got.size(), ref.size());
-  double m = 0, xy = 0, xx = 0;
-  for (size_t i = 0; i < got.size() && i < ref.size(); ++i) {
-    if (!std::isfinite(got[i]) || !std::isfinite(ref[i])) d.finite = false;
-    const double e = std::fabs(got[i] - ref[i]);
-    d.max_abs = std::max(d.max_abs, e);
-    d.mean_abs += e / static_cast<double>(got.size());
-    m = std::max(m, std::fabs(ref[i]));
-    xy += got[i] * ref[i];
-    xx += got[i] * got[i] + ref[i] * ref[i];
-  }
-  d.rel = d.max_abs / std::max(m, 1e-30);
-  d.deepgemm = xx > 0 ? 1.0 - 2.0 * xy / xx : 0.0;
-  if (!d.finite) d.rel = d.deepgemm = d.max_abs = INFINITY;
-  return d;
 }
 
 // Tolerances of one (activation dtype, linear mode) class.

@@ -1122,6 +1122,7 @@ const std::vector<OpCase>& op_table() {
     logprob_cases(t);
     generation_cases(t);
     sample_rows_cases(t);
+    attach_references(t);
     return t;
   }();
   return table;

@@ -5,14 +5,16 @@
 //   tests/cpu/test_op_table.cpp        the CPU alone: each case runs twice (bitwise the same:
 //                                      the threaded reference is deterministic), every output is
 //                                      written (outputs start as NaN), the case's invariants and
-//                                      contract violations hold, and its gradient is checked by
-//                                      FP64 finite differences where it has one;
+//                                      contract violations hold, its gradient is checked by
+//                                      FP64 finite differences where it has one, and its naive
+//                                      references (the spec written out) hold;
 //   tests/cuda/test_cuda_op_table.cpp  CUDA against the CPU: the same inputs on both, each output
 //                                      compared by its class, plus the case's GPU expectations
 //                                      (FP8 products on the tensor cores).
 // Performance mode: FP8RL_OP_TABLE_PERF=1 times every case (mean of a few runs after a warm-up)
 // and prints one line per case, on either runner.
-// Adding an op = adding a row in op_table.cpp.
+// Adding an op = adding a row in op_table.cpp (its naive reference and gradient check beside it,
+// or in op_reference.cpp, which attaches the CPU's spec checks to the first row of their op).
 #pragma once
 #include <gtest/gtest.h>
 
@@ -65,6 +67,29 @@ struct OpRun {
   Tensor as(const std::string& name, DType dtype);
 };
 
+// An FP64 finite-difference check of an op's backward (CPU runner only). The scalar loss is the
+// sum over `loss` of dot(output, weight input), so each weight is that output's upstream
+// gradient; every `wrt` input (F64) is moved by +-h and the central difference compared with the
+// backward's gradient output: max relative error < tol, and the gradient not (almost) zero
+// (max |g| > 1e-3, else the check would be vacuous).
+struct GradCheck {
+  struct Wrt {
+    std::string input, grad;
+    std::vector<int64_t> which = {};  // the elements checked; empty: all
+  };
+  std::function<Tensors()> inputs;                        // F64 host inputs, the loss weights among them
+  std::function<void(OpRun&)> forward;                    // makes the outputs the loss reads
+  std::vector<std::pair<std::string, std::string>> loss;  // {output, weight input}
+  std::function<void(OpRun&)> backward;  // makes the gradient outputs (running the forward if it needs)
+  std::vector<Wrt> wrt;
+  double h = 1e-5, tol = 1e-6;
+  explicit operator bool() const { return static_cast<bool>(inputs); }
+};
+
+// A naive reference of an op (CPU runner only): the formula written out, on its own small
+// inputs (FP64 where the op takes it), with its own tolerance: the CPU reference's specification.
+using Reference = std::function<void(Backend& cpu)>;
+
 struct OpCase {
   OpCase(std::string op_, std::string variant_, std::function<Tensors()> inputs_, std::function<void(OpRun&)> run_,
          std::vector<std::pair<std::string, Tolerance>> checks_ = {},
@@ -91,8 +116,10 @@ struct OpCase {
   // Calls that must throw fp8rl::Error on every backend (contract violations, bad data), given
   // the inputs on the backend's device.
   std::function<void(OpRun&)> errors;
-  // FP64 finite differences of the op's backward (CPU runner only); null: no gradient check.
-  std::function<void()> grad;
+  // FP64 finite differences of the op's backward (CPU runner only); empty: no gradient check.
+  GradCheck grad;
+  // Naive references of the op (CPU runner only), each named after what it checks.
+  std::vector<std::pair<std::string, Reference>> references;
   // Environment set while the case runs (kernel selection switches).
   std::vector<std::pair<std::string, std::string>> env;
   // GPU only: FP8 products must take the tensor cores (no fallback), and this many of them run
@@ -112,12 +139,18 @@ Tensor rnd(const Shape& shape, uint32_t seed, DType dtype = DType::F32, float sc
 Tensor rnd_wide(int64_t rows, int64_t cols, uint32_t seed, DType dtype);
 Tensor i32_tensor(const std::vector<int32_t>& v, const Shape& shape);
 
+// The CPU's spec checks (op_reference.cpp): naive references and finite-difference gradients,
+// attached to the first row of their op.
+void attach_references(std::vector<OpCase>& table);
+
 // Runs `c` on `be` with host inputs `in` (copied to the device), with the case's environment.
 Tensors run_case(const OpCase& c, Backend& be, const Tensors& in);
 // Host copies of every output.
 Tensors to_host(Backend& be, const Tensors& out);
 // Checks c.same and c.invariants on one run's host outputs, and c.errors on `be`.
 void check_run(const OpCase& c, Backend& be, const Tensors& in, const Tensors& out_host);
+// c.grad on the CPU backend `cpu` (op_table_run.cpp).
+void check_grad(const GradCheck& g, Backend& cpu);
 // a against the reference b under t; `what` names the output in failures.
 void expect_close(const Tensor& a, const Tensor& b, const Tolerance& t, const std::string& what);
 // FP8RL_OP_TABLE_PERF=1: times c on be and prints a line (no-op otherwise).

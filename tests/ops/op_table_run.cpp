@@ -166,6 +166,52 @@ void check_run(const OpCase& c, Backend& be, const Tensors& in, const Tensors& o
   }
 }
 
+void check_grad(const GradCheck& g, Backend& cpu) {
+  Tensors in = g.inputs();
+  auto loss = [&] {
+    OpRun r{cpu, in, {}};
+    g.forward(r);
+    double s = 0;
+    for (const auto& [o, w] : g.loss) {
+      const std::vector<double> a = values(r.out.at(o)), b = values(in.at(w));
+      for (size_t i = 0; i < a.size(); ++i) s += a[i] * b[i];
+    }
+    return s;
+  };
+  OpRun rb{cpu, in, {}};
+  g.backward(rb);
+  for (const GradCheck::Wrt& w : g.wrt) {
+    const std::string name = w.input + " -> " + w.grad;
+    ASSERT_TRUE(in.count(w.input) && rb.out.count(w.grad)) << name << ": no such input or gradient";
+    Tensor& x = in.at(w.input);
+    const std::vector<double> analytic = values(rb.out.at(w.grad));
+    ASSERT_EQ(x.dtype(), DType::F64) << name;
+    ASSERT_EQ(static_cast<int64_t>(analytic.size()), x.numel()) << name;
+    std::vector<int64_t> which = w.which;
+    if (which.empty())
+      for (int64_t i = 0; i < x.numel(); ++i) which.push_back(i);
+    std::vector<double> fd, an;
+    for (int64_t i : which) {
+      double& e = x.data<double>()[i];
+      const double orig = e;
+      e = orig + g.h;
+      const double lp = loss();
+      e = orig - g.h;
+      const double lm = loss();
+      e = orig;
+      fd.push_back((lp - lm) / (2 * g.h));
+      an.push_back(analytic[i]);
+    }
+    double m = 0;
+    for (double a : an) {
+      ASSERT_TRUE(std::isfinite(a)) << name << ": the gradient is " << a << " (an accumulated output not zeroed?)";
+      m = std::max(m, std::fabs(a));
+    }
+    ASSERT_GT(m, 1e-3) << name << ": gradient is (almost) zero, the check would be vacuous";
+    EXPECT_LT(rel_err(an, fd), g.tol) << name;
+  }
+}
+
 void maybe_time_case(const OpCase& c, Backend& be, const Tensors& in) {
   const char* e = std::getenv("FP8RL_OP_TABLE_PERF");
   if (!e || std::string(e) != "1") return;

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <string>
@@ -81,6 +82,17 @@ inline int run_binary_in(const std::string& log_dir, const std::vector<std::stri
   return WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
 }
 #endif
+
+// Runs a shell command line, stderr merged into stdout: its output; *status is what pclose says.
+inline std::string run_shell(const std::string& line, int* status) {
+  FILE* f = popen((line + " 2>&1").c_str(), "r");
+  std::string text;
+  if (!f) return text;
+  char buf[512];
+  while (fgets(buf, sizeof buf, f)) text += buf;
+  *status = pclose(f);
+  return text;
+}
 
 // A per-process scratch directory (removed at exit); FP8RL_CACHE_DIR points into it, for the
 // test process and for the fp8rl processes it starts. One for the whole test binary.
