@@ -2,7 +2,7 @@
 //
 //   fp8rl bench-train-step [--device cpu|cuda] [--precision bf16|fp8|fp32] [--wgrad auto|fp8|bf16] [--hidden 64] [--layers 2]
 //                          [--heads 4] [--kv-heads 2] [--head-dim 16] [--ffn 192] [--vocab 384]
-//                          [--model SHAPE] [--micro-batch-tokens 4096]
+//                          [--model SHAPE] [--micro-batch-tokens 4096] [--plan-only]
 //                          [--seqs 64] [--seq-len 40] [--prompt-len 16] [--repeats 5] [--json PATH]
 //
 // The defaults are the CPU demo's shape (configs/demo_cpu.yaml). --model takes a named shape of
@@ -47,11 +47,11 @@ constexpr const char* kUsage =
     "usage: fp8rl bench-train-step [--device cpu|cuda] [--precision bf16|fp8|fp32] [--wgrad auto|fp8|bf16]\n"
     "                              [--hidden N] [--layers N] [--heads N] [--kv-heads N] [--head-dim N] [--ffn N] [--vocab N] [--seqs N]\n"
     "                              [--seq-len N] [--prompt-len N] [--repeats N] [--json PATH]\n"
-    "                              [--model SHAPE [--layers N]] [--micro-batch-tokens N]\n"
+    "                              [--model SHAPE [--layers N]] [--micro-batch-tokens N] [--plan-only]\n"
     "Times the trainer's scoring forward, one training step and generation on a random-weight model\n"
     "(defaults: the CPU demo shape, 64 sequences of 16 prompt + 24 response tokens, bf16). --model: a\n"
     "named shape (qwen3-30b-a3b, moonlight-16b-a3b, llama-3.2-1b, tiny-moe, ...) instead of the size flags,\n"
-    "--layers N its first N blocks.\n";
+    "--layers N its first N blocks. --plan-only: print the memory plan of the setup and run nothing.\n";
 
 using Clock = std::chrono::steady_clock;
 
@@ -87,7 +87,7 @@ int run_bench(const std::vector<std::string>& argv) {
   const Args args(argv,
                   {"device", "precision", "wgrad", "hidden", "layers", "heads", "kv-heads", "head-dim", "ffn", "vocab", "seqs",
                    "seq-len", "prompt-len", "repeats", "json", "model", "micro-batch-tokens"},
-                  {"help"});
+                  {"help", "plan-only"});
   if (args.has("help")) {
     std::fputs(kUsage, stdout);
     return 0;
@@ -134,19 +134,27 @@ int run_bench(const std::vector<std::string>& argv) {
   TrainerOptions topt;
   topt.micro_batch_tokens = args.get_int64("micro-batch-tokens", topt.micro_batch_tokens, 1, int64_t(1) << 40);
 
-  std::unique_ptr<Backend> backend = make_backend(device);
-  Backend& be = *backend;
   const int pages = nseq * ((seq_len + 15) / 16) + 1;
-  // The memory plan of this setup (no reference policy; the engine's pool of `pages`).
+  // The memory plan of this setup (no reference policy; the engine's pool of `pages`), with the
+  // activation dtype of --device (CUDA: BF16).
   MemoryPlanInput plan_in;
   plan_in.model = mc;
   plan_in.generator = recipe.generator;
   plan_in.trainer = recipe.trainer;
-  plan_in.act_dtype = be.act_dtype();
+  plan_in.act_dtype = device == "cuda" ? DType::BF16 : DType::F32;
   plan_in.kv_pages = pages;
   plan_in.micro_batch_tokens = topt.micro_batch_tokens;
   plan_in.generation_batch = std::max(nseq, 1);
-  const int64_t plan_peak = memory_plan_compute(plan_in).peak_bytes();
+  const MemoryPlan plan = memory_plan_compute(plan_in);
+  const int64_t plan_peak = plan.peak_bytes();
+  if (args.has("plan-only")) {  // no device is opened: a CPU-only build plans a CUDA run
+    std::printf("bench-train-step --plan-only: device %s, precision %s (recipe %s), %d seqs x %d tokens\n%s",
+                device.c_str(), prec_name.c_str(), recipe.name.c_str(), nseq, seq_len,
+                memory_plan_format(plan, mc, 0).c_str());
+    return 0;
+  }
+  std::unique_ptr<Backend> backend = make_backend(device);
+  Backend& be = *backend;
   ModelWeights master = shape.empty()
                             ? model_weights_to_device(be, model_weights_random(mc, RandomInit{}, DType::F32), DType::F32)
                             : bench_random_weights(be, mc, DType::F32, /*seed=*/1);
