@@ -79,6 +79,15 @@ int64_t memory_plan_block_bytes_per_token(const ModelConfig& c, DType act) {
   // x, xn_attn, x_mid, xn_mlp, proj [D]; q, attn [Hq*hd]; k, v [Hkv*hd]
   int64_t attn_elems = 5 * D + 2 * q + 2 * kv;
   int64_t stats = 2 + c.num_heads;  // attn_rstd, mlp_rstd, lse [Hq]
+  if (c.is_mla()) {  // LayerActivations' MLA tensors (model/transformer.h)
+    const int64_t H = c.num_heads, qk = c.qk_head_dim(), dv = c.v_head_dim, r = c.qk_rope_head_dim;
+    const int64_t kvr = c.kv_lora_rank, qr = c.q_lora_rank;
+    // q, k [H*qk]; v, attn [H*dv]; q_a, q_an [qr]; kv_a [kvr + r]; kv_lat, kv_latn [kvr];
+    // kv_b [H*(nope + dv)]; rope_q [H*r], rope_k [r]
+    attn_elems = 5 * D + 2 * H * qk + 2 * H * dv + 2 * qr + (kvr + r) + 2 * kvr + H * (c.qk_nope_head_dim + dv) +
+                 H * r + r;
+    stats += 1 + (qr > 0 ? 1 : 0);  // kv_rstd (+ q_a_rstd)
+  }
   if (c.qk_norm) {
     attn_elems += q + kv;                    // q_raw, k_raw
     stats += c.num_heads + c.num_kv_heads;   // q_rstd, k_rstd

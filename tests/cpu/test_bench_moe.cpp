@@ -8,6 +8,7 @@
 
 #include <cstdlib>
 #include <filesystem>
+#include <set>
 
 #include <nlohmann/json.hpp>
 
@@ -15,6 +16,7 @@
 #include "core/error.h"
 #include "core/fs.h"
 #include "model/shapes.h"
+#include "model/transformer.h"
 #include "rl/memory_plan.h"
 #include "rollout/rollout.h"
 
@@ -89,6 +91,75 @@ TEST(BenchMoeShapes, RandomWeightsHoldEveryExpertRouterAndMlaTensor) {
     for (const EnginePrecision& p : {EnginePrecision{}, fp8}) {
       const ModelWeights gen = generator_weights_alloc(*be, w, p);
       EXPECT_EQ(memory_plan_generator_bytes(c, p, be->act_dtype()), bench_weights_bytes(gen));
+    }
+  }
+}
+
+// The plan's saved activations per token of a sparse block are what the forward saves: every
+// distinct tensor of LayerActivations (MLA's included), summed, at T tokens (F32, CPU).
+TEST(BenchMoeShapes, PlanCountsTheSavedActivationsOfMoeAndMlaBlocks) {
+  auto be = make_cpu_backend();
+  for (const char* name : {"tiny-moe", "tiny-mla"}) {
+    SCOPED_TRACE(name);
+    const ModelConfig c = model_shape(name);
+    const ModelWeights w = bench_random_weights(*be, c, DType::F32, 9);
+    const ForwardBatch batch = forward_batch_from_sequences({{1, 2, 3, 4, 5, 6, 7}, {8, 9, 10, 11, 12}});
+    Activations acts;
+    EnginePrecision prec;
+    prec.linear = LinearMode::FP32;
+    model_forward_logprobs(*be, w, prec, batch, ForwardOptions{}, &acts);
+    const int64_t T = batch.num_tokens();
+    for (int l = 0; l < c.num_layers; ++l) {
+      if (!c.layer_is_moe(l)) continue;
+      const LayerActivations& a = acts.layers[l];
+      std::set<const void*> seen;
+      int64_t bytes = 0;
+      for (const Tensor* t : {&a.x,
+                              &a.attn_rstd,
+                              &a.xn_attn,
+                              &a.q_raw,
+                              &a.k_raw,
+                              &a.q_rstd,
+                              &a.k_rstd,
+                              &a.q,
+                              &a.k,
+                              &a.v,
+                              &a.q_a,
+                              &a.q_a_rstd,
+                              &a.q_an,
+                              &a.kv_a,
+                              &a.kv_lat,
+                              &a.kv_rstd,
+                              &a.kv_latn,
+                              &a.kv_b,
+                              &a.rope_q,
+                              &a.rope_k,
+                              &a.attn,
+                              &a.lse,
+                              &a.x_mid,
+                              &a.mlp_rstd,
+                              &a.xn_mlp,
+                              &a.gate,
+                              &a.up,
+                              &a.act,
+                              &a.router_x,
+                              &a.router_logits,
+                              &a.moe_experts,
+                              &a.moe_weights,
+                              &a.moe_row_slot,
+                              &a.moe_slot_row,
+                              &a.moe_x,
+                              &a.moe_gate,
+                              &a.moe_up,
+                              &a.moe_act,
+                              &a.moe_y,
+                              &a.shared_gate,
+                              &a.shared_up,
+                              &a.shared_act,
+                              &a.shared_out,
+                              &a.proj})
+        if (t->defined() && seen.insert(t->raw()).second) bytes += static_cast<int64_t>(t->nbytes());
+      EXPECT_EQ(bytes, T * memory_plan_block_bytes_per_token(c, DType::F32)) << "layer " << l;
     }
   }
 }
