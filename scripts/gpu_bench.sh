@@ -36,7 +36,8 @@
 #                   H200 so in both recipes without recomputation, 125.3 / 110.1 GiB of 135; check with
 #                   `fp8rl bench rl-step ... --plan-only --free-gib 135 --device cuda`)
 #   moe_generate    issue 16: bench generate at Qwen3-30B-A3B (all FP8RL_MOE_GEN_LAYERS = 48 blocks),
-#                   bf16 vs fp8_linear vs fp8_attn (full FP8), 256 prompts x 512 tokens + 512 new
+#                   bf16 vs fp8_linear vs fp8_attn (full FP8), 256 prompts x 256 tokens + 512 new (the
+#                   BF16 KV of all 256 at once, 18 GiB, fits beside master + generator: 2 x 56.9 GiB)
 #   moe_trainstep   issue 16: bench-train-step at Qwen3-30B-A3B width (FP8RL_MOE_TRAIN_LAYERS = 6 blocks,
 #                   full vocabulary), bf16 vs fp8, 8 x 2048 tokens; its plan: --plan-only
 #   mismatch        issue 11's split of token_mult_prob_error by component (one step, 256 new tokens):
@@ -187,7 +188,7 @@ for stage in ${FP8RL_STAGES:-rlstep}; do
       grep -iE "error" "$OUT/moe_rlstep.log" | head -5 | tee -a "$SUMMARY" ;;
     moe_generate)  # issue 16: rollout throughput at Qwen3-30B-A3B, full FP8 vs BF16
       timeout $(( $(left) - 20 )) "$FP8RL" bench generate --device cuda --model qwen3-30b-a3b \
-        --layers "${FP8RL_MOE_GEN_LAYERS:-48}" --recipes bf16,fp8_linear,fp8_attn --prompts 256 --prompt-len 512 \
+        --layers "${FP8RL_MOE_GEN_LAYERS:-48}" --recipes bf16,fp8_linear,fp8_attn --prompts 256 --prompt-len 256 \
         --gen-len 512 --json "$OUT/moe_generate.json" > "$OUT/moe_generate.log" 2>&1
       note "bench generate qwen3-30b-a3b ${FP8RL_MOE_GEN_LAYERS:-48} layers: rc=$?"
       grep -E "^(recipe |bf16 |fp8_)" "$OUT/moe_generate.log" | tee -a "$SUMMARY" ;;
