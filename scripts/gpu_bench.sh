@@ -30,6 +30,16 @@
 #                   (FP8RL_STAGES=rlstep_8b FP8RL_GPU_TESTS=0)
 #   multiblock      transformers-made multi-block FP8 fixtures vs fp8rl on CPU and CUDA (issue 11)
 #   export          fp8rl's FP8-block export loaded by transformers, logprobs compared (issue 17)
+#   moe_rlstep      issue 16: bench rl-step at Qwen3-30B-A3B width cut to FP8RL_MOE_LAYERS (12) blocks,
+#                   bf16 and fp8_e2e in one run, 16 prompts x 16 samples x FP8RL_MOE_NEW (256) new tokens,
+#                   BF16 gradients and Adam moments, 8k-token micro-batches (the plan: 12 layers fit one
+#                   H200 so in both recipes without recomputation, 125.3 / 110.1 GiB of 135; check with
+#                   `fp8rl bench rl-step ... --plan-only --free-gib 135 --device cuda`)
+#   moe_generate    issue 16: bench generate at Qwen3-30B-A3B (all FP8RL_MOE_GEN_LAYERS = 48 blocks),
+#                   bf16 vs fp8_linear vs fp8_attn (full FP8), 256 prompts x 256 tokens + 512 new (the
+#                   BF16 KV of all 256 at once, 18 GiB, fits beside master + generator: 2 x 56.9 GiB)
+#   moe_trainstep   issue 16: bench-train-step at Qwen3-30B-A3B width (FP8RL_MOE_TRAIN_LAYERS = 6 blocks,
+#                   full vocabulary), bf16 vs fp8, 8 x 2048 tokens; its plan: --plan-only
 #   mismatch        issue 11's split of token_mult_prob_error by component (one step, 256 new tokens):
 #                   bf16; FP8 generator linears alone; FP8 linears in both engines over BF16 KV;
 #                   + E4M3 KV (fp8_e2e); + the trainer rounding k/v as the E4M3 cache (tkv=e4m3);
@@ -167,6 +177,29 @@ for stage in ${FP8RL_STAGES:-rlstep}; do
       grep -E "plans checked|recompute auto|refused|step [0-9]" "$OUT/rlstep_8b.log" | tee -a "$SUMMARY"
       sed -n '/^phase/,$p' "$OUT/rlstep_8b.log" | tee -a "$SUMMARY"
       grep -iE "error" "$OUT/rlstep_8b.log" | head -5 | tee -a "$SUMMARY" ;;
+    moe_rlstep)  # issue 16: GRPO steps of a Qwen3-30B-A3B-width MoE, bf16 and fp8_e2e side by side
+      timeout $(( $(left) - 20 )) "$FP8RL" bench rl-step --device cuda --model qwen3-30b-a3b \
+        --layers "${FP8RL_MOE_LAYERS:-12}" --recipes bf16,fp8_e2e --max-new-tokens "${FP8RL_MOE_NEW:-256}" \
+        --grad-dtype bf16 --optimizer-state-dtype bf16 --micro-batch-tokens 8192 --steps 1 --warmup 1 \
+        ${FP8RL_MOE_ARGS:-} --json "$OUT/moe_rlstep.json" > "$OUT/moe_rlstep.log" 2>&1
+      note "bench rl-step qwen3-30b-a3b ${FP8RL_MOE_LAYERS:-12} layers (bf16, fp8_e2e): rc=$?"
+      grep -E "plans checked|refused|step [0-9]" "$OUT/moe_rlstep.log" | tee -a "$SUMMARY"
+      sed -n '/^phase/,$p' "$OUT/moe_rlstep.log" | tee -a "$SUMMARY"
+      grep -iE "error" "$OUT/moe_rlstep.log" | head -5 | tee -a "$SUMMARY" ;;
+    moe_generate)  # issue 16: rollout throughput at Qwen3-30B-A3B, full FP8 vs BF16
+      timeout $(( $(left) - 20 )) "$FP8RL" bench generate --device cuda --model qwen3-30b-a3b \
+        --layers "${FP8RL_MOE_GEN_LAYERS:-48}" --recipes bf16,fp8_linear,fp8_attn --prompts 256 --prompt-len 256 \
+        --gen-len 512 --json "$OUT/moe_generate.json" > "$OUT/moe_generate.log" 2>&1
+      note "bench generate qwen3-30b-a3b ${FP8RL_MOE_GEN_LAYERS:-48} layers: rc=$?"
+      grep -E "^(recipe |bf16 |fp8_)" "$OUT/moe_generate.log" | tee -a "$SUMMARY" ;;
+    moe_trainstep)  # issue 16: one training step at Qwen3-30B-A3B width, fp8 vs bf16
+      for prec in bf16 fp8; do
+        timeout $(( $(left) / 2 )) "$FP8RL" bench-train-step --device cuda --precision $prec --model qwen3-30b-a3b \
+          --layers "${FP8RL_MOE_TRAIN_LAYERS:-6}" --seqs 8 --seq-len 2048 --prompt-len 2040 --repeats 3 \
+          --json "$OUT/moe_trainstep_$prec.json" > "$OUT/moe_trainstep_$prec.log" 2>&1
+        note "bench-train-step qwen3-30b-a3b $prec: rc=$?"
+        grep -E "^(bench-train-step:|score |train_step |generate |fp8 fallbacks)" "$OUT/moe_trainstep_$prec.log" | tee -a "$SUMMARY"
+      done ;;
     multiblock)  # issue 11: transformers-made multi-block fixtures vs fp8rl (CPU, CUDA) and the emulation
       { python3 scripts/fixtures/make_multiblock_fixtures.py /tmp/tf_small --maker transformers --size small \
           --models llama_sharp,qwen2_sharp,qwen3_default &&

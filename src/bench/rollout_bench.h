@@ -4,9 +4,11 @@
 //
 // Roofline (issue #6): a decode step must read every generator weight it uses once (linears
 // in their storage dtype with their FP8 scales, norms, lm_head; of an untied embedding table
-// only the B rows looked up) plus the K and V cache of every running sequence at its current
-// length, in the cache dtype. Its time at bandwidth BW is bytes / BW; the roofline of a run
-// is the sum over its decode steps. scripts/bench_generate_hf.py applies the same formula.
+// only the B rows looked up; of a mixture of experts every expert, which a decode batch of B
+// tokens routed top-k over E experts all but surely touches once B * k >> E) plus the K and V
+// cache (MLA: the latent row) of every running sequence at its current length, in the cache dtype. Its time at
+// bandwidth BW is bytes / BW; the roofline of a run is the sum over its decode steps. scripts/bench_generate_hf.py
+// applies the same formula.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -28,7 +30,7 @@ ModelWeights bench_random_weights(Backend& backend, const ModelConfig& config, D
 // Bytes actually held by a weight set (every defined tensor, FP8 data and scales; a tied
 // lm_head counted once).
 int64_t bench_weights_bytes(const ModelWeights& weights);
-// Bytes of K and V of one token over all layers in the cache dtype.
+// Bytes of K and V of one token over all layers in the cache dtype (MLA: the latent row).
 int64_t bench_kv_bytes_per_token(const ModelConfig& config, DType kv_dtype);
 
 struct DecodeRoofline {

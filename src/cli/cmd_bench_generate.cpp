@@ -1,7 +1,7 @@
 // fp8rl bench generate: rollout throughput of the RolloutEngine on a random-weight Llama
 // (issue #6), per precision recipe, against the memory-bandwidth roofline of decoding.
 //
-//   fp8rl bench generate [--device cuda|cpu] [--model 8b|1b|tiny] [--prompts 256] [--prompt-len 512]
+//   fp8rl bench generate [--device cuda|cpu] [--model 8b|1b|tiny|SHAPE] [--layers N] [--prompts 256] [--prompt-len 512]
 //                        [--gen-len 1024] [--recipes bf16,fp8_linear,fp8_kv,fp8_attn] [--kv-fraction 0.85]
 //                        [--warmup 1] [--seed 1] [--peak-bw 4.8e12] [--json PATH]
 //
@@ -43,7 +43,7 @@ namespace fp8rl::cli {
 namespace {
 
 constexpr const char* kUsage =
-    "usage: fp8rl bench generate [--device cuda|cpu] [--model 8b|1b|tiny] [--prompts N] [--prompt-len N]\n"
+    "usage: fp8rl bench generate [--device cuda|cpu] [--model SHAPE] [--layers N] [--prompts N] [--prompt-len N]\n"
     "                            [--gen-len N] [--recipes LIST] [--kv-fraction F] [--warmup N] [--seed N]\n"
     "                            [--peak-bw B/s] [--json PATH]\n"
     "Rollout throughput of the engine on a random-weight Llama (defaults: cuda, 8b, 256 prompts of 512\n"
@@ -51,7 +51,8 @@ constexpr const char* kUsage =
     "fp8_linear (FP8 128x128 linears, BF16 KV), fp8_kv (+ E4M3 KV), fp8_attn (+ FP8 attention);\n"
     "output tokens/s, prefill/decode split, decode roofline at --peak-bw (4.8e12, H200) and at the\n"
     "measured copy bandwidth, GPU memory per component. --kv-fraction: the KV pool's share of the GPU\n"
-    "memory free after the weights (capped at what the workload needs).\n";
+    "memory free after the weights (capped at what the workload needs). SHAPE: any of model/shapes.h (8b, 1b,\n"
+    "qwen3-30b-a3b, moonlight-16b-a3b, tiny, tiny-moe, tiny-mla, ...); --layers N: its first N blocks.\n";
 
 using Clock = std::chrono::steady_clock;
 constexpr int kPageSize = 16;
@@ -303,8 +304,8 @@ void print_row(const std::string& r, const nlohmann::json& j) {
 
 int run_bench_generate(const std::vector<std::string>& argv) {
   const Args args(argv,
-                  {"device", "model", "prompts", "prompt-len", "gen-len", "recipes", "kv-fraction", "warmup", "seed",
-                   "peak-bw", "json"},
+                  {"device", "model", "layers", "prompts", "prompt-len", "gen-len", "recipes", "kv-fraction", "warmup",
+                   "seed", "peak-bw", "json"},
                   {"help"});
   if (args.has("help")) {
     std::fputs(kUsage, stdout);
@@ -324,6 +325,7 @@ int run_bench_generate(const std::vector<std::string>& argv) {
   FP8RL_CHECK(!recipes.empty(), "--recipes is empty (expected a comma-separated list)");
   for (auto& r : recipes) recipe_precision(r);  // reject unknown names before any work
   ModelConfig mc = model_shape(model);
+  if (args.has("layers")) mc = model_shape_cut(mc, args.get_int("layers", mc.num_layers, 1));
   FP8RL_CHECK(w.prompt_len + w.gen_len <= mc.max_position_embeddings, "--prompt-len + --gen-len = ",
               w.prompt_len + w.gen_len, " exceeds the model's ", mc.max_position_embeddings, " positions");
 
@@ -348,6 +350,11 @@ int run_bench_generate(const std::vector<std::string>& argv) {
   out["model"] = {{"name", model},           {"hidden", mc.hidden_size},   {"layers", mc.num_layers},
                   {"heads", mc.num_heads},   {"kv_heads", mc.num_kv_heads}, {"head_dim", mc.head_dim},
                   {"ffn", mc.intermediate_size}, {"vocab", mc.vocab_size}, {"tied", mc.tie_word_embeddings}};
+  if (mc.is_moe())
+    out["model"]["moe"] = {{"experts", mc.num_experts}, {"top_k", mc.num_experts_per_tok},
+                           {"expert_ffn", mc.moe_intermediate_size}, {"shared_experts", mc.n_shared_experts},
+                           {"router", mc.moe_router}};
+  if (mc.is_mla()) out["model"]["mla"] = {{"kv_lora_rank", mc.kv_lora_rank}, {"q_lora_rank", mc.q_lora_rank}};
   out["workload"] = {{"prompts", w.prompts}, {"prompt_len", w.prompt_len}, {"gen_len", w.gen_len},
                      {"warmup", w.warmup},   {"seed", w.seed},             {"temperature", 1.0},
                      {"kv_fraction", w.kv_fraction}, {"page_size", kPageSize}};

@@ -7,7 +7,7 @@
 //                       [--prompt-len 160] [--max-new-tokens 512] [--kl-beta 0] [--optimizer-steps 1]
 //                       [--micro-batch-tokens 16384] [--recompute none|block|auto]
 //                       [--grad-dtype fp32|bf16] [--optimizer-state-dtype fp32|bf16]
-//                       [--free-gib G] [--allow-overcommit]
+//                       [--free-gib G] [--allow-overcommit] [--plan-only]
 //                       [--steps 2] [--warmup 1] [--seed 1] [--json PATH]
 //
 // Per recipe: a fresh trainer (FP32 master of random weights, the same for every recipe), an
@@ -54,7 +54,7 @@ constexpr const char* kUsage =
     "                           [--prompts P] [--samples G] [--prompt-len N] [--max-new-tokens N]\n"
     "                           [--kl-beta B] [--temperature T] [--recompute none|block|auto] [--optimizer-steps N]\n"
     "                           [--micro-batch-tokens N] [--grad-dtype fp32|bf16] [--optimizer-state-dtype fp32|bf16]\n"
-    "                           [--free-gib G] [--allow-overcommit]\n"
+    "                           [--free-gib G] [--allow-overcommit] [--plan-only]\n"
     "                           [--steps N] [--warmup N] [--seed N] [--json PATH]\n"
     "Times whole GRPO steps (generation, scoring, reference, training, refit + calibration) of a\n"
     "random-weight model with ragged response lengths, for each recipe (default bf16,fp8_gen,fp8_e2e).\n"
@@ -63,10 +63,13 @@ constexpr const char* kUsage =
     "attn (fp8|off), pow2 (on|off), first / last (BF16 blocks), wgrad (fp8|bf16: an FP8 trainer's\n"
     "weight gradients); e.g. --recipes bf16,fp8_e2e:kv=bf16,fp8_e2e isolates the E4M3 KV cache's\n"
     "share of the mismatch, fp8_e2e,fp8_e2e:wgrad=bf16 times BF16 wgrad.\n"
-    "Shapes: qwen3-0.6b, qwen3-1.7b (default), qwen3-8b, llama-3.2-1b, llama-3.1-8b, tiny (CPU smoke).\n"
+    "Shapes: qwen3-0.6b, qwen3-1.7b (default), qwen3-8b, llama-3.2-1b, llama-3.1-8b, qwen3-30b-a3b,\n"
+    "moonlight-16b-a3b; tiny, tiny-moe, tiny-mla (CPU smoke). --layers N: the shape's first N blocks.\n"
     "Each recipe's memory plan is checked first against the device's free memory (--free-gib G: against G GiB):\n"
     "a recipe that cannot fit is refused with its shortfall and the flags that would make it fit, the others\n"
     "run (--allow-overcommit: run it anyway). --recompute auto: block only where the plan needs it.\n"
+    "--plan-only: print each recipe's plan and check against --free-gib, run nothing and open no device\n"
+    "(--device cuda --plan-only --free-gib 139 plans an H200 run on any build).\n"
     "--grad-dtype / --optimizer-state-dtype bf16: the lean optimizer (train.grad_dtype, train.optimizer_state_dtype).\n";
 
 using Clock = std::chrono::steady_clock;
@@ -314,6 +317,28 @@ RecipeResult bench_recipe(Backend& be, const BenchSetup& s, const std::string& r
   return res;
 }
 
+// --plan-only: each recipe's memory plan of this exact setup and the check bench_recipe would
+// make, printed; nothing is allocated or run (e.g. to find the --layers cut of a shape that fits
+// one device: `--device cuda --free-gib 139 --plan-only`, which opens no device, so a CPU-only
+// build plans a CUDA run with its BF16 activations).
+int bench_plan_only(const BenchSetup& s, const std::vector<std::string>& recipes, DType act) {
+  int fit = 0;
+  for (const std::string& name : recipes) {
+    const PrecisionRecipe recipe = PrecisionRecipe::parse(name);
+    bool recompute = false;
+    const std::string why = bench_check_memory(s, name, recipe, act, recompute);
+    const MemoryPlan plan = memory_plan_compute(bench_plan_input(s, recipe, act, recompute));
+    std::printf("\n%s (recompute %s):\n%s", name.c_str(), recompute ? "block" : "none",
+                memory_plan_format(plan, s.model, s.free_bytes > 0 ? s.free_bytes : 0).c_str());
+    if (s.free_bytes < 0) std::printf("%s: free memory unknown (no check; --free-gib G checks against G GiB)\n", name.c_str());
+    else if (why.empty()) std::printf("%s: fits (peak %s of %s)\n", name.c_str(), gib_text(plan.peak_bytes()).c_str(),
+                                      gib_text(s.free_bytes).c_str());
+    else std::printf("%s: would be refused: %s\n", name.c_str(), why.c_str());
+    fit += why.empty();
+  }
+  return fit > 0 ? 0 : 1;
+}
+
 std::vector<std::string> split_list(const std::string& s) {
   std::vector<std::string> out;
   std::stringstream ss(s);
@@ -327,7 +352,7 @@ int run_bench(const std::vector<std::string>& argv) {
                   {"device", "model", "layers", "recipes", "prompts", "samples", "prompt-len", "max-new-tokens",
                    "kl-beta", "temperature", "recompute", "optimizer-steps", "micro-batch-tokens", "grad-dtype",
                    "optimizer-state-dtype", "free-gib", "steps", "warmup", "seed", "json"},
-                  {"help", "allow-overcommit"});
+                  {"help", "allow-overcommit", "plan-only"});
   if (args.has("help")) {
     std::fputs(kUsage, stdout);
     return 0;
@@ -336,10 +361,7 @@ int run_bench(const std::vector<std::string>& argv) {
   BenchSetup s;
   const std::string shape = args.get("model", "qwen3-1.7b");
   s.model = model_shape(shape);
-  if (args.has("layers")) {
-    s.model.num_layers = args.get_int("layers", s.model.num_layers, 1);
-    s.model.validate();
-  }
+  if (args.has("layers")) s.model = model_shape_cut(s.model, args.get_int("layers", s.model.num_layers, 1));
   s.P = args.get_int("prompts", 16, 1);
   s.G = args.get_int("samples", 16, 1);
   s.prompt_len = args.get_int("prompt-len", 160, 1);
@@ -370,7 +392,17 @@ int run_bench(const std::vector<std::string>& argv) {
   FP8RL_CHECK(!recipes.empty(), "--recipes lists no recipe");
   for (const std::string& r : recipes) (void)PrecisionRecipe::parse(r);  // unknown names fail before any work
 
-  std::unique_ptr<Backend> backend = make_backend(args.get("device", "cpu"));
+  const std::string device = args.get("device", "cpu");
+  if (args.has("plan-only")) {  // no backend: a CPU-only build plans a CUDA run (BF16 activations)
+    s.free_bytes = free_gib > 0 ? static_cast<int64_t>(free_gib * double(1ll << 30)) : -1;
+    std::printf("bench rl-step --plan-only: device %s, model %s (%d layers), %d prompts x %d samples, prompt <= %d, "
+                "new tokens <= %d, kl_beta %g, micro-batch %lld tokens, recompute %s, gradients %s, Adam moments %s\n",
+                device.c_str(), shape.c_str(), s.model.num_layers, s.P, s.G, s.prompt_len, s.max_new, s.kl_beta,
+                static_cast<long long>(s.micro_batch_tokens), s.recompute.c_str(), dtype_name(s.grad_dtype),
+                dtype_name(s.moment_dtype));
+    return bench_plan_only(s, recipes, device == "cuda" ? DType::BF16 : DType::F32);
+  }
+  std::unique_ptr<Backend> backend = make_backend(device);
   Backend& be = *backend;
   s.free_bytes = free_gib > 0 ? static_cast<int64_t>(free_gib * double(1ll << 30)) : be.free_device_bytes();
   std::printf("bench rl-step: device %s, model %s (%d layers, hidden %d, vocab %d), %d prompts x %d samples, prompt "

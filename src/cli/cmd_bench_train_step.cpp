@@ -2,9 +2,14 @@
 //
 //   fp8rl bench-train-step [--device cpu|cuda] [--precision bf16|fp8|fp32] [--wgrad auto|fp8|bf16] [--hidden 64] [--layers 2]
 //                          [--heads 4] [--kv-heads 2] [--head-dim 16] [--ffn 192] [--vocab 384]
+//                          [--model SHAPE] [--micro-batch-tokens 4096] [--plan-only]
 //                          [--seqs 64] [--seq-len 40] [--prompt-len 16] [--repeats 5] [--json PATH]
 //
-// The defaults are the CPU demo's shape (configs/demo_cpu.yaml). Phases, each timed after one
+// The defaults are the CPU demo's shape (configs/demo_cpu.yaml). --model takes a named shape of
+// model/shapes.h instead (qwen3-30b-a3b, moonlight-16b-a3b, tiny-moe, ...; --layers N cuts it,
+// the other size flags are refused with it), built with bench_random_weights directly on the
+// device (the F32 master). The memory plan of the setup (rl/memory_plan.h) is printed, and the
+// FP8 GEMM fallback counters are reported (must be 0 on the FP8 path). Phases, each timed after one
 // warm-up run, median of --repeats:
 //   score     Trainer::score of --seqs sequences of --seq-len tokens (logp + entropy [+ amax])
 //   train     one Trainer::step: forward + backward + AdamW, loss = -mean logp of the response
@@ -28,7 +33,10 @@
 #include "cli/commands.h"
 #include "core/error.h"
 #include "core/fs.h"
+#include "bench/rollout_bench.h"
+#include "model/shapes.h"
 #include "model/weights.h"
+#include "rl/memory_plan.h"
 #include "rollout/rollout.h"
 #include "train/trainer.h"
 
@@ -39,8 +47,11 @@ constexpr const char* kUsage =
     "usage: fp8rl bench-train-step [--device cpu|cuda] [--precision bf16|fp8|fp32] [--wgrad auto|fp8|bf16]\n"
     "                              [--hidden N] [--layers N] [--heads N] [--kv-heads N] [--head-dim N] [--ffn N] [--vocab N] [--seqs N]\n"
     "                              [--seq-len N] [--prompt-len N] [--repeats N] [--json PATH]\n"
+    "                              [--model SHAPE [--layers N]] [--micro-batch-tokens N] [--plan-only]\n"
     "Times the trainer's scoring forward, one training step and generation on a random-weight model\n"
-    "(defaults: the CPU demo shape, 64 sequences of 16 prompt + 24 response tokens, bf16).\n";
+    "(defaults: the CPU demo shape, 64 sequences of 16 prompt + 24 response tokens, bf16). --model: a\n"
+    "named shape (qwen3-30b-a3b, moonlight-16b-a3b, llama-3.2-1b, tiny-moe, ...) instead of the size flags,\n"
+    "--layers N its first N blocks. --plan-only: print the memory plan of the setup and run nothing.\n";
 
 using Clock = std::chrono::steady_clock;
 
@@ -75,8 +86,8 @@ void time_phase(Backend& be, Phase& p, int repeats, const std::function<void()>&
 int run_bench(const std::vector<std::string>& argv) {
   const Args args(argv,
                   {"device", "precision", "wgrad", "hidden", "layers", "heads", "kv-heads", "head-dim", "ffn", "vocab", "seqs",
-                   "seq-len", "prompt-len", "repeats", "json"},
-                  {"help"});
+                   "seq-len", "prompt-len", "repeats", "json", "model", "micro-batch-tokens"},
+                  {"help", "plan-only"});
   if (args.has("help")) {
     std::fputs(kUsage, stdout);
     return 0;
@@ -91,26 +102,63 @@ int run_bench(const std::vector<std::string>& argv) {
               wgrad, "'");
   const PrecisionRecipe recipe = PrecisionRecipe::parse((prec_name == "fp8" ? "fp8_e2e" : prec_name) +
                                                         (wgrad != "auto" ? ":wgrad=" + wgrad : ""));
+  const std::string shape = args.get("model", "");
+  if (!shape.empty())
+    for (const char* f : {"hidden", "heads", "kv-heads", "head-dim", "ffn", "vocab"})
+      FP8RL_CHECK(!args.has(f), "--", f, " sets a size of the default model; with --model ", shape,
+                  " the shape's sizes are used (only --layers cuts it)");
   const int hidden = args.get_int("hidden", 64, 1), layers = args.get_int("layers", 2, 1);
   const int heads = args.get_int("heads", 4, 1), kv_heads = args.get_int("kv-heads", 2, 1);
   const int head_dim = args.get_int("head-dim", 16, 2), ffn = args.get_int("ffn", 192, 1);
-  const int vocab = args.get_int("vocab", 384, 2), nseq = args.get_int("seqs", 64, 1);
+  const int nseq = args.get_int("seqs", 64, 1);
   const int seq_len = args.get_int("seq-len", 40, 2), repeats = args.get_int("repeats", 5, 1);
   const int prompt_len = args.get_int("prompt-len", std::min(16, seq_len - 1), 1);
   FP8RL_CHECK(prompt_len < seq_len, "--prompt-len ", prompt_len, " must be shorter than --seq-len ", seq_len);
   const int new_tokens = seq_len - prompt_len;
 
-  // The model: the demo's Qwen3-style tiny model with random weights (session_initial_policy).
-  ModelConfig mc = model_config_tiny("qwen3", vocab, hidden, layers, heads, kv_heads, ffn);
-  mc.head_dim = head_dim;
-  mc.max_position_embeddings = std::max(512, seq_len);
-  mc.validate();
-  const ModelWeights host = model_weights_random(mc, RandomInit{}, DType::F32);
+  // The model: the demo's Qwen3-style tiny model with random weights (session_initial_policy),
+  // or a named shape.
+  ModelConfig mc;
+  if (shape.empty()) {
+    mc = model_config_tiny("qwen3", args.get_int("vocab", 384, 2), hidden, layers, heads, kv_heads, ffn);
+    mc.head_dim = head_dim;
+    mc.max_position_embeddings = std::max(512, seq_len);
+    mc.validate();
+  } else {
+    mc = model_shape(shape);
+    if (args.has("layers")) mc = model_shape_cut(mc, layers);
+    FP8RL_CHECK(seq_len <= mc.max_position_embeddings, "--seq-len ", seq_len, " exceeds ", shape, "'s ",
+                mc.max_position_embeddings, " positions");
+  }
+  const int vocab = mc.vocab_size;
+  TrainerOptions topt;
+  topt.micro_batch_tokens = args.get_int64("micro-batch-tokens", topt.micro_batch_tokens, 1, int64_t(1) << 40);
 
+  const int pages = nseq * ((seq_len + 15) / 16) + 1;
+  // The memory plan of this setup (no reference policy; the engine's pool of `pages`), with the
+  // activation dtype of --device (CUDA: BF16).
+  MemoryPlanInput plan_in;
+  plan_in.model = mc;
+  plan_in.generator = recipe.generator;
+  plan_in.trainer = recipe.trainer;
+  plan_in.act_dtype = device == "cuda" ? DType::BF16 : DType::F32;
+  plan_in.kv_pages = pages;
+  plan_in.micro_batch_tokens = topt.micro_batch_tokens;
+  plan_in.generation_batch = std::max(nseq, 1);
+  const MemoryPlan plan = memory_plan_compute(plan_in);
+  const int64_t plan_peak = plan.peak_bytes();
+  if (args.has("plan-only")) {  // no device is opened: a CPU-only build plans a CUDA run
+    std::printf("bench-train-step --plan-only: device %s, precision %s (recipe %s), %d seqs x %d tokens\n%s",
+                device.c_str(), prec_name.c_str(), recipe.name.c_str(), nseq, seq_len,
+                memory_plan_format(plan, mc, 0).c_str());
+    return 0;
+  }
   std::unique_ptr<Backend> backend = make_backend(device);
   Backend& be = *backend;
-  Trainer trainer(be, model_weights_to_device(be, host, DType::F32), recipe.trainer, TrainerOptions{});
-  const int pages = nseq * ((seq_len + 15) / 16) + 1;
+  ModelWeights master = shape.empty()
+                            ? model_weights_to_device(be, model_weights_random(mc, RandomInit{}, DType::F32), DType::F32)
+                            : bench_random_weights(be, mc, DType::F32, /*seed=*/1);
+  Trainer trainer(be, std::move(master), recipe.trainer, topt);
   RolloutEngine engine(be, trainer.master(), recipe.generator, pages, 16, std::max(nseq, 1));
 
   // Random token sequences (ids avoid nothing: the model is random anyway).
@@ -142,11 +190,18 @@ int run_bench(const std::vector<std::string>& argv) {
   const double total_tokens = double(nseq) * seq_len;
   Phase score{"score", total_tokens, {}, {}, {}}, train{"train_step", total_tokens, {}, {}, {}},
       gen{"generate", double(nseq) * new_tokens, {}, {}, {}};
-  std::printf("bench-train-step: device %s, precision %s (recipe %s), model D=%d L=%d H=%d/%d hd=%d F=%d V=%d, "
-              "%d seqs x %d tokens (prompt %d), %d repeats\n",
-              be.name().c_str(), prec_name.c_str(), recipe.name.c_str(), hidden, layers, heads, kv_heads, head_dim,
-              ffn, vocab, nseq, seq_len, prompt_len, repeats);
+  char moe[128] = "";
+  if (mc.is_moe())
+    std::snprintf(moe, sizeof moe, " E=%d top-%d Fe=%d shared %d%s", mc.num_experts, mc.num_experts_per_tok,
+                  mc.moe_intermediate_size, mc.n_shared_experts, mc.is_mla() ? " MLA" : "");
+  std::printf("bench-train-step: device %s, precision %s (recipe %s), model %s D=%d L=%d H=%d/%d hd=%d F=%d V=%d%s, "
+              "%d seqs x %d tokens (prompt %d), micro-batch %lld tokens, %d repeats; memory plan peak %.2f GiB\n",
+              be.name().c_str(), prec_name.c_str(), recipe.name.c_str(), shape.empty() ? "tiny-qwen3" : shape.c_str(),
+              mc.hidden_size, mc.num_layers, mc.num_heads, mc.num_kv_heads, mc.head_dim, mc.intermediate_size, vocab,
+              moe, nseq, seq_len, prompt_len, static_cast<long long>(topt.micro_batch_tokens), repeats,
+              plan_peak / double(1ll << 30));
   std::fflush(stdout);
+  const BackendCounters c0 = be.counters();
   time_phase(be, score, repeats, [&] { trainer.score(seqs, 1.0f, /*entropy=*/true, /*record_amax=*/fp8_kv); });
   time_phase(be, train, repeats, [&] { trainer.step(seqs, 1.0f, loss, 1e-4f); });
   time_phase(be, gen, repeats, [&] {
@@ -155,13 +210,25 @@ int run_bench(const std::vector<std::string>& argv) {
                 engine.last_stats().generated_tokens, " tokens, expected ", int64_t(nseq) * new_tokens);
   });
 
+  const BackendCounters c1 = be.counters();
   nlohmann::json j;
   j["device"] = be.name();
   j["precision"] = prec_name;
   j["recipe"] = recipe.name;
   j["wgrad"] = wgrad;
-  j["model"] = {{"hidden", hidden}, {"layers", layers}, {"heads", heads}, {"kv_heads", kv_heads},
-                {"head_dim", head_dim}, {"ffn", ffn}, {"vocab", vocab}};
+  j["model"] = {{"hidden", mc.hidden_size}, {"layers", mc.num_layers}, {"heads", mc.num_heads},
+                {"kv_heads", mc.num_kv_heads}, {"head_dim", mc.head_dim}, {"ffn", mc.intermediate_size},
+                {"vocab", vocab}};
+  if (!shape.empty()) j["model"]["name"] = shape;
+  if (mc.is_moe())
+    j["model"]["moe"] = {{"experts", mc.num_experts}, {"top_k", mc.num_experts_per_tok},
+                         {"expert_ffn", mc.moe_intermediate_size}, {"shared_experts", mc.n_shared_experts},
+                         {"router", mc.moe_router}, {"mla", mc.is_mla()}};
+  j["micro_batch_tokens"] = topt.micro_batch_tokens;
+  j["plan_peak_bytes"] = plan_peak;
+  j["fp8_gemm_fallbacks"] = c1.fp8_gemm_fallbacks - c0.fp8_gemm_fallbacks;
+  j["fp8_gemm_tails"] = c1.fp8_gemm_tails - c0.fp8_gemm_tails;
+  j["fp8_gemm_own"] = c1.fp8_gemm_own - c0.fp8_gemm_own;
   j["seqs"] = nseq;
   j["seq_len"] = seq_len;
   j["prompt_len"] = prompt_len;
@@ -184,6 +251,10 @@ int run_bench(const std::vector<std::string>& argv) {
                             {"peak_used_bytes", p->mem.peak_used_bytes},
                             {"peak_reserved_bytes", p->mem.peak_reserved_bytes}};
   }
+  std::printf("fp8 fallbacks %lld, row tails %lld, own-kernel %lld\n",
+              static_cast<long long>(c1.fp8_gemm_fallbacks - c0.fp8_gemm_fallbacks),
+              static_cast<long long>(c1.fp8_gemm_tails - c0.fp8_gemm_tails),
+              static_cast<long long>(c1.fp8_gemm_own - c0.fp8_gemm_own));
   j["threads_env"] = std::getenv("FP8RL_CPU_THREADS") ? std::getenv("FP8RL_CPU_THREADS") : "";
   if (args.has("json")) {
     write_file_atomic(args.get("json"), j.dump(2) + "\n");

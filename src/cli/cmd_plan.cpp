@@ -1,7 +1,8 @@
-// fp8rl plan [--config FILE] [--shape NAME] [--device-gib G] [key.sub=value ...]
+// fp8rl plan [--config FILE] [--shape NAME] [--layers N] [--device-gib G] [key.sub=value ...]
 //   Prints the device-memory plan of a GRPO run (rl/memory_plan.h) without running anything:
 //   the model from --shape (model/shapes.h: qwen3-0.6b, qwen3-1.7b, qwen3-8b, llama-3.2-1b,
-//   llama-3.1-8b, tiny), else model.path's
+//   llama-3.1-8b, qwen3-30b-a3b, moonlight-16b-a3b, tiny, tiny-moe, tiny-mla; --layers N: the first N
+//   blocks), else model.path's
 //   config.json, else the tiny model (its vocabulary from model.tiny.vocab_size or the tokenizer).
 #include <cstdio>
 #include <filesystem>
@@ -44,14 +45,15 @@ ModelConfig plan_model(const RunConfig& c, const std::string& shape) {
 }
 
 int run(const std::vector<std::string>& argv) {
-  Args a(argv, {"config", "shape", "device-gib"}, {"help"}, /*config_overrides=*/true);
+  Args a(argv, {"config", "shape", "layers", "device-gib"}, {"help"}, /*config_overrides=*/true);
   if (a.has("help")) {
     std::string shapes;
     for (const std::string& n : model_shape_names()) shapes += (shapes.empty() ? "" : "|") + n;
-    std::printf("usage: fp8rl plan [--config FILE] [--shape %s] [--device-gib G]"
+    std::printf("usage: fp8rl plan [--config FILE] [--shape %s] [--layers N] [--device-gib G]"
                 " [key.sub=value ...]\n"
                 "  The device-memory plan of `fp8rl train` with this config (rollout sizes, micro_batch_tokens,\n"
-                "  precision.recipe, kl_beta), for the config's model or a named shape. --device-gib: memory of\n"
+                "  precision.recipe, kl_beta), for the config's model or a named shape (--layers N: its first N\n"
+                "  blocks, as the benches' --layers). --device-gib: memory of\n"
                 "  the device to check against (default 139 with device=cuda, none on the CPU); train.recompute=auto\n"
                 "  and the KV pool of rollout.gpu_memory_utilization are decided against it.\n"
                 "  train.optimizer_state_dtype=bf16 / train.grad_dtype=bf16: the lean optimizer.\n", shapes.c_str());
@@ -64,7 +66,8 @@ int run(const std::vector<std::string>& argv) {
     overrides.insert(overrides.begin(), "model.tiny.max_position_embeddings=" +
                                             std::to_string(model_shape(a.get("shape")).max_position_embeddings));
   RunConfig c = config_load(a.get("config"), overrides);
-  const ModelConfig model = plan_model(c, a.get("shape"));
+  ModelConfig model = plan_model(c, a.get("shape"));
+  if (a.has("layers")) model = model_shape_cut(model, a.get_int("layers", model.num_layers, 1));
   const bool cuda = c.device == "cuda";
   const double gib = parse_gib(a.get("device-gib", cuda ? "139" : "0"));
   const DType act = cuda ? DType::BF16 : DType::F32;

@@ -9,6 +9,7 @@
 #include "core/error.h"
 #include "model/shapes.h"
 #include "model/transformer.h"
+#include "model/weights.h"
 #include "quant/quant.h"
 
 namespace fp8rl {
@@ -19,14 +20,25 @@ constexpr int64_t kBlock = kQuantBlock;  // FP8 weight blocks are 128 x 128
 
 struct LinearShape {
   int64_t rows, cols;  // [out, in]
+  bool mla_kv_b = false;  // MLA's kv_b_proj: the generator keeps it unquantized (BF16)
 };
 
-// The linears of block `layer` that follow the block precision, [out, in] each: q, k, v, o and
-// the dense MLP's 3, or (mixture of experts) every expert's 3 and the shared experts' 3.
+// The linears of block `layer` that follow the block precision, [out, in] each: q, k, v, o (MLA:
+// q or q_a + q_b, kv_a, kv_b, o) and the dense MLP's 3, or (mixture of experts) every expert's 3
+// and the shared experts' 3.
 std::vector<LinearShape> block_linears(const ModelConfig& c, int layer) {
   const int64_t D = c.hidden_size, F = c.intermediate_size;
   const int64_t q = int64_t(c.num_heads) * c.head_dim, kv = int64_t(c.num_kv_heads) * c.head_dim;
   std::vector<LinearShape> out = {{q, D}, {kv, D}, {kv, D}, {D, q}};
+  if (c.is_mla()) {  // model/weights.h's MLA layout
+    const int64_t H = c.num_heads, qk = c.qk_head_dim(), qr = c.q_lora_rank, kvr = c.kv_lora_rank;
+    out.clear();
+    if (qr > 0) out.insert(out.end(), {LinearShape{qr, D}, LinearShape{H * qk, qr}});
+    else out.push_back({H * qk, D});
+    out.push_back({kvr + c.qk_rope_head_dim, D});
+    out.push_back({H * (c.qk_nope_head_dim + c.v_head_dim), kvr, /*mla_kv_b=*/true});
+    out.push_back({D, H * c.v_head_dim});
+  }
   if (!c.layer_is_moe(layer)) {
     for (LinearShape s : {LinearShape{F, D}, LinearShape{F, D}, LinearShape{D, F}}) out.push_back(s);
     return out;
@@ -67,6 +79,15 @@ int64_t memory_plan_block_bytes_per_token(const ModelConfig& c, DType act) {
   // x, xn_attn, x_mid, xn_mlp, proj [D]; q, attn [Hq*hd]; k, v [Hkv*hd]
   int64_t attn_elems = 5 * D + 2 * q + 2 * kv;
   int64_t stats = 2 + c.num_heads;  // attn_rstd, mlp_rstd, lse [Hq]
+  if (c.is_mla()) {  // LayerActivations' MLA tensors (model/transformer.h)
+    const int64_t H = c.num_heads, qk = c.qk_head_dim(), dv = c.v_head_dim, r = c.qk_rope_head_dim;
+    const int64_t kvr = c.kv_lora_rank, qr = c.q_lora_rank;
+    // q, k [H*qk]; v, attn [H*dv]; q_a, q_an [qr]; kv_a [kvr + r]; kv_lat, kv_latn [kvr];
+    // kv_b [H*(nope + dv)]; rope_q [H*r], rope_k [r]
+    attn_elems = 5 * D + 2 * H * qk + 2 * H * dv + 2 * qr + (kvr + r) + 2 * kvr + H * (c.qk_nope_head_dim + dv) +
+                 H * r + r;
+    stats += 1 + (qr > 0 ? 1 : 0);  // kv_rstd (+ q_a_rstd)
+  }
   if (c.qk_norm) {
     attn_elems += q + kv;                    // q_raw, k_raw
     stats += c.num_heads + c.num_kv_heads;   // q_rstd, k_rstd
@@ -97,11 +118,22 @@ int64_t memory_plan_generator_bytes(const ModelConfig& c, const EnginePrecision&
   int64_t bytes = V * D * a * (c.tie_word_embeddings ? 1 : 2) + D * a;  // embed (+ lm_head), final_norm
   for (int l = 0; l < c.num_layers; ++l) {
     bytes += 2 * D * a + (c.qk_norm ? 2 * hd * a : 0);  // attn_norm, mlp_norm (+ q_norm, k_norm)
+    if (c.is_mla()) bytes += (int64_t(c.q_lora_rank) + c.kv_lora_rank) * a;  // q_a_norm, kv_a_norm
     if (c.attention_bias) bytes += (int64_t(c.num_heads) + 2 * c.num_kv_heads) * hd * a;
-    const bool fp8 = gen.linear_for_layer(l, c.num_layers) == LinearMode::FP8_BLOCK;
-    if (c.layer_is_moe(l)) bytes += int64_t(c.num_experts) * (D + 1) * 4;  // FP32 router (+ correction bias)
-    for (const LinearShape& s : block_linears(c, l))
-      bytes += fp8 ? s.rows * s.cols + ceil_div(s.rows, kBlock) * ceil_div(s.cols, kBlock) * 4 : s.rows * s.cols * a;
+    const LinearMode mode = gen.linear_for_layer(l, c.num_layers);
+    if (c.layer_is_moe(l))  // FP32 router (+ the sigmoid router's correction bias)
+      bytes += int64_t(c.num_experts) * (D + (c.moe_router == "sigmoid" ? 1 : 0)) * 4;
+    for (const LinearShape& s : block_linears(c, l)) {
+      // As generator_weights_alloc: MLA's kv_b and the MLA projections the recipe cannot block
+      // (mla_projection_kept_bf16) are not FP8; kv_b is BF16 unless the block is FP32.
+      const bool unquantized = s.mla_kv_b || mla_projection_kept_bf16(c, s.rows, s.cols);
+      if (mode == LinearMode::FP8_BLOCK && !unquantized)
+        bytes += s.rows * s.cols + ceil_div(s.rows, kBlock) * ceil_div(s.cols, kBlock) * 4;
+      else if (s.mla_kv_b && mode != LinearMode::FP32)
+        bytes += s.rows * s.cols * 2;
+      else
+        bytes += s.rows * s.cols * a;
+    }
   }
   return bytes;
 }
