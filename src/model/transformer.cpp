@@ -595,6 +595,8 @@ void model_forward_paged(Backend& be, const ModelWeights& w, const EnginePrecisi
 
   AttentionStep attention;
   MlaLatentScratch mla;
+  // Captured by reference below: it must outlive the if (forward_layers runs the lambdas).
+  const float softmax_scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
   if (c.is_mla()) {
     mla = mla_latent_scratch_alloc(be, c, act, T);
     attention.mla_latent = true;
@@ -602,7 +604,6 @@ void model_forward_paged(Backend& be, const ModelWeights& w, const EnginePrecisi
       mla_attention_paged(be, w, prec, layer, cache, batch, mla, a);
     };
   } else {
-    const float softmax_scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
     attention.run = [&](int layer, LayerActivations& a) {
       be.kv_write(cache, layer, a.k, a.v, batch);
       be.attention_paged(cache, layer, a.q, batch, softmax_scale, prec.fp8_attention, a.attn);
