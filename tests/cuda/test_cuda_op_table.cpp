@@ -36,11 +36,14 @@ TEST_P(OpTableCuda, MatchesCpu) {
     expect_close(got.at(name), ref.at(name), tol, name);
   }
   check_run(c, gpu, in, got);
-  if (c.no_fp8_fallback) EXPECT_EQ(c1.fp8_gemm_fallbacks, c0.fp8_gemm_fallbacks) << "an FP8 product fell back";
+  if (c.no_fp8_fallback) {
+    EXPECT_EQ(c1.fp8_gemm_fallbacks, c0.fp8_gemm_fallbacks) << "an FP8 product fell back";
+  }
   // A ragged FP8 product runs either on the own kernel (any M) or on cuBLASLt with a padded tail.
-  if (c.fp8_tails >= 0)
+  if (c.fp8_tails >= 0) {
     EXPECT_EQ(c1.fp8_gemm_tails - c0.fp8_gemm_tails + c1.fp8_gemm_own - c0.fp8_gemm_own, c.fp8_tails)
         << "padded tail products + own-kernel products";
+  }
   maybe_time_case(c, gpu, in);
 }
 

@@ -1035,7 +1035,7 @@ void CudaBackend::token_logprobs_backward_impl(const Tensor& hidden, const Tenso
   // dx buffer and add. The products are those of the general path below, summed by the GEMM's
   // epilogue instead of a separate add.
   if (spec.mode == LinearMode::BF16 && hidden.dtype() == DType::BF16 && lm_head.dtype() == DType::BF16 &&
-      (!dlm_head || dlm_head->dtype() == DType::F32) && T <= 65535) {
+      (!dlm_head || dlm_head->dtype() == DType::F32)) {
     Tensor dh = scratch(kSlotDh, {T, D}, DType::F32);
     const int64_t vc = vocab_chunk(T, V);
     for (int64_t v0 = 0; v0 < V; v0 += vc) {

@@ -230,7 +230,7 @@ void launch_logprob_init(float* m, float* s, float* e, float* tgt, int64_t T, cu
 void launch_logprob_finish(const float* m, const float* s, const float* e, const float* tgt, int64_t T, float* logp,
                            float* lse, float* entropy, cudaStream_t stream);
 // In place: logits [T, Vc] -> dlogits = dlogp[t] * (onehot - softmax) * inv_temp; with out_bf16
-// (T <= 65535) the gradient goes there in BF16 instead, logits left as they are.
+// the gradient goes there in BF16 instead, logits left as they are.
 void launch_logprob_grad_chunk(float* logits, int64_t T, int64_t Vc, int64_t v0, float inv_temp,
                                const int32_t* targets, const float* lse, const float* dlogp, cudaStream_t stream,
                                void* out_bf16 = nullptr);

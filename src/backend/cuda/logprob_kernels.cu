@@ -2,8 +2,6 @@
 // of the vocabulary with a GEMM, and these kernels fold the chunk into a per-token online
 // log-sum-exp (m = running max, s = sum exp(l - m), e = sum exp(l - m) * l for the entropy),
 // pick the target's logit, and, in the backward, turn the chunk's logits into dlogits in place.
-#include <algorithm>
-
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/kernels.h"
@@ -66,39 +64,23 @@ __global__ void logprob_finish_kernel(const float* m, const float* s, const floa
   }
 }
 
-__global__ void logprob_grad_kernel(float* logits, int64_t T, int64_t Vc, int64_t v0, float inv_temp,
-                                    const int32_t* targets, const float* lse, const float* dlogp) {
+// dlogits = dlogp[t] * (onehot - softmax) * inv_temp, written in place (F32) or to a BF16 copy for
+// the BF16 GEMMs that consume it (the rounding their operand conversion would apply).
+template <typename TO>
+__global__ void logprob_grad_kernel(const float* logits, int64_t T, int64_t Vc, int64_t v0, float inv_temp,
+                                    const int32_t* targets, const float* lse, const float* dlogp, TO* out) {
   const int64_t n = T * Vc;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t t = i / Vc, j = i % Vc;
     const float p = expf(logits[i] * inv_temp - lse[t]);
     const float onehot = (targets[t] == v0 + j) ? 1.0f : 0.0f;
-    logits[i] = dlogp[t] * (onehot - p) * inv_temp;
+    store_f(out, i, dlogp[t] * (onehot - p) * inv_temp);
   }
 }
 
-// The same gradient, one row per blockIdx.y (no 64-bit index division per element), written in
-// place (F32) or to a BF16 copy for the BF16 GEMMs that consume it (the rounding those GEMMs'
-// operand conversion would apply): the values are those of logprob_grad_kernel.
-template <typename TO>
-__global__ void logprob_grad_rows_kernel(const float* __restrict__ logits, int64_t Vc, int64_t v0, float inv_temp,
-                                         const int32_t* __restrict__ targets, const float* __restrict__ lse,
-                                         const float* __restrict__ dlogp, TO* out) {
-  const int64_t t = blockIdx.y;
-  const float l = lse[t], d = dlogp[t];
-  const int64_t tgt = static_cast<int64_t>(targets[t]) - v0;
-  const float* row = logits + t * Vc;
-  TO* orow = out + t * Vc;
-  for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < Vc;
-       j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const float p = expf(row[j] * inv_temp - l);
-    const float onehot = j == tgt ? 1.0f : 0.0f;
-    store_f(orow, j, d * (onehot - p) * inv_temp);
-  }
-}
-
-// The same, four consecutive elements per thread (Vc % 4 == 0: 16-byte loads, 8-byte BF16 stores).
+// The same, one row per blockIdx.y and four consecutive elements per thread (Vc % 4 == 0: 16-byte
+// loads, 8-byte BF16 stores, no 64-bit index division per element).
 template <typename TO>
 __global__ void logprob_grad_rows4_kernel(const float* __restrict__ logits, int64_t Vc, int64_t v0, float inv_temp,
                                           const int32_t* __restrict__ targets, const float* __restrict__ lse,
@@ -156,29 +138,23 @@ void launch_logprob_grad_chunk(float* logits, int64_t T, int64_t Vc, int64_t v0,
                                const int32_t* targets, const float* lse, const float* dlogp, cudaStream_t stream,
                                void* out_bf16) {
   if (T * Vc == 0) return;
-  if (T > 65535) {  // grid.y's limit: the flat kernel
-    FP8RL_CHECK(!out_bf16, "logprob gradient: a BF16 copy needs at most 65535 rows per chunk, got ", T);
-    logprob_grad_kernel<<<grid_for(T * Vc, 256), 256, 0, stream>>>(logits, T, Vc, v0, inv_temp, targets, lse, dlogp);
-    CUDA_CHECK_LAUNCH("logprob_grad_kernel");
-    return;
-  }
-  if (Vc % 4 == 0) {
-    const dim3 grid4(static_cast<unsigned>((Vc / 4 + 255) / 256), static_cast<unsigned>(T));
-    if (out_bf16)
-      logprob_grad_rows4_kernel<<<grid4, 256, 0, stream>>>(logits, Vc, v0, inv_temp, targets, lse, dlogp,
-                                                           static_cast<bf16*>(out_bf16));
+  bf16* o16 = static_cast<bf16*>(out_bf16);
+  if (Vc % 4 == 0 && T <= 65535) {  // grid.y's limit
+    const dim3 grid(static_cast<unsigned>((Vc / 4 + 255) / 256), static_cast<unsigned>(T));
+    if (o16)
+      logprob_grad_rows4_kernel<<<grid, 256, 0, stream>>>(logits, Vc, v0, inv_temp, targets, lse, dlogp, o16);
     else
-      logprob_grad_rows4_kernel<<<grid4, 256, 0, stream>>>(logits, Vc, v0, inv_temp, targets, lse, dlogp, logits);
+      logprob_grad_rows4_kernel<<<grid, 256, 0, stream>>>(logits, Vc, v0, inv_temp, targets, lse, dlogp, logits);
     CUDA_CHECK_LAUNCH("logprob_grad_rows4_kernel");
     return;
   }
-  const dim3 grid(static_cast<unsigned>(std::min<int64_t>((Vc + 255) / 256, 16)), static_cast<unsigned>(T));
-  if (out_bf16)
-    logprob_grad_rows_kernel<<<grid, 256, 0, stream>>>(logits, Vc, v0, inv_temp, targets, lse, dlogp,
-                                                       static_cast<bf16*>(out_bf16));
+  if (o16)
+    logprob_grad_kernel<<<grid_for(T * Vc, 256), 256, 0, stream>>>(logits, T, Vc, v0, inv_temp, targets, lse, dlogp,
+                                                                   o16);
   else
-    logprob_grad_rows_kernel<<<grid, 256, 0, stream>>>(logits, Vc, v0, inv_temp, targets, lse, dlogp, logits);
-  CUDA_CHECK_LAUNCH("logprob_grad_rows_kernel");
+    logprob_grad_kernel<<<grid_for(T * Vc, 256), 256, 0, stream>>>(logits, T, Vc, v0, inv_temp, targets, lse, dlogp,
+                                                                   logits);
+  CUDA_CHECK_LAUNCH("logprob_grad_kernel");
 }
 
 }  // namespace fp8rl::cuda
