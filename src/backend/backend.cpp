@@ -531,6 +531,40 @@ void Backend::linear_shared_input_impl(const Tensor& x, const std::vector<const 
   for (size_t i = 0; i < W.size(); ++i) linear_impl(x, *W[i], spec, *outs[i], x_fp8);
 }
 
+void Backend::grouped_linear(const Tensor& x, const std::vector<int64_t>& offsets,
+                             const std::vector<const LinearWeight*>& W, const LinearSpec& spec, Tensor& out) {
+  FP8RL_CHECK(!W.empty() && offsets.size() == W.size() + 1, "grouped_linear: ", W.size(), " weights need ",
+              W.size() + 1, " row offsets, got ", offsets.size());
+  const Contract c(*this);
+  c.floating(x, "grouped_linear x");
+  c.floating(out, "grouped_linear out");
+  FP8RL_CHECK(x.ndim() == 2 && out.ndim() == 2 && x.dim(0) == out.dim(0), "grouped_linear: x must be [R, K] and ",
+              "out [R, N], got ", x.str(), " and ", out.str());
+  const int64_t R = x.dim(0);
+  FP8RL_CHECK(offsets.front() == 0 && offsets.back() == R, "grouped_linear: row offsets must run from 0 to ", R,
+              ", got ", offsets.front(), " .. ", offsets.back());
+  for (size_t g = 0; g + 1 < offsets.size(); ++g)
+    FP8RL_CHECK(offsets[g + 1] >= offsets[g], "grouped_linear: row offsets must not decrease (group ", g, ")");
+  for (size_t g = 0; g < W.size(); ++g) {
+    FP8RL_CHECK(W[g], "grouped_linear: weight ", g, " is null");
+    weight_contract(c, *W[g], spec, "grouped_linear");
+    FP8RL_CHECK(W[g]->in_features() == x.dim(1) && W[g]->out_features() == out.dim(1), "grouped_linear: weight ", g,
+                " is [", W[g]->out_features(), ", ", W[g]->in_features(), "], x ", x.str(), " and out ", out.str(),
+                " need [", out.dim(1), ", ", x.dim(1), "]");
+  }
+  grouped_linear_impl(x, offsets, W, spec, out);
+}
+
+void Backend::grouped_linear_impl(const Tensor& x, const std::vector<int64_t>& offsets,
+                                  const std::vector<const LinearWeight*>& W, const LinearSpec& spec, Tensor& out) {
+  for (size_t g = 0; g < W.size(); ++g) {
+    if (offsets[g + 1] == offsets[g]) continue;
+    const Tensor xg = x.slice_rows(offsets[g], offsets[g + 1]);
+    Tensor og = out.slice_rows(offsets[g], offsets[g + 1]);
+    linear_impl(xg, *W[g], spec, og, nullptr);
+  }
+}
+
 void Backend::linear_backward(const Tensor& dy, const Tensor& x, const LinearWeight& W, const LinearSpec& spec,
                               Tensor* dx, Tensor* dw, Tensor* dbias) {
   const Contract c(*this);

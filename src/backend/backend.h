@@ -258,6 +258,13 @@ class Backend {
   // default calls linear().
   void linear_shared_input(const Tensor& x, const std::vector<const LinearWeight*>& W, const LinearSpec& spec,
                            const std::vector<Tensor*>& outs, const Fp8View* x_fp8 = nullptr);
+  // linear() of row groups through one weight each (mixture-of-experts layers): rows
+  // [offsets[g], offsets[g + 1]) of x [R, K] and out [R, N] go through *W[g] (every W of equal
+  // in and out features; offsets from 0 to R, non-decreasing). Each group's rows equal what
+  // linear() of those rows writes, within the mode's tolerance (CUDA FP8 with pre-quantized
+  // weights: one grouped launch of the own kernel); the default calls linear() per group.
+  void grouped_linear(const Tensor& x, const std::vector<int64_t>& offsets, const std::vector<const LinearWeight*>& W,
+                      const LinearSpec& spec, Tensor& out);
   // Backward of linear. dx [M, K] written when non-null (dgrad: dY 1x128 along N, W^T);
   // dw F32 [N, K] and dbias F32 [N] accumulated when non-null (wgrad: dY^T and X^T requantized
   // 1x128 along tokens, or with spec.wgrad == BF16 the BF16 GEMM of dY and X). FP8 dgrad uses
@@ -448,6 +455,8 @@ class Backend {
                            const Fp8View* x_fp8) = 0;
   virtual void linear_shared_input_impl(const Tensor& x, const std::vector<const LinearWeight*>& W,
                                         const LinearSpec& spec, const std::vector<Tensor*>& outs, const Fp8View* x_fp8);
+  virtual void grouped_linear_impl(const Tensor& x, const std::vector<int64_t>& offsets,
+                                   const std::vector<const LinearWeight*>& W, const LinearSpec& spec, Tensor& out);
   virtual void linear_backward_impl(const Tensor& dy, const Tensor& x, const LinearWeight& W, const LinearSpec& spec,
                                     Tensor* dx, Tensor* dw, Tensor* dbias) = 0;
   virtual void rope_impl(Tensor& x, const Tensor& positions, const RopeParams& rope, bool inverse) = 0;

@@ -191,16 +191,18 @@ void moe_forward(Backend& be, const ModelConfig& c, const LayerWeights& lw, cons
   be.copy(slot_row, a.moe_slot_row);
 
   be.moe_permute(a.xn_mlp, a.moe_row_slot, static_cast<int>(k), nullptr, a.moe_x);
+  // Every expert's SwiGLU over its rows: three grouped linears (one launch each on CUDA FP8) and
+  // one swiglu over all rows (element-wise: the per-expert values).
+  std::vector<const LinearWeight*> gates, ups, downs;
   for (int64_t e = 0; e < E; ++e) {
-    const int64_t r0 = a.moe_offsets[e], r1 = a.moe_offsets[e + 1];
-    if (r0 == r1) continue;
-    const ExpertWeights& ew = lw.experts[e];
-    Tensor xe = a.moe_x.slice_rows(r0, r1), ge = a.moe_gate.slice_rows(r0, r1), ue = a.moe_up.slice_rows(r0, r1);
-    Tensor he = a.moe_act.slice_rows(r0, r1), ye = a.moe_y.slice_rows(r0, r1);
-    be.linear_shared_input(xe, {&ew.gate, &ew.up}, spec, {&ge, &ue});
-    be.swiglu(ge, ue, he);
-    be.linear(he, ew.down, spec, ye);
+    gates.push_back(&lw.experts[e].gate);
+    ups.push_back(&lw.experts[e].up);
+    downs.push_back(&lw.experts[e].down);
   }
+  be.grouped_linear(a.moe_x, a.moe_offsets, gates, spec, a.moe_gate);
+  be.grouped_linear(a.moe_x, a.moe_offsets, ups, spec, a.moe_up);
+  be.swiglu(a.moe_gate, a.moe_up, a.moe_act);
+  be.grouped_linear(a.moe_act, a.moe_offsets, downs, spec, a.moe_y);
   const Tensor w = a.moe_weights.reshape({R});
   be.moe_unpermute(a.moe_y, a.moe_slot_row, &w, a.proj);
   if (lw.gate.w.defined() || lw.gate.wq.defined()) {  // always-on shared experts (DeepSeek)

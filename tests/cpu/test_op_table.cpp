@@ -68,6 +68,7 @@ TEST(OpTableCpu, CoversEveryOp) {
                        "linear",
                        "linear_shared_input",
                        "linear_backward",
+                       "grouped_linear",
                        "rope",
                        "attention",
                        "swiglu",

@@ -89,6 +89,14 @@ Tensor host_rows(const Tensor& t, int64_t r0, int64_t m) {
   return out;
 }
 
+// Row r of a host QuantTensor (1x128 blocks) as a one-row QuantTensor.
+QuantTensor host_rows_quant(const QuantTensor& q, int64_t r) {
+  QuantTensor o = q;
+  o.data = host_rows(q.data, r, 1);
+  o.scales = host_rows(q.scales, r, 1);
+  return o;
+}
+
 struct Shape {
   int64_t M, N, K;
 };
@@ -185,6 +193,63 @@ TEST(CudaFp8Gemm, RowsDoNotDependOnTheOtherRowsAndRunsRepeat) {
       ASSERT_EQ(std::memcmp(part.raw(), full.data<uint16_t>() + r0 * N, part.nbytes()), 0)
           << "rows " << r0 << "+" << m << " differ from the full product, splits=" << splits;
     }
+  }
+}
+
+// One launch over every group's rows (the mixture-of-experts layout: rows sorted by expert, one
+// B per expert) gives bitwise the per-group dense products at one split, empty and one-row
+// groups included, and matches the FP64 host product of each group.
+TEST(CudaFp8Gemm, GroupedIsBitwiseThePerGroupProducts) {
+  cuda::CudaBackend be(0, DType::BF16);
+  const int64_t N = 384, K = 640, kb = ceil_div(K, kQuantBlock);
+  const std::vector<int64_t> rows = {0, 1, 77, 130, 300, 64};
+  std::vector<int64_t> offsets = {0};
+  for (int64_t r : rows) offsets.push_back(offsets.back() + r);
+  const int64_t R = offsets.back();
+  const QuantTensor ha = quantize_1x128(random_matrix(R, K, 41, 1.5f), false);
+  QuantTensor da = ha;
+  da.data = be.to_device(ha.data), da.scales = be.to_device(ha.scales);
+  std::vector<QuantTensor> hb, db;
+  std::vector<const uint8_t*> bp;
+  std::vector<const float*> sp;
+  for (size_t g = 0; g < rows.size(); ++g) {
+    hb.push_back(quantize_128x128(random_matrix(N, K, 50 + static_cast<uint32_t>(g), 1.0f), false));
+    QuantTensor d = hb.back();
+    d.data = be.to_device(d.data), d.scales = be.to_device(d.scales);
+    db.push_back(d);
+    bp.push_back(db.back().data.data<uint8_t>());
+    sp.push_back(db.back().scales.data<float>());
+  }
+  for (int bm : {0, 64, 128}) {
+    SCOPED_TRACE(testing::Message() << "block_m=" << bm);
+    Tensor cg = be.alloc({R, N}, DType::F32);
+    be.gemm().gemm_fp8_grouped(offsets, N, K, da.data.data<uint8_t>(), da.scales.data<float>(), false, bp, sp, cg.raw(),
+                               DType::F32, 1.0f, 0.0f, bm);
+    Tensor cd = be.alloc({R, N}, DType::F32);
+    for (size_t g = 0; g < rows.size(); ++g) {
+      if (rows[g] == 0) continue;
+      const int64_t r0 = offsets[g];
+      be.gemm().gemm_fp8_own(rows[g], N, K, da.data.data<uint8_t>() + r0 * K, da.scales.data<float>() + r0 * kb, false,
+                             bp[g], sp[g], static_cast<float*>(cd.raw()) + r0 * N, DType::F32, 1.0f, 0.0f, 1,
+                             bm == 0 ? 0 : bm);
+    }
+    be.synchronize();
+    const Tensor hg = be.to_host(cg), hd = be.to_host(cd);
+    if (bm != 0) {
+      EXPECT_EQ(std::memcmp(hg.raw(), hd.raw(), hg.nbytes()), 0) << "grouped differs from the per-group products";
+    }
+    double worst = 0;
+    for (size_t g = 0; g < rows.size(); ++g)
+      for (int64_t r = offsets[g]; r < offsets[g + 1]; r += 7)
+        for (int64_t n = 0; n < N; n += 5) {
+          Operands o;
+          o.ha = host_rows_quant(ha, r);
+          o.hb = hb[g];
+          double v, mag;
+          host_product(o, 0, n, &v, &mag);
+          worst = std::max(worst, std::fabs(hg.data<float>()[r * N + n] - v) / (mag + 1e-30));
+        }
+    EXPECT_LT(worst, kMmaBound);
   }
 }
 

@@ -627,6 +627,64 @@ void fused_cases(std::vector<OpCase>& t) {
 
 // ---- mixture of experts ------------------------------------------------------------------------
 
+// grouped_linear: row groups (empty, one-row and ragged ones) through one weight each, against
+// linear() of each group's rows. FP8 weights pre-quantized, as the generator and the trainer's
+// per-step cache hold them (the CUDA grouped kernel's case); BF16 through W.w.
+void grouped_linear_cases(std::vector<OpCase>& t) {
+  for (LinearMode mode : {LinearMode::FP8_BLOCK, LinearMode::BF16, LinearMode::FP32}) {
+    const LinearSpec spec{mode, false};
+    const std::vector<int64_t> rows = {0, 5, 37, 1, 21, 64};
+    std::vector<int64_t> offsets = {0};
+    for (int64_t r : rows) offsets.push_back(offsets.back() + r);
+    const int64_t R = offsets.back(), K = 256, N = 384, G = static_cast<int64_t>(rows.size());
+    t.push_back({"grouped_linear",
+                 std::to_string(G) + " groups, " + std::to_string(R) + " rows, K 256, N 384 " + linear_mode_name(mode),
+                 [=] {
+                   Tensors in{{"x", rnd({R, K}, 530)}};
+                   for (int64_t g = 0; g < G; ++g)
+                     in["w" + std::to_string(g)] = rnd({N, K}, 531 + static_cast<uint32_t>(g), DType::F32, 0.05f);
+                   return in;
+                 },
+                 [=](OpRun& r) {
+                   std::vector<LinearWeight> W(static_cast<size_t>(G));
+                   std::vector<const LinearWeight*> ws;
+                   for (int64_t g = 0; g < G; ++g) {
+                     LinearWeight& w = W[static_cast<size_t>(g)];
+                     w.w = r["w" + std::to_string(g)];
+                     if (mode == LinearMode::FP8_BLOCK) {
+                       w.wq = r.be.alloc_quant(N, K, kQuantBlock, kQuantBlock, false);
+                       r.be.quantize(w.w, false, w.wq);
+                     }
+                     ws.push_back(&w);
+                   }
+                   r.be.grouped_linear(r["x"], offsets, ws, spec, r.output("out", {R, N}, DType::F32));
+                   Tensor& single = r.output("single", {R, N}, DType::F32);
+                   for (int64_t g = 0; g < G; ++g) {
+                     if (rows[static_cast<size_t>(g)] == 0) continue;
+                     const Tensor xg = r["x"].slice_rows(offsets[g], offsets[g + 1]);
+                     Tensor og = single.slice_rows(offsets[g], offsets[g + 1]);
+                     r.be.linear(xg, W[static_cast<size_t>(g)], spec, og);
+                   }
+                 },
+                 {{"out", linear_tolerance(mode, DType::F32)}},
+                 {}});
+    // The CPU computes both the same way (bitwise); the CUDA grouped kernel is close to its
+    // per-group cuBLASLt products (the linear class's tolerance).
+    t.back().close.emplace_back("out", "single", linear_tolerance(mode, DType::F32));
+    t.back().errors = [=](OpRun& r) {
+      LinearWeight w;
+      w.w = r["w0"];
+      std::vector<const LinearWeight*> ws(static_cast<size_t>(G), &w);
+      Tensor out = r.be.alloc({R, N}, DType::F32);
+      std::vector<int64_t> bad = offsets;
+      bad.back() = R - 1;  // offsets must end at R
+      EXPECT_THROW(r.be.grouped_linear(r["x"], bad, ws, spec, out), Error);
+      std::vector<const LinearWeight*> fewer(ws.begin(), ws.end() - 1);  // one offset too many
+      EXPECT_THROW(r.be.grouped_linear(r["x"], offsets, fewer, spec, out), Error);
+    };
+  }
+}
+
 void moe_cases(std::vector<OpCase>& t) {
   const int64_t T = 37, E = 12, k = 3, D = 72, R = T * k;
   // Routing: F32 logits; the selection must agree exactly away from ties, weights 1e-5.
@@ -1117,6 +1175,7 @@ const std::vector<OpCase>& op_table() {
     linear_cases(t);
     layer_cases(t);
     fused_cases(t);
+    grouped_linear_cases(t);
     moe_cases(t);
     attention_cases(t);
     logprob_cases(t);

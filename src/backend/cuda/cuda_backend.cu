@@ -11,6 +11,7 @@
 #include <map>
 
 #include "backend/cuda/cuda_check.h"
+#include "backend/cuda/fp8_gemm.h"
 #include "backend/cuda/kernels.h"
 #include "core/error.h"
 
@@ -804,6 +805,35 @@ void CudaBackend::linear_shared_input_impl(const Tensor& x, const std::vector<co
     Tensor o2 = out.reshape({M, N});
     linear_fwd(x2, *W[i], spec, o2, &view);
   }
+}
+
+// FP8 with every group's weight pre-quantized (the generator's weights, the trainer's per-step
+// cache): x quantized once, every group in one launch of the own grouped kernel (fp8_gemm.h).
+// Otherwise (BF16, FP32, the exact path, weights not quantized, biases) one linear per group.
+void CudaBackend::grouped_linear_impl(const Tensor& x, const std::vector<int64_t>& offsets,
+                                      const std::vector<const LinearWeight*>& W, const LinearSpec& spec, Tensor& out) {
+  const int64_t R = x.dim(0), K = x.dim(1), N = out.dim(1);
+  bool grouped = spec.mode == LinearMode::FP8_BLOCK && act_dtype_ != DType::F32 && R > 0 &&
+                 fp8_gemm_sm90_supported(R, N, K) && K % kQuantBlock == 0 && R < (int64_t{1} << 31) &&
+                 !recording_;  // the kernel uploads its tile table with a pageable copy
+  for (const LinearWeight* w : W) grouped = grouped && w->wq.defined() && !w->bias.defined() && w->wq.pow2 == spec.pow2_scales;
+  if (!grouped) {
+    Backend::grouped_linear_impl(x, offsets, W, spec, out);
+    return;
+  }
+  const OpTimer op_timer_(*this, "grouped_linear");
+  QuantTensor xq = scratch_quant(kSlotAq, kSlotAs, R, K, 1, spec.pow2_scales);
+  flag_reset();
+  quantize_async(x, false, xq, false, /*gemm_layout=*/false);
+  flag_check("grouped_linear (FP8): the input " + x.str() + " holds NaN or Inf");
+  std::vector<const uint8_t*> bp;
+  std::vector<const float*> sp;
+  for (const LinearWeight* w : W) {
+    bp.push_back(w->wq.data.data<uint8_t>());
+    sp.push_back(w->wq.scales.data<float>());
+  }
+  gemm_->gemm_fp8_grouped(offsets, N, K, xq.data.data<uint8_t>(), xq.scales.data<float>(), false, bp, sp, out.raw(),
+                          out.dtype(), 1.0f, 0.0f);
 }
 
 void CudaBackend::linear_backward_impl(const Tensor& dy, const Tensor& x, const LinearWeight& W, const LinearSpec& spec,

@@ -69,6 +69,8 @@ class CudaBackend final : public Backend {
                              Tensor& dw) override;
   void linear_impl(const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor& out,
                    const Fp8View* x_fp8) override;
+  void grouped_linear_impl(const Tensor& x, const std::vector<int64_t>& offsets,
+                           const std::vector<const LinearWeight*>& W, const LinearSpec& spec, Tensor& out) override;
   void linear_shared_input_impl(const Tensor& x, const std::vector<const LinearWeight*>& W, const LinearSpec& spec,
                                 const std::vector<Tensor*>& outs, const Fp8View* x_fp8) override;
   void rmsnorm_fp8_impl(const Tensor& x, const Tensor& w, float eps, Tensor& out, Tensor* rstd, Fp8View& fp8) override;

@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "core/dtype.h"
 
@@ -39,5 +40,27 @@ Fp8GemmConfig fp8_gemm_sm90_config(int64_t M, int64_t N, int64_t K, int sm_count
 bool fp8_gemm_sm90_preferred(int64_t M, int64_t N, int64_t K);
 int64_t fp8_gemm_sm90_workspace_floats(int64_t M, int64_t N, int splits);
 void fp8_gemm_sm90(const Fp8GemmArgs& args, cudaStream_t stream);
+
+// The grouped product (mixture-of-experts layers): rows [offsets[g], offsets[g + 1]) of A and C
+// belong to group g, whose B is b[g] [N, K] with scales b_scales[g]; one launch for all groups.
+// Each row's result is bitwise that of fp8_gemm_sm90 at one split with its group's B.
+struct Fp8GroupedArgs {
+  int64_t N = 0, K = 0;
+  std::vector<int64_t> offsets;     // G + 1 row offsets, from 0
+  const uint8_t* a = nullptr;       // [R, K], R = offsets.back()
+  const float* a_scales = nullptr;  // [R][ceil(K/128)], or [ceil(K/128)][R] when a_scales_kb_major
+  bool a_scales_kb_major = false;
+  std::vector<const uint8_t*> b;       // G x [N, K]
+  std::vector<const float*> b_scales;  // G x [ceil(N/128)][ceil(K/128)]
+  void* c = nullptr;                   // [R, N]
+  DType c_dtype = DType::BF16;
+  float alpha = 1.0f, beta = 0.0f;
+  int block_m = 0;              // 64 or 128 (0: from the mean rows per group)
+  void* device_meta = nullptr;  // device scratch of fp8_gemm_sm90_grouped_meta_bytes bytes
+  size_t device_meta_bytes = 0;
+};
+size_t fp8_gemm_sm90_grouped_meta_bytes(int groups, int64_t rows, int block_m);
+// Uploads its tile table with a pageable copy: not for use inside a CUDA graph capture.
+void fp8_gemm_sm90_grouped(const Fp8GroupedArgs& args, cudaStream_t stream);
 
 }  // namespace fp8rl::cuda

@@ -22,6 +22,8 @@
 #include <cudaTypedefs.h>
 
 #include <algorithm>
+#include <cstring>
+#include <vector>
 
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/cuda_check.h"
@@ -122,6 +124,11 @@ struct GemmParams {
   bool c_bf16;
   float alpha, beta;
   bool partials;
+  // Grouped (fp8_gemm_sm90_grouped): per blockIdx.y {group, first row, end row, 0}; each group's
+  // B through its own tensor map (global memory) and scales. Null for the dense product.
+  const int4* tiles = nullptr;
+  const CUtensorMap* b_maps = nullptr;
+  const float* const* sb_groups = nullptr;
 };
 
 // kConsumers warpgroups of 64 rows each (BM = 64 kConsumers) plus one producer warpgroup.
@@ -142,6 +149,16 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1)
   const int n_tile = blockIdx.x, m_tile = blockIdx.y, split = blockIdx.z;
   const int kb0 = split * p.kb_per_split;
   const int nk = min(p.kb_per_split, p.kblocks - kb0);
+  // The tile's rows [m_base, m_base + kBM) of which those below m_end are its own; its B.
+  int64_t m_base = static_cast<int64_t>(m_tile) * kBM, m_end = p.M;
+  const CUtensorMap* map_b = &tm_b;
+  const float* sb_base = p.sb;
+  if (p.tiles) {
+    const int4 t = p.tiles[m_tile];
+    m_base = t.y, m_end = t.z;
+    map_b = p.b_maps + t.x;
+    sb_base = p.sb_groups[t.x];
+  }
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
@@ -159,8 +176,8 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1)
         mbar_wait(&empty[s], ((it / kStages) & 1) ^ 1);
         mbar_expect_tx(&full[s], kTileA + kTileB);
         const int k = (kb0 + it) * kBK;
-        tma_load_2d(sm_a + s * kTileA, &tm_a, &full[s], k, m_tile * kBM);
-        tma_load_2d(sm_b + s * kTileB, &tm_b, &full[s], k, n_tile * kBN);
+        tma_load_2d(sm_a + s * kTileA, &tm_a, &full[s], k, static_cast<int>(m_base));
+        tma_load_2d(sm_b + s * kTileB, map_b, &full[s], k, n_tile * kBN);
       }
     }
     return;
@@ -168,12 +185,12 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1)
 
   // A consumer warpgroup: rows [m_tile * kBM + wg * 64, + 64) of the tile.
   const int warp = tid / 32, lane = tid % 32;
-  const int64_t row0 = static_cast<int64_t>(m_tile) * kBM + wg * 64 + warp * 16 + lane / 4, row1 = row0 + 8;
-  const bool in0 = row0 < p.M, in1 = row1 < p.M;
+  const int64_t row0 = m_base + wg * 64 + warp * 16 + lane / 4, row1 = row0 + 8;
+  const bool in0 = row0 < m_end, in1 = row1 < m_end;
   float total[64], acc[64];
 #pragma unroll
   for (int i = 0; i < 64; ++i) total[i] = 0.0f;
-  const float* sb = p.sb + static_cast<int64_t>(n_tile) * p.kblocks;
+  const float* sb = sb_base + static_cast<int64_t>(n_tile) * p.kblocks;
   for (int it = 0; it < nk; ++it) {
     const int s = it % kStages, kb = kb0 + it;
     // The scales of this K block, loaded while the tiles arrive.
@@ -200,7 +217,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1)
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int64_t row = half ? row1 : row0;
-    if (row >= p.M) continue;
+    if (row >= m_end) continue;
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
       const int64_t col = col_base + 8 * i;
@@ -363,6 +380,75 @@ void fp8_gemm_sm90(const Fp8GemmArgs& a, cudaStream_t stream) {
                                                              static_cast<float*>(a.c));
     CUDA_CHECK(cudaGetLastError(), "FP8 GEMM split-K reduction launch");
   }
+}
+
+size_t fp8_gemm_sm90_grouped_meta_bytes(int groups, int64_t rows, int block_m) {
+  const int64_t bm = block_m > 0 ? block_m : 64;  // the most tiles any block_m gives
+  const int64_t tiles = ceil_div(rows, bm) + groups;
+  return static_cast<size_t>(groups) * (sizeof(CUtensorMap) + sizeof(float*)) + static_cast<size_t>(tiles) * 16 + 64;
+}
+
+// The grouped product: one launch, blockIdx.y over every group's row tiles (a table built here),
+// each tile reading its group's B through the group's tensor map. A tile's rows past its group's
+// end are loaded (they belong to the next group or are zero fill) but neither scaled nor stored,
+// so every row's arithmetic is that of the dense kernel at one split: bitwise the same result.
+void fp8_gemm_sm90_grouped(const Fp8GroupedArgs& a, cudaStream_t stream) {
+  const int G = static_cast<int>(a.b.size());
+  FP8RL_CHECK(G > 0 && a.offsets.size() == static_cast<size_t>(G) + 1 && a.b_scales.size() == a.b.size(),
+              "grouped FP8 GEMM: ", G, " groups need ", G + 1, " row offsets and ", G, " scale tensors, got ",
+              a.offsets.size(), " and ", a.b_scales.size());
+  const int64_t R = a.offsets.back();
+  FP8RL_CHECK(a.offsets.front() == 0 && R >= 0, "grouped FP8 GEMM: row offsets must start at 0");
+  for (int g = 0; g < G; ++g)
+    FP8RL_CHECK(a.offsets[g + 1] >= a.offsets[g], "grouped FP8 GEMM: row offsets must not decrease");
+  if (R == 0) return;
+  FP8RL_CHECK(fp8_gemm_sm90_supported(R, a.N, a.K),
+              "grouped FP8 GEMM (sm90): needs N and K multiples of 16, got N=", a.N, " K=", a.K);
+  FP8RL_CHECK(a.c_dtype == DType::BF16 || a.c_dtype == DType::F32, "grouped FP8 GEMM: output must be BF16 or F32");
+  FP8RL_CHECK(a.block_m == 0 || a.block_m == 64 || a.block_m == 128, "grouped FP8 GEMM: block_m must be 64 or 128");
+  int nonempty = 0;
+  for (int g = 0; g < G; ++g) nonempty += a.offsets[g + 1] > a.offsets[g];
+  const int bm = a.block_m ? a.block_m : R / std::max(1, nonempty) <= 96 ? 64 : 128;
+  // Host staging of the metadata: the maps (64-byte aligned), the scale pointers, the tiles.
+  std::vector<int4> tiles;
+  for (int g = 0; g < G; ++g)
+    for (int64_t r = a.offsets[g]; r < a.offsets[g + 1]; r += bm)
+      tiles.push_back(make_int4(g, static_cast<int>(r), static_cast<int>(a.offsets[g + 1]), 0));
+  const size_t maps_bytes = static_cast<size_t>(G) * sizeof(CUtensorMap), ptr_bytes = static_cast<size_t>(G) * 8;
+  const size_t need = maps_bytes + ptr_bytes + tiles.size() * sizeof(int4);
+  FP8RL_CHECK(a.device_meta && need + 64 <= a.device_meta_bytes, "grouped FP8 GEMM: the metadata needs ", need + 64,
+              " bytes of device scratch, got ", a.device_meta_bytes);
+  uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(a.device_meta) + 63) & ~uintptr_t(63));
+  std::vector<uint8_t> host(need);
+  for (int g = 0; g < G; ++g) {
+    const CUtensorMap m = tensor_map(a.b[static_cast<size_t>(g)], a.N, a.K, kBN);
+    std::memcpy(host.data() + static_cast<size_t>(g) * sizeof(CUtensorMap), &m, sizeof m);
+    const float* sp = a.b_scales[static_cast<size_t>(g)];
+    std::memcpy(host.data() + maps_bytes + static_cast<size_t>(g) * 8, &sp, 8);
+  }
+  std::memcpy(host.data() + maps_bytes + ptr_bytes, tiles.data(), tiles.size() * sizeof(int4));
+  CUDA_CHECK(cudaMemcpyAsync(base, host.data(), need, cudaMemcpyHostToDevice, stream),
+             "uploading the grouped FP8 GEMM's tile table");
+  const int kblocks = static_cast<int>(ceil_div(a.K, int64_t{kBK}));
+  GemmParams p;
+  p.M = R, p.N = a.N, p.K = a.K;
+  p.kblocks = kblocks, p.kb_per_split = kblocks;
+  p.sa = a.a_scales;
+  p.sa_m = a.a_scales_kb_major ? 1 : kblocks;
+  p.sa_k = a.a_scales_kb_major ? R : 1;
+  p.sb = nullptr;
+  p.partials = false;
+  p.c = a.c;
+  p.c_bf16 = a.c_dtype == DType::BF16;
+  p.alpha = a.alpha, p.beta = a.beta;
+  p.b_maps = reinterpret_cast<const CUtensorMap*>(base);
+  p.sb_groups = reinterpret_cast<const float* const*>(base + maps_bytes);
+  p.tiles = reinterpret_cast<const int4*>(base + maps_bytes + ptr_bytes);
+  const CUtensorMap ta = tensor_map(a.a, R, a.K, bm);
+  const CUtensorMap& tb = ta;  // unused: each tile takes its group's map
+  const int n_tiles = static_cast<int>(ceil_div(a.N, int64_t{kBN}));
+  if (bm == 64) launch<1, 8>(ta, tb, p, static_cast<int>(tiles.size()), n_tiles, 1, stream);
+  else launch<2, 6>(ta, tb, p, static_cast<int>(tiles.size()), n_tiles, 1, stream);
 }
 
 }  // namespace fp8rl::cuda

@@ -68,6 +68,7 @@ void GemmEngine::set_fp8_kernel(const std::string& v) {
 
 GemmEngine::~GemmEngine() {
   if (own_ws_) cudaFree(own_ws_);
+  if (grouped_meta_) cudaFree(grouped_meta_);
   if (tail_) cudaFree(tail_);
   if (scales_) cudaFree(scales_);
   if (workspace_) cudaFree(workspace_);
@@ -234,6 +235,31 @@ void GemmEngine::gemm_fp8_own(int64_t M, int64_t N, int64_t K, const uint8_t* a,
   }
   g.workspace = own_ws_;
   fp8_gemm_sm90(g, stream_);
+  ++own_products_;
+}
+
+void GemmEngine::gemm_fp8_grouped(const std::vector<int64_t>& offsets, int64_t N, int64_t K, const uint8_t* a,
+                                  const float* a_scales, bool a_scales_kb_major, const std::vector<const uint8_t*>& b,
+                                  const std::vector<const float*>& b_scales, void* C, DType c_dtype, float alpha,
+                                  float beta, int block_m) {
+  Fp8GroupedArgs g;
+  g.N = N, g.K = K, g.offsets = offsets;
+  g.a = a, g.a_scales = a_scales, g.a_scales_kb_major = a_scales_kb_major;
+  g.b = b, g.b_scales = b_scales;
+  g.c = C, g.c_dtype = c_dtype, g.alpha = alpha, g.beta = beta, g.block_m = block_m;
+  const size_t need =
+      fp8_gemm_sm90_grouped_meta_bytes(static_cast<int>(b.size()), offsets.empty() ? 0 : offsets.back(), block_m);
+  if (need > grouped_meta_bytes_) {
+    // The previous table may still be read by a kernel in flight: free in stream order.
+    if (grouped_meta_) {
+      CUDA_CHECK(cudaStreamSynchronize(stream_), "waiting before growing the grouped GEMM table");
+      CUDA_CHECK(cudaFree(grouped_meta_), "freeing the grouped GEMM table");
+    }
+    grouped_meta_bytes_ = need * 2;
+    grouped_meta_ = cuda_malloc(grouped_meta_bytes_, "the grouped FP8 GEMM's tile table");
+  }
+  g.device_meta = grouped_meta_, g.device_meta_bytes = grouped_meta_bytes_;
+  fp8_gemm_sm90_grouped(g, stream_);
   ++own_products_;
 }
 

@@ -30,6 +30,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <vector>
 #include <tuple>
 
 #include "core/dtype.h"
@@ -80,6 +81,11 @@ class GemmEngine {
   // wgrad) always run on cuBLASLt. FP8RL_FP8_GEMM_SPLITS=S fixes the own kernel's split count
   // (1: every row's result independent of M, for the consistency experiments).
   bool use_own_fp8(int64_t M, int64_t N, int64_t K) const;
+  // The grouped product of fp8_gemm.h (one launch over every group's rows): the own kernel only.
+  void gemm_fp8_grouped(const std::vector<int64_t>& offsets, int64_t N, int64_t K, const uint8_t* a,
+                        const float* a_scales, bool a_scales_kb_major, const std::vector<const uint8_t*>& b,
+                        const std::vector<const float*>& b_scales, void* C, DType c_dtype, float alpha, float beta,
+                        int block_m = 0);
   // The same choice in code (tests and benchmarks): "auto", "own" or "cublaslt".
   void set_fp8_kernel(const std::string& mode);
   int64_t own_products() const { return own_products_; }
@@ -109,6 +115,8 @@ class GemmEngine {
   int own_splits_ = 0;   // FP8RL_FP8_GEMM_SPLITS (0: from the shape)
   int sm_count_ = 132;
   float* own_ws_ = nullptr;  // split-K partials of the own kernel
+  void* grouped_meta_ = nullptr;  // the grouped kernel's tile table, tensor maps and scale pointers
+  size_t grouped_meta_bytes_ = 0;
   size_t own_ws_floats_ = 0;
   std::map<Key, cublasLtMatmulAlgo_t> algos_;
 };
