@@ -19,6 +19,8 @@
 #   memory          bench rl-step with 32k-token micro-batches and kl_beta 0.01, recompute none and
 #                   block: measured peak against the memory plan of the same setup (issue 15)
 #   kernels         the tensor-core paged decode attention (old vs new, GB/s) and the sampler alone
+#   ncu_paged       Nsight Compute on the tensor-core paged decode kernel (BF16 and E4M3 pools, the
+#                   first DecodeBench shape): speed of light, occupancy, warp stalls, instruction mix
 #   trainstep_profile  FP8RL_CUDA_PROFILE=1 train steps (bf16, fp8) at that shape: the per-op table
 #   generate        fp8rl bench generate --model 1b (four recipes)
 #   rlstep_kl       bench rl-step with the frozen KL reference policy (kl_beta 0.01): its memory and time
@@ -152,6 +154,17 @@ for stage in ${FP8RL_STAGES:-rlstep}; do
       note "paged attention bench: rc=$?"; grep -vE '^\[|^$|^Note' "$OUT/paged_bench.log" | head -24 | tee -a "$SUMMARY"
       timeout 60 "$FP8RL" bench sample --device cuda > "$OUT/sample_bench.log" 2>&1
       note "bench sample: rc=$?"; tail -12 "$OUT/sample_bench.log" | tee -a "$SUMMARY" ;;
+    ncu_paged)  # issue 14: why the E4M3 decode attention is not twice as fast as the BF16 one
+      for sel in "paged_mma_kernel<128, __nv_bfloat16>" "paged_mma_kernel<128, unsigned char>"; do
+        tag=$([ "${sel#*unsigned}" != "$sel" ] && echo e4m3 || echo bf16)
+        FP8RL_PAGED_BENCH=1 timeout 150 ncu --clock-control none --kernel-name-base demangled -k "regex:${sel}" -c 1 \
+          --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \
+          --section MemoryWorkloadAnalysis --section InstructionStats --section LaunchStats --print-details all \
+          "$B/fp8rl_gpu_tests" --gtest_color=no --gtest_filter='CudaPagedAttention.DecodeBench' > "$OUT/ncu_paged_$tag.log" 2>&1
+        note "ncu paged $tag: rc=$?"
+        grep -E "paged_mma|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)|Achieved Occupancy|Theoretical Occupancy|Registers Per|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Executed Ipc A|Block Limit" \
+          "$OUT/ncu_paged_$tag.log" | head -24 | tee -a "$SUMMARY"
+      done ;;
     trainstep_profile)  # the per-op stream time of one bf16 and one fp8 train step (1B shape)
       for prec in bf16 fp8; do
         FP8RL_CUDA_PROFILE=1 timeout 150 "$FP8RL" bench-train-step --device cuda --precision $prec --hidden 2048 \
