@@ -238,9 +238,20 @@ TEST(CudaFp8Gemm, GroupedIsBitwiseThePerGroupProducts) {
     if (bm != 0) {
       EXPECT_EQ(std::memcmp(hg.raw(), hd.raw(), hg.nbytes()), 0) << "grouped differs from the per-group products";
     }
-    double worst = 0;
-    for (size_t g = 0; g < rows.size(); ++g)
-      for (int64_t r = offsets[g]; r < offsets[g + 1]; r += 7)
+    // Against the FP64 product, beside cuBLASLt's block-scaled kernel on the same groups (the
+    // MMA's own accumulation error: this grid samples ~20x more elements than max_error, so its
+    // worst case is the tail of the same distribution, and the bound is cuBLASLt's, as above).
+    double worst = 0, worst_lt = 0;
+    for (size_t g = 0; g < rows.size(); ++g) {
+      if (rows[g] == 0) continue;
+      const int64_t r0 = offsets[g];
+      Tensor cl = be.alloc({rows[g], N}, DType::F32);
+      be.gemm().set_fp8_kernel("cublaslt");
+      be.gemm().gemm_fp8(rows[g], N, K, da.data.data<uint8_t>() + r0 * K, da.scales.data<float>() + r0 * kb, bp[g],
+                         sp[g], kQuantBlock, cl.raw(), DType::F32, 1.0f, 0.0f);
+      be.synchronize();
+      const Tensor hl = be.to_host(cl);
+      for (int64_t r = r0; r < offsets[g + 1]; r += 7)
         for (int64_t n = 0; n < N; n += 5) {
           Operands o;
           o.ha = host_rows_quant(ha, r);
@@ -248,8 +259,12 @@ TEST(CudaFp8Gemm, GroupedIsBitwiseThePerGroupProducts) {
           double v, mag;
           host_product(o, 0, n, &v, &mag);
           worst = std::max(worst, std::fabs(hg.data<float>()[r * N + n] - v) / (mag + 1e-30));
+          worst_lt = std::max(worst_lt, std::fabs(hl.data<float>()[(r - r0) * N + n] - v) / (mag + 1e-30));
         }
-    EXPECT_LT(worst, kMmaBound);
+    }
+    std::printf("[ fp8 gemm ] grouped, block_m=%d: max |C - exact| / sum|terms|: own %.2e, cuBLASLt %.2e\n", bm, worst,
+                worst_lt);
+    EXPECT_LE(worst, 1.25 * worst_lt + 1e-6) << "cuBLASLt's error " << worst_lt;
   }
 }
 
