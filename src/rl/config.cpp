@@ -270,6 +270,8 @@ std::vector<Field> config_fields(RunConfig& c) {
   t.add_enum("train.baseline", tr.baseline, {"group_norm", "leave_one_out"}, advantage_baseline_from_name,
              advantage_baseline_name, "advantage baseline");
   t.add_float("train.kl_beta", tr.kl_beta, "k3 KL penalty to the initial policy; 0 = off");
+  t.add_bool("train.routing_replay", tr.routing_replay,
+             "MoE: the trainer uses the generator's recorded experts per token (weights from its own router)");
   t.add_enum("train.is.mode", tr.is.mode, {"none", "is", "tis", "icepop", "seq_mask"}, is_mode_from_name,
              is_mode_name, "importance-sampling correction of the generator/trainer mismatch");
   t.add_float("train.is.tis_cap", tr.is.tis_cap, "tis: weights truncated at this value");
@@ -337,6 +339,7 @@ constexpr std::pair<const char*, const char*> kKeyAliases[] = {
     {"task.jsonl.prompt_key", "task.jsonl.prompt_field"},
     {"task.jsonl.answer_key", "task.jsonl.answer_field"},
     {"task.jsonl.solution_key", "task.jsonl.solution_field"},
+    {"rl.routing_replay", "train.routing_replay"},
 };
 
 Field* find_field(std::vector<Field>& fields, const std::string& key_in) {
