@@ -352,9 +352,13 @@ Field* find_field(std::vector<Field>& fields, const std::string& key_in) {
 }
 
 bool is_section(const std::vector<Field>& fields, const std::string& prefix) {
+  auto under = [&](const std::string& key) {
+    return key.size() > prefix.size() && key.compare(0, prefix.size(), prefix) == 0 && key[prefix.size()] == '.';
+  };
   for (auto& f : fields)
-    if (f.key.size() > prefix.size() && f.key.compare(0, prefix.size(), prefix) == 0 && f.key[prefix.size()] == '.')
-      return true;
+    if (under(f.key)) return true;
+  for (const auto& [alias, name] : kKeyAliases)  // an alias's section (rl: routing_replay) reads too
+    if (under(alias)) return true;
   return false;
 }
 
@@ -376,6 +380,8 @@ void set_field(std::vector<Field>& fields, const std::string& key, const std::st
       std::string example;
       for (auto& g : fields)
         if (example.empty() && g.key.rfind(key + ".", 0) == 0) example = g.key;
+      for (const auto& [alias, name] : kKeyAliases)
+        if (example.empty() && std::string(alias).rfind(key + ".", 0) == 0) example = alias;
       FP8RL_FAIL(origin, ": '", key, "' is a section, not a value: set one of its keys (e.g. '", example, "')");
     }
     fail_unknown(key, origin);

@@ -322,8 +322,9 @@ void setup_models(GrpoRun& r, bool resume) {
                 linear_mode_name(r.recipe.trainer.linear), be.name().c_str());
     std::fputs(memory_plan_format(plan, host.config).c_str(), stdout);
     if (c.train.routing_replay)
-      std::printf(host.config.is_moe() ? "routing replay: the trainer uses the generator's experts (train.routing_replay)\n"
-                                       : "train.routing_replay: the model has no mixture-of-experts layers; nothing to replay\n");
+      std::printf(host.config.is_moe()
+                      ? "routing replay: the trainer uses the generator's experts (train.routing_replay)\n"
+                      : "train.routing_replay: the model has no mixture-of-experts layers; nothing to replay\n");
   }
   std::fflush(stdout);
   memory_plan_check_host(plan, c.device);
@@ -487,9 +488,9 @@ void step_score(GrpoRun& r, GrpoStep& d) {
   if (r.engine->weights().config.is_moe()) {  // the trainer's routing against the generator's
     int64_t n[] = {d.old.routing.pairs, d.old.routing.agreed, d.old.routing.router_agreed};
     comm.all_reduce(n, std::size(n), ReduceOp::Sum);
-    const RoutingMetrics rm = metrics_compute_routing(dist_all_gather_v(comm, d.old.logp),
-                                                      dist_all_gather_v(comm, d.logp_gen),
-                                                      dist_all_gather_v(comm, d.old.routing_agreed), n[0], n[1], n[2]);
+    const RoutingMetrics rm =
+        metrics_compute_routing(dist_all_gather_v(comm, d.old.logp), dist_all_gather_v(comm, d.logp_gen),
+                                dist_all_gather_v(comm, d.old.routing_agreed), n[0], n[1], n[2]);
     step_metrics_set_routing(d.m, rm);
   }
 }

@@ -11,9 +11,9 @@
 #include <cstring>
 
 #include "model/transformer.h"
+#include "rl/memory_plan.h"
 #include "rl/metrics.h"
 #include "rl/metrics_log.h"
-#include "rl/memory_plan.h"
 #include "rollout/rollout.h"
 #include "test_model_util.h"
 #include "train/trainer.h"
@@ -25,8 +25,8 @@ using test::values_f64;
 
 // A tiny Qwen3-MoE (layer 0 dense, the rest sparse: model_config_tiny's qwen3_moe), or with
 // DeepSeek-V3's MoE block (sigmoid grouped routing, correction bias, a shared expert).
-ModelWeights tiny_moe(DType dtype, uint64_t seed, bool deepseek = false, int experts = 4, int top_k = 2,
-                      int layers = 3, bool norm_topk = true) {
+ModelWeights tiny_moe(DType dtype, uint64_t seed, bool deepseek = false, int experts = 4, int top_k = 2, int layers = 3,
+                      bool norm_topk = true) {
   ModelConfig c = model_config_tiny("qwen3_moe", 48, /*hidden=*/64, layers, /*heads=*/4, /*kv_heads=*/2,
                                     /*intermediate=*/96);
   c.num_experts = experts;
@@ -118,7 +118,8 @@ TEST(MoeReplay, OwnRoutingIsBitwiseTheNormalForwardAndBackward) {
         const ForwardBackward replayed = forward_backward(*be, w, p, b, &normal.routing, recompute);
         EXPECT_EQ(replayed.logp, normal.logp);
         ASSERT_EQ(replayed.grads.size(), normal.grads.size());
-        for (size_t i = 0; i < normal.grads.size(); ++i) EXPECT_EQ(replayed.grads[i], normal.grads[i]) << "tensor " << i;
+        for (size_t i = 0; i < normal.grads.size(); ++i)
+          EXPECT_EQ(replayed.grads[i], normal.grads[i]) << "tensor " << i;
         EXPECT_EQ(replayed.routing.ids, normal.routing.ids);
         EXPECT_EQ(replayed.router_topk.ids, normal.routing.ids);
       }
@@ -426,10 +427,10 @@ TEST(MoeRoutingMetrics, SplitByAgreement) {
   sm.step = 3;
   step_metrics_set_routing(sm, m);
   const std::string line = metrics_to_json_line(sm);
-  for (const char* key : {"\"routing_agreement\":0.7", "\"router_topk_agreement\":0.6",
-                          "\"routing_agreed_token_fraction\":0.5", "\"token_mult_prob_error_routing_agreed\":1.0",
-                          "\"token_mult_prob_error_routing_differs\"", "\"gen_kl_error_routing_agreed\"",
-                          "\"gen_kl_error_routing_differs\""})
+  for (const char* key :
+       {"\"routing_agreement\":0.7", "\"router_topk_agreement\":0.6", "\"routing_agreed_token_fraction\":0.5",
+        "\"token_mult_prob_error_routing_agreed\":1.0", "\"token_mult_prob_error_routing_differs\"",
+        "\"gen_kl_error_routing_agreed\"", "\"gen_kl_error_routing_differs\""})
     EXPECT_NE(line.find(key), std::string::npos) << key << " in " << line;
   EXPECT_NE(metrics_console_line(sm, 10).find("route 0.7000 (mult_err 1.0000/"), std::string::npos);
   EXPECT_EQ(metrics_to_json_line(StepMetrics{}).find("routing"), std::string::npos) << "dense models: no routing keys";

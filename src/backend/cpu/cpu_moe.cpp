@@ -72,7 +72,8 @@ void CpuBackend::moe_route_softmax_weights_impl(const Tensor& logits, const Tens
   const std::vector<double> p = softmax_rows(load(logits, "moe logits"), T, E);
   const std::vector<int32_t> ex = load_given_experts(experts, E, "moe_route_softmax_weights");
   std::vector<double> w(T * k);
-  for (int64_t t = 0; t < T; ++t) softmax_weights_of(p.data() + t * E, ex.data() + t * k, k, renormalize, w.data() + t * k);
+  for (int64_t t = 0; t < T; ++t)
+    softmax_weights_of(p.data() + t * E, ex.data() + t * k, k, renormalize, w.data() + t * k);
   store(w, weights, "moe_route_softmax_weights weights");
 }
 
