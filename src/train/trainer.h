@@ -35,7 +35,7 @@ struct TrainSequence {
   // MoE models: the generator's routing of these ids (RolloutSample::routing: [ids.size()][MoE
   // layers][top_k], -1 where not recorded), or empty. score() measures the trainer's routing
   // against it; with TrainerOptions::routing_replay, score() and step() replay it.
-  std::vector<int16_t> routing;
+  std::vector<int16_t> routing = {};
   int64_t response_len() const { return static_cast<int64_t>(ids.size()) - prompt_len; }
 };
 

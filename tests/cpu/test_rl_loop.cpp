@@ -450,5 +450,58 @@ TEST(Cli, TrainWritesMetricsContractForEachRecipe) {
   }
 }
 
+// A tiny mixture of experts through `fp8rl train`: every step logs the routing agreement with the
+// generator and the mismatch split by it; fp8_e2e on the CPU routes as its generator (the engines
+// agree exactly); with train.routing_replay the trainer uses the generator's experts, so the
+// agreement is exactly 1 while its router's own top-k (router_topk_agreement) may differ.
+TEST(Cli, MoeTrainLogsRoutingAgreementAndReplays) {
+  Scratch::root();
+  struct Run {
+    std::string recipe;
+    bool replay;
+  };
+  for (const Run& run : {Run{"fp8_gen", false}, Run{"fp8_gen", true}, Run{"fp8_e2e", false}}) {
+    SCOPED_TRACE(run.recipe + (run.replay ? " + routing replay" : ""));
+    const std::string out = fresh_dir("cli_moe_" + run.recipe + (run.replay ? "_replay" : ""));
+    std::vector<std::string> args = {"train", "--out", out};
+    for (const std::string& o : tiny_overrides(run.recipe, 2)) args.push_back(o);
+    for (const char* o : {"model.tiny.num_experts=4", "model.tiny.num_experts_per_tok=2",
+                          "model.tiny.moe_intermediate_size=32", "rollout.prompts_per_step=4",
+                          "rollout.generations_per_prompt=4", "rollout.max_new_tokens=12"})
+      args.push_back(o);
+    if (run.replay) args.push_back("rl.routing_replay=true");
+    std::string log;
+    ASSERT_EQ(run_binary(args, log), 0) << log;
+    if (run.replay) {
+      EXPECT_NE(log.find("routing replay: the trainer uses the generator's experts"), std::string::npos);
+    }
+    EXPECT_NE(log.find(" route "), std::string::npos) << "the console line shows the agreement";
+    const auto lines = read_metrics(out);
+    ASSERT_EQ(lines.size(), 2u);
+    for (const nlohmann::json& j : lines) {
+      for (const char* k : {"routing_agreement", "router_topk_agreement", "routing_agreed_token_fraction",
+                            "token_mult_prob_error_routing_agreed", "token_mult_prob_error_routing_differs",
+                            "gen_kl_error_routing_agreed", "gen_kl_error_routing_differs"})
+        ASSERT_TRUE(j.contains(k)) << k;
+      const double agreement = j.at("routing_agreement").get<double>();
+      const double router = j.at("router_topk_agreement").get<double>();
+      EXPECT_GT(agreement, 0.5);
+      EXPECT_LE(agreement, 1.0);
+      EXPECT_LE(router, 1.0);
+      if (run.replay || run.recipe == "fp8_e2e") {
+        EXPECT_EQ(agreement, 1.0);
+        EXPECT_EQ(j.at("routing_agreed_token_fraction").get<double>(), 1.0);
+        EXPECT_TRUE(j.at("token_mult_prob_error_routing_differs").is_null()) << "no token routed differently";
+      }
+      if (!run.replay) {
+        EXPECT_EQ(router, agreement);
+      }
+      if (run.recipe == "fp8_e2e") {
+        EXPECT_EQ(j.at("token_mult_prob_error").get<double>(), 1.0);
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace fp8rl
