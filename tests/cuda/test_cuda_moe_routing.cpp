@@ -56,7 +56,7 @@ std::vector<uint8_t> bytes_of(Backend& be, const Tensor& t) {
   return std::vector<uint8_t>(p, p + h.nbytes());
 }
 
-struct Run {
+struct PassResult {
   std::vector<uint8_t> logp;
   std::vector<std::vector<uint8_t>> grads;
   std::vector<std::vector<double>> grad_values;
@@ -64,8 +64,8 @@ struct Run {
   MoeRouting routing;
 };
 
-Run forward_backward(Backend& be, const ModelWeights& host, LinearMode mode, const ForwardBatch& b,
-                     const MoeRouting* replay) {
+PassResult forward_backward(Backend& be, const ModelWeights& host, LinearMode mode, const ForwardBatch& b,
+                            const MoeRouting* replay) {
   const ModelWeights w = model_weights_to_device(be, host, DType::F32);
   EnginePrecision p;
   p.linear = mode;
@@ -74,7 +74,7 @@ Run forward_backward(Backend& be, const ModelWeights& host, LinearMode mode, con
   fo.replay_routing = replay;
   Activations acts;
   const LogprobResult lr = model_forward_logprobs(be, w, p, b, fo, &acts);
-  Run r;
+  PassResult r;
   r.logp = bytes_of(be, lr.logp);
   r.logp_values = values_f64(be, lr.logp);
   r.routing = lr.routing;
@@ -107,8 +107,8 @@ TEST(CudaMoeRouting, ReplayOfOwnRoutingIsBitwise) {
                  {env().gpu16.get(), LinearMode::FP8_BLOCK, "BF16 activations, FP8 linears"}};
     for (const Case& c : cases) {
       SCOPED_TRACE(std::string(c.name) + (deepseek ? ", DeepSeek routing" : ", softmax routing"));
-      const Run normal = forward_backward(*c.be, host, c.mode, b, nullptr);
-      const Run replayed = forward_backward(*c.be, host, c.mode, b, &normal.routing);
+      const PassResult normal = forward_backward(*c.be, host, c.mode, b, nullptr);
+      const PassResult replayed = forward_backward(*c.be, host, c.mode, b, &normal.routing);
       EXPECT_EQ(replayed.logp, normal.logp);
       ASSERT_EQ(replayed.grads.size(), normal.grads.size());
       for (size_t i = 0; i < normal.grads.size(); ++i) EXPECT_EQ(replayed.grads[i], normal.grads[i]) << "tensor " << i;
@@ -125,8 +125,8 @@ TEST(CudaMoeRouting, CpuRoutingReplayedOnTheGpuMatchesTheCpu) {
   for (bool deepseek : {false, true}) {
     SCOPED_TRACE(deepseek ? "DeepSeek routing" : "softmax routing");
     const ModelWeights host = gpu_moe(62, deepseek);
-    const Run cpu = forward_backward(*env().cpu, host, LinearMode::FP32, b, nullptr);
-    const Run gpu = forward_backward(*env().gpu32, host, LinearMode::FP32, b, &cpu.routing);
+    const PassResult cpu = forward_backward(*env().cpu, host, LinearMode::FP32, b, nullptr);
+    const PassResult gpu = forward_backward(*env().gpu32, host, LinearMode::FP32, b, &cpu.routing);
     EXPECT_EQ(gpu.routing.ids, cpu.routing.ids);
     const test::Diff lp = compare(gpu.logp_values, cpu.logp_values);
     EXPECT_LT(lp.max_abs, 1e-4);
