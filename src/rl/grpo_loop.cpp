@@ -65,6 +65,7 @@ std::string ensure_demo_policy(const RunConfig& c) {
     k.train.loss_aggregation = d.loss_aggregation;
     k.train.baseline = d.baseline;
     k.train.kl_beta = d.kl_beta;
+    k.train.routing_replay = d.routing_replay;
     k.precision = PrecisionSection{};
     k.val_every = 0;
     k.val_size = 0;

@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <set>
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
@@ -460,6 +461,7 @@ TEST(Cli, MoeTrainLogsRoutingAgreementAndReplays) {
     std::string recipe;
     bool replay;
   };
+  std::set<std::string> policies;  // the cached SFT starting policy: GRPO-only keys do not change it
   for (const Run& run : {Run{"fp8_gen", false}, Run{"fp8_gen", true}, Run{"fp8_e2e", false}}) {
     SCOPED_TRACE(run.recipe + (run.replay ? " + routing replay" : ""));
     const std::string out = fresh_dir("cli_moe_" + run.recipe + (run.replay ? "_replay" : ""));
@@ -476,6 +478,7 @@ TEST(Cli, MoeTrainLogsRoutingAgreementAndReplays) {
       EXPECT_NE(log.find("routing replay: the trainer uses the generator's experts"), std::string::npos);
     }
     EXPECT_NE(log.find(" route "), std::string::npos) << "the console line shows the agreement";
+    policies.insert(config_load(out + "/config.yaml").model.path);
     const auto lines = read_metrics(out);
     ASSERT_EQ(lines.size(), 2u);
     for (const nlohmann::json& j : lines) {
@@ -501,6 +504,7 @@ TEST(Cli, MoeTrainLogsRoutingAgreementAndReplays) {
       }
     }
   }
+  EXPECT_EQ(policies.size(), 1u) << "every run starts from the same cached SFT policy";
 }
 
 }  // namespace
