@@ -394,6 +394,74 @@ TEST(MoeRoutingRecord, Fp8GeneratorAgreementBelowOneWithoutReplayExactlyOneWith)
   EXPECT_TRUE(replay.step(r.seqs, 1.0f, loss, 1e-3f).applied);
 }
 
+// fp8_e2e on the CPU: the trainer (FP8 linears, k/v rounded as the E4M3 cache with the
+// rollout's scales) computes what the generator computed, so it routes every position as the
+// generator did and replaying the record changes no log-prob and no gradient, bit for bit.
+TEST(MoeRoutingRecord, Fp8EndToEndReplayIsANoOp) {
+  auto be = make_cpu_backend();
+  const ModelWeights host = tiny_moe(DType::F32, 44, false, 8, 2, 3);
+  const PrecisionRecipe recipe = PrecisionRecipe::preset("fp8_e2e");
+  TrainerOptions ro;
+  ro.routing_replay = true;
+  Trainer plain(*be, model_weights_to_device(*be, host, DType::F32), recipe.trainer, TrainerOptions{});
+  Trainer replay(*be, model_weights_to_device(*be, host, DType::F32), recipe.trainer, ro);
+  RolloutEngine engine(*be, plain.master(), recipe.generator, 128, 4, 16);
+  KvScales scales;
+  scales.k.assign(3, 0.01f);
+  scales.v.assign(3, 0.004f);
+  engine.refit(plain.master(), &scales);
+  for (Trainer* t : {&plain, &replay}) t->set_kv_rounding(scales.k, scales.v);
+  std::vector<RolloutRequest> reqs;
+  for (const auto& p : test::token_sequences({9, 13, 6, 21}, 48, 12)) reqs.push_back({p, 3});
+  SamplingParams sp;
+  sp.max_new_tokens = 12;
+  sp.seed = 4;
+  sp.record_routing = true;
+  std::vector<TrainSequence> seqs;
+  for (const RolloutSample& s : engine.generate(reqs, sp)) {
+    TrainSequence t{reqs[s.request].prompt, static_cast<int>(reqs[s.request].prompt.size())};
+    t.ids.insert(t.ids.end(), s.tokens.begin(), s.tokens.end());
+    t.routing = s.routing;
+    seqs.push_back(t);
+  }
+  const ScoreResult a = plain.score(seqs, 1.0f, false, false), b = replay.score(seqs, 1.0f, false, false);
+  EXPECT_EQ(a.routing.agreed, a.routing.pairs);
+  EXPECT_EQ(b.logp, a.logp);
+  // Every position the generator ran, prompt included, routes as the trainer does.
+  ForwardOptions fo;
+  fo.record_routing = true;
+  fo.kv_round_k = scales.k;
+  fo.kv_round_v = scales.v;
+  const ModelWeights& w = static_cast<const Trainer&>(plain).master();
+  const ModelConfig& c = w.config;
+  const int64_t Lm = model_num_moe_layers(c), k = c.num_experts_per_tok;
+  for (const TrainSequence& s : seqs) {
+    const LogprobResult lr =
+        model_forward_logprobs(*be, w, recipe.trainer, forward_batch_from_sequences({s.ids}), fo);
+    for (size_t p = 0; p + 1 < s.ids.size(); ++p)
+      for (int64_t m = 0; m < Lm; ++m)
+        for (int64_t j = 0; j < k; ++j)
+          ASSERT_EQ(lr.routing.ids[m][p * k + j], s.routing[(p * Lm + m) * k + j]) << "position " << p << " layer " << m;
+  }
+  // One optimizer step on the rollout: the same loss, gradient norm and new weights. (A second
+  // mini-batch of the same rollout would differ: the updated policy may route a token otherwise
+  // while the replay keeps the rollout's experts — the point of the replay.)
+  TokenLossFn loss = [](size_t, size_t, const std::vector<float>& lp, std::vector<float>& grad) {
+    double l = 0;
+    for (size_t i = 0; i < lp.size(); ++i) l -= lp[i] / lp.size(), grad[i] = -1.0f / lp.size();
+    return l;
+  };
+  const StepResult ra = plain.step(seqs, 1.0f, loss, 1e-2f), rb = replay.step(seqs, 1.0f, loss, 1e-2f);
+  EXPECT_EQ(ra.loss, rb.loss);
+  EXPECT_EQ(ra.grad_norm, rb.grad_norm);
+  std::vector<std::vector<uint8_t>> wa, wb;
+  model_for_each_parameter(const_cast<ModelWeights&>(static_cast<const Trainer&>(plain).master()),
+                           [&](const std::string&, Tensor& t) { wa.push_back(bytes_of(*be, t)); });
+  model_for_each_parameter(const_cast<ModelWeights&>(static_cast<const Trainer&>(replay).master()),
+                           [&](const std::string&, Tensor& t) { wb.push_back(bytes_of(*be, t)); });
+  EXPECT_TRUE(wa == wb) << "the replayed step updates the weights bitwise as the plain one";
+}
+
 // A record of the wrong size is refused with a clear message.
 TEST(MoeRoutingRecord, RecordOfTheWrongSizeIsAnError) {
   auto be = make_cpu_backend();
