@@ -436,12 +436,12 @@ TEST(MoeRoutingRecord, Fp8EndToEndReplayIsANoOp) {
   const ModelConfig& c = w.config;
   const int64_t Lm = model_num_moe_layers(c), k = c.num_experts_per_tok;
   for (const TrainSequence& s : seqs) {
-    const LogprobResult lr =
-        model_forward_logprobs(*be, w, recipe.trainer, forward_batch_from_sequences({s.ids}), fo);
+    const LogprobResult lr = model_forward_logprobs(*be, w, recipe.trainer, forward_batch_from_sequences({s.ids}), fo);
     for (size_t p = 0; p + 1 < s.ids.size(); ++p)
       for (int64_t m = 0; m < Lm; ++m)
         for (int64_t j = 0; j < k; ++j)
-          ASSERT_EQ(lr.routing.ids[m][p * k + j], s.routing[(p * Lm + m) * k + j]) << "position " << p << " layer " << m;
+          ASSERT_EQ(lr.routing.ids[m][p * k + j], s.routing[(p * Lm + m) * k + j])
+              << "position " << p << " layer " << m;
   }
   // One optimizer step on the rollout: the same loss, gradient norm and new weights. (A second
   // mini-batch of the same rollout would differ: the updated policy may route a token otherwise
