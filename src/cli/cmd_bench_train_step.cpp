@@ -229,6 +229,7 @@ int run_bench(const std::vector<std::string>& argv) {
   j["fp8_gemm_fallbacks"] = c1.fp8_gemm_fallbacks - c0.fp8_gemm_fallbacks;
   j["fp8_gemm_tails"] = c1.fp8_gemm_tails - c0.fp8_gemm_tails;
   j["fp8_gemm_own"] = c1.fp8_gemm_own - c0.fp8_gemm_own;
+  j["grouped_loops"] = c1.grouped_loops - c0.grouped_loops;
   j["seqs"] = nseq;
   j["seq_len"] = seq_len;
   j["prompt_len"] = prompt_len;
@@ -251,10 +252,11 @@ int run_bench(const std::vector<std::string>& argv) {
                             {"peak_used_bytes", p->mem.peak_used_bytes},
                             {"peak_reserved_bytes", p->mem.peak_reserved_bytes}};
   }
-  std::printf("fp8 fallbacks %lld, row tails %lld, own-kernel %lld\n",
+  std::printf("fp8 fallbacks %lld, row tails %lld, own-kernel %lld, grouped loops %lld\n",
               static_cast<long long>(c1.fp8_gemm_fallbacks - c0.fp8_gemm_fallbacks),
               static_cast<long long>(c1.fp8_gemm_tails - c0.fp8_gemm_tails),
-              static_cast<long long>(c1.fp8_gemm_own - c0.fp8_gemm_own));
+              static_cast<long long>(c1.fp8_gemm_own - c0.fp8_gemm_own),
+              static_cast<long long>(c1.grouped_loops - c0.grouped_loops));
   j["threads_env"] = std::getenv("FP8RL_CPU_THREADS") ? std::getenv("FP8RL_CPU_THREADS") : "";
   if (args.has("json")) {
     write_file_atomic(args.get("json"), j.dump(2) + "\n");
