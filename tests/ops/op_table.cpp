@@ -665,8 +665,8 @@ void grouped_linear_cases(std::vector<OpCase>& t) {
                      ws.push_back(&w);
                    }
                    const Tensor x = r.as("x", v.dt);
-                   r.be.grouped_linear(x, offsets, ws, spec, r.output("out", {R, N}, DType::F32));
-                   Tensor& single = r.output("single", {R, N}, DType::F32);
+                   r.be.grouped_linear(x, offsets, ws, spec, r.output("out", {R, N}, v.dt));
+                   Tensor& single = r.output("single", {R, N}, v.dt);
                    for (int64_t g = 0; g < G; ++g) {
                      if (rows[static_cast<size_t>(g)] == 0) continue;
                      const Tensor xg = x.slice_rows(offsets[g], offsets[g + 1]);
@@ -674,13 +674,13 @@ void grouped_linear_cases(std::vector<OpCase>& t) {
                      r.be.linear(xg, W[static_cast<size_t>(g)], spec, og);
                    }
                  },
-                 {{"out", linear_tolerance(mode, DType::F32)}},
+                 {{"out", linear_tolerance(mode, v.dt)}},
                  {}});
     // The CPU computes both the same way (bitwise); the CUDA grouped kernel is close to its
     // per-group cuBLASLt products (the linear class's tolerance).
-    t.back().close.emplace_back("out", "single", linear_tolerance(mode, DType::F32));
-    // CUDA: FP8 with quantized weights and BF16 with BF16 operands run grouped; the others, one
-    // product per live group (5 of the 6).
+    t.back().close.emplace_back("out", "single", linear_tolerance(mode, v.dt));
+    // CUDA: FP8 with quantized weights and BF16 with BF16 operands and output run grouped; the
+    // others, one product per live group (5 of the 6).
     const bool grouped = mode == LinearMode::FP8_BLOCK || (mode == LinearMode::BF16 && v.dt == DType::BF16);
     t.back().grouped_loops = grouped ? 0 : 5;
     t.back().errors = [=](OpRun& r) {
@@ -741,13 +741,17 @@ void grouped_linear_backward_cases(std::vector<OpCase>& t) {
                      ws.push_back(&w);
                    }
                    const Tensor dy = r.as("dy", v.dt), x = r.as("x", v.dt);
+                   // Gradients (accumulated into dw0) and dx in v.dt: BF16 is what CUDA groups.
                    std::vector<Tensor*> dws, singles;
                    for (int64_t g = 0; g < G; ++g) {
-                     dws.push_back(&r.updated("dw" + std::to_string(g), "dw0_" + std::to_string(g)));
-                     singles.push_back(&r.updated("dws" + std::to_string(g), "dw0_" + std::to_string(g)));
+                     for (const char* n : {"dw", "dws"}) {
+                       Tensor& d = r.output(n + std::to_string(g), {N, K}, v.dt);
+                       r.be.convert(r["dw0_" + std::to_string(g)], d);
+                       (std::string(n) == "dw" ? dws : singles).push_back(&d);
+                     }
                    }
-                   r.be.grouped_linear_backward(dy, x, offsets, ws, spec, &r.output("dx", {R, K}, DType::F32), dws);
-                   Tensor& dx1 = r.output("dx_single", {R, K}, DType::F32);
+                   r.be.grouped_linear_backward(dy, x, offsets, ws, spec, &r.output("dx", {R, K}, v.dt), dws);
+                   Tensor& dx1 = r.output("dx_single", {R, K}, v.dt);
                    for (int64_t g = 0; g < G; ++g) {
                      if (rows[static_cast<size_t>(g)] == 0) continue;
                      Tensor dxg = dx1.slice_rows(offsets[g], offsets[g + 1]);
@@ -756,11 +760,11 @@ void grouped_linear_backward_cases(std::vector<OpCase>& t) {
                                           &dxg, singles[static_cast<size_t>(g)], nullptr);
                    }
                  },
-                 {{"dx", linear_tolerance(v.mode, DType::F32)}},
+                 {{"dx", linear_tolerance(v.mode, v.dt)}},
                  {}});
     // The CPU runs both the same way (bitwise); CUDA's grouped launches are close to the
     // per-group products. The weight gradients accumulate into the given values.
-    t.back().close.emplace_back("dx", "dx_single", linear_tolerance(v.mode, DType::F32));
+    t.back().close.emplace_back("dx", "dx_single", linear_tolerance(v.mode, v.dt));
     // CUDA: both halves grouped, except FP8 wgrad and FP32 (one product per live group).
     t.back().grouped_loops = v.wgrad == LinearMode::FP8_BLOCK || v.mode == LinearMode::FP32 ? 5 : 0;
     for (int64_t g = 0; g < G; ++g) {
@@ -768,7 +772,7 @@ void grouped_linear_backward_cases(std::vector<OpCase>& t) {
       const Tolerance tw = linear_tolerance(v.wgrad == LinearMode::FP8_BLOCK ? LinearMode::FP8_BLOCK
                                             : v.mode == LinearMode::FP32     ? LinearMode::FP32
                                                                              : LinearMode::BF16,
-                                            DType::F32);
+                                            v.dt);
       t.back().checks.emplace_back(n, tw);
       t.back().close.emplace_back(n, "dws" + std::to_string(g), tw);
     }

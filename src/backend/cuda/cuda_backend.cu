@@ -684,7 +684,7 @@ BackendCounters CudaBackend::counters() const {
   c.fp8_gemm_fallbacks = fp8_fallbacks_;
   c.fp8_gemm_tails = gemm_->tail_products();
   c.fp8_gemm_own = gemm_->own_products();
-  c.grouped_loops = grouped_loops_ + gemm_->grouped_loops();
+  c.grouped_loops = grouped_loops_;
   return c;
 }
 
@@ -835,7 +835,7 @@ void CudaBackend::grouped_linear_impl(const Tensor& x, const std::vector<int64_t
   const int64_t R = x.dim(0), K = x.dim(1), N = out.dim(1);
   // Not while a graph records: both grouped paths upload their tables with a pageable copy.
   if (spec.mode == LinearMode::BF16 && act_dtype_ != DType::F32 && !recording_ && x.dtype() == DType::BF16 &&
-      bf16_weights(W)) {
+      bf16_weights(W) && GemmEngine::grouped_bf16_supported(out.dtype())) {
     const OpTimer op_timer_(*this, "grouped_linear");
     std::vector<GemmEngine::Problem> probs;
     for (size_t g = 0; g < W.size(); ++g) {
@@ -873,7 +873,8 @@ void CudaBackend::grouped_linear_impl(const Tensor& x, const std::vector<int64_t
 //   dgrad, FP8 with pre-quantized weights: dY quantized once (1x128 along N), each routed
 //     expert's W^T (the byte transpose of its 128x128 quantization, as linear_backward) packed
 //     in one scratch, the own grouped kernel over them; BF16 with BF16 weights: cuBLAS grouped;
-//   wgrad (BF16 mode, or FP8 with spec.wgrad == BF16): cuBLAS grouped dY_g^T X_g into each dw_g.
+//   wgrad (BF16 mode, or FP8 with spec.wgrad == BF16) into BF16 gradients (train.grad_dtype
+//     bf16): cuBLAS grouped dY_g^T X_g into each dw_g (cuBLAS has no grouped BF16 GEMM into F32).
 // What does not qualify runs as linear_backward per group (counted in grouped_loops).
 void CudaBackend::grouped_linear_backward_impl(const Tensor& dy, const Tensor& x, const std::vector<int64_t>& offsets,
                                                const std::vector<const LinearWeight*>& W, const LinearSpec& spec,
@@ -918,7 +919,8 @@ void CudaBackend::grouped_linear_backward_impl(const Tensor& dy, const Tensor& x
                               dx->raw(), dx->dtype(), 1.0f, 0.0f);
       dx_done = true;
     }
-  } else if (dx && fast && spec.mode == LinearMode::BF16 && bf16_ops && bf16_weights(W)) {
+  } else if (dx && fast && spec.mode == LinearMode::BF16 && bf16_ops && bf16_weights(W) &&
+             GemmEngine::grouped_bf16_supported(dx->dtype())) {
     const OpTimer t(*this, "grouped_linear_backward: dgrad BF16 GEMM", 2);
     std::vector<GemmEngine::Problem> probs;
     for (size_t g = 0; g < W.size(); ++g) {
@@ -939,8 +941,8 @@ void CudaBackend::grouped_linear_backward_impl(const Tensor& dy, const Tensor& x
       ok = ok && (!any || d->dtype() == any->dtype());
       any = any ? any : d;
     }
-    const DType gt = any ? any->dtype() : DType::F32;
-    if (ok) {
+    const DType gt = any ? any->dtype() : DType::BF16;
+    if (ok && GemmEngine::grouped_bf16_supported(gt)) {
       const OpTimer t(*this, "grouped_linear_backward: wgrad BF16 GEMM", 2);
       std::vector<GemmEngine::Problem> probs;
       for (size_t g = 0; g < W.size(); ++g) {

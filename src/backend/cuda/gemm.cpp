@@ -140,8 +140,7 @@ void GemmEngine::gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const v
 void GemmEngine::gemm_grouped(bool ta, bool tb, const std::vector<Problem>& problems, DType ab, DType c_dtype,
                               float alpha, float beta) {
   FP8RL_CHECK(ab == DType::BF16, "grouped GEMM operands must be BF16, got ", dtype_name(ab));
-  FP8RL_CHECK(c_dtype == DType::F32 || c_dtype == DType::BF16, "grouped GEMM output must be F32 or BF16, got ",
-              dtype_name(c_dtype));
+  FP8RL_CHECK(grouped_bf16_supported(c_dtype), "grouped GEMM output must be BF16, got ", dtype_name(c_dtype));
   // The column-major view of every problem, as gemm() issues it: C^T[N, M] = op(B)^T op(A)^T.
   std::vector<cublasOperation_t> opa, opb;
   std::vector<int64_t> m, n, k, lda, ldb, ldc, size;
@@ -177,21 +176,11 @@ void GemmEngine::gemm_grouped(bool ta, bool tb, const std::vector<Problem>& prob
              "uploading the grouped GEMM pointers");
   const void* const* dp = static_cast<const void* const*>(grouped_ptrs_);
   void* const* dc = static_cast<void* const*>(grouped_ptrs_) + 2 * G;
-  const int combo = static_cast<int>(c_dtype);
-  if (!grouped_unsupported_.count(combo)) {
-    const cublasStatus_t st = cublasGemmGroupedBatchedEx_64(
-        blas_, opa.data(), opb.data(), m.data(), n.data(), k.data(), alphas.data(), dp, cuda_type(ab), lda.data(),
-        dp + G, cuda_type(ab), ldb.data(), betas.data(), dc, cuda_type(c_dtype), ldc.data(), static_cast<int64_t>(G),
-        size.data(), CUBLAS_COMPUTE_32F);
-    if (st == CUBLAS_STATUS_SUCCESS) return;
-    if (st != CUBLAS_STATUS_NOT_SUPPORTED) CUBLAS_CHECK(st, "grouped BF16 GEMM of ", G, " problems");
-    // This cuBLAS does not take the type combination: say so once, then one GEMM per problem.
-    grouped_unsupported_.insert(combo);
-    std::fprintf(stderr, "note: cuBLAS has no grouped BF16 GEMM with %s output here; the grouped products run as "
-                         "one GEMM per group (counted in grouped_gemm_loops)\n", dtype_name(c_dtype));
-  }
-  grouped_loops_ += static_cast<int64_t>(G);
-  for (const Problem* p : live) gemm(ta, tb, p->M, p->N, p->K, p->A, p->B, ab, p->C, c_dtype, alpha, beta);
+  CUBLAS_CHECK(cublasGemmGroupedBatchedEx_64(blas_, opa.data(), opb.data(), m.data(), n.data(), k.data(), alphas.data(),
+                                             dp, cuda_type(ab), lda.data(), dp + G, cuda_type(ab), ldb.data(),
+                                             betas.data(), dc, cuda_type(c_dtype), ldc.data(),
+                                             static_cast<int64_t>(G), size.data(), CUBLAS_COMPUTE_32F),
+               "grouped BF16 GEMM of ", G, " problems");
 }
 
 bool GemmEngine::fp8_supported(int64_t M, int64_t N, int64_t K) {

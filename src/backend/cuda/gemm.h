@@ -22,10 +22,12 @@
 //              M % 16 rows run as a second product padded to 16 rows (tail_products() counts
 //              them). Shapes outside fp8_supported() are the caller's fallback (backend:
 //              dequantize + FP32 GEMM, the same quantized product, counted and reported).
-// gemm_grouped(): gemm()'s product for several independent problems of one layout (ta, tb) and
-//              types, each with its own M, N, K and pointers, in one cuBLAS grouped launch
-//              (cublasGemmGroupedBatchedEx; BF16 operands, F32 or BF16 C, FP32 accumulation):
-//              the mixture-of-experts products. Problems with M or N = 0 are skipped.
+// gemm_grouped(): gemm()'s product for several independent problems of one layout (ta, tb),
+//              each with its own M, N, K and pointers, in one cuBLAS grouped launch
+//              (cublasGemmGroupedBatchedEx; BF16 operands and BF16 C, FP32 accumulation: the
+//              H200's cuBLAS 13.0 refuses F32 C with BF16 operands, NOT_SUPPORTED): the
+//              mixture-of-experts products. Problems with M or N = 0 are skipped.
+//              grouped_bf16_supported(c_dtype) says which C it takes.
 // Heuristics are cached per (types, layout, shape); one workspace serves every call.
 #pragma once
 #include <cublasLt.h>
@@ -34,7 +36,6 @@
 
 #include <cstdint>
 #include <map>
-#include <set>
 #include <string>
 #include <vector>
 #include <tuple>
@@ -62,8 +63,9 @@ class GemmEngine {
     const void* B;
     void* C;
   };
-  // See above. ab: BF16; c_dtype: F32 or BF16. Not inside a CUDA graph capture (the pointer
-  // arrays are uploaded with a pageable copy).
+  // See above. ab and c_dtype: BF16. Not inside a CUDA graph capture (the pointer arrays are
+  // uploaded with a pageable copy).
+  static bool grouped_bf16_supported(DType c_dtype) { return c_dtype == DType::BF16; }
   void gemm_grouped(bool ta, bool tb, const std::vector<Problem>& problems, DType ab, DType c_dtype, float alpha,
                     float beta);
 
@@ -110,8 +112,7 @@ class GemmEngine {
   cudaStream_t stream() const { return stream_; }
   // FP8 products whose last M % 16 rows ran as a padded second product (since construction).
   int64_t tail_products() const { return tail_products_; }
-  // Problems of gemm_grouped() that ran as single GEMMs (a type combination cuBLAS refused).
-  int64_t grouped_loops() const { return grouped_loops_; }
+
 
  private:
   using Key = std::tuple<int, int, int, int, int64_t, int64_t, int64_t, int, int>;
@@ -125,8 +126,7 @@ class GemmEngine {
   cublasHandle_t blas_ = nullptr;  // gemm_grouped's (made at its first call)
   void* grouped_ptrs_ = nullptr;   // its device pointer arrays
   size_t grouped_ptrs_bytes_ = 0;
-  std::set<int> grouped_unsupported_;  // output dtypes cuBLAS's grouped GEMM refused
-  int64_t grouped_loops_ = 0;
+
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;
   float* scales_ = nullptr;
