@@ -186,8 +186,8 @@ class CudaBackend final : public Backend {
   static constexpr int64_t kCatMaxRows = 2048;
   bool concatenated(const std::vector<const LinearWeight*>& W, const LinearSpec& spec, LinearWeight& cat);
   int64_t fp8_fallbacks_ = 0;
-  int64_t grouped_loops_ = 0;
-  int64_t concat_products_ = 0;  // linear_shared_input calls that ran as one concatenated product  // groups of grouped ops that ran as one product each (no grouped path)
+  int64_t grouped_loops_ = 0;    // groups of grouped ops that ran as one product each (no grouped path)
+  int64_t concat_products_ = 0;  // linear_shared_input calls that ran as one concatenated product
   std::set<std::pair<int64_t, int64_t>> fp8_fallback_shapes_;
 
   int device_ = 0;
