@@ -1428,7 +1428,7 @@ int paged_attention_mma_variant_env() {
     if (s == kMmaVariantNames[v] || s == std::to_string(v)) return v;
   std::string names;
   for (int v = 0; v < kMmaVariants; ++v) names += std::string(v ? ", " : "") + kMmaVariantNames[v];
-  FP8RL_CHECK(false, "FP8RL_PAGED_VARIANT=", s, ": expected 0 .. ", kMmaVariants - 1, " or one of ", names);
+  FP8RL_FAIL("FP8RL_PAGED_VARIANT=", s, ": expected 0 .. ", kMmaVariants - 1, " or one of ", names);
   return kMmaDefaultVariant;
 }
 
