@@ -131,13 +131,21 @@ __device__ __forceinline__ uint32_t paged_keep(uint32_t x) {
   asm volatile("" : "+r"(x));
   return x;
 }
+__device__ __forceinline__ uint64_t paged_keep(uint64_t x) {
+  asm volatile("" : "+l"(x));
+  return x;
+}
 // Shared-memory addresses (32-bit, of the shared window) for cp.async destinations.
 using paged_saddr_t = uint32_t;
 __device__ __forceinline__ paged_saddr_t paged_saddr(const void* p) {
   return static_cast<paged_saddr_t>(__cvta_generic_to_shared(p));
 }
-__device__ __forceinline__ void paged_cp_async16(paged_saddr_t dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+// 16 bytes from src, or 16 zero bytes (src not read) where `zero`.
+__device__ __forceinline__ void paged_cp_async16z(paged_saddr_t dst, const void* src, bool zero) {
+  asm volatile(
+      "{\n .reg .pred z;\n setp.ne.b32 z, %2, 0;\n cp.async.cg.shared.global [%0], [%1], 16, z;\n}\n" ::"r"(dst),
+      "l"(src), "r"(static_cast<int>(zero))
+      : "memory");
 }
 
 // ---- emulated: begin ------------------------------------------------------------------------
@@ -992,7 +1000,7 @@ __device__ __forceinline__ int paged_tdim(int g, int mt, int h) {
 
 // grid (T * Hkv, splits), block 32 * kMmaWarps, dynamic shared memory Cfg::kSmemBytes. q BF16,
 // 16-byte aligned.
-template <int HD, class TP, int S, int LAZY>
+template <int HD, class TP, int S, int LAZY, int COPY>
 __global__ void __launch_bounds__(32 * kMmaWarps, PagedTCfg<HD, TP, S>::kMinBlocks)
     paged_mmat_kernel(const PagedArgs a) {
   using Cfg = PagedTCfg<HD, TP, S>;
@@ -1023,35 +1031,67 @@ __global__ void __launch_bounds__(32 * kMmaWarps, PagedTCfg<HD, TP, S>::kMinBloc
   const paged_saddr_t wsa = sbase + static_cast<paged_saddr_t>(pad + warp * Cfg::kWarpBytes);
   const int nk = warp < ntiles ? (ntiles - warp + NW - 1) / NW : 0;  // its tiles: warp + NW * k
 
-  // Copies: lane (cr, cb) brings row cr of a tile, 16-byte chunks 2i + cb (i < CPR / 2), to their
-  // swizzled places (chunk q of row r at q ^ kswz(r) for K, q ^ vswz(r) for V): the swizzles
-  // flip bits of i only, so chunk 2i + cb lands at koff ^ 32i (voff ^ 32i) from the stage.
-  const int cr = lane >> 1, cb = lane & 1;
-  const paged_saddr_t koff = paged_keep(wsa + static_cast<paged_saddr_t>(cr * RB + 16 * cb + (paged_kswz<CPR>(cr) << 4)));
-  const paged_saddr_t voff =
-      paged_keep(wsa + static_cast<paged_saddr_t>(TB + cr * RB + 16 * cb + (paged_vswz<CPR>(cr) << 4)));
-  const unsigned char* kcopy = kpool + 16 * cb;  // + slot * slot_bytes: this lane's bytes of a row
-  const unsigned char* vcopy = vpool + 16 * cb;
-  // The cache slot of row cr of this warp's tile k, -1 past the chunk.
+  // Copies, two ways (COPY): 0 (lines): instruction i of a tile's K (V) copy brings rows
+  // RPI i .. RPI i + RPI - 1 whole, CPR lanes per row (full 128-byte lines per instruction, as
+  // paged_mma_kernel), lane: row r0 + RPI i, chunk cq; the rows' slots come by shuffles from the
+  // lanes that own them (lane l: row l % 16). 1 (rows): lane l brings row l / 2 of the tile,
+  // chunks 2i + l % 2 (one 32-byte sector of a row per instruction), and owns that row's slot (no
+  // shuffles, one address per tile). Either way chunk q of row r lands at q ^ kswz(r) (K),
+  // q ^ vswz(r) (V): for lines the K swizzle is the same for all of a lane's rows (RPI is even)
+  // and the V one repeats every VP instructions; for rows they flip bits of i only (chunk 2i + cb
+  // at koff ^ 32i, voff ^ 32i from a 256-byte aligned stage).
+  constexpr int RPI = 32 / CPR, NI = kMmaTile / RPI;  // lines: rows per instruction, instructions per tile
+  constexpr int VP = CPR < 8 ? 1 : RPI == 4 ? 2 : 4;  // lines: period of the V swizzle over i
+  const int r0 = COPY == 0 ? lane / CPR : lane >> 1, cq = COPY == 0 ? lane % CPR : lane & 1;
+  const int own = COPY == 0 ? lane & 15 : r0;  // the row of a tile whose slot this lane loads
+  const paged_saddr_t koff =
+      paged_keep(wsa + static_cast<paged_saddr_t>(r0 * RB + ((COPY == 0 ? cq ^ paged_kswz<CPR>(r0) : cq) << 4) +
+                                                  (COPY == 0 ? 0 : paged_kswz<CPR>(r0) << 4)));
+  const paged_saddr_t voff = paged_keep(wsa + static_cast<paged_saddr_t>(TB + r0 * RB + (cq << 4) +
+                                                                          (COPY == 0 ? 0 : paged_vswz<CPR>(r0) << 4)));
+  uint32_t vx[VP];  // lines: the V swizzle of instruction i's row (byte offset XOR), i % VP
+#pragma unroll
+  for (int p = 0; p < VP; ++p)
+    vx[p] = COPY == 0 ? paged_keep(static_cast<uint32_t>(paged_vswz<CPR>(r0 + RPI * p) << 4)) : 0u;
+  // + slot * slot_bytes (+ 32 i: rows): this lane's bytes of a row
+  const uint64_t kcopy = paged_keep(static_cast<uint64_t>(reinterpret_cast<uintptr_t>(kpool + 16 * cq)));
+  const uint64_t vcopy = paged_keep(static_cast<uint64_t>(reinterpret_cast<uintptr_t>(vpool + 16 * cq)));
+  auto src_of = [](uint64_t base, uint32_t slot, uint32_t sb) {
+    return reinterpret_cast<const unsigned char*>(static_cast<uintptr_t>(base + static_cast<uint64_t>(slot) * sb));
+  };
+  // The cache slot of row `own` of this warp's tile k, -1 past the chunk.
   auto slot_of = [&](int k) -> int {
-    const int j = j0 + (warp + NW * k) * kMmaTile + cr;
+    const int j = j0 + (warp + NW * k) * kMmaTile + own;
     if (j >= j1) return -1;
     int pi, off;
     if (a.ps_shift >= 0) pi = j >> a.ps_shift, off = j & (a.page_size - 1);
     else pi = j / a.page_size, off = j - pi * a.page_size;
     return table[pi] * a.page_size + off;
   };
-  // Loads a tile into the stage at byte `stage` of the ring; sl is the slot of row cr.
-  auto issue = [&](int stage, int sl) {
+  // Loads a tile into the stage at byte `stage` of the ring; mine: the slot of row `own`.
+  // Rows past the chunk (slot -1) are zeros (P = 0 there, no NaN).
+  auto issue = [&](int stage, int mine) {
     const paged_saddr_t dk = koff + static_cast<paged_saddr_t>(stage), dv = voff + static_cast<paged_saddr_t>(stage);
-    const uint64_t off = static_cast<uint64_t>(sl >= 0 ? static_cast<uint32_t>(sl) : 0u) * slot_bytes;
-    const int nb = sl >= 0 ? 16 : 0;  // rows past the chunk: zeros (P = 0 there, no NaN)
-    const unsigned char* ks = kcopy + off;
-    const unsigned char* vs = vcopy + off;
+    if constexpr (COPY == 0) {
+      paged_saddr_t dvx[VP];  // (dv + RPI i RB) ^ vx = (dv ^ vx) + RPI i RB: the XOR is below bit 7
 #pragma unroll
-    for (int i = 0; i < CPR / 2; ++i) {
-      paged_cp_async16(dk ^ static_cast<paged_saddr_t>(32 * i), ks + 32 * i, nb);
-      paged_cp_async16(dv ^ static_cast<paged_saddr_t>(32 * i), vs + 32 * i, nb);
+      for (int p = 0; p < VP; ++p) dvx[p] = dv ^ vx[p];
+#pragma unroll
+      for (int i = 0; i < NI; ++i) {
+        const int sl = paged_shfl(mine, r0 + RPI * i);
+        const uint32_t su = sl >= 0 ? static_cast<uint32_t>(sl) : 0u;
+        paged_cp_async16z(dk + static_cast<paged_saddr_t>(RPI * i * RB), src_of(kcopy, su, slot_bytes), sl < 0);
+        paged_cp_async16z(dvx[i % VP] + static_cast<paged_saddr_t>(RPI * i * RB), src_of(vcopy, su, slot_bytes), sl < 0);
+      }
+    } else {
+      const uint32_t su = mine >= 0 ? static_cast<uint32_t>(mine) : 0u;
+      const unsigned char* ks = src_of(kcopy, su, slot_bytes);
+      const unsigned char* vs = src_of(vcopy, su, slot_bytes);
+#pragma unroll
+      for (int i = 0; i < CPR / 2; ++i) {
+        paged_cp_async16z(dk ^ static_cast<paged_saddr_t>(32 * i), ks + 32 * i, mine < 0);
+        paged_cp_async16z(dv ^ static_cast<paged_saddr_t>(32 * i), vs + 32 * i, mine < 0);
+      }
     }
   };
   // The first S - 1 tiles (one commit group each, empty past nk: the group count is the tile
@@ -1132,14 +1172,15 @@ __global__ void __launch_bounds__(32 * kMmaWarps, PagedTCfg<HD, TP, S>::kMinBloc
   for (int mt = 0; mt < Cfg::kMTiles; ++mt) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.0f;
   float m0 = -INFINITY, m1 = -INFINITY;  // heads 2c, 2c + 1: uniform over the 8 threads of column c
   float l0 = 0.0f, l1 = 0.0f;            // this thread's positions
-  // Read offsets in a stage: K rows g (+ 8 RB: g + 8), chunks 4i + c swizzled, which is
-  // kro ^ 64i; V row 2c (+ RB, 8 RB, 9 RB: rows 2c + 1, 2c + 8, 2c + 9, which share its swizzle).
+  // Read offsets in a stage: K rows g (+ 8 RB: g + 8), chunks 4i + c swizzled; V row 2c (+ RB,
+  // 8 RB, 9 RB: rows 2c + 1, 2c + 8, 2c + 9, which share its swizzle).
   uint32_t kro[Cfg::kKChunks];
 #pragma unroll
-  for (int i = 0; i < Cfg::kKChunks; ++i) kro[i] = paged_keep(g * RB + ((((4 * i + c) ^ paged_kswz<CPR>(g))) << 4));
-  const uint32_t vro = paged_keep(F16 ? TB + 2 * c * RB + ((((Cfg::kVDims * g) >> 4) ^ paged_vswz<CPR>(2 * c)) << 4) +
-                                            ((Cfg::kVDims * g) & 15)
-                                      : TB + 2 * c * RB + ((g ^ paged_vswz<CPR>(2 * c)) << 4));
+  for (int i = 0; i < Cfg::kKChunks; ++i)
+    kro[i] = paged_keep(static_cast<uint32_t>(g * RB + (((4 * i + c) ^ paged_kswz<CPR>(g)) << 4)));
+  const uint32_t vro = paged_keep(static_cast<uint32_t>(
+      F16 ? TB + 2 * c * RB + ((((Cfg::kVDims * g) >> 4) ^ paged_vswz<CPR>(2 * c)) << 4) + ((Cfg::kVDims * g) & 15)
+          : TB + 2 * c * RB + ((g ^ paged_vswz<CPR>(2 * c)) << 4)));
   int cur = 0, prev = (S - 1) * SB;  // the stages of tiles k and k - 1 (where tile k + S - 1 goes)
   for (int k = 0; k < nk; ++k) {
     paged_cp_async_wait<S - 2>();  // tile k has landed (this thread's copies) ...
@@ -1323,12 +1364,14 @@ inline PagedSplit paged_mma_split(int64_t T, int Hkv, int max_pos, int slots, in
   return p;
 }
 // The variants of the tensor-core decode kernel (FP8RL_PAGED_VARIANT, kernels.h): 0 is
-// paged_mma_kernel; v >= 1 is paged_mmat_kernel with LAZY paged_t_lazy(v) and, for E4M3 pools
-// at hd 128, paged_t_stages(v) stages per warp (4 KB each: 4 -> 3 CTAs per SM, 3 -> 4 CTAs and at
-// most 128 registers, 6 -> 2 CTAs); other pools and hd 64 keep paged_mma_kernel's stage counts.
-constexpr int kMmaVariants = 5;
+// paged_mma_kernel; v >= 1 is paged_mmat_kernel with LAZY paged_t_lazy(v), copies
+// paged_t_copy(v) and, for E4M3 pools at hd 128, paged_t_stages(v) stages per warp (4 KB each:
+// 4 -> 3 CTAs per SM, 3 -> 4 CTAs and at most 128 registers, 6 -> 2 CTAs); other pools and hd 64
+// keep paged_mma_kernel's stage counts.
+constexpr int kMmaVariants = 6;
 constexpr int kMmaDefaultVariant = 0;
 constexpr int paged_t_lazy(int v) { return v == 1 ? 0 : 8; }
+constexpr int paged_t_copy(int v) { return v == 5 ? 1 : 0; }
 template <int HD, class TP>
 constexpr int paged_t_stages(int v) {
   if constexpr (HD == 128 && sizeof(TP) == 1) return v == 3 ? 3 : v == 4 ? 6 : 4;
@@ -1365,7 +1408,7 @@ struct MmaVariant {
   static constexpr int kSmemBytes = V == 0 ? PagedMmaCfg<HD, TP>::kSmemBytes : PagedTCfg<HD, TP, kStages>::kSmemBytes;
   static auto fn() {
     if constexpr (V == 0) return paged_mma_kernel<HD, TP>;
-    else return paged_mmat_kernel<HD, TP, kStages, paged_t_lazy(V)>;
+    else return paged_mmat_kernel<HD, TP, kStages, paged_t_lazy(V), paged_t_copy(V)>;
   }
 };
 
@@ -1402,17 +1445,19 @@ void launch_mma(const PagedArgs& a, int64_t T, cudaStream_t stream) {
 // f(std::integral_constant<int, v>) for the variant v (0 <= v < kMmaVariants).
 template <class F>
 auto with_variant(int v, const F& f) {
-  static_assert(kMmaVariants == 5, "one case per variant");
+  static_assert(kMmaVariants == 6, "one case per variant");
   switch (v) {
     case 0: return f(std::integral_constant<int, 0>());
     case 1: return f(std::integral_constant<int, 1>());
     case 2: return f(std::integral_constant<int, 2>());
     case 3: return f(std::integral_constant<int, 3>());
-    default: return f(std::integral_constant<int, 4>());
+    case 4: return f(std::integral_constant<int, 4>());
+    default: return f(std::integral_constant<int, 5>());
   }
 }
 
-const char* const kMmaVariantNames[kMmaVariants] = {"mma", "t-exact", "t-lazy", "t-lazy-s3", "t-lazy-s6"};
+const char* const kMmaVariantNames[kMmaVariants] = {"orig", "t-exact", "t-lazy", "t-lazy-s3", "t-lazy-s6",
+                                                      "t-lazy-rows"};
 
 }  // namespace
 

@@ -174,8 +174,8 @@ template <class T>
 inline T paged_keep(T x) { return x; }
 using paged_saddr_t = uintptr_t;
 inline paged_saddr_t paged_saddr(const void* p) { return reinterpret_cast<uintptr_t>(p); }
-inline void paged_cp_async16(paged_saddr_t dst, const void* src, int nbytes) {
-  paged_cp_async16(reinterpret_cast<void*>(dst), src, nbytes);
+inline void paged_cp_async16z(paged_saddr_t dst, const void* src, bool zero) {
+  paged_cp_async16(reinterpret_cast<void*>(dst), src, zero ? 0 : 16);
 }
 #include "kern.inc"
 
@@ -196,7 +196,7 @@ enum class Kern { Tiled, Grouped, Mma };
 inline Kern g_kern = Kern::Tiled;  // which kernel runs
 inline int g_variant = 0;          // of the tensor-core kernel (kMmaVariants)
 inline const char* kern_name() {
-  static const char* const mma[] = {"mma", "mma-v1", "mma-v2", "mma-v3", "mma-v4"};
+  static const char* const mma[] = {"mma", "mma-v1", "mma-v2", "mma-v3", "mma-v4", "mma-v5"};
   static_assert(sizeof(mma) / sizeof(mma[0]) == kMmaVariants, "a name per variant");
   return g_kern == Kern::Tiled ? "tiled" : g_kern == Kern::Grouped ? "grouped" : mma[g_variant];
 }
@@ -208,19 +208,20 @@ void launch_mma_v(const PagedArgs& a, int64_t T) {
     if (threadIdx.x == 0) std::memset(g_smem, 0xff, smem);  // poison: NaN in every format
     __syncthreads();
     if constexpr (V == 0) paged_mma_kernel<HD, TP>(a);
-    else paged_mmat_kernel<HD, TP, S, paged_t_lazy(V)>(a);
+    else paged_mmat_kernel<HD, TP, S, paged_t_lazy(V), paged_t_copy(V)>(a);
     if (!t_open.empty() || !t_groups.empty()) std::abort();  // every copy retired
   });
 }
 template <int HD, class TP>
 void launch_mma(const PagedArgs& a, int64_t T) {
-  static_assert(kMmaVariants == 5, "a case per variant");
+  static_assert(kMmaVariants == 6, "a case per variant");
   switch (g_variant) {
     case 0: return launch_mma_v<HD, TP, 0>(a, T);
     case 1: return launch_mma_v<HD, TP, 1>(a, T);
     case 2: return launch_mma_v<HD, TP, 2>(a, T);
     case 3: return launch_mma_v<HD, TP, 3>(a, T);
-    default: return launch_mma_v<HD, TP, 4>(a, T);
+    case 4: return launch_mma_v<HD, TP, 4>(a, T);
+    default: return launch_mma_v<HD, TP, 5>(a, T);
   }
 }
 template <int HD, class TP, int GM>
