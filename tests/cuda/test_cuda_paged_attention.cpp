@@ -186,32 +186,34 @@ void check(const Scenario& s, uint32_t seed) {
       C().attention_paged(b.hc, layer, qh, b.hb, sc, fp8q, ro);
       const std::vector<float> ref = host_floats(ro);
       const Tensor qd = G().to_device(q);
-      const bool mma_case = qdt == DType::BF16 && s.pool != DType::F32;  // "auto" / "1" / "7" are the tensor-core kernel
+      // "auto" / "1" / "7" run the tensor-core kernel here (each variant)
+      const bool mma_case = qdt == DType::BF16 && s.pool != DType::F32;
       for (const char* mode : {"auto", "1", "7", "tiled", "tiled7", "grouped", "grouped7", "simple"})
         for (int v = 0; v < cuda::paged_attention_mma_variants(); ++v) {
-        const std::string md = mode;
-        const bool simple = md == "simple", grouped = md.rfind("grouped", 0) == 0, tiled = md.rfind("tiled", 0) == 0;
-        if (v > 0 && (simple || grouped || tiled || !mma_case)) continue;  // variants of the tensor-core kernel only
-        SCOPED_TRACE(::testing::Message() << dtype_name(s.pool) << " pool, hd " << s.hd << ", Hq " << s.Hq << ", Hkv "
-                                          << s.Hkv << ", q " << dtype_name(qdt) << ", fp8_attention " << fp8q
-                                          << ", splits " << mode << ", variant " << cuda::paged_attention_mma_variant_name(v));
-        const char* splits = md == "1" || md == "7" ? mode : md == "grouped7" || md == "tiled7" ? "7" : nullptr;
-        EnvSwitch e1("FP8RL_CUDA_ATTENTION", simple ? "simple" : grouped ? "grouped" : tiled ? "tiled" : nullptr);
-        EnvSwitch e2("FP8RL_CUDA_PAGED_SPLITS", splits);
-        const std::string vs = std::to_string(v);
-        EnvSwitch e3("FP8RL_PAGED_VARIANT", vs.c_str());
-        Tensor go = G().alloc(q.shape(), qdt);
-        G().fill(go, NAN);
-        G().attention_paged(b.gc, layer, qd, b.db, sc, fp8q, go);
-        const Err e = compare(host_floats(go), ref, s.hd);
-        if (qdt == DType::F32) {
-          EXPECT_LT(e.global, 1e-5);
-          EXPECT_LT(e.row, 1e-4);
-        } else {
-          EXPECT_LT(e.global, 1e-2);
-          EXPECT_LT(e.row, 2e-2);
+          const std::string md = mode;
+          const bool simple = md == "simple", grouped = md.rfind("grouped", 0) == 0, tiled = md.rfind("tiled", 0) == 0;
+          if (v > 0 && (simple || grouped || tiled || !mma_case)) continue;  // variants of the tensor-core kernel only
+          SCOPED_TRACE(::testing::Message()
+                       << dtype_name(s.pool) << " pool, hd " << s.hd << ", Hq " << s.Hq << ", Hkv " << s.Hkv << ", q "
+                       << dtype_name(qdt) << ", fp8_attention " << fp8q << ", splits " << mode << ", variant "
+                       << cuda::paged_attention_mma_variant_name(v));
+          const char* splits = md == "1" || md == "7" ? mode : md == "grouped7" || md == "tiled7" ? "7" : nullptr;
+          EnvSwitch e1("FP8RL_CUDA_ATTENTION", simple ? "simple" : grouped ? "grouped" : tiled ? "tiled" : nullptr);
+          EnvSwitch e2("FP8RL_CUDA_PAGED_SPLITS", splits);
+          const std::string vs = std::to_string(v);
+          EnvSwitch e3("FP8RL_PAGED_VARIANT", vs.c_str());
+          Tensor go = G().alloc(q.shape(), qdt);
+          G().fill(go, NAN);
+          G().attention_paged(b.gc, layer, qd, b.db, sc, fp8q, go);
+          const Err e = compare(host_floats(go), ref, s.hd);
+          if (qdt == DType::F32) {
+            EXPECT_LT(e.global, 1e-5);
+            EXPECT_LT(e.row, 1e-4);
+          } else {
+            EXPECT_LT(e.global, 1e-2);
+            EXPECT_LT(e.row, 2e-2);
+          }
         }
-      }
     }
 }
 
@@ -394,32 +396,32 @@ TEST(CudaPagedAttention, DecodeShapesMatchCpu) {
           // far past its chunk (as a stale plan would).
           for (const char* mode : {"mma", "mma-short", "tiled"})
             for (int v = 0; v < cuda::paged_attention_mma_variants(); ++v) {
-            const std::string md = mode;
-            if (md == "mma-short" && layer == 1) continue;
-            if (md == "tiled" && v > 0) continue;
-            SCOPED_TRACE(::testing::Message() << sh.name << ", " << dtype_name(pool) << " pool, layer " << layer
-                                              << ", fp8_attention " << fp8q << ", kernel " << mode << ", variant "
-                                              << cuda::paged_attention_mma_variant_name(v));
-            EnvSwitch e1("FP8RL_CUDA_ATTENTION", md == "tiled" ? "tiled" : nullptr);
-            EnvSwitch e2("FP8RL_CUDA_PAGED_SPLITS", md == "mma-short" ? "3" : nullptr);
-            const std::string vs = std::to_string(v);
-            EnvSwitch e3("FP8RL_PAGED_VARIANT", vs.c_str());
-            PagedBatch db = b.db;
-            if (md == "mma-short") db.max_pos = 100;
-            Tensor go = G().alloc(q.shape(), DType::BF16);
-            G().fill(go, NAN);
-            G().attention_paged(b.gc, layer, qd, db, sc, fp8q, go);
-            const std::vector<float> all = host_floats(go);
-            std::vector<float> got;
-            for (int r : b.cpu_rows) got.insert(got.end(), all.begin() + r * rowlen, all.begin() + (r + 1) * rowlen);
-            for (float x : all) ASSERT_TRUE(std::isfinite(x)) << "an output row was not written";
-            const Err e = compare(got, ref, sh.hd);
-            std::printf("  %-30s %-4s layer %d fp8q %d %-9s %-10s: err global %.2e row %.2e\n", sh.name,
-                        dtype_name(pool), layer, int(fp8q), mode, md == "tiled" ? "" : cuda::paged_attention_mma_variant_name(v),
-                        e.global, e.row);
-            EXPECT_LT(e.global, 1e-2);
-            EXPECT_LT(e.row, 2e-2);
-          }
+              const std::string md = mode;
+              if (md == "mma-short" && layer == 1) continue;
+              if (md == "tiled" && v > 0) continue;
+              SCOPED_TRACE(::testing::Message()
+                           << sh.name << ", " << dtype_name(pool) << " pool, layer " << layer << ", fp8_attention "
+                           << fp8q << ", kernel " << mode << ", variant " << cuda::paged_attention_mma_variant_name(v));
+              EnvSwitch e1("FP8RL_CUDA_ATTENTION", md == "tiled" ? "tiled" : nullptr);
+              EnvSwitch e2("FP8RL_CUDA_PAGED_SPLITS", md == "mma-short" ? "3" : nullptr);
+              const std::string vs = std::to_string(v);
+              EnvSwitch e3("FP8RL_PAGED_VARIANT", vs.c_str());
+              PagedBatch db = b.db;
+              if (md == "mma-short") db.max_pos = 100;
+              Tensor go = G().alloc(q.shape(), DType::BF16);
+              G().fill(go, NAN);
+              G().attention_paged(b.gc, layer, qd, db, sc, fp8q, go);
+              const std::vector<float> all = host_floats(go);
+              std::vector<float> got;
+              for (int r : b.cpu_rows) got.insert(got.end(), all.begin() + r * rowlen, all.begin() + (r + 1) * rowlen);
+              for (float x : all) ASSERT_TRUE(std::isfinite(x)) << "an output row was not written";
+              const Err e = compare(got, ref, sh.hd);
+              std::printf("  %-30s %-4s layer %d fp8q %d %-9s %-10s: err global %.2e row %.2e\n", sh.name,
+                          dtype_name(pool), layer, int(fp8q), mode,
+                          md == "tiled" ? "" : cuda::paged_attention_mma_variant_name(v), e.global, e.row);
+              EXPECT_LT(e.global, 1e-2);
+              EXPECT_LT(e.row, 2e-2);
+            }
         }
       ++seed;
     }
@@ -481,8 +483,9 @@ TEST(CudaPagedAttention, DecodeBench) {
                                       ? "mma"
                                       : std::string("mma:") + cuda::paged_attention_mma_variant_name(v);
         const char* kern = kname.c_str();
-        const cuda::PagedSplit plan = mma ? cuda::paged_attention_mma_split(b.T, sh.Hkv, sh.hd, pool, b.db.max_pos, sm, 0, v)
-                                    : cuda::paged_attention_split(b.T, sh.Hkv, b.db.max_pos, sm, 0);
+        const cuda::PagedSplit plan =
+            mma ? cuda::paged_attention_mma_split(b.T, sh.Hkv, sh.hd, pool, b.db.max_pos, sm, 0, v)
+                : cuda::paged_attention_split(b.T, sh.Hkv, b.db.max_pos, sm, 0);
         Tensor part = G().alloc({std::max<int64_t>(b.T * sh.Hq * plan.splits * (sh.hd + 1), 1)}, DType::F32);
         float* po = part.data<float>();
         float* pl = po + b.T * sh.Hq * plan.splits * sh.hd;
@@ -494,9 +497,9 @@ TEST(CudaPagedAttention, DecodeBench) {
           const auto* posp = b.db.token_pos.data<int32_t>();
           const auto* tab = b.db.page_table.data<int32_t>();
           if (mma)
-            cuda::launch_paged_attention_mma(q.raw(), DType::BF16, seqp, posp, tab, max_pages, b.T, sh.Hq, sh.Hkv, sh.hd, 16,
-                                       b.gc.k[layer].raw(), b.gc.v[layer].raw(), pool, ks, vs, sc, false, plan, po, pl,
-                                       out.raw(), stream, v);
+            cuda::launch_paged_attention_mma(q.raw(), DType::BF16, seqp, posp, tab, max_pages, b.T, sh.Hq, sh.Hkv,
+                                             sh.hd, 16, b.gc.k[layer].raw(), b.gc.v[layer].raw(), pool, ks, vs, sc,
+                                             false, plan, po, pl, out.raw(), stream, v);
           else
             cuda::launch_paged_attention(q.raw(), DType::BF16, seqp, posp, tab, max_pages, b.T, sh.Hq, sh.Hkv, sh.hd, 16,
                                    b.gc.k[layer].raw(), b.gc.v[layer].raw(), pool, ks, vs, sc, false, plan, po, pl,
@@ -506,8 +509,8 @@ TEST(CudaPagedAttention, DecodeBench) {
         ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
         const double gbs = bytes / (us * 1e-6) / 1e9;
         if (!mma) base_us = us;
-        std::printf("%-30s %-5s %-14s %7d %9.1f %8.0f %5.0f%% %7.2fx\n", sh.name, dtype_name(pool), kern, plan.splits, us,
-                    gbs, 100.0 * gbs * 1e9 / peak, base_us / us);
+        std::printf("%-30s %-5s %-14s %7d %9.1f %8.0f %5.0f%% %7.2fx\n", sh.name, dtype_name(pool), kern, plan.splits,
+                    us, gbs, 100.0 * gbs * 1e9 / peak, base_us / us);
         char row[512];
         std::snprintf(row, sizeof row,
                       "  {\"shape\": \"%s\", \"pool\": \"%s\", \"kernel\": \"%s\", \"splits\": %d, \"chunk\": %d, "

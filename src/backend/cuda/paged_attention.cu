@@ -1059,14 +1059,16 @@ __global__ void __launch_bounds__(32 * kMmaWarps, PagedTCfg<HD, TP, S>::kMinBloc
   auto src_of = [](uint64_t base, uint32_t slot, uint32_t sb) {
     return reinterpret_cast<const unsigned char*>(static_cast<uintptr_t>(base + static_cast<uint64_t>(slot) * sb));
   };
-  // The cache slot of row `own` of this warp's tile k, -1 past the chunk.
+  // The cache slot of row `own` of this warp's tile k, -1 past the chunk. The table entry is
+  // read whether or not the row is in the chunk (its index clamped to the row), so the first
+  // reads need not wait for token_pos.
   auto slot_of = [&](int k) -> int {
     const int j = j0 + (warp + NW * k) * kMmaTile + own;
-    if (j >= j1) return -1;
     int pi, off;
     if (a.ps_shift >= 0) pi = j >> a.ps_shift, off = j & (a.page_size - 1);
     else pi = j / a.page_size, off = j - pi * a.page_size;
-    return table[pi] * a.page_size + off;
+    const int sl = table[paged_imin(pi, a.max_pages - 1)] * a.page_size + off;
+    return j < j1 ? sl : -1;
   };
   // Loads a tile into the stage at byte `stage` of the ring; mine: the slot of row `own`.
   // Rows past the chunk (slot -1) are zeros (P = 0 there, no NaN).
@@ -1099,14 +1101,14 @@ __global__ void __launch_bounds__(32 * kMmaWarps, PagedTCfg<HD, TP, S>::kMinBloc
   {
     int pre[S - 1];
 #pragma unroll
-    for (int st = 0; st < S - 1; ++st) pre[st] = st < nk ? slot_of(st) : -1;
+    for (int st = 0; st < S - 1; ++st) pre[st] = slot_of(st);  // -1 for tiles past nk
 #pragma unroll
     for (int st = 0; st < S - 1; ++st) {
       if (st < nk) issue(st * SB, pre[st]);
       paged_cp_async_commit();
     }
   }
-  int slot_n1 = S - 1 < nk ? slot_of(S - 1) : -1, slot_n2 = S < nk ? slot_of(S) : -1;
+  int slot_n1 = slot_of(S - 1), slot_n2 = slot_of(S);
 
   // Q^T's B fragments (head g, k-slots as paged_kdim; zero for g >= group), from q in registers,
   // scaled as in paged_mma_kernel; the score scales of this thread's heads 2c, 2c + 1.
@@ -1187,7 +1189,7 @@ __global__ void __launch_bounds__(32 * kMmaWarps, PagedTCfg<HD, TP, S>::kMinBloc
     __syncwarp();                  // ... and every lane's; stage (k - 1) % S is free
     if (k + S - 1 < nk) issue(prev, slot_n1);
     slot_n1 = slot_n2;
-    slot_n2 = k + S + 1 < nk ? slot_of(k + S + 1) : -1;
+    slot_n2 = slot_of(k + S + 1);
     paged_cp_async_commit();
     const unsigned char* st = wbuf + cur;
     prev = cur;

@@ -379,8 +379,9 @@ int run(const Case& c) {
   return err < tol ? 0 : 1;
 }
 
-// Usage: emu [name-substring [tiled|grouped|mma]]  (runs only the cases whose name contains it
-// ("" for all), on one kernel)
+// Usage: emu [name-substring [tiled|grouped|mma|mma-vN|mma-all]]  (runs only the cases whose name
+// contains it ("" for all), on one kernel: mma is variant 0 of the tensor-core kernel, mma-vN
+// variant N, mma-all every variant)
 int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IONBF, 0);
   std::vector<Case> cases;
