@@ -1011,15 +1011,30 @@ __global__ void __launch_bounds__(32 * kMmaWarps, PagedTCfg<HD, TP, S>::kMinBloc
 
   const int t = static_cast<int>(blockIdx.x) / a.Hkv, hk = static_cast<int>(blockIdx.x) % a.Hkv;
   const int split = static_cast<int>(blockIdx.y);
-  const int len = a.token_pos[t] + 1;
   const int j0 = split * a.chunk;  // a multiple of kMmaTile (paged_mma_split)
-  if (j0 >= len) return;           // uniform per CTA
-  const int j1 = split == a.splits - 1 ? len : paged_imin(len, j0 + a.chunk);
-  const int ntiles = (j1 - j0 + kMmaTile - 1) / kMmaTile;
   const int warp = static_cast<int>(threadIdx.x) >> 5, lane = static_cast<int>(threadIdx.x) & 31;
   const int g = lane >> 2, c = lane & 3, G = a.group;
   const int64_t head0 = static_cast<int64_t>(t) * a.Hq + static_cast<int64_t>(hk) * G;
   const int32_t* table = a.page_table + static_cast<int64_t>(a.token_seq[t]) * a.max_pages;
+  const int own = COPY == 0 ? lane & 15 : lane >> 1;  // the row of a tile whose slot this lane loads
+  // The cache slot of row `own` of this warp's tile k if that position is in the sequence (the
+  // table index clamped to the row, so it is read before the sequence's length is known).
+  auto slot_raw = [&](int k) -> int {
+    const int j = j0 + (warp + NW * k) * kMmaTile + own;
+    int pi, off;
+    if (a.ps_shift >= 0) pi = j >> a.ps_shift, off = j & (a.page_size - 1);
+    else pi = j / a.page_size, off = j - pi * a.page_size;
+    return table[paged_imin(pi, a.max_pages - 1)] * a.page_size + off;
+  };
+  int pre[S - 1];  // the first S - 1 tiles' slots
+#pragma unroll
+  for (int st = 0; st < S - 1; ++st) pre[st] = slot_raw(st);
+  const int len = a.token_pos[t] + 1;
+  if (j0 >= len) return;  // uniform per CTA
+  const int j1 = split == a.splits - 1 ? len : paged_imin(len, j0 + a.chunk);
+  const int ntiles = (j1 - j0 + kMmaTile - 1) / kMmaTile;
+  // The slot of row `own` of this warp's tile k, -1 past the chunk.
+  auto slot_of = [&](int k) -> int { return j0 + (warp + NW * k) * kMmaTile + own < j1 ? slot_raw(k) : -1; };
   const unsigned char* kpool = static_cast<const unsigned char*>(a.kpool) + static_cast<int64_t>(hk) * RB;
   const unsigned char* vpool = static_cast<const unsigned char*>(a.vpool) + static_cast<int64_t>(hk) * RB;
   const uint32_t slot_bytes = static_cast<uint32_t>(a.Hkv) * RB;  // bytes between cache slots
@@ -1043,7 +1058,6 @@ __global__ void __launch_bounds__(32 * kMmaWarps, PagedTCfg<HD, TP, S>::kMinBloc
   constexpr int RPI = 32 / CPR, NI = kMmaTile / RPI;  // lines: rows per instruction, instructions per tile
   constexpr int VP = CPR < 8 ? 1 : RPI == 4 ? 2 : 4;  // lines: period of the V swizzle over i
   const int r0 = COPY == 0 ? lane / CPR : lane >> 1, cq = COPY == 0 ? lane % CPR : lane & 1;
-  const int own = COPY == 0 ? lane & 15 : r0;  // the row of a tile whose slot this lane loads
   const paged_saddr_t koff =
       paged_keep(wsa + static_cast<paged_saddr_t>(r0 * RB + ((COPY == 0 ? cq ^ paged_kswz<CPR>(r0) : cq) << 4) +
                                                   (COPY == 0 ? 0 : paged_kswz<CPR>(r0) << 4)));
@@ -1058,17 +1072,6 @@ __global__ void __launch_bounds__(32 * kMmaWarps, PagedTCfg<HD, TP, S>::kMinBloc
   const uint64_t vcopy = paged_keep(static_cast<uint64_t>(reinterpret_cast<uintptr_t>(vpool + 16 * cq)));
   auto src_of = [](uint64_t base, uint32_t slot, uint32_t sb) {
     return reinterpret_cast<const unsigned char*>(static_cast<uintptr_t>(base + static_cast<uint64_t>(slot) * sb));
-  };
-  // The cache slot of row `own` of this warp's tile k, -1 past the chunk. The table entry is
-  // read whether or not the row is in the chunk (its index clamped to the row), so the first
-  // reads need not wait for token_pos.
-  auto slot_of = [&](int k) -> int {
-    const int j = j0 + (warp + NW * k) * kMmaTile + own;
-    int pi, off;
-    if (a.ps_shift >= 0) pi = j >> a.ps_shift, off = j & (a.page_size - 1);
-    else pi = j / a.page_size, off = j - pi * a.page_size;
-    const int sl = table[paged_imin(pi, a.max_pages - 1)] * a.page_size + off;
-    return j < j1 ? sl : -1;
   };
   // Loads a tile into the stage at byte `stage` of the ring; mine: the slot of row `own`.
   // Rows past the chunk (slot -1) are zeros (P = 0 there, no NaN).
@@ -1098,15 +1101,10 @@ __global__ void __launch_bounds__(32 * kMmaWarps, PagedTCfg<HD, TP, S>::kMinBloc
   };
   // The first S - 1 tiles (one commit group each, empty past nk: the group count is the tile
   // count); the slots of the next two are loaded ahead.
-  {
-    int pre[S - 1];
 #pragma unroll
-    for (int st = 0; st < S - 1; ++st) pre[st] = slot_of(st);  // -1 for tiles past nk
-#pragma unroll
-    for (int st = 0; st < S - 1; ++st) {
-      if (st < nk) issue(st * SB, pre[st]);
-      paged_cp_async_commit();
-    }
+  for (int st = 0; st < S - 1; ++st) {
+    if (st < nk) issue(st * SB, j0 + (warp + NW * st) * kMmaTile + own < j1 ? pre[st] : -1);
+    paged_cp_async_commit();
   }
   int slot_n1 = slot_of(S - 1), slot_n2 = slot_of(S);
 
