@@ -461,8 +461,8 @@ TEST(CudaPagedAttention, DecodeBench) {
   const double peak = 4.8e12;
   std::string json = "[\n";
   for (int v = 0; v < cuda::paged_attention_mma_variants(); ++v)
-    std::printf("variant %d %-12s CTAs per SM at hd 128: BF16 %d, E4M3 %d\n", v, cuda::paged_attention_mma_variant_name(v),
-                cuda::paged_attention_mma_blocks_per_sm(128, DType::BF16, v),
+    std::printf("variant %d %-12s CTAs per SM at hd 128: BF16 %d, E4M3 %d\n", v,
+                cuda::paged_attention_mma_variant_name(v), cuda::paged_attention_mma_blocks_per_sm(128, DType::BF16, v),
                 cuda::paged_attention_mma_blocks_per_sm(128, DType::E4M3, v));
   std::printf("\n%-30s %-5s %-14s %7s %9s %8s %6s %8s\n", "shape", "pool", "kernel", "splits", "us/call", "GB/s",
               "%peak", "speedup");

@@ -1061,8 +1061,8 @@ __global__ void __launch_bounds__(32 * kMmaWarps, PagedTCfg<HD, TP, S>::kMinBloc
   const paged_saddr_t koff =
       paged_keep(wsa + static_cast<paged_saddr_t>(r0 * RB + ((COPY == 0 ? cq ^ paged_kswz<CPR>(r0) : cq) << 4) +
                                                   (COPY == 0 ? 0 : paged_kswz<CPR>(r0) << 4)));
-  const paged_saddr_t voff = paged_keep(wsa + static_cast<paged_saddr_t>(TB + r0 * RB + (cq << 4) +
-                                                                          (COPY == 0 ? 0 : paged_vswz<CPR>(r0) << 4)));
+  const paged_saddr_t voff = paged_keep(
+      wsa + static_cast<paged_saddr_t>(TB + r0 * RB + (cq << 4) + (COPY == 0 ? 0 : paged_vswz<CPR>(r0) << 4)));
   uint32_t vx[VP];  // lines: the V swizzle of instruction i's row (byte offset XOR), i % VP
 #pragma unroll
   for (int p = 0; p < VP; ++p)
@@ -1086,7 +1086,8 @@ __global__ void __launch_bounds__(32 * kMmaWarps, PagedTCfg<HD, TP, S>::kMinBloc
         const int sl = paged_shfl(mine, r0 + RPI * i);
         const uint32_t su = sl >= 0 ? static_cast<uint32_t>(sl) : 0u;
         paged_cp_async16z(dk + static_cast<paged_saddr_t>(RPI * i * RB), src_of(kcopy, su, slot_bytes), sl < 0);
-        paged_cp_async16z(dvx[i % VP] + static_cast<paged_saddr_t>(RPI * i * RB), src_of(vcopy, su, slot_bytes), sl < 0);
+        paged_cp_async16z(dvx[i % VP] + static_cast<paged_saddr_t>(RPI * i * RB), src_of(vcopy, su, slot_bytes),
+                          sl < 0);
       }
     } else {
       const uint32_t su = mine >= 0 ? static_cast<uint32_t>(mine) : 0u;
@@ -1457,7 +1458,7 @@ auto with_variant(int v, const F& f) {
 }
 
 const char* const kMmaVariantNames[kMmaVariants] = {"orig", "t-exact", "t-lazy", "t-lazy-s3", "t-lazy-s6",
-                                                      "t-lazy-rows"};
+                                                    "t-lazy-rows"};
 
 }  // namespace
 
@@ -1497,13 +1498,14 @@ int paged_attention_mma_blocks_per_sm(int hd, DType pool_dt, int variant) {
               "paged attention (tensor cores): unsupported head_dim ", hd, " / pool ", dtype_name(pool_dt));
   return with_variant(resolve_variant(variant), [&](auto vc) {
     constexpr int V = decltype(vc)::value;
-    if (pool_dt == DType::E4M3) return hd == 64 ? mma_blocks_per_sm<64, uint8_t, V>() : mma_blocks_per_sm<128, uint8_t, V>();
+    if (pool_dt == DType::E4M3)
+      return hd == 64 ? mma_blocks_per_sm<64, uint8_t, V>() : mma_blocks_per_sm<128, uint8_t, V>();
     return hd == 64 ? mma_blocks_per_sm<64, bf16, V>() : mma_blocks_per_sm<128, bf16, V>();
   });
 }
 
-PagedSplit paged_attention_mma_split(int64_t T, int Hkv, int hd, DType pool_dt, int max_pos, int sm_count,
-                                     int forced, int variant) {
+PagedSplit paged_attention_mma_split(int64_t T, int Hkv, int hd, DType pool_dt, int max_pos, int sm_count, int forced,
+                                     int variant) {
   return paged_mma_split(T, Hkv, max_pos, sm_count * paged_attention_mma_blocks_per_sm(hd, pool_dt, variant), forced);
 }
 
@@ -1542,8 +1544,8 @@ void launch_paged_attention_mma(const void* q, DType qdt, const int32_t* token_s
                                 const int32_t* page_table, int max_pages, int64_t T, int Hq, int Hkv, int hd,
                                 int page_size, const void* kpool, const void* vpool, DType pool_dt,
                                 const float* k_scale, const float* v_scale, float scale, bool fp8_q,
-                                const PagedSplit& split, float* part_o, float* part_lse, void* out,
-                                cudaStream_t stream, int variant) {
+                                const PagedSplit& split, float* part_o, float* part_lse, void* out, cudaStream_t stream,
+                                int variant) {
   if (T == 0) return;
   int v = resolve_variant(variant);
   if (reinterpret_cast<uintptr_t>(q) % 16 != 0) v = 0;  // the transposed kernel loads q 16 bytes at a time
