@@ -152,7 +152,7 @@ for stage in ${FP8RL_STAGES:-rlstep}; do
     kernels)  # the decode attention and the sampler alone (issue 14)
       FP8RL_PAGED_BENCH=1 FP8RL_PAGED_BENCH_JSON="$OUT/paged_bench.json" timeout 120 "$B/fp8rl_gpu_tests" --gtest_color=no \
         --gtest_filter='CudaPagedAttention.DecodeBench' > "$OUT/paged_bench.log" 2>&1
-      note "paged attention bench: rc=$?"; grep -vE '^\[|^$|^Note' "$OUT/paged_bench.log" | head -24 | tee -a "$SUMMARY"
+      note "paged attention bench: rc=$?"; grep -vE '^\[|^$|^Note' "$OUT/paged_bench.log" | head -72 | tee -a "$SUMMARY"
       timeout 60 "$FP8RL" bench sample --device cuda > "$OUT/sample_bench.log" 2>&1
       note "bench sample: rc=$?"; tail -12 "$OUT/sample_bench.log" | tee -a "$SUMMARY" ;;
     ncu_paged)  # issue 14: why the E4M3 decode attention is not twice as fast as the BF16 one
