@@ -825,6 +825,7 @@ void model_backward(Backend& be, const ModelWeights& w, const EnginePrecision& p
   // Scratch gradients, reused by every block.
   Tensor d_xn = be.alloc({T, D}, act), d_tmp = be.alloc({T, D}, act), d_mid = be.alloc({T, D}, act);
   Tensor d_act, d_gate, d_up;  // [T, F] (dense MLP blocks)
+  Fp8View d_gate_q, d_up_q;    // their FP8 copies (dense FP8 blocks, opt.fused_dy_fp8)
   MoeGradScratch moe_scratch;  // (MoE blocks)
   const bool mla = c.is_mla();
   // MLA: q/k heads of qk_nope + qk_rope, v heads of v_head_dim, H = Hq for k and v too.
@@ -863,9 +864,21 @@ void model_backward(Backend& be, const ModelWeights& w, const EnginePrecision& p
         d_up = be.alloc({T, F}, act);
       }
       be.linear_backward(dx, a.act, lw.down, spec, &d_act, &lg.down.w, bias(lg.down));
-      be.swiglu_backward(d_act, a.gate, a.up, d_gate, d_up);
-      be.linear_backward(d_gate, a.xn_mlp, lw.gate, spec, &d_xn, &lg.gate.w, bias(lg.gate));
-      be.linear_backward(d_up, a.xn_mlp, lw.up, spec, &d_tmp, &lg.up.w, bias(lg.up));
+      // FP8: the SwiGLU backward also writes dgate's and dup's FP8 copies, which the gate and
+      // up dgrads take instead of quantizing them.
+      const bool fused = spec.mode == LinearMode::FP8_BLOCK && opt.fused_dy_fp8;
+      if (fused) {
+        if (!d_gate_q.defined()) {  // every FP8 block has the recipe's pow2
+          d_gate_q = be.alloc_fp8_view(T, F, spec.pow2_scales);
+          d_up_q = be.alloc_fp8_view(T, F, spec.pow2_scales);
+        }
+        be.swiglu_backward_fp8(d_act, a.gate, a.up, d_gate, d_up, d_gate_q, d_up_q);
+      } else {
+        be.swiglu_backward(d_act, a.gate, a.up, d_gate, d_up);
+      }
+      be.linear_backward(d_gate, a.xn_mlp, lw.gate, spec, &d_xn, &lg.gate.w, bias(lg.gate),
+                         fused ? &d_gate_q : nullptr);
+      be.linear_backward(d_up, a.xn_mlp, lw.up, spec, &d_tmp, &lg.up.w, bias(lg.up), fused ? &d_up_q : nullptr);
       be.add(d_xn, d_tmp, d_xn);
     }
     be.rmsnorm_backward(d_xn, a.x_mid, lw.mlp_norm, a.mlp_rstd, d_tmp, lg.mlp_norm);

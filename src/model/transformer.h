@@ -146,6 +146,10 @@ struct BackwardOptions {
   // through the routing weights into the block input either way. The top-k selection itself is
   // piecewise constant (no gradient).
   bool router_grad = false;
+  // FP8 blocks (dense MLP): the SwiGLU backward writes the FP8 copies of dgate and dup that the
+  // gate/up dgrads take instead of quantizing them (swiglu_backward_fp8). false: each
+  // linear_backward quantizes its dy itself — the same bits (tests compare the two).
+  bool fused_dy_fp8 = true;
 };
 
 // Backward of sum_t dlogp[t] * logp[t] (dlogp F32 [T] on the device; the entries of the last
