@@ -124,8 +124,8 @@ void weight_quant_contract(const Contract& c, const QuantTensor& q, const Linear
   check_dtype(q.scales, DType::F32, (what + " scales").c_str());
   check_shape(q.scales, {ceil_div(q.rows(), kQuantBlock), ceil_div(q.cols(), kQuantBlock)}, (what + " scales").c_str());
   if (spec.mode == LinearMode::FP8_BLOCK)
-    FP8RL_CHECK(q.pow2 == spec.pow2_scales, what, " was quantized with pow2=", q.pow2, " but the spec asks pow2=",
-                spec.pow2_scales, " (requantize the weight with the recipe's scales)");
+    FP8RL_CHECK(q.pow2 == spec.pow2_scales, what, " was quantized with pow2=", q.pow2,
+                " but the spec asks pow2=", spec.pow2_scales, " (requantize the weight with the recipe's scales)");
 }
 
 // The linear weight (backend.h, LinearWeight): w [N, K] and/or wq (E4M3 [N, K], 128x128 blocks,
@@ -476,8 +476,8 @@ void swiglu_backward_contract(const Contract& c, const Tensor& dout, const Tenso
     c.floating(*t, what);
   FP8RL_CHECK(gate.shape() == up.shape() && gate.shape() == dout.shape() && gate.shape() == dgate.shape() &&
                   gate.shape() == dup.shape(),
-              op, " needs dout, gate, up, dgate, dup of one shape, got gate ", gate.str(), ", up ", up.str(),
-              ", dout ", dout.str(), ", dgate ", dgate.str(), ", dup ", dup.str());
+              op, " needs dout, gate, up, dgate, dup of one shape, got gate ", gate.str(), ", up ", up.str(), ", dout ",
+              dout.str(), ", dgate ", dgate.str(), ", dup ", dup.str());
 }
 }  // namespace
 
@@ -486,6 +486,17 @@ void Backend::swiglu_fp8(const Tensor& gate, const Tensor& up, Tensor& out, Fp8V
   swiglu_contract(c, gate, up, out);
   fp8_view_target(c, out, fp8, "swiglu_fp8");
   swiglu_fp8_impl(gate, up, out, fp8);
+}
+
+void Backend::add_fp8(const Tensor& a, const Tensor& b, Tensor& out, Fp8View& fp8) {
+  const Contract c(*this);
+  c.floating(a, "add_fp8 a");
+  c.floating(b, "add_fp8 b");
+  c.floating(out, "add_fp8 out");
+  FP8RL_CHECK(a.numel() == out.numel() && b.numel() == out.numel(), "add_fp8 needs equal sizes: ", a.str(), " + ",
+              b.str(), " -> ", out.str());
+  fp8_view_target(c, out, fp8, "add_fp8");
+  add_fp8_impl(a, b, out, fp8);
 }
 
 void Backend::swiglu_backward_fp8(const Tensor& dout, const Tensor& gate, const Tensor& up, Tensor& dgate, Tensor& dup,
@@ -522,6 +533,14 @@ void Backend::add_rmsnorm_impl(const Tensor& a, const Tensor& b, Tensor& sum, co
 void Backend::swiglu_fp8_impl(const Tensor& gate, const Tensor& up, Tensor& out, Fp8View& fp8) {
   const int64_t D = out.dim(-1);
   swiglu_impl(gate, up, out);
+  quantize_impl(out.reshape({out.numel() / D, D}), false, fp8.q);
+  fp8.scales_gemm_layout = false;
+  fp8.source = out.raw();
+}
+
+void Backend::add_fp8_impl(const Tensor& a, const Tensor& b, Tensor& out, Fp8View& fp8) {
+  const int64_t D = out.dim(-1);
+  add_impl(a, b, out);
   quantize_impl(out.reshape({out.numel() / D, D}), false, fp8.q);
   fp8.scales_gemm_layout = false;
   fp8.source = out.raw();

@@ -70,8 +70,8 @@ struct LinearSpec {
 // add_rmsnorm, swiglu_fp8) writes together with x, for the FP8 linears that read x: passed to
 // linear / linear_shared_input, it stands for their own quantization of x, and is bitwise that
 // quantization (the producer quantizes the x it stores, with the one scale rule of quant.h).
-// The same for an output gradient dy [M, N] (swiglu_backward_fp8 -> linear_backward's dgrad,
-// which quantizes dy 1x128 along N: the same layout).
+// The same for an output gradient dy [M, N] (swiglu_backward_fp8, add_fp8 -> linear_backward's
+// dgrad, which quantizes dy 1x128 along N: the same layout).
 // Allocate with Backend::alloc_fp8_view; the producer fills q, scales_gemm_layout and source.
 struct Fp8View {
   QuantTensor q;  // E4M3 [M, K], 1x128 blocks; scales: M * ceil(K / 128) F32 values
@@ -252,6 +252,9 @@ class Backend {
                    Fp8View* fp8);
   // swiglu(gate, up, out), then out's FP8 copy into fp8 (the down projection's input).
   void swiglu_fp8(const Tensor& gate, const Tensor& up, Tensor& out, Fp8View& fp8);
+  // add(a, b, out) (out may alias a), then out [R, D]'s FP8 copy into fp8: the residual
+  // stream's gradient, the output gradient of the o and down projections (their FP8 dgrads).
+  void add_fp8(const Tensor& a, const Tensor& b, Tensor& out, Fp8View& fp8);
   // swiglu_backward(dout, gate, up, dgate, dup), then dgate's FP8 copy into dgate_fp8 and dup's
   // into dup_fp8 (the output gradients of the gate and up projections, for their FP8 dgrads).
   void swiglu_backward_fp8(const Tensor& dout, const Tensor& gate, const Tensor& up, Tensor& dgate, Tensor& dup,
@@ -284,7 +287,7 @@ class Backend {
   // W.wqt when defined, else W.wq transposed when defined, else quantizes W.w
   // (see LinearWeight); other modes need W.w. dbias is the sum of the unquantized dy.
   // dy_fp8 (FP8_BLOCK only; ignored by the other modes): dy's FP8 copy from a fused producer
-  // (swiglu_backward_fp8), used by the dgrad instead of quantizing dy (the same bits); it must
+  // (swiglu_backward_fp8, add_fp8), used by the dgrad instead of quantizing dy (the same bits); it must
   // have been made from this dy ([M, N], source == dy.raw(), the spec's pow2), as linear's x_fp8.
   void linear_backward(const Tensor& dy, const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor* dx,
                        Tensor* dw, Tensor* dbias, const Fp8View* dy_fp8 = nullptr);
@@ -476,6 +479,7 @@ class Backend {
   virtual void add_rmsnorm_impl(const Tensor& a, const Tensor& b, Tensor& sum, const Tensor& w, float eps, Tensor& out,
                                 Tensor* rstd, Fp8View* fp8);
   virtual void swiglu_fp8_impl(const Tensor& gate, const Tensor& up, Tensor& out, Fp8View& fp8);
+  virtual void add_fp8_impl(const Tensor& a, const Tensor& b, Tensor& out, Fp8View& fp8);
   virtual void swiglu_backward_fp8_impl(const Tensor& dout, const Tensor& gate, const Tensor& up, Tensor& dgate,
                                         Tensor& dup, Fp8View& dgate_fp8, Fp8View& dup_fp8);
   virtual void linear_impl(const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor& out,

@@ -146,9 +146,10 @@ struct BackwardOptions {
   // through the routing weights into the block input either way. The top-k selection itself is
   // piecewise constant (no gradient).
   bool router_grad = false;
-  // FP8 blocks (dense MLP): the SwiGLU backward writes the FP8 copies of dgate and dup that the
-  // gate/up dgrads take instead of quantizing them (swiglu_backward_fp8). false: each
-  // linear_backward quantizes its dy itself — the same bits (tests compare the two).
+  // FP8 blocks: the producers of the FP8 dgrads' dY write its FP8 copy, which the dgrad takes
+  // instead of quantizing dy: the SwiGLU backward dgate's and dup's (swiglu_backward_fp8, dense
+  // MLPs), the residual gradient's adds the o projection's and the down projection's (add_fp8).
+  // false: each linear_backward quantizes its dy itself — the same bits (tests compare the two).
   bool fused_dy_fp8 = true;
 };
 

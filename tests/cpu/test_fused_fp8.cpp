@@ -94,6 +94,24 @@ TEST_F(FusedFp8, SwigluFp8IsSwigluThenQuantize) {
   }
 }
 
+TEST_F(FusedFp8, AddFp8IsAddThenQuantize) {
+  for (bool pow2 : {false, true}) {
+    const int64_t R = 5, D = 200;
+    const Tensor a = random_tensor({R, D}, 30, DType::F32), b = random_tensor({R, D}, 31, DType::F32);
+    Tensor out = be->alloc({R, D}, DType::F32), ref = be->alloc({R, D}, DType::F32);
+    Fp8View v = be->alloc_fp8_view(R, D, pow2);
+    be->add_fp8(a, b, out, v);
+    be->add(a, b, ref);
+    EXPECT_EQ(bytes(out), bytes(ref));
+    expect_view_is_quantization(v, out, pow2);
+    Tensor a2 = be->alloc({R, D}, DType::F32);  // out aliasing a
+    be->copy(a, a2);
+    be->add_fp8(a2, b, a2, v);
+    EXPECT_EQ(bytes(a2), bytes(ref));
+    expect_view_is_quantization(v, a2, pow2);
+  }
+}
+
 TEST_F(FusedFp8, SwigluBackwardFp8IsSwigluBackwardThenQuantize) {
   for (bool pow2 : {false, true}) {
     const int64_t R = 6, F = 328;
@@ -279,7 +297,8 @@ TEST(ModelGrad, Bf16WgradChangesOnlyTheLinearWeightGradients) {
 }
 
 // Through the model: the FP8 dgrad's operands from their producers (the SwiGLU backward's FP8
-// copies of dgate and dup; the trainer's cached W^T) leave every gradient bitwise what it was
+// copies of dgate and dup, the residual adds' of o's and down's dY; the trainer's cached W^T)
+// leave every gradient bitwise what it was
 // with each linear_backward quantizing dy and W^T itself (BackwardOptions::fused_dy_fp8 false,
 // weights without wq / wqt: the path before them). Intermediate 320: three 128-blocks, the last
 // partial; pow2 scales, both wgrads, a BF16 first block.

@@ -66,6 +66,7 @@ TEST(OpTableCpu, CoversEveryOp) {
                        "add_rmsnorm",
                        "swiglu_fp8",
                        "swiglu_backward_fp8",
+                       "add_fp8",
                        "linear",
                        "linear_shared_input",
                        "linear_backward",

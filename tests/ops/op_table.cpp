@@ -574,11 +574,52 @@ void keep_view(OpRun& r, const Fp8View& v, const std::string& view = "") {
   r.out[view + "layout"] = l;
 }
 
-// The SwiGLU backward's FP8 copies of dgate and dup (the gate/up dgrads' dY): each bitwise the
-// quantization of the output it was written with (and the outputs bitwise swiglu_backward's);
-// the dgrads given them bitwise the dgrads that quantize dy themselves. R 48: scales in cuBLASLt's
-// layout on CUDA (BF16), tensor cores when F % 128 == 0; R 37 ragged (row-major); F 200: a
-// partial last block and CUDA's dequantize path.
+// The producers of the FP8 dgrads' dY: the residual gradient's add (o, down) and the SwiGLU
+// backward (dgate, dup for gate, up). Each FP8 copy is bitwise the quantization of the output it
+// was written with (and the outputs bitwise add's / swiglu_backward's); the dgrads given them
+// bitwise the dgrads that quantize dy themselves. R 48: scales in cuBLASLt's layout on CUDA
+// (BF16), tensor cores when the width % 128 == 0; R 37 ragged (row-major); width 200: a partial
+// last block and CUDA's dequantize path.
+void add_fp8_cases(std::vector<OpCase>& t) {
+  for (DType dt : {DType::F32, DType::BF16})
+    for (int64_t R : {int64_t(48), int64_t(37)})
+      for (int64_t D : {int64_t(384), int64_t(200)}) {
+        const int64_t K = 256;
+        const bool f32 = dt == DType::F32, pow2 = R == 48;
+        const LinearSpec spec{LinearMode::FP8_BLOCK, pow2};
+        t.push_back(
+            {"add_fp8 + linear_backward",
+             dims({R, D}) + " " + dtype_name(dt) + (pow2 ? " pow2" : "") + ", dgrad K 256",
+             [=] {
+               return Tensors{{"a", rnd({R, D}, 550, dt)},
+                              {"b", rnd({R, D}, 551, dt, 2.0f)},
+                              {"x", rnd({R, K}, 552)},
+                              {"w", rnd({D, K}, 553, DType::F32, 0.05f)}};
+             },
+             [=](OpRun& r) {
+               Fp8View v = r.be.alloc_fp8_view(R, D, pow2);
+               Tensor& out = r.output("out", {R, D}, dt);
+               r.be.add_fp8(r["a"], r["b"], out, v);
+               keep_view(r, v);
+               r.be.add(r["a"], r["b"], r.output("out_ref", {R, D}, dt));
+               Fp8View va = r.be.alloc_fp8_view(R, D, pow2);  // in place: out aliases a
+               Tensor& sum_a = r.updated("sum_a", "a");
+               r.be.add_fp8(sum_a, r["b"], sum_a, va);
+               const LinearWeight W = weight_of(r, false);
+               r.be.linear_backward(out, r["x"], W, spec, &r.output("dx", {R, K}, DType::F32), nullptr, nullptr, &v);
+               r.be.linear_backward(out, r["x"], W, spec, &r.output("dx_ref", {R, K}, DType::F32), nullptr, nullptr);
+             },
+             {{"out", rel(f32 ? 1e-6 : 1e-2)}, {"dx", fp8_gemm()}},
+             {{"out", "out_ref"}, {"sum_a", "out_ref"}, {"dx", "dx_ref"}}});
+        t.back().invariants = [=](const Tensors& o) { expect_view_is_quantized_out(o, pow2); };
+        t.back().errors = [=](OpRun& r) {
+          Tensor out = r.be.alloc({R, D}, dt);
+          Fp8View wide = r.be.alloc_fp8_view(R, D + 128, pow2);
+          EXPECT_THROW(r.be.add_fp8(r["a"], r["b"], out, wide), Error);  // not out's view
+        };
+      }
+}
+
 void swiglu_backward_fp8_cases(std::vector<OpCase>& t) {
   for (DType dt : {DType::F32, DType::BF16})
     for (int64_t R : {int64_t(48), int64_t(37)})
@@ -586,42 +627,39 @@ void swiglu_backward_fp8_cases(std::vector<OpCase>& t) {
         const int64_t K = 256;
         const bool f32 = dt == DType::F32, pow2 = R == 37;
         const LinearSpec spec{LinearMode::FP8_BLOCK, pow2};
-        t.push_back({"swiglu_backward_fp8 + linear_backward",
-                     dims({R, F}) + " " + dtype_name(dt) + (pow2 ? " pow2" : "") + ", dgrads K 256",
-                     [=] {
-                       return Tensors{{"gate", rnd({R, F}, 540, dt, 3.0f)},
-                                      {"up", rnd({R, F}, 541, dt)},
-                                      {"d", rnd({R, F}, 542, dt)},
-                                      {"x", rnd({R, K}, 543)},
-                                      {"wg", rnd({F, K}, 544, DType::F32, 0.05f)},
-                                      {"wu", rnd({F, K}, 545, DType::F32, 0.05f)}};
-                     },
-                     [=](OpRun& r) {
-                       Fp8View vg = r.be.alloc_fp8_view(R, F, pow2), vu = r.be.alloc_fp8_view(R, F, pow2);
-                       Tensor& dg = r.output("dgate", {R, F}, dt);
-                       Tensor& du = r.output("dup", {R, F}, dt);
-                       r.be.swiglu_backward_fp8(r["d"], r["gate"], r["up"], dg, du, vg, vu);
-                       keep_view(r, vg, "g_");
-                       keep_view(r, vu, "u_");
-                       r.be.swiglu_backward(r["d"], r["gate"], r["up"], r.output("dgate_ref", {R, F}, dt),
-                                            r.output("dup_ref", {R, F}, dt));
-                       LinearWeight Wg, Wu;
-                       Wg.w = r["wg"];
-                       Wu.w = r["wu"];
-                       r.be.linear_backward(dg, r["x"], Wg, spec, &r.output("dx_g", {R, K}, DType::F32), nullptr,
-                                            nullptr, &vg);
-                       r.be.linear_backward(du, r["x"], Wu, spec, &r.output("dx_u", {R, K}, DType::F32), nullptr,
-                                            nullptr, &vu);
-                       r.be.linear_backward(dg, r["x"], Wg, spec, &r.output("dx_g_ref", {R, K}, DType::F32),
-                                            nullptr, nullptr);
-                       r.be.linear_backward(du, r["x"], Wu, spec, &r.output("dx_u_ref", {R, K}, DType::F32),
-                                            nullptr, nullptr);
-                     },
-                     {{"dgate", rel(f32 ? 1e-5 : 1e-2)},
-                      {"dup", rel(f32 ? 1e-5 : 1e-2)},
-                      {"dx_g", fp8_gemm()},
-                      {"dx_u", fp8_gemm()}},
-                     {{"dgate", "dgate_ref"}, {"dup", "dup_ref"}, {"dx_g", "dx_g_ref"}, {"dx_u", "dx_u_ref"}}});
+        t.push_back(
+            {"swiglu_backward_fp8 + linear_backward",
+             dims({R, F}) + " " + dtype_name(dt) + (pow2 ? " pow2" : "") + ", dgrads K 256",
+             [=] {
+               return Tensors{{"gate", rnd({R, F}, 540, dt, 3.0f)},
+                              {"up", rnd({R, F}, 541, dt)},
+                              {"d", rnd({R, F}, 542, dt)},
+                              {"x", rnd({R, K}, 543)},
+                              {"wg", rnd({F, K}, 544, DType::F32, 0.05f)},
+                              {"wu", rnd({F, K}, 545, DType::F32, 0.05f)}};
+             },
+             [=](OpRun& r) {
+               Fp8View vg = r.be.alloc_fp8_view(R, F, pow2), vu = r.be.alloc_fp8_view(R, F, pow2);
+               Tensor& dg = r.output("dgate", {R, F}, dt);
+               Tensor& du = r.output("dup", {R, F}, dt);
+               r.be.swiglu_backward_fp8(r["d"], r["gate"], r["up"], dg, du, vg, vu);
+               keep_view(r, vg, "g_");
+               keep_view(r, vu, "u_");
+               r.be.swiglu_backward(r["d"], r["gate"], r["up"], r.output("dgate_ref", {R, F}, dt),
+                                    r.output("dup_ref", {R, F}, dt));
+               LinearWeight Wg, Wu;
+               Wg.w = r["wg"];
+               Wu.w = r["wu"];
+               r.be.linear_backward(dg, r["x"], Wg, spec, &r.output("dx_g", {R, K}, DType::F32), nullptr, nullptr, &vg);
+               r.be.linear_backward(du, r["x"], Wu, spec, &r.output("dx_u", {R, K}, DType::F32), nullptr, nullptr, &vu);
+               r.be.linear_backward(dg, r["x"], Wg, spec, &r.output("dx_g_ref", {R, K}, DType::F32), nullptr, nullptr);
+               r.be.linear_backward(du, r["x"], Wu, spec, &r.output("dx_u_ref", {R, K}, DType::F32), nullptr, nullptr);
+             },
+             {{"dgate", rel(f32 ? 1e-5 : 1e-2)},
+              {"dup", rel(f32 ? 1e-5 : 1e-2)},
+              {"dx_g", fp8_gemm()},
+              {"dx_u", fp8_gemm()}},
+             {{"dgate", "dgate_ref"}, {"dup", "dup_ref"}, {"dx_g", "dx_g_ref"}, {"dx_u", "dx_u_ref"}}});
         t.back().invariants = [=](const Tensors& o) {
           expect_view_is_quantized_out(o, pow2, "dgate", "g_");
           expect_view_is_quantized_out(o, pow2, "dup", "u_");
@@ -638,8 +676,8 @@ void swiglu_backward_fp8_cases(std::vector<OpCase>& t) {
           Tensor dx = r.be.alloc({R, K}, DType::F32);
           // dup's view for dgate (a stale or mismatched view), and the other pow2.
           EXPECT_THROW(r.be.linear_backward(dg, r["x"], Wg, spec, &dx, nullptr, nullptr, &vu), Error);
-          EXPECT_THROW(
-              r.be.linear_backward(dg, r["x"], Wg, {LinearMode::FP8_BLOCK, !pow2}, &dx, nullptr, nullptr, &vg), Error);
+          EXPECT_THROW(r.be.linear_backward(dg, r["x"], Wg, {LinearMode::FP8_BLOCK, !pow2}, &dx, nullptr, nullptr, &vg),
+                       Error);
           // Other modes ignore the view.
           EXPECT_NO_THROW(r.be.linear_backward(dg, r["x"], Wg, {LinearMode::BF16, false}, &dx, nullptr, nullptr, &vu));
         };
@@ -1442,6 +1480,7 @@ const std::vector<OpCase>& op_table() {
     layer_cases(t);
     fused_cases(t);
     concatenated_linear_cases(t);
+    add_fp8_cases(t);
     swiglu_backward_fp8_cases(t);
     grouped_linear_cases(t);
     grouped_linear_backward_cases(t);

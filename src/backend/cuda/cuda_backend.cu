@@ -544,6 +544,21 @@ void CudaBackend::swiglu_fp8_impl(const Tensor& gate, const Tensor& up, Tensor& 
   flag_check("swiglu_fp8: the output " + out.str() + " holds NaN or Inf (FP8 quantization refuses non-finite values)");
 }
 
+void CudaBackend::add_fp8_impl(const Tensor& a, const Tensor& b, Tensor& out, Fp8View& fp8) {
+  const OpTimer op_timer_(*this, "add_fp8");
+  fp8_view_prepare(fp8, out);
+  const int64_t D = out.dim(-1), R = rows_of(out);
+  int* bad = flag_reset();
+  // The fused kernel takes one dtype; anything else is the unfused pair (the same bits).
+  const bool one = a.dtype() == out.dtype() && b.dtype() == out.dtype();
+  if (!one || !launch_add_fp8(a.raw(), b.raw(), out.raw(), out.dtype(), R, D, fp8.q.pow2, fp8.q.data.data<uint8_t>(),
+                              fp8.q.scales.data<float>(), fp8.scales_gemm_layout, bad, stream_)) {
+    launch_add(a.raw(), a.dtype(), b.raw(), b.dtype(), out.raw(), out.dtype(), out.numel(), stream_);
+    quantize_async(out.reshape({R, D}), false, fp8.q, false, fp8.scales_gemm_layout);
+  }
+  flag_check("add_fp8: the output " + out.str() + " holds NaN or Inf (FP8 quantization refuses non-finite values)");
+}
+
 void CudaBackend::swiglu_backward_fp8_impl(const Tensor& dout, const Tensor& gate, const Tensor& up, Tensor& dgate,
                                            Tensor& dup, Fp8View& dgate_fp8, Fp8View& dup_fp8) {
   const OpTimer op_timer_(*this, "swiglu_backward_fp8");

@@ -1,6 +1,6 @@
 // Fused producers of FP8 linear inputs (backend.h, Fp8View): RMSNorm (optionally after the
-// residual add) and SwiGLU that write their output and its 1x128 E4M3 copy in one pass, and the
-// SwiGLU backward that writes dgate and dup with their copies (the gate/up dgrads' dY), the
+// residual add) and SwiGLU that write their output and its 1x128 E4M3 copy in one pass, and for
+// the FP8 dgrads' dY the residual gradient's add and the SwiGLU backward (dgate and dup), the
 // scales in row-major or cuBLASLt's VEC128 layout. Each is bitwise its unfused form followed by
 // the quantizer: the same per-element FP32 math as model_kernels.cu / elementwise_kernels.cu
 // (swiglu_value, swiglu_backward_value; the RMSNorm's double sum of squares over the same
@@ -146,6 +146,38 @@ __device__ __forceinline__ float stored_amax8(const T* p, float v[8], bool& fini
   return amax;
 }
 
+// As swiglu_fp8_kernel, for out = a + b (the residual stream's gradient); a thread reads its
+// elements of a before writing them, so out may alias a.
+template <class T>
+__global__ void add_fp8_kernel(const T* a, const T* __restrict__ b, T* out, int64_t R, int64_t D, bool pow2,
+                               uint8_t* __restrict__ q, float* __restrict__ scales, bool gemm_layout, int* bad) {
+  const int64_t nb = (D + 127) / 128;
+  const int64_t gid = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 4;
+  const int sub = threadIdx.x & 15;
+  const unsigned mask = 0xffffu << (threadIdx.x & 16);  // this thread's half-warp
+  if (gid >= R * nb) return;  // whole half-warps leave together (blockDim is a multiple of 16)
+  const int64_t r = gid / nb, blk = gid % nb, c = blk * 128 + sub * 8;
+  const bool in = c < D;
+  float v[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  float amax = 0.0f;
+  bool finite = true;
+  if (in) {
+    float w[8];
+    load8(a + r * D + c, v);
+    load8(b + r * D + c, w);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] += w[i];  // as add_vec_kernel
+    store8(out + r * D + c, v);
+    amax = stored_amax8(out, v, finite);
+  }
+  if (!finite) atomicExch(bad, 1);
+#pragma unroll
+  for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(mask, amax, o));
+  const float s = fp8_scale_from_amax(amax, pow2);
+  if (sub == 0) scales[gemm_layout ? blk * R + r : r * nb + blk] = s;
+  if (in) *reinterpret_cast<uint2*>(q + r * D + c) = encode8(v, s);
+}
+
 // As swiglu_fp8_kernel, for the backward: dg, du = swiglu_backward(d, g, u) and both E4M3 copies.
 template <class T>
 __global__ void swiglu_backward_fp8_kernel(const T* __restrict__ d, const T* __restrict__ g, const T* __restrict__ u,
@@ -240,6 +272,20 @@ bool launch_swiglu_fp8(const void* g, const void* u, void* out, DType dt, int64_
         bad_flag);
   });
   CUDA_CHECK_LAUNCH("swiglu_fp8_kernel");
+  return true;
+}
+
+bool launch_add_fp8(const void* a, const void* b, void* out, DType dt, int64_t R, int64_t D, bool pow2, uint8_t* q,
+                    float* scales, bool gemm_layout, int* bad_flag, cudaStream_t stream) {
+  if (!vec8_ok(D, {a, b, out, q})) return false;
+  if (R == 0) return true;
+  const int64_t threads_total = R * ceil_div(D, 128) * 16;
+  FP8RL_DISPATCH_FLOAT(dt, "add", {
+    add_fp8_kernel<T><<<static_cast<unsigned>(ceil_div(threads_total, 256)), 256, 0, stream>>>(
+        static_cast<const T*>(a), static_cast<const T*>(b), static_cast<T*>(out), R, D, pow2, q, scales, gemm_layout,
+        bad_flag);
+  });
+  CUDA_CHECK_LAUNCH("add_fp8_kernel");
   return true;
 }
 
