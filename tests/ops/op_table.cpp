@@ -956,9 +956,17 @@ void grouped_linear_backward_cases(std::vector<OpCase>& t) {
              r.be.linear_backward(dy.slice_rows(offsets[g], offsets[g + 1]), x.slice_rows(offsets[g], offsets[g + 1]),
                                   W[static_cast<size_t>(g)], spec, &dxg, singles[static_cast<size_t>(g)], nullptr);
            }
+           if (v.mode == LinearMode::FP8_BLOCK) {  // the trainer's cached W^T (wqt): the same dx, bitwise
+             for (LinearWeight& w : W) {
+               w.wqt = r.be.alloc_quant(K, N, kQuantBlock, kQuantBlock, false);
+               r.be.quantize(w.w, true, w.wqt);
+             }
+             r.be.grouped_linear_backward(dy, x, offsets, ws, spec, &r.output("dx_wqt", {R, K}, v.dt), {});
+           }
          },
          {{"dx", linear_tolerance(v.mode, v.dt)}},
-         {}});
+         v.mode == LinearMode::FP8_BLOCK ? std::vector<std::pair<std::string, std::string>>{{"dx_wqt", "dx"}}
+                                         : std::vector<std::pair<std::string, std::string>>{}});
     // The CPU runs both the same way (bitwise); CUDA's grouped launches are close to the
     // per-group products. The weight gradients accumulate into the given values.
     t.back().close.emplace_back("dx", "dx_single", linear_tolerance(v.mode, v.dt));
