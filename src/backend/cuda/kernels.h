@@ -102,6 +102,15 @@ bool launch_rmsnorm_fused(const void* a, const void* b, void* sum, DType dt, con
 // out = swiglu(g, u) over [R, F] and its 1x128 E4M3 copy (scales as above); false as above.
 bool launch_swiglu_fp8(const void* g, const void* u, void* out, DType dt, int64_t R, int64_t F, bool pow2, uint8_t* q,
                        float* scales, bool gemm_layout, int* bad_flag, cudaStream_t stream);
+// out = a + b over [R, D] (out may alias a; one dtype) and its 1x128 E4M3 copy (scales as
+// above); bitwise launch_add + launch_quantize; false as above.
+bool launch_add_fp8(const void* a, const void* b, void* out, DType dt, int64_t R, int64_t D, bool pow2, uint8_t* q,
+                    float* scales, bool gemm_layout, int* bad_flag, cudaStream_t stream);
+// dg, du = swiglu_backward(dout, g, u) over [R, F] and their 1x128 E4M3 copies qg, qu (scales
+// sg, su as above); bitwise launch_swiglu_backward + two launch_quantize; false as above.
+bool launch_swiglu_backward_fp8(const void* dout, const void* g, const void* u, void* dg, void* du, DType dt, int64_t R,
+                                int64_t F, bool pow2, uint8_t* qg, float* sg, uint8_t* qu, float* su, bool gemm_layout,
+                                int* bad_flag, cudaStream_t stream);
 constexpr int kMaxRopeHalf = 256;
 struct RopeTable {
   float inv_freq[kMaxRopeHalf];
