@@ -740,23 +740,23 @@ void moe_backward(Backend& be, const ModelConfig& c, const LayerWeights& lw, Lay
   }
   const Tensor w = a.moe_weights.reshape({R});
   be.moe_permute(dproj, a.moe_row_slot, static_cast<int>(k), &w, sc.d_y);  // dy[r] = w * dproj[token]
+  // Every expert's SwiGLU backward over its rows: grouped backward linears (one launch per half
+  // on CUDA where the mode allows) and one swiglu_backward over all rows (element-wise).
+  std::vector<const LinearWeight*> gates, ups, downs;
+  std::vector<Tensor*> d_gates, d_ups, d_downs;
   for (int64_t e = 0; e < E; ++e) {
-    const int64_t r0 = a.moe_offsets[e], r1 = a.moe_offsets[e + 1];
-    if (r0 == r1) continue;
-    const ExpertWeights& ew = lw.experts[e];
-    ExpertWeights& eg = lg.experts[e];
-    Tensor dy = sc.d_y.slice_rows(r0, r1), dh = sc.d_act.slice_rows(r0, r1);
-    Tensor dg = sc.d_gate.slice_rows(r0, r1), du = sc.d_up.slice_rows(r0, r1);
-    Tensor dx = sc.d_xe.slice_rows(r0, r1), dx2 = sc.d_xe2.slice_rows(r0, r1);
-    const Tensor xe = a.moe_x.slice_rows(r0, r1), he = a.moe_act.slice_rows(r0, r1);
-    be.linear_backward(dy, he, ew.down, spec, &dh, &eg.down.w, nullptr);
-    be.swiglu_backward(dh, a.moe_gate.slice_rows(r0, r1), a.moe_up.slice_rows(r0, r1), dg, du);
-    be.linear_backward(dg, xe, ew.gate, spec, &dx, &eg.gate.w, nullptr);
-    be.linear_backward(du, xe, ew.up, spec, &dx2, &eg.up.w, nullptr);
-    be.add(dx, dx2, dx);
+    gates.push_back(&lw.experts[e].gate);
+    ups.push_back(&lw.experts[e].up);
+    downs.push_back(&lw.experts[e].down);
+    d_gates.push_back(&lg.experts[e].gate.w);
+    d_ups.push_back(&lg.experts[e].up.w);
+    d_downs.push_back(&lg.experts[e].down.w);
   }
-  // Rows of experts that got no token hold stale values but are never read: every slot_row
-  // entry points into a routed expert's range.
+  be.grouped_linear_backward(sc.d_y, a.moe_act, a.moe_offsets, downs, spec, &sc.d_act, d_downs);
+  be.swiglu_backward(sc.d_act, a.moe_gate, a.moe_up, sc.d_gate, sc.d_up);
+  be.grouped_linear_backward(sc.d_gate, a.moe_x, a.moe_offsets, gates, spec, &sc.d_xe, d_gates);
+  be.grouped_linear_backward(sc.d_up, a.moe_x, a.moe_offsets, ups, spec, &sc.d_xe2, d_ups);
+  be.add(sc.d_xe, sc.d_xe2, sc.d_xe);
   be.moe_unpermute(sc.d_xe, a.moe_slot_row, nullptr, d_xn);
   // Through the routing weights into the block input (always: a frozen router is a constant
   // weight, as requires_grad = False in torch, not a stop-gradient) and the router weight.
@@ -909,6 +909,26 @@ void model_backward(Backend& be, const ModelWeights& w, const EnginePrecision& p
   // The bias gradient of a linear, when it has a bias (q/k/v in qwen2; any with attention_bias).
   auto bias = [](LinearWeight& gw) { return gw.bias.defined() ? &gw.bias : nullptr; };
 
+  // FP8 dgrads take their dY's FP8 copy from its producer (opt.fused_dy_fp8): the SwiGLU
+  // backward writes dgate's and dup's (gate, up), the residual gradient's adds d_mid's (o) and
+  // dx's (the down projection of the block below). dx_q holds dx's copy when dx_quantized.
+  Fp8View d_gate_q, d_up_q, d_mid_q, dx_q;
+  bool dx_quantized = false;
+  auto view = [&](Fp8View& v, int64_t cols) -> Fp8View& {  // every FP8 block has the recipe's pow2
+    if (!v.defined()) v = be.alloc_fp8_view(T, cols, prec.pow2_scales);
+    return v;
+  };
+  auto fused = [&](const LinearSpec& s) { return opt.fused_dy_fp8 && s.mode == LinearMode::FP8_BLOCK; };
+  // dx = d_mid + d_tmp, the gradient of block l's input; quantized too when it is the dY of
+  // block l - 1's FP8 down projection.
+  auto block_input_grad = [&](int l) {
+    dx_quantized = l > 0 && !c.layer_is_moe(l - 1) && fused(block_spec(prec, l - 1, L));
+    if (dx_quantized)
+      be.add_fp8(d_mid, d_tmp, dx, view(dx_q, D));
+    else
+      be.add(d_mid, d_tmp, dx);
+  };
+
   const AttentionStep attention =
       training_attention(be, c, A.batch, stat_dtype_for(act), A.kv_round_k, A.kv_round_v);
   LayerActivations recomputed;  // block recomputation: one block's activations at a time
@@ -933,28 +953,39 @@ void model_backward(Backend& be, const ModelWeights& w, const EnginePrecision& p
         d_gate = be.alloc({T, F}, act);
         d_up = be.alloc({T, F}, act);
       }
-      be.linear_backward(dx, a.act, lw.down, spec, &d_act, &lg.down.w, bias(lg.down));
-      be.swiglu_backward(d_act, a.gate, a.up, d_gate, d_up);
-      be.linear_backward(d_gate, a.xn_mlp, lw.gate, spec, &d_xn, &lg.gate.w, bias(lg.gate));
-      be.linear_backward(d_up, a.xn_mlp, lw.up, spec, &d_tmp, &lg.up.w, bias(lg.up));
+      be.linear_backward(dx, a.act, lw.down, spec, &d_act, &lg.down.w, bias(lg.down), dx_quantized ? &dx_q : nullptr);
+      const bool mlp_fused = fused(spec);
+      if (mlp_fused)
+        be.swiglu_backward_fp8(d_act, a.gate, a.up, d_gate, d_up, view(d_gate_q, F), view(d_up_q, F));
+      else
+        be.swiglu_backward(d_act, a.gate, a.up, d_gate, d_up);
+      be.linear_backward(d_gate, a.xn_mlp, lw.gate, spec, &d_xn, &lg.gate.w, bias(lg.gate),
+                         mlp_fused ? &d_gate_q : nullptr);
+      be.linear_backward(d_up, a.xn_mlp, lw.up, spec, &d_tmp, &lg.up.w, bias(lg.up), mlp_fused ? &d_up_q : nullptr);
       be.add(d_xn, d_tmp, d_xn);
     }
     be.rmsnorm_backward(d_xn, a.x_mid, lw.mlp_norm, a.mlp_rstd, d_tmp, lg.mlp_norm);
-    be.add(dx, d_tmp, d_mid);  // d x_mid: residual + through the norm
+    // d x_mid: residual + through the norm (o's dY)
+    const LinearSpec o_spec = mla ? mla_spec(c, spec, lw.o) : spec;
+    if (fused(o_spec))
+      be.add_fp8(dx, d_tmp, d_mid, view(d_mid_q, D));
+    else
+      be.add(dx, d_tmp, d_mid);
+    const Fp8View* d_mid_fp8 = fused(o_spec) ? &d_mid_q : nullptr;
 
     // ---- attention: x_mid = x + o(attention(rope(norm(q)), rope(norm(k)), v)) ----
     if (mla) {
       Tensor d_attn2 = d_attn.reshape({T, Hq * hdv});
-      be.linear_backward(d_mid, a.attn.reshape({T, Hq * hdv}), lw.o, mla_spec(c, spec, lw.o), &d_attn2, &lg.o.w,
-                         bias(lg.o));
+      be.linear_backward(d_mid, a.attn.reshape({T, Hq * hdv}), lw.o, o_spec, &d_attn2, &lg.o.w, bias(lg.o),
+                         d_mid_fp8);
       be.attention_backward(d_attn, a.q, a.k, a.v, a.attn, a.lse, A.batch.cu_seqlens, softmax_scale, dq, dk, dv);
       mla_backward(be, c, lw, lg, spec, A.positions, rope, a, dq, dk, dv, mla_scratch, d_xn);
       be.rmsnorm_backward(d_xn, a.x, lw.attn_norm, a.attn_rstd, d_tmp, lg.attn_norm);
-      be.add(d_mid, d_tmp, dx);
+      block_input_grad(l);
       continue;
     }
     Tensor d_attn2 = d_attn.reshape({T, Hq * hd});
-    be.linear_backward(d_mid, a.attn.reshape({T, Hq * hd}), lw.o, spec, &d_attn2, &lg.o.w, bias(lg.o));
+    be.linear_backward(d_mid, a.attn.reshape({T, Hq * hd}), lw.o, spec, &d_attn2, &lg.o.w, bias(lg.o), d_mid_fp8);
     be.attention_backward(d_attn, a.q, a.k, a.v, a.attn, a.lse, A.batch.cu_seqlens, softmax_scale, dq, dk, dv);
     be.rope(dq, A.positions, rope, /*inverse=*/true);
     be.rope(dk, A.positions, rope, /*inverse=*/true);
@@ -974,7 +1005,7 @@ void model_backward(Backend& be, const ModelWeights& w, const EnginePrecision& p
     be.linear_backward(dv.reshape({T, Hkv * hd}), a.xn_attn, lw.v, spec, &d_tmp, &lg.v.w, bias(lg.v));
     be.add(d_xn, d_tmp, d_xn);
     be.rmsnorm_backward(d_xn, a.x, lw.attn_norm, a.attn_rstd, d_tmp, lg.attn_norm);
-    be.add(d_mid, d_tmp, dx);  // d x: residual + through the norm
+    block_input_grad(l);  // d x: residual + through the norm
   }
   be.embedding_backward(A.ids, dx, g.embed);
 }

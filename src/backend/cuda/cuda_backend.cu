@@ -544,6 +544,43 @@ void CudaBackend::swiglu_fp8_impl(const Tensor& gate, const Tensor& up, Tensor& 
   flag_check("swiglu_fp8: the output " + out.str() + " holds NaN or Inf (FP8 quantization refuses non-finite values)");
 }
 
+void CudaBackend::add_fp8_impl(const Tensor& a, const Tensor& b, Tensor& out, Fp8View& fp8) {
+  const OpTimer op_timer_(*this, "add_fp8");
+  fp8_view_prepare(fp8, out);
+  const int64_t D = out.dim(-1), R = rows_of(out);
+  int* bad = flag_reset();
+  // The fused kernel takes one dtype; anything else is the unfused pair (the same bits).
+  const bool one = a.dtype() == out.dtype() && b.dtype() == out.dtype();
+  if (!one || !launch_add_fp8(a.raw(), b.raw(), out.raw(), out.dtype(), R, D, fp8.q.pow2, fp8.q.data.data<uint8_t>(),
+                              fp8.q.scales.data<float>(), fp8.scales_gemm_layout, bad, stream_)) {
+    launch_add(a.raw(), a.dtype(), b.raw(), b.dtype(), out.raw(), out.dtype(), out.numel(), stream_);
+    quantize_async(out.reshape({R, D}), false, fp8.q, false, fp8.scales_gemm_layout);
+  }
+  flag_check("add_fp8: the output " + out.str() + " holds NaN or Inf (FP8 quantization refuses non-finite values)");
+}
+
+void CudaBackend::swiglu_backward_fp8_impl(const Tensor& dout, const Tensor& gate, const Tensor& up, Tensor& dgate,
+                                           Tensor& dup, Fp8View& dgate_fp8, Fp8View& dup_fp8) {
+  const OpTimer op_timer_(*this, "swiglu_backward_fp8");
+  one_dtype({&dout, &gate, &up, &dgate, &dup}, "swiglu_backward_fp8");
+  fp8_view_prepare(dgate_fp8, dgate);
+  fp8_view_prepare(dup_fp8, dup);
+  const int64_t F = dgate.dim(-1), R = rows_of(dgate);
+  const bool laid = dgate_fp8.scales_gemm_layout;  // the same for both: one shape
+  int* bad = flag_reset();
+  if (!launch_swiglu_backward_fp8(dout.raw(), gate.raw(), up.raw(), dgate.raw(), dup.raw(), dgate.dtype(), R, F,
+                                  dgate_fp8.q.pow2, dgate_fp8.q.data.data<uint8_t>(), dgate_fp8.q.scales.data<float>(),
+                                  dup_fp8.q.data.data<uint8_t>(), dup_fp8.q.scales.data<float>(), laid, bad,
+                                  stream_)) {
+    launch_swiglu_backward(dout.raw(), gate.raw(), up.raw(), dgate.raw(), dup.raw(), gate.dtype(), gate.numel(),
+                           stream_);
+    quantize_async(dgate.reshape({R, F}), false, dgate_fp8.q, false, laid);
+    quantize_async(dup.reshape({R, F}), false, dup_fp8.q, false, laid);
+  }
+  flag_check("swiglu_backward_fp8: dgate " + dgate.str() + " or dup holds NaN or Inf (FP8 quantization refuses "
+             "non-finite values)");
+}
+
 // ---- mixture of experts --------------------------------------------------------------------------
 
 void CudaBackend::moe_route_softmax_impl(const Tensor& logits, int top_k, bool renormalize, Tensor& experts,
@@ -671,7 +708,8 @@ void CudaBackend::quantize_async(const Tensor& x, bool transpose, QuantTensor& o
 }
 
 void CudaBackend::quantize_impl(const Tensor& x, bool transpose, QuantTensor& out) {
-  const OpTimer op_timer_(*this, "quantize");
+  // Named apart: the trainer's per-step W^T copies (LinearWeight wqt) are the transposed ones.
+  const OpTimer op_timer_(*this, transpose ? "quantize (transposed)" : "quantize");
   flag_reset();
   quantize_async(x, transpose, out);
   flag_check("quantize: the input " + x.str() +
@@ -703,6 +741,8 @@ BackendCounters CudaBackend::counters() const {
   c.fp8_gemm_fallbacks = fp8_fallbacks_;
   c.fp8_gemm_tails = gemm_->tail_products();
   c.fp8_gemm_own = gemm_->own_products();
+  c.grouped_loops = grouped_loops_;
+  c.concat_products = concat_products_;
   return c;
 }
 
@@ -790,14 +830,84 @@ void CudaBackend::linear_impl(const Tensor& x, const LinearWeight& W, const Line
   linear_fwd(x2, W, spec, o2, x_fp8);  // x_fp8: FP8_BLOCK only (the contract drops it otherwise)
 }
 
-// FP8: x quantized once for every weight (q/k/v, gate/up) when all of them take the tensor
-// cores, or not at all when a fused producer gave its FP8 copy (x_fp8); the products are then
-// exactly those of separate linear() calls.
+namespace {
+// b's rows follow a's in one buffer (same storage, dtype and width, b right after a).
+bool rows_follow(const Tensor& a, const Tensor& b) {
+  return a.defined() && b.defined() && a.storage() == b.storage() && a.dtype() == b.dtype() && a.ndim() == 2 &&
+         b.ndim() == 2 && a.dim(1) == b.dim(1) && b.offset_bytes() == a.offset_bytes() + a.nbytes();
+}
+// The rows of t and of the `rows` rows that follow it, as one tensor.
+Tensor rows_through(const Tensor& t, int64_t rows) {
+  return Tensor(t.storage(), t.offset_bytes(), {rows, t.dim(1)}, t.dtype());
+}
+}  // namespace
+
+// Whether W are consecutive row blocks of one buffer (the generator allocates q|k|v and gate|up
+// so: rollout/generator_weights.cpp) in the form `spec` reads (FP8: wq, 128-row aligned so the
+// scale rows follow too; else w), without biases; then `cat` is the concatenated weight.
+bool CudaBackend::concatenated(const std::vector<const LinearWeight*>& W, const LinearSpec& spec, LinearWeight& cat) {
+  if (W.size() < 2) return false;
+  const bool fp8 = spec.mode == LinearMode::FP8_BLOCK;
+  int64_t rows = 0;
+  for (size_t i = 0; i < W.size(); ++i) {
+    const LinearWeight& w = *W[i];
+    if (w.bias.defined() || (fp8 ? !w.wq.defined() : !w.w.defined())) return false;
+    if (fp8 && (w.wq.block_rows != kQuantBlock || w.wq.pow2 != spec.pow2_scales || w.wq.rows() % kQuantBlock != 0))
+      return false;
+    if (i > 0) {
+      const LinearWeight& p = *W[i - 1];
+      if (fp8 ? !(rows_follow(p.wq.data, w.wq.data) && rows_follow(p.wq.scales, w.wq.scales)) : !rows_follow(p.w, w.w))
+        return false;
+    }
+    rows += w.out_features();
+  }
+  cat = LinearWeight{};
+  if (fp8) {
+    cat.wq = W[0]->wq;
+    cat.wq.data = rows_through(W[0]->wq.data, rows);
+    cat.wq.scales = rows_through(W[0]->wq.scales, rows / kQuantBlock);
+  } else {
+    cat.w = rows_through(W[0]->w, rows);
+  }
+  return true;
+}
+
+// Concatenated weights (above) at decode-sized M (<= kCatMaxRows: where the separate products
+// are latency-bound) run as ONE product into a scratch [M, sum N], split into the outputs by one
+// kernel: q/k/v and gate/up each one launch instead of 2-3. The products are those of the
+// separate weights (same quantized operands; the GEMM of the wider N may order its sums
+// differently within the linear class's tolerance). Otherwise FP8: x quantized once for every
+// weight when all of them take the tensor cores, or not at all when a fused producer gave its
+// FP8 copy (x_fp8); the products are then exactly those of separate linear() calls.
 void CudaBackend::linear_shared_input_impl(const Tensor& x, const std::vector<const LinearWeight*>& W,
                                            const LinearSpec& spec, const std::vector<Tensor*>& outs,
                                            const Fp8View* x_fp8) {
   bool shared = spec.mode == LinearMode::FP8_BLOCK;
   const int64_t K = W[0]->in_features(), M = rows_of(x);
+  LinearWeight cat;
+  if (act_dtype_ != DType::F32 && spec.mode != LinearMode::FP32 && M > 0 && M <= kCatMaxRows &&
+      static_cast<int>(W.size()) <= kSplitColsMax && concatenated(W, spec, cat)) {
+    bool same_dtype = true;
+    for (const Tensor* o : outs) same_dtype = same_dtype && o->dtype() == outs[0]->dtype();
+    const int64_t N = cat.out_features();
+    if (same_dtype && (spec.mode != LinearMode::FP8_BLOCK || fp8_tensor_cores(M, N, K))) {
+      const OpTimer op_timer_(*this, "linear", 1);
+      const Tensor x2 = x.reshape({M, K});
+      Tensor y = scratch(kSlotCat, {M, N}, outs[0]->dtype());
+      linear_fwd(x2, cat, spec, y, x_fp8);
+      SplitColsArgs a;
+      const int64_t es = static_cast<int64_t>(dtype_size(outs[0]->dtype()));
+      int64_t end = 0;
+      for (size_t i = 0; i < W.size(); ++i) {
+        end += W[i]->out_features() * es;
+        a.out[a.n] = outs[i]->raw(), a.end[a.n] = end, ++a.n;
+      }
+      const OpTimer t(*this, "linear: split the concatenated output", 2);
+      launch_split_cols(y.raw(), M, a, stream_);
+      ++concat_products_;
+      return;
+    }
+  }
   for (const LinearWeight* w : W) shared = shared && w->in_features() == K;
   if (shared)
     for (const LinearWeight* w : W) shared = shared && GemmEngine::fp8_supported(M, w->out_features(), K);
@@ -826,17 +936,49 @@ void CudaBackend::linear_shared_input_impl(const Tensor& x, const std::vector<co
   }
 }
 
+namespace {
+int64_t live_groups(const std::vector<int64_t>& offsets) {
+  int64_t n = 0;
+  for (size_t g = 0; g + 1 < offsets.size(); ++g) n += offsets[g + 1] > offsets[g];
+  return n;
+}
+// BF16 operands for cuBLAS's grouped GEMM: every weight's W.w BF16 (the BF16 compute copies).
+bool bf16_weights(const std::vector<const LinearWeight*>& W) {
+  for (const LinearWeight* w : W)
+    if (!w->w.defined() || w->w.dtype() != DType::BF16 || w->bias.defined()) return false;
+  return true;
+}
+// The rows of group g of a row-major [R, cols] tensor.
+const void* group_rows(const Tensor& t, int64_t r0) {
+  return static_cast<const char*>(t.raw()) + r0 * t.dim(1) * static_cast<int64_t>(dtype_size(t.dtype()));
+}
+}  // namespace
+
 // FP8 with every group's weight pre-quantized (the generator's weights, the trainer's per-step
 // cache): x quantized once, every group in one launch of the own grouped kernel (fp8_gemm.h).
-// Otherwise (BF16, FP32, the exact path, weights not quantized, biases) one linear per group.
+// BF16 with BF16 weights: one cuBLAS grouped launch. Otherwise (FP32, the exact path, F32
+// weights, biases) one linear per group, counted in grouped_loops.
 void CudaBackend::grouped_linear_impl(const Tensor& x, const std::vector<int64_t>& offsets,
                                       const std::vector<const LinearWeight*>& W, const LinearSpec& spec, Tensor& out) {
   const int64_t R = x.dim(0), K = x.dim(1), N = out.dim(1);
+  // Not while a graph records: both grouped paths upload their tables with a pageable copy.
+  if (spec.mode == LinearMode::BF16 && act_dtype_ != DType::F32 && !recording_ && x.dtype() == DType::BF16 &&
+      bf16_weights(W) && GemmEngine::grouped_bf16_supported(out.dtype())) {
+    const OpTimer op_timer_(*this, "grouped_linear");
+    std::vector<GemmEngine::Problem> probs;
+    for (size_t g = 0; g < W.size(); ++g) {
+      const int64_t r0 = offsets[g], rows = offsets[g + 1] - r0;
+      if (rows > 0)
+        probs.push_back({rows, N, K, group_rows(x, r0), W[g]->w.raw(), const_cast<void*>(group_rows(out, r0))});
+    }
+    gemm_->gemm_grouped(false, true, probs, DType::BF16, out.dtype(), 1.0f, 0.0f);
+    return;
+  }
   bool grouped = spec.mode == LinearMode::FP8_BLOCK && act_dtype_ != DType::F32 && R > 0 &&
-                 fp8_gemm_sm90_supported(R, N, K) && K % kQuantBlock == 0 && R < (int64_t{1} << 31) &&
-                 !recording_;  // the kernel uploads its tile table with a pageable copy
+                 fp8_gemm_sm90_supported(R, N, K) && K % kQuantBlock == 0 && R < (int64_t{1} << 31) && !recording_;
   for (const LinearWeight* w : W) grouped = grouped && w->wq.defined() && !w->bias.defined() && w->wq.pow2 == spec.pow2_scales;
   if (!grouped) {
+    if (act_dtype_ != DType::F32) grouped_loops_ += live_groups(offsets);
     Backend::grouped_linear_impl(x, offsets, W, spec, out);
     return;
   }
@@ -855,15 +997,114 @@ void CudaBackend::grouped_linear_impl(const Tensor& x, const std::vector<int64_t
                           out.dtype(), 1.0f, 0.0f);
 }
 
+// The experts' backward, each half in one launch where the mode allows:
+//   dgrad, FP8 with pre-quantized weights: dY quantized once (1x128 along N), each routed
+//     expert's W^T (its cached wqt, the trainer's; else the byte transpose of its 128x128
+//     quantization, as linear_backward, packed in one scratch), the own grouped kernel over
+//     them; BF16 with BF16 weights: cuBLAS grouped;
+//   wgrad (BF16 mode, or FP8 with spec.wgrad == BF16) into BF16 gradients (train.grad_dtype
+//     bf16): cuBLAS grouped dY_g^T X_g into each dw_g (cuBLAS has no grouped BF16 GEMM into F32).
+// What does not qualify runs as linear_backward per group (counted in grouped_loops).
+void CudaBackend::grouped_linear_backward_impl(const Tensor& dy, const Tensor& x, const std::vector<int64_t>& offsets,
+                                               const std::vector<const LinearWeight*>& W, const LinearSpec& spec,
+                                               Tensor* dx, const std::vector<Tensor*>& dw) {
+  const OpTimer op_timer_(*this, "grouped_linear_backward");
+  const int64_t R = x.dim(0), K = x.dim(1), N = dy.dim(1);
+  const bool fp8 = spec.mode == LinearMode::FP8_BLOCK, fast = act_dtype_ != DType::F32 && !recording_ && R > 0;
+  const bool bf16_ops = dy.dtype() == DType::BF16 && x.dtype() == DType::BF16;
+  bool dx_done = !dx;
+  if (dx && fast && fp8) {
+    bool ok = fp8_gemm_sm90_supported(R, K, N) && N % kQuantBlock == 0 && K % kQuantBlock == 0 &&
+              R < (int64_t{1} << 31);
+    for (const LinearWeight* w : W) ok = ok && w->wq.defined() && w->wq.pow2 == spec.pow2_scales;
+    if (ok) {
+      QuantTensor dyq = scratch_quant(kSlotAq, kSlotAs, R, N, 1, spec.pow2_scales);
+      flag_reset();
+      {
+        const OpTimer t(*this, "grouped_linear_backward: dgrad quantize dy", 2);
+        quantize_async(dy, false, dyq, false, /*gemm_layout=*/false);
+      }
+      flag_check("grouped_linear_backward (FP8 dgrad): dy " + dy.str() + " holds NaN or Inf");
+      std::vector<const uint8_t*> bp(W.size(), nullptr);
+      std::vector<const float*> sp(W.size(), nullptr);
+      bool cached = true;  // every routed expert's W^T kept by the trainer (LinearWeight::wqt)
+      for (size_t g = 0; g < W.size(); ++g) cached = cached && (offsets[g + 1] == offsets[g] || W[g]->wqt.defined());
+      if (cached) {
+        for (size_t g = 0; g < W.size(); ++g)  // groups without rows: any valid map (never read)
+          if (offsets[g + 1] > offsets[g]) bp[g] = W[g]->wqt.data.data<uint8_t>(), sp[g] = W[g]->wqt.scales.data<float>();
+        const size_t any = static_cast<size_t>(std::find_if(bp.begin(), bp.end(), [](const uint8_t* p) { return p; }) -
+                                               bp.begin());
+        for (size_t g = 0; g < W.size(); ++g)
+          if (!bp[g]) bp[g] = bp[any], sp[g] = sp[any];
+      } else {
+        const OpTimer t(*this, "grouped_linear_backward: dgrad transpose W", 2);
+        QuantTensor wt = scratch_quant(kSlotBq, kSlotBs, live_groups(offsets) * K, N, kQuantBlock, spec.pow2_scales);
+        int64_t u = 0;
+        for (size_t g = 0; g < W.size(); ++g) {
+          if (offsets[g + 1] == offsets[g]) continue;
+          uint8_t* q = wt.data.data<uint8_t>() + u * K * N;
+          float* sc = wt.scales.data<float>() + u * (K / kQuantBlock) * (N / kQuantBlock);
+          launch_transpose_quant(W[g]->wq.data.data<uint8_t>(), W[g]->wq.scales.data<float>(), N, K, kQuantBlock, q,
+                                 sc, stream_);
+          bp[g] = q, sp[g] = sc, ++u;
+        }
+        for (size_t g = 0; g < W.size(); ++g)  // groups without rows: any valid map (never read)
+          if (!bp[g]) bp[g] = wt.data.data<uint8_t>(), sp[g] = wt.scales.data<float>();
+      }
+      const OpTimer t(*this, "grouped_linear_backward: dgrad FP8 GEMM", 2);
+      gemm_->gemm_fp8_grouped(offsets, K, N, dyq.data.data<uint8_t>(), dyq.scales.data<float>(), false, bp, sp,
+                              dx->raw(), dx->dtype(), 1.0f, 0.0f);
+      dx_done = true;
+    }
+  } else if (dx && fast && spec.mode == LinearMode::BF16 && bf16_ops && bf16_weights(W) &&
+             GemmEngine::grouped_bf16_supported(dx->dtype())) {
+    const OpTimer t(*this, "grouped_linear_backward: dgrad BF16 GEMM", 2);
+    std::vector<GemmEngine::Problem> probs;
+    for (size_t g = 0; g < W.size(); ++g) {
+      const int64_t r0 = offsets[g], rows = offsets[g + 1] - r0;
+      if (rows > 0)
+        probs.push_back({rows, K, N, group_rows(dy, r0), W[g]->w.raw(), const_cast<void*>(group_rows(*dx, r0))});
+    }
+    gemm_->gemm_grouped(false, false, probs, DType::BF16, dx->dtype(), 1.0f, 0.0f);
+    dx_done = true;
+  }
+  bool dw_done = dw.empty();
+  if (!dw_done && fast && bf16_ops && (spec.mode == LinearMode::BF16 || (fp8 && spec.wgrad == LinearMode::BF16))) {
+    // One output dtype for the launch: every given gradient F32, or every one BF16.
+    const Tensor* any = nullptr;
+    bool ok = true;
+    for (const Tensor* d : dw) {
+      if (!d) continue;
+      ok = ok && (!any || d->dtype() == any->dtype());
+      any = any ? any : d;
+    }
+    const DType gt = any ? any->dtype() : DType::BF16;
+    if (ok && GemmEngine::grouped_bf16_supported(gt)) {
+      const OpTimer t(*this, "grouped_linear_backward: wgrad BF16 GEMM", 2);
+      std::vector<GemmEngine::Problem> probs;
+      for (size_t g = 0; g < W.size(); ++g) {
+        const int64_t r0 = offsets[g], rows = offsets[g + 1] - r0;
+        if (rows > 0 && dw[g]) probs.push_back({N, K, rows, group_rows(dy, r0), group_rows(x, r0), dw[g]->raw()});
+      }
+      gemm_->gemm_grouped(true, false, probs, DType::BF16, gt, 1.0f, 1.0f);
+      dw_done = true;
+    }
+  }
+  if (dx_done && dw_done) return;
+  if (act_dtype_ != DType::F32) grouped_loops_ += live_groups(offsets);
+  Backend::grouped_linear_backward_impl(dy, x, offsets, W, spec, dx_done ? nullptr : dx,
+                                        dw_done ? std::vector<Tensor*>{} : dw);
+}
+
 void CudaBackend::linear_backward_impl(const Tensor& dy, const Tensor& x, const LinearWeight& W, const LinearSpec& spec,
-                                       Tensor* dx, Tensor* dw, Tensor* dbias) {
+                                       Tensor* dx, Tensor* dw, Tensor* dbias, const Fp8View* dy_fp8) {
   if (is_bf16_grad(dw) || is_bf16_grad(dbias)) {
     Tensor dw32, db32;
     {
       const OpTimer t(*this, "linear_backward: BF16 grad widen/narrow", 2);
       dw32 = grad_widen(*this, dw), db32 = grad_widen(*this, dbias);
     }
-    linear_backward_impl(dy, x, W, spec, dx, dw32.defined() ? &dw32 : dw, db32.defined() ? &db32 : dbias);
+    linear_backward_impl(dy, x, W, spec, dx, dw32.defined() ? &dw32 : dw, db32.defined() ? &db32 : dbias, dy_fp8);
     const OpTimer t(*this, "linear_backward: BF16 grad widen/narrow", 2);
     grad_narrow(*this, dw32, dw);
     grad_narrow(*this, db32, dbias);
@@ -880,25 +1121,40 @@ void CudaBackend::linear_backward_impl(const Tensor& dy, const Tensor& x, const 
       const OpTimer t(*this, "linear_backward: dgrad BF16/FP32 GEMM", 2);
       mm(false, false, M, K, N, dy2, W.w, ab, dx2, 0.0f);
     } else {
-      // dgrad: dY 1x128 along N; W^T [K, N] 128x128, the exact transpose of W's quantization:
-      // of W.wq when defined (a byte transpose, no requantization), else of W.w quantized here.
-      const bool tc = fp8_tensor_cores(M, K, N), laid = tc && M % kFp8RowGranule == 0;  // as in the forward
-      QuantTensor dyq = scratch_quant(kSlotAq, kSlotAs, M, N, 1, spec.pow2_scales);
-      QuantTensor wtq = scratch_quant(kSlotBq, kSlotBs, K, N, kQuantBlock, spec.pow2_scales);
-      flag_reset();
-      {
+      // dgrad: dY 1x128 along N (dy_fp8: already quantized by its producer; the dequantize path
+      // reads row-major scales only, so a view in cuBLASLt's layout is then ignored and dy
+      // quantized again: the same values, as in the forward); W^T [K, N] 128x128, the exact
+      // transpose of W's quantization: W.wqt when defined (the trainer's per-step copy), else
+      // W.wq byte-transposed here, else W.w quantized transposed here.
+      const bool tc = fp8_tensor_cores(M, K, N);
+      const bool use_view = dy_fp8 && (tc || !dy_fp8->scales_gemm_layout);
+      const bool laid = use_view ? dy_fp8->scales_gemm_layout : tc && M % kFp8RowGranule == 0;  // as in the forward
+      const bool quantizes = !use_view || !(W.wqt.defined() || W.wq.defined());  // a flag slot only then
+      if (quantizes) flag_reset();
+      QuantTensor dyq;
+      if (use_view) {
+        dyq = dy_fp8->q;
+      } else {
         const OpTimer t(*this, "linear_backward: dgrad quantize dy", 2);
+        dyq = scratch_quant(kSlotAq, kSlotAs, M, N, 1, spec.pow2_scales);
         quantize_async(dy2, false, dyq, false, /*gemm_layout=*/laid);
       }
-      if (W.wq.defined()) {
+      QuantTensor wtq;
+      if (W.wqt.defined()) {
+        wtq = W.wqt;
+      } else if (W.wq.defined()) {
         const OpTimer t(*this, "linear_backward: dgrad transpose W", 2);
+        wtq = scratch_quant(kSlotBq, kSlotBs, K, N, kQuantBlock, spec.pow2_scales);
         launch_transpose_quant(W.wq.data.data<uint8_t>(), W.wq.scales.data<float>(), N, K, kQuantBlock,
                                wtq.data.data<uint8_t>(), wtq.scales.data<float>(), stream_);
       } else {
         const OpTimer t(*this, "linear_backward: dgrad quantize W^T", 2);
+        wtq = scratch_quant(kSlotBq, kSlotBs, K, N, kQuantBlock, spec.pow2_scales);
         quantize_async(W.w, true, wtq);
       }
-      flag_check("linear_backward (FP8 dgrad): dy " + dy.str() + " or the weight holds NaN or Inf");
+      if (quantizes)
+        flag_check(use_view ? "linear_backward (FP8 dgrad): the weight holds NaN or Inf"
+                            : "linear_backward (FP8 dgrad): dy " + dy.str() + " or the weight holds NaN or Inf");
       if (tc) {
         const OpTimer t(*this, "linear_backward: dgrad FP8 GEMM", 2);
         gemm_->gemm_fp8(M, K, N, dyq.data.data<uint8_t>(), dyq.scales.data<float>(), wtq.data.data<uint8_t>(),
@@ -1131,7 +1387,7 @@ void CudaBackend::token_logprobs_backward_impl(const Tensor& hidden, const Tenso
     Tensor dxc = scratch(kSlotTmp, {T, D}, DType::F32);
     Tensor dchunk;
     if (dlm_head) dchunk = dlm_head->slice_rows(v0, v0 + n);
-    linear_backward_impl(logits, hidden, chunk, spec, &dxc, dlm_head ? &dchunk : nullptr, nullptr);
+    linear_backward_impl(logits, hidden, chunk, spec, &dxc, dlm_head ? &dchunk : nullptr, nullptr, nullptr);
     launch_add(dh.raw(), DType::F32, dxc.raw(), DType::F32, dh.raw(), DType::F32, dh.numel(), stream_);
   }
   launch_convert(dh.raw(), DType::F32, dhidden.raw(), dhidden.dtype(), dh.numel(), stream_);

@@ -71,14 +71,20 @@ class CudaBackend final : public Backend {
                    const Fp8View* x_fp8) override;
   void grouped_linear_impl(const Tensor& x, const std::vector<int64_t>& offsets,
                            const std::vector<const LinearWeight*>& W, const LinearSpec& spec, Tensor& out) override;
+  void grouped_linear_backward_impl(const Tensor& dy, const Tensor& x, const std::vector<int64_t>& offsets,
+                                    const std::vector<const LinearWeight*>& W, const LinearSpec& spec, Tensor* dx,
+                                    const std::vector<Tensor*>& dw) override;
   void linear_shared_input_impl(const Tensor& x, const std::vector<const LinearWeight*>& W, const LinearSpec& spec,
                                 const std::vector<Tensor*>& outs, const Fp8View* x_fp8) override;
   void rmsnorm_fp8_impl(const Tensor& x, const Tensor& w, float eps, Tensor& out, Tensor* rstd, Fp8View& fp8) override;
   void add_rmsnorm_impl(const Tensor& a, const Tensor& b, Tensor& sum, const Tensor& w, float eps, Tensor& out,
                         Tensor* rstd, Fp8View* fp8) override;
   void swiglu_fp8_impl(const Tensor& gate, const Tensor& up, Tensor& out, Fp8View& fp8) override;
+  void add_fp8_impl(const Tensor& a, const Tensor& b, Tensor& out, Fp8View& fp8) override;
+  void swiglu_backward_fp8_impl(const Tensor& dout, const Tensor& gate, const Tensor& up, Tensor& dgate, Tensor& dup,
+                                Fp8View& dgate_fp8, Fp8View& dup_fp8) override;
   void linear_backward_impl(const Tensor& dy, const Tensor& x, const LinearWeight& W, const LinearSpec& spec,
-                            Tensor* dx, Tensor* dw, Tensor* dbias) override;
+                            Tensor* dx, Tensor* dw, Tensor* dbias, const Fp8View* dy_fp8) override;
   void rope_impl(Tensor& x, const Tensor& positions, const RopeParams& rope, bool inverse) override;
   void attention_impl(const Tensor& q, const Tensor& k, const Tensor& v, const std::vector<int32_t>& cu_seqlens,
                       float softmax_scale, Tensor& out, Tensor& lse) override;
@@ -150,6 +156,7 @@ class CudaBackend final : public Backend {
     kSlotIdx,
     kSlotAttn,
     kSlotTmp,
+    kSlotCat,  // linear_shared_input's concatenated product
     kSlotCount
   };
   // A device buffer reused across calls (grown on demand); valid until the next scratch(slot).
@@ -181,7 +188,13 @@ class CudaBackend final : public Backend {
   // On the fast path (BF16 activations) a shape that cannot is a fallback: counted, and reported
   // on stderr once per (N, K).
   bool fp8_tensor_cores(int64_t M, int64_t N, int64_t K);
+  // linear_shared_input: W as one concatenated weight (cuda_backend.cu), used up to kCatMaxRows
+  // rows (decode batches and small prefill chunks; the scratch is at most 2048 x sum N).
+  static constexpr int64_t kCatMaxRows = 2048;
+  bool concatenated(const std::vector<const LinearWeight*>& W, const LinearSpec& spec, LinearWeight& cat);
   int64_t fp8_fallbacks_ = 0;
+  int64_t grouped_loops_ = 0;    // groups of grouped ops that ran as one product each (no grouped path)
+  int64_t concat_products_ = 0;  // linear_shared_input calls that ran as one concatenated product
   std::set<std::pair<int64_t, int64_t>> fp8_fallback_shapes_;
 
   int device_ = 0;
