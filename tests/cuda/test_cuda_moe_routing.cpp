@@ -10,6 +10,7 @@
 //     with it at < 1 of the (position, layer) pairs without replay and exactly 1 with it.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -108,10 +109,26 @@ TEST(CudaMoeRouting, ReplayOfOwnRoutingIsBitwise) {
     for (const Case& c : cases) {
       SCOPED_TRACE(std::string(c.name) + (deepseek ? ", DeepSeek routing" : ", softmax routing"));
       const PassResult normal = forward_backward(*c.be, host, c.mode, b, nullptr);
+      const PassResult again = forward_backward(*c.be, host, c.mode, b, nullptr);
       const PassResult replayed = forward_backward(*c.be, host, c.mode, b, &normal.routing);
       EXPECT_EQ(replayed.logp, normal.logp);
       ASSERT_EQ(replayed.grads.size(), normal.grads.size());
-      for (size_t i = 0; i < normal.grads.size(); ++i) EXPECT_EQ(replayed.grads[i], normal.grads[i]) << "tensor " << i;
+      // Gradients that repeat bitwise run to run must be bitwise under replay. Some CUDA
+      // backward kernels accumulate with atomics (the embedding's scatter-add, the norm weights'
+      // sums), so those tensors differ in their last bits between two identical runs (the H200
+      // run of session 6: this test's first version failed exactly there); for them the bound is
+      // CudaFused.ModelGradientsWithFusedDyAndCachedWtAreUnchanged's, 1e-4 of the tensor's max.
+      for (size_t i = 0; i < normal.grads.size(); ++i) {
+        if (again.grads[i] == normal.grads[i]) {
+          EXPECT_EQ(replayed.grads[i], normal.grads[i]) << "tensor " << i << " (deterministic)";
+          continue;
+        }
+        double gmax = 0, worst = 0;
+        for (double v : normal.grad_values[i]) gmax = std::max(gmax, std::fabs(v));
+        for (size_t j = 0; j < normal.grad_values[i].size(); ++j)
+          worst = std::max(worst, std::fabs(replayed.grad_values[i][j] - normal.grad_values[i][j]));
+        EXPECT_LE(worst, 1e-4 * gmax) << "tensor " << i << " (atomics: not bitwise run to run)";
+      }
       EXPECT_EQ(replayed.routing.ids, normal.routing.ids);
     }
   }
