@@ -389,13 +389,19 @@ void forward_layers(Backend& be, const ModelWeights& w, const EnginePrecision& p
 // trip through the cache dtype otherwise), so the backward sees the values the forward attended
 // over; gradients pass straight through the rounding, as with the trainer's KV rounding.
 struct ConsistentKv {
-  KvCache cache;              // one layer: K and V pools [pages, 16, Hkv, hd] of the cache dtype
+  KvCache cache;              // one layer: K and V pools [pages, 16, Hkv, hd] of the cache dtype (first use)
+  DType dtype = DType::BF16;  // the cache dtype (dtype_of_k: set at the first layer)
+  int pages = 1;
   Tensor k_scale, v_scale;    // F32 [L, Hkv]: layer l's scales in row l
   std::vector<float> k_host, v_host;  // [L] the same, on the host (kv_round)
   PagedBatch batch;           // every token of the forward batch as a query at its position
   int64_t T = 0;
+  bool dtype_of_k = false;    // the cache takes k's own dtype (no rounding)
 };
 
+// kv_k / kv_v: the rollout's per-layer scales of an E4M3 cache. Without them (an E4M3 recipe
+// before set_kv_rounding, e.g. the calibration that precedes the first rollout) the cache takes
+// the activations' own dtype: k and v unrounded, as the usual trainer does then.
 std::shared_ptr<ConsistentKv> consistent_kv_alloc(Backend& be, const ModelConfig& c, DType cache_dtype,
                                                   const ForwardBatch& batch, const std::vector<float>& kv_k,
                                                   const std::vector<float>& kv_v) {
@@ -403,7 +409,9 @@ std::shared_ptr<ConsistentKv> consistent_kv_alloc(Backend& be, const ModelConfig
   auto s = std::make_shared<ConsistentKv>();
   const int L = c.num_layers, Hkv = c.num_kv_heads, B = batch.num_sequences();
   s->T = batch.num_tokens();
-  s->k_host = kv_k.empty() ? std::vector<float>(L, 1.0f) : kv_k;  // no scales yet: a fresh cache's (1)
+  s->dtype = cache_dtype;
+  s->dtype_of_k = cache_dtype == DType::E4M3 && kv_k.empty();
+  s->k_host = kv_k.empty() ? std::vector<float>(L, 1.0f) : kv_k;
   s->v_host = kv_v.empty() ? std::vector<float>(L, 1.0f) : kv_v;
   std::vector<int32_t> first_page(B + 1, 0);
   int max_pages = 1, max_len = 1;
@@ -426,7 +434,7 @@ std::shared_ptr<ConsistentKv> consistent_kv_alloc(Backend& be, const ModelConfig
       slots[t] = (first_page[b] + p / kPage) * kPage + p % kPage;
     }
   }
-  s->cache = be.alloc_kv_cache(1, std::max(1, first_page[B]), kPage, Hkv, c.head_dim, cache_dtype);
+  s->pages = std::max(1, first_page[B]);
   Tensor ks = Tensor::empty({L, Hkv}, DType::F32), vs = Tensor::empty({L, Hkv}, DType::F32);
   for (int l = 0; l < L; ++l)
     for (int h = 0; h < Hkv; ++h) {
@@ -472,17 +480,20 @@ AttentionStep training_attention(Backend& be, const ModelConfig& c, const Engine
   AttentionStep step;
   if (prec.consistent) {
     model_check_consistent(c, prec);
-    const DType cache_dtype = prec.kv_cache;
-    std::shared_ptr<ConsistentKv> kv = consistent_kv_alloc(be, c, cache_dtype, batch, kv_round_k, kv_round_v);
-    step.run = [&be, &c, st, softmax_scale, T, cache_dtype, kv](int layer, LayerActivations& a) {
+    std::shared_ptr<ConsistentKv> kv = consistent_kv_alloc(be, c, prec.kv_cache, batch, kv_round_k, kv_round_v);
+    step.run = [&be, &c, st, softmax_scale, T, kv](int layer, LayerActivations& a) {
+      if (!kv->cache.k.size()) {  // the pools, at the first layer (k's dtype known)
+        if (kv->dtype_of_k) kv->dtype = a.k.dtype() == DType::F64 ? DType::F32 : a.k.dtype();
+        kv->cache = be.alloc_kv_cache(1, kv->pages, 16, c.num_kv_heads, c.head_dim, kv->dtype);
+      }
       KvCache lc = kv->cache;  // this layer's scales in the one-layer cache
       lc.k_scale = kv->k_scale.slice_rows(layer, layer + 1);
       lc.v_scale = kv->v_scale.slice_rows(layer, layer + 1);
       be.kv_write(lc, 0, a.k, a.v, kv->batch);
       if (!a.lse.defined()) a.lse = be.alloc({c.num_heads, T}, st);
       be.attention_paged(lc, 0, a.q, kv->batch, softmax_scale, false, a.attn, &a.lse);
-      round_as_cache(be, a.k, cache_dtype, kv->k_host[static_cast<size_t>(layer)]);
-      round_as_cache(be, a.v, cache_dtype, kv->v_host[static_cast<size_t>(layer)]);
+      round_as_cache(be, a.k, kv->dtype, kv->k_host[static_cast<size_t>(layer)]);
+      round_as_cache(be, a.v, kv->dtype, kv->v_host[static_cast<size_t>(layer)]);
     };
     return step;
   }
