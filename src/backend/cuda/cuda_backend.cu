@@ -775,6 +775,7 @@ void CudaBackend::linear_fwd_fp8_consistent(const Tensor& x, const LinearWeight&
                                             Tensor& out, const Fp8View* x_view) {
   const int64_t M = x.dim(0), K = x.dim(1), N = W.out_features();
   const bool own = act_dtype_ != DType::F32 && fp8_gemm_sm90_supported(M, N, K);
+  if (!own && act_dtype_ != DType::F32) (void)fp8_tensor_cores(M, N, K);  // counted and reported as a fallback
   // The dequantize path reads row-major scales: a view in the GEMM layout is quantized again there.
   const bool use_view = x_view && (own || !x_view->scales_gemm_layout);
   const bool quantizes = !use_view || !W.wq.defined();
