@@ -74,9 +74,10 @@ TEST(CudaConsistent, GemmRowsDoNotDependOnM) {
             be.linear(x.slice_rows(r0, r0 + m), W, spec, part);
             const int64_t d = rows_differing(hf, be.to_host(part), r0);
             differ += d;
-            if (consistent)
+            if (consistent) {
               EXPECT_EQ(d, 0) << linear_mode_name(mode) << " N=" << s.N << " K=" << s.K << " out " << dtype_name(odt)
                               << ": rows " << r0 << "+" << m << " differ inside M=" << m;
+            }
           }
           if (!consistent)
             std::printf("  usual %s GEMM N=%lld K=%lld out %s: %lld rows differ across M (not asserted)\n",
@@ -230,7 +231,9 @@ TEST_P(CudaConsistentRecipe, GeneratorAndTrainerAgreeBitForBit) {
   EXPECT_TRUE(test::same_bits(r.logp_ref, r.logp_old));
   EXPECT_TRUE(test::same_bits(r.logp_new, r.logp_old));
   EXPECT_EQ(c1.fp8_gemm_fallbacks - c0.fp8_gemm_fallbacks, 0);
-  if (std::string(GetParam().recipe) == "fp8_e2e") EXPECT_GT(c1.fp8_gemm_own - c0.fp8_gemm_own, 0);
+  if (std::string(GetParam().recipe) == "fp8_e2e") {
+    EXPECT_GT(c1.fp8_gemm_own - c0.fp8_gemm_own, 0);
+  }
   const test::ConsistentRun plain = test::consistent_run(*be, sh, GetParam().recipe);
   ASSERT_TRUE(std::isfinite(r.grad_norm) && std::isfinite(plain.grad_norm));
   EXPECT_LT(std::fabs(r.grad_norm - plain.grad_norm), 0.05 * plain.grad_norm)
