@@ -40,7 +40,8 @@
 #   moe_generate    issue 16: bench generate at Qwen3-30B-A3B (all FP8RL_MOE_GEN_LAYERS = 48 blocks),
 #                   bf16 vs fp8_linear vs fp8_attn (full FP8), 256 prompts x 256 tokens + 512 new (the
 #                   BF16 KV of all 256 at once, 18 GiB, fits beside master + generator: 2 x 56.9 GiB)
-#   moe_trainstep   issue 16: bench-train-step at Qwen3-30B-A3B width (FP8RL_MOE_TRAIN_LAYERS = 6 blocks,
+#   moe_trainstep   issue 16: bench-train-step at Qwen3-30B-A3B width (FP8RL_MOE_TRAIN_LAYERS = 6 blocks, BF16
+#                   gradients (FP8RL_MOE_TRAIN_GRAD; cuBLAS groups the BF16 wgrad only into BF16),
 #                   full vocabulary), bf16 vs fp8, 8 x 2048 tokens; its plan: --plan-only
 #   mismatch        issue 11's split of token_mult_prob_error by component (one step, 256 new tokens):
 #                   bf16; FP8 generator linears alone; FP8 linears in both engines over BF16 KV;
@@ -209,6 +210,7 @@ for stage in ${FP8RL_STAGES:-rlstep}; do
       for prec in bf16 fp8; do
         timeout $(( $(left) / 2 )) "$FP8RL" bench-train-step --device cuda --precision $prec --model qwen3-30b-a3b \
           --layers "${FP8RL_MOE_TRAIN_LAYERS:-6}" --seqs 8 --seq-len 2048 --prompt-len 2040 --repeats 3 \
+          --grad-dtype "${FP8RL_MOE_TRAIN_GRAD:-bf16}" \
           --json "$OUT/moe_trainstep_$prec.json" > "$OUT/moe_trainstep_$prec.log" 2>&1
         note "bench-train-step qwen3-30b-a3b $prec: rc=$?"
         grep -E "^(bench-train-step:|score |train_step |generate |fp8 fallbacks)" "$OUT/moe_trainstep_$prec.log" | tee -a "$SUMMARY"

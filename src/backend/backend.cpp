@@ -590,6 +590,51 @@ void Backend::linear_backward(const Tensor& dy, const Tensor& x, const LinearWei
   linear_backward_impl(dy, x, W, spec, dx, dw, dbias);
 }
 
+void Backend::grouped_linear_backward(const Tensor& dy, const Tensor& x, const std::vector<int64_t>& offsets,
+                                      const std::vector<const LinearWeight*>& W, const LinearSpec& spec, Tensor* dx,
+                                      const std::vector<Tensor*>& dw) {
+  FP8RL_CHECK(!W.empty() && offsets.size() == W.size() + 1, "grouped_linear_backward: ", W.size(), " weights need ",
+              W.size() + 1, " row offsets, got ", offsets.size());
+  FP8RL_CHECK(dw.empty() || dw.size() == W.size(), "grouped_linear_backward: ", dw.size(), " weight gradients for ",
+              W.size(), " weights (give none or one per weight)");
+  const Contract c(*this);
+  c.floating(x, "grouped_linear_backward x");
+  c.floating(dy, "grouped_linear_backward dy");
+  FP8RL_CHECK(x.ndim() == 2 && dy.ndim() == 2 && x.dim(0) == dy.dim(0), "grouped_linear_backward: x must be [R, K] ",
+              "and dy [R, N], got ", x.str(), " and ", dy.str());
+  const int64_t R = x.dim(0), K = x.dim(1), N = dy.dim(1);
+  FP8RL_CHECK(offsets.front() == 0 && offsets.back() == R, "grouped_linear_backward: row offsets must run from 0 to ",
+              R, ", got ", offsets.front(), " .. ", offsets.back());
+  for (size_t g = 0; g + 1 < offsets.size(); ++g)
+    FP8RL_CHECK(offsets[g + 1] >= offsets[g], "grouped_linear_backward: row offsets must not decrease (group ", g,
+                ")");
+  for (size_t g = 0; g < W.size(); ++g) {
+    FP8RL_CHECK(W[g], "grouped_linear_backward: weight ", g, " is null");
+    weight_contract(c, *W[g], spec, "grouped_linear_backward");
+    FP8RL_CHECK(!W[g]->bias.defined(), "grouped_linear_backward: weight ", g, " has a bias (not supported)");
+    FP8RL_CHECK(W[g]->in_features() == K && W[g]->out_features() == N, "grouped_linear_backward: weight ", g, " is [",
+                W[g]->out_features(), ", ", W[g]->in_features(), "], x ", x.str(), " and dy ", dy.str(), " need [", N,
+                ", ", K, "]");
+    if (!dw.empty() && dw[g]) c.floating(*dw[g], {N, K}, "grouped_linear_backward dw");
+  }
+  if (dx) c.floating(*dx, {R, K}, "grouped_linear_backward dx");
+  if (!dw.empty()) wgrad_contract(spec);
+  grouped_linear_backward_impl(dy, x, offsets, W, spec, dx, dw);
+}
+
+void Backend::grouped_linear_backward_impl(const Tensor& dy, const Tensor& x, const std::vector<int64_t>& offsets,
+                                           const std::vector<const LinearWeight*>& W, const LinearSpec& spec,
+                                           Tensor* dx, const std::vector<Tensor*>& dw) {
+  for (size_t g = 0; g < W.size(); ++g) {
+    if (offsets[g + 1] == offsets[g]) continue;
+    Tensor* dwg = dw.empty() ? nullptr : dw[g];
+    if (!dx && !dwg) continue;
+    const Tensor dyg = dy.slice_rows(offsets[g], offsets[g + 1]), xg = x.slice_rows(offsets[g], offsets[g + 1]);
+    Tensor dxg = dx ? dx->slice_rows(offsets[g], offsets[g + 1]) : Tensor{};
+    linear_backward_impl(dyg, xg, *W[g], spec, dx ? &dxg : nullptr, dwg, nullptr);
+  }
+}
+
 void Backend::rope(Tensor& x, const Tensor& positions, const RopeParams& rope, bool inverse) {
   const Contract c(*this);
   c.floating(x, "rope input");

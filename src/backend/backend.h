@@ -169,6 +169,7 @@ struct BackendCounters {
   int64_t fp8_gemm_fallbacks = 0;  // FP8 products computed as dequantize + FP32 GEMM off the exact path
   int64_t fp8_gemm_own = 0;        // FP8 products on the own sm_90a kernel (the rest: cuBLASLt)
   int64_t fp8_gemm_tails = 0;      // FP8 products whose last M % 16 rows ran as a padded second product
+  int64_t grouped_loops = 0;       // groups of grouped (expert) products run as one product each
 };
 
 class Backend {
@@ -290,6 +291,15 @@ class Backend {
   // (see LinearWeight); other modes need W.w. dbias is the sum of the unquantized dy.
   void linear_backward(const Tensor& dy, const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor* dx,
                        Tensor* dw, Tensor* dbias);
+  // Backward of grouped_linear: for each group g, rows offsets[g]..offsets[g+1] of dy [R, N]
+  // and x [R, K] through W[g], as linear_backward of those rows (no biases): dx [R, K] written
+  // when non-null; dw empty (no weight gradients) or one [N, K] gradient per group (F32 or BF16,
+  // null: that group's skipped), accumulated. The default calls linear_backward per group; CUDA
+  // runs each half as one grouped launch where the mode allows (FP8 dgrad with pre-quantized
+  // weights: the own grouped kernel over W^T; BF16 dgrad and BF16 wgrad: cuBLAS grouped).
+  void grouped_linear_backward(const Tensor& dy, const Tensor& x, const std::vector<int64_t>& offsets,
+                               const std::vector<const LinearWeight*>& W, const LinearSpec& spec, Tensor* dx,
+                               const std::vector<Tensor*>& dw);
 
   // In place on x [T, H, head_dim]; positions I32 [T]. inverse=true rotates by -angle with the
   // same (scaled) cos/sin: the transpose of the forward map, i.e. its backward (the exact
@@ -482,6 +492,9 @@ class Backend {
                                    const std::vector<const LinearWeight*>& W, const LinearSpec& spec, Tensor& out);
   virtual void linear_backward_impl(const Tensor& dy, const Tensor& x, const LinearWeight& W, const LinearSpec& spec,
                                     Tensor* dx, Tensor* dw, Tensor* dbias) = 0;
+  virtual void grouped_linear_backward_impl(const Tensor& dy, const Tensor& x, const std::vector<int64_t>& offsets,
+                                            const std::vector<const LinearWeight*>& W, const LinearSpec& spec,
+                                            Tensor* dx, const std::vector<Tensor*>& dw);
   virtual void rope_impl(Tensor& x, const Tensor& positions, const RopeParams& rope, bool inverse) = 0;
   virtual void attention_impl(const Tensor& q, const Tensor& k, const Tensor& v, const std::vector<int32_t>& cu_seqlens,
                               float softmax_scale, Tensor& out, Tensor& lse) = 0;

@@ -316,6 +316,7 @@ RecipeResult bench_recipe(Backend& be, const BenchSetup& s, const std::string& r
   res.counters.fp8_gemm_fallbacks = c1.fp8_gemm_fallbacks - c0.fp8_gemm_fallbacks;
   res.counters.fp8_gemm_tails = c1.fp8_gemm_tails - c0.fp8_gemm_tails;
   res.counters.fp8_gemm_own = c1.fp8_gemm_own - c0.fp8_gemm_own;
+  res.counters.grouped_loops = c1.grouped_loops - c0.grouped_loops;
   return res;
 }
 
@@ -486,6 +487,8 @@ int run_bench(const std::vector<std::string>& argv) {
   for (const RecipeResult& r : results) std::printf(" %*lld", w, static_cast<long long>(r.counters.fp8_gemm_tails));
   std::printf("\n%-18s", "fp8 own-kernel");
   for (const RecipeResult& r : results) std::printf(" %*lld", w, static_cast<long long>(r.counters.fp8_gemm_own));
+  std::printf("\n%-18s", "grouped loops");
+  for (const RecipeResult& r : results) std::printf(" %*lld", w, static_cast<long long>(r.counters.grouped_loops));
   std::printf("\n");
   for (const RecipeResult& r : results) {
     nlohmann::json jr;
@@ -503,6 +506,7 @@ int run_bench(const std::vector<std::string>& argv) {
     jr["fp8_gemm_fallbacks"] = r.counters.fp8_gemm_fallbacks;
     jr["fp8_gemm_tails"] = r.counters.fp8_gemm_tails;
     jr["fp8_gemm_own"] = r.counters.fp8_gemm_own;
+    jr["grouped_loops"] = r.counters.grouped_loops;
     j["recipes"][r.recipe] = jr;
   }
   if (args.has("json")) {

@@ -2,7 +2,7 @@
 //
 //   fp8rl bench-train-step [--device cpu|cuda] [--precision bf16|fp8|fp32] [--wgrad auto|fp8|bf16] [--hidden 64] [--layers 2]
 //                          [--heads 4] [--kv-heads 2] [--head-dim 16] [--ffn 192] [--vocab 384]
-//                          [--model SHAPE] [--micro-batch-tokens 4096] [--plan-only]
+//                          [--model SHAPE] [--micro-batch-tokens 4096] [--grad-dtype fp32|bf16] [--plan-only]
 //                          [--seqs 64] [--seq-len 40] [--prompt-len 16] [--repeats 5] [--json PATH]
 //
 // The defaults are the CPU demo's shape (configs/demo_cpu.yaml). --model takes a named shape of
@@ -47,7 +47,7 @@ constexpr const char* kUsage =
     "usage: fp8rl bench-train-step [--device cpu|cuda] [--precision bf16|fp8|fp32] [--wgrad auto|fp8|bf16]\n"
     "                              [--hidden N] [--layers N] [--heads N] [--kv-heads N] [--head-dim N] [--ffn N] [--vocab N] [--seqs N]\n"
     "                              [--seq-len N] [--prompt-len N] [--repeats N] [--json PATH]\n"
-    "                              [--model SHAPE [--layers N]] [--micro-batch-tokens N] [--plan-only]\n"
+    "                              [--model SHAPE [--layers N]] [--micro-batch-tokens N] [--grad-dtype fp32|bf16] [--plan-only]\n"
     "Times the trainer's scoring forward, one training step and generation on a random-weight model\n"
     "(defaults: the CPU demo shape, 64 sequences of 16 prompt + 24 response tokens, bf16). --model: a\n"
     "named shape (qwen3-30b-a3b, moonlight-16b-a3b, llama-3.2-1b, tiny-moe, ...) instead of the size flags,\n"
@@ -86,7 +86,7 @@ void time_phase(Backend& be, Phase& p, int repeats, const std::function<void()>&
 int run_bench(const std::vector<std::string>& argv) {
   const Args args(argv,
                   {"device", "precision", "wgrad", "hidden", "layers", "heads", "kv-heads", "head-dim", "ffn", "vocab", "seqs",
-                   "seq-len", "prompt-len", "repeats", "json", "model", "micro-batch-tokens"},
+                   "seq-len", "prompt-len", "repeats", "json", "model", "micro-batch-tokens", "grad-dtype"},
                   {"help", "plan-only"});
   if (args.has("help")) {
     std::fputs(kUsage, stdout);
@@ -133,6 +133,10 @@ int run_bench(const std::vector<std::string>& argv) {
   const int vocab = mc.vocab_size;
   TrainerOptions topt;
   topt.micro_batch_tokens = args.get_int64("micro-batch-tokens", topt.micro_batch_tokens, 1, int64_t(1) << 40);
+  const std::string grad_dtype = args.get("grad-dtype", "fp32");
+  FP8RL_CHECK(grad_dtype == "fp32" || grad_dtype == "bf16", "--grad-dtype must be fp32 or bf16, got '", grad_dtype,
+              "'");
+  topt.grad_dtype = grad_dtype == "bf16" ? DType::BF16 : DType::F32;
 
   const int pages = nseq * ((seq_len + 15) / 16) + 1;
   // The memory plan of this setup (no reference policy; the engine's pool of `pages`), with the
@@ -144,6 +148,7 @@ int run_bench(const std::vector<std::string>& argv) {
   plan_in.act_dtype = device == "cuda" ? DType::BF16 : DType::F32;
   plan_in.kv_pages = pages;
   plan_in.micro_batch_tokens = topt.micro_batch_tokens;
+  plan_in.grad_dtype = topt.grad_dtype;
   plan_in.generation_batch = std::max(nseq, 1);
   const MemoryPlan plan = memory_plan_compute(plan_in);
   const int64_t plan_peak = plan.peak_bytes();
@@ -229,6 +234,7 @@ int run_bench(const std::vector<std::string>& argv) {
   j["fp8_gemm_fallbacks"] = c1.fp8_gemm_fallbacks - c0.fp8_gemm_fallbacks;
   j["fp8_gemm_tails"] = c1.fp8_gemm_tails - c0.fp8_gemm_tails;
   j["fp8_gemm_own"] = c1.fp8_gemm_own - c0.fp8_gemm_own;
+  j["grouped_loops"] = c1.grouped_loops - c0.grouped_loops;
   j["seqs"] = nseq;
   j["seq_len"] = seq_len;
   j["prompt_len"] = prompt_len;
@@ -251,10 +257,11 @@ int run_bench(const std::vector<std::string>& argv) {
                             {"peak_used_bytes", p->mem.peak_used_bytes},
                             {"peak_reserved_bytes", p->mem.peak_reserved_bytes}};
   }
-  std::printf("fp8 fallbacks %lld, row tails %lld, own-kernel %lld\n",
+  std::printf("fp8 fallbacks %lld, row tails %lld, own-kernel %lld, grouped loops %lld\n",
               static_cast<long long>(c1.fp8_gemm_fallbacks - c0.fp8_gemm_fallbacks),
               static_cast<long long>(c1.fp8_gemm_tails - c0.fp8_gemm_tails),
-              static_cast<long long>(c1.fp8_gemm_own - c0.fp8_gemm_own));
+              static_cast<long long>(c1.fp8_gemm_own - c0.fp8_gemm_own),
+              static_cast<long long>(c1.grouped_loops - c0.grouped_loops));
   j["threads_env"] = std::getenv("FP8RL_CPU_THREADS") ? std::getenv("FP8RL_CPU_THREADS") : "";
   if (args.has("json")) {
     write_file_atomic(args.get("json"), j.dump(2) + "\n");

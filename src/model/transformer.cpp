@@ -816,23 +816,23 @@ void moe_backward(Backend& be, const ModelConfig& c, const LayerWeights& lw, Lay
   }
   const Tensor w = a.moe_weights.reshape({R});
   be.moe_permute(dproj, a.moe_row_slot, static_cast<int>(k), &w, sc.d_y);  // dy[r] = w * dproj[token]
+  // Every expert's SwiGLU backward over its rows: grouped backward linears (one launch per half
+  // on CUDA where the mode allows) and one swiglu_backward over all rows (element-wise).
+  std::vector<const LinearWeight*> gates, ups, downs;
+  std::vector<Tensor*> d_gates, d_ups, d_downs;
   for (int64_t e = 0; e < E; ++e) {
-    const int64_t r0 = a.moe_offsets[e], r1 = a.moe_offsets[e + 1];
-    if (r0 == r1) continue;
-    const ExpertWeights& ew = lw.experts[e];
-    ExpertWeights& eg = lg.experts[e];
-    Tensor dy = sc.d_y.slice_rows(r0, r1), dh = sc.d_act.slice_rows(r0, r1);
-    Tensor dg = sc.d_gate.slice_rows(r0, r1), du = sc.d_up.slice_rows(r0, r1);
-    Tensor dx = sc.d_xe.slice_rows(r0, r1), dx2 = sc.d_xe2.slice_rows(r0, r1);
-    const Tensor xe = a.moe_x.slice_rows(r0, r1), he = a.moe_act.slice_rows(r0, r1);
-    be.linear_backward(dy, he, ew.down, spec, &dh, &eg.down.w, nullptr);
-    be.swiglu_backward(dh, a.moe_gate.slice_rows(r0, r1), a.moe_up.slice_rows(r0, r1), dg, du);
-    be.linear_backward(dg, xe, ew.gate, spec, &dx, &eg.gate.w, nullptr);
-    be.linear_backward(du, xe, ew.up, spec, &dx2, &eg.up.w, nullptr);
-    be.add(dx, dx2, dx);
+    gates.push_back(&lw.experts[e].gate);
+    ups.push_back(&lw.experts[e].up);
+    downs.push_back(&lw.experts[e].down);
+    d_gates.push_back(&lg.experts[e].gate.w);
+    d_ups.push_back(&lg.experts[e].up.w);
+    d_downs.push_back(&lg.experts[e].down.w);
   }
-  // Rows of experts that got no token hold stale values but are never read: every slot_row
-  // entry points into a routed expert's range.
+  be.grouped_linear_backward(sc.d_y, a.moe_act, a.moe_offsets, downs, spec, &sc.d_act, d_downs);
+  be.swiglu_backward(sc.d_act, a.moe_gate, a.moe_up, sc.d_gate, sc.d_up);
+  be.grouped_linear_backward(sc.d_gate, a.moe_x, a.moe_offsets, gates, spec, &sc.d_xe, d_gates);
+  be.grouped_linear_backward(sc.d_up, a.moe_x, a.moe_offsets, ups, spec, &sc.d_xe2, d_ups);
+  be.add(sc.d_xe, sc.d_xe2, sc.d_xe);
   be.moe_unpermute(sc.d_xe, a.moe_slot_row, nullptr, d_xn);
   // Through the routing weights into the block input (always: a frozen router is a constant
   // weight, as requires_grad = False in torch, not a stop-gradient) and the router weight.

@@ -631,14 +631,21 @@ void fused_cases(std::vector<OpCase>& t) {
 // linear() of each group's rows. FP8 weights pre-quantized, as the generator and the trainer's
 // per-step cache hold them (the CUDA grouped kernel's case); BF16 through W.w.
 void grouped_linear_cases(std::vector<OpCase>& t) {
-  for (LinearMode mode : {LinearMode::FP8_BLOCK, LinearMode::BF16, LinearMode::FP32}) {
+  struct V {
+    LinearMode mode;
+    DType dt;  // x and the weights (BF16: CUDA's cuBLAS grouped launch)
+  };
+  for (const V v : {V{LinearMode::FP8_BLOCK, DType::F32}, V{LinearMode::BF16, DType::F32},
+                    V{LinearMode::BF16, DType::BF16}, V{LinearMode::FP32, DType::F32}}) {
+    const LinearMode mode = v.mode;
     const LinearSpec spec{mode, false};
     const std::vector<int64_t> rows = {0, 5, 37, 1, 21, 64};
     std::vector<int64_t> offsets = {0};
     for (int64_t r : rows) offsets.push_back(offsets.back() + r);
     const int64_t R = offsets.back(), K = 256, N = 384, G = static_cast<int64_t>(rows.size());
     t.push_back({"grouped_linear",
-                 std::to_string(G) + " groups, " + std::to_string(R) + " rows, K 256, N 384 " + linear_mode_name(mode),
+                 std::to_string(G) + " groups, " + std::to_string(R) + " rows, K 256, N 384 " + linear_mode_name(mode) +
+                     " " + dtype_name(v.dt),
                  [=] {
                    Tensors in{{"x", rnd({R, K}, 530)}};
                    for (int64_t g = 0; g < G; ++g)
@@ -650,27 +657,32 @@ void grouped_linear_cases(std::vector<OpCase>& t) {
                    std::vector<const LinearWeight*> ws;
                    for (int64_t g = 0; g < G; ++g) {
                      LinearWeight& w = W[static_cast<size_t>(g)];
-                     w.w = r["w" + std::to_string(g)];
+                     w.w = r.as("w" + std::to_string(g), v.dt);
                      if (mode == LinearMode::FP8_BLOCK) {
                        w.wq = r.be.alloc_quant(N, K, kQuantBlock, kQuantBlock, false);
                        r.be.quantize(w.w, false, w.wq);
                      }
                      ws.push_back(&w);
                    }
-                   r.be.grouped_linear(r["x"], offsets, ws, spec, r.output("out", {R, N}, DType::F32));
-                   Tensor& single = r.output("single", {R, N}, DType::F32);
+                   const Tensor x = r.as("x", v.dt);
+                   r.be.grouped_linear(x, offsets, ws, spec, r.output("out", {R, N}, v.dt));
+                   Tensor& single = r.output("single", {R, N}, v.dt);
                    for (int64_t g = 0; g < G; ++g) {
                      if (rows[static_cast<size_t>(g)] == 0) continue;
-                     const Tensor xg = r["x"].slice_rows(offsets[g], offsets[g + 1]);
+                     const Tensor xg = x.slice_rows(offsets[g], offsets[g + 1]);
                      Tensor og = single.slice_rows(offsets[g], offsets[g + 1]);
                      r.be.linear(xg, W[static_cast<size_t>(g)], spec, og);
                    }
                  },
-                 {{"out", linear_tolerance(mode, DType::F32)}},
+                 {{"out", linear_tolerance(mode, v.dt)}},
                  {}});
     // The CPU computes both the same way (bitwise); the CUDA grouped kernel is close to its
     // per-group cuBLASLt products (the linear class's tolerance).
-    t.back().close.emplace_back("out", "single", linear_tolerance(mode, DType::F32));
+    t.back().close.emplace_back("out", "single", linear_tolerance(mode, v.dt));
+    // CUDA: FP8 with quantized weights and BF16 with BF16 operands and output run grouped; the
+    // others, one product per live group (5 of the 6).
+    const bool grouped = mode == LinearMode::FP8_BLOCK || (mode == LinearMode::BF16 && v.dt == DType::BF16);
+    t.back().grouped_loops = grouped ? 0 : 5;
     t.back().errors = [=](OpRun& r) {
       LinearWeight w;
       w.w = r["w0"];
@@ -681,6 +693,101 @@ void grouped_linear_cases(std::vector<OpCase>& t) {
       EXPECT_THROW(r.be.grouped_linear(r["x"], bad, ws, spec, out), Error);
       std::vector<const LinearWeight*> fewer(ws.begin(), ws.end() - 1);  // one offset too many
       EXPECT_THROW(r.be.grouped_linear(r["x"], offsets, fewer, spec, out), Error);
+    };
+  }
+}
+
+// grouped_linear_backward: the same groups, dgrad and (accumulated) wgrad against
+// linear_backward of each group's rows. BF16 with BF16 operands and weights (CUDA: cuBLAS
+// grouped), FP8 with pre-quantized weights (CUDA: the own grouped kernel over W^T) and BF16 or
+// FP8 wgrad (FP8 wgrad runs per group), FP32.
+void grouped_linear_backward_cases(std::vector<OpCase>& t) {
+  struct V {
+    LinearMode mode, wgrad;
+    DType dt;  // dy, x and (BF16 mode) the weights
+  };
+  for (const V v : {V{LinearMode::FP8_BLOCK, LinearMode::BF16, DType::BF16},
+                    V{LinearMode::FP8_BLOCK, LinearMode::FP8_BLOCK, DType::F32}, V{LinearMode::BF16, LinearMode::BF16, DType::BF16},
+                    V{LinearMode::FP32, LinearMode::FP32, DType::F32}}) {
+    LinearSpec spec{v.mode, false};
+    spec.wgrad = v.wgrad;
+    const std::vector<int64_t> rows = {0, 5, 37, 1, 21, 64};
+    std::vector<int64_t> offsets = {0};
+    for (int64_t r : rows) offsets.push_back(offsets.back() + r);
+    const int64_t R = offsets.back(), K = 256, N = 384, G = static_cast<int64_t>(rows.size());
+    const std::string variant = std::to_string(G) + " groups, " + std::to_string(R) + " rows, K 256, N 384 " +
+                                linear_mode_name(v.mode) + (v.mode == LinearMode::FP8_BLOCK ? std::string(" wgrad ") +
+                                linear_mode_name(v.wgrad) : std::string()) + " " + dtype_name(v.dt);
+    t.push_back({"grouped_linear_backward", variant,
+                 [=] {
+                   Tensors in{{"x", rnd({R, K}, 540)}, {"dy", rnd({R, N}, 541)}};
+                   for (int64_t g = 0; g < G; ++g) {
+                     in["w" + std::to_string(g)] = rnd({N, K}, 542 + static_cast<uint32_t>(g), DType::F32, 0.05f);
+                     in["dw0_" + std::to_string(g)] = rnd({N, K}, 560 + static_cast<uint32_t>(g), DType::F32, 0.1f);
+                   }
+                   return in;
+                 },
+                 [=](OpRun& r) {
+                   std::vector<LinearWeight> W(static_cast<size_t>(G));
+                   std::vector<const LinearWeight*> ws;
+                   for (int64_t g = 0; g < G; ++g) {
+                     LinearWeight& w = W[static_cast<size_t>(g)];
+                     w.w = v.mode == LinearMode::BF16 ? r.as("w" + std::to_string(g), DType::BF16)
+                                                      : r["w" + std::to_string(g)];
+                     if (v.mode == LinearMode::FP8_BLOCK) {
+                       w.wq = r.be.alloc_quant(N, K, kQuantBlock, kQuantBlock, false);
+                       r.be.quantize(w.w, false, w.wq);
+                     }
+                     ws.push_back(&w);
+                   }
+                   const Tensor dy = r.as("dy", v.dt), x = r.as("x", v.dt);
+                   // Gradients (accumulated into dw0) and dx in v.dt: BF16 is what CUDA groups.
+                   std::vector<Tensor*> dws, singles;
+                   for (int64_t g = 0; g < G; ++g) {
+                     for (const char* n : {"dw", "dws"}) {
+                       Tensor& d = r.output(n + std::to_string(g), {N, K}, v.dt);
+                       r.be.convert(r["dw0_" + std::to_string(g)], d);
+                       (std::string(n) == "dw" ? dws : singles).push_back(&d);
+                     }
+                   }
+                   r.be.grouped_linear_backward(dy, x, offsets, ws, spec, &r.output("dx", {R, K}, v.dt), dws);
+                   Tensor& dx1 = r.output("dx_single", {R, K}, v.dt);
+                   for (int64_t g = 0; g < G; ++g) {
+                     if (rows[static_cast<size_t>(g)] == 0) continue;
+                     Tensor dxg = dx1.slice_rows(offsets[g], offsets[g + 1]);
+                     r.be.linear_backward(dy.slice_rows(offsets[g], offsets[g + 1]),
+                                          x.slice_rows(offsets[g], offsets[g + 1]), W[static_cast<size_t>(g)], spec,
+                                          &dxg, singles[static_cast<size_t>(g)], nullptr);
+                   }
+                 },
+                 {{"dx", linear_tolerance(v.mode, v.dt)}},
+                 {}});
+    // The CPU runs both the same way (bitwise); CUDA's grouped launches are close to the
+    // per-group products. The weight gradients accumulate into the given values.
+    t.back().close.emplace_back("dx", "dx_single", linear_tolerance(v.mode, v.dt));
+    // CUDA: both halves grouped, except FP8 wgrad and FP32 (one product per live group).
+    t.back().grouped_loops = v.wgrad == LinearMode::FP8_BLOCK || v.mode == LinearMode::FP32 ? 5 : 0;
+    for (int64_t g = 0; g < G; ++g) {
+      const std::string n = "dw" + std::to_string(g);
+      const Tolerance tw = linear_tolerance(v.wgrad == LinearMode::FP8_BLOCK ? LinearMode::FP8_BLOCK
+                                            : v.mode == LinearMode::FP32     ? LinearMode::FP32
+                                                                             : LinearMode::BF16,
+                                            v.dt);
+      t.back().checks.emplace_back(n, tw);
+      t.back().close.emplace_back(n, "dws" + std::to_string(g), tw);
+    }
+    t.back().errors = [=](OpRun& r) {
+      LinearWeight w;
+      w.w = r["w0"];
+      std::vector<const LinearWeight*> ws(static_cast<size_t>(G), &w);
+      Tensor dx = r.be.alloc({R, K}, DType::F32);
+      std::vector<int64_t> bad = offsets;
+      bad.back() = R + 1;  // offsets must end at R
+      EXPECT_THROW(r.be.grouped_linear_backward(r["dy"], r["x"], bad, ws, spec, &dx, {}), Error);
+      std::vector<Tensor*> one{&dx};  // one weight gradient for G weights
+      EXPECT_THROW(r.be.grouped_linear_backward(r["dy"], r["x"], offsets, ws, spec, &dx, one), Error);
+      Tensor narrow = r.be.alloc({R, K - 128}, DType::F32);  // dx of the wrong width
+      EXPECT_THROW(r.be.grouped_linear_backward(r["dy"], r["x"], offsets, ws, spec, &narrow, {}), Error);
     };
   }
 }
@@ -1346,6 +1453,7 @@ const std::vector<OpCase>& op_table() {
     layer_cases(t);
     fused_cases(t);
     grouped_linear_cases(t);
+    grouped_linear_backward_cases(t);
     moe_cases(t);
     attention_cases(t);
     logprob_cases(t);

@@ -126,6 +126,8 @@ struct OpCase {
   // a padded tail product (-1: not checked).
   bool no_fp8_fallback = false;
   int fp8_tails = -1;
+  // GPU only: groups of grouped ops (the experts) that ran as one product each (-1: not checked).
+  int grouped_loops = -1;
 
   std::string name() const { return op + ": " + variant; }
 };

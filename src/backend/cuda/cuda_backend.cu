@@ -684,6 +684,7 @@ BackendCounters CudaBackend::counters() const {
   c.fp8_gemm_fallbacks = fp8_fallbacks_;
   c.fp8_gemm_tails = gemm_->tail_products();
   c.fp8_gemm_own = gemm_->own_products();
+  c.grouped_loops = grouped_loops_;
   return c;
 }
 
@@ -858,17 +859,49 @@ void CudaBackend::linear_shared_input_impl(const Tensor& x, const std::vector<co
   }
 }
 
+namespace {
+int64_t live_groups(const std::vector<int64_t>& offsets) {
+  int64_t n = 0;
+  for (size_t g = 0; g + 1 < offsets.size(); ++g) n += offsets[g + 1] > offsets[g];
+  return n;
+}
+// BF16 operands for cuBLAS's grouped GEMM: every weight's W.w BF16 (the BF16 compute copies).
+bool bf16_weights(const std::vector<const LinearWeight*>& W) {
+  for (const LinearWeight* w : W)
+    if (!w->w.defined() || w->w.dtype() != DType::BF16 || w->bias.defined()) return false;
+  return true;
+}
+// The rows of group g of a row-major [R, cols] tensor.
+const void* group_rows(const Tensor& t, int64_t r0) {
+  return static_cast<const char*>(t.raw()) + r0 * t.dim(1) * static_cast<int64_t>(dtype_size(t.dtype()));
+}
+}  // namespace
+
 // FP8 with every group's weight pre-quantized (the generator's weights, the trainer's per-step
 // cache): x quantized once, every group in one launch of the own grouped kernel (fp8_gemm.h).
-// Otherwise (BF16, FP32, the exact path, weights not quantized, biases) one linear per group.
+// BF16 with BF16 weights: one cuBLAS grouped launch. Otherwise (FP32, the exact path, F32
+// weights, biases) one linear per group, counted in grouped_loops.
 void CudaBackend::grouped_linear_impl(const Tensor& x, const std::vector<int64_t>& offsets,
                                       const std::vector<const LinearWeight*>& W, const LinearSpec& spec, Tensor& out) {
   const int64_t R = x.dim(0), K = x.dim(1), N = out.dim(1);
+  // Not while a graph records: both grouped paths upload their tables with a pageable copy.
+  if (spec.mode == LinearMode::BF16 && act_dtype_ != DType::F32 && !recording_ && x.dtype() == DType::BF16 &&
+      bf16_weights(W) && GemmEngine::grouped_bf16_supported(out.dtype())) {
+    const OpTimer op_timer_(*this, "grouped_linear");
+    std::vector<GemmEngine::Problem> probs;
+    for (size_t g = 0; g < W.size(); ++g) {
+      const int64_t r0 = offsets[g], rows = offsets[g + 1] - r0;
+      if (rows > 0)
+        probs.push_back({rows, N, K, group_rows(x, r0), W[g]->w.raw(), const_cast<void*>(group_rows(out, r0))});
+    }
+    gemm_->gemm_grouped(false, true, probs, DType::BF16, out.dtype(), 1.0f, 0.0f);
+    return;
+  }
   bool grouped = spec.mode == LinearMode::FP8_BLOCK && act_dtype_ != DType::F32 && R > 0 &&
-                 fp8_gemm_sm90_supported(R, N, K) && K % kQuantBlock == 0 && R < (int64_t{1} << 31) &&
-                 !recording_;  // the kernel uploads its tile table with a pageable copy
+                 fp8_gemm_sm90_supported(R, N, K) && K % kQuantBlock == 0 && R < (int64_t{1} << 31) && !recording_;
   for (const LinearWeight* w : W) grouped = grouped && w->wq.defined() && !w->bias.defined() && w->wq.pow2 == spec.pow2_scales;
   if (!grouped) {
+    if (act_dtype_ != DType::F32) grouped_loops_ += live_groups(offsets);
     Backend::grouped_linear_impl(x, offsets, W, spec, out);
     return;
   }
@@ -885,6 +918,96 @@ void CudaBackend::grouped_linear_impl(const Tensor& x, const std::vector<int64_t
   }
   gemm_->gemm_fp8_grouped(offsets, N, K, xq.data.data<uint8_t>(), xq.scales.data<float>(), false, bp, sp, out.raw(),
                           out.dtype(), 1.0f, 0.0f);
+}
+
+// The experts' backward, each half in one launch where the mode allows:
+//   dgrad, FP8 with pre-quantized weights: dY quantized once (1x128 along N), each routed
+//     expert's W^T (the byte transpose of its 128x128 quantization, as linear_backward) packed
+//     in one scratch, the own grouped kernel over them; BF16 with BF16 weights: cuBLAS grouped;
+//   wgrad (BF16 mode, or FP8 with spec.wgrad == BF16) into BF16 gradients (train.grad_dtype
+//     bf16): cuBLAS grouped dY_g^T X_g into each dw_g (cuBLAS has no grouped BF16 GEMM into F32).
+// What does not qualify runs as linear_backward per group (counted in grouped_loops).
+void CudaBackend::grouped_linear_backward_impl(const Tensor& dy, const Tensor& x, const std::vector<int64_t>& offsets,
+                                               const std::vector<const LinearWeight*>& W, const LinearSpec& spec,
+                                               Tensor* dx, const std::vector<Tensor*>& dw) {
+  const OpTimer op_timer_(*this, "grouped_linear_backward");
+  const int64_t R = x.dim(0), K = x.dim(1), N = dy.dim(1);
+  const bool fp8 = spec.mode == LinearMode::FP8_BLOCK, fast = act_dtype_ != DType::F32 && !recording_ && R > 0;
+  const bool bf16_ops = dy.dtype() == DType::BF16 && x.dtype() == DType::BF16;
+  bool dx_done = !dx;
+  if (dx && fast && fp8) {
+    bool ok = fp8_gemm_sm90_supported(R, K, N) && N % kQuantBlock == 0 && K % kQuantBlock == 0 &&
+              R < (int64_t{1} << 31);
+    for (const LinearWeight* w : W) ok = ok && w->wq.defined() && w->wq.pow2 == spec.pow2_scales;
+    if (ok) {
+      const int64_t U = live_groups(offsets);
+      QuantTensor dyq = scratch_quant(kSlotAq, kSlotAs, R, N, 1, spec.pow2_scales);
+      QuantTensor wt = scratch_quant(kSlotBq, kSlotBs, U * K, N, kQuantBlock, spec.pow2_scales);
+      flag_reset();
+      {
+        const OpTimer t(*this, "grouped_linear_backward: dgrad quantize dy", 2);
+        quantize_async(dy, false, dyq, false, /*gemm_layout=*/false);
+      }
+      flag_check("grouped_linear_backward (FP8 dgrad): dy " + dy.str() + " holds NaN or Inf");
+      std::vector<const uint8_t*> bp(W.size(), nullptr);
+      std::vector<const float*> sp(W.size(), nullptr);
+      {
+        const OpTimer t(*this, "grouped_linear_backward: dgrad transpose W", 2);
+        int64_t u = 0;
+        for (size_t g = 0; g < W.size(); ++g) {
+          if (offsets[g + 1] == offsets[g]) continue;
+          uint8_t* q = wt.data.data<uint8_t>() + u * K * N;
+          float* sc = wt.scales.data<float>() + u * (K / kQuantBlock) * (N / kQuantBlock);
+          launch_transpose_quant(W[g]->wq.data.data<uint8_t>(), W[g]->wq.scales.data<float>(), N, K, kQuantBlock, q,
+                                 sc, stream_);
+          bp[g] = q, sp[g] = sc, ++u;
+        }
+        for (size_t g = 0; g < W.size(); ++g)  // groups without rows: any valid map (never read)
+          if (!bp[g]) bp[g] = wt.data.data<uint8_t>(), sp[g] = wt.scales.data<float>();
+      }
+      const OpTimer t(*this, "grouped_linear_backward: dgrad FP8 GEMM", 2);
+      gemm_->gemm_fp8_grouped(offsets, K, N, dyq.data.data<uint8_t>(), dyq.scales.data<float>(), false, bp, sp,
+                              dx->raw(), dx->dtype(), 1.0f, 0.0f);
+      dx_done = true;
+    }
+  } else if (dx && fast && spec.mode == LinearMode::BF16 && bf16_ops && bf16_weights(W) &&
+             GemmEngine::grouped_bf16_supported(dx->dtype())) {
+    const OpTimer t(*this, "grouped_linear_backward: dgrad BF16 GEMM", 2);
+    std::vector<GemmEngine::Problem> probs;
+    for (size_t g = 0; g < W.size(); ++g) {
+      const int64_t r0 = offsets[g], rows = offsets[g + 1] - r0;
+      if (rows > 0)
+        probs.push_back({rows, K, N, group_rows(dy, r0), W[g]->w.raw(), const_cast<void*>(group_rows(*dx, r0))});
+    }
+    gemm_->gemm_grouped(false, false, probs, DType::BF16, dx->dtype(), 1.0f, 0.0f);
+    dx_done = true;
+  }
+  bool dw_done = dw.empty();
+  if (!dw_done && fast && bf16_ops && (spec.mode == LinearMode::BF16 || (fp8 && spec.wgrad == LinearMode::BF16))) {
+    // One output dtype for the launch: every given gradient F32, or every one BF16.
+    const Tensor* any = nullptr;
+    bool ok = true;
+    for (const Tensor* d : dw) {
+      if (!d) continue;
+      ok = ok && (!any || d->dtype() == any->dtype());
+      any = any ? any : d;
+    }
+    const DType gt = any ? any->dtype() : DType::BF16;
+    if (ok && GemmEngine::grouped_bf16_supported(gt)) {
+      const OpTimer t(*this, "grouped_linear_backward: wgrad BF16 GEMM", 2);
+      std::vector<GemmEngine::Problem> probs;
+      for (size_t g = 0; g < W.size(); ++g) {
+        const int64_t r0 = offsets[g], rows = offsets[g + 1] - r0;
+        if (rows > 0 && dw[g]) probs.push_back({N, K, rows, group_rows(dy, r0), group_rows(x, r0), dw[g]->raw()});
+      }
+      gemm_->gemm_grouped(true, false, probs, DType::BF16, gt, 1.0f, 1.0f);
+      dw_done = true;
+    }
+  }
+  if (dx_done && dw_done) return;
+  if (act_dtype_ != DType::F32) grouped_loops_ += live_groups(offsets);
+  Backend::grouped_linear_backward_impl(dy, x, offsets, W, spec, dx_done ? nullptr : dx,
+                                        dw_done ? std::vector<Tensor*>{} : dw);
 }
 
 void CudaBackend::linear_backward_impl(const Tensor& dy, const Tensor& x, const LinearWeight& W, const LinearSpec& spec,

@@ -71,6 +71,9 @@ class CudaBackend final : public Backend {
                    const Fp8View* x_fp8) override;
   void grouped_linear_impl(const Tensor& x, const std::vector<int64_t>& offsets,
                            const std::vector<const LinearWeight*>& W, const LinearSpec& spec, Tensor& out) override;
+  void grouped_linear_backward_impl(const Tensor& dy, const Tensor& x, const std::vector<int64_t>& offsets,
+                                    const std::vector<const LinearWeight*>& W, const LinearSpec& spec, Tensor* dx,
+                                    const std::vector<Tensor*>& dw) override;
   void linear_shared_input_impl(const Tensor& x, const std::vector<const LinearWeight*>& W, const LinearSpec& spec,
                                 const std::vector<Tensor*>& outs, const Fp8View* x_fp8) override;
   void rmsnorm_fp8_impl(const Tensor& x, const Tensor& w, float eps, Tensor& out, Tensor* rstd, Fp8View& fp8) override;
@@ -181,6 +184,7 @@ class CudaBackend final : public Backend {
   // on stderr once per (N, K).
   bool fp8_tensor_cores(int64_t M, int64_t N, int64_t K);
   int64_t fp8_fallbacks_ = 0;
+  int64_t grouped_loops_ = 0;  // groups of grouped ops that ran as one product each (no grouped path)
   std::set<std::pair<int64_t, int64_t>> fp8_fallback_shapes_;
 
   int device_ = 0;

@@ -5,6 +5,7 @@
 #include "backend/cuda/kernels.h"
 #include "quant/quant.h"
 
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 
@@ -69,6 +70,8 @@ void GemmEngine::set_fp8_kernel(const std::string& v) {
 GemmEngine::~GemmEngine() {
   if (own_ws_) cudaFree(own_ws_);
   if (grouped_meta_) cudaFree(grouped_meta_);
+  if (grouped_ptrs_) cudaFree(grouped_ptrs_);
+  if (blas_) cublasDestroy(blas_);
   if (tail_) cudaFree(tail_);
   if (scales_) cudaFree(scales_);
   if (workspace_) cudaFree(workspace_);
@@ -195,6 +198,52 @@ void GemmEngine::gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const v
   CUBLAS_CHECK(cublasLtMatmul(handle_, desc.d, &alpha, B, la.l, A, lb.l, &beta, C, lc.l, C, lc.l, &algo, workspace_,
                               workspace_bytes_, stream_),
                what, " M=", M, " N=", N, " K=", K);
+}
+
+void GemmEngine::gemm_grouped(bool ta, bool tb, const std::vector<Problem>& problems, DType ab, DType c_dtype,
+                              float alpha, float beta) {
+  FP8RL_CHECK(ab == DType::BF16, "grouped GEMM operands must be BF16, got ", dtype_name(ab));
+  FP8RL_CHECK(grouped_bf16_supported(c_dtype), "grouped GEMM output must be BF16, got ", dtype_name(c_dtype));
+  // The column-major view of every problem, as gemm() issues it: C^T[N, M] = op(B)^T op(A)^T.
+  std::vector<cublasOperation_t> opa, opb;
+  std::vector<int64_t> m, n, k, lda, ldb, ldc, size;
+  std::vector<float> alphas, betas;
+  std::vector<const void*> ptrs;  // cuBLAS A (our B) pointers, then B (our A), then C
+  std::vector<const Problem*> live;
+  for (const Problem& p : problems)
+    if (p.M > 0 && p.N > 0) live.push_back(&p);
+  if (live.empty()) return;
+  const size_t G = live.size();
+  ptrs.resize(3 * G);
+  for (size_t g = 0; g < G; ++g) {
+    const Problem& p = *live[g];
+    opa.push_back(tb ? CUBLAS_OP_T : CUBLAS_OP_N);
+    opb.push_back(ta ? CUBLAS_OP_T : CUBLAS_OP_N);
+    m.push_back(p.N), n.push_back(p.M), k.push_back(p.K);
+    lda.push_back(tb ? p.K : p.N), ldb.push_back(ta ? p.M : p.K), ldc.push_back(p.N);
+    alphas.push_back(alpha), betas.push_back(beta), size.push_back(1);
+    ptrs[g] = p.B, ptrs[G + g] = p.A, ptrs[2 * G + g] = p.C;
+  }
+  if (!blas_) {
+    CUBLAS_CHECK(cublasCreate(&blas_), "creating the cuBLAS handle");
+    CUBLAS_CHECK(cublasSetWorkspace(blas_, workspace_, workspace_bytes_), "setting the cuBLAS workspace");
+  }
+  CUBLAS_CHECK(cublasSetStream(blas_, stream_), "setting the cuBLAS stream");
+  const size_t bytes = ptrs.size() * sizeof(void*);
+  if (bytes > grouped_ptrs_bytes_) {
+    if (grouped_ptrs_) CUDA_CHECK(cudaFree(grouped_ptrs_), "freeing the grouped GEMM pointers");
+    grouped_ptrs_bytes_ = 2 * bytes;
+    grouped_ptrs_ = cuda_malloc(grouped_ptrs_bytes_, "the grouped GEMM pointer arrays");
+  }
+  CUDA_CHECK(cudaMemcpyAsync(grouped_ptrs_, ptrs.data(), bytes, cudaMemcpyHostToDevice, stream_),
+             "uploading the grouped GEMM pointers");
+  const void* const* dp = static_cast<const void* const*>(grouped_ptrs_);
+  void* const* dc = static_cast<void* const*>(grouped_ptrs_) + 2 * G;
+  CUBLAS_CHECK(cublasGemmGroupedBatchedEx_64(blas_, opa.data(), opb.data(), m.data(), n.data(), k.data(), alphas.data(),
+                                             dp, cuda_type(ab), lda.data(), dp + G, cuda_type(ab), ldb.data(),
+                                             betas.data(), dc, cuda_type(c_dtype), ldc.data(),
+                                             static_cast<int64_t>(G), size.data(), CUBLAS_COMPUTE_32F),
+               "grouped BF16 GEMM of ", G, " problems");
 }
 
 bool GemmEngine::fp8_supported(int64_t M, int64_t N, int64_t K) {

@@ -22,9 +22,16 @@
 //              M % 16 rows run as a second product padded to 16 rows (tail_products() counts
 //              them). Shapes outside fp8_supported() are the caller's fallback (backend:
 //              dequantize + FP32 GEMM, the same quantized product, counted and reported).
+// gemm_grouped(): gemm()'s product for several independent problems of one layout (ta, tb),
+//              each with its own M, N, K and pointers, in one cuBLAS grouped launch
+//              (cublasGemmGroupedBatchedEx; BF16 operands and BF16 C, FP32 accumulation: the
+//              H200's cuBLAS 13.0 refuses F32 C with BF16 operands, NOT_SUPPORTED): the
+//              mixture-of-experts products. Problems with M or N = 0 are skipped.
+//              grouped_bf16_supported(c_dtype) says which C it takes.
 // Heuristics are cached per (types, layout, shape); one workspace serves every call.
 #pragma once
 #include <cublasLt.h>
+#include <cublas_v2.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -55,6 +62,18 @@ class GemmEngine {
   void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const void* A, const void* B, DType ab,
             void* C, DType c_dtype, float alpha, float beta, bool row_invariant = false);
   static constexpr int64_t kRowInvariantM = 4096;
+  // One problem of gemm_grouped(): C [M, N], A and B laid out as gemm() says for (ta, tb).
+  struct Problem {
+    int64_t M, N, K;
+    const void* A;
+    const void* B;
+    void* C;
+  };
+  // See above. ab and c_dtype: BF16. Not inside a CUDA graph capture (the pointer arrays are
+  // uploaded with a pageable copy).
+  static bool grouped_bf16_supported(DType c_dtype) { return c_dtype == DType::BF16; }
+  void gemm_grouped(bool ta, bool tb, const std::vector<Problem>& problems, DType ab, DType c_dtype, float alpha,
+                    float beta);
 
   static bool fp8_supported(int64_t M, int64_t N, int64_t K);
   // a: E4M3 [M, K], a_scales F32 [M, ceil(K/128)] (1x128). b: E4M3 [N, K], b_scales F32
@@ -100,6 +119,7 @@ class GemmEngine {
   // FP8 products whose last M % 16 rows ran as a padded second product (since construction).
   int64_t tail_products() const { return tail_products_; }
 
+
  private:
   using Key = std::tuple<int, int, int, int, int64_t, int64_t, int64_t, int, int>;
   cublasLtMatmulAlgo_t find_algo(const Key& key, cublasLtMatmulDesc_t desc, cublasLtMatrixLayout_t a,
@@ -114,6 +134,10 @@ class GemmEngine {
 
   cudaStream_t stream_;
   cublasLtHandle_t handle_ = nullptr;
+  cublasHandle_t blas_ = nullptr;  // gemm_grouped's (made at its first call)
+  void* grouped_ptrs_ = nullptr;   // its device pointer arrays
+  size_t grouped_ptrs_bytes_ = 0;
+
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;
   float* scales_ = nullptr;
