@@ -606,8 +606,7 @@ void Backend::grouped_linear_backward(const Tensor& dy, const Tensor& x, const s
   FP8RL_CHECK(offsets.front() == 0 && offsets.back() == R, "grouped_linear_backward: row offsets must run from 0 to ",
               R, ", got ", offsets.front(), " .. ", offsets.back());
   for (size_t g = 0; g + 1 < offsets.size(); ++g)
-    FP8RL_CHECK(offsets[g + 1] >= offsets[g], "grouped_linear_backward: row offsets must not decrease (group ", g,
-                ")");
+    FP8RL_CHECK(offsets[g + 1] >= offsets[g], "grouped_linear_backward: row offsets must not decrease (group ", g, ")");
   for (size_t g = 0; g < W.size(); ++g) {
     FP8RL_CHECK(W[g], "grouped_linear_backward: weight ", g, " is null");
     weight_contract(c, *W[g], spec, "grouped_linear_backward");

@@ -317,6 +317,7 @@ RecipeResult bench_recipe(Backend& be, const BenchSetup& s, const std::string& r
   res.counters.fp8_gemm_tails = c1.fp8_gemm_tails - c0.fp8_gemm_tails;
   res.counters.fp8_gemm_own = c1.fp8_gemm_own - c0.fp8_gemm_own;
   res.counters.grouped_loops = c1.grouped_loops - c0.grouped_loops;
+  res.counters.concat_products = c1.concat_products - c0.concat_products;
   return res;
 }
 
@@ -487,6 +488,8 @@ int run_bench(const std::vector<std::string>& argv) {
   for (const RecipeResult& r : results) std::printf(" %*lld", w, static_cast<long long>(r.counters.fp8_gemm_tails));
   std::printf("\n%-18s", "fp8 own-kernel");
   for (const RecipeResult& r : results) std::printf(" %*lld", w, static_cast<long long>(r.counters.fp8_gemm_own));
+  std::printf("\n%-18s", "concat products");
+  for (const RecipeResult& r : results) std::printf(" %*lld", w, static_cast<long long>(r.counters.concat_products));
   std::printf("\n%-18s", "grouped loops");
   for (const RecipeResult& r : results) std::printf(" %*lld", w, static_cast<long long>(r.counters.grouped_loops));
   std::printf("\n");
@@ -507,6 +510,7 @@ int run_bench(const std::vector<std::string>& argv) {
     jr["fp8_gemm_tails"] = r.counters.fp8_gemm_tails;
     jr["fp8_gemm_own"] = r.counters.fp8_gemm_own;
     jr["grouped_loops"] = r.counters.grouped_loops;
+    jr["concat_products"] = r.counters.concat_products;
     j["recipes"][r.recipe] = jr;
   }
   if (args.has("json")) {

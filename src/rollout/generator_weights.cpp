@@ -41,6 +41,39 @@ void for_each_linear_pair(const LayerWeights& m, LayerWeights& g, Fn fn) {
   }
 }
 
+// Allocates the generator copies g[i] of master linears m[i] as consecutive row blocks of one
+// buffer, when every m[i] exists without a bias, they share their input width, and (FP8) each
+// has a multiple of 128 rows; otherwise leaves g untouched (for_each_linear_pair allocates them).
+void concatenate(Backend& be, const std::vector<const LinearWeight*>& m, const std::vector<LinearWeight*>& g,
+                 LinearMode mode, bool pow2, DType act) {
+  if (mode == LinearMode::FP32) return;
+  int64_t rows = 0;
+  for (const LinearWeight* w : m) {
+    if (!w->w.defined() || w->bias.defined() || w->w.dim(1) != m[0]->w.dim(1)) return;
+    if (mode == LinearMode::FP8_BLOCK && w->w.dim(0) % kQuantBlock != 0) return;
+    rows += w->w.dim(0);
+  }
+  const int64_t K = m[0]->w.dim(1);
+  int64_t r0 = 0;
+  if (mode == LinearMode::FP8_BLOCK) {
+    const QuantTensor cat = be.alloc_quant(rows, K, kQuantBlock, kQuantBlock, pow2);
+    for (size_t i = 0; i < m.size(); ++i) {
+      const int64_t r1 = r0 + m[i]->w.dim(0);
+      g[i]->wq = cat;
+      g[i]->wq.data = cat.data.slice_rows(r0, r1);
+      g[i]->wq.scales = cat.scales.slice_rows(r0 / kQuantBlock, r1 / kQuantBlock);
+      r0 = r1;
+    }
+  } else {
+    const Tensor cat = be.alloc({rows, K}, act);
+    for (size_t i = 0; i < m.size(); ++i) {
+      const int64_t r1 = r0 + m[i]->w.dim(0);
+      g[i]->w = cat.slice_rows(r0, r1);
+      r0 = r1;
+    }
+  }
+}
+
 }  // namespace
 
 ModelWeights generator_weights_alloc(Backend& be, const ModelWeights& master, const EnginePrecision& prec) {
@@ -65,7 +98,13 @@ ModelWeights generator_weights_alloc(Backend& be, const ModelWeights& master, co
     gl.router_bias = alloc_like(be, m.router_bias, DType::F32);
     gl.experts.resize(m.experts.size());
     const LinearMode mode = prec.linear_for_layer(l, L);
+    // q|k|v and gate|up as consecutive rows of one buffer each, so the CUDA backend can run each
+    // group as one product at decode sizes (linear_shared_input); the values are those of the
+    // separate weights (same quantizer, 128-row blocks that never straddle two weights).
+    concatenate(be, {&m.q, &m.k, &m.v}, {&gl.q, &gl.k, &gl.v}, mode, prec.pow2_scales, act);
+    concatenate(be, {&m.gate, &m.up}, {&gl.gate, &gl.up}, mode, prec.pow2_scales, act);
     for_each_linear_pair(m, gl, [&](const LinearWeight& mw, LinearWeight& gw) {
+      if (gw.w.defined() || gw.wq.defined()) return;  // allocated by concatenate()
       FP8RL_CHECK(mw.w.defined(), "the generator is built from high-precision master weights");
       // MLA: kv_b is kept unquantized for the absorbed attention (transformer.cpp,
       // mla_attention_paged), and projections of widths the recipe cannot block stay BF16.

@@ -44,6 +44,9 @@ TEST_P(OpTableCuda, MatchesCpu) {
     EXPECT_EQ(c1.fp8_gemm_tails - c0.fp8_gemm_tails + c1.fp8_gemm_own - c0.fp8_gemm_own, c.fp8_tails)
         << "padded tail products + own-kernel products";
   }
+  if (c.concat_products >= 0) {
+    EXPECT_EQ(c1.concat_products - c0.concat_products, c.concat_products) << "concatenated products";
+  }
   if (c.grouped_loops >= 0) {
     EXPECT_EQ(c1.grouped_loops - c0.grouped_loops, c.grouped_loops) << "groups run one product each (no grouped path)";
   }

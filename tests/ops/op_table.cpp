@@ -625,6 +625,58 @@ void fused_cases(std::vector<OpCase>& t) {
     }
 }
 
+// linear_shared_input over weights that are consecutive rows of one buffer (the generator's
+// q|k|v and gate|up): CUDA runs them as one product at decode sizes and splits the output; each
+// output close to linear() of its own weight (the same quantized operands).
+void concatenated_linear_cases(std::vector<OpCase>& t) {
+  for (LinearMode mode : {LinearMode::BF16, LinearMode::FP8_BLOCK})
+    for (int64_t M : {int64_t(64), int64_t(37)}) {
+      const LinearSpec spec{mode, false};
+      const int64_t K = 256, N[3] = {256, 128, 384}, rows = N[0] + N[1] + N[2];
+      t.push_back({"linear_shared_input",
+                   std::to_string(M) + " tokens, K 256, N 256/128/384 concatenated " + linear_mode_name(mode),
+                   [=] {
+                     return Tensors{{"x", rnd({M, K}, 520)}, {"w", rnd({rows, K}, 521, DType::F32, 0.05f)}};
+                   },
+                   [=](OpRun& r) {
+                     const Tensor x = r.as("x", DType::BF16), wall = r.as("w", DType::BF16);
+                     QuantTensor qall;
+                     if (mode == LinearMode::FP8_BLOCK) {
+                       qall = r.be.alloc_quant(rows, K, kQuantBlock, kQuantBlock, false);
+                       r.be.quantize(wall, false, qall);
+                     }
+                     LinearWeight W[3];
+                     std::vector<const LinearWeight*> ws;
+                     std::vector<Tensor*> outs;
+                     int64_t r0 = 0;
+                     for (int i = 0; i < 3; ++i) {
+                       const int64_t r1 = r0 + N[i];
+                       if (mode == LinearMode::FP8_BLOCK) {
+                         W[i].wq = qall;
+                         W[i].wq.data = qall.data.slice_rows(r0, r1);
+                         W[i].wq.scales = qall.scales.slice_rows(r0 / kQuantBlock, r1 / kQuantBlock);
+                       } else {
+                         W[i].w = wall.slice_rows(r0, r1);
+                       }
+                       r0 = r1;
+                       ws.push_back(&W[i]);
+                       outs.push_back(&r.output("out" + std::to_string(i), {M, N[i]}, DType::BF16));
+                     }
+                     r.be.linear_shared_input(x, ws, spec, outs);
+                     for (int i = 0; i < 3; ++i)
+                       r.be.linear(x, W[i], spec, r.output("single" + std::to_string(i), {M, N[i]}, DType::BF16));
+                   },
+                   {{"out0", linear_tolerance(mode, DType::BF16)},
+                    {"out1", linear_tolerance(mode, DType::BF16)},
+                    {"out2", linear_tolerance(mode, DType::BF16)}}});
+      for (int i = 0; i < 3; ++i)
+        t.back().close.emplace_back("out" + std::to_string(i), "single" + std::to_string(i),
+                                    linear_tolerance(mode, DType::BF16));
+      t.back().no_fp8_fallback = true;
+      t.back().concat_products = 1;
+    }
+}
+
 // ---- mixture of experts ------------------------------------------------------------------------
 
 // grouped_linear: row groups (empty, one-row and ragged ones) through one weight each, against
@@ -706,62 +758,64 @@ void grouped_linear_backward_cases(std::vector<OpCase>& t) {
     LinearMode mode, wgrad;
     DType dt;  // dy, x and (BF16 mode) the weights
   };
-  for (const V v : {V{LinearMode::FP8_BLOCK, LinearMode::BF16, DType::BF16},
-                    V{LinearMode::FP8_BLOCK, LinearMode::FP8_BLOCK, DType::F32}, V{LinearMode::BF16, LinearMode::BF16, DType::BF16},
-                    V{LinearMode::FP32, LinearMode::FP32, DType::F32}}) {
+  for (const V v :
+       {V{LinearMode::FP8_BLOCK, LinearMode::BF16, DType::BF16},
+        V{LinearMode::FP8_BLOCK, LinearMode::FP8_BLOCK, DType::F32}, V{LinearMode::BF16, LinearMode::BF16, DType::BF16},
+        V{LinearMode::FP32, LinearMode::FP32, DType::F32}}) {
     LinearSpec spec{v.mode, false};
     spec.wgrad = v.wgrad;
     const std::vector<int64_t> rows = {0, 5, 37, 1, 21, 64};
     std::vector<int64_t> offsets = {0};
     for (int64_t r : rows) offsets.push_back(offsets.back() + r);
     const int64_t R = offsets.back(), K = 256, N = 384, G = static_cast<int64_t>(rows.size());
-    const std::string variant = std::to_string(G) + " groups, " + std::to_string(R) + " rows, K 256, N 384 " +
-                                linear_mode_name(v.mode) + (v.mode == LinearMode::FP8_BLOCK ? std::string(" wgrad ") +
-                                linear_mode_name(v.wgrad) : std::string()) + " " + dtype_name(v.dt);
-    t.push_back({"grouped_linear_backward", variant,
-                 [=] {
-                   Tensors in{{"x", rnd({R, K}, 540)}, {"dy", rnd({R, N}, 541)}};
-                   for (int64_t g = 0; g < G; ++g) {
-                     in["w" + std::to_string(g)] = rnd({N, K}, 542 + static_cast<uint32_t>(g), DType::F32, 0.05f);
-                     in["dw0_" + std::to_string(g)] = rnd({N, K}, 560 + static_cast<uint32_t>(g), DType::F32, 0.1f);
-                   }
-                   return in;
-                 },
-                 [=](OpRun& r) {
-                   std::vector<LinearWeight> W(static_cast<size_t>(G));
-                   std::vector<const LinearWeight*> ws;
-                   for (int64_t g = 0; g < G; ++g) {
-                     LinearWeight& w = W[static_cast<size_t>(g)];
-                     w.w = v.mode == LinearMode::BF16 ? r.as("w" + std::to_string(g), DType::BF16)
-                                                      : r["w" + std::to_string(g)];
-                     if (v.mode == LinearMode::FP8_BLOCK) {
-                       w.wq = r.be.alloc_quant(N, K, kQuantBlock, kQuantBlock, false);
-                       r.be.quantize(w.w, false, w.wq);
-                     }
-                     ws.push_back(&w);
-                   }
-                   const Tensor dy = r.as("dy", v.dt), x = r.as("x", v.dt);
-                   // Gradients (accumulated into dw0) and dx in v.dt: BF16 is what CUDA groups.
-                   std::vector<Tensor*> dws, singles;
-                   for (int64_t g = 0; g < G; ++g) {
-                     for (const char* n : {"dw", "dws"}) {
-                       Tensor& d = r.output(n + std::to_string(g), {N, K}, v.dt);
-                       r.be.convert(r["dw0_" + std::to_string(g)], d);
-                       (std::string(n) == "dw" ? dws : singles).push_back(&d);
-                     }
-                   }
-                   r.be.grouped_linear_backward(dy, x, offsets, ws, spec, &r.output("dx", {R, K}, v.dt), dws);
-                   Tensor& dx1 = r.output("dx_single", {R, K}, v.dt);
-                   for (int64_t g = 0; g < G; ++g) {
-                     if (rows[static_cast<size_t>(g)] == 0) continue;
-                     Tensor dxg = dx1.slice_rows(offsets[g], offsets[g + 1]);
-                     r.be.linear_backward(dy.slice_rows(offsets[g], offsets[g + 1]),
-                                          x.slice_rows(offsets[g], offsets[g + 1]), W[static_cast<size_t>(g)], spec,
-                                          &dxg, singles[static_cast<size_t>(g)], nullptr);
-                   }
-                 },
-                 {{"dx", linear_tolerance(v.mode, v.dt)}},
-                 {}});
+    const std::string variant =
+        std::to_string(G) + " groups, " + std::to_string(R) + " rows, K 256, N 384 " + linear_mode_name(v.mode) +
+        (v.mode == LinearMode::FP8_BLOCK ? std::string(" wgrad ") + linear_mode_name(v.wgrad) : std::string()) + " " +
+        dtype_name(v.dt);
+    t.push_back(
+        {"grouped_linear_backward",
+         variant,
+         [=] {
+           Tensors in{{"x", rnd({R, K}, 540)}, {"dy", rnd({R, N}, 541)}};
+           for (int64_t g = 0; g < G; ++g) {
+             in["w" + std::to_string(g)] = rnd({N, K}, 542 + static_cast<uint32_t>(g), DType::F32, 0.05f);
+             in["dw0_" + std::to_string(g)] = rnd({N, K}, 560 + static_cast<uint32_t>(g), DType::F32, 0.1f);
+           }
+           return in;
+         },
+         [=](OpRun& r) {
+           std::vector<LinearWeight> W(static_cast<size_t>(G));
+           std::vector<const LinearWeight*> ws;
+           for (int64_t g = 0; g < G; ++g) {
+             LinearWeight& w = W[static_cast<size_t>(g)];
+             w.w = v.mode == LinearMode::BF16 ? r.as("w" + std::to_string(g), DType::BF16) : r["w" + std::to_string(g)];
+             if (v.mode == LinearMode::FP8_BLOCK) {
+               w.wq = r.be.alloc_quant(N, K, kQuantBlock, kQuantBlock, false);
+               r.be.quantize(w.w, false, w.wq);
+             }
+             ws.push_back(&w);
+           }
+           const Tensor dy = r.as("dy", v.dt), x = r.as("x", v.dt);
+           // Gradients (accumulated into dw0) and dx in v.dt: BF16 is what CUDA groups.
+           std::vector<Tensor*> dws, singles;
+           for (int64_t g = 0; g < G; ++g) {
+             for (const char* n : {"dw", "dws"}) {
+               Tensor& d = r.output(n + std::to_string(g), {N, K}, v.dt);
+               r.be.convert(r["dw0_" + std::to_string(g)], d);
+               (std::string(n) == "dw" ? dws : singles).push_back(&d);
+             }
+           }
+           r.be.grouped_linear_backward(dy, x, offsets, ws, spec, &r.output("dx", {R, K}, v.dt), dws);
+           Tensor& dx1 = r.output("dx_single", {R, K}, v.dt);
+           for (int64_t g = 0; g < G; ++g) {
+             if (rows[static_cast<size_t>(g)] == 0) continue;
+             Tensor dxg = dx1.slice_rows(offsets[g], offsets[g + 1]);
+             r.be.linear_backward(dy.slice_rows(offsets[g], offsets[g + 1]), x.slice_rows(offsets[g], offsets[g + 1]),
+                                  W[static_cast<size_t>(g)], spec, &dxg, singles[static_cast<size_t>(g)], nullptr);
+           }
+         },
+         {{"dx", linear_tolerance(v.mode, v.dt)}},
+         {}});
     // The CPU runs both the same way (bitwise); CUDA's grouped launches are close to the
     // per-group products. The weight gradients accumulate into the given values.
     t.back().close.emplace_back("dx", "dx_single", linear_tolerance(v.mode, v.dt));
@@ -1452,6 +1506,7 @@ const std::vector<OpCase>& op_table() {
     linear_cases(t);
     layer_cases(t);
     fused_cases(t);
+    concatenated_linear_cases(t);
     grouped_linear_cases(t);
     grouped_linear_backward_cases(t);
     moe_cases(t);

@@ -128,6 +128,8 @@ struct OpCase {
   int fp8_tails = -1;
   // GPU only: groups of grouped ops (the experts) that ran as one product each (-1: not checked).
   int grouped_loops = -1;
+  // GPU only: linear_shared_input calls run as one concatenated product (-1: not checked).
+  int concat_products = -1;
 
   std::string name() const { return op + ": " + variant; }
 };

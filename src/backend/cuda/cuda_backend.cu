@@ -685,6 +685,7 @@ BackendCounters CudaBackend::counters() const {
   c.fp8_gemm_tails = gemm_->tail_products();
   c.fp8_gemm_own = gemm_->own_products();
   c.grouped_loops = grouped_loops_;
+  c.concat_products = concat_products_;
   return c;
 }
 
@@ -823,14 +824,84 @@ void CudaBackend::linear_impl(const Tensor& x, const LinearWeight& W, const Line
   linear_fwd(x2, W, spec, o2, x_fp8);  // x_fp8: FP8_BLOCK only (the contract drops it otherwise)
 }
 
-// FP8: x quantized once for every weight (q/k/v, gate/up) when all of them take the tensor
-// cores, or not at all when a fused producer gave its FP8 copy (x_fp8); the products are then
-// exactly those of separate linear() calls.
+namespace {
+// b's rows follow a's in one buffer (same storage, dtype and width, b right after a).
+bool rows_follow(const Tensor& a, const Tensor& b) {
+  return a.defined() && b.defined() && a.storage() == b.storage() && a.dtype() == b.dtype() && a.ndim() == 2 &&
+         b.ndim() == 2 && a.dim(1) == b.dim(1) && b.offset_bytes() == a.offset_bytes() + a.nbytes();
+}
+// The rows of t and of the `rows` rows that follow it, as one tensor.
+Tensor rows_through(const Tensor& t, int64_t rows) {
+  return Tensor(t.storage(), t.offset_bytes(), {rows, t.dim(1)}, t.dtype());
+}
+}  // namespace
+
+// Whether W are consecutive row blocks of one buffer (the generator allocates q|k|v and gate|up
+// so: rollout/generator_weights.cpp) in the form `spec` reads (FP8: wq, 128-row aligned so the
+// scale rows follow too; else w), without biases; then `cat` is the concatenated weight.
+bool CudaBackend::concatenated(const std::vector<const LinearWeight*>& W, const LinearSpec& spec, LinearWeight& cat) {
+  if (W.size() < 2) return false;
+  const bool fp8 = spec.mode == LinearMode::FP8_BLOCK;
+  int64_t rows = 0;
+  for (size_t i = 0; i < W.size(); ++i) {
+    const LinearWeight& w = *W[i];
+    if (w.bias.defined() || (fp8 ? !w.wq.defined() : !w.w.defined())) return false;
+    if (fp8 && (w.wq.block_rows != kQuantBlock || w.wq.pow2 != spec.pow2_scales || w.wq.rows() % kQuantBlock != 0))
+      return false;
+    if (i > 0) {
+      const LinearWeight& p = *W[i - 1];
+      if (fp8 ? !(rows_follow(p.wq.data, w.wq.data) && rows_follow(p.wq.scales, w.wq.scales)) : !rows_follow(p.w, w.w))
+        return false;
+    }
+    rows += w.out_features();
+  }
+  cat = LinearWeight{};
+  if (fp8) {
+    cat.wq = W[0]->wq;
+    cat.wq.data = rows_through(W[0]->wq.data, rows);
+    cat.wq.scales = rows_through(W[0]->wq.scales, rows / kQuantBlock);
+  } else {
+    cat.w = rows_through(W[0]->w, rows);
+  }
+  return true;
+}
+
+// Concatenated weights (above) at decode-sized M (<= kCatMaxRows: where the separate products
+// are latency-bound) run as ONE product into a scratch [M, sum N], split into the outputs by one
+// kernel: q/k/v and gate/up each one launch instead of 2-3. The products are those of the
+// separate weights (same quantized operands; the GEMM of the wider N may order its sums
+// differently within the linear class's tolerance). Otherwise FP8: x quantized once for every
+// weight when all of them take the tensor cores, or not at all when a fused producer gave its
+// FP8 copy (x_fp8); the products are then exactly those of separate linear() calls.
 void CudaBackend::linear_shared_input_impl(const Tensor& x, const std::vector<const LinearWeight*>& W,
                                            const LinearSpec& spec, const std::vector<Tensor*>& outs,
                                            const Fp8View* x_fp8) {
   bool shared = spec.mode == LinearMode::FP8_BLOCK;
   const int64_t K = W[0]->in_features(), M = rows_of(x);
+  LinearWeight cat;
+  if (act_dtype_ != DType::F32 && spec.mode != LinearMode::FP32 && M > 0 && M <= kCatMaxRows &&
+      static_cast<int>(W.size()) <= kSplitColsMax && concatenated(W, spec, cat)) {
+    bool same_dtype = true;
+    for (const Tensor* o : outs) same_dtype = same_dtype && o->dtype() == outs[0]->dtype();
+    const int64_t N = cat.out_features();
+    if (same_dtype && (spec.mode != LinearMode::FP8_BLOCK || fp8_tensor_cores(M, N, K))) {
+      const OpTimer op_timer_(*this, "linear", 1);
+      const Tensor x2 = x.reshape({M, K});
+      Tensor y = scratch(kSlotCat, {M, N}, outs[0]->dtype());
+      linear_fwd(x2, cat, spec, y, x_fp8);
+      SplitColsArgs a;
+      const int64_t es = static_cast<int64_t>(dtype_size(outs[0]->dtype()));
+      int64_t end = 0;
+      for (size_t i = 0; i < W.size(); ++i) {
+        end += W[i]->out_features() * es;
+        a.out[a.n] = outs[i]->raw(), a.end[a.n] = end, ++a.n;
+      }
+      const OpTimer t(*this, "linear: split the concatenated output", 2);
+      launch_split_cols(y.raw(), M, a, stream_);
+      ++concat_products_;
+      return;
+    }
+  }
   for (const LinearWeight* w : W) shared = shared && w->in_features() == K;
   if (shared)
     for (const LinearWeight* w : W) shared = shared && GemmEngine::fp8_supported(M, w->out_features(), K);

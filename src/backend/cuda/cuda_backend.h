@@ -149,6 +149,7 @@ class CudaBackend final : public Backend {
     kSlotIdx,
     kSlotAttn,
     kSlotTmp,
+    kSlotCat,  // linear_shared_input's concatenated product
     kSlotCount
   };
   // A device buffer reused across calls (grown on demand); valid until the next scratch(slot).
@@ -183,8 +184,13 @@ class CudaBackend final : public Backend {
   // On the fast path (BF16 activations) a shape that cannot is a fallback: counted, and reported
   // on stderr once per (N, K).
   bool fp8_tensor_cores(int64_t M, int64_t N, int64_t K);
+  // linear_shared_input: W as one concatenated weight (cuda_backend.cu), used up to kCatMaxRows
+  // rows (decode batches and small prefill chunks; the scratch is at most 2048 x sum N).
+  static constexpr int64_t kCatMaxRows = 2048;
+  bool concatenated(const std::vector<const LinearWeight*>& W, const LinearSpec& spec, LinearWeight& cat);
   int64_t fp8_fallbacks_ = 0;
-  int64_t grouped_loops_ = 0;  // groups of grouped ops that ran as one product each (no grouped path)
+  int64_t grouped_loops_ = 0;    // groups of grouped ops that ran as one product each (no grouped path)
+  int64_t concat_products_ = 0;  // linear_shared_input calls that ran as one concatenated product
   std::set<std::pair<int64_t, int64_t>> fp8_fallback_shapes_;
 
   int device_ = 0;

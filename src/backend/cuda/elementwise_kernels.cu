@@ -177,6 +177,41 @@ void launch_flag_nonfinite(const void* x, DType dtype, int64_t n, int* flag, cud
   CUDA_CHECK_LAUNCH("nonfinite_kernel");
 }
 
+// Row r of src [rows, sum of the outputs' row bytes] is the outputs' rows r side by side: each
+// V-byte chunk goes to the output whose byte range holds it (every range a multiple of V).
+template <int V>
+__global__ void split_cols_kernel(const unsigned char* src, int64_t rows, SplitColsArgs a) {
+  const int64_t row_chunks = a.end[a.n - 1] / V, n = rows * row_chunks;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / row_chunks, b = (i - r * row_chunks) * V;  // byte offset in the row
+    int o = 0;
+    while (b >= a.end[o]) ++o;
+    const int64_t b0 = o == 0 ? 0 : a.end[o - 1], width = a.end[o] - b0;
+    unsigned char* dst = static_cast<unsigned char*>(a.out[o]) + r * width + (b - b0);
+    const unsigned char* from = src + r * a.end[a.n - 1] + b;
+    if constexpr (V == 16) *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(from);
+    else if constexpr (V == 4) *reinterpret_cast<uint32_t*>(dst) = *reinterpret_cast<const uint32_t*>(from);
+    else *reinterpret_cast<uint16_t*>(dst) = *reinterpret_cast<const uint16_t*>(from);
+  }
+}
+
+void launch_split_cols(const void* src, int64_t rows, const SplitColsArgs& a, cudaStream_t stream) {
+  const int64_t row_bytes = a.end[a.n - 1];
+  if (rows == 0 || row_bytes == 0) return;
+  bool v16 = reinterpret_cast<uintptr_t>(src) % 16 == 0, v4 = reinterpret_cast<uintptr_t>(src) % 4 == 0;
+  for (int o = 0; o < a.n; ++o) {
+    const int64_t w = a.end[o] - (o == 0 ? 0 : a.end[o - 1]);
+    v16 = v16 && w % 16 == 0 && reinterpret_cast<uintptr_t>(a.out[o]) % 16 == 0;
+    v4 = v4 && w % 4 == 0 && reinterpret_cast<uintptr_t>(a.out[o]) % 4 == 0;
+  }
+  const auto* s = static_cast<const unsigned char*>(src);
+  if (v16) split_cols_kernel<16><<<grid_for(rows * row_bytes / 16, 256), 256, 0, stream>>>(s, rows, a);
+  else if (v4) split_cols_kernel<4><<<grid_for(rows * row_bytes / 4, 256), 256, 0, stream>>>(s, rows, a);
+  else split_cols_kernel<2><<<grid_for(rows * row_bytes / 2, 256), 256, 0, stream>>>(s, rows, a);
+  CUDA_CHECK_LAUNCH("split_cols_kernel");
+}
+
 void launch_add_bias(void* out, DType odt, const void* bias, DType bdt, int64_t rows, int64_t cols,
                      cudaStream_t stream) {
   if (rows * cols == 0) return;

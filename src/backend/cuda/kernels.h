@@ -34,6 +34,15 @@ void launch_scales_vec128(const float* s, int64_t rows, int64_t nb, int64_t ld, 
 void launch_scales_blk(const float* s, int64_t rb, int64_t cb, int64_t ld, float* out, cudaStream_t stream);
 
 // ---- element-wise and reductions (elementwise_kernels.cu) ----
+// The columns of one [rows, C] buffer split into up to kSplitColsMax row-major outputs: output o
+// takes the row bytes [end[o - 1], end[o]) (end[-1] = 0) of every row. Element size >= 2 bytes.
+constexpr int kSplitColsMax = 3;
+struct SplitColsArgs {
+  void* out[kSplitColsMax];
+  int64_t end[kSplitColsMax];  // cumulative row bytes
+  int n = 0;
+};
+void launch_split_cols(const void* src, int64_t rows, const SplitColsArgs& a, cudaStream_t stream);
 void launch_fill(void* p, DType dtype, int64_t n, float value, cudaStream_t stream);
 void launch_convert(const void* src, DType sdt, void* dst, DType ddt, int64_t n, cudaStream_t stream);
 void launch_add(const void* a, DType adt, const void* b, DType bdt, void* out, DType odt, int64_t n,
