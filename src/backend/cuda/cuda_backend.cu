@@ -879,7 +879,8 @@ void CudaBackend::linear_shared_input_impl(const Tensor& x, const std::vector<co
   bool shared = spec.mode == LinearMode::FP8_BLOCK;
   const int64_t K = W[0]->in_features(), M = rows_of(x);
   LinearWeight cat;
-  if (act_dtype_ != DType::F32 && spec.mode != LinearMode::FP32 && M > 0 && M <= kCatMaxRows &&
+  // Not in the consistent mode: the wider product is not bitwise the separate ones the trainer runs.
+  if (!spec.consistent && act_dtype_ != DType::F32 && spec.mode != LinearMode::FP32 && M > 0 && M <= kCatMaxRows &&
       static_cast<int>(W.size()) <= kSplitColsMax && concatenated(W, spec, cat)) {
     bool same_dtype = true;
     for (const Tensor* o : outs) same_dtype = same_dtype && o->dtype() == outs[0]->dtype();
