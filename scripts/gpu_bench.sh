@@ -19,6 +19,8 @@
 #   memory          bench rl-step with 32k-token micro-batches and kl_beta 0.01, recompute none and
 #                   block: measured peak against the memory plan of the same setup (issue 15)
 #   kernels         the tensor-core paged decode attention (old vs new, GB/s) and the sampler alone
+#   pick_paged      after kernels: exports FP8RL_PAGED_VARIANT = the fastest passing tensor-core variant
+#                   (least summed time over DecodeBench's Qwen3-1.7B rows) for the later stages
 #   ncu_paged       Nsight Compute on the tensor-core paged decode kernel (BF16 and E4M3 pools, the
 #                   first DecodeBench shape): speed of light, occupancy, warp stalls, instruction mix
 #   trainstep_profile  FP8RL_CUDA_PROFILE=1 train steps (bf16, fp8) at that shape: the per-op table
@@ -75,7 +77,11 @@ if [ "${FP8RL_GPU_TESTS:-1}" = 1 ]; then
   # A failing tensor-core paged-attention kernel must not feed the benchmarks: fall back, say so.
   grep -qE '^\[  FAILED  \] CudaFp8Gemm' "$OUT/gpu_tests.log" && { OWN_GEMM_BROKEN=1; note "own FP8 GEMM tests FAILED"; }
   if grep -qE '^\[  FAILED  \] CudaPagedAttention' "$OUT/gpu_tests.log"; then
-    export FP8RL_CUDA_ATTENTION=tiled; note "paged attention tests FAILED: benchmarks run with FP8RL_CUDA_ATTENTION=tiled"
+    # A failing variant of the tensor-core kernel (its trace names it) is never picked (stage
+    # pick_paged); a failing original kernel sends every benchmark to the tiled kernel.
+    PAGED_BAD=$(grep -oE 'variant [a-z0-9-]+' "$OUT/gpu_tests.log" | sort -u | awk '{print $2}' | tr '\n' ' ')
+    case " $PAGED_BAD " in *" orig "*) export FP8RL_CUDA_ATTENTION=tiled; note "paged attention tests FAILED (orig): benchmarks run with FP8RL_CUDA_ATTENTION=tiled" ;; esac
+    note "paged attention tests FAILED; variants in failure traces: $PAGED_BAD"
   fi
 fi
 
@@ -152,9 +158,26 @@ for stage in ${FP8RL_STAGES:-rlstep}; do
     kernels)  # the decode attention and the sampler alone (issue 14)
       FP8RL_PAGED_BENCH=1 FP8RL_PAGED_BENCH_JSON="$OUT/paged_bench.json" timeout 120 "$B/fp8rl_gpu_tests" --gtest_color=no \
         --gtest_filter='CudaPagedAttention.DecodeBench' > "$OUT/paged_bench.log" 2>&1
-      note "paged attention bench: rc=$?"; grep -vE '^\[|^$|^Note' "$OUT/paged_bench.log" | head -24 | tee -a "$SUMMARY"
+      note "paged attention bench: rc=$?"; grep -vE '^\[|^$|^Note' "$OUT/paged_bench.log" | head -72 | tee -a "$SUMMARY"
       timeout 60 "$FP8RL" bench sample --device cuda > "$OUT/sample_bench.log" 2>&1
       note "bench sample: rc=$?"; tail -12 "$OUT/sample_bench.log" | tee -a "$SUMMARY" ;;
+    pick_paged)  # after `kernels`: the tensor-core variant with the least time over the 1.7B rows, BF16 + E4M3
+      PICK=$(python3 - "$OUT/paged_bench.json" "${PAGED_BAD:-}" <<'PYEOF'
+import json, sys
+rows = json.load(open(sys.argv[1]))
+bad = set(sys.argv[2].split())
+tot = {}
+for r in rows:
+    k = r["kernel"]
+    if not k.startswith("mma") or not r["shape"].startswith("qwen3-1.7b"):
+        continue
+    name = k[4:] if k.startswith("mma:") else "orig"
+    tot[name] = tot.get(name, 0.0) + r["us_per_call"]
+ok = {n: t for n, t in tot.items() if n not in bad}
+print(min(ok, key=ok.get) if ok else "orig")
+PYEOF
+)
+      export FP8RL_PAGED_VARIANT="${PICK:-orig}"; note "pick_paged: FP8RL_PAGED_VARIANT=$FP8RL_PAGED_VARIANT for the stages after it" ;;
     ncu_paged)  # issue 14: why the E4M3 decode attention is not twice as fast as the BF16 one
       for sel in "paged_mma_kernel<.*bfloat16" "paged_mma_kernel<.*unsigned char"; do
         tag=$([ "${sel#*unsigned}" != "$sel" ] && echo e4m3 || echo bf16)

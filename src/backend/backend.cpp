@@ -110,8 +110,27 @@ class Contract {
   const Backend& be_;
 };
 
+// A 128x128 E4M3 quantization of a weight (LinearWeight wq [N, K] or wqt [K, N]): on this
+// device, its scale grid, the spec's pow2 when an FP8 op reads it.
+void weight_quant_contract(const Contract& c, const QuantTensor& q, const LinearSpec& spec, const std::string& o,
+                           const char* name, const char* layout) {
+  const std::string what = o + " weight " + name;
+  c.on_device(q.data, (what + " data").c_str());
+  c.on_device(q.scales, (what + " scales").c_str());
+  FP8RL_CHECK(q.block_rows == kQuantBlock && q.block_cols == kQuantBlock, what, " must have 128x128 blocks, got ",
+              q.block_rows, "x", q.block_cols);
+  check_dtype(q.data, DType::E4M3, (what + " data").c_str());
+  FP8RL_CHECK(q.data.ndim() == 2, what, " must be ", layout, ", got ", q.data.str());
+  check_dtype(q.scales, DType::F32, (what + " scales").c_str());
+  check_shape(q.scales, {ceil_div(q.rows(), kQuantBlock), ceil_div(q.cols(), kQuantBlock)}, (what + " scales").c_str());
+  if (spec.mode == LinearMode::FP8_BLOCK)
+    FP8RL_CHECK(q.pow2 == spec.pow2_scales, what, " was quantized with pow2=", q.pow2,
+                " but the spec asks pow2=", spec.pow2_scales, " (requantize the weight with the recipe's scales)");
+}
+
 // The linear weight (backend.h, LinearWeight): w [N, K] and/or wq (E4M3 [N, K], 128x128 blocks,
-// quantized with the spec's pow2 when the FP8 forward or dgrad reads it), bias [N].
+// quantized with the spec's pow2 when the FP8 forward or dgrad reads it), wqt (wq transposed,
+// [K, N]; only with w or wq, which give the forward's weight), bias [N].
 void weight_contract(const Contract& c, const LinearWeight& W, const LinearSpec& spec, const char* op) {
   const std::string o(op);
   FP8RL_CHECK(W.w.defined() || W.wq.defined(), o, ": the weight has neither w nor wq");
@@ -120,22 +139,16 @@ void weight_contract(const Contract& c, const LinearWeight& W, const LinearSpec&
     FP8RL_CHECK(W.w.ndim() == 2, o, " weight w must be [N, K], got ", W.w.str());
   }
   if (W.wq.defined()) {
-    const QuantTensor& q = W.wq;
-    c.on_device(q.data, (o + " weight wq data").c_str());
-    c.on_device(q.scales, (o + " weight wq scales").c_str());
-    FP8RL_CHECK(q.block_rows == kQuantBlock && q.block_cols == kQuantBlock, o,
-                " weight wq must have 128x128 blocks, got ", q.block_rows, "x", q.block_cols);
-    check_dtype(q.data, DType::E4M3, (o + " weight wq data").c_str());
-    FP8RL_CHECK(q.data.ndim() == 2, o, " weight wq must be [N, K], got ", q.data.str());
-    check_dtype(q.scales, DType::F32, (o + " weight wq scales").c_str());
-    check_shape(q.scales, {ceil_div(q.rows(), kQuantBlock), ceil_div(q.cols(), kQuantBlock)},
-                (o + " weight wq scales").c_str());
+    weight_quant_contract(c, W.wq, spec, o, "wq", "[N, K]");
     if (W.w.defined())
-      FP8RL_CHECK(q.rows() == W.w.dim(0) && q.cols() == W.w.dim(1), o, " weight wq ", q.data.str(),
+      FP8RL_CHECK(W.wq.rows() == W.w.dim(0) && W.wq.cols() == W.w.dim(1), o, " weight wq ", W.wq.data.str(),
                   " does not match w ", W.w.str());
-    if (spec.mode == LinearMode::FP8_BLOCK)
-      FP8RL_CHECK(q.pow2 == spec.pow2_scales, o, " weight wq was quantized with pow2=", q.pow2,
-                  " but the spec asks pow2=", spec.pow2_scales, " (requantize the weight with the recipe's scales)");
+  }
+  if (W.wqt.defined()) {
+    weight_quant_contract(c, W.wqt, spec, o, "wqt", "[K, N]");
+    FP8RL_CHECK(W.wqt.rows() == W.in_features() && W.wqt.cols() == W.out_features(), o, " weight wqt ",
+                W.wqt.data.str(), " must be the transpose [", W.in_features(), ", ", W.out_features(),
+                "] of the weight");
   }
   if (spec.mode != LinearMode::FP8_BLOCK)
     FP8RL_CHECK(W.w.defined(), "a ", linear_mode_name(spec.mode), " ", o, " needs the high-precision weight w");
@@ -452,6 +465,20 @@ void swiglu_contract(const Contract& c, const Tensor& gate, const Tensor& up, co
   FP8RL_CHECK(gate.shape() == up.shape() && gate.shape() == out.shape(),
               "swiglu needs gate, up, out of one shape: ", gate.str(), ", ", up.str(), ", ", out.str());
 }
+
+void swiglu_backward_contract(const Contract& c, const Tensor& dout, const Tensor& gate, const Tensor& up,
+                              const Tensor& dgate, const Tensor& dup, const char* op) {
+  for (const auto& [t, what] : {std::pair<const Tensor*, const char*>{&dout, "swiglu dout"},
+                                {&gate, "swiglu gate"},
+                                {&up, "swiglu up"},
+                                {&dgate, "swiglu dgate"},
+                                {&dup, "swiglu dup"}})
+    c.floating(*t, what);
+  FP8RL_CHECK(gate.shape() == up.shape() && gate.shape() == dout.shape() && gate.shape() == dgate.shape() &&
+                  gate.shape() == dup.shape(),
+              op, " needs dout, gate, up, dgate, dup of one shape, got gate ", gate.str(), ", up ", up.str(), ", dout ",
+              dout.str(), ", dgate ", dgate.str(), ", dup ", dup.str());
+}
 }  // namespace
 
 void Backend::swiglu_fp8(const Tensor& gate, const Tensor& up, Tensor& out, Fp8View& fp8) {
@@ -459,6 +486,28 @@ void Backend::swiglu_fp8(const Tensor& gate, const Tensor& up, Tensor& out, Fp8V
   swiglu_contract(c, gate, up, out);
   fp8_view_target(c, out, fp8, "swiglu_fp8");
   swiglu_fp8_impl(gate, up, out, fp8);
+}
+
+void Backend::add_fp8(const Tensor& a, const Tensor& b, Tensor& out, Fp8View& fp8) {
+  const Contract c(*this);
+  c.floating(a, "add_fp8 a");
+  c.floating(b, "add_fp8 b");
+  c.floating(out, "add_fp8 out");
+  FP8RL_CHECK(a.numel() == out.numel() && b.numel() == out.numel(), "add_fp8 needs equal sizes: ", a.str(), " + ",
+              b.str(), " -> ", out.str());
+  fp8_view_target(c, out, fp8, "add_fp8");
+  add_fp8_impl(a, b, out, fp8);
+}
+
+void Backend::swiglu_backward_fp8(const Tensor& dout, const Tensor& gate, const Tensor& up, Tensor& dgate, Tensor& dup,
+                                  Fp8View& dgate_fp8, Fp8View& dup_fp8) {
+  const Contract c(*this);
+  swiglu_backward_contract(c, dout, gate, up, dgate, dup, "swiglu_backward_fp8");
+  fp8_view_target(c, dgate, dgate_fp8, "swiglu_backward_fp8 (dgate)");
+  fp8_view_target(c, dup, dup_fp8, "swiglu_backward_fp8 (dup)");
+  FP8RL_CHECK(dgate_fp8.q.data.raw() != dup_fp8.q.data.raw() && dgate_fp8.q.scales.raw() != dup_fp8.q.scales.raw(),
+              "swiglu_backward_fp8: dgate and dup need two FP8 views, got one twice");
+  swiglu_backward_fp8_impl(dout, gate, up, dgate, dup, dgate_fp8, dup_fp8);
 }
 
 void Backend::rmsnorm_fp8_impl(const Tensor& x, const Tensor& w, float eps, Tensor& out, Tensor* rstd, Fp8View& fp8) {
@@ -487,6 +536,25 @@ void Backend::swiglu_fp8_impl(const Tensor& gate, const Tensor& up, Tensor& out,
   quantize_impl(out.reshape({out.numel() / D, D}), false, fp8.q);
   fp8.scales_gemm_layout = false;
   fp8.source = out.raw();
+}
+
+void Backend::add_fp8_impl(const Tensor& a, const Tensor& b, Tensor& out, Fp8View& fp8) {
+  const int64_t D = out.dim(-1);
+  add_impl(a, b, out);
+  quantize_impl(out.reshape({out.numel() / D, D}), false, fp8.q);
+  fp8.scales_gemm_layout = false;
+  fp8.source = out.raw();
+}
+
+void Backend::swiglu_backward_fp8_impl(const Tensor& dout, const Tensor& gate, const Tensor& up, Tensor& dgate,
+                                       Tensor& dup, Fp8View& dgate_fp8, Fp8View& dup_fp8) {
+  const int64_t F = dgate.dim(-1);
+  swiglu_backward_impl(dout, gate, up, dgate, dup);
+  for (auto [d, v] : {std::pair<Tensor*, Fp8View*>{&dgate, &dgate_fp8}, {&dup, &dup_fp8}}) {
+    quantize_impl(d->reshape({d->numel() / F, F}), false, v->q);
+    v->scales_gemm_layout = false;
+    v->source = d->raw();
+  }
 }
 
 // ---- linear layers ----
@@ -566,7 +634,7 @@ void Backend::grouped_linear_impl(const Tensor& x, const std::vector<int64_t>& o
 }
 
 void Backend::linear_backward(const Tensor& dy, const Tensor& x, const LinearWeight& W, const LinearSpec& spec,
-                              Tensor* dx, Tensor* dw, Tensor* dbias) {
+                              Tensor* dx, Tensor* dw, Tensor* dbias, const Fp8View* dy_fp8) {
   const Contract c(*this);
   weight_contract(c, W, spec, "linear_backward");
   const int64_t N = W.out_features(), K = W.in_features();
@@ -587,7 +655,9 @@ void Backend::linear_backward(const Tensor& dy, const Tensor& x, const LinearWei
     wgrad_contract(spec);
   }
   if (dbias) c.floating(*dbias, {N}, "linear dbias");
-  linear_backward_impl(dy, x, W, spec, dx, dw, dbias);
+  const bool fp8 = spec.mode == LinearMode::FP8_BLOCK;
+  if (dy_fp8 && fp8) fp8_view_check(c, *dy_fp8, dy, spec, "linear_backward (dy)");
+  linear_backward_impl(dy, x, W, spec, dx, dw, dbias, fp8 ? dy_fp8 : nullptr);
 }
 
 void Backend::grouped_linear_backward(const Tensor& dy, const Tensor& x, const std::vector<int64_t>& offsets,
@@ -630,7 +700,7 @@ void Backend::grouped_linear_backward_impl(const Tensor& dy, const Tensor& x, co
     if (!dx && !dwg) continue;
     const Tensor dyg = dy.slice_rows(offsets[g], offsets[g + 1]), xg = x.slice_rows(offsets[g], offsets[g + 1]);
     Tensor dxg = dx ? dx->slice_rows(offsets[g], offsets[g + 1]) : Tensor{};
-    linear_backward_impl(dyg, xg, *W[g], spec, dx ? &dxg : nullptr, dwg, nullptr);
+    linear_backward_impl(dyg, xg, *W[g], spec, dx ? &dxg : nullptr, dwg, nullptr, nullptr);
   }
 }
 
@@ -677,17 +747,7 @@ void Backend::swiglu(const Tensor& gate, const Tensor& up, Tensor& out) {
 }
 
 void Backend::swiglu_backward(const Tensor& dout, const Tensor& gate, const Tensor& up, Tensor& dgate, Tensor& dup) {
-  const Contract c(*this);
-  for (const auto& [t, what] : {std::pair<const Tensor*, const char*>{&dout, "swiglu dout"},
-                                {&gate, "swiglu gate"},
-                                {&up, "swiglu up"},
-                                {&dgate, "swiglu dgate"},
-                                {&dup, "swiglu dup"}})
-    c.floating(*t, what);
-  FP8RL_CHECK(gate.shape() == up.shape() && gate.shape() == dout.shape() && gate.shape() == dgate.shape() &&
-                  gate.shape() == dup.shape(),
-              "swiglu_backward needs dout, gate, up, dgate, dup of one shape, got gate ", gate.str(), ", up ", up.str(),
-              ", dout ", dout.str(), ", dgate ", dgate.str(), ", dup ", dup.str());
+  swiglu_backward_contract(Contract(*this), dout, gate, up, dgate, dup, "swiglu_backward");
   swiglu_backward_impl(dout, gate, up, dgate, dup);
 }
 

@@ -42,13 +42,18 @@ namespace fp8rl {
 // once per optimizer step. In FP8_BLOCK a defined `wq` is THE quantized weight of the forward
 // and of dgrad (as W^T: the same 128x128 blocks and scales, transposed), and `w` is not read;
 // when `wq` is undefined the op quantizes `w` itself. So with both defined, `wq` must be the
-// quantization of `w` (the caller's invariant). A defined `wq` must have been quantized with the
-// spec's pow2 setting (checked). In FP8_BLOCK the output is the exact product of the dequantized operands rounded
-// once to the output dtype on the CPU (FP32 per-block accumulation on the GPU).
+// quantization of `w` (the caller's invariant). `wqt`, when defined, is that quantization's
+// exact transpose W^T [K, N] (data and scale grid transposed: transpose_128x128(wq), which is
+// also quantize(w, transpose=true) with 128x128 blocks), kept by the trainer beside `wq` so the
+// FP8 dgrad reads it instead of transposing per call; the caller's invariant again. A defined
+// `wq` / `wqt` must have been quantized with the spec's pow2 setting (checked). In FP8_BLOCK the
+// output is the exact product of the dequantized operands rounded once to the output dtype on
+// the CPU (FP32 per-block accumulation on the GPU).
 struct LinearWeight {
-  Tensor w;        // [N, K]
-  QuantTensor wq;  // E4M3 [N, K], 128x128 blocks (optional)
-  Tensor bias;     // [N] (optional)
+  Tensor w;         // [N, K]
+  QuantTensor wq;   // E4M3 [N, K], 128x128 blocks (optional)
+  QuantTensor wqt;  // E4M3 [K, N], 128x128 blocks: wq transposed (optional; FP8 dgrad only)
+  Tensor bias;      // [N] (optional)
   int64_t out_features() const { return w.defined() ? w.dim(0) : wq.rows(); }
   int64_t in_features() const { return w.defined() ? w.dim(1) : wq.cols(); }
 };
@@ -78,6 +83,8 @@ constexpr int64_t kConsistentVocabChunk = 4096;
 // add_rmsnorm, swiglu_fp8) writes together with x, for the FP8 linears that read x: passed to
 // linear / linear_shared_input, it stands for their own quantization of x, and is bitwise that
 // quantization (the producer quantizes the x it stores, with the one scale rule of quant.h).
+// The same for an output gradient dy [M, N] (swiglu_backward_fp8, add_fp8 -> linear_backward's
+// dgrad, which quantizes dy 1x128 along N: the same layout).
 // Allocate with Backend::alloc_fp8_view; the producer fills q, scales_gemm_layout and source.
 struct Fp8View {
   QuantTensor q;  // E4M3 [M, K], 1x128 blocks; scales: M * ceil(K / 128) F32 values
@@ -263,6 +270,13 @@ class Backend {
                    Fp8View* fp8);
   // swiglu(gate, up, out), then out's FP8 copy into fp8 (the down projection's input).
   void swiglu_fp8(const Tensor& gate, const Tensor& up, Tensor& out, Fp8View& fp8);
+  // add(a, b, out) (out may alias a), then out [R, D]'s FP8 copy into fp8: the residual
+  // stream's gradient, the output gradient of the o and down projections (their FP8 dgrads).
+  void add_fp8(const Tensor& a, const Tensor& b, Tensor& out, Fp8View& fp8);
+  // swiglu_backward(dout, gate, up, dgate, dup), then dgate's FP8 copy into dgate_fp8 and dup's
+  // into dup_fp8 (the output gradients of the gate and up projections, for their FP8 dgrads).
+  void swiglu_backward_fp8(const Tensor& dout, const Tensor& gate, const Tensor& up, Tensor& dgate, Tensor& dup,
+                           Fp8View& dgate_fp8, Fp8View& dup_fp8);
   // An empty view for an activation [rows, cols] (1x128 blocks, pow2 scales when asked).
   Fp8View alloc_fp8_view(int64_t rows, int64_t cols, bool pow2);
 
@@ -288,10 +302,13 @@ class Backend {
   // Backward of linear. dx [M, K] written when non-null (dgrad: dY 1x128 along N, W^T);
   // dw F32 [N, K] and dbias F32 [N] accumulated when non-null (wgrad: dY^T and X^T requantized
   // 1x128 along tokens, or with spec.wgrad == BF16 the BF16 GEMM of dY and X). FP8 dgrad uses
-  // W.wq transposed when defined, else quantizes W.w
+  // W.wqt when defined, else W.wq transposed when defined, else quantizes W.w
   // (see LinearWeight); other modes need W.w. dbias is the sum of the unquantized dy.
+  // dy_fp8 (FP8_BLOCK only; ignored by the other modes): dy's FP8 copy from a fused producer
+  // (swiglu_backward_fp8, add_fp8), used by the dgrad instead of quantizing dy (the same bits); it must
+  // have been made from this dy ([M, N], source == dy.raw(), the spec's pow2), as linear's x_fp8.
   void linear_backward(const Tensor& dy, const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor* dx,
-                       Tensor* dw, Tensor* dbias);
+                       Tensor* dw, Tensor* dbias, const Fp8View* dy_fp8 = nullptr);
   // Backward of grouped_linear: for each group g, rows offsets[g]..offsets[g+1] of dy [R, N]
   // and x [R, K] through W[g], as linear_backward of those rows (no biases): dx [R, K] written
   // when non-null; dw empty (no weight gradients) or one [N, K] gradient per group (F32 or BF16,
@@ -485,6 +502,9 @@ class Backend {
   virtual void add_rmsnorm_impl(const Tensor& a, const Tensor& b, Tensor& sum, const Tensor& w, float eps, Tensor& out,
                                 Tensor* rstd, Fp8View* fp8);
   virtual void swiglu_fp8_impl(const Tensor& gate, const Tensor& up, Tensor& out, Fp8View& fp8);
+  virtual void add_fp8_impl(const Tensor& a, const Tensor& b, Tensor& out, Fp8View& fp8);
+  virtual void swiglu_backward_fp8_impl(const Tensor& dout, const Tensor& gate, const Tensor& up, Tensor& dgate,
+                                        Tensor& dup, Fp8View& dgate_fp8, Fp8View& dup_fp8);
   virtual void linear_impl(const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor& out,
                            const Fp8View* x_fp8) = 0;
   virtual void linear_shared_input_impl(const Tensor& x, const std::vector<const LinearWeight*>& W,
@@ -492,7 +512,7 @@ class Backend {
   virtual void grouped_linear_impl(const Tensor& x, const std::vector<int64_t>& offsets,
                                    const std::vector<const LinearWeight*>& W, const LinearSpec& spec, Tensor& out);
   virtual void linear_backward_impl(const Tensor& dy, const Tensor& x, const LinearWeight& W, const LinearSpec& spec,
-                                    Tensor* dx, Tensor* dw, Tensor* dbias) = 0;
+                                    Tensor* dx, Tensor* dw, Tensor* dbias, const Fp8View* dy_fp8) = 0;
   virtual void grouped_linear_backward_impl(const Tensor& dy, const Tensor& x, const std::vector<int64_t>& offsets,
                                             const std::vector<const LinearWeight*>& W, const LinearSpec& spec,
                                             Tensor* dx, const std::vector<Tensor*>& dw);

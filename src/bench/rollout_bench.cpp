@@ -130,6 +130,8 @@ int64_t bench_weights_bytes(const ModelWeights& w) {
     add(lw.w);
     add(lw.wq.data);
     add(lw.wq.scales);
+    add(lw.wqt.data);
+    add(lw.wqt.scales);
     add(lw.bias);
   };
   add(w.embed);

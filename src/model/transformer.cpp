@@ -985,6 +985,26 @@ void model_backward(Backend& be, const ModelWeights& w, const EnginePrecision& p
   // The bias gradient of a linear, when it has a bias (q/k/v in qwen2; any with attention_bias).
   auto bias = [](LinearWeight& gw) { return gw.bias.defined() ? &gw.bias : nullptr; };
 
+  // FP8 dgrads take their dY's FP8 copy from its producer (opt.fused_dy_fp8): the SwiGLU
+  // backward writes dgate's and dup's (gate, up), the residual gradient's adds d_mid's (o) and
+  // dx's (the down projection of the block below). dx_q holds dx's copy when dx_quantized.
+  Fp8View d_gate_q, d_up_q, d_mid_q, dx_q;
+  bool dx_quantized = false;
+  auto view = [&](Fp8View& v, int64_t cols) -> Fp8View& {  // every FP8 block has the recipe's pow2
+    if (!v.defined()) v = be.alloc_fp8_view(T, cols, prec.pow2_scales);
+    return v;
+  };
+  auto fused = [&](const LinearSpec& s) { return opt.fused_dy_fp8 && s.mode == LinearMode::FP8_BLOCK; };
+  // dx = d_mid + d_tmp, the gradient of block l's input; quantized too when it is the dY of
+  // block l - 1's FP8 down projection.
+  auto block_input_grad = [&](int l) {
+    dx_quantized = l > 0 && !c.layer_is_moe(l - 1) && fused(block_spec(prec, l - 1, L));
+    if (dx_quantized)
+      be.add_fp8(d_mid, d_tmp, dx, view(dx_q, D));
+    else
+      be.add(d_mid, d_tmp, dx);
+  };
+
   const AttentionStep attention =
       training_attention(be, c, prec, A.batch, stat_dtype_for(act), A.kv_round_k, A.kv_round_v);
   LayerActivations recomputed;  // block recomputation: one block's activations at a time
@@ -1006,28 +1026,39 @@ void model_backward(Backend& be, const ModelWeights& w, const EnginePrecision& p
         d_gate = be.alloc({T, F}, act);
         d_up = be.alloc({T, F}, act);
       }
-      be.linear_backward(dx, a.act, lw.down, spec, &d_act, &lg.down.w, bias(lg.down));
-      be.swiglu_backward(d_act, a.gate, a.up, d_gate, d_up);
-      be.linear_backward(d_gate, a.xn_mlp, lw.gate, spec, &d_xn, &lg.gate.w, bias(lg.gate));
-      be.linear_backward(d_up, a.xn_mlp, lw.up, spec, &d_tmp, &lg.up.w, bias(lg.up));
+      be.linear_backward(dx, a.act, lw.down, spec, &d_act, &lg.down.w, bias(lg.down), dx_quantized ? &dx_q : nullptr);
+      const bool mlp_fused = fused(spec);
+      if (mlp_fused)
+        be.swiglu_backward_fp8(d_act, a.gate, a.up, d_gate, d_up, view(d_gate_q, F), view(d_up_q, F));
+      else
+        be.swiglu_backward(d_act, a.gate, a.up, d_gate, d_up);
+      be.linear_backward(d_gate, a.xn_mlp, lw.gate, spec, &d_xn, &lg.gate.w, bias(lg.gate),
+                         mlp_fused ? &d_gate_q : nullptr);
+      be.linear_backward(d_up, a.xn_mlp, lw.up, spec, &d_tmp, &lg.up.w, bias(lg.up), mlp_fused ? &d_up_q : nullptr);
       be.add(d_xn, d_tmp, d_xn);
     }
     be.rmsnorm_backward(d_xn, a.x_mid, lw.mlp_norm, a.mlp_rstd, d_tmp, lg.mlp_norm);
-    be.add(dx, d_tmp, d_mid);  // d x_mid: residual + through the norm
+    // d x_mid: residual + through the norm (o's dY)
+    const LinearSpec o_spec = mla ? mla_spec(c, spec, lw.o) : spec;
+    if (fused(o_spec))
+      be.add_fp8(dx, d_tmp, d_mid, view(d_mid_q, D));
+    else
+      be.add(dx, d_tmp, d_mid);
+    const Fp8View* d_mid_fp8 = fused(o_spec) ? &d_mid_q : nullptr;
 
     // ---- attention: x_mid = x + o(attention(rope(norm(q)), rope(norm(k)), v)) ----
     if (mla) {
       Tensor d_attn2 = d_attn.reshape({T, Hq * hdv});
-      be.linear_backward(d_mid, a.attn.reshape({T, Hq * hdv}), lw.o, mla_spec(c, spec, lw.o), &d_attn2, &lg.o.w,
-                         bias(lg.o));
+      be.linear_backward(d_mid, a.attn.reshape({T, Hq * hdv}), lw.o, o_spec, &d_attn2, &lg.o.w, bias(lg.o),
+                         d_mid_fp8);
       be.attention_backward(d_attn, a.q, a.k, a.v, a.attn, a.lse, A.batch.cu_seqlens, softmax_scale, dq, dk, dv);
       mla_backward(be, c, lw, lg, spec, A.positions, rope, a, dq, dk, dv, mla_scratch, d_xn);
       be.rmsnorm_backward(d_xn, a.x, lw.attn_norm, a.attn_rstd, d_tmp, lg.attn_norm);
-      be.add(d_mid, d_tmp, dx);
+      block_input_grad(l);
       continue;
     }
     Tensor d_attn2 = d_attn.reshape({T, Hq * hd});
-    be.linear_backward(d_mid, a.attn.reshape({T, Hq * hd}), lw.o, spec, &d_attn2, &lg.o.w, bias(lg.o));
+    be.linear_backward(d_mid, a.attn.reshape({T, Hq * hd}), lw.o, spec, &d_attn2, &lg.o.w, bias(lg.o), d_mid_fp8);
     be.attention_backward(d_attn, a.q, a.k, a.v, a.attn, a.lse, A.batch.cu_seqlens, softmax_scale, dq, dk, dv);
     be.rope(dq, A.positions, rope, /*inverse=*/true);
     be.rope(dk, A.positions, rope, /*inverse=*/true);
@@ -1047,7 +1078,7 @@ void model_backward(Backend& be, const ModelWeights& w, const EnginePrecision& p
     be.linear_backward(dv.reshape({T, Hkv * hd}), a.xn_attn, lw.v, spec, &d_tmp, &lg.v.w, bias(lg.v));
     be.add(d_xn, d_tmp, d_xn);
     be.rmsnorm_backward(d_xn, a.x, lw.attn_norm, a.attn_rstd, d_tmp, lg.attn_norm);
-    be.add(d_mid, d_tmp, dx);  // d x: residual + through the norm
+    block_input_grad(l);  // d x: residual + through the norm
   }
   be.embedding_backward(A.ids, dx, g.embed);
 }

@@ -445,8 +445,8 @@ ModelWeights model_weights_load(const std::string& dir, DType dtype, bool keep_f
 
 namespace {
 
-// A copy of `w` where each defined float parameter tensor is replaced by make(tensor); wq
-// replaced by make_quant(wq). Keeps the tie.
+// A copy of `w` where each defined float parameter tensor is replaced by make(tensor); wq (and
+// wqt) replaced by make_quant(wq). Keeps the tie.
 ModelWeights map_weights(const ModelWeights& w, const std::function<Tensor(const Tensor&)>& make,
                          const std::function<QuantTensor(const QuantTensor&)>& make_quant) {
   ModelWeights r = w;  // copies the structure (tensors still shared), then replaces each
@@ -456,6 +456,7 @@ ModelWeights map_weights(const ModelWeights& w, const std::function<Tensor(const
   for (auto& L : r.layers)
     for_each_block_linear(L, [&](const std::string&, LinearWeight& lw) {
       if (lw.wq.defined()) lw.wq = make_quant(lw.wq);
+      if (lw.wqt.defined()) lw.wqt = make_quant(lw.wqt);
     });
   r.lm_head = w.config.tie_word_embeddings ? r.embed : r.lm_head;
   return r;

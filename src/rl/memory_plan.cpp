@@ -51,6 +51,30 @@ std::vector<LinearShape> block_linears(const ModelConfig& c, int layer) {
   return out;
 }
 
+// Whether the linear `s` of a block in `mode` is an FP8 128x128 weight (as generator_weights_alloc
+// and the trainer's cache make it): MLA's kv_b and the MLA projections the recipe cannot block
+// (mla_projection_kept_bf16) are not; kv_b is BF16 unless the block is FP32.
+bool fp8_linear(const ModelConfig& c, const LinearShape& s, LinearMode mode) {
+  return mode == LinearMode::FP8_BLOCK && !s.mla_kv_b && !mla_projection_kept_bf16(c, s.rows, s.cols);
+}
+
+int64_t fp8_weight_bytes(const LinearShape& s) {
+  return s.rows * s.cols + ceil_div(s.rows, kBlock) * ceil_div(s.cols, kBlock) * 4;  // E4M3 + F32 scales
+}
+
+// The trainer's W^T copies (LinearWeight::wqt, train/trainer.cpp): one per FP8 linear of the
+// trainer (model_linear_mode: MLA's kv_b too, which only the generator keeps unquantized), as
+// large as its wq.
+int64_t trainer_wqt_bytes(const ModelConfig& c, const EnginePrecision& trainer) {
+  int64_t bytes = 0;
+  for (int l = 0; l < c.num_layers; ++l) {
+    if (trainer.linear_for_layer(l, c.num_layers) != LinearMode::FP8_BLOCK) continue;
+    for (const LinearShape& s : block_linears(c, l))
+      if (!mla_projection_kept_bf16(c, s.rows, s.cols)) bytes += fp8_weight_bytes(s);
+  }
+  return bytes;
+}
+
 std::string gib(int64_t bytes) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%.2f GiB", double(bytes) / double(1ll << 30));
@@ -124,11 +148,8 @@ int64_t memory_plan_generator_bytes(const ModelConfig& c, const EnginePrecision&
     if (c.layer_is_moe(l))  // FP32 router (+ the sigmoid router's correction bias)
       bytes += int64_t(c.num_experts) * (D + (c.moe_router == "sigmoid" ? 1 : 0)) * 4;
     for (const LinearShape& s : block_linears(c, l)) {
-      // As generator_weights_alloc: MLA's kv_b and the MLA projections the recipe cannot block
-      // (mla_projection_kept_bf16) are not FP8; kv_b is BF16 unless the block is FP32.
-      const bool unquantized = s.mla_kv_b || mla_projection_kept_bf16(c, s.rows, s.cols);
-      if (mode == LinearMode::FP8_BLOCK && !unquantized)
-        bytes += s.rows * s.cols + ceil_div(s.rows, kBlock) * ceil_div(s.cols, kBlock) * 4;
+      if (fp8_linear(c, s, mode))
+        bytes += fp8_weight_bytes(s);
       else if (s.mla_kv_b && mode != LinearMode::FP32)
         bytes += s.rows * s.cols * 2;
       else
@@ -163,6 +184,10 @@ MemoryPlan memory_plan_compute(const MemoryPlanInput& in) {
   if (in.act_dtype == DType::BF16 && in.trainer.linear != LinearMode::FP32)
     p.resident.push_back({"trainer compute copies", memory_plan_generator_bytes(c, in.trainer, in.act_dtype),
                           "FP8 linears' 128x128 cache + scales, BF16 copies of the other linears, embedding, lm_head"});
+  if (in.trainer.linear == LinearMode::FP8_BLOCK)  // beside the cache (the reference policy keeps none)
+    p.resident.push_back({"trainer FP8 dgrad weights (W^T)", trainer_wqt_bytes(c, in.trainer),
+                          "each FP8 linear's 128x128 quantization transposed, + scales: read by the dgrad, "
+                          "refreshed with the cache every optimizer step"});
   if (in.reference_policy)
     p.resident.push_back({"reference policy (kl_beta > 0)", memory_plan_generator_bytes(c, in.trainer, in.act_dtype),
                           "frozen: weights only, in the trainer's compute dtypes (FP8 linears + scales, or the "
@@ -204,9 +229,13 @@ MemoryPlan memory_plan_compute(const MemoryPlanInput& in) {
                            "the largest parameter tensor, while an op accumulates into it (train.grad_dtype: bf16)"});
   }
   const int64_t hq = int64_t(c.num_heads) * c.head_dim, hkv = int64_t(c.num_kv_heads) * c.head_dim;
+  const int64_t F = c.intermediate_size;
+  const bool fp8_trainer = in.trainer.linear == LinearMode::FP8_BLOCK;
   p.transient.push_back({"backward scratch of one block (estimate)",
-                         T * (2 * int64_t(c.hidden_size) + 3 * int64_t(c.intermediate_size) + 2 * hq + 2 * hkv) * 4,
-                         "F32 gradients of one block's activations"});
+                         T * (2 * int64_t(c.hidden_size) + 3 * F + 2 * hq + 2 * hkv) * 4 +
+                             (fp8_trainer ? 2 * T * (F + ceil_div(F, kBlock) * 4) : 0),
+                         fp8_trainer ? "F32 gradients of one block's activations + the FP8 copies of dgate, dup"
+                                     : "F32 gradients of one block's activations"});
   p.transient.push_back({"lm_head logits chunk (F32)", std::min(in.logits_chunk_bytes, T * V * 4),
                          "tokens x vocabulary chunk"});
   p.transient.push_back({"decode logits (F32)", in.generation_batch * V * 4,

@@ -152,13 +152,24 @@ const ModelWeights& Trainer::compute_weights() {
     // The consistent mode: biases as the generator keeps them (the activation dtype).
     if (prec_.consistent && bf16_copies && lw.bias.defined()) lw.bias = bf16_copy(lw.bias);
     if (mode != LinearMode::FP8_BLOCK) return;
-    if (i == wq_.size()) wq_.emplace_back();
-    QuantTensor& q = wq_[i++];
+    if (i == wq_.size()) {
+      wq_.emplace_back();
+      wqt_.emplace_back();
+    }
+    QuantTensor& q = wq_[i];
+    QuantTensor& qt = wqt_[i++];
     const int64_t N = lw.w.dim(0), K = lw.w.dim(1);
     if (!q.defined() || q.rows() != N || q.cols() != K || q.pow2 != prec_.pow2_scales)
       q = be_.alloc_quant(N, K, kQuantBlock, kQuantBlock, prec_.pow2_scales);
     be_.quantize(lw.w, /*transpose=*/false, q);  // in place; throws on non-finite weights
     lw.wq = q;
+    if (opt_.frozen) return;  // scores only: no dgrad
+    // W^T for the dgrad: quantizing w^T with 128x128 blocks makes the same blocks, amaxes and
+    // codes as wq's, transposed (LinearWeight): the exact transpose, once per step.
+    if (!qt.defined() || qt.rows() != K || qt.cols() != N || qt.pow2 != prec_.pow2_scales)
+      qt = be_.alloc_quant(K, N, kQuantBlock, kQuantBlock, prec_.pow2_scales);
+    be_.quantize(lw.w, /*transpose=*/true, qt);
+    lw.wqt = qt;
   });
   if (bf16_copies) {  // the lm_head runs in BF16 with BF16 activations (and the embedding reads rows)
     const bool tied = master_.lm_head.storage() == master_.embed.storage();
@@ -179,6 +190,7 @@ const ModelWeights& Trainer::compute_weights() {
     }
   }
   wq_.resize(i);
+  wqt_.resize(i);
   w16_.resize(j);
   wq_stale_ = false;
   ++wq_refreshes_;
@@ -192,13 +204,16 @@ void Trainer::check_weight_cache() const {
     if (model_linear_mode(m.config, prec_, name, layer, lw) != LinearMode::FP8_BLOCK) return;
     FP8RL_CHECK(i < wq_.size(), "trainer FP8 weight cache: no entry for ", name);
     const QuantTensor want = quantize_128x128(be_.to_host(lw.w), prec_.pow2_scales);
-    const QuantTensor& have = wq_[i++];
-    const Tensor hd = be_.to_host(have.data), hs = be_.to_host(have.scales);
-    FP8RL_CHECK(hd.nbytes() == want.data.nbytes() && hs.nbytes() == want.scales.nbytes() &&
-                    std::memcmp(hd.raw(), want.data.raw(), hd.nbytes()) == 0 &&
-                    std::memcmp(hs.raw(), want.scales.raw(), hs.nbytes()) == 0,
-                "trainer FP8 weight cache is stale for ", name, ": the master weight changed without marking ",
-                "the cache (write master weights through Trainer::master() before score/step)");
+    auto check = [&](const QuantTensor& have, const QuantTensor& ref, const char* what) {
+      const Tensor hd = be_.to_host(have.data), hs = be_.to_host(have.scales);
+      FP8RL_CHECK(hd.nbytes() == ref.data.nbytes() && hs.nbytes() == ref.scales.nbytes() &&
+                      std::memcmp(hd.raw(), ref.data.raw(), hd.nbytes()) == 0 &&
+                      std::memcmp(hs.raw(), ref.scales.raw(), hs.nbytes()) == 0,
+                  "trainer FP8 weight cache (", what, ") is stale for ", name, ": the master weight changed without ",
+                  "marking the cache (write master weights through Trainer::master() before score/step)");
+    };
+    check(wq_[i], want, "wq");
+    check(wqt_[i++], transpose_128x128(want), "wqt");
   });
 }
 

@@ -4,8 +4,9 @@
 //
 // FP8 weight cache: the master weights change only at the optimizer step (or when written
 // through the non-const master()), so the FP8_BLOCK linears' 128x128 E4M3 weights (LinearWeight
-// wq, 1/4 of the FP32 master's bytes plus scales) are quantized once per change, not in every
-// forward and dgrad of every micro-batch. The ops then read wq for the forward and, transposed,
+// wq, 1/4 of the FP32 master's bytes plus scales) and their exact transposes (wqt, as much
+// again; not kept by a frozen policy, which has no backward) are quantized once per change, not
+// in every forward and dgrad of every micro-batch. The ops then read wq for the forward and wqt
 // for dgrad (backend.h); the results are bitwise those of quantizing w in each op. The cache is
 // marked stale by the optimizer step and by the non-const master(), and requantized at the next
 // score() / step(); debug builds also check it against a fresh quantization at every use.
@@ -160,6 +161,7 @@ class Trainer {
   ModelWeights master_, grads_, m_, v_;
   ModelWeights compute_;             // master_ + the cache (shares master_'s tensors)
   std::vector<QuantTensor> wq_;      // [FP8 linears, model_for_each_linear order] the cache
+  std::vector<QuantTensor> wqt_;     // [same] their transposes (undefined in a frozen policy)
   std::vector<Tensor> w16_;          // BF16 compute copies (BF16 linears, embedding, lm_head) with BF16 activations
   bool wq_stale_ = true;
   int64_t wq_refreshes_ = 0;

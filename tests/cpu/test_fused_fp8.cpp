@@ -94,6 +94,83 @@ TEST_F(FusedFp8, SwigluFp8IsSwigluThenQuantize) {
   }
 }
 
+TEST_F(FusedFp8, AddFp8IsAddThenQuantize) {
+  for (bool pow2 : {false, true}) {
+    const int64_t R = 5, D = 200;
+    const Tensor a = random_tensor({R, D}, 30, DType::F32), b = random_tensor({R, D}, 31, DType::F32);
+    Tensor out = be->alloc({R, D}, DType::F32), ref = be->alloc({R, D}, DType::F32);
+    Fp8View v = be->alloc_fp8_view(R, D, pow2);
+    be->add_fp8(a, b, out, v);
+    be->add(a, b, ref);
+    EXPECT_EQ(bytes(out), bytes(ref));
+    expect_view_is_quantization(v, out, pow2);
+    Tensor a2 = be->alloc({R, D}, DType::F32);  // out aliasing a
+    be->copy(a, a2);
+    be->add_fp8(a2, b, a2, v);
+    EXPECT_EQ(bytes(a2), bytes(ref));
+    expect_view_is_quantization(v, a2, pow2);
+  }
+}
+
+TEST_F(FusedFp8, SwigluBackwardFp8IsSwigluBackwardThenQuantize) {
+  for (bool pow2 : {false, true}) {
+    const int64_t R = 6, F = 328;
+    const Tensor d = random_tensor({R, F}, 21, DType::F32), g = random_tensor({R, F}, 22, DType::F32, 2.0);
+    const Tensor u = random_tensor({R, F}, 23, DType::F32);
+    Tensor dg = be->alloc({R, F}, DType::F32), du = be->alloc({R, F}, DType::F32);
+    Tensor dg_ref = be->alloc({R, F}, DType::F32), du_ref = be->alloc({R, F}, DType::F32);
+    Fp8View vg = be->alloc_fp8_view(R, F, pow2), vu = be->alloc_fp8_view(R, F, pow2);
+    be->swiglu_backward_fp8(d, g, u, dg, du, vg, vu);
+    be->swiglu_backward(d, g, u, dg_ref, du_ref);
+    EXPECT_EQ(bytes(dg), bytes(dg_ref));
+    EXPECT_EQ(bytes(du), bytes(du_ref));
+    expect_view_is_quantization(vg, dg, pow2);
+    expect_view_is_quantization(vu, du, pow2);
+  }
+}
+
+// linear_backward with dy's FP8 view and/or the cached W^T (wqt): bitwise the dx of quantizing
+// dy and transposing W itself; dw and dbias do not read them.
+TEST_F(FusedFp8, LinearBackwardWithViewAndWqtIsBitwiseWithout) {
+  const int64_t M = 9, K = 200, N = 328;
+  for (bool pow2 : {false, true})
+    for (LinearMode wgrad : {LinearMode::FP8_BLOCK, LinearMode::BF16}) {
+      const LinearSpec spec{LinearMode::FP8_BLOCK, pow2, wgrad};
+      const Tensor x = random_tensor({M, K}, 24, DType::F32), d = random_tensor({M, N}, 25, DType::F32);
+      const Tensor g = random_tensor({M, N}, 26, DType::F32, 2.0), u = random_tensor({M, N}, 27, DType::F32);
+      Tensor dy = be->alloc({M, N}, DType::F32), dy2 = be->alloc({M, N}, DType::F32);
+      Fp8View v = be->alloc_fp8_view(M, N, pow2), v2 = be->alloc_fp8_view(M, N, pow2);
+      be->swiglu_backward_fp8(d, g, u, dy, dy2, v, v2);
+      LinearWeight W;
+      W.w = random_tensor({N, K}, 28, DType::F32);
+      W.bias = random_tensor({N}, 29, DType::F32);
+      LinearWeight cached = W;
+      cached.wq = quantize_128x128(W.w, pow2);
+      cached.wqt = be->alloc_quant(K, N, kQuantBlock, kQuantBlock, pow2);
+      be->quantize(W.w, /*transpose=*/true, cached.wqt);
+      EXPECT_EQ(bytes(cached.wqt.data), bytes(transpose_128x128(cached.wq).data));
+      EXPECT_EQ(bytes(cached.wqt.scales), bytes(transpose_128x128(cached.wq).scales));
+      auto grads = [&](const LinearWeight& w, const Fp8View* view) {
+        Tensor dx = be->alloc({M, K}, DType::F32), dw = Tensor::zeros({N, K}, DType::F32);
+        Tensor db = Tensor::zeros({N}, DType::F32);
+        be->linear_backward(dy, x, w, spec, &dx, &dw, &db, view);
+        return std::vector<std::vector<uint8_t>>{bytes(dx), bytes(dw), bytes(db)};
+      };
+      const auto ref = grads(W, nullptr);
+      EXPECT_EQ(grads(W, &v), ref);
+      EXPECT_EQ(grads(cached, nullptr), ref);
+      EXPECT_EQ(grads(cached, &v), ref);
+      LinearWeight only_q = cached;  // the quantized weights alone
+      only_q.w = Tensor();
+      only_q.bias = Tensor();
+      Tensor dx = be->alloc({M, K}, DType::F32), dx_ref = be->alloc({M, K}, DType::F32);
+      be->linear_backward(dy, x, only_q, spec, &dx, nullptr, nullptr, &v);
+      be->linear_backward(dy, x, W, spec, &dx_ref, nullptr, nullptr);
+      EXPECT_EQ(bytes(dx), bytes(dx_ref));
+      EXPECT_THROW(be->linear_backward(dy, x, W, spec, &dx, nullptr, nullptr, &v2), Error);  // dup's view
+    }
+}
+
 TEST_F(FusedFp8, ProducerRefusesAViewOfAnotherShape) {
   const Tensor x = random_tensor({4, 200}, 8, DType::F32), w = random_tensor({200}, 9, DType::F32);
   Tensor out = be->alloc({4, 200}, DType::F32);
@@ -217,6 +294,61 @@ TEST(ModelGrad, Bf16WgradChangesOnlyTheLinearWeightGradients) {
   }
   EXPECT_EQ(linears, 2 * 7);
   EXPECT_LT(eb, e8) << "BF16 wgrad error " << std::sqrt(eb / n) << " vs FP8 " << std::sqrt(e8 / n);
+}
+
+// Through the model: the FP8 dgrad's operands from their producers (the SwiGLU backward's FP8
+// copies of dgate and dup, the residual adds' of o's and down's dY; the trainer's cached W^T)
+// leave every gradient bitwise what it was
+// with each linear_backward quantizing dy and W^T itself (BackwardOptions::fused_dy_fp8 false,
+// weights without wq / wqt: the path before them). Intermediate 320: three 128-blocks, the last
+// partial; pow2 scales, both wgrads, a BF16 first block.
+TEST(ModelGrad, Fp8DgradOperandsFromProducersLeaveGradientsBitwise) {
+  auto be = make_cpu_backend();
+  const ModelConfig c = model_config_tiny("qwen3", 48, /*hidden=*/128, /*layers=*/2, /*heads=*/4, /*kv_heads=*/2,
+                                          /*intermediate=*/320);
+  RandomInit init;
+  init.seed = 12;
+  init.std = 0.15f;
+  const ModelWeights w = model_weights_to_device(*be, model_weights_random(c, init, DType::F32), DType::F32);
+  const ForwardBatch batch = forward_batch_from_sequences(token_sequences({9, 5}, c.vocab_size, 5));
+  const int64_t T = batch.num_tokens();
+  Tensor dlogp = Tensor::empty({T}, DType::F32);
+  for (int64_t t = 0; t < T; ++t) dlogp.data<float>()[t] = 0.5f + 0.25f * static_cast<float>(t % 3);
+  for (int variant = 0; variant < 3; ++variant) {
+    EnginePrecision p;
+    p.linear = LinearMode::FP8_BLOCK;
+    p.pow2_scales = variant == 1;
+    p.wgrad = variant == 2 ? LinearMode::FP8_BLOCK : LinearMode::BF16;
+    p.bf16_first_layers = variant == 2 ? 1 : 0;
+    SCOPED_TRACE("variant " + std::to_string(variant));
+    // The trainer's compute weights: wq and wqt of every FP8 linear (Trainer::compute_weights).
+    ModelWeights cached = w;
+    int with_wqt = 0;
+    model_for_each_linear(cached, [&](const std::string& name, int layer, LinearWeight& lw) {
+      if (model_linear_mode(c, p, name, layer, lw) != LinearMode::FP8_BLOCK) return;
+      lw.wq = quantize_128x128(lw.w, p.pow2_scales);
+      lw.wqt = be->alloc_quant(lw.w.dim(1), lw.w.dim(0), kQuantBlock, kQuantBlock, p.pow2_scales);
+      be->quantize(lw.w, /*transpose=*/true, lw.wqt);
+      ++with_wqt;
+    });
+    EXPECT_EQ(with_wqt, 7 * (variant == 2 ? 1 : 2));
+    auto grads = [&](const ModelWeights& weights, bool fused) {
+      Activations acts;
+      model_forward_logprobs(*be, weights, p, batch, ForwardOptions{}, &acts);
+      ModelWeights g = model_grads_alloc(*be, w);
+      BackwardOptions bo;
+      bo.fused_dy_fp8 = fused;
+      model_backward(*be, weights, p, acts, be->to_device(dlogp), g, bo);
+      std::vector<std::pair<std::string, std::vector<uint8_t>>> all;
+      model_for_each_parameter(g, [&](const std::string& name, Tensor& t) { all.push_back({name, bytes(t)}); });
+      return all;
+    };
+    const auto before = grads(w, false);
+    const auto now = grads(cached, true);
+    ASSERT_EQ(before.size(), now.size());
+    for (size_t i = 0; i < before.size(); ++i) EXPECT_TRUE(before[i] == now[i]) << before[i].first;
+    EXPECT_TRUE(grads(w, true) == before);  // the fused SwiGLU backward alone
+  }
 }
 
 TEST(PrecisionRecipe, Bf16WgradSpecAndConfigKey) {

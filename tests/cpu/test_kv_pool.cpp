@@ -192,10 +192,12 @@ TEST(KvPool, PlanSaysWhatTrainWouldRefuse) {
   EXPECT_EQ(st, 0) << text;
   EXPECT_NE(text.find("fp8rl train would refuse this run: the memory plan's peak"), std::string::npos) << text;
   EXPECT_NE(text.find("exceeds the device's free memory, 139.00 GiB, by "), std::string::npos) << text;
-  text = run_shell(base + " precision.recipe=fp8_e2e rollout.gpu_memory_utilization=0.9", &st);
+  // fp8_e2e fits in 0.95 of the device (its peak with the shape's pool: 131.67 GiB, the trainer's
+  // 6.5 GiB of FP8 W^T copies included; the pool takes what the fraction leaves).
+  text = run_shell(base + " precision.recipe=fp8_e2e rollout.gpu_memory_utilization=0.95", &st);
   EXPECT_EQ(st, 0) << text;
-  EXPECT_NE(text.find("fits in 125.10 GiB"), std::string::npos) << text;
-  EXPECT_NE(text.find("rollout.gpu_memory_utilization 0.90: KV pool"), std::string::npos) << text;
+  EXPECT_NE(text.find("fits in 132.05 GiB"), std::string::npos) << text;
+  EXPECT_NE(text.find("rollout.gpu_memory_utilization 0.95: KV pool"), std::string::npos) << text;
   EXPECT_EQ(text.find("would refuse"), std::string::npos) << text;
   text = run_shell(std::string("'") + FP8RL_BINARY + "' plan --shape qwen3-8b device=cuda", &st);
   EXPECT_EQ(st, 0) << text;

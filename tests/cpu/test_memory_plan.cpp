@@ -82,6 +82,18 @@ TEST(MemoryPlan, SmallShapeByHand) {
     EXPECT_EQ(find(pr.transient, "saved activations"), p.activations_recompute_bytes);
     EXPECT_LT(pr.peak_bytes(), p.peak_bytes());
   }
+  // An FP8 trainer also keeps each FP8 linear's W^T for the dgrad (LinearWeight::wqt): as large
+  // as the linear's 128x128 cache, 36892 B per FP8 block (above); a BF16 first block has none.
+  {
+    MemoryPlanInput f = in;
+    f.trainer.linear = LinearMode::FP8_BLOCK;
+    const MemoryPlan pf = memory_plan_compute(f);
+    EXPECT_EQ(find(pf.resident, "trainer FP8 dgrad weights"), 2 * 36892);
+    EXPECT_EQ(pf.resident.size(), 7u);
+    f.trainer.bf16_first_layers = 1;
+    EXPECT_EQ(find(memory_plan_compute(f).resident, "trainer FP8 dgrad weights"), 36892);
+    for (const auto& l : p.resident) EXPECT_EQ(l.name.find("W^T"), std::string::npos) << "a BF16 trainer: " << l.name;
+  }
   // The frozen reference policy holds only its weights in the trainer's compute dtypes.
   in.reference_policy = true;
   in.trainer.linear = LinearMode::BF16;

@@ -65,6 +65,8 @@ TEST(OpTableCpu, CoversEveryOp) {
                        "rmsnorm_fp8",
                        "add_rmsnorm",
                        "swiglu_fp8",
+                       "swiglu_backward_fp8",
+                       "add_fp8",
                        "linear",
                        "linear_shared_input",
                        "linear_backward",

@@ -1,26 +1,32 @@
 // The fused producers of FP8 linear inputs (rmsnorm_fp8, add_rmsnorm, swiglu_fp8; backend.h,
-// Fp8View) on the GPU, bitwise:
+// Fp8View) and of the FP8 dgrads' dY (add_fp8, swiglu_backward_fp8) on the GPU, bitwise:
 //   - against the GPU's unfused ops (rmsnorm / add / swiglu, then quantize): output, rstd, codes
 //     and scales (the FP8 recipe's values are those of before the fusion);
 //   - the codes and scales against the CPU reference quantizer applied to the GPU's own output;
 //   - the output against the CPU op within the usual tolerance (F32 1e-5, BF16 1e-2);
 //   - linears given the view (cuBLASLt-layout or row-major scales, tensor cores or the
-//     dequantize path) against the same linears without it.
+//     dequantize path) against the same linears without it; the dgrad given dy's view and the
+//     cached W^T (LinearWeight::wqt) against the dgrad that quantizes and transposes itself.
 // And the BF16 wgrad of FP8 linears against the CPU reference. Widths cover partial last
 // blocks (D % 128 != 0), a single block, and D % 8 != 0 (the unfused fallback); rows cover
 // R % 16 == 0 (scales in cuBLASLt's layout) and ragged counts.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "../cpu/test_model_util.h"
 #include "backend/backend.h"
 #include "backend/cuda/cuda_backend.h"
 #include "core/error.h"
+#include "model/transformer.h"
+#include "model/weights.h"
 #include "quant/quant.h"
+#include "support/recompute_util.h"
 #include "support/test_support.h"
 
 namespace fp8rl {
@@ -190,6 +196,84 @@ TEST(CudaFused, SwigluFp8IsSwigluThenQuantizeBitwise) {
       }
 }
 
+TEST(CudaFused, AddFp8IsAddThenQuantizeBitwise) {
+  uint32_t seed = 530;
+  for (Backend* be : {&G(), env().exact.get()})
+    for (const Shape2& s : kShapes)
+      for (DType dt : {DType::BF16, DType::F32})
+        for (int alias = 0; alias < 2; ++alias) {
+          const bool pow2 = (seed & 1) != 0;
+          const std::string what = be->name() + " act " + dtype_name(be->act_dtype()) + " " + std::to_string(s.R) +
+                                   "x" + std::to_string(s.D) + " " + dtype_name(dt) + (pow2 ? " pow2" : "") +
+                                   (alias ? " out=a" : "");
+          SCOPED_TRACE(what);
+          const Tensor ah = rnd({s.R, s.D}, seed++, dt, 3.0f), bh = rnd({s.R, s.D}, seed++, dt);
+          const Tensor a = be->to_device(ah), b = be->to_device(bh);
+          Tensor out = poisoned(*be, {s.R, s.D}, dt);
+          const Tensor* a_in = &a;
+          if (alias) {  // the residual gradient updated in place
+            be->copy(a, out);
+            a_in = &out;
+          }
+          Fp8View v = be->alloc_fp8_view(s.R, s.D, pow2);
+          be->add_fp8(*a_in, b, out, v);
+          Tensor out_ref = poisoned(*be, {s.R, s.D}, dt);
+          be->add(a, b, out_ref);
+          QuantTensor ref = be->alloc_quant(s.R, s.D, 1, 128, pow2);
+          be->quantize(out_ref, false, ref);
+          EXPECT_EQ(bytes(*be, out), bytes(*be, out_ref));
+          expect_view_bitwise(*be, v, out, ref, pow2, what);
+          EXPECT_EQ(v.scales_gemm_layout, be->act_dtype() == DType::BF16 && s.R % 16 == 0 && s.D % 128 == 0);
+        }
+  // Mixed dtypes take the unfused pair.
+  const Tensor a = G().to_device(rnd({16, 256}, 1, DType::F32)), b = G().to_device(rnd({16, 256}, 2, DType::BF16));
+  Tensor out = poisoned(G(), {16, 256}, DType::BF16), out_ref = poisoned(G(), {16, 256}, DType::BF16);
+  Fp8View v = G().alloc_fp8_view(16, 256, false);
+  G().add_fp8(a, b, out, v);
+  G().add(a, b, out_ref);
+  QuantTensor ref = G().alloc_quant(16, 256, 1, 128, false);
+  G().quantize(out_ref, false, ref);
+  EXPECT_EQ(bytes(G(), out), bytes(G(), out_ref));
+  expect_view_bitwise(G(), v, out, ref, false, "mixed dtypes");
+}
+
+TEST(CudaFused, SwigluBackwardFp8IsSwigluBackwardThenQuantizeBitwise) {
+  uint32_t seed = 550;
+  const Shape2 shapes[] = {{1, 6144}, {16, 384}, {131, 200}, {33, 100}, {64, 72}, {256, 6144}, {4096, 6144}};
+  for (Backend* be : {&G(), env().exact.get()})
+    for (const Shape2& s : shapes)
+      for (DType dt : {DType::BF16, DType::F32})
+        for (bool pow2 : {false, true}) {
+          const std::string what = be->name() + " act " + dtype_name(be->act_dtype()) + " " + std::to_string(s.R) +
+                                   "x" + std::to_string(s.D) + " " + dtype_name(dt) + (pow2 ? " pow2" : "");
+          SCOPED_TRACE(what);
+          const Tensor dh = rnd({s.R, s.D}, seed++, dt), gh = rnd({s.R, s.D}, seed++, dt, 3.0f);
+          const Tensor uh = rnd({s.R, s.D}, seed++, dt);
+          const Tensor d = be->to_device(dh), g = be->to_device(gh), u = be->to_device(uh);
+          Tensor dg = poisoned(*be, {s.R, s.D}, dt), du = poisoned(*be, {s.R, s.D}, dt);
+          Fp8View vg = be->alloc_fp8_view(s.R, s.D, pow2), vu = be->alloc_fp8_view(s.R, s.D, pow2);
+          be->swiglu_backward_fp8(d, g, u, dg, du, vg, vu);
+          // The unfused GPU ops.
+          Tensor dg_ref = poisoned(*be, {s.R, s.D}, dt), du_ref = poisoned(*be, {s.R, s.D}, dt);
+          be->swiglu_backward(d, g, u, dg_ref, du_ref);
+          QuantTensor rg = be->alloc_quant(s.R, s.D, 1, 128, pow2), ru = be->alloc_quant(s.R, s.D, 1, 128, pow2);
+          be->quantize(dg_ref, false, rg);
+          be->quantize(du_ref, false, ru);
+          EXPECT_EQ(bytes(*be, dg), bytes(*be, dg_ref));
+          EXPECT_EQ(bytes(*be, du), bytes(*be, du_ref));
+          expect_view_bitwise(*be, vg, dg, rg, pow2, what + " dgate");
+          expect_view_bitwise(*be, vu, du, ru, pow2, what + " dup");
+          const bool laid = be->act_dtype() == DType::BF16 && s.R % 16 == 0 && s.D % 128 == 0;
+          EXPECT_EQ(vg.scales_gemm_layout, laid);
+          EXPECT_EQ(vu.scales_gemm_layout, laid);
+          // Against the CPU op.
+          Tensor cg = Tensor::empty({s.R, s.D}, dt), cu = Tensor::empty({s.R, s.D}, dt);
+          C().swiglu_backward(dh, gh, uh, cg, cu);
+          EXPECT_LT(rel_err(*be, dg, cg), dt == DType::F32 ? 1e-5 : 1e-2);
+          EXPECT_LT(rel_err(*be, du, cu), dt == DType::F32 ? 1e-5 : 1e-2);
+        }
+}
+
 TEST(CudaFused, NonFiniteOutputIsAnError) {
   const int64_t R = 16, D = 256;
   std::vector<float> xv(R * D, 1.0f);
@@ -208,6 +292,14 @@ TEST(CudaFused, NonFiniteOutputIsAnError) {
   EXPECT_THROW(
       {
         G().swiglu_fp8(g, u, out, v);
+        G().synchronize();
+      },
+      Error);
+  Tensor dg = G().alloc({R, D}, DType::BF16), du = G().alloc({R, D}, DType::BF16);
+  Fp8View vu = G().alloc_fp8_view(R, D, false);
+  EXPECT_THROW(
+      {
+        G().swiglu_backward_fp8(g, u, u, dg, du, v, vu);  // dout holds an inf
         G().synchronize();
       },
       Error);
@@ -262,6 +354,134 @@ TEST(CudaFused, LinearWithViewIsBitwiseLinearWithout) {
           Tensor other = be->alloc({c.M, c.K}, act);
           be->copy(xn, other);
           EXPECT_THROW(be->linear(other, W1, spec, d1, &v), Error);
+        }
+}
+
+// The FP8 dgrad given dy's view (swiglu_backward_fp8) and/or the cached W^T (wqt) computes
+// bitwise the dx of quantizing dy and transposing W itself: tensor cores with cuBLASLt-layout
+// scales (M % 16 == 0), row-major ones (ragged M: a tail product), the dequantize fallback with a
+// row-major view (N % 128 != 0) and with a cuBLASLt-layout view, requantized (K % 16 != 0); the
+// gate projection's shape at 256 tokens. The weight gradient does not read them.
+TEST(CudaFused, LinearBackwardWithViewAndWqtIsBitwiseWithout) {
+  struct Case {
+    int64_t M, N, K;  // dy [M, N], W [N, K]
+  };
+  const Case cases[] = {{16, 256, 512}, {17, 256, 512}, {256, 6144, 2048}, {32, 200, 256}, {32, 256, 120}};
+  uint32_t seed = 800;
+  for (Backend* be : {&G(), env().exact.get()})
+    for (const Case& c : cases)
+      for (bool pow2 : {false, true})
+        for (LinearMode wgrad : {LinearMode::BF16, LinearMode::FP8_BLOCK}) {
+          const std::string what = be->name() + " act " + dtype_name(be->act_dtype()) + " " + std::to_string(c.M) +
+                                   "x" + std::to_string(c.N) + "x" + std::to_string(c.K) + (pow2 ? " pow2" : "") +
+                                   " wgrad " + linear_mode_name(wgrad);
+          SCOPED_TRACE(what);
+          const LinearSpec spec{LinearMode::FP8_BLOCK, pow2, wgrad};
+          const DType act = be->act_dtype();
+          const Tensor d = be->to_device(rnd({c.M, c.N}, seed++, act)), g = be->to_device(rnd({c.M, c.N}, seed++, act, 3.0f));
+          const Tensor u = be->to_device(rnd({c.M, c.N}, seed++, act)), x = be->to_device(rnd({c.M, c.K}, seed++, act));
+          Tensor dy = be->alloc({c.M, c.N}, act), dy2 = be->alloc({c.M, c.N}, act);
+          Fp8View v = be->alloc_fp8_view(c.M, c.N, pow2), v2 = be->alloc_fp8_view(c.M, c.N, pow2);
+          be->swiglu_backward_fp8(d, g, u, dy, dy2, v, v2);
+          LinearWeight W;
+          W.w = be->to_device(rnd({c.N, c.K}, seed++, DType::F32, 0.05f));
+          LinearWeight cached = W;  // the trainer's: wq and its transpose
+          cached.wq = be->alloc_quant(c.N, c.K, 128, 128, pow2);
+          be->quantize(W.w, false, cached.wq);
+          cached.wqt = be->alloc_quant(c.K, c.N, 128, 128, pow2);
+          be->quantize(W.w, true, cached.wqt);
+          auto dgrad = [&](const LinearWeight& w, const Fp8View* view) {
+            Tensor dx = poisoned(*be, {c.M, c.K}, act), dw = be->alloc({c.N, c.K}, DType::F32);
+            be->fill(dw, 0.0f);
+            be->linear_backward(dy, x, w, spec, &dx, &dw, nullptr, view);
+            return std::make_pair(bytes(*be, dx), bytes(*be, dw));
+          };
+          const auto ref = dgrad(W, nullptr);
+          EXPECT_TRUE(dgrad(W, &v) == ref) << "view";
+          EXPECT_TRUE(dgrad(cached, nullptr) == ref) << "wqt";
+          EXPECT_TRUE(dgrad(cached, &v) == ref) << "view + wqt";
+          LinearWeight only_q = cached;  // wq and wqt alone (no w)
+          only_q.w = Tensor();
+          EXPECT_TRUE(dgrad(only_q, &v) == ref) << "view + wq + wqt, no w";
+          // wqt is wq's exact transpose, and the CPU quantizer's.
+          const QuantTensor t = transpose_128x128(quantize_128x128(be->to_host(W.w), pow2));
+          EXPECT_EQ(bytes(*be, cached.wqt.data), bytes(*be, t.data));
+          EXPECT_EQ(bytes(*be, cached.wqt.scales), bytes(*be, t.scales));
+          Tensor dx = be->alloc({c.M, c.K}, act);
+          EXPECT_THROW(be->linear_backward(dy, x, W, spec, &dx, nullptr, nullptr, &v2), Error);  // dup's view
+        }
+}
+
+// Through the model on the GPU: the FP8 dgrads fed by their dY's producers (the SwiGLU backward,
+// the residual adds) and the trainer's cached W^T give the gradients of each linear_backward quantizing dy and W^T itself
+// (BackwardOptions::fused_dy_fp8 false, weights without wq / wqt): bitwise for every linear (GEMMs
+// and what feeds them are deterministic), within 1e-4 of the largest value for the gradients
+// added by FP32 atomics (RMSNorm weights, embedding, biases: as test_cuda_recompute.cpp). A
+// batch of 48 tokens (views in cuBLASLt's layout) and of 47 (row-major, tail products), both
+// activation dtypes, fp8_e2e's BF16 wgrad and the FP8 one.
+TEST(CudaFused, ModelGradientsWithFusedDyAndCachedWtAreUnchanged) {
+  auto atomic_accumulated = [](const std::string& name) {
+    return name.find("norm") != std::string::npos || name.find("embed_tokens") != std::string::npos ||
+           (name.size() >= 5 && name.compare(name.size() - 5, 5, ".bias") == 0);
+  };
+  for (Backend* be : {&G(), env().exact.get()})
+    for (const char* family : {"qwen3", "qwen2"})
+      for (int32_t last : {28, 27})
+        for (LinearMode wgrad : {LinearMode::BF16, LinearMode::FP8_BLOCK}) {
+          SCOPED_TRACE(std::string(family) + " act " + dtype_name(be->act_dtype()) + " tokens " +
+                       std::to_string(20 + last) + " wgrad " + linear_mode_name(wgrad));
+          EnginePrecision prec = PrecisionRecipe::preset("fp8_e2e").trainer;
+          prec.wgrad = wgrad;
+          const ModelWeights w = model_weights_to_device(*be, test::recompute_model(family), DType::F32);
+          ModelWeights cached = w;  // as Trainer::compute_weights: wq and wqt of every FP8 linear
+          int fp8_linears = 0;
+          model_for_each_linear(cached, [&](const std::string& name, int layer, LinearWeight& lw) {
+            if (model_linear_mode(w.config, prec, name, layer, lw) != LinearMode::FP8_BLOCK) return;
+            const int64_t N = lw.w.dim(0), K = lw.w.dim(1);
+            lw.wq = be->alloc_quant(N, K, kQuantBlock, kQuantBlock, prec.pow2_scales);
+            be->quantize(lw.w, false, lw.wq);
+            lw.wqt = be->alloc_quant(K, N, kQuantBlock, kQuantBlock, prec.pow2_scales);
+            be->quantize(lw.w, true, lw.wqt);
+            ++fp8_linears;
+          });
+          EXPECT_EQ(fp8_linears, 3 * 7);
+          const ForwardBatch batch = forward_batch_from_sequences(test::recompute_sequences(last));
+          const int64_t T = batch.num_tokens();
+          std::vector<float> dl(T);
+          for (int64_t t = 0; t < T; ++t) dl[t] = 0.01f * static_cast<float>((t * 7) % 11) - 0.05f;
+          auto grads = [&](const ModelWeights& weights, bool fused) {
+            Activations acts;
+            model_forward_logprobs(*be, weights, prec, batch, ForwardOptions{}, &acts);
+            ModelWeights g = model_grads_alloc(*be, w, DType::F32);
+            model_grads_zero(*be, g);
+            BackwardOptions bo;
+            bo.fused_dy_fp8 = fused;
+            model_backward(*be, weights, prec, acts, be->to_device(from_float_vector(dl, {T})), g, bo);
+            std::vector<std::pair<std::string, Tensor>> out;
+            model_for_each_parameter(g, [&](const std::string& n, const Tensor& t) { out.emplace_back(n, t); });
+            return out;
+          };
+          const auto before = grads(w, false), now = grads(cached, true);
+          ASSERT_EQ(before.size(), now.size());
+          int bitwise = 0;
+          for (size_t i = 0; i < before.size(); ++i) {
+            const std::string& name = before[i].first;
+            if (!atomic_accumulated(name)) {
+              EXPECT_TRUE(test::bitwise_equal(*be, before[i].second, now[i].second)) << name;
+              ++bitwise;
+              continue;
+            }
+            const std::vector<double> a = test::values_f64(*be, before[i].second);
+            const std::vector<double> b = test::values_f64(*be, now[i].second);
+            double amax = 0, dmax = 0;
+            for (size_t k = 0; k < a.size(); ++k) {
+              ASSERT_TRUE(std::isfinite(a[k]) && std::isfinite(b[k])) << name << "[" << k << "]";
+              amax = std::max(amax, std::fabs(a[k]));
+              dmax = std::max(dmax, std::fabs(a[k] - b[k]));
+            }
+            EXPECT_LE(dmax, 1e-4 * amax) << name << ": max |diff| " << dmax << " of max |gradient| " << amax;
+          }
+          EXPECT_GE(bitwise, 3 * 7) << "every block's linears are compared bitwise";
         }
 }
 

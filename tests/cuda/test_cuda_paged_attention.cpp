@@ -7,12 +7,15 @@
 // Tolerances: F32 q/out 1e-5 of the largest |output| (as test_cuda_ops.cpp) and 1e-4 per
 // (token, head) row relative to that row's largest |output| (long contexts give small rows, a
 // wrong merge shows there); BF16 q/out 1e-2 against the CPU on the same BF16-rounded q.
-// Every output is poisoned (NaN) before the call, so an unwritten row fails.
+// Every output is poisoned (NaN) before the call, so an unwritten row fails. Every variant of the
+// tensor-core kernel (cuda::paged_attention_mma_variants(), FP8RL_PAGED_VARIANT) runs wherever
+// the tensor-core kernel does, each against the CPU with the same tolerances.
 // The decode shapes of issue 14 (Qwen3-1.7B and Llama-3.1-8B heads, 256 sequences of 80..700
 // positions and 16 of 4096, BF16 / E4M3 pools): the tensor-core kernel against the CPU
 // (DecodeShapesMatchCpu), and, with FP8RL_PAGED_BENCH=1, the timing of the tiled and the
-// tensor-core kernel there (DecodeBench: us per call and GB/s of K/V read; a table on stdout and,
-// with FP8RL_PAGED_BENCH_JSON=FILE, the rows as JSON).
+// tensor-core kernel there, one row per variant (DecodeBench: us per call and GB/s of K/V read; a
+// table on stdout and, with FP8RL_PAGED_BENCH_JSON=FILE, the rows as JSON; the default variant's
+// kernel is "mma", the others "mma:" + the variant's name).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -169,7 +172,7 @@ Err compare(const std::vector<float>& a, const std::vector<float>& r, int hd) {
 // Runs the scenario with q F32 and BF16, fp8_attention off and on, splits by the plan and forced
 // (1 and 7), the tiled and grouped paged kernels (plan and 7 splits) and the simple kernel; all
 // against the CPU reference. "auto" / "1" / "7" run the tensor-core kernel for BF16 q over BF16 /
-// E4M3 pools and the tiled one otherwise.
+// E4M3 pools (every variant) and the tiled one otherwise.
 void check(const Scenario& s, uint32_t seed) {
   Built b = build(s, seed);
   const int layer = 1;
@@ -183,27 +186,34 @@ void check(const Scenario& s, uint32_t seed) {
       C().attention_paged(b.hc, layer, qh, b.hb, sc, fp8q, ro);
       const std::vector<float> ref = host_floats(ro);
       const Tensor qd = G().to_device(q);
-      for (const char* mode : {"auto", "1", "7", "tiled", "tiled7", "grouped", "grouped7", "simple"}) {
-        SCOPED_TRACE(::testing::Message() << dtype_name(s.pool) << " pool, hd " << s.hd << ", Hq " << s.Hq << ", Hkv "
-                                          << s.Hkv << ", q " << dtype_name(qdt) << ", fp8_attention " << fp8q
-                                          << ", splits " << mode);
-        const std::string md = mode;
-        const bool simple = md == "simple", grouped = md.rfind("grouped", 0) == 0, tiled = md.rfind("tiled", 0) == 0;
-        const char* splits = md == "1" || md == "7" ? mode : md == "grouped7" || md == "tiled7" ? "7" : nullptr;
-        EnvSwitch e1("FP8RL_CUDA_ATTENTION", simple ? "simple" : grouped ? "grouped" : tiled ? "tiled" : nullptr);
-        EnvSwitch e2("FP8RL_CUDA_PAGED_SPLITS", splits);
-        Tensor go = G().alloc(q.shape(), qdt);
-        G().fill(go, NAN);
-        G().attention_paged(b.gc, layer, qd, b.db, sc, fp8q, go);
-        const Err e = compare(host_floats(go), ref, s.hd);
-        if (qdt == DType::F32) {
-          EXPECT_LT(e.global, 1e-5);
-          EXPECT_LT(e.row, 1e-4);
-        } else {
-          EXPECT_LT(e.global, 1e-2);
-          EXPECT_LT(e.row, 2e-2);
+      // "auto" / "1" / "7" run the tensor-core kernel here (each variant)
+      const bool mma_case = qdt == DType::BF16 && s.pool != DType::F32;
+      for (const char* mode : {"auto", "1", "7", "tiled", "tiled7", "grouped", "grouped7", "simple"})
+        for (int v = 0; v < cuda::paged_attention_mma_variants(); ++v) {
+          const std::string md = mode;
+          const bool simple = md == "simple", grouped = md.rfind("grouped", 0) == 0, tiled = md.rfind("tiled", 0) == 0;
+          if (v > 0 && (simple || grouped || tiled || !mma_case)) continue;  // variants of the tensor-core kernel only
+          SCOPED_TRACE(::testing::Message()
+                       << dtype_name(s.pool) << " pool, hd " << s.hd << ", Hq " << s.Hq << ", Hkv " << s.Hkv << ", q "
+                       << dtype_name(qdt) << ", fp8_attention " << fp8q << ", splits " << mode << ", variant "
+                       << cuda::paged_attention_mma_variant_name(v));
+          const char* splits = md == "1" || md == "7" ? mode : md == "grouped7" || md == "tiled7" ? "7" : nullptr;
+          EnvSwitch e1("FP8RL_CUDA_ATTENTION", simple ? "simple" : grouped ? "grouped" : tiled ? "tiled" : nullptr);
+          EnvSwitch e2("FP8RL_CUDA_PAGED_SPLITS", splits);
+          const std::string vs = std::to_string(v);
+          EnvSwitch e3("FP8RL_PAGED_VARIANT", vs.c_str());
+          Tensor go = G().alloc(q.shape(), qdt);
+          G().fill(go, NAN);
+          G().attention_paged(b.gc, layer, qd, b.db, sc, fp8q, go);
+          const Err e = compare(host_floats(go), ref, s.hd);
+          if (qdt == DType::F32) {
+            EXPECT_LT(e.global, 1e-5);
+            EXPECT_LT(e.row, 1e-4);
+          } else {
+            EXPECT_LT(e.global, 1e-2);
+            EXPECT_LT(e.row, 2e-2);
+          }
         }
-      }
     }
 }
 
@@ -384,28 +394,34 @@ TEST(CudaPagedAttention, DecodeShapesMatchCpu) {
           const Tensor qd = G().to_device(q);
           // "mma-short": max_pos understated (100) with 3 forced splits, so the last split runs
           // far past its chunk (as a stale plan would).
-          for (const char* mode : {"mma", "mma-short", "tiled"}) {
-            const std::string md = mode;
-            if (md == "mma-short" && layer == 1) continue;
-            SCOPED_TRACE(::testing::Message() << sh.name << ", " << dtype_name(pool) << " pool, layer " << layer
-                                              << ", fp8_attention " << fp8q << ", kernel " << mode);
-            EnvSwitch e1("FP8RL_CUDA_ATTENTION", md == "tiled" ? "tiled" : nullptr);
-            EnvSwitch e2("FP8RL_CUDA_PAGED_SPLITS", md == "mma-short" ? "3" : nullptr);
-            PagedBatch db = b.db;
-            if (md == "mma-short") db.max_pos = 100;
-            Tensor go = G().alloc(q.shape(), DType::BF16);
-            G().fill(go, NAN);
-            G().attention_paged(b.gc, layer, qd, db, sc, fp8q, go);
-            const std::vector<float> all = host_floats(go);
-            std::vector<float> got;
-            for (int r : b.cpu_rows) got.insert(got.end(), all.begin() + r * rowlen, all.begin() + (r + 1) * rowlen);
-            for (float x : all) ASSERT_TRUE(std::isfinite(x)) << "an output row was not written";
-            const Err e = compare(got, ref, sh.hd);
-            std::printf("  %-30s %-4s layer %d fp8q %d %-9s: err global %.2e row %.2e\n", sh.name, dtype_name(pool),
-                        layer, int(fp8q), mode, e.global, e.row);
-            EXPECT_LT(e.global, 1e-2);
-            EXPECT_LT(e.row, 2e-2);
-          }
+          for (const char* mode : {"mma", "mma-short", "tiled"})
+            for (int v = 0; v < cuda::paged_attention_mma_variants(); ++v) {
+              const std::string md = mode;
+              if (md == "mma-short" && layer == 1) continue;
+              if (md == "tiled" && v > 0) continue;
+              SCOPED_TRACE(::testing::Message()
+                           << sh.name << ", " << dtype_name(pool) << " pool, layer " << layer << ", fp8_attention "
+                           << fp8q << ", kernel " << mode << ", variant " << cuda::paged_attention_mma_variant_name(v));
+              EnvSwitch e1("FP8RL_CUDA_ATTENTION", md == "tiled" ? "tiled" : nullptr);
+              EnvSwitch e2("FP8RL_CUDA_PAGED_SPLITS", md == "mma-short" ? "3" : nullptr);
+              const std::string vs = std::to_string(v);
+              EnvSwitch e3("FP8RL_PAGED_VARIANT", vs.c_str());
+              PagedBatch db = b.db;
+              if (md == "mma-short") db.max_pos = 100;
+              Tensor go = G().alloc(q.shape(), DType::BF16);
+              G().fill(go, NAN);
+              G().attention_paged(b.gc, layer, qd, db, sc, fp8q, go);
+              const std::vector<float> all = host_floats(go);
+              std::vector<float> got;
+              for (int r : b.cpu_rows) got.insert(got.end(), all.begin() + r * rowlen, all.begin() + (r + 1) * rowlen);
+              for (float x : all) ASSERT_TRUE(std::isfinite(x)) << "an output row was not written";
+              const Err e = compare(got, ref, sh.hd);
+              std::printf("  %-30s %-4s layer %d fp8q %d %-9s %-10s: err global %.2e row %.2e\n", sh.name,
+                          dtype_name(pool), layer, int(fp8q), mode,
+                          md == "tiled" ? "" : cuda::paged_attention_mma_variant_name(v), e.global, e.row);
+              EXPECT_LT(e.global, 1e-2);
+              EXPECT_LT(e.row, 2e-2);
+            }
         }
       ++seed;
     }
@@ -444,7 +460,11 @@ TEST(CudaPagedAttention, DecodeBench) {
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
   const double peak = 4.8e12;
   std::string json = "[\n";
-  std::printf("\n%-30s %-5s %-6s %7s %9s %8s %6s %8s\n", "shape", "pool", "kernel", "splits", "us/call", "GB/s",
+  for (int v = 0; v < cuda::paged_attention_mma_variants(); ++v)
+    std::printf("variant %d %-12s CTAs per SM at hd 128: BF16 %d, E4M3 %d\n", v,
+                cuda::paged_attention_mma_variant_name(v), cuda::paged_attention_mma_blocks_per_sm(128, DType::BF16, v),
+                cuda::paged_attention_mma_blocks_per_sm(128, DType::E4M3, v));
+  std::printf("\n%-30s %-5s %-14s %7s %9s %8s %6s %8s\n", "shape", "pool", "kernel", "splits", "us/call", "GB/s",
               "%peak", "speedup");
   uint32_t seed = 1900;
   for (const DecodeShape& sh : kDecodeShapes)
@@ -459,10 +479,17 @@ TEST(CudaPagedAttention, DecodeBench) {
       const float sc = 1.0f / std::sqrt(static_cast<float>(sh.hd));
       const int max_pages = static_cast<int>(b.db.page_table.dim(1));
       double base_us = 0;
-      for (const char* kern : {"tiled", "mma"}) {
-        const bool mma = std::string(kern) == "mma";
-        const cuda::PagedSplit plan = mma ? cuda::paged_attention_mma_split(b.T, sh.Hkv, sh.hd, pool, b.db.max_pos, sm, 0)
-                                    : cuda::paged_attention_split(b.T, sh.Hkv, b.db.max_pos, sm, 0);
+      // The tiled kernel, then every variant of the tensor-core kernel (v = -1: tiled).
+      for (int v = -1; v < cuda::paged_attention_mma_variants(); ++v) {
+        const bool mma = v >= 0;
+        const std::string kname = !mma ? "tiled"
+                                  : v == cuda::paged_attention_mma_variant_env()
+                                      ? "mma"
+                                      : std::string("mma:") + cuda::paged_attention_mma_variant_name(v);
+        const char* kern = kname.c_str();
+        const cuda::PagedSplit plan =
+            mma ? cuda::paged_attention_mma_split(b.T, sh.Hkv, sh.hd, pool, b.db.max_pos, sm, 0, v)
+                : cuda::paged_attention_split(b.T, sh.Hkv, b.db.max_pos, sm, 0);
         Tensor part = G().alloc({std::max<int64_t>(b.T * sh.Hq * plan.splits * (sh.hd + 1), 1)}, DType::F32);
         float* po = part.data<float>();
         float* pl = po + b.T * sh.Hq * plan.splits * sh.hd;
@@ -474,9 +501,9 @@ TEST(CudaPagedAttention, DecodeBench) {
           const auto* posp = b.db.token_pos.data<int32_t>();
           const auto* tab = b.db.page_table.data<int32_t>();
           if (mma)
-            cuda::launch_paged_attention_mma(q.raw(), DType::BF16, seqp, posp, tab, max_pages, b.T, sh.Hq, sh.Hkv, sh.hd, 16,
-                                       b.gc.k[layer].raw(), b.gc.v[layer].raw(), pool, ks, vs, sc, false, plan, po, pl,
-                                       out.raw(), stream);
+            cuda::launch_paged_attention_mma(q.raw(), DType::BF16, seqp, posp, tab, max_pages, b.T, sh.Hq, sh.Hkv,
+                                             sh.hd, 16, b.gc.k[layer].raw(), b.gc.v[layer].raw(), pool, ks, vs, sc,
+                                             false, plan, po, pl, out.raw(), stream, v);
           else
             cuda::launch_paged_attention(q.raw(), DType::BF16, seqp, posp, tab, max_pages, b.T, sh.Hq, sh.Hkv, sh.hd, 16,
                                    b.gc.k[layer].raw(), b.gc.v[layer].raw(), pool, ks, vs, sc, false, plan, po, pl,
@@ -486,8 +513,8 @@ TEST(CudaPagedAttention, DecodeBench) {
         ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
         const double gbs = bytes / (us * 1e-6) / 1e9;
         if (!mma) base_us = us;
-        std::printf("%-30s %-5s %-6s %7d %9.1f %8.0f %5.0f%% %7.2fx\n", sh.name, dtype_name(pool), kern, plan.splits, us,
-                    gbs, 100.0 * gbs * 1e9 / peak, base_us / us);
+        std::printf("%-30s %-5s %-14s %7d %9.1f %8.0f %5.0f%% %7.2fx\n", sh.name, dtype_name(pool), kern, plan.splits,
+                    us, gbs, 100.0 * gbs * 1e9 / peak, base_us / us);
         char row[512];
         std::snprintf(row, sizeof row,
                       "  {\"shape\": \"%s\", \"pool\": \"%s\", \"kernel\": \"%s\", \"splits\": %d, \"chunk\": %d, "

@@ -272,13 +272,13 @@ void linear_cases(std::vector<OpCase>& t) {
       EXPECT_THROW(r.be.linear(r["x"], weight_of(r, false), spec, narrow), Error);
     };
   }
-  // dgrad with a pre-quantized weight takes W.wq transposed instead of requantizing W.w: bitwise
-  // the same dx, with or without w.
+  // dgrad with a pre-quantized weight takes W.wq transposed instead of requantizing W.w, or the
+  // cached transpose W.wqt (the trainer's): bitwise the same dx, with or without w.
   for (const Gemm& g : {Gemm{256, 512, 384}, Gemm{130, 200, 260}, Gemm{64, 384, 128}})
     for (bool pow2 : {false, true}) {
       const LinearSpec spec{LinearMode::FP8_BLOCK, pow2};
       t.push_back({"linear_backward",
-                   gemm_name(g) + " fp8 dgrad with W.wq" + (pow2 ? " pow2" : ""),
+                   gemm_name(g) + " fp8 dgrad with W.wq, W.wqt" + (pow2 ? " pow2" : ""),
                    [=] {
                      return Tensors{{"x", rnd({g.M, g.K}, 40)},
                                     {"dy", rnd({g.M, g.N}, 41)},
@@ -297,9 +297,33 @@ void linear_cases(std::vector<OpCase>& t) {
                      only_q.wq = both.wq;
                      r.be.linear_backward(r["dy"], r["x"], only_q, spec, &r.output("dx_q", {g.M, g.K}, DType::F32),
                                           nullptr, nullptr);
+                     // The trainer's cache: wq and its transpose wqt (quantize(w, transpose) with
+                     // 128x128 blocks), with and without w.
+                     LinearWeight cached = both;
+                     cached.wqt = r.be.alloc_quant(g.K, g.N, 128, 128, pow2);
+                     r.be.quantize(W.w, true, cached.wqt);
+                     r.be.linear_backward(r["dy"], r["x"], cached, spec, &r.output("dx_t", {g.M, g.K}, DType::F32),
+                                          nullptr, nullptr);
+                     cached.w = Tensor();
+                     r.be.linear_backward(r["dy"], r["x"], cached, spec, &r.output("dx_tq", {g.M, g.K}, DType::F32),
+                                          nullptr, nullptr);
+                     r.out["wqt"] = cached.wqt.data;
+                     r.out["wqt_scales"] = cached.wqt.scales;
+                     r.out["wq"] = both.wq.data;
+                     r.out["wq_scales"] = both.wq.scales;
                    },
-                   {{"dx_q", fp8_gemm()}},
-                   {{"dx_both", "dx_w"}, {"dx_q", "dx_w"}}});
+                   {{"dx_q", fp8_gemm()}, {"dx_t", fp8_gemm()}, {"wqt", bitwise()}, {"wqt_scales", bitwise()}},
+                   {{"dx_both", "dx_w"}, {"dx_q", "dx_w"}, {"dx_t", "dx_w"}, {"dx_tq", "dx_w"}}});
+      // wqt is wq's exact transpose (data and scale grid).
+      t.back().invariants = [](const Tensors& o) {
+        QuantTensor q;
+        q.data = o.at("wq");
+        q.scales = o.at("wq_scales");
+        q.block_rows = q.block_cols = 128;
+        const QuantTensor qt = transpose_128x128(q);
+        EXPECT_EQ(std::memcmp(qt.data.raw(), o.at("wqt").raw(), qt.data.nbytes()), 0) << "wqt data";
+        EXPECT_EQ(std::memcmp(qt.scales.raw(), o.at("wqt_scales").raw(), qt.scales.nbytes()), 0) << "wqt scales";
+      };
       t.back().errors = [=](OpRun& r) {  // the spec's pow2 must match the cached weight's
         LinearWeight only_q;
         only_q.wq = r.be.alloc_quant(g.N, g.K, 128, 128, pow2);
@@ -308,6 +332,12 @@ void linear_cases(std::vector<OpCase>& t) {
         EXPECT_THROW(
             r.be.linear_backward(r["dy"], r["x"], only_q, {LinearMode::FP8_BLOCK, !pow2}, &dx, nullptr, nullptr),
             Error);
+        LinearWeight with_t = only_q;
+        with_t.wqt = r.be.alloc_quant(g.K, g.N, 128, 128, !pow2);  // quantized with the other pow2
+        r.be.quantize(r["w"], true, with_t.wqt);
+        EXPECT_THROW(r.be.linear_backward(r["dy"], r["x"], with_t, spec, &dx, nullptr, nullptr), Error);
+        with_t.wqt = r.be.alloc_quant(g.N, g.K, 128, 128, pow2);  // not transposed
+        EXPECT_THROW(r.be.linear_backward(r["dy"], r["x"], with_t, spec, &dx, nullptr, nullptr), Error);
       };
     }
   seed = 300;
@@ -518,27 +548,140 @@ void layer_cases(std::vector<OpCase>& t) {
 // ---- fused producers of FP8 linear inputs and linear_shared_input --------------------------------
 
 // The FP8 view a fused producer wrote is bitwise the reference quantizer applied to the output
-// the same backend wrote (any scale layout: "layout" 1 = cuBLASLt's block-major scales).
-void expect_view_is_quantized_out(const Tensors& o, bool pow2) {
-  const Tensor& out = o.at("out");
+// the same backend wrote (any scale layout: "layout" 1 = cuBLASLt's block-major scales). The
+// view of output `out` is kept as <view>q, <view>scales, <view>layout (keep_view).
+void expect_view_is_quantized_out(const Tensors& o, bool pow2, const std::string& out_name = "out",
+                                  const std::string& view = "") {
+  const Tensor& out = o.at(out_name);
   const int64_t D = out.dim(-1), R = out.numel() / D, nb = (D + 127) / 128;
   QuantTensor ref = quant_alloc(R, D, 1, 128, pow2);
   quantize_blocks_into(out.reshape({R, D}), false, ref);
-  EXPECT_EQ(std::memcmp(ref.data.raw(), o.at("q").raw(), ref.data.nbytes()), 0) << "FP8 view data";
-  const bool laid = o.at("layout").data<int32_t>()[0] != 0;
-  const float* s = o.at("scales").data<float>();
+  EXPECT_EQ(std::memcmp(ref.data.raw(), o.at(view + "q").raw(), ref.data.nbytes()), 0)
+      << "FP8 view data of " << out_name;
+  const bool laid = o.at(view + "layout").data<int32_t>()[0] != 0;
+  const float* s = o.at(view + "scales").data<float>();
   for (int64_t r = 0; r < R; ++r)
     for (int64_t b = 0; b < nb; ++b)
       ASSERT_EQ(std::memcmp(&ref.scales.data<float>()[r * nb + b], &s[laid ? b * R + r : r * nb + b], 4), 0)
-          << "FP8 view scale of row " << r << " block " << b;
+          << "FP8 view scale of " << out_name << " row " << r << " block " << b;
 }
 
-void keep_view(OpRun& r, const Fp8View& v) {
-  r.out["q"] = v.q.data;
-  r.out["scales"] = v.q.scales;
+void keep_view(OpRun& r, const Fp8View& v, const std::string& view = "") {
+  r.out[view + "q"] = v.q.data;
+  r.out[view + "scales"] = v.q.scales;
   Tensor l = Tensor::empty({1}, DType::I32);
   l.data<int32_t>()[0] = v.scales_gemm_layout;
-  r.out["layout"] = l;
+  r.out[view + "layout"] = l;
+}
+
+// The producers of the FP8 dgrads' dY: the residual gradient's add (o, down) and the SwiGLU
+// backward (dgate, dup for gate, up). Each FP8 copy is bitwise the quantization of the output it
+// was written with (and the outputs bitwise add's / swiglu_backward's); the dgrads given them
+// bitwise the dgrads that quantize dy themselves. R 48: scales in cuBLASLt's layout on CUDA
+// (BF16), tensor cores when the width % 128 == 0; R 37 ragged (row-major); width 200: a partial
+// last block and CUDA's dequantize path.
+void add_fp8_cases(std::vector<OpCase>& t) {
+  for (DType dt : {DType::F32, DType::BF16})
+    for (int64_t R : {int64_t(48), int64_t(37)})
+      for (int64_t D : {int64_t(384), int64_t(200)}) {
+        const int64_t K = 256;
+        const bool f32 = dt == DType::F32, pow2 = R == 48;
+        const LinearSpec spec{LinearMode::FP8_BLOCK, pow2};
+        t.push_back(
+            {"add_fp8 + linear_backward",
+             dims({R, D}) + " " + dtype_name(dt) + (pow2 ? " pow2" : "") + ", dgrad K 256",
+             [=] {
+               return Tensors{{"a", rnd({R, D}, 550, dt)},
+                              {"b", rnd({R, D}, 551, dt, 2.0f)},
+                              {"x", rnd({R, K}, 552)},
+                              {"w", rnd({D, K}, 553, DType::F32, 0.05f)}};
+             },
+             [=](OpRun& r) {
+               Fp8View v = r.be.alloc_fp8_view(R, D, pow2);
+               Tensor& out = r.output("out", {R, D}, dt);
+               r.be.add_fp8(r["a"], r["b"], out, v);
+               keep_view(r, v);
+               r.be.add(r["a"], r["b"], r.output("out_ref", {R, D}, dt));
+               Fp8View va = r.be.alloc_fp8_view(R, D, pow2);  // in place: out aliases a
+               Tensor& sum_a = r.updated("sum_a", "a");
+               r.be.add_fp8(sum_a, r["b"], sum_a, va);
+               const LinearWeight W = weight_of(r, false);
+               r.be.linear_backward(out, r["x"], W, spec, &r.output("dx", {R, K}, DType::F32), nullptr, nullptr, &v);
+               r.be.linear_backward(out, r["x"], W, spec, &r.output("dx_ref", {R, K}, DType::F32), nullptr, nullptr);
+             },
+             {{"out", rel(f32 ? 1e-6 : 1e-2)}, {"dx", fp8_gemm()}},
+             {{"out", "out_ref"}, {"sum_a", "out_ref"}, {"dx", "dx_ref"}}});
+        t.back().invariants = [=](const Tensors& o) { expect_view_is_quantized_out(o, pow2); };
+        t.back().errors = [=](OpRun& r) {
+          Tensor out = r.be.alloc({R, D}, dt);
+          Fp8View wide = r.be.alloc_fp8_view(R, D + 128, pow2);
+          EXPECT_THROW(r.be.add_fp8(r["a"], r["b"], out, wide), Error);  // not out's view
+        };
+      }
+}
+
+void swiglu_backward_fp8_cases(std::vector<OpCase>& t) {
+  for (DType dt : {DType::F32, DType::BF16})
+    for (int64_t R : {int64_t(48), int64_t(37)})
+      for (int64_t F : {int64_t(384), int64_t(200)}) {
+        const int64_t K = 256;
+        const bool f32 = dt == DType::F32, pow2 = R == 37;
+        const LinearSpec spec{LinearMode::FP8_BLOCK, pow2};
+        t.push_back(
+            {"swiglu_backward_fp8 + linear_backward",
+             dims({R, F}) + " " + dtype_name(dt) + (pow2 ? " pow2" : "") + ", dgrads K 256",
+             [=] {
+               return Tensors{{"gate", rnd({R, F}, 540, dt, 3.0f)},
+                              {"up", rnd({R, F}, 541, dt)},
+                              {"d", rnd({R, F}, 542, dt)},
+                              {"x", rnd({R, K}, 543)},
+                              {"wg", rnd({F, K}, 544, DType::F32, 0.05f)},
+                              {"wu", rnd({F, K}, 545, DType::F32, 0.05f)}};
+             },
+             [=](OpRun& r) {
+               Fp8View vg = r.be.alloc_fp8_view(R, F, pow2), vu = r.be.alloc_fp8_view(R, F, pow2);
+               Tensor& dg = r.output("dgate", {R, F}, dt);
+               Tensor& du = r.output("dup", {R, F}, dt);
+               r.be.swiglu_backward_fp8(r["d"], r["gate"], r["up"], dg, du, vg, vu);
+               keep_view(r, vg, "g_");
+               keep_view(r, vu, "u_");
+               r.be.swiglu_backward(r["d"], r["gate"], r["up"], r.output("dgate_ref", {R, F}, dt),
+                                    r.output("dup_ref", {R, F}, dt));
+               LinearWeight Wg, Wu;
+               Wg.w = r["wg"];
+               Wu.w = r["wu"];
+               r.be.linear_backward(dg, r["x"], Wg, spec, &r.output("dx_g", {R, K}, DType::F32), nullptr, nullptr, &vg);
+               r.be.linear_backward(du, r["x"], Wu, spec, &r.output("dx_u", {R, K}, DType::F32), nullptr, nullptr, &vu);
+               r.be.linear_backward(dg, r["x"], Wg, spec, &r.output("dx_g_ref", {R, K}, DType::F32), nullptr, nullptr);
+               r.be.linear_backward(du, r["x"], Wu, spec, &r.output("dx_u_ref", {R, K}, DType::F32), nullptr, nullptr);
+             },
+             {{"dgate", rel(f32 ? 1e-5 : 1e-2)},
+              {"dup", rel(f32 ? 1e-5 : 1e-2)},
+              {"dx_g", fp8_gemm()},
+              {"dx_u", fp8_gemm()}},
+             {{"dgate", "dgate_ref"}, {"dup", "dup_ref"}, {"dx_g", "dx_g_ref"}, {"dx_u", "dx_u_ref"}}});
+        t.back().invariants = [=](const Tensors& o) {
+          expect_view_is_quantized_out(o, pow2, "dgate", "g_");
+          expect_view_is_quantized_out(o, pow2, "dup", "u_");
+        };
+        t.back().errors = [=](OpRun& r) {
+          Tensor dg = r.be.alloc({R, F}, dt), du = r.be.alloc({R, F}, dt);
+          Fp8View vg = r.be.alloc_fp8_view(R, F, pow2), vu = r.be.alloc_fp8_view(R, F, pow2);
+          Fp8View narrow = r.be.alloc_fp8_view(R, F - 8, pow2);
+          EXPECT_THROW(r.be.swiglu_backward_fp8(r["d"], r["gate"], r["up"], dg, du, vg, narrow), Error);
+          EXPECT_THROW(r.be.swiglu_backward_fp8(r["d"], r["gate"], r["up"], dg, du, vg, vg), Error);  // one view twice
+          r.be.swiglu_backward_fp8(r["d"], r["gate"], r["up"], dg, du, vg, vu);
+          LinearWeight Wg;
+          Wg.w = r["wg"];
+          Tensor dx = r.be.alloc({R, K}, DType::F32);
+          // dup's view for dgate (a stale or mismatched view), and the other pow2.
+          EXPECT_THROW(r.be.linear_backward(dg, r["x"], Wg, spec, &dx, nullptr, nullptr, &vu), Error);
+          EXPECT_THROW(r.be.linear_backward(dg, r["x"], Wg, {LinearMode::FP8_BLOCK, !pow2}, &dx, nullptr, nullptr, &vg),
+                       Error);
+          // Other modes ignore the view.
+          EXPECT_NO_THROW(r.be.linear_backward(dg, r["x"], Wg, {LinearMode::BF16, false}, &dx, nullptr, nullptr, &vu));
+        };
+      }
 }
 
 void fused_cases(std::vector<OpCase>& t) {
@@ -813,9 +956,17 @@ void grouped_linear_backward_cases(std::vector<OpCase>& t) {
              r.be.linear_backward(dy.slice_rows(offsets[g], offsets[g + 1]), x.slice_rows(offsets[g], offsets[g + 1]),
                                   W[static_cast<size_t>(g)], spec, &dxg, singles[static_cast<size_t>(g)], nullptr);
            }
+           if (v.mode == LinearMode::FP8_BLOCK) {  // the trainer's cached W^T (wqt): the same dx, bitwise
+             for (LinearWeight& w : W) {
+               w.wqt = r.be.alloc_quant(K, N, kQuantBlock, kQuantBlock, false);
+               r.be.quantize(w.w, true, w.wqt);
+             }
+             r.be.grouped_linear_backward(dy, x, offsets, ws, spec, &r.output("dx_wqt", {R, K}, v.dt), {});
+           }
          },
          {{"dx", linear_tolerance(v.mode, v.dt)}},
-         {}});
+         v.mode == LinearMode::FP8_BLOCK ? std::vector<std::pair<std::string, std::string>>{{"dx_wqt", "dx"}}
+                                         : std::vector<std::pair<std::string, std::string>>{}});
     // The CPU runs both the same way (bitwise); CUDA's grouped launches are close to the
     // per-group products. The weight gradients accumulate into the given values.
     t.back().close.emplace_back("dx", "dx_single", linear_tolerance(v.mode, v.dt));
@@ -1507,6 +1658,8 @@ const std::vector<OpCase>& op_table() {
     layer_cases(t);
     fused_cases(t);
     concatenated_linear_cases(t);
+    add_fp8_cases(t);
+    swiglu_backward_fp8_cases(t);
     grouped_linear_cases(t);
     grouped_linear_backward_cases(t);
     moe_cases(t);

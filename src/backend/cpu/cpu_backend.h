@@ -71,7 +71,7 @@ class CpuBackend final : public Backend {
   void linear_impl(const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor& out,
                    const Fp8View* x_fp8) override;
   void linear_backward_impl(const Tensor& dy, const Tensor& x, const LinearWeight& W, const LinearSpec& spec,
-                            Tensor* dx, Tensor* dw, Tensor* dbias) override;
+                            Tensor* dx, Tensor* dw, Tensor* dbias, const Fp8View* dy_fp8) override;
   void rope_impl(Tensor& x, const Tensor& positions, const RopeParams& rope, bool inverse) override;
   void attention_impl(const Tensor& q, const Tensor& k, const Tensor& v, const std::vector<int32_t>& cu_seqlens,
                       float softmax_scale, Tensor& out, Tensor& lse) override;

@@ -75,9 +75,11 @@ std::vector<double> linear_operand_tokens(const Tensor& x, LinearMode mode, bool
 }
 
 // W^T [K, N], the dgrad weight operand (FP8: W's 128x128 quantization transposed exactly).
-// FP8 uses W.wq when defined (the forward's quantized weight), else quantizes W.w.
+// FP8 uses W.wqt when defined (that transpose, cached), else W.wq when defined (the forward's
+// quantized weight) transposed, else quantizes W.w.
 std::vector<double> linear_operand_weight_t(const LinearWeight& W, LinearMode mode, bool pow2) {
   if (mode == LinearMode::FP8_BLOCK) {
+    if (W.wqt.defined()) return dequantize_exact(W.wqt);
     const QuantTensor wq = W.wq.defined() ? W.wq : quantize_128x128(W.w, pow2);
     return dequantize_exact(transpose_128x128(wq));
   }
@@ -91,12 +93,14 @@ Tensor tensor_f64(const std::vector<double>& v, const Shape& shape) {
 }
 
 // Gradients of Y[M, N] = X[M, K] W[N, K]^T given dY (values), in `spec` numerics:
-// dx [M, K] = dY W, dw [N, K] = dY^T X (nullptr: not computed).
+// dx [M, K] = dY W, dw [N, K] = dY^T X (nullptr: not computed). dy_fp8: dY's 1x128
+// quantization from its producer (FP8 only), the values linear_operand_act would make.
 void linear_grads(const Tensor& dy2, const Tensor& x2, const LinearWeight& W, const LinearSpec& spec,
-                  std::vector<double>* dx, std::vector<double>* dw) {
+                  const Fp8View* dy_fp8, std::vector<double>* dx, std::vector<double>* dw) {
   const int64_t M = dy2.dim(0), N = dy2.dim(1), K = x2.dim(1);
   if (dx) {
-    const std::vector<double> a = linear_operand_act(dy2, spec.mode, spec.pow2_scales);  // [M, N]
+    const std::vector<double> a =
+        dy_fp8 ? dequantize_exact(dy_fp8->q) : linear_operand_act(dy2, spec.mode, spec.pow2_scales);  // [M, N]
     const std::vector<double> b = linear_operand_weight_t(W, spec.mode, spec.pow2_scales);  // [K, N]
     *dx = matmul_nt(a, b, M, K, N);
   }
@@ -178,13 +182,16 @@ void CpuBackend::linear_impl(const Tensor& x, const LinearWeight& W, const Linea
 }
 
 void CpuBackend::linear_backward_impl(const Tensor& dy, const Tensor& x, const LinearWeight& W, const LinearSpec& spec,
-                                      Tensor* dx, Tensor* dw, Tensor* dbias) {
+                                      Tensor* dx, Tensor* dw, Tensor* dbias, const Fp8View* dy_fp8) {
   const int64_t N = W.out_features(), K = W.in_features();
   const Tensor x2 = as_2d(x, K);
   const Tensor dy2 = as_2d(dy, N);
   const int64_t M = x2.dim(0);
+  // The CPU's own limit, as linear's: it reads the view's scales row-major.
+  if (dy_fp8)
+    FP8RL_CHECK(!dy_fp8->scales_gemm_layout, "linear_backward: the CPU backend takes FP8 views with row-major scales");
   std::vector<double> gx, gw;
-  linear_grads(dy2, x2, W, spec, dx ? &gx : nullptr, dw ? &gw : nullptr);
+  linear_grads(dy2, x2, W, spec, dy_fp8, dx ? &gx : nullptr, dw ? &gw : nullptr);
   if (dx) store(gx, *dx, "linear dx");
   if (dw) accumulate(gw, *dw, "linear dw");
   if (dbias) {
@@ -294,7 +301,7 @@ void CpuBackend::token_logprobs_backward_impl(const Tensor& hidden, const Tensor
     LinearWeight Wc;
     Wc.w = lm_head.slice_rows(c.v0, c.v0 + c.n);
     std::vector<double> gx, gw;
-    linear_grads(tensor_f64(draw, {T, c.n}), hidden, Wc, spec, &gx, dlm_head ? &gw : nullptr);
+    linear_grads(tensor_f64(draw, {T, c.n}), hidden, Wc, spec, nullptr, &gx, dlm_head ? &gw : nullptr);
     for (int64_t i = 0; i < T * D; ++i) dh[i] += gx[i];
     if (dlm_head) {
       Tensor rows = dlm_head->slice_rows(c.v0, c.v0 + c.n);

@@ -67,6 +67,13 @@ __device__ __forceinline__ float round_as(const bf16*, float v) { return bf16_bi
 // SwiGLU's per-element value silu(g) * u = (g * sigmoid(g)) * u in FP32: one copy for the
 // swiglu kernels and the fused swiglu -> FP8 producer.
 __device__ __forceinline__ float swiglu_value(float g, float u) { return g * (1.0f / (1.0f + expf(-g))) * u; }
+// Its backward per element in FP32 (du = d silu(g), dg = d u silu'(g)): one copy for the
+// swiglu_backward kernels and the fused swiglu_backward -> FP8 producer.
+__device__ __forceinline__ void swiglu_backward_value(float d, float g, float u, float& dg, float& du) {
+  const float sg = 1.0f / (1.0f + expf(-g));
+  du = d * g * sg;
+  dg = d * u * sg * (1.0f + g * (1.0f - sg));
+}
 
 // Host: the block size of the one-block-per-row vectorized RMSNorm kernels (8 elements per
 // thread and pass, a multiple of 32 in [32, 256]); the fused RMSNorm -> FP8 kernel uses the same,

@@ -544,6 +544,43 @@ void CudaBackend::swiglu_fp8_impl(const Tensor& gate, const Tensor& up, Tensor& 
   flag_check("swiglu_fp8: the output " + out.str() + " holds NaN or Inf (FP8 quantization refuses non-finite values)");
 }
 
+void CudaBackend::add_fp8_impl(const Tensor& a, const Tensor& b, Tensor& out, Fp8View& fp8) {
+  const OpTimer op_timer_(*this, "add_fp8");
+  fp8_view_prepare(fp8, out);
+  const int64_t D = out.dim(-1), R = rows_of(out);
+  int* bad = flag_reset();
+  // The fused kernel takes one dtype; anything else is the unfused pair (the same bits).
+  const bool one = a.dtype() == out.dtype() && b.dtype() == out.dtype();
+  if (!one || !launch_add_fp8(a.raw(), b.raw(), out.raw(), out.dtype(), R, D, fp8.q.pow2, fp8.q.data.data<uint8_t>(),
+                              fp8.q.scales.data<float>(), fp8.scales_gemm_layout, bad, stream_)) {
+    launch_add(a.raw(), a.dtype(), b.raw(), b.dtype(), out.raw(), out.dtype(), out.numel(), stream_);
+    quantize_async(out.reshape({R, D}), false, fp8.q, false, fp8.scales_gemm_layout);
+  }
+  flag_check("add_fp8: the output " + out.str() + " holds NaN or Inf (FP8 quantization refuses non-finite values)");
+}
+
+void CudaBackend::swiglu_backward_fp8_impl(const Tensor& dout, const Tensor& gate, const Tensor& up, Tensor& dgate,
+                                           Tensor& dup, Fp8View& dgate_fp8, Fp8View& dup_fp8) {
+  const OpTimer op_timer_(*this, "swiglu_backward_fp8");
+  one_dtype({&dout, &gate, &up, &dgate, &dup}, "swiglu_backward_fp8");
+  fp8_view_prepare(dgate_fp8, dgate);
+  fp8_view_prepare(dup_fp8, dup);
+  const int64_t F = dgate.dim(-1), R = rows_of(dgate);
+  const bool laid = dgate_fp8.scales_gemm_layout;  // the same for both: one shape
+  int* bad = flag_reset();
+  if (!launch_swiglu_backward_fp8(dout.raw(), gate.raw(), up.raw(), dgate.raw(), dup.raw(), dgate.dtype(), R, F,
+                                  dgate_fp8.q.pow2, dgate_fp8.q.data.data<uint8_t>(), dgate_fp8.q.scales.data<float>(),
+                                  dup_fp8.q.data.data<uint8_t>(), dup_fp8.q.scales.data<float>(), laid, bad,
+                                  stream_)) {
+    launch_swiglu_backward(dout.raw(), gate.raw(), up.raw(), dgate.raw(), dup.raw(), gate.dtype(), gate.numel(),
+                           stream_);
+    quantize_async(dgate.reshape({R, F}), false, dgate_fp8.q, false, laid);
+    quantize_async(dup.reshape({R, F}), false, dup_fp8.q, false, laid);
+  }
+  flag_check("swiglu_backward_fp8: dgate " + dgate.str() + " or dup holds NaN or Inf (FP8 quantization refuses "
+             "non-finite values)");
+}
+
 // ---- mixture of experts --------------------------------------------------------------------------
 
 void CudaBackend::moe_route_softmax_impl(const Tensor& logits, int top_k, bool renormalize, Tensor& experts,
@@ -652,7 +689,8 @@ void CudaBackend::quantize_async(const Tensor& x, bool transpose, QuantTensor& o
 }
 
 void CudaBackend::quantize_impl(const Tensor& x, bool transpose, QuantTensor& out) {
-  const OpTimer op_timer_(*this, "quantize");
+  // Named apart: the trainer's per-step W^T copies (LinearWeight wqt) are the transposed ones.
+  const OpTimer op_timer_(*this, transpose ? "quantize (transposed)" : "quantize");
   flag_reset();
   quantize_async(x, transpose, out);
   flag_check("quantize: the input " + x.str() +
@@ -994,8 +1032,9 @@ void CudaBackend::grouped_linear_impl(const Tensor& x, const std::vector<int64_t
 
 // The experts' backward, each half in one launch where the mode allows:
 //   dgrad, FP8 with pre-quantized weights: dY quantized once (1x128 along N), each routed
-//     expert's W^T (the byte transpose of its 128x128 quantization, as linear_backward) packed
-//     in one scratch, the own grouped kernel over them; BF16 with BF16 weights: cuBLAS grouped;
+//     expert's W^T (its cached wqt, the trainer's; else the byte transpose of its 128x128
+//     quantization, as linear_backward, packed in one scratch), the own grouped kernel over
+//     them; BF16 with BF16 weights: cuBLAS grouped;
 //   wgrad (BF16 mode, or FP8 with spec.wgrad == BF16) into BF16 gradients (train.grad_dtype
 //     bf16): cuBLAS grouped dY_g^T X_g into each dw_g (cuBLAS has no grouped BF16 GEMM into F32).
 // What does not qualify runs as linear_backward per group (counted in grouped_loops).
@@ -1012,9 +1051,7 @@ void CudaBackend::grouped_linear_backward_impl(const Tensor& dy, const Tensor& x
               R < (int64_t{1} << 31);
     for (const LinearWeight* w : W) ok = ok && w->wq.defined() && w->wq.pow2 == spec.pow2_scales;
     if (ok) {
-      const int64_t U = live_groups(offsets);
       QuantTensor dyq = scratch_quant(kSlotAq, kSlotAs, R, N, 1, spec.pow2_scales);
-      QuantTensor wt = scratch_quant(kSlotBq, kSlotBs, U * K, N, kQuantBlock, spec.pow2_scales);
       flag_reset();
       {
         const OpTimer t(*this, "grouped_linear_backward: dgrad quantize dy", 2);
@@ -1023,8 +1060,18 @@ void CudaBackend::grouped_linear_backward_impl(const Tensor& dy, const Tensor& x
       flag_check("grouped_linear_backward (FP8 dgrad): dy " + dy.str() + " holds NaN or Inf");
       std::vector<const uint8_t*> bp(W.size(), nullptr);
       std::vector<const float*> sp(W.size(), nullptr);
-      {
+      bool cached = true;  // every routed expert's W^T kept by the trainer (LinearWeight::wqt)
+      for (size_t g = 0; g < W.size(); ++g) cached = cached && (offsets[g + 1] == offsets[g] || W[g]->wqt.defined());
+      if (cached) {
+        for (size_t g = 0; g < W.size(); ++g)  // groups without rows: any valid map (never read)
+          if (offsets[g + 1] > offsets[g]) bp[g] = W[g]->wqt.data.data<uint8_t>(), sp[g] = W[g]->wqt.scales.data<float>();
+        const size_t any = static_cast<size_t>(std::find_if(bp.begin(), bp.end(), [](const uint8_t* p) { return p; }) -
+                                               bp.begin());
+        for (size_t g = 0; g < W.size(); ++g)
+          if (!bp[g]) bp[g] = bp[any], sp[g] = sp[any];
+      } else {
         const OpTimer t(*this, "grouped_linear_backward: dgrad transpose W", 2);
+        QuantTensor wt = scratch_quant(kSlotBq, kSlotBs, live_groups(offsets) * K, N, kQuantBlock, spec.pow2_scales);
         int64_t u = 0;
         for (size_t g = 0; g < W.size(); ++g) {
           if (offsets[g + 1] == offsets[g]) continue;
@@ -1083,14 +1130,14 @@ void CudaBackend::grouped_linear_backward_impl(const Tensor& dy, const Tensor& x
 }
 
 void CudaBackend::linear_backward_impl(const Tensor& dy, const Tensor& x, const LinearWeight& W, const LinearSpec& spec,
-                                       Tensor* dx, Tensor* dw, Tensor* dbias) {
+                                       Tensor* dx, Tensor* dw, Tensor* dbias, const Fp8View* dy_fp8) {
   if (is_bf16_grad(dw) || is_bf16_grad(dbias)) {
     Tensor dw32, db32;
     {
       const OpTimer t(*this, "linear_backward: BF16 grad widen/narrow", 2);
       dw32 = grad_widen(*this, dw), db32 = grad_widen(*this, dbias);
     }
-    linear_backward_impl(dy, x, W, spec, dx, dw32.defined() ? &dw32 : dw, db32.defined() ? &db32 : dbias);
+    linear_backward_impl(dy, x, W, spec, dx, dw32.defined() ? &dw32 : dw, db32.defined() ? &db32 : dbias, dy_fp8);
     const OpTimer t(*this, "linear_backward: BF16 grad widen/narrow", 2);
     grad_narrow(*this, dw32, dw);
     grad_narrow(*this, db32, dbias);
@@ -1107,25 +1154,40 @@ void CudaBackend::linear_backward_impl(const Tensor& dy, const Tensor& x, const 
       const OpTimer t(*this, "linear_backward: dgrad BF16/FP32 GEMM", 2);
       mm(false, false, M, K, N, dy2, W.w, ab, dx2, 0.0f);
     } else {
-      // dgrad: dY 1x128 along N; W^T [K, N] 128x128, the exact transpose of W's quantization:
-      // of W.wq when defined (a byte transpose, no requantization), else of W.w quantized here.
-      const bool tc = fp8_tensor_cores(M, K, N), laid = tc && M % kFp8RowGranule == 0;  // as in the forward
-      QuantTensor dyq = scratch_quant(kSlotAq, kSlotAs, M, N, 1, spec.pow2_scales);
-      QuantTensor wtq = scratch_quant(kSlotBq, kSlotBs, K, N, kQuantBlock, spec.pow2_scales);
-      flag_reset();
-      {
+      // dgrad: dY 1x128 along N (dy_fp8: already quantized by its producer; the dequantize path
+      // reads row-major scales only, so a view in cuBLASLt's layout is then ignored and dy
+      // quantized again: the same values, as in the forward); W^T [K, N] 128x128, the exact
+      // transpose of W's quantization: W.wqt when defined (the trainer's per-step copy), else
+      // W.wq byte-transposed here, else W.w quantized transposed here.
+      const bool tc = fp8_tensor_cores(M, K, N);
+      const bool use_view = dy_fp8 && (tc || !dy_fp8->scales_gemm_layout);
+      const bool laid = use_view ? dy_fp8->scales_gemm_layout : tc && M % kFp8RowGranule == 0;  // as in the forward
+      const bool quantizes = !use_view || !(W.wqt.defined() || W.wq.defined());  // a flag slot only then
+      if (quantizes) flag_reset();
+      QuantTensor dyq;
+      if (use_view) {
+        dyq = dy_fp8->q;
+      } else {
         const OpTimer t(*this, "linear_backward: dgrad quantize dy", 2);
+        dyq = scratch_quant(kSlotAq, kSlotAs, M, N, 1, spec.pow2_scales);
         quantize_async(dy2, false, dyq, false, /*gemm_layout=*/laid);
       }
-      if (W.wq.defined()) {
+      QuantTensor wtq;
+      if (W.wqt.defined()) {
+        wtq = W.wqt;
+      } else if (W.wq.defined()) {
         const OpTimer t(*this, "linear_backward: dgrad transpose W", 2);
+        wtq = scratch_quant(kSlotBq, kSlotBs, K, N, kQuantBlock, spec.pow2_scales);
         launch_transpose_quant(W.wq.data.data<uint8_t>(), W.wq.scales.data<float>(), N, K, kQuantBlock,
                                wtq.data.data<uint8_t>(), wtq.scales.data<float>(), stream_);
       } else {
         const OpTimer t(*this, "linear_backward: dgrad quantize W^T", 2);
+        wtq = scratch_quant(kSlotBq, kSlotBs, K, N, kQuantBlock, spec.pow2_scales);
         quantize_async(W.w, true, wtq);
       }
-      flag_check("linear_backward (FP8 dgrad): dy " + dy.str() + " or the weight holds NaN or Inf");
+      if (quantizes)
+        flag_check(use_view ? "linear_backward (FP8 dgrad): the weight holds NaN or Inf"
+                            : "linear_backward (FP8 dgrad): dy " + dy.str() + " or the weight holds NaN or Inf");
       if (tc) {
         const OpTimer t(*this, "linear_backward: dgrad FP8 GEMM", 2);
         gemm_->gemm_fp8(M, K, N, dyq.data.data<uint8_t>(), dyq.scales.data<float>(), wtq.data.data<uint8_t>(),
@@ -1360,7 +1422,7 @@ void CudaBackend::token_logprobs_backward_impl(const Tensor& hidden, const Tenso
     Tensor dxc = scratch(kSlotTmp, {T, D}, DType::F32);
     Tensor dchunk;
     if (dlm_head) dchunk = dlm_head->slice_rows(v0, v0 + n);
-    linear_backward_impl(logits, hidden, chunk, spec, &dxc, dlm_head ? &dchunk : nullptr, nullptr);
+    linear_backward_impl(logits, hidden, chunk, spec, &dxc, dlm_head ? &dchunk : nullptr, nullptr, nullptr);
     launch_add(dh.raw(), DType::F32, dxc.raw(), DType::F32, dh.raw(), DType::F32, dh.numel(), stream_);
   }
   launch_convert(dh.raw(), DType::F32, dhidden.raw(), dhidden.dtype(), dh.numel(), stream_);
@@ -1442,7 +1504,7 @@ void CudaBackend::attention_paged_impl(const KvCache& cache, int layer, const Te
     launch_paged_attention_mma(q.raw(), q.dtype(), batch.token_seq.data<int32_t>(), batch.token_pos.data<int32_t>(),
                                batch.page_table.data<int32_t>(), max_pages, T, Hq, cache.num_kv_heads, hd,
                                cache.page_size, kp, vp, cache.dtype, ks, vs, softmax_scale, fp8_attention, plan, part,
-                               part_lse, out.raw(), stream_, lse_out);
+                               part_lse, out.raw(), stream_, /*variant=*/-1, lse_out);
     return;
   }
   launch_paged_attention(q.raw(), q.dtype(), batch.token_seq.data<int32_t>(), batch.token_pos.data<int32_t>(),

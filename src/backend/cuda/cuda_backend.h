@@ -80,8 +80,11 @@ class CudaBackend final : public Backend {
   void add_rmsnorm_impl(const Tensor& a, const Tensor& b, Tensor& sum, const Tensor& w, float eps, Tensor& out,
                         Tensor* rstd, Fp8View* fp8) override;
   void swiglu_fp8_impl(const Tensor& gate, const Tensor& up, Tensor& out, Fp8View& fp8) override;
+  void add_fp8_impl(const Tensor& a, const Tensor& b, Tensor& out, Fp8View& fp8) override;
+  void swiglu_backward_fp8_impl(const Tensor& dout, const Tensor& gate, const Tensor& up, Tensor& dgate, Tensor& dup,
+                                Fp8View& dgate_fp8, Fp8View& dup_fp8) override;
   void linear_backward_impl(const Tensor& dy, const Tensor& x, const LinearWeight& W, const LinearSpec& spec,
-                            Tensor* dx, Tensor* dw, Tensor* dbias) override;
+                            Tensor* dx, Tensor* dw, Tensor* dbias, const Fp8View* dy_fp8) override;
   void rope_impl(Tensor& x, const Tensor& positions, const RopeParams& rope, bool inverse) override;
   void attention_impl(const Tensor& q, const Tensor& k, const Tensor& v, const std::vector<int32_t>& cu_seqlens,
                       float softmax_scale, Tensor& out, Tensor& lse) override;

@@ -1,8 +1,10 @@
 // Fused producers of FP8 linear inputs (backend.h, Fp8View): RMSNorm (optionally after the
-// residual add) and SwiGLU that write their output and its 1x128 E4M3 copy in one pass, the
+// residual add) and SwiGLU that write their output and its 1x128 E4M3 copy in one pass, and for
+// the FP8 dgrads' dY the residual gradient's add and the SwiGLU backward (dgate and dup), the
 // scales in row-major or cuBLASLt's VEC128 layout. Each is bitwise its unfused form followed by
 // the quantizer: the same per-element FP32 math as model_kernels.cu / elementwise_kernels.cu
-// (swiglu_value; the RMSNorm's double sum of squares over the same threads in the same order),
+// (swiglu_value, swiglu_backward_value; the RMSNorm's double sum of squares over the same
+// threads in the same order),
 // the output rounded to its dtype before its amax and its codes are taken (the quantizer reads
 // the stored output), and the scale and codes of quant.cuh. Vectorized only (8 elements per
 // access); the backend runs the unfused ops for any other shape.
@@ -131,6 +133,97 @@ __global__ void swiglu_fp8_kernel(const T* __restrict__ g, const T* __restrict__
   if (in) *reinterpret_cast<uint2*>(q + r * F + c) = encode8(v, s);
 }
 
+// 8 stored values' amax (after rounding to T, as the quantizer reads them) and finiteness.
+template <class T>
+__device__ __forceinline__ float stored_amax8(const T* p, float v[8], bool& finite) {
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    v[i] = round_as(p, v[i]);
+    finite &= isfinite(v[i]);
+    amax = fmaxf(amax, fabsf(v[i]));
+  }
+  return amax;
+}
+
+// As swiglu_fp8_kernel, for out = a + b (the residual stream's gradient); a thread reads its
+// elements of a before writing them, so out may alias a.
+template <class T>
+__global__ void add_fp8_kernel(const T* a, const T* __restrict__ b, T* out, int64_t R, int64_t D, bool pow2,
+                               uint8_t* __restrict__ q, float* __restrict__ scales, bool gemm_layout, int* bad) {
+  const int64_t nb = (D + 127) / 128;
+  const int64_t gid = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 4;
+  const int sub = threadIdx.x & 15;
+  const unsigned mask = 0xffffu << (threadIdx.x & 16);  // this thread's half-warp
+  if (gid >= R * nb) return;  // whole half-warps leave together (blockDim is a multiple of 16)
+  const int64_t r = gid / nb, blk = gid % nb, c = blk * 128 + sub * 8;
+  const bool in = c < D;
+  float v[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  float amax = 0.0f;
+  bool finite = true;
+  if (in) {
+    float w[8];
+    load8(a + r * D + c, v);
+    load8(b + r * D + c, w);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] += w[i];  // as add_vec_kernel
+    store8(out + r * D + c, v);
+    amax = stored_amax8(out, v, finite);
+  }
+  if (!finite) atomicExch(bad, 1);
+#pragma unroll
+  for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(mask, amax, o));
+  const float s = fp8_scale_from_amax(amax, pow2);
+  if (sub == 0) scales[gemm_layout ? blk * R + r : r * nb + blk] = s;
+  if (in) *reinterpret_cast<uint2*>(q + r * D + c) = encode8(v, s);
+}
+
+// As swiglu_fp8_kernel, for the backward: dg, du = swiglu_backward(d, g, u) and both E4M3 copies.
+template <class T>
+__global__ void swiglu_backward_fp8_kernel(const T* __restrict__ d, const T* __restrict__ g, const T* __restrict__ u,
+                                           T* __restrict__ dg, T* __restrict__ du, int64_t R, int64_t F, bool pow2,
+                                           uint8_t* __restrict__ qg, float* __restrict__ sg, uint8_t* __restrict__ qu,
+                                           float* __restrict__ su, bool gemm_layout, int* bad) {
+  const int64_t nb = (F + 127) / 128;
+  const int64_t gid = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 4;
+  const int sub = threadIdx.x & 15;
+  const unsigned mask = 0xffffu << (threadIdx.x & 16);  // this thread's half-warp
+  if (gid >= R * nb) return;  // whole half-warps leave together (blockDim is a multiple of 16)
+  const int64_t r = gid / nb, blk = gid % nb, c = blk * 128 + sub * 8;
+  const bool in = c < F;
+  float a[8] = {0, 0, 0, 0, 0, 0, 0, 0}, b[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // dgate, dup
+  float amax_g = 0.0f, amax_u = 0.0f;
+  bool finite = true;
+  if (in) {
+    float dv[8], gv[8], uv[8];
+    load8(d + r * F + c, dv);
+    load8(g + r * F + c, gv);
+    load8(u + r * F + c, uv);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) swiglu_backward_value(dv[i], gv[i], uv[i], a[i], b[i]);
+    store8(dg + r * F + c, a);
+    store8(du + r * F + c, b);
+    amax_g = stored_amax8(dg, a, finite);
+    amax_u = stored_amax8(du, b, finite);
+  }
+  if (!finite) atomicExch(bad, 1);
+#pragma unroll
+  for (int o = 8; o > 0; o >>= 1) {
+    amax_g = fmaxf(amax_g, __shfl_xor_sync(mask, amax_g, o));
+    amax_u = fmaxf(amax_u, __shfl_xor_sync(mask, amax_u, o));
+  }
+  const float s_g = fp8_scale_from_amax(amax_g, pow2), s_u = fp8_scale_from_amax(amax_u, pow2);
+  if (sub == 0) {
+    const int64_t at = gemm_layout ? blk * R + r : r * nb + blk;
+    sg[at] = s_g;
+    su[at] = s_u;
+  }
+  if (in) {
+    *reinterpret_cast<uint2*>(qg + r * F + c) = encode8(a, s_g);
+    *reinterpret_cast<uint2*>(qu + r * F + c) = encode8(b, s_u);
+  }
+}
+
 }  // namespace
 
 bool launch_rmsnorm_fused(const void* a, const void* b, void* sum, DType dt, const void* w, DType wdt, int64_t R,
@@ -179,6 +272,35 @@ bool launch_swiglu_fp8(const void* g, const void* u, void* out, DType dt, int64_
         bad_flag);
   });
   CUDA_CHECK_LAUNCH("swiglu_fp8_kernel");
+  return true;
+}
+
+bool launch_add_fp8(const void* a, const void* b, void* out, DType dt, int64_t R, int64_t D, bool pow2, uint8_t* q,
+                    float* scales, bool gemm_layout, int* bad_flag, cudaStream_t stream) {
+  if (!vec8_ok(D, {a, b, out, q})) return false;
+  if (R == 0) return true;
+  const int64_t threads_total = R * ceil_div(D, 128) * 16;
+  FP8RL_DISPATCH_FLOAT(dt, "add", {
+    add_fp8_kernel<T><<<static_cast<unsigned>(ceil_div(threads_total, 256)), 256, 0, stream>>>(
+        static_cast<const T*>(a), static_cast<const T*>(b), static_cast<T*>(out), R, D, pow2, q, scales, gemm_layout,
+        bad_flag);
+  });
+  CUDA_CHECK_LAUNCH("add_fp8_kernel");
+  return true;
+}
+
+bool launch_swiglu_backward_fp8(const void* dout, const void* g, const void* u, void* dg, void* du, DType dt, int64_t R,
+                                int64_t F, bool pow2, uint8_t* qg, float* sg, uint8_t* qu, float* su, bool gemm_layout,
+                                int* bad_flag, cudaStream_t stream) {
+  if (!vec8_ok(F, {dout, g, u, dg, du, qg, qu})) return false;
+  if (R == 0) return true;
+  const int64_t threads_total = R * ceil_div(F, 128) * 16;
+  FP8RL_DISPATCH_FLOAT(dt, "swiglu_backward", {
+    swiglu_backward_fp8_kernel<T><<<static_cast<unsigned>(ceil_div(threads_total, 256)), 256, 0, stream>>>(
+        static_cast<const T*>(dout), static_cast<const T*>(g), static_cast<const T*>(u), static_cast<T*>(dg),
+        static_cast<T*>(du), R, F, pow2, qg, sg, qu, su, gemm_layout, bad_flag);
+  });
+  CUDA_CHECK_LAUNCH("swiglu_backward_fp8_kernel");
   return true;
 }
 

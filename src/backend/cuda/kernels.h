@@ -102,6 +102,15 @@ bool launch_rmsnorm_fused(const void* a, const void* b, void* sum, DType dt, con
 // out = swiglu(g, u) over [R, F] and its 1x128 E4M3 copy (scales as above); false as above.
 bool launch_swiglu_fp8(const void* g, const void* u, void* out, DType dt, int64_t R, int64_t F, bool pow2, uint8_t* q,
                        float* scales, bool gemm_layout, int* bad_flag, cudaStream_t stream);
+// out = a + b over [R, D] (out may alias a; one dtype) and its 1x128 E4M3 copy (scales as
+// above); bitwise launch_add + launch_quantize; false as above.
+bool launch_add_fp8(const void* a, const void* b, void* out, DType dt, int64_t R, int64_t D, bool pow2, uint8_t* q,
+                    float* scales, bool gemm_layout, int* bad_flag, cudaStream_t stream);
+// dg, du = swiglu_backward(dout, g, u) over [R, F] and their 1x128 E4M3 copies qg, qu (scales
+// sg, su as above); bitwise launch_swiglu_backward + two launch_quantize; false as above.
+bool launch_swiglu_backward_fp8(const void* dout, const void* g, const void* u, void* dg, void* du, DType dt, int64_t R,
+                                int64_t F, bool pow2, uint8_t* qg, float* sg, uint8_t* qu, float* su, bool gemm_layout,
+                                int* bad_flag, cudaStream_t stream);
 constexpr int kMaxRopeHalf = 256;
 struct RopeTable {
   float inv_freq[kMaxRopeHalf];
@@ -203,17 +212,23 @@ PagedSplit paged_attention_invariant_split(int max_pos);
 // 128, group <= 8 (prefill chunks too: one CTA per token, as above). Its split plan
 // (paged_attention_mma_split: chunks are multiples of 16 positions, chosen for the CTAs the
 // device holds at once) must be the one passed to launch_paged_attention_mma.
+// Variants (paged_attention.cu: 0 is paged_mma_kernel, 1.. the transposed paged_mmat_kernel
+// with its knobs): `variant` < 0 takes FP8RL_PAGED_VARIANT (a number or a name, read at each
+// call; unset: the default); the split plan and the launch must name the same one.
 bool paged_attention_mma_supported(int hd, int group, DType pool_dt, DType qdt, const void* kpool,
                                    const void* vpool);
-int paged_attention_mma_blocks_per_sm(int hd, DType pool_dt);
-PagedSplit paged_attention_mma_split(int64_t T, int Hkv, int hd, DType pool_dt, int max_pos, int sm_count,
-                                     int forced);
+int paged_attention_mma_variants();
+const char* paged_attention_mma_variant_name(int v);
+int paged_attention_mma_variant_env();  // FP8RL_PAGED_VARIANT, or the default; errors on other values
+int paged_attention_mma_blocks_per_sm(int hd, DType pool_dt, int variant = -1);
+PagedSplit paged_attention_mma_split(int64_t T, int Hkv, int hd, DType pool_dt, int max_pos, int sm_count, int forced,
+                                     int variant = -1);
 void launch_paged_attention_mma(const void* q, DType qdt, const int32_t* token_seq, const int32_t* token_pos,
                                 const int32_t* page_table, int max_pages, int64_t T, int Hq, int Hkv, int hd,
                                 int page_size, const void* kpool, const void* vpool, DType pool_dt,
                                 const float* k_scale, const float* v_scale, float scale, bool fp8_q,
-                                const PagedSplit& split, float* part_o, float* part_lse, void* out,
-                                cudaStream_t stream, float* lse_out = nullptr);
+                                const PagedSplit& split, float* part_o, float* part_lse, void* out, cudaStream_t stream,
+                                int variant = -1, float* lse_out = nullptr);
 
 // ---- sampling (sample_kernels.cu) ----
 // One token per row of logits [B, V] (F32), backend.h's semantics; per-row parameters on the

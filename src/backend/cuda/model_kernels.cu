@@ -247,8 +247,6 @@ __global__ void rope_kernel(T* x, int64_t T_, int H, int hd, const int32_t* pos,
   }
 }
 
-__device__ __forceinline__ float sigmoidf_(float g) { return 1.0f / (1.0f + expf(-g)); }
-
 template <class T>
 __global__ void swiglu_kernel(const T* g, const T* u, T* out, int64_t n) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
@@ -275,18 +273,14 @@ template <class T>
 __global__ void swiglu_backward_vec_kernel(const T* dout, const T* g, const T* u, T* dg, T* du, int64_t n8) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n8;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    float gv[8], uv[8], d[8], a[8], b[8];
+    float gv[8], uv[8], d[8], dgv[8], duv[8];
     load8(g + 8 * i, gv);
     load8(u + 8 * i, uv);
     load8(dout + 8 * i, d);
 #pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      const float sg = sigmoidf_(gv[k]);
-      a[k] = d[k] * gv[k] * sg;
-      b[k] = d[k] * uv[k] * sg * (1.0f + gv[k] * (1.0f - sg));
-    }
-    store8(du + 8 * i, a);
-    store8(dg + 8 * i, b);
+    for (int k = 0; k < 8; ++k) swiglu_backward_value(d[k], gv[k], uv[k], dgv[k], duv[k]);
+    store8(du + 8 * i, duv);
+    store8(dg + 8 * i, dgv);
   }
 }
 
@@ -294,10 +288,10 @@ template <class T>
 __global__ void swiglu_backward_kernel(const T* dout, const T* g, const T* u, T* dg, T* du, int64_t n) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const float gv = load_f(g, i), uv = load_f(u, i), d = load_f(dout, i);
-    const float sg = sigmoidf_(gv);
-    store_f(du, i, d * gv * sg);
-    store_f(dg, i, d * uv * sg * (1.0f + gv * (1.0f - sg)));
+    float dgv, duv;
+    swiglu_backward_value(load_f(dout, i), load_f(g, i), load_f(u, i), dgv, duv);
+    store_f(du, i, duv);
+    store_f(dg, i, dgv);
   }
 }
 

@@ -21,6 +21,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
+#include <string>
 #include <type_traits>
 
 #include "backend/cuda/common.cuh"
@@ -93,6 +95,57 @@ __device__ __forceinline__ int paged_shfl(int v, int src) { return __shfl_sync(0
 __device__ __forceinline__ unsigned char* paged_dyn_smem() {
   extern __shared__ __align__(16) unsigned char paged_smem[];
   return paged_smem;
+}
+// For the transposed tensor-core kernel (paged_mmat_kernel below):
+// The full m16n8k16, FP32 accumulate: d {rows g, g + 8 x columns 2c, 2c + 1} += A {a0..a3} B {b0, b1}
+// in the PTX fragment layouts (g = lane / 4, c = lane % 4). F16: FP16 inputs, else BF16.
+template <bool F16>
+__device__ __forceinline__ void paged_mma4(float (&d)[4], const uint32_t (&x)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (F16) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(x[0]), "r"(x[1]), "r"(x[2]), "r"(x[3]), "r"(b0), "r"(b1));
+  } else {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(x[0]), "r"(x[1]), "r"(x[2]), "r"(x[3]), "r"(b0), "r"(b1));
+  }
+}
+// The 8 x 8 matrix of 16-bit values whose row lane / 4 holds columns 2 (lane % 4), + 1 in x
+// (low half first), transposed, in the same layout.
+__device__ __forceinline__ uint32_t paged_movm_t(uint32_t x) {
+  uint32_t r;
+  asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(r) : "r"(x));
+  return r;
+}
+// 2^x, results below 2^-126 flushed to zero (2^-inf = 0): one MUFU.EX2.
+__device__ __forceinline__ float paged_ex2(float x) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(x));
+  return r;
+}
+__device__ __forceinline__ bool paged_any(bool p) { return __any_sync(0xffffffffu, p); }
+// x, opaque to the compiler: a per-lane constant stays in a register instead of being rebuilt
+// from the lane id inside the loop.
+__device__ __forceinline__ uint32_t paged_keep(uint32_t x) {
+  asm volatile("" : "+r"(x));
+  return x;
+}
+__device__ __forceinline__ uint64_t paged_keep(uint64_t x) {
+  asm volatile("" : "+l"(x));
+  return x;
+}
+// Shared-memory addresses (32-bit, of the shared window) for cp.async destinations.
+using paged_saddr_t = uint32_t;
+__device__ __forceinline__ paged_saddr_t paged_saddr(const void* p) {
+  return static_cast<paged_saddr_t>(__cvta_generic_to_shared(p));
+}
+// 16 bytes from src, or 16 zero bytes (src not read) where `zero`.
+__device__ __forceinline__ void paged_cp_async16z(paged_saddr_t dst, const void* src, bool zero) {
+  asm volatile(
+      "{\n .reg .pred z;\n setp.ne.b32 z, %2, 0;\n cp.async.cg.shared.global [%0], [%1], 16, z;\n}\n" ::"r"(dst),
+      "l"(src), "r"(static_cast<int>(zero))
+      : "memory");
 }
 
 // ---- emulated: begin ------------------------------------------------------------------------
@@ -916,6 +969,378 @@ __global__ void __launch_bounds__(32 * kMmaWarps, PagedMmaCfg<HD, TP>::kMinBlock
   }
 }
 
+// ---- the transposed tensor-core decode kernel (variants 1.., FP8RL_PAGED_VARIANT; kernels.h) --
+// Same grid, split plan, partials, epilogue and numerics as paged_mma_kernel (FP32 scores and
+// softmax, P rounded to the MMA input type, the same q scaling), with positions and head dims as
+// the MMA rows instead of the heads, so no MMA operand is half zeros:
+//   S^T[16 positions, 8 heads] = K[16 positions, 16 dims] Q^T[16 dims, 8 heads]         hd / 16 MMAs
+//   O^T[16 dims, 8 heads]     += V^T[16 dims, 16 positions] P^T[16 positions, 8 heads]  hd / 16 MMAs
+// per 16-position tile: half the MMAs of the kernel above, and no zero halves of operands for the
+// compiler to rebuild in registers every tile (the kernel above spends more instructions on those
+// moves than on its MMAs). P^T is S^T's exponentials transposed by two movmatrix per tile. Thread
+// (g, c) holds the scores of positions g, g + 8 for heads 2c, 2c + 1 and the O^T rows (head dims)
+// paged_tdim(g, mt, 0 / 1) of those heads. The shared-memory reads are the kernel above's (same
+// swizzles, same bytes per thread). Also: each lane copies one row of a tile (row lane / 2, the
+// 32-byte sectors 2i + lane % 2: no shuffles, one 64-bit address per tile), its page-table entry
+// loaded two tiles ahead; q is loaded and converted in registers (no shared memory, no barrier
+// before the loop); exp2 is one MUFU.EX2 (ex2.approx.ftz: values below 2^-126 are 0, far below
+// the FP16 / BF16 rounding of P); the O rescale runs only when some head's running max rose by
+// more than LAZY (base-2 logits; a warp vote): LAZY 0 rescales exactly when a max changed (the
+// kernel above's values, whose rescale by exp2(0) = 1 is a no-op); LAZY > 0 keeps m behind the
+// true max by at most LAZY, so P <= 2^LAZY (far from FP16's 65504) and l, O are relative to that
+// m, which the merges take as it is.
+template <int HD, class TP, int S>
+struct PagedTCfg : PagedMmaCfg<HD, TP> {
+  using Base = PagedMmaCfg<HD, TP>;
+  static constexpr int kWarpBytes = S * Base::kStageBytes;
+  static constexpr int kSmemBytes = kMmaWarps * kWarpBytes + 256;  // + the ring's alignment to 256 bytes
+  static constexpr int kMinBlocks = kSmemBytes > 75 * 1024 ? 2 : kSmemBytes > 56 * 1024 ? 3 : 4;
+  static constexpr int kMTiles = HD / 16;  // P V MMAs per tile (16 dims each)
+  static_assert(S >= 2, "a ring of at least two stages");
+  static_assert(kMmaWarps * kWarpBytes >= kMmaWarps * kMmaRows * HD * 4, "the epilogue reuses the stages");
+};
+// The head dim of O^T row g (h = 0) or g + 8 (h = 1) of P V m-tile mt, for threads g.
+template <class Cfg>
+__device__ __forceinline__ int paged_tdim(int g, int mt, int h) {
+  if constexpr (Cfg::kF16) return Cfg::kVDims * g + 4 * (mt >> 1) + 2 * (mt & 1) + h;  // bytes kVDims g ..
+  else return 8 * (g + 8 * (mt >> 2)) + 2 * (mt & 3) + h;                              // chunks g, g + 8
+}
+
+// grid (T * Hkv, splits), block 32 * kMmaWarps, dynamic shared memory Cfg::kSmemBytes. q BF16,
+// 16-byte aligned.
+template <int HD, class TP, int S, int LAZY, int COPY>
+__global__ void __launch_bounds__(32 * kMmaWarps, PagedTCfg<HD, TP, S>::kMinBlocks)
+    paged_mmat_kernel(const PagedArgs a) {
+  using Cfg = PagedTCfg<HD, TP, S>;
+  constexpr int NW = kMmaWarps, CPR = Cfg::kCpr, RB = Cfg::kRowBytes, TB = Cfg::kTileBytes, SB = Cfg::kStageBytes;
+  constexpr bool F16 = Cfg::kF16;
+  __shared__ float s_m[NW][kMmaRows], s_l[NW][kMmaRows];
+  unsigned char* smem = paged_dyn_smem();
+
+  const int t = static_cast<int>(blockIdx.x) / a.Hkv, hk = static_cast<int>(blockIdx.x) % a.Hkv;
+  const int split = static_cast<int>(blockIdx.y);
+  const int j0 = split * a.chunk;  // a multiple of kMmaTile (paged_mma_split)
+  const int warp = static_cast<int>(threadIdx.x) >> 5, lane = static_cast<int>(threadIdx.x) & 31;
+  const int g = lane >> 2, c = lane & 3, G = a.group;
+  const int64_t head0 = static_cast<int64_t>(t) * a.Hq + static_cast<int64_t>(hk) * G;
+  const int32_t* table = a.page_table + static_cast<int64_t>(a.token_seq[t]) * a.max_pages;
+  const int own = COPY == 0 ? lane & 15 : lane >> 1;  // the row of a tile whose slot this lane loads
+  // The cache slot of row `own` of this warp's tile k if that position is in the sequence (the
+  // table index clamped to the row, so it is read before the sequence's length is known).
+  auto slot_raw = [&](int k) -> int {
+    const int j = j0 + (warp + NW * k) * kMmaTile + own;
+    int pi, off;
+    if (a.ps_shift >= 0) pi = j >> a.ps_shift, off = j & (a.page_size - 1);
+    else pi = j / a.page_size, off = j - pi * a.page_size;
+    return table[paged_imin(pi, a.max_pages - 1)] * a.page_size + off;
+  };
+  int pre[S - 1];  // the first S - 1 tiles' slots
+#pragma unroll
+  for (int st = 0; st < S - 1; ++st) pre[st] = slot_raw(st);
+  const int len = a.token_pos[t] + 1;
+  if (j0 >= len) return;  // uniform per CTA
+  const int j1 = split == a.splits - 1 ? len : paged_imin(len, j0 + a.chunk);
+  const int ntiles = (j1 - j0 + kMmaTile - 1) / kMmaTile;
+  // The slot of row `own` of this warp's tile k, -1 past the chunk.
+  auto slot_of = [&](int k) -> int { return j0 + (warp + NW * k) * kMmaTile + own < j1 ? slot_raw(k) : -1; };
+  const unsigned char* kpool = static_cast<const unsigned char*>(a.kpool) + static_cast<int64_t>(hk) * RB;
+  const unsigned char* vpool = static_cast<const unsigned char*>(a.vpool) + static_cast<int64_t>(hk) * RB;
+  const uint32_t slot_bytes = static_cast<uint32_t>(a.Hkv) * RB;  // bytes between cache slots
+  // The warps' rings, from a 256-byte boundary (the copy destinations below are XORs).
+  const paged_saddr_t sbase = paged_saddr(smem);
+  const int pad = static_cast<int>((256u - (sbase & 255u)) & 255u);
+  unsigned char* ring = smem + pad;
+  const unsigned char* wbuf = ring + warp * Cfg::kWarpBytes;  // this warp's stages
+  const paged_saddr_t wsa = sbase + static_cast<paged_saddr_t>(pad + warp * Cfg::kWarpBytes);
+  const int nk = warp < ntiles ? (ntiles - warp + NW - 1) / NW : 0;  // its tiles: warp + NW * k
+
+  // Copies, two ways (COPY): 0 (lines): instruction i of a tile's K (V) copy brings rows
+  // RPI i .. RPI i + RPI - 1 whole, CPR lanes per row (full 128-byte lines per instruction, as
+  // paged_mma_kernel), lane: row r0 + RPI i, chunk cq; the rows' slots come by shuffles from the
+  // lanes that own them (lane l: row l % 16). 1 (rows): lane l brings row l / 2 of the tile,
+  // chunks 2i + l % 2 (one 32-byte sector of a row per instruction), and owns that row's slot (no
+  // shuffles, one address per tile). Either way chunk q of row r lands at q ^ kswz(r) (K),
+  // q ^ vswz(r) (V): for lines the K swizzle is the same for all of a lane's rows (RPI is even)
+  // and the V one repeats every VP instructions; for rows they flip bits of i only (chunk 2i + cb
+  // at koff ^ 32i, voff ^ 32i from a 256-byte aligned stage).
+  constexpr int RPI = 32 / CPR, NI = kMmaTile / RPI;  // lines: rows per instruction, instructions per tile
+  constexpr int VP = CPR < 8 ? 1 : RPI == 4 ? 2 : 4;  // lines: period of the V swizzle over i
+  const int r0 = COPY == 0 ? lane / CPR : lane >> 1, cq = COPY == 0 ? lane % CPR : lane & 1;
+  const paged_saddr_t koff =
+      paged_keep(wsa + static_cast<paged_saddr_t>(r0 * RB + ((COPY == 0 ? cq ^ paged_kswz<CPR>(r0) : cq) << 4) +
+                                                  (COPY == 0 ? 0 : paged_kswz<CPR>(r0) << 4)));
+  const paged_saddr_t voff = paged_keep(
+      wsa + static_cast<paged_saddr_t>(TB + r0 * RB + (cq << 4) + (COPY == 0 ? 0 : paged_vswz<CPR>(r0) << 4)));
+  uint32_t vx[VP];  // lines: the V swizzle of instruction i's row (byte offset XOR), i % VP
+#pragma unroll
+  for (int p = 0; p < VP; ++p)
+    vx[p] = COPY == 0 ? paged_keep(static_cast<uint32_t>(paged_vswz<CPR>(r0 + RPI * p) << 4)) : 0u;
+  // + slot * slot_bytes (+ 32 i: rows): this lane's bytes of a row
+  const uint64_t kcopy = paged_keep(static_cast<uint64_t>(reinterpret_cast<uintptr_t>(kpool + 16 * cq)));
+  const uint64_t vcopy = paged_keep(static_cast<uint64_t>(reinterpret_cast<uintptr_t>(vpool + 16 * cq)));
+  auto src_of = [](uint64_t base, uint32_t slot, uint32_t sb) {
+    return reinterpret_cast<const unsigned char*>(static_cast<uintptr_t>(base + static_cast<uint64_t>(slot) * sb));
+  };
+  // Loads a tile into the stage at byte `stage` of the ring; mine: the slot of row `own`.
+  // Rows past the chunk (slot -1) are zeros (P = 0 there, no NaN).
+  auto issue = [&](int stage, int mine) {
+    const paged_saddr_t dk = koff + static_cast<paged_saddr_t>(stage), dv = voff + static_cast<paged_saddr_t>(stage);
+    if constexpr (COPY == 0) {
+      paged_saddr_t dvx[VP];  // (dv + RPI i RB) ^ vx = (dv ^ vx) + RPI i RB: the XOR is below bit 7
+#pragma unroll
+      for (int p = 0; p < VP; ++p) dvx[p] = dv ^ vx[p];
+#pragma unroll
+      for (int i = 0; i < NI; ++i) {
+        const int sl = paged_shfl(mine, r0 + RPI * i);
+        const uint32_t su = sl >= 0 ? static_cast<uint32_t>(sl) : 0u;
+        paged_cp_async16z(dk + static_cast<paged_saddr_t>(RPI * i * RB), src_of(kcopy, su, slot_bytes), sl < 0);
+        paged_cp_async16z(dvx[i % VP] + static_cast<paged_saddr_t>(RPI * i * RB), src_of(vcopy, su, slot_bytes),
+                          sl < 0);
+      }
+    } else {
+      const uint32_t su = mine >= 0 ? static_cast<uint32_t>(mine) : 0u;
+      const unsigned char* ks = src_of(kcopy, su, slot_bytes);
+      const unsigned char* vs = src_of(vcopy, su, slot_bytes);
+#pragma unroll
+      for (int i = 0; i < CPR / 2; ++i) {
+        paged_cp_async16z(dk ^ static_cast<paged_saddr_t>(32 * i), ks + 32 * i, mine < 0);
+        paged_cp_async16z(dv ^ static_cast<paged_saddr_t>(32 * i), vs + 32 * i, mine < 0);
+      }
+    }
+  };
+  // The first S - 1 tiles (one commit group each, empty past nk: the group count is the tile
+  // count); the slots of the next two are loaded ahead.
+#pragma unroll
+  for (int st = 0; st < S - 1; ++st) {
+    if (st < nk) issue(st * SB, j0 + (warp + NW * st) * kMmaTile + own < j1 ? pre[st] : -1);
+    paged_cp_async_commit();
+  }
+  int slot_n1 = slot_of(S - 1), slot_n2 = slot_of(S);
+
+  // Q^T's B fragments (head g, k-slots as paged_kdim; zero for g >= group), from q in registers,
+  // scaled as in paged_mma_kernel; the score scales of this thread's heads 2c, 2c + 1.
+  const float ksc = a.k_scale ? a.k_scale[hk] : 1.0f;
+  uint32_t qb[Cfg::kKSteps][2];
+  float kq0, kq1;
+  {
+    constexpr int CD = Cfg::kChunkDims, KC = Cfg::kKChunks;
+    float x[KC][CD];  // dims CD (4i + c) .. + CD - 1 of head g
+    const uint16_t* qrow = static_cast<const uint16_t*>(a.q) + (head0 + g) * HD;
+#pragma unroll
+    for (int i = 0; i < KC; ++i)
+#pragma unroll
+      for (int u = 0; u < CD / 8; ++u) {
+        const uint4 w = g < G ? paged_ld16(qrow + CD * (4 * i + c) + 8 * u) : make_uint4(0, 0, 0, 0);
+        const uint32_t ww[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          x[i][8 * u + 2 * e] = bf16_bits_to_float(static_cast<uint16_t>(ww[e] & 0xffffu));
+          x[i][8 * u + 2 * e + 1] = bf16_bits_to_float(static_cast<uint16_t>(ww[e] >> 16));
+        }
+      }
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < KC; ++i)
+#pragma unroll
+      for (int d = 0; d < CD; ++d) amax = fmaxf(amax, fabsf(x[i][d]));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+    float fs = 1.0f;
+    if (a.fp8_q) {  // s = quant_scale_from_amax(amax, pow2 = false); the MMA takes e4m3(q / s)
+      const float sq = fp8_scale_from_amax(amax, false);
+#pragma unroll
+      for (int i = 0; i < KC; ++i)
+#pragma unroll
+        for (int d = 0; d < CD; ++d) x[i][d] = fp8_e4m3_round(x[i][d] / sq);
+      fs = sq;
+    } else if (F16 && amax > 0.0f) {
+      // amax = f 2^e, f in [0.5, 1): q 2^(15 - e) has its amax in [2^14, 2^15), exactly as
+      // paged_mma_kernel's frexpf / ldexpf (the power of two capped at 2^126: amax < 2^-111)
+      const int e = static_cast<int>((__float_as_uint(amax) >> 23) & 0xffu) - 126;
+      const int sh = e < -111 ? 126 : 15 - e;
+      const float up = __uint_as_float(static_cast<uint32_t>(sh + 127) << 23);
+#pragma unroll
+      for (int i = 0; i < KC; ++i)
+#pragma unroll
+        for (int d = 0; d < CD; ++d) x[i][d] *= up;
+      fs = __uint_as_float(static_cast<uint32_t>(127 - sh) << 23);
+    }
+#pragma unroll
+    for (int kk = 0; kk < Cfg::kKSteps; ++kk) {
+      const int i = kk / Cfg::kMpc, d = 4 * (kk % Cfg::kMpc);
+      qb[kk][0] = F16 ? paged_pack_f16x2(x[i][d], x[i][d + 1]) : paged_pack_bf16x2(x[i][d], x[i][d + 1]);
+      qb[kk][1] = F16 ? paged_pack_f16x2(x[i][d + 2], x[i][d + 3]) : paged_pack_bf16x2(x[i][d + 2], x[i][d + 3]);
+    }
+    const float kqh = fs * a.scale_log2 * ksc;  // head g's
+    kq0 = __uint_as_float(static_cast<uint32_t>(paged_shfl(static_cast<int>(__float_as_uint(kqh)), 8 * c)));
+    kq1 = __uint_as_float(static_cast<uint32_t>(paged_shfl(static_cast<int>(__float_as_uint(kqh)), 8 * c + 4)));
+  }
+
+  float o[Cfg::kMTiles][4];  // O^T: dims paged_tdim(g, mt, 0) (o[mt][0..1]), (g, mt, 1) ([2..3]) x heads 2c, 2c + 1
+#pragma unroll
+  for (int mt = 0; mt < Cfg::kMTiles; ++mt) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.0f;
+  float m0 = -INFINITY, m1 = -INFINITY;  // heads 2c, 2c + 1: uniform over the 8 threads of column c
+  float l0 = 0.0f, l1 = 0.0f;            // this thread's positions
+  // Read offsets in a stage: K rows g (+ 8 RB: g + 8), chunks 4i + c swizzled; V row 2c (+ RB,
+  // 8 RB, 9 RB: rows 2c + 1, 2c + 8, 2c + 9, which share its swizzle).
+  uint32_t kro[Cfg::kKChunks];
+#pragma unroll
+  for (int i = 0; i < Cfg::kKChunks; ++i)
+    kro[i] = paged_keep(static_cast<uint32_t>(g * RB + (((4 * i + c) ^ paged_kswz<CPR>(g)) << 4)));
+  const uint32_t vro = paged_keep(static_cast<uint32_t>(
+      F16 ? TB + 2 * c * RB + ((((Cfg::kVDims * g) >> 4) ^ paged_vswz<CPR>(2 * c)) << 4) + ((Cfg::kVDims * g) & 15)
+          : TB + 2 * c * RB + ((g ^ paged_vswz<CPR>(2 * c)) << 4)));
+  int cur = 0, prev = (S - 1) * SB;  // the stages of tiles k and k - 1 (where tile k + S - 1 goes)
+  for (int k = 0; k < nk; ++k) {
+    paged_cp_async_wait<S - 2>();  // tile k has landed (this thread's copies) ...
+    __syncwarp();                  // ... and every lane's; stage (k - 1) % S is free
+    if (k + S - 1 < nk) issue(prev, slot_n1);
+    slot_n1 = slot_n2;
+    slot_n2 = slot_of(k + S + 1);
+    paged_cp_async_commit();
+    const unsigned char* st = wbuf + cur;
+    prev = cur;
+    cur = cur + SB == S * SB ? 0 : cur + SB;
+    const int base = j0 + (warp + NW * k) * kMmaTile;
+
+    // S^T = K Q^T: K rows g and g + 8 as A (their 16-byte chunks 4i + c), two accumulator chains.
+    float sa[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sb[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int i = 0; i < Cfg::kKChunks; ++i) {
+      const uint4 u0 = paged_lds16(st + kro[i]), u1 = paged_lds16(st + kro[i] + 8 * RB);
+      const uint32_t w0[4] = {u0.x, u0.y, u0.z, u0.w}, w1[4] = {u1.x, u1.y, u1.z, u1.w};
+      if constexpr (F16) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const uint32_t x[4] = {paged_e4m3x2_lo_f16x2(w0[j]), paged_e4m3x2_lo_f16x2(w1[j]),
+                                 paged_e4m3x2_hi_f16x2(w0[j]), paged_e4m3x2_hi_f16x2(w1[j])};
+          if (j & 1) paged_mma4<true>(sb, x, qb[4 * i + j][0], qb[4 * i + j][1]);
+          else paged_mma4<true>(sa, x, qb[4 * i + j][0], qb[4 * i + j][1]);
+        }
+      } else {
+        const uint32_t x0[4] = {w0[0], w1[0], w0[1], w1[1]}, x1[4] = {w0[2], w1[2], w0[3], w1[3]};
+        paged_mma4<false>(sa, x0, qb[2 * i][0], qb[2 * i][1]);
+        paged_mma4<false>(sb, x1, qb[2 * i + 1][0], qb[2 * i + 1][1]);
+      }
+    }
+    // Base-2 logits of positions base + g (x0*) and base + g + 8 (x1*), -inf past the chunk.
+    const bool v0 = base + g < j1, v1 = base + g + 8 < j1;
+    const float x00 = v0 ? (sa[0] + sb[0]) * kq0 : -INFINITY, x01 = v0 ? (sa[1] + sb[1]) * kq1 : -INFINITY;
+    const float x10 = v1 ? (sa[2] + sb[2]) * kq0 : -INFINITY, x11 = v1 ? (sa[3] + sb[3]) * kq1 : -INFINITY;
+    float mx0 = fmaxf(x00, x10), mx1 = fmaxf(x01, x11);
+#pragma unroll
+    for (int sh = 4; sh < 32; sh <<= 1) {
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, sh));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, sh));
+    }
+    // finite: position base is in the chunk
+    bool rescale;
+    if constexpr (LAZY == 0) rescale = paged_any(mx0 > m0 || mx1 > m1);
+    else rescale = paged_any(mx0 > m0 + static_cast<float>(LAZY) || mx1 > m1 + static_cast<float>(LAZY));
+    if (rescale) {
+      const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+      const float c0 = paged_ex2(m0 - n0), c1 = paged_ex2(m1 - n1);  // 0 on the first tile (m = -inf)
+      m0 = n0, m1 = n1, l0 *= c0, l1 *= c1;
+#pragma unroll
+      for (int mt = 0; mt < Cfg::kMTiles; ++mt) o[mt][0] *= c0, o[mt][1] *= c1, o[mt][2] *= c0, o[mt][3] *= c1;
+    }
+    const float p00 = paged_ex2(x00 - m0), p01 = paged_ex2(x01 - m1);
+    const float p10 = paged_ex2(x10 - m0), p11 = paged_ex2(x11 - m1);
+    l0 += p00 + p10;
+    l1 += p01 + p11;
+    // P^T as the B fragment of P V: (positions 2c, 2c + 1 | 2c + 8, 2c + 9) x head g.
+    const uint32_t b0 = paged_movm_t(F16 ? paged_pack_f16x2(p00, p01) : paged_pack_bf16x2(p00, p01));
+    const uint32_t b1 = paged_movm_t(F16 ? paged_pack_f16x2(p10, p11) : paged_pack_bf16x2(p10, p11));
+
+    // O^T += V^T P^T: A fragments from V rows 2c, 2c + 1 (k-slots 2c, 2c + 1) and 2c + 8, 2c + 9.
+    if constexpr (F16) {
+      constexpr int VB = Cfg::kVDims;  // bytes of a row this thread reads: 16 (hd 128) or 8
+      uint32_t w[4][VB / 4];           // rows 2c, 2c + 1, 2c + 8, 2c + 9
+#pragma unroll
+      for (int rr = 0; rr < 4; ++rr) {
+        const unsigned char* vp = st + vro + ((rr & 1) + 8 * (rr >> 1)) * RB;
+        if constexpr (VB == 16) {
+          const uint4 u = paged_lds16(vp);
+          w[rr][0] = u.x, w[rr][1] = u.y, w[rr][2] = u.z, w[rr][3] = u.w;
+        } else {
+          const uint2 u = paged_lds8(vp);
+          w[rr][0] = u.x, w[rr][1] = u.y;
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < VB / 4; ++j) {  // this thread's dims 4j .. 4j + 3: m-tiles 2j, 2j + 1
+        const uint32_t x0 = paged_prmt(w[0][j], w[1][j], 0x5140), y0 = paged_prmt(w[0][j], w[1][j], 0x7362);
+        const uint32_t x1 = paged_prmt(w[2][j], w[3][j], 0x5140), y1 = paged_prmt(w[2][j], w[3][j], 0x7362);
+        const uint32_t ax[4] = {paged_e4m3x2_lo_f16x2(x0), paged_e4m3x2_hi_f16x2(x0), paged_e4m3x2_lo_f16x2(x1),
+                                paged_e4m3x2_hi_f16x2(x1)};
+        const uint32_t ay[4] = {paged_e4m3x2_lo_f16x2(y0), paged_e4m3x2_hi_f16x2(y0), paged_e4m3x2_lo_f16x2(y1),
+                                paged_e4m3x2_hi_f16x2(y1)};
+        paged_mma4<true>(o[2 * j], ax, b0, b1);
+        paged_mma4<true>(o[2 * j + 1], ay, b0, b1);
+      }
+    } else {
+#pragma unroll
+      for (int h = 0; h < HD / 64; ++h) {  // 16-byte chunk g + 8h ((g + 8h) ^ 2c = (g ^ 2c) + 8h): m-tiles 4h ..
+        uint32_t w[4][4];
+#pragma unroll
+        for (int rr = 0; rr < 4; ++rr) {
+          const uint4 u = paged_lds16(st + vro + ((rr & 1) + 8 * (rr >> 1)) * RB + 128 * h);
+          w[rr][0] = u.x, w[rr][1] = u.y, w[rr][2] = u.z, w[rr][3] = u.w;
+        }
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const uint32_t ax[4] = {paged_prmt(w[0][e], w[1][e], 0x5410), paged_prmt(w[0][e], w[1][e], 0x7632),
+                                  paged_prmt(w[2][e], w[3][e], 0x5410), paged_prmt(w[2][e], w[3][e], 0x7632)};
+          paged_mma4<false>(o[4 * h + e], ax, b0, b1);
+        }
+      }
+    }
+  }
+
+  // Epilogue: the warps' streams merged by log-sum-exp through shared memory (the stages).
+  paged_cp_async_wait<0>();
+#pragma unroll
+  for (int sh = 4; sh < 32; sh <<= 1) {
+    l0 += __shfl_xor_sync(0xffffffffu, l0, sh);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, sh);
+  }
+  __syncthreads();  // every warp is done with its stages
+  float* s_o = reinterpret_cast<float*>(ring);  // [NW][kMmaRows][HD]
+  const int h0 = 2 * c, h1 = 2 * c + 1;
+#pragma unroll
+  for (int mt = 0; mt < Cfg::kMTiles; ++mt)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int d = paged_tdim<Cfg>(g, mt, hh);
+      if (h0 < G) s_o[(warp * kMmaRows + h0) * HD + d] = o[mt][2 * hh];
+      if (h1 < G) s_o[(warp * kMmaRows + h1) * HD + d] = o[mt][2 * hh + 1];
+    }
+  if (g == 0) s_m[warp][h0] = m0, s_m[warp][h1] = m1, s_l[warp][h0] = l0, s_l[warp][h1] = l1;  // -inf, 0: no tiles
+  __syncthreads();
+  const float vsc = a.v_scale ? a.v_scale[hk] : 1.0f;
+  for (int i = static_cast<int>(threadIdx.x); i < G * HD; i += 32 * NW) {
+    const int h = i / HD, d = i % HD;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) mx = fmaxf(mx, s_m[w][h]);
+    float den = 0.0f, num = 0.0f;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) {
+      const float f = paged_rescale(s_m[w][h], mx);
+      den += s_l[w][h] * f;
+      num += s_o[(w * kMmaRows + h) * HD + d] * f;
+    }
+    const float ov = num / den * vsc;
+    if (a.splits == 1 && !a.partials) {
+      paged_store_out(a.out, true, (head0 + h) * HD + d, ov);
+    } else {
+      const int64_t row = (head0 + h) * a.splits + split;
+      a.part_o[row * HD + d] = ov;
+      if (d == 0) a.part_lse[row] = mx + log2f(den);
+    }
+  }
+}
+
 // The split plan of paged_mma_kernel for `slots` resident CTAs (SMs x CTAs per SM): chunks are
 // whole tiles; the number of splits minimizes waves x (chunk + a per-CTA overhead of
 // kMmaCtaOverhead positions), where waves = ceil(T * Hkv * splits / slots), preferring fewer
@@ -959,6 +1384,20 @@ inline PagedSplit paged_invariant_split(int max_pos) {
   p.splits = (max_pos > 1 ? max_pos + kPagedInvariantChunk - 1 : kPagedInvariantChunk) / kPagedInvariantChunk;
   return p;
 }
+// The variants of the tensor-core decode kernel (FP8RL_PAGED_VARIANT, kernels.h): 0 is
+// paged_mma_kernel; v >= 1 is paged_mmat_kernel with LAZY paged_t_lazy(v), copies
+// paged_t_copy(v) and, for E4M3 pools at hd 128, paged_t_stages(v) stages per warp (4 KB each:
+// 4 -> 3 CTAs per SM, 3 -> 4 CTAs and at most 128 registers, 6 -> 2 CTAs); other pools and hd 64
+// keep paged_mma_kernel's stage counts.
+constexpr int kMmaVariants = 6;
+constexpr int kMmaDefaultVariant = 0;
+constexpr int paged_t_lazy(int v) { return v == 1 ? 0 : 8; }
+constexpr int paged_t_copy(int v) { return v == 5 ? 1 : 0; }
+template <int HD, class TP>
+constexpr int paged_t_stages(int v) {
+  if constexpr (HD == 128 && sizeof(TP) == 1) return v == 3 ? 3 : v == 4 ? 6 : 4;
+  else return PagedMmaCfg<HD, TP>::kStages;
+}
 // ---- emulated: end --------------------------------------------------------------------------
 
 template <int HD, class TP, int GM>
@@ -983,11 +1422,22 @@ void launch_pool(const PagedArgs& a, bool grouped, DType pool_dt, int64_t T, cud
   else launch_group<HD, float>(a, grouped, T, stream);
 }
 
-// The tensor-core kernel's shared-memory opt-in and its CTAs per SM (occupancy), once per
-// instantiation and device.
-template <int HD, class TP>
+// Variant V of the tensor-core kernel (paged_t_*): its function and dynamic shared memory.
+template <int HD, class TP, int V>
+struct MmaVariant {
+  static constexpr int kStages = paged_t_stages<HD, TP>(V);
+  static constexpr int kSmemBytes = V == 0 ? PagedMmaCfg<HD, TP>::kSmemBytes : PagedTCfg<HD, TP, kStages>::kSmemBytes;
+  static auto fn() {
+    if constexpr (V == 0) return paged_mma_kernel<HD, TP>;
+    else return paged_mmat_kernel<HD, TP, kStages, paged_t_lazy(V), paged_t_copy(V)>;
+  }
+};
+
+// A variant's shared-memory opt-in and its CTAs per SM (occupancy), once per instantiation and
+// device.
+template <int HD, class TP, int V>
 int mma_blocks_per_sm() {
-  using Cfg = PagedMmaCfg<HD, TP>;
+  using Var = MmaVariant<HD, TP, V>;
   constexpr int kDevices = 64;
   static std::atomic<int> cached[kDevices];
   int dev = 0;
@@ -995,24 +1445,65 @@ int mma_blocks_per_sm() {
   const int i = dev >= 0 && dev < kDevices ? dev : 0;
   int n = cached[i].load(std::memory_order_relaxed);
   if (n > 0) return n;
-  CUDA_CHECK(cudaFuncSetAttribute(paged_mma_kernel<HD, TP>, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes),
-             "paged attention: shared memory opt-in of ", Cfg::kSmemBytes, " bytes (hd ", HD, ")");
-  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, paged_mma_kernel<HD, TP>, 32 * kMmaWarps, Cfg::kSmemBytes),
+  CUDA_CHECK(cudaFuncSetAttribute(Var::fn(), cudaFuncAttributeMaxDynamicSharedMemorySize, Var::kSmemBytes),
+             "paged attention: shared memory opt-in of ", Var::kSmemBytes, " bytes (hd ", HD, ", variant ", V, ")");
+  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, Var::fn(), 32 * kMmaWarps, Var::kSmemBytes),
              "paged attention: occupancy query");
-  FP8RL_CHECK(n >= 1, "paged attention: the tensor-core kernel (hd ", HD, ", ", Cfg::kSmemBytes,
+  FP8RL_CHECK(n >= 1, "paged attention: the tensor-core kernel (hd ", HD, ", variant ", V, ", ", Var::kSmemBytes,
               " bytes of shared memory) cannot run on this device; FP8RL_CUDA_ATTENTION=tiled avoids it");
   cached[i].store(n, std::memory_order_relaxed);
   return n;
 }
 
-template <int HD, class TP>
+template <int HD, class TP, int V>
 void launch_mma(const PagedArgs& a, int64_t T, cudaStream_t stream) {
-  using Cfg = PagedMmaCfg<HD, TP>;
-  mma_blocks_per_sm<HD, TP>();  // the shared-memory opt-in precedes the first launch
+  using Var = MmaVariant<HD, TP, V>;
+  mma_blocks_per_sm<HD, TP, V>();  // the shared-memory opt-in precedes the first launch
   const dim3 grid(static_cast<unsigned>(T * a.Hkv), static_cast<unsigned>(a.splits));
-  paged_mma_kernel<HD, TP><<<grid, 32 * kMmaWarps, Cfg::kSmemBytes, stream>>>(a);
+  Var::fn()<<<grid, 32 * kMmaWarps, Var::kSmemBytes, stream>>>(a);
 }
 
+// f(std::integral_constant<int, v>) for the variant v (0 <= v < kMmaVariants).
+template <class F>
+auto with_variant(int v, const F& f) {
+  static_assert(kMmaVariants == 6, "one case per variant");
+  switch (v) {
+    case 0: return f(std::integral_constant<int, 0>());
+    case 1: return f(std::integral_constant<int, 1>());
+    case 2: return f(std::integral_constant<int, 2>());
+    case 3: return f(std::integral_constant<int, 3>());
+    case 4: return f(std::integral_constant<int, 4>());
+    default: return f(std::integral_constant<int, 5>());
+  }
+}
+
+const char* const kMmaVariantNames[kMmaVariants] = {"orig", "t-exact", "t-lazy", "t-lazy-s3", "t-lazy-s6",
+                                                    "t-lazy-rows"};
+
+}  // namespace
+
+int paged_attention_mma_variants() { return kMmaVariants; }
+
+const char* paged_attention_mma_variant_name(int v) { return v >= 0 && v < kMmaVariants ? kMmaVariantNames[v] : "?"; }
+
+int paged_attention_mma_variant_env() {
+  const char* e = std::getenv("FP8RL_PAGED_VARIANT");
+  if (!e || !*e) return kMmaDefaultVariant;
+  const std::string s = e;
+  for (int v = 0; v < kMmaVariants; ++v)
+    if (s == kMmaVariantNames[v] || s == std::to_string(v)) return v;
+  std::string names;
+  for (int v = 0; v < kMmaVariants; ++v) names += std::string(v ? ", " : "") + kMmaVariantNames[v];
+  FP8RL_FAIL("FP8RL_PAGED_VARIANT=", s, ": expected 0 .. ", kMmaVariants - 1, " or one of ", names);
+  return kMmaDefaultVariant;
+}
+
+namespace {
+int resolve_variant(int variant) {
+  const int v = variant < 0 ? paged_attention_mma_variant_env() : variant;
+  FP8RL_CHECK(v < kMmaVariants, "paged attention (tensor cores): variant ", v, " (0 .. ", kMmaVariants - 1, ")");
+  return v;
+}
 }  // namespace
 
 bool paged_attention_mma_supported(int hd, int group, DType pool_dt, DType qdt, const void* kpool,
@@ -1022,16 +1513,20 @@ bool paged_attention_mma_supported(int hd, int group, DType pool_dt, DType qdt, 
          reinterpret_cast<uintptr_t>(vpool) % 16 == 0;
 }
 
-int paged_attention_mma_blocks_per_sm(int hd, DType pool_dt) {
+int paged_attention_mma_blocks_per_sm(int hd, DType pool_dt, int variant) {
   FP8RL_CHECK((hd == 64 || hd == 128) && (pool_dt == DType::BF16 || pool_dt == DType::E4M3),
               "paged attention (tensor cores): unsupported head_dim ", hd, " / pool ", dtype_name(pool_dt));
-  if (pool_dt == DType::E4M3) return hd == 64 ? mma_blocks_per_sm<64, uint8_t>() : mma_blocks_per_sm<128, uint8_t>();
-  return hd == 64 ? mma_blocks_per_sm<64, bf16>() : mma_blocks_per_sm<128, bf16>();
+  return with_variant(resolve_variant(variant), [&](auto vc) {
+    constexpr int V = decltype(vc)::value;
+    if (pool_dt == DType::E4M3)
+      return hd == 64 ? mma_blocks_per_sm<64, uint8_t, V>() : mma_blocks_per_sm<128, uint8_t, V>();
+    return hd == 64 ? mma_blocks_per_sm<64, bf16, V>() : mma_blocks_per_sm<128, bf16, V>();
+  });
 }
 
-PagedSplit paged_attention_mma_split(int64_t T, int Hkv, int hd, DType pool_dt, int max_pos, int sm_count,
-                                     int forced) {
-  return paged_mma_split(T, Hkv, max_pos, sm_count * paged_attention_mma_blocks_per_sm(hd, pool_dt), forced);
+PagedSplit paged_attention_mma_split(int64_t T, int Hkv, int hd, DType pool_dt, int max_pos, int sm_count, int forced,
+                                     int variant) {
+  return paged_mma_split(T, Hkv, max_pos, sm_count * paged_attention_mma_blocks_per_sm(hd, pool_dt, variant), forced);
 }
 
 PagedSplit paged_attention_invariant_split(int max_pos) { return paged_invariant_split(max_pos); }
@@ -1071,9 +1566,11 @@ void launch_paged_attention_mma(const void* q, DType qdt, const int32_t* token_s
                                 const int32_t* page_table, int max_pages, int64_t T, int Hq, int Hkv, int hd,
                                 int page_size, const void* kpool, const void* vpool, DType pool_dt,
                                 const float* k_scale, const float* v_scale, float scale, bool fp8_q,
-                                const PagedSplit& split, float* part_o, float* part_lse, void* out,
-                                cudaStream_t stream, float* lse_out) {
+                                const PagedSplit& split, float* part_o, float* part_lse, void* out, cudaStream_t stream,
+                                int variant, float* lse_out) {
   if (T == 0) return;
+  int v = resolve_variant(variant);
+  if (reinterpret_cast<uintptr_t>(q) % 16 != 0) v = 0;  // the transposed kernel loads q 16 bytes at a time
   FP8RL_CHECK(Hkv > 0 && Hq % Hkv == 0 && paged_attention_mma_supported(hd, Hq / Hkv, pool_dt, qdt, kpool, vpool),
               "paged attention (tensor cores): unsupported case: q ", dtype_name(qdt), ", pool ", dtype_name(pool_dt),
               ", head_dim ", hd, ", group ", Hq / std::max(Hkv, 1),
@@ -1088,14 +1585,17 @@ void launch_paged_attention_mma(const void* q, DType qdt, const int32_t* token_s
                            k_scale, v_scale, scale, fp8_q, split, part_o, part_lse, out);
   a.ps_shift = (page_size & (page_size - 1)) == 0 ? __builtin_ctz(static_cast<unsigned>(page_size)) : -1;
   a.partials = lse_out != nullptr;
-  if (pool_dt == DType::E4M3) {
-    if (hd == 64) launch_mma<64, uint8_t>(a, T, stream);
-    else launch_mma<128, uint8_t>(a, T, stream);
-  } else {
-    if (hd == 64) launch_mma<64, bf16>(a, T, stream);
-    else launch_mma<128, bf16>(a, T, stream);
-  }
-  CUDA_CHECK_LAUNCH("paged_mma_kernel");
+  with_variant(v, [&](auto vc) {
+    constexpr int V = decltype(vc)::value;
+    if (pool_dt == DType::E4M3) {
+      if (hd == 64) launch_mma<64, uint8_t, V>(a, T, stream);
+      else launch_mma<128, uint8_t, V>(a, T, stream);
+    } else {
+      if (hd == 64) launch_mma<64, bf16, V>(a, T, stream);
+      else launch_mma<128, bf16, V>(a, T, stream);
+    }
+  });
+  CUDA_CHECK_LAUNCH(v == 0 ? "paged_mma_kernel" : "paged_mmat_kernel");
   if (split.splits > 1 || lse_out) {
     const int64_t rows = T * Hq;
     paged_combine_kernel<<<static_cast<unsigned>((rows + kPagedWarps - 1) / kPagedWarps), 32 * kPagedWarps, 0,

@@ -121,6 +121,62 @@ inline void paged_mma(float& d0, float& d1, uint32_t a0, uint32_t a2, uint32_t b
   tw->bar.arrive_and_wait();
   d0 = d[0], d1 = d[1];
 }
+// The transposed kernel's (paged_mmat_kernel): the full m16n8k16, movmatrix, ex2, a vote, shared
+// addresses as plain addresses.
+template <bool F16>
+inline void paged_mma4(float (&d)[4], const uint32_t (&x)[4], uint32_t b0, uint32_t b1) {
+  auto dec = [](uint32_t r, int h) {
+    const uint16_t v = uint16_t(h ? r >> 16 : r & 0xffff);
+    return F16 ? f16_to_float(v) : bf16_bits_to_float(v);
+  };
+  for (int i = 0; i < 4; ++i) tw->a[tlane][i] = x[i];
+  tw->b[tlane][0] = b0, tw->b[tlane][1] = b1;
+  tw->bar.arrive_and_wait();
+  const int g = tlane >> 2, c = tlane & 3;
+  float r[4];
+  for (int i = 0; i < 4; ++i) {
+    const int row = g + 8 * (i >> 1), col = 2 * c + (i & 1);
+    double acc = d[i];
+    for (int k = 0; k < 16; ++k) {
+      const int al = (row % 8) * 4 + (k % 8) / 2, ar = (row >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0);
+      const int bl = col * 4 + (k % 8) / 2, br = k >= 8 ? 1 : 0;
+      acc += double(dec(tw->a[al][ar], k & 1)) * dec(tw->b[bl][br], k & 1);
+    }
+    r[i] = static_cast<float>(acc);
+  }
+  tw->bar.arrive_and_wait();
+  for (int i = 0; i < 4; ++i) d[i] = r[i];
+}
+// Thread (g, c) of the result holds row g, columns 2c, 2c + 1 of the transpose: elements
+// (2c, g) and (2c + 1, g) of the input, held by lanes 8c + g / 2 and 8c + 4 + g / 2.
+inline uint32_t paged_movm_t(uint32_t x) {
+  tw->a[tlane][0] = x;
+  tw->bar.arrive_and_wait();
+  const int g = tlane >> 2, c = tlane & 3, h = g & 1;
+  const uint32_t lo = (tw->a[4 * (2 * c) + g / 2][0] >> (16 * h)) & 0xffffu;
+  const uint32_t hi = (tw->a[4 * (2 * c + 1) + g / 2][0] >> (16 * h)) & 0xffffu;
+  tw->bar.arrive_and_wait();
+  return lo | (hi << 16);
+}
+inline float paged_ex2(float x) {
+  const float r = std::exp2(x);
+  return r < 1.17549435e-38f ? 0.0f : r;  // ftz
+}
+inline bool paged_any(bool p) {
+  tw->a[tlane][0] = p;
+  tw->bar.arrive_and_wait();
+  bool r = false;
+  for (int i = 0; i < 32; ++i) r = r || tw->a[i][0];
+  tw->bar.arrive_and_wait();
+  return r;
+}
+template <class T>
+inline T paged_keep(T x) { return x; }
+using paged_saddr_t = uintptr_t;
+inline paged_saddr_t paged_saddr(const void* p) { return reinterpret_cast<uintptr_t>(p); }
+inline void paged_cp_async16z(paged_saddr_t dst, const void* src, bool zero) {
+  paged_cp_async16(reinterpret_cast<void*>(dst), src, zero ? 0 : 16);
+}
 #include "kern.inc"
 
 using namespace emu;
@@ -133,6 +189,7 @@ struct Case {
   std::vector<int> lens;                      // sequence lengths (cache filled up to them)
   std::vector<std::pair<int, int>> tokens;    // (sequence, position) of each query token
   int forced;                                 // splits forced (0: the plan for 132 SMs)
+  float kramp = 0.0f;                         // K at position j scaled by 1 + kramp j / 100 (rising maxima)
   // The consistent mode: the position-fixed plan (paged_invariant_split) with partials and the
   // lse; each token's output must then be the same bits as the token run alone (T = 1, its own
   // max_pos), and the lse attention()'s.
@@ -141,16 +198,35 @@ struct Case {
 
 enum class Kern { Tiled, Grouped, Mma };
 inline Kern g_kern = Kern::Tiled;  // which kernel runs
-inline const char* kern_name() { return g_kern == Kern::Tiled ? "tiled" : g_kern == Kern::Grouped ? "grouped" : "mma"; }
-template <int HD, class TP>
-void launch_mma(const PagedArgs& a, int64_t T) {
-  constexpr int smem = PagedMmaCfg<HD, TP>::kSmemBytes;
+inline int g_variant = 0;          // of the tensor-core kernel (kMmaVariants)
+inline const char* kern_name() {
+  static const char* const mma[] = {"mma", "mma-v1", "mma-v2", "mma-v3", "mma-v4", "mma-v5"};
+  static_assert(sizeof(mma) / sizeof(mma[0]) == kMmaVariants, "a name per variant");
+  return g_kern == Kern::Tiled ? "tiled" : g_kern == Kern::Grouped ? "grouped" : mma[g_variant];
+}
+template <int HD, class TP, int V>
+void launch_mma_v(const PagedArgs& a, int64_t T) {
+  constexpr int S = paged_t_stages<HD, TP>(V);
+  constexpr int smem = V == 0 ? PagedMmaCfg<HD, TP>::kSmemBytes : PagedTCfg<HD, TP, S>::kSmemBytes;
   emu_launch(int(T * a.Hkv), a.splits, smem, [&] {
     if (threadIdx.x == 0) std::memset(g_smem, 0xff, smem);  // poison: NaN in every format
     __syncthreads();
-    paged_mma_kernel<HD, TP>(a);
+    if constexpr (V == 0) paged_mma_kernel<HD, TP>(a);
+    else paged_mmat_kernel<HD, TP, S, paged_t_lazy(V), paged_t_copy(V)>(a);
     if (!t_open.empty() || !t_groups.empty()) std::abort();  // every copy retired
   });
+}
+template <int HD, class TP>
+void launch_mma(const PagedArgs& a, int64_t T) {
+  static_assert(kMmaVariants == 6, "a case per variant");
+  switch (g_variant) {
+    case 0: return launch_mma_v<HD, TP, 0>(a, T);
+    case 1: return launch_mma_v<HD, TP, 1>(a, T);
+    case 2: return launch_mma_v<HD, TP, 2>(a, T);
+    case 3: return launch_mma_v<HD, TP, 3>(a, T);
+    case 4: return launch_mma_v<HD, TP, 4>(a, T);
+    default: return launch_mma_v<HD, TP, 5>(a, T);
+  }
 }
 template <int HD, class TP, int GM>
 void launch_main(const PagedArgs& a, int64_t T) {
@@ -188,6 +264,9 @@ int run(const Case& c) {
   for (int b = 0, k = 0; b < B; ++b)
     for (int p = 0; p < (c.lens[b] + c.ps - 1) / c.ps; ++p) table[b * max_pages + p] = perm[k++];
   const int64_t pool_n = int64_t(num_pages) * c.ps * Hkv * hd;
+  std::vector<int> slot_pos(size_t(num_pages) * c.ps, -1);  // a position the slot holds
+  for (int b = 0; b < B; ++b)
+    for (int j = 0; j < c.lens[b]; ++j) slot_pos[size_t(table[b * max_pages + j / c.ps]) * c.ps + j % c.ps] = j;
   const size_t esz = c.pool == Pool::F32 ? 4 : c.pool == Pool::BF16 ? 2 : 1;
   std::vector<float> ks(Hkv, 1.0f), vs(Hkv, 1.0f);
   if (c.pool == Pool::E4M3)
@@ -200,7 +279,9 @@ int run(const Case& c) {
     std::vector<float>& val = which ? vval : kval;
     for (int64_t i = 0; i < pool_n; ++i) {
       const int h = int((i / hd) % Hkv);
-      const float x = nd(gen) * (which ? 1.0f : 1.5f);
+      float x = nd(gen) * (which ? 1.0f : 1.5f);
+      if (!which && c.kramp > 0.0f && slot_pos[i / (int64_t(Hkv) * hd)] >= 0)
+        x *= 1.0f + c.kramp * float(slot_pos[i / (int64_t(Hkv) * hd)]) / 100.0f;
       if (c.pool == Pool::F32) {
         std::memcpy(raw + 4 * i, &x, 4);
         val[i] = x;
@@ -344,8 +425,9 @@ int run(const Case& c) {
   return err < tol && invariant_bad == 0 ? 0 : 1;
 }
 
-// Usage: emu [name-substring [tiled|grouped|mma]]  (runs only the cases whose name contains it
-// ("" for all), on one kernel)
+// Usage: emu [name-substring [tiled|grouped|mma|mma-vN|mma-all]]  (runs only the cases whose name
+// contains it ("" for all), on one kernel: mma is variant 0 of the tensor-core kernel, mma-vN
+// variant N, mma-all every variant)
 int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IONBF, 0);
   std::vector<Case> cases;
@@ -439,21 +521,31 @@ int main(int argc, char** argv) {
       cases.push_back(c);
     }
   }
-  int bad = 0;
-  for (const Kern k : {Kern::Tiled, Kern::Grouped, Kern::Mma}) {
-    g_kern = k;
-    if (argc >= 3 && std::string(argv[2]) != kern_name()) continue;
-    for (Case c : cases) {
-      if (k == Kern::Mma) {
-        if (c.pool == Pool::F32) continue;
-        c.q_bf16 = true;
-      }
-      if (argc < 2 || std::strstr(c.name, argv[1])) bad += run(c);
-    }
-    if (k == Kern::Mma)
-      for (const Case& c : mma_cases)
-        if (argc < 2 || std::strstr(c.name, argv[1])) bad += run(c);
+  for (Pool pool : {Pool::BF16, Pool::E4M3}) {  // scores rising with the position: the running max moves
+    Case c{pool == Pool::BF16 ? "rising maxima G2 hd128 bf16" : "rising maxima G2 hd128 e4m3", 128, 4, 2, 16, pool, true,
+           false, {700, 300}, {}, 1};
+    c.tokens = {{0, 699}, {1, 299}, {0, 350}};
+    c.kramp = 1.5f;
+    mma_cases.push_back(c);
   }
+  int bad = 0;
+  for (const Kern k : {Kern::Tiled, Kern::Grouped, Kern::Mma})
+    for (int v = 0; v < (k == Kern::Mma ? kMmaVariants : 1); ++v) {
+      g_kern = k;
+      g_variant = v;
+      if (argc >= 3 && std::string(argv[2]) != kern_name() && !(k == Kern::Mma && std::string(argv[2]) == "mma-all"))
+        continue;
+      for (Case c : cases) {
+        if (k == Kern::Mma) {
+          if (c.pool == Pool::F32) continue;
+          c.q_bf16 = true;
+        }
+        if (argc < 2 || std::strstr(c.name, argv[1])) bad += run(c);
+      }
+      if (k == Kern::Mma)
+        for (const Case& c : mma_cases)
+          if (argc < 2 || std::strstr(c.name, argv[1])) bad += run(c);
+    }
   std::printf(bad ? "FAIL\n" : "PASS\n");
   return bad;
 }

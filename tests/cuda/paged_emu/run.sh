@@ -10,9 +10,12 @@
 # The tensor-core kernel (paged_mma_kernel) runs through shims of cp.async (copies land at their
 # wait_group, into shared memory poisoned with NaN), mma.sync m16n8k16 (BF16 and FP16, from the
 # PTX fragment layouts), prmt and the E4M3 -> FP16 conversion, on the cases above with BF16 q and
-# on its own cases (the Qwen3-1.7B / Llama-3.1-8B head shapes, page sizes 1, 5, 32).
-# Usage: bash tests/cuda/paged_emu/run.sh [case-name-substring [tiled|grouped|mma]]   (a few
-# minutes on 2 idle cores; 25 minutes on a machine with a load average of 100)
+# on its own cases (the Qwen3-1.7B / Llama-3.1-8B head shapes, page sizes 1, 5, 32, scores rising
+# with the position); every variant of it (kMmaVariants: paged_mma_kernel and the transposed
+# paged_mmat_kernel's, with shims of the full m16n8k16, movmatrix, ex2.approx.ftz and a warp vote).
+# Usage: bash tests/cuda/paged_emu/run.sh [case-name-substring [tiled|grouped|mma|mma-vN|mma-all]]
+# (mma: variant 0, mma-vN: variant N, mma-all: every variant; none: everything. Some minutes on 2
+# idle cores; 25 minutes on a machine with a load average of 100)
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 ROOT="$HERE/../../.."
