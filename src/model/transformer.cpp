@@ -424,7 +424,8 @@ std::shared_ptr<ConsistentKv> consistent_kv_alloc(Backend& be, const ModelConfig
   }
   std::vector<int32_t> seq(s->T), pos(s->T), slots(s->T), table(static_cast<size_t>(B) * max_pages, 0);
   for (int b = 0; b < B; ++b) {
-    for (int p = 0; p < first_page[b + 1] - first_page[b]; ++p) table[static_cast<size_t>(b) * max_pages + p] = first_page[b] + p;
+    for (int p = 0; p < first_page[b + 1] - first_page[b]; ++p)
+      table[static_cast<size_t>(b) * max_pages + p] = first_page[b] + p;
     for (int32_t t = batch.cu_seqlens[b]; t < batch.cu_seqlens[b + 1]; ++t) {
       const int32_t p = batch.positions[t];
       FP8RL_CHECK(p == t - batch.cu_seqlens[b], "the consistent mode scores whole sequences from position 0 (token ",
@@ -670,8 +671,8 @@ LogprobResult model_forward_logprobs(Backend& be, const ModelWeights& w, const E
   r.logp = be.alloc({T}, st);
   A.lm_lse = be.alloc({T}, st);
   if (opt.entropy) r.entropy = be.alloc({T}, st);
-  be.token_logprobs(A.hidden, w.lm_head, A.targets, opt.temperature, head_spec_for(act, prec.consistent), r.logp, A.lm_lse,
-                    opt.entropy ? &r.entropy : nullptr);
+  be.token_logprobs(A.hidden, w.lm_head, A.targets, opt.temperature, head_spec_for(act, prec.consistent), r.logp,
+                    A.lm_lse, opt.entropy ? &r.entropy : nullptr);
   zero_last_tokens(be, r.logp, batch.cu_seqlens);
   r.q_amax = std::move(amax.q);
   r.k_amax = std::move(amax.k);
@@ -961,8 +962,8 @@ void model_backward(Backend& be, const ModelWeights& w, const EnginePrecision& p
 
   // lm_head + log-softmax, then the final norm. dx [T, D] is the gradient of the residual stream.
   Tensor dhidden = be.alloc({T, D}, act);
-  be.token_logprobs_backward(A.hidden, w.lm_head, A.targets, A.temperature, head_spec_for(act, prec.consistent), A.lm_lse, dlogp,
-                             dhidden, &g.lm_head);
+  be.token_logprobs_backward(A.hidden, w.lm_head, A.targets, A.temperature, head_spec_for(act, prec.consistent),
+                             A.lm_lse, dlogp, dhidden, &g.lm_head);
   Tensor dx = be.alloc({T, D}, act);
   be.rmsnorm_backward(dhidden, A.x_final, w.final_norm, A.final_rstd, dx, g.final_norm);
 
