@@ -930,7 +930,7 @@ void Backend::kv_round(Tensor& x, const std::vector<float>& head_scale) {
 }
 
 void Backend::attention_paged(const KvCache& cache, int layer, const Tensor& q, const PagedBatch& batch,
-                              float softmax_scale, bool fp8_attention, Tensor& out) {
+                              float softmax_scale, bool fp8_attention, Tensor& out, Tensor* lse) {
   const Contract c(*this);
   cache_layer_contract(c, cache, layer, "attention_paged");
   c.floating(q, "attention_paged q");
@@ -946,7 +946,8 @@ void Backend::attention_paged(const KvCache& cache, int layer, const Tensor& q, 
   c.i32(batch.page_table, "paged batch page_table");
   FP8RL_CHECK(batch.page_table.ndim() == 2, "page_table must be [B, max_pages], got ", batch.page_table.str());
   c.floating(out, {T, q.dim(1), cache.v_dim()}, "attention_paged output");
-  attention_paged_impl(cache, layer, q, batch, softmax_scale, fp8_attention, out);
+  if (lse) c.stat(*lse, {q.dim(1), T}, "attention_paged lse");
+  attention_paged_impl(cache, layer, q, batch, softmax_scale, fp8_attention, out, lse);
 }
 
 void Backend::sample(const Tensor& logits, const std::vector<float>& temperature, const std::vector<float>& top_p,

@@ -64,7 +64,20 @@ struct LinearSpec {
   // FP8_BLOCK only: the weight gradient's GEMM, FP8_BLOCK (dY^T and X^T requantized 1x128 along
   // tokens) or BF16 (the unquantized dY and X rounded to BF16). Ignored by the other modes.
   LinearMode wgrad = LinearMode::FP8_BLOCK;
+  // The consistent mode (EnginePrecision::consistent): the forward product of each row of x is
+  // the same bits whatever the other rows (M) are — one kernel and one summation order for
+  // every M. CPU: always so (each output is one double dot product in a fixed order). CUDA: FP8
+  // on the own sm_90a kernel at one split (any M, no tail product), BF16 / FP32 GEMMs on one
+  // cuBLASLt algorithm per (N, K) without split-K (GemmEngine::gemm's row_invariant). Forward
+  // products only (linear, linear_shared_input, token_logprobs' logits); backward GEMMs ignore it.
+  bool consistent = false;
 };
+
+// token_logprobs with spec.consistent splits the vocabulary into chunks of this many ids (the
+// last one shorter), on every backend and whatever T: a chunk's logits are exactly
+// linear(hidden, lm_head rows [v0, v0 + n), spec) written in F32, so a caller computing logits
+// with linear over the same chunks (the generator in the consistent mode) gets those values.
+constexpr int64_t kConsistentVocabChunk = 4096;
 
 // The 1x128 E4M3 copy of an activation x [M, K] that a fused producer (rmsnorm_fp8,
 // add_rmsnorm, swiglu_fp8) writes together with x, for the FP8 linears that read x: passed to
@@ -132,6 +145,11 @@ struct PagedBatch {
   Tensor slots;       // I32 [T]: cache slot written for the token = page * page_size + offset
   Tensor page_table;  // I32 [B, max_pages]: pages of each sequence, in order
   int max_pos = 0;    // host: the largest token_pos + 1 (kernel sizing)
+  // The consistent mode: each token's output depends only on its q row, its position and its
+  // sequence's cached K/V, not on the other tokens of the batch, T or max_pos — one kernel and
+  // a split of the positions fixed by the position alone (CUDA: chunks of kPagedInvariantChunk
+  // positions, FP8RL_CUDA_PAGED_SPLITS ignored). The CPU reference is always so.
+  bool batch_invariant = false;
 };
 
 // A recorded sequence of ops (a CUDA graph) that replays with the same buffers: refill the
@@ -327,7 +345,8 @@ class Backend {
   // logits = hidden[T, D] lm_head[V, D]^T / temperature (lm_head in `spec` precision);
   // logp[t] = log_softmax(logits[t])[targets[t]]; lse F32 [T] saved for backward;
   // entropy F32 [T] written when non-null. targets I32 [T], each in [0, V) (no ignore index:
-  // out of range is an error); logp F32 [T]; temperature > 0.
+  // out of range is an error); logp F32 [T]; temperature > 0. spec.consistent: each row's
+  // logp, lse and entropy do not depend on the other rows (T): chunks of kConsistentVocabChunk.
   void token_logprobs(const Tensor& hidden, const Tensor& lm_head, const Tensor& targets, float temperature,
                       const LinearSpec& spec, Tensor& logp, Tensor& lse, Tensor* entropy);
   // Given dlogp F32 [T]: dhidden [T, D] written; dlm_head F32 [V, D] accumulated when non-null.
@@ -420,8 +439,12 @@ class Backend {
   // (FP32 scale) too: each q[t, h, :] row uses s = quant_scale_from_amax(amax of the row, pow2=false) and the value
   // e4m3_to_float(e4m3_from_float(q / s)) * s. The CPU reference keeps the softmax probabilities in FP32 (a GPU PV
   // product in FP8 is compared against it with a tolerance).
+  // lse F32 [Hq, T], written when non-null: the natural log-sum-exp of softmax_scale * q.k over
+  // the positions attended (k as the cache hands it), attention()'s convention, so that
+  // attention_backward can take this op's out and lse (the consistent mode's trainer). Asking for
+  // it does not change out.
   void attention_paged(const KvCache& cache, int layer, const Tensor& q, const PagedBatch& batch, float softmax_scale,
-                       bool fp8_attention, Tensor& out);
+                       bool fp8_attention, Tensor& out, Tensor* lse = nullptr);
   // The inverse-CDF sampler with host parameters (every row, top-k / top-p or not; synchronizes).
   // Samples one token per row of logits F32 [B, V]: softmax(logits / temperature[b]) restricted
   // to top_k[b] (0 = all) and the smallest top_p[b] nucleus; uniforms F32 [B] in [0, 1) drive an
@@ -541,7 +564,7 @@ class Backend {
   virtual void kv_write_impl(KvCache& cache, int layer, const Tensor& k, const Tensor& v, const PagedBatch& batch) = 0;
   virtual void kv_round_impl(Tensor& x, const std::vector<float>& head_scale) = 0;
   virtual void attention_paged_impl(const KvCache& cache, int layer, const Tensor& q, const PagedBatch& batch,
-                                    float softmax_scale, bool fp8_attention, Tensor& out) = 0;
+                                    float softmax_scale, bool fp8_attention, Tensor& out, Tensor* lse) = 0;
   virtual void sample_impl(const Tensor& logits, const std::vector<float>& temperature, const std::vector<float>& top_p,
                            const std::vector<int>& top_k, const std::vector<float>& uniforms, Tensor& tokens,
                            Tensor& logp, int64_t valid_vocab) = 0;

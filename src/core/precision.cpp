@@ -50,6 +50,14 @@ PrecisionRecipe PrecisionRecipe::preset(const std::string& name) {
   return r;
 }
 
+void PrecisionRecipe::set_consistent(bool on) {
+  generator.consistent = trainer.consistent = on;
+  if (!on) return;
+  FP8RL_CHECK(!generator.fp8_attention, "precision: the consistent mode does not take FP8 attention (the trainer's "
+              "attention backward has no FP8 form): turn precision.fp8_attention off (recipe spec: attn=off)");
+  trainer.kv_cache = generator.kv_cache;  // the trainer attends through a cache of the generator's dtype
+}
+
 PrecisionRecipe PrecisionRecipe::parse(const std::string& spec) {
   const size_t colon = spec.find(':');
   PrecisionRecipe r = preset(spec.substr(0, colon));
@@ -57,7 +65,7 @@ PrecisionRecipe PrecisionRecipe::parse(const std::string& spec) {
   if (colon == std::string::npos) return r;
   std::stringstream ss(spec.substr(colon + 1));
   std::string item;
-  bool tkv_set = false;
+  bool tkv_set = false, consistent = false;
   while (std::getline(ss, item, '+')) {
     const size_t eq = item.find('=');
     FP8RL_CHECK(eq != std::string::npos, "recipe '", spec, "': override '", item, "' is not key=value");
@@ -90,9 +98,11 @@ PrecisionRecipe PrecisionRecipe::parse(const std::string& spec) {
     } else if (k == "wgrad") {
       FP8RL_CHECK(v == "fp8" || v == "bf16", "recipe '", spec, "': wgrad must be fp8 or bf16");
       r.trainer.wgrad = linear_mode_from_name(v);
+    } else if (k == "consistent") {
+      consistent = on_off();
     } else {
       FP8RL_FAIL("recipe '", spec, "': unknown override '", k,
-                 "' (gen, train, kv, tkv, attn, pow2, first, last, wgrad)");
+                 "' (gen, train, kv, tkv, attn, pow2, first, last, wgrad, consistent)");
     }
   }
   FP8RL_CHECK(!r.generator.fp8_attention || r.generator.kv_cache == DType::E4M3, "recipe '", spec,
@@ -100,6 +110,9 @@ PrecisionRecipe PrecisionRecipe::parse(const std::string& spec) {
   FP8RL_CHECK(!tkv_set || r.trainer.kv_cache != DType::E4M3 || r.generator.kv_cache == DType::E4M3, "recipe '",
               spec, "': tkv=e4m3 rounds as the generator's E4M3 cache does and needs kv=e4m3");
   if (r.generator.kv_cache != DType::E4M3) r.trainer.kv_cache = DType::BF16;  // no E4M3 cache to round as
+  FP8RL_CHECK(!consistent || !tkv_set, "recipe '", spec, "': consistent=on decides how the trainer reads k and v "
+              "(through a cache of the generator's KV dtype): drop tkv");
+  if (consistent) r.set_consistent(true);
   return r;
 }
 

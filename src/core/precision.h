@@ -29,6 +29,16 @@ struct EnginePrecision {
   // requantized 1x128 along tokens (FP8_BLOCK, recipe.md section 2), or as a BF16 GEMM of the
   // unquantized dY and X (BF16: no transposed quantizations). The forward and dgrad stay FP8.
   LinearMode wgrad = LinearMode::FP8_BLOCK;
+  // The consistent mode (precision.consistent; set on both engines together by the recipe): every
+  // op of the forward computes each row (token) independently of the batch it is in, with one
+  // kernel and one reduction order whatever the batch (LinearSpec::consistent,
+  // PagedBatch::batch_invariant, token_logprobs' fixed vocabulary chunks), and the trainer's
+  // forward attends through a paged cache of the generator's KV dtype with the paged attention
+  // kernel of generation (transformer.cpp). So on the same weights the trainer's log-prob of a
+  // sampled token is bitwise the generator's (docs/design.md, "The consistent mode"). The
+  // trainer's kv_cache is then the generator's cache dtype (F32, BF16 or E4M3), which its
+  // attention reads through. Dense models only; no fp8_attention.
+  bool consistent = false;
   // Everything else (embedding, norms, RoPE, softmax, SiLU, lm_head, loss) stays in high
   // precision: FP32 on the CPU backend, BF16 storage with FP32 math on the CUDA backend.
 
@@ -45,6 +55,12 @@ struct PrecisionRecipe {
   std::string name = "bf16";
   EnginePrecision generator;
   EnginePrecision trainer;
+  // The consistent mode (EnginePrecision::consistent) of both engines.
+  bool consistent() const { return generator.consistent && trainer.consistent; }
+  // Turns the consistent mode on or off on both engines; on: the trainer's kv_cache becomes the
+  // generator's cache dtype. Throws (saying what to change) when the recipe cannot be consistent:
+  // fp8_attention (the trainer's attention backward has no FP8 form).
+  void set_consistent(bool on);
   // Presets: "fp32" (exact reference), "bf16", "fp8_gen" (FP8 generation + FP8 KV, BF16
   // training), "fp8_e2e" (FP8 both, FP8 KV, BF16 weight gradients). Both FP8 presets have the
   // trainer round k/v as the E4M3 cache stores them. Throws on anything else.
@@ -53,7 +69,7 @@ struct PrecisionRecipe {
   // "PRESET[:key=value[+key=value...]]" with keys gen / train (linear: fp32|bf16|fp8),
   // kv (f32|bf16|e4m3), tkv (trainer: bf16|e4m3 = round k/v as the generator's E4M3 cache does),
   // attn (fp8|off), pow2 (on|off), first / last (BF16 blocks, both engines), wgrad (fp8|bf16:
-  // trainer.wgrad).
+  // trainer.wgrad), consistent (on|off: the consistent mode, set_consistent; applied last).
   // E.g. "fp8_e2e:kv=bf16" = FP8 linears in both engines over a BF16 KV cache. The recipe's name
   // is the whole spec. Throws on an unknown preset, key or value.
   static PrecisionRecipe parse(const std::string& spec);

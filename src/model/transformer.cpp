@@ -2,8 +2,10 @@
 // Read top to bottom: helpers, the layer loop, the two forwards, the backward.
 #include "model/transformer.h"
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
+#include <memory>
 
 #include "core/error.h"
 
@@ -26,7 +28,7 @@ Tensor upload_i32(Backend& be, const std::vector<int32_t>& v) {
 }
 
 LinearSpec block_spec(const EnginePrecision& p, int layer, int num_layers) {
-  return LinearSpec{p.linear_for_layer(layer, num_layers), p.pow2_scales, p.wgrad};
+  return LinearSpec{p.linear_for_layer(layer, num_layers), p.pow2_scales, p.wgrad, p.consistent};
 }
 
 const LinearSpec kFp32Spec{LinearMode::FP32, false};
@@ -37,8 +39,10 @@ const LinearSpec kFp32Spec{LinearMode::FP32, false};
 // BF16 x BF16 tensor-core GEMM with FP32 accumulation (the weight rounded to BF16 once per
 // call) rather than an FP32 GEMM on the hidden state converted back to F32, which at a 128k
 // vocabulary would be the most expensive GEMM of the step.
-LinearSpec head_spec_for(DType act) {
-  return act == DType::BF16 ? LinearSpec{LinearMode::BF16, false} : kFp32Spec;
+LinearSpec head_spec_for(DType act, bool consistent) {
+  LinearSpec s = act == DType::BF16 ? LinearSpec{LinearMode::BF16, false} : kFp32Spec;
+  s.consistent = consistent;
+  return s;
 }
 
 // Sets slots [e - 1] of every sequence of a [T] tensor to 0 (positions without a target).
@@ -429,10 +433,97 @@ void forward_layers(Backend& be, const ModelWeights& w, const EnginePrecision& p
   out = x;
 }
 
+// The consistent mode's attention step (EnginePrecision::consistent): each query attends exactly
+// as it does in generation. k and v are written with kv_write into a paged cache of the
+// generator's KV dtype (scales: the rollout's, per layer; pages of 16 positions, one run of pages
+// per sequence) and every token is a query of attention_paged over it (batch_invariant: the
+// generator's kernel and split of the positions), which also gives the lse the usual attention
+// backward takes. Then k and v are rounded as that cache holds them (kv_round for E4M3, a round
+// trip through the cache dtype otherwise), so the backward sees the values the forward attended
+// over; gradients pass straight through the rounding, as with the trainer's KV rounding.
+struct ConsistentKv {
+  KvCache cache;              // one layer: K and V pools [pages, 16, Hkv, hd] of the cache dtype (first use)
+  DType dtype = DType::BF16;  // the cache dtype (dtype_of_k: set at the first layer)
+  int pages = 1;
+  Tensor k_scale, v_scale;    // F32 [L, Hkv]: layer l's scales in row l
+  std::vector<float> k_host, v_host;  // [L] the same, on the host (kv_round)
+  PagedBatch batch;           // every token of the forward batch as a query at its position
+  int64_t T = 0;
+  bool dtype_of_k = false;    // the cache takes k's own dtype (no rounding)
+};
+
+// kv_k / kv_v: the rollout's per-layer scales of an E4M3 cache. Without them (an E4M3 recipe
+// before set_kv_rounding, e.g. the calibration that precedes the first rollout) the cache takes
+// the activations' own dtype: k and v unrounded, as the usual trainer does then.
+std::shared_ptr<ConsistentKv> consistent_kv_alloc(Backend& be, const ModelConfig& c, DType cache_dtype,
+                                                  const ForwardBatch& batch, const std::vector<float>& kv_k,
+                                                  const std::vector<float>& kv_v) {
+  constexpr int kPage = 16;
+  auto s = std::make_shared<ConsistentKv>();
+  const int L = c.num_layers, Hkv = c.num_kv_heads, B = batch.num_sequences();
+  s->T = batch.num_tokens();
+  s->dtype = cache_dtype;
+  s->dtype_of_k = cache_dtype == DType::E4M3 && kv_k.empty();
+  s->k_host = kv_k.empty() ? std::vector<float>(L, 1.0f) : kv_k;
+  s->v_host = kv_v.empty() ? std::vector<float>(L, 1.0f) : kv_v;
+  std::vector<int32_t> first_page(B + 1, 0);
+  int max_pages = 1, max_len = 1;
+  for (int b = 0; b < B; ++b) {
+    const int n = batch.cu_seqlens[b + 1] - batch.cu_seqlens[b];
+    const int pages = (n + kPage - 1) / kPage;
+    first_page[b + 1] = first_page[b] + pages;
+    max_pages = std::max(max_pages, pages);
+    max_len = std::max(max_len, n);
+  }
+  std::vector<int32_t> seq(s->T), pos(s->T), slots(s->T), table(static_cast<size_t>(B) * max_pages, 0);
+  for (int b = 0; b < B; ++b) {
+    for (int p = 0; p < first_page[b + 1] - first_page[b]; ++p)
+      table[static_cast<size_t>(b) * max_pages + p] = first_page[b] + p;
+    for (int32_t t = batch.cu_seqlens[b]; t < batch.cu_seqlens[b + 1]; ++t) {
+      const int32_t p = batch.positions[t];
+      FP8RL_CHECK(p == t - batch.cu_seqlens[b], "the consistent mode scores whole sequences from position 0 (token ",
+                  t, " has position ", p, ")");
+      seq[t] = b;
+      pos[t] = p;
+      slots[t] = (first_page[b] + p / kPage) * kPage + p % kPage;
+    }
+  }
+  s->pages = std::max(1, first_page[B]);
+  Tensor ks = Tensor::empty({L, Hkv}, DType::F32), vs = Tensor::empty({L, Hkv}, DType::F32);
+  for (int l = 0; l < L; ++l)
+    for (int h = 0; h < Hkv; ++h) {
+      ks.data<float>()[l * Hkv + h] = s->k_host[l];
+      vs.data<float>()[l * Hkv + h] = s->v_host[l];
+    }
+  s->k_scale = be.to_device(ks);
+  s->v_scale = be.to_device(vs);
+  s->batch.token_seq = upload_i32(be, seq);
+  s->batch.token_pos = upload_i32(be, pos);
+  s->batch.slots = upload_i32(be, slots);
+  s->batch.page_table = upload_i32(be, table).reshape({B, max_pages});
+  s->batch.max_pos = max_len;
+  s->batch.batch_invariant = true;
+  return s;
+}
+
+// x [T, H, hd] rounded in place to the value a cache of `dtype` (with per-layer `scale` when
+// E4M3) hands the attention.
+void round_as_cache(Backend& be, Tensor& x, DType dtype, float scale) {
+  if (dtype == DType::E4M3) {
+    be.kv_round(x, std::vector<float>(static_cast<size_t>(x.dim(1)), scale));
+  } else if (dtype_size(dtype) < dtype_size(x.dtype())) {  // e.g. a BF16 cache under F32 activations
+    Tensor tmp = be.alloc(x.shape(), dtype);
+    be.convert(x, tmp);
+    be.convert(tmp, x);
+  }
+}
+
 // The training forward's attention step (causal over the batch's packed sequences; lse saved).
 // With kv_round_k/v (per-layer E4M3 scales), k and v are first rounded as an E4M3 KV cache stores them.
-AttentionStep training_attention(Backend& be, const ModelConfig& c, const ForwardBatch& batch, DType st,
-                                 const std::vector<float>& kv_round_k, const std::vector<float>& kv_round_v) {
+// In the consistent mode: the paged step above (kv_round_k/v are then the cache's scales).
+AttentionStep training_attention(Backend& be, const ModelConfig& c, const EnginePrecision& prec,
+                                 const ForwardBatch& batch, DType st, const std::vector<float>& kv_round_k,
+                                 const std::vector<float>& kv_round_v) {
   const float softmax_scale = c.softmax_scale();
   const int64_t T = batch.num_tokens();
   const bool round = !kv_round_k.empty();
@@ -441,6 +532,25 @@ AttentionStep training_attention(Backend& be, const ModelConfig& c, const Forwar
               "KV rounding needs one k and one v scale per layer (", c.num_layers, "), got ", kv_round_k.size(), " and ",
               kv_round_v.size());
   AttentionStep step;
+  if (prec.consistent) {
+    model_check_consistent(c, prec);
+    std::shared_ptr<ConsistentKv> kv = consistent_kv_alloc(be, c, prec.kv_cache, batch, kv_round_k, kv_round_v);
+    step.run = [&be, &c, st, softmax_scale, T, kv](int layer, LayerActivations& a) {
+      if (!kv->cache.k.size()) {  // the pools, at the first layer (k's dtype known)
+        if (kv->dtype_of_k) kv->dtype = a.k.dtype() == DType::F64 ? DType::F32 : a.k.dtype();
+        kv->cache = be.alloc_kv_cache(1, kv->pages, 16, c.num_kv_heads, c.head_dim, kv->dtype);
+      }
+      KvCache lc = kv->cache;  // this layer's scales in the one-layer cache
+      lc.k_scale = kv->k_scale.slice_rows(layer, layer + 1);
+      lc.v_scale = kv->v_scale.slice_rows(layer, layer + 1);
+      be.kv_write(lc, 0, a.k, a.v, kv->batch);
+      if (!a.lse.defined()) a.lse = be.alloc({c.num_heads, T}, st);
+      be.attention_paged(lc, 0, a.q, kv->batch, softmax_scale, false, a.attn, &a.lse);
+      round_as_cache(be, a.k, kv->dtype, kv->k_host[static_cast<size_t>(layer)]);
+      round_as_cache(be, a.v, kv->dtype, kv->v_host[static_cast<size_t>(layer)]);
+    };
+    return step;
+  }
   // MLA: the cache holds the latent and the rope key, so those are what gets rounded (mla_qkv).
   if (round && c.is_mla()) step.mla_kv_round = kv_round_k;
   const bool round_kv = round && !c.is_mla();
@@ -600,7 +710,7 @@ LogprobResult model_forward_logprobs(Backend& be, const ModelWeights& w, const E
 
   A.kv_round_k = opt.kv_round_k;
   A.kv_round_v = opt.kv_round_v;
-  const AttentionStep attention = training_attention(be, c, A.batch, st, A.kv_round_k, A.kv_round_v);
+  const AttentionStep attention = training_attention(be, c, prec, A.batch, st, A.kv_round_k, A.kv_round_v);
   QkvAmax amax;
   A.recompute = acts && opt.recompute;
   LogprobResult r;
@@ -621,8 +731,8 @@ LogprobResult model_forward_logprobs(Backend& be, const ModelWeights& w, const E
   r.logp = be.alloc({T}, st);
   A.lm_lse = be.alloc({T}, st);
   if (opt.entropy) r.entropy = be.alloc({T}, st);
-  be.token_logprobs(A.hidden, w.lm_head, A.targets, opt.temperature, head_spec_for(act), r.logp, A.lm_lse,
-                    opt.entropy ? &r.entropy : nullptr);
+  be.token_logprobs(A.hidden, w.lm_head, A.targets, opt.temperature, head_spec_for(act, prec.consistent), r.logp,
+                    A.lm_lse, opt.entropy ? &r.entropy : nullptr);
   zero_last_tokens(be, r.logp, batch.cu_seqlens);
   r.q_amax = std::move(amax.q);
   r.k_amax = std::move(amax.k);
@@ -651,6 +761,11 @@ void model_forward_paged(Backend& be, const ModelWeights& w, const EnginePrecisi
   check_shape(logits, {R, c.vocab_size}, "logits");
   check_dtype(logits, DType::F32, "logits");
   const DType act = act_dtype_for(be, w);
+  if (prec.consistent) model_check_consistent(c, prec);
+  // The consistent mode: every token's attention independent of the batch (the trainer's
+  // scoring runs the same kernel over its own batch).
+  PagedBatch pb = batch;
+  pb.batch_invariant = pb.batch_invariant || prec.consistent;
 
   Tensor x = be.alloc({T, D}, act);  // [T, D]
   be.embedding(ids, w.embed, x);
@@ -663,18 +778,18 @@ void model_forward_paged(Backend& be, const ModelWeights& w, const EnginePrecisi
     mla = mla_latent_scratch_alloc(be, c, act, T);
     attention.mla_latent = true;
     attention.run = [&](int layer, LayerActivations& a) {
-      mla_attention_paged(be, w, prec, layer, cache, batch, mla, a);
+      mla_attention_paged(be, w, prec, layer, cache, pb, mla, a);
     };
   } else {
     attention.run = [&](int layer, LayerActivations& a) {
-      be.kv_write(cache, layer, a.k, a.v, batch);
-      be.attention_paged(cache, layer, a.q, batch, softmax_scale, prec.fp8_attention, a.attn);
+      be.kv_write(cache, layer, a.k, a.v, pb);
+      be.attention_paged(cache, layer, a.q, pb, softmax_scale, prec.fp8_attention, a.attn);
     };
   }
   Tensor x_final;
   MoeRoutingIo routing;
   if (c.is_moe()) routing.used = routing_out;
-  forward_layers(be, w, prec, x, batch.token_pos, attention, routing, nullptr, false, nullptr, x_final);
+  forward_layers(be, w, prec, x, pb.token_pos, attention, routing, nullptr, false, nullptr, x_final);
 
   // Select the requested rows (embedding is a row gather: out[r] = table[rows[r]]), then norm.
   Tensor sel = be.alloc({R, D}, act);
@@ -683,11 +798,24 @@ void model_forward_paged(Backend& be, const ModelWeights& w, const EnginePrecisi
   be.rmsnorm(sel, w.final_norm, c.rms_norm_eps, hidden, nullptr);
   LinearWeight head;
   head.w = w.lm_head;
-  if (act == DType::F32) {
+  if (prec.consistent) {
+    // The logits exactly as token_logprobs computes them (its vocabulary chunks, F32 outputs of
+    // the head GEMM): the sampler draws from the values the trainer's scoring sees.
+    const LinearSpec spec = head_spec_for(act, true);
+    Tensor tmp;
+    for (int64_t v0 = 0; v0 < c.vocab_size; v0 += kConsistentVocabChunk) {
+      const int64_t n = std::min<int64_t>(kConsistentVocabChunk, c.vocab_size - v0);
+      LinearWeight chunk;
+      chunk.w = w.lm_head.slice_rows(v0, v0 + n);
+      if (!tmp.defined() || tmp.dim(1) != n) tmp = be.alloc({R, n}, DType::F32);
+      be.linear(hidden, chunk, spec, tmp);
+      be.copy_cols(tmp, 0, logits, v0, n);
+    }
+  } else if (act == DType::F32) {
     be.linear(hidden, head, kFp32Spec, logits);
   } else {
     Tensor tmp = be.alloc({R, c.vocab_size}, act);
-    be.linear(hidden, head, head_spec_for(act), tmp);
+    be.linear(hidden, head, head_spec_for(act, false), tmp);
     be.convert(tmp, logits);
   }
   if (hidden_out) *hidden_out = hidden;
@@ -697,6 +825,23 @@ int model_num_moe_layers(const ModelConfig& c) {
   int n = 0;
   for (int l = 0; l < c.num_layers; ++l) n += c.layer_is_moe(l) ? 1 : 0;
   return n;
+}
+
+void model_sampled_logprobs(Backend& be, const ModelWeights& w, const EnginePrecision& prec, const Tensor& hidden,
+                            const Tensor& tokens, float temperature, Tensor& logp) {
+  const DType act = act_dtype_for(be, w);
+  Tensor lse = be.alloc({hidden.dim(0)}, stat_dtype_for(act));
+  be.token_logprobs(hidden, w.lm_head, tokens, temperature, head_spec_for(act, prec.consistent), logp, lse, nullptr);
+}
+
+void model_check_consistent(const ModelConfig& c, const EnginePrecision& prec) {
+  if (!prec.consistent) return;
+  FP8RL_CHECK(!c.is_moe() && !c.is_mla(), "precision.consistent supports dense models (Llama, Qwen2, Qwen3) only: "
+              "this model has ", c.is_moe() ? "mixture-of-experts" : "MLA", " layers; turn precision.consistent off");
+  FP8RL_CHECK(!prec.fp8_attention, "precision.consistent does not take FP8 attention: turn precision.fp8_attention "
+              "off");
+  FP8RL_CHECK(prec.kv_cache == DType::F32 || prec.kv_cache == DType::BF16 || prec.kv_cache == DType::E4M3,
+              "precision.consistent: the KV cache dtype must be f32, bf16 or e4m3, got ", dtype_name(prec.kv_cache));
 }
 
 KvCacheShape model_kv_cache_shape(const ModelConfig& c) {
@@ -885,8 +1030,8 @@ void model_backward(Backend& be, const ModelWeights& w, const EnginePrecision& p
 
   // lm_head + log-softmax, then the final norm. dx [T, D] is the gradient of the residual stream.
   Tensor dhidden = be.alloc({T, D}, act);
-  be.token_logprobs_backward(A.hidden, w.lm_head, A.targets, A.temperature, head_spec_for(act), A.lm_lse, dlogp,
-                             dhidden, &g.lm_head);
+  be.token_logprobs_backward(A.hidden, w.lm_head, A.targets, A.temperature, head_spec_for(act, prec.consistent),
+                             A.lm_lse, dlogp, dhidden, &g.lm_head);
   Tensor dx = be.alloc({T, D}, act);
   be.rmsnorm_backward(dhidden, A.x_final, w.final_norm, A.final_rstd, dx, g.final_norm);
 
@@ -930,7 +1075,7 @@ void model_backward(Backend& be, const ModelWeights& w, const EnginePrecision& p
   };
 
   const AttentionStep attention =
-      training_attention(be, c, A.batch, stat_dtype_for(act), A.kv_round_k, A.kv_round_v);
+      training_attention(be, c, prec, A.batch, stat_dtype_for(act), A.kv_round_k, A.kv_round_v);
   LayerActivations recomputed;  // block recomputation: one block's activations at a time
   MoeRoutingIo recompute_routing;  // the forward's routing replay, replayed again
   if (!A.replay_routing.ids.empty()) recompute_routing.replay = &A.replay_routing;

@@ -187,10 +187,26 @@ void model_backward(Backend& backend, const ModelWeights& weights, const EngineP
 // batch.token_pos). Each block writes its k/v into `cache` and attends over it. rows I32 [R]
 // (device) selects the tokens whose outputs are returned: logits F32 [R, V] written, and
 // hidden [R, D] (final_norm output, act dtype) written when non-null. MoE models: `routing`,
-// when non-null, receives the experts of each of the T tokens in every MoE layer.
+// when non-null, receives the experts of each of the T tokens in every MoE layer. In the
+// consistent mode (precision.consistent) every op is batch-invariant and the logits are
+// token_logprobs' (its vocabulary chunks of kConsistentVocabChunk, F32 head GEMMs): a token's
+// logits, and the token_logprobs of `hidden`, are those the trainer's scoring forward computes.
 void model_forward_paged(Backend& backend, const ModelWeights& weights, const EnginePrecision& precision,
                          KvCache& cache, const Tensor& ids, const PagedBatch& batch, const Tensor& rows,
                          Tensor& logits, Tensor* hidden = nullptr, MoeRouting* routing = nullptr);
+
+// The consistent mode's logp_gen of sampled tokens: logp F32 [R] written with token_logprobs of
+// hidden [R, D] (model_forward_paged's) at targets tokens I32 [R], with the head spec the scoring
+// forward uses (model_forward_logprobs): the trainer's code, and with the batch-invariant ops of
+// the consistent mode the trainer's bits, for the same token. temperature > 0.
+void model_sampled_logprobs(Backend& backend, const ModelWeights& weights, const EnginePrecision& precision,
+                            const Tensor& hidden, const Tensor& tokens, float temperature, Tensor& logp);
+
+// Throws, saying what to change, when `precision` asks for the consistent mode
+// (EnginePrecision::consistent) on a model it does not serve: mixture-of-experts or MLA layers
+// (their routing and absorbed attention are not batch-invariant / not the trainer's form yet), or
+// FP8 attention. Called by the forwards, the rollout engine and the trainer at construction.
+void model_check_consistent(const ModelConfig& config, const EnginePrecision& precision);
 
 // The paged cache's per-layer row of a model: num_kv_heads x head_dim per token; MLA
 // (deepseek_v3) caches one row of kv_lora_rank + qk_rope_head_dim values (the normed latent and

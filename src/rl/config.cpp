@@ -295,6 +295,8 @@ std::vector<Field> config_fields(RunConfig& c) {
   t.add_bool("precision.fp8_attention", p.fp8_attention, "generator: QK^T and PV in FP8 (needs e4m3 KV)");
   t.add_choice("precision.trainer_kv_rounding", p.trainer_kv_rounding, {"auto", "on", "off"},
                "trainer: round k/v as the generator's E4M3 cache (needs e4m3 KV)");
+  t.add_bool("precision.consistent", p.consistent,
+             "trainer scores with the generator's kernels: logp_old == logp_gen bitwise (slower)");
   t.add_float("precision.kv_calib_percentile", p.kv_calib_percentile, "KV scale: percentile of micro-batch amax");
   t.add_float("precision.kv_calib_margin", p.kv_calib_margin, "KV scale: margin on that amax");
 
@@ -756,6 +758,12 @@ void config_validate(const RunConfig& c) {
   const auto& p = c.precision;
   need(p.bf16_first_layers >= 0, "precision.bf16_first_layers", "must be >= 0");
   need(p.bf16_last_layers >= 0, "precision.bf16_last_layers", "must be >= 0");
+  need(!p.consistent || !p.fp8_attention, "precision.consistent",
+       "does not take FP8 attention (the trainer's attention backward has no FP8 form): set "
+       "precision.fp8_attention=false");
+  need(!p.consistent || p.trainer_kv_rounding == "auto", "precision.consistent",
+       "decides how the trainer reads k and v (through a cache of the generator's KV dtype): leave "
+       "precision.trainer_kv_rounding at auto");
   const PrecisionRecipe recipe = config_precision_recipe(p);
   need(p.trainer_kv_rounding != "on" || recipe.generator.kv_cache == DType::E4M3, "precision.trainer_kv_rounding",
        "needs an E4M3 KV cache (set precision.kv_cache=e4m3 or use an fp8 recipe)");
@@ -807,10 +815,12 @@ PrecisionRecipe config_precision_recipe(const PrecisionSection& p) {
   r.generator.fp8_attention = p.fp8_attention;
   if (p.trainer_kv_rounding != "auto") r.trainer.kv_cache = p.trainer_kv_rounding == "on" ? DType::E4M3 : DType::BF16;
   if (r.generator.kv_cache != DType::E4M3) r.trainer.kv_cache = DType::BF16;  // nothing to round as
+  if (p.consistent) r.set_consistent(true);
   const bool custom = p.generator_linear != "auto" || p.trainer_linear != "auto" || p.kv_cache != "auto" ||
                       p.fp8_attention || p.pow2_scales || p.bf16_first_layers || p.bf16_last_layers ||
                       p.trainer_kv_rounding != "auto" || p.trainer_wgrad != "auto";
   if (custom) r.name += "+custom";
+  if (p.consistent) r.name += "+consistent";
   return r;
 }
 

@@ -167,6 +167,9 @@ struct PrecisionSection {
   // auto | on | off: the trainer rounds its k and v as the generator's E4M3 cache stores them
   // (the rollout's scales), so both engines attend over the same values. auto: the preset's choice.
   std::string trainer_kv_rounding = "auto";
+  // The consistent mode (EnginePrecision::consistent): the trainer scores with the generator's
+  // kernels and numerics, so logp_old equals logp_gen bit for bit on the same weights (slower).
+  bool consistent = false;
   double kv_calib_percentile = 0.999;     // KV-scale recalibration: percentile of per-micro-batch amax
   double kv_calib_margin = 1.05;          // ... times this margin, / 448
   bool operator==(const PrecisionSection&) const = default;

@@ -38,16 +38,19 @@ void DecodeGraphs::step(int Bp) {
   batch.page_table = in_.slice_rows(5 * Bp, 5 * Bp + Bp * W).reshape({Bp, W});
   batch.max_pos = static_cast<int>(W) * cache_.page_size;  // fixed: sequences grow under one graph
   Tensor logits = logits_.slice_rows(0, Bp);
-  model_forward_paged(be_, gen_, prec_, cache_, ids, batch, rows, logits);
+  Tensor hidden;
+  model_forward_paged(be_, gen_, prec_, cache_, ids, batch, rows, logits, &hidden);
   const Tensor srows = in_.slice_rows(5 * Bp + Bp * W, 5 * Bp + Bp * W + 8 * Bp).reshape({Bp, 8});
   Tensor tokens = tokens_.slice_rows(0, Bp), logp = logp_.slice_rows(0, Bp);
   be_.sample_rows(logits, srows, truncation_, tokens, logp, valid_vocab_);
+  if (consistent_temperature_ > 0.0f)
+    model_sampled_logprobs(be_, gen_, prec_, hidden, tokens, consistent_temperature_, logp);
 }
 
 bool DecodeGraphs::run(const std::vector<int32_t>& ids, const std::vector<int32_t>& pos,
                        const std::vector<int32_t>& slots, const std::vector<const std::vector<int32_t>*>& pages,
                        int width, const std::vector<SampleRow>& sample_rows, bool truncation, int64_t valid_vocab,
-                       Tensor& tokens_view, Tensor& logp_view) {
+                       float consistent_temperature, Tensor& tokens_view, Tensor& logp_view) {
   const int B = static_cast<int>(ids.size());
   if (disabled_ || B == 0 || B > max_batch_) return false;
   FP8RL_CHECK(static_cast<int>(sample_rows.size()) == B, "decode graphs: ", sample_rows.size(),
@@ -65,10 +68,12 @@ bool DecodeGraphs::run(const std::vector<int32_t>& ids, const std::vector<int32_
       logp_ = be_.alloc({max_batch_}, DType::F32);
     }
   }
-  if (truncation != truncation_ || valid_vocab != valid_vocab_) {  // recorded into the sampler's launch
+  if (truncation != truncation_ || valid_vocab != valid_vocab_ ||
+      consistent_temperature != consistent_temperature_) {  // recorded into the sampler's / logprobs' launches
     graphs_.clear();
     truncation_ = truncation;
     valid_vocab_ = valid_vocab;
+    consistent_temperature_ = consistent_temperature;
   }
   const int Bp = bucket(B);
   host_.assign(static_cast<size_t>(Bp) * (5 + W + 8), 0);

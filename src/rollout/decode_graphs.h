@@ -31,10 +31,13 @@ class DecodeGraphs {
   // One decode step of B = ids.size() sequences: ids/pos/slots [B]; pages[b] the page list of
   // sequence b (at most `width` pages); rows [B] their sampling parameters (sample_rows, with
   // `truncation` and valid_vocab). Writes the sampled tokens I32 [B] and logp F32 [B] (the
-  // returned views). Returns false (nothing run) when graphs are not available.
+  // returned views). consistent_temperature > 0 (the consistent mode): logp is then
+  // model_sampled_logprobs' at that temperature, recorded into the graph after the sampler.
+  // Returns false (nothing run) when graphs are not available.
   bool run(const std::vector<int32_t>& ids, const std::vector<int32_t>& pos, const std::vector<int32_t>& slots,
            const std::vector<const std::vector<int32_t>*>& pages, int width, const std::vector<SampleRow>& rows,
-           bool truncation, int64_t valid_vocab, Tensor& tokens_view, Tensor& logp_view);
+           bool truncation, int64_t valid_vocab, float consistent_temperature, Tensor& tokens_view,
+           Tensor& logp_view);
 
   int replays() const { return replays_; }
   int recorded() const { return static_cast<int>(graphs_.size()); }
@@ -52,6 +55,7 @@ class DecodeGraphs {
   int width_ = 0;      // page-table width the graphs were recorded with
   bool truncation_ = false;  // the sampler settings they were recorded with
   int64_t valid_vocab_ = 0;
+  float consistent_temperature_ = 0.0f;
   // I32: per bucket [ids | seq | pos | slots | rows | table (Bp x width) | SampleRow (Bp x 8)]
   Tensor in_;
   Tensor logits_;      // F32 [max_batch, V]

@@ -212,6 +212,7 @@ RolloutEngine::RolloutEngine(Backend& be, const ModelWeights& weights, const Eng
     : be_(be), prec_(prec), page_size_(page_size), max_batch_(max_batch), opt_(options) {
   FP8RL_CHECK(kv_pages > 0 && page_size > 0 && max_batch > 0 && options.max_batch_tokens > 0,
               "rollout: kv_pages, page_size, max_batch and max_batch_tokens must be positive");
+  model_check_consistent(weights.config, prec);
   gen_ = generator_weights_alloc(be, weights, prec);
   cache_ = model_alloc_kv_cache(be, weights.config, kv_pages, page_size, prec.kv_cache);
   buf_.packed = be.alloc({5 * static_cast<int64_t>(options.max_batch_tokens) + 64 * max_batch}, DType::I32);
@@ -281,6 +282,9 @@ std::vector<RolloutSample> RolloutEngine::generate(const std::vector<RolloutRequ
   // temperature rows (and greedy ones) by Gumbel-max keyed by (sequence, position): one read of
   // the logits (Backend::sample_rows).
   const bool truncation = sp.temperature > 0.0f && (sp.top_k > 0 || sp.top_p < 1.0f);
+  // The consistent mode: logp_gen by token_logprobs (the trainer's code) over the sampled tokens,
+  // in place of the sampler's own reduction (greedy rows keep the sampler's 0).
+  const float consistent_temperature = prec_.consistent ? sp.temperature : 0.0f;
   std::vector<const std::vector<int32_t>*> graph_pages;
   const ModelConfig& mc = gen_.config;
   const bool record = sp.record_routing && mc.is_moe();
@@ -307,7 +311,7 @@ std::vector<RolloutSample> RolloutEngine::generate(const std::vector<RolloutRequ
       graph_pages.clear();
       for (int si : batch_seqs) graph_pages.push_back(&seqs[si].pages);
       ran = graphs_->run(hb.ids, hb.tok_pos, hb.slots, graph_pages, max_seq_pages, hb.sample_rows, truncation,
-                         valid_vocab, tokens_dev, logp_dev);
+                         valid_vocab, consistent_temperature, tokens_dev, logp_dev);
       if (ran) stats_.graph_steps++;
     }
     if (!ran) {
@@ -333,10 +337,13 @@ std::vector<RolloutSample> RolloutEngine::generate(const std::vector<RolloutRequ
           all.slice_rows(static_cast<int64_t>(sr0), static_cast<int64_t>(packed.size())).reshape({R, 8});
       if (!buf_.logits.defined() || buf_.logits.dim(0) < R) buf_.logits = be_.alloc({R, V}, DType::F32);
       Tensor logits = buf_.logits.slice_rows(0, R);
-      model_forward_paged(be_, gen_, prec_, cache_, ids_dev, batch, rows_dev, logits, nullptr, record ? &rec : nullptr);
+      Tensor hidden;
+      model_forward_paged(be_, gen_, prec_, cache_, ids_dev, batch, rows_dev, logits, &hidden, record ? &rec : nullptr);
       if (record) generate_record_routing(seqs, batch_seqs, hb, rec);
       tokens_dev = buf_.tokens.slice_rows(0, R), logp_dev = buf_.logp.slice_rows(0, R);
       if (hb.any_row) be_.sample_rows(logits, srows_dev, truncation, tokens_dev, logp_dev, valid_vocab);
+      if (hb.any_row && consistent_temperature > 0.0f)  // the trainer's token_logprobs on these rows
+        model_sampled_logprobs(be_, gen_, prec_, hidden, tokens_dev, consistent_temperature, logp_dev);
     }
     stats_.decode_steps++;
     sched.commit();

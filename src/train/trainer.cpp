@@ -130,6 +130,7 @@ Trainer::Trainer(Backend& be, ModelWeights master, const EnginePrecision& prec, 
     : be_(be), master_(std::move(master)), prec_(prec), opt_(opt) {
   FP8RL_CHECK(master_.embed.dtype() == DType::F32, "the trainer keeps FP32 master weights, got ", master_.embed.str());
   FP8RL_CHECK(opt_.micro_batch_tokens > 0, "micro_batch_tokens must be positive");
+  model_check_consistent(master_.config, prec_);
   {  // FP8 linears that stay BF16 by their width (MLA projections), said once at start
     const std::vector<std::string> kept = model_bf16_kept_linears(master_, prec_);
     if (!kept.empty()) {
@@ -203,6 +204,8 @@ const ModelWeights& Trainer::compute_weights() {
   model_for_each_linear(compute_, [&](const std::string& name, int layer, LinearWeight& lw) {
     const LinearMode mode = model_linear_mode(compute_.config, prec_, name, layer, lw);
     if (mode == LinearMode::BF16 && bf16_copies) lw.w = bf16_copy(lw.w);
+    // The consistent mode: biases as the generator keeps them (the activation dtype).
+    if (prec_.consistent && bf16_copies && lw.bias.defined()) lw.bias = bf16_copy(lw.bias);
     if (mode != LinearMode::FP8_BLOCK) return;
     if (i == wq_.size()) {
       wq_.emplace_back();
@@ -227,6 +230,19 @@ const ModelWeights& Trainer::compute_weights() {
     const bool tied = master_.lm_head.storage() == master_.embed.storage();
     compute_.embed = bf16_copy(master_.embed);
     compute_.lm_head = tied ? compute_.embed : bf16_copy(master_.lm_head);
+  }
+  if (bf16_copies && prec_.consistent) {
+    // The consistent mode: the norm weights as the generator keeps them too (BF16 copies of the
+    // master: generator_weights_alloc), so every forward op reads the generator's operands.
+    compute_.final_norm = bf16_copy(master_.final_norm);
+    for (size_t l = 0; l < compute_.layers.size(); ++l) {
+      LayerWeights& cl = compute_.layers[l];
+      const LayerWeights& ml = master_.layers[l];
+      cl.attn_norm = bf16_copy(ml.attn_norm);
+      cl.mlp_norm = bf16_copy(ml.mlp_norm);
+      if (ml.q_norm.defined()) cl.q_norm = bf16_copy(ml.q_norm);
+      if (ml.k_norm.defined()) cl.k_norm = bf16_copy(ml.k_norm);
+    }
   }
   wq_.resize(i);
   wqt_.resize(i);

@@ -617,9 +617,24 @@ void paged_attention_equals_packed_attention_f32(Backend& cpu) {
   be->kv_write(cache, 1, k, v, s.batch);
   Tensor paged = be->alloc(q.shape(), DType::F32), packed = be->alloc(q.shape(), DType::F32),
          lse = be->alloc({s.Hq, s.T}, DType::F32);
-  be->attention_paged(cache, 1, q, s.batch, 0.35f, false, paged);
+  Tensor paged_lse = be->alloc({s.Hq, s.T}, DType::F32);
+  be->attention_paged(cache, 1, q, s.batch, 0.35f, false, paged, &paged_lse);
   be->attention(q, k, v, s.cu, 0.35f, packed, lse);
   EXPECT_LT(rel_err(values(paged), values(packed)), 1e-6);
+  // Its lse is attention()'s, so attention_backward takes the paged out and lse (the consistent
+  // mode's trainer) and gives attention's gradients.
+  EXPECT_LT(rel_err(values(paged_lse), values(lse)), 1e-6);
+  {
+    const Tensor dout = random_tensor({s.T, s.Hq, s.hd}, 13, DType::F32);
+    Tensor dq = be->alloc(q.shape(), DType::F32), dk = be->alloc(k.shape(), DType::F32),
+           dv = be->alloc(v.shape(), DType::F32), dq2 = be->alloc(q.shape(), DType::F32),
+           dk2 = be->alloc(k.shape(), DType::F32), dv2 = be->alloc(v.shape(), DType::F32);
+    be->attention_backward(dout, q, k, v, packed, lse, s.cu, 0.35f, dq, dk, dv);
+    be->attention_backward(dout, q, k, v, paged, paged_lse, s.cu, 0.35f, dq2, dk2, dv2);
+    EXPECT_LT(rel_err(values(dq2), values(dq)), 1e-5);
+    EXPECT_LT(rel_err(values(dk2), values(dk)), 1e-5);
+    EXPECT_LT(rel_err(values(dv2), values(dv)), 1e-5);
+  }
   // A decode step of sequence 0 at position 6 only (one query) gives the same row.
   PagedBatch one = s.batch;
   one.token_seq = i32_tensor({0});

@@ -1279,6 +1279,90 @@ void logprob_cases(std::vector<OpCase>& t) {
   }
 }
 
+// ---- the consistent mode (EnginePrecision::consistent) ----------------------------------------
+
+// Rows of a [M, N] output (host copy) against a product of rows [r0, r0 + m) alone: the same bits.
+void expect_rows_equal(const Tensor& full, const Tensor& part, int64_t r0, const std::string& what) {
+  const size_t row = full.nbytes() / static_cast<size_t>(full.dim(0));
+  ASSERT_EQ(part.nbytes(), row * static_cast<size_t>(part.dim(0))) << what;
+  EXPECT_EQ(
+      std::memcmp(static_cast<const char*>(full.raw()) + static_cast<size_t>(r0) * row, part.raw(), part.nbytes()), 0)
+      << what << ": rows " << r0 << "+" << part.dim(0) << " depend on the other rows of the batch";
+}
+
+void consistent_cases(std::vector<OpCase>& t) {
+  // linear with spec.consistent: each row's result is the same bits in a product of 70 rows, of
+  // 17 of them and of one (the CUDA GEMMs: the own FP8 kernel at one split, one cuBLASLt algorithm
+  // for every M). K spans several 128-blocks, one partial; N = 300 is no multiple of 16 (FP8: the
+  // dequantized FP32 GEMM on one algorithm).
+  const Gemm shapes[] = {{70, 256, 384}, {70, 300, 200}};
+  uint32_t seed = 900;
+  for (const Gemm& g : shapes)
+    for (LinearMode mode : {LinearMode::FP32, LinearMode::BF16, LinearMode::FP8_BLOCK})
+      for (DType odt : {DType::F32, DType::BF16}) {
+        if (mode == LinearMode::FP32 && odt == DType::BF16) continue;
+        LinearSpec spec{mode, false};
+        spec.consistent = true;
+        const uint32_t sx = seed++, sw = seed++;
+        const bool bias = (sx % 2) == 0;
+        t.push_back(
+            {"linear",
+             gemm_name(g) + " " + linear_mode_name(mode) + " consistent out " + dtype_name(odt) + (bias ? " bias" : ""),
+             [=] {
+               Tensors in{{"x", rnd({g.M, g.K}, sx)}, {"w", rnd({g.N, g.K}, sw, DType::F32, 0.05f)}};
+               if (bias) in["bias"] = rnd({g.N}, sw + 1);
+               return in;
+             },
+             [=](OpRun& r) {
+               const DType o = r.be.device() == DeviceKind::CPU ? DType::F32 : odt;
+               const LinearWeight W = weight_of(r, bias);
+               r.be.linear(r["x"], W, spec, r.output("out", {g.M, g.N}, o));
+               const Tensor x17 = r["x"].slice_rows(5, 22), x1 = r["x"].slice_rows(69, 70);
+               r.be.linear(x17, W, spec, r.output("out_rows5", {17, g.N}, o));
+               r.be.linear(x1, W, spec, r.output("out_row69", {1, g.N}, o));
+             },
+             {{"out", linear_tolerance(mode, odt)}}});
+        t.back().invariants = [](const Tensors& out) {
+          expect_rows_equal(out.at("out"), out.at("out_rows5"), 5, "linear (consistent)");
+          expect_rows_equal(out.at("out"), out.at("out_row69"), 69, "linear (consistent)");
+        };
+      }
+  // token_logprobs with spec.consistent: vocabulary chunks of kConsistentVocabChunk (V = 4500:
+  // two chunks, the last partial) whatever T, so a row's logp / lse / entropy are the same bits
+  // alone or among 33 rows.
+  for (LinearMode mode : {LinearMode::FP32, LinearMode::BF16}) {
+    LinearSpec spec{mode, false};
+    spec.consistent = true;
+    const int64_t T = 33, D = 128, V = 4500;
+    t.push_back(
+        {"token_logprobs",
+         std::string("T 33, V 4500 (two chunks) ") + linear_mode_name(mode) + " consistent",
+         [=] {
+           std::vector<int32_t> tg(T);
+           for (int64_t i = 0; i < T; ++i) tg[i] = static_cast<int32_t>((i * 1777 + 11) % V);
+           return Tensors{
+               {"h", rnd({T, D}, 950)}, {"W", rnd({V, D}, 951, DType::F32, 0.1f)}, {"targets", i32_tensor(tg, {T})}};
+         },
+         [=](OpRun& r) {
+           auto run = [&](int64_t t0, int64_t n, const std::string& tag) {
+             const Tensor h = r["h"].slice_rows(t0, t0 + n), tg = r["targets"].slice_rows(t0, t0 + n);
+             r.be.token_logprobs(h, r["W"], tg, 0.9f, spec, r.output("logp" + tag, {n}, DType::F32),
+                                 r.output("lse" + tag, {n}, DType::F32), &r.output("entropy" + tag, {n}, DType::F32));
+           };
+           run(0, T, "");
+           run(7, 1, "_row7");
+           run(20, 13, "_rows20");
+         },
+         {{"logp", rel(1e-4)}, {"lse", rel(1e-5)}, {"entropy", rel(1e-4)}}});
+    t.back().invariants = [](const Tensors& out) {
+      for (const char* k : {"logp", "lse", "entropy"}) {
+        expect_rows_equal(out.at(k), out.at(std::string(k) + "_row7"), 7, std::string("token_logprobs ") + k);
+        expect_rows_equal(out.at(k), out.at(std::string(k) + "_rows20"), 20, std::string("token_logprobs ") + k);
+      }
+    };
+  }
+}
+
 // ---- generation ----------------------------------------------------------------------------------
 
 void generation_cases(std::vector<OpCase>& t) {
@@ -1355,6 +1439,92 @@ void generation_cases(std::vector<OpCase>& t) {
     EXPECT_THROW(r.be.kv_round(x, {0.01f, 0.02f}), Error);        // one scale per head
     EXPECT_THROW(r.be.kv_round(x, {0.01f, 0.0f, 0.01f}), Error);  // scales > 0
   };
+
+  // attention_paged in the consistent mode (batch_invariant) with its lse: two sequences of 600
+  // and 37 positions in pages of 16 (the longer spans two of CUDA's invariant chunks of 512), every
+  // token a query; each token's output is the same bits in that prefill-sized batch and in a
+  // decode batch of three tokens (max_pos, T and the split of the batch differ); asking for the
+  // lse does not change out; the lse is attention()'s on the values the cache hands back.
+  for (DType kdt : {DType::F32, DType::BF16, DType::E4M3}) {
+    const DType qdt = kdt == DType::F32 ? DType::F32 : DType::BF16;  // CUDA: the tiled / tensor-core kernels
+    const int ips = 16, iHkv = 2, ihd = 64, iHq = 4;
+    const std::vector<int32_t> ilens = {600, 37};
+    std::vector<int32_t> iseq, ipos, islots, itable;
+    int ipages = 0;
+    const int width = (600 + ips - 1) / ips;
+    for (int b = 0; b < 2; ++b) {
+      const int np = (ilens[b] + ips - 1) / ips;
+      for (int p = 0; p < width; ++p) itable.push_back(p < np ? ipages + (p * 7) % np : 0);  // scattered
+      for (int p = 0; p < ilens[b]; ++p) {
+        iseq.push_back(b);
+        ipos.push_back(p);
+        islots.push_back(itable[static_cast<size_t>(b) * width + p / ips] * ips + p % ips);
+      }
+      ipages += np;
+    }
+    const int64_t iT = static_cast<int64_t>(iseq.size());
+    const std::vector<int32_t> dec = {599, 600 + 36, 300};  // the tokens of the decode batch
+    t.push_back({"kv_write + attention_paged",
+                 std::string(dtype_name(kdt)) + " cache, batch-invariant with lse, 600 + 37 positions",
+                 [=] {
+                   Tensor ks = rnd({1, iHkv}, 120), vs = rnd({1, iHkv}, 121);
+                   for (int64_t i = 0; i < iHkv; ++i) {
+                     ks.data<float>()[i] = 0.01f + std::fabs(ks.data<float>()[i]) * 0.02f;
+                     vs.data<float>()[i] = 0.01f + std::fabs(vs.data<float>()[i]) * 0.02f;
+                   }
+                   std::vector<int32_t> dseq, dpos, dslots;
+                   for (int32_t i : dec) {
+                     dseq.push_back(iseq[i]);
+                     dpos.push_back(ipos[i]);
+                     dslots.push_back(islots[i]);
+                   }
+                   return Tensors{{"k_scale", ks},
+                                  {"v_scale", vs},
+                                  {"k", rnd({iT, iHkv, ihd}, 122, qdt, 2.0f)},
+                                  {"v", rnd({iT, iHkv, ihd}, 123, qdt, 2.0f)},
+                                  {"q", rnd({iT, iHq, ihd}, 124, qdt, 0.5f)},
+                                  {"seq", i32_tensor(iseq, {iT})},
+                                  {"pos", i32_tensor(ipos, {iT})},
+                                  {"slots", i32_tensor(islots, {iT})},
+                                  {"table", i32_tensor(itable, {2, width})},
+                                  {"dseq", i32_tensor(dseq, {3})},
+                                  {"dpos", i32_tensor(dpos, {3})},
+                                  {"dslots", i32_tensor(dslots, {3})}};
+                 },
+                 [=](OpRun& r) {
+                   KvCache c = r.be.alloc_kv_cache(1, ipages, ips, iHkv, ihd, kdt);
+                   r.be.copy(r["k_scale"], c.k_scale);
+                   r.be.copy(r["v_scale"], c.v_scale);
+                   PagedBatch b{r["seq"], r["pos"], r["slots"], r["table"], 600};
+                   b.batch_invariant = true;
+                   r.be.kv_write(c, 0, r["k"], r["v"], b);
+                   const DType odt = r.be.device() == DeviceKind::CPU ? DType::F32 : qdt;
+                   const Tensor q = r.be.device() == DeviceKind::CPU ? r.as("q", DType::F32) : r["q"];
+                   Tensor& out = r.output("out", {iT, iHq, ihd}, odt);
+                   r.be.attention_paged(c, 0, q, b, 0.125f, false, out, &r.output("lse", {iHq, iT}, DType::F32));
+                   r.be.attention_paged(c, 0, q, b, 0.125f, false, r.output("out_nolse", {iT, iHq, ihd}, odt));
+                   // The decode batch: its q rows gathered from q (a row gather: embedding).
+                   PagedBatch d{r["dseq"], r["dpos"], r["dslots"], r["table"], 1100};  // another split count
+                   d.batch_invariant = true;
+                   Tensor qd = r.be.alloc({3, iHq * ihd}, q.dtype());
+                   Tensor idx = r.be.to_device(i32_tensor(dec, {3}));
+                   r.be.embedding(idx, q.reshape({iT, iHq * ihd}), qd);
+                   r.be.attention_paged(c, 0, qd.reshape({3, iHq, ihd}), d, 0.125f, false,
+                                        r.output("out_decode", {3, iHq, ihd}, odt));
+                 },
+                 {{"out", rel(kdt == DType::F32 ? 1e-5 : 1e-2)}, {"lse", rel(1e-5)}},
+                 {{"out_nolse", "out"}}});
+    t.back().invariants = [=](const Tensors& out) {
+      const Tensor& full = out.at("out");
+      const Tensor& d = out.at("out_decode");
+      const size_t row = full.nbytes() / static_cast<size_t>(iT);
+      for (size_t i = 0; i < dec.size(); ++i)
+        EXPECT_EQ(std::memcmp(static_cast<const char*>(full.raw()) + static_cast<size_t>(dec[i]) * row,
+                              static_cast<const char*>(d.raw()) + i * row, row),
+                  0)
+            << "token " << dec[i] << ": its attention depends on the batch (batch_invariant)";
+    };
+  }
 
   // The GPU sampler (no sort: radix search on order keys) draws the CPU reference's token for the
   // same uniforms: greedy, plain, top-k, top-p, both, on continuous logits (well separated) and
@@ -1560,6 +1730,7 @@ const std::vector<OpCase>& op_table() {
     moe_cases(t);
     attention_cases(t);
     logprob_cases(t);
+    consistent_cases(t);
     generation_cases(t);
     sample_rows_cases(t);
     attach_references(t);

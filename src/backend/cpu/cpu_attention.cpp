@@ -196,9 +196,10 @@ void CpuBackend::kv_round_impl(Tensor& x, const std::vector<float>& head_scale) 
 
 // With fp8_attention, each (token, head) row of q is quantized with s = amax / 448 (the
 // quant_scale_from_amax rule, no pow2) and the dequantized e4m3(q / s) * s is used; the
-// softmax probabilities stay FP32 in this reference.
+// softmax probabilities stay FP32 in this reference. Each token is computed on its own (its
+// positions in order, in double): the result never depends on the batch (batch_invariant holds).
 void CpuBackend::attention_paged_impl(const KvCache& cache, int layer, const Tensor& q, const PagedBatch& batch,
-                                      float softmax_scale, bool fp8_attention, Tensor& out) {
+                                      float softmax_scale, bool fp8_attention, Tensor& out, Tensor* lse) {
   const std::vector<int32_t> seq = load_i32(batch.token_seq, "paged batch token_seq");
   const std::vector<int32_t> pos = load_i32(batch.token_pos, "paged batch token_pos");
   const std::vector<int32_t> table = load_i32(batch.page_table, "paged batch page_table");
@@ -211,8 +212,8 @@ void CpuBackend::attention_paged_impl(const KvCache& cache, int layer, const Ten
   const float* ks = cache.k_scale.data<float>() + layer * Hkv;
   const float* vs = latent ? ks : cache.v_scale.data<float>() + layer * Hkv;
   const Tensor& vpool = latent ? cache.k[layer] : cache.v[layer];
-  std::vector<double> o(T * Hq * dv, 0.0);
-  // One task per query token: it writes only its own rows of o (and of its copy of q).
+  std::vector<double> o(T * Hq * dv, 0.0), l(lse ? Hq * T : 0);
+  // One task per query token: it writes only its own rows of o and l (and of its copy of q).
   cpu_parallel_for(T, T * Hq * (batch.max_pos + 1) * hd * 2, [&](int64_t t0, int64_t t1) {
     std::vector<double> p;
     std::vector<float> kj(hd), vj(dv);
@@ -258,10 +259,12 @@ void CpuBackend::attention_paged_impl(const KvCache& cache, int layer, const Ten
           cache_load_row(vpool, (slot_of(j) * Hkv + kh) * hd, dv, vs[kh], vj.data());
           for (int64_t c = 0; c < dv; ++c) oi[c] += p[j] / sum * vj[c];
         }
+        if (lse) l[h * T + t] = m + std::log(sum);
       }
     }
   });
   store(o, out, "attention_paged output");
+  if (lse) store(l, *lse, "attention_paged lse");
 }
 
 }  // namespace cpu

@@ -108,7 +108,7 @@ class CpuBackend final : public Backend {
   void kv_write_impl(KvCache& cache, int layer, const Tensor& k, const Tensor& v, const PagedBatch& batch) override;
   void kv_round_impl(Tensor& x, const std::vector<float>& head_scale) override;
   void attention_paged_impl(const KvCache& cache, int layer, const Tensor& q, const PagedBatch& batch,
-                            float softmax_scale, bool fp8_attention, Tensor& out) override;
+                            float softmax_scale, bool fp8_attention, Tensor& out, Tensor* lse) override;
   void sample_impl(const Tensor& logits, const std::vector<float>& temperature, const std::vector<float>& top_p,
                    const std::vector<int>& top_k, const std::vector<float>& uniforms, Tensor& tokens, Tensor& logp,
                    int64_t valid_vocab) override;

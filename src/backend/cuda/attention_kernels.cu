@@ -211,7 +211,8 @@ template <int EPL, class TQ, class TP>
 __global__ void attention_paged_kernel(const TQ* q, const int32_t* token_seq, const int32_t* token_pos,
                                        const int32_t* page_table, int max_pages, int64_t T_, int Hq, int Hkv, int hd,
                                        int hdv, int v_row, int page_size, const TP* kpool, const TP* vpool,
-                                       const float* ks, const float* vs, float scale, bool fp8_q, TQ* out) {
+                                       const float* ks, const float* vs, float scale, bool fp8_q, TQ* out,
+                                       float* lse) {
   const int64_t w = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
   const int lane = threadIdx.x & 31;
   if (w >= T_ * Hq) return;
@@ -259,6 +260,7 @@ __global__ void attention_paged_kernel(const TQ* q, const int32_t* token_seq, co
     const int d = lane + 32 * i;
     if (d < hdv) store_f(out, (t * Hq + h) * hdv + d, acc[i] / l);
   }
+  if (lse && lane == 0) lse[h * T_ + t] = m + logf(l);
 }
 
 // EPL (elements per lane) = ceil(hd / 32) rounded up to 1, 2, 4 or 8 (hd <= 256).
@@ -359,7 +361,7 @@ void launch_attention_paged(const void* q, DType qdt, const int32_t* token_seq, 
                             const int32_t* page_table, int max_pages, int64_t T_, int Hq, int Hkv, int hd, int hdv,
                             int v_row, int page_size, const void* kpool, const void* vpool, DType pool_dt,
                             const float* k_scale, const float* v_scale, float scale, bool fp8_q, void* out,
-                            cudaStream_t stream) {
+                            cudaStream_t stream, float* lse) {
   if (T_ == 0) return;
   FP8RL_DISPATCH_FLOAT(qdt, "attention_paged q", {
     using TQ = T;
@@ -368,13 +370,13 @@ void launch_attention_paged(const void* q, DType qdt, const int32_t* token_seq, 
         attention_paged_kernel<EPL, TQ, uint8_t><<<warp_grid(T_ * Hq), kWarps * 32, 0, stream>>>(
             static_cast<const TQ*>(q), token_seq, token_pos, page_table, max_pages, T_, Hq, Hkv, hd, hdv, v_row,
             page_size, static_cast<const uint8_t*>(kpool), static_cast<const uint8_t*>(vpool), k_scale, v_scale, scale, fp8_q,
-            static_cast<TQ*>(out));
+            static_cast<TQ*>(out), lse);
       } else {
         FP8RL_DISPATCH_FLOAT(pool_dt, "KV cache", {
           attention_paged_kernel<EPL, TQ, T><<<warp_grid(T_ * Hq), kWarps * 32, 0, stream>>>(
               static_cast<const TQ*>(q), token_seq, token_pos, page_table, max_pages, T_, Hq, Hkv, hd, hdv, v_row,
               page_size, static_cast<const T*>(kpool), static_cast<const T*>(vpool), nullptr, nullptr, scale, fp8_q,
-              static_cast<TQ*>(out));
+              static_cast<TQ*>(out), lse);
         });
       }
     });

@@ -747,7 +747,7 @@ BackendCounters CudaBackend::counters() const {
 }
 
 void CudaBackend::mm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const Tensor& A, const Tensor& B, DType ab,
-                     Tensor& C, float beta) {
+                     Tensor& C, float beta, bool row_invariant) {
   const Tensor* a = &A;
   const Tensor* b = &B;
   Tensor ac, bc;
@@ -764,11 +764,11 @@ void CudaBackend::mm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const Te
   if (ab == DType::F32 && C.dtype() != DType::F32) {  // FP32 GEMMs write F32: go through a buffer
     Tensor c32 = scratch(kSlotC, C.shape(), DType::F32);
     if (beta != 0.0f) launch_convert(C.raw(), C.dtype(), c32.raw(), DType::F32, C.numel(), stream_);
-    gemm_->gemm(ta, tb, M, N, K, a->raw(), b->raw(), ab, c32.raw(), DType::F32, 1.0f, beta);
+    gemm_->gemm(ta, tb, M, N, K, a->raw(), b->raw(), ab, c32.raw(), DType::F32, 1.0f, beta, row_invariant);
     launch_convert(c32.raw(), DType::F32, C.raw(), C.dtype(), C.numel(), stream_);
     return;
   }
-  gemm_->gemm(ta, tb, M, N, K, a->raw(), b->raw(), ab, C.raw(), C.dtype(), 1.0f, beta);
+  gemm_->gemm(ta, tb, M, N, K, a->raw(), b->raw(), ab, C.raw(), C.dtype(), 1.0f, beta, row_invariant);
 }
 
 void CudaBackend::linear_fwd(const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor& out,
@@ -776,7 +776,10 @@ void CudaBackend::linear_fwd(const Tensor& x, const LinearWeight& W, const Linea
   const int64_t M = x.dim(0), K = x.dim(1), N = W.out_features();
   if (spec.mode != LinearMode::FP8_BLOCK) {
     const OpTimer t(*this, "linear: BF16/FP32 GEMM", 2);
-    mm(false, true, M, N, K, x, W.w, spec.mode == LinearMode::FP32 ? DType::F32 : DType::BF16, out, 0.0f);
+    mm(false, true, M, N, K, x, W.w, spec.mode == LinearMode::FP32 ? DType::F32 : DType::BF16, out, 0.0f,
+       spec.consistent);
+  } else if (spec.consistent) {
+    linear_fwd_fp8_consistent(x, W, spec, out, x_view);
   } else {
     // With M % 16 == 0 (decode batches, aligned micro-batches) the quantizer writes the scales
     // straight into cuBLASLt's layout: no layout kernel. x_view: x already quantized (by a fused
@@ -820,6 +823,54 @@ void CudaBackend::linear_fwd(const Tensor& x, const LinearWeight& W, const Linea
     }
   }
   if (W.bias.defined()) launch_add_bias(out.raw(), out.dtype(), W.bias.raw(), W.bias.dtype(), M, N, stream_);
+}
+
+// The consistent mode's FP8 forward product: every row computed the same way whatever M. With BF16
+// activations the own sm_90a kernel at one split (row-invariant: fp8_gemm.h; any M, no tail
+// product, either scale layout of a view); where it does not take the shape (N or K not a
+// multiple of 16) and on the exact path (F32 activations), the dequantized operands' FP32 GEMM on
+// one cuBLASLt algorithm for every M. The quantized operands are those of the other paths.
+void CudaBackend::linear_fwd_fp8_consistent(const Tensor& x, const LinearWeight& W, const LinearSpec& spec,
+                                            Tensor& out, const Fp8View* x_view) {
+  const int64_t M = x.dim(0), K = x.dim(1), N = W.out_features();
+  const bool own = act_dtype_ != DType::F32 && fp8_gemm_sm90_supported(M, N, K);
+  if (!own && act_dtype_ != DType::F32) (void)fp8_tensor_cores(M, N, K);  // counted and reported as a fallback
+  // The dequantize path reads row-major scales: a view in the GEMM layout is quantized again there.
+  const bool use_view = x_view && (own || !x_view->scales_gemm_layout);
+  const bool quantizes = !use_view || !W.wq.defined();
+  if (quantizes) flag_reset();
+  QuantTensor xq;
+  if (use_view) {
+    xq = x_view->q;
+  } else {
+    const OpTimer t(*this, "linear: quantize x", 2);
+    xq = scratch_quant(kSlotAq, kSlotAs, M, K, 1, spec.pow2_scales);
+    quantize_async(x, false, xq, false, /*gemm_layout=*/false);
+  }
+  QuantTensor wq;
+  if (W.wq.defined()) {
+    wq = W.wq;
+  } else {
+    const OpTimer t(*this, "linear: quantize W", 2);
+    wq = scratch_quant(kSlotBq, kSlotBs, N, K, kQuantBlock, spec.pow2_scales);
+    quantize_async(W.w, false, wq);
+  }
+  if (quantizes)
+    flag_check(use_view ? "linear (FP8): the weight holds NaN or Inf"
+                        : "linear (FP8): the input " + x.str() + " or the weight holds NaN or Inf");
+  const bool laid = use_view && x_view->scales_gemm_layout;
+  if (own) {
+    const OpTimer t(*this, "linear: FP8 GEMM", 2);
+    gemm_->gemm_fp8_own(M, N, K, xq.data.data<uint8_t>(), xq.scales.data<float>(), laid, wq.data.data<uint8_t>(),
+                        wq.scales.data<float>(), out.raw(), out.dtype(), 1.0f, 0.0f, /*splits=*/1);
+    return;
+  }
+  Tensor xf = scratch(kSlotA, {M, K}, DType::F32), wf = scratch(kSlotB, {N, K}, DType::F32);
+  launch_dequantize(xq.data.data<uint8_t>(), xq.scales.data<float>(), M, K, 1, kQuantBlock, xf.raw(), DType::F32,
+                    stream_);
+  launch_dequantize(wq.data.data<uint8_t>(), wq.scales.data<float>(), N, K, kQuantBlock, kQuantBlock, wf.raw(),
+                    DType::F32, stream_);
+  mm(false, true, M, N, K, xf, wf, DType::F32, out, 0.0f, /*row_invariant=*/true);
 }
 
 void CudaBackend::linear_impl(const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor& out,
@@ -885,7 +936,8 @@ void CudaBackend::linear_shared_input_impl(const Tensor& x, const std::vector<co
   bool shared = spec.mode == LinearMode::FP8_BLOCK;
   const int64_t K = W[0]->in_features(), M = rows_of(x);
   LinearWeight cat;
-  if (act_dtype_ != DType::F32 && spec.mode != LinearMode::FP32 && M > 0 && M <= kCatMaxRows &&
+  // Not in the consistent mode: the wider product is not bitwise the separate ones the trainer runs.
+  if (!spec.consistent && act_dtype_ != DType::F32 && spec.mode != LinearMode::FP32 && M > 0 && M <= kCatMaxRows &&
       static_cast<int>(W.size()) <= kSplitColsMax && concatenated(W, spec, cat)) {
     bool same_dtype = true;
     for (const Tensor* o : outs) same_dtype = same_dtype && o->dtype() == outs[0]->dtype();
@@ -1315,7 +1367,9 @@ void CudaBackend::token_logprobs_impl(const Tensor& hidden, const Tensor& lm_hea
   // The sticky slot: set by any out-of-range target of any call, read and cleared by flag_drain.
   int* bad = flag_dev_ + kFlagSticky;
   if (sticky_message_.empty()) sticky_message_ = "token_logprobs: a target id is out of range [0, " + std::to_string(V) + ")";
-  const int64_t vc = vocab_chunk(T, V);
+  // The consistent mode: chunks fixed by V alone (backend.h kConsistentVocabChunk), so a row's
+  // online log-sum-exp runs over the same chunks whatever T.
+  const int64_t vc = spec.consistent ? std::min(kConsistentVocabChunk, V) : vocab_chunk(T, V);
   for (int64_t v0 = 0; v0 < V; v0 += vc) {
     const int64_t n = std::min(vc, V - v0);
     Tensor logits = scratch(kSlotLogits, {T, n}, DType::F32);
@@ -1417,7 +1471,7 @@ void CudaBackend::kv_write_impl(KvCache& cache, int layer, const Tensor& k, cons
 }
 
 void CudaBackend::attention_paged_impl(const KvCache& cache, int layer, const Tensor& q, const PagedBatch& batch,
-                                       float softmax_scale, bool fp8_attention, Tensor& out) {
+                                       float softmax_scale, bool fp8_attention, Tensor& out, Tensor* lse) {
   const OpTimer op_timer_(*this, "attention_paged");
   one_dtype({&q, &out}, "attention_paged");
   const int64_t T = q.dim(0);
@@ -1431,12 +1485,15 @@ void CudaBackend::attention_paged_impl(const KvCache& cache, int layer, const Te
   const int max_pages = static_cast<int>(batch.page_table.dim(1));
   const void* kp = cache.k[layer].raw();
   const void* vp = latent ? kp : cache.v[layer].raw();
+  float* lse_out = lse ? lse->data<float>() : nullptr;
   // The tensor-core paged kernel (paged_attention.cu, paged_mma_kernel) for BF16 q over BF16 /
   // E4M3 pools, the tiled CUDA-core kernel for the other cases (F32 q or pools), the simple one
   // outside both. FP8RL_CUDA_ATTENTION=tiled / grouped / simple selects the tiled kernel, the
   // earlier paged kernel (lanes over head dims) or the one-warp-per-head reference kernel.
   // FP8RL_CUDA_PAGED_SPLITS=N forces N splits of the positions (diagnostics and tests). Both are
-  // read at each call.
+  // read at each call. The choice depends on the head shape, dtypes and switches only, never on
+  // the batch; with batch.batch_invariant the split plan is fixed by the positions alone
+  // (paged_attention_invariant_split) and FP8RL_CUDA_PAGED_SPLITS is ignored.
   const char* mode = std::getenv("FP8RL_CUDA_ATTENTION");
   const std::string md = mode ? mode : "";
   const bool simple = md == "simple", grouped = md == "grouped", tiled = md == "tiled";
@@ -1447,7 +1504,7 @@ void CudaBackend::attention_paged_impl(const KvCache& cache, int layer, const Te
     launch_attention_paged(q.raw(), q.dtype(), batch.token_seq.data<int32_t>(), batch.token_pos.data<int32_t>(),
                            batch.page_table.data<int32_t>(), max_pages, T, Hq, cache.num_kv_heads, hd, cache.v_dim(),
                            hd, cache.page_size, kp, vp, cache.dtype, ks, vs, softmax_scale, fp8_attention, out.raw(),
-                           stream_);
+                           stream_, lse_out);
     return;
   }
   const char* forced = std::getenv("FP8RL_CUDA_PAGED_SPLITS");
@@ -1455,22 +1512,24 @@ void CudaBackend::attention_paged_impl(const KvCache& cache, int layer, const Te
   const bool mma = !grouped && !tiled && paged_attention_mma_supported(hd, group, cache.dtype, q.dtype(), kp, vp);
   // max_pos only sizes the split plan: a token past it is still served in full (last split).
   const PagedSplit plan =
-      mma ? paged_attention_mma_split(T, cache.num_kv_heads, hd, cache.dtype, batch.max_pos, sm_count_, nforced)
-          : paged_attention_split(T, cache.num_kv_heads, batch.max_pos, sm_count_, nforced);
+      batch.batch_invariant
+          ? paged_attention_invariant_split(batch.max_pos)
+          : mma ? paged_attention_mma_split(T, cache.num_kv_heads, hd, cache.dtype, batch.max_pos, sm_count_, nforced)
+                : paged_attention_split(T, cache.num_kv_heads, batch.max_pos, sm_count_, nforced);
   float* part = nullptr;
-  if (plan.splits > 1) part = scratch(kSlotAttn, {T * Hq * plan.splits * (hd + 1)}, DType::F32).data<float>();
+  if (plan.splits > 1 || lse_out) part = scratch(kSlotAttn, {T * Hq * plan.splits * (hd + 1)}, DType::F32).data<float>();
   float* part_lse = part ? part + T * Hq * plan.splits * hd : nullptr;
   if (mma) {
     launch_paged_attention_mma(q.raw(), q.dtype(), batch.token_seq.data<int32_t>(), batch.token_pos.data<int32_t>(),
                                batch.page_table.data<int32_t>(), max_pages, T, Hq, cache.num_kv_heads, hd,
                                cache.page_size, kp, vp, cache.dtype, ks, vs, softmax_scale, fp8_attention, plan, part,
-                               part_lse, out.raw(), stream_);
+                               part_lse, out.raw(), stream_, /*variant=*/-1, lse_out);
     return;
   }
   launch_paged_attention(q.raw(), q.dtype(), batch.token_seq.data<int32_t>(), batch.token_pos.data<int32_t>(),
                          batch.page_table.data<int32_t>(), max_pages, T, Hq, cache.num_kv_heads, hd, cache.page_size,
                          kp, vp, cache.dtype, ks, vs, softmax_scale, fp8_attention, plan, part, part_lse, out.raw(),
-                         stream_, grouped);
+                         stream_, grouped, lse_out);
 }
 
 namespace {

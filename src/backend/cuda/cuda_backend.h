@@ -121,7 +121,7 @@ class CudaBackend final : public Backend {
   void kv_write_impl(KvCache& cache, int layer, const Tensor& k, const Tensor& v, const PagedBatch& batch) override;
   void kv_round_impl(Tensor& x, const std::vector<float>& head_scale) override;
   void attention_paged_impl(const KvCache& cache, int layer, const Tensor& q, const PagedBatch& batch,
-                            float softmax_scale, bool fp8_attention, Tensor& out) override;
+                            float softmax_scale, bool fp8_attention, Tensor& out, Tensor* lse) override;
   void sample_impl(const Tensor& logits, const std::vector<float>& temperature, const std::vector<float>& top_p,
                    const std::vector<int>& top_k, const std::vector<float>& uniforms, Tensor& tokens, Tensor& logp,
                    int64_t valid_vocab) override;
@@ -173,8 +173,11 @@ class CudaBackend final : public Backend {
   void flag_check(const std::string& message);
   void flag_drain();
   // C[M, N] = op(A) op(B) + beta C with A, B converted to `ab` (F32 or BF16) when they differ.
+  // row_invariant: one cuBLASLt algorithm for every M (GemmEngine::gemm; the consistent mode).
+  void linear_fwd_fp8_consistent(const Tensor& x2, const LinearWeight& W, const LinearSpec& spec, Tensor& out,
+                                 const Fp8View* x_view);
   void mm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const Tensor& A, const Tensor& B, DType ab, Tensor& C,
-          float beta);
+          float beta, bool row_invariant = false);
   // x_view: x2's FP8 copy (a fused producer's, or linear_shared_input's), used when the product
   // can take it (any layout on the tensor cores; row-major scales on the dequantize path).
   void linear_fwd(const Tensor& x2, const LinearWeight& W, const LinearSpec& spec, Tensor& out2,

@@ -107,8 +107,56 @@ cublasLtMatmulAlgo_t GemmEngine::find_algo(const Key& key, cublasLtMatmulDesc_t 
   return res.algo;
 }
 
+cublasLtMatmulAlgo_t GemmEngine::find_row_invariant_algo(const Key& key, cublasLtMatmulDesc_t desc,
+                                                         cublasLtMatrixLayout_t a, cublasLtMatrixLayout_t b_big,
+                                                         cublasLtMatrixLayout_t c_big, const char* what) {
+  auto it = algos_.find(key);
+  if (it != algos_.end()) return it->second;
+  Pref pref;
+  CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref.p), "creating a matmul preference");
+  // No workspace and no reduction scheme: the algorithms left compute each output tile in one
+  // pass over K by one CTA (no split-K, no stream-K fix-up), in a partition that depends only on
+  // the tile grid, never on how many rows share the launch.
+  const uint64_t no_workspace = 0;
+  const uint32_t no_reduction = CUBLASLT_REDUCTION_SCHEME_NONE;
+  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref.p, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &no_workspace,
+                                                    sizeof(no_workspace)),
+               "setting the workspace size");
+  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref.p, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &no_reduction,
+                                                    sizeof(no_reduction)),
+               "setting the reduction scheme mask");
+  constexpr int kAsk = 8;
+  cublasLtMatmulHeuristicResult_t res[kAsk] = {};
+  int n = 0;
+  CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle_, desc, a, b_big, c_big, c_big, pref.p, kAsk, res, &n),
+               "asking cuBLASLt for a row-invariant ", what, " algorithm (N=", std::get<4>(key), " K=",
+               std::get<6>(key), ")");
+  for (int i = 0; i < n; ++i) {
+    if (res[i].state != CUBLAS_STATUS_SUCCESS || res[i].workspaceSize != 0) continue;
+    cublasLtMatmulAlgo_t algo = res[i].algo;
+    int32_t splits = 1;
+    uint32_t scheme = CUBLASLT_REDUCTION_SCHEME_NONE;
+    size_t written = 0;
+    if (cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splits, sizeof(splits),
+                                             &written) == CUBLAS_STATUS_SUCCESS &&
+        splits > 1)
+      continue;
+    if (cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &scheme, sizeof(scheme),
+                                             &written) == CUBLAS_STATUS_SUCCESS &&
+        scheme != CUBLASLT_REDUCTION_SCHEME_NONE)
+      continue;
+    splits = 1;  // explicit: one pass over K whatever the algorithm's default
+    CUBLAS_CHECK(cublasLtMatmulAlgoConfigSetAttribute(&algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splits, sizeof(splits)),
+                 "fixing the split-K count of a row-invariant ", what);
+    algos_.emplace(key, algo);
+    return algo;
+  }
+  FP8RL_FAIL("cuBLASLt has no ", what, " kernel without split-K and workspace for N=", std::get<4>(key), " K=",
+             std::get<6>(key), ": the consistent mode cannot run this layer (turn precision.consistent off)");
+}
+
 void GemmEngine::gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const void* A, const void* B, DType ab,
-                      void* C, DType c_dtype, float alpha, float beta) {
+                      void* C, DType c_dtype, float alpha, float beta, bool row_invariant) {
   FP8RL_CHECK(ab == DType::F32 || ab == DType::BF16, "GEMM operands must be F32 or BF16, got ", dtype_name(ab));
   FP8RL_CHECK(c_dtype == DType::F32 || c_dtype == DType::BF16, "GEMM output must be F32 or BF16, got ",
               dtype_name(c_dtype));
@@ -128,9 +176,24 @@ void GemmEngine::gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const v
   // our A: [K, M] row-major (ta) = col-major [M, K] ld M; else [M, K] = col-major [K, M] ld K.
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lb.l, cuda_type(ab), ta ? M : K, ta ? K : M, ta ? M : K), "layout B");
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lc.l, cuda_type(c_dtype), N, M, N), "layout C");
-  const Key key{0, static_cast<int>(ab), static_cast<int>(c_dtype), (ta ? 2 : 0) | (tb ? 1 : 0) | (beta != 0 ? 4 : 0),
-                N, M, K, 0, 0};
+  const int flags = (ta ? 2 : 0) | (tb ? 1 : 0) | (beta != 0 ? 4 : 0);
   const char* what = ab == DType::F32 ? "FP32 GEMM" : "BF16 GEMM";
+  if (row_invariant) {
+    // The key has no M (-1): one algorithm for every M, chosen on a layout of kRowInvariantM rows.
+    const Key key{0, static_cast<int>(ab), static_cast<int>(c_dtype), flags | 8, N, -1, K, 0, 0};
+    const int64_t Mb = kRowInvariantM;
+    Layout lbb, lcb;
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lbb.l, cuda_type(ab), ta ? Mb : K, ta ? K : Mb, ta ? Mb : K),
+                 "layout B (row-invariant)");
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lcb.l, cuda_type(c_dtype), N, Mb, N), "layout C (row-invariant)");
+    cublasLtMatmulAlgo_t algo = find_row_invariant_algo(key, desc.d, la.l, lbb.l, lcb.l, what);
+    CUBLAS_CHECK(cublasLtMatmul(handle_, desc.d, &alpha, B, la.l, A, lb.l, &beta, C, lc.l, C, lc.l, &algo, nullptr, 0,
+                                stream_),
+                 "row-invariant ", what, " M=", M, " N=", N, " K=", K,
+                 " (the consistent mode's fixed cuBLASLt algorithm does not take this M)");
+    return;
+  }
+  const Key key{0, static_cast<int>(ab), static_cast<int>(c_dtype), flags, N, M, K, 0, 0};
   cublasLtMatmulAlgo_t algo = find_algo(key, desc.d, la.l, lb.l, lc.l, what);
   CUBLAS_CHECK(cublasLtMatmul(handle_, desc.d, &alpha, B, la.l, A, lb.l, &beta, C, lc.l, C, lc.l, &algo, workspace_,
                               workspace_bytes_, stream_),

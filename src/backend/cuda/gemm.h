@@ -54,8 +54,14 @@ class GemmEngine {
   GemmEngine& operator=(const GemmEngine&) = delete;
 
   // See above. ab: F32 or BF16 (A and B alike); c_dtype: F32 or BF16.
+  // row_invariant (the consistent mode): each row of C is the same bits whatever M — one
+  // cuBLASLt algorithm per (types, layout, N, K), the heuristic's first for M = kRowInvariantM
+  // among those without split-K and without workspace (so no stream-K or split reduction, whose
+  // partition depends on M), with SPLITK_NUM forced to 1, used for every M. Measured row for row
+  // by tests/cuda/test_cuda_consistent.cpp (GemmRowsDoNotDependOnM).
   void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const void* A, const void* B, DType ab,
-            void* C, DType c_dtype, float alpha, float beta);
+            void* C, DType c_dtype, float alpha, float beta, bool row_invariant = false);
+  static constexpr int64_t kRowInvariantM = 4096;
   // One problem of gemm_grouped(): C [M, N], A and B laid out as gemm() says for (ta, tb).
   struct Problem {
     int64_t M, N, K;
@@ -118,6 +124,11 @@ class GemmEngine {
   using Key = std::tuple<int, int, int, int, int64_t, int64_t, int64_t, int, int>;
   cublasLtMatmulAlgo_t find_algo(const Key& key, cublasLtMatmulDesc_t desc, cublasLtMatrixLayout_t a,
                                  cublasLtMatrixLayout_t b, cublasLtMatrixLayout_t c, const char* what);
+  // The row-invariant algorithm of gemm(): asked once per key (M = -1) with a layout of
+  // kRowInvariantM rows.
+  cublasLtMatmulAlgo_t find_row_invariant_algo(const Key& key, cublasLtMatmulDesc_t desc, cublasLtMatrixLayout_t a,
+                                               cublasLtMatrixLayout_t b_big, cublasLtMatrixLayout_t c_big,
+                                               const char* what);
   float* scale_scratch(size_t floats);
   void* tail_scratch(size_t bytes);
 

@@ -178,7 +178,7 @@ void launch_attention_paged(const void* q, DType qdt, const int32_t* token_seq, 
                             const int32_t* page_table, int max_pages, int64_t T, int Hq, int Hkv, int hd, int hdv,
                             int v_row, int page_size, const void* kpool, const void* vpool, DType pool_dt,
                             const float* k_scale, const float* v_scale, float scale, bool fp8_q, void* out,
-                            cudaStream_t stream);
+                            cudaStream_t stream, float* lse = nullptr);  // lse: [Hq, T] natural, when non-null
 // Paged decode/prefill attention (paged_attention.cu): same contract as launch_attention_paged
 // (the simple reference kernel above, one warp per (token, q head)); one CTA per (token, KV
 // head, split) serves the whole query-head group, the positions of a token are split into
@@ -191,6 +191,9 @@ constexpr int kPagedMaxGroup = 8;
 constexpr int kPagedTargetCtasPerSm = 4;  // split until T * Hkv * splits fills this many CTAs per SM
 constexpr int kPagedMinChunk = 128;       // ... but never below this many positions per split (a tile per warp)
 constexpr int kPagedMaxSplits = 64;
+// The consistent mode's split (PagedBatch::batch_invariant): positions in chunks of this many (a
+// multiple of the tensor-core kernel's 16-position tile), whatever the batch.
+constexpr int kPagedInvariantChunk = 512;
 struct PagedSplit {
   int splits = 1, chunk = 1;  // split s covers positions [s * chunk, (s + 1) * chunk); the last one runs to pos
 };
@@ -202,7 +205,13 @@ void launch_paged_attention(const void* q, DType qdt, const int32_t* token_seq, 
                             const int32_t* page_table, int max_pages, int64_t T, int Hq, int Hkv, int hd,
                             int page_size, const void* kpool, const void* vpool, DType pool_dt, const float* k_scale,
                             const float* v_scale, float scale, bool fp8_q, const PagedSplit& split, float* part_o,
-                            float* part_lse, void* out, cudaStream_t stream, bool grouped = false);
+                            float* part_lse, void* out, cudaStream_t stream, bool grouped = false,
+                            float* lse_out = nullptr);
+// lse_out (non-null): also the natural log-sum-exp [Hq, T] of each token's scores (backend.h
+// attention_paged's lse); the kernels then write partials whatever the split count (part_o,
+// part_lse needed) and the combine writes out and lse — out is the same bits as without it.
+// The consistent mode's plan: chunks of kPagedInvariantChunk, splits for max_pos (both kernels).
+PagedSplit paged_attention_invariant_split(int max_pos);
 // The tensor-core decode kernel (paged_attention.cu, paged_mma_kernel; the default where it
 // applies): same contract and partial layout, for BF16 q over BF16 or E4M3 pools, head_dim 64 or
 // 128, group <= 8 (prefill chunks too: one CTA per token, as above). Its split plan
@@ -224,7 +233,7 @@ void launch_paged_attention_mma(const void* q, DType qdt, const int32_t* token_s
                                 int page_size, const void* kpool, const void* vpool, DType pool_dt,
                                 const float* k_scale, const float* v_scale, float scale, bool fp8_q,
                                 const PagedSplit& split, float* part_o, float* part_lse, void* out, cudaStream_t stream,
-                                int variant = -1);
+                                int variant = -1, float* lse_out = nullptr);
 
 // ---- sampling (sample_kernels.cu) ----
 // One token per row of logits [B, V] (F32), backend.h's semantics; per-row parameters on the

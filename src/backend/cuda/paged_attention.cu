@@ -177,13 +177,16 @@ struct PagedArgs {
   const void* vpool;           // [num_pages, page_size, Hkv, hd]
   const float* k_scale;        // [Hkv] of the layer (E4M3 pools), else null
   const float* v_scale;        // [Hkv] of the layer (E4M3 pools), else null
-  void* out;                   // [T, Hq, hd], q's dtype; written directly when splits == 1
-  float* part_o;               // [T, Hq, splits, hd] normalized partial outputs (splits > 1)
-  float* part_lse;             // [T, Hq, splits] their base-2 log-sum-exp (splits > 1)
+  void* out;                   // [T, Hq, hd], q's dtype; written directly when splits == 1 and !partials
+  float* part_o;               // [T, Hq, splits, hd] normalized partial outputs (splits > 1 or partials)
+  float* part_lse;             // [T, Hq, splits] their base-2 log-sum-exp (splits > 1 or partials)
   int max_pages, Hq, Hkv, group, page_size, splits, chunk;
   float scale_log2;            // softmax_scale * log2(e)
   bool q_bf16, fp8_q;
   int ps_shift = -1;           // log2(page_size) when it is a power of two, else -1 (paged_mma_kernel)
+  // Partials even with one split (the combine kernel then writes out and the lse): a token's out
+  // is the same bits either way (the combine of one partial is that partial: 2^0 = 1, x / 1 = x).
+  bool partials = false;
 };
 
 __device__ __forceinline__ float paged_load_q(const void* q, bool bf, int64_t i) {
@@ -269,7 +272,7 @@ __device__ __forceinline__ void paged_merge_warps_and_store(const PagedArgs& a, 
       num += s_acc[w][h][d] * f;
     }
     const float o = num / den * vsc;
-    if (a.splits == 1) {
+    if (a.splits == 1 && !a.partials) {
       paged_store_out(a.out, a.q_bf16, (head0 + h) * HD + d, o);
     } else {
       const int64_t row = (head0 + h) * a.splits + split;
@@ -612,10 +615,11 @@ __global__ void __launch_bounds__(32 * kPagedWarps, 3) paged_tiled_kernel(const 
 }
 
 // One warp per (token, q head): out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M) over the
-// splits that hold positions of the token.
+// splits that hold positions of the token; lse_out (when non-null, [Hq, T]) = the natural
+// log-sum-exp of the token's scores, (M + log2(sum_s 2^(lse_s - M))) ln 2.
 __global__ void __launch_bounds__(32 * kPagedWarps)
     paged_combine_kernel(const float* part_o, const float* part_lse, const int32_t* token_pos, int64_t rows, int Hq,
-                         int hd, int splits, int chunk, bool out_bf16, void* out) {
+                         int hd, int splits, int chunk, bool out_bf16, void* out, float* lse_out = nullptr) {
   const int64_t w = static_cast<int64_t>(blockIdx.x) * kPagedWarps + (threadIdx.x >> 5);
   const int lane = static_cast<int>(threadIdx.x) & 31;
   if (w >= rows) return;
@@ -626,6 +630,10 @@ __global__ void __launch_bounds__(32 * kPagedWarps)
   for (int s = 0; s < n; ++s) mx = fmaxf(mx, lse[s]);
   float den = 0.0f;
   for (int s = 0; s < n; ++s) den += exp2f(lse[s] - mx);
+  if (lse_out && lane == 0) {
+    const int64_t T = rows / Hq;
+    lse_out[(w % Hq) * T + w / Hq] = (mx + log2f(den)) * 0.6931471805599453f;
+  }
   for (int d = lane; d < hd; d += 32) {
     float num = 0.0f;
     for (int s = 0; s < n; ++s) num += exp2f(lse[s] - mx) * part_o[(w * splits + s) * hd + d];
@@ -951,7 +959,7 @@ __global__ void __launch_bounds__(32 * kMmaWarps, PagedMmaCfg<HD, TP>::kMinBlock
       num += s_o[(w * kMmaRows + h) * HD + d] * f;
     }
     const float ov = num / den * vsc;
-    if (a.splits == 1) {
+    if (a.splits == 1 && !a.partials) {
       paged_store_out(a.out, true, (head0 + h) * HD + d, ov);
     } else {
       const int64_t row = (head0 + h) * a.splits + split;
@@ -1323,7 +1331,7 @@ __global__ void __launch_bounds__(32 * kMmaWarps, PagedTCfg<HD, TP, S>::kMinBloc
       num += s_o[(w * kMmaRows + h) * HD + d] * f;
     }
     const float ov = num / den * vsc;
-    if (a.splits == 1) {
+    if (a.splits == 1 && !a.partials) {
       paged_store_out(a.out, true, (head0 + h) * HD + d, ov);
     } else {
       const int64_t row = (head0 + h) * a.splits + split;
@@ -1362,6 +1370,18 @@ inline PagedSplit paged_mma_split(int64_t T, int Hkv, int max_pos, int slots, in
   const int64_t ct = (tiles + best - 1) / best;
   p.chunk = static_cast<int>(ct * kMmaTile);
   p.splits = static_cast<int>((tiles + ct - 1) / ct);  // no split without positions
+  return p;
+}
+
+// The consistent mode's plan (PagedBatch::batch_invariant): chunks of kPagedInvariantChunk
+// positions whatever the batch, as many splits as the longest token needs. A token's CTAs cover
+// [s * chunk, min(len, (s + 1) * chunk)) for s < ceil(len / chunk), and the combine merges
+// exactly those in order: its result depends on its position alone (T, max_pos and the other
+// tokens change only how many CTAs exit at once).
+inline PagedSplit paged_invariant_split(int max_pos) {
+  PagedSplit p;
+  p.chunk = kPagedInvariantChunk;
+  p.splits = (max_pos > 1 ? max_pos + kPagedInvariantChunk - 1 : kPagedInvariantChunk) / kPagedInvariantChunk;
   return p;
 }
 // The variants of the tensor-core decode kernel (FP8RL_PAGED_VARIANT, kernels.h): 0 is
@@ -1512,6 +1532,8 @@ PagedSplit paged_attention_mma_split(int64_t T, int Hkv, int hd, DType pool_dt, 
   return paged_mma_split(T, Hkv, max_pos, sm_count * paged_attention_mma_blocks_per_sm(hd, pool_dt, variant), forced);
 }
 
+PagedSplit paged_attention_invariant_split(int max_pos) { return paged_invariant_split(max_pos); }
+
 // The kernels' arguments from a launcher's (the tensor-core and the CUDA-core launchers alike).
 static PagedArgs paged_args(const void* q, DType qdt, const int32_t* token_seq, const int32_t* token_pos,
                             const int32_t* page_table, int max_pages, int Hq, int Hkv, int page_size,
@@ -1548,7 +1570,7 @@ void launch_paged_attention_mma(const void* q, DType qdt, const int32_t* token_s
                                 int page_size, const void* kpool, const void* vpool, DType pool_dt,
                                 const float* k_scale, const float* v_scale, float scale, bool fp8_q,
                                 const PagedSplit& split, float* part_o, float* part_lse, void* out, cudaStream_t stream,
-                                int variant) {
+                                int variant, float* lse_out) {
   if (T == 0) return;
   int v = resolve_variant(variant);
   if (reinterpret_cast<uintptr_t>(q) % 16 != 0) v = 0;  // the transposed kernel loads q 16 bytes at a time
@@ -1558,13 +1580,14 @@ void launch_paged_attention_mma(const void* q, DType qdt, const int32_t* token_s
               " (needs BF16 q, a BF16/E4M3 pool, head_dim 64/128, group <= 8, 16-byte aligned pools)");
   FP8RL_CHECK(page_size >= 1, "paged attention: page_size ", page_size);
   FP8RL_CHECK(split.splits >= 1 && split.chunk >= kMmaTile && split.chunk % kMmaTile == 0 &&
-                  (split.splits == 1 || (part_o && part_lse)),
+                  ((split.splits == 1 && !lse_out) || (part_o && part_lse)),
               "paged attention (tensor cores): bad split plan (", split.splits, " x ", split.chunk,
               "; chunks must be multiples of ", kMmaTile, ": use paged_attention_mma_split)");
   FP8RL_CHECK(T * Hkv < (int64_t(1) << 31), "paged attention: T * Hkv = ", T * Hkv, " exceeds the grid");
   PagedArgs a = paged_args(q, qdt, token_seq, token_pos, page_table, max_pages, Hq, Hkv, page_size, kpool, vpool,
                            k_scale, v_scale, scale, fp8_q, split, part_o, part_lse, out);
   a.ps_shift = (page_size & (page_size - 1)) == 0 ? __builtin_ctz(static_cast<unsigned>(page_size)) : -1;
+  a.partials = lse_out != nullptr;
   with_variant(v, [&](auto vc) {
     constexpr int V = decltype(vc)::value;
     if (pool_dt == DType::E4M3) {
@@ -1576,10 +1599,11 @@ void launch_paged_attention_mma(const void* q, DType qdt, const int32_t* token_s
     }
   });
   CUDA_CHECK_LAUNCH(v == 0 ? "paged_mma_kernel" : "paged_mmat_kernel");
-  if (split.splits > 1) {
+  if (split.splits > 1 || lse_out) {
     const int64_t rows = T * Hq;
     paged_combine_kernel<<<static_cast<unsigned>((rows + kPagedWarps - 1) / kPagedWarps), 32 * kPagedWarps, 0,
-                           stream>>>(part_o, part_lse, token_pos, rows, Hq, hd, split.splits, split.chunk, true, out);
+                           stream>>>(part_o, part_lse, token_pos, rows, Hq, hd, split.splits, split.chunk, true, out,
+                                     lse_out);
     CUDA_CHECK_LAUNCH("paged_combine_kernel");
   }
 }
@@ -1606,26 +1630,27 @@ void launch_paged_attention(const void* q, DType qdt, const int32_t* token_seq, 
                             const int32_t* page_table, int max_pages, int64_t T, int Hq, int Hkv, int hd,
                             int page_size, const void* kpool, const void* vpool, DType pool_dt, const float* k_scale,
                             const float* v_scale, float scale, bool fp8_q, const PagedSplit& split, float* part_o,
-                            float* part_lse, void* out, cudaStream_t stream, bool grouped) {
+                            float* part_lse, void* out, cudaStream_t stream, bool grouped, float* lse_out) {
   if (T == 0) return;
   FP8RL_CHECK(qdt == DType::F32 || qdt == DType::BF16, "paged attention: q must be F32 or BF16, got ",
               dtype_name(qdt));
   FP8RL_CHECK(paged_attention_supported(hd, Hq / Hkv, pool_dt, kpool, vpool) && Hq % Hkv == 0,
               "paged attention kernel: unsupported head_dim ", hd, " / group ", Hq / Hkv,
               " (the backend falls back to the simple kernel for these)");
-  FP8RL_CHECK(split.splits >= 1 && split.chunk >= 1 && (split.splits == 1 || (part_o && part_lse)),
+  FP8RL_CHECK(split.splits >= 1 && split.chunk >= 1 && ((split.splits == 1 && !lse_out) || (part_o && part_lse)),
               "paged attention: bad split plan (", split.splits, " x ", split.chunk, ")");
   FP8RL_CHECK(T * Hkv < (int64_t(1) << 31), "paged attention: T * Hkv = ", T * Hkv, " exceeds the grid");
   PagedArgs a = paged_args(q, qdt, token_seq, token_pos, page_table, max_pages, Hq, Hkv, page_size, kpool, vpool,
                            k_scale, v_scale, scale, fp8_q, split, part_o, part_lse, out);
+  a.partials = lse_out != nullptr;
   if (hd == 64) launch_pool<64>(a, grouped, pool_dt, T, stream);
   else launch_pool<128>(a, grouped, pool_dt, T, stream);
   CUDA_CHECK_LAUNCH(grouped ? "paged_attention_kernel" : "paged_tiled_kernel");
-  if (split.splits > 1) {
+  if (split.splits > 1 || lse_out) {
     const int64_t rows = T * Hq;
     paged_combine_kernel<<<static_cast<unsigned>((rows + kPagedWarps - 1) / kPagedWarps), 32 * kPagedWarps, 0,
                            stream>>>(part_o, part_lse, token_pos, rows, Hq, hd, split.splits, split.chunk,
-                                     a.q_bf16, out);
+                                     a.q_bf16, out, lse_out);
     CUDA_CHECK_LAUNCH("paged_combine_kernel");
   }
 }

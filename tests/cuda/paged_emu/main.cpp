@@ -190,6 +190,10 @@ struct Case {
   std::vector<std::pair<int, int>> tokens;    // (sequence, position) of each query token
   int forced;                                 // splits forced (0: the plan for 132 SMs)
   float kramp = 0.0f;                         // K at position j scaled by 1 + kramp j / 100 (rising maxima)
+  // The consistent mode: the position-fixed plan (paged_invariant_split) with partials and the
+  // lse; each token's output must then be the same bits as the token run alone (T = 1, its own
+  // max_pos), and the lse attention()'s.
+  bool invariant = false;
 };
 
 enum class Kern { Tiled, Grouped, Mma };
@@ -305,7 +309,7 @@ int run(const Case& c) {
   }
   const float scale = 1.0f / std::sqrt(float(hd));
   // reference
-  std::vector<double> ref(T * Hq * hd, 0.0);
+  std::vector<double> ref(T * Hq * hd, 0.0), ref_lse(size_t(T) * Hq, 0.0);
   for (int64_t t = 0; t < T; ++t)
     for (int h = 0; h < Hq; ++h) {
       const int hk = h / G;
@@ -330,10 +334,13 @@ int run(const Case& c) {
       for (double& x : p) l += (x = std::exp(x - m));
       for (int j = 0; j < n; ++j)
         for (int d = 0; d < hd; ++d) ref[(t * Hq + h) * hd + d] += p[j] / l * vval[row(j) + d];
+      ref_lse[size_t(h) * T + t] = m + std::log(l);
     }
   // kernels
-  const PagedSplit plan = g_kern == Kern::Mma ? paged_mma_split(T, Hkv, max_pos, 132 * 2, c.forced)
-                                              : paged_attention_split(T, Hkv, max_pos, 132, c.forced);
+  const PagedSplit plan = c.invariant        ? paged_invariant_split(max_pos)
+                          : g_kern == Kern::Mma ? paged_mma_split(T, Hkv, max_pos, 132 * 2, c.forced)
+                                                : paged_attention_split(T, Hkv, max_pos, 132, c.forced);
+  std::vector<float> lse_out(size_t(T) * Hq, NAN);
   std::vector<float> out_f(T * Hq * hd, NAN), part_o(size_t(T) * Hq * plan.splits * hd, NAN), part_l(size_t(T) * Hq * plan.splits, NAN);
   std::vector<uint16_t> out_b(T * Hq * hd, 0x7fc0);
   PagedArgs a;
@@ -359,13 +366,52 @@ int run(const Case& c) {
   a.q_bf16 = c.q_bf16;
   a.fp8_q = c.fp8q;
   a.ps_shift = (c.ps & (c.ps - 1)) == 0 ? __builtin_ctz(unsigned(c.ps)) : -1;
+  a.partials = c.invariant;
   if (hd == 64) launch_p<64>(a, c.pool, T);
   else launch_p<128>(a, c.pool, T);
-  if (plan.splits > 1) {
+  if (plan.splits > 1 || c.invariant) {
     const int64_t rows = T * Hq;
     emu_launch(int((rows + 3) / 4), 1, 0, [&] {
-      paged_combine_kernel(part_o.data(), part_l.data(), pos.data(), rows, Hq, hd, plan.splits, plan.chunk, c.q_bf16, a.out);
+      paged_combine_kernel(part_o.data(), part_l.data(), pos.data(), rows, Hq, hd, plan.splits, plan.chunk, c.q_bf16, a.out,
+                           c.invariant ? lse_out.data() : nullptr);
     });
+  }
+  int invariant_bad = 0;
+  if (c.invariant) {
+    // The lse, and every token alone (T = 1, max_pos its own, no partials when one split).
+    double lerr = 0;
+    for (size_t i = 0; i < ref_lse.size(); ++i)
+      lerr = std::max(lerr, std::isfinite(lse_out[i]) ? std::fabs(lse_out[i] - ref_lse[i]) : INFINITY);
+    if (!(lerr < 2e-5 * 16)) ++invariant_bad;
+    for (int64_t t = 0; t < T; ++t) {
+      const PagedSplit p1 = paged_invariant_split(pos[t] + 1);
+      std::vector<float> o1f(size_t(Hq) * hd, NAN), po(size_t(Hq) * p1.splits * hd, NAN), pl(size_t(Hq) * p1.splits, NAN);
+      std::vector<uint16_t> o1b(size_t(Hq) * hd, 0x7fc0);
+      PagedArgs b = a;
+      b.token_seq = seq.data() + t;
+      b.token_pos = pos.data() + t;
+      b.q = c.q_bf16 ? static_cast<const void*>(qb.data() + t * Hq * hd) : static_cast<const void*>(qf.data() + t * Hq * hd);
+      b.out = c.q_bf16 ? static_cast<void*>(o1b.data()) : static_cast<void*>(o1f.data());
+      b.part_o = po.data();
+      b.part_lse = pl.data();
+      b.splits = p1.splits;
+      b.chunk = p1.chunk;
+      b.partials = false;
+      if (hd == 64) launch_p<64>(b, c.pool, 1);
+      else launch_p<128>(b, c.pool, 1);
+      if (p1.splits > 1)
+        emu_launch(int((Hq + 3) / 4), 1, 0, [&] {
+          paged_combine_kernel(po.data(), pl.data(), pos.data() + t, Hq, Hq, hd, p1.splits, p1.chunk, c.q_bf16, b.out);
+        });
+      const void* full = c.q_bf16 ? static_cast<const void*>(out_b.data() + t * Hq * hd)
+                                  : static_cast<const void*>(out_f.data() + t * Hq * hd);
+      const void* alone = c.q_bf16 ? static_cast<const void*>(o1b.data()) : static_cast<const void*>(o1f.data());
+      if (std::memcmp(full, alone, size_t(Hq) * hd * (c.q_bf16 ? 2 : 4)) != 0) {
+        std::printf("  token %ld (position %d): alone differs from its batch\n", long(t), pos[t]);
+        ++invariant_bad;
+      }
+    }
+    std::printf("  invariant plan: lse max |err| %.2e, %d token(s) differing alone\n", lerr, invariant_bad);
   }
   double dmax = 0, rmax = 0;
   for (size_t i = 0; i < ref.size(); ++i) {
@@ -376,7 +422,7 @@ int run(const Case& c) {
   const double err = dmax / rmax, tol = c.q_bf16 ? 8e-3 : 2e-6;
   std::printf("%-8s %-34s hd %3d Hq %2d Hkv %d ps %2d T %3ld splits %2d x %4d: rel err %.2e (tol %.0e) %s\n", kern_name(), c.name, hd,
               Hq, Hkv, c.ps, long(T), plan.splits, plan.chunk, err, tol, err < tol ? "ok" : "FAIL");
-  return err < tol ? 0 : 1;
+  return err < tol && invariant_bad == 0 ? 0 : 1;
 }
 
 // Usage: emu [name-substring [tiled|grouped|mma|mma-vN|mma-all]]  (runs only the cases whose name
@@ -462,6 +508,18 @@ int main(int argc, char** argv) {
     Case c{"G1 bf16 hd64 ps32 1 split", 64, 4, 4, 32, Pool::BF16, true, false, {260, 1}, {}, 1};
     c.tokens = {{0, 259}, {1, 0}, {0, 64}};
     mma_cases.push_back(c);
+  }
+  {  // the consistent mode's plan: a prefill-sized batch of three sequences, one past two chunks
+    for (Pool pool : {Pool::BF16, Pool::E4M3, Pool::F32}) {
+      Case c{pool == Pool::BF16 ? "invariant G2 hd128 bf16" : pool == Pool::E4M3 ? "invariant G2 hd128 e4m3"
+                                                                                   : "invariant G2 hd128 f32",
+             128, 4, 2, 16, pool, pool != Pool::F32, false, {1100, 40, 513}, {}, 0};
+      for (int p : {0, 1, 15, 16, 511, 512, 513, 1023, 1024, 1099}) c.tokens.push_back({0, p});
+      for (int p : {0, 39}) c.tokens.push_back({1, p});
+      for (int p : {500, 511, 512}) c.tokens.push_back({2, p});
+      c.invariant = true;
+      cases.push_back(c);
+    }
   }
   for (Pool pool : {Pool::BF16, Pool::E4M3}) {  // scores rising with the position: the running max moves
     Case c{pool == Pool::BF16 ? "rising maxima G2 hd128 bf16" : "rising maxima G2 hd128 e4m3", 128, 4, 2, 16, pool, true,
