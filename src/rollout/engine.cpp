@@ -338,7 +338,8 @@ std::vector<RolloutSample> RolloutEngine::generate(const std::vector<RolloutRequ
       if (!buf_.logits.defined() || buf_.logits.dim(0) < R) buf_.logits = be_.alloc({R, V}, DType::F32);
       Tensor logits = buf_.logits.slice_rows(0, R);
       Tensor hidden;
-      model_forward_paged(be_, gen_, prec_, cache_, ids_dev, batch, rows_dev, logits, &hidden, record ? &rec : nullptr);
+      model_forward_paged(be_, gen_, prec_, cache_, ids_dev, batch, rows_dev, logits, &hidden,
+                          record ? &rec : nullptr);
       if (record) generate_record_routing(seqs, batch_seqs, hb, rec);
       tokens_dev = buf_.tokens.slice_rows(0, R), logp_dev = buf_.logp.slice_rows(0, R);
       if (hb.any_row) be_.sample_rows(logits, srows_dev, truncation, tokens_dev, logp_dev, valid_vocab);
