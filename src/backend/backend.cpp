@@ -814,6 +814,24 @@ void Backend::moe_route_sigmoid_backward(const Tensor& logits, const Tensor& exp
   moe_route_sigmoid_backward_impl(logits, experts, renormalize, scaling, dweights, dlogits);
 }
 
+void Backend::moe_route_softmax_weights(const Tensor& logits, const Tensor& experts, bool renormalize,
+                                        Tensor& weights) {
+  const Contract c(*this);
+  FP8RL_CHECK(experts.ndim() == 2, "moe_route_softmax_weights: experts must be [T, k], got ", experts.str());
+  route_shapes(c, logits, experts, experts.dim(1), "moe_route_softmax_weights");
+  c.stat(weights, experts.shape(), "moe_route_softmax_weights weights");
+  moe_route_softmax_weights_impl(logits, experts, renormalize, weights);
+}
+
+void Backend::moe_route_sigmoid_weights(const Tensor& logits, const Tensor& experts, bool renormalize, float scaling,
+                                        Tensor& weights) {
+  const Contract c(*this);
+  FP8RL_CHECK(experts.ndim() == 2, "moe_route_sigmoid_weights: experts must be [T, k], got ", experts.str());
+  route_shapes(c, logits, experts, experts.dim(1), "moe_route_sigmoid_weights");
+  c.stat(weights, experts.shape(), "moe_route_sigmoid_weights weights");
+  moe_route_sigmoid_weights_impl(logits, experts, renormalize, scaling, weights);
+}
+
 void Backend::moe_permute(const Tensor& x, const Tensor& row_slot, int top_k, const Tensor* weights, Tensor& out) {
   const Contract c(*this);
   c.floating(x, "moe_permute x");

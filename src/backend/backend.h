@@ -383,6 +383,17 @@ class Backend {
   // Its backward: dlogits [T, E] written (nonzero only at the selected experts).
   void moe_route_sigmoid_backward(const Tensor& logits, const Tensor& experts, bool renormalize, float scaling,
                                   const Tensor& dweights, Tensor& dlogits);
+  // Routing replay (train.routing_replay: the trainer uses the generator's experts): the weights of
+  // GIVEN experts I32 [T, k] (each in [0, E); a data error otherwise) from these logits, computed
+  // as the routing op above computes them for its own selection: softmax, p = softmax(logits[t])
+  // over all E experts, weights = p[experts[t, j]] (/ their sum over j when `renormalize`);
+  // sigmoid, s = sigmoid(logits[t]), weights = s[experts[t, j]] (/ (sum + 1e-20) when
+  // `renormalize`) times `scaling` (no bias, no groups: they only select). Given the routing op's
+  // own experts, the weights equal its weights bitwise (one shared formula per backend). The
+  // backward is moe_route_*_backward with these experts.
+  void moe_route_softmax_weights(const Tensor& logits, const Tensor& experts, bool renormalize, Tensor& weights);
+  void moe_route_sigmoid_weights(const Tensor& logits, const Tensor& experts, bool renormalize, float scaling,
+                                 Tensor& weights);
   // out[r] = x[row_slot[r] / top_k] * (weights ? weights[row_slot[r]] : 1). x [T, D];
   // row_slot I32 [R], each in [0, T * top_k); weights [T * top_k] (F32/F64) or null; out [R, D].
   // Forward: the gather of the expert inputs; backward: the weighted gather of dy.
@@ -539,6 +550,10 @@ class Backend {
                                       bool renormalize, float scaling, Tensor& experts, Tensor& weights) = 0;
   virtual void moe_route_sigmoid_backward_impl(const Tensor& logits, const Tensor& experts, bool renormalize,
                                                float scaling, const Tensor& dweights, Tensor& dlogits) = 0;
+  virtual void moe_route_softmax_weights_impl(const Tensor& logits, const Tensor& experts, bool renormalize,
+                                              Tensor& weights) = 0;
+  virtual void moe_route_sigmoid_weights_impl(const Tensor& logits, const Tensor& experts, bool renormalize,
+                                              float scaling, Tensor& weights) = 0;
   virtual void moe_permute_impl(const Tensor& x, const Tensor& row_slot, int top_k, const Tensor* weights,
                                 Tensor& out) = 0;
   virtual void moe_unpermute_impl(const Tensor& y, const Tensor& slot_row, const Tensor* weights, Tensor& out) = 0;

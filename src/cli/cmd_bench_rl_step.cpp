@@ -7,7 +7,7 @@
 //                       [--prompt-len 160] [--max-new-tokens 512] [--kl-beta 0] [--optimizer-steps 1]
 //                       [--micro-batch-tokens 16384] [--recompute none|block|auto]
 //                       [--grad-dtype fp32|bf16] [--optimizer-state-dtype fp32|bf16]
-//                       [--free-gib G] [--allow-overcommit] [--plan-only]
+//                       [--free-gib G] [--allow-overcommit] [--plan-only] [--routing-replay]
 //                       [--steps 2] [--warmup 1] [--seed 1] [--json PATH]
 //
 // Per recipe: a fresh trainer (FP32 master of random weights, the same for every recipe), an
@@ -19,7 +19,9 @@
 // trainer's scoring (logp_old, entropy, q/k/v amax with an E4M3 cache), the reference's scoring,
 // the update (train/grpo_update.h, the loop's own), KV-scale calibration + refit. Per phase the
 // median seconds over the timed steps, tokens/s, the mismatch metrics, peak device memory and
-// the backend's slow-path counters (FP8 GEMM fallbacks must be 0). Table + JSON.
+// the backend's slow-path counters (FP8 GEMM fallbacks must be 0). Table + JSON. Mixture-of-
+// experts shapes also record the generator's routing and report the trainer's agreement with it
+// and the mismatch split by it; --routing-replay makes the trainer replay it (train.routing_replay).
 // Before a recipe allocates anything its memory plan (rl/memory_plan.h, this exact setup) is
 // checked against the device's free memory (--free-gib: against G GiB instead; the CPU backend
 // reports none, so nothing is checked there without it): a recipe that cannot fit is refused
@@ -28,6 +30,7 @@
 // without it, as train.recompute: auto.
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <map>
 #include <random>
@@ -54,7 +57,7 @@ constexpr const char* kUsage =
     "                           [--prompts P] [--samples G] [--prompt-len N] [--max-new-tokens N]\n"
     "                           [--kl-beta B] [--temperature T] [--recompute none|block|auto] [--optimizer-steps N]\n"
     "                           [--micro-batch-tokens N] [--grad-dtype fp32|bf16] [--optimizer-state-dtype fp32|bf16]\n"
-    "                           [--free-gib G] [--allow-overcommit] [--plan-only]\n"
+    "                           [--free-gib G] [--allow-overcommit] [--plan-only] [--routing-replay]\n"
     "                           [--steps N] [--warmup N] [--seed N] [--json PATH]\n"
     "Times whole GRPO steps (generation, scoring, reference, training, refit + calibration) of a\n"
     "random-weight model with ragged response lengths, for each recipe (default bf16,fp8_gen,fp8_e2e).\n"
@@ -72,7 +75,9 @@ constexpr const char* kUsage =
     "run (--allow-overcommit: run it anyway). --recompute auto: block only where the plan needs it.\n"
     "--plan-only: print each recipe's plan and check against --free-gib, run nothing and open no device\n"
     "(--device cuda --plan-only --free-gib 139 plans an H200 run on any build).\n"
-    "--grad-dtype / --optimizer-state-dtype bf16: the lean optimizer (train.grad_dtype, train.optimizer_state_dtype).\n";
+    "--grad-dtype / --optimizer-state-dtype bf16: the lean optimizer (train.grad_dtype, train.optimizer_state_dtype).\n"
+    "MoE shapes: the routing agreement of the trainer with the generator, and the mismatch over the tokens routed\n"
+    "alike / differently; --routing-replay: the trainer replays the generator's routing (train.routing_replay).\n";
 
 using Clock = std::chrono::steady_clock;
 
@@ -85,6 +90,15 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
+// The median of the finite values (NaN: a step with nothing to measure, e.g. no token routed
+// differently); NaN when none.
+double median_finite(const std::vector<double>& v) {
+  std::vector<double> f;
+  for (double x : v)
+    if (std::isfinite(x)) f.push_back(x);
+  return f.empty() ? std::nan("") : median(f);
+}
+
 struct BenchSetup {
   ModelConfig model;
   int P = 16, G = 16, prompt_len = 160, max_new = 512, optimizer_steps = 1, steps = 2, warmup = 1;
@@ -95,6 +109,7 @@ struct BenchSetup {
   DType grad_dtype = DType::F32, moment_dtype = DType::F32;
   int64_t free_bytes = -1;  // what each recipe's plan is checked against (< 0: unknown, no check)
   bool allow_overcommit = false;
+  bool routing_replay = false;  // MoE: the trainer replays the generator's routing
   uint64_t seed = 1;
 };
 
@@ -102,6 +117,8 @@ struct RecipeResult {
   std::string recipe;
   std::map<std::string, std::vector<double>> seconds;  // phase -> per timed step
   std::vector<double> gen_tokens, train_tokens, mult_prob_error, gen_kl_error, entropy;
+  // MoE: per timed step, the routing agreement and the mismatch over tokens routed alike / not
+  std::vector<double> routing_agreement, router_agreement, mult_prob_error_agreed, mult_prob_error_differs;
   MemoryStats mem;
   int64_t plan_peak = 0;  // the memory plan's peak for this recipe's setup (rl/memory_plan.h)
   bool recompute = false;  // block recomputation (--recompute, auto resolved)
@@ -219,6 +236,7 @@ RecipeResult bench_recipe(Backend& be, const BenchSetup& s, const std::string& r
   topt.recompute = res.recompute;
   topt.grad_dtype = s.grad_dtype;
   topt.moment_dtype = s.moment_dtype;
+  topt.routing_replay = s.routing_replay;
   Trainer trainer(be, bench_random_weights(be, s.model, DType::F32, s.seed), recipe.trainer, topt);
   std::unique_ptr<Trainer> reference;
   if (s.kl_beta > 0) {
@@ -234,6 +252,7 @@ RecipeResult bench_recipe(Backend& be, const BenchSetup& s, const std::string& r
   SamplingParams sp;
   sp.temperature = static_cast<float>(s.temperature);
   sp.max_new_tokens = s.max_new;
+  sp.record_routing = s.model.is_moe();
   std::mt19937_64 reward_rng(s.seed ^ 0x5eedull);
 
   for (int step = 0; step < s.warmup + s.steps; ++step) {
@@ -264,6 +283,7 @@ RecipeResult bench_recipe(Backend& be, const BenchSetup& s, const std::string& r
       ts.ids = reqs[r.request].prompt;
       ts.prompt_len = static_cast<int>(ts.ids.size());
       ts.ids.insert(ts.ids.end(), r.tokens.begin(), r.tokens.end());
+      ts.routing = r.routing;  // MoE: the generator's experts
       train_tokens += static_cast<int64_t>(ts.ids.size());
       ro.seqs.push_back(std::move(ts));
       ro.logp_gen.insert(ro.logp_gen.end(), r.logp.begin(), r.logp.end());
@@ -283,6 +303,10 @@ RecipeResult bench_recipe(Backend& be, const BenchSetup& s, const std::string& r
       if (reference) ro.logp_ref = reference->score(ro.seqs, sp.temperature, false, false).logp;
     });
     const MismatchMetrics mm = metrics_compute_mismatch(ro.logp_old, ro.logp_gen);
+    RoutingMetrics rm;
+    if (s.model.is_moe())
+      rm = metrics_compute_routing(ro.logp_old, ro.logp_gen, old.routing_agreed, old.routing.pairs, old.routing.agreed,
+                                   old.routing.router_agreed);
     phase("training", [&] {
       grpo_update(trainer, ro, lopt, s.optimizer_steps, sp.temperature, [](int64_t) { return 1e-6; },
                   [](const StepResult& r) { return r.applied; });
@@ -295,10 +319,14 @@ RecipeResult bench_recipe(Backend& be, const BenchSetup& s, const std::string& r
     });
     t["step"] = std::chrono::duration<double>(Clock::now() - t_step).count();
     std::printf("  %-8s step %d%s: gen %.2f s, score %.2f s, ref %.2f s, train %.2f s, refit %.3f s, step %.2f s; "
-                "%lld new tokens, mult_prob_error %.4f\n",
+                "%lld new tokens, mult_prob_error %.4f",
                 recipe_name.c_str(), step, timed ? "" : " (warm-up)", t["generation"], t["scoring"], t["reference"],
                 t["training"], t["refit_calibration"], t["step"],
                 static_cast<long long>(engine.last_stats().generated_tokens), mm.token_mult_prob_error);
+    if (s.model.is_moe())
+      std::printf(", routing agreement %.4f (router %.4f), mult_prob_error routed alike %.4f / not %.4f",
+                  rm.agreement, rm.router_agreement, rm.agreed.token_mult_prob_error, rm.differs.token_mult_prob_error);
+    std::printf("\n");
     std::fflush(stdout);
     if (!timed) continue;
     for (const char* p : kPhases) res.seconds[p].push_back(t[p]);
@@ -306,6 +334,12 @@ RecipeResult bench_recipe(Backend& be, const BenchSetup& s, const std::string& r
     res.train_tokens.push_back(static_cast<double>(train_tokens));
     res.mult_prob_error.push_back(mm.token_mult_prob_error);
     res.gen_kl_error.push_back(mm.gen_kl_error);
+    if (s.model.is_moe()) {
+      res.routing_agreement.push_back(rm.agreement);
+      res.router_agreement.push_back(rm.router_agreement);
+      res.mult_prob_error_agreed.push_back(rm.agreed.token_mult_prob_error);
+      res.mult_prob_error_differs.push_back(rm.differs.token_mult_prob_error);
+    }
     double ent = 0;
     for (float e : old.entropy) ent += e;
     res.entropy.push_back(old.entropy.empty() ? 0.0 : ent / static_cast<double>(old.entropy.size()));
@@ -356,7 +390,7 @@ int run_bench(const std::vector<std::string>& argv) {
                   {"device", "model", "layers", "recipes", "prompts", "samples", "prompt-len", "max-new-tokens",
                    "kl-beta", "temperature", "recompute", "optimizer-steps", "micro-batch-tokens", "grad-dtype",
                    "optimizer-state-dtype", "free-gib", "steps", "warmup", "seed", "json"},
-                  {"help", "allow-overcommit", "plan-only"});
+                  {"help", "allow-overcommit", "plan-only", "routing-replay"});
   if (args.has("help")) {
     std::fputs(kUsage, stdout);
     return 0;
@@ -388,6 +422,7 @@ int run_bench(const std::vector<std::string>& argv) {
   s.grad_dtype = dtype_flag("grad-dtype");
   s.moment_dtype = dtype_flag("optimizer-state-dtype");
   s.allow_overcommit = args.has("allow-overcommit");
+  s.routing_replay = args.has("routing-replay");
   const double free_gib = args.get_float("free-gib", 0.0, 0.0, 1e6);
   FP8RL_CHECK(s.prompt_len + s.max_new <= s.model.max_position_embeddings, "--prompt-len + --max-new-tokens (",
               s.prompt_len + s.max_new, ") exceeds the shape's max_position_embeddings (",
@@ -440,6 +475,7 @@ int run_bench(const std::vector<std::string>& argv) {
   j["optimizer_state_dtype"] = dtype_name(s.moment_dtype);
   j["free_bytes"] = s.free_bytes;
   j["steps"] = s.steps;
+  j["routing_replay"] = s.routing_replay;
   for (const RecipeResult& r : refused) {
     j["refused"][r.recipe] = {{"plan_peak_bytes", r.plan_peak}, {"why", r.refused}};
     std::printf("%s: refused by the memory plan (nothing run): %s\n", r.recipe.c_str(), r.refused.c_str());
@@ -473,6 +509,16 @@ int run_bench(const std::vector<std::string>& argv) {
   for (const RecipeResult& r : results) std::printf(" %*.4f", w, median(r.mult_prob_error));
   std::printf("\n%-18s", "gen_kl_error");
   for (const RecipeResult& r : results) std::printf(" %*.2e", w, median(r.gen_kl_error));
+  if (s.model.is_moe()) {
+    std::printf("\n%-18s", "routing agreement");
+    for (const RecipeResult& r : results) std::printf(" %*.4f", w, median_finite(r.routing_agreement));
+    std::printf("\n%-18s", "router agreement");
+    for (const RecipeResult& r : results) std::printf(" %*.4f", w, median_finite(r.router_agreement));
+    std::printf("\n%-18s", "mult_err alike");
+    for (const RecipeResult& r : results) std::printf(" %*.4f", w, median_finite(r.mult_prob_error_agreed));
+    std::printf("\n%-18s", "mult_err differ");
+    for (const RecipeResult& r : results) std::printf(" %*.4f", w, median_finite(r.mult_prob_error_differs));
+  }
   std::printf("\n%-18s", "entropy nats/tok");
   for (const RecipeResult& r : results) std::printf(" %*.3f", w, median(r.entropy));
   std::printf("\n%-18s", "peak GiB");
@@ -502,6 +548,12 @@ int run_bench(const std::vector<std::string>& argv) {
     jr["token_mult_prob_error"] = r.mult_prob_error;
     jr["gen_kl_error"] = r.gen_kl_error;
     jr["entropy_per_token"] = r.entropy;  // the trainer's scoring, mean over response tokens
+    if (s.model.is_moe()) {
+      jr["routing_agreement"] = r.routing_agreement;
+      jr["router_topk_agreement"] = r.router_agreement;
+      jr["token_mult_prob_error_routing_agreed"] = r.mult_prob_error_agreed;
+      jr["token_mult_prob_error_routing_differs"] = r.mult_prob_error_differs;
+    }
     jr["peak_used_bytes"] = r.mem.peak_used_bytes;
     jr["peak_reserved_bytes"] = r.mem.peak_reserved_bytes;
     jr["plan_peak_bytes"] = r.plan_peak;

@@ -75,6 +75,15 @@ struct AttentionStep {
   std::vector<float> mla_kv_round;
 };
 
+// What the mixture-of-experts blocks of one forward replay and record (each may be null):
+// replay (ForwardOptions::replay_routing), the experts each token used, and the router's own
+// top-k (recorded under a replay, where it differs from the used experts).
+struct MoeRoutingIo {
+  const MoeRouting* replay = nullptr;
+  MoeRouting* used = nullptr;
+  MoeRouting* own = nullptr;
+};
+
 // Allocates the buffers of one block for T tokens (x, the block input, is set by the caller):
 // those of the attention and, for the MLP, the dense or the mixture-of-experts ones. Buffers
 // already defined are kept (the generation forward reuses one set across blocks of both kinds).
@@ -159,12 +168,46 @@ void alloc_layer(Backend& be, const ModelConfig& c, DType act, int64_t T, bool m
   }
 }
 
-// The mixture-of-experts MLP of one block: a.proj [T, D] = sum_j w_j expert_j(a.xn_mlp).
-// 1. router logits in FP32 and the softmax top-k routing (on the device);
+// Routing replay of one MoE block (moe_index m): the tokens with a replayed row take its experts
+// (host `ex` [T * k], the router's own on entry), uploaded into a.moe_experts; the weights are
+// recomputed from the router logits over them, as the model's routing weights them.
+void moe_replay_routing(Backend& be, const ModelConfig& c, const MoeRouting& replay, int m, Tensor& experts,
+                        LayerActivations& a) {
+  const int64_t T = a.moe_experts.dim(0), E = c.num_experts, k = c.num_experts_per_tok;
+  FP8RL_CHECK(replay.top_k == k && m < static_cast<int>(replay.ids.size()) &&
+                  static_cast<int64_t>(replay.ids[m].size()) == T * k,
+              "routing replay: MoE layer ", m, " needs ", T, " tokens x top-", k, " experts, got ",
+              m < static_cast<int>(replay.ids.size()) ? replay.ids[m].size() : 0, " ids of top-", replay.top_k);
+  const int32_t* rep = replay.ids[m].data();
+  int32_t* ex = experts.data<int32_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    if (rep[t * k] < 0) continue;  // not recorded: the router's own top-k
+    for (int64_t j = 0; j < k; ++j) {
+      const int32_t e = rep[t * k + j];
+      FP8RL_CHECK(e >= 0 && e < E, "routing replay: token ", t, " of MoE layer ", m, " has expert ", e,
+                  " outside [0, ", E, ")");
+      for (int64_t i = 0; i < j; ++i)
+        FP8RL_CHECK(rep[t * k + i] != e, "routing replay: token ", t, " of MoE layer ", m, " has expert ", e,
+                    " twice");
+      ex[t * k + j] = e;
+    }
+  }
+  be.copy(experts, a.moe_experts);
+  if (c.moe_router == "sigmoid")
+    be.moe_route_sigmoid_weights(a.router_logits, a.moe_experts, c.norm_topk_prob, c.routed_scaling_factor,
+                                 a.moe_weights);
+  else
+    be.moe_route_softmax_weights(a.router_logits, a.moe_experts, c.norm_topk_prob, a.moe_weights);
+}
+
+// The mixture-of-experts MLP of one block (the m-th MoE layer): a.proj [T, D] = sum_j w_j
+// expert_j(a.xn_mlp).
+// 1. router logits in FP32 and the top-k routing (on the device); under a replay, the replayed
+//    experts and their weights from the same logits (moe_replay_routing);
 // 2. the slots sorted by expert on the host (stable: token order within an expert);
 // 3. permute, each expert's SwiGLU on its rows, the weighted un-permute.
-void moe_forward(Backend& be, const ModelConfig& c, const LayerWeights& lw, const LinearSpec& spec,
-                 LayerActivations& a) {
+void moe_forward(Backend& be, const ModelConfig& c, const LayerWeights& lw, const LinearSpec& spec, int m,
+                 const MoeRoutingIo& io, LayerActivations& a) {
   const int64_t T = a.xn_mlp.dim(0), E = c.num_experts, k = c.num_experts_per_tok, R = T * k;
   if (a.router_x.storage() != a.xn_mlp.storage()) be.convert(a.xn_mlp, a.router_x);
   be.linear(a.router_x, lw.router, kFp32Spec, a.router_logits);
@@ -176,7 +219,10 @@ void moe_forward(Backend& be, const ModelConfig& c, const LayerWeights& lw, cons
     be.moe_route_softmax(a.router_logits, static_cast<int>(k), c.norm_topk_prob, a.moe_experts, a.moe_weights);
   }
 
-  const Tensor experts = be.to_host(a.moe_experts);  // the host sizes the expert GEMMs
+  Tensor experts = be.to_host(a.moe_experts);  // the host sizes the expert GEMMs
+  if (io.own) io.own->ids[m].assign(experts.data<int32_t>(), experts.data<int32_t>() + R);
+  if (io.replay) moe_replay_routing(be, c, *io.replay, m, experts, a);
+  if (io.used) io.used->ids[m].assign(experts.data<int32_t>(), experts.data<int32_t>() + R);
   const int32_t* ex = experts.data<int32_t>();
   a.moe_offsets.assign(E + 1, 0);
   for (int64_t s = 0; s < R; ++s) {
@@ -286,8 +332,8 @@ void mla_qkv(Backend& be, const ModelConfig& c, const LayerWeights& lw, const Li
 // One transformer block: fills `a` (its activations, buffers allocated here) from the block
 // input x [T, D] and writes the block output into x_next [T, D] (may be x itself).
 void forward_block(Backend& be, const ModelWeights& w, const EnginePrecision& prec, int l, const Tensor& x,
-                   const Tensor& positions, const AttentionStep& attention, QkvAmax* amax, LayerActivations& a,
-                   Tensor& x_next) {
+                   const Tensor& positions, const AttentionStep& attention, const MoeRoutingIo& routing,
+                   QkvAmax* amax, LayerActivations& a, Tensor& x_next) {
   const ModelConfig& c = w.config;
   const int L = c.num_layers;
   const int64_t T = x.dim(0), hd = c.head_dim;
@@ -342,7 +388,9 @@ void forward_block(Backend& be, const ModelWeights& w, const EnginePrecision& pr
   if (moe) {
     FP8RL_CHECK(lw.is_moe() && lw.router.w.defined(), "layer ", l, " is a mixture-of-experts layer but its "
                 "weights have no router/experts");
-    moe_forward(be, c, lw, spec, a);
+    int m = 0;  // this block's index among the MoE layers
+    for (int i = 0; i < l; ++i) m += c.layer_is_moe(i) ? 1 : 0;
+    moe_forward(be, c, lw, spec, m, routing, a);
   } else {
     be.linear_shared_input(a.xn_mlp, {&lw.gate, &lw.up}, spec, {&a.gate, &a.up}, xq_or_null);
     if (fp8) {
@@ -363,17 +411,22 @@ void forward_block(Backend& be, const ModelWeights& w, const EnginePrecision& pr
 // `inputs_only` just its input x (block recomputation); otherwise one set of buffers is reused
 // and x is updated in place.
 void forward_layers(Backend& be, const ModelWeights& w, const EnginePrecision& prec, const Tensor& x_in,
-                    const Tensor& positions, const AttentionStep& attention,
+                    const Tensor& positions, const AttentionStep& attention, const MoeRoutingIo& routing,
                     std::vector<LayerActivations>* saved, bool inputs_only, QkvAmax* amax, Tensor& out) {
   const int L = w.config.num_layers;
   LayerActivations scratch;
   if (saved) saved->assign(L, LayerActivations{});
+  for (MoeRouting* r : {routing.used, routing.own})
+    if (r) {
+      r->top_k = w.config.num_experts_per_tok;
+      r->ids.assign(static_cast<size_t>(model_num_moe_layers(w.config)), {});
+    }
   Tensor x = x_in;  // [T, D] residual stream
   for (int l = 0; l < L; ++l) {
     LayerActivations& a = saved && !inputs_only ? (*saved)[l] : scratch;
     // Saving: the next block's input is a new tensor (this block's x stays intact).
     Tensor x_next = saved ? be.alloc(x.shape(), x.dtype()) : x;
-    forward_block(be, w, prec, l, x, positions, attention, amax, a, x_next);
+    forward_block(be, w, prec, l, x, positions, attention, routing, amax, a, x_next);
     if (saved && inputs_only) (*saved)[l].x = x;
     x = x_next;
   }
@@ -660,14 +713,21 @@ LogprobResult model_forward_logprobs(Backend& be, const ModelWeights& w, const E
   const AttentionStep attention = training_attention(be, c, prec, A.batch, st, A.kv_round_k, A.kv_round_v);
   QkvAmax amax;
   A.recompute = acts && opt.recompute;
-  forward_layers(be, w, prec, x, A.positions, attention, acts ? &A.layers : nullptr, A.recompute,
+  LogprobResult r;
+  MoeRoutingIo routing;
+  if (c.is_moe()) {
+    if (acts) A.replay_routing = opt.replay_routing ? *opt.replay_routing : MoeRouting{};  // for the recompute
+    routing.replay = opt.replay_routing;
+    routing.used = opt.record_routing ? &r.routing : nullptr;
+    routing.own = opt.record_routing && opt.replay_routing ? &r.router_topk : nullptr;
+  }
+  forward_layers(be, w, prec, x, A.positions, attention, routing, acts ? &A.layers : nullptr, A.recompute,
                  opt.record_qkv_amax ? &amax : nullptr, A.x_final);
 
   A.final_rstd = be.alloc({T}, st);
   A.hidden = be.alloc({T, D}, act);
   be.rmsnorm(A.x_final, w.final_norm, c.rms_norm_eps, A.hidden, &A.final_rstd);
 
-  LogprobResult r;
   r.logp = be.alloc({T}, st);
   A.lm_lse = be.alloc({T}, st);
   if (opt.entropy) r.entropy = be.alloc({T}, st);
@@ -684,7 +744,7 @@ LogprobResult model_forward_logprobs(Backend& be, const ModelWeights& w, const E
 
 void model_forward_paged(Backend& be, const ModelWeights& w, const EnginePrecision& prec, KvCache& cache,
                          const Tensor& ids, const PagedBatch& batch, const Tensor& rows, Tensor& logits,
-                         Tensor* hidden_out) {
+                         Tensor* hidden_out, MoeRouting* routing_out) {
   const ModelConfig& c = w.config;
   check_weights_on(be, w);
   const KvCacheShape want = model_kv_cache_shape(c);
@@ -727,7 +787,9 @@ void model_forward_paged(Backend& be, const ModelWeights& w, const EnginePrecisi
     };
   }
   Tensor x_final;
-  forward_layers(be, w, prec, x, pb.token_pos, attention, nullptr, false, nullptr, x_final);
+  MoeRoutingIo routing;
+  if (c.is_moe()) routing.used = routing_out;
+  forward_layers(be, w, prec, x, pb.token_pos, attention, routing, nullptr, false, nullptr, x_final);
 
   // Select the requested rows (embedding is a row gather: out[r] = table[rows[r]]), then norm.
   Tensor sel = be.alloc({R, D}, act);
@@ -774,6 +836,12 @@ void model_check_consistent(const ModelConfig& c, const EnginePrecision& prec) {
               "off");
   FP8RL_CHECK(prec.kv_cache == DType::F32 || prec.kv_cache == DType::BF16 || prec.kv_cache == DType::E4M3,
               "precision.consistent: the KV cache dtype must be f32, bf16 or e4m3, got ", dtype_name(prec.kv_cache));
+}
+
+int model_num_moe_layers(const ModelConfig& c) {
+  int n = 0;
+  for (int l = 0; l < c.num_layers; ++l) n += c.layer_is_moe(l) ? 1 : 0;
+  return n;
 }
 
 KvCacheShape model_kv_cache_shape(const ModelConfig& c) {
@@ -1009,12 +1077,15 @@ void model_backward(Backend& be, const ModelWeights& w, const EnginePrecision& p
   const AttentionStep attention =
       training_attention(be, c, prec, A.batch, stat_dtype_for(act), A.kv_round_k, A.kv_round_v);
   LayerActivations recomputed;  // block recomputation: one block's activations at a time
+  MoeRoutingIo recompute_routing;  // the forward's routing replay, replayed again
+  if (!A.replay_routing.ids.empty()) recompute_routing.replay = &A.replay_routing;
   Tensor recomputed_out = A.recompute ? be.alloc({T, D}, act) : Tensor();
   for (int l = L - 1; l >= 0; --l) {
     const LayerWeights& lw = w.layers[l];
     LayerWeights& lg = g.layers[l];
     if (A.recompute)
-      forward_block(be, w, prec, l, A.layers[l].x, A.positions, attention, nullptr, recomputed, recomputed_out);
+      forward_block(be, w, prec, l, A.layers[l].x, A.positions, attention, recompute_routing, nullptr, recomputed,
+                    recomputed_out);
     const LayerActivations& a = A.recompute ? recomputed : A.layers[l];
     const LinearSpec spec = block_spec(prec, l, L);
 

@@ -59,6 +59,17 @@ ForwardBatch forward_batch_from_sequences(const std::vector<std::vector<int32_t>
 // Throws unless the batch is consistent and every id is in [0, vocab_size).
 void forward_batch_validate(const ForwardBatch& batch, int vocab_size);
 
+// The experts every token used in each mixture-of-experts layer of one forward, on the host:
+// ids[m] is [T * top_k] for the m-th MoE layer in layer order (ModelConfig::layer_is_moe), token
+// t's experts at [t * k, (t + 1) * k) by descending routing weight. As a replay
+// (ForwardOptions::replay_routing), a token whose first id is -1 keeps its own top-k.
+struct MoeRouting {
+  int top_k = 0;
+  std::vector<std::vector<int32_t>> ids;  // [MoE layers][T * top_k]
+};
+// The number of mixture-of-experts layers (0 for a dense model).
+int model_num_moe_layers(const ModelConfig& config);
+
 // What the scoring forward saves for backward, per block (all on the backend's device).
 struct LayerActivations {
   Tensor x;             // [T, D]        block input (residual stream)
@@ -111,6 +122,7 @@ struct Activations {
   Tensor lm_lse;                    // [T]    log-sum-exp of the logits (token_logprobs)
   // The E4M3 KV rounding the forward applied (ForwardOptions::kv_round_k/v), for the recompute.
   std::vector<float> kv_round_k, kv_round_v;
+  MoeRouting replay_routing;  // the forward's routing replay (empty: none), for the recompute
 };
 
 struct ForwardOptions {
@@ -125,6 +137,13 @@ struct ForwardOptions {
   // the trainer attends over the values the generator attended over; gradients pass straight
   // through. Set by the trainer when its recipe says kv_cache e4m3.
   std::vector<float> kv_round_k, kv_round_v;
+  // Mixture of experts, routing replay (train.routing_replay): every token of the batch uses
+  // these experts (MoeRouting, T tokens) instead of its router's top-k; the routing weights still
+  // come from this forward's router logits, over the replayed experts and normalized as the
+  // model's own routing does (Backend::moe_route_*_weights). Backward differentiates those weights
+  // like the normal routing's. Given the forward's own routing, every output is bitwise the same.
+  const MoeRouting* replay_routing = nullptr;
+  bool record_routing = false;  // fill LogprobResult::routing (and router_topk under a replay)
 };
 
 struct LogprobResult {
@@ -133,6 +152,9 @@ struct LogprobResult {
   Tensor logp;
   Tensor entropy;  // F32 [T] (when asked): entropy of the next-token distribution at t
   std::vector<float> q_amax, k_amax, v_amax;  // [num_layers] (when asked)
+  // MoE models with record_routing: the experts each token used (the replayed ones under a
+  // replay), and under a replay the router's own top-k (computed, then overridden).
+  MoeRouting routing, router_topk;
 };
 
 // The scoring / training forward. `acts`, when non-null, receives what backward needs.
@@ -164,13 +186,14 @@ void model_backward(Backend& backend, const ModelWeights& weights, const EngineP
 // tokens (a prefill chunk, a decode step, or a mix), described by `batch` (positions =
 // batch.token_pos). Each block writes its k/v into `cache` and attends over it. rows I32 [R]
 // (device) selects the tokens whose outputs are returned: logits F32 [R, V] written, and
-// hidden [R, D] (final_norm output, act dtype) written when non-null. In the consistent mode
-// (precision.consistent) every op is batch-invariant and the logits are token_logprobs' (its
-// vocabulary chunks of kConsistentVocabChunk, F32 head GEMMs): a token's logits, and the
-// token_logprobs of `hidden`, are those the trainer's scoring forward computes for it.
+// hidden [R, D] (final_norm output, act dtype) written when non-null. MoE models: `routing`,
+// when non-null, receives the experts of each of the T tokens in every MoE layer. In the
+// consistent mode (precision.consistent) every op is batch-invariant and the logits are
+// token_logprobs' (its vocabulary chunks of kConsistentVocabChunk, F32 head GEMMs): a token's
+// logits, and the token_logprobs of `hidden`, are those the trainer's scoring forward computes.
 void model_forward_paged(Backend& backend, const ModelWeights& weights, const EnginePrecision& precision,
                          KvCache& cache, const Tensor& ids, const PagedBatch& batch, const Tensor& rows,
-                         Tensor& logits, Tensor* hidden = nullptr);
+                         Tensor& logits, Tensor* hidden = nullptr, MoeRouting* routing = nullptr);
 
 // The consistent mode's logp_gen of sampled tokens: logp F32 [R] written with token_logprobs of
 // hidden [R, D] (model_forward_paged's) at targets tokens I32 [R], with the head spec the scoring

@@ -270,6 +270,8 @@ std::vector<Field> config_fields(RunConfig& c) {
   t.add_enum("train.baseline", tr.baseline, {"group_norm", "leave_one_out"}, advantage_baseline_from_name,
              advantage_baseline_name, "advantage baseline");
   t.add_float("train.kl_beta", tr.kl_beta, "k3 KL penalty to the initial policy; 0 = off");
+  t.add_bool("train.routing_replay", tr.routing_replay,
+             "MoE: the trainer uses the generator's recorded experts per token (weights from its own router)");
   t.add_enum("train.is.mode", tr.is.mode, {"none", "is", "tis", "icepop", "seq_mask"}, is_mode_from_name,
              is_mode_name, "importance-sampling correction of the generator/trainer mismatch");
   t.add_float("train.is.tis_cap", tr.is.tis_cap, "tis: weights truncated at this value");
@@ -339,6 +341,7 @@ constexpr std::pair<const char*, const char*> kKeyAliases[] = {
     {"task.jsonl.prompt_key", "task.jsonl.prompt_field"},
     {"task.jsonl.answer_key", "task.jsonl.answer_field"},
     {"task.jsonl.solution_key", "task.jsonl.solution_field"},
+    {"rl.routing_replay", "train.routing_replay"},
 };
 
 Field* find_field(std::vector<Field>& fields, const std::string& key_in) {
@@ -351,9 +354,13 @@ Field* find_field(std::vector<Field>& fields, const std::string& key_in) {
 }
 
 bool is_section(const std::vector<Field>& fields, const std::string& prefix) {
+  auto under = [&](const std::string& key) {
+    return key.size() > prefix.size() && key.compare(0, prefix.size(), prefix) == 0 && key[prefix.size()] == '.';
+  };
   for (auto& f : fields)
-    if (f.key.size() > prefix.size() && f.key.compare(0, prefix.size(), prefix) == 0 && f.key[prefix.size()] == '.')
-      return true;
+    if (under(f.key)) return true;
+  for (const auto& [alias, name] : kKeyAliases)  // an alias's section (rl: routing_replay) reads too
+    if (under(alias)) return true;
   return false;
 }
 
@@ -375,6 +382,8 @@ void set_field(std::vector<Field>& fields, const std::string& key, const std::st
       std::string example;
       for (auto& g : fields)
         if (example.empty() && g.key.rfind(key + ".", 0) == 0) example = g.key;
+      for (const auto& [alias, name] : kKeyAliases)
+        if (example.empty() && std::string(alias).rfind(key + ".", 0) == 0) example = alias;
       FP8RL_FAIL(origin, ": '", key, "' is a section, not a value: set one of its keys (e.g. '", example, "')");
     }
     fail_unknown(key, origin);

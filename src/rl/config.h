@@ -145,6 +145,10 @@ struct TrainSection {
   LossAggregation loss_aggregation = LossAggregation::Token;
   AdvantageBaseline baseline = AdvantageBaseline::LeaveOneOut;
   double kl_beta = 0.0;             // k3 KL to the initial policy; 0 = off (no reference model)
+  // Mixture-of-experts models: the trainer's forwards (scoring and update) use the experts the
+  // generator chose for each token (recorded in the rollout) instead of their own top-k, with the
+  // routing weights from the trainer's router over them (slime's / veRL's routing replay).
+  bool routing_replay = false;
   ImportanceSamplingSection is;
   bool operator==(const TrainSection&) const = default;
 };

@@ -65,6 +65,7 @@ std::string ensure_demo_policy(const RunConfig& c) {
     k.train.loss_aggregation = d.loss_aggregation;
     k.train.baseline = d.baseline;
     k.train.kl_beta = d.kl_beta;
+    k.train.routing_replay = d.routing_replay;
     k.precision = PrecisionSection{};
     k.val_every = 0;
     k.val_size = 0;
@@ -321,6 +322,10 @@ void setup_models(GrpoRun& r, bool resume) {
                 r.recipe.name.c_str(), linear_mode_name(r.recipe.generator.linear), r.fp8_kv ? " + FP8 KV" : "",
                 linear_mode_name(r.recipe.trainer.linear), be.name().c_str());
     std::fputs(memory_plan_format(plan, host.config).c_str(), stdout);
+    if (c.train.routing_replay)
+      std::printf(host.config.is_moe()
+                      ? "routing replay: the trainer uses the generator's experts (train.routing_replay)\n"
+                      : "train.routing_replay: the model has no mixture-of-experts layers; nothing to replay\n");
   }
   std::fflush(stdout);
   memory_plan_check_host(plan, c.device);
@@ -401,6 +406,8 @@ void step_rollout(GrpoRun& r, GrpoStep& d) {
   sp.valid_vocab = r.s.sampling_vocab;
   sp.seed = mix(static_cast<uint64_t>(c.seed), static_cast<uint64_t>(d.step));
   sp.first_request = r.p_begin;
+  // MoE: the generator's experts per token, for the routing-agreement metrics and routing replay
+  sp.record_routing = r.engine->weights().config.is_moe();
   auto t0 = Clock::now();
   {
     Progress bar("step " + std::to_string(d.step) + " generate", static_cast<int64_t>(r.P) * r.G * sp.max_new_tokens,
@@ -439,7 +446,7 @@ void step_rewards(GrpoRun& r, GrpoStep& d) {
                "; metrics.jsonl holds every finished step");
   }
   for (size_t i = 0; i < d.samples.size(); ++i) {
-    const RolloutSample& rs = d.samples[i];
+    RolloutSample& rs = d.samples[i];
     const double rw = rws[i];
     d.rewards.push_back(static_cast<float>(rw));
     correct.push_back(rw >= 0.5);
@@ -448,6 +455,7 @@ void step_rewards(GrpoRun& r, GrpoStep& d) {
     ts.ids = d.reqs[rs.request].prompt;
     ts.prompt_len = static_cast<int>(ts.ids.size());
     ts.ids.insert(ts.ids.end(), rs.tokens.begin(), rs.tokens.end());
+    ts.routing = std::move(rs.routing);  // MoE: the generator's experts of prompt + response
     d.seqs.push_back(std::move(ts));
     d.logp_gen.insert(d.logp_gen.end(), rs.logp.begin(), rs.logp.end());
     d.offsets.push_back(d.offsets.back() + static_cast<int64_t>(rs.tokens.size()));
@@ -478,6 +486,14 @@ void step_score(GrpoRun& r, GrpoStep& d) {
       metrics_compute_mismatch(dist_all_gather_v(comm, d.old.logp), dist_all_gather_v(comm, d.logp_gen));
   step_metrics_set_mismatch(d.m, mm);
   d.m.entropy_mean = metrics_masked_mean(dist_all_gather_v(comm, d.old.entropy));
+  if (r.engine->weights().config.is_moe()) {  // the trainer's routing against the generator's
+    int64_t n[] = {d.old.routing.pairs, d.old.routing.agreed, d.old.routing.router_agreed};
+    comm.all_reduce(n, std::size(n), ReduceOp::Sum);
+    const RoutingMetrics rm =
+        metrics_compute_routing(dist_all_gather_v(comm, d.old.logp), dist_all_gather_v(comm, d.logp_gen),
+                                dist_all_gather_v(comm, d.old.routing_agreed), n[0], n[1], n[2]);
+    step_metrics_set_routing(d.m, rm);
+  }
 }
 
 // Optimizer steps over mini-batches of whole sequences (GRPO loss + IS correction [+ k3 KL]).

@@ -89,6 +89,12 @@ int64_t MemoryPlan::resident_bytes() const {
   return s;
 }
 
+int64_t MemoryPlan::host_bytes() const {
+  int64_t s = 0;
+  for (const auto& l : host) s += l.bytes;
+  return s;
+}
+
 int64_t MemoryPlan::peak_bytes() const {
   int64_t s = resident_bytes();
   for (const auto& l : transient) s += l.bytes;
@@ -240,6 +246,17 @@ MemoryPlan memory_plan_compute(const MemoryPlanInput& in) {
                          "tokens x vocabulary chunk"});
   p.transient.push_back({"decode logits (F32)", in.generation_batch * V * 4,
                          std::to_string(in.generation_batch) + " sequences x vocabulary"});
+  // MoE: the generator's experts per token and MoE layer, recorded in the rollout (int16 ids) for
+  // the routing-agreement metrics and routing replay; the trainer packs one micro-batch's as I32
+  // and records its own beside it (routing used, router top-k).
+  const int64_t moe_ids = int64_t(model_num_moe_layers(c)) * c.num_experts_per_tok;
+  if (moe_ids > 0 && in.rollout_sequences > 0) {
+    p.host.push_back({"rollout routing record (int16)", in.rollout_sequences * in.rollout_positions * moe_ids * 2,
+                      std::to_string(in.rollout_sequences) + " sequences x " + std::to_string(in.rollout_positions) +
+                          " positions x MoE layers x top_k x 2 B"});
+    p.host.push_back({"routing of one trainer micro-batch (I32)", 3 * T * moe_ids * 4,
+                      "the generator's, the one used, the router's own: tokens x MoE layers x top_k x 4 B"});
+  }
   return p;
 }
 
@@ -251,8 +268,9 @@ int64_t memory_plan_host_bytes() {
 void memory_plan_check_host(const MemoryPlan& plan, const std::string& device) {
   if (device != "cpu") return;
   const int64_t host = memory_plan_host_bytes();
-  if (host > 0 && plan.peak_bytes() > host)
-    FP8RL_FAIL("the run needs ", plan.peak_bytes() / double(int64_t(1) << 30), " GiB at its peak (the memory plan ",
+  const int64_t need = plan.peak_bytes() + plan.host_bytes();
+  if (host > 0 && need > host)
+    FP8RL_FAIL("the run needs ", need / double(int64_t(1) << 30), " GiB at its peak (the memory plan ",
                "above) but this machine has ", host / double(int64_t(1) << 30), " GiB: reduce the model, ",
                "rollout.prompts_per_step x generations_per_prompt, max_new_tokens or train.micro_batch_tokens");
 }
@@ -302,6 +320,10 @@ MemoryPlanInput memory_plan_input(const RunConfig& c, const ModelConfig& model, 
   in.grad_dtype = c.train.grad_dtype == "bf16" ? DType::BF16 : DType::F32;
   in.moment_dtype = c.train.optimizer_state_dtype == "bf16" ? DType::BF16 : DType::F32;
   in.generation_batch = c.rollout.max_num_seqs;
+  if (!sft) {  // the routing record's positions: as the KV pool's shape-sized sequences
+    in.rollout_sequences = int64_t(c.rollout.prompts_per_step) * c.rollout.generations_per_prompt;
+    in.rollout_positions = std::min<int64_t>(model.max_position_embeddings, std::min(2048, 256 + c.rollout.max_new_tokens));
+  }
   return in;
 }
 
@@ -343,12 +365,16 @@ std::string memory_plan_format(const MemoryPlan& p, const ModelConfig& c, int64_
                   gib(p.activations_recompute_bytes).c_str(), "(train.recompute: block)");
     s += buf;
   }
+  if (!p.host.empty()) {
+    s += " on the host (not device memory; counted against the machine's memory on the CPU backend):\n";
+    for (const auto& l : p.host) add(l);
+  }
   s += " not counted: the CUDA context, cuBLASLt workspaces, CUDA-graph memory pools, allocator slack\n"
-       " (fragmentation), the host side (checkpoint staging: a host copy of master + moments while saving);\n"
-       " ZeRO-1's split of the moments over ranks (train.shard_optimizer: counted whole); the generator's\n"
-       " prefill activations (one layer's buffers of at most max_batch_tokens tokens, reused) and the\n"
-       " trainer's scoring forward (no saved activations) are below the training micro-batch's peak and\n"
-       " not added to it.\n";
+       " (fragmentation), the rest of the host side (checkpoint staging: a host copy of master + moments\n"
+       " while saving); ZeRO-1's split of the moments over ranks (train.shard_optimizer: counted whole); the\n"
+       " generator's prefill activations (one layer's buffers of at most max_batch_tokens tokens, reused)\n"
+       " and the trainer's scoring forward (no saved activations) are below the training micro-batch's peak\n"
+       " and not added to it.\n";
   if (device_bytes > 0) {
     const int64_t free = device_bytes - p.peak_bytes();
     std::snprintf(buf, sizeof buf, "  %s in %s: %s %s\n", free >= 0 ? "fits" : "DOES NOT FIT", gib(device_bytes).c_str(),

@@ -35,6 +35,9 @@ struct MemoryPlanInput {
   int64_t generation_batch = 256;        // sequences decoded together (logits rows per decode step)
   int64_t logits_chunk_bytes = 256ll << 20;  // the lm_head logits are computed in vocabulary chunks
                                              // of at most this many bytes (CUDA backend)
+  // MoE models: the rollout's routing record (RolloutSample::routing, host memory): this many
+  // sequences of this many positions (0: none, e.g. sft).
+  int64_t rollout_sequences = 0, rollout_positions = 0;
 };
 
 struct MemoryPlanLine {
@@ -47,10 +50,13 @@ struct MemoryPlan {
   int64_t parameters = 0;
   std::vector<MemoryPlanLine> resident;    // held for the whole run
   std::vector<MemoryPlanLine> transient;   // per training micro-batch / decode step, as built
+  std::vector<MemoryPlanLine> host;        // host memory the run holds beside (not device memory;
+                                           // on the CPU backend it adds to the peak's check)
   int64_t activations_recompute_bytes = 0;  // saved activations with blocks recomputed in
                                             // backward (block inputs + one block + the head)
   int64_t resident_bytes() const;
   int64_t peak_bytes() const;               // resident + transient
+  int64_t host_bytes() const;
 };
 
 MemoryPlan memory_plan_compute(const MemoryPlanInput& in);
@@ -112,7 +118,8 @@ std::string memory_plan_resolve_recompute(const RunConfig& c, const ModelConfig&
 
 // The machine's physical memory in bytes (0 when unknown).
 int64_t memory_plan_host_bytes();
-// On the CPU backend the plan must fit the machine's memory: refused before anything is allocated.
+// On the CPU backend the plan (its peak and its host lines) must fit the machine's memory: refused
+// before anything is allocated.
 void memory_plan_check_host(const MemoryPlan& plan, const std::string& device);
 
 // A readable table; `device_bytes` > 0 adds the headroom line ("fits in 139.0 GiB: 12.3 GiB free").

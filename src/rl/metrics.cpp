@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <vector>
 
 #include "core/error.h"
 
@@ -33,6 +34,30 @@ MismatchMetrics metrics_compute_mismatch(std::span<const float> logp_old, std::s
   m.gen_kl_error = m.tokens ? gen_kl / n : std::nan("");
   m.policy_kl_error = m.tokens ? pol_kl / n : std::nan("");
   return m;
+}
+
+RoutingMetrics metrics_compute_routing(std::span<const float> logp_old, std::span<const float> logp_gen,
+                                       std::span<const uint8_t> agreed, int64_t pairs, int64_t pairs_agreed,
+                                       int64_t pairs_router_agreed) {
+  FP8RL_CHECK(agreed.size() == logp_old.size(), "routing agreement: ", agreed.size(), " token flags for ",
+              logp_old.size(), " tokens");
+  FP8RL_CHECK(pairs >= 0 && pairs_agreed >= 0 && pairs_agreed <= pairs && pairs_router_agreed >= 0 &&
+                  pairs_router_agreed <= pairs,
+              "routing agreement: counts ", pairs_agreed, ", ", pairs_router_agreed, " of ", pairs, " pairs");
+  RoutingMetrics r;
+  const double nan = std::nan("");
+  r.agreement = pairs ? static_cast<double>(pairs_agreed) / static_cast<double>(pairs) : nan;
+  r.router_agreement = pairs ? static_cast<double>(pairs_router_agreed) / static_cast<double>(pairs) : nan;
+  std::vector<uint8_t> differs(agreed.size());
+  int64_t n_agreed = 0;
+  for (size_t t = 0; t < agreed.size(); ++t) {
+    n_agreed += agreed[t] != 0;
+    differs[t] = agreed[t] == 0;
+  }
+  r.agreed_token_fraction = agreed.empty() ? nan : static_cast<double>(n_agreed) / static_cast<double>(agreed.size());
+  r.agreed = metrics_compute_mismatch(logp_old, logp_gen, agreed);
+  r.differs = metrics_compute_mismatch(logp_old, logp_gen, differs);
+  return r;
 }
 
 double metrics_masked_mean(std::span<const float> values, std::span<const uint8_t> token_mask) {

@@ -30,6 +30,20 @@ struct MismatchMetrics {
 MismatchMetrics metrics_compute_mismatch(std::span<const float> logp_old, std::span<const float> logp_gen,
                                          std::span<const uint8_t> token_mask = {});
 
+// Mixture-of-experts models: the trainer's routing against the generator's (Trainer::score's
+// RoutingAgreement counts and per-token flags), and the mismatch split by it.
+struct RoutingMetrics {
+  double agreement = 0;         // fraction of (scored position, MoE layer) pairs whose expert sets agree
+  double router_agreement = 0;  // the same for the trainer router's own top-k (differs under replay)
+  double agreed_token_fraction = 0;  // response tokens whose routing agreed in every MoE layer
+  MismatchMetrics agreed, differs;   // metrics_compute_mismatch over those tokens / the others
+};
+// logp_old, logp_gen, agreed: [tokens] (agreed 1/0 per token); pairs >= agreed, router_agreed.
+// NaN fractions (and empty groups' metrics) when there is nothing to count.
+RoutingMetrics metrics_compute_routing(std::span<const float> logp_old, std::span<const float> logp_gen,
+                                       std::span<const uint8_t> agreed, int64_t pairs, int64_t pairs_agreed,
+                                       int64_t pairs_router_agreed);
+
 // Mean of `values` over the valid tokens (e.g. per-token entropy); NaN when none.
 double metrics_masked_mean(std::span<const float> values, std::span<const uint8_t> token_mask = {});
 

@@ -52,6 +52,16 @@ void step_metrics_set_lengths(StepMetrics& m, const LengthStats& l) {
   m.response_capped_fraction = l.capped_fraction;
 }
 
+void step_metrics_set_routing(StepMetrics& m, const RoutingMetrics& r) {
+  m.routing_agreement = r.agreement;
+  m.extra.push_back({"router_topk_agreement", r.router_agreement});
+  m.extra.push_back({"routing_agreed_token_fraction", r.agreed_token_fraction});
+  m.extra.push_back({"token_mult_prob_error_routing_agreed", r.agreed.token_mult_prob_error});
+  m.extra.push_back({"token_mult_prob_error_routing_differs", r.differs.token_mult_prob_error});
+  m.extra.push_back({"gen_kl_error_routing_agreed", r.agreed.gen_kl_error});
+  m.extra.push_back({"gen_kl_error_routing_differs", r.differs.gen_kl_error});
+}
+
 std::string metrics_to_json_line(const StepMetrics& m) {
   nlohmann::ordered_json j;
   j["step"] = m.step;
@@ -85,6 +95,7 @@ std::string metrics_to_json_line(const StepMetrics& m) {
   };
   for (const auto& [k, v] : fixed) j[k] = number(v);
   if (m.val_accuracy) j["val_accuracy"] = number(*m.val_accuracy);
+  if (m.routing_agreement) j["routing_agreement"] = number(*m.routing_agreement);
   for (const auto& [k, v] : m.extra) {
     FP8RL_CHECK(!k.empty() && !j.contains(k), "metric '", k, "' is empty or logged twice in step ", m.step);
     j[k] = number(v);
@@ -97,6 +108,15 @@ std::string metrics_console_line(const StepMetrics& m, int64_t total_steps) {
   s += " | reward " + fmt("%.3f", m.reward_mean) + " acc " + fmt("%.3f", m.accuracy);
   s += " | len " + fmt("%.1f", m.response_length_mean);
   s += " | mult_err " + fmt("%.4f", m.token_mult_prob_error) + " gen_kl " + fmt("%.2e", m.gen_kl_error);
+  if (m.routing_agreement) {
+    double agreed = StepMetrics::kNone, differs = StepMetrics::kNone;
+    for (const auto& [k, v] : m.extra) {
+      if (k == "token_mult_prob_error_routing_agreed") agreed = v;
+      if (k == "token_mult_prob_error_routing_differs") differs = v;
+    }
+    s += " route " + fmt("%.4f", *m.routing_agreement) + " (mult_err " + fmt("%.4f", agreed) + "/" +
+         fmt("%.4f", differs) + ")";
+  }
   s += " | loss " + fmt("%.4f", m.loss) + " clip " + fmt("%.3f", m.clip_fraction) + " gnorm " + fmt("%.3g", m.grad_norm);
   s += " | gen " + fmt("%.2fs", m.time_generation_s) + " train " + fmt("%.2fs", m.time_train_s) + " refit " +
        fmt("%.3fs", m.time_refit_s) + " tok/s " + fmt("%.0f", m.generation_tokens_per_s);
@@ -106,7 +126,9 @@ std::string metrics_console_line(const StepMetrics& m, int64_t total_steps) {
 
 std::string metrics_console_legend() {
   return "legend: reward/acc = mean reward / fraction correct; len = mean response tokens; mult_err = "
-         "token_mult_prob_error (1 = engines agree); gen_kl = KL(generator||trainer); clip = clipped-ratio "
+         "token_mult_prob_error (1 = engines agree); gen_kl = KL(generator||trainer); route (MoE) = fraction "
+         "of (token, MoE layer) pairs the trainer routed to the generator's experts (mult_err over the tokens "
+         "routed alike in every layer / the others); clip = clipped-ratio "
          "fraction; gnorm = gradient norm; gen/train/refit = phase seconds; tok/s = generated tokens per second "
          "(metrics.jsonl has every metric)";
 }

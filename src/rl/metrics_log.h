@@ -39,6 +39,9 @@ struct StepMetrics {
   double generation_tokens_per_s = kNone;
   // validation: only on steps where it ran (step 0 included, before the first update)
   std::optional<double> val_accuracy;
+  // mixture-of-experts models: the trainer's routing against the generator's (only then present;
+  // the split of the mismatch by it goes into `extra`: step_metrics_set_routing)
+  std::optional<double> routing_agreement;
   // anything else, in this order after the fixed keys (names must not repeat a fixed key)
   std::vector<std::pair<std::string, double>> extra;
 };
@@ -48,6 +51,9 @@ struct StepMetrics {
 void step_metrics_set_loss_stats(StepMetrics& m, const GrpoStats& s);
 void step_metrics_set_mismatch(StepMetrics& m, const MismatchMetrics& mm);
 void step_metrics_set_lengths(StepMetrics& m, const LengthStats& l);
+// routing_agreement, and into `extra`: router_topk_agreement, routing_agreed_token_fraction,
+// token_mult_prob_error_routing_{agreed,differs}, gen_kl_error_routing_{agreed,differs}.
+void step_metrics_set_routing(StepMetrics& m, const RoutingMetrics& r);
 
 // The JSON object of one step (one line, no newline). Every fixed key is present (null when
 // unmeasured) except val_accuracy, present only when set. Throws on a duplicate extra key.

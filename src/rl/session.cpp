@@ -318,6 +318,7 @@ TrainerOptions trainer_options(const RunConfig& c) {
   o.grad_dtype = c.train.grad_dtype == "bf16" ? DType::BF16 : DType::F32;
   o.moment_dtype = c.train.optimizer_state_dtype == "bf16" ? DType::BF16 : DType::F32;
   o.stochastic_rounding = c.train.optimizer_state_rounding == "stochastic";
+  o.routing_replay = c.train.routing_replay;
   return o;
 }
 

@@ -164,6 +164,47 @@ void generate_append_tokens(std::vector<Sequence>& seqs, const std::vector<int>&
   }
 }
 
+// Routing record (SamplingParams::record_routing): the experts of the batch's tokens in every MoE
+// layer (`rec`, [layers][T * k]) written at their sequences' positions.
+void generate_record_routing(std::vector<Sequence>& seqs, const std::vector<int>& batch_seqs, const HostBatch& hb,
+                             const MoeRouting& rec) {
+  const int64_t Lm = static_cast<int64_t>(rec.ids.size()), k = rec.top_k, stride = Lm * k;
+  for (size_t i = 0; i < hb.ids.size(); ++i) {
+    Sequence& s = seqs[batch_seqs[hb.tok_seq[i]]];
+    const int64_t pos = hb.tok_pos[i];
+    std::vector<int16_t>& r = s.out.routing;
+    if (static_cast<int64_t>(r.size()) < (pos + 1) * stride) {
+      r.reserve(static_cast<size_t>((s.prompt_len + s.max_new) * stride));
+      r.resize(static_cast<size_t>((pos + 1) * stride), -1);
+    }
+    for (int64_t m = 0; m < Lm; ++m)
+      for (int64_t j = 0; j < k; ++j)
+        r[(pos * Lm + m) * k + j] = static_cast<int16_t>(rec.ids[m][i * k + j]);
+  }
+}
+
+// Each sample's record sized to its prompt + tokens; prompt positions it did not compute (pages
+// shared from another sample of its request) take the routing of a sample that did.
+void generate_finish_routing(std::vector<Sequence>& seqs, int64_t stride) {
+  std::vector<std::vector<Sequence*>> by_request;
+  for (Sequence& s : seqs) {
+    if (static_cast<int>(by_request.size()) <= s.request) by_request.resize(s.request + 1);
+    by_request[s.request].push_back(&s);
+    s.out.routing.resize(static_cast<size_t>((s.prompt_len + s.out.tokens.size()) * stride), -1);
+  }
+  for (const std::vector<Sequence*>& group : by_request)
+    for (Sequence* s : group)
+      for (int64_t p = 0; p < s->prompt_len; ++p) {
+        int16_t* dst = s->out.routing.data() + p * stride;
+        if (dst[0] >= 0) continue;
+        for (const Sequence* o : group)
+          if (o->out.routing[p * stride] >= 0) {
+            std::copy_n(o->out.routing.data() + p * stride, stride, dst);
+            break;
+          }
+      }
+}
+
 }  // namespace
 
 RolloutEngine::RolloutEngine(Backend& be, const ModelWeights& weights, const EnginePrecision& prec, int kv_pages,
@@ -245,6 +286,12 @@ std::vector<RolloutSample> RolloutEngine::generate(const std::vector<RolloutRequ
   // in place of the sampler's own reduction (greedy rows keep the sampler's 0).
   const float consistent_temperature = prec_.consistent ? sp.temperature : 0.0f;
   std::vector<const std::vector<int32_t>*> graph_pages;
+  const ModelConfig& mc = gen_.config;
+  const bool record = sp.record_routing && mc.is_moe();
+  if (record)
+    FP8RL_CHECK(mc.num_experts <= 32767, "rollout: the routing record holds 16-bit expert ids; the model has ",
+                mc.num_experts, " experts");
+  MoeRouting rec;
   // Progress in token slots: every sample has max_new_tokens; a finished one counts them all.
   int64_t slots_done = 0;
   const int64_t slots_total = static_cast<int64_t>(seqs.size()) * sp.max_new_tokens;
@@ -260,7 +307,7 @@ std::vector<RolloutSample> RolloutEngine::generate(const std::vector<RolloutRequ
     const int64_t T = static_cast<int64_t>(hb.ids.size()), R = static_cast<int64_t>(hb.rows.size());
     Tensor tokens_dev, logp_dev;
     bool ran = false;
-    if (graphs_ && T == B && R == B) {  // decode only: one token per sequence, each sampled
+    if (graphs_ && !record && T == B && R == B) {  // decode only: one token per sequence, each sampled
       graph_pages.clear();
       for (int si : batch_seqs) graph_pages.push_back(&seqs[si].pages);
       ran = graphs_->run(hb.ids, hb.tok_pos, hb.slots, graph_pages, max_seq_pages, hb.sample_rows, truncation,
@@ -291,7 +338,9 @@ std::vector<RolloutSample> RolloutEngine::generate(const std::vector<RolloutRequ
       if (!buf_.logits.defined() || buf_.logits.dim(0) < R) buf_.logits = be_.alloc({R, V}, DType::F32);
       Tensor logits = buf_.logits.slice_rows(0, R);
       Tensor hidden;
-      model_forward_paged(be_, gen_, prec_, cache_, ids_dev, batch, rows_dev, logits, &hidden);
+      model_forward_paged(be_, gen_, prec_, cache_, ids_dev, batch, rows_dev, logits, &hidden,
+                          record ? &rec : nullptr);
+      if (record) generate_record_routing(seqs, batch_seqs, hb, rec);
       tokens_dev = buf_.tokens.slice_rows(0, R), logp_dev = buf_.logp.slice_rows(0, R);
       if (hb.any_row) be_.sample_rows(logits, srows_dev, truncation, tokens_dev, logp_dev, valid_vocab);
       if (hb.any_row && consistent_temperature > 0.0f)  // the trainer's token_logprobs on these rows
@@ -304,6 +353,7 @@ std::vector<RolloutSample> RolloutEngine::generate(const std::vector<RolloutRequ
     generate_append_tokens(seqs, batch_seqs, requests, sp, tokens, logp, sched, stats_, slots_done);
   }
 
+  if (record) generate_finish_routing(seqs, int64_t(model_num_moe_layers(mc)) * mc.num_experts_per_tok);
   std::vector<RolloutSample> out;
   out.reserve(seqs.size());
   for (auto& s : seqs) out.push_back(std::move(s.out));

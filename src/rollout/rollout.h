@@ -36,6 +36,9 @@ struct SamplingParams {
   // Request i draws as request first_request + i: a data-parallel rank generating prompts
   // [first, ...) of a global batch samples what one rank generating all of them would.
   int64_t first_request = 0;
+  // Mixture-of-experts models: record the generator's routing of every sample
+  // (RolloutSample::routing), for the trainer's routing-agreement metrics and routing replay.
+  bool record_routing = false;
 };
 
 struct RolloutRequest {
@@ -55,6 +58,12 @@ struct RolloutSample {
   std::vector<int32_t> tokens;   // generated ids (stop id included when finished by one)
   std::vector<float> logp;       // [tokens.size()] logp_gen of each generated token
   FinishReason finish = FinishReason::Length;
+  // With SamplingParams::record_routing (MoE models): the experts the generator chose at each
+  // position of prompt + tokens in every MoE layer, [positions][MoE layers][top_k] (position-
+  // major, by descending routing weight), -1 where the generator never ran the position: the last
+  // token (sampled, never fed back). Prompt positions whose KV pages were shared from another
+  // sample of the request (prefix sharing) hold that sample's routing. Empty otherwise.
+  std::vector<int16_t> routing;
 };
 
 // Per-layer FP32 dequantization scales of the E4M3 KV cache (recipe section 3).

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <optional>
 #include <cstdio>
 #include <cstring>
 
@@ -33,6 +34,60 @@ Packed pack(const std::vector<TrainSequence>& seqs, size_t first, size_t end) {
   }
   p.batch = forward_batch_from_sequences(ids);
   return p;
+}
+
+// The generator's routing of sequences [first, end) as the packed forward's tokens (-1 rows where
+// a sequence has none); nullopt when none of them carries a record.
+std::optional<MoeRouting> pack_routing(const ModelConfig& c, const std::vector<TrainSequence>& seqs, size_t first,
+                                       size_t end) {
+  bool any = false;
+  for (size_t i = first; i < end; ++i) any |= !seqs[i].routing.empty();
+  if (!any || !c.is_moe()) return std::nullopt;
+  const int64_t Lm = model_num_moe_layers(c), k = c.num_experts_per_tok, stride = Lm * k;
+  int64_t T = 0;
+  for (size_t i = first; i < end; ++i) T += static_cast<int64_t>(seqs[i].ids.size());
+  MoeRouting r;
+  r.top_k = static_cast<int>(k);
+  r.ids.assign(static_cast<size_t>(Lm), std::vector<int32_t>(static_cast<size_t>(T * k), -1));
+  int64_t t0 = 0;
+  for (size_t i = first; i < end; ++i) {
+    const TrainSequence& s = seqs[i];
+    const int64_t n = static_cast<int64_t>(s.ids.size());
+    if (!s.routing.empty()) {
+      FP8RL_CHECK(static_cast<int64_t>(s.routing.size()) == n * stride, "train sequence ", i, ": its routing record "
+                  "has ", s.routing.size(), " ids, expected ", n, " positions x ", Lm, " MoE layers x top-", k);
+      for (int64_t p = 0; p < n; ++p)
+        for (int64_t m = 0; m < Lm; ++m)
+          for (int64_t j = 0; j < k; ++j) r.ids[m][(t0 + p) * k + j] = s.routing[(p * Lm + m) * k + j];
+    }
+    t0 += n;
+  }
+  return r;
+}
+
+// Whether token t's experts in `a` and `b` are the same set (k ids each).
+bool same_experts(const std::vector<int32_t>& a, const std::vector<int32_t>& b, int64_t t, int64_t k) {
+  return std::is_permutation(a.begin() + t * k, a.begin() + (t + 1) * k, b.begin() + t * k);
+}
+
+// The trainer's routing (used; own: its router's top-k, empty = the used one) against the
+// generator's `gen` at the scored positions `index`: per scored token, agreement in every layer.
+void routing_agreement(const MoeRouting& gen, const MoeRouting& used, const MoeRouting& own,
+                       const std::vector<int64_t>& index, std::vector<uint8_t>& agreed, RoutingAgreement& counts) {
+  const int64_t k = gen.top_k;
+  const MoeRouting& router = own.ids.empty() ? used : own;
+  for (int64_t t : index) {
+    bool all = gen.ids.empty() ? false : gen.ids[0][t * k] >= 0;
+    for (size_t m = 0; m < gen.ids.size(); ++m) {
+      if (gen.ids[m][t * k] < 0) continue;
+      const bool same = same_experts(used.ids[m], gen.ids[m], t, k);
+      ++counts.pairs;
+      counts.agreed += same;
+      counts.router_agreed += same_experts(router.ids[m], gen.ids[m], t, k);
+      all &= same;
+    }
+    agreed.push_back(all ? 1 : 0);
+  }
 }
 
 std::vector<float> gather(Backend& be, const Tensor& dev, const std::vector<int64_t>& index) {
@@ -227,7 +282,11 @@ ScoreResult Trainer::score(const std::vector<TrainSequence>& seqs, float tempera
     fo.record_qkv_amax = record_amax;
     fo.kv_round_k = kv_round_k_;
     fo.kv_round_v = kv_round_v_;
+    const std::optional<MoeRouting> gen = pack_routing(master_.config, seqs, first, end);
+    fo.record_routing = gen.has_value();
+    if (gen && opt_.routing_replay) fo.replay_routing = &*gen;
     LogprobResult lr = model_forward_logprobs(be_, compute_weights(), prec_, p.batch, fo);
+    if (gen) routing_agreement(*gen, lr.routing, lr.router_topk, p.logp_index, r.routing_agreed, r.routing);
     std::vector<float> lp = gather(be_, lr.logp, p.logp_index);
     r.logp.insert(r.logp.end(), lp.begin(), lp.end());
     if (entropy) {
@@ -254,6 +313,9 @@ void Trainer::forward_backward(const std::vector<TrainSequence>& seqs, float tem
     fo.recompute = opt_.recompute;
     fo.kv_round_k = kv_round_k_;
     fo.kv_round_v = kv_round_v_;
+    const std::optional<MoeRouting> gen =
+        opt_.routing_replay ? pack_routing(master_.config, seqs, first, end) : std::nullopt;
+    if (gen) fo.replay_routing = &*gen;
     LogprobResult out = model_forward_logprobs(be_, weights, prec_, p.batch, fo, &acts);
     std::vector<float> logp_new = gather(be_, out.logp, p.logp_index);
     std::vector<float> grad(logp_new.size(), 0.0f);

@@ -33,6 +33,10 @@ class Communicator;
 struct TrainSequence {
   std::vector<int32_t> ids;
   int prompt_len = 0;
+  // MoE models: the generator's routing of these ids (RolloutSample::routing: [ids.size()][MoE
+  // layers][top_k], -1 where not recorded), or empty. score() measures the trainer's routing
+  // against it; with TrainerOptions::routing_replay, score() and step() replay it.
+  std::vector<int16_t> routing = {};
   int64_t response_len() const { return static_cast<int64_t>(ids.size()) - prompt_len; }
 };
 
@@ -58,12 +62,32 @@ struct TrainerOptions {
   // weights). Off by default, as in the reference RL recipes: the router gets no gradient and
   // no optimizer update (no weight decay either).
   bool train_router = false;
+  // Routing replay (train.routing_replay, as slime's and veRL's): the forwards of score() and
+  // step() use the generator's experts (TrainSequence::routing) instead of the router's top-k,
+  // with the routing weights from the trainer's router logits over them (ForwardOptions::
+  // replay_routing). Sequences without a record route as usual.
+  bool routing_replay = false;
+};
+
+// The trainer's routing against the generator's (score() of sequences that carry a routing
+// record), over the positions whose next-token log-probs are scored (a response token's is
+// predicted at the position before it) and every MoE layer. Sums: they add over micro-batches
+// and ranks.
+struct RoutingAgreement {
+  int64_t pairs = 0;          // (position, MoE layer) pairs with a generator record
+  int64_t agreed = 0;         // ... where the experts the trainer used are the generator's (as sets)
+  int64_t router_agreed = 0;  // ... where the trainer router's own top-k is (= agreed without replay)
 };
 
 struct ScoreResult {
   std::vector<float> logp;        // [response tokens, packed] log p(token | prefix), trainer numerics
   std::vector<float> entropy;     // [response tokens] when asked
   std::vector<std::vector<float>> q_amax, k_amax, v_amax;  // [micro-batch][layer] when asked
+  // When the sequences carry routing records (MoE): per response token, 1 when the experts the
+  // trainer used at its predicting position agree with the generator's in every MoE layer (0
+  // otherwise, or without a record there), and the counts.
+  std::vector<uint8_t> routing_agreed;  // [response tokens]
+  RoutingAgreement routing;
 };
 
 // loss_fn(first_seq, end_seq, logp_new, grad): the micro-batch holds sequences [first, end);

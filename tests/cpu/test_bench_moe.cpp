@@ -227,8 +227,32 @@ TEST(BenchMoeCli, RlStepRunsEveryPhaseAtMoeShapes) {
       EXPECT_GT(x["generated_tokens"][0].get<double>(), 0.0);
       EXPECT_EQ(x["fp8_gemm_fallbacks"], 0);
       EXPECT_GT(x["plan_peak_bytes"].get<int64_t>(), 0);
+      ASSERT_EQ(x["routing_agreement"].size(), 1u) << "MoE shapes report the routing agreement";
+      EXPECT_GT(x["routing_agreement"][0].get<double>(), 0.5);
+      EXPECT_LE(x["routing_agreement"][0].get<double>(), 1.0);
+      EXPECT_EQ(x["router_topk_agreement"], x["routing_agreement"]) << "no replay";
     }
   }
+}
+
+// --routing-replay: the trainer replays the generator's routing (agreement exactly 1), while its
+// router's own top-k is still measured.
+TEST(BenchMoeCli, RlStepRoutingReplay) {
+  const TempDir dir("rl_replay");
+  std::string out;
+  ASSERT_EQ(run_fp8rl({"bench",        "rl-step", "--device",         "cpu",    "--model",          "tiny-moe",
+                       "--recipes",    "fp8_gen", "--prompts",        "2",      "--samples",        "3",
+                       "--prompt-len", "8",       "--max-new-tokens", "10",     "--steps",          "1",
+                       "--warmup",     "0",       "--routing-replay", "--json", dir.file("rl.json")},
+                      dir.file("log.txt"), out),
+            0)
+      << out;
+  const nlohmann::json j = nlohmann::json::parse(read_file(dir.file("rl.json")));
+  EXPECT_EQ(j["routing_replay"], true);
+  const nlohmann::json& x = j["recipes"]["fp8_gen"];
+  EXPECT_EQ(x["routing_agreement"][0].get<double>(), 1.0);
+  EXPECT_LE(x["router_topk_agreement"][0].get<double>(), 1.0);
+  EXPECT_TRUE(x["token_mult_prob_error_routing_differs"][0].is_null()) << "no token routed differently";
 }
 
 // --layers cuts the shape; --plan-only prints each recipe's plan and check and runs nothing

@@ -106,6 +106,22 @@ TEST(Config, OverridesApplyInOrder) {
   EXPECT_EQ(c.train.schedule, LrScheduleKind::Cosine);
 }
 
+// MoE routing replay: train.routing_replay, also spelled rl.routing_replay (the name), as
+// an override and in YAML (nested or dotted).
+TEST(Config, RoutingReplayKeyAndItsAlias) {
+  EXPECT_FALSE(config_load("").train.routing_replay);
+  EXPECT_TRUE(config_load("", {"train.routing_replay=true"}).train.routing_replay);
+  EXPECT_TRUE(config_load("", {"rl.routing_replay=true"}).train.routing_replay);
+  RunConfig c;
+  config_apply_yaml(c, "train:\n  routing_replay: true\n", "test.yaml");
+  EXPECT_TRUE(c.train.routing_replay);
+  RunConfig d;
+  config_apply_yaml(d, "rl:\n  routing_replay: true\n", "test.yaml");
+  EXPECT_TRUE(d.train.routing_replay);
+  EXPECT_THROW(config_load("", {"train.routing_replay=maybe"}), Error);
+  EXPECT_TRUE(has(config_to_yaml(c), "routing_replay: true"));
+}
+
 TEST(Config, YamlDumpReadsBackExactly) {
   RunConfig c;
   config_set(c, "train.lr", "3.3e-7");

@@ -77,6 +77,8 @@ TEST(OpTableCpu, CoversEveryOp) {
                        "token_logprobs",
                        "moe_route_softmax",
                        "moe_route_sigmoid",
+                       "moe_route_softmax_weights",
+                       "moe_route_sigmoid_weights",
                        "moe_permute",
                        "moe_unpermute",
                        "adamw",

@@ -1039,6 +1039,71 @@ void moe_cases(std::vector<OpCase>& t) {
                    Error);  // 5 groups do not divide 12 experts
     };
   }
+  // Routing replay: the weights of given experts. Given the routing op's own experts they are its
+  // weights bitwise (same); given other experts (distinct per token, a fixed pattern) they follow
+  // the CPU's within the routing weights' class; the backward is the routing op's backward with
+  // those experts, checked by FP64 finite differences.
+  std::vector<int32_t> given(T * k);
+  for (int64_t t2 = 0; t2 < T; ++t2)
+    for (int64_t j = 0; j < k; ++j) given[t2 * k + j] = static_cast<int32_t>((t2 * 5 + j * 7 + 1) % E);
+  std::vector<int32_t> given_bad = given;
+  given_bad[7] = static_cast<int32_t>(E);
+  const int64_t Tg = 5;  // the gradient check's tokens
+  const std::vector<int32_t> given_g(given.begin(), given.begin() + Tg * k);
+  for (bool sigmoid : {false, true})
+    for (bool renorm : {false, true}) {
+      const std::string name = sigmoid ? "moe_route_sigmoid" : "moe_route_softmax";
+      auto route = [=](OpRun& r, const Tensor& logits, Tensor& ex, Tensor& w) {
+        if (sigmoid) r.be.moe_route_sigmoid(logits, &r["bias"], static_cast<int>(k), 4, 2, renorm, 2.5f, ex, w);
+        else r.be.moe_route_softmax(logits, static_cast<int>(k), renorm, ex, w);
+      };
+      auto weights_of = [=](Backend& be, const Tensor& logits, const Tensor& ex, Tensor& w) {
+        if (sigmoid) be.moe_route_sigmoid_weights(logits, ex, renorm, 2.5f, w);
+        else be.moe_route_softmax_weights(logits, ex, renorm, w);
+      };
+      t.push_back({name + "_weights (+ " + name + "_backward)",
+                   dims({T, E}) + " top 3, given experts" + (renorm ? " renormalized" : ""),
+                   [=] {
+                     Tensors in = route_inputs();
+                     in["given"] = i32_tensor(given, {T, k});
+                     in["given_bad"] = i32_tensor(given_bad, {T, k});
+                     return in;
+                   },
+                   [=](OpRun& r) {
+                     Tensor& ex = r.output("experts", {T, k}, DType::I32);
+                     route(r, r["logits"], ex, r.output("weights", {T, k}, DType::F32));
+                     weights_of(r.be, r["logits"], ex, r.output("replayed", {T, k}, DType::F32));
+                     weights_of(r.be, r["logits"], r["given"], r.output("given_weights", {T, k}, DType::F32));
+                   },
+                   {{"experts", bitwise()}, {"weights", rel(1e-5)}, {"given_weights", rel(1e-5)}},
+                   {{"replayed", "weights"}}});
+      t.back().errors = [=](OpRun& r) {
+        Tensor w = r.be.alloc({T, k}, DType::F32);
+        EXPECT_THROW(
+            {
+              weights_of(r.be, r["logits"], r["given_bad"], w);  // an expert id == E
+              r.be.synchronize();
+            },
+            Error);
+        Tensor w2 = r.be.alloc({T, k + 1}, DType::F32);
+        EXPECT_THROW(weights_of(r.be, r["logits"], r["given"], w2), Error);  // weights not [T, k]
+      };
+      t.back().grad.inputs = [=] {
+        return Tensors{{"logits", rnd({Tg, E}, 97, DType::F64, 2.0f)},
+                       {"R", rnd({Tg, k}, 98, DType::F64)},
+                       {"given", i32_tensor(given_g, {Tg, k})}};
+      };
+      t.back().grad.forward = [=](OpRun& r) {
+        weights_of(r.be, r["logits"], r["given"], r.output("w", {Tg, k}, DType::F64));
+      };
+      t.back().grad.loss = {{"w", "R"}};
+      t.back().grad.backward = [=](OpRun& r) {
+        Tensor& dz = r.output("dlogits", {Tg, E}, DType::F64);
+        if (sigmoid) r.be.moe_route_sigmoid_backward(r["logits"], r["given"], renorm, 2.5f, r["R"], dz);
+        else r.be.moe_route_softmax_backward(r["logits"], r["given"], renorm, r["R"], dz);
+      };
+      t.back().grad.wrt = {{"logits", "dlogits"}};
+    }
   // A permutation of the slots (sorted by a pseudo expert id) and its inverse.
   std::vector<int32_t> row_slot(R), slot_row(R);
   for (int64_t i = 0; i < R; ++i) row_slot[i] = static_cast<int32_t>((i * 7 + 3) % R);

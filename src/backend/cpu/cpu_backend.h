@@ -94,6 +94,10 @@ class CpuBackend final : public Backend {
                               bool renormalize, float scaling, Tensor& experts, Tensor& weights) override;
   void moe_route_sigmoid_backward_impl(const Tensor& logits, const Tensor& experts, bool renormalize, float scaling,
                                        const Tensor& dweights, Tensor& dlogits) override;
+  void moe_route_softmax_weights_impl(const Tensor& logits, const Tensor& experts, bool renormalize,
+                                      Tensor& weights) override;
+  void moe_route_sigmoid_weights_impl(const Tensor& logits, const Tensor& experts, bool renormalize, float scaling,
+                                      Tensor& weights) override;
   void moe_permute_impl(const Tensor& x, const Tensor& row_slot, int top_k, const Tensor* weights,
                         Tensor& out) override;
   void moe_unpermute_impl(const Tensor& y, const Tensor& slot_row, const Tensor* weights, Tensor& out) override;

@@ -24,6 +24,29 @@ std::vector<double> softmax_rows(const std::vector<double>& z, int64_t T, int64_
   return p;
 }
 
+// The routing weights of token t's k experts ex[0..k) from its probabilities (softmax) or
+// scores (sigmoid) sc[E]: the one formula of the routing ops and of the replay ops (bitwise equal
+// weights for the same experts). Sums in slot order.
+void softmax_weights_of(const double* sc, const int32_t* ex, int64_t k, bool renormalize, double* w) {
+  double sum = 0.0;
+  for (int64_t j = 0; j < k; ++j) sum += sc[ex[j]];
+  for (int64_t j = 0; j < k; ++j) w[j] = renormalize ? sc[ex[j]] / sum : sc[ex[j]];
+}
+void sigmoid_weights_of(const double* sc, const int32_t* ex, int64_t k, bool renormalize, float scaling, double* w) {
+  double sum = 0.0;
+  for (int64_t j = 0; j < k; ++j) sum += sc[ex[j]];
+  for (int64_t j = 0; j < k; ++j) w[j] = (renormalize ? sc[ex[j]] / (sum + 1e-20) : sc[ex[j]]) * scaling;
+}
+double sigmoid(double z) { return 1.0 / (1.0 + std::exp(-z)); }
+
+// Given experts I32 [T, k] (routing replay), each checked against [0, E).
+std::vector<int32_t> load_given_experts(const Tensor& experts, int64_t E, const char* op) {
+  std::vector<int32_t> ex = load_i32(experts, "moe experts");
+  for (size_t i = 0; i < ex.size(); ++i)
+    FP8RL_CHECK(ex[i] >= 0 && ex[i] < E, op, ": experts[", i, "] = ", ex[i], " is outside [0, ", E, ")");
+  return ex;
+}
+
 }  // namespace
 
 void CpuBackend::moe_route_softmax_impl(const Tensor& logits, int top_k, bool renormalize, Tensor& experts,
@@ -36,14 +59,22 @@ void CpuBackend::moe_route_softmax_impl(const Tensor& logits, int top_k, bool re
     const double* pr = p.data() + t * E;
     std::iota(order.begin(), order.end(), 0);
     std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return pr[a] > pr[b]; });
-    double sum = 0.0;
-    for (int64_t j = 0; j < k; ++j) sum += pr[order[j]];
-    for (int64_t j = 0; j < k; ++j) {
-      experts.data<int32_t>()[t * k + j] = static_cast<int32_t>(order[j]);
-      w[t * k + j] = renormalize ? pr[order[j]] / sum : pr[order[j]];
-    }
+    int32_t* ex = experts.data<int32_t>() + t * k;
+    for (int64_t j = 0; j < k; ++j) ex[j] = static_cast<int32_t>(order[j]);
+    softmax_weights_of(pr, ex, k, renormalize, w.data() + t * k);
   }
   store(w, weights, "moe_route_softmax weights");
+}
+
+void CpuBackend::moe_route_softmax_weights_impl(const Tensor& logits, const Tensor& experts, bool renormalize,
+                                                Tensor& weights) {
+  const int64_t T = logits.dim(0), E = logits.dim(1), k = experts.dim(1);
+  const std::vector<double> p = softmax_rows(load(logits, "moe logits"), T, E);
+  const std::vector<int32_t> ex = load_given_experts(experts, E, "moe_route_softmax_weights");
+  std::vector<double> w(T * k);
+  for (int64_t t = 0; t < T; ++t)
+    softmax_weights_of(p.data() + t * E, ex.data() + t * k, k, renormalize, w.data() + t * k);
+  store(w, weights, "moe_route_softmax_weights weights");
 }
 
 // With s_j = p[e_j] and w = s (or s / S, S = sum s):  ds_j = dw_j (or (dw_j - sum_i dw_i w_i) / S);
@@ -83,7 +114,7 @@ void CpuBackend::moe_route_sigmoid_impl(const Tensor& logits, const Tensor* bias
   std::vector<double> w(T * k), s(E), c(E), gs(n_group);
   for (int64_t t = 0; t < T; ++t) {
     for (int64_t e = 0; e < E; ++e) {
-      s[e] = 1.0 / (1.0 + std::exp(-z[t * E + e]));
+      s[e] = sigmoid(z[t * E + e]);
       c[e] = s[e] + b[e];
     }
     for (int g = 0; g < n_group; ++g) {
@@ -104,14 +135,24 @@ void CpuBackend::moe_route_sigmoid_impl(const Tensor& logits, const Tensor* bias
     std::vector<int64_t> eorder(E);
     std::iota(eorder.begin(), eorder.end(), 0);
     std::stable_sort(eorder.begin(), eorder.end(), [&](int64_t a, int64_t bb) { return c[a] > c[bb]; });
-    double sum = 0.0;
-    for (int64_t j = 0; j < k; ++j) sum += s[eorder[j]];
-    for (int64_t j = 0; j < k; ++j) {
-      experts.data<int32_t>()[t * k + j] = static_cast<int32_t>(eorder[j]);
-      w[t * k + j] = (renormalize ? s[eorder[j]] / (sum + 1e-20) : s[eorder[j]]) * scaling;
-    }
+    int32_t* ex = experts.data<int32_t>() + t * k;
+    for (int64_t j = 0; j < k; ++j) ex[j] = static_cast<int32_t>(eorder[j]);
+    sigmoid_weights_of(s.data(), ex, k, renormalize, scaling, w.data() + t * k);
   }
   store(w, weights, "moe_route_sigmoid weights");
+}
+
+void CpuBackend::moe_route_sigmoid_weights_impl(const Tensor& logits, const Tensor& experts, bool renormalize,
+                                                float scaling, Tensor& weights) {
+  const int64_t T = logits.dim(0), E = logits.dim(1), k = experts.dim(1);
+  const std::vector<double> z = load(logits, "moe logits");
+  const std::vector<int32_t> ex = load_given_experts(experts, E, "moe_route_sigmoid_weights");
+  std::vector<double> w(T * k), s(E);
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t e = 0; e < E; ++e) s[e] = sigmoid(z[t * E + e]);
+    sigmoid_weights_of(s.data(), ex.data() + t * k, k, renormalize, scaling, w.data() + t * k);
+  }
+  store(w, weights, "moe_route_sigmoid_weights weights");
 }
 
 // w_j = a s_j / S' (S' = sum s + 1e-20) or a s_j:  ds_i = (a / S') (dw_i - sum_j dw_j s_j / S')

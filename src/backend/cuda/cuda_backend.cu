@@ -619,6 +619,25 @@ void CudaBackend::moe_route_sigmoid_backward_impl(const Tensor& logits, const Te
                                     dlogits.data<float>(), stream_);
 }
 
+void CudaBackend::moe_route_softmax_weights_impl(const Tensor& logits, const Tensor& experts, bool renormalize,
+                                                 Tensor& weights) {
+  const OpTimer op_timer_(*this, "moe_route_softmax_weights");
+  const int64_t T = logits.dim(0), E = logits.dim(1), k = experts.dim(1);
+  launch_moe_route_softmax_weights(logits.data<float>(), experts.data<int32_t>(), T, static_cast<int>(E),
+                                   static_cast<int>(k), renormalize, weights.data<float>(), flag_reset(), stream_);
+  flag_check("moe_route_softmax_weights: an expert id is outside [0, E)");
+}
+
+void CudaBackend::moe_route_sigmoid_weights_impl(const Tensor& logits, const Tensor& experts, bool renormalize,
+                                                 float scaling, Tensor& weights) {
+  const OpTimer op_timer_(*this, "moe_route_sigmoid_weights");
+  const int64_t T = logits.dim(0), E = logits.dim(1), k = experts.dim(1);
+  launch_moe_route_sigmoid_weights(logits.data<float>(), experts.data<int32_t>(), T, static_cast<int>(E),
+                                   static_cast<int>(k), renormalize, scaling, weights.data<float>(), flag_reset(),
+                                   stream_);
+  flag_check("moe_route_sigmoid_weights: an expert id is outside [0, E)");
+}
+
 void CudaBackend::moe_permute_impl(const Tensor& x, const Tensor& row_slot, int top_k, const Tensor* weights,
                                    Tensor& out) {
   const OpTimer op_timer_(*this, "moe_permute");

@@ -69,6 +69,11 @@ void launch_moe_route_sigmoid(const float* logits, const float* bias, int64_t T,
                               cudaStream_t stream);
 void launch_moe_route_sigmoid_backward(const float* logits, const int32_t* experts, const float* dweights, int64_t T,
                                        int E, int k, bool renorm, float scaling, float* dlogits, cudaStream_t stream);
+// Routing replay: weights F32 [T, k] of given experts I32 [T, k] (out of [0, E): *bad_flag = 1).
+void launch_moe_route_softmax_weights(const float* logits, const int32_t* experts, int64_t T, int E, int k,
+                                      bool renorm, float* weights, int* bad_flag, cudaStream_t stream);
+void launch_moe_route_sigmoid_weights(const float* logits, const int32_t* experts, int64_t T, int E, int k,
+                                      bool renorm, float scaling, float* weights, int* bad_flag, cudaStream_t stream);
 // out [R, D] = x[row_slot / k] (* weights[row_slot]); slots = T * k bounds row_slot (else *bad_flag = 1).
 void launch_moe_permute(const void* x, DType dt, const int32_t* row_slot, const float* weights, int64_t R, int64_t D,
                         int k, int64_t slots, void* out, int* bad_flag, cudaStream_t stream);

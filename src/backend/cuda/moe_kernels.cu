@@ -10,6 +10,28 @@ namespace fp8rl::cuda {
 
 namespace {
 
+// Row z [E] of the logits: its max m and sum_e exp(z_e - m) s (the softmax's normalizer).
+__device__ void softmax_max_sum(const float* z, int E, float& m, float& s) {
+  m = -INFINITY;
+  for (int e = 0; e < E; ++e) m = fmaxf(m, z[e]);
+  s = 0.0f;
+  for (int e = 0; e < E; ++e) s += expf(z[e] - m);
+}
+
+// The weights of the k experts ex of one token: softmax probabilities p = exp(z - m) / s,
+// divided by their sum (slot order) when renormalized. The one formula of the routing kernel
+// and the replay kernel (bitwise equal weights for the same experts).
+__device__ void softmax_weights_of(const float* z, float m, float s, const int32_t* ex, int k, bool renorm, float* w) {
+  float sel = 0.0f;
+  for (int j = 0; j < k; ++j) {
+    const float p = expf(z[ex[j]] - m) / s;
+    w[j] = p;
+    sel += p;
+  }
+  if (renorm)
+    for (int j = 0; j < k; ++j) w[j] /= sel;
+}
+
 // Token t: the k largest logits in descending order (ties: the lower expert id), their
 // softmax probabilities (optionally renormalized). Ordering by logit = ordering by probability.
 __global__ void moe_route_softmax_kernel(const float* logits, int64_t T, int E, int k, bool renorm,
@@ -17,11 +39,8 @@ __global__ void moe_route_softmax_kernel(const float* logits, int64_t T, int E, 
   const int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (t >= T) return;
   const float* z = logits + t * E;
-  float m = -INFINITY;
-  for (int e = 0; e < E; ++e) m = fmaxf(m, z[e]);
-  float s = 0.0f;
-  for (int e = 0; e < E; ++e) s += expf(z[e] - m);
-  float sel = 0.0f;
+  float m, s;
+  softmax_max_sum(z, E, m, s);
   for (int j = 0; j < k; ++j) {
     int best = -1;
     for (int e = 0; e < E; ++e) {
@@ -30,12 +49,27 @@ __global__ void moe_route_softmax_kernel(const float* logits, int64_t T, int E, 
       if (!taken && (best < 0 || z[e] > z[best])) best = e;
     }
     experts[t * k + j] = best;
-    const float p = expf(z[best] - m) / s;
-    weights[t * k + j] = p;
-    sel += p;
   }
-  if (renorm)
-    for (int j = 0; j < k; ++j) weights[t * k + j] /= sel;
+  softmax_weights_of(z, m, s, experts + t * k, k, renorm, weights + t * k);
+}
+
+// Routing replay: the weights of given experts (each in [0, E), else *bad = 1 and the token's
+// weights 0).
+__global__ void moe_route_softmax_weights_kernel(const float* logits, const int32_t* experts, int64_t T, int E, int k,
+                                                 bool renorm, float* weights, int* bad) {
+  const int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (t >= T) return;
+  const int32_t* ex = experts + t * k;
+  for (int j = 0; j < k; ++j)
+    if (ex[j] < 0 || ex[j] >= E) {
+      *bad = 1;
+      for (int i = 0; i < k; ++i) weights[t * k + i] = 0.0f;
+      return;
+    }
+  const float* z = logits + t * E;
+  float m, s;
+  softmax_max_sum(z, E, m, s);
+  softmax_weights_of(z, m, s, ex, k, renorm, weights + t * k);
 }
 
 // dz_e = p_e (g_e - sum_j ds_j s_j) with s_j = p[e_j], ds_j = dw_j or (dw_j - sum_i dw_i w_i) / S.
@@ -66,6 +100,19 @@ __global__ void moe_route_softmax_backward_kernel(const float* logits, const int
   }
 }
 
+// The weights of the k experts ex of one token under sigmoid scoring: s = sigmoid(z) of each,
+// divided by (their sum (slot order) + 1e-20) when renormalized, times scaling. Shared by the
+// routing and the replay kernels (bitwise equal weights for the same experts).
+__device__ void sigmoid_weights_of(const float* z, const int32_t* ex, int k, bool renorm, float scaling, float* w) {
+  float sel = 0.0f;
+  for (int j = 0; j < k; ++j) {
+    const float s = 1.0f / (1.0f + expf(-z[ex[j]]));
+    w[j] = s;
+    sel += s;
+  }
+  for (int j = 0; j < k; ++j) w[j] = (renorm ? w[j] / (sel + 1e-20f) : w[j]) * scaling;
+}
+
 // DeepSeek-V3 routing for token t (see backend.h moe_route_sigmoid). Groups are at most
 // kMaxGroups; a group is kept when fewer than topk_group groups beat it (ties: the lower group).
 constexpr int kMaxGroups = 64;
@@ -93,7 +140,6 @@ __global__ void moe_route_sigmoid_kernel(const float* logits, const float* bias,
     return better < topk_group;
   };
   auto masked = [&](int e) { return kept(e / G) ? choice(e) : 0.0f; };
-  float sel = 0.0f;
   for (int j = 0; j < k; ++j) {
     int best = -1;
     float bv = 0.0f;
@@ -105,11 +151,24 @@ __global__ void moe_route_sigmoid_kernel(const float* logits, const float* bias,
       if (best < 0 || v > bv) best = e, bv = v;
     }
     experts[t * k + j] = best;
-    weights[t * k + j] = sig(best);
-    sel += sig(best);
   }
+  sigmoid_weights_of(z, experts + t * k, k, renorm, scaling, weights + t * k);
+}
+
+// Routing replay: the weights of given experts (each in [0, E), else *bad = 1 and the token's
+// weights 0).
+__global__ void moe_route_sigmoid_weights_kernel(const float* logits, const int32_t* experts, int64_t T, int E, int k,
+                                                 bool renorm, float scaling, float* weights, int* bad) {
+  const int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (t >= T) return;
+  const int32_t* ex = experts + t * k;
   for (int j = 0; j < k; ++j)
-    weights[t * k + j] = (renorm ? weights[t * k + j] / (sel + 1e-20f) : weights[t * k + j]) * scaling;
+    if (ex[j] < 0 || ex[j] >= E) {
+      *bad = 1;
+      for (int i = 0; i < k; ++i) weights[t * k + i] = 0.0f;
+      return;
+    }
+  sigmoid_weights_of(logits + t * E, ex, k, renorm, scaling, weights + t * k);
 }
 
 __global__ void moe_route_sigmoid_backward_kernel(const float* logits, const int32_t* experts, const float* dw,
@@ -220,6 +279,22 @@ void launch_moe_route_sigmoid_backward(const float* logits, const int32_t* exper
   moe_route_sigmoid_backward_kernel<<<grid_for(T, 128), 128, 0, stream>>>(logits, experts, dweights, T, E, k, renorm,
                                                                           scaling, dlogits);
   CUDA_CHECK_LAUNCH("moe_route_sigmoid_backward_kernel");
+}
+
+void launch_moe_route_softmax_weights(const float* logits, const int32_t* experts, int64_t T, int E, int k,
+                                      bool renorm, float* weights, int* bad_flag, cudaStream_t stream) {
+  if (T == 0) return;
+  moe_route_softmax_weights_kernel<<<grid_for(T, 128), 128, 0, stream>>>(logits, experts, T, E, k, renorm, weights,
+                                                                         bad_flag);
+  CUDA_CHECK_LAUNCH("moe_route_softmax_weights_kernel");
+}
+
+void launch_moe_route_sigmoid_weights(const float* logits, const int32_t* experts, int64_t T, int E, int k,
+                                      bool renorm, float scaling, float* weights, int* bad_flag, cudaStream_t stream) {
+  if (T == 0) return;
+  moe_route_sigmoid_weights_kernel<<<grid_for(T, 128), 128, 0, stream>>>(logits, experts, T, E, k, renorm, scaling,
+                                                                         weights, bad_flag);
+  CUDA_CHECK_LAUNCH("moe_route_sigmoid_weights_kernel");
 }
 
 void launch_moe_permute(const void* x, DType dt, const int32_t* row_slot, const float* weights, int64_t R, int64_t D,

@@ -1390,7 +1390,10 @@ inline PagedSplit paged_invariant_split(int max_pos) {
 // 4 -> 3 CTAs per SM, 3 -> 4 CTAs and at most 128 registers, 6 -> 2 CTAs); other pools and hd 64
 // keep paged_mma_kernel's stage counts.
 constexpr int kMmaVariants = 6;
-constexpr int kMmaDefaultVariant = 0;
+// The default: t-lazy-s3, the fastest at every DecodeBench shape and pool on the H200 (session
+// 6: Qwen3-1.7B B=256 E4M3 62.0 us against orig's 79.2, BF16 108.9 against 114.2; the rl-step
+// generation ran with it, through FP8RL_PAGED_VARIANT, docs/benchmarks.md).
+constexpr int kMmaDefaultVariant = 3;
 constexpr int paged_t_lazy(int v) { return v == 1 ? 0 : 8; }
 constexpr int paged_t_copy(int v) { return v == 5 ? 1 : 0; }
 template <int HD, class TP>
