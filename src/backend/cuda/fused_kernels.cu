@@ -95,42 +95,24 @@ __global__ void rmsnorm_fused_kernel(const T* a, const T* b, T* sum, const TW* _
   if (kQuant && !finite) atomicExch(bad, 1);
 }
 
-// 16 threads per (row, 128-column block), 8 elements each (as quant_rows_vec_kernel): out =
-// swiglu(gate, up) and its E4M3 copy.
-template <class T>
-__global__ void swiglu_fp8_kernel(const T* __restrict__ g, const T* __restrict__ u, T* __restrict__ out, int64_t R,
-                                  int64_t F, bool pow2, uint8_t* __restrict__ q, float* __restrict__ scales,
-                                  bool gemm_layout, int* bad) {
-  const int64_t nb = (F + 127) / 128;
+// The element-wise kernels that write an FP8 copy run 16 threads per (row, 128-column block),
+// 8 elements each (as quant_rows_vec_kernel). A thread's place in its half-warp's block:
+struct HalfWarpBlock {
+  int64_t r, blk, c, nb;  // row, column block, first column, blocks per row
+  int sub;                // lane within the half-warp
+  unsigned mask;          // the half-warp's lanes
+  bool in;                // c < the row's width
+};
+// False for the threads past R * nb blocks (whole half-warps: blockDim is a multiple of 16).
+__device__ __forceinline__ bool half_warp_block(int64_t R, int64_t C, HalfWarpBlock& h) {
+  h.nb = (C + 127) / 128;
   const int64_t gid = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 4;
-  const int sub = threadIdx.x & 15;
-  const unsigned mask = 0xffffu << (threadIdx.x & 16);  // this thread's half-warp
-  if (gid >= R * nb) return;  // whole half-warps leave together (blockDim is a multiple of 16)
-  const int64_t r = gid / nb, blk = gid % nb, c = blk * 128 + sub * 8;
-  const bool in = c < F;
-  float v[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  float amax = 0.0f;
-  bool finite = true;
-  if (in) {
-    float uv[8];
-    load8(g + r * F + c, v);
-    load8(u + r * F + c, uv);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] = swiglu_value(v[i], uv[i]);
-    store8(out + r * F + c, v);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      v[i] = round_as(out, v[i]);
-      finite &= isfinite(v[i]);
-      amax = fmaxf(amax, fabsf(v[i]));
-    }
-  }
-  if (!finite) atomicExch(bad, 1);
-#pragma unroll
-  for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(mask, amax, o));
-  const float s = fp8_scale_from_amax(amax, pow2);
-  if (sub == 0) scales[gemm_layout ? blk * R + r : r * nb + blk] = s;
-  if (in) *reinterpret_cast<uint2*>(q + r * F + c) = encode8(v, s);
+  h.sub = threadIdx.x & 15;
+  h.mask = 0xffffu << (threadIdx.x & 16);
+  if (gid >= R * h.nb) return false;
+  h.r = gid / h.nb, h.blk = gid % h.nb, h.c = h.blk * 128 + h.sub * 8;
+  h.in = h.c < C;
+  return true;
 }
 
 // 8 stored values' amax (after rounding to T, as the quantizer reads them) and finiteness.
@@ -146,82 +128,89 @@ __device__ __forceinline__ float stored_amax8(const T* p, float v[8], bool& fini
   return amax;
 }
 
-// As swiglu_fp8_kernel, for out = a + b (the residual stream's gradient); a thread reads its
-// elements of a before writing them, so out may alias a.
+// The block's amax over the half-warp, its scale (lane 0 writes it, VEC128 layout when
+// gemm_layout) and this lane's 8 E4M3 codes of v (a row of width C of q).
+__device__ __forceinline__ void quantize8_finish(const HalfWarpBlock& h, const float v[8], float amax, int64_t R,
+                                                 int64_t C, bool pow2, uint8_t* q, float* scales, bool gemm_layout) {
+#pragma unroll
+  for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(h.mask, amax, o));
+  const float s = fp8_scale_from_amax(amax, pow2);
+  if (h.sub == 0) scales[gemm_layout ? h.blk * R + h.r : h.r * h.nb + h.blk] = s;
+  if (h.in) *reinterpret_cast<uint2*>(q + h.r * C + h.c) = encode8(v, s);
+}
+
+// out = swiglu(gate, up) and its E4M3 copy.
 template <class T>
-__global__ void add_fp8_kernel(const T* a, const T* __restrict__ b, T* out, int64_t R, int64_t D, bool pow2,
-                               uint8_t* __restrict__ q, float* __restrict__ scales, bool gemm_layout, int* bad) {
-  const int64_t nb = (D + 127) / 128;
-  const int64_t gid = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 4;
-  const int sub = threadIdx.x & 15;
-  const unsigned mask = 0xffffu << (threadIdx.x & 16);  // this thread's half-warp
-  if (gid >= R * nb) return;  // whole half-warps leave together (blockDim is a multiple of 16)
-  const int64_t r = gid / nb, blk = gid % nb, c = blk * 128 + sub * 8;
-  const bool in = c < D;
+__global__ void swiglu_fp8_kernel(const T* __restrict__ g, const T* __restrict__ u, T* __restrict__ out, int64_t R,
+                                  int64_t F, bool pow2, uint8_t* __restrict__ q, float* __restrict__ scales,
+                                  bool gemm_layout, int* bad) {
+  HalfWarpBlock h;
+  if (!half_warp_block(R, F, h)) return;
   float v[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   float amax = 0.0f;
   bool finite = true;
-  if (in) {
-    float w[8];
-    load8(a + r * D + c, v);
-    load8(b + r * D + c, w);
+  if (h.in) {
+    float uv[8];
+    load8(g + h.r * F + h.c, v);
+    load8(u + h.r * F + h.c, uv);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] += w[i];  // as add_vec_kernel
-    store8(out + r * D + c, v);
+    for (int i = 0; i < 8; ++i) v[i] = swiglu_value(v[i], uv[i]);
+    store8(out + h.r * F + h.c, v);
     amax = stored_amax8(out, v, finite);
   }
   if (!finite) atomicExch(bad, 1);
-#pragma unroll
-  for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(mask, amax, o));
-  const float s = fp8_scale_from_amax(amax, pow2);
-  if (sub == 0) scales[gemm_layout ? blk * R + r : r * nb + blk] = s;
-  if (in) *reinterpret_cast<uint2*>(q + r * D + c) = encode8(v, s);
+  quantize8_finish(h, v, amax, R, F, pow2, q, scales, gemm_layout);
 }
 
-// As swiglu_fp8_kernel, for the backward: dg, du = swiglu_backward(d, g, u) and both E4M3 copies.
+// out = a + b (the residual stream's gradient) and its E4M3 copy; a thread reads its elements
+// of a before writing them, so out may alias a.
+template <class T>
+__global__ void add_fp8_kernel(const T* a, const T* __restrict__ b, T* out, int64_t R, int64_t D, bool pow2,
+                               uint8_t* __restrict__ q, float* __restrict__ scales, bool gemm_layout, int* bad) {
+  HalfWarpBlock h;
+  if (!half_warp_block(R, D, h)) return;
+  float v[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  float amax = 0.0f;
+  bool finite = true;
+  if (h.in) {
+    float w[8];
+    load8(a + h.r * D + h.c, v);
+    load8(b + h.r * D + h.c, w);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] += w[i];  // as add_vec_kernel
+    store8(out + h.r * D + h.c, v);
+    amax = stored_amax8(out, v, finite);
+  }
+  if (!finite) atomicExch(bad, 1);
+  quantize8_finish(h, v, amax, R, D, pow2, q, scales, gemm_layout);
+}
+
+// The backward: dg, du = swiglu_backward(d, g, u) and both E4M3 copies.
 template <class T>
 __global__ void swiglu_backward_fp8_kernel(const T* __restrict__ d, const T* __restrict__ g, const T* __restrict__ u,
                                            T* __restrict__ dg, T* __restrict__ du, int64_t R, int64_t F, bool pow2,
                                            uint8_t* __restrict__ qg, float* __restrict__ sg, uint8_t* __restrict__ qu,
                                            float* __restrict__ su, bool gemm_layout, int* bad) {
-  const int64_t nb = (F + 127) / 128;
-  const int64_t gid = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 4;
-  const int sub = threadIdx.x & 15;
-  const unsigned mask = 0xffffu << (threadIdx.x & 16);  // this thread's half-warp
-  if (gid >= R * nb) return;  // whole half-warps leave together (blockDim is a multiple of 16)
-  const int64_t r = gid / nb, blk = gid % nb, c = blk * 128 + sub * 8;
-  const bool in = c < F;
+  HalfWarpBlock h;
+  if (!half_warp_block(R, F, h)) return;
   float a[8] = {0, 0, 0, 0, 0, 0, 0, 0}, b[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // dgate, dup
   float amax_g = 0.0f, amax_u = 0.0f;
   bool finite = true;
-  if (in) {
+  if (h.in) {
     float dv[8], gv[8], uv[8];
-    load8(d + r * F + c, dv);
-    load8(g + r * F + c, gv);
-    load8(u + r * F + c, uv);
+    load8(d + h.r * F + h.c, dv);
+    load8(g + h.r * F + h.c, gv);
+    load8(u + h.r * F + h.c, uv);
 #pragma unroll
     for (int i = 0; i < 8; ++i) swiglu_backward_value(dv[i], gv[i], uv[i], a[i], b[i]);
-    store8(dg + r * F + c, a);
-    store8(du + r * F + c, b);
+    store8(dg + h.r * F + h.c, a);
+    store8(du + h.r * F + h.c, b);
     amax_g = stored_amax8(dg, a, finite);
     amax_u = stored_amax8(du, b, finite);
   }
   if (!finite) atomicExch(bad, 1);
-#pragma unroll
-  for (int o = 8; o > 0; o >>= 1) {
-    amax_g = fmaxf(amax_g, __shfl_xor_sync(mask, amax_g, o));
-    amax_u = fmaxf(amax_u, __shfl_xor_sync(mask, amax_u, o));
-  }
-  const float s_g = fp8_scale_from_amax(amax_g, pow2), s_u = fp8_scale_from_amax(amax_u, pow2);
-  if (sub == 0) {
-    const int64_t at = gemm_layout ? blk * R + r : r * nb + blk;
-    sg[at] = s_g;
-    su[at] = s_u;
-  }
-  if (in) {
-    *reinterpret_cast<uint2*>(qg + r * F + c) = encode8(a, s_g);
-    *reinterpret_cast<uint2*>(qu + r * F + c) = encode8(b, s_u);
-  }
+  quantize8_finish(h, a, amax_g, R, F, pow2, qg, sg, gemm_layout);
+  quantize8_finish(h, b, amax_u, R, F, pow2, qu, su, gemm_layout);
 }
 
 }  // namespace
