@@ -722,6 +722,38 @@ __device__ __forceinline__ int paged_vdim(int n, int nt) {
   else return 8 * (n + 8 * (nt >> 3)) + (nt & 7);        // BF16: 16-byte chunks n, n + 8
 }
 
+// The tensor-core kernels' epilogue after their warps' streams are in shared memory (s_o
+// [NW][kMmaRows][HD] outputs, s_m / s_l per warp and head; a warp without tiles holds -inf, 0):
+// the warps merged by log-sum-exp, times v_scale, written as the output (one split, no partials)
+// or as this split's normalized partial output and base-2 log-sum-exp.
+template <int HD, int NW>
+__device__ __forceinline__ void paged_mma_merge_warps(const PagedArgs& a, const float* s_o,
+                                                      const float (*s_m)[kMmaRows], const float (*s_l)[kMmaRows],
+                                                      int G, int64_t head0, int split, int hk) {
+  const float vsc = a.v_scale ? a.v_scale[hk] : 1.0f;
+  for (int i = static_cast<int>(threadIdx.x); i < G * HD; i += 32 * NW) {
+    const int h = i / HD, d = i % HD;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) mx = fmaxf(mx, s_m[w][h]);
+    float den = 0.0f, num = 0.0f;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) {
+      const float f = paged_rescale(s_m[w][h], mx);
+      den += s_l[w][h] * f;
+      num += s_o[(w * kMmaRows + h) * HD + d] * f;
+    }
+    const float ov = num / den * vsc;
+    if (a.splits == 1 && !a.partials) {
+      paged_store_out(a.out, true, (head0 + h) * HD + d, ov);
+    } else {
+      const int64_t row = (head0 + h) * a.splits + split;
+      a.part_o[row * HD + d] = ov;
+      if (d == 0) a.part_lse[row] = mx + log2f(den);
+    }
+  }
+}
+
 // grid (T * Hkv, splits), block 32 * kMmaWarps, dynamic shared memory Cfg::kSmemBytes. q BF16.
 template <int HD, class TP>
 __global__ void __launch_bounds__(32 * kMmaWarps, PagedMmaCfg<HD, TP>::kMinBlocks) paged_mma_kernel(const PagedArgs a) {
@@ -945,28 +977,7 @@ __global__ void __launch_bounds__(32 * kMmaWarps, PagedMmaCfg<HD, TP>::kMinBlock
     if (c == 0) s_m[warp][g] = m, s_l[warp][g] = l;  // a warp without tiles: -inf, 0
   }
   __syncthreads();
-  const float vsc = a.v_scale ? a.v_scale[hk] : 1.0f;
-  for (int i = static_cast<int>(threadIdx.x); i < G * HD; i += 32 * NW) {
-    const int h = i / HD, d = i % HD;
-    float mx = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < NW; ++w) mx = fmaxf(mx, s_m[w][h]);
-    float den = 0.0f, num = 0.0f;
-#pragma unroll
-    for (int w = 0; w < NW; ++w) {
-      const float f = paged_rescale(s_m[w][h], mx);
-      den += s_l[w][h] * f;
-      num += s_o[(w * kMmaRows + h) * HD + d] * f;
-    }
-    const float ov = num / den * vsc;
-    if (a.splits == 1 && !a.partials) {
-      paged_store_out(a.out, true, (head0 + h) * HD + d, ov);
-    } else {
-      const int64_t row = (head0 + h) * a.splits + split;
-      a.part_o[row * HD + d] = ov;
-      if (d == 0) a.part_lse[row] = mx + log2f(den);
-    }
-  }
+  paged_mma_merge_warps<HD, NW>(a, s_o, s_m, s_l, G, head0, split, hk);
 }
 
 // ---- the transposed tensor-core decode kernel (variants 1.., FP8RL_PAGED_VARIANT; kernels.h) --
@@ -1317,28 +1328,7 @@ __global__ void __launch_bounds__(32 * kMmaWarps, PagedTCfg<HD, TP, S>::kMinBloc
     }
   if (g == 0) s_m[warp][h0] = m0, s_m[warp][h1] = m1, s_l[warp][h0] = l0, s_l[warp][h1] = l1;  // -inf, 0: no tiles
   __syncthreads();
-  const float vsc = a.v_scale ? a.v_scale[hk] : 1.0f;
-  for (int i = static_cast<int>(threadIdx.x); i < G * HD; i += 32 * NW) {
-    const int h = i / HD, d = i % HD;
-    float mx = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < NW; ++w) mx = fmaxf(mx, s_m[w][h]);
-    float den = 0.0f, num = 0.0f;
-#pragma unroll
-    for (int w = 0; w < NW; ++w) {
-      const float f = paged_rescale(s_m[w][h], mx);
-      den += s_l[w][h] * f;
-      num += s_o[(w * kMmaRows + h) * HD + d] * f;
-    }
-    const float ov = num / den * vsc;
-    if (a.splits == 1 && !a.partials) {
-      paged_store_out(a.out, true, (head0 + h) * HD + d, ov);
-    } else {
-      const int64_t row = (head0 + h) * a.splits + split;
-      a.part_o[row * HD + d] = ov;
-      if (d == 0) a.part_lse[row] = mx + log2f(den);
-    }
-  }
+  paged_mma_merge_warps<HD, NW>(a, s_o, s_m, s_l, G, head0, split, hk);
 }
 
 // The split plan of paged_mma_kernel for `slots` resident CTAs (SMs x CTAs per SM): chunks are
