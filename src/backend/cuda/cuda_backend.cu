@@ -771,6 +771,25 @@ void CudaBackend::mm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const Te
   gemm_->gemm(ta, tb, M, N, K, a->raw(), b->raw(), ab, C.raw(), C.dtype(), 1.0f, beta, row_invariant);
 }
 
+// x [M, K]'s 1x128 quantization: the view's when given (a fused producer's copy), else x
+// quantized into the A scratch (`what`: its profile name), scales in the GEMM layout when laid.
+QuantTensor CudaBackend::quantized_rows(const Tensor& x, const Fp8View* view, bool pow2, bool laid, const char* what) {
+  if (view) return view->q;
+  const OpTimer t(*this, what, 2);
+  QuantTensor q = scratch_quant(kSlotAq, kSlotAs, x.dim(0), x.dim(1), 1, pow2);
+  quantize_async(x, false, q, false, /*gemm_layout=*/laid);
+  return q;
+}
+
+// W's 128x128 quantization: W.wq when defined, else W.w quantized into the B scratch.
+QuantTensor CudaBackend::quantized_weight(const LinearWeight& W, bool pow2) {
+  if (W.wq.defined()) return W.wq;
+  const OpTimer t(*this, "linear: quantize W", 2);
+  QuantTensor q = scratch_quant(kSlotBq, kSlotBs, W.w.dim(0), W.w.dim(1), kQuantBlock, pow2);
+  quantize_async(W.w, false, q);
+  return q;
+}
+
 void CudaBackend::linear_fwd(const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor& out,
                              const Fp8View* x_view) {
   const int64_t M = x.dim(0), K = x.dim(1), N = W.out_features();
@@ -790,22 +809,8 @@ void CudaBackend::linear_fwd(const Tensor& x, const LinearWeight& W, const Linea
     const bool laid = use_view ? x_view->scales_gemm_layout : tc && M % kFp8RowGranule == 0;
     const bool quantizes = !use_view || !W.wq.defined();  // a flag slot only when a quantizer runs
     if (quantizes) flag_reset();
-    QuantTensor xq;
-    if (use_view) {
-      xq = x_view->q;
-    } else {
-      const OpTimer t(*this, "linear: quantize x", 2);
-      xq = scratch_quant(kSlotAq, kSlotAs, M, K, 1, spec.pow2_scales);
-      quantize_async(x, false, xq, false, /*gemm_layout=*/laid);
-    }
-    QuantTensor wq;
-    if (W.wq.defined()) {  // pre-quantized (the generator's, or the trainer's per-step cache)
-      wq = W.wq;
-    } else {
-      const OpTimer t(*this, "linear: quantize W", 2);
-      wq = scratch_quant(kSlotBq, kSlotBs, N, K, kQuantBlock, spec.pow2_scales);
-      quantize_async(W.w, false, wq);
-    }
+    const QuantTensor xq = quantized_rows(x, use_view ? x_view : nullptr, spec.pow2_scales, laid, "linear: quantize x");
+    const QuantTensor wq = quantized_weight(W, spec.pow2_scales);  // the generator's, or the trainer's cache
     if (quantizes)
       flag_check(use_view ? "linear (FP8): the weight holds NaN or Inf"
                           : "linear (FP8): the input " + x.str() + " or the weight holds NaN or Inf");
@@ -839,22 +844,8 @@ void CudaBackend::linear_fwd_fp8_consistent(const Tensor& x, const LinearWeight&
   const bool use_view = x_view && (own || !x_view->scales_gemm_layout);
   const bool quantizes = !use_view || !W.wq.defined();
   if (quantizes) flag_reset();
-  QuantTensor xq;
-  if (use_view) {
-    xq = x_view->q;
-  } else {
-    const OpTimer t(*this, "linear: quantize x", 2);
-    xq = scratch_quant(kSlotAq, kSlotAs, M, K, 1, spec.pow2_scales);
-    quantize_async(x, false, xq, false, /*gemm_layout=*/false);
-  }
-  QuantTensor wq;
-  if (W.wq.defined()) {
-    wq = W.wq;
-  } else {
-    const OpTimer t(*this, "linear: quantize W", 2);
-    wq = scratch_quant(kSlotBq, kSlotBs, N, K, kQuantBlock, spec.pow2_scales);
-    quantize_async(W.w, false, wq);
-  }
+  const QuantTensor xq = quantized_rows(x, use_view ? x_view : nullptr, spec.pow2_scales, false, "linear: quantize x");
+  const QuantTensor wq = quantized_weight(W, spec.pow2_scales);
   if (quantizes)
     flag_check(use_view ? "linear (FP8): the weight holds NaN or Inf"
                         : "linear (FP8): the input " + x.str() + " or the weight holds NaN or Inf");
@@ -1183,14 +1174,8 @@ void CudaBackend::linear_backward_impl(const Tensor& dy, const Tensor& x, const 
       const bool laid = use_view ? dy_fp8->scales_gemm_layout : tc && M % kFp8RowGranule == 0;  // as in the forward
       const bool quantizes = !use_view || !(W.wqt.defined() || W.wq.defined());  // a flag slot only then
       if (quantizes) flag_reset();
-      QuantTensor dyq;
-      if (use_view) {
-        dyq = dy_fp8->q;
-      } else {
-        const OpTimer t(*this, "linear_backward: dgrad quantize dy", 2);
-        dyq = scratch_quant(kSlotAq, kSlotAs, M, N, 1, spec.pow2_scales);
-        quantize_async(dy2, false, dyq, false, /*gemm_layout=*/laid);
-      }
+      const QuantTensor dyq = quantized_rows(dy2, use_view ? dy_fp8 : nullptr, spec.pow2_scales, laid,
+                                             "linear_backward: dgrad quantize dy");
       QuantTensor wtq;
       if (W.wqt.defined()) {
         wtq = W.wqt;

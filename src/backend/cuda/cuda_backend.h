@@ -162,6 +162,10 @@ class CudaBackend final : public Backend {
   // A device buffer reused across calls (grown on demand); valid until the next scratch(slot).
   Tensor scratch(Slot slot, const Shape& shape, DType dtype);
   QuantTensor scratch_quant(Slot data_slot, Slot scale_slot, int64_t rows, int64_t cols, int block_rows, bool pow2);
+  // The FP8 linears' operands (cuda_backend.cu): x's 1x128 copy (a view's, or quantized into the
+  // A scratch) and W's 128x128 one (W.wq, or W.w quantized into the B scratch).
+  QuantTensor quantized_rows(const Tensor& x, const Fp8View* view, bool pow2, bool laid, const char* what);
+  QuantTensor quantized_weight(const LinearWeight& W, bool pow2);
   // Device flag protocol, without stalling the stream: flag_reset() opens a fresh flag slot
   // (an async memset) that the op's kernels set on bad data; flag_check(message) records that
   // slot with its message. Recorded slots are read back at the next synchronizing call
