@@ -768,16 +768,24 @@ void fused_cases(std::vector<OpCase>& t) {
     }
 }
 
+void expect_rows_equal(const Tensor& full, const Tensor& part, int64_t r0, const std::string& what);
+
 // linear_shared_input over weights that are consecutive rows of one buffer (the generator's
 // q|k|v and gate|up): CUDA runs them as one product at decode sizes and splits the output; each
-// output close to linear() of its own weight (the same quantized operands).
+// output close to linear() of its own weight (the same quantized operands). FP8 in the consistent
+// mode too: the own kernel computes each column from its own weight row alone, so the one product
+// is bitwise the separate ones (the trainer's).
 void concatenated_linear_cases(std::vector<OpCase>& t) {
   for (LinearMode mode : {LinearMode::BF16, LinearMode::FP8_BLOCK})
+    for (bool consistent : {false, true})
     for (int64_t M : {int64_t(64), int64_t(37)}) {
-      const LinearSpec spec{mode, false};
+      if (consistent && mode != LinearMode::FP8_BLOCK) continue;
+      LinearSpec spec{mode, false};
+      spec.consistent = consistent;
       const int64_t K = 256, N[3] = {256, 128, 384}, rows = N[0] + N[1] + N[2];
       t.push_back({"linear_shared_input",
-                   std::to_string(M) + " tokens, K 256, N 256/128/384 concatenated " + linear_mode_name(mode),
+                   std::to_string(M) + " tokens, K 256, N 256/128/384 concatenated " + linear_mode_name(mode) +
+                       (consistent ? " consistent" : ""),
                    [=] {
                      return Tensors{{"x", rnd({M, K}, 520)}, {"w", rnd({rows, K}, 521, DType::F32, 0.05f)}};
                    },
@@ -817,6 +825,12 @@ void concatenated_linear_cases(std::vector<OpCase>& t) {
                                     linear_tolerance(mode, DType::BF16));
       t.back().no_fp8_fallback = true;
       t.back().concat_products = 1;
+      if (consistent)
+        t.back().invariants = [](const Tensors& out) {
+          for (int i = 0; i < 3; ++i)
+            expect_rows_equal(out.at("out" + std::to_string(i)), out.at("single" + std::to_string(i)), 0,
+                              "linear_shared_input (consistent, concatenated)");
+        };
     }
 }
 

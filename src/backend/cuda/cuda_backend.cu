@@ -927,13 +927,17 @@ void CudaBackend::linear_shared_input_impl(const Tensor& x, const std::vector<co
   bool shared = spec.mode == LinearMode::FP8_BLOCK;
   const int64_t K = W[0]->in_features(), M = rows_of(x);
   LinearWeight cat;
-  // Not in the consistent mode: the wider product is not bitwise the separate ones the trainer runs.
-  if (!spec.consistent && act_dtype_ != DType::F32 && spec.mode != LinearMode::FP32 && M > 0 && M <= kCatMaxRows &&
-      static_cast<int>(W.size()) <= kSplitColsMax && concatenated(W, spec, cat)) {
+  // In the consistent mode FP8 only: the own kernel computes each output column from its own
+  // weight row and 128-row scale block alone (the weights are 128-row aligned), so the wider
+  // product is bitwise the separate ones the trainer runs; cuBLASLt's BF16 algorithm may differ by N.
+  const bool fp8 = spec.mode == LinearMode::FP8_BLOCK;
+  if ((!spec.consistent || fp8) && act_dtype_ != DType::F32 && spec.mode != LinearMode::FP32 && M > 0 &&
+      M <= kCatMaxRows && static_cast<int>(W.size()) <= kSplitColsMax && concatenated(W, spec, cat)) {
     bool same_dtype = true;
     for (const Tensor* o : outs) same_dtype = same_dtype && o->dtype() == outs[0]->dtype();
     const int64_t N = cat.out_features();
-    if (same_dtype && (spec.mode != LinearMode::FP8_BLOCK || fp8_tensor_cores(M, N, K))) {
+    const bool fp8_fast = spec.consistent ? fp8_gemm_sm90_supported(M, N, K) : fp8_tensor_cores(M, N, K);
+    if (same_dtype && (!fp8 || fp8_fast)) {
       const OpTimer op_timer_(*this, "linear", 1);
       const Tensor x2 = x.reshape({M, K});
       Tensor y = scratch(kSlotCat, {M, N}, outs[0]->dtype());
