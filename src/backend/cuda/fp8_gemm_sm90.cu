@@ -8,11 +8,9 @@
 // - A producer warp streams A and B tiles of 128 K-bytes through a ring of shared-memory stages
 //   with TMA (128-byte swizzle, zero fill past M, N and K) and mbarriers.
 // - Per K block each consumer warpgroup issues four wgmma m64n128k32 (FP32 accumulators in the
-//   tensor cores) and promotes: acc_total += acc_block * (sa[row] * sb), with the 1x128 scale of
-//   its row and the 128x128 scale of the tile's weight block. Promoting every 128 K keeps the sum
-//   in true FP32 (Hopper's FP8 MMA accumulates with fewer bits). A lone consumer warpgroup
-//   (BM = 64) alternates two block accumulators, so block k + 1's MMAs run while block k is
-//   promoted; two warpgroups overlap each other's promotions instead.
+//   tensor cores), waits for them, and promotes: acc_total += acc_block * (sa[row] * sb), with
+//   the 1x128 scale of its row and the 128x128 scale of the tile's weight block. Promoting every
+//   128 K keeps the sum in true FP32 (Hopper's FP8 MMA accumulates with fewer bits).
 // - Splits write FP32 partials that a second kernel sums in split order: no atomics, so every
 //   result is deterministic, and each output element's arithmetic depends only on its own row
 //   of A, its column of B, K and the split count — never on M or on the other rows (the row
@@ -85,7 +83,6 @@ __device__ __forceinline__ uint64_t sw128_desc(const void* tile) {
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait_one() { asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory"); }
 
 __device__ __forceinline__ void wgmma_m64n128k32_e4m3(float (&d)[64], uint64_t desc_a, uint64_t desc_b,
                                                       int accumulate) {
@@ -190,17 +187,16 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1)
   const int warp = tid / 32, lane = tid % 32;
   const int64_t row0 = m_base + wg * 64 + warp * 16 + lane / 4, row1 = row0 + 8;
   const bool in0 = row0 < m_end, in1 = row1 < m_end;
-  // In K order, whichever loop below: the same sums, the same bits as cuBLASLt's at one split.
-  float total[64], acc0[64], acc1[kConsumers == 1 ? 64 : 1];
+  float total[64], acc[64];
 #pragma unroll
   for (int i = 0; i < 64; ++i) total[i] = 0.0f;
   const float* sb = sb_base + static_cast<int64_t>(n_tile) * p.kblocks;
-  // Block it's scales for rows row0 / row1 (sa * sb), then its four wgmma once its tiles are in.
-  auto issue = [&](float(&acc)[64], int it, float& s0, float& s1) {
+  for (int it = 0; it < nk; ++it) {
     const int s = it % kStages, kb = kb0 + it;
+    // The scales of this K block, loaded while the tiles arrive.
     const float sbv = __ldg(sb + kb);
-    s0 = in0 ? __ldg(p.sa + row0 * p.sa_m + kb * p.sa_k) * sbv : 0.0f;
-    s1 = in1 ? __ldg(p.sa + row1 * p.sa_m + kb * p.sa_k) * sbv : 0.0f;
+    const float s0 = in0 ? __ldg(p.sa + row0 * p.sa_m + kb * p.sa_k) * sbv : 0.0f;
+    const float s1 = in1 ? __ldg(p.sa + row1 * p.sa_m + kb * p.sa_k) * sbv : 0.0f;
     mbar_wait(&full[s], (it / kStages) & 1);
     const uint64_t da = sw128_desc(sm_a + s * kTileA + wg * 64 * kBK), db = sw128_desc(sm_b + s * kTileB);
     fence_acc(acc);
@@ -209,46 +205,12 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1)
     for (int k = 0; k < kBK / 32; ++k) wgmma_m64n128k32_e4m3(acc, da + 2 * k, db + 2 * k, k > 0);
     wgmma_commit();
     fence_acc(acc);
-  };
-  // Block it is complete in acc: its stage goes back to the producer, acc into the total.
-  // Fragment of m64n128 (FP32): acc[4 i + j] is row (j < 2 ? row0 : row1), column 8 i + 2 (lane % 4) + j % 2.
-  auto promote = [&](float(&acc)[64], int it, float s0, float s1) {
+    wgmma_wait_all();
     fence_acc(acc);
-    if (lane == 0) mbar_arrive(&empty[it % kStages]);
+    if (lane == 0) mbar_arrive(&empty[s]);
+      // Fragment of m64n128 (FP32): acc[4 i + j] is row (j < 2 ? row0 : row1), column 8 i + 2 (lane % 4) + j % 2.
 #pragma unroll
     for (int i = 0; i < 64; ++i) total[i] = fmaf(acc[i], (i & 2) ? s1 : s0, total[i]);
-  };
-  if constexpr (kConsumers == 2) {
-    // Two warpgroups share the tensor cores: while one promotes its block, the other's MMAs run.
-    // One accumulator each (a second would not fit the 168 registers of 384 threads).
-    for (int it = 0; it < nk; ++it) {
-      float s0, s1;
-      issue(acc0, it, s0, s1);
-      wgmma_wait_all();
-      promote(acc0, it, s0, s1);
-    }
-  } else {
-    // One warpgroup alone: two accumulators, so the tensor cores compute block it + 1 while the
-    // warpgroup promotes block it (with one, every promotion left them idle).
-    float s00 = 0.0f, s01 = 0.0f, s10 = 0.0f, s11 = 0.0f;  // the scales of the blocks in acc0 / acc1
-    if (nk > 0) issue(acc0, 0, s00, s01);
-    for (int it = 0; it < nk; it += 2) {  // acc0 holds block it in flight
-      if (it + 1 < nk) {
-        issue(acc1, it + 1, s10, s11);
-        wgmma_wait_one();
-      } else {
-        wgmma_wait_all();
-      }
-      promote(acc0, it, s00, s01);
-      if (it + 1 >= nk) break;
-      if (it + 2 < nk) {
-        issue(acc0, it + 2, s00, s01);
-        wgmma_wait_one();
-      } else {
-        wgmma_wait_all();
-      }
-      promote(acc1, it + 1, s10, s11);
-    }
   }
 
   const int64_t col_base = static_cast<int64_t>(n_tile) * kBN + 2 * (lane % 4);
