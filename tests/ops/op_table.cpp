@@ -778,60 +778,60 @@ void expect_rows_equal(const Tensor& full, const Tensor& part, int64_t r0, const
 void concatenated_linear_cases(std::vector<OpCase>& t) {
   for (LinearMode mode : {LinearMode::BF16, LinearMode::FP8_BLOCK})
     for (bool consistent : {false, true})
-    for (int64_t M : {int64_t(64), int64_t(37)}) {
-      if (consistent && mode != LinearMode::FP8_BLOCK) continue;
-      LinearSpec spec{mode, false};
-      spec.consistent = consistent;
-      const int64_t K = 256, N[3] = {256, 128, 384}, rows = N[0] + N[1] + N[2];
-      t.push_back({"linear_shared_input",
-                   std::to_string(M) + " tokens, K 256, N 256/128/384 concatenated " + linear_mode_name(mode) +
-                       (consistent ? " consistent" : ""),
-                   [=] {
-                     return Tensors{{"x", rnd({M, K}, 520)}, {"w", rnd({rows, K}, 521, DType::F32, 0.05f)}};
-                   },
-                   [=](OpRun& r) {
-                     const Tensor x = r.as("x", DType::BF16), wall = r.as("w", DType::BF16);
-                     QuantTensor qall;
-                     if (mode == LinearMode::FP8_BLOCK) {
-                       qall = r.be.alloc_quant(rows, K, kQuantBlock, kQuantBlock, false);
-                       r.be.quantize(wall, false, qall);
-                     }
-                     LinearWeight W[3];
-                     std::vector<const LinearWeight*> ws;
-                     std::vector<Tensor*> outs;
-                     int64_t r0 = 0;
-                     for (int i = 0; i < 3; ++i) {
-                       const int64_t r1 = r0 + N[i];
+      for (int64_t M : {int64_t(64), int64_t(37)}) {
+        if (consistent && mode != LinearMode::FP8_BLOCK) continue;
+        LinearSpec spec{mode, false};
+        spec.consistent = consistent;
+        const int64_t K = 256, N[3] = {256, 128, 384}, rows = N[0] + N[1] + N[2];
+        t.push_back({"linear_shared_input",
+                     std::to_string(M) + " tokens, K 256, N 256/128/384 concatenated " + linear_mode_name(mode) +
+                         (consistent ? " consistent" : ""),
+                     [=] {
+                       return Tensors{{"x", rnd({M, K}, 520)}, {"w", rnd({rows, K}, 521, DType::F32, 0.05f)}};
+                     },
+                     [=](OpRun& r) {
+                       const Tensor x = r.as("x", DType::BF16), wall = r.as("w", DType::BF16);
+                       QuantTensor qall;
                        if (mode == LinearMode::FP8_BLOCK) {
-                         W[i].wq = qall;
-                         W[i].wq.data = qall.data.slice_rows(r0, r1);
-                         W[i].wq.scales = qall.scales.slice_rows(r0 / kQuantBlock, r1 / kQuantBlock);
-                       } else {
-                         W[i].w = wall.slice_rows(r0, r1);
+                         qall = r.be.alloc_quant(rows, K, kQuantBlock, kQuantBlock, false);
+                         r.be.quantize(wall, false, qall);
                        }
-                       r0 = r1;
-                       ws.push_back(&W[i]);
-                       outs.push_back(&r.output("out" + std::to_string(i), {M, N[i]}, DType::BF16));
-                     }
-                     r.be.linear_shared_input(x, ws, spec, outs);
-                     for (int i = 0; i < 3; ++i)
-                       r.be.linear(x, W[i], spec, r.output("single" + std::to_string(i), {M, N[i]}, DType::BF16));
-                   },
-                   {{"out0", linear_tolerance(mode, DType::BF16)},
-                    {"out1", linear_tolerance(mode, DType::BF16)},
-                    {"out2", linear_tolerance(mode, DType::BF16)}}});
-      for (int i = 0; i < 3; ++i)
-        t.back().close.emplace_back("out" + std::to_string(i), "single" + std::to_string(i),
-                                    linear_tolerance(mode, DType::BF16));
-      t.back().no_fp8_fallback = true;
-      t.back().concat_products = 1;
-      if (consistent)
-        t.back().invariants = [](const Tensors& out) {
-          for (int i = 0; i < 3; ++i)
-            expect_rows_equal(out.at("out" + std::to_string(i)), out.at("single" + std::to_string(i)), 0,
-                              "linear_shared_input (consistent, concatenated)");
-        };
-    }
+                       LinearWeight W[3];
+                       std::vector<const LinearWeight*> ws;
+                       std::vector<Tensor*> outs;
+                       int64_t r0 = 0;
+                       for (int i = 0; i < 3; ++i) {
+                         const int64_t r1 = r0 + N[i];
+                         if (mode == LinearMode::FP8_BLOCK) {
+                           W[i].wq = qall;
+                           W[i].wq.data = qall.data.slice_rows(r0, r1);
+                           W[i].wq.scales = qall.scales.slice_rows(r0 / kQuantBlock, r1 / kQuantBlock);
+                         } else {
+                           W[i].w = wall.slice_rows(r0, r1);
+                         }
+                         r0 = r1;
+                         ws.push_back(&W[i]);
+                         outs.push_back(&r.output("out" + std::to_string(i), {M, N[i]}, DType::BF16));
+                       }
+                       r.be.linear_shared_input(x, ws, spec, outs);
+                       for (int i = 0; i < 3; ++i)
+                         r.be.linear(x, W[i], spec, r.output("single" + std::to_string(i), {M, N[i]}, DType::BF16));
+                     },
+                     {{"out0", linear_tolerance(mode, DType::BF16)},
+                      {"out1", linear_tolerance(mode, DType::BF16)},
+                      {"out2", linear_tolerance(mode, DType::BF16)}}});
+        for (int i = 0; i < 3; ++i)
+          t.back().close.emplace_back("out" + std::to_string(i), "single" + std::to_string(i),
+                                      linear_tolerance(mode, DType::BF16));
+        t.back().no_fp8_fallback = true;
+        t.back().concat_products = 1;
+        if (consistent)
+          t.back().invariants = [](const Tensors& out) {
+            for (int i = 0; i < 3; ++i)
+              expect_rows_equal(out.at("out" + std::to_string(i)), out.at("single" + std::to_string(i)), 0,
+                                "linear_shared_input (consistent, concatenated)");
+          };
+      }
 }
 
 // ---- mixture of experts ------------------------------------------------------------------------
