@@ -466,7 +466,8 @@ class Backend {
               int64_t valid_vocab = 0);
   // The sampler of generation, with its parameters in device memory (so a recorded graph reads
   // each replay's values; no synchronization): rows I32 [B, 8] on this backend, one SampleRow
-  // (backend/sampling.h) per row of logits F32 [B, V]; tokens I32 [B], logp F32 [B] as above.
+  // (backend/sampling.h) per row of logits [B, V], F32 or BF16 (the lm_head's BF16 output as it
+  // is: exactly the draws and logp of its F32 copy); tokens I32 [B], logp F32 [B] as above.
   // Per row, by its parameters:
   //  - temperature 0: greedy, as above (lowest-id argmax, logp = 0);
   //  - top_k > 0 or top_p < 1 (a truncating row): sample()'s inverse-CDF draw with `uniform`;

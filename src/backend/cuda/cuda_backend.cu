@@ -1588,13 +1588,20 @@ void CudaBackend::sample_rows_impl(const Tensor& logits, const Tensor& rows, boo
   }
   const auto* r = reinterpret_cast<const SampleRow*>(rows.raw());
   const int splits = sample_gumbel_splits(B, V, sm_count_);
+  // BF16 logits (the lm_head's output): the Gumbel kernels read them as they are; the radix
+  // kernel of top-k / top-p rows takes F32, converted here (exact: the same draws either way).
+  Tensor lf = logits;
+  if (truncation && logits.dtype() == DType::BF16) {
+    lf = scratch(kSlotLogits, {B, V}, DType::F32);
+    launch_convert(logits.raw(), DType::BF16, lf.raw(), DType::F32, logits.numel(), stream_);
+  }
   Tensor part = scratch(kSlotTmp, {static_cast<int64_t>(sample_gumbel_scratch_bytes(B, splits))}, DType::U8);
   int* f = flag_reset();
-  launch_sample_gumbel(logits.data<float>(), B, V, Vv, r, truncation, splits, part.raw(), tokens.data<int32_t>(),
+  launch_sample_gumbel(lf.raw(), lf.dtype(), B, V, Vv, r, truncation, splits, part.raw(), tokens.data<int32_t>(),
                        logp.data<float>(), f, stream_);
   if (truncation) {
     const auto* w = reinterpret_cast<const float*>(rows.raw());  // SampleRow's first four words
-    launch_sample(logits.data<float>(), B, V, Vv, w, w + 1, reinterpret_cast<const int32_t*>(w + 2), w + 3, 8, true,
+    launch_sample(lf.data<float>(), B, V, Vv, w, w + 1, reinterpret_cast<const int32_t*>(w + 2), w + 3, 8, true,
                   tokens.data<int32_t>(), logp.data<float>(), f, stream_);
   }
   flag_check("sample: a row of logits holds NaN or +inf, or only -inf, or its parameters are out of range "

@@ -254,7 +254,8 @@ void launch_sample(const float* logits, int64_t B, int64_t ld, int64_t V, const 
 // row with NaN / +inf, only -inf drawable, or bad parameters (token 0, logp NaN).
 int sample_gumbel_splits(int64_t B, int64_t ld, int sm_count);
 size_t sample_gumbel_scratch_bytes(int64_t B, int splits);
-void launch_sample_gumbel(const float* logits, int64_t B, int64_t ld, int64_t V, const SampleRow* rows,
+// logits F32 or BF16 (exactly the draws and logp of their F32 copy).
+void launch_sample_gumbel(const void* logits, DType dtype, int64_t B, int64_t ld, int64_t V, const SampleRow* rows,
                           bool truncation, int splits, void* scratch, int32_t* tokens, float* logp, int* bad_flag,
                           cudaStream_t stream);
 
