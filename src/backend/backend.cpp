@@ -780,6 +780,20 @@ void Backend::token_logprobs_backward(const Tensor& hidden, const Tensor& lm_hea
   token_logprobs_backward_impl(hidden, lm_head, targets, temperature, spec, lse, dlogp, dhidden, dlm_head);
 }
 
+void Backend::logprobs_of_logits(const Tensor& logits, const Tensor& targets, float temperature, Tensor& logp,
+                                 Tensor& lse) {
+  const Contract c(*this);
+  c.stat(logits, "logprobs_of_logits logits");
+  FP8RL_CHECK(logits.ndim() == 2 && logits.dim(1) > 0, "logprobs_of_logits logits must be [R, V], got ", logits.str());
+  const int64_t R = logits.dim(0);
+  c.i32(targets, {R}, "logprobs_of_logits targets");
+  FP8RL_CHECK(temperature > 0 && std::isfinite(temperature), "logprobs_of_logits: temperature must be > 0, got ",
+              temperature);
+  c.stat(logp, {R}, "logprobs_of_logits logp");
+  c.stat(lse, {R}, "logprobs_of_logits lse");
+  logprobs_of_logits_impl(logits, targets, temperature, logp, lse);
+}
+
 // ---- mixture of experts ----
 
 void Backend::moe_route_softmax(const Tensor& logits, int top_k, bool renormalize, Tensor& experts, Tensor& weights) {

@@ -195,12 +195,19 @@ void model_forward_paged(Backend& backend, const ModelWeights& weights, const En
                          KvCache& cache, const Tensor& ids, const PagedBatch& batch, const Tensor& rows,
                          Tensor& logits, Tensor* hidden = nullptr, MoeRouting* routing = nullptr);
 
-// The consistent mode's logp_gen of sampled tokens: logp F32 [R] written with token_logprobs of
-// hidden [R, D] (model_forward_paged's) at targets tokens I32 [R], with the head spec the scoring
-// forward uses (model_forward_logprobs): the trainer's code, and with the batch-invariant ops of
-// the consistent mode the trainer's bits, for the same token. temperature > 0.
-void model_sampled_logprobs(Backend& backend, const ModelWeights& weights, const EnginePrecision& precision,
-                            const Tensor& hidden, const Tensor& tokens, float temperature, Tensor& logp);
+// The consistent mode's head: logits F32 [R, V] of hidden [R, D] (act dtype) written chunk by
+// chunk of kConsistentVocabChunk lm_head [V, D] rows, each chunk linear in the head spec the
+// scoring forward uses (model_forward_logprobs; consistent) into F32: bitwise the chunk logits
+// token_logprobs computes in the consistent mode. model_forward_paged's head in that mode.
+void model_consistent_logits(Backend& backend, const Tensor& hidden, const Tensor& lm_head, Tensor& logits);
+
+// The consistent mode's logp_gen of sampled tokens: logp F32 [R] written with logprobs_of_logits
+// of logits F32 [R, V] (model_forward_paged's, i.e. model_consistent_logits') at tokens I32 [R]:
+// token_logprobs' reduction over token_logprobs' logits, so with the batch-invariant ops of the
+// consistent mode the trainer's bits for the same token, without a second lm_head GEMM.
+// temperature > 0.
+void model_sampled_logprobs(Backend& backend, const Tensor& logits, const Tensor& tokens, float temperature,
+                            Tensor& logp);
 
 // Throws, saying what to change, when `precision` asks for the consistent mode
 // (EnginePrecision::consistent) on a model it does not serve: mixture-of-experts or MLA layers

@@ -32,7 +32,8 @@ class DecodeGraphs {
   // sequence b (at most `width` pages); rows [B] their sampling parameters (sample_rows, with
   // `truncation` and valid_vocab). Writes the sampled tokens I32 [B] and logp F32 [B] (the
   // returned views). consistent_temperature > 0 (the consistent mode): logp is then
-  // model_sampled_logprobs' at that temperature, recorded into the graph after the sampler.
+  // model_sampled_logprobs' (logprobs_of_logits of the sampled logits) at that temperature,
+  // recorded into the graph after the sampler.
   // Returns false (nothing run) when graphs are not available.
   bool run(const std::vector<int32_t>& ids, const std::vector<int32_t>& pos, const std::vector<int32_t>& slots,
            const std::vector<const std::vector<int32_t>*>& pages, int width, const std::vector<SampleRow>& rows,

@@ -1375,6 +1375,85 @@ void consistent_cases(std::vector<OpCase>& t) {
       }
     };
   }
+  // logprobs_of_logits over the consistent head's logits (linear of each kConsistentVocabChunk
+  // chunk of lm_head into F32, copied into [T, V]: model_consistent_logits) is token_logprobs with
+  // spec.consistent, bitwise, on every backend (it folds the same chunks with the same code):
+  // V = 9000 (three chunks, the last partial), targets in every chunk, temperatures 0.8 and 1,
+  // BF16 hidden rows with the BF16 head (the fast path), F32 ones with the FP32 head; a row alone
+  // is the same bits as among the others.
+  for (LinearMode mode : {LinearMode::FP32, LinearMode::BF16}) {
+    LinearSpec spec{mode, false};
+    spec.consistent = true;
+    const int64_t T = 19, D = 128, V = 9000;
+    const DType hdt = mode == LinearMode::BF16 ? DType::BF16 : DType::F32;
+    t.push_back(
+        {"logprobs_of_logits + token_logprobs",
+         std::string("T 19, V 9000 (three chunks) ") + linear_mode_name(mode) + " consistent head logits",
+         [=] {
+           std::vector<int32_t> tg(T);
+           for (int64_t i = 0; i < T; ++i) tg[i] = static_cast<int32_t>((i * 2311 + 17) % V);
+           tg[3] = static_cast<int32_t>(V - 1);
+           std::vector<int32_t> bad = tg;
+           bad[5] = static_cast<int32_t>(V);
+           return Tensors{{"h", rnd({T, D}, 960)},
+                          {"W", rnd({V, D}, 961, DType::F32, 0.1f)},
+                          {"targets", i32_tensor(tg, {T})},
+                          {"bad_targets", i32_tensor(bad, {T})}};
+         },
+         [=](OpRun& r) {
+           const Tensor h = r.as("h", hdt);
+           Tensor& logits = r.output("logits", {T, V}, DType::F32);
+           for (int64_t v0 = 0; v0 < V; v0 += kConsistentVocabChunk) {
+             const int64_t n = std::min(kConsistentVocabChunk, V - v0);
+             LinearWeight chunk;
+             chunk.w = r["W"].slice_rows(v0, v0 + n);
+             Tensor tmp = r.be.alloc({T, n}, DType::F32);
+             r.be.linear(h, chunk, spec, tmp);
+             r.be.copy_cols(tmp, 0, logits, v0, n);
+           }
+           for (const auto& [temp, tag] : {std::pair<float, const char*>{0.8f, "_t08"}, {1.0f, "_t1"}}) {
+             const std::string k(tag);
+             r.be.logprobs_of_logits(logits, r["targets"], temp, r.output("logp" + k, {T}, DType::F32),
+                                     r.output("lse" + k, {T}, DType::F32));
+             r.be.token_logprobs(h, r["W"], r["targets"], temp, spec, r.output("tl_logp" + k, {T}, DType::F32),
+                                 r.output("tl_lse" + k, {T}, DType::F32), nullptr);
+           }
+           r.be.logprobs_of_logits(logits.slice_rows(7, 8), r["targets"].slice_rows(7, 8), 0.8f,
+                                   r.output("logp_row7", {1}, DType::F32), r.output("lse_row7", {1}, DType::F32));
+         },
+         {{"logits", linear_tolerance(mode, DType::F32)},
+          {"logp_t08", rel(1e-4)},
+          {"lse_t08", rel(1e-5)},
+          {"logp_t1", rel(1e-4)},
+          {"lse_t1", rel(1e-5)}},
+         {{"logp_t08", "tl_logp_t08"}, {"lse_t08", "tl_lse_t08"}, {"logp_t1", "tl_logp_t1"}, {"lse_t1", "tl_lse_t1"}}});
+    t.back().invariants = [](const Tensors& out) {
+      expect_rows_equal(out.at("logp_t08"), out.at("logp_row7"), 7, "logprobs_of_logits logp");
+      expect_rows_equal(out.at("lse_t08"), out.at("lse_row7"), 7, "logprobs_of_logits lse");
+    };
+    t.back().errors = [=](OpRun& r) {
+      Tensor logits = r.be.alloc({T, V}, DType::F32), logp = r.be.alloc({T}, DType::F32),
+             lse = r.be.alloc({T}, DType::F32);
+      r.be.fill(logits, 0.25f);
+      // An out-of-range target (on the GPU found on the device) surfaces at the next
+      // synchronizing call at the latest, naming the op; the backend is usable afterwards.
+      try {
+        r.be.logprobs_of_logits(logits, r["bad_targets"], 1.0f, logp, lse);
+        r.be.synchronize();
+        ADD_FAILURE() << "an out-of-range target was not reported";
+      } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("logprobs_of_logits"), std::string::npos) << e.what();
+      }
+      r.be.synchronize();
+      r.be.logprobs_of_logits(logits, r["targets"], 1.0f, logp, lse);
+      EXPECT_NO_THROW(r.be.synchronize());
+      EXPECT_THROW(r.be.logprobs_of_logits(logits, r["targets"], 0.0f, logp, lse), Error);  // temperature 0
+      Tensor short_lse = r.be.alloc({T - 1}, DType::F32);
+      EXPECT_THROW(r.be.logprobs_of_logits(logits, r["targets"], 1.0f, logp, short_lse), Error);
+      EXPECT_THROW(r.be.logprobs_of_logits(logits.reshape({T * V}), r["targets"], 1.0f, logp, lse), Error);  // not 2-D
+      EXPECT_THROW(r.be.logprobs_of_logits(logits.slice_rows(0, T - 1), r["targets"], 1.0f, logp, lse), Error);
+    };
+  }
 }
 
 // ---- generation ----------------------------------------------------------------------------------
