@@ -802,12 +802,18 @@ void model_forward_paged(Backend& be, const ModelWeights& w, const EnginePrecisi
     model_consistent_logits(be, hidden, w.lm_head, logits);
   } else if (act == DType::F32) {
     be.linear(hidden, head, kFp32Spec, logits);
+  } else if (logits.dtype() == act) {  // model_logits_dtype: the GEMM's output is the sampler's input
+    be.linear(hidden, head, head_spec_for(act, false), logits);
   } else {
     Tensor tmp = be.alloc({R, c.vocab_size}, act);
     be.linear(hidden, head, head_spec_for(act, false), tmp);
     be.convert(tmp, logits);
   }
   if (hidden_out) *hidden_out = hidden;
+}
+
+DType model_logits_dtype(const Backend& be, const ModelWeights& w, const EnginePrecision& prec) {
+  return act_dtype_for(be, w) == DType::BF16 && !prec.consistent ? DType::BF16 : DType::F32;
 }
 
 int model_num_moe_layers(const ModelConfig& c) {

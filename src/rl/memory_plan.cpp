@@ -244,7 +244,11 @@ MemoryPlan memory_plan_compute(const MemoryPlanInput& in) {
                                      : "F32 gradients of one block's activations"});
   p.transient.push_back({"lm_head logits chunk (F32)", std::min(in.logits_chunk_bytes, T * V * 4),
                          "tokens x vocabulary chunk"});
-  p.transient.push_back({"decode logits (F32)", in.generation_batch * V * 4,
+  // The head GEMM's output as the sampler reads it (model_logits_dtype): BF16 with BF16
+  // activations, F32 on the exact path and in the consistent mode.
+  const bool bf16_logits = in.act_dtype == DType::BF16 && !in.generator.consistent;
+  p.transient.push_back({bf16_logits ? "decode logits (BF16)" : "decode logits (F32)",
+                         in.generation_batch * V * (bf16_logits ? 2 : 4),
                          std::to_string(in.generation_batch) + " sequences x vocabulary"});
   // MoE: the generator's experts per token and MoE layer, recorded in the rollout (int16 ids) for
   // the routing-agreement metrics and routing replay; the trainer packs one micro-batch's as I32

@@ -62,7 +62,7 @@ bool DecodeGraphs::run(const std::vector<int32_t>& ids, const std::vector<int32_
     width_ = W;
     in_ = be_.alloc({static_cast<int64_t>(max_batch_) * (5 + W + 8)}, DType::I32);
     if (!logits_.defined()) {
-      logits_ = be_.alloc({max_batch_, gen_.config.vocab_size}, DType::F32);
+      logits_ = be_.alloc({max_batch_, gen_.config.vocab_size}, model_logits_dtype(be_, gen_, prec_));
       tokens_ = be_.alloc({max_batch_}, DType::I32);
       logp_ = be_.alloc({max_batch_}, DType::F32);
     }

@@ -59,7 +59,7 @@ class DecodeGraphs {
   float consistent_temperature_ = 0.0f;
   // I32: per bucket [ids | seq | pos | slots | rows | table (Bp x width) | SampleRow (Bp x 8)]
   Tensor in_;
-  Tensor logits_;      // F32 [max_batch, V]
+  Tensor logits_;      // [max_batch, V] (model_logits_dtype)
   Tensor tokens_;      // I32 [max_batch]
   Tensor logp_;        // F32 [max_batch]
   std::vector<int32_t> host_;

@@ -336,7 +336,8 @@ std::vector<RolloutSample> RolloutEngine::generate(const std::vector<RolloutRequ
       batch.max_pos = hb.max_pos;
       const Tensor srows_dev =
           all.slice_rows(static_cast<int64_t>(sr0), static_cast<int64_t>(packed.size())).reshape({R, 8});
-      if (!buf_.logits.defined() || buf_.logits.dim(0) < R) buf_.logits = be_.alloc({R, V}, DType::F32);
+      if (!buf_.logits.defined() || buf_.logits.dim(0) < R)
+        buf_.logits = be_.alloc({R, V}, model_logits_dtype(be_, gen_, prec_));
       Tensor logits = buf_.logits.slice_rows(0, R);
       model_forward_paged(be_, gen_, prec_, cache_, ids_dev, batch, rows_dev, logits, nullptr,
                           record ? &rec : nullptr);

@@ -67,12 +67,18 @@ TEST(MemoryPlan, SmallShapeByHand) {
   // Head: x_final, hidden 2 x 64 x 2 B + rstd, lse 8 B + 3 I32 ids = 276 B. 100 tokens x (2 x 2032 + 276).
   EXPECT_EQ(memory_plan_head_bytes_per_token(in.model, DType::BF16), 276);
   EXPECT_EQ(find(p.transient, "saved activations"), 434000);
-  // Logits: 100 tokens x 1000 x 4 B (below the chunk cap); decode: 8 x 1000 x 4 B.
+  // Logits: 100 tokens x 1000 x 4 B (below the chunk cap); decode: 8 x 1000 x 2 B (the head's BF16
+  // output, read by the sampler as it is; F32 in the consistent mode).
   EXPECT_EQ(find(p.transient, "lm_head logits"), 400000);
-  EXPECT_EQ(find(p.transient, "decode logits"), 32000);
+  EXPECT_EQ(find(p.transient, "decode logits"), 16000);
+  {
+    MemoryPlanInput cs = in;
+    cs.generator.consistent = true;
+    EXPECT_EQ(find(memory_plan_compute(cs).transient, "decode logits"), 32000);
+  }
   // Recomputation keeps the 2 block inputs (2 x 64 x 2 B) + one block + the head per token.
   EXPECT_EQ(p.activations_recompute_bytes, 100 * (256 + 2032 + 276));
-  EXPECT_EQ(p.peak_bytes(), p.resident_bytes() + 434000 + find(p.transient, "backward") + 400000 + 32000);
+  EXPECT_EQ(p.peak_bytes(), p.resident_bytes() + 434000 + find(p.transient, "backward") + 400000 + 16000);
 
   // train.recompute: block saves the block inputs + one block + the head instead.
   {

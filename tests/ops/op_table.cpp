@@ -1775,49 +1775,49 @@ void generation_cases(std::vector<OpCase>& t) {
 void sample_rows_cases(std::vector<OpCase>& t) {
   const int64_t B = 16, V = 5000;
   for (DType ldt : {DType::F32, DType::BF16})
-  for (bool truncation : {false, true}) {
-    t.push_back({"sample_rows",
-                 "V 5000, 16 rows" + std::string(truncation ? ", with top-k / top-p rows" : ", plain") +
-                     (ldt == DType::BF16 ? ", BF16 logits" : ""),
-                 [=] {
-                   std::vector<SampleRow> rows(B);
-                   for (int64_t b = 0; b < B; ++b) {
-                     SampleRow& p = rows[b];
-                     p.temperature = b % 5 == 0 ? 0.0f : 0.6f + 0.1f * static_cast<float>(b % 4);
-                     p.key_lo = static_cast<uint32_t>(1000 + b);
-                     p.key_hi = 7;
-                     p.counter = static_cast<uint32_t>(3 * b);
-                     p.uniform = 0.37f;
-                     if (truncation && b % 3 == 1) p.top_k = 40;
-                     if (truncation && b % 3 == 2) p.top_p = 0.9f;
-                   }
-                   Tensor rt = Tensor::empty({B, 8}, DType::I32);
-                   std::memcpy(rt.raw(), rows.data(), B * sizeof(SampleRow));
-                   return Tensors{{"logits", rnd({B, V}, 520, DType::F32, 3.0f)}, {"rows", rt}};
-                 },
-                 [=](OpRun& r) {
-                   const Tensor lg = r.as("logits", ldt);
-                   r.be.sample_rows(lg, r["rows"], truncation, r.output("tokens", {B}, DType::I32),
-                                    r.output("logp", {B}, DType::F32));
-                   if (ldt == DType::BF16) {  // the same logits as F32
-                     Tensor lf = r.be.alloc({B, V}, DType::F32);
-                     r.be.convert(lg, lf);
-                     r.be.sample_rows(lf, r["rows"], truncation, r.output("tokens_f32", {B}, DType::I32),
-                                      r.output("logp_f32", {B}, DType::F32));
-                   }
-                 },
-                 {{"tokens", bitwise()}, {"logp", near(1e-5)}}});
-    if (ldt == DType::BF16)
-      t.back().invariants = [](const Tensors& out) {
-        expect_rows_equal(out.at("tokens_f32"), out.at("tokens"), 0, "sample_rows (BF16 logits: tokens)");
-        expect_rows_equal(out.at("logp_f32"), out.at("logp"), 0, "sample_rows (BF16 logits: logp)");
+    for (bool truncation : {false, true}) {
+      t.push_back({"sample_rows",
+                   "V 5000, 16 rows" + std::string(truncation ? ", with top-k / top-p rows" : ", plain") +
+                       (ldt == DType::BF16 ? ", BF16 logits" : ""),
+                   [=] {
+                     std::vector<SampleRow> rows(B);
+                     for (int64_t b = 0; b < B; ++b) {
+                       SampleRow& p = rows[b];
+                       p.temperature = b % 5 == 0 ? 0.0f : 0.6f + 0.1f * static_cast<float>(b % 4);
+                       p.key_lo = static_cast<uint32_t>(1000 + b);
+                       p.key_hi = 7;
+                       p.counter = static_cast<uint32_t>(3 * b);
+                       p.uniform = 0.37f;
+                       if (truncation && b % 3 == 1) p.top_k = 40;
+                       if (truncation && b % 3 == 2) p.top_p = 0.9f;
+                     }
+                     Tensor rt = Tensor::empty({B, 8}, DType::I32);
+                     std::memcpy(rt.raw(), rows.data(), B * sizeof(SampleRow));
+                     return Tensors{{"logits", rnd({B, V}, 520, DType::F32, 3.0f)}, {"rows", rt}};
+                   },
+                   [=](OpRun& r) {
+                     const Tensor lg = r.as("logits", ldt);
+                     r.be.sample_rows(lg, r["rows"], truncation, r.output("tokens", {B}, DType::I32),
+                                      r.output("logp", {B}, DType::F32));
+                     if (ldt == DType::BF16) {  // the same logits as F32
+                       Tensor lf = r.be.alloc({B, V}, DType::F32);
+                       r.be.convert(lg, lf);
+                       r.be.sample_rows(lf, r["rows"], truncation, r.output("tokens_f32", {B}, DType::I32),
+                                        r.output("logp_f32", {B}, DType::F32));
+                     }
+                   },
+                   {{"tokens", bitwise()}, {"logp", near(1e-5)}}});
+      if (ldt == DType::BF16)
+        t.back().invariants = [](const Tensors& out) {
+          expect_rows_equal(out.at("tokens_f32"), out.at("tokens"), 0, "sample_rows (BF16 logits: tokens)");
+          expect_rows_equal(out.at("logp_f32"), out.at("logp"), 0, "sample_rows (BF16 logits: logp)");
+        };
+      t.back().errors = [=](OpRun& r) {
+        Tensor tk = r.be.alloc({B}, DType::I32), lp = r.be.alloc({B}, DType::F32);
+        Tensor short_rows = r.be.alloc({B, 7}, DType::I32);
+        EXPECT_THROW(r.be.sample_rows(r["logits"], short_rows, truncation, tk, lp), Error);
       };
-    t.back().errors = [=](OpRun& r) {
-      Tensor tk = r.be.alloc({B}, DType::I32), lp = r.be.alloc({B}, DType::F32);
-      Tensor short_rows = r.be.alloc({B, 7}, DType::I32);
-      EXPECT_THROW(r.be.sample_rows(r["logits"], short_rows, truncation, tk, lp), Error);
-    };
-  }
+    }
 }
 
 }  // namespace
