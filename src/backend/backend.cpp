@@ -271,9 +271,11 @@ void cache_layer_contract(const Contract& c, const KvCache& cache, int layer, co
 }
 
 // logits F32 [B, V] (V > 0), tokens I32 [B], logp F32 [B], valid_vocab in [0, V].
+// bf16_logits: BF16 logits are taken as well (sample_rows: the lm_head's output as it is).
 void sample_shapes(const Contract& c, const Tensor& logits, const Tensor& tokens, const Tensor& logp,
-                   int64_t valid_vocab) {
-  c.stat(logits, "sample logits");
+                   int64_t valid_vocab, bool bf16_logits = false) {
+  if (bf16_logits && logits.dtype() == DType::BF16) c.floating(logits, "sample logits");
+  else c.stat(logits, "sample logits");
   FP8RL_CHECK(logits.ndim() == 2 && logits.dim(1) > 0, "sample logits must be [B, V], got ", logits.str());
   const int64_t B = logits.dim(0), V = logits.dim(1);
   FP8RL_CHECK(valid_vocab >= 0 && valid_vocab <= V, "sample: valid_vocab ", valid_vocab, " must be in [0, V = ", V,
@@ -778,6 +780,20 @@ void Backend::token_logprobs_backward(const Tensor& hidden, const Tensor& lm_hea
   token_logprobs_backward_impl(hidden, lm_head, targets, temperature, spec, lse, dlogp, dhidden, dlm_head);
 }
 
+void Backend::logprobs_of_logits(const Tensor& logits, const Tensor& targets, float temperature, Tensor& logp,
+                                 Tensor& lse) {
+  const Contract c(*this);
+  c.stat(logits, "logprobs_of_logits logits");
+  FP8RL_CHECK(logits.ndim() == 2 && logits.dim(1) > 0, "logprobs_of_logits logits must be [R, V], got ", logits.str());
+  const int64_t R = logits.dim(0);
+  c.i32(targets, {R}, "logprobs_of_logits targets");
+  FP8RL_CHECK(temperature > 0 && std::isfinite(temperature), "logprobs_of_logits: temperature must be > 0, got ",
+              temperature);
+  c.stat(logp, {R}, "logprobs_of_logits logp");
+  c.stat(lse, {R}, "logprobs_of_logits lse");
+  logprobs_of_logits_impl(logits, targets, temperature, logp, lse);
+}
+
 // ---- mixture of experts ----
 
 void Backend::moe_route_softmax(const Tensor& logits, int top_k, bool renormalize, Tensor& experts, Tensor& weights) {
@@ -973,7 +989,7 @@ void Backend::sample(const Tensor& logits, const std::vector<float>& temperature
 void Backend::sample_rows(const Tensor& logits, const Tensor& rows, bool truncation, Tensor& tokens, Tensor& logp,
                           int64_t valid_vocab) {
   const Contract c(*this);
-  sample_shapes(c, logits, tokens, logp, valid_vocab);
+  sample_shapes(c, logits, tokens, logp, valid_vocab, /*bf16_logits=*/true);
   c.i32(rows, {logits.dim(0), 8}, "sample_rows rows (one SampleRow each)");
   sample_rows_impl(logits, rows, truncation, tokens, logp, valid_vocab);
 }

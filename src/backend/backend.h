@@ -76,7 +76,8 @@ struct LinearSpec {
 // token_logprobs with spec.consistent splits the vocabulary into chunks of this many ids (the
 // last one shorter), on every backend and whatever T: a chunk's logits are exactly
 // linear(hidden, lm_head rows [v0, v0 + n), spec) written in F32, so a caller computing logits
-// with linear over the same chunks (the generator in the consistent mode) gets those values.
+// with linear over the same chunks (the generator in the consistent mode) gets those values,
+// and logprobs_of_logits folds them in the same chunks.
 constexpr int64_t kConsistentVocabChunk = 4096;
 
 // The 1x128 E4M3 copy of an activation x [M, K] that a fused producer (rmsnorm_fp8,
@@ -355,6 +356,14 @@ class Backend {
   void token_logprobs_backward(const Tensor& hidden, const Tensor& lm_head, const Tensor& targets, float temperature,
                                const LinearSpec& spec, const Tensor& lse, const Tensor& dlogp, Tensor& dhidden,
                                Tensor* dlm_head);
+  // token_logprobs' consistent reduction over logits already computed (the consistent
+  // generator's head: model_forward_paged): logits F32 [R, V], targets I32 [R] each in [0, V)
+  // (out of range: an error, as token_logprobs'), temperature > 0; logp and lse F32 [R]
+  // written. The rows are folded in the vocabulary chunks of kConsistentVocabChunk with
+  // token_logprobs' own kernels, in place (no copy of a chunk), so when logits holds the chunk
+  // products token_logprobs with spec.consistent computes (linear of each lm_head chunk in F32),
+  // logp and lse are bitwise that op's: logp_gen without a second lm_head GEMM.
+  void logprobs_of_logits(const Tensor& logits, const Tensor& targets, float temperature, Tensor& logp, Tensor& lse);
 
   // ---- mixture of experts (model/transformer.cpp, moe_forward) ---------------------------------
   // A token's k routing slots are numbered t * k + j. The model sorts the T * k slots by expert
@@ -466,7 +475,8 @@ class Backend {
               int64_t valid_vocab = 0);
   // The sampler of generation, with its parameters in device memory (so a recorded graph reads
   // each replay's values; no synchronization): rows I32 [B, 8] on this backend, one SampleRow
-  // (backend/sampling.h) per row of logits F32 [B, V]; tokens I32 [B], logp F32 [B] as above.
+  // (backend/sampling.h) per row of logits [B, V], F32 or BF16 (the lm_head's BF16 output as it
+  // is: exactly the draws and logp of its F32 copy); tokens I32 [B], logp F32 [B] as above.
   // Per row, by its parameters:
   //  - temperature 0: greedy, as above (lowest-id argmax, logp = 0);
   //  - top_k > 0 or top_p < 1 (a truncating row): sample()'s inverse-CDF draw with `uniform`;
@@ -542,6 +552,8 @@ class Backend {
   virtual void token_logprobs_backward_impl(const Tensor& hidden, const Tensor& lm_head, const Tensor& targets,
                                             float temperature, const LinearSpec& spec, const Tensor& lse,
                                             const Tensor& dlogp, Tensor& dhidden, Tensor* dlm_head) = 0;
+  virtual void logprobs_of_logits_impl(const Tensor& logits, const Tensor& targets, float temperature, Tensor& logp,
+                                       Tensor& lse) = 0;
   virtual void moe_route_softmax_impl(const Tensor& logits, int top_k, bool renormalize, Tensor& experts,
                                       Tensor& weights) = 0;
   virtual void moe_route_softmax_backward_impl(const Tensor& logits, const Tensor& experts, bool renormalize,

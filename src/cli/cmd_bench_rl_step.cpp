@@ -6,6 +6,7 @@
 //                       [--recipes bf16,fp8_gen,fp8_e2e] [--prompts 16] [--samples 16]
 //                       [--prompt-len 160] [--max-new-tokens 512] [--kl-beta 0] [--optimizer-steps 1]
 //                       [--micro-batch-tokens 16384] [--recompute none|block|auto]
+//                       [--dgrad-weight-cache auto|on|off]
 //                       [--grad-dtype fp32|bf16] [--optimizer-state-dtype fp32|bf16]
 //                       [--free-gib G] [--allow-overcommit] [--plan-only] [--routing-replay]
 //                       [--steps 2] [--warmup 1] [--seed 1] [--json PATH]
@@ -27,7 +28,9 @@
 // reports none, so nothing is checked there without it): a recipe that cannot fit is refused
 // with the shortfall and the flags that alone would make it fit, and the others still run
 // (--allow-overcommit runs it anyway). --recompute auto: block only when the plan does not fit
-// without it, as train.recompute: auto.
+// without it, as train.recompute: auto; --dgrad-weight-cache auto (the default): the FP8
+// trainer's W^T copies kept unless the plan does not fit with them, dropped before --recompute
+// auto turns on recomputation, as train.dgrad_weight_cache: auto.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -56,6 +59,7 @@ constexpr const char* kUsage =
     "usage: fp8rl bench rl-step [--device cpu|cuda] [--model SHAPE] [--layers N] [--recipes LIST]\n"
     "                           [--prompts P] [--samples G] [--prompt-len N] [--max-new-tokens N]\n"
     "                           [--kl-beta B] [--temperature T] [--recompute none|block|auto] [--optimizer-steps N]\n"
+    "                           [--dgrad-weight-cache auto|on|off]\n"
     "                           [--micro-batch-tokens N] [--grad-dtype fp32|bf16] [--optimizer-state-dtype fp32|bf16]\n"
     "                           [--free-gib G] [--allow-overcommit] [--plan-only] [--routing-replay]\n"
     "                           [--steps N] [--warmup N] [--seed N] [--json PATH]\n"
@@ -73,6 +77,9 @@ constexpr const char* kUsage =
     "Each recipe's memory plan is checked first against the device's free memory (--free-gib G: against G GiB):\n"
     "a recipe that cannot fit is refused with its shortfall and the flags that would make it fit, the others\n"
     "run (--allow-overcommit: run it anyway). --recompute auto: block only where the plan needs it.\n"
+    "--dgrad-weight-cache (train.dgrad_weight_cache): an FP8 trainer keeps each FP8 linear's W^T quantization for\n"
+    "the dgrad (on), or the dgrad transposes W per call (off: less memory, slower); auto (default): on unless the\n"
+    "plan does not fit with it, dropped before --recompute auto turns on recomputation.\n"
     "--plan-only: print each recipe's plan and check against --free-gib, run nothing and open no device\n"
     "(--device cuda --plan-only --free-gib 139 plans an H200 run on any build).\n"
     "--grad-dtype / --optimizer-state-dtype bf16: the lean optimizer (train.grad_dtype, train.optimizer_state_dtype).\n"
@@ -106,6 +113,7 @@ struct BenchSetup {
   double kl_beta = 0;
   double temperature = 1.0;
   std::string recompute = "none";  // none | block | auto (decided per recipe by the plan)
+  std::string dgrad_weight_cache = "auto";  // auto | on | off (auto: decided per recipe by the plan)
   DType grad_dtype = DType::F32, moment_dtype = DType::F32;
   int64_t free_bytes = -1;  // what each recipe's plan is checked against (< 0: unknown, no check)
   bool allow_overcommit = false;
@@ -122,6 +130,7 @@ struct RecipeResult {
   MemoryStats mem;
   int64_t plan_peak = 0;  // the memory plan's peak for this recipe's setup (rl/memory_plan.h)
   bool recompute = false;  // block recomputation (--recompute, auto resolved)
+  bool dgrad_weight_cache = true;  // the FP8 trainer's W^T copies (--dgrad-weight-cache, auto resolved)
   BackendCounters counters;
   std::string refused;  // non-empty: the plan did not fit, nothing was run (why)
 };
@@ -133,7 +142,8 @@ int64_t bench_kv_pages(const BenchSetup& s) {
 }
 
 // The memory plan of exactly this setup: what bench_recipe allocates.
-MemoryPlanInput bench_plan_input(const BenchSetup& s, const PrecisionRecipe& recipe, DType act, bool recompute) {
+MemoryPlanInput bench_plan_input(const BenchSetup& s, const PrecisionRecipe& recipe, DType act, bool recompute,
+                                 bool dgrad_weight_cache) {
   MemoryPlanInput in;
   in.model = s.model;
   in.generator = recipe.generator;
@@ -143,6 +153,7 @@ MemoryPlanInput bench_plan_input(const BenchSetup& s, const PrecisionRecipe& rec
   in.kv_pages = bench_kv_pages(s);
   in.micro_batch_tokens = s.micro_batch_tokens;
   in.recompute = recompute;
+  in.dgrad_weight_cache = dgrad_weight_cache;
   in.grad_dtype = s.grad_dtype;
   in.moment_dtype = s.moment_dtype;
   in.generation_batch = std::min(256, s.P * s.G);
@@ -155,39 +166,48 @@ std::string gib_text(int64_t bytes) {
   return buf;
 }
 
-// The recipe's plan against the free memory: decides --recompute auto, and returns why the
-// recipe cannot run ("" when it fits, the free memory is unknown, or --allow-overcommit).
+// The recipe's plan against the free memory: decides --recompute and --dgrad-weight-cache auto
+// (memory_plan_resolve_trainer, as `fp8rl train`), and returns why the recipe cannot run (""
+// when it fits, the free memory is unknown, or --allow-overcommit).
 std::string bench_check_memory(const BenchSetup& s, const std::string& name, const PrecisionRecipe& recipe, DType act,
-                               bool& recompute) {
-  auto peak = [&](const BenchSetup& t, bool rc) { return memory_plan_compute(bench_plan_input(t, recipe, act, rc)).peak_bytes(); };
-  recompute = s.recompute == "block";
+                               bool& recompute, bool& cache) {
+  const TrainerMemoryChoice choice = memory_plan_resolve_trainer(bench_plan_input(s, recipe, act, false, true),
+                                                                 s.recompute, s.dgrad_weight_cache, s.free_bytes);
+  recompute = choice.recompute;
+  cache = choice.dgrad_weight_cache;
   if (s.free_bytes < 0) return "";
-  if (s.recompute == "auto") recompute = peak(s, false) > s.free_bytes;
-  const int64_t p = peak(s, recompute);
+  auto peak = [&](const BenchSetup& t, bool rc, bool w) {
+    return memory_plan_compute(bench_plan_input(t, recipe, act, rc, w)).peak_bytes();
+  };
+  const int64_t p = peak(s, recompute, cache);
   if (p <= s.free_bytes) return "";
   std::string why = "the memory plan's peak, " + gib_text(p) + ", exceeds the " + gib_text(s.free_bytes) +
                     " free by " + gib_text(p - s.free_bytes);
   std::vector<std::string> fixes;
-  if (!recompute && peak(s, true) <= s.free_bytes) fixes.push_back("--recompute block (or auto)");
+  if (cache && peak(s, recompute, false) < p && peak(s, recompute, false) <= s.free_bytes)
+    fixes.push_back("--dgrad-weight-cache off (or auto)");
+  if (!recompute && peak(s, true, cache) <= s.free_bytes) fixes.push_back("--recompute block (or auto)");
   BenchSetup t = s;
   t.moment_dtype = DType::BF16;
-  if (s.moment_dtype != DType::BF16 && peak(t, recompute) <= s.free_bytes) fixes.push_back("--optimizer-state-dtype bf16");
+  if (s.moment_dtype != DType::BF16 && peak(t, recompute, cache) <= s.free_bytes)
+    fixes.push_back("--optimizer-state-dtype bf16");
   t = s;
   t.grad_dtype = DType::BF16;
-  if (s.grad_dtype != DType::BF16 && peak(t, recompute) <= s.free_bytes) fixes.push_back("--grad-dtype bf16");
+  if (s.grad_dtype != DType::BF16 && peak(t, recompute, cache) <= s.free_bytes) fixes.push_back("--grad-dtype bf16");
   t = s;
   t.kl_beta = 0;
-  if (s.kl_beta > 0 && peak(t, recompute) <= s.free_bytes) fixes.push_back("--kl-beta 0");
+  if (s.kl_beta > 0 && peak(t, recompute, cache) <= s.free_bytes) fixes.push_back("--kl-beta 0");
   for (int64_t mb = s.micro_batch_tokens / 2; mb >= 256; mb /= 2) {
     t = s;
     t.micro_batch_tokens = mb;
-    if (peak(t, recompute) <= s.free_bytes) {
+    if (peak(t, recompute, cache) <= s.free_bytes) {
       fixes.push_back("--micro-batch-tokens " + std::to_string(mb));
       break;
     }
   }
-  why += fixes.empty() ? "; no single flag makes it fit (combine --recompute block, --optimizer-state-dtype bf16, "
-                         "--grad-dtype bf16, smaller --micro-batch-tokens / --samples / --max-new-tokens)"
+  why += fixes.empty() ? "; no single flag makes it fit (combine --dgrad-weight-cache off, --recompute block, "
+                         "--optimizer-state-dtype bf16, --grad-dtype bf16, smaller --micro-batch-tokens / --samples / "
+                         "--max-new-tokens)"
                        : "; any one of these makes it fit: ";
   for (size_t i = 0; i < fixes.size(); ++i) why += (i ? ", " : "") + fixes[i];
   if (s.allow_overcommit) {
@@ -219,8 +239,10 @@ RecipeResult bench_recipe(Backend& be, const BenchSetup& s, const std::string& r
   res.recipe = recipe_name;
   const PrecisionRecipe recipe = PrecisionRecipe::parse(recipe_name);
   const bool fp8_kv = recipe.generator.kv_cache == DType::E4M3;
-  res.refused = bench_check_memory(s, recipe_name, recipe, be.act_dtype(), res.recompute);
-  res.plan_peak = memory_plan_compute(bench_plan_input(s, recipe, be.act_dtype(), res.recompute)).peak_bytes();
+  res.refused = bench_check_memory(s, recipe_name, recipe, be.act_dtype(), res.recompute, res.dgrad_weight_cache);
+  res.plan_peak =
+      memory_plan_compute(bench_plan_input(s, recipe, be.act_dtype(), res.recompute, res.dgrad_weight_cache))
+          .peak_bytes();
   if (!res.refused.empty()) {
     std::printf("  %-8s refused, nothing run: %s\n", recipe_name.c_str(), res.refused.c_str());
     std::fflush(stdout);
@@ -228,12 +250,15 @@ RecipeResult bench_recipe(Backend& be, const BenchSetup& s, const std::string& r
   }
   if (s.recompute == "auto")
     std::printf("  %-8s --recompute auto -> %s\n", recipe_name.c_str(), res.recompute ? "block" : "none");
+  if (s.dgrad_weight_cache == "auto" && recipe.trainer.linear == LinearMode::FP8_BLOCK)
+    std::printf("  %-8s --dgrad-weight-cache auto -> %s\n", recipe_name.c_str(), res.dgrad_weight_cache ? "on" : "off");
   be.synchronize();
   be.reset_peak_memory_stats();
   const BackendCounters c0 = be.counters();
   TrainerOptions topt;
   topt.micro_batch_tokens = s.micro_batch_tokens;
   topt.recompute = res.recompute;
+  topt.dgrad_weight_cache = res.dgrad_weight_cache;
   topt.grad_dtype = s.grad_dtype;
   topt.moment_dtype = s.moment_dtype;
   topt.routing_replay = s.routing_replay;
@@ -363,10 +388,11 @@ int bench_plan_only(const BenchSetup& s, const std::vector<std::string>& recipes
   int fit = 0;
   for (const std::string& name : recipes) {
     const PrecisionRecipe recipe = PrecisionRecipe::parse(name);
-    bool recompute = false;
-    const std::string why = bench_check_memory(s, name, recipe, act, recompute);
-    const MemoryPlan plan = memory_plan_compute(bench_plan_input(s, recipe, act, recompute));
-    std::printf("\n%s (recompute %s):\n%s", name.c_str(), recompute ? "block" : "none",
+    bool recompute = false, cache = true;
+    const std::string why = bench_check_memory(s, name, recipe, act, recompute, cache);
+    const MemoryPlan plan = memory_plan_compute(bench_plan_input(s, recipe, act, recompute, cache));
+    std::printf("\n%s (recompute %s, dgrad W^T cache %s):\n%s", name.c_str(), recompute ? "block" : "none",
+                recipe.trainer.linear != LinearMode::FP8_BLOCK ? "none (no FP8 trainer linears)" : cache ? "on" : "off",
                 memory_plan_format(plan, s.model, s.free_bytes > 0 ? s.free_bytes : 0).c_str());
     if (s.free_bytes < 0) std::printf("%s: free memory unknown (no check; --free-gib G checks against G GiB)\n", name.c_str());
     else if (why.empty()) std::printf("%s: fits (peak %s of %s)\n", name.c_str(), gib_text(plan.peak_bytes()).c_str(),
@@ -388,7 +414,7 @@ std::vector<std::string> split_list(const std::string& s) {
 int run_bench(const std::vector<std::string>& argv) {
   const Args args(argv,
                   {"device", "model", "layers", "recipes", "prompts", "samples", "prompt-len", "max-new-tokens",
-                   "kl-beta", "temperature", "recompute", "optimizer-steps", "micro-batch-tokens", "grad-dtype",
+                   "kl-beta", "temperature", "recompute", "dgrad-weight-cache", "optimizer-steps", "micro-batch-tokens", "grad-dtype",
                    "optimizer-state-dtype", "free-gib", "steps", "warmup", "seed", "json"},
                   {"help", "allow-overcommit", "plan-only", "routing-replay"});
   if (args.has("help")) {
@@ -414,6 +440,9 @@ int run_bench(const std::vector<std::string>& argv) {
   s.recompute = args.get("recompute", "none");
   FP8RL_CHECK(s.recompute == "none" || s.recompute == "block" || s.recompute == "auto",
               "--recompute must be none, block or auto, got '", s.recompute, "'");
+  s.dgrad_weight_cache = args.get("dgrad-weight-cache", "auto");
+  FP8RL_CHECK(s.dgrad_weight_cache == "auto" || s.dgrad_weight_cache == "on" || s.dgrad_weight_cache == "off",
+              "--dgrad-weight-cache must be auto, on or off, got '", s.dgrad_weight_cache, "'");
   auto dtype_flag = [&](const char* flag) {
     const std::string v = args.get(flag, "fp32");
     FP8RL_CHECK(v == "fp32" || v == "bf16", "--", flag, " must be fp32 or bf16, got '", v, "'");
@@ -435,10 +464,11 @@ int run_bench(const std::vector<std::string>& argv) {
   if (args.has("plan-only")) {  // no backend: a CPU-only build plans a CUDA run (BF16 activations)
     s.free_bytes = free_gib > 0 ? static_cast<int64_t>(free_gib * double(1ll << 30)) : -1;
     std::printf("bench rl-step --plan-only: device %s, model %s (%d layers), %d prompts x %d samples, prompt <= %d, "
-                "new tokens <= %d, kl_beta %g, micro-batch %lld tokens, recompute %s, gradients %s, Adam moments %s\n",
+                "new tokens <= %d, kl_beta %g, micro-batch %lld tokens, recompute %s, dgrad W^T cache %s, gradients "
+                "%s, Adam moments %s\n",
                 device.c_str(), shape.c_str(), s.model.num_layers, s.P, s.G, s.prompt_len, s.max_new, s.kl_beta,
-                static_cast<long long>(s.micro_batch_tokens), s.recompute.c_str(), dtype_name(s.grad_dtype),
-                dtype_name(s.moment_dtype));
+                static_cast<long long>(s.micro_batch_tokens), s.recompute.c_str(), s.dgrad_weight_cache.c_str(),
+                dtype_name(s.grad_dtype), dtype_name(s.moment_dtype));
     return bench_plan_only(s, recipes, device == "cuda" ? DType::BF16 : DType::F32);
   }
   std::unique_ptr<Backend> backend = make_backend(device);
@@ -446,10 +476,12 @@ int run_bench(const std::vector<std::string>& argv) {
   s.free_bytes = free_gib > 0 ? static_cast<int64_t>(free_gib * double(1ll << 30)) : be.free_device_bytes();
   std::printf("bench rl-step: device %s, model %s (%d layers, hidden %d, vocab %d), %d prompts x %d samples, prompt "
               "<= %d, new tokens <= %d (ragged), kl_beta %g, %d optimizer step(s), micro-batch %lld tokens, %d "
-              "warm-up + %d timed steps per recipe; recompute %s, gradients %s, Adam moments %s; %s\n",
+              "warm-up + %d timed steps per recipe; recompute %s, dgrad W^T cache %s, gradients %s, Adam moments "
+              "%s; %s\n",
               be.name().c_str(), shape.c_str(), s.model.num_layers, s.model.hidden_size, s.model.vocab_size, s.P, s.G,
               s.prompt_len, s.max_new, s.kl_beta, s.optimizer_steps, static_cast<long long>(s.micro_batch_tokens),
-              s.warmup, s.steps, s.recompute.c_str(), dtype_name(s.grad_dtype), dtype_name(s.moment_dtype),
+              s.warmup, s.steps, s.recompute.c_str(), s.dgrad_weight_cache.c_str(), dtype_name(s.grad_dtype),
+              dtype_name(s.moment_dtype),
               s.free_bytes < 0 ? "free memory unknown (no memory check)"
                                : ("plans checked against " + gib_text(s.free_bytes) + " free").c_str());
   std::fflush(stdout);
@@ -471,6 +503,7 @@ int run_bench(const std::vector<std::string>& argv) {
   j["optimizer_steps"] = s.optimizer_steps;
   j["micro_batch_tokens"] = s.micro_batch_tokens;
   j["recompute"] = s.recompute;
+  j["dgrad_weight_cache"] = s.dgrad_weight_cache;
   j["grad_dtype"] = dtype_name(s.grad_dtype);
   j["optimizer_state_dtype"] = dtype_name(s.moment_dtype);
   j["free_bytes"] = s.free_bytes;
@@ -558,6 +591,7 @@ int run_bench(const std::vector<std::string>& argv) {
     jr["peak_reserved_bytes"] = r.mem.peak_reserved_bytes;
     jr["plan_peak_bytes"] = r.plan_peak;
     jr["recompute"] = r.recompute ? "block" : "none";
+    jr["dgrad_weight_cache"] = r.dgrad_weight_cache ? "on" : "off";
     jr["fp8_gemm_fallbacks"] = r.counters.fp8_gemm_fallbacks;
     jr["fp8_gemm_tails"] = r.counters.fp8_gemm_tails;
     jr["fp8_gemm_own"] = r.counters.fp8_gemm_own;

@@ -54,8 +54,9 @@ int run(const std::vector<std::string>& argv) {
                 "  The device-memory plan of `fp8rl train` with this config (rollout sizes, micro_batch_tokens,\n"
                 "  precision.recipe, kl_beta), for the config's model or a named shape (--layers N: its first N\n"
                 "  blocks, as the benches' --layers). --device-gib: memory of\n"
-                "  the device to check against (default 139 with device=cuda, none on the CPU); train.recompute=auto\n"
-                "  and the KV pool of rollout.gpu_memory_utilization are decided against it.\n"
+                "  the device to check against (default 139 with device=cuda, none on the CPU); train.recompute=auto,\n"
+                "  train.dgrad_weight_cache=auto and the KV pool of rollout.gpu_memory_utilization are decided\n"
+                "  against it.\n"
                 "  train.optimizer_state_dtype=bf16 / train.grad_dtype=bf16: the lean optimizer.\n", shapes.c_str());
     return 0;
   }
@@ -72,9 +73,9 @@ int run(const std::vector<std::string>& argv) {
   const double gib = parse_gib(a.get("device-gib", cuda ? "139" : "0"));
   const DType act = cuda ? DType::BF16 : DType::F32;
   const int64_t device_bytes = static_cast<int64_t>(gib * double(1ll << 30));
-  // train.recompute: auto and the KV pool (rollout.gpu_memory_utilization), decided against the
-  // device's memory as `fp8rl train` decides them against its free memory (unknown: none, the
-  // shape-sized pool).
+  // train.recompute and train.dgrad_weight_cache: auto and the KV pool (rollout.
+  // gpu_memory_utilization), decided against the device's memory as `fp8rl train` decides them
+  // against its free memory (unknown: none, on, the shape-sized pool).
   const MemoryChoice choice = memory_plan_choose(c, model, act, device_bytes > 0 ? device_bytes : -1);
   const MemoryPlan plan = memory_plan_compute(memory_plan_input_chosen(c, model, act, choice));
   const int64_t budget = memory_plan_budget_bytes(c, device_bytes);

@@ -799,20 +799,11 @@ void model_forward_paged(Backend& be, const ModelWeights& w, const EnginePrecisi
   LinearWeight head;
   head.w = w.lm_head;
   if (prec.consistent) {
-    // The logits exactly as token_logprobs computes them (its vocabulary chunks, F32 outputs of
-    // the head GEMM): the sampler draws from the values the trainer's scoring sees.
-    const LinearSpec spec = head_spec_for(act, true);
-    Tensor tmp;
-    for (int64_t v0 = 0; v0 < c.vocab_size; v0 += kConsistentVocabChunk) {
-      const int64_t n = std::min<int64_t>(kConsistentVocabChunk, c.vocab_size - v0);
-      LinearWeight chunk;
-      chunk.w = w.lm_head.slice_rows(v0, v0 + n);
-      if (!tmp.defined() || tmp.dim(1) != n) tmp = be.alloc({R, n}, DType::F32);
-      be.linear(hidden, chunk, spec, tmp);
-      be.copy_cols(tmp, 0, logits, v0, n);
-    }
+    model_consistent_logits(be, hidden, w.lm_head, logits);
   } else if (act == DType::F32) {
     be.linear(hidden, head, kFp32Spec, logits);
+  } else if (logits.dtype() == act) {  // model_logits_dtype: the GEMM's output is the sampler's input
+    be.linear(hidden, head, head_spec_for(act, false), logits);
   } else {
     Tensor tmp = be.alloc({R, c.vocab_size}, act);
     be.linear(hidden, head, head_spec_for(act, false), tmp);
@@ -821,17 +812,36 @@ void model_forward_paged(Backend& be, const ModelWeights& w, const EnginePrecisi
   if (hidden_out) *hidden_out = hidden;
 }
 
+DType model_logits_dtype(const Backend& be, const ModelWeights& w, const EnginePrecision& prec) {
+  return act_dtype_for(be, w) == DType::BF16 && !prec.consistent ? DType::BF16 : DType::F32;
+}
+
 int model_num_moe_layers(const ModelConfig& c) {
   int n = 0;
   for (int l = 0; l < c.num_layers; ++l) n += c.layer_is_moe(l) ? 1 : 0;
   return n;
 }
 
-void model_sampled_logprobs(Backend& be, const ModelWeights& w, const EnginePrecision& prec, const Tensor& hidden,
-                            const Tensor& tokens, float temperature, Tensor& logp) {
-  const DType act = act_dtype_for(be, w);
-  Tensor lse = be.alloc({hidden.dim(0)}, stat_dtype_for(act));
-  be.token_logprobs(hidden, w.lm_head, tokens, temperature, head_spec_for(act, prec.consistent), logp, lse, nullptr);
+void model_consistent_logits(Backend& be, const Tensor& hidden, const Tensor& lm_head, Tensor& logits) {
+  // The logits exactly as token_logprobs computes them (its vocabulary chunks, F32 outputs of
+  // the head GEMM): the sampler draws from the values the trainer's scoring sees, and
+  // logprobs_of_logits folds them as token_logprobs does.
+  const LinearSpec spec = head_spec_for(hidden.dtype(), true);
+  const int64_t R = hidden.dim(0), V = lm_head.dim(0);
+  Tensor tmp;
+  for (int64_t v0 = 0; v0 < V; v0 += kConsistentVocabChunk) {
+    const int64_t n = std::min<int64_t>(kConsistentVocabChunk, V - v0);
+    LinearWeight chunk;
+    chunk.w = lm_head.slice_rows(v0, v0 + n);
+    if (!tmp.defined() || tmp.dim(1) != n) tmp = be.alloc({R, n}, DType::F32);
+    be.linear(hidden, chunk, spec, tmp);
+    be.copy_cols(tmp, 0, logits, v0, n);
+  }
+}
+
+void model_sampled_logprobs(Backend& be, const Tensor& logits, const Tensor& tokens, float temperature, Tensor& logp) {
+  Tensor lse = be.alloc({logits.dim(0)}, DType::F32);
+  be.logprobs_of_logits(logits, tokens, temperature, logp, lse);
 }
 
 void model_check_consistent(const ModelConfig& c, const EnginePrecision& prec) {

@@ -185,8 +185,9 @@ void model_backward(Backend& backend, const ModelWeights& weights, const EngineP
 // The generation forward over the paged KV cache. ids I32 [T] (device) are the batch's query
 // tokens (a prefill chunk, a decode step, or a mix), described by `batch` (positions =
 // batch.token_pos). Each block writes its k/v into `cache` and attends over it. rows I32 [R]
-// (device) selects the tokens whose outputs are returned: logits F32 [R, V] written, and
-// hidden [R, D] (final_norm output, act dtype) written when non-null. MoE models: `routing`,
+// (device) selects the tokens whose outputs are returned: logits [R, V] written (F32, or the
+// head GEMM's BF16 output as it is when model_logits_dtype says BF16), and hidden [R, D]
+// (final_norm output, act dtype) written when non-null. MoE models: `routing`,
 // when non-null, receives the experts of each of the T tokens in every MoE layer. In the
 // consistent mode (precision.consistent) every op is batch-invariant and the logits are
 // token_logprobs' (its vocabulary chunks of kConsistentVocabChunk, F32 head GEMMs): a token's
@@ -195,12 +196,24 @@ void model_forward_paged(Backend& backend, const ModelWeights& weights, const En
                          KvCache& cache, const Tensor& ids, const PagedBatch& batch, const Tensor& rows,
                          Tensor& logits, Tensor* hidden = nullptr, MoeRouting* routing = nullptr);
 
-// The consistent mode's logp_gen of sampled tokens: logp F32 [R] written with token_logprobs of
-// hidden [R, D] (model_forward_paged's) at targets tokens I32 [R], with the head spec the scoring
-// forward uses (model_forward_logprobs): the trainer's code, and with the batch-invariant ops of
-// the consistent mode the trainer's bits, for the same token. temperature > 0.
-void model_sampled_logprobs(Backend& backend, const ModelWeights& weights, const EnginePrecision& precision,
-                            const Tensor& hidden, const Tensor& tokens, float temperature, Tensor& logp);
+// The dtype of the logits model_forward_paged writes with no conversion: BF16 with BF16
+// activations (the lm_head GEMM's output; sample_rows reads it as it is, drawing exactly what its
+// F32 copy draws), F32 otherwise and in the consistent mode (token_logprobs' F32 chunk logits).
+DType model_logits_dtype(const Backend& backend, const ModelWeights& weights, const EnginePrecision& precision);
+
+// The consistent mode's head: logits F32 [R, V] of hidden [R, D] (act dtype) written chunk by
+// chunk of kConsistentVocabChunk lm_head [V, D] rows, each chunk linear in the head spec the
+// scoring forward uses (model_forward_logprobs; consistent) into F32: bitwise the chunk logits
+// token_logprobs computes in the consistent mode. model_forward_paged's head in that mode.
+void model_consistent_logits(Backend& backend, const Tensor& hidden, const Tensor& lm_head, Tensor& logits);
+
+// The consistent mode's logp_gen of sampled tokens: logp F32 [R] written with logprobs_of_logits
+// of logits F32 [R, V] (model_forward_paged's, i.e. model_consistent_logits') at tokens I32 [R]:
+// token_logprobs' reduction over token_logprobs' logits, so with the batch-invariant ops of the
+// consistent mode the trainer's bits for the same token, without a second lm_head GEMM.
+// temperature > 0.
+void model_sampled_logprobs(Backend& backend, const Tensor& logits, const Tensor& tokens, float temperature,
+                            Tensor& logp);
 
 // Throws, saying what to change, when `precision` asks for the consistent mode
 // (EnginePrecision::consistent) on a model it does not serve: mixture-of-experts or MLA layers

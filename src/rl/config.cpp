@@ -253,6 +253,11 @@ std::vector<Field> config_fields(RunConfig& c) {
                "activation recomputation: block keeps only each block's input and recomputes the block in "
                "backward (same gradients, ~1/5 of the saved activations, one more forward); auto: block when "
                "the memory plan does not fit the device without it (said at start)");
+  t.add_choice("train.dgrad_weight_cache", tr.dgrad_weight_cache, {"auto", "on", "off"},
+               "FP8 trainer: each FP8 linear's transposed 128x128 quantization (W^T) kept for the dgrad, "
+               "refreshed every optimizer step (as large as the FP8 weights); off: the dgrad transposes W per call "
+               "(slower); auto: on unless the memory plan does not fit with it (dropped before recomputation "
+               "is turned on; said at start)");
   t.add_choice("train.grad_dtype", tr.grad_dtype, {"fp32", "bf16"},
                "gradient accumulation dtype (bf16: 2 B/param instead of 4; each op's contribution added in FP32 "
                "and rounded once)");

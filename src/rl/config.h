@@ -137,6 +137,11 @@ struct TrainSection {
   int optimizer_steps_per_rollout = 2;  // the rollout batch is split in this many mini-batches
   std::string recompute = "none";   // none | block: keep each block's input, recompute it in backward;
                                     // auto: block when the memory plan does not fit otherwise
+  // on | off: an FP8 trainer keeps each FP8 linear's W^T quantization for the dgrad, refreshed
+  // every optimizer step (one more copy of the FP8 weights); off: the dgrad transposes W per
+  // call (slower). auto: on unless the memory plan does not fit with it (dropped before
+  // train.recompute: auto turns on block recomputation).
+  std::string dgrad_weight_cache = "auto";
   std::string grad_dtype = "fp32";  // fp32 | bf16: gradients accumulated over micro-batches in this dtype
   std::string optimizer_state_dtype = "fp32";        // fp32 | bf16: the Adam moments m, v
   std::string optimizer_state_rounding = "nearest";  // nearest | stochastic: BF16 moments' rounding

@@ -207,7 +207,7 @@ struct GrpoRun {
   std::unique_ptr<Trainer> trainer;
   std::unique_ptr<Trainer> reference;  // frozen initial policy for the k3 KL term
   std::unique_ptr<RolloutEngine> engine;
-  MemoryChoice memory;            // train.recompute (auto resolved) and the KV pool, from the start-up check
+  MemoryChoice memory;            // train.recompute, dgrad_weight_cache (auto resolved), the KV pool: start-up check
   std::optional<MetricsLog> log;  // rank 0
   std::optional<std::pair<int64_t, double>> first_val, last_val;  // (step, accuracy), for the summary
   int64_t generated_tokens = 0, steps_run = 0;
@@ -276,11 +276,12 @@ void setup_session(GrpoRun& r, bool resume) {
   r.memory = session_check_memory(r.s);  // refused here, before any work, when the plan cannot fit
   if (r.lead) {
     r.run = run_dir_create(c.out, resume);
-    run_dir_save_config(r.run, c);  // train.recompute as given (auto stays auto)
+    run_dir_save_config(r.run, c);  // train.recompute, train.dgrad_weight_cache as given (auto stays auto)
   } else {
     r.run.path = c.out;
   }
   c.train.recompute = r.memory.recompute;
+  c.train.dgrad_weight_cache = r.memory.dgrad_weight_cache;
   r.comm->barrier();  // the run directory exists (and a refused one stopped every rank)
   r.recipe = config_precision_recipe(c.precision);
   r.loss_opt = config_grpo_options(c.train);

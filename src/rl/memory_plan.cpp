@@ -62,15 +62,32 @@ int64_t fp8_weight_bytes(const LinearShape& s) {
   return s.rows * s.cols + ceil_div(s.rows, kBlock) * ceil_div(s.cols, kBlock) * 4;  // E4M3 + F32 scales
 }
 
-// The trainer's W^T copies (LinearWeight::wqt, train/trainer.cpp): one per FP8 linear of the
-// trainer (model_linear_mode: MLA's kv_b too, which only the generator keeps unquantized), as
-// large as its wq.
+// The trainer's W^T copies (LinearWeight::wqt, train/trainer.cpp; train.dgrad_weight_cache):
+// one per FP8 linear of the trainer (model_linear_mode: MLA's kv_b too, which only the generator
+// keeps unquantized), as large as its wq.
 int64_t trainer_wqt_bytes(const ModelConfig& c, const EnginePrecision& trainer) {
   int64_t bytes = 0;
   for (int l = 0; l < c.num_layers; ++l) {
     if (trainer.linear_for_layer(l, c.num_layers) != LinearMode::FP8_BLOCK) continue;
     for (const LinearShape& s : block_linears(c, l))
       if (!mla_projection_kept_bf16(c, s.rows, s.cols)) bytes += fp8_weight_bytes(s);
+  }
+  return bytes;
+}
+
+// Without those copies the dgrad transposes wq per call into one reused scratch buffer (CUDA
+// linear_backward; the grouped expert dgrad transposes all of a layer's routed experts into it at
+// once): the largest such W^T, kept once grown.
+int64_t trainer_wqt_scratch_bytes(const ModelConfig& c, const EnginePrecision& trainer) {
+  int64_t bytes = 0;
+  for (int l = 0; l < c.num_layers; ++l) {
+    if (trainer.linear_for_layer(l, c.num_layers) != LinearMode::FP8_BLOCK) continue;
+    for (const LinearShape& s : block_linears(c, l))
+      if (!mla_projection_kept_bf16(c, s.rows, s.cols)) bytes = std::max(bytes, fp8_weight_bytes(s));
+    if (c.layer_is_moe(l)) {
+      const int64_t Fe = c.moe_intermediate_size, D = c.hidden_size;
+      bytes = std::max(bytes, int64_t(c.num_experts) * std::max(fp8_weight_bytes({Fe, D}), fp8_weight_bytes({D, Fe})));
+    }
   }
   return bytes;
 }
@@ -190,10 +207,14 @@ MemoryPlan memory_plan_compute(const MemoryPlanInput& in) {
   if (in.act_dtype == DType::BF16 && in.trainer.linear != LinearMode::FP32)
     p.resident.push_back({"trainer compute copies", memory_plan_generator_bytes(c, in.trainer, in.act_dtype),
                           "FP8 linears' 128x128 cache + scales, BF16 copies of the other linears, embedding, lm_head"});
-  if (in.trainer.linear == LinearMode::FP8_BLOCK)  // beside the cache (the reference policy keeps none)
+  if (in.trainer.linear == LinearMode::FP8_BLOCK && in.dgrad_weight_cache)  // the reference policy keeps none
     p.resident.push_back({"trainer FP8 dgrad weights (W^T)", trainer_wqt_bytes(c, in.trainer),
                           "each FP8 linear's 128x128 quantization transposed, + scales: read by the dgrad, "
-                          "refreshed with the cache every optimizer step"});
+                          "refreshed with the cache every optimizer step (train.dgrad_weight_cache)"});
+  else if (in.trainer.linear == LinearMode::FP8_BLOCK)
+    p.resident.push_back({"trainer dgrad W^T scratch (no W^T cache)", trainer_wqt_scratch_bytes(c, in.trainer),
+                          "the largest FP8 linear's W^T (MoE: a layer's experts'), transposed from wq in every dgrad "
+                          "call (train.dgrad_weight_cache: off)"});
   if (in.reference_policy)
     p.resident.push_back({"reference policy (kl_beta > 0)", memory_plan_generator_bytes(c, in.trainer, in.act_dtype),
                           "frozen: weights only, in the trainer's compute dtypes (FP8 linears + scales, or the "
@@ -244,7 +265,11 @@ MemoryPlan memory_plan_compute(const MemoryPlanInput& in) {
                                      : "F32 gradients of one block's activations"});
   p.transient.push_back({"lm_head logits chunk (F32)", std::min(in.logits_chunk_bytes, T * V * 4),
                          "tokens x vocabulary chunk"});
-  p.transient.push_back({"decode logits (F32)", in.generation_batch * V * 4,
+  // The head GEMM's output as the sampler reads it (model_logits_dtype): BF16 with BF16
+  // activations, F32 on the exact path and in the consistent mode.
+  const bool bf16_logits = in.act_dtype == DType::BF16 && !in.generator.consistent;
+  p.transient.push_back({bf16_logits ? "decode logits (BF16)" : "decode logits (F32)",
+                         in.generation_batch * V * (bf16_logits ? 2 : 4),
                          std::to_string(in.generation_batch) + " sequences x vocabulary"});
   // MoE: the generator's experts per token and MoE layer, recorded in the rollout (int16 ids) for
   // the routing-agreement metrics and routing replay; the trainer packs one micro-batch's as I32
@@ -317,6 +342,7 @@ MemoryPlanInput memory_plan_input(const RunConfig& c, const ModelConfig& model, 
   in.kv_pages = sft ? memory_plan_sft_kv_pages(c) : memory_plan_kv_pages(c);
   in.micro_batch_tokens = c.train.micro_batch_tokens;
   in.recompute = c.train.recompute == "block";
+  in.dgrad_weight_cache = c.train.dgrad_weight_cache != "off";
   in.grad_dtype = c.train.grad_dtype == "bf16" ? DType::BF16 : DType::F32;
   in.moment_dtype = c.train.optimizer_state_dtype == "bf16" ? DType::BF16 : DType::F32;
   in.generation_batch = c.rollout.max_num_seqs;
@@ -331,6 +357,7 @@ MemoryPlanInput memory_plan_input_chosen(const RunConfig& c_in, const ModelConfi
                                          const MemoryChoice& choice, bool sft) {
   RunConfig c = c_in;
   c.train.recompute = choice.recompute;
+  c.train.dgrad_weight_cache = choice.dgrad_weight_cache;
   MemoryPlanInput in = memory_plan_input(c, model, act, sft);
   in.kv_pages = choice.kv_pages;
   in.kv_note = choice.kv_note;
@@ -410,31 +437,90 @@ int64_t memory_plan_free_bytes(const RunConfig& c, int64_t backend_free_bytes) {
   return backend_free_bytes;
 }
 
-std::string memory_plan_resolve_recompute(const RunConfig& c, const ModelConfig& model, DType act, int64_t free_bytes,
-                                          bool sft, std::string* why) {
-  if (c.train.recompute != "auto") return c.train.recompute;
-  RunConfig t = c;
-  t.train.recompute = "none";
-  char buf[512];
-  std::string pick = "none";
-  if (free_bytes < 0) {
-    std::snprintf(buf, sizeof buf, "train.recompute: auto -> none (the device's free memory is unknown; set "
-                  "memory.free_gib to let the plan choose)\n");
-  } else {
-    const int64_t peak = peak_for(t, model, act, sft);
-    if (peak <= free_bytes) {
-      std::snprintf(buf, sizeof buf, "train.recompute: auto -> none (the plan's peak without recomputation, %s, "
-                    "fits in %s free)\n", gib(peak).c_str(), gib(free_bytes).c_str());
-    } else {
-      pick = "block";
-      t.train.recompute = "block";
-      const int64_t with = peak_for(t, model, act, sft);
-      std::snprintf(buf, sizeof buf, "train.recompute: auto -> block (without recomputation the plan's peak, %s, "
-                    "exceeds the %s free; with it: %s)\n", gib(peak).c_str(), gib(free_bytes).c_str(), gib(with).c_str());
+namespace {
+
+// The W^T copies the plan `in` holds with the cache on (0: no FP8 trainer linears).
+int64_t dgrad_cache_bytes(const MemoryPlanInput& in) {
+  return in.trainer.linear == LinearMode::FP8_BLOCK ? trainer_wqt_bytes(in.model, in.trainer) : 0;
+}
+
+}  // namespace
+
+TrainerMemoryChoice memory_plan_resolve_trainer(const MemoryPlanInput& given, const std::string& recompute,
+                                                const std::string& cache, int64_t budget) {
+  FP8RL_CHECK(recompute == "none" || recompute == "block" || recompute == "auto", "train.recompute must be none, "
+              "block or auto, got '", recompute, "'");
+  FP8RL_CHECK(cache == "on" || cache == "off" || cache == "auto", "train.dgrad_weight_cache must be auto, on or off, "
+              "got '", cache, "'");
+  TrainerMemoryChoice ch;
+  ch.recompute = recompute == "block";
+  ch.dgrad_weight_cache = cache != "off";
+  const bool auto_r = recompute == "auto", auto_w = cache == "auto";
+  if (!auto_r && !auto_w) return ch;
+  MemoryPlanInput in = given;
+  auto peak = [&](bool r, bool w) {
+    in.recompute = r;
+    in.dgrad_weight_cache = w;
+    return memory_plan_compute(in).peak_bytes();
+  };
+  const int64_t wqt = dgrad_cache_bytes(given);
+  char buf[768];
+  if (budget < 0) {
+    const char* unknown = "the device's free memory is unknown; set memory.free_gib to let the plan choose";
+    if (auto_w) {
+      std::snprintf(buf, sizeof buf, "train.dgrad_weight_cache: auto -> on (%s)\n", unknown);
+      ch.lines += buf;
     }
+    if (auto_r) {
+      std::snprintf(buf, sizeof buf, "train.recompute: auto -> none (%s)\n", unknown);
+      ch.lines += buf;
+    }
+    return ch;
   }
-  if (why) *why = buf;
-  return pick;
+  // Fastest first: a per-call W^T transpose costs far less than one more forward per micro-batch.
+  std::vector<std::pair<bool, bool>> candidates;  // (recompute, cache)
+  for (bool r : {false, true})
+    for (bool w : {true, false})
+      if ((auto_r || r == ch.recompute) && (auto_w || w == ch.dgrad_weight_cache)) candidates.push_back({r, w});
+  std::pair<bool, bool> pick = candidates.back();
+  for (const auto& k : candidates)
+    if (peak(k.first, k.second) <= budget) {
+      pick = k;
+      break;
+    }
+  ch.recompute = pick.first;
+  ch.dgrad_weight_cache = pick.second;
+  const std::string free = gib(budget) + " free";
+  const char* with_block = ch.recompute ? " with block recomputation" : "";
+  if (auto_w) {
+    if (wqt == 0)
+      std::snprintf(buf, sizeof buf, "train.dgrad_weight_cache: auto -> on (nothing to keep: the trainer has no FP8 "
+                    "linears)\n");
+    else if (ch.dgrad_weight_cache)
+      std::snprintf(buf, sizeof buf, "train.dgrad_weight_cache: auto -> on (the plan's peak%s with the FP8 dgrad's W^T "
+                    "copies (%s), %s, fits in %s)\n", with_block, gib(wqt).c_str(),
+                    gib(peak(ch.recompute, true)).c_str(), free.c_str());
+    else
+      std::snprintf(buf, sizeof buf, "train.dgrad_weight_cache: auto -> off (with the FP8 dgrad's W^T copies, %s, the "
+                    "plan's peak%s, %s, exceeds the %s; without them: %s; the dgrad transposes each FP8 weight per "
+                    "call instead)\n", gib(wqt).c_str(), with_block, gib(peak(ch.recompute, true)).c_str(),
+                    free.c_str(), gib(peak(ch.recompute, false)).c_str());
+    ch.lines += buf;
+  }
+  if (auto_r) {
+    if (!ch.recompute) {
+      std::snprintf(buf, sizeof buf, "train.recompute: auto -> none (the plan's peak without recomputation, %s, fits "
+                    "in %s%s)\n", gib(peak(false, ch.dgrad_weight_cache)).c_str(), free.c_str(),
+                    wqt > 0 && !ch.dgrad_weight_cache ? ", without the W^T cache" : "");
+    } else {
+      const bool least_w = auto_w ? false : ch.dgrad_weight_cache;  // the least memory without recomputation
+      std::snprintf(buf, sizeof buf, "train.recompute: auto -> block (without recomputation the plan's peak%s, %s, "
+                    "exceeds the %s; with it: %s)\n", auto_w && wqt > 0 ? " even without the W^T cache" : "",
+                    gib(peak(false, least_w)).c_str(), free.c_str(), gib(peak(true, ch.dgrad_weight_cache)).c_str());
+    }
+    ch.lines += buf;
+  }
+  return ch;
 }
 
 int64_t memory_plan_budget_bytes(const RunConfig& c, int64_t free_bytes, bool sft) {
@@ -447,12 +533,19 @@ MemoryChoice memory_plan_choose(const RunConfig& c_in, const ModelConfig& model,
                                 bool sft) {
   MemoryChoice ch;
   const int64_t budget = memory_plan_budget_bytes(c_in, free_bytes, sft);
-  ch.recompute = memory_plan_resolve_recompute(c_in, model, act, budget, sft, &ch.lines);
+  {  // resolved with the shape-sized KV pool: the least the rollout gets
+    const TrainerMemoryChoice t = memory_plan_resolve_trainer(memory_plan_input(c_in, model, act, sft),
+                                                              c_in.train.recompute, c_in.train.dgrad_weight_cache, budget);
+    ch.recompute = t.recompute ? "block" : "none";
+    ch.dgrad_weight_cache = t.dgrad_weight_cache ? "on" : "off";
+    ch.lines = t.lines;
+  }
   ch.kv_pages = sft ? memory_plan_sft_kv_pages(c_in) : memory_plan_kv_pages(c_in);
   const double u = c_in.rollout.gpu_memory_utilization;
   if (sft || u <= 0) return ch;
   RunConfig c = c_in;
   c.train.recompute = ch.recompute;
+  c.train.dgrad_weight_cache = ch.dgrad_weight_cache;
   char buf[768];
   const int64_t need = ch.kv_pages;  // the shape-sized pool: the least the rollout gets
   if (budget < 0) {
@@ -505,8 +598,9 @@ MemoryChoice memory_plan_choose(const RunConfig& c_in, const ModelConfig& model,
 std::string memory_plan_check(const RunConfig& c_in, const ModelConfig& model, DType act, int64_t free_bytes, bool sft) {
   RunConfig c = c_in;
   const MemoryChoice choice = memory_plan_choose(c_in, model, act, free_bytes, sft);
-  const std::string lead = choice.lines;  // train.recompute: auto, resolved; the KV pool
+  const std::string lead = choice.lines;  // train.recompute / dgrad_weight_cache: auto, resolved; the KV pool
   c.train.recompute = choice.recompute;
+  c.train.dgrad_weight_cache = choice.dgrad_weight_cache;
   if (free_bytes < 0)
     return lead + "memory check: skipped (the device reports no free memory; set memory.free_gib to check)\n";
   const int64_t budget = memory_plan_budget_bytes(c, free_bytes, sft);
@@ -633,11 +727,25 @@ std::string memory_plan_check(const RunConfig& c_in, const ModelConfig& model, D
       fixes.insert(fixes.begin(), "train.recompute: block (keeps only each block's input and recomputes the block "
                                   "in backward: one more forward per micro-batch; or train.recompute: auto)");
   }
+  // The cheapest trade first: the FP8 dgrad's W^T copies (a per-call transpose without them).
+  const int64_t wqt = dgrad_cache_bytes(memory_plan_input(c, model, act, sft));
+  if (wqt > 0 && c.train.dgrad_weight_cache == "on") {
+    RunConfig t = c;
+    t.train.dgrad_weight_cache = "off";
+    if (fits(t)) {
+      std::snprintf(buf, sizeof buf, "train.dgrad_weight_cache: off (drops the FP8 dgrad's W^T copies, %s: the dgrad "
+                    "transposes each FP8 weight per call instead, a little slower; or train.dgrad_weight_cache: auto)",
+                    gib(wqt).c_str());
+      fixes.insert(fixes.begin(), buf);
+    }
+  }
   if (fixes.empty()) {
-    msg += sft ? " No single knob makes it fit (train.recompute, train.micro_batch_tokens, val_size, "
-                 "train.optimizer_state_dtype, train.grad_dtype): combine them, or use a smaller model or more memory."
-               : std::string(" No single knob makes it fit (train.recompute, train.micro_batch_tokens, the rollout "
-                             "sizes, train.kl_beta, train.optimizer_state_dtype, train.grad_dtype") +
+    const std::string cache_knob = wqt > 0 ? "train.dgrad_weight_cache, " : "";
+    msg += sft ? " No single knob makes it fit (" + cache_knob + "train.recompute, train.micro_batch_tokens, "
+                 "val_size, train.optimizer_state_dtype, train.grad_dtype): combine them, or use a smaller model or "
+                 "more memory."
+               : " No single knob makes it fit (" + cache_knob + "train.recompute, train.micro_batch_tokens, the "
+                 "rollout sizes, train.kl_beta, train.optimizer_state_dtype, train.grad_dtype" +
                      (fraction ? ", rollout.gpu_memory_utilization" : "") +
                      "): combine them, or use a smaller model or more memory.";
   } else {

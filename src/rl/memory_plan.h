@@ -30,6 +30,7 @@ struct MemoryPlanInput {
   std::string kv_note;                   // how its size was chosen (MemoryChoice::kv_note), shown in the plan
   int64_t micro_batch_tokens = 4096;     // tokens per forward/backward chunk
   bool recompute = false;                // train.recompute: block (saved activations: block inputs)
+  bool dgrad_weight_cache = true;        // train.dgrad_weight_cache: an FP8 trainer's W^T copies
   DType grad_dtype = DType::F32;         // train.grad_dtype
   DType moment_dtype = DType::F32;       // train.optimizer_state_dtype (m and v)
   int64_t generation_batch = 256;        // sequences decoded together (logits rows per decode step)
@@ -85,18 +86,20 @@ inline int64_t memory_plan_sft_kv_pages(const RunConfig& c) { return int64_t(c.v
 
 // The plan's input from a run config, for a given model shape and backend activation dtype.
 // sft: `fp8rl sft`'s run (its validation KV pool, no reference policy) instead of GRPO's.
-// train.recompute: auto counts as none here (resolve it first: memory_plan_resolve_recompute).
+// train.recompute: auto counts as none and train.dgrad_weight_cache: auto as on here (resolve
+// them first: memory_plan_choose).
 MemoryPlanInput memory_plan_input(const RunConfig& c, const ModelConfig& model, DType act_dtype, bool sft = false);
 
 // How a run uses the device, decided at start from the plan and the free memory (`fp8rl
-// train`, `fp8rl sft`, `fp8rl plan` against --device-gib): train.recompute with auto resolved,
-// and the KV pool. The pool is the shape-sized one (memory_plan_kv_pages; sft: its validation
+// train`, `fp8rl sft`, `fp8rl plan` against --device-gib): train.recompute and
+// train.dgrad_weight_cache with auto resolved (memory_plan_resolve_trainer), and the KV pool. The pool is the shape-sized one (memory_plan_kv_pages; sft: its validation
 // pool) unless rollout.gpu_memory_utilization > 0 and the free memory is known; then it gets
 // what the rest of the plan leaves of gpu_memory_utilization x free_bytes, at least the
 // shape-sized pool (when even that does not fit, memory_plan_check refuses) and at most
 // memory_plan_kv_pages_max.
 struct MemoryChoice {
   std::string recompute = "none";  // none | block
+  std::string dgrad_weight_cache = "on";  // on | off
   int64_t kv_pages = 0;
   std::string kv_note;  // how the pool was sized (for the plan's KV line)
   std::string lines;    // one line per automatic choice, printed at start
@@ -106,15 +109,26 @@ MemoryChoice memory_plan_choose(const RunConfig& c, const ModelConfig& model, DT
 // What the plan's peak may reach: free_bytes x rollout.gpu_memory_utilization when that is set
 // (GRPO runs), else free_bytes (< 0: unknown).
 int64_t memory_plan_budget_bytes(const RunConfig& c, int64_t free_bytes, bool sft = false);
-// The plan's input as memory_plan_input, with the choice applied (recompute, KV pool).
+// The plan's input as memory_plan_input, with the choice applied (recompute, the W^T cache, KV pool).
 MemoryPlanInput memory_plan_input_chosen(const RunConfig& c, const ModelConfig& model, DType act_dtype,
                                          const MemoryChoice& choice, bool sft = false);
 
-// train.recompute as the run uses it: none or block as configured; auto -> block when the plan's
-// peak without recomputation exceeds `free_bytes` (known: >= 0), else none. `why` (optional)
-// receives one line that says which and why, printed at start.
-std::string memory_plan_resolve_recompute(const RunConfig& c, const ModelConfig& model, DType act_dtype,
-                                          int64_t free_bytes, bool sft = false, std::string* why = nullptr);
+// The trainer's two trades of time for memory, resolved: block recomputation (one more forward
+// per micro-batch) and dropping the FP8 dgrad's W^T cache (a per-call transpose of each FP8
+// weight in the dgrad instead: far cheaper). `recompute` (none | block | auto) and
+// `dgrad_weight_cache` (on | off | auto) as configured; `in` is the plan with everything else
+// set. An auto setting takes the first of (no recomputation, cache), (no recomputation, no
+// cache), (block, cache), (block, no cache) — fastest first, the fixed settings as given —
+// whose peak fits `budget_bytes`; when none fits, the last (the least memory; the check then
+// refuses). The budget unknown (< 0): none, on. `lines` gets one line per auto setting that says
+// which and why (train.* key names), printed at start.
+struct TrainerMemoryChoice {
+  bool recompute = false;
+  bool dgrad_weight_cache = true;
+  std::string lines;
+};
+TrainerMemoryChoice memory_plan_resolve_trainer(const MemoryPlanInput& in, const std::string& recompute,
+                                                const std::string& dgrad_weight_cache, int64_t budget_bytes);
 
 // The machine's physical memory in bytes (0 when unknown).
 int64_t memory_plan_host_bytes();
@@ -136,9 +150,10 @@ std::string memory_plan_format(const MemoryPlan& plan, const ModelConfig& model,
 // context, library workspaces (cuBLASLt), CUDA-graph pools and allocator slack (see
 // memory_plan_format): a peak just under the free memory can still run out.
 // sft: the plan of `fp8rl sft` (knobs: train.micro_batch_tokens, val_size).
-// train.recompute: auto is resolved first (memory_plan_resolve_recompute) and its line leads
-// the result. Among the knobs: train.recompute: block, and the lean optimizer's
-// train.optimizer_state_dtype / train.grad_dtype: bf16 when not already set. With
+// train.recompute and train.dgrad_weight_cache: auto are resolved first (memory_plan_choose) and
+// their lines lead the result. Among the knobs: train.dgrad_weight_cache: off (an FP8 trainer),
+// train.recompute: block, and the lean optimizer's train.optimizer_state_dtype /
+// train.grad_dtype: bf16 when not already set. With
 // rollout.gpu_memory_utilization the peak is checked against that fraction of the free memory
 // (memory_plan_budget_bytes), with the KV pool memory_plan_choose gives (the line saying how
 // leads the result too), and a larger fraction that would fit is among the knobs.

@@ -315,6 +315,7 @@ TrainerOptions trainer_options(const RunConfig& c) {
   o.eps = static_cast<float>(c.train.adam_eps);
   o.micro_batch_tokens = c.train.micro_batch_tokens;
   o.recompute = c.train.recompute == "block";  // "auto" is resolved by session_check_memory
+  o.dgrad_weight_cache = c.train.dgrad_weight_cache != "off";  // ... as is this one
   o.grad_dtype = c.train.grad_dtype == "bf16" ? DType::BF16 : DType::F32;
   o.moment_dtype = c.train.optimizer_state_dtype == "bf16" ? DType::BF16 : DType::F32;
   o.stochastic_rounding = c.train.optimizer_state_rounding == "stochastic";

@@ -75,8 +75,8 @@ ModelConfig session_model_config(const Session& s);
 // The start-up memory check (rl/memory_plan.h memory_plan_check) for this session's model and
 // backend, printed to stdout; throws, before any work, when the plan cannot fit. sft: the plan
 // of `fp8rl sft` (memory_plan_input's sft). Returns how the run must use the device
-// (memory_plan_choose): train.recompute ("none" or "block": `auto` resolved by the plan) and
-// the KV pool (rollout.gpu_memory_utilization).
+// (memory_plan_choose): train.recompute ("none" or "block") and train.dgrad_weight_cache ("on"
+// or "off"), `auto` resolved by the plan, and the KV pool (rollout.gpu_memory_utilization).
 MemoryChoice session_check_memory(const Session& s, bool sft = false);
 
 // The starting policy on the host (F32): model.path, or a tiny random model (seeded).

@@ -21,11 +21,12 @@ std::string sft_run(const RunConfig& c_in, bool print_plan) {
   using Clock = std::chrono::steady_clock;
   RunConfig c = c_in;
   Session s = session_open(c, cache_dir());
-  const std::string recompute = session_check_memory(s, /*sft=*/true).recompute;  // refused here, before any work
+  const MemoryChoice memory = session_check_memory(s, /*sft=*/true);  // refused here, before any work
   Backend& be = *s.backend;
   RunDir run = run_dir_create(c.out, /*resume=*/false);
-  run_dir_save_config(run, c);  // train.recompute as given (auto stays auto)
-  c.train.recompute = recompute;
+  run_dir_save_config(run, c);  // train.recompute, train.dgrad_weight_cache as given (auto stays auto)
+  c.train.recompute = memory.recompute;
+  c.train.dgrad_weight_cache = memory.dgrad_weight_cache;
   const PrecisionRecipe recipe = config_precision_recipe(c.precision);
   ModelWeights host = session_initial_policy(s);
   session_set_model(s, host.config.vocab_size);

@@ -38,13 +38,12 @@ void DecodeGraphs::step(int Bp) {
   batch.page_table = in_.slice_rows(5 * Bp, 5 * Bp + Bp * W).reshape({Bp, W});
   batch.max_pos = static_cast<int>(W) * cache_.page_size;  // fixed: sequences grow under one graph
   Tensor logits = logits_.slice_rows(0, Bp);
-  Tensor hidden;
-  model_forward_paged(be_, gen_, prec_, cache_, ids, batch, rows, logits, &hidden);
+  model_forward_paged(be_, gen_, prec_, cache_, ids, batch, rows, logits);
   const Tensor srows = in_.slice_rows(5 * Bp + Bp * W, 5 * Bp + Bp * W + 8 * Bp).reshape({Bp, 8});
   Tensor tokens = tokens_.slice_rows(0, Bp), logp = logp_.slice_rows(0, Bp);
   be_.sample_rows(logits, srows, truncation_, tokens, logp, valid_vocab_);
   if (consistent_temperature_ > 0.0f)
-    model_sampled_logprobs(be_, gen_, prec_, hidden, tokens, consistent_temperature_, logp);
+    model_sampled_logprobs(be_, logits, tokens, consistent_temperature_, logp);
 }
 
 bool DecodeGraphs::run(const std::vector<int32_t>& ids, const std::vector<int32_t>& pos,
@@ -63,7 +62,7 @@ bool DecodeGraphs::run(const std::vector<int32_t>& ids, const std::vector<int32_
     width_ = W;
     in_ = be_.alloc({static_cast<int64_t>(max_batch_) * (5 + W + 8)}, DType::I32);
     if (!logits_.defined()) {
-      logits_ = be_.alloc({max_batch_, gen_.config.vocab_size}, DType::F32);
+      logits_ = be_.alloc({max_batch_, gen_.config.vocab_size}, model_logits_dtype(be_, gen_, prec_));
       tokens_ = be_.alloc({max_batch_}, DType::I32);
       logp_ = be_.alloc({max_batch_}, DType::F32);
     }

@@ -32,7 +32,8 @@ class DecodeGraphs {
   // sequence b (at most `width` pages); rows [B] their sampling parameters (sample_rows, with
   // `truncation` and valid_vocab). Writes the sampled tokens I32 [B] and logp F32 [B] (the
   // returned views). consistent_temperature > 0 (the consistent mode): logp is then
-  // model_sampled_logprobs' at that temperature, recorded into the graph after the sampler.
+  // model_sampled_logprobs' (logprobs_of_logits of the sampled logits) at that temperature,
+  // recorded into the graph after the sampler.
   // Returns false (nothing run) when graphs are not available.
   bool run(const std::vector<int32_t>& ids, const std::vector<int32_t>& pos, const std::vector<int32_t>& slots,
            const std::vector<const std::vector<int32_t>*>& pages, int width, const std::vector<SampleRow>& rows,
@@ -58,7 +59,7 @@ class DecodeGraphs {
   float consistent_temperature_ = 0.0f;
   // I32: per bucket [ids | seq | pos | slots | rows | table (Bp x width) | SampleRow (Bp x 8)]
   Tensor in_;
-  Tensor logits_;      // F32 [max_batch, V]
+  Tensor logits_;      // [max_batch, V] (model_logits_dtype)
   Tensor tokens_;      // I32 [max_batch]
   Tensor logp_;        // F32 [max_batch]
   std::vector<int32_t> host_;

@@ -282,8 +282,9 @@ std::vector<RolloutSample> RolloutEngine::generate(const std::vector<RolloutRequ
   // temperature rows (and greedy ones) by Gumbel-max keyed by (sequence, position): one read of
   // the logits (Backend::sample_rows).
   const bool truncation = sp.temperature > 0.0f && (sp.top_k > 0 || sp.top_p < 1.0f);
-  // The consistent mode: logp_gen by token_logprobs (the trainer's code) over the sampled tokens,
-  // in place of the sampler's own reduction (greedy rows keep the sampler's 0).
+  // The consistent mode: logp_gen by logprobs_of_logits (token_logprobs' reduction, the
+  // trainer's code) of the sampled tokens over the logits the sampler drew from, in place of the
+  // sampler's own reduction (greedy rows keep the sampler's 0).
   const float consistent_temperature = prec_.consistent ? sp.temperature : 0.0f;
   std::vector<const std::vector<int32_t>*> graph_pages;
   const ModelConfig& mc = gen_.config;
@@ -335,16 +336,16 @@ std::vector<RolloutSample> RolloutEngine::generate(const std::vector<RolloutRequ
       batch.max_pos = hb.max_pos;
       const Tensor srows_dev =
           all.slice_rows(static_cast<int64_t>(sr0), static_cast<int64_t>(packed.size())).reshape({R, 8});
-      if (!buf_.logits.defined() || buf_.logits.dim(0) < R) buf_.logits = be_.alloc({R, V}, DType::F32);
+      if (!buf_.logits.defined() || buf_.logits.dim(0) < R)
+        buf_.logits = be_.alloc({R, V}, model_logits_dtype(be_, gen_, prec_));
       Tensor logits = buf_.logits.slice_rows(0, R);
-      Tensor hidden;
-      model_forward_paged(be_, gen_, prec_, cache_, ids_dev, batch, rows_dev, logits, &hidden,
+      model_forward_paged(be_, gen_, prec_, cache_, ids_dev, batch, rows_dev, logits, nullptr,
                           record ? &rec : nullptr);
       if (record) generate_record_routing(seqs, batch_seqs, hb, rec);
       tokens_dev = buf_.tokens.slice_rows(0, R), logp_dev = buf_.logp.slice_rows(0, R);
       if (hb.any_row) be_.sample_rows(logits, srows_dev, truncation, tokens_dev, logp_dev, valid_vocab);
-      if (hb.any_row && consistent_temperature > 0.0f)  // the trainer's token_logprobs on these rows
-        model_sampled_logprobs(be_, gen_, prec_, hidden, tokens_dev, consistent_temperature, logp_dev);
+      if (hb.any_row && consistent_temperature > 0.0f)  // token_logprobs' reduction on these rows
+        model_sampled_logprobs(be_, logits, tokens_dev, consistent_temperature, logp_dev);
     }
     stats_.decode_steps++;
     sched.commit();

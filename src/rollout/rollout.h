@@ -137,7 +137,7 @@ class RolloutEngine {
   struct Buffers {
     Tensor packed;        // I32: one iteration's [ids | seq | pos | slots | rows | page table], grown on demand
     Tensor tokens, logp;  // I32, F32 [max_batch]
-    Tensor logits;        // F32 [rows capacity * vocab], grown on demand
+    Tensor logits;        // [rows capacity, vocab] (model_logits_dtype), grown on demand
   } buf_;
   std::unique_ptr<DecodeGraphs> graphs_;  // null where the backend records no graphs
 };

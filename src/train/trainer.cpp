@@ -193,6 +193,7 @@ const ModelWeights& Trainer::compute_weights() {
   // (BF16 activations: the CUDA fast path). Round-to-nearest-even once per step gives the same
   // operands as the per-call conversion.
   const bool bf16_copies = be_.act_dtype() == DType::BF16;
+  const bool keep_wqt = !opt_.frozen && opt_.dgrad_weight_cache;
   size_t i = 0, j = 0;
   auto bf16_copy = [&](const Tensor& w) {
     if (j == w16_.size()) w16_.emplace_back();
@@ -207,20 +208,19 @@ const ModelWeights& Trainer::compute_weights() {
     // The consistent mode: biases as the generator keeps them (the activation dtype).
     if (prec_.consistent && bf16_copies && lw.bias.defined()) lw.bias = bf16_copy(lw.bias);
     if (mode != LinearMode::FP8_BLOCK) return;
-    if (i == wq_.size()) {
-      wq_.emplace_back();
-      wqt_.emplace_back();
-    }
-    QuantTensor& q = wq_[i];
-    QuantTensor& qt = wqt_[i++];
+    const size_t k = i++;
+    if (k == wq_.size()) wq_.emplace_back();
+    QuantTensor& q = wq_[k];
     const int64_t N = lw.w.dim(0), K = lw.w.dim(1);
     if (!q.defined() || q.rows() != N || q.cols() != K || q.pow2 != prec_.pow2_scales)
       q = be_.alloc_quant(N, K, kQuantBlock, kQuantBlock, prec_.pow2_scales);
     be_.quantize(lw.w, /*transpose=*/false, q);  // in place; throws on non-finite weights
     lw.wq = q;
-    if (opt_.frozen) return;  // scores only: no dgrad
+    if (!keep_wqt) return;  // a frozen policy has no dgrad; without the W^T cache it transposes wq
     // W^T for the dgrad: quantizing w^T with 128x128 blocks makes the same blocks, amaxes and
     // codes as wq's, transposed (LinearWeight): the exact transpose, once per step.
+    if (k == wqt_.size()) wqt_.emplace_back();
+    QuantTensor& qt = wqt_[k];
     if (!qt.defined() || qt.rows() != K || qt.cols() != N || qt.pow2 != prec_.pow2_scales)
       qt = be_.alloc_quant(K, N, kQuantBlock, kQuantBlock, prec_.pow2_scales);
     be_.quantize(lw.w, /*transpose=*/true, qt);
@@ -245,7 +245,7 @@ const ModelWeights& Trainer::compute_weights() {
     }
   }
   wq_.resize(i);
-  wqt_.resize(i);
+  wqt_.resize(keep_wqt ? i : 0);
   w16_.resize(j);
   wq_stale_ = false;
   ++wq_refreshes_;
@@ -268,8 +268,21 @@ void Trainer::check_weight_cache() const {
                   "marking the cache (write master weights through Trainer::master() before score/step)");
     };
     check(wq_[i], want, "wq");
-    check(wqt_[i++], transpose_128x128(want), "wqt");
+    if (opt_.dgrad_weight_cache) {
+      FP8RL_CHECK(i < wqt_.size(), "trainer FP8 weight cache: no W^T entry for ", name);
+      check(wqt_[i], transpose_128x128(want), "wqt");
+    }
+    ++i;
   });
+  FP8RL_CHECK(opt_.dgrad_weight_cache || wqt_.empty(), "trainer FP8 weight cache: W^T copies kept without "
+              "dgrad_weight_cache");
+}
+
+int64_t Trainer::dgrad_weight_cache_bytes() const {
+  int64_t bytes = 0;
+  for (const QuantTensor& q : wqt_)
+    if (q.defined()) bytes += static_cast<int64_t>(q.data.nbytes() + q.scales.nbytes());
+  return bytes;
 }
 
 ScoreResult Trainer::score(const std::vector<TrainSequence>& seqs, float temperature, bool entropy, bool record_amax) {

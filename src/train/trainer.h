@@ -5,9 +5,11 @@
 // FP8 weight cache: the master weights change only at the optimizer step (or when written
 // through the non-const master()), so the FP8_BLOCK linears' 128x128 E4M3 weights (LinearWeight
 // wq, 1/4 of the FP32 master's bytes plus scales) and their exact transposes (wqt, as much
-// again; not kept by a frozen policy, which has no backward) are quantized once per change, not
-// in every forward and dgrad of every micro-batch. The ops then read wq for the forward and wqt
-// for dgrad (backend.h); the results are bitwise those of quantizing w in each op. The cache is
+// again; TrainerOptions::dgrad_weight_cache, train.dgrad_weight_cache; not kept by a frozen
+// policy, which has no backward) are quantized once per change, not in every forward and dgrad
+// of every micro-batch. The ops then read wq for the forward and wqt for dgrad (backend.h;
+// without wqt the dgrad transposes wq per call); the results are bitwise those of quantizing w
+// in each op. The cache is
 // marked stale by the optimizer step and by the non-const master(), and requantized at the next
 // score() / step(); debug builds also check it against a fresh quantization at every use.
 // With BF16 activations (CUDA) the same cache holds BF16 copies of the BF16 linears, the
@@ -54,6 +56,10 @@ struct TrainerOptions {
   int64_t micro_batch_tokens = 4096;  // a micro-batch holds whole sequences up to this many tokens
   bool recompute = false;             // block recomputation in backward (ForwardOptions::recompute)
   bool cache_fp8_weights = true;      // the FP8 weight cache (above); false: the ops quantize w per call
+  // With the cache: also each FP8 linear's W^T (wqt, as large as wq) for the dgrad; false: wqt
+  // stays undefined and the dgrad transposes wq per call (the same bits, slower; the memory plan
+  // resolves train.dgrad_weight_cache: auto into this).
+  bool dgrad_weight_cache = true;
   // A frozen policy (the KL reference): it only scores. It keeps just its compute weights — the
   // FP8 linears' wq, BF16 copies with BF16 activations, F32 norms — and no master, gradients or
   // moments (2 B or ~1 B per parameter instead of 16). step() and master() are errors.
@@ -161,6 +167,11 @@ class Trainer {
   int64_t optimizer_step() const { return adam_step_; }
   // How many times the FP8 weight cache was (re)quantized (tests, benchmarks).
   int64_t weight_cache_refreshes() const { return wq_refreshes_; }
+  // Bytes of the dgrad's W^T copies held (data + scales; 0 without them), as the memory plan's
+  // "trainer FP8 dgrad weights (W^T)" line counts them.
+  int64_t dgrad_weight_cache_bytes() const;
+  // The gradients of the last step(), after clipping (tests).
+  const ModelWeights& gradients() const { return grads_; }
 
   // Optimizer state for checkpoints: the moments as named host tensors ("<param>.exp_avg",
   // "<param>.exp_avg_sq") in their dtype (TrainerOptions::moment_dtype) and the step counter;
@@ -185,7 +196,7 @@ class Trainer {
   ModelWeights master_, grads_, m_, v_;
   ModelWeights compute_;             // master_ + the cache (shares master_'s tensors)
   std::vector<QuantTensor> wq_;      // [FP8 linears, model_for_each_linear order] the cache
-  std::vector<QuantTensor> wqt_;     // [same] their transposes (undefined in a frozen policy)
+  std::vector<QuantTensor> wqt_;     // [same] their transposes (empty: frozen, or no dgrad_weight_cache)
   std::vector<Tensor> w16_;          // BF16 compute copies (BF16 linears, embedding, lm_head) with BF16 activations
   bool wq_stale_ = true;
   int64_t wq_refreshes_ = 0;

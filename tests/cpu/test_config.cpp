@@ -9,6 +9,7 @@
 #include "core/precision.h"
 #include "rl/config.h"
 #include "rl/run_dir.h"
+#include "rl/session.h"
 
 using namespace fp8rl;
 
@@ -120,6 +121,23 @@ TEST(Config, RoutingReplayKeyAndItsAlias) {
   EXPECT_TRUE(d.train.routing_replay);
   EXPECT_THROW(config_load("", {"train.routing_replay=maybe"}), Error);
   EXPECT_TRUE(has(config_to_yaml(c), "routing_replay: true"));
+}
+
+// train.dgrad_weight_cache: auto (default) | on | off, as an override and in YAML; a bad value
+// names the key and the allowed ones; the trainer's options follow it (auto stays on until the
+// memory plan resolves it).
+TEST(Config, DgradWeightCacheKey) {
+  EXPECT_EQ(RunConfig{}.train.dgrad_weight_cache, "auto");
+  EXPECT_EQ(config_load("", {"train.dgrad_weight_cache=off"}).train.dgrad_weight_cache, "off");
+  RunConfig c;
+  config_apply_yaml(c, "train:\n  dgrad_weight_cache: on\n", "test.yaml");
+  EXPECT_EQ(c.train.dgrad_weight_cache, "on");
+  EXPECT_TRUE(has(config_to_yaml(c), "dgrad_weight_cache: on"));
+  const std::string e = error_of([] { config_load("", {"train.dgrad_weight_cache=yes"}); });
+  EXPECT_TRUE(has(e, "train.dgrad_weight_cache") && has(e, "one of auto, on, off") && has(e, "'yes'")) << e;
+  EXPECT_TRUE(trainer_options(config_load("")).dgrad_weight_cache);
+  EXPECT_TRUE(trainer_options(config_load("", {"train.dgrad_weight_cache=on"})).dgrad_weight_cache);
+  EXPECT_FALSE(trainer_options(config_load("", {"train.dgrad_weight_cache=off"})).dgrad_weight_cache);
 }
 
 TEST(Config, YamlDumpReadsBackExactly) {

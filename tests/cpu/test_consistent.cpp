@@ -1,10 +1,14 @@
 // The consistent mode (precision.consistent; docs/design.md "The consistent mode"): the recipe
-// and config keys and what they refuse, the row-invariance of the CPU's forward ops, and the
-// generator's log-probs against the trainer's scoring of the same tokens on the same weights:
+// and config keys and what they refuse, the row-invariance of the CPU's forward ops, the
+// generator's logp_gen op (logprobs_of_logits of its head's logits) against token_logprobs, and
+// the generator's log-probs against the trainer's scoring of the same tokens on the same weights:
 // bit for bit, on ragged batches, for the bf16 and fp8_e2e (E4M3 KV cache) recipes.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
+#include <string>
+#include <utility>
 
 #include "core/error.h"
 #include "model/transformer.h"
@@ -108,6 +112,58 @@ TEST(Consistent, CpuForwardOpsAreRowInvariant) {
     be->rmsnorm(h.slice_rows(r0, r0 + m), wn, 1e-6f, nm, nullptr);
     EXPECT_TRUE(rows_equal(normed, nm, r0)) << "rmsnorm " << r0 << "+" << m;
   }
+}
+
+// The consistent generator's logp_gen without a second lm_head GEMM: logprobs_of_logits over the
+// head's chunked logits (model_consistent_logits, what model_forward_paged writes and the
+// sampler reads) is token_logprobs with the consistent spec, bit for bit, as the engine's
+// model_sampled_logprobs is: F32 and BF16 hidden rows (the FP32 and the BF16 head), V = 9000
+// (three vocabulary chunks, the last partial), temperatures 0.8 and 1, a batch and a row alone.
+TEST(Consistent, LogprobsOfLogitsIsTokenLogprobsBitwise) {
+  std::unique_ptr<Backend> be = make_cpu_backend();
+  const int64_t R = 13, D = 96, V = 9000;
+  ASSERT_GT(V, 2 * kConsistentVocabChunk);
+  ASSERT_NE(V % kConsistentVocabChunk, 0);
+  std::vector<int32_t> tg(R);
+  for (int64_t i = 0; i < R; ++i) tg[i] = static_cast<int32_t>((i * 2311 + 17) % V);
+  tg[0] = 0;
+  tg[1] = static_cast<int32_t>(kConsistentVocabChunk);  // the first id of the second chunk
+  tg[2] = static_cast<int32_t>(V - 1);
+  const Tensor targets = test::i32_tensor(tg);
+  auto same = [](const Tensor& a, const Tensor& b) {
+    return a.nbytes() == b.nbytes() && std::memcmp(a.raw(), b.raw(), a.nbytes()) == 0;
+  };
+  for (DType act : {DType::F32, DType::BF16}) {
+    const Tensor hidden = test::random_tensor({R, D}, 41, act), head = test::random_tensor({V, D}, 42, act, 0.2);
+    Tensor logits = be->alloc({R, V}, DType::F32);
+    model_consistent_logits(*be, hidden, head, logits);
+    LinearSpec spec{act == DType::BF16 ? LinearMode::BF16 : LinearMode::FP32, false};
+    spec.consistent = true;
+    for (float temp : {0.8f, 1.0f}) {
+      for (auto [r0, m] : {std::pair<int64_t, int64_t>{0, R}, {6, 1}}) {
+        SCOPED_TRACE(std::string(dtype_name(act)) + " temperature " + std::to_string(temp) + " rows " +
+                     std::to_string(r0) + "+" + std::to_string(m));
+        const Tensor lg = logits.slice_rows(r0, r0 + m), tr = targets.slice_rows(r0, r0 + m);
+        Tensor logp = be->alloc({m}, DType::F32), lse = be->alloc({m}, DType::F32);
+        Tensor tl_logp = be->alloc({m}, DType::F32), tl_lse = be->alloc({m}, DType::F32);
+        Tensor gen_logp = be->alloc({m}, DType::F32);
+        be->logprobs_of_logits(lg, tr, temp, logp, lse);
+        be->token_logprobs(hidden.slice_rows(r0, r0 + m), head, tr, temp, spec, tl_logp, tl_lse, nullptr);
+        model_sampled_logprobs(*be, lg, tr, temp, gen_logp);
+        EXPECT_TRUE(same(logp, tl_logp)) << "logp differs from token_logprobs'";
+        EXPECT_TRUE(same(lse, tl_lse)) << "lse differs from token_logprobs'";
+        EXPECT_TRUE(same(gen_logp, tl_logp)) << "model_sampled_logprobs differs from token_logprobs'";
+        EXPECT_TRUE(std::isfinite(logp.data<float>()[0]) && logp.data<float>()[0] < 0.0f);
+      }
+    }
+  }
+  // A target outside the vocabulary is refused, naming the op (as token_logprobs refuses it).
+  Tensor logits = be->alloc({1, V}, DType::F32), logp = be->alloc({1}, DType::F32), lse = be->alloc({1}, DType::F32);
+  EXPECT_TRUE(has(
+      error_of([&] { be->logprobs_of_logits(logits, test::i32_tensor({static_cast<int32_t>(V)}), 1.0f, logp, lse); }),
+      "logprobs_of_logits: target 9000"));
+  EXPECT_TRUE(has(error_of([&] { be->logprobs_of_logits(logits, test::i32_tensor({-1}), 1.0f, logp, lse); }),
+                  "outside the vocabulary"));
 }
 
 struct RecipeCase {

@@ -12,6 +12,7 @@
 #include "rl/memory_plan.h"
 #include "rollout/rollout.h"
 #include "support/test_support.h"
+#include "train/trainer.h"
 
 namespace fp8rl {
 namespace {
@@ -67,12 +68,18 @@ TEST(MemoryPlan, SmallShapeByHand) {
   // Head: x_final, hidden 2 x 64 x 2 B + rstd, lse 8 B + 3 I32 ids = 276 B. 100 tokens x (2 x 2032 + 276).
   EXPECT_EQ(memory_plan_head_bytes_per_token(in.model, DType::BF16), 276);
   EXPECT_EQ(find(p.transient, "saved activations"), 434000);
-  // Logits: 100 tokens x 1000 x 4 B (below the chunk cap); decode: 8 x 1000 x 4 B.
+  // Logits: 100 tokens x 1000 x 4 B (below the chunk cap); decode: 8 x 1000 x 2 B (the head's BF16
+  // output, read by the sampler as it is; F32 in the consistent mode).
   EXPECT_EQ(find(p.transient, "lm_head logits"), 400000);
-  EXPECT_EQ(find(p.transient, "decode logits"), 32000);
+  EXPECT_EQ(find(p.transient, "decode logits"), 16000);
+  {
+    MemoryPlanInput cs = in;
+    cs.generator.consistent = true;
+    EXPECT_EQ(find(memory_plan_compute(cs).transient, "decode logits"), 32000);
+  }
   // Recomputation keeps the 2 block inputs (2 x 64 x 2 B) + one block + the head per token.
   EXPECT_EQ(p.activations_recompute_bytes, 100 * (256 + 2032 + 276));
-  EXPECT_EQ(p.peak_bytes(), p.resident_bytes() + 434000 + find(p.transient, "backward") + 400000 + 32000);
+  EXPECT_EQ(p.peak_bytes(), p.resident_bytes() + 434000 + find(p.transient, "backward") + 400000 + 16000);
 
   // train.recompute: block saves the block inputs + one block + the head instead.
   {
@@ -93,6 +100,16 @@ TEST(MemoryPlan, SmallShapeByHand) {
     f.trainer.bf16_first_layers = 1;
     EXPECT_EQ(find(memory_plan_compute(f).resident, "trainer FP8 dgrad weights"), 36892);
     for (const auto& l : p.resident) EXPECT_EQ(l.name.find("W^T"), std::string::npos) << "a BF16 trainer: " << l.name;
+    // train.dgrad_weight_cache: off: no copies; the dgrad transposes into one scratch buffer as
+    // large as the largest FP8 linear's W^T (gate, up, down: 8196 B).
+    f.trainer.bf16_first_layers = 0;
+    f.dgrad_weight_cache = false;
+    const MemoryPlan off = memory_plan_compute(f);
+    for (const auto& l : off.resident) EXPECT_NE(l.name.rfind("trainer FP8 dgrad weights", 0), 0u) << l.name;
+    EXPECT_EQ(find(off.resident, "trainer dgrad W^T scratch"), 8196);
+    EXPECT_EQ(off.resident.size(), 7u);
+    EXPECT_EQ(pf.peak_bytes() - off.peak_bytes(), 2 * 36892 - 8196);
+    for (const auto& l : pf.resident) EXPECT_NE(l.name.rfind("trainer dgrad W^T scratch", 0), 0u) << l.name;
   }
   // The frozen reference policy holds only its weights in the trainer's compute dtypes.
   in.reference_policy = true;
@@ -359,15 +376,19 @@ TEST(MemoryCheck, RecomputeAutoChoosesBlockOnlyWhenNeeded) {
   const int64_t p_block = memory_plan_compute(memory_plan_input(block, m, DType::BF16)).peak_bytes();
   ASSERT_LT(p_block, p_none);
   EXPECT_EQ(memory_plan_input(c, m, DType::BF16).recompute, false);  // auto counts as none until resolved
-  std::string why;
-  EXPECT_EQ(memory_plan_resolve_recompute(c, m, DType::BF16, p_none, false, &why), "none");
-  EXPECT_NE(why.find("auto -> none"), std::string::npos) << why;
-  EXPECT_EQ(memory_plan_resolve_recompute(c, m, DType::BF16, p_none - 1, false, &why), "block");
-  EXPECT_NE(why.find("auto -> block"), std::string::npos) << why;
-  EXPECT_EQ(memory_plan_resolve_recompute(c, m, DType::BF16, -1, false, &why), "none");
-  EXPECT_NE(why.find("unknown"), std::string::npos) << why;
-  EXPECT_EQ(memory_plan_resolve_recompute(none, m, DType::BF16, 1, false), "none");  // as configured
-  EXPECT_EQ(memory_plan_resolve_recompute(block, m, DType::BF16, -1, false), "block");
+  MemoryChoice ch = memory_plan_choose(c, m, DType::BF16, p_none);
+  EXPECT_EQ(ch.recompute, "none");
+  EXPECT_NE(ch.lines.find("train.recompute: auto -> none"), std::string::npos) << ch.lines;
+  ch = memory_plan_choose(c, m, DType::BF16, p_none - 1);
+  EXPECT_EQ(ch.recompute, "block");
+  EXPECT_NE(ch.lines.find("train.recompute: auto -> block"), std::string::npos) << ch.lines;
+  // A BF16 trainer has no W^T cache to drop first.
+  EXPECT_NE(ch.lines.find("train.dgrad_weight_cache: auto -> on (nothing to keep"), std::string::npos) << ch.lines;
+  ch = memory_plan_choose(c, m, DType::BF16, -1);
+  EXPECT_EQ(ch.recompute, "none");
+  EXPECT_NE(ch.lines.find("unknown"), std::string::npos) << ch.lines;
+  EXPECT_EQ(memory_plan_choose(none, m, DType::BF16, 1).recompute, "none");  // as configured
+  EXPECT_EQ(memory_plan_choose(block, m, DType::BF16, -1).recompute, "block");
   // The start-up check resolves it first: fits with block between the two peaks, says why.
   const std::string ok = memory_plan_check(c, m, DType::BF16, (p_none + p_block) / 2);
   EXPECT_NE(ok.find("auto -> block"), std::string::npos) << ok;
@@ -381,6 +402,165 @@ TEST(MemoryCheck, RecomputeAutoChoosesBlockOnlyWhenNeeded) {
     EXPECT_NE(msg.find("auto -> block"), std::string::npos) << msg;
     EXPECT_EQ(msg.find("- train.recompute: block"), std::string::npos) << msg;
   }
+}
+
+int64_t peak_with(RunConfig c, const ModelConfig& m, const char* recompute, const char* cache) {
+  c.train.recompute = recompute;
+  c.train.dgrad_weight_cache = cache;
+  return memory_plan_compute(memory_plan_input(c, m, DType::BF16)).peak_bytes();
+}
+
+// train.dgrad_weight_cache: auto keeps the FP8 dgrad's W^T copies when the plan fits with them,
+// drops them before train.recompute: auto turns on recomputation (a plan that fits only without
+// them gets no recomputation), and brings them back when recomputation alone fits; a plan that
+// needs both gets both. `on` never drops them, and its refusal names the knob first.
+TEST(MemoryCheck, DgradCacheAutoDropsItBeforeRecomputation) {
+  RunConfig c;
+  c.precision.recipe = "fp8_e2e";
+  c.train.micro_batch_tokens = 32768;
+  c.train.recompute = "auto";
+  c.train.dgrad_weight_cache = "auto";
+  const ModelConfig m = model_shape("qwen3-1.7b");
+  EXPECT_TRUE(memory_plan_input(c, m, DType::BF16).dgrad_weight_cache);  // auto counts as on until resolved
+  const int64_t none_on = peak_with(c, m, "none", "on"), none_off = peak_with(c, m, "none", "off");
+  const int64_t block_on = peak_with(c, m, "block", "on"), block_off = peak_with(c, m, "block", "off");
+  ASSERT_LT(none_off, none_on);
+  ASSERT_LT(block_on, none_off);  // recomputation saves more than the cache holds
+  ASSERT_LT(block_off, block_on);
+  auto choose = [&](const RunConfig& t, int64_t free_bytes) {
+    const MemoryChoice ch = memory_plan_choose(t, m, DType::BF16, free_bytes);
+    return ch.recompute + "," + ch.dgrad_weight_cache;
+  };
+  EXPECT_EQ(choose(c, none_on), "none,on");     // fits as it is
+  EXPECT_EQ(choose(c, none_off), "none,off");   // fits only without the cache: no recomputation
+  EXPECT_EQ(choose(c, block_on), "block,on");   // recomputation alone fits: the cache stays
+  EXPECT_EQ(choose(c, block_off), "block,off");  // needs both
+  EXPECT_EQ(choose(c, block_off - 1), "block,off");  // nothing fits: the least memory, refused below
+  EXPECT_EQ(choose(c, -1), "none,on");          // free memory unknown
+  // The lines say which and why, the cache's first.
+  MemoryChoice ch = memory_plan_choose(c, m, DType::BF16, none_off);
+  EXPECT_EQ(ch.lines.find("train.dgrad_weight_cache: auto -> off (with the FP8 dgrad's W^T copies"), 0u) << ch.lines;
+  EXPECT_NE(ch.lines.find("train.recompute: auto -> none (the plan's peak without recomputation"), std::string::npos)
+      << ch.lines;
+  EXPECT_NE(ch.lines.find("without the W^T cache"), std::string::npos) << ch.lines;
+  for (const auto& l : memory_plan_compute(memory_plan_input_chosen(c, m, DType::BF16, ch)).resident)
+    EXPECT_NE(l.name.rfind("trainer FP8 dgrad weights", 0), 0u) << "dropped, yet counted: " << l.name;
+  EXPECT_EQ(memory_plan_compute(memory_plan_input_chosen(c, m, DType::BF16, ch)).peak_bytes(), none_off);
+  const std::string fits = memory_plan_check(c, m, DType::BF16, none_off);
+  EXPECT_NE(fits.find("auto -> off"), std::string::npos) << fits;
+  EXPECT_NE(fits.find("memory check: peak"), std::string::npos) << fits;
+  ch = memory_plan_choose(c, m, DType::BF16, none_on);
+  EXPECT_NE(ch.lines.find("train.dgrad_weight_cache: auto -> on (the plan's peak with"), std::string::npos) << ch.lines;
+  ch = memory_plan_choose(c, m, DType::BF16, block_off);
+  EXPECT_NE(ch.lines.find("train.recompute: auto -> block (without recomputation the plan's peak even without the "
+                          "W^T cache"), std::string::npos) << ch.lines;
+  ch = memory_plan_choose(c, m, DType::BF16, -1);
+  EXPECT_NE(ch.lines.find("train.dgrad_weight_cache: auto -> on (the device's free memory is unknown"),
+            std::string::npos) << ch.lines;
+  // Nothing fits: refused with both autos resolved, not naming the cache as a knob.
+  try {
+    memory_plan_check(c, m, DType::BF16, block_off - (1ll << 30));
+    ADD_FAILURE() << "expected a refusal";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("train.dgrad_weight_cache: auto -> off"), std::string::npos) << msg;
+    EXPECT_EQ(msg.find("- train.dgrad_weight_cache: off"), std::string::npos) << msg;
+  }
+
+  // on: never dropped; recompute: auto turns on recomputation instead.
+  RunConfig on = c;
+  on.train.dgrad_weight_cache = "on";
+  EXPECT_EQ(choose(on, none_off), "block,on");
+  EXPECT_EQ(choose(on, 1), "block,on");
+  EXPECT_EQ(memory_plan_choose(on, m, DType::BF16, none_off).lines.find("dgrad_weight_cache"), std::string::npos);
+  on.train.recompute = "none";
+  EXPECT_EQ(choose(on, none_off), "none,on");
+  try {
+    memory_plan_check(on, m, DType::BF16, none_off);
+    ADD_FAILURE() << "expected a refusal";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    const size_t knob = msg.find("\n  - train.dgrad_weight_cache: off (drops the FP8 dgrad's W^T copies");
+    ASSERT_NE(knob, std::string::npos) << msg;
+    EXPECT_EQ(knob, msg.find("\n  - ")) << "the cheapest knob first: " << msg;
+    EXPECT_NE(msg.find("memory.allow_overcommit"), std::string::npos) << msg;
+  }
+  RunConfig over = on;
+  over.memory.allow_overcommit = true;
+  EXPECT_NE(memory_plan_check(over, m, DType::BF16, none_off).find("warning"), std::string::npos);
+  // off: as configured, whatever the memory.
+  RunConfig off = c;
+  off.train.dgrad_weight_cache = "off";
+  EXPECT_EQ(choose(off, int64_t(1) << 50), "none,off");
+  EXPECT_EQ(choose(off, block_on), "block,off");
+  EXPECT_EQ(memory_plan_input(off, m, DType::BF16).dgrad_weight_cache, false);
+}
+
+// The plan's W^T line is what the Trainer holds (CPU backend): its wqt copies with the cache,
+// none without.
+TEST(MemoryPlan, DgradCacheLineIsTheTrainersCopies) {
+  auto be = make_backend("cpu");
+  ModelConfig c = model_config_tiny("qwen3", 300, 128, 3, 4, 2, 256);
+  RandomInit init;
+  init.seed = 9;
+  const ModelWeights host = model_weights_random(c, init, DType::F32);
+  EnginePrecision prec;
+  prec.linear = LinearMode::FP8_BLOCK;
+  prec.bf16_first_layers = 1;
+  MemoryPlanInput in;
+  in.model = c;
+  in.trainer = prec;
+  in.act_dtype = be->act_dtype();
+  for (bool cache : {true, false}) {
+    TrainerOptions opt;
+    opt.dgrad_weight_cache = cache;
+    Trainer t(*be, model_weights_to_device(*be, host, DType::F32), prec, opt);
+    t.score({TrainSequence{{1, 2, 3, 4, 5, 6}, 2}}, 1.0f, false, false);  // builds the compute weights
+    in.dgrad_weight_cache = cache;
+    const MemoryPlan p = memory_plan_compute(in);
+    if (cache) {
+      EXPECT_GT(t.dgrad_weight_cache_bytes(), 0);
+      EXPECT_EQ(find(p.resident, "trainer FP8 dgrad weights (W^T)"), t.dgrad_weight_cache_bytes());
+    } else {
+      EXPECT_EQ(t.dgrad_weight_cache_bytes(), 0);
+      for (const auto& l : p.resident) EXPECT_NE(l.name.rfind("trainer FP8 dgrad weights", 0), 0u) << l.name;
+    }
+  }
+}
+
+// `fp8rl plan` and `bench rl-step --plan-only` at Llama-3.1-8B on a 139 GiB H200 (fp8_e2e, 16 x
+// 16 x 1024 new tokens, kl_beta 0.01, F32 gradients, BF16 moments, 4k micro-batches): short with
+// the W^T cache, it fits without; auto drops it and says so, on is refused naming the knob.
+TEST(MemoryCheck, DgradCacheAtLlama8B) {
+  int st = 0;
+  const std::string plan = std::string("'") + FP8RL_BINARY +
+                           "' plan --shape llama-3.1-8b device=cuda rollout.prompts_per_step=16 "
+                           "rollout.generations_per_prompt=16 rollout.max_new_tokens=1024 train.kl_beta=0.01 "
+                           "train.recompute=auto train.optimizer_state_dtype=bf16 train.micro_batch_tokens=4096";
+  std::string text = run_shell(plan, &st);
+  EXPECT_EQ(st, 0) << text;
+  EXPECT_NE(text.find("train.dgrad_weight_cache: auto -> off"), std::string::npos) << text;
+  EXPECT_NE(text.find("trainer dgrad W^T scratch"), std::string::npos) << text;
+  EXPECT_EQ(text.find("would refuse"), std::string::npos) << text;
+  text = run_shell(plan + " train.dgrad_weight_cache=on", &st);
+  EXPECT_NE(text.find("fp8rl train would refuse this run"), std::string::npos) << text;
+  EXPECT_NE(text.find("- train.dgrad_weight_cache: off"), std::string::npos) << text;
+  const std::string bench = std::string("'") + FP8RL_BINARY +
+                            "' bench rl-step --device cuda --plan-only --free-gib 139 --model llama-3.1-8b "
+                            "--recipes fp8_e2e --prompts 16 --samples 16 --max-new-tokens 1024 --kl-beta 0.01 "
+                            "--recompute auto --grad-dtype fp32 --optimizer-state-dtype bf16 "
+                            "--micro-batch-tokens 4096";
+  text = run_shell(bench, &st);
+  EXPECT_EQ(st, 0) << text;
+  EXPECT_NE(text.find("(recompute block, dgrad W^T cache off)"), std::string::npos) << text;
+  EXPECT_NE(text.find("fp8_e2e: fits"), std::string::npos) << text;
+  text = run_shell(bench + " --dgrad-weight-cache on", &st);
+  EXPECT_NE(st, 0) << text;
+  EXPECT_NE(text.find("would be refused"), std::string::npos) << text;
+  EXPECT_NE(text.find("--dgrad-weight-cache off (or auto)"), std::string::npos) << text;
+  text = run_shell(bench + " --dgrad-weight-cache maybe", &st);
+  EXPECT_NE(st, 0) << text;
+  EXPECT_NE(text.find("--dgrad-weight-cache must be auto, on or off"), std::string::npos) << text;
 }
 
 // The lean optimizer is among the knobs a refusal names, each checked with the plan.

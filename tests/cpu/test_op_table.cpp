@@ -75,6 +75,7 @@ TEST(OpTableCpu, CoversEveryOp) {
                        "attention",
                        "swiglu",
                        "token_logprobs",
+                       "logprobs_of_logits",
                        "moe_route_softmax",
                        "moe_route_sigmoid",
                        "moe_route_softmax_weights",

@@ -80,6 +80,54 @@ TEST(TrainerFp8Cache, StepsAreBitwiseThoseWithoutTheCache) {
   }
 }
 
+std::map<std::string, std::vector<float>> gradients(Backend& be, const Trainer& t) {
+  std::map<std::string, std::vector<float>> out;
+  model_for_each_parameter(t.gradients(), [&](const std::string& n, const Tensor& x) {
+    out[n] = to_float_vector(be.to_host(x));
+  });
+  return out;
+}
+
+// Without the dgrad's W^T copies (TrainerOptions::dgrad_weight_cache false, train.dgrad_weight_cache
+// off) the dgrad transposes wq per call: the same gradients and weights bit for bit, and no wqt
+// held. Dense and mixture-of-experts (the grouped expert dgrad) models.
+TEST(TrainerFp8Cache, DgradWithoutTheWtCacheIsBitwiseTheSame) {
+  auto be = make_cpu_backend();
+  const auto seqs = sequences(48);
+  ModelConfig moe_config = model_config_tiny("qwen3_moe", 48, 64, 2, 4, 2, 96);
+  moe_config.num_experts = 4;
+  moe_config.num_experts_per_tok = 2;
+  moe_config.moe_intermediate_size = 40;
+  moe_config.validate();
+  RandomInit init;
+  init.seed = 17;
+  init.std = 0.15f;
+  const ModelWeights moe = model_weights_random(moe_config, init, DType::F32);
+  const ModelWeights dense = test::tiny_model("qwen2", DType::F32, 71);
+  for (const ModelWeights* host : {&dense, &moe}) {
+    for (const EnginePrecision& prec : {fp8(true, 0), fp8(false, 1)}) {
+      SCOPED_TRACE(host->config.model_type + (prec.pow2_scales ? ", pow2, all blocks FP8" : ", first block BF16"));
+      TrainerOptions opt;
+      opt.micro_batch_tokens = 20;
+      Trainer cached(*be, model_weights_to_device(*be, *host, DType::F32), prec, opt);
+      opt.dgrad_weight_cache = false;
+      Trainer plain(*be, model_weights_to_device(*be, *host, DType::F32), prec, opt);
+      for (int s = 1; s <= 2; ++s) {
+        const StepResult a = cached.step(seqs, 1.0f, nll, 2e-2f), b = plain.step(seqs, 1.0f, nll, 2e-2f);
+        ASSERT_TRUE(a.applied && b.applied);
+        EXPECT_EQ(a.loss, b.loss) << "step " << s;
+        EXPECT_EQ(a.grad_norm, b.grad_norm) << "step " << s;
+        EXPECT_TRUE(gradients(*be, cached) == gradients(*be, plain)) << "step " << s << ": the gradients differ";
+        EXPECT_TRUE(params(*be, cached) == params(*be, plain)) << "step " << s << ": the weights differ";
+        EXPECT_EQ(plain.weight_cache_refreshes(), cached.weight_cache_refreshes());  // wq is still cached
+      }
+      EXPECT_GT(cached.dgrad_weight_cache_bytes(), 0);
+      EXPECT_EQ(plain.dgrad_weight_cache_bytes(), 0);
+      EXPECT_EQ(cached.score(seqs, 1.0f, true, false).logp, plain.score(seqs, 1.0f, true, false).logp);
+    }
+  }
+}
+
 TEST(TrainerFp8Cache, WritesThroughMasterAreSeen) {
   auto be = make_cpu_backend();
   const auto seqs = sequences(48);

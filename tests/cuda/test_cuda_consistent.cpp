@@ -1,12 +1,14 @@
 // The consistent mode on the GPU (precision.consistent; docs/design.md "The consistent mode"):
 // the kernels it relies on are batch-invariant at real shapes — the BF16 / FP32 cuBLASLt GEMMs on
 // one algorithm for every M, the own FP8 kernel at one split (with a fused producer's view in
-// either scale layout), the paged attention with the position-fixed split plan — and, end to
-// end, the generator's log-probs equal the trainer's scoring bit for bit (bf16 and fp8_e2e with
-// its E4M3 KV cache; ragged batches, CUDA-graph decode steps, a sequence past one attention
+// either scale layout), the paged attention with the position-fixed split plan — the generator's
+// logp_gen op (logprobs_of_logits of its head's logits) is token_logprobs bit for bit, and, end
+// to end, the generator's log-probs equal the trainer's scoring bit for bit (bf16 and fp8_e2e
+// with its E4M3 KV cache; ragged batches, CUDA-graph decode steps, a sequence past one attention
 // chunk), as on the CPU (tests/cpu/test_consistent.cpp).
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <random>
@@ -14,6 +16,7 @@
 #include <vector>
 
 #include "backend/cuda/cuda_backend.h"
+#include "model/transformer.h"
 #include "model/weights.h"
 #include "support/consistent_util.h"
 #include "support/random_tensor.h"
@@ -198,6 +201,48 @@ TEST(CudaConsistent, PagedAttentionDoesNotDependOnTheBatch) {
     cpu->attention_paged(cc, 0, qc, hb, 0.088f, false, oc, &lc);
     EXPECT_LT(test::rel_err(be.to_host(lse), lc), 1e-5) << dtype_name(pool);
     EXPECT_LT(test::rel_err(ho, oc), 2e-2) << dtype_name(pool);
+  }
+}
+
+// The consistent generator's logp_gen without a second lm_head GEMM: logprobs_of_logits over the
+// head's chunked logits (model_consistent_logits: linear of each kConsistentVocabChunk chunk into
+// F32, what model_forward_paged writes and the sampler reads) is token_logprobs with the
+// consistent spec, bit for bit. The fast path at the 1.7B head (BF16 hidden and lm_head, D 2048,
+// V 151936: 37 chunks and one of 384) for decode-sized batches, and the exact path (F32, V 9000:
+// three chunks, the last partial); temperatures 0.8 and 1.
+TEST(CudaConsistent, LogprobsOfLogitsIsTokenLogprobsBitwise) {
+  struct Case {
+    DType act;
+    int64_t D, V;
+    std::vector<int64_t> rows;
+  };
+  for (const Case& c : {Case{DType::BF16, 2048, 151936, {1, 7, 64, 256}}, Case{DType::F32, 256, 9000, {1, 19}}}) {
+    cuda::CudaBackend be(0, c.act);
+    const Tensor head = rand_dev(be, {c.V, c.D}, 51, c.act, 0.05f);
+    LinearSpec spec{c.act == DType::BF16 ? LinearMode::BF16 : LinearMode::FP32, false};
+    spec.consistent = true;
+    for (int64_t R : c.rows) {
+      const Tensor hidden = rand_dev(be, {R, c.D}, 52 + static_cast<uint32_t>(R), c.act);
+      std::vector<int32_t> tg(static_cast<size_t>(R));
+      for (int64_t i = 0; i < R; ++i) tg[static_cast<size_t>(i)] = static_cast<int32_t>((i * 7919 + 4095) % c.V);
+      tg.back() = static_cast<int32_t>(c.V - 1);
+      const Tensor targets = be.to_device(test::i32_tensor(tg));
+      Tensor logits = be.alloc({R, c.V}, DType::F32);
+      model_consistent_logits(be, hidden, head, logits);
+      for (float temp : {0.8f, 1.0f}) {
+        Tensor logp = be.alloc({R}, DType::F32), lse = be.alloc({R}, DType::F32);
+        Tensor tl_logp = be.alloc({R}, DType::F32), tl_lse = be.alloc({R}, DType::F32);
+        be.logprobs_of_logits(logits, targets, temp, logp, lse);
+        be.token_logprobs(hidden, head, targets, temp, spec, tl_logp, tl_lse, nullptr);
+        const std::string what = std::string(dtype_name(c.act)) + " V=" + std::to_string(c.V) +
+                                 " R=" + std::to_string(R) + " temperature " + std::to_string(temp);
+        const Tensor hl = be.to_host(logp), ht = be.to_host(tl_logp);
+        EXPECT_EQ(rows_differing(ht, hl, 0), 0) << what << ": logp";
+        EXPECT_EQ(rows_differing(be.to_host(tl_lse), be.to_host(lse), 0), 0) << what << ": lse";
+        for (int64_t i = 0; i < R; ++i)
+          ASSERT_TRUE(std::isfinite(hl.data<float>()[i]) && hl.data<float>()[i] < 0.0f) << what << " row " << i;
+      }
+    }
   }
 }
 

@@ -203,6 +203,43 @@ TEST(CudaSampleGumbel, GraphReplaysDrawWithTheirRows) {
   EXPECT_GT(changed, B / 2) << "replays with new counters must draw new tokens";
 }
 
+// BF16 logits (the lm_head's output, read as they are) draw exactly what their F32 copy draws on
+// the GPU — the same tokens and logp bits — and the CPU's tokens: the RL shape (plain and greedy
+// rows, 8-byte loads) and a mixed batch on an odd stride (scalar loads; top-k / top-p rows through
+// the radix kernel on the converted copy).
+TEST(CudaSampleGumbel, Bf16LogitsDrawAsTheirF32Copy) {
+  struct Case {
+    int64_t B, V, Vv;
+    bool truncation;
+  };
+  for (const Case cs : {Case{256, 151936, 151669, false}, Case{24, 32003, 32000, true}}) {
+    SCOPED_TRACE(testing::Message() << "B=" << cs.B << " V=" << cs.V);
+    const Tensor lg = lm_logits(cs.B, cs.V, cs.Vv, 61);
+    std::vector<float> v(lg.data<float>(), lg.data<float>() + lg.numel());
+    for (float& x : v) x = std::isfinite(x) ? bf16_round(x) : x;
+    const Tensor lf = from_float_vector(v, {cs.B, cs.V}, DType::F32);  // the BF16 values, exactly
+    const Tensor lb = from_float_vector(v, {cs.B, cs.V}, DType::BF16);
+    std::vector<SampleRow> rows(static_cast<size_t>(cs.B));
+    for (int64_t b = 0; b < cs.B; ++b) {
+      SampleRow& r = rows[b];
+      r.temperature = b % 7 == 3 ? 0.0f : (b % 2 ? 1.0f : 0.7f);
+      if (cs.truncation && b % 3 == 1) r.top_k = 50;
+      if (cs.truncation && b % 4 == 2) r.top_p = 0.9f;
+      r.uniform = 0.3f + 0.02f * static_cast<float>(b % 10);
+      r.key_lo = static_cast<uint32_t>(77 + b), r.key_hi = 5u, r.counter = static_cast<uint32_t>(2 * b);
+    }
+    const Tensor drows = G().to_device(rows_host(rows));
+    Tensor t16 = G().alloc({cs.B}, DType::I32), p16 = G().alloc({cs.B}, DType::F32);
+    Tensor t32 = G().alloc({cs.B}, DType::I32), p32 = G().alloc({cs.B}, DType::F32);
+    G().sample_rows(G().to_device(lb), drows, cs.truncation, t16, p16, cs.Vv);
+    G().sample_rows(G().to_device(lf), drows, cs.truncation, t32, p32, cs.Vv);
+    const Tensor h16 = G().to_host(t16), h32 = G().to_host(t32), q16 = G().to_host(p16), q32 = G().to_host(p32);
+    EXPECT_EQ(std::memcmp(h16.raw(), h32.raw(), h16.nbytes()), 0) << "tokens differ from the F32 copy's";
+    EXPECT_EQ(std::memcmp(q16.raw(), q32.raw(), q16.nbytes()), 0) << "logp differ from the F32 copy's";
+    expect_same_draws(lf, rows, cs.truncation, cs.Vv, "the BF16 values as F32, against the CPU");
+  }
+}
+
 // Time of one sample_rows at B = 256, V = 151936 (plain temperature), and of the inverse-CDF
 // sample() on the same logits, printed for docs/benchmarks.md.
 TEST(CudaSampleGumbel, PrintsTheSamplerTime) {
@@ -223,6 +260,11 @@ TEST(CudaSampleGumbel, PrintsTheSamplerTime) {
     return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() / reps;
   };
   const double gumbel = time_ms([&] { G().sample_rows(dlg, drows, false, gt, gp, Vv); });
+  Tensor dlb = G().alloc({B, V}, DType::BF16);
+  G().convert(dlg, dlb);
+  const double gumbel16 = time_ms([&] { G().sample_rows(dlb, drows, false, gt, gp, Vv); });
+  std::printf("sample_rows (Gumbel-max) on BF16 logits: %.3f ms (%.0f GB/s)\n", gumbel16,
+              static_cast<double>(B) * V * 2 / gumbel16 / 1e6);
   const std::vector<float> temp(B, 1.0f), top_p(B, 1.0f), u(B, 0.5f);
   const std::vector<int> top_k(B, 0);
   const double icdf = time_ms([&] { G().sample(dlg, temp, top_p, top_k, u, gt, gp, Vv); });

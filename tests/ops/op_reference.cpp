@@ -1,9 +1,10 @@
 // The CPU reference's specification, attached to the op table (op_table.h): each op's naive
 // references (the formula written out on small inputs, in FP64 where the op takes it: linear
 // against a naive product and the E4M3 error bound, RMSNorm, RoPE as HF writes it, SwiGLU, GQA
-// attention over packed sequences, the chunked log-softmax, AdamW in its textbook form, KV writes
-// as the E4M3 formula, sampling by its frequencies) and its FP64 finite-difference gradient
-// checks. The CPU runner (tests/cpu/test_op_table.cpp) runs them with the first row of their op.
+// attention over packed sequences, the chunked log-softmax (fused with the lm_head, and over given
+// logits), AdamW in its textbook form, KV writes as the E4M3 formula, sampling by its
+// frequencies) and its FP64 finite-difference gradient checks. The CPU runner
+// (tests/cpu/test_op_table.cpp) runs them with the first row of their op.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -507,6 +508,36 @@ void logprob_references(OpCase& c) {
   c.grad.wrt = {{"hidden", "dh"}, {"lm", "dlm", which}};
 }
 
+// ---- logprobs_of_logits ----------------------------------------------------------------------
+
+// The log-softmax of given logits at the targets, written out: lse = log sum_v exp(z_v / temp),
+// logp = z_target / temp - lse, in double over F64 logits of three vocabulary chunks (the
+// chunked online reduction agrees to double rounding).
+void logprobs_of_logits_matches_naive(Backend& cpu) {
+  const int64_t R = 4, V = 2 * kConsistentVocabChunk + 808;
+  const Tensor logits = random_tensor({R, V}, 62, DType::F64, 4.0);
+  const Tensor tgt = i32_tensor({0, static_cast<int32_t>(kConsistentVocabChunk), static_cast<int32_t>(V - 1), 5000});
+  const std::vector<double> z = values(logits);
+  for (float temp : {0.8f, 1.0f}) {
+    Tensor logp = cpu.alloc({R}, DType::F64), lse = cpu.alloc({R}, DType::F64);
+    cpu.logprobs_of_logits(logits, tgt, temp, logp, lse);
+    for (int64_t t = 0; t < R; ++t) {
+      double mx = -1e300;
+      for (int64_t j = 0; j < V; ++j) mx = std::max(mx, z[t * V + j] / temp);
+      double s = 0;
+      for (int64_t j = 0; j < V; ++j) s += std::exp(z[t * V + j] / temp - mx);
+      const double l = mx + std::log(s);
+      EXPECT_NEAR(values(lse)[t], l, 1e-12 * std::fabs(l)) << "row " << t << " temperature " << temp;
+      EXPECT_NEAR(values(logp)[t], z[t * V + tgt.data<int32_t>()[t]] / temp - l, 1e-12 * std::fabs(l))
+          << "row " << t << " temperature " << temp;
+    }
+  }
+}
+
+void logprobs_of_logits_references(OpCase& c) {
+  c.references.push_back({"LogprobsOfLogitsMatchesNaive", logprobs_of_logits_matches_naive});
+}
+
 // ---- element-wise, embedding, AdamW ----------------------------------------------------------
 
 void elementwise_ops(Backend& cpu) {
@@ -825,6 +856,7 @@ void attach_references(std::vector<OpCase>& t) {
   adamw_references(first_row(t, "adamw"));
   attention_references(first_row(t, "attention + attention_backward"));
   logprob_references(first_row(t, "token_logprobs + backward"));
+  logprobs_of_logits_references(first_row(t, "logprobs_of_logits + token_logprobs"));
   paged_references(first_row(t, "kv_write + attention_paged"));
   sample_references(first_row(t, "sample"));
 }

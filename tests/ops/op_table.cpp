@@ -778,60 +778,60 @@ void expect_rows_equal(const Tensor& full, const Tensor& part, int64_t r0, const
 void concatenated_linear_cases(std::vector<OpCase>& t) {
   for (LinearMode mode : {LinearMode::BF16, LinearMode::FP8_BLOCK})
     for (bool consistent : {false, true})
-    for (int64_t M : {int64_t(64), int64_t(37)}) {
-      if (consistent && mode != LinearMode::FP8_BLOCK) continue;
-      LinearSpec spec{mode, false};
-      spec.consistent = consistent;
-      const int64_t K = 256, N[3] = {256, 128, 384}, rows = N[0] + N[1] + N[2];
-      t.push_back({"linear_shared_input",
-                   std::to_string(M) + " tokens, K 256, N 256/128/384 concatenated " + linear_mode_name(mode) +
-                       (consistent ? " consistent" : ""),
-                   [=] {
-                     return Tensors{{"x", rnd({M, K}, 520)}, {"w", rnd({rows, K}, 521, DType::F32, 0.05f)}};
-                   },
-                   [=](OpRun& r) {
-                     const Tensor x = r.as("x", DType::BF16), wall = r.as("w", DType::BF16);
-                     QuantTensor qall;
-                     if (mode == LinearMode::FP8_BLOCK) {
-                       qall = r.be.alloc_quant(rows, K, kQuantBlock, kQuantBlock, false);
-                       r.be.quantize(wall, false, qall);
-                     }
-                     LinearWeight W[3];
-                     std::vector<const LinearWeight*> ws;
-                     std::vector<Tensor*> outs;
-                     int64_t r0 = 0;
-                     for (int i = 0; i < 3; ++i) {
-                       const int64_t r1 = r0 + N[i];
+      for (int64_t M : {int64_t(64), int64_t(37)}) {
+        if (consistent && mode != LinearMode::FP8_BLOCK) continue;
+        LinearSpec spec{mode, false};
+        spec.consistent = consistent;
+        const int64_t K = 256, N[3] = {256, 128, 384}, rows = N[0] + N[1] + N[2];
+        t.push_back({"linear_shared_input",
+                     std::to_string(M) + " tokens, K 256, N 256/128/384 concatenated " + linear_mode_name(mode) +
+                         (consistent ? " consistent" : ""),
+                     [=] {
+                       return Tensors{{"x", rnd({M, K}, 520)}, {"w", rnd({rows, K}, 521, DType::F32, 0.05f)}};
+                     },
+                     [=](OpRun& r) {
+                       const Tensor x = r.as("x", DType::BF16), wall = r.as("w", DType::BF16);
+                       QuantTensor qall;
                        if (mode == LinearMode::FP8_BLOCK) {
-                         W[i].wq = qall;
-                         W[i].wq.data = qall.data.slice_rows(r0, r1);
-                         W[i].wq.scales = qall.scales.slice_rows(r0 / kQuantBlock, r1 / kQuantBlock);
-                       } else {
-                         W[i].w = wall.slice_rows(r0, r1);
+                         qall = r.be.alloc_quant(rows, K, kQuantBlock, kQuantBlock, false);
+                         r.be.quantize(wall, false, qall);
                        }
-                       r0 = r1;
-                       ws.push_back(&W[i]);
-                       outs.push_back(&r.output("out" + std::to_string(i), {M, N[i]}, DType::BF16));
-                     }
-                     r.be.linear_shared_input(x, ws, spec, outs);
-                     for (int i = 0; i < 3; ++i)
-                       r.be.linear(x, W[i], spec, r.output("single" + std::to_string(i), {M, N[i]}, DType::BF16));
-                   },
-                   {{"out0", linear_tolerance(mode, DType::BF16)},
-                    {"out1", linear_tolerance(mode, DType::BF16)},
-                    {"out2", linear_tolerance(mode, DType::BF16)}}});
-      for (int i = 0; i < 3; ++i)
-        t.back().close.emplace_back("out" + std::to_string(i), "single" + std::to_string(i),
-                                    linear_tolerance(mode, DType::BF16));
-      t.back().no_fp8_fallback = true;
-      t.back().concat_products = 1;
-      if (consistent)
-        t.back().invariants = [](const Tensors& out) {
-          for (int i = 0; i < 3; ++i)
-            expect_rows_equal(out.at("out" + std::to_string(i)), out.at("single" + std::to_string(i)), 0,
-                              "linear_shared_input (consistent, concatenated)");
-        };
-    }
+                       LinearWeight W[3];
+                       std::vector<const LinearWeight*> ws;
+                       std::vector<Tensor*> outs;
+                       int64_t r0 = 0;
+                       for (int i = 0; i < 3; ++i) {
+                         const int64_t r1 = r0 + N[i];
+                         if (mode == LinearMode::FP8_BLOCK) {
+                           W[i].wq = qall;
+                           W[i].wq.data = qall.data.slice_rows(r0, r1);
+                           W[i].wq.scales = qall.scales.slice_rows(r0 / kQuantBlock, r1 / kQuantBlock);
+                         } else {
+                           W[i].w = wall.slice_rows(r0, r1);
+                         }
+                         r0 = r1;
+                         ws.push_back(&W[i]);
+                         outs.push_back(&r.output("out" + std::to_string(i), {M, N[i]}, DType::BF16));
+                       }
+                       r.be.linear_shared_input(x, ws, spec, outs);
+                       for (int i = 0; i < 3; ++i)
+                         r.be.linear(x, W[i], spec, r.output("single" + std::to_string(i), {M, N[i]}, DType::BF16));
+                     },
+                     {{"out0", linear_tolerance(mode, DType::BF16)},
+                      {"out1", linear_tolerance(mode, DType::BF16)},
+                      {"out2", linear_tolerance(mode, DType::BF16)}}});
+        for (int i = 0; i < 3; ++i)
+          t.back().close.emplace_back("out" + std::to_string(i), "single" + std::to_string(i),
+                                      linear_tolerance(mode, DType::BF16));
+        t.back().no_fp8_fallback = true;
+        t.back().concat_products = 1;
+        if (consistent)
+          t.back().invariants = [](const Tensors& out) {
+            for (int i = 0; i < 3; ++i)
+              expect_rows_equal(out.at("out" + std::to_string(i)), out.at("single" + std::to_string(i)), 0,
+                                "linear_shared_input (consistent, concatenated)");
+          };
+      }
 }
 
 // ---- mixture of experts ------------------------------------------------------------------------
@@ -1375,6 +1375,85 @@ void consistent_cases(std::vector<OpCase>& t) {
       }
     };
   }
+  // logprobs_of_logits over the consistent head's logits (linear of each kConsistentVocabChunk
+  // chunk of lm_head into F32, copied into [T, V]: model_consistent_logits) is token_logprobs with
+  // spec.consistent, bitwise, on every backend (it folds the same chunks with the same code):
+  // V = 9000 (three chunks, the last partial), targets in every chunk, temperatures 0.8 and 1,
+  // BF16 hidden rows with the BF16 head (the fast path), F32 ones with the FP32 head; a row alone
+  // is the same bits as among the others.
+  for (LinearMode mode : {LinearMode::FP32, LinearMode::BF16}) {
+    LinearSpec spec{mode, false};
+    spec.consistent = true;
+    const int64_t T = 19, D = 128, V = 9000;
+    const DType hdt = mode == LinearMode::BF16 ? DType::BF16 : DType::F32;
+    t.push_back(
+        {"logprobs_of_logits + token_logprobs",
+         std::string("T 19, V 9000 (three chunks) ") + linear_mode_name(mode) + " consistent head logits",
+         [=] {
+           std::vector<int32_t> tg(T);
+           for (int64_t i = 0; i < T; ++i) tg[i] = static_cast<int32_t>((i * 2311 + 17) % V);
+           tg[3] = static_cast<int32_t>(V - 1);
+           std::vector<int32_t> bad = tg;
+           bad[5] = static_cast<int32_t>(V);
+           return Tensors{{"h", rnd({T, D}, 960)},
+                          {"W", rnd({V, D}, 961, DType::F32, 0.1f)},
+                          {"targets", i32_tensor(tg, {T})},
+                          {"bad_targets", i32_tensor(bad, {T})}};
+         },
+         [=](OpRun& r) {
+           const Tensor h = r.as("h", hdt);
+           Tensor& logits = r.output("logits", {T, V}, DType::F32);
+           for (int64_t v0 = 0; v0 < V; v0 += kConsistentVocabChunk) {
+             const int64_t n = std::min(kConsistentVocabChunk, V - v0);
+             LinearWeight chunk;
+             chunk.w = r["W"].slice_rows(v0, v0 + n);
+             Tensor tmp = r.be.alloc({T, n}, DType::F32);
+             r.be.linear(h, chunk, spec, tmp);
+             r.be.copy_cols(tmp, 0, logits, v0, n);
+           }
+           for (const auto& [temp, tag] : {std::pair<float, const char*>{0.8f, "_t08"}, {1.0f, "_t1"}}) {
+             const std::string k(tag);
+             r.be.logprobs_of_logits(logits, r["targets"], temp, r.output("logp" + k, {T}, DType::F32),
+                                     r.output("lse" + k, {T}, DType::F32));
+             r.be.token_logprobs(h, r["W"], r["targets"], temp, spec, r.output("tl_logp" + k, {T}, DType::F32),
+                                 r.output("tl_lse" + k, {T}, DType::F32), nullptr);
+           }
+           r.be.logprobs_of_logits(logits.slice_rows(7, 8), r["targets"].slice_rows(7, 8), 0.8f,
+                                   r.output("logp_row7", {1}, DType::F32), r.output("lse_row7", {1}, DType::F32));
+         },
+         {{"logits", linear_tolerance(mode, DType::F32)},
+          {"logp_t08", rel(1e-4)},
+          {"lse_t08", rel(1e-5)},
+          {"logp_t1", rel(1e-4)},
+          {"lse_t1", rel(1e-5)}},
+         {{"logp_t08", "tl_logp_t08"}, {"lse_t08", "tl_lse_t08"}, {"logp_t1", "tl_logp_t1"}, {"lse_t1", "tl_lse_t1"}}});
+    t.back().invariants = [](const Tensors& out) {
+      expect_rows_equal(out.at("logp_t08"), out.at("logp_row7"), 7, "logprobs_of_logits logp");
+      expect_rows_equal(out.at("lse_t08"), out.at("lse_row7"), 7, "logprobs_of_logits lse");
+    };
+    t.back().errors = [=](OpRun& r) {
+      Tensor logits = r.be.alloc({T, V}, DType::F32), logp = r.be.alloc({T}, DType::F32),
+             lse = r.be.alloc({T}, DType::F32);
+      r.be.fill(logits, 0.25f);
+      // An out-of-range target (on the GPU found on the device) surfaces at the next
+      // synchronizing call at the latest, naming the op; the backend is usable afterwards.
+      try {
+        r.be.logprobs_of_logits(logits, r["bad_targets"], 1.0f, logp, lse);
+        r.be.synchronize();
+        ADD_FAILURE() << "an out-of-range target was not reported";
+      } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("logprobs_of_logits"), std::string::npos) << e.what();
+      }
+      r.be.synchronize();
+      r.be.logprobs_of_logits(logits, r["targets"], 1.0f, logp, lse);
+      EXPECT_NO_THROW(r.be.synchronize());
+      EXPECT_THROW(r.be.logprobs_of_logits(logits, r["targets"], 0.0f, logp, lse), Error);  // temperature 0
+      Tensor short_lse = r.be.alloc({T - 1}, DType::F32);
+      EXPECT_THROW(r.be.logprobs_of_logits(logits, r["targets"], 1.0f, logp, short_lse), Error);
+      EXPECT_THROW(r.be.logprobs_of_logits(logits.reshape({T * V}), r["targets"], 1.0f, logp, lse), Error);  // not 2-D
+      EXPECT_THROW(r.be.logprobs_of_logits(logits.slice_rows(0, T - 1), r["targets"], 1.0f, logp, lse), Error);
+    };
+  }
 }
 
 // ---- generation ----------------------------------------------------------------------------------
@@ -1691,39 +1770,54 @@ void generation_cases(std::vector<OpCase>& t) {
 }
 
 // sample_rows: the generator's sampler with device parameters (Gumbel-max rows, greedy rows, and
-// inverse-CDF rows when truncation is allowed): the CPU's token, logp within 1e-5.
+// inverse-CDF rows when truncation is allowed): the CPU's token, logp within 1e-5. BF16 logits
+// (the lm_head's output) draw exactly what their F32 copy draws: the same tokens and logp bits.
 void sample_rows_cases(std::vector<OpCase>& t) {
   const int64_t B = 16, V = 5000;
-  for (bool truncation : {false, true}) {
-    t.push_back({"sample_rows",
-                 "V 5000, 16 rows" + std::string(truncation ? ", with top-k / top-p rows" : ", plain"),
-                 [=] {
-                   std::vector<SampleRow> rows(B);
-                   for (int64_t b = 0; b < B; ++b) {
-                     SampleRow& p = rows[b];
-                     p.temperature = b % 5 == 0 ? 0.0f : 0.6f + 0.1f * static_cast<float>(b % 4);
-                     p.key_lo = static_cast<uint32_t>(1000 + b);
-                     p.key_hi = 7;
-                     p.counter = static_cast<uint32_t>(3 * b);
-                     p.uniform = 0.37f;
-                     if (truncation && b % 3 == 1) p.top_k = 40;
-                     if (truncation && b % 3 == 2) p.top_p = 0.9f;
-                   }
-                   Tensor rt = Tensor::empty({B, 8}, DType::I32);
-                   std::memcpy(rt.raw(), rows.data(), B * sizeof(SampleRow));
-                   return Tensors{{"logits", rnd({B, V}, 520, DType::F32, 3.0f)}, {"rows", rt}};
-                 },
-                 [=](OpRun& r) {
-                   r.be.sample_rows(r["logits"], r["rows"], truncation, r.output("tokens", {B}, DType::I32),
-                                    r.output("logp", {B}, DType::F32));
-                 },
-                 {{"tokens", bitwise()}, {"logp", near(1e-5)}}});
-    t.back().errors = [=](OpRun& r) {
-      Tensor tk = r.be.alloc({B}, DType::I32), lp = r.be.alloc({B}, DType::F32);
-      Tensor short_rows = r.be.alloc({B, 7}, DType::I32);
-      EXPECT_THROW(r.be.sample_rows(r["logits"], short_rows, truncation, tk, lp), Error);
-    };
-  }
+  for (DType ldt : {DType::F32, DType::BF16})
+    for (bool truncation : {false, true}) {
+      t.push_back({"sample_rows",
+                   "V 5000, 16 rows" + std::string(truncation ? ", with top-k / top-p rows" : ", plain") +
+                       (ldt == DType::BF16 ? ", BF16 logits" : ""),
+                   [=] {
+                     std::vector<SampleRow> rows(B);
+                     for (int64_t b = 0; b < B; ++b) {
+                       SampleRow& p = rows[b];
+                       p.temperature = b % 5 == 0 ? 0.0f : 0.6f + 0.1f * static_cast<float>(b % 4);
+                       p.key_lo = static_cast<uint32_t>(1000 + b);
+                       p.key_hi = 7;
+                       p.counter = static_cast<uint32_t>(3 * b);
+                       p.uniform = 0.37f;
+                       if (truncation && b % 3 == 1) p.top_k = 40;
+                       if (truncation && b % 3 == 2) p.top_p = 0.9f;
+                     }
+                     Tensor rt = Tensor::empty({B, 8}, DType::I32);
+                     std::memcpy(rt.raw(), rows.data(), B * sizeof(SampleRow));
+                     return Tensors{{"logits", rnd({B, V}, 520, DType::F32, 3.0f)}, {"rows", rt}};
+                   },
+                   [=](OpRun& r) {
+                     const Tensor lg = r.as("logits", ldt);
+                     r.be.sample_rows(lg, r["rows"], truncation, r.output("tokens", {B}, DType::I32),
+                                      r.output("logp", {B}, DType::F32));
+                     if (ldt == DType::BF16) {  // the same logits as F32
+                       Tensor lf = r.be.alloc({B, V}, DType::F32);
+                       r.be.convert(lg, lf);
+                       r.be.sample_rows(lf, r["rows"], truncation, r.output("tokens_f32", {B}, DType::I32),
+                                        r.output("logp_f32", {B}, DType::F32));
+                     }
+                   },
+                   {{"tokens", bitwise()}, {"logp", near(1e-5)}}});
+      if (ldt == DType::BF16)
+        t.back().invariants = [](const Tensors& out) {
+          expect_rows_equal(out.at("tokens_f32"), out.at("tokens"), 0, "sample_rows (BF16 logits: tokens)");
+          expect_rows_equal(out.at("logp_f32"), out.at("logp"), 0, "sample_rows (BF16 logits: logp)");
+        };
+      t.back().errors = [=](OpRun& r) {
+        Tensor tk = r.be.alloc({B}, DType::I32), lp = r.be.alloc({B}, DType::F32);
+        Tensor short_rows = r.be.alloc({B, 7}, DType::I32);
+        EXPECT_THROW(r.be.sample_rows(r["logits"], short_rows, truncation, tk, lp), Error);
+      };
+    }
 }
 
 }  // namespace

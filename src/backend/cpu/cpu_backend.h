@@ -86,6 +86,8 @@ class CpuBackend final : public Backend {
   void token_logprobs_backward_impl(const Tensor& hidden, const Tensor& lm_head, const Tensor& targets,
                                     float temperature, const LinearSpec& spec, const Tensor& lse, const Tensor& dlogp,
                                     Tensor& dhidden, Tensor* dlm_head) override;
+  void logprobs_of_logits_impl(const Tensor& logits, const Tensor& targets, float temperature, Tensor& logp,
+                               Tensor& lse) override;
   void moe_route_softmax_impl(const Tensor& logits, int top_k, bool renormalize, Tensor& experts,
                               Tensor& weights) override;
   void moe_route_softmax_backward_impl(const Tensor& logits, const Tensor& experts, bool renormalize,

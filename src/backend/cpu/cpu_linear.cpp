@@ -212,27 +212,86 @@ struct LogitsChunk {
   std::vector<double> z;  // [T, n] logits / temperature
 };
 
-// Calls f(chunk) for each vocabulary chunk of logits = hidden lm_head^T / temperature.
+// Calls f(chunk) for each vocabulary chunk of logits = hidden lm_head^T / temperature. With
+// spec.consistent the chunks are kConsistentVocabChunk wide and each raw logit is rounded to F32
+// first: exactly what linear over that chunk writes into an F32 output (the consistent
+// generator's logits, which logprobs_of_logits reads).
 template <class F>
 void for_each_logits_chunk(const Tensor& hidden, const Tensor& lm_head, float temperature,
                            const LinearSpec& spec, const std::vector<double>& h_eff, F&& f) {
   const int64_t T = hidden.dim(0), D = hidden.dim(1), V = lm_head.dim(0);
-  for (int64_t v0 = 0; v0 < V; v0 += kVocabChunk) {
-    const int64_t n = std::min(kVocabChunk, V - v0);
+  const int64_t width = spec.consistent ? kConsistentVocabChunk : kVocabChunk;
+  for (int64_t v0 = 0; v0 < V; v0 += width) {
+    const int64_t n = std::min(width, V - v0);
     LinearWeight Wc;
     Wc.w = lm_head.slice_rows(v0, v0 + n);
     LogitsChunk c{v0, n, matmul_nt(h_eff, linear_operand_weight(Wc, spec.mode, spec.pow2_scales), T, n, D)};
+    if (spec.consistent)
+      for (double& e : c.z) e = static_cast<float>(e);
     for (double& e : c.z) e /= temperature;
     f(c);
   }
 }
 
-// Data the contract cannot see without reading it: each target inside the vocabulary.
-void check_targets(const Tensor& lm_head, const std::vector<int32_t>& targets) {
+// Data the contract cannot see without reading it: each target inside the vocabulary [0, V).
+void check_targets(int64_t V, const std::vector<int32_t>& targets, const char* op) {
   for (size_t t = 0; t < targets.size(); ++t)
-    FP8RL_CHECK(targets[t] >= 0 && targets[t] < lm_head.dim(0), "token_logprobs: target ", targets[t],
-                " of token ", t, " is outside the vocabulary [0, ", lm_head.dim(0), ")");
+    FP8RL_CHECK(targets[t] >= 0 && targets[t] < V, op, ": target ", targets[t], " of token ", t,
+                " is outside the vocabulary [0, ", V, ")");
 }
+
+// The log-softmax reduction of token_logprobs and logprobs_of_logits, one copy: per row an
+// online log-sum-exp over the vocabulary chunks folded in order (running max m, S = sum e^(z-m),
+// Z = sum e^(z-m) z for the entropy) and the target's z. The chunks and their order fix the
+// result: both ops fold the same chunks for the same bits.
+class RowLogSoftmax {
+ public:
+  explicit RowLogSoftmax(const std::vector<int32_t>& targets)
+      : tgt_(targets), m_(targets.size(), -INFINITY), S_(targets.size(), 0.0), Z_(targets.size(), 0.0),
+        zt_(targets.size(), 0.0) {}
+
+  // Folds in the chunk of vocabulary ids [v0, v0 + n): its tempered logits z, row t's n values
+  // at z + t * ld.
+  void fold(const double* z0, int64_t ld, int64_t v0, int64_t n) {
+    const int64_t T = static_cast<int64_t>(tgt_.size());
+    cpu_parallel_for(T, T * n * 16, [&](int64_t t0, int64_t t1) {  // ~16 flops per exp
+      for (int64_t t = t0; t < t1; ++t) {
+        const double* z = z0 + t * ld;
+        const double cm = *std::max_element(z, z + n);
+        if (cm > m_[t]) {
+          const double r = std::exp(m_[t] - cm);  // 0 on the first chunk
+          S_[t] *= r;
+          Z_[t] *= r;
+          m_[t] = cm;
+        }
+        for (int64_t j = 0; j < n; ++j) {
+          const double e = std::exp(z[j] - m_[t]);
+          S_[t] += e;
+          Z_[t] += e * z[j];
+        }
+        if (tgt_[t] >= v0 && tgt_[t] < v0 + n) zt_[t] = z[tgt_[t] - v0];
+      }
+    });
+  }
+
+  // logp = z_target - lse, lse = m + log S, entropy (when non-null) = lse - Z / S.
+  void finish(Tensor& logp, Tensor& lse, Tensor* entropy, const std::string& op) const {
+    const size_t T = tgt_.size();
+    std::vector<double> vlse(T), vlogp(T), vent(T);
+    for (size_t t = 0; t < T; ++t) {
+      vlse[t] = m_[t] + std::log(S_[t]);
+      vlogp[t] = zt_[t] - vlse[t];
+      vent[t] = vlse[t] - Z_[t] / S_[t];  // H = -sum p log p = lse - E_p[z]
+    }
+    store(vlogp, logp, (op + " logp").c_str());
+    store(vlse, lse, (op + " lse").c_str());
+    if (entropy) store(vent, *entropy, (op + " entropy").c_str());
+  }
+
+ private:
+  const std::vector<int32_t>& tgt_;
+  std::vector<double> m_, S_, Z_, zt_;
+};
 
 }  // namespace
 
@@ -240,40 +299,25 @@ void CpuBackend::token_logprobs_impl(const Tensor& hidden, const Tensor& lm_head
                                      float temperature, const LinearSpec& spec, Tensor& logp, Tensor& lse,
                                      Tensor* entropy) {
   const std::vector<int32_t> tgt = load_i32(targets, "token_logprobs targets");
-  check_targets(lm_head, tgt);
-  const int64_t T = hidden.dim(0);
-  // Online log-sum-exp per token: running max m, S = sum e^(z-m), Z = sum e^(z-m) z.
-  std::vector<double> m(T, -INFINITY), S(T, 0.0), Z(T, 0.0), zt(T, 0.0);
+  check_targets(lm_head.dim(0), tgt, "token_logprobs");
+  RowLogSoftmax rows(tgt);
   const std::vector<double> h_eff = linear_operand_act(hidden, spec.mode, spec.pow2_scales);
-  for_each_logits_chunk(hidden, lm_head, temperature, spec, h_eff, [&](const LogitsChunk& c) {
-    cpu_parallel_for(T, T * c.n * 16, [&](int64_t t0, int64_t t1) {  // ~16 flops per exp
-    for (int64_t t = t0; t < t1; ++t) {
-      const double* z = c.z.data() + t * c.n;
-      const double cm = *std::max_element(z, z + c.n);
-      if (cm > m[t]) {
-        const double r = std::exp(m[t] - cm);  // 0 on the first chunk
-        S[t] *= r;
-        Z[t] *= r;
-        m[t] = cm;
-      }
-      for (int64_t j = 0; j < c.n; ++j) {
-        const double e = std::exp(z[j] - m[t]);
-        S[t] += e;
-        Z[t] += e * z[j];
-      }
-      if (tgt[t] >= c.v0 && tgt[t] < c.v0 + c.n) zt[t] = z[tgt[t] - c.v0];
-    }
-    });
-  });
-  std::vector<double> vlse(T), vlogp(T), vent(T);
-  for (int64_t t = 0; t < T; ++t) {
-    vlse[t] = m[t] + std::log(S[t]);
-    vlogp[t] = zt[t] - vlse[t];
-    vent[t] = vlse[t] - Z[t] / S[t];  // H = -sum p log p = lse - E_p[z]
-  }
-  store(vlogp, logp, "token_logprobs logp");
-  store(vlse, lse, "token_logprobs lse");
-  if (entropy) store(vent, *entropy, "token_logprobs entropy");
+  for_each_logits_chunk(hidden, lm_head, temperature, spec, h_eff,
+                        [&](const LogitsChunk& c) { rows.fold(c.z.data(), c.n, c.v0, c.n); });
+  rows.finish(logp, lse, entropy, "token_logprobs");
+}
+
+void CpuBackend::logprobs_of_logits_impl(const Tensor& logits, const Tensor& targets, float temperature,
+                                         Tensor& logp, Tensor& lse) {
+  const std::vector<int32_t> tgt = load_i32(targets, "logprobs_of_logits targets");
+  const int64_t V = logits.dim(1);
+  check_targets(V, tgt, "logprobs_of_logits");
+  std::vector<double> z = load(logits, "logprobs_of_logits logits");  // [R, V]
+  for (double& e : z) e /= temperature;  // as for_each_logits_chunk tempers its chunks
+  RowLogSoftmax rows(tgt);
+  for (int64_t v0 = 0; v0 < V; v0 += kConsistentVocabChunk)
+    rows.fold(z.data() + v0, V, v0, std::min(kConsistentVocabChunk, V - v0));
+  rows.finish(logp, lse, nullptr, "logprobs_of_logits");
 }
 
 // d logp[t] / d z[t, v] = [v == target] - p[t, v]; z = raw / temperature. The raw-logit
@@ -282,7 +326,7 @@ void CpuBackend::token_logprobs_backward_impl(const Tensor& hidden, const Tensor
                                               float temperature, const LinearSpec& spec, const Tensor& lse,
                                               const Tensor& dlogp, Tensor& dhidden, Tensor* dlm_head) {
   const std::vector<int32_t> tgt = load_i32(targets, "token_logprobs targets");
-  check_targets(lm_head, tgt);
+  check_targets(lm_head.dim(0), tgt, "token_logprobs");
   const int64_t T = hidden.dim(0), D = hidden.dim(1);
   const std::vector<double> vlse = load(lse, "token_logprobs lse"), g = load(dlogp, "token_logprobs dlogp");
   const std::vector<double> h_eff = linear_operand_act(hidden, spec.mode, spec.pow2_scales);

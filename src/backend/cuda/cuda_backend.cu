@@ -1365,11 +1365,31 @@ void CudaBackend::token_logprobs_impl(const Tensor& hidden, const Tensor& lm_hea
     LinearWeight chunk;
     chunk.w = lm_head.slice_rows(v0, v0 + n);
     linear_fwd(hidden, chunk, spec, logits);
-    launch_logprob_chunk(logits.data<float>(), T, n, v0, V, 1.0f / temperature, targets.data<int32_t>(), m, s, e, tgt,
-                         bad, stream_);
+    launch_logprob_chunk(logits.data<float>(), n, T, n, v0, V, 1.0f / temperature, targets.data<int32_t>(), m, s, e,
+                         tgt, bad, stream_);
   }
   launch_logprob_finish(m, s, e, tgt, T, logp.data<float>(), lse.data<float>(),
                         entropy ? entropy->data<float>() : nullptr, stream_);
+}
+
+void CudaBackend::logprobs_of_logits_impl(const Tensor& logits, const Tensor& targets, float temperature, Tensor& logp,
+                                          Tensor& lse) {
+  const OpTimer op_timer_(*this, "logprobs_of_logits");
+  const int64_t R = logits.dim(0), V = logits.dim(1);
+  Tensor state = scratch(kSlotState, {4, R}, DType::F32);
+  float* m = state.data<float>();
+  float *s = m + R, *e = m + 2 * R, *tgt = m + 3 * R;
+  launch_logprob_init(m, s, e, tgt, R, stream_);
+  int* bad = flag_dev_ + kFlagSticky;  // token_logprobs' sticky slot and protocol
+  if (sticky_message_.empty())
+    sticky_message_ = "logprobs_of_logits: a target id is out of range [0, " + std::to_string(V) + ")";
+  // token_logprobs' consistent chunks, each a column slice of the [R, V] logits read in place.
+  for (int64_t v0 = 0; v0 < V; v0 += kConsistentVocabChunk) {
+    const int64_t n = std::min(kConsistentVocabChunk, V - v0);
+    launch_logprob_chunk(logits.data<float>() + v0, V, R, n, v0, V, 1.0f / temperature, targets.data<int32_t>(), m, s,
+                         e, tgt, bad, stream_);
+  }
+  launch_logprob_finish(m, s, e, tgt, R, logp.data<float>(), lse.data<float>(), nullptr, stream_);
 }
 
 void CudaBackend::token_logprobs_backward_impl(const Tensor& hidden, const Tensor& lm_head, const Tensor& targets,
@@ -1588,13 +1608,20 @@ void CudaBackend::sample_rows_impl(const Tensor& logits, const Tensor& rows, boo
   }
   const auto* r = reinterpret_cast<const SampleRow*>(rows.raw());
   const int splits = sample_gumbel_splits(B, V, sm_count_);
+  // BF16 logits (the lm_head's output): the Gumbel kernels read them as they are; the radix
+  // kernel of top-k / top-p rows takes F32, converted here (exact: the same draws either way).
+  Tensor lf = logits;
+  if (truncation && logits.dtype() == DType::BF16) {
+    lf = scratch(kSlotLogits, {B, V}, DType::F32);
+    launch_convert(logits.raw(), DType::BF16, lf.raw(), DType::F32, logits.numel(), stream_);
+  }
   Tensor part = scratch(kSlotTmp, {static_cast<int64_t>(sample_gumbel_scratch_bytes(B, splits))}, DType::U8);
   int* f = flag_reset();
-  launch_sample_gumbel(logits.data<float>(), B, V, Vv, r, truncation, splits, part.raw(), tokens.data<int32_t>(),
+  launch_sample_gumbel(lf.raw(), lf.dtype(), B, V, Vv, r, truncation, splits, part.raw(), tokens.data<int32_t>(),
                        logp.data<float>(), f, stream_);
   if (truncation) {
     const auto* w = reinterpret_cast<const float*>(rows.raw());  // SampleRow's first four words
-    launch_sample(logits.data<float>(), B, V, Vv, w, w + 1, reinterpret_cast<const int32_t*>(w + 2), w + 3, 8, true,
+    launch_sample(lf.data<float>(), B, V, Vv, w, w + 1, reinterpret_cast<const int32_t*>(w + 2), w + 3, 8, true,
                   tokens.data<int32_t>(), logp.data<float>(), f, stream_);
   }
   flag_check("sample: a row of logits holds NaN or +inf, or only -inf, or its parameters are out of range "

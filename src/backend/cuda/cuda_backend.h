@@ -99,6 +99,8 @@ class CudaBackend final : public Backend {
   void token_logprobs_backward_impl(const Tensor& hidden, const Tensor& lm_head, const Tensor& targets,
                                     float temperature, const LinearSpec& spec, const Tensor& lse, const Tensor& dlogp,
                                     Tensor& dhidden, Tensor* dlm_head) override;
+  void logprobs_of_logits_impl(const Tensor& logits, const Tensor& targets, float temperature, Tensor& logp,
+                               Tensor& lse) override;
   void moe_route_softmax_impl(const Tensor& logits, int top_k, bool renormalize, Tensor& experts,
                               Tensor& weights) override;
   void moe_route_softmax_backward_impl(const Tensor& logits, const Tensor& experts, bool renormalize,
@@ -171,7 +173,8 @@ class CudaBackend final : public Backend {
   // slot with its message. Recorded slots are read back at the next synchronizing call
   // (synchronize, a copy to or from the host, a reduction, sample, quantize) by flag_drain,
   // which raises the first set flag's message; FP8RL_CUDA_SYNC_CHECKS=1 drains after every op.
-  // Slot kFlagSticky is token_logprobs' cumulative target-range flag (never reset per call).
+  // Slot kFlagSticky is token_logprobs' and logprobs_of_logits' cumulative target-range flag (never
+  // reset per call).
   static constexpr int kFlagSlots = 256, kFlagSticky = kFlagSlots - 1;
   int* flag_reset();
   void flag_check(const std::string& message);

@@ -254,16 +254,19 @@ void launch_sample(const float* logits, int64_t B, int64_t ld, int64_t V, const 
 // row with NaN / +inf, only -inf drawable, or bad parameters (token 0, logp NaN).
 int sample_gumbel_splits(int64_t B, int64_t ld, int sm_count);
 size_t sample_gumbel_scratch_bytes(int64_t B, int splits);
-void launch_sample_gumbel(const float* logits, int64_t B, int64_t ld, int64_t V, const SampleRow* rows,
+// logits F32 or BF16 (exactly the draws and logp of their F32 copy).
+void launch_sample_gumbel(const void* logits, DType dtype, int64_t B, int64_t ld, int64_t V, const SampleRow* rows,
                           bool truncation, int splits, void* scratch, int32_t* tokens, float* logp, int* bad_flag,
                           cudaStream_t stream);
 
 // ---- fused log-probabilities (logprob_kernels.cu) ----
-// Online log-sum-exp over one vocabulary chunk of raw logits [T, Vc] (F32) starting at v0;
-// state m, s, e (entropy accumulator) and tgt (target logit) of length T.
-void launch_logprob_chunk(const float* logits, int64_t T, int64_t Vc, int64_t v0, int64_t V, float inv_temp,
-                          const int32_t* targets, float* m, float* s, float* e, float* tgt, int* bad_flag,
-                          cudaStream_t stream);
+// Online log-sum-exp over one vocabulary chunk of raw logits (F32) starting at v0: Vc values
+// per row, row t at logits + t * ld (ld = Vc: a [T, Vc] chunk; ld = V: a column slice of
+// [T, V] logits, read in place); state m, s, e (entropy accumulator) and tgt (target logit) of
+// length T.
+void launch_logprob_chunk(const float* logits, int64_t ld, int64_t T, int64_t Vc, int64_t v0, int64_t V,
+                          float inv_temp, const int32_t* targets, float* m, float* s, float* e, float* tgt,
+                          int* bad_flag, cudaStream_t stream);
 void launch_logprob_init(float* m, float* s, float* e, float* tgt, int64_t T, cudaStream_t stream);
 void launch_logprob_finish(const float* m, const float* s, const float* e, const float* tgt, int64_t T, float* logp,
                            float* lse, float* entropy, cudaStream_t stream);

@@ -22,12 +22,13 @@ __global__ void logprob_init_kernel(float* m, float* s, float* e, float* tgt, in
   }
 }
 
-// One block per token row.
-__global__ void logprob_chunk_kernel(const float* logits, int64_t Vc, int64_t v0, int64_t V, float inv_temp,
-                                     const int32_t* targets, float* m, float* s, float* e, float* tgt, int* bad) {
+// One block per token row; row t's Vc logits at logits + t * ld.
+__global__ void logprob_chunk_kernel(const float* logits, int64_t ld, int64_t Vc, int64_t v0, int64_t V,
+                                     float inv_temp, const int32_t* targets, float* m, float* s, float* e, float* tgt,
+                                     int* bad) {
   __shared__ float red[32];
   const int64_t t = blockIdx.x;
-  const float* row = logits + t * Vc;
+  const float* row = logits + t * ld;
   float cmax = -INFINITY;
   for (int64_t j = threadIdx.x; j < Vc; j += blockDim.x) cmax = fmaxf(cmax, row[j] * inv_temp);
   cmax = block_max(cmax, red);
@@ -118,12 +119,12 @@ void launch_logprob_init(float* m, float* s, float* e, float* tgt, int64_t T, cu
   CUDA_CHECK_LAUNCH("logprob_init_kernel");
 }
 
-void launch_logprob_chunk(const float* logits, int64_t T, int64_t Vc, int64_t v0, int64_t V, float inv_temp,
-                          const int32_t* targets, float* m, float* s, float* e, float* tgt, int* bad_flag,
-                          cudaStream_t stream) {
+void launch_logprob_chunk(const float* logits, int64_t ld, int64_t T, int64_t Vc, int64_t v0, int64_t V,
+                          float inv_temp, const int32_t* targets, float* m, float* s, float* e, float* tgt,
+                          int* bad_flag, cudaStream_t stream) {
   if (T == 0 || Vc == 0) return;
-  logprob_chunk_kernel<<<static_cast<unsigned>(T), kThreads, 0, stream>>>(logits, Vc, v0, V, inv_temp, targets, m, s,
-                                                                         e, tgt, bad_flag);
+  logprob_chunk_kernel<<<static_cast<unsigned>(T), kThreads, 0, stream>>>(logits, ld, Vc, v0, V, inv_temp, targets, m,
+                                                                         s, e, tgt, bad_flag);
   CUDA_CHECK_LAUNCH("logprob_chunk_kernel");
 }
 

@@ -1,7 +1,8 @@
 // The Gumbel-max sampler of Backend::sample_rows on the GPU: one read of the logits per row.
 //
 // Row b is cut into `splits` chunks of 4-id groups; a block of kThreads reads its chunk once
-// (16-byte loads when the row stride allows) and keeps, per thread, (1) the best score
+// (16-byte F32 or 8-byte BF16 loads when the row stride allows: BF16 logits, the lm_head GEMM's
+// output, are read as they are, half the bytes, with no conversion pass) and keeps, per thread, (1) the best score
 // fl(logit * inv_t) + g over the drawable ids (sampling.h: Philox and the logarithms the CPU
 // reference runs, so the argmax is the CPU's bit for bit), (2) an online max / sum of
 // exp((logit - max) / T) over all ld ids for logp, and (3) the NaN / +inf check. A group
@@ -62,8 +63,31 @@ __device__ __forceinline__ void merge_lse(float& m, float& s, float om, float os
   m = mn;
 }
 
+// Four consecutive logits of group g of a row as F32: one 16-byte (F32) or 8-byte (BF16) load
+// when `vec`, else element by element, -inf past ld. BF16 -> F32 is exact: the draw and logp are
+// those of the F32 copy of the same logits, bit for bit.
+__device__ __forceinline__ float4 load_group(const float* row, int64_t g, int64_t ld, bool vec) {
+  if (vec) return __ldcs(reinterpret_cast<const float4*>(row) + g);
+  const int64_t j = 4 * g;
+  return make_float4(row[j], j + 1 < ld ? row[j + 1] : -INFINITY, j + 2 < ld ? row[j + 2] : -INFINITY,
+                     j + 3 < ld ? row[j + 3] : -INFINITY);
+}
+__device__ __forceinline__ float4 load_group(const bf16* row, int64_t g, int64_t ld, bool vec) {
+  const uint16_t* h = reinterpret_cast<const uint16_t*>(row);
+  if (vec) {
+    const uint2 u = __ldcs(reinterpret_cast<const uint2*>(h) + g);
+    return make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xffff0000u), __uint_as_float(u.y << 16),
+                       __uint_as_float(u.y & 0xffff0000u));
+  }
+  const int64_t j = 4 * g;
+  return make_float4(bf16_bits_to_float(h[j]), j + 1 < ld ? bf16_bits_to_float(h[j + 1]) : -INFINITY,
+                     j + 2 < ld ? bf16_bits_to_float(h[j + 2]) : -INFINITY,
+                     j + 3 < ld ? bf16_bits_to_float(h[j + 3]) : -INFINITY);
+}
+
+template <typename T>
 __global__ void __launch_bounds__(kThreads)
-    sample_gumbel_partial_kernel(const float* __restrict__ logits, int64_t ld, int64_t V, const SampleRow* rows,
+    sample_gumbel_partial_kernel(const T* __restrict__ logits, int64_t ld, int64_t V, const SampleRow* rows,
                                  int64_t groups_per_split, bool vec, GumbelPartial* partial) {
   const int64_t b = blockIdx.y, split = blockIdx.x, splits = gridDim.x;
   const SampleRow p = rows[b];
@@ -72,7 +96,7 @@ __global__ void __launch_bounds__(kThreads)
   const bool greedy = p.temperature == 0.0f;
   const float inv_t = greedy ? 1.0f : sampling::div_rn(1.0f, p.temperature);
   const float c = greedy ? 0.0f : 1.4426950408889634f * inv_t;  // log2(e) / T
-  const float* row = logits + b * ld;
+  const T* row = logits + b * ld;
   const int64_t G = (ld + 3) / 4;
   const int64_t g0 = split * groups_per_split, g1 = min(G, g0 + groups_per_split);
 
@@ -88,17 +112,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t g = gb + static_cast<int64_t>(u) * kThreads;
-      if (g >= g1) {
-        q[u] = make_float4(-INFINITY, -INFINITY, -INFINITY, -INFINITY);
-      } else if (vec) {
-        q[u] = __ldcs(reinterpret_cast<const float4*>(row) + g);
-      } else {
-        const int64_t j = 4 * g;
-        q[u].x = row[j];
-        q[u].y = j + 1 < ld ? row[j + 1] : -INFINITY;
-        q[u].z = j + 2 < ld ? row[j + 2] : -INFINITY;
-        q[u].w = j + 3 < ld ? row[j + 3] : -INFINITY;
-      }
+      q[u] = g >= g1 ? make_float4(-INFINITY, -INFINITY, -INFINITY, -INFINITY) : load_group(row, g, ld, vec);
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
@@ -167,7 +181,8 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // One warp per row: merges the row's partials (lane i: split i) and writes token and logp.
-__global__ void sample_gumbel_merge_kernel(const float* __restrict__ logits, int64_t B, int64_t ld,
+template <typename T>
+__global__ void sample_gumbel_merge_kernel(const T* __restrict__ logits, int64_t B, int64_t ld,
                                            const SampleRow* rows, int splits, bool truncation,
                                            const GumbelPartial* partial, int32_t* tokens, float* logp, int* bad) {
   const int64_t b = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + (threadIdx.x >> 5);
@@ -206,7 +221,7 @@ __global__ void sample_gumbel_merge_kernel(const float* __restrict__ logits, int
     return;
   }
   // logp = (l - m) / T - log(s): the log-prob under softmax(logits / T) over all ld ids.
-  const double l = logits[b * ld + id];
+  const double l = load_f(logits, b * ld + id);
   logp[b] = static_cast<float>((l - static_cast<double>(m)) / static_cast<double>(p.temperature) -
                                log(static_cast<double>(s)));
 }
@@ -224,22 +239,37 @@ size_t sample_gumbel_scratch_bytes(int64_t B, int splits) {
   return static_cast<size_t>(B) * splits * sizeof(GumbelPartial);
 }
 
-void launch_sample_gumbel(const float* logits, int64_t B, int64_t ld, int64_t V, const SampleRow* rows,
-                          bool truncation, int splits, void* scratch, int32_t* tokens, float* logp, int* bad_flag,
-                          cudaStream_t stream) {
+namespace {
+template <typename T>
+void launch_gumbel(const T* logits, int64_t B, int64_t ld, int64_t V, const SampleRow* rows, bool truncation,
+                   int splits, void* scratch, int32_t* tokens, float* logp, int* bad_flag, cudaStream_t stream) {
   if (B == 0) return;
   FP8RL_CHECK(B <= 65535, "sample_rows: ", B, " rows exceed the grid's 65535 (sample in parts)");
   const int64_t G = (ld + 3) / 4;
   const int64_t gps = (G + splits - 1) / splits;
-  const bool vec = ld % 4 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0;
+  const bool vec = ld % 4 == 0 && reinterpret_cast<uintptr_t>(logits) % (4 * sizeof(T)) == 0;
   auto* part = static_cast<GumbelPartial*>(scratch);
-  sample_gumbel_partial_kernel<<<dim3(static_cast<unsigned>(splits), static_cast<unsigned>(B)), kThreads, 0,
-                                 stream>>>(logits, ld, V, rows, gps, vec, part);
+  sample_gumbel_partial_kernel<T><<<dim3(static_cast<unsigned>(splits), static_cast<unsigned>(B)), kThreads, 0,
+                                    stream>>>(logits, ld, V, rows, gps, vec, part);
   CUDA_CHECK_LAUNCH("sample_gumbel_partial_kernel");
   constexpr int kRowsPerBlock = 8;
-  sample_gumbel_merge_kernel<<<static_cast<unsigned>((B + kRowsPerBlock - 1) / kRowsPerBlock), 32 * kRowsPerBlock, 0,
-                               stream>>>(logits, B, ld, rows, splits, truncation, part, tokens, logp, bad_flag);
+  sample_gumbel_merge_kernel<T><<<static_cast<unsigned>((B + kRowsPerBlock - 1) / kRowsPerBlock), 32 * kRowsPerBlock,
+                                  0, stream>>>(logits, B, ld, rows, splits, truncation, part, tokens, logp, bad_flag);
   CUDA_CHECK_LAUNCH("sample_gumbel_merge_kernel");
+}
+}  // namespace
+
+void launch_sample_gumbel(const void* logits, DType dtype, int64_t B, int64_t ld, int64_t V, const SampleRow* rows,
+                          bool truncation, int splits, void* scratch, int32_t* tokens, float* logp, int* bad_flag,
+                          cudaStream_t stream) {
+  FP8RL_CHECK(dtype == DType::F32 || dtype == DType::BF16, "sample_rows: logits must be F32 or BF16, got ",
+              dtype_name(dtype));
+  if (dtype == DType::F32)
+    launch_gumbel(static_cast<const float*>(logits), B, ld, V, rows, truncation, splits, scratch, tokens, logp,
+                  bad_flag, stream);
+  else
+    launch_gumbel(static_cast<const bf16*>(logits), B, ld, V, rows, truncation, splits, scratch, tokens, logp,
+                  bad_flag, stream);
 }
 
 }  // namespace fp8rl::cuda
