@@ -131,7 +131,7 @@ struct GemmParams {
   bool partials;
   int n_tiles, m_tiles, splits;  // the tiles: n_tiles x m_tiles x splits (tile_of)
   bool m_fastest;                // the tile order (tile_of)
-  // Grouped (fp8_gemm_sm90_grouped): per blockIdx.y {group, first row, end row, 0}; each group's
+  // Grouped (fp8_gemm_sm90_grouped): per m tile (tile_of) {group, first row, end row, 0}; each group's
   // B through its own tensor map (global memory) and scales. Null for the dense product.
   const int4* tiles = nullptr;
   const CUtensorMap* b_maps = nullptr;
@@ -457,7 +457,7 @@ size_t fp8_gemm_sm90_grouped_meta_bytes(int groups, int64_t rows, int block_m) {
   return static_cast<size_t>(groups) * (sizeof(CUtensorMap) + sizeof(float*)) + static_cast<size_t>(tiles) * 16 + 64;
 }
 
-// The grouped product: one launch, blockIdx.y over every group's row tiles (a table built here),
+// The grouped product: one launch, the m tiles over every group's row tiles (a table built here),
 // each tile reading its group's B through the group's tensor map. A tile's rows past its group's
 // end are loaded (they belong to the next group or are zero fill) but neither scaled nor stored,
 // so every row's arithmetic is that of the dense kernel at one split: bitwise the same result.
