@@ -759,7 +759,9 @@ void model_forward_paged(Backend& be, const ModelWeights& w, const EnginePrecisi
   const int64_t T = ids.numel(), R = rows.numel(), D = c.hidden_size;
   check_shape(batch.token_pos, {T}, "batch.token_pos");
   check_shape(logits, {R, c.vocab_size}, "logits");
-  check_dtype(logits, DType::F32, "logits");
+  const DType head_dtype = model_logits_dtype(be, w, prec);
+  FP8RL_CHECK(logits.dtype() == DType::F32 || logits.dtype() == head_dtype, "model_forward_paged: logits must be F32",
+              head_dtype == DType::F32 ? "" : " or BF16", ", got ", logits.str());
   const DType act = act_dtype_for(be, w);
   if (prec.consistent) model_check_consistent(c, prec);
   // The consistent mode: every token's attention independent of the batch (the trainer's

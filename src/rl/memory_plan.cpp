@@ -401,8 +401,9 @@ std::string memory_plan_format(const MemoryPlan& p, const ModelConfig& c, int64_
        " while saving); ZeRO-1's split of the moments over ranks (train.shard_optimizer: counted whole); the\n"
        " generator's prefill activations (one layer's buffers of at most max_batch_tokens tokens, reused)\n"
        " and the trainer's scoring forward (no saved activations) are below the training micro-batch's peak\n"
-       " and not added to it; the generator's concatenated q|k|v / gate|up product scratch (at most 2048 rows)\n"
-       " and, with precision.consistent, the trainer's one-layer scoring cache and attention partials.\n";
+       " and not added to it; the generator's concatenated q|k|v / gate|up product scratch (at most 2048 rows)"
+       ", with top-k / top-p sampling, an F32 copy of the BF16 decode logits for the radix sampler, and,\n"
+       " with precision.consistent, the trainer's one-layer scoring cache and attention partials.\n";
   if (device_bytes > 0) {
     const int64_t free = device_bytes - p.peak_bytes();
     std::snprintf(buf, sizeof buf, "  %s in %s: %s %s\n", free >= 0 ? "fits" : "DOES NOT FIT", gib(device_bytes).c_str(),

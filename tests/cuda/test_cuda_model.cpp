@@ -362,8 +362,10 @@ PagedBatch make_paged(Backend& be, int B, int page_size, int max_pages, const st
 }
 
 // A ragged prefill (each sequence's first min(len, 20) tokens, all in one call), then two decode
-// steps; returns the logits of every token of every call, concatenated.
-std::vector<double> run_paged(Backend& be, const ModelCase& mc, const EnginePrecision& prec) {
+// steps; returns the logits of every token of every call, concatenated. head_dtype: the logits
+// as the generator allocates them (model_logits_dtype) instead of F32.
+std::vector<double> run_paged(Backend& be, const ModelCase& mc, const EnginePrecision& prec,
+                              bool head_dtype = false) {
   const ModelWeights w = model_weights_to_device(be, mc.host, DType::F32);
   const int B = static_cast<int>(mc.seqs.size()), page_size = 16, max_pages = 4;
   KvCache cache = model_alloc_kv_cache(be, w.config, B * max_pages, page_size, prec.kv_cache);
@@ -385,13 +387,33 @@ std::vector<double> run_paged(Backend& be, const ModelCase& mc, const EnginePrec
     }
     if (ids.empty()) break;
     const PagedBatch pb = make_paged(be, B, page_size, max_pages, seq, pos);
-    Tensor logits = be.alloc({static_cast<int64_t>(rows.size()), w.config.vocab_size}, DType::F32);
+    Tensor logits = be.alloc({static_cast<int64_t>(rows.size()), w.config.vocab_size},
+                             head_dtype ? model_logits_dtype(be, w, prec) : DType::F32);
     be.fill(logits, NAN);
     model_forward_paged(be, w, prec, cache, i32_tensor(be, ids), pb, i32_tensor(be, rows), logits);
     const std::vector<double> v = values_f64(be, logits);
     all.insert(all.end(), v.begin(), v.end());
   }
   return all;
+}
+
+// BF16 activations: the generator's logits are the head GEMM's BF16 output written as it is
+// (model_logits_dtype), the same values as the F32 logits (its exact widening), bf16 / fp8_e2e.
+TEST(CudaModel, PagedGenerationBf16LogitsAreTheF32Logits) {
+  Backend& gpu = *env().gpu16;
+  for (const ModelCase& mc : model_cases())
+    for (LinearMode mode : {LinearMode::BF16, LinearMode::FP8_BLOCK}) {
+      if (mc.sharp) continue;  // the BF16 cases of the other tests
+      const EnginePrecision prec = precision_of(mode);
+      SCOPED_TRACE(case_name(mc.name, DType::BF16, mode));
+      const ModelWeights w = model_weights_to_device(gpu, mc.host, DType::F32);
+      ASSERT_EQ(model_logits_dtype(gpu, w, prec), DType::BF16);
+      const std::vector<double> f32 = run_paged(gpu, mc, prec), head = run_paged(gpu, mc, prec, true);
+      ASSERT_EQ(f32.size(), head.size());
+      int64_t differ = 0;
+      for (size_t i = 0; i < f32.size(); ++i) differ += f32[i] != head[i];
+      EXPECT_EQ(differ, 0) << "of " << f32.size() << " logits";
+    }
 }
 
 TEST(CudaModel, PagedGenerationMatchesCpu) {

@@ -1609,7 +1609,7 @@ void CudaBackend::sample_rows_impl(const Tensor& logits, const Tensor& rows, boo
   const auto* r = reinterpret_cast<const SampleRow*>(rows.raw());
   const int splits = sample_gumbel_splits(B, V, sm_count_);
   // BF16 logits (the lm_head's output): the Gumbel kernels read them as they are; the radix
-  // kernel of top-k / top-p rows takes F32, converted here (exact: the same draws either way).
+  // kernel of top-k / top-p rows takes F32, converted here for it alone (exact: the same draws).
   Tensor lf = logits;
   if (truncation && logits.dtype() == DType::BF16) {
     lf = scratch(kSlotLogits, {B, V}, DType::F32);
@@ -1617,8 +1617,8 @@ void CudaBackend::sample_rows_impl(const Tensor& logits, const Tensor& rows, boo
   }
   Tensor part = scratch(kSlotTmp, {static_cast<int64_t>(sample_gumbel_scratch_bytes(B, splits))}, DType::U8);
   int* f = flag_reset();
-  launch_sample_gumbel(lf.raw(), lf.dtype(), B, V, Vv, r, truncation, splits, part.raw(), tokens.data<int32_t>(),
-                       logp.data<float>(), f, stream_);
+  launch_sample_gumbel(logits.raw(), logits.dtype(), B, V, Vv, r, truncation, splits, part.raw(),
+                       tokens.data<int32_t>(), logp.data<float>(), f, stream_);
   if (truncation) {
     const auto* w = reinterpret_cast<const float*>(rows.raw());  // SampleRow's first four words
     launch_sample(lf.data<float>(), B, V, Vv, w, w + 1, reinterpret_cast<const int32_t*>(w + 2), w + 3, 8, true,
