@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <vector>
@@ -265,6 +266,75 @@ TEST(CudaFp8Gemm, GroupedIsBitwiseThePerGroupProducts) {
     std::printf("[ fp8 gemm ] grouped, block_m=%d: max |C - exact| / sum|terms|: own %.2e, cuBLASLt %.2e\n", bm, worst,
                 worst_lt);
     EXPECT_LE(worst, 1.25 * worst_lt + 1e-6) << "cuBLASLt's error " << worst_lt;
+  }
+}
+
+// The persistent grid (FP8RL_FP8_GEMM_GRID=persistent: at most one CTA per SM, each walking its
+// share of the tiles with the stage ring running on across them) and one CTA per tile (the
+// default) compute every tile alike: bitwise the same C, for decode and
+// trainer shapes, split-K, both tile orders (M <= 256: row blocks fastest), BF16 and F32 output,
+// beta, and the grouped product.
+TEST(CudaFp8Gemm, PersistentGridIsBitwiseOneCtaPerTile) {
+  cuda::CudaBackend be(0, DType::BF16);
+  auto with_grid = [](const char* grid, auto&& fn) {
+    if (grid) setenv("FP8RL_FP8_GEMM_GRID", grid, 1);
+    else unsetenv("FP8RL_FP8_GEMM_GRID");
+    auto r = fn();
+    unsetenv("FP8RL_FP8_GEMM_GRID");
+    return r;
+  };
+  const Shape shapes[] = {{5, 2048, 2048},    {64, 4096, 2048},   {256, 12288, 2048}, {256, 2048, 6144},
+                          {1000, 1536, 1024}, {4096, 2048, 2048}, {77, 384, 640}};
+  for (const Shape& s : shapes) {
+    const Operands o = make_operands(be, s.M, s.N, s.K, static_cast<uint32_t>(s.M * 5 + s.N + 3 * s.K));
+    for (int splits : {1, 3})
+      for (DType out : {DType::BF16, DType::F32}) {
+        SCOPED_TRACE(testing::Message() << "M=" << s.M << " N=" << s.N << " K=" << s.K << " splits=" << splits
+                                        << " out=" << dtype_name(out));
+        const Tensor a = with_grid("persistent", [&] { return run_own(be, o, s.M, s.N, s.K, out, false, splits); });
+        const Tensor b = with_grid(nullptr, [&] { return run_own(be, o, s.M, s.N, s.K, out, false, splits); });
+        ASSERT_EQ(std::memcmp(a.raw(), b.raw(), a.nbytes()), 0) << "the persistent grid differs";
+      }
+    // beta = 1 over a prior C (the dgrad accumulation), BF16.
+    auto accumulate = [&] {
+      Tensor c = be.to_device(
+          from_float_vector(std::vector<float>(static_cast<size_t>(s.M * s.N), 0.25f), {s.M, s.N}, DType::BF16));
+      be.gemm().gemm_fp8_own(s.M, s.N, s.K, o.da.data.data<uint8_t>(), o.da.scales.data<float>(), false,
+                             o.db.data.data<uint8_t>(), o.db.scales.data<float>(), c.raw(), DType::BF16, 0.5f, 1.0f, 1);
+      be.synchronize();
+      return be.to_host(c);
+    };
+    const Tensor a = with_grid("persistent", accumulate), b = with_grid(nullptr, accumulate);
+    ASSERT_EQ(std::memcmp(a.raw(), b.raw(), a.nbytes()), 0) << "beta = 1: the persistent grid differs";
+  }
+  // The grouped product: 40 groups of 0..300 rows (more tiles than SMs).
+  const int64_t N = 768, K = 1024;
+  std::vector<int64_t> offsets = {0};
+  for (int g = 0; g < 40; ++g) offsets.push_back(offsets.back() + (g * 37) % 301);
+  const int64_t R = offsets.back();
+  const QuantTensor ha = quantize_1x128(random_matrix(R, K, 61, 1.5f), false);
+  QuantTensor da = ha;
+  da.data = be.to_device(ha.data), da.scales = be.to_device(ha.scales);
+  std::vector<QuantTensor> db;
+  std::vector<const uint8_t*> bp;
+  std::vector<const float*> sp;
+  for (int g = 0; g < 40; ++g) {
+    QuantTensor d = quantize_128x128(random_matrix(N, K, 70 + static_cast<uint32_t>(g), 1.0f), false);
+    d.data = be.to_device(d.data), d.scales = be.to_device(d.scales);
+    db.push_back(d);
+  }
+  for (const QuantTensor& d : db) bp.push_back(d.data.data<uint8_t>()), sp.push_back(d.scales.data<float>());
+  for (int bm : {64, 128}) {
+    auto grouped = [&] {
+      Tensor c = be.alloc({R, N}, DType::BF16);
+      be.gemm().gemm_fp8_grouped(offsets, N, K, da.data.data<uint8_t>(), da.scales.data<float>(), false, bp, sp,
+                                 c.raw(), DType::BF16, 1.0f, 0.0f, bm);
+      be.synchronize();
+      return be.to_host(c);
+    };
+    const Tensor a = with_grid("persistent", grouped), b = with_grid(nullptr, grouped);
+    ASSERT_EQ(std::memcmp(a.raw(), b.raw(), a.nbytes()), 0)
+        << "grouped, block_m=" << bm << ": the persistent grid differs";
   }
 }
 

@@ -2,9 +2,13 @@
 // A E4M3 [M, K] in 1x128 blocks along K (activations, dY) and B E4M3 [N, K] in 128x128 blocks
 // (weights, W^T), the recipe's forward and dgrad products. DeepGEMM's structure, written here:
 //
-// - One CTA computes a BM x 128 tile of C (BM = 64 or 128: one or two consumer warpgroups of 64
-//   rows) over a range of K blocks (all of them, or a split of them: split-K for the decode
-//   shapes, whose few tiles would leave most SMs idle).
+// - A CTA computes BM x 128 tiles of C (BM = 64 or 128: one or two consumer warpgroups of 64
+//   rows), each over a range of K blocks (all of them, or a split of them: split-K for the decode
+//   shapes, whose few tiles would leave most SMs idle). One CTA per tile by default;
+//   FP8RL_FP8_GEMM_GRID=persistent: at most one CTA per SM, each walking every gridDim-th tile
+//   with its stage ring running on from one tile into the next, so no tile waits for a launch,
+//   a pipeline fill or the previous tile's epilogue (the same arithmetic; the default until the
+//   H200 measures it faster: bench-gemm times both).
 // - A producer warp streams A and B tiles of 128 K-bytes through a ring of shared-memory stages
 //   with TMA (128-byte swizzle, zero fill past M, N and K) and mbarriers.
 // - Per K block each consumer warpgroup issues four wgmma m64n128k32 (FP32 accumulators in the
@@ -22,7 +26,9 @@
 #include <cudaTypedefs.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "backend/cuda/common.cuh"
@@ -124,107 +130,71 @@ struct GemmParams {
   bool c_bf16;
   float alpha, beta;
   bool partials;
-  // Grouped (fp8_gemm_sm90_grouped): per blockIdx.y {group, first row, end row, 0}; each group's
+  int n_tiles, m_tiles, splits;  // the tiles: n_tiles x m_tiles x splits (tile_of)
+  bool m_fastest;                // the tile order (tile_of)
+  // Grouped (fp8_gemm_sm90_grouped): per m tile (tile_of) {group, first row, end row, 0}; each group's
   // B through its own tensor map (global memory) and scales. Null for the dense product.
   const int4* tiles = nullptr;
   const CUtensorMap* b_maps = nullptr;
   const float* const* sb_groups = nullptr;
 };
 
-// kConsumers warpgroups of 64 rows each (BM = 64 kConsumers) plus one producer warpgroup.
-template <int kConsumers, int kStages>
-__global__ void __launch_bounds__(128 * (kConsumers + 1), 1)
-    fp8_gemm_kernel(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b, GemmParams p) {
-  constexpr int kBM = 64 * kConsumers;
-  constexpr int kTileA = kBM * kBK, kTileB = kBN * kBK;
-  extern __shared__ __align__(1024) uint8_t smem_raw[];
-  // 1024-byte alignment for the swizzled tiles.
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  uint8_t* sm_a = smem;
-  uint8_t* sm_b = smem + kStages * kTileA;
-  uint64_t* full = reinterpret_cast<uint64_t*>(sm_b + kStages * kTileB);
-  uint64_t* empty = full + kStages;
+// One output tile: its B tile, its rows [m_base, m_base + BM) of which those below m_end are
+// its own (a grouped tile ends with its group), its B and scales, its K blocks [kb0, kb0 + nk).
+struct Tile {
+  int n_tile, kb0, nk, split;
+  int64_t m_base, m_end;
+  const CUtensorMap* map_b;
+  const float* sb_base;
+};
 
-  const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
-  const int n_tile = blockIdx.x, m_tile = blockIdx.y, split = blockIdx.z;
-  const int kb0 = split * p.kb_per_split;
-  const int nk = min(p.kb_per_split, p.kblocks - kb0);
-  // The tile's rows [m_base, m_base + kBM) of which those below m_end are its own; its B.
-  int64_t m_base = static_cast<int64_t>(m_tile) * kBM, m_end = p.M;
-  const CUtensorMap* map_b = &tm_b;
-  const float* sb_base = p.sb;
+// Tile t of the product. n fastest (the tiles that share an A row block run together), or m
+// fastest where p.m_fastest (few row blocks: those that share a B tile run together, so each
+// weight tile is read from HBM once); the splits outermost.
+__device__ __forceinline__ Tile tile_of(const GemmParams& p, int64_t t, const CUtensorMap* tm_b, int bm) {
+  Tile tl;
+  int64_t m_tile;
+  if (p.m_fastest) {
+    m_tile = t % p.m_tiles;
+    t /= p.m_tiles;
+    tl.n_tile = static_cast<int>(t % p.n_tiles);
+    tl.split = static_cast<int>(t / p.n_tiles);
+  } else {
+    tl.n_tile = static_cast<int>(t % p.n_tiles);
+    t /= p.n_tiles;
+    m_tile = t % p.m_tiles;
+    tl.split = static_cast<int>(t / p.m_tiles);
+  }
+  tl.kb0 = tl.split * p.kb_per_split;
+  tl.nk = min(p.kb_per_split, p.kblocks - tl.kb0);
+  tl.m_base = m_tile * bm, tl.m_end = p.M;
+  tl.map_b = tm_b;
+  tl.sb_base = p.sb;
   if (p.tiles) {
-    const int4 t = p.tiles[m_tile];
-    m_base = t.y, m_end = t.z;
-    map_b = p.b_maps + t.x;
-    sb_base = p.sb_groups[t.x];
+    const int4 g = p.tiles[m_tile];
+    tl.m_base = g.y, tl.m_end = g.z;
+    tl.map_b = p.b_maps + g.x;
+    tl.sb_base = p.sb_groups[g.x];
   }
+  return tl;
+}
 
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      mbar_init(&full[s], 1);
-      mbar_init(&empty[s], kConsumers * 4);  // one arrive per consumer warp
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
-
-  if (wg == kConsumers) {  // the producer: one thread issues every load
-    if (tid == 0) {
-      for (int it = 0; it < nk; ++it) {
-        const int s = it % kStages;
-        mbar_wait(&empty[s], ((it / kStages) & 1) ^ 1);
-        mbar_expect_tx(&full[s], kTileA + kTileB);
-        const int k = (kb0 + it) * kBK;
-        tma_load_2d(sm_a + s * kTileA, &tm_a, &full[s], k, static_cast<int>(m_base));
-        tma_load_2d(sm_b + s * kTileB, map_b, &full[s], k, n_tile * kBN);
-      }
-    }
-    return;
-  }
-
-  // A consumer warpgroup: rows [m_tile * kBM + wg * 64, + 64) of the tile.
-  const int warp = tid / 32, lane = tid % 32;
-  const int64_t row0 = m_base + wg * 64 + warp * 16 + lane / 4, row1 = row0 + 8;
-  const bool in0 = row0 < m_end, in1 = row1 < m_end;
-  float total[64], acc[64];
-#pragma unroll
-  for (int i = 0; i < 64; ++i) total[i] = 0.0f;
-  const float* sb = sb_base + static_cast<int64_t>(n_tile) * p.kblocks;
-  for (int it = 0; it < nk; ++it) {
-    const int s = it % kStages, kb = kb0 + it;
-    // The scales of this K block, loaded while the tiles arrive.
-    const float sbv = __ldg(sb + kb);
-    const float s0 = in0 ? __ldg(p.sa + row0 * p.sa_m + kb * p.sa_k) * sbv : 0.0f;
-    const float s1 = in1 ? __ldg(p.sa + row1 * p.sa_m + kb * p.sa_k) * sbv : 0.0f;
-    mbar_wait(&full[s], (it / kStages) & 1);
-    const uint64_t da = sw128_desc(sm_a + s * kTileA + wg * 64 * kBK), db = sw128_desc(sm_b + s * kTileB);
-    fence_acc(acc);
-    wgmma_fence();
-#pragma unroll
-    for (int k = 0; k < kBK / 32; ++k) wgmma_m64n128k32_e4m3(acc, da + 2 * k, db + 2 * k, k > 0);
-    wgmma_commit();
-    fence_acc(acc);
-    wgmma_wait_all();
-    fence_acc(acc);
-    if (lane == 0) mbar_arrive(&empty[s]);
-      // Fragment of m64n128 (FP32): acc[4 i + j] is row (j < 2 ? row0 : row1), column 8 i + 2 (lane % 4) + j % 2.
-#pragma unroll
-    for (int i = 0; i < 64; ++i) total[i] = fmaf(acc[i], (i & 2) ? s1 : s0, total[i]);
-  }
-
-  const int64_t col_base = static_cast<int64_t>(n_tile) * kBN + 2 * (lane % 4);
+// The epilogue of one consumer thread: its two rows of the tile, alpha / beta applied, BF16 or
+// F32, or the split's F32 partials.
+__device__ __forceinline__ void store_tile(const GemmParams& p, const float (&total)[64], const Tile& tl, int64_t row0,
+                                           int64_t row1, int lane) {
+  const int64_t col_base = static_cast<int64_t>(tl.n_tile) * kBN + 2 * (lane % 4);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int64_t row = half ? row1 : row0;
-    if (row >= m_end) continue;
+    if (row >= tl.m_end) continue;
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
       const int64_t col = col_base + 8 * i;
       if (col >= p.N) continue;  // N is even: col + 1 < N as well
       float v0 = total[4 * i + 2 * half], v1 = total[4 * i + 2 * half + 1];
       if (p.partials) {
-        float* out = static_cast<float*>(p.c) + (static_cast<int64_t>(split) * p.M + row) * p.N + col;
+        float* out = static_cast<float*>(p.c) + (static_cast<int64_t>(tl.split) * p.M + row) * p.N + col;
         *reinterpret_cast<float2*>(out) = make_float2(v0, v1);
         continue;
       }
@@ -248,6 +218,89 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1)
         *reinterpret_cast<float2*>(out) = make_float2(v0, v1);
       }
     }
+  }
+}
+
+// kConsumers warpgroups of 64 rows each (BM = 64 kConsumers) plus one producer warpgroup.
+template <int kConsumers, int kStages>
+__global__ void __launch_bounds__(128 * (kConsumers + 1), 1)
+    fp8_gemm_kernel(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b, GemmParams p) {
+  constexpr int kBM = 64 * kConsumers;
+  constexpr int kTileA = kBM * kBK, kTileB = kBN * kBK;
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  // 1024-byte alignment for the swizzled tiles.
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint8_t* sm_a = smem;
+  uint8_t* sm_b = smem + kStages * kTileA;
+  uint64_t* full = reinterpret_cast<uint64_t*>(sm_b + kStages * kTileB);
+  uint64_t* empty = full + kStages;
+
+  const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], kConsumers * 4);  // one arrive per consumer warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  // The CTA's tiles: blockIdx.x, then every gridDim.x-th (one each when the grid has a CTA per
+  // tile; persistent otherwise). The producer and the consumers walk the same tiles and count
+  // the stage uses `g` across them, so the ring runs on from one tile into the next: the next
+  // tile's loads overlap this tile's last MMAs and its epilogue.
+  const int64_t tiles = static_cast<int64_t>(p.n_tiles) * p.m_tiles * p.splits;
+  if (wg == kConsumers) {  // the producer: one thread issues every load
+    if (tid == 0) {
+      int g = 0;
+      for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+        const Tile tl = tile_of(p, t, &tm_b, kBM);
+        for (int it = 0; it < tl.nk; ++it, ++g) {
+          const int s = g % kStages;
+          mbar_wait(&empty[s], ((g / kStages) & 1) ^ 1);
+          mbar_expect_tx(&full[s], kTileA + kTileB);
+          const int k = (tl.kb0 + it) * kBK;
+          tma_load_2d(sm_a + s * kTileA, &tm_a, &full[s], k, static_cast<int>(tl.m_base));
+          tma_load_2d(sm_b + s * kTileB, tl.map_b, &full[s], k, tl.n_tile * kBN);
+        }
+      }
+    }
+    return;
+  }
+
+  const int warp = tid / 32, lane = tid % 32;
+  int g = 0;
+  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const Tile tl = tile_of(p, t, &tm_b, kBM);
+    // A consumer warpgroup: rows [m_base + wg * 64, + 64) of the tile.
+    const int64_t row0 = tl.m_base + wg * 64 + warp * 16 + lane / 4, row1 = row0 + 8;
+    const bool in0 = row0 < tl.m_end, in1 = row1 < tl.m_end;
+    float total[64], acc[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) total[i] = 0.0f;
+    const float* sb = tl.sb_base + static_cast<int64_t>(tl.n_tile) * p.kblocks;
+    for (int it = 0; it < tl.nk; ++it, ++g) {
+      const int s = g % kStages, kb = tl.kb0 + it;
+      // The scales of this K block, loaded while the tiles arrive.
+      const float sbv = __ldg(sb + kb);
+      const float s0 = in0 ? __ldg(p.sa + row0 * p.sa_m + kb * p.sa_k) * sbv : 0.0f;
+      const float s1 = in1 ? __ldg(p.sa + row1 * p.sa_m + kb * p.sa_k) * sbv : 0.0f;
+      mbar_wait(&full[s], (g / kStages) & 1);
+      const uint64_t da = sw128_desc(sm_a + s * kTileA + wg * 64 * kBK), db = sw128_desc(sm_b + s * kTileB);
+      fence_acc(acc);
+      wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < kBK / 32; ++k) wgmma_m64n128k32_e4m3(acc, da + 2 * k, db + 2 * k, k > 0);
+      wgmma_commit();
+      fence_acc(acc);
+      wgmma_wait_all();
+      fence_acc(acc);
+      if (lane == 0) mbar_arrive(&empty[s]);
+        // Fragment of m64n128 (FP32): acc[4 i + j] is row (j < 2 ? row0 : row1), column 8 i + 2 (lane % 4) + j % 2.
+#pragma unroll
+      for (int i = 0; i < 64; ++i) total[i] = fmaf(acc[i], (i & 2) ? s1 : s0, total[i]);
+    }
+    store_tile(p, total, tl, row0, row1, lane);
   }
 }
 
@@ -296,9 +349,22 @@ CUtensorMap tensor_map(const uint8_t* base, int64_t rows, int64_t K, int box_row
   return m;
 }
 
+// CTAs for `tiles` tiles: one per tile, or with FP8RL_FP8_GEMM_GRID=persistent (read at each
+// call) at most one per SM, each walking its share of the tiles.
+int64_t grid_ctas(int64_t tiles) {
+  const char* e = std::getenv("FP8RL_FP8_GEMM_GRID");
+  if (!e || std::string(e) != "persistent") return tiles;
+  static const int sms = [] {
+    int dev = 0, n = 0;
+    CUDA_CHECK(cudaGetDevice(&dev), "querying the device");
+    CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev), "querying the SM count");
+    return n;
+  }();
+  return std::min<int64_t>(tiles, sms);
+}
+
 template <int kConsumers, int kStages>
-void launch(const CUtensorMap& ta, const CUtensorMap& tb, const GemmParams& p, int m_tiles, int n_tiles, int splits,
-            cudaStream_t stream) {
+void launch(const CUtensorMap& ta, const CUtensorMap& tb, const GemmParams& p, cudaStream_t stream) {
   constexpr int kSmem = kStages * (64 * kConsumers + kBN) * kBK + 2 * kStages * 8 + 1024;
   static const bool attr = [] {
     CUDA_CHECK(
@@ -307,8 +373,10 @@ void launch(const CUtensorMap& ta, const CUtensorMap& tb, const GemmParams& p, i
     return true;
   }();
   (void)attr;
+  const int64_t tiles = static_cast<int64_t>(p.n_tiles) * p.m_tiles * p.splits;
+  FP8RL_CHECK(tiles < (int64_t{1} << 31), "FP8 GEMM: ", tiles, " tiles are more than one launch takes");
   fp8_gemm_kernel<kConsumers, kStages>
-      <<<dim3(n_tiles, m_tiles, splits), 128 * (kConsumers + 1), kSmem, stream>>>(ta, tb, p);
+      <<<static_cast<unsigned>(grid_ctas(tiles)), 128 * (kConsumers + 1), kSmem, stream>>>(ta, tb, p);
   CUDA_CHECK(cudaGetLastError(), "FP8 GEMM kernel launch");
 }
 
@@ -368,8 +436,10 @@ void fp8_gemm_sm90(const Fp8GemmArgs& a, cudaStream_t stream) {
   const int bm = small ? 64 : 128;
   const int m_tiles = static_cast<int>(ceil_div(a.M, int64_t{bm}));
   const CUtensorMap ta = tensor_map(a.a, a.M, a.K, bm), tb = tensor_map(a.b, a.N, a.K, kBN);
-  if (small) launch<1, 8>(ta, tb, p, m_tiles, n_tiles, used_splits, stream);
-  else launch<2, 6>(ta, tb, p, m_tiles, n_tiles, used_splits, stream);
+  p.n_tiles = n_tiles, p.m_tiles = m_tiles, p.splits = used_splits;
+  p.m_fastest = a.M <= 256;  // decode-sized: the few row blocks of one weight tile together
+  if (small) launch<1, 8>(ta, tb, p, stream);
+  else launch<2, 6>(ta, tb, p, stream);
   if (p.partials) {
     const int64_t mn = a.M * a.N, threads = 256, blocks = ceil_div(ceil_div(mn, int64_t{4}), threads);
     if (p.c_bf16)
@@ -388,7 +458,7 @@ size_t fp8_gemm_sm90_grouped_meta_bytes(int groups, int64_t rows, int block_m) {
   return static_cast<size_t>(groups) * (sizeof(CUtensorMap) + sizeof(float*)) + static_cast<size_t>(tiles) * 16 + 64;
 }
 
-// The grouped product: one launch, blockIdx.y over every group's row tiles (a table built here),
+// The grouped product: one launch, the m tiles over every group's row tiles (a table built here),
 // each tile reading its group's B through the group's tensor map. A tile's rows past its group's
 // end are loaded (they belong to the next group or are zero fill) but neither scaled nor stored,
 // so every row's arithmetic is that of the dense kernel at one split: bitwise the same result.
@@ -447,8 +517,10 @@ void fp8_gemm_sm90_grouped(const Fp8GroupedArgs& a, cudaStream_t stream) {
   const CUtensorMap ta = tensor_map(a.a, R, a.K, bm);
   const CUtensorMap& tb = ta;  // unused: each tile takes its group's map
   const int n_tiles = static_cast<int>(ceil_div(a.N, int64_t{kBN}));
-  if (bm == 64) launch<1, 8>(ta, tb, p, static_cast<int>(tiles.size()), n_tiles, 1, stream);
-  else launch<2, 6>(ta, tb, p, static_cast<int>(tiles.size()), n_tiles, 1, stream);
+  p.n_tiles = n_tiles, p.m_tiles = static_cast<int>(tiles.size()), p.splits = 1;
+  p.m_fastest = false;  // a group's row blocks share its B: n fastest within each
+  if (bm == 64) launch<1, 8>(ta, tb, p, stream);
+  else launch<2, 6>(ta, tb, p, stream);
 }
 
 }  // namespace fp8rl::cuda

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -152,8 +153,8 @@ nlohmann::json bench_gemm_run(const GemmBenchOptions& options) {
   if (options.quick) Ms = {8192};
   if (options.quant_only) Ms.clear();  // the memory-bound kernels alone
   out["gemm"] = nlohmann::json::array();
-  std::printf("\n%-26s %6s %-6s %10s %10s %10s %10s %8s %8s %9s\n", "linear", "M", "pass", "BF16 TF/s", "FP8 TF/s",
-              "own TF/s", "own ms", "FP8/BF16", "own/BF16", "own-vs-lt");
+  std::printf("\n%-26s %6s %-6s %10s %10s %10s %10s %10s %8s %8s %9s\n", "linear", "M", "pass", "BF16 TF/s", "FP8 TF/s",
+              "own TF/s", "own ms", "persist ms", "FP8/BF16", "own/BF16", "own-vs-lt");
   for (const Shape3& sh : shapes)
     for (int64_t M : Ms) {
       const int64_t K = sh.K, N = sh.N;
@@ -208,15 +209,20 @@ nlohmann::json bench_gemm_run(const GemmBenchOptions& options) {
                                 p.b_block_rows == 1 ? 1.0f : 0.0f);
         });
         // The own sm_90a kernel (128x128-block B only), A scales in the same [kb][M] layout.
-        double ms_own = 0.0, own_vs_lt = 0.0;
+        double ms_own = 0.0, ms_own_persistent = 0.0, own_vs_lt = 0.0;
         if (p.b_block_rows == kQuantBlock) {
           Tensor co = be.alloc({p.m, p.n}, cdt);
           rot = 0;
-          ms_own = timer([&] {
+          auto own = [&] {
             const size_t i = static_cast<size_t>(rot++ % copies);
             gemm.gemm_fp8_own(p.m, p.n, p.k, aq.data.data<uint8_t>(), as.data<float>(), true,
                               bq[i].data.data<uint8_t>(), bq[i].scales.data<float>(), co.raw(), cdt, 1.0f, 0.0f);
-          });
+          };
+          ms_own = timer(own);  // one CTA per tile (the default)
+          rot = 0;
+          setenv("FP8RL_FP8_GEMM_GRID", "persistent", 1);
+          ms_own_persistent = timer(own);  // the persistent grid, for comparison
+          unsetenv("FP8RL_FP8_GEMM_GRID");
           // Same operands (copy 0) through both kernels: the largest difference relative to the largest |C|.
           gemm.gemm_fp8_own(p.m, p.n, p.k, aq.data.data<uint8_t>(), as.data<float>(), true, bq[0].data.data<uint8_t>(),
                             bq[0].scales.data<float>(), co.raw(), cdt, 1.0f, 0.0f);
@@ -252,9 +258,9 @@ nlohmann::json bench_gemm_run(const GemmBenchOptions& options) {
         }
         const double tf_bf16 = flops / ms_bf16 / 1e9, tf_fp8 = ms_fp8 > 0 ? flops / ms_fp8 / 1e9 : 0.0;
         const double tf_own = ms_own > 0 ? flops / ms_own / 1e9 : 0.0;
-        std::printf("%-26s %6lld %-6s %10.1f %10.1f %10.1f %10.3f %7.2fx %7.2fx %9.1e\n", sh.name,
-                    static_cast<long long>(M), p.name, tf_bf16, tf_fp8, tf_own, ms_own, tf_fp8 / tf_bf16,
-                    tf_own / tf_bf16, own_vs_lt);
+        std::printf("%-26s %6lld %-6s %10.1f %10.1f %10.1f %10.3f %10.3f %7.2fx %7.2fx %9.1e\n", sh.name,
+                    static_cast<long long>(M), p.name, tf_bf16, tf_fp8, tf_own, ms_own, ms_own_persistent,
+                    tf_fp8 / tf_bf16, tf_own / tf_bf16, own_vs_lt);
         out["gemm"].push_back({{"linear", sh.name},
                                {"M_tokens", M},
                                {"pass", p.name},
@@ -267,6 +273,7 @@ nlohmann::json bench_gemm_run(const GemmBenchOptions& options) {
                                {"fp8_ms", ms_fp8},
                                {"fp8_tflops", tf_fp8},
                                {"own_ms", ms_own},
+                               {"own_persistent_ms", ms_own_persistent},
                                {"own_tflops", tf_own},
                                {"own_vs_cublaslt_max_rel", own_vs_lt},
                                {"own_configs", sweep},
@@ -302,10 +309,14 @@ nlohmann::json bench_gemm_run(const GemmBenchOptions& options) {
       for (const QuantTensor& q : bq) bp.push_back(q.data.data<uint8_t>()), sp.push_back(q.scales.data<float>());
       Tensor c = be.alloc({R, g.N}, DType::BF16);
       const double flops = 2.0 * R * g.N * g.K;
-      const double ms_g = time_ms(s, warm, reps, [&] {
+      auto grouped = [&] {
         gemm.gemm_fp8_grouped(offsets, g.N, g.K, aq.data.data<uint8_t>(), aq.scales.data<float>(), false, bp, sp,
                               c.raw(), DType::BF16, 1.0f, 0.0f);
-      });
+      };
+      const double ms_g = time_ms(s, warm, reps, grouped);
+      setenv("FP8RL_FP8_GEMM_GRID", "persistent", 1);
+      const double ms_g_persistent = time_ms(s, warm, reps, grouped);
+      unsetenv("FP8RL_FP8_GEMM_GRID");
       // The same FLOPs as one dense product (expert 0's weight for every row).
       const double ms_own = time_ms(s, warm, reps, [&] {
         gemm.gemm_fp8_own(R, g.N, g.K, aq.data.data<uint8_t>(), aq.scales.data<float>(), false, bp[0], sp[0], c.raw(),
@@ -317,12 +328,14 @@ nlohmann::json bench_gemm_run(const GemmBenchOptions& options) {
                       DType::BF16, 1.0f, 0.0f);
       });
       const double tg = flops / ms_g / 1e9, to = flops / ms_own / 1e9, tl = flops / ms_lt / 1e9;
-      std::printf("%-28s %7lld %10.1f %12.1f %12.1f %9.2fx\n", g.name, static_cast<long long>(R), tg, to, tl, tg / tl);
+      std::printf("%-28s %7lld %10.1f %12.1f %12.1f %9.2fx  (persistent grid: %.1f TF/s)\n", g.name,
+                  static_cast<long long>(R), tg, to, tl, tg / tl, flops / ms_g_persistent / 1e9);
       out["grouped"].push_back({{"linear", g.name},
                                 {"rows", R},
                                 {"experts", E},
                                 {"grouped_ms", ms_g},
                                 {"grouped_tflops", tg},
+                                {"grouped_persistent_tflops", flops / ms_g_persistent / 1e9},
                                 {"dense_own_tflops", to},
                                 {"dense_cublaslt_tflops", tl}});
     }
