@@ -1349,13 +1349,7 @@ void CudaBackend::token_logprobs_impl(const Tensor& hidden, const Tensor& lm_hea
                                       Tensor* entropy) {
   const OpTimer op_timer_(*this, "token_logprobs");
   const int64_t T = hidden.dim(0), V = lm_head.dim(0);
-  Tensor state = scratch(kSlotState, {4, T}, DType::F32);
-  float* m = state.data<float>();
-  float *s = m + T, *e = m + 2 * T, *tgt = m + 3 * T;
-  launch_logprob_init(m, s, e, tgt, T, stream_);
-  // The sticky slot: set by any out-of-range target of any call, read and cleared by flag_drain.
-  int* bad = flag_dev_ + kFlagSticky;
-  if (sticky_message_.empty()) sticky_message_ = "token_logprobs: a target id is out of range [0, " + std::to_string(V) + ")";
+  const LogprobRows st = logprob_rows_begin(T, V, "token_logprobs");
   // The consistent mode: chunks fixed by V alone (backend.h kConsistentVocabChunk), so a row's
   // online log-sum-exp runs over the same chunks whatever T.
   const int64_t vc = spec.consistent ? std::min(kConsistentVocabChunk, V) : vocab_chunk(T, V);
@@ -1365,31 +1359,38 @@ void CudaBackend::token_logprobs_impl(const Tensor& hidden, const Tensor& lm_hea
     LinearWeight chunk;
     chunk.w = lm_head.slice_rows(v0, v0 + n);
     linear_fwd(hidden, chunk, spec, logits);
-    launch_logprob_chunk(logits.data<float>(), n, T, n, v0, V, 1.0f / temperature, targets.data<int32_t>(), m, s, e,
-                         tgt, bad, stream_);
+    launch_logprob_chunk(logits.data<float>(), n, T, n, v0, V, 1.0f / temperature, targets.data<int32_t>(), st.m,
+                         st.s, st.e, st.tgt, st.bad, stream_);
   }
-  launch_logprob_finish(m, s, e, tgt, T, logp.data<float>(), lse.data<float>(),
+  launch_logprob_finish(st.m, st.s, st.e, st.tgt, T, logp.data<float>(), lse.data<float>(),
                         entropy ? entropy->data<float>() : nullptr, stream_);
+}
+
+CudaBackend::LogprobRows CudaBackend::logprob_rows_begin(int64_t T, int64_t V, const char* op) {
+  Tensor state = scratch(kSlotState, {4, T}, DType::F32);
+  LogprobRows r;
+  r.m = state.data<float>();
+  r.s = r.m + T, r.e = r.m + 2 * T, r.tgt = r.m + 3 * T;
+  launch_logprob_init(r.m, r.s, r.e, r.tgt, T, stream_);
+  // The sticky slot: set by any out-of-range target of any call, read and cleared by flag_drain.
+  r.bad = flag_dev_ + kFlagSticky;
+  if (sticky_message_.empty())
+    sticky_message_ = std::string(op) + ": a target id is out of range [0, " + std::to_string(V) + ")";
+  return r;
 }
 
 void CudaBackend::logprobs_of_logits_impl(const Tensor& logits, const Tensor& targets, float temperature, Tensor& logp,
                                           Tensor& lse) {
   const OpTimer op_timer_(*this, "logprobs_of_logits");
   const int64_t R = logits.dim(0), V = logits.dim(1);
-  Tensor state = scratch(kSlotState, {4, R}, DType::F32);
-  float* m = state.data<float>();
-  float *s = m + R, *e = m + 2 * R, *tgt = m + 3 * R;
-  launch_logprob_init(m, s, e, tgt, R, stream_);
-  int* bad = flag_dev_ + kFlagSticky;  // token_logprobs' sticky slot and protocol
-  if (sticky_message_.empty())
-    sticky_message_ = "logprobs_of_logits: a target id is out of range [0, " + std::to_string(V) + ")";
+  const LogprobRows st = logprob_rows_begin(R, V, "logprobs_of_logits");
   // token_logprobs' consistent chunks, each a column slice of the [R, V] logits read in place.
   for (int64_t v0 = 0; v0 < V; v0 += kConsistentVocabChunk) {
     const int64_t n = std::min(kConsistentVocabChunk, V - v0);
-    launch_logprob_chunk(logits.data<float>() + v0, V, R, n, v0, V, 1.0f / temperature, targets.data<int32_t>(), m, s,
-                         e, tgt, bad, stream_);
+    launch_logprob_chunk(logits.data<float>() + v0, V, R, n, v0, V, 1.0f / temperature, targets.data<int32_t>(),
+                         st.m, st.s, st.e, st.tgt, st.bad, stream_);
   }
-  launch_logprob_finish(m, s, e, tgt, R, logp.data<float>(), lse.data<float>(), nullptr, stream_);
+  launch_logprob_finish(st.m, st.s, st.e, st.tgt, R, logp.data<float>(), lse.data<float>(), nullptr, stream_);
 }
 
 void CudaBackend::token_logprobs_backward_impl(const Tensor& hidden, const Tensor& lm_head, const Tensor& targets,

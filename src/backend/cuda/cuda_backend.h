@@ -192,6 +192,14 @@ class CudaBackend final : public Backend {
   // Where a fused producer's FP8 copy of an [R, C] activation puts its scales: cuBLASLt's layout
   // when the GEMMs will take it as is (BF16 activations, R % 16 == 0), else row-major.
   bool fp8_view_gemm_layout(int64_t R, int64_t C) const;
+  // The online log-softmax state of T rows (token_logprobs, logprobs_of_logits): running max, sum,
+  // entropy sum and target logit, initialised; `bad` the sticky slot out-of-range targets set,
+  // reported with `op`'s name.
+  struct LogprobRows {
+    float *m, *s, *e, *tgt;
+    int* bad;
+  };
+  LogprobRows logprob_rows_begin(int64_t T, int64_t V, const char* op);
   void fp8_view_prepare(Fp8View& fp8, const Tensor& out);
   void check_dev(const Tensor& t, const char* what) const;  // quantize_async's own entry
   // Whether an FP8 block GEMM [M, N, K] takes cuBLASLt's FP8 kernels (else: dequantize + FP32 GEMM).
