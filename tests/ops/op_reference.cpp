@@ -444,6 +444,15 @@ void attention_references(OpCase& c) {
 
 // ---- token_logprobs --------------------------------------------------------------------------
 
+// log sum_j exp(z_j / temp) over a row of V logits, written out in double (max-shifted).
+double naive_lse(const double* z, int64_t V, float temp) {
+  double mx = -1e300;
+  for (int64_t j = 0; j < V; ++j) mx = std::max(mx, z[j] / temp);
+  double s = 0;
+  for (int64_t j = 0; j < V; ++j) s += std::exp(z[j] / temp - mx);
+  return mx + std::log(s);
+}
+
 void token_logprobs_matches_naive_across_chunks(Backend& cpu) {
   Backend* const be = &cpu;
   const int64_t T = 5, D = 16, V = 2500;  // more than one vocabulary chunk
@@ -460,11 +469,7 @@ void token_logprobs_matches_naive_across_chunks(Backend& cpu) {
     }
     const std::vector<double> z = naive_nt(h, w, T, V, D);
     for (int64_t t = 0; t < T; ++t) {
-      double mx = -1e300;
-      for (int64_t j = 0; j < V; ++j) mx = std::max(mx, z[t * V + j] / temp);
-      double s = 0;
-      for (int64_t j = 0; j < V; ++j) s += std::exp(z[t * V + j] / temp - mx);
-      const double l = mx + std::log(s);
+      const double l = naive_lse(z.data() + t * V, V, temp);
       double H = 0;
       for (int64_t j = 0; j < V; ++j) {
         const double lp = z[t * V + j] / temp - l;
@@ -522,11 +527,7 @@ void logprobs_of_logits_matches_naive(Backend& cpu) {
     Tensor logp = cpu.alloc({R}, DType::F64), lse = cpu.alloc({R}, DType::F64);
     cpu.logprobs_of_logits(logits, tgt, temp, logp, lse);
     for (int64_t t = 0; t < R; ++t) {
-      double mx = -1e300;
-      for (int64_t j = 0; j < V; ++j) mx = std::max(mx, z[t * V + j] / temp);
-      double s = 0;
-      for (int64_t j = 0; j < V; ++j) s += std::exp(z[t * V + j] / temp - mx);
-      const double l = mx + std::log(s);
+      const double l = naive_lse(z.data() + t * V, V, temp);
       EXPECT_NEAR(values(lse)[t], l, 1e-12 * std::fabs(l)) << "row " << t << " temperature " << temp;
       EXPECT_NEAR(values(logp)[t], z[t * V + tgt.data<int32_t>()[t]] / temp - l, 1e-12 * std::fabs(l))
           << "row " << t << " temperature " << temp;
