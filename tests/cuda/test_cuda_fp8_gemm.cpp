@@ -269,9 +269,9 @@ TEST(CudaFp8Gemm, GroupedIsBitwiseThePerGroupProducts) {
   }
 }
 
-// The persistent grid (FP8RL_FP8_GEMM_GRID=persistent: at most one CTA per SM, each walking its
-// share of the tiles with the stage ring running on across them) and one CTA per tile (the
-// default) compute every tile alike: bitwise the same C, for decode and
+// The persistent grid (the default: at most one CTA per SM, each walking its share of the tiles
+// with the stage ring running on across them) and one CTA per tile (FP8RL_FP8_GEMM_GRID=tile)
+// compute every tile alike: bitwise the same C, for decode and
 // trainer shapes, split-K, both tile orders (M <= 256: row blocks fastest), BF16 and F32 output,
 // beta, and the grouped product.
 TEST(CudaFp8Gemm, PersistentGridIsBitwiseOneCtaPerTile) {
@@ -291,8 +291,8 @@ TEST(CudaFp8Gemm, PersistentGridIsBitwiseOneCtaPerTile) {
       for (DType out : {DType::BF16, DType::F32}) {
         SCOPED_TRACE(testing::Message() << "M=" << s.M << " N=" << s.N << " K=" << s.K << " splits=" << splits
                                         << " out=" << dtype_name(out));
-        const Tensor a = with_grid("persistent", [&] { return run_own(be, o, s.M, s.N, s.K, out, false, splits); });
-        const Tensor b = with_grid(nullptr, [&] { return run_own(be, o, s.M, s.N, s.K, out, false, splits); });
+        const Tensor a = with_grid(nullptr, [&] { return run_own(be, o, s.M, s.N, s.K, out, false, splits); });
+        const Tensor b = with_grid("tile", [&] { return run_own(be, o, s.M, s.N, s.K, out, false, splits); });
         ASSERT_EQ(std::memcmp(a.raw(), b.raw(), a.nbytes()), 0) << "the persistent grid differs";
       }
     // beta = 1 over a prior C (the dgrad accumulation), BF16.
@@ -304,7 +304,7 @@ TEST(CudaFp8Gemm, PersistentGridIsBitwiseOneCtaPerTile) {
       be.synchronize();
       return be.to_host(c);
     };
-    const Tensor a = with_grid("persistent", accumulate), b = with_grid(nullptr, accumulate);
+    const Tensor a = with_grid(nullptr, accumulate), b = with_grid("tile", accumulate);
     ASSERT_EQ(std::memcmp(a.raw(), b.raw(), a.nbytes()), 0) << "beta = 1: the persistent grid differs";
   }
   // The grouped product: 40 groups of 0..300 rows (more tiles than SMs).
@@ -332,7 +332,7 @@ TEST(CudaFp8Gemm, PersistentGridIsBitwiseOneCtaPerTile) {
       be.synchronize();
       return be.to_host(c);
     };
-    const Tensor a = with_grid("persistent", grouped), b = with_grid(nullptr, grouped);
+    const Tensor a = with_grid(nullptr, grouped), b = with_grid("tile", grouped);
     ASSERT_EQ(std::memcmp(a.raw(), b.raw(), a.nbytes()), 0)
         << "grouped, block_m=" << bm << ": the persistent grid differs";
   }

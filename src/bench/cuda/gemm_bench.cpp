@@ -154,7 +154,7 @@ nlohmann::json bench_gemm_run(const GemmBenchOptions& options) {
   if (options.quant_only) Ms.clear();  // the memory-bound kernels alone
   out["gemm"] = nlohmann::json::array();
   std::printf("\n%-26s %6s %-6s %10s %10s %10s %10s %10s %8s %8s %9s\n", "linear", "M", "pass", "BF16 TF/s", "FP8 TF/s",
-              "own TF/s", "own ms", "persist ms", "FP8/BF16", "own/BF16", "own-vs-lt");
+              "own TF/s", "own ms", "tile ms", "FP8/BF16", "own/BF16", "own-vs-lt");
   for (const Shape3& sh : shapes)
     for (int64_t M : Ms) {
       const int64_t K = sh.K, N = sh.N;
@@ -209,7 +209,7 @@ nlohmann::json bench_gemm_run(const GemmBenchOptions& options) {
                                 p.b_block_rows == 1 ? 1.0f : 0.0f);
         });
         // The own sm_90a kernel (128x128-block B only), A scales in the same [kb][M] layout.
-        double ms_own = 0.0, ms_own_persistent = 0.0, own_vs_lt = 0.0;
+        double ms_own = 0.0, ms_own_tile = 0.0, own_vs_lt = 0.0;
         if (p.b_block_rows == kQuantBlock) {
           Tensor co = be.alloc({p.m, p.n}, cdt);
           rot = 0;
@@ -218,10 +218,10 @@ nlohmann::json bench_gemm_run(const GemmBenchOptions& options) {
             gemm.gemm_fp8_own(p.m, p.n, p.k, aq.data.data<uint8_t>(), as.data<float>(), true,
                               bq[i].data.data<uint8_t>(), bq[i].scales.data<float>(), co.raw(), cdt, 1.0f, 0.0f);
           };
-          ms_own = timer(own);  // one CTA per tile (the default)
+          ms_own = timer(own);  // the persistent grid (the default)
           rot = 0;
-          setenv("FP8RL_FP8_GEMM_GRID", "persistent", 1);
-          ms_own_persistent = timer(own);  // the persistent grid, for comparison
+          setenv("FP8RL_FP8_GEMM_GRID", "tile", 1);
+          ms_own_tile = timer(own);  // one CTA per tile, for comparison
           unsetenv("FP8RL_FP8_GEMM_GRID");
           // Same operands (copy 0) through both kernels: the largest difference relative to the largest |C|.
           gemm.gemm_fp8_own(p.m, p.n, p.k, aq.data.data<uint8_t>(), as.data<float>(), true, bq[0].data.data<uint8_t>(),
@@ -259,7 +259,7 @@ nlohmann::json bench_gemm_run(const GemmBenchOptions& options) {
         const double tf_bf16 = flops / ms_bf16 / 1e9, tf_fp8 = ms_fp8 > 0 ? flops / ms_fp8 / 1e9 : 0.0;
         const double tf_own = ms_own > 0 ? flops / ms_own / 1e9 : 0.0;
         std::printf("%-26s %6lld %-6s %10.1f %10.1f %10.1f %10.3f %10.3f %7.2fx %7.2fx %9.1e\n", sh.name,
-                    static_cast<long long>(M), p.name, tf_bf16, tf_fp8, tf_own, ms_own, ms_own_persistent,
+                    static_cast<long long>(M), p.name, tf_bf16, tf_fp8, tf_own, ms_own, ms_own_tile,
                     tf_fp8 / tf_bf16, tf_own / tf_bf16, own_vs_lt);
         out["gemm"].push_back({{"linear", sh.name},
                                {"M_tokens", M},
@@ -273,7 +273,7 @@ nlohmann::json bench_gemm_run(const GemmBenchOptions& options) {
                                {"fp8_ms", ms_fp8},
                                {"fp8_tflops", tf_fp8},
                                {"own_ms", ms_own},
-                               {"own_persistent_ms", ms_own_persistent},
+                               {"own_tile_ms", ms_own_tile},
                                {"own_tflops", tf_own},
                                {"own_vs_cublaslt_max_rel", own_vs_lt},
                                {"own_configs", sweep},
@@ -314,8 +314,8 @@ nlohmann::json bench_gemm_run(const GemmBenchOptions& options) {
                               c.raw(), DType::BF16, 1.0f, 0.0f);
       };
       const double ms_g = time_ms(s, warm, reps, grouped);
-      setenv("FP8RL_FP8_GEMM_GRID", "persistent", 1);
-      const double ms_g_persistent = time_ms(s, warm, reps, grouped);
+      setenv("FP8RL_FP8_GEMM_GRID", "tile", 1);
+      const double ms_g_tile = time_ms(s, warm, reps, grouped);
       unsetenv("FP8RL_FP8_GEMM_GRID");
       // The same FLOPs as one dense product (expert 0's weight for every row).
       const double ms_own = time_ms(s, warm, reps, [&] {
@@ -328,14 +328,14 @@ nlohmann::json bench_gemm_run(const GemmBenchOptions& options) {
                       DType::BF16, 1.0f, 0.0f);
       });
       const double tg = flops / ms_g / 1e9, to = flops / ms_own / 1e9, tl = flops / ms_lt / 1e9;
-      std::printf("%-28s %7lld %10.1f %12.1f %12.1f %9.2fx  (persistent grid: %.1f TF/s)\n", g.name,
-                  static_cast<long long>(R), tg, to, tl, tg / tl, flops / ms_g_persistent / 1e9);
+      std::printf("%-28s %7lld %10.1f %12.1f %12.1f %9.2fx  (one CTA per tile: %.1f TF/s)\n", g.name,
+                  static_cast<long long>(R), tg, to, tl, tg / tl, flops / ms_g_tile / 1e9);
       out["grouped"].push_back({{"linear", g.name},
                                 {"rows", R},
                                 {"experts", E},
                                 {"grouped_ms", ms_g},
                                 {"grouped_tflops", tg},
-                                {"grouped_persistent_tflops", flops / ms_g_persistent / 1e9},
+                                {"grouped_tile_tflops", flops / ms_g_tile / 1e9},
                                 {"dense_own_tflops", to},
                                 {"dense_cublaslt_tflops", tl}});
     }
