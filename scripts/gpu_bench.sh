@@ -24,8 +24,9 @@
 #   ncu_paged       Nsight Compute on the tensor-core paged decode kernel (BF16 and E4M3 pools, the
 #                   first DecodeBench shape): speed of light, occupancy, warp stalls, instruction mix
 #   ncu_decode      Nsight Compute times every kernel of ~3 graph-replayed decode steps (bench generate,
-#                   FP8RL_RLSTEP_MODEL, B = 256) for FP8RL_NCU_RECIPES (bf16 fp8_attn): the decode step's
-#                   per-kernel profile with graphs on (scripts/ncu_kernel_sum.py sums it)
+#                   FP8RL_RLSTEP_MODEL, B = 256) for FP8RL_NCU_RECIPES (recipe:launches-to-skip, default
+#                   bf16:12000 fp8_linear:20000 fp8_kv:20000): the decode step's per-kernel profile with
+#                   graphs on (scripts/ncu_kernel_sum.py sums the whole decode-only steps of 256 rows)
 #   trainstep_profile  FP8RL_CUDA_PROFILE=1 train steps (bf16, fp8) at that shape: the per-op table
 #   generate        fp8rl bench generate --model 1b (four recipes)
 #   rlstep_kl       bench rl-step with the frozen KL reference policy (kl_beta 0.01): its memory and time
@@ -196,14 +197,17 @@ PYEOF
       # bench generate's prefill (256 x 256 tokens) ends well before launch FP8RL_NCU_SKIP; the
       # next FP8RL_NCU_COUNT kernels are ~3 decode steps at B = 256 (the sampler's merge kernel
       # runs once per step: us per step). --cache-control none: L2 as the step leaves it.
-      for r in ${FP8RL_NCU_RECIPES:-bf16 fp8_attn}; do
+      # recipe[:skip]: a recipe's launches before its first decode-only step (bench generate runs a
+      # prefill-only pass, then prefill + decode; FP8 recipes have ~1.9x the kernels per step).
+      for rs in ${FP8RL_NCU_RECIPES:-bf16:12000 fp8_linear:20000 fp8_kv:20000}; do
+        r=${rs%%:*}; skip=${FP8RL_NCU_SKIP:-8000}; [ "$rs" != "$r" ] && skip=${rs#*:}
         timeout $(( $(left) / 2 )) ncu --clock-control none --cache-control none --graph-profiling node \
-          --metrics gpu__time_duration.sum --csv --page raw --launch-skip "${FP8RL_NCU_SKIP:-8000}" \
+          --metrics gpu__time_duration.sum --csv --page raw --launch-skip "$skip" \
           --launch-count "${FP8RL_NCU_COUNT:-1500}" "$FP8RL" bench generate --device cuda \
           --model "${FP8RL_RLSTEP_MODEL:-qwen3-1.7b}" --prompts 256 --prompt-len 256 --gen-len 64 --recipes "$r" \
           --warmup 0 > "$OUT/ncu_decode_$r.csv" 2> "$OUT/ncu_decode_$r.log"
         note "ncu decode step ($r): rc=$?"
-        python3 scripts/ncu_kernel_sum.py "$OUT/ncu_decode_$r.csv" --per sample_gumbel_merge | head -28 | tee -a "$SUMMARY"
+        python3 scripts/ncu_kernel_sum.py "$OUT/ncu_decode_$r.csv" --per sample_gumbel_merge --rows 256 | head -30 | tee -a "$SUMMARY"
       done ;;
     trainstep_profile)  # the per-op stream time of one bf16 and one fp8 train step (1B shape)
       for prec in bf16 fp8; do

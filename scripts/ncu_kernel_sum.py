@@ -1,10 +1,13 @@
 #!/usr/bin/env python3
 """Sums an Nsight Compute CSV (--csv --page raw, metric gpu__time_duration.sum) by kernel.
 
-Usage: ncu_kernel_sum.py FILE.csv [--per NAME_SUBSTRING]
+Usage: ncu_kernel_sum.py FILE.csv [--per NAME_SUBSTRING [--rows N]]
 Prints each kernel's launches, total and mean microseconds and share, longest first. With --per,
-the totals are also divided by the launches of the kernel whose name contains NAME_SUBSTRING
-(e.g. the sampler's, once per decode step): microseconds per step.
+only whole steps count: the kernels after one launch of the kernel whose name contains
+NAME_SUBSTRING (e.g. the sampler's merge, the last kernel of every decode step) up to and
+including the next one, and the totals are given per step too. With --rows N, only the steps
+whose RoPE kernels have a grid of N blocks (one per token: decode steps of batch N, not the
+prefill chunks that share the sampler) count.
 """
 import csv
 import re
@@ -24,9 +27,11 @@ def main() -> int:
     if len(sys.argv) < 2:
         print(__doc__)
         return 2
-    per = None
+    per = rows_wanted = None
     if "--per" in sys.argv:
         per = sys.argv[sys.argv.index("--per") + 1]
+    if "--rows" in sys.argv:
+        rows_wanted = sys.argv[sys.argv.index("--rows") + 1]
     rows = list(csv.reader(open(sys.argv[1], newline="")))
     head = None
     for i, r in enumerate(rows):
@@ -43,19 +48,38 @@ def main() -> int:
     start = head + 1 if scale is None else head + 2
     if scale is None:
         scale = 1e-3  # ncu's default unit for durations is ns
-    agg = {}
-    for r in rows[start:]:
-        if len(r) <= max(kn, tm) or not r[tm].replace(".", "", 1).replace(",", "").isdigit():
-            continue
-        k = short(r[kn])
-        n, us = agg.get(k, (0, 0.0))
-        agg[k] = (n + 1, us + float(r[tm].replace(",", "")) * scale)
-    total = sum(us for _, us in agg.values())
+    gs = cols.index("Grid Size") if "Grid Size" in cols else None
+    launches = [r for r in rows[start:]
+                if len(r) > max(kn, tm) and r[tm].replace(".", "", 1).replace(",", "").isdigit()]
+    segments = [launches]
     steps = None
-    if per:
-        steps = sum(n for k, (n, _) in agg.items() if per in k) or None
+    if per:  # whole steps: (one `per` launch, the next one]
+        segments, cur, started = [], [], False
+        for r in launches:
+            if started:
+                cur.append(r)
+            if per in r[kn]:
+                if started:
+                    segments.append(cur)
+                cur, started = [], True
+        if rows_wanted is not None and gs is not None:
+            def rows_of(seg):
+                grids = {r[gs].strip("()").split(",")[0].strip() for r in seg if "rope_kernel" in r[kn]}
+                return grids.pop() if len(grids) == 1 else None
+            skipped = len(segments)
+            segments = [g for g in segments if rows_of(g) == rows_wanted]
+            skipped -= len(segments)
+            print(f"{len(segments)} steps of {rows_wanted} rows ({skipped} other steps left out)")
+        steps = len(segments) or None
+    agg = {}
+    for seg in segments:
+        for r in seg:
+            k = short(r[kn])
+            n, us = agg.get(k, (0, 0.0))
+            agg[k] = (n + 1, us + float(r[tm].replace(",", "")) * scale)
+    total = sum(us for _, us in agg.values())
     print(f"{sum(n for n, _ in agg.values())} kernels, {total:.1f} us"
-          + (f", {steps} x '{per}': {total / steps:.1f} us per step" if steps else ""))
+          + (f", {steps} whole steps ('{per}' to '{per}'): {total / steps:.1f} us per step" if steps else ""))
     print(f"{'kernel':90s} {'launches':>8s} {'total us':>10s} {'mean us':>8s} {'share':>6s}" +
           (f" {'us/step':>8s}" if steps else ""))
     for k, (n, us) in sorted(agg.items(), key=lambda kv: -kv[1][1]):
