@@ -194,6 +194,10 @@ class Backend {
   // where the interface says F32. Element-wise ops (convert, fill, add, scale, sum_squares,
   // all_finite) leave the dtype to the backend's kernels.
   virtual bool takes_float(DType t, bool stat) const = 0;
+  // The row count whose multiples every product of this backend takes on its fast path: CUDA
+  // 16 (cuBLASLt's FP8 block GEMMs want M % 16 == 0; other M pays a tail product), the CPU 1.
+  // The trainer pads its micro-batches to it (TrainerOptions::pad_tokens_to).
+  virtual int64_t row_granule() const { return 1; }
 
   // ---- memory ----------------------------------------------------------------------------
   virtual Tensor alloc(const Shape& shape, DType dtype) = 0;

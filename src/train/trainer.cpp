@@ -17,10 +17,15 @@ namespace {
 struct Packed {
   ForwardBatch batch;
   std::vector<int64_t> logp_index;  // [response tokens]: index into the forward's [T] logp
+  int64_t pad = 0;                  // padding rows after the sequences' tokens
 };
 
+int64_t round_up(int64_t n, int64_t g) { return (n + g - 1) / g * g; }
+
 // Response token j of a sequence starting at s with prompt p is predicted at position s + p - 1 + j.
-Packed pack(const std::vector<TrainSequence>& seqs, size_t first, size_t end) {
+// The tokens are then padded to a multiple of `granule` by prefixes of sequence `first`, each a
+// sequence of its own (TrainerOptions::pad_tokens_to): rows that repeat real rows, never scored.
+Packed pack(const std::vector<TrainSequence>& seqs, size_t first, size_t end, int64_t granule) {
   Packed p;
   std::vector<std::vector<int32_t>> ids;
   int64_t start = 0;
@@ -32,20 +37,25 @@ Packed pack(const std::vector<TrainSequence>& seqs, size_t first, size_t end) {
     start += static_cast<int64_t>(s.ids.size());
     ids.push_back(s.ids);
   }
+  const std::vector<int32_t>& src = seqs[first].ids;
+  p.pad = src.empty() ? 0 : round_up(start, granule) - start;
+  for (int64_t pad = p.pad; pad > 0;) {
+    const int64_t n = std::min<int64_t>(pad, static_cast<int64_t>(src.size()));
+    ids.emplace_back(src.begin(), src.begin() + n);
+    pad -= n;
+  }
   p.batch = forward_batch_from_sequences(ids);
   return p;
 }
 
-// The generator's routing of sequences [first, end) as the packed forward's tokens (-1 rows where
-// a sequence has none); nullopt when none of them carries a record.
+// The generator's routing of sequences [first, end) as the packed forward's T tokens (-1 rows
+// where a sequence has none, and for pack()'s padding rows); nullopt when none carries a record.
 std::optional<MoeRouting> pack_routing(const ModelConfig& c, const std::vector<TrainSequence>& seqs, size_t first,
-                                       size_t end) {
+                                       size_t end, int64_t T) {
   bool any = false;
   for (size_t i = first; i < end; ++i) any |= !seqs[i].routing.empty();
   if (!any || !c.is_moe()) return std::nullopt;
   const int64_t Lm = model_num_moe_layers(c), k = c.num_experts_per_tok, stride = Lm * k;
-  int64_t T = 0;
-  for (size_t i = first; i < end; ++i) T += static_cast<int64_t>(seqs[i].ids.size());
   MoeRouting r;
   r.top_k = static_cast<int>(k);
   r.ids.assign(static_cast<size_t>(Lm), std::vector<int32_t>(static_cast<size_t>(T * k), -1));
@@ -163,13 +173,16 @@ Trainer::Trainer(Backend& be, ModelWeights master, const EnginePrecision& prec, 
   v_ = model_grads_alloc(be_, master_, opt_.moment_dtype);
 }
 
+int64_t Trainer::pad_granule() const { return opt_.pad_tokens_to > 0 ? opt_.pad_tokens_to : be_.row_granule(); }
+
 std::vector<std::pair<size_t, size_t>> Trainer::micro_batches(const std::vector<TrainSequence>& seqs) const {
   std::vector<std::pair<size_t, size_t>> out;
+  const int64_t g = pad_granule();
   size_t first = 0;
   int64_t tokens = 0;
   for (size_t i = 0; i < seqs.size(); ++i) {
     const int64_t n = static_cast<int64_t>(seqs[i].ids.size());
-    if (i > first && tokens + n > opt_.micro_batch_tokens) {
+    if (i > first && round_up(tokens + n, g) > opt_.micro_batch_tokens) {  // padded, it would not fit
       out.push_back({first, i});
       first = i;
       tokens = 0;
@@ -288,14 +301,15 @@ int64_t Trainer::dgrad_weight_cache_bytes() const {
 ScoreResult Trainer::score(const std::vector<TrainSequence>& seqs, float temperature, bool entropy, bool record_amax) {
   ScoreResult r;
   for (auto [first, end] : micro_batches(seqs)) {
-    Packed p = pack(seqs, first, end);
+    Packed p = pack(seqs, first, end, pad_granule());
+    pad_tokens_ += p.pad;
     ForwardOptions fo;
     fo.temperature = temperature;
     fo.entropy = entropy;
     fo.record_qkv_amax = record_amax;
     fo.kv_round_k = kv_round_k_;
     fo.kv_round_v = kv_round_v_;
-    const std::optional<MoeRouting> gen = pack_routing(master_.config, seqs, first, end);
+    const std::optional<MoeRouting> gen = pack_routing(master_.config, seqs, first, end, p.batch.num_tokens());
     fo.record_routing = gen.has_value();
     if (gen && opt_.routing_replay) fo.replay_routing = &*gen;
     LogprobResult lr = model_forward_logprobs(be_, compute_weights(), prec_, p.batch, fo);
@@ -319,7 +333,8 @@ void Trainer::forward_backward(const std::vector<TrainSequence>& seqs, float tem
                                StepResult& r) {
   const ModelWeights& weights = compute_weights();
   for (auto [first, end] : micro_batches(seqs)) {
-    Packed p = pack(seqs, first, end);
+    Packed p = pack(seqs, first, end, pad_granule());
+    pad_tokens_ += p.pad;
     Activations acts;
     ForwardOptions fo;
     fo.temperature = temperature;
@@ -327,7 +342,7 @@ void Trainer::forward_backward(const std::vector<TrainSequence>& seqs, float tem
     fo.kv_round_k = kv_round_k_;
     fo.kv_round_v = kv_round_v_;
     const std::optional<MoeRouting> gen =
-        opt_.routing_replay ? pack_routing(master_.config, seqs, first, end) : std::nullopt;
+        opt_.routing_replay ? pack_routing(master_.config, seqs, first, end, p.batch.num_tokens()) : std::nullopt;
     if (gen) fo.replay_routing = &*gen;
     LogprobResult out = model_forward_logprobs(be_, weights, prec_, p.batch, fo, &acts);
     std::vector<float> logp_new = gather(be_, out.logp, p.logp_index);

@@ -54,6 +54,16 @@ struct TrainerOptions {
   DType moment_dtype = DType::F32;
   bool stochastic_rounding = false;
   int64_t micro_batch_tokens = 4096;  // a micro-batch holds whole sequences up to this many tokens
+  // Each micro-batch's token count is padded up to a multiple of this (0: the backend's
+  // row_granule(), 16 on CUDA) with copies of a prefix of its first sequence, as sequences of
+  // their own that nothing scores: every product of the micro-batch then takes the fast path
+  // (no tail product on ragged counts). The padding rows only repeat real rows (their q/k/v
+  // amax is that of the rows they copy; MoE routing: no generator record) and get a zero
+  // gradient, so the scored log-probs and the gradients are those of the unpadded batch — with
+  // an FP8 wgrad, whose 1x128 blocks run along the tokens, the padding rows can raise the scale
+  // of the last 128-token block (the loss stays exact). A micro-batch stays within
+  // micro_batch_tokens after padding (a single longer sequence aside).
+  int64_t pad_tokens_to = 0;
   bool recompute = false;             // block recomputation in backward (ForwardOptions::recompute)
   bool cache_fp8_weights = true;      // the FP8 weight cache (above); false: the ops quantize w per call
   // With the cache: also each FP8 linear's W^T (wqt, as large as wq) for the dgrad; false: wqt
@@ -170,6 +180,8 @@ class Trainer {
   // Bytes of the dgrad's W^T copies held (data + scales; 0 without them), as the memory plan's
   // "trainer FP8 dgrad weights (W^T)" line counts them.
   int64_t dgrad_weight_cache_bytes() const;
+  // Padding rows run so far by score() and step() (TrainerOptions::pad_tokens_to).
+  int64_t padding_tokens() const { return pad_tokens_; }
   // The gradients of the last step(), after clipping (tests).
   const ModelWeights& gradients() const { return grads_; }
 
@@ -186,6 +198,7 @@ class Trainer {
                         StepResult& r);
   // Whole sequences [first, end) per micro-batch.
   std::vector<std::pair<size_t, size_t>> micro_batches(const std::vector<TrainSequence>& seqs) const;
+  int64_t pad_granule() const;  // TrainerOptions::pad_tokens_to, or the backend's row_granule()
 
   // The weights forward and backward read: master_'s tensors, plus the cached wq of every
   // FP8_BLOCK linear when the cache is on. Requantizes when stale.
@@ -200,6 +213,7 @@ class Trainer {
   std::vector<Tensor> w16_;          // BF16 compute copies (BF16 linears, embedding, lm_head) with BF16 activations
   bool wq_stale_ = true;
   int64_t wq_refreshes_ = 0;
+  int64_t pad_tokens_ = 0;
   EnginePrecision prec_;
   TrainerOptions opt_;
   int64_t adam_step_ = 0;

@@ -150,5 +150,75 @@ TEST(TrainerFp8Cache, WritesThroughMasterAreSeen) {
   EXPECT_TRUE(params(*be, cached) == params(*be, plain));
 }
 
+// Micro-batches padded to a multiple of 16 tokens (TrainerOptions::pad_tokens_to, what CUDA's
+// row_granule() asks for) score and train exactly as unpadded ones: the padding rows repeat real
+// rows and get no gradient. Lengths 9 + 7 + 11 | 6 at 32 tokens per micro-batch: padded to 32
+// (one padding sequence of 5) and 16 (two: 6 + 4, the first sequence is shorter than the pad).
+// Dense and MoE, FP8 (BF16 wgrad, the recipes' default) and FP32 linears; the q/k/v amax the KV
+// calibration reads too. With the FP8 wgrad the padding rows enter its 128-token blocks (they
+// can raise the last block's scale): the forward stays exact, the gradients close.
+TEST(TrainerPadding, PaddedMicroBatchesAreTheUnpaddedOnes) {
+  auto be = make_cpu_backend();
+  const auto seqs = sequences(48);
+  ModelConfig moe_config = model_config_tiny("qwen3_moe", 48, 64, 2, 4, 2, 96);
+  moe_config.num_experts = 4;
+  moe_config.num_experts_per_tok = 2;
+  moe_config.moe_intermediate_size = 40;
+  moe_config.validate();
+  RandomInit init;
+  init.seed = 23;
+  init.std = 0.15f;
+  const ModelWeights moe = model_weights_random(moe_config, init, DType::F32);
+  const ModelWeights dense = test::tiny_model("qwen2", DType::F32, 71);
+  for (const ModelWeights* host : {&dense, &moe})
+    for (EnginePrecision prec : {fp8(false, 0), EnginePrecision{LinearMode::FP32}}) {
+      if (prec.linear == LinearMode::FP8_BLOCK) prec.wgrad = LinearMode::BF16;
+      SCOPED_TRACE(host->config.model_type + (prec.linear == LinearMode::FP8_BLOCK ? ", FP8" : ", FP32"));
+      TrainerOptions opt;
+      opt.micro_batch_tokens = 32;
+      opt.pad_tokens_to = 1;
+      Trainer plain(*be, model_weights_to_device(*be, *host, DType::F32), prec, opt);
+      opt.pad_tokens_to = 16;
+      Trainer padded(*be, model_weights_to_device(*be, *host, DType::F32), prec, opt);
+      const ScoreResult sa = padded.score(seqs, 1.0f, true, true), sb = plain.score(seqs, 1.0f, true, true);
+      EXPECT_EQ(sa.logp, sb.logp);
+      EXPECT_EQ(sa.entropy, sb.entropy);
+      EXPECT_EQ(sa.q_amax, sb.q_amax);
+      EXPECT_EQ(sa.k_amax, sb.k_amax);
+      EXPECT_EQ(sa.v_amax, sb.v_amax);
+      for (int s = 1; s <= 2; ++s) {
+        const StepResult a = padded.step(seqs, 1.0f, nll, 2e-2f), b = plain.step(seqs, 1.0f, nll, 2e-2f);
+        ASSERT_TRUE(a.applied && b.applied);
+        EXPECT_EQ(a.loss, b.loss) << "step " << s;
+        EXPECT_EQ(a.grad_norm, b.grad_norm) << "step " << s;
+        EXPECT_TRUE(gradients(*be, padded) == gradients(*be, plain)) << "step " << s << ": the gradients differ";
+        EXPECT_TRUE(params(*be, padded) == params(*be, plain)) << "step " << s << ": the weights differ";
+      }
+      // The padding ran: per score(), 5 rows after 9 + 7 + 11 and 10 after 6; per step() the same.
+      EXPECT_EQ(plain.padding_tokens(), 0);
+      EXPECT_EQ(padded.padding_tokens(), 3 * 15);
+      // A padded micro-batch stays within micro_batch_tokens: at 20 the padded trainer packs
+      // 9 + 7 (16) | 11 (-> 16) | 6 (-> 16), where 11 + 6 = 17 would pad to 32; the plain one
+      // 16 | 17. Scoring is row by row, so the log-probs stay the same.
+      opt.micro_batch_tokens = 20;
+      Trainer padded20(*be, model_weights_to_device(*be, *host, DType::F32), prec, opt);
+      opt.pad_tokens_to = 1;
+      Trainer plain20(*be, model_weights_to_device(*be, *host, DType::F32), prec, opt);
+      EXPECT_EQ(padded20.score(seqs, 1.0f, false, false).logp, plain20.score(seqs, 1.0f, false, false).logp);
+      EXPECT_EQ(padded20.padding_tokens(), 5 + 10);  // 16 -> 16, 11 -> 16, 6 -> 16
+      if (prec.linear != LinearMode::FP8_BLOCK) continue;
+      // The FP8 wgrad: the same loss (the forward), gradients within the quantizer's step.
+      EnginePrecision fw = prec;
+      fw.wgrad = LinearMode::FP8_BLOCK;
+      opt.micro_batch_tokens = 32;
+      Trainer plain_fw(*be, model_weights_to_device(*be, *host, DType::F32), fw, opt);
+      opt.pad_tokens_to = 16;
+      Trainer padded_fw(*be, model_weights_to_device(*be, *host, DType::F32), fw, opt);
+      const StepResult a = padded_fw.step(seqs, 1.0f, nll, 2e-2f), b = plain_fw.step(seqs, 1.0f, nll, 2e-2f);
+      EXPECT_EQ(a.loss, b.loss);
+      EXPECT_NEAR(a.grad_norm, b.grad_norm, 0.02 * b.grad_norm);
+    }
+}
+
 }  // namespace
 }  // namespace fp8rl

@@ -120,6 +120,8 @@ Tensor CudaBackend::alloc(const Shape& shape, DType dtype) {
 
 MemoryStats CudaBackend::memory_stats() { return mem_->stats(); }
 void CudaBackend::reset_peak_memory_stats() { mem_->reset_peak(); }
+int64_t CudaBackend::row_granule() const { return kFp8RowGranule; }
+
 int64_t CudaBackend::free_device_bytes() {
   size_t free_b = 0, total_b = 0;
   CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b), "cudaMemGetInfo");

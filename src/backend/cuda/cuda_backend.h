@@ -39,6 +39,7 @@ class CudaBackend final : public Backend {
   DeviceKind device() const override { return DeviceKind::CUDA; }
   std::string name() const override;
   DType act_dtype() const override { return act_dtype_; }
+  int64_t row_granule() const override;
 
   // F32 and BF16 (F32 where the interface says F32): what the kernels are written for.
   bool takes_float(DType t, bool stat) const override { return t == DType::F32 || (!stat && t == DType::BF16); }
