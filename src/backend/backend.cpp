@@ -355,19 +355,25 @@ bool Backend::all_finite(const Tensor& x) {
   return all_finite_impl(x);
 }
 
-float Backend::amax(const Tensor& x) {
-  Contract(*this).floating(x, "amax x");
-  return amax_impl(x);
+void Backend::amax(const Tensor& x, Tensor& acc, int64_t i) {
+  const Contract c(*this);
+  c.floating(x, "amax x");
+  c.on_device(acc, "amax accumulator");
+  FP8RL_CHECK(acc.dtype() == DType::F32 && acc.ndim() == 1, "the amax accumulator must be F32 [n], got ", acc.str());
+  FP8RL_CHECK(i >= 0 && i < acc.numel(), "amax slot ", i, " outside the accumulator ", acc.str());
+  amax_impl(x, acc, i);
 }
 
-float Backend::amax_impl(const Tensor& x) {
+void Backend::amax_impl(const Tensor& x, Tensor& acc, int64_t i) {
   const Tensor h = x.device() == DeviceKind::CPU ? x : to_host(x);
-  float m = 0.0f;
+  Tensor a = acc.device() == DeviceKind::CPU ? acc : to_host(acc);
+  float m = a.data<float>()[i];
   for (float v : to_float_vector(h)) {
-    if (std::isnan(v)) return v;  // NaN propagates: the caller decides (quantizing it is an error)
-    m = std::max(m, std::fabs(v));
+    if (std::isnan(m)) break;  // NaN propagates: the caller decides (quantizing it is an error)
+    m = std::isnan(v) ? std::fabs(v) : std::max(m, std::fabs(v));
   }
-  return m;
+  a.data<float>()[i] = m;
+  if (acc.device() != DeviceKind::CPU) copy(a, acc);
 }
 
 // ---- model ops ----

@@ -246,9 +246,11 @@ class Backend {
   void scale(Tensor& x, float s);                           // x *= s
   double sum_squares(const Tensor& x);                      // sum x^2 (F32/BF16), FP64 result
   bool all_finite(const Tensor& x);
-  // max |x| (F32/BF16/F64; NaN when x holds a NaN). The default copies x to the host and reduces there; backends
-  // override it with a device reduction. Used for FP8 KV-scale calibration (q/k/v amax).
-  float amax(const Tensor& x);
+  // acc[i] = max(acc[i], max |x|): x F32/BF16/F64, acc F32 [n] on this device with acc[i] >= 0
+  // (or NaN), 0 <= i < n; NaN when x holds a NaN. Asynchronous on a device: the forward collects
+  // every layer's q/k/v amax into one tensor and reads it once (FP8 KV-scale calibration). The
+  // default reduces on the host; backends override it with a device reduction.
+  void amax(const Tensor& x, Tensor& acc, int64_t i);
 
   // ---- model ops ---------------------------------------------------------------------------
   // out[t] = table[ids[t]]; ids I32 [T] (out of range is an error), table [V, D], out [T, D].
@@ -517,7 +519,7 @@ class Backend {
   virtual void scale_impl(Tensor& x, float s) = 0;
   virtual double sum_squares_impl(const Tensor& x) = 0;
   virtual bool all_finite_impl(const Tensor& x) = 0;
-  virtual float amax_impl(const Tensor& x);
+  virtual void amax_impl(const Tensor& x, Tensor& acc, int64_t i);
   virtual void embedding_impl(const Tensor& ids, const Tensor& table, Tensor& out) = 0;
   virtual void embedding_backward_impl(const Tensor& ids, const Tensor& dout, Tensor& dtable) = 0;
   virtual void rmsnorm_impl(const Tensor& x, const Tensor& w, float eps, Tensor& out, Tensor* rstd) = 0;

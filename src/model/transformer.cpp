@@ -275,8 +275,12 @@ LinearSpec mla_spec(const ModelConfig& c, const LinearSpec& block, const LinearW
   return s;
 }
 
+// The q/k/v amax of every block, collected on the device (Backend::amax accumulates into a slot)
+// and read once after the forward: acc F32 [L, 3] zero-filled, row `layer` the block running.
 struct QkvAmax {
-  std::vector<float> q, k, v;
+  Tensor acc;
+  int layer = 0;
+  void add(Backend& be, const Tensor& x, int j) { be.amax(x, acc, 3 * int64_t{layer} + j); }  // j: 0 q, 1 k, 2 v
 };
 
 // MLA's q, k, v (after RoPE) from a.xn_attn: a.q [T, H, qk], a.k [T, H, qk], a.v [T, H, dv];
@@ -310,10 +314,10 @@ void mla_qkv(Backend& be, const ModelConfig& c, const LayerWeights& lw, const Li
   be.copy_cols(a.kv_a, kvr, rk, 0, r);
   be.rope(a.rope_k, positions, rope, /*inverse=*/false);
   if (amax) {
-    const float lat = be.amax(a.kv_latn);
-    amax->q.push_back(be.amax(a.q));
-    amax->k.push_back(std::fmax(lat, be.amax(a.rope_k)));
-    amax->v.push_back(lat);
+    amax->add(be, a.q, 0);
+    amax->add(be, a.kv_latn, 1);
+    amax->add(be, a.rope_k, 1);
+    amax->add(be, a.kv_latn, 2);
   }
   if (kv_round > 0.0f) {
     Tensor lat3 = a.kv_latn.reshape({T, 1, kvr});
@@ -343,6 +347,7 @@ void forward_block(Backend& be, const ModelWeights& w, const EnginePrecision& pr
   const LinearSpec spec = block_spec(prec, l, L);
   alloc_layer(be, c, x.dtype(), T, c.layer_is_moe(l), c.is_mla() && attention.mla_latent, a);
   a.x = x;
+  if (amax) amax->layer = l;
   // FP8 linears: the norms and the SwiGLU write their output's FP8 copy too (xq: of xn_attn,
   // then of xn_mlp; hq: of act), which the linears take instead of quantizing their input.
   const bool fp8 = spec.mode == LinearMode::FP8_BLOCK;
@@ -371,9 +376,9 @@ void forward_block(Backend& be, const ModelWeights& w, const EnginePrecision& pr
     be.rope(a.k, positions, rope, /*inverse=*/false);
   }
   if (amax && !c.is_mla()) {
-    amax->q.push_back(be.amax(a.q));
-    amax->k.push_back(be.amax(a.k));
-    amax->v.push_back(be.amax(a.v));
+    amax->add(be, a.q, 0);
+    amax->add(be, a.k, 1);
+    amax->add(be, a.v, 2);
   }
   attention.run(l, a);
   if (c.is_mla())
@@ -712,6 +717,10 @@ LogprobResult model_forward_logprobs(Backend& be, const ModelWeights& w, const E
   A.kv_round_v = opt.kv_round_v;
   const AttentionStep attention = training_attention(be, c, prec, A.batch, st, A.kv_round_k, A.kv_round_v);
   QkvAmax amax;
+  if (opt.record_qkv_amax) {
+    amax.acc = be.alloc({3 * int64_t{c.num_layers}}, DType::F32);
+    be.fill(amax.acc, 0.0f);
+  }
   A.recompute = acts && opt.recompute;
   LogprobResult r;
   MoeRoutingIo routing;
@@ -734,9 +743,14 @@ LogprobResult model_forward_logprobs(Backend& be, const ModelWeights& w, const E
   be.token_logprobs(A.hidden, w.lm_head, A.targets, opt.temperature, head_spec_for(act, prec.consistent), r.logp,
                     A.lm_lse, opt.entropy ? &r.entropy : nullptr);
   zero_last_tokens(be, r.logp, batch.cu_seqlens);
-  r.q_amax = std::move(amax.q);
-  r.k_amax = std::move(amax.k);
-  r.v_amax = std::move(amax.v);
+  if (opt.record_qkv_amax) {
+    const std::vector<float> m = to_float_vector(be.to_host(amax.acc));  // one read for every block
+    for (int l = 0; l < c.num_layers; ++l) {
+      r.q_amax.push_back(m[3 * l]);
+      r.k_amax.push_back(m[3 * l + 1]);
+      r.v_amax.push_back(m[3 * l + 2]);
+    }
+  }
   return r;
 }
 

@@ -9,9 +9,9 @@
 #include <algorithm>
 #include <cmath>
 
+#include "../cpu/test_model_util.h"
 #include "model/config.h"
 #include "model/weights.h"
-#include "../cpu/test_model_util.h"
 #include "train/trainer.h"
 
 namespace fp8rl {

@@ -111,12 +111,22 @@ void memory_cases(std::vector<OpCase>& t) {
                      return Tensors{{"x", rnd({n}, 25 + static_cast<uint32_t>(n), dt, 3.0f)}};
                    },
                    [](OpRun& r) {
-                     Tensor h = Tensor::empty({1}, DType::F32);
-                     h.data<float>()[0] = r.be.amax(r["x"]);
-                     r.out["amax"] = h;
+                     // Slot 1 of a zeroed accumulator, then slot 2 over a prior 1e6 (stays 1e6).
+                     Tensor& acc = r.output("amax", {3}, DType::F32);
+                     Tensor prior = Tensor::empty({3}, DType::F32);
+                     prior.data<float>()[0] = prior.data<float>()[1] = 0.0f;
+                     prior.data<float>()[2] = 1e6f;
+                     r.be.copy(r.be.device() == DeviceKind::CPU ? prior : r.be.to_device(prior), acc);
+                     r.be.amax(r["x"], acc, 1);
+                     r.be.amax(r["x"], acc, 2);
                    },
                    {{"amax", bitwise()}}});  // max is exact
-      t.back().invariants = [](const Tensors& o) { EXPECT_GT(values(o.at("amax"))[0], 0.0); };
+      t.back().invariants = [](const Tensors& o) {
+        const std::vector<double> v = values(o.at("amax"));
+        EXPECT_EQ(v[0], 0.0) << "another slot changed";
+        EXPECT_GT(v[1], 0.0);
+        EXPECT_EQ(v[2], 1e6) << "the amax must accumulate (max with the slot's value)";
+      };
     }
   t.push_back({"amax",
                "F32 5000, one -1e30 and one NaN",
@@ -128,15 +138,30 @@ void memory_cases(std::vector<OpCase>& t) {
                  return Tensors{{"x", x}, {"nan", y}};
                },
                [](OpRun& r) {
-                 Tensor h = Tensor::empty({2}, DType::F32);
-                 h.data<float>()[0] = r.be.amax(r["x"]);
-                 h.data<float>()[1] = std::isnan(r.be.amax(r["nan"])) ? 1.0f : 0.0f;
+                 Tensor acc = r.be.alloc({3}, DType::F32);
+                 r.be.fill(acc, 0.0f);
+                 r.be.amax(r["x"], acc, 0);
+                 r.be.amax(r["nan"], acc, 1);
+                 r.be.amax(r["x"], acc, 1);  // a NaN slot stays NaN
+                 const Tensor a = r.be.device() == DeviceKind::CPU ? acc : r.be.to_host(acc);
+                 Tensor h = Tensor::empty({3}, DType::F32);  // the NaN as a flag: outputs are finite
+                 h.data<float>()[0] = a.data<float>()[0];
+                 h.data<float>()[1] = std::isnan(a.data<float>()[1]) ? 1.0f : 0.0f;
+                 h.data<float>()[2] = a.data<float>()[2];
                  r.out["amax"] = h;
                },
                {{"amax", bitwise()}}});
   t.back().invariants = [](const Tensors& o) {
-    EXPECT_EQ(values(o.at("amax"))[0], double(1e30f));
-    EXPECT_EQ(values(o.at("amax"))[1], 1.0) << "a NaN must come back as NaN";
+    const std::vector<double> v = values(o.at("amax"));
+    EXPECT_EQ(v[0], double(1e30f));
+    EXPECT_EQ(v[1], 1.0) << "a NaN must come back as NaN";
+    EXPECT_EQ(v[2], 0.0);
+  };
+  t.back().errors = [](OpRun& r) {
+    Tensor acc = r.be.alloc({2}, DType::F32), wrong = r.be.alloc({2}, DType::BF16);
+    EXPECT_THROW(r.be.amax(r["x"], acc, 2), Error);
+    EXPECT_THROW(r.be.amax(r["x"], acc, -1), Error);
+    EXPECT_THROW(r.be.amax(r["x"], wrong, 0), Error);
   };
 }
 

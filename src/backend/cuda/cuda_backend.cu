@@ -376,20 +376,12 @@ bool CudaBackend::all_finite_impl(const Tensor& x) {
   return *flag_host_ == 0;
 }
 
-float CudaBackend::amax_impl(const Tensor& x) {
+void CudaBackend::amax_impl(const Tensor& x, Tensor& acc, int64_t i) {
   const OpTimer op_timer_(*this, "amax");
-  // Non-negative floats order like their bit patterns: an atomicMax on the bits of |x|; a NaN
-  // (bits above +inf's) wins and comes back as NaN, as the interface asks.
-  Tensor acc = scratch(kSlotState, {1}, DType::I32);
-  CUDA_CHECK(cudaMemsetAsync(acc.raw(), 0, sizeof(int32_t), stream_), "zeroing the amax");
-  launch_amax(x.raw(), x.dtype(), x.numel(), reinterpret_cast<uint32_t*>(acc.raw()), stream_);
-  uint32_t bits = 0;
-  CUDA_CHECK(cudaMemcpyAsync(&bits, acc.raw(), sizeof(bits), cudaMemcpyDeviceToHost, stream_), "reading the amax");
-  CUDA_CHECK(cudaStreamSynchronize(stream_), "amax");
-  flag_drain();
-  float m;
-  std::memcpy(&m, &bits, sizeof m);
-  return m;
+  // Non-negative floats order like their bit patterns: an atomicMax on the bits of |x| into
+  // acc[i]'s (>= 0 or NaN); a NaN (bits above +inf's) wins and stays NaN, as the interface asks.
+  // No synchronization: the caller reads acc when it needs the values.
+  launch_amax(x.raw(), x.dtype(), x.numel(), reinterpret_cast<uint32_t*>(acc.data<float>() + i), stream_);
 }
 
 // ---- model ops ---------------------------------------------------------------------------------

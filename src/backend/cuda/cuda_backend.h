@@ -61,7 +61,7 @@ class CudaBackend final : public Backend {
   void scale_impl(Tensor& x, float s) override;
   double sum_squares_impl(const Tensor& x) override;
   bool all_finite_impl(const Tensor& x) override;
-  float amax_impl(const Tensor& x) override;
+  void amax_impl(const Tensor& x, Tensor& acc, int64_t i) override;
 
   void embedding_impl(const Tensor& ids, const Tensor& table, Tensor& out) override;
   void embedding_backward_impl(const Tensor& ids, const Tensor& dout, Tensor& dtable) override;

@@ -259,8 +259,8 @@ nlohmann::json bench_gemm_run(const GemmBenchOptions& options) {
         const double tf_bf16 = flops / ms_bf16 / 1e9, tf_fp8 = ms_fp8 > 0 ? flops / ms_fp8 / 1e9 : 0.0;
         const double tf_own = ms_own > 0 ? flops / ms_own / 1e9 : 0.0;
         std::printf("%-26s %6lld %-6s %10.1f %10.1f %10.1f %10.3f %10.3f %7.2fx %7.2fx %9.1e\n", sh.name,
-                    static_cast<long long>(M), p.name, tf_bf16, tf_fp8, tf_own, ms_own, ms_own_tile,
-                    tf_fp8 / tf_bf16, tf_own / tf_bf16, own_vs_lt);
+                    static_cast<long long>(M), p.name, tf_bf16, tf_fp8, tf_own, ms_own, ms_own_tile, tf_fp8 / tf_bf16,
+                    tf_own / tf_bf16, own_vs_lt);
         out["gemm"].push_back({{"linear", sh.name},
                                {"M_tokens", M},
                                {"pass", p.name},
