@@ -199,6 +199,7 @@ PYEOF
       # runs once per step: us per step). --cache-control none: L2 as the step leaves it.
       # recipe[:skip]: a recipe's launches before its first decode-only step (bench generate runs a
       # prefill-only pass, then prefill + decode; FP8 recipes have ~1.9x the kernels per step).
+      # FP8RL_NCU_SKIP applies only to recipes listed without their own skip.
       for rs in ${FP8RL_NCU_RECIPES:-bf16:12000 fp8_linear:20000 fp8_kv:20000}; do
         r=${rs%%:*}; skip=${FP8RL_NCU_SKIP:-8000}; [ "$rs" != "$r" ] && skip=${rs#*:}
         timeout $(( $(left) / 2 )) ncu --clock-control none --cache-control none --graph-profiling node \

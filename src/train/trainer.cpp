@@ -25,7 +25,7 @@ int64_t round_up(int64_t n, int64_t g) { return (n + g - 1) / g * g; }
 // Response token j of a sequence starting at s with prompt p is predicted at position s + p - 1 + j.
 // The tokens are then padded to a multiple of `granule` by prefixes of sequence `first`, each a
 // sequence of its own (TrainerOptions::pad_tokens_to): rows that repeat real rows, never scored.
-Packed pack(const std::vector<TrainSequence>& seqs, size_t first, size_t end, int64_t granule) {
+Packed pack(const std::vector<TrainSequence>& seqs, size_t first, size_t end, int64_t granule, int64_t max_tokens) {
   Packed p;
   std::vector<std::vector<int32_t>> ids;
   int64_t start = 0;
@@ -38,7 +38,10 @@ Packed pack(const std::vector<TrainSequence>& seqs, size_t first, size_t end, in
     ids.push_back(s.ids);
   }
   const std::vector<int32_t>& src = seqs[first].ids;
-  p.pad = src.empty() ? 0 : round_up(start, granule) - start;
+  // Never past micro_batch_tokens (the memory plan's bound) when the sequences fit in it: a lone
+  // sequence just under a limit that is not a multiple of the granule keeps its tail product.
+  const int64_t padded = round_up(start, granule);
+  p.pad = src.empty() || (start <= max_tokens && padded > max_tokens) ? 0 : padded - start;
   for (int64_t pad = p.pad; pad > 0;) {
     const int64_t n = std::min<int64_t>(pad, static_cast<int64_t>(src.size()));
     ids.emplace_back(src.begin(), src.begin() + n);
@@ -72,6 +75,13 @@ std::optional<MoeRouting> pack_routing(const ModelConfig& c, const std::vector<T
     }
     t0 += n;
   }
+  // pack()'s padding rows repeat prefixes of sequence `first` (which starts at token 0): they
+  // take its routing too, so under replay they stay copies of its rows in every later block
+  // (their q/k/v then add nothing to the amax).
+  const int64_t n0 = static_cast<int64_t>(seqs[first].ids.size());
+  for (int64_t t = t0; t < T; ++t)
+    for (int64_t m = 0; m < Lm; ++m)
+      for (int64_t j = 0; j < k; ++j) r.ids[m][t * k + j] = r.ids[m][((t - t0) % n0) * k + j];
   return r;
 }
 
@@ -301,7 +311,7 @@ int64_t Trainer::dgrad_weight_cache_bytes() const {
 ScoreResult Trainer::score(const std::vector<TrainSequence>& seqs, float temperature, bool entropy, bool record_amax) {
   ScoreResult r;
   for (auto [first, end] : micro_batches(seqs)) {
-    Packed p = pack(seqs, first, end, pad_granule());
+    Packed p = pack(seqs, first, end, pad_granule(), opt_.micro_batch_tokens);
     pad_tokens_ += p.pad;
     ForwardOptions fo;
     fo.temperature = temperature;
@@ -333,7 +343,7 @@ void Trainer::forward_backward(const std::vector<TrainSequence>& seqs, float tem
                                StepResult& r) {
   const ModelWeights& weights = compute_weights();
   for (auto [first, end] : micro_batches(seqs)) {
-    Packed p = pack(seqs, first, end, pad_granule());
+    Packed p = pack(seqs, first, end, pad_granule(), opt_.micro_batch_tokens);
     pad_tokens_ += p.pad;
     Activations acts;
     ForwardOptions fo;

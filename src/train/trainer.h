@@ -61,8 +61,8 @@ struct TrainerOptions {
   // amax is that of the rows they copy; MoE routing: no generator record) and get a zero
   // gradient, so the scored log-probs and the gradients are those of the unpadded batch — with
   // an FP8 wgrad, whose 1x128 blocks run along the tokens, the padding rows can raise the scale
-  // of the last 128-token block (the loss stays exact). A micro-batch stays within
-  // micro_batch_tokens after padding (a single longer sequence aside).
+  // of the last 128-token block (the loss stays exact). Padding never takes a micro-batch past
+  // micro_batch_tokens (the memory plan's bound): one that would go past it is left unpadded.
   int64_t pad_tokens_to = 0;
   bool recompute = false;             // block recomputation in backward (ForwardOptions::recompute)
   bool cache_fp8_weights = true;      // the FP8 weight cache (above); false: the ops quantize w per call

@@ -220,5 +220,66 @@ TEST(TrainerPadding, PaddedMicroBatchesAreTheUnpaddedOnes) {
     }
 }
 
+// Under MoE routing replay the padding rows take the routing of the rows they copy, so they stay
+// copies in every block: the q/k/v amax (the KV calibration) and the loss are the unpadded ones.
+// Records that differ from the router's own choice, 3 blocks, several seeds.
+TEST(TrainerPadding, ReplayedRoutingPaddingRowsCopyTheirRows) {
+  auto be = make_cpu_backend();
+  ModelConfig mc = model_config_tiny("qwen3_moe", 48, 64, 3, 4, 2, 96);
+  mc.num_experts = 4;
+  mc.num_experts_per_tok = 2;
+  mc.moe_intermediate_size = 40;
+  mc.validate();
+  const int64_t Lm = model_num_moe_layers(mc);
+  for (uint32_t seed : {23u, 24u, 25u, 26u}) {
+    SCOPED_TRACE(seed);
+    RandomInit init;
+    init.seed = seed;
+    init.std = 0.15f;
+    const ModelWeights host = model_weights_random(mc, init, DType::F32);
+    std::vector<TrainSequence> seqs;
+    for (const auto& ids : test::token_sequences({9, 7, 11, 6}, 48, 5 + seed)) {
+      TrainSequence s{ids, 3};
+      for (size_t p = 0; p < ids.size(); ++p)
+        for (int64_t m = 0; m < Lm; ++m) {
+          s.routing.push_back(static_cast<int16_t>((p + m + seed + 1) % 4));
+          s.routing.push_back(static_cast<int16_t>((p + m + seed + 3) % 4));
+        }
+      seqs.push_back(s);
+    }
+    TrainerOptions opt;
+    opt.micro_batch_tokens = 32;
+    opt.routing_replay = true;
+    opt.pad_tokens_to = 1;
+    Trainer plain(*be, model_weights_to_device(*be, host, DType::F32), EnginePrecision{LinearMode::FP32}, opt);
+    opt.pad_tokens_to = 16;
+    Trainer padded(*be, model_weights_to_device(*be, host, DType::F32), EnginePrecision{LinearMode::FP32}, opt);
+    const ScoreResult sa = padded.score(seqs, 1.0f, false, true), sb = plain.score(seqs, 1.0f, false, true);
+    EXPECT_EQ(sa.logp, sb.logp);
+    EXPECT_EQ(sa.q_amax, sb.q_amax);
+    EXPECT_EQ(sa.k_amax, sb.k_amax);
+    EXPECT_EQ(sa.v_amax, sb.v_amax);
+    EXPECT_GT(padded.padding_tokens(), 0);
+    const StepResult a = padded.step(seqs, 1.0f, nll, 2e-2f), b = plain.step(seqs, 1.0f, nll, 2e-2f);
+    EXPECT_EQ(a.loss, b.loss);
+    EXPECT_EQ(a.grad_norm, b.grad_norm);
+  }
+}
+
+// A lone sequence under a micro_batch_tokens that is not a multiple of the granule is not padded
+// past it (the memory plan's bound): 17 tokens at 20 stay 17, and a micro-batch of 5 pads to 16.
+TEST(TrainerPadding, NeverPastMicroBatchTokens) {
+  auto be = make_cpu_backend();
+  std::vector<TrainSequence> seqs;
+  for (const auto& ids : test::token_sequences({17, 5}, 48, 3)) seqs.push_back({ids, 3});
+  TrainerOptions opt;
+  opt.micro_batch_tokens = 20;
+  opt.pad_tokens_to = 16;
+  Trainer t(*be, model_weights_to_device(*be, test::tiny_model("qwen2", DType::F32, 71), DType::F32),
+            EnginePrecision{LinearMode::FP32}, opt);
+  t.score(seqs, 1.0f, false, false);
+  EXPECT_EQ(t.padding_tokens(), 11);  // 17 alone (32 > 20: unpadded) | 5 -> 16
+}
+
 }  // namespace
 }  // namespace fp8rl

@@ -128,6 +128,36 @@ void memory_cases(std::vector<OpCase>& t) {
         EXPECT_EQ(v[2], 1e6) << "the amax must accumulate (max with the slot's value)";
       };
     }
+  // BF16 through the 16-byte-chunk kernel (aligned, n % 8 == 0) and the element kernel (a view
+  // one element in: unaligned), a negative NaN at an odd index (the high half of a chunk's word).
+  t.push_back({"amax",
+               "BF16 4097: aligned and unaligned views, -NaN at an odd index",
+               [] {
+                 Tensor x = rnd({4097}, 27, DType::BF16, 2.0f), y = rnd({4096}, 28, DType::BF16);
+                 x.data<uint16_t>()[3001] = 0xc2f0;  // -120: the largest |x|, in the unaligned view only
+                 y.data<uint16_t>()[1233] = 0xffc0;  // -NaN
+                 return Tensors{{"x", x}, {"nan", y}};
+               },
+               [](OpRun& r) {
+                 Tensor acc = r.be.alloc({3}, DType::F32);
+                 r.be.fill(acc, 0.0f);
+                 r.be.amax(r["x"].slice_rows(1, 4097), acc, 0);
+                 r.be.amax(r["x"].slice_rows(0, 4096), acc, 1);
+                 r.be.amax(r["nan"], acc, 2);
+                 const Tensor a = r.be.device() == DeviceKind::CPU ? acc : r.be.to_host(acc);
+                 Tensor h = Tensor::empty({3}, DType::F32);
+                 h.data<float>()[0] = a.data<float>()[0];
+                 h.data<float>()[1] = a.data<float>()[1];
+                 h.data<float>()[2] = std::isnan(a.data<float>()[2]) ? 1.0f : 0.0f;
+                 r.out["amax"] = h;
+               },
+               {{"amax", bitwise()}}});
+  t.back().invariants = [](const Tensors& o) {
+    const std::vector<double> v = values(o.at("amax"));
+    EXPECT_EQ(v[0], 120.0);
+    EXPECT_EQ(v[1], 120.0);  // index 3001 is in both views
+    EXPECT_EQ(v[2], 1.0) << "a BF16 NaN must come back as NaN";
+  };
   t.push_back({"amax",
                "F32 5000, one -1e30 and one NaN",
                [] {
