@@ -415,6 +415,20 @@ Tensor* rmsnorm_contract(const Contract& c, const Tensor& x, const Tensor& w, co
 }
 }  // namespace
 
+namespace {
+// x [T, H, head_dim] rotated by RoPE at positions I32 [T] (rope, rmsnorm_rope).
+void rope_contract(const Contract& c, const Tensor& x, const Tensor& positions, const RopeParams& rope,
+                   const char* op) {
+  c.floating(x, "rope input");
+  FP8RL_CHECK(x.ndim() == 3, op, " input must be [T, H, head_dim], got ", x.str());
+  const int64_t hd = x.dim(2);
+  FP8RL_CHECK(hd % 2 == 0 && static_cast<int64_t>(rope.inv_freq.size()) == hd / 2, op, ": head_dim ", hd, " needs ",
+              hd / 2, " inverse frequencies, got ", rope.inv_freq.size());
+  c.i32(positions, "rope positions");
+  FP8RL_CHECK(positions.numel() == x.dim(0), op, ": ", positions.numel(), " positions for ", x.dim(0), " tokens");
+}
+}  // namespace
+
 void Backend::rmsnorm(const Tensor& x, const Tensor& w, float eps, Tensor& out, Tensor* rstd) {
   rmsnorm_impl(x, w, eps, out, rmsnorm_contract(Contract(*this), x, w, out, rstd, "rmsnorm"));
 }
@@ -450,6 +464,17 @@ void Backend::rmsnorm_fp8(const Tensor& x, const Tensor& w, float eps, Tensor& o
   Tensor* r = rmsnorm_contract(c, x, w, out, rstd, "rmsnorm_fp8");
   fp8_view_target(c, out, fp8, "rmsnorm_fp8");
   rmsnorm_fp8_impl(x, w, eps, out, r, fp8);
+}
+
+void Backend::rmsnorm_rope(const Tensor& x, const Tensor& w, float eps, const Tensor& positions, const RopeParams& rope,
+                           Tensor& out, Tensor* rstd) {
+  const Contract c(*this);
+  FP8RL_CHECK(x.ndim() == 3 && out.ndim() == 3, "rmsnorm_rope: x and out must be [T, H, head_dim], got ", x.str(), ", ",
+              out.str());
+  Tensor* r = rmsnorm_contract(c, x, w, out, rstd, "rmsnorm_rope");
+  FP8RL_CHECK(x.raw() != out.raw(), "rmsnorm_rope: out must not alias x");
+  rope_contract(c, out, positions, rope, "rmsnorm_rope");
+  rmsnorm_rope_impl(x, w, eps, positions, rope, out, r);
 }
 
 void Backend::add_rmsnorm(const Tensor& a, const Tensor& b, Tensor& sum, const Tensor& w, float eps, Tensor& out,
@@ -524,6 +549,12 @@ void Backend::rmsnorm_fp8_impl(const Tensor& x, const Tensor& w, float eps, Tens
   quantize_impl(out.reshape({out.numel() / D, D}), false, fp8.q);
   fp8.scales_gemm_layout = false;
   fp8.source = out.raw();
+}
+
+void Backend::rmsnorm_rope_impl(const Tensor& x, const Tensor& w, float eps, const Tensor& positions,
+                                const RopeParams& rope, Tensor& out, Tensor* rstd) {
+  rmsnorm_impl(x, w, eps, out, rstd);
+  rope_impl(out, positions, rope, /*inverse=*/false);
 }
 
 void Backend::add_rmsnorm_impl(const Tensor& a, const Tensor& b, Tensor& sum, const Tensor& w, float eps, Tensor& out,
@@ -713,14 +744,7 @@ void Backend::grouped_linear_backward_impl(const Tensor& dy, const Tensor& x, co
 }
 
 void Backend::rope(Tensor& x, const Tensor& positions, const RopeParams& rope, bool inverse) {
-  const Contract c(*this);
-  c.floating(x, "rope input");
-  FP8RL_CHECK(x.ndim() == 3, "rope input must be [T, H, head_dim], got ", x.str());
-  const int64_t hd = x.dim(2);
-  FP8RL_CHECK(hd % 2 == 0 && static_cast<int64_t>(rope.inv_freq.size()) == hd / 2, "rope: head_dim ", hd, " needs ",
-              hd / 2, " inverse frequencies, got ", rope.inv_freq.size());
-  c.i32(positions, "rope positions");
-  FP8RL_CHECK(positions.numel() == x.dim(0), "rope: ", positions.numel(), " positions for ", x.dim(0), " tokens");
+  rope_contract(Contract(*this), x, positions, rope, "rope");
   rope_impl(x, positions, rope, inverse);
 }
 

@@ -271,6 +271,11 @@ class Backend {
   // fp8 must come from alloc_fp8_view(rows, last dim, pow2).
   // rmsnorm(x, w, eps, out, rstd), then out's FP8 copy into fp8.
   void rmsnorm_fp8(const Tensor& x, const Tensor& w, float eps, Tensor& out, Tensor* rstd, Fp8View& fp8);
+  // rmsnorm(x, w) into out, then rope(out, positions, rope, inverse=false): Qwen3's q/k-norm
+  // and RoPE in one pass. x, out [T, H, head_dim] (distinct), w [head_dim], positions I32 [T],
+  // rstd F32 [T * H]. The same values as the two ops, out rounded to its dtype between them.
+  void rmsnorm_rope(const Tensor& x, const Tensor& w, float eps, const Tensor& positions, const RopeParams& rope,
+                    Tensor& out, Tensor* rstd);
   // sum = a + b (may alias a), then rmsnorm(sum, w, eps, out, rstd) — the residual add and the
   // next norm — and, when fp8 is non-null, out's FP8 copy. a, b, sum, out [R, D].
   void add_rmsnorm(const Tensor& a, const Tensor& b, Tensor& sum, const Tensor& w, float eps, Tensor& out, Tensor* rstd,
@@ -526,6 +531,8 @@ class Backend {
   virtual void rmsnorm_backward_impl(const Tensor& dout, const Tensor& x, const Tensor& w, const Tensor& rstd,
                                      Tensor& dx, Tensor& dw) = 0;
   virtual void rmsnorm_fp8_impl(const Tensor& x, const Tensor& w, float eps, Tensor& out, Tensor* rstd, Fp8View& fp8);
+  virtual void rmsnorm_rope_impl(const Tensor& x, const Tensor& w, float eps, const Tensor& positions,
+                                 const RopeParams& rope, Tensor& out, Tensor* rstd);
   virtual void add_rmsnorm_impl(const Tensor& a, const Tensor& b, Tensor& sum, const Tensor& w, float eps, Tensor& out,
                                 Tensor* rstd, Fp8View* fp8);
   virtual void swiglu_fp8_impl(const Tensor& gate, const Tensor& up, Tensor& out, Fp8View& fp8);

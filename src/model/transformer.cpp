@@ -366,14 +366,14 @@ void forward_block(Backend& be, const ModelWeights& w, const EnginePrecision& pr
     Tensor q2 = a.q.reshape({T, Hq * hd}), k2 = a.k.reshape({T, Hkv * hd}), v2 = a.v.reshape({T, Hkv * hd});
     if (c.qk_norm) {
       be.linear_shared_input(a.xn_attn, {&lw.q, &lw.k, &lw.v}, spec, {&a.q_raw, &a.k_raw, &v2}, xq_or_null);
-      Tensor qh = a.q.reshape({T * Hq, hd}), kh = a.k.reshape({T * Hkv, hd});
-      be.rmsnorm(a.q_raw.reshape({T * Hq, hd}), lw.q_norm, c.rms_norm_eps, qh, &a.q_rstd);
-      be.rmsnorm(a.k_raw.reshape({T * Hkv, hd}), lw.k_norm, c.rms_norm_eps, kh, &a.k_rstd);
+      // q/k-norm and RoPE in one pass (the values of rmsnorm then rope).
+      be.rmsnorm_rope(a.q_raw.reshape({T, Hq, hd}), lw.q_norm, c.rms_norm_eps, positions, rope, a.q, &a.q_rstd);
+      be.rmsnorm_rope(a.k_raw.reshape({T, Hkv, hd}), lw.k_norm, c.rms_norm_eps, positions, rope, a.k, &a.k_rstd);
     } else {
       be.linear_shared_input(a.xn_attn, {&lw.q, &lw.k, &lw.v}, spec, {&q2, &k2, &v2}, xq_or_null);
+      be.rope(a.q, positions, rope, /*inverse=*/false);
+      be.rope(a.k, positions, rope, /*inverse=*/false);
     }
-    be.rope(a.q, positions, rope, /*inverse=*/false);
-    be.rope(a.k, positions, rope, /*inverse=*/false);
   }
   if (amax && !c.is_mla()) {
     amax->add(be, a.q, 0);

@@ -557,6 +557,54 @@ void layer_cases(std::vector<OpCase>& t) {
              {{"x", rel(dt == DType::F32 ? 1e-5 : 1e-2)}}});
       }
     }
+  // q/k-norm and RoPE fused (Qwen3's heads, hd 64 and 128, both pair layouts, an F32 norm weight
+  // on BF16 rows as the trainer's master): the values of rmsnorm then rope, bit for bit on each
+  // backend ("composed" below), and the CPU's to the two ops' tolerance.
+  struct NormRope {
+    int64_t T, H, hd;
+    bool interleaved;
+  };
+  for (const NormRope& nr : {NormRope{37, 4, 128, false}, NormRope{300, 8, 128, false}, NormRope{19, 3, 64, false},
+                             NormRope{21, 2, 64, true}, NormRope{5, 16, 96, false}})
+    for (DType dt : {DType::F32, DType::BF16}) {
+      t.push_back(
+          {"rmsnorm_rope",
+           dims({nr.T, nr.H, nr.hd}) + " " + dtype_name(dt) + (nr.interleaved ? " interleaved" : ""),
+           [=] {
+             std::vector<int32_t> pos(nr.T);
+             for (int64_t i = 0; i < nr.T; ++i) pos[i] = static_cast<int32_t>((i * 211) % 3000);
+             return Tensors{{"x", rnd({nr.T, nr.H, nr.hd}, 90 + static_cast<uint32_t>(nr.hd), dt, 2.0f)},
+                            {"w", rnd({nr.hd}, 91, DType::F32)},
+                            {"pos", i32_tensor(pos, {nr.T})}};
+           },
+           [=](OpRun& r) {
+             RopeParams rp;
+             for (int i = 0; i < nr.hd / 2; ++i) rp.inv_freq.push_back(std::pow(1e6f, -2.0f * i / nr.hd));
+             rp.interleaved = nr.interleaved;
+             rp.attention_scaling = nr.interleaved ? 1.25f : 1.0f;
+             Tensor& rstd = r.output("rstd", {nr.T * nr.H}, DType::F32);
+             r.be.rmsnorm_rope(r["x"], r["w"], 1e-6f, r["pos"], rp, r.output("out", {nr.T, nr.H, nr.hd}, dt), &rstd);
+             Tensor& c = r.output("composed", {nr.T, nr.H, nr.hd}, dt);
+             Tensor& crstd = r.output("composed_rstd", {nr.T * nr.H}, DType::F32);
+             r.be.rmsnorm(r["x"], r["w"], 1e-6f, c, &crstd);
+             r.be.rope(c, r["pos"], rp, /*inverse=*/false);
+           },
+           {{"out", rel(dt == DType::F32 ? 1e-5 : 1e-2)},
+            {"rstd", rel(1e-6)},
+            {"composed", rel(dt == DType::F32 ? 1e-5 : 1e-2)},
+            {"composed_rstd", rel(1e-6)}},
+           {{"out", "composed"}, {"rstd", "composed_rstd"}}});
+      t.back().errors = [](OpRun& r) {
+        RopeParams rp;
+        rp.inv_freq.assign(static_cast<size_t>(r["x"].dim(2) / 2), 1.0f);
+        Tensor same = r["x"];
+        EXPECT_THROW(r.be.rmsnorm_rope(r["x"], r["w"], 1e-6f, r["pos"], rp, same, nullptr), Error);  // aliasing
+        RopeParams short_table;
+        short_table.inv_freq.assign(3, 1.0f);
+        Tensor out = r.be.alloc(r["x"].shape(), r["x"].dtype());
+        EXPECT_THROW(r.be.rmsnorm_rope(r["x"], r["w"], 1e-6f, r["pos"], short_table, out, nullptr), Error);
+      };
+    }
   for (DType dt : {DType::F32, DType::BF16}) {
     const double tol = dt == DType::F32 ? 1e-5 : 1e-2;
     t.push_back({"swiglu + swiglu_backward",

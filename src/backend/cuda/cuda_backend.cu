@@ -499,6 +499,23 @@ void CudaBackend::rmsnorm_fp8_impl(const Tensor& x, const Tensor& w, float eps, 
   flag_check("rmsnorm_fp8: the output " + out.str() + " holds NaN or Inf (FP8 quantization refuses non-finite values)");
 }
 
+void CudaBackend::rmsnorm_rope_impl(const Tensor& x, const Tensor& w, float eps, const Tensor& positions,
+                                    const RopeParams& rope, Tensor& out, Tensor* rstd) {
+  {
+    const OpTimer op_timer_(*this, "rmsnorm_rope");
+    const int64_t T = x.dim(0), H = x.dim(1), hd = x.dim(2);
+    RopeTable tab{};
+    if (x.dtype() == out.dtype() && hd / 2 <= kMaxRopeHalf) {
+      std::copy(rope.inv_freq.begin(), rope.inv_freq.end(), tab.inv_freq);
+      if (launch_rmsnorm_rope(x.raw(), x.dtype(), w.raw(), w.dtype(), T, H, hd, eps, out.raw(),
+                              rstd ? rstd->data<float>() : nullptr, positions.data<int32_t>(), tab,
+                              rope.attention_scaling, rope.interleaved, stream_))
+        return;
+    }
+  }
+  Backend::rmsnorm_rope_impl(x, w, eps, positions, rope, out, rstd);  // outside the fused kernel's limits
+}
+
 void CudaBackend::add_rmsnorm_impl(const Tensor& a, const Tensor& b, Tensor& sum, const Tensor& w, float eps,
                                    Tensor& out, Tensor* rstd, Fp8View* fp8) {
   const OpTimer op_timer_(*this, "add_rmsnorm");

@@ -78,6 +78,8 @@ class CudaBackend final : public Backend {
   void linear_shared_input_impl(const Tensor& x, const std::vector<const LinearWeight*>& W, const LinearSpec& spec,
                                 const std::vector<Tensor*>& outs, const Fp8View* x_fp8) override;
   void rmsnorm_fp8_impl(const Tensor& x, const Tensor& w, float eps, Tensor& out, Tensor* rstd, Fp8View& fp8) override;
+  void rmsnorm_rope_impl(const Tensor& x, const Tensor& w, float eps, const Tensor& positions, const RopeParams& rope,
+                         Tensor& out, Tensor* rstd) override;
   void add_rmsnorm_impl(const Tensor& a, const Tensor& b, Tensor& sum, const Tensor& w, float eps, Tensor& out,
                         Tensor* rstd, Fp8View* fp8) override;
   void swiglu_fp8_impl(const Tensor& gate, const Tensor& up, Tensor& out, Fp8View& fp8) override;

@@ -123,6 +123,12 @@ struct RopeTable {
 // interleaved: pairs (2i, 2i + 1) (DeepSeek-V3's rope_interleave), else (i, i + hd / 2).
 void launch_rope(void* x, DType dt, int64_t T, int64_t H, int64_t hd, const int32_t* pos, const RopeTable& tab,
                  float attention_scaling, bool inverse, bool interleaved, cudaStream_t stream);
+// rmsnorm over each [hd] row of x [T, H, hd] (weight w [hd]) into out, then RoPE (not inverse) on
+// out: launch_rmsnorm then launch_rope, bit for bit, in one pass. False (nothing launched) outside
+// its limits (hd <= 256, a multiple of 16; 16-byte aligned rows): the caller runs the two ops.
+bool launch_rmsnorm_rope(const void* x, DType dt, const void* w, DType wdt, int64_t T, int64_t H, int64_t hd,
+                         float eps, void* out, float* rstd, const int32_t* pos, const RopeTable& tab,
+                         float attention_scaling, bool interleaved, cudaStream_t stream);
 void launch_swiglu(const void* g, const void* u, void* out, DType dt, int64_t n, cudaStream_t stream);
 void launch_swiglu_backward(const void* dout, const void* g, const void* u, void* dg, void* du, DType dt, int64_t n,
                             cudaStream_t stream);

@@ -213,6 +213,17 @@ __global__ void rmsnorm_dw_kernel(const TG* g, const TX* x, const float* rstd, i
 // thread's heads are issued before its stores, and no index needs a 64-bit division. The
 // arithmetic of each element is that of one thread per pair.
 constexpr int kRopeHeadsPerThread = 8;
+// The angle's cos and sin of pair j at position p (scaled by attention_scaling; negated sin for
+// the inverse) and the rotation of a pair: one copy for rope_kernel and rmsnorm_rope_kernel, so
+// their arithmetic (and its FMA contraction) is the same.
+__device__ __forceinline__ void rope_cos_sin(int32_t p, float inv_freq, float att, bool inverse, float& c, float& s) {
+  const float angle = static_cast<float>(p) * inv_freq;
+  c = cosf(angle) * att;
+  s = sinf(angle) * att;
+  if (inverse) s = -s;
+}
+__device__ __forceinline__ float rope_first(float x1, float x2, float c, float s) { return x1 * c - x2 * s; }
+__device__ __forceinline__ float rope_second(float x1, float x2, float c, float s) { return x2 * c + x1 * s; }
 template <class T>
 __global__ void rope_kernel(T* x, int64_t T_, int H, int hd, const int32_t* pos, RopeTable tab, float att,
                             bool inverse, bool interleaved) {
@@ -221,10 +232,8 @@ __global__ void rope_kernel(T* x, int64_t T_, int H, int hd, const int32_t* pos,
   const int i1 = interleaved ? 2 * j : j, i2 = interleaved ? 2 * j + 1 : j + half;
   const int HC = static_cast<int>(blockDim.y);
   for (int64_t t = blockIdx.x; t < T_; t += gridDim.x) {
-    const float angle = static_cast<float>(pos[t]) * tab.inv_freq[j];
-    const float c = cosf(angle) * att;
-    float s = sinf(angle) * att;
-    if (inverse) s = -s;
+    float c, s;
+    rope_cos_sin(pos[t], tab.inv_freq[j], att, inverse, c, s);
     float x1[kRopeHeadsPerThread], x2[kRopeHeadsPerThread];
 #pragma unroll
     for (int k = 0; k < kRopeHeadsPerThread; ++k) {
@@ -240,11 +249,68 @@ __global__ void rope_kernel(T* x, int64_t T_, int H, int hd, const int32_t* pos,
       const int h = hc + k * HC;
       if (h < H) {
         const int64_t base = (t * H + h) * hd;
-        store_f(x, base + i1, x1[k] * c - x2[k] * s);
-        store_f(x, base + i2, x2[k] * c + x1[k] * s);
+        store_f(x, base + i1, rope_first(x1[k], x2[k], c, s));
+        store_f(x, base + i2, rope_second(x1[k], x2[k], c, s));
       }
     }
   }
+}
+
+// Qwen3's q/k-norm and RoPE in one pass: rmsnorm_warp_kernel's rows r = (t, h) of hd <= 256
+// dims (lane l holds dims [8l, 8l + 8)), the normalized values rounded to T as the two-op path
+// stores them, then rotated in registers with rope_kernel's arithmetic (the rotate_half partner
+// of a lane's dims is lane +- hd / 16: a shuffle; interleaved pairs are within a lane). The
+// same bits as rmsnorm then rope, without the round trip of q and k through memory.
+template <class T, class TW>
+__global__ void rmsnorm_rope_kernel(const T* x, const TW* w, int64_t R, int H, int hd, float eps, T* out, float* rstd,
+                                    const int32_t* pos, RopeTable tab, float att, bool interleaved) {
+  const int lane = static_cast<int>(threadIdx.x);
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * kRmsRowsPerBlock + threadIdx.y;
+  if (r >= R) return;  // whole warps: the shuffles below stay within one row's warp
+  const int d0 = lane * 8, half = hd / 2;
+  const bool in = d0 < hd;
+  float v[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  double ss = 0.0;
+  if (in) {
+    load8(x + r * hd + d0, v);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) ss += static_cast<double>(v[i]) * v[i];
+  }
+  ss = warp_sum_d(ss);
+  const float var = static_cast<float>(ss / static_cast<double>(hd));
+  const float rs = 1.0f / sqrtf(var + eps);
+  if (rstd && lane == 0) rstd[r] = rs;
+  if (in) {
+    float wv[8];
+    load8(w + d0, wv);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = round_as(out, v[i] * rs * wv[i]);
+  }
+  const bool first = d0 < half;  // rotate_half: this lane holds x1 of its pairs, else x2
+  const int partner = !in || interleaved ? lane : first ? lane + half / 8 : lane - half / 8;
+  float p[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) p[i] = __shfl_sync(0xffffffffu, v[i], partner);
+  if (!in) return;
+  const int32_t ps = pos[r / H];
+  float y[8];
+  if (interleaved) {
+#pragma unroll
+    for (int i = 0; i < 8; i += 2) {
+      float c, s;
+      rope_cos_sin(ps, tab.inv_freq[(d0 + i) / 2], att, false, c, s);
+      y[i] = rope_first(v[i], v[i + 1], c, s);
+      y[i + 1] = rope_second(v[i], v[i + 1], c, s);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      float c, s;
+      rope_cos_sin(ps, tab.inv_freq[first ? d0 + i : d0 + i - half], att, false, c, s);
+      y[i] = first ? rope_first(v[i], p[i], c, s) : rope_second(p[i], v[i], c, s);
+    }
+  }
+  store8(out + r * hd + d0, y);
 }
 
 template <class T>
@@ -413,6 +479,25 @@ void launch_rope(void* x, DType dt, int64_t T_, int64_t H, int64_t hd, const int
                                                attention_scaling, inverse, interleaved);
   });
   CUDA_CHECK_LAUNCH("rope_kernel");
+}
+
+bool launch_rmsnorm_rope(const void* x, DType dt, const void* w, DType wdt, int64_t T_, int64_t H, int64_t hd,
+                         float eps, void* out, float* rstd, const int32_t* pos, const RopeTable& tab,
+                         float attention_scaling, bool interleaved, cudaStream_t stream) {
+  if (hd > 256 || hd % 16 != 0 || hd / 2 > kMaxRopeHalf || !vec8_ok(hd, {x, w, out})) return false;
+  const int64_t R = T_ * H;
+  if (R == 0) return true;
+  FP8RL_DISPATCH_FLOAT(wdt, "rmsnorm_rope weight", {
+    using TW = T;
+    FP8RL_DISPATCH_FLOAT(dt, "rmsnorm_rope input", {
+      rmsnorm_rope_kernel<T, TW><<<static_cast<unsigned>(ceil_div(R, kRmsRowsPerBlock)), dim3(32, kRmsRowsPerBlock), 0,
+                                   stream>>>(static_cast<const T*>(x), static_cast<const TW*>(w), R,
+                                             static_cast<int>(H), static_cast<int>(hd), eps, static_cast<T*>(out),
+                                             rstd, pos, tab, attention_scaling, interleaved);
+    });
+  });
+  CUDA_CHECK_LAUNCH("rmsnorm_rope_kernel");
+  return true;
 }
 
 void launch_swiglu(const void* g, const void* u, void* out, DType dt, int64_t n, cudaStream_t stream) {
