@@ -638,6 +638,26 @@ void Backend::linear_shared_input_impl(const Tensor& x, const std::vector<const 
   for (size_t i = 0; i < W.size(); ++i) linear_impl(x, *W[i], spec, *outs[i], x_fp8);
 }
 
+void Backend::linear_swiglu(const Tensor& x, const LinearWeight& gate_w, const LinearWeight& up_w,
+                            const LinearSpec& spec, Tensor& gate, Tensor& up, bool keep, Tensor& act, Fp8View* act_fp8,
+                            const Fp8View* x_fp8) {
+  const Contract c(*this);
+  linear_contract(c, x, gate_w, spec, gate, x_fp8);
+  linear_contract(c, x, up_w, spec, up, x_fp8);
+  swiglu_contract(c, gate, up, act);
+  if (act_fp8) fp8_view_target(c, act, *act_fp8, "linear_swiglu");
+  linear_swiglu_impl(x, gate_w, up_w, spec, gate, up, keep, act, act_fp8,
+                     spec.mode == LinearMode::FP8_BLOCK ? x_fp8 : nullptr);
+}
+
+void Backend::linear_swiglu_impl(const Tensor& x, const LinearWeight& gate_w, const LinearWeight& up_w,
+                                 const LinearSpec& spec, Tensor& gate, Tensor& up, bool /*keep*/, Tensor& act,
+                                 Fp8View* act_fp8, const Fp8View* x_fp8) {
+  linear_shared_input_impl(x, {&gate_w, &up_w}, spec, {&gate, &up}, x_fp8);
+  if (act_fp8) swiglu_fp8_impl(gate, up, act, *act_fp8);
+  else swiglu_impl(gate, up, act);
+}
+
 void Backend::grouped_linear(const Tensor& x, const std::vector<int64_t>& offsets,
                              const std::vector<const LinearWeight*>& W, const LinearSpec& spec, Tensor& out) {
   FP8RL_CHECK(!W.empty() && offsets.size() == W.size() + 1, "grouped_linear: ", W.size(), " weights need ",

@@ -304,6 +304,15 @@ class Backend {
   // default calls linear().
   void linear_shared_input(const Tensor& x, const std::vector<const LinearWeight*>& W, const LinearSpec& spec,
                            const std::vector<Tensor*>& outs, const Fp8View* x_fp8 = nullptr);
+  // The SwiGLU MLP's first half: gate = x Wg^T, up = x Wu^T [M, F], act = swiglu(gate, up), with
+  // act's FP8 copy in act_fp8 when given (the down projection's input: swiglu_fp8's). keep: gate
+  // and up hold the products on return (the backward's inputs); otherwise they are scratch that a
+  // backend may leave unwritten (CUDA at decode sizes: one concatenated product that the swiglu
+  // reads in place, no split). act's values are those of linear_shared_input(x, {Wg, Wu}) then
+  // swiglu / swiglu_fp8, bit for bit. x_fp8 as linear's.
+  void linear_swiglu(const Tensor& x, const LinearWeight& gate_w, const LinearWeight& up_w, const LinearSpec& spec,
+                     Tensor& gate, Tensor& up, bool keep, Tensor& act, Fp8View* act_fp8,
+                     const Fp8View* x_fp8 = nullptr);
   // linear() of row groups through one weight each (mixture-of-experts layers): rows
   // [offsets[g], offsets[g + 1]) of x [R, K] and out [R, N] go through *W[g] (every W of equal
   // in and out features; offsets from 0 to R, non-decreasing). Each group's rows equal what
@@ -543,6 +552,9 @@ class Backend {
                            const Fp8View* x_fp8) = 0;
   virtual void linear_shared_input_impl(const Tensor& x, const std::vector<const LinearWeight*>& W,
                                         const LinearSpec& spec, const std::vector<Tensor*>& outs, const Fp8View* x_fp8);
+  virtual void linear_swiglu_impl(const Tensor& x, const LinearWeight& gate_w, const LinearWeight& up_w,
+                                  const LinearSpec& spec, Tensor& gate, Tensor& up, bool keep, Tensor& act,
+                                  Fp8View* act_fp8, const Fp8View* x_fp8);
   virtual void grouped_linear_impl(const Tensor& x, const std::vector<int64_t>& offsets,
                                    const std::vector<const LinearWeight*>& W, const LinearSpec& spec, Tensor& out);
   virtual void linear_backward_impl(const Tensor& dy, const Tensor& x, const LinearWeight& W, const LinearSpec& spec,

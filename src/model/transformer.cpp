@@ -335,9 +335,11 @@ void mla_qkv(Backend& be, const ModelConfig& c, const LayerWeights& lw, const Li
 
 // One transformer block: fills `a` (its activations, buffers allocated here) from the block
 // input x [T, D] and writes the block output into x_next [T, D] (may be x itself).
+// for_backward: a.gate and a.up are kept (the backward's inputs); otherwise the MLP's two
+// products may stay in the backend's scratch (linear_swiglu's keep).
 void forward_block(Backend& be, const ModelWeights& w, const EnginePrecision& prec, int l, const Tensor& x,
                    const Tensor& positions, const AttentionStep& attention, const MoeRoutingIo& routing,
-                   QkvAmax* amax, LayerActivations& a, Tensor& x_next) {
+                   QkvAmax* amax, bool for_backward, LayerActivations& a, Tensor& x_next) {
   const ModelConfig& c = w.config;
   const int L = c.num_layers;
   const int64_t T = x.dim(0), hd = c.head_dim;
@@ -397,13 +399,12 @@ void forward_block(Backend& be, const ModelWeights& w, const EnginePrecision& pr
     for (int i = 0; i < l; ++i) m += c.layer_is_moe(i) ? 1 : 0;
     moe_forward(be, c, lw, spec, m, routing, a);
   } else {
-    be.linear_shared_input(a.xn_mlp, {&lw.gate, &lw.up}, spec, {&a.gate, &a.up}, xq_or_null);
     if (fp8) {
       Fp8View hq = be.alloc_fp8_view(T, a.act.dim(1), spec.pow2_scales);
-      be.swiglu_fp8(a.gate, a.up, a.act, hq);
+      be.linear_swiglu(a.xn_mlp, lw.gate, lw.up, spec, a.gate, a.up, for_backward, a.act, &hq, xq_or_null);
       be.linear(a.act, lw.down, spec, a.proj, &hq);
     } else {
-      be.swiglu(a.gate, a.up, a.act);
+      be.linear_swiglu(a.xn_mlp, lw.gate, lw.up, spec, a.gate, a.up, for_backward, a.act, nullptr, xq_or_null);
       be.linear(a.act, lw.down, spec, a.proj);
     }
   }
@@ -431,7 +432,7 @@ void forward_layers(Backend& be, const ModelWeights& w, const EnginePrecision& p
     LayerActivations& a = saved && !inputs_only ? (*saved)[l] : scratch;
     // Saving: the next block's input is a new tensor (this block's x stays intact).
     Tensor x_next = saved ? be.alloc(x.shape(), x.dtype()) : x;
-    forward_block(be, w, prec, l, x, positions, attention, routing, amax, a, x_next);
+    forward_block(be, w, prec, l, x, positions, attention, routing, amax, saved && !inputs_only, a, x_next);
     if (saved && inputs_only) (*saved)[l].x = x;
     x = x_next;
   }
@@ -1110,8 +1111,8 @@ void model_backward(Backend& be, const ModelWeights& w, const EnginePrecision& p
     const LayerWeights& lw = w.layers[l];
     LayerWeights& lg = g.layers[l];
     if (A.recompute)
-      forward_block(be, w, prec, l, A.layers[l].x, A.positions, attention, recompute_routing, nullptr, recomputed,
-                    recomputed_out);
+      forward_block(be, w, prec, l, A.layers[l].x, A.positions, attention, recompute_routing, nullptr,
+                    /*for_backward=*/true, recomputed, recomputed_out);
     const LayerActivations& a = A.recompute ? recomputed : A.layers[l];
     const LinearSpec spec = block_spec(prec, l, L);
 

@@ -937,6 +937,76 @@ void concatenated_linear_cases(std::vector<OpCase>& t) {
       }
 }
 
+// linear_swiglu over gate|up as consecutive rows of one buffer (the generator's): act (and its FP8
+// copy) bitwise the unfused linear_shared_input + swiglu / swiglu_fp8 of the same run, with the
+// products kept (the trainer's forward) or left in the backend's scratch (decode: CUDA reads the
+// concatenated product's halves in place, no split). FP8 in the consistent mode too.
+void linear_swiglu_cases(std::vector<OpCase>& t) {
+  for (LinearMode mode : {LinearMode::BF16, LinearMode::FP8_BLOCK})
+    for (bool consistent : {false, true})
+      for (bool keep : {false, true})
+        for (int64_t M : {int64_t(64), int64_t(37)}) {
+          if (consistent && mode != LinearMode::FP8_BLOCK) continue;
+          LinearSpec spec{mode, false};
+          spec.consistent = consistent;
+          const bool fp8 = mode == LinearMode::FP8_BLOCK;
+          const int64_t K = 256, F = 384;
+          t.push_back({"linear_swiglu",
+                       std::to_string(M) + " tokens, K 256, F 384 concatenated " + linear_mode_name(mode) +
+                           (consistent ? " consistent" : "") + (keep ? " kept" : " scratch"),
+                       [=] {
+                         return Tensors{{"x", rnd({M, K}, 530)}, {"w", rnd({2 * F, K}, 531, DType::F32, 0.05f)}};
+                       },
+                       [=](OpRun& r) {
+                         const Tensor x = r.as("x", DType::BF16), wall = r.as("w", DType::BF16);
+                         LinearWeight W[2];
+                         if (fp8) {
+                           QuantTensor qall = r.be.alloc_quant(2 * F, K, kQuantBlock, kQuantBlock, false);
+                           r.be.quantize(wall, false, qall);
+                           for (int i = 0; i < 2; ++i) {
+                             W[i].wq = qall;
+                             W[i].wq.data = qall.data.slice_rows(i * F, (i + 1) * F);
+                             W[i].wq.scales = qall.scales.slice_rows(i * F / kQuantBlock, (i + 1) * F / kQuantBlock);
+                           }
+                         } else {
+                           for (int i = 0; i < 2; ++i) W[i].w = wall.slice_rows(i * F, (i + 1) * F);
+                         }
+                         Tensor g = r.be.alloc({M, F}, DType::BF16), u = r.be.alloc({M, F}, DType::BF16);
+                         Tensor& act = r.output("act", {M, F}, DType::BF16);
+                         Fp8View view = fp8 ? r.be.alloc_fp8_view(M, F, false) : Fp8View{};
+                         r.be.linear_swiglu(x, W[0], W[1], spec, g, u, keep, act, fp8 ? &view : nullptr);
+                         // The unfused reference in the same run.
+                         Tensor g2 = r.be.alloc({M, F}, DType::BF16), u2 = r.be.alloc({M, F}, DType::BF16);
+                         r.be.linear_shared_input(x, {&W[0], &W[1]}, spec, {&g2, &u2});
+                         Tensor& act2 = r.output("act_unfused", {M, F}, DType::BF16);
+                         if (fp8) {
+                           Fp8View view2 = r.be.alloc_fp8_view(M, F, false);
+                           r.be.swiglu_fp8(g2, u2, act2, view2);
+                           r.out["codes"] = view.q.data;
+                           r.out["codes_unfused"] = view2.q.data;
+                           r.out["scales"] = view.q.scales;
+                           r.out["scales_unfused"] = view2.q.scales;
+                         } else {
+                           r.be.swiglu(g2, u2, act2);
+                         }
+                         if (keep) {
+                           r.out["gate"] = g;
+                           r.out["gate_unfused"] = g2;
+                         }
+                       },
+                       {{"act", linear_tolerance(mode, DType::BF16)}}});
+          OpCase& c = t.back();
+          c.same = {{"act", "act_unfused"}};
+          if (fp8) {
+            c.same.push_back({"codes", "codes_unfused"});
+            c.same.push_back({"scales", "scales_unfused"});
+          }
+          if (keep) c.same.push_back({"gate", "gate_unfused"});
+          c.no_fp8_fallback = true;
+          c.concat_products = 2;  // CUDA: linear_swiglu's product and the reference's, one each
+        }
+}
+
 // ---- mixture of experts ------------------------------------------------------------------------
 
 // grouped_linear: row groups (empty, one-row and ragged ones) through one weight each, against
@@ -1934,6 +2004,7 @@ const std::vector<OpCase>& op_table() {
     layer_cases(t);
     fused_cases(t);
     concatenated_linear_cases(t);
+    linear_swiglu_cases(t);
     add_fp8_cases(t);
     swiglu_backward_fp8_cases(t);
     grouped_linear_cases(t);

@@ -547,7 +547,7 @@ void CudaBackend::swiglu_fp8_impl(const Tensor& gate, const Tensor& up, Tensor& 
   fp8_view_prepare(fp8, out);
   const int64_t F = out.dim(-1), R = rows_of(out);
   int* bad = flag_reset();
-  if (!launch_swiglu_fp8(gate.raw(), up.raw(), out.raw(), out.dtype(), R, F, fp8.q.pow2, fp8.q.data.data<uint8_t>(),
+  if (!launch_swiglu_fp8(gate.raw(), up.raw(), F, out.raw(), out.dtype(), R, F, fp8.q.pow2, fp8.q.data.data<uint8_t>(),
                          fp8.q.scales.data<float>(), fp8.scales_gemm_layout, bad, stream_)) {
     launch_swiglu(gate.raw(), up.raw(), out.raw(), gate.dtype(), gate.numel(), stream_);
     quantize_async(out.reshape({R, F}), false, fp8.q, false, fp8.scales_gemm_layout);
@@ -932,23 +932,33 @@ bool CudaBackend::concatenated(const std::vector<const LinearWeight*>& W, const 
 // differently within the linear class's tolerance). Otherwise FP8: x quantized once for every
 // weight when all of them take the tensor cores, or not at all when a fused producer gave its
 // FP8 copy (x_fp8); the products are then exactly those of separate linear() calls.
+// Whether the weights W (consecutive rows of one buffer) run as one product `cat` on x's M rows:
+// at decode-sized M (<= kCatMaxRows), BF16 activations, a BF16 or FP8 product on the fast path.
+// In the consistent mode FP8 only: the own kernel computes each output column from its own
+// weight row and 128-row scale block alone (the weights are 128-row aligned), so the wider
+// product is bitwise the separate ones the trainer runs; cuBLASLt's BF16 algorithm may differ by N.
+bool CudaBackend::concatenated_product(const Tensor& x, const std::vector<const LinearWeight*>& W,
+                                       const LinearSpec& spec, LinearWeight& cat) {
+  const int64_t K = W[0]->in_features(), M = rows_of(x);
+  const bool fp8 = spec.mode == LinearMode::FP8_BLOCK;
+  if (!((!spec.consistent || fp8) && act_dtype_ != DType::F32 && spec.mode != LinearMode::FP32 && M > 0 &&
+        M <= kCatMaxRows && static_cast<int>(W.size()) <= kSplitColsMax && concatenated(W, spec, cat)))
+    return false;
+  const int64_t N = cat.out_features();
+  return !fp8 || (spec.consistent ? fp8_gemm_sm90_supported(M, N, K) : fp8_tensor_cores(M, N, K));
+}
+
 void CudaBackend::linear_shared_input_impl(const Tensor& x, const std::vector<const LinearWeight*>& W,
                                            const LinearSpec& spec, const std::vector<Tensor*>& outs,
                                            const Fp8View* x_fp8) {
   bool shared = spec.mode == LinearMode::FP8_BLOCK;
   const int64_t K = W[0]->in_features(), M = rows_of(x);
   LinearWeight cat;
-  // In the consistent mode FP8 only: the own kernel computes each output column from its own
-  // weight row and 128-row scale block alone (the weights are 128-row aligned), so the wider
-  // product is bitwise the separate ones the trainer runs; cuBLASLt's BF16 algorithm may differ by N.
-  const bool fp8 = spec.mode == LinearMode::FP8_BLOCK;
-  if ((!spec.consistent || fp8) && act_dtype_ != DType::F32 && spec.mode != LinearMode::FP32 && M > 0 &&
-      M <= kCatMaxRows && static_cast<int>(W.size()) <= kSplitColsMax && concatenated(W, spec, cat)) {
+  if (concatenated_product(x, W, spec, cat)) {
     bool same_dtype = true;
     for (const Tensor* o : outs) same_dtype = same_dtype && o->dtype() == outs[0]->dtype();
     const int64_t N = cat.out_features();
-    const bool fp8_fast = spec.consistent ? fp8_gemm_sm90_supported(M, N, K) : fp8_tensor_cores(M, N, K);
-    if (same_dtype && (!fp8 || fp8_fast)) {
+    if (same_dtype) {
       const OpTimer op_timer_(*this, "linear", 1);
       const Tensor x2 = x.reshape({M, K});
       Tensor y = scratch(kSlotCat, {M, N}, outs[0]->dtype());
@@ -992,6 +1002,40 @@ void CudaBackend::linear_shared_input_impl(const Tensor& x, const std::vector<co
     Tensor o2 = out.reshape({M, N});
     linear_fwd(x2, *W[i], spec, o2, &view);
   }
+}
+
+// gate|up as one product at decode sizes (concatenated_product) whose two halves the swiglu reads
+// in place (rows of 2F): no split of the output. When gate and up must be kept (the backward's
+// inputs), or off that path, the default: linear_shared_input then swiglu(_fp8).
+void CudaBackend::linear_swiglu_impl(const Tensor& x, const LinearWeight& gate_w, const LinearWeight& up_w,
+                                     const LinearSpec& spec, Tensor& gate, Tensor& up, bool keep, Tensor& act,
+                                     Fp8View* act_fp8, const Fp8View* x_fp8) {
+  LinearWeight cat;
+  const int64_t K = gate_w.in_features(), M = rows_of(x), F = gate_w.out_features();
+  if (keep || gate.dtype() != act.dtype() || up.dtype() != act.dtype() || F % 8 != 0 ||
+      !concatenated_product(x, {&gate_w, &up_w}, spec, cat)) {
+    Backend::linear_swiglu_impl(x, gate_w, up_w, spec, gate, up, keep, act, act_fp8, x_fp8);
+    return;
+  }
+  const OpTimer op_timer_(*this, "linear_swiglu", 1);
+  Tensor y = scratch(kSlotCat, {M, 2 * F}, act.dtype());
+  linear_fwd(x.reshape({M, K}), cat, spec, y, x_fp8);
+  const unsigned char* g = static_cast<const unsigned char*>(y.raw());
+  const void* u = g + F * dtype_size(act.dtype());
+  if (act_fp8) {
+    fp8_view_prepare(*act_fp8, act);
+    int* bad = flag_reset();
+    if (!launch_swiglu_fp8(g, u, 2 * F, act.raw(), act.dtype(), M, F, act_fp8->q.pow2,
+                           act_fp8->q.data.data<uint8_t>(), act_fp8->q.scales.data<float>(),
+                           act_fp8->scales_gemm_layout, bad, stream_)) {
+      launch_swiglu_rows(g, u, 2 * F, act.raw(), act.dtype(), M, F, stream_);
+      quantize_async(act.reshape({M, F}), false, act_fp8->q, false, act_fp8->scales_gemm_layout);
+    }
+    flag_check("linear_swiglu: the output " + act.str() + " holds NaN or Inf (FP8 quantization refuses non-finite values)");
+  } else {
+    launch_swiglu_rows(g, u, 2 * F, act.raw(), act.dtype(), M, F, stream_);
+  }
+  ++concat_products_;
 }
 
 namespace {

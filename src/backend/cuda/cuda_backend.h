@@ -77,6 +77,9 @@ class CudaBackend final : public Backend {
                                     const std::vector<Tensor*>& dw) override;
   void linear_shared_input_impl(const Tensor& x, const std::vector<const LinearWeight*>& W, const LinearSpec& spec,
                                 const std::vector<Tensor*>& outs, const Fp8View* x_fp8) override;
+  void linear_swiglu_impl(const Tensor& x, const LinearWeight& gate_w, const LinearWeight& up_w, const LinearSpec& spec,
+                          Tensor& gate, Tensor& up, bool keep, Tensor& act, Fp8View* act_fp8,
+                          const Fp8View* x_fp8) override;
   void rmsnorm_fp8_impl(const Tensor& x, const Tensor& w, float eps, Tensor& out, Tensor* rstd, Fp8View& fp8) override;
   void rmsnorm_rope_impl(const Tensor& x, const Tensor& w, float eps, const Tensor& positions, const RopeParams& rope,
                          Tensor& out, Tensor* rstd) override;
@@ -213,6 +216,8 @@ class CudaBackend final : public Backend {
   // rows (decode batches and small prefill chunks; the scratch is at most 2048 x sum N).
   static constexpr int64_t kCatMaxRows = 2048;
   bool concatenated(const std::vector<const LinearWeight*>& W, const LinearSpec& spec, LinearWeight& cat);
+  bool concatenated_product(const Tensor& x, const std::vector<const LinearWeight*>& W, const LinearSpec& spec,
+                            LinearWeight& cat);
   int64_t fp8_fallbacks_ = 0;
   int64_t grouped_loops_ = 0;    // groups of grouped ops that ran as one product each (no grouped path)
   int64_t concat_products_ = 0;  // linear_shared_input calls that ran as one concatenated product

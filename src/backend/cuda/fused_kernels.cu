@@ -141,9 +141,9 @@ __device__ __forceinline__ void quantize8_finish(const HalfWarpBlock& h, const f
 
 // out = swiglu(gate, up) and its E4M3 copy.
 template <class T>
-__global__ void swiglu_fp8_kernel(const T* __restrict__ g, const T* __restrict__ u, T* __restrict__ out, int64_t R,
-                                  int64_t F, bool pow2, uint8_t* __restrict__ q, float* __restrict__ scales,
-                                  bool gemm_layout, int* bad) {
+__global__ void swiglu_fp8_kernel(const T* __restrict__ g, const T* __restrict__ u, int64_t ld, T* __restrict__ out,
+                                  int64_t R, int64_t F, bool pow2, uint8_t* __restrict__ q,
+                                  float* __restrict__ scales, bool gemm_layout, int* bad) {
   HalfWarpBlock h;
   if (!half_warp_block(R, F, h)) return;
   float v[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -151,8 +151,8 @@ __global__ void swiglu_fp8_kernel(const T* __restrict__ g, const T* __restrict__
   bool finite = true;
   if (h.in) {
     float uv[8];
-    load8(g + h.r * F + h.c, v);
-    load8(u + h.r * F + h.c, uv);
+    load8(g + h.r * ld + h.c, v);
+    load8(u + h.r * ld + h.c, uv);
 #pragma unroll
     for (int i = 0; i < 8; ++i) v[i] = swiglu_value(v[i], uv[i]);
     store8(out + h.r * F + h.c, v);
@@ -250,15 +250,15 @@ bool launch_rmsnorm_fused(const void* a, const void* b, void* sum, DType dt, con
   return true;
 }
 
-bool launch_swiglu_fp8(const void* g, const void* u, void* out, DType dt, int64_t R, int64_t F, bool pow2, uint8_t* q,
-                       float* scales, bool gemm_layout, int* bad_flag, cudaStream_t stream) {
-  if (!vec8_ok(F, {g, u, out, q})) return false;
+bool launch_swiglu_fp8(const void* g, const void* u, int64_t ld, void* out, DType dt, int64_t R, int64_t F, bool pow2,
+                       uint8_t* q, float* scales, bool gemm_layout, int* bad_flag, cudaStream_t stream) {
+  if (!vec8_ok(F, {g, u, out, q}) || ld % 8 != 0) return false;
   if (R == 0) return true;
   const int64_t threads_total = R * ceil_div(F, 128) * 16;
   FP8RL_DISPATCH_FLOAT(dt, "swiglu", {
     swiglu_fp8_kernel<T><<<static_cast<unsigned>(ceil_div(threads_total, 256)), 256, 0, stream>>>(
-        static_cast<const T*>(g), static_cast<const T*>(u), static_cast<T*>(out), R, F, pow2, q, scales, gemm_layout,
-        bad_flag);
+        static_cast<const T*>(g), static_cast<const T*>(u), ld, static_cast<T*>(out), R, F, pow2, q, scales,
+        gemm_layout, bad_flag);
   });
   CUDA_CHECK_LAUNCH("swiglu_fp8_kernel");
   return true;

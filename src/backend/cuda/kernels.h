@@ -104,9 +104,10 @@ void launch_rmsnorm_backward(const void* dout, DType gdt, const void* x, DType x
 bool launch_rmsnorm_fused(const void* a, const void* b, void* sum, DType dt, const void* w, DType wdt, int64_t R,
                           int64_t D, float eps, void* out, float* rstd, bool pow2, uint8_t* q, float* scales,
                           bool gemm_layout, int* bad_flag, cudaStream_t stream);
-// out = swiglu(g, u) over [R, F] and its 1x128 E4M3 copy (scales as above); false as above.
-bool launch_swiglu_fp8(const void* g, const void* u, void* out, DType dt, int64_t R, int64_t F, bool pow2, uint8_t* q,
-                       float* scales, bool gemm_layout, int* bad_flag, cudaStream_t stream);
+// out = swiglu(g, u) over [R, F] and its 1x128 E4M3 copy (scales as above); false as above. g and
+// u rows ld elements apart (F for separate tensors; 2F for the halves of one gate|up product).
+bool launch_swiglu_fp8(const void* g, const void* u, int64_t ld, void* out, DType dt, int64_t R, int64_t F, bool pow2,
+                       uint8_t* q, float* scales, bool gemm_layout, int* bad_flag, cudaStream_t stream);
 // out = a + b over [R, D] (out may alias a; one dtype) and its 1x128 E4M3 copy (scales as
 // above); bitwise launch_add + launch_quantize; false as above.
 bool launch_add_fp8(const void* a, const void* b, void* out, DType dt, int64_t R, int64_t D, bool pow2, uint8_t* q,
@@ -130,6 +131,9 @@ bool launch_rmsnorm_rope(const void* x, DType dt, const void* w, DType wdt, int6
                          float eps, void* out, float* rstd, const int32_t* pos, const RopeTable& tab,
                          float attention_scaling, bool interleaved, cudaStream_t stream);
 void launch_swiglu(const void* g, const void* u, void* out, DType dt, int64_t n, cudaStream_t stream);
+// out [R, F] = swiglu(g, u) with g and u rows ld elements apart (the halves of a gate|up product).
+void launch_swiglu_rows(const void* g, const void* u, int64_t ld, void* out, DType dt, int64_t R, int64_t F,
+                        cudaStream_t stream);
 void launch_swiglu_backward(const void* dout, const void* g, const void* u, void* dg, void* du, DType dt, int64_t n,
                             cudaStream_t stream);
 void launch_adamw(float* p, const float* g, float* m, float* v, int64_t n, float lr, float beta1, float beta2,

@@ -481,6 +481,42 @@ void launch_rope(void* x, DType dt, int64_t T_, int64_t H, int64_t hd, const int
   CUDA_CHECK_LAUNCH("rope_kernel");
 }
 
+// out [R, F] = swiglu over rows of g and u ld elements apart: 8 elements per thread where the rows
+// allow (F, ld multiples of 8, 16-byte aligned), else one; swiglu_value, as every swiglu kernel.
+template <class T, int V>
+__global__ void swiglu_rows_kernel(const T* g, const T* u, int64_t ld, T* out, int64_t R, int64_t F) {
+  const int64_t per_row = F / V;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < R * per_row;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / per_row, c = (i - r * per_row) * V;
+    if constexpr (V == 8) {
+      float gv[8], uv[8];
+      load8(g + r * ld + c, gv);
+      load8(u + r * ld + c, uv);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) gv[k] = swiglu_value(gv[k], uv[k]);
+      store8(out + r * F + c, gv);
+    } else {
+      store_f(out, r * F + c, swiglu_value(load_f(g, r * ld + c), load_f(u, r * ld + c)));
+    }
+  }
+}
+
+void launch_swiglu_rows(const void* g, const void* u, int64_t ld, void* out, DType dt, int64_t R, int64_t F,
+                        cudaStream_t stream) {
+  if (R == 0 || F == 0) return;
+  const bool v8 = vec8_ok(F, {g, u, out}) && ld % 8 == 0;
+  FP8RL_DISPATCH_FLOAT(dt, "swiglu", {
+    if (v8)
+      swiglu_rows_kernel<T, 8><<<grid_for(R * F / 8, 256), 256, 0, stream>>>(
+          static_cast<const T*>(g), static_cast<const T*>(u), ld, static_cast<T*>(out), R, F);
+    else
+      swiglu_rows_kernel<T, 1><<<grid_for(R * F, 256), 256, 0, stream>>>(
+          static_cast<const T*>(g), static_cast<const T*>(u), ld, static_cast<T*>(out), R, F);
+  });
+  CUDA_CHECK_LAUNCH("swiglu_rows_kernel");
+}
+
 bool launch_rmsnorm_rope(const void* x, DType dt, const void* w, DType wdt, int64_t T_, int64_t H, int64_t hd,
                          float eps, void* out, float* rstd, const int32_t* pos, const RopeTable& tab,
                          float attention_scaling, bool interleaved, cudaStream_t stream) {
