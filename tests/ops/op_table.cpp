@@ -563,18 +563,21 @@ void layer_cases(std::vector<OpCase>& t) {
   struct NormRope {
     int64_t T, H, hd;
     bool interleaved;
+    DType wdt = DType::F32;  // the norm weight's (BF16: the generator's copy)
   };
   for (const NormRope& nr : {NormRope{37, 4, 128, false}, NormRope{300, 8, 128, false}, NormRope{19, 3, 64, false},
-                             NormRope{21, 2, 64, true}, NormRope{5, 16, 96, false}})
+                             NormRope{21, 2, 64, true}, NormRope{5, 16, 96, false}, NormRope{9, 2, 256, false},
+                             NormRope{33, 4, 128, false, DType::BF16}, NormRope{7, 3, 72, false}})
     for (DType dt : {DType::F32, DType::BF16}) {
       t.push_back(
           {"rmsnorm_rope",
-           dims({nr.T, nr.H, nr.hd}) + " " + dtype_name(dt) + (nr.interleaved ? " interleaved" : ""),
+           dims({nr.T, nr.H, nr.hd}) + " " + dtype_name(dt) + (nr.interleaved ? " interleaved" : "") +
+               (nr.wdt == DType::BF16 ? " BF16 weight" : ""),
            [=] {
              std::vector<int32_t> pos(nr.T);
              for (int64_t i = 0; i < nr.T; ++i) pos[i] = static_cast<int32_t>((i * 211) % 3000);
              return Tensors{{"x", rnd({nr.T, nr.H, nr.hd}, 90 + static_cast<uint32_t>(nr.hd), dt, 2.0f)},
-                            {"w", rnd({nr.hd}, 91, DType::F32)},
+                            {"w", rnd({nr.hd}, 91, nr.wdt)},
                             {"pos", i32_tensor(pos, {nr.T})}};
            },
            [=](OpRun& r) {

@@ -925,13 +925,6 @@ bool CudaBackend::concatenated(const std::vector<const LinearWeight*>& W, const 
   return true;
 }
 
-// Concatenated weights (above) at decode-sized M (<= kCatMaxRows: where the separate products
-// are latency-bound) run as ONE product into a scratch [M, sum N], split into the outputs by one
-// kernel: q/k/v and gate/up each one launch instead of 2-3. The products are those of the
-// separate weights (same quantized operands; the GEMM of the wider N may order its sums
-// differently within the linear class's tolerance). Otherwise FP8: x quantized once for every
-// weight when all of them take the tensor cores, or not at all when a fused producer gave its
-// FP8 copy (x_fp8); the products are then exactly those of separate linear() calls.
 // Whether the weights W (consecutive rows of one buffer) run as one product `cat` on x's M rows:
 // at decode-sized M (<= kCatMaxRows), BF16 activations, a BF16 or FP8 product on the fast path.
 // In the consistent mode FP8 only: the own kernel computes each output column from its own
@@ -948,6 +941,13 @@ bool CudaBackend::concatenated_product(const Tensor& x, const std::vector<const 
   return !fp8 || (spec.consistent ? fp8_gemm_sm90_supported(M, N, K) : fp8_tensor_cores(M, N, K));
 }
 
+// Concatenated weights (above) at decode-sized M (<= kCatMaxRows: where the separate products
+// are latency-bound) run as ONE product into a scratch [M, sum N], split into the outputs by one
+// kernel: q/k/v and gate/up each one launch instead of 2-3. The products are those of the
+// separate weights (same quantized operands; the GEMM of the wider N may order its sums
+// differently within the linear class's tolerance). Otherwise FP8: x quantized once for every
+// weight when all of them take the tensor cores, or not at all when a fused producer gave its
+// FP8 copy (x_fp8); the products are then exactly those of separate linear() calls.
 void CudaBackend::linear_shared_input_impl(const Tensor& x, const std::vector<const LinearWeight*>& W,
                                            const LinearSpec& spec, const std::vector<Tensor*>& outs,
                                            const Fp8View* x_fp8) {

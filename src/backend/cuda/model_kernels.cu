@@ -214,16 +214,21 @@ __global__ void rmsnorm_dw_kernel(const TG* g, const TX* x, const float* rstd, i
 // arithmetic of each element is that of one thread per pair.
 constexpr int kRopeHeadsPerThread = 8;
 // The angle's cos and sin of pair j at position p (scaled by attention_scaling; negated sin for
-// the inverse) and the rotation of a pair: one copy for rope_kernel and rmsnorm_rope_kernel, so
-// their arithmetic (and its FMA contraction) is the same.
+// the inverse) and the rotation of a pair: one copy for rope_kernel and rmsnorm_rope_kernel. The
+// rotation spells its roundings out (one product rounded, then one FMA): the compiler contracts
+// a * b + c * d per kernel as it likes, which would let the two kernels differ in the last bit.
 __device__ __forceinline__ void rope_cos_sin(int32_t p, float inv_freq, float att, bool inverse, float& c, float& s) {
   const float angle = static_cast<float>(p) * inv_freq;
   c = cosf(angle) * att;
   s = sinf(angle) * att;
   if (inverse) s = -s;
 }
-__device__ __forceinline__ float rope_first(float x1, float x2, float c, float s) { return x1 * c - x2 * s; }
-__device__ __forceinline__ float rope_second(float x1, float x2, float c, float s) { return x2 * c + x1 * s; }
+__device__ __forceinline__ float rope_first(float x1, float x2, float c, float s) {
+  return __fmaf_rn(x1, c, -__fmul_rn(x2, s));
+}
+__device__ __forceinline__ float rope_second(float x1, float x2, float c, float s) {
+  return __fmaf_rn(x1, s, __fmul_rn(x2, c));
+}
 template <class T>
 __global__ void rope_kernel(T* x, int64_t T_, int H, int hd, const int32_t* pos, RopeTable tab, float att,
                             bool inverse, bool interleaved) {
