@@ -62,6 +62,10 @@ def main() -> int:
                 if started:
                     segments.append(cur)
                 cur, started = [], True
+        if not segments:
+            print(f"warning: no two launches of '{per}': no whole step to count", file=sys.stderr)
+        if rows_wanted is not None and gs is None:
+            print("warning: the CSV has no 'Grid Size' column: --rows ignored", file=sys.stderr)
         if rows_wanted is not None and gs is not None:
             def rows_of(seg):
                 grids = {r[gs].strip("()").split(",")[0].strip() for r in seg if "rope_kernel" in r[kn]}
