@@ -52,7 +52,8 @@ Packed pack(const std::vector<TrainSequence>& seqs, size_t first, size_t end, in
 }
 
 // The generator's routing of sequences [first, end) as the packed forward's T tokens (-1 rows
-// where a sequence has none, and for pack()'s padding rows); nullopt when none carries a record.
+// where a sequence has none; pack()'s padding rows copy their rows'); nullopt when none carries
+// a record.
 std::optional<MoeRouting> pack_routing(const ModelConfig& c, const std::vector<TrainSequence>& seqs, size_t first,
                                        size_t end, int64_t T) {
   bool any = false;

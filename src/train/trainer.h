@@ -58,7 +58,7 @@ struct TrainerOptions {
   // row_granule(), 16 on CUDA) with copies of a prefix of its first sequence, as sequences of
   // their own that nothing scores: every product of the micro-batch then takes the fast path
   // (no tail product on ragged counts). The padding rows only repeat real rows (their q/k/v
-  // amax is that of the rows they copy; MoE routing: no generator record) and get a zero
+  // amax is that of the rows they copy; MoE routing: that of the rows they copy) and get a zero
   // gradient, so the scored log-probs and the gradients are those of the unpadded batch — with
   // an FP8 wgrad, whose 1x128 blocks run along the tokens, the padding rows can raise the scale
   // of the last 128-token block (the loss stays exact). Padding never takes a micro-batch past

@@ -38,6 +38,16 @@ inline ModelWeights tiny_model(const std::string& family, DType dtype, uint64_t 
 }
 
 // Deterministic pseudo-random token sequences of the given lengths.
+// A TokenLossFn: the mean negative log-likelihood of the micro-batch's response tokens.
+inline double mean_nll(size_t, size_t, const std::vector<float>& logp, std::vector<float>& grad) {
+  double l = 0;
+  for (size_t i = 0; i < logp.size(); ++i) {
+    l -= logp[i];
+    grad[i] = -1.0f / static_cast<float>(logp.size());
+  }
+  return l / static_cast<double>(logp.size());
+}
+
 inline std::vector<std::vector<int32_t>> token_sequences(const std::vector<int>& lengths, int vocab, uint32_t seed) {
   std::vector<std::vector<int32_t>> seqs;
   uint32_t s = seed * 2654435761u + 12345u;

@@ -11,20 +11,29 @@
 namespace fp8rl {
 namespace {
 
-// Mean negative log-likelihood of the response tokens.
-double nll(size_t, size_t, const std::vector<float>& logp, std::vector<float>& grad) {
-  double l = 0;
-  for (size_t i = 0; i < logp.size(); ++i) {
-    l -= logp[i];
-    grad[i] = -1.0f / static_cast<float>(logp.size());
-  }
-  return l / static_cast<double>(logp.size());
-}
+constexpr auto nll = test::mean_nll;
 
 std::vector<TrainSequence> sequences(int vocab) {
   std::vector<TrainSequence> out;
   for (const auto& ids : test::token_sequences({9, 7, 11, 6}, vocab, 5)) out.push_back({ids, 3});
   return out;
+}
+
+// A tiny Qwen3-MoE config (4 experts, top-2) of `layers` blocks.
+ModelConfig tiny_moe_config(int layers) {
+  ModelConfig c = model_config_tiny("qwen3_moe", 48, 64, layers, 4, 2, 96);
+  c.num_experts = 4;
+  c.num_experts_per_tok = 2;
+  c.moe_intermediate_size = 40;
+  c.validate();
+  return c;
+}
+
+ModelWeights tiny_moe(int layers, uint32_t seed) {
+  RandomInit init;
+  init.seed = seed;
+  init.std = 0.15f;
+  return model_weights_random(tiny_moe_config(layers), init, DType::F32);
 }
 
 std::map<std::string, std::vector<float>> params(Backend& be, const Trainer& t) {
@@ -94,15 +103,7 @@ std::map<std::string, std::vector<float>> gradients(Backend& be, const Trainer& 
 TEST(TrainerFp8Cache, DgradWithoutTheWtCacheIsBitwiseTheSame) {
   auto be = make_cpu_backend();
   const auto seqs = sequences(48);
-  ModelConfig moe_config = model_config_tiny("qwen3_moe", 48, 64, 2, 4, 2, 96);
-  moe_config.num_experts = 4;
-  moe_config.num_experts_per_tok = 2;
-  moe_config.moe_intermediate_size = 40;
-  moe_config.validate();
-  RandomInit init;
-  init.seed = 17;
-  init.std = 0.15f;
-  const ModelWeights moe = model_weights_random(moe_config, init, DType::F32);
+  const ModelWeights moe = tiny_moe(2, 17);
   const ModelWeights dense = test::tiny_model("qwen2", DType::F32, 71);
   for (const ModelWeights* host : {&dense, &moe}) {
     for (const EnginePrecision& prec : {fp8(true, 0), fp8(false, 1)}) {
@@ -160,15 +161,7 @@ TEST(TrainerFp8Cache, WritesThroughMasterAreSeen) {
 TEST(TrainerPadding, PaddedMicroBatchesAreTheUnpaddedOnes) {
   auto be = make_cpu_backend();
   const auto seqs = sequences(48);
-  ModelConfig moe_config = model_config_tiny("qwen3_moe", 48, 64, 2, 4, 2, 96);
-  moe_config.num_experts = 4;
-  moe_config.num_experts_per_tok = 2;
-  moe_config.moe_intermediate_size = 40;
-  moe_config.validate();
-  RandomInit init;
-  init.seed = 23;
-  init.std = 0.15f;
-  const ModelWeights moe = model_weights_random(moe_config, init, DType::F32);
+  const ModelWeights moe = tiny_moe(2, 23);
   const ModelWeights dense = test::tiny_model("qwen2", DType::F32, 71);
   for (const ModelWeights* host : {&dense, &moe})
     for (EnginePrecision prec : {fp8(false, 0), EnginePrecision{LinearMode::FP32}}) {
@@ -225,18 +218,10 @@ TEST(TrainerPadding, PaddedMicroBatchesAreTheUnpaddedOnes) {
 // Records that differ from the router's own choice, 3 blocks, several seeds.
 TEST(TrainerPadding, ReplayedRoutingPaddingRowsCopyTheirRows) {
   auto be = make_cpu_backend();
-  ModelConfig mc = model_config_tiny("qwen3_moe", 48, 64, 3, 4, 2, 96);
-  mc.num_experts = 4;
-  mc.num_experts_per_tok = 2;
-  mc.moe_intermediate_size = 40;
-  mc.validate();
-  const int64_t Lm = model_num_moe_layers(mc);
+  const int64_t Lm = model_num_moe_layers(tiny_moe_config(3));
   for (uint32_t seed : {23u, 24u, 25u, 26u}) {
     SCOPED_TRACE(seed);
-    RandomInit init;
-    init.seed = seed;
-    init.std = 0.15f;
-    const ModelWeights host = model_weights_random(mc, init, DType::F32);
+    const ModelWeights host = tiny_moe(3, seed);
     std::vector<TrainSequence> seqs;
     for (const auto& ids : test::token_sequences({9, 7, 11, 6}, 48, 5 + seed)) {
       TrainSequence s{ids, 3};

@@ -17,14 +17,7 @@
 namespace fp8rl {
 namespace {
 
-double nll(size_t, size_t, const std::vector<float>& logp, std::vector<float>& grad) {
-  double l = 0;
-  for (size_t i = 0; i < logp.size(); ++i) {
-    l -= logp[i];
-    grad[i] = -1.0f / static_cast<float>(logp.size());
-  }
-  return l / static_cast<double>(logp.size());
-}
+constexpr auto nll = test::mean_nll;
 
 TEST(CudaTrainer, RaggedMicroBatchesPayNoFp8TailProduct) {
   auto be = make_cuda_backend(0, DType::BF16);
