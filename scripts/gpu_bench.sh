@@ -23,6 +23,8 @@
 #                   (least summed time over DecodeBench's Qwen3-1.7B rows) for the later stages
 #   ncu_paged       Nsight Compute on the tensor-core paged decode kernel (BF16 and E4M3 pools, the
 #                   first DecodeBench shape): speed of light, occupancy, warp stalls, instruction mix
+#   ncu_gemm        Nsight Compute on one launch of the own FP8 GEMM per product of FP8RL_NCU_GEMM
+#                   (MxNxK, or "grouped"): speed of light, pipes, memory, warp stalls
 #   ncu_decode      Nsight Compute times every kernel of ~3 graph-replayed decode steps (bench generate,
 #                   FP8RL_RLSTEP_MODEL, B = 256) for FP8RL_NCU_RECIPES (recipe:launches-to-skip, default
 #                   bf16:12000 fp8_linear:20000 fp8_kv:20000): the decode step's per-kernel profile with
@@ -192,6 +194,18 @@ PYEOF
         note "ncu paged $tag: rc=$?"
         grep -E "paged_mma|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)|Achieved Occupancy|Theoretical Occupancy|Registers Per|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Executed Ipc A|Block Limit" \
           "$OUT/ncu_paged_$tag.log" | head -24 | tee -a "$SUMMARY"
+      done ;;
+    ncu_gemm)  # issues 14 and 16: what bounds the own FP8 GEMM (one launch per product, Nsight Compute)
+      # FP8RL_NCU_GEMM: MxNxK products (bench-gemm --shapes) or "grouped" (the expert products).
+      for sh in ${FP8RL_NCU_GEMM:-8192x12288x2048 256x12288x2048 256x2048x6144 grouped}; do
+        if [ "$sh" = grouped ]; then sel=(--grouped-only); else sel=(--shapes "$sh"); fi
+        timeout 120 ncu --clock-control none --kernel-name-base demangled -k "regex:fp8_gemm_kernel" -c 1 \
+          --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+          --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats \
+          --print-details all "$FP8RL" bench-gemm --reps 1 --warmup 0 "${sel[@]}" > "$OUT/ncu_gemm_$sh.log" 2>&1
+        note "ncu gemm $sh: rc=$?"
+        grep -E "fp8_gemm_kernel|Duration|Memory Throughput|DRAM Throughput|L2 Cache Throughput|L1/TEX Cache Throughput|Compute \(SM\) Throughput|Registers Per|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Executed Ipc A|Grid Size|Stall|Tensor|Shared Memory" \
+          "$OUT/ncu_gemm_$sh.log" | grep -v "^==PROF==" | head -40 | tee -a "$SUMMARY"
       done ;;
     ncu_decode)  # issue 14: the decode step's kernels with CUDA graphs on, each graph node timed alone by ncu
       # bench generate's prefill (256 x 256 tokens) ends well before launch FP8RL_NCU_SKIP; the

@@ -4,6 +4,10 @@
 // CUDA header. Defined in the CUDA library (src/bench/cuda/gemm_bench.cpp), so only in builds
 // with FP8RL_HAVE_CUDA.
 #pragma once
+#include <array>
+#include <cstdint>
+#include <vector>
+
 #include <nlohmann/json.hpp>
 
 namespace fp8rl {
@@ -13,6 +17,10 @@ struct GemmBenchOptions {
   int reps = 20, warmup = 5;
   bool quick = false;       // the M = 8192 GEMMs only
   bool quant_only = false;  // the memory-bound kernels alone, no GEMMs
+  // --shapes: forward products C[M, N] = A[M, K] W[N, K]^T of these {M, N, K} only (nothing
+  // else: for a profiler's view of one kernel); --grouped-only: the grouped expert products only.
+  std::vector<std::array<int64_t, 3>> shapes;
+  bool grouped_only = false;
 };
 
 // Prints the tables to stdout and returns the numbers (device, copy, quant[], gemm[]).

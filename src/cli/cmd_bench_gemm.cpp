@@ -3,6 +3,8 @@
 // device-to-device copy measured in the same run (bench/gemm_bench.h, in the CUDA library).
 // Prints a table; --json PATH writes the numbers.
 #include <algorithm>
+#include <array>
+#include <cstdint>
 #include <cstdio>
 #include <fstream>
 #include <string>
@@ -22,10 +24,42 @@ namespace {
 
 #ifdef FP8RL_HAVE_CUDA
 
+// "MxNxK,MxNxK": positive sizes, or a user error naming the bad item.
+std::vector<std::array<int64_t, 3>> parse_shapes(const std::string& text) {
+  std::vector<std::array<int64_t, 3>> out;
+  size_t pos = 0;
+  while (pos <= text.size()) {
+    const size_t end = std::min(text.find(',', pos), text.size());
+    const std::string item = text.substr(pos, end - pos);
+    std::array<int64_t, 3> v{};
+    size_t at = 0;
+    bool ok = !item.empty();
+    for (int i = 0; i < 3 && ok; ++i) {
+      size_t used = 0;
+      try {
+        v[i] = std::stoll(item.substr(at), &used);
+      } catch (const std::exception&) {
+        ok = false;
+        break;
+      }
+      at += used;
+      ok = v[i] > 0 && (i == 2 ? at == item.size() : at < item.size() && item[at] == 'x');
+      ++at;
+    }
+    FP8RL_CHECK(ok, "bench-gemm --shapes: '", item, "' is not MxNxK with positive sizes (e.g. 256x2048x2048)");
+    out.push_back(v);
+    pos = end + 1;
+  }
+  return out;
+}
+
 int run(const std::vector<std::string>& argv) {
-  Args args(argv, {"json", "reps", "warmup", "device"}, {"help", "quick", "quant-only"});
+  Args args(argv, {"json", "reps", "warmup", "device", "shapes"}, {"help", "quick", "quant-only", "grouped-only"});
   if (args.has("help")) {
-    std::printf("fp8rl bench-gemm [--json PATH] [--reps N] [--warmup N] [--device cuda:N] [--quick] [--quant-only]\n");
+    std::printf(
+        "fp8rl bench-gemm [--json PATH] [--reps N] [--warmup N] [--device cuda:N] [--quick] [--quant-only]\n"
+        "                 [--shapes MxNxK,...] [--grouped-only]\n"
+        "  --shapes: only the forward products C[M, N] = A[M, K] W[N, K]^T of these sizes (e.g. for ncu)\n");
     return 0;
   }
   GemmBenchOptions opt;
@@ -35,6 +69,8 @@ int run(const std::vector<std::string>& argv) {
   opt.device = device.size() > 5 ? std::stoi(device.substr(5)) : 0;
   opt.quick = args.has("quick");
   opt.quant_only = args.has("quant-only");
+  opt.grouped_only = args.has("grouped-only");
+  if (args.has("shapes")) opt.shapes = parse_shapes(args.get("shapes"));
   const nlohmann::json out = bench_gemm_run(opt);
   if (args.has("json")) {
     std::ofstream f(args.get("json"));
@@ -47,10 +83,11 @@ int run(const std::vector<std::string>& argv) {
 #else
 
 int run(const std::vector<std::string>& argv) {
-  Args args(argv, {"json", "reps", "warmup", "device"}, {"help", "quick", "quant-only"});
+  Args args(argv, {"json", "reps", "warmup", "device", "shapes"}, {"help", "quick", "quant-only", "grouped-only"});
   if (args.has("help")) {
     std::printf(
         "fp8rl bench-gemm [--json PATH] [--reps N] [--warmup N] [--device cuda:N] [--quick] [--quant-only]\n"
+        "                 [--shapes MxNxK,...] [--grouped-only]\n"
         "  (needs the CUDA backend; this build has none)\n");
     return 0;
   }

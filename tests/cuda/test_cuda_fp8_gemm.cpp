@@ -270,30 +270,41 @@ TEST(CudaFp8Gemm, GroupedIsBitwiseThePerGroupProducts) {
 }
 
 // The persistent grid (the default: at most one CTA per SM, each walking its share of the tiles
-// with the stage ring running on across them) and one CTA per tile (FP8RL_FP8_GEMM_GRID=tile)
-// compute every tile alike: bitwise the same C, for decode and
-// trainer shapes, split-K, both tile orders (M <= 256: row blocks fastest), BF16 and F32 output,
-// beta, and the grouped product.
-TEST(CudaFp8Gemm, PersistentGridIsBitwiseOneCtaPerTile) {
+// with the stage ring running on across them) and one CTA per tile (FP8RL_FP8_GEMM_GRID=tile),
+// each in clusters of 1x1, 2x1, 1x2 and 2x2 CTAs sharing their A and B tiles by multicast
+// (FP8RL_FP8_GEMM_CLUSTER), compute every tile alike: bitwise the C of one CTA per tile without
+// clusters, for decode and trainer shapes, tile counts that the cluster does not divide,
+// split-K, both tile orders (M <= 256: row blocks fastest), BF16 and F32 output, beta, and the
+// grouped product (whose clusters share only A).
+TEST(CudaFp8Gemm, EveryGridAndClusterIsBitwiseOneCtaPerTile) {
   cuda::CudaBackend be(0, DType::BF16);
-  auto with_grid = [](const char* grid, auto&& fn) {
+  auto with_grid = [](const char* grid, const char* cluster, auto&& fn) {
     if (grid) setenv("FP8RL_FP8_GEMM_GRID", grid, 1);
     else unsetenv("FP8RL_FP8_GEMM_GRID");
+    setenv("FP8RL_FP8_GEMM_CLUSTER", cluster, 1);
     auto r = fn();
     unsetenv("FP8RL_FP8_GEMM_GRID");
+    unsetenv("FP8RL_FP8_GEMM_CLUSTER");
     return r;
   };
-  const Shape shapes[] = {{5, 2048, 2048},    {64, 4096, 2048},   {256, 12288, 2048}, {256, 2048, 6144},
-                          {1000, 1536, 1024}, {4096, 2048, 2048}, {77, 384, 640}};
+  const char* const grids[] = {nullptr, "tile"};
+  const char* const clusters[] = {"1x1", "2x1", "1x2", "2x2"};
+  const Shape shapes[] = {{5, 2048, 2048}, {64, 4096, 2048},   {256, 12288, 2048}, {256, 2048, 6144},
+                          {130, 640, 384}, {1000, 1536, 1024}, {4096, 2048, 2048}, {77, 384, 640}};
   for (const Shape& s : shapes) {
     const Operands o = make_operands(be, s.M, s.N, s.K, static_cast<uint32_t>(s.M * 5 + s.N + 3 * s.K));
     for (int splits : {1, 3})
       for (DType out : {DType::BF16, DType::F32}) {
-        SCOPED_TRACE(testing::Message() << "M=" << s.M << " N=" << s.N << " K=" << s.K << " splits=" << splits
-                                        << " out=" << dtype_name(out));
-        const Tensor a = with_grid(nullptr, [&] { return run_own(be, o, s.M, s.N, s.K, out, false, splits); });
-        const Tensor b = with_grid("tile", [&] { return run_own(be, o, s.M, s.N, s.K, out, false, splits); });
-        ASSERT_EQ(std::memcmp(a.raw(), b.raw(), a.nbytes()), 0) << "the persistent grid differs";
+        const Tensor ref = with_grid("tile", "1x1", [&] { return run_own(be, o, s.M, s.N, s.K, out, false, splits); });
+        for (const char* grid : grids)
+          for (const char* cluster : clusters) {
+            SCOPED_TRACE(testing::Message() << "M=" << s.M << " N=" << s.N << " K=" << s.K << " splits=" << splits
+                                            << " out=" << dtype_name(out) << " grid=" << (grid ? grid : "persistent")
+                                            << " cluster=" << cluster);
+            const Tensor c =
+                with_grid(grid, cluster, [&] { return run_own(be, o, s.M, s.N, s.K, out, false, splits); });
+            ASSERT_EQ(std::memcmp(c.raw(), ref.raw(), c.nbytes()), 0) << "differs from one CTA per tile";
+          }
       }
     // beta = 1 over a prior C (the dgrad accumulation), BF16.
     auto accumulate = [&] {
@@ -304,8 +315,13 @@ TEST(CudaFp8Gemm, PersistentGridIsBitwiseOneCtaPerTile) {
       be.synchronize();
       return be.to_host(c);
     };
-    const Tensor a = with_grid(nullptr, accumulate), b = with_grid("tile", accumulate);
-    ASSERT_EQ(std::memcmp(a.raw(), b.raw(), a.nbytes()), 0) << "beta = 1: the persistent grid differs";
+    const Tensor ref = with_grid("tile", "1x1", accumulate);
+    for (const char* grid : grids)
+      for (const char* cluster : clusters) {
+        const Tensor c = with_grid(grid, cluster, accumulate);
+        ASSERT_EQ(std::memcmp(c.raw(), ref.raw(), c.nbytes()), 0)
+            << "beta = 1, grid " << (grid ? grid : "persistent") << ", cluster " << cluster << ": differs";
+      }
   }
   // The grouped product: 40 groups of 0..300 rows (more tiles than SMs).
   const int64_t N = 768, K = 1024;
@@ -332,9 +348,14 @@ TEST(CudaFp8Gemm, PersistentGridIsBitwiseOneCtaPerTile) {
       be.synchronize();
       return be.to_host(c);
     };
-    const Tensor a = with_grid(nullptr, grouped), b = with_grid("tile", grouped);
-    ASSERT_EQ(std::memcmp(a.raw(), b.raw(), a.nbytes()), 0)
-        << "grouped, block_m=" << bm << ": the persistent grid differs";
+    const Tensor ref = with_grid("tile", "1x1", grouped);
+    for (const char* grid : grids)
+      for (const char* cluster : clusters) {
+        const Tensor c = with_grid(grid, cluster, grouped);
+        ASSERT_EQ(std::memcmp(c.raw(), ref.raw(), c.nbytes()), 0)
+            << "grouped, block_m=" << bm << ", grid " << (grid ? grid : "persistent") << ", cluster " << cluster
+            << ": differs";
+      }
   }
 }
 

@@ -26,6 +26,7 @@
 #include <cudaTypedefs.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -65,6 +66,35 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
       "@!p bra WAIT;\n"
       "}\n" ::"r"(smem_addr(bar)),
       "r"(parity)
+      : "memory");
+}
+
+// This CTA's rank in its cluster, the cluster-wide barrier, and an mbarrier of another CTA of the
+// cluster (the same shared offset in CTA `rank`): its arrive.
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
+}
+__device__ __forceinline__ void mbar_arrive_cluster(uint64_t* bar, uint32_t rank) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(bar)), "r"(rank));
+  // Default semantics (release at CTA scope), as for a local arrive: the stage's reads are the
+  // warpgroup's finished MMAs; a cluster-scope release would fence memory at every stage.
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
+}
+
+// A box of the tensor map written at the same shared offset of every CTA in `mask` (a cluster
+// multicast), each of whose mbarriers at bar's offset receives its bytes.
+__device__ __forceinline__ void tma_load_2d_multicast(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1,
+                                                      uint16_t mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, {%3, "
+      "%4}], [%2], %5;" ::"r"(smem_addr(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "h"(mask)
       : "memory");
 }
 
@@ -132,6 +162,9 @@ struct GemmParams {
   bool partials;
   int n_tiles, m_tiles, splits;  // the tiles: n_tiles x m_tiles x splits (tile_of)
   bool m_fastest;                // the tile order (tile_of)
+  // The cluster: cm x cn CTAs (fp8_gemm_kernel's kCM, kCN) own the cm x cn tiles of one cluster
+  // tile; ct_m, ct_n: the cluster tiles along M and N (m_tiles / cm, n_tiles / cn, rounded up).
+  int ct_m = 0, ct_n = 0;
   // Grouped (fp8_gemm_sm90_grouped): per m tile (tile_of) {group, first row, end row, 0}; each group's
   // B through its own tensor map (global memory) and scales. Null for the dense product.
   const int4* tiles = nullptr;
@@ -148,29 +181,38 @@ struct Tile {
   const float* sb_base;
 };
 
-// Tile t of the product. n fastest (the tiles that share an A row block run together), or m
-// fastest where p.m_fastest (few row blocks: those that share a B tile run together, so each
-// weight tile is read from HBM once); the splits outermost.
-__device__ __forceinline__ Tile tile_of(const GemmParams& p, int64_t t, const CUtensorMap* tm_b, int bm) {
+// Tile t of the product, for the CTA at (ci, cj) of a cm x cn cluster (t counts cluster tiles;
+// 1 x 1: plain tiles). n fastest (the tiles that share an A row block run together), or m fastest
+// where p.m_fastest (few row blocks: those that share a B tile run together, so each weight tile
+// is read from HBM once); the splits outermost. A cluster's CTAs get tiles (m, n) with m = cm *
+// cluster m + ci and n = cn * cluster n + cj; tiles past the last (when cm or cn does not divide
+// the count) still load their share of the cluster's operands, but store nothing.
+template <int kCM, int kCN>
+__device__ __forceinline__ Tile tile_of(const GemmParams& p, int64_t t, const CUtensorMap* tm_b, int bm, int ci,
+                                        int cj) {
   Tile tl;
+  const int64_t mt = kCM == 1 ? p.m_tiles : p.ct_m;
+  const int nt = kCN == 1 ? p.n_tiles : p.ct_n;
   int64_t m_tile;
   if (p.m_fastest) {
-    m_tile = t % p.m_tiles;
-    t /= p.m_tiles;
-    tl.n_tile = static_cast<int>(t % p.n_tiles);
-    tl.split = static_cast<int>(t / p.n_tiles);
+    m_tile = t % mt;
+    t /= mt;
+    tl.n_tile = static_cast<int>(t % nt);
+    tl.split = static_cast<int>(t / nt);
   } else {
-    tl.n_tile = static_cast<int>(t % p.n_tiles);
-    t /= p.n_tiles;
-    m_tile = t % p.m_tiles;
-    tl.split = static_cast<int>(t / p.m_tiles);
+    tl.n_tile = static_cast<int>(t % nt);
+    t /= nt;
+    m_tile = t % mt;
+    tl.split = static_cast<int>(t / mt);
   }
+  m_tile = m_tile * kCM + ci;
+  tl.n_tile = tl.n_tile * kCN + cj;
   tl.kb0 = tl.split * p.kb_per_split;
   tl.nk = min(p.kb_per_split, p.kblocks - tl.kb0);
   tl.m_base = m_tile * bm, tl.m_end = p.M;
   tl.map_b = tm_b;
   tl.sb_base = p.sb;
-  if (p.tiles) {
+  if (p.tiles) {  // grouped: kCM == 1, so m_tile is one of the table's
     const int4 g = p.tiles[m_tile];
     tl.m_base = g.y, tl.m_end = g.z;
     tl.map_b = p.b_maps + g.x;
@@ -221,87 +263,127 @@ __device__ __forceinline__ void store_tile(const GemmParams& p, const float (&to
   }
 }
 
-// kConsumers warpgroups of 64 rows each (BM = 64 kConsumers) plus one producer warpgroup.
-template <int kConsumers, int kStages>
+// kConsumers warpgroups of 64 rows each (BM = 64 kConsumers) plus one producer warpgroup, in
+// clusters of kCM x kCN CTAs (1 x 1: no cluster). In a cluster, the kCN CTAs of one tile row
+// share its A tile and the kCM CTAs of one tile column its B tile: each CTA loads a 1 / kCN slice
+// of its A tile and a 1 / kCM slice of its B tile and multicasts each to the CTAs that share it,
+// so every operand byte leaves L2 once per cluster instead of once per CTA (the products are
+// L2-bandwidth-bound at 128 x 128 tiles: docs/benchmarks.md, session 9). The arithmetic of every
+// tile is unchanged: bitwise the same results at every cluster shape.
+template <int kConsumers, int kStages, int kCM, int kCN>
 __global__ void __launch_bounds__(128 * (kConsumers + 1), 1)
     fp8_gemm_kernel(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b, GemmParams p) {
   constexpr int kBM = 64 * kConsumers;
   constexpr int kTileA = kBM * kBK, kTileB = kBN * kBK;
+  constexpr int kCluster = kCM * kCN;
+  constexpr int kSliceA = kTileA / kCN, kSliceB = kTileB / kCM;  // bytes each CTA loads
   extern __shared__ __align__(1024) uint8_t smem_raw[];
-  // 1024-byte alignment for the swizzled tiles.
+  // 1024-byte alignment for the swizzled tiles (the same offset in every CTA of a cluster).
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint8_t* sm_a = smem;
   uint8_t* sm_b = smem + kStages * kTileA;
   uint64_t* full = reinterpret_cast<uint64_t*>(sm_b + kStages * kTileB);
   uint64_t* empty = full + kStages;
 
+  // This CTA's place in its cluster: tile row ci, tile column cj.
+  const int rank = kCluster == 1 ? 0 : static_cast<int>(cluster_rank());
+  const int ci = rank % kCM, cj = rank / kCM;
   const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&full[s], 1);
-      mbar_init(&empty[s], kConsumers * 4);  // one arrive per consumer warp
+      // A stage may be refilled once every consumer warp of every CTA it feeds has released it:
+      // each consumer warp of the cluster arrives on every CTA's barrier.
+      mbar_init(&empty[s], kConsumers * 4 * kCluster);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  __syncthreads();
+  if constexpr (kCluster > 1) cluster_sync();  // every CTA's barriers exist before any multicast
+  else __syncthreads();
 
-  // The CTA's tiles: blockIdx.x, then every gridDim.x-th (one each when the grid has a CTA per
-  // tile; persistent otherwise). The producer and the consumers walk the same tiles and count
-  // the stage uses `g` across them, so the ring runs on from one tile into the next: the next
-  // tile's loads overlap this tile's last MMAs and its epilogue.
-  const int64_t tiles = static_cast<int64_t>(p.n_tiles) * p.m_tiles * p.splits;
+  // The CTA's tiles: cluster tile blockIdx.x / kCluster, then every (gridDim.x / kCluster)-th (one
+  // each when the grid has a CTA per tile; persistent otherwise). The producer and the consumers
+  // walk the same tiles and count the stage uses `g` across them, so the ring runs on from one
+  // tile into the next: the next tile's loads overlap this tile's last MMAs and its epilogue.
+  const int64_t first = blockIdx.x / kCluster, step = gridDim.x / kCluster;
+  const int64_t tiles =
+      static_cast<int64_t>(kCN == 1 ? p.n_tiles : p.ct_n) * (kCM == 1 ? p.m_tiles : p.ct_m) * p.splits;
   if (wg == kConsumers) {  // the producer: one thread issues every load
     if (tid == 0) {
+      // The CTAs of this tile row (they share A) and of this tile column (they share B).
+      uint16_t row_mask = 0, col_mask = 0;
+      for (int j = 0; j < kCN; ++j) row_mask |= static_cast<uint16_t>(1u << (ci + kCM * j));
+      for (int i = 0; i < kCM; ++i) col_mask |= static_cast<uint16_t>(1u << (i + kCM * cj));
       int g = 0;
-      for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
-        const Tile tl = tile_of(p, t, &tm_b, kBM);
+      for (int64_t t = first; t < tiles; t += step) {
+        const Tile tl = tile_of<kCM, kCN>(p, t, &tm_b, kBM, ci, cj);
         for (int it = 0; it < tl.nk; ++it, ++g) {
           const int s = g % kStages;
           mbar_wait(&empty[s], ((g / kStages) & 1) ^ 1);
           mbar_expect_tx(&full[s], kTileA + kTileB);
           const int k = (tl.kb0 + it) * kBK;
-          tma_load_2d(sm_a + s * kTileA, &tm_a, &full[s], k, static_cast<int>(tl.m_base));
-          tma_load_2d(sm_b + s * kTileB, tl.map_b, &full[s], k, tl.n_tile * kBN);
+          if constexpr (kCN == 1) {
+            tma_load_2d(sm_a + s * kTileA, &tm_a, &full[s], k, static_cast<int>(tl.m_base));
+          } else {  // slice cj of the A tile (kBM / kCN rows), to the tile row
+            tma_load_2d_multicast(sm_a + s * kTileA + cj * kSliceA, &tm_a, &full[s], k,
+                                  static_cast<int>(tl.m_base) + cj * (kBM / kCN), row_mask);
+          }
+          if constexpr (kCM == 1) {
+            tma_load_2d(sm_b + s * kTileB, tl.map_b, &full[s], k, tl.n_tile * kBN);
+          } else {  // slice ci of the B tile (128 / kCM rows), to the tile column
+            tma_load_2d_multicast(sm_b + s * kTileB + ci * kSliceB, tl.map_b, &full[s], k,
+                                  tl.n_tile * kBN + ci * (kBN / kCM), col_mask);
+          }
         }
       }
     }
-    return;
-  }
-
-  const int warp = tid / 32, lane = tid % 32;
-  int g = 0;
-  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
-    const Tile tl = tile_of(p, t, &tm_b, kBM);
-    // A consumer warpgroup: rows [m_base + wg * 64, + 64) of the tile.
-    const int64_t row0 = tl.m_base + wg * 64 + warp * 16 + lane / 4, row1 = row0 + 8;
-    const bool in0 = row0 < tl.m_end, in1 = row1 < tl.m_end;
-    float total[64], acc[64];
+  } else {
+    const int warp = tid / 32, lane = tid % 32;
+    int g = 0;
+    for (int64_t t = first; t < tiles; t += step) {
+      const Tile tl = tile_of<kCM, kCN>(p, t, &tm_b, kBM, ci, cj);
+      // A consumer warpgroup: rows [m_base + wg * 64, + 64) of the tile.
+      const int64_t row0 = tl.m_base + wg * 64 + warp * 16 + lane / 4, row1 = row0 + 8;
+      const bool in0 = row0 < tl.m_end, in1 = row1 < tl.m_end;
+      float total[64], acc[64];
 #pragma unroll
-    for (int i = 0; i < 64; ++i) total[i] = 0.0f;
-    const float* sb = tl.sb_base + static_cast<int64_t>(tl.n_tile) * p.kblocks;
-    for (int it = 0; it < tl.nk; ++it, ++g) {
-      const int s = g % kStages, kb = tl.kb0 + it;
-      // The scales of this K block, loaded while the tiles arrive.
-      const float sbv = __ldg(sb + kb);
-      const float s0 = in0 ? __ldg(p.sa + row0 * p.sa_m + kb * p.sa_k) * sbv : 0.0f;
-      const float s1 = in1 ? __ldg(p.sa + row1 * p.sa_m + kb * p.sa_k) * sbv : 0.0f;
-      mbar_wait(&full[s], (g / kStages) & 1);
-      const uint64_t da = sw128_desc(sm_a + s * kTileA + wg * 64 * kBK), db = sw128_desc(sm_b + s * kTileB);
-      fence_acc(acc);
-      wgmma_fence();
+      for (int i = 0; i < 64; ++i) total[i] = 0.0f;
+      const bool n_in = tl.n_tile < p.n_tiles;  // a cluster's tile past the last column: stores nothing
+      const float* sb = tl.sb_base + static_cast<int64_t>(n_in ? tl.n_tile : p.n_tiles - 1) * p.kblocks;
+      for (int it = 0; it < tl.nk; ++it, ++g) {
+        const int s = g % kStages, kb = tl.kb0 + it;
+        // The scales of this K block, loaded while the tiles arrive (unconditionally for B: a
+        // predicated load here costs ~15% at large M, session 9).
+        const float sbv = __ldg(sb + kb);
+        const float s0 = in0 ? __ldg(p.sa + row0 * p.sa_m + kb * p.sa_k) * sbv : 0.0f;
+        const float s1 = in1 ? __ldg(p.sa + row1 * p.sa_m + kb * p.sa_k) * sbv : 0.0f;
+        mbar_wait(&full[s], (g / kStages) & 1);
+        const uint64_t da = sw128_desc(sm_a + s * kTileA + wg * 64 * kBK), db = sw128_desc(sm_b + s * kTileB);
+        fence_acc(acc);
+        wgmma_fence();
 #pragma unroll
-      for (int k = 0; k < kBK / 32; ++k) wgmma_m64n128k32_e4m3(acc, da + 2 * k, db + 2 * k, k > 0);
-      wgmma_commit();
-      fence_acc(acc);
-      wgmma_wait_all();
-      fence_acc(acc);
-      if (lane == 0) mbar_arrive(&empty[s]);
+        for (int k = 0; k < kBK / 32; ++k) wgmma_m64n128k32_e4m3(acc, da + 2 * k, db + 2 * k, k > 0);
+        wgmma_commit();
+        fence_acc(acc);
+        wgmma_wait_all();
+        fence_acc(acc);
+        if (lane == 0) {
+          if constexpr (kCluster == 1) {
+            mbar_arrive(&empty[s]);
+          } else {
+#pragma unroll
+            for (int r = 0; r < kCluster; ++r) mbar_arrive_cluster(&empty[s], static_cast<uint32_t>(r));
+          }
+        }
         // Fragment of m64n128 (FP32): acc[4 i + j] is row (j < 2 ? row0 : row1), column 8 i + 2 (lane % 4) + j % 2.
 #pragma unroll
-      for (int i = 0; i < 64; ++i) total[i] = fmaf(acc[i], (i & 2) ? s1 : s0, total[i]);
+        for (int i = 0; i < 64; ++i) total[i] = fmaf(acc[i], (i & 2) ? s1 : s0, total[i]);
+      }
+      if (n_in) store_tile(p, total, tl, row0, row1, lane);
     }
-    store_tile(p, total, tl, row0, row1, lane);
   }
+  // No CTA leaves while another may still multicast into it or arrive on its barriers.
+  if constexpr (kCluster > 1) cluster_sync();
 }
 
 // C = alpha * (sum of the splits' partials, in split order) + beta * C.
@@ -349,35 +431,94 @@ CUtensorMap tensor_map(const uint8_t* base, int64_t rows, int64_t K, int box_row
   return m;
 }
 
-// CTAs for `tiles` tiles: at most one per SM, each walking its share of the tiles, or with
-// FP8RL_FP8_GEMM_GRID=tile (read at each call) one per tile.
-int64_t grid_ctas(int64_t tiles) {
-  const char* e = std::getenv("FP8RL_FP8_GEMM_GRID");
-  if (e && std::string(e) == "tile") return tiles;
+// The cluster shape (CTAs along M x along N): FP8RL_FP8_GEMM_CLUSTER=CMxCN (read at each call;
+// 1x1, 2x1, 1x2 or 2x2), else the default. The grouped product shares only A
+// (its tiles along M belong to different experts' weights).
+struct Cluster {
+  int cm = 1, cn = 1;
+};
+Cluster cluster_shape(int64_t m_tiles, int64_t n_tiles, bool grouped) {
+  // The default is 1x1. Measured (bench-gemm, session 9): 2x1 is 1-3% faster on dense products
+  // of 128-row tiles and no faster at decode M; the grouped product gains ~1% from 1x2; 2x2 is
+  // slower. Halving the L2 reads gains so little because the kernel is not L2-bound
+  // (docs/benchmarks.md).
+  Cluster c;
+  if (const char* e = std::getenv("FP8RL_FP8_GEMM_CLUSTER")) {
+    const std::string v(e);
+    FP8RL_CHECK(v == "1x1" || v == "2x1" || v == "1x2" || v == "2x2",
+                "FP8RL_FP8_GEMM_CLUSTER must be 1x1, 2x1, 1x2 or 2x2, got '", v, "'");
+    c.cm = v[0] - '0', c.cn = v[2] - '0';
+  }
+  if (grouped) c.cm = 1;
+  if (m_tiles < 2) c.cm = 1;
+  if (n_tiles < 2) c.cn = 1;
+  return c;
+}
+
+int sm_count() {
   static const int sms = [] {
     int dev = 0, n = 0;
     CUDA_CHECK(cudaGetDevice(&dev), "querying the device");
     CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev), "querying the SM count");
     return n;
   }();
-  return std::min<int64_t>(tiles, sms);
+  return sms;
 }
 
-template <int kConsumers, int kStages>
-void launch(const CUtensorMap& ta, const CUtensorMap& tb, const GemmParams& p, cudaStream_t stream) {
+// Launches the kernel over `tiles` cluster tiles: at most as many clusters as fit on the device
+// at once, each walking its share of the tiles, or with FP8RL_FP8_GEMM_GRID=tile (read at each
+// call) one cluster per cluster tile.
+template <int kConsumers, int kStages, int kCM, int kCN>
+void launch_cluster(const CUtensorMap& ta, const CUtensorMap& tb, GemmParams p, cudaStream_t stream) {
   constexpr int kSmem = kStages * (64 * kConsumers + kBN) * kBK + 2 * kStages * 8 + 1024;
-  static const bool attr = [] {
-    CUDA_CHECK(
-        cudaFuncSetAttribute(fp8_gemm_kernel<kConsumers, kStages>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem),
-        "FP8 GEMM: setting the shared memory size");
-    return true;
+  constexpr int kCluster = kCM * kCN;
+  auto* kernel = fp8_gemm_kernel<kConsumers, kStages, kCM, kCN>;
+  p.ct_m = static_cast<int>(ceil_div(int64_t{p.m_tiles}, int64_t{kCM}));
+  p.ct_n = static_cast<int>(ceil_div(int64_t{p.n_tiles}, int64_t{kCN}));
+  const int64_t tiles = static_cast<int64_t>(p.ct_m) * p.ct_n * p.splits;
+  FP8RL_CHECK(tiles * kCluster < (int64_t{1} << 31), "FP8 GEMM: ", tiles, " tiles are more than one launch takes");
+  cudaLaunchConfig_t cfg = {};
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = kCluster, attr[0].val.clusterDim.y = 1, attr[0].val.clusterDim.z = 1;
+  cfg.blockDim = dim3(128 * (kConsumers + 1));
+  cfg.dynamicSmemBytes = kSmem;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  static const int max_clusters = [&] {
+    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem),
+               "FP8 GEMM: setting the shared memory size");
+    if (kCluster == 1) return sm_count();
+    cudaLaunchConfig_t q = cfg;
+    q.gridDim = dim3(static_cast<unsigned>(sm_count() / kCluster * kCluster));
+    int n = 0;
+    CUDA_CHECK(cudaOccupancyMaxActiveClusters(&n, kernel, &q), "FP8 GEMM: querying the clusters that fit");
+    FP8RL_CHECK(n > 0, "FP8 GEMM: no cluster of ", kCluster, " CTAs fits on this device");
+    if (std::getenv("FP8RL_FP8_GEMM_DEBUG"))
+      std::fprintf(stderr, "[fp8 gemm] %d consumers, cluster %dx%d: %d clusters fit\n", kConsumers, kCM, kCN, n);
+    return n;
   }();
-  (void)attr;
-  const int64_t tiles = static_cast<int64_t>(p.n_tiles) * p.m_tiles * p.splits;
-  FP8RL_CHECK(tiles < (int64_t{1} << 31), "FP8 GEMM: ", tiles, " tiles are more than one launch takes");
-  fp8_gemm_kernel<kConsumers, kStages>
-      <<<static_cast<unsigned>(grid_ctas(tiles)), 128 * (kConsumers + 1), kSmem, stream>>>(ta, tb, p);
-  CUDA_CHECK(cudaGetLastError(), "FP8 GEMM kernel launch");
+  const char* e = std::getenv("FP8RL_FP8_GEMM_GRID");
+  const int64_t clusters = e && std::string(e) == "tile" ? tiles : std::min<int64_t>(tiles, max_clusters);
+  cfg.gridDim = dim3(static_cast<unsigned>(clusters * kCluster));
+  if (kCluster == 1) cfg.numAttrs = 0;  // a plain launch
+  CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, ta, tb, p), "FP8 GEMM kernel launch");
+}
+
+// The kernel for rows per CTA (64 kConsumers) and the cluster shape, with A's tensor map (box
+// rows: the slice each CTA loads) made here; B's map (dense product) likewise, or none (grouped:
+// each group's map is in p, made with the same box).
+template <int kConsumers, int kStages>
+void launch(const uint8_t* a, int64_t rows, const uint8_t* b, int64_t N, int64_t K, const GemmParams& p, Cluster c,
+            cudaStream_t stream) {
+  constexpr int kBM = 64 * kConsumers;
+  const CUtensorMap ta = tensor_map(a, rows, K, kBM / c.cn);
+  const CUtensorMap tb = b ? tensor_map(b, N, K, kBN / c.cm) : ta;
+  if (c.cm == 1 && c.cn == 1) launch_cluster<kConsumers, kStages, 1, 1>(ta, tb, p, stream);
+  else if (c.cm == 2 && c.cn == 1) launch_cluster<kConsumers, kStages, 2, 1>(ta, tb, p, stream);
+  else if (c.cm == 1 && c.cn == 2) launch_cluster<kConsumers, kStages, 1, 2>(ta, tb, p, stream);
+  else launch_cluster<kConsumers, kStages, 2, 2>(ta, tb, p, stream);
 }
 
 }  // namespace
@@ -435,11 +576,11 @@ void fp8_gemm_sm90(const Fp8GemmArgs& a, cudaStream_t stream) {
   const bool small = a.block_m ? a.block_m == 64 : a.M <= 256;
   const int bm = small ? 64 : 128;
   const int m_tiles = static_cast<int>(ceil_div(a.M, int64_t{bm}));
-  const CUtensorMap ta = tensor_map(a.a, a.M, a.K, bm), tb = tensor_map(a.b, a.N, a.K, kBN);
   p.n_tiles = n_tiles, p.m_tiles = m_tiles, p.splits = used_splits;
   p.m_fastest = a.M <= 256;  // decode-sized: the few row blocks of one weight tile together
-  if (small) launch<1, 8>(ta, tb, p, stream);
-  else launch<2, 6>(ta, tb, p, stream);
+  const Cluster cl = cluster_shape(m_tiles, n_tiles, false);
+  if (small) launch<1, 8>(a.a, a.M, a.b, a.N, a.K, p, cl, stream);
+  else launch<2, 6>(a.a, a.M, a.b, a.N, a.K, p, cl, stream);
   if (p.partials) {
     const int64_t mn = a.M * a.N, threads = 256, blocks = ceil_div(ceil_div(mn, int64_t{4}), threads);
     if (p.c_bf16)
@@ -514,13 +655,12 @@ void fp8_gemm_sm90_grouped(const Fp8GroupedArgs& a, cudaStream_t stream) {
   p.b_maps = reinterpret_cast<const CUtensorMap*>(base);
   p.sb_groups = reinterpret_cast<const float* const*>(base + maps_bytes);
   p.tiles = reinterpret_cast<const int4*>(base + maps_bytes + ptr_bytes);
-  const CUtensorMap ta = tensor_map(a.a, R, a.K, bm);
-  const CUtensorMap& tb = ta;  // unused: each tile takes its group's map
   const int n_tiles = static_cast<int>(ceil_div(a.N, int64_t{kBN}));
   p.n_tiles = n_tiles, p.m_tiles = static_cast<int>(tiles.size()), p.splits = 1;
   p.m_fastest = false;  // a group's row blocks share its B: n fastest within each
-  if (bm == 64) launch<1, 8>(ta, tb, p, stream);
-  else launch<2, 6>(ta, tb, p, stream);
+  const Cluster cl = cluster_shape(p.m_tiles, n_tiles, true);  // cm = 1: the B maps' box is kBN rows
+  if (bm == 64) launch<1, 8>(a.a, R, nullptr, a.N, a.K, p, cl, stream);
+  else launch<2, 6>(a.a, R, nullptr, a.N, a.K, p, cl, stream);
 }
 
 }  // namespace fp8rl::cuda

@@ -108,8 +108,9 @@ nlohmann::json bench_gemm_run(const GemmBenchOptions& options) {
   out["reps"] = reps;
   out["warmup"] = warm;
 
+  const bool selected = !options.shapes.empty() || options.grouped_only;  // one kernel's view
   // ---- copy bandwidth and quantization kernels ----
-  {
+  if (!selected) {
     const int64_t rows = 8192, cols = 14336;  // 117M elements
     Tensor x = random_device(be, {rows, cols}, DType::BF16, 1);
     Tensor y = be.alloc({rows, cols}, DType::BF16);
@@ -151,137 +152,143 @@ nlohmann::json bench_gemm_run(const GemmBenchOptions& options) {
                            {"1.7b gate/up 2048->12288", 2048, 12288}, {"1.7b down 6144->2048", 6144, 2048}};
   std::vector<int64_t> Ms = {8192, 256, 128, 64, 32};
   if (options.quick) Ms = {8192};
-  if (options.quant_only) Ms.clear();  // the memory-bound kernels alone
+  if (options.quant_only || selected) Ms.clear();  // the memory-bound kernels alone, or --shapes
+  struct Product {
+    std::string name;
+    int64_t M, K, N;
+  };
+  std::vector<Product> products;
+  for (const Shape3& sh : shapes)
+    for (int64_t M : Ms) products.push_back({sh.name, M, sh.K, sh.N});
+  for (const auto& s3 : options.shapes) products.push_back({"--shapes", s3[0], s3[2], s3[1]});
   out["gemm"] = nlohmann::json::array();
   std::printf("\n%-26s %6s %-6s %10s %10s %10s %10s %10s %8s %8s %9s\n", "linear", "M", "pass", "BF16 TF/s", "FP8 TF/s",
               "own TF/s", "own ms", "tile ms", "FP8/BF16", "own/BF16", "own-vs-lt");
-  for (const Shape3& sh : shapes)
-    for (int64_t M : Ms) {
-      const int64_t K = sh.K, N = sh.N;
-      struct Pass {
-        const char* name;
-        int64_t m, n, k;  // C[m, n] = A[m, k] B[n, k]^T
-        int b_block_rows;
-      };
-      std::vector<Pass> passes = {{"fwd", M, N, K, 128}};
-      if (M == 8192) {
-        passes.push_back({"dgrad", M, K, N, 128});
-        passes.push_back({"wgrad", N, K, M, 1});
-      }
-      for (const Pass& p : passes) {
-        const double flops = 2.0 * p.m * p.n * p.k;
-        const int copies =
-            p.m <= 256 ? static_cast<int>(std::min<int64_t>(16, 1 + (120ll << 20) / (2 * p.n * p.k))) : 1;
-        // BF16: C = A B^T with A [m, k], B [n, k] (layouts of each pass as the backend issues them).
-        Tensor a = random_device(be, {p.m, p.k}, DType::BF16, 2);
-        std::vector<Tensor> b;
-        for (int i = 0; i < copies; ++i) b.push_back(random_device(be, {p.n, p.k}, DType::BF16, 3 + i));
-        Tensor c = be.alloc({p.m, p.n}, DType::BF16);
-        int rot = 0;
-        auto timer = [&](auto&& fn) {
-          return p.m <= 256 ? time_graph_ms(s, warm, reps, fn) : time_ms(s, warm, reps, fn);
-        };
-        const double ms_bf16 = timer([&] {
-          const Tensor& bi = b[static_cast<size_t>(rot++ % copies)];
-          gemm.gemm(false, true, p.m, p.n, p.k, a.raw(), bi.raw(), DType::BF16, c.raw(), DType::BF16, 1.0f, 0.0f);
-        });
-        // FP8: operands quantized once (1x128 / 128x128), scales laid out once: GEMM alone.
-        QuantTensor aq = be.alloc_quant(p.m, p.k, 1, 128, false);
-        be.quantize(a, false, aq);
-        std::vector<QuantTensor> bq;
-        std::vector<Tensor> bs;
-        for (int i = 0; i < copies; ++i) {
-          bq.push_back(be.alloc_quant(p.n, p.k, p.b_block_rows, 128, false));
-          be.quantize(b[static_cast<size_t>(i)], false, bq.back());
-          bs.push_back(be.alloc({cuda::GemmEngine::scale_buffer_floats(p.n, p.k, p.b_block_rows)}, DType::F32));
-          gemm.layout_scales(bq.back().scales.data<float>(), p.n, p.k, p.b_block_rows, bs.back().data<float>());
-        }
-        Tensor as = be.alloc({cuda::GemmEngine::scale_buffer_floats(p.m, p.k, 1)}, DType::F32);
-        gemm.layout_scales(aq.scales.data<float>(), p.m, p.k, 1, as.data<float>());
-        const DType cdt = p.b_block_rows == 1 ? DType::F32 : DType::BF16;  // wgrad accumulates F32
-        Tensor c8 = be.alloc({p.m, p.n}, cdt);
-        rot = 0;
-        const bool m16 = p.m % 16 == 0;
-        const double ms_fp8 = !m16 ? 0.0 : timer([&] {
-          const size_t i = static_cast<size_t>(rot++ % copies);
-          gemm.gemm_fp8_prelaid(p.m, p.n, p.k, aq.data.data<uint8_t>(), as.data<float>(), bq[i].data.data<uint8_t>(),
-                                bs[i].data<float>(), p.b_block_rows, c8.raw(), cdt, 1.0f,
-                                p.b_block_rows == 1 ? 1.0f : 0.0f);
-        });
-        // The own sm_90a kernel (128x128-block B only), A scales in the same [kb][M] layout.
-        double ms_own = 0.0, ms_own_tile = 0.0, own_vs_lt = 0.0;
-        if (p.b_block_rows == kQuantBlock) {
-          Tensor co = be.alloc({p.m, p.n}, cdt);
-          rot = 0;
-          auto own = [&] {
-            const size_t i = static_cast<size_t>(rot++ % copies);
-            gemm.gemm_fp8_own(p.m, p.n, p.k, aq.data.data<uint8_t>(), as.data<float>(), true,
-                              bq[i].data.data<uint8_t>(), bq[i].scales.data<float>(), co.raw(), cdt, 1.0f, 0.0f);
-          };
-          ms_own = timer(own);  // the persistent grid (the default)
-          rot = 0;
-          setenv("FP8RL_FP8_GEMM_GRID", "tile", 1);
-          ms_own_tile = timer(own);  // one CTA per tile, for comparison
-          unsetenv("FP8RL_FP8_GEMM_GRID");
-          // Same operands (copy 0) through both kernels: the largest difference relative to the largest |C|.
-          gemm.gemm_fp8_own(p.m, p.n, p.k, aq.data.data<uint8_t>(), as.data<float>(), true, bq[0].data.data<uint8_t>(),
-                            bq[0].scales.data<float>(), co.raw(), cdt, 1.0f, 0.0f);
-          gemm.gemm_fp8_prelaid(p.m, p.n, p.k, aq.data.data<uint8_t>(), as.data<float>(), bq[0].data.data<uint8_t>(),
-                                bs[0].data<float>(), p.b_block_rows, c8.raw(), cdt, 1.0f, 0.0f);
-          const Tensor ho = be.to_host(co), hl = be.to_host(c8);
-          double dmax = 0.0, cmax = 0.0;
-          for (int64_t i = 0; i < ho.numel(); ++i) {
-            const double x = bf16_to_float(ho.data<uint16_t>()[i]), y = bf16_to_float(hl.data<uint16_t>()[i]);
-            dmax = std::max(dmax, std::fabs(x - y));
-            cmax = std::max(cmax, std::fabs(y));
-          }
-          own_vs_lt = dmax / std::max(cmax, 1e-30);
-        }
-        // Decode shapes: the own kernel's configurations (rows per CTA x K splits), timed alike.
-        nlohmann::json sweep = nlohmann::json::array();
-        if (p.b_block_rows == kQuantBlock && p.m <= 256) {
-          Tensor co = be.alloc({p.m, p.n}, cdt);
-          std::printf("    own configs (block_m x splits: us):");
-          for (int bm : {64, 128})
-            for (int sp : {1, 2, 4, 8}) {
-              rot = 0;
-              const double ms = timer([&] {
-                const size_t i = static_cast<size_t>(rot++ % copies);
-                gemm.gemm_fp8_own(p.m, p.n, p.k, aq.data.data<uint8_t>(), as.data<float>(), true,
-                                  bq[i].data.data<uint8_t>(), bq[i].scales.data<float>(), co.raw(), cdt, 1.0f, 0.0f, sp,
-                                  bm);
-              });
-              std::printf(" %dx%d %.1f", bm, sp, ms * 1e3);
-              sweep.push_back({{"block_m", bm}, {"splits", sp}, {"ms", ms}});
-            }
-          std::printf("\n");
-        }
-        const double tf_bf16 = flops / ms_bf16 / 1e9, tf_fp8 = ms_fp8 > 0 ? flops / ms_fp8 / 1e9 : 0.0;
-        const double tf_own = ms_own > 0 ? flops / ms_own / 1e9 : 0.0;
-        std::printf("%-26s %6lld %-6s %10.1f %10.1f %10.1f %10.3f %10.3f %7.2fx %7.2fx %9.1e\n", sh.name,
-                    static_cast<long long>(M), p.name, tf_bf16, tf_fp8, tf_own, ms_own, ms_own_tile, tf_fp8 / tf_bf16,
-                    tf_own / tf_bf16, own_vs_lt);
-        out["gemm"].push_back({{"linear", sh.name},
-                               {"M_tokens", M},
-                               {"pass", p.name},
-                               {"m", p.m},
-                               {"n", p.n},
-                               {"k", p.k},
-                               {"weight_copies", copies},
-                               {"bf16_ms", ms_bf16},
-                               {"bf16_tflops", tf_bf16},
-                               {"fp8_ms", ms_fp8},
-                               {"fp8_tflops", tf_fp8},
-                               {"own_ms", ms_own},
-                               {"own_tile_ms", ms_own_tile},
-                               {"own_tflops", tf_own},
-                               {"own_vs_cublaslt_max_rel", own_vs_lt},
-                               {"own_configs", sweep},
-                               {"fp8_over_bf16", tf_fp8 / tf_bf16}});
-      }
+  for (const Product& sh : products) {
+    const int64_t M = sh.M, K = sh.K, N = sh.N;
+    struct Pass {
+      const char* name;
+      int64_t m, n, k;  // C[m, n] = A[m, k] B[n, k]^T
+      int b_block_rows;
+    };
+    std::vector<Pass> passes = {{"fwd", M, N, K, 128}};
+    if (M == 8192 && options.shapes.empty()) {
+      passes.push_back({"dgrad", M, K, N, 128});
+      passes.push_back({"wgrad", N, K, M, 1});
     }
+    for (const Pass& p : passes) {
+      const double flops = 2.0 * p.m * p.n * p.k;
+      const int copies = p.m <= 256 ? static_cast<int>(std::min<int64_t>(16, 1 + (120ll << 20) / (2 * p.n * p.k))) : 1;
+      // BF16: C = A B^T with A [m, k], B [n, k] (layouts of each pass as the backend issues them).
+      Tensor a = random_device(be, {p.m, p.k}, DType::BF16, 2);
+      std::vector<Tensor> b;
+      for (int i = 0; i < copies; ++i) b.push_back(random_device(be, {p.n, p.k}, DType::BF16, 3 + i));
+      Tensor c = be.alloc({p.m, p.n}, DType::BF16);
+      int rot = 0;
+      auto timer = [&](auto&& fn) {
+        return p.m <= 256 ? time_graph_ms(s, warm, reps, fn) : time_ms(s, warm, reps, fn);
+      };
+      const double ms_bf16 = timer([&] {
+        const Tensor& bi = b[static_cast<size_t>(rot++ % copies)];
+        gemm.gemm(false, true, p.m, p.n, p.k, a.raw(), bi.raw(), DType::BF16, c.raw(), DType::BF16, 1.0f, 0.0f);
+      });
+      // FP8: operands quantized once (1x128 / 128x128), scales laid out once: GEMM alone.
+      QuantTensor aq = be.alloc_quant(p.m, p.k, 1, 128, false);
+      be.quantize(a, false, aq);
+      std::vector<QuantTensor> bq;
+      std::vector<Tensor> bs;
+      for (int i = 0; i < copies; ++i) {
+        bq.push_back(be.alloc_quant(p.n, p.k, p.b_block_rows, 128, false));
+        be.quantize(b[static_cast<size_t>(i)], false, bq.back());
+        bs.push_back(be.alloc({cuda::GemmEngine::scale_buffer_floats(p.n, p.k, p.b_block_rows)}, DType::F32));
+        gemm.layout_scales(bq.back().scales.data<float>(), p.n, p.k, p.b_block_rows, bs.back().data<float>());
+      }
+      Tensor as = be.alloc({cuda::GemmEngine::scale_buffer_floats(p.m, p.k, 1)}, DType::F32);
+      gemm.layout_scales(aq.scales.data<float>(), p.m, p.k, 1, as.data<float>());
+      const DType cdt = p.b_block_rows == 1 ? DType::F32 : DType::BF16;  // wgrad accumulates F32
+      Tensor c8 = be.alloc({p.m, p.n}, cdt);
+      rot = 0;
+      const bool m16 = p.m % 16 == 0;
+      const double ms_fp8 = !m16 ? 0.0 : timer([&] {
+        const size_t i = static_cast<size_t>(rot++ % copies);
+        gemm.gemm_fp8_prelaid(p.m, p.n, p.k, aq.data.data<uint8_t>(), as.data<float>(), bq[i].data.data<uint8_t>(),
+                              bs[i].data<float>(), p.b_block_rows, c8.raw(), cdt, 1.0f,
+                              p.b_block_rows == 1 ? 1.0f : 0.0f);
+      });
+      // The own sm_90a kernel (128x128-block B only), A scales in the same [kb][M] layout.
+      double ms_own = 0.0, ms_own_tile = 0.0, own_vs_lt = 0.0;
+      if (p.b_block_rows == kQuantBlock) {
+        Tensor co = be.alloc({p.m, p.n}, cdt);
+        rot = 0;
+        auto own = [&] {
+          const size_t i = static_cast<size_t>(rot++ % copies);
+          gemm.gemm_fp8_own(p.m, p.n, p.k, aq.data.data<uint8_t>(), as.data<float>(), true, bq[i].data.data<uint8_t>(),
+                            bq[i].scales.data<float>(), co.raw(), cdt, 1.0f, 0.0f);
+        };
+        ms_own = timer(own);  // the persistent grid (the default)
+        rot = 0;
+        setenv("FP8RL_FP8_GEMM_GRID", "tile", 1);
+        ms_own_tile = timer(own);  // one CTA per tile, for comparison
+        unsetenv("FP8RL_FP8_GEMM_GRID");
+        // Same operands (copy 0) through both kernels: the largest difference relative to the largest |C|.
+        gemm.gemm_fp8_own(p.m, p.n, p.k, aq.data.data<uint8_t>(), as.data<float>(), true, bq[0].data.data<uint8_t>(),
+                          bq[0].scales.data<float>(), co.raw(), cdt, 1.0f, 0.0f);
+        gemm.gemm_fp8_prelaid(p.m, p.n, p.k, aq.data.data<uint8_t>(), as.data<float>(), bq[0].data.data<uint8_t>(),
+                              bs[0].data<float>(), p.b_block_rows, c8.raw(), cdt, 1.0f, 0.0f);
+        const Tensor ho = be.to_host(co), hl = be.to_host(c8);
+        double dmax = 0.0, cmax = 0.0;
+        for (int64_t i = 0; i < ho.numel(); ++i) {
+          const double x = bf16_to_float(ho.data<uint16_t>()[i]), y = bf16_to_float(hl.data<uint16_t>()[i]);
+          dmax = std::max(dmax, std::fabs(x - y));
+          cmax = std::max(cmax, std::fabs(y));
+        }
+        own_vs_lt = dmax / std::max(cmax, 1e-30);
+      }
+      // Decode shapes: the own kernel's configurations (rows per CTA x K splits), timed alike.
+      nlohmann::json sweep = nlohmann::json::array();
+      if (p.b_block_rows == kQuantBlock && p.m <= 256 && options.shapes.empty()) {
+        Tensor co = be.alloc({p.m, p.n}, cdt);
+        std::printf("    own configs (block_m x splits: us):");
+        for (int bm : {64, 128})
+          for (int sp : {1, 2, 4, 8}) {
+            rot = 0;
+            const double ms = timer([&] {
+              const size_t i = static_cast<size_t>(rot++ % copies);
+              gemm.gemm_fp8_own(p.m, p.n, p.k, aq.data.data<uint8_t>(), as.data<float>(), true,
+                                bq[i].data.data<uint8_t>(), bq[i].scales.data<float>(), co.raw(), cdt, 1.0f, 0.0f, sp,
+                                bm);
+            });
+            std::printf(" %dx%d %.1f", bm, sp, ms * 1e3);
+            sweep.push_back({{"block_m", bm}, {"splits", sp}, {"ms", ms}});
+          }
+        std::printf("\n");
+      }
+      const double tf_bf16 = flops / ms_bf16 / 1e9, tf_fp8 = ms_fp8 > 0 ? flops / ms_fp8 / 1e9 : 0.0;
+      const double tf_own = ms_own > 0 ? flops / ms_own / 1e9 : 0.0;
+      std::printf("%-26s %6lld %-6s %10.1f %10.1f %10.1f %10.3f %10.3f %7.2fx %7.2fx %9.1e\n", sh.name.c_str(),
+                  static_cast<long long>(M), p.name, tf_bf16, tf_fp8, tf_own, ms_own, ms_own_tile, tf_fp8 / tf_bf16,
+                  tf_own / tf_bf16, own_vs_lt);
+      out["gemm"].push_back({{"linear", sh.name},
+                             {"M_tokens", M},
+                             {"pass", p.name},
+                             {"m", p.m},
+                             {"n", p.n},
+                             {"k", p.k},
+                             {"weight_copies", copies},
+                             {"bf16_ms", ms_bf16},
+                             {"bf16_tflops", tf_bf16},
+                             {"fp8_ms", ms_fp8},
+                             {"fp8_tflops", tf_fp8},
+                             {"own_ms", ms_own},
+                             {"own_tile_ms", ms_own_tile},
+                             {"own_tflops", tf_own},
+                             {"own_vs_cublaslt_max_rel", own_vs_lt},
+                             {"own_configs", sweep},
+                             {"fp8_over_bf16", tf_fp8 / tf_bf16}});
+    }
+  }
   // ---- grouped expert GEMMs (Qwen3-30B-A3B: 128 experts, 16k tokens x top-8 rows, ragged) ----
-  if (!options.quant_only) {
+  if (!options.quant_only && (options.shapes.empty() || options.grouped_only)) {
     struct GShape {
       const char* name;
       int64_t K, N;
