@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "backend/cuda/cuda_backend.h"
@@ -278,50 +279,60 @@ TEST(CudaFp8Gemm, GroupedIsBitwiseThePerGroupProducts) {
 // grouped product (whose clusters share only A).
 TEST(CudaFp8Gemm, EveryGridAndClusterIsBitwiseOneCtaPerTile) {
   cuda::CudaBackend be(0, DType::BF16);
-  auto with_grid = [](const char* grid, const char* cluster, auto&& fn) {
-    if (grid) setenv("FP8RL_FP8_GEMM_GRID", grid, 1);
+  // A variant: the grid (null: persistent), the cluster shape, where the consumers read the scales.
+  struct Variant {
+    const char* grid;
+    const char* cluster;
+    const char* scales;
+  };
+  auto with = [](const Variant& v, auto&& fn) {
+    if (v.grid) setenv("FP8RL_FP8_GEMM_GRID", v.grid, 1);
     else unsetenv("FP8RL_FP8_GEMM_GRID");
-    setenv("FP8RL_FP8_GEMM_CLUSTER", cluster, 1);
+    setenv("FP8RL_FP8_GEMM_CLUSTER", v.cluster, 1);
+    setenv("FP8RL_FP8_GEMM_SCALES", v.scales, 1);
     auto r = fn();
     unsetenv("FP8RL_FP8_GEMM_GRID");
     unsetenv("FP8RL_FP8_GEMM_CLUSTER");
+    unsetenv("FP8RL_FP8_GEMM_SCALES");
     return r;
   };
-  const char* const grids[] = {nullptr, "tile"};
-  const char* const clusters[] = {"1x1", "2x1", "1x2", "2x2"};
+  std::vector<Variant> variants;
+  for (const char* grid : {static_cast<const char*>(nullptr), "tile"})
+    for (const char* cluster : {"1x1", "2x1", "1x2", "2x2"})
+      for (const char* scales : {"global", "smem"}) variants.push_back({grid, cluster, scales});
+  const Variant one_cta{"tile", "1x1", "global"};
+  auto name = [](const Variant& v) {
+    return std::string("grid ") + (v.grid ? v.grid : "persistent") + ", cluster " + v.cluster + ", scales " + v.scales;
+  };
   const Shape shapes[] = {{5, 2048, 2048}, {64, 4096, 2048},   {256, 12288, 2048}, {256, 2048, 6144},
                           {130, 640, 384}, {1000, 1536, 1024}, {4096, 2048, 2048}, {77, 384, 640}};
   for (const Shape& s : shapes) {
     const Operands o = make_operands(be, s.M, s.N, s.K, static_cast<uint32_t>(s.M * 5 + s.N + 3 * s.K));
     for (int splits : {1, 3})
       for (DType out : {DType::BF16, DType::F32}) {
-        const Tensor ref = with_grid("tile", "1x1", [&] { return run_own(be, o, s.M, s.N, s.K, out, false, splits); });
-        for (const char* grid : grids)
-          for (const char* cluster : clusters) {
-            SCOPED_TRACE(testing::Message() << "M=" << s.M << " N=" << s.N << " K=" << s.K << " splits=" << splits
-                                            << " out=" << dtype_name(out) << " grid=" << (grid ? grid : "persistent")
-                                            << " cluster=" << cluster);
-            const Tensor c =
-                with_grid(grid, cluster, [&] { return run_own(be, o, s.M, s.N, s.K, out, false, splits); });
-            ASSERT_EQ(std::memcmp(c.raw(), ref.raw(), c.nbytes()), 0) << "differs from one CTA per tile";
-          }
+        auto run = [&] { return run_own(be, o, s.M, s.N, s.K, out, false, splits); };
+        const Tensor ref = with(one_cta, run);
+        for (const Variant& v : variants) {
+          SCOPED_TRACE(testing::Message() << "M=" << s.M << " N=" << s.N << " K=" << s.K << " splits=" << splits
+                                          << " out=" << dtype_name(out) << " " << name(v));
+          const Tensor c = with(v, run);
+          ASSERT_EQ(std::memcmp(c.raw(), ref.raw(), c.nbytes()), 0) << "differs from one CTA per tile";
+        }
       }
-    // beta = 1 over a prior C (the dgrad accumulation), BF16.
+    // beta = 1 over a prior C (the dgrad accumulation), BF16; A's scales in the [kb][M] layout.
     auto accumulate = [&] {
       Tensor c = be.to_device(
           from_float_vector(std::vector<float>(static_cast<size_t>(s.M * s.N), 0.25f), {s.M, s.N}, DType::BF16));
-      be.gemm().gemm_fp8_own(s.M, s.N, s.K, o.da.data.data<uint8_t>(), o.da.scales.data<float>(), false,
+      be.gemm().gemm_fp8_own(s.M, s.N, s.K, o.da.data.data<uint8_t>(), o.da_kb.data<float>(), true,
                              o.db.data.data<uint8_t>(), o.db.scales.data<float>(), c.raw(), DType::BF16, 0.5f, 1.0f, 1);
       be.synchronize();
       return be.to_host(c);
     };
-    const Tensor ref = with_grid("tile", "1x1", accumulate);
-    for (const char* grid : grids)
-      for (const char* cluster : clusters) {
-        const Tensor c = with_grid(grid, cluster, accumulate);
-        ASSERT_EQ(std::memcmp(c.raw(), ref.raw(), c.nbytes()), 0)
-            << "beta = 1, grid " << (grid ? grid : "persistent") << ", cluster " << cluster << ": differs";
-      }
+    const Tensor ref = with(one_cta, accumulate);
+    for (const Variant& v : variants) {
+      const Tensor c = with(v, accumulate);
+      ASSERT_EQ(std::memcmp(c.raw(), ref.raw(), c.nbytes()), 0) << "beta = 1, " << name(v) << ": differs";
+    }
   }
   // The grouped product: 40 groups of 0..300 rows (more tiles than SMs).
   const int64_t N = 768, K = 1024;
@@ -348,14 +359,12 @@ TEST(CudaFp8Gemm, EveryGridAndClusterIsBitwiseOneCtaPerTile) {
       be.synchronize();
       return be.to_host(c);
     };
-    const Tensor ref = with_grid("tile", "1x1", grouped);
-    for (const char* grid : grids)
-      for (const char* cluster : clusters) {
-        const Tensor c = with_grid(grid, cluster, grouped);
-        ASSERT_EQ(std::memcmp(c.raw(), ref.raw(), c.nbytes()), 0)
-            << "grouped, block_m=" << bm << ", grid " << (grid ? grid : "persistent") << ", cluster " << cluster
-            << ": differs";
-      }
+    const Tensor ref = with(one_cta, grouped);
+    for (const Variant& v : variants) {
+      const Tensor c = with(v, grouped);
+      ASSERT_EQ(std::memcmp(c.raw(), ref.raw(), c.nbytes()), 0)
+          << "grouped, block_m=" << bm << ", " << name(v) << ": differs";
+    }
   }
 }
 

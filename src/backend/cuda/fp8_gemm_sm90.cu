@@ -98,6 +98,17 @@ __device__ __forceinline__ void tma_load_2d_multicast(void* dst, const CUtensorM
       : "memory");
 }
 
+// 4 bytes from global to shared memory, asynchronously (zeros where src_bytes is 0); and an
+// arrive on an mbarrier once all of this thread's earlier cp.async copies have landed (.noinc:
+// the barrier's count includes these arrivals).
+__device__ __forceinline__ void cp_async_4(void* dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_mbar_arrive(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+
 __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1) {
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];" ::"r"(
@@ -267,10 +278,12 @@ __device__ __forceinline__ void store_tile(const GemmParams& p, const float (&to
 // clusters of kCM x kCN CTAs (1 x 1: no cluster). In a cluster, the kCN CTAs of one tile row
 // share its A tile and the kCM CTAs of one tile column its B tile: each CTA loads a 1 / kCN slice
 // of its A tile and a 1 / kCM slice of its B tile and multicasts each to the CTAs that share it,
-// so every operand byte leaves L2 once per cluster instead of once per CTA (the products are
-// L2-bandwidth-bound at 128 x 128 tiles: docs/benchmarks.md, session 9). The arithmetic of every
-// tile is unchanged: bitwise the same results at every cluster shape.
-template <int kConsumers, int kStages, int kCM, int kCN>
+// so every operand byte leaves L2 once per cluster instead of once per CTA (measured: 1-3%
+// faster at 2x1, docs/benchmarks.md session 9). With kSmemScales the producer warp also copies
+// each stage's scales (its A tile's row scales, its B block's scale) into shared memory beside
+// the tiles (cp.async, completing on the stage's barrier), so the consumers' loop has no global
+// load. The arithmetic of every tile is unchanged: bitwise the same results in every variant.
+template <int kConsumers, int kStages, int kCM, int kCN, bool kSmemScales>
 __global__ void __launch_bounds__(128 * (kConsumers + 1), 1)
     fp8_gemm_kernel(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b, GemmParams p) {
   constexpr int kBM = 64 * kConsumers;
@@ -284,6 +297,9 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1)
   uint8_t* sm_b = smem + kStages * kTileA;
   uint64_t* full = reinterpret_cast<uint64_t*>(sm_b + kStages * kTileB);
   uint64_t* empty = full + kStages;
+  // kSmemScales: per stage kBM row scales of A, then B's block scale (a 16-byte multiple).
+  constexpr int kScaleStride = kBM + 4;
+  float* sm_scales = reinterpret_cast<float*>(empty + kStages);
 
   // This CTA's place in its cluster: tile row ci, tile column cj.
   const int rank = kCluster == 1 ? 0 : static_cast<int>(cluster_rank());
@@ -291,7 +307,8 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1)
   const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(&full[s], 1);
+      // The producer's expect_tx arrive (+ one cp.async arrive per producer lane: the scales).
+      mbar_init(&full[s], kSmemScales ? 33 : 1);
       // A stage may be refilled once every consumer warp of every CTA it feeds has released it:
       // each consumer warp of the cluster arrives on every CTA's barrier.
       mbar_init(&empty[s], kConsumers * 4 * kCluster);
@@ -308,8 +325,9 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1)
   const int64_t first = blockIdx.x / kCluster, step = gridDim.x / kCluster;
   const int64_t tiles =
       static_cast<int64_t>(kCN == 1 ? p.n_tiles : p.ct_n) * (kCM == 1 ? p.m_tiles : p.ct_m) * p.splits;
-  if (wg == kConsumers) {  // the producer: one thread issues every load
-    if (tid == 0) {
+  if (wg == kConsumers) {  // the producer: one thread issues every tile load (a warp, with the scales)
+    if (kSmemScales ? tid < 32 : tid == 0) {
+      const int lane = tid;
       // The CTAs of this tile row (they share A) and of this tile column (they share B).
       uint16_t row_mask = 0, col_mask = 0;
       for (int j = 0; j < kCN; ++j) row_mask |= static_cast<uint16_t>(1u << (ci + kCM * j));
@@ -320,6 +338,23 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1)
         for (int it = 0; it < tl.nk; ++it, ++g) {
           const int s = g % kStages;
           mbar_wait(&empty[s], ((g / kStages) & 1) ^ 1);
+          if constexpr (kSmemScales) {
+            // Rows past the tile's own (past M, or its group's end) read as zero; a cluster's tile
+            // past the last column takes the last column's scale (it stores nothing).
+            const int kb = tl.kb0 + it;
+            float* dst = sm_scales + s * kScaleStride;
+            for (int r = lane; r < kBM; r += 32) {
+              const int64_t row = tl.m_base + r;
+              const bool in = row < tl.m_end;
+              cp_async_4(dst + r, in ? p.sa + row * p.sa_m + kb * p.sa_k : p.sa, in ? 4 : 0);
+            }
+            if (lane == 0) {
+              const int n = tl.n_tile < p.n_tiles ? tl.n_tile : p.n_tiles - 1;
+              cp_async_4(dst + kBM, tl.sb_base + static_cast<int64_t>(n) * p.kblocks + kb, 4);
+            }
+            cp_async_mbar_arrive(&full[s]);
+            if (lane != 0) continue;
+          }
           mbar_expect_tx(&full[s], kTileA + kTileB);
           const int k = (tl.kb0 + it) * kBK;
           if constexpr (kCN == 1) {
@@ -354,10 +389,19 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1)
         const int s = g % kStages, kb = tl.kb0 + it;
         // The scales of this K block, loaded while the tiles arrive (unconditionally for B: a
         // predicated load here costs ~15% at large M, session 9).
-        const float sbv = __ldg(sb + kb);
-        const float s0 = in0 ? __ldg(p.sa + row0 * p.sa_m + kb * p.sa_k) * sbv : 0.0f;
-        const float s1 = in1 ? __ldg(p.sa + row1 * p.sa_m + kb * p.sa_k) * sbv : 0.0f;
+        float s0, s1;
+        if constexpr (!kSmemScales) {
+          const float sbv = __ldg(sb + kb);
+          s0 = in0 ? __ldg(p.sa + row0 * p.sa_m + kb * p.sa_k) * sbv : 0.0f;
+          s1 = in1 ? __ldg(p.sa + row1 * p.sa_m + kb * p.sa_k) * sbv : 0.0f;
+        }
         mbar_wait(&full[s], (g / kStages) & 1);
+        if constexpr (kSmemScales) {
+          const float* sc = sm_scales + s * kScaleStride;
+          const int r0 = wg * 64 + warp * 16 + lane / 4;
+          const float sbv = sc[kBM];
+          s0 = sc[r0] * sbv, s1 = sc[r0 + 8] * sbv;
+        }
         const uint64_t da = sw128_desc(sm_a + s * kTileA + wg * 64 * kBK), db = sw128_desc(sm_b + s * kTileB);
         fence_acc(acc);
         wgmma_fence();
@@ -431,11 +475,13 @@ CUtensorMap tensor_map(const uint8_t* base, int64_t rows, int64_t K, int box_row
   return m;
 }
 
-// The cluster shape (CTAs along M x along N): FP8RL_FP8_GEMM_CLUSTER=CMxCN (read at each call;
-// 1x1, 2x1, 1x2 or 2x2), else the default. The grouped product shares only A
-// (its tiles along M belong to different experts' weights).
+// The kernel variant. The cluster shape (CTAs along M x along N): FP8RL_FP8_GEMM_CLUSTER=CMxCN
+// (read at each call; 1x1, 2x1, 1x2 or 2x2), else the default; where the consumers read the
+// scales: FP8RL_FP8_GEMM_SCALES=global (the default) or smem (not yet measured on a GPU). The grouped product shares
+// only A (its tiles along M belong to different experts' weights).
 struct Cluster {
   int cm = 1, cn = 1;
+  bool smem_scales = false;  // FP8RL_FP8_GEMM_SCALES=smem: the scales staged in shared memory
 };
 Cluster cluster_shape(int64_t m_tiles, int64_t n_tiles, bool grouped) {
   // The default is 1x1. Measured (bench-gemm, session 9): 2x1 is 1-3% faster on dense products
@@ -448,6 +494,11 @@ Cluster cluster_shape(int64_t m_tiles, int64_t n_tiles, bool grouped) {
     FP8RL_CHECK(v == "1x1" || v == "2x1" || v == "1x2" || v == "2x2",
                 "FP8RL_FP8_GEMM_CLUSTER must be 1x1, 2x1, 1x2 or 2x2, got '", v, "'");
     c.cm = v[0] - '0', c.cn = v[2] - '0';
+  }
+  if (const char* e = std::getenv("FP8RL_FP8_GEMM_SCALES")) {
+    const std::string v(e);
+    FP8RL_CHECK(v == "global" || v == "smem", "FP8RL_FP8_GEMM_SCALES must be global or smem, got '", v, "'");
+    c.smem_scales = v == "smem";
   }
   if (grouped) c.cm = 1;
   if (m_tiles < 2) c.cm = 1;
@@ -468,11 +519,12 @@ int sm_count() {
 // Launches the kernel over `tiles` cluster tiles: at most as many clusters as fit on the device
 // at once, each walking its share of the tiles, or with FP8RL_FP8_GEMM_GRID=tile (read at each
 // call) one cluster per cluster tile.
-template <int kConsumers, int kStages, int kCM, int kCN>
+template <int kConsumers, int kStages, int kCM, int kCN, bool kSmemScales>
 void launch_cluster(const CUtensorMap& ta, const CUtensorMap& tb, GemmParams p, cudaStream_t stream) {
-  constexpr int kSmem = kStages * (64 * kConsumers + kBN) * kBK + 2 * kStages * 8 + 1024;
+  constexpr int kSmem = kStages * (64 * kConsumers + kBN) * kBK + 2 * kStages * 8 +
+                        (kSmemScales ? kStages * (64 * kConsumers + 4) * 4 : 0) + 1024;
   constexpr int kCluster = kCM * kCN;
-  auto* kernel = fp8_gemm_kernel<kConsumers, kStages, kCM, kCN>;
+  auto* kernel = fp8_gemm_kernel<kConsumers, kStages, kCM, kCN, kSmemScales>;
   p.ct_m = static_cast<int>(ceil_div(int64_t{p.m_tiles}, int64_t{kCM}));
   p.ct_n = static_cast<int>(ceil_div(int64_t{p.n_tiles}, int64_t{kCN}));
   const int64_t tiles = static_cast<int64_t>(p.ct_m) * p.ct_n * p.splits;
@@ -515,10 +567,17 @@ void launch(const uint8_t* a, int64_t rows, const uint8_t* b, int64_t N, int64_t
   constexpr int kBM = 64 * kConsumers;
   const CUtensorMap ta = tensor_map(a, rows, K, kBM / c.cn);
   const CUtensorMap tb = b ? tensor_map(b, N, K, kBN / c.cm) : ta;
-  if (c.cm == 1 && c.cn == 1) launch_cluster<kConsumers, kStages, 1, 1>(ta, tb, p, stream);
-  else if (c.cm == 2 && c.cn == 1) launch_cluster<kConsumers, kStages, 2, 1>(ta, tb, p, stream);
-  else if (c.cm == 1 && c.cn == 2) launch_cluster<kConsumers, kStages, 1, 2>(ta, tb, p, stream);
-  else launch_cluster<kConsumers, kStages, 2, 2>(ta, tb, p, stream);
+  if (c.smem_scales) {
+    if (c.cm == 1 && c.cn == 1) launch_cluster<kConsumers, kStages, 1, 1, true>(ta, tb, p, stream);
+    else if (c.cm == 2 && c.cn == 1) launch_cluster<kConsumers, kStages, 2, 1, true>(ta, tb, p, stream);
+    else if (c.cm == 1 && c.cn == 2) launch_cluster<kConsumers, kStages, 1, 2, true>(ta, tb, p, stream);
+    else launch_cluster<kConsumers, kStages, 2, 2, true>(ta, tb, p, stream);
+  } else {
+    if (c.cm == 1 && c.cn == 1) launch_cluster<kConsumers, kStages, 1, 1, false>(ta, tb, p, stream);
+    else if (c.cm == 2 && c.cn == 1) launch_cluster<kConsumers, kStages, 2, 1, false>(ta, tb, p, stream);
+    else if (c.cm == 1 && c.cn == 2) launch_cluster<kConsumers, kStages, 1, 2, false>(ta, tb, p, stream);
+    else launch_cluster<kConsumers, kStages, 2, 2, false>(ta, tb, p, stream);
+  }
 }
 
 }  // namespace
