@@ -88,6 +88,13 @@ __global__ void rmsnorm_vec_kernel(const TX* x, const TW* w, int64_t D, float ep
 // no block barrier. For such D the vec kernel runs one warp too (rmsnorm_row_threads), whose
 // block_sum_d is this warp_sum_d plus exact zeros, so the results are the same bits.
 constexpr int kRmsRowsPerBlock = 8;
+// 1 / sqrt(mean of squares + eps) of a row held by one warp, from each lane's FP64 partial sum of
+// squares (rmsnorm_warp_kernel and rmsnorm_rope_kernel: one definition, so the same bits).
+__device__ __forceinline__ float warp_rms_inverse(double partial, int64_t D, float eps) {
+  const double ss = warp_sum_d(partial);
+  const float var = static_cast<float>(ss / static_cast<double>(D));
+  return 1.0f / sqrtf(var + eps);
+}
 template <class TX, class TW, class TO>
 __global__ void rmsnorm_warp_kernel(const TX* x, const TW* w, int64_t R, int64_t D, float eps, TO* out, float* rstd) {
   const int lane = static_cast<int>(threadIdx.x);
@@ -101,9 +108,7 @@ __global__ void rmsnorm_warp_kernel(const TX* x, const TW* w, int64_t R, int64_t
 #pragma unroll
     for (int i = 0; i < 8; ++i) ss += static_cast<double>(v[i]) * v[i];
   }
-  ss = warp_sum_d(ss);
-  const float var = static_cast<float>(ss / static_cast<double>(D));
-  const float rs = 1.0f / sqrtf(var + eps);
+  const float rs = warp_rms_inverse(ss, D, eps);
   if (rstd && lane == 0) rstd[r] = rs;
   for (int64_t d = lane * 8; d < D; d += 32 * 8) {
     float v[8], wv[8];
@@ -281,9 +286,7 @@ __global__ void rmsnorm_rope_kernel(const T* x, const TW* w, int64_t R, int H, i
 #pragma unroll
     for (int i = 0; i < 8; ++i) ss += static_cast<double>(v[i]) * v[i];
   }
-  ss = warp_sum_d(ss);
-  const float var = static_cast<float>(ss / static_cast<double>(hd));
-  const float rs = 1.0f / sqrtf(var + eps);
+  const float rs = warp_rms_inverse(ss, hd, eps);
   if (rstd && lane == 0) rstd[r] = rs;
   if (in) {
     float wv[8];
