@@ -270,13 +270,15 @@ TEST(CudaFp8Gemm, GroupedIsBitwiseThePerGroupProducts) {
   }
 }
 
-// The persistent grid (the default: at most one CTA per SM, each walking its share of the tiles
-// with the stage ring running on across them) and one CTA per tile (FP8RL_FP8_GEMM_GRID=tile),
-// each in clusters of 1x1, 2x1, 1x2 and 2x2 CTAs sharing their A and B tiles by multicast
-// (FP8RL_FP8_GEMM_CLUSTER), compute every tile alike: bitwise the C of one CTA per tile without
-// clusters, for decode and trainer shapes, tile counts that the cluster does not divide,
-// split-K, both tile orders (M <= 256: row blocks fastest), BF16 and F32 output, beta, and the
-// grouped product (whose clusters share only A).
+// Every variant of the own kernel computes every tile alike: bitwise the C of one CTA per tile.
+// The variants: the persistent grid (the default: at most as many CTAs as fit, each walking its
+// share of the tiles with the stage ring running on across them) or one CTA per tile
+// (FP8RL_FP8_GEMM_GRID=tile); clusters of 1x1, 2x1, 1x2 and 2x2 CTAs sharing their A and B tiles
+// by multicast (FP8RL_FP8_GEMM_CLUSTER); the scales read from global memory or staged in shared
+// memory (FP8RL_FP8_GEMM_SCALES); one or two CTAs per SM for 64-row tiles
+// (FP8RL_FP8_GEMM_OCCUPANCY). Checked for decode and trainer shapes, tile counts that the cluster
+// does not divide, split-K, both tile orders (M <= 256: row blocks fastest), BF16 and F32 output,
+// beta, both A-scale layouts, and the grouped product (whose clusters share only A).
 TEST(CudaFp8Gemm, EveryGridAndClusterIsBitwiseOneCtaPerTile) {
   cuda::CudaBackend be(0, DType::BF16);
   // A variant: the grid (null: persistent), the cluster shape, where the consumers read the scales.
@@ -284,25 +286,32 @@ TEST(CudaFp8Gemm, EveryGridAndClusterIsBitwiseOneCtaPerTile) {
     const char* grid;
     const char* cluster;
     const char* scales;
+    const char* occupancy = "1";
   };
   auto with = [](const Variant& v, auto&& fn) {
     if (v.grid) setenv("FP8RL_FP8_GEMM_GRID", v.grid, 1);
     else unsetenv("FP8RL_FP8_GEMM_GRID");
     setenv("FP8RL_FP8_GEMM_CLUSTER", v.cluster, 1);
     setenv("FP8RL_FP8_GEMM_SCALES", v.scales, 1);
+    setenv("FP8RL_FP8_GEMM_OCCUPANCY", v.occupancy, 1);
     auto r = fn();
     unsetenv("FP8RL_FP8_GEMM_GRID");
     unsetenv("FP8RL_FP8_GEMM_CLUSTER");
     unsetenv("FP8RL_FP8_GEMM_SCALES");
+    unsetenv("FP8RL_FP8_GEMM_OCCUPANCY");
     return r;
   };
   std::vector<Variant> variants;
   for (const char* grid : {static_cast<const char*>(nullptr), "tile"})
     for (const char* cluster : {"1x1", "2x1", "1x2", "2x2"})
-      for (const char* scales : {"global", "smem"}) variants.push_back({grid, cluster, scales});
+      for (const char* scales : {"global", "smem"}) {
+        variants.push_back({grid, cluster, scales});
+        if (cluster[2] == '1') variants.push_back({grid, cluster, scales, "2"});  // 1x1 and 2x1 at two CTAs per SM
+      }
   const Variant one_cta{"tile", "1x1", "global"};
   auto name = [](const Variant& v) {
-    return std::string("grid ") + (v.grid ? v.grid : "persistent") + ", cluster " + v.cluster + ", scales " + v.scales;
+    return std::string("grid ") + (v.grid ? v.grid : "persistent") + ", cluster " + v.cluster + ", scales " + v.scales +
+           ", CTAs per SM " + v.occupancy;
   };
   const Shape shapes[] = {{5, 2048, 2048}, {64, 4096, 2048},   {256, 12288, 2048}, {256, 2048, 6144},
                           {130, 640, 384}, {1000, 1536, 1024}, {4096, 2048, 2048}, {77, 384, 640}};
@@ -334,8 +343,9 @@ TEST(CudaFp8Gemm, EveryGridAndClusterIsBitwiseOneCtaPerTile) {
       ASSERT_EQ(std::memcmp(c.raw(), ref.raw(), c.nbytes()), 0) << "beta = 1, " << name(v) << ": differs";
     }
   }
-  // The grouped product: 40 groups of 0..300 rows (more tiles than SMs).
-  const int64_t N = 768, K = 1024;
+  // The grouped product: 40 groups of 0..300 rows (more tiles than SMs); 5 column tiles, so a
+  // 1x2 cluster has a tile past the last.
+  const int64_t N = 640, K = 1024;
   std::vector<int64_t> offsets = {0};
   for (int g = 0; g < 40; ++g) offsets.push_back(offsets.back() + (g * 37) % 301);
   const int64_t R = offsets.back();

@@ -274,7 +274,7 @@ __device__ __forceinline__ void store_tile(const GemmParams& p, const float (&to
   }
 }
 
-// kConsumers warpgroups of 64 rows each (BM = 64 kConsumers) plus one producer warpgroup, in
+// kConsumers warpgroups of 64 rows each (BM = 64 kConsumers) plus one producer warp, in
 // clusters of kCM x kCN CTAs (1 x 1: no cluster). In a cluster, the kCN CTAs of one tile row
 // share its A tile and the kCM CTAs of one tile column its B tile: each CTA loads a 1 / kCN slice
 // of its A tile and a 1 / kCM slice of its B tile and multicasts each to the CTAs that share it,
@@ -283,8 +283,16 @@ __device__ __forceinline__ void store_tile(const GemmParams& p, const float (&to
 // each stage's scales (its A tile's row scales, its B block's scale) into shared memory beside
 // the tiles (cp.async, completing on the stage's barrier), so the consumers' loop has no global
 // load. The arithmetic of every tile is unchanged: bitwise the same results in every variant.
+// The threads of a CTA (the consumer warpgroups and one producer warp) and the CTAs that fit on
+// an SM: two where the stage ring leaves room for a second (4 stages of 64-row tiles), so two
+// independent pipelines share each SM's tensor cores.
+constexpr int gemm_threads(int consumers) { return 128 * consumers + 32; }
+constexpr int gemm_ctas_per_sm(int consumers, int stages) {
+  return stages * (64 * consumers + kBN) * kBK <= 100 * 1024 ? 2 : 1;
+}
+
 template <int kConsumers, int kStages, int kCM, int kCN, bool kSmemScales>
-__global__ void __launch_bounds__(128 * (kConsumers + 1), 1)
+__global__ void __launch_bounds__(gemm_threads(kConsumers), gemm_ctas_per_sm(kConsumers, kStages))
     fp8_gemm_kernel(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b, GemmParams p) {
   constexpr int kBM = 64 * kConsumers;
   constexpr int kTileA = kBM * kBK, kTileB = kBN * kBK;
@@ -292,7 +300,9 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1)
   constexpr int kSliceA = kTileA / kCN, kSliceB = kTileB / kCM;  // bytes each CTA loads
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // 1024-byte alignment for the swizzled tiles (the same offset in every CTA of a cluster).
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  // Offset from smem_raw (not a rounded generic address), so the compiler still knows these are
+  // shared-memory pointers: the scale reads compile to LDS.
+  uint8_t* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
   uint8_t* sm_a = smem;
   uint8_t* sm_b = smem + kStages * kTileA;
   uint64_t* full = reinterpret_cast<uint64_t*>(sm_b + kStages * kTileB);
@@ -309,9 +319,9 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1)
     for (int s = 0; s < kStages; ++s) {
       // The producer's expect_tx arrive (+ one cp.async arrive per producer lane: the scales).
       mbar_init(&full[s], kSmemScales ? 33 : 1);
-      // A stage may be refilled once every consumer warp of every CTA it feeds has released it:
-      // each consumer warp of the cluster arrives on every CTA's barrier.
-      mbar_init(&empty[s], kConsumers * 4 * kCluster);
+      // A stage may be refilled once every consumer warp of every CTA it feeds (its tile row and
+      // column of the cluster: kCM + kCN - 1 CTAs, itself included) has released it.
+      mbar_init(&empty[s], kConsumers * 4 * (kCM + kCN - 1));
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -325,7 +335,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1)
   const int64_t first = blockIdx.x / kCluster, step = gridDim.x / kCluster;
   const int64_t tiles =
       static_cast<int64_t>(kCN == 1 ? p.n_tiles : p.ct_n) * (kCM == 1 ? p.m_tiles : p.ct_m) * p.splits;
-  if (wg == kConsumers) {  // the producer: one thread issues every tile load (a warp, with the scales)
+  if (wg == kConsumers) {  // the producer warp: one thread issues every tile load (all, with the scales)
     if (kSmemScales ? tid < 32 : tid == 0) {
       const int lane = tid;
       // The CTAs of this tile row (they share A) and of this tile column (they share B).
@@ -371,6 +381,8 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1)
           }
         }
       }
+      // No lane leaves with its scale copies in flight.
+      if constexpr (kSmemScales) asm volatile("cp.async.wait_all;" ::: "memory");
     }
   } else {
     const int warp = tid / 32, lane = tid % 32;
@@ -416,7 +428,8 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1)
             mbar_arrive(&empty[s]);
           } else {
 #pragma unroll
-            for (int r = 0; r < kCluster; ++r) mbar_arrive_cluster(&empty[s], static_cast<uint32_t>(r));
+            for (int r = 0; r < kCluster; ++r)
+              if (r % kCM == ci || r / kCM == cj) mbar_arrive_cluster(&empty[s], static_cast<uint32_t>(r));
           }
         }
         // Fragment of m64n128 (FP32): acc[4 i + j] is row (j < 2 ? row0 : row1), column 8 i + 2 (lane % 4) + j % 2.
@@ -477,11 +490,14 @@ CUtensorMap tensor_map(const uint8_t* base, int64_t rows, int64_t K, int box_row
 
 // The kernel variant. The cluster shape (CTAs along M x along N): FP8RL_FP8_GEMM_CLUSTER=CMxCN
 // (read at each call; 1x1, 2x1, 1x2 or 2x2), else the default; where the consumers read the
-// scales: FP8RL_FP8_GEMM_SCALES=global (the default) or smem (not yet measured on a GPU). The grouped product shares
+// scales: FP8RL_FP8_GEMM_SCALES=global (the default) or smem; the 64-row tiles' CTAs per SM:
+// FP8RL_FP8_GEMM_OCCUPANCY=1 (the default: 8 stages) or 2 (4 stages each). The last two are not
+// yet measured on a GPU. The grouped product shares
 // only A (its tiles along M belong to different experts' weights).
 struct Cluster {
   int cm = 1, cn = 1;
   bool smem_scales = false;  // FP8RL_FP8_GEMM_SCALES=smem: the scales staged in shared memory
+  int ctas_per_sm = 1;       // FP8RL_FP8_GEMM_OCCUPANCY=2: 64-row tiles with 4 stages, two CTAs per SM
 };
 Cluster cluster_shape(int64_t m_tiles, int64_t n_tiles, bool grouped) {
   // The default is 1x1. Measured (bench-gemm, session 9): 2x1 is 1-3% faster on dense products
@@ -499,6 +515,11 @@ Cluster cluster_shape(int64_t m_tiles, int64_t n_tiles, bool grouped) {
     const std::string v(e);
     FP8RL_CHECK(v == "global" || v == "smem", "FP8RL_FP8_GEMM_SCALES must be global or smem, got '", v, "'");
     c.smem_scales = v == "smem";
+  }
+  if (const char* e = std::getenv("FP8RL_FP8_GEMM_OCCUPANCY")) {
+    const std::string v(e);
+    FP8RL_CHECK(v == "1" || v == "2", "FP8RL_FP8_GEMM_OCCUPANCY must be 1 or 2, got '", v, "'");
+    c.ctas_per_sm = v[0] - '0';
   }
   if (grouped) c.cm = 1;
   if (m_tiles < 2) c.cm = 1;
@@ -533,7 +554,7 @@ void launch_cluster(const CUtensorMap& ta, const CUtensorMap& tb, GemmParams p, 
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeClusterDimension;
   attr[0].val.clusterDim.x = kCluster, attr[0].val.clusterDim.y = 1, attr[0].val.clusterDim.z = 1;
-  cfg.blockDim = dim3(128 * (kConsumers + 1));
+  cfg.blockDim = dim3(gemm_threads(kConsumers));
   cfg.dynamicSmemBytes = kSmem;
   cfg.stream = stream;
   cfg.attrs = attr;
@@ -541,7 +562,13 @@ void launch_cluster(const CUtensorMap& ta, const CUtensorMap& tb, GemmParams p, 
   static const int max_clusters = [&] {
     CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem),
                "FP8 GEMM: setting the shared memory size");
-    if (kCluster == 1) return sm_count();
+    if (kCluster == 1) {
+      int per_sm = 0;
+      CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, gemm_threads(kConsumers), kSmem),
+                 "FP8 GEMM: querying the CTAs that fit");
+      FP8RL_CHECK(per_sm > 0, "FP8 GEMM: no CTA of ", kSmem, " shared-memory bytes fits on this device");
+      return per_sm * sm_count();
+    }
     cudaLaunchConfig_t q = cfg;
     q.gridDim = dim3(static_cast<unsigned>(sm_count() / kCluster * kCluster));
     int n = 0;
@@ -638,7 +665,8 @@ void fp8_gemm_sm90(const Fp8GemmArgs& a, cudaStream_t stream) {
   p.n_tiles = n_tiles, p.m_tiles = m_tiles, p.splits = used_splits;
   p.m_fastest = a.M <= 256;  // decode-sized: the few row blocks of one weight tile together
   const Cluster cl = cluster_shape(m_tiles, n_tiles, false);
-  if (small) launch<1, 8>(a.a, a.M, a.b, a.N, a.K, p, cl, stream);
+  if (small && cl.ctas_per_sm == 2) launch<1, 4>(a.a, a.M, a.b, a.N, a.K, p, cl, stream);
+  else if (small) launch<1, 8>(a.a, a.M, a.b, a.N, a.K, p, cl, stream);
   else launch<2, 6>(a.a, a.M, a.b, a.N, a.K, p, cl, stream);
   if (p.partials) {
     const int64_t mn = a.M * a.N, threads = 256, blocks = ceil_div(ceil_div(mn, int64_t{4}), threads);
@@ -718,7 +746,8 @@ void fp8_gemm_sm90_grouped(const Fp8GroupedArgs& a, cudaStream_t stream) {
   p.n_tiles = n_tiles, p.m_tiles = static_cast<int>(tiles.size()), p.splits = 1;
   p.m_fastest = false;  // a group's row blocks share its B: n fastest within each
   const Cluster cl = cluster_shape(p.m_tiles, n_tiles, true);  // cm = 1: the B maps' box is kBN rows
-  if (bm == 64) launch<1, 8>(a.a, R, nullptr, a.N, a.K, p, cl, stream);
+  if (bm == 64 && cl.ctas_per_sm == 2) launch<1, 4>(a.a, R, nullptr, a.N, a.K, p, cl, stream);
+  else if (bm == 64) launch<1, 8>(a.a, R, nullptr, a.N, a.K, p, cl, stream);
   else launch<2, 6>(a.a, R, nullptr, a.N, a.K, p, cl, stream);
 }
 
