@@ -4,8 +4,9 @@
 //
 // - A CTA computes BM x 128 tiles of C (BM = 64 or 128: one or two consumer warpgroups of 64
 //   rows), each over a range of K blocks (all of them, or a split of them: split-K for the decode
-//   shapes, whose few tiles would leave most SMs idle). A persistent grid: at most one CTA per
-//   SM, each walking every gridDim-th tile with its stage ring running on from one tile into the
+//   shapes, whose few tiles would leave most SMs idle). A persistent grid: at most as many CTAs
+//   as fit at once (one per SM; two for 64-row tiles with FP8RL_FP8_GEMM_OCCUPANCY=2), each
+//   walking every gridDim-th tile with its stage ring running on from one tile into the
 //   next, so no tile waits for a launch, a pipeline fill or the previous tile's epilogue.
 //   FP8RL_FP8_GEMM_GRID=tile launches one CTA per tile instead (the same arithmetic, bitwise;
 //   3-10% slower on the H200, 11-17% on the grouped expert product: bench-gemm times both).
@@ -15,6 +16,8 @@
 //   tensor cores), waits for them, and promotes: acc_total += acc_block * (sa[row] * sb), with
 //   the 1x128 scale of its row and the 128x128 scale of the tile's weight block. Promoting every
 //   128 K keeps the sum in true FP32 (Hopper's FP8 MMA accumulates with fewer bits).
+// - Optional (environment, read at each call): clusters sharing A and B tiles by TMA multicast
+//   (FP8RL_FP8_GEMM_CLUSTER), the scales staged in shared memory (FP8RL_FP8_GEMM_SCALES=smem).
 // - Splits write FP32 partials that a second kernel sums in split order: no atomics, so every
 //   result is deterministic, and each output element's arithmetic depends only on its own row
 //   of A, its column of B, K and the split count — never on M or on the other rows (the row
@@ -274,6 +277,14 @@ __device__ __forceinline__ void store_tile(const GemmParams& p, const float (&to
   }
 }
 
+// The threads of a CTA (the consumer warpgroups and one producer warp) and the CTAs that fit on
+// an SM: two where the stage ring leaves room for a second (4 stages of 64-row tiles), so two
+// independent pipelines share each SM's tensor cores.
+constexpr int gemm_threads(int consumers) { return 128 * consumers + 32; }
+constexpr int gemm_ctas_per_sm(int consumers, int stages) {
+  return stages * (64 * consumers + kBN) * kBK <= 100 * 1024 ? 2 : 1;
+}
+
 // kConsumers warpgroups of 64 rows each (BM = 64 kConsumers) plus one producer warp, in
 // clusters of kCM x kCN CTAs (1 x 1: no cluster). In a cluster, the kCN CTAs of one tile row
 // share its A tile and the kCM CTAs of one tile column its B tile: each CTA loads a 1 / kCN slice
@@ -283,14 +294,6 @@ __device__ __forceinline__ void store_tile(const GemmParams& p, const float (&to
 // each stage's scales (its A tile's row scales, its B block's scale) into shared memory beside
 // the tiles (cp.async, completing on the stage's barrier), so the consumers' loop has no global
 // load. The arithmetic of every tile is unchanged: bitwise the same results in every variant.
-// The threads of a CTA (the consumer warpgroups and one producer warp) and the CTAs that fit on
-// an SM: two where the stage ring leaves room for a second (4 stages of 64-row tiles), so two
-// independent pipelines share each SM's tensor cores.
-constexpr int gemm_threads(int consumers) { return 128 * consumers + 32; }
-constexpr int gemm_ctas_per_sm(int consumers, int stages) {
-  return stages * (64 * consumers + kBN) * kBK <= 100 * 1024 ? 2 : 1;
-}
-
 template <int kConsumers, int kStages, int kCM, int kCN, bool kSmemScales>
 __global__ void __launch_bounds__(gemm_threads(kConsumers), gemm_ctas_per_sm(kConsumers, kStages))
     fp8_gemm_kernel(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b, GemmParams p) {
@@ -492,8 +495,8 @@ CUtensorMap tensor_map(const uint8_t* base, int64_t rows, int64_t K, int box_row
 // (read at each call; 1x1, 2x1, 1x2 or 2x2), else the default; where the consumers read the
 // scales: FP8RL_FP8_GEMM_SCALES=global (the default) or smem; the 64-row tiles' CTAs per SM:
 // FP8RL_FP8_GEMM_OCCUPANCY=1 (the default: 8 stages) or 2 (4 stages each). The last two are not
-// yet measured on a GPU. The grouped product shares
-// only A (its tiles along M belong to different experts' weights).
+// yet measured on a GPU. The grouped product shares only A (its tiles along M belong to different
+// experts' weights).
 struct Cluster {
   int cm = 1, cn = 1;
   bool smem_scales = false;  // FP8RL_FP8_GEMM_SCALES=smem: the scales staged in shared memory
