@@ -497,17 +497,17 @@ CUtensorMap tensor_map(const uint8_t* base, int64_t rows, int64_t K, int box_row
 // FP8RL_FP8_GEMM_OCCUPANCY=1 (the default: 8 stages) or 2 (4 stages each). The last two are not
 // yet measured on a GPU. The grouped product shares only A (its tiles along M belong to different
 // experts' weights).
-struct Cluster {
+struct KernelVariant {
   int cm = 1, cn = 1;
   bool smem_scales = false;  // FP8RL_FP8_GEMM_SCALES=smem: the scales staged in shared memory
   int ctas_per_sm = 1;       // FP8RL_FP8_GEMM_OCCUPANCY=2: 64-row tiles with 4 stages, two CTAs per SM
 };
-Cluster cluster_shape(int64_t m_tiles, int64_t n_tiles, bool grouped) {
+KernelVariant kernel_variant(int64_t m_tiles, int64_t n_tiles, bool grouped) {
   // The default is 1x1. Measured (bench-gemm, session 9): 2x1 is 1-3% faster on dense products
   // of 128-row tiles and no faster at decode M; the grouped product gains ~1% from 1x2; 2x2 is
   // slower. Halving the L2 reads gains so little because the kernel is not L2-bound
   // (docs/benchmarks.md).
-  Cluster c;
+  KernelVariant c;
   if (const char* e = std::getenv("FP8RL_FP8_GEMM_CLUSTER")) {
     const std::string v(e);
     FP8RL_CHECK(v == "1x1" || v == "2x1" || v == "1x2" || v == "2x2",
@@ -592,8 +592,8 @@ void launch_cluster(const CUtensorMap& ta, const CUtensorMap& tb, GemmParams p, 
 // rows: the slice each CTA loads) made here; B's map (dense product) likewise, or none (grouped:
 // each group's map is in p, made with the same box).
 template <int kConsumers, int kStages>
-void launch(const uint8_t* a, int64_t rows, const uint8_t* b, int64_t N, int64_t K, const GemmParams& p, Cluster c,
-            cudaStream_t stream) {
+void launch(const uint8_t* a, int64_t rows, const uint8_t* b, int64_t N, int64_t K, const GemmParams& p,
+            KernelVariant c, cudaStream_t stream) {
   constexpr int kBM = 64 * kConsumers;
   const CUtensorMap ta = tensor_map(a, rows, K, kBM / c.cn);
   const CUtensorMap tb = b ? tensor_map(b, N, K, kBN / c.cm) : ta;
@@ -667,7 +667,7 @@ void fp8_gemm_sm90(const Fp8GemmArgs& a, cudaStream_t stream) {
   const int m_tiles = static_cast<int>(ceil_div(a.M, int64_t{bm}));
   p.n_tiles = n_tiles, p.m_tiles = m_tiles, p.splits = used_splits;
   p.m_fastest = a.M <= 256;  // decode-sized: the few row blocks of one weight tile together
-  const Cluster cl = cluster_shape(m_tiles, n_tiles, false);
+  const KernelVariant cl = kernel_variant(m_tiles, n_tiles, false);
   if (small && cl.ctas_per_sm == 2) launch<1, 4>(a.a, a.M, a.b, a.N, a.K, p, cl, stream);
   else if (small) launch<1, 8>(a.a, a.M, a.b, a.N, a.K, p, cl, stream);
   else launch<2, 6>(a.a, a.M, a.b, a.N, a.K, p, cl, stream);
@@ -748,7 +748,7 @@ void fp8_gemm_sm90_grouped(const Fp8GroupedArgs& a, cudaStream_t stream) {
   const int n_tiles = static_cast<int>(ceil_div(a.N, int64_t{kBN}));
   p.n_tiles = n_tiles, p.m_tiles = static_cast<int>(tiles.size()), p.splits = 1;
   p.m_fastest = false;  // a group's row blocks share its B: n fastest within each
-  const Cluster cl = cluster_shape(p.m_tiles, n_tiles, true);  // cm = 1: the B maps' box is kBN rows
+  const KernelVariant cl = kernel_variant(p.m_tiles, n_tiles, true);  // cm = 1: the B maps' box is kBN rows
   if (bm == 64 && cl.ctas_per_sm == 2) launch<1, 4>(a.a, R, nullptr, a.N, a.K, p, cl, stream);
   else if (bm == 64) launch<1, 8>(a.a, R, nullptr, a.N, a.K, p, cl, stream);
   else launch<2, 6>(a.a, R, nullptr, a.N, a.K, p, cl, stream);
