@@ -27,6 +27,8 @@
 #                   variant of the own FP8 GEMM in FP8RL_GEMM_VARIANTS (e.g. 1x1:smem:2)
 #   ncu_gemm        Nsight Compute on one launch of the own FP8 GEMM per product of FP8RL_NCU_GEMM
 #                   (MxNxK, or "grouped"): speed of light, pipes, memory, warp stalls
+#   ncu_gemm_src    Nsight Compute's source page of the same launches: stall samples per SASS instruction
+#                   (ncu_src_<product>.csv; the top 40 in the summary)
 #   ncu_decode      Nsight Compute times every kernel of ~3 graph-replayed decode steps (bench generate,
 #                   FP8RL_RLSTEP_MODEL, B = 256) for FP8RL_NCU_RECIPES (recipe:launches-to-skip, default
 #                   bf16:12000 fp8_linear:20000 fp8_kv:20000): the decode step's per-kernel profile with
@@ -200,11 +202,12 @@ PYEOF
     gemm_variants)  # issues 14 and 16: the own FP8 GEMM's variants side by side (bench-gemm --shapes)
       # cluster:scales:CTAs-per-SM (FP8RL_FP8_GEMM_CLUSTER, _SCALES, _OCCUPANCY; the last for 64-row tiles)
       for v in ${FP8RL_GEMM_VARIANTS:-1x1:global:1 1x1:smem:1 1x1:global:2 1x1:smem:2 2x1:smem:1}; do
-        IFS=: read -r vc vs vo <<< "$v"
-        { echo "== cluster $vc, scales $vs, CTAs per SM (64-row tiles) $vo"
-          FP8RL_FP8_GEMM_CLUSTER=$vc FP8RL_FP8_GEMM_SCALES=$vs FP8RL_FP8_GEMM_OCCUPANCY=$vo timeout 60 "$FP8RL" bench-gemm \
+        IFS=: read -r vc vs vo vb <<< "$v"
+        vb=${vb:-0}
+        { echo "== cluster $vc, scales $vs, CTAs per SM (64-row tiles) $vo, band $vb"
+          FP8RL_FP8_GEMM_BAND=$vb FP8RL_FP8_GEMM_CLUSTER=$vc FP8RL_FP8_GEMM_SCALES=$vs FP8RL_FP8_GEMM_OCCUPANCY=$vo timeout 60 "$FP8RL" bench-gemm \
             --shapes "${FP8RL_GEMM_SHAPES:-8192x12288x2048,8192x4096x2048,8192x2048x6144,256x12288x2048,256x4096x2048,256x2048x2048,256x2048x6144}" | grep -A8 "^linear"
-          FP8RL_FP8_GEMM_CLUSTER=$vc FP8RL_FP8_GEMM_SCALES=$vs FP8RL_FP8_GEMM_OCCUPANCY=$vo timeout 60 "$FP8RL" bench-gemm --grouped-only | grep -A3 "^grouped"
+          FP8RL_FP8_GEMM_BAND=$vb FP8RL_FP8_GEMM_CLUSTER=$vc FP8RL_FP8_GEMM_SCALES=$vs FP8RL_FP8_GEMM_OCCUPANCY=$vo timeout 60 "$FP8RL" bench-gemm --grouped-only | grep -A3 "^grouped"
         } >> "$OUT/gemm_variants.log" 2>&1
       done
       note "gemm variants (own TF/s column):"; tee -a "$SUMMARY" < "$OUT/gemm_variants.log" ;;
@@ -219,6 +222,24 @@ PYEOF
         note "ncu gemm $sh: rc=$?"
         grep -E "fp8_gemm_kernel|Duration|Memory Throughput|DRAM Throughput|L2 Cache Throughput|L1/TEX Cache Throughput|Compute \(SM\) Throughput|Registers Per|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Executed Ipc A|Grid Size|Stall|Tensor|Shared Memory" \
           "$OUT/ncu_gemm_$sh.log" | grep -v "^==PROF==" | head -40 | tee -a "$SUMMARY"
+      done ;;
+    ncu_gemm_src)  # issues 14 and 16: where the own FP8 GEMM's warps stall, instruction by instruction
+      # One launch per product of FP8RL_NCU_GEMM (as ncu_gemm), the variant from the FP8RL_FP8_GEMM_*
+      # environment; the SASS with its stall samples (ncu's source page) to ncu_src_<product>.csv,
+      # the 40 instructions with the most samples to the summary (scripts/ncu_sass_top.py).
+      for sh in ${FP8RL_NCU_GEMM:-8192x12288x2048 256x12288x2048}; do
+        if [ "$sh" = grouped ]; then sel=(--grouped-only); else sel=(--shapes "$sh"); fi
+        timeout 150 ncu --clock-control none --kernel-name-base demangled -k "regex:fp8_gemm_kernel" -c 1 \
+          --section SourceCounters --section WarpStateStats --section SpeedOfLight --section MemoryWorkloadAnalysis \
+          --import-source no -f -o "$OUT/ncu_src_$sh" "$FP8RL" bench-gemm --reps 1 --warmup 0 "${sel[@]}" \
+          > "$OUT/ncu_src_$sh.log" 2>&1
+        note "ncu gemm source $sh: rc=$?"
+        ncu -i "$OUT/ncu_src_$sh.ncu-rep" --page details --print-details all 2>&1 | \
+          grep -E "Duration|DRAM Throughput|L2 Cache Throughput|Compute \(SM\) Throughput|Stall|Warp Cycles Per Issued" | head -30 | tee -a "$SUMMARY"
+        ncu -i "$OUT/ncu_src_$sh.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_src_$sh.csv" 2>&1
+        note "source page: rc=$? $(wc -l < "$OUT/ncu_src_$sh.csv") lines"
+        python3 scripts/ncu_sass_top.py "$OUT/ncu_src_$sh.csv" 40 2>&1 | tee -a "$SUMMARY"
+        rm -f "$OUT/ncu_src_$sh.ncu-rep"
       done ;;
     ncu_decode)  # issue 14: the decode step's kernels with CUDA graphs on, each graph node timed alone by ncu
       # bench generate's prefill (256 x 256 tokens) ends well before launch FP8RL_NCU_SKIP; the

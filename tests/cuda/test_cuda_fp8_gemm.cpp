@@ -287,6 +287,7 @@ TEST(CudaFp8Gemm, EveryGridAndClusterIsBitwiseOneCtaPerTile) {
     const char* cluster;
     const char* scales;
     const char* occupancy = "1";
+    const char* band = "0";
   };
   auto with = [](const Variant& v, auto&& fn) {
     if (v.grid) setenv("FP8RL_FP8_GEMM_GRID", v.grid, 1);
@@ -294,11 +295,13 @@ TEST(CudaFp8Gemm, EveryGridAndClusterIsBitwiseOneCtaPerTile) {
     setenv("FP8RL_FP8_GEMM_CLUSTER", v.cluster, 1);
     setenv("FP8RL_FP8_GEMM_SCALES", v.scales, 1);
     setenv("FP8RL_FP8_GEMM_OCCUPANCY", v.occupancy, 1);
+    setenv("FP8RL_FP8_GEMM_BAND", v.band, 1);
     auto r = fn();
     unsetenv("FP8RL_FP8_GEMM_GRID");
     unsetenv("FP8RL_FP8_GEMM_CLUSTER");
     unsetenv("FP8RL_FP8_GEMM_SCALES");
     unsetenv("FP8RL_FP8_GEMM_OCCUPANCY");
+    unsetenv("FP8RL_FP8_GEMM_BAND");
     return r;
   };
   std::vector<Variant> variants;
@@ -308,10 +311,16 @@ TEST(CudaFp8Gemm, EveryGridAndClusterIsBitwiseOneCtaPerTile) {
         variants.push_back({grid, cluster, scales});
         if (cluster[2] == '1') variants.push_back({grid, cluster, scales, "2"});  // 1x1 and 2x1 at two CTAs per SM
       }
+  // The tile order in bands of tile columns (3 does not divide the column counts: a narrower last band).
+  for (const char* band : {"3", "8"}) {
+    variants.push_back({nullptr, "1x1", "smem", "1", band});
+    variants.push_back({nullptr, "2x1", "global", "2", band});
+    variants.push_back({nullptr, "1x2", "smem", "1", band});
+  }
   const Variant one_cta{"tile", "1x1", "global"};
   auto name = [](const Variant& v) {
     return std::string("grid ") + (v.grid ? v.grid : "persistent") + ", cluster " + v.cluster + ", scales " + v.scales +
-           ", CTAs per SM " + v.occupancy;
+           ", CTAs per SM " + v.occupancy + ", band " + v.band;
   };
   const Shape shapes[] = {{5, 2048, 2048}, {64, 4096, 2048},   {256, 12288, 2048}, {256, 2048, 6144},
                           {130, 640, 384}, {1000, 1536, 1024}, {4096, 2048, 2048}, {77, 384, 640}};

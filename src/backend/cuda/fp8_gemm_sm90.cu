@@ -5,7 +5,7 @@
 // - A CTA computes BM x 128 tiles of C (BM = 64 or 128: one or two consumer warpgroups of 64
 //   rows), each over a range of K blocks (all of them, or a split of them: split-K for the decode
 //   shapes, whose few tiles would leave most SMs idle). A persistent grid: at most as many CTAs
-//   as fit at once (one per SM; two for 64-row tiles with FP8RL_FP8_GEMM_OCCUPANCY=2), each
+//   as fit at once (one per SM; two for 64-row tiles, FP8RL_FP8_GEMM_OCCUPANCY=1: one), each
 //   walking every gridDim-th tile with its stage ring running on from one tile into the
 //   next, so no tile waits for a launch, a pipeline fill or the previous tile's epilogue.
 //   FP8RL_FP8_GEMM_GRID=tile launches one CTA per tile instead (the same arithmetic, bitwise;
@@ -17,7 +17,8 @@
 //   the 1x128 scale of its row and the 128x128 scale of the tile's weight block. Promoting every
 //   128 K keeps the sum in true FP32 (Hopper's FP8 MMA accumulates with fewer bits).
 // - Optional (environment, read at each call): clusters sharing A and B tiles by TMA multicast
-//   (FP8RL_FP8_GEMM_CLUSTER), the scales staged in shared memory (FP8RL_FP8_GEMM_SCALES=smem).
+//   (FP8RL_FP8_GEMM_CLUSTER), the scales staged in shared memory by the producer instead of
+//   read by the consumers from global memory (FP8RL_FP8_GEMM_SCALES=smem).
 // - Splits write FP32 partials that a second kernel sums in split order: no atomics, so every
 //   result is deterministic, and each output element's arithmetic depends only on its own row
 //   of A, its column of B, K and the split count — never on M or on the other rows (the row
@@ -176,6 +177,7 @@ struct GemmParams {
   bool partials;
   int n_tiles, m_tiles, splits;  // the tiles: n_tiles x m_tiles x splits (tile_of)
   bool m_fastest;                // the tile order (tile_of)
+  int group_n = 0;               // n fastest: in bands of group_n tile columns (0: one band)
   // The cluster: cm x cn CTAs (fp8_gemm_kernel's kCM, kCN) own the cm x cn tiles of one cluster
   // tile; ct_m, ct_n: the cluster tiles along M and N (m_tiles / cm, n_tiles / cn, rounded up).
   int ct_m = 0, ct_n = 0;
@@ -213,6 +215,15 @@ __device__ __forceinline__ Tile tile_of(const GemmParams& p, int64_t t, const CU
     t /= mt;
     tl.n_tile = static_cast<int>(t % nt);
     tl.split = static_cast<int>(t / nt);
+  } else if (p.group_n > 0 && nt > p.group_n) {
+    // Bands of group_n tile columns, each walked row by row: the CTAs running at once share a few
+    // A row blocks and a few B tiles (an L2 working set of a band, not of all of B).
+    const int64_t mn = mt * nt, r = t % mn;
+    tl.split = static_cast<int>(t / mn);
+    const int64_t band = r / (int64_t{p.group_n} * mt), in = r % (int64_t{p.group_n} * mt);
+    const int64_t rest = nt - band * p.group_n, width = rest < p.group_n ? rest : p.group_n;
+    tl.n_tile = static_cast<int>(band * p.group_n + in % width);
+    m_tile = in / width;
   } else {
     tl.n_tile = static_cast<int>(t % nt);
     t /= nt;
@@ -235,11 +246,35 @@ __device__ __forceinline__ Tile tile_of(const GemmParams& p, int64_t t, const CU
   return tl;
 }
 
+// Two floats as BF16 (round to nearest even; NaN becomes the canonical NaN), v0 in the low half.
+__device__ __forceinline__ uint32_t pack_bf16x2(float v0, float v1) {
+  uint32_t r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(v1), "f"(v0));
+  return r;
+}
+
 // The epilogue of one consumer thread: its two rows of the tile, alpha / beta applied, BF16 or
-// F32, or the split's F32 partials.
+// F32, or the split's F32 partials. The common case (BF16, beta = 0, a tile inside N) is a
+// separate loop of one multiply pair, one conversion and one store per column pair: the general
+// code's per-element checks had made the epilogue a quarter of the kernel's instructions
+// (ncu source counters, docs/benchmarks.md session 10).
 __device__ __forceinline__ void store_tile(const GemmParams& p, const float (&total)[64], const Tile& tl, int64_t row0,
                                            int64_t row1, int lane) {
   const int64_t col_base = static_cast<int64_t>(tl.n_tile) * kBN + 2 * (lane % 4);
+  const bool cols_in = (static_cast<int64_t>(tl.n_tile) + 1) * kBN <= p.N;
+  if (p.c_bf16 && !p.partials && p.beta == 0.0f && cols_in) {
+    const float alpha = p.alpha;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int64_t row = half ? row1 : row0;
+      if (row >= tl.m_end) continue;
+      uint32_t* out = reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(p.c) + row * p.N + col_base);
+#pragma unroll
+      for (int i = 0; i < 16; ++i)
+        out[4 * i] = pack_bf16x2(total[4 * i + 2 * half] * alpha, total[4 * i + 2 * half + 1] * alpha);
+    }
+    return;
+  }
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int64_t row = half ? row1 : row0;
@@ -262,8 +297,7 @@ __device__ __forceinline__ void store_tile(const GemmParams& p, const float (&to
           v0 = fmaf(p.beta, bf16_bits_to_float(static_cast<uint16_t>(old & 0xffffu)), v0);
           v1 = fmaf(p.beta, bf16_bits_to_float(static_cast<uint16_t>(old >> 16)), v1);
         }
-        *reinterpret_cast<uint32_t*>(out) =
-            static_cast<uint32_t>(bf16_bits_from_float(v0)) | (static_cast<uint32_t>(bf16_bits_from_float(v1)) << 16);
+        *reinterpret_cast<uint32_t*>(out) = pack_bf16x2(v0, v1);
       } else {
         float* out = static_cast<float*>(p.c) + row * p.N + col;
         if (p.beta != 0.0f) {
@@ -494,13 +528,17 @@ CUtensorMap tensor_map(const uint8_t* base, int64_t rows, int64_t K, int box_row
 // The kernel variant. The cluster shape (CTAs along M x along N): FP8RL_FP8_GEMM_CLUSTER=CMxCN
 // (read at each call; 1x1, 2x1, 1x2 or 2x2), else the default; where the consumers read the
 // scales: FP8RL_FP8_GEMM_SCALES=global (the default) or smem; the 64-row tiles' CTAs per SM:
-// FP8RL_FP8_GEMM_OCCUPANCY=1 (the default: 8 stages) or 2 (4 stages each). The last two are not
-// yet measured on a GPU. The grouped product shares only A (its tiles along M belong to different
-// experts' weights).
+// FP8RL_FP8_GEMM_OCCUPANCY=2 (the default: 4 stages each) or 1 (8 stages); the tile order:
+// FP8RL_FP8_GEMM_BAND. Measured (bench-gemm, session 10): two CTAs per SM are 10-20% faster at
+// decode M; the smem scales were 0-4% faster than global before the lean epilogue and are 13%
+// slower after it at M = 8192 (their 4-byte cp.async copies queue behind the epilogue's stores:
+// ncu shows the consumers' full-barrier wait doubled); bands of 4-16 columns change nothing. The
+// grouped product shares only A (its tiles along M belong to different experts' weights).
 struct KernelVariant {
   int cm = 1, cn = 1;
-  bool smem_scales = false;  // FP8RL_FP8_GEMM_SCALES=smem: the scales staged in shared memory
-  int ctas_per_sm = 1;       // FP8RL_FP8_GEMM_OCCUPANCY=2: 64-row tiles with 4 stages, two CTAs per SM
+  bool smem_scales = false;  // FP8RL_FP8_GEMM_SCALES=smem: the producer stages the scales in shared memory
+  int ctas_per_sm = 2;       // FP8RL_FP8_GEMM_OCCUPANCY=1: 64-row tiles with 8 stages, one CTA per SM
+  int band = 0;              // FP8RL_FP8_GEMM_BAND=n: the n-fastest tile order in bands of n tile columns
 };
 KernelVariant kernel_variant(int64_t m_tiles, int64_t n_tiles, bool grouped) {
   // The default is 1x1. Measured (bench-gemm, session 9): 2x1 is 1-3% faster on dense products
@@ -523,6 +561,13 @@ KernelVariant kernel_variant(int64_t m_tiles, int64_t n_tiles, bool grouped) {
     const std::string v(e);
     FP8RL_CHECK(v == "1" || v == "2", "FP8RL_FP8_GEMM_OCCUPANCY must be 1 or 2, got '", v, "'");
     c.ctas_per_sm = v[0] - '0';
+  }
+  if (const char* e = std::getenv("FP8RL_FP8_GEMM_BAND")) {
+    char* end = nullptr;
+    const long v = std::strtol(e, &end, 10);
+    FP8RL_CHECK(end != e && *end == 0 && v >= 0 && v <= 4096,
+                "FP8RL_FP8_GEMM_BAND must be a tile-column count (0: no bands), got '", e, "'");
+    c.band = static_cast<int>(v);
   }
   if (grouped) c.cm = 1;
   if (m_tiles < 2) c.cm = 1;
@@ -668,6 +713,7 @@ void fp8_gemm_sm90(const Fp8GemmArgs& a, cudaStream_t stream) {
   p.n_tiles = n_tiles, p.m_tiles = m_tiles, p.splits = used_splits;
   p.m_fastest = a.M <= 256;  // decode-sized: the few row blocks of one weight tile together
   const KernelVariant cl = kernel_variant(m_tiles, n_tiles, false);
+  p.group_n = cl.band;
   if (small && cl.ctas_per_sm == 2) launch<1, 4>(a.a, a.M, a.b, a.N, a.K, p, cl, stream);
   else if (small) launch<1, 8>(a.a, a.M, a.b, a.N, a.K, p, cl, stream);
   else launch<2, 6>(a.a, a.M, a.b, a.N, a.K, p, cl, stream);
@@ -749,6 +795,7 @@ void fp8_gemm_sm90_grouped(const Fp8GroupedArgs& a, cudaStream_t stream) {
   p.n_tiles = n_tiles, p.m_tiles = static_cast<int>(tiles.size()), p.splits = 1;
   p.m_fastest = false;  // a group's row blocks share its B: n fastest within each
   const KernelVariant cl = kernel_variant(p.m_tiles, n_tiles, true);  // cm = 1: the B maps' box is kBN rows
+  p.group_n = cl.band;
   if (bm == 64 && cl.ctas_per_sm == 2) launch<1, 4>(a.a, R, nullptr, a.N, a.K, p, cl, stream);
   else if (bm == 64) launch<1, 8>(a.a, R, nullptr, a.N, a.K, p, cl, stream);
   else launch<2, 6>(a.a, R, nullptr, a.N, a.K, p, cl, stream);
