@@ -131,6 +131,16 @@ __device__ __forceinline__ uint64_t sw128_desc(const void* tile) {
   return ((addr & 0x3FFFFull) >> 4) | (1ull << 16) | (static_cast<uint64_t>(1024 >> 4) << 32) | (1ull << 62);
 }
 
+// Named barriers between the two consumer warpgroups (ids 1 and 2; 0 is __syncthreads).
+template <int kId>
+__device__ __forceinline__ void named_sync() {
+  asm volatile("bar.sync %0, 256;" ::"n"(kId) : "memory");
+}
+template <int kId>
+__device__ __forceinline__ void named_arrive() {
+  asm volatile("bar.arrive %0, 256;" ::"n"(kId) : "memory");
+}
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
@@ -182,6 +192,9 @@ struct GemmParams {
   // promotion (one wgmma accumulation over all K), 2 no loads after the ring's first fill (the
   // MMAs read stale tiles; global scales only), 4 no stores.
   int ablate = 0;
+  // Two consumer warpgroups issue their K blocks' MMAs in turn (FP8RL_FP8_GEMM_PINGPONG=1): each
+  // warpgroup's promotion then runs while the other's MMAs keep the tensor cores busy.
+  bool pingpong = false;
   // The cluster: cm x cn CTAs (fp8_gemm_kernel's kCM, kCN) own the cm x cn tiles of one cluster
   // tile; ct_m, ct_n: the cluster tiles along M and N (m_tiles / cm, n_tiles / cn, rounded up).
   int ct_m = 0, ct_n = 0;
@@ -431,6 +444,7 @@ __global__ void __launch_bounds__(gemm_threads(kConsumers), gemm_ctas_per_sm(kCo
     }
   } else {
     const int warp = tid / 32, lane = tid % 32;
+    const bool pingpong = kConsumers == 2 && p.pingpong;
     int g = 0;
     for (int64_t t = first; t < tiles; t += step) {
       const Tile tl = tile_of<kCM, kCN>(p, t, &tm_b, kBM, ci, cj);
@@ -461,12 +475,22 @@ __global__ void __launch_bounds__(gemm_threads(kConsumers), gemm_ctas_per_sm(kCo
         }
         const uint64_t da = sw128_desc(sm_a + s * kTileA + wg * 64 * kBK), db = sw128_desc(sm_b + s * kTileB);
         fence_acc(acc);
+        // Ping-pong: warpgroup 1 issues block g after warpgroup 0 has, warpgroup 0 block g + 1
+        // after warpgroup 1 has issued block g.
+        if (pingpong) {
+          if (wg == 1) named_sync<2>();
+          else if (g > 0) named_sync<1>();
+        }
         wgmma_fence();
         const bool promote = !(p.ablate & 1);
 #pragma unroll
         for (int k = 0; k < kBK / 32; ++k)
           wgmma_m64n128k32_e4m3(acc, da + 2 * k, db + 2 * k, k > 0 || (!promote && it > 0));
         wgmma_commit();
+        if (pingpong) {
+          if (wg == 0) named_arrive<2>();
+          else named_arrive<1>();
+        }
         fence_acc(acc);
         wgmma_wait_all();
         fence_acc(acc);
@@ -490,6 +514,7 @@ __global__ void __launch_bounds__(gemm_threads(kConsumers), gemm_ctas_per_sm(kCo
       }
       if (n_in && !(p.ablate & 4)) store_tile(p, total, tl, row0, row1, lane);
     }
+    if (pingpong && wg == 0 && g > 0) named_sync<1>();  // warpgroup 1's arrival after its last block
   }
   // No CTA leaves while another may still multicast into it or arrive on its barriers.
   if constexpr (kCluster > 1) cluster_sync();
@@ -597,6 +622,11 @@ int ablation() {
   const int v = std::atoi(e);
   FP8RL_CHECK(v >= 0 && v <= 7, "FP8RL_FP8_GEMM_ABLATE must be 0-7 (bits: 1 no promotion, 2 no loads, 4 no stores)");
   return v;
+}
+
+bool pingpong_on() {
+  const char* e = std::getenv("FP8RL_FP8_GEMM_PINGPONG");
+  return e && std::string(e) == "1";
 }
 
 int sm_count() {
@@ -739,6 +769,7 @@ void fp8_gemm_sm90(const Fp8GemmArgs& a, cudaStream_t stream) {
   const KernelVariant cl = kernel_variant(m_tiles, n_tiles, false);
   p.group_n = cl.band;
   p.ablate = ablation();
+  p.pingpong = pingpong_on();
   if (small && cl.ctas_per_sm == 2) launch<1, 4>(a.a, a.M, a.b, a.N, a.K, p, cl, stream);
   else if (small) launch<1, 8>(a.a, a.M, a.b, a.N, a.K, p, cl, stream);
   else launch<2, 6>(a.a, a.M, a.b, a.N, a.K, p, cl, stream);
@@ -822,6 +853,7 @@ void fp8_gemm_sm90_grouped(const Fp8GroupedArgs& a, cudaStream_t stream) {
   const KernelVariant cl = kernel_variant(p.m_tiles, n_tiles, true);  // cm = 1: the B maps' box is kBN rows
   p.group_n = cl.band;
   p.ablate = ablation();
+  p.pingpong = pingpong_on();
   if (bm == 64 && cl.ctas_per_sm == 2) launch<1, 4>(a.a, R, nullptr, a.N, a.K, p, cl, stream);
   else if (bm == 64) launch<1, 8>(a.a, R, nullptr, a.N, a.K, p, cl, stream);
   else launch<2, 6>(a.a, R, nullptr, a.N, a.K, p, cl, stream);
