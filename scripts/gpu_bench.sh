@@ -23,9 +23,8 @@
 #                   (least summed time over DecodeBench's Qwen3-1.7B rows) for the later stages
 #   ncu_paged       Nsight Compute on the tensor-core paged decode kernel (BF16 and E4M3 pools, the
 #                   first DecodeBench shape): speed of light, occupancy, warp stalls, instruction mix
-#   gemm_variants   bench-gemm --shapes (FP8RL_GEMM_SHAPES) and --grouped-only for each cluster:scales:ctas[:band[:pingpong]]
+#   gemm_variants   bench-gemm --shapes (FP8RL_GEMM_SHAPES) and --grouped-only for each cluster:scales:ctas[:band]
 #                   variant of the own FP8 GEMM in FP8RL_GEMM_VARIANTS (e.g. 1x1:smem:2)
-#   gemm_ablate     bench-gemm --shapes with parts of the own FP8 GEMM removed (FP8RL_FP8_GEMM_ABLATE, FP8RL_GEMM_ABLATE)
 #   ncu_gemm        Nsight Compute on one launch of the own FP8 GEMM per product of FP8RL_NCU_GEMM
 #                   (MxNxK, or "grouped"): speed of light, pipes, memory, warp stalls
 #   ncu_gemm_src    Nsight Compute's source page of the same launches: stall samples per SASS instruction
@@ -203,24 +202,15 @@ PYEOF
     gemm_variants)  # issues 14 and 16: the own FP8 GEMM's variants side by side (bench-gemm --shapes)
       # cluster:scales:CTAs-per-SM (FP8RL_FP8_GEMM_CLUSTER, _SCALES, _OCCUPANCY; the last for 64-row tiles)
       for v in ${FP8RL_GEMM_VARIANTS:-1x1:global:1 1x1:smem:1 1x1:global:2 1x1:smem:2 2x1:smem:1}; do
-        IFS=: read -r vc vs vo vb vp <<< "$v"
-        vb=${vb:-0} vp=${vp:-0}
-        { echo "== cluster $vc, scales $vs, CTAs per SM (64-row tiles) $vo, band $vb, ping-pong $vp"
-          FP8RL_FP8_GEMM_PINGPONG=$vp FP8RL_FP8_GEMM_BAND=$vb FP8RL_FP8_GEMM_CLUSTER=$vc FP8RL_FP8_GEMM_SCALES=$vs FP8RL_FP8_GEMM_OCCUPANCY=$vo timeout 60 "$FP8RL" bench-gemm \
+        IFS=: read -r vc vs vo vb <<< "$v"
+        vb=${vb:-0}
+        { echo "== cluster $vc, scales $vs, CTAs per SM (64-row tiles) $vo, band $vb"
+          FP8RL_FP8_GEMM_BAND=$vb FP8RL_FP8_GEMM_CLUSTER=$vc FP8RL_FP8_GEMM_SCALES=$vs FP8RL_FP8_GEMM_OCCUPANCY=$vo timeout 60 "$FP8RL" bench-gemm \
             --shapes "${FP8RL_GEMM_SHAPES:-8192x12288x2048,8192x4096x2048,8192x2048x6144,256x12288x2048,256x4096x2048,256x2048x2048,256x2048x6144}" | grep -A8 "^linear"
-          FP8RL_FP8_GEMM_PINGPONG=$vp FP8RL_FP8_GEMM_BAND=$vb FP8RL_FP8_GEMM_CLUSTER=$vc FP8RL_FP8_GEMM_SCALES=$vs FP8RL_FP8_GEMM_OCCUPANCY=$vo timeout 60 "$FP8RL" bench-gemm --grouped-only | grep -A3 "^grouped"
+          FP8RL_FP8_GEMM_BAND=$vb FP8RL_FP8_GEMM_CLUSTER=$vc FP8RL_FP8_GEMM_SCALES=$vs FP8RL_FP8_GEMM_OCCUPANCY=$vo timeout 60 "$FP8RL" bench-gemm --grouped-only | grep -A3 "^grouped"
         } >> "$OUT/gemm_variants.log" 2>&1
       done
       note "gemm variants (own TF/s column):"; tee -a "$SUMMARY" < "$OUT/gemm_variants.log" ;;
-    gemm_ablate)  # issues 14 and 16: the own FP8 GEMM with parts of it removed (FP8RL_FP8_GEMM_ABLATE bits:
-      # 1 no promotion, 2 no loads after the first ring fill, 4 no stores): what each part costs
-      for ab in ${FP8RL_GEMM_ABLATE:-0 1 2 3 4 7}; do
-        { echo "== ablate $ab"
-          FP8RL_FP8_GEMM_ABLATE=$ab timeout 60 "$FP8RL" bench-gemm \
-            --shapes "${FP8RL_GEMM_SHAPES:-8192x12288x2048,8192x2048x6144,256x12288x2048,256x4096x2048}" | grep -A8 "^linear" | grep -v "^linear"
-        } >> "$OUT/gemm_ablate.log" 2>&1
-      done
-      note "gemm ablations (own TF/s column):"; tee -a "$SUMMARY" < "$OUT/gemm_ablate.log" ;;
     ncu_gemm)  # issues 14 and 16: what bounds the own FP8 GEMM (one launch per product, Nsight Compute)
       # FP8RL_NCU_GEMM: MxNxK products (bench-gemm --shapes) or "grouped" (the expert products).
       for sh in ${FP8RL_NCU_GEMM:-8192x12288x2048 256x12288x2048 256x2048x6144 grouped}; do

@@ -288,7 +288,6 @@ TEST(CudaFp8Gemm, EveryGridAndClusterIsBitwiseOneCtaPerTile) {
     const char* scales;
     const char* occupancy = "1";
     const char* band = "0";
-    const char* pingpong = "0";
   };
   auto with = [](const Variant& v, auto&& fn) {
     if (v.grid) setenv("FP8RL_FP8_GEMM_GRID", v.grid, 1);
@@ -297,14 +296,12 @@ TEST(CudaFp8Gemm, EveryGridAndClusterIsBitwiseOneCtaPerTile) {
     setenv("FP8RL_FP8_GEMM_SCALES", v.scales, 1);
     setenv("FP8RL_FP8_GEMM_OCCUPANCY", v.occupancy, 1);
     setenv("FP8RL_FP8_GEMM_BAND", v.band, 1);
-    setenv("FP8RL_FP8_GEMM_PINGPONG", v.pingpong, 1);
     auto r = fn();
     unsetenv("FP8RL_FP8_GEMM_GRID");
     unsetenv("FP8RL_FP8_GEMM_CLUSTER");
     unsetenv("FP8RL_FP8_GEMM_SCALES");
     unsetenv("FP8RL_FP8_GEMM_OCCUPANCY");
     unsetenv("FP8RL_FP8_GEMM_BAND");
-    unsetenv("FP8RL_FP8_GEMM_PINGPONG");
     return r;
   };
   std::vector<Variant> variants;
@@ -320,14 +317,10 @@ TEST(CudaFp8Gemm, EveryGridAndClusterIsBitwiseOneCtaPerTile) {
     variants.push_back({nullptr, "2x1", "global", "2", band});
     variants.push_back({nullptr, "1x2", "smem", "1", band});
   }
-  // The two consumer warpgroups issuing in turn (128-row tiles; 64-row tiles ignore it).
-  for (const char* grid : {static_cast<const char*>(nullptr), "tile"})
-    for (const char* cluster : {"1x1", "2x1", "1x2"}) variants.push_back({grid, cluster, "global", "2", "0", "1"});
-  variants.push_back({nullptr, "1x1", "smem", "2", "8", "1"});
   const Variant one_cta{"tile", "1x1", "global"};
   auto name = [](const Variant& v) {
     return std::string("grid ") + (v.grid ? v.grid : "persistent") + ", cluster " + v.cluster + ", scales " + v.scales +
-           ", CTAs per SM " + v.occupancy + ", band " + v.band + ", ping-pong " + v.pingpong;
+           ", CTAs per SM " + v.occupancy + ", band " + v.band;
   };
   const Shape shapes[] = {{5, 2048, 2048}, {64, 4096, 2048},   {256, 12288, 2048}, {256, 2048, 6144},
                           {130, 640, 384}, {1000, 1536, 1024}, {4096, 2048, 2048}, {77, 384, 640}};

@@ -131,16 +131,6 @@ __device__ __forceinline__ uint64_t sw128_desc(const void* tile) {
   return ((addr & 0x3FFFFull) >> 4) | (1ull << 16) | (static_cast<uint64_t>(1024 >> 4) << 32) | (1ull << 62);
 }
 
-// Named barriers between the two consumer warpgroups (ids 1 and 2; 0 is __syncthreads).
-template <int kId>
-__device__ __forceinline__ void named_sync() {
-  asm volatile("bar.sync %0, 256;" ::"n"(kId) : "memory");
-}
-template <int kId>
-__device__ __forceinline__ void named_arrive() {
-  asm volatile("bar.arrive %0, 256;" ::"n"(kId) : "memory");
-}
-
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
@@ -188,13 +178,6 @@ struct GemmParams {
   int n_tiles, m_tiles, splits;  // the tiles: n_tiles x m_tiles x splits (tile_of)
   bool m_fastest;                // the tile order (tile_of)
   int group_n = 0;               // n fastest: in bands of group_n tile columns (0: one band)
-  // A measurement of the kernel's parts, never a result (FP8RL_FP8_GEMM_ABLATE, bits): 1 no
-  // promotion (one wgmma accumulation over all K), 2 no loads after the ring's first fill (the
-  // MMAs read stale tiles; global scales only), 4 no stores.
-  int ablate = 0;
-  // Two consumer warpgroups issue their K blocks' MMAs in turn (FP8RL_FP8_GEMM_PINGPONG=1): each
-  // warpgroup's promotion then runs while the other's MMAs keep the tensor cores busy.
-  bool pingpong = false;
   // The cluster: cm x cn CTAs (fp8_gemm_kernel's kCM, kCN) own the cm x cn tiles of one cluster
   // tile; ct_m, ct_n: the cluster tiles along M and N (m_tiles / cm, n_tiles / cn, rounded up).
   int ct_m = 0, ct_n = 0;
@@ -402,10 +385,6 @@ __global__ void __launch_bounds__(gemm_threads(kConsumers), gemm_ctas_per_sm(kCo
         for (int it = 0; it < tl.nk; ++it, ++g) {
           const int s = g % kStages;
           mbar_wait(&empty[s], ((g / kStages) & 1) ^ 1);
-          if (!kSmemScales && (p.ablate & 2) && g >= kStages) {
-            mbar_arrive(&full[s]);
-            continue;
-          }
           if constexpr (kSmemScales) {
             // Rows past the tile's own (past M, or its group's end) read as zero; a cluster's tile
             // past the last column takes the last column's scale (it stores nothing).
@@ -444,7 +423,6 @@ __global__ void __launch_bounds__(gemm_threads(kConsumers), gemm_ctas_per_sm(kCo
     }
   } else {
     const int warp = tid / 32, lane = tid % 32;
-    const bool pingpong = kConsumers == 2 && p.pingpong;
     int g = 0;
     for (int64_t t = first; t < tiles; t += step) {
       const Tile tl = tile_of<kCM, kCN>(p, t, &tm_b, kBM, ci, cj);
@@ -475,22 +453,10 @@ __global__ void __launch_bounds__(gemm_threads(kConsumers), gemm_ctas_per_sm(kCo
         }
         const uint64_t da = sw128_desc(sm_a + s * kTileA + wg * 64 * kBK), db = sw128_desc(sm_b + s * kTileB);
         fence_acc(acc);
-        // Ping-pong: warpgroup 1 issues block g after warpgroup 0 has, warpgroup 0 block g + 1
-        // after warpgroup 1 has issued block g.
-        if (pingpong) {
-          if (wg == 1) named_sync<2>();
-          else if (g > 0) named_sync<1>();
-        }
         wgmma_fence();
-        const bool promote = !(p.ablate & 1);
 #pragma unroll
-        for (int k = 0; k < kBK / 32; ++k)
-          wgmma_m64n128k32_e4m3(acc, da + 2 * k, db + 2 * k, k > 0 || (!promote && it > 0));
+        for (int k = 0; k < kBK / 32; ++k) wgmma_m64n128k32_e4m3(acc, da + 2 * k, db + 2 * k, k > 0);
         wgmma_commit();
-        if (pingpong) {
-          if (wg == 0) named_arrive<2>();
-          else named_arrive<1>();
-        }
         fence_acc(acc);
         wgmma_wait_all();
         fence_acc(acc);
@@ -504,17 +470,11 @@ __global__ void __launch_bounds__(gemm_threads(kConsumers), gemm_ctas_per_sm(kCo
           }
         }
         // Fragment of m64n128 (FP32): acc[4 i + j] is row (j < 2 ? row0 : row1), column 8 i + 2 (lane % 4) + j % 2.
-        if (promote) {
 #pragma unroll
-          for (int i = 0; i < 64; ++i) total[i] = fmaf(acc[i], (i & 2) ? s1 : s0, total[i]);
-        } else if (it + 1 == tl.nk) {
-#pragma unroll
-          for (int i = 0; i < 64; ++i) total[i] = acc[i] * ((i & 2) ? s1 : s0);
-        }
+        for (int i = 0; i < 64; ++i) total[i] = fmaf(acc[i], (i & 2) ? s1 : s0, total[i]);
       }
-      if (n_in && !(p.ablate & 4)) store_tile(p, total, tl, row0, row1, lane);
+      if (n_in) store_tile(p, total, tl, row0, row1, lane);
     }
-    if (pingpong && wg == 0 && g > 0) named_sync<1>();  // warpgroup 1's arrival after its last block
   }
   // No CTA leaves while another may still multicast into it or arrive on its barriers.
   if constexpr (kCluster > 1) cluster_sync();
@@ -613,20 +573,6 @@ KernelVariant kernel_variant(int64_t m_tiles, int64_t n_tiles, bool grouped) {
   if (m_tiles < 2) c.cm = 1;
   if (n_tiles < 2) c.cn = 1;
   return c;
-}
-
-// FP8RL_FP8_GEMM_ABLATE (GemmParams::ablate): for bench-gemm's measurements only.
-int ablation() {
-  const char* e = std::getenv("FP8RL_FP8_GEMM_ABLATE");
-  if (!e || !*e) return 0;
-  const int v = std::atoi(e);
-  FP8RL_CHECK(v >= 0 && v <= 7, "FP8RL_FP8_GEMM_ABLATE must be 0-7 (bits: 1 no promotion, 2 no loads, 4 no stores)");
-  return v;
-}
-
-bool pingpong_on() {
-  const char* e = std::getenv("FP8RL_FP8_GEMM_PINGPONG");
-  return e && std::string(e) == "1";
 }
 
 int sm_count() {
@@ -768,8 +714,6 @@ void fp8_gemm_sm90(const Fp8GemmArgs& a, cudaStream_t stream) {
   p.m_fastest = a.M <= 256;  // decode-sized: the few row blocks of one weight tile together
   const KernelVariant cl = kernel_variant(m_tiles, n_tiles, false);
   p.group_n = cl.band;
-  p.ablate = ablation();
-  p.pingpong = pingpong_on();
   if (small && cl.ctas_per_sm == 2) launch<1, 4>(a.a, a.M, a.b, a.N, a.K, p, cl, stream);
   else if (small) launch<1, 8>(a.a, a.M, a.b, a.N, a.K, p, cl, stream);
   else launch<2, 6>(a.a, a.M, a.b, a.N, a.K, p, cl, stream);
@@ -852,8 +796,6 @@ void fp8_gemm_sm90_grouped(const Fp8GroupedArgs& a, cudaStream_t stream) {
   p.m_fastest = false;  // a group's row blocks share its B: n fastest within each
   const KernelVariant cl = kernel_variant(p.m_tiles, n_tiles, true);  // cm = 1: the B maps' box is kBN rows
   p.group_n = cl.band;
-  p.ablate = ablation();
-  p.pingpong = pingpong_on();
   if (bm == 64 && cl.ctas_per_sm == 2) launch<1, 4>(a.a, R, nullptr, a.N, a.K, p, cl, stream);
   else if (bm == 64) launch<1, 8>(a.a, R, nullptr, a.N, a.K, p, cl, stream);
   else launch<2, 6>(a.a, R, nullptr, a.N, a.K, p, cl, stream);
