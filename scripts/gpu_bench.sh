@@ -23,7 +23,7 @@
 #                   (least summed time over DecodeBench's Qwen3-1.7B rows) for the later stages
 #   ncu_paged       Nsight Compute on the tensor-core paged decode kernel (BF16 and E4M3 pools, the
 #                   first DecodeBench shape): speed of light, occupancy, warp stalls, instruction mix
-#   gemm_variants   bench-gemm --shapes (FP8RL_GEMM_SHAPES) and --grouped-only for each cluster:scales:ctas[:band]
+#   gemm_variants   bench-gemm --shapes (FP8RL_GEMM_SHAPES) and --grouped-only for each cluster:scales:ctas[:band[:store]]
 #                   variant of the own FP8 GEMM in FP8RL_GEMM_VARIANTS (e.g. 1x1:smem:2)
 #   ncu_gemm        Nsight Compute on one launch of the own FP8 GEMM per product of FP8RL_NCU_GEMM
 #                   (MxNxK, or "grouped"): speed of light, pipes, memory, warp stalls
@@ -202,12 +202,12 @@ PYEOF
     gemm_variants)  # issues 14 and 16: the own FP8 GEMM's variants side by side (bench-gemm --shapes)
       # cluster:scales:CTAs-per-SM (FP8RL_FP8_GEMM_CLUSTER, _SCALES, _OCCUPANCY; the last for 64-row tiles)
       for v in ${FP8RL_GEMM_VARIANTS:-1x1:global:1 1x1:smem:1 1x1:global:2 1x1:smem:2 2x1:smem:1}; do
-        IFS=: read -r vc vs vo vb <<< "$v"
-        vb=${vb:-0}
-        { echo "== cluster $vc, scales $vs, CTAs per SM (64-row tiles) $vo, band $vb"
-          FP8RL_FP8_GEMM_BAND=$vb FP8RL_FP8_GEMM_CLUSTER=$vc FP8RL_FP8_GEMM_SCALES=$vs FP8RL_FP8_GEMM_OCCUPANCY=$vo timeout 60 "$FP8RL" bench-gemm \
+        IFS=: read -r vc vs vo vb vt <<< "$v"
+        vb=${vb:-0} vt=${vt:-direct}
+        { echo "== cluster $vc, scales $vs, CTAs per SM (64-row tiles) $vo, band $vb, store $vt"
+          FP8RL_FP8_GEMM_STORE=$vt FP8RL_FP8_GEMM_BAND=$vb FP8RL_FP8_GEMM_CLUSTER=$vc FP8RL_FP8_GEMM_SCALES=$vs FP8RL_FP8_GEMM_OCCUPANCY=$vo timeout 60 "$FP8RL" bench-gemm \
             --shapes "${FP8RL_GEMM_SHAPES:-8192x12288x2048,8192x4096x2048,8192x2048x6144,256x12288x2048,256x4096x2048,256x2048x2048,256x2048x6144}" | grep -A8 "^linear"
-          FP8RL_FP8_GEMM_BAND=$vb FP8RL_FP8_GEMM_CLUSTER=$vc FP8RL_FP8_GEMM_SCALES=$vs FP8RL_FP8_GEMM_OCCUPANCY=$vo timeout 60 "$FP8RL" bench-gemm --grouped-only | grep -A3 "^grouped"
+          FP8RL_FP8_GEMM_STORE=$vt FP8RL_FP8_GEMM_BAND=$vb FP8RL_FP8_GEMM_CLUSTER=$vc FP8RL_FP8_GEMM_SCALES=$vs FP8RL_FP8_GEMM_OCCUPANCY=$vo timeout 60 "$FP8RL" bench-gemm --grouped-only | grep -A3 "^grouped"
         } >> "$OUT/gemm_variants.log" 2>&1
       done
       note "gemm variants (own TF/s column):"; tee -a "$SUMMARY" < "$OUT/gemm_variants.log" ;;

@@ -288,6 +288,7 @@ TEST(CudaFp8Gemm, EveryGridAndClusterIsBitwiseOneCtaPerTile) {
     const char* scales;
     const char* occupancy = "1";
     const char* band = "0";
+    const char* store = "direct";
   };
   auto with = [](const Variant& v, auto&& fn) {
     if (v.grid) setenv("FP8RL_FP8_GEMM_GRID", v.grid, 1);
@@ -296,12 +297,14 @@ TEST(CudaFp8Gemm, EveryGridAndClusterIsBitwiseOneCtaPerTile) {
     setenv("FP8RL_FP8_GEMM_SCALES", v.scales, 1);
     setenv("FP8RL_FP8_GEMM_OCCUPANCY", v.occupancy, 1);
     setenv("FP8RL_FP8_GEMM_BAND", v.band, 1);
+    setenv("FP8RL_FP8_GEMM_STORE", v.store, 1);
     auto r = fn();
     unsetenv("FP8RL_FP8_GEMM_GRID");
     unsetenv("FP8RL_FP8_GEMM_CLUSTER");
     unsetenv("FP8RL_FP8_GEMM_SCALES");
     unsetenv("FP8RL_FP8_GEMM_OCCUPANCY");
     unsetenv("FP8RL_FP8_GEMM_BAND");
+    unsetenv("FP8RL_FP8_GEMM_STORE");
     return r;
   };
   std::vector<Variant> variants;
@@ -317,10 +320,15 @@ TEST(CudaFp8Gemm, EveryGridAndClusterIsBitwiseOneCtaPerTile) {
     variants.push_back({nullptr, "2x1", "global", "2", band});
     variants.push_back({nullptr, "1x2", "smem", "1", band});
   }
+  // The epilogue through shared memory and TMA stores (global scales), every grid, cluster and
+  // ring (64-row tiles: 8 stages at one CTA per SM, 3 at two).
+  for (const char* grid : {static_cast<const char*>(nullptr), "tile"})
+    for (const char* cluster : {"1x1", "2x1", "1x2", "2x2"})
+      for (const char* occupancy : {"1", "2"}) variants.push_back({grid, cluster, "global", occupancy, "0", "tma"});
   const Variant one_cta{"tile", "1x1", "global"};
   auto name = [](const Variant& v) {
     return std::string("grid ") + (v.grid ? v.grid : "persistent") + ", cluster " + v.cluster + ", scales " + v.scales +
-           ", CTAs per SM " + v.occupancy + ", band " + v.band;
+           ", CTAs per SM " + v.occupancy + ", band " + v.band + ", store " + v.store;
   };
   const Shape shapes[] = {{5, 2048, 2048}, {64, 4096, 2048},   {256, 12288, 2048}, {256, 2048, 6144},
                           {130, 640, 384}, {1000, 1536, 1024}, {4096, 2048, 2048}, {77, 384, 640}};

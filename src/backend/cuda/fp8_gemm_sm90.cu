@@ -131,6 +131,25 @@ __device__ __forceinline__ uint64_t sw128_desc(const void* tile) {
   return ((addr & 0x3FFFFull) >> 4) | (1ull << 16) | (static_cast<uint64_t>(1024 >> 4) << 32) | (1ull << 62);
 }
 
+// The asynchronous tensor store (TMA, shared -> global) of the epilogue: a box of the output's
+// tensor map from shared memory, its bulk group, and the waits for it (.read: the shared source
+// may be reused; plain: the global writes are done).
+__device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, const void* src, int c0, int c1) {
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(smem_addr(src)), "r"(c0), "r"(c1)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+// A barrier of one consumer warpgroup's 128 threads (ids 1 and 2; 0 is __syncthreads).
+__device__ __forceinline__ void warpgroup_sync(int wg) {
+  if (wg == 0) asm volatile("bar.sync 1, 128;" ::: "memory");
+  else asm volatile("bar.sync 2, 128;" ::: "memory");
+}
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
@@ -311,12 +330,47 @@ __device__ __forceinline__ void store_tile(const GemmParams& p, const float (&to
   }
 }
 
+// The epilogue through shared memory (kTmaStore): a consumer warpgroup writes its 64 x 128 BF16
+// rows as two 64 x 64 boxes in the 128-byte swizzle (16-byte chunk c of row r at chunk c ^ (r % 8):
+// the 8 rows a warp writes at once fall in different banks), then one thread stores both boxes
+// with TMA and the warpgroup goes on to its next tile while the store drains. Rows past M and
+// columns past N are clipped by the tensor map. The buffer is reused once the previous tile's
+// store has read it. Same values as store_tile's fast path (one multiply, one conversion each).
+__device__ __forceinline__ void store_tile_tma(const GemmParams& p, const float (&total)[64], const Tile& tl, int wg,
+                                               int tid, uint8_t* buf, const CUtensorMap* tm_c) {
+  const int warp = tid / 32, lane = tid % 32;
+  if (tid == 0) bulk_wait_read();
+  warpgroup_sync(wg);
+  const float alpha = p.alpha;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = warp * 16 + lane / 4 + 8 * half;  // r % 8 == lane / 4
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      uint8_t* dst = buf + (i / 8) * 8192 + r * 128 + (((i % 8) ^ (lane / 4)) * 16) + 4 * (lane % 4);
+      *reinterpret_cast<uint32_t*>(dst) =
+          pack_bf16x2(total[4 * i + 2 * half] * alpha, total[4 * i + 2 * half + 1] * alpha);
+    }
+  }
+  fence_proxy_async();
+  warpgroup_sync(wg);
+  if (tid == 0) {
+    const int col = tl.n_tile * kBN, row = static_cast<int>(tl.m_base) + wg * 64;
+    tma_store_2d(tm_c, buf, col, row);
+    tma_store_2d(tm_c, buf + 8192, col + 64, row);
+    bulk_commit();
+  }
+}
+
 // The threads of a CTA (the consumer warpgroups and one producer warp) and the CTAs that fit on
 // an SM: two where the stage ring leaves room for a second (4 stages of 64-row tiles), so two
 // independent pipelines share each SM's tensor cores.
 constexpr int gemm_threads(int consumers) { return 128 * consumers + 32; }
-constexpr int gemm_ctas_per_sm(int consumers, int stages) {
-  return stages * (64 * consumers + kBN) * kBK <= 100 * 1024 ? 2 : 1;
+__host__ __device__ constexpr int gemm_store_bytes(int consumers, bool tma_store) {
+  return tma_store ? consumers * 16384 : 0;
+}
+constexpr int gemm_ctas_per_sm(int consumers, int stages, bool tma_store) {
+  return stages * (64 * consumers + kBN) * kBK + gemm_store_bytes(consumers, tma_store) <= 100 * 1024 ? 2 : 1;
 }
 
 // kConsumers warpgroups of 64 rows each (BM = 64 kConsumers) plus one producer warp, in
@@ -328,9 +382,10 @@ constexpr int gemm_ctas_per_sm(int consumers, int stages) {
 // each stage's scales (its A tile's row scales, its B block's scale) into shared memory beside
 // the tiles (cp.async, completing on the stage's barrier), so the consumers' loop has no global
 // load. The arithmetic of every tile is unchanged: bitwise the same results in every variant.
-template <int kConsumers, int kStages, int kCM, int kCN, bool kSmemScales>
-__global__ void __launch_bounds__(gemm_threads(kConsumers), gemm_ctas_per_sm(kConsumers, kStages))
-    fp8_gemm_kernel(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b, GemmParams p) {
+template <int kConsumers, int kStages, int kCM, int kCN, bool kSmemScales, bool kTmaStore>
+__global__ void __launch_bounds__(gemm_threads(kConsumers), gemm_ctas_per_sm(kConsumers, kStages, kTmaStore))
+    fp8_gemm_kernel(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b,
+                    const __grid_constant__ CUtensorMap tm_c, GemmParams p) {
   constexpr int kBM = 64 * kConsumers;
   constexpr int kTileA = kBM * kBK, kTileB = kBN * kBK;
   constexpr int kCluster = kCM * kCN;
@@ -342,7 +397,8 @@ __global__ void __launch_bounds__(gemm_threads(kConsumers), gemm_ctas_per_sm(kCo
   uint8_t* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
   uint8_t* sm_a = smem;
   uint8_t* sm_b = smem + kStages * kTileA;
-  uint64_t* full = reinterpret_cast<uint64_t*>(sm_b + kStages * kTileB);
+  uint8_t* sm_c = sm_b + kStages * kTileB;  // kTmaStore: 16 KB per consumer warpgroup (1024-aligned)
+  uint64_t* full = reinterpret_cast<uint64_t*>(sm_c + gemm_store_bytes(kConsumers, kTmaStore));
   uint64_t* empty = full + kStages;
   // kSmemScales: per stage kBM row scales of A, then B's block scale (a 16-byte multiple).
   constexpr int kScaleStride = kBM + 4;
@@ -473,8 +529,19 @@ __global__ void __launch_bounds__(gemm_threads(kConsumers), gemm_ctas_per_sm(kCo
 #pragma unroll
         for (int i = 0; i < 64; ++i) total[i] = fmaf(acc[i], (i & 2) ? s1 : s0, total[i]);
       }
-      if (n_in) store_tile(p, total, tl, row0, row1, lane);
+      if (n_in) {
+        // TMA stores where the tile's rows are its own up to M (a grouped tile ending inside its
+        // 64 rows would overwrite the next group's): uniform across the warpgroup.
+        bool tma = false;
+        if constexpr (kTmaStore)
+          tma = p.c_bf16 && !p.partials && p.beta == 0.0f && tl.m_base + wg * 64 < tl.m_end &&
+                (!p.tiles || tl.m_base + (wg + 1) * 64 <= tl.m_end);
+        if (tma) store_tile_tma(p, total, tl, wg, tid, sm_c + wg * 16384, &tm_c);
+        else store_tile(p, total, tl, row0, row1, lane);
+      }
     }
+    if constexpr (kTmaStore)
+      if (tid == 0) bulk_wait();  // the stores are done before the CTA (and its shared memory) ends
   }
   // No CTA leaves while another may still multicast into it or arrive on its barriers.
   if constexpr (kCluster > 1) cluster_sync();
@@ -539,6 +606,7 @@ struct KernelVariant {
   bool smem_scales = false;  // FP8RL_FP8_GEMM_SCALES=smem: the producer stages the scales in shared memory
   int ctas_per_sm = 2;       // FP8RL_FP8_GEMM_OCCUPANCY=1: 64-row tiles with 8 stages, one CTA per SM
   int band = 0;              // FP8RL_FP8_GEMM_BAND=n: the n-fastest tile order in bands of n tile columns
+  bool tma_store = false;    // FP8RL_FP8_GEMM_STORE=tma: the epilogue through shared memory and a TMA store
 };
 KernelVariant kernel_variant(int64_t m_tiles, int64_t n_tiles, bool grouped) {
   // The default is 1x1. Measured (bench-gemm, session 9): 2x1 is 1-3% faster on dense products
@@ -569,6 +637,14 @@ KernelVariant kernel_variant(int64_t m_tiles, int64_t n_tiles, bool grouped) {
                 "FP8RL_FP8_GEMM_BAND must be a tile-column count (0: no bands), got '", e, "'");
     c.band = static_cast<int>(v);
   }
+  if (const char* e = std::getenv("FP8RL_FP8_GEMM_STORE")) {
+    const std::string v(e);
+    FP8RL_CHECK(v == "direct" || v == "tma", "FP8RL_FP8_GEMM_STORE must be direct or tma, got '", v, "'");
+    c.tma_store = v == "tma";
+  }
+  // The store buffer and the scale copies do not both fit beside the 6-stage ring.
+  FP8RL_CHECK(!(c.tma_store && c.smem_scales),
+              "FP8RL_FP8_GEMM_STORE=tma needs FP8RL_FP8_GEMM_SCALES=global (both do not fit in shared memory)");
   if (grouped) c.cm = 1;
   if (m_tiles < 2) c.cm = 1;
   if (n_tiles < 2) c.cn = 1;
@@ -588,12 +664,13 @@ int sm_count() {
 // Launches the kernel over `tiles` cluster tiles: at most as many clusters as fit on the device
 // at once, each walking its share of the tiles, or with FP8RL_FP8_GEMM_GRID=tile (read at each
 // call) one cluster per cluster tile.
-template <int kConsumers, int kStages, int kCM, int kCN, bool kSmemScales>
-void launch_cluster(const CUtensorMap& ta, const CUtensorMap& tb, GemmParams p, cudaStream_t stream) {
-  constexpr int kSmem = kStages * (64 * kConsumers + kBN) * kBK + 2 * kStages * 8 +
-                        (kSmemScales ? kStages * (64 * kConsumers + 4) * 4 : 0) + 1024;
+template <int kConsumers, int kStages, int kCM, int kCN, bool kSmemScales, bool kTmaStore>
+void launch_cluster(const CUtensorMap& ta, const CUtensorMap& tb, const CUtensorMap& tc, GemmParams p,
+                    cudaStream_t stream) {
+  constexpr int kSmem = kStages * (64 * kConsumers + kBN) * kBK + gemm_store_bytes(kConsumers, kTmaStore) +
+                        2 * kStages * 8 + (kSmemScales ? kStages * (64 * kConsumers + 4) * 4 : 0) + 1024;
   constexpr int kCluster = kCM * kCN;
-  auto* kernel = fp8_gemm_kernel<kConsumers, kStages, kCM, kCN, kSmemScales>;
+  auto* kernel = fp8_gemm_kernel<kConsumers, kStages, kCM, kCN, kSmemScales, kTmaStore>;
   p.ct_m = static_cast<int>(ceil_div(int64_t{p.m_tiles}, int64_t{kCM}));
   p.ct_n = static_cast<int>(ceil_div(int64_t{p.n_tiles}, int64_t{kCN}));
   const int64_t tiles = static_cast<int64_t>(p.ct_m) * p.ct_n * p.splits;
@@ -630,7 +707,34 @@ void launch_cluster(const CUtensorMap& ta, const CUtensorMap& tb, GemmParams p, 
   const int64_t clusters = e && std::string(e) == "tile" ? tiles : std::min<int64_t>(tiles, max_clusters);
   cfg.gridDim = dim3(static_cast<unsigned>(clusters * kCluster));
   if (kCluster == 1) cfg.numAttrs = 0;  // a plain launch
-  CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, ta, tb, p), "FP8 GEMM kernel launch");
+  CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, ta, tb, tc, p), "FP8 GEMM kernel launch");
+}
+
+// The cluster shape's instance.
+template <int kConsumers, int kStages, bool kSmemScales, bool kTmaStore>
+void launch_clusters(const CUtensorMap& ta, const CUtensorMap& tb, const CUtensorMap& tc, const GemmParams& p,
+                     KernelVariant c, cudaStream_t stream) {
+  if (c.cm == 1 && c.cn == 1) launch_cluster<kConsumers, kStages, 1, 1, kSmemScales, kTmaStore>(ta, tb, tc, p, stream);
+  else if (c.cm == 2 && c.cn == 1)
+    launch_cluster<kConsumers, kStages, 2, 1, kSmemScales, kTmaStore>(ta, tb, tc, p, stream);
+  else if (c.cm == 1 && c.cn == 2)
+    launch_cluster<kConsumers, kStages, 1, 2, kSmemScales, kTmaStore>(ta, tb, tc, p, stream);
+  else launch_cluster<kConsumers, kStages, 2, 2, kSmemScales, kTmaStore>(ta, tb, tc, p, stream);
+}
+
+// The output [M, N] BF16 as 64 x 64 boxes in the 128-byte swizzle (the TMA-store epilogue's map).
+CUtensorMap output_map(const GemmParams& p) {
+  CUtensorMap m;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(p.N), static_cast<cuuint64_t>(p.M)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(p.N) * 2};
+  const cuuint32_t box[2] = {64, 64};
+  const cuuint32_t elem[2] = {1, 1};
+  const CUresult r =
+      encode_fn()(&m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, p.c, dims, strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                  CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  FP8RL_CHECK(r == CUDA_SUCCESS, "FP8 GEMM: cuTensorMapEncodeTiled failed (", static_cast<int>(r), ") for the [", p.M,
+              ", ", p.N, "] output");
+  return m;
 }
 
 // The kernel for rows per CTA (64 kConsumers) and the cluster shape, with A's tensor map (box
@@ -642,16 +746,19 @@ void launch(const uint8_t* a, int64_t rows, const uint8_t* b, int64_t N, int64_t
   constexpr int kBM = 64 * kConsumers;
   const CUtensorMap ta = tensor_map(a, rows, K, kBM / c.cn);
   const CUtensorMap tb = b ? tensor_map(b, N, K, kBN / c.cm) : ta;
-  if (c.smem_scales) {
-    if (c.cm == 1 && c.cn == 1) launch_cluster<kConsumers, kStages, 1, 1, true>(ta, tb, p, stream);
-    else if (c.cm == 2 && c.cn == 1) launch_cluster<kConsumers, kStages, 2, 1, true>(ta, tb, p, stream);
-    else if (c.cm == 1 && c.cn == 2) launch_cluster<kConsumers, kStages, 1, 2, true>(ta, tb, p, stream);
-    else launch_cluster<kConsumers, kStages, 2, 2, true>(ta, tb, p, stream);
-  } else {
-    if (c.cm == 1 && c.cn == 1) launch_cluster<kConsumers, kStages, 1, 1, false>(ta, tb, p, stream);
-    else if (c.cm == 2 && c.cn == 1) launch_cluster<kConsumers, kStages, 2, 1, false>(ta, tb, p, stream);
-    else if (c.cm == 1 && c.cn == 2) launch_cluster<kConsumers, kStages, 1, 2, false>(ta, tb, p, stream);
-    else launch_cluster<kConsumers, kStages, 2, 2, false>(ta, tb, p, stream);
+  // Instances: the 3-stage ring only with the TMA store (two CTAs per SM beside its buffer), the
+  // 4-stage ring only without it.
+  if constexpr (kStages != 4) {
+    if (c.tma_store) {
+      // The output's map where the TMA store can apply (BF16, no split partials, beta = 0).
+      const bool bf16_out = p.c_bf16 && !p.partials && p.beta == 0.0f;
+      launch_clusters<kConsumers, kStages, false, true>(ta, tb, bf16_out ? output_map(p) : ta, p, c, stream);
+      return;
+    }
+  }
+  if constexpr (kStages != 3) {
+    if (c.smem_scales) launch_clusters<kConsumers, kStages, true, false>(ta, tb, ta, p, c, stream);
+    else launch_clusters<kConsumers, kStages, false, false>(ta, tb, ta, p, c, stream);
   }
 }
 
@@ -714,7 +821,8 @@ void fp8_gemm_sm90(const Fp8GemmArgs& a, cudaStream_t stream) {
   p.m_fastest = a.M <= 256;  // decode-sized: the few row blocks of one weight tile together
   const KernelVariant cl = kernel_variant(m_tiles, n_tiles, false);
   p.group_n = cl.band;
-  if (small && cl.ctas_per_sm == 2) launch<1, 4>(a.a, a.M, a.b, a.N, a.K, p, cl, stream);
+  if (small && cl.ctas_per_sm == 2 && cl.tma_store) launch<1, 3>(a.a, a.M, a.b, a.N, a.K, p, cl, stream);
+  else if (small && cl.ctas_per_sm == 2) launch<1, 4>(a.a, a.M, a.b, a.N, a.K, p, cl, stream);
   else if (small) launch<1, 8>(a.a, a.M, a.b, a.N, a.K, p, cl, stream);
   else launch<2, 6>(a.a, a.M, a.b, a.N, a.K, p, cl, stream);
   if (p.partials) {
@@ -796,7 +904,8 @@ void fp8_gemm_sm90_grouped(const Fp8GroupedArgs& a, cudaStream_t stream) {
   p.m_fastest = false;  // a group's row blocks share its B: n fastest within each
   const KernelVariant cl = kernel_variant(p.m_tiles, n_tiles, true);  // cm = 1: the B maps' box is kBN rows
   p.group_n = cl.band;
-  if (bm == 64 && cl.ctas_per_sm == 2) launch<1, 4>(a.a, R, nullptr, a.N, a.K, p, cl, stream);
+  if (bm == 64 && cl.ctas_per_sm == 2 && cl.tma_store) launch<1, 3>(a.a, R, nullptr, a.N, a.K, p, cl, stream);
+  else if (bm == 64 && cl.ctas_per_sm == 2) launch<1, 4>(a.a, R, nullptr, a.N, a.K, p, cl, stream);
   else if (bm == 64) launch<1, 8>(a.a, R, nullptr, a.N, a.K, p, cl, stream);
   else launch<2, 6>(a.a, R, nullptr, a.N, a.K, p, cl, stream);
 }
