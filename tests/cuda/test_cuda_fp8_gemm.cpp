@@ -1,6 +1,7 @@
 // The own sm_90a FP8 block GEMM (fp8_gemm_sm90.cu) against an FP64 host product of the same
 // quantized operands, against cuBLASLt's block-scaled kernel, and for the properties the
 // consistent mode relies on: deterministic, and each row's result independent of the other rows.
+#include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -68,9 +69,19 @@ void host_product(const Operands& o, int64_t m, int64_t n, double* value, double
   *value = s, *magnitude = a;
 }
 
+// A device tensor filled with 0xFF bytes (NaN in BF16 and F32): an output the kernel must overwrite
+// (the allocator hands back the block the previous run freed, which holds its result).
+Tensor poisoned(cuda::CudaBackend& be, const std::vector<int64_t>& shape, DType dt) {
+  Tensor c = be.alloc(shape, dt);
+  be.synchronize();  // the pool's allocation is ordered on the backend's stream
+  EXPECT_EQ(cudaMemset(c.raw(), 0xFF, c.nbytes()), cudaSuccess);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  return c;
+}
+
 Tensor run_own(cuda::CudaBackend& be, const Operands& o, int64_t M, int64_t N, int64_t K, DType out, bool kb_major,
                int splits) {
-  Tensor c = be.alloc({M, N}, out);
+  Tensor c = poisoned(be, {M, N}, out);
   be.gemm().gemm_fp8_own(M, N, K, o.da.data.data<uint8_t>(),
                          kb_major ? o.da_kb.data<float>() : o.da.scales.data<float>(), kb_major,
                          o.db.data.data<uint8_t>(), o.db.scales.data<float>(), c.raw(), out, 1.0f, 0.0f, splits);
@@ -330,8 +341,10 @@ TEST(CudaFp8Gemm, EveryGridAndClusterIsBitwiseOneCtaPerTile) {
     return std::string("grid ") + (v.grid ? v.grid : "persistent") + ", cluster " + v.cluster + ", scales " + v.scales +
            ", CTAs per SM " + v.occupancy + ", band " + v.band + ", store " + v.store;
   };
+  // N = 144 and 528: a last column tile of 16 columns (its second 64-column store box wholly past N).
   const Shape shapes[] = {{5, 2048, 2048}, {64, 4096, 2048},   {256, 12288, 2048}, {256, 2048, 6144},
-                          {130, 640, 384}, {1000, 1536, 1024}, {4096, 2048, 2048}, {77, 384, 640}};
+                          {130, 640, 384}, {1000, 1536, 1024}, {4096, 2048, 2048}, {77, 384, 640},
+                          {200, 528, 384}, {70, 144, 256}};
   for (const Shape& s : shapes) {
     const Operands o = make_operands(be, s.M, s.N, s.K, static_cast<uint32_t>(s.M * 5 + s.N + 3 * s.K));
     for (int splits : {1, 3})
@@ -380,7 +393,7 @@ TEST(CudaFp8Gemm, EveryGridAndClusterIsBitwiseOneCtaPerTile) {
   for (const QuantTensor& d : db) bp.push_back(d.data.data<uint8_t>()), sp.push_back(d.scales.data<float>());
   for (int bm : {64, 128}) {
     auto grouped = [&] {
-      Tensor c = be.alloc({R, N}, DType::BF16);
+      Tensor c = poisoned(be, {R, N}, DType::BF16);
       be.gemm().gemm_fp8_grouped(offsets, N, K, da.data.data<uint8_t>(), da.scales.data<float>(), false, bp, sp,
                                  c.raw(), DType::BF16, 1.0f, 0.0f, bm);
       be.synchronize();

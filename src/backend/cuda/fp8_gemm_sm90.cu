@@ -357,7 +357,7 @@ __device__ __forceinline__ void store_tile_tma(const GemmParams& p, const float 
   if (tid == 0) {
     const int col = tl.n_tile * kBN, row = static_cast<int>(tl.m_base) + wg * 64;
     tma_store_2d(tm_c, buf, col, row);
-    tma_store_2d(tm_c, buf + 8192, col + 64, row);
+    if (col + 64 < p.N) tma_store_2d(tm_c, buf + 8192, col + 64, row);  // not a box wholly past N
     bulk_commit();
   }
 }
@@ -757,8 +757,11 @@ void launch(const uint8_t* a, int64_t rows, const uint8_t* b, int64_t N, int64_t
     }
   }
   if constexpr (kStages != 3) {
+    FP8RL_CHECK(kStages != 4 || !c.tma_store, "FP8 GEMM: the 4-stage ring has no TMA-store instance");
     if (c.smem_scales) launch_clusters<kConsumers, kStages, true, false>(ta, tb, ta, p, c, stream);
     else launch_clusters<kConsumers, kStages, false, false>(ta, tb, ta, p, c, stream);
+  } else {
+    FP8RL_CHECK(false, "FP8 GEMM: the 3-stage ring exists only with the TMA store");
   }
 }
 
@@ -819,7 +822,10 @@ void fp8_gemm_sm90(const Fp8GemmArgs& a, cudaStream_t stream) {
   const int m_tiles = static_cast<int>(ceil_div(a.M, int64_t{bm}));
   p.n_tiles = n_tiles, p.m_tiles = m_tiles, p.splits = used_splits;
   p.m_fastest = a.M <= 256;  // decode-sized: the few row blocks of one weight tile together
-  const KernelVariant cl = kernel_variant(m_tiles, n_tiles, false);
+  KernelVariant cl = kernel_variant(m_tiles, n_tiles, false);
+  // The TMA-store kernel only where its epilogue applies (else its 3-stage ring would be timed
+  // with the direct stores).
+  if (!(p.c_bf16 && !p.partials && p.beta == 0.0f) || reinterpret_cast<uintptr_t>(p.c) % 16) cl.tma_store = false;
   p.group_n = cl.band;
   if (small && cl.ctas_per_sm == 2 && cl.tma_store) launch<1, 3>(a.a, a.M, a.b, a.N, a.K, p, cl, stream);
   else if (small && cl.ctas_per_sm == 2) launch<1, 4>(a.a, a.M, a.b, a.N, a.K, p, cl, stream);
@@ -902,7 +908,8 @@ void fp8_gemm_sm90_grouped(const Fp8GroupedArgs& a, cudaStream_t stream) {
   const int n_tiles = static_cast<int>(ceil_div(a.N, int64_t{kBN}));
   p.n_tiles = n_tiles, p.m_tiles = static_cast<int>(tiles.size()), p.splits = 1;
   p.m_fastest = false;  // a group's row blocks share its B: n fastest within each
-  const KernelVariant cl = kernel_variant(p.m_tiles, n_tiles, true);  // cm = 1: the B maps' box is kBN rows
+  KernelVariant cl = kernel_variant(p.m_tiles, n_tiles, true);  // cm = 1: the B maps' box is kBN rows
+  if (!(p.c_bf16 && p.beta == 0.0f) || reinterpret_cast<uintptr_t>(p.c) % 16) cl.tma_store = false;
   p.group_n = cl.band;
   if (bm == 64 && cl.ctas_per_sm == 2 && cl.tma_store) launch<1, 3>(a.a, R, nullptr, a.N, a.K, p, cl, stream);
   else if (bm == 64 && cl.ctas_per_sm == 2) launch<1, 4>(a.a, R, nullptr, a.N, a.K, p, cl, stream);
