@@ -362,9 +362,10 @@ __device__ __forceinline__ void store_tile_tma(const GemmParams& p, const float 
   }
 }
 
-// The threads of a CTA (the consumer warpgroups and one producer warp) and the CTAs that fit on
-// an SM: two where the stage ring leaves room for a second (4 stages of 64-row tiles), so two
-// independent pipelines share each SM's tensor cores.
+// The threads of a CTA (the consumer warpgroups and one producer warp), the TMA-store epilogue's
+// buffer, and the CTAs that fit on an SM: two where the stage ring and the buffer leave room for
+// a second (64-row tiles: 4 stages, or 3 beside the buffer), so two independent pipelines share
+// each SM's tensor cores.
 constexpr int gemm_threads(int consumers) { return 128 * consumers + 32; }
 __host__ __device__ constexpr int gemm_store_bytes(int consumers, bool tma_store) {
   return tma_store ? consumers * 16384 : 0;
@@ -530,12 +531,12 @@ __global__ void __launch_bounds__(gemm_threads(kConsumers), gemm_ctas_per_sm(kCo
         for (int i = 0; i < 64; ++i) total[i] = fmaf(acc[i], (i & 2) ? s1 : s0, total[i]);
       }
       if (n_in) {
-        // TMA stores where the tile's rows are its own up to M (a grouped tile ending inside its
-        // 64 rows would overwrite the next group's): uniform across the warpgroup.
+        // TMA stores (the instance runs only where its epilogue applies: tma_store_applies) where
+        // the warpgroup's rows are its own up to M (a grouped tile ending inside its 64 rows
+        // would overwrite the next group's): uniform across the warpgroup.
         bool tma = false;
         if constexpr (kTmaStore)
-          tma = p.c_bf16 && !p.partials && p.beta == 0.0f && tl.m_base + wg * 64 < tl.m_end &&
-                (!p.tiles || tl.m_base + (wg + 1) * 64 <= tl.m_end);
+          tma = tl.m_base + wg * 64 < tl.m_end && (!p.tiles || tl.m_base + (wg + 1) * 64 <= tl.m_end);
         if (tma) store_tile_tma(p, total, tl, wg, tid, sm_c + wg * 16384, &tm_c);
         else store_tile(p, total, tl, row0, row1, lane);
       }
@@ -750,9 +751,7 @@ void launch(const uint8_t* a, int64_t rows, const uint8_t* b, int64_t N, int64_t
   // 4-stage ring only without it.
   if constexpr (kStages != 4) {
     if (c.tma_store) {
-      // The output's map where the TMA store can apply (BF16, no split partials, beta = 0).
-      const bool bf16_out = p.c_bf16 && !p.partials && p.beta == 0.0f;
-      launch_clusters<kConsumers, kStages, false, true>(ta, tb, bf16_out ? output_map(p) : ta, p, c, stream);
+      launch_clusters<kConsumers, kStages, false, true>(ta, tb, output_map(p), p, c, stream);
       return;
     }
   }
@@ -763,6 +762,23 @@ void launch(const uint8_t* a, int64_t rows, const uint8_t* b, int64_t N, int64_t
   } else {
     FP8RL_CHECK(false, "FP8 GEMM: the 3-stage ring exists only with the TMA store");
   }
+}
+
+// Whether the TMA-store epilogue applies to the product: BF16 output, no split partials, beta = 0,
+// a 16-byte-aligned C (the tensor map's base). Elsewhere the variant runs the direct stores (so
+// its 3-stage ring is never timed with them).
+bool tma_store_applies(const GemmParams& p) {
+  return p.c_bf16 && !p.partials && p.beta == 0.0f && reinterpret_cast<uintptr_t>(p.c) % 16 == 0;
+}
+
+// The instance for the row block (64 rows: small) and the variant's CTAs per SM and store.
+void launch_variant(bool small, const uint8_t* a, int64_t rows, const uint8_t* b, int64_t N, int64_t K,
+                    const GemmParams& p, KernelVariant c, cudaStream_t stream) {
+  if (!tma_store_applies(p)) c.tma_store = false;
+  if (small && c.ctas_per_sm == 2 && c.tma_store) launch<1, 3>(a, rows, b, N, K, p, c, stream);
+  else if (small && c.ctas_per_sm == 2) launch<1, 4>(a, rows, b, N, K, p, c, stream);
+  else if (small) launch<1, 8>(a, rows, b, N, K, p, c, stream);
+  else launch<2, 6>(a, rows, b, N, K, p, c, stream);
 }
 
 }  // namespace
@@ -822,15 +838,9 @@ void fp8_gemm_sm90(const Fp8GemmArgs& a, cudaStream_t stream) {
   const int m_tiles = static_cast<int>(ceil_div(a.M, int64_t{bm}));
   p.n_tiles = n_tiles, p.m_tiles = m_tiles, p.splits = used_splits;
   p.m_fastest = a.M <= 256;  // decode-sized: the few row blocks of one weight tile together
-  KernelVariant cl = kernel_variant(m_tiles, n_tiles, false);
-  // The TMA-store kernel only where its epilogue applies (else its 3-stage ring would be timed
-  // with the direct stores).
-  if (!(p.c_bf16 && !p.partials && p.beta == 0.0f) || reinterpret_cast<uintptr_t>(p.c) % 16) cl.tma_store = false;
+  const KernelVariant cl = kernel_variant(m_tiles, n_tiles, false);
   p.group_n = cl.band;
-  if (small && cl.ctas_per_sm == 2 && cl.tma_store) launch<1, 3>(a.a, a.M, a.b, a.N, a.K, p, cl, stream);
-  else if (small && cl.ctas_per_sm == 2) launch<1, 4>(a.a, a.M, a.b, a.N, a.K, p, cl, stream);
-  else if (small) launch<1, 8>(a.a, a.M, a.b, a.N, a.K, p, cl, stream);
-  else launch<2, 6>(a.a, a.M, a.b, a.N, a.K, p, cl, stream);
+  launch_variant(small, a.a, a.M, a.b, a.N, a.K, p, cl, stream);
   if (p.partials) {
     const int64_t mn = a.M * a.N, threads = 256, blocks = ceil_div(ceil_div(mn, int64_t{4}), threads);
     if (p.c_bf16)
@@ -908,13 +918,9 @@ void fp8_gemm_sm90_grouped(const Fp8GroupedArgs& a, cudaStream_t stream) {
   const int n_tiles = static_cast<int>(ceil_div(a.N, int64_t{kBN}));
   p.n_tiles = n_tiles, p.m_tiles = static_cast<int>(tiles.size()), p.splits = 1;
   p.m_fastest = false;  // a group's row blocks share its B: n fastest within each
-  KernelVariant cl = kernel_variant(p.m_tiles, n_tiles, true);  // cm = 1: the B maps' box is kBN rows
-  if (!(p.c_bf16 && p.beta == 0.0f) || reinterpret_cast<uintptr_t>(p.c) % 16) cl.tma_store = false;
+  const KernelVariant cl = kernel_variant(p.m_tiles, n_tiles, true);  // cm = 1: the B maps' box is kBN rows
   p.group_n = cl.band;
-  if (bm == 64 && cl.ctas_per_sm == 2 && cl.tma_store) launch<1, 3>(a.a, R, nullptr, a.N, a.K, p, cl, stream);
-  else if (bm == 64 && cl.ctas_per_sm == 2) launch<1, 4>(a.a, R, nullptr, a.N, a.K, p, cl, stream);
-  else if (bm == 64) launch<1, 8>(a.a, R, nullptr, a.N, a.K, p, cl, stream);
-  else launch<2, 6>(a.a, R, nullptr, a.N, a.K, p, cl, stream);
+  launch_variant(bm == 64, a.a, R, nullptr, a.N, a.K, p, cl, stream);
 }
 
 }  // namespace fp8rl::cuda
