@@ -203,7 +203,7 @@ PYEOF
       # cluster:scales:CTAs-per-SM (FP8RL_FP8_GEMM_CLUSTER, _SCALES, _OCCUPANCY; the last for 64-row tiles)
       for v in ${FP8RL_GEMM_VARIANTS:-1x1:global:1 1x1:smem:1 1x1:global:2 1x1:smem:2 2x1:smem:1}; do
         IFS=: read -r vc vs vo vb vt <<< "$v"
-        vb=${vb:-0} vt=${vt:-direct}
+        vb=${vb:-0}; [ "$vs" = global ] && vt=${vt:-tma}; vt=${vt:-direct}
         { echo "== cluster $vc, scales $vs, CTAs per SM (64-row tiles) $vo, band $vb, store $vt"
           FP8RL_FP8_GEMM_STORE=$vt FP8RL_FP8_GEMM_BAND=$vb FP8RL_FP8_GEMM_CLUSTER=$vc FP8RL_FP8_GEMM_SCALES=$vs FP8RL_FP8_GEMM_OCCUPANCY=$vo timeout 60 "$FP8RL" bench-gemm \
             --shapes "${FP8RL_GEMM_SHAPES:-8192x12288x2048,8192x4096x2048,8192x2048x6144,256x12288x2048,256x4096x2048,256x2048x2048,256x2048x6144}" | grep -A8 "^linear"
@@ -257,6 +257,14 @@ PYEOF
           --warmup 0 > "$OUT/ncu_decode_$r.csv" 2> "$OUT/ncu_decode_$r.log"
         note "ncu decode step ($r): rc=$?"
         python3 scripts/ncu_kernel_sum.py "$OUT/ncu_decode_$r.csv" --per sample_gumbel_merge --rows 256 | head -30 | tee -a "$SUMMARY"
+      done ;;
+    moe_trainstep_profile)  # issue 16: the per-op stream time of one MoE train step, bf16 and fp8
+      for prec in bf16 fp8; do
+        FP8RL_CUDA_PROFILE=1 timeout $(( $(left) / 2 )) "$FP8RL" bench-train-step --device cuda --precision $prec \
+          --model qwen3-30b-a3b --layers "${FP8RL_MOE_TRAIN_LAYERS:-6}" --seqs 8 --seq-len 2048 --prompt-len 2040 \
+          --repeats 1 --grad-dtype bf16 > "$OUT/moe_trainstep_profile_$prec.log" 2>&1
+        note "bench-train-step qwen3-30b-a3b $prec (profile): rc=$?"
+        grep -A24 "cuda op profile" "$OUT/moe_trainstep_profile_$prec.log" | tail -25 | tee -a "$SUMMARY"
       done ;;
     trainstep_profile)  # the per-op stream time of one bf16 and one fp8 train step (1B shape)
       for prec in bf16 fp8; do

@@ -601,13 +601,17 @@ CUtensorMap tensor_map(const uint8_t* base, int64_t rows, int64_t K, int box_row
 // decode M; the smem scales were 0-4% faster than global before the lean epilogue and are 13%
 // slower after it at M = 8192 (their 4-byte cp.async copies queue behind the epilogue's stores:
 // ncu shows the consumers' full-barrier wait doubled); bands of 4-16 columns change nothing. The
-// grouped product shares only A (its tiles along M belong to different experts' weights).
+// grouped product shares only A (its tiles along M belong to different experts' weights). The
+// epilogue: FP8RL_FP8_GEMM_STORE=tma (the default with global scales) or direct. Measured
+// (bench-gemm, session 11): the TMA store is 6-11% faster on dense products at M = 8192, 0-11%
+// at M = 256, and 14-36% on the grouped products (0.59x -> 0.67x and 0.53x -> 0.70x of cuBLASLt's
+// dense TF/s), where the direct stores' drain was the largest share.
 struct KernelVariant {
   int cm = 1, cn = 1;
   bool smem_scales = false;  // FP8RL_FP8_GEMM_SCALES=smem: the producer stages the scales in shared memory
   int ctas_per_sm = 2;       // FP8RL_FP8_GEMM_OCCUPANCY=1: 64-row tiles with 8 stages, one CTA per SM
   int band = 0;              // FP8RL_FP8_GEMM_BAND=n: the n-fastest tile order in bands of n tile columns
-  bool tma_store = false;    // FP8RL_FP8_GEMM_STORE=tma: the epilogue through shared memory and a TMA store
+  bool tma_store = true;     // FP8RL_FP8_GEMM_STORE=direct: the epilogue's registers stored straight to global
 };
 KernelVariant kernel_variant(int64_t m_tiles, int64_t n_tiles, bool grouped) {
   // The default is 1x1. Measured (bench-gemm, session 9): 2x1 is 1-3% faster on dense products
@@ -638,14 +642,16 @@ KernelVariant kernel_variant(int64_t m_tiles, int64_t n_tiles, bool grouped) {
                 "FP8RL_FP8_GEMM_BAND must be a tile-column count (0: no bands), got '", e, "'");
     c.band = static_cast<int>(v);
   }
+  // The store buffer and the scale copies do not both fit beside the 6-stage ring: smem scales
+  // take the direct stores unless the TMA store is asked for too, which is an error.
+  if (c.smem_scales) c.tma_store = false;
   if (const char* e = std::getenv("FP8RL_FP8_GEMM_STORE")) {
     const std::string v(e);
     FP8RL_CHECK(v == "direct" || v == "tma", "FP8RL_FP8_GEMM_STORE must be direct or tma, got '", v, "'");
     c.tma_store = v == "tma";
+    FP8RL_CHECK(!(c.tma_store && c.smem_scales),
+                "FP8RL_FP8_GEMM_STORE=tma needs FP8RL_FP8_GEMM_SCALES=global (both do not fit in shared memory)");
   }
-  // The store buffer and the scale copies do not both fit beside the 6-stage ring.
-  FP8RL_CHECK(!(c.tma_store && c.smem_scales),
-              "FP8RL_FP8_GEMM_STORE=tma needs FP8RL_FP8_GEMM_SCALES=global (both do not fit in shared memory)");
   if (grouped) c.cm = 1;
   if (m_tiles < 2) c.cm = 1;
   if (n_tiles < 2) c.cn = 1;
