@@ -200,14 +200,16 @@ PYEOF
           "$OUT/ncu_paged_$tag.log" | head -24 | tee -a "$SUMMARY"
       done ;;
     gemm_variants)  # issues 14 and 16: the own FP8 GEMM's variants side by side (bench-gemm --shapes)
-      # cluster:scales:CTAs-per-SM (FP8RL_FP8_GEMM_CLUSTER, _SCALES, _OCCUPANCY; the last for 64-row tiles)
+      # cluster:scales:CTAs-per-SM[:band[:store[:splitk]]] (FP8RL_FP8_GEMM_CLUSTER, _SCALES, _OCCUPANCY
+      # (64-row tiles), _BAND, _STORE, _SPLITK)
       for v in ${FP8RL_GEMM_VARIANTS:-1x1:global:1 1x1:smem:1 1x1:global:2 1x1:smem:2 2x1:smem:1}; do
-        IFS=: read -r vc vs vo vb vt <<< "$v"
-        vb=${vb:-0}; [ "$vs" = global ] && vt=${vt:-tma}; vt=${vt:-direct}
-        { echo "== cluster $vc, scales $vs, CTAs per SM (64-row tiles) $vo, band $vb, store $vt"
-          FP8RL_FP8_GEMM_STORE=$vt FP8RL_FP8_GEMM_BAND=$vb FP8RL_FP8_GEMM_CLUSTER=$vc FP8RL_FP8_GEMM_SCALES=$vs FP8RL_FP8_GEMM_OCCUPANCY=$vo timeout 60 "$FP8RL" bench-gemm \
-            --shapes "${FP8RL_GEMM_SHAPES:-8192x12288x2048,8192x4096x2048,8192x2048x6144,256x12288x2048,256x4096x2048,256x2048x2048,256x2048x6144}" | grep -A8 "^linear"
-          FP8RL_FP8_GEMM_STORE=$vt FP8RL_FP8_GEMM_BAND=$vb FP8RL_FP8_GEMM_CLUSTER=$vc FP8RL_FP8_GEMM_SCALES=$vs FP8RL_FP8_GEMM_OCCUPANCY=$vo timeout 60 "$FP8RL" bench-gemm --grouped-only | grep -A3 "^grouped"
+        IFS=: read -r vc vs vo vb vt vk <<< "$v"
+        vb=${vb:-0}; [ "$vs" = global ] && vt=${vt:-tma}; vt=${vt:-direct}; vk=${vk:-workspace}
+        venv="FP8RL_FP8_GEMM_STORE=$vt FP8RL_FP8_GEMM_BAND=$vb FP8RL_FP8_GEMM_CLUSTER=$vc FP8RL_FP8_GEMM_SCALES=$vs FP8RL_FP8_GEMM_OCCUPANCY=$vo FP8RL_FP8_GEMM_SPLITK=$vk"
+        { echo "== cluster $vc, scales $vs, CTAs per SM (64-row tiles) $vo, band $vb, store $vt, split-K $vk"
+          env $venv timeout 60 "$FP8RL" bench-gemm \
+            --shapes "${FP8RL_GEMM_SHAPES:-8192x12288x2048,8192x4096x2048,8192x2048x6144,256x12288x2048,256x4096x2048,256x2048x2048,256x2048x6144}" | grep -A12 "^linear"
+          [ -n "${FP8RL_GEMM_NO_GROUPED:-}" ] || env $venv timeout 60 "$FP8RL" bench-gemm --grouped-only | grep -A3 "^grouped"
         } >> "$OUT/gemm_variants.log" 2>&1
       done
       note "gemm variants (own TF/s column):"; tee -a "$SUMMARY" < "$OUT/gemm_variants.log" ;;
