@@ -86,6 +86,12 @@ if [ "${FP8RL_GPU_TESTS:-1}" = 1 ]; then
   grep -E '^\[  FAILED|Failure' "$OUT/gpu_tests.log" | head -20 >> "$SUMMARY"
   # A failing tensor-core paged-attention kernel must not feed the benchmarks: fall back, say so.
   grep -qE '^\[  FAILED  \] CudaFp8Gemm' "$OUT/gpu_tests.log" && { OWN_GEMM_BROKEN=1; note "own FP8 GEMM tests FAILED"; }
+  # FP8RL_BENCH_SPLITK=cluster: the benchmark stages run the cluster split-K, once its bitwise test passed.
+  if [ -n "${FP8RL_BENCH_SPLITK:-}" ]; then
+    if grep -qE '^\[       OK \] CudaFp8Gemm.EveryGridAndClusterIsBitwiseOneCtaPerTile' "$OUT/gpu_tests.log"; then
+      export FP8RL_FP8_GEMM_SPLITK=$FP8RL_BENCH_SPLITK; note "benchmarks run with FP8RL_FP8_GEMM_SPLITK=$FP8RL_BENCH_SPLITK"
+    else note "FP8RL_BENCH_SPLITK ignored: the bitwise variant test did not pass"; fi
+  fi
   if grep -qE '^\[  FAILED  \] CudaPagedAttention' "$OUT/gpu_tests.log"; then
     # A failing variant of the tensor-core kernel (its trace names it) is never picked (stage
     # pick_paged); a failing original kernel sends every benchmark to the tiled kernel.

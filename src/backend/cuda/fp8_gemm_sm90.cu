@@ -498,7 +498,9 @@ __global__ void __launch_bounds__(gemm_threads(kConsumers), gemm_ctas_per_sm(kCo
   // each when the grid has a CTA per tile; persistent otherwise). The producer and the consumers
   // walk the same tiles and count the stage uses `g` across them, so the ring runs on from one
   // tile into the next: the next tile's loads overlap this tile's last MMAs and its epilogue.
-  const int64_t first = blockIdx.x / kCluster, step = gridDim.x / kCluster;
+  // (kSplitK: the cluster's CTAs, its splits, walk the same tiles.)
+  const int cluster_ctas = kSplitK ? n_splits : kCluster;
+  const int64_t first = blockIdx.x / cluster_ctas, step = gridDim.x / cluster_ctas;
   const int64_t tiles =
       static_cast<int64_t>(kCN == 1 ? p.n_tiles : p.ct_n) * (kCM == 1 ? p.m_tiles : p.ct_m) * p.splits;
   if (wg == kConsumers) {  // the producer warp: one thread issues every tile load (all, with the scales)
