@@ -267,12 +267,12 @@ PYEOF
         python3 scripts/ncu_kernel_sum.py "$OUT/ncu_decode_$r.csv" --per sample_gumbel_merge --rows 256 | head -30 | tee -a "$SUMMARY"
       done ;;
     moe_trainstep_profile)  # issue 16: the per-op stream time of one MoE train step, bf16 and fp8
-      for prec in bf16 fp8; do
-        FP8RL_CUDA_PROFILE=1 timeout $(( $(left) / 2 )) "$FP8RL" bench-train-step --device cuda --precision $prec \
+      for prec in ${FP8RL_MOE_PROFILE_PRECS:-bf16 fp8}; do
+        FP8RL_CUDA_PROFILE=${FP8RL_PROFILE_LEVEL:-1} timeout $(( $(left) / 2 )) "$FP8RL" bench-train-step --device cuda --precision $prec \
           --model qwen3-30b-a3b --layers "${FP8RL_MOE_TRAIN_LAYERS:-6}" --seqs 8 --seq-len 2048 --prompt-len 2040 \
           --repeats 1 --grad-dtype bf16 > "$OUT/moe_trainstep_profile_$prec.log" 2>&1
         note "bench-train-step qwen3-30b-a3b $prec (profile): rc=$?"
-        grep -A24 "cuda op profile" "$OUT/moe_trainstep_profile_$prec.log" | tail -25 | tee -a "$SUMMARY"
+        grep -A${FP8RL_PROFILE_ROWS:-24} "cuda op profile" "$OUT/moe_trainstep_profile_$prec.log" | tee -a "$SUMMARY"
       done ;;
     trainstep_profile)  # the per-op stream time of one bf16 and one fp8 train step (1B shape)
       for prec in bf16 fp8; do

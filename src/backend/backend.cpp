@@ -350,6 +350,20 @@ double Backend::sum_squares(const Tensor& x) {
   return sum_squares_impl(x);
 }
 
+double Backend::sum_squares_total(const std::vector<const Tensor*>& xs) {
+  const Contract c(*this);
+  for (const Tensor* x : xs) c.on_device(*x, "sum_squares operand");
+  std::vector<double> each(xs.size(), 0.0);
+  sum_squares_each_impl(xs, each);
+  double total = 0.0;
+  for (double v : each) total += v;
+  return total;
+}
+
+void Backend::sum_squares_each_impl(const std::vector<const Tensor*>& xs, std::vector<double>& out) {
+  for (size_t i = 0; i < xs.size(); ++i) out[i] = sum_squares_impl(*xs[i]);
+}
+
 bool Backend::all_finite(const Tensor& x) {
   Contract(*this).on_device(x, "all_finite operand");
   return all_finite_impl(x);
@@ -546,7 +560,7 @@ void Backend::swiglu_backward_fp8(const Tensor& dout, const Tensor& gate, const 
 void Backend::rmsnorm_fp8_impl(const Tensor& x, const Tensor& w, float eps, Tensor& out, Tensor* rstd, Fp8View& fp8) {
   const int64_t D = out.dim(-1);
   rmsnorm_impl(x, w, eps, out, rstd);
-  quantize_impl(out.reshape({out.numel() / D, D}), false, fp8.q);
+  quantize_impl(out.reshape({out.numel() / D, D}), false, fp8.q, false);
   fp8.scales_gemm_layout = false;
   fp8.source = out.raw();
 }
@@ -563,7 +577,7 @@ void Backend::add_rmsnorm_impl(const Tensor& a, const Tensor& b, Tensor& sum, co
   rmsnorm_impl(sum, w, eps, out, rstd);
   if (fp8) {
     const int64_t D = out.dim(-1);
-    quantize_impl(out.reshape({out.numel() / D, D}), false, fp8->q);
+    quantize_impl(out.reshape({out.numel() / D, D}), false, fp8->q, false);
     fp8->scales_gemm_layout = false;
     fp8->source = out.raw();
   }
@@ -572,7 +586,7 @@ void Backend::add_rmsnorm_impl(const Tensor& a, const Tensor& b, Tensor& sum, co
 void Backend::swiglu_fp8_impl(const Tensor& gate, const Tensor& up, Tensor& out, Fp8View& fp8) {
   const int64_t D = out.dim(-1);
   swiglu_impl(gate, up, out);
-  quantize_impl(out.reshape({out.numel() / D, D}), false, fp8.q);
+  quantize_impl(out.reshape({out.numel() / D, D}), false, fp8.q, false);
   fp8.scales_gemm_layout = false;
   fp8.source = out.raw();
 }
@@ -580,7 +594,7 @@ void Backend::swiglu_fp8_impl(const Tensor& gate, const Tensor& up, Tensor& out,
 void Backend::add_fp8_impl(const Tensor& a, const Tensor& b, Tensor& out, Fp8View& fp8) {
   const int64_t D = out.dim(-1);
   add_impl(a, b, out);
-  quantize_impl(out.reshape({out.numel() / D, D}), false, fp8.q);
+  quantize_impl(out.reshape({out.numel() / D, D}), false, fp8.q, false);
   fp8.scales_gemm_layout = false;
   fp8.source = out.raw();
 }
@@ -590,7 +604,7 @@ void Backend::swiglu_backward_fp8_impl(const Tensor& dout, const Tensor& gate, c
   const int64_t F = dgate.dim(-1);
   swiglu_backward_impl(dout, gate, up, dgate, dup);
   for (auto [d, v] : {std::pair<Tensor*, Fp8View*>{&dgate, &dgate_fp8}, {&dup, &dup_fp8}}) {
-    quantize_impl(d->reshape({d->numel() / F, F}), false, v->q);
+    quantize_impl(d->reshape({d->numel() / F, F}), false, v->q, false);
     v->scales_gemm_layout = false;
     v->source = d->raw();
   }
@@ -957,7 +971,7 @@ void Backend::adamw(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, con
   adamw_impl(param, grad, m, v, p);
 }
 
-void Backend::quantize(const Tensor& x, bool transpose, QuantTensor& out) {
+void Backend::quantize(const Tensor& x, bool transpose, QuantTensor& out, bool deferred) {
   const Contract c(*this);
   c.floating(x, "quantize input");
   FP8RL_CHECK(x.ndim() == 2, "quantize: the input must be 2-D [rows, cols], got ", x.str());
@@ -970,7 +984,7 @@ void Backend::quantize(const Tensor& x, bool transpose, QuantTensor& out) {
   check_shape(out.data, {R, C}, "quantized data");
   check_dtype(out.scales, DType::F32, "quantization scales");
   check_shape(out.scales, {ceil_div(R, out.block_rows), ceil_div(C, out.block_cols)}, "quantization scales");
-  quantize_impl(x, transpose, out);
+  quantize_impl(x, transpose, out, deferred);
 }
 
 // ---- generation ----

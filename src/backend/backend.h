@@ -245,6 +245,9 @@ class Backend {
   void add(const Tensor& a, const Tensor& b, Tensor& out);  // out = a + b (out may alias a)
   void scale(Tensor& x, float s);                           // x *= s
   double sum_squares(const Tensor& x);                      // sum x^2 (F32/BF16), FP64 result
+  // sum_squares of each tensor, added in order on the host: bitwise the loop of sum_squares, with
+  // one synchronization for all (the gradient norm over thousands of expert tensors).
+  double sum_squares_total(const std::vector<const Tensor*>& xs);
   bool all_finite(const Tensor& x);
   // acc[i] = max(acc[i], max |x|): x F32/BF16/F64, acc F32 [n] on this device with acc[i] >= 0
   // (or NaN), 0 <= i < n; NaN when x holds a NaN. Asynchronous on a device: the forward collects
@@ -446,7 +449,10 @@ class Backend {
   // ---- quantization ----------------------------------------------------------------------
   // Bitwise equal to quantize_blocks_into (quant/quant.h): x [r, c] (F32 or BF16) into out
   // (data [r, c], or [c, r] with transpose), reusing out's buffers (refit writes in place).
-  void quantize(const Tensor& x, bool transpose, QuantTensor& out);
+  // A non-finite input throws NonFiniteError on return, or with `deferred` at the next
+  // synchronizing call (synchronize, a copy to the host): many weights quantized in a row (the
+  // trainer's per-step copies) then cost no host round trip each.
+  void quantize(const Tensor& x, bool transpose, QuantTensor& out, bool deferred = false);
 
   // ---- generation --------------------------------------------------------------------------
   // Allocates a paged cache (scales initialized to 1); latent_v_dim > 0 (<= head_dim): MLA's
@@ -532,6 +538,7 @@ class Backend {
   virtual void add_impl(const Tensor& a, const Tensor& b, Tensor& out) = 0;
   virtual void scale_impl(Tensor& x, float s) = 0;
   virtual double sum_squares_impl(const Tensor& x) = 0;
+  virtual void sum_squares_each_impl(const std::vector<const Tensor*>& xs, std::vector<double>& out);
   virtual bool all_finite_impl(const Tensor& x) = 0;
   virtual void amax_impl(const Tensor& x, Tensor& acc, int64_t i);
   virtual void embedding_impl(const Tensor& ids, const Tensor& table, Tensor& out) = 0;
@@ -597,7 +604,7 @@ class Backend {
   virtual void moe_unpermute_backward_weights_impl(const Tensor& dout, const Tensor& y, const Tensor& slot_row,
                                                    Tensor& dweights) = 0;
   virtual void adamw_impl(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWParams& p) = 0;
-  virtual void quantize_impl(const Tensor& x, bool transpose, QuantTensor& out) = 0;
+  virtual void quantize_impl(const Tensor& x, bool transpose, QuantTensor& out, bool deferred) = 0;
   virtual void kv_write_impl(KvCache& cache, int layer, const Tensor& k, const Tensor& v, const PagedBatch& batch) = 0;
   virtual void kv_round_impl(Tensor& x, const std::vector<float>& head_scale) = 0;
   virtual void attention_paged_impl(const KvCache& cache, int layer, const Tensor& q, const PagedBatch& batch,

@@ -89,14 +89,29 @@ void memory_cases(std::vector<OpCase>& t) {
                  Tensor ss = Tensor::empty({1}, DType::F64);  // host results of the reductions
                  ss.data<double>()[0] = r.be.sum_squares(r["a"]);
                  r.out["sum_squares"] = ss;
+                 // sum_squares_total: bitwise the in-order loop of sum_squares on the same backend.
+                 Tensor tot = Tensor::empty({2}, DType::F64);
+                 tot.data<double>()[0] = r.be.sum_squares_total({&r["a"], &r["b"], &r["a"]});
+                 double loop = 0.0;
+                 for (const char* n : {"a", "b", "a"}) loop += r.be.sum_squares(r[n]);
+                 tot.data<double>()[1] = loop;
+                 r.out["sum_squares_total"] = tot;
                  Tensor fin = Tensor::empty({3}, DType::I32);
                  fin.data<int32_t>()[0] = r.be.all_finite(r["a"]);
                  fin.data<int32_t>()[1] = r.be.all_finite(r["bad"]);
                  fin.data<int32_t>()[2] = r.be.all_finite(r["ninf"]);
                  r.out["all_finite"] = fin;
                },
-               {{"sum", rel(1e-7)}, {"scaled", rel(1e-7)}, {"sum_squares", rel(1e-9)}, {"all_finite", bitwise()}}});
-  t.back().invariants = [](const Tensors& o) { EXPECT_EQ(values(o.at("all_finite")), (std::vector<double>{1, 0, 0})); };
+               {{"sum", rel(1e-7)},
+                {"scaled", rel(1e-7)},
+                {"sum_squares", rel(1e-9)},
+                {"sum_squares_total", rel(1e-9)},
+                {"all_finite", bitwise()}}});
+  t.back().invariants = [](const Tensors& o) {
+    EXPECT_EQ(values(o.at("all_finite")), (std::vector<double>{1, 0, 0}));
+    const std::vector<double> tot = values(o.at("sum_squares_total"));
+    EXPECT_EQ(tot[0], tot[1]) << "sum_squares_total differs from the loop of sum_squares";
+  };
   t.back().errors = [](OpRun& r) {
     Tensor wrong = r.be.alloc({4, 5}, DType::F32);
     EXPECT_THROW(r.be.add(r["a"], r["b"], wrong), Error);

@@ -60,6 +60,7 @@ class CudaBackend final : public Backend {
   void add_impl(const Tensor& a, const Tensor& b, Tensor& out) override;
   void scale_impl(Tensor& x, float s) override;
   double sum_squares_impl(const Tensor& x) override;
+  void sum_squares_each_impl(const std::vector<const Tensor*>& xs, std::vector<double>& out) override;
   bool all_finite_impl(const Tensor& x) override;
   void amax_impl(const Tensor& x, Tensor& acc, int64_t i) override;
 
@@ -125,7 +126,7 @@ class CudaBackend final : public Backend {
   void moe_unpermute_backward_weights_impl(const Tensor& dout, const Tensor& y, const Tensor& slot_row,
                                            Tensor& dweights) override;
   void adamw_impl(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWParams& p) override;
-  void quantize_impl(const Tensor& x, bool transpose, QuantTensor& out) override;
+  void quantize_impl(const Tensor& x, bool transpose, QuantTensor& out, bool deferred) override;
   void kv_write_impl(KvCache& cache, int layer, const Tensor& k, const Tensor& v, const PagedBatch& batch) override;
   void kv_round_impl(Tensor& x, const std::vector<float>& head_scale) override;
   void attention_paged_impl(const KvCache& cache, int layer, const Tensor& q, const PagedBatch& batch,
