@@ -356,9 +356,9 @@ void CudaBackend::scale_impl(Tensor& x, float s) {
 
 double CudaBackend::sum_squares_impl(const Tensor& x) {
   const OpTimer op_timer_(*this, "sum_squares");
-  Tensor acc = scratch(kSlotState, {1}, DType::F64);
+  Tensor acc = scratch(kSlotState, {1 + kSumSquaresPartials}, DType::F64);
   CUDA_CHECK(cudaMemsetAsync(acc.raw(), 0, sizeof(double), stream_), "zeroing the sum");
-  launch_sum_squares(x.raw(), x.dtype(), x.numel(), acc.data<double>(), stream_);
+  launch_sum_squares(x.raw(), x.dtype(), x.numel(), acc.data<double>(), acc.data<double>() + 1, stream_);
   double h = 0.0;
   CUDA_CHECK(cudaMemcpyAsync(&h, acc.raw(), sizeof(double), cudaMemcpyDeviceToHost, stream_), "reading the sum");
   CUDA_CHECK(cudaStreamSynchronize(stream_), "sum_squares");
@@ -366,20 +366,20 @@ double CudaBackend::sum_squares_impl(const Tensor& x) {
   return h;
 }
 
-// Each tensor's sum into its own slot (the same kernel and zeroed accumulator as sum_squares_impl:
-// the same values), one read back and one synchronization for all.
+// Each tensor's sum into its own slot (the same deterministic kernels as sum_squares_impl: the
+// same values), one read back and one synchronization for all.
 void CudaBackend::sum_squares_each_impl(const std::vector<const Tensor*>& xs, std::vector<double>& out) {
   if (xs.empty()) return;
   const OpTimer op_timer_(*this, "sum_squares");
   const int64_t n = static_cast<int64_t>(xs.size());
-  Tensor acc = scratch(kSlotState, {n}, DType::F64);
+  Tensor acc = scratch(kSlotState, {n + kSumSquaresPartials}, DType::F64);
   CUDA_CHECK(cudaMemsetAsync(acc.raw(), 0, static_cast<size_t>(n) * sizeof(double), stream_), "zeroing the sums");
-  for (int64_t i = 0; i < n; ++i)
+  for (int64_t i = 0; i < n; ++i)  // stream order: each reuses the partials after the previous
     launch_sum_squares(xs[static_cast<size_t>(i)]->raw(), xs[static_cast<size_t>(i)]->dtype(),
-                       xs[static_cast<size_t>(i)]->numel(), acc.data<double>() + i, stream_);
-  CUDA_CHECK(cudaMemcpyAsync(out.data(), acc.raw(), static_cast<size_t>(n) * sizeof(double), cudaMemcpyDeviceToHost,
-                             stream_),
-             "reading the sums");
+                       xs[static_cast<size_t>(i)]->numel(), acc.data<double>() + i, acc.data<double>() + n, stream_);
+  CUDA_CHECK(
+      cudaMemcpyAsync(out.data(), acc.raw(), static_cast<size_t>(n) * sizeof(double), cudaMemcpyDeviceToHost, stream_),
+      "reading the sums");
   CUDA_CHECK(cudaStreamSynchronize(stream_), "sum_squares");
   flag_drain();
 }

@@ -13,7 +13,7 @@ namespace fp8rl::cuda {
 
 namespace {
 
-#define GRID_STRIDE(i, n)                                                                          \
+#define GRID_STRIDE(i, n)                                                                \
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < (n); \
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
 
@@ -41,19 +41,19 @@ __device__ __forceinline__ void store_any(void* p, int t, int64_t i, float v) {
 }
 int code(DType t) {
   switch (t) {
-    case DType::F32: return 0;
-    case DType::BF16: return 1;
-    case DType::F16: return 2;
-    default: FP8RL_FAIL("expected a float dtype (F32, BF16, F16), got ", dtype_name(t));
+    case DType::F32:
+      return 0;
+    case DType::BF16:
+      return 1;
+    case DType::F16:
+      return 2;
+    default:
+      FP8RL_FAIL("expected a float dtype (F32, BF16, F16), got ", dtype_name(t));
   }
 }
 
-__global__ void fill_kernel(void* p, int t, int64_t n, float v) {
-  GRID_STRIDE(i, n) store_any(p, t, i, v);
-}
-__global__ void fill_i32_kernel(int32_t* p, int64_t n, int32_t v) {
-  GRID_STRIDE(i, n) p[i] = v;
-}
+__global__ void fill_kernel(void* p, int t, int64_t n, float v) { GRID_STRIDE(i, n) store_any(p, t, i, v); }
+__global__ void fill_i32_kernel(int32_t* p, int64_t n, int32_t v) { GRID_STRIDE(i, n) p[i] = v; }
 __global__ void convert_kernel(const void* s, int st, void* d, int dt, int64_t n) {
   GRID_STRIDE(i, n) store_any(d, dt, i, load_any(s, st, i));
 }
@@ -75,14 +75,34 @@ __global__ void add_vec_kernel(const T* a, const T* b, T* o, int64_t n8) {
 __global__ void scale_kernel(void* x, int t, int64_t n, float s) {
   GRID_STRIDE(i, n) store_any(x, t, i, load_any(x, t, i) * s);
 }
-__global__ void sum_squares_kernel(const void* x, int t, int64_t n, double* out) {
+// Deterministic: each block's sum of squares into partials[block] (its warps' sums added in warp
+// order), then one block adds the partials in a fixed order. No atomics, so a gradient norm is
+// the same double on every run (a loop of these sums and sum_squares_total agree bitwise).
+constexpr int kSumThreads = 256, kSumBlocks = static_cast<int>(kSumSquaresPartials);
+__device__ __forceinline__ double block_sum_ordered_d(double v) {
+  __shared__ double warps[kSumThreads / 32];
+  v = warp_sum_d(v);
+  if ((threadIdx.x & 31) == 0) warps[threadIdx.x / 32] = v;
+  __syncthreads();
+  double s = 0.0;
+  if (threadIdx.x == 0)
+    for (int w = 0; w < kSumThreads / 32; ++w) s += warps[w];
+  return s;  // thread 0's
+}
+__global__ void __launch_bounds__(kSumThreads) sum_squares_kernel(const void* x, int t, int64_t n, double* partials) {
   double acc = 0.0;
   GRID_STRIDE(i, n) {
     const double v = load_any(x, t, i);
     acc += v * v;
   }
-  acc = warp_sum_d(acc);
-  if ((threadIdx.x & 31) == 0) atomicAdd(out, acc);
+  acc = block_sum_ordered_d(acc);
+  if (threadIdx.x == 0) partials[blockIdx.x] = acc;
+}
+__global__ void __launch_bounds__(kSumThreads) sum_partials_kernel(const double* partials, int blocks, double* out) {
+  double acc = 0.0;
+  for (int i = threadIdx.x; i < blocks; i += kSumThreads) acc += partials[i];
+  acc = block_sum_ordered_d(acc);
+  if (threadIdx.x == 0) *out = acc;
 }
 // max |x| as the bits of a non-negative float (they order like the values; NaN bits exceed +inf's).
 __global__ void amax_kernel(const void* x, int t, int64_t n, uint32_t* out) {
@@ -170,18 +190,20 @@ void launch_scale(void* x, DType dtype, int64_t n, float s, cudaStream_t stream)
   CUDA_CHECK_LAUNCH("scale_kernel");
 }
 
-void launch_sum_squares(const void* x, DType dtype, int64_t n, double* out, cudaStream_t stream) {
+void launch_sum_squares(const void* x, DType dtype, int64_t n, double* out, double* partials, cudaStream_t stream) {
   if (n == 0) return;
-  sum_squares_kernel<<<grid_for(n, 256, 4096), 256, 0, stream>>>(x, code(dtype), n, out);
+  const unsigned blocks = grid_for(n, kSumThreads, kSumBlocks);
+  sum_squares_kernel<<<blocks, kSumThreads, 0, stream>>>(x, code(dtype), n, partials);
   CUDA_CHECK_LAUNCH("sum_squares_kernel");
+  sum_partials_kernel<<<1, kSumThreads, 0, stream>>>(partials, static_cast<int>(blocks), out);
+  CUDA_CHECK_LAUNCH("sum_partials_kernel");
 }
 
 void launch_amax(const void* x, DType dtype, int64_t n, uint32_t* out, cudaStream_t stream) {
   if (n == 0) return;
   if (dtype == DType::BF16 && n % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0)
     amax_bf16x8_kernel<<<grid_for(n / 8, 256, 2048), 256, 0, stream>>>(static_cast<const uint4*>(x), n / 8, out);
-  else
-    amax_kernel<<<grid_for(n, 256, 4096), 256, 0, stream>>>(x, code(dtype), n, out);
+  else amax_kernel<<<grid_for(n, 256, 4096), 256, 0, stream>>>(x, code(dtype), n, out);
   CUDA_CHECK_LAUNCH("amax_kernel");
 }
 
