@@ -86,12 +86,6 @@ if [ "${FP8RL_GPU_TESTS:-1}" = 1 ]; then
   grep -E '^\[  FAILED|Failure' "$OUT/gpu_tests.log" | head -20 >> "$SUMMARY"
   # A failing tensor-core paged-attention kernel must not feed the benchmarks: fall back, say so.
   grep -qE '^\[  FAILED  \] CudaFp8Gemm' "$OUT/gpu_tests.log" && { OWN_GEMM_BROKEN=1; note "own FP8 GEMM tests FAILED"; }
-  # FP8RL_BENCH_SPLITK=cluster: the benchmark stages run the cluster split-K, once its bitwise test passed.
-  if [ -n "${FP8RL_BENCH_SPLITK:-}" ]; then
-    if grep -qE '^\[       OK \] CudaFp8Gemm.EveryGridAndClusterIsBitwiseOneCtaPerTile' "$OUT/gpu_tests.log"; then
-      export FP8RL_FP8_GEMM_SPLITK=$FP8RL_BENCH_SPLITK; note "benchmarks run with FP8RL_FP8_GEMM_SPLITK=$FP8RL_BENCH_SPLITK"
-    else note "FP8RL_BENCH_SPLITK ignored: the bitwise variant test did not pass"; fi
-  fi
   if grep -qE '^\[  FAILED  \] CudaPagedAttention' "$OUT/gpu_tests.log"; then
     # A failing variant of the tensor-core kernel (its trace names it) is never picked (stage
     # pick_paged); a failing original kernel sends every benchmark to the tiled kernel.
@@ -206,13 +200,13 @@ PYEOF
           "$OUT/ncu_paged_$tag.log" | head -24 | tee -a "$SUMMARY"
       done ;;
     gemm_variants)  # issues 14 and 16: the own FP8 GEMM's variants side by side (bench-gemm --shapes)
-      # cluster:scales:CTAs-per-SM[:band[:store[:splitk]]] (FP8RL_FP8_GEMM_CLUSTER, _SCALES, _OCCUPANCY
-      # (64-row tiles), _BAND, _STORE, _SPLITK)
+      # cluster:scales:CTAs-per-SM[:band[:store]] (FP8RL_FP8_GEMM_CLUSTER, _SCALES, _OCCUPANCY
+      # (64-row tiles), _BAND, _STORE)
       for v in ${FP8RL_GEMM_VARIANTS:-1x1:global:1 1x1:smem:1 1x1:global:2 1x1:smem:2 2x1:smem:1}; do
-        IFS=: read -r vc vs vo vb vt vk <<< "$v"
-        vb=${vb:-0}; [ "$vs" = global ] && vt=${vt:-tma}; vt=${vt:-direct}; vk=${vk:-workspace}
-        venv="FP8RL_FP8_GEMM_STORE=$vt FP8RL_FP8_GEMM_BAND=$vb FP8RL_FP8_GEMM_CLUSTER=$vc FP8RL_FP8_GEMM_SCALES=$vs FP8RL_FP8_GEMM_OCCUPANCY=$vo FP8RL_FP8_GEMM_SPLITK=$vk"
-        { echo "== cluster $vc, scales $vs, CTAs per SM (64-row tiles) $vo, band $vb, store $vt, split-K $vk"
+        IFS=: read -r vc vs vo vb vt <<< "$v"
+        vb=${vb:-0}; [ "$vs" = global ] && vt=${vt:-tma}; vt=${vt:-direct}
+        venv="FP8RL_FP8_GEMM_STORE=$vt FP8RL_FP8_GEMM_BAND=$vb FP8RL_FP8_GEMM_CLUSTER=$vc FP8RL_FP8_GEMM_SCALES=$vs FP8RL_FP8_GEMM_OCCUPANCY=$vo"
+        { echo "== cluster $vc, scales $vs, CTAs per SM (64-row tiles) $vo, band $vb, store $vt"
           env $venv timeout 60 "$FP8RL" bench-gemm \
             --shapes "${FP8RL_GEMM_SHAPES:-8192x12288x2048,8192x4096x2048,8192x2048x6144,256x12288x2048,256x4096x2048,256x2048x2048,256x2048x6144}" | grep -A12 "^linear"
           [ -n "${FP8RL_GEMM_NO_GROUPED:-}" ] || env $venv timeout 60 "$FP8RL" bench-gemm --grouped-only | grep -A3 "^grouped"

@@ -300,7 +300,6 @@ TEST(CudaFp8Gemm, EveryGridAndClusterIsBitwiseOneCtaPerTile) {
     const char* occupancy = "1";
     const char* band = "0";
     const char* store = "direct";
-    const char* splitk = "workspace";
   };
   auto with = [](const Variant& v, auto&& fn) {
     if (v.grid) setenv("FP8RL_FP8_GEMM_GRID", v.grid, 1);
@@ -310,7 +309,6 @@ TEST(CudaFp8Gemm, EveryGridAndClusterIsBitwiseOneCtaPerTile) {
     setenv("FP8RL_FP8_GEMM_OCCUPANCY", v.occupancy, 1);
     setenv("FP8RL_FP8_GEMM_BAND", v.band, 1);
     setenv("FP8RL_FP8_GEMM_STORE", v.store, 1);
-    setenv("FP8RL_FP8_GEMM_SPLITK", v.splitk, 1);
     auto r = fn();
     unsetenv("FP8RL_FP8_GEMM_GRID");
     unsetenv("FP8RL_FP8_GEMM_CLUSTER");
@@ -318,7 +316,6 @@ TEST(CudaFp8Gemm, EveryGridAndClusterIsBitwiseOneCtaPerTile) {
     unsetenv("FP8RL_FP8_GEMM_OCCUPANCY");
     unsetenv("FP8RL_FP8_GEMM_BAND");
     unsetenv("FP8RL_FP8_GEMM_STORE");
-    unsetenv("FP8RL_FP8_GEMM_SPLITK");
     return r;
   };
   std::vector<Variant> variants;
@@ -339,20 +336,10 @@ TEST(CudaFp8Gemm, EveryGridAndClusterIsBitwiseOneCtaPerTile) {
   for (const char* grid : {static_cast<const char*>(nullptr), "tile"})
     for (const char* cluster : {"1x1", "2x1", "1x2", "2x2"})
       for (const char* occupancy : {"1", "2"}) variants.push_back({grid, cluster, "global", occupancy, "0", "tma"});
-  // The K splits of 64-row tiles as a cluster whose split-0 CTA adds the others' partials out of
-  // their shared memory (FP8RL_FP8_GEMM_SPLITK=cluster): every grid, ring and store; a 2x1
-  // multicast request is overridden (the cluster is the splits).
-  std::vector<Variant> split_variants;
-  for (const char* grid : {static_cast<const char*>(nullptr), "tile"})
-    for (const char* occupancy : {"1", "2"})
-      for (const char* store : {"direct", "tma"})
-        split_variants.push_back({grid, "1x1", "global", occupancy, "0", store, "cluster"});
-  split_variants.push_back({nullptr, "2x1", "global", "2", "0", "tma", "cluster"});
-  variants.insert(variants.end(), split_variants.begin(), split_variants.end());
   const Variant one_cta{"tile", "1x1", "global"};
   auto name = [](const Variant& v) {
     return std::string("grid ") + (v.grid ? v.grid : "persistent") + ", cluster " + v.cluster + ", scales " + v.scales +
-           ", CTAs per SM " + v.occupancy + ", band " + v.band + ", store " + v.store + ", split-K " + v.splitk;
+           ", CTAs per SM " + v.occupancy + ", band " + v.band + ", store " + v.store;
   };
   // N = 144 and 528: a last column tile of 16 columns (its second 64-column store box wholly past N).
   const Shape shapes[] = {{5, 2048, 2048}, {64, 4096, 2048},   {256, 12288, 2048}, {256, 2048, 6144},
@@ -371,20 +358,8 @@ TEST(CudaFp8Gemm, EveryGridAndClusterIsBitwiseOneCtaPerTile) {
           ASSERT_EQ(std::memcmp(c.raw(), ref.raw(), c.nbytes()), 0) << "differs from one CTA per tile";
         }
       }
-    // More splits for the cluster split-K (2 to 8 CTAs per cluster; 8 is its most), against the
-    // workspace's partials and reduction kernel.
-    for (int splits : {2, 5, 8}) {
-      auto run = [&] { return run_own(be, o, s.M, s.N, s.K, DType::BF16, false, splits); };
-      const Tensor ref_s = with(one_cta, run);
-      for (const Variant& v : split_variants) {
-        SCOPED_TRACE(testing::Message() << "M=" << s.M << " N=" << s.N << " K=" << s.K << " splits=" << splits << " "
-                                        << name(v));
-        const Tensor c = with(v, run);
-        ASSERT_EQ(std::memcmp(c.raw(), ref_s.raw(), c.nbytes()), 0) << "differs from the workspace's split-K";
-      }
-    }
     // beta = 1 over a prior C (the dgrad accumulation), BF16; A's scales in the [kb][M] layout.
-    // Also at 3 splits (the cluster split-K's CTA of split 0 applies beta).
+    // At one split (the kernel applies beta) and at 3 (the reduction kernel does).
     for (int splits : {1, 3}) {
       auto accumulate = [&] {
         Tensor c = be.to_device(

@@ -30,7 +30,6 @@
 #include <cudaTypedefs.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -90,46 +89,6 @@ __device__ __forceinline__ void mbar_arrive_cluster(uint64_t* bar, uint32_t rank
   // Default semantics (release at CTA scope), as for a local arrive: the stage's reads are the
   // warpgroup's finished MMAs; a cluster-scope release would fence memory at every stage.
   asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
-}
-
-// The cluster split-K's handshake (kSplitK): the CTAs of a cluster compute one tile's K splits,
-// and split 0's CTA (rank 0) adds the others' FP32 partials out of their shared memory. A
-// release arrive on another CTA's mbarrier (orders this CTA's earlier shared-memory writes and
-// reads before it, at cluster scope), the matching acquire wait, a peer's shared address, and a
-// 16-byte read from it.
-__device__ __forceinline__ uint32_t cluster_size() {
-  uint32_t n;
-  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
-  return n;
-}
-__device__ __forceinline__ void mbar_arrive_release_cluster(uint64_t* bar, uint32_t rank) {
-  uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(bar)), "r"(rank));
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
-}
-__device__ __forceinline__ void mbar_wait_acquire_cluster(uint64_t* bar, uint32_t parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "WAIT_CL:\n"
-      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%0], %1;\n"
-      "@!p bra WAIT_CL;\n"
-      "}\n" ::"r"(smem_addr(bar)),
-      "r"(parity)
-      : "memory");
-}
-__device__ __forceinline__ uint32_t peer_addr(const void* p, uint32_t rank) {
-  uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(p)), "r"(rank));
-  return remote;
-}
-__device__ __forceinline__ float4 ld_peer_f4(uint32_t addr) {
-  float4 v;
-  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
-               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-               : "r"(addr)
-               : "memory");
-  return v;
 }
 
 // A box of the tensor map written at the same shared offset of every CTA in `mask` (a cluster
@@ -306,14 +265,6 @@ __device__ __forceinline__ Tile tile_of(const GemmParams& p, int64_t t, const CU
   return tl;
 }
 
-// The cluster split-K (kSplitK): the tile's K blocks of split `rank` (every split non-empty:
-// the host sizes the cluster to the splits used).
-__device__ __forceinline__ void split_of_rank(const GemmParams& p, int rank, Tile& tl) {
-  tl.split = rank;
-  tl.kb0 = rank * p.kb_per_split;
-  tl.nk = min(p.kb_per_split, p.kblocks - tl.kb0);
-}
-
 // Two floats as BF16 (round to nearest even; NaN becomes the canonical NaN), v0 in the low half.
 __device__ __forceinline__ uint32_t pack_bf16x2(float v0, float v1) {
   uint32_t r;
@@ -415,18 +366,12 @@ __device__ __forceinline__ void store_tile_tma(const GemmParams& p, const float 
 // buffer, and the CTAs that fit on an SM: two where the stage ring and the buffer leave room for
 // a second (64-row tiles: 4 stages, or 3 beside the buffer), so two independent pipelines share
 // each SM's tensor cores.
-// The cluster split-K (kSplitK, one consumer warpgroup) needs 32 KB beside the ring: the FP32
-// partial of a 64 x 128 tile in the CTAs of splits 1.., the TMA store's 16 KB in split 0's.
 constexpr int gemm_threads(int consumers) { return 128 * consumers + 32; }
-__host__ __device__ constexpr int gemm_store_bytes(int consumers, bool tma_store, bool split_k = false) {
-  return split_k ? 32768 : tma_store ? consumers * 16384 : 0;
+__host__ __device__ constexpr int gemm_store_bytes(int consumers, bool tma_store) {
+  return tma_store ? consumers * 16384 : 0;
 }
-// Two CTAs fit in an SM's 228 KB where each takes at most 113 KB (1 KB of each is the system's).
-constexpr int gemm_ctas_per_sm(int consumers, int stages, bool tma_store, bool split_k = false) {
-  return stages * (64 * consumers + kBN) * kBK + gemm_store_bytes(consumers, tma_store, split_k) + 1024 + 256 <=
-                 113 * 1024
-             ? 2
-             : 1;
+constexpr int gemm_ctas_per_sm(int consumers, int stages, bool tma_store) {
+  return stages * (64 * consumers + kBN) * kBK + gemm_store_bytes(consumers, tma_store) <= 100 * 1024 ? 2 : 1;
 }
 
 // kConsumers warpgroups of 64 rows each (BM = 64 kConsumers) plus one producer warp, in
@@ -438,14 +383,8 @@ constexpr int gemm_ctas_per_sm(int consumers, int stages, bool tma_store, bool s
 // each stage's scales (its A tile's row scales, its B block's scale) into shared memory beside
 // the tiles (cp.async, completing on the stage's barrier), so the consumers' loop has no global
 // load. The arithmetic of every tile is unchanged: bitwise the same results in every variant.
-//
-// With kSplitK (one consumer warpgroup, no multicast, global scales) the cluster is the tile's K
-// splits instead: CTA r of a cluster of S computes split r of every tile the cluster walks;
-// splits 1..S-1 leave their FP32 totals in their shared memory and arrive on split 0's barrier,
-// split 0 adds them in split order (the reduction kernel's order: bitwise its result) and stores
-// the tile, then frees the peers' buffers. No workspace, no second kernel.
-template <int kConsumers, int kStages, int kCM, int kCN, bool kSmemScales, bool kTmaStore, bool kSplitK = false>
-__global__ void __launch_bounds__(gemm_threads(kConsumers), gemm_ctas_per_sm(kConsumers, kStages, kTmaStore, kSplitK))
+template <int kConsumers, int kStages, int kCM, int kCN, bool kSmemScales, bool kTmaStore>
+__global__ void __launch_bounds__(gemm_threads(kConsumers), gemm_ctas_per_sm(kConsumers, kStages, kTmaStore))
     fp8_gemm_kernel(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b,
                     const __grid_constant__ CUtensorMap tm_c, GemmParams p) {
   constexpr int kBM = 64 * kConsumers;
@@ -460,22 +399,15 @@ __global__ void __launch_bounds__(gemm_threads(kConsumers), gemm_ctas_per_sm(kCo
   uint8_t* sm_a = smem;
   uint8_t* sm_b = smem + kStages * kTileA;
   uint8_t* sm_c = sm_b + kStages * kTileB;  // kTmaStore: 16 KB per consumer warpgroup (1024-aligned)
-  uint64_t* full = reinterpret_cast<uint64_t*>(sm_c + gemm_store_bytes(kConsumers, kTmaStore, kSplitK));
+  uint64_t* full = reinterpret_cast<uint64_t*>(sm_c + gemm_store_bytes(kConsumers, kTmaStore));
   uint64_t* empty = full + kStages;
-  // kSplitK: split 0's "the peers' partials are in" (one arrive per peer) and a peer's "split 0
-  // has read my partial".
-  uint64_t* red_full = empty + kStages;
-  uint64_t* red_free = red_full + 1;
   // kSmemScales: per stage kBM row scales of A, then B's block scale (a 16-byte multiple).
   constexpr int kScaleStride = kBM + 4;
-  float* sm_scales = reinterpret_cast<float*>(empty + kStages + 2);
-  static_assert(!kSplitK || (kConsumers == 1 && kCM == 1 && kCN == 1 && !kSmemScales),
-                "the cluster split-K is one consumer warpgroup, no multicast, global scales");
+  float* sm_scales = reinterpret_cast<float*>(empty + kStages);
 
-  // This CTA's place in its cluster: tile row ci, tile column cj (kSplitK: its split, `rank`).
-  const int rank = kCluster == 1 && !kSplitK ? 0 : static_cast<int>(cluster_rank());
-  const int ci = kSplitK ? 0 : rank % kCM, cj = kSplitK ? 0 : rank / kCM;
-  const int n_splits = kSplitK ? static_cast<int>(cluster_size()) : 1;
+  // This CTA's place in its cluster: tile row ci, tile column cj.
+  const int rank = kCluster == 1 ? 0 : static_cast<int>(cluster_rank());
+  const int ci = rank % kCM, cj = rank / kCM;
   const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
@@ -485,22 +417,16 @@ __global__ void __launch_bounds__(gemm_threads(kConsumers), gemm_ctas_per_sm(kCo
       // column of the cluster: kCM + kCN - 1 CTAs, itself included) has released it.
       mbar_init(&empty[s], kConsumers * 4 * (kCM + kCN - 1));
     }
-    if constexpr (kSplitK) {
-      mbar_init(red_full, n_splits - 1);
-      mbar_init(red_free, 1);
-    }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  if constexpr (kCluster > 1 || kSplitK) cluster_sync();  // every CTA's barriers exist before any multicast
+  if constexpr (kCluster > 1) cluster_sync();  // every CTA's barriers exist before any multicast
   else __syncthreads();
 
   // The CTA's tiles: cluster tile blockIdx.x / kCluster, then every (gridDim.x / kCluster)-th (one
   // each when the grid has a CTA per tile; persistent otherwise). The producer and the consumers
   // walk the same tiles and count the stage uses `g` across them, so the ring runs on from one
   // tile into the next: the next tile's loads overlap this tile's last MMAs and its epilogue.
-  // (kSplitK: the cluster's CTAs, its splits, walk the same tiles.)
-  const int cluster_ctas = kSplitK ? n_splits : kCluster;
-  const int64_t first = blockIdx.x / cluster_ctas, step = gridDim.x / cluster_ctas;
+  const int64_t first = blockIdx.x / kCluster, step = gridDim.x / kCluster;
   const int64_t tiles =
       static_cast<int64_t>(kCN == 1 ? p.n_tiles : p.ct_n) * (kCM == 1 ? p.m_tiles : p.ct_m) * p.splits;
   if (wg == kConsumers) {  // the producer warp: one thread issues every tile load (all, with the scales)
@@ -512,8 +438,7 @@ __global__ void __launch_bounds__(gemm_threads(kConsumers), gemm_ctas_per_sm(kCo
       for (int i = 0; i < kCM; ++i) col_mask |= static_cast<uint16_t>(1u << (i + kCM * cj));
       int g = 0;
       for (int64_t t = first; t < tiles; t += step) {
-        Tile tl = tile_of<kCM, kCN>(p, t, &tm_b, kBM, ci, cj);
-        if constexpr (kSplitK) split_of_rank(p, rank, tl);
+        const Tile tl = tile_of<kCM, kCN>(p, t, &tm_b, kBM, ci, cj);
         for (int it = 0; it < tl.nk; ++it, ++g) {
           const int s = g % kStages;
           mbar_wait(&empty[s], ((g / kStages) & 1) ^ 1);
@@ -555,10 +480,9 @@ __global__ void __launch_bounds__(gemm_threads(kConsumers), gemm_ctas_per_sm(kCo
     }
   } else {
     const int warp = tid / 32, lane = tid % 32;
-    int g = 0, iter = 0;
-    for (int64_t t = first; t < tiles; t += step, ++iter) {
-      Tile tl = tile_of<kCM, kCN>(p, t, &tm_b, kBM, ci, cj);
-      if constexpr (kSplitK) split_of_rank(p, rank, tl);
+    int g = 0;
+    for (int64_t t = first; t < tiles; t += step) {
+      const Tile tl = tile_of<kCM, kCN>(p, t, &tm_b, kBM, ci, cj);
       // A consumer warpgroup: rows [m_base + wg * 64, + 64) of the tile.
       const int64_t row0 = tl.m_base + wg * 64 + warp * 16 + lane / 4, row1 = row0 + 8;
       const bool in0 = row0 < tl.m_end, in1 = row1 < tl.m_end;
@@ -606,31 +530,6 @@ __global__ void __launch_bounds__(gemm_threads(kConsumers), gemm_ctas_per_sm(kCo
 #pragma unroll
         for (int i = 0; i < 64; ++i) total[i] = fmaf(acc[i], (i & 2) ? s1 : s0, total[i]);
       }
-      if constexpr (kSplitK) {
-        // Thread tid's 64 floats as 16 float4 at [j][tid]: 2 KB per j, conflict-free.
-        float4* part = reinterpret_cast<float4*>(sm_c);
-        if (rank != 0) {
-          mbar_wait_acquire_cluster(red_free, (iter & 1) ^ 1);  // split 0 has read the previous tile's
-#pragma unroll
-          for (int j = 0; j < 16; ++j)
-            part[j * 128 + tid] = make_float4(total[4 * j], total[4 * j + 1], total[4 * j + 2], total[4 * j + 3]);
-          warpgroup_sync(0);
-          if (tid == 0) mbar_arrive_release_cluster(red_full, 0);
-          continue;  // split 0 stores the tile
-        }
-        mbar_wait_acquire_cluster(red_full, iter & 1);
-        for (int r = 1; r < n_splits; ++r) {
-          const uint32_t base = peer_addr(part, static_cast<uint32_t>(r));
-#pragma unroll
-          for (int j = 0; j < 16; ++j) {
-            const float4 v = ld_peer_f4(base + static_cast<uint32_t>(j * 128 + tid) * 16u);
-            total[4 * j] += v.x, total[4 * j + 1] += v.y, total[4 * j + 2] += v.z, total[4 * j + 3] += v.w;
-          }
-        }
-        warpgroup_sync(0);
-        if (tid == 0)
-          for (int r = 1; r < n_splits; ++r) mbar_arrive_release_cluster(red_free, static_cast<uint32_t>(r));
-      }
       if (n_in) {
         // TMA stores (the instance runs only where its epilogue applies: tma_store_applies) where
         // the warpgroup's rows are its own up to M (a grouped tile ending inside its 64 rows
@@ -645,9 +544,8 @@ __global__ void __launch_bounds__(gemm_threads(kConsumers), gemm_ctas_per_sm(kCo
     if constexpr (kTmaStore)
       if (tid == 0) bulk_wait();  // the stores are done before the CTA (and its shared memory) ends
   }
-  // No CTA leaves while another may still multicast into it, arrive on its barriers or read its
-  // partials.
-  if constexpr (kCluster > 1 || kSplitK) cluster_sync();
+  // No CTA leaves while another may still multicast into it or arrive on its barriers.
+  if constexpr (kCluster > 1) cluster_sync();
 }
 
 // C = alpha * (sum of the splits' partials, in split order) + beta * C.
@@ -710,11 +608,10 @@ CUtensorMap tensor_map(const uint8_t* base, int64_t rows, int64_t K, int box_row
 // dense TF/s), where the direct stores' drain was the largest share.
 struct KernelVariant {
   int cm = 1, cn = 1;
-  bool smem_scales = false;    // FP8RL_FP8_GEMM_SCALES=smem: the producer stages the scales in shared memory
-  int ctas_per_sm = 2;         // FP8RL_FP8_GEMM_OCCUPANCY=1: 64-row tiles with 8 stages, one CTA per SM
-  int band = 0;                // FP8RL_FP8_GEMM_BAND=n: the n-fastest tile order in bands of n tile columns
-  bool tma_store = true;       // FP8RL_FP8_GEMM_STORE=direct: the epilogue's registers stored straight to global
-  bool split_cluster = false;  // FP8RL_FP8_GEMM_SPLITK=cluster: 64-row tiles' K splits as a cluster (kSplitK)
+  bool smem_scales = false;  // FP8RL_FP8_GEMM_SCALES=smem: the producer stages the scales in shared memory
+  int ctas_per_sm = 2;       // FP8RL_FP8_GEMM_OCCUPANCY=1: 64-row tiles with 8 stages, one CTA per SM
+  int band = 0;              // FP8RL_FP8_GEMM_BAND=n: the n-fastest tile order in bands of n tile columns
+  bool tma_store = true;     // FP8RL_FP8_GEMM_STORE=direct: the epilogue's registers stored straight to global
 };
 KernelVariant kernel_variant(int64_t m_tiles, int64_t n_tiles, bool grouped) {
   // The default is 1x1. Measured (bench-gemm, session 9): 2x1 is 1-3% faster on dense products
@@ -755,14 +652,6 @@ KernelVariant kernel_variant(int64_t m_tiles, int64_t n_tiles, bool grouped) {
     FP8RL_CHECK(!(c.tma_store && c.smem_scales),
                 "FP8RL_FP8_GEMM_STORE=tma needs FP8RL_FP8_GEMM_SCALES=global (both do not fit in shared memory)");
   }
-  if (const char* e = std::getenv("FP8RL_FP8_GEMM_SPLITK")) {
-    const std::string v(e);
-    FP8RL_CHECK(v == "workspace" || v == "cluster", "FP8RL_FP8_GEMM_SPLITK must be workspace or cluster, got '", v,
-                "'");
-    c.split_cluster = v == "cluster";
-    FP8RL_CHECK(!(c.split_cluster && c.smem_scales),
-                "FP8RL_FP8_GEMM_SPLITK=cluster needs FP8RL_FP8_GEMM_SCALES=global");
-  }
   if (grouped) c.cm = 1;
   if (m_tiles < 2) c.cm = 1;
   if (n_tiles < 2) c.cn = 1;
@@ -782,53 +671,45 @@ int sm_count() {
 // Launches the kernel over `tiles` cluster tiles: at most as many clusters as fit on the device
 // at once, each walking its share of the tiles, or with FP8RL_FP8_GEMM_GRID=tile (read at each
 // call) one cluster per cluster tile.
-// kSplitK: clusters of `split_ctas` CTAs, one per K split of the cluster's tile.
-template <int kConsumers, int kStages, int kCM, int kCN, bool kSmemScales, bool kTmaStore, bool kSplitK = false>
+template <int kConsumers, int kStages, int kCM, int kCN, bool kSmemScales, bool kTmaStore>
 void launch_cluster(const CUtensorMap& ta, const CUtensorMap& tb, const CUtensorMap& tc, GemmParams p,
-                    cudaStream_t stream, int split_ctas = 1) {
-  constexpr int kSmem = kStages * (64 * kConsumers + kBN) * kBK + gemm_store_bytes(kConsumers, kTmaStore, kSplitK) +
-                        (2 * kStages + 2) * 8 + (kSmemScales ? kStages * (64 * kConsumers + 4) * 4 : 0) + 1024;
-  const int kCluster = kSplitK ? split_ctas : kCM * kCN;
-  auto* kernel = fp8_gemm_kernel<kConsumers, kStages, kCM, kCN, kSmemScales, kTmaStore, kSplitK>;
+                    cudaStream_t stream) {
+  constexpr int kSmem = kStages * (64 * kConsumers + kBN) * kBK + gemm_store_bytes(kConsumers, kTmaStore) +
+                        2 * kStages * 8 + (kSmemScales ? kStages * (64 * kConsumers + 4) * 4 : 0) + 1024;
+  constexpr int kCluster = kCM * kCN;
+  auto* kernel = fp8_gemm_kernel<kConsumers, kStages, kCM, kCN, kSmemScales, kTmaStore>;
   p.ct_m = static_cast<int>(ceil_div(int64_t{p.m_tiles}, int64_t{kCM}));
   p.ct_n = static_cast<int>(ceil_div(int64_t{p.n_tiles}, int64_t{kCN}));
   const int64_t tiles = static_cast<int64_t>(p.ct_m) * p.ct_n * p.splits;
   FP8RL_CHECK(tiles * kCluster < (int64_t{1} << 31), "FP8 GEMM: ", tiles, " tiles are more than one launch takes");
-  FP8RL_CHECK(kCluster >= 1 && kCluster <= 8, "FP8 GEMM: clusters of ", kCluster, " CTAs (at most 8)");
   cudaLaunchConfig_t cfg = {};
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = static_cast<unsigned>(kCluster), attr[0].val.clusterDim.y = 1,
-  attr[0].val.clusterDim.z = 1;
+  attr[0].val.clusterDim.x = kCluster, attr[0].val.clusterDim.y = 1, attr[0].val.clusterDim.z = 1;
   cfg.blockDim = dim3(gemm_threads(kConsumers));
   cfg.dynamicSmemBytes = kSmem;
   cfg.stream = stream;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  static std::atomic<int> fitting[9] = {};  // the clusters that fit, by cluster size (kSplitK's varies per call)
-  int max_clusters = fitting[kCluster].load(std::memory_order_relaxed);
-  if (max_clusters == 0)
-    max_clusters = [&] {
-      CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem),
-                 "FP8 GEMM: setting the shared memory size");
-      if (kCluster == 1) {
-        int per_sm = 0;
-        CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, gemm_threads(kConsumers), kSmem),
-                   "FP8 GEMM: querying the CTAs that fit");
-        FP8RL_CHECK(per_sm > 0, "FP8 GEMM: no CTA of ", kSmem, " shared-memory bytes fits on this device");
-        return per_sm * sm_count();
-      }
-      cudaLaunchConfig_t q = cfg;
-      q.gridDim = dim3(static_cast<unsigned>(sm_count() / kCluster * kCluster));
-      int n = 0;
-      CUDA_CHECK(cudaOccupancyMaxActiveClusters(&n, kernel, &q), "FP8 GEMM: querying the clusters that fit");
-      FP8RL_CHECK(n > 0, "FP8 GEMM: no cluster of ", kCluster, " CTAs fits on this device");
-      if (std::getenv("FP8RL_FP8_GEMM_DEBUG"))
-        std::fprintf(stderr, "[fp8 gemm] %d consumers, cluster %dx%d%s: %d clusters fit\n", kConsumers,
-                     kSplitK ? kCluster : kCM, kSplitK ? 1 : kCN, kSplitK ? " (K splits)" : "", n);
-      return n;
-    }();
-  fitting[kCluster].store(max_clusters, std::memory_order_relaxed);
+  static const int max_clusters = [&] {
+    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem),
+               "FP8 GEMM: setting the shared memory size");
+    if (kCluster == 1) {
+      int per_sm = 0;
+      CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, gemm_threads(kConsumers), kSmem),
+                 "FP8 GEMM: querying the CTAs that fit");
+      FP8RL_CHECK(per_sm > 0, "FP8 GEMM: no CTA of ", kSmem, " shared-memory bytes fits on this device");
+      return per_sm * sm_count();
+    }
+    cudaLaunchConfig_t q = cfg;
+    q.gridDim = dim3(static_cast<unsigned>(sm_count() / kCluster * kCluster));
+    int n = 0;
+    CUDA_CHECK(cudaOccupancyMaxActiveClusters(&n, kernel, &q), "FP8 GEMM: querying the clusters that fit");
+    FP8RL_CHECK(n > 0, "FP8 GEMM: no cluster of ", kCluster, " CTAs fits on this device");
+    if (std::getenv("FP8RL_FP8_GEMM_DEBUG"))
+      std::fprintf(stderr, "[fp8 gemm] %d consumers, cluster %dx%d: %d clusters fit\n", kConsumers, kCM, kCN, n);
+    return n;
+  }();
   const char* e = std::getenv("FP8RL_FP8_GEMM_GRID");
   const int64_t clusters = e && std::string(e) == "tile" ? tiles : std::min<int64_t>(tiles, max_clusters);
   cfg.gridDim = dim3(static_cast<unsigned>(clusters * kCluster));
@@ -889,17 +770,6 @@ void launch(const uint8_t* a, int64_t rows, const uint8_t* b, int64_t N, int64_t
   }
 }
 
-// The cluster split-K instance (64-row tiles, global scales, no multicast): `ctas` splits per tile.
-void launch_split_cluster(const uint8_t* a, int64_t rows, const uint8_t* b, int64_t N, int64_t K, const GemmParams& p,
-                          KernelVariant c, int ctas, cudaStream_t stream) {
-  const CUtensorMap ta = tensor_map(a, rows, K, 64), tb = tensor_map(b, N, K, kBN);
-  const CUtensorMap tc = c.tma_store ? output_map(p) : ta;
-  if (c.ctas_per_sm == 2 && c.tma_store) launch_cluster<1, 3, 1, 1, false, true, true>(ta, tb, tc, p, stream, ctas);
-  else if (c.ctas_per_sm == 2) launch_cluster<1, 3, 1, 1, false, false, true>(ta, tb, tc, p, stream, ctas);
-  else if (c.tma_store) launch_cluster<1, 8, 1, 1, false, true, true>(ta, tb, tc, p, stream, ctas);
-  else launch_cluster<1, 8, 1, 1, false, false, true>(ta, tb, tc, p, stream, ctas);
-}
-
 // Whether the TMA-store epilogue applies to the product: BF16 output, no split partials, beta = 0,
 // a 16-byte-aligned C (the tensor map's base). Elsewhere the variant runs the direct stores (so
 // its 3-stage ring is never timed with them).
@@ -952,21 +822,10 @@ void fp8_gemm_sm90(const Fp8GemmArgs& a, cudaStream_t stream) {
               " N=", a.N, " K=", a.K);
   FP8RL_CHECK(a.c_dtype == DType::BF16 || a.c_dtype == DType::F32, "FP8 GEMM (sm90): output must be BF16 or F32");
   const int kblocks = static_cast<int>(ceil_div(a.K, int64_t{kBK}));
-  FP8RL_CHECK(a.block_m == 0 || a.block_m == 64 || a.block_m == 128, "FP8 GEMM (sm90): block_m must be 64 or 128");
-  const bool small = a.block_m ? a.block_m == 64 : a.M <= 256;
-  const int bm = small ? 64 : 128;
-  const int m_tiles = static_cast<int>(ceil_div(a.M, int64_t{bm}));
-  const int n_tiles = static_cast<int>(ceil_div(a.N, int64_t{kBN}));
-  KernelVariant cl = kernel_variant(m_tiles, n_tiles, false);
-  // The cluster split-K for 64-row tiles (at most 8 CTAs per cluster: at most 8 splits); 128-row
-  // tiles split through the workspace (their ring and two 32 KB partials do not fit).
-  cl.split_cluster = cl.split_cluster && small && a.splits > 1;
-  const int splits = std::max(1, std::min({a.splits, kblocks, cl.split_cluster ? 8 : kblocks}));
+  const int splits = std::max(1, std::min(a.splits, kblocks));
   const int kb_per_split = static_cast<int>(ceil_div(int64_t{kblocks}, int64_t{splits}));
   const int used_splits = static_cast<int>(ceil_div(int64_t{kblocks}, int64_t{kb_per_split}));
-  if (used_splits == 1) cl.split_cluster = false;
-  FP8RL_CHECK(used_splits == 1 || cl.split_cluster || a.workspace, "FP8 GEMM (sm90): split-K needs a workspace");
-  if (cl.split_cluster) cl.cm = cl.cn = 1;
+  FP8RL_CHECK(used_splits == 1 || a.workspace, "FP8 GEMM (sm90): split-K needs a workspace");
   GemmParams p;
   p.M = a.M, p.N = a.N, p.K = a.K;
   p.kblocks = kblocks, p.kb_per_split = kb_per_split;
@@ -974,19 +833,19 @@ void fp8_gemm_sm90(const Fp8GemmArgs& a, cudaStream_t stream) {
   p.sa_m = a.a_scales_kb_major ? 1 : kblocks;
   p.sa_k = a.a_scales_kb_major ? a.M : 1;
   p.sb = a.b_scales;
-  p.partials = used_splits > 1 && !cl.split_cluster;
+  p.partials = used_splits > 1;
   p.c = p.partials ? static_cast<void*>(a.workspace) : a.c;
   p.c_bf16 = a.c_dtype == DType::BF16;
   p.alpha = a.alpha, p.beta = a.beta;
-  // The cluster split-K walks the tiles once (each cluster's CTAs take its splits).
-  p.n_tiles = n_tiles, p.m_tiles = m_tiles, p.splits = cl.split_cluster ? 1 : used_splits;
+  const int n_tiles = static_cast<int>(ceil_div(a.N, int64_t{kBN}));
+  FP8RL_CHECK(a.block_m == 0 || a.block_m == 64 || a.block_m == 128, "FP8 GEMM (sm90): block_m must be 64 or 128");
+  const bool small = a.block_m ? a.block_m == 64 : a.M <= 256;
+  const int bm = small ? 64 : 128;
+  const int m_tiles = static_cast<int>(ceil_div(a.M, int64_t{bm}));
+  p.n_tiles = n_tiles, p.m_tiles = m_tiles, p.splits = used_splits;
   p.m_fastest = a.M <= 256;  // decode-sized: the few row blocks of one weight tile together
+  const KernelVariant cl = kernel_variant(m_tiles, n_tiles, false);
   p.group_n = cl.band;
-  if (cl.split_cluster) {
-    if (!tma_store_applies(p)) cl.tma_store = false;
-    launch_split_cluster(a.a, a.M, a.b, a.N, a.K, p, cl, used_splits, stream);
-    return;
-  }
   launch_variant(small, a.a, a.M, a.b, a.N, a.K, p, cl, stream);
   if (p.partials) {
     const int64_t mn = a.M * a.N, threads = 256, blocks = ceil_div(ceil_div(mn, int64_t{4}), threads);
