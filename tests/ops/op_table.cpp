@@ -37,25 +37,38 @@ void memory_cases(std::vector<OpCase>& t) {
                [](OpRun& r) {
                  r.be.copy(r["x"], r.output("copy", {37, 129}, DType::F32));
                  r.be.fill(r.output("filled", {37, 129}, DType::F32), 2.5f);
+                 // +0 (a memset on CUDA) over BF16, and -0 (the element kernel: the sign kept).
+                 r.be.fill(r.output("zeros", {37, 129}, DType::BF16), 0.0f);
+                 r.be.fill(r.output("neg_zeros", {37, 129}, DType::F32), -0.0f);
                },
-               {{"copy", bitwise()}, {"filled", bitwise()}}});
+               {{"copy", bitwise()}, {"filled", bitwise()}, {"zeros", bitwise()}, {"neg_zeros", bitwise()}}});
   t.back().invariants = [](const Tensors& o) {
     for (double v : values(o.at("filled"))) ASSERT_EQ(v, 2.5);
+    const Tensor& z = o.at("zeros");
+    for (int64_t i = 0; i < z.numel(); ++i) ASSERT_EQ(z.data<uint16_t>()[i], 0u);
+    const Tensor& nz = o.at("neg_zeros");
+    for (int64_t i = 0; i < nz.numel(); ++i) ASSERT_TRUE(std::signbit(nz.data<float>()[i]) && nz.data<float>()[i] == 0);
   };
   t.push_back({"convert",
-               "33x300 F32 -> BF16 -> F32, wide range",
+               "33x300 F32 -> BF16 -> F32, wide range; 32x300 (a multiple of 8: CUDA's 16-byte path)",
                [] {
-                 return Tensors{{"x", rnd_wide(33, 300, 2, DType::F32)}};
+                 return Tensors{{"x", rnd_wide(33, 300, 2, DType::F32)}, {"x8", rnd_wide(32, 300, 3, DType::F32)}};
                },
                [](OpRun& r) {
                  Tensor& bf = r.output("bf16", {33, 300}, DType::BF16);
                  r.be.convert(r["x"], bf);
                  r.be.convert(bf, r.output("back", {33, 300}, DType::F32));
+                 Tensor& bf8 = r.output("bf16_x8", {32, 300}, DType::BF16);
+                 r.be.convert(r["x8"], bf8);
+                 r.be.convert(bf8, r.output("back_x8", {32, 300}, DType::F32));
                },
-               {{"bf16", bitwise()}, {"back", bitwise()}}});
+               {{"bf16", bitwise()}, {"back", bitwise()}, {"bf16_x8", bitwise()}, {"back_x8", bitwise()}}});
   t.back().invariants = [](const Tensors& o) {  // round to nearest even, then exactly back
-    const Tensor ref = from_float_vector(to_float_vector(o.at("bf16")), {33, 300}, DType::F32);
-    EXPECT_EQ(std::memcmp(ref.raw(), o.at("back").raw(), ref.nbytes()), 0);
+    for (const char* sfx : {"", "_x8"}) {
+      const Tensor& bf = o.at(std::string("bf16") + sfx);
+      const Tensor ref = from_float_vector(to_float_vector(bf), bf.shape(), DType::F32);
+      EXPECT_EQ(std::memcmp(ref.raw(), o.at(std::string("back") + sfx).raw(), ref.nbytes()), 0) << sfx;
+    }
   };
   t.push_back({"copy_cols",
                "MLA's nope | rope concatenation, 5x3x(16+8)",
