@@ -266,14 +266,14 @@ PYEOF
           --model qwen3-30b-a3b --layers "${FP8RL_MOE_TRAIN_LAYERS:-6}" --seqs 8 --seq-len 2048 --prompt-len 2040 \
           --repeats 1 --grad-dtype bf16 > "$OUT/moe_trainstep_profile_$prec.log" 2>&1
         note "bench-train-step qwen3-30b-a3b $prec (profile): rc=$?"
-        grep -A${FP8RL_PROFILE_ROWS:-24} "cuda op profile" "$OUT/moe_trainstep_profile_$prec.log" | tee -a "$SUMMARY"
+        grep -A${FP8RL_PROFILE_ROWS:-24} "cuda op profile: train_step" "$OUT/moe_trainstep_profile_$prec.log" | tee -a "$SUMMARY"
       done ;;
     trainstep_profile)  # the per-op stream time of one bf16 and one fp8 train step (1B shape)
       for prec in bf16 fp8; do
         FP8RL_CUDA_PROFILE=1 timeout 150 "$FP8RL" bench-train-step --device cuda --precision $prec --hidden 2048 \
           --layers 16 --heads 32 --kv-heads 8 --head-dim 64 --ffn 8192 --vocab 128256 --seqs 8 --seq-len 2048 \
           --prompt-len 2040 --repeats 1 > "$OUT/trainstep_profile_$prec.log" 2>&1
-        note "bench-train-step $prec (profile): rc=$?"; grep -A16 "cuda op profile" "$OUT/trainstep_profile_$prec.log" | tail -17 | tee -a "$SUMMARY"
+        note "bench-train-step $prec (profile): rc=$?"; grep -A16 "cuda op profile: train_step" "$OUT/trainstep_profile_$prec.log" | tee -a "$SUMMARY"
       done ;;
     generate)
       timeout $(( $(left) - 20 )) "$FP8RL" bench generate --device cuda --model 1b --json "$OUT/generate_1b.json" \
