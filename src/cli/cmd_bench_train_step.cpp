@@ -1,7 +1,6 @@
 // fp8rl bench-train-step: times the three phases of a GRPO step on a random-weight model.
 //
-//   fp8rl bench-train-step [--device cpu|cuda] [--precision bf16|fp8|fp32] [--wgrad auto|fp8|bf16] [--hidden 64]
-//   [--layers 2]
+//   fp8rl bench-train-step [--device cpu|cuda] [--precision bf16|fp8|fp32] [--wgrad auto|fp8|bf16] [--hidden 64] [--layers 2]
 //                          [--heads 4] [--kv-heads 2] [--head-dim 16] [--ffn 192] [--vocab 384]
 //                          [--model SHAPE] [--micro-batch-tokens 4096] [--grad-dtype fp32|bf16] [--plan-only]
 //                          [--seqs 64] [--seq-len 40] [--prompt-len 16] [--repeats 5] [--json PATH]
@@ -22,19 +21,19 @@
 // program times the CUDA backend. Prints a table; --json also writes the figures.
 #include <algorithm>
 #include <chrono>
+#include <ctime>
 #include <cstdio>
 #include <cstdlib>
-#include <ctime>
 #include <functional>
 #include <random>
 
 #include <nlohmann/json.hpp>
 
 #include "backend/backend.h"
-#include "bench/rollout_bench.h"
 #include "cli/commands.h"
 #include "core/error.h"
 #include "core/fs.h"
+#include "bench/rollout_bench.h"
 #include "model/shapes.h"
 #include "model/weights.h"
 #include "rl/memory_plan.h"
@@ -46,11 +45,9 @@ namespace {
 
 constexpr const char* kUsage =
     "usage: fp8rl bench-train-step [--device cpu|cuda] [--precision bf16|fp8|fp32] [--wgrad auto|fp8|bf16]\n"
-    "                              [--hidden N] [--layers N] [--heads N] [--kv-heads N] [--head-dim N] [--ffn N] "
-    "[--vocab N] [--seqs N]\n"
+    "                              [--hidden N] [--layers N] [--heads N] [--kv-heads N] [--head-dim N] [--ffn N] [--vocab N] [--seqs N]\n"
     "                              [--seq-len N] [--prompt-len N] [--repeats N] [--json PATH]\n"
-    "                              [--model SHAPE [--layers N]] [--micro-batch-tokens N] [--grad-dtype fp32|bf16] "
-    "[--plan-only]\n"
+    "                              [--model SHAPE [--layers N]] [--micro-batch-tokens N] [--grad-dtype fp32|bf16] [--plan-only]\n"
     "Times the trainer's scoring forward, one training step and generation on a random-weight model\n"
     "(defaults: the CPU demo shape, 64 sequences of 16 prompt + 24 response tokens, bf16). --model: a\n"
     "named shape (qwen3-30b-a3b, moonlight-16b-a3b, llama-3.2-1b, tiny-moe, ...) instead of the size flags,\n"
@@ -60,7 +57,7 @@ using Clock = std::chrono::steady_clock;
 
 struct Phase {
   std::string name;
-  double tokens = 0;               // tokens one run processes (generate: new tokens)
+  double tokens = 0;  // tokens one run processes (generate: new tokens)
   std::vector<double> ms, cpu_ms;  // wall-clock and process CPU time (all threads) per run
   MemoryStats mem;                 // device memory peaks over the phase (CUDA; zeros on the CPU)
   static double median(std::vector<double> s) {
@@ -92,8 +89,8 @@ void time_phase(Backend& be, Phase& p, int repeats, const std::function<void()>&
 
 int run_bench(const std::vector<std::string>& argv) {
   const Args args(argv,
-                  {"device", "precision", "wgrad", "hidden", "layers", "heads", "kv-heads", "head-dim", "ffn", "vocab",
-                   "seqs", "seq-len", "prompt-len", "repeats", "json", "model", "micro-batch-tokens", "grad-dtype"},
+                  {"device", "precision", "wgrad", "hidden", "layers", "heads", "kv-heads", "head-dim", "ffn", "vocab", "seqs",
+                   "seq-len", "prompt-len", "repeats", "json", "model", "micro-batch-tokens", "grad-dtype"},
                   {"help", "plan-only"});
   if (args.has("help")) {
     std::fputs(kUsage, stdout);
@@ -105,10 +102,10 @@ int run_bench(const std::vector<std::string>& argv) {
   FP8RL_CHECK(prec_name == "bf16" || prec_name == "fp8" || prec_name == "fp32", "--precision must be bf16, fp8 or ",
               "fp32, got '", prec_name, "'");
   const std::string wgrad = args.get("wgrad", "auto");
-  FP8RL_CHECK(wgrad == "auto" || wgrad == "fp8" || wgrad == "bf16", "--wgrad must be auto, fp8 or bf16, got '", wgrad,
-              "'");
-  const PrecisionRecipe recipe =
-      PrecisionRecipe::parse((prec_name == "fp8" ? "fp8_e2e" : prec_name) + (wgrad != "auto" ? ":wgrad=" + wgrad : ""));
+  FP8RL_CHECK(wgrad == "auto" || wgrad == "fp8" || wgrad == "bf16", "--wgrad must be auto, fp8 or bf16, got '",
+              wgrad, "'");
+  const PrecisionRecipe recipe = PrecisionRecipe::parse((prec_name == "fp8" ? "fp8_e2e" : prec_name) +
+                                                        (wgrad != "auto" ? ":wgrad=" + wgrad : ""));
   const std::string shape = args.get("model", "");
   if (!shape.empty())
     for (const char* f : {"hidden", "heads", "kv-heads", "head-dim", "ffn", "vocab"})
@@ -167,9 +164,9 @@ int run_bench(const std::vector<std::string>& argv) {
   }
   std::unique_ptr<Backend> backend = make_backend(device);
   Backend& be = *backend;
-  ModelWeights master =
-      shape.empty() ? model_weights_to_device(be, model_weights_random(mc, RandomInit{}, DType::F32), DType::F32)
-                    : bench_random_weights(be, mc, DType::F32, /*seed=*/1);
+  ModelWeights master = shape.empty()
+                            ? model_weights_to_device(be, model_weights_random(mc, RandomInit{}, DType::F32), DType::F32)
+                            : bench_random_weights(be, mc, DType::F32, /*seed=*/1);
   Trainer trainer(be, std::move(master), recipe.trainer, topt);
   RolloutEngine engine(be, trainer.master(), recipe.generator, pages, 16, std::max(nseq, 1));
 
@@ -206,12 +203,12 @@ int run_bench(const std::vector<std::string>& argv) {
   if (mc.is_moe())
     std::snprintf(moe, sizeof moe, " E=%d top-%d Fe=%d shared %d%s", mc.num_experts, mc.num_experts_per_tok,
                   mc.moe_intermediate_size, mc.n_shared_experts, mc.is_mla() ? " MLA" : "");
-  std::printf(
-      "bench-train-step: device %s, precision %s (recipe %s), model %s D=%d L=%d H=%d/%d hd=%d F=%d V=%d%s, "
-      "%d seqs x %d tokens (prompt %d), micro-batch %lld tokens, %d repeats; memory plan peak %.2f GiB\n",
-      be.name().c_str(), prec_name.c_str(), recipe.name.c_str(), shape.empty() ? "tiny-qwen3" : shape.c_str(),
-      mc.hidden_size, mc.num_layers, mc.num_heads, mc.num_kv_heads, mc.head_dim, mc.intermediate_size, vocab, moe, nseq,
-      seq_len, prompt_len, static_cast<long long>(topt.micro_batch_tokens), repeats, plan_peak / double(1ll << 30));
+  std::printf("bench-train-step: device %s, precision %s (recipe %s), model %s D=%d L=%d H=%d/%d hd=%d F=%d V=%d%s, "
+              "%d seqs x %d tokens (prompt %d), micro-batch %lld tokens, %d repeats; memory plan peak %.2f GiB\n",
+              be.name().c_str(), prec_name.c_str(), recipe.name.c_str(), shape.empty() ? "tiny-qwen3" : shape.c_str(),
+              mc.hidden_size, mc.num_layers, mc.num_heads, mc.num_kv_heads, mc.head_dim, mc.intermediate_size, vocab,
+              moe, nseq, seq_len, prompt_len, static_cast<long long>(topt.micro_batch_tokens), repeats,
+              plan_peak / double(1ll << 30));
   std::fflush(stdout);
   const BackendCounters c0 = be.counters();
   time_phase(be, score, repeats, [&] { trainer.score(seqs, 1.0f, /*entropy=*/true, /*record_amax=*/fp8_kv); });
@@ -228,17 +225,14 @@ int run_bench(const std::vector<std::string>& argv) {
   j["precision"] = prec_name;
   j["recipe"] = recipe.name;
   j["wgrad"] = wgrad;
-  j["model"] = {
-      {"hidden", mc.hidden_size}, {"layers", mc.num_layers},     {"heads", mc.num_heads}, {"kv_heads", mc.num_kv_heads},
-      {"head_dim", mc.head_dim},  {"ffn", mc.intermediate_size}, {"vocab", vocab}};
+  j["model"] = {{"hidden", mc.hidden_size}, {"layers", mc.num_layers}, {"heads", mc.num_heads},
+                {"kv_heads", mc.num_kv_heads}, {"head_dim", mc.head_dim}, {"ffn", mc.intermediate_size},
+                {"vocab", vocab}};
   if (!shape.empty()) j["model"]["name"] = shape;
   if (mc.is_moe())
-    j["model"]["moe"] = {{"experts", mc.num_experts},
-                         {"top_k", mc.num_experts_per_tok},
-                         {"expert_ffn", mc.moe_intermediate_size},
-                         {"shared_experts", mc.n_shared_experts},
-                         {"router", mc.moe_router},
-                         {"mla", mc.is_mla()}};
+    j["model"]["moe"] = {{"experts", mc.num_experts}, {"top_k", mc.num_experts_per_tok},
+                         {"expert_ffn", mc.moe_intermediate_size}, {"shared_experts", mc.n_shared_experts},
+                         {"router", mc.moe_router}, {"mla", mc.is_mla()}};
   j["micro_batch_tokens"] = topt.micro_batch_tokens;
   j["plan_peak_bytes"] = plan_peak;
   j["fp8_gemm_fallbacks"] = c1.fp8_gemm_fallbacks - c0.fp8_gemm_fallbacks;
@@ -253,8 +247,8 @@ int run_bench(const std::vector<std::string>& argv) {
   // waiting for a core; on an idle one wall < cpu when the threads overlap).
   // peak GiB: device memory in use at the phase's peak (tensors + scratch; the pool reserves
   // "reserved" of it); both include what was allocated before the phase and still lives.
-  std::printf("%-12s %11s %11s %11s %13s %10s %10s\n", "phase", "median ms", "min ms", "cpu ms", "tokens/s", "peak GiB",
-              "resv GiB");
+  std::printf("%-12s %11s %11s %11s %13s %10s %10s\n", "phase", "median ms", "min ms", "cpu ms", "tokens/s",
+              "peak GiB", "resv GiB");
   for (const Phase* p : {&score, &train, &gen}) {
     const double med = Phase::median(p->ms), mn = *std::min_element(p->ms.begin(), p->ms.end());
     const double cpu = Phase::median(p->cpu_ms);
@@ -262,13 +256,8 @@ int run_bench(const std::vector<std::string>& argv) {
     const double gib = 1024.0 * 1024.0 * 1024.0;
     std::printf("%-12s %11.1f %11.1f %11.1f %13.0f %10.2f %10.2f\n", p->name.c_str(), med, mn, cpu, tps,
                 p->mem.peak_used_bytes / gib, p->mem.peak_reserved_bytes / gib);
-    j["phases"][p->name] = {{"median_ms", med},
-                            {"min_ms", mn},
-                            {"cpu_ms_median", cpu},
-                            {"tokens", p->tokens},
-                            {"tokens_per_s", tps},
-                            {"ms", p->ms},
-                            {"cpu_ms", p->cpu_ms},
+    j["phases"][p->name] = {{"median_ms", med}, {"min_ms", mn},         {"cpu_ms_median", cpu}, {"tokens", p->tokens},
+                            {"tokens_per_s", tps}, {"ms", p->ms}, {"cpu_ms", p->cpu_ms},
                             {"peak_used_bytes", p->mem.peak_used_bytes},
                             {"peak_reserved_bytes", p->mem.peak_reserved_bytes}};
   }

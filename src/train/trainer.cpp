@@ -2,10 +2,10 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
-#include <cstring>
 #include <numeric>
 #include <optional>
+#include <cstdio>
+#include <cstring>
 
 #include "core/error.h"
 #include "dist/comm.h"
@@ -31,10 +31,8 @@ Packed pack(const std::vector<TrainSequence>& seqs, size_t first, size_t end, in
   int64_t start = 0;
   for (size_t i = first; i < end; ++i) {
     const TrainSequence& s = seqs[i];
-    FP8RL_CHECK(s.prompt_len >= 1 && s.response_len() >= 0, "train sequence ", i,
-                " needs a prompt of at least "
-                "one token (got prompt_len ",
-                s.prompt_len, " of ", s.ids.size(), " ids)");
+    FP8RL_CHECK(s.prompt_len >= 1 && s.response_len() >= 0, "train sequence ", i, " needs a prompt of at least "
+                "one token (got prompt_len ", s.prompt_len, " of ", s.ids.size(), " ids)");
     for (int64_t j = 0; j < s.response_len(); ++j) p.logp_index.push_back(start + s.prompt_len - 1 + j);
     start += static_cast<int64_t>(s.ids.size());
     ids.push_back(s.ids);
@@ -70,10 +68,8 @@ std::optional<MoeRouting> pack_routing(const ModelConfig& c, const std::vector<T
     const TrainSequence& s = seqs[i];
     const int64_t n = static_cast<int64_t>(s.ids.size());
     if (!s.routing.empty()) {
-      FP8RL_CHECK(static_cast<int64_t>(s.routing.size()) == n * stride, "train sequence ", i,
-                  ": its routing record "
-                  "has ",
-                  s.routing.size(), " ids, expected ", n, " positions x ", Lm, " MoE layers x top-", k);
+      FP8RL_CHECK(static_cast<int64_t>(s.routing.size()) == n * stride, "train sequence ", i, ": its routing record "
+                  "has ", s.routing.size(), " ids, expected ", n, " positions x ", Lm, " MoE layers x top-", k);
       for (int64_t p = 0; p < n; ++p)
         for (int64_t m = 0; m < Lm; ++m)
           for (int64_t j = 0; j < k; ++j) r.ids[m][(t0 + p) * k + j] = s.routing[(p * Lm + m) * k + j];
@@ -146,10 +142,8 @@ bool BadStepGuard::record(const StepResult& r, int64_t step) {
                static_cast<long long>(total_));
   if (in_a_row_ >= max_in_a_row_)
     FP8RL_FAIL(in_a_row_, " consecutive optimizer steps met non-finite values (a non-finite loss or gradient; the ",
-               "last: ", r.skip_reason, " at step ", step,
-               "); stopping. The weights were not updated by those "
-               "steps and the last good checkpoint is kept. ",
-               hint_, " (max_consecutive_bad_steps=", max_in_a_row_, ")");
+               "last: ", r.skip_reason, " at step ", step, "); stopping. The weights were not updated by those "
+               "steps and the last good checkpoint is kept. ", hint_, " (max_consecutive_bad_steps=", max_in_a_row_, ")");
   return false;
 }
 
@@ -164,10 +158,8 @@ Trainer::Trainer(Backend& be, ModelWeights master, const EnginePrecision& prec, 
       std::string list;
       for (size_t i = 0; i < kept.size() && i < 8; ++i) list += (i ? ", " : "") + kept[i];
       if (kept.size() > 8) list += ", ...";
-      std::fprintf(stderr,
-                   "trainer: %zu MLA projection(s) stay BF16 under the FP8 recipe (out or in features not a "
-                   "multiple of 128): %s\n",
-                   kept.size(), list.c_str());
+      std::fprintf(stderr, "trainer: %zu MLA projection(s) stay BF16 under the FP8 recipe (out or in features not a "
+                   "multiple of 128): %s\n", kept.size(), list.c_str());
     }
   }
   if (opt_.frozen) {
@@ -183,14 +175,10 @@ Trainer::Trainer(Backend& be, ModelWeights master, const EnginePrecision& prec, 
     master_.config = config;
     return;
   }
-  FP8RL_CHECK(opt_.grad_dtype == DType::F32 || opt_.grad_dtype == DType::BF16,
-              "trainer gradients must be F32 or "
-              "BF16, got ",
-              dtype_name(opt_.grad_dtype));
-  FP8RL_CHECK(opt_.moment_dtype == DType::F32 || opt_.moment_dtype == DType::BF16,
-              "Adam moments must be F32 or "
-              "BF16, got ",
-              dtype_name(opt_.moment_dtype));
+  FP8RL_CHECK(opt_.grad_dtype == DType::F32 || opt_.grad_dtype == DType::BF16, "trainer gradients must be F32 or "
+              "BF16, got ", dtype_name(opt_.grad_dtype));
+  FP8RL_CHECK(opt_.moment_dtype == DType::F32 || opt_.moment_dtype == DType::BF16, "Adam moments must be F32 or "
+              "BF16, got ", dtype_name(opt_.moment_dtype));
   grads_ = model_grads_alloc(be_, master_, opt_.grad_dtype);
   m_ = model_grads_alloc(be_, master_, opt_.moment_dtype);
   v_ = model_grads_alloc(be_, master_, opt_.moment_dtype);
@@ -313,8 +301,7 @@ void Trainer::check_weight_cache() const {
     }
     ++i;
   });
-  FP8RL_CHECK(opt_.dgrad_weight_cache || wqt_.empty(),
-              "trainer FP8 weight cache: W^T copies kept without "
+  FP8RL_CHECK(opt_.dgrad_weight_cache || wqt_.empty(), "trainer FP8 weight cache: W^T copies kept without "
               "dgrad_weight_cache");
 }
 
@@ -448,7 +435,7 @@ StepResult Trainer::step(const std::vector<TrainSequence>& seqs, float temperatu
     be_.adamw(*w[i], *g[i], *m[i], *v[i], ap);
   }
   if (!owner_.empty()) broadcast_from_owners(w, nullptr);  // every rank gets every new weight
-  wq_stale_ = true;                                        // requantized at the next score() / step()
+  wq_stale_ = true;  // requantized at the next score() / step()
   r.applied = true;
   return r;
 }
@@ -542,18 +529,13 @@ void Trainer::gather_optimizer_state() {
 
 std::vector<std::pair<std::string, Tensor>> Trainer::optimizer_state() const {
   if (!owner_.empty()) {
-    FP8RL_CHECK(comm_->rank() == 0 && gathered_step_ == adam_step_ && !gathered_.empty(),
-                "the optimizer state is "
+    FP8RL_CHECK(comm_->rank() == 0 && gathered_step_ == adam_step_ && !gathered_.empty(), "the optimizer state is "
                 "sharded (ZeRO-1): call gather_optimizer_state() on every rank, then read it on rank 0");
     return gathered_;
   }
   std::vector<std::pair<std::string, Tensor>> out;
-  model_for_each_parameter(m_, [&](const std::string& n, const Tensor& t) {
-    out.push_back({n + ".exp_avg", be_.to_host(t)});
-  });
-  model_for_each_parameter(v_, [&](const std::string& n, const Tensor& t) {
-    out.push_back({n + ".exp_avg_sq", be_.to_host(t)});
-  });
+  model_for_each_parameter(m_, [&](const std::string& n, const Tensor& t) { out.push_back({n + ".exp_avg", be_.to_host(t)}); });
+  model_for_each_parameter(v_, [&](const std::string& n, const Tensor& t) { out.push_back({n + ".exp_avg_sq", be_.to_host(t)}); });
   return out;
 }
 
@@ -565,9 +547,8 @@ void Trainer::load_optimizer_state(const std::function<Tensor(const std::string&
       FP8RL_CHECK(h.shape() == t.shape(), "optimizer state ", n, suffix, " is ", h.str(), ", expected ",
                   dtype_name(t.dtype()), shape_str(t.shape()), "; the checkpoint does not match this model");
       if (h.dtype() != t.dtype())
-        FP8RL_FAIL("the checkpoint's Adam moments are ", dtype_name(h.dtype()), " (", n, suffix,
-                   ") but this run keeps ", dtype_name(t.dtype()),
-                   " moments: resume with the run's train.optimizer_state_dtype (",
+        FP8RL_FAIL("the checkpoint's Adam moments are ", dtype_name(h.dtype()), " (", n, suffix, ") but this run keeps ",
+                   dtype_name(t.dtype()), " moments: resume with the run's train.optimizer_state_dtype (",
                    h.dtype() == DType::BF16 ? "bf16" : "fp32", ")");
       be_.copy(h, t);
     });

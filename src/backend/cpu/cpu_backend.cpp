@@ -14,7 +14,9 @@
 namespace fp8rl {
 namespace cpu {
 
-bool is_float_dtype(DType t) { return t == DType::F32 || t == DType::BF16 || t == DType::F16 || t == DType::F64; }
+bool is_float_dtype(DType t) {
+  return t == DType::F32 || t == DType::BF16 || t == DType::F16 || t == DType::F64;
+}
 
 void check_cpu(const Tensor& t, const char* what) {
   FP8RL_CHECK(t.defined(), what, " is undefined (allocate it before calling the op)");
@@ -31,12 +33,8 @@ std::vector<double> load(const Tensor& t, const char* what) {
   const int64_t n = t.numel();
   std::vector<double> v(n);
   switch (t.dtype()) {
-    case DType::F32:
-      std::copy_n(t.data<float>(), n, v.data());
-      break;
-    case DType::F64:
-      std::copy_n(t.data<double>(), n, v.data());
-      break;
+    case DType::F32: std::copy_n(t.data<float>(), n, v.data()); break;
+    case DType::F64: std::copy_n(t.data<double>(), n, v.data()); break;
     case DType::BF16: {
       const uint16_t* p = t.data<uint16_t>();
       for (int64_t i = 0; i < n; ++i) v[i] = bf16_to_float(p[i]);
@@ -47,8 +45,7 @@ std::vector<double> load(const Tensor& t, const char* what) {
       for (int64_t i = 0; i < n; ++i) v[i] = f16_to_float(p[i]);
       break;
     }
-    default:
-      break;
+    default: break;
   }
   return v;
 }
@@ -65,9 +62,7 @@ void store(const std::vector<double>& v, Tensor& t, const char* what) {
       for (int64_t i = 0; i < n; ++i) p[i] = static_cast<float>(v[i]);
       break;
     }
-    case DType::F64:
-      std::copy_n(v.data(), n, t.data<double>());
-      break;
+    case DType::F64: std::copy_n(v.data(), n, t.data<double>()); break;
     case DType::BF16: {
       uint16_t* p = t.data<uint16_t>();
       for (int64_t i = 0; i < n; ++i) p[i] = bf16_from_float(static_cast<float>(v[i]));
@@ -78,8 +73,7 @@ void store(const std::vector<double>& v, Tensor& t, const char* what) {
       for (int64_t i = 0; i < n; ++i) p[i] = f16_from_float(static_cast<float>(v[i]));
       break;
     }
-    default:
-      break;
+    default: break;
   }
 }
 
@@ -126,17 +120,14 @@ void CpuBackend::convert_impl(const Tensor& src, Tensor& dst) {
 void CpuBackend::fill_impl(Tensor& t, float value) {
   const int64_t n = t.numel();
   switch (t.dtype()) {
-    case DType::E4M3:
-      std::memset(t.raw(), e4m3_from_float(value), n);
-      break;
+    case DType::E4M3: std::memset(t.raw(), e4m3_from_float(value), n); break;
     case DType::I32:
       for (int64_t i = 0; i < n; ++i) t.data<int32_t>()[i] = static_cast<int32_t>(value);
       break;
     case DType::I64:
       for (int64_t i = 0; i < n; ++i) t.data<int64_t>()[i] = static_cast<int64_t>(value);
       break;
-    default:
-      store(std::vector<double>(n, value), t, "fill target");
+    default: store(std::vector<double>(n, value), t, "fill target");
   }
 }
 

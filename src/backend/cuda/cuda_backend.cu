@@ -22,8 +22,8 @@ namespace cuda {
 namespace {
 
 void check_float(const Tensor& t, const char* what) {
-  FP8RL_CHECK(t.dtype() == DType::F32 || t.dtype() == DType::BF16, what,
-              " must be F32 or BF16 on the CUDA backend, got ", t.str());
+  FP8RL_CHECK(t.dtype() == DType::F32 || t.dtype() == DType::BF16, what, " must be F32 or BF16 on the CUDA backend, got ",
+              t.str());
 }
 
 // [.., K] -> rows of K.
@@ -34,8 +34,8 @@ int64_t rows_of(const Tensor& t) { return t.ndim() == 0 ? 1 : t.numel() / std::m
 void one_dtype(std::initializer_list<const Tensor*> ts, const char* op) {
   const Tensor& first = **ts.begin();
   for (const Tensor* t : ts)
-    FP8RL_CHECK(t->dtype() == first.dtype(), op, ": the CUDA kernels take one dtype for all tensors, got ", first.str(),
-                " and ", t->str());
+    FP8RL_CHECK(t->dtype() == first.dtype(), op, ": the CUDA kernels take one dtype for all tensors, got ",
+                first.str(), " and ", t->str());
 }
 
 // A BF16 weight gradient (train.grad_dtype: bf16; backend.h) is accumulated through an F32 copy:
@@ -91,7 +91,8 @@ CudaBackend::CudaBackend(int device_index, DType act_dtype) : device_(device_ind
 CudaBackend::~CudaBackend() {
   try {
     profile_report("", true);
-  } catch (...) {}
+  } catch (...) {
+  }
   if (stream_) cudaStreamSynchronize(stream_);
   slots_.clear();
   gemm_.reset();
@@ -132,8 +133,7 @@ Tensor CudaBackend::scratch(Slot slot, const Shape& shape, DType dtype) {
   const size_t bytes = static_cast<size_t>(shape_numel(shape)) * dtype_size(dtype);
   auto& st = slots_[slot];
   if (!st || st->bytes < bytes) {
-    FP8RL_CHECK(!recording_,
-                "a scratch buffer must grow while recording a CUDA graph: run the ops once "
+    FP8RL_CHECK(!recording_, "a scratch buffer must grow while recording a CUDA graph: run the ops once "
                 "unrecorded first");
     const size_t want = std::max<size_t>(bytes + bytes / 4, 256);
     st.reset();  // the old buffer goes back to the pool first (stream-ordered)
@@ -282,9 +282,8 @@ void CudaBackend::profile_report(const std::string& title, bool print) {
   std::sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) { return a.second.second > b.second.second; });
   double total = 0.0;
   for (const auto& r : rows) total += r.second.second;
-  std::fprintf(stderr,
-               "cuda op profile%s%s (stream time between each op's start and end events; a CUDA-graph "
-               "replay counts as one op, graph_replay): total %.1f ms\n",
+  std::fprintf(stderr, "cuda op profile%s%s (stream time between each op's start and end events; a CUDA-graph "
+                       "replay counts as one op, graph_replay): total %.1f ms\n",
                title.empty() ? "" : ": ", title.c_str(), total);
   for (const auto& r : rows)
     std::fprintf(stderr, "  %-24s %9lld calls %10.2f ms %5.1f%%  %8.1f us/call\n", r.first.c_str(),
@@ -303,7 +302,8 @@ class CudaGraph final : public OpGraph {
   void replay() override {
     const CudaBackend::OpTimer op_timer_(be_, "graph_replay");
     CUDA_CHECK(cudaGraphLaunch(exec_, be_.stream_), "replaying a CUDA graph");
-    if (!message_.empty() && be_.sticky_message_.empty()) be_.sticky_message_ = "in a CUDA-graph replay: " + message_;
+    if (!message_.empty() && be_.sticky_message_.empty())
+      be_.sticky_message_ = "in a CUDA-graph replay: " + message_;
   }
 
  private:
@@ -373,13 +373,14 @@ void CudaBackend::sum_squares_each_impl(const std::vector<const Tensor*>& xs, st
   const OpTimer op_timer_(*this, "sum_squares");
   const int64_t n = static_cast<int64_t>(xs.size());
   Tensor acc = scratch(kSlotState, {n + kSumSquaresPartials}, DType::F64);
-  CUDA_CHECK(cudaMemsetAsync(acc.raw(), 0, static_cast<size_t>(n) * sizeof(double), stream_), "zeroing the sums");
-  for (int64_t i = 0; i < n; ++i)  // stream order: each reuses the partials after the previous
-    launch_sum_squares(xs[static_cast<size_t>(i)]->raw(), xs[static_cast<size_t>(i)]->dtype(),
-                       xs[static_cast<size_t>(i)]->numel(), acc.data<double>() + i, acc.data<double>() + n, stream_);
-  CUDA_CHECK(
-      cudaMemcpyAsync(out.data(), acc.raw(), static_cast<size_t>(n) * sizeof(double), cudaMemcpyDeviceToHost, stream_),
-      "reading the sums");
+  double* sums = acc.data<double>();
+  CUDA_CHECK(cudaMemsetAsync(sums, 0, static_cast<size_t>(n) * sizeof(double), stream_), "zeroing the sums");
+  for (int64_t i = 0; i < n; ++i) {  // stream order: each reuses the partials after the previous
+    const Tensor& x = *xs[static_cast<size_t>(i)];
+    launch_sum_squares(x.raw(), x.dtype(), x.numel(), sums + i, sums + n, stream_);
+  }
+  CUDA_CHECK(cudaMemcpyAsync(out.data(), sums, static_cast<size_t>(n) * sizeof(double), cudaMemcpyDeviceToHost,
+                             stream_), "reading the sums");
   CUDA_CHECK(cudaStreamSynchronize(stream_), "sum_squares");
   flag_drain();
 }
@@ -422,8 +423,8 @@ void CudaBackend::embedding_backward_impl(const Tensor& ids, const Tensor& dout,
   }
   const OpTimer op_timer_(*this, "embedding_backward");
   const int64_t T = ids.numel(), V = dtable.dim(0), D = dtable.dim(1);
-  launch_embedding_backward(ids.data<int32_t>(), T, dout.raw(), dout.dtype(), V, D, dtable.data<float>(), flag_reset(),
-                            stream_);
+  launch_embedding_backward(ids.data<int32_t>(), T, dout.raw(), dout.dtype(), V, D, dtable.data<float>(),
+                            flag_reset(), stream_);
   flag_check("embedding_backward: a token id is out of range [0, " + std::to_string(V) + ")");
 }
 
@@ -555,8 +556,7 @@ void CudaBackend::add_rmsnorm_impl(const Tensor& a, const Tensor& b, Tensor& sum
     if (fp8) quantize_async(out.reshape({R, D}), false, fp8->q, false, laid);
   }
   if (fp8)
-    flag_check("add_rmsnorm: the output " + out.str() +
-               " holds NaN or Inf (FP8 quantization refuses non-finite "
+    flag_check("add_rmsnorm: the output " + out.str() + " holds NaN or Inf (FP8 quantization refuses non-finite "
                "values)");
 }
 
@@ -600,14 +600,14 @@ void CudaBackend::swiglu_backward_fp8_impl(const Tensor& dout, const Tensor& gat
   int* bad = flag_reset();
   if (!launch_swiglu_backward_fp8(dout.raw(), gate.raw(), up.raw(), dgate.raw(), dup.raw(), dgate.dtype(), R, F,
                                   dgate_fp8.q.pow2, dgate_fp8.q.data.data<uint8_t>(), dgate_fp8.q.scales.data<float>(),
-                                  dup_fp8.q.data.data<uint8_t>(), dup_fp8.q.scales.data<float>(), laid, bad, stream_)) {
+                                  dup_fp8.q.data.data<uint8_t>(), dup_fp8.q.scales.data<float>(), laid, bad,
+                                  stream_)) {
     launch_swiglu_backward(dout.raw(), gate.raw(), up.raw(), dgate.raw(), dup.raw(), gate.dtype(), gate.numel(),
                            stream_);
     quantize_async(dgate.reshape({R, F}), false, dgate_fp8.q, false, laid);
     quantize_async(dup.reshape({R, F}), false, dup_fp8.q, false, laid);
   }
-  flag_check("swiglu_backward_fp8: dgate " + dgate.str() +
-             " or dup holds NaN or Inf (FP8 quantization refuses "
+  flag_check("swiglu_backward_fp8: dgate " + dgate.str() + " or dup holds NaN or Inf (FP8 quantization refuses "
              "non-finite values)");
 }
 
@@ -761,10 +761,9 @@ bool CudaBackend::fp8_tensor_cores(int64_t M, int64_t N, int64_t K) {
   if (GemmEngine::fp8_supported(M, N, K)) return true;
   ++fp8_fallbacks_;
   if (fp8_fallback_shapes_.insert({N, K}).second)
-    std::fprintf(stderr,
-                 "warning: FP8 GEMM M=%lld N=%lld K=%lld runs as dequantize + FP32 GEMM (slow): cuBLASLt's "
-                 "block-scaled kernels need N %% 16 == 0 and K %% 128 == 0 (reported once per N, K; counted "
-                 "in fp8_gemm_fallbacks)\n",
+    std::fprintf(stderr, "warning: FP8 GEMM M=%lld N=%lld K=%lld runs as dequantize + FP32 GEMM (slow): cuBLASLt's "
+                         "block-scaled kernels need N %% 16 == 0 and K %% 128 == 0 (reported once per N, K; counted "
+                         "in fp8_gemm_fallbacks)\n",
                  static_cast<long long>(M), static_cast<long long>(N), static_cast<long long>(K));
   return false;
 }
@@ -868,8 +867,8 @@ void CudaBackend::linear_fwd(const Tensor& x, const LinearWeight& W, const Linea
 // product, either scale layout of a view); where it does not take the shape (N or K not a
 // multiple of 16) and on the exact path (F32 activations), the dequantized operands' FP32 GEMM on
 // one cuBLASLt algorithm for every M. The quantized operands are those of the other paths.
-void CudaBackend::linear_fwd_fp8_consistent(const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor& out,
-                                            const Fp8View* x_view) {
+void CudaBackend::linear_fwd_fp8_consistent(const Tensor& x, const LinearWeight& W, const LinearSpec& spec,
+                                            Tensor& out, const Fp8View* x_view) {
   const int64_t M = x.dim(0), K = x.dim(1), N = W.out_features();
   const bool own = act_dtype_ != DType::F32 && fp8_gemm_sm90_supported(M, N, K);
   if (!own && act_dtype_ != DType::F32) (void)fp8_tensor_cores(M, N, K);  // counted and reported as a fallback
@@ -1047,13 +1046,13 @@ void CudaBackend::linear_swiglu_impl(const Tensor& x, const LinearWeight& gate_w
   if (act_fp8) {
     fp8_view_prepare(*act_fp8, act);
     int* bad = flag_reset();
-    if (!launch_swiglu_fp8(g, u, 2 * F, act.raw(), act.dtype(), M, F, act_fp8->q.pow2, act_fp8->q.data.data<uint8_t>(),
-                           act_fp8->q.scales.data<float>(), act_fp8->scales_gemm_layout, bad, stream_)) {
+    if (!launch_swiglu_fp8(g, u, 2 * F, act.raw(), act.dtype(), M, F, act_fp8->q.pow2,
+                           act_fp8->q.data.data<uint8_t>(), act_fp8->q.scales.data<float>(),
+                           act_fp8->scales_gemm_layout, bad, stream_)) {
       launch_swiglu_rows(g, u, 2 * F, act.raw(), act.dtype(), M, F, stream_);
       quantize_async(act.reshape({M, F}), false, act_fp8->q, false, act_fp8->scales_gemm_layout);
     }
-    flag_check("linear_swiglu: the output " + act.str() +
-               " holds NaN or Inf (FP8 quantization refuses non-finite values)");
+    flag_check("linear_swiglu: the output " + act.str() + " holds NaN or Inf (FP8 quantization refuses non-finite values)");
   } else {
     launch_swiglu_rows(g, u, 2 * F, act.raw(), act.dtype(), M, F, stream_);
   }
@@ -1100,8 +1099,7 @@ void CudaBackend::grouped_linear_impl(const Tensor& x, const std::vector<int64_t
   }
   bool grouped = spec.mode == LinearMode::FP8_BLOCK && act_dtype_ != DType::F32 && R > 0 &&
                  fp8_gemm_sm90_supported(R, N, K) && K % kQuantBlock == 0 && R < (int64_t{1} << 31) && !recording_;
-  for (const LinearWeight* w : W)
-    grouped = grouped && w->wq.defined() && !w->bias.defined() && w->wq.pow2 == spec.pow2_scales;
+  for (const LinearWeight* w : W) grouped = grouped && w->wq.defined() && !w->bias.defined() && w->wq.pow2 == spec.pow2_scales;
   if (!grouped) {
     if (act_dtype_ != DType::F32) grouped_loops_ += live_groups(offsets);
     Backend::grouped_linear_impl(x, offsets, W, spec, out);
@@ -1139,8 +1137,8 @@ void CudaBackend::grouped_linear_backward_impl(const Tensor& dy, const Tensor& x
   const bool bf16_ops = dy.dtype() == DType::BF16 && x.dtype() == DType::BF16;
   bool dx_done = !dx;
   if (dx && fast && fp8) {
-    bool ok =
-        fp8_gemm_sm90_supported(R, K, N) && N % kQuantBlock == 0 && K % kQuantBlock == 0 && R < (int64_t{1} << 31);
+    bool ok = fp8_gemm_sm90_supported(R, K, N) && N % kQuantBlock == 0 && K % kQuantBlock == 0 &&
+              R < (int64_t{1} << 31);
     for (const LinearWeight* w : W) ok = ok && w->wq.defined() && w->wq.pow2 == spec.pow2_scales;
     if (ok) {
       QuantTensor dyq = scratch_quant(kSlotAq, kSlotAs, R, N, 1, spec.pow2_scales);
@@ -1156,10 +1154,9 @@ void CudaBackend::grouped_linear_backward_impl(const Tensor& dy, const Tensor& x
       for (size_t g = 0; g < W.size(); ++g) cached = cached && (offsets[g + 1] == offsets[g] || W[g]->wqt.defined());
       if (cached) {
         for (size_t g = 0; g < W.size(); ++g)  // groups without rows: any valid map (never read)
-          if (offsets[g + 1] > offsets[g])
-            bp[g] = W[g]->wqt.data.data<uint8_t>(), sp[g] = W[g]->wqt.scales.data<float>();
-        const size_t any =
-            static_cast<size_t>(std::find_if(bp.begin(), bp.end(), [](const uint8_t* p) { return p; }) - bp.begin());
+          if (offsets[g + 1] > offsets[g]) bp[g] = W[g]->wqt.data.data<uint8_t>(), sp[g] = W[g]->wqt.scales.data<float>();
+        const size_t any = static_cast<size_t>(std::find_if(bp.begin(), bp.end(), [](const uint8_t* p) { return p; }) -
+                                               bp.begin());
         for (size_t g = 0; g < W.size(); ++g)
           if (!bp[g]) bp[g] = bp[any], sp[g] = sp[any];
       } else {
@@ -1170,8 +1167,8 @@ void CudaBackend::grouped_linear_backward_impl(const Tensor& dy, const Tensor& x
           if (offsets[g + 1] == offsets[g]) continue;
           uint8_t* q = wt.data.data<uint8_t>() + u * K * N;
           float* sc = wt.scales.data<float>() + u * (K / kQuantBlock) * (N / kQuantBlock);
-          launch_transpose_quant(W[g]->wq.data.data<uint8_t>(), W[g]->wq.scales.data<float>(), N, K, kQuantBlock, q, sc,
-                                 stream_);
+          launch_transpose_quant(W[g]->wq.data.data<uint8_t>(), W[g]->wq.scales.data<float>(), N, K, kQuantBlock, q,
+                                 sc, stream_);
           bp[g] = q, sp[g] = sc, ++u;
         }
         for (size_t g = 0; g < W.size(); ++g)  // groups without rows: any valid map (never read)
@@ -1255,7 +1252,7 @@ void CudaBackend::linear_backward_impl(const Tensor& dy, const Tensor& x, const 
       const bool tc = fp8_tensor_cores(M, K, N);
       const bool use_view = dy_fp8 && (tc || !dy_fp8->scales_gemm_layout);
       const bool laid = use_view ? dy_fp8->scales_gemm_layout : tc && M % kFp8RowGranule == 0;  // as in the forward
-      const bool quantizes = !use_view || !(W.wqt.defined() || W.wq.defined());                 // a flag slot only then
+      const bool quantizes = !use_view || !(W.wqt.defined() || W.wq.defined());  // a flag slot only then
       if (quantizes) flag_reset();
       const QuantTensor dyq = quantized_rows(dy2, use_view ? dy_fp8 : nullptr, spec.pow2_scales, laid,
                                              "linear_backward: dgrad quantize dy");
@@ -1283,8 +1280,8 @@ void CudaBackend::linear_backward_impl(const Tensor& dy, const Tensor& x, const 
         Tensor af = scratch(kSlotA, {M, N}, DType::F32), bf = scratch(kSlotB, {K, N}, DType::F32);
         launch_dequantize(dyq.data.data<uint8_t>(), dyq.scales.data<float>(), M, N, 1, kQuantBlock, af.raw(),
                           DType::F32, stream_);
-        launch_dequantize(wtq.data.data<uint8_t>(), wtq.scales.data<float>(), K, N, kQuantBlock, kQuantBlock, bf.raw(),
-                          DType::F32, stream_);
+        launch_dequantize(wtq.data.data<uint8_t>(), wtq.scales.data<float>(), K, N, kQuantBlock, kQuantBlock,
+                          bf.raw(), DType::F32, stream_);
         mm(false, true, M, K, N, af, bf, DType::F32, dx2, 0.0f);
       }
     }
@@ -1408,8 +1405,8 @@ void CudaBackend::attention_backward_impl(const Tensor& dout, const Tensor& q, c
   Tensor idx = scratch(kSlotIdx, {2 * T}, DType::I32);
   CUDA_CHECK(cudaMemcpyAsync(idx.raw(), b.data(), b.size() * 4, cudaMemcpyHostToDevice, stream_), "uploading seqlens");
   launch_attention_backward(dout.raw(), q.raw(), k.raw(), v.raw(), out.raw(), q.dtype(), lse.data<float>(),
-                            idx.data<int32_t>(), idx.data<int32_t>() + T, T, Hq, Hkv, hd, hdv, softmax_scale, dq.raw(),
-                            dk.raw(), dv.raw(), delta.data<float>(), stream_);
+                            idx.data<int32_t>(), idx.data<int32_t>() + T, T, Hq, Hkv, hd, hdv, softmax_scale,
+                            dq.raw(), dk.raw(), dv.raw(), delta.data<float>(), stream_);
 }
 
 // ---- fused log-probabilities -------------------------------------------------------------------
@@ -1438,8 +1435,8 @@ void CudaBackend::token_logprobs_impl(const Tensor& hidden, const Tensor& lm_hea
     LinearWeight chunk;
     chunk.w = lm_head.slice_rows(v0, v0 + n);
     linear_fwd(hidden, chunk, spec, logits);
-    launch_logprob_chunk(logits.data<float>(), n, T, n, v0, V, 1.0f / temperature, targets.data<int32_t>(), st.m, st.s,
-                         st.e, st.tgt, st.bad, stream_);
+    launch_logprob_chunk(logits.data<float>(), n, T, n, v0, V, 1.0f / temperature, targets.data<int32_t>(), st.m,
+                         st.s, st.e, st.tgt, st.bad, stream_);
   }
   launch_logprob_finish(st.m, st.s, st.e, st.tgt, T, logp.data<float>(), lse.data<float>(),
                         entropy ? entropy->data<float>() : nullptr, stream_);
@@ -1466,8 +1463,8 @@ void CudaBackend::logprobs_of_logits_impl(const Tensor& logits, const Tensor& ta
   // token_logprobs' consistent chunks, each a column slice of the [R, V] logits read in place.
   for (int64_t v0 = 0; v0 < V; v0 += kConsistentVocabChunk) {
     const int64_t n = std::min(kConsistentVocabChunk, V - v0);
-    launch_logprob_chunk(logits.data<float>() + v0, V, R, n, v0, V, 1.0f / temperature, targets.data<int32_t>(), st.m,
-                         st.s, st.e, st.tgt, st.bad, stream_);
+    launch_logprob_chunk(logits.data<float>() + v0, V, R, n, v0, V, 1.0f / temperature, targets.data<int32_t>(),
+                         st.m, st.s, st.e, st.tgt, st.bad, stream_);
   }
   launch_logprob_finish(st.m, st.s, st.e, st.tgt, R, logp.data<float>(), lse.data<float>(), nullptr, stream_);
 }
@@ -1568,7 +1565,7 @@ void CudaBackend::attention_paged_impl(const KvCache& cache, int layer, const Te
   const bool latent = cache.latent_v_dim > 0;  // MLA: V = the first latent_v_dim values of the K row
   const bool e4m3 = cache.dtype == DType::E4M3;
   const float* ks = e4m3 ? cache.k_scale.data<float>() + static_cast<int64_t>(layer) * cache.num_kv_heads : nullptr;
-  const float* vs = !e4m3    ? nullptr
+  const float* vs = !e4m3  ? nullptr
                     : latent ? ks
                              : cache.v_scale.data<float>() + static_cast<int64_t>(layer) * cache.num_kv_heads;
   const int max_pages = static_cast<int>(batch.page_table.dim(1));
@@ -1601,12 +1598,12 @@ void CudaBackend::attention_paged_impl(const KvCache& cache, int layer, const Te
   const bool mma = !grouped && !tiled && paged_attention_mma_supported(hd, group, cache.dtype, q.dtype(), kp, vp);
   // max_pos only sizes the split plan: a token past it is still served in full (last split).
   const PagedSplit plan =
-      batch.batch_invariant ? paged_attention_invariant_split(batch.max_pos)
-      : mma ? paged_attention_mma_split(T, cache.num_kv_heads, hd, cache.dtype, batch.max_pos, sm_count_, nforced)
-            : paged_attention_split(T, cache.num_kv_heads, batch.max_pos, sm_count_, nforced);
+      batch.batch_invariant
+          ? paged_attention_invariant_split(batch.max_pos)
+          : mma ? paged_attention_mma_split(T, cache.num_kv_heads, hd, cache.dtype, batch.max_pos, sm_count_, nforced)
+                : paged_attention_split(T, cache.num_kv_heads, batch.max_pos, sm_count_, nforced);
   float* part = nullptr;
-  if (plan.splits > 1 || lse_out)
-    part = scratch(kSlotAttn, {T * Hq * plan.splits * (hd + 1)}, DType::F32).data<float>();
+  if (plan.splits > 1 || lse_out) part = scratch(kSlotAttn, {T * Hq * plan.splits * (hd + 1)}, DType::F32).data<float>();
   float* part_lse = part ? part + T * Hq * plan.splits * hd : nullptr;
   if (mma) {
     launch_paged_attention_mma(q.raw(), q.dtype(), batch.token_seq.data<int32_t>(), batch.token_pos.data<int32_t>(),
@@ -1665,8 +1662,8 @@ void CudaBackend::sample_impl(const Tensor& logits, const std::vector<float>& te
   CUDA_CHECK(cudaMemcpyAsync(pd.raw(), params.data(), params.size() * sizeof(float), cudaMemcpyHostToDevice, stream_),
              "uploading the sampling parameters");
   const float* p = pd.data<float>();  // no [B, V] scratch: the kernel recomputes keys and weights
-  launch_sample(logits.data<float>(), B, V, Vv, p, p + n, reinterpret_cast<const int32_t*>(p + 3 * n), p + 2 * n, 1,
-                false, tokens.data<int32_t>(), logp.data<float>(), flag_reset(), stream_);
+  launch_sample(logits.data<float>(), B, V, Vv, p, p + n, reinterpret_cast<const int32_t*>(p + 3 * n), p + 2 * n,
+                1, false, tokens.data<int32_t>(), logp.data<float>(), flag_reset(), stream_);
   // Synchronizes: the host-side parameter vector must outlive the upload.
   flag_check("sample: a row of logits holds NaN or +inf, or only -inf");
   flag_drain();
@@ -1704,10 +1701,9 @@ void CudaBackend::sample_rows_impl(const Tensor& logits, const Tensor& rows, boo
     launch_sample(lf.data<float>(), B, V, Vv, w, w + 1, reinterpret_cast<const int32_t*>(w + 2), w + 3, 8, true,
                   tokens.data<int32_t>(), logp.data<float>(), f, stream_);
   }
-  flag_check(
-      "sample: a row of logits holds NaN or +inf, or only -inf, or its parameters are out of range "
-      "(temperature >= 0, top_p in (0, 1], top_k >= 0, uniform in [0, 1); top-k / top-p only with "
-      "truncation)");
+  flag_check("sample: a row of logits holds NaN or +inf, or only -inf, or its parameters are out of range "
+             "(temperature >= 0, top_p in (0, 1], top_k >= 0, uniform in [0, 1); top-k / top-p only with "
+             "truncation)");
 }
 
 }  // namespace cuda

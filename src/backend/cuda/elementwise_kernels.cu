@@ -14,7 +14,7 @@ namespace fp8rl::cuda {
 
 namespace {
 
-#define GRID_STRIDE(i, n)                                                                \
+#define GRID_STRIDE(i, n)                                                                          \
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < (n); \
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
 
@@ -42,19 +42,19 @@ __device__ __forceinline__ void store_any(void* p, int t, int64_t i, float v) {
 }
 int code(DType t) {
   switch (t) {
-    case DType::F32:
-      return 0;
-    case DType::BF16:
-      return 1;
-    case DType::F16:
-      return 2;
-    default:
-      FP8RL_FAIL("expected a float dtype (F32, BF16, F16), got ", dtype_name(t));
+    case DType::F32: return 0;
+    case DType::BF16: return 1;
+    case DType::F16: return 2;
+    default: FP8RL_FAIL("expected a float dtype (F32, BF16, F16), got ", dtype_name(t));
   }
 }
 
-__global__ void fill_kernel(void* p, int t, int64_t n, float v) { GRID_STRIDE(i, n) store_any(p, t, i, v); }
-__global__ void fill_i32_kernel(int32_t* p, int64_t n, int32_t v) { GRID_STRIDE(i, n) p[i] = v; }
+__global__ void fill_kernel(void* p, int t, int64_t n, float v) {
+  GRID_STRIDE(i, n) store_any(p, t, i, v);
+}
+__global__ void fill_i32_kernel(int32_t* p, int64_t n, int32_t v) {
+  GRID_STRIDE(i, n) p[i] = v;
+}
 __global__ void convert_kernel(const void* s, int st, void* d, int dt, int64_t n) {
   GRID_STRIDE(i, n) store_any(d, dt, i, load_any(s, st, i));
 }
@@ -180,15 +180,14 @@ void launch_fill(void* p, DType dtype, int64_t n, float value, cudaStream_t stre
 
 void launch_convert(const void* src, DType sdt, void* dst, DType ddt, int64_t n, cudaStream_t stream) {
   if (n == 0) return;
-  if (sdt == DType::F32 && ddt == DType::BF16 && vec8_ok(n, {src, dst})) {
+  if (sdt == DType::F32 && ddt == DType::BF16 && vec8_ok(n, {src, dst}))
     convert_vec_kernel<<<grid_for(n / 8, 256), 256, 0, stream>>>(static_cast<const float*>(src),
                                                                  static_cast<bf16*>(dst), n / 8);
-  } else if (sdt == DType::BF16 && ddt == DType::F32 && vec8_ok(n, {src, dst})) {
+  else if (sdt == DType::BF16 && ddt == DType::F32 && vec8_ok(n, {src, dst}))
     convert_vec_kernel<<<grid_for(n / 8, 256), 256, 0, stream>>>(static_cast<const bf16*>(src),
                                                                  static_cast<float*>(dst), n / 8);
-  } else {
+  else
     convert_kernel<<<grid_for(n, 256), 256, 0, stream>>>(src, code(sdt), dst, code(ddt), n);
-  }
   CUDA_CHECK_LAUNCH("convert_kernel");
 }
 
@@ -226,7 +225,8 @@ void launch_amax(const void* x, DType dtype, int64_t n, uint32_t* out, cudaStrea
   if (n == 0) return;
   if (dtype == DType::BF16 && n % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0)
     amax_bf16x8_kernel<<<grid_for(n / 8, 256, 2048), 256, 0, stream>>>(static_cast<const uint4*>(x), n / 8, out);
-  else amax_kernel<<<grid_for(n, 256, 4096), 256, 0, stream>>>(x, code(dtype), n, out);
+  else
+    amax_kernel<<<grid_for(n, 256, 4096), 256, 0, stream>>>(x, code(dtype), n, out);
   CUDA_CHECK_LAUNCH("amax_kernel");
 }
 

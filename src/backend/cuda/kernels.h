@@ -28,8 +28,8 @@ void launch_dequantize(const uint8_t* q, const float* scales, int64_t rows, int6
                        int block_cols, void* out, DType out_dtype, cudaStream_t stream);
 // Exact transpose of a block x block quantization (block x block scales): q [rows, cols] ->
 // qt [cols, rows], scales [ceil(rows/block), ceil(cols/block)] -> scales_t transposed.
-void launch_transpose_quant(const uint8_t* q, const float* scales, int64_t rows, int64_t cols, int block, uint8_t* qt,
-                            float* scales_t, cudaStream_t stream);
+void launch_transpose_quant(const uint8_t* q, const float* scales, int64_t rows, int64_t cols, int block,
+                            uint8_t* qt, float* scales_t, cudaStream_t stream);
 void launch_scales_vec128(const float* s, int64_t rows, int64_t nb, int64_t ld, float* out, cudaStream_t stream);
 void launch_scales_blk(const float* s, int64_t rb, int64_t cb, int64_t ld, float* out, cudaStream_t stream);
 
@@ -56,8 +56,7 @@ void launch_sum_squares(const void* x, DType dtype, int64_t n, double* out, doub
 void launch_amax(const void* x, DType dtype, int64_t n, uint32_t* out, cudaStream_t stream);
 void launch_flag_nonfinite(const void* x, DType dtype, int64_t n, int* flag, cudaStream_t stream);
 // out[r, c] += bias[c] ; out [rows, cols].
-void launch_add_bias(void* out, DType odt, const void* bias, DType bdt, int64_t rows, int64_t cols,
-                     cudaStream_t stream);
+void launch_add_bias(void* out, DType odt, const void* bias, DType bdt, int64_t rows, int64_t cols, cudaStream_t stream);
 // dbias[c] += sum_r dy[r, c] ; dbias F32.
 void launch_bias_grad(const void* dy, DType dt, int64_t rows, int64_t cols, float* dbias, cudaStream_t stream);
 
@@ -74,16 +73,16 @@ void launch_moe_route_sigmoid(const float* logits, const float* bias, int64_t T,
 void launch_moe_route_sigmoid_backward(const float* logits, const int32_t* experts, const float* dweights, int64_t T,
                                        int E, int k, bool renorm, float scaling, float* dlogits, cudaStream_t stream);
 // Routing replay: weights F32 [T, k] of given experts I32 [T, k] (out of [0, E): *bad_flag = 1).
-void launch_moe_route_softmax_weights(const float* logits, const int32_t* experts, int64_t T, int E, int k, bool renorm,
-                                      float* weights, int* bad_flag, cudaStream_t stream);
-void launch_moe_route_sigmoid_weights(const float* logits, const int32_t* experts, int64_t T, int E, int k, bool renorm,
-                                      float scaling, float* weights, int* bad_flag, cudaStream_t stream);
+void launch_moe_route_softmax_weights(const float* logits, const int32_t* experts, int64_t T, int E, int k,
+                                      bool renorm, float* weights, int* bad_flag, cudaStream_t stream);
+void launch_moe_route_sigmoid_weights(const float* logits, const int32_t* experts, int64_t T, int E, int k,
+                                      bool renorm, float scaling, float* weights, int* bad_flag, cudaStream_t stream);
 // out [R, D] = x[row_slot / k] (* weights[row_slot]); slots = T * k bounds row_slot (else *bad_flag = 1).
 void launch_moe_permute(const void* x, DType dt, const int32_t* row_slot, const float* weights, int64_t R, int64_t D,
                         int k, int64_t slots, void* out, int* bad_flag, cudaStream_t stream);
 // out [T, D] = sum_j (weights[t*k+j] *) y[slot_row[t*k+j]], y [R, D].
-void launch_moe_unpermute(const void* y, DType dt, const int32_t* slot_row, const float* weights, int64_t T, int64_t D,
-                          int k, int64_t R, void* out, int* bad_flag, cudaStream_t stream);
+void launch_moe_unpermute(const void* y, DType dt, const int32_t* slot_row, const float* weights, int64_t T,
+                          int64_t D, int k, int64_t R, void* out, int* bad_flag, cudaStream_t stream);
 // dweights F32 [S = T*k] = dot(dout[s / k], y[slot_row[s]]).
 void launch_moe_weight_grad(const void* dout, const void* y, DType dt, const int32_t* slot_row, int64_t S, int64_t D,
                             int k, int64_t R, float* dweights, int* bad_flag, cudaStream_t stream);
@@ -131,9 +130,9 @@ void launch_rope(void* x, DType dt, int64_t T, int64_t H, int64_t hd, const int3
 // rmsnorm over each [hd] row of x [T, H, hd] (weight w [hd]) into out, then RoPE (not inverse) on
 // out: launch_rmsnorm then launch_rope, bit for bit, in one pass. False (nothing launched) outside
 // its limits (hd <= 256, a multiple of 16; 16-byte aligned rows): the caller runs the two ops.
-bool launch_rmsnorm_rope(const void* x, DType dt, const void* w, DType wdt, int64_t T, int64_t H, int64_t hd, float eps,
-                         void* out, float* rstd, const int32_t* pos, const RopeTable& tab, float attention_scaling,
-                         bool interleaved, cudaStream_t stream);
+bool launch_rmsnorm_rope(const void* x, DType dt, const void* w, DType wdt, int64_t T, int64_t H, int64_t hd,
+                         float eps, void* out, float* rstd, const int32_t* pos, const RopeTable& tab,
+                         float attention_scaling, bool interleaved, cudaStream_t stream);
 void launch_swiglu(const void* g, const void* u, void* out, DType dt, int64_t n, cudaStream_t stream);
 // out [R, F] = swiglu(g, u) with g and u rows ld elements apart (the halves of a gate|up product).
 void launch_swiglu_rows(const void* g, const void* u, int64_t ld, void* out, DType dt, int64_t R, int64_t F,
@@ -145,16 +144,18 @@ void launch_adamw(float* p, const float* g, float* m, float* v, int64_t n, float
 // ---- optimizer (optimizer_kernels.cu) ----
 // AdamW with BF16 moments m, v [n] (bits) by adamw_rule.h; p F32 [n], g F32 or BF16 [n].
 void launch_adamw_bf16_moments(float* p, const void* g, DType g_dtype, uint16_t* m, uint16_t* v, int64_t n,
-                               const AdamWScalars& s, bool stochastic, uint64_t key, int64_t step, cudaStream_t stream);
+                               const AdamWScalars& s, bool stochastic, uint64_t key, int64_t step,
+                               cudaStream_t stream);
 
 // ---- attention (attention_kernels.cu) ----
 // Packed causal GQA. seq_start[t]: first token of t's sequence; seq_end[t]: one past its last.
 // q, k [T, H*, hd]; v [T, Hkv, hdv], out, dout [T, Hq, hdv] (MLA: hdv = v_head_dim != hd).
-void launch_attention(const void* q, const void* k, const void* v, DType dt, const int32_t* seq_start, int64_t T,
-                      int Hq, int Hkv, int hd, int hdv, float scale, void* out, float* lse, cudaStream_t stream);
-void launch_attention_backward(const void* dout, const void* q, const void* k, const void* v, const void* out, DType dt,
-                               const float* lse, const int32_t* seq_start, const int32_t* seq_end, int64_t T, int Hq,
-                               int Hkv, int hd, int hdv, float scale, void* dq, void* dk, void* dv,
+void launch_attention(const void* q, const void* k, const void* v, DType dt, const int32_t* seq_start,
+                      int64_t T, int Hq, int Hkv, int hd, int hdv, float scale, void* out, float* lse,
+                      cudaStream_t stream);
+void launch_attention_backward(const void* dout, const void* q, const void* k, const void* v, const void* out,
+                               DType dt, const float* lse, const int32_t* seq_start, const int32_t* seq_end,
+                               int64_t T, int Hq, int Hkv, int hd, int hdv, float scale, void* dq, void* dk, void* dv,
                                float* scratch_delta, cudaStream_t stream);
 // Tensor-core flash attention (flash_attention.cu): BF16 q/k/v/out/dout, head_dim 64 or 128,
 // 16-byte aligned tensors. Same contract as the launchers above; tiles are kFlashTile tokens of
@@ -163,11 +164,12 @@ void launch_attention_backward(const void* dout, const void* q, const void* k, c
 constexpr int kFlashTile = 64;
 bool flash_attention_supported(DType dt, int hd);
 std::vector<int32_t> flash_attention_tiles(const std::vector<int32_t>& cu_seqlens);
-void launch_flash_attention(const void* q, const void* k, const void* v, const int32_t* tiles, int num_tiles, int64_t T,
-                            int Hq, int Hkv, int hd, float scale, void* out, float* lse, cudaStream_t stream);
+void launch_flash_attention(const void* q, const void* k, const void* v, const int32_t* tiles, int num_tiles,
+                            int64_t T, int Hq, int Hkv, int hd, float scale, void* out, float* lse,
+                            cudaStream_t stream);
 void launch_flash_attention_backward(const void* dout, const void* q, const void* k, const void* v, const void* out,
-                                     const float* lse, const int32_t* tiles, int num_tiles, int64_t T, int Hq, int Hkv,
-                                     int hd, float scale, void* dq, void* dk, void* dv, float* delta,
+                                     const float* lse, const int32_t* tiles, int num_tiles, int64_t T, int Hq,
+                                     int Hkv, int hd, float scale, void* dq, void* dk, void* dv, float* delta,
                                      cudaStream_t stream);
 // KV pool element type: F32, BF16 or E4M3 (then k_scale/v_scale [Hkv] of the layer apply).
 // Per-head scales by value (at most kMaxKvRoundHeads KV heads).
@@ -213,8 +215,8 @@ bool paged_attention_supported(int hd, int group, DType pool_dt, const void* kpo
 // imposes that many splits (clamped to [1, max_pos]).
 PagedSplit paged_attention_split(int64_t T, int Hkv, int max_pos, int sm_count, int forced);
 void launch_paged_attention(const void* q, DType qdt, const int32_t* token_seq, const int32_t* token_pos,
-                            const int32_t* page_table, int max_pages, int64_t T, int Hq, int Hkv, int hd, int page_size,
-                            const void* kpool, const void* vpool, DType pool_dt, const float* k_scale,
+                            const int32_t* page_table, int max_pages, int64_t T, int Hq, int Hkv, int hd,
+                            int page_size, const void* kpool, const void* vpool, DType pool_dt, const float* k_scale,
                             const float* v_scale, float scale, bool fp8_q, const PagedSplit& split, float* part_o,
                             float* part_lse, void* out, cudaStream_t stream, bool grouped = false,
                             float* lse_out = nullptr);
@@ -231,7 +233,8 @@ PagedSplit paged_attention_invariant_split(int max_pos);
 // Variants (paged_attention.cu: 0 is paged_mma_kernel, 1.. the transposed paged_mmat_kernel
 // with its knobs): `variant` < 0 takes FP8RL_PAGED_VARIANT (a number or a name, read at each
 // call; unset: the default); the split plan and the launch must name the same one.
-bool paged_attention_mma_supported(int hd, int group, DType pool_dt, DType qdt, const void* kpool, const void* vpool);
+bool paged_attention_mma_supported(int hd, int group, DType pool_dt, DType qdt, const void* kpool,
+                                   const void* vpool);
 int paged_attention_mma_variants();
 const char* paged_attention_mma_variant_name(int v);
 int paged_attention_mma_variant_env();  // FP8RL_PAGED_VARIANT, or the default; errors on other values
@@ -274,15 +277,16 @@ void launch_sample_gumbel(const void* logits, DType dtype, int64_t B, int64_t ld
 // per row, row t at logits + t * ld (ld = Vc: a [T, Vc] chunk; ld = V: a column slice of
 // [T, V] logits, read in place); state m, s, e (entropy accumulator) and tgt (target logit) of
 // length T.
-void launch_logprob_chunk(const float* logits, int64_t ld, int64_t T, int64_t Vc, int64_t v0, int64_t V, float inv_temp,
-                          const int32_t* targets, float* m, float* s, float* e, float* tgt, int* bad_flag,
-                          cudaStream_t stream);
+void launch_logprob_chunk(const float* logits, int64_t ld, int64_t T, int64_t Vc, int64_t v0, int64_t V,
+                          float inv_temp, const int32_t* targets, float* m, float* s, float* e, float* tgt,
+                          int* bad_flag, cudaStream_t stream);
 void launch_logprob_init(float* m, float* s, float* e, float* tgt, int64_t T, cudaStream_t stream);
 void launch_logprob_finish(const float* m, const float* s, const float* e, const float* tgt, int64_t T, float* logp,
                            float* lse, float* entropy, cudaStream_t stream);
 // In place: logits [T, Vc] -> dlogits = dlogp[t] * (onehot - softmax) * inv_temp; with out_bf16
 // the gradient goes there in BF16 instead, logits left as they are.
-void launch_logprob_grad_chunk(float* logits, int64_t T, int64_t Vc, int64_t v0, float inv_temp, const int32_t* targets,
-                               const float* lse, const float* dlogp, cudaStream_t stream, void* out_bf16 = nullptr);
+void launch_logprob_grad_chunk(float* logits, int64_t T, int64_t Vc, int64_t v0, float inv_temp,
+                               const int32_t* targets, const float* lse, const float* dlogp, cudaStream_t stream,
+                               void* out_bf16 = nullptr);
 
 }  // namespace fp8rl::cuda

@@ -10,8 +10,8 @@ namespace fp8rl::cuda {
 
 namespace {
 
-template <class G>
 // (Elements i of the pointers given are elements first + i of the tensor: their rounding bits.)
+template <class G>
 __global__ void adamw_bf16_moments_kernel(float* p, const G* g, uint16_t* m, uint16_t* v, int64_t n, AdamWScalars s,
                                           bool stochastic, uint64_t key, int64_t step, int64_t first) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
