@@ -154,4 +154,14 @@ FP8RL_HOST_DEVICE void adamw_bf16_moments_step(float& w, float g_raw, uint16_t& 
   v = stochastic ? adamw_bf16_stochastic(vf, bits >> 16) : adamw_bf16_nearest(vf);
 }
 
+// The same step with F32 moments (CUDA's F32-moment AdamW; the CPU reference computes those in
+// double): m and v stay FP32, no rounding beyond each operation's own.
+FP8RL_HOST_DEVICE void adamw_f32_moments_step(float& w, float g_raw, float& m, float& v, const AdamWScalars& s) {
+  const float g = adamw_mul_rn(g_raw, s.grad_scale);
+  m = adamw_fma_rn(s.beta1, m, adamw_mul_rn(s.one_minus_beta1, g));
+  v = adamw_fma_rn(s.beta2, v, adamw_mul_rn(s.one_minus_beta2, adamw_mul_rn(g, g)));
+  const float denom = adamw_add_rn(adamw_div_rn(adamw_sqrt_rn(v), s.bc2_sqrt), s.eps);
+  w = adamw_fma_rn(w, s.decay, -adamw_div_rn(adamw_mul_rn(s.step_size, m), denom));
+}
+
 }  // namespace fp8rl

@@ -952,8 +952,10 @@ void Backend::moe_unpermute_backward_weights(const Tensor& dout, const Tensor& y
 
 // ---- optimizer and quantization ----
 
-void Backend::adamw(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWParams& p) {
-  const Contract c(*this);
+namespace {
+
+void adamw_contract(const Contract& c, const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
+                    const AdamWParams& p) {
   c.stat(param, "adamw param");
   c.floating(grad, "adamw grad");
   c.floating(m, "adamw m");
@@ -968,11 +970,31 @@ void Backend::adamw(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, con
     FP8RL_CHECK(grad.dtype() == DType::F32 || grad.dtype() == DType::BF16, "adamw grad must be F32 or BF16, got ",
                 grad.str());
   }
+}
+
+}  // namespace
+
+void Backend::adamw(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWParams& p) {
+  adamw_contract(Contract(*this), param, grad, m, v, p);
   adamw_impl(param, grad, m, v, p);
 }
 
-void Backend::quantize(const Tensor& x, bool transpose, QuantTensor& out, bool deferred) {
+void Backend::adamw_many(const std::vector<AdamWJob>& jobs) {
   const Contract c(*this);
+  for (const AdamWJob& j : jobs) {
+    FP8RL_CHECK(j.param && j.grad && j.m && j.v, "adamw_many: a job without its param, grad, m or v");
+    adamw_contract(c, *j.param, *j.grad, *j.m, *j.v, j.p);
+  }
+  adamw_many_impl(jobs);
+}
+
+void Backend::adamw_many_impl(const std::vector<AdamWJob>& jobs) {
+  for (const AdamWJob& j : jobs) adamw_impl(*j.param, *j.grad, *j.m, *j.v, j.p);
+}
+
+namespace {
+
+void quantize_contract(const Contract& c, const Tensor& x, bool transpose, const QuantTensor& out) {
   c.floating(x, "quantize input");
   FP8RL_CHECK(x.ndim() == 2, "quantize: the input must be 2-D [rows, cols], got ", x.str());
   const int64_t R = transpose ? x.dim(1) : x.dim(0), C = transpose ? x.dim(0) : x.dim(1);
@@ -984,7 +1006,34 @@ void Backend::quantize(const Tensor& x, bool transpose, QuantTensor& out, bool d
   check_shape(out.data, {R, C}, "quantized data");
   check_dtype(out.scales, DType::F32, "quantization scales");
   check_shape(out.scales, {ceil_div(R, out.block_rows), ceil_div(C, out.block_cols)}, "quantization scales");
+}
+
+}  // namespace
+
+void Backend::quantize(const Tensor& x, bool transpose, QuantTensor& out, bool deferred) {
+  quantize_contract(Contract(*this), x, transpose, out);
   quantize_impl(x, transpose, out, deferred);
+}
+
+void Backend::quantize_weights(const std::vector<WeightQuantJob>& jobs) {
+  const Contract c(*this);
+  for (const WeightQuantJob& j : jobs) {
+    FP8RL_CHECK(j.w && j.q, "quantize_weights: a job without its weight or its quantized copy");
+    for (const QuantTensor* q : {j.q, j.qt}) {
+      if (!q) continue;
+      FP8RL_CHECK(q->block_rows == kQuantBlock && q->block_cols == kQuantBlock,
+                  "quantize_weights: weight copies use 128x128 blocks, got ", q->block_rows, "x", q->block_cols);
+      quantize_contract(c, *j.w, q == j.qt, *q);
+    }
+  }
+  quantize_weights_impl(jobs);
+}
+
+void Backend::quantize_weights_impl(const std::vector<WeightQuantJob>& jobs) {
+  for (const WeightQuantJob& j : jobs) {
+    quantize_impl(*j.w, false, *j.q, true);
+    if (j.qt) quantize_impl(*j.w, true, *j.qt, true);
+  }
 }
 
 // ---- generation ----

@@ -445,6 +445,17 @@ class Backend {
   // CUDA in FP32. BF16 moments: FP32 math by backend/adamw_rule.h on both (bitwise equal), m and v
   // rounded to nearest even or, with p.stochastic_rounding, stochastically.
   void adamw(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWParams& p);
+  // Many tensors' AdamW in one call (the optimizer step over every parameter): bitwise the loop
+  // of adamw over `jobs` in order. CUDA runs them as few multi-tensor launches (tensors of many
+  // sizes, each element's arithmetic the single op's), so a step over thousands of expert
+  // matrices costs launches per group of tensors, not per tensor.
+  struct AdamWJob {
+    Tensor* param;
+    const Tensor* grad;
+    Tensor *m, *v;
+    AdamWParams p;
+  };
+  void adamw_many(const std::vector<AdamWJob>& jobs);
 
   // ---- quantization ----------------------------------------------------------------------
   // Bitwise equal to quantize_blocks_into (quant/quant.h): x [r, c] (F32 or BF16) into out
@@ -453,6 +464,17 @@ class Backend {
   // synchronizing call (synchronize, a copy to the host): many weights quantized in a row (the
   // trainer's per-step copies) then cost no host round trip each.
   void quantize(const Tensor& x, bool transpose, QuantTensor& out, bool deferred = false);
+  // The trainer's per-step weight copies in one call: for each job, w [N, K] (F32 or BF16) into
+  // q (128 x 128 blocks, [N, K]) and, when qt is non-null, w^T into qt (128 x 128 blocks, [K, N]:
+  // the same blocks, amaxes and codes as q, transposed). Bitwise quantize(w, false, *q, true)
+  // then quantize(w, true, *qt, true) for every job, the non-finite check deferred; CUDA reads
+  // each 128 x 128 tile of w once for both copies, many weights per launch.
+  struct WeightQuantJob {
+    const Tensor* w;
+    QuantTensor* q;
+    QuantTensor* qt = nullptr;
+  };
+  void quantize_weights(const std::vector<WeightQuantJob>& jobs);
 
   // ---- generation --------------------------------------------------------------------------
   // Allocates a paged cache (scales initialized to 1); latent_v_dim > 0 (<= head_dim): MLA's
@@ -605,6 +627,9 @@ class Backend {
                                                    Tensor& dweights) = 0;
   virtual void adamw_impl(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWParams& p) = 0;
   virtual void quantize_impl(const Tensor& x, bool transpose, QuantTensor& out, bool deferred) = 0;
+  // Defaults: the loops (the CPU reference); CUDA overrides both with multi-tensor launches.
+  virtual void adamw_many_impl(const std::vector<AdamWJob>& jobs);
+  virtual void quantize_weights_impl(const std::vector<WeightQuantJob>& jobs);
   virtual void kv_write_impl(KvCache& cache, int layer, const Tensor& k, const Tensor& v, const PagedBatch& batch) = 0;
   virtual void kv_round_impl(Tensor& x, const std::vector<float>& head_scale) = 0;
   virtual void attention_paged_impl(const KvCache& cache, int layer, const Tensor& q, const PagedBatch& batch,

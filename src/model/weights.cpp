@@ -494,36 +494,57 @@ ModelWeights model_weights_to_host(Backend& be, const ModelWeights& w, DType dty
       });
 }
 
-ModelWeights model_grads_alloc(Backend& be, const ModelWeights& w, DType dtype) {
+ModelWeights model_grads_alloc(Backend& be, const ModelWeights& w, DType dtype, Tensor* arena) {
   FP8RL_CHECK(dtype == DType::F32 || dtype == DType::F64 || dtype == DType::BF16,
               "gradients (and optimizer moments) must be F32, BF16 or F64, got ", dtype_name(dtype));
-  ModelWeights g = map_weights(
-      w,
-      [&](const Tensor& t) {
-        Tensor z = be.alloc(t.shape(), dtype);
-        be.fill(z, 0.0f);
-        return z;
-      },
-      [](const QuantTensor&) { return QuantTensor{}; });
-  // A linear held only as FP8 (no `w`) still needs a weight gradient of its logical shape.
-  for (size_t i = 0; i < w.layers.size(); ++i) {
-    std::vector<const LinearWeight*> src;
-    for_each_block_linear(w.layers[i], [&](const std::string&, const LinearWeight& lw) { src.push_back(&lw); });
-    size_t j = 0;
-    for_each_block_linear(g.layers[i], [&](const std::string&, LinearWeight& lg) {
-      const LinearWeight& lw = *src[j++];
-      if (!lg.w.defined() && linear_defined(lw)) {
-        lg.w = be.alloc({lw.out_features(), lw.in_features()}, dtype);
-        be.fill(lg.w, 0.0f);
-      }
-    });
+  // With an arena: every tensor a view into one buffer (each starting on a 256-byte boundary),
+  // so zeroing all of them is one fill of the arena. Pass 1 lays the views out, pass 2 makes them.
+  constexpr int64_t kAlign = 256;
+  const int64_t align_elems = kAlign / static_cast<int64_t>(dtype_size(dtype));
+  int64_t total = 0;
+  Tensor flat;
+  auto make = [&](const Shape& shape) {
+    const int64_t n = shape_numel(shape), at = total;
+    total += (n + align_elems - 1) / align_elems * align_elems;
+    if (!arena) {
+      Tensor z = be.alloc(shape, dtype);
+      be.fill(z, 0.0f);
+      return z;
+    }
+    if (!flat.defined()) return Tensor{};  // pass 1: sizes only
+    return Tensor(flat.storage(), flat.offset_bytes() + static_cast<size_t>(at) * dtype_size(dtype), shape, dtype);
+  };
+  ModelWeights g;
+  for (int pass = arena ? 0 : 1; pass < 2; ++pass) {
+    if (arena && pass == 1) {
+      flat = be.alloc({std::max<int64_t>(total, 1)}, dtype);
+      be.fill(flat, 0.0f);
+      total = 0;
+    }
+    g = map_weights(w, [&](const Tensor& t) { return make(t.shape()); }, [](const QuantTensor&) { return QuantTensor{}; });
+    // A linear held only as FP8 (no `w`) still needs a weight gradient of its logical shape.
+    for (size_t i = 0; i < w.layers.size(); ++i) {
+      std::vector<const LinearWeight*> src;
+      for_each_block_linear(w.layers[i], [&](const std::string&, const LinearWeight& lw) { src.push_back(&lw); });
+      size_t j = 0;
+      for_each_block_linear(g.layers[i], [&](const std::string&, LinearWeight& lg) {
+        const LinearWeight& lw = *src[j++];
+        if (!lw.w.defined() && linear_defined(lw)) lg.w = make({lw.out_features(), lw.in_features()});
+      });
+    }
   }
+  if (arena) *arena = flat;
   return g;
 }
 
-void model_grads_zero(Backend& be, ModelWeights& g) {
+void model_grads_zero(Backend& be, ModelWeights& g, const Tensor* arena) {
+  if (arena && arena->defined()) {
+    be.fill(const_cast<Tensor&>(*arena), 0.0f);  // the arena's views: every gradient at once
+    return;
+  }
   model_for_each_parameter(g, [&](const std::string&, Tensor& t) { be.fill(t, 0.0f); });
 }
+
 
 // ---- iteration ---------------------------------------------------------------------------------
 

@@ -144,8 +144,11 @@ ModelWeights model_weights_to_host(Backend& backend, const ModelWeights& weights
 // Gradients (and Adam moments): a zero-filled ModelWeights of the same structure on `backend`
 // (F32, BF16 or F64);
 // linears get `w` (and `bias` where the weight has one), never `wq`; tied lm_head shares embed.
-ModelWeights model_grads_alloc(Backend& backend, const ModelWeights& weights, DType dtype = DType::F32);
-void model_grads_zero(Backend& backend, ModelWeights& grads);
+// With `arena` non-null every tensor is a view into one buffer, returned there (zeroing all is
+// then one fill: model_grads_zero with that arena).
+ModelWeights model_grads_alloc(Backend& backend, const ModelWeights& weights, DType dtype = DType::F32,
+                               Tensor* arena = nullptr);
+void model_grads_zero(Backend& backend, ModelWeights& grads, const Tensor* arena = nullptr);
 
 // ---- names and iteration -----------------------------------------------------------------
 

@@ -179,7 +179,7 @@ Trainer::Trainer(Backend& be, ModelWeights master, const EnginePrecision& prec, 
               "BF16, got ", dtype_name(opt_.grad_dtype));
   FP8RL_CHECK(opt_.moment_dtype == DType::F32 || opt_.moment_dtype == DType::BF16, "Adam moments must be F32 or "
               "BF16, got ", dtype_name(opt_.moment_dtype));
-  grads_ = model_grads_alloc(be_, master_, opt_.grad_dtype);
+  grads_ = model_grads_alloc(be_, master_, opt_.grad_dtype, &grads_arena_);
   m_ = model_grads_alloc(be_, master_, opt_.moment_dtype);
   v_ = model_grads_alloc(be_, master_, opt_.moment_dtype);
 }
@@ -219,6 +219,9 @@ const ModelWeights& Trainer::compute_weights() {
   const bool bf16_copies = be_.act_dtype() == DType::BF16;
   const bool keep_wqt = !opt_.frozen && opt_.dgrad_weight_cache;
   size_t i = 0, j = 0;
+  // The FP8 copies are quantized after the walk, in one batched call (wq_ / wqt_ may grow
+  // during it, so the jobs are made once their entries stay put).
+  std::vector<Tensor> to_quantize;  // [i]: the master weight of wq_[i]
   auto bf16_copy = [&](const Tensor& w) {
     if (j == w16_.size()) w16_.emplace_back();
     Tensor& c = w16_[j++];
@@ -238,7 +241,7 @@ const ModelWeights& Trainer::compute_weights() {
     const int64_t N = lw.w.dim(0), K = lw.w.dim(1);
     if (!q.defined() || q.rows() != N || q.cols() != K || q.pow2 != prec_.pow2_scales)
       q = be_.alloc_quant(N, K, kQuantBlock, kQuantBlock, prec_.pow2_scales);
-    be_.quantize(lw.w, /*transpose=*/false, q, /*deferred=*/true);  // in place; non-finite: below
+    to_quantize.push_back(lw.w);  // in place, below; non-finite: at the synchronization
     lw.wq = q;
     if (!keep_wqt) return;  // a frozen policy has no dgrad; without the W^T cache it transposes wq
     // W^T for the dgrad: quantizing w^T with 128x128 blocks makes the same blocks, amaxes and
@@ -247,9 +250,12 @@ const ModelWeights& Trainer::compute_weights() {
     QuantTensor& qt = wqt_[k];
     if (!qt.defined() || qt.rows() != K || qt.cols() != N || qt.pow2 != prec_.pow2_scales)
       qt = be_.alloc_quant(K, N, kQuantBlock, kQuantBlock, prec_.pow2_scales);
-    be_.quantize(lw.w, /*transpose=*/true, qt, /*deferred=*/true);
     lw.wqt = qt;
   });
+  std::vector<Backend::WeightQuantJob> jobs;
+  for (size_t k = 0; k < to_quantize.size(); ++k)
+    jobs.push_back({&to_quantize[k], &wq_[k], keep_wqt ? &wqt_[k] : nullptr});
+  be_.quantize_weights(jobs);
   if (bf16_copies) {  // the lm_head runs in BF16 with BF16 activations (and the embedding reads rows)
     const bool tied = master_.lm_head.storage() == master_.embed.storage();
     compute_.embed = bf16_copy(master_.embed);
@@ -385,7 +391,7 @@ StepResult Trainer::step(const std::vector<TrainSequence>& seqs, float temperatu
                          float lr) {
   FP8RL_CHECK(!opt_.frozen, "a frozen policy (the KL reference) cannot take optimizer steps");
   StepResult r;
-  model_grads_zero(be_, grads_);
+  model_grads_zero(be_, grads_, &grads_arena_);
   // A non-finite activation, logit, loss or gradient met on the way (the FP8 quantizer, the
   // loss and the attention refuse them with NonFiniteError) skips this update like a
   // non-finite loss does: the weights and the optimizer state are only written below.
@@ -419,6 +425,7 @@ StepResult Trainer::step(const std::vector<TrainSequence>& seqs, float temperatu
   model_for_each_parameter(master_, [&](const std::string& n, Tensor&) {
     frozen.push_back(!opt_.train_router && n.size() > 16 && n.compare(n.size() - 16, 16, ".mlp.gate.weight") == 0);
   });
+  std::vector<Backend::AdamWJob> jobs;
   for (size_t i = 0; i < w.size(); ++i) {
     if (frozen[i]) continue;
     if (!owner_.empty() && owner_[i] != comm_->rank()) continue;  // ZeRO-1: another rank's
@@ -432,8 +439,9 @@ StepResult Trainer::step(const std::vector<TrainSequence>& seqs, float temperatu
     ap.grad_scale = grad_scale;
     ap.stochastic_rounding = opt_.stochastic_rounding;
     ap.rounding_key = 0x6f7074696d000000ull + i;  // per parameter tensor (model_for_each_parameter order)
-    be_.adamw(*w[i], *g[i], *m[i], *v[i], ap);
+    jobs.push_back({w[i], g[i], m[i], v[i], ap});
   }
+  be_.adamw_many(jobs);  // bitwise the loop of adamw over the jobs
   if (!owner_.empty()) broadcast_from_owners(w, nullptr);  // every rank gets every new weight
   wq_stale_ = true;  // requantized at the next score() / step()
   r.applied = true;

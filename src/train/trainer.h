@@ -207,6 +207,7 @@ class Trainer {
 
   Backend& be_;
   ModelWeights master_, grads_, m_, v_;
+  Tensor grads_arena_;  // every gradient is a view into it (model_grads_alloc): zeroed in one fill
   ModelWeights compute_;             // master_ + the cache (shares master_'s tensors)
   std::vector<QuantTensor> wq_;      // [FP8 linears, model_for_each_linear order] the cache
   std::vector<QuantTensor> wqt_;     // [same] their transposes (empty: frozen, or no dgrad_weight_cache)

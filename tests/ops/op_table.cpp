@@ -283,6 +283,77 @@ void quantize_cases(std::vector<OpCase>& t) {
     QuantTensor wrong = r.be.alloc_quant(5, 200, 1, 128, false);
     EXPECT_THROW(r.be.quantize(r["nan"], false, wrong), Error);  // shape mismatch: the contract
   };
+  // The trainer's batched weight copies: W and W^T of weights of several shapes (partial tiles,
+  // a width not a multiple of 8: CUDA's per-tensor fallback; F32 and BF16), in one call.
+  {
+    const std::pair<int64_t, int64_t> wshapes[] = {{256, 384}, {130, 264}, {200, 129}, {1, 128}, {384, 136}};
+    for (bool pow2 : {false, true})
+      t.push_back({"quantize_weights",
+                   std::string("5 weights, W and W^T, 128x128 blocks") + (pow2 ? " pow2" : ""),
+                   [=] {
+                     Tensors in;
+                     uint32_t s = 900;
+                     for (size_t k = 0; k < std::size(wshapes); ++k)
+                       in["w" + std::to_string(k)] = rnd_wide(wshapes[k].first, wshapes[k].second, s++,
+                                                              k == 2 ? DType::BF16 : DType::F32);
+                     return in;
+                   },
+                   [=](OpRun& run) {
+                     std::vector<QuantTensor> q, qt;
+                     for (const auto& [n, k] : wshapes) {
+                       q.push_back(run.be.alloc_quant(n, k, 128, 128, pow2));
+                       qt.push_back(run.be.alloc_quant(k, n, 128, 128, pow2));
+                       run.be.fill(q.back().scales, NAN);
+                       run.be.fill(qt.back().scales, NAN);
+                     }
+                     std::vector<Backend::WeightQuantJob> jobs;
+                     for (size_t k = 0; k < q.size(); ++k)  // weight 3 without its W^T copy
+                       jobs.push_back({&run["w" + std::to_string(k)], &q[k], k == 3 ? nullptr : &qt[k]});
+                     run.be.quantize_weights(jobs);
+                     for (size_t k = 0; k < q.size(); ++k) {
+                       const std::string n = std::to_string(k);
+                       run.out["q" + n] = q[k].data;
+                       run.out["qs" + n] = q[k].scales;
+                       if (k == 3) continue;
+                       run.out["qt" + n] = qt[k].data;
+                       run.out["qts" + n] = qt[k].scales;
+                       // bitwise the single op on the same backend
+                       QuantTensor one = run.be.alloc_quant(wshapes[k].second, wshapes[k].first, 128, 128, pow2);
+                       run.be.quantize(run["w" + n], true, one);
+                       run.out["one_t" + n] = one.data;
+                       run.out["one_ts" + n] = one.scales;
+                     }
+                   },
+                   [] {
+                     std::vector<std::pair<std::string, Tolerance>> tol;
+                     for (int k = 0; k < 5; ++k) {
+                       const std::string n = std::to_string(k);
+                       tol.push_back({"q" + n, bitwise()});
+                       tol.push_back({"qs" + n, bitwise()});
+                       if (k == 3) continue;  // no W^T copy asked
+                       tol.push_back({"qt" + n, bitwise()});
+                       tol.push_back({"qts" + n, bitwise()});
+                     }
+                     return tol;
+                   }(),
+                   {{"qt0", "one_t0"}, {"qts0", "one_ts0"}, {"qt1", "one_t1"}, {"qts1", "one_ts1"},
+                    {"qt2", "one_t2"}, {"qts2", "one_ts2"}, {"qt4", "one_t4"}, {"qts4", "one_ts4"}}});
+    t.back().errors = [](OpRun& r) {
+      QuantTensor q = r.be.alloc_quant(256, 384, 128, 128, false), wrong = r.be.alloc_quant(256, 384, 1, 128, false);
+      EXPECT_THROW(r.be.quantize_weights({{&r["w0"], &wrong}}), Error);  // 1x128 blocks: not a weight copy
+      QuantTensor bad_t = r.be.alloc_quant(256, 384, 128, 128, false);
+      EXPECT_THROW(r.be.quantize_weights({{&r["w0"], &q, &bad_t}}), Error);  // W^T of the wrong shape
+      Tensor h = r.be.to_host(r["w0"]);
+      h.data<float>()[5 * 384 + 7] = NAN;
+      const Tensor nan_w = r.be.to_device(h);
+      EXPECT_THROW(
+          {
+            r.be.quantize_weights({{&nan_w, &q}});
+            r.be.synchronize();
+          },
+          Error);  // non-finite: at the next synchronization at the latest
+    };
+  }
 }
 
 // ---- linear layers ---------------------------------------------------------------------------
@@ -676,6 +747,63 @@ void layer_cases(std::vector<OpCase>& t) {
       Tensor v2 = r.be.alloc({1000}, DType::F32);
       EXPECT_THROW(r.be.adamw(w, r["g"], m, v2, p0), Error);  // steps are 1-based
     };
+  }
+  // The optimizer step over many tensors in one call: sizes from 1 to past one CUDA chunk, odd
+  // ones (the 8-wide path's tail), each tensor its own weight decay and rounding key, BF16 and
+  // F32 moments and gradients mixed (runs of one dtype share a launch); bitwise the loop of adamw.
+  for (DType md : {DType::BF16, DType::F32}) {
+    const int64_t sizes[] = {1, 1000, 8197, 37, 16384 + 8, 3};
+    const int n = static_cast<int>(std::size(sizes));
+    auto name = [](const char* what, int k) { return what + std::to_string(k); };
+    t.push_back(
+        {"adamw_many",
+         std::string("6 tensors, 1..16392 elements, ") + dtype_name(md) + " moments, stochastic rounding",
+         [=] {
+           Tensors in;
+           for (int k = 0; k < n; ++k) {
+             const int64_t e = sizes[k];
+             Tensor v = rnd({e}, 80 + 4 * k);
+             for (int64_t i = 0; i < e; ++i) v.data<float>()[i] = 0.01f * std::fabs(v.data<float>()[i]);
+             in[name("w", k)] = rnd({e}, 81 + 4 * k);
+             in[name("g", k)] = rnd({e}, 82 + 4 * k, k % 2 ? DType::BF16 : DType::F32, 0.1f);
+             in[name("m", k)] = rnd({e}, 83 + 4 * k, md, 0.05f);
+             in[name("v", k)] = md == DType::BF16 ? from_float_vector(to_float_vector(v), {e}, DType::BF16) : v;
+           }
+           return in;
+         },
+         [=](OpRun& r) {
+           auto params = [&](int k) {
+             AdamWParams p;
+             p.lr = 1e-3f;
+             p.weight_decay = k % 3 ? 0.01f * k : 0.0f;
+             p.step = 7;
+             p.grad_scale = 0.5f;
+             p.stochastic_rounding = md == DType::BF16;
+             p.rounding_key = 0x6f7074696d000000ull + k;
+             return p;
+           };
+           std::vector<Backend::AdamWJob> jobs;
+           for (int k = 0; k < n; ++k)
+             jobs.push_back({&r.updated(name("w", k), name("w", k)), &r[name("g", k)],
+                             &r.updated(name("m", k), name("m", k)), &r.updated(name("v", k), name("v", k)),
+                             params(k)});
+           r.be.adamw_many(jobs);
+           for (int k = 0; k < n; ++k)
+             r.be.adamw(r.updated(name("w1_", k), name("w", k)), r[name("g", k)],
+                        r.updated(name("m1_", k), name("m", k)), r.updated(name("v1_", k), name("v", k)), params(k));
+         },
+         [=] {
+           std::vector<std::pair<std::string, Tolerance>> tol;
+           for (int k = 0; k < n; ++k)
+             for (const char* o : {"w", "m", "v"}) tol.push_back({name(o, k), md == DType::BF16 ? bitwise() : rel(1e-6)});
+           return tol;
+         }(),
+         [=] {
+           std::vector<std::pair<std::string, std::string>> same;
+           for (int k = 0; k < n; ++k)
+             for (const char* o : {"w", "m", "v"}) same.push_back({name(o, k), name(o, k).insert(1, "1_")});
+           return same;
+         }()});
   }
 }
 

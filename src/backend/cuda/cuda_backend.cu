@@ -355,30 +355,28 @@ void CudaBackend::scale_impl(Tensor& x, float s) {
 }
 
 double CudaBackend::sum_squares_impl(const Tensor& x) {
-  const OpTimer op_timer_(*this, "sum_squares");
-  Tensor acc = scratch(kSlotState, {1 + kSumSquaresPartials}, DType::F64);
-  CUDA_CHECK(cudaMemsetAsync(acc.raw(), 0, sizeof(double), stream_), "zeroing the sum");
-  launch_sum_squares(x.raw(), x.dtype(), x.numel(), acc.data<double>(), acc.data<double>() + 1, stream_);
-  double h = 0.0;
-  CUDA_CHECK(cudaMemcpyAsync(&h, acc.raw(), sizeof(double), cudaMemcpyDeviceToHost, stream_), "reading the sum");
-  CUDA_CHECK(cudaStreamSynchronize(stream_), "sum_squares");
-  flag_drain();
-  return h;
+  std::vector<double> out(1, 0.0);
+  sum_squares_each_impl({&x}, out);
+  return out[0];
 }
 
-// Each tensor's sum into its own slot (the same deterministic kernels as sum_squares_impl: the
-// same values), one read back and one synchronization for all.
+// Every tensor's sum in one multi-tensor launch per 64 tensors (the same deterministic kernels
+// for one tensor or thousands: the same values), one read back and one synchronization for all.
 void CudaBackend::sum_squares_each_impl(const std::vector<const Tensor*>& xs, std::vector<double>& out) {
   if (xs.empty()) return;
   const OpTimer op_timer_(*this, "sum_squares");
-  const int64_t n = static_cast<int64_t>(xs.size());
-  Tensor acc = scratch(kSlotState, {n + kSumSquaresPartials}, DType::F64);
-  double* sums = acc.data<double>();
-  CUDA_CHECK(cudaMemsetAsync(sums, 0, static_cast<size_t>(n) * sizeof(double), stream_), "zeroing the sums");
-  for (int64_t i = 0; i < n; ++i) {  // stream order: each reuses the partials after the previous
-    const Tensor& x = *xs[static_cast<size_t>(i)];
-    launch_sum_squares(x.raw(), x.dtype(), x.numel(), sums + i, sums + n, stream_);
+  std::vector<const void*> ptrs;
+  std::vector<DType> dtypes;
+  std::vector<int64_t> ns;
+  for (const Tensor* x : xs) {
+    ptrs.push_back(x->raw());
+    dtypes.push_back(x->dtype());
+    ns.push_back(x->numel());
   }
+  const int64_t n = static_cast<int64_t>(xs.size());
+  Tensor acc = scratch(kSlotState, {n + std::max<int64_t>(1, sum_squares_partials(ns))}, DType::F64);
+  double* sums = acc.data<double>();
+  launch_sum_squares_many(ptrs, dtypes, ns, sums, sums + n, stream_);
   CUDA_CHECK(cudaMemcpyAsync(out.data(), sums, static_cast<size_t>(n) * sizeof(double), cudaMemcpyDeviceToHost,
                              stream_), "reading the sums");
   CUDA_CHECK(cudaStreamSynchronize(stream_), "sum_squares");
@@ -698,23 +696,36 @@ void CudaBackend::moe_unpermute_backward_weights_impl(const Tensor& dout, const 
 }
 
 void CudaBackend::adamw_impl(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWParams& p) {
+  adamw_many_impl({{&param, &grad, &m, &v, p}});
+}
+
+// Runs of jobs that share the launch's scalars (every AdamWParams field but the weight decay and
+// the rounding key, which each tensor carries) and dtypes go to launch_adamw_many together: the
+// trainer's step is one run of up to 64 tensors per launch.
+void CudaBackend::adamw_many_impl(const std::vector<AdamWJob>& jobs) {
   const OpTimer op_timer_(*this, "adamw");
-  if (m.dtype() == DType::BF16) {
-    const AdamWScalars sc = adamw_scalars(p.lr, p.beta1, p.beta2, p.eps, p.weight_decay, p.step, p.grad_scale);
-    launch_adamw_bf16_moments(param.data<float>(), grad.raw(), grad.dtype(), m.data<uint16_t>(), v.data<uint16_t>(),
-                              param.numel(), sc, p.stochastic_rounding, p.rounding_key, p.step, stream_);
-    return;
+  auto same_launch = [](const AdamWJob& a, const AdamWJob& b) {
+    return a.grad->dtype() == b.grad->dtype() && a.m->dtype() == b.m->dtype() && a.p.lr == b.p.lr &&
+           a.p.beta1 == b.p.beta1 && a.p.beta2 == b.p.beta2 && a.p.eps == b.p.eps && a.p.step == b.p.step &&
+           a.p.grad_scale == b.p.grad_scale && a.p.stochastic_rounding == b.p.stochastic_rounding;
+  };
+  for (size_t first = 0; first < jobs.size();) {
+    size_t end = first + 1;
+    while (end < jobs.size() && same_launch(jobs[first], jobs[end])) ++end;
+    const AdamWParams& p = jobs[first].p;
+    const AdamWScalars sc = adamw_scalars(p.lr, p.beta1, p.beta2, p.eps, 0.0f, p.step, p.grad_scale);
+    std::vector<AdamWTensor> ts;
+    for (size_t i = first; i < end; ++i) {
+      const AdamWJob& j = jobs[i];
+      ts.push_back({j.param->data<float>(), j.grad->raw(), j.m->raw(), j.v->raw(), j.param->numel(),
+                    adamw_scalars(j.p.lr, j.p.beta1, j.p.beta2, j.p.eps, j.p.weight_decay, j.p.step, j.p.grad_scale)
+                        .decay,
+                    j.p.rounding_key});
+    }
+    launch_adamw_many(ts, jobs[first].grad->dtype(), jobs[first].m->dtype(), sc, p.stochastic_rounding, p.step,
+                      stream_);
+    first = end;
   }
-  Tensor g32 = grad;  // a BF16 or scaled gradient: an F32 copy for the F32 kernel
-  if (grad.dtype() == DType::BF16 || p.grad_scale != 1.0f) {
-    g32 = alloc(grad.shape(), DType::F32);
-    launch_convert(grad.raw(), grad.dtype(), g32.raw(), DType::F32, grad.numel(), stream_);
-    if (p.grad_scale != 1.0f) launch_scale(g32.raw(), DType::F32, g32.numel(), p.grad_scale, stream_);
-  }
-  const float bc1 = 1.0f - std::pow(p.beta1, static_cast<float>(p.step));
-  const float bc2 = 1.0f - std::pow(p.beta2, static_cast<float>(p.step));
-  launch_adamw(param.data<float>(), g32.data<float>(), m.data<float>(), v.data<float>(), param.numel(), p.lr, p.beta1,
-               p.beta2, p.eps, p.weight_decay, bc1, bc2, stream_);
 }
 
 // ---- quantization ---------------------------------------------------------------------------
@@ -747,6 +758,36 @@ void CudaBackend::quantize_impl(const Tensor& x, bool transpose, QuantTensor& ou
   // The explicit op (refit, tests) reports at once; deferred, at the next synchronizing call (a
   // stream synchronization each cost the MoE trainer's ~4,600 per-step expert copies ~25 us each).
   if (!deferred) flag_drain();
+}
+
+// Weights whose rows are whole aligned 16-byte chunks go to launch_quantize_weights, batched by
+// dtype and pow2 (the trainer's weights: one run of F32 masters); any other takes quantize_impl.
+// One deferred flag per batch: the first NaN/Inf weight reports at the next synchronization.
+void CudaBackend::quantize_weights_impl(const std::vector<WeightQuantJob>& jobs) {
+  const OpTimer op_timer_(*this, "quantize_weights");
+  std::map<std::pair<DType, bool>, std::vector<WeightQuantTensor>> batches;
+  for (const WeightQuantJob& j : jobs) {
+    const Tensor& w = *j.w;
+    const bool vec = (w.dtype() == DType::F32 || w.dtype() == DType::BF16) && w.dim(1) % 8 == 0 &&
+                     reinterpret_cast<uintptr_t>(w.raw()) % 16 == 0 &&
+                     reinterpret_cast<uintptr_t>(j.q->data.raw()) % 16 == 0 && (!j.qt || j.qt->pow2 == j.q->pow2);
+    if (!vec) {
+      quantize_impl(w, false, *j.q, true);
+      if (j.qt) quantize_impl(w, true, *j.qt, true);
+      continue;
+    }
+    batches[{w.dtype(), j.q->pow2}].push_back({w.raw(), w.dim(0), w.dim(1), j.q->data.data<uint8_t>(),
+                                               j.q->scales.data<float>(),
+                                               j.qt ? j.qt->data.data<uint8_t>() : nullptr,
+                                               j.qt ? j.qt->scales.data<float>() : nullptr});
+  }
+  for (const auto& [key, ws] : batches) {
+    int* flag = flag_reset();
+    launch_quantize_weights(ws, key.first, key.second, flag, stream_);
+    flag_check("quantize_weights: one of " + std::to_string(ws.size()) + " " + dtype_name(key.first) +
+               " weights holds NaN or Inf; FP8 quantization refuses non-finite values (check the loss scale / "
+               "learning rate)");
+  }
 }
 
 // ---- GEMMs and linear layers ------------------------------------------------------------------

@@ -126,7 +126,9 @@ class CudaBackend final : public Backend {
   void moe_unpermute_backward_weights_impl(const Tensor& dout, const Tensor& y, const Tensor& slot_row,
                                            Tensor& dweights) override;
   void adamw_impl(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWParams& p) override;
+  void adamw_many_impl(const std::vector<AdamWJob>& jobs) override;
   void quantize_impl(const Tensor& x, bool transpose, QuantTensor& out, bool deferred) override;
+  void quantize_weights_impl(const std::vector<WeightQuantJob>& jobs) override;
   void kv_write_impl(KvCache& cache, int layer, const Tensor& k, const Tensor& v, const PagedBatch& batch) override;
   void kv_round_impl(Tensor& x, const std::vector<float>& head_scale) override;
   void attention_paged_impl(const KvCache& cache, int layer, const Tensor& q, const PagedBatch& batch,

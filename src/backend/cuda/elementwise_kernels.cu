@@ -85,10 +85,13 @@ __global__ void add_vec_kernel(const T* a, const T* b, T* o, int64_t n8) {
 __global__ void scale_kernel(void* x, int t, int64_t n, float s) {
   GRID_STRIDE(i, n) store_any(x, t, i, load_any(x, t, i) * s);
 }
-// Deterministic: each block's sum of squares into partials[block] (its warps' sums added in warp
-// order), then one block adds the partials in a fixed order. No atomics, so a gradient norm is
-// the same double on every run (a loop of these sums and sum_squares_total agree bitwise).
-constexpr int kSumThreads = 256, kSumBlocks = static_cast<int>(kSumSquaresPartials);
+// Deterministic sums of squares, many tensors per launch: tensor i is cut into chunks of
+// kSumChunk elements, one CTA each (each thread's elements in order, then its warps' sums in warp
+// order) into partials[chunk]; then one CTA per tensor adds its chunks' partials in a fixed
+// order. No atomics, so a gradient norm is the same double on every run, and a tensor's sum does
+// not depend on the tensors launched beside it (sum_squares_total is bitwise the loop).
+constexpr int kSumThreads = 256, kSumMaxTensors = 64;
+constexpr int64_t kSumChunk = kSumThreads * 32;
 __device__ __forceinline__ double block_sum_ordered_d(double v) {
   __shared__ double warps[kSumThreads / 32];
   v = warp_sum_d(v);
@@ -99,20 +102,42 @@ __device__ __forceinline__ double block_sum_ordered_d(double v) {
     for (int w = 0; w < kSumThreads / 32; ++w) s += warps[w];
   return s;  // thread 0's
 }
-__global__ void __launch_bounds__(kSumThreads) sum_squares_kernel(const void* x, int t, int64_t n, double* partials) {
+struct SumSquaresLaunch {
+  int count;
+  int chunk_start[kSumMaxTensors + 1];  // CTA (and partial) range of tensor t
+  const void* x[kSumMaxTensors];
+  int64_t n[kSumMaxTensors];
+  int dtype[kSumMaxTensors];
+};
+__device__ __forceinline__ int sum_tensor_of(const SumSquaresLaunch& L, int b) {
+  int lo = 0, hi = L.count;
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (L.chunk_start[mid] <= b) lo = mid;
+    else hi = mid;
+  }
+  return lo;
+}
+__global__ void __launch_bounds__(kSumThreads) sum_squares_chunks_kernel(const __grid_constant__ SumSquaresLaunch L,
+                                                                         double* partials) {
+  const int t = sum_tensor_of(L, static_cast<int>(blockIdx.x));
+  const int64_t begin = static_cast<int64_t>(blockIdx.x - L.chunk_start[t]) * kSumChunk;
+  const int64_t end = min(L.n[t], begin + kSumChunk);
   double acc = 0.0;
-  GRID_STRIDE(i, n) {
-    const double v = load_any(x, t, i);
+  for (int64_t i = begin + threadIdx.x; i < end; i += kSumThreads) {
+    const double v = load_any(L.x[t], L.dtype[t], i);
     acc += v * v;
   }
   acc = block_sum_ordered_d(acc);
   if (threadIdx.x == 0) partials[blockIdx.x] = acc;
 }
-__global__ void __launch_bounds__(kSumThreads) sum_partials_kernel(const double* partials, int blocks, double* out) {
+__global__ void __launch_bounds__(kSumThreads) sum_partials_kernel(const __grid_constant__ SumSquaresLaunch L,
+                                                                   const double* partials, double* out) {
+  const int t = blockIdx.x;
   double acc = 0.0;
-  for (int i = threadIdx.x; i < blocks; i += kSumThreads) acc += partials[i];
+  for (int i = L.chunk_start[t] + threadIdx.x; i < L.chunk_start[t + 1]; i += kSumThreads) acc += partials[i];
   acc = block_sum_ordered_d(acc);
-  if (threadIdx.x == 0) *out = acc;
+  if (threadIdx.x == 0) out[t] = acc;
 }
 // max |x| as the bits of a non-negative float (they order like the values; NaN bits exceed +inf's).
 __global__ void amax_kernel(const void* x, int t, int64_t n, uint32_t* out) {
@@ -212,13 +237,35 @@ void launch_scale(void* x, DType dtype, int64_t n, float s, cudaStream_t stream)
   CUDA_CHECK_LAUNCH("scale_kernel");
 }
 
-void launch_sum_squares(const void* x, DType dtype, int64_t n, double* out, double* partials, cudaStream_t stream) {
-  if (n == 0) return;
-  const unsigned blocks = grid_for(n, kSumThreads, kSumBlocks);
-  sum_squares_kernel<<<blocks, kSumThreads, 0, stream>>>(x, code(dtype), n, partials);
-  CUDA_CHECK_LAUNCH("sum_squares_kernel");
-  sum_partials_kernel<<<1, kSumThreads, 0, stream>>>(partials, static_cast<int>(blocks), out);
-  CUDA_CHECK_LAUNCH("sum_partials_kernel");
+int64_t sum_squares_partials(const std::vector<int64_t>& ns) {
+  int64_t chunks = 0;
+  for (int64_t n : ns) chunks += (n + kSumChunk - 1) / kSumChunk;
+  return chunks;
+}
+
+void launch_sum_squares_many(const std::vector<const void*>& xs, const std::vector<DType>& dtypes,
+                             const std::vector<int64_t>& ns, double* out, double* partials, cudaStream_t stream) {
+  for (size_t first = 0; first < xs.size();) {
+    SumSquaresLaunch L{};
+    int64_t ctas = 0;
+    const size_t end = std::min(xs.size(), first + kSumMaxTensors);
+    for (size_t i = first; i < end; ++i) {
+      const int k = L.count++;
+      L.chunk_start[k] = static_cast<int>(ctas);
+      L.x[k] = xs[i], L.n[k] = ns[i], L.dtype[k] = code(dtypes[i]);
+      ctas += (ns[i] + kSumChunk - 1) / kSumChunk;  // an empty tensor: no chunk, its sum 0
+    }
+    FP8RL_CHECK(ctas < (1LL << 31), "sum_squares: too many elements in one launch");
+    L.chunk_start[L.count] = static_cast<int>(ctas);
+    if (ctas > 0) {
+      sum_squares_chunks_kernel<<<static_cast<unsigned>(ctas), kSumThreads, 0, stream>>>(L, partials);
+      CUDA_CHECK_LAUNCH("sum_squares_chunks_kernel");
+    }
+    sum_partials_kernel<<<static_cast<unsigned>(L.count), kSumThreads, 0, stream>>>(L, partials, out + first);
+    CUDA_CHECK_LAUNCH("sum_partials_kernel");
+    partials += ctas;
+    first = end;
+  }
 }
 
 void launch_amax(const void* x, DType dtype, int64_t n, uint32_t* out, cudaStream_t stream) {

@@ -24,6 +24,21 @@ namespace fp8rl::cuda {
 void launch_quantize(const void* x, DType x_dtype, int64_t x_rows, int64_t x_cols, bool transpose, int block_rows,
                      int block_cols, bool pow2, uint8_t* q, float* scales, int* bad_flag, cudaStream_t stream,
                      int64_t q_ld = 0, bool gemm_layout = false);
+// One weight of a batched weight quantization: w [N, K] (K % 8 == 0, 16-byte aligned) into q
+// [N, K] with 128x128 scales qs, and when qt is non-null w^T into qt [K, N] with scales qts.
+struct WeightQuantTensor {
+  const void* w;
+  int64_t N, K;
+  uint8_t* q;
+  float* qs;
+  uint8_t* qt;  // nullptr: no W^T copy
+  float* qts;
+};
+// Every weight of `ws` (all of dtype w_dtype), up to 48 per launch: each CTA reads one 128x128
+// tile once and writes its codes to q and, transposed, to qt. Bitwise launch_quantize(w, false)
+// and launch_quantize(w, true) with 128x128 blocks. Sets *bad_flag = 1 on non-finite input.
+void launch_quantize_weights(const std::vector<WeightQuantTensor>& ws, DType w_dtype, bool pow2, int* bad_flag,
+                             cudaStream_t stream);
 void launch_dequantize(const uint8_t* q, const float* scales, int64_t rows, int64_t cols, int block_rows,
                        int block_cols, void* out, DType out_dtype, cudaStream_t stream);
 // Exact transpose of a block x block quantization (block x block scales): q [rows, cols] ->
@@ -48,10 +63,12 @@ void launch_convert(const void* src, DType sdt, void* dst, DType ddt, int64_t n,
 void launch_add(const void* a, DType adt, const void* b, DType bdt, void* out, DType odt, int64_t n,
                 cudaStream_t stream);
 void launch_scale(void* x, DType dtype, int64_t n, float s, cudaStream_t stream);
-// *out = sum x^2 in FP64, deterministically; partials: kSumSquaresPartials doubles of scratch
-// (n = 0 leaves *out as it is: the caller zeroes it).
-constexpr int64_t kSumSquaresPartials = 4096;
-void launch_sum_squares(const void* x, DType dtype, int64_t n, double* out, double* partials, cudaStream_t stream);
+// out[i] = sum xs[i]^2 in FP64 (ns[i] elements of dtypes[i]) for every tensor, deterministically
+// (a tensor's sum is the same whatever tensors share its launch); partials: scratch of
+// sum_squares_partials(ns) doubles.
+int64_t sum_squares_partials(const std::vector<int64_t>& ns);
+void launch_sum_squares_many(const std::vector<const void*>& xs, const std::vector<DType>& dtypes,
+                             const std::vector<int64_t>& ns, double* out, double* partials, cudaStream_t stream);
 // *out = max over i of the bits of |x[i]| (out zeroed by the caller): a float, NaN if any x is.
 void launch_amax(const void* x, DType dtype, int64_t n, uint32_t* out, cudaStream_t stream);
 void launch_flag_nonfinite(const void* x, DType dtype, int64_t n, int* flag, cudaStream_t stream);
@@ -139,13 +156,23 @@ void launch_swiglu_rows(const void* g, const void* u, int64_t ld, void* out, DTy
                         cudaStream_t stream);
 void launch_swiglu_backward(const void* dout, const void* g, const void* u, void* dg, void* du, DType dt, int64_t n,
                             cudaStream_t stream);
-void launch_adamw(float* p, const float* g, float* m, float* v, int64_t n, float lr, float beta1, float beta2,
-                  float eps, float wd, float bc1, float bc2, cudaStream_t stream);
 // ---- optimizer (optimizer_kernels.cu) ----
-// AdamW with BF16 moments m, v [n] (bits) by adamw_rule.h; p F32 [n], g F32 or BF16 [n].
-void launch_adamw_bf16_moments(float* p, const void* g, DType g_dtype, uint16_t* m, uint16_t* v, int64_t n,
-                               const AdamWScalars& s, bool stochastic, uint64_t key, int64_t step,
-                               cudaStream_t stream);
+// One tensor of a multi-tensor AdamW: p F32 [n], g [n], m and v [n]; its weight decay as
+// adamw_scalars' `decay` (1 - lr * weight_decay) and its stochastic-rounding key.
+struct AdamWTensor {
+  float* p;
+  const void* g;
+  void* m;
+  void* v;
+  int64_t n;
+  float decay;
+  uint64_t key;
+};
+// AdamW by adamw_rule.h over every tensor of `ts` (g of g_dtype, F32 or BF16; m and v of
+// m_dtype: BF16 bits, or F32 by adamw_f32_moments_step), the scalars of `s` except each tensor's
+// decay; up to 64 tensors per launch, elements at their own indices (bitwise a launch per tensor).
+void launch_adamw_many(const std::vector<AdamWTensor>& ts, DType g_dtype, DType m_dtype, const AdamWScalars& s,
+                       bool stochastic, int64_t step, cudaStream_t stream);
 
 // ---- attention (attention_kernels.cu) ----
 // Packed causal GQA. seq_start[t]: first token of t's sequence; seq_end[t]: one past its last.

@@ -369,22 +369,6 @@ __global__ void swiglu_backward_kernel(const T* dout, const T* g, const T* u, T*
   }
 }
 
-__global__ void adamw_kernel(float* p, const float* g, float* m, float* v, int64_t n, float lr, float b1, float b2,
-                             float eps, float wd, float bc1, float bc2) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const float gi = g[i];
-    const float mi = b1 * m[i] + (1.0f - b1) * gi;
-    const float vi = b2 * v[i] + (1.0f - b2) * gi * gi;
-    m[i] = mi;
-    v[i] = vi;
-    float pi = p[i] * (1.0f - lr * wd);
-    const float denom = sqrtf(vi) / sqrtf(bc2) + eps;
-    pi -= (lr / bc1) * mi / denom;
-    p[i] = pi;
-  }
-}
-
 // Threads of a row-per-block vectorized kernel: one 8-element chunk each, 32..256.
 int vec_row_threads(int64_t D) { return rmsnorm_row_threads(D); }
 
@@ -573,13 +557,6 @@ void launch_swiglu_backward(const void* dout, const void* g, const void* u, void
     }
   });
   CUDA_CHECK_LAUNCH("swiglu_backward_kernel");
-}
-
-void launch_adamw(float* p, const float* g, float* m, float* v, int64_t n, float lr, float beta1, float beta2,
-                  float eps, float wd, float bc1, float bc2, cudaStream_t stream) {
-  if (n == 0) return;
-  adamw_kernel<<<grid_for(n, 256), 256, 0, stream>>>(p, g, m, v, n, lr, beta1, beta2, eps, wd, bc1, bc2);
-  CUDA_CHECK_LAUNCH("adamw_kernel");
 }
 
 }  // namespace fp8rl::cuda

@@ -1,6 +1,9 @@
-// AdamW with BF16 moments (the precision-aware optimizer): one thread per element, the rule of
-// backend/adamw_rule.h shared with the CPU reference (bitwise equal). The F32-moment AdamW
-// kernel is in model_kernels.cu.
+// AdamW on the GPU, many tensors per launch (the optimizer step over every parameter: the MoE
+// trainer's thousands of expert matrices cost a launch per 64 tensors, not per tensor). Each
+// element's arithmetic is backend/adamw_rule.h's: BF16 moments bitwise the CPU reference, F32
+// moments by adamw_f32_moments_step (the CPU computes those in double). An element keeps its index
+// within its own tensor (the stochastic rounding bits), so a tensor's result does not depend on
+// which launch or chunk it falls in: one launch of many tensors is bitwise one launch per tensor.
 #include "backend/adamw_rule.h"
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/cuda_check.h"
@@ -10,70 +13,128 @@ namespace fp8rl::cuda {
 
 namespace {
 
-// (Elements i of the pointers given are elements first + i of the tensor: their rounding bits.)
-template <class G>
-__global__ void adamw_bf16_moments_kernel(float* p, const G* g, uint16_t* m, uint16_t* v, int64_t n, AdamWScalars s,
-                                          bool stochastic, uint64_t key, int64_t step, int64_t first) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+constexpr int kAdamWThreads = 256;
+constexpr int64_t kAdamWChunk = kAdamWThreads * 8 * 4;  // elements per CTA: 4 passes of 8 per thread
+constexpr int kAdamWMaxTensors = 64;                    // per launch (the parameters stay < 4 KB)
+
+struct AdamWLaunch {
+  int count;
+  int chunk_start[kAdamWMaxTensors + 1];  // CTA range of tensor t: [chunk_start[t], chunk_start[t + 1])
+  float* p[kAdamWMaxTensors];
+  const void* g[kAdamWMaxTensors];
+  void* m[kAdamWMaxTensors];
+  void* v[kAdamWMaxTensors];
+  int64_t n[kAdamWMaxTensors];
+  uint64_t key[kAdamWMaxTensors];
+  float decay[kAdamWMaxTensors];
+  bool vec[kAdamWMaxTensors];  // every pointer 16-byte aligned: 8-element accesses
+};
+
+// Moments: BF16 bits (uint16_t) or F32.
+__device__ __forceinline__ void load8m(const uint16_t* p, uint16_t v[8]) {
+  *reinterpret_cast<uint4*>(v) = *reinterpret_cast<const uint4*>(p);
+}
+__device__ __forceinline__ void store8m(uint16_t* p, const uint16_t v[8]) {
+  *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(v);
+}
+__device__ __forceinline__ void load8m(const float* p, float v[8]) { load8(p, v); }
+__device__ __forceinline__ void store8m(float* p, const float v[8]) { store8(p, v); }
+
+__device__ __forceinline__ void step1(float& w, float g, uint16_t& m, uint16_t& v, const AdamWScalars& s,
+                                      bool stochastic, uint64_t key, int64_t step, int64_t i) {
+  const uint32_t bits = stochastic ? adamw_rounding_bits(key, step, i) : 0u;
+  adamw_bf16_moments_step(w, g, m, v, s, stochastic, bits);
+}
+__device__ __forceinline__ void step1(float& w, float g, float& m, float& v, const AdamWScalars& s, bool, uint64_t,
+                                      int64_t, int64_t) {
+  adamw_f32_moments_step(w, g, m, v, s);
+}
+
+template <class G, class M>
+__global__ void __launch_bounds__(kAdamWThreads) adamw_many_kernel(const __grid_constant__ AdamWLaunch L,
+                                                                   AdamWScalars s, bool stochastic, int64_t step) {
+  int lo = 0, hi = L.count;  // the tensor whose CTA range holds this block
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (L.chunk_start[mid] <= static_cast<int>(blockIdx.x)) lo = mid;
+    else hi = mid;
+  }
+  const int t = lo;
+  const int64_t n = L.n[t];
+  const int64_t begin = static_cast<int64_t>(blockIdx.x - L.chunk_start[t]) * kAdamWChunk;
+  const int64_t end = min(n, begin + kAdamWChunk);
+  float* p = L.p[t];
+  const G* g = static_cast<const G*>(L.g[t]);
+  M* m = static_cast<M*>(L.m[t]);
+  M* v = static_cast<M*>(L.v[t]);
+  s.decay = L.decay[t];
+  const uint64_t key = L.key[t];
+  int64_t scalar_from = begin;
+  if (L.vec[t]) {
+    for (int64_t i0 = begin + threadIdx.x * 8; i0 + 8 <= end; i0 += kAdamWThreads * 8) {
+      float w[8], gv[8];
+      M mi[8], vi[8];
+      load8(p + i0, w);
+      load8(g + i0, gv);
+      load8m(m + i0, mi);
+      load8m(v + i0, vi);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) step1(w[k], gv[k], mi[k], vi[k], s, stochastic, key, step, i0 + k);
+      store8(p + i0, w);
+      store8m(m + i0, mi);
+      store8m(v + i0, vi);
+    }
+    scalar_from = begin + (end - begin) / 8 * 8;  // the last partial group of 8 (a tensor's tail)
+  }
+  for (int64_t i = scalar_from + threadIdx.x; i < end; i += kAdamWThreads) {
     float w = p[i];
-    uint16_t mi = m[i], vi = v[i];
-    const uint32_t bits = stochastic ? adamw_rounding_bits(key, step, first + i) : 0u;
-    adamw_bf16_moments_step(w, load_f(g, i), mi, vi, s, stochastic, bits);
+    M mi = m[i], vi = v[i];
+    step1(w, load_f(g, i), mi, vi, s, stochastic, key, step, i);
     p[i] = w;
     m[i] = mi;
     v[i] = vi;
   }
 }
 
-// The same rule, 8 elements per thread in 16-byte accesses (param 2 x float4, m and v one uint4
-// each, the gradient one or two): the scalar kernel's 2-byte moment accesses left the step at
-// ~17% of HBM bandwidth on the MoE experts (session 11 profile). Elements [8 * n8, n) are the
-// scalar kernel's. Every element's arithmetic is the scalar one's: bitwise the same.
-template <class G>
-__global__ void adamw_bf16_moments_x8_kernel(float* p, const G* g, uint16_t* m, uint16_t* v, int64_t n8, AdamWScalars s,
-                                             bool stochastic, uint64_t key, int64_t step) {
-  for (int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; c < n8;
-       c += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t i0 = 8 * c;
-    float w[8], gv[8];
-    *reinterpret_cast<float4*>(w) = reinterpret_cast<const float4*>(p + i0)[0];
-    *reinterpret_cast<float4*>(w + 4) = reinterpret_cast<const float4*>(p + i0)[1];
-    load8(g + i0, gv);
-    uint16_t mi[8], vi[8];
-    *reinterpret_cast<uint4*>(mi) = *reinterpret_cast<const uint4*>(m + i0);
-    *reinterpret_cast<uint4*>(vi) = *reinterpret_cast<const uint4*>(v + i0);
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      const uint32_t bits = stochastic ? adamw_rounding_bits(key, step, i0 + k) : 0u;
-      adamw_bf16_moments_step(w[k], gv[k], mi[k], vi[k], s, stochastic, bits);
+bool aligned16(const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; }
+
+template <class M>
+void launch_chunked(const std::vector<AdamWTensor>& ts, DType g_dtype, const AdamWScalars& s, bool stochastic,
+                    int64_t step, cudaStream_t stream) {
+  for (size_t first = 0; first < ts.size();) {
+    AdamWLaunch L{};
+    int64_t ctas = 0;
+    size_t i = first;
+    for (; i < ts.size() && L.count < kAdamWMaxTensors; ++i) {
+      const AdamWTensor& a = ts[i];
+      if (a.n == 0) continue;
+      const int64_t c = (a.n + kAdamWChunk - 1) / kAdamWChunk;
+      if (L.count > 0 && ctas + c > (1LL << 30)) break;  // the grid's x dimension (int CTA indices)
+      const int k = L.count++;
+      L.chunk_start[k] = static_cast<int>(ctas);
+      L.p[k] = a.p, L.g[k] = a.g, L.m[k] = a.m, L.v[k] = a.v, L.n[k] = a.n;
+      L.key[k] = a.key, L.decay[k] = a.decay;
+      L.vec[k] = aligned16(a.p) && aligned16(a.g) && aligned16(a.m) && aligned16(a.v);
+      ctas += c;
     }
-    reinterpret_cast<float4*>(p + i0)[0] = *reinterpret_cast<const float4*>(w);
-    reinterpret_cast<float4*>(p + i0)[1] = *reinterpret_cast<const float4*>(w + 4);
-    *reinterpret_cast<uint4*>(m + i0) = *reinterpret_cast<const uint4*>(mi);
-    *reinterpret_cast<uint4*>(v + i0) = *reinterpret_cast<const uint4*>(vi);
+    first = i;
+    if (L.count == 0) continue;
+    L.chunk_start[L.count] = static_cast<int>(ctas);
+    FP8RL_DISPATCH_FLOAT(g_dtype, "adamw grad", {
+      adamw_many_kernel<T, M><<<static_cast<unsigned>(ctas), kAdamWThreads, 0, stream>>>(L, s, stochastic, step);
+    });
+    CUDA_CHECK_LAUNCH("adamw_many_kernel");
   }
 }
 
-bool aligned16(const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; }
-
 }  // namespace
 
-void launch_adamw_bf16_moments(float* p, const void* g, DType g_dtype, uint16_t* m, uint16_t* v, int64_t n,
-                               const AdamWScalars& s, bool stochastic, uint64_t key, int64_t step,
-                               cudaStream_t stream) {
-  if (n == 0) return;
-  const bool vec = aligned16(p) && aligned16(g) && aligned16(m) && aligned16(v);
-  const int64_t n8 = vec ? n / 8 : 0, done = 8 * n8;
-  FP8RL_DISPATCH_FLOAT(g_dtype, "adamw grad", {
-    const T* gt = static_cast<const T*>(g);
-    if (n8 > 0)
-      adamw_bf16_moments_x8_kernel<T><<<grid_for(n8, 256), 256, 0, stream>>>(p, gt, m, v, n8, s, stochastic, key, step);
-    if (done < n)  // the tail (or everything, unaligned), at its own offsets: the same element indices
-      adamw_bf16_moments_kernel<T><<<grid_for(n - done, 256), 256, 0, stream>>>(
-          p + done, gt + done, m + done, v + done, n - done, s, stochastic, key, step, done);
-  });
-  CUDA_CHECK_LAUNCH("adamw_bf16_moments_kernel");
+void launch_adamw_many(const std::vector<AdamWTensor>& ts, DType g_dtype, DType m_dtype, const AdamWScalars& s,
+                       bool stochastic, int64_t step, cudaStream_t stream) {
+  FP8RL_CHECK(m_dtype == DType::BF16 || m_dtype == DType::F32, "adamw moments must be F32 or BF16, got ",
+              dtype_name(m_dtype));
+  if (m_dtype == DType::BF16) launch_chunked<uint16_t>(ts, g_dtype, s, stochastic, step, stream);
+  else launch_chunked<float>(ts, g_dtype, s, false, step, stream);
 }
 
 }  // namespace fp8rl::cuda

@@ -316,6 +316,145 @@ void launch_quantize(const void* x, DType x_dtype, int64_t x_rows, int64_t x_col
   });
 }
 
+// ---- the trainer's weight copies: W and W^T from one read, many weights per launch -------------
+// CTA = one 128 x 128 tile of one weight w [N, K]. The tile is loaded as quant_blk_vec_kernel
+// loads it (8 chunks of 8 per thread), its amax is the block's for q and for qt alike (the same
+// elements), the codes go to q as quant_blk_vec_kernel writes them, and through shared memory
+// (staged as quant_tile_t_vec_kernel stages it) to qt as that kernel writes them: bitwise both.
+constexpr int kWeightQuantMax = 48;  // weights per launch (the parameters stay < 4 KB)
+struct WeightQuantLaunch {
+  int count;
+  int tile_start[kWeightQuantMax + 1];  // CTA range of weight j: [tile_start[j], tile_start[j + 1])
+  const void* w[kWeightQuantMax];
+  int N[kWeightQuantMax], K[kWeightQuantMax];
+  uint8_t* q[kWeightQuantMax];
+  float* qs[kWeightQuantMax];
+  uint8_t* qt[kWeightQuantMax];
+  float* qts[kWeightQuantMax];
+};
+
+template <class T>
+__global__ void __launch_bounds__(256) quant_weights_kernel(const __grid_constant__ WeightQuantLaunch L, bool pow2,
+                                                            int* bad) {
+  extern __shared__ float tile_t[];  // [128 (w row)][kVecTileLd (w column)]
+  __shared__ float red[32];
+  int lo = 0, hi = L.count;
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (L.tile_start[mid] <= static_cast<int>(blockIdx.x)) lo = mid;
+    else hi = mid;
+  }
+  const int j = lo;
+  const int64_t R = L.N[j], C = L.K[j];  // w [R, C]
+  const int64_t ncb = (C + 127) / 128, nrb = (R + 127) / 128;
+  const int64_t tile = blockIdx.x - L.tile_start[j], by = tile / ncb, bx = tile % ncb;
+  const int64_t r0 = by * 128, c0 = bx * 128;
+  const T* x = static_cast<const T*>(L.w[j]);
+  uint8_t* qt = L.qt[j];
+  const int t = threadIdx.x;
+  float v[8][8];
+  float amax = 0.0f;
+  bool finite = true;
+#pragma unroll
+  for (int jj = 0; jj < 8; ++jj) {
+    const int k = t + 256 * jj;  // chunk k: tile row k / 16, columns (k % 16) * 8 ..
+    const int a = k / 16, b = (k % 16) * 8;
+    const int64_t r = r0 + a, c = c0 + b;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[jj][i] = 0.0f;
+    if (r < R && c < C) {
+      load8(x + r * C + c, v[jj]);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        finite &= isfinite(v[jj][i]);
+        amax = fmaxf(amax, fabsf(v[jj][i]));
+      }
+    }
+    if (qt) {
+      float4* dst = reinterpret_cast<float4*>(tile_t + a * kVecTileLd + b);
+      dst[0] = make_float4(v[jj][0], v[jj][1], v[jj][2], v[jj][3]);
+      dst[1] = make_float4(v[jj][4], v[jj][5], v[jj][6], v[jj][7]);
+    }
+  }
+  if (!finite) atomicExch(bad, 1);
+  amax = block_max(amax, red);  // synchronizes: the staged tile is complete
+  const float s = fp8_scale_from_amax(amax, pow2);
+  if (t == 0) {
+    L.qs[j][by * ncb + bx] = s;
+    if (qt) L.qts[j][bx * nrb + by] = s;
+  }
+  uint8_t* q = L.q[j];
+#pragma unroll
+  for (int jj = 0; jj < 8; ++jj) {
+    const int k = t + 256 * jj;
+    const int64_t r = r0 + k / 16, c = c0 + (k % 16) * 8;
+    if (r < R && c < C) *reinterpret_cast<uint2*>(q + r * C + c) = encode8(v[jj], s);
+  }
+  if (!qt) return;
+  // qt [C, R]: thread t encodes its row cc = t % 128 (a column of w), chunks of 16 columns (rows
+  // of w) ch = t / 128 + 2 i, as quant_tile_t_vec_kernel with block_rows 128.
+  const int cc = t % 128, half = t / 128;
+  const int64_t orow = c0 + cc;
+  if (orow >= C) return;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int ch = half + 2 * i;
+    const int64_t oc = r0 + ch * 16;
+    if (oc >= R) break;
+    float e[16];
+#pragma unroll
+    for (int u = 0; u < 16; ++u) e[u] = tile_t[(ch * 16 + u) * kVecTileLd + cc];
+    uint8_t* dst = qt + orow * R + oc;
+    if (oc + 16 <= R && (reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
+      const uint2 lo8 = encode8(e, s), hi8 = encode8(e + 8, s);
+      *reinterpret_cast<uint4*>(dst) = make_uint4(lo8.x, lo8.y, hi8.x, hi8.y);
+    } else {
+      for (int u = 0; u < 16 && oc + u < R; ++u) dst[u] = fp8_e4m3_encode(e[u] / s);
+    }
+  }
+}
+
+void launch_quantize_weights(const std::vector<WeightQuantTensor>& ws, DType w_dtype, bool pow2, int* bad_flag,
+                             cudaStream_t stream) {
+  const size_t smem = kTile * kVecTileLd * sizeof(float);
+  static bool attr_set = false;  // one device per process in this pass
+  if (!attr_set) {
+    CUDA_CHECK(cudaFuncSetAttribute(quant_weights_kernel<float>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    static_cast<int>(smem)), "raising the weight quantizer's shared memory limit");
+    CUDA_CHECK(cudaFuncSetAttribute(quant_weights_kernel<bf16>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    static_cast<int>(smem)), "raising the weight quantizer's shared memory limit");
+    attr_set = true;
+  }
+  for (size_t first = 0; first < ws.size();) {
+    WeightQuantLaunch L{};
+    int64_t ctas = 0;
+    bool any_t = false;
+    size_t i = first;
+    for (; i < ws.size() && L.count < kWeightQuantMax; ++i) {
+      const WeightQuantTensor& a = ws[i];
+      FP8RL_CHECK(a.K % 8 == 0 && (reinterpret_cast<uintptr_t>(a.w) & 15) == 0 &&
+                      (reinterpret_cast<uintptr_t>(a.q) & 15) == 0 && a.N < (1LL << 31) && a.K < (1LL << 31),
+                  "launch_quantize_weights: weight rows must be whole, aligned 16-byte chunks");
+      if (a.N == 0 || a.K == 0) continue;
+      const int64_t tiles = ceil_div(a.N, kTile) * ceil_div(a.K, kTile);
+      if (L.count > 0 && ctas + tiles > (1LL << 30)) break;
+      const int k = L.count++;
+      L.tile_start[k] = static_cast<int>(ctas);
+      L.w[k] = a.w, L.N[k] = static_cast<int>(a.N), L.K[k] = static_cast<int>(a.K);
+      L.q[k] = a.q, L.qs[k] = a.qs, L.qt[k] = a.qt, L.qts[k] = a.qts;
+      any_t |= a.qt != nullptr;
+      ctas += tiles;
+    }
+    first = i;
+    if (L.count == 0) continue;
+    L.tile_start[L.count] = static_cast<int>(ctas);
+    FP8RL_DISPATCH_FLOAT(w_dtype, "quantize_weights", {
+      quant_weights_kernel<T><<<static_cast<unsigned>(ctas), 256, any_t ? smem : 0, stream>>>(L, pow2, bad_flag);
+    });
+    CUDA_CHECK_LAUNCH("quant_weights_kernel");
+  }
+}
+
 // ---- dequantize: out[r, c] = q[r, c] * scales[r / br, c / bc] --------------------------------
 template <class T>
 __global__ void dequant_kernel(const uint8_t* __restrict__ q, const float* __restrict__ scales, int64_t R,
