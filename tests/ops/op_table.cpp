@@ -294,8 +294,8 @@ void quantize_cases(std::vector<OpCase>& t) {
                      Tensors in;
                      uint32_t s = 900;
                      for (size_t k = 0; k < std::size(wshapes); ++k)
-                       in["w" + std::to_string(k)] = rnd_wide(wshapes[k].first, wshapes[k].second, s++,
-                                                              k == 2 ? DType::BF16 : DType::F32);
+                       in["w" + std::to_string(k)] =
+                           rnd_wide(wshapes[k].first, wshapes[k].second, s++, k == 2 ? DType::BF16 : DType::F32);
                      return in;
                    },
                    [=](OpRun& run) {
@@ -336,8 +336,14 @@ void quantize_cases(std::vector<OpCase>& t) {
                      }
                      return tol;
                    }(),
-                   {{"qt0", "one_t0"}, {"qts0", "one_ts0"}, {"qt1", "one_t1"}, {"qts1", "one_ts1"},
-                    {"qt2", "one_t2"}, {"qts2", "one_ts2"}, {"qt4", "one_t4"}, {"qts4", "one_ts4"}}});
+                   {{"qt0", "one_t0"},
+                    {"qts0", "one_ts0"},
+                    {"qt1", "one_t1"},
+                    {"qts1", "one_ts1"},
+                    {"qt2", "one_t2"},
+                    {"qts2", "one_ts2"},
+                    {"qt4", "one_t4"},
+                    {"qts4", "one_ts4"}}});
     t.back().errors = [](OpRun& r) {
       QuantTensor q = r.be.alloc_quant(256, 384, 128, 128, false), wrong = r.be.alloc_quant(256, 384, 1, 128, false);
       EXPECT_THROW(r.be.quantize_weights({{&r["w0"], &wrong}}), Error);  // 1x128 blocks: not a weight copy
@@ -756,8 +762,7 @@ void layer_cases(std::vector<OpCase>& t) {
     const int n = static_cast<int>(std::size(sizes));
     auto name = [](const char* what, int k) { return what + std::to_string(k); };
     t.push_back(
-        {"adamw_many",
-         std::string("6 tensors, 1..16392 elements, ") + dtype_name(md) + " moments, stochastic rounding",
+        {"adamw_many", std::string("6 tensors, 1..16392 elements, ") + dtype_name(md) + " moments, stochastic rounding",
          [=] {
            Tensors in;
            for (int k = 0; k < n; ++k) {
@@ -795,7 +800,8 @@ void layer_cases(std::vector<OpCase>& t) {
          [=] {
            std::vector<std::pair<std::string, Tolerance>> tol;
            for (int k = 0; k < n; ++k)
-             for (const char* o : {"w", "m", "v"}) tol.push_back({name(o, k), md == DType::BF16 ? bitwise() : rel(1e-6)});
+             for (const char* o : {"w", "m", "v"})
+               tol.push_back({name(o, k), md == DType::BF16 ? bitwise() : rel(1e-6)});
            return tol;
          }(),
          [=] {
