@@ -308,6 +308,22 @@ void Backend::convert(const Tensor& src, Tensor& dst) {
   convert_impl(src, dst);
 }
 
+void Backend::convert_many(const std::vector<ConvertJob>& jobs) {
+  const Contract c(*this);
+  for (const ConvertJob& j : jobs) {
+    FP8RL_CHECK(j.src && j.dst, "convert_many: a job without its source or destination");
+    c.on_device(*j.src, "convert source");
+    c.on_device(*j.dst, "convert destination");
+    FP8RL_CHECK(j.src->numel() == j.dst->numel(), "convert needs the same number of elements: ", j.src->str(), " -> ",
+                j.dst->str());
+  }
+  convert_many_impl(jobs);
+}
+
+void Backend::convert_many_impl(const std::vector<ConvertJob>& jobs) {
+  for (const ConvertJob& j : jobs) convert_impl(*j.src, *j.dst);
+}
+
 void Backend::fill(Tensor& t, float value) {
   Contract(*this).on_device(t, "fill target");
   fill_impl(t, value);

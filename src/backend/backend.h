@@ -206,6 +206,13 @@ class Backend {
   // Element-wise dtype conversion on this device (F32 <-> BF16 <-> F16; F64 on the CPU), same
   // numel. Rounds to nearest even (F64 -> BF16/F16 goes through F32).
   void convert(const Tensor& src, Tensor& dst);
+  // Many conversions in one call (the trainer's per-step BF16 weight copies): bitwise convert(src,
+  // dst) for each job; CUDA converts F32 -> BF16 tensors of whole 16-byte chunks many per launch.
+  struct ConvertJob {
+    const Tensor* src;
+    Tensor* dst;
+  };
+  void convert_many(const std::vector<ConvertJob>& jobs);
   void fill(Tensor& t, float value);
   // A column block copy between 2-D views of one dtype: dst[r, dst_col + c] = src[r, src_col + c]
   // for r < R, c < cols, where src is viewed as [R, Cs] and dst as [R, Cd] (each by its last
@@ -555,6 +562,7 @@ class Backend {
 
   virtual void copy_impl(const Tensor& src, Tensor& dst) = 0;
   virtual void convert_impl(const Tensor& src, Tensor& dst) = 0;
+  virtual void convert_many_impl(const std::vector<ConvertJob>& jobs);  // default: the loop
   virtual void fill_impl(Tensor& t, float value) = 0;
   virtual void copy_cols_impl(const Tensor& src, int64_t src_col, Tensor& dst, int64_t dst_col, int64_t cols) = 0;
   virtual void add_impl(const Tensor& a, const Tensor& b, Tensor& out) = 0;

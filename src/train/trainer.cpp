@@ -222,11 +222,12 @@ const ModelWeights& Trainer::compute_weights() {
   // The FP8 copies are quantized after the walk, in one batched call (wq_ / wqt_ may grow
   // during it, so the jobs are made once their entries stay put).
   std::vector<Tensor> to_quantize;  // [i]: the master weight of wq_[i]
+  std::vector<Tensor> to_convert;   // [j]: the master tensor of w16_[j]
   auto bf16_copy = [&](const Tensor& w) {
     if (j == w16_.size()) w16_.emplace_back();
     Tensor& c = w16_[j++];
     if (!c.defined() || c.shape() != w.shape()) c = be_.alloc(w.shape(), DType::BF16);
-    be_.convert(w, c);
+    to_convert.push_back(w);  // converted below, with the others in one call
     return c;
   };
   model_for_each_linear(compute_, [&](const std::string& name, int layer, LinearWeight& lw) {
@@ -274,6 +275,9 @@ const ModelWeights& Trainer::compute_weights() {
       if (ml.k_norm.defined()) cl.k_norm = bf16_copy(ml.k_norm);
     }
   }
+  std::vector<Backend::ConvertJob> converts;
+  for (size_t k = 0; k < to_convert.size(); ++k) converts.push_back({&to_convert[k], &w16_[k]});
+  be_.convert_many(converts);
   // Non-finite weights throw here (NonFiniteError), once for all the copies: one synchronization
   // per refresh instead of one per weight.
   be_.synchronize();

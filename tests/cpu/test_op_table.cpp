@@ -53,6 +53,7 @@ INSTANTIATE_TEST_SUITE_P(Table, OpTableCpu, ::testing::Range<size_t>(0, op_table
 TEST(OpTableCpu, CoversEveryOp) {
   const char* ops[] = {"copy",
                        "convert",
+                       "convert_many",
                        "fill",
                        "copy_cols",
                        "add",

@@ -70,6 +70,32 @@ void memory_cases(std::vector<OpCase>& t) {
       EXPECT_EQ(std::memcmp(ref.raw(), o.at(std::string("back") + sfx).raw(), ref.nbytes()), 0) << sfx;
     }
   };
+  t.push_back(
+      {"convert_many",
+       "F32 -> BF16 of 5 tensors (sizes 8 .. 33000, one of 301 elements: the per-tensor path), BF16 -> F32",
+       [] {
+         return Tensors{{"a", rnd_wide(1, 8, 30, DType::F32)},
+                        {"b", rnd_wide(33, 1000, 31, DType::F32)},
+                        {"c", rnd_wide(1, 301, 32, DType::F32)},
+                        {"d", rnd_wide(16, 64, 33, DType::F32)},
+                        {"e", rnd_wide(4, 80, 34, DType::BF16)}};
+       },
+       [](OpRun& r) {
+         std::vector<Backend::ConvertJob> jobs;
+         for (const char* n : {"a", "b", "c", "d", "e"}) {
+           const Tensor& x = r[n];
+           const DType to = x.dtype() == DType::F32 ? DType::BF16 : DType::F32;
+           jobs.push_back({&x, &r.output(std::string(n) + "_many", x.shape(), to)});
+           r.be.convert(x, r.output(std::string(n) + "_one", x.shape(), to));
+         }
+         r.be.convert_many(jobs);
+       },
+       {{"a_many", bitwise()},
+        {"b_many", bitwise()},
+        {"c_many", bitwise()},
+        {"d_many", bitwise()},
+        {"e_many", bitwise()}},
+       {{"a_many", "a_one"}, {"b_many", "b_one"}, {"c_many", "c_one"}, {"d_many", "d_one"}, {"e_many", "e_one"}}});
   t.push_back({"copy_cols",
                "MLA's nope | rope concatenation, 5x3x(16+8)",
                [] {

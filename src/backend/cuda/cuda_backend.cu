@@ -181,6 +181,25 @@ void CudaBackend::convert_impl(const Tensor& src, Tensor& dst) {
   launch_convert(src.raw(), src.dtype(), dst.raw(), dst.dtype(), src.numel(), stream_);
 }
 
+void CudaBackend::convert_many_impl(const std::vector<ConvertJob>& jobs) {
+  const OpTimer op_timer_(*this, "convert");
+  std::vector<const float*> src;
+  std::vector<void*> dst;
+  std::vector<int64_t> n;
+  auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  for (const ConvertJob& j : jobs) {
+    if (j.src->dtype() == DType::F32 && j.dst->dtype() == DType::BF16 && j.src->numel() % 8 == 0 &&
+        aligned(j.src->raw()) && aligned(j.dst->raw())) {
+      src.push_back(j.src->data<float>());
+      dst.push_back(j.dst->raw());
+      n.push_back(j.src->numel());
+    } else {
+      convert_impl(*j.src, *j.dst);
+    }
+  }
+  launch_convert_many_f32_bf16(src, dst, n, stream_);
+}
+
 void CudaBackend::fill_impl(Tensor& t, float value) {
   const OpTimer op_timer_(*this, "fill");
   launch_fill(t.raw(), t.dtype(), t.numel(), value, stream_);

@@ -55,6 +55,7 @@ class CudaBackend final : public Backend {
   void copy_impl(const Tensor& src, Tensor& dst) override;
   void copy_cols_impl(const Tensor& src, int64_t src_col, Tensor& dst, int64_t dst_col, int64_t cols) override;
   void convert_impl(const Tensor& src, Tensor& dst) override;
+  void convert_many_impl(const std::vector<ConvertJob>& jobs) override;
   void fill_impl(Tensor& t, float value) override;
 
   void add_impl(const Tensor& a, const Tensor& b, Tensor& out) override;

@@ -70,6 +70,32 @@ __global__ void convert_vec_kernel(const S* s, D* d, int64_t n8) {
     store8(d + 8 * i, x);
   }
 }
+// F32 -> BF16 over many tensors per launch (each n % 8 == 0, 16-byte aligned): a CTA converts
+// a chunk of one tensor, 8 elements per access, each as convert_vec_kernel rounds it.
+constexpr int kConvertMax = 128;
+constexpr int64_t kConvertChunk = 256 * 8 * 4;
+struct ConvertLaunch {
+  int count;
+  int chunk_start[kConvertMax + 1];
+  const float* src[kConvertMax];
+  bf16* dst[kConvertMax];
+  int64_t n[kConvertMax];
+};
+__global__ void __launch_bounds__(256) convert_many_kernel(const __grid_constant__ ConvertLaunch L) {
+  int lo = 0, hi = L.count;
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (L.chunk_start[mid] <= static_cast<int>(blockIdx.x)) lo = mid;
+    else hi = mid;
+  }
+  const int64_t begin = static_cast<int64_t>(blockIdx.x - L.chunk_start[lo]) * kConvertChunk;
+  const int64_t end = min(L.n[lo], begin + kConvertChunk);
+  for (int64_t i = begin + threadIdx.x * 8; i < end; i += 256 * 8) {
+    float x[8];
+    load8(L.src[lo] + i, x);
+    store8(L.dst[lo] + i, x);
+  }
+}
 // One dtype throughout, 8 elements per access (vec8_ok): the same per-element sum.
 template <class T>
 __global__ void add_vec_kernel(const T* a, const T* b, T* o, int64_t n8) {
@@ -214,6 +240,29 @@ void launch_convert(const void* src, DType sdt, void* dst, DType ddt, int64_t n,
   else
     convert_kernel<<<grid_for(n, 256), 256, 0, stream>>>(src, code(sdt), dst, code(ddt), n);
   CUDA_CHECK_LAUNCH("convert_kernel");
+}
+
+void launch_convert_many_f32_bf16(const std::vector<const float*>& src, const std::vector<void*>& dst,
+                                  const std::vector<int64_t>& n, cudaStream_t stream) {
+  for (size_t first = 0; first < src.size();) {
+    ConvertLaunch L{};
+    int64_t ctas = 0;
+    size_t i = first;
+    for (; i < src.size() && L.count < kConvertMax; ++i) {
+      if (n[i] == 0) continue;
+      const int64_t c = (n[i] + kConvertChunk - 1) / kConvertChunk;
+      if (L.count > 0 && ctas + c > (1LL << 30)) break;
+      const int k = L.count++;
+      L.chunk_start[k] = static_cast<int>(ctas);
+      L.src[k] = src[i], L.dst[k] = static_cast<bf16*>(dst[i]), L.n[k] = n[i];
+      ctas += c;
+    }
+    first = i;
+    if (L.count == 0) continue;
+    L.chunk_start[L.count] = static_cast<int>(ctas);
+    convert_many_kernel<<<static_cast<unsigned>(ctas), 256, 0, stream>>>(L);
+    CUDA_CHECK_LAUNCH("convert_many_kernel");
+  }
 }
 
 void launch_add(const void* a, DType adt, const void* b, DType bdt, void* out, DType odt, int64_t n,

@@ -63,6 +63,10 @@ void launch_convert(const void* src, DType sdt, void* dst, DType ddt, int64_t n,
 void launch_add(const void* a, DType adt, const void* b, DType bdt, void* out, DType odt, int64_t n,
                 cudaStream_t stream);
 void launch_scale(void* x, DType dtype, int64_t n, float s, cudaStream_t stream);
+// dst[i] = bf16(src[i]) for every tensor (n[i] % 8 == 0, 16-byte aligned), many per launch;
+// bitwise launch_convert.
+void launch_convert_many_f32_bf16(const std::vector<const float*>& src, const std::vector<void*>& dst,
+                                  const std::vector<int64_t>& n, cudaStream_t stream);
 // out[i] = sum xs[i]^2 in FP64 (ns[i] elements of dtypes[i]) for every tensor, deterministically
 // (a tensor's sum is the same whatever tensors share its launch); partials: scratch of
 // sum_squares_partials(ns) doubles.

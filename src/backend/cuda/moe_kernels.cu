@@ -208,6 +208,31 @@ __global__ void moe_permute_kernel(const T* x, const int32_t* row_slot, const fl
   }
 }
 
+// The same, 8 columns per thread in 16-byte accesses (D % 8 == 0, aligned rows): each element's
+// arithmetic is the scalar kernel's (bitwise the same). The scalar one's per-element divisions
+// and 2-byte accesses left it at ~1/5 of HBM bandwidth on the MoE train step.
+template <class T>
+__global__ void moe_permute_vec_kernel(const T* x, const int32_t* row_slot, const float* w, int64_t R, int64_t D8,
+                                       int k, int64_t slots, T* out, int* bad) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < R * D8;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / D8, d = (i % D8) * 8;
+    const int32_t s = row_slot[r];
+    if (s < 0 || s >= slots) {
+      *bad = 1;
+      continue;
+    }
+    float v[8];
+    load8(x + (s / k) * D8 * 8 + d, v);
+    if (w) {
+      const float ws = w[s];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) v[e] = v[e] * ws;
+    }
+    store8(out + r * D8 * 8 + d, v);
+  }
+}
+
 template <class T>
 __global__ void moe_unpermute_kernel(const T* y, const int32_t* slot_row, const float* w, int64_t T_, int64_t D,
                                      int k, int64_t R, T* out, int* bad) {
@@ -300,6 +325,14 @@ void launch_moe_route_sigmoid_weights(const float* logits, const int32_t* expert
 void launch_moe_permute(const void* x, DType dt, const int32_t* row_slot, const float* weights, int64_t R, int64_t D,
                         int k, int64_t slots, void* out, int* bad_flag, cudaStream_t stream) {
   if (R * D == 0) return;
+  if (vec8_ok(D, {x, out})) {
+    FP8RL_DISPATCH_FLOAT(dt, "moe_permute", {
+      moe_permute_vec_kernel<T><<<grid_for(R * D / 8, 256), 256, 0, stream>>>(
+          static_cast<const T*>(x), row_slot, weights, R, D / 8, k, slots, static_cast<T*>(out), bad_flag);
+    });
+    CUDA_CHECK_LAUNCH("moe_permute_vec_kernel");
+    return;
+  }
   FP8RL_DISPATCH_FLOAT(dt, "moe_permute", {
     moe_permute_kernel<T><<<grid_for(R * D, 256), 256, 0, stream>>>(static_cast<const T*>(x), row_slot, weights, R, D,
                                                                     k, slots, static_cast<T*>(out), bad_flag);
