@@ -537,14 +537,13 @@ ModelWeights model_grads_alloc(Backend& be, const ModelWeights& w, DType dtype, 
   return g;
 }
 
-void model_grads_zero(Backend& be, ModelWeights& g, const Tensor* arena) {
+void model_grads_zero(Backend& be, ModelWeights& g, Tensor* arena) {
   if (arena && arena->defined()) {
-    be.fill(const_cast<Tensor&>(*arena), 0.0f);  // the arena's views: every gradient at once
+    be.fill(*arena, 0.0f);  // the arena's views: every gradient at once
     return;
   }
   model_for_each_parameter(g, [&](const std::string&, Tensor& t) { be.fill(t, 0.0f); });
 }
-
 
 // ---- iteration ---------------------------------------------------------------------------------
 

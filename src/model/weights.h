@@ -148,7 +148,7 @@ ModelWeights model_weights_to_host(Backend& backend, const ModelWeights& weights
 // then one fill: model_grads_zero with that arena).
 ModelWeights model_grads_alloc(Backend& backend, const ModelWeights& weights, DType dtype = DType::F32,
                                Tensor* arena = nullptr);
-void model_grads_zero(Backend& backend, ModelWeights& grads, const Tensor* arena = nullptr);
+void model_grads_zero(Backend& backend, ModelWeights& grads, Tensor* arena = nullptr);
 
 // ---- names and iteration -----------------------------------------------------------------
 

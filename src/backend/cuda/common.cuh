@@ -134,6 +134,18 @@ __device__ __forceinline__ float block_max(float v, float* shared) {
   return warp_max(v);
 }
 
+// Multi-tensor launches (the optimizer step, the weight copies): tensor t of a launch owns the
+// CTAs [start[t], start[t + 1]); the tensor of CTA b, by binary search over the count entries.
+__device__ __forceinline__ int multi_tensor_of(const int* start, int count, int b) {
+  int lo = 0, hi = count;
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (start[mid] <= b) lo = mid;
+    else hi = mid;
+  }
+  return lo;
+}
+
 inline unsigned grid_for(int64_t n, int threads, int64_t cap = 65535LL * 16) {
   int64_t g = (n + threads - 1) / threads;
   if (g < 1) g = 1;

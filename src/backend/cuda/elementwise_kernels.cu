@@ -82,12 +82,7 @@ struct ConvertLaunch {
   int64_t n[kConvertMax];
 };
 __global__ void __launch_bounds__(256) convert_many_kernel(const __grid_constant__ ConvertLaunch L) {
-  int lo = 0, hi = L.count;
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) / 2;
-    if (L.chunk_start[mid] <= static_cast<int>(blockIdx.x)) lo = mid;
-    else hi = mid;
-  }
+  const int lo = multi_tensor_of(L.chunk_start, L.count, static_cast<int>(blockIdx.x));
   const int64_t begin = static_cast<int64_t>(blockIdx.x - L.chunk_start[lo]) * kConvertChunk;
   const int64_t end = min(L.n[lo], begin + kConvertChunk);
   for (int64_t i = begin + threadIdx.x * 8; i < end; i += 256 * 8) {
@@ -135,18 +130,9 @@ struct SumSquaresLaunch {
   int64_t n[kSumMaxTensors];
   int dtype[kSumMaxTensors];
 };
-__device__ __forceinline__ int sum_tensor_of(const SumSquaresLaunch& L, int b) {
-  int lo = 0, hi = L.count;
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) / 2;
-    if (L.chunk_start[mid] <= b) lo = mid;
-    else hi = mid;
-  }
-  return lo;
-}
 __global__ void __launch_bounds__(kSumThreads) sum_squares_chunks_kernel(const __grid_constant__ SumSquaresLaunch L,
                                                                          double* partials) {
-  const int t = sum_tensor_of(L, static_cast<int>(blockIdx.x));
+  const int t = multi_tensor_of(L.chunk_start, L.count, static_cast<int>(blockIdx.x));
   const int64_t begin = static_cast<int64_t>(blockIdx.x - L.chunk_start[t]) * kSumChunk;
   const int64_t end = min(L.n[t], begin + kSumChunk);
   double acc = 0.0;

@@ -53,13 +53,7 @@ __device__ __forceinline__ void step1(float& w, float g, float& m, float& v, con
 template <class G, class M>
 __global__ void __launch_bounds__(kAdamWThreads) adamw_many_kernel(const __grid_constant__ AdamWLaunch L,
                                                                    AdamWScalars s, bool stochastic, int64_t step) {
-  int lo = 0, hi = L.count;  // the tensor whose CTA range holds this block
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) / 2;
-    if (L.chunk_start[mid] <= static_cast<int>(blockIdx.x)) lo = mid;
-    else hi = mid;
-  }
-  const int t = lo;
+  const int t = multi_tensor_of(L.chunk_start, L.count, static_cast<int>(blockIdx.x));
   const int64_t n = L.n[t];
   const int64_t begin = static_cast<int64_t>(blockIdx.x - L.chunk_start[t]) * kAdamWChunk;
   const int64_t end = min(n, begin + kAdamWChunk);

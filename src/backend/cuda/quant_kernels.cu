@@ -183,6 +183,28 @@ __global__ void quant_blk_vec_kernel(const T* __restrict__ x, int64_t R, int64_t
 // shared memory as F32 (row stride 132: float4-aligned rows, conflict-free column reads), then
 // each thread encodes 16 consecutive elements of one L row and stores them as 16 bytes.
 constexpr int kVecTileLd = 132;
+// Row rr of the transpose of a tile staged as [128][kVecTileLd]: this thread's chunks of 16
+// columns ch = half + 2 j (j < 4), at columns c0 + ch * 16 of `row` (ld bytes wide; nothing is
+// written past ld), encoded with scale s; 16-byte stores where aligned and whole.
+__device__ __forceinline__ void encode_staged_row_t(const float* tile_t, int rr, int half, float s, uint8_t* row,
+                                                    int64_t c0, int64_t ld) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int ch = half + 2 * j;
+    const int64_t c = c0 + ch * 16;
+    if (c >= ld) break;
+    float v[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) v[i] = tile_t[(ch * 16 + i) * kVecTileLd + rr];
+    uint8_t* dst = row + c;
+    if (c + 16 <= ld && (reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
+      const uint2 lo = encode8(v, s), hi = encode8(v + 8, s);
+      *reinterpret_cast<uint4*>(dst) = make_uint4(lo.x, lo.y, hi.x, hi.y);
+    } else {
+      for (int i = 0; i < 16 && c + i < ld; ++i) dst[i] = fp8_e4m3_encode(v[i] / s);
+    }
+  }
+}
 template <class T>
 __global__ void quant_tile_t_vec_kernel(const T* __restrict__ x, int64_t R, int64_t C, int block_rows, bool pow2,
                                         uint8_t* __restrict__ q, int64_t ldq, float* __restrict__ scales,
@@ -232,22 +254,8 @@ __global__ void quant_tile_t_vec_kernel(const T* __restrict__ x, int64_t R, int6
   }
   const int64_t r = r0 + rr;
   if (r >= R) return;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int ch = half + 2 * j;
-    const int64_t c = c0 + ch * 16;
-    if (c >= ldq) break;  // columns [C, ldq) of a padded layout get zeros (the tile is zero there)
-    float v[16];
-#pragma unroll
-    for (int i = 0; i < 16; ++i) v[i] = tile_t[(ch * 16 + i) * kVecTileLd + rr];
-    uint8_t* dst = q + r * ldq + c;
-    if (c + 16 <= ldq && (reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
-      const uint2 lo = encode8(v, s), hi = encode8(v + 8, s);
-      *reinterpret_cast<uint4*>(dst) = make_uint4(lo.x, lo.y, hi.x, hi.y);
-    } else {
-      for (int i = 0; i < 16 && c + i < ldq; ++i) dst[i] = fp8_e4m3_encode(v[i] / s);
-    }
-  }
+  // Columns [C, ldq) of a padded layout get zeros (the tile is zero there).
+  encode_staged_row_t(tile_t, rr, half, s, q + r * ldq, c0, ldq);
 }
 
 void launch_quantize(const void* x, DType x_dtype, int64_t x_rows, int64_t x_cols, bool transpose,
@@ -338,13 +346,7 @@ __global__ void __launch_bounds__(256) quant_weights_kernel(const __grid_constan
                                                             int* bad) {
   extern __shared__ float tile_t[];  // [128 (w row)][kVecTileLd (w column)]
   __shared__ float red[32];
-  int lo = 0, hi = L.count;
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) / 2;
-    if (L.tile_start[mid] <= static_cast<int>(blockIdx.x)) lo = mid;
-    else hi = mid;
-  }
-  const int j = lo;
+  const int j = multi_tensor_of(L.tile_start, L.count, static_cast<int>(blockIdx.x));
   const int64_t R = L.N[j], C = L.K[j];  // w [R, C]
   const int64_t ncb = (C + 127) / 128, nrb = (R + 127) / 128;
   const int64_t tile = blockIdx.x - L.tile_start[j], by = tile / ncb, bx = tile % ncb;
@@ -396,22 +398,7 @@ __global__ void __launch_bounds__(256) quant_weights_kernel(const __grid_constan
   const int cc = t % 128, half = t / 128;
   const int64_t orow = c0 + cc;
   if (orow >= C) return;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int ch = half + 2 * i;
-    const int64_t oc = r0 + ch * 16;
-    if (oc >= R) break;
-    float e[16];
-#pragma unroll
-    for (int u = 0; u < 16; ++u) e[u] = tile_t[(ch * 16 + u) * kVecTileLd + cc];
-    uint8_t* dst = qt + orow * R + oc;
-    if (oc + 16 <= R && (reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
-      const uint2 lo8 = encode8(e, s), hi8 = encode8(e + 8, s);
-      *reinterpret_cast<uint4*>(dst) = make_uint4(lo8.x, lo8.y, hi8.x, hi8.y);
-    } else {
-      for (int u = 0; u < 16 && oc + u < R; ++u) dst[u] = fp8_e4m3_encode(e[u] / s);
-    }
-  }
+  encode_staged_row_t(tile_t, cc, half, s, qt + orow * R, r0, R);
 }
 
 void launch_quantize_weights(const std::vector<WeightQuantTensor>& ws, DType w_dtype, bool pow2, int* bad_flag,
