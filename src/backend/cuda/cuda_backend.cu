@@ -1451,17 +1451,18 @@ void CudaBackend::attention_backward_impl(const Tensor& dout, const Tensor& q, c
   const int hdv = static_cast<int>(v.dim(2));  // MLA: v_head_dim (the simple kernels; see attention)
   std::vector<int32_t> b;
   seq_bounds(cu_seqlens, T, b);
-  Tensor delta = scratch(kSlotAttn, {T * Hq}, DType::F32);
   if (hdv == hd && use_flash_attention(q.dtype(), hd, {&dout, &q, &k, &v, &out, &dq, &dk, &dv})) {
+    Tensor work = scratch(kSlotAttn, {flash_attention_backward_work(T, Hq, Hkv, hd)}, DType::F32);
     const std::vector<int32_t> tiles = flash_attention_tiles(cu_seqlens);
     Tensor td = scratch(kSlotIdx, {static_cast<int64_t>(tiles.size()) + 1}, DType::I32);
     CUDA_CHECK(cudaMemcpyAsync(td.raw(), tiles.data(), tiles.size() * 4, cudaMemcpyHostToDevice, stream_),
                "uploading attention tiles");
     launch_flash_attention_backward(dout.raw(), q.raw(), k.raw(), v.raw(), out.raw(), lse.data<float>(),
                                     td.data<int32_t>(), static_cast<int>(tiles.size() / 8), T, Hq, Hkv, hd,
-                                    softmax_scale, dq.raw(), dk.raw(), dv.raw(), delta.data<float>(), stream_);
+                                    softmax_scale, dq.raw(), dk.raw(), dv.raw(), work.data<float>(), stream_);
     return;
   }
+  Tensor delta = scratch(kSlotAttn, {T * Hq}, DType::F32);
   Tensor idx = scratch(kSlotIdx, {2 * T}, DType::I32);
   CUDA_CHECK(cudaMemcpyAsync(idx.raw(), b.data(), b.size() * 4, cudaMemcpyHostToDevice, stream_), "uploading seqlens");
   launch_attention_backward(dout.raw(), q.raw(), k.raw(), v.raw(), out.raw(), q.dtype(), lse.data<float>(),

@@ -1,12 +1,15 @@
 // Tensor-core flash attention (FlashAttention-2 structure) for BF16 activations, head_dim 64
 // or 128: causal GQA over packed sequences. mma.sync m16n8k16 (BF16 in, FP32 accumulate) on
-// operands staged in shared memory; the softmax, the rescaling and the masks run in FP32 on
-// the accumulator registers.
+// operands staged in shared memory by cp.async (two stages: the next tile is in flight while the
+// current one is used) and read with ldmatrix (.trans for the operands stored [k][n], so no tile
+// is ever transposed in memory); the softmax, the rescaling and the masks run in FP32 on the
+// accumulator registers.
 //   forward:  one block per (64-query tile, q head); 4 warps x 16 query rows; loop over the
 //             64-key tiles up to the diagonal with an online softmax; writes out and lse.
 //   backward: delta = rowsum(dout * out); dq: one block per (64-query tile, q head), P and dP
-//             recomputed from lse; dk/dv: one block per (64-key tile, kv head), looping over the
-//             heads of the group and the query tiles at or after the key tile. No atomics.
+//             recomputed from lse; dk/dv: one block per (64-key tile, q head) over the query
+//             tiles at or after the key tile; with GQA its F32 partials are summed over each
+//             group by a last small kernel (in head order). No atomics.
 // Tiles never cross a sequence: they start at the sequence's first token (host tile lists).
 #include <algorithm>
 #include <cstdint>
@@ -27,35 +30,70 @@ constexpr int kThreadsF = kWarpsF * 32;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
-// ---- warp-level mma.sync helpers -----------------------------------------------------------
+// ---- PTX helpers (tests/cuda/flash_emu/emu.h has host versions of everything in this section) --
 // Fragments of mma.m16n8k16.row.col (PTX ISA): with g = lane / 4, c = lane % 4,
 //   A (16x16, row-major): a0 = A[g][2c..2c+1], a1 = A[g+8][2c..], a2 = A[g][2c+8..], a3 = A[g+8][2c+8..]
 //   B (16x8):            b0 = B[2c..2c+1][g], b1 = B[2c+8..2c+9][g]
 //   C (16x8, FP32):      c0, c1 = C[g][2c, 2c+1], c2, c3 = C[g+8][2c, 2c+1]
-// Shared tiles are BF16 row-major with a padded leading dimension (a multiple of 8 elements).
-
-__device__ __forceinline__ uint32_t lds32(const bf16* p) { return *reinterpret_cast<const uint32_t*>(p); }
-
-// A rows r0..r0+15, columns k0..k0+15 of a row-major [rows][ld] tile.
-__device__ __forceinline__ void load_a(uint32_t (&a)[4], const bf16* s, int ld, int r0, int k0, int g, int c) {
-  const bf16* p = s + (r0 + g) * ld + k0 + 2 * c;
-  a[0] = lds32(p);
-  a[1] = lds32(p + 8 * ld);
-  a[2] = lds32(p + 8);
-  a[3] = lds32(p + 8 * ld + 8);
-}
-// B (k0..k0+15) x (n0..n0+7) read from a tile stored as [n][k] (row n holds B's column n).
-__device__ __forceinline__ void load_b(uint32_t (&b)[2], const bf16* s, int ld, int n0, int k0, int g, int c) {
-  const bf16* p = s + (n0 + g) * ld + k0 + 2 * c;
-  b[0] = lds32(p);
-  b[1] = lds32(p + 8);
-}
+// ldmatrix.x4: lane l gives the address of row l % 8 of 8x8 matrix l / 8; r[j] is this lane's 32-bit
+// piece of matrix j: row g, columns 2c, 2c+1 (.trans: rows 2c, 2c+1 of column g).
 __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
       "{%0, %1, %2, %3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const bf16* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(p)));
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const bf16* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(p)));
+}
+// Asynchronous global -> shared copies; src_bytes 0 zero-fills the destination (src not read).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src), "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_u32(dst)), "l"(src), "r"(valid ? 4 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// Waits until at most one committed group (the newest) is still in flight.
+__device__ __forceinline__ void cp_async_wait_all_but_newest() {
+  asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+}
+// ---- end of PTX helpers
+
+// Shared tiles are BF16 row-major with a padded leading dimension ld = width + 8: ldmatrix's
+// eight row addresses of a phase then fall in distinct banks.
+
+// A (rows r0..r0+15, columns k0..k0+15) of a row-major [rows][ld] tile.
+__device__ __forceinline__ void load_a(uint32_t (&a)[4], const bf16* s, int ld, int r0, int k0, int lane) {
+  ldsm_x4(a, s + (r0 + (lane & 15)) * ld + k0 + (lane >> 4) * 8);
+}
+// B fragments of the two n-tiles n0..n0+7 (b[0]) and n0+8..n0+15 (b[1]) over k0..k0+15, from a
+// tile stored [n][k] (row n holds B's column n: K for Q K^T).
+__device__ __forceinline__ void load_b2(uint32_t (&b)[2][2], const bf16* s, int ld, int n0, int k0, int lane) {
+  const int j = lane >> 3;
+  uint32_t r[4];
+  ldsm_x4(r, s + (n0 + (j >> 1) * 8 + (lane & 7)) * ld + k0 + (j & 1) * 8);
+  b[0][0] = r[0], b[0][1] = r[1], b[1][0] = r[2], b[1][1] = r[3];
+}
+// The same from a tile stored [k][n] (V for P V): ldmatrix.trans.
+__device__ __forceinline__ void load_b2_t(uint32_t (&b)[2][2], const bf16* s, int ld, int n0, int k0, int lane) {
+  const int j = lane >> 3;
+  uint32_t r[4];
+  ldsm_x4_t(r, s + (k0 + (j & 1) * 8 + (lane & 7)) * ld + n0 + (j >> 1) * 8);
+  b[0][0] = r[0], b[0][1] = r[1], b[1][0] = r[2], b[1][1] = r[3];
 }
 // Two FP32 values as a BF16 pair (lo at the lower column), round to nearest even.
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
@@ -69,44 +107,61 @@ __device__ __forceinline__ void a_from_c(uint32_t (&a)[4], const float (&x0)[4],
   a[3] = pack_bf16(x1[2], x1[3]);
 }
 
-// acc[nt] (C layout, ND tiles of 8 columns) += P Bt^T: P is the [16, kTile] score block held as
-// C-layout accumulators p[kTile / 8] (rounded to BF16 A fragments), Bt a [ND*8, ld] shared tile.
-template <int ND>
-__device__ __forceinline__ void mma_scores_times(float (&acc)[ND][4], const float (&p)[kTile / 8][4],
-                                                 const bf16* Bt, int ld, int g, int c) {
+// acc (16 x A's n-tiles of 8, C layout) += A B with A held in registers (16 rows x NK * 8
+// columns: C-layout accumulators, rounded to BF16 fragments) and B an [NK * 8][ld] tile stored
+// [k][n] (ldmatrix.trans).
+template <int ND, int NK>
+__device__ __forceinline__ void mma_regs_times(float (&acc)[ND][4], const float (&p)[NK][4], const bf16* B, int ld,
+                                               int lane) {
 #pragma unroll
-  for (int kk = 0; kk < kTile / 16; ++kk) {
+  for (int kk = 0; kk < NK / 2; ++kk) {
     uint32_t a[4];
     a_from_c(a, p[2 * kk], p[2 * kk + 1]);
 #pragma unroll
-    for (int nt = 0; nt < ND; ++nt) {
-      uint32_t b[2];
-      load_b(b, Bt, ld, nt * 8, kk * 16, g, c);
-      mma_bf16(acc[nt], a, b);
+    for (int np = 0; np < ND / 2; ++np) {
+      uint32_t b[2][2];
+      load_b2_t(b, B, ld, np * 16, kk * 16, lane);
+      mma_bf16(acc[2 * np], a, b[0]);
+      mma_bf16(acc[2 * np + 1], a, b[1]);
     }
   }
 }
+// acc (16 x NN * 8) += A B^T with A rows r0.. of a row-major [*][ld_a] tile and B an [NN * 8][ld_b]
+// tile stored [n][k] (row n holds B^T's row n), both D wide: Q K^T, dO V^T and their transposes.
+template <int NN, int D>
+__device__ __forceinline__ void mma_tile_times_t(float (&acc)[NN][4], const bf16* A, int ld_a, int r0, const bf16* B,
+                                                 int ld_b, int lane) {
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    uint32_t a[4];
+    load_a(a, A, ld_a, r0, kk * 16, lane);
+#pragma unroll
+    for (int np = 0; np < NN / 2; ++np) {
+      uint32_t b[2][2];
+      load_b2(b, B, ld_b, np * 16, kk * 16, lane);
+      mma_bf16(acc[2 * np], a, b[0]);
+      mma_bf16(acc[2 * np + 1], a, b[1]);
+    }
+  }
+}
+template <int N>
+__device__ __forceinline__ void zero(float (&x)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) x[i][0] = x[i][1] = x[i][2] = x[i][3] = 0.0f;
+}
 
-// Rows row0 .. row0 + NR - 1 of a [*, stride] BF16 global array (columns 0..D-1 of each row at
-// src + row * stride) into a row-major shared tile [NR][ld]; rows >= row_end are zero. With
-// dst_t, also the transpose [D][ld_t]. 16-byte loads (the caller checks the alignment).
-// Without a transpose a warp reads whole rows (coalesced); with one, a warp takes one 8-column
-// chunk of 32 consecutive rows, so that its transposed 2-byte stores hit consecutive addresses
-// (an 8-way bank conflict otherwise).
+// Issues the copies of rows row0 .. row0 + NR - 1 of a [*, stride] BF16 global array (columns
+// 0..D-1 of each row at src + row * stride) into a row-major shared tile [NR][ld]; rows >= row_end
+// are zero-filled. 16-byte pieces (the caller checks the alignment), a warp's 32 consecutive
+// pieces cover whole rows.
 template <int NR, int D>
-__device__ __forceinline__ void load_tile(const bf16* src, int64_t stride, int64_t row0, int64_t row_end, bf16* dst,
-                                          int ld, bf16* dst_t, int ld_t) {
+__device__ __forceinline__ void load_tile_async(const bf16* src, int64_t stride, int64_t row0, int64_t row_end,
+                                                bf16* dst, int ld) {
   constexpr int kChunks = D / 8;
   for (int i = threadIdx.x; i < NR * kChunks; i += kThreadsF) {
-    const int r = dst_t ? i % NR : i / kChunks, ch = dst_t ? i / NR : i % kChunks;
-    uint4 v = make_uint4(0u, 0u, 0u, 0u);
-    if (row0 + r < row_end) v = *reinterpret_cast<const uint4*>(src + (row0 + r) * stride + ch * 8);
-    if (dst) *reinterpret_cast<uint4*>(dst + r * ld + ch * 8) = v;
-    if (dst_t) {
-      const bf16* e = reinterpret_cast<const bf16*>(&v);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) dst_t[(ch * 8 + j) * ld_t + r] = e[j];
-    }
+    const int r = i / kChunks, ch = i % kChunks;
+    const bool ok = row0 + r < row_end;
+    cp_async16(dst + r * ld + ch * 8, ok ? src + (row0 + r) * stride + ch * 8 : src, ok);
   }
 }
 
@@ -117,10 +172,12 @@ struct TileDesc {
 };
 
 // ---- forward ----------------------------------------------------------------------------------
+// Shared memory: the query tile and two stages of the key and value tiles (the next pair is in
+// flight while the current one is used).
 template <int D>
 struct FwdSmem {
-  static constexpr int kLd = D + 8, kLdT = kTile + 8;
-  static constexpr int kQ = 0, kK = kQ + kTile * kLd, kVt = kK + kTile * kLd, kTotal = kVt + D * kLdT;
+  static constexpr int kLd = D + 8, kT = kTile * kLd;
+  static constexpr int kQ = 0, kKV = kT, kTotal = kKV + 4 * kT;  // stage s: K at kKV + 2 s kT, V after it
   static constexpr size_t kBytes = static_cast<size_t>(kTotal) * sizeof(bf16);
 };
 
@@ -132,44 +189,42 @@ __global__ void __launch_bounds__(kThreadsF) flash_fwd_kernel(const bf16* q, con
   using S = FwdSmem<D>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   bf16* sm = reinterpret_cast<bf16*>(smem_raw);
-  bf16 *sQ = sm + S::kQ, *sK = sm + S::kK, *sVt = sm + S::kVt;
+  bf16* sQ = sm + S::kQ;
   const TileDesc td = tiles[blockIdx.x];
   const int h = blockIdx.y, hk = h / (Hq / Hkv);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
   const int64_t q0 = td.row0, seq_start = td.seq_start, seq_end = td.seq_end;
   const int64_t qstride = static_cast<int64_t>(Hq) * D, kstride = static_cast<int64_t>(Hkv) * D;
+  const int64_t q_last = (q0 + kTile < seq_end ? q0 + kTile : seq_end) - 1;
 
-  load_tile<kTile, D>(q + h * D, qstride, q0, seq_end, sQ, S::kLd, nullptr, 0);
+  load_tile_async<kTile, D>(q + h * D, qstride, q0, seq_end, sQ, S::kLd);
+  load_tile_async<kTile, D>(k + hk * D, kstride, seq_start, seq_end, sm + S::kKV, S::kLd);
+  load_tile_async<kTile, D>(v + hk * D, kstride, seq_start, seq_end, sm + S::kKV + S::kT, S::kLd);
+  cp_async_commit();
 
   constexpr int kNd = D / 8;  // n-tiles over head_dim
   float o[kNd][4];
-#pragma unroll
-  for (int i = 0; i < kNd; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+  zero(o);
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
   const float sl2 = scale * kLog2e;
   const int64_t qrow0 = q0 + warp * 16 + g;  // this thread's rows: qrow0, qrow0 + 8
-  const int64_t q_last = (q0 + kTile < seq_end ? q0 + kTile : seq_end) - 1;
 
-  for (int64_t k0 = seq_start; k0 <= q_last; k0 += kTile) {
-    __syncthreads();  // previous tile's readers are done
-    load_tile<kTile, D>(k + hk * D, kstride, k0, seq_end, sK, S::kLd, nullptr, 0);
-    load_tile<kTile, D>(v + hk * D, kstride, k0, seq_end, nullptr, 0, sVt, S::kLdT);
+  int stage = 0;
+  for (int64_t k0 = seq_start; k0 <= q_last; k0 += kTile, stage ^= 1) {
+    if (k0 + kTile <= q_last) {  // prefetch the next key/value tiles into the other stage
+      bf16* nk = sm + S::kKV + 2 * (stage ^ 1) * S::kT;
+      load_tile_async<kTile, D>(k + hk * D, kstride, k0 + kTile, seq_end, nk, S::kLd);
+      load_tile_async<kTile, D>(v + hk * D, kstride, k0 + kTile, seq_end, nk + S::kT, S::kLd);
+    }
+    cp_async_commit();
+    cp_async_wait_all_but_newest();
     __syncthreads();
+    const bf16* sK = sm + S::kKV + 2 * stage * S::kT;
+    const bf16* sV = sK + S::kT;
 
     float s[kTile / 8][4];
-#pragma unroll
-    for (int i = 0; i < kTile / 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.0f;
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      uint32_t a[4];
-      load_a(a, sQ, S::kLd, warp * 16, kk * 16, g, c);
-#pragma unroll
-      for (int nt = 0; nt < kTile / 8; ++nt) {
-        uint32_t b[2];
-        load_b(b, sK, S::kLd, nt * 8, kk * 16, g, c);
-        mma_bf16(s[nt], a, b);
-      }
-    }
+    zero(s);
+    mma_tile_times_t<kTile / 8, D>(s, sQ, S::kLd, warp * 16, sK, S::kLd, lane);
     // Scale to log2 units, causal mask (keys past the row; only the diagonal tile has any).
     const bool diag = k0 + kTile - 1 > q0;
     float mx[2] = {-INFINITY, -INFINITY};
@@ -212,7 +267,8 @@ __global__ void __launch_bounds__(kThreadsF) flash_fwd_kernel(const bf16* q, con
       o[i][3] *= corr[1];
     }
     // O += P V (P as BF16 A fragments straight from the score registers).
-    mma_scores_times(o, s, sVt, S::kLdT, g, c);
+    mma_regs_times(o, s, sV, S::kLd, lane);
+    __syncthreads();  // this stage is refilled by the next iteration's prefetch
   }
 
 #pragma unroll
@@ -233,12 +289,13 @@ __global__ void __launch_bounds__(kThreadsF) flash_fwd_kernel(const bf16* q, con
 }
 
 // ---- backward ---------------------------------------------------------------------------------
-// delta[t * Hq + h] = sum_d dout * out (FP32), one warp per (t, h).
+// delta[h * T + t] = sum_d dout * out (FP32), one warp per (t, h); [Hq, T] like lse, so that a
+// query tile's values are contiguous.
 template <int D>
-__global__ void flash_delta_kernel(const bf16* dout, const bf16* out, int64_t rows, float* delta) {
+__global__ void flash_delta_kernel(const bf16* dout, const bf16* out, int64_t T_, int Hq, float* delta) {
   const int64_t w = static_cast<int64_t>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
   const int lane = threadIdx.x & 31;
-  if (w >= rows) return;
+  if (w >= T_ * Hq) return;
   float s = 0.0f;
   for (int d = lane * 2; d < D; d += 64) {
     const uint32_t a = *reinterpret_cast<const uint32_t*>(dout + w * D + d);
@@ -247,14 +304,14 @@ __global__ void flash_delta_kernel(const bf16* dout, const bf16* out, int64_t ro
          bf16_bits_to_float(a >> 16) * bf16_bits_to_float(b >> 16);
   }
   s = warp_sum(s);
-  if (lane == 0) delta[w] = s;
+  if (lane == 0) delta[(w % Hq) * T_ + w / Hq] = s;
 }
 
+// Shared memory of the dq kernel: the query and dout tiles, two stages of the key and value tiles.
 template <int D>
 struct DqSmem {
-  static constexpr int kLd = D + 8, kLdT = kTile + 8;
-  static constexpr int kQ = 0, kG = kQ + kTile * kLd, kK = kG + kTile * kLd, kV = kK + kTile * kLd,
-                       kKt = kV + kTile * kLd, kTotal = kKt + D * kLdT;
+  static constexpr int kLd = D + 8, kT = kTile * kLd;
+  static constexpr int kQ = 0, kG = kT, kKV = 2 * kT, kTotal = kKV + 4 * kT;
   static constexpr size_t kBytes = static_cast<size_t>(kTotal) * sizeof(bf16);
 };
 
@@ -267,15 +324,19 @@ __global__ void __launch_bounds__(kThreadsF) flash_dq_kernel(const bf16* dout, c
   using S = DqSmem<D>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   bf16* sm = reinterpret_cast<bf16*>(smem_raw);
-  bf16 *sQ = sm + S::kQ, *sG = sm + S::kG, *sK = sm + S::kK, *sV = sm + S::kV, *sKt = sm + S::kKt;
+  bf16 *sQ = sm + S::kQ, *sG = sm + S::kG;
   const TileDesc td = tiles[blockIdx.x];
   const int h = blockIdx.y, hk = h / (Hq / Hkv);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
   const int64_t q0 = td.row0, seq_start = td.seq_start, seq_end = td.seq_end;
   const int64_t qstride = static_cast<int64_t>(Hq) * D, kstride = static_cast<int64_t>(Hkv) * D;
+  const int64_t q_last = (q0 + kTile < seq_end ? q0 + kTile : seq_end) - 1;
 
-  load_tile<kTile, D>(q + h * D, qstride, q0, seq_end, sQ, S::kLd, nullptr, 0);
-  load_tile<kTile, D>(dout + h * D, qstride, q0, seq_end, sG, S::kLd, nullptr, 0);
+  load_tile_async<kTile, D>(q + h * D, qstride, q0, seq_end, sQ, S::kLd);
+  load_tile_async<kTile, D>(dout + h * D, qstride, q0, seq_end, sG, S::kLd);
+  load_tile_async<kTile, D>(k + hk * D, kstride, seq_start, seq_end, sm + S::kKV, S::kLd);
+  load_tile_async<kTile, D>(v + hk * D, kstride, seq_start, seq_end, sm + S::kKV + S::kT, S::kLd);
+  cp_async_commit();
   const int64_t qrow0 = q0 + warp * 16 + g;
   float L2[2], Dl[2];  // lse in log2 units and delta of this thread's two rows (0 for rows past the end)
 #pragma unroll
@@ -283,41 +344,32 @@ __global__ void __launch_bounds__(kThreadsF) flash_dq_kernel(const bf16* dout, c
     const int64_t row = qrow0 + 8 * r;
     const bool ok = row < seq_end;
     L2[r] = ok ? lse[static_cast<int64_t>(h) * T_ + row] * kLog2e : 0.0f;
-    Dl[r] = ok ? delta[row * Hq + h] : 0.0f;
+    Dl[r] = ok ? delta[static_cast<int64_t>(h) * T_ + row] : 0.0f;
   }
 
   constexpr int kNd = D / 8;
   float acc[kNd][4];
-#pragma unroll
-  for (int i = 0; i < kNd; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+  zero(acc);
   const float sl2 = scale * kLog2e;
-  const int64_t q_last = (q0 + kTile < seq_end ? q0 + kTile : seq_end) - 1;
 
-  for (int64_t k0 = seq_start; k0 <= q_last; k0 += kTile) {
+  int stage = 0;
+  for (int64_t k0 = seq_start; k0 <= q_last; k0 += kTile, stage ^= 1) {
+    if (k0 + kTile <= q_last) {
+      bf16* nk = sm + S::kKV + 2 * (stage ^ 1) * S::kT;
+      load_tile_async<kTile, D>(k + hk * D, kstride, k0 + kTile, seq_end, nk, S::kLd);
+      load_tile_async<kTile, D>(v + hk * D, kstride, k0 + kTile, seq_end, nk + S::kT, S::kLd);
+    }
+    cp_async_commit();
+    cp_async_wait_all_but_newest();
     __syncthreads();
-    load_tile<kTile, D>(k + hk * D, kstride, k0, seq_end, sK, S::kLd, sKt, S::kLdT);
-    load_tile<kTile, D>(v + hk * D, kstride, k0, seq_end, sV, S::kLd, nullptr, 0);
-    __syncthreads();
+    const bf16* sK = sm + S::kKV + 2 * stage * S::kT;
+    const bf16* sV = sK + S::kT;
 
     float s[kTile / 8][4], dp[kTile / 8][4];
-#pragma unroll
-    for (int i = 0; i < kTile / 8; ++i)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[i][e] = dp[i][e] = 0.0f;
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      uint32_t aq[4], ag[4];
-      load_a(aq, sQ, S::kLd, warp * 16, kk * 16, g, c);
-      load_a(ag, sG, S::kLd, warp * 16, kk * 16, g, c);
-#pragma unroll
-      for (int nt = 0; nt < kTile / 8; ++nt) {
-        uint32_t b[2];
-        load_b(b, sK, S::kLd, nt * 8, kk * 16, g, c);
-        mma_bf16(s[nt], aq, b);
-        load_b(b, sV, S::kLd, nt * 8, kk * 16, g, c);
-        mma_bf16(dp[nt], ag, b);
-      }
-    }
+    zero(s);
+    zero(dp);
+    mma_tile_times_t<kTile / 8, D>(s, sQ, S::kLd, warp * 16, sK, S::kLd, lane);
+    mma_tile_times_t<kTile / 8, D>(dp, sG, S::kLd, warp * 16, sV, S::kLd, lane);
     // ds = p * (dp - delta) with p = exp(s * scale - lse), 0 past the diagonal or the sequence.
 #pragma unroll
     for (int nt = 0; nt < kTile / 8; ++nt)
@@ -329,7 +381,8 @@ __global__ void __launch_bounds__(kThreadsF) flash_dq_kernel(const bf16* dout, c
         if (key > row || row >= seq_end) p = 0.0f;
         s[nt][e] = p * (dp[nt][e] - Dl[r]);
       }
-    mma_scores_times(acc, s, sKt, S::kLdT, g, c);
+    mma_regs_times(acc, s, sK, S::kLd, lane);  // dq += ds K (K stored [key][d])
+    __syncthreads();
   }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -345,118 +398,146 @@ __global__ void __launch_bounds__(kThreadsF) flash_dq_kernel(const bf16* dout, c
 template <int D>
 constexpr int kDkvRows = D <= 64 ? 64 : 32;
 
+// Shared memory of the dk/dv kernel: the key and value tiles, two stages of the query and dout
+// tiles with their lse (F32) and delta.
 template <int D>
 struct DkvSmem {
   static constexpr int kBq = kDkvRows<D>;
-  static constexpr int kLd = D + 8, kLdT = kBq + 8;
-  static constexpr int kK = 0, kV = kK + kTile * kLd, kQ = kV + kTile * kLd, kG = kQ + kBq * kLd,
-                       kQt = kG + kBq * kLd, kGt = kQt + D * kLdT, kTotal = kGt + D * kLdT;
-  static constexpr size_t kBytes = static_cast<size_t>(kTotal) * sizeof(bf16) + 2 * kBq * sizeof(float);
+  static constexpr int kLd = D + 8, kT = kTile * kLd, kTq = kBq * kLd;
+  static constexpr int kK = 0, kV = kT, kQG = 2 * kT, kTotal = kQG + 4 * kTq;  // stage s: Q at kQG + 2 s kTq, dout after
+  static constexpr size_t kBytes = static_cast<size_t>(kTotal) * sizeof(bf16) + 4 * kBq * sizeof(float);
 };
 
-// dv[j, hk] = sum_{h in group, t >= j} p_tj dout_t ; dk[j, hk] = scale * sum p_tj (dp_tj - delta_t) q_t.
+// One block per (64-key tile, q head h): dv_h[j] = sum_{t >= j} p_tj dout_t and
+// dk_h[j] = sum_t p_tj (dp_tj - delta_t) q_t (unscaled). Without GQA (one q head per kv head)
+// they are the results: dk = scale * dk_h, dv = dv_h in BF16. With GQA the F32 partials of every
+// q head go to part_k / part_v [T, Hq, D] and flash_dkv_reduce_kernel sums each group.
 template <int D>
 __global__ void __launch_bounds__(kThreadsF) flash_dkv_kernel(const bf16* dout, const bf16* q, const bf16* k,
                                                                const bf16* v, const float* lse, const float* delta,
                                                                const TileDesc* tiles, int Hq, int Hkv, int64_t T_,
-                                                               float scale, bf16* dk, bf16* dv) {
+                                                               float scale, bf16* dk, bf16* dv, float* part_k,
+                                                               float* part_v) {
   using S = DkvSmem<D>;
   constexpr int kBq = S::kBq;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   bf16* sm = reinterpret_cast<bf16*>(smem_raw);
-  bf16 *sK = sm + S::kK, *sV = sm + S::kV, *sQ = sm + S::kQ, *sG = sm + S::kG, *sQt = sm + S::kQt,
-       *sGt = sm + S::kGt;
-  float* sL = reinterpret_cast<float*>(sm + S::kTotal);  // [kBq] lse * log2e
-  float* sD = sL + kBq;                                    // [kBq] delta
+  bf16 *sK = sm + S::kK, *sV = sm + S::kV;
+  float* sLD = reinterpret_cast<float*>(sm + S::kTotal);  // stage s: lse at sLD + 2 s kBq, delta after it
   const TileDesc td = tiles[blockIdx.x];
-  const int hk = blockIdx.y, group = Hq / Hkv;
+  const int h = blockIdx.y, hk = h / (Hq / Hkv);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
   const int64_t k0 = td.row0, seq_end = td.seq_end;
   const int64_t qstride = static_cast<int64_t>(Hq) * D, kstride = static_cast<int64_t>(Hkv) * D;
+  const float* lse_h = lse + static_cast<int64_t>(h) * T_;
+  const float* delta_h = delta + static_cast<int64_t>(h) * T_;
 
-  load_tile<kTile, D>(k + hk * D, kstride, k0, seq_end, sK, S::kLd, nullptr, 0);
-  load_tile<kTile, D>(v + hk * D, kstride, k0, seq_end, sV, S::kLd, nullptr, 0);
+  // Stage st's query-side tiles: rows t0 .. t0 + kBq - 1.
+  auto load_stage = [&](int st, int64_t t0) {
+    bf16* sq = sm + S::kQG + 2 * st * S::kTq;
+    load_tile_async<kBq, D>(q + h * D, qstride, t0, seq_end, sq, S::kLd);
+    load_tile_async<kBq, D>(dout + h * D, qstride, t0, seq_end, sq + S::kTq, S::kLd);
+    const int i = threadIdx.x;
+    if (i < 2 * kBq) {
+      const int64_t t = t0 + i % kBq;
+      const bool ok = t < seq_end;
+      cp_async4(sLD + 2 * st * kBq + i, (i < kBq ? lse_h : delta_h) + (ok ? t : 0), ok);
+    }
+  };
+  load_tile_async<kTile, D>(k + hk * D, kstride, k0, seq_end, sK, S::kLd);
+  load_tile_async<kTile, D>(v + hk * D, kstride, k0, seq_end, sV, S::kLd);
+  load_stage(0, k0);
+  cp_async_commit();
 
   constexpr int kNd = D / 8, kNq = kBq / 8;
   float adk[kNd][4], adv[kNd][4];
-#pragma unroll
-  for (int i = 0; i < kNd; ++i)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) adk[i][e] = adv[i][e] = 0.0f;
+  zero(adk);
+  zero(adv);
   const float sl2 = scale * kLog2e;
   const int64_t krow0 = k0 + warp * 16 + g;  // this thread's keys: krow0, krow0 + 8
 
-  for (int hg = 0; hg < group; ++hg) {
-    const int h = hk * group + hg;
-    for (int64_t t0 = k0; t0 < seq_end; t0 += kBq) {
-      __syncthreads();
-      load_tile<kBq, D>(q + h * D, qstride, t0, seq_end, sQ, S::kLd, sQt, S::kLdT);
-      load_tile<kBq, D>(dout + h * D, qstride, t0, seq_end, sG, S::kLd, sGt, S::kLdT);
-      for (int i = threadIdx.x; i < kBq; i += kThreadsF) {
-        const int64_t t = t0 + i;
-        sL[i] = t < seq_end ? lse[static_cast<int64_t>(h) * T_ + t] * kLog2e : 0.0f;
-        sD[i] = t < seq_end ? delta[t * Hq + h] : 0.0f;
-      }
-      __syncthreads();
+  int stage = 0;
+  for (int64_t t0 = k0; t0 < seq_end; t0 += kBq, stage ^= 1) {
+    if (t0 + kBq < seq_end) load_stage(stage ^ 1, t0 + kBq);
+    cp_async_commit();
+    cp_async_wait_all_but_newest();
+    __syncthreads();
+    const bf16* sQ = sm + S::kQG + 2 * stage * S::kTq;
+    const bf16* sG = sQ + S::kTq;
+    const float* sL = sLD + 2 * stage * kBq;
+    const float* sD = sL + kBq;
 
-      // Transposed scores: st[key][query] = k . q, dpt[key][query] = v . dout.
-      float st[kNq][4], dpt[kNq][4];
+    // Transposed scores: st[key][query] = k . q, dpt[key][query] = v . dout.
+    float st[kNq][4], dpt[kNq][4];
+    zero(st);
+    zero(dpt);
+    mma_tile_times_t<kNq, D>(st, sK, S::kLd, warp * 16, sQ, S::kLd, lane);
+    mma_tile_times_t<kNq, D>(dpt, sV, S::kLd, warp * 16, sG, S::kLd, lane);
 #pragma unroll
-      for (int i = 0; i < kNq; ++i)
+    for (int nt = 0; nt < kNq; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) st[i][e] = dpt[i][e] = 0.0f;
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        uint32_t ak[4], av[4];
-        load_a(ak, sK, S::kLd, warp * 16, kk * 16, g, c);
-        load_a(av, sV, S::kLd, warp * 16, kk * 16, g, c);
-#pragma unroll
-        for (int nt = 0; nt < kNq; ++nt) {
-          uint32_t b[2];
-          load_b(b, sQ, S::kLd, nt * 8, kk * 16, g, c);
-          mma_bf16(st[nt], ak, b);
-          load_b(b, sG, S::kLd, nt * 8, kk * 16, g, c);
-          mma_bf16(dpt[nt], av, b);
-        }
+      for (int e = 0; e < 4; ++e) {
+        const int col = nt * 8 + 2 * c + (e & 1);
+        const int64_t key = krow0 + 8 * (e >> 1), t = t0 + col;
+        float p = exp2f(st[nt][e] * sl2 - sL[col] * kLog2e);
+        if (key > t || t >= seq_end) p = 0.0f;
+        st[nt][e] = p;
+        dpt[nt][e] = p * (dpt[nt][e] - sD[col]);
       }
-#pragma unroll
-      for (int nt = 0; nt < kNq; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int col = nt * 8 + 2 * c + (e & 1);
-          const int64_t key = krow0 + 8 * (e >> 1), t = t0 + col;
-          float p = exp2f(st[nt][e] * sl2 - sL[col]);
-          if (key > t || t >= seq_end) p = 0.0f;
-          st[nt][e] = p;
-          dpt[nt][e] = p * (dpt[nt][e] - sD[col]);
-        }
-#pragma unroll
-      for (int kk = 0; kk < kBq / 16; ++kk) {
-        uint32_t ap[4], as[4];
-        a_from_c(ap, st[2 * kk], st[2 * kk + 1]);
-        a_from_c(as, dpt[2 * kk], dpt[2 * kk + 1]);
-#pragma unroll
-        for (int nt = 0; nt < kNd; ++nt) {
-          uint32_t b[2];
-          load_b(b, sGt, S::kLdT, nt * 8, kk * 16, g, c);
-          mma_bf16(adv[nt], ap, b);
-          load_b(b, sQt, S::kLdT, nt * 8, kk * 16, g, c);
-          mma_bf16(adk[nt], as, b);
-        }
-      }
-    }
+    mma_regs_times(adv, st, sG, S::kLd, lane);   // dv += p^T dout
+    mma_regs_times(adk, dpt, sQ, S::kLd, lane);  // dk += ds^T q
+    __syncthreads();
   }
+  const bool grouped = Hq != Hkv;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int64_t key = krow0 + 8 * r;
     if (key >= seq_end) continue;
-    uint32_t* pk = reinterpret_cast<uint32_t*>(dk + key * kstride + hk * D);
-    uint32_t* pv = reinterpret_cast<uint32_t*>(dv + key * kstride + hk * D);
+    if (grouped) {
+      float2* pk = reinterpret_cast<float2*>(part_k + (key * Hq + h) * D);
+      float2* pv = reinterpret_cast<float2*>(part_v + (key * Hq + h) * D);
 #pragma unroll
-    for (int nt = 0; nt < kNd; ++nt) {
-      pk[nt * 4 + c] = pack_bf16(adk[nt][2 * r] * scale, adk[nt][2 * r + 1] * scale);
-      pv[nt * 4 + c] = pack_bf16(adv[nt][2 * r], adv[nt][2 * r + 1]);
+      for (int nt = 0; nt < kNd; ++nt) {
+        pk[nt * 4 + c] = make_float2(adk[nt][2 * r], adk[nt][2 * r + 1]);
+        pv[nt * 4 + c] = make_float2(adv[nt][2 * r], adv[nt][2 * r + 1]);
+      }
+    } else {
+      uint32_t* pk = reinterpret_cast<uint32_t*>(dk + key * kstride + hk * D);
+      uint32_t* pv = reinterpret_cast<uint32_t*>(dv + key * kstride + hk * D);
+#pragma unroll
+      for (int nt = 0; nt < kNd; ++nt) {
+        pk[nt * 4 + c] = pack_bf16(adk[nt][2 * r] * scale, adk[nt][2 * r + 1] * scale);
+        pv[nt * 4 + c] = pack_bf16(adv[nt][2 * r], adv[nt][2 * r + 1]);
+      }
     }
+  }
+}
+
+// dk[t, hk] = scale * sum_{h in hk's group} part_k[t, h], dv likewise (unscaled), in head order;
+// four consecutive elements of one (t, hk) per thread.
+__global__ void flash_dkv_reduce_kernel(const float* part_k, const float* part_v, int64_t T_, int Hq, int Hkv, int D,
+                                        float scale, bf16* dk, bf16* dv) {
+  const int group = Hq / Hkv, quads = D / 4;
+  const int64_t n = T_ * Hkv * quads;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t row = i / quads;  // t * Hkv + hk
+    const int d = static_cast<int>(i % quads) * 4;
+    const int64_t t = row / Hkv, hk = row % Hkv;
+    float sk[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int hg = 0; hg < group; ++hg) {
+      const int64_t off = (t * Hq + hk * group + hg) * D + d;
+      const float4 a = *reinterpret_cast<const float4*>(part_k + off);
+      const float4 b = *reinterpret_cast<const float4*>(part_v + off);
+      sk[0] += a.x, sk[1] += a.y, sk[2] += a.z, sk[3] += a.w;
+      sv[0] += b.x, sv[1] += b.y, sv[2] += b.z, sv[3] += b.w;
+    }
+    uint32_t* pk = reinterpret_cast<uint32_t*>(dk + row * D + d);
+    uint32_t* pv = reinterpret_cast<uint32_t*>(dv + row * D + d);
+    pk[0] = pack_bf16(sk[0] * scale, sk[1] * scale);
+    pk[1] = pack_bf16(sk[2] * scale, sk[3] * scale);
+    pv[0] = pack_bf16(sv[0], sv[1]);
+    pv[1] = pack_bf16(sv[2], sv[3]);
   }
 }
 
@@ -475,26 +556,42 @@ void flash_fwd(const bf16* q, const bf16* k, const bf16* v, const TileDesc* tile
   CUDA_CHECK_LAUNCH("flash_fwd_kernel");
 }
 
+// The F32 work area of the backward: delta [Hq, T], then with GQA the dk / dv partials [T, Hq, D].
+int64_t delta_floats(int64_t T_, int Hq) { return (T_ * Hq + 3) / 4 * 4; }
+
 template <int D>
 void flash_bwd(const bf16* dout, const bf16* q, const bf16* k, const bf16* v, const bf16* out, const float* lse,
                const TileDesc* tiles_q, const TileDesc* tiles_k, int num_tiles, int64_t T_, int Hq, int Hkv,
-               float scale, bf16* dq, bf16* dk, bf16* dv, float* delta, cudaStream_t stream) {
+               float scale, bf16* dq, bf16* dk, bf16* dv, float* work, cudaStream_t stream) {
   const int64_t rows = T_ * Hq;
-  flash_delta_kernel<D><<<static_cast<unsigned>(ceil_div(rows, 8)), 256, 0, stream>>>(dout, out, rows, delta);
+  float* delta = work;
+  float* part_k = work + delta_floats(T_, Hq);
+  float* part_v = part_k + rows * D;
+  flash_delta_kernel<D><<<static_cast<unsigned>(ceil_div(rows, 8)), 256, 0, stream>>>(dout, out, T_, Hq, delta);
   CUDA_CHECK_LAUNCH("flash_delta_kernel");
   set_smem(flash_dq_kernel<D>, DqSmem<D>::kBytes);
   flash_dq_kernel<D><<<dim3(num_tiles, Hq), kThreadsF, DqSmem<D>::kBytes, stream>>>(dout, q, k, v, lse, delta, tiles_q,
                                                                                     Hq, Hkv, T_, scale, dq);
   CUDA_CHECK_LAUNCH("flash_dq_kernel");
   set_smem(flash_dkv_kernel<D>, DkvSmem<D>::kBytes);
-  flash_dkv_kernel<D><<<dim3(num_tiles, Hkv), kThreadsF, DkvSmem<D>::kBytes, stream>>>(
-      dout, q, k, v, lse, delta, tiles_k, Hq, Hkv, T_, scale, dk, dv);
+  flash_dkv_kernel<D><<<dim3(num_tiles, Hq), kThreadsF, DkvSmem<D>::kBytes, stream>>>(
+      dout, q, k, v, lse, delta, tiles_k, Hq, Hkv, T_, scale, dk, dv, part_k, part_v);
   CUDA_CHECK_LAUNCH("flash_dkv_kernel");
+  if (Hq != Hkv) {
+    const int64_t n = T_ * Hkv * D / 4;
+    const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(ceil_div(n, 256), 8192));
+    flash_dkv_reduce_kernel<<<blocks, 256, 0, stream>>>(part_k, part_v, T_, Hq, Hkv, D, scale, dk, dv);
+    CUDA_CHECK_LAUNCH("flash_dkv_reduce_kernel");
+  }
 }
 
 }  // namespace
 
 bool flash_attention_supported(DType dt, int hd) { return dt == DType::BF16 && (hd == 64 || hd == 128); }
+
+int64_t flash_attention_backward_work(int64_t T, int Hq, int Hkv, int hd) {
+  return delta_floats(T, Hq) + (Hq != Hkv ? 2 * T * Hq * hd : 0);
+}
 
 std::vector<int32_t> flash_attention_tiles(const std::vector<int32_t>& cu_seqlens) {
   std::vector<TileDesc> q_tiles;
@@ -539,7 +636,7 @@ void launch_flash_attention(const void* q, const void* k, const void* v, const i
 
 void launch_flash_attention_backward(const void* dout, const void* q, const void* k, const void* v, const void* out,
                                      const float* lse, const int32_t* tiles, int num_tiles, int64_t T_, int Hq,
-                                     int Hkv, int hd, float scale, void* dq, void* dk, void* dv, float* delta,
+                                     int Hkv, int hd, float scale, void* dq, void* dk, void* dv, float* work,
                                      cudaStream_t stream) {
   if (T_ == 0 || num_tiles == 0) return;
   const void* ptrs[] = {dout, q, k, v, out, dq, dk, dv};
@@ -549,8 +646,8 @@ void launch_flash_attention_backward(const void* dout, const void* q, const void
   auto g = static_cast<const bf16*>(dout), cq = static_cast<const bf16*>(q), ck = static_cast<const bf16*>(k),
        cv = static_cast<const bf16*>(v), co = static_cast<const bf16*>(out);
   auto pq = static_cast<bf16*>(dq), pk = static_cast<bf16*>(dk), pv = static_cast<bf16*>(dv);
-  if (hd == 64) flash_bwd<64>(g, cq, ck, cv, co, lse, tq, tk, num_tiles, T_, Hq, Hkv, scale, pq, pk, pv, delta, stream);
-  else if (hd == 128) flash_bwd<128>(g, cq, ck, cv, co, lse, tq, tk, num_tiles, T_, Hq, Hkv, scale, pq, pk, pv, delta, stream);
+  if (hd == 64) flash_bwd<64>(g, cq, ck, cv, co, lse, tq, tk, num_tiles, T_, Hq, Hkv, scale, pq, pk, pv, work, stream);
+  else if (hd == 128) flash_bwd<128>(g, cq, ck, cv, co, lse, tq, tk, num_tiles, T_, Hq, Hkv, scale, pq, pk, pv, work, stream);
   else FP8RL_FAIL("flash attention: head_dim must be 64 or 128, got ", hd);
 }
 

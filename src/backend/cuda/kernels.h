@@ -191,16 +191,19 @@ void launch_attention_backward(const void* dout, const void* q, const void* k, c
 // Tensor-core flash attention (flash_attention.cu): BF16 q/k/v/out/dout, head_dim 64 or 128,
 // 16-byte aligned tensors. Same contract as the launchers above; tiles are kFlashTile tokens of
 // one sequence. `tiles` (device) holds flash_attention_tiles(cu_seqlens): 2 * num_tiles
-// descriptors of 4 int32 (num_tiles = its size / 8); delta F32 [T * Hq] scratch.
+// descriptors of 4 int32 (num_tiles = its size / 8). The backward's F32 scratch `work` holds
+// flash_attention_backward_work(T, Hq, Hkv, hd) floats (delta; with GQA the dk/dv partials of
+// every q head).
 constexpr int kFlashTile = 64;
 bool flash_attention_supported(DType dt, int hd);
+int64_t flash_attention_backward_work(int64_t T, int Hq, int Hkv, int hd);
 std::vector<int32_t> flash_attention_tiles(const std::vector<int32_t>& cu_seqlens);
 void launch_flash_attention(const void* q, const void* k, const void* v, const int32_t* tiles, int num_tiles,
                             int64_t T, int Hq, int Hkv, int hd, float scale, void* out, float* lse,
                             cudaStream_t stream);
 void launch_flash_attention_backward(const void* dout, const void* q, const void* k, const void* v, const void* out,
                                      const float* lse, const int32_t* tiles, int num_tiles, int64_t T, int Hq,
-                                     int Hkv, int hd, float scale, void* dq, void* dk, void* dv, float* delta,
+                                     int Hkv, int hd, float scale, void* dq, void* dk, void* dv, float* work,
                                      cudaStream_t stream);
 // KV pool element type: F32, BF16 or E4M3 (then k_scale/v_scale [Hkv] of the layer apply).
 // Per-head scales by value (at most kMaxKvRoundHeads KV heads).

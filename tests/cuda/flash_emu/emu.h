@@ -9,6 +9,8 @@
 #include <thread>
 #include <vector>
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #define __device__
 #define __global__
 #define __forceinline__ inline
@@ -18,6 +20,9 @@ inline thread_local EmuDim3 threadIdx, blockIdx;
 inline EmuDim3 blockDim{128, 1, 1}, gridDim;
 struct bf16 { uint16_t x; };
 struct uint4 { uint32_t x, y, z, w; };
+struct float2 { float x, y; };
+struct float4 { float x, y, z, w; };
+inline float2 make_float2(float a, float b) { return {a, b}; }
 inline uint4 make_uint4(uint32_t a, uint32_t b, uint32_t c, uint32_t d) { return {a, b, c, d}; }
 inline float __uint_as_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline uint32_t __float_as_uint(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
@@ -32,6 +37,7 @@ struct EmuWarp {
   std::barrier<> bar{32};
   float f[32];
   uint32_t a[32][4], b[32][2];
+  const bf16* p[32];
 };
 inline thread_local EmuWarp* tw;
 inline thread_local int tlane;
@@ -67,6 +73,37 @@ inline void emu_mma(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2
   }
   tw->bar.arrive_and_wait();
 }
+inline void mma_bf16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) { emu_mma(d, a, b); }
+inline void emu_check_align(const void* p) {
+  if (reinterpret_cast<uintptr_t>(p) % 16) { std::fprintf(stderr, "misaligned 16-byte access %p\n", p); std::abort(); }
+}
+// ldmatrix.x4 (.trans): lane l addresses row l % 8 of matrix l / 8; r[j] = (row g, columns 2c, 2c+1)
+// of matrix j, or with trans (rows 2c, 2c+1, column g).
+inline void emu_ldsm(uint32_t (&r)[4], const bf16* p, bool trans) {
+  emu_check_align(p);
+  tw->p[tlane] = p;
+  tw->bar.arrive_and_wait();
+  const int g = tlane >> 2, c = tlane & 3;
+  for (int j = 0; j < 4; ++j) {
+    uint16_t lo, hi;
+    if (!trans) lo = tw->p[8 * j + g][2 * c].x, hi = tw->p[8 * j + g][2 * c + 1].x;
+    else lo = tw->p[8 * j + 2 * c][g].x, hi = tw->p[8 * j + 2 * c + 1][g].x;
+    r[j] = uint32_t(lo) | (uint32_t(hi) << 16);
+  }
+  tw->bar.arrive_and_wait();
+}
+inline void ldsm_x4(uint32_t (&r)[4], const bf16* p) { emu_ldsm(r, p, false); }
+inline void ldsm_x4_t(uint32_t (&r)[4], const bf16* p) { emu_ldsm(r, p, true); }
+inline void cp_async16(void* dst, const void* src, bool valid) {
+  emu_check_align(dst);
+  if (valid) emu_check_align(src);
+  if (valid) std::memcpy(dst, src, 16); else std::memset(dst, 0, 16);
+}
+inline void cp_async4(void* dst, const void* src, bool valid) {
+  if (valid) std::memcpy(dst, src, 4); else std::memset(dst, 0, 4);
+}
+inline void cp_async_commit() {}
+inline void cp_async_wait_all_but_newest() {}
 // Runs body() for every block of grid (gx, gy) with 128 threads.
 inline void emu_launch(int gx, int gy, size_t smem_bytes, const std::function<void()>& body) {
   std::vector<unsigned char> smem(smem_bytes + 16);
