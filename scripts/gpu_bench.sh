@@ -29,6 +29,8 @@
 #                   (MxNxK, or "grouped"): speed of light, pipes, memory, warp stalls
 #   ncu_gemm_src    Nsight Compute's source page of the same launches: stall samples per SASS instruction
 #                   (ncu_src_<product>.csv; the top 40 in the summary)
+#   ncu_train       Nsight Compute speed of light of the training step's element-wise kernels and
+#                   attention (one launch each, FP8RL_NCU_TRAIN_KERNELS regex; 2 blocks of FP8RL_RLSTEP_MODEL)
 #   ncu_decode      Nsight Compute times every kernel of ~3 graph-replayed decode steps (bench generate,
 #                   FP8RL_RLSTEP_MODEL, B = 256) for FP8RL_NCU_RECIPES (recipe:launches-to-skip, default
 #                   bf16:12000 fp8_linear:20000 fp8_kv:20000): the decode step's per-kernel profile with
@@ -243,6 +245,41 @@ PYEOF
         python3 scripts/ncu_sass_top.py "$OUT/ncu_src_$sh.csv" 40 2>&1 | tee -a "$SUMMARY"
         rm -f "$OUT/ncu_src_$sh.ncu-rep"
       done ;;
+    ncu_train)  # issue 13: the training phase's element-wise producers and attention, each kernel's
+      # speed of light (one launch of each, bench-train-step at FP8RL_RLSTEP_MODEL's width, 2 blocks,
+      # FP8RL_NCU_TRAIN_PREC = fp8): duration, DRAM and SM throughput against their peaks.
+      timeout $(( $(left) / 2 )) ncu --clock-control none --kernel-name-base demangled \
+        -k "regex:${FP8RL_NCU_TRAIN_KERNELS:-rmsnorm_rope|swiglu|rope_kernel|rmsnorm_backward|rmsnorm_dw|add_fp8|rmsnorm_fused|flash_|kv_round|amax|add_vec|quant}" \
+        -c "${FP8RL_NCU_TRAIN_COUNT:-150}" --section SpeedOfLight ${FP8RL_NCU_TRAIN_SECTIONS:-} "$FP8RL" bench-train-step --device cuda \
+        --precision "${FP8RL_NCU_TRAIN_PREC:-fp8}" --model "${FP8RL_RLSTEP_MODEL:-qwen3-1.7b}" --layers 2 --seqs 8 \
+        --seq-len 2048 --prompt-len 2040 --repeats 1 > "$OUT/ncu_train.log" 2>&1
+      note "ncu train kernels: rc=$?"
+      python3 - "$OUT/ncu_train.log" <<'PY' | tee -a "$SUMMARY"
+import re, sys
+rows, cur = {}, None
+for line in open(sys.argv[1], errors="replace"):
+    m = re.match(r"^  (\S.*?)\s+\((\d+), (\d+), (\d+)\)x\((\d+), (\d+), (\d+)\), Context", line)
+    if m:
+        name = re.split(r"[<(]", m.group(1).replace("(anonymous namespace)", "anon"))[0].split("::")[-1]
+        cur = name.replace("void ", "").strip() + f" grid {m.group(2)}x{m.group(3)} blk {m.group(5)}x{m.group(6)}"
+        rows.setdefault(cur, {})
+        continue
+    for key, pat in (("us", r"^\s+Duration\s+(\S+)\s+([\d.,]+)"), ("dram", r"^\s+DRAM Throughput\s+%\s+([\d.,]+)"),
+                     ("sm", r"^\s+Compute \(SM\) Throughput\s+%\s+([\d.,]+)"), ("mem", r"^\s+Memory Throughput\s+%\s+([\d.,]+)")):
+        mm = re.match(pat, line)
+        if mm and cur and key not in rows[cur]:
+            if key == "us":
+                v = float(mm.group(2).replace(",", "")); u = mm.group(1)
+                rows[cur][key] = v / 1000 if u == "ns" else v * 1000 if u == "ms" else v
+            else:
+                rows[cur][key] = float(mm.group(1).replace(",", ""))
+print(f"{'kernel':70s} {'us':>9s} {'dram%':>6s} {'mem%':>6s} {'sm%':>6s}")
+# With FP8RL_NCU_TRAIN_SECTIONS (e.g. --section ComputeWorkloadAnalysis --section InstructionStats):
+# ncu_train.log holds those sections too (the pipes' utilization, the instruction mix).
+for k, v in rows.items():
+    print(f"{k[:70]:70s} {v.get('us', 0):9.1f} {v.get('dram', 0):6.1f} {v.get('mem', 0):6.1f} {v.get('sm', 0):6.1f}")
+PY
+      ;;
     ncu_decode)  # issue 14: the decode step's kernels with CUDA graphs on, each graph node timed alone by ncu
       # bench generate's prefill (256 x 256 tokens) ends well before launch FP8RL_NCU_SKIP; the
       # next FP8RL_NCU_COUNT kernels are ~3 decode steps at B = 256 (the sampler's merge kernel

@@ -68,7 +68,10 @@ def main() -> int:
             print("warning: the CSV has no 'Grid Size' column: --rows ignored", file=sys.stderr)
         if rows_wanted is not None and gs is not None:
             def rows_of(seg):
-                grids = {r[gs].strip("()").split(",")[0].strip() for r in seg if "rope_kernel" in r[kn]}
+                # embedding_kernel: one block per row, for the step's tokens and for the rows whose
+                # logits it selects; both are the batch in a decode step (a prefill chunk has more
+                # tokens than rows).
+                grids = {r[gs].strip("()").split(",")[0].strip() for r in seg if "embedding_kernel" in r[kn]}
                 return grids.pop() if len(grids) == 1 else None
             skipped = len(segments)
             segments = [g for g in segments if rows_of(g) == rows_wanted]

@@ -60,6 +60,20 @@ __device__ __forceinline__ void store8(float* p, const float v[8]) {
   *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
   *reinterpret_cast<float4*>(p + 4) = make_float4(v[4], v[5], v[6], v[7]);
 }
+// store8 that also leaves v holding the stored values (v rounded to T once, for a quantizer that
+// reads the stored output).
+__device__ __forceinline__ void store8_rounded(bf16* p, float v[8]) {
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint16_t lo = bf16_bits_from_float(v[2 * i]), hi = bf16_bits_from_float(v[2 * i + 1]);
+    v[2 * i] = bf16_bits_to_float(lo);
+    v[2 * i + 1] = bf16_bits_to_float(hi);
+    w[i] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+  }
+  *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+}
+__device__ __forceinline__ void store8_rounded(float* p, float v[8]) { store8(p, v); }
 // v rounded as a T stores it (BF16: nearest even, as store_f / store8; F32: v itself).
 __device__ __forceinline__ float round_as(const float*, float v) { return v; }
 __device__ __forceinline__ float round_as(const bf16*, float v) { return bf16_bits_to_float(bf16_bits_from_float(v)); }
@@ -81,6 +95,20 @@ __device__ __forceinline__ void swiglu_backward_value(float d, float g, float u,
 inline int rmsnorm_row_threads(int64_t D) {
   const int64_t t = (D / 8 + 31) / 32 * 32;
   return static_cast<int>(t < 32 ? 32 : t > 256 ? 256 : t);
+}
+
+// q = n / d and n - q d for a non-negative n and a positive d: in 32 bits when both fit (a 64-bit
+// division is a ~70-instruction subroutine, which bounded the element-wise FP8 producers that
+// divide a thread index by the blocks per row), else in 64.
+__device__ __forceinline__ void divmod_index(int64_t n, int64_t d, int64_t& q, int64_t& r) {
+  if (n <= 0x7fffffff && d <= 0x7fffffff) {
+    const uint32_t qq = static_cast<uint32_t>(n) / static_cast<uint32_t>(d);
+    q = qq;
+    r = n - static_cast<int64_t>(qq) * d;
+  } else {
+    q = n / d;
+    r = n - q * d;
+  }
 }
 
 // Host: whether tensors of n elements at these addresses can take the load8/store8 kernels.

@@ -325,7 +325,9 @@ __global__ void split_cols_kernel(const unsigned char* src, int64_t rows, SplitC
   const int64_t row_chunks = a.end[a.n - 1] / V, n = rows * row_chunks;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t r = i / row_chunks, b = (i - r * row_chunks) * V;  // byte offset in the row
+    int64_t r, b;
+    divmod_index(i, row_chunks, r, b);
+    b *= V;  // byte offset in the row
     int o = 0;
     while (b >= a.end[o]) ++o;
     const int64_t b0 = o == 0 ? 0 : a.end[o - 1], width = a.end[o] - b0;

@@ -47,9 +47,8 @@ __global__ void rmsnorm_fused_kernel(const T* a, const T* b, T* sum, const TW* _
       load8(b + r * D + d, u);
 #pragma unroll
       for (int i = 0; i < 8; ++i) v[i] = v[i] + u[i];
-      store8(sum + r * D + d, v);  // sum may alias a: this thread read a[d..d+8) above
-#pragma unroll
-      for (int i = 0; i < 8; ++i) v[i] = round_as(sum, v[i]);  // the norm reads the stored sum
+      // sum may alias a: this thread read a[d..d+8) above; v: the stored sum, which the norm reads
+      store8_rounded(sum + r * D + d, v);
     }
 #pragma unroll
     for (int i = 0; i < 8; ++i) ss += static_cast<double>(v[i]) * v[i];
@@ -72,14 +71,13 @@ __global__ void rmsnorm_fused_kernel(const T* a, const T* b, T* sum, const TW* _
       load8(w + d, wv);
 #pragma unroll
       for (int i = 0; i < 8; ++i) v[i] = v[i] * rs * wv[i];
-      store8(out + r * D + d, v);
+      store8_rounded(out + r * D + d, v);  // v: the stored output, which the quantizer reads
     }
     if constexpr (kQuant) {
       float amax = 0.0f;
       if (in) {
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-          v[i] = round_as(out, v[i]);  // the quantizer reads the stored output
           finite &= isfinite(v[i]);
           amax = fmaxf(amax, fabsf(v[i]));
         }
@@ -110,18 +108,18 @@ __device__ __forceinline__ bool half_warp_block(int64_t R, int64_t C, HalfWarpBl
   h.sub = threadIdx.x & 15;
   h.mask = 0xffffu << (threadIdx.x & 16);
   if (gid >= R * h.nb) return false;
-  h.r = gid / h.nb, h.blk = gid % h.nb, h.c = h.blk * 128 + h.sub * 8;
+  divmod_index(gid, h.nb, h.r, h.blk);
+  h.c = h.blk * 128 + h.sub * 8;
   h.in = h.c < C;
   return true;
 }
 
-// 8 stored values' amax (after rounding to T, as the quantizer reads them) and finiteness.
-template <class T>
-__device__ __forceinline__ float stored_amax8(const T* p, float v[8], bool& finite) {
+// The amax and finiteness of 8 values as stored (store8_rounded left them rounded to T, as the
+// quantizer reads them).
+__device__ __forceinline__ float stored_amax8(const float v[8], bool& finite) {
   float amax = 0.0f;
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
-    v[i] = round_as(p, v[i]);
     finite &= isfinite(v[i]);
     amax = fmaxf(amax, fabsf(v[i]));
   }
@@ -155,8 +153,8 @@ __global__ void swiglu_fp8_kernel(const T* __restrict__ g, const T* __restrict__
     load8(u + h.r * ld + h.c, uv);
 #pragma unroll
     for (int i = 0; i < 8; ++i) v[i] = swiglu_value(v[i], uv[i]);
-    store8(out + h.r * F + h.c, v);
-    amax = stored_amax8(out, v, finite);
+    store8_rounded(out + h.r * F + h.c, v);
+    amax = stored_amax8(v, finite);
   }
   if (!finite) atomicExch(bad, 1);
   quantize8_finish(h, v, amax, R, F, pow2, q, scales, gemm_layout);
@@ -178,8 +176,8 @@ __global__ void add_fp8_kernel(const T* a, const T* __restrict__ b, T* out, int6
     load8(b + h.r * D + h.c, w);
 #pragma unroll
     for (int i = 0; i < 8; ++i) v[i] += w[i];  // as add_vec_kernel
-    store8(out + h.r * D + h.c, v);
-    amax = stored_amax8(out, v, finite);
+    store8_rounded(out + h.r * D + h.c, v);
+    amax = stored_amax8(v, finite);
   }
   if (!finite) atomicExch(bad, 1);
   quantize8_finish(h, v, amax, R, D, pow2, q, scales, gemm_layout);
@@ -203,10 +201,10 @@ __global__ void swiglu_backward_fp8_kernel(const T* __restrict__ d, const T* __r
     load8(u + h.r * F + h.c, uv);
 #pragma unroll
     for (int i = 0; i < 8; ++i) swiglu_backward_value(dv[i], gv[i], uv[i], a[i], b[i]);
-    store8(dg + h.r * F + h.c, a);
-    store8(du + h.r * F + h.c, b);
-    amax_g = stored_amax8(dg, a, finite);
-    amax_u = stored_amax8(du, b, finite);
+    store8_rounded(dg + h.r * F + h.c, a);
+    store8_rounded(du + h.r * F + h.c, b);
+    amax_g = stored_amax8(a, finite);
+    amax_u = stored_amax8(b, finite);
   }
   if (!finite) atomicExch(bad, 1);
   quantize8_finish(h, a, amax_g, R, F, pow2, qg, sg, gemm_layout);

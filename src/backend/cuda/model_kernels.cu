@@ -90,10 +90,12 @@ __global__ void rmsnorm_vec_kernel(const TX* x, const TW* w, int64_t D, float ep
 constexpr int kRmsRowsPerBlock = 8;
 // 1 / sqrt(mean of squares + eps) of a row held by one warp, from each lane's FP64 partial sum of
 // squares (rmsnorm_warp_kernel and rmsnorm_rope_kernel: one definition, so the same bits).
-__device__ __forceinline__ float warp_rms_inverse(double partial, int64_t D, float eps) {
-  const double ss = warp_sum_d(partial);
+__device__ __forceinline__ float rms_inverse_from_sum(double ss, int64_t D, float eps) {
   const float var = static_cast<float>(ss / static_cast<double>(D));
   return 1.0f / sqrtf(var + eps);
+}
+__device__ __forceinline__ float warp_rms_inverse(double partial, int64_t D, float eps) {
+  return rms_inverse_from_sum(warp_sum_d(partial), D, eps);
 }
 template <class TX, class TW, class TO>
 __global__ void rmsnorm_warp_kernel(const TX* x, const TW* w, int64_t R, int64_t D, float eps, TO* out, float* rstd) {
@@ -267,18 +269,44 @@ __global__ void rope_kernel(T* x, int64_t T_, int H, int hd, const int32_t* pos,
 }
 
 // Qwen3's q/k-norm and RoPE in one pass: rmsnorm_warp_kernel's rows r = (t, h) of hd <= 256
-// dims (lane l holds dims [8l, 8l + 8)), the normalized values rounded to T as the two-op path
-// stores them, then rotated in registers with rope_kernel's arithmetic (the rotate_half partner
-// of a lane's dims is lane +- hd / 16: a shuffle; interleaved pairs are within a lane). The
-// same bits as rmsnorm then rope, without the round trip of q and k through memory.
+// dims, the normalized values rounded to T as the two-op path stores them, then rotated in
+// registers with rope_kernel's arithmetic. The same bits as rmsnorm then rope, without the round
+// trip of q and k through memory.
+// A row takes L = kRopeRowLanes(hd) lanes of a warp (lane l of its group holds dims [8l, 8l + 8);
+// 32 / L rows per warp, so no lane idles at hd = 128); its sum of squares is the butterfly over
+// the group, which is rmsnorm_warp_kernel's full-warp butterfly without its first levels (those
+// add the idle lanes' exact zeros), so the same double. The rotate_half partner of a lane's dims
+// is lane +- hd / 16 of the same group (a shuffle); interleaved pairs are within a lane. The
+// angles' cos and sin depend on the token and the pair only: the block computes them once per
+// token it covers into shared memory (rope_cos_sin, so the values rope_kernel uses), instead of
+// once per element (the kernel was bound by cosf / sinf: 82% SM, 6% DRAM on the H200).
+constexpr int kRopeRowsWarps = 8;  // warps per block
+__host__ __device__ constexpr int rope_row_lanes(int hd) { return hd <= 16 ? 2 : hd <= 32 ? 4 : hd <= 64 ? 8 : hd <= 128 ? 16 : 32; }
+// Tokens a block of rows_per_block consecutive (token, head) rows can touch.
+__host__ __device__ constexpr int rope_block_tokens(int rows_per_block, int H) {
+  return (rows_per_block - 1) / H + 2 < rows_per_block ? (rows_per_block - 1) / H + 2 : rows_per_block;
+}
 template <class T, class TW>
-__global__ void rmsnorm_rope_kernel(const T* x, const TW* w, int64_t R, int H, int hd, float eps, T* out, float* rstd,
-                                    const int32_t* pos, RopeTable tab, float att, bool interleaved) {
-  const int lane = static_cast<int>(threadIdx.x);
-  const int64_t r = static_cast<int64_t>(blockIdx.x) * kRmsRowsPerBlock + threadIdx.y;
-  if (r >= R) return;  // whole warps: the shuffles below stay within one row's warp
-  const int d0 = lane * 8, half = hd / 2;
-  const bool in = d0 < hd;
+__global__ void __launch_bounds__(kRopeRowsWarps * 32)
+    rmsnorm_rope_kernel(const T* x, const TW* w, int64_t R, int H, int hd, float eps, T* out, float* rstd,
+                        const int32_t* pos, RopeTable tab, float att, bool interleaved) {
+  extern __shared__ float rope_cs[];  // [tokens][half] cos, then [tokens][half] sin
+  const int L = rope_row_lanes(hd), rows_per_warp = 32 / L, rows_per_block = kRopeRowsWarps * rows_per_warp;
+  const int half = hd / 2, ntok = rope_block_tokens(rows_per_block, H);
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * rows_per_block, t0 = r0 / H;
+  const int64_t T_ = R / H;
+  float* cs_c = rope_cs;
+  float* cs_s = rope_cs + ntok * half;
+  const int tid = threadIdx.y * 32 + threadIdx.x;
+  for (int i = tid; i < ntok * half; i += kRopeRowsWarps * 32) {
+    const int tl = i / half, j = i % half;
+    if (t0 + tl < T_) rope_cos_sin(pos[t0 + tl], tab.inv_freq[j], att, false, cs_c[i], cs_s[i]);
+  }
+  __syncthreads();
+  const int lane = static_cast<int>(threadIdx.x), sub = lane % L, group = lane - sub;
+  const int64_t r = r0 + static_cast<int64_t>(threadIdx.y) * rows_per_warp + lane / L;
+  const int d0 = sub * 8;
+  const bool in = d0 < hd && r < R;  // every lane stays for the shuffles below
   float v[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   double ss = 0.0;
   if (in) {
@@ -286,8 +314,9 @@ __global__ void rmsnorm_rope_kernel(const T* x, const TW* w, int64_t R, int H, i
 #pragma unroll
     for (int i = 0; i < 8; ++i) ss += static_cast<double>(v[i]) * v[i];
   }
-  const float rs = warp_rms_inverse(ss, hd, eps);
-  if (rstd && lane == 0) rstd[r] = rs;
+  for (int o = L / 2; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  const float rs = rms_inverse_from_sum(ss, hd, eps);
+  if (rstd && in && sub == 0) rstd[r] = rs;
   if (in) {
     float wv[8];
     load8(w + d0, wv);
@@ -295,27 +324,27 @@ __global__ void rmsnorm_rope_kernel(const T* x, const TW* w, int64_t R, int H, i
     for (int i = 0; i < 8; ++i) v[i] = round_as(out, v[i] * rs * wv[i]);
   }
   const bool first = d0 < half;  // rotate_half: this lane holds x1 of its pairs, else x2
-  const int partner = !in || interleaved ? lane : first ? lane + half / 8 : lane - half / 8;
+  const int partner = group + (!in || interleaved ? sub : first ? sub + half / 8 : sub - half / 8);
   float p[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) p[i] = __shfl_sync(0xffffffffu, v[i], partner);
   if (!in) return;
-  const int32_t ps = pos[r / H];
+  const int tl = static_cast<int>(r / H - t0);
+  const float* c_row = cs_c + tl * half;
+  const float* s_row = cs_s + tl * half;
   float y[8];
   if (interleaved) {
 #pragma unroll
     for (int i = 0; i < 8; i += 2) {
-      float c, s;
-      rope_cos_sin(ps, tab.inv_freq[(d0 + i) / 2], att, false, c, s);
-      y[i] = rope_first(v[i], v[i + 1], c, s);
-      y[i + 1] = rope_second(v[i], v[i + 1], c, s);
+      const int j = (d0 + i) / 2;
+      y[i] = rope_first(v[i], v[i + 1], c_row[j], s_row[j]);
+      y[i + 1] = rope_second(v[i], v[i + 1], c_row[j], s_row[j]);
     }
   } else {
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-      float c, s;
-      rope_cos_sin(ps, tab.inv_freq[first ? d0 + i : d0 + i - half], att, false, c, s);
-      y[i] = first ? rope_first(v[i], p[i], c, s) : rope_second(p[i], v[i], c, s);
+      const int j = first ? d0 + i : d0 + i - half;
+      y[i] = first ? rope_first(v[i], p[i], c_row[j], s_row[j]) : rope_second(p[i], v[i], c_row[j], s_row[j]);
     }
   }
   store8(out + r * hd + d0, y);
@@ -480,7 +509,9 @@ __global__ void swiglu_rows_kernel(const T* g, const T* u, int64_t ld, T* out, i
   const int64_t per_row = F / V;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < R * per_row;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t r = i / per_row, c = (i - r * per_row) * V;
+    int64_t r, c;
+    divmod_index(i, per_row, r, c);
+    c *= V;
     if constexpr (V == 8) {
       float gv[8], uv[8];
       load8(g + r * ld + c, gv);
@@ -515,13 +546,17 @@ bool launch_rmsnorm_rope(const void* x, DType dt, const void* w, DType wdt, int6
   if (hd > 256 || hd % 16 != 0 || hd / 2 > kMaxRopeHalf || !vec8_ok(hd, {x, w, out})) return false;
   const int64_t R = T_ * H;
   if (R == 0) return true;
+  const int rows_per_block = kRopeRowsWarps * (32 / rope_row_lanes(static_cast<int>(hd)));
+  const size_t smem = sizeof(float) * 2 * static_cast<size_t>(hd / 2) *
+                      static_cast<size_t>(rope_block_tokens(rows_per_block, static_cast<int>(H)));
   FP8RL_DISPATCH_FLOAT(wdt, "rmsnorm_rope weight", {
     using TW = T;
     FP8RL_DISPATCH_FLOAT(dt, "rmsnorm_rope input", {
-      rmsnorm_rope_kernel<T, TW><<<static_cast<unsigned>(ceil_div(R, kRmsRowsPerBlock)), dim3(32, kRmsRowsPerBlock), 0,
-                                   stream>>>(static_cast<const T*>(x), static_cast<const TW*>(w), R,
-                                             static_cast<int>(H), static_cast<int>(hd), eps, static_cast<T*>(out),
-                                             rstd, pos, tab, attention_scaling, interleaved);
+      rmsnorm_rope_kernel<T, TW><<<static_cast<unsigned>(ceil_div(R, rows_per_block)), dim3(32, kRopeRowsWarps),
+                                   smem, stream>>>(static_cast<const T*>(x), static_cast<const TW*>(w), R,
+                                                   static_cast<int>(H), static_cast<int>(hd), eps,
+                                                   static_cast<T*>(out), rstd, pos, tab, attention_scaling,
+                                                   interleaved);
     });
   });
   CUDA_CHECK_LAUNCH("rmsnorm_rope_kernel");

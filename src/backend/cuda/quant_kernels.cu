@@ -24,7 +24,8 @@ __global__ void quant_rows_1x128_kernel(const T* __restrict__ x, int64_t rows, i
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
   if (warp >= rows * nb) return;
-  const int64_t r = warp / nb, b = warp % nb;
+  int64_t r, b;
+  divmod_index(warp, nb, r, b);
   const int64_t c0 = b * 128 + lane * 4;
   float v[4];
   float amax = 0.0f;
@@ -123,7 +124,9 @@ __global__ void quant_rows_vec_kernel(const T* __restrict__ x, int64_t rows, int
   const int sub = threadIdx.x & 15;
   const unsigned mask = 0xffffu << (threadIdx.x & 16);  // this thread's half-warp
   if (gid >= rows * nb) return;  // whole half-warps leave together (blockDim is a multiple of 16)
-  const int64_t r = gid / nb, b = gid % nb, c = b * 128 + sub * 8;
+  int64_t r, b;
+  divmod_index(gid, nb, r, b);
+  const int64_t c = b * 128 + sub * 8;
   const bool in = c < cols;
   float v[8];
   float amax = 0.0f;
