@@ -263,10 +263,10 @@ MemoryPlan memory_plan_compute(const MemoryPlanInput& in) {
                              (fp8_trainer ? 2 * T * (F + ceil_div(F, kBlock) * 4) : 0),
                          fp8_trainer ? "F32 gradients of one block's activations + the FP8 copies of dgate, dup"
                                      : "F32 gradients of one block's activations"});
-  // The attention backward's F32 work area (flash kernels): delta per (token, q head), and with GQA
-  // the dk/dv partials of every q head before the group sum.
+  // The attention backward's F32 work area (flash_attention_backward_work): delta per (token, q
+  // head) rounded up to 16 bytes, and with GQA the dk/dv partials of every q head before the group sum.
   p.transient.push_back({"attention backward scratch (F32)",
-                         T * c.num_heads * 4 + (c.num_heads != c.num_kv_heads ? 2 * T * hq * 4 : 0),
+                         (T * c.num_heads + 3) / 4 * 4 * 4 + (c.num_heads != c.num_kv_heads ? 2 * T * hq * 4 : 0),
                          c.num_heads != c.num_kv_heads ? "delta + per-q-head dk/dv partials (GQA)" : "delta"});
   p.transient.push_back({"lm_head logits chunk (F32)", std::min(in.logits_chunk_bytes, T * V * 4),
                          "tokens x vocabulary chunk"});

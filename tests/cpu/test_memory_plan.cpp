@@ -79,7 +79,11 @@ TEST(MemoryPlan, SmallShapeByHand) {
   }
   // Recomputation keeps the 2 block inputs (2 x 64 x 2 B) + one block + the head per token.
   EXPECT_EQ(p.activations_recompute_bytes, 100 * (256 + 2032 + 276));
-  EXPECT_EQ(p.peak_bytes(), p.resident_bytes() + 434000 + find(p.transient, "backward") + 400000 + 16000);
+  // The flash attention backward's F32 work: delta per (token, q head) and, with GQA (4 q / 2 kv
+  // heads here), dk and dv partials per q head: 100 x 4 x 4 B + 2 x 100 x 64 x 4 B.
+  EXPECT_EQ(find(p.transient, "attention backward scratch"), 1600 + 51200);
+  EXPECT_EQ(p.peak_bytes(), p.resident_bytes() + 434000 + find(p.transient, "backward scratch of one block") +
+                                find(p.transient, "attention backward scratch") + 400000 + 16000);
 
   // train.recompute: block saves the block inputs + one block + the head instead.
   {
