@@ -5,6 +5,8 @@
 # FP8RL_STAGES (space-separated, default "rlstep"):
 #   rlstep          fp8rl bench rl-step on FP8RL_RLSTEP_MODEL (qwen3-1.7b): bf16, fp8_gen, fp8_e2e,
 #                   16 prompts x 16 samples x FP8RL_RLSTEP_NEW (512) new tokens, ragged
+#   rlstep_narrow   rlstep with FP8RL_FP8_GEMM=auto FP8RL_FP8_GEMM_BN=64 (the own kernel's 64-column tiles
+#                   for the decode products it prefers); skipped when the CudaFp8Gemm tests failed
 #   rlstep_own      rlstep with the own sm_90a FP8 GEMM (FP8RL_FP8_GEMM=own); skipped when the
 #                   CudaFp8Gemm tests failed
 #   mismatch_own    the mismatch of FP8 linears over BF16 KV (and of fp8_e2e with the trainer's KV
@@ -105,6 +107,14 @@ for stage in ${FP8RL_STAGES:-rlstep}; do
         --max-new-tokens "${FP8RL_RLSTEP_NEW:-512}" ${FP8RL_RLSTEP_ARGS:-} --json "$OUT/rlstep.json" > "$OUT/rlstep.log" 2>&1
       note "bench rl-step: rc=$?"; sed -n '/^phase/,$p' "$OUT/rlstep.log" | tee -a "$SUMMARY"
       grep -iE "error|warning" "$OUT/rlstep.log" | head -5 | tee -a "$SUMMARY" ;;
+    rlstep_narrow)  # bench rl-step with the decode products the own kernel prefers (FP8RL_FP8_GEMM=auto) on
+      # 64-column tiles (FP8RL_FP8_GEMM_BN=64): bf16 and fp8_e2e side by side
+      if [ -n "${OWN_GEMM_BROKEN:-}" ]; then note "rlstep_narrow: skipped (CudaFp8Gemm failed)"; continue; fi
+      FP8RL_FP8_GEMM=auto FP8RL_FP8_GEMM_BN=64 timeout $(( $(left) - 20 )) "$FP8RL" bench rl-step --device cuda \
+        --model "${FP8RL_RLSTEP_MODEL:-qwen3-1.7b}" --max-new-tokens "${FP8RL_RLSTEP_NEW:-512}" ${FP8RL_RLSTEP_ARGS:-} \
+        --json "$OUT/rlstep_narrow.json" > "$OUT/rlstep_narrow.log" 2>&1
+      note "bench rl-step (auto FP8 GEMM, 64-column tiles): rc=$?"; sed -n '/^phase/,$p' "$OUT/rlstep_narrow.log" | tee -a "$SUMMARY"
+      grep -iE "error|warning" "$OUT/rlstep_narrow.log" | head -5 | tee -a "$SUMMARY" ;;
     rlstep_own)
       if [ -n "${OWN_GEMM_BROKEN:-}" ]; then note "rlstep_own: skipped (CudaFp8Gemm failed)"; continue; fi
       FP8RL_FP8_GEMM=own timeout $(( $(left) - 20 )) "$FP8RL" bench rl-step --device cuda \
@@ -202,13 +212,13 @@ PYEOF
           "$OUT/ncu_paged_$tag.log" | head -24 | tee -a "$SUMMARY"
       done ;;
     gemm_variants)  # issues 14 and 16: the own FP8 GEMM's variants side by side (bench-gemm --shapes)
-      # cluster:scales:CTAs-per-SM[:band[:store]] (FP8RL_FP8_GEMM_CLUSTER, _SCALES, _OCCUPANCY
-      # (64-row tiles), _BAND, _STORE)
+      # cluster:scales:CTAs-per-SM[:band[:store[:columns]]] (FP8RL_FP8_GEMM_CLUSTER, _SCALES, _OCCUPANCY
+      # (64-row tiles), _BAND, _STORE, _BN: 64 or 128 columns beside 64-row tiles)
       for v in ${FP8RL_GEMM_VARIANTS:-1x1:global:1 1x1:smem:1 1x1:global:2 1x1:smem:2 2x1:smem:1}; do
-        IFS=: read -r vc vs vo vb vt <<< "$v"
-        vb=${vb:-0}; [ "$vs" = global ] && vt=${vt:-tma}; vt=${vt:-direct}
-        venv="FP8RL_FP8_GEMM_STORE=$vt FP8RL_FP8_GEMM_BAND=$vb FP8RL_FP8_GEMM_CLUSTER=$vc FP8RL_FP8_GEMM_SCALES=$vs FP8RL_FP8_GEMM_OCCUPANCY=$vo"
-        { echo "== cluster $vc, scales $vs, CTAs per SM (64-row tiles) $vo, band $vb, store $vt"
+        IFS=: read -r vc vs vo vb vt vn <<< "$v"
+        vb=${vb:-0}; [ "$vs" = global ] && vt=${vt:-tma}; vt=${vt:-direct}; vn=${vn:-128}
+        venv="FP8RL_FP8_GEMM_STORE=$vt FP8RL_FP8_GEMM_BAND=$vb FP8RL_FP8_GEMM_CLUSTER=$vc FP8RL_FP8_GEMM_SCALES=$vs FP8RL_FP8_GEMM_OCCUPANCY=$vo FP8RL_FP8_GEMM_BN=$vn"
+        { echo "== cluster $vc, scales $vs, CTAs per SM (64-row tiles) $vo, band $vb, store $vt, columns $vn"
           env $venv timeout 60 "$FP8RL" bench-gemm \
             --shapes "${FP8RL_GEMM_SHAPES:-8192x12288x2048,8192x4096x2048,8192x2048x6144,256x12288x2048,256x4096x2048,256x2048x2048,256x2048x6144}" | grep -A12 "^linear"
           [ -n "${FP8RL_GEMM_NO_GROUPED:-}" ] || env $venv timeout 60 "$FP8RL" bench-gemm --grouped-only | grep -A3 "^grouped"

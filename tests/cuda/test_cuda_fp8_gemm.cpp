@@ -161,6 +161,10 @@ TEST(CudaFp8Gemm, MatchesTheHostProductAtEveryShapeAndSplit) {
         const double own = max_error(o, run_own(be, o, s.M, s.N, s.K, DType::F32, kb_major, splits), s.M, s.N);
         EXPECT_LT(own, kMmaBound);
         EXPECT_LE(own, 1.25 * lt + 1e-6) << "cuBLASLt's error " << lt;
+        setenv("FP8RL_FP8_GEMM_BN", "64", 1);  // 64-column tiles (decode M; M > 256 keeps 128)
+        const double own64 = max_error(o, run_own(be, o, s.M, s.N, s.K, DType::F32, kb_major, splits), s.M, s.N);
+        unsetenv("FP8RL_FP8_GEMM_BN");
+        EXPECT_LT(own64, kMmaBound) << "64-column tiles";
         if (splits == 1 && !kb_major)
           std::printf("[ fp8 gemm ] M=%lld N=%lld K=%lld: max |C - exact| / sum|terms|: own %.2e, cuBLASLt %.2e\n",
                       static_cast<long long>(s.M), static_cast<long long>(s.N), static_cast<long long>(s.K), own, lt);
@@ -300,6 +304,7 @@ TEST(CudaFp8Gemm, EveryGridAndClusterIsBitwiseOneCtaPerTile) {
     const char* occupancy = "1";
     const char* band = "0";
     const char* store = "direct";
+    const char* bn = "128";
   };
   auto with = [](const Variant& v, auto&& fn) {
     if (v.grid) setenv("FP8RL_FP8_GEMM_GRID", v.grid, 1);
@@ -309,6 +314,7 @@ TEST(CudaFp8Gemm, EveryGridAndClusterIsBitwiseOneCtaPerTile) {
     setenv("FP8RL_FP8_GEMM_OCCUPANCY", v.occupancy, 1);
     setenv("FP8RL_FP8_GEMM_BAND", v.band, 1);
     setenv("FP8RL_FP8_GEMM_STORE", v.store, 1);
+    setenv("FP8RL_FP8_GEMM_BN", v.bn, 1);
     auto r = fn();
     unsetenv("FP8RL_FP8_GEMM_GRID");
     unsetenv("FP8RL_FP8_GEMM_CLUSTER");
@@ -316,6 +322,7 @@ TEST(CudaFp8Gemm, EveryGridAndClusterIsBitwiseOneCtaPerTile) {
     unsetenv("FP8RL_FP8_GEMM_OCCUPANCY");
     unsetenv("FP8RL_FP8_GEMM_BAND");
     unsetenv("FP8RL_FP8_GEMM_STORE");
+    unsetenv("FP8RL_FP8_GEMM_BN");
     return r;
   };
   std::vector<Variant> variants;
@@ -336,10 +343,16 @@ TEST(CudaFp8Gemm, EveryGridAndClusterIsBitwiseOneCtaPerTile) {
   for (const char* grid : {static_cast<const char*>(nullptr), "tile"})
     for (const char* cluster : {"1x1", "2x1", "1x2", "2x2"})
       for (const char* occupancy : {"1", "2"}) variants.push_back({grid, cluster, "global", occupancy, "0", "tma"});
+  // 64-column tiles beside the 64-row ones (M <= 256; larger M keeps 128 columns), each ring and
+  // store: the m64n64 wgmma gives every element the bits of the m64n128 one.
+  for (const char* grid : {static_cast<const char*>(nullptr), "tile"})
+    for (const char* occupancy : {"1", "2"})
+      for (const char* store : {"direct", "tma"})
+        variants.push_back({grid, "1x1", "global", occupancy, "0", store, "64"});
   const Variant one_cta{"tile", "1x1", "global"};
   auto name = [](const Variant& v) {
     return std::string("grid ") + (v.grid ? v.grid : "persistent") + ", cluster " + v.cluster + ", scales " + v.scales +
-           ", CTAs per SM " + v.occupancy + ", band " + v.band + ", store " + v.store;
+           ", CTAs per SM " + v.occupancy + ", band " + v.band + ", store " + v.store + ", columns " + v.bn;
   };
   // N = 144 and 528: a last column tile of 16 columns (its second 64-column store box wholly past N).
   const Shape shapes[] = {{5, 2048, 2048}, {64, 4096, 2048},   {256, 12288, 2048}, {256, 2048, 6144},

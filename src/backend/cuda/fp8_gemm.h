@@ -35,6 +35,11 @@ struct Fp8GemmConfig {
   int block_m = 128, splits = 1;
 };
 Fp8GemmConfig fp8_gemm_sm90_config(int64_t M, int64_t N, int64_t K, int sm_count);
+// FP8RL_FP8_GEMM_BN (read at each call): the dense product's columns per tile beside 64-row tiles,
+// 128 (the default) or 64 ("narrow tiles": twice the CTAs for the decode products whose 128-column
+// tiles leave most SMs idle; without clusters, scales read from global memory). Each output
+// element's arithmetic is the same in both (the m64n64 wgmma in place of the m64n128 one).
+int fp8_gemm_block_n();
 // Whether this kernel beats cuBLASLt's block-scaled one at the shape (graph-timed decode
 // products on the H200: the small-N ones, M <= 256 with few 64-row tiles; cuBLASLt above).
 bool fp8_gemm_sm90_preferred(int64_t M, int64_t N, int64_t K);

@@ -46,7 +46,10 @@ namespace fp8rl::cuda {
 namespace {
 
 constexpr int kBK = 128;  // K bytes per stage = one scale block
-constexpr int kBN = 128;  // = the weight scale block: one B scale per tile and K block
+constexpr int kBN = 128;  // the wide tile's columns = the weight scale block: one B scale per tile and K block
+// A tile of kBNt columns (128, or 64: FP8RL_FP8_GEMM_BN=64, "narrow tiles" for the decode
+// products whose 128-column tiles leave most SMs idle) takes the B scale of scale block
+// n_tile * kBNt / 128 of its columns.
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -177,10 +180,35 @@ __device__ __forceinline__ void wgmma_m64n128k32_e4m3(float (&d)[64], uint64_t d
       : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
 
+__device__ __forceinline__ void wgmma_m64n64k32_e4m3(float (&d)[32], uint64_t desc_a, uint64_t desc_b,
+                                                     int accumulate) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, "
+      "%24, %25, %26, %27, %28, %29, %30, %31}, "
+      "%32, %33, p, 1, 1;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+// The tile's wgmma over 32 K bytes: m64 x kBNt.
+template <int kBNt>
+__device__ __forceinline__ void wgmma_tile(float (&d)[kBNt / 2], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+  if constexpr (kBNt == 128) wgmma_m64n128k32_e4m3(d, desc_a, desc_b, accumulate);
+  else wgmma_m64n64k32_e4m3(d, desc_a, desc_b, accumulate);
+}
+
 // Keeps the compiler from moving accesses of an accumulator across the asynchronous wgmma.
-__device__ __forceinline__ void fence_acc(float (&d)[64]) {
+template <int N>
+__device__ __forceinline__ void fence_acc(float (&d)[N]) {
 #pragma unroll
-  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
 struct GemmParams {
@@ -277,10 +305,11 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float v0, float v1) {
 // separate loop of one multiply pair, one conversion and one store per column pair: the general
 // code's per-element checks had made the epilogue a quarter of the kernel's instructions
 // (ncu source counters, docs/benchmarks.md session 10).
-__device__ __forceinline__ void store_tile(const GemmParams& p, const float (&total)[64], const Tile& tl, int64_t row0,
-                                           int64_t row1, int lane) {
-  const int64_t col_base = static_cast<int64_t>(tl.n_tile) * kBN + 2 * (lane % 4);
-  const bool cols_in = (static_cast<int64_t>(tl.n_tile) + 1) * kBN <= p.N;
+template <int kBNt>
+__device__ __forceinline__ void store_tile(const GemmParams& p, const float (&total)[kBNt / 2], const Tile& tl,
+                                           int64_t row0, int64_t row1, int lane) {
+  const int64_t col_base = static_cast<int64_t>(tl.n_tile) * kBNt + 2 * (lane % 4);
+  const bool cols_in = (static_cast<int64_t>(tl.n_tile) + 1) * kBNt <= p.N;
   if (p.c_bf16 && !p.partials && p.beta == 0.0f && cols_in) {
     const float alpha = p.alpha;
 #pragma unroll
@@ -289,7 +318,7 @@ __device__ __forceinline__ void store_tile(const GemmParams& p, const float (&to
       if (row >= tl.m_end) continue;
       uint32_t* out = reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(p.c) + row * p.N + col_base);
 #pragma unroll
-      for (int i = 0; i < 16; ++i)
+      for (int i = 0; i < kBNt / 8; ++i)
         out[4 * i] = pack_bf16x2(total[4 * i + 2 * half] * alpha, total[4 * i + 2 * half + 1] * alpha);
     }
     return;
@@ -299,7 +328,7 @@ __device__ __forceinline__ void store_tile(const GemmParams& p, const float (&to
     const int64_t row = half ? row1 : row0;
     if (row >= tl.m_end) continue;
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {
+    for (int i = 0; i < kBNt / 8; ++i) {
       const int64_t col = col_base + 8 * i;
       if (col >= p.N) continue;  // N is even: col + 1 < N as well
       float v0 = total[4 * i + 2 * half], v1 = total[4 * i + 2 * half + 1];
@@ -336,8 +365,9 @@ __device__ __forceinline__ void store_tile(const GemmParams& p, const float (&to
 // with TMA and the warpgroup goes on to its next tile while the store drains. Rows past M and
 // columns past N are clipped by the tensor map. The buffer is reused once the previous tile's
 // store has read it. Same values as store_tile's fast path (one multiply, one conversion each).
-__device__ __forceinline__ void store_tile_tma(const GemmParams& p, const float (&total)[64], const Tile& tl, int wg,
-                                               int tid, uint8_t* buf, const CUtensorMap* tm_c) {
+template <int kBNt>
+__device__ __forceinline__ void store_tile_tma(const GemmParams& p, const float (&total)[kBNt / 2], const Tile& tl,
+                                               int wg, int tid, uint8_t* buf, const CUtensorMap* tm_c) {
   const int warp = tid / 32, lane = tid % 32;
   if (tid == 0) bulk_wait_read();
   warpgroup_sync(wg);
@@ -346,7 +376,7 @@ __device__ __forceinline__ void store_tile_tma(const GemmParams& p, const float 
   for (int half = 0; half < 2; ++half) {
     const int r = warp * 16 + lane / 4 + 8 * half;  // r % 8 == lane / 4
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {
+    for (int i = 0; i < kBNt / 8; ++i) {
       uint8_t* dst = buf + (i / 8) * 8192 + r * 128 + (((i % 8) ^ (lane / 4)) * 16) + 4 * (lane % 4);
       *reinterpret_cast<uint32_t*>(dst) =
           pack_bf16x2(total[4 * i + 2 * half] * alpha, total[4 * i + 2 * half + 1] * alpha);
@@ -355,9 +385,9 @@ __device__ __forceinline__ void store_tile_tma(const GemmParams& p, const float 
   fence_proxy_async();
   warpgroup_sync(wg);
   if (tid == 0) {
-    const int col = tl.n_tile * kBN, row = static_cast<int>(tl.m_base) + wg * 64;
+    const int col = tl.n_tile * kBNt, row = static_cast<int>(tl.m_base) + wg * 64;
     tma_store_2d(tm_c, buf, col, row);
-    if (col + 64 < p.N) tma_store_2d(tm_c, buf + 8192, col + 64, row);  // not a box wholly past N
+    if (kBNt == 128 && col + 64 < p.N) tma_store_2d(tm_c, buf + 8192, col + 64, row);  // not a box wholly past N
     bulk_commit();
   }
 }
@@ -370,8 +400,8 @@ constexpr int gemm_threads(int consumers) { return 128 * consumers + 32; }
 __host__ __device__ constexpr int gemm_store_bytes(int consumers, bool tma_store) {
   return tma_store ? consumers * 16384 : 0;
 }
-constexpr int gemm_ctas_per_sm(int consumers, int stages, bool tma_store) {
-  return stages * (64 * consumers + kBN) * kBK + gemm_store_bytes(consumers, tma_store) <= 100 * 1024 ? 2 : 1;
+constexpr int gemm_ctas_per_sm(int consumers, int stages, bool tma_store, int bn = kBN) {
+  return stages * (64 * consumers + bn) * kBK + gemm_store_bytes(consumers, tma_store) <= 100 * 1024 ? 2 : 1;
 }
 
 // kConsumers warpgroups of 64 rows each (BM = 64 kConsumers) plus one producer warp, in
@@ -383,12 +413,14 @@ constexpr int gemm_ctas_per_sm(int consumers, int stages, bool tma_store) {
 // each stage's scales (its A tile's row scales, its B block's scale) into shared memory beside
 // the tiles (cp.async, completing on the stage's barrier), so the consumers' loop has no global
 // load. The arithmetic of every tile is unchanged: bitwise the same results in every variant.
-template <int kConsumers, int kStages, int kCM, int kCN, bool kSmemScales, bool kTmaStore>
-__global__ void __launch_bounds__(gemm_threads(kConsumers), gemm_ctas_per_sm(kConsumers, kStages, kTmaStore))
+template <int kConsumers, int kStages, int kCM, int kCN, bool kSmemScales, bool kTmaStore, int kBNt>
+__global__ void __launch_bounds__(gemm_threads(kConsumers), gemm_ctas_per_sm(kConsumers, kStages, kTmaStore, kBNt))
     fp8_gemm_kernel(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b,
                     const __grid_constant__ CUtensorMap tm_c, GemmParams p) {
+  static_assert(kBNt == 128 || (kBNt == 64 && kCM == 1 && kCN == 1 && !kSmemScales),
+                "narrow (64-column) tiles: no cluster, global scales");
   constexpr int kBM = 64 * kConsumers;
-  constexpr int kTileA = kBM * kBK, kTileB = kBN * kBK;
+  constexpr int kTileA = kBM * kBK, kTileB = kBNt * kBK;
   constexpr int kCluster = kCM * kCN;
   constexpr int kSliceA = kTileA / kCN, kSliceB = kTileB / kCM;  // bytes each CTA loads
   extern __shared__ __align__(1024) uint8_t smem_raw[];
@@ -454,7 +486,7 @@ __global__ void __launch_bounds__(gemm_threads(kConsumers), gemm_ctas_per_sm(kCo
             }
             if (lane == 0) {
               const int n = tl.n_tile < p.n_tiles ? tl.n_tile : p.n_tiles - 1;
-              cp_async_4(dst + kBM, tl.sb_base + static_cast<int64_t>(n) * p.kblocks + kb, 4);
+              cp_async_4(dst + kBM, tl.sb_base + static_cast<int64_t>(n) * kBNt / kBN * p.kblocks + kb, 4);
             }
             cp_async_mbar_arrive(&full[s]);
             if (lane != 0) continue;
@@ -468,10 +500,10 @@ __global__ void __launch_bounds__(gemm_threads(kConsumers), gemm_ctas_per_sm(kCo
                                   static_cast<int>(tl.m_base) + cj * (kBM / kCN), row_mask);
           }
           if constexpr (kCM == 1) {
-            tma_load_2d(sm_b + s * kTileB, tl.map_b, &full[s], k, tl.n_tile * kBN);
-          } else {  // slice ci of the B tile (128 / kCM rows), to the tile column
+            tma_load_2d(sm_b + s * kTileB, tl.map_b, &full[s], k, tl.n_tile * kBNt);
+          } else {  // slice ci of the B tile (kBNt / kCM rows), to the tile column
             tma_load_2d_multicast(sm_b + s * kTileB + ci * kSliceB, tl.map_b, &full[s], k,
-                                  tl.n_tile * kBN + ci * (kBN / kCM), col_mask);
+                                  tl.n_tile * kBNt + ci * (kBNt / kCM), col_mask);
           }
         }
       }
@@ -486,11 +518,13 @@ __global__ void __launch_bounds__(gemm_threads(kConsumers), gemm_ctas_per_sm(kCo
       // A consumer warpgroup: rows [m_base + wg * 64, + 64) of the tile.
       const int64_t row0 = tl.m_base + wg * 64 + warp * 16 + lane / 4, row1 = row0 + 8;
       const bool in0 = row0 < tl.m_end, in1 = row1 < tl.m_end;
-      float total[64], acc[64];
+      constexpr int kAcc = kBNt / 2;  // m64 x kBNt FP32 accumulators over the warpgroup's 128 threads
+      float total[kAcc], acc[kAcc];
 #pragma unroll
-      for (int i = 0; i < 64; ++i) total[i] = 0.0f;
+      for (int i = 0; i < kAcc; ++i) total[i] = 0.0f;
       const bool n_in = tl.n_tile < p.n_tiles;  // a cluster's tile past the last column: stores nothing
-      const float* sb = tl.sb_base + static_cast<int64_t>(n_in ? tl.n_tile : p.n_tiles - 1) * p.kblocks;
+      const float* sb =
+          tl.sb_base + static_cast<int64_t>(n_in ? tl.n_tile : p.n_tiles - 1) * kBNt / kBN * p.kblocks;
       for (int it = 0; it < tl.nk; ++it, ++g) {
         const int s = g % kStages, kb = tl.kb0 + it;
         // The scales of this K block, loaded while the tiles arrive (unconditionally for B: a
@@ -512,7 +546,7 @@ __global__ void __launch_bounds__(gemm_threads(kConsumers), gemm_ctas_per_sm(kCo
         fence_acc(acc);
         wgmma_fence();
 #pragma unroll
-        for (int k = 0; k < kBK / 32; ++k) wgmma_m64n128k32_e4m3(acc, da + 2 * k, db + 2 * k, k > 0);
+        for (int k = 0; k < kBK / 32; ++k) wgmma_tile<kBNt>(acc, da + 2 * k, db + 2 * k, k > 0);
         wgmma_commit();
         fence_acc(acc);
         wgmma_wait_all();
@@ -526,9 +560,9 @@ __global__ void __launch_bounds__(gemm_threads(kConsumers), gemm_ctas_per_sm(kCo
               if (r % kCM == ci || r / kCM == cj) mbar_arrive_cluster(&empty[s], static_cast<uint32_t>(r));
           }
         }
-        // Fragment of m64n128 (FP32): acc[4 i + j] is row (j < 2 ? row0 : row1), column 8 i + 2 (lane % 4) + j % 2.
+        // Fragment of m64nN (FP32): acc[4 i + j] is row (j < 2 ? row0 : row1), column 8 i + 2 (lane % 4) + j % 2.
 #pragma unroll
-        for (int i = 0; i < 64; ++i) total[i] = fmaf(acc[i], (i & 2) ? s1 : s0, total[i]);
+        for (int i = 0; i < kAcc; ++i) total[i] = fmaf(acc[i], (i & 2) ? s1 : s0, total[i]);
       }
       if (n_in) {
         // TMA stores (the instance runs only where its epilogue applies: tma_store_applies) where
@@ -537,8 +571,8 @@ __global__ void __launch_bounds__(gemm_threads(kConsumers), gemm_ctas_per_sm(kCo
         bool tma = false;
         if constexpr (kTmaStore)
           tma = tl.m_base + wg * 64 < tl.m_end && (!p.tiles || tl.m_base + (wg + 1) * 64 <= tl.m_end);
-        if (tma) store_tile_tma(p, total, tl, wg, tid, sm_c + wg * 16384, &tm_c);
-        else store_tile(p, total, tl, row0, row1, lane);
+        if (tma) store_tile_tma<kBNt>(p, total, tl, wg, tid, sm_c + wg * 16384, &tm_c);
+        else store_tile<kBNt>(p, total, tl, row0, row1, lane);
       }
     }
     if constexpr (kTmaStore)
@@ -606,12 +640,27 @@ CUtensorMap tensor_map(const uint8_t* base, int64_t rows, int64_t K, int box_row
 // (bench-gemm, session 11): the TMA store is 6-11% faster on dense products at M = 8192, 0-11%
 // at M = 256, and 14-36% on the grouped products (0.59x -> 0.67x and 0.53x -> 0.70x of cuBLASLt's
 // dense TF/s), where the direct stores' drain was the largest share.
+}  // namespace
+
+// FP8RL_FP8_GEMM_BN (read at each call): 64 or 128 (the default) columns per tile for the dense
+// product's 64-row tiles.
+int fp8_gemm_block_n() {
+  const char* e = std::getenv("FP8RL_FP8_GEMM_BN");
+  if (!e) return kBN;
+  const std::string v(e);
+  FP8RL_CHECK(v == "64" || v == "128", "FP8RL_FP8_GEMM_BN must be 64 or 128, got '", v, "'");
+  return v == "64" ? 64 : kBN;
+}
+
+namespace {
+
 struct KernelVariant {
   int cm = 1, cn = 1;
   bool smem_scales = false;  // FP8RL_FP8_GEMM_SCALES=smem: the producer stages the scales in shared memory
   int ctas_per_sm = 2;       // FP8RL_FP8_GEMM_OCCUPANCY=1: 64-row tiles with 8 stages, one CTA per SM
   int band = 0;              // FP8RL_FP8_GEMM_BAND=n: the n-fastest tile order in bands of n tile columns
   bool tma_store = true;     // FP8RL_FP8_GEMM_STORE=direct: the epilogue's registers stored straight to global
+  int bn = kBN;              // FP8RL_FP8_GEMM_BN=64: 64-column tiles (64-row tiles only; no cluster, global scales)
 };
 KernelVariant kernel_variant(int64_t m_tiles, int64_t n_tiles, bool grouped) {
   // The default is 1x1. Measured (bench-gemm, session 9): 2x1 is 1-3% faster on dense products
@@ -655,6 +704,8 @@ KernelVariant kernel_variant(int64_t m_tiles, int64_t n_tiles, bool grouped) {
   if (grouped) c.cm = 1;
   if (m_tiles < 2) c.cm = 1;
   if (n_tiles < 2) c.cn = 1;
+  if (!grouped) c.bn = fp8_gemm_block_n();
+  if (c.bn == 64) c.cm = c.cn = 1, c.smem_scales = false;
   return c;
 }
 
@@ -671,13 +722,13 @@ int sm_count() {
 // Launches the kernel over `tiles` cluster tiles: at most as many clusters as fit on the device
 // at once, each walking its share of the tiles, or with FP8RL_FP8_GEMM_GRID=tile (read at each
 // call) one cluster per cluster tile.
-template <int kConsumers, int kStages, int kCM, int kCN, bool kSmemScales, bool kTmaStore>
+template <int kConsumers, int kStages, int kCM, int kCN, bool kSmemScales, bool kTmaStore, int kBNt>
 void launch_cluster(const CUtensorMap& ta, const CUtensorMap& tb, const CUtensorMap& tc, GemmParams p,
                     cudaStream_t stream) {
-  constexpr int kSmem = kStages * (64 * kConsumers + kBN) * kBK + gemm_store_bytes(kConsumers, kTmaStore) +
+  constexpr int kSmem = kStages * (64 * kConsumers + kBNt) * kBK + gemm_store_bytes(kConsumers, kTmaStore) +
                         2 * kStages * 8 + (kSmemScales ? kStages * (64 * kConsumers + 4) * 4 : 0) + 1024;
   constexpr int kCluster = kCM * kCN;
-  auto* kernel = fp8_gemm_kernel<kConsumers, kStages, kCM, kCN, kSmemScales, kTmaStore>;
+  auto* kernel = fp8_gemm_kernel<kConsumers, kStages, kCM, kCN, kSmemScales, kTmaStore, kBNt>;
   p.ct_m = static_cast<int>(ceil_div(int64_t{p.m_tiles}, int64_t{kCM}));
   p.ct_n = static_cast<int>(ceil_div(int64_t{p.n_tiles}, int64_t{kCN}));
   const int64_t tiles = static_cast<int64_t>(p.ct_m) * p.ct_n * p.splits;
@@ -721,12 +772,19 @@ void launch_cluster(const CUtensorMap& ta, const CUtensorMap& tb, const CUtensor
 template <int kConsumers, int kStages, bool kSmemScales, bool kTmaStore>
 void launch_clusters(const CUtensorMap& ta, const CUtensorMap& tb, const CUtensorMap& tc, const GemmParams& p,
                      KernelVariant c, cudaStream_t stream) {
-  if (c.cm == 1 && c.cn == 1) launch_cluster<kConsumers, kStages, 1, 1, kSmemScales, kTmaStore>(ta, tb, tc, p, stream);
+  if (c.bn == 64) {  // kernel_variant: no cluster, global scales
+    if constexpr (kConsumers == 1 && !kSmemScales)
+      launch_cluster<kConsumers, kStages, 1, 1, false, kTmaStore, 64>(ta, tb, tc, p, stream);
+    else FP8RL_CHECK(false, "FP8 GEMM: 64-column tiles are built for 64-row tiles with global scales only");
+    return;
+  }
+  if (c.cm == 1 && c.cn == 1)
+    launch_cluster<kConsumers, kStages, 1, 1, kSmemScales, kTmaStore, kBN>(ta, tb, tc, p, stream);
   else if (c.cm == 2 && c.cn == 1)
-    launch_cluster<kConsumers, kStages, 2, 1, kSmemScales, kTmaStore>(ta, tb, tc, p, stream);
+    launch_cluster<kConsumers, kStages, 2, 1, kSmemScales, kTmaStore, kBN>(ta, tb, tc, p, stream);
   else if (c.cm == 1 && c.cn == 2)
-    launch_cluster<kConsumers, kStages, 1, 2, kSmemScales, kTmaStore>(ta, tb, tc, p, stream);
-  else launch_cluster<kConsumers, kStages, 2, 2, kSmemScales, kTmaStore>(ta, tb, tc, p, stream);
+    launch_cluster<kConsumers, kStages, 1, 2, kSmemScales, kTmaStore, kBN>(ta, tb, tc, p, stream);
+  else launch_cluster<kConsumers, kStages, 2, 2, kSmemScales, kTmaStore, kBN>(ta, tb, tc, p, stream);
 }
 
 // The output [M, N] BF16 as 64 x 64 boxes in the 128-byte swizzle (the TMA-store epilogue's map).
@@ -752,7 +810,7 @@ void launch(const uint8_t* a, int64_t rows, const uint8_t* b, int64_t N, int64_t
             KernelVariant c, cudaStream_t stream) {
   constexpr int kBM = 64 * kConsumers;
   const CUtensorMap ta = tensor_map(a, rows, K, kBM / c.cn);
-  const CUtensorMap tb = b ? tensor_map(b, N, K, kBN / c.cm) : ta;
+  const CUtensorMap tb = b ? tensor_map(b, N, K, c.bn / c.cm) : ta;
   // Instances: the 3-stage ring only with the TMA store (two CTAs per SM beside its buffer), the
   // 4-stage ring only without it.
   if constexpr (kStages != 4) {
@@ -781,6 +839,7 @@ bool tma_store_applies(const GemmParams& p) {
 void launch_variant(bool small, const uint8_t* a, int64_t rows, const uint8_t* b, int64_t N, int64_t K,
                     const GemmParams& p, KernelVariant c, cudaStream_t stream) {
   if (!tma_store_applies(p)) c.tma_store = false;
+  FP8RL_CHECK(small || c.bn == kBN, "FP8 GEMM: 64-column tiles need 64-row tiles");
   if (small && c.ctas_per_sm == 2 && c.tma_store) launch<1, 3>(a, rows, b, N, K, p, c, stream);
   else if (small && c.ctas_per_sm == 2) launch<1, 4>(a, rows, b, N, K, p, c, stream);
   else if (small) launch<1, 8>(a, rows, b, N, K, p, c, stream);
@@ -794,11 +853,17 @@ bool fp8_gemm_sm90_supported(int64_t M, int64_t N, int64_t K) {
 }
 
 Fp8GemmConfig fp8_gemm_sm90_config(int64_t M, int64_t N, int64_t K, int sm_count) {
-  const int64_t kblocks = ceil_div(K, int64_t{kBK}), n_tiles = ceil_div(N, int64_t{kBN});
+  const int64_t kblocks = ceil_div(K, int64_t{kBK});
+  int64_t n_tiles = ceil_div(N, int64_t{kBN});
   Fp8GemmConfig c;
   if (M <= 256) {
     c.block_m = 64;
+    const int bn = fp8_gemm_block_n();
+    n_tiles = ceil_div(N, int64_t{bn});
     const int64_t tiles = ceil_div(M, int64_t{64}) * n_tiles;
+    // 64-column tiles: no split once the tiles fill half the SMs (a split's reduction kernel costs
+    // ~4 us in a decode graph, as much as the narrow tiles save).
+    if (bn == 64 && 2 * tiles >= sm_count) return c;
     // About two CTAs per SM (one fits at a time: the other's loads hide the first's tail),
     // at least two K blocks per split.
     c.splits = static_cast<int>(
@@ -812,7 +877,10 @@ Fp8GemmConfig fp8_gemm_sm90_config(int64_t M, int64_t N, int64_t K, int sm_count
 }
 
 bool fp8_gemm_sm90_preferred(int64_t M, int64_t N, int64_t K) {
-  return fp8_gemm_sm90_supported(M, N, K) && M <= 256 && ceil_div(M, int64_t{64}) * ceil_div(N, int64_t{kBN}) <= 64;
+  if (!fp8_gemm_sm90_supported(M, N, K) || M > 256) return false;
+  const int bn = fp8_gemm_block_n();
+  // 64-column tiles (FP8RL_FP8_GEMM_BN=64): up to two per SM of 132 in one wave.
+  return ceil_div(M, int64_t{64}) * ceil_div(N, int64_t{bn}) <= (bn == 64 ? 264 : 64);
 }
 
 int64_t fp8_gemm_sm90_workspace_floats(int64_t M, int64_t N, int splits) { return splits > 1 ? splits * M * N : 0; }
@@ -837,14 +905,15 @@ void fp8_gemm_sm90(const Fp8GemmArgs& a, cudaStream_t stream) {
   p.c = p.partials ? static_cast<void*>(a.workspace) : a.c;
   p.c_bf16 = a.c_dtype == DType::BF16;
   p.alpha = a.alpha, p.beta = a.beta;
-  const int n_tiles = static_cast<int>(ceil_div(a.N, int64_t{kBN}));
   FP8RL_CHECK(a.block_m == 0 || a.block_m == 64 || a.block_m == 128, "FP8 GEMM (sm90): block_m must be 64 or 128");
   const bool small = a.block_m ? a.block_m == 64 : a.M <= 256;
   const int bm = small ? 64 : 128;
   const int m_tiles = static_cast<int>(ceil_div(a.M, int64_t{bm}));
+  KernelVariant cl = kernel_variant(m_tiles, ceil_div(a.N, int64_t{kBN}), false);
+  if (!small) cl.bn = kBN;  // 64-column tiles only beside 64-row ones
+  const int n_tiles = static_cast<int>(ceil_div(a.N, int64_t{cl.bn}));
   p.n_tiles = n_tiles, p.m_tiles = m_tiles, p.splits = used_splits;
   p.m_fastest = a.M <= 256;  // decode-sized: the few row blocks of one weight tile together
-  const KernelVariant cl = kernel_variant(m_tiles, n_tiles, false);
   p.group_n = cl.band;
   launch_variant(small, a.a, a.M, a.b, a.N, a.K, p, cl, stream);
   if (p.partials) {

@@ -246,11 +246,11 @@ nlohmann::json bench_gemm_run(const GemmBenchOptions& options) {
       }
       // Decode shapes: the own kernel's configurations (rows per CTA x K splits), timed alike.
       nlohmann::json sweep = nlohmann::json::array();
-      if (p.b_block_rows == kQuantBlock && p.m <= 256 && options.shapes.empty()) {
+      if (p.b_block_rows == kQuantBlock && p.m <= 256) {
         Tensor co = be.alloc({p.m, p.n}, cdt);
         std::printf("    own configs (block_m x splits: us):");
         for (int bm : {64, 128})
-          for (int sp : {1, 2, 4, 8}) {
+          for (int sp : {1, 2, 3, 4, 8}) {
             rot = 0;
             const double ms = timer([&] {
               const size_t i = static_cast<size_t>(rot++ % copies);
