@@ -180,8 +180,7 @@ __device__ __forceinline__ void wgmma_m64n128k32_e4m3(float (&d)[64], uint64_t d
       : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
 
-__device__ __forceinline__ void wgmma_m64n64k32_e4m3(float (&d)[32], uint64_t desc_a, uint64_t desc_b,
-                                                     int accumulate) {
+__device__ __forceinline__ void wgmma_m64n64k32_e4m3(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int accumulate) {
   asm volatile(
       "{\n"
       ".reg .pred p;\n"
@@ -523,8 +522,7 @@ __global__ void __launch_bounds__(gemm_threads(kConsumers), gemm_ctas_per_sm(kCo
 #pragma unroll
       for (int i = 0; i < kAcc; ++i) total[i] = 0.0f;
       const bool n_in = tl.n_tile < p.n_tiles;  // a cluster's tile past the last column: stores nothing
-      const float* sb =
-          tl.sb_base + static_cast<int64_t>(n_in ? tl.n_tile : p.n_tiles - 1) * kBNt / kBN * p.kblocks;
+      const float* sb = tl.sb_base + static_cast<int64_t>(n_in ? tl.n_tile : p.n_tiles - 1) * kBNt / kBN * p.kblocks;
       for (int it = 0; it < tl.nk; ++it, ++g) {
         const int s = g % kStages, kb = tl.kb0 + it;
         // The scales of this K block, loaded while the tiles arrive (unconditionally for B: a
