@@ -39,6 +39,12 @@ struct EnginePrecision {
   // trainer's kv_cache is then the generator's cache dtype (F32, BF16 or E4M3), which its
   // attention reads through. Dense models only; no fp8_attention.
   bool consistent = false;
+  // With consistent: the 7 linears of each block on the row-invariant kernels too (the bitwise
+  // mode). false ("consistent=attn"): everything else of the consistent mode (the attention over
+  // the generator's cache, the lm_head's logits and log-softmax) but the linears on the fast
+  // kernels, whose accumulation order depends on M: not bitwise, but the quantizers' inputs
+  // differ only by those orders, not by a different attention.
+  bool consistent_linears = true;
   // Everything else (embedding, norms, RoPE, softmax, SiLU, lm_head, loss) stays in high
   // precision: FP32 on the CPU backend, BF16 storage with FP32 math on the CUDA backend.
 
@@ -69,7 +75,8 @@ struct PrecisionRecipe {
   // "PRESET[:key=value[+key=value...]]" with keys gen / train (linear: fp32|bf16|fp8),
   // kv (f32|bf16|e4m3), tkv (trainer: bf16|e4m3 = round k/v as the generator's E4M3 cache does),
   // attn (fp8|off), pow2 (on|off), first / last (BF16 blocks, both engines), wgrad (fp8|bf16:
-  // trainer.wgrad), consistent (on|off: the consistent mode, set_consistent; applied last).
+  // trainer.wgrad), consistent (on|off|attn: the consistent mode, set_consistent; applied last;
+  // attn: with consistent_linears off).
   // E.g. "fp8_e2e:kv=bf16" = FP8 linears in both engines over a BF16 KV cache. The recipe's name
   // is the whole spec. Throws on an unknown preset, key or value.
   static PrecisionRecipe parse(const std::string& spec);

@@ -44,9 +44,15 @@ TEST(Consistent, RecipeSpecAndConfigKey) {
   EXPECT_EQ(PrecisionRecipe::parse("fp8_e2e:kv=bf16+consistent=on").trainer.kv_cache, DType::BF16);
   EXPECT_FALSE(PrecisionRecipe::parse("fp8_e2e").consistent());
   EXPECT_FALSE(PrecisionRecipe::parse("fp8_e2e:consistent=off").consistent());
+  EXPECT_TRUE(e2e.generator.consistent_linears && e2e.trainer.consistent_linears);
+  // attn: the consistent mode but the linears on the fast kernels.
+  const PrecisionRecipe attn = PrecisionRecipe::parse("fp8_e2e:consistent=attn");
+  EXPECT_TRUE(attn.consistent());
+  EXPECT_EQ(attn.trainer.kv_cache, DType::E4M3);
+  EXPECT_FALSE(attn.generator.consistent_linears || attn.trainer.consistent_linears);
   EXPECT_TRUE(has(error_of([] { PrecisionRecipe::parse("fp8_e2e:attn=fp8+consistent=on"); }), "attn=off"));
   EXPECT_TRUE(has(error_of([] { PrecisionRecipe::parse("fp8_e2e:tkv=bf16+consistent=on"); }), "drop tkv"));
-  EXPECT_TRUE(has(error_of([] { PrecisionRecipe::parse("fp8_e2e:consistent=yes"); }), "on or off"));
+  EXPECT_TRUE(has(error_of([] { PrecisionRecipe::parse("fp8_e2e:consistent=yes"); }), "on, off or attn"));
 
   RunConfig c;
   config_apply_override(c, "precision.consistent=true");
