@@ -688,6 +688,40 @@ void Backend::linear_swiglu_impl(const Tensor& x, const LinearWeight& gate_w, co
   else swiglu_impl(gate, up, act);
 }
 
+void Backend::linear_qkv_norm_rope(const Tensor& x, const LinearWeight& Wq, const LinearWeight& Wk,
+                                   const LinearWeight& Wv, const LinearSpec& spec, const Tensor& q_norm,
+                                   const Tensor& k_norm, float eps, const Tensor& positions, const RopeParams& rope,
+                                   bool keep, Tensor& q_raw, Tensor& k_raw, Tensor& q, Tensor& k, Tensor& v,
+                                   Tensor* q_rstd, Tensor* k_rstd, const Fp8View* x_fp8) {
+  const Contract c(*this);
+  linear_contract(c, x, Wq, spec, q_raw, x_fp8);
+  linear_contract(c, x, Wk, spec, k_raw, x_fp8);
+  linear_contract(c, x, Wv, spec, v, x_fp8);
+  FP8RL_CHECK(q.ndim() == 3 && k.ndim() == 3 && k.dim(2) == q.dim(2) && v.numel() == k.numel(),
+              "linear_qkv_norm_rope: q and k must be [T, H, head_dim] of one head_dim and v k's size, got ", q.str(),
+              ", ", k.str(), ", ", v.str());
+  const Tensor q3 = q_raw.reshape(q.shape()), k3 = k_raw.reshape(k.shape());
+  Tensor* qr = rmsnorm_contract(c, q3, q_norm, q, q_rstd, "linear_qkv_norm_rope (q)");
+  Tensor* kr = rmsnorm_contract(c, k3, k_norm, k, k_rstd, "linear_qkv_norm_rope (k)");
+  FP8RL_CHECK(q.raw() != q_raw.raw() && k.raw() != k_raw.raw(),
+              "linear_qkv_norm_rope: q and k must not alias "
+              "q_raw and k_raw");
+  rope_contract(c, q, positions, rope, "linear_qkv_norm_rope");
+  rope_contract(c, k, positions, rope, "linear_qkv_norm_rope");
+  linear_qkv_norm_rope_impl(x, {&Wq, &Wk, &Wv}, spec, q_norm, k_norm, eps, positions, rope, keep, q_raw, k_raw, q, k, v,
+                            qr, kr, spec.mode == LinearMode::FP8_BLOCK ? x_fp8 : nullptr);
+}
+
+void Backend::linear_qkv_norm_rope_impl(const Tensor& x, const std::vector<const LinearWeight*>& W,
+                                        const LinearSpec& spec, const Tensor& q_norm, const Tensor& k_norm, float eps,
+                                        const Tensor& positions, const RopeParams& rope, bool /*keep*/, Tensor& q_raw,
+                                        Tensor& k_raw, Tensor& q, Tensor& k, Tensor& v, Tensor* q_rstd, Tensor* k_rstd,
+                                        const Fp8View* x_fp8) {
+  linear_shared_input_impl(x, W, spec, {&q_raw, &k_raw, &v}, x_fp8);
+  rmsnorm_rope_impl(q_raw.reshape(q.shape()), q_norm, eps, positions, rope, q, q_rstd);
+  rmsnorm_rope_impl(k_raw.reshape(k.shape()), k_norm, eps, positions, rope, k, k_rstd);
+}
+
 void Backend::grouped_linear(const Tensor& x, const std::vector<int64_t>& offsets,
                              const std::vector<const LinearWeight*>& W, const LinearSpec& spec, Tensor& out) {
   FP8RL_CHECK(!W.empty() && offsets.size() == W.size() + 1, "grouped_linear: ", W.size(), " weights need ",

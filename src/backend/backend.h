@@ -323,6 +323,17 @@ class Backend {
   void linear_swiglu(const Tensor& x, const LinearWeight& gate_w, const LinearWeight& up_w, const LinearSpec& spec,
                      Tensor& gate, Tensor& up, bool keep, Tensor& act, Fp8View* act_fp8,
                      const Fp8View* x_fp8 = nullptr);
+  // The attention's input products with Qwen3's q/k-norm and RoPE: linear_shared_input(x,
+  // {Wq, Wk, Wv}) into q_raw [T, Hq * hd], k_raw [T, Hkv * hd] and v [T, Hkv * hd], then
+  // rmsnorm_rope(q_raw as [T, Hq, hd], q_norm -> q, q_rstd) and (k_raw, k_norm -> k, k_rstd), bit
+  // for bit. keep: q_raw and k_raw hold the products on return (the backward's inputs); otherwise
+  // they are scratch a backend may leave unwritten (CUDA at decode sizes: one concatenated
+  // product whose rows one kernel norms, rotates and splits). x_fp8 as linear's.
+  void linear_qkv_norm_rope(const Tensor& x, const LinearWeight& Wq, const LinearWeight& Wk, const LinearWeight& Wv,
+                            const LinearSpec& spec, const Tensor& q_norm, const Tensor& k_norm, float eps,
+                            const Tensor& positions, const RopeParams& rope, bool keep, Tensor& q_raw, Tensor& k_raw,
+                            Tensor& q, Tensor& k, Tensor& v, Tensor* q_rstd, Tensor* k_rstd,
+                            const Fp8View* x_fp8 = nullptr);
   // linear() of row groups through one weight each (mixture-of-experts layers): rows
   // [offsets[g], offsets[g + 1]) of x [R, K] and out [R, N] go through *W[g] (every W of equal
   // in and out features; offsets from 0 to R, non-decreasing). Each group's rows equal what
@@ -592,6 +603,11 @@ class Backend {
   virtual void linear_swiglu_impl(const Tensor& x, const LinearWeight& gate_w, const LinearWeight& up_w,
                                   const LinearSpec& spec, Tensor& gate, Tensor& up, bool keep, Tensor& act,
                                   Fp8View* act_fp8, const Fp8View* x_fp8);
+  virtual void linear_qkv_norm_rope_impl(const Tensor& x, const std::vector<const LinearWeight*>& W,
+                                         const LinearSpec& spec, const Tensor& q_norm, const Tensor& k_norm, float eps,
+                                         const Tensor& positions, const RopeParams& rope, bool keep, Tensor& q_raw,
+                                         Tensor& k_raw, Tensor& q, Tensor& k, Tensor& v, Tensor* q_rstd, Tensor* k_rstd,
+                                         const Fp8View* x_fp8);
   virtual void grouped_linear_impl(const Tensor& x, const std::vector<int64_t>& offsets,
                                    const std::vector<const LinearWeight*>& W, const LinearSpec& spec, Tensor& out);
   virtual void linear_backward_impl(const Tensor& dy, const Tensor& x, const LinearWeight& W, const LinearSpec& spec,

@@ -28,7 +28,8 @@ Tensor upload_i32(Backend& be, const std::vector<int32_t>& v) {
 }
 
 LinearSpec block_spec(const EnginePrecision& p, int layer, int num_layers) {
-  return LinearSpec{p.linear_for_layer(layer, num_layers), p.pow2_scales, p.wgrad, p.consistent};
+  return LinearSpec{p.linear_for_layer(layer, num_layers), p.pow2_scales, p.wgrad,
+                    p.consistent && p.consistent_linears};
 }
 
 const LinearSpec kFp32Spec{LinearMode::FP32, false};
@@ -367,10 +368,10 @@ void forward_block(Backend& be, const ModelWeights& w, const EnginePrecision& pr
   } else {
     Tensor q2 = a.q.reshape({T, Hq * hd}), k2 = a.k.reshape({T, Hkv * hd}), v2 = a.v.reshape({T, Hkv * hd});
     if (c.qk_norm) {
-      be.linear_shared_input(a.xn_attn, {&lw.q, &lw.k, &lw.v}, spec, {&a.q_raw, &a.k_raw, &v2}, xq_or_null);
-      // q/k-norm and RoPE in one pass (the values of rmsnorm then rope).
-      be.rmsnorm_rope(a.q_raw.reshape({T, Hq, hd}), lw.q_norm, c.rms_norm_eps, positions, rope, a.q, &a.q_rstd);
-      be.rmsnorm_rope(a.k_raw.reshape({T, Hkv, hd}), lw.k_norm, c.rms_norm_eps, positions, rope, a.k, &a.k_rstd);
+      // The products, then q/k-norm and RoPE in one pass each (the values of rmsnorm then rope);
+      // q_raw and k_raw kept only for the backward.
+      be.linear_qkv_norm_rope(a.xn_attn, lw.q, lw.k, lw.v, spec, lw.q_norm, lw.k_norm, c.rms_norm_eps, positions, rope,
+                              for_backward, a.q_raw, a.k_raw, a.q, a.k, v2, &a.q_rstd, &a.k_rstd, xq_or_null);
     } else {
       be.linear_shared_input(a.xn_attn, {&lw.q, &lw.k, &lw.v}, spec, {&q2, &k2, &v2}, xq_or_null);
       be.rope(a.q, positions, rope, /*inverse=*/false);

@@ -1198,6 +1198,98 @@ void linear_swiglu_cases(std::vector<OpCase>& t) {
         }
 }
 
+// linear_qkv_norm_rope over q|k|v as consecutive rows of one buffer (the generator's), Qwen3's
+// heads (hd 128, GQA 4 / 2): q, k, v and both rstd bitwise the unfused linear_shared_input +
+// rmsnorm_rope of the same run, with the products kept (the trainer's forward) or left in the
+// backend's scratch (decode: CUDA norms, rotates and splits the concatenated product in one kernel).
+void linear_qkv_norm_rope_cases(std::vector<OpCase>& t) {
+  for (LinearMode mode : {LinearMode::BF16, LinearMode::FP8_BLOCK})
+    for (bool consistent : {false, true})
+      for (bool keep : {false, true})
+        for (int64_t M : {int64_t(64), int64_t(37)}) {
+          if (consistent && mode != LinearMode::FP8_BLOCK) continue;
+          LinearSpec spec{mode, false};
+          spec.consistent = consistent;
+          const bool fp8 = mode == LinearMode::FP8_BLOCK;
+          const int64_t K = 256, hd = 128, Hq = 4, Hkv = 2, N = (Hq + 2 * Hkv) * hd;
+          t.push_back({"linear_qkv_norm_rope",
+                       std::to_string(M) + " tokens, K 256, 4 / 2 heads of 128, concatenated " +
+                           linear_mode_name(mode) + (consistent ? " consistent" : "") + (keep ? " kept" : " scratch"),
+                       [=] {
+                         std::vector<int32_t> pos(M);
+                         for (int64_t i = 0; i < M; ++i) pos[i] = static_cast<int32_t>((i * 37) % 700);
+                         return Tensors{{"x", rnd({M, K}, 540)},
+                                        {"w", rnd({N, K}, 541, DType::F32, 0.05f)},
+                                        {"qn", rnd({hd}, 542, DType::BF16)},
+                                        {"kn", rnd({hd}, 543, DType::BF16)},
+                                        {"pos", i32_tensor(pos, {M})}};
+                       },
+                       [=](OpRun& r) {
+                         const Tensor x = r.as("x", DType::BF16), wall = r.as("w", DType::BF16);
+                         const int64_t rows[4] = {0, Hq * hd, (Hq + Hkv) * hd, N};
+                         LinearWeight W[3];
+                         QuantTensor qall;
+                         if (fp8) {
+                           qall = r.be.alloc_quant(N, K, kQuantBlock, kQuantBlock, false);
+                           r.be.quantize(wall, false, qall);
+                         }
+                         for (int i = 0; i < 3; ++i) {
+                           if (fp8) {
+                             W[i].wq = qall;
+                             W[i].wq.data = qall.data.slice_rows(rows[i], rows[i + 1]);
+                             W[i].wq.scales = qall.scales.slice_rows(rows[i] / kQuantBlock, rows[i + 1] / kQuantBlock);
+                           } else {
+                             W[i].w = wall.slice_rows(rows[i], rows[i + 1]);
+                           }
+                         }
+                         RopeParams rp;
+                         for (int i = 0; i < hd / 2; ++i) rp.inv_freq.push_back(std::pow(1e6f, -2.0f * i / hd));
+                         const DType bf = DType::BF16;
+                         Tensor qr = r.be.alloc({M, Hq * hd}, bf), kr = r.be.alloc({M, Hkv * hd}, bf);
+                         Tensor& q = r.output("q", {M, Hq, hd}, bf);
+                         Tensor& k = r.output("k", {M, Hkv, hd}, bf);
+                         Tensor& v = r.output("v", {M, Hkv * hd}, bf);
+                         Tensor& qs = r.output("q_rstd", {M * Hq}, DType::F32);
+                         Tensor& ks = r.output("k_rstd", {M * Hkv}, DType::F32);
+                         r.be.linear_qkv_norm_rope(x, W[0], W[1], W[2], spec, r["qn"], r["kn"], 1e-6f, r["pos"], rp,
+                                                   keep, qr, kr, q, k, v, &qs, &ks);
+                         // The unfused reference in the same run.
+                         Tensor qr2 = r.be.alloc({M, Hq * hd}, bf), kr2 = r.be.alloc({M, Hkv * hd}, bf);
+                         Tensor& v2 = r.output("v_unfused", {M, Hkv * hd}, bf);
+                         r.be.linear_shared_input(x, {&W[0], &W[1], &W[2]}, spec, {&qr2, &kr2, &v2});
+                         r.be.rmsnorm_rope(qr2.reshape({M, Hq, hd}), r["qn"], 1e-6f, r["pos"], rp,
+                                           r.output("q_unfused", {M, Hq, hd}, bf),
+                                           &r.output("q_rstd_unfused", {M * Hq}, DType::F32));
+                         r.be.rmsnorm_rope(kr2.reshape({M, Hkv, hd}), r["kn"], 1e-6f, r["pos"], rp,
+                                           r.output("k_unfused", {M, Hkv, hd}, bf),
+                                           &r.output("k_rstd_unfused", {M * Hkv}, DType::F32));
+                         if (keep) {
+                           r.out["q_raw"] = qr;
+                           r.out["q_raw_unfused"] = qr2;
+                           r.out["k_raw"] = kr;
+                           r.out["k_raw_unfused"] = kr2;
+                         }
+                       },
+                       {{"q", linear_tolerance(mode, DType::BF16)},
+                        {"k", linear_tolerance(mode, DType::BF16)},
+                        {"v", linear_tolerance(mode, DType::BF16)},
+                        {"q_rstd", linear_tolerance(mode, DType::BF16)},
+                        {"k_rstd", linear_tolerance(mode, DType::BF16)}}});
+          OpCase& c = t.back();
+          c.same = {{"q", "q_unfused"},
+                    {"k", "k_unfused"},
+                    {"v", "v_unfused"},
+                    {"q_rstd", "q_rstd_unfused"},
+                    {"k_rstd", "k_rstd_unfused"}};
+          if (keep) {
+            c.same.push_back({"q_raw", "q_raw_unfused"});
+            c.same.push_back({"k_raw", "k_raw_unfused"});
+          }
+          c.no_fp8_fallback = true;
+          c.concat_products = 2;  // CUDA: the op's product and the reference's, one each
+        }
+}
+
 // ---- mixture of experts ------------------------------------------------------------------------
 
 // grouped_linear: row groups (empty, one-row and ragged ones) through one weight each, against
@@ -2196,6 +2288,7 @@ const std::vector<OpCase>& op_table() {
     fused_cases(t);
     concatenated_linear_cases(t);
     linear_swiglu_cases(t);
+    linear_qkv_norm_rope_cases(t);
     add_fp8_cases(t);
     swiglu_backward_fp8_cases(t);
     grouped_linear_cases(t);

@@ -1085,6 +1085,55 @@ void CudaBackend::linear_shared_input_impl(const Tensor& x, const std::vector<co
   }
 }
 
+// q|k|v as one product at decode sizes (concatenated_product) whose rows one kernel norms, rotates
+// and splits into q, k and v (launch_qkv_norm_rope): one launch instead of the split and two
+// rmsnorm_rope. When q_raw and k_raw must be kept (the backward's inputs), or off that path, the
+// default: linear_shared_input then rmsnorm_rope twice.
+void CudaBackend::linear_qkv_norm_rope_impl(const Tensor& x, const std::vector<const LinearWeight*>& W,
+                                            const LinearSpec& spec, const Tensor& q_norm, const Tensor& k_norm,
+                                            float eps, const Tensor& positions, const RopeParams& rope, bool keep,
+                                            Tensor& q_raw, Tensor& k_raw, Tensor& q, Tensor& k, Tensor& v,
+                                            Tensor* q_rstd, Tensor* k_rstd, const Fp8View* x_fp8) {
+  const int64_t K = W[0]->in_features(), M = rows_of(x), hd = q.dim(2);
+  LinearWeight cat;
+  const DType dt = q.dtype();
+  const bool one_dtype = q_raw.dtype() == dt && k_raw.dtype() == dt && v.dtype() == dt && k.dtype() == dt &&
+                         q_norm.dtype() == k_norm.dtype() && hd / 2 <= kMaxRopeHalf;
+  if (!keep && one_dtype && concatenated_product(x, W, spec, cat)) {
+    Tensor y = scratch(kSlotCat, {M, cat.out_features()}, dt);
+    {
+      const OpTimer op_timer_(*this, "linear", 1);
+      linear_fwd(x.reshape({M, K}), cat, spec, y, x_fp8);
+    }
+    const OpTimer op_timer_(*this, "qkv_norm_rope");  // the q|k|v split with both rmsnorm_rope
+    RopeTable tab{};
+    std::copy(rope.inv_freq.begin(), rope.inv_freq.end(), tab.inv_freq);
+    if (launch_qkv_norm_rope(y.raw(), dt, q_norm.raw(), k_norm.raw(), q_norm.dtype(), M, q.dim(1), k.dim(1), hd, eps,
+                             q.raw(), k.raw(), v.raw(), q_rstd ? q_rstd->data<float>() : nullptr,
+                             k_rstd ? k_rstd->data<float>() : nullptr, positions.data<int32_t>(), tab,
+                             rope.attention_scaling, rope.interleaved, stream_)) {
+      ++concat_products_;
+      return;
+    }
+    // Outside the kernel's limits (head_dim, alignment): the product is in y; split it.
+    SplitColsArgs a;
+    const int64_t es = static_cast<int64_t>(dtype_size(dt));
+    int64_t end = 0;
+    const Tensor* outs[3] = {&q_raw, &k_raw, &v};
+    for (int i = 0; i < 3; ++i) {
+      end += W[static_cast<size_t>(i)]->out_features() * es;
+      a.out[a.n] = outs[i]->raw(), a.end[a.n] = end, ++a.n;
+    }
+    launch_split_cols(y.raw(), M, a, stream_);
+    ++concat_products_;
+    rmsnorm_rope_impl(q_raw.reshape(q.shape()), q_norm, eps, positions, rope, q, q_rstd);
+    rmsnorm_rope_impl(k_raw.reshape(k.shape()), k_norm, eps, positions, rope, k, k_rstd);
+    return;
+  }
+  Backend::linear_qkv_norm_rope_impl(x, W, spec, q_norm, k_norm, eps, positions, rope, keep, q_raw, k_raw, q, k, v,
+                                     q_rstd, k_rstd, x_fp8);
+}
+
 // gate|up as one product at decode sizes (concatenated_product) whose two halves the swiglu reads
 // in place (rows of 2F): no split of the output. When gate and up must be kept (the backward's
 // inputs), or off that path, the default: linear_shared_input then swiglu(_fp8).

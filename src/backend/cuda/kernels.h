@@ -154,6 +154,13 @@ void launch_rope(void* x, DType dt, int64_t T, int64_t H, int64_t hd, const int3
 bool launch_rmsnorm_rope(const void* x, DType dt, const void* w, DType wdt, int64_t T, int64_t H, int64_t hd,
                          float eps, void* out, float* rstd, const int32_t* pos, const RopeTable& tab,
                          float attention_scaling, bool interleaved, cudaStream_t stream);
+// rmsnorm_rope over the q and k heads of a concatenated q|k|v product qkv [T, Hq + 2 Hkv, hd]
+// (norm weights wq, wk of dtype wdt) into q [T, Hq, hd] and k [T, Hkv, hd], and its v heads
+// copied into v [T, Hkv, hd]: one launch, each row's values those of launch_rmsnorm_rope.
+bool launch_qkv_norm_rope(const void* qkv, DType dt, const void* wq, const void* wk, DType wdt, int64_t T,
+                          int64_t Hq, int64_t Hkv, int64_t hd, float eps, void* q, void* k, void* v, float* q_rstd,
+                          float* k_rstd, const int32_t* pos, const RopeTable& tab, float attention_scaling,
+                          bool interleaved, cudaStream_t stream);
 void launch_swiglu(const void* g, const void* u, void* out, DType dt, int64_t n, cudaStream_t stream);
 // out [R, F] = swiglu(g, u) with g and u rows ld elements apart (the halves of a gate|up product).
 void launch_swiglu_rows(const void* g, const void* u, int64_t ld, void* out, DType dt, int64_t R, int64_t F,

@@ -286,11 +286,25 @@ __host__ __device__ constexpr int rope_row_lanes(int hd) { return hd <= 16 ? 2 :
 __host__ __device__ constexpr int rope_block_tokens(int rows_per_block, int H) {
   return (rows_per_block - 1) / H + 2 < rows_per_block ? (rows_per_block - 1) / H + 2 : rows_per_block;
 }
+// The rows of one launch: R = T * H rows of hd (row r = (t, h) at x + r * hd, i.e. [T, H, hd]).
+// Heads h < hq are normed with wq and rotated into out_q [T, hq, hd] (rstd_q [T * hq]), the next
+// hk with wk into out_k [T, hk, hd] (rstd_k), the remaining H - hq - hk copied unchanged into out_v
+// [T, H - hq - hk, hd]. rmsnorm_rope is hq = H, hk = 0; the decode step's q|k|v product is one
+// launch over its concatenated [T, Hq + 2 Hkv, hd] rows (qkv_norm_rope).
+template <class T, class TW>
+struct NormRopeRows {
+  const T* x;
+  int H, hq, hk;
+  const TW *wq, *wk;
+  T *out_q, *out_k, *out_v;
+  float *rstd_q, *rstd_k;
+};
 template <class T, class TW>
 __global__ void __launch_bounds__(kRopeRowsWarps * 32)
-    rmsnorm_rope_kernel(const T* x, const TW* w, int64_t R, int H, int hd, float eps, T* out, float* rstd,
-                        const int32_t* pos, RopeTable tab, float att, bool interleaved) {
+    rmsnorm_rope_kernel(NormRopeRows<T, TW> a, int64_t R, int hd, float eps, const int32_t* pos, RopeTable tab,
+                        float att, bool interleaved) {
   extern __shared__ float rope_cs[];  // [tokens][half] cos, then [tokens][half] sin
+  const int H = a.H;
   const int L = rope_row_lanes(hd), rows_per_warp = 32 / L, rows_per_block = kRopeRowsWarps * rows_per_warp;
   const int half = hd / 2, ntok = rope_block_tokens(rows_per_block, H);
   const int64_t r0 = static_cast<int64_t>(blockIdx.x) * rows_per_block, t0 = r0 / H;
@@ -307,17 +321,27 @@ __global__ void __launch_bounds__(kRopeRowsWarps * 32)
   const int64_t r = r0 + static_cast<int64_t>(threadIdx.y) * rows_per_warp + lane / L;
   const int d0 = sub * 8;
   const bool in = d0 < hd && r < R;  // every lane stays for the shuffles below
+  // The row's token and head, and where it goes: 0 = q, 1 = k (normed and rotated), 2 = copied.
+  const int64_t t = r / H;
+  const int h = static_cast<int>(r - t * H);
+  const int seg = h < a.hq ? 0 : h < a.hq + a.hk ? 1 : 2;
   float v[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   double ss = 0.0;
   if (in) {
-    load8(x + r * hd + d0, v);
+    load8(a.x + r * hd + d0, v);
 #pragma unroll
     for (int i = 0; i < 8; ++i) ss += static_cast<double>(v[i]) * v[i];
   }
   for (int o = L / 2; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  // v (seg 2): the product's values as they are. Its lanes stay for the shuffles (values unused).
+  if (seg == 2 && in) store8(a.out_v + (t * (H - a.hq - a.hk) + h - a.hq - a.hk) * hd + d0, v);
+  const int64_t orow = seg == 0 ? t * a.hq + h : t * a.hk + h - a.hq;
+  T* out = seg == 0 ? a.out_q : a.out_k;
+  const TW* w = seg == 0 ? a.wq : a.wk;
+  float* rstd = seg == 0 ? a.rstd_q : a.rstd_k;
   const float rs = rms_inverse_from_sum(ss, hd, eps);
-  if (rstd && in && sub == 0) rstd[r] = rs;
-  if (in) {
+  if (rstd && in && seg != 2 && sub == 0) rstd[orow] = rs;
+  if (in && seg != 2) {
     float wv[8];
     load8(w + d0, wv);
 #pragma unroll
@@ -328,8 +352,9 @@ __global__ void __launch_bounds__(kRopeRowsWarps * 32)
   float p[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) p[i] = __shfl_sync(0xffffffffu, v[i], partner);
+  if (seg == 2) return;
   if (!in) return;
-  const int tl = static_cast<int>(r / H - t0);
+  const int tl = static_cast<int>(t - t0);
   const float* c_row = cs_c + tl * half;
   const float* s_row = cs_s + tl * half;
   float y[8];
@@ -347,7 +372,7 @@ __global__ void __launch_bounds__(kRopeRowsWarps * 32)
       y[i] = first ? rope_first(v[i], p[i], c_row[j], s_row[j]) : rope_second(p[i], v[i], c_row[j], s_row[j]);
     }
   }
-  store8(out + r * hd + d0, y);
+  store8(out + orow * hd + d0, y);
 }
 
 template <class T>
@@ -540,26 +565,53 @@ void launch_swiglu_rows(const void* g, const void* u, int64_t ld, void* out, DTy
   CUDA_CHECK_LAUNCH("swiglu_rows_kernel");
 }
 
+namespace {
+template <class T, class TW>
+void launch_norm_rope_rows(const NormRopeRows<T, TW>& a, int64_t T_, int64_t hd, float eps, const int32_t* pos,
+                           const RopeTable& tab, float attention_scaling, bool interleaved, cudaStream_t stream) {
+  const int64_t R = T_ * a.H;
+  const int rows_per_block = kRopeRowsWarps * (32 / rope_row_lanes(static_cast<int>(hd)));
+  const size_t smem = sizeof(float) * 2 * static_cast<size_t>(hd / 2) *
+                      static_cast<size_t>(rope_block_tokens(rows_per_block, a.H));
+  rmsnorm_rope_kernel<T, TW><<<static_cast<unsigned>(ceil_div(R, rows_per_block)), dim3(32, kRopeRowsWarps), smem,
+                               stream>>>(a, R, static_cast<int>(hd), eps, pos, tab, attention_scaling, interleaved);
+  CUDA_CHECK_LAUNCH("rmsnorm_rope_kernel");
+}
+bool norm_rope_fits(int64_t hd) { return hd <= 256 && hd % 16 == 0 && hd / 2 <= kMaxRopeHalf; }
+}  // namespace
+
 bool launch_rmsnorm_rope(const void* x, DType dt, const void* w, DType wdt, int64_t T_, int64_t H, int64_t hd,
                          float eps, void* out, float* rstd, const int32_t* pos, const RopeTable& tab,
                          float attention_scaling, bool interleaved, cudaStream_t stream) {
-  if (hd > 256 || hd % 16 != 0 || hd / 2 > kMaxRopeHalf || !vec8_ok(hd, {x, w, out})) return false;
-  const int64_t R = T_ * H;
-  if (R == 0) return true;
-  const int rows_per_block = kRopeRowsWarps * (32 / rope_row_lanes(static_cast<int>(hd)));
-  const size_t smem = sizeof(float) * 2 * static_cast<size_t>(hd / 2) *
-                      static_cast<size_t>(rope_block_tokens(rows_per_block, static_cast<int>(H)));
+  if (!norm_rope_fits(hd) || !vec8_ok(hd, {x, w, out})) return false;
+  if (T_ * H == 0) return true;
   FP8RL_DISPATCH_FLOAT(wdt, "rmsnorm_rope weight", {
     using TW = T;
     FP8RL_DISPATCH_FLOAT(dt, "rmsnorm_rope input", {
-      rmsnorm_rope_kernel<T, TW><<<static_cast<unsigned>(ceil_div(R, rows_per_block)), dim3(32, kRopeRowsWarps),
-                                   smem, stream>>>(static_cast<const T*>(x), static_cast<const TW*>(w), R,
-                                                   static_cast<int>(H), static_cast<int>(hd), eps,
-                                                   static_cast<T*>(out), rstd, pos, tab, attention_scaling,
-                                                   interleaved);
+      NormRopeRows<T, TW> a{static_cast<const T*>(x), static_cast<int>(H), static_cast<int>(H), 0,
+                            static_cast<const TW*>(w), nullptr, static_cast<T*>(out), nullptr, nullptr, rstd,
+                            nullptr};
+      launch_norm_rope_rows(a, T_, hd, eps, pos, tab, attention_scaling, interleaved, stream);
     });
   });
-  CUDA_CHECK_LAUNCH("rmsnorm_rope_kernel");
+  return true;
+}
+
+bool launch_qkv_norm_rope(const void* qkv, DType dt, const void* wq, const void* wk, DType wdt, int64_t T_,
+                          int64_t Hq, int64_t Hkv, int64_t hd, float eps, void* q, void* k, void* v, float* q_rstd,
+                          float* k_rstd, const int32_t* pos, const RopeTable& tab, float attention_scaling,
+                          bool interleaved, cudaStream_t stream) {
+  if (!norm_rope_fits(hd) || !vec8_ok(hd, {qkv, wq, wk, q, k, v})) return false;
+  if (T_ == 0) return true;
+  FP8RL_DISPATCH_FLOAT(wdt, "qkv_norm_rope weight", {
+    using TW = T;
+    FP8RL_DISPATCH_FLOAT(dt, "qkv_norm_rope input", {
+      NormRopeRows<T, TW> a{static_cast<const T*>(qkv), static_cast<int>(Hq + 2 * Hkv), static_cast<int>(Hq),
+                            static_cast<int>(Hkv), static_cast<const TW*>(wq), static_cast<const TW*>(wk),
+                            static_cast<T*>(q), static_cast<T*>(k), static_cast<T*>(v), q_rstd, k_rstd};
+      launch_norm_rope_rows(a, T_, hd, eps, pos, tab, attention_scaling, interleaved, stream);
+    });
+  });
   return true;
 }
 
