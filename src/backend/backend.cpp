@@ -1109,7 +1109,7 @@ void Backend::kv_round(Tensor& x, const std::vector<float>& head_scale) {
 }
 
 void Backend::attention_paged(const KvCache& cache, int layer, const Tensor& q, const PagedBatch& batch,
-                              float softmax_scale, bool fp8_attention, Tensor& out, Tensor* lse) {
+                              float softmax_scale, bool fp8_attention, Tensor& out, Tensor* lse, Fp8View* out_fp8) {
   const Contract c(*this);
   cache_layer_contract(c, cache, layer, "attention_paged");
   c.floating(q, "attention_paged q");
@@ -1126,7 +1126,21 @@ void Backend::attention_paged(const KvCache& cache, int layer, const Tensor& q, 
   FP8RL_CHECK(batch.page_table.ndim() == 2, "page_table must be [B, max_pages], got ", batch.page_table.str());
   c.floating(out, {T, q.dim(1), cache.v_dim()}, "attention_paged output");
   if (lse) c.stat(*lse, {q.dim(1), T}, "attention_paged lse");
-  attention_paged_impl(cache, layer, q, batch, softmax_scale, fp8_attention, out, lse);
+  if (!out_fp8) {
+    attention_paged_impl(cache, layer, q, batch, softmax_scale, fp8_attention, out, lse);
+    return;
+  }
+  FP8RL_CHECK(!lse, "attention_paged: the output's FP8 copy is not taken with the lse");
+  fp8_view_target(c, out.reshape({T, q.dim(1) * cache.v_dim()}), *out_fp8, "attention_paged");
+  attention_paged_fp8_impl(cache, layer, q, batch, softmax_scale, fp8_attention, out, *out_fp8);
+}
+
+void Backend::attention_paged_fp8_impl(const KvCache& cache, int layer, const Tensor& q, const PagedBatch& batch,
+                                       float softmax_scale, bool fp8_attention, Tensor& out, Fp8View& fp8) {
+  attention_paged_impl(cache, layer, q, batch, softmax_scale, fp8_attention, out, nullptr);
+  quantize_impl(out.reshape({out.dim(0), out.numel() / out.dim(0)}), false, fp8.q, false);
+  fp8.scales_gemm_layout = false;
+  fp8.source = out.raw();
 }
 
 void Backend::sample(const Tensor& logits, const std::vector<float>& temperature, const std::vector<float>& top_p,

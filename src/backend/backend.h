@@ -518,8 +518,11 @@ class Backend {
   // the positions attended (k as the cache hands it), attention()'s convention, so that
   // attention_backward can take this op's out and lse (the consistent mode's trainer). Asking for
   // it does not change out.
+  // out_fp8 (a fused producer, as rmsnorm_fp8): out's FP8 copy too, for the o projection that
+  // reads out as [T, Hq * v_dim] (alloc_fp8_view(T, Hq * v_dim, pow2)): bitwise
+  // quantize(out [T, Hq * v_dim]). Not with lse.
   void attention_paged(const KvCache& cache, int layer, const Tensor& q, const PagedBatch& batch, float softmax_scale,
-                       bool fp8_attention, Tensor& out, Tensor* lse = nullptr);
+                       bool fp8_attention, Tensor& out, Tensor* lse = nullptr, Fp8View* out_fp8 = nullptr);
   // The inverse-CDF sampler with host parameters (every row, top-k / top-p or not; synchronizes).
   // Samples one token per row of logits F32 [B, V]: softmax(logits / temperature[b]) restricted
   // to top_k[b] (0 = all) and the smallest top_p[b] nucleus; uniforms F32 [B] in [0, 1) drive an
@@ -658,6 +661,9 @@ class Backend {
   virtual void kv_round_impl(Tensor& x, const std::vector<float>& head_scale) = 0;
   virtual void attention_paged_impl(const KvCache& cache, int layer, const Tensor& q, const PagedBatch& batch,
                                     float softmax_scale, bool fp8_attention, Tensor& out, Tensor* lse) = 0;
+  // attention_paged_impl, then out's FP8 copy into fp8 (out [T, H, d] as [T, H * d]); a backend may fuse it.
+  virtual void attention_paged_fp8_impl(const KvCache& cache, int layer, const Tensor& q, const PagedBatch& batch,
+                                        float softmax_scale, bool fp8_attention, Tensor& out, Fp8View& fp8);
   virtual void sample_impl(const Tensor& logits, const std::vector<float>& temperature, const std::vector<float>& top_p,
                            const std::vector<int>& top_k, const std::vector<float>& uniforms, Tensor& tokens,
                            Tensor& logp, int64_t valid_vocab) = 0;

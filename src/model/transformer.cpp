@@ -74,6 +74,7 @@ struct AttentionStep {
   std::function<void(int layer, LayerActivations& a)> run;
   bool mla_latent = false;
   std::vector<float> mla_kv_round;
+  bool fp8_out = false;  // run writes a.attn_fp8 too when it is defined (attention_paged's out_fp8)
 };
 
 // What the mixture-of-experts blocks of one forward replay and record (each may be null):
@@ -334,13 +335,27 @@ void mla_qkv(Backend& be, const ModelConfig& c, const LayerWeights& lw, const Li
   for (int64_t h = 0; h < H; ++h) be.copy_cols(rk, 0, k2, h * qk + nope, r);  // the shared rotary key
 }
 
+// The attention norm of the block that follows, carried out by this block's closing residual
+// add (add_rmsnorm: the values of add then rmsnorm(_fp8), bit for bit) in the forward that reuses
+// one set of buffers for every block (no saved activations): `normed` says the block's input is
+// already normed into a.xn_attn / a.attn_rstd and, for FP8 linears, into xq; `next_norm` is the
+// next block's weight (null: the last block, or a saving forward) and next_fp8 whether its
+// linears take the FP8 copy. One launch fewer per block.
+struct BlockNormCarry {
+  bool normed = false;
+  Fp8View xq;
+  const Tensor* next_norm = nullptr;
+  bool next_fp8 = false;
+};
+
 // One transformer block: fills `a` (its activations, buffers allocated here) from the block
 // input x [T, D] and writes the block output into x_next [T, D] (may be x itself).
 // for_backward: a.gate and a.up are kept (the backward's inputs); otherwise the MLP's two
-// products may stay in the backend's scratch (linear_swiglu's keep).
+// products may stay in the backend's scratch (linear_swiglu's keep). carry: BlockNormCarry.
 void forward_block(Backend& be, const ModelWeights& w, const EnginePrecision& prec, int l, const Tensor& x,
                    const Tensor& positions, const AttentionStep& attention, const MoeRoutingIo& routing,
-                   QkvAmax* amax, bool for_backward, LayerActivations& a, Tensor& x_next) {
+                   QkvAmax* amax, bool for_backward, LayerActivations& a, Tensor& x_next,
+                   BlockNormCarry* carry = nullptr) {
   const ModelConfig& c = w.config;
   const int L = c.num_layers;
   const int64_t T = x.dim(0), hd = c.head_dim;
@@ -354,14 +369,21 @@ void forward_block(Backend& be, const ModelWeights& w, const EnginePrecision& pr
   // FP8 linears: the norms and the SwiGLU write their output's FP8 copy too (xq: of xn_attn,
   // then of xn_mlp; hq: of act), which the linears take instead of quantizing their input.
   const bool fp8 = spec.mode == LinearMode::FP8_BLOCK;
-  Fp8View xq = fp8 ? be.alloc_fp8_view(T, c.hidden_size, spec.pow2_scales) : Fp8View{};
+  const bool normed = carry && carry->normed;
+  Fp8View xq = !fp8                          ? Fp8View{}
+               : normed && carry->xq.defined() ? carry->xq
+                                               : be.alloc_fp8_view(T, c.hidden_size, spec.pow2_scales);
   Fp8View* xq_or_null = fp8 ? &xq : nullptr;
 
   // ---- attention ----
-  if (fp8)
+  if (normed) {
+    FP8RL_CHECK(!fp8 || (carry->xq.defined() && carry->xq.source == a.xn_attn.raw()),
+                "forward: block ", l, "'s normed input has no FP8 copy of its own (the carry's next_fp8 was wrong)");
+  } else if (fp8) {
     be.rmsnorm_fp8(x, lw.attn_norm, c.rms_norm_eps, a.xn_attn, &a.attn_rstd, xq);
-  else
+  } else {
     be.rmsnorm(x, lw.attn_norm, c.rms_norm_eps, a.xn_attn, &a.attn_rstd);
+  }
   if (c.is_mla()) {  // q [T, H, qk], k [T, H, qk], v [T, H, dv] (or the latent: AttentionStep)
     const float kv_round = attention.mla_kv_round.empty() ? 0.0f : attention.mla_kv_round[static_cast<size_t>(l)];
     mla_qkv(be, c, lw, spec, positions, rope, xq_or_null, attention.mla_latent, kv_round, amax, a);
@@ -383,11 +405,14 @@ void forward_block(Backend& be, const ModelWeights& w, const EnginePrecision& pr
     amax->add(be, a.k, 1);
     amax->add(be, a.v, 2);
   }
+  // FP8 o projection: an attention step that can write its output's FP8 copy (the generator's
+  // paged one) is handed a view for it (AttentionStep::fp8_out), which the product then reads.
+  a.attn_fp8 = fp8 && attention.fp8_out && !c.is_mla() ? be.alloc_fp8_view(T, Hq * hd, spec.pow2_scales) : Fp8View{};
   attention.run(l, a);
   if (c.is_mla())
     be.linear(a.attn.reshape({T, Hq * c.v_head_dim}), lw.o, mla_spec(c, spec, lw.o), a.proj);
   else
-    be.linear(a.attn.reshape({T, Hq * hd}), lw.o, spec, a.proj);
+    be.linear(a.attn.reshape({T, Hq * hd}), lw.o, spec, a.proj, a.attn_fp8.defined() ? &a.attn_fp8 : nullptr);
 
   // ---- MLP ---- (the residual add and the norm in one op; the MoE MLP permutes xn_mlp's rows
   // first, so its experts quantize their own inputs)
@@ -409,7 +434,18 @@ void forward_block(Backend& be, const ModelWeights& w, const EnginePrecision& pr
       be.linear(a.act, lw.down, spec, a.proj);
     }
   }
-  be.add(a.x_mid, a.proj, x_next);
+  if (carry && carry->next_norm) {
+    // The next block's attention norm (into this set of buffers, which it reuses) with the add.
+    carry->xq = !carry->next_fp8 ? Fp8View{}
+                : xq.defined()   ? xq  // consumed by this block's products already
+                                 : be.alloc_fp8_view(T, c.hidden_size, prec.pow2_scales);
+    be.add_rmsnorm(a.x_mid, a.proj, x_next, *carry->next_norm, c.rms_norm_eps, a.xn_attn, &a.attn_rstd,
+                   carry->next_fp8 ? &carry->xq : nullptr);
+    carry->normed = true;
+  } else {
+    be.add(a.x_mid, a.proj, x_next);
+    if (carry) carry->normed = false;
+  }
 }
 
 // THE layer loop, shared by both forwards. x [T, D] is the residual stream after the
@@ -429,11 +465,15 @@ void forward_layers(Backend& be, const ModelWeights& w, const EnginePrecision& p
       r->ids.assign(static_cast<size_t>(model_num_moe_layers(w.config)), {});
     }
   Tensor x = x_in;  // [T, D] residual stream
+  BlockNormCarry carry;  // without saving: each block's closing add does the next one's norm
   for (int l = 0; l < L; ++l) {
     LayerActivations& a = saved && !inputs_only ? (*saved)[l] : scratch;
     // Saving: the next block's input is a new tensor (this block's x stays intact).
     Tensor x_next = saved ? be.alloc(x.shape(), x.dtype()) : x;
-    forward_block(be, w, prec, l, x, positions, attention, routing, amax, saved && !inputs_only, a, x_next);
+    carry.next_norm = !saved && l + 1 < L ? &w.layers[l + 1].attn_norm : nullptr;
+    carry.next_fp8 = carry.next_norm && block_spec(prec, l + 1, L).mode == LinearMode::FP8_BLOCK;
+    forward_block(be, w, prec, l, x, positions, attention, routing, amax, saved && !inputs_only, a, x_next,
+                  saved ? nullptr : &carry);
     if (saved && inputs_only) (*saved)[l].x = x;
     x = x_next;
   }
@@ -799,9 +839,11 @@ void model_forward_paged(Backend& be, const ModelWeights& w, const EnginePrecisi
       mla_attention_paged(be, w, prec, layer, cache, pb, mla, a);
     };
   } else {
+    attention.fp8_out = true;
     attention.run = [&](int layer, LayerActivations& a) {
       be.kv_write(cache, layer, a.k, a.v, pb);
-      be.attention_paged(cache, layer, a.q, pb, softmax_scale, prec.fp8_attention, a.attn);
+      be.attention_paged(cache, layer, a.q, pb, softmax_scale, prec.fp8_attention, a.attn, nullptr,
+                         a.attn_fp8.defined() ? &a.attn_fp8 : nullptr);
     };
   }
   Tensor x_final;

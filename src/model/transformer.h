@@ -87,6 +87,7 @@ struct LayerActivations {
   Tensor rope_q, rope_k;       // [T, H, r], [T, 1, r]  scratch: the rotary parts
   Tensor attn;          // [T, Hq, hd]   attention output: input of o (MLA: [T, H, dv])
   Tensor lse;           // [Hq, T]       attention log-sum-exp (scoring forward only)
+  Fp8View attn_fp8;     // attn's FP8 copy for an FP8 o projection (generation only: the paged step writes it)
   Tensor x_mid;         // [T, D]        x + o(attn)
   Tensor mlp_rstd;      // [T]           1/rms of x_mid (mlp_norm)
   Tensor xn_mlp;        // [T, D]        mlp_norm(x_mid): input of gate, up

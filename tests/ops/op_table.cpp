@@ -2075,6 +2075,91 @@ void generation_cases(std::vector<OpCase>& t) {
     };
   }
 
+  // attention_paged with its output's FP8 copy (the generator's o projection input; CUDA: written
+  // by the tensor-core kernel's epilogue with one split, by the split combine with several): out
+  // bitwise the plain call's, codes and scales bitwise quantize(out) of the same run, in either
+  // scale layout (CUDA's VEC128 layout when T % 16 == 0). Head_dim 128, GQA 4 / 2, batch-invariant
+  // plans: one split below 512 positions, two for the 600-position sequence.
+  for (DType kdt : {DType::BF16, DType::E4M3})
+    for (const std::vector<int32_t>& flens : {std::vector<int32_t>{37}, std::vector<int32_t>{48},
+                                              std::vector<int32_t>{600, 37}, std::vector<int32_t>{600, 40}}) {
+      const int fps = 16, fHkv = 2, fhd = 128, fHq = 4, B = static_cast<int>(flens.size());
+      std::vector<int32_t> fseq, fpos, fslots, ftable;
+      int fpages = 0, width = 0, maxlen = 0;
+      for (int32_t n : flens) width = std::max(width, (n + fps - 1) / fps), maxlen = std::max(maxlen, n);
+      for (int b = 0; b < B; ++b) {
+        const int np = (flens[b] + fps - 1) / fps;
+        for (int p = 0; p < width; ++p) ftable.push_back(p < np ? fpages + (p * 5) % np : 0);
+        for (int p = 0; p < flens[b]; ++p) {
+          fseq.push_back(b);
+          fpos.push_back(p);
+          fslots.push_back(ftable[static_cast<size_t>(b) * width + p / fps] * fps + p % fps);
+        }
+        fpages += np;
+      }
+      const int64_t fT = static_cast<int64_t>(fseq.size());
+      std::string lens_name;
+      for (int32_t n : flens) lens_name += (lens_name.empty() ? "" : " + ") + std::to_string(n);
+      t.push_back({"kv_write + attention_paged",
+                   std::string(dtype_name(kdt)) + " cache, output FP8 copy, " + lens_name + " positions, hd 128",
+                   [=] {
+                     Tensor ks = rnd({1, fHkv}, 130), vs = rnd({1, fHkv}, 131);
+                     for (int64_t i = 0; i < fHkv; ++i) {
+                       ks.data<float>()[i] = 0.01f + std::fabs(ks.data<float>()[i]) * 0.02f;
+                       vs.data<float>()[i] = 0.01f + std::fabs(vs.data<float>()[i]) * 0.02f;
+                     }
+                     return Tensors{{"k_scale", ks},
+                                    {"v_scale", vs},
+                                    {"k", rnd({fT, fHkv, fhd}, 132, DType::BF16, 2.0f)},
+                                    {"v", rnd({fT, fHkv, fhd}, 133, DType::BF16, 2.0f)},
+                                    {"q", rnd({fT, fHq, fhd}, 134, DType::BF16, 0.5f)},
+                                    {"seq", i32_tensor(fseq, {fT})},
+                                    {"pos", i32_tensor(fpos, {fT})},
+                                    {"slots", i32_tensor(fslots, {fT})},
+                                    {"table", i32_tensor(ftable, {B, width})}};
+                   },
+                   [=](OpRun& r) {
+                     KvCache c = r.be.alloc_kv_cache(1, fpages, fps, fHkv, fhd, kdt);
+                     r.be.copy(r["k_scale"], c.k_scale);
+                     r.be.copy(r["v_scale"], c.v_scale);
+                     PagedBatch b{r["seq"], r["pos"], r["slots"], r["table"], maxlen};
+                     b.batch_invariant = true;
+                     r.be.kv_write(c, 0, r["k"], r["v"], b);
+                     const bool cpu = r.be.device() == DeviceKind::CPU;
+                     const DType odt = cpu ? DType::F32 : DType::BF16;
+                     const Tensor q = cpu ? r.as("q", DType::F32) : r["q"];
+                     Tensor& out = r.output("out", {fT, fHq, fhd}, odt);
+                     Fp8View view = r.be.alloc_fp8_view(fT, fHq * fhd, false);
+                     r.be.attention_paged(c, 0, q, b, 0.125f, false, out, nullptr, &view);
+                     r.be.attention_paged(c, 0, q, b, 0.125f, false, r.output("out_plain", {fT, fHq, fhd}, odt));
+                     QuantTensor ref = r.be.alloc_quant(fT, fHq * fhd, 1, kQuantBlock, false);
+                     r.be.quantize(out.reshape({fT, fHq * fhd}), false, ref);
+                     r.out["codes"] = view.q.data;
+                     r.out["codes_ref"] = ref.data;
+                     r.out["scales"] = view.q.scales;
+                     r.out["scales_ref"] = ref.scales;
+                     Tensor layout = Tensor::empty({1}, DType::I32);
+                     layout.data<int32_t>()[0] = view.scales_gemm_layout ? 1 : 0;
+                     r.out["gemm_layout"] = r.be.to_device(layout);
+                     EXPECT_EQ(view.source, out.raw());
+                   },
+                   {{"out", rel(1e-2)}},
+                   {{"out_plain", "out"}, {"codes_ref", "codes"}}});
+      t.back().invariants = [=](const Tensors& out) {
+        const bool gemm = out.at("gemm_layout").data<int32_t>()[0] != 0;
+        const Tensor& s = out.at("scales");
+        const Tensor& ref = out.at("scales_ref");
+        const int64_t nb = fHq * fhd / kQuantBlock;
+        for (int64_t r = 0; r < fT; ++r)
+          for (int64_t k = 0; k < nb; ++k) {
+            const float got = s.data<float>()[gemm ? k * fT + r : r * nb + k];
+            const float want = ref.data<float>()[r * nb + k];
+            ASSERT_EQ(std::memcmp(&got, &want, 4), 0) << "row " << r << " block " << k << ": scale " << got
+                                                      << " vs the quantizer's " << want;
+          }
+      };
+    }
+
   // The GPU sampler (no sort: radix search on order keys) draws the CPU reference's token for the
   // same uniforms: greedy, plain, top-k, top-p, both, on continuous logits (well separated) and
   // on integer logits (many exact ties: the lower id comes first), several vocabulary sizes.

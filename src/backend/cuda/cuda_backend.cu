@@ -1669,6 +1669,27 @@ void CudaBackend::kv_write_impl(KvCache& cache, int layer, const Tensor& k, cons
 void CudaBackend::attention_paged_impl(const KvCache& cache, int layer, const Tensor& q, const PagedBatch& batch,
                                        float softmax_scale, bool fp8_attention, Tensor& out, Tensor* lse) {
   const OpTimer op_timer_(*this, "attention_paged");
+  attention_paged_run(cache, layer, q, batch, softmax_scale, fp8_attention, out, lse, nullptr);
+}
+
+// The output's FP8 copy written by the tensor-core kernel's epilogue (or its split combine) when
+// it runs at head_dim 128, else by the quantizer after it.
+void CudaBackend::attention_paged_fp8_impl(const KvCache& cache, int layer, const Tensor& q, const PagedBatch& batch,
+                                           float softmax_scale, bool fp8_attention, Tensor& out, Fp8View& fp8) {
+  const OpTimer op_timer_(*this, "attention_paged_fp8");
+  const Tensor out2 = out.reshape({out.dim(0), out.numel() / std::max<int64_t>(out.dim(0), 1)});
+  fp8_view_prepare(fp8, out2);
+  int* bad = flag_reset();
+  const PagedOutFp8 o{fp8.q.data.data<uint8_t>(), fp8.q.scales.data<float>(), fp8.scales_gemm_layout, fp8.q.pow2,
+                      bad};
+  if (!attention_paged_run(cache, layer, q, batch, softmax_scale, fp8_attention, out, nullptr, &o))
+    quantize_async(out2, false, fp8.q, false, fp8.scales_gemm_layout);
+  flag_check("attention_paged: the output " + out.str() + " holds NaN or Inf (FP8 quantization refuses non-finite values)");
+}
+
+bool CudaBackend::attention_paged_run(const KvCache& cache, int layer, const Tensor& q, const PagedBatch& batch,
+                                      float softmax_scale, bool fp8_attention, Tensor& out, Tensor* lse,
+                                      const PagedOutFp8* out_fp8) {
   one_dtype({&q, &out}, "attention_paged");
   const int64_t T = q.dim(0);
   const int Hq = static_cast<int>(q.dim(1)), hd = static_cast<int>(q.dim(2));
@@ -1701,7 +1722,7 @@ void CudaBackend::attention_paged_impl(const KvCache& cache, int layer, const Te
                            batch.page_table.data<int32_t>(), max_pages, T, Hq, cache.num_kv_heads, hd, cache.v_dim(),
                            hd, cache.page_size, kp, vp, cache.dtype, ks, vs, softmax_scale, fp8_attention, out.raw(),
                            stream_, lse_out);
-    return;
+    return false;
   }
   const char* forced = std::getenv("FP8RL_CUDA_PAGED_SPLITS");
   const int nforced = forced ? std::atoi(forced) : 0;
@@ -1715,17 +1736,19 @@ void CudaBackend::attention_paged_impl(const KvCache& cache, int layer, const Te
   float* part = nullptr;
   if (plan.splits > 1 || lse_out) part = scratch(kSlotAttn, {T * Hq * plan.splits * (hd + 1)}, DType::F32).data<float>();
   float* part_lse = part ? part + T * Hq * plan.splits * hd : nullptr;
+  const bool fused = out_fp8 && hd == 128;  // one 1x128 block per (token, head) row
   if (mma) {
     launch_paged_attention_mma(q.raw(), q.dtype(), batch.token_seq.data<int32_t>(), batch.token_pos.data<int32_t>(),
                                batch.page_table.data<int32_t>(), max_pages, T, Hq, cache.num_kv_heads, hd,
                                cache.page_size, kp, vp, cache.dtype, ks, vs, softmax_scale, fp8_attention, plan, part,
-                               part_lse, out.raw(), stream_, /*variant=*/-1, lse_out);
-    return;
+                               part_lse, out.raw(), stream_, /*variant=*/-1, lse_out, fused ? out_fp8 : nullptr);
+    return fused;
   }
   launch_paged_attention(q.raw(), q.dtype(), batch.token_seq.data<int32_t>(), batch.token_pos.data<int32_t>(),
                          batch.page_table.data<int32_t>(), max_pages, T, Hq, cache.num_kv_heads, hd, cache.page_size,
                          kp, vp, cache.dtype, ks, vs, softmax_scale, fp8_attention, plan, part, part_lse, out.raw(),
                          stream_, grouped, lse_out);
+  return false;
 }
 
 namespace {

@@ -31,6 +31,8 @@
 
 namespace fp8rl::cuda {
 
+struct PagedOutFp8;  // kernels.h
+
 class CudaBackend final : public Backend {
  public:
   CudaBackend(int device_index, DType act_dtype);
@@ -138,6 +140,8 @@ class CudaBackend final : public Backend {
   void kv_round_impl(Tensor& x, const std::vector<float>& head_scale) override;
   void attention_paged_impl(const KvCache& cache, int layer, const Tensor& q, const PagedBatch& batch,
                             float softmax_scale, bool fp8_attention, Tensor& out, Tensor* lse) override;
+  void attention_paged_fp8_impl(const KvCache& cache, int layer, const Tensor& q, const PagedBatch& batch,
+                                float softmax_scale, bool fp8_attention, Tensor& out, Fp8View& fp8) override;
   void sample_impl(const Tensor& logits, const std::vector<float>& temperature, const std::vector<float>& top_p,
                    const std::vector<int>& top_k, const std::vector<float>& uniforms, Tensor& tokens, Tensor& logp,
                    int64_t valid_vocab) override;
@@ -214,6 +218,10 @@ class CudaBackend final : public Backend {
     int* bad;
   };
   LogprobRows logprob_rows_begin(int64_t T, int64_t V, const char* op);
+  // attention_paged's kernels; with out_fp8, true when a kernel wrote out's FP8 copy too.
+  bool attention_paged_run(const KvCache& cache, int layer, const Tensor& q, const PagedBatch& batch,
+                           float softmax_scale, bool fp8_attention, Tensor& out, Tensor* lse,
+                           const PagedOutFp8* out_fp8);
   void fp8_view_prepare(Fp8View& fp8, const Tensor& out);
   void check_dev(const Tensor& t, const char* what) const;  // quantize_async's own entry
   // Whether an FP8 block GEMM [M, N, K] takes cuBLASLt's FP8 kernels (else: dequantize + FP32 GEMM).

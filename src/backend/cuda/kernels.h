@@ -282,12 +282,20 @@ int paged_attention_mma_variant_env();  // FP8RL_PAGED_VARIANT, or the default; 
 int paged_attention_mma_blocks_per_sm(int hd, DType pool_dt, int variant = -1);
 PagedSplit paged_attention_mma_split(int64_t T, int Hkv, int hd, DType pool_dt, int max_pos, int sm_count, int forced,
                                      int variant = -1);
+// The output's 1x128 E4M3 copy that launch_paged_attention_mma writes with out when asked (head_dim
+// 128: one block per (token, head)): bitwise what the 1x128 quantizer makes of out [T, Hq * 128].
+struct PagedOutFp8 {
+  uint8_t* q;          // [T, Hq * 128] codes
+  float* scales;       // [T, Hq] row-major, or [Hq][T] with gemm_layout
+  bool gemm_layout, pow2;
+  int* bad;            // set to 1 when an output is not finite
+};
 void launch_paged_attention_mma(const void* q, DType qdt, const int32_t* token_seq, const int32_t* token_pos,
                                 const int32_t* page_table, int max_pages, int64_t T, int Hq, int Hkv, int hd,
                                 int page_size, const void* kpool, const void* vpool, DType pool_dt,
                                 const float* k_scale, const float* v_scale, float scale, bool fp8_q,
                                 const PagedSplit& split, float* part_o, float* part_lse, void* out, cudaStream_t stream,
-                                int variant = -1, float* lse_out = nullptr);
+                                int variant = -1, float* lse_out = nullptr, const PagedOutFp8* out_fp8 = nullptr);
 
 // ---- sampling (sample_kernels.cu) ----
 // One token per row of logits [B, V] (F32), backend.h's semantics; per-row parameters on the

@@ -37,6 +37,8 @@ namespace {
 // ---- device primitives (the host emulation supplies its own) --------------------------------
 __device__ __forceinline__ uint4 paged_ld16(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
 __device__ __forceinline__ uint2 paged_ld8(const void* p) { return __ldg(reinterpret_cast<const uint2*>(p)); }
+// e4m3(x) (fp8_rule.h's codec: round to nearest even, saturating): the fused output quantizer.
+__device__ __forceinline__ uint8_t paged_e4m3_code(float x) { return fp8_e4m3_encode(x); }
 // For the tensor-core kernel (paged_mma_kernel below):
 // cp.async of 16 bytes into shared memory; src_bytes = 0 writes 16 zero bytes and reads nothing.
 __device__ __forceinline__ void paged_cp_async16(void* smem_dst, const void* src, int src_bytes) {
@@ -187,6 +189,15 @@ struct PagedArgs {
   // Partials even with one split (the combine kernel then writes out and the lse): a token's out
   // is the same bits either way (the combine of one partial is that partial: 2^0 = 1, x / 1 = x).
   bool partials = false;
+  // The output's 1x128 E4M3 copy (hd 128: one block per (token, head) row), written with out by
+  // the tensor-core kernels' one-split epilogue and by the combine (the o projection's input,
+  // bitwise quantize(out)): codes [T, Hq, hd], scales row-major [T * Hq] or, with out_q_gemm,
+  // [Hq][T] (cuBLASLt's VEC128 layout); a non-finite output sets *out_q_bad.
+  uint8_t* out_q = nullptr;
+  float* out_qs = nullptr;
+  int64_t out_q_rows = 0;  // T
+  bool out_q_gemm = false, out_q_pow2 = false;
+  int* out_q_bad = nullptr;
 };
 
 __device__ __forceinline__ float paged_load_q(const void* q, bool bf, int64_t i) {
@@ -198,6 +209,31 @@ __device__ __forceinline__ void paged_store_out(void* out, bool bf, int64_t i, f
 }
 // exp2(m - mn), 0 for an empty stream (m = -inf).
 __device__ __forceinline__ float paged_rescale(float m, float mn) { return m == -INFINITY ? 0.0f : exp2f(m - mn); }
+
+// The fused output quantizer of one (token, head) row of 128 values held 4 per lane by a warp
+// (lane l: dims l + 32 j), each already rounded as out stores it: the row's amax over the warp,
+// its scale and codes (quant.cuh's rule: e4m3(v / s), s = fp8_scale_from_amax(amax)).
+__device__ __forceinline__ void paged_quantize_row(const PagedArgs& a, int64_t row, const float (&v)[4], int lane) {
+  float amax = 0.0f;
+  bool finite = true;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    finite = finite && isfinite(v[j]);
+    amax = fmaxf(amax, fabsf(v[j]));
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  const float s = fp8_scale_from_amax(amax, a.out_q_pow2);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) a.out_q[row * 128 + lane + 32 * j] = paged_e4m3_code(v[j] / s);
+  if (lane == 0) a.out_qs[a.out_q_gemm ? (row % a.Hq) * a.out_q_rows + row / a.Hq : row] = s;
+  if (!finite) *a.out_q_bad = 1;  // every writer writes 1
+}
+// The value out holds for v (BF16 q: the tensor-core kernels' out is BF16).
+__device__ __forceinline__ float paged_stored(bool bf, float v) {
+  return bf ? bf16_bits_to_float(bf16_bits_from_float(v)) : v;
+}
+
 
 // A lane's kVec elements of a pool row: loaded as raw words (8 or 16 bytes), decoded to floats
 // where they are used (E4M3 without its scale), which keeps few registers live.
@@ -619,7 +655,8 @@ __global__ void __launch_bounds__(32 * kPagedWarps, 3) paged_tiled_kernel(const 
 // log-sum-exp of the token's scores, (M + log2(sum_s 2^(lse_s - M))) ln 2.
 __global__ void __launch_bounds__(32 * kPagedWarps)
     paged_combine_kernel(const float* part_o, const float* part_lse, const int32_t* token_pos, int64_t rows, int Hq,
-                         int hd, int splits, int chunk, bool out_bf16, void* out, float* lse_out = nullptr) {
+                         int hd, int splits, int chunk, bool out_bf16, void* out, float* lse_out = nullptr,
+                         PagedArgs qa = PagedArgs{}) {
   const int64_t w = static_cast<int64_t>(blockIdx.x) * kPagedWarps + (threadIdx.x >> 5);
   const int lane = static_cast<int>(threadIdx.x) & 31;
   if (w >= rows) return;
@@ -633,6 +670,19 @@ __global__ void __launch_bounds__(32 * kPagedWarps)
   if (lse_out && lane == 0) {
     const int64_t T = rows / Hq;
     lse_out[(w % Hq) * T + w / Hq] = (mx + log2f(den)) * 0.6931471805599453f;
+  }
+  if (qa.out_q && hd == 128) {  // with the output's E4M3 copy (PagedArgs::out_q): the same values
+    float v[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int d = lane + 32 * j;
+      float num = 0.0f;
+      for (int s = 0; s < n; ++s) num += exp2f(lse[s] - mx) * part_o[(w * splits + s) * hd + d];
+      paged_store_out(out, out_bf16, w * hd + d, num / den);
+      v[j] = paged_stored(out_bf16, num / den);
+    }
+    paged_quantize_row(qa, w, v, lane);
+    return;
   }
   for (int d = lane; d < hd; d += 32) {
     float num = 0.0f;
@@ -731,6 +781,34 @@ __device__ __forceinline__ void paged_mma_merge_warps(const PagedArgs& a, const 
                                                       const float (*s_m)[kMmaRows], const float (*s_l)[kMmaRows],
                                                       int G, int64_t head0, int split, int hk) {
   const float vsc = a.v_scale ? a.v_scale[hk] : 1.0f;
+  if constexpr (HD == 128) {
+    if (a.out_q && a.splits == 1 && !a.partials) {
+      // One warp per head row (the same per-element arithmetic as below), then its quantization.
+      const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+      for (int h = warp; h < G; h += NW) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < NW; ++w) mx = fmaxf(mx, s_m[w][h]);
+        float v[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int d = lane + 32 * j;
+          float den = 0.0f, num = 0.0f;
+#pragma unroll
+          for (int w = 0; w < NW; ++w) {
+            const float f = paged_rescale(s_m[w][h], mx);
+            den += s_l[w][h] * f;
+            num += s_o[(w * kMmaRows + h) * HD + d] * f;
+          }
+          const float ov = num / den * vsc;
+          paged_store_out(a.out, true, (head0 + h) * HD + d, ov);
+          v[j] = paged_stored(true, ov);
+        }
+        paged_quantize_row(a, head0 + h, v, lane);
+      }
+      return;
+    }
+  }
   for (int i = static_cast<int>(threadIdx.x); i < G * HD; i += 32 * NW) {
     const int h = i / HD, d = i % HD;
     float mx = -INFINITY;
@@ -1560,8 +1638,9 @@ void launch_paged_attention_mma(const void* q, DType qdt, const int32_t* token_s
                                 int page_size, const void* kpool, const void* vpool, DType pool_dt,
                                 const float* k_scale, const float* v_scale, float scale, bool fp8_q,
                                 const PagedSplit& split, float* part_o, float* part_lse, void* out, cudaStream_t stream,
-                                int variant, float* lse_out) {
+                                int variant, float* lse_out, const PagedOutFp8* out_fp8) {
   if (T == 0) return;
+  FP8RL_CHECK(!out_fp8 || hd == 128, "paged attention: the fused output quantizer needs head_dim 128, got ", hd);
   int v = resolve_variant(variant);
   if (reinterpret_cast<uintptr_t>(q) % 16 != 0) v = 0;  // the transposed kernel loads q 16 bytes at a time
   FP8RL_CHECK(Hkv > 0 && Hq % Hkv == 0 && paged_attention_mma_supported(hd, Hq / Hkv, pool_dt, qdt, kpool, vpool),
@@ -1578,6 +1657,14 @@ void launch_paged_attention_mma(const void* q, DType qdt, const int32_t* token_s
                            k_scale, v_scale, scale, fp8_q, split, part_o, part_lse, out);
   a.ps_shift = (page_size & (page_size - 1)) == 0 ? __builtin_ctz(static_cast<unsigned>(page_size)) : -1;
   a.partials = lse_out != nullptr;
+  if (out_fp8) {
+    a.out_q = out_fp8->q;
+    a.out_qs = out_fp8->scales;
+    a.out_q_rows = T;
+    a.out_q_gemm = out_fp8->gemm_layout;
+    a.out_q_pow2 = out_fp8->pow2;
+    a.out_q_bad = out_fp8->bad;
+  }
   with_variant(v, [&](auto vc) {
     constexpr int V = decltype(vc)::value;
     if (pool_dt == DType::E4M3) {
@@ -1593,7 +1680,7 @@ void launch_paged_attention_mma(const void* q, DType qdt, const int32_t* token_s
     const int64_t rows = T * Hq;
     paged_combine_kernel<<<static_cast<unsigned>((rows + kPagedWarps - 1) / kPagedWarps), 32 * kPagedWarps, 0,
                            stream>>>(part_o, part_lse, token_pos, rows, Hq, hd, split.splits, split.chunk, true, out,
-                                     lse_out);
+                                     lse_out, a);
     CUDA_CHECK_LAUNCH("paged_combine_kernel");
   }
 }

@@ -14,8 +14,7 @@
 #ifndef INFINITY
 #define INFINITY (__builtin_inff())
 #endif
-struct uint2 { uint32_t x, y; };
-struct float2 { float x, y; };
+struct uint2 { uint32_t x, y; };  // float2: emu.h's
 inline uint4 paged_ld16(const void* p) { uint4 u; std::memcpy(&u, p, 16); return u; }
 inline uint2 paged_ld8(const void* p) { uint2 u; std::memcpy(&u, p, 8); return u; }
 inline float e4m3_dec(uint8_t b) {
@@ -37,7 +36,9 @@ inline uint8_t e4m3_enc(float x) {
 }
 inline float2 fp8_e4m3x2_to_float2(uint32_t two) { return {e4m3_dec(uint8_t(two & 0xff)), e4m3_dec(uint8_t((two >> 8) & 0xff))}; }
 inline float fp8_e4m3_round(float x) { return e4m3_dec(e4m3_enc(x)); }
+inline uint8_t paged_e4m3_code(float x) { return e4m3_enc(x); }  // the fused output quantizer
 using ::fabsf;
+using std::isfinite;
 using fp8rl::fp8_scale_from_amax;
 inline void __syncwarp() { tw->bar.arrive_and_wait(); }
 
