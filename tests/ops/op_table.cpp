@@ -2154,8 +2154,8 @@ void generation_cases(std::vector<OpCase>& t) {
           for (int64_t k = 0; k < nb; ++k) {
             const float got = s.data<float>()[gemm ? k * fT + r : r * nb + k];
             const float want = ref.data<float>()[r * nb + k];
-            ASSERT_EQ(std::memcmp(&got, &want, 4), 0) << "row " << r << " block " << k << ": scale " << got
-                                                      << " vs the quantizer's " << want;
+            ASSERT_EQ(std::memcmp(&got, &want, 4), 0)
+                << "row " << r << " block " << k << ": scale " << got << " vs the quantizer's " << want;
           }
       };
     }
