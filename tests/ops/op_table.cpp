@@ -1010,8 +1010,26 @@ void fused_cases(std::vector<OpCase>& t) {
                      r.be.add_rmsnorm(r["x"], r["b"], r.output("sum", {R, D}, dt), r["w"], 1e-6f,
                                       r.output("out", {R, D}, dt), &r.output("rstd", {R}, DType::F32), &view);
                      keep_view(r, view);
+                     // Bitwise add then rmsnorm(_fp8) on each backend, with and without the view
+                     // (the generation forward does a block's attention norm with the previous
+                     // block's closing add; the trainer's saving forward does not).
+                     Tensor& sum2 = r.output("sum_composed", {R, D}, dt);
+                     r.be.add(r["x"], r["b"], sum2);
+                     Fp8View view2 = r.be.alloc_fp8_view(R, D, pow2);
+                     r.be.rmsnorm_fp8(sum2, r["w"], 1e-6f, r.output("out_composed", {R, D}, dt),
+                                      &r.output("rstd_composed", {R}, DType::F32), view2);
+                     r.out["codes_composed"] = view2.q.data;
+                     r.be.add_rmsnorm(r["x"], r["b"], r.output("sum_noview", {R, D}, dt), r["w"], 1e-6f,
+                                      r.output("out_noview", {R, D}, dt), nullptr, nullptr);
+                     r.be.rmsnorm(sum2, r["w"], 1e-6f, r.output("out_noview_composed", {R, D}, dt), nullptr);
                    },
-                   {{"sum", rel(f32 ? 1e-6 : 1e-2)}, {"out", rel(f32 ? 1e-5 : 1e-2)}, {"rstd", rel(1e-5)}}});
+                   {{"sum", rel(f32 ? 1e-6 : 1e-2)}, {"out", rel(f32 ? 1e-5 : 1e-2)}, {"rstd", rel(1e-5)}},
+                   {{"sum_composed", "sum"},
+                    {"out_composed", "out"},
+                    {"rstd_composed", "rstd"},
+                    {"codes_composed", "q"},
+                    {"sum_noview", "sum"},
+                    {"out_noview", "out_noview_composed"}}});
       t.back().invariants = [=](const Tensors& o) { expect_view_is_quantized_out(o, pow2); };
       t.push_back({"swiglu_fp8",
                    v,
@@ -2130,7 +2148,15 @@ void generation_cases(std::vector<OpCase>& t) {
                      const Tensor q = cpu ? r.as("q", DType::F32) : r["q"];
                      Tensor& out = r.output("out", {fT, fHq, fhd}, odt);
                      Fp8View view = r.be.alloc_fp8_view(fT, fHq * fhd, false);
-                     r.be.attention_paged(c, 0, q, b, 0.125f, false, out, nullptr, &view);
+                     {
+                       const ScopedEnv fused("FP8RL_CUDA_ATTN_FP8_OUT", "1");  // CUDA: the kernels' own copy
+                       r.be.attention_paged(c, 0, q, b, 0.125f, false, out, nullptr, &view);
+                     }
+                     Fp8View view2 = r.be.alloc_fp8_view(fT, fHq * fhd, false);  // the default
+                     r.be.attention_paged(c, 0, q, b, 0.125f, false, r.output("out_default", {fT, fHq, fhd}, odt),
+                                          nullptr, &view2);
+                     r.out["codes_default"] = view2.q.data;
+                     r.out["scales_default"] = view2.q.scales;
                      r.be.attention_paged(c, 0, q, b, 0.125f, false, r.output("out_plain", {fT, fHq, fhd}, odt));
                      QuantTensor ref = r.be.alloc_quant(fT, fHq * fhd, 1, kQuantBlock, false);
                      r.be.quantize(out.reshape({fT, fHq * fhd}), false, ref);
@@ -2138,25 +2164,28 @@ void generation_cases(std::vector<OpCase>& t) {
                      r.out["codes_ref"] = ref.data;
                      r.out["scales"] = view.q.scales;
                      r.out["scales_ref"] = ref.scales;
-                     Tensor layout = Tensor::empty({1}, DType::I32);
+                     Tensor layout = Tensor::empty({2}, DType::I32);
                      layout.data<int32_t>()[0] = view.scales_gemm_layout ? 1 : 0;
+                     layout.data<int32_t>()[1] = view2.scales_gemm_layout ? 1 : 0;
                      r.out["gemm_layout"] = r.be.to_device(layout);
                      EXPECT_EQ(view.source, out.raw());
                    },
                    {{"out", rel(1e-2)}},
-                   {{"out_plain", "out"}, {"codes_ref", "codes"}}});
+                   {{"out_plain", "out"}, {"out_default", "out"}, {"codes_ref", "codes"}, {"codes_default", "codes"}}});
       t.back().invariants = [=](const Tensors& out) {
-        const bool gemm = out.at("gemm_layout").data<int32_t>()[0] != 0;
-        const Tensor& s = out.at("scales");
         const Tensor& ref = out.at("scales_ref");
         const int64_t nb = fHq * fhd / kQuantBlock;
-        for (int64_t r = 0; r < fT; ++r)
-          for (int64_t k = 0; k < nb; ++k) {
-            const float got = s.data<float>()[gemm ? k * fT + r : r * nb + k];
-            const float want = ref.data<float>()[r * nb + k];
-            ASSERT_EQ(std::memcmp(&got, &want, 4), 0)
-                << "row " << r << " block " << k << ": scale " << got << " vs the quantizer's " << want;
-          }
+        for (int i = 0; i < 2; ++i) {
+          const bool gemm = out.at("gemm_layout").data<int32_t>()[i] != 0;
+          const Tensor& s = out.at(i == 0 ? "scales" : "scales_default");
+          for (int64_t r = 0; r < fT; ++r)
+            for (int64_t k = 0; k < nb; ++k) {
+              const float got = s.data<float>()[gemm ? k * fT + r : r * nb + k];
+              const float want = ref.data<float>()[r * nb + k];
+              ASSERT_EQ(std::memcmp(&got, &want, 4), 0) << (i == 0 ? "fused" : "default") << " row " << r << " block "
+                                                        << k << ": scale " << got << " vs the quantizer's " << want;
+            }
+        }
       };
     }
 

@@ -1672,17 +1672,21 @@ void CudaBackend::attention_paged_impl(const KvCache& cache, int layer, const Te
   attention_paged_run(cache, layer, q, batch, softmax_scale, fp8_attention, out, lse, nullptr);
 }
 
-// The output's FP8 copy written by the tensor-core kernel's epilogue (or its split combine) when
-// it runs at head_dim 128, else by the quantizer after it.
+// The output's FP8 copy: by the quantizer after the kernel, or with FP8RL_CUDA_ATTN_FP8_OUT=1 (read
+// at each call) written by the tensor-core kernel's epilogue (or its split combine) when it runs
+// at head_dim 128. The fused form is off by default until the GPU op table has run it (it was
+// written in a session whose device time ran out: docs/benchmarks.md, session 14).
 void CudaBackend::attention_paged_fp8_impl(const KvCache& cache, int layer, const Tensor& q, const PagedBatch& batch,
                                            float softmax_scale, bool fp8_attention, Tensor& out, Fp8View& fp8) {
   const OpTimer op_timer_(*this, "attention_paged_fp8");
+  const char* fuse_env = std::getenv("FP8RL_CUDA_ATTN_FP8_OUT");
+  const bool fuse = fuse_env && std::string(fuse_env) == "1";
   const Tensor out2 = out.reshape({out.dim(0), out.numel() / std::max<int64_t>(out.dim(0), 1)});
   fp8_view_prepare(fp8, out2);
   int* bad = flag_reset();
   const PagedOutFp8 o{fp8.q.data.data<uint8_t>(), fp8.q.scales.data<float>(), fp8.scales_gemm_layout, fp8.q.pow2,
                       bad};
-  if (!attention_paged_run(cache, layer, q, batch, softmax_scale, fp8_attention, out, nullptr, &o))
+  if (!attention_paged_run(cache, layer, q, batch, softmax_scale, fp8_attention, out, nullptr, fuse ? &o : nullptr))
     quantize_async(out2, false, fp8.q, false, fp8.scales_gemm_layout);
   flag_check("attention_paged: the output " + out.str() + " holds NaN or Inf (FP8 quantization refuses non-finite values)");
 }
