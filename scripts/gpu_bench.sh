@@ -7,6 +7,7 @@
 #                   16 prompts x 16 samples x FP8RL_RLSTEP_NEW (512) new tokens, ragged
 #   rlstep_narrow   rlstep with FP8RL_FP8_GEMM=auto FP8RL_FP8_GEMM_BN=64 (the own kernel's 64-column tiles
 #                   for the decode products it prefers); skipped when the CudaFp8Gemm tests failed
+#   rlstep_attnq    rlstep with FP8RL_CUDA_ATTN_FP8_OUT=1 (the decode attention writes o's FP8 input itself)
 #   rlstep_own      rlstep with the own sm_90a FP8 GEMM (FP8RL_FP8_GEMM=own); skipped when the
 #                   CudaFp8Gemm tests failed
 #   mismatch_own    the mismatch of FP8 linears over BF16 KV (and of fp8_e2e with the trainer's KV
@@ -115,6 +116,12 @@ for stage in ${FP8RL_STAGES:-rlstep}; do
         --json "$OUT/rlstep_narrow.json" > "$OUT/rlstep_narrow.log" 2>&1
       note "bench rl-step (auto FP8 GEMM, 64-column tiles): rc=$?"; sed -n '/^phase/,$p' "$OUT/rlstep_narrow.log" | tee -a "$SUMMARY"
       grep -iE "error|warning" "$OUT/rlstep_narrow.log" | head -5 | tee -a "$SUMMARY" ;;
+    rlstep_attnq)  # bench rl-step with the decode attention writing its output's FP8 copy itself
+      FP8RL_CUDA_ATTN_FP8_OUT=1 timeout $(( $(left) - 20 )) "$FP8RL" bench rl-step --device cuda \
+        --model "${FP8RL_RLSTEP_MODEL:-qwen3-1.7b}" --max-new-tokens "${FP8RL_RLSTEP_NEW:-512}" ${FP8RL_RLSTEP_ARGS:-} \
+        --json "$OUT/rlstep_attnq.json" > "$OUT/rlstep_attnq.log" 2>&1
+      note "bench rl-step (FP8RL_CUDA_ATTN_FP8_OUT=1): rc=$?"; sed -n '/^phase/,$p' "$OUT/rlstep_attnq.log" | tee -a "$SUMMARY"
+      grep -iE "error|warning" "$OUT/rlstep_attnq.log" | head -5 | tee -a "$SUMMARY" ;;
     rlstep_own)
       if [ -n "${OWN_GEMM_BROKEN:-}" ]; then note "rlstep_own: skipped (CudaFp8Gemm failed)"; continue; fi
       FP8RL_FP8_GEMM=own timeout $(( $(left) - 20 )) "$FP8RL" bench rl-step --device cuda \
