@@ -205,5 +205,27 @@ FP8RL_HD float gumbel_noise(uint32_t key_lo, uint32_t key_hi, uint32_t counter, 
 // The score of a logit: fl(fl(logit * inv_t) + g).
 FP8RL_HD float gumbel_score(float logit, float inv_t, float g) { return add_rn(mul_rn(logit, inv_t), g); }
 
+// A filter on the random bits before the two logarithms (the Gumbel-max kernel's cost at a flat
+// distribution, where no group's largest logit is far enough below the best score to skip its
+// Philox call). With xmax = fl(max logit * inv_t) over a group and `bound` a score some id already
+// has, gumbel_skip_threshold returns T such that an id of the group whose bits h give
+// s = fl((~h + 1/2) 2^-32) > T (gumbel_skippable) scores strictly below `bound`, so it can be
+// left out of the argmax without changing the draw. Why: s is S = 1 - U up to one rounding, and
+// E = -log(U) = -log1p(-S) >= S, so g = -log(E) <= -log(S) < G - m when S > exp(-(G - m)), with
+// G = bound - xmax; the margin m (0.01 + |bound| 2^-18: far above the logarithms' ~1e-6 absolute
+// error in g, the roundings of s, G and the score, and the exp's relative error, whose host and
+// device versions differ in the last bits) leaves every skipped score below bound after
+// rounding. Returns +inf (nothing skipped) unless G > m. tests/cpu/test_cpu_sample_gumbel.cpp
+// checks the claim on random bits, bounds and logits.
+FP8RL_HD float gumbel_skip_threshold(float bound, float xmax) {
+  const float m = 0.01f + std::fabs(bound) * 0x1.0p-18f;
+  const float g = sub_rn(bound, xmax);
+  if (!(g > m)) return INFINITY;  // also a NaN / infinite bound or xmax
+  return expf(-(g - m));
+}
+FP8RL_HD bool gumbel_skippable(uint32_t h, float threshold) {
+  return fma_rn(u32_to_float(~h), 0x1.0p-32f, 0x1.0p-33f) > threshold;
+}
+
 }  // namespace sampling
 }  // namespace fp8rl

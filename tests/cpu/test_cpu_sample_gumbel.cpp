@@ -7,9 +7,11 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <vector>
 
 #include "backend/backend.h"
 #include "backend/sampling.h"
@@ -307,6 +309,52 @@ TEST(SampleGumbel, MixedBatchKeepsTheInverseCdfRows) {
   nan_lg[5 * V + 3] = NAN;
   EXPECT_THROW(be->sample_rows(logits_tensor(nan_lg, B, V), rows_tensor(rows), true, tok, lp), Error);
   EXPECT_THROW(be->sample_rows(logits, rows_tensor(rows), true, tok, lp, V + 1), Error);
+}
+
+// sampling::gumbel_skippable's claim (the GPU kernel leaves such ids out of the argmax): an id
+// whose bits pass the filter for a bound scores strictly below that bound, at any logit <= the
+// group's largest. Random bits and, above all, bits around the threshold (where the margin
+// decides), gaps G = bound - xmax from just above the margin to past kGumbelMax, logits from 1
+// to 1e5 (where a score's own rounding is large), four temperatures. And the filter pays: at
+// G = 12 nearly every random id is skipped.
+TEST(SampleGumbel, SkipFilterIsSound) {
+  std::mt19937 gen(21);
+  std::uniform_real_distribution<float> unit(0.0f, 1.0f);
+  std::uniform_int_distribution<uint32_t> bits;
+  int64_t checked = 0, skipped = 0;
+  for (int trial = 0; trial < 4000; ++trial) {
+    const float inv_t = std::array<float, 4>{0.5f, 1.0f, 1.0f / 0.7f, 3.0f}[trial % 4];
+    const float scale = std::pow(10.0f, static_cast<float>(trial % 6));  // 1 .. 1e5
+    const float dmax = (unit(gen) * 2.0f - 1.0f) * scale;
+    const float xmax = sampling::mul_rn(dmax, inv_t);
+    const float gap = trial % 5 == 0 ? unit(gen) * 0.05f : unit(gen) * 25.0f;
+    const float bound = sampling::add_rn(xmax, gap);
+    const float thr = sampling::gumbel_skip_threshold(bound, xmax);
+    if (!(thr < INFINITY)) continue;
+    // The bits whose s sits at the threshold, and their neighbours.
+    const double at = std::min(4294967295.0, std::max(0.0, static_cast<double>(thr) * 4294967296.0 - 0.5));
+    const uint32_t h_at = ~static_cast<uint32_t>(at);
+    std::vector<uint32_t> hs;
+    for (int k = -300; k <= 300; ++k) hs.push_back(h_at + static_cast<uint32_t>(k * (1 + trial % 97)));
+    for (int k = 0; k < 300; ++k) hs.push_back(bits(gen));
+    for (uint32_t h : hs) {
+      if (!sampling::gumbel_skippable(h, thr)) continue;
+      const float g = sampling::gumbel_from_bits(h);
+      for (float l : {dmax, sampling::sub_rn(dmax, std::fabs(dmax) * 1e-3f + 1e-3f)}) {
+        ASSERT_LT(sampling::gumbel_score(l, inv_t, g), bound)
+            << "bits " << h << " skipped at bound " << bound << " (xmax " << xmax << ", threshold " << thr
+            << ") but score " << sampling::gumbel_score(l, inv_t, g);
+        ++checked;
+      }
+    }
+  }
+  EXPECT_GT(checked, 100000);
+  for (int i = 0; i < 100000; ++i) skipped += sampling::gumbel_skippable(bits(gen), sampling::gumbel_skip_threshold(22.0f, 10.0f));
+  EXPECT_GT(skipped, 99900);  // P(g > 12 - m) ~ 6e-6
+  // Nothing is skipped without a real gap (or without a bound yet).
+  EXPECT_EQ(sampling::gumbel_skip_threshold(10.0f, 10.0f), INFINITY);
+  EXPECT_EQ(sampling::gumbel_skip_threshold(-INFINITY, 3.0f), INFINITY);
+  EXPECT_FALSE(sampling::gumbel_skippable(0u, INFINITY));
 }
 
 }  // namespace

@@ -8,8 +8,9 @@
 // exp((logit - max) / T) over all ld ids for logp, and (3) the NaN / +inf check. A group
 // whose largest logit cannot reach the block's best score even with the largest Gumbel noise
 // (fl(l * inv_t) + kGumbelMax < best: rounding is monotone, so the skipped tokens' scores are
-// below a score some token has) skips its Philox call and logarithms: the result is the same,
-// the compute drops to what the memory read costs. Blocks write one partial per (row, split);
+// below a score some token has) skips its Philox call and logarithms, and an id whose random bits
+// already bound its noise below what it needs (sampling::gumbel_skippable: at a flat distribution
+// nearly every id once the block has a best) skips the logarithms: the result is the same. Blocks write one partial per (row, split);
 // a second kernel (a warp per row) merges them in a fixed order (ties: the lowest id) and
 // writes the token and logp. Greedy rows (temperature 0) take the raw-logit argmax in the same
 // pass. Truncating rows (top-k / top-p) are left to the radix kernel (sample_kernels.cu).
@@ -147,9 +148,11 @@ __global__ void __launch_bounds__(kThreads)
       const sampling::Philox4 r = sampling::philox4x32_10(static_cast<uint32_t>(g), p.counter,
                                                           sampling::kGumbelDomain, 0u, p.key_lo, p.key_hi);
       const float before = best;
+      // Ids whose bits already say they score below the bound skip the logarithms.
+      const float thr = sampling::gumbel_skip_threshold(bound, sampling::mul_rn(dmax, inv_t));
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        if (j0 + k >= V || l[k] == -INFINITY) continue;
+        if (j0 + k >= V || l[k] == -INFINITY || sampling::gumbel_skippable(r.v[k], thr)) continue;
         const float sc = sampling::gumbel_score(l[k], inv_t, sampling::gumbel_from_bits(r.v[k]));
         if (sc > best) best = sc, id = static_cast<int32_t>(j0 + k);
       }
