@@ -368,14 +368,42 @@ int run(const Case& c) {
   a.fp8_q = c.fp8q;
   a.ps_shift = (c.ps & (c.ps - 1)) == 0 ? __builtin_ctz(unsigned(c.ps)) : -1;
   a.partials = c.invariant;
+  // The output's fused E4M3 copy (PagedArgs::out_q: the tensor-core kernels at hd 128, written by
+  // the one-split epilogue or the combine); the scale layout alternates with T's parity.
+  const bool fq = g_kern == Kern::Mma && hd == 128 && c.q_bf16 && !c.invariant;
+  std::vector<uint8_t> oq(size_t(T) * Hq * hd, 0);
+  std::vector<float> oqs(size_t(T) * Hq, NAN);
+  int obad = 0;
+  if (fq) {
+    a.out_q = oq.data();
+    a.out_qs = oqs.data();
+    a.out_q_rows = T;
+    a.out_q_gemm = T % 2 == 0;
+    a.out_q_bad = &obad;
+  }
   if (hd == 64) launch_p<64>(a, c.pool, T);
   else launch_p<128>(a, c.pool, T);
   if (plan.splits > 1 || c.invariant) {
     const int64_t rows = T * Hq;
     emu_launch(int((rows + 3) / 4), 1, 0, [&] {
       paged_combine_kernel(part_o.data(), part_l.data(), pos.data(), rows, Hq, hd, plan.splits, plan.chunk, c.q_bf16, a.out,
-                           c.invariant ? lse_out.data() : nullptr);
+                           c.invariant ? lse_out.data() : nullptr, a);
     });
+  }
+  int fq_bad = 0;
+  if (fq) {  // bitwise the 1x128 quantizer of the stored BF16 output (quant.cuh's rule)
+    for (int64_t r = 0; r < T * Hq; ++r) {
+      float amax = 0.0f;
+      for (int d = 0; d < hd; ++d) amax = std::max(amax, std::fabs(bf16_bits_to_float(out_b[r * hd + d])));
+      const float s = fp8_scale_from_amax(amax, false);
+      const float got = oqs[a.out_q_gemm ? (r % Hq) * T + r / Hq : r];
+      if (std::memcmp(&got, &s, 4) != 0) ++fq_bad;
+      for (int d = 0; d < hd; ++d)
+        if (oq[r * hd + d] != e4m3_enc(bf16_bits_to_float(out_b[r * hd + d]) / s)) ++fq_bad;
+    }
+    if (obad != 0) ++fq_bad;
+    std::printf("  fused E4M3 output (%s scales): %d mismatching codes / scales\n", a.out_q_gemm ? "VEC128" : "row-major",
+                fq_bad);
   }
   int invariant_bad = 0;
   if (c.invariant) {
@@ -423,7 +451,7 @@ int run(const Case& c) {
   const double err = dmax / rmax, tol = c.q_bf16 ? 8e-3 : 2e-6;
   std::printf("%-8s %-34s hd %3d Hq %2d Hkv %d ps %2d T %3ld splits %2d x %4d: rel err %.2e (tol %.0e) %s\n", kern_name(), c.name, hd,
               Hq, Hkv, c.ps, long(T), plan.splits, plan.chunk, err, tol, err < tol ? "ok" : "FAIL");
-  return err < tol && invariant_bad == 0 ? 0 : 1;
+  return err < tol && invariant_bad == 0 && fq_bad == 0 ? 0 : 1;
 }
 
 // Usage: emu [name-substring [tiled|grouped|mma|mma-vN|mma-all]]  (runs only the cases whose name
