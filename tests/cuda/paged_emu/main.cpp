@@ -515,6 +515,11 @@ int main(int argc, char** argv) {
              false, {80, 700, 333, 97, 512, 129}, {}, 0};
       for (int b = 0; b < 6; ++b) c.tokens.push_back({b, c.lens[b] - 1});
       mma_cases.push_back(c);
+      // The same at one split (the one-split epilogue, and its fused E4M3 output), 4 tokens.
+      Case one{pool == Pool::BF16 ? "qwen one-split G2 hd128 bf16" : "qwen one-split G2 hd128 e4m3", 128, 16, 8, 16,
+               pool, true, false, {80, 333, 97, 129}, {}, 1};
+      for (int b = 0; b < 4; ++b) one.tokens.push_back({b, one.lens[b] - 1});
+      mma_cases.push_back(one);
     }
   }
   {  // Llama-3.1-8B heads (32 / 8, group 4): one long decode (plan splits) plus a 20-token prefill chunk
