@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Builds the libFuzzer targets (tests/fuzz/*.cpp: tokenizer.json, config.json + run-config YAML,
 # safetensors headers) with clang, ASan and UBSan, and runs each for FP8RL_FUZZ_SECONDS
-# (default 30) on inputs up to 1 MB, starting from the committed corpus tests/fuzz/corpus/<name>
-# (read only; what the run finds goes to $dir/corpus/<name>). A crash, a sanitizer report, an
+# (default 30; FP8RL_FUZZ_JOBS targets at once, default nproc: one core each) on inputs up to
+# 1 MB, starting from the committed corpus tests/fuzz/corpus/<name> (read only; what the run
+# finds goes to $dir/corpus/<name>). A crash, a sanitizer report, an
 # uncaught exception or a hang fails the script and leaves the input in $dir (crash-*, timeout-*).
 # Without clang or libFuzzer it says so and exits 0.
 set -euo pipefail
@@ -25,15 +26,32 @@ CC=clang CXX=clang++ cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDeb
 targets=(fuzz_tokenizer fuzz_config fuzz_safetensors)
 cmake --build "$dir" -j "$(nproc)" --target "${targets[@]}"
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
-for t in "${targets[@]}"; do
-  name=${t#fuzz_}
+# One target per core at a time (each libFuzzer process is single-threaded, so each still has a
+# core for its whole $secs); every target writes its own log, printed when it fails.
+fuzz_one() {
+  local t=$1 name=${1#fuzz_} log="$dir/$1.log"
   mkdir -p "$dir/corpus/$name"
-  log="$dir/$t.log"
   if ! (cd "$dir" && "./$t" -max_total_time="$secs" -max_len=1048576 -timeout=30 -rss_limit_mb=4096 \
           -print_final_stats=1 "corpus/$name" "../tests/fuzz/corpus/$name" > "$t.log" 2>&1); then
     cat "$log"
     echo "fuzz: $t FAILED (input saved in $dir)"
-    exit 1
+    return 1
   fi
   echo "fuzz: $t ok: $(grep -E '^stat::number_of_executed_units' "$log" | awk '{print $2}') inputs in ${secs}s"
+}
+par=${FP8RL_FUZZ_JOBS:-$(nproc)}
+running=0
+failed=0
+for t in "${targets[@]}"; do
+  if [ "$running" -ge "$par" ]; then
+    wait -n || failed=1
+    running=$((running - 1))
+  fi
+  fuzz_one "$t" &
+  running=$((running + 1))
 done
+while [ "$running" -gt 0 ]; do
+  wait -n || failed=1
+  running=$((running - 1))
+done
+[ "$failed" = 0 ] || exit 1

@@ -9,24 +9,33 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 jobs=$(nproc)
+# Each phase's wall time, printed when it ends (CI's log: where the time goes).
+t0=$SECONDS
+took() { echo "== $1 took $((SECONDS - t0)) s"; t0=$SECONDS; }
 echo "== format (clang-format --dry-run -Werror over scripts/format_files.txt)"
 bash scripts/format_check.sh
+took "format check"
 echo "== build (Release$(command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ] && echo ' + CUDA compile'))"
 bash scripts/build.sh
+took "build"
 echo "== CPU tests"
 ctest --test-dir build -L cpu --output-on-failure -j "$jobs"
+took "CPU tests"
 if [ "${FP8RL_TEST_SANITIZE:-1}" != "0" ]; then
   echo "== CPU tests under ASan + UBSan"
   # Without the embedded Python here: an uninstrumented libpython and its extension modules
   # (pyarrow) under LeakSanitizer report their own allocations; the Python tests run above.
   FP8RL_BUILD_DIR=build-asan FP8RL_CUDA=OFF FP8RL_BUILD_TYPE=Release bash scripts/build.sh -DFP8RL_SANITIZE=ON \
     -DFP8RL_PYTHON=OFF
+  took "sanitizer build"
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
     ctest --test-dir build-asan -L cpu --output-on-failure -j "$jobs"
+  took "CPU tests under ASan + UBSan"
 fi
 if [ "${FP8RL_TEST_FUZZ:-1}" != "0" ]; then
   secs=${FP8RL_FUZZ_SECONDS:-25}
   echo "== fuzzing the input parsers (libFuzzer + ASan + UBSan, ${secs} s per target)"
   FP8RL_FUZZ_SECONDS=$secs bash scripts/fuzz.sh
+  took "fuzzing (build and runs)"
 fi
 echo "== all tests passed"
