@@ -1022,6 +1022,21 @@ bool CudaBackend::concatenated_product(const Tensor& x, const std::vector<const 
   return !fp8 || (spec.consistent ? fp8_gemm_sm90_supported(M, N, K) : fp8_tensor_cores(M, N, K));
 }
 
+// The outputs' columns of a concatenated product y [M, sum N] (one kernel), counted.
+void CudaBackend::split_concatenated(const Tensor& y, const std::vector<const LinearWeight*>& W,
+                                     const std::vector<Tensor*>& outs) {
+  SplitColsArgs a;
+  const int64_t es = static_cast<int64_t>(dtype_size(y.dtype()));
+  int64_t end = 0;
+  for (size_t i = 0; i < W.size(); ++i) {
+    end += W[i]->out_features() * es;
+    a.out[a.n] = outs[i]->raw(), a.end[a.n] = end, ++a.n;
+  }
+  const OpTimer t(*this, "linear: split the concatenated output", 2);
+  launch_split_cols(y.raw(), y.dim(0), a, stream_);
+  ++concat_products_;
+}
+
 // Concatenated weights (above) at decode-sized M (<= kCatMaxRows: where the separate products
 // are latency-bound) run as ONE product into a scratch [M, sum N], split into the outputs by one
 // kernel: q/k/v and gate/up each one launch instead of 2-3. The products are those of the
@@ -1044,16 +1059,7 @@ void CudaBackend::linear_shared_input_impl(const Tensor& x, const std::vector<co
       const Tensor x2 = x.reshape({M, K});
       Tensor y = scratch(kSlotCat, {M, N}, outs[0]->dtype());
       linear_fwd(x2, cat, spec, y, x_fp8);
-      SplitColsArgs a;
-      const int64_t es = static_cast<int64_t>(dtype_size(outs[0]->dtype()));
-      int64_t end = 0;
-      for (size_t i = 0; i < W.size(); ++i) {
-        end += W[i]->out_features() * es;
-        a.out[a.n] = outs[i]->raw(), a.end[a.n] = end, ++a.n;
-      }
-      const OpTimer t(*this, "linear: split the concatenated output", 2);
-      launch_split_cols(y.raw(), M, a, stream_);
-      ++concat_products_;
+      split_concatenated(y, W, outs);
       return;
     }
   }
@@ -1116,16 +1122,7 @@ void CudaBackend::linear_qkv_norm_rope_impl(const Tensor& x, const std::vector<c
       return;
     }
     // Outside the kernel's limits (head_dim, alignment): the product is in y; split it.
-    SplitColsArgs a;
-    const int64_t es = static_cast<int64_t>(dtype_size(dt));
-    int64_t end = 0;
-    const Tensor* outs[3] = {&q_raw, &k_raw, &v};
-    for (int i = 0; i < 3; ++i) {
-      end += W[static_cast<size_t>(i)]->out_features() * es;
-      a.out[a.n] = outs[i]->raw(), a.end[a.n] = end, ++a.n;
-    }
-    launch_split_cols(y.raw(), M, a, stream_);
-    ++concat_products_;
+    split_concatenated(y, W, {&q_raw, &k_raw, &v});
     rmsnorm_rope_impl(q_raw.reshape(q.shape()), q_norm, eps, positions, rope, q, q_rstd);
     rmsnorm_rope_impl(k_raw.reshape(k.shape()), k_norm, eps, positions, rope, k, k_rstd);
     return;

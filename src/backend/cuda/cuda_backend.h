@@ -232,6 +232,7 @@ class CudaBackend final : public Backend {
   // rows (decode batches and small prefill chunks; the scratch is at most 2048 x sum N).
   static constexpr int64_t kCatMaxRows = 2048;
   bool concatenated(const std::vector<const LinearWeight*>& W, const LinearSpec& spec, LinearWeight& cat);
+  void split_concatenated(const Tensor& y, const std::vector<const LinearWeight*>& W, const std::vector<Tensor*>& outs);
   bool concatenated_product(const Tensor& x, const std::vector<const LinearWeight*>& W, const LinearSpec& spec,
                             LinearWeight& cat);
   int64_t fp8_fallbacks_ = 0;

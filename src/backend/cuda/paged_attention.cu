@@ -650,6 +650,15 @@ __global__ void __launch_bounds__(32 * kPagedWarps, 3) paged_tiled_kernel(const 
   paged_merge_warps_and_store<HD, GM, VEC, NW>(a, acc, m, l, s_acc, s_m, s_l, warp, rg, li, hk, head0, split);
 }
 
+// Element d of a row's split combine: its n partials (rows p0 .. p0 + n of part_o) weighted by
+// 2^(lse_s - mx), over den. One definition for the combine's two paths.
+__device__ __forceinline__ float paged_combined(const float* part_o, const float* lse, int n, float mx, float den,
+                                                int64_t p0, int hd, int d) {
+  float num = 0.0f;
+  for (int s = 0; s < n; ++s) num += exp2f(lse[s] - mx) * part_o[(p0 + s) * hd + d];
+  return num / den;
+}
+
 // One warp per (token, q head): out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M) over the
 // splits that hold positions of the token; lse_out (when non-null, [Hq, T]) = the natural
 // log-sum-exp of the token's scores, (M + log2(sum_s 2^(lse_s - M))) ln 2.
@@ -675,20 +684,15 @@ __global__ void __launch_bounds__(32 * kPagedWarps)
     float v[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const int d = lane + 32 * j;
-      float num = 0.0f;
-      for (int s = 0; s < n; ++s) num += exp2f(lse[s] - mx) * part_o[(w * splits + s) * hd + d];
-      paged_store_out(out, out_bf16, w * hd + d, num / den);
-      v[j] = paged_stored(out_bf16, num / den);
+      const float o = paged_combined(part_o, lse, n, mx, den, w * splits, hd, lane + 32 * j);
+      paged_store_out(out, out_bf16, w * hd + lane + 32 * j, o);
+      v[j] = paged_stored(out_bf16, o);
     }
     paged_quantize_row(qa, w, v, lane);
     return;
   }
-  for (int d = lane; d < hd; d += 32) {
-    float num = 0.0f;
-    for (int s = 0; s < n; ++s) num += exp2f(lse[s] - mx) * part_o[(w * splits + s) * hd + d];
-    paged_store_out(out, out_bf16, w * hd + d, num / den);
-  }
+  for (int d = lane; d < hd; d += 32)
+    paged_store_out(out, out_bf16, w * hd + d, paged_combined(part_o, lse, n, mx, den, w * splits, hd, d));
 }
 // ---- the tensor-core decode kernel (the default for BF16 q over BF16 / E4M3 pools) ----------
 // Same grid, split plan contract, partials and combine as the kernels above: one CTA of 4 warps
@@ -776,6 +780,26 @@ __device__ __forceinline__ int paged_vdim(int n, int nt) {
 // [NW][kMmaRows][HD] outputs, s_m / s_l per warp and head; a warp without tiles holds -inf, 0):
 // the warps merged by log-sum-exp, times v_scale, written as the output (one split, no partials)
 // or as this split's normalized partial output and base-2 log-sum-exp.
+// Element (h, d) of the warps' merge by log-sum-exp, times v_scale; mx and den: the row's
+// merged max and denominator. One definition for the epilogue's two thread mappings.
+template <int HD, int NW>
+__device__ __forceinline__ float paged_mma_merged(const float* s_o, const float (*s_m)[kMmaRows],
+                                                  const float (*s_l)[kMmaRows], int h, int d, float vsc, float& mx,
+                                                  float& den) {
+  mx = -INFINITY;
+#pragma unroll
+  for (int w = 0; w < NW; ++w) mx = fmaxf(mx, s_m[w][h]);
+  den = 0.0f;
+  float num = 0.0f;
+#pragma unroll
+  for (int w = 0; w < NW; ++w) {
+    const float f = paged_rescale(s_m[w][h], mx);
+    den += s_l[w][h] * f;
+    num += s_o[(w * kMmaRows + h) * HD + d] * f;
+  }
+  return num / den * vsc;
+}
+
 template <int HD, int NW>
 __device__ __forceinline__ void paged_mma_merge_warps(const PagedArgs& a, const float* s_o,
                                                       const float (*s_m)[kMmaRows], const float (*s_l)[kMmaRows],
@@ -786,21 +810,12 @@ __device__ __forceinline__ void paged_mma_merge_warps(const PagedArgs& a, const 
       // One warp per head row (the same per-element arithmetic as below), then its quantization.
       const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
       for (int h = warp; h < G; h += NW) {
-        float mx = -INFINITY;
-#pragma unroll
-        for (int w = 0; w < NW; ++w) mx = fmaxf(mx, s_m[w][h]);
         float v[4];
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           const int d = lane + 32 * j;
-          float den = 0.0f, num = 0.0f;
-#pragma unroll
-          for (int w = 0; w < NW; ++w) {
-            const float f = paged_rescale(s_m[w][h], mx);
-            den += s_l[w][h] * f;
-            num += s_o[(w * kMmaRows + h) * HD + d] * f;
-          }
-          const float ov = num / den * vsc;
+          float mx, den;
+          const float ov = paged_mma_merged<HD, NW>(s_o, s_m, s_l, h, d, vsc, mx, den);
           paged_store_out(a.out, true, (head0 + h) * HD + d, ov);
           v[j] = paged_stored(true, ov);
         }
@@ -811,17 +826,8 @@ __device__ __forceinline__ void paged_mma_merge_warps(const PagedArgs& a, const 
   }
   for (int i = static_cast<int>(threadIdx.x); i < G * HD; i += 32 * NW) {
     const int h = i / HD, d = i % HD;
-    float mx = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < NW; ++w) mx = fmaxf(mx, s_m[w][h]);
-    float den = 0.0f, num = 0.0f;
-#pragma unroll
-    for (int w = 0; w < NW; ++w) {
-      const float f = paged_rescale(s_m[w][h], mx);
-      den += s_l[w][h] * f;
-      num += s_o[(w * kMmaRows + h) * HD + d] * f;
-    }
-    const float ov = num / den * vsc;
+    float mx, den;
+    const float ov = paged_mma_merged<HD, NW>(s_o, s_m, s_l, h, d, vsc, mx, den);
     if (a.splits == 1 && !a.partials) {
       paged_store_out(a.out, true, (head0 + h) * HD + d, ov);
     } else {
