@@ -1082,6 +1082,29 @@ void fused_cases(std::vector<OpCase>& t) {
 
 void expect_rows_equal(const Tensor& full, const Tensor& part, int64_t r0, const std::string& what);
 
+// Consecutive row ranges [rows[i], rows[i + 1]) of one weight buffer wall [rows.back(), K] as
+// weights of their own (the generator's q|k|v and gate|up): slices of wall, or with fp8 slices of
+// its one 128x128-block quantization (every boundary a multiple of 128).
+std::vector<LinearWeight> weight_row_parts(Backend& be, const Tensor& wall, const std::vector<int64_t>& rows,
+                                           bool fp8) {
+  QuantTensor qall;
+  if (fp8) {
+    qall = be.alloc_quant(wall.dim(0), wall.dim(1), kQuantBlock, kQuantBlock, false);
+    be.quantize(wall, false, qall);
+  }
+  std::vector<LinearWeight> W(rows.size() - 1);
+  for (size_t i = 0; i + 1 < rows.size(); ++i) {
+    if (fp8) {
+      W[i].wq = qall;
+      W[i].wq.data = qall.data.slice_rows(rows[i], rows[i + 1]);
+      W[i].wq.scales = qall.scales.slice_rows(rows[i] / kQuantBlock, rows[i + 1] / kQuantBlock);
+    } else {
+      W[i].w = wall.slice_rows(rows[i], rows[i + 1]);
+    }
+  }
+  return W;
+}
+
 // linear_shared_input over weights that are consecutive rows of one buffer (the generator's
 // q|k|v and gate|up): CUDA runs them as one product at decode sizes and splits the output; each
 // output close to linear() of its own weight (the same quantized operands). FP8 in the consistent
@@ -1103,25 +1126,11 @@ void concatenated_linear_cases(std::vector<OpCase>& t) {
                      },
                      [=](OpRun& r) {
                        const Tensor x = r.as("x", DType::BF16), wall = r.as("w", DType::BF16);
-                       QuantTensor qall;
-                       if (mode == LinearMode::FP8_BLOCK) {
-                         qall = r.be.alloc_quant(rows, K, kQuantBlock, kQuantBlock, false);
-                         r.be.quantize(wall, false, qall);
-                       }
-                       LinearWeight W[3];
+                       const std::vector<LinearWeight> W =
+                           weight_row_parts(r.be, wall, {0, N[0], N[0] + N[1], rows}, mode == LinearMode::FP8_BLOCK);
                        std::vector<const LinearWeight*> ws;
                        std::vector<Tensor*> outs;
-                       int64_t r0 = 0;
                        for (int i = 0; i < 3; ++i) {
-                         const int64_t r1 = r0 + N[i];
-                         if (mode == LinearMode::FP8_BLOCK) {
-                           W[i].wq = qall;
-                           W[i].wq.data = qall.data.slice_rows(r0, r1);
-                           W[i].wq.scales = qall.scales.slice_rows(r0 / kQuantBlock, r1 / kQuantBlock);
-                         } else {
-                           W[i].w = wall.slice_rows(r0, r1);
-                         }
-                         r0 = r1;
                          ws.push_back(&W[i]);
                          outs.push_back(&r.output("out" + std::to_string(i), {M, N[i]}, DType::BF16));
                        }
@@ -1168,18 +1177,7 @@ void linear_swiglu_cases(std::vector<OpCase>& t) {
                        },
                        [=](OpRun& r) {
                          const Tensor x = r.as("x", DType::BF16), wall = r.as("w", DType::BF16);
-                         LinearWeight W[2];
-                         if (fp8) {
-                           QuantTensor qall = r.be.alloc_quant(2 * F, K, kQuantBlock, kQuantBlock, false);
-                           r.be.quantize(wall, false, qall);
-                           for (int i = 0; i < 2; ++i) {
-                             W[i].wq = qall;
-                             W[i].wq.data = qall.data.slice_rows(i * F, (i + 1) * F);
-                             W[i].wq.scales = qall.scales.slice_rows(i * F / kQuantBlock, (i + 1) * F / kQuantBlock);
-                           }
-                         } else {
-                           for (int i = 0; i < 2; ++i) W[i].w = wall.slice_rows(i * F, (i + 1) * F);
-                         }
+                         const std::vector<LinearWeight> W = weight_row_parts(r.be, wall, {0, F, 2 * F}, fp8);
                          Tensor g = r.be.alloc({M, F}, DType::BF16), u = r.be.alloc({M, F}, DType::BF16);
                          Tensor& act = r.output("act", {M, F}, DType::BF16);
                          Fp8View view = fp8 ? r.be.alloc_fp8_view(M, F, false) : Fp8View{};
@@ -1244,22 +1242,8 @@ void linear_qkv_norm_rope_cases(std::vector<OpCase>& t) {
                        },
                        [=](OpRun& r) {
                          const Tensor x = r.as("x", DType::BF16), wall = r.as("w", DType::BF16);
-                         const int64_t rows[4] = {0, Hq * hd, (Hq + Hkv) * hd, N};
-                         LinearWeight W[3];
-                         QuantTensor qall;
-                         if (fp8) {
-                           qall = r.be.alloc_quant(N, K, kQuantBlock, kQuantBlock, false);
-                           r.be.quantize(wall, false, qall);
-                         }
-                         for (int i = 0; i < 3; ++i) {
-                           if (fp8) {
-                             W[i].wq = qall;
-                             W[i].wq.data = qall.data.slice_rows(rows[i], rows[i + 1]);
-                             W[i].wq.scales = qall.scales.slice_rows(rows[i] / kQuantBlock, rows[i + 1] / kQuantBlock);
-                           } else {
-                             W[i].w = wall.slice_rows(rows[i], rows[i + 1]);
-                           }
-                         }
+                         const std::vector<LinearWeight> W =
+                             weight_row_parts(r.be, wall, {0, Hq * hd, (Hq + Hkv) * hd, N}, fp8);
                          RopeParams rp;
                          for (int i = 0; i < hd / 2; ++i) rp.inv_freq.push_back(std::pow(1e6f, -2.0f * i / hd));
                          const DType bf = DType::BF16;
