@@ -704,8 +704,7 @@ void Backend::linear_qkv_norm_rope(const Tensor& x, const LinearWeight& Wq, cons
   Tensor* qr = rmsnorm_contract(c, q3, q_norm, q, q_rstd, "linear_qkv_norm_rope (q)");
   Tensor* kr = rmsnorm_contract(c, k3, k_norm, k, k_rstd, "linear_qkv_norm_rope (k)");
   FP8RL_CHECK(q.raw() != q_raw.raw() && k.raw() != k_raw.raw(),
-              "linear_qkv_norm_rope: q and k must not alias "
-              "q_raw and k_raw");
+              "linear_qkv_norm_rope: q and k must not alias q_raw and k_raw");
   rope_contract(c, q, positions, rope, "linear_qkv_norm_rope");
   rope_contract(c, k, positions, rope, "linear_qkv_norm_rope");
   linear_qkv_norm_rope_impl(x, {&Wq, &Wk, &Wv}, spec, q_norm, k_norm, eps, positions, rope, keep, q_raw, k_raw, q, k, v,
