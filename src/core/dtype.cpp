@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "core/error.h"
 
@@ -88,22 +89,35 @@ uint16_t f16_from_float(float x) {
 // E4M3 codes: exponent field e in [0, 15], mantissa m in [0, 7].
 //   e == 0: subnormal, value m * 2^-9.   e >= 1: (1 + m/8) * 2^(e-7).
 //   e == 15 && m == 7 is NaN, so the largest finite is e=15, m=6: 1.75 * 2^8 = 448.
-float e4m3_to_float(uint8_t q) {
-  const bool neg = q & 0x80;
-  const int e = (q >> 3) & 0xf;
-  const int m = q & 0x7;
-  float v;
-  if (e == 15 && m == 7) {
-    v = std::numeric_limits<float>::quiet_NaN();
-  } else if (e == 0) {
-    v = std::ldexp(static_cast<float>(m), -9);
-  } else {
-    v = std::ldexp(1.0f + m / 8.0f, e - 7);
+namespace {
+
+// The value of E4M3 code q by the format's definition: m * 2^-9 (e = 0), (8 + m) * 2^(e - 10)
+// otherwise, NaN for e = 15, m = 7; the sign applied last (-0 for 0x80). Powers of two by
+// repeated halving or doubling, exact in float, so the table is built at compile time.
+constexpr float e4m3_value(uint8_t q) {
+  const int e = (q >> 3) & 0xf, m = q & 0x7;
+  float v = std::numeric_limits<float>::quiet_NaN();
+  if (!(e == 15 && m == 7)) {
+    v = static_cast<float>(e == 0 ? m : 8 + m);
+    for (int k = e == 0 ? -9 : e - 10; k < 0; ++k) v *= 0.5f;
+    for (int k = e == 0 ? -9 : e - 10; k > 0; --k) v *= 2.0f;
   }
-  return neg ? -v : v;
+  return (q & 0x80) ? -v : v;
 }
 
-uint8_t e4m3_from_float(float x) {
+constexpr std::array<float, 256> e4m3_values() {
+  std::array<float, 256> t{};
+  for (int q = 0; q < 256; ++q) t[static_cast<size_t>(q)] = e4m3_value(static_cast<uint8_t>(q));
+  return t;
+}
+
+}  // namespace
+
+constinit const std::array<float, 256> kE4M3Values = e4m3_values();
+static_assert(e4m3_value(0x7E) == 448.0f && e4m3_value(0x01) == 0.001953125f && e4m3_value(0x08) == 0.015625f &&
+              e4m3_value(0x38) == 1.0f && e4m3_value(0xB8) == -1.0f && e4m3_value(0x77) == 240.0f);
+
+uint8_t e4m3_from_float_reference(float x) {
   const uint32_t u = float_bits(x);
   const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
   if (std::isnan(x)) return sign | 0x7f;
@@ -128,6 +142,22 @@ uint8_t e4m3_from_float(float x) {
   }
   const int m = static_cast<int>((f * 2.0f - 1.0f) * 8.0f);
   return sign | static_cast<uint8_t>((e << 3) | m);
+}
+
+// The same rule on the bits (every quantizer's inner loop): NaN and |x| >= 448 first; below
+// 2^-6 the quantum is 2^-9, so the code is a * 512 rounded (nearbyint: half to even; 8 is the
+// smallest normal's code); above, the float's exponent and top 3 mantissa bits are the code's
+// once rebiased (127 -> 7), the 20 dropped bits rounded half to even by one integer add whose
+// carry may step into the next binade, as the rounding does.
+uint8_t e4m3_from_float(float x) {
+  const uint32_t u = float_bits(x);
+  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
+  const uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return sign | 0x7f;  // NaN
+  if (a >= 0x43e00000u) return sign | 0x7e;  // >= 448 = 1.75 * 2^8, +-inf included
+  if (a < 0x3c800000u) return sign | static_cast<uint8_t>(std::nearbyint(bits_float(a) * 512.0f));  // < 2^-6
+  const uint32_t r = a + 0x7ffffu + ((a >> 20) & 1u);
+  return sign | static_cast<uint8_t>((r >> 20) - ((127u - 7u) << 3));
 }
 
 }  // namespace fp8rl

@@ -6,6 +6,7 @@
 // stays NaN. BF16 encoding rounds to nearest even; NaN stays (quiet) NaN.
 // These functions are the specification: the CUDA kernels must match them bit for bit.
 #pragma once
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -44,7 +45,13 @@ uint16_t f16_from_float(float x);  // round to nearest even, overflow -> inf
 
 // ---- E4M3 ----
 uint8_t e4m3_from_float(float x);  // RNE, saturate to +-448, NaN -> 0x7F|sign
-float e4m3_to_float(uint8_t q);    // exact
+// The same rounding written out by binade (frexp / ldexp / nearbyint): the readable definition
+// e4m3_from_float is tested against (tests/cpu/test_codec.cpp), bit for bit.
+uint8_t e4m3_from_float_reference(float x);
+// The 256 values (+-0, subnormals m * 2^-9, normals (1 + m/8) * 2^(e-7), NaN at 0x7F / 0xFF),
+// computed at compile time from the format's definition (dtype.cpp).
+extern const std::array<float, 256> kE4M3Values;
+inline float e4m3_to_float(uint8_t q) { return kE4M3Values[q]; }  // exact
 inline float e4m3_round(float x) { return e4m3_to_float(e4m3_from_float(x)); }
 
 }  // namespace fp8rl

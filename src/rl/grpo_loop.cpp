@@ -11,6 +11,9 @@
 // trainer sums the gradients over the ranks before clipping and AdamW; every rank holds the
 // full optimizer state and refits its own generator. KV scales come from every rank's amax,
 // metrics from every rank's samples. Rank 0 alone writes the run directory and validates.
+#include <signal.h>
+#include <unistd.h>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -44,6 +47,31 @@ double seconds_since(Clock::time_point t) { return std::chrono::duration<double>
 
 // The sampling seed of step b of a run seeded a.
 uint64_t mix(uint64_t a, uint64_t b) { return splitmix64_mix(a * kSplitMix64Gamma ^ (b + 0x632be59bd9b4e019ull)); }
+
+// Removes what killed runs left of their cache build beside `dir`: its scratch directories
+// `dir.run.<pid>` and `dir.tmp.<pid>` whose process no longer exists (and those of older fp8rl
+// versions, without a pid). A live run's are left alone.
+void remove_dead_scratch(const std::string& dir) {
+  namespace fs = std::filesystem;
+  const fs::path parent = fs::path(dir).parent_path();
+  const std::string base = fs::path(dir).filename().string();
+  std::error_code ec;
+  if (!fs::is_directory(parent, ec)) return;
+  std::vector<fs::path> dead;
+  for (const auto& e : fs::directory_iterator(parent, ec)) {
+    const std::string n = e.path().filename().string();
+    for (const char* kind : {".run", ".tmp"}) {
+      const std::string stem = base + kind;
+      if (n == stem) dead.push_back(e.path());
+      if (n.size() <= stem.size() + 1 || n.compare(0, stem.size() + 1, stem + ".") != 0) continue;
+      const std::string digits = n.substr(stem.size() + 1);
+      if (digits.size() > 9 || digits.find_first_not_of("0123456789") != std::string::npos) continue;
+      const pid_t pid = static_cast<pid_t>(std::stol(digits));
+      if (pid > 0 && ::kill(pid, 0) != 0 && errno == ESRCH) dead.push_back(e.path());
+    }
+  }
+  for (const fs::path& p : dead) fs::remove_all(p, ec);
+}
 
 // The starting policy of the demo: SFT of the tiny model, cached by config.
 std::string ensure_demo_policy(const RunConfig& c) {
@@ -80,20 +108,34 @@ std::string ensure_demo_policy(const RunConfig& c) {
     return dir;
   }
   std::printf("starting policy: not cached; training it with SFT (%d steps) into %s\n", s.sft.steps, dir.c_str());
-  // Atomic: the SFT run and the copy live in scratch directories (left over by a killed run,
-  // they are simply replaced) and `dir` appears by one rename, complete or not at all.
+  // Atomic: the SFT run and the copy live in scratch directories of this process (two runs
+  // started together from one cache each train their own; a killed run's are replaced by the
+  // next run of its pid) and `dir` appears by one rename, complete or not at all.
   namespace fs = std::filesystem;
-  s.out = dir + ".run";
+  remove_dead_scratch(dir);
+  const std::string pid = std::to_string(::getpid());
+  s.out = dir + ".run." + pid;
   s.precision.recipe = "bf16";
   fs::remove_all(s.out);
   const std::string ckpt = sft_run(s, /*print_plan=*/false);
-  const std::string tmp = dir + ".tmp";
+  const std::string tmp = dir + ".tmp." + pid;
   fs::remove_all(tmp);
   fs::create_directories(fs::path(dir).parent_path());
   fs::copy(ckpt, tmp, fs::copy_options::recursive);
-  fs::remove_all(dir);  // a directory without model.safetensors (not ours, or from an older fp8rl)
-  fs::rename(tmp, dir);
   fs::remove_all(s.out);
+  if (fs::exists(dir + "/model.safetensors")) {
+    fs::remove_all(tmp);  // a run started beside this one cached the same policy first
+    return dir;
+  }
+  fs::remove_all(dir);  // a directory without model.safetensors (not ours, or from an older fp8rl)
+  std::error_code ec;
+  fs::rename(tmp, dir, ec);
+  if (ec) {  // another run renamed its copy in between: the same policy, keep that one
+    fs::remove_all(tmp);
+    if (!fs::exists(dir + "/model.safetensors"))
+      FP8RL_FAIL("cannot cache the starting policy in '", dir, "': ", ec.message(),
+                 " (is the cache directory writable? FP8RL_CACHE_DIR moves it)");
+  }
   return dir;
 }
 

@@ -582,17 +582,24 @@ TEST(BadInputCheckpoint, KilledDemoCacheBuildDoesNotPoisonTheCache) {
     if (n.rfind("demo_policy_", 0) == 0 && n.find('.') == std::string::npos) policy = e.path().string();
   }
   ASSERT_FALSE(policy.empty());
-  EXPECT_FALSE(fs::exists(policy + ".run")) << "the SFT scratch run was left behind";
-  // As if killed mid-SFT: no cache entry, a half-done SFT run directory with its metrics.
+  for (const auto& e : fs::directory_iterator(cache))
+    EXPECT_EQ(e.path().filename().string().find(".run"), std::string::npos) << "the SFT scratch run was left behind";
+  // As if killed mid-SFT: no cache entry, a half-done SFT run directory of a process that no
+  // longer exists (pids never reach 10^9), a half-copied entry (an older fp8rl's name); and the
+  // scratch run of a live process (this one's parent), which must be left alone.
   fs::remove_all(policy);
-  fs::create_directories(policy + ".run/checkpoints");
-  write_file_atomic(policy + ".run/metrics.jsonl", "{\"step\": 1}\n");
-  fs::create_directories(policy + ".tmp");  // and a half-copied entry
+  const std::string dead_run = policy + ".run.999999999", live_run = policy + ".run." + std::to_string(::getppid());
+  fs::create_directories(dead_run + "/checkpoints");
+  write_file_atomic(dead_run + "/metrics.jsonl", "{\"step\": 1}\n");
+  fs::create_directories(policy + ".tmp");
+  fs::create_directories(live_run);
   o.back() = "out=" + fresh_dir("demo_b");
   ASSERT_EQ(grpo_run(config_load("", o), false), 0);
   EXPECT_TRUE(fs::exists(policy + "/model.safetensors"));
   EXPECT_FALSE(fs::exists(policy + ".tmp"));
-  EXPECT_FALSE(fs::exists(policy + ".run"));
+  EXPECT_FALSE(fs::exists(dead_run));
+  EXPECT_TRUE(fs::exists(live_run)) << "a live run's scratch directory was removed";
+  fs::remove_all(live_run);
   ::setenv("FP8RL_CACHE_DIR", saved_cache.c_str(), 1);
 }
 

@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <limits>
 #include <vector>
@@ -14,6 +15,12 @@ namespace fp8rl {
 namespace {
 
 bool is_nan_code(uint8_t q) { return (q & 0x7f) == 0x7f; }
+
+uint32_t bits_of(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return u;
+}
 
 TEST(Codec, EveryE4M3CodeRoundTrips) {
   for (int c = 0; c < 256; ++c) {
@@ -37,6 +44,55 @@ TEST(Codec, E4M3DecodeIsMonotonicAndKnownValues) {
   EXPECT_EQ(e4m3_to_float(0x08), std::ldexp(1.0f, -6));  // smallest normal
   EXPECT_EQ(e4m3_to_float(0x38), 1.0f);
   EXPECT_EQ(e4m3_to_float(0x39), 1.125f);
+}
+
+// The decode table (built at compile time) is the format's definition, bit for bit: sign,
+// 4 exponent bits of bias 7, 3 mantissa bits, subnormals at e = 0, NaN at S.1111.111.
+TEST(Codec, E4M3DecodeTableIsTheDefinition) {
+  for (int c = 0; c < 256; ++c) {
+    const int e = (c >> 3) & 0xf, m = c & 7;
+    float want = e == 0 ? std::ldexp(static_cast<float>(m), -9) : std::ldexp(1.0f + m / 8.0f, e - 7);
+    if (c & 0x80) want = -want;
+    const float got = e4m3_to_float(static_cast<uint8_t>(c));
+    if (e == 15 && m == 7) {
+      EXPECT_TRUE(std::isnan(got)) << c;
+      EXPECT_EQ(std::signbit(got), (c & 0x80) != 0) << c;
+      continue;
+    }
+    EXPECT_EQ(bits_of(got), bits_of(want)) << "code " << c << ": " << got << " vs " << want;
+  }
+}
+
+// e4m3_from_float (integer rounding on the bits) is the readable by-binade definition, bit for
+// bit: at every float exponent, both signs, every top-4 mantissa pattern with the 19 bits below in
+// the classes that decide a rounding (exact tie, just above or below it, the binade's ends);
+// every 2^-6-subnormal-range float whose low bits are 0 (the ties of a * 512); and 2^24 random
+// bit patterns.
+TEST(Codec, E4M3EncodeIsItsReferenceBitForBit) {
+  int64_t checked = 0, bad = 0;
+  auto check = [&](uint32_t u) {
+    float x;
+    std::memcpy(&x, &u, 4);
+    const int got = e4m3_from_float(x), want = e4m3_from_float_reference(x);
+    if (got != want && ++bad <= 5)
+      ADD_FAILURE() << std::hex << "bits 0x" << u << " (" << x << "): 0x" << got << ", the reference 0x" << want;
+    ++checked;
+  };
+  const uint32_t low[] = {0, 1, 2, 0x3ffff, 0x40000, 0x40001, 0x7fffe, 0x7ffff};
+  for (uint32_t sign : {0u, 0x80000000u})
+    for (uint32_t e = 0; e < 256; ++e)
+      for (uint32_t top = 0; top < 16; ++top)  // mantissa bits 22..19
+        for (uint32_t l : low) check(sign | e << 23 | top << 19 | l);
+  for (uint32_t u = 0; u < 0x3c800000u; u += 1u << 12) check(u);
+  uint64_t z = 0x9e3779b97f4a7c15ull;
+  for (int i = 0; i < (1 << 24); ++i) {
+    z += 0x9e3779b97f4a7c15ull;
+    uint64_t y = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    y = (y ^ (y >> 27)) * 0x94d049bb133111ebull;
+    check(static_cast<uint32_t>(y ^ (y >> 31)));
+  }
+  EXPECT_EQ(bad, 0) << "of " << checked;
+  EXPECT_GT(checked, (1 << 24) + 240000);
 }
 
 TEST(Codec, E4M3EncodeIsMonotonic) {

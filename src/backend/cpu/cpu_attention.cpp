@@ -215,20 +215,33 @@ void CpuBackend::attention_paged_impl(const KvCache& cache, int layer, const Ten
   std::vector<double> o(T * Hq * dv, 0.0), l(lse ? Hq * T : 0);
   // One task per query token: it writes only its own rows of o and l (and of its copy of q).
   cpu_parallel_for(T, T * Hq * (batch.max_pos + 1) * hd * 2, [&](int64_t t0, int64_t t1) {
+    // The cache rows of sequence `cur` at positions [0, have), every KV head, dequantized once
+    // for all the task's tokens of that sequence (a prefill's tokens share them): [pos][Hkv][hd].
+    std::vector<float> K, V;
+    int64_t cur = -1, have = 0;
     std::vector<double> p;
-    std::vector<float> kj(hd), vj(dv);
     for (int64_t t = t0; t < t1; ++t) {
       FP8RL_CHECK(seq[t] >= 0 && seq[t] < B, "attention_paged: token ", t, " has sequence ", seq[t], " outside [0, ",
                   B, ")");
       FP8RL_CHECK(pos[t] >= 0 && pos[t] < max_pages * cache.page_size, "attention_paged: token ", t, " position ",
                   pos[t], " does not fit ", max_pages, " pages of ", cache.page_size);
       const int64_t n = pos[t] + 1;
-      auto slot_of = [&](int64_t j) {
-        const int32_t page = table[seq[t] * max_pages + j / cache.page_size];
-        FP8RL_CHECK(page >= 0 && page < cache.num_pages, "attention_paged: page ", page, " of sequence ", seq[t],
-                    " is outside the cache [0, ", cache.num_pages, ")");
-        return int64_t(page) * cache.page_size + j % cache.page_size;
-      };
+      if (seq[t] != cur) cur = seq[t], have = 0;
+      if (n > have) {
+        K.resize(static_cast<size_t>(n * Hkv * hd));
+        V.resize(static_cast<size_t>(n * Hkv * dv));
+        for (int64_t j = have; j < n; ++j) {
+          const int32_t page = table[seq[t] * max_pages + j / cache.page_size];
+          FP8RL_CHECK(page >= 0 && page < cache.num_pages, "attention_paged: page ", page, " of sequence ", seq[t],
+                      " is outside the cache [0, ", cache.num_pages, ")");
+          const int64_t slot = int64_t(page) * cache.page_size + j % cache.page_size;
+          for (int64_t kh = 0; kh < Hkv; ++kh) {
+            cache_load_row(cache.k[layer], (slot * Hkv + kh) * hd, hd, ks[kh], K.data() + (j * Hkv + kh) * hd);
+            cache_load_row(vpool, (slot * Hkv + kh) * hd, dv, vs[kh], V.data() + (j * Hkv + kh) * dv);
+          }
+        }
+        have = n;
+      }
       for (int64_t h = 0; h < Hq; ++h) {
         const int64_t kh = h / group;
         double* qi = vq.data() + (t * Hq + h) * hd;
@@ -244,19 +257,36 @@ void CpuBackend::attention_paged_impl(const KvCache& cache, int layer, const Ten
           for (int64_t c = 0; c < hd; ++c) qi[c] = e4m3_to_float(e4m3_from_float(static_cast<float>(qi[c]) / s)) * s;
         }
         p.assign(n, 0.0);
-        double m = -INFINITY;
-        for (int64_t j = 0; j < n; ++j) {
-          cache_load_row(cache.k[layer], (slot_of(j) * Hkv + kh) * hd, hd, ks[kh], kj.data());
+        // Each score's sum runs over c in order; four positions at a time only interleave the
+        // four independent sums (same bits, four times the additions in flight).
+        const int64_t row = Hkv * hd;
+        const float* k0 = K.data() + kh * hd;
+        int64_t j = 0;
+        for (; j + 4 <= n; j += 4) {
+          const float *ka = k0 + j * row, *kb = ka + row, *kc = kb + row, *kd = kc + row;
+          double a = 0, b = 0, e = 0, f = 0;
+          for (int64_t c = 0; c < hd; ++c) {
+            a += qi[c] * ka[c];
+            b += qi[c] * kb[c];
+            e += qi[c] * kc[c];
+            f += qi[c] * kd[c];
+          }
+          p[j] = softmax_scale * a, p[j + 1] = softmax_scale * b, p[j + 2] = softmax_scale * e;
+          p[j + 3] = softmax_scale * f;
+        }
+        for (; j < n; ++j) {
+          const float* kj = k0 + j * row;
           double acc = 0;
           for (int64_t c = 0; c < hd; ++c) acc += qi[c] * kj[c];
           p[j] = softmax_scale * acc;
-          m = std::max(m, p[j]);
         }
+        double m = -INFINITY;
+        for (int64_t i = 0; i < n; ++i) m = std::max(m, p[i]);
         double sum = 0;
         for (double& e : p) sum += (e = std::exp(e - m));
         double* oi = o.data() + (t * Hq + h) * dv;
         for (int64_t j = 0; j < n; ++j) {
-          cache_load_row(vpool, (slot_of(j) * Hkv + kh) * hd, dv, vs[kh], vj.data());
+          const float* vj = V.data() + (j * Hkv + kh) * dv;
           for (int64_t c = 0; c < dv; ++c) oi[c] += p[j] / sum * vj[c];
         }
         if (lse) l[h * T + t] = m + std::log(sum);
