@@ -29,6 +29,10 @@ if [ "${FP8RL_TEST_SANITIZE:-1}" != "0" ]; then
   # ~0.1 s, once per test otherwise). Without the one learning-curve test (16 GRPO steps of a
   # tiny MoE in two recipes, 210 s here against 47 s above): it repeats the code paths the
   # shorter MoE tests sanitize (Cli.MoeTrainLogsRoutingAgreementAndReplays, the MoE op-table rows).
+  # Compiled by clang when there is one (a fresh build directory only; the fuzzers need it too):
+  # it builds this instrumented program in 600 CPU-s against GCC's ~950 (its tests then take
+  # ~60 s longer; measured on 2 cores, docs/benchmarks.md), and a second compiler's warnings.
+  if command -v clang++ >/dev/null && [ ! -f build-asan/CMakeCache.txt ]; then export CC=clang CXX=clang++; fi
   FP8RL_BUILD_DIR=build-asan FP8RL_CUDA=OFF FP8RL_BUILD_TYPE=Release bash scripts/build.sh -DFP8RL_SANITIZE=ON \
     -DFP8RL_PYTHON=OFF -DFP8RL_TEST_SHARDS=16 "-DFP8RL_TEST_FILTER=-RlLoop.TinyMoeLearnsInBf16AndFp8"
   took "sanitizer build"
