@@ -8,6 +8,10 @@
 #   rlstep_narrow   rlstep with FP8RL_FP8_GEMM=auto FP8RL_FP8_GEMM_BN=64 (the own kernel's 64-column tiles
 #                   for the decode products it prefers); skipped when the CudaFp8Gemm tests failed
 #   rlstep_attnq    rlstep with FP8RL_CUDA_ATTN_FP8_OUT=1 (the decode attention writes o's FP8 input itself)
+#   rlstep_rowinv   bench rl-step with FP8RL_FP8_ROW_INVARIANT=1 (cuBLASLt's FP8 products on one
+#                   algorithm per N, K for every M): bf16, fp8_e2e, fp8_e2e:consistent=attn,
+#                   fp8_e2e:consistent=on (the mismatch of consistent attention + row-invariant
+#                   cuBLASLt linears, and what the no-split-K decode products cost)
 #   rlstep_own      rlstep with the own sm_90a FP8 GEMM (FP8RL_FP8_GEMM=own); skipped when the
 #                   CudaFp8Gemm tests failed
 #   mismatch_own    the mismatch of FP8 linears over BF16 KV (and of fp8_e2e with the trainer's KV
@@ -122,6 +126,13 @@ for stage in ${FP8RL_STAGES:-rlstep}; do
         --json "$OUT/rlstep_attnq.json" > "$OUT/rlstep_attnq.log" 2>&1
       note "bench rl-step (FP8RL_CUDA_ATTN_FP8_OUT=1): rc=$?"; sed -n '/^phase/,$p' "$OUT/rlstep_attnq.log" | tee -a "$SUMMARY"
       grep -iE "error|warning" "$OUT/rlstep_attnq.log" | head -5 | tee -a "$SUMMARY" ;;
+    rlstep_rowinv)  # row-invariant cuBLASLt FP8 products in both engines (issue 11)
+      FP8RL_FP8_ROW_INVARIANT=1 timeout $(( $(left) - 20 )) "$FP8RL" bench rl-step --device cuda \
+        --model "${FP8RL_RLSTEP_MODEL:-qwen3-1.7b}" --max-new-tokens "${FP8RL_RLSTEP_NEW:-512}" \
+        --recipes "${FP8RL_ROWINV_RECIPES:-bf16,fp8_e2e,fp8_e2e:consistent=attn,fp8_e2e:consistent=on}" --steps 1 --warmup 1 \
+        --json "$OUT/rlstep_rowinv.json" > "$OUT/rlstep_rowinv.log" 2>&1
+      note "bench rl-step (FP8RL_FP8_ROW_INVARIANT=1): rc=$?"; sed -n '/^phase/,$p' "$OUT/rlstep_rowinv.log" | tee -a "$SUMMARY"
+      grep -iE "error|warning" "$OUT/rlstep_rowinv.log" | head -5 | tee -a "$SUMMARY" ;;
     rlstep_own)
       if [ -n "${OWN_GEMM_BROKEN:-}" ]; then note "rlstep_own: skipped (CudaFp8Gemm failed)"; continue; fi
       FP8RL_FP8_GEMM=own timeout $(( $(left) - 20 )) "$FP8RL" bench rl-step --device cuda \

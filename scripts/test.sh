@@ -16,7 +16,10 @@ echo "== format (clang-format --dry-run -Werror over scripts/format_files.txt)"
 bash scripts/format_check.sh
 took "format check"
 echo "== build (Release$(command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ] && echo ' + CUDA compile'))"
-bash scripts/build.sh
+# The CPU tests as 16 GoogleTest shards, one process each (FP8RL_TEST_SHARDS): a test process of
+# the CUDA build maps cuBLASLt and the CUDA runtime at every start (~0.12 s), paid 1046 times
+# otherwise. `ctest -N` or a build without the option lists the tests one by one.
+bash scripts/build.sh -DFP8RL_TEST_SHARDS=16
 took "build"
 echo "== CPU tests"
 ctest --test-dir build -L cpu --output-on-failure -j "$jobs"
@@ -25,10 +28,10 @@ if [ "${FP8RL_TEST_SANITIZE:-1}" != "0" ]; then
   echo "== CPU tests under ASan + UBSan"
   # Without the embedded Python here: an uninstrumented libpython and its extension modules
   # (pyarrow) under LeakSanitizer report their own allocations; the Python tests run above.
-  # The tests as 16 GoogleTest shards, one process each (an instrumented process start costs
-  # ~0.1 s, once per test otherwise). Without the one learning-curve test (16 GRPO steps of a
-  # tiny MoE in two recipes, 210 s here against 47 s above): it repeats the code paths the
-  # shorter MoE tests sanitize (Cli.MoeTrainLogsRoutingAgreementAndReplays, the MoE op-table rows).
+  # The tests as 16 shards again (an instrumented process start costs ~0.1 s). Without the one
+  # learning-curve test (16 GRPO steps of a tiny MoE in two recipes, 210 s here against 47 s
+  # above): it repeats the code paths the shorter MoE tests sanitize
+  # (Cli.MoeTrainLogsRoutingAgreementAndReplays, the MoE op-table rows).
   # Compiled by clang when there is one (a fresh build directory only; the fuzzers need it too):
   # it builds this instrumented program in 600 CPU-s against GCC's ~950 (its tests then take
   # ~60 s longer; measured on 2 cores, docs/benchmarks.md), and a second compiler's warnings.

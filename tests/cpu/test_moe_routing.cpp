@@ -158,7 +158,9 @@ TEST(MoeReplay, AnotherRoutingIsUsedAndRecorded) {
     EXPECT_TRUE(std::equal(other.ids[m].begin() + k, other.ids[m].end(), replayed.routing.ids[m].begin() + k));
     // Token 0 and the tokens before the first replayed layer see the same inputs: the router's
     // own top-k of layer 1 (the first MoE layer) is the normal forward's.
-    if (m == 0) EXPECT_EQ(replayed.router_topk.ids[m], normal.routing.ids[m]);
+    if (m == 0) {
+      EXPECT_EQ(replayed.router_topk.ids[m], normal.routing.ids[m]);
+    }
   }
 }
 

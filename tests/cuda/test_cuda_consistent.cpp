@@ -127,6 +127,75 @@ TEST(CudaConsistent, Fp8RowsDoNotDependOnMOrTheViewLayout) {
   EXPECT_EQ(be.counters().fp8_gemm_fallbacks, 0);
 }
 
+// GemmEngine::set_fp8_row_invariant (FP8RL_FP8_ROW_INVARIANT=1): cuBLASLt's block-scaled FP8
+// products on one algorithm per (N, K) for every M, at the 1.7B model's linears (q|k|v 4096,
+// o 2048, gate|up 12288, down K = 6144) and a 384-wide one: every row the same bits at M = 701
+// (its last 13 rows the padded tail product) and inside each part of kParts. Printed, not
+// asserted: how many rows the usual per-M heuristic computes differently across the same parts,
+// and how many rows of the row-invariant product differ from the own kernel's at one split (the
+// consistent mode's), i.e. whether the consistent mode could use cuBLASLt.
+TEST(CudaConsistent, Fp8CublasLtRowInvariantRows) {
+  cuda::CudaBackend be(0, DType::BF16);
+  const int64_t M = 701;
+  struct Shape2 {
+    int64_t N, K;
+  };
+  for (const Shape2 s :
+       {Shape2{4096, 2048}, Shape2{2048, 2048}, Shape2{12288, 2048}, Shape2{2048, 6144}, Shape2{384, 2048}}) {
+    const Tensor x = rand_dev(be, {M, s.K}, 31, DType::BF16);
+    LinearWeight W;
+    W.wq = be.alloc_quant(s.N, s.K, 128, 128, false);
+    be.quantize(rand_dev(be, {s.N, s.K}, 32, DType::F32, 0.05f), false, W.wq);
+    const LinearSpec spec{LinearMode::FP8_BLOCK, false};
+    int64_t usual_differ = 0;
+    for (bool invariant : {true, false}) {
+      be.gemm().set_fp8_row_invariant(invariant);
+      Tensor full = be.alloc({M, s.N}, DType::BF16);
+      be.linear(x, W, spec, full);
+      const Tensor hf = be.to_host(full);
+      for (auto [r0, m] : kParts) {
+        Tensor part = be.alloc({m, s.N}, DType::BF16);
+        be.linear(x.slice_rows(r0, r0 + m), W, spec, part);
+        const int64_t d = rows_differing(hf, be.to_host(part), r0);
+        if (invariant)
+          EXPECT_EQ(d, 0) << "N=" << s.N << " K=" << s.K << ": rows " << r0 << "+" << m << " differ inside M=" << m;
+        else usual_differ += d;
+      }
+      if (invariant && s.N > 1024) {  // the first 1024 output columns as a product of their own
+        LinearWeight first;
+        first.wq = W.wq;
+        first.wq.data = W.wq.data.slice_rows(0, 1024);
+        first.wq.scales = W.wq.scales.slice_rows(0, 1024 / 128);
+        Tensor narrow = be.alloc({M, 1024}, DType::BF16);
+        be.linear(x, first, spec, narrow);
+        const Tensor hn = be.to_host(narrow);
+        int64_t cols_differ = 0;
+        for (int64_t r = 0; r < M; ++r)
+          cols_differ += std::memcmp(static_cast<const char*>(hf.raw()) + static_cast<size_t>(r * s.N) * 2,
+                                     static_cast<const char*>(hn.raw()) + static_cast<size_t>(r * 1024) * 2, 2048) != 0;
+        std::printf(
+            "  N=%lld K=%lld: row-invariant cuBLASLt, its first 1024 columns as a product of N = 1024: "
+            "%lld of %lld rows differ\n",
+            static_cast<long long>(s.N), static_cast<long long>(s.K), static_cast<long long>(cols_differ),
+            static_cast<long long>(M));
+      }
+      if (invariant) {  // against the own kernel at one split, on the same quantized operands
+        LinearSpec own = spec;
+        own.consistent = true;
+        Tensor o = be.alloc({M, s.N}, DType::BF16);
+        be.linear(x, W, own, o);
+        std::printf("  N=%lld K=%lld: row-invariant cuBLASLt vs own kernel at one split: %lld of %lld rows differ\n",
+                    static_cast<long long>(s.N), static_cast<long long>(s.K),
+                    static_cast<long long>(rows_differing(hf, be.to_host(o), 0)), static_cast<long long>(M));
+      }
+    }
+    std::printf("  N=%lld K=%lld: the usual per-M cuBLASLt FP8 heuristic: %lld rows differ across M (not asserted)\n",
+                static_cast<long long>(s.N), static_cast<long long>(s.K), static_cast<long long>(usual_differ));
+  }
+  be.gemm().set_fp8_row_invariant(false);
+  EXPECT_EQ(be.counters().fp8_gemm_fallbacks, 0);
+}
+
 // Paged attention with batch_invariant at the 1.7B model's heads (16 / 8, head_dim 128) over
 // BF16 and E4M3 pools: each token's output in a prefill-sized batch (every position of three
 // sequences of 1500, 700 and 30 tokens), in a decode batch of their last tokens and in a mixed

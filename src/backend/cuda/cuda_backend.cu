@@ -1019,6 +1019,9 @@ bool CudaBackend::concatenated_product(const Tensor& x, const std::vector<const 
         M <= kCatMaxRows && static_cast<int>(W.size()) <= kSplitColsMax && concatenated(W, spec, cat)))
     return false;
   const int64_t N = cat.out_features();
+  // Row-invariant cuBLASLt FP8 (GemmEngine::set_fp8_row_invariant) fixes one algorithm per N: the
+  // wider product's columns need not be the separate products' bits (the trainer's, at its M).
+  if (fp8 && !spec.consistent && gemm_->fp8_row_invariant()) return false;
   return !fp8 || (spec.consistent ? fp8_gemm_sm90_supported(M, N, K) : fp8_tensor_cores(M, N, K));
 }
 

@@ -51,6 +51,11 @@ GemmEngine::GemmEngine(cudaStream_t stream) : stream_(stream) {
   CUDA_CHECK(cudaGetDevice(&dev), "cudaGetDevice");
   CUDA_CHECK(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, dev), "reading the SM count");
   if (const char* e = std::getenv("FP8RL_FP8_GEMM")) set_fp8_kernel(e);
+  if (const char* e = std::getenv("FP8RL_FP8_ROW_INVARIANT")) {
+    FP8RL_CHECK(std::string(e) == "0" || std::string(e) == "1", "FP8RL_FP8_ROW_INVARIANT must be 0 or 1, got '", e,
+                "'");
+    fp8_row_invariant_ = std::string(e) == "1";
+  }
   if (const char* e = std::getenv("FP8RL_FP8_GEMM_SPLITS")) {
     own_splits_ = std::atoi(e);
     FP8RL_CHECK(own_splits_ >= 1 && own_splits_ <= 64, "FP8RL_FP8_GEMM_SPLITS must be 1..64, got '", e, "'");
@@ -152,7 +157,8 @@ cublasLtMatmulAlgo_t GemmEngine::find_row_invariant_algo(const Key& key, cublasL
     return algo;
   }
   FP8RL_FAIL("cuBLASLt has no ", what, " kernel without split-K and workspace for N=", std::get<4>(key), " K=",
-             std::get<6>(key), ": the consistent mode cannot run this layer (turn precision.consistent off)");
+             std::get<6>(key), ": a row-invariant product cannot run this layer (turn precision.consistent off, or unset "
+             "FP8RL_FP8_ROW_INVARIANT)");
 }
 
 void GemmEngine::gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const void* A, const void* B, DType ab,
@@ -403,6 +409,20 @@ void GemmEngine::gemm_fp8_prelaid(int64_t M, int64_t N, int64_t K, const uint8_t
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&la.l, CUDA_R_8F_E4M3, K, N, K), "FP8 layout A");
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lb.l, CUDA_R_8F_E4M3, K, M, K), "FP8 layout B");
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lc.l, cuda_type(c_dtype), N, M, N), "FP8 layout C");
+  if (fp8_row_invariant_) {  // one algorithm for every M (set_fp8_row_invariant), no workspace
+    const Key key{1, b_block_rows, static_cast<int>(c_dtype), (beta != 0 ? 4 : 0) | 8, N, -1, K, 0, 0};
+    Layout lbb, lcb;
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lbb.l, CUDA_R_8F_E4M3, K, kRowInvariantM, K),
+                 "FP8 layout B (row-invariant)");
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lcb.l, cuda_type(c_dtype), N, kRowInvariantM, N),
+                 "FP8 layout C (row-invariant)");
+    cublasLtMatmulAlgo_t algo = find_row_invariant_algo(key, desc.d, la.l, lbb.l, lcb.l, "FP8 block-scaled GEMM");
+    CUBLAS_CHECK(cublasLtMatmul(handle_, desc.d, &alpha, b, la.l, a, lb.l, &beta, C, lc.l, C, lc.l, &algo, nullptr, 0,
+                                stream_),
+                 "row-invariant FP8 block-scaled GEMM M=", M, " N=", N, " K=", K,
+                 " (the algorithm fixed for every M does not take this M; unset FP8RL_FP8_ROW_INVARIANT)");
+    return;
+  }
   const Key key{1, b_block_rows, static_cast<int>(c_dtype), beta != 0 ? 4 : 0, N, M, K, 0, 0};
   cublasLtMatmulAlgo_t algo = find_algo(key, desc.d, la.l, lb.l, lc.l, "FP8 block-scaled GEMM");
   CUBLAS_CHECK(cublasLtMatmul(handle_, desc.d, &alpha, b, la.l, a, lb.l, &beta, C, lc.l, C, lc.l, &algo, workspace_,

@@ -113,6 +113,14 @@ class GemmEngine {
                         int block_m = 0);
   // The same choice in code (tests and benchmarks): "auto", "own" or "cublaslt".
   void set_fp8_kernel(const std::string& mode);
+  // FP8RL_FP8_ROW_INVARIANT=1 (or this setter): cuBLASLt's block-scaled products take gemm()'s
+  // row_invariant rule too — one algorithm per (B blocks, C type, N, K), chosen for M =
+  // kRowInvariantM among those without split-K and workspace, for every M (the tail product's
+  // included), so a row of C never depends on how many rows share the launch: the generator's
+  // decode batches and the trainer's micro-batches compute the same bits (issue 11's
+  // experiment: the linears' share of the mismatch without the own kernel's decode cost).
+  void set_fp8_row_invariant(bool on) { fp8_row_invariant_ = on; }
+  bool fp8_row_invariant() const { return fp8_row_invariant_; }
   int64_t own_products() const { return own_products_; }
 
   cudaStream_t stream() const { return stream_; }
@@ -148,6 +156,7 @@ class GemmEngine {
   int64_t own_products_ = 0;
   int own_mode_ = 0;     // 0 cublaslt, 1 auto, 2 own (FP8RL_FP8_GEMM)
   int own_splits_ = 0;   // FP8RL_FP8_GEMM_SPLITS (0: from the shape)
+  bool fp8_row_invariant_ = false;  // FP8RL_FP8_ROW_INVARIANT (set_fp8_row_invariant)
   int sm_count_ = 132;
   float* own_ws_ = nullptr;  // split-K partials of the own kernel
   void* grouped_meta_ = nullptr;  // the grouped kernel's tile table, tensor maps and scale pointers
