@@ -116,27 +116,16 @@ void linear_grads(const Tensor& dy2, const Tensor& x2, const LinearWeight& W, co
 
 }  // namespace
 
-// e4m3_to_float of every code, once (a table of the codec's own values: bitwise the same).
-static const float* e4m3_table() {
-  static const std::vector<float> table = [] {
-    std::vector<float> t(256);
-    for (int c = 0; c < 256; ++c) t[c] = e4m3_to_float(static_cast<uint8_t>(c));
-    return t;
-  }();
-  return table.data();
-}
-
 std::vector<double> dequantize_exact(const QuantTensor& q) {
   check_cpu(q.data, "quantized data");
   const int64_t R = q.rows(), C = q.cols(), nbc = q.scales.dim(1);
   std::vector<double> v(R * C);
   const uint8_t* d = q.data.data<uint8_t>();
   const float* s = q.scales.data<float>();
-  const float* e4m3 = e4m3_table();
   cpu_parallel_for(R, R * C * 4, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i)
       for (int64_t j = 0; j < C; ++j)
-        v[i * C + j] = double(e4m3[d[i * C + j]]) * s[(i / q.block_rows) * nbc + j / q.block_cols];
+        v[i * C + j] = double(e4m3_to_float(d[i * C + j])) * s[(i / q.block_rows) * nbc + j / q.block_cols];
   });
   return v;
 }
