@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The test command (README, CI): builds and runs every CPU test twice, once in the normal
 # build (which also compiles the CUDA sources when nvcc is present) and once under
-# AddressSanitizer + UndefinedBehaviorSanitizer (CPU only). GPU tests (label gpu) run only on
+# AddressSanitizer + UndefinedBehaviorSanitizer (CPU only; every test but the one MoE learning
+# curve, see below). GPU tests (label gpu) run only on
 # a GPU machine: scripts/gpu_run.sh. Set FP8RL_TEST_SANITIZE=0 to skip the sanitizer pass.
 # Then the libFuzzer targets run for a bounded time (scripts/fuzz.sh; FP8RL_TEST_FUZZ=0 skips,
 # FP8RL_FUZZ_SECONDS sets the time per target; skipped without clang/libFuzzer). First of all,
