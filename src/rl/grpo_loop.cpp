@@ -109,8 +109,8 @@ std::string ensure_demo_policy(const RunConfig& c) {
   }
   std::printf("starting policy: not cached; training it with SFT (%d steps) into %s\n", s.sft.steps, dir.c_str());
   // Atomic: the SFT run and the copy live in scratch directories of this process (two runs
-  // started together from one cache each train their own; a killed run's are replaced by the
-  // next run of its pid) and `dir` appears by one rename, complete or not at all.
+  // started together from one cache each train their own; a killed run's are removed by the
+  // next build, remove_dead_scratch) and `dir` appears by one rename, complete or not at all.
   namespace fs = std::filesystem;
   remove_dead_scratch(dir);
   const std::string pid = std::to_string(::getpid());
