@@ -1123,6 +1123,12 @@ void Backend::attention_paged(const KvCache& cache, int layer, const Tensor& q, 
               "need ", T, " entries, got ", batch.token_seq.str(), " and ", batch.token_pos.str());
   c.i32(batch.page_table, "paged batch page_table");
   FP8RL_CHECK(batch.page_table.ndim() == 2, "page_table must be [B, max_pages], got ", batch.page_table.str());
+  if (batch.query_runs.defined()) {
+    c.i32(batch.query_runs, "paged batch query_runs");
+    FP8RL_CHECK(batch.query_runs.ndim() == 2 && batch.query_runs.dim(1) == 2 && batch.query_run_tokens >= 1,
+                "paged batch query_runs must be [R, 2] runs of at most query_run_tokens >= 1 tokens, got ",
+                batch.query_runs.str(), " and ", batch.query_run_tokens);
+  }
   c.floating(out, {T, q.dim(1), cache.v_dim()}, "attention_paged output");
   if (lse) c.stat(*lse, {q.dim(1), T}, "attention_paged lse");
   if (!out_fp8) {

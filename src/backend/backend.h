@@ -151,6 +151,13 @@ struct PagedBatch {
   // a split of the positions fixed by the position alone (CUDA: chunks of kPagedInvariantChunk
   // positions, FP8RL_CUDA_PAGED_SPLITS ignored). The CPU reference is always so.
   bool batch_invariant = false;
+  // Optional (a hint; results are the same bits without it): I32 [R, 2] {first token, count} runs
+  // covering every token once, each run consecutive tokens of one sequence at consecutive
+  // positions (e.g. a sequence scored whole), of at most query_run_tokens tokens. A backend may
+  // read a run's K/V once for all its tokens (CUDA: paged_attention_run_tokens(group) tokens
+  // fill the tensor-core kernel's MMA columns).
+  Tensor query_runs;
+  int query_run_tokens = 0;
 };
 
 // A recorded sequence of ops (a CUDA graph) that replays with the same buffers: refill the

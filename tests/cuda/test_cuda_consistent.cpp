@@ -8,6 +8,7 @@
 // chunk), as on the CPU (tests/cpu/test_consistent.cpp).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -270,6 +271,69 @@ TEST(CudaConsistent, PagedAttentionDoesNotDependOnTheBatch) {
     cpu->attention_paged(cc, 0, qc, hb, 0.088f, false, oc, &lc);
     EXPECT_LT(test::rel_err(be.to_host(lse), lc), 1e-5) << dtype_name(pool);
     EXPECT_LT(test::rel_err(ho, oc), 2e-2) << dtype_name(pool);
+  }
+}
+
+// The consistent scoring's query runs (PagedBatch::query_runs: up to 8 / group consecutive tokens
+// of a sequence per CTA, their K/V read once): every token's output and lse are the same bits as
+// with one CTA per token, at group 1, 2 (the 1.7B heads), 4 and 8, over BF16 and E4M3 pools, for
+// sequences scored whole across the 512-position chunk ends, with keys growing along the
+// positions (the running max moves: the lazy rescale's per-token vote).
+TEST(CudaConsistent, PagedAttentionQueryRunsAreBitwiseOneTokenCtas) {
+  cuda::CudaBackend be(0, DType::BF16);
+  const int hd = 128, ps = 16, Hkv = 4;
+  const std::vector<int32_t> lens = {1100, 37, 520, 1};
+  const int width = (1100 + ps - 1) / ps;
+  std::vector<int32_t> seq, pos, slots, table;
+  int pages = 0;
+  for (int b = 0; b < static_cast<int>(lens.size()); ++b) {
+    const int np = (lens[b] + ps - 1) / ps;
+    for (int p = 0; p < width; ++p) table.push_back(p < np ? pages + p : 0);
+    for (int p = 0; p < lens[b]; ++p) {
+      seq.push_back(b);
+      pos.push_back(p);
+      slots.push_back((pages + p / ps) * ps + p % ps);
+    }
+    pages += np;
+  }
+  const int64_t T = static_cast<int64_t>(seq.size());
+  // Keys scaled by 1 + position / 200: later positions tend to raise the running max.
+  Tensor kh = be.to_host(rand_dev(be, {T, Hkv, hd}, 41, DType::F32));
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t i = 0; i < Hkv * hd; ++i) kh.data<float>()[t * Hkv * hd + i] *= 1.0f + static_cast<float>(pos[t]) / 200.0f;
+  const Tensor k = be.to_device(from_float_vector(to_float_vector(kh), {T, Hkv, hd}, DType::BF16));
+  const Tensor v = rand_dev(be, {T, Hkv, hd}, 42, DType::BF16);
+  for (int group : {1, 2, 4, 8}) {
+    const int Hq = Hkv * group, run = 8 / group;
+    const Tensor q = rand_dev(be, {T, Hq, hd}, 43 + group, DType::BF16, 0.3f);
+    std::vector<int32_t> runs;
+    for (int b = 0, t0 = 0; b < static_cast<int>(lens.size()); t0 += lens[b], ++b)
+      for (int t = t0; t < t0 + lens[b]; t += run) runs.push_back(t), runs.push_back(std::min(run, t0 + lens[b] - t));
+    for (DType pool : {DType::BF16, DType::E4M3}) {
+      KvCache c = be.alloc_kv_cache(1, pages, ps, Hkv, hd, pool);
+      if (pool == DType::E4M3) {
+        be.copy(from_float_vector(std::vector<float>(Hkv, 0.02f), {1, Hkv}), c.k_scale);
+        be.copy(from_float_vector(std::vector<float>(Hkv, 0.012f), {1, Hkv}), c.v_scale);
+      }
+      PagedBatch one{be.to_device(test::i32_tensor(seq)), be.to_device(test::i32_tensor(pos)),
+                     be.to_device(test::i32_tensor(slots)),
+                     be.to_device(test::i32_tensor(table)).reshape({static_cast<int64_t>(lens.size()), width}), 1100};
+      one.batch_invariant = true;
+      be.kv_write(c, 0, k, v, one);
+      Tensor o1 = be.alloc({T, Hq, hd}, DType::BF16), l1 = be.alloc({Hq, T}, DType::F32);
+      be.attention_paged(c, 0, q, one, 0.088f, false, o1, &l1);
+      PagedBatch grouped = one;
+      grouped.query_runs = be.to_device(test::i32_tensor(runs)).reshape({static_cast<int64_t>(runs.size() / 2), 2});
+      grouped.query_run_tokens = run;
+      Tensor o2 = be.alloc({T, Hq, hd}, DType::BF16), l2 = be.alloc({Hq, T}, DType::F32);
+      be.attention_paged(c, 0, q, grouped, 0.088f, false, o2, &l2);
+      const Tensor h1 = be.to_host(o1), h2 = be.to_host(o2), hl1 = be.to_host(l1), hl2 = be.to_host(l2);
+      EXPECT_EQ(rows_differing(h1, h2, 0), 0) << "group " << group << ", " << dtype_name(pool) << " pool: outputs";
+      EXPECT_EQ(std::memcmp(hl1.raw(), hl2.raw(), hl1.nbytes()), 0) << "group " << group << ", " << dtype_name(pool)
+                                                                      << " pool: lse";
+      const std::vector<float> f = to_float_vector(h1);
+      EXPECT_TRUE(std::all_of(f.begin(), f.end(), [](float x) { return std::isfinite(x); }));
+    }
   }
 }
 

@@ -1741,11 +1741,15 @@ bool CudaBackend::attention_paged_run(const KvCache& cache, int layer, const Ten
   if (plan.splits > 1 || lse_out) part = scratch(kSlotAttn, {T * Hq * plan.splits * (hd + 1)}, DType::F32).data<float>();
   float* part_lse = part ? part + T * Hq * plan.splits * hd : nullptr;
   const bool fused = out_fp8 && hd == 128;  // one 1x128 block per (token, head) row
+  // Query runs: only runs that fit the kernel's MMA columns (same bits either way).
+  const bool runs = batch.query_runs.defined() && batch.query_runs.numel() > 0 && batch.query_run_tokens >= 1 &&
+                    batch.query_run_tokens <= paged_attention_run_tokens(group);
   if (mma) {
     launch_paged_attention_mma(q.raw(), q.dtype(), batch.token_seq.data<int32_t>(), batch.token_pos.data<int32_t>(),
                                batch.page_table.data<int32_t>(), max_pages, T, Hq, cache.num_kv_heads, hd,
                                cache.page_size, kp, vp, cache.dtype, ks, vs, softmax_scale, fp8_attention, plan, part,
-                               part_lse, out.raw(), stream_, /*variant=*/-1, lse_out, fused ? out_fp8 : nullptr);
+                               part_lse, out.raw(), stream_, /*variant=*/-1, lse_out, fused ? out_fp8 : nullptr,
+                               runs ? batch.query_runs.data<int32_t>() : nullptr, runs ? batch.query_runs.dim(0) : 0);
     return fused;
   }
   launch_paged_attention(q.raw(), q.dtype(), batch.token_seq.data<int32_t>(), batch.token_pos.data<int32_t>(),

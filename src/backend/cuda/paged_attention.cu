@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
+#include <mutex>
 #include <string>
 #include <type_traits>
 
@@ -94,6 +95,7 @@ __device__ __forceinline__ uint32_t paged_pack_bf16x2(float lo, float hi) {
 __device__ __forceinline__ uint4 paged_lds16(const unsigned char* p) { return *reinterpret_cast<const uint4*>(p); }
 __device__ __forceinline__ uint2 paged_lds8(const unsigned char* p) { return *reinterpret_cast<const uint2*>(p); }
 __device__ __forceinline__ int paged_shfl(int v, int src) { return __shfl_sync(0xffffffffu, v, src); }
+__device__ __forceinline__ int paged_shfl_xor(int v, int m) { return __shfl_xor_sync(0xffffffffu, v, m); }
 __device__ __forceinline__ unsigned char* paged_dyn_smem() {
   extern __shared__ __align__(16) unsigned char paged_smem[];
   return paged_smem;
@@ -156,6 +158,7 @@ constexpr int kPagedUnroll = 2;    // row steps whose loads are issued together
 constexpr int kPagedSubPages = 256;  // page-table entries staged in shared memory at a time
 
 __device__ __forceinline__ int paged_imin(int a, int b) { return a < b ? a : b; }
+__device__ __forceinline__ int paged_imax(int a, int b) { return a > b ? a : b; }
 
 template <int HD, class TP, int GM>
 struct PagedCfg {
@@ -198,6 +201,11 @@ struct PagedArgs {
   int64_t out_q_rows = 0;  // T
   bool out_q_gemm = false, out_q_pow2 = false;
   int* out_q_bad = nullptr;
+  // Query runs (the transposed tensor-core kernel's multi-query form, paged_mmat_kernel<..., MQ>):
+  // {first token, count} per CTA row of the grid, count <= kMmaRows / group consecutive tokens of
+  // one sequence at consecutive positions, whose group x count (token, head) pairs are the MMA
+  // columns: the run's K/V tiles are read once for all of them. Null: one token per CTA row.
+  const int32_t* qruns = nullptr;
 };
 
 __device__ __forceinline__ float paged_load_q(const void* q, bool bf, int64_t i) {
@@ -800,38 +808,41 @@ __device__ __forceinline__ float paged_mma_merged(const float* s_o, const float 
   return num / den * vsc;
 }
 
-template <int HD, int NW>
+template <int HD, int NW, class RowOf>
 __device__ __forceinline__ void paged_mma_merge_warps(const PagedArgs& a, const float* s_o,
                                                       const float (*s_m)[kMmaRows], const float (*s_l)[kMmaRows],
-                                                      int G, int64_t head0, int split, int hk) {
+                                                      int ncols, const RowOf& row_of, int split, int hk) {
   const float vsc = a.v_scale ? a.v_scale[hk] : 1.0f;
   if constexpr (HD == 128) {
     if (a.out_q && a.splits == 1 && !a.partials) {
       // One warp per head row (the same per-element arithmetic as below), then its quantization.
       const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
-      for (int h = warp; h < G; h += NW) {
+      for (int h = warp; h < ncols; h += NW) {
+        const int64_t r = row_of(h);
         float v[4];
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           const int d = lane + 32 * j;
           float mx, den;
           const float ov = paged_mma_merged<HD, NW>(s_o, s_m, s_l, h, d, vsc, mx, den);
-          paged_store_out(a.out, true, (head0 + h) * HD + d, ov);
+          paged_store_out(a.out, true, r * HD + d, ov);
           v[j] = paged_stored(true, ov);
         }
-        paged_quantize_row(a, head0 + h, v, lane);
+        paged_quantize_row(a, r, v, lane);
       }
       return;
     }
   }
-  for (int i = static_cast<int>(threadIdx.x); i < G * HD; i += 32 * NW) {
+  for (int i = static_cast<int>(threadIdx.x); i < ncols * HD; i += 32 * NW) {
     const int h = i / HD, d = i % HD;
+    const int64_t r = row_of(h);
+    if (r < 0) continue;  // a run's token without positions in this split
     float mx, den;
     const float ov = paged_mma_merged<HD, NW>(s_o, s_m, s_l, h, d, vsc, mx, den);
     if (a.splits == 1 && !a.partials) {
-      paged_store_out(a.out, true, (head0 + h) * HD + d, ov);
+      paged_store_out(a.out, true, r * HD + d, ov);
     } else {
-      const int64_t row = (head0 + h) * a.splits + split;
+      const int64_t row = r * a.splits + split;
       a.part_o[row * HD + d] = ov;
       if (d == 0) a.part_lse[row] = mx + log2f(den);
     }
@@ -1061,7 +1072,7 @@ __global__ void __launch_bounds__(32 * kMmaWarps, PagedMmaCfg<HD, TP>::kMinBlock
     if (c == 0) s_m[warp][g] = m, s_l[warp][g] = l;  // a warp without tiles: -inf, 0
   }
   __syncthreads();
-  paged_mma_merge_warps<HD, NW>(a, s_o, s_m, s_l, G, head0, split, hk);
+  paged_mma_merge_warps<HD, NW>(a, s_o, s_m, s_l, G, [&](int h) { return head0 + h; }, split, hk);
 }
 
 // ---- the transposed tensor-core decode kernel (variants 1.., FP8RL_PAGED_VARIANT; kernels.h) --
@@ -1103,7 +1114,21 @@ __device__ __forceinline__ int paged_tdim(int g, int mt, int h) {
 
 // grid (T * Hkv, splits), block 32 * kMmaWarps, dynamic shared memory Cfg::kSmemBytes. q BF16,
 // 16-byte aligned.
-template <int HD, class TP, int S, int LAZY, int COPY>
+//
+// MQ (the multi-query form; grid (runs * Hkv, splits)): a CTA serves a run of a.qruns, count
+// consecutive tokens of one sequence, as the count x group columns of the MMAs (column h: token
+// first + h / group, its head h % group of the KV head's group), so the run's K/V tiles are read
+// once for all of them (the consistent mode's scoring: every token of a sequence is a query). Each
+// column computes bitwise what the one-token CTA computes for it: a column's arithmetic never
+// involves another column's values (MMA columns are independent, the softmax state is per
+// column); the tiles and their order, warp by warp, are the chunk's, as in the one-token CTA;
+// positions past the column's own token (its len, or its chunk end) are -inf scores, P = 0
+// there, so l and O are unchanged (x 1, + 0: exact) and m as well; the lazy rescale's vote is
+// taken over the columns of one token (the one-token CTA's vote is over its token's heads: its
+// padding columns, whose q is zero, raise their max only on the first tile, where the real ones do);
+// a column whose warp has seen none of its positions keeps m = -inf, l = 0, O = 0, as a warp
+// without tiles does.
+template <int HD, class TP, int S, int LAZY, int COPY, bool MQ = false>
 __global__ void __launch_bounds__(32 * kMmaWarps, PagedTCfg<HD, TP, S>::kMinBlocks)
     paged_mmat_kernel(const PagedArgs a) {
   using Cfg = PagedTCfg<HD, TP, S>;
@@ -1112,12 +1137,26 @@ __global__ void __launch_bounds__(32 * kMmaWarps, PagedTCfg<HD, TP, S>::kMinBloc
   __shared__ float s_m[NW][kMmaRows], s_l[NW][kMmaRows];
   unsigned char* smem = paged_dyn_smem();
 
-  const int t = static_cast<int>(blockIdx.x) / a.Hkv, hk = static_cast<int>(blockIdx.x) % a.Hkv;
+  const int hk = static_cast<int>(blockIdx.x) % a.Hkv;
+  // The CTA's tokens: t (one) or the run t .. t + cnt - 1 (MQ).
+  int t, cnt = 1;
+  if constexpr (MQ) {
+    t = a.qruns[2 * (static_cast<int>(blockIdx.x) / a.Hkv)];
+    cnt = a.qruns[2 * (static_cast<int>(blockIdx.x) / a.Hkv) + 1];
+  } else {
+    t = static_cast<int>(blockIdx.x) / a.Hkv;
+  }
   const int split = static_cast<int>(blockIdx.y);
   const int j0 = split * a.chunk;  // a multiple of kMmaTile (paged_mma_split)
   const int warp = static_cast<int>(threadIdx.x) >> 5, lane = static_cast<int>(threadIdx.x) & 31;
   const int g = lane >> 2, c = lane & 3, G = a.group;
   const int64_t head0 = static_cast<int64_t>(t) * a.Hq + static_cast<int64_t>(hk) * G;
+  // The output row (token, q head) of MMA column h: head0 + h for one token.
+  auto col_row = [&](int h) -> int64_t {
+    if constexpr (MQ) return static_cast<int64_t>(t + h / G) * a.Hq + static_cast<int64_t>(hk) * G + h % G;
+    else return head0 + h;
+  };
+  const int ncols = cnt * G;  // the MMA columns that hold (token, head) pairs
   const int32_t* table = a.page_table + static_cast<int64_t>(a.token_seq[t]) * a.max_pages;
   const int own = COPY == 0 ? lane & 15 : lane >> 1;  // the row of a tile whose slot this lane loads
   // The cache slot of row `own` of this warp's tile k if that position is in the sequence (the
@@ -1132,10 +1171,23 @@ __global__ void __launch_bounds__(32 * kMmaWarps, PagedTCfg<HD, TP, S>::kMinBloc
   int pre[S - 1];  // the first S - 1 tiles' slots
 #pragma unroll
   for (int st = 0; st < S - 1; ++st) pre[st] = slot_raw(st);
-  const int len = a.token_pos[t] + 1;
+  int len = a.token_pos[t] + 1;  // MQ: the run's longest
+  if constexpr (MQ)
+    for (int i = 1; i < cnt; ++i) len = paged_imax(len, a.token_pos[t + i] + 1);
   if (j0 >= len) return;  // uniform per CTA
   const int j1 = split == a.splits - 1 ? len : paged_imin(len, j0 + a.chunk);
   const int ntiles = (j1 - j0 + kMmaTile - 1) / kMmaTile;
+  // The chunk end of this thread's score columns 2c, 2c + 1 (MQ: their tokens'; j0 for a column
+  // without a token: every position masked).
+  int j1c0 = j1, j1c1 = j1;
+  if constexpr (MQ) {
+    auto col_j1 = [&](int h) {
+      if (h >= ncols) return j0;
+      const int ln = a.token_pos[t + h / G] + 1;
+      return split == a.splits - 1 ? ln : paged_imin(ln, j0 + a.chunk);
+    };
+    j1c0 = col_j1(2 * c), j1c1 = col_j1(2 * c + 1);
+  }
   // The slot of row `own` of this warp's tile k, -1 past the chunk.
   auto slot_of = [&](int k) -> int { return j0 + (warp + NW * k) * kMmaTile + own < j1 ? slot_raw(k) : -1; };
   const unsigned char* kpool = static_cast<const unsigned char*>(a.kpool) + static_cast<int64_t>(hk) * RB;
@@ -1220,12 +1272,13 @@ __global__ void __launch_bounds__(32 * kMmaWarps, PagedTCfg<HD, TP, S>::kMinBloc
   {
     constexpr int CD = Cfg::kChunkDims, KC = Cfg::kKChunks;
     float x[KC][CD];  // dims CD (4i + c) .. + CD - 1 of head g
-    const uint16_t* qrow = static_cast<const uint16_t*>(a.q) + (head0 + g) * HD;
+    const bool qin = g < ncols;  // a column of a (token, head); else zeros
+    const uint16_t* qrow = static_cast<const uint16_t*>(a.q) + (qin ? col_row(g) : 0) * HD;
 #pragma unroll
     for (int i = 0; i < KC; ++i)
 #pragma unroll
       for (int u = 0; u < CD / 8; ++u) {
-        const uint4 w = g < G ? paged_ld16(qrow + CD * (4 * i + c) + 8 * u) : make_uint4(0, 0, 0, 0);
+        const uint4 w = qin ? paged_ld16(qrow + CD * (4 * i + c) + 8 * u) : make_uint4(0, 0, 0, 0);
         const uint32_t ww[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
@@ -1318,29 +1371,47 @@ __global__ void __launch_bounds__(32 * kMmaWarps, PagedTCfg<HD, TP, S>::kMinBloc
         paged_mma4<false>(sb, x1, qb[2 * i + 1][0], qb[2 * i + 1][1]);
       }
     }
-    // Base-2 logits of positions base + g (x0*) and base + g + 8 (x1*), -inf past the chunk.
-    const bool v0 = base + g < j1, v1 = base + g + 8 < j1;
-    const float x00 = v0 ? (sa[0] + sb[0]) * kq0 : -INFINITY, x01 = v0 ? (sa[1] + sb[1]) * kq1 : -INFINITY;
-    const float x10 = v1 ? (sa[2] + sb[2]) * kq0 : -INFINITY, x11 = v1 ? (sa[3] + sb[3]) * kq1 : -INFINITY;
+    // Base-2 logits of positions base + g (x0*) and base + g + 8 (x1*), -inf past the chunk (of
+    // the column's token).
+    const float x00 = base + g < j1c0 ? (sa[0] + sb[0]) * kq0 : -INFINITY;
+    const float x01 = base + g < j1c1 ? (sa[1] + sb[1]) * kq1 : -INFINITY;
+    const float x10 = base + g + 8 < j1c0 ? (sa[2] + sb[2]) * kq0 : -INFINITY;
+    const float x11 = base + g + 8 < j1c1 ? (sa[3] + sb[3]) * kq1 : -INFINITY;
     float mx0 = fmaxf(x00, x10), mx1 = fmaxf(x01, x11);
 #pragma unroll
     for (int sh = 4; sh < 32; sh <<= 1) {
       mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, sh));
       mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, sh));
     }
-    // finite: position base is in the chunk
-    bool rescale;
-    if constexpr (LAZY == 0) rescale = paged_any(mx0 > m0 || mx1 > m1);
-    else rescale = paged_any(mx0 > m0 + static_cast<float>(LAZY) || mx1 > m1 + static_cast<float>(LAZY));
+    // finite where the column's token has a position in the tile (one token: position base does)
+    const bool up0 = LAZY == 0 ? mx0 > m0 : mx0 > m0 + static_cast<float>(LAZY);
+    const bool up1 = LAZY == 0 ? mx1 > m1 : mx1 > m1 + static_cast<float>(LAZY);
+    bool rescale, r0 = true, r1 = true;  // the warp's vote; MQ: each column's token's vote
+    if constexpr (MQ) {
+      // OR over the columns of one token: the 8 threads of this thread's columns (lanes 4g' + c),
+      // and the threads of the token's other column pairs (group 4: c ^ 1; group 8: all).
+      int v = G >= 2 ? (up0 || up1 ? 3 : 0) : (up0 ? 1 : 0) | (up1 ? 2 : 0);
+#pragma unroll
+      for (int sh = 4; sh < 32; sh <<= 1) v |= paged_shfl_xor(v, sh);
+      if (G >= 4) v |= paged_shfl_xor(v, 1);
+      if (G >= 8) v |= paged_shfl_xor(v, 2);
+      r0 = (v & 1) != 0, r1 = (v & 2) != 0;
+      rescale = paged_any(r0 || r1);
+    } else {
+      rescale = paged_any(up0 || up1);
+    }
     if (rescale) {
-      const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
-      const float c0 = paged_ex2(m0 - n0), c1 = paged_ex2(m1 - n1);  // 0 on the first tile (m = -inf)
+      const float n0 = r0 ? fmaxf(m0, mx0) : m0, n1 = r1 ? fmaxf(m1, mx1) : m1;
+      // 0 on the column's first tile (m = -inf); 1 (no change) for a column whose token did not vote
+      const float c0 = r0 ? paged_ex2(m0 - n0) : 1.0f, c1 = r1 ? paged_ex2(m1 - n1) : 1.0f;
       m0 = n0, m1 = n1, l0 *= c0, l1 *= c1;
 #pragma unroll
       for (int mt = 0; mt < Cfg::kMTiles; ++mt) o[mt][0] *= c0, o[mt][1] *= c1, o[mt][2] *= c0, o[mt][3] *= c1;
     }
-    const float p00 = paged_ex2(x00 - m0), p01 = paged_ex2(x01 - m1);
-    const float p10 = paged_ex2(x10 - m0), p11 = paged_ex2(x11 - m1);
+    // MQ: a column still at m = -inf has only -inf scores so far (P = 0, not 2^NaN).
+    const float e0 = MQ && m0 == -INFINITY ? 0.0f : m0, e1 = MQ && m1 == -INFINITY ? 0.0f : m1;
+    const float p00 = paged_ex2(x00 - e0), p01 = paged_ex2(x01 - e1);
+    const float p10 = paged_ex2(x10 - e0), p11 = paged_ex2(x11 - e1);
     l0 += p00 + p10;
     l1 += p01 + p11;
     // P^T as the B fragment of P V: (positions 2c, 2c + 1 | 2c + 8, 2c + 9) x head g.
@@ -1407,12 +1478,15 @@ __global__ void __launch_bounds__(32 * kMmaWarps, PagedTCfg<HD, TP, S>::kMinBloc
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       const int d = paged_tdim<Cfg>(g, mt, hh);
-      if (h0 < G) s_o[(warp * kMmaRows + h0) * HD + d] = o[mt][2 * hh];
-      if (h1 < G) s_o[(warp * kMmaRows + h1) * HD + d] = o[mt][2 * hh + 1];
+      if (h0 < ncols) s_o[(warp * kMmaRows + h0) * HD + d] = o[mt][2 * hh];
+      if (h1 < ncols) s_o[(warp * kMmaRows + h1) * HD + d] = o[mt][2 * hh + 1];
     }
   if (g == 0) s_m[warp][h0] = m0, s_m[warp][h1] = m1, s_l[warp][h0] = l0, s_l[warp][h1] = l1;  // -inf, 0: no tiles
   __syncthreads();
-  paged_mma_merge_warps<HD, NW>(a, s_o, s_m, s_l, G, head0, split, hk);
+  // MQ: a run's token without positions in this split writes nothing (the combine does not read it).
+  paged_mma_merge_warps<HD, NW>(
+      a, s_o, s_m, s_l, ncols,
+      [&](int h) -> int64_t { return !MQ || a.token_pos[t + h / G] + 1 > j0 ? col_row(h) : int64_t{-1}; }, split, hk);
 }
 
 // The split plan of paged_mma_kernel for `slots` resident CTAs (SMs x CTAs per SM): chunks are
@@ -1540,6 +1614,24 @@ void launch_mma(const PagedArgs& a, int64_t T, cudaStream_t stream) {
   Var::fn()<<<grid, 32 * kMmaWarps, Var::kSmemBytes, stream>>>(a);
 }
 
+// The multi-query form of the default variant (paged_mmat_kernel<..., MQ = true>) over `runs`
+// query runs (a.qruns).
+template <int HD, class TP>
+void launch_mma_runs(const PagedArgs& a, int64_t runs, cudaStream_t stream) {
+  constexpr int V = kMmaDefaultVariant;
+  using Var = MmaVariant<HD, TP, V>;
+  const auto fn = paged_mmat_kernel<HD, TP, Var::kStages, paged_t_lazy(V), paged_t_copy(V), true>;
+  static std::once_flag opted[64];
+  int dev = 0;
+  CUDA_CHECK(cudaGetDevice(&dev), "paged attention: cudaGetDevice");
+  std::call_once(opted[dev >= 0 && dev < 64 ? dev : 0], [&] {
+    CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, Var::kSmemBytes),
+               "paged attention: shared memory opt-in of ", Var::kSmemBytes, " bytes (multi-query, hd ", HD, ")");
+  });
+  const dim3 grid(static_cast<unsigned>(runs * a.Hkv), static_cast<unsigned>(a.splits));
+  fn<<<grid, 32 * kMmaWarps, Var::kSmemBytes, stream>>>(a);
+}
+
 // f(std::integral_constant<int, v>) for the variant v (0 <= v < kMmaVariants).
 template <class F>
 auto with_variant(int v, const F& f) {
@@ -1608,6 +1700,12 @@ PagedSplit paged_attention_mma_split(int64_t T, int Hkv, int hd, DType pool_dt, 
 
 PagedSplit paged_attention_invariant_split(int max_pos) { return paged_invariant_split(max_pos); }
 
+bool paged_attention_runs_apply(int group, int variant, bool out_fp8) {
+  return resolve_variant(variant) == kMmaDefaultVariant && !out_fp8 &&
+         (group == 1 || group == 2 || group == 4 || group == 8);
+}
+int paged_attention_run_tokens(int group) { return group >= 1 && group <= kMmaRows ? kMmaRows / group : 1; }
+
 // The kernels' arguments from a launcher's (the tensor-core and the CUDA-core launchers alike).
 static PagedArgs paged_args(const void* q, DType qdt, const int32_t* token_seq, const int32_t* token_pos,
                             const int32_t* page_table, int max_pages, int Hq, int Hkv, int page_size,
@@ -1644,7 +1742,8 @@ void launch_paged_attention_mma(const void* q, DType qdt, const int32_t* token_s
                                 int page_size, const void* kpool, const void* vpool, DType pool_dt,
                                 const float* k_scale, const float* v_scale, float scale, bool fp8_q,
                                 const PagedSplit& split, float* part_o, float* part_lse, void* out, cudaStream_t stream,
-                                int variant, float* lse_out, const PagedOutFp8* out_fp8) {
+                                int variant, float* lse_out, const PagedOutFp8* out_fp8, const int32_t* qruns,
+                                int64_t nruns) {
   if (T == 0) return;
   FP8RL_CHECK(!out_fp8 || hd == 128, "paged attention: the fused output quantizer needs head_dim 128, got ", hd);
   int v = resolve_variant(variant);
@@ -1671,16 +1770,28 @@ void launch_paged_attention_mma(const void* q, DType qdt, const int32_t* token_s
     a.out_q_pow2 = out_fp8->pow2;
     a.out_q_bad = out_fp8->bad;
   }
-  with_variant(v, [&](auto vc) {
-    constexpr int V = decltype(vc)::value;
+  if (qruns && paged_attention_runs_apply(Hq / Hkv, v, out_fp8 != nullptr)) {
+    FP8RL_CHECK(nruns * Hkv < (int64_t(1) << 31), "paged attention: runs * Hkv = ", nruns * Hkv, " exceeds the grid");
+    a.qruns = qruns;
     if (pool_dt == DType::E4M3) {
-      if (hd == 64) launch_mma<64, uint8_t, V>(a, T, stream);
-      else launch_mma<128, uint8_t, V>(a, T, stream);
+      if (hd == 64) launch_mma_runs<64, uint8_t>(a, nruns, stream);
+      else launch_mma_runs<128, uint8_t>(a, nruns, stream);
     } else {
-      if (hd == 64) launch_mma<64, bf16, V>(a, T, stream);
-      else launch_mma<128, bf16, V>(a, T, stream);
+      if (hd == 64) launch_mma_runs<64, bf16>(a, nruns, stream);
+      else launch_mma_runs<128, bf16>(a, nruns, stream);
     }
-  });
+  } else {
+    with_variant(v, [&](auto vc) {
+      constexpr int V = decltype(vc)::value;
+      if (pool_dt == DType::E4M3) {
+        if (hd == 64) launch_mma<64, uint8_t, V>(a, T, stream);
+        else launch_mma<128, uint8_t, V>(a, T, stream);
+      } else {
+        if (hd == 64) launch_mma<64, bf16, V>(a, T, stream);
+        else launch_mma<128, bf16, V>(a, T, stream);
+      }
+    });
+  }
   CUDA_CHECK_LAUNCH(v == 0 ? "paged_mma_kernel" : "paged_mmat_kernel");
   if (split.splits > 1 || lse_out) {
     const int64_t rows = T * Hq;

@@ -96,6 +96,7 @@ inline int paged_shfl(int v, int src) {
   tw->bar.arrive_and_wait();
   return r;
 }
+inline int paged_shfl_xor(int v, int m) { return paged_shfl(v, (tlane ^ m) & 31); }
 inline unsigned char* paged_dyn_smem() { return g_smem; }
 // mma.sync m16n8k16 (A rows 8..15 zero), from the PTX fragment layouts; F16 or BF16 inputs.
 template <bool F16>
@@ -215,6 +216,18 @@ void launch_mma_v(const PagedArgs& a, int64_t T) {
     if constexpr (V == 0) paged_mma_kernel<HD, TP>(a);
     else paged_mmat_kernel<HD, TP, S, paged_t_lazy(V), paged_t_copy(V)>(a);
     if (!t_open.empty() || !t_groups.empty()) std::abort();  // every copy retired
+  });
+}
+// The multi-query form of the default variant over `runs` query runs (a.qruns).
+template <int HD, class TP>
+void launch_mma_runs(const PagedArgs& a, int64_t runs) {
+  constexpr int V = kMmaDefaultVariant, S = paged_t_stages<HD, TP>(V);
+  constexpr int smem = PagedTCfg<HD, TP, S>::kSmemBytes;
+  emu_launch(int(runs * a.Hkv), a.splits, smem, [&] {
+    if (threadIdx.x == 0) std::memset(g_smem, 0xff, smem);
+    __syncthreads();
+    paged_mmat_kernel<HD, TP, S, paged_t_lazy(V), paged_t_copy(V), true>(a);
+    if (!t_open.empty() || !t_groups.empty()) std::abort();
   });
 }
 template <int HD, class TP>
@@ -441,6 +454,43 @@ int run(const Case& c) {
       }
     }
     std::printf("  invariant plan: lse max |err| %.2e, %d token(s) differing alone\n", lerr, invariant_bad);
+    // Query runs (the multi-query kernel of the default variant): consecutive tokens of one
+    // sequence, up to 8 / G per run; out and lse bitwise the one-token CTAs'.
+    if (g_kern == Kern::Mma && g_variant == kMmaDefaultVariant && (G == 1 || G == 2 || G == 4 || G == 8)) {
+      std::vector<int32_t> runs;
+      for (int64_t t = 0; t < T;) {
+        int64_t n = 1;
+        while (t + n < T && n < 8 / G && seq[t + n] == seq[t] && pos[t + n] == pos[t + n - 1] + 1) ++n;
+        runs.push_back(int32_t(t));
+        runs.push_back(int32_t(n));
+        t += n;
+      }
+      const int64_t R = int64_t(runs.size() / 2);
+      std::vector<float> lse_r(size_t(T) * Hq, NAN), po(part_o.size(), NAN), pl(part_l.size(), NAN);
+      std::vector<uint16_t> out_r(T * Hq * hd, 0x7fc0);
+      PagedArgs r = a;
+      r.qruns = runs.data();
+      r.out = out_r.data();
+      r.part_o = po.data();
+      r.part_lse = pl.data();
+      r.out_q = nullptr;
+      if (hd == 64) (c.pool == Pool::E4M3 ? launch_mma_runs<64, uint8_t>(r, R) : launch_mma_runs<64, bf16>(r, R));
+      else (c.pool == Pool::E4M3 ? launch_mma_runs<128, uint8_t>(r, R) : launch_mma_runs<128, bf16>(r, R));
+      const int64_t rows = T * Hq;
+      emu_launch(int((rows + 3) / 4), 1, 0, [&] {
+        paged_combine_kernel(po.data(), pl.data(), pos.data(), rows, Hq, hd, plan.splits, plan.chunk, true, r.out,
+                             lse_r.data(), r);
+      });
+      int run_bad = 0;
+      for (int64_t t = 0; t < T; ++t)
+        if (std::memcmp(out_r.data() + t * Hq * hd, out_b.data() + t * Hq * hd, size_t(Hq) * hd * 2) != 0) ++run_bad;
+      for (int h = 0; h < Hq; ++h)
+        for (int64_t t = 0; t < T; ++t)
+          if (std::memcmp(&lse_r[size_t(h) * T + t], &lse_out[size_t(h) * T + t], 4) != 0) ++run_bad;
+      std::printf("  query runs (%ld runs of up to %d tokens): %d token outputs / lse differing from one-token CTAs\n",
+                  long(R), 8 / G, run_bad);
+      invariant_bad += run_bad;
+    }
   }
   double dmax = 0, rmax = 0;
   for (size_t i = 0; i < ref.size(); ++i) {
@@ -554,6 +604,21 @@ int main(int argc, char** argv) {
       c.invariant = true;
       cases.push_back(c);
     }
+  }
+  {  // query runs: whole stretches of a sequence as queries (the consistent scoring), G 4 and 1,
+     // scores rising with the position (the lazy rescale's per-token vote), across a chunk end
+    Case c{"invariant runs G4 hd128 e4m3", 128, 8, 2, 16, Pool::E4M3, true, false, {530, 12}, {}, 0};
+    for (int p = 505; p < 521; ++p) c.tokens.push_back({0, p});
+    for (int p = 0; p < 7; ++p) c.tokens.push_back({1, p});
+    c.kramp = 1.5f;
+    c.invariant = true;
+    mma_cases.push_back(c);
+    Case d{"invariant runs G1 hd64 bf16", 64, 2, 2, 16, Pool::BF16, true, false, {20, 520}, {}, 0};
+    for (int p = 0; p < 20; ++p) d.tokens.push_back({0, p});
+    for (int p = 508; p < 516; ++p) d.tokens.push_back({1, p});
+    d.kramp = 1.5f;
+    d.invariant = true;
+    mma_cases.push_back(d);
   }
   for (Pool pool : {Pool::BF16, Pool::E4M3}) {  // scores rising with the position: the running max moves
     Case c{pool == Pool::BF16 ? "rising maxima G2 hd128 bf16" : "rising maxima G2 hd128 e4m3", 128, 4, 2, 16, pool, true,
