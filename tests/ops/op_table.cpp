@@ -2054,6 +2054,17 @@ void generation_cases(std::vector<OpCase>& t) {
                    Tensor& out = r.output("out", {iT, iHq, ihd}, odt);
                    r.be.attention_paged(c, 0, q, b, 0.125f, false, out, &r.output("lse", {iHq, iT}, DType::F32));
                    r.be.attention_paged(c, 0, q, b, 0.125f, false, r.output("out_nolse", {iT, iHq, ihd}, odt));
+                   // The same with query runs (4 consecutive tokens of a sequence per run: CUDA's
+                   // multi-query CTAs read a run's K/V once): the same bits.
+                   std::vector<int32_t> runs;
+                   for (int b0 = 0, t0 = 0; b0 < 2; t0 += ilens[b0], ++b0)
+                     for (int t1 = t0; t1 < t0 + ilens[b0]; t1 += 4)
+                       runs.push_back(t1), runs.push_back(std::min(4, t0 + ilens[b0] - t1));
+                   PagedBatch br = b;
+                   br.query_runs = r.be.to_device(i32_tensor(runs, {static_cast<int64_t>(runs.size() / 2), 2}));
+                   br.query_run_tokens = 4;
+                   r.be.attention_paged(c, 0, q, br, 0.125f, false, r.output("out_runs", {iT, iHq, ihd}, odt),
+                                        &r.output("lse_runs", {iHq, iT}, DType::F32));
                    // The decode batch: its q rows gathered from q (a row gather: embedding).
                    PagedBatch d{r["dseq"], r["dpos"], r["dslots"], r["table"], 1100};  // another split count
                    d.batch_invariant = true;
@@ -2064,7 +2075,7 @@ void generation_cases(std::vector<OpCase>& t) {
                                         r.output("out_decode", {3, iHq, ihd}, odt));
                  },
                  {{"out", rel(kdt == DType::F32 ? 1e-5 : 1e-2)}, {"lse", rel(1e-5)}},
-                 {{"out_nolse", "out"}}});
+                 {{"out_nolse", "out"}, {"out_runs", "out"}, {"lse_runs", "lse"}}});
     t.back().invariants = [=](const Tensors& out) {
       const Tensor& full = out.at("out");
       const Tensor& d = out.at("out_decode");

@@ -944,8 +944,13 @@ void CudaBackend::linear_fwd_fp8_consistent(const Tensor& x, const LinearWeight&
   const bool laid = use_view && x_view->scales_gemm_layout;
   if (own) {
     const OpTimer t(*this, "linear: FP8 GEMM", 2);
+    // Decode-sized products whose 128-column tiles would not fill the SMs twice over (o, down,
+    // q|k|v at the 1.7B width) take 64-column tiles: twice the CTAs at one split, each element's
+    // arithmetic unchanged (fp8_gemm.h block_n), so rows stay the bits of every other M.
+    const bool narrow = M <= 256 && (M + 63) / 64 * ((N + 127) / 128) <= 2 * static_cast<int64_t>(sm_count_);
     gemm_->gemm_fp8_own(M, N, K, xq.data.data<uint8_t>(), xq.scales.data<float>(), laid, wq.data.data<uint8_t>(),
-                        wq.scales.data<float>(), out.raw(), out.dtype(), 1.0f, 0.0f, /*splits=*/1);
+                        wq.scales.data<float>(), out.raw(), out.dtype(), 1.0f, 0.0f, /*splits=*/1, /*block_m=*/0,
+                        narrow ? 64 : 0);
     return;
   }
   Tensor xf = scratch(kSlotA, {M, K}, DType::F32), wf = scratch(kSlotB, {N, K}, DType::F32);
@@ -1570,12 +1575,10 @@ void CudaBackend::logprobs_of_logits_impl(const Tensor& logits, const Tensor& ta
   const OpTimer op_timer_(*this, "logprobs_of_logits");
   const int64_t R = logits.dim(0), V = logits.dim(1);
   const LogprobRows st = logprob_rows_begin(R, V, "logprobs_of_logits");
-  // token_logprobs' consistent chunks, each a column slice of the [R, V] logits read in place.
-  for (int64_t v0 = 0; v0 < V; v0 += kConsistentVocabChunk) {
-    const int64_t n = std::min(kConsistentVocabChunk, V - v0);
-    launch_logprob_chunk(logits.data<float>() + v0, V, R, n, v0, V, 1.0f / temperature, targets.data<int32_t>(),
-                         st.m, st.s, st.e, st.tgt, st.bad, stream_);
-  }
+  // token_logprobs' consistent chunks, each a column slice of the [R, V] logits read in place,
+  // all folded by one launch (the same bits as one launch per chunk).
+  launch_logprob_rows(logits.data<float>(), R, V, std::min(kConsistentVocabChunk, V), 1.0f / temperature,
+                      targets.data<int32_t>(), st.m, st.s, st.e, st.tgt, st.bad, stream_);
   launch_logprob_finish(st.m, st.s, st.e, st.tgt, R, logp.data<float>(), lse.data<float>(), nullptr, stream_);
 }
 

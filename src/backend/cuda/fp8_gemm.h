@@ -24,6 +24,7 @@ struct Fp8GemmArgs {
   float alpha = 1.0f, beta = 0.0f;
   int splits = 1;              // K splits (fp8_gemm_sm90_config); > 1 needs the workspace
   int block_m = 0;             // rows per CTA: 64 or 128 (0: 64 for M <= 256, else 128)
+  int block_n = 0;             // columns per 64-row tile: 64 or 128 (0: fp8_gemm_block_n()); same bits
   float* workspace = nullptr;  // fp8_gemm_sm90_workspace_floats(M, N, splits) floats
 };
 

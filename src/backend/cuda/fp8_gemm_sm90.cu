@@ -908,6 +908,11 @@ void fp8_gemm_sm90(const Fp8GemmArgs& a, cudaStream_t stream) {
   const int bm = small ? 64 : 128;
   const int m_tiles = static_cast<int>(ceil_div(a.M, int64_t{bm}));
   KernelVariant cl = kernel_variant(m_tiles, ceil_div(a.N, int64_t{kBN}), false);
+  FP8RL_CHECK(a.block_n == 0 || a.block_n == 64 || a.block_n == kBN, "FP8 GEMM (sm90): block_n must be 64 or 128");
+  if (small && a.block_n) {
+    cl.bn = a.block_n;
+    if (cl.bn == 64) cl.cm = cl.cn = 1, cl.smem_scales = false;
+  }
   if (!small) cl.bn = kBN;  // 64-column tiles only beside 64-row ones
   const int n_tiles = static_cast<int>(ceil_div(a.N, int64_t{cl.bn}));
   p.n_tiles = n_tiles, p.m_tiles = m_tiles, p.splits = used_splits;

@@ -336,10 +336,11 @@ void GemmEngine::gemm_fp8(int64_t M, int64_t N, int64_t K, const uint8_t* a, con
 
 void GemmEngine::gemm_fp8_own(int64_t M, int64_t N, int64_t K, const uint8_t* a, const float* a_scales,
                               bool a_scales_kb_major, const uint8_t* b, const float* b_scales, void* C, DType c_dtype,
-                              float alpha, float beta, int splits, int block_m) {
+                              float alpha, float beta, int splits, int block_m, int block_n) {
   const Fp8GemmConfig cfg = fp8_gemm_sm90_config(M, N, K, sm_count_);
   Fp8GemmArgs g;
   g.block_m = block_m > 0 ? block_m : cfg.block_m;
+  g.block_n = block_n;
   g.M = M, g.N = N, g.K = K;
   g.a = a, g.a_scales = a_scales, g.a_scales_kb_major = a_scales_kb_major;
   g.b = b, g.b_scales = b_scales;

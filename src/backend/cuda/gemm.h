@@ -98,7 +98,8 @@ class GemmEngine {
   // are [ceil(K/128)][M] (the quantizer's gemm_layout), else [M][ceil(K/128)].
   void gemm_fp8_own(int64_t M, int64_t N, int64_t K, const uint8_t* a, const float* a_scales, bool a_scales_kb_major,
                     const uint8_t* b, const float* b_scales, void* C, DType c_dtype, float alpha, float beta,
-                    int splits = 0, int block_m = 0);  // 0, 0: fp8_gemm_sm90_config's
+                    int splits = 0, int block_m = 0,  // 0, 0: fp8_gemm_sm90_config's
+                    int block_n = 0);                 // 64-row tiles' columns (0: FP8RL_FP8_GEMM_BN); same bits
   // Which kernel gemm_fp8 runs for 128x128-block B (FP8RL_FP8_GEMM): cublaslt (default); auto =
   // the own one where the graph-timed sweep found it faster (fp8_gemm_sm90_preferred: decode
   // products of small N) — in the real decode step that made generation 6% slower (bench

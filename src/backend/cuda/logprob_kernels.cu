@@ -22,6 +22,41 @@ __global__ void logprob_init_kernel(float* m, float* s, float* e, float* tgt, in
   }
 }
 
+// Folds one chunk of a row (its Vc logits at row, vocabulary ids v0 ..) into the row's online
+// state (m_old, s, e): the chunk's max, the new max, and the chunk's sums of exp(l - m_new) and of
+// exp(l - m_new) * l, each block-reduced; every thread returns them, thread 0 then updates the
+// state. The one definition of the fold: the chunked launches (logprob_chunk_kernel) and the
+// one-launch fold of a row's chunks (logprob_rows_kernel) compute the same bits. Explicit
+// roundings (fmaf, __fmul_rn) so that no contraction choice differs between the two kernels.
+struct ChunkFold {
+  float m_new, cs, ce;
+};
+__device__ __forceinline__ ChunkFold fold_chunk(const float* row, int64_t Vc, float inv_temp, float m_old, float* red) {
+  float cmax = -INFINITY;
+  for (int64_t j = threadIdx.x; j < Vc; j += blockDim.x) cmax = fmaxf(cmax, __fmul_rn(row[j], inv_temp));
+  cmax = block_max(cmax, red);
+  ChunkFold f;
+  f.m_new = fmaxf(m_old, cmax);
+  float cs = 0.0f, ce = 0.0f;
+  for (int64_t j = threadIdx.x; j < Vc; j += blockDim.x) {
+    const float l = __fmul_rn(row[j], inv_temp);
+    const float p = expf(__fsub_rn(l, f.m_new));
+    cs = __fadd_rn(cs, p);
+    ce = fmaf(p, l, ce);
+  }
+  f.cs = block_sum(cs, red);
+  f.ce = block_sum(ce, red);
+  return f;
+}
+// Thread 0's state update after a fold (corr: 0 on the first chunk, m_old = -inf), and the target's
+// logit when the chunk holds it.
+__device__ __forceinline__ void fold_update(const ChunkFold& f, float m_old, float& m, float& s, float& e) {
+  const float corr = expf(__fsub_rn(m_old, f.m_new));
+  s = fmaf(s, corr, f.cs);
+  e = fmaf(e, corr, f.ce);
+  m = f.m_new;
+}
+
 // One block per token row; row t's Vc logits at logits + t * ld.
 __global__ void logprob_chunk_kernel(const float* logits, int64_t ld, int64_t Vc, int64_t v0, int64_t V,
                                      float inv_temp, const int32_t* targets, float* m, float* s, float* e, float* tgt,
@@ -29,28 +64,43 @@ __global__ void logprob_chunk_kernel(const float* logits, int64_t ld, int64_t Vc
   __shared__ float red[32];
   const int64_t t = blockIdx.x;
   const float* row = logits + t * ld;
-  float cmax = -INFINITY;
-  for (int64_t j = threadIdx.x; j < Vc; j += blockDim.x) cmax = fmaxf(cmax, row[j] * inv_temp);
-  cmax = block_max(cmax, red);
   const float m_old = m[t];
-  const float m_new = fmaxf(m_old, cmax);
-  float cs = 0.0f, ce = 0.0f;
-  for (int64_t j = threadIdx.x; j < Vc; j += blockDim.x) {
-    const float l = row[j] * inv_temp;
-    const float p = expf(l - m_new);
-    cs += p;
-    ce += p * l;
-  }
-  cs = block_sum(cs, red);
-  ce = block_sum(ce, red);
+  const ChunkFold f = fold_chunk(row, Vc, inv_temp, m_old, red);
   if (threadIdx.x == 0) {
-    const float corr = expf(m_old - m_new);  // 0 on the first chunk (m_old = -inf)
-    s[t] = s[t] * corr + cs;
-    e[t] = e[t] * corr + ce;
-    m[t] = m_new;
+    fold_update(f, m_old, m[t], s[t], e[t]);
     const int32_t y = targets[t];
     if (y < 0 || y >= V) atomicExch(bad, 1);
-    else if (y >= v0 && y < v0 + Vc) tgt[t] = row[y - v0] * inv_temp;
+    else if (y >= v0 && y < v0 + Vc) tgt[t] = __fmul_rn(row[y - v0], inv_temp);
+  }
+}
+
+// Every chunk of a row in one launch (the consistent generator's logp_gen over its [R, V] logits):
+// one block per row folds its chunks [v0, v0 + chunk) in order, each as logprob_chunk_kernel
+// does, so the state is the bits of the chunked launches (one launch instead of one per chunk).
+__global__ void logprob_rows_kernel(const float* logits, int64_t V, int64_t chunk, float inv_temp,
+                                    const int32_t* targets, float* m, float* s, float* e, float* tgt, int* bad) {
+  __shared__ float red[32];
+  __shared__ float m_sh;
+  const int64_t t = blockIdx.x;
+  const float* row = logits + t * V;
+  float ms = m[t], ss = s[t], es = e[t];  // thread 0's copy of the state
+  if (threadIdx.x == 0) m_sh = ms;
+  __syncthreads();
+  for (int64_t v0 = 0; v0 < V; v0 += chunk) {
+    const int64_t Vc = chunk < V - v0 ? chunk : V - v0;
+    const float m_old = m_sh;
+    const ChunkFold f = fold_chunk(row + v0, Vc, inv_temp, m_old, red);
+    if (threadIdx.x == 0) {
+      fold_update(f, m_old, ms, ss, es);
+      m_sh = ms;
+    }
+    __syncthreads();  // m_sh for the next chunk (fold_chunk's reductions sync before reusing red)
+  }
+  if (threadIdx.x == 0) {
+    m[t] = ms, s[t] = ss, e[t] = es;
+    const int32_t y = targets[t];
+    if (y < 0 || y >= V) atomicExch(bad, 1);
+    else tgt[t] = __fmul_rn(row[y], inv_temp);
   }
 }
 
@@ -126,6 +176,15 @@ void launch_logprob_chunk(const float* logits, int64_t ld, int64_t T, int64_t Vc
   logprob_chunk_kernel<<<static_cast<unsigned>(T), kThreads, 0, stream>>>(logits, ld, Vc, v0, V, inv_temp, targets, m,
                                                                          s, e, tgt, bad_flag);
   CUDA_CHECK_LAUNCH("logprob_chunk_kernel");
+}
+
+void launch_logprob_rows(const float* logits, int64_t R, int64_t V, int64_t chunk, float inv_temp,
+                         const int32_t* targets, float* m, float* s, float* e, float* tgt, int* bad_flag,
+                         cudaStream_t stream) {
+  if (R == 0 || V == 0) return;
+  logprob_rows_kernel<<<static_cast<unsigned>(R), kThreads, 0, stream>>>(logits, V, chunk, inv_temp, targets, m, s, e,
+                                                                        tgt, bad_flag);
+  CUDA_CHECK_LAUNCH("logprob_rows_kernel");
 }
 
 void launch_logprob_finish(const float* m, const float* s, const float* e, const float* tgt, int64_t T, float* logp,
