@@ -663,6 +663,27 @@ void Backend::linear_shared_input(const Tensor& x, const std::vector<const Linea
   linear_shared_input_impl(x, W, spec, outs, spec.mode == LinearMode::FP8_BLOCK ? x_fp8 : nullptr);
 }
 
+void Backend::linear_cols(const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor& out, int64_t col0) {
+  const Contract c(*this);
+  weight_contract(c, W, spec, "linear_cols");
+  const int64_t N = W.out_features(), K = W.in_features();
+  c.floating(x, "linear_cols input x");
+  FP8RL_CHECK(x.ndim() == 2 && x.dim(1) == K, "linear_cols input x must be [M, ", K, "] (the weight's in_features), got ",
+              x.str());
+  c.floating(out, "linear_cols output");
+  FP8RL_CHECK(out.ndim() == 2 && out.dim(0) == x.dim(0) && col0 >= 0 && col0 + N <= out.dim(1),
+              "linear_cols output must be [", x.dim(0), ", >= col0 + ", N, "] with col0 >= 0, got ", out.str(),
+              " and col0 = ", col0);
+  linear_cols_impl(x, W, spec, out, col0);
+}
+
+void Backend::linear_cols_impl(const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor& out,
+                               int64_t col0) {
+  Tensor tmp = alloc({x.dim(0), W.out_features()}, out.dtype());
+  linear_impl(x, W, spec, tmp, nullptr);
+  copy_cols(tmp, 0, out, col0, W.out_features());
+}
+
 void Backend::linear_shared_input_impl(const Tensor& x, const std::vector<const LinearWeight*>& W,
                                        const LinearSpec& spec, const std::vector<Tensor*>& outs, const Fp8View* x_fp8) {
   for (size_t i = 0; i < W.size(); ++i) linear_impl(x, *W[i], spec, *outs[i], x_fp8);

@@ -321,6 +321,11 @@ class Backend {
   // default calls linear().
   void linear_shared_input(const Tensor& x, const std::vector<const LinearWeight*>& W, const LinearSpec& spec,
                            const std::vector<Tensor*>& outs, const Fp8View* x_fp8 = nullptr);
+  // linear() written into columns [col0, col0 + N) of a wider out [M, Ntotal] (the consistent
+  // generator's vocabulary chunks of its [R, V] logits): the bits linear() writes into [M, N],
+  // then copy_cols; the other columns untouched. The default is exactly that composition; CUDA
+  // writes BF16 / FP32 products in place (the GEMM's output row stride).
+  void linear_cols(const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor& out, int64_t col0);
   // The SwiGLU MLP's first half: gate = x Wg^T, up = x Wu^T [M, F], act = swiglu(gate, up), with
   // act's FP8 copy in act_fp8 when given (the down projection's input: swiglu_fp8's). keep: gate
   // and up hold the products on return (the backward's inputs); otherwise they are scratch that a
@@ -610,6 +615,8 @@ class Backend {
                            const Fp8View* x_fp8) = 0;
   virtual void linear_shared_input_impl(const Tensor& x, const std::vector<const LinearWeight*>& W,
                                         const LinearSpec& spec, const std::vector<Tensor*>& outs, const Fp8View* x_fp8);
+  virtual void linear_cols_impl(const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor& out,
+                                int64_t col0);
   virtual void linear_swiglu_impl(const Tensor& x, const LinearWeight& gate_w, const LinearWeight& up_w,
                                   const LinearSpec& spec, Tensor& gate, Tensor& up, bool keep, Tensor& act,
                                   Fp8View* act_fp8, const Fp8View* x_fp8);

@@ -901,15 +901,12 @@ void model_consistent_logits(Backend& be, const Tensor& hidden, const Tensor& lm
   // the head GEMM): the sampler draws from the values the trainer's scoring sees, and
   // logprobs_of_logits folds them as token_logprobs does.
   const LinearSpec spec = head_spec_for(hidden.dtype(), true);
-  const int64_t R = hidden.dim(0), V = lm_head.dim(0);
-  Tensor tmp;
+  const int64_t V = lm_head.dim(0);
   for (int64_t v0 = 0; v0 < V; v0 += kConsistentVocabChunk) {
     const int64_t n = std::min<int64_t>(kConsistentVocabChunk, V - v0);
     LinearWeight chunk;
     chunk.w = lm_head.slice_rows(v0, v0 + n);
-    if (!tmp.defined() || tmp.dim(1) != n) tmp = be.alloc({R, n}, DType::F32);
-    be.linear(hidden, chunk, spec, tmp);
-    be.copy_cols(tmp, 0, logits, v0, n);
+    be.linear_cols(hidden, chunk, spec, logits, v0);  // each chunk's product written in place
   }
 }
 

@@ -429,6 +429,42 @@ void linear_cases(std::vector<OpCase>& t) {
                      },
                      {{"out", linear_tolerance(mode, odt)}}});
       }
+  // linear_cols: the product written into columns [N, 2N) of a [M, 3N] output (the consistent
+  // generator's vocabulary chunks of its logits, CUDA: the GEMM's row stride), bitwise linear()
+  // into [M, N] then copy_cols; the other columns keep their values. BF16 with the consistent spec
+  // (the lm_head's), FP32, FP8 (the composed default on every backend); a chunk of 384 columns.
+  for (LinearMode mode : {LinearMode::BF16, LinearMode::FP32, LinearMode::FP8_BLOCK}) {
+    const Gemm g{37, 384, 256};
+    LinearSpec spec{mode, false};
+    spec.consistent = mode == LinearMode::BF16;
+    t.push_back({"linear_cols",
+                 gemm_name(g) + " " + linear_mode_name(mode) + (spec.consistent ? " consistent" : "") +
+                     " into columns [N, 2N) of [M, 3N]",
+                 [=] {
+                   return Tensors{{"x", rnd({g.M, g.K}, 61)},
+                                  {"w", rnd({g.N, g.K}, 62, DType::F32, 0.05f)},
+                                  {"base", rnd({g.M, 3 * g.N}, 63)}};
+                 },
+                 [=](OpRun& r) {
+                   Tensor& out = r.output("out", {g.M, 3 * g.N}, DType::F32);
+                   r.be.copy(r["base"], out);
+                   r.be.linear_cols(r["x"], weight_of(r, false), spec, out, g.N);
+                   Tensor& ref = r.output("out_composed", {g.M, 3 * g.N}, DType::F32);
+                   r.be.copy(r["base"], ref);
+                   Tensor tmp = r.be.alloc({g.M, g.N}, DType::F32);
+                   r.be.linear(r["x"], weight_of(r, false), spec, tmp);
+                   r.be.copy_cols(tmp, 0, ref, g.N, g.N);
+                 },
+                 {{"out", linear_tolerance(mode, DType::F32)}},
+                 {{"out", "out_composed"}}});
+    t.back().errors = [=](OpRun& r) {
+      Tensor out = r.be.alloc({g.M, 2 * g.N}, DType::F32);
+      EXPECT_THROW(r.be.linear_cols(r["x"], weight_of(r, false), spec, out, g.N + 1), Error);  // past the width
+      EXPECT_THROW(r.be.linear_cols(r["x"], weight_of(r, false), spec, out, -1), Error);
+      Tensor rows = r.be.alloc({g.M + 1, 2 * g.N}, DType::F32);
+      EXPECT_THROW(r.be.linear_cols(r["x"], weight_of(r, false), spec, rows, 0), Error);  // M mismatch
+    };
+  }
   // A pre-quantized weight (the generator's wq, the trainer's per-step cache) gives the result of
   // quantizing w.
   for (const Gemm& g : {Gemm{256, 512, 384}, Gemm{130, 384, 256}}) {

@@ -922,6 +922,23 @@ void CudaBackend::linear_fwd(const Tensor& x, const LinearWeight& W, const Linea
   if (W.bias.defined()) launch_add_bias(out.raw(), out.dtype(), W.bias.raw(), W.bias.dtype(), M, N, stream_);
 }
 
+// BF16 / FP32 products (no bias, operands already of the GEMM's dtype) straight into the column
+// range: the GEMM's output row stride is out's width (gemm's ldc), its algorithm the one of a
+// [M, N] output, so the bits are linear()'s. The others: the default (linear, then copy_cols).
+void CudaBackend::linear_cols_impl(const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor& out,
+                                   int64_t col0) {
+  const int64_t M = x.dim(0), K = x.dim(1), N = W.out_features();
+  const DType ab = spec.mode == LinearMode::FP32 ? DType::F32 : DType::BF16;
+  if (spec.mode == LinearMode::FP8_BLOCK || W.bias.defined() || x.dtype() != ab || W.w.dtype() != ab ||
+      (ab == DType::F32 && out.dtype() != DType::F32)) {
+    Backend::linear_cols_impl(x, W, spec, out, col0);
+    return;
+  }
+  const OpTimer op_timer_(*this, "linear", 1);
+  char* c = static_cast<char*>(out.raw()) + static_cast<size_t>(col0) * dtype_size(out.dtype());
+  gemm_->gemm(false, true, M, N, K, x.raw(), W.w.raw(), ab, c, out.dtype(), 1.0f, 0.0f, spec.consistent, out.dim(1));
+}
+
 // The consistent mode's FP8 forward product: every row computed the same way whatever M. With BF16
 // activations the own sm_90a kernel at one split (row-invariant: fp8_gemm.h; any M, no tail
 // product, either scale layout of a view); where it does not take the shape (N or K not a

@@ -81,6 +81,8 @@ class CudaBackend final : public Backend {
                                     const std::vector<Tensor*>& dw) override;
   void linear_shared_input_impl(const Tensor& x, const std::vector<const LinearWeight*>& W, const LinearSpec& spec,
                                 const std::vector<Tensor*>& outs, const Fp8View* x_fp8) override;
+  void linear_cols_impl(const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor& out,
+                        int64_t col0) override;
   void linear_qkv_norm_rope_impl(const Tensor& x, const std::vector<const LinearWeight*>& W, const LinearSpec& spec,
                                  const Tensor& q_norm, const Tensor& k_norm, float eps, const Tensor& positions,
                                  const RopeParams& rope, bool keep, Tensor& q_raw, Tensor& k_raw, Tensor& q, Tensor& k,

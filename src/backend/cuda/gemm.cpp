@@ -162,7 +162,7 @@ cublasLtMatmulAlgo_t GemmEngine::find_row_invariant_algo(const Key& key, cublasL
 }
 
 void GemmEngine::gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const void* A, const void* B, DType ab,
-                      void* C, DType c_dtype, float alpha, float beta, bool row_invariant) {
+                      void* C, DType c_dtype, float alpha, float beta, bool row_invariant, int64_t ldc) {
   FP8RL_CHECK(ab == DType::F32 || ab == DType::BF16, "GEMM operands must be F32 or BF16, got ", dtype_name(ab));
   FP8RL_CHECK(c_dtype == DType::F32 || c_dtype == DType::BF16, "GEMM output must be F32 or BF16, got ",
               dtype_name(c_dtype));
@@ -181,7 +181,8 @@ void GemmEngine::gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const v
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&la.l, cuda_type(ab), tb ? K : N, tb ? N : K, tb ? K : N), "layout A");
   // our A: [K, M] row-major (ta) = col-major [M, K] ld M; else [M, K] = col-major [K, M] ld K.
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lb.l, cuda_type(ab), ta ? M : K, ta ? K : M, ta ? M : K), "layout B");
-  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lc.l, cuda_type(c_dtype), N, M, N), "layout C");
+  FP8RL_CHECK(ldc == 0 || ldc >= N, "GEMM: output row stride ", ldc, " below N = ", N);
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lc.l, cuda_type(c_dtype), N, M, ldc > 0 ? ldc : N), "layout C");
   const int flags = (ta ? 2 : 0) | (tb ? 1 : 0) | (beta != 0 ? 4 : 0);
   const char* what = ab == DType::F32 ? "FP32 GEMM" : "BF16 GEMM";
   if (row_invariant) {
@@ -200,7 +201,14 @@ void GemmEngine::gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const v
     return;
   }
   const Key key{0, static_cast<int>(ab), static_cast<int>(c_dtype), flags, N, M, K, 0, 0};
-  cublasLtMatmulAlgo_t algo = find_algo(key, desc.d, la.l, lb.l, lc.l, what);
+  cublasLtMatmulAlgo_t algo;
+  if (ldc > 0 && ldc != N) {  // the algorithm of the ld = N layout
+    Layout ln;
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&ln.l, cuda_type(c_dtype), N, M, N), "layout C (ld N)");
+    algo = find_algo(key, desc.d, la.l, lb.l, ln.l, what);
+  } else {
+    algo = find_algo(key, desc.d, la.l, lb.l, lc.l, what);
+  }
   CUBLAS_CHECK(cublasLtMatmul(handle_, desc.d, &alpha, B, la.l, A, lb.l, &beta, C, lc.l, C, lc.l, &algo, workspace_,
                               workspace_bytes_, stream_),
                what, " M=", M, " N=", N, " K=", K);
