@@ -156,7 +156,7 @@ struct PagedBatch {
   // positions (e.g. a sequence scored whole), of at most query_run_tokens tokens. A backend may
   // read a run's K/V once for all its tokens (CUDA: paged_attention_run_tokens(group) tokens
   // fill the tensor-core kernel's MMA columns).
-  Tensor query_runs;
+  Tensor query_runs = Tensor();
   int query_run_tokens = 0;
 };
 
