@@ -183,6 +183,7 @@ struct MemoryStats {
 struct BackendCounters {
   int64_t fp8_gemm_fallbacks = 0;  // FP8 products computed as dequantize + FP32 GEMM off the exact path
   int64_t fp8_gemm_own = 0;        // FP8 products on the own sm_90a kernel (the rest: cuBLASLt)
+  int64_t fp8_gemm_lt_fixed = 0;   // consistent FP8 products on cuBLASLt's probed fixed algorithm
   int64_t fp8_gemm_tails = 0;      // FP8 products whose last M % 16 rows ran as a padded second product
   int64_t grouped_loops = 0;       // groups of grouped (expert) products run as one product each
   int64_t concat_products = 0;     // linear_shared_input / linear_swiglu groups run as one concatenated product

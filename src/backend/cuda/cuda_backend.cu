@@ -833,6 +833,7 @@ BackendCounters CudaBackend::counters() const {
   c.fp8_gemm_fallbacks = fp8_fallbacks_;
   c.fp8_gemm_tails = gemm_->tail_products();
   c.fp8_gemm_own = gemm_->own_products();
+  c.fp8_gemm_lt_fixed = lt_fixed_products_;
   c.grouped_loops = grouped_loops_;
   c.concat_products = concat_products_;
   return c;
@@ -959,6 +960,18 @@ void CudaBackend::linear_fwd_fp8_consistent(const Tensor& x, const LinearWeight&
     flag_check(use_view ? "linear (FP8): the weight holds NaN or Inf"
                         : "linear (FP8): the input " + x.str() + " or the weight holds NaN or Inf");
   const bool laid = use_view && x_view->scales_gemm_layout;
+  // Above decode sizes (the trainer's micro-batches, prefill chunks): cuBLASLt's block-scaled
+  // kernel on its algorithm fixed for every M where a probe found it bitwise the own kernel at one
+  // split (GemmEngine::fp8_lt_is_own: at every 1.7B product on the H200), ~1.5x the own kernel's
+  // rate there; the rows stay the bits of every other M either way.
+  if (own && M > 256 && gemm_->fp8_lt_is_own(N, K, out.dtype())) {
+    const OpTimer t(*this, "linear: FP8 GEMM", 2);
+    gemm_->gemm_fp8(M, N, K, xq.data.data<uint8_t>(), xq.scales.data<float>(), wq.data.data<uint8_t>(),
+                    wq.scales.data<float>(), kQuantBlock, out.raw(), out.dtype(), 1.0f, 0.0f,
+                    laid && M % kFp8RowGranule == 0, /*row_invariant=*/true);
+    ++lt_fixed_products_;
+    return;
+  }
   if (own) {
     const OpTimer t(*this, "linear: FP8 GEMM", 2);
     // Decode-sized products whose 128-column tiles would not fill the SMs twice over (o, down,

@@ -243,6 +243,7 @@ class CudaBackend final : public Backend {
   std::set<std::pair<int64_t, int64_t>> fp8_fallback_shapes_;
 
   int device_ = 0;
+  int64_t lt_fixed_products_ = 0;  // counters().fp8_gemm_lt_fixed
   int sm_count_ = 1;  // streaming multiprocessors (sizes the paged attention split plan)
   DType act_dtype_ = DType::BF16;
   std::shared_ptr<DeviceMemory> mem_;  // owns the stream and the pool; shared with every Storage

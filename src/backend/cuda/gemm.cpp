@@ -7,7 +7,9 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <string>
+#include <vector>
 
 namespace fp8rl::cuda {
 
@@ -295,7 +297,7 @@ void* GemmEngine::tail_scratch(size_t bytes) {
 // its own A row), so the split changes no value's definition.
 void GemmEngine::gemm_fp8(int64_t M, int64_t N, int64_t K, const uint8_t* a, const float* a_scales,
                           const uint8_t* b, const float* b_scales, int b_block_rows, void* C, DType c_dtype,
-                          float alpha, float beta, bool a_scales_laid) {
+                          float alpha, float beta, bool a_scales_laid, bool row_invariant) {
   FP8RL_CHECK(b_block_rows == 1 || b_block_rows == kQuantBlock, "FP8 GEMM: B blocks must be 1x128 or 128x128");
   FP8RL_CHECK(!a_scales_laid || M % kFp8RowGranule == 0, "FP8 GEMM: A scales in VEC128 layout need M % 16 == 0, got ",
               "M=", M);
@@ -320,7 +322,7 @@ void GemmEngine::gemm_fp8(int64_t M, int64_t N, int64_t K, const uint8_t* a, con
   if (m16 > 0) {
     if (!a_scales_laid) layout_scales(a_scales, m16, K, 1, scratch);
     gemm_fp8_prelaid(m16, N, K, a, a_scales_laid ? a_scales : scratch, b, b_lt, b_block_rows, C, c_dtype, alpha,
-                     beta);
+                     beta, row_invariant);
   }
   if (tail == 0) return;
   ++tail_products_;
@@ -337,9 +339,63 @@ void GemmEngine::gemm_fp8(int64_t M, int64_t N, int64_t K, const uint8_t* a, con
   if (beta != 0.0f)
     CUDA_CHECK(cudaMemcpyAsync(tc, c_tail, static_cast<size_t>(tail * N) * esz, cudaMemcpyDeviceToDevice, stream_),
                "staging the FP8 GEMM tail output");
-  gemm_fp8_prelaid(kFp8RowGranule, N, K, ta, ts, b, b_lt, b_block_rows, tc, c_dtype, alpha, beta);
+  gemm_fp8_prelaid(kFp8RowGranule, N, K, ta, ts, b, b_lt, b_block_rows, tc, c_dtype, alpha, beta, row_invariant);
   CUDA_CHECK(cudaMemcpyAsync(c_tail, tc, static_cast<size_t>(tail * N) * esz, cudaMemcpyDeviceToDevice, stream_),
              "copying the FP8 GEMM tail out");
+}
+
+bool GemmEngine::fp8_lt_is_own(int64_t N, int64_t K, DType c_dtype) {
+  constexpr int64_t M = 300;  // 18 row granules of 16 and a padded tail of 12 rows
+  if (!fp8_supported(M, N, K) || !fp8_gemm_sm90_supported(M, N, K)) return false;
+  const auto key = std::make_tuple(N, K, static_cast<int>(c_dtype));
+  if (auto it = fp8_lt_own_.find(key); it != fp8_lt_own_.end()) return it->second;
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  CUDA_CHECK(cudaStreamIsCapturing(stream_, &capturing), "querying the stream's capture state");
+  if (capturing != cudaStreamCaptureStatusNone) return false;
+  const int64_t kb = K / kQuantBlock, nb = (N + kQuantBlock - 1) / kQuantBlock;
+  std::vector<uint8_t> ha(static_cast<size_t>(M * K)), hb(static_cast<size_t>(N * K));
+  std::vector<float> hsa(static_cast<size_t>(M * kb)), hsb(static_cast<size_t>(nb * kb));
+  uint32_t x = 0x9e3779b9u;
+  auto next = [&x] { return x = x * 1664525u + 1013904223u; };
+  for (auto* v : {&ha, &hb})
+    for (uint8_t& c : *v) {
+      c = static_cast<uint8_t>(next() >> 24);
+      if ((c & 0x7f) == 0x7f) c ^= 1;  // no NaN codes
+    }
+  for (auto* v : {&hsa, &hsb})
+    for (float& s : *v) s = 0.001f * (1.0f + static_cast<float>(next() >> 8) / 16777216.0f);
+  const size_t esz = dtype_size(c_dtype), cbytes = static_cast<size_t>(M * N) * esz;
+  const size_t bytes = ha.size() + hb.size() + 4 * (hsa.size() + hsb.size()) + 2 * cbytes + 64;
+  char* buf = static_cast<char*>(cuda_malloc(bytes, "the FP8 GEMM agreement probe"));
+  uint8_t* da = reinterpret_cast<uint8_t*>(buf);
+  uint8_t* db = da + ha.size();
+  float* dsa = reinterpret_cast<float*>(buf + ((ha.size() + hb.size() + 15) / 16) * 16);
+  float* dsb = dsa + hsa.size();
+  char* c1 = reinterpret_cast<char*>(dsb + hsb.size());
+  c1 += (16 - reinterpret_cast<uintptr_t>(c1) % 16) % 16;
+  char* c2 = c1 + cbytes;
+  bool same = false;
+  const int64_t own0 = own_products_, tail0 = tail_products_;  // the probe's products are not the caller's
+  try {
+    CUDA_CHECK(cudaMemcpyAsync(da, ha.data(), ha.size(), cudaMemcpyHostToDevice, stream_), "probe upload");
+    CUDA_CHECK(cudaMemcpyAsync(db, hb.data(), hb.size(), cudaMemcpyHostToDevice, stream_), "probe upload");
+    CUDA_CHECK(cudaMemcpyAsync(dsa, hsa.data(), 4 * hsa.size(), cudaMemcpyHostToDevice, stream_), "probe upload");
+    CUDA_CHECK(cudaMemcpyAsync(dsb, hsb.data(), 4 * hsb.size(), cudaMemcpyHostToDevice, stream_), "probe upload");
+    gemm_fp8_own(M, N, K, da, dsa, false, db, dsb, c1, c_dtype, 1.0f, 0.0f, /*splits=*/1);
+    gemm_fp8(M, N, K, da, dsa, db, dsb, kQuantBlock, c2, c_dtype, 1.0f, 0.0f, false, /*row_invariant=*/true);
+    std::vector<char> h1(cbytes), h2(cbytes);
+    CUDA_CHECK(cudaMemcpyAsync(h1.data(), c1, cbytes, cudaMemcpyDeviceToHost, stream_), "probe download");
+    CUDA_CHECK(cudaMemcpyAsync(h2.data(), c2, cbytes, cudaMemcpyDeviceToHost, stream_), "probe download");
+    CUDA_CHECK(cudaStreamSynchronize(stream_), "the FP8 GEMM agreement probe");
+    same = std::memcmp(h1.data(), h2.data(), cbytes) == 0;
+  } catch (const Error&) {  // an algorithm cuBLASLt will not run here: not the same
+    CUDA_CHECK(cudaStreamSynchronize(stream_), "the FP8 GEMM agreement probe");
+    same = false;
+  }
+  own_products_ = own0, tail_products_ = tail0;
+  CUDA_CHECK(cudaFree(buf), "freeing the FP8 GEMM agreement probe");
+  fp8_lt_own_[key] = same;
+  return same;
 }
 
 void GemmEngine::gemm_fp8_own(int64_t M, int64_t N, int64_t K, const uint8_t* a, const float* a_scales,
@@ -392,7 +448,7 @@ void GemmEngine::gemm_fp8_grouped(const std::vector<int64_t>& offsets, int64_t N
 
 void GemmEngine::gemm_fp8_prelaid(int64_t M, int64_t N, int64_t K, const uint8_t* a, const float* a_lt_scales,
                                   const uint8_t* b, const float* b_lt_scales, int b_block_rows, void* C,
-                                  DType c_dtype, float alpha, float beta) {
+                                  DType c_dtype, float alpha, float beta, bool row_invariant) {
   FP8RL_CHECK(M % kFp8RowGranule == 0 && fp8_supported(M, N, K), "FP8 block GEMM (pre-laid scales): cuBLASLt ",
               "needs M and N multiples of ", kFp8RowGranule, " and K a multiple of ", kQuantBlock, ", got M=", M,
               " N=", N, " K=", K);
@@ -418,7 +474,7 @@ void GemmEngine::gemm_fp8_prelaid(int64_t M, int64_t N, int64_t K, const uint8_t
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&la.l, CUDA_R_8F_E4M3, K, N, K), "FP8 layout A");
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lb.l, CUDA_R_8F_E4M3, K, M, K), "FP8 layout B");
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lc.l, cuda_type(c_dtype), N, M, N), "FP8 layout C");
-  if (fp8_row_invariant_) {  // one algorithm for every M (set_fp8_row_invariant), no workspace
+  if (fp8_row_invariant_ || row_invariant) {  // one algorithm for every M (set_fp8_row_invariant), no workspace
     const Key key{1, b_block_rows, static_cast<int>(c_dtype), (beta != 0 ? 4 : 0) | 8, N, -1, K, 0, 0};
     Layout lbb, lcb;
     CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lbb.l, CUDA_R_8F_E4M3, K, kRowInvariantM, K),

@@ -82,9 +82,18 @@ class GemmEngine {
   // [N, ceil(K/128)] when b_block_rows == 1, [ceil(N/128), ceil(K/128)] when 128.
   // a_scales_laid: a_scales are already in the VEC128 layout [ceil(K/128)][M] (the quantizer's
   // gemm_layout; M % 16 == 0), so no layout kernel runs for A.
+  // row_invariant: cuBLASLt's algorithm fixed for every M (as set_fp8_row_invariant, for this call).
   void gemm_fp8(int64_t M, int64_t N, int64_t K, const uint8_t* a, const float* a_scales, const uint8_t* b,
                 const float* b_scales, int b_block_rows, void* C, DType c_dtype, float alpha, float beta,
-                bool a_scales_laid = false);
+                bool a_scales_laid = false, bool row_invariant = false);
+  // Whether gemm_fp8 with row_invariant computes every element of a product with B [N, K] in
+  // 128x128 blocks and a c_dtype output as the own kernel at one split does (the consistent
+  // mode's arithmetic): probed once per (N, K, c_dtype) on seeded random operands, bitwise over
+  // M = 300 rows (the last 12 through the padded tail product). Measured so at every 1.7B
+  // product (docs/benchmarks.md, session 15), not promised by cuBLASLt: hence the probe. False
+  // for shapes cuBLASLt does not take, and while the stream is capturing a graph (the probe
+  // synchronizes; nothing is cached then).
+  bool fp8_lt_is_own(int64_t N, int64_t K, DType c_dtype);
 
   // The scale rearrangement alone (exposed for the benchmark, which times pre-laid-out GEMMs).
   // Writes into `dst` (device, at least scale_buffer_floats(...) floats).
@@ -93,7 +102,7 @@ class GemmEngine {
   // gemm_fp8 with scales already in cuBLASLt layout; M must be a multiple of 16.
   void gemm_fp8_prelaid(int64_t M, int64_t N, int64_t K, const uint8_t* a, const float* a_lt_scales,
                         const uint8_t* b, const float* b_lt_scales, int b_block_rows, void* C, DType c_dtype,
-                        float alpha, float beta);
+                        float alpha, float beta, bool row_invariant = false);
 
   // The own sm_90a kernel (fp8_gemm.h) for the same product (B in 128x128 blocks): any M, no
   // tail; split-K chosen from the shape (splits = 0) or given. a_scales_kb_major: A's scales
@@ -160,6 +169,7 @@ class GemmEngine {
   int own_mode_ = 0;     // 0 cublaslt, 1 auto, 2 own (FP8RL_FP8_GEMM)
   int own_splits_ = 0;   // FP8RL_FP8_GEMM_SPLITS (0: from the shape)
   bool fp8_row_invariant_ = false;  // FP8RL_FP8_ROW_INVARIANT (set_fp8_row_invariant)
+  std::map<std::tuple<int64_t, int64_t, int>, bool> fp8_lt_own_;  // fp8_lt_is_own's probes
   int sm_count_ = 132;
   float* own_ws_ = nullptr;  // split-K partials of the own kernel
   void* grouped_meta_ = nullptr;  // the grouped kernel's tile table, tensor maps and scale pointers
