@@ -677,6 +677,28 @@ void Backend::linear_cols(const Tensor& x, const LinearWeight& W, const LinearSp
   linear_cols_impl(x, W, spec, out, col0);
 }
 
+void Backend::linear_chunked(const Tensor& x, const Tensor& w, const LinearSpec& spec, int64_t chunk, Tensor& out) {
+  const Contract c(*this);
+  c.floating(x, "linear_chunked input x");
+  c.floating(w, "linear_chunked weight");
+  c.floating(out, "linear_chunked output");
+  FP8RL_CHECK(x.ndim() == 2 && w.ndim() == 2 && x.dim(1) == w.dim(1) && out.ndim() == 2 && out.dim(0) == x.dim(0) &&
+                  out.dim(1) == w.dim(0) && chunk >= 1,
+              "linear_chunked needs x [M, K], w [V, K], out [M, V] and chunk >= 1, got ", x.str(), ", ", w.str(), ", ",
+              out.str(), " and ", chunk);
+  linear_chunked_impl(x, w, spec, chunk, out);
+}
+
+void Backend::linear_chunked_impl(const Tensor& x, const Tensor& w, const LinearSpec& spec, int64_t chunk,
+                                  Tensor& out) {
+  const int64_t V = w.dim(0);
+  for (int64_t v0 = 0; v0 < V; v0 += chunk) {
+    LinearWeight part;
+    part.w = w.slice_rows(v0, std::min(V, v0 + chunk));
+    linear_cols(x, part, spec, out, v0);
+  }
+}
+
 void Backend::linear_cols_impl(const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor& out,
                                int64_t col0) {
   Tensor tmp = alloc({x.dim(0), W.out_features()}, out.dtype());

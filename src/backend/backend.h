@@ -327,6 +327,11 @@ class Backend {
   // then copy_cols; the other columns untouched. The default is exactly that composition; CUDA
   // writes BF16 / FP32 products in place (the GEMM's output row stride).
   void linear_cols(const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor& out, int64_t col0);
+  // out [M, V] = x w^T (w [V, K], no bias) as linear_cols of w's row chunks of `chunk` rows, in
+  // order, the last one shorter: the bits token_logprobs' consistent chunks compute (the
+  // consistent generator's logits). CUDA runs the whole chunks as one GEMM on the chunks'
+  // algorithm where a probe on its first call found that the same bits (BF16 / FP32 only).
+  void linear_chunked(const Tensor& x, const Tensor& w, const LinearSpec& spec, int64_t chunk, Tensor& out);
   // The SwiGLU MLP's first half: gate = x Wg^T, up = x Wu^T [M, F], act = swiglu(gate, up), with
   // act's FP8 copy in act_fp8 when given (the down projection's input: swiglu_fp8's). keep: gate
   // and up hold the products on return (the backward's inputs); otherwise they are scratch that a
@@ -618,6 +623,8 @@ class Backend {
                                         const LinearSpec& spec, const std::vector<Tensor*>& outs, const Fp8View* x_fp8);
   virtual void linear_cols_impl(const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor& out,
                                 int64_t col0);
+  virtual void linear_chunked_impl(const Tensor& x, const Tensor& w, const LinearSpec& spec, int64_t chunk,
+                                   Tensor& out);
   virtual void linear_swiglu_impl(const Tensor& x, const LinearWeight& gate_w, const LinearWeight& up_w,
                                   const LinearSpec& spec, Tensor& gate, Tensor& up, bool keep, Tensor& act,
                                   Fp8View* act_fp8, const Fp8View* x_fp8);

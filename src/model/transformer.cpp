@@ -901,13 +901,7 @@ void model_consistent_logits(Backend& be, const Tensor& hidden, const Tensor& lm
   // the head GEMM): the sampler draws from the values the trainer's scoring sees, and
   // logprobs_of_logits folds them as token_logprobs does.
   const LinearSpec spec = head_spec_for(hidden.dtype(), true);
-  const int64_t V = lm_head.dim(0);
-  for (int64_t v0 = 0; v0 < V; v0 += kConsistentVocabChunk) {
-    const int64_t n = std::min<int64_t>(kConsistentVocabChunk, V - v0);
-    LinearWeight chunk;
-    chunk.w = lm_head.slice_rows(v0, v0 + n);
-    be.linear_cols(hidden, chunk, spec, logits, v0);  // each chunk's product written in place
-  }
+  be.linear_chunked(hidden, lm_head, spec, kConsistentVocabChunk, logits);  // each chunk written in place
 }
 
 void model_sampled_logprobs(Backend& be, const Tensor& logits, const Tensor& tokens, float temperature, Tensor& logp) {

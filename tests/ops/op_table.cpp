@@ -465,6 +465,41 @@ void linear_cases(std::vector<OpCase>& t) {
       EXPECT_THROW(r.be.linear_cols(r["x"], weight_of(r, false), spec, rows, 0), Error);  // M mismatch
     };
   }
+  // linear_chunked (the consistent generator's logits): w's rows in chunks of 384 (three whole
+  // chunks and one of 100), bitwise linear_cols of each chunk; BF16 consistent (CUDA: one GEMM of
+  // the whole chunks once its first call's probe found it the same bits) and FP32.
+  for (LinearMode mode : {LinearMode::BF16, LinearMode::FP32}) {
+    const int64_t M = 37, K = 256, V = 3 * 384 + 100, chunk = 384;
+    LinearSpec spec{mode, false};
+    spec.consistent = true;
+    t.push_back({"linear_chunked",
+                 std::string(linear_mode_name(mode)) + " consistent, V 1252 in chunks of 384",
+                 [=] {
+                   return Tensors{{"x", rnd({M, K}, 64, mode == LinearMode::BF16 ? DType::BF16 : DType::F32)},
+                                  {"w", rnd({V, K}, 65, mode == LinearMode::BF16 ? DType::BF16 : DType::F32, 0.05f)}};
+                 },
+                 [=](OpRun& r) {
+                   const bool cpu = r.be.device() == DeviceKind::CPU;
+                   const Tensor x = cpu ? r.as("x", DType::F32) : r["x"];
+                   const Tensor w = cpu ? r.as("w", DType::F32) : r["w"];
+                   r.be.linear_chunked(x, w, spec, chunk, r.output("out", {M, V}, DType::F32));
+                   r.be.linear_chunked(x, w, spec, chunk, r.output("out_again", {M, V}, DType::F32));
+                   Tensor& ref = r.output("out_chunks", {M, V}, DType::F32);
+                   for (int64_t v0 = 0; v0 < V; v0 += chunk) {
+                     LinearWeight part;
+                     part.w = w.slice_rows(v0, std::min(V, v0 + chunk));
+                     r.be.linear_cols(x, part, spec, ref, v0);
+                   }
+                 },
+                 {{"out", linear_tolerance(mode, DType::F32)}},
+                 {{"out", "out_chunks"}, {"out_again", "out_chunks"}}});
+    t.back().errors = [=](OpRun& r) {
+      Tensor narrow = r.be.alloc({M, V - 1}, DType::F32);
+      EXPECT_THROW(r.be.linear_chunked(r["x"], r["w"], spec, chunk, narrow), Error);  // out is not [M, V]
+      Tensor out = r.be.alloc({M, V}, DType::F32);
+      EXPECT_THROW(r.be.linear_chunked(r["x"], r["w"], spec, 0, out), Error);  // chunk >= 1
+    };
+  }
   // A pre-quantized weight (the generator's wq, the trainer's per-step cache) gives the result of
   // quantizing w.
   for (const Gemm& g : {Gemm{256, 512, 384}, Gemm{130, 384, 256}}) {

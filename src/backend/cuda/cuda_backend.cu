@@ -940,6 +940,56 @@ void CudaBackend::linear_cols_impl(const Tensor& x, const LinearWeight& W, const
   gemm_->gemm(false, true, M, N, K, x.raw(), W.w.raw(), ab, c, out.dtype(), 1.0f, 0.0f, spec.consistent, out.dim(1));
 }
 
+// The consistent head: its whole chunks as one GEMM (the chunks' row-invariant algorithm over all
+// their columns: every chunk's CTAs at once, where one launch per 4096-column chunk at decode M
+// fills a few SMs), the shorter last chunk as its own product, when the first call's probe found
+// the one GEMM the same bits as the chunked products on that call's operands. The probe runs
+// outside graph captures only (until then, and where it fails: the chunked products).
+void CudaBackend::linear_chunked_impl(const Tensor& x, const Tensor& w, const LinearSpec& spec, int64_t chunk,
+                                      Tensor& out) {
+  const int64_t M = x.dim(0), K = x.dim(1), V = w.dim(0), whole = V / chunk * chunk;
+  const DType ab = spec.mode == LinearMode::FP32 ? DType::F32 : DType::BF16;
+  if (!spec.consistent || spec.mode == LinearMode::FP8_BLOCK || x.dtype() != ab || w.dtype() != ab ||
+      (ab == DType::F32 && out.dtype() != DType::F32) || whole < 2 * chunk || M == 0) {
+    Backend::linear_chunked_impl(x, w, spec, chunk, out);
+    return;
+  }
+  const auto key = std::make_tuple(chunk, whole, K, static_cast<int>(ab), static_cast<int>(out.dtype()));
+  auto it = chunked_one_gemm_.find(key);
+  if (it == chunked_one_gemm_.end()) {
+    Backend::linear_chunked_impl(x, w, spec, chunk, out);  // the reference bits, in out
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    CUDA_CHECK(cudaStreamIsCapturing(stream_, &capturing), "querying the stream's capture state");
+    if (capturing != cudaStreamCaptureStatusNone) return;
+    const OpTimer op_timer_(*this, "linear_chunked: probe", 1);
+    // Its first rows suffice: both products run one algorithm for every M (row-invariant).
+    const int64_t pm = std::min<int64_t>(M, 64);
+    const size_t esz = dtype_size(out.dtype()), row = static_cast<size_t>(whole) * esz;
+    Tensor one = alloc({pm, whole}, out.dtype());
+    gemm_->gemm(false, true, pm, whole, K, x.raw(), w.raw(), ab, one.raw(), out.dtype(), 1.0f, 0.0f, true, 0, chunk);
+    std::vector<char> a(static_cast<size_t>(pm) * row), b(static_cast<size_t>(pm) * row);
+    CUDA_CHECK(cudaMemcpy2DAsync(a.data(), row, out.raw(), static_cast<size_t>(V) * esz, row, static_cast<size_t>(pm),
+                                 cudaMemcpyDeviceToHost, stream_),
+               "linear_chunked probe: download");
+    CUDA_CHECK(cudaMemcpyAsync(b.data(), one.raw(), b.size(), cudaMemcpyDeviceToHost, stream_),
+               "linear_chunked probe: download");
+    CUDA_CHECK(cudaStreamSynchronize(stream_), "linear_chunked probe");
+    chunked_one_gemm_[key] = std::memcmp(a.data(), b.data(), a.size()) == 0;
+    return;
+  }
+  if (!it->second) {
+    Backend::linear_chunked_impl(x, w, spec, chunk, out);
+    return;
+  }
+  const OpTimer op_timer_(*this, "linear", 1);
+  gemm_->gemm(false, true, M, whole, K, x.raw(), w.raw(), ab, out.raw(), out.dtype(), 1.0f, 0.0f, true, V, chunk);
+  if (whole < V) {
+    LinearWeight last;
+    last.w = w.slice_rows(whole, V);
+    linear_cols_impl(x, last, spec, out, whole);
+  }
+}
+
 // The consistent mode's FP8 forward product: every row computed the same way whatever M. With BF16
 // activations the own sm_90a kernel at one split (row-invariant: fp8_gemm.h; any M, no tail
 // product, either scale layout of a view); where it does not take the shape (N or K not a

@@ -83,6 +83,8 @@ class CudaBackend final : public Backend {
                                 const std::vector<Tensor*>& outs, const Fp8View* x_fp8) override;
   void linear_cols_impl(const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor& out,
                         int64_t col0) override;
+  void linear_chunked_impl(const Tensor& x, const Tensor& w, const LinearSpec& spec, int64_t chunk,
+                           Tensor& out) override;
   void linear_qkv_norm_rope_impl(const Tensor& x, const std::vector<const LinearWeight*>& W, const LinearSpec& spec,
                                  const Tensor& q_norm, const Tensor& k_norm, float eps, const Tensor& positions,
                                  const RopeParams& rope, bool keep, Tensor& q_raw, Tensor& k_raw, Tensor& q, Tensor& k,
@@ -243,6 +245,9 @@ class CudaBackend final : public Backend {
   std::set<std::pair<int64_t, int64_t>> fp8_fallback_shapes_;
 
   int device_ = 0;
+  // linear_chunked's probes: (chunk, whole-chunk columns, K, GEMM dtype, output dtype) -> one GEMM
+  // of the whole chunks is the chunked products' bits.
+  std::map<std::tuple<int64_t, int64_t, int64_t, int, int>, bool> chunked_one_gemm_;
   int64_t lt_fixed_products_ = 0;  // counters().fp8_gemm_lt_fixed
   int sm_count_ = 1;  // streaming multiprocessors (sizes the paged attention split plan)
   DType act_dtype_ = DType::BF16;

@@ -164,7 +164,8 @@ cublasLtMatmulAlgo_t GemmEngine::find_row_invariant_algo(const Key& key, cublasL
 }
 
 void GemmEngine::gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const void* A, const void* B, DType ab,
-                      void* C, DType c_dtype, float alpha, float beta, bool row_invariant, int64_t ldc) {
+                      void* C, DType c_dtype, float alpha, float beta, bool row_invariant, int64_t ldc,
+                      int64_t algo_n) {
   FP8RL_CHECK(ab == DType::F32 || ab == DType::BF16, "GEMM operands must be F32 or BF16, got ", dtype_name(ab));
   FP8RL_CHECK(c_dtype == DType::F32 || c_dtype == DType::BF16, "GEMM output must be F32 or BF16, got ",
               dtype_name(c_dtype));
@@ -189,13 +190,16 @@ void GemmEngine::gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const v
   const char* what = ab == DType::F32 ? "FP32 GEMM" : "BF16 GEMM";
   if (row_invariant) {
     // The key has no M (-1): one algorithm for every M, chosen on a layout of kRowInvariantM rows.
-    const Key key{0, static_cast<int>(ab), static_cast<int>(c_dtype), flags | 8, N, -1, K, 0, 0};
+    const int64_t Na = algo_n > 0 ? algo_n : N;  // the algorithm of products Na wide
+    const Key key{0, static_cast<int>(ab), static_cast<int>(c_dtype), flags | 8, Na, -1, K, 0, 0};
     const int64_t Mb = kRowInvariantM;
-    Layout lbb, lcb;
+    Layout lab, lbb, lcb;
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lab.l, cuda_type(ab), tb ? K : Na, tb ? Na : K, tb ? K : Na),
+                 "layout A (row-invariant)");
     CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lbb.l, cuda_type(ab), ta ? Mb : K, ta ? K : Mb, ta ? Mb : K),
                  "layout B (row-invariant)");
-    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lcb.l, cuda_type(c_dtype), N, Mb, N), "layout C (row-invariant)");
-    cublasLtMatmulAlgo_t algo = find_row_invariant_algo(key, desc.d, la.l, lbb.l, lcb.l, what);
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lcb.l, cuda_type(c_dtype), Na, Mb, Na), "layout C (row-invariant)");
+    cublasLtMatmulAlgo_t algo = find_row_invariant_algo(key, desc.d, lab.l, lbb.l, lcb.l, what);
     CUBLAS_CHECK(cublasLtMatmul(handle_, desc.d, &alpha, B, la.l, A, lb.l, &beta, C, lc.l, C, lc.l, &algo, nullptr, 0,
                                 stream_),
                  "row-invariant ", what, " M=", M, " N=", N, " K=", K,

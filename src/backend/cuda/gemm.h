@@ -60,9 +60,12 @@ class GemmEngine {
   // partition depends on M), with SPLITK_NUM forced to 1, used for every M. Measured row for row
   // by tests/cuda/test_cuda_consistent.cpp (GemmRowsDoNotDependOnM).
   // ldc: C's row stride in elements (0: N), e.g. C a column range of a wider matrix; the algorithm
-  // (and so every element's bits) is the one chosen for ldc = N.
+  // (and so every element's bits) is the one chosen for ldc = N. algo_n (row_invariant only, 0: N):
+  // run the row-invariant algorithm chosen for products of algo_n columns (several such column
+  // blocks at once; the bits per element of that algorithm are checked by the caller's probe).
   void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const void* A, const void* B, DType ab,
-            void* C, DType c_dtype, float alpha, float beta, bool row_invariant = false, int64_t ldc = 0);
+            void* C, DType c_dtype, float alpha, float beta, bool row_invariant = false, int64_t ldc = 0,
+            int64_t algo_n = 0);
   static constexpr int64_t kRowInvariantM = 4096;
   // One problem of gemm_grouped(): C [M, N], A and B laid out as gemm() says for (ta, tb).
   struct Problem {
