@@ -1014,7 +1014,11 @@ void CudaBackend::linear_fwd_fp8_consistent(const Tensor& x, const LinearWeight&
   // kernel on its algorithm fixed for every M where a probe found it bitwise the own kernel at one
   // split (GemmEngine::fp8_lt_is_own: at every 1.7B product on the H200), ~1.5x the own kernel's
   // rate there; the rows stay the bits of every other M either way.
-  if (own && M > 256 && gemm_->fp8_lt_is_own(N, K, out.dtype())) {
+  // FP8RL_CONSISTENT_LT_ROWS (read once; default 257): the fewest rows that take it (an
+  // experiment's knob: 1 puts the decode products on it too).
+  static const char* lt_rows_env = std::getenv("FP8RL_CONSISTENT_LT_ROWS");
+  const int64_t lt_rows = lt_rows_env ? std::max<int64_t>(1, std::atoll(lt_rows_env)) : 257;
+  if (own && M >= lt_rows && gemm_->fp8_lt_is_own(N, K, out.dtype())) {
     const OpTimer t(*this, "linear: FP8 GEMM", 2);
     gemm_->gemm_fp8(M, N, K, xq.data.data<uint8_t>(), xq.scales.data<float>(), wq.data.data<uint8_t>(),
                     wq.scales.data<float>(), kQuantBlock, out.raw(), out.dtype(), 1.0f, 0.0f,
