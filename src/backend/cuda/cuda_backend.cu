@@ -930,52 +930,75 @@ void CudaBackend::linear_cols_impl(const Tensor& x, const LinearWeight& W, const
                                    int64_t col0) {
   const int64_t M = x.dim(0), K = x.dim(1), N = W.out_features();
   const DType ab = spec.mode == LinearMode::FP32 ? DType::F32 : DType::BF16;
+  const size_t esz = dtype_size(out.dtype());
+  // 16-byte aligned column start and row stride: the alignment the algorithm was chosen for.
   if (spec.mode == LinearMode::FP8_BLOCK || W.bias.defined() || x.dtype() != ab || W.w.dtype() != ab ||
-      (ab == DType::F32 && out.dtype() != DType::F32)) {
+      (ab == DType::F32 && out.dtype() != DType::F32) || (static_cast<size_t>(col0) * esz) % 16 != 0 ||
+      (static_cast<size_t>(out.dim(1)) * esz) % 16 != 0) {
     Backend::linear_cols_impl(x, W, spec, out, col0);
     return;
   }
   const OpTimer op_timer_(*this, "linear", 1);
-  char* c = static_cast<char*>(out.raw()) + static_cast<size_t>(col0) * dtype_size(out.dtype());
+  char* c = static_cast<char*>(out.raw()) + static_cast<size_t>(col0) * esz;
   gemm_->gemm(false, true, M, N, K, x.raw(), W.w.raw(), ab, c, out.dtype(), 1.0f, 0.0f, spec.consistent, out.dim(1));
 }
 
 // The consistent head: its whole chunks as one GEMM (the chunks' row-invariant algorithm over all
 // their columns: every chunk's CTAs at once, where one launch per 4096-column chunk at decode M
-// fills a few SMs), the shorter last chunk as its own product, when the first call's probe found
-// the one GEMM the same bits as the chunked products on that call's operands. The probe runs
-// outside graph captures only (until then, and where it fails: the chunked products).
+// fills a few SMs), the shorter last chunk as its own product, where a probe found the one GEMM
+// the chunked products' bits: once per (chunk, columns, K, dtypes), on seeded random rows against
+// the real weights, outside graph captures (until then, and where it fails or cuBLASLt refuses
+// the wide launch: the chunked products).
 void CudaBackend::linear_chunked_impl(const Tensor& x, const Tensor& w, const LinearSpec& spec, int64_t chunk,
                                       Tensor& out) {
   const int64_t M = x.dim(0), K = x.dim(1), V = w.dim(0), whole = V / chunk * chunk;
   const DType ab = spec.mode == LinearMode::FP32 ? DType::F32 : DType::BF16;
+  const size_t esz = dtype_size(out.dtype());
   if (!spec.consistent || spec.mode == LinearMode::FP8_BLOCK || x.dtype() != ab || w.dtype() != ab ||
-      (ab == DType::F32 && out.dtype() != DType::F32) || whole < 2 * chunk || M == 0) {
+      (ab == DType::F32 && out.dtype() != DType::F32) || whole < 2 * chunk || M == 0 ||
+      (static_cast<size_t>(V) * esz) % 16 != 0 || (static_cast<size_t>(chunk) * esz) % 16 != 0) {
     Backend::linear_chunked_impl(x, w, spec, chunk, out);
     return;
   }
   const auto key = std::make_tuple(chunk, whole, K, static_cast<int>(ab), static_cast<int>(out.dtype()));
   auto it = chunked_one_gemm_.find(key);
   if (it == chunked_one_gemm_.end()) {
-    Backend::linear_chunked_impl(x, w, spec, chunk, out);  // the reference bits, in out
     cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
     CUDA_CHECK(cudaStreamIsCapturing(stream_, &capturing), "querying the stream's capture state");
-    if (capturing != cudaStreamCaptureStatusNone) return;
+    if (capturing != cudaStreamCaptureStatusNone) {
+      Backend::linear_chunked_impl(x, w, spec, chunk, out);
+      return;
+    }
     const OpTimer op_timer_(*this, "linear_chunked: probe", 1);
-    // Its first rows suffice: both products run one algorithm for every M (row-invariant).
-    const int64_t pm = std::min<int64_t>(M, 64);
-    const size_t esz = dtype_size(out.dtype()), row = static_cast<size_t>(whole) * esz;
-    Tensor one = alloc({pm, whole}, out.dtype());
-    gemm_->gemm(false, true, pm, whole, K, x.raw(), w.raw(), ab, one.raw(), out.dtype(), 1.0f, 0.0f, true, 0, chunk);
-    std::vector<char> a(static_cast<size_t>(pm) * row), b(static_cast<size_t>(pm) * row);
-    CUDA_CHECK(cudaMemcpy2DAsync(a.data(), row, out.raw(), static_cast<size_t>(V) * esz, row, static_cast<size_t>(pm),
-                                 cudaMemcpyDeviceToHost, stream_),
-               "linear_chunked probe: download");
-    CUDA_CHECK(cudaMemcpyAsync(b.data(), one.raw(), b.size(), cudaMemcpyDeviceToHost, stream_),
-               "linear_chunked probe: download");
-    CUDA_CHECK(cudaStreamSynchronize(stream_), "linear_chunked probe");
-    chunked_one_gemm_[key] = std::memcmp(a.data(), b.data(), a.size()) == 0;
-    return;
+    // 64 seeded random rows (both products run one algorithm for every M), each chunk's product
+    // into its columns as linear_cols computes it, and the one GEMM; compared bit for bit.
+    constexpr int64_t pm = 64;
+    std::vector<float> hx(static_cast<size_t>(pm * K));
+    uint32_t r = 0x2545f491u;
+    for (float& v : hx) {
+      r = r * 1664525u + 1013904223u;
+      v = static_cast<float>(static_cast<int32_t>(r >> 8) - (1 << 23)) / static_cast<float>(1 << 23);
+    }
+    Tensor xp = to_device(from_float_vector(hx, {pm, K}, ab));
+    Tensor ref = alloc({pm, whole}, out.dtype()), one = alloc({pm, whole}, out.dtype());
+    bool same = false;
+    try {
+      for (int64_t v0 = 0; v0 < whole; v0 += chunk)
+        gemm_->gemm(false, true, pm, chunk, K, xp.raw(), static_cast<const char*>(w.raw()) + v0 * K * dtype_size(ab),
+                    ab, static_cast<char*>(ref.raw()) + static_cast<size_t>(v0) * esz, out.dtype(), 1.0f, 0.0f, true,
+                    whole);
+      gemm_->gemm(false, true, pm, whole, K, xp.raw(), w.raw(), ab, one.raw(), out.dtype(), 1.0f, 0.0f, true, 0, chunk);
+      std::vector<char> a(ref.nbytes()), b(one.nbytes());
+      CUDA_CHECK(cudaMemcpyAsync(a.data(), ref.raw(), a.size(), cudaMemcpyDeviceToHost, stream_),
+                 "linear_chunked probe: download");
+      CUDA_CHECK(cudaMemcpyAsync(b.data(), one.raw(), b.size(), cudaMemcpyDeviceToHost, stream_),
+                 "linear_chunked probe: download");
+      CUDA_CHECK(cudaStreamSynchronize(stream_), "linear_chunked probe");
+      same = std::memcmp(a.data(), b.data(), a.size()) == 0;
+    } catch (const Error&) {  // cuBLASLt refused a launch: the chunked products
+      same = false;
+    }
+    it = chunked_one_gemm_.emplace(key, same).first;
   }
   if (!it->second) {
     Backend::linear_chunked_impl(x, w, spec, chunk, out);

@@ -308,7 +308,9 @@ void GemmEngine::gemm_fp8(int64_t M, int64_t N, int64_t K, const uint8_t* a, con
   FP8RL_CHECK(fp8_supported(M, N, K), "FP8 block GEMM: cuBLASLt needs N a multiple of ", kFp8RowGranule,
               " and K a multiple of ", kQuantBlock, ", got M=", M, " N=", N, " K=", K,
               " (the backend pads K or falls back to a dequantized GEMM)");
-  if (use_own_fp8(M, N, K) && b_block_rows == kQuantBlock && fp8_gemm_sm90_supported(M, N, K)) {
+  // row_invariant asks for cuBLASLt's fixed algorithm: never FP8RL_FP8_GEMM's own-kernel routing
+  // (its split count follows the shape).
+  if (!row_invariant && use_own_fp8(M, N, K) && b_block_rows == kQuantBlock && fp8_gemm_sm90_supported(M, N, K)) {
     gemm_fp8_own(M, N, K, a, a_scales, a_scales_laid, b, b_scales, C, c_dtype, alpha, beta, own_splits_);
     return;
   }
@@ -371,6 +373,10 @@ bool GemmEngine::fp8_lt_is_own(int64_t N, int64_t K, DType c_dtype) {
   const size_t esz = dtype_size(c_dtype), cbytes = static_cast<size_t>(M * N) * esz;
   const size_t bytes = ha.size() + hb.size() + 4 * (hsa.size() + hsb.size()) + 2 * cbytes + 64;
   char* buf = static_cast<char*>(cuda_malloc(bytes, "the FP8 GEMM agreement probe"));
+  struct Free {
+    char* p;
+    ~Free() { cudaFree(p); }  // also on an exception (its status not checked there)
+  } free_buf{buf};
   uint8_t* da = reinterpret_cast<uint8_t*>(buf);
   uint8_t* db = da + ha.size();
   float* dsa = reinterpret_cast<float*>(buf + ((ha.size() + hb.size() + 15) / 16) * 16);
@@ -393,11 +399,10 @@ bool GemmEngine::fp8_lt_is_own(int64_t N, int64_t K, DType c_dtype) {
     CUDA_CHECK(cudaStreamSynchronize(stream_), "the FP8 GEMM agreement probe");
     same = std::memcmp(h1.data(), h2.data(), cbytes) == 0;
   } catch (const Error&) {  // an algorithm cuBLASLt will not run here: not the same
-    CUDA_CHECK(cudaStreamSynchronize(stream_), "the FP8 GEMM agreement probe");
     same = false;
   }
   own_products_ = own0, tail_products_ = tail0;
-  CUDA_CHECK(cudaFree(buf), "freeing the FP8 GEMM agreement probe");
+  CUDA_CHECK(cudaStreamSynchronize(stream_), "the FP8 GEMM agreement probe");
   fp8_lt_own_[key] = same;
   return same;
 }

@@ -1127,7 +1127,11 @@ __device__ __forceinline__ int paged_tdim(int g, int mt, int h) {
 // taken over the columns of one token (the one-token CTA's vote is over its token's heads: its
 // padding columns, whose q is zero, raise their max only on the first tile, where the real ones do);
 // a column whose warp has seen none of its positions keeps m = -inf, l = 0, O = 0, as a warp
-// without tiles does.
+// without tiles does. Two conditions: the cached V rows of the run's positions are finite (P = 0
+// times a non-finite V would be NaN where the one-token CTA never reads that row; the cache holds
+// what kv_write stored from finite activations), and the runs are well formed (count x group <=
+// kMmaRows, consecutive positions of one sequence, every token once: the caller builds them; the
+// launcher checks only the bound on count).
 template <int HD, class TP, int S, int LAZY, int COPY, bool MQ = false>
 __global__ void __launch_bounds__(32 * kMmaWarps, PagedTCfg<HD, TP, S>::kMinBlocks)
     paged_mmat_kernel(const PagedArgs a) {
