@@ -668,8 +668,8 @@ void Backend::linear_cols(const Tensor& x, const LinearWeight& W, const LinearSp
   weight_contract(c, W, spec, "linear_cols");
   const int64_t N = W.out_features(), K = W.in_features();
   c.floating(x, "linear_cols input x");
-  FP8RL_CHECK(x.ndim() == 2 && x.dim(1) == K, "linear_cols input x must be [M, ", K, "] (the weight's in_features), got ",
-              x.str());
+  FP8RL_CHECK(x.ndim() == 2 && x.dim(1) == K, "linear_cols input x must be [M, ", K,
+              "] (the weight's in_features), got ", x.str());
   c.floating(out, "linear_cols output");
   FP8RL_CHECK(out.ndim() == 2 && out.dim(0) == x.dim(0) && col0 >= 0 && col0 + N <= out.dim(1),
               "linear_cols output must be [", x.dim(0), ", >= col0 + ", N, "] with col0 >= 0, got ", out.str(),

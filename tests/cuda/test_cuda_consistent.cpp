@@ -305,7 +305,8 @@ TEST(CudaConsistent, PagedAttentionQueryRunsAreBitwiseOneTokenCtas) {
   // Keys scaled by 1 + position / 200: later positions tend to raise the running max.
   Tensor kh = be.to_host(rand_dev(be, {T, Hkv, hd}, 41, DType::F32));
   for (int64_t t = 0; t < T; ++t)
-    for (int64_t i = 0; i < Hkv * hd; ++i) kh.data<float>()[t * Hkv * hd + i] *= 1.0f + static_cast<float>(pos[t]) / 200.0f;
+    for (int64_t i = 0; i < Hkv * hd; ++i)
+      kh.data<float>()[t * Hkv * hd + i] *= 1.0f + static_cast<float>(pos[t]) / 200.0f;
   const Tensor k = be.to_device(from_float_vector(to_float_vector(kh), {T, Hkv, hd}, DType::BF16));
   const Tensor v = rand_dev(be, {T, Hkv, hd}, 42, DType::BF16);
   for (int group : {1, 2, 4, 8}) {
@@ -334,8 +335,8 @@ TEST(CudaConsistent, PagedAttentionQueryRunsAreBitwiseOneTokenCtas) {
       be.attention_paged(c, 0, q, grouped, 0.088f, false, o2, &l2);
       const Tensor h1 = be.to_host(o1), h2 = be.to_host(o2), hl1 = be.to_host(l1), hl2 = be.to_host(l2);
       EXPECT_EQ(rows_differing(h1, h2, 0), 0) << "group " << group << ", " << dtype_name(pool) << " pool: outputs";
-      EXPECT_EQ(std::memcmp(hl1.raw(), hl2.raw(), hl1.nbytes()), 0) << "group " << group << ", " << dtype_name(pool)
-                                                                      << " pool: lse";
+      EXPECT_EQ(std::memcmp(hl1.raw(), hl2.raw(), hl1.nbytes()), 0)
+          << "group " << group << ", " << dtype_name(pool) << " pool: lse";
       const std::vector<float> f = to_float_vector(h1);
       EXPECT_TRUE(std::all_of(f.begin(), f.end(), [](float x) { return std::isfinite(x); }));
     }

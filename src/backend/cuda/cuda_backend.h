@@ -249,7 +249,7 @@ class CudaBackend final : public Backend {
   // of the whole chunks is the chunked products' bits.
   std::map<std::tuple<int64_t, int64_t, int64_t, int, int>, bool> chunked_one_gemm_;
   int64_t lt_fixed_products_ = 0;  // counters().fp8_gemm_lt_fixed
-  int sm_count_ = 1;  // streaming multiprocessors (sizes the paged attention split plan)
+  int sm_count_ = 1;               // streaming multiprocessors (sizes the paged attention split plan)
   DType act_dtype_ = DType::BF16;
   std::shared_ptr<DeviceMemory> mem_;  // owns the stream and the pool; shared with every Storage
   cudaStream_t stream_ = nullptr;      // mem_->stream()
