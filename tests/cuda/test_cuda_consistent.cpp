@@ -202,6 +202,29 @@ TEST(CudaConsistent, Fp8CublasLtRowInvariantRows) {
   EXPECT_EQ(be.counters().fp8_gemm_fallbacks, 0);
 }
 
+// Sequences of `lens` tokens cached whole from position 0 in pages of ps positions (each
+// sequence's pages in a run of its own): every token a query, its slot, and the page table
+// [lens.size(), width] of the longest sequence's page count.
+struct WholeSequences {
+  std::vector<int32_t> seq, pos, slots, table;
+  int pages = 0, width = 0;
+};
+WholeSequences whole_sequences(const std::vector<int32_t>& lens, int ps) {
+  WholeSequences w;
+  for (int32_t n : lens) w.width = std::max(w.width, (n + ps - 1) / ps);
+  for (int b = 0; b < static_cast<int>(lens.size()); ++b) {
+    const int np = (lens[b] + ps - 1) / ps;
+    for (int p = 0; p < w.width; ++p) w.table.push_back(p < np ? w.pages + p : 0);
+    for (int p = 0; p < lens[b]; ++p) {
+      w.seq.push_back(b);
+      w.pos.push_back(p);
+      w.slots.push_back((w.pages + p / ps) * ps + p % ps);
+    }
+    w.pages += np;
+  }
+  return w;
+}
+
 // Paged attention with batch_invariant at the 1.7B model's heads (16 / 8, head_dim 128) over
 // BF16 and E4M3 pools: each token's output in a prefill-sized batch (every position of three
 // sequences of 1500, 700 and 30 tokens), in a decode batch of their last tokens and in a mixed
@@ -211,19 +234,9 @@ TEST(CudaConsistent, PagedAttentionDoesNotDependOnTheBatch) {
   std::unique_ptr<Backend> cpu = make_cpu_backend();
   const int Hq = 16, Hkv = 8, hd = 128, ps = 16;
   const std::vector<int32_t> lens = {1500, 700, 30};
-  const int width = (1500 + ps - 1) / ps;
-  std::vector<int32_t> seq, pos, slots, table;
-  int pages = 0;
-  for (int b = 0; b < 3; ++b) {
-    const int np = (lens[b] + ps - 1) / ps;
-    for (int p = 0; p < width; ++p) table.push_back(p < np ? pages + p : 0);
-    for (int p = 0; p < lens[b]; ++p) {
-      seq.push_back(b);
-      pos.push_back(p);
-      slots.push_back((pages + p / ps) * ps + p % ps);
-    }
-    pages += np;
-  }
+  const WholeSequences ws = whole_sequences(lens, ps);
+  const int width = ws.width, pages = ws.pages;
+  const std::vector<int32_t>&seq = ws.seq, &pos = ws.pos, &slots = ws.slots, &table = ws.table;
   const int64_t T = static_cast<int64_t>(seq.size());
   const Tensor k = rand_dev(be, {T, Hkv, hd}, 31, DType::BF16), v = rand_dev(be, {T, Hkv, hd}, 32, DType::BF16);
   const Tensor q = rand_dev(be, {T, Hq, hd}, 33, DType::BF16, 0.3f);
@@ -288,19 +301,9 @@ TEST(CudaConsistent, PagedAttentionQueryRunsAreBitwiseOneTokenCtas) {
   cuda::CudaBackend be(0, DType::BF16);
   const int hd = 128, ps = 16, Hkv = 4;
   const std::vector<int32_t> lens = {1100, 37, 520, 1};
-  const int width = (1100 + ps - 1) / ps;
-  std::vector<int32_t> seq, pos, slots, table;
-  int pages = 0;
-  for (int b = 0; b < static_cast<int>(lens.size()); ++b) {
-    const int np = (lens[b] + ps - 1) / ps;
-    for (int p = 0; p < width; ++p) table.push_back(p < np ? pages + p : 0);
-    for (int p = 0; p < lens[b]; ++p) {
-      seq.push_back(b);
-      pos.push_back(p);
-      slots.push_back((pages + p / ps) * ps + p % ps);
-    }
-    pages += np;
-  }
+  const WholeSequences ws = whole_sequences(lens, ps);
+  const int width = ws.width, pages = ws.pages;
+  const std::vector<int32_t>&seq = ws.seq, &pos = ws.pos, &slots = ws.slots, &table = ws.table;
   const int64_t T = static_cast<int64_t>(seq.size());
   // Keys scaled by 1 + position / 200: later positions tend to raise the running max.
   Tensor kh = be.to_host(rand_dev(be, {T, Hkv, hd}, 41, DType::F32));

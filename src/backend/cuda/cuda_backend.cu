@@ -963,9 +963,7 @@ void CudaBackend::linear_chunked_impl(const Tensor& x, const Tensor& w, const Li
   const auto key = std::make_tuple(chunk, whole, K, static_cast<int>(ab), static_cast<int>(out.dtype()));
   auto it = chunked_one_gemm_.find(key);
   if (it == chunked_one_gemm_.end()) {
-    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-    CUDA_CHECK(cudaStreamIsCapturing(stream_, &capturing), "querying the stream's capture state");
-    if (capturing != cudaStreamCaptureStatusNone) {
+    if (stream_capturing(stream_)) {
       Backend::linear_chunked_impl(x, w, spec, chunk, out);
       return;
     }

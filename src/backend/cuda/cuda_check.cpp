@@ -62,4 +62,10 @@ void throw_alloc_error(cudaError_t e, size_t bytes, const std::string& what, con
   FP8RL_FAIL(api, " of ", what, " failed: ", cudaGetErrorName(e), " (", cudaGetErrorString(e), "), ", buf);
 }
 
+bool stream_capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  CUDA_CHECK(cudaStreamIsCapturing(stream, &status), "querying the stream's capture state");
+  return status != cudaStreamCaptureStatusNone;
+}
+
 }  // namespace fp8rl::cuda

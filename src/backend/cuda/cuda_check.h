@@ -30,6 +30,8 @@ void* cuda_malloc(size_t bytes, const char* what);
 // cudaMallocFromPoolAsync): out of memory says so with the free/total device memory and what
 // to reduce; other errors name the CUDA error. Clears the (non-sticky) error first.
 [[noreturn]] void throw_alloc_error(cudaError_t e, size_t bytes, const std::string& what, const char* api);
+// Whether `stream` is capturing a CUDA graph (work that synchronizes or sets attributes waits then).
+bool stream_capturing(cudaStream_t stream);
 
 }  // namespace fp8rl::cuda
 

@@ -355,9 +355,7 @@ bool GemmEngine::fp8_lt_is_own(int64_t N, int64_t K, DType c_dtype) {
   if (!fp8_supported(M, N, K) || !fp8_gemm_sm90_supported(M, N, K)) return false;
   const auto key = std::make_tuple(N, K, static_cast<int>(c_dtype));
   if (auto it = fp8_lt_own_.find(key); it != fp8_lt_own_.end()) return it->second;
-  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-  CUDA_CHECK(cudaStreamIsCapturing(stream_, &capturing), "querying the stream's capture state");
-  if (capturing != cudaStreamCaptureStatusNone) return false;
+  if (stream_capturing(stream_)) return false;
   const int64_t kb = K / kQuantBlock, nb = (N + kQuantBlock - 1) / kQuantBlock;
   std::vector<uint8_t> ha(static_cast<size_t>(M * K)), hb(static_cast<size_t>(N * K));
   std::vector<float> hsa(static_cast<size_t>(M * kb)), hsb(static_cast<size_t>(nb * kb));

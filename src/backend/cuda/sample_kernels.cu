@@ -479,9 +479,7 @@ void launch_sample(const float* logits, int64_t B, int64_t ld, int64_t V, const 
   if (B == 0) return;
   // The bins exceed the default 48 KiB of dynamic shared memory (set per call: per device).
   // Not while a graph is being captured: the op ran once before (backend.h's rule for record).
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  CUDA_CHECK(cudaStreamIsCapturing(stream, &capture), "querying the stream's capture status");
-  if (capture == cudaStreamCaptureStatusNone)
+  if (!stream_capturing(stream))
     CUDA_CHECK(cudaFuncSetAttribute(sample_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     static_cast<int>(kBinBytes)),
                "raising sample_kernel's shared memory limit");
