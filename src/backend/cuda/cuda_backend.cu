@@ -1037,8 +1037,15 @@ void CudaBackend::linear_fwd_fp8_consistent(const Tensor& x, const LinearWeight&
   // rate there; the rows stay the bits of every other M either way.
   // FP8RL_CONSISTENT_LT_ROWS (read once; default 257): the fewest rows that take it (an
   // experiment's knob: 1 puts the decode products on it too).
-  static const char* lt_rows_env = std::getenv("FP8RL_CONSISTENT_LT_ROWS");
-  const int64_t lt_rows = lt_rows_env ? std::max<int64_t>(1, std::atoll(lt_rows_env)) : 257;
+  static const int64_t lt_rows = [] {
+    const char* e = std::getenv("FP8RL_CONSISTENT_LT_ROWS");
+    if (!e) return int64_t{257};
+    char* end = nullptr;
+    const long long v = std::strtoll(e, &end, 10);
+    FP8RL_CHECK(end != e && *end == 0 && v >= 1, "FP8RL_CONSISTENT_LT_ROWS must be a row count >= 1, got '", e,
+                "'; unset it for the default (257)");
+    return static_cast<int64_t>(v);
+  }();
   if (own && M >= lt_rows && gemm_->fp8_lt_is_own(N, K, out.dtype())) {
     const OpTimer t(*this, "linear: FP8 GEMM", 2);
     gemm_->gemm_fp8(M, N, K, xq.data.data<uint8_t>(), xq.scales.data<float>(), wq.data.data<uint8_t>(),
