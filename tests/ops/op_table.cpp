@@ -286,6 +286,27 @@ void quantize_cases(std::vector<OpCase>& t) {
                 EXPECT_EQ(std::memcmp(ref.data.raw(), o.at("data").raw(), ref.data.nbytes()), 0);
               };
           }
+  // Blocks whose scales are the hardest for the GPU quantizers' division-free quotients
+  // (fp8_rule.h, Fp8Divisor): codes bitwise the CPU's x / s, rows, 128 x 128 blocks, transposed.
+  for (DType dt : {DType::F32, DType::BF16})
+    for (bool transpose : {false, true})
+      for (int br : {1, 128}) {
+        const int64_t r = 256, c = 1024, R = transpose ? c : r, C = transpose ? r : c;
+        t.push_back({"quantize",
+                     dims({r, c}) + " " + dtype_name(dt) + (transpose ? " T" : "") + " blocks " + std::to_string(br) +
+                         "x128, the hardest scales",
+                     [=] {
+                       return Tensors{{"x", rnd_hard_scales(r, c, 77, dt)}};
+                     },
+                     [=](OpRun& run) {
+                       QuantTensor q = run.be.alloc_quant(R, C, br, 128, false);
+                       run.be.fill(q.scales, NAN);
+                       run.be.quantize(run["x"], transpose, q);
+                       run.out["data"] = q.data;
+                       run.out["scales"] = q.scales;
+                     },
+                     {{"scales", bitwise()}, {"data", bitwise()}}});
+      }
   t.push_back({"quantize",
                "non-finite input (NaN, Inf) is an error",
                [] {

@@ -141,6 +141,10 @@ const std::vector<OpCase>& op_table();
 // by 10^U(-6, 3), one all-zero row when rows > 2: the quantizer's amax == 0 rule).
 Tensor rnd(const Shape& shape, uint32_t seed, DType dtype = DType::F32, float scale = 1.0f);
 Tensor rnd_wide(int64_t rows, int64_t cols, uint32_t seed, DType dtype);
+// Rows whose 1 x 128 blocks have the scales the quantizer's Fp8Divisor finds hardest (s = amax
+// / 448 with the worst-rounded reciprocals among amax's significands, F32 or BF16, binades
+// 2^-20 .. 2^20), each block holding +-amax once and values of every significand below it.
+Tensor rnd_hard_scales(int64_t rows, int64_t cols, uint32_t seed, DType dtype);
 Tensor i32_tensor(const std::vector<int32_t>& v, const Shape& shape);
 
 // The CPU's spec checks (op_reference.cpp): naive references and finite-difference gradients,

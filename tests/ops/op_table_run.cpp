@@ -1,6 +1,7 @@
 // The op table's machinery: inputs, runs, comparisons, timing (op_table.h).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -38,6 +39,37 @@ Tensor rnd_wide(int64_t r, int64_t c, uint32_t seed, DType dtype) {
   }
   if (r > 2)
     for (int64_t j = 0; j < c; ++j) v[1 * c + j] = 0.0f;
+  return from_float_vector(v, {r, c}, dtype);
+}
+
+Tensor rnd_hard_scales(int64_t r, int64_t c, uint32_t seed, DType dtype) {
+  // amax significands (every F32 one, or the 128 of BF16) ranked by how far 1 / s rounds from
+  // the true reciprocal, s = amax / 448 as the quantizer computes it; the worst 64 (F32) or 16.
+  std::vector<std::pair<double, float>> cand;
+  const uint32_t step = dtype == DType::BF16 ? (1u << 16) : 1u;
+  for (uint32_t m = 0; m < (1u << 23); m += step) {
+    uint32_t u = 0x3f800000u | m;
+    float amax;
+    std::memcpy(&amax, &u, 4);
+    const float s = amax / 448.0f, inv = 1.0f / s;
+    const double e =
+        std::fabs(static_cast<double>(inv) - 1.0 / static_cast<double>(s)) / std::ldexp(1.0, std::ilogb(inv) - 23);
+    if (dtype == DType::BF16 || e > 0.499) cand.emplace_back(e, amax);
+  }
+  const size_t n = std::min<size_t>(dtype == DType::BF16 ? 16 : 64, cand.size());
+  std::partial_sort(cand.begin(), cand.begin() + static_cast<std::ptrdiff_t>(n), cand.end(),
+                    [](const auto& a, const auto& b) { return a.first > b.first; });
+  std::mt19937 gen(seed);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  std::uniform_int_distribution<int> ex(-20, 20);
+  std::vector<float> v(r * c);
+  for (int64_t i = 0; i < r; ++i)
+    for (int64_t b0 = 0; b0 < c; b0 += 128) {
+      const float amax = std::ldexp(cand[static_cast<size_t>(gen() % n)].second, ex(gen));
+      const int64_t b1 = std::min<int64_t>(c, b0 + 128);
+      for (int64_t j = b0; j < b1; ++j) v[i * c + j] = amax * u(gen);  // |v| < amax, also as BF16
+      v[i * c + b0 + static_cast<int64_t>(gen() % static_cast<uint32_t>(b1 - b0))] = (gen() & 1) ? amax : -amax;
+    }
   return from_float_vector(v, {r, c}, dtype);
 }
 

@@ -86,7 +86,7 @@ __global__ void rmsnorm_fused_kernel(const T* a, const T* b, T* sum, const TW* _
       if (in) {
         const int64_t blk = d / 128;  // base is a multiple of 256: a half-warp is one block
         if ((threadIdx.x & 15) == 0) scales[gemm_layout ? blk * R + r : r * nb + blk] = s;
-        *reinterpret_cast<uint2*>(q + r * D + d) = encode8(v, s);
+        *reinterpret_cast<uint2*>(q + r * D + d) = encode8(v, Fp8Divisor(s));
       }
     }
   }
@@ -134,7 +134,7 @@ __device__ __forceinline__ void quantize8_finish(const HalfWarpBlock& h, const f
   for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(h.mask, amax, o));
   const float s = fp8_scale_from_amax(amax, pow2);
   if (h.sub == 0) scales[gemm_layout ? h.blk * R + h.r : h.r * h.nb + h.blk] = s;
-  if (h.in) *reinterpret_cast<uint2*>(q + h.r * C + h.c) = encode8(v, s);
+  if (h.in) *reinterpret_cast<uint2*>(q + h.r * C + h.c) = encode8(v, Fp8Divisor(s));
 }
 
 // out = swiglu(gate, up) and its E4M3 copy.

@@ -1,6 +1,6 @@
 // Block-scaled E4M3 quantization on the GPU, bit-exact with quant/quant.cpp:
 //   s = fp8_scale_from_amax(amax, pow2) and q = fp8_e4m3_encode(x / s), quant/fp8_rule.h's
-//   (the divisions are IEEE: nvcc's default -prec-div=true, no fast-math).
+//   (the quotients by its Fp8Divisor, which E4M3 encodes as the IEEE division's).
 // Non-finite input raises a device flag that the host checks after the launch (an error,
 // never quantized). Also here: dequantization and the cuBLASLt scale-layout kernels.
 // Two families: element-wise kernels (any shape) and vectorized ones (16-byte loads, 8- or
@@ -41,10 +41,12 @@ __global__ void quant_rows_1x128_kernel(const T* __restrict__ x, int64_t rows, i
   amax = warp_max(amax);
   const float s = fp8_scale_from_amax(amax, pow2);
   if (lane == 0) scales[gemm_layout ? b * rows + r : r * nb + b] = s;
+  float qv[4];
+  Fp8Divisor(s).quotients<4>(v, qv);
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int64_t c = c0 + i;
-    if (c < cols) q[r * cols + c] = fp8_e4m3_encode(v[i] / s);
+    if (c < cols) q[r * cols + c] = fp8_e4m3_encode(qv[i]);
   }
 }
 
@@ -144,7 +146,7 @@ __global__ void quant_rows_vec_kernel(const T* __restrict__ x, int64_t rows, int
   for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(mask, amax, o));
   const float s = fp8_scale_from_amax(amax, pow2);
   if (sub == 0) scales[gemm_layout ? b * rows + r : r * nb + b] = s;
-  if (in) *reinterpret_cast<uint2*>(q + r * cols + c) = encode8(v, s);
+  if (in) *reinterpret_cast<uint2*>(q + r * cols + c) = encode8(v, Fp8Divisor(s));
 }
 
 // 128 x 128 blocks, no transpose: one 256-thread block per tile, the tile held in registers
@@ -174,11 +176,12 @@ __global__ void quant_blk_vec_kernel(const T* __restrict__ x, int64_t R, int64_t
   amax = block_max(amax, red);
   const float s = fp8_scale_from_amax(amax, pow2);
   if (threadIdx.x == 0) scales[static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x] = s;
+  const Fp8Divisor div(s);
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
     const int k = threadIdx.x + 256 * j;
     const int64_t r = r0 + k / 16, c = c0 + (k % 16) * 8;
-    if (r < R && c < C) *reinterpret_cast<uint2*>(q + r * C + c) = encode8(v[j], s);
+    if (r < R && c < C) *reinterpret_cast<uint2*>(q + r * C + c) = encode8(v[j], div);
   }
 }
 
@@ -188,8 +191,9 @@ __global__ void quant_blk_vec_kernel(const T* __restrict__ x, int64_t R, int64_t
 constexpr int kVecTileLd = 132;
 // Row rr of the transpose of a tile staged as [128][kVecTileLd]: this thread's chunks of 16
 // columns ch = half + 2 j (j < 4), at columns c0 + ch * 16 of `row` (ld bytes wide; nothing is
-// written past ld), encoded with scale s; 16-byte stores where aligned and whole.
-__device__ __forceinline__ void encode_staged_row_t(const float* tile_t, int rr, int half, float s, uint8_t* row,
+// written past ld), encoded with scale div.scale(); 16-byte stores where aligned and whole.
+__device__ __forceinline__ void encode_staged_row_t(const float* tile_t, int rr, int half, const Fp8Divisor& div,
+                                                    uint8_t* row,
                                                     int64_t c0, int64_t ld) {
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
@@ -201,10 +205,10 @@ __device__ __forceinline__ void encode_staged_row_t(const float* tile_t, int rr,
     for (int i = 0; i < 16; ++i) v[i] = tile_t[(ch * 16 + i) * kVecTileLd + rr];
     uint8_t* dst = row + c;
     if (c + 16 <= ld && (reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
-      const uint2 lo = encode8(v, s), hi = encode8(v + 8, s);
+      const uint2 lo = encode8(v, div), hi = encode8(v + 8, div);
       *reinterpret_cast<uint4*>(dst) = make_uint4(lo.x, lo.y, hi.x, hi.y);
     } else {
-      for (int i = 0; i < 16 && c + i < ld; ++i) dst[i] = fp8_e4m3_encode(v[i] / s);
+      for (int i = 0; i < 16 && c + i < ld; ++i) dst[i] = fp8_e4m3_encode(div(v[i]));
     }
   }
 }
@@ -258,7 +262,7 @@ __global__ void quant_tile_t_vec_kernel(const T* __restrict__ x, int64_t R, int6
   const int64_t r = r0 + rr;
   if (r >= R) return;
   // Columns [C, ldq) of a padded layout get zeros (the tile is zero there).
-  encode_staged_row_t(tile_t, rr, half, s, q + r * ldq, c0, ldq);
+  encode_staged_row_t(tile_t, rr, half, Fp8Divisor(s), q + r * ldq, c0, ldq);
 }
 
 void launch_quantize(const void* x, DType x_dtype, int64_t x_rows, int64_t x_cols, bool transpose,
@@ -384,6 +388,7 @@ __global__ void __launch_bounds__(256) quant_weights_kernel(const __grid_constan
   if (!finite) atomicExch(bad, 1);
   amax = block_max(amax, red);  // synchronizes: the staged tile is complete
   const float s = fp8_scale_from_amax(amax, pow2);
+  const Fp8Divisor div(s);
   if (t == 0) {
     L.qs[j][by * ncb + bx] = s;
     if (qt) L.qts[j][bx * nrb + by] = s;
@@ -393,7 +398,7 @@ __global__ void __launch_bounds__(256) quant_weights_kernel(const __grid_constan
   for (int jj = 0; jj < 8; ++jj) {
     const int k = t + 256 * jj;
     const int64_t r = r0 + k / 16, c = c0 + (k % 16) * 8;
-    if (r < R && c < C) *reinterpret_cast<uint2*>(q + r * C + c) = encode8(v[jj], s);
+    if (r < R && c < C) *reinterpret_cast<uint2*>(q + r * C + c) = encode8(v[jj], div);
   }
   if (!qt) return;
   // qt [C, R]: thread t encodes its row cc = t % 128 (a column of w), chunks of 16 columns (rows
@@ -401,7 +406,7 @@ __global__ void __launch_bounds__(256) quant_weights_kernel(const __grid_constan
   const int cc = t % 128, half = t / 128;
   const int64_t orow = c0 + cc;
   if (orow >= C) return;
-  encode_staged_row_t(tile_t, cc, half, s, qt + orow * R, r0, R);
+  encode_staged_row_t(tile_t, cc, half, div, qt + orow * R, r0, R);
 }
 
 void launch_quantize_weights(const std::vector<WeightQuantTensor>& ws, DType w_dtype, bool pow2, int* bad_flag,
