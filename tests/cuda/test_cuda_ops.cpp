@@ -7,11 +7,13 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
 #include "backend/backend.h"
 #include "backend/cuda/cuda_backend.h"
+#include "core/dtype.h"
 #include "core/error.h"
 #include "ops/op_table.h"
 #include "quant/quant.h"
@@ -162,6 +164,31 @@ TEST(CudaQuant, PaddedTransposeIsTheUnpaddedOnePlusZeros) {
       }
       EXPECT_TRUE(bytes_equal(padded.scales, plain.scales)) << "M " << M;
     }
+}
+
+// ---- BF16 rounding: the vectorized stores' paired conversion -----------------------------
+
+// F32 -> BF16 through the 8-element kernels (cvt.rn.bf16x2.f32, with bf16_bits_from_float for
+// groups of 8 holding a NaN): every value's bits are the host's bf16_from_float, NaN payloads and
+// signs, infinities and the values that round up to them included (the op table's convert rows
+// check finite values only).
+TEST(CudaConvert, Bf16BitsOfNanInfinityAndOverflowAreTheCpus) {
+  const float inf = std::numeric_limits<float>::infinity();
+  std::vector<float> v = {inf, -inf, 3.4028235e38f, -3.4028235e38f, 3.3961776e38f, 1.0f, -0.0f, 1e-40f};
+  for (uint32_t nan : {0x7fc00000u, 0xffc00000u, 0x7f800001u, 0xff812345u, 0x7fbfffffu, 0x7fffffffu}) {
+    float f;
+    std::memcpy(&f, &nan, 4);
+    v.push_back(f);  // NaNs among finite values: their group of 8 takes the bit-level rule
+    v.push_back(static_cast<float>(v.size()) * 0.37f);
+  }
+  while (v.size() % 8 != 0) v.push_back(-2.5f);
+  Tensor x = Tensor::empty({static_cast<int64_t>(v.size())}, DType::F32);
+  std::memcpy(x.raw(), v.data(), v.size() * 4);
+  Tensor y = G().alloc({x.numel()}, DType::BF16);
+  G().convert(dev(x), y);
+  const Tensor h = host(y);
+  for (size_t i = 0; i < v.size(); ++i)
+    EXPECT_EQ(reinterpret_cast<const uint16_t*>(h.raw())[i], bf16_from_float(v[i])) << "element " << i;
 }
 
 }  // namespace

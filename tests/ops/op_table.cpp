@@ -70,6 +70,30 @@ void memory_cases(std::vector<OpCase>& t) {
       EXPECT_EQ(std::memcmp(ref.raw(), o.at(std::string("back") + sfx).raw(), ref.nbytes()), 0) << sfx;
     }
   };
+  // The vectorized F32 -> BF16 stores convert in pairs by instruction (common.cuh, bf16_pack8):
+  // exact ties both ways, FP32 subnormals (kept, rounded), the smallest normals, the largest
+  // finite values BF16 rounds to, bitwise the CPU's rounding. (NaN and infinity: test_cuda_ops.)
+  t.push_back({"convert",
+               "F32 -> BF16 [4, 64] of rounding edges (ties, subnormals, BF16's largest finite values)",
+               [] {
+                 std::vector<float> v;
+                 std::mt19937 gen(41);
+                 for (int i = 0; v.size() < 256; ++i) {
+                   const uint32_t hi = (gen() & 0x80000000u) | (gen() % 0x7f7fu << 16);  // a finite BF16 value
+                   const uint32_t lows[] = {0x8000u, 0x7fffu, 0x8001u, 0x0001u, 0xffffu};
+                   uint32_t u = hi | lows[i % 5];
+                   if (i % 7 == 0) u = (gen() & 0x80000000u) | (gen() & 0x7fffffu);               // FP32 subnormal
+                   if (i % 11 == 0) u = (gen() & 0x80000000u) | 0x7f7f0000u | (gen() & 0x7fffu);  // < max + ulp/2
+                   float f;
+                   std::memcpy(&f, &u, 4);
+                   v.push_back(f);
+                 }
+                 return Tensors{{"x", from_float_vector(v, {4, 64}, DType::F32)}};
+               },
+               [](OpRun& r) {
+                 r.be.convert(r["x"], r.output("bf16", {4, 64}, DType::BF16));
+               },
+               {{"bf16", bitwise()}}});
   t.push_back(
       {"convert_many",
        "F32 -> BF16 of 5 tensors (sizes 8 .. 33000, one of 301 elements: the per-tensor path), BF16 -> F32",

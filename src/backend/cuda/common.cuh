@@ -48,12 +48,30 @@ __device__ __forceinline__ void load8(const float* p, float v[8]) {
   const float4 a = *reinterpret_cast<const float4*>(p), b = *reinterpret_cast<const float4*>(p + 4);
   v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
 }
+// 8 floats as BF16 bits packed in pairs (w[i] = v[2i] | v[2i + 1] << 16), each as
+// bf16_bits_from_float rounds it: four cvt.rn.bf16x2.f32 (the same round to nearest even, FP32
+// subnormals kept, overflow to infinity); the instruction writes a canonical NaN, so 8 values
+// holding a NaN take bf16_bits_from_float itself (which keeps the NaN's sign and payload).
+__device__ __forceinline__ void bf16_pack8(const float v[8], uint32_t w[4]) {
+  bool nan = false;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) nan |= isnan(v[i]);
+  if (nan) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      w[i] = static_cast<uint32_t>(bf16_bits_from_float(v[2 * i])) |
+             (static_cast<uint32_t>(bf16_bits_from_float(v[2 * i + 1])) << 16);
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const __nv_bfloat162 p = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);  // .x (low half) from the first
+    w[i] = *reinterpret_cast<const uint32_t*>(&p);
+  }
+}
 __device__ __forceinline__ void store8(bf16* p, const float v[8]) {
   uint32_t w[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-    w[i] = static_cast<uint32_t>(bf16_bits_from_float(v[2 * i])) |
-           (static_cast<uint32_t>(bf16_bits_from_float(v[2 * i + 1])) << 16);
+  bf16_pack8(v, w);
   *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
 }
 __device__ __forceinline__ void store8(float* p, const float v[8]) {
@@ -64,12 +82,11 @@ __device__ __forceinline__ void store8(float* p, const float v[8]) {
 // reads the stored output).
 __device__ __forceinline__ void store8_rounded(bf16* p, float v[8]) {
   uint32_t w[4];
+  bf16_pack8(v, w);
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const uint16_t lo = bf16_bits_from_float(v[2 * i]), hi = bf16_bits_from_float(v[2 * i + 1]);
-    v[2 * i] = bf16_bits_to_float(lo);
-    v[2 * i + 1] = bf16_bits_to_float(hi);
-    w[i] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+    v[2 * i] = __uint_as_float(w[i] << 16);
+    v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
   }
   *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
 }

@@ -7,7 +7,9 @@
 // threads in the same order),
 // the output rounded to its dtype before its amax and its codes are taken (the quantizer reads
 // the stored output), and the scale and codes of quant.cuh. Vectorized only (8 elements per
-// access); the backend runs the unfused ops for any other shape.
+// access; the element-wise ones on quant.cuh's row blocks, 16 columns per thread); the backend
+// runs the unfused ops for any other shape. The "emulated" region also runs on the host
+// (tests/cuda/eltwise_emu).
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/kernels.h"
@@ -93,71 +95,35 @@ __global__ void rmsnorm_fused_kernel(const T* a, const T* b, T* sum, const TW* _
   if (kQuant && !finite) atomicExch(bad, 1);
 }
 
-// The element-wise kernels that write an FP8 copy run 16 threads per (row, 128-column block),
-// 8 elements each (as quant_rows_vec_kernel). A thread's place in its half-warp's block:
-struct HalfWarpBlock {
-  int64_t r, blk, c, nb;  // row, column block, first column, blocks per row
-  int sub;                // lane within the half-warp
-  unsigned mask;          // the half-warp's lanes
-  bool in;                // c < the row's width
-};
-// False for the threads past R * nb blocks (whole half-warps: blockDim is a multiple of 16).
-__device__ __forceinline__ bool half_warp_block(int64_t R, int64_t C, HalfWarpBlock& h) {
-  h.nb = (C + 127) / 128;
-  const int64_t gid = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 4;
-  h.sub = threadIdx.x & 15;
-  h.mask = 0xffffu << (threadIdx.x & 16);
-  if (gid >= R * h.nb) return false;
-  divmod_index(gid, h.nb, h.r, h.blk);
-  h.c = h.blk * 128 + h.sub * 8;
-  h.in = h.c < C;
-  return true;
-}
-
-// The amax and finiteness of 8 values as stored (store8_rounded left them rounded to T, as the
-// quantizer reads them).
-__device__ __forceinline__ float stored_amax8(const float v[8], bool& finite) {
-  float amax = 0.0f;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    finite &= isfinite(v[i]);
-    amax = fmaxf(amax, fabsf(v[i]));
-  }
-  return amax;
-}
-
-// The block's amax over the half-warp, its scale (lane 0 writes it, VEC128 layout when
-// gemm_layout) and this lane's 8 E4M3 codes of v (a row of width C of q).
-__device__ __forceinline__ void quantize8_finish(const HalfWarpBlock& h, const float v[8], float amax, int64_t R,
-                                                 int64_t C, bool pow2, uint8_t* q, float* scales, bool gemm_layout) {
-#pragma unroll
-  for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(h.mask, amax, o));
-  const float s = fp8_scale_from_amax(amax, pow2);
-  if (h.sub == 0) scales[gemm_layout ? h.blk * R + h.r : h.r * h.nb + h.blk] = s;
-  if (h.in) *reinterpret_cast<uint2*>(q + h.r * C + h.c) = encode8(v, Fp8Divisor(s));
-}
+// ---- emulated: begin (element-wise producers)
+// The element-wise producers: quant.cuh's row blocks (8 threads per (row, 128-column block), 16
+// columns each as two chunks of 8), each chunk computed, stored (rounded to T) and folded into
+// the block's amax, then row_block_quantize.
 
 // out = swiglu(gate, up) and its E4M3 copy.
 template <class T>
 __global__ void swiglu_fp8_kernel(const T* __restrict__ g, const T* __restrict__ u, int64_t ld, T* __restrict__ out,
                                   int64_t R, int64_t F, bool pow2, uint8_t* __restrict__ q,
                                   float* __restrict__ scales, bool gemm_layout, int* bad) {
-  HalfWarpBlock h;
-  if (!half_warp_block(R, F, h)) return;
-  float v[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  RowBlock h;
+  if (!row_block(R, F, h)) return;
+  float v[16] = {};
   float amax = 0.0f;
   bool finite = true;
-  if (h.in) {
-    float uv[8];
-    load8(g + h.r * ld + h.c, v);
-    load8(u + h.r * ld + h.c, uv);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] = swiglu_value(v[i], uv[i]);
-    store8_rounded(out + h.r * F + h.c, v);
-    amax = stored_amax8(v, finite);
+  for (int k = 0; k < 2; ++k) {
+    if (!h.in[k]) continue;
+    float* vk = v + 8 * k;
+    float uv[8];
+    load8(g + h.r * ld + h.c + 8 * k, vk);
+    load8(u + h.r * ld + h.c + 8 * k, uv);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) vk[i] = swiglu_value(vk[i], uv[i]);
+    store8_rounded(out + h.r * F + h.c + 8 * k, vk);
+    stored_amax8(vk, amax, finite);
   }
   if (!finite) atomicExch(bad, 1);
-  quantize8_finish(h, v, amax, R, F, pow2, q, scales, gemm_layout);
+  row_block_quantize(h, v, amax, R, F, pow2, q, scales, gemm_layout);
 }
 
 // out = a + b (the residual stream's gradient) and its E4M3 copy; a thread reads its elements
@@ -165,22 +131,25 @@ __global__ void swiglu_fp8_kernel(const T* __restrict__ g, const T* __restrict__
 template <class T>
 __global__ void add_fp8_kernel(const T* a, const T* __restrict__ b, T* out, int64_t R, int64_t D, bool pow2,
                                uint8_t* __restrict__ q, float* __restrict__ scales, bool gemm_layout, int* bad) {
-  HalfWarpBlock h;
-  if (!half_warp_block(R, D, h)) return;
-  float v[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  RowBlock h;
+  if (!row_block(R, D, h)) return;
+  float v[16] = {};
   float amax = 0.0f;
   bool finite = true;
-  if (h.in) {
-    float w[8];
-    load8(a + h.r * D + h.c, v);
-    load8(b + h.r * D + h.c, w);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] += w[i];  // as add_vec_kernel
-    store8_rounded(out + h.r * D + h.c, v);
-    amax = stored_amax8(v, finite);
+  for (int k = 0; k < 2; ++k) {
+    if (!h.in[k]) continue;
+    float* vk = v + 8 * k;
+    float w[8];
+    load8(a + h.r * D + h.c + 8 * k, vk);
+    load8(b + h.r * D + h.c + 8 * k, w);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) vk[i] += w[i];  // as add_vec_kernel
+    store8_rounded(out + h.r * D + h.c + 8 * k, vk);
+    stored_amax8(vk, amax, finite);
   }
   if (!finite) atomicExch(bad, 1);
-  quantize8_finish(h, v, amax, R, D, pow2, q, scales, gemm_layout);
+  row_block_quantize(h, v, amax, R, D, pow2, q, scales, gemm_layout);
 }
 
 // The backward: dg, du = swiglu_backward(d, g, u) and both E4M3 copies.
@@ -189,27 +158,31 @@ __global__ void swiglu_backward_fp8_kernel(const T* __restrict__ d, const T* __r
                                            T* __restrict__ dg, T* __restrict__ du, int64_t R, int64_t F, bool pow2,
                                            uint8_t* __restrict__ qg, float* __restrict__ sg, uint8_t* __restrict__ qu,
                                            float* __restrict__ su, bool gemm_layout, int* bad) {
-  HalfWarpBlock h;
-  if (!half_warp_block(R, F, h)) return;
-  float a[8] = {0, 0, 0, 0, 0, 0, 0, 0}, b[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // dgate, dup
+  RowBlock h;
+  if (!row_block(R, F, h)) return;
+  float a[16] = {}, b[16] = {};  // dgate, dup
   float amax_g = 0.0f, amax_u = 0.0f;
   bool finite = true;
-  if (h.in) {
-    float dv[8], gv[8], uv[8];
-    load8(d + h.r * F + h.c, dv);
-    load8(g + h.r * F + h.c, gv);
-    load8(u + h.r * F + h.c, uv);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) swiglu_backward_value(dv[i], gv[i], uv[i], a[i], b[i]);
-    store8_rounded(dg + h.r * F + h.c, a);
-    store8_rounded(du + h.r * F + h.c, b);
-    amax_g = stored_amax8(a, finite);
-    amax_u = stored_amax8(b, finite);
+  for (int k = 0; k < 2; ++k) {
+    if (!h.in[k]) continue;
+    const int64_t off = h.r * F + h.c + 8 * k;
+    float dv[8], gv[8], uv[8];
+    load8(d + off, dv);
+    load8(g + off, gv);
+    load8(u + off, uv);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) swiglu_backward_value(dv[i], gv[i], uv[i], a[8 * k + i], b[8 * k + i]);
+    store8_rounded(dg + off, a + 8 * k);
+    store8_rounded(du + off, b + 8 * k);
+    stored_amax8(a + 8 * k, amax_g, finite);
+    stored_amax8(b + 8 * k, amax_u, finite);
   }
   if (!finite) atomicExch(bad, 1);
-  quantize8_finish(h, a, amax_g, R, F, pow2, qg, sg, gemm_layout);
-  quantize8_finish(h, b, amax_u, R, F, pow2, qu, su, gemm_layout);
+  row_block_quantize(h, a, amax_g, R, F, pow2, qg, sg, gemm_layout);
+  row_block_quantize(h, b, amax_u, R, F, pow2, qu, su, gemm_layout);
 }
+// ---- emulated: end (element-wise producers)
 
 }  // namespace
 
@@ -252,7 +225,7 @@ bool launch_swiglu_fp8(const void* g, const void* u, int64_t ld, void* out, DTyp
                        uint8_t* q, float* scales, bool gemm_layout, int* bad_flag, cudaStream_t stream) {
   if (!vec8_ok(F, {g, u, out, q}) || ld % 8 != 0) return false;
   if (R == 0) return true;
-  const int64_t threads_total = R * ceil_div(F, 128) * 16;
+  const int64_t threads_total = row_block_threads(R, F);
   FP8RL_DISPATCH_FLOAT(dt, "swiglu", {
     swiglu_fp8_kernel<T><<<static_cast<unsigned>(ceil_div(threads_total, 256)), 256, 0, stream>>>(
         static_cast<const T*>(g), static_cast<const T*>(u), ld, static_cast<T*>(out), R, F, pow2, q, scales,
@@ -266,7 +239,7 @@ bool launch_add_fp8(const void* a, const void* b, void* out, DType dt, int64_t R
                     float* scales, bool gemm_layout, int* bad_flag, cudaStream_t stream) {
   if (!vec8_ok(D, {a, b, out, q})) return false;
   if (R == 0) return true;
-  const int64_t threads_total = R * ceil_div(D, 128) * 16;
+  const int64_t threads_total = row_block_threads(R, D);
   FP8RL_DISPATCH_FLOAT(dt, "add", {
     add_fp8_kernel<T><<<static_cast<unsigned>(ceil_div(threads_total, 256)), 256, 0, stream>>>(
         static_cast<const T*>(a), static_cast<const T*>(b), static_cast<T*>(out), R, D, pow2, q, scales, gemm_layout,
@@ -281,7 +254,7 @@ bool launch_swiglu_backward_fp8(const void* dout, const void* g, const void* u, 
                                 int* bad_flag, cudaStream_t stream) {
   if (!vec8_ok(F, {dout, g, u, dg, du, qg, qu})) return false;
   if (R == 0) return true;
-  const int64_t threads_total = R * ceil_div(F, 128) * 16;
+  const int64_t threads_total = row_block_threads(R, F);
   FP8RL_DISPATCH_FLOAT(dt, "swiglu_backward", {
     swiglu_backward_fp8_kernel<T><<<static_cast<unsigned>(ceil_div(threads_total, 256)), 256, 0, stream>>>(
         static_cast<const T*>(dout), static_cast<const T*>(g), static_cast<const T*>(u), static_cast<T*>(dg),

@@ -116,38 +116,28 @@ __global__ void quant_tile_kernel(const T* __restrict__ x, int64_t R, int64_t C,
 // ---- vectorized paths (16-byte loads; taken when x's last dim is a multiple of 8 and the
 // pointers are 16-byte aligned). Same arithmetic as above, element for element: bit-exact.
 
-// 1 x 128 along the last dim: 16 threads per (row, 128-column block), 8 elements each.
+// ---- emulated: begin (row quantizer)
+// 1 x 128 along the last dim: quant.cuh's row blocks (8 threads per (row, 128-column block), 16
+// elements each).
 template <class T>
 __global__ void quant_rows_vec_kernel(const T* __restrict__ x, int64_t rows, int64_t cols, bool pow2,
                                       uint8_t* __restrict__ q, float* __restrict__ scales, bool gemm_layout,
                                       int* bad) {
-  const int64_t nb = (cols + 127) / 128;
-  const int64_t gid = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 4;
-  const int sub = threadIdx.x & 15;
-  const unsigned mask = 0xffffu << (threadIdx.x & 16);  // this thread's half-warp
-  if (gid >= rows * nb) return;  // whole half-warps leave together (blockDim is a multiple of 16)
-  int64_t r, b;
-  divmod_index(gid, nb, r, b);
-  const int64_t c = b * 128 + sub * 8;
-  const bool in = c < cols;
-  float v[8];
+  RowBlock h;
+  if (!row_block(rows, cols, h)) return;
+  float v[16] = {};
   float amax = 0.0f;
   bool finite = true;
-  if (in) {
-    load8(x + r * cols + c, v);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      finite &= isfinite(v[i]);
-      amax = fmaxf(amax, fabsf(v[i]));
-    }
+  for (int k = 0; k < 2; ++k) {
+    if (!h.in[k]) continue;
+    load8(x + h.r * cols + h.c + 8 * k, v + 8 * k);
+    stored_amax8(v + 8 * k, amax, finite);
   }
   if (!finite) atomicExch(bad, 1);
-#pragma unroll
-  for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(mask, amax, o));
-  const float s = fp8_scale_from_amax(amax, pow2);
-  if (sub == 0) scales[gemm_layout ? b * rows + r : r * nb + b] = s;
-  if (in) *reinterpret_cast<uint2*>(q + r * cols + c) = encode8(v, Fp8Divisor(s));
+  row_block_quantize(h, v, amax, rows, cols, pow2, q, scales, gemm_layout);
 }
+// ---- emulated: end (row quantizer)
 
 // 128 x 128 blocks, no transpose: one 256-thread block per tile, the tile held in registers
 // (8 chunks of 8 per thread), one block-wide amax, then 8-byte stores.
@@ -285,7 +275,7 @@ void launch_quantize(const void* x, DType x_dtype, int64_t x_rows, int64_t x_col
   FP8RL_DISPATCH_FLOAT(x_dtype, "quantize", {
     const T* xp = static_cast<const T*>(x);
     if (vec && !transpose && block_rows == 1) {
-      const int64_t threads_total = R * ceil_div(C, 128) * 16;
+      const int64_t threads_total = row_block_threads(R, C);
       quant_rows_vec_kernel<T><<<static_cast<unsigned>(ceil_div(threads_total, 256)), 256, 0, stream>>>(
           xp, R, C, pow2, q, scales, gemm_layout, bad_flag);
       CUDA_CHECK_LAUNCH("quant_rows_vec_kernel");
