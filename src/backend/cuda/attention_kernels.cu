@@ -187,16 +187,27 @@ __global__ void kv_round_kernel(T* x, int64_t n, int H, int hd, KvRoundScales s)
     store_f(x, i, fp8_e4m3_round(load_f(x, i) / sc) * sc);
   }
 }
-// The same, 8 elements per thread (hd % 8 == 0 and x 16-byte aligned: the 8 share a head).
+// The same, 8 elements per thread (hd % 8 == 0 and x 16-byte aligned: the 8 share a head): the
+// quotients by fp8_rule.h's Fp8Divisor (E4M3 codes bitwise the division's), the codes and their
+// values in pairs, the head by 32-bit index divisions (divmod_index).
 template <class T>
 __global__ void kv_round8_kernel(T* x, int64_t n8, int H, int hd8, KvRoundScales s) {
   for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < n8;
        j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const float sc = s.v[(j / hd8) % H];
-    float v[8];
+    int64_t row, col, tok, h;
+    divmod_index(j, hd8, row, col);  // row = token * H + head
+    divmod_index(row, H, tok, h);
+    const Fp8Divisor d(s.v[h]);
+    float v[8], q[8];
     load8(x + 8 * j, v);
+    d.quotients<8>(v, q);
 #pragma unroll
-    for (int e = 0; e < 8; ++e) v[e] = fp8_e4m3_round(v[e] / sc) * sc;
+    for (int e = 0; e < 8; e += 2) {
+      const uint32_t two = __nv_cvt_float2_to_fp8x2(make_float2(q[e], q[e + 1]), __NV_SATFINITE, __NV_E4M3);
+      const float2 r = fp8_e4m3x2_to_float2(two);  // e4m3_round of each, exact
+      v[e] = r.x * d.scale();
+      v[e + 1] = r.y * d.scale();
+    }
     store8(x + 8 * j, v);
   }
 }
