@@ -78,22 +78,29 @@ __device__ __forceinline__ void store8(float* p, const float v[8]) {
   *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
   *reinterpret_cast<float4*>(p + 4) = make_float4(v[4], v[5], v[6], v[7]);
 }
-// store8 that also leaves v holding the stored values (v rounded to T once, for a quantizer that
-// reads the stored output).
-__device__ __forceinline__ void store8_rounded(bf16* p, float v[8]) {
-  uint32_t w[4];
+// v[0..8) rounded as a T stores them (BF16: bf16_pack8's pairs, so nearest even as store_f /
+// store8; F32: unchanged); w: the BF16 words.
+__device__ __forceinline__ void round8_as(const bf16*, float v[8], uint32_t w[4]) {
   bf16_pack8(v, w);
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     v[2 * i] = __uint_as_float(w[i] << 16);
     v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
   }
+}
+__device__ __forceinline__ void round8_as(const bf16* p, float v[8]) {
+  uint32_t w[4];
+  round8_as(p, v, w);
+}
+__device__ __forceinline__ void round8_as(const float*, float*) {}
+// store8 that also leaves v holding the stored values (v rounded to T once, for a quantizer that
+// reads the stored output).
+__device__ __forceinline__ void store8_rounded(bf16* p, float v[8]) {
+  uint32_t w[4];
+  round8_as(p, v, w);
   *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
 }
 __device__ __forceinline__ void store8_rounded(float* p, float v[8]) { store8(p, v); }
-// v rounded as a T stores it (BF16: nearest even, as store_f / store8; F32: v itself).
-__device__ __forceinline__ float round_as(const float*, float v) { return v; }
-__device__ __forceinline__ float round_as(const bf16*, float v) { return bf16_bits_to_float(bf16_bits_from_float(v)); }
 
 // SwiGLU's per-element value silu(g) * u = (g * sigmoid(g)) * u in FP32: one copy for the
 // swiglu kernels and the fused swiglu -> FP8 producer.

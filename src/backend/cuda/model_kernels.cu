@@ -345,7 +345,8 @@ __global__ void __launch_bounds__(kRopeRowsWarps * 32)
     float wv[8];
     load8(w + d0, wv);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] = round_as(out, v[i] * rs * wv[i]);
+    for (int i = 0; i < 8; ++i) v[i] = v[i] * rs * wv[i];
+    round8_as(out, v);  // as the two-op path stores the normalized values
   }
   const bool first = d0 < half;  // rotate_half: this lane holds x1 of its pairs, else x2
   const int partner = group + (!in || interleaved ? sub : first ? sub + half / 8 : sub - half / 8);
