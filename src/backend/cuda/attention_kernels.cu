@@ -9,6 +9,7 @@
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/kernels.h"
+#include "backend/cuda/quant.cuh"
 #include "quant/fp8_rule.h"
 #include "quant/quant.h"
 
@@ -187,9 +188,43 @@ __global__ void kv_round_kernel(T* x, int64_t n, int H, int hd, KvRoundScales s)
     store_f(x, i, fp8_e4m3_round(load_f(x, i) / sc) * sc);
   }
 }
-// The same, 8 elements per thread (hd % 8 == 0 and x 16-byte aligned: the 8 share a head): the
-// quotients by fp8_rule.h's Fp8Divisor (E4M3 codes bitwise the division's), the codes and their
-// values in pairs, the head by 32-bit index divisions (divmod_index).
+// ---- emulated: begin (kv cache)
+// kv_write, 8 elements per thread (hd % 8 == 0; k, v and the pools 16-byte aligned: the 8 share a
+// token and a head): 16-byte loads; E4M3 codes by encode8 (quant.cuh: fp8_rule.h's Fp8Divisor
+// quotients, paired conversions; the codes bitwise kv_write_kernel's), one 8-byte store per
+// chunk, or a 16-byte store into a BF16 / F32 pool. The token and head by 32-bit divisions
+// (divmod_index). The cache slot index is in chunks of 8: slot * Hkv * hd8 + the chunk's offset.
+template <class TS, class TP>
+__global__ void kv_write8_kernel(const TS* k, const TS* v, const int32_t* slots, int64_t n8, int Hkv, int hd8, TP* kp,
+                                 TP* vp, const float* ks, const float* vs) {
+  const int64_t row8 = static_cast<int64_t>(Hkv) * hd8;  // chunks per token
+  for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < n8;
+       j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    int64_t t, rem, hk, col;
+    divmod_index(j, row8, t, rem);
+    divmod_index(rem, hd8, hk, col);
+    const int64_t dst = 8 * (static_cast<int64_t>(slots[t]) * row8 + rem);
+    float x[8];
+    load8(k + 8 * j, x);
+    if constexpr (std::is_same_v<TP, uint8_t>) {
+      *reinterpret_cast<uint2*>(kp + dst) = encode8(x, Fp8Divisor(ks[hk]));
+    } else {
+      store8(kp + dst, x);
+    }
+    if (vp) {
+      load8(v + 8 * j, x);
+      if constexpr (std::is_same_v<TP, uint8_t>) {
+        *reinterpret_cast<uint2*>(vp + dst) = encode8(x, Fp8Divisor(vs[hk]));
+      } else {
+        store8(vp + dst, x);
+      }
+    }
+  }
+}
+
+// kv_round_kernel, 8 elements per thread (hd % 8 == 0 and x 16-byte aligned: the 8 share a head):
+// the quotients by fp8_rule.h's Fp8Divisor (E4M3 codes bitwise the division's), the codes and
+// their values in pairs, the head by 32-bit index divisions (divmod_index).
 template <class T>
 __global__ void kv_round8_kernel(T* x, int64_t n8, int H, int hd8, KvRoundScales s) {
   for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < n8;
@@ -211,6 +246,7 @@ __global__ void kv_round8_kernel(T* x, int64_t n8, int H, int hd8, KvRoundScales
     store8(x + 8 * j, v);
   }
 }
+// ---- emulated: end (kv cache)
 
 template <class TP>
 __device__ __forceinline__ float pool_load(const TP* p, int64_t i, float s) {
@@ -351,9 +387,21 @@ void launch_kv_write(const void* k, const void* v, DType src_dt, const int32_t* 
                      cudaStream_t stream) {
   const int64_t n = T_ * Hkv * hd;
   if (n == 0) return;
+  const auto a16 = [](const void* p) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  const bool vec = hd % 8 == 0 && a16(k) && a16(v) && a16(kpool) && a16(vpool);
   FP8RL_DISPATCH_FLOAT(src_dt, "kv_write source", {
     using TS = T;
-    if (pool_dt == DType::E4M3) {
+    if (vec && pool_dt == DType::E4M3) {
+      kv_write8_kernel<TS, uint8_t><<<grid_for(n / 8, 256), 256, 0, stream>>>(
+          static_cast<const TS*>(k), static_cast<const TS*>(v), slots, n / 8, Hkv, hd / 8,
+          static_cast<uint8_t*>(kpool), static_cast<uint8_t*>(vpool), k_scale, v_scale);
+    } else if (vec) {
+      FP8RL_DISPATCH_FLOAT(pool_dt, "KV cache", {
+        kv_write8_kernel<TS, T><<<grid_for(n / 8, 256), 256, 0, stream>>>(
+            static_cast<const TS*>(k), static_cast<const TS*>(v), slots, n / 8, Hkv, hd / 8, static_cast<T*>(kpool),
+            static_cast<T*>(vpool), k_scale, v_scale);
+      });
+    } else if (pool_dt == DType::E4M3) {
       kv_write_kernel<TS, uint8_t><<<grid_for(n, 256), 256, 0, stream>>>(
           static_cast<const TS*>(k), static_cast<const TS*>(v), slots, T_, Hkv, hd, static_cast<uint8_t*>(kpool),
           static_cast<uint8_t*>(vpool), k_scale, v_scale);

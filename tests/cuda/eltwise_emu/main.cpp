@@ -15,6 +15,7 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "quant/fp8_rule.h"
@@ -118,6 +119,24 @@ inline void store8_rounded(bf16* p, float v[8]) {
     v[i] = bf16_float(p[i].x);
   }
 }
+inline void store8(float* p, const float v[8]) {
+  check_align(p, "store");
+  for (int i = 0; i < 8; ++i) p[i] = v[i];
+}
+inline void store8(bf16* p, const float v[8]) {
+  check_align(p, "store");
+  for (int i = 0; i < 8; ++i) p[i].x = bf16_bits(v[i]);
+}
+inline float2 fp8_e4m3x2_to_float2(uint32_t two) {
+  const auto dec = [](uint8_t c) {
+    const float m = e4m3_value(c & 0x7f);
+    return (c & 0x80) ? -m : m;
+  };
+  return {dec(static_cast<uint8_t>(two & 0xff)), dec(static_cast<uint8_t>((two >> 8) & 0xff))};
+}
+struct KvRoundScales {
+  float v[64];
+};
 inline void divmod_index(int64_t n, int64_t d, int64_t& q, int64_t& r) {
   q = n / d;
   r = n % d;
@@ -392,6 +411,81 @@ void run_non_finite() {
     }
 }
 
+// KV writes through a slot table into a pool of more slots than tokens (the rest must stay as
+// they were), E4M3 codes e4m3(x / s[head]) or the values rounded to the pool's type.
+template <class TS, class TP>
+void run_kv_write(std::mt19937& gen) {
+  for (int Hkv : {1, 8})
+    for (int hd : {8, 64, 128})
+      for (bool with_v : {true, false}) {
+        const int64_t T = 13, P = 29, n = T * Hkv * hd, pn = P * Hkv * hd;
+        std::vector<int32_t> perm(P);
+        for (int i = 0; i < P; ++i) perm[i] = i;
+        std::shuffle(perm.begin(), perm.end(), gen);
+        std::vector<int32_t> slots(perm.begin(), perm.begin() + T);
+        Buf k = make<TS>(wide(n, Hkv * hd, gen)), v = make<TS>(wide(n, Hkv * hd, gen));
+        std::vector<float> ks(Hkv), vs(Hkv);
+        std::uniform_real_distribution<float> ue(-8.0f, 2.0f);
+        for (int h = 0; h < Hkv; ++h) ks[h] = std::pow(10.0f, ue(gen)), vs[h] = std::pow(10.0f, ue(gen));
+        Buf kp(pn * sizeof(TP)), vp(pn * sizeof(TP));  // 0xa5 bytes: the untouched slots
+        std::vector<uint8_t> untouched(kp.p.get(), kp.p.get() + pn * sizeof(TP));
+        emu::launch(n / 8, 256, [&] {
+          emu::kv_write8_kernel<TS, TP>(k.as<TS>(), v.as<TS>(), slots.data(), n / 8, Hkv, hd / 8, kp.as<TP>(),
+                                        with_v ? vp.as<TP>() : nullptr, ks.data(), vs.data());
+        });
+        const std::string name = std::string("kv_write8 ") + (std::is_same_v<TP, uint8_t> ? "e4m3" : "") +
+                                 " Hkv " + std::to_string(Hkv) + " hd " + std::to_string(hd) +
+                                 (with_v ? "" : " k only");
+        std::vector<char> written(P, 0);
+        for (int64_t t = 0; t < T; ++t) written[slots[t]] = 1;
+        for (int which = 0; which < (with_v ? 2 : 1); ++which) {
+          const Buf& src = which ? v : k;
+          const Buf& pool = which ? vp : kp;
+          const std::vector<float>& sc = which ? vs : ks;
+          for (int64_t t = 0; t < T; ++t)
+            for (int64_t e = 0; e < Hkv * hd; ++e) {
+              const int64_t i = t * Hkv * hd + e, dst = static_cast<int64_t>(slots[t]) * Hkv * hd + e;
+              const float x = get<TS>(src, i);
+              bool ok;
+              if constexpr (std::is_same_v<TP, uint8_t>) ok = pool.as<uint8_t>()[dst] == emu::e4m3_nearest(x / sc[e / hd]);
+              else ok = same(get<TP>(pool, dst), round_t<TP>(x));
+              expect(ok, name + (which ? ": v" : ": k") + " element " + std::to_string(i));
+            }
+        }
+        for (int s2 = 0; s2 < P; ++s2)
+          if (!written[s2])
+            expect(std::memcmp(kp.p.get() + s2 * Hkv * hd * sizeof(TP), untouched.data() + s2 * Hkv * hd * sizeof(TP),
+                               Hkv * hd * sizeof(TP)) == 0,
+                   name + ": slot " + std::to_string(s2) + " was not ours");
+        ++g_cases;
+      }
+}
+
+template <class T>
+void run_kv_round(std::mt19937& gen) {
+  for (int H : {1, 8})
+    for (int hd : {8, 128}) {
+      const int64_t Tk = 11, n = Tk * H * hd;
+      const std::vector<float> x0 = wide(n, H * hd, gen);
+      Buf x = make<T>(x0);
+      std::vector<float> ref(n);
+      emu::KvRoundScales s{};
+      std::uniform_real_distribution<float> ue(-6.0f, 1.0f);
+      for (int h = 0; h < H; ++h) s.v[h] = std::pow(10.0f, ue(gen));
+      for (int64_t i = 0; i < n; ++i) {
+        const float sc = s.v[(i / hd) % H], xi = get<T>(x, i);
+        const uint8_t c = emu::e4m3_nearest(xi / sc);
+        const float m = emu::e4m3_value(c & 0x7f);
+        ref[i] = round_t<T>(((c & 0x80) ? -m : m) * sc);
+      }
+      emu::launch(n / 8, 256, [&] { emu::kv_round8_kernel<T>(x.as<T>(), n / 8, H, hd / 8, s); });
+      for (int64_t i = 0; i < n; ++i)
+        expect(same(get<T>(x, i), ref[i]), "kv_round8 H " + std::to_string(H) + " hd " + std::to_string(hd) +
+                                               " element " + std::to_string(i));
+      ++g_cases;
+    }
+}
+
 int main() {
   std::mt19937 gen(2026);
   run_rows<float>(gen);
@@ -404,6 +498,13 @@ int main() {
   run_swiglu_backward<bf16>(gen);
   run_non_finite<float>();
   run_non_finite<bf16>();
+  run_kv_write<float, uint8_t>(gen);
+  run_kv_write<bf16, uint8_t>(gen);
+  run_kv_write<bf16, bf16>(gen);
+  run_kv_write<float, bf16>(gen);
+  run_kv_write<bf16, float>(gen);
+  run_kv_round<float>(gen);
+  run_kv_round<bf16>(gen);
   std::printf("%s: %d cases, %d failures\n", g_fail ? "FAIL" : "PASS", g_cases, g_fail);
   return g_fail ? 1 : 0;
 }
