@@ -91,13 +91,14 @@ FP8RL_QUANT_HD inline float fp8_fma_rn(float a, float b, float c) {
 // IEEE division is a ~10-instruction sequence with a range check and a slow-path branch, the
 // largest per-element cost of the GPU's FP8 producers): r = 1 / s once, correctly rounded; per
 // element q0 = x r, the remainder x - q0 s (exact in an FMA) and q = q0 + rem r, Markstein's
-// correction — the sequence of CUDA's own division after its reciprocal. Its result is x / s bit
-// for bit for every s in [2^-64, 2^64] and every x with 2^-11 <= |x / s| < 2^32: checked for all
-// 2^23 significands of x against the 400 significands of s whose reciprocals round worst, and
-// random pairs over every binade (tests/cpu/test_quant.cpp, Fp8Divisor.*); where |x / s| < 2^-11
-// it is within a few ulps of x / s with x's sign, and E4M3 encodes both as that signed zero. So
-// e4m3(quotient) == e4m3(x / s) for every float x. Other scales, and a call's N values when one of
-// them has |x r| >= 2^32 (non-finite input included), take the division.
+// correction — the sequence CUDA's own division runs after its reciprocal. For s in [2^-64, 2^64]
+// and 2^-11 <= |x / s| < 2^32 its result is x / s bit for bit in every case checked (none
+// differed): all 2^23 significands of x against the 400 significands of s whose reciprocals
+// round worst and 2e11 random pairs (offline, docs/benchmarks.md session 17), the 8 worst and
+// random pairs in the suite (tests/cpu/test_fp8_divisor.cpp); where |x / s| < 2^-11 it is within
+// a few ulps of x / s with x's sign, and E4M3 encodes both as that signed zero. So e4m3(quotient)
+// == e4m3(x / s). Other scales, and a call's N values when one of them has |x r| >= 2^32
+// (non-finite input included), take the division.
 class Fp8Divisor {
  public:
   FP8RL_QUANT_HD explicit Fp8Divisor(float s) : s_(s), r_(1.0f / s), fast_(s >= 0x1p-64f && s <= 0x1p64f) {}
