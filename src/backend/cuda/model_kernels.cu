@@ -122,31 +122,58 @@ __global__ void rmsnorm_warp_kernel(const TX* x, const TW* w, int64_t R, int64_t
   }
 }
 
-template <class TG, class TX, class TW, class TO>
+// NCH > 0: D <= 8 NCH blockDim.x, and a thread's (at most NCH) chunks of g, w, x stay in
+// registers between the two passes instead of being read again; the same arithmetic in the same
+// order as NCH = 0, which reads them twice (any D).
+template <class TG, class TX, class TW, class TO, int NCH>
 __global__ void rmsnorm_backward_vec_kernel(const TG* g, const TX* x, const TW* w, const float* rstd, int64_t D,
                                             TO* dx) {
   __shared__ float red[32];
   const int64_t r = blockIdx.x;
   const float rs = rstd[r];
   float dot = 0.0f;
-  for (int64_t d = threadIdx.x * 8; d < D; d += blockDim.x * 8) {
-    float gv[8], wv[8], xv[8];
-    load8(g + r * D + d, gv);
-    load8(w + d, wv);
-    load8(x + r * D + d, xv);
+  if constexpr (NCH > 0) {
+    float gv[NCH][8], wv[NCH][8], xv[NCH][8];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) dot += gv[i] * wv[i] * xv[i];
-  }
-  dot = block_sum(dot, red);
-  const float c = rs * rs * rs * dot / static_cast<float>(D);
-  for (int64_t d = threadIdx.x * 8; d < D; d += blockDim.x * 8) {
-    float gv[8], wv[8], xv[8];
-    load8(g + r * D + d, gv);
-    load8(w + d, wv);
-    load8(x + r * D + d, xv);
+    for (int k = 0; k < NCH; ++k) {
+      const int64_t d = threadIdx.x * 8 + static_cast<int64_t>(k) * blockDim.x * 8;
+      if (d >= D) continue;
+      load8(g + r * D + d, gv[k]);
+      load8(w + d, wv[k]);
+      load8(x + r * D + d, xv[k]);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) gv[i] = rs * gv[i] * wv[i] - xv[i] * c;
-    store8(dx + r * D + d, gv);
+      for (int i = 0; i < 8; ++i) dot += gv[k][i] * wv[k][i] * xv[k][i];
+    }
+    dot = block_sum(dot, red);
+    const float c = rs * rs * rs * dot / static_cast<float>(D);
+#pragma unroll
+    for (int k = 0; k < NCH; ++k) {
+      const int64_t d = threadIdx.x * 8 + static_cast<int64_t>(k) * blockDim.x * 8;
+      if (d >= D) continue;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) gv[k][i] = rs * gv[k][i] * wv[k][i] - xv[k][i] * c;
+      store8(dx + r * D + d, gv[k]);
+    }
+  } else {
+    for (int64_t d = threadIdx.x * 8; d < D; d += blockDim.x * 8) {
+      float gv[8], wv[8], xv[8];
+      load8(g + r * D + d, gv);
+      load8(w + d, wv);
+      load8(x + r * D + d, xv);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) dot += gv[i] * wv[i] * xv[i];
+    }
+    dot = block_sum(dot, red);
+    const float c = rs * rs * rs * dot / static_cast<float>(D);
+    for (int64_t d = threadIdx.x * 8; d < D; d += blockDim.x * 8) {
+      float gv[8], wv[8], xv[8];
+      load8(g + r * D + d, gv);
+      load8(w + d, wv);
+      load8(x + r * D + d, xv);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) gv[i] = rs * gv[i] * wv[i] - xv[i] * c;
+      store8(dx + r * D + d, gv);
+    }
   }
 }
 
@@ -490,9 +517,14 @@ void launch_rmsnorm_backward(const void* dout, DType gdt, const void* x, DType x
                 static_cast<const T*>(dout), static_cast<const T*>(x), static_cast<const TW*>(w), rstd, R, D,
                 static_cast<T*>(dx));
       } else if (vec8_ok(D, {dout, x, w, dx})) {
-        rmsnorm_backward_vec_kernel<T, T, TW, T><<<static_cast<unsigned>(R), vec_row_threads(D), 0, stream>>>(
-            static_cast<const T*>(dout), static_cast<const T*>(x), static_cast<const TW*>(w), rstd, D,
-            static_cast<T*>(dx));
+        const int threads = vec_row_threads(D);
+        const int chunks = static_cast<int>(ceil_div(D, 8 * static_cast<int64_t>(threads)));  // per thread
+        const auto kernel = chunks == 1   ? rmsnorm_backward_vec_kernel<T, T, TW, T, 1>
+                            : chunks == 2 ? rmsnorm_backward_vec_kernel<T, T, TW, T, 2>
+                                          : rmsnorm_backward_vec_kernel<T, T, TW, T, 0>;
+        kernel<<<static_cast<unsigned>(R), threads, 0, stream>>>(static_cast<const T*>(dout), static_cast<const T*>(x),
+                                                                 static_cast<const TW*>(w), rstd, D,
+                                                                 static_cast<T*>(dx));
       } else {
         rmsnorm_backward_kernel<T, T, TW, T><<<static_cast<unsigned>(R), 256, 0, stream>>>(
             static_cast<const T*>(dout), static_cast<const T*>(x), static_cast<const TW*>(w), rstd, D,
