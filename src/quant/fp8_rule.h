@@ -94,7 +94,7 @@ FP8RL_QUANT_HD inline float fp8_fma_rn(float a, float b, float c) {
 // correction — the sequence CUDA's own division runs after its reciprocal. For s in [2^-64, 2^64]
 // and 2^-11 <= |x / s| < 2^32 its result is x / s bit for bit in every case checked (none
 // differed): all 2^23 significands of x against the 400 significands of s whose reciprocals
-// round worst and 2e11 random pairs (offline, docs/benchmarks.md session 17), the 8 worst and
+// round worst and 2e11 random pairs (offline, docs/benchmarks.md session 17), the 4 worst and
 // random pairs in the suite (tests/cpu/test_fp8_divisor.cpp); where |x / s| < 2^-11 it is within
 // a few ulps of x / s with x's sign, and E4M3 encodes both as that signed zero. So e4m3(quotient)
 // == e4m3(x / s). Other scales, and a call's N values when one of them has |x r| >= 2^32
