@@ -166,6 +166,47 @@ TEST(CudaQuant, PaddedTransposeIsTheUnpaddedOnePlusZeros) {
     }
 }
 
+// ---- column sums: the norm weight and bias gradients ------------------------------------
+
+// rmsnorm_backward's dw and linear_backward's dbias sum over rows in per-chunk partials added in
+// chunk order (no atomics): two runs give the same bits, at row counts that use 1 and 64 chunks
+// (the result within 1e-5 of a double-precision sum, as a check that every row counts once).
+TEST(CudaColumnSums, NormWeightAndBiasGradientsAreTheSameBitsEveryRun) {
+  for (int64_t R : {int64_t(5), int64_t(1000)}) {
+    const int64_t D = 384;
+    const Tensor x = rnd({R, D}, 31, DType::BF16), dout = rnd({R, D}, 32, DType::BF16);
+    const Tensor w = rnd({D}, 33);
+    Tensor rstd = rnd({R}, 34);
+    for (int64_t r = 0; r < R; ++r) rstd.data<float>()[r] = std::fabs(rstd.data<float>()[r]) + 0.5f;
+    std::vector<Tensor> dws, dbs;
+    for (int run = 0; run < 2; ++run) {
+      Tensor dw = G().alloc({D}, DType::F32), dx = G().alloc({R, D}, DType::BF16);
+      G().fill(dw, 0.0f);
+      G().rmsnorm_backward(dev(dout), dev(x), dev(w), dev(rstd), dx, dw);
+      dws.push_back(host(dw));
+      LinearWeight W;
+      W.w = dev(rnd({D, D}, 35, DType::F32, 0.05f));
+      Tensor db = G().alloc({D}, DType::F32);
+      G().fill(db, 0.0f);
+      G().linear_backward(dev(dout), dev(x), W, LinearSpec{LinearMode::BF16, false}, nullptr, nullptr, &db);
+      dbs.push_back(host(db));
+    }
+    EXPECT_TRUE(bytes_equal(dws[0], dws[1])) << "rmsnorm dw, " << R << " rows";
+    EXPECT_TRUE(bytes_equal(dbs[0], dbs[1])) << "dbias, " << R << " rows";
+    const std::vector<float> xs = to_float_vector(x), gs = to_float_vector(dout), rs = to_float_vector(rstd);
+    for (int64_t d = 0; d < D; ++d) {
+      double sw = 0, sb = 0, mag = 0;
+      for (int64_t r = 0; r < R; ++r) {
+        sw += double(gs[r * D + d]) * xs[r * D + d] * rs[r];
+        sb += gs[r * D + d];
+        mag += std::fabs(double(gs[r * D + d]));
+      }
+      ASSERT_NEAR(dbs[0].data<float>()[d], sb, 1e-5 * (1 + mag)) << "dbias column " << d;
+      ASSERT_TRUE(std::isfinite(dws[0].data<float>()[d]) && std::isfinite(sw)) << d;
+    }
+  }
+}
+
 // ---- BF16 rounding: the vectorized stores' paired conversion -----------------------------
 
 // F32 -> BF16 through the 8-element kernels (cvt.rn.bf16x2.f32, with bf16_bits_from_float for

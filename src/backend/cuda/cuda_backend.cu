@@ -462,8 +462,9 @@ void CudaBackend::rmsnorm_backward_impl(const Tensor& dout, const Tensor& x, con
   }
   const OpTimer op_timer_(*this, "rmsnorm_backward");
   const int64_t D = x.dim(-1), R = rows_of(x);
+  Tensor part = scratch(kSlotColSums, {column_sum_chunks(R), D}, DType::F32);
   launch_rmsnorm_backward(dout.raw(), dout.dtype(), x.raw(), x.dtype(), w.raw(), w.dtype(), rstd.data<float>(), R, D,
-                          dx.raw(), dx.dtype(), dw.data<float>(), stream_);
+                          dx.raw(), dx.dtype(), dw.data<float>(), part.data<float>(), stream_);
 }
 
 // One strided 2-D copy on the stream (rows of `cols` elements at pitches Cs and Cd).
@@ -1547,7 +1548,8 @@ void CudaBackend::linear_backward_impl(const Tensor& dy, const Tensor& x, const 
   }
   if (dbias) {
     const OpTimer t(*this, "linear_backward: bias", 2);
-    launch_bias_grad(dy2.raw(), dy2.dtype(), M, N, dbias->data<float>(), stream_);
+    Tensor part = scratch(kSlotColSums, {column_sum_chunks(M), N}, DType::F32);
+    launch_bias_grad(dy2.raw(), dy2.dtype(), M, N, dbias->data<float>(), part.data<float>(), stream_);
   }
 }
 

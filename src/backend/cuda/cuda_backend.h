@@ -180,7 +180,8 @@ class CudaBackend final : public Backend {
     kSlotIdx,
     kSlotAttn,
     kSlotTmp,
-    kSlotCat,  // linear_shared_input's concatenated product
+    kSlotCat,      // linear_shared_input's concatenated product
+    kSlotColSums,  // column sums' per-chunk partials (norm weight and bias gradients)
     kSlotCount
   };
   // A device buffer reused across calls (grown on demand); valid until the next scratch(slot).

@@ -177,8 +177,9 @@ __global__ void nonfinite_kernel(const void* x, int t, int64_t n, int* flag) {
 __global__ void add_bias_kernel(void* o, int ot, const void* b, int bt, int64_t rows, int64_t cols) {
   GRID_STRIDE(i, rows * cols) store_any(o, ot, i, load_any(o, ot, i) + load_any(b, bt, i % cols));
 }
-// Column sums: block (32 x 8) covers 32 columns and strides over rows; one atomic per column.
-__global__ void bias_grad_kernel(const void* dy, int t, int64_t rows, int64_t cols, float* dbias) {
+// Column sums: block (32 x 8) covers 32 columns and chunk blockIdx.y of the rows (every
+// gridDim.y-th group of 8); its per-column sum, in a fixed order, goes to out[blockIdx.y][c].
+__global__ void bias_grad_kernel(const void* dy, int t, int64_t rows, int64_t cols, float* out) {
   __shared__ float part[8][33];
   const int64_t c = static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x;
   float acc = 0.0f;
@@ -190,7 +191,15 @@ __global__ void bias_grad_kernel(const void* dy, int t, int64_t rows, int64_t co
   if (threadIdx.y == 0 && c < cols) {
     float s = 0.0f;
     for (int j = 0; j < 8; ++j) s += part[j][threadIdx.x];
-    atomicAdd(dbias + c, s);
+    out[blockIdx.y * cols + c] = s;
+  }
+}
+// out[c] += part[0][c] + part[1][c] + ... (chunk order).
+__global__ void add_column_partials_kernel(const float* part, int64_t chunks, int64_t cols, float* out) {
+  GRID_STRIDE(c, cols) {
+    float s = 0.0f;
+    for (int64_t y = 0; y < chunks; ++y) s += part[y * cols + c];
+    out[c] += s;
   }
 }
 
@@ -362,11 +371,22 @@ void launch_add_bias(void* out, DType odt, const void* bias, DType bdt, int64_t 
   CUDA_CHECK_LAUNCH("add_bias_kernel");
 }
 
-void launch_bias_grad(const void* dy, DType dt, int64_t rows, int64_t cols, float* dbias, cudaStream_t stream) {
+int64_t column_sum_chunks(int64_t rows) { return std::max<int64_t>(1, std::min<int64_t>(ceil_div(rows, 8), 64)); }
+
+void launch_add_column_partials(const float* part, int64_t chunks, int64_t cols, float* out, cudaStream_t stream) {
+  if (cols == 0) return;
+  add_column_partials_kernel<<<grid_for(cols, 256), 256, 0, stream>>>(part, chunks, cols, out);
+  CUDA_CHECK_LAUNCH("add_column_partials_kernel");
+}
+
+void launch_bias_grad(const void* dy, DType dt, int64_t rows, int64_t cols, float* dbias, float* part,
+                      cudaStream_t stream) {
   if (rows * cols == 0) return;
-  dim3 grid(static_cast<unsigned>(ceil_div(cols, 32)), static_cast<unsigned>(std::min<int64_t>(ceil_div(rows, 8), 64)));
-  bias_grad_kernel<<<grid, dim3(32, 8), 0, stream>>>(dy, code(dt), rows, cols, dbias);
+  const int64_t chunks = column_sum_chunks(rows);
+  dim3 grid(static_cast<unsigned>(ceil_div(cols, 32)), static_cast<unsigned>(chunks));
+  bias_grad_kernel<<<grid, dim3(32, 8), 0, stream>>>(dy, code(dt), rows, cols, part);
   CUDA_CHECK_LAUNCH("bias_grad_kernel");
+  launch_add_column_partials(part, chunks, cols, dbias, stream);
 }
 
 }  // namespace fp8rl::cuda

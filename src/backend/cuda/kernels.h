@@ -78,8 +78,14 @@ void launch_amax(const void* x, DType dtype, int64_t n, uint32_t* out, cudaStrea
 void launch_flag_nonfinite(const void* x, DType dtype, int64_t n, int* flag, cudaStream_t stream);
 // out[r, c] += bias[c] ; out [rows, cols].
 void launch_add_bias(void* out, DType odt, const void* bias, DType bdt, int64_t rows, int64_t cols, cudaStream_t stream);
-// dbias[c] += sum_r dy[r, c] ; dbias F32.
-void launch_bias_grad(const void* dy, DType dt, int64_t rows, int64_t cols, float* dbias, cudaStream_t stream);
+// Column sums over rows without atomics, so the same bits every run: the rows are cut into
+// column_sum_chunks(rows) chunks whose per-column partial sums go to part [chunks, cols] (F32),
+// then out[c] += the partials in chunk order (launch_add_column_partials).
+int64_t column_sum_chunks(int64_t rows);
+void launch_add_column_partials(const float* part, int64_t chunks, int64_t cols, float* out, cudaStream_t stream);
+// dbias[c] += sum_r dy[r, c] ; dbias F32; part: column_sum_chunks(rows) x cols floats.
+void launch_bias_grad(const void* dy, DType dt, int64_t rows, int64_t cols, float* dbias, float* part,
+                      cudaStream_t stream);
 
 // ---- mixture of experts (moe_kernels.cu); shapes as in backend.h ----
 // logits F32 [T, E] -> experts I32 [T, k], weights F32 [T, k]; dlogits F32 [T, E] from dweights [T, k].
@@ -115,8 +121,9 @@ void launch_embedding_backward(const int32_t* ids, int64_t T, const void* dout, 
                                float* dtable, int* bad_flag, cudaStream_t stream);
 void launch_rmsnorm(const void* x, DType xdt, const void* w, DType wdt, int64_t R, int64_t D, float eps, void* out,
                     DType odt, float* rstd, cudaStream_t stream);
+// dw += sum_r dout * x * rstd by column_sum_chunks(R) partials in dw_part [chunks, D] (F32).
 void launch_rmsnorm_backward(const void* dout, DType gdt, const void* x, DType xdt, const void* w, DType wdt,
-                             const float* rstd, int64_t R, int64_t D, void* dx, DType dxdt, float* dw,
+                             const float* rstd, int64_t R, int64_t D, void* dx, DType dxdt, float* dw, float* dw_part,
                              cudaStream_t stream);
 // ---- fused producers of FP8 linear inputs (fused_kernels.cu) ----
 // out = rmsnorm(x) over rows [R, D] (x = a, or with b non-null x = sum = a + b, written; sum may

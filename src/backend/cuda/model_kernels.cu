@@ -223,9 +223,11 @@ __global__ void rmsnorm_backward_kernel(const TG* g, const TX* x, const TW* w, c
     store_f(dx, r * D + d, rs * load_f(g, r * D + d) * load_f(w, d) - load_f(x, r * D + d) * c);
 }
 
-// dw[d] += sum_r g[r, d] * x[r, d] * rstd[r]; block (32 x 8) per 32 columns x row chunk.
+// dw[d] += sum_r g[r, d] * x[r, d] * rstd[r]; block (32 x 8) per 32 columns x row chunk
+// blockIdx.y, whose per-column sum goes to out[blockIdx.y][d] (launch_add_column_partials adds
+// the chunks in order: no atomics, the same bits every run).
 template <class TG, class TX>
-__global__ void rmsnorm_dw_kernel(const TG* g, const TX* x, const float* rstd, int64_t R, int64_t D, float* dw) {
+__global__ void rmsnorm_dw_kernel(const TG* g, const TX* x, const float* rstd, int64_t R, int64_t D, float* out) {
   __shared__ float part[8][33];
   const int64_t d = static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x;
   float acc = 0.0f;
@@ -237,7 +239,7 @@ __global__ void rmsnorm_dw_kernel(const TG* g, const TX* x, const float* rstd, i
   if (threadIdx.y == 0 && d < D) {
     float s = 0.0f;
     for (int j = 0; j < 8; ++j) s += part[j][threadIdx.x];
-    atomicAdd(dw + d, s);
+    out[blockIdx.y * D + d] = s;
   }
 }
 
@@ -503,7 +505,7 @@ void launch_rmsnorm(const void* x, DType xdt, const void* w, DType wdt, int64_t 
 }
 
 void launch_rmsnorm_backward(const void* dout, DType gdt, const void* x, DType xdt, const void* w, DType wdt,
-                             const float* rstd, int64_t R, int64_t D, void* dx, DType dxdt, float* dw,
+                             const float* rstd, int64_t R, int64_t D, void* dx, DType dxdt, float* dw, float* dw_part,
                              cudaStream_t stream) {
   if (R == 0) return;
   FP8RL_CHECK(gdt == xdt && xdt == dxdt, "rmsnorm_backward: dout, x and dx must have the same dtype");
@@ -531,10 +533,12 @@ void launch_rmsnorm_backward(const void* dout, DType gdt, const void* x, DType x
             static_cast<T*>(dx));
       }
       CUDA_CHECK_LAUNCH("rmsnorm_backward_kernel");
-      dim3 grid(static_cast<unsigned>(ceil_div(D, 32)), static_cast<unsigned>(std::min<int64_t>(ceil_div(R, 8), 64)));
+      const int64_t chunks = column_sum_chunks(R);
+      dim3 grid(static_cast<unsigned>(ceil_div(D, 32)), static_cast<unsigned>(chunks));
       rmsnorm_dw_kernel<T, T><<<grid, dim3(32, 8), 0, stream>>>(static_cast<const T*>(dout),
-                                                                static_cast<const T*>(x), rstd, R, D, dw);
+                                                                static_cast<const T*>(x), rstd, R, D, dw_part);
       CUDA_CHECK_LAUNCH("rmsnorm_dw_kernel");
+      launch_add_column_partials(dw_part, chunks, D, dw, stream);
     });
   });
 }
