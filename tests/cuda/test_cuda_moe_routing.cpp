@@ -114,10 +114,10 @@ TEST(CudaMoeRouting, ReplayOfOwnRoutingIsBitwise) {
       EXPECT_EQ(replayed.logp, normal.logp);
       ASSERT_EQ(replayed.grads.size(), normal.grads.size());
       // Gradients that repeat bitwise run to run must be bitwise under replay. Some CUDA
-      // backward kernels accumulate with atomics (the embedding's scatter-add; the norm weights'
-      // sums did until session 17), so those tensors differ in their last bits between two
+      // backward kernels accumulated with atomics until session 17 (the embedding's scatter-add,
+      // the norm weights' sums), so those tensors differed in their last bits between two
       // identical runs (the H200 run of session 6: this test's first version failed exactly
-      // there); for them the bound is
+      // there); should any do again, the bound is
       // CudaFused.ModelGradientsWithFusedDyAndCachedWtAreUnchanged's, 1e-4 of the tensor's max.
       for (size_t i = 0; i < normal.grads.size(); ++i) {
         if (again.grads[i] == normal.grads[i]) {

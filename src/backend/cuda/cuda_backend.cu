@@ -440,8 +440,10 @@ void CudaBackend::embedding_backward_impl(const Tensor& ids, const Tensor& dout,
   }
   const OpTimer op_timer_(*this, "embedding_backward");
   const int64_t T = ids.numel(), V = dtable.dim(0), D = dtable.dim(1);
+  const int64_t sbytes = embedding_backward_scratch_bytes(T);
+  Tensor sort = scratch(kSlotSort, {std::max<int64_t>(sbytes, 1)}, DType::U8);
   launch_embedding_backward(ids.data<int32_t>(), T, dout.raw(), dout.dtype(), V, D, dtable.data<float>(),
-                            flag_reset(), stream_);
+                            flag_reset(), sort.raw(), sbytes, stream_);
   flag_check("embedding_backward: a token id is out of range [0, " + std::to_string(V) + ")");
 }
 

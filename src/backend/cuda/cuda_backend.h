@@ -182,6 +182,7 @@ class CudaBackend final : public Backend {
     kSlotTmp,
     kSlotCat,      // linear_shared_input's concatenated product
     kSlotColSums,  // column sums' per-chunk partials (norm weight and bias gradients)
+    kSlotSort,     // the embedding backward's sort of token ids
     kSlotCount
   };
   // A device buffer reused across calls (grown on demand); valid until the next scratch(slot).

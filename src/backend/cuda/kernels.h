@@ -117,8 +117,11 @@ void launch_moe_weight_grad(const void* dout, const void* y, DType dt, const int
 // ---- model ops (model_kernels.cu) ----
 void launch_embedding(const int32_t* ids, int64_t T, const void* table, DType tdt, int64_t V, int64_t D, void* out,
                       DType odt, int* bad_flag, cudaStream_t stream);
+// dtable[ids[t]] += dout[t] in token order per row, no atomics (embedding_backward.cu); scratch:
+// embedding_backward_scratch_bytes(T) bytes, 256-byte aligned.
+int64_t embedding_backward_scratch_bytes(int64_t T);
 void launch_embedding_backward(const int32_t* ids, int64_t T, const void* dout, DType ddt, int64_t V, int64_t D,
-                               float* dtable, int* bad_flag, cudaStream_t stream);
+                               float* dtable, int* bad_flag, void* scratch, int64_t scratch_bytes, cudaStream_t stream);
 void launch_rmsnorm(const void* x, DType xdt, const void* w, DType wdt, int64_t R, int64_t D, float eps, void* out,
                     DType odt, float* rstd, cudaStream_t stream);
 // dw += sum_r dout * x * rstd by column_sum_chunks(R) partials in dw_part [chunks, D] (F32).

@@ -23,17 +23,6 @@ __global__ void embedding_kernel(const int32_t* ids, const TT* table, int64_t V,
   for (int64_t d = threadIdx.x; d < D; d += blockDim.x) store_f(out, t * D + d, load_f(table, id * D + d));
 }
 
-template <class TD>
-__global__ void embedding_backward_kernel(const int32_t* ids, const TD* dout, int64_t V, int64_t D, float* dtable,
-                                          int* bad) {
-  const int64_t t = blockIdx.x;
-  const int32_t id = ids[t];
-  if (id < 0 || id >= V) {
-    if (threadIdx.x == 0) atomicExch(bad, 1);
-    return;
-  }
-  for (int64_t d = threadIdx.x; d < D; d += blockDim.x) atomicAdd(dtable + id * D + d, load_f(dout, t * D + d));
-}
 
 // One block per row. The rounding of the CPU reference (cpu_layers.cpp) and of HF's float32
 // forward, step by step: var = mean(x^2) rounded once to float (the squares summed in double, so
@@ -469,16 +458,6 @@ void launch_embedding(const int32_t* ids, int64_t ntok, const void* table, DType
     });
   });
   CUDA_CHECK_LAUNCH("embedding_kernel");
-}
-
-void launch_embedding_backward(const int32_t* ids, int64_t ntok, const void* dout, DType ddt, int64_t V, int64_t D,
-                               float* dtable, int* bad_flag, cudaStream_t stream) {
-  if (ntok == 0) return;
-  FP8RL_DISPATCH_FLOAT(ddt, "embedding gradient", {
-    embedding_backward_kernel<T><<<static_cast<unsigned>(ntok), 256, 0, stream>>>(ids, static_cast<const T*>(dout), V,
-                                                                                 D, dtable, bad_flag);
-  });
-  CUDA_CHECK_LAUNCH("embedding_backward_kernel");
 }
 
 void launch_rmsnorm(const void* x, DType xdt, const void* w, DType wdt, int64_t R, int64_t D, float eps, void* out,
