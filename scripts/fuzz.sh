@@ -26,8 +26,8 @@ CC=clang CXX=clang++ cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDeb
 targets=(fuzz_tokenizer fuzz_config fuzz_safetensors)
 cmake --build "$dir" -j "$(nproc)" --target "${targets[@]}"
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
-# One target per core at a time (each libFuzzer process is single-threaded, so each still has a
-# core for its whole $secs); every target writes its own log, printed when it fails.
+# One target per core (each libFuzzer process is single-threaded, so each has a core's worth of
+# $secs); every target writes its own log, printed when it fails.
 fuzz_one() {
   local t=$1 name=${1#fuzz_} log="$dir/$1.log"
   mkdir -p "$dir/corpus/$name"
@@ -40,6 +40,12 @@ fuzz_one() {
   echo "fuzz: $t ok: $(grep -E '^stat::number_of_executed_units' "$log" | awk '{print $2}') inputs in ${secs}s"
 }
 par=${FP8RL_FUZZ_JOBS:-$(nproc)}
+# More targets than cores: all of them at once for secs x targets / cores each, the same CPU time
+# per target as one core for $secs, without a second round that leaves cores idle.
+if [ "${#targets[@]}" -gt "$par" ]; then
+  secs=$(((secs * ${#targets[@]} + par - 1) / par))
+  par=${#targets[@]}
+fi
 running=0
 failed=0
 for t in "${targets[@]}"; do
