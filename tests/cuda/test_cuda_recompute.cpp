@@ -62,7 +62,8 @@ TEST(CudaRecompute, BlockRecomputationGivesTheSameGradients) {
           const std::string& name = g0[i].first;
           ASSERT_EQ(name, g1[i].first);
           EXPECT_TRUE(bitwise_equal(*be, g0[i].second, g1[i].second)) << name;
-          const bool summed = name.find("norm") != std::string::npos || name.find("embed_tokens") != std::string::npos ||
+          const bool summed = name.find("norm") != std::string::npos ||
+                              name.find("embed_tokens") != std::string::npos ||
                               (name.size() >= 5 && name.compare(name.size() - 5, 5, ".bias") == 0);
           if (summed) {  // the former atomics' tensors: equal bits must not be two empty gradients
             double amax = 0;
