@@ -111,6 +111,26 @@ __global__ void rmsnorm_warp_kernel(const TX* x, const TW* w, int64_t R, int64_t
   }
 }
 
+// One chunk of 8 of a row of the RMSNorm backward: its dout, weight and input values, their share
+// of sum(g w x), and dx = rs g w - x c (c = rs^3 sum / D): one copy for the kernels below.
+template <class TG, class TX, class TW>
+__device__ __forceinline__ float rms_bwd_load8(const TG* g, const TX* x, const TW* w, int64_t row, int64_t d,
+                                               float dot, float gv[8], float wv[8], float xv[8]) {
+  load8(g + row + d, gv);
+  load8(w + d, wv);
+  load8(x + row + d, xv);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) dot += gv[i] * wv[i] * xv[i];
+  return dot;
+}
+template <class TO>
+__device__ __forceinline__ void rms_bwd_store8(TO* dx, float rs, float c, float gv[8], const float wv[8],
+                                               const float xv[8]) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) gv[i] = rs * gv[i] * wv[i] - xv[i] * c;
+  store8(dx, gv);
+}
+
 // NCH > 0: D <= 8 NCH blockDim.x, and a thread's (at most NCH) chunks of g, w, x stay in
 // registers between the two passes instead of being read again; the same arithmetic in the same
 // order as NCH = 0, which reads them twice (any D).
@@ -126,42 +146,23 @@ __global__ void rmsnorm_backward_vec_kernel(const TG* g, const TX* x, const TW* 
 #pragma unroll
     for (int k = 0; k < NCH; ++k) {
       const int64_t d = threadIdx.x * 8 + static_cast<int64_t>(k) * blockDim.x * 8;
-      if (d >= D) continue;
-      load8(g + r * D + d, gv[k]);
-      load8(w + d, wv[k]);
-      load8(x + r * D + d, xv[k]);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) dot += gv[k][i] * wv[k][i] * xv[k][i];
+      if (d < D) dot = rms_bwd_load8(g, x, w, r * D, d, dot, gv[k], wv[k], xv[k]);
     }
     dot = block_sum(dot, red);
     const float c = rs * rs * rs * dot / static_cast<float>(D);
 #pragma unroll
     for (int k = 0; k < NCH; ++k) {
       const int64_t d = threadIdx.x * 8 + static_cast<int64_t>(k) * blockDim.x * 8;
-      if (d >= D) continue;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) gv[k][i] = rs * gv[k][i] * wv[k][i] - xv[k][i] * c;
-      store8(dx + r * D + d, gv[k]);
+      if (d < D) rms_bwd_store8(dx + r * D + d, rs, c, gv[k], wv[k], xv[k]);
     }
   } else {
-    for (int64_t d = threadIdx.x * 8; d < D; d += blockDim.x * 8) {
-      float gv[8], wv[8], xv[8];
-      load8(g + r * D + d, gv);
-      load8(w + d, wv);
-      load8(x + r * D + d, xv);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) dot += gv[i] * wv[i] * xv[i];
-    }
+    float gv[8], wv[8], xv[8];
+    for (int64_t d = threadIdx.x * 8; d < D; d += blockDim.x * 8) dot = rms_bwd_load8(g, x, w, r * D, d, dot, gv, wv, xv);
     dot = block_sum(dot, red);
     const float c = rs * rs * rs * dot / static_cast<float>(D);
     for (int64_t d = threadIdx.x * 8; d < D; d += blockDim.x * 8) {
-      float gv[8], wv[8], xv[8];
-      load8(g + r * D + d, gv);
-      load8(w + d, wv);
-      load8(x + r * D + d, xv);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) gv[i] = rs * gv[i] * wv[i] - xv[i] * c;
-      store8(dx + r * D + d, gv);
+      rms_bwd_load8(g, x, w, r * D, d, 0.0f, gv, wv, xv);  // read again (its partial sum unused)
+      rms_bwd_store8(dx + r * D + d, rs, c, gv, wv, xv);
     }
   }
 }
@@ -176,24 +177,13 @@ __global__ void rmsnorm_backward_warp_kernel(const TG* g, const TX* x, const TW*
   if (r >= R) return;
   const float rs = rstd[r];
   float dot = 0.0f;
-  for (int64_t d = lane * 8; d < D; d += 32 * 8) {
-    float gv[8], wv[8], xv[8];
-    load8(g + r * D + d, gv);
-    load8(w + d, wv);
-    load8(x + r * D + d, xv);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) dot += gv[i] * wv[i] * xv[i];
-  }
+  float gv[8], wv[8], xv[8];
+  for (int64_t d = lane * 8; d < D; d += 32 * 8) dot = rms_bwd_load8(g, x, w, r * D, d, dot, gv, wv, xv);
   dot = warp_sum(dot) + 0.0f;
   const float c = rs * rs * rs * dot / static_cast<float>(D);
   for (int64_t d = lane * 8; d < D; d += 32 * 8) {
-    float gv[8], wv[8], xv[8];
-    load8(g + r * D + d, gv);
-    load8(w + d, wv);
-    load8(x + r * D + d, xv);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) gv[i] = rs * gv[i] * wv[i] - xv[i] * c;
-    store8(dx + r * D + d, gv);
+    rms_bwd_load8(g, x, w, r * D, d, 0.0f, gv, wv, xv);
+    rms_bwd_store8(dx + r * D + d, rs, c, gv, wv, xv);
   }
 }
 
