@@ -276,6 +276,16 @@ void memory_cases(std::vector<OpCase>& t) {
 // ---- quantization ----------------------------------------------------------------------------
 
 void quantize_cases(std::vector<OpCase>& t) {
+  // quantize x (or x^T) into an [R, C] QuantTensor of br x 128 blocks: its codes and scales.
+  const auto quantize_run = [](int64_t R, int64_t C, int br, bool pow2, bool transpose) {
+    return [=](OpRun& run) {
+      QuantTensor q = run.be.alloc_quant(R, C, br, 128, pow2);
+      run.be.fill(q.scales, NAN);
+      run.be.quantize(run["x"], transpose, q);
+      run.out["data"] = q.data;
+      run.out["scales"] = q.scales;
+    };
+  };
   // Widths that are multiples of 8 take the vectorized kernels, the others the element-wise
   // ones; {200, 136} and {130, 264} transposed give output rows not 16-byte aligned (mixed
   // 16-byte and byte stores) and partial tiles.
@@ -295,13 +305,7 @@ void quantize_cases(std::vector<OpCase>& t) {
                          [=] {
                            return Tensors{{"x", rnd_wide(r, c, s, dt)}};
                          },
-                         [=](OpRun& run) {
-                           QuantTensor q = run.be.alloc_quant(R, C, br, 128, pow2);
-                           run.be.fill(q.scales, NAN);
-                           run.be.quantize(run["x"], transpose, q);
-                           run.out["data"] = q.data;
-                           run.out["scales"] = q.scales;
-                         },
+                         quantize_run(R, C, br, pow2, transpose),
                          {{"scales", bitwise()}, {"data", bitwise()}}});
             if (r == 130 && c == 257 && dt == DType::F32 && !transpose && br == 1 && !pow2)
               t.back().invariants = [=](const Tensors& o) {  // the reference quantizer itself
@@ -322,13 +326,7 @@ void quantize_cases(std::vector<OpCase>& t) {
                      [=] {
                        return Tensors{{"x", rnd_hard_scales(r, c, 77, dt)}};
                      },
-                     [=](OpRun& run) {
-                       QuantTensor q = run.be.alloc_quant(R, C, br, 128, false);
-                       run.be.fill(q.scales, NAN);
-                       run.be.quantize(run["x"], transpose, q);
-                       run.out["data"] = q.data;
-                       run.out["scales"] = q.scales;
-                     },
+                     quantize_run(R, C, br, false, transpose),
                      {{"scales", bitwise()}, {"data", bitwise()}}});
       }
   t.push_back({"quantize",
