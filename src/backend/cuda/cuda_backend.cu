@@ -1692,9 +1692,11 @@ void CudaBackend::logprobs_of_logits_impl(const Tensor& logits, const Tensor& ta
   const int64_t R = logits.dim(0), V = logits.dim(1);
   const LogprobRows st = logprob_rows_begin(R, V, "logprobs_of_logits");
   // token_logprobs' consistent chunks, each a column slice of the [R, V] logits read in place,
-  // all folded by one launch (the same bits as one launch per chunk).
-  launch_logprob_rows(logits.data<float>(), R, V, std::min(kConsistentVocabChunk, V), 1.0f / temperature,
-                      targets.data<int32_t>(), st.m, st.s, st.e, st.tgt, st.bad, stream_);
+  // folded by three launches whatever their number (the same bits as one launch per chunk).
+  const int64_t chunk = std::min(kConsistentVocabChunk, V);
+  Tensor parts = scratch(kSlotLogpParts, {ceil_div(logprob_rows_scratch_bytes(R, V, chunk), int64_t{4})}, DType::F32);
+  launch_logprob_rows(logits.data<float>(), R, V, chunk, 1.0f / temperature, targets.data<int32_t>(), st.m, st.s,
+                      st.e, st.tgt, st.bad, parts.data<float>(), stream_);
   launch_logprob_finish(st.m, st.s, st.e, st.tgt, R, logp.data<float>(), lse.data<float>(), nullptr, stream_);
 }
 

@@ -183,6 +183,7 @@ class CudaBackend final : public Backend {
     kSlotCat,      // linear_shared_input's concatenated product
     kSlotColSums,  // column sums' per-chunk partials (norm weight and bias gradients)
     kSlotSort,     // the embedding backward's sort of token ids
+    kSlotLogpParts,  // logprobs_of_logits' per-chunk partial folds
     kSlotCount
   };
   // A device buffer reused across calls (grown on demand); valid until the next scratch(slot).

@@ -348,11 +348,14 @@ void launch_sample_gumbel(const void* logits, DType dtype, int64_t B, int64_t ld
 void launch_logprob_chunk(const float* logits, int64_t ld, int64_t T, int64_t Vc, int64_t v0, int64_t V,
                           float inv_temp, const int32_t* targets, float* m, float* s, float* e, float* tgt,
                           int* bad_flag, cudaStream_t stream);
-// Every chunk of each of R rows of [R, V] logits in one launch, folded in order [0, chunk),
-// [chunk, 2 chunk), ...: the same state bits as launch_logprob_chunk over those column slices.
+// Every chunk of each of R rows of [R, V] logits, folded in order [0, chunk), [chunk, 2 chunk),
+// ...: the same state bits as launch_logprob_chunk over those column slices, in three launches
+// whatever the number of chunks (the chunks' two passes run in parallel, then a serial merge).
+// scratch: logprob_rows_scratch_bytes(R, V, chunk) bytes of device memory.
+int64_t logprob_rows_scratch_bytes(int64_t R, int64_t V, int64_t chunk);
 void launch_logprob_rows(const float* logits, int64_t R, int64_t V, int64_t chunk, float inv_temp,
                          const int32_t* targets, float* m, float* s, float* e, float* tgt, int* bad_flag,
-                         cudaStream_t stream);
+                         void* scratch, cudaStream_t stream);
 void launch_logprob_init(float* m, float* s, float* e, float* tgt, int64_t T, cudaStream_t stream);
 void launch_logprob_finish(const float* m, const float* s, const float* e, const float* tgt, int64_t T, float* logp,
                            float* lse, float* entropy, cudaStream_t stream);

@@ -31,21 +31,29 @@ __global__ void logprob_init_kernel(float* m, float* s, float* e, float* tgt, in
 struct ChunkFold {
   float m_new, cs, ce;
 };
-__device__ __forceinline__ ChunkFold fold_chunk(const float* row, int64_t Vc, float inv_temp, float m_old, float* red) {
+// The fold's two passes over a chunk, each block-reduced (every thread returns the result): the
+// chunk's max of l = logit * inv_temp, and its sums of exp(l - m_new) and exp(l - m_new) * l.
+__device__ __forceinline__ float chunk_max(const float* row, int64_t Vc, float inv_temp, float* red) {
   float cmax = -INFINITY;
   for (int64_t j = threadIdx.x; j < Vc; j += blockDim.x) cmax = fmaxf(cmax, __fmul_rn(row[j], inv_temp));
-  cmax = block_max(cmax, red);
-  ChunkFold f;
-  f.m_new = fmaxf(m_old, cmax);
+  return block_max(cmax, red);
+}
+__device__ __forceinline__ void chunk_sums(const float* row, int64_t Vc, float inv_temp, float m_new, float* red,
+                                           float& cs_out, float& ce_out) {
   float cs = 0.0f, ce = 0.0f;
   for (int64_t j = threadIdx.x; j < Vc; j += blockDim.x) {
     const float l = __fmul_rn(row[j], inv_temp);
-    const float p = expf(__fsub_rn(l, f.m_new));
+    const float p = expf(__fsub_rn(l, m_new));
     cs = __fadd_rn(cs, p);
     ce = fmaf(p, l, ce);
   }
-  f.cs = block_sum(cs, red);
-  f.ce = block_sum(ce, red);
+  cs_out = block_sum(cs, red);
+  ce_out = block_sum(ce, red);
+}
+__device__ __forceinline__ ChunkFold fold_chunk(const float* row, int64_t Vc, float inv_temp, float m_old, float* red) {
+  ChunkFold f;
+  f.m_new = fmaxf(m_old, chunk_max(row, Vc, inv_temp, red));
+  chunk_sums(row, Vc, inv_temp, f.m_new, red, f.cs, f.ce);
   return f;
 }
 // Thread 0's state update after a fold (corr: 0 on the first chunk, m_old = -inf), and the target's
@@ -74,34 +82,58 @@ __global__ void logprob_chunk_kernel(const float* logits, int64_t ld, int64_t Vc
   }
 }
 
-// Every chunk of a row in one launch (the consistent generator's logp_gen over its [R, V] logits):
-// one block per row folds its chunks [v0, v0 + chunk) in order, each as logprob_chunk_kernel
-// does, so the state is the bits of the chunked launches (one launch instead of one per chunk).
-__global__ void logprob_rows_kernel(const float* logits, int64_t V, int64_t chunk, float inv_temp,
-                                    const int32_t* targets, float* m, float* s, float* e, float* tgt, int* bad) {
+// Every chunk of every row (the consistent generator's logp_gen over its [R, V] logits), the
+// fold of logprob_chunk_kernel over the chunks [v0, v0 + chunk) in order, split so that the
+// chunks run in parallel: the running max after chunk c is fmaxf(m_init, cmax_0, .., cmax_c) in
+// that order, known once every chunk's max is, so each chunk's sums (its second pass) need only
+// that prefix; the serial part left is fold_update's three FMAs per chunk. Same functions, same
+// block shape, same order of operations: the bits of the chunked launches.
+// (1) grid (chunks, R): the max of each chunk -> part[r][c].cmax
+struct ChunkPart {
+  float cmax, m_new, cs, ce;
+};
+__global__ void logprob_rows_max_kernel(const float* logits, int64_t V, int64_t chunk, float inv_temp,
+                                        ChunkPart* part) {
+  __shared__ float red[32];
+  const int64_t c = blockIdx.x, t = blockIdx.y, v0 = c * chunk;
+  const int64_t Vc = chunk < V - v0 ? chunk : V - v0;
+  const float cmax = chunk_max(logits + t * V + v0, Vc, inv_temp, red);
+  if (threadIdx.x == 0) part[t * gridDim.x + c].cmax = cmax;
+}
+// (2) grid (chunks, R): the running max after the chunk, and its sums.
+__global__ void logprob_rows_sums_kernel(const float* logits, int64_t V, int64_t chunk, float inv_temp,
+                                         const float* m_init, ChunkPart* part) {
   __shared__ float red[32];
   __shared__ float m_sh;
-  const int64_t t = blockIdx.x;
-  const float* row = logits + t * V;
-  float ms = m[t], ss = s[t], es = e[t];  // thread 0's copy of the state
-  if (threadIdx.x == 0) m_sh = ms;
-  __syncthreads();
-  for (int64_t v0 = 0; v0 < V; v0 += chunk) {
-    const int64_t Vc = chunk < V - v0 ? chunk : V - v0;
-    const float m_old = m_sh;
-    const ChunkFold f = fold_chunk(row + v0, Vc, inv_temp, m_old, red);
-    if (threadIdx.x == 0) {
-      fold_update(f, m_old, ms, ss, es);
-      m_sh = ms;
-    }
-    __syncthreads();  // m_sh for the next chunk (fold_chunk's reductions sync before reusing red)
-  }
+  const int64_t c = blockIdx.x, t = blockIdx.y, v0 = c * chunk;
+  const int64_t Vc = chunk < V - v0 ? chunk : V - v0;
+  ChunkPart* p = part + t * gridDim.x;
   if (threadIdx.x == 0) {
-    m[t] = ms, s[t] = ss, e[t] = es;
-    const int32_t y = targets[t];
-    if (y < 0 || y >= V) atomicExch(bad, 1);
-    else tgt[t] = __fmul_rn(row[y], inv_temp);
+    float m = m_init[t];
+    for (int64_t k = 0; k <= c; ++k) m = fmaxf(m, p[k].cmax);
+    m_sh = m;
   }
+  __syncthreads();
+  const float m_new = m_sh;
+  float cs, ce;
+  chunk_sums(logits + t * V + v0, Vc, inv_temp, m_new, red, cs, ce);
+  if (threadIdx.x == 0) p[c].m_new = m_new, p[c].cs = cs, p[c].ce = ce;
+}
+// (3) a thread per row: fold_update over the chunks in order, and the target's logit.
+__global__ void logprob_rows_merge_kernel(const float* logits, int64_t R, int64_t V, int64_t nc, float inv_temp,
+                                          const ChunkPart* part, const int32_t* targets, float* m, float* s, float* e,
+                                          float* tgt, int* bad) {
+  const int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (t >= R) return;
+  float ms = m[t], ss = s[t], es = e[t];
+  for (int64_t c = 0; c < nc; ++c) {
+    const ChunkPart& p = part[t * nc + c];
+    fold_update(ChunkFold{p.m_new, p.cs, p.ce}, ms, ms, ss, es);
+  }
+  m[t] = ms, s[t] = ss, e[t] = es;
+  const int32_t y = targets[t];
+  if (y < 0 || y >= V) atomicExch(bad, 1);
+  else tgt[t] = __fmul_rn(logits[t * V + y], inv_temp);
 }
 
 __global__ void logprob_finish_kernel(const float* m, const float* s, const float* e, const float* tgt, int64_t T,
@@ -178,13 +210,25 @@ void launch_logprob_chunk(const float* logits, int64_t ld, int64_t T, int64_t Vc
   CUDA_CHECK_LAUNCH("logprob_chunk_kernel");
 }
 
+int64_t logprob_rows_scratch_bytes(int64_t R, int64_t V, int64_t chunk) {
+  return R * ((V + chunk - 1) / chunk) * static_cast<int64_t>(sizeof(ChunkPart));
+}
+
 void launch_logprob_rows(const float* logits, int64_t R, int64_t V, int64_t chunk, float inv_temp,
                          const int32_t* targets, float* m, float* s, float* e, float* tgt, int* bad_flag,
-                         cudaStream_t stream) {
+                         void* scratch, cudaStream_t stream) {
   if (R == 0 || V == 0) return;
-  logprob_rows_kernel<<<static_cast<unsigned>(R), kThreads, 0, stream>>>(logits, V, chunk, inv_temp, targets, m, s, e,
-                                                                        tgt, bad_flag);
-  CUDA_CHECK_LAUNCH("logprob_rows_kernel");
+  const int64_t nc = (V + chunk - 1) / chunk;
+  FP8RL_CHECK(R <= 65535 && nc <= 65535, "launch_logprob_rows: ", R, " rows of ", nc, " chunks exceed the grid");
+  ChunkPart* part = static_cast<ChunkPart*>(scratch);
+  const dim3 grid(static_cast<unsigned>(nc), static_cast<unsigned>(R));
+  logprob_rows_max_kernel<<<grid, kThreads, 0, stream>>>(logits, V, chunk, inv_temp, part);
+  CUDA_CHECK_LAUNCH("logprob_rows_max_kernel");
+  logprob_rows_sums_kernel<<<grid, kThreads, 0, stream>>>(logits, V, chunk, inv_temp, m, part);
+  CUDA_CHECK_LAUNCH("logprob_rows_sums_kernel");
+  logprob_rows_merge_kernel<<<grid_for(R, 128), 128, 0, stream>>>(logits, R, V, nc, inv_temp, part, targets, m, s, e,
+                                                                  tgt, bad_flag);
+  CUDA_CHECK_LAUNCH("logprob_rows_merge_kernel");
 }
 
 void launch_logprob_finish(const float* m, const float* s, const float* e, const float* tgt, int64_t T, float* logp,
