@@ -79,6 +79,10 @@ struct LinearSpec {
 // with linear over the same chunks (the generator in the consistent mode) gets those values,
 // and logprobs_of_logits folds them in the same chunks.
 constexpr int64_t kConsistentVocabChunk = 4096;
+// The (token, head) pairs of a query run that a model builds for a sequence scored whole
+// (PagedBatch::query_runs): runs of kQueryRunColumns / group tokens. CUDA: the tensor-core paged
+// kernel's two blocks of 8 MMA columns (paged_attention_run_tokens).
+constexpr int kQueryRunColumns = 16;
 
 // The 1x128 E4M3 copy of an activation x [M, K] that a fused producer (rmsnorm_fp8,
 // add_rmsnorm, swiglu_fp8) writes together with x, for the FP8 linears that read x: passed to

@@ -550,10 +550,11 @@ std::shared_ptr<ConsistentKv> consistent_kv_alloc(Backend& be, const ModelConfig
   s->batch.page_table = upload_i32(be, table).reshape({B, max_pages});
   s->batch.max_pos = max_len;
   s->batch.batch_invariant = true;
-  // Every sequence is scored whole: its tokens in runs of up to 8 / group (the CUDA tensor-core
-  // kernel's 8 MMA columns of (token, head) pairs), each run's K/V read once for all its tokens.
+  // Every sequence is scored whole: its tokens in runs of up to kQueryRunColumns / group (the CUDA
+  // tensor-core kernel's MMA columns of (token, head) pairs), each run's K/V read once for all its
+  // tokens.
   const int group = c.num_heads / std::max(1, Hkv);
-  const int run = group >= 1 && group <= 8 ? 8 / group : 1;
+  const int run = group >= 1 && group <= kQueryRunColumns ? kQueryRunColumns / group : 1;
   std::vector<int32_t> runs;
   for (int b = 0; b < B; ++b)
     for (int32_t t = batch.cu_seqlens[b]; t < batch.cu_seqlens[b + 1]; t += run) {

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/kernels.h"
 #include "model/transformer.h"
 #include "model/weights.h"
 #include "support/consistent_util.h"
@@ -293,7 +294,8 @@ TEST(CudaConsistent, PagedAttentionDoesNotDependOnTheBatch) {
 }
 
 // The consistent scoring's query runs (PagedBatch::query_runs: up to 8 / group consecutive tokens
-// of a sequence per CTA, their K/V read once): every token's output and lse are the same bits as
+// of a sequence per CTA, one block of MMA columns, or 16 / group, two blocks, their K/V read once
+// for all): every token's output and lse are the same bits as
 // with one CTA per token, at group 1, 2 (the 1.7B heads), 4 and 8, over BF16 and E4M3 pools, for
 // sequences scored whole across the 512-position chunk ends, with keys growing along the
 // positions (the running max moves: the lazy rescale's per-token vote).
@@ -312,38 +314,42 @@ TEST(CudaConsistent, PagedAttentionQueryRunsAreBitwiseOneTokenCtas) {
       kh.data<float>()[t * Hkv * hd + i] *= 1.0f + static_cast<float>(pos[t]) / 200.0f;
   const Tensor k = be.to_device(from_float_vector(to_float_vector(kh), {T, Hkv, hd}, DType::BF16));
   const Tensor v = rand_dev(be, {T, Hkv, hd}, 42, DType::BF16);
-  for (int group : {1, 2, 4, 8}) {
-    const int Hq = Hkv * group, run = 8 / group;
-    const Tensor q = rand_dev(be, {T, Hq, hd}, 43 + group, DType::BF16, 0.3f);
-    std::vector<int32_t> runs;
-    for (int b = 0, t0 = 0; b < static_cast<int>(lens.size()); t0 += lens[b], ++b)
-      for (int t = t0; t < t0 + lens[b]; t += run) runs.push_back(t), runs.push_back(std::min(run, t0 + lens[b] - t));
-    for (DType pool : {DType::BF16, DType::E4M3}) {
-      KvCache c = be.alloc_kv_cache(1, pages, ps, Hkv, hd, pool);
-      if (pool == DType::E4M3) {
-        be.copy(from_float_vector(std::vector<float>(Hkv, 0.02f), {1, Hkv}), c.k_scale);
-        be.copy(from_float_vector(std::vector<float>(Hkv, 0.012f), {1, Hkv}), c.v_scale);
+  for (int group : {1, 2, 4, 8})
+    for (int cols : {8, kQueryRunColumns}) {
+      const int Hq = Hkv * group, run = cols / group;
+      const Tensor q = rand_dev(be, {T, Hq, hd}, 43 + group, DType::BF16, 0.3f);
+      std::vector<int32_t> runs;
+      for (int b = 0, t0 = 0; b < static_cast<int>(lens.size()); t0 += lens[b], ++b)
+        for (int t = t0; t < t0 + lens[b]; t += run) runs.push_back(t), runs.push_back(std::min(run, t0 + lens[b] - t));
+      ASSERT_TRUE(cuda::paged_attention_runs_apply(group, -1, false) && run <= cuda::paged_attention_run_tokens(group))
+          << "group " << group << ": runs of " << run << " tokens would not be taken";
+      for (DType pool : {DType::BF16, DType::E4M3}) {
+        KvCache c = be.alloc_kv_cache(1, pages, ps, Hkv, hd, pool);
+        if (pool == DType::E4M3) {
+          be.copy(from_float_vector(std::vector<float>(Hkv, 0.02f), {1, Hkv}), c.k_scale);
+          be.copy(from_float_vector(std::vector<float>(Hkv, 0.012f), {1, Hkv}), c.v_scale);
+        }
+        PagedBatch one{be.to_device(test::i32_tensor(seq)), be.to_device(test::i32_tensor(pos)),
+                       be.to_device(test::i32_tensor(slots)),
+                       be.to_device(test::i32_tensor(table)).reshape({static_cast<int64_t>(lens.size()), width}), 1100};
+        one.batch_invariant = true;
+        be.kv_write(c, 0, k, v, one);
+        Tensor o1 = be.alloc({T, Hq, hd}, DType::BF16), l1 = be.alloc({Hq, T}, DType::F32);
+        be.attention_paged(c, 0, q, one, 0.088f, false, o1, &l1);
+        PagedBatch grouped = one;
+        grouped.query_runs = be.to_device(test::i32_tensor(runs)).reshape({static_cast<int64_t>(runs.size() / 2), 2});
+        grouped.query_run_tokens = run;
+        Tensor o2 = be.alloc({T, Hq, hd}, DType::BF16), l2 = be.alloc({Hq, T}, DType::F32);
+        be.attention_paged(c, 0, q, grouped, 0.088f, false, o2, &l2);
+        const Tensor h1 = be.to_host(o1), h2 = be.to_host(o2), hl1 = be.to_host(l1), hl2 = be.to_host(l2);
+        EXPECT_EQ(rows_differing(h1, h2, 0), 0)
+            << "group " << group << ", runs of " << run << ", " << dtype_name(pool) << " pool: outputs";
+        EXPECT_EQ(std::memcmp(hl1.raw(), hl2.raw(), hl1.nbytes()), 0)
+            << "group " << group << ", runs of " << run << ", " << dtype_name(pool) << " pool: lse";
+        const std::vector<float> f = to_float_vector(h1);
+        EXPECT_TRUE(std::all_of(f.begin(), f.end(), [](float x) { return std::isfinite(x); }));
       }
-      PagedBatch one{be.to_device(test::i32_tensor(seq)), be.to_device(test::i32_tensor(pos)),
-                     be.to_device(test::i32_tensor(slots)),
-                     be.to_device(test::i32_tensor(table)).reshape({static_cast<int64_t>(lens.size()), width}), 1100};
-      one.batch_invariant = true;
-      be.kv_write(c, 0, k, v, one);
-      Tensor o1 = be.alloc({T, Hq, hd}, DType::BF16), l1 = be.alloc({Hq, T}, DType::F32);
-      be.attention_paged(c, 0, q, one, 0.088f, false, o1, &l1);
-      PagedBatch grouped = one;
-      grouped.query_runs = be.to_device(test::i32_tensor(runs)).reshape({static_cast<int64_t>(runs.size() / 2), 2});
-      grouped.query_run_tokens = run;
-      Tensor o2 = be.alloc({T, Hq, hd}, DType::BF16), l2 = be.alloc({Hq, T}, DType::F32);
-      be.attention_paged(c, 0, q, grouped, 0.088f, false, o2, &l2);
-      const Tensor h1 = be.to_host(o1), h2 = be.to_host(o2), hl1 = be.to_host(l1), hl2 = be.to_host(l2);
-      EXPECT_EQ(rows_differing(h1, h2, 0), 0) << "group " << group << ", " << dtype_name(pool) << " pool: outputs";
-      EXPECT_EQ(std::memcmp(hl1.raw(), hl2.raw(), hl1.nbytes()), 0)
-          << "group " << group << ", " << dtype_name(pool) << " pool: lse";
-      const std::vector<float> f = to_float_vector(h1);
-      EXPECT_TRUE(std::all_of(f.begin(), f.end(), [](float x) { return std::isfinite(x); }));
     }
-  }
 }
 
 // The consistent generator's logp_gen without a second lm_head GEMM: logprobs_of_logits over the

@@ -2144,67 +2144,72 @@ void generation_cases(std::vector<OpCase>& t) {
     }
     const int64_t iT = static_cast<int64_t>(iseq.size());
     const std::vector<int32_t> dec = {599, 600 + 36, 300};  // the tokens of the decode batch
-    t.push_back({"kv_write + attention_paged",
-                 std::string(dtype_name(kdt)) + " cache, batch-invariant with lse, 600 + 37 positions",
-                 [=] {
-                   Tensor ks = rnd({1, iHkv}, 120), vs = rnd({1, iHkv}, 121);
-                   for (int64_t i = 0; i < iHkv; ++i) {
-                     ks.data<float>()[i] = 0.01f + std::fabs(ks.data<float>()[i]) * 0.02f;
-                     vs.data<float>()[i] = 0.01f + std::fabs(vs.data<float>()[i]) * 0.02f;
-                   }
-                   std::vector<int32_t> dseq, dpos, dslots;
-                   for (int32_t i : dec) {
-                     dseq.push_back(iseq[i]);
-                     dpos.push_back(ipos[i]);
-                     dslots.push_back(islots[i]);
-                   }
-                   return Tensors{{"k_scale", ks},
-                                  {"v_scale", vs},
-                                  {"k", rnd({iT, iHkv, ihd}, 122, qdt, 2.0f)},
-                                  {"v", rnd({iT, iHkv, ihd}, 123, qdt, 2.0f)},
-                                  {"q", rnd({iT, iHq, ihd}, 124, qdt, 0.5f)},
-                                  {"seq", i32_tensor(iseq, {iT})},
-                                  {"pos", i32_tensor(ipos, {iT})},
-                                  {"slots", i32_tensor(islots, {iT})},
-                                  {"table", i32_tensor(itable, {2, width})},
-                                  {"dseq", i32_tensor(dseq, {3})},
-                                  {"dpos", i32_tensor(dpos, {3})},
-                                  {"dslots", i32_tensor(dslots, {3})}};
-                 },
-                 [=](OpRun& r) {
-                   KvCache c = r.be.alloc_kv_cache(1, ipages, ips, iHkv, ihd, kdt);
-                   r.be.copy(r["k_scale"], c.k_scale);
-                   r.be.copy(r["v_scale"], c.v_scale);
-                   PagedBatch b{r["seq"], r["pos"], r["slots"], r["table"], 600};
-                   b.batch_invariant = true;
-                   r.be.kv_write(c, 0, r["k"], r["v"], b);
-                   const DType odt = r.be.device() == DeviceKind::CPU ? DType::F32 : qdt;
-                   const Tensor q = r.be.device() == DeviceKind::CPU ? r.as("q", DType::F32) : r["q"];
-                   Tensor& out = r.output("out", {iT, iHq, ihd}, odt);
-                   r.be.attention_paged(c, 0, q, b, 0.125f, false, out, &r.output("lse", {iHq, iT}, DType::F32));
-                   r.be.attention_paged(c, 0, q, b, 0.125f, false, r.output("out_nolse", {iT, iHq, ihd}, odt));
-                   // The same with query runs (4 consecutive tokens of a sequence per run: CUDA's
-                   // multi-query CTAs read a run's K/V once): the same bits.
-                   std::vector<int32_t> runs;
-                   for (int b0 = 0, t0 = 0; b0 < 2; t0 += ilens[b0], ++b0)
-                     for (int t1 = t0; t1 < t0 + ilens[b0]; t1 += 4)
-                       runs.push_back(t1), runs.push_back(std::min(4, t0 + ilens[b0] - t1));
-                   PagedBatch br = b;
-                   br.query_runs = r.be.to_device(i32_tensor(runs, {static_cast<int64_t>(runs.size() / 2), 2}));
-                   br.query_run_tokens = 4;
-                   r.be.attention_paged(c, 0, q, br, 0.125f, false, r.output("out_runs", {iT, iHq, ihd}, odt),
-                                        &r.output("lse_runs", {iHq, iT}, DType::F32));
-                   // The decode batch: its q rows gathered from q (a row gather: embedding).
-                   PagedBatch d{r["dseq"], r["dpos"], r["dslots"], r["table"], 1100};  // another split count
-                   d.batch_invariant = true;
-                   Tensor qd = r.be.alloc({3, iHq * ihd}, q.dtype());
-                   Tensor idx = r.be.to_device(i32_tensor(dec, {3}));
-                   r.be.embedding(idx, q.reshape({iT, iHq * ihd}), qd);
-                   r.be.attention_paged(c, 0, qd.reshape({3, iHq, ihd}), d, 0.125f, false,
-                                        r.output("out_decode", {3, iHq, ihd}, odt));
-                 },
-                 {{"out", rel(kdt == DType::F32 ? 1e-5 : 1e-2)}, {"lse", rel(1e-5)}},
-                 {{"out_nolse", "out"}, {"out_runs", "out"}, {"lse_runs", "lse"}}});
+    t.push_back(
+        {"kv_write + attention_paged",
+         std::string(dtype_name(kdt)) + " cache, batch-invariant with lse, 600 + 37 positions",
+         [=] {
+           Tensor ks = rnd({1, iHkv}, 120), vs = rnd({1, iHkv}, 121);
+           for (int64_t i = 0; i < iHkv; ++i) {
+             ks.data<float>()[i] = 0.01f + std::fabs(ks.data<float>()[i]) * 0.02f;
+             vs.data<float>()[i] = 0.01f + std::fabs(vs.data<float>()[i]) * 0.02f;
+           }
+           std::vector<int32_t> dseq, dpos, dslots;
+           for (int32_t i : dec) {
+             dseq.push_back(iseq[i]);
+             dpos.push_back(ipos[i]);
+             dslots.push_back(islots[i]);
+           }
+           return Tensors{{"k_scale", ks},
+                          {"v_scale", vs},
+                          {"k", rnd({iT, iHkv, ihd}, 122, qdt, 2.0f)},
+                          {"v", rnd({iT, iHkv, ihd}, 123, qdt, 2.0f)},
+                          {"q", rnd({iT, iHq, ihd}, 124, qdt, 0.5f)},
+                          {"seq", i32_tensor(iseq, {iT})},
+                          {"pos", i32_tensor(ipos, {iT})},
+                          {"slots", i32_tensor(islots, {iT})},
+                          {"table", i32_tensor(itable, {2, width})},
+                          {"dseq", i32_tensor(dseq, {3})},
+                          {"dpos", i32_tensor(dpos, {3})},
+                          {"dslots", i32_tensor(dslots, {3})}};
+         },
+         [=](OpRun& r) {
+           KvCache c = r.be.alloc_kv_cache(1, ipages, ips, iHkv, ihd, kdt);
+           r.be.copy(r["k_scale"], c.k_scale);
+           r.be.copy(r["v_scale"], c.v_scale);
+           PagedBatch b{r["seq"], r["pos"], r["slots"], r["table"], 600};
+           b.batch_invariant = true;
+           r.be.kv_write(c, 0, r["k"], r["v"], b);
+           const DType odt = r.be.device() == DeviceKind::CPU ? DType::F32 : qdt;
+           const Tensor q = r.be.device() == DeviceKind::CPU ? r.as("q", DType::F32) : r["q"];
+           Tensor& out = r.output("out", {iT, iHq, ihd}, odt);
+           r.be.attention_paged(c, 0, q, b, 0.125f, false, out, &r.output("lse", {iHq, iT}, DType::F32));
+           r.be.attention_paged(c, 0, q, b, 0.125f, false, r.output("out_nolse", {iT, iHq, ihd}, odt));
+           // The same with query runs (4 or 8 consecutive tokens of a sequence per run, 8 or
+           // 16 (token, head) columns: CUDA's multi-query CTAs read a run's K/V once for
+           // one or two blocks of MMA columns): the same bits.
+           for (const int rt : {4, 8}) {
+             std::vector<int32_t> runs;
+             for (int b0 = 0, t0 = 0; b0 < 2; t0 += ilens[b0], ++b0)
+               for (int t1 = t0; t1 < t0 + ilens[b0]; t1 += rt)
+                 runs.push_back(t1), runs.push_back(std::min(rt, t0 + ilens[b0] - t1));
+             PagedBatch br = b;
+             br.query_runs = r.be.to_device(i32_tensor(runs, {static_cast<int64_t>(runs.size() / 2), 2}));
+             br.query_run_tokens = rt;
+             const std::string sfx = rt == 4 ? "" : "8";
+             r.be.attention_paged(c, 0, q, br, 0.125f, false, r.output("out_runs" + sfx, {iT, iHq, ihd}, odt),
+                                  &r.output("lse_runs" + sfx, {iHq, iT}, DType::F32));
+           }
+           // The decode batch: its q rows gathered from q (a row gather: embedding).
+           PagedBatch d{r["dseq"], r["dpos"], r["dslots"], r["table"], 1100};  // another split count
+           d.batch_invariant = true;
+           Tensor qd = r.be.alloc({3, iHq * ihd}, q.dtype());
+           Tensor idx = r.be.to_device(i32_tensor(dec, {3}));
+           r.be.embedding(idx, q.reshape({iT, iHq * ihd}), qd);
+           r.be.attention_paged(c, 0, qd.reshape({3, iHq, ihd}), d, 0.125f, false,
+                                r.output("out_decode", {3, iHq, ihd}, odt));
+         },
+         {{"out", rel(kdt == DType::F32 ? 1e-5 : 1e-2)}, {"lse", rel(1e-5)}},
+         {{"out_nolse", "out"}, {"out_runs", "out"}, {"lse_runs", "lse"}, {"out_runs8", "out"}, {"lse_runs8", "lse"}}});
     t.back().invariants = [=](const Tensors& out) {
       const Tensor& full = out.at("out");
       const Tensor& d = out.at("out_decode");

@@ -737,6 +737,7 @@ __global__ void __launch_bounds__(32 * kPagedWarps)
 constexpr int kMmaWarps = 4;
 constexpr int kMmaTile = 16;  // positions per tile (one k-step of P V)
 constexpr int kMmaRows = 8;   // MMA rows that hold heads (group <= 8)
+constexpr int kMmaRunBlocks = 2;  // query runs (paged_mmat_kernel's MQ form): at most 2 blocks of kMmaRows columns
 
 template <int HD, class TP>
 struct PagedMmaCfg {
@@ -790,9 +791,9 @@ __device__ __forceinline__ int paged_vdim(int n, int nt) {
 // or as this split's normalized partial output and base-2 log-sum-exp.
 // Element (h, d) of the warps' merge by log-sum-exp, times v_scale; mx and den: the row's
 // merged max and denominator. One definition for the epilogue's two thread mappings.
-template <int HD, int NW>
-__device__ __forceinline__ float paged_mma_merged(const float* s_o, const float (*s_m)[kMmaRows],
-                                                  const float (*s_l)[kMmaRows], int h, int d, float vsc, float& mx,
+template <int HD, int NW, int COLS = kMmaRows>
+__device__ __forceinline__ float paged_mma_merged(const float* s_o, const float (*s_m)[COLS],
+                                                  const float (*s_l)[COLS], int h, int d, float vsc, float& mx,
                                                   float& den) {
   mx = -INFINITY;
 #pragma unroll
@@ -803,14 +804,14 @@ __device__ __forceinline__ float paged_mma_merged(const float* s_o, const float 
   for (int w = 0; w < NW; ++w) {
     const float f = paged_rescale(s_m[w][h], mx);
     den += s_l[w][h] * f;
-    num += s_o[(w * kMmaRows + h) * HD + d] * f;
+    num += s_o[(w * COLS + h) * HD + d] * f;
   }
   return num / den * vsc;
 }
 
-template <int HD, int NW, class RowOf>
+template <int HD, int NW, int COLS = kMmaRows, class RowOf>
 __device__ __forceinline__ void paged_mma_merge_warps(const PagedArgs& a, const float* s_o,
-                                                      const float (*s_m)[kMmaRows], const float (*s_l)[kMmaRows],
+                                                      const float (*s_m)[COLS], const float (*s_l)[COLS],
                                                       int ncols, const RowOf& row_of, int split, int hk) {
   const float vsc = a.v_scale ? a.v_scale[hk] : 1.0f;
   if constexpr (HD == 128) {
@@ -824,7 +825,7 @@ __device__ __forceinline__ void paged_mma_merge_warps(const PagedArgs& a, const 
         for (int j = 0; j < 4; ++j) {
           const int d = lane + 32 * j;
           float mx, den;
-          const float ov = paged_mma_merged<HD, NW>(s_o, s_m, s_l, h, d, vsc, mx, den);
+          const float ov = paged_mma_merged<HD, NW, COLS>(s_o, s_m, s_l, h, d, vsc, mx, den);
           paged_store_out(a.out, true, r * HD + d, ov);
           v[j] = paged_stored(true, ov);
         }
@@ -838,7 +839,7 @@ __device__ __forceinline__ void paged_mma_merge_warps(const PagedArgs& a, const 
     const int64_t r = row_of(h);
     if (r < 0) continue;  // a run's token without positions in this split
     float mx, den;
-    const float ov = paged_mma_merged<HD, NW>(s_o, s_m, s_l, h, d, vsc, mx, den);
+    const float ov = paged_mma_merged<HD, NW, COLS>(s_o, s_m, s_l, h, d, vsc, mx, den);
     if (a.splits == 1 && !a.partials) {
       paged_store_out(a.out, true, r * HD + d, ov);
     } else {
@@ -1115,10 +1116,11 @@ __device__ __forceinline__ int paged_tdim(int g, int mt, int h) {
 // grid (T * Hkv, splits), block 32 * kMmaWarps, dynamic shared memory Cfg::kSmemBytes. q BF16,
 // 16-byte aligned.
 //
-// MQ (the multi-query form; grid (runs * Hkv, splits)): a CTA serves a run of a.qruns, count
-// consecutive tokens of one sequence, as the count x group columns of the MMAs (column h: token
-// first + h / group, its head h % group of the KV head's group), so the run's K/V tiles are read
-// once for all of them (the consistent mode's scoring: every token of a sequence is a query). Each
+// MQ > 0 (the multi-query form; grid (runs * Hkv, splits)): a CTA serves a run of a.qruns, count
+// consecutive tokens of one sequence, as the count x group columns of MQ blocks of 8 MMA columns
+// (column h: token first + h / group, its head h % group of the KV head's group; a warp runs
+// each block's MMAs on the same K / V fragments), so the run's K/V tiles are read once for all of
+// them (the consistent mode's scoring: every token of a sequence is a query). Each
 // column computes bitwise what the one-token CTA computes for it: a column's arithmetic never
 // involves another column's values (MMA columns are independent, the softmax state is per
 // column); the tiles and their order, warp by warp, are the chunk's, as in the one-token CTA;
@@ -1130,15 +1132,22 @@ __device__ __forceinline__ int paged_tdim(int g, int mt, int h) {
 // without tiles does. Two conditions: the cached V rows of the run's positions are finite (P = 0
 // times a non-finite V would be NaN where the one-token CTA never reads that row; the cache holds
 // what kv_write stored from finite activations), and the runs are well formed (count x group <=
-// kMmaRows, consecutive positions of one sequence, every token once: the caller builds them; the
-// launcher checks only the bound on count).
-template <int HD, class TP, int S, int LAZY, int COPY, bool MQ = false>
-__global__ void __launch_bounds__(32 * kMmaWarps, PagedTCfg<HD, TP, S>::kMinBlocks)
+// MQ x kMmaRows, consecutive positions of one sequence, every token once: the caller builds them;
+// the launcher checks only the bound on count). A block never splits a token's columns (8 is a
+// multiple of the group), so each block's votes are the one-block form's.
+template <int HD, class TP, int S, int MQ>
+constexpr int paged_mmat_min_blocks() {  // two column blocks: up to 255 registers a thread
+  return MQ >= 2 && PagedTCfg<HD, TP, S>::kMinBlocks > 2 ? 2 : PagedTCfg<HD, TP, S>::kMinBlocks;
+}
+template <int HD, class TP, int S, int LAZY, int COPY, int MQ = 0>
+__global__ void __launch_bounds__(32 * kMmaWarps, paged_mmat_min_blocks<HD, TP, S, MQ>())
     paged_mmat_kernel(const PagedArgs a) {
   using Cfg = PagedTCfg<HD, TP, S>;
   constexpr int NW = kMmaWarps, CPR = Cfg::kCpr, RB = Cfg::kRowBytes, TB = Cfg::kTileBytes, SB = Cfg::kStageBytes;
   constexpr bool F16 = Cfg::kF16;
-  __shared__ float s_m[NW][kMmaRows], s_l[NW][kMmaRows];
+  constexpr int NB = MQ > 0 ? MQ : 1, COLS = NB * kMmaRows;  // MMA column blocks of 8, columns
+  static_assert(NW * Cfg::kWarpBytes >= NW * COLS * HD * 4, "the epilogue's s_o fits in the stages");
+  __shared__ float s_m[NW][COLS], s_l[NW][COLS];
   unsigned char* smem = paged_dyn_smem();
 
   const int hk = static_cast<int>(blockIdx.x) % a.Hkv;
@@ -1181,16 +1190,19 @@ __global__ void __launch_bounds__(32 * kMmaWarps, PagedTCfg<HD, TP, S>::kMinBloc
   if (j0 >= len) return;  // uniform per CTA
   const int j1 = split == a.splits - 1 ? len : paged_imin(len, j0 + a.chunk);
   const int ntiles = (j1 - j0 + kMmaTile - 1) / kMmaTile;
-  // The chunk end of this thread's score columns 2c, 2c + 1 (MQ: their tokens'; j0 for a column
-  // without a token: every position masked).
-  int j1c0 = j1, j1c1 = j1;
+  // The chunk end of this thread's score columns 8b + 2c, 8b + 2c + 1 of block b (MQ: their
+  // tokens'; j0 for a column without a token: every position masked).
+  int j1c0[NB], j1c1[NB];
+#pragma unroll
+  for (int b = 0; b < NB; ++b) j1c0[b] = j1c1[b] = j1;
   if constexpr (MQ) {
     auto col_j1 = [&](int h) {
       if (h >= ncols) return j0;
       const int ln = a.token_pos[t + h / G] + 1;
       return split == a.splits - 1 ? ln : paged_imin(ln, j0 + a.chunk);
     };
-    j1c0 = col_j1(2 * c), j1c1 = col_j1(2 * c + 1);
+#pragma unroll
+    for (int b = 0; b < NB; ++b) j1c0[b] = col_j1(8 * b + 2 * c), j1c1[b] = col_j1(8 * b + 2 * c + 1);
   }
   // The slot of row `own` of this warp's tile k, -1 past the chunk.
   auto slot_of = [&](int k) -> int { return j0 + (warp + NW * k) * kMmaTile + own < j1 ? slot_raw(k) : -1; };
@@ -1269,15 +1281,17 @@ __global__ void __launch_bounds__(32 * kMmaWarps, PagedTCfg<HD, TP, S>::kMinBloc
   int slot_n1 = slot_of(S - 1), slot_n2 = slot_of(S);
 
   // Q^T's B fragments (head g, k-slots as paged_kdim; zero for g >= group), from q in registers,
-  // scaled as in paged_mma_kernel; the score scales of this thread's heads 2c, 2c + 1.
+  // scaled as in paged_mma_kernel; the score scales of this thread's heads 2c, 2c + 1 (MQ: block
+  // b's columns 8b + g and 8b + 2c, 8b + 2c + 1).
   const float ksc = a.k_scale ? a.k_scale[hk] : 1.0f;
-  uint32_t qb[Cfg::kKSteps][2];
-  float kq0, kq1;
-  {
+  uint32_t qb[NB][Cfg::kKSteps][2];
+  float kq0[NB], kq1[NB];
+#pragma unroll
+  for (int b = 0; b < NB; ++b) {
     constexpr int CD = Cfg::kChunkDims, KC = Cfg::kKChunks;
     float x[KC][CD];  // dims CD (4i + c) .. + CD - 1 of head g
-    const bool qin = g < ncols;  // a column of a (token, head); else zeros
-    const uint16_t* qrow = static_cast<const uint16_t*>(a.q) + (qin ? col_row(g) : 0) * HD;
+    const bool qin = 8 * b + g < ncols;  // a column of a (token, head); else zeros
+    const uint16_t* qrow = static_cast<const uint16_t*>(a.q) + (qin ? col_row(8 * b + g) : 0) * HD;
 #pragma unroll
     for (int i = 0; i < KC; ++i)
 #pragma unroll
@@ -1320,19 +1334,24 @@ __global__ void __launch_bounds__(32 * kMmaWarps, PagedTCfg<HD, TP, S>::kMinBloc
 #pragma unroll
     for (int kk = 0; kk < Cfg::kKSteps; ++kk) {
       const int i = kk / Cfg::kMpc, d = 4 * (kk % Cfg::kMpc);
-      qb[kk][0] = F16 ? paged_pack_f16x2(x[i][d], x[i][d + 1]) : paged_pack_bf16x2(x[i][d], x[i][d + 1]);
-      qb[kk][1] = F16 ? paged_pack_f16x2(x[i][d + 2], x[i][d + 3]) : paged_pack_bf16x2(x[i][d + 2], x[i][d + 3]);
+      qb[b][kk][0] = F16 ? paged_pack_f16x2(x[i][d], x[i][d + 1]) : paged_pack_bf16x2(x[i][d], x[i][d + 1]);
+      qb[b][kk][1] = F16 ? paged_pack_f16x2(x[i][d + 2], x[i][d + 3]) : paged_pack_bf16x2(x[i][d + 2], x[i][d + 3]);
     }
     const float kqh = fs * a.scale_log2 * ksc;  // head g's
-    kq0 = __uint_as_float(static_cast<uint32_t>(paged_shfl(static_cast<int>(__float_as_uint(kqh)), 8 * c)));
-    kq1 = __uint_as_float(static_cast<uint32_t>(paged_shfl(static_cast<int>(__float_as_uint(kqh)), 8 * c + 4)));
+    kq0[b] = __uint_as_float(static_cast<uint32_t>(paged_shfl(static_cast<int>(__float_as_uint(kqh)), 8 * c)));
+    kq1[b] = __uint_as_float(static_cast<uint32_t>(paged_shfl(static_cast<int>(__float_as_uint(kqh)), 8 * c + 4)));
   }
 
-  float o[Cfg::kMTiles][4];  // O^T: dims paged_tdim(g, mt, 0) (o[mt][0..1]), (g, mt, 1) ([2..3]) x heads 2c, 2c + 1
+  // O^T of block b: dims paged_tdim(g, mt, 0) (o[b][mt][0..1]), (g, mt, 1) ([2..3]) x heads 2c, 2c + 1
+  float o[NB][Cfg::kMTiles][4];
 #pragma unroll
-  for (int mt = 0; mt < Cfg::kMTiles; ++mt) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.0f;
-  float m0 = -INFINITY, m1 = -INFINITY;  // heads 2c, 2c + 1: uniform over the 8 threads of column c
-  float l0 = 0.0f, l1 = 0.0f;            // this thread's positions
+  for (int b = 0; b < NB; ++b)
+#pragma unroll
+    for (int mt = 0; mt < Cfg::kMTiles; ++mt) o[b][mt][0] = o[b][mt][1] = o[b][mt][2] = o[b][mt][3] = 0.0f;
+  float m0[NB], m1[NB];  // heads 2c, 2c + 1: uniform over the 8 threads of column c
+  float l0[NB], l1[NB];  // this thread's positions
+#pragma unroll
+  for (int b = 0; b < NB; ++b) m0[b] = m1[b] = -INFINITY, l0[b] = l1[b] = 0.0f;
   // Read offsets in a stage: K rows g (+ 8 RB: g + 8), chunks 4i + c swizzled; V row 2c (+ RB,
   // 8 RB, 9 RB: rows 2c + 1, 2c + 8, 2c + 9, which share its swizzle).
   uint32_t kro[Cfg::kKChunks];
@@ -1355,8 +1374,13 @@ __global__ void __launch_bounds__(32 * kMmaWarps, PagedTCfg<HD, TP, S>::kMinBloc
     cur = cur + SB == S * SB ? 0 : cur + SB;
     const int base = j0 + (warp + NW * k) * kMmaTile;
 
-    // S^T = K Q^T: K rows g and g + 8 as A (their 16-byte chunks 4i + c), two accumulator chains.
-    float sa[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sb[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    // S^T = K Q^T: K rows g and g + 8 as A (their 16-byte chunks 4i + c), two accumulator chains
+    // per column block (the A fragments converted once for all blocks).
+    float sa[NB][4], sb[NB][4];
+#pragma unroll
+    for (int b = 0; b < NB; ++b)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) sa[b][r] = sb[b][r] = 0.0f;
 #pragma unroll
     for (int i = 0; i < Cfg::kKChunks; ++i) {
       const uint4 u0 = paged_lds16(st + kro[i]), u1 = paged_lds16(st + kro[i] + 8 * RB);
@@ -1366,61 +1390,72 @@ __global__ void __launch_bounds__(32 * kMmaWarps, PagedTCfg<HD, TP, S>::kMinBloc
         for (int j = 0; j < 4; ++j) {
           const uint32_t x[4] = {paged_e4m3x2_lo_f16x2(w0[j]), paged_e4m3x2_lo_f16x2(w1[j]),
                                  paged_e4m3x2_hi_f16x2(w0[j]), paged_e4m3x2_hi_f16x2(w1[j])};
-          if (j & 1) paged_mma4<true>(sb, x, qb[4 * i + j][0], qb[4 * i + j][1]);
-          else paged_mma4<true>(sa, x, qb[4 * i + j][0], qb[4 * i + j][1]);
+#pragma unroll
+          for (int b = 0; b < NB; ++b) {
+            if (j & 1) paged_mma4<true>(sb[b], x, qb[b][4 * i + j][0], qb[b][4 * i + j][1]);
+            else paged_mma4<true>(sa[b], x, qb[b][4 * i + j][0], qb[b][4 * i + j][1]);
+          }
         }
       } else {
         const uint32_t x0[4] = {w0[0], w1[0], w0[1], w1[1]}, x1[4] = {w0[2], w1[2], w0[3], w1[3]};
-        paged_mma4<false>(sa, x0, qb[2 * i][0], qb[2 * i][1]);
-        paged_mma4<false>(sb, x1, qb[2 * i + 1][0], qb[2 * i + 1][1]);
+#pragma unroll
+        for (int b = 0; b < NB; ++b) {
+          paged_mma4<false>(sa[b], x0, qb[b][2 * i][0], qb[b][2 * i][1]);
+          paged_mma4<false>(sb[b], x1, qb[b][2 * i + 1][0], qb[b][2 * i + 1][1]);
+        }
       }
     }
-    // Base-2 logits of positions base + g (x0*) and base + g + 8 (x1*), -inf past the chunk (of
-    // the column's token).
-    const float x00 = base + g < j1c0 ? (sa[0] + sb[0]) * kq0 : -INFINITY;
-    const float x01 = base + g < j1c1 ? (sa[1] + sb[1]) * kq1 : -INFINITY;
-    const float x10 = base + g + 8 < j1c0 ? (sa[2] + sb[2]) * kq0 : -INFINITY;
-    const float x11 = base + g + 8 < j1c1 ? (sa[3] + sb[3]) * kq1 : -INFINITY;
-    float mx0 = fmaxf(x00, x10), mx1 = fmaxf(x01, x11);
+    uint32_t b0[NB], b1[NB];  // P^T of each block: the B fragments of P V
 #pragma unroll
-    for (int sh = 4; sh < 32; sh <<= 1) {
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, sh));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, sh));
+    for (int b = 0; b < NB; ++b) {
+      // Base-2 logits of positions base + g (x0*) and base + g + 8 (x1*), -inf past the chunk (of
+      // the column's token).
+      const float x00 = base + g < j1c0[b] ? (sa[b][0] + sb[b][0]) * kq0[b] : -INFINITY;
+      const float x01 = base + g < j1c1[b] ? (sa[b][1] + sb[b][1]) * kq1[b] : -INFINITY;
+      const float x10 = base + g + 8 < j1c0[b] ? (sa[b][2] + sb[b][2]) * kq0[b] : -INFINITY;
+      const float x11 = base + g + 8 < j1c1[b] ? (sa[b][3] + sb[b][3]) * kq1[b] : -INFINITY;
+      float mx0 = fmaxf(x00, x10), mx1 = fmaxf(x01, x11);
+  #pragma unroll
+      for (int sh = 4; sh < 32; sh <<= 1) {
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, sh));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, sh));
+      }
+      // finite where the column's token has a position in the tile (one token: position base does)
+      const bool up0 = LAZY == 0 ? mx0 > m0[b] : mx0 > m0[b] + static_cast<float>(LAZY);
+      const bool up1 = LAZY == 0 ? mx1 > m1[b] : mx1 > m1[b] + static_cast<float>(LAZY);
+      bool rescale, r0 = true, r1 = true;  // the warp's vote; MQ: each column's token's vote
+      if constexpr (MQ) {
+        // OR over the columns of one token: the 8 threads of this thread's columns (lanes 4g' + c),
+        // and the threads of the token's other column pairs (group 4: c ^ 1; group 8: all).
+        int v = G >= 2 ? (up0 || up1 ? 3 : 0) : (up0 ? 1 : 0) | (up1 ? 2 : 0);
+  #pragma unroll
+        for (int sh = 4; sh < 32; sh <<= 1) v |= paged_shfl_xor(v, sh);
+        if (G >= 4) v |= paged_shfl_xor(v, 1);
+        if (G >= 8) v |= paged_shfl_xor(v, 2);
+        r0 = (v & 1) != 0, r1 = (v & 2) != 0;
+        rescale = paged_any(r0 || r1);
+      } else {
+        rescale = paged_any(up0 || up1);
+      }
+      if (rescale) {
+        const float n0 = r0 ? fmaxf(m0[b], mx0) : m0[b], n1 = r1 ? fmaxf(m1[b], mx1) : m1[b];
+        // 0 on the column's first tile (m = -inf); 1 (no change) for a column whose token did not vote
+        const float c0 = r0 ? paged_ex2(m0[b] - n0) : 1.0f, c1 = r1 ? paged_ex2(m1[b] - n1) : 1.0f;
+        m0[b] = n0, m1[b] = n1, l0[b] *= c0, l1[b] *= c1;
+  #pragma unroll
+        for (int mt = 0; mt < Cfg::kMTiles; ++mt)
+          o[b][mt][0] *= c0, o[b][mt][1] *= c1, o[b][mt][2] *= c0, o[b][mt][3] *= c1;
+      }
+      // MQ: a column still at m = -inf has only -inf scores so far (P = 0, not 2^NaN).
+      const float e0 = MQ && m0[b] == -INFINITY ? 0.0f : m0[b], e1 = MQ && m1[b] == -INFINITY ? 0.0f : m1[b];
+      const float p00 = paged_ex2(x00 - e0), p01 = paged_ex2(x01 - e1);
+      const float p10 = paged_ex2(x10 - e0), p11 = paged_ex2(x11 - e1);
+      l0[b] += p00 + p10;
+      l1[b] += p01 + p11;
+      // P^T as the B fragment of P V: (positions 2c, 2c + 1 | 2c + 8, 2c + 9) x head g.
+      b0[b] = paged_movm_t(F16 ? paged_pack_f16x2(p00, p01) : paged_pack_bf16x2(p00, p01));
+      b1[b] = paged_movm_t(F16 ? paged_pack_f16x2(p10, p11) : paged_pack_bf16x2(p10, p11));
     }
-    // finite where the column's token has a position in the tile (one token: position base does)
-    const bool up0 = LAZY == 0 ? mx0 > m0 : mx0 > m0 + static_cast<float>(LAZY);
-    const bool up1 = LAZY == 0 ? mx1 > m1 : mx1 > m1 + static_cast<float>(LAZY);
-    bool rescale, r0 = true, r1 = true;  // the warp's vote; MQ: each column's token's vote
-    if constexpr (MQ) {
-      // OR over the columns of one token: the 8 threads of this thread's columns (lanes 4g' + c),
-      // and the threads of the token's other column pairs (group 4: c ^ 1; group 8: all).
-      int v = G >= 2 ? (up0 || up1 ? 3 : 0) : (up0 ? 1 : 0) | (up1 ? 2 : 0);
-#pragma unroll
-      for (int sh = 4; sh < 32; sh <<= 1) v |= paged_shfl_xor(v, sh);
-      if (G >= 4) v |= paged_shfl_xor(v, 1);
-      if (G >= 8) v |= paged_shfl_xor(v, 2);
-      r0 = (v & 1) != 0, r1 = (v & 2) != 0;
-      rescale = paged_any(r0 || r1);
-    } else {
-      rescale = paged_any(up0 || up1);
-    }
-    if (rescale) {
-      const float n0 = r0 ? fmaxf(m0, mx0) : m0, n1 = r1 ? fmaxf(m1, mx1) : m1;
-      // 0 on the column's first tile (m = -inf); 1 (no change) for a column whose token did not vote
-      const float c0 = r0 ? paged_ex2(m0 - n0) : 1.0f, c1 = r1 ? paged_ex2(m1 - n1) : 1.0f;
-      m0 = n0, m1 = n1, l0 *= c0, l1 *= c1;
-#pragma unroll
-      for (int mt = 0; mt < Cfg::kMTiles; ++mt) o[mt][0] *= c0, o[mt][1] *= c1, o[mt][2] *= c0, o[mt][3] *= c1;
-    }
-    // MQ: a column still at m = -inf has only -inf scores so far (P = 0, not 2^NaN).
-    const float e0 = MQ && m0 == -INFINITY ? 0.0f : m0, e1 = MQ && m1 == -INFINITY ? 0.0f : m1;
-    const float p00 = paged_ex2(x00 - e0), p01 = paged_ex2(x01 - e1);
-    const float p10 = paged_ex2(x10 - e0), p11 = paged_ex2(x11 - e1);
-    l0 += p00 + p10;
-    l1 += p01 + p11;
-    // P^T as the B fragment of P V: (positions 2c, 2c + 1 | 2c + 8, 2c + 9) x head g.
-    const uint32_t b0 = paged_movm_t(F16 ? paged_pack_f16x2(p00, p01) : paged_pack_bf16x2(p00, p01));
-    const uint32_t b1 = paged_movm_t(F16 ? paged_pack_f16x2(p10, p11) : paged_pack_bf16x2(p10, p11));
 
     // O^T += V^T P^T: A fragments from V rows 2c, 2c + 1 (k-slots 2c, 2c + 1) and 2c + 8, 2c + 9.
     if constexpr (F16) {
@@ -1445,8 +1480,11 @@ __global__ void __launch_bounds__(32 * kMmaWarps, PagedTCfg<HD, TP, S>::kMinBloc
                                 paged_e4m3x2_hi_f16x2(x1)};
         const uint32_t ay[4] = {paged_e4m3x2_lo_f16x2(y0), paged_e4m3x2_hi_f16x2(y0), paged_e4m3x2_lo_f16x2(y1),
                                 paged_e4m3x2_hi_f16x2(y1)};
-        paged_mma4<true>(o[2 * j], ax, b0, b1);
-        paged_mma4<true>(o[2 * j + 1], ay, b0, b1);
+#pragma unroll
+        for (int b = 0; b < NB; ++b) {
+          paged_mma4<true>(o[b][2 * j], ax, b0[b], b1[b]);
+          paged_mma4<true>(o[b][2 * j + 1], ay, b0[b], b1[b]);
+        }
       }
     } else {
 #pragma unroll
@@ -1461,7 +1499,8 @@ __global__ void __launch_bounds__(32 * kMmaWarps, PagedTCfg<HD, TP, S>::kMinBloc
         for (int e = 0; e < 4; ++e) {
           const uint32_t ax[4] = {paged_prmt(w[0][e], w[1][e], 0x5410), paged_prmt(w[0][e], w[1][e], 0x7632),
                                   paged_prmt(w[2][e], w[3][e], 0x5410), paged_prmt(w[2][e], w[3][e], 0x7632)};
-          paged_mma4<false>(o[4 * h + e], ax, b0, b1);
+#pragma unroll
+          for (int b = 0; b < NB; ++b) paged_mma4<false>(o[b][4 * h + e], ax, b0[b], b1[b]);
         }
       }
     }
@@ -1470,25 +1509,31 @@ __global__ void __launch_bounds__(32 * kMmaWarps, PagedTCfg<HD, TP, S>::kMinBloc
   // Epilogue: the warps' streams merged by log-sum-exp through shared memory (the stages).
   paged_cp_async_wait<0>();
 #pragma unroll
-  for (int sh = 4; sh < 32; sh <<= 1) {
-    l0 += __shfl_xor_sync(0xffffffffu, l0, sh);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, sh);
-  }
-  __syncthreads();  // every warp is done with its stages
-  float* s_o = reinterpret_cast<float*>(ring);  // [NW][kMmaRows][HD]
-  const int h0 = 2 * c, h1 = 2 * c + 1;
+  for (int b = 0; b < NB; ++b)
 #pragma unroll
-  for (int mt = 0; mt < Cfg::kMTiles; ++mt)
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int d = paged_tdim<Cfg>(g, mt, hh);
-      if (h0 < ncols) s_o[(warp * kMmaRows + h0) * HD + d] = o[mt][2 * hh];
-      if (h1 < ncols) s_o[(warp * kMmaRows + h1) * HD + d] = o[mt][2 * hh + 1];
+    for (int sh = 4; sh < 32; sh <<= 1) {
+      l0[b] += __shfl_xor_sync(0xffffffffu, l0[b], sh);
+      l1[b] += __shfl_xor_sync(0xffffffffu, l1[b], sh);
     }
-  if (g == 0) s_m[warp][h0] = m0, s_m[warp][h1] = m1, s_l[warp][h0] = l0, s_l[warp][h1] = l1;  // -inf, 0: no tiles
+  __syncthreads();  // every warp is done with its stages
+  float* s_o = reinterpret_cast<float*>(ring);  // [NW][COLS][HD]
+#pragma unroll
+  for (int b = 0; b < NB; ++b) {
+    const int h0 = 8 * b + 2 * c, h1 = h0 + 1;
+#pragma unroll
+    for (int mt = 0; mt < Cfg::kMTiles; ++mt)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int d = paged_tdim<Cfg>(g, mt, hh);
+        if (h0 < ncols) s_o[(warp * COLS + h0) * HD + d] = o[b][mt][2 * hh];
+        if (h1 < ncols) s_o[(warp * COLS + h1) * HD + d] = o[b][mt][2 * hh + 1];
+      }
+    if (g == 0)  // -inf, 0: no tiles
+      s_m[warp][h0] = m0[b], s_m[warp][h1] = m1[b], s_l[warp][h0] = l0[b], s_l[warp][h1] = l1[b];
+  }
   __syncthreads();
   // MQ: a run's token without positions in this split writes nothing (the combine does not read it).
-  paged_mma_merge_warps<HD, NW>(
+  paged_mma_merge_warps<HD, NW, COLS>(
       a, s_o, s_m, s_l, ncols,
       [&](int h) -> int64_t { return !MQ || a.token_pos[t + h / G] + 1 > j0 ? col_row(h) : int64_t{-1}; }, split, hk);
 }
@@ -1618,13 +1663,13 @@ void launch_mma(const PagedArgs& a, int64_t T, cudaStream_t stream) {
   Var::fn()<<<grid, 32 * kMmaWarps, Var::kSmemBytes, stream>>>(a);
 }
 
-// The multi-query form of the default variant (paged_mmat_kernel<..., MQ = true>) over `runs`
-// query runs (a.qruns).
-template <int HD, class TP>
+// The multi-query form of the default variant (paged_mmat_kernel<..., MQ = NB>: NB blocks of 8
+// MMA columns) over `runs` query runs (a.qruns).
+template <int HD, class TP, int NB>
 void launch_mma_runs(const PagedArgs& a, int64_t runs, cudaStream_t stream) {
   constexpr int V = kMmaDefaultVariant;
   using Var = MmaVariant<HD, TP, V>;
-  const auto fn = paged_mmat_kernel<HD, TP, Var::kStages, paged_t_lazy(V), paged_t_copy(V), true>;
+  const auto fn = paged_mmat_kernel<HD, TP, Var::kStages, paged_t_lazy(V), paged_t_copy(V), NB>;
   static std::once_flag opted[64];
   int dev = 0;
   CUDA_CHECK(cudaGetDevice(&dev), "paged attention: cudaGetDevice");
@@ -1708,7 +1753,9 @@ bool paged_attention_runs_apply(int group, int variant, bool out_fp8) {
   return resolve_variant(variant) == kMmaDefaultVariant && !out_fp8 &&
          (group == 1 || group == 2 || group == 4 || group == 8);
 }
-int paged_attention_run_tokens(int group) { return group >= 1 && group <= kMmaRows ? kMmaRows / group : 1; }
+int paged_attention_run_tokens(int group) {
+  return group >= 1 && group <= kMmaRows ? kMmaRunBlocks * kMmaRows / group : 1;
+}
 
 // The kernels' arguments from a launcher's (the tensor-core and the CUDA-core launchers alike).
 static PagedArgs paged_args(const void* q, DType qdt, const int32_t* token_seq, const int32_t* token_pos,
@@ -1747,7 +1794,7 @@ void launch_paged_attention_mma(const void* q, DType qdt, const int32_t* token_s
                                 const float* k_scale, const float* v_scale, float scale, bool fp8_q,
                                 const PagedSplit& split, float* part_o, float* part_lse, void* out, cudaStream_t stream,
                                 int variant, float* lse_out, const PagedOutFp8* out_fp8, const int32_t* qruns,
-                                int64_t nruns) {
+                                int64_t nruns, int run_tokens) {
   if (T == 0) return;
   FP8RL_CHECK(!out_fp8 || hd == 128, "paged attention: the fused output quantizer needs head_dim 128, got ", hd);
   int v = resolve_variant(variant);
@@ -1776,14 +1823,23 @@ void launch_paged_attention_mma(const void* q, DType qdt, const int32_t* token_s
   }
   if (qruns && paged_attention_runs_apply(Hq / Hkv, v, out_fp8 != nullptr)) {
     FP8RL_CHECK(nruns * Hkv < (int64_t(1) << 31), "paged attention: runs * Hkv = ", nruns * Hkv, " exceeds the grid");
+    const int cols = run_tokens * (Hq / Hkv);
+    FP8RL_CHECK(run_tokens >= 1 && cols <= kMmaRunBlocks * kMmaRows, "paged attention: query runs of ", run_tokens,
+                " tokens x group ", Hq / Hkv, " exceed the kernel's ", kMmaRunBlocks * kMmaRows, " MMA columns");
     a.qruns = qruns;
-    if (pool_dt == DType::E4M3) {
-      if (hd == 64) launch_mma_runs<64, uint8_t>(a, nruns, stream);
-      else launch_mma_runs<128, uint8_t>(a, nruns, stream);
-    } else {
-      if (hd == 64) launch_mma_runs<64, bf16>(a, nruns, stream);
-      else launch_mma_runs<128, bf16>(a, nruns, stream);
-    }
+    // One block of 8 columns when the runs fit it, else two (each K / V tile read once for both).
+    auto launch = [&](auto nb) {
+      constexpr int NB = decltype(nb)::value;
+      if (pool_dt == DType::E4M3) {
+        if (hd == 64) launch_mma_runs<64, uint8_t, NB>(a, nruns, stream);
+        else launch_mma_runs<128, uint8_t, NB>(a, nruns, stream);
+      } else {
+        if (hd == 64) launch_mma_runs<64, bf16, NB>(a, nruns, stream);
+        else launch_mma_runs<128, bf16, NB>(a, nruns, stream);
+      }
+    };
+    if (cols <= kMmaRows) launch(std::integral_constant<int, 1>());
+    else launch(std::integral_constant<int, kMmaRunBlocks>());
   } else {
     with_variant(v, [&](auto vc) {
       constexpr int V = decltype(vc)::value;

@@ -218,15 +218,16 @@ void launch_mma_v(const PagedArgs& a, int64_t T) {
     if (!t_open.empty() || !t_groups.empty()) std::abort();  // every copy retired
   });
 }
-// The multi-query form of the default variant over `runs` query runs (a.qruns).
-template <int HD, class TP>
+// The multi-query form of the default variant (NB blocks of 8 MMA columns) over `runs` query
+// runs (a.qruns).
+template <int HD, class TP, int NB>
 void launch_mma_runs(const PagedArgs& a, int64_t runs) {
   constexpr int V = kMmaDefaultVariant, S = paged_t_stages<HD, TP>(V);
   constexpr int smem = PagedTCfg<HD, TP, S>::kSmemBytes;
   emu_launch(int(runs * a.Hkv), a.splits, smem, [&] {
     if (threadIdx.x == 0) std::memset(g_smem, 0xff, smem);
     __syncthreads();
-    paged_mmat_kernel<HD, TP, S, paged_t_lazy(V), paged_t_copy(V), true>(a);
+    paged_mmat_kernel<HD, TP, S, paged_t_lazy(V), paged_t_copy(V), NB>(a);
     if (!t_open.empty() || !t_groups.empty()) std::abort();
   });
 }
@@ -454,13 +455,15 @@ int run(const Case& c) {
       }
     }
     std::printf("  invariant plan: lse max |err| %.2e, %d token(s) differing alone\n", lerr, invariant_bad);
-    // Query runs (the multi-query kernel of the default variant): consecutive tokens of one
-    // sequence, up to 8 / G per run; out and lse bitwise the one-token CTAs'.
-    if (g_kern == Kern::Mma && g_variant == kMmaDefaultVariant && (G == 1 || G == 2 || G == 4 || G == 8)) {
+    // Query runs (the multi-query kernel of the default variant, one and two blocks of 8 MMA
+    // columns): consecutive tokens of one sequence, up to 8 nb / G per run; out and lse bitwise the
+    // one-token CTAs'.
+    for (int nb = 1; nb <= kMmaRunBlocks; ++nb) {
+      if (!(g_kern == Kern::Mma && g_variant == kMmaDefaultVariant && (G == 1 || G == 2 || G == 4 || G == 8))) break;
       std::vector<int32_t> runs;
       for (int64_t t = 0; t < T;) {
         int64_t n = 1;
-        while (t + n < T && n < 8 / G && seq[t + n] == seq[t] && pos[t + n] == pos[t + n - 1] + 1) ++n;
+        while (t + n < T && n < 8 * nb / G && seq[t + n] == seq[t] && pos[t + n] == pos[t + n - 1] + 1) ++n;
         runs.push_back(int32_t(t));
         runs.push_back(int32_t(n));
         t += n;
@@ -474,8 +477,15 @@ int run(const Case& c) {
       r.part_o = po.data();
       r.part_lse = pl.data();
       r.out_q = nullptr;
-      if (hd == 64) (c.pool == Pool::E4M3 ? launch_mma_runs<64, uint8_t>(r, R) : launch_mma_runs<64, bf16>(r, R));
-      else (c.pool == Pool::E4M3 ? launch_mma_runs<128, uint8_t>(r, R) : launch_mma_runs<128, bf16>(r, R));
+      auto launch = [&](auto nbc) {
+        constexpr int NB = decltype(nbc)::value;
+        if (hd == 64)
+          (c.pool == Pool::E4M3 ? launch_mma_runs<64, uint8_t, NB>(r, R) : launch_mma_runs<64, bf16, NB>(r, R));
+        else
+          (c.pool == Pool::E4M3 ? launch_mma_runs<128, uint8_t, NB>(r, R) : launch_mma_runs<128, bf16, NB>(r, R));
+      };
+      if (nb == 1) launch(std::integral_constant<int, 1>());
+      else launch(std::integral_constant<int, 2>());
       const int64_t rows = T * Hq;
       emu_launch(int((rows + 3) / 4), 1, 0, [&] {
         paged_combine_kernel(po.data(), pl.data(), pos.data(), rows, Hq, hd, plan.splits, plan.chunk, true, r.out,
@@ -487,8 +497,9 @@ int run(const Case& c) {
       for (int h = 0; h < Hq; ++h)
         for (int64_t t = 0; t < T; ++t)
           if (std::memcmp(&lse_r[size_t(h) * T + t], &lse_out[size_t(h) * T + t], 4) != 0) ++run_bad;
-      std::printf("  query runs (%ld runs of up to %d tokens): %d token outputs / lse differing from one-token CTAs\n",
-                  long(R), 8 / G, run_bad);
+      std::printf("  query runs (%d column block(s), %ld runs of up to %d tokens): %d token outputs / lse differing "
+                  "from one-token CTAs\n",
+                  nb, long(R), 8 * nb / G, run_bad);
       invariant_bad += run_bad;
     }
   }
