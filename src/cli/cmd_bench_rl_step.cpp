@@ -9,7 +9,7 @@
 //                       [--dgrad-weight-cache auto|on|off]
 //                       [--grad-dtype fp32|bf16] [--optimizer-state-dtype fp32|bf16]
 //                       [--free-gib G] [--allow-overcommit] [--plan-only] [--routing-replay]
-//                       [--steps 2] [--warmup 1] [--seed 1] [--json PATH]
+//                       [--old-logprobs auto|score] [--steps 2] [--warmup 1] [--seed 1] [--json PATH]
 //
 // Per recipe: a fresh trainer (FP32 master of random weights, the same for every recipe), an
 // optional frozen reference policy (--kl-beta > 0), a generator and its KV pool; then --warmup
@@ -17,7 +17,9 @@
 // of random ids, lengths uniform in [prompt_len / 2, prompt_len]; each response ends at a length
 // drawn from a seeded distribution — a fifth run to max_new_tokens, the rest uniform in
 // [max_new_tokens / 8, max_new_tokens] — so every batch is ragged), random 0/1 rewards, the
-// trainer's scoring (logp_old, entropy, q/k/v amax with an E4M3 cache), the reference's scoring,
+// trainer's scoring (logp_old, entropy, q/k/v amax with an E4M3 cache; --old-logprobs auto, the
+// default as in train.old_logprobs: only the sequences after the first mini-batch, whose scores
+// come from its own optimizer step's forward, timed in "training"), the reference's scoring,
 // the update (train/grpo_update.h, the loop's own), KV-scale calibration + refit. Per phase the
 // median seconds over the timed steps, tokens/s, the mismatch metrics, peak device memory and
 // the backend's slow-path counters (FP8 GEMM fallbacks must be 0). Table + JSON. Mixture-of-
@@ -62,7 +64,7 @@ constexpr const char* kUsage =
     "                           [--dgrad-weight-cache auto|on|off]\n"
     "                           [--micro-batch-tokens N] [--grad-dtype fp32|bf16] [--optimizer-state-dtype fp32|bf16]\n"
     "                           [--free-gib G] [--allow-overcommit] [--plan-only] [--routing-replay]\n"
-    "                           [--steps N] [--warmup N] [--seed N] [--json PATH]\n"
+    "                           [--old-logprobs auto|score] [--steps N] [--warmup N] [--seed N] [--json PATH]\n"
     "Times whole GRPO steps (generation, scoring, reference, training, refit + calibration) of a\n"
     "random-weight model with ragged response lengths, for each recipe (default bf16,fp8_gen,fp8_e2e).\n"
     "A recipe is a preset with optional overrides, PRESET[:key=value[+key=value]]: gen / train (linear\n"
@@ -85,7 +87,9 @@ constexpr const char* kUsage =
     "(--device cuda --plan-only --free-gib 139 plans an H200 run on any build).\n"
     "--grad-dtype / --optimizer-state-dtype bf16: the lean optimizer (train.grad_dtype, train.optimizer_state_dtype).\n"
     "MoE shapes: the routing agreement of the trainer with the generator, and the mismatch over the tokens routed\n"
-    "alike / differently; --routing-replay: the trainer replays the generator's routing (train.routing_replay).\n";
+    "alike / differently; --routing-replay: the trainer replays the generator's routing (train.routing_replay).\n"
+    "--old-logprobs (train.old_logprobs): auto (default) scores the first mini-batch in its own optimizer step's\n"
+    "forward (timed in training; one optimizer step: no scoring phase); score: a scoring pass over every sequence.\n";
 
 using Clock = std::chrono::steady_clock;
 
@@ -119,6 +123,7 @@ struct BenchSetup {
   int64_t free_bytes = -1;  // what each recipe's plan is checked against (< 0: unknown, no check)
   bool allow_overcommit = false;
   bool routing_replay = false;  // MoE: the trainer replays the generator's routing
+  bool old_from_forward = true;  // --old-logprobs auto: the first mini-batch scored by its own step's forward
   uint64_t seed = 1;
 };
 
@@ -323,20 +328,40 @@ RecipeResult bench_recipe(Backend& be, const BenchSetup& s, const std::string& r
       trainer.set_kv_rounding(used.k, used.v);
       if (reference) reference->set_kv_rounding(used.k, used.v);  // no KL from the rounding alone
     }
-    phase("scoring", [&] { old = trainer.score(ro.seqs, sp.temperature, /*entropy=*/true, fp8_kv); });
-    ro.logp_old = old.logp;
+    // --old-logprobs auto: the first mini-batch's sequences [0, from) are scored by their own
+    // optimizer step's forward (as the loop does, train.old_logprobs: auto).
+    const size_t from =
+        s.old_from_forward ? grpo_mini_batch_range(GrpoShard{}, ro.seqs.size(), s.optimizer_steps, 0).second : 0;
+    phase("scoring", [&] {
+      if (from < ro.seqs.size()) {
+        const std::vector<TrainSequence> rest(ro.seqs.begin() + static_cast<std::ptrdiff_t>(from), ro.seqs.end());
+        old = trainer.score(rest, sp.temperature, /*entropy=*/true, fp8_kv);
+      }
+    });
+    if (s.old_from_forward) {
+      ro.logp_old.assign(static_cast<size_t>(ro.offsets[from]), std::nanf(""));  // not read
+      ro.first_logp_old_from_forward = true;
+      ro.first_score = ScoreRequest{/*entropy=*/true, /*record_amax=*/fp8_kv};
+    }
+    ro.logp_old.insert(ro.logp_old.end(), old.logp.begin(), old.logp.end());
     phase("reference", [&] {
       if (reference) ro.logp_ref = reference->score(ro.seqs, sp.temperature, false, false).logp;
     });
-    const MismatchMetrics mm = metrics_compute_mismatch(ro.logp_old, ro.logp_gen);
+    GrpoUpdateResult up;
+    phase("training", [&] {
+      up = grpo_update(trainer, ro, lopt, s.optimizer_steps, sp.temperature, [](int64_t) { return 1e-6; },
+                       [](const StepResult& r) { return r.applied; });
+    });
+    if (s.old_from_forward) {
+      FP8RL_CHECK(up.first_scored_complete, "bench rl-step: the first optimizer step's forward met a non-finite value");
+      score_results_append(up.first_scored, old);
+      old = std::move(up.first_scored);
+    }
+    const MismatchMetrics mm = metrics_compute_mismatch(old.logp, ro.logp_gen);
     RoutingMetrics rm;
     if (s.model.is_moe())
-      rm = metrics_compute_routing(ro.logp_old, ro.logp_gen, old.routing_agreed, old.routing.pairs, old.routing.agreed,
+      rm = metrics_compute_routing(old.logp, ro.logp_gen, old.routing_agreed, old.routing.pairs, old.routing.agreed,
                                    old.routing.router_agreed);
-    phase("training", [&] {
-      grpo_update(trainer, ro, lopt, s.optimizer_steps, sp.temperature, [](int64_t) { return 1e-6; },
-                  [](const StepResult& r) { return r.applied; });
-    });
     be.profile_report(recipe_name + " scoring + reference + training", last);
     phase("refit_calibration", [&] {
       KvScales scales;
@@ -432,6 +457,9 @@ int run_bench(const std::vector<std::string>& argv) {
   s.prompt_len = args.get_int("prompt-len", 160, 1);
   s.max_new = args.get_int("max-new-tokens", 512, 1);
   s.optimizer_steps = args.get_int("optimizer-steps", 1, 1);
+  const std::string old_lp = args.get("old-logprobs", "auto");
+  FP8RL_CHECK(old_lp == "auto" || old_lp == "score", "--old-logprobs must be auto or score, got '", old_lp, "'");
+  s.old_from_forward = old_lp == "auto";
   s.micro_batch_tokens = args.get_int("micro-batch-tokens", 16384, 1);
   s.steps = args.get_int("steps", 2, 1);
   s.warmup = args.get_int("warmup", 1, 0);
@@ -476,11 +504,13 @@ int run_bench(const std::vector<std::string>& argv) {
   Backend& be = *backend;
   s.free_bytes = free_gib > 0 ? static_cast<int64_t>(free_gib * double(1ll << 30)) : be.free_device_bytes();
   std::printf("bench rl-step: device %s, model %s (%d layers, hidden %d, vocab %d), %d prompts x %d samples, prompt "
-              "<= %d, new tokens <= %d (ragged), kl_beta %g, %d optimizer step(s), micro-batch %lld tokens, %d "
+              "<= %d, new tokens <= %d (ragged), kl_beta %g, %d optimizer step(s) (logp_old %s), micro-batch %lld tokens, %d "
               "warm-up + %d timed steps per recipe; recompute %s, dgrad W^T cache %s, gradients %s, Adam moments "
               "%s; %s\n",
               be.name().c_str(), shape.c_str(), s.model.num_layers, s.model.hidden_size, s.model.vocab_size, s.P, s.G,
-              s.prompt_len, s.max_new, s.kl_beta, s.optimizer_steps, static_cast<long long>(s.micro_batch_tokens),
+              s.prompt_len, s.max_new, s.kl_beta, s.optimizer_steps,
+              s.old_from_forward ? "of the first mini-batch from its forward" : "scored",
+              static_cast<long long>(s.micro_batch_tokens),
               s.warmup, s.steps, s.recompute.c_str(), s.dgrad_weight_cache.c_str(), dtype_name(s.grad_dtype),
               dtype_name(s.moment_dtype),
               s.free_bytes < 0 ? "free memory unknown (no memory check)"
@@ -502,6 +532,7 @@ int run_bench(const std::vector<std::string>& argv) {
   j["max_new_tokens"] = s.max_new;
   j["kl_beta"] = s.kl_beta;
   j["optimizer_steps"] = s.optimizer_steps;
+  j["old_logprobs"] = s.old_from_forward ? "auto" : "score";
   j["micro_batch_tokens"] = s.micro_batch_tokens;
   j["recompute"] = s.recompute;
   j["dgrad_weight_cache"] = s.dgrad_weight_cache;

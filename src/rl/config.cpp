@@ -249,6 +249,10 @@ std::vector<Field> config_fields(RunConfig& c) {
   t.add_int64("train.micro_batch_tokens", tr.micro_batch_tokens, "tokens per forward/backward chunk");
   t.add_int("train.optimizer_steps_per_rollout", tr.optimizer_steps_per_rollout,
             "optimizer steps per GRPO step (mini-batches of the rollout batch)");
+  t.add_choice("train.old_logprobs", tr.old_logprobs, {"auto", "score"},
+               "where logp_old comes from: auto takes the first mini-batch's from its own optimizer step's forward "
+               "(the rollout's weights: nothing is updated before it) and scores only the later mini-batches first "
+               "(one optimizer step per rollout: no scoring pass); score: a scoring pass over every sequence");
   t.add_choice("train.recompute", tr.recompute, {"none", "block", "auto"},
                "activation recomputation: block keeps only each block's input and recomputes the block in "
                "backward (same gradients, ~1/5 of the saved activations, one more forward); auto: block when "

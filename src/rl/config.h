@@ -135,6 +135,11 @@ struct TrainSection {
   double grad_clip = 1.0;           // global grad-norm clip; 0 = off
   int64_t micro_batch_tokens = 4096;  // tokens per forward/backward chunk
   int optimizer_steps_per_rollout = 2;  // the rollout batch is split in this many mini-batches
+  // auto: the first mini-batch's logp_old (and the entropy, KV amax and routing records of its
+  // sequences) come from its own optimizer step's forward, which runs on the rollout's weights,
+  // so only the later mini-batches are scored beforehand (one optimizer step per rollout: no
+  // scoring pass at all); score: every sequence scored before the first step.
+  std::string old_logprobs = "auto";
   std::string recompute = "none";   // none | block: keep each block's input, recompute it in backward;
                                     // auto: block when the memory plan does not fit otherwise
   // on | off: an FP8 trainer keeps each FP8 linear's W^T quantization for the dgrad, refreshed

@@ -273,7 +273,12 @@ struct GrpoStep {
   std::vector<float> logp_gen;                                 // the generator's logprobs, concatenated over samples
   std::vector<int64_t> offsets{0};                             // where each sample's tokens start in logp_gen
   std::vector<float> advantages;
-  ScoreResult old;  // logp_old, entropy (+ q/k/v amax)
+  ScoreResult old;  // logp_old, entropy (+ q/k/v amax); all sequences once step_optimize has run
+  // train.old_logprobs auto: the first mini-batch is scored by its own optimizer step's forward
+  // (step_optimize); step_score scores this rank's sequences from old_from on.
+  bool own_first = false;
+  size_t old_from = 0;
+  bool old_complete = true;  // false: that forward stopped on a non-finite value (scores partial)
   std::vector<float> logp_ref;
   bool diverged = false;  // generation, scoring or the refit met a NaN/Inf: the step is skipped
 };
@@ -511,10 +516,35 @@ void step_rewards(GrpoRun& r, GrpoStep& d) {
   step_metrics_set_lengths(d.m, ls);
 }
 
-// Trainer scoring: logp_old (+ q/k/v amax for the KV scales), the reference's logprobs, and the
-// generator/trainer mismatch.
-void step_score(GrpoRun& r, GrpoStep& d) {
+// This rank's share of the step's global batch (whole prompt groups, rank order).
+GrpoShard step_shard(const GrpoRun& r) {
+  GrpoShard shard;
+  shard.comm = r.comm.get();
+  shard.first = static_cast<int64_t>(r.p_begin) * r.G;
+  shard.global_seqs = static_cast<int64_t>(r.P) * r.G;
+  return shard;
+}
+
+// The generator/trainer mismatch (and MoE routing) metrics of d.old against logp_gen.
+void step_mismatch_metrics(GrpoRun& r, GrpoStep& d, const std::vector<float>& logp_gen) {
   Communicator& comm = *r.comm;
+  MismatchMetrics mm = metrics_compute_mismatch(dist_all_gather_v(comm, d.old.logp), dist_all_gather_v(comm, logp_gen));
+  step_metrics_set_mismatch(d.m, mm);
+  d.m.entropy_mean = metrics_masked_mean(dist_all_gather_v(comm, d.old.entropy));
+  if (r.engine->weights().config.is_moe()) {  // the trainer's routing against the generator's
+    int64_t n[] = {d.old.routing.pairs, d.old.routing.agreed, d.old.routing.router_agreed};
+    comm.all_reduce(n, std::size(n), ReduceOp::Sum);
+    const RoutingMetrics rm =
+        metrics_compute_routing(dist_all_gather_v(comm, d.old.logp), dist_all_gather_v(comm, logp_gen),
+                                dist_all_gather_v(comm, d.old.routing_agreed), n[0], n[1], n[2]);
+    step_metrics_set_routing(d.m, rm);
+  }
+}
+
+// Trainer scoring: logp_old (+ q/k/v amax for the KV scales), the reference's logprobs, and the
+// generator/trainer mismatch. With train.old_logprobs auto the first mini-batch's sequences are
+// left to their optimizer step's forward (step_optimize completes d.old and the metrics).
+void step_score(GrpoRun& r, GrpoStep& d) {
   auto t0 = Clock::now();
   if (r.fp8_kv) {  // a recipe whose trainer rounds k/v as the cache does uses this rollout's scales
     const KvScales used = r.engine->kv_scales();
@@ -522,21 +552,28 @@ void step_score(GrpoRun& r, GrpoStep& d) {
     // The KL reference rounds the same way, so that rounding alone adds no KL at equal weights.
     if (r.reference) r.reference->set_kv_rounding(used.k, used.v);
   }
-  d.old = r.trainer->score(d.seqs, r.temperature, /*entropy=*/true, /*record_amax=*/r.fp8_kv);
+  d.own_first = r.c.train.old_logprobs == "auto";
+  d.old_from = d.own_first ? grpo_mini_batch_range(step_shard(r), d.seqs.size(), r.mini_batches, 0).second : 0;
+  if (d.old_from < d.seqs.size()) {
+    const std::vector<TrainSequence> rest(d.seqs.begin() + static_cast<std::ptrdiff_t>(d.old_from), d.seqs.end());
+    d.old = r.trainer->score(rest, r.temperature, /*entropy=*/true, /*record_amax=*/r.fp8_kv);
+  }
   if (r.reference) d.logp_ref = r.reference->score(d.seqs, r.temperature, false, false).logp;
   d.m.time_logprob_s = seconds_since(t0);
-  MismatchMetrics mm =
-      metrics_compute_mismatch(dist_all_gather_v(comm, d.old.logp), dist_all_gather_v(comm, d.logp_gen));
-  step_metrics_set_mismatch(d.m, mm);
-  d.m.entropy_mean = metrics_masked_mean(dist_all_gather_v(comm, d.old.entropy));
-  if (r.engine->weights().config.is_moe()) {  // the trainer's routing against the generator's
-    int64_t n[] = {d.old.routing.pairs, d.old.routing.agreed, d.old.routing.router_agreed};
-    comm.all_reduce(n, std::size(n), ReduceOp::Sum);
-    const RoutingMetrics rm =
-        metrics_compute_routing(dist_all_gather_v(comm, d.old.logp), dist_all_gather_v(comm, d.logp_gen),
-                                dist_all_gather_v(comm, d.old.routing_agreed), n[0], n[1], n[2]);
-    step_metrics_set_routing(d.m, rm);
-  }
+  if (!d.own_first) step_mismatch_metrics(r, d, d.logp_gen);
+}
+
+// d.old of the sequences [0, d.old_from) scored by the first optimizer step's forward, then the
+// rest's (sequence order), and the mismatch metrics over all of them.
+void step_merge_first_scores(GrpoRun& r, GrpoStep& d, ScoreResult&& first, bool complete,
+                             const std::vector<float>& logp_gen) {
+  score_results_append(first, d.old);
+  d.old = std::move(first);
+  // Every rank learns whether some rank's first forward stopped early (the metrics are collective).
+  int64_t incomplete = complete ? 0 : 1;
+  r.comm->all_reduce(&incomplete, 1, ReduceOp::Sum);
+  d.old_complete = incomplete == 0;
+  if (d.old_complete) step_mismatch_metrics(r, d, logp_gen);
 }
 
 // Optimizer steps over mini-batches of whole sequences (GRPO loss + IS correction [+ k3 KL]).
@@ -547,12 +584,14 @@ void step_optimize(GrpoRun& r, GrpoStep& d, BadStepGuard& bad_steps) {
   ro.offsets = std::move(d.offsets);
   ro.advantages = d.advantages;
   ro.logp_gen = std::move(d.logp_gen);
-  ro.logp_old = d.old.logp;
+  if (d.own_first) {  // the first mini-batch's tokens: from its own forward (not read here)
+    ro.logp_old.assign(static_cast<size_t>(ro.offsets[d.old_from]), std::nanf(""));
+    ro.first_logp_old_from_forward = true;
+    ro.first_score = ScoreRequest{/*entropy=*/true, /*record_amax=*/r.fp8_kv};
+  }
+  ro.logp_old.insert(ro.logp_old.end(), d.old.logp.begin(), d.old.logp.end());
   ro.logp_ref = std::move(d.logp_ref);
-  GrpoShard shard;  // this rank's sequences of the global batch (one rank: all of them)
-  shard.comm = r.comm.get();
-  shard.first = static_cast<int64_t>(r.p_begin) * r.G;
-  shard.global_seqs = static_cast<int64_t>(r.P) * r.G;
+  const GrpoShard shard = step_shard(r);  // this rank's sequences of the global batch (one rank: all of them)
   Progress train_bar("step " + std::to_string(d.step) + " train", r.mini_batches, stderr);
   int optimizer_steps_done = 0;
   const int64_t step = d.step;
@@ -565,6 +604,7 @@ void step_optimize(GrpoRun& r, GrpoStep& d, BadStepGuard& bad_steps) {
       },
       shard);
   train_bar.finish_quietly();
+  if (d.own_first) step_merge_first_scores(r, d, std::move(up.first_scored), up.first_scored_complete, ro.logp_gen);
   grpo_stats_all_reduce(*r.comm, up.stats);
   const double loss = up.loss, gnorm = up.grad_norm;  // global: the trainer reduced them
   d.grad_norm = gnorm;
@@ -582,7 +622,12 @@ void step_optimize(GrpoRun& r, GrpoStep& d, BadStepGuard& bad_steps) {
 void step_refit(GrpoRun& r, GrpoStep& d) {
   auto t0 = Clock::now();
   KvScales scales;
-  if (r.fp8_kv) {
+  if (r.fp8_kv && !d.old_complete) {
+    // The first optimizer step's forward (which scored its mini-batch) met a non-finite value:
+    // its amax are partial, so the scales stay those this rollout used.
+    scales = r.engine->kv_scales();
+    d.m.extra.push_back({"kv_scales_kept", 1.0});
+  } else if (r.fp8_kv) {
     scales = kv_scales_calibrate(amax_all_gather(*r.comm, d.old.k_amax), amax_all_gather(*r.comm, d.old.v_amax),
                                  static_cast<float>(r.c.precision.kv_calib_percentile),
                                  static_cast<float>(r.c.precision.kv_calib_margin));

@@ -4,6 +4,7 @@
 #pragma once
 #include <cstdint>
 #include <functional>
+#include <utility>
 #include <vector>
 
 #include "train/grpo.h"
@@ -19,6 +20,13 @@ struct GrpoRollout {
   std::vector<float> logp_gen;       // [tokens] generator numerics, at sampling
   std::vector<float> logp_old;       // [tokens] trainer numerics, before the update
   std::vector<float> logp_ref;       // [tokens] reference policy; empty without the KL term
+  // The first mini-batch's logp_old from its own optimizer step's forward instead of a scoring
+  // pass (nothing is updated before that step, so that forward's log-probs are the rollout
+  // weights' own; train.old_logprobs: auto): logp_old's values for that mini-batch's tokens are
+  // not read, and the update returns the forward's scores (GrpoUpdateResult::first_scored, what
+  // Trainer::score gives with `first_score`).
+  bool first_logp_old_from_forward = false;
+  ScoreRequest first_score;
   int64_t tokens() const { return offsets.empty() ? 0 : offsets.back(); }
 };
 
@@ -28,6 +36,11 @@ struct GrpoUpdateResult {
   double lr = 0;         // of the last optimizer step
   int steps = 0, applied = 0;
   GrpoStats stats;
+  // With GrpoRollout::first_logp_old_from_forward: this rank's sequences of the first mini-batch
+  // scored by that step's forward; complete false when the step stopped on a non-finite value
+  // (the scores then cover only the micro-batches before it).
+  ScoreResult first_scored;
+  bool first_scored_complete = false;
 };
 
 // Data parallelism: this rank holds sequences [first, first + seqs) of a global batch of
@@ -40,6 +53,10 @@ struct GrpoShard {
   int64_t first = 0;
   int64_t global_seqs = -1;  // -1: the rollout's own sequence count
 };
+
+// This rank's sequences [a, b) (local indices, possibly empty) of mini-batch `mb` of
+// `mini_batches` over the global batch, for a rank holding `local_seqs` sequences.
+std::pair<size_t, size_t> grpo_mini_batch_range(const GrpoShard& shard, size_t local_seqs, int mini_batches, int mb);
 
 // `mini_batches` optimizer steps, each over a contiguous share of the sequences, normalized by
 // its whole mini-batch. lr_at(optimizer step) gives each step's learning rate; on_step(result)

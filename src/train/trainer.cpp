@@ -124,6 +124,23 @@ std::vector<Tensor*> params_of(ModelWeights& w) {
   return out;
 }
 
+// Appends a micro-batch's scores to r as Trainer::score reports them (its packed response tokens'
+// logp, entropy when asked, the q/k/v amax when asked, the routing agreement when recorded).
+void append_scores(Backend& be, const LogprobResult& lr, const Packed& p, const std::optional<MoeRouting>& gen,
+                   const ScoreRequest& want, const std::vector<float>& logp, ScoreResult& r) {
+  if (gen) routing_agreement(*gen, lr.routing, lr.router_topk, p.logp_index, r.routing_agreed, r.routing);
+  r.logp.insert(r.logp.end(), logp.begin(), logp.end());
+  if (want.entropy) {
+    std::vector<float> en = gather(be, lr.entropy, p.logp_index);
+    r.entropy.insert(r.entropy.end(), en.begin(), en.end());
+  }
+  if (want.record_amax) {
+    r.q_amax.push_back(lr.q_amax);
+    r.k_amax.push_back(lr.k_amax);
+    r.v_amax.push_back(lr.v_amax);
+  }
+}
+
 }  // namespace
 
 BadStepGuard::BadStepGuard(int max_in_a_row, std::string hint) : max_in_a_row_(max_in_a_row), hint_(std::move(hint)) {
@@ -322,8 +339,21 @@ int64_t Trainer::dgrad_weight_cache_bytes() const {
   return bytes;
 }
 
+void score_results_append(ScoreResult& a, const ScoreResult& b) {
+  a.logp.insert(a.logp.end(), b.logp.begin(), b.logp.end());
+  a.entropy.insert(a.entropy.end(), b.entropy.begin(), b.entropy.end());
+  a.routing_agreed.insert(a.routing_agreed.end(), b.routing_agreed.begin(), b.routing_agreed.end());
+  a.q_amax.insert(a.q_amax.end(), b.q_amax.begin(), b.q_amax.end());
+  a.k_amax.insert(a.k_amax.end(), b.k_amax.begin(), b.k_amax.end());
+  a.v_amax.insert(a.v_amax.end(), b.v_amax.begin(), b.v_amax.end());
+  a.routing.pairs += b.routing.pairs;
+  a.routing.agreed += b.routing.agreed;
+  a.routing.router_agreed += b.routing.router_agreed;
+}
+
 ScoreResult Trainer::score(const std::vector<TrainSequence>& seqs, float temperature, bool entropy, bool record_amax) {
   ScoreResult r;
+  const ScoreRequest want{entropy, record_amax};
   for (auto [first, end] : micro_batches(seqs)) {
     Packed p = pack(seqs, first, end, pad_granule(), opt_.micro_batch_tokens);
     pad_tokens_ += p.pad;
@@ -337,24 +367,13 @@ ScoreResult Trainer::score(const std::vector<TrainSequence>& seqs, float tempera
     fo.record_routing = gen.has_value();
     if (gen && opt_.routing_replay) fo.replay_routing = &*gen;
     LogprobResult lr = model_forward_logprobs(be_, compute_weights(), prec_, p.batch, fo);
-    if (gen) routing_agreement(*gen, lr.routing, lr.router_topk, p.logp_index, r.routing_agreed, r.routing);
-    std::vector<float> lp = gather(be_, lr.logp, p.logp_index);
-    r.logp.insert(r.logp.end(), lp.begin(), lp.end());
-    if (entropy) {
-      std::vector<float> en = gather(be_, lr.entropy, p.logp_index);
-      r.entropy.insert(r.entropy.end(), en.begin(), en.end());
-    }
-    if (record_amax) {
-      r.q_amax.push_back(lr.q_amax);
-      r.k_amax.push_back(lr.k_amax);
-      r.v_amax.push_back(lr.v_amax);
-    }
+    append_scores(be_, lr, p, gen, want, gather(be_, lr.logp, p.logp_index), r);
   }
   return r;
 }
 
 void Trainer::forward_backward(const std::vector<TrainSequence>& seqs, float temperature, const TokenLossFn& loss_fn,
-                               StepResult& r) {
+                               StepResult& r, const ScoreRequest* score, ScoreResult* scored) {
   const ModelWeights& weights = compute_weights();
   for (auto [first, end] : micro_batches(seqs)) {
     Packed p = pack(seqs, first, end, pad_granule(), opt_.micro_batch_tokens);
@@ -365,11 +384,17 @@ void Trainer::forward_backward(const std::vector<TrainSequence>& seqs, float tem
     fo.recompute = opt_.recompute;
     fo.kv_round_k = kv_round_k_;
     fo.kv_round_v = kv_round_v_;
-    const std::optional<MoeRouting> gen =
-        opt_.routing_replay ? pack_routing(master_.config, seqs, first, end, p.batch.num_tokens()) : std::nullopt;
-    if (gen) fo.replay_routing = &*gen;
+    // Scoring in the same forward (score()'s options and records).
+    const bool rec = score && scored;
+    if (rec) fo.entropy = score->entropy, fo.record_qkv_amax = score->record_amax;
+    const std::optional<MoeRouting> gen = opt_.routing_replay || rec
+                                              ? pack_routing(master_.config, seqs, first, end, p.batch.num_tokens())
+                                              : std::nullopt;
+    if (gen && rec) fo.record_routing = true;
+    if (gen && opt_.routing_replay) fo.replay_routing = &*gen;
     LogprobResult out = model_forward_logprobs(be_, weights, prec_, p.batch, fo, &acts);
     std::vector<float> logp_new = gather(be_, out.logp, p.logp_index);
+    if (rec) append_scores(be_, out, p, gen, *score, logp_new, *scored);
     std::vector<float> grad(logp_new.size(), 0.0f);
     r.loss += loss_fn(first, end, logp_new, grad);
     // Scatter dloss/dlogp into the forward's [T] layout.
@@ -392,7 +417,7 @@ void Trainer::forward_backward(const std::vector<TrainSequence>& seqs, float tem
 }
 
 StepResult Trainer::step(const std::vector<TrainSequence>& seqs, float temperature, const TokenLossFn& loss_fn,
-                         float lr) {
+                         float lr, const ScoreRequest* score, ScoreResult* scored) {
   FP8RL_CHECK(!opt_.frozen, "a frozen policy (the KL reference) cannot take optimizer steps");
   StepResult r;
   model_grads_zero(be_, grads_, &grads_arena_);
@@ -400,7 +425,7 @@ StepResult Trainer::step(const std::vector<TrainSequence>& seqs, float temperatu
   // loss and the attention refuse them with NonFiniteError) skips this update like a
   // non-finite loss does: the weights and the optimizer state are only written below.
   try {
-    forward_backward(seqs, temperature, loss_fn, r);
+    forward_backward(seqs, temperature, loss_fn, r, score, scored);
   } catch (const NonFiniteError& e) {
     std::string msg = e.what();
     const size_t tag = msg.rfind(" [");  // drop the file:line tag

@@ -106,6 +106,16 @@ struct ScoreResult {
   RoutingAgreement routing;
 };
 
+// Appends b's scores (sequences after a's) to a: per-token arrays concatenated, amax lists
+// appended, routing counts summed.
+void score_results_append(ScoreResult& a, const ScoreResult& b);
+
+// What a forward that scores records (Trainer::score's entropy and record_amax).
+struct ScoreRequest {
+  bool entropy = false;
+  bool record_amax = false;
+};
+
 // loss_fn(first_seq, end_seq, logp_new, grad): the micro-batch holds sequences [first, end);
 // logp_new packs their response tokens; it writes dloss/dlogp_new into grad (same size) and
 // returns the micro-batch's share of the loss.
@@ -142,7 +152,13 @@ class Trainer {
   Trainer(Backend& backend, ModelWeights master, const EnginePrecision& precision, const TrainerOptions& options);
 
   ScoreResult score(const std::vector<TrainSequence>& seqs, float temperature, bool entropy, bool record_amax);
-  StepResult step(const std::vector<TrainSequence>& seqs, float temperature, const TokenLossFn& loss_fn, float lr);
+  // With `score` and `scored`: the step's forward also scores its sequences, appending to
+  // *scored what score(seqs, temperature, score->entropy, score->record_amax) would have returned
+  // before the step (the forward runs on the same weights, and its log-probs are the ones the
+  // loss sees; on the CPU reference bitwise score()'s, tested). A step that meets a non-finite
+  // value leaves *scored with the micro-batches done before it.
+  StepResult step(const std::vector<TrainSequence>& seqs, float temperature, const TokenLossFn& loss_fn, float lr,
+                  const ScoreRequest* score = nullptr, ScoreResult* scored = nullptr);
 
   // Data parallelism: step() sums the loss and the gradients over the communicator's ranks
   // before the norm, the clipping and AdamW, so every rank takes the same step. `seqs` is then
@@ -195,7 +211,7 @@ class Trainer {
   // step()'s forward and backward over every micro-batch: accumulates r.loss, the gradients
   // and r.grad_norm; throws NonFiniteError on non-finite data.
   void forward_backward(const std::vector<TrainSequence>& seqs, float temperature, const TokenLossFn& loss_fn,
-                        StepResult& r);
+                        StepResult& r, const ScoreRequest* score, ScoreResult* scored);
   // Whole sequences [first, end) per micro-batch.
   std::vector<std::pair<size_t, size_t>> micro_batches(const std::vector<TrainSequence>& seqs) const;
   int64_t pad_granule() const;  // TrainerOptions::pad_tokens_to, or the backend's row_granule()

@@ -5,7 +5,11 @@
 
 #include <map>
 
+#include <algorithm>
+#include <cmath>
+
 #include "test_model_util.h"
+#include "train/grpo_update.h"
 #include "train/trainer.h"
 
 namespace fp8rl {
@@ -264,6 +268,85 @@ TEST(TrainerPadding, NeverPastMicroBatchTokens) {
             EnginePrecision{LinearMode::FP32}, opt);
   t.score(seqs, 1.0f, false, false);
   EXPECT_EQ(t.padding_tokens(), 11);  // 17 alone (32 > 20: unpadded) | 5 -> 16
+}
+
+// train.old_logprobs auto: the first mini-batch's logp_old comes from its own optimizer step's
+// forward instead of a scoring pass. That forward runs on the rollout's weights, so the update is
+// the scored update bit for bit (loss, statistics, every weight after each optimizer step), and
+// the scores it hands back (logp, entropy, q/k/v amax) are score()'s for those sequences — dense
+// and MoE, FP32 and FP8 linears, one optimizer step per rollout (no scoring pass at all) and two
+// (the second mini-batch scored first).
+TEST(OldLogprobsFromForward, IsTheScoredUpdateBitwise) {
+  auto be = make_cpu_backend();
+  std::vector<TrainSequence> seqs;
+  for (const auto& ids : test::token_sequences({9, 7, 11, 6, 8, 10}, 48, 17)) seqs.push_back({ids, 3});
+  const ModelWeights moe = tiny_moe(2, 29);
+  const ModelWeights dense = test::tiny_model("qwen2", DType::F32, 73);
+  GrpoLossOptions lopt;
+  lopt.is_mode = IsMode::TIS;
+  for (const ModelWeights* host : {&dense, &moe})
+    for (const EnginePrecision& prec : {fp8(false, 0), EnginePrecision{LinearMode::FP32}})
+      for (int mini_batches : {1, 2}) {
+        SCOPED_TRACE(host->config.model_type + (prec.linear == LinearMode::FP8_BLOCK ? ", FP8" : ", FP32") + ", " +
+                     std::to_string(mini_batches) + " mini-batch(es)");
+        TrainerOptions opt;
+        opt.micro_batch_tokens = 20;  // several micro-batches per mini-batch
+        Trainer scored(*be, model_weights_to_device(*be, *host, DType::F32), prec, opt);
+        Trainer own(*be, model_weights_to_device(*be, *host, DType::F32), prec, opt);
+        GrpoRollout ro;
+        ro.seqs = seqs;
+        ro.offsets = {0};
+        for (const TrainSequence& t : seqs) ro.offsets.push_back(ro.offsets.back() + t.response_len());
+        ro.advantages = {1.0f, -0.5f, 0.25f, -1.0f, 0.75f, -0.25f};
+        const ScoreResult all = scored.score(seqs, 1.0f, /*entropy=*/true, /*record_amax=*/true);
+        ro.logp_gen = all.logp;
+        for (size_t i = 0; i < ro.logp_gen.size(); ++i) ro.logp_gen[i] += 0.05f * static_cast<float>(i % 5) - 0.1f;
+        GrpoRollout ro_scored = ro, ro_own = ro;
+        ro_scored.logp_old = all.logp;
+        const size_t from = grpo_mini_batch_range(GrpoShard{}, seqs.size(), mini_batches, 0).second;
+        ro_own.logp_old.assign(static_cast<size_t>(ro.offsets[from]), std::nanf(""));  // must not be read
+        const std::vector<TrainSequence> rest(seqs.begin() + static_cast<std::ptrdiff_t>(from), seqs.end());
+        if (!rest.empty()) {
+          const std::vector<float> lp = own.score(rest, 1.0f, false, false).logp;
+          ro_own.logp_old.insert(ro_own.logp_old.end(), lp.begin(), lp.end());
+        }
+        ro_own.first_logp_old_from_forward = true;
+        ro_own.first_score = ScoreRequest{true, true};
+        std::vector<std::map<std::string, std::vector<float>>> wa, wb;
+        const GrpoUpdateResult a = grpo_update(
+            scored, ro_scored, lopt, mini_batches, 1.0f, [](int64_t) { return 2e-2; },
+            [&](const StepResult& r) {
+              wa.push_back(params(*be, scored));
+              return r.applied;
+            });
+        const GrpoUpdateResult b = grpo_update(
+            own, ro_own, lopt, mini_batches, 1.0f, [](int64_t) { return 2e-2; },
+            [&](const StepResult& r) {
+              wb.push_back(params(*be, own));
+              return r.applied;
+            });
+        ASSERT_EQ(a.applied, mini_batches);
+        ASSERT_EQ(b.applied, mini_batches);
+        EXPECT_EQ(a.loss, b.loss);
+        EXPECT_EQ(a.grad_norm, b.grad_norm);
+        EXPECT_EQ(a.stats.clipped, b.stats.clipped);
+        EXPECT_EQ(a.stats.truncated, b.stats.truncated);
+        EXPECT_EQ(a.stats.is_weight_sum, b.stats.is_weight_sum);
+        ASSERT_EQ(wa.size(), wb.size());
+        for (size_t i = 0; i < wa.size(); ++i) EXPECT_TRUE(wa[i] == wb[i]) << "the weights after optimizer step " << i;
+        // The first mini-batch's scores from its forward: score()'s (before any update).
+        ASSERT_TRUE(b.first_scored_complete);
+        const int64_t n0 = ro.offsets[from];
+        ASSERT_EQ(b.first_scored.logp.size(), static_cast<size_t>(n0));
+        EXPECT_TRUE(std::equal(b.first_scored.logp.begin(), b.first_scored.logp.end(), all.logp.begin()));
+        EXPECT_TRUE(std::equal(b.first_scored.entropy.begin(), b.first_scored.entropy.end(), all.entropy.begin()));
+        EXPECT_FALSE(b.first_scored.k_amax.empty());
+        if (from == seqs.size()) {  // one mini-batch: the same micro-batches as score()'s
+          EXPECT_EQ(b.first_scored.q_amax, all.q_amax);
+          EXPECT_EQ(b.first_scored.k_amax, all.k_amax);
+          EXPECT_EQ(b.first_scored.v_amax, all.v_amax);
+        }
+      }
 }
 
 }  // namespace
