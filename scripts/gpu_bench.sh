@@ -5,6 +5,7 @@
 # FP8RL_STAGES (space-separated, default "rlstep"):
 #   rlstep          fp8rl bench rl-step on FP8RL_RLSTEP_MODEL (qwen3-1.7b): bf16, fp8_gen, fp8_e2e,
 #                   16 prompts x 16 samples x FP8RL_RLSTEP_NEW (512) new tokens, ragged
+#   rlstep_x<N>     an extra bench rl-step with FP8RL_RLSTEP_X<N>_ARGS under the env FP8RL_RLSTEP_X<N>_ENV
 #   rlstep_narrow   rlstep with FP8RL_FP8_GEMM=auto FP8RL_FP8_GEMM_BN=64 (the own kernel's 64-column tiles
 #                   for the decode products it prefers); skipped when the CudaFp8Gemm tests failed
 #   rlstep_attnq    rlstep with FP8RL_CUDA_ATTN_FP8_OUT=1 (the decode attention writes o's FP8 input itself)
@@ -112,6 +113,14 @@ for stage in ${FP8RL_STAGES:-rlstep}; do
         --max-new-tokens "${FP8RL_RLSTEP_NEW:-512}" ${FP8RL_RLSTEP_ARGS:-} --json "$OUT/rlstep.json" > "$OUT/rlstep.log" 2>&1
       note "bench rl-step: rc=$?"; sed -n '/^phase/,$p' "$OUT/rlstep.log" | tee -a "$SUMMARY"
       grep -iE "error|warning" "$OUT/rlstep.log" | head -5 | tee -a "$SUMMARY" ;;
+    rlstep_x*)  # an extra bench rl-step: FP8RL_<STAGE>_ARGS (e.g. FP8RL_RLSTEP_X1_ARGS) after the model and
+      # new-token options, under the env assignments FP8RL_<STAGE>_ENV (e.g. "FP8RL_CONSISTENT_LT_ROWS=1")
+      up=$(echo "$stage" | tr a-z A-Z); xargs_var="FP8RL_${up}_ARGS"; xenv_var="FP8RL_${up}_ENV"
+      env ${!xenv_var:-} timeout $(( $(left) - 20 )) "$FP8RL" bench rl-step --device cuda \
+        --model "${FP8RL_RLSTEP_MODEL:-qwen3-1.7b}" --max-new-tokens "${FP8RL_RLSTEP_NEW:-512}" ${!xargs_var:-} \
+        --json "$OUT/$stage.json" > "$OUT/$stage.log" 2>&1
+      note "bench rl-step ($stage: ${!xenv_var:-} ${!xargs_var:-}): rc=$?"; sed -n '/^phase/,$p' "$OUT/$stage.log" | tee -a "$SUMMARY"
+      grep -iE "error|warning" "$OUT/$stage.log" | head -5 | tee -a "$SUMMARY" ;;
     rlstep_narrow)  # bench rl-step with the decode products the own kernel prefers (FP8RL_FP8_GEMM=auto) on
       # 64-column tiles (FP8RL_FP8_GEMM_BN=64): bf16 and fp8_e2e side by side
       if [ -n "${OWN_GEMM_BROKEN:-}" ]; then note "rlstep_narrow: skipped (CudaFp8Gemm failed)"; continue; fi
