@@ -169,11 +169,13 @@ TEST(CudaQuant, PaddedTransposeIsTheUnpaddedOnePlusZeros) {
 // ---- column sums: the norm weight and bias gradients ------------------------------------
 
 // rmsnorm_backward's dw and linear_backward's dbias sum over rows in per-chunk partials added in
-// chunk order (no atomics): two runs give the same bits, at row counts that use 1 and 64 chunks
-// (the result within 1e-5 of a double-precision sum, as a check that every row counts once).
+// a fixed order (no atomics): two runs give the same bits, at row counts that use 1 and 64 chunks,
+// and at the q/k-norm and hidden widths of the fused RMSNorm backward (a warp per row, a block per
+// row; hundreds of partial rows), each within 1e-5 of a double-precision sum (every row counts
+// once).
 TEST(CudaColumnSums, NormWeightAndBiasGradientsAreTheSameBitsEveryRun) {
-  for (int64_t R : {int64_t(5), int64_t(1000)}) {
-    const int64_t D = 384;
+  const std::pair<int64_t, int64_t> shapes[] = {{5, 384}, {1000, 384}, {4099, 128}, {600, 2048}};
+  for (const auto& [R, D] : shapes) {
     const Tensor x = rnd({R, D}, 31, DType::BF16), dout = rnd({R, D}, 32, DType::BF16);
     const Tensor w = rnd({D}, 33);
     Tensor rstd = rnd({R}, 34);
@@ -191,18 +193,19 @@ TEST(CudaColumnSums, NormWeightAndBiasGradientsAreTheSameBitsEveryRun) {
       G().linear_backward(dev(dout), dev(x), W, LinearSpec{LinearMode::BF16, false}, nullptr, nullptr, &db);
       dbs.push_back(host(db));
     }
-    EXPECT_TRUE(bytes_equal(dws[0], dws[1])) << "rmsnorm dw, " << R << " rows";
-    EXPECT_TRUE(bytes_equal(dbs[0], dbs[1])) << "dbias, " << R << " rows";
+    EXPECT_TRUE(bytes_equal(dws[0], dws[1])) << "rmsnorm dw, " << R << " x " << D;
+    EXPECT_TRUE(bytes_equal(dbs[0], dbs[1])) << "dbias, " << R << " x " << D;
     const std::vector<float> xs = to_float_vector(x), gs = to_float_vector(dout), rs = to_float_vector(rstd);
     for (int64_t d = 0; d < D; ++d) {
-      double sw = 0, sb = 0, mag = 0;
+      double sw = 0, sb = 0, mag = 0, magw = 0;
       for (int64_t r = 0; r < R; ++r) {
         sw += double(gs[r * D + d]) * xs[r * D + d] * rs[r];
         sb += gs[r * D + d];
         mag += std::fabs(double(gs[r * D + d]));
+        magw += std::fabs(double(gs[r * D + d]) * xs[r * D + d] * rs[r]);
       }
-      ASSERT_NEAR(dbs[0].data<float>()[d], sb, 1e-5 * (1 + mag)) << "dbias column " << d;
-      ASSERT_TRUE(std::isfinite(dws[0].data<float>()[d]) && std::isfinite(sw)) << d;
+      ASSERT_NEAR(dbs[0].data<float>()[d], sb, 1e-5 * (1 + mag)) << "dbias column " << d << ", " << R << " x " << D;
+      ASSERT_NEAR(dws[0].data<float>()[d], sw, 1e-5 * (1 + magw)) << "dw column " << d << ", " << R << " x " << D;
     }
   }
 }

@@ -464,7 +464,7 @@ void CudaBackend::rmsnorm_backward_impl(const Tensor& dout, const Tensor& x, con
   }
   const OpTimer op_timer_(*this, "rmsnorm_backward");
   const int64_t D = x.dim(-1), R = rows_of(x);
-  Tensor part = scratch(kSlotColSums, {column_sum_chunks(R), D}, DType::F32);
+  Tensor part = scratch(kSlotColSums, {rmsnorm_backward_partial_rows(R), D}, DType::F32);
   launch_rmsnorm_backward(dout.raw(), dout.dtype(), x.raw(), x.dtype(), w.raw(), w.dtype(), rstd.data<float>(), R, D,
                           dx.raw(), dx.dtype(), dw.data<float>(), part.data<float>(), stream_);
 }

@@ -203,7 +203,38 @@ __global__ void add_column_partials_kernel(const float* part, int64_t chunks, in
   }
 }
 
+// out[c] += the sum of part[0 .. chunks)[c]: thread (x, y) of a (32 x Y) block adds chunks y,
+// y + Y, ... of column 32 b + x in order, then row y = 0 adds the Y sums in order.
+template <int Y>
+__global__ void sum_column_partials_kernel(const float* part, int64_t chunks, int64_t cols, float* out) {
+  __shared__ float sy[Y][33];
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x;
+  float acc = 0.0f;
+  if (c < cols) {
+#pragma unroll 8
+    for (int64_t y = threadIdx.y; y < chunks; y += Y) acc += part[y * cols + c];
+  }
+  sy[threadIdx.y][threadIdx.x] = acc;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < cols) {
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < Y; ++j) sum += sy[j][threadIdx.x];
+    out[c] += sum;
+  }
+}
+
 }  // namespace
+
+void launch_sum_column_partials(const float* part, int64_t chunks, int64_t cols, float* out, cudaStream_t stream) {
+  if (cols == 0) return;
+  const unsigned blocks = static_cast<unsigned>(ceil_div(cols, 32));
+  if (cols <= 1024)  // few columns: more threads per column
+    sum_column_partials_kernel<32><<<blocks, dim3(32, 32), 0, stream>>>(part, chunks, cols, out);
+  else
+    sum_column_partials_kernel<8><<<blocks, dim3(32, 8), 0, stream>>>(part, chunks, cols, out);
+  CUDA_CHECK_LAUNCH("sum_column_partials_kernel");
+}
 
 void launch_fill(void* p, DType dtype, int64_t n, float value, cudaStream_t stream) {
   if (n == 0) return;

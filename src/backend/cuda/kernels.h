@@ -83,6 +83,8 @@ void launch_add_bias(void* out, DType odt, const void* bias, DType bdt, int64_t 
 // then out[c] += the partials in chunk order (launch_add_column_partials).
 int64_t column_sum_chunks(int64_t rows);
 void launch_add_column_partials(const float* part, int64_t chunks, int64_t cols, float* out, cudaStream_t stream);
+// The same sum for many chunks (a fixed tree: 8 or 32 interleaved runs, then their sums in order).
+void launch_sum_column_partials(const float* part, int64_t chunks, int64_t cols, float* out, cudaStream_t stream);
 // dbias[c] += sum_r dy[r, c] ; dbias F32; part: column_sum_chunks(rows) x cols floats.
 void launch_bias_grad(const void* dy, DType dt, int64_t rows, int64_t cols, float* dbias, float* part,
                       cudaStream_t stream);
@@ -124,7 +126,10 @@ void launch_embedding_backward(const int32_t* ids, int64_t T, const void* dout, 
                                float* dtable, int* bad_flag, void* scratch, int64_t scratch_bytes, cudaStream_t stream);
 void launch_rmsnorm(const void* x, DType xdt, const void* w, DType wdt, int64_t R, int64_t D, float eps, void* out,
                     DType odt, float* rstd, cudaStream_t stream);
-// dw += sum_r dout * x * rstd by column_sum_chunks(R) partials in dw_part [chunks, D] (F32).
+// dw += sum_r dout * x * rstd by partial sums in dw_part [rmsnorm_backward_partial_rows(R), D] (F32):
+// for 8-aligned rows of D <= 256 or of up to 2 chunks of 8 per thread one pass over dout and x
+// writes dx and the partials of row ranges, else column_sum_chunks(R) partials of a second pass.
+int64_t rmsnorm_backward_partial_rows(int64_t R);
 void launch_rmsnorm_backward(const void* dout, DType gdt, const void* x, DType xdt, const void* w, DType wdt,
                              const float* rstd, int64_t R, int64_t D, void* dx, DType dxdt, float* dw, float* dw_part,
                              cudaStream_t stream);

@@ -187,6 +187,111 @@ __global__ void rmsnorm_backward_warp_kernel(const TG* g, const TX* x, const TW*
   }
 }
 
+// The fused backward: dx (the arithmetic of the kernels above) and the weight gradient's partial
+// sums in one pass over g and x. CTA b takes the rows [b rows, (b + 1) rows) in row order and
+// keeps each column's sum of g x rstd in registers, written to part[b] (launch_sum_column_partials
+// then adds the CTAs' rows in a fixed order: the same bits every run).
+// D <= 8 NCH blockDim.x, one block_sum per row, as rmsnorm_backward_vec_kernel<NCH>. Each row's g
+// and x are loaded while the row before is reduced (their loads in flight across its barriers).
+template <class TG, class TX, class TW, class TO, int NCH>
+__global__ void rmsnorm_backward_dw_vec_kernel(const TG* g, const TX* x, const TW* w, const float* rstd, int64_t R,
+                                               int64_t D, int64_t rows, TO* dx, float* part) {
+  __shared__ float red[32];
+  float acc[NCH][8], wv[NCH][8], gn[NCH][8], xn[NCH][8];
+  int64_t dk[NCH];
+#pragma unroll
+  for (int k = 0; k < NCH; ++k) {
+    dk[k] = threadIdx.x * 8 + static_cast<int64_t>(k) * blockDim.x * 8;
+    if (dk[k] < D) load8(w + dk[k], wv[k]);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[k][i] = 0.0f;
+  }
+  auto load_row = [&](int64_t r) {
+#pragma unroll
+    for (int k = 0; k < NCH; ++k)
+      if (dk[k] < D) load8(g + r * D + dk[k], gn[k]), load8(x + r * D + dk[k], xn[k]);
+  };
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * rows, r1 = r0 + rows < R ? r0 + rows : R;
+  if (r0 < r1) load_row(r0);
+  for (int64_t r = r0; r < r1; ++r) {
+    float gv[NCH][8], xv[NCH][8];
+#pragma unroll
+    for (int k = 0; k < NCH; ++k)
+#pragma unroll
+      for (int i = 0; i < 8; ++i) gv[k][i] = gn[k][i], xv[k][i] = xn[k][i];
+    if (r + 1 < r1) load_row(r + 1);
+    const float rs = rstd[r];
+    float dot = 0.0f;
+#pragma unroll
+    for (int k = 0; k < NCH; ++k)
+      if (dk[k] < D) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) dot += gv[k][i] * wv[k][i] * xv[k][i];
+      }
+    dot = block_sum(dot, red);
+    const float c = rs * rs * rs * dot / static_cast<float>(D);
+#pragma unroll
+    for (int k = 0; k < NCH; ++k) {
+      if (dk[k] >= D) continue;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[k][i] += gv[k][i] * xv[k][i] * rs;
+      rms_bwd_store8(dx + r * D + dk[k], rs, c, gv[k], wv[k], xv[k]);
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < NCH; ++k)
+    if (dk[k] < D) store8(part + static_cast<int64_t>(blockIdx.x) * D + dk[k], acc[k]);
+}
+// D <= 256: warp y of the CTA takes rows r0 + y, r0 + y + 8, ... (a warp per row, as
+// rmsnorm_backward_warp_kernel, the next row's loads issued before this one's reduction); the 8
+// warps' column sums are added in warp order at the end.
+template <class TG, class TX, class TW, class TO>
+__global__ void rmsnorm_backward_dw_warp_kernel(const TG* g, const TX* x, const TW* w, const float* rstd, int64_t R,
+                                                int64_t D, int64_t rows, TO* dx, float* part) {
+  __shared__ float sacc[kRmsRowsPerBlock][256];
+  const int lane = static_cast<int>(threadIdx.x), wy = static_cast<int>(threadIdx.y);
+  const int64_t d = lane * 8;
+  const bool on = d < D;
+  float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f}, wv[8], gn[8], xn[8];
+  if (on) load8(w + d, wv);
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * rows, r1 = r0 + rows < R ? r0 + rows : R;
+  if (on && r0 + wy < r1) load8(g + (r0 + wy) * D + d, gn), load8(x + (r0 + wy) * D + d, xn);
+  for (int64_t r = r0 + wy; r < r1; r += kRmsRowsPerBlock) {  // uniform per warp
+    float gv[8], xv[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) gv[i] = gn[i], xv[i] = xn[i];
+    if (on && r + kRmsRowsPerBlock < r1)
+      load8(g + (r + kRmsRowsPerBlock) * D + d, gn), load8(x + (r + kRmsRowsPerBlock) * D + d, xn);
+    const float rs = rstd[r];
+    float dot = 0.0f;
+    if (on) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) dot += gv[i] * wv[i] * xv[i];
+    }
+    dot = warp_sum(dot) + 0.0f;
+    const float c = rs * rs * rs * dot / static_cast<float>(D);
+    if (on) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[i] += gv[i] * xv[i] * rs;
+      rms_bwd_store8(dx + r * D + d, rs, c, gv, wv, xv);
+    }
+  }
+  if (on) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) sacc[wy][d + i] = acc[i];
+  }
+  __syncthreads();
+  for (int64_t col = wy * 32 + lane; col < D; col += 32 * kRmsRowsPerBlock) {
+    float sum = 0.0f;
+#pragma unroll
+    for (int y = 0; y < kRmsRowsPerBlock; ++y) sum += sacc[y][col];
+    part[static_cast<int64_t>(blockIdx.x) * D + col] = sum;
+  }
+}
+// The fused backward's CTAs (partial rows) for R rows, and the rows each takes.
+constexpr int64_t kRmsBwdCtas = 528;  // four per SM on 132 SMs
+int64_t rms_bwd_rows_per_cta(int64_t R) { return ceil_div(R, kRmsBwdCtas); }
+
 // dx = rs * (w * g) - x * rs^3 / D * sum(w * g * x).
 template <class TG, class TX, class TW, class TO>
 __global__ void rmsnorm_backward_kernel(const TG* g, const TX* x, const TW* w, const float* rstd, int64_t D, TO* dx) {
@@ -473,6 +578,10 @@ void launch_rmsnorm(const void* x, DType xdt, const void* w, DType wdt, int64_t 
   CUDA_CHECK_LAUNCH("rmsnorm_kernel");
 }
 
+int64_t rmsnorm_backward_partial_rows(int64_t R) {
+  return std::max(column_sum_chunks(R), R > 0 ? ceil_div(R, rms_bwd_rows_per_cta(R)) : int64_t{1});
+}
+
 void launch_rmsnorm_backward(const void* dout, DType gdt, const void* x, DType xdt, const void* w, DType wdt,
                              const float* rstd, int64_t R, int64_t D, void* dx, DType dxdt, float* dw, float* dw_part,
                              cudaStream_t stream) {
@@ -481,18 +590,37 @@ void launch_rmsnorm_backward(const void* dout, DType gdt, const void* x, DType x
   FP8RL_DISPATCH_FLOAT(wdt, "rmsnorm weight", {
     using TW = T;
     FP8RL_DISPATCH_FLOAT(xdt, "rmsnorm input", {
-      if (vec8_ok(D, {dout, x, w, dx}) && D <= 256) {
+      const bool vec = vec8_ok(D, {dout, x, w, dx});
+      const int threads = vec_row_threads(D);
+      const int64_t nch = ceil_div(D, 8 * static_cast<int64_t>(threads));  // chunks per thread
+      if (vec && (D <= 256 || nch <= 2)) {  // the fused pass: dx and the dw partials
+        const int64_t rows = rms_bwd_rows_per_cta(R), ctas = ceil_div(R, rows);
+        if (D <= 256) {
+          rmsnorm_backward_dw_warp_kernel<T, T, TW, T>
+              <<<static_cast<unsigned>(ctas), dim3(32, kRmsRowsPerBlock), 0, stream>>>(
+                  static_cast<const T*>(dout), static_cast<const T*>(x), static_cast<const TW*>(w), rstd, R, D, rows,
+                  static_cast<T*>(dx), dw_part);
+        } else {
+          const auto kernel = nch == 1 ? rmsnorm_backward_dw_vec_kernel<T, T, TW, T, 1>
+                                       : rmsnorm_backward_dw_vec_kernel<T, T, TW, T, 2>;
+          kernel<<<static_cast<unsigned>(ctas), threads, 0, stream>>>(
+              static_cast<const T*>(dout), static_cast<const T*>(x), static_cast<const TW*>(w), rstd, R, D, rows,
+              static_cast<T*>(dx), dw_part);
+        }
+        CUDA_CHECK_LAUNCH("rmsnorm_backward_dw_kernel");
+        launch_sum_column_partials(dw_part, ctas, D, dw, stream);
+        return;
+      }
+      if (vec && D <= 256) {
         const dim3 block(32, kRmsRowsPerBlock);
         rmsnorm_backward_warp_kernel<T, T, TW, T>
             <<<static_cast<unsigned>(ceil_div(R, kRmsRowsPerBlock)), block, 0, stream>>>(
                 static_cast<const T*>(dout), static_cast<const T*>(x), static_cast<const TW*>(w), rstd, R, D,
                 static_cast<T*>(dx));
-      } else if (vec8_ok(D, {dout, x, w, dx})) {
-        const int threads = vec_row_threads(D);
-        const int chunks = static_cast<int>(ceil_div(D, 8 * static_cast<int64_t>(threads)));  // per thread
-        const auto kernel = chunks == 1   ? rmsnorm_backward_vec_kernel<T, T, TW, T, 1>
-                            : chunks == 2 ? rmsnorm_backward_vec_kernel<T, T, TW, T, 2>
-                                          : rmsnorm_backward_vec_kernel<T, T, TW, T, 0>;
+      } else if (vec) {
+        const auto kernel = nch == 1   ? rmsnorm_backward_vec_kernel<T, T, TW, T, 1>
+                            : nch == 2 ? rmsnorm_backward_vec_kernel<T, T, TW, T, 2>
+                                       : rmsnorm_backward_vec_kernel<T, T, TW, T, 0>;
         kernel<<<static_cast<unsigned>(R), threads, 0, stream>>>(static_cast<const T*>(dout), static_cast<const T*>(x),
                                                                  static_cast<const TW*>(w), rstd, D,
                                                                  static_cast<T*>(dx));
