@@ -623,8 +623,8 @@ void step_refit(GrpoRun& r, GrpoStep& d) {
   auto t0 = Clock::now();
   KvScales scales;
   if (r.fp8_kv && !d.old_complete) {
-    // The first optimizer step's forward (which scored its mini-batch) met a non-finite value:
-    // its amax are partial, so the scales stay those this rollout used.
+    // The first optimizer step (whose forward scored its mini-batch) met a non-finite value: its
+    // amax may be partial or non-finite, so the scales stay those this rollout used.
     scales = r.engine->kv_scales();
     d.m.extra.push_back({"kv_scales_kept", 1.0});
   } else if (r.fp8_kv) {

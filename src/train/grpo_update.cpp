@@ -64,7 +64,10 @@ GrpoUpdateResult grpo_update(Trainer& trainer, const GrpoRollout& r, const GrpoL
     const StepResult sr = own_old ? trainer.step(part, temperature, loss, static_cast<float>(out.lr), &r.first_score,
                                                  &out.first_scored)
                                   : trainer.step(part, temperature, loss, static_cast<float>(out.lr));
-    if (own_old) out.first_scored_complete = out.first_scored.logp.size() == static_cast<size_t>(offs.back());
+    // A step that was not applied met a non-finite value (in its forward, loss or gradient): its
+    // scores may be partial or hold that value.
+    if (own_old)
+      out.first_scored_complete = sr.applied && out.first_scored.logp.size() == static_cast<size_t>(offs.back());
     out.loss += sr.loss;
     out.grad_norm = std::max(out.grad_norm, sr.grad_norm);
     ++out.steps;

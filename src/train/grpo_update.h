@@ -37,8 +37,8 @@ struct GrpoUpdateResult {
   int steps = 0, applied = 0;
   GrpoStats stats;
   // With GrpoRollout::first_logp_old_from_forward: this rank's sequences of the first mini-batch
-  // scored by that step's forward; complete false when the step stopped on a non-finite value
-  // (the scores then cover only the micro-batches before it).
+  // scored by that step's forward; complete false when that step was not applied (a non-finite
+  // value in its forward, loss or gradient: the scores may be partial or hold it).
   ScoreResult first_scored;
   bool first_scored_complete = false;
 };

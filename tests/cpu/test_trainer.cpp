@@ -349,5 +349,32 @@ TEST(OldLogprobsFromForward, IsTheScoredUpdateBitwise) {
       }
 }
 
+// A first optimizer step that meets a non-finite value (here a NaN weight: the loss refuses the
+// NaN log-probs) is skipped, and its scores are reported incomplete, so the loop neither logs
+// their metrics nor calibrates KV scales from them.
+TEST(OldLogprobsFromForward, ASkippedFirstStepReportsItsScoresIncomplete) {
+  auto be = make_cpu_backend();
+  std::vector<TrainSequence> seqs;
+  for (const auto& ids : test::token_sequences({9, 7, 11, 6}, 48, 19)) seqs.push_back({ids, 3});
+  ModelWeights host = test::tiny_model("qwen2", DType::F32, 75);
+  host.layers[0].o.w.data<float>()[5] = std::nanf("");
+  TrainerOptions opt;
+  opt.micro_batch_tokens = 4096;  // one micro-batch: every score is written before the loss refuses them
+  Trainer t(*be, model_weights_to_device(*be, host, DType::F32), EnginePrecision{LinearMode::FP32}, opt);
+  GrpoRollout ro;
+  ro.seqs = seqs;
+  ro.offsets = {0};
+  for (const TrainSequence& s : seqs) ro.offsets.push_back(ro.offsets.back() + s.response_len());
+  ro.advantages = {1.0f, -1.0f, 0.5f, -0.5f};
+  ro.logp_gen.assign(static_cast<size_t>(ro.tokens()), -1.0f);
+  ro.first_logp_old_from_forward = true;
+  ro.first_score = ScoreRequest{true, true};
+  const GrpoUpdateResult up = grpo_update(t, ro, GrpoLossOptions{}, 1, 1.0f, [](int64_t) { return 1e-2; },
+                                          [](const StepResult& r) { return r.applied; });
+  EXPECT_EQ(up.applied, 0);
+  EXPECT_EQ(up.first_scored.logp.size(), static_cast<size_t>(ro.tokens()));  // all written, NaN among them
+  EXPECT_FALSE(up.first_scored_complete);
+}
+
 }  // namespace
 }  // namespace fp8rl
