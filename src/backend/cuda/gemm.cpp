@@ -94,24 +94,55 @@ float* GemmEngine::scale_scratch(size_t floats) {
   return scales_;
 }
 
-cublasLtMatmulAlgo_t GemmEngine::find_algo(const Key& key, cublasLtMatmulDesc_t desc, cublasLtMatrixLayout_t a,
+namespace {
+// An algorithm's configuration attributes (bench-gemm --algos): cuBLASLt's enum values.
+std::string algo_desc(const cublasLtMatmulAlgo_t& algo) {
+  auto get = [&](cublasLtMatmulAlgoConfigAttributes_t attr) -> long long {
+    uint64_t v = 0;  // every attribute asked for is an integer of at most 8 bytes
+    size_t written = 0;
+    if (cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, &v, sizeof(v), &written) != CUBLAS_STATUS_SUCCESS) return -1;
+    if (written == 4) v &= 0xffffffffu;
+    if (written == 2) v &= 0xffffu;
+    return static_cast<long long>(v);
+  };
+  return "id " + std::to_string(get(CUBLASLT_ALGO_CONFIG_ID)) + " tile " + std::to_string(get(CUBLASLT_ALGO_CONFIG_TILE_ID)) +
+         " stages " + std::to_string(get(CUBLASLT_ALGO_CONFIG_STAGES_ID)) + " splitk " +
+         std::to_string(get(CUBLASLT_ALGO_CONFIG_SPLITK_NUM)) + " reduction " +
+         std::to_string(get(CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME)) + " swizzle " +
+         std::to_string(get(CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING)) + " custom " +
+         std::to_string(get(CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION)) + " cluster " +
+         std::to_string(get(CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID));
+}
+}  // namespace
+
+cublasLtMatmulAlgo_t GemmEngine::find_algo(const Key& key_in, cublasLtMatmulDesc_t desc, cublasLtMatrixLayout_t a,
                                            cublasLtMatrixLayout_t b, cublasLtMatrixLayout_t c, const char* what) {
+  Key key = key_in;
+  std::get<8>(key) = lt_candidate_ + 1;  // 0: the heuristic's first (the default); c + 1: set_lt_candidate(c)
   auto it = algos_.find(key);
-  if (it != algos_.end()) return it->second;
+  if (it != algos_.end()) {
+    if (lt_candidate_ >= 0) lt_desc_ = algo_desc(it->second);
+    return it->second;
+  }
   Pref pref;
   CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref.p), "creating a matmul preference");
   CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref.p, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                                     &workspace_bytes_, sizeof(workspace_bytes_)),
                "setting the workspace size");
-  cublasLtMatmulHeuristicResult_t res{};
+  const int want = lt_candidate_ < 0 ? 1 : lt_candidate_ + 1;  // the candidate's rank + 1
+  cublasLtMatmulHeuristicResult_t res[kMaxLtCandidates] = {};
   int n = 0;
-  CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle_, desc, a, b, c, c, pref.p, 1, &res, &n),
+  CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle_, desc, a, b, c, c, pref.p, want, res, &n),
                "asking cuBLASLt for a ", what, " algorithm (M=", std::get<5>(key), " N=", std::get<4>(key),
                " K=", std::get<6>(key), ")");
   FP8RL_CHECK(n > 0, "cuBLASLt has no ", what, " kernel for M=", std::get<5>(key), " N=", std::get<4>(key),
               " K=", std::get<6>(key), "; use another precision for this layer");
-  algos_.emplace(key, res.algo);
-  return res.algo;
+  FP8RL_CHECK(n >= want, "cuBLASLt offers ", n, " ", what, " candidates for M=", std::get<5>(key), " N=",
+              std::get<4>(key), " K=", std::get<6>(key), ", not ", want);
+  const cublasLtMatmulAlgo_t algo = res[want - 1].algo;
+  if (lt_candidate_ >= 0) lt_desc_ = algo_desc(algo);
+  algos_.emplace(key, algo);
+  return algo;
 }
 
 cublasLtMatmulAlgo_t GemmEngine::find_row_invariant_algo(const Key& key, cublasLtMatmulDesc_t desc,

@@ -41,6 +41,7 @@
 #include <tuple>
 
 #include "core/dtype.h"
+#include "core/error.h"
 
 namespace fp8rl::cuda {
 
@@ -138,6 +139,17 @@ class GemmEngine {
   bool fp8_row_invariant() const { return fp8_row_invariant_; }
   int64_t own_products() const { return own_products_; }
 
+  // Diagnostics (bench-gemm --algos): with candidate c >= 0 the products that follow (not the
+  // row-invariant ones) run the c-th of cuBLASLt's heuristic candidates for their shape instead of
+  // its first (c = -1, the default); a shape with fewer candidates is an error naming the count.
+  // lt_algo_desc(): the last product's algorithm, as cuBLASLt's configuration attributes.
+  static constexpr int kMaxLtCandidates = 16;
+  void set_lt_candidate(int c) {
+    FP8RL_CHECK(c >= -1 && c < kMaxLtCandidates, "cuBLASLt candidate ", c, " (-1 .. ", kMaxLtCandidates - 1, ")");
+    lt_candidate_ = c;
+  }
+  const std::string& lt_algo_desc() const { return lt_desc_; }
+
   cudaStream_t stream() const { return stream_; }
   // FP8 products whose last M % 16 rows ran as a padded second product (since construction).
   int64_t tail_products() const { return tail_products_; }
@@ -179,6 +191,8 @@ class GemmEngine {
   size_t grouped_meta_bytes_ = 0;
   size_t own_ws_floats_ = 0;
   std::map<Key, cublasLtMatmulAlgo_t> algos_;
+  int lt_candidate_ = -1;  // set_lt_candidate
+  std::string lt_desc_;    // lt_algo_desc
 };
 
 }  // namespace fp8rl::cuda

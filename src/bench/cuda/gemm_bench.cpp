@@ -263,6 +263,42 @@ nlohmann::json bench_gemm_run(const GemmBenchOptions& options) {
           }
         std::printf("\n");
       }
+      // --algos: every cuBLASLt heuristic candidate for this shape, BF16 and FP8, timed alike (the
+      // default runs the first).
+      nlohmann::json cands = nlohmann::json::array();
+      if (options.algos) {
+        for (int kind = 0; kind < 2; ++kind) {
+          if (kind == 1 && !m16) continue;
+          auto run = [&] {
+            const size_t i = static_cast<size_t>(rot++ % copies);
+            if (kind == 0) {
+              gemm.gemm(false, true, p.m, p.n, p.k, a.raw(), b[i].raw(), DType::BF16, c.raw(), DType::BF16, 1.0f, 0.0f);
+            } else {
+              gemm.gemm_fp8_prelaid(p.m, p.n, p.k, aq.data.data<uint8_t>(), as.data<float>(),
+                                    bq[i].data.data<uint8_t>(), bs[i].data<float>(), p.b_block_rows, c8.raw(), cdt,
+                                    1.0f, p.b_block_rows == 1 ? 1.0f : 0.0f);
+            }
+          };
+          for (int cnd = 0; cnd < cuda::GemmEngine::kMaxLtCandidates; ++cnd) {
+            gemm.set_lt_candidate(cnd);
+            std::string desc;
+            try {  // outside a graph first: a shape with fewer candidates (or a refused one) throws here
+              rot = 0;
+              run();
+              be.synchronize();
+              desc = gemm.lt_algo_desc();
+            } catch (const std::exception&) {
+              continue;
+            }
+            rot = 0;
+            const double ms = timer(run);
+            std::printf("    %s candidate %2d: %9.2f us  %s\n", kind == 0 ? "BF16" : "FP8 ", cnd, ms * 1e3,
+                        desc.c_str());
+            cands.push_back({{"kind", kind == 0 ? "bf16" : "fp8"}, {"candidate", cnd}, {"ms", ms}, {"algo", desc}});
+          }
+          gemm.set_lt_candidate(-1);
+        }
+      }
       const double tf_bf16 = flops / ms_bf16 / 1e9, tf_fp8 = ms_fp8 > 0 ? flops / ms_fp8 / 1e9 : 0.0;
       const double tf_own = ms_own > 0 ? flops / ms_own / 1e9 : 0.0;
       std::printf("%-26s %6lld %-6s %10.1f %10.1f %10.1f %10.3f %10.3f %7.2fx %7.2fx %9.1e\n", sh.name.c_str(),
@@ -284,6 +320,7 @@ nlohmann::json bench_gemm_run(const GemmBenchOptions& options) {
                              {"own_tflops", tf_own},
                              {"own_vs_cublaslt_max_rel", own_vs_lt},
                              {"own_configs", sweep},
+                             {"lt_candidates", cands},
                              {"fp8_over_bf16", tf_fp8 / tf_bf16}});
     }
   }
