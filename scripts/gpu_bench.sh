@@ -19,6 +19,7 @@
 #                   rounding) with the default GEMM choice and with every FP8 product on the own
 #                   kernel at one split (row-invariant: both engines compute each row alike)
 #   gemm            fp8rl bench-gemm: BF16, cuBLASLt FP8 and the own FP8 kernel at 8B and 1.7B widths
+#   gemm_algos      bench-gemm --algos at the 1.7B products (FP8RL_ALGO_SHAPES): every cuBLASLt candidate timed
 #   rlstep_profile  one step of FP8RL_PROFILE_RECIPES (bf16,fp8_e2e) with FP8RL_CUDA_PROFILE=${FP8RL_PROFILE_LEVEL:-1}
 #                   (extra bench arguments: FP8RL_PROFILE_ARGS) (2: the
 #                   linear ops split into quantizers, transposes and GEMMs; per-op stream time per
@@ -162,6 +163,11 @@ for stage in ${FP8RL_STAGES:-rlstep}; do
       if [ -n "${OWN_GEMM_BROKEN:-}" ]; then note "gemm: skipped (CudaFp8Gemm failed)"; continue; fi
       timeout 200 "$FP8RL" bench-gemm --json "$OUT/bench_gemm.json" > "$OUT/bench_gemm.log" 2>&1
       note "bench-gemm: rc=$?"; sed -n '/^linear/,$p' "$OUT/bench_gemm.log" | tee -a "$SUMMARY" ;;
+    gemm_algos)  # every cuBLASLt heuristic candidate (BF16 and FP8) of the 1.7B products, decode and training M
+      timeout $(( $(left) - 20 )) "$FP8RL" bench-gemm --algos --json "$OUT/gemm_algos.json" --shapes \
+        "${FP8RL_ALGO_SHAPES:-256x4096x2048,256x2048x2048,256x12288x2048,256x2048x6144,128x2048x6144,64x12288x2048,8192x12288x2048,8192x2048x6144}" \
+        > "$OUT/gemm_algos.log" 2>&1
+      note "bench-gemm --algos: rc=$?"; grep -E "^(linear|--shapes)|candidate" "$OUT/gemm_algos.log" | tee -a "$SUMMARY" ;;
     mismatch)
       timeout $(( $(left) - 20 )) "$FP8RL" bench rl-step --device cuda --model "${FP8RL_RLSTEP_MODEL:-qwen3-1.7b}" \
         --recipes "${FP8RL_MISMATCH_RECIPES:-bf16,fp8_gen:kv=bf16,fp8_e2e:kv=bf16,fp8_e2e,fp8_e2e:tkv=e4m3}" \
