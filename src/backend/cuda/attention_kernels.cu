@@ -162,7 +162,6 @@ __global__ void attention_dkv_kernel(const T* dout, const T* q, const T* k, cons
 template <class TS, class TP>
 __global__ void kv_write_kernel(const TS* k, const TS* v, const int32_t* slots, int64_t T_, int Hkv, int hd, TP* kp,
                                 TP* vp, const float* ks, const float* vs) {
-  pdl_begin();  // first: launched by pdl_launch (common.cuh)
   const int64_t n = T_ * Hkv * hd;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -198,7 +197,6 @@ __global__ void kv_round_kernel(T* x, int64_t n, int H, int hd, KvRoundScales s)
 template <class TS, class TP>
 __global__ void kv_write8_kernel(const TS* k, const TS* v, const int32_t* slots, int64_t n8, int Hkv, int hd8, TP* kp,
                                  TP* vp, const float* ks, const float* vs) {
-  pdl_begin();  // first: launched by pdl_launch (common.cuh)
   const int64_t row8 = static_cast<int64_t>(Hkv) * hd8;  // chunks per token
   for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < n8;
        j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -394,22 +392,22 @@ void launch_kv_write(const void* k, const void* v, DType src_dt, const int32_t* 
   FP8RL_DISPATCH_FLOAT(src_dt, "kv_write source", {
     using TS = T;
     if (vec && pool_dt == DType::E4M3) {
-      pdl_launch(kv_write8_kernel<TS, uint8_t>, grid_for(n / 8, 256), 256, 0, stream)(
+      kv_write8_kernel<TS, uint8_t><<<grid_for(n / 8, 256), 256, 0, stream>>>(
           static_cast<const TS*>(k), static_cast<const TS*>(v), slots, n / 8, Hkv, hd / 8,
           static_cast<uint8_t*>(kpool), static_cast<uint8_t*>(vpool), k_scale, v_scale);
     } else if (vec) {
       FP8RL_DISPATCH_FLOAT(pool_dt, "KV cache", {
-        pdl_launch(kv_write8_kernel<TS, T>, grid_for(n / 8, 256), 256, 0, stream)(
+        kv_write8_kernel<TS, T><<<grid_for(n / 8, 256), 256, 0, stream>>>(
             static_cast<const TS*>(k), static_cast<const TS*>(v), slots, n / 8, Hkv, hd / 8, static_cast<T*>(kpool),
             static_cast<T*>(vpool), k_scale, v_scale);
       });
     } else if (pool_dt == DType::E4M3) {
-      pdl_launch(kv_write_kernel<TS, uint8_t>, grid_for(n, 256), 256, 0, stream)(
+      kv_write_kernel<TS, uint8_t><<<grid_for(n, 256), 256, 0, stream>>>(
           static_cast<const TS*>(k), static_cast<const TS*>(v), slots, T_, Hkv, hd, static_cast<uint8_t*>(kpool),
           static_cast<uint8_t*>(vpool), k_scale, v_scale);
     } else {
       FP8RL_DISPATCH_FLOAT(pool_dt, "KV cache", {
-        pdl_launch(kv_write_kernel<TS, T>, grid_for(n, 256), 256, 0, stream)(
+        kv_write_kernel<TS, T><<<grid_for(n, 256), 256, 0, stream>>>(
             static_cast<const TS*>(k), static_cast<const TS*>(v), slots, T_, Hkv, hd, static_cast<T*>(kpool),
             static_cast<T*>(vpool), k_scale, v_scale);
       });

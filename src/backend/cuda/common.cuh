@@ -204,53 +204,6 @@ inline unsigned grid_for(int64_t n, int threads, int64_t cap = 65535LL * 16) {
   return static_cast<unsigned>(g < cap ? g : cap);
 }
 
-// ---- programmatic dependent launch (Hopper) ----------------------------------------------------
-// A kernel launched by pdl_launch may be scheduled while the kernel before it on the stream is
-// still running (its CTAs take the SMs the other's last wave leaves), so its launch and start-up
-// overlap that kernel's tail instead of following its end: the decode step is ~300 short kernels.
-// The rule that keeps it exact: such a kernel calls pdl_begin() first, before it reads or writes
-// global memory. pdl_begin waits until the previous kernel has completed and its writes are
-// visible (griddepcontrol.wait: what the stream order guarantees otherwise), then lets the next
-// pdl_launch-ed kernel be scheduled the same way (griddepcontrol.launch_dependents). In a kernel
-// launched plainly, both are no-ops. Inside a CUDA graph capture the launch becomes a programmatic
-// edge of the graph. Kernels before or after that are launched plainly (cuBLASLt's) keep the full
-// stream order. FP8RL_CUDA_PDL=1 turns it on (set_pdl in code); off, every kernel launches plainly.
-__device__ __forceinline__ void pdl_begin() {
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-}
-// Whether pdl_launch adds the attribute (kernels.h: pdl_enabled, set_pdl).
-bool pdl_enabled();
-
-// pdl_launch(kernel, grid, block, smem, stream)(args...): kernel<<<grid, block, smem, stream>>>(args...)
-// with the programmatic-serialization attribute when pdl_enabled(). Launch errors are reported by
-// the caller's CUDA_CHECK_LAUNCH, as for <<<>>>.
-template <typename... KArgs>
-struct PdlLaunch {
-  void (*kernel)(KArgs...);
-  dim3 grid, block;
-  size_t smem;
-  cudaStream_t stream;
-  template <typename... Args>
-  void operator()(Args&&... args) const {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = block;
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = pdl_enabled() ? 1 : 0;
-    (void)cudaLaunchKernelEx(&cfg, kernel, static_cast<KArgs>(args)...);  // the error stays the last error
-  }
-};
-template <typename... KArgs>
-PdlLaunch<KArgs...> pdl_launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream) {
-  return PdlLaunch<KArgs...>{kernel, grid, block, smem, stream};
-}
-
 }  // namespace fp8rl::cuda
 
 // Runs the body with `T` = float or bf16 according to a DType (F32/BF16 only).

@@ -10,7 +10,6 @@
 #include <initializer_list>
 #include <map>
 
-#include "backend/cuda/common.cuh"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/fp8_gemm.h"
 #include "backend/cuda/kernels.h"
@@ -19,22 +18,6 @@
 namespace fp8rl {
 
 namespace cuda {
-
-namespace {
-int& pdl_mode() {  // -1: not yet read from FP8RL_CUDA_PDL
-  static int mode = -1;
-  return mode;
-}
-}  // namespace
-bool pdl_enabled() {
-  int& m = pdl_mode();
-  if (m < 0) {
-    const char* e = std::getenv("FP8RL_CUDA_PDL");
-    m = e && e[0] == '1' && e[1] == '\0' ? 1 : 0;
-  }
-  return m == 1;
-}
-void set_pdl(bool on) { pdl_mode() = on ? 1 : 0; }
 
 namespace {
 

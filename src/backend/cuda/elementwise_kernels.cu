@@ -94,7 +94,6 @@ __global__ void __launch_bounds__(256) convert_many_kernel(const __grid_constant
 // One dtype throughout, 8 elements per access (vec8_ok): the same per-element sum.
 template <class T>
 __global__ void add_vec_kernel(const T* a, const T* b, T* o, int64_t n8) {
-  pdl_begin();  // first: launched by pdl_launch (common.cuh)
   GRID_STRIDE(i, n8) {
     float x[8], y[8];
     load8(a + 8 * i, x);
@@ -297,7 +296,7 @@ void launch_add(const void* a, DType adt, const void* b, DType bdt, void* out, D
   if (n == 0) return;
   if (adt == bdt && bdt == odt && (odt == DType::F32 || odt == DType::BF16) && vec8_ok(n, {a, b, out})) {
     FP8RL_DISPATCH_FLOAT(odt, "add", {
-      pdl_launch(add_vec_kernel<T>, grid_for(n / 8, 256), 256, 0, stream)(static_cast<const T*>(a), static_cast<const T*>(b),
+      add_vec_kernel<T><<<grid_for(n / 8, 256), 256, 0, stream>>>(static_cast<const T*>(a), static_cast<const T*>(b),
                                                                   static_cast<T*>(out), n / 8);
     });
     CUDA_CHECK_LAUNCH("add_vec_kernel");

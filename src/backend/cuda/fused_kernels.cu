@@ -37,7 +37,6 @@ __global__ void rmsnorm_fused_kernel(const T* a, const T* b, T* sum, const TW* _
                                      int64_t D, float eps, T* __restrict__ out, float* __restrict__ rstd, bool pow2,
                                      uint8_t* __restrict__ q, float* __restrict__ scales, bool gemm_layout,
                                      int* bad) {
-  pdl_begin();  // first: launched by pdl_launch (common.cuh)
   __shared__ double red[32];
   const int64_t r = blockIdx.x;
   const int step = blockDim.x * 8;
@@ -106,7 +105,6 @@ template <class T>
 __global__ void swiglu_fp8_kernel(const T* __restrict__ g, const T* __restrict__ u, int64_t ld, T* __restrict__ out,
                                   int64_t R, int64_t F, bool pow2, uint8_t* __restrict__ q,
                                   float* __restrict__ scales, bool gemm_layout, int* bad) {
-  pdl_begin();  // first: launched by pdl_launch (common.cuh)
   RowBlock h;
   if (!row_block(R, F, h)) return;
   float v[16] = {};
@@ -205,16 +203,16 @@ bool launch_rmsnorm_fused(const void* a, const void* b, void* sum, DType dt, con
       const TW* wp = static_cast<const TW*>(w);
       T* op = static_cast<T*>(out);
       if (add && quant) {
-        pdl_launch(rmsnorm_fused_kernel<T, TW, true, true>, grid, threads, 0, stream)(ap, bp, sp, wp, R, D, eps, op, rstd,
+        rmsnorm_fused_kernel<T, TW, true, true><<<grid, threads, 0, stream>>>(ap, bp, sp, wp, R, D, eps, op, rstd,
                                                                            pow2, q, scales, gemm_layout, bad_flag);
       } else if (add) {
-        pdl_launch(rmsnorm_fused_kernel<T, TW, true, false>, grid, threads, 0, stream)(ap, bp, sp, wp, R, D, eps, op, rstd,
+        rmsnorm_fused_kernel<T, TW, true, false><<<grid, threads, 0, stream>>>(ap, bp, sp, wp, R, D, eps, op, rstd,
                                                                             pow2, q, scales, gemm_layout, bad_flag);
       } else if (quant) {
-        pdl_launch(rmsnorm_fused_kernel<T, TW, false, true>, grid, threads, 0, stream)(ap, bp, sp, wp, R, D, eps, op, rstd,
+        rmsnorm_fused_kernel<T, TW, false, true><<<grid, threads, 0, stream>>>(ap, bp, sp, wp, R, D, eps, op, rstd,
                                                                             pow2, q, scales, gemm_layout, bad_flag);
       } else {
-        pdl_launch(rmsnorm_fused_kernel<T, TW, false, false>, grid, threads, 0, stream)(ap, bp, sp, wp, R, D, eps, op, rstd,
+        rmsnorm_fused_kernel<T, TW, false, false><<<grid, threads, 0, stream>>>(ap, bp, sp, wp, R, D, eps, op, rstd,
                                                                              pow2, q, scales, gemm_layout, bad_flag);
       }
     });
@@ -229,7 +227,7 @@ bool launch_swiglu_fp8(const void* g, const void* u, int64_t ld, void* out, DTyp
   if (R == 0) return true;
   const int64_t threads_total = row_block_threads(R, F);
   FP8RL_DISPATCH_FLOAT(dt, "swiglu", {
-    pdl_launch(swiglu_fp8_kernel<T>, static_cast<unsigned>(ceil_div(threads_total, 256)), 256, 0, stream)(
+    swiglu_fp8_kernel<T><<<static_cast<unsigned>(ceil_div(threads_total, 256)), 256, 0, stream>>>(
         static_cast<const T*>(g), static_cast<const T*>(u), ld, static_cast<T*>(out), R, F, pow2, q, scales,
         gemm_layout, bad_flag);
   });

@@ -13,12 +13,6 @@
 
 namespace fp8rl::cuda {
 
-// ---- launches ----
-// Programmatic dependent launch of the short kernels (common.cuh: pdl_launch, pdl_begin): whether
-// it is on (FP8RL_CUDA_PDL=1, read at the first launch), and the same switch in code (tests).
-bool pdl_enabled();
-void set_pdl(bool on);
-
 // ---- quantization (quant_kernels.cu) ----
 // x [x_rows, x_cols]; q [R, C] with R, C = x's shape, swapped when `transpose`; scales
 // [ceil(R / block_rows), ceil(C / block_cols)]. Sets *bad_flag = 1 on non-finite input.

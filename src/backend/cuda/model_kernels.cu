@@ -13,7 +13,6 @@ namespace {
 
 template <class TT, class TO>
 __global__ void embedding_kernel(const int32_t* ids, const TT* table, int64_t V, int64_t D, TO* out, int* bad) {
-  pdl_begin();  // first: launched by pdl_launch (common.cuh)
   const int64_t t = blockIdx.x;
   const int32_t id = ids[t];
   if (id < 0 || id >= V) {
@@ -50,7 +49,6 @@ __global__ void rmsnorm_kernel(const TX* x, const TW* w, int64_t D, float eps, T
 // the second time from cache; the same roundings as above (the double sum hides the order).
 template <class TX, class TW, class TO>
 __global__ void rmsnorm_vec_kernel(const TX* x, const TW* w, int64_t D, float eps, TO* out, float* rstd) {
-  pdl_begin();  // first: launched by pdl_launch (common.cuh)
   __shared__ double red[32];
   const int64_t r = blockIdx.x;
   const TX* xr = x + r * D;
@@ -418,7 +416,6 @@ template <class T, class TW>
 __global__ void __launch_bounds__(kRopeRowsWarps * 32)
     rmsnorm_rope_kernel(NormRopeRows<T, TW> a, int64_t R, int hd, float eps, const int32_t* pos, RopeTable tab,
                         float att, bool interleaved) {
-  pdl_begin();  // first: launched by pdl_launch (common.cuh)
   extern __shared__ float rope_cs[];  // [tokens][half] cos, then [tokens][half] sin
   const int H = a.H;
   const int L = rope_row_lanes(hd), rows_per_warp = 32 / L, rows_per_block = kRopeRowsWarps * rows_per_warp;
@@ -494,7 +491,6 @@ __global__ void __launch_bounds__(kRopeRowsWarps * 32)
 
 template <class T>
 __global__ void swiglu_kernel(const T* g, const T* u, T* out, int64_t n) {
-  pdl_begin();  // first: launched by pdl_launch (common.cuh)
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     store_f(out, i, swiglu_value(load_f(g, i), load_f(u, i)));
@@ -552,7 +548,7 @@ void launch_embedding(const int32_t* ids, int64_t ntok, const void* table, DType
   FP8RL_DISPATCH_FLOAT(tdt, "embedding table", {
     using TT = T;
     FP8RL_DISPATCH_FLOAT(odt, "embedding output", {
-      pdl_launch(embedding_kernel<TT, T>, static_cast<unsigned>(ntok), 256, 0, stream)(
+      embedding_kernel<TT, T><<<static_cast<unsigned>(ntok), 256, 0, stream>>>(
           ids, static_cast<const TT*>(table), V, D, static_cast<T*>(out), bad_flag);
     });
   });
@@ -571,7 +567,7 @@ void launch_rmsnorm(const void* x, DType xdt, const void* w, DType wdt, int64_t 
         rmsnorm_warp_kernel<T, TW, T><<<static_cast<unsigned>(ceil_div(R, kRmsRowsPerBlock)), block, 0, stream>>>(
             static_cast<const T*>(x), static_cast<const TW*>(w), R, D, eps, static_cast<T*>(out), rstd);
       } else if (vec8_ok(D, {x, w, out})) {
-        pdl_launch(rmsnorm_vec_kernel<T, TW, T>, static_cast<unsigned>(R), vec_row_threads(D), 0, stream)(
+        rmsnorm_vec_kernel<T, TW, T><<<static_cast<unsigned>(R), vec_row_threads(D), 0, stream>>>(
             static_cast<const T*>(x), static_cast<const TW*>(w), D, eps, static_cast<T*>(out), rstd);
       } else {
         rmsnorm_kernel<T, TW, T><<<static_cast<unsigned>(R), 256, 0, stream>>>(
@@ -669,7 +665,6 @@ void launch_rope(void* x, DType dt, int64_t T_, int64_t H, int64_t hd, const int
 // allow (F, ld multiples of 8, 16-byte aligned), else one; swiglu_value, as every swiglu kernel.
 template <class T, int V>
 __global__ void swiglu_rows_kernel(const T* g, const T* u, int64_t ld, T* out, int64_t R, int64_t F) {
-  pdl_begin();  // first: launched by pdl_launch (common.cuh)
   const int64_t per_row = F / V;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < R * per_row;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -695,10 +690,10 @@ void launch_swiglu_rows(const void* g, const void* u, int64_t ld, void* out, DTy
   const bool v8 = vec8_ok(F, {g, u, out}) && ld % 8 == 0;
   FP8RL_DISPATCH_FLOAT(dt, "swiglu", {
     if (v8)
-      pdl_launch(swiglu_rows_kernel<T, 8>, grid_for(R * F / 8, 256), 256, 0, stream)(
+      swiglu_rows_kernel<T, 8><<<grid_for(R * F / 8, 256), 256, 0, stream>>>(
           static_cast<const T*>(g), static_cast<const T*>(u), ld, static_cast<T*>(out), R, F);
     else
-      pdl_launch(swiglu_rows_kernel<T, 1>, grid_for(R * F, 256), 256, 0, stream)(
+      swiglu_rows_kernel<T, 1><<<grid_for(R * F, 256), 256, 0, stream>>>(
           static_cast<const T*>(g), static_cast<const T*>(u), ld, static_cast<T*>(out), R, F);
   });
   CUDA_CHECK_LAUNCH("swiglu_rows_kernel");
@@ -712,8 +707,8 @@ void launch_norm_rope_rows(const NormRopeRows<T, TW>& a, int64_t T_, int64_t hd,
   const int rows_per_block = kRopeRowsWarps * (32 / rope_row_lanes(static_cast<int>(hd)));
   const size_t smem = sizeof(float) * 2 * static_cast<size_t>(hd / 2) *
                       static_cast<size_t>(rope_block_tokens(rows_per_block, a.H));
-  pdl_launch(rmsnorm_rope_kernel<T, TW>, static_cast<unsigned>(ceil_div(R, rows_per_block)), dim3(32, kRopeRowsWarps), smem,
-                               stream)(a, R, static_cast<int>(hd), eps, pos, tab, attention_scaling, interleaved);
+  rmsnorm_rope_kernel<T, TW><<<static_cast<unsigned>(ceil_div(R, rows_per_block)), dim3(32, kRopeRowsWarps), smem,
+                               stream>>>(a, R, static_cast<int>(hd), eps, pos, tab, attention_scaling, interleaved);
   CUDA_CHECK_LAUNCH("rmsnorm_rope_kernel");
 }
 bool norm_rope_fits(int64_t hd) { return hd <= 256 && hd % 16 == 0 && hd / 2 <= kMaxRopeHalf; }
@@ -761,7 +756,7 @@ void launch_swiglu(const void* g, const void* u, void* out, DType dt, int64_t n,
       swiglu_vec_kernel<T><<<grid_for(n / 8, 256), 256, 0, stream>>>(
           static_cast<const T*>(g), static_cast<const T*>(u), static_cast<T*>(out), n / 8);
     } else {
-      pdl_launch(swiglu_kernel<T>, grid_for(n, 256), 256, 0, stream)(static_cast<const T*>(g), static_cast<const T*>(u),
+      swiglu_kernel<T><<<grid_for(n, 256), 256, 0, stream>>>(static_cast<const T*>(g), static_cast<const T*>(u),
                                                              static_cast<T*>(out), n);
     }
   });

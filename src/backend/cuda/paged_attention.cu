@@ -38,8 +38,6 @@ namespace {
 // ---- device primitives (the host emulation supplies its own) --------------------------------
 __device__ __forceinline__ uint4 paged_ld16(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
 __device__ __forceinline__ uint2 paged_ld8(const void* p) { return __ldg(reinterpret_cast<const uint2*>(p)); }
-// The kernels' first statement: they are launched by pdl_launch (common.cuh).
-__device__ __forceinline__ void paged_pdl_begin() { pdl_begin(); }
 // e4m3(x) (fp8_rule.h's codec: round to nearest even, saturating): the fused output quantizer.
 __device__ __forceinline__ uint8_t paged_e4m3_code(float x) { return fp8_e4m3_encode(x); }
 // For the tensor-core kernel (paged_mma_kernel below):
@@ -676,7 +674,6 @@ __global__ void __launch_bounds__(32 * kPagedWarps)
     paged_combine_kernel(const float* part_o, const float* part_lse, const int32_t* token_pos, int64_t rows, int Hq,
                          int hd, int splits, int chunk, bool out_bf16, void* out, float* lse_out = nullptr,
                          PagedArgs qa = PagedArgs{}) {
-  paged_pdl_begin();
   const int64_t w = static_cast<int64_t>(blockIdx.x) * kPagedWarps + (threadIdx.x >> 5);
   const int lane = static_cast<int>(threadIdx.x) & 31;
   if (w >= rows) return;
@@ -856,7 +853,6 @@ __device__ __forceinline__ void paged_mma_merge_warps(const PagedArgs& a, const 
 // grid (T * Hkv, splits), block 32 * kMmaWarps, dynamic shared memory Cfg::kSmemBytes. q BF16.
 template <int HD, class TP>
 __global__ void __launch_bounds__(32 * kMmaWarps, PagedMmaCfg<HD, TP>::kMinBlocks) paged_mma_kernel(const PagedArgs a) {
-  paged_pdl_begin();
   using Cfg = PagedMmaCfg<HD, TP>;
   constexpr int NW = kMmaWarps, S = Cfg::kStages, CPR = Cfg::kCpr, RB = Cfg::kRowBytes;
   __shared__ __align__(16) uint16_t s_q[kMmaRows][HD];  // q rows as MMA inputs (BF16 or FP16 bits)
@@ -1146,7 +1142,6 @@ constexpr int paged_mmat_min_blocks() {  // two column blocks: up to 255 registe
 template <int HD, class TP, int S, int LAZY, int COPY, int MQ = 0>
 __global__ void __launch_bounds__(32 * kMmaWarps, paged_mmat_min_blocks<HD, TP, S, MQ>())
     paged_mmat_kernel(const PagedArgs a) {
-  paged_pdl_begin();
   using Cfg = PagedTCfg<HD, TP, S>;
   constexpr int NW = kMmaWarps, CPR = Cfg::kCpr, RB = Cfg::kRowBytes, TB = Cfg::kTileBytes, SB = Cfg::kStageBytes;
   constexpr bool F16 = Cfg::kF16;
@@ -1665,7 +1660,7 @@ void launch_mma(const PagedArgs& a, int64_t T, cudaStream_t stream) {
   using Var = MmaVariant<HD, TP, V>;
   mma_blocks_per_sm<HD, TP, V>();  // the shared-memory opt-in precedes the first launch
   const dim3 grid(static_cast<unsigned>(T * a.Hkv), static_cast<unsigned>(a.splits));
-  pdl_launch(Var::fn(), grid, 32 * kMmaWarps, Var::kSmemBytes, stream)(a);
+  Var::fn()<<<grid, 32 * kMmaWarps, Var::kSmemBytes, stream>>>(a);
 }
 
 // The multi-query form of the default variant (paged_mmat_kernel<..., MQ = NB>: NB blocks of 8
@@ -1683,7 +1678,7 @@ void launch_mma_runs(const PagedArgs& a, int64_t runs, cudaStream_t stream) {
                "paged attention: shared memory opt-in of ", Var::kSmemBytes, " bytes (multi-query, hd ", HD, ")");
   });
   const dim3 grid(static_cast<unsigned>(runs * a.Hkv), static_cast<unsigned>(a.splits));
-  pdl_launch(fn, grid, 32 * kMmaWarps, Var::kSmemBytes, stream)(a);
+  fn<<<grid, 32 * kMmaWarps, Var::kSmemBytes, stream>>>(a);
 }
 
 // f(std::integral_constant<int, v>) for the variant v (0 <= v < kMmaVariants).
@@ -1860,8 +1855,8 @@ void launch_paged_attention_mma(const void* q, DType qdt, const int32_t* token_s
   CUDA_CHECK_LAUNCH(v == 0 ? "paged_mma_kernel" : "paged_mmat_kernel");
   if (split.splits > 1 || lse_out) {
     const int64_t rows = T * Hq;
-    pdl_launch(paged_combine_kernel, static_cast<unsigned>((rows + kPagedWarps - 1) / kPagedWarps), 32 * kPagedWarps, 0,
-                           stream)(part_o, part_lse, token_pos, rows, Hq, hd, split.splits, split.chunk, true, out,
+    paged_combine_kernel<<<static_cast<unsigned>((rows + kPagedWarps - 1) / kPagedWarps), 32 * kPagedWarps, 0,
+                           stream>>>(part_o, part_lse, token_pos, rows, Hq, hd, split.splits, split.chunk, true, out,
                                      lse_out, a);
     CUDA_CHECK_LAUNCH("paged_combine_kernel");
   }
@@ -1907,9 +1902,9 @@ void launch_paged_attention(const void* q, DType qdt, const int32_t* token_seq, 
   CUDA_CHECK_LAUNCH(grouped ? "paged_attention_kernel" : "paged_tiled_kernel");
   if (split.splits > 1 || lse_out) {
     const int64_t rows = T * Hq;
-    pdl_launch(paged_combine_kernel, static_cast<unsigned>((rows + kPagedWarps - 1) / kPagedWarps), 32 * kPagedWarps, 0,
-                           stream)(part_o, part_lse, token_pos, rows, Hq, hd, split.splits, split.chunk,
-                                     a.q_bf16, out, lse_out, PagedArgs{});  // (pdl_launch takes no defaults)
+    paged_combine_kernel<<<static_cast<unsigned>((rows + kPagedWarps - 1) / kPagedWarps), 32 * kPagedWarps, 0,
+                           stream>>>(part_o, part_lse, token_pos, rows, Hq, hd, split.splits, split.chunk,
+                                     a.q_bf16, out, lse_out);
     CUDA_CHECK_LAUNCH("paged_combine_kernel");
   }
 }

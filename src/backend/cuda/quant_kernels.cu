@@ -123,7 +123,6 @@ template <class T>
 __global__ void quant_rows_vec_kernel(const T* __restrict__ x, int64_t rows, int64_t cols, bool pow2,
                                       uint8_t* __restrict__ q, float* __restrict__ scales, bool gemm_layout,
                                       int* bad) {
-  pdl_begin();  // first: launched by pdl_launch (common.cuh)
   RowBlock h;
   if (!row_block(rows, cols, h)) return;
   float v[16] = {};
@@ -277,7 +276,7 @@ void launch_quantize(const void* x, DType x_dtype, int64_t x_rows, int64_t x_col
     const T* xp = static_cast<const T*>(x);
     if (vec && !transpose && block_rows == 1) {
       const int64_t threads_total = row_block_threads(R, C);
-      pdl_launch(quant_rows_vec_kernel<T>, static_cast<unsigned>(ceil_div(threads_total, 256)), 256, 0, stream)(
+      quant_rows_vec_kernel<T><<<static_cast<unsigned>(ceil_div(threads_total, 256)), 256, 0, stream>>>(
           xp, R, C, pow2, q, scales, gemm_layout, bad_flag);
       CUDA_CHECK_LAUNCH("quant_rows_vec_kernel");
     } else if (vec && !transpose) {

@@ -16,7 +16,6 @@
 #endif
 struct uint2 { uint32_t x, y; };  // float2: emu.h's
 inline uint4 paged_ld16(const void* p) { uint4 u; std::memcpy(&u, p, 16); return u; }
-inline void paged_pdl_begin() {}  // one CTA at a time: nothing runs before it
 inline uint2 paged_ld8(const void* p) { uint2 u; std::memcpy(&u, p, 8); return u; }
 inline float e4m3_dec(uint8_t b) {
   const int e = (b >> 3) & 15, m = b & 7;
