@@ -98,11 +98,13 @@ namespace {
 // An algorithm's configuration attributes (bench-gemm --algos): cuBLASLt's enum values.
 std::string algo_desc(const cublasLtMatmulAlgo_t& algo) {
   auto get = [&](cublasLtMatmulAlgoConfigAttributes_t attr) -> long long {
-    uint64_t v = 0;  // every attribute asked for is an integer of at most 8 bytes
+    size_t size = 0;  // asked first: the call wants the attribute's exact size
+    if (cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, nullptr, 0, &size) != CUBLAS_STATUS_SUCCESS ||
+        size == 0 || size > 8)
+      return -1;
+    uint64_t v = 0;  // an integer of `size` bytes, little-endian
     size_t written = 0;
-    if (cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, &v, sizeof(v), &written) != CUBLAS_STATUS_SUCCESS) return -1;
-    if (written == 4) v &= 0xffffffffu;
-    if (written == 2) v &= 0xffffu;
+    if (cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, &v, size, &written) != CUBLAS_STATUS_SUCCESS) return -1;
     return static_cast<long long>(v);
   };
   return "id " + std::to_string(get(CUBLASLT_ALGO_CONFIG_ID)) + " tile " + std::to_string(get(CUBLASLT_ALGO_CONFIG_TILE_ID)) +
