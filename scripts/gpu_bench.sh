@@ -31,6 +31,8 @@
 #   kernels         the tensor-core paged decode attention (old vs new, GB/s) and the sampler alone
 #   pick_paged      after kernels: exports FP8RL_PAGED_VARIANT = the fastest passing tensor-core variant
 #                   (least summed time over DecodeBench's Qwen3-1.7B rows) for the later stages
+#   ncu_paged_src   Nsight Compute's source page of the default decode kernel (paged_mmat_kernel), BF16 and E4M3:
+#                   stall samples and executed instructions per SASS opcode
 #   ncu_paged       Nsight Compute on the tensor-core paged decode kernel (BF16 and E4M3 pools, the
 #                   first DecodeBench shape): speed of light, occupancy, warp stalls, instruction mix
 #   gemm_variants   bench-gemm --shapes (FP8RL_GEMM_SHAPES) and --grouped-only for each cluster:scales:ctas[:band[:store]]
@@ -244,6 +246,22 @@ PYEOF
         note "ncu paged $tag: rc=$?"
         grep -E "paged_mma|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)|Achieved Occupancy|Theoretical Occupancy|Registers Per|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Executed Ipc A|Block Limit" \
           "$OUT/ncu_paged_$tag.log" | head -24 | tee -a "$SUMMARY"
+      done ;;
+    ncu_paged_src)  # issue 14: the default tensor-core decode kernel (paged_mmat_kernel), BF16 and E4M3 pools,
+      # on DecodeBench's first shape (Qwen3-1.7B, B = 256): speed of light, warp states, and the SASS with its
+      # stall samples and executed instructions by opcode (scripts/ncu_sass_top.py)
+      for sel in "paged_mmat_kernel<128, __nv_bfloat16, 3, 8, 0" "paged_mmat_kernel<128, unsigned char, 3, 8, 0"; do
+        tag=$([ "${sel#*unsigned}" != "$sel" ] && echo e4m3 || echo bf16)
+        FP8RL_PAGED_BENCH=1 timeout 150 ncu --clock-control none --kernel-name-base demangled -k "regex:${sel}" -c 1 \
+          --section SourceCounters --section SpeedOfLight --section Occupancy --section WarpStateStats \
+          --section InstructionStats --section LaunchStats --import-source no -f -o "$OUT/ncu_paged_src_$tag" \
+          "$B/fp8rl_gpu_tests" --gtest_color=no --gtest_filter='CudaPagedAttention.DecodeBench' > "$OUT/ncu_paged_src_$tag.log" 2>&1
+        note "ncu paged source $tag: rc=$?"
+        ncu -i "$OUT/ncu_paged_src_$tag.ncu-rep" --page details --print-details all 2>&1 | \
+          grep -E "paged_mmat|Duration|DRAM Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per|Issue Slots Busy|Warp Cycles Per Issued|Executed Ipc A|Block Limit|Grid Size|Stall" | head -40 | tee -a "$SUMMARY"
+        ncu -i "$OUT/ncu_paged_src_$tag.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_paged_src_$tag.csv" 2>&1
+        python3 scripts/ncu_sass_top.py "$OUT/ncu_paged_src_$tag.csv" 30 2>&1 | tee -a "$SUMMARY"
+        rm -f "$OUT/ncu_paged_src_$tag.ncu-rep"
       done ;;
     gemm_variants)  # issues 14 and 16: the own FP8 GEMM's variants side by side (bench-gemm --shapes)
       # cluster:scales:CTAs-per-SM[:band[:store[:columns]]] (FP8RL_FP8_GEMM_CLUSTER, _SCALES, _OCCUPANCY

@@ -48,6 +48,19 @@ def main():
     if stalls:
         sums = sorted(((sum(number(r[i]) or 0 for r in body), head[i]) for i in stalls), reverse=True)
         print("by stall column:", "; ".join(f"{n} {v / max(total, 1):.1%}" for v, n in sums[:10]))
+    # Executed warp instructions by opcode (the SASS mnemonic without its modifiers).
+    ex = next((i for i, c in enumerate(head) if c.strip().lower() == "instructions executed"), None)
+    if ex is not None:
+        ops = {}
+        for r in body:
+            words = r[src].split()
+            if words and words[0].startswith("@"):
+                words = words[1:]
+            op = words[0].split(".")[0] if words else "?"
+            ops[op] = ops.get(op, 0) + (number(r[ex]) or 0)
+        n_ex = sum(ops.values())
+        print(f"{n_ex:.0f} warp instructions executed; by opcode:",
+              "; ".join(f"{o} {v / max(n_ex, 1):.1%}" for o, v in sorted(ops.items(), key=lambda t: -t[1])[:16]))
     body.sort(key=lambda r: -(number(r[total_col]) or 0))
     for r in body[:top]:
         v = number(r[total_col]) or 0
