@@ -5,7 +5,8 @@
 # 1 MB, starting from the committed corpus tests/fuzz/corpus/<name> (read only; what the run
 # finds goes to $dir/corpus/<name>). A crash, a sanitizer report, an
 # uncaught exception or a hang fails the script and leaves the input in $dir (crash-*, timeout-*).
-# Without clang or libFuzzer it says so and exits 0.
+# Without clang or libFuzzer it says so and exits 0. FP8RL_FUZZ_CONFIGURE_ONLY=1 stops after the
+# cmake configure step (scripts/test.sh runs it early, in the background).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 secs=${FP8RL_FUZZ_SECONDS:-30}
@@ -23,6 +24,7 @@ if ! clang++ -fsanitize=fuzzer "$probe/t.cpp" -o "$probe/t" 2>/dev/null; then
 fi
 CC=clang CXX=clang++ cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFP8RL_FUZZ=ON \
   -DFP8RL_TESTS=OFF -DFP8RL_CUDA=OFF "$@" > /dev/null
+[ "${FP8RL_FUZZ_CONFIGURE_ONLY:-0}" = "1" ] && exit 0
 targets=(fuzz_tokenizer fuzz_config fuzz_safetensors)
 cmake --build "$dir" -j "$(nproc)" --target "${targets[@]}"
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1

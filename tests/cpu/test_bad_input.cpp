@@ -34,15 +34,16 @@ using nlohmann::json;
 
 const std::string kData = FP8RL_TEST_DATA;
 
-// A per-process scratch directory (removed at exit); FP8RL_CACHE_DIR points into it.
+// A per-process scratch directory (removed at exit); FP8RL_CACHE_DIR points to its cache
+// (test::test_cache_dir: shared by the processes of a ctest run).
 const std::string& scratch() {
   struct S {
     std::string root;
     S() {
       root = (fs::temp_directory_path() / ("fp8rl_test_bad_input_" + std::to_string(::getpid()))).string();
       fs::remove_all(root);
-      fs::create_directories(root + "/cache");
-      ::setenv("FP8RL_CACHE_DIR", (root + "/cache").c_str(), 1);
+      fs::create_directories(root);
+      ::setenv("FP8RL_CACHE_DIR", test::test_cache_dir(root).c_str(), 1);
     }
     ~S() {
       std::error_code ec;
@@ -314,7 +315,7 @@ TEST(BadInputData, SequencesMustFitTheModelPositions) {
   const RunConfig c = config_load("", o);
   const std::string msg = error_of([&] { sft_run(c); });
   EXPECT_NE(msg.find("max_position_embeddings (32)"), std::string::npos) << msg;
-  Session s = session_open(c, scratch() + "/cache");
+  Session s = session_open(c, test::test_cache_dir(scratch()));
   TaskItem it = s.train_item(0);
   EXPECT_GT(s.prompt_ids(it).size(), 26u);  // unchecked without a model
   s.max_positions = 32;

@@ -213,7 +213,7 @@ std::vector<int> launch(const std::vector<std::string>& argv_in, const std::stri
       const std::string log = out + ".rank" + std::to_string(r) + ".log";
       FILE* f = std::freopen(log.c_str(), "w", stdout);
       if (f) ::dup2(::fileno(stdout), 2);
-      ::setenv("FP8RL_CACHE_DIR", (Scratch::root() + "/cache").c_str(), 1);
+      ::setenv("FP8RL_CACHE_DIR", Scratch::cache().c_str(), 1);
       ::setenv("FP8RL_DIST_TIMEOUT_S", "60", 1);
       ::unsetenv("WORLD_SIZE");
       ::unsetenv("RANK");

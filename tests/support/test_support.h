@@ -94,27 +94,45 @@ inline std::string run_shell(const std::string& line, int* status) {
   return text;
 }
 
-// A per-process scratch directory (removed at exit); FP8RL_CACHE_DIR points into it, for the
-// test process and for the fp8rl processes it starts. One for the whole test binary.
+// The cache directory (FP8RL_CACHE_DIR: the tiny model's tokenizer and SFT starting policy) of
+// a test process whose scratch directory is `root`: root/cache, or FP8RL_TEST_CACHE_DIR when set.
+// ctest sets that one (CMakeLists.txt): one cache for the test processes of a ctest run (16
+// GoogleTest shards, or one process per test), emptied by the run's first entry, so that each
+// starting policy is trained once per run rather than once per process (a 200-step SFT costs
+// ~15 s under ASan). Entries appear by an atomic rename (rl/grpo_loop.cpp: ensure_demo_policy),
+// so processes may share it; a test that needs an empty or private cache makes its own.
+inline std::string test_cache_dir(const std::string& root) {
+  const char* shared = std::getenv("FP8RL_TEST_CACHE_DIR");
+  const std::string dir = shared && *shared ? std::string(shared) : root + "/cache";
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
+// A per-process scratch directory (removed at exit); FP8RL_CACHE_DIR points to its cache
+// (test_cache_dir), for the test process and for the fp8rl processes it starts. One for the
+// whole test binary.
 class Scratch {
  public:
-  static const std::string& root() {
-    static Scratch s;
-    return s.root_;
-  }
+  static const std::string& root() { return instance().root_; }
+  static const std::string& cache() { return instance().cache_; }
 
  private:
+  static Scratch& instance() {
+    static Scratch s;
+    return s;
+  }
   Scratch() {
     root_ = (std::filesystem::temp_directory_path() / ("fp8rl_tests_" + std::to_string(::getpid()))).string();
     std::filesystem::remove_all(root_);
-    std::filesystem::create_directories(root_ + "/cache");
-    ::setenv("FP8RL_CACHE_DIR", (root_ + "/cache").c_str(), 1);
+    std::filesystem::create_directories(root_);
+    cache_ = test_cache_dir(root_);
+    ::setenv("FP8RL_CACHE_DIR", cache_.c_str(), 1);
   }
   ~Scratch() {
     std::error_code ec;
     std::filesystem::remove_all(root_, ec);
   }
-  std::string root_;
+  std::string root_, cache_;
 };
 
 // Scratch::root()/name, emptied.
