@@ -151,23 +151,35 @@ __global__ void __launch_bounds__(kSumThreads) sum_partials_kernel(const __grid_
   acc = block_sum_ordered_d(acc);
   if (threadIdx.x == 0) out[t] = acc;
 }
+// The block's max of m (256 threads), then one atomicMax into *out per block: every warp's atomic
+// on the one address had serialized at the L2 (2,048 blocks x 8 warps per call: 22 us per q / k / v
+// of an 8k-token micro-batch, against ~5-10 us of reads; docs/benchmarks.md session 19).
+__device__ __forceinline__ void amax_block_commit(uint32_t m, uint32_t* out) {
+  __shared__ uint32_t w[8];
+  for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
+  if ((threadIdx.x & 31) == 0) w[threadIdx.x >> 5] = m;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int i = 1; i < 8; ++i) m = max(m, w[i]);
+    atomicMax(out, m);
+  }
+}
 // max |x| as the bits of a non-negative float (they order like the values; NaN bits exceed +inf's).
-__global__ void amax_kernel(const void* x, int t, int64_t n, uint32_t* out) {
+// Blocks of 256 threads (amax_block_commit).
+__global__ void __launch_bounds__(256) amax_kernel(const void* x, int t, int64_t n, uint32_t* out) {
   uint32_t m = 0;
   GRID_STRIDE(i, n) m = max(m, __float_as_uint(load_any(x, t, i)) & 0x7fffffffu);
-  for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
-  if ((threadIdx.x & 31) == 0) atomicMax(out, m);
+  amax_block_commit(m, out);
 }
 // The same over BF16 x in 16-byte chunks: a BF16 value's bits are its float's top 16, so
 // |x|'s float bits are (b & 0x7fff) << 16 — no conversion.
-__global__ void amax_bf16x8_kernel(const uint4* x, int64_t n8, uint32_t* out) {
+__global__ void __launch_bounds__(256) amax_bf16x8_kernel(const uint4* x, int64_t n8, uint32_t* out) {
   uint32_t m = 0;
   GRID_STRIDE(i, n8) {
     const uint4 v = x[i];
     for (uint32_t w : {v.x, v.y, v.z, v.w}) m = max(m, max((w & 0x7fffu) << 16, w & 0x7fff0000u));
   }
-  for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
-  if ((threadIdx.x & 31) == 0) atomicMax(out, m);
+  amax_block_commit(m, out);
 }
 __global__ void nonfinite_kernel(const void* x, int t, int64_t n, int* flag) {
   bool bad = false;
