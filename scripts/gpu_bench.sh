@@ -250,8 +250,10 @@ PYEOF
     ncu_paged_src)  # issue 14: the default tensor-core decode kernel (paged_mmat_kernel), BF16 and E4M3 pools,
       # on DecodeBench's first shape (Qwen3-1.7B, B = 256): speed of light, warp states, and the SASS with its
       # stall samples and executed instructions by opcode (scripts/ncu_sass_top.py)
-      # (no commas in the regex: with them it matched no launch on the H100; ".." stands for ", ")
-      for sel in "paged_mmat_kernel<128..__nv_bfloat16..3..8..0" "paged_mmat_kernel<128..unsigned char..3..8..0"; do
+      # (no commas in the regex; ".{1,3}" for the separators: neither ", " nor ".." matched a launch on the H100
+      # in session 19 — the demangled form is not known here; this one is not yet tried)
+      for sel in "paged_mmat_kernel<128.{1,3}__nv_bfloat16.{1,3}3.{1,3}8.{1,3}0" \
+                 "paged_mmat_kernel<128.{1,3}unsigned char.{1,3}3.{1,3}8.{1,3}0"; do
         tag=$([ "${sel#*unsigned}" != "$sel" ] && echo e4m3 || echo bf16)
         FP8RL_PAGED_BENCH=1 timeout 150 ncu --clock-control none --kernel-name-base demangled -k "regex:${sel}" -c 1 \
           --section SourceCounters --section SpeedOfLight --section Occupancy --section WarpStateStats \
