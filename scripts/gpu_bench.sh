@@ -250,12 +250,11 @@ PYEOF
     ncu_paged_src)  # issue 14: the default tensor-core decode kernel (paged_mmat_kernel), BF16 and E4M3 pools,
       # on DecodeBench's first shape (Qwen3-1.7B, B = 256): speed of light, warp states, and the SASS with its
       # stall samples and executed instructions by opcode (scripts/ncu_sass_top.py)
-      # (no commas in the regex; ".{1,3}" for the separators: neither ", " nor ".." matched a launch on the H100
-      # in session 19 — the demangled form is not known here; this one is not yet tried)
-      for sel in "paged_mmat_kernel<128.{1,3}__nv_bfloat16.{1,3}3.{1,3}8.{1,3}0" \
-                 "paged_mmat_kernel<128.{1,3}unsigned char.{1,3}3.{1,3}8.{1,3}0"; do
-        tag=$([ "${sel#*unsigned}" != "$sel" ] && echo e4m3 || echo bf16)
-        FP8RL_PAGED_BENCH=1 timeout 150 ncu --clock-control none --kernel-name-base demangled -k "regex:${sel}" -c 1 \
+      # The test times only that pool's default variant (FP8RL_PAGED_BENCH_POOL, _DEFAULT), so the first
+      # paged_mmat_kernel launch is the one (session 19: regexes over the template arguments matched nothing).
+      for tag in bf16 e4m3; do
+        FP8RL_PAGED_BENCH=1 FP8RL_PAGED_BENCH_POOL=$tag FP8RL_PAGED_BENCH_DEFAULT=1 timeout 150 ncu --clock-control none \
+          -k "regex:paged_mmat_kernel" -c 1 \
           --section SourceCounters --section SpeedOfLight --section Occupancy --section WarpStateStats \
           --section InstructionStats --section LaunchStats --import-source no -f -o "$OUT/ncu_paged_src_$tag" \
           "$B/fp8rl_gpu_tests" --gtest_color=no --gtest_filter='CudaPagedAttention.DecodeBench' > "$OUT/ncu_paged_src_$tag.log" 2>&1

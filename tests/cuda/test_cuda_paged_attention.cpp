@@ -466,10 +466,16 @@ TEST(CudaPagedAttention, DecodeBench) {
                 cuda::paged_attention_mma_blocks_per_sm(128, DType::E4M3, v));
   std::printf("\n%-30s %-5s %-14s %7s %9s %8s %6s %8s\n", "shape", "pool", "kernel", "splits", "us/call", "GB/s",
               "%peak", "speedup");
+  // For a profiler (gpu_bench.sh ncu_paged_src): FP8RL_PAGED_BENCH_POOL=bf16|e4m3 times that pool
+  // only, FP8RL_PAGED_BENCH_DEFAULT=1 the default variant only, so the first tensor-core launch is
+  // the kernel wanted.
+  const char* only_pool = std::getenv("FP8RL_PAGED_BENCH_POOL");
+  const bool only_default = std::getenv("FP8RL_PAGED_BENCH_DEFAULT") != nullptr;
   uint32_t seed = 1900;
   for (const DecodeShape& sh : kDecodeShapes)
     for (DType pool : {DType::BF16, DType::E4M3}) {
       ++seed;
+      if (only_pool && std::string(only_pool) != (pool == DType::E4M3 ? "e4m3" : "bf16")) continue;
       Big b = build_big(uniform_lens(sh.B, sh.lo, sh.hi, seed), sh.Hkv, sh.hd, pool, seed, false);
       const Tensor q = G().to_device(
           from_float_vector(to_float_vector(rnd({b.T, sh.Hq, sh.hd}, seed)), {b.T, sh.Hq, sh.hd}, DType::BF16));
@@ -481,6 +487,7 @@ TEST(CudaPagedAttention, DecodeBench) {
       double base_us = 0;
       // The tiled kernel, then every variant of the tensor-core kernel (v = -1: tiled).
       for (int v = -1; v < cuda::paged_attention_mma_variants(); ++v) {
+        if (only_default && v != cuda::paged_attention_mma_variant_env()) continue;
         const bool mma = v >= 0;
         const std::string kname = !mma ? "tiled"
                                   : v == cuda::paged_attention_mma_variant_env()
