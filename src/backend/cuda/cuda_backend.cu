@@ -1038,17 +1038,21 @@ void CudaBackend::linear_fwd_fp8_consistent(const Tensor& x, const LinearWeight&
   // kernel on its algorithm fixed for every M where a probe found it bitwise the own kernel at one
   // split (GemmEngine::fp8_lt_is_own: at every 1.7B product on the H200), ~1.5x the own kernel's
   // rate there; the rows stay the bits of every other M either way.
-  // FP8RL_CONSISTENT_LT_ROWS (read once; default 257): the fewest rows that take it (an
-  // experiment's knob: 1 puts the decode products on it too).
-  static const int64_t lt_rows = [] {
+  // The fewest rows that take it: 257, or 192 for the wide products (N >= 8192: the 1.7B gate|up,
+  // 22.9 us on the own kernel against 16.6 on cuBLASLt at 256 rows, equal at 64: H100, session 19);
+  // the narrower decode products (o, down, q|k|v) stay on the own kernel's 64-column tiles, which
+  // need no split-K there. FP8RL_CONSISTENT_LT_ROWS (read once) sets one threshold for every
+  // product (an experiment's knob: 1 puts every decode product on it).
+  static const int64_t lt_rows_env = [] {
     const char* e = std::getenv("FP8RL_CONSISTENT_LT_ROWS");
-    if (!e) return int64_t{257};
+    if (!e) return int64_t{0};
     char* end = nullptr;
     const long long v = std::strtoll(e, &end, 10);
     FP8RL_CHECK(end != e && *end == 0 && v >= 1, "FP8RL_CONSISTENT_LT_ROWS must be a row count >= 1, got '", e,
-                "'; unset it for the default (257)");
+                "'; unset it for the default (257, or 192 for N >= 8192)");
     return static_cast<int64_t>(v);
   }();
+  const int64_t lt_rows = lt_rows_env > 0 ? lt_rows_env : N >= 8192 ? 192 : 257;
   if (own && M >= lt_rows && gemm_->fp8_lt_is_own(N, K, out.dtype())) {
     const OpTimer t(*this, "linear: FP8 GEMM", 2);
     gemm_->gemm_fp8(M, N, K, xq.data.data<uint8_t>(), xq.scales.data<float>(), wq.data.data<uint8_t>(),
