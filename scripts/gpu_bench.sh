@@ -436,6 +436,10 @@ PY
   esac
 done
 note "total: $(( $(date +%s) - t0 )) s"
-# The device tool brings back at most 8 files: the logs travel packed.
-(cd "$OUT" && tar -czf logs.tgz --exclude=logs.tgz --exclude=tf_small.tar.gz --exclude=summary.txt --exclude='*.json' . 2>/dev/null &&
-  find . -maxdepth 1 -name '*.log' -delete)
+# The device tool brings back at most 8 files: everything but the summary and the JSON results
+# travels packed in logs.tgz (session 19 lost summary.txt behind stage logs and CSVs), and the
+# packed files are removed whether or not tar complained.
+(cd "$OUT" && tar -czf /tmp/gpu_bench_logs.tgz --exclude=tf_small.tar.gz --exclude=summary.txt --exclude='*.json' \
+   --exclude=logs.tgz . 2>/dev/null; mv -f /tmp/gpu_bench_logs.tgz logs.tgz;
+ find . -mindepth 1 -maxdepth 1 ! -name summary.txt ! -name logs.tgz ! -name '*.json' ! -name tf_small.tar.gz \
+   -exec rm -rf {} +)
