@@ -404,6 +404,48 @@ int run(const Case& c) {
                            c.invariant ? lse_out.data() : nullptr, a);
     });
   }
+  // The FP16 pool of the E4M3 values (E4m3F16: the consistent trainer's own cache, the default
+  // variant at hd 128): its outputs (and, in the invariant plan, lse and query runs below) must be
+  // the E4M3 pool's bits.
+  const bool wide = c.pool == Pool::E4M3 && hd == 128 && g_kern == Kern::Mma && g_variant == kMmaDefaultVariant &&
+                    c.q_bf16;
+  std::vector<uint4> kwide, vwide;
+  int wide_bad = 0;
+  if (wide) {
+    for (int which = 0; which < 2; ++which) {
+      std::vector<uint4>& dst = which ? vwide : kwide;
+      const unsigned char* src = reinterpret_cast<const unsigned char*>(which ? vraw.data() : kraw.data());
+      dst.assign((pool_n * 2 + 15) / 16, uint4{});
+      unsigned char* d = reinterpret_cast<unsigned char*>(dst.data());
+      for (int64_t i = 0; i < pool_n; ++i) {
+        const uint16_t b = paged_f16_bits(e4m3_dec(src[i]));
+        std::memcpy(d + 2 * i, &b, 2);
+      }
+    }
+    std::vector<float> pow(part_o.size(), NAN), plw(part_l.size(), NAN), lse_w(size_t(T) * Hq, NAN);
+    std::vector<uint16_t> out_w(T * Hq * hd, 0x7fc0);
+    PagedArgs w = a;
+    w.kpool = kwide.data();
+    w.vpool = vwide.data();
+    w.out = out_w.data();
+    w.part_o = pow.data();
+    w.part_lse = plw.data();
+    w.out_q = nullptr;
+    launch_mma_v<128, E4m3F16, kMmaDefaultVariant>(w, T);
+    if (plan.splits > 1 || c.invariant) {
+      const int64_t rows = T * Hq;
+      emu_launch(int((rows + 3) / 4), 1, 0, [&] {
+        paged_combine_kernel(pow.data(), plw.data(), pos.data(), rows, Hq, hd, plan.splits, plan.chunk, true, w.out,
+                             c.invariant ? lse_w.data() : nullptr, w);
+      });
+    }
+    for (int64_t t = 0; t < T; ++t)
+      if (std::memcmp(out_w.data() + t * Hq * hd, out_b.data() + t * Hq * hd, size_t(Hq) * hd * 2) != 0) ++wide_bad;
+    if (c.invariant)
+      for (size_t i = 0; i < lse_w.size(); ++i)
+        if (std::memcmp(&lse_w[i], &lse_out[i], 4) != 0) ++wide_bad;
+    std::printf("  FP16 pool of the E4M3 values: %d token outputs / lse differing from the E4M3 pool's\n", wide_bad);
+  }
   int fq_bad = 0;
   if (fq) {  // bitwise the 1x128 quantizer of the stored BF16 output (quant.cuh's rule)
     for (int64_t r = 0; r < T * Hq; ++r) {
@@ -486,6 +528,24 @@ int run(const Case& c) {
       };
       if (nb == 1) launch(std::integral_constant<int, 1>());
       else launch(std::integral_constant<int, 2>());
+      // The same runs over the FP16 pool of the E4M3 values: the same bits.
+      std::vector<float> lse_rw(size_t(T) * Hq, NAN), pow(part_o.size(), NAN), plw(part_l.size(), NAN);
+      std::vector<uint16_t> out_rw(T * Hq * hd, 0x7fc0);
+      if (wide) {
+        PagedArgs rw = r;
+        rw.kpool = kwide.data();
+        rw.vpool = vwide.data();
+        rw.out = out_rw.data();
+        rw.part_o = pow.data();
+        rw.part_lse = plw.data();
+        if (nb == 1) launch_mma_runs<128, E4m3F16, 1>(rw, R);
+        else launch_mma_runs<128, E4m3F16, 2>(rw, R);
+        const int64_t rows = T * Hq;
+        emu_launch(int((rows + 3) / 4), 1, 0, [&] {
+          paged_combine_kernel(pow.data(), plw.data(), pos.data(), rows, Hq, hd, plan.splits, plan.chunk, true, rw.out,
+                               lse_rw.data(), rw);
+        });
+      }
       const int64_t rows = T * Hq;
       emu_launch(int((rows + 3) / 4), 1, 0, [&] {
         paged_combine_kernel(po.data(), pl.data(), pos.data(), rows, Hq, hd, plan.splits, plan.chunk, true, r.out,
@@ -497,6 +557,15 @@ int run(const Case& c) {
       for (int h = 0; h < Hq; ++h)
         for (int64_t t = 0; t < T; ++t)
           if (std::memcmp(&lse_r[size_t(h) * T + t], &lse_out[size_t(h) * T + t], 4) != 0) ++run_bad;
+      if (wide) {
+        int wbad = 0;
+        for (int64_t t = 0; t < T; ++t)
+          if (std::memcmp(out_rw.data() + t * Hq * hd, out_b.data() + t * Hq * hd, size_t(Hq) * hd * 2) != 0) ++wbad;
+        for (size_t i = 0; i < lse_rw.size(); ++i)
+          if (std::memcmp(&lse_rw[i], &lse_out[i], 4) != 0) ++wbad;
+        std::printf("  query runs over the FP16 pool of the E4M3 values: %d token outputs / lse differing\n", wbad);
+        run_bad += wbad;
+      }
       std::printf("  query runs (%d column block(s), %ld runs of up to %d tokens): %d token outputs / lse differing "
                   "from one-token CTAs\n",
                   nb, long(R), 8 * nb / G, run_bad);
@@ -512,7 +581,7 @@ int run(const Case& c) {
   const double err = dmax / rmax, tol = c.q_bf16 ? 8e-3 : 2e-6;
   std::printf("%-8s %-34s hd %3d Hq %2d Hkv %d ps %2d T %3ld splits %2d x %4d: rel err %.2e (tol %.0e) %s\n", kern_name(), c.name, hd,
               Hq, Hkv, c.ps, long(T), plan.splits, plan.chunk, err, tol, err < tol ? "ok" : "FAIL");
-  return err < tol && invariant_bad == 0 && fq_bad == 0 ? 0 : 1;
+  return err < tol && invariant_bad == 0 && fq_bad == 0 && wide_bad == 0 ? 0 : 1;
 }
 
 // Usage: emu [name-substring [tiled|grouped|mma|mma-vN|mma-all]]  (runs only the cases whose name
