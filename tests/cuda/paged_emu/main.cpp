@@ -397,13 +397,25 @@ int run(const Case& c) {
   }
   if (hd == 64) launch_p<64>(a, c.pool, T);
   else launch_p<128>(a, c.pool, T);
-  if (plan.splits > 1 || c.invariant) {
+  // The split combine of a launch over all T tokens (partials po / pl, arguments r).
+  auto combine = [&](std::vector<float>& po, std::vector<float>& pl, bool out_bf16, float* lse, const PagedArgs& r) {
     const int64_t rows = T * Hq;
     emu_launch(int((rows + 3) / 4), 1, 0, [&] {
-      paged_combine_kernel(part_o.data(), part_l.data(), pos.data(), rows, Hq, hd, plan.splits, plan.chunk, c.q_bf16, a.out,
-                           c.invariant ? lse_out.data() : nullptr, a);
+      paged_combine_kernel(po.data(), pl.data(), pos.data(), rows, Hq, hd, plan.splits, plan.chunk, out_bf16, r.out, lse,
+                           r);
     });
-  }
+  };
+  // BF16 token outputs differing from out_b, plus lse entries differing from lse_out (when given).
+  auto differing = [&](const std::vector<uint16_t>& o, const std::vector<float>* lse) {
+    int n = 0;
+    for (int64_t t = 0; t < T; ++t)
+      if (std::memcmp(o.data() + t * Hq * hd, out_b.data() + t * Hq * hd, size_t(Hq) * hd * 2) != 0) ++n;
+    if (lse)
+      for (size_t i = 0; i < lse->size(); ++i)
+        if (std::memcmp(&(*lse)[i], &lse_out[i], 4) != 0) ++n;
+    return n;
+  };
+  if (plan.splits > 1 || c.invariant) combine(part_o, part_l, c.q_bf16, c.invariant ? lse_out.data() : nullptr, a);
   // The FP16 pool of the E4M3 values (E4m3F16: the consistent trainer's own cache, the default
   // variant at hd 128): its outputs (and, in the invariant plan, lse and query runs below) must be
   // the E4M3 pool's bits.
@@ -432,18 +444,8 @@ int run(const Case& c) {
     w.part_lse = plw.data();
     w.out_q = nullptr;
     launch_mma_v<128, E4m3F16, kMmaDefaultVariant>(w, T);
-    if (plan.splits > 1 || c.invariant) {
-      const int64_t rows = T * Hq;
-      emu_launch(int((rows + 3) / 4), 1, 0, [&] {
-        paged_combine_kernel(pow.data(), plw.data(), pos.data(), rows, Hq, hd, plan.splits, plan.chunk, true, w.out,
-                             c.invariant ? lse_w.data() : nullptr, w);
-      });
-    }
-    for (int64_t t = 0; t < T; ++t)
-      if (std::memcmp(out_w.data() + t * Hq * hd, out_b.data() + t * Hq * hd, size_t(Hq) * hd * 2) != 0) ++wide_bad;
-    if (c.invariant)
-      for (size_t i = 0; i < lse_w.size(); ++i)
-        if (std::memcmp(&lse_w[i], &lse_out[i], 4) != 0) ++wide_bad;
+    if (plan.splits > 1 || c.invariant) combine(pow, plw, true, c.invariant ? lse_w.data() : nullptr, w);
+    wide_bad = differing(out_w, c.invariant ? &lse_w : nullptr);
     std::printf("  FP16 pool of the E4M3 values: %d token outputs / lse differing from the E4M3 pool's\n", wide_bad);
   }
   int fq_bad = 0;
@@ -540,29 +542,12 @@ int run(const Case& c) {
         rw.part_lse = plw.data();
         if (nb == 1) launch_mma_runs<128, E4m3F16, 1>(rw, R);
         else launch_mma_runs<128, E4m3F16, 2>(rw, R);
-        const int64_t rows = T * Hq;
-        emu_launch(int((rows + 3) / 4), 1, 0, [&] {
-          paged_combine_kernel(pow.data(), plw.data(), pos.data(), rows, Hq, hd, plan.splits, plan.chunk, true, rw.out,
-                               lse_rw.data(), rw);
-        });
+        combine(pow, plw, true, lse_rw.data(), rw);
       }
-      const int64_t rows = T * Hq;
-      emu_launch(int((rows + 3) / 4), 1, 0, [&] {
-        paged_combine_kernel(po.data(), pl.data(), pos.data(), rows, Hq, hd, plan.splits, plan.chunk, true, r.out,
-                             lse_r.data(), r);
-      });
-      int run_bad = 0;
-      for (int64_t t = 0; t < T; ++t)
-        if (std::memcmp(out_r.data() + t * Hq * hd, out_b.data() + t * Hq * hd, size_t(Hq) * hd * 2) != 0) ++run_bad;
-      for (int h = 0; h < Hq; ++h)
-        for (int64_t t = 0; t < T; ++t)
-          if (std::memcmp(&lse_r[size_t(h) * T + t], &lse_out[size_t(h) * T + t], 4) != 0) ++run_bad;
+      combine(po, pl, true, lse_r.data(), r);
+      int run_bad = differing(out_r, &lse_r);
       if (wide) {
-        int wbad = 0;
-        for (int64_t t = 0; t < T; ++t)
-          if (std::memcmp(out_rw.data() + t * Hq * hd, out_b.data() + t * Hq * hd, size_t(Hq) * hd * 2) != 0) ++wbad;
-        for (size_t i = 0; i < lse_rw.size(); ++i)
-          if (std::memcmp(&lse_rw[i], &lse_out[i], 4) != 0) ++wbad;
+        const int wbad = differing(out_rw, &lse_rw);
         std::printf("  query runs over the FP16 pool of the E4M3 values: %d token outputs / lse differing\n", wbad);
         run_bad += wbad;
       }
