@@ -142,7 +142,8 @@ class GemmEngine {
   // Diagnostics (bench-gemm --algos): with candidate c >= 0 the products that follow (not the
   // row-invariant ones) run the c-th of cuBLASLt's heuristic candidates for their shape instead of
   // its first (c = -1, the default); a shape with fewer candidates is an error naming the count.
-  // lt_algo_desc(): the last product's algorithm, as cuBLASLt's configuration attributes.
+  // lt_algo_desc(): while a candidate is forced, the last such product's algorithm as cuBLASLt's
+  // configuration attributes (empty before).
   static constexpr int kMaxLtCandidates = 16;
   void set_lt_candidate(int c) {
     FP8RL_CHECK(c >= -1 && c < kMaxLtCandidates, "cuBLASLt candidate ", c, " (-1 .. ", kMaxLtCandidates - 1, ")");
