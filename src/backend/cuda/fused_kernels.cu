@@ -115,11 +115,11 @@ __global__ void swiglu_fp8_kernel(const T* __restrict__ g, const T* __restrict__
     if (!h.in[k]) continue;
     float* vk = v + 8 * k;
     float uv[8];
-    load8(g + h.r * ld + h.c + 8 * k, vk);
-    load8(u + h.r * ld + h.c + 8 * k, uv);
+    load8(g + h.r * ld + h.col[k], vk);
+    load8(u + h.r * ld + h.col[k], uv);
 #pragma unroll
     for (int i = 0; i < 8; ++i) vk[i] = swiglu_value(vk[i], uv[i]);
-    store8_rounded(out + h.r * F + h.c + 8 * k, vk);
+    store8_rounded(out + h.r * F + h.col[k], vk);
     stored_amax8(vk, amax, finite);
   }
   if (!finite) atomicExch(bad, 1);
@@ -141,11 +141,11 @@ __global__ void add_fp8_kernel(const T* a, const T* __restrict__ b, T* out, int6
     if (!h.in[k]) continue;
     float* vk = v + 8 * k;
     float w[8];
-    load8(a + h.r * D + h.c + 8 * k, vk);
-    load8(b + h.r * D + h.c + 8 * k, w);
+    load8(a + h.r * D + h.col[k], vk);
+    load8(b + h.r * D + h.col[k], w);
 #pragma unroll
     for (int i = 0; i < 8; ++i) vk[i] += w[i];  // as add_vec_kernel
-    store8_rounded(out + h.r * D + h.c + 8 * k, vk);
+    store8_rounded(out + h.r * D + h.col[k], vk);
     stored_amax8(vk, amax, finite);
   }
   if (!finite) atomicExch(bad, 1);
@@ -166,7 +166,7 @@ __global__ void swiglu_backward_fp8_kernel(const T* __restrict__ d, const T* __r
 #pragma unroll
   for (int k = 0; k < 2; ++k) {
     if (!h.in[k]) continue;
-    const int64_t off = h.r * F + h.c + 8 * k;
+    const int64_t off = h.r * F + h.col[k];
     float dv[8], gv[8], uv[8];
     load8(d + off, dv);
     load8(g + off, gv);

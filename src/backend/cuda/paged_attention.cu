@@ -1759,6 +1759,7 @@ const char* const kMmaVariantNames[kMmaVariants] = {"orig", "t-exact", "t-lazy",
 }  // namespace
 
 int paged_attention_mma_variants() { return kMmaVariants; }
+int paged_attention_default_variant() { return kMmaDefaultVariant; }
 
 const char* paged_attention_mma_variant_name(int v) { return v >= 0 && v < kMmaVariants ? kMmaVariantNames[v] : "?"; }
 
@@ -1784,14 +1785,21 @@ int resolve_variant(int variant) {
 
 bool paged_attention_mma_supported(int hd, int group, DType pool_dt, DType qdt, const void* kpool,
                                    const void* vpool) {
-  return (hd == 64 || hd == 128) && group >= 1 && group <= kMmaRows && qdt == DType::BF16 &&
-         (pool_dt == DType::BF16 || pool_dt == DType::E4M3) && reinterpret_cast<uintptr_t>(kpool) % 16 == 0 &&
-         reinterpret_cast<uintptr_t>(vpool) % 16 == 0;
+  // F16: the wide E4M3 pool (kernels.h), head_dim 128 and the default variant only.
+  const bool pool_ok = pool_dt == DType::BF16 || pool_dt == DType::E4M3 || (pool_dt == DType::F16 && hd == 128);
+  return (hd == 64 || hd == 128) && group >= 1 && group <= kMmaRows && qdt == DType::BF16 && pool_ok &&
+         reinterpret_cast<uintptr_t>(kpool) % 16 == 0 && reinterpret_cast<uintptr_t>(vpool) % 16 == 0;
 }
 
 int paged_attention_mma_blocks_per_sm(int hd, DType pool_dt, int variant) {
-  FP8RL_CHECK((hd == 64 || hd == 128) && (pool_dt == DType::BF16 || pool_dt == DType::E4M3),
+  FP8RL_CHECK((hd == 64 || hd == 128) && (pool_dt == DType::BF16 || pool_dt == DType::E4M3 ||
+                                          (pool_dt == DType::F16 && hd == 128)),
               "paged attention (tensor cores): unsupported head_dim ", hd, " / pool ", dtype_name(pool_dt));
+  if (pool_dt == DType::F16) {
+    FP8RL_CHECK(resolve_variant(variant) == kMmaDefaultVariant,
+                "paged attention (tensor cores): the wide E4M3 pool runs the default variant only");
+    return mma_blocks_per_sm<128, E4m3F16, kMmaDefaultVariant>();
+  }
   return with_variant(resolve_variant(variant), [&](auto vc) {
     constexpr int V = decltype(vc)::value;
     if (pool_dt == DType::E4M3)
@@ -1856,11 +1864,16 @@ void launch_paged_attention_mma(const void* q, DType qdt, const int32_t* token_s
   if (T == 0) return;
   FP8RL_CHECK(!out_fp8 || hd == 128, "paged attention: the fused output quantizer needs head_dim 128, got ", hd);
   int v = resolve_variant(variant);
+  const bool wide = pool_dt == DType::F16;  // the wide E4M3 pool: the default variant's kernel only
+  FP8RL_CHECK(!wide || (v == kMmaDefaultVariant && !out_fp8 && reinterpret_cast<uintptr_t>(q) % 16 == 0),
+              "paged attention (tensor cores): the wide E4M3 pool needs the default variant, no fused FP8 output and "
+              "a 16-byte aligned q");
   if (reinterpret_cast<uintptr_t>(q) % 16 != 0) v = 0;  // the transposed kernel loads q 16 bytes at a time
   FP8RL_CHECK(Hkv > 0 && Hq % Hkv == 0 && paged_attention_mma_supported(hd, Hq / Hkv, pool_dt, qdt, kpool, vpool),
               "paged attention (tensor cores): unsupported case: q ", dtype_name(qdt), ", pool ", dtype_name(pool_dt),
               ", head_dim ", hd, ", group ", Hq / std::max(Hkv, 1),
-              " (needs BF16 q, a BF16/E4M3 pool, head_dim 64/128, group <= 8, 16-byte aligned pools)");
+              " (needs BF16 q, a BF16/E4M3 pool (wide E4M3: head_dim 128), head_dim 64/128, group <= 8, 16-byte "
+              "aligned pools)");
   FP8RL_CHECK(page_size >= 1, "paged attention: page_size ", page_size);
   FP8RL_CHECK(split.splits >= 1 && split.chunk >= kMmaTile && split.chunk % kMmaTile == 0 &&
                   ((split.splits == 1 && !lse_out) || (part_o && part_lse)),
@@ -1888,7 +1901,9 @@ void launch_paged_attention_mma(const void* q, DType qdt, const int32_t* token_s
     // One block of 8 columns when the runs fit it, else two (each K / V tile read once for both).
     auto launch = [&](auto nb) {
       constexpr int NB = decltype(nb)::value;
-      if (pool_dt == DType::E4M3) {
+      if (wide) {
+        launch_mma_runs<128, E4m3F16, NB>(a, nruns, stream);
+      } else if (pool_dt == DType::E4M3) {
         if (hd == 64) launch_mma_runs<64, uint8_t, NB>(a, nruns, stream);
         else launch_mma_runs<128, uint8_t, NB>(a, nruns, stream);
       } else {
@@ -1898,6 +1913,8 @@ void launch_paged_attention_mma(const void* q, DType qdt, const int32_t* token_s
     };
     if (cols <= kMmaRows) launch(std::integral_constant<int, 1>());
     else launch(std::integral_constant<int, kMmaRunBlocks>());
+  } else if (wide) {
+    launch_mma<128, E4m3F16, kMmaDefaultVariant>(a, T, stream);
   } else {
     with_variant(v, [&](auto vc) {
       constexpr int V = decltype(vc)::value;

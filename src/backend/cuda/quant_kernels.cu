@@ -117,8 +117,8 @@ __global__ void quant_tile_kernel(const T* __restrict__ x, int64_t R, int64_t C,
 // pointers are 16-byte aligned). Same arithmetic as above, element for element: bit-exact.
 
 // ---- emulated: begin (row quantizer)
-// 1 x 128 along the last dim: quant.cuh's row blocks (8 threads per (row, 128-column block), 16
-// elements each).
+// 1 x 128 along the last dim: quant.cuh's row blocks (8 threads per (row, 128-column block), two
+// chunks of 8 elements each).
 template <class T>
 __global__ void quant_rows_vec_kernel(const T* __restrict__ x, int64_t rows, int64_t cols, bool pow2,
                                       uint8_t* __restrict__ q, float* __restrict__ scales, bool gemm_layout,
@@ -131,7 +131,7 @@ __global__ void quant_rows_vec_kernel(const T* __restrict__ x, int64_t rows, int
 #pragma unroll
   for (int k = 0; k < 2; ++k) {
     if (!h.in[k]) continue;
-    load8(x + h.r * cols + h.c + 8 * k, v + 8 * k);
+    load8(x + h.r * cols + h.col[k], v + 8 * k);
     stored_amax8(v + 8 * k, amax, finite);
   }
   if (!finite) atomicExch(bad, 1);
