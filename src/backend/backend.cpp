@@ -32,7 +32,7 @@ QuantTensor Backend::alloc_quant(int64_t rows, int64_t cols, int block_rows, int
 }
 
 KvCache Backend::alloc_kv_cache(int num_layers, int num_pages, int page_size, int num_kv_heads, int head_dim,
-                                DType dtype, int latent_v_dim, bool wide_if_it_pays) {
+                                DType dtype, int latent_v_dim) {
   FP8RL_CHECK(dtype == DType::F32 || dtype == DType::BF16 || dtype == DType::E4M3,
               "KV cache dtype must be F32, BF16 or E4M3, got ", dtype_name(dtype));
   FP8RL_CHECK(latent_v_dim >= 0 && latent_v_dim <= head_dim, "a latent KV cache's V width (", latent_v_dim,
@@ -45,10 +45,9 @@ KvCache Backend::alloc_kv_cache(int num_layers, int num_pages, int page_size, in
   c.head_dim = head_dim;
   c.latent_v_dim = latent_v_dim;
   c.dtype = dtype;
-  c.wide = wide_if_it_pays && dtype == DType::E4M3 && latent_v_dim == 0 && kv_cache_wide_pays(head_dim);
   for (int l = 0; l < num_layers; ++l) {
-    c.k.push_back(alloc({num_pages, page_size, num_kv_heads, head_dim}, c.pool_dtype()));
-    if (latent_v_dim == 0) c.v.push_back(alloc({num_pages, page_size, num_kv_heads, head_dim}, c.pool_dtype()));
+    c.k.push_back(alloc({num_pages, page_size, num_kv_heads, head_dim}, dtype));
+    if (latent_v_dim == 0) c.v.push_back(alloc({num_pages, page_size, num_kv_heads, head_dim}, dtype));
   }
   c.k_scale = alloc({num_layers, num_kv_heads}, DType::F32);
   c.v_scale = alloc({num_layers, num_kv_heads}, DType::F32);
@@ -68,7 +67,6 @@ namespace {
 class Contract {
  public:
   explicit Contract(const Backend& be) : be_(be) {}
-  const Backend& backend() const { return be_; }
 
   // Defined and on this backend's device.
   void on_device(const Tensor& t, const char* what) const {
@@ -257,17 +255,13 @@ void cache_layer_contract(const Contract& c, const KvCache& cache, int layer, co
               op, ": KV cache layer ", layer, " out of range [0, ", cache.num_layers, ")");
   FP8RL_CHECK(cache.latent_v_dim <= cache.head_dim, op, ": KV cache latent_v_dim ", cache.latent_v_dim, " > head_dim ",
               cache.head_dim);
-  FP8RL_CHECK(!cache.wide || (cache.dtype == DType::E4M3 && !latent && c.backend().kv_cache_wide_pays(cache.head_dim)),
-              op,
-              ": a wide KV cache is an E4M3 cache of K and V pools on a backend that reads it "
-              "(alloc_kv_cache decides)");
   const Shape pool = {cache.num_pages, cache.page_size, cache.num_kv_heads, cache.head_dim};
   std::vector<const Tensor*> pools = {&cache.k[layer]};
   if (!latent) pools.push_back(&cache.v[layer]);
   for (const Tensor* t : pools) {
     c.on_device(*t, "KV cache pool");
     check_shape(*t, pool, "KV cache pool");
-    check_dtype(*t, cache.pool_dtype(), "KV cache pool");
+    check_dtype(*t, cache.dtype, "KV cache pool");
   }
   for (const Tensor* t : {&cache.k_scale, &cache.v_scale}) {
     c.on_device(*t, "KV cache scales");

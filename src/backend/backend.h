@@ -136,17 +136,10 @@ struct AdamWParams {
 // MLA's latent cache (latent_v_dim > 0; DeepSeek / vLLM / FlashMLA): one K row per token and
 // KV head ([latent | rope key], head_dim wide) and no V pools: the V of a position is the first
 // latent_v_dim values of its K row (the latent), read with k_scale (v_scale is unused).
-// A wide E4M3 cache (wide: dtype E4M3, pools F16) stores each code's value as FP16 instead of
-// the code's byte: the same cache to every op (the same values written and read, the same
-// results bit for bit), twice the bytes, read without the per-element conversions. Only where
-// the backend says it pays (Backend::kv_cache_wide_pays: CUDA's tensor-core kernel at head_dim
-// 128), for a cache that lives one layer of one forward (the consistent trainer's own).
 struct KvCache {
   int num_layers = 0, num_pages = 0, page_size = 16, num_kv_heads = 0, head_dim = 0;
   int latent_v_dim = 0;  // > 0: V = K[..., :latent_v_dim], v pools empty (MLA)
   DType dtype = DType::BF16;
-  bool wide = false;  // E4M3 codes' values in F16 pools (above)
-  DType pool_dtype() const { return wide ? DType::F16 : dtype; }
   std::vector<Tensor> k, v;  // per layer: [num_pages, page_size, num_kv_heads, head_dim] (v: none when latent)
   Tensor k_scale, v_scale;   // F32 [num_layers, num_kv_heads]
   int v_dim() const { return latent_v_dim > 0 ? latent_v_dim : head_dim; }  // V's width (the output's)
@@ -527,13 +520,9 @@ class Backend {
 
   // ---- generation --------------------------------------------------------------------------
   // Allocates a paged cache (scales initialized to 1); latent_v_dim > 0 (<= head_dim): MLA's
-  // latent cache, K pools only (KvCache). wide_if_it_pays: an E4M3 cache stored wide (KvCache)
-  // where kv_cache_wide_pays(head_dim), else as usual (the same results either way).
+  // latent cache, K pools only (KvCache).
   KvCache alloc_kv_cache(int num_layers, int num_pages, int page_size, int num_kv_heads, int head_dim, DType dtype,
-                         int latent_v_dim = 0, bool wide_if_it_pays = false);
-  // Whether this backend reads a wide E4M3 cache (KvCache) of this head_dim faster than the
-  // byte codes: CUDA at head_dim 128 with its default paged kernel; the CPU never.
-  virtual bool kv_cache_wide_pays(int /*head_dim*/) const { return false; }
+                         int latent_v_dim = 0);
   // Writes k, v [T, Hkv, hd] of `layer` into their slots (E4M3: quantized with the layer's scales).
   // A latent cache (latent_v_dim > 0) stores k only: v must be undefined.
   void kv_write(KvCache& cache, int layer, const Tensor& k, const Tensor& v, const PagedBatch& batch);

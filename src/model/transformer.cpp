@@ -485,8 +485,7 @@ void forward_layers(Backend& be, const ModelWeights& w, const EnginePrecision& p
 // generator's KV dtype (scales: the rollout's, per layer; pages of 16 positions, one run of pages
 // per sequence) and every token is a query of attention_paged over it (batch_invariant: the
 // generator's kernel and split of the positions), which also gives the lse the usual attention
-// backward takes (an E4M3 cache stored wide where the backend reads that faster: the same
-// results, KvCache). Then k and v are rounded as that cache holds them (kv_round for E4M3, a round
+// backward takes. Then k and v are rounded as that cache holds them (kv_round for E4M3, a round
 // trip through the cache dtype otherwise), so the backward sees the values the forward attended
 // over; gradients pass straight through the rounding, as with the trainer's KV rounding.
 struct ConsistentKv {
@@ -601,9 +600,7 @@ AttentionStep training_attention(Backend& be, const ModelConfig& c, const Engine
     step.run = [&be, &c, st, softmax_scale, T, kv](int layer, LayerActivations& a) {
       if (!kv->cache.k.size()) {  // the pools, at the first layer (k's dtype known)
         if (kv->dtype_of_k) kv->dtype = a.k.dtype() == DType::F64 ? DType::F32 : a.k.dtype();
-        // An E4M3 cache stored wide where the backend reads that faster (KvCache: same bits).
-        kv->cache = be.alloc_kv_cache(1, kv->pages, 16, c.num_kv_heads, c.head_dim, kv->dtype, 0,
-                                      /*wide_if_it_pays=*/true);
+        kv->cache = be.alloc_kv_cache(1, kv->pages, 16, c.num_kv_heads, c.head_dim, kv->dtype);
       }
       KvCache lc = kv->cache;  // this layer's scales in the one-layer cache
       lc.k_scale = kv->k_scale.slice_rows(layer, layer + 1);

@@ -176,13 +176,6 @@ __device__ __forceinline__ float2 fp8_e4m3x2_to_float2(uint32_t two) {
   hh = h;
   return __half22float2(hh);
 }
-
-// Two E4M3 bytes (the first in the low byte of `two`) to their FP16 bits (the first in the low
-// half), exact: the same paired conversion.
-__device__ __forceinline__ uint32_t fp8_e4m3x2_to_f16x2(uint32_t two) {
-  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two & 0xffffu), __NV_E4M3);
-  return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
-}
 #endif
 
 }  // namespace fp8rl

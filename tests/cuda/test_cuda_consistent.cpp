@@ -352,64 +352,6 @@ TEST(CudaConsistent, PagedAttentionQueryRunsAreBitwiseOneTokenCtas) {
     }
 }
 
-// The consistent trainer's own cache stored wide (KvCache::wide: the E4M3 codes' values in FP16
-// pools, read by the tensor-core kernel without per-element conversions): every output and lse
-// bitwise the byte-coded E4M3 cache's, with one CTA per token and with query runs of one and two
-// blocks of MMA columns, at group 1, 2, 4 and 8; the E4M3 scales are applied alike. Where it does
-// not pay (head_dim 64) the cache stays byte-coded.
-TEST(CudaConsistent, WideE4m3CacheIsBitwiseTheE4m3Cache) {
-  cuda::CudaBackend be(0, DType::BF16);
-  ASSERT_TRUE(be.kv_cache_wide_pays(128));
-  EXPECT_FALSE(be.kv_cache_wide_pays(64));
-  EXPECT_FALSE(be.alloc_kv_cache(1, 2, 16, 2, 64, DType::E4M3, 0, true).wide);
-  EXPECT_FALSE(be.alloc_kv_cache(1, 2, 16, 2, 128, DType::BF16, 0, true).wide);
-  const int hd = 128, ps = 16, Hkv = 4;
-  const std::vector<int32_t> lens = {700, 37, 520, 1};
-  const WholeSequences ws = whole_sequences(lens, ps);
-  const int64_t T = static_cast<int64_t>(ws.seq.size());
-  const Tensor k = rand_dev(be, {T, Hkv, hd}, 51, DType::BF16), v = rand_dev(be, {T, Hkv, hd}, 52, DType::BF16);
-  KvCache bytes = be.alloc_kv_cache(1, ws.pages, ps, Hkv, hd, DType::E4M3);
-  KvCache wide = be.alloc_kv_cache(1, ws.pages, ps, Hkv, hd, DType::E4M3, 0, /*wide_if_it_pays=*/true);
-  ASSERT_TRUE(wide.wide);
-  ASSERT_FALSE(bytes.wide);
-  EXPECT_EQ(wide.k[0].dtype(), DType::F16);
-  for (KvCache* c : {&bytes, &wide}) {
-    be.copy(from_float_vector({0.02f, 0.03f, 0.015f, 0.05f}, {1, Hkv}), c->k_scale);
-    be.copy(from_float_vector({0.012f, 0.02f, 0.01f, 0.04f}, {1, Hkv}), c->v_scale);
-  }
-  PagedBatch one{be.to_device(test::i32_tensor(ws.seq)), be.to_device(test::i32_tensor(ws.pos)),
-                 be.to_device(test::i32_tensor(ws.slots)),
-                 be.to_device(test::i32_tensor(ws.table)).reshape({static_cast<int64_t>(lens.size()), ws.width}), 700};
-  one.batch_invariant = true;
-  be.kv_write(bytes, 0, k, v, one);
-  be.kv_write(wide, 0, k, v, one);
-  for (int group : {1, 2, 4, 8}) {
-    const int Hq = Hkv * group;
-    const Tensor q = rand_dev(be, {T, Hq, hd}, 53 + group, DType::BF16, 0.3f);
-    Tensor o0 = be.alloc({T, Hq, hd}, DType::BF16), l0 = be.alloc({Hq, T}, DType::F32);
-    be.attention_paged(bytes, 0, q, one, 0.088f, false, o0, &l0);
-    const Tensor h0 = be.to_host(o0), hl0 = be.to_host(l0);
-    for (int cols : {0, 8, 16}) {  // 0: one CTA per token
-      PagedBatch b = one;
-      if (cols > 0) {
-        const int run = std::max(1, cols / group);
-        std::vector<int32_t> runs;
-        for (int s = 0, t0 = 0; s < static_cast<int>(lens.size()); t0 += lens[s], ++s)
-          for (int t = t0; t < t0 + lens[s]; t += run)
-            runs.push_back(t), runs.push_back(std::min(run, t0 + lens[s] - t));
-        b.query_runs = be.to_device(test::i32_tensor(runs)).reshape({static_cast<int64_t>(runs.size() / 2), 2});
-        b.query_run_tokens = run;
-      }
-      Tensor o = be.alloc({T, Hq, hd}, DType::BF16), l = be.alloc({Hq, T}, DType::F32);
-      be.attention_paged(wide, 0, q, b, 0.088f, false, o, &l);
-      const Tensor h = be.to_host(o), hl = be.to_host(l);
-      EXPECT_EQ(rows_differing(h0, h, 0), 0) << "group " << group << ", columns " << cols << ": outputs";
-      EXPECT_EQ(std::memcmp(hl0.raw(), hl.raw(), hl0.nbytes()), 0)
-          << "group " << group << ", columns " << cols << ": lse";
-    }
-  }
-}
-
 // The consistent generator's logp_gen without a second lm_head GEMM: logprobs_of_logits over the
 // head's chunked logits (model_consistent_logits: linear of each kConsistentVocabChunk chunk into
 // F32, what model_forward_paged writes and the sampler reads) is token_logprobs with the

@@ -189,19 +189,11 @@ __global__ void kv_round_kernel(T* x, int64_t n, int H, int hd, KvRoundScales s)
   }
 }
 // ---- emulated: begin (kv cache)
-// 8 E4M3 codes (encode8's two words) as their 8 FP16 values' bits, in order.
-__device__ __forceinline__ uint4 e4m3x8_as_f16(uint2 c) {
-  return make_uint4(fp8_e4m3x2_to_f16x2(c.x), fp8_e4m3x2_to_f16x2(c.x >> 16), fp8_e4m3x2_to_f16x2(c.y),
-                    fp8_e4m3x2_to_f16x2(c.y >> 16));
-}
-
 // kv_write, 8 elements per thread (hd % 8 == 0; k, v and the pools 16-byte aligned: the 8 share a
 // token and a head): 16-byte loads; E4M3 codes by encode8 (quant.cuh: fp8_rule.h's Fp8Divisor
 // quotients, paired conversions; the codes bitwise kv_write_kernel's), one 8-byte store per
 // chunk, or a 16-byte store into a BF16 / F32 pool. The token and head by 32-bit divisions
 // (divmod_index). The cache slot index is in chunks of 8: slot * Hkv * hd8 + the chunk's offset.
-// TP = uint16_t: an E4M3 cache stored wide (KvCache::wide), each code's value as FP16 bits (the
-// codes above, converted exactly), one 16-byte store per chunk.
 template <class TS, class TP>
 __global__ void kv_write8_kernel(const TS* k, const TS* v, const int32_t* slots, int64_t n8, int Hkv, int hd8, TP* kp,
                                  TP* vp, const float* ks, const float* vs) {
@@ -216,8 +208,6 @@ __global__ void kv_write8_kernel(const TS* k, const TS* v, const int32_t* slots,
     load8(k + 8 * j, x);
     if constexpr (std::is_same_v<TP, uint8_t>) {
       *reinterpret_cast<uint2*>(kp + dst) = encode8(x, Fp8Divisor(ks[hk]));
-    } else if constexpr (std::is_same_v<TP, uint16_t>) {
-      *reinterpret_cast<uint4*>(kp + dst) = e4m3x8_as_f16(encode8(x, Fp8Divisor(ks[hk])));
     } else {
       store8(kp + dst, x);
     }
@@ -225,8 +215,6 @@ __global__ void kv_write8_kernel(const TS* k, const TS* v, const int32_t* slots,
       load8(v + 8 * j, x);
       if constexpr (std::is_same_v<TP, uint8_t>) {
         *reinterpret_cast<uint2*>(vp + dst) = encode8(x, Fp8Divisor(vs[hk]));
-      } else if constexpr (std::is_same_v<TP, uint16_t>) {
-        *reinterpret_cast<uint4*>(vp + dst) = e4m3x8_as_f16(encode8(x, Fp8Divisor(vs[hk])));
       } else {
         store8(vp + dst, x);
       }
@@ -401,16 +389,9 @@ void launch_kv_write(const void* k, const void* v, DType src_dt, const int32_t* 
   if (n == 0) return;
   const auto a16 = [](const void* p) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   const bool vec = hd % 8 == 0 && a16(k) && a16(v) && a16(kpool) && a16(vpool);
-  // pool_dt F16: an E4M3 cache stored wide (kernels.h); its pools are allocated aligned, hd % 8 == 0.
-  FP8RL_CHECK(pool_dt != DType::F16 || vec, "kv_write: a wide E4M3 cache needs head_dim % 8 == 0 and 16-byte aligned "
-              "k, v and pools (head_dim ", hd, ")");
   FP8RL_DISPATCH_FLOAT(src_dt, "kv_write source", {
     using TS = T;
-    if (pool_dt == DType::F16) {
-      kv_write8_kernel<TS, uint16_t><<<grid_for(n / 8, 256), 256, 0, stream>>>(
-          static_cast<const TS*>(k), static_cast<const TS*>(v), slots, n / 8, Hkv, hd / 8,
-          static_cast<uint16_t*>(kpool), static_cast<uint16_t*>(vpool), k_scale, v_scale);
-    } else if (vec && pool_dt == DType::E4M3) {
+    if (vec && pool_dt == DType::E4M3) {
       kv_write8_kernel<TS, uint8_t><<<grid_for(n / 8, 256), 256, 0, stream>>>(
           static_cast<const TS*>(k), static_cast<const TS*>(v), slots, n / 8, Hkv, hd / 8,
           static_cast<uint8_t*>(kpool), static_cast<uint8_t*>(vpool), k_scale, v_scale);

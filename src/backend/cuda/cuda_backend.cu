@@ -1779,11 +1779,6 @@ void CudaBackend::kv_round_impl(Tensor& x, const std::vector<float>& head_scale)
   launch_kv_round(x.raw(), x.dtype(), x.dim(0), static_cast<int>(x.dim(1)), static_cast<int>(x.dim(2)), s, stream_);
 }
 
-bool CudaBackend::kv_cache_wide_pays(int head_dim) const {
-  const char* mode = std::getenv("FP8RL_CUDA_ATTENTION");
-  return head_dim == 128 && (!mode || !*mode) && paged_attention_mma_variant_env() == paged_attention_default_variant();
-}
-
 void CudaBackend::kv_write_impl(KvCache& cache, int layer, const Tensor& k, const Tensor& v, const PagedBatch& batch) {
   const OpTimer op_timer_(*this, "kv_write");
   const bool latent = cache.latent_v_dim > 0;  // MLA: k only (KvCache)
@@ -1792,7 +1787,7 @@ void CudaBackend::kv_write_impl(KvCache& cache, int layer, const Tensor& k, cons
   const float* ks = cache.k_scale.data<float>() + static_cast<int64_t>(layer) * cache.num_kv_heads;
   const float* vs = cache.v_scale.data<float>() + static_cast<int64_t>(layer) * cache.num_kv_heads;
   launch_kv_write(k.raw(), latent ? nullptr : v.raw(), k.dtype(), batch.slots.data<int32_t>(), T, cache.num_kv_heads,
-                  cache.head_dim, cache.k[layer].raw(), latent ? nullptr : cache.v[layer].raw(), cache.pool_dtype(), ks, vs,
+                  cache.head_dim, cache.k[layer].raw(), latent ? nullptr : cache.v[layer].raw(), cache.dtype, ks, vs,
                   stream_);
 }
 
@@ -1849,12 +1844,6 @@ bool CudaBackend::attention_paged_run(const KvCache& cache, int layer, const Ten
   const std::string md = mode ? mode : "";
   const bool simple = md == "simple", grouped = md == "grouped", tiled = md == "tiled";
   const int group = Hq / cache.num_kv_heads;
-  // A wide E4M3 cache (F16 pools of the codes' values): the tensor-core kernel only, which
-  // kv_cache_wide_pays asked for when the cache was allocated.
-  const DType pool_dt = cache.pool_dtype();
-  FP8RL_CHECK(!cache.wide || (md.empty() && paged_attention_mma_supported(hd, group, pool_dt, q.dtype(), kp, vp)),
-              "attention_paged: a wide E4M3 cache is read by the tensor-core kernel only (BF16 q, head_dim 128, group "
-              "<= 8), and FP8RL_CUDA_ATTENTION=", md, " asks for another: allocate the cache after setting it");
   // MLA's latent cache (one 576-wide row per token, Hq query heads over it) runs the simple
   // kernel: correct, not fast (a FlashMLA-style kernel is the next step; docs/design.md).
   if (simple || latent || !paged_attention_supported(hd, group, cache.dtype, kp, vp)) {
@@ -1866,12 +1855,12 @@ bool CudaBackend::attention_paged_run(const KvCache& cache, int layer, const Ten
   }
   const char* forced = std::getenv("FP8RL_CUDA_PAGED_SPLITS");
   const int nforced = forced ? std::atoi(forced) : 0;
-  const bool mma = !grouped && !tiled && paged_attention_mma_supported(hd, group, pool_dt, q.dtype(), kp, vp);
+  const bool mma = !grouped && !tiled && paged_attention_mma_supported(hd, group, cache.dtype, q.dtype(), kp, vp);
   // max_pos only sizes the split plan: a token past it is still served in full (last split).
   const PagedSplit plan =
       batch.batch_invariant
           ? paged_attention_invariant_split(batch.max_pos)
-          : mma ? paged_attention_mma_split(T, cache.num_kv_heads, hd, pool_dt, batch.max_pos, sm_count_, nforced)
+          : mma ? paged_attention_mma_split(T, cache.num_kv_heads, hd, cache.dtype, batch.max_pos, sm_count_, nforced)
                 : paged_attention_split(T, cache.num_kv_heads, batch.max_pos, sm_count_, nforced);
   float* part = nullptr;
   if (plan.splits > 1 || lse_out) part = scratch(kSlotAttn, {T * Hq * plan.splits * (hd + 1)}, DType::F32).data<float>();
@@ -1883,7 +1872,7 @@ bool CudaBackend::attention_paged_run(const KvCache& cache, int layer, const Ten
   if (mma) {
     launch_paged_attention_mma(q.raw(), q.dtype(), batch.token_seq.data<int32_t>(), batch.token_pos.data<int32_t>(),
                                batch.page_table.data<int32_t>(), max_pages, T, Hq, cache.num_kv_heads, hd,
-                               cache.page_size, kp, vp, pool_dt, ks, vs, softmax_scale, fp8_attention, plan, part,
+                               cache.page_size, kp, vp, cache.dtype, ks, vs, softmax_scale, fp8_attention, plan, part,
                                part_lse, out.raw(), stream_, /*variant=*/-1, lse_out, fused ? out_fp8 : nullptr,
                                runs ? batch.query_runs.data<int32_t>() : nullptr, runs ? batch.query_runs.dim(0) : 0,
                                runs ? batch.query_run_tokens : 0);

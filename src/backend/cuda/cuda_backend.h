@@ -45,10 +45,6 @@ class CudaBackend final : public Backend {
 
   // F32 and BF16 (F32 where the interface says F32): what the kernels are written for.
   bool takes_float(DType t, bool stat) const override { return t == DType::F32 || (!stat && t == DType::BF16); }
-  // The tensor-core paged kernel's default variant reads a wide E4M3 pool at head_dim 128 (no
-  // per-element conversions: the consistent trainer's attention), unless FP8RL_CUDA_ATTENTION or
-  // FP8RL_PAGED_VARIANT chooses another kernel.
-  bool kv_cache_wide_pays(int head_dim) const override;
   Tensor alloc(const Shape& shape, DType dtype) override;
   void synchronize() override;
   MemoryStats memory_stats() override;

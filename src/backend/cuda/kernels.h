@@ -234,10 +234,7 @@ struct KvRoundScales {
   float v[kMaxKvRoundHeads];
 };
 void launch_kv_round(void* x, DType dt, int64_t T, int H, int hd, const KvRoundScales& s, cudaStream_t stream);
-// v / vpool null: a latent (MLA) cache, k only. pool_dt F16 (here and in the paged attention
-// launchers): an E4M3 cache stored wide (KvCache::wide), each code's value as FP16, the E4M3
-// cache's scales; written by the vectorized kernel, read by the tensor-core kernel's default
-// variant at head_dim 128 only (paged_attention_mma_supported says where).
+// v / vpool null: a latent (MLA) cache, k only.
 void launch_kv_write(const void* k, const void* v, DType src_dt, const int32_t* slots, int64_t T, int Hkv, int hd,
                      void* kpool, void* vpool, DType pool_dt, const float* k_scale, const float* v_scale,
                      cudaStream_t stream);
@@ -297,7 +294,6 @@ bool paged_attention_mma_supported(int hd, int group, DType pool_dt, DType qdt, 
 int paged_attention_mma_variants();
 const char* paged_attention_mma_variant_name(int v);
 int paged_attention_mma_variant_env();  // FP8RL_PAGED_VARIANT, or the default; errors on other values
-int paged_attention_default_variant();
 int paged_attention_mma_blocks_per_sm(int hd, DType pool_dt, int variant = -1);
 PagedSplit paged_attention_mma_split(int64_t T, int Hkv, int hd, DType pool_dt, int max_pos, int sm_count, int forced,
                                      int variant = -1);

@@ -739,27 +739,15 @@ constexpr int kMmaTile = 16;  // positions per tile (one k-step of P V)
 constexpr int kMmaRows = 8;   // MMA rows that hold heads (group <= 8)
 constexpr int kMmaRunBlocks = 2;  // query runs (paged_mmat_kernel's MQ form): at most 2 blocks of kMmaRows columns
 
-// An E4M3 cache's values stored as FP16 (the code's value, exact; the scale not applied): the
-// pool of the consistent trainer's own cache (paged_mmat_kernel at hd 128 only). The kernel reads
-// it with the E4M3 pool's fragment map — each thread's K and V operands are the FP16 pairs the
-// E4M3 form converts, in the same MMA slots — so its results are bitwise the E4M3 pool's, without
-// the conversions (64 cvt and 16 prmt per lane and tile there).
-struct E4m3F16 {
-  uint16_t bits;
-};
-
 template <int HD, class TP>
 struct PagedMmaCfg {
-  static constexpr bool kWide = std::is_same_v<TP, E4m3F16>;  // E4M3 values in FP16: E4M3's map
-  static constexpr bool kF16 = sizeof(TP) == 1 || kWide;  // E4M3 pools: FP16 MMAs; BF16 pools: BF16 MMAs
+  static constexpr bool kF16 = sizeof(TP) == 1;  // E4M3 pools: FP16 MMAs; BF16 pools: BF16 MMAs
   static constexpr int kElt = static_cast<int>(sizeof(TP));
   static constexpr int kRowBytes = HD * kElt;       // a K or V row of one KV head
   static constexpr int kCpr = kRowBytes / 16;       // 16-byte chunks per row: 16, 8 or 4
-  // The fragment map's chunks (of the E4M3 form when kWide: 16 dims each, two 16-byte chunks of
-  // the FP16 row).
-  static constexpr int kChunkDims = kWide ? 16 : 16 / kElt;  // dims per chunk: 8 or 16
-  static constexpr int kMpc = kChunkDims / 4;                // QK^T k-steps per chunk: 2 or 4
-  static constexpr int kKChunks = HD / kChunkDims / 4;       // K chunks a thread reads per row
+  static constexpr int kChunkDims = 16 / kElt;      // dims per chunk: 8 or 16
+  static constexpr int kMpc = kChunkDims / 4;       // QK^T k-steps per chunk: 2 or 4
+  static constexpr int kKChunks = kCpr / 4;         // K chunks a thread reads per row
   static constexpr int kKSteps = HD / 16;           // QK^T k-steps (MMAs per 8 positions)
   static constexpr int kNTiles = HD / 8;            // P V MMAs per tile (8 dims each)
   static constexpr int kVDims = HD / 8;             // V dims a thread reads per row
@@ -1366,20 +1354,13 @@ __global__ void __launch_bounds__(32 * kMmaWarps, paged_mmat_min_blocks<HD, TP, 
   for (int b = 0; b < NB; ++b) m0[b] = m1[b] = -INFINITY, l0[b] = l1[b] = 0.0f;
   // Read offsets in a stage: K rows g (+ 8 RB: g + 8), chunks 4i + c swizzled; V row 2c (+ RB,
   // 8 RB, 9 RB: rows 2c + 1, 2c + 8, 2c + 9, which share its swizzle).
-  // kWide: chunk 4i + c of the E4M3 map is the 16-byte chunks 2 (4i + c), + 1 of the FP16 row, and
-  // V dims kVDims g .. the chunks 2g, 2g + 1; both swizzles flip even bit patterns, so each pair stays
-  // adjacent (one 32-byte span).
-  static_assert(!Cfg::kWide || HD == 128, "the FP16 pool of E4M3 values: head_dim 128");
   uint32_t kro[Cfg::kKChunks];
 #pragma unroll
   for (int i = 0; i < Cfg::kKChunks; ++i)
-    kro[i] = paged_keep(static_cast<uint32_t>(
-        Cfg::kWide ? g * RB + (((2 * (4 * i + c)) ^ paged_kswz<CPR>(g)) << 4)
-                   : g * RB + (((4 * i + c) ^ paged_kswz<CPR>(g)) << 4)));
+    kro[i] = paged_keep(static_cast<uint32_t>(g * RB + (((4 * i + c) ^ paged_kswz<CPR>(g)) << 4)));
   const uint32_t vro = paged_keep(static_cast<uint32_t>(
-      Cfg::kWide ? TB + 2 * c * RB + (((2 * g) ^ paged_vswz<CPR>(2 * c)) << 4)
-      : F16      ? TB + 2 * c * RB + ((((Cfg::kVDims * g) >> 4) ^ paged_vswz<CPR>(2 * c)) << 4) + ((Cfg::kVDims * g) & 15)
-                 : TB + 2 * c * RB + ((g ^ paged_vswz<CPR>(2 * c)) << 4)));
+      F16 ? TB + 2 * c * RB + ((((Cfg::kVDims * g) >> 4) ^ paged_vswz<CPR>(2 * c)) << 4) + ((Cfg::kVDims * g) & 15)
+          : TB + 2 * c * RB + ((g ^ paged_vswz<CPR>(2 * c)) << 4)));
   int cur = 0, prev = (S - 1) * SB;  // the stages of tiles k and k - 1 (where tile k + S - 1 goes)
   for (int k = 0; k < nk; ++k) {
     paged_cp_async_wait<S - 2>();  // tile k has landed (this thread's copies) ...
@@ -1402,22 +1383,6 @@ __global__ void __launch_bounds__(32 * kMmaWarps, paged_mmat_min_blocks<HD, TP, 
       for (int r = 0; r < 4; ++r) sa[b][r] = sb[b][r] = 0.0f;
 #pragma unroll
     for (int i = 0; i < Cfg::kKChunks; ++i) {
-      if constexpr (Cfg::kWide) {  // the FP16 pairs the E4M3 form converts: words 2j, 2j + 1 of the 32 bytes
-        const uint4 u0 = paged_lds16(st + kro[i]), u0b = paged_lds16(st + kro[i] + 16);
-        const uint4 u1 = paged_lds16(st + kro[i] + 8 * RB), u1b = paged_lds16(st + kro[i] + 8 * RB + 16);
-        const uint32_t w0[8] = {u0.x, u0.y, u0.z, u0.w, u0b.x, u0b.y, u0b.z, u0b.w};
-        const uint32_t w1[8] = {u1.x, u1.y, u1.z, u1.w, u1b.x, u1b.y, u1b.z, u1b.w};
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const uint32_t x[4] = {w0[2 * j], w1[2 * j], w0[2 * j + 1], w1[2 * j + 1]};
-#pragma unroll
-          for (int b = 0; b < NB; ++b) {
-            if (j & 1) paged_mma4<true>(sb[b], x, qb[b][4 * i + j][0], qb[b][4 * i + j][1]);
-            else paged_mma4<true>(sa[b], x, qb[b][4 * i + j][0], qb[b][4 * i + j][1]);
-          }
-        }
-        continue;
-      }
       const uint4 u0 = paged_lds16(st + kro[i]), u1 = paged_lds16(st + kro[i] + 8 * RB);
       const uint32_t w0[4] = {u0.x, u0.y, u0.z, u0.w}, w1[4] = {u1.x, u1.y, u1.z, u1.w};
       if constexpr (F16) {
@@ -1493,30 +1458,7 @@ __global__ void __launch_bounds__(32 * kMmaWarps, paged_mmat_min_blocks<HD, TP, 
     }
 
     // O^T += V^T P^T: A fragments from V rows 2c, 2c + 1 (k-slots 2c, 2c + 1) and 2c + 8, 2c + 9.
-    if constexpr (Cfg::kWide) {  // the E4M3 form's pairs: (row 2c, row 2c + 1) of one dim, as FP16 halves
-      uint32_t w[4][8];          // rows 2c, 2c + 1, 2c + 8, 2c + 9: dims 16 g .. 16 g + 15
-#pragma unroll
-      for (int rr = 0; rr < 4; ++rr) {
-        const unsigned char* vp = st + vro + ((rr & 1) + 8 * (rr >> 1)) * RB;
-        const uint4 u = paged_lds16(vp), v = paged_lds16(vp + 16);
-        w[rr][0] = u.x, w[rr][1] = u.y, w[rr][2] = u.z, w[rr][3] = u.w;
-        w[rr][4] = v.x, w[rr][5] = v.y, w[rr][6] = v.z, w[rr][7] = v.w;
-      }
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {  // dims 4j .. 4j + 3: m-tiles 2j, 2j + 1
-        const uint32_t ax[4] = {paged_prmt(w[0][2 * j], w[1][2 * j], 0x5410), paged_prmt(w[0][2 * j], w[1][2 * j], 0x7632),
-                                paged_prmt(w[2][2 * j], w[3][2 * j], 0x5410), paged_prmt(w[2][2 * j], w[3][2 * j], 0x7632)};
-        const uint32_t ay[4] = {paged_prmt(w[0][2 * j + 1], w[1][2 * j + 1], 0x5410),
-                                paged_prmt(w[0][2 * j + 1], w[1][2 * j + 1], 0x7632),
-                                paged_prmt(w[2][2 * j + 1], w[3][2 * j + 1], 0x5410),
-                                paged_prmt(w[2][2 * j + 1], w[3][2 * j + 1], 0x7632)};
-#pragma unroll
-        for (int b = 0; b < NB; ++b) {
-          paged_mma4<true>(o[b][2 * j], ax, b0[b], b1[b]);
-          paged_mma4<true>(o[b][2 * j + 1], ay, b0[b], b1[b]);
-        }
-      }
-    } else if constexpr (F16) {
+    if constexpr (F16) {
       constexpr int VB = Cfg::kVDims;  // bytes of a row this thread reads: 16 (hd 128) or 8
       uint32_t w[4][VB / 4];           // rows 2c, 2c + 1, 2c + 8, 2c + 9
 #pragma unroll
@@ -1759,7 +1701,6 @@ const char* const kMmaVariantNames[kMmaVariants] = {"orig", "t-exact", "t-lazy",
 }  // namespace
 
 int paged_attention_mma_variants() { return kMmaVariants; }
-int paged_attention_default_variant() { return kMmaDefaultVariant; }
 
 const char* paged_attention_mma_variant_name(int v) { return v >= 0 && v < kMmaVariants ? kMmaVariantNames[v] : "?"; }
 
@@ -1785,21 +1726,14 @@ int resolve_variant(int variant) {
 
 bool paged_attention_mma_supported(int hd, int group, DType pool_dt, DType qdt, const void* kpool,
                                    const void* vpool) {
-  // F16: the wide E4M3 pool (kernels.h), head_dim 128 and the default variant only.
-  const bool pool_ok = pool_dt == DType::BF16 || pool_dt == DType::E4M3 || (pool_dt == DType::F16 && hd == 128);
-  return (hd == 64 || hd == 128) && group >= 1 && group <= kMmaRows && qdt == DType::BF16 && pool_ok &&
-         reinterpret_cast<uintptr_t>(kpool) % 16 == 0 && reinterpret_cast<uintptr_t>(vpool) % 16 == 0;
+  return (hd == 64 || hd == 128) && group >= 1 && group <= kMmaRows && qdt == DType::BF16 &&
+         (pool_dt == DType::BF16 || pool_dt == DType::E4M3) && reinterpret_cast<uintptr_t>(kpool) % 16 == 0 &&
+         reinterpret_cast<uintptr_t>(vpool) % 16 == 0;
 }
 
 int paged_attention_mma_blocks_per_sm(int hd, DType pool_dt, int variant) {
-  FP8RL_CHECK((hd == 64 || hd == 128) && (pool_dt == DType::BF16 || pool_dt == DType::E4M3 ||
-                                          (pool_dt == DType::F16 && hd == 128)),
+  FP8RL_CHECK((hd == 64 || hd == 128) && (pool_dt == DType::BF16 || pool_dt == DType::E4M3),
               "paged attention (tensor cores): unsupported head_dim ", hd, " / pool ", dtype_name(pool_dt));
-  if (pool_dt == DType::F16) {
-    FP8RL_CHECK(resolve_variant(variant) == kMmaDefaultVariant,
-                "paged attention (tensor cores): the wide E4M3 pool runs the default variant only");
-    return mma_blocks_per_sm<128, E4m3F16, kMmaDefaultVariant>();
-  }
   return with_variant(resolve_variant(variant), [&](auto vc) {
     constexpr int V = decltype(vc)::value;
     if (pool_dt == DType::E4M3)
@@ -1864,16 +1798,11 @@ void launch_paged_attention_mma(const void* q, DType qdt, const int32_t* token_s
   if (T == 0) return;
   FP8RL_CHECK(!out_fp8 || hd == 128, "paged attention: the fused output quantizer needs head_dim 128, got ", hd);
   int v = resolve_variant(variant);
-  const bool wide = pool_dt == DType::F16;  // the wide E4M3 pool: the default variant's kernel only
-  FP8RL_CHECK(!wide || (v == kMmaDefaultVariant && !out_fp8 && reinterpret_cast<uintptr_t>(q) % 16 == 0),
-              "paged attention (tensor cores): the wide E4M3 pool needs the default variant, no fused FP8 output and "
-              "a 16-byte aligned q");
   if (reinterpret_cast<uintptr_t>(q) % 16 != 0) v = 0;  // the transposed kernel loads q 16 bytes at a time
   FP8RL_CHECK(Hkv > 0 && Hq % Hkv == 0 && paged_attention_mma_supported(hd, Hq / Hkv, pool_dt, qdt, kpool, vpool),
               "paged attention (tensor cores): unsupported case: q ", dtype_name(qdt), ", pool ", dtype_name(pool_dt),
               ", head_dim ", hd, ", group ", Hq / std::max(Hkv, 1),
-              " (needs BF16 q, a BF16/E4M3 pool (wide E4M3: head_dim 128), head_dim 64/128, group <= 8, 16-byte "
-              "aligned pools)");
+              " (needs BF16 q, a BF16/E4M3 pool, head_dim 64/128, group <= 8, 16-byte aligned pools)");
   FP8RL_CHECK(page_size >= 1, "paged attention: page_size ", page_size);
   FP8RL_CHECK(split.splits >= 1 && split.chunk >= kMmaTile && split.chunk % kMmaTile == 0 &&
                   ((split.splits == 1 && !lse_out) || (part_o && part_lse)),
@@ -1901,9 +1830,7 @@ void launch_paged_attention_mma(const void* q, DType qdt, const int32_t* token_s
     // One block of 8 columns when the runs fit it, else two (each K / V tile read once for both).
     auto launch = [&](auto nb) {
       constexpr int NB = decltype(nb)::value;
-      if (wide) {
-        launch_mma_runs<128, E4m3F16, NB>(a, nruns, stream);
-      } else if (pool_dt == DType::E4M3) {
+      if (pool_dt == DType::E4M3) {
         if (hd == 64) launch_mma_runs<64, uint8_t, NB>(a, nruns, stream);
         else launch_mma_runs<128, uint8_t, NB>(a, nruns, stream);
       } else {
@@ -1913,8 +1840,6 @@ void launch_paged_attention_mma(const void* q, DType qdt, const int32_t* token_s
     };
     if (cols <= kMmaRows) launch(std::integral_constant<int, 1>());
     else launch(std::integral_constant<int, kMmaRunBlocks>());
-  } else if (wide) {
-    launch_mma<128, E4m3F16, kMmaDefaultVariant>(a, T, stream);
   } else {
     with_variant(v, [&](auto vc) {
       constexpr int V = decltype(vc)::value;

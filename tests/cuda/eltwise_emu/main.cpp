@@ -137,15 +137,6 @@ inline float2 fp8_e4m3x2_to_float2(uint32_t two) {
 struct KvRoundScales {
   float v[64];
 };
-// The hardware's exact E4M3 -> FP16 pair conversion, by the host codec and the compiler's FP16.
-inline uint32_t fp8_e4m3x2_to_f16x2(uint32_t two) {
-  const float2 f = fp8_e4m3x2_to_float2(two);
-  const _Float16 lo = static_cast<_Float16>(f.x), hi = static_cast<_Float16>(f.y);
-  uint16_t a, b;
-  std::memcpy(&a, &lo, 2);
-  std::memcpy(&b, &hi, 2);
-  return static_cast<uint32_t>(a) | (static_cast<uint32_t>(b) << 16);
-}
 inline void divmod_index(int64_t n, int64_t d, int64_t& q, int64_t& r) {
   q = n / d;
   r = n % d;
@@ -442,8 +433,7 @@ void run_kv_write(std::mt19937& gen) {
           emu::kv_write8_kernel<TS, TP>(k.as<TS>(), v.as<TS>(), slots.data(), n / 8, Hkv, hd / 8, kp.as<TP>(),
                                         with_v ? vp.as<TP>() : nullptr, ks.data(), vs.data());
         });
-        const std::string name = std::string("kv_write8 ") +
-                                 (std::is_same_v<TP, uint8_t> ? "e4m3" : std::is_same_v<TP, uint16_t> ? "e4m3 wide" : "") +
+        const std::string name = std::string("kv_write8 ") + (std::is_same_v<TP, uint8_t> ? "e4m3" : "") +
                                  " Hkv " + std::to_string(Hkv) + " hd " + std::to_string(hd) +
                                  (with_v ? "" : " k only");
         std::vector<char> written(P, 0);
@@ -457,16 +447,7 @@ void run_kv_write(std::mt19937& gen) {
               const int64_t i = t * Hkv * hd + e, dst = static_cast<int64_t>(slots[t]) * Hkv * hd + e;
               const float x = get<TS>(src, i);
               bool ok;
-              if constexpr (std::is_same_v<TP, uint8_t>) {
-                ok = pool.as<uint8_t>()[dst] == emu::e4m3_nearest(x / sc[e / hd]);
-              } else if constexpr (std::is_same_v<TP, uint16_t>) {  // the wide E4M3 pool: the code's value in FP16
-                const uint8_t c = emu::e4m3_nearest(x / sc[e / hd]);
-                const float m = emu::e4m3_value(c & 0x7f);
-                const _Float16 h = static_cast<_Float16>((c & 0x80) ? -m : m);
-                uint16_t hb;
-                std::memcpy(&hb, &h, 2);
-                ok = pool.as<uint16_t>()[dst] == hb && static_cast<float>(h) == ((c & 0x80) ? -m : m);
-              }
+              if constexpr (std::is_same_v<TP, uint8_t>) ok = pool.as<uint8_t>()[dst] == emu::e4m3_nearest(x / sc[e / hd]);
               else ok = same(get<TP>(pool, dst), round_t<TP>(x));
               expect(ok, name + (which ? ": v" : ": k") + " element " + std::to_string(i));
             }
@@ -519,8 +500,6 @@ int main() {
   run_non_finite<bf16>();
   run_kv_write<float, uint8_t>(gen);
   run_kv_write<bf16, uint8_t>(gen);
-  run_kv_write<bf16, uint16_t>(gen);  // the wide E4M3 pool (KvCache::wide)
-  run_kv_write<float, uint16_t>(gen);
   run_kv_write<bf16, bf16>(gen);
   run_kv_write<float, bf16>(gen);
   run_kv_write<bf16, float>(gen);
