@@ -157,6 +157,13 @@ struct PagedBatch {
   // a split of the positions fixed by the position alone (CUDA: chunks of kPagedInvariantChunk
   // positions, FP8RL_CUDA_PAGED_SPLITS ignored). The CPU reference is always so.
   bool batch_invariant = false;
+  // The consistent mode's flash order (EnginePrecision::consistent_flash): each token's output is
+  // bitwise what `attention` (the trainer's flash attention) gives its row over the values the
+  // cache hands out (E4M3: code * scale rounded to the activation dtype, as kv_round) — the same
+  // key tiles from position 0, the same fragments, reductions and normalization (CUDA:
+  // flash_decode_kernel; no lse, no FP8 attention). Batch-invariant too. The CPU reference's
+  // attention_paged and attention already agree row for row, so it ignores the flag.
+  bool flash_order = false;
   // Optional (a hint; results are the same bits without it): I32 [R, 2] {first token, count} runs
   // covering every token once, each run consecutive tokens of one sequence at consecutive
   // positions (e.g. a sequence scored whole), of at most query_run_tokens tokens. A backend may

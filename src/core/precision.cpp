@@ -65,7 +65,7 @@ PrecisionRecipe PrecisionRecipe::parse(const std::string& spec) {
   if (colon == std::string::npos) return r;
   std::stringstream ss(spec.substr(colon + 1));
   std::string item;
-  bool tkv_set = false, consistent = false, consistent_linears = true;
+  bool tkv_set = false, consistent = false, consistent_linears = true, consistent_flash = false;
   while (std::getline(ss, item, '+')) {
     const size_t eq = item.find('=');
     FP8RL_CHECK(eq != std::string::npos, "recipe '", spec, "': override '", item, "' is not key=value");
@@ -99,10 +99,11 @@ PrecisionRecipe PrecisionRecipe::parse(const std::string& spec) {
       FP8RL_CHECK(v == "fp8" || v == "bf16", "recipe '", spec, "': wgrad must be fp8 or bf16");
       r.trainer.wgrad = linear_mode_from_name(v);
     } else if (k == "consistent") {
-      FP8RL_CHECK(v == "on" || v == "off" || v == "attn", "recipe '", spec, "': consistent must be on, off or attn, got '",
-                  v, "'");
+      FP8RL_CHECK(v == "on" || v == "off" || v == "attn" || v == "flash", "recipe '", spec,
+                  "': consistent must be on, off, attn or flash, got '", v, "'");
       consistent = v != "off";
-      consistent_linears = v != "attn";
+      consistent_linears = v == "on";
+      consistent_flash = v == "flash";
     } else {
       FP8RL_FAIL("recipe '", spec, "': unknown override '", k,
                  "' (gen, train, kv, tkv, attn, pow2, first, last, wgrad, consistent)");
@@ -117,6 +118,7 @@ PrecisionRecipe PrecisionRecipe::parse(const std::string& spec) {
               "(through a cache of the generator's KV dtype): drop tkv");
   if (consistent) r.set_consistent(true);
   r.generator.consistent_linears = r.trainer.consistent_linears = consistent_linears;
+  r.generator.consistent_flash = r.trainer.consistent_flash = consistent_flash;
   return r;
 }
 

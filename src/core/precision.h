@@ -45,6 +45,14 @@ struct EnginePrecision {
   // kernels, whose accumulation order depends on M: not bitwise, but the quantizers' inputs
   // differ only by those orders, not by a different attention.
   bool consistent_linears = true;
+  // With consistent: where the two engines' attention meets (consistent=flash). false: the
+  // trainer's forward attends through a paged cache with the generator's decode kernel (above).
+  // true: the generator's decode attention runs in the trainer's flash-attention order
+  // (PagedBatch::flash_order: each token's row bitwise flash attention's over the cache's values)
+  // and the trainer keeps its flash attention with the usual KV rounding — the consistent
+  // attention at the fast kernels' cost. Set with consistent_linears false; the linears then agree
+  // where their sums round nowhere (pow2 scales: docs/design.md).
+  bool consistent_flash = false;
   // Everything else (embedding, norms, RoPE, softmax, SiLU, lm_head, loss) stays in high
   // precision: FP32 on the CPU backend, BF16 storage with FP32 math on the CUDA backend.
 
@@ -76,7 +84,7 @@ struct PrecisionRecipe {
   // kv (f32|bf16|e4m3), tkv (trainer: bf16|e4m3 = round k/v as the generator's E4M3 cache does),
   // attn (fp8|off), pow2 (on|off), first / last (BF16 blocks, both engines), wgrad (fp8|bf16:
   // trainer.wgrad), consistent (on|off|attn: the consistent mode, set_consistent; applied last;
-  // attn: with consistent_linears off).
+  // attn: with consistent_linears off; flash: also with consistent_flash).
   // E.g. "fp8_e2e:kv=bf16" = FP8 linears in both engines over a BF16 KV cache. The recipe's name
   // is the whole spec. Throws on an unknown preset, key or value.
   static PrecisionRecipe parse(const std::string& spec);

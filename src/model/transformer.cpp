@@ -594,8 +594,10 @@ AttentionStep training_attention(Backend& be, const ModelConfig& c, const Engine
               "KV rounding needs one k and one v scale per layer (", c.num_layers, "), got ", kv_round_k.size(), " and ",
               kv_round_v.size());
   AttentionStep step;
-  if (prec.consistent) {
-    model_check_consistent(c, prec);
+  if (prec.consistent) model_check_consistent(c, prec);
+  // consistent=flash: the trainer keeps flash attention (with the KV rounding below); the
+  // generator's decode attention runs in its order (PagedBatch::flash_order).
+  if (prec.consistent && !prec.consistent_flash) {
     std::shared_ptr<ConsistentKv> kv = consistent_kv_alloc(be, c, prec.kv_cache, batch, kv_round_k, kv_round_v);
     step.run = [&be, &c, st, softmax_scale, T, kv](int layer, LayerActivations& a) {
       if (!kv->cache.k.size()) {  // the pools, at the first layer (k's dtype known)
@@ -616,11 +618,17 @@ AttentionStep training_attention(Backend& be, const ModelConfig& c, const Engine
   // MLA: the cache holds the latent and the rope key, so those are what gets rounded (mla_qkv).
   if (round && c.is_mla()) step.mla_kv_round = kv_round_k;
   const bool round_kv = round && !c.is_mla();
-  step.run = [&be, &c, &batch, st, softmax_scale, T, round_kv, &kv_round_k, &kv_round_v](int layer,
-                                                                                        LayerActivations& a) {
+  // consistent=flash with a cache narrower than the activations (a BF16 cache under F32 ones):
+  // k and v as that cache holds them, as the paged branch's round_as_cache.
+  const DType cache_dtype = prec.consistent && !round_kv && prec.kv_cache != DType::E4M3 ? prec.kv_cache : DType::F64;
+  step.run = [&be, &c, &batch, st, softmax_scale, T, round_kv, cache_dtype, &kv_round_k, &kv_round_v](
+                 int layer, LayerActivations& a) {
     if (round_kv) {
       be.kv_round(a.k, std::vector<float>(static_cast<size_t>(a.k.dim(1)), kv_round_k[static_cast<size_t>(layer)]));
       be.kv_round(a.v, std::vector<float>(static_cast<size_t>(a.v.dim(1)), kv_round_v[static_cast<size_t>(layer)]));
+    } else if (cache_dtype != DType::F64) {
+      round_as_cache(be, a.k, cache_dtype, 1.0f);
+      round_as_cache(be, a.v, cache_dtype, 1.0f);
     }
     if (!a.lse.defined()) a.lse = be.alloc({c.num_heads, T}, st);
     be.attention(a.q, a.k, a.v, batch.cu_seqlens, softmax_scale, a.attn, a.lse);
@@ -839,6 +847,8 @@ void model_forward_paged(Backend& be, const ModelWeights& w, const EnginePrecisi
   // scoring runs the same kernel over its own batch).
   PagedBatch pb = batch;
   pb.batch_invariant = pb.batch_invariant || prec.consistent;
+  // consistent=flash: the decode attention in the trainer's flash-attention order instead.
+  pb.flash_order = pb.flash_order || (prec.consistent && prec.consistent_flash);
 
   Tensor x = be.alloc({T, D}, act);  // [T, D]
   be.embedding(ids, w.embed, x);

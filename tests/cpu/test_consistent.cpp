@@ -52,7 +52,12 @@ TEST(Consistent, RecipeSpecAndConfigKey) {
   EXPECT_FALSE(attn.generator.consistent_linears || attn.trainer.consistent_linears);
   EXPECT_TRUE(has(error_of([] { PrecisionRecipe::parse("fp8_e2e:attn=fp8+consistent=on"); }), "attn=off"));
   EXPECT_TRUE(has(error_of([] { PrecisionRecipe::parse("fp8_e2e:tkv=bf16+consistent=on"); }), "drop tkv"));
-  EXPECT_TRUE(has(error_of([] { PrecisionRecipe::parse("fp8_e2e:consistent=yes"); }), "on, off or attn"));
+  EXPECT_TRUE(has(error_of([] { PrecisionRecipe::parse("fp8_e2e:consistent=yes"); }), "on, off, attn or flash"));
+  // flash: the consistent mode with the generator's attention in the trainer's flash order.
+  const PrecisionRecipe flash = PrecisionRecipe::parse("fp8_e2e:pow2=on+consistent=flash");
+  EXPECT_TRUE(flash.consistent() && flash.generator.consistent_flash && flash.trainer.consistent_flash);
+  EXPECT_FALSE(flash.generator.consistent_linears || flash.trainer.consistent_linears);
+  EXPECT_FALSE(attn.generator.consistent_flash || e2e.generator.consistent_flash);
 
   RunConfig c;
   config_apply_override(c, "precision.consistent=true");
@@ -213,6 +218,23 @@ TEST_P(ConsistentRecipe, GeneratorAndTrainerAgreeBitForBit) {
     // BF16: the engines differ (the check above can fail).
     EXPECT_GT(plain.mismatch.token_mult_prob_error, 1.0);
     EXPECT_FALSE(test::same_bits(plain.logp_old, plain.logp_gen));
+  }
+}
+
+// consistent=flash on the CPU (whose attention_paged and attention already agree row for row):
+// the trainer on its usual attention with the KV rounding, the generator's paged batches flagged
+// flash_order; the two engines agree bit for bit, and with the BF16 cache the trainer's k and v
+// are the cache's (trainer.kv_cache follows the generator's).
+TEST(Consistent, FlashOrderAgreesBitForBitOnTheCpu) {
+  std::unique_ptr<Backend> be = make_cpu_backend();
+  ConsistentShape sh;
+  for (const char* spec : {"fp8_e2e:consistent=flash", "bf16:consistent=flash"}) {
+    const ConsistentRun r = test::consistent_run(*be, sh, spec);
+    ASSERT_GT(r.logp_gen.size(), 50u);
+    EXPECT_TRUE(test::same_bits(r.logp_old, r.logp_gen))
+        << spec << ": max |logp_old - logp_gen| = " << test::max_abs_diff(r.logp_old, r.logp_gen);
+    EXPECT_EQ(r.mismatch.token_mult_prob_error, 1.0) << spec;
+    EXPECT_TRUE(test::same_bits(r.logp_new, r.logp_old)) << spec;
   }
 }
 

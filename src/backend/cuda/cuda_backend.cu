@@ -1844,6 +1844,16 @@ bool CudaBackend::attention_paged_run(const KvCache& cache, int layer, const Ten
   const std::string md = mode ? mode : "";
   const bool simple = md == "simple", grouped = md == "grouped", tiled = md == "tiled";
   const int group = Hq / cache.num_kv_heads;
+  if (batch.flash_order) {  // the consistent mode's flash order (PagedBatch): its own kernel, whatever the switches
+    FP8RL_CHECK(!latent && !fp8_attention && !lse_out &&
+                    flash_decode_supported(hd, group, cache.dtype, q.dtype()),
+                "attention_paged (flash order): needs BF16 q over a BF16 or E4M3 cache of K and V, head_dim 64 or 128, "
+                "group <= 16, no FP8 attention and no lse; got q ", q.str(), ", pool ", dtype_name(cache.dtype));
+    launch_flash_decode(q.raw(), batch.token_seq.data<int32_t>(), batch.token_pos.data<int32_t>(),
+                        batch.page_table.data<int32_t>(), max_pages, T, Hq, cache.num_kv_heads, hd, cache.page_size,
+                        kp, vp, cache.dtype, ks, vs, softmax_scale, out.raw(), stream_);
+    return false;  // an FP8 copy of out, if asked, is the caller's quantizer's
+  }
   // MLA's latent cache (one 576-wide row per token, Hq query heads over it) runs the simple
   // kernel: correct, not fast (a FlashMLA-style kernel is the next step; docs/design.md).
   if (simple || latent || !paged_attention_supported(hd, group, cache.dtype, kp, vp)) {

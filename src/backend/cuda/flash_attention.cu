@@ -18,7 +18,8 @@
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/kernels.h"
-#include "quant/quant.h"  // ceil_div
+#include "quant/fp8_rule.h"  // fp8_e4m3x2_to_float2 (the decode kernel's E4M3 keys and values)
+#include "quant/quant.h"      // ceil_div
 
 namespace fp8rl::cuda {
 
@@ -181,6 +182,84 @@ struct FwdSmem {
   static constexpr size_t kBytes = static_cast<size_t>(kTotal) * sizeof(bf16);
 };
 
+// One key tile of the forward's online softmax for a warp's 16 query rows (sQ rows r0..r0+15):
+// s = Q K^T over the tile (sK [kTile][ld], stored [key][d]), scaled to log2 units, and where
+// `mask`, keys past a row's last key (last[0], last[1]: this thread's rows g and g + 8; key k0 +
+// j is the tile's j-th) to -inf; then m, l and o rescaled and O += P V (sV [kTile][ld]).
+// flash_fwd_kernel and flash_decode_kernel both run it, so a query row gets the same arithmetic
+// from either (the products and roundings pinned with __fmul_rn / __fsub_rn / __fadd_rn: no
+// contraction that could differ between the two kernels).
+template <int D>
+__device__ __forceinline__ void fwd_tile(const bf16* sQ, int ld, int r0, const bf16* sK, const bf16* sV, int64_t k0,
+                                         bool mask, const int64_t (&last)[2], float sl2, float (&o)[D / 8][4],
+                                         float (&m)[2], float (&l)[2], int lane) {
+  const int c = lane & 3;
+  float s[kTile / 8][4];
+  zero(s);
+  mma_tile_times_t<kTile / 8, D>(s, sQ, ld, r0, sK, ld, lane);
+  float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int nt = 0; nt < kTile / 8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float x = __fmul_rn(s[nt][e], sl2);
+      if (mask && k0 + nt * 8 + 2 * c + (e & 1) > last[e >> 1]) x = -INFINITY;
+      s[nt][e] = x;
+      mx[e >> 1] = fmaxf(mx[e >> 1], x);
+    }
+  float corr[2], base[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+    const float mn = fmaxf(m[r], mx[r]);
+    base[r] = mn == -INFINITY ? 0.0f : mn;
+    corr[r] = exp2f(__fsub_rn(m[r], base[r]));  // 0 on the first tile (m = -inf)
+    m[r] = mn;
+    l[r] = __fmul_rn(l[r], corr[r]);
+  }
+#pragma unroll
+  for (int nt = 0; nt < kTile / 8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float p = exp2f(__fsub_rn(s[nt][e], base[e >> 1]));
+      s[nt][e] = p;
+      l[e >> 1] = __fadd_rn(l[e >> 1], p);
+    }
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) {
+    o[i][0] = __fmul_rn(o[i][0], corr[0]);
+    o[i][1] = __fmul_rn(o[i][1], corr[0]);
+    o[i][2] = __fmul_rn(o[i][2], corr[1]);
+    o[i][3] = __fmul_rn(o[i][3], corr[1]);
+  }
+  // O += P V (P as BF16 A fragments straight from the score registers).
+  mma_regs_times(o, s, sV, ld, lane);
+}
+
+// The forward's end for this thread's two rows: l summed over the quad, and row r's output (when
+// dst[r]) as BF16 o / l and its natural log-sum-exp (when lse_dst[r], by lane c == 0).
+template <int D>
+__device__ __forceinline__ void fwd_finish(const float (&o)[D / 8][4], const float (&m)[2], float (&l)[2],
+                                           bf16* const (&dst)[2], float* const (&lse_dst)[2], int lane) {
+  const int c = lane & 3;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] = __fadd_rn(l[r], __shfl_xor_sync(0xffffffffu, l[r], 1));
+    l[r] = __fadd_rn(l[r], __shfl_xor_sync(0xffffffffu, l[r], 2));
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    if (!dst[r]) continue;
+    const float inv = 1.0f / l[r];
+    uint32_t* d32 = reinterpret_cast<uint32_t*>(dst[r]);
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt)
+      d32[nt * 4 + c] = pack_bf16(__fmul_rn(o[nt][2 * r], inv), __fmul_rn(o[nt][2 * r + 1], inv));
+    if (c == 0 && lse_dst[r]) *lse_dst[r] = (m[r] + log2f(l[r])) * kLn2;
+  }
+}
+
 // q [T, Hq, D], k/v [T, Hkv, D], out [T, Hq, D] BF16; lse F32 [Hq, T].
 template <int D>
 __global__ void __launch_bounds__(kThreadsF) flash_fwd_kernel(const bf16* q, const bf16* k, const bf16* v,
@@ -192,7 +271,7 @@ __global__ void __launch_bounds__(kThreadsF) flash_fwd_kernel(const bf16* q, con
   bf16* sQ = sm + S::kQ;
   const TileDesc td = tiles[blockIdx.x];
   const int h = blockIdx.y, hk = h / (Hq / Hkv);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
   const int64_t q0 = td.row0, seq_start = td.seq_start, seq_end = td.seq_end;
   const int64_t qstride = static_cast<int64_t>(Hq) * D, kstride = static_cast<int64_t>(Hkv) * D;
   const int64_t q_last = (q0 + kTile < seq_end ? q0 + kTile : seq_end) - 1;
@@ -208,6 +287,7 @@ __global__ void __launch_bounds__(kThreadsF) flash_fwd_kernel(const bf16* q, con
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
   const float sl2 = scale * kLog2e;
   const int64_t qrow0 = q0 + warp * 16 + g;  // this thread's rows: qrow0, qrow0 + 8
+  const int64_t last[2] = {qrow0, qrow0 + 8};  // causal: a row's keys end at itself
 
   int stage = 0;
   for (int64_t k0 = seq_start; k0 <= q_last; k0 += kTile, stage ^= 1) {
@@ -220,72 +300,107 @@ __global__ void __launch_bounds__(kThreadsF) flash_fwd_kernel(const bf16* q, con
     cp_async_wait_all_but_newest();
     __syncthreads();
     const bf16* sK = sm + S::kKV + 2 * stage * S::kT;
-    const bf16* sV = sK + S::kT;
-
-    float s[kTile / 8][4];
-    zero(s);
-    mma_tile_times_t<kTile / 8, D>(s, sQ, S::kLd, warp * 16, sK, S::kLd, lane);
-    // Scale to log2 units, causal mask (keys past the row; only the diagonal tile has any).
-    const bool diag = k0 + kTile - 1 > q0;
-    float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int nt = 0; nt < kTile / 8; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float x = s[nt][e] * sl2;
-        if (diag) {
-          const int64_t key = k0 + nt * 8 + 2 * c + (e & 1), row = qrow0 + (e >> 1) * 8;
-          if (key > row) x = -INFINITY;
-        }
-        s[nt][e] = x;
-        mx[e >> 1] = fmaxf(mx[e >> 1], x);
-      }
-    float corr[2], base[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-      const float mn = fmaxf(m[r], mx[r]);
-      base[r] = mn == -INFINITY ? 0.0f : mn;
-      corr[r] = exp2f(m[r] - base[r]);  // 0 on the first tile (m = -inf)
-      m[r] = mn;
-      l[r] *= corr[r];
-    }
-#pragma unroll
-    for (int nt = 0; nt < kTile / 8; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float p = exp2f(s[nt][e] - base[e >> 1]);
-        s[nt][e] = p;
-        l[e >> 1] += p;
-      }
-#pragma unroll
-    for (int i = 0; i < kNd; ++i) {
-      o[i][0] *= corr[0];
-      o[i][1] *= corr[0];
-      o[i][2] *= corr[1];
-      o[i][3] *= corr[1];
-    }
-    // O += P V (P as BF16 A fragments straight from the score registers).
-    mma_regs_times(o, s, sV, S::kLd, lane);
+    // Causal mask on the diagonal tile only (keys past the row).
+    fwd_tile<D>(sQ, S::kLd, warp * 16, sK, sK + S::kT, k0, k0 + kTile - 1 > q0, last, sl2, o, m, l, lane);
     __syncthreads();  // this stage is refilled by the next iteration's prefetch
   }
-
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-  }
+  bf16* dst[2];
+  float* lse_dst[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int64_t row = qrow0 + 8 * r;
-    if (row >= seq_end) continue;
-    const float inv = 1.0f / l[r];
-    uint32_t* dst = reinterpret_cast<uint32_t*>(out + row * qstride + h * D);
-#pragma unroll
-    for (int nt = 0; nt < kNd; ++nt) dst[nt * 4 + c] = pack_bf16(o[nt][2 * r] * inv, o[nt][2 * r + 1] * inv);
-    if (c == 0) lse[static_cast<int64_t>(h) * T_ + row] = (m[r] + log2f(l[r])) * kLn2;
+    dst[r] = row < seq_end ? out + row * qstride + h * D : nullptr;
+    lse_dst[r] = row < seq_end ? lse + static_cast<int64_t>(h) * T_ + row : nullptr;
   }
+  fwd_finish<D>(o, m, l, dst, lse_dst, lane);
+}
+
+// ---- decode over the paged KV cache in the forward's order ----------------------------------
+// Each warp serves one (query token, KV head): the token's group of G <= 16 query heads are the
+// rows of one 16-row MMA tile, which runs fwd_tile over the key tiles of kTile positions from the
+// sequence's position 0 up to the token's, read from the paged cache into the forward's shared
+// layout — E4M3: each code's value times the layer's scale rounded to BF16 (what kv_round gives
+// the trainer's k and v), BF16 pools as stored — positions past the token as zeros, and the last
+// tile masked past the token. So each head's output is bitwise flash_fwd_kernel's for that query
+// row over the same (rounded) keys and values: the same tiles, MMA fragments, reductions, mask
+// and normalization (the generator's half of the consistent mode's `flash` attention). The
+// cache holds the token's own k/v (kv_write first), as for attention_paged.
+template <int D>
+struct DecSmem {  // per warp: the query rows, then the key and value tiles
+  static constexpr int kLd = D + 8, kQ = 0, kK = 16 * kLd, kV = kK + kTile * kLd, kWarp = kV + kTile * kLd;
+  static constexpr size_t kBytes = static_cast<size_t>(kWarpsF * kWarp) * sizeof(bf16);
+};
+
+template <int D, bool kE4m3>
+__global__ void __launch_bounds__(kThreadsF) flash_decode_kernel(const bf16* q, const int32_t* token_seq,
+                                                                  const int32_t* token_pos, const int32_t* page_table,
+                                                                  int max_pages, int64_t T_, int Hq, int Hkv,
+                                                                  int page_size, const void* kpool, const void* vpool,
+                                                                  const float* k_scale, const float* v_scale,
+                                                                  float scale, bf16* out) {
+  using S = DecSmem<D>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
+  const int64_t w = static_cast<int64_t>(blockIdx.x) * kWarpsF + warp;  // (token, KV head)
+  if (w >= T_ * Hkv) return;  // whole warps leave: the kernel has no block-wide barrier
+  const int64_t t = w / Hkv;
+  const int hk = static_cast<int>(w % Hkv), G = Hq / Hkv;
+  const int64_t pos = token_pos[t];
+  const int32_t* pages = page_table + static_cast<int64_t>(token_seq[t]) * max_pages;
+  bf16* base = reinterpret_cast<bf16*>(smem_raw) + warp * S::kWarp;
+  bf16 *sQ = base + S::kQ, *sK = base + S::kK, *sV = base + S::kV;
+  constexpr int kChunks = D / 8;  // 16-byte chunks of a BF16 row
+  // The query rows: head hk * G + i of the token in row i, zeros below G.
+  for (int i = lane; i < 16 * kChunks; i += 32) {
+    const int r = i / kChunks, ch = i % kChunks;
+    uint4 u = make_uint4(0, 0, 0, 0);
+    if (r < G) u = *reinterpret_cast<const uint4*>(q + (t * Hq + hk * G + r) * D + ch * 8);
+    *reinterpret_cast<uint4*>(sQ + r * S::kLd + ch * 8) = u;
+  }
+  const float ks = kE4m3 ? k_scale[hk] : 1.0f, vs = kE4m3 ? v_scale[hk] : 1.0f;
+  float o[D / 8][4];
+  zero(o);
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+  const float sl2 = scale * kLog2e;
+  const int64_t last[2] = {pos, pos};
+  for (int64_t k0 = 0; k0 <= pos; k0 += kTile) {
+    __syncwarp();  // the previous tile's reads are done
+    for (int i = lane; i < kTile * kChunks; i += 32) {
+      const int j = i / kChunks, ch = i % kChunks;
+      const int64_t p = k0 + j;
+      float kv[2][8] = {};
+      if (p <= pos) {
+        const int64_t slot = static_cast<int64_t>(pages[p / page_size]) * page_size + p % page_size;
+        const int64_t at = (slot * Hkv + hk) * D + ch * 8;
+        if constexpr (kE4m3) {
+#pragma unroll
+          for (int which = 0; which < 2; ++which) {
+            const uint2 c8 = *reinterpret_cast<const uint2*>(static_cast<const uint8_t*>(which ? vpool : kpool) + at);
+            const float sc = which ? vs : ks;
+            const uint32_t wd[2] = {c8.x, c8.y};
+#pragma unroll
+            for (int e = 0; e < 8; e += 2) {
+              const float2 f = fp8_e4m3x2_to_float2(wd[e / 4] >> (8 * (e % 4)));
+              kv[which][e] = f.x * sc;  // kv_round's value, rounded to BF16 by the store
+              kv[which][e + 1] = f.y * sc;
+            }
+          }
+        } else {
+          load8(static_cast<const bf16*>(kpool) + at, kv[0]);
+          load8(static_cast<const bf16*>(vpool) + at, kv[1]);
+        }
+      }
+      store8(sK + j * S::kLd + ch * 8, kv[0]);
+      store8(sV + j * S::kLd + ch * 8, kv[1]);
+    }
+    __syncwarp();
+    fwd_tile<D>(sQ, S::kLd, 0, sK, sV, k0, k0 + kTile - 1 >= pos, last, sl2, o, m, l, lane);
+  }
+  bf16* dst[2];
+  float* const no_lse[2] = {nullptr, nullptr};
+#pragma unroll
+  for (int r = 0; r < 2; ++r) dst[r] = g + 8 * r < G ? out + (t * Hq + hk * G + g + 8 * r) * D : nullptr;
+  fwd_finish<D>(o, m, l, dst, no_lse, lane);
 }
 
 // ---- backward ---------------------------------------------------------------------------------
@@ -649,6 +764,36 @@ void launch_flash_attention_backward(const void* dout, const void* q, const void
   if (hd == 64) flash_bwd<64>(g, cq, ck, cv, co, lse, tq, tk, num_tiles, T_, Hq, Hkv, scale, pq, pk, pv, work, stream);
   else if (hd == 128) flash_bwd<128>(g, cq, ck, cv, co, lse, tq, tk, num_tiles, T_, Hq, Hkv, scale, pq, pk, pv, work, stream);
   else FP8RL_FAIL("flash attention: head_dim must be 64 or 128, got ", hd);
+}
+
+bool flash_decode_supported(int hd, int group, DType pool_dt, DType qdt) {
+  return qdt == DType::BF16 && (hd == 64 || hd == 128) && group >= 1 && group <= 16 &&
+         (pool_dt == DType::BF16 || pool_dt == DType::E4M3);
+}
+
+void launch_flash_decode(const void* q, const int32_t* token_seq, const int32_t* token_pos, const int32_t* page_table,
+                         int max_pages, int64_t T_, int Hq, int Hkv, int hd, int page_size, const void* kpool,
+                         const void* vpool, DType pool_dt, const float* k_scale, const float* v_scale, float scale,
+                         void* out, cudaStream_t stream) {
+  if (T_ == 0) return;
+  FP8RL_CHECK(Hkv > 0 && Hq % Hkv == 0 && flash_decode_supported(hd, Hq / Hkv, pool_dt, DType::BF16),
+              "flash-order decode attention: unsupported case: pool ", dtype_name(pool_dt), ", head_dim ", hd,
+              ", group ", Hq / std::max(Hkv, 1), " (needs a BF16 or E4M3 pool, head_dim 64 or 128, group <= 16)");
+  const void* ptrs[] = {q, kpool, vpool, out};
+  check_flash_args(ptrs, 4, Hq, Hkv, 0);
+  const int64_t warps = T_ * Hkv;
+  FP8RL_CHECK(warps / kWarpsF < (int64_t(1) << 31), "flash-order decode attention: T * Hkv = ", warps, " too large");
+  const unsigned grid = static_cast<unsigned>((warps + kWarpsF - 1) / kWarpsF);
+  auto run = [&](auto kern, size_t bytes) {
+    set_smem(kern, bytes);
+    kern<<<grid, kThreadsF, bytes, stream>>>(static_cast<const bf16*>(q), token_seq, token_pos, page_table, max_pages,
+                                             T_, Hq, Hkv, page_size, kpool, vpool, k_scale, v_scale, scale,
+                                             static_cast<bf16*>(out));
+  };
+  const bool e4m3 = pool_dt == DType::E4M3;
+  if (hd == 64) e4m3 ? run(flash_decode_kernel<64, true>, DecSmem<64>::kBytes) : run(flash_decode_kernel<64, false>, DecSmem<64>::kBytes);
+  else e4m3 ? run(flash_decode_kernel<128, true>, DecSmem<128>::kBytes) : run(flash_decode_kernel<128, false>, DecSmem<128>::kBytes);
+  CUDA_CHECK_LAUNCH("flash_decode_kernel");
 }
 
 }  // namespace fp8rl::cuda

@@ -218,6 +218,17 @@ void launch_attention_backward(const void* dout, const void* q, const void* k, c
 // every q head).
 constexpr int kFlashTile = 64;
 bool flash_attention_supported(DType dt, int hd);
+// The decode attention in flash attention's order (flash_attention.cu, flash_decode_kernel): q
+// [T, Hq, hd] BF16 over a paged cache (BF16 pools, or E4M3 with the layer's per-head k_scale /
+// v_scale), token t attending positions 0..token_pos[t] of its sequence (page_table row
+// token_seq[t]); out [T, Hq, hd] BF16, each row bitwise launch_flash_attention's for that token
+// over the cache's values (E4M3: code * scale rounded to BF16, kv_round's values). hd 64 / 128,
+// group Hq / Hkv <= 16, q, pools and out 16-byte aligned. PagedBatch::flash_order.
+bool flash_decode_supported(int hd, int group, DType pool_dt, DType qdt);
+void launch_flash_decode(const void* q, const int32_t* token_seq, const int32_t* token_pos, const int32_t* page_table,
+                         int max_pages, int64_t T, int Hq, int Hkv, int hd, int page_size, const void* kpool,
+                         const void* vpool, DType pool_dt, const float* k_scale, const float* v_scale, float scale,
+                         void* out, cudaStream_t stream);
 int64_t flash_attention_backward_work(int64_t T, int Hq, int Hkv, int hd);
 std::vector<int32_t> flash_attention_tiles(const std::vector<int32_t>& cu_seqlens);
 void launch_flash_attention(const void* q, const void* k, const void* v, const int32_t* tiles, int num_tiles,

@@ -33,6 +33,9 @@ inline uint16_t bf16_bits_from_float(float x) {
   return static_cast<uint16_t>(u >> 16);
 }
 inline float bf16_bits_to_float(uint16_t h) { return __uint_as_float(static_cast<uint32_t>(h) << 16); }
+inline void emu_check_align(const void* p) {
+  if (reinterpret_cast<uintptr_t>(p) % 16) { std::fprintf(stderr, "misaligned 16-byte access %p\n", p); std::abort(); }
+}
 struct EmuWarp {
   std::barrier<> bar{32};
   float f[32];
@@ -50,6 +53,28 @@ inline float __shfl_xor_sync(unsigned, float v, int o) {
   float r = tw->f[tlane ^ o];
   tw->bar.arrive_and_wait();
   return r;
+}
+inline void __syncwarp() { tw->bar.arrive_and_wait(); }
+// Pinned FP32 operations (no contraction on the host: x86-64 without -mfma has none).
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+// The E4M3 pair decode (fp8_rule.h) and the 8-element BF16 row moves (common.cuh), for the decode
+// kernel: E4M3 by its definition (bias 7, subnormals at 2^-9, 0x7f / 0xff NaN), BF16 by nearest even.
+inline float emu_e4m3(uint8_t c) {
+  const int e = (c >> 3) & 15, m = c & 7;
+  float v = (c & 0x7f) == 0x7f ? NAN : e == 0 ? std::ldexp(float(m), -9) : std::ldexp(1.0f + m / 8.0f, e - 7);
+  return (c & 0x80) ? -v : v;
+}
+inline float2 fp8_e4m3x2_to_float2(uint32_t two) { return {emu_e4m3(two & 0xff), emu_e4m3((two >> 8) & 0xff)}; }
+struct uint2 { uint32_t x, y; };
+inline void load8(const bf16* p, float v[8]) {
+  emu_check_align(p);
+  for (int i = 0; i < 8; ++i) v[i] = bf16_bits_to_float(p[i].x);
+}
+inline void store8(bf16* p, const float v[8]) {
+  emu_check_align(p);
+  for (int i = 0; i < 8; ++i) p[i].x = bf16_bits_from_float(v[i]);
 }
 inline float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -74,9 +99,6 @@ inline void emu_mma(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2
   tw->bar.arrive_and_wait();
 }
 inline void mma_bf16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) { emu_mma(d, a, b); }
-inline void emu_check_align(const void* p) {
-  if (reinterpret_cast<uintptr_t>(p) % 16) { std::fprintf(stderr, "misaligned 16-byte access %p\n", p); std::abort(); }
-}
 // ldmatrix.x4 (.trans): lane l addresses row l % 8 of matrix l / 8; r[j] = (row g, columns 2c, 2c+1)
 // of matrix j, or with trans (rows 2c, 2c+1, column g).
 inline void emu_ldsm(uint32_t (&r)[4], const bf16* p, bool trans) {

@@ -64,11 +64,96 @@ int run(const std::vector<int32_t>& cu, int Hq, int Hkv) {
   std::printf("D %d Hq %d Hkv %d T %ld: out %.2e lse %.2e dq %.2e dk %.2e dv %.2e\n", D, Hq, Hkv, (long)T, eo, el, eq, ek, ev);
   return (eo < 1e-2 && el < 1e-5 && eq < 3e-2 && ek < 3e-2 && ev < 3e-2) ? 0 : 1;
 }
+// The decode kernel in the forward's order (flash_decode_kernel): every token of the packed
+// sequences served from a paged cache (pages in a scrambled order, page size 16) must give
+// bitwise the forward kernel's row over the values the cache hands out (E4M3: code * scale
+// rounded to BF16, as kv_round gives the trainer; BF16: as stored).
+static uint8_t e4m3_nearest(float x) {  // round to nearest, ties to the even code, saturating
+  uint8_t best = 0;
+  double bd = INFINITY;
+  for (int c = 0; c < 256; ++c) {
+    if ((c & 0x7f) == 0x7f) continue;
+    const double d = std::fabs(double(emu_e4m3(uint8_t(c))) - double(x));
+    if (d < bd || (d == bd && (c & 1) == 0 && std::signbit(emu_e4m3(uint8_t(c))) == std::signbit(x))) bd = d, best = uint8_t(c);
+  }
+  return best;
+}
+template <int D>
+int run_decode(const std::vector<int32_t>& cu, int Hq, int Hkv, bool e4m3) {
+  const int64_t T = cu.back();
+  const int B = int(cu.size()) - 1, ps = 16;
+  std::mt19937 gen(11 + D + Hq);
+  std::normal_distribution<float> nd(0, 1);
+  std::vector<bf16> q(T * Hq * D), kr(T * Hkv * D), vr(T * Hkv * D);
+  for (auto& x : q) x = tob(nd(gen) * 2.0f);
+  std::vector<float> ks(Hkv), vs(Hkv);
+  for (int h = 0; h < Hkv; ++h) ks[h] = 0.004f * (1 + h), vs[h] = 0.003f * (2 + h);
+  // pages: sequence b's page i at a scrambled pool page
+  std::vector<int> npages(B);
+  int total = 0, maxp = 1;
+  for (int b = 0; b < B; ++b) npages[b] = (cu[b + 1] - cu[b] + ps - 1) / ps, total += npages[b], maxp = std::max(maxp, npages[b]);
+  std::vector<int32_t> perm(total);
+  for (int i = 0; i < total; ++i) perm[i] = i;
+  std::shuffle(perm.begin(), perm.end(), gen);
+  std::vector<int32_t> table(size_t(B) * maxp, 0), seq(T), pos(T);
+  for (int b = 0, at = 0; b < B; ++b)
+    for (int i = 0; i < npages[b]; ++i) table[size_t(b) * maxp + i] = perm[at++];
+  const size_t pool_n = size_t(total) * ps * Hkv * D;
+  std::vector<uint8_t> kc(pool_n, 0x7f), vc(pool_n, 0x7f);      // E4M3 pools; NaN where never written
+  std::vector<bf16> kb(pool_n, tob(NAN)), vb(pool_n, tob(NAN));  // BF16 pools
+  for (int b = 0; b < B; ++b)
+    for (int t = cu[b]; t < cu[b + 1]; ++t) {
+      seq[t] = b, pos[t] = t - cu[b];
+      const int64_t slot = int64_t(table[size_t(b) * maxp + pos[t] / ps]) * ps + pos[t] % ps;
+      for (int h = 0; h < Hkv; ++h)
+        for (int d = 0; d < D; ++d) {
+          const float x = nd(gen), y = nd(gen);
+          const size_t i = (size_t(t) * Hkv + h) * D + d, c = (size_t(slot) * Hkv + h) * D + d;
+          if (e4m3) {
+            kc[c] = e4m3_nearest(x / ks[h]);
+            vc[c] = e4m3_nearest(y / vs[h]);
+            kr[i] = tob(emu_e4m3(kc[c]) * ks[h]);
+            vr[i] = tob(emu_e4m3(vc[c]) * vs[h]);
+          } else {
+            kr[i] = kb[c] = tob(x);
+            vr[i] = vb[c] = tob(y);
+          }
+        }
+    }
+  const float scale = 1.0f / std::sqrt(float(D));
+  std::vector<int32_t> tl = flash_attention_tiles(cu);
+  const int nt = tl.size() / 8;
+  std::vector<bf16> of(T * Hq * D, tob(NAN)), od(T * Hq * D, tob(NAN));
+  std::vector<float> lse(Hq * T, NAN);
+  emu_launch(nt, Hq, FwdSmem<D>::kBytes, [&] {
+    flash_fwd_kernel<D>(q.data(), kr.data(), vr.data(), reinterpret_cast<const TileDesc*>(tl.data()), Hq, Hkv, T, scale,
+                        of.data(), lse.data());
+  });
+  const int gx = int((T * Hkv + kWarpsF - 1) / kWarpsF);
+  emu_launch(gx, 1, DecSmem<D>::kBytes, [&] {
+    if (e4m3)
+      flash_decode_kernel<D, true>(q.data(), seq.data(), pos.data(), table.data(), maxp, T, Hq, Hkv, ps, kc.data(),
+                                   vc.data(), ks.data(), vs.data(), scale, od.data());
+    else
+      flash_decode_kernel<D, false>(q.data(), seq.data(), pos.data(), table.data(), maxp, T, Hq, Hkv, ps, kb.data(),
+                                    vb.data(), nullptr, nullptr, scale, od.data());
+  });
+  int64_t rows_bad = 0;
+  for (int64_t r = 0; r < T * Hq; ++r)
+    if (std::memcmp(of.data() + r * D, od.data() + r * D, D * sizeof(bf16)) != 0) ++rows_bad;
+  std::printf("decode D %d Hq %d Hkv %d T %ld %s pool: %ld of %ld rows differ from the forward's\n", D, Hq, Hkv, (long)T,
+              e4m3 ? "E4M3" : "BF16", (long)rows_bad, (long)(T * Hq));
+  return rows_bad == 0 ? 0 : 1;
+}
 int main() {
   int bad = 0;
   bad += run<64>({0, 1, 18, 82, 212, 300}, 4, 1);
   bad += run<64>({0, 70, 71, 200}, 2, 2);  // no GQA: dk/dv written by the dk/dv kernel itself
   bad += run<128>({0, 17, 18, 147}, 4, 2);
+  bad += run_decode<64>({0, 1, 18, 82, 212, 300}, 4, 1, true);
+  bad += run_decode<128>({0, 17, 18, 147}, 4, 2, true);
+  bad += run_decode<128>({0, 64, 65, 200}, 16, 1, false);
+  bad += run_decode<64>({0, 70, 71, 200}, 2, 2, false);
   std::printf(bad ? "FAIL\n" : "PASS\n");
   return bad;
 }
