@@ -13,6 +13,7 @@
 // Tiles never cross a sequence: they start at the sequence's first token (host tile lists).
 #include <algorithm>
 #include <cstdint>
+#include <mutex>
 #include <vector>
 
 #include "backend/cuda/common.cuh"
@@ -785,7 +786,12 @@ void launch_flash_decode(const void* q, const int32_t* token_seq, const int32_t*
   FP8RL_CHECK(warps / kWarpsF < (int64_t(1) << 31), "flash-order decode attention: T * Hkv = ", warps, " too large");
   const unsigned grid = static_cast<unsigned>((warps + kWarpsF - 1) / kWarpsF);
   auto run = [&](auto kern, size_t bytes) {
-    set_smem(kern, bytes);
+    // The shared-memory opt-in once per kernel and device (the first call may precede a graph
+    // capture of the decode step; the setting is the function's, not the stream's).
+    static std::once_flag opted[64];
+    int dev = 0;
+    CUDA_CHECK(cudaGetDevice(&dev), "flash-order decode attention: cudaGetDevice");
+    std::call_once(opted[dev >= 0 && dev < 64 ? dev : 0], [&] { set_smem(kern, bytes); });
     kern<<<grid, kThreadsF, bytes, stream>>>(static_cast<const bf16*>(q), token_seq, token_pos, page_table, max_pages,
                                              T_, Hq, Hkv, page_size, kpool, vpool, k_scale, v_scale, scale,
                                              static_cast<bf16*>(out));
