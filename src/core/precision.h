@@ -83,7 +83,7 @@ struct PrecisionRecipe {
   // "PRESET[:key=value[+key=value...]]" with keys gen / train (linear: fp32|bf16|fp8),
   // kv (f32|bf16|e4m3), tkv (trainer: bf16|e4m3 = round k/v as the generator's E4M3 cache does),
   // attn (fp8|off), pow2 (on|off), first / last (BF16 blocks, both engines), wgrad (fp8|bf16:
-  // trainer.wgrad), consistent (on|off|attn: the consistent mode, set_consistent; applied last;
+  // trainer.wgrad), consistent (on|off|attn|flash: the consistent mode, set_consistent; applied last;
   // attn: with consistent_linears off; flash: also with consistent_flash).
   // E.g. "fp8_e2e:kv=bf16" = FP8 linears in both engines over a BF16 KV cache. The recipe's name
   // is the whole spec. Throws on an unknown preset, key or value.
