@@ -620,13 +620,14 @@ AttentionStep training_attention(Backend& be, const ModelConfig& c, const Engine
   const bool round_kv = round && !c.is_mla();
   // consistent=flash with a cache narrower than the activations (a BF16 cache under F32 ones):
   // k and v as that cache holds them, as the paged branch's round_as_cache.
-  const DType cache_dtype = prec.consistent && !round_kv && prec.kv_cache != DType::E4M3 ? prec.kv_cache : DType::F64;
-  step.run = [&be, &c, &batch, st, softmax_scale, T, round_kv, cache_dtype, &kv_round_k, &kv_round_v](
-                 int layer, LayerActivations& a) {
+  const bool round_as_dtype = prec.consistent && !round_kv && prec.kv_cache != DType::E4M3;
+  const DType cache_dtype = prec.kv_cache;
+  step.run = [&be, &c, &batch, st, softmax_scale, T, round_kv, round_as_dtype, cache_dtype, &kv_round_k,
+              &kv_round_v](int layer, LayerActivations& a) {
     if (round_kv) {
       be.kv_round(a.k, std::vector<float>(static_cast<size_t>(a.k.dim(1)), kv_round_k[static_cast<size_t>(layer)]));
       be.kv_round(a.v, std::vector<float>(static_cast<size_t>(a.v.dim(1)), kv_round_v[static_cast<size_t>(layer)]));
-    } else if (cache_dtype != DType::F64) {
+    } else if (round_as_dtype) {
       round_as_cache(be, a.k, cache_dtype, 1.0f);
       round_as_cache(be, a.v, cache_dtype, 1.0f);
     }
