@@ -273,7 +273,7 @@ TrainerState checkpoint_read_state(const std::string& dir) {
   } catch (const nlohmann::json::exception& e) {
     return damaged(std::string("malformed trainer state (") + e.what() + ")");
   } catch (const Error& e) {
-    return damaged(e.what());
+    return damaged(e.message());
   }
   for (const auto* v : {&s.kv_scales.k, &s.kv_scales.v})
     for (float x : *v)

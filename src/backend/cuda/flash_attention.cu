@@ -73,6 +73,7 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 __device__ __forceinline__ void cp_async_wait_all_but_newest() {
   asm volatile("cp.async.wait_group 1;\n" ::: "memory");
 }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 // ---- end of PTX helpers
 
 // Shared tiles are BF16 row-major with a padded leading dimension ld = width + 8: ldmatrix's
@@ -317,43 +318,72 @@ __global__ void __launch_bounds__(kThreadsF) flash_fwd_kernel(const bf16* q, con
 }
 
 // ---- decode over the paged KV cache in the forward's order ----------------------------------
-// Each warp serves one (query token, KV head): the token's group of G <= 16 query heads are the
-// rows of one 16-row MMA tile, which runs fwd_tile over the key tiles of kTile positions from the
-// sequence's position 0 up to the token's, read from the paged cache into the forward's shared
-// layout — E4M3: each code's value times the layer's scale rounded to BF16 (what kv_round gives
-// the trainer's k and v), BF16 pools as stored — positions past the token as zeros, and the last
-// tile masked past the token. So each head's output is bitwise flash_fwd_kernel's for that query
-// row over the same (rounded) keys and values: the same tiles, MMA fragments, reductions, mask
-// and normalization (the generator's half of the consistent mode's `flash` attention). The
-// cache holds the token's own k/v (kv_write first), as for attention_paged.
-template <int D>
-struct DecSmem {  // per warp: the query rows, then the key and value tiles
-  static constexpr int kLd = D + 8, kQ = 0, kK = 16 * kLd, kV = kK + kTile * kLd, kWarp = kV + kTile * kLd;
-  static constexpr size_t kBytes = static_cast<size_t>(kWarpsF * kWarp) * sizeof(bf16);
+// One warp (a CTA of its own) serves one (query token, KV head): the token's group of G <= 16
+// query heads are the rows of one 16-row MMA tile, which runs fwd_tile over the key tiles of
+// kTile positions from the sequence's position 0 up to the token's, read from the paged cache into
+// the forward's shared layout — E4M3: each code's value times the layer's scale rounded to BF16
+// (what kv_round gives the trainer's k and v), BF16 pools as stored — positions past the token as
+// zeros, and the last tile masked past the token. So each head's output is bitwise
+// flash_fwd_kernel's for that query row over the same (rounded) keys and values: the same tiles,
+// MMA fragments, reductions, mask and normalization (the generator's half of the consistent mode's
+// `flash` attention). The cache holds the token's own k/v (kv_write first), as for attention_paged.
+//
+// The pool bytes of the next tile are in flight (cp.async into a staging area, zero-filled past
+// the token) while the current tile's MMAs run; each tile's bytes are then converted from the
+// staging area into the BF16 tiles. One warp per CTA, so a finished (token, head) frees its SM
+// share at once (the rows' lengths differ); the shared memory (~54 KB at head_dim 128 over E4M3)
+// lets four run per SM.
+template <int D, bool kE4m3>
+struct DecSmem {
+  static constexpr int kLd = D + 8, kQ = 0, kK = 16 * kLd, kV = kK + kTile * kLd;  // BF16 elements
+  static constexpr int kRowBytes = D * (kE4m3 ? 1 : 2);  // one position's keys (or values) in the pool
+  static constexpr int kChunks = kRowBytes / 16;         // 16-byte pieces of a position's row
+  static constexpr size_t kStage = static_cast<size_t>(kV + kTile * kLd) * sizeof(bf16);  // K staged, V after it
+  static constexpr size_t kBytes = kStage + 2 * static_cast<size_t>(kTile) * kRowBytes;
+  static_assert(kStage % 16 == 0, "the staging area is 16-byte aligned");
 };
 
 template <int D, bool kE4m3>
-__global__ void __launch_bounds__(kThreadsF) flash_decode_kernel(const bf16* q, const int32_t* token_seq,
-                                                                  const int32_t* token_pos, const int32_t* page_table,
-                                                                  int max_pages, int64_t T_, int Hq, int Hkv,
-                                                                  int page_size, const void* kpool, const void* vpool,
-                                                                  const float* k_scale, const float* v_scale,
-                                                                  float scale, bf16* out) {
-  using S = DecSmem<D>;
+__global__ void __launch_bounds__(32) flash_decode_kernel(const bf16* q, const int32_t* token_seq,
+                                                           const int32_t* token_pos, const int32_t* page_table,
+                                                           int max_pages, int64_t T_, int Hq, int Hkv, int page_size,
+                                                           const void* kpool, const void* vpool, const float* k_scale,
+                                                           const float* v_scale, float scale, bf16* out) {
+  using S = DecSmem<D, kE4m3>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
-  const int64_t w = static_cast<int64_t>(blockIdx.x) * kWarpsF + warp;  // (token, KV head)
-  if (w >= T_ * Hkv) return;  // whole warps leave: the kernel has no block-wide barrier
+  const int lane = threadIdx.x & 31, g = lane >> 2;
+  const int64_t w = blockIdx.x;  // (token, KV head)
+  if (w >= T_ * Hkv) return;
   const int64_t t = w / Hkv;
   const int hk = static_cast<int>(w % Hkv), G = Hq / Hkv;
   const int64_t pos = token_pos[t];
   const int32_t* pages = page_table + static_cast<int64_t>(token_seq[t]) * max_pages;
-  bf16* base = reinterpret_cast<bf16*>(smem_raw) + warp * S::kWarp;
+  bf16* base = reinterpret_cast<bf16*>(smem_raw);
   bf16 *sQ = base + S::kQ, *sK = base + S::kK, *sV = base + S::kV;
-  constexpr int kChunks = D / 8;  // 16-byte chunks of a BF16 row
+  unsigned char* stage = smem_raw + S::kStage;  // [kTile][kRowBytes] keys, then the values
+  const auto* kb = static_cast<const unsigned char*>(kpool);
+  const auto* vb = static_cast<const unsigned char*>(vpool);
+  // The pool bytes of positions k0 .. k0 + kTile - 1 into the staging area (zeros past pos).
+  auto fetch = [&](int64_t k0) {
+    for (int i = lane; i < kTile * S::kChunks; i += 32) {
+      const int j = i / S::kChunks, ch = i % S::kChunks;
+      const int64_t p = k0 + j;
+      const bool ok = p <= pos;
+      int64_t at = 0;
+      if (ok) {
+        const int64_t slot = static_cast<int64_t>(pages[p / page_size]) * page_size + p % page_size;
+        at = (slot * Hkv + hk) * S::kRowBytes + ch * 16;
+      }
+      cp_async16(stage + j * S::kRowBytes + ch * 16, kb + at, ok);
+      cp_async16(stage + (kTile + j) * S::kRowBytes + ch * 16, vb + at, ok);
+    }
+    cp_async_commit();
+  };
+  fetch(0);
+  constexpr int kQChunks = D / 8;  // 16-byte chunks of a BF16 row
   // The query rows: head hk * G + i of the token in row i, zeros below G.
-  for (int i = lane; i < 16 * kChunks; i += 32) {
-    const int r = i / kChunks, ch = i % kChunks;
+  for (int i = lane; i < 16 * kQChunks; i += 32) {
+    const int r = i / kQChunks, ch = i % kQChunks;
     uint4 u = make_uint4(0, 0, 0, 0);
     if (r < G) u = *reinterpret_cast<const uint4*>(q + (t * Hq + hk * G + r) * D + ch * 8);
     *reinterpret_cast<uint4*>(sQ + r * S::kLd + ch * 8) = u;
@@ -365,36 +395,33 @@ __global__ void __launch_bounds__(kThreadsF) flash_decode_kernel(const bf16* q, 
   const float sl2 = scale * kLog2e;
   const int64_t last[2] = {pos, pos};
   for (int64_t k0 = 0; k0 <= pos; k0 += kTile) {
-    __syncwarp();  // the previous tile's reads are done
-    for (int i = lane; i < kTile * kChunks; i += 32) {
-      const int j = i / kChunks, ch = i % kChunks;
-      const int64_t p = k0 + j;
-      float kv[2][8] = {};
-      if (p <= pos) {
-        const int64_t slot = static_cast<int64_t>(pages[p / page_size]) * page_size + p % page_size;
-        const int64_t at = (slot * Hkv + hk) * D + ch * 8;
-        if constexpr (kE4m3) {
+    cp_async_wait_all();
+    __syncwarp();  // every lane's bytes of this tile have landed; the previous tile's reads are done
+    for (int i = lane; i < 2 * kTile * S::kChunks; i += 32) {
+      const int jj = i / S::kChunks, ch = i % S::kChunks;  // jj < kTile: keys, else values
+      const unsigned char* src = stage + jj * S::kRowBytes + ch * 16;
+      bf16* dst = (jj < kTile ? sK + jj * S::kLd : sV + (jj - kTile) * S::kLd) + ch * (16 / (kE4m3 ? 1 : 2));
+      if constexpr (kE4m3) {
+        const uint4 c16 = *reinterpret_cast<const uint4*>(src);
+        const uint32_t wd[4] = {c16.x, c16.y, c16.z, c16.w};
+        const float sc = jj < kTile ? ks : vs;
 #pragma unroll
-          for (int which = 0; which < 2; ++which) {
-            const uint2 c8 = *reinterpret_cast<const uint2*>(static_cast<const uint8_t*>(which ? vpool : kpool) + at);
-            const float sc = which ? vs : ks;
-            const uint32_t wd[2] = {c8.x, c8.y};
+        for (int h = 0; h < 2; ++h) {
+          float x[8];
 #pragma unroll
-            for (int e = 0; e < 8; e += 2) {
-              const float2 f = fp8_e4m3x2_to_float2(wd[e / 4] >> (8 * (e % 4)));
-              kv[which][e] = f.x * sc;  // kv_round's value, rounded to BF16 by the store
-              kv[which][e + 1] = f.y * sc;
-            }
+          for (int e = 0; e < 8; e += 2) {
+            const float2 f = fp8_e4m3x2_to_float2(wd[2 * h + e / 4] >> (8 * (e % 4)));
+            x[e] = f.x * sc;  // kv_round's value, rounded to BF16 by the store
+            x[e + 1] = f.y * sc;
           }
-        } else {
-          load8(static_cast<const bf16*>(kpool) + at, kv[0]);
-          load8(static_cast<const bf16*>(vpool) + at, kv[1]);
+          store8(dst + 8 * h, x);
         }
+      } else {
+        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);  // BF16 as stored
       }
-      store8(sK + j * S::kLd + ch * 8, kv[0]);
-      store8(sV + j * S::kLd + ch * 8, kv[1]);
     }
-    __syncwarp();
+    __syncwarp();  // the tiles are written; the staging area is free for the next tile's bytes
+    if (k0 + kTile <= pos) fetch(k0 + kTile);
     fwd_tile<D>(sQ, S::kLd, 0, sK, sV, k0, k0 + kTile - 1 >= pos, last, sl2, o, m, l, lane);
   }
   bf16* dst[2];
@@ -783,22 +810,25 @@ void launch_flash_decode(const void* q, const int32_t* token_seq, const int32_t*
   const void* ptrs[] = {q, kpool, vpool, out};
   check_flash_args(ptrs, 4, Hq, Hkv, 0);
   const int64_t warps = T_ * Hkv;
-  FP8RL_CHECK(warps / kWarpsF < (int64_t(1) << 31), "flash-order decode attention: T * Hkv = ", warps, " too large");
-  const unsigned grid = static_cast<unsigned>((warps + kWarpsF - 1) / kWarpsF);
-  auto run = [&](auto kern, size_t bytes) {
-    // The shared-memory opt-in once per kernel and device (the first call may precede a graph
-    // capture of the decode step; the setting is the function's, not the stream's).
-    static std::once_flag opted[64];
-    int dev = 0;
-    CUDA_CHECK(cudaGetDevice(&dev), "flash-order decode attention: cudaGetDevice");
-    std::call_once(opted[dev >= 0 && dev < 64 ? dev : 0], [&] { set_smem(kern, bytes); });
-    kern<<<grid, kThreadsF, bytes, stream>>>(static_cast<const bf16*>(q), token_seq, token_pos, page_table, max_pages,
-                                             T_, Hq, Hkv, page_size, kpool, vpool, k_scale, v_scale, scale,
-                                             static_cast<bf16*>(out));
+  FP8RL_CHECK(warps < (int64_t(1) << 31), "flash-order decode attention: T * Hkv = ", warps, " too large");
+  const unsigned grid = static_cast<unsigned>(warps);
+  // The shared-memory opt-in once per kernel variant and device (the first call may precede a
+  // graph capture of the decode step; the setting is the function's, not the stream's).
+  static std::once_flag opted[4][64];
+  int dev = 0;
+  CUDA_CHECK(cudaGetDevice(&dev), "flash-order decode attention: cudaGetDevice");
+  auto run = [&](auto kern, size_t bytes, int variant) {
+    std::call_once(opted[variant][dev >= 0 && dev < 64 ? dev : 0], [&] { set_smem(kern, bytes); });
+    kern<<<grid, 32, bytes, stream>>>(static_cast<const bf16*>(q), token_seq, token_pos, page_table, max_pages, T_, Hq,
+                                      Hkv, page_size, kpool, vpool, k_scale, v_scale, scale, static_cast<bf16*>(out));
   };
   const bool e4m3 = pool_dt == DType::E4M3;
-  if (hd == 64) e4m3 ? run(flash_decode_kernel<64, true>, DecSmem<64>::kBytes) : run(flash_decode_kernel<64, false>, DecSmem<64>::kBytes);
-  else e4m3 ? run(flash_decode_kernel<128, true>, DecSmem<128>::kBytes) : run(flash_decode_kernel<128, false>, DecSmem<128>::kBytes);
+  if (hd == 64)
+    e4m3 ? run(flash_decode_kernel<64, true>, DecSmem<64, true>::kBytes, 0)
+         : run(flash_decode_kernel<64, false>, DecSmem<64, false>::kBytes, 1);
+  else
+    e4m3 ? run(flash_decode_kernel<128, true>, DecSmem<128, true>::kBytes, 2)
+         : run(flash_decode_kernel<128, false>, DecSmem<128, false>::kBytes, 3);
   CUDA_CHECK_LAUNCH("flash_decode_kernel");
 }
 

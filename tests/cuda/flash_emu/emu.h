@@ -126,18 +126,20 @@ inline void cp_async4(void* dst, const void* src, bool valid) {
 }
 inline void cp_async_commit() {}
 inline void cp_async_wait_all_but_newest() {}
-// Runs body() for every block of grid (gx, gy) with 128 threads.
-inline void emu_launch(int gx, int gy, size_t smem_bytes, const std::function<void()>& body) {
+inline void cp_async_wait_all() {}
+// Runs body() for every block of grid (gx, gy) with `threads` threads (a multiple of 32).
+inline void emu_launch(int gx, int gy, size_t smem_bytes, const std::function<void()>& body, int threads = 128) {
   std::vector<unsigned char> smem(smem_bytes + 16);
   unsigned char* base = smem.data();
   while (reinterpret_cast<uintptr_t>(base) % 16) ++base;
   g_smem = base;
-  std::barrier<> bb(128);
+  std::barrier<> bb(threads);
   g_block_bar = &bb;
-  std::vector<EmuWarp> warps(4);
+  std::vector<EmuWarp> warps(threads / 32);
   std::vector<std::thread> th;
   gridDim = {gx, gy, 1};
-  for (int t = 0; t < 128; ++t)
+  blockDim = {threads, 1, 1};
+  for (int t = 0; t < threads; ++t)
     th.emplace_back([&, t] {
       threadIdx = {t, 0, 0};
       tw = &warps[t / 32];
