@@ -21,7 +21,8 @@
 #   gemm            fp8rl bench-gemm: BF16, cuBLASLt FP8 and the own FP8 kernel at 8B and 1.7B widths
 #   gemm_algos      bench-gemm --algos at the 1.7B products (FP8RL_ALGO_SHAPES): every cuBLASLt candidate timed
 #   rlstep_profile  one step of FP8RL_PROFILE_RECIPES (bf16,fp8_e2e) with FP8RL_CUDA_PROFILE=${FP8RL_PROFILE_LEVEL:-1}
-#                   (extra bench arguments: FP8RL_PROFILE_ARGS) (2: the
+#                   (extra bench arguments: FP8RL_PROFILE_ARGS; env assignments for it alone:
+#                   FP8RL_PROFILE_ENV, e.g. "FP8RL_CUDA_GRAPHS=0") (2: the
 #                   linear ops split into quantizers, transposes and GEMMs; per-op stream time per
 #                   recipe and phase; with FP8RL_CUDA_GRAPHS=0 the decode step's ops are split too)
 #   rlstep_long     bench rl-step, bf16 and fp8_e2e, one step of up to 2048 new tokens
@@ -183,10 +184,10 @@ for stage in ${FP8RL_STAGES:-rlstep}; do
         sed -n '/^phase/,$p' "$OUT/mismatch_t.log" | grep -iE "phase|mult_prob|gen_kl|entropy" | tee -a "$SUMMARY"
       fi ;;
     rlstep_profile)
-      FP8RL_CUDA_PROFILE=${FP8RL_PROFILE_LEVEL:-1} timeout $(( $(left) - 20 )) "$FP8RL" bench rl-step --device cuda \
+      env ${FP8RL_PROFILE_ENV:-} FP8RL_CUDA_PROFILE=${FP8RL_PROFILE_LEVEL:-1} timeout $(( $(left) - 20 )) "$FP8RL" bench rl-step --device cuda \
         --model "${FP8RL_RLSTEP_MODEL:-qwen3-1.7b}" --recipes "${FP8RL_PROFILE_RECIPES:-bf16,fp8_e2e}" --steps 1 --warmup 1 \
         --max-new-tokens "${FP8RL_RLSTEP_NEW:-512}" ${FP8RL_PROFILE_ARGS:-} > "$OUT/rlstep_profile.log" 2>&1
-      note "bench rl-step (profile, FP8RL_CUDA_GRAPHS=${FP8RL_CUDA_GRAPHS:-1}): rc=$?"
+      note "bench rl-step (profile, ${FP8RL_PROFILE_ENV:-} FP8RL_CUDA_GRAPHS=${FP8RL_CUDA_GRAPHS:-1}): rc=$?"
       grep -A${FP8RL_PROFILE_LINES:-12} "cuda op profile" "$OUT/rlstep_profile.log" | tee -a "$SUMMARY" ;;
     rlstep_long)
       timeout $(( $(left) - 20 )) "$FP8RL" bench rl-step --device cuda --model "${FP8RL_RLSTEP_MODEL:-qwen3-1.7b}" \
