@@ -356,7 +356,7 @@ __global__ void __launch_bounds__(32) flash_decode_kernel(const bf16* q, const i
   if (w >= T_ * Hkv) return;
   const int64_t t = w / Hkv;
   const int hk = static_cast<int>(w % Hkv), G = Hq / Hkv;
-  const int64_t pos = token_pos[t];
+  const int pos = token_pos[t];
   const int32_t* pages = page_table + static_cast<int64_t>(token_seq[t]) * max_pages;
   bf16* base = reinterpret_cast<bf16*>(smem_raw);
   bf16 *sQ = base + S::kQ, *sK = base + S::kK, *sV = base + S::kV;
@@ -364,14 +364,18 @@ __global__ void __launch_bounds__(32) flash_decode_kernel(const bf16* q, const i
   const auto* kb = static_cast<const unsigned char*>(kpool);
   const auto* vb = static_cast<const unsigned char*>(vpool);
   // The pool bytes of positions k0 .. k0 + kTile - 1 into the staging area (zeros past pos).
-  auto fetch = [&](int64_t k0) {
+  // Positions are int (a context is far below 2^31); a power-of-two page size (16 by default)
+  // divides by a shift.
+  const int ps_shift = (page_size & (page_size - 1)) == 0 ? __ffs(page_size) - 1 : -1;
+  auto fetch = [&](int k0) {
     for (int i = lane; i < kTile * S::kChunks; i += 32) {
       const int j = i / S::kChunks, ch = i % S::kChunks;
-      const int64_t p = k0 + j;
+      const int p = k0 + j;
       const bool ok = p <= pos;
       int64_t at = 0;
       if (ok) {
-        const int64_t slot = static_cast<int64_t>(pages[p / page_size]) * page_size + p % page_size;
+        const int pg = ps_shift >= 0 ? p >> ps_shift : p / page_size;
+        const int64_t slot = static_cast<int64_t>(pages[pg]) * page_size + (p - pg * page_size);
         at = (slot * Hkv + hk) * S::kRowBytes + ch * 16;
       }
       cp_async16(stage + j * S::kRowBytes + ch * 16, kb + at, ok);
@@ -394,7 +398,7 @@ __global__ void __launch_bounds__(32) flash_decode_kernel(const bf16* q, const i
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
   const float sl2 = scale * kLog2e;
   const int64_t last[2] = {pos, pos};
-  for (int64_t k0 = 0; k0 <= pos; k0 += kTile) {
+  for (int k0 = 0; k0 <= pos; k0 += kTile) {
     cp_async_wait_all();
     __syncwarp();  // every lane's bytes of this tile have landed; the previous tile's reads are done
     for (int i = lane; i < 2 * kTile * S::kChunks; i += 32) {

@@ -55,6 +55,7 @@ inline float __shfl_xor_sync(unsigned, float v, int o) {
   return r;
 }
 inline void __syncwarp() { tw->bar.arrive_and_wait(); }
+inline int __ffs(int x) { return x ? __builtin_ctz(static_cast<unsigned>(x)) + 1 : 0; }
 // Pinned FP32 operations (no contraction on the host: x86-64 without -mfma has none).
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fadd_rn(float a, float b) { return a + b; }

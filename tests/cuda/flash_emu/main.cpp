@@ -79,9 +79,9 @@ static uint8_t e4m3_nearest(float x) {  // round to nearest, ties to the even co
   return best;
 }
 template <int D>
-int run_decode(const std::vector<int32_t>& cu, int Hq, int Hkv, bool e4m3) {
+int run_decode(const std::vector<int32_t>& cu, int Hq, int Hkv, bool e4m3, int ps = 16) {
   const int64_t T = cu.back();
-  const int B = int(cu.size()) - 1, ps = 16;
+  const int B = int(cu.size()) - 1;
   std::mt19937 gen(11 + D + Hq);
   std::normal_distribution<float> nd(0, 1);
   std::vector<bf16> q(T * Hq * D), kr(T * Hkv * D), vr(T * Hkv * D);
@@ -143,7 +143,7 @@ int run_decode(const std::vector<int32_t>& cu, int Hq, int Hkv, bool e4m3) {
   int64_t rows_bad = 0;
   for (int64_t r = 0; r < T * Hq; ++r)
     if (std::memcmp(of.data() + r * D, od.data() + r * D, D * sizeof(bf16)) != 0) ++rows_bad;
-  std::printf("decode D %d Hq %d Hkv %d T %ld %s pool: %ld of %ld rows differ from the forward's\n", D, Hq, Hkv, (long)T,
+  std::printf("decode D %d Hq %d Hkv %d T %ld page %d %s pool: %ld of %ld rows differ from the forward's\n", D, Hq, Hkv, (long)T, ps,
               e4m3 ? "E4M3" : "BF16", (long)rows_bad, (long)(T * Hq));
   return rows_bad == 0 ? 0 : 1;
 }
@@ -156,6 +156,7 @@ int main() {
   bad += run_decode<128>({0, 17, 18, 147}, 4, 2, true);
   bad += run_decode<128>({0, 64, 65, 200}, 16, 1, false);
   bad += run_decode<64>({0, 70, 71, 200}, 2, 2, false);
+  bad += run_decode<128>({0, 90, 91, 230}, 4, 2, true, 12);  // a page size that is no power of two
   std::printf(bad ? "FAIL\n" : "PASS\n");
   return bad;
 }
