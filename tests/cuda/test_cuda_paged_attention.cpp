@@ -529,6 +529,28 @@ TEST(CudaPagedAttention, DecodeBench) {
                       sh.name, dtype_name(pool), kern, plan.splits, plan.chunk, us, gbs, bytes);
         json += row;
       }
+      // The consistent mode's flash-order decode (PagedBatch::flash_order): one warp per (token, KV
+      // head) over all its tiles in flash attention's order, no context split.
+      if (!only_default && cuda::flash_decode_supported(sh.hd, sh.Hq / sh.Hkv, pool, DType::BF16)) {
+        auto call = [&](int layer) {
+          const float* ks = e4m3 ? b.gc.k_scale.data<float>() + layer * sh.Hkv : nullptr;
+          const float* vs = e4m3 ? b.gc.v_scale.data<float>() + layer * sh.Hkv : nullptr;
+          cuda::launch_flash_decode(q.raw(), b.db.token_seq.data<int32_t>(), b.db.token_pos.data<int32_t>(),
+                                    b.db.page_table.data<int32_t>(), max_pages, b.T, sh.Hq, sh.Hkv, sh.hd, 16,
+                                    b.gc.k[layer].raw(), b.gc.v[layer].raw(), pool, ks, vs, sc, out.raw(), stream);
+        };
+        const double us = time_calls(call, stream);
+        ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+        const double gbs = bytes / (us * 1e-6) / 1e9;
+        std::printf("%-30s %-5s %-14s %7d %9.1f %8.0f %5.0f%% %7.2fx\n", sh.name, dtype_name(pool), "flash-order", 1, us,
+                    gbs, 100.0 * gbs * 1e9 / peak, base_us / us);
+        char row[512];
+        std::snprintf(row, sizeof row,
+                      "  {\"shape\": \"%s\", \"pool\": \"%s\", \"kernel\": \"flash-order\", \"splits\": 1, "
+                      "\"chunk\": 0, \"us_per_call\": %.2f, \"gb_per_s\": %.1f, \"bytes\": %.0f},\n",
+                      sh.name, dtype_name(pool), us, gbs, bytes);
+        json += row;
+      }
     }
   cudaStreamDestroy(stream);
   if (json.size() > 2) json.erase(json.size() - 2, 1);  // the last comma
