@@ -73,7 +73,6 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 __device__ __forceinline__ void cp_async_wait_all_but_newest() {
   asm volatile("cp.async.wait_group 1;\n" ::: "memory");
 }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 // ---- end of PTX helpers
 
 // Shared tiles are BF16 row-major with a padded leading dimension ld = width + 8: ldmatrix's
@@ -184,19 +183,20 @@ struct FwdSmem {
   static constexpr size_t kBytes = static_cast<size_t>(kTotal) * sizeof(bf16);
 };
 
-// One key tile of the forward's online softmax for a warp's 16 query rows (sQ rows r0..r0+15):
-// s = Q K^T over the tile (sK [kTile][ld], stored [key][d]), scaled to log2 units, and where
-// `mask`, keys past a row's last key (last[0], last[1]: this thread's rows g and g + 8; key k0 +
-// j is the tile's j-th) to -inf; then m, l and o rescaled and O += P V (sV [kTile][ld]).
-// flash_fwd_kernel and flash_decode_kernel both run it, so a query row gets the same arithmetic
-// from either (the products and roundings pinned with __fmul_rn / __fsub_rn / __fadd_rn: no
-// contraction that could differ between the two kernels).
+// One key tile of the forward's online softmax for a warp's 16 query rows (sQ rows r0..r0+15), in
+// two halves. fwd_scores: s = Q K^T over the tile (sK [kTile][ld], stored [key][d]), scaled to
+// log2 units, and where `mask`, keys past a row's last key (last[0], last[1]: this thread's rows
+// g and g + 8; key k0 + j is the tile's j-th) to -inf; then m, l and o rescaled and s turned into
+// the probabilities. fwd_values: O += P V (sV [kTile][ld]). fwd_tile runs both. flash_fwd_kernel
+// and flash_decode_kernel both run them (the decode kernel fills its one BF16 tile with the values
+// between the halves), so a query row gets the same arithmetic from either (the products and
+// roundings pinned with __fmul_rn / __fsub_rn / __fadd_rn: no contraction that could differ
+// between the two kernels).
 template <int D>
-__device__ __forceinline__ void fwd_tile(const bf16* sQ, int ld, int r0, const bf16* sK, const bf16* sV, int64_t k0,
-                                         bool mask, const int64_t (&last)[2], float sl2, float (&o)[D / 8][4],
-                                         float (&m)[2], float (&l)[2], int lane) {
+__device__ __forceinline__ void fwd_scores(const bf16* sQ, int ld, int r0, const bf16* sK, int64_t k0, bool mask,
+                                           const int64_t (&last)[2], float sl2, float (&s)[kTile / 8][4],
+                                           float (&o)[D / 8][4], float (&m)[2], float (&l)[2], int lane) {
   const int c = lane & 3;
-  float s[kTile / 8][4];
   zero(s);
   mma_tile_times_t<kTile / 8, D>(s, sQ, ld, r0, sK, ld, lane);
   float mx[2] = {-INFINITY, -INFINITY};
@@ -235,8 +235,20 @@ __device__ __forceinline__ void fwd_tile(const bf16* sQ, int ld, int r0, const b
     o[i][2] = __fmul_rn(o[i][2], corr[1]);
     o[i][3] = __fmul_rn(o[i][3], corr[1]);
   }
-  // O += P V (P as BF16 A fragments straight from the score registers).
-  mma_regs_times(o, s, sV, ld, lane);
+}
+// The tile's second half: O += P V (P as BF16 A fragments straight from the score registers).
+template <int D>
+__device__ __forceinline__ void fwd_values(const float (&p)[kTile / 8][4], const bf16* sV, int ld, float (&o)[D / 8][4],
+                                           int lane) {
+  mma_regs_times(o, p, sV, ld, lane);
+}
+template <int D>
+__device__ __forceinline__ void fwd_tile(const bf16* sQ, int ld, int r0, const bf16* sK, const bf16* sV, int64_t k0,
+                                         bool mask, const int64_t (&last)[2], float sl2, float (&o)[D / 8][4],
+                                         float (&m)[2], float (&l)[2], int lane) {
+  float s[kTile / 8][4];
+  fwd_scores<D>(sQ, ld, r0, sK, k0, mask, last, sl2, s, o, m, l, lane);
+  fwd_values<D>(s, sV, ld, o, lane);
 }
 
 // The forward's end for this thread's two rows: l summed over the quad, and row r's output (when
@@ -319,7 +331,7 @@ __global__ void __launch_bounds__(kThreadsF) flash_fwd_kernel(const bf16* q, con
 
 // ---- decode over the paged KV cache in the forward's order ----------------------------------
 // One warp (a CTA of its own) serves one (query token, KV head): the token's group of G <= 16
-// query heads are the rows of one 16-row MMA tile, which runs fwd_tile over the key tiles of
+// query heads are the rows of one 16-row MMA tile, which runs the forward's tile step over the key tiles of
 // kTile positions from the sequence's position 0 up to the token's, read from the paged cache into
 // the forward's shared layout — E4M3: each code's value times the layer's scale rounded to BF16
 // (what kv_round gives the trainer's k and v), BF16 pools as stored — positions past the token as
@@ -328,17 +340,18 @@ __global__ void __launch_bounds__(kThreadsF) flash_fwd_kernel(const bf16* q, con
 // MMA fragments, reductions, mask and normalization (the generator's half of the consistent mode's
 // `flash` attention). The cache holds the token's own k/v (kv_write first), as for attention_paged.
 //
-// The pool bytes of the next tile are in flight (cp.async into a staging area, zero-filled past
-// the token) while the current tile's MMAs run; each tile's bytes are then converted from the
-// staging area into the BF16 tiles. One warp per CTA, so a finished (token, head) frees its SM
-// share at once (the rows' lengths differ); the shared memory (~54 KB at head_dim 128 over E4M3)
-// lets four run per SM.
+// The pool bytes are staged by cp.async (zero-filled past the token), keys and values as separate
+// groups: the next tile's keys are fetched once this tile's keys are in the BF16 tile, and land
+// behind this tile's scores and values; the values likewise. One BF16 tile holds the keys for
+// fwd_scores, then the values for fwd_values. One warp per CTA, so a finished (token, head) frees
+// its SM share at once (the rows' lengths differ); ~37 KB of shared memory at head_dim 128 over
+// E4M3 lets five run per SM.
 template <int D, bool kE4m3>
 struct DecSmem {
-  static constexpr int kLd = D + 8, kQ = 0, kK = 16 * kLd, kV = kK + kTile * kLd;  // BF16 elements
-  static constexpr int kRowBytes = D * (kE4m3 ? 1 : 2);  // one position's keys (or values) in the pool
-  static constexpr int kChunks = kRowBytes / 16;         // 16-byte pieces of a position's row
-  static constexpr size_t kStage = static_cast<size_t>(kV + kTile * kLd) * sizeof(bf16);  // K staged, V after it
+  static constexpr int kLd = D + 8, kQ = 0, kT = 16 * kLd;  // BF16 elements: the query rows, then one tile
+  static constexpr int kRowBytes = D * (kE4m3 ? 1 : 2);     // one position's keys (or values) in the pool
+  static constexpr int kChunks = kRowBytes / 16;            // 16-byte pieces of a position's row
+  static constexpr size_t kStage = static_cast<size_t>(kT + kTile * kLd) * sizeof(bf16);  // K staged, V after it
   static constexpr size_t kBytes = kStage + 2 * static_cast<size_t>(kTile) * kRowBytes;
   static_assert(kStage % 16 == 0, "the staging area is 16-byte aligned");
 };
@@ -359,15 +372,16 @@ __global__ void __launch_bounds__(32) flash_decode_kernel(const bf16* q, const i
   const int pos = token_pos[t];
   const int32_t* pages = page_table + static_cast<int64_t>(token_seq[t]) * max_pages;
   bf16* base = reinterpret_cast<bf16*>(smem_raw);
-  bf16 *sQ = base + S::kQ, *sK = base + S::kK, *sV = base + S::kV;
-  unsigned char* stage = smem_raw + S::kStage;  // [kTile][kRowBytes] keys, then the values
-  const auto* kb = static_cast<const unsigned char*>(kpool);
-  const auto* vb = static_cast<const unsigned char*>(vpool);
-  // The pool bytes of positions k0 .. k0 + kTile - 1 into the staging area (zeros past pos).
+  bf16 *sQ = base + S::kQ, *sT = base + S::kT;  // sT: the tile's keys, then its values
+  unsigned char* stage = smem_raw + S::kStage;    // [kTile][kRowBytes] keys, then the values
   // Positions are int (a context is far below 2^31); a power-of-two page size (16 by default)
   // divides by a shift.
   const int ps_shift = (page_size & (page_size - 1)) == 0 ? __ffs(page_size) - 1 : -1;
-  auto fetch = [&](int k0) {
+  // The pool bytes (which = 0: keys, 1: values) of positions k0 .. k0 + kTile - 1 into their
+  // staging half (zeros past pos), as one cp.async group.
+  auto fetch = [&](int k0, int which) {
+    const auto* pool = static_cast<const unsigned char*>(which ? vpool : kpool);
+    unsigned char* dst = stage + which * kTile * S::kRowBytes;
     for (int i = lane; i < kTile * S::kChunks; i += 32) {
       const int j = i / S::kChunks, ch = i % S::kChunks;
       const int p = k0 + j;
@@ -378,12 +392,40 @@ __global__ void __launch_bounds__(32) flash_decode_kernel(const bf16* q, const i
         const int64_t slot = static_cast<int64_t>(pages[pg]) * page_size + (p - pg * page_size);
         at = (slot * Hkv + hk) * S::kRowBytes + ch * 16;
       }
-      cp_async16(stage + j * S::kRowBytes + ch * 16, kb + at, ok);
-      cp_async16(stage + (kTile + j) * S::kRowBytes + ch * 16, vb + at, ok);
+      cp_async16(dst + j * S::kRowBytes + ch * 16, pool + at, ok);
     }
     cp_async_commit();
   };
-  fetch(0);
+  // Staging half `which` into the BF16 tile: E4M3 as code * scale rounded to BF16 (kv_round's
+  // values), BF16 as stored.
+  auto convert = [&](int which, float sc) {
+    const unsigned char* src0 = stage + which * kTile * S::kRowBytes;
+    for (int i = lane; i < kTile * S::kChunks; i += 32) {
+      const int j = i / S::kChunks, ch = i % S::kChunks;
+      const unsigned char* src = src0 + j * S::kRowBytes + ch * 16;
+      bf16* dst = sT + j * S::kLd + ch * (kE4m3 ? 16 : 8);
+      if constexpr (kE4m3) {
+        const uint4 c16 = *reinterpret_cast<const uint4*>(src);
+        const uint32_t wd[4] = {c16.x, c16.y, c16.z, c16.w};
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float x[8];
+#pragma unroll
+          for (int e = 0; e < 8; e += 2) {
+            const float2 f = fp8_e4m3x2_to_float2(wd[2 * h + e / 4] >> (8 * (e % 4)));
+            x[e] = f.x * sc;  // kv_round's value, rounded to BF16 by the store
+            x[e + 1] = f.y * sc;
+          }
+          store8(dst + 8 * h, x);
+        }
+      } else {
+        (void)sc;
+        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);  // BF16 as stored
+      }
+    }
+  };
+  fetch(0, 0);
+  fetch(0, 1);
   constexpr int kQChunks = D / 8;  // 16-byte chunks of a BF16 row
   // The query rows: head hk * G + i of the token in row i, zeros below G.
   for (int i = lane; i < 16 * kQChunks; i += 32) {
@@ -398,35 +440,26 @@ __global__ void __launch_bounds__(32) flash_decode_kernel(const bf16* q, const i
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
   const float sl2 = scale * kLog2e;
   const int64_t last[2] = {pos, pos};
+  // Per tile: keys landed -> into the tile -> the next tile's keys in flight -> scores; values
+  // landed -> into the tile -> the next tile's values in flight -> O += P V. Each fetch has the
+  // other half's conversion and MMAs to land behind.
   for (int k0 = 0; k0 <= pos; k0 += kTile) {
-    cp_async_wait_all();
-    __syncwarp();  // every lane's bytes of this tile have landed; the previous tile's reads are done
-    for (int i = lane; i < 2 * kTile * S::kChunks; i += 32) {
-      const int jj = i / S::kChunks, ch = i % S::kChunks;  // jj < kTile: keys, else values
-      const unsigned char* src = stage + jj * S::kRowBytes + ch * 16;
-      bf16* dst = (jj < kTile ? sK + jj * S::kLd : sV + (jj - kTile) * S::kLd) + ch * (16 / (kE4m3 ? 1 : 2));
-      if constexpr (kE4m3) {
-        const uint4 c16 = *reinterpret_cast<const uint4*>(src);
-        const uint32_t wd[4] = {c16.x, c16.y, c16.z, c16.w};
-        const float sc = jj < kTile ? ks : vs;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          float x[8];
-#pragma unroll
-          for (int e = 0; e < 8; e += 2) {
-            const float2 f = fp8_e4m3x2_to_float2(wd[2 * h + e / 4] >> (8 * (e % 4)));
-            x[e] = f.x * sc;  // kv_round's value, rounded to BF16 by the store
-            x[e + 1] = f.y * sc;
-          }
-          store8(dst + 8 * h, x);
-        }
-      } else {
-        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);  // BF16 as stored
-      }
-    }
-    __syncwarp();  // the tiles are written; the staging area is free for the next tile's bytes
-    if (k0 + kTile <= pos) fetch(k0 + kTile);
-    fwd_tile<D>(sQ, S::kLd, 0, sK, sV, k0, k0 + kTile - 1 >= pos, last, sl2, o, m, l, lane);
+    const bool more = k0 + kTile <= pos;
+    cp_async_wait_all_but_newest();  // the keys' group (the values' group may still be in flight)
+    __syncwarp();                    // every lane's key bytes landed; the last tile's P V reads are done
+    convert(0, ks);
+    __syncwarp();  // the key tile is written; the key staging half is free
+    if (more) fetch(k0 + kTile, 0);
+    else cp_async_commit();  // an empty group, so the waits below count alike
+    float s[kTile / 8][4];
+    fwd_scores<D>(sQ, S::kLd, 0, sT, k0, k0 + kTile - 1 >= pos, last, sl2, s, o, m, l, lane);
+    cp_async_wait_all_but_newest();  // the values' group
+    __syncwarp();                    // the values landed; the scores' reads of the key tile are done
+    convert(1, vs);
+    __syncwarp();
+    if (more) fetch(k0 + kTile, 1);
+    else cp_async_commit();
+    fwd_values<D>(s, sT, S::kLd, o, lane);
   }
   bf16* dst[2];
   float* const no_lse[2] = {nullptr, nullptr};
