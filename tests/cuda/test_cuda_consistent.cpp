@@ -365,13 +365,21 @@ TEST(CudaConsistent, FlashOrderDecodeIsBitwiseFlashAttention) {
   const int64_t T = static_cast<int64_t>(ws.seq.size());
   std::vector<int32_t> cu = {0};
   for (int32_t n : lens) cu.push_back(cu.back() + n);
+  // fold: FP8RL_FLASH_DECODE_FOLD=1 with power-of-two scales (the kernel folds them into the score
+  // multiplier and 1 / l); the other E4M3 cases have scales that are not powers of two.
   for (int hd : {128, 64})
     for (int group : {2, 8})
+      for (int fold : {0, 1})
       for (DType pool : {DType::E4M3, DType::BF16}) {
+        if (fold && pool != DType::E4M3) continue;
+        setenv("FP8RL_FLASH_DECODE_FOLD", fold ? "1" : "0", 1);
         const int Hq = Hkv * group;
         const Tensor q = rand_dev(be, {T, Hq, hd}, 61 + group, DType::BF16, 0.5f);
         const Tensor k = rand_dev(be, {T, Hkv, hd}, 62, DType::BF16), v = rand_dev(be, {T, Hkv, hd}, 63, DType::BF16);
-        const std::vector<float> kscale = {0.02f, 0.03f, 0.015f, 0.05f}, vscale = {0.012f, 0.02f, 0.01f, 0.04f};
+        const std::vector<float> kscale = fold ? std::vector<float>{0.015625f, 0.03125f, 0.0078125f, 0.0625f}
+                                               : std::vector<float>{0.02f, 0.03f, 0.015f, 0.05f};
+        const std::vector<float> vscale = fold ? std::vector<float>{0.0078125f, 0.015625f, 0.0078125f, 0.03125f}
+                                               : std::vector<float>{0.012f, 0.02f, 0.01f, 0.04f};
         KvCache c = be.alloc_kv_cache(1, ws.pages, ps, Hkv, hd, pool);
         if (pool == DType::E4M3) {
           be.copy(from_float_vector(kscale, {1, Hkv}), c.k_scale);
@@ -396,8 +404,8 @@ TEST(CudaConsistent, FlashOrderDecodeIsBitwiseFlashAttention) {
         Tensor o2 = be.alloc({T, Hq, hd}, DType::BF16), lse = be.alloc({Hq, T}, DType::F32);
         be.attention(q, kr, vr, cu, 0.088f, o2, lse);
         const Tensor h1 = be.to_host(o1), h2 = be.to_host(o2);
-        EXPECT_EQ(rows_differing(h2, h1, 0), 0)
-            << "hd " << hd << ", group " << group << ", " << dtype_name(pool) << " pool: whole sequences";
+        EXPECT_EQ(rows_differing(h2, h1, 0), 0) << "hd " << hd << ", group " << group << ", " << dtype_name(pool)
+                                                << " pool, fold " << fold << ": whole sequences";
         // A decode batch: each sequence's last token alone.
         std::vector<int32_t> dseq, dpos, dslots;
         std::vector<int64_t> rows;
@@ -421,8 +429,10 @@ TEST(CudaConsistent, FlashOrderDecodeIsBitwiseFlashAttention) {
           EXPECT_EQ(std::memcmp(static_cast<const char*>(hd_out.raw()) + i * Hq * hd * 2,
                                 static_cast<const char*>(h2.raw()) + rows[i] * Hq * hd * 2, Hq * hd * 2),
                     0)
-              << "hd " << hd << ", group " << group << ", " << dtype_name(pool) << " pool: decode row " << rows[i];
+              << "hd " << hd << ", group " << group << ", " << dtype_name(pool) << " pool, fold " << fold
+              << ": decode row " << rows[i];
       }
+  unsetenv("FP8RL_FLASH_DECODE_FOLD");
 }
 
 // consistent=flash end to end with power-of-two scales (pow2: the fast linears' sums round
@@ -433,11 +443,16 @@ TEST(CudaConsistent, FlashOrderRecipeWithPow2ScalesAgrees) {
   test::ConsistentShape sh;
   sh.family = "qwen3";
   const std::string spec = "fp8_e2e:pow2=on+consistent=flash";
-  const test::ConsistentRun r = test::consistent_run(*be, sh, spec);
-  std::printf("  %s: %zu tokens, mult %.6f kl %.3g, max |logp_old - logp_gen| %.3g\n", spec.c_str(), r.logp_gen.size(),
-              r.mismatch.token_mult_prob_error, r.mismatch.gen_kl_error, test::max_abs_diff(r.logp_old, r.logp_gen));
-  EXPECT_TRUE(test::same_bits(r.logp_old, r.logp_gen));
-  EXPECT_EQ(r.mismatch.token_mult_prob_error, 1.0);
+  for (const char* fold : {"0", "1"}) {  // the decode kernel's folded power-of-two scales too
+    setenv("FP8RL_FLASH_DECODE_FOLD", fold, 1);
+    const test::ConsistentRun r = test::consistent_run(*be, sh, spec);
+    std::printf("  %s, fold %s: %zu tokens, mult %.6f kl %.3g, max |logp_old - logp_gen| %.3g\n", spec.c_str(), fold,
+                r.logp_gen.size(), r.mismatch.token_mult_prob_error, r.mismatch.gen_kl_error,
+                test::max_abs_diff(r.logp_old, r.logp_gen));
+    EXPECT_TRUE(test::same_bits(r.logp_old, r.logp_gen)) << "fold " << fold;
+    EXPECT_EQ(r.mismatch.token_mult_prob_error, 1.0) << "fold " << fold;
+  }
+  unsetenv("FP8RL_FLASH_DECODE_FOLD");
 }
 
 // The consistent generator's logp_gen without a second lm_head GEMM: logprobs_of_logits over the

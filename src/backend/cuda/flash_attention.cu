@@ -13,7 +13,9 @@
 // Tiles never cross a sequence: they start at the sequence's first token (host tile lists).
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "backend/cuda/common.cuh"
@@ -253,9 +255,11 @@ __device__ __forceinline__ void fwd_tile(const bf16* sQ, int ld, int r0, const b
 
 // The forward's end for this thread's two rows: l summed over the quad, and row r's output (when
 // dst[r]) as BF16 o / l and its natural log-sum-exp (when lse_dst[r], by lane c == 0).
+// `post` multiplies 1 / l: 1 for the forward; the decode kernel's value scale when it folds one.
 template <int D>
 __device__ __forceinline__ void fwd_finish(const float (&o)[D / 8][4], const float (&m)[2], float (&l)[2],
-                                           bf16* const (&dst)[2], float* const (&lse_dst)[2], int lane) {
+                                           bf16* const (&dst)[2], float* const (&lse_dst)[2], int lane,
+                                           float post = 1.0f) {
   const int c = lane & 3;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -265,7 +269,7 @@ __device__ __forceinline__ void fwd_finish(const float (&o)[D / 8][4], const flo
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     if (!dst[r]) continue;
-    const float inv = 1.0f / l[r];
+    const float inv = __fmul_rn(1.0f / l[r], post);
     uint32_t* d32 = reinterpret_cast<uint32_t*>(dst[r]);
 #pragma unroll
     for (int nt = 0; nt < D / 8; ++nt)
@@ -361,7 +365,7 @@ __global__ void __launch_bounds__(32) flash_decode_kernel(const bf16* q, const i
                                                            const int32_t* token_pos, const int32_t* page_table,
                                                            int max_pages, int64_t T_, int Hq, int Hkv, int page_size,
                                                            const void* kpool, const void* vpool, const float* k_scale,
-                                                           const float* v_scale, float scale, bf16* out) {
+                                                           const float* v_scale, float scale, int fold_pow2, bf16* out) {
   using S = DecSmem<D, kE4m3>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int lane = threadIdx.x & 31, g = lane >> 2;
@@ -398,7 +402,7 @@ __global__ void __launch_bounds__(32) flash_decode_kernel(const bf16* q, const i
   };
   // Staging half `which` into the BF16 tile: E4M3 as code * scale rounded to BF16 (kv_round's
   // values), BF16 as stored.
-  auto convert = [&](int which, float sc) {
+  auto convert = [&](int which, float sc, bool fold) {
     const unsigned char* src0 = stage + which * kTile * S::kRowBytes;
     for (int i = lane; i < kTile * S::kChunks; i += 32) {
       const int j = i / S::kChunks, ch = i % S::kChunks;
@@ -413,13 +417,13 @@ __global__ void __launch_bounds__(32) flash_decode_kernel(const bf16* q, const i
 #pragma unroll
           for (int e = 0; e < 8; e += 2) {
             const float2 f = fp8_e4m3x2_to_float2(wd[2 * h + e / 4] >> (8 * (e % 4)));
-            x[e] = f.x * sc;  // kv_round's value, rounded to BF16 by the store
-            x[e + 1] = f.y * sc;
+            x[e] = fold ? f.x : f.x * sc;  // kv_round's value (or the code's), rounded to BF16 by the store
+            x[e + 1] = fold ? f.y : f.y * sc;
           }
           store8(dst + 8 * h, x);
         }
       } else {
-        (void)sc;
+        (void)sc, (void)fold;
         *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);  // BF16 as stored
       }
     }
@@ -435,10 +439,20 @@ __global__ void __launch_bounds__(32) flash_decode_kernel(const bf16* q, const i
     *reinterpret_cast<uint4*>(sQ + r * S::kLd + ch * 8) = u;
   }
   const float ks = kE4m3 ? k_scale[hk] : 1.0f, vs = kE4m3 ? v_scale[hk] : 1.0f;
+  // fold_pow2 with power-of-two scales (pow2_scales): kv_round's values are the codes' values
+  // times 2^k exactly, and a power of two passes exactly through every product, sum and rounding
+  // of the forward (its values stay far from FP32's subnormal range), so the tiles take the
+  // codes' values and the scales move to the score multiplier (keys) and to 1 / l (values): the
+  // trainer's bits with two multiplies fewer per converted pair. The GPU test compares both forms.
+  auto pow2 = [](float x) {
+    const uint32_t b = __float_as_uint(x), e = b >> 23;
+    return (b & 0x807fffffu) == 0 && e >= 127 - 60 && e <= 127 + 60;
+  };
+  const bool fold = kE4m3 && fold_pow2 && pow2(ks) && pow2(vs);
   float o[D / 8][4];
   zero(o);
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
-  const float sl2 = scale * kLog2e;
+  const float sl2 = fold ? __fmul_rn(scale * kLog2e, ks) : scale * kLog2e;
   const int64_t last[2] = {pos, pos};
   // Per tile: keys landed -> into the tile -> the next tile's keys in flight -> scores; values
   // landed -> into the tile -> the next tile's values in flight -> O += P V. Each fetch has the
@@ -447,7 +461,7 @@ __global__ void __launch_bounds__(32) flash_decode_kernel(const bf16* q, const i
     const bool more = k0 + kTile <= pos;
     cp_async_wait_all_but_newest();  // the keys' group (the values' group may still be in flight)
     __syncwarp();                    // every lane's key bytes landed; the last tile's P V reads are done
-    convert(0, ks);
+    convert(0, ks, fold);
     __syncwarp();  // the key tile is written; the key staging half is free
     if (more) fetch(k0 + kTile, 0);
     else cp_async_commit();  // an empty group, so the waits below count alike
@@ -455,7 +469,7 @@ __global__ void __launch_bounds__(32) flash_decode_kernel(const bf16* q, const i
     fwd_scores<D>(sQ, S::kLd, 0, sT, k0, k0 + kTile - 1 >= pos, last, sl2, s, o, m, l, lane);
     cp_async_wait_all_but_newest();  // the values' group
     __syncwarp();                    // the values landed; the scores' reads of the key tile are done
-    convert(1, vs);
+    convert(1, vs, fold);
     __syncwarp();
     if (more) fetch(k0 + kTile, 1);
     else cp_async_commit();
@@ -465,7 +479,7 @@ __global__ void __launch_bounds__(32) flash_decode_kernel(const bf16* q, const i
   float* const no_lse[2] = {nullptr, nullptr};
 #pragma unroll
   for (int r = 0; r < 2; ++r) dst[r] = g + 8 * r < G ? out + (t * Hq + hk * G + g + 8 * r) * D : nullptr;
-  fwd_finish<D>(o, m, l, dst, no_lse, lane);
+  fwd_finish<D>(o, m, l, dst, no_lse, lane, fold ? vs : 1.0f);
 }
 
 // ---- backward ---------------------------------------------------------------------------------
@@ -854,10 +868,14 @@ void launch_flash_decode(const void* q, const int32_t* token_seq, const int32_t*
   static std::once_flag opted[4][64];
   int dev = 0;
   CUDA_CHECK(cudaGetDevice(&dev), "flash-order decode attention: cudaGetDevice");
+  // FP8RL_FLASH_DECODE_FOLD=1: fold power-of-two E4M3 scales (read per call, for the tests' A/B).
+  const char* fe = std::getenv("FP8RL_FLASH_DECODE_FOLD");
+  const int fold = fe && std::string(fe) == "1" ? 1 : 0;
   auto run = [&](auto kern, size_t bytes, int variant) {
     std::call_once(opted[variant][dev >= 0 && dev < 64 ? dev : 0], [&] { set_smem(kern, bytes); });
     kern<<<grid, 32, bytes, stream>>>(static_cast<const bf16*>(q), token_seq, token_pos, page_table, max_pages, T_, Hq,
-                                      Hkv, page_size, kpool, vpool, k_scale, v_scale, scale, static_cast<bf16*>(out));
+                                      Hkv, page_size, kpool, vpool, k_scale, v_scale, scale, fold,
+                                      static_cast<bf16*>(out));
   };
   const bool e4m3 = pool_dt == DType::E4M3;
   if (hd == 64)

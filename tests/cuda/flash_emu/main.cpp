@@ -79,7 +79,7 @@ static uint8_t e4m3_nearest(float x) {  // round to nearest, ties to the even co
   return best;
 }
 template <int D>
-int run_decode(const std::vector<int32_t>& cu, int Hq, int Hkv, bool e4m3, int ps = 16) {
+int run_decode(const std::vector<int32_t>& cu, int Hq, int Hkv, bool e4m3, int ps = 16, int fold = 0) {
   const int64_t T = cu.back();
   const int B = int(cu.size()) - 1;
   std::mt19937 gen(11 + D + Hq);
@@ -88,6 +88,8 @@ int run_decode(const std::vector<int32_t>& cu, int Hq, int Hkv, bool e4m3, int p
   for (auto& x : q) x = tob(nd(gen) * 2.0f);
   std::vector<float> ks(Hkv), vs(Hkv);
   for (int h = 0; h < Hkv; ++h) ks[h] = 0.004f * (1 + h), vs[h] = 0.003f * (2 + h);
+  if (fold)  // power-of-two scales, folded by the kernel
+    for (int h = 0; h < Hkv; ++h) ks[h] = std::ldexp(1.0f, -7 - h), vs[h] = std::ldexp(1.0f, -8 + h);
   // pages: sequence b's page i at a scrambled pool page
   std::vector<int> npages(B);
   int total = 0, maxp = 1;
@@ -133,18 +135,18 @@ int run_decode(const std::vector<int32_t>& cu, int Hq, int Hkv, bool e4m3, int p
   if (e4m3)
     emu_launch(gx, 1, DecSmem<D, true>::kBytes, [&] {
       flash_decode_kernel<D, true>(q.data(), seq.data(), pos.data(), table.data(), maxp, T, Hq, Hkv, ps, kc.data(),
-                                   vc.data(), ks.data(), vs.data(), scale, od.data());
+                                   vc.data(), ks.data(), vs.data(), scale, fold, od.data());
     }, 32);
   else
     emu_launch(gx, 1, DecSmem<D, false>::kBytes, [&] {
       flash_decode_kernel<D, false>(q.data(), seq.data(), pos.data(), table.data(), maxp, T, Hq, Hkv, ps, kb.data(),
-                                    vb.data(), nullptr, nullptr, scale, od.data());
+                                    vb.data(), nullptr, nullptr, scale, fold, od.data());
     }, 32);
   int64_t rows_bad = 0;
   for (int64_t r = 0; r < T * Hq; ++r)
     if (std::memcmp(of.data() + r * D, od.data() + r * D, D * sizeof(bf16)) != 0) ++rows_bad;
-  std::printf("decode D %d Hq %d Hkv %d T %ld page %d %s pool: %ld of %ld rows differ from the forward's\n", D, Hq, Hkv, (long)T, ps,
-              e4m3 ? "E4M3" : "BF16", (long)rows_bad, (long)(T * Hq));
+  std::printf("decode D %d Hq %d Hkv %d T %ld page %d %s pool%s: %ld of %ld rows differ from the forward's\n", D, Hq, Hkv, (long)T, ps,
+              e4m3 ? "E4M3" : "BF16", fold ? " (pow2 scales folded)" : "", (long)rows_bad, (long)(T * Hq));
   return rows_bad == 0 ? 0 : 1;
 }
 int main() {
@@ -157,6 +159,8 @@ int main() {
   bad += run_decode<128>({0, 64, 65, 200}, 16, 1, false);
   bad += run_decode<64>({0, 70, 71, 200}, 2, 2, false);
   bad += run_decode<128>({0, 90, 91, 230}, 4, 2, true, 12);  // a page size that is no power of two
+  bad += run_decode<128>({0, 17, 18, 147}, 4, 2, true, 16, 1);
+  bad += run_decode<64>({0, 1, 18, 82, 212, 300}, 4, 1, true, 16, 1);
   std::printf(bad ? "FAIL\n" : "PASS\n");
   return bad;
 }
