@@ -185,20 +185,20 @@ struct FwdSmem {
   static constexpr size_t kBytes = static_cast<size_t>(kTotal) * sizeof(bf16);
 };
 
-// One key tile of the forward's online softmax for a warp's 16 query rows (sQ rows r0..r0+15), in
-// two halves. fwd_scores: s = Q K^T over the tile (sK [kTile][ld], stored [key][d]), scaled to
-// log2 units, and where `mask`, keys past a row's last key (last[0], last[1]: this thread's rows
-// g and g + 8; key k0 + j is the tile's j-th) to -inf; then m, l and o rescaled and s turned into
-// the probabilities. fwd_values: O += P V (sV [kTile][ld]). fwd_tile runs both. flash_fwd_kernel
-// and flash_decode_kernel both run them (the decode kernel fills its one BF16 tile with the values
-// between the halves), so a query row gets the same arithmetic from either (the products and
-// roundings pinned with __fmul_rn / __fsub_rn / __fadd_rn: no contraction that could differ
-// between the two kernels).
+// One key tile of the forward's online softmax for a warp's 16 query rows (sQ rows r0..r0+15):
+// s = Q K^T over the tile (sK [kTile][ld], stored [key][d]), scaled to log2 units, and where
+// `mask`, keys past a row's last key (last[0], last[1]: this thread's rows g and g + 8; key k0 +
+// j is the tile's j-th) to -inf; then m, l and o rescaled and O += P V (sV [kTile][ld]).
+// flash_decode_kernel computes each of its elements with the same operations in the same order
+// (its four warps share the tile's columns; see there), so a query row gets the same arithmetic
+// from either (the products and roundings pinned with __fmul_rn / __fsub_rn / __fadd_rn: no
+// contraction that could differ between the two kernels).
 template <int D>
-__device__ __forceinline__ void fwd_scores(const bf16* sQ, int ld, int r0, const bf16* sK, int64_t k0, bool mask,
-                                           const int64_t (&last)[2], float sl2, float (&s)[kTile / 8][4],
-                                           float (&o)[D / 8][4], float (&m)[2], float (&l)[2], int lane) {
+__device__ __forceinline__ void fwd_tile(const bf16* sQ, int ld, int r0, const bf16* sK, const bf16* sV, int64_t k0,
+                                         bool mask, const int64_t (&last)[2], float sl2, float (&o)[D / 8][4],
+                                         float (&m)[2], float (&l)[2], int lane) {
   const int c = lane & 3;
+  float s[kTile / 8][4];
   zero(s);
   mma_tile_times_t<kTile / 8, D>(s, sQ, ld, r0, sK, ld, lane);
   float mx[2] = {-INFINITY, -INFINITY};
@@ -237,29 +237,15 @@ __device__ __forceinline__ void fwd_scores(const bf16* sQ, int ld, int r0, const
     o[i][2] = __fmul_rn(o[i][2], corr[1]);
     o[i][3] = __fmul_rn(o[i][3], corr[1]);
   }
-}
-// The tile's second half: O += P V (P as BF16 A fragments straight from the score registers).
-template <int D>
-__device__ __forceinline__ void fwd_values(const float (&p)[kTile / 8][4], const bf16* sV, int ld, float (&o)[D / 8][4],
-                                           int lane) {
-  mma_regs_times(o, p, sV, ld, lane);
-}
-template <int D>
-__device__ __forceinline__ void fwd_tile(const bf16* sQ, int ld, int r0, const bf16* sK, const bf16* sV, int64_t k0,
-                                         bool mask, const int64_t (&last)[2], float sl2, float (&o)[D / 8][4],
-                                         float (&m)[2], float (&l)[2], int lane) {
-  float s[kTile / 8][4];
-  fwd_scores<D>(sQ, ld, r0, sK, k0, mask, last, sl2, s, o, m, l, lane);
-  fwd_values<D>(s, sV, ld, o, lane);
+  // O += P V (P as BF16 A fragments straight from the score registers).
+  mma_regs_times(o, s, sV, ld, lane);
 }
 
 // The forward's end for this thread's two rows: l summed over the quad, and row r's output (when
 // dst[r]) as BF16 o / l and its natural log-sum-exp (when lse_dst[r], by lane c == 0).
-// `post` multiplies 1 / l: 1 for the forward; the decode kernel's value scale when it folds one.
 template <int D>
 __device__ __forceinline__ void fwd_finish(const float (&o)[D / 8][4], const float (&m)[2], float (&l)[2],
-                                           bf16* const (&dst)[2], float* const (&lse_dst)[2], int lane,
-                                           float post = 1.0f) {
+                                           bf16* const (&dst)[2], float* const (&lse_dst)[2], int lane) {
   const int c = lane & 3;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -269,7 +255,7 @@ __device__ __forceinline__ void fwd_finish(const float (&o)[D / 8][4], const flo
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     if (!dst[r]) continue;
-    const float inv = __fmul_rn(1.0f / l[r], post);
+    const float inv = 1.0f / l[r];
     uint32_t* d32 = reinterpret_cast<uint32_t*>(dst[r]);
 #pragma unroll
     for (int nt = 0; nt < D / 8; ++nt)
@@ -334,50 +320,65 @@ __global__ void __launch_bounds__(kThreadsF) flash_fwd_kernel(const bf16* q, con
 }
 
 // ---- decode over the paged KV cache in the forward's order ----------------------------------
-// One warp (a CTA of its own) serves one (query token, KV head): the token's group of G <= 16
-// query heads are the rows of one 16-row MMA tile, which runs the forward's tile step over the key tiles of
-// kTile positions from the sequence's position 0 up to the token's, read from the paged cache into
-// the forward's shared layout — E4M3: each code's value times the layer's scale rounded to BF16
-// (what kv_round gives the trainer's k and v), BF16 pools as stored — positions past the token as
-// zeros, and the last tile masked past the token. So each head's output is bitwise
-// flash_fwd_kernel's for that query row over the same (rounded) keys and values: the same tiles,
-// MMA fragments, reductions, mask and normalization (the generator's half of the consistent mode's
-// `flash` attention). The cache holds the token's own k/v (kv_write first), as for attention_paged.
+// A CTA of four warps serves one (query token, KV head): the token's group of G <= 16 query heads
+// are the rows of one 16-row MMA tile, run over the key tiles of kTile positions from the
+// sequence's position 0 up to the token's, read from the paged cache into the forward's shared
+// layout — E4M3: each code's value times the layer's scale rounded to BF16 (what kv_round gives the
+// trainer's k and v), BF16 pools as stored — positions past the token as zeros, and the last tile
+// masked past the token. Each element is computed as fwd_tile / fwd_finish compute it for that
+// query row: the same MMA fragments accumulated in the same order, the same max, the same
+// roundings, the same summation order of l. So each head's output is bitwise flash_fwd_kernel's for
+// that query row over the same (rounded) keys and values (the generator's half of the consistent
+// mode's `flash` attention). The cache holds the token's own k/v (kv_write first), as for
+// attention_paged.
 //
-// The pool bytes are staged by cp.async (zero-filled past the token), keys and values as separate
-// groups: the next tile's keys are fetched once this tile's keys are in the BF16 tile, and land
-// behind this tile's scores and values; the values likewise. One BF16 tile holds the keys for
-// fwd_scores, then the values for fwd_values. One warp per CTA, so a finished (token, head) frees
-// its SM share at once (the rows' lengths differ); ~37 KB of shared memory at head_dim 128 over
-// E4M3 lets five run per SM.
+// The warps share each tile: warp w computes the scores of keys 16w .. 16w + 15 (two of fwd_tile's
+// eight 8-key column tiles, with the same k-loop over the head dimension), its rows' maxima meet in
+// shared memory (a max is exact in any order), each warp turns its scores into probabilities and
+// leaves them in shared memory, and then every thread reads back the whole tile's probabilities in
+// fwd_tile's register layout: l sums them in fwd_tile's order, the P fragments are fwd_tile's, and
+// warp w accumulates output columns 32w .. 32w + 31 (four of the sixteen 8-column tiles, the same
+// k-loop over keys). The pool bytes are staged by cp.async (zero-filled past the token), keys and
+// values as separate groups, each fetched for the next tile as soon as this tile's copy of it is
+// converted into the one BF16 tile (keys, then values). ~42 KB of shared memory at head_dim 128
+// over E4M3: five CTAs, twenty warps per SM.
+constexpr int kDecWarps = 4;
 template <int D, bool kE4m3>
 struct DecSmem {
-  static constexpr int kLd = D + 8, kQ = 0, kT = 16 * kLd;  // BF16 elements: the query rows, then one tile
-  static constexpr int kRowBytes = D * (kE4m3 ? 1 : 2);     // one position's keys (or values) in the pool
-  static constexpr int kChunks = kRowBytes / 16;            // 16-byte pieces of a position's row
-  static constexpr size_t kStage = static_cast<size_t>(kT + kTile * kLd) * sizeof(bf16);  // K staged, V after it
-  static constexpr size_t kBytes = kStage + 2 * static_cast<size_t>(kTile) * kRowBytes;
-  static_assert(kStage % 16 == 0, "the staging area is 16-byte aligned");
+  static constexpr int kLd = D + 8;
+  static constexpr int kRowBytes = D * (kE4m3 ? 1 : 2);  // one position's keys (or values) in the pool
+  static constexpr int kChunks = kRowBytes / 16;         // 16-byte pieces of a position's row
+  // byte offsets: the query rows and the tile (BF16), the probabilities [kTile / 8][4][32] and the
+  // warps' row maxima [kDecWarps][16] (F32), then the staging area (keys, then values)
+  static constexpr size_t kQ = 0, kT = kQ + 16 * kLd * 2, kP = kT + kTile * kLd * 2, kMx = kP + kTile / 8 * 4 * 32 * 4,
+                          kStage = kMx + kDecWarps * 16 * 4, kBytes = kStage + 2 * static_cast<size_t>(kTile) * kRowBytes;
+  static_assert(kStage % 16 == 0 && kT % 16 == 0, "16-byte aligned parts");
 };
 
 template <int D, bool kE4m3>
-__global__ void __launch_bounds__(32) flash_decode_kernel(const bf16* q, const int32_t* token_seq,
-                                                           const int32_t* token_pos, const int32_t* page_table,
-                                                           int max_pages, int64_t T_, int Hq, int Hkv, int page_size,
-                                                           const void* kpool, const void* vpool, const float* k_scale,
-                                                           const float* v_scale, float scale, int fold_pow2, bf16* out) {
+__global__ void __launch_bounds__(kDecWarps * 32) flash_decode_kernel(
+    const bf16* q, const int32_t* token_seq, const int32_t* token_pos, const int32_t* page_table, int max_pages,
+    int64_t T_, int Hq, int Hkv, int page_size, const void* kpool, const void* vpool, const float* k_scale,
+    const float* v_scale, float scale, int fold_pow2, bf16* out) {
   using S = DecSmem<D, kE4m3>;
+  constexpr int kNT = kTile / 8;              // fwd_tile's key column tiles (8 keys each)
+  constexpr int kNTw = kNT / kDecWarps;       // ... of one warp
+  constexpr int kND = D / 8;                  // output column tiles (8 columns each)
+  constexpr int kNDw = kND / kDecWarps;       // ... of one warp
+  constexpr int kThreads = kDecWarps * 32;
+  static_assert(kNTw % 2 == 0 && kNDw % 2 == 0, "whole 16-column pairs per warp");
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  const int lane = threadIdx.x & 31, g = lane >> 2;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
   const int64_t w = blockIdx.x;  // (token, KV head)
-  if (w >= T_ * Hkv) return;
   const int64_t t = w / Hkv;
   const int hk = static_cast<int>(w % Hkv), G = Hq / Hkv;
   const int pos = token_pos[t];
   const int32_t* pages = page_table + static_cast<int64_t>(token_seq[t]) * max_pages;
-  bf16* base = reinterpret_cast<bf16*>(smem_raw);
-  bf16 *sQ = base + S::kQ, *sT = base + S::kT;  // sT: the tile's keys, then its values
-  unsigned char* stage = smem_raw + S::kStage;    // [kTile][kRowBytes] keys, then the values
+  bf16* sQ = reinterpret_cast<bf16*>(smem_raw + S::kQ);
+  bf16* sT = reinterpret_cast<bf16*>(smem_raw + S::kT);  // the tile's keys, then its values
+  float* sP = reinterpret_cast<float*>(smem_raw + S::kP);
+  float* sMx = reinterpret_cast<float*>(smem_raw + S::kMx);
+  unsigned char* stage = smem_raw + S::kStage;
   // Positions are int (a context is far below 2^31); a power-of-two page size (16 by default)
   // divides by a shift.
   const int ps_shift = (page_size & (page_size - 1)) == 0 ? __ffs(page_size) - 1 : -1;
@@ -386,7 +387,7 @@ __global__ void __launch_bounds__(32) flash_decode_kernel(const bf16* q, const i
   auto fetch = [&](int k0, int which) {
     const auto* pool = static_cast<const unsigned char*>(which ? vpool : kpool);
     unsigned char* dst = stage + which * kTile * S::kRowBytes;
-    for (int i = lane; i < kTile * S::kChunks; i += 32) {
+    for (int i = tid; i < kTile * S::kChunks; i += kThreads) {
       const int j = i / S::kChunks, ch = i % S::kChunks;
       const int p = k0 + j;
       const bool ok = p <= pos;
@@ -401,10 +402,10 @@ __global__ void __launch_bounds__(32) flash_decode_kernel(const bf16* q, const i
     cp_async_commit();
   };
   // Staging half `which` into the BF16 tile: E4M3 as code * scale rounded to BF16 (kv_round's
-  // values), BF16 as stored.
+  // values; with `fold`, the codes' values), BF16 as stored.
   auto convert = [&](int which, float sc, bool fold) {
     const unsigned char* src0 = stage + which * kTile * S::kRowBytes;
-    for (int i = lane; i < kTile * S::kChunks; i += 32) {
+    for (int i = tid; i < kTile * S::kChunks; i += kThreads) {
       const int j = i / S::kChunks, ch = i % S::kChunks;
       const unsigned char* src = src0 + j * S::kRowBytes + ch * 16;
       bf16* dst = sT + j * S::kLd + ch * (kE4m3 ? 16 : 8);
@@ -417,7 +418,7 @@ __global__ void __launch_bounds__(32) flash_decode_kernel(const bf16* q, const i
 #pragma unroll
           for (int e = 0; e < 8; e += 2) {
             const float2 f = fp8_e4m3x2_to_float2(wd[2 * h + e / 4] >> (8 * (e % 4)));
-            x[e] = fold ? f.x : f.x * sc;  // kv_round's value (or the code's), rounded to BF16 by the store
+            x[e] = fold ? f.x : f.x * sc;  // rounded to BF16 by the store
             x[e + 1] = fold ? f.y : f.y * sc;
           }
           store8(dst + 8 * h, x);
@@ -432,7 +433,7 @@ __global__ void __launch_bounds__(32) flash_decode_kernel(const bf16* q, const i
   fetch(0, 1);
   constexpr int kQChunks = D / 8;  // 16-byte chunks of a BF16 row
   // The query rows: head hk * G + i of the token in row i, zeros below G.
-  for (int i = lane; i < 16 * kQChunks; i += 32) {
+  for (int i = tid; i < 16 * kQChunks; i += kThreads) {
     const int r = i / kQChunks, ch = i % kQChunks;
     uint4 u = make_uint4(0, 0, 0, 0);
     if (r < G) u = *reinterpret_cast<const uint4*>(q + (t * Hq + hk * G + r) * D + ch * 8);
@@ -441,45 +442,126 @@ __global__ void __launch_bounds__(32) flash_decode_kernel(const bf16* q, const i
   const float ks = kE4m3 ? k_scale[hk] : 1.0f, vs = kE4m3 ? v_scale[hk] : 1.0f;
   // fold_pow2 with power-of-two scales (pow2_scales): kv_round's values are the codes' values
   // times 2^k exactly, and a power of two passes exactly through every product, sum and rounding
-  // of the forward (its values stay far from FP32's subnormal range), so the tiles take the
-  // codes' values and the scales move to the score multiplier (keys) and to 1 / l (values): the
-  // trainer's bits with two multiplies fewer per converted pair. The GPU test compares both forms.
+  // (the values stay far from FP32's subnormal range), so the tile takes the codes' values and the
+  // scales move to the score multiplier (keys) and to 1 / l (values). GPU-tested bitwise both ways;
+  // measured no faster in session 21's one-warp form, kept off by default.
   auto pow2 = [](float x) {
     const uint32_t b = __float_as_uint(x), e = b >> 23;
     return (b & 0x807fffffu) == 0 && e >= 127 - 60 && e <= 127 + 60;
   };
   const bool fold = kE4m3 && fold_pow2 && pow2(ks) && pow2(vs);
-  float o[D / 8][4];
+  const float sl2 = fold ? __fmul_rn(scale * kLog2e, ks) : scale * kLog2e;
+  float o[kNDw][4];  // this warp's output column tiles 
   zero(o);
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
-  const float sl2 = fold ? __fmul_rn(scale * kLog2e, ks) : scale * kLog2e;
-  const int64_t last[2] = {pos, pos};
-  // Per tile: keys landed -> into the tile -> the next tile's keys in flight -> scores; values
-  // landed -> into the tile -> the next tile's values in flight -> O += P V. Each fetch has the
-  // other half's conversion and MMAs to land behind.
   for (int k0 = 0; k0 <= pos; k0 += kTile) {
-    const bool more = k0 + kTile <= pos;
-    cp_async_wait_all_but_newest();  // the keys' group (the values' group may still be in flight)
-    __syncwarp();                    // every lane's key bytes landed; the last tile's P V reads are done
+    const bool more = k0 + kTile <= pos, mask = k0 + kTile - 1 >= pos;
+    cp_async_wait_all_but_newest();  // this thread's copies of the keys (the values' group may be in flight)
+    __syncthreads();                 // every key byte landed; the last tile's reads of sT and sP are done
     convert(0, ks, fold);
-    __syncwarp();  // the key tile is written; the key staging half is free
+    __syncthreads();  // the key tile is written; the key staging half is free
     if (more) fetch(k0 + kTile, 0);
-    else cp_async_commit();  // an empty group, so the waits below count alike
-    float s[kTile / 8][4];
-    fwd_scores<D>(sQ, S::kLd, 0, sT, k0, k0 + kTile - 1 >= pos, last, sl2, s, o, m, l, lane);
-    cp_async_wait_all_but_newest();  // the values' group
-    __syncwarp();                    // the values landed; the scores' reads of the key tile are done
+    else cp_async_commit();  // an empty group, so the waits count alike
+    // Scores of this warp's keys (fwd_tile's column tiles warp * kNTw ..): Q K^T, scaled, masked.
+    float sw[kNTw][4];
+    zero(sw);
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      uint32_t a[4];
+      load_a(a, sQ, S::kLd, 0, kk * 16, lane);
+#pragma unroll
+      for (int np = 0; np < kNTw / 2; ++np) {
+        uint32_t b[2][2];
+        load_b2(b, sT, S::kLd, (warp * kNTw / 2 + np) * 16, kk * 16, lane);
+        mma_bf16(sw[2 * np], a, b[0]);
+        mma_bf16(sw[2 * np + 1], a, b[1]);
+      }
+    }
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int nt = 0; nt < kNTw; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float x = __fmul_rn(sw[nt][e], sl2);
+        if (mask && k0 + (warp * kNTw + nt) * 8 + 2 * c + (e & 1) > pos) x = -INFINITY;
+        sw[nt][e] = x;
+        mx[e >> 1] = fmaxf(mx[e >> 1], x);
+      }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+    }
+    if (c == 0) sMx[warp * 16 + g] = mx[0], sMx[warp * 16 + g + 8] = mx[1];
+    cp_async_wait_all_but_newest();  // this thread's copies of the values
+    __syncthreads();                 // the warps' maxima, every value byte; the key tile's reads are done
+    // The rows' maxima over the whole tile, then m, l and the output rescaled, as in fwd_tile.
+    float corr[2], base[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float t_mx = sMx[g + 8 * r];
+#pragma unroll
+      for (int ow = 1; ow < kDecWarps; ++ow) t_mx = fmaxf(t_mx, sMx[ow * 16 + g + 8 * r]);
+      const float mn = fmaxf(m[r], t_mx);
+      base[r] = mn == -INFINITY ? 0.0f : mn;
+      corr[r] = exp2f(__fsub_rn(m[r], base[r]));  // 0 on the first tile (m = -inf)
+      m[r] = mn;
+      l[r] = __fmul_rn(l[r], corr[r]);
+    }
+    // This warp's probabilities into sP, in fwd_tile's register layout [column tile][e][lane].
+#pragma unroll
+    for (int nt = 0; nt < kNTw; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sP[((warp * kNTw + nt) * 4 + e) * 32 + lane] = exp2f(__fsub_rn(sw[nt][e], base[e >> 1]));
+#pragma unroll
+    for (int i = 0; i < kNDw; ++i) {
+      o[i][0] = __fmul_rn(o[i][0], corr[0]);
+      o[i][1] = __fmul_rn(o[i][1], corr[0]);
+      o[i][2] = __fmul_rn(o[i][2], corr[1]);
+      o[i][3] = __fmul_rn(o[i][3], corr[1]);
+    }
     convert(1, vs, fold);
-    __syncwarp();
+    __syncthreads();  // the probabilities and the value tile are written; the value staging half is free
     if (more) fetch(k0 + kTile, 1);
     else cp_async_commit();
-    fwd_values<D>(s, sT, S::kLd, o, lane);
-  }
-  bf16* dst[2];
-  float* const no_lse[2] = {nullptr, nullptr};
+    // The whole tile's probabilities in fwd_tile's registers: l in its order, then O += P V over
+    // this warp's output column tiles (fwd_tile's k-loop over the keys).
+    float p[kNT][4];
 #pragma unroll
-  for (int r = 0; r < 2; ++r) dst[r] = g + 8 * r < G ? out + (t * Hq + hk * G + g + 8 * r) * D : nullptr;
-  fwd_finish<D>(o, m, l, dst, no_lse, lane, fold ? vs : 1.0f);
+    for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        p[nt][e] = sP[(nt * 4 + e) * 32 + lane];
+        l[e >> 1] = __fadd_rn(l[e >> 1], p[nt][e]);
+      }
+#pragma unroll
+    for (int kk = 0; kk < kNT / 2; ++kk) {
+      uint32_t a[4];
+      a_from_c(a, p[2 * kk], p[2 * kk + 1]);
+#pragma unroll
+      for (int np = 0; np < kNDw / 2; ++np) {
+        uint32_t b[2][2];
+        load_b2_t(b, sT, S::kLd, (warp * kNDw / 2 + np) * 16, kk * 16, lane);
+        mma_bf16(o[2 * np], a, b[0]);
+        mma_bf16(o[2 * np + 1], a, b[1]);
+      }
+    }
+  }
+  // fwd_finish for this warp's columns: l summed over the quad, o / l as BF16.
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] = __fadd_rn(l[r], __shfl_xor_sync(0xffffffffu, l[r], 1));
+    l[r] = __fadd_rn(l[r], __shfl_xor_sync(0xffffffffu, l[r], 2));
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    if (g + 8 * r >= G) continue;
+    const float inv = fold ? __fmul_rn(1.0f / l[r], vs) : 1.0f / l[r];
+    uint32_t* d32 = reinterpret_cast<uint32_t*>(out + (t * Hq + hk * G + g + 8 * r) * D);
+#pragma unroll
+    for (int i = 0; i < kNDw; ++i)
+      d32[(warp * kNDw + i) * 4 + c] = pack_bf16(__fmul_rn(o[i][2 * r], inv), __fmul_rn(o[i][2 * r + 1], inv));
+  }
 }
 
 // ---- backward ---------------------------------------------------------------------------------
@@ -873,7 +955,7 @@ void launch_flash_decode(const void* q, const int32_t* token_seq, const int32_t*
   const int fold = fe && std::string(fe) == "1" ? 1 : 0;
   auto run = [&](auto kern, size_t bytes, int variant) {
     std::call_once(opted[variant][dev >= 0 && dev < 64 ? dev : 0], [&] { set_smem(kern, bytes); });
-    kern<<<grid, 32, bytes, stream>>>(static_cast<const bf16*>(q), token_seq, token_pos, page_table, max_pages, T_, Hq,
+    kern<<<grid, kDecWarps * 32, bytes, stream>>>(static_cast<const bf16*>(q), token_seq, token_pos, page_table, max_pages, T_, Hq,
                                       Hkv, page_size, kpool, vpool, k_scale, v_scale, scale, fold,
                                       static_cast<bf16*>(out));
   };

@@ -131,17 +131,17 @@ int run_decode(const std::vector<int32_t>& cu, int Hq, int Hkv, bool e4m3, int p
     flash_fwd_kernel<D>(q.data(), kr.data(), vr.data(), reinterpret_cast<const TileDesc*>(tl.data()), Hq, Hkv, T, scale,
                         of.data(), lse.data());
   });
-  const int gx = int(T * Hkv);  // one warp per (token, KV head)
+  const int gx = int(T * Hkv);  // one CTA of four warps per (token, KV head)
   if (e4m3)
     emu_launch(gx, 1, DecSmem<D, true>::kBytes, [&] {
       flash_decode_kernel<D, true>(q.data(), seq.data(), pos.data(), table.data(), maxp, T, Hq, Hkv, ps, kc.data(),
                                    vc.data(), ks.data(), vs.data(), scale, fold, od.data());
-    }, 32);
+    });
   else
     emu_launch(gx, 1, DecSmem<D, false>::kBytes, [&] {
       flash_decode_kernel<D, false>(q.data(), seq.data(), pos.data(), table.data(), maxp, T, Hq, Hkv, ps, kb.data(),
                                     vb.data(), nullptr, nullptr, scale, fold, od.data());
-    }, 32);
+    });
   int64_t rows_bad = 0;
   for (int64_t r = 0; r < T * Hq; ++r)
     if (std::memcmp(of.data() + r * D, od.data() + r * D, D * sizeof(bf16)) != 0) ++rows_bad;
