@@ -154,6 +154,17 @@ class FieldTable {
                       },
                       [&v] { return v; }});
   }
+  // precision.consistent: off | on | attn | flash, with the boolean spellings of off and on (configs
+  // written before the modes) kept.
+  void add_consistent(const std::string& key, std::string& v, const std::string& help) {
+    fields.push_back({key, "one of off, on, attn, flash (true / false: on / off)", help,
+                      [&v](const std::string& s) {
+                        if (s == "off" || s == "on" || s == "attn" || s == "flash") v = s;
+                        else if (s == "true" || s == "false") v = s == "true" ? "on" : "off";
+                        else FP8RL_FAIL("expected one of off, on, attn, flash (true / false: on / off), got '", s, "'");
+                      },
+                      [&v] { return v; }});
+  }
   template <class E>
   void add_enum(const std::string& key, E& v, std::vector<std::string> choices, E (*from)(const std::string&),
                 const char* (*name)(E), const std::string& help) {
@@ -304,8 +315,10 @@ std::vector<Field> config_fields(RunConfig& c) {
   t.add_bool("precision.fp8_attention", p.fp8_attention, "generator: QK^T and PV in FP8 (needs e4m3 KV)");
   t.add_choice("precision.trainer_kv_rounding", p.trainer_kv_rounding, {"auto", "on", "off"},
                "trainer: round k/v as the generator's E4M3 cache (needs e4m3 KV)");
-  t.add_bool("precision.consistent", p.consistent,
-             "trainer scores with the generator's kernels: logp_old == logp_gen bitwise (slower)");
+  t.add_consistent("precision.consistent", p.consistent,
+                   "off | on | attn | flash: the trainer scores as the generator generated, logp_old == "
+                   "logp_gen bitwise (on: every op batch-invariant; attn / flash, with pow2_scales: the fast "
+                   "FP8 products, the attention met in the generator's kernel / in flash order; docs/design.md)");
   t.add_float("precision.kv_calib_percentile", p.kv_calib_percentile, "KV scale: percentile of micro-batch amax");
   t.add_float("precision.kv_calib_margin", p.kv_calib_margin, "KV scale: margin on that amax");
 
@@ -767,13 +780,23 @@ void config_validate(const RunConfig& c) {
   const auto& p = c.precision;
   need(p.bf16_first_layers >= 0, "precision.bf16_first_layers", "must be >= 0");
   need(p.bf16_last_layers >= 0, "precision.bf16_last_layers", "must be >= 0");
-  need(!p.consistent || !p.fp8_attention, "precision.consistent",
+  const bool consistent = p.consistent != "off";
+  need(!consistent || !p.fp8_attention, "precision.consistent",
        "does not take FP8 attention (the trainer's attention backward has no FP8 form): set "
        "precision.fp8_attention=false");
-  need(!p.consistent || p.trainer_kv_rounding == "auto", "precision.consistent",
+  need(!consistent || p.trainer_kv_rounding == "auto", "precision.consistent",
        "decides how the trainer reads k and v (through a cache of the generator's KV dtype): leave "
        "precision.trainer_kv_rounding at auto");
   const PrecisionRecipe recipe = config_precision_recipe(p);
+  if (p.consistent == "attn" || p.consistent == "flash") {
+    need(recipe.generator.linear == LinearMode::FP8_BLOCK && recipe.trainer.linear == LinearMode::FP8_BLOCK,
+         "precision.consistent", p.consistent,
+         " keeps each engine's fast per-batch-size products, which agree only as FP8 products with "
+         "power-of-two scales: use the fp8_e2e recipe with precision.pow2_scales=true, or precision.consistent=on");
+    need(p.pow2_scales, "precision.consistent", p.consistent,
+         " keeps each engine's fast per-batch-size FP8 products, which agree only with power-of-two "
+         "scales: set precision.pow2_scales=true (or use precision.consistent=on)");
+  }
   need(p.trainer_kv_rounding != "on" || recipe.generator.kv_cache == DType::E4M3, "precision.trainer_kv_rounding",
        "needs an E4M3 KV cache (set precision.kv_cache=e4m3 or use an fp8 recipe)");
   need(!recipe.generator.fp8_attention || recipe.generator.kv_cache == DType::E4M3, "precision.fp8_attention",
@@ -824,12 +847,19 @@ PrecisionRecipe config_precision_recipe(const PrecisionSection& p) {
   r.generator.fp8_attention = p.fp8_attention;
   if (p.trainer_kv_rounding != "auto") r.trainer.kv_cache = p.trainer_kv_rounding == "on" ? DType::E4M3 : DType::BF16;
   if (r.generator.kv_cache != DType::E4M3) r.trainer.kv_cache = DType::BF16;  // nothing to round as
-  if (p.consistent) r.set_consistent(true);
+  if (p.consistent != "off") {
+    r.set_consistent(true);
+    for (EnginePrecision* e : {&r.generator, &r.trainer}) {
+      e->consistent_linears = p.consistent == "on";
+      e->consistent_flash = p.consistent == "flash";
+    }
+  }
   const bool custom = p.generator_linear != "auto" || p.trainer_linear != "auto" || p.kv_cache != "auto" ||
                       p.fp8_attention || p.pow2_scales || p.bf16_first_layers || p.bf16_last_layers ||
                       p.trainer_kv_rounding != "auto" || p.trainer_wgrad != "auto";
   if (custom) r.name += "+custom";
-  if (p.consistent) r.name += "+consistent";
+  if (p.consistent == "on") r.name += "+consistent";
+  else if (p.consistent != "off") r.name += "+consistent=" + p.consistent;
   return r;
 }
 

@@ -177,9 +177,13 @@ struct PrecisionSection {
   // auto | on | off: the trainer rounds its k and v as the generator's E4M3 cache stores them
   // (the rollout's scales), so both engines attend over the same values. auto: the preset's choice.
   std::string trainer_kv_rounding = "auto";
-  // The consistent mode (EnginePrecision::consistent): the trainer scores with the generator's
-  // kernels and numerics, so logp_old equals logp_gen bit for bit on the same weights (slower).
-  bool consistent = false;
+  // The consistent mode (EnginePrecision::consistent): the trainer scores as the generator
+  // generated, so logp_old equals logp_gen bit for bit on the same weights. off | on (every op
+  // batch-invariant, the trainer attending through the generator's cache and kernel) | attn (the
+  // attention and logits as on, the linears on the fast kernels: needs pow2_scales) | flash (the
+  // generator's decode attention in the trainer's flash order, the linears on the fast kernels:
+  // needs pow2_scales). true / false read as on / off.
+  std::string consistent = "off";
   double kv_calib_percentile = 0.999;     // KV-scale recalibration: percentile of per-micro-batch amax
   double kv_calib_margin = 1.05;          // ... times this margin, / 448
   bool operator==(const PrecisionSection&) const = default;

@@ -60,11 +60,36 @@ TEST(Consistent, RecipeSpecAndConfigKey) {
   EXPECT_FALSE(attn.generator.consistent_flash || e2e.generator.consistent_flash);
 
   RunConfig c;
-  config_apply_override(c, "precision.consistent=true");
+  config_apply_override(c, "precision.consistent=true");  // a boolean reads as on / off
+  EXPECT_EQ(c.precision.consistent, "on");
   config_validate(c);
   const PrecisionRecipe r = config_precision_recipe(c.precision);
   EXPECT_TRUE(r.consistent());
+  EXPECT_TRUE(r.trainer.consistent_linears && !r.trainer.consistent_flash);
   EXPECT_TRUE(has(r.name, "consistent"));
+  // attn and flash, as bench rl-step's specs: the fast linears, so power-of-two scales are required.
+  for (const char* mode : {"attn", "flash"}) {
+    RunConfig m;
+    config_apply_override(m, std::string("precision.consistent=") + mode);
+    EXPECT_TRUE(has(error_of([&] { config_validate(m); }), "precision.pow2_scales=true")) << mode;
+    config_apply_override(m, "precision.pow2_scales=true");
+    config_validate(m);
+    const PrecisionRecipe rm = config_precision_recipe(m.precision);
+    const PrecisionRecipe spec = PrecisionRecipe::parse(std::string("fp8_e2e:pow2=on+consistent=") + mode);
+    for (const auto& [e, es] : {std::pair{&rm.generator, &spec.generator}, std::pair{&rm.trainer, &spec.trainer}}) {
+      EXPECT_TRUE(e->consistent && !e->consistent_linears && e->pow2_scales) << mode;
+      EXPECT_EQ(e->consistent_flash, es->consistent_flash) << mode;
+      EXPECT_EQ(e->kv_cache, es->kv_cache) << mode;
+    }
+    EXPECT_TRUE(has(rm.name, std::string("consistent=") + mode));
+    config_apply_override(m, "precision.recipe=bf16");  // no FP8 products to agree
+    EXPECT_TRUE(has(error_of([&] { config_validate(m); }), "fp8_e2e recipe")) << mode;
+  }
+  RunConfig off;
+  config_apply_override(off, "precision.consistent=false");
+  EXPECT_EQ(off.precision.consistent, "off");
+  EXPECT_FALSE(config_precision_recipe(off.precision).consistent());
+  EXPECT_TRUE(has(error_of([&] { config_apply_override(off, "precision.consistent=yes"); }), "off, on, attn, flash"));
   RunConfig bad = c;
   config_apply_override(bad, "precision.fp8_attention=true");
   EXPECT_TRUE(has(error_of([&] { config_validate(bad); }), "precision.fp8_attention=false"));
