@@ -337,8 +337,8 @@ __global__ void __launch_bounds__(kThreadsF) flash_fwd_kernel(const bf16* q, con
 // shared memory (a max is exact in any order), each warp turns its scores into probabilities and
 // leaves them in shared memory, and then every thread reads back the whole tile's probabilities in
 // fwd_tile's register layout: l sums them in fwd_tile's order, the P fragments are fwd_tile's, and
-// warp w accumulates output columns 32w .. 32w + 31 (four of the sixteen 8-column tiles, the same
-// k-loop over keys). The pool bytes are staged by cp.async (zero-filled past the token), keys and
+// warp w accumulates a quarter of the output columns (head_dim 128: columns 32w .. 32w + 31, four
+// of the sixteen 8-column tiles; 64: two of eight), with the same k-loop over keys. The pool bytes are staged by cp.async (zero-filled past the token), keys and
 // values as separate groups, each fetched for the next tile as soon as this tile's copy of it is
 // converted into the one BF16 tile (keys, then values). ~42 KB of shared memory at head_dim 128
 // over E4M3: five CTAs, twenty warps per SM.
@@ -451,7 +451,7 @@ __global__ void __launch_bounds__(kDecWarps * 32) flash_decode_kernel(
   };
   const bool fold = kE4m3 && fold_pow2 && pow2(ks) && pow2(vs);
   const float sl2 = fold ? __fmul_rn(scale * kLog2e, ks) : scale * kLog2e;
-  float o[kNDw][4];  // this warp's output column tiles 
+  float o[kNDw][4];  // this warp's output column tiles
   zero(o);
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
   for (int k0 = 0; k0 <= pos; k0 += kTile) {
