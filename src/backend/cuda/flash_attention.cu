@@ -940,6 +940,8 @@ void launch_flash_decode(const void* q, const int32_t* token_seq, const int32_t*
   FP8RL_CHECK(Hkv > 0 && Hq % Hkv == 0 && flash_decode_supported(hd, Hq / Hkv, pool_dt, DType::BF16),
               "flash-order decode attention: unsupported case: pool ", dtype_name(pool_dt), ", head_dim ", hd,
               ", group ", Hq / std::max(Hkv, 1), " (needs a BF16 or E4M3 pool, head_dim 64 or 128, group <= 16)");
+  FP8RL_CHECK(page_size > 0 && max_pages > 0, "flash-order decode attention: page size ", page_size, " and ",
+              max_pages, " pages per sequence must be positive");
   const void* ptrs[] = {q, kpool, vpool, out};
   check_flash_args(ptrs, 4, Hq, Hkv, 0);
   const int64_t warps = T_ * Hkv;
