@@ -185,58 +185,98 @@ struct FwdSmem {
   static constexpr size_t kBytes = static_cast<size_t>(kTotal) * sizeof(bf16);
 };
 
-// One key tile of the forward's online softmax for a warp's 16 query rows (sQ rows r0..r0+15):
-// s = Q K^T over the tile (sK [kTile][ld], stored [key][d]), scaled to log2 units, and where
-// `mask`, keys past a row's last key (last[0], last[1]: this thread's rows g and g + 8; key k0 +
-// j is the tile's j-th) to -inf; then m, l and o rescaled and O += P V (sV [kTile][ld]).
-// flash_decode_kernel computes each of its elements with the same operations in the same order
-// (its four warps share the tile's columns; see there), so a query row gets the same arithmetic
-// from either (the products and roundings pinned with __fmul_rn / __fsub_rn / __fadd_rn: no
-// contraction that could differ between the two kernels).
-template <int D>
-__device__ __forceinline__ void fwd_tile(const bf16* sQ, int ld, int r0, const bf16* sK, const bf16* sV, int64_t k0,
-                                         bool mask, const int64_t (&last)[2], float sl2, float (&o)[D / 8][4],
-                                         float (&m)[2], float (&l)[2], int lane) {
-  const int c = lane & 3;
-  float s[kTile / 8][4];
-  zero(s);
-  mma_tile_times_t<kTile / 8, D>(s, sQ, ld, r0, sK, ld, lane);
-  float mx[2] = {-INFINITY, -INFINITY};
+// The online softmax's steps for a thread's two rows (g and g + 8 of a 16-row MMA tile; c = lane & 3),
+// shared by fwd_tile and flash_decode_kernel (whose warps each run them over a quarter of a tile's
+// columns), so that both compute every element with the same operations in the same order (the
+// products and roundings pinned with __fmul_rn / __fsub_rn / __fadd_rn: no contraction that could
+// differ between the two kernels).
+//
+// Scores s of N column tiles (8 keys each, the first key `key0`) to log2 units, keys past a row's
+// last key (last[0], last[1]) to -inf where `mask`; mx: the thread's row maxima over them.
+template <int N>
+__device__ __forceinline__ void scores_to_log2(float (&s)[N][4], float sl2, bool mask, int64_t key0,
+                                               const int64_t (&last)[2], int c, float (&mx)[2]) {
 #pragma unroll
-  for (int nt = 0; nt < kTile / 8; ++nt)
+  for (int nt = 0; nt < N; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       float x = __fmul_rn(s[nt][e], sl2);
-      if (mask && k0 + nt * 8 + 2 * c + (e & 1) > last[e >> 1]) x = -INFINITY;
+      if (mask && key0 + nt * 8 + 2 * c + (e & 1) > last[e >> 1]) x = -INFINITY;
       s[nt][e] = x;
       mx[e >> 1] = fmaxf(mx[e >> 1], x);
     }
-  float corr[2], base[2];
+}
+// x over the row's quad of lanes (max or sum, as `op`).
+template <class Op>
+__device__ __forceinline__ void quad_reduce(float (&x)[2], Op op) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+    x[r] = op(x[r], __shfl_xor_sync(0xffffffffu, x[r], 1));
+    x[r] = op(x[r], __shfl_xor_sync(0xffffffffu, x[r], 2));
+  }
+}
+// The rows' running maxima m after a tile whose maxima are mx: the base the tile's probabilities
+// are taken against, the factor corr that rescales what came before, l rescaled.
+__device__ __forceinline__ void online_max(float (&m)[2], float (&l)[2], const float (&mx)[2], float (&base)[2],
+                                           float (&corr)[2]) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
     const float mn = fmaxf(m[r], mx[r]);
     base[r] = mn == -INFINITY ? 0.0f : mn;
     corr[r] = exp2f(__fsub_rn(m[r], base[r]));  // 0 on the first tile (m = -inf)
     m[r] = mn;
     l[r] = __fmul_rn(l[r], corr[r]);
   }
+}
+__device__ __forceinline__ float prob(float x, float base) { return exp2f(__fsub_rn(x, base)); }
+// l += the probabilities, column tile by column tile (the order both kernels keep).
+template <int N>
+__device__ __forceinline__ void add_probs(const float (&p)[N][4], float (&l)[2]) {
 #pragma unroll
-  for (int nt = 0; nt < kTile / 8; ++nt)
+  for (int nt = 0; nt < N; ++nt)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float p = exp2f(__fsub_rn(s[nt][e], base[e >> 1]));
-      s[nt][e] = p;
-      l[e >> 1] = __fadd_rn(l[e >> 1], p);
-    }
+    for (int e = 0; e < 4; ++e) l[e >> 1] = __fadd_rn(l[e >> 1], p[nt][e]);
+}
+template <int N>
+__device__ __forceinline__ void rescale(float (&o)[N][4], const float (&corr)[2]) {
 #pragma unroll
-  for (int i = 0; i < D / 8; ++i) {
+  for (int i = 0; i < N; ++i) {
     o[i][0] = __fmul_rn(o[i][0], corr[0]);
     o[i][1] = __fmul_rn(o[i][1], corr[0]);
     o[i][2] = __fmul_rn(o[i][2], corr[1]);
     o[i][3] = __fmul_rn(o[i][3], corr[1]);
   }
+}
+// Row r's N output column tiles as BF16 o * inv into d32 (the row's first of them as 32-bit pairs).
+template <int N>
+__device__ __forceinline__ void store_row(const float (&o)[N][4], int r, float inv, uint32_t* d32, int c) {
+#pragma unroll
+  for (int nt = 0; nt < N; ++nt)
+    d32[nt * 4 + c] = pack_bf16(__fmul_rn(o[nt][2 * r], inv), __fmul_rn(o[nt][2 * r + 1], inv));
+}
+
+// One key tile of the forward's online softmax for a warp's 16 query rows (sQ rows r0..r0+15):
+// s = Q K^T over the tile (sK [kTile][ld], stored [key][d]), scaled to log2 units, and where
+// `mask`, keys past a row's last key (last[0], last[1]: this thread's rows g and g + 8; key k0 +
+// j is the tile's j-th) to -inf; then m, l and o rescaled and O += P V (sV [kTile][ld]).
+template <int D>
+__device__ __forceinline__ void fwd_tile(const bf16* sQ, int ld, int r0, const bf16* sK, const bf16* sV, int64_t k0,
+                                         bool mask, const int64_t (&last)[2], float sl2, float (&o)[D / 8][4],
+                                         float (&m)[2], float (&l)[2], int lane) {
+  float s[kTile / 8][4];
+  zero(s);
+  mma_tile_times_t<kTile / 8, D>(s, sQ, ld, r0, sK, ld, lane);
+  float mx[2] = {-INFINITY, -INFINITY};
+  scores_to_log2(s, sl2, mask, k0, last, lane & 3, mx);
+  quad_reduce(mx, [](float a, float b) { return fmaxf(a, b); });
+  float corr[2], base[2];
+  online_max(m, l, mx, base, corr);
+#pragma unroll
+  for (int nt = 0; nt < kTile / 8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[nt][e] = prob(s[nt][e], base[e >> 1]);
+  add_probs(s, l);
+  rescale(o, corr);
   // O += P V (P as BF16 A fragments straight from the score registers).
   mma_regs_times(o, s, sV, ld, lane);
 }
@@ -247,19 +287,11 @@ template <int D>
 __device__ __forceinline__ void fwd_finish(const float (&o)[D / 8][4], const float (&m)[2], float (&l)[2],
                                            bf16* const (&dst)[2], float* const (&lse_dst)[2], int lane) {
   const int c = lane & 3;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    l[r] = __fadd_rn(l[r], __shfl_xor_sync(0xffffffffu, l[r], 1));
-    l[r] = __fadd_rn(l[r], __shfl_xor_sync(0xffffffffu, l[r], 2));
-  }
+  quad_reduce(l, [](float a, float b) { return __fadd_rn(a, b); });
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     if (!dst[r]) continue;
-    const float inv = 1.0f / l[r];
-    uint32_t* d32 = reinterpret_cast<uint32_t*>(dst[r]);
-#pragma unroll
-    for (int nt = 0; nt < D / 8; ++nt)
-      d32[nt * 4 + c] = pack_bf16(__fmul_rn(o[nt][2 * r], inv), __fmul_rn(o[nt][2 * r + 1], inv));
+    store_row(o, r, 1.0f / l[r], reinterpret_cast<uint32_t*>(dst[r]), c);
     if (c == 0 && lse_dst[r]) *lse_dst[r] = (m[r] + log2f(l[r])) * kLn2;
   }
 }
@@ -454,6 +486,7 @@ __global__ void __launch_bounds__(kDecWarps * 32) flash_decode_kernel(
   float o[kNDw][4];  // this warp's output column tiles
   zero(o);
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+  const int64_t last[2] = {pos, pos};
   for (int k0 = 0; k0 <= pos; k0 += kTile) {
     const bool more = k0 + kTile <= pos, mask = k0 + kTile - 1 >= pos;
     cp_async_wait_all_but_newest();  // this thread's copies of the keys (the values' group may be in flight)
@@ -465,61 +498,28 @@ __global__ void __launch_bounds__(kDecWarps * 32) flash_decode_kernel(
     // Scores of this warp's keys (fwd_tile's column tiles warp * kNTw ..): Q K^T, scaled, masked.
     float sw[kNTw][4];
     zero(sw);
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      uint32_t a[4];
-      load_a(a, sQ, S::kLd, 0, kk * 16, lane);
-#pragma unroll
-      for (int np = 0; np < kNTw / 2; ++np) {
-        uint32_t b[2][2];
-        load_b2(b, sT, S::kLd, (warp * kNTw / 2 + np) * 16, kk * 16, lane);
-        mma_bf16(sw[2 * np], a, b[0]);
-        mma_bf16(sw[2 * np + 1], a, b[1]);
-      }
-    }
+    mma_tile_times_t<kNTw, D>(sw, sQ, S::kLd, 0, sT + warp * kNTw * 8 * S::kLd, S::kLd, lane);  // its keys' rows
     float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int nt = 0; nt < kNTw; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float x = __fmul_rn(sw[nt][e], sl2);
-        if (mask && k0 + (warp * kNTw + nt) * 8 + 2 * c + (e & 1) > pos) x = -INFINITY;
-        sw[nt][e] = x;
-        mx[e >> 1] = fmaxf(mx[e >> 1], x);
-      }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-    }
+    scores_to_log2(sw, sl2, mask, k0 + warp * kNTw * 8, last, c, mx);
+    quad_reduce(mx, [](float a, float b) { return fmaxf(a, b); });
     if (c == 0) sMx[warp * 16 + g] = mx[0], sMx[warp * 16 + g + 8] = mx[1];
     cp_async_wait_all_but_newest();  // this thread's copies of the values
     __syncthreads();                 // the warps' maxima, every value byte; the key tile's reads are done
     // The rows' maxima over the whole tile, then m, l and the output rescaled, as in fwd_tile.
-    float corr[2], base[2];
+    float t_mx[2], corr[2], base[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      float t_mx = sMx[g + 8 * r];
+      t_mx[r] = sMx[g + 8 * r];
 #pragma unroll
-      for (int ow = 1; ow < kDecWarps; ++ow) t_mx = fmaxf(t_mx, sMx[ow * 16 + g + 8 * r]);
-      const float mn = fmaxf(m[r], t_mx);
-      base[r] = mn == -INFINITY ? 0.0f : mn;
-      corr[r] = exp2f(__fsub_rn(m[r], base[r]));  // 0 on the first tile (m = -inf)
-      m[r] = mn;
-      l[r] = __fmul_rn(l[r], corr[r]);
+      for (int ow = 1; ow < kDecWarps; ++ow) t_mx[r] = fmaxf(t_mx[r], sMx[ow * 16 + g + 8 * r]);
     }
+    online_max(m, l, t_mx, base, corr);
     // This warp's probabilities into sP, in fwd_tile's register layout [column tile][e][lane].
 #pragma unroll
     for (int nt = 0; nt < kNTw; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) sP[((warp * kNTw + nt) * 4 + e) * 32 + lane] = exp2f(__fsub_rn(sw[nt][e], base[e >> 1]));
-#pragma unroll
-    for (int i = 0; i < kNDw; ++i) {
-      o[i][0] = __fmul_rn(o[i][0], corr[0]);
-      o[i][1] = __fmul_rn(o[i][1], corr[0]);
-      o[i][2] = __fmul_rn(o[i][2], corr[1]);
-      o[i][3] = __fmul_rn(o[i][3], corr[1]);
-    }
+      for (int e = 0; e < 4; ++e) sP[((warp * kNTw + nt) * 4 + e) * 32 + lane] = prob(sw[nt][e], base[e >> 1]);
+    rescale(o, corr);
     convert(1, vs, fold);
     __syncthreads();  // the probabilities and the value tile are written; the value staging half is free
     if (more) fetch(k0 + kTile, 1);
@@ -530,37 +530,17 @@ __global__ void __launch_bounds__(kDecWarps * 32) flash_decode_kernel(
 #pragma unroll
     for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        p[nt][e] = sP[(nt * 4 + e) * 32 + lane];
-        l[e >> 1] = __fadd_rn(l[e >> 1], p[nt][e]);
-      }
-#pragma unroll
-    for (int kk = 0; kk < kNT / 2; ++kk) {
-      uint32_t a[4];
-      a_from_c(a, p[2 * kk], p[2 * kk + 1]);
-#pragma unroll
-      for (int np = 0; np < kNDw / 2; ++np) {
-        uint32_t b[2][2];
-        load_b2_t(b, sT, S::kLd, (warp * kNDw / 2 + np) * 16, kk * 16, lane);
-        mma_bf16(o[2 * np], a, b[0]);
-        mma_bf16(o[2 * np + 1], a, b[1]);
-      }
-    }
+      for (int e = 0; e < 4; ++e) p[nt][e] = sP[(nt * 4 + e) * 32 + lane];
+    add_probs(p, l);
+    mma_regs_times(o, p, sT + warp * kNDw * 8, S::kLd, lane);  // its output columns of the values
   }
   // fwd_finish for this warp's columns: l summed over the quad, o / l as BF16.
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    l[r] = __fadd_rn(l[r], __shfl_xor_sync(0xffffffffu, l[r], 1));
-    l[r] = __fadd_rn(l[r], __shfl_xor_sync(0xffffffffu, l[r], 2));
-  }
+  quad_reduce(l, [](float a, float b) { return __fadd_rn(a, b); });
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     if (g + 8 * r >= G) continue;
     const float inv = fold ? __fmul_rn(1.0f / l[r], vs) : 1.0f / l[r];
-    uint32_t* d32 = reinterpret_cast<uint32_t*>(out + (t * Hq + hk * G + g + 8 * r) * D);
-#pragma unroll
-    for (int i = 0; i < kNDw; ++i)
-      d32[(warp * kNDw + i) * 4 + c] = pack_bf16(__fmul_rn(o[i][2 * r], inv), __fmul_rn(o[i][2 * r + 1], inv));
+    store_row(o, r, inv, reinterpret_cast<uint32_t*>(out + (t * Hq + hk * G + g + 8 * r) * D) + warp * kNDw * 4, c);
   }
 }
 
