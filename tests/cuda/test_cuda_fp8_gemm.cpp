@@ -434,7 +434,7 @@ TEST(CudaFp8Gemm, EveryGridAndClusterIsBitwiseOneCtaPerTile) {
 // its differing elements (not just the first) and its error against the FP64 host product.
 TEST(CudaFp8Gemm, SwappedIsBitwiseTheUsualKernel) {
   cuda::CudaBackend be(0, DType::BF16);
-  const Shape shapes[] = {{1, 128, 128},   {5, 2048, 2048}, {64, 4096, 2048}, {77, 384, 640},   {130, 640, 384},
+  const Shape shapes[] = {{1, 128, 128},   {5, 2048, 2048}, {64, 4096, 2048}, {77, 384, 640},    {130, 640, 384},
                           {200, 528, 384}, {70, 144, 256},  {48, 208, 336},   {256, 2048, 6144}, {256, 12288, 2048}};
   auto count_diff = [](const Tensor& a, const Tensor& b) {
     const size_t esz = dtype_size(a.dtype()), n = a.nbytes() / esz;
@@ -452,9 +452,9 @@ TEST(CudaFp8Gemm, SwappedIsBitwiseTheUsualKernel) {
           unsetenv("FP8RL_FP8_GEMM_SWAP");
           const Tensor ref = run_own(be, o, s.M, s.N, s.K, out, kb_major, splits);
           for (const char* tiles : {"64x64", "64x128", "128x64", "128x128"}) {
-            SCOPED_TRACE(testing::Message() << "M=" << s.M << " N=" << s.N << " K=" << s.K << " splits=" << splits
-                                            << " kb_major=" << kb_major << " out=" << dtype_name(out)
-                                            << " swap=" << tiles);
+            SCOPED_TRACE(testing::Message()
+                         << "M=" << s.M << " N=" << s.N << " K=" << s.K << " splits=" << splits
+                         << " kb_major=" << kb_major << " out=" << dtype_name(out) << " swap=" << tiles);
             setenv("FP8RL_FP8_GEMM_SWAP", tiles, 1);
             const Tensor c = run_own(be, o, s.M, s.N, s.K, out, kb_major, splits);
             unsetenv("FP8RL_FP8_GEMM_SWAP");
