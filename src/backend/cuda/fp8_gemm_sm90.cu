@@ -620,7 +620,8 @@ template <int kWR, int kTN, int kStages>
 __global__ void __launch_bounds__(128 * kWR + 32, swap_smem_bytes<kWR, kTN, kStages>() <= 110 * 1024 ? 2 : 1)
     fp8_gemm_swap_kernel(const __grid_constant__ CUtensorMap tm_x, const __grid_constant__ CUtensorMap tm_w,
                          GemmParams p) {
-  static_assert((kWR == 1 || kWR == 2) && (kTN == 64 || kTN == 128), "swap tiles: 64 / 128 weight rows, 64 / 128 tokens");
+  static_assert((kWR == 1 || kWR == 2) && (kTN == 64 || kTN == 128),
+                "swap tiles: 64 / 128 weight rows, 64 / 128 tokens");
   constexpr int kTileW = 64 * kWR * kBK, kTileX = kTN * kBK;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint8_t* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
@@ -632,7 +633,7 @@ __global__ void __launch_bounds__(128 * kWR + 32, swap_smem_bytes<kWR, kTN, kSta
   const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(&full[s], 33);         // the expect_tx arrive + one cp.async arrive per producer lane
+      mbar_init(&full[s], 33);        // the expect_tx arrive + one cp.async arrive per producer lane
       mbar_init(&empty[s], kWR * 4);  // every consumer warp releases the stage
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -696,8 +697,8 @@ __global__ void __launch_bounds__(128 * kWR + 32, swap_smem_bytes<kWR, kTN, kSta
     for (int i = 0; i < kTN / 8; ++i) sx[i] = *reinterpret_cast<const float2*>(sc + 8 * i);
     __syncwarp();  // the warp's scale reads are done before lane 0 releases the stage
     if (lane == 0) mbar_arrive(&empty[s]);
-    // acc[4 i + j]: weight row (j < 2 ? n0 : n1), token 8 i + 2 (lane % 4) + j % 2. The scale product
-    // in the usual kernel's order (token scale times the weight block's).
+      // acc[4 i + j]: weight row (j < 2 ? n0 : n1), token 8 i + 2 (lane % 4) + j % 2. The scale product
+      // in the usual kernel's order (token scale times the weight block's).
 #pragma unroll
     for (int i = 0; i < kTN / 8; ++i) {
       const float s0 = sx[i].x * sw, s1 = sx[i].y * sw;
