@@ -19,37 +19,26 @@ constexpr size_t kWorkspaceBytes = 32u << 20;  // cuBLAS's recommendation for Ho
 
 cudaDataType_t cuda_type(DType t) {
   switch (t) {
-    case DType::F32:
-      return CUDA_R_32F;
-    case DType::BF16:
-      return CUDA_R_16BF;
-    case DType::F16:
-      return CUDA_R_16F;
-    case DType::E4M3:
-      return CUDA_R_8F_E4M3;
-    default:
-      FP8RL_FAIL("GEMM: unsupported dtype ", dtype_name(t));
+    case DType::F32: return CUDA_R_32F;
+    case DType::BF16: return CUDA_R_16BF;
+    case DType::F16: return CUDA_R_16F;
+    case DType::E4M3: return CUDA_R_8F_E4M3;
+    default: FP8RL_FAIL("GEMM: unsupported dtype ", dtype_name(t));
   }
 }
 
 // RAII holders for the cuBLASLt descriptors of one call.
 struct Desc {
   cublasLtMatmulDesc_t d = nullptr;
-  ~Desc() {
-    if (d) cublasLtMatmulDescDestroy(d);
-  }
+  ~Desc() { if (d) cublasLtMatmulDescDestroy(d); }
 };
 struct Layout {
   cublasLtMatrixLayout_t l = nullptr;
-  ~Layout() {
-    if (l) cublasLtMatrixLayoutDestroy(l);
-  }
+  ~Layout() { if (l) cublasLtMatrixLayoutDestroy(l); }
 };
 struct Pref {
   cublasLtMatmulPreference_t p = nullptr;
-  ~Pref() {
-    if (p) cublasLtMatmulPreferenceDestroy(p);
-  }
+  ~Pref() { if (p) cublasLtMatmulPreferenceDestroy(p); }
 };
 
 int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
@@ -112,17 +101,16 @@ namespace {
 std::string algo_desc(const cublasLtMatmulAlgo_t& algo) {
   auto get = [&](cublasLtMatmulAlgoConfigAttributes_t attr) -> long long {
     size_t size = 0;  // asked first: the call wants the attribute's exact size
-    if (cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, nullptr, 0, &size) != CUBLAS_STATUS_SUCCESS || size == 0 ||
-        size > 8)
+    if (cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, nullptr, 0, &size) != CUBLAS_STATUS_SUCCESS ||
+        size == 0 || size > 8)
       return -1;
     uint64_t v = 0;  // an integer of `size` bytes, little-endian
     size_t written = 0;
     if (cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, &v, size, &written) != CUBLAS_STATUS_SUCCESS) return -1;
     return static_cast<long long>(v);
   };
-  return "id " + std::to_string(get(CUBLASLT_ALGO_CONFIG_ID)) + " tile " +
-         std::to_string(get(CUBLASLT_ALGO_CONFIG_TILE_ID)) + " stages " +
-         std::to_string(get(CUBLASLT_ALGO_CONFIG_STAGES_ID)) + " splitk " +
+  return "id " + std::to_string(get(CUBLASLT_ALGO_CONFIG_ID)) + " tile " + std::to_string(get(CUBLASLT_ALGO_CONFIG_TILE_ID)) +
+         " stages " + std::to_string(get(CUBLASLT_ALGO_CONFIG_STAGES_ID)) + " splitk " +
          std::to_string(get(CUBLASLT_ALGO_CONFIG_SPLITK_NUM)) + " reduction " +
          std::to_string(get(CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME)) + " swizzle " +
          std::to_string(get(CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING)) + " custom " +
@@ -142,8 +130,8 @@ cublasLtMatmulAlgo_t GemmEngine::find_algo(const Key& key_in, cublasLtMatmulDesc
   }
   Pref pref;
   CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref.p), "creating a matmul preference");
-  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref.p, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes_,
-                                                    sizeof(workspace_bytes_)),
+  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref.p, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                    &workspace_bytes_, sizeof(workspace_bytes_)),
                "setting the workspace size");
   const int want = lt_candidate_ < 0 ? 1 : lt_candidate_ + 1;  // the candidate's rank + 1
   cublasLtMatmulHeuristicResult_t res[kMaxLtCandidates] = {};
@@ -153,8 +141,8 @@ cublasLtMatmulAlgo_t GemmEngine::find_algo(const Key& key_in, cublasLtMatmulDesc
                " K=", std::get<6>(key), ")");
   FP8RL_CHECK(n > 0, "cuBLASLt has no ", what, " kernel for M=", std::get<5>(key), " N=", std::get<4>(key),
               " K=", std::get<6>(key), "; use another precision for this layer");
-  FP8RL_CHECK(n >= want, "cuBLASLt offers ", n, " ", what, " candidates for M=", std::get<5>(key),
-              " N=", std::get<4>(key), " K=", std::get<6>(key), ", not ", want);
+  FP8RL_CHECK(n >= want, "cuBLASLt offers ", n, " ", what, " candidates for M=", std::get<5>(key), " N=",
+              std::get<4>(key), " K=", std::get<6>(key), ", not ", want);
   const cublasLtMatmulAlgo_t algo = res[want - 1].algo;
   if (lt_candidate_ >= 0) lt_desc_ = algo_desc(algo);
   algos_.emplace(key, algo);
@@ -183,8 +171,8 @@ cublasLtMatmulAlgo_t GemmEngine::find_row_invariant_algo(const Key& key, cublasL
   cublasLtMatmulHeuristicResult_t res[kAsk] = {};
   int n = 0;
   CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle_, desc, a, b_big, c_big, c_big, pref.p, kAsk, res, &n),
-               "asking cuBLASLt for a row-invariant ", what, " algorithm (N=", std::get<4>(key),
-               " K=", std::get<6>(key), ")");
+               "asking cuBLASLt for a row-invariant ", what, " algorithm (N=", std::get<4>(key), " K=",
+               std::get<6>(key), ")");
   for (int i = 0; i < n; ++i) {
     if (res[i].state != CUBLAS_STATUS_SUCCESS || res[i].workspaceSize != 0) continue;
     cublasLtMatmulAlgo_t algo = res[i].algo;
@@ -205,9 +193,8 @@ cublasLtMatmulAlgo_t GemmEngine::find_row_invariant_algo(const Key& key, cublasL
     algos_.emplace(key, algo);
     return algo;
   }
-  FP8RL_FAIL("cuBLASLt has no ", what, " kernel without split-K and workspace for N=", std::get<4>(key),
-             " K=", std::get<6>(key),
-             ": a row-invariant product cannot run this layer (turn precision.consistent off, or unset "
+  FP8RL_FAIL("cuBLASLt has no ", what, " kernel without split-K and workspace for N=", std::get<4>(key), " K=",
+             std::get<6>(key), ": a row-invariant product cannot run this layer (turn precision.consistent off, or unset "
              "FP8RL_FP8_ROW_INVARIANT)");
 }
 
@@ -248,10 +235,10 @@ void GemmEngine::gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const v
                  "layout B (row-invariant)");
     CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lcb.l, cuda_type(c_dtype), Na, Mb, Na), "layout C (row-invariant)");
     cublasLtMatmulAlgo_t algo = find_row_invariant_algo(key, desc.d, lab.l, lbb.l, lcb.l, what);
-    CUBLAS_CHECK(
-        cublasLtMatmul(handle_, desc.d, &alpha, B, la.l, A, lb.l, &beta, C, lc.l, C, lc.l, &algo, nullptr, 0, stream_),
-        "row-invariant ", what, " M=", M, " N=", N, " K=", K,
-        " (the consistent mode's fixed cuBLASLt algorithm does not take this M)");
+    CUBLAS_CHECK(cublasLtMatmul(handle_, desc.d, &alpha, B, la.l, A, lb.l, &beta, C, lc.l, C, lc.l, &algo, nullptr, 0,
+                                stream_),
+                 "row-invariant ", what, " M=", M, " N=", N, " K=", K,
+                 " (the consistent mode's fixed cuBLASLt algorithm does not take this M)");
     return;
   }
   const Key key{0, static_cast<int>(ab), static_cast<int>(c_dtype), flags, N, M, K, 0, 0};
@@ -309,8 +296,8 @@ void GemmEngine::gemm_grouped(bool ta, bool tb, const std::vector<Problem>& prob
   void* const* dc = static_cast<void* const*>(grouped_ptrs_) + 2 * G;
   CUBLAS_CHECK(cublasGemmGroupedBatchedEx_64(blas_, opa.data(), opb.data(), m.data(), n.data(), k.data(), alphas.data(),
                                              dp, cuda_type(ab), lda.data(), dp + G, cuda_type(ab), ldb.data(),
-                                             betas.data(), dc, cuda_type(c_dtype), ldc.data(), static_cast<int64_t>(G),
-                                             size.data(), CUBLAS_COMPUTE_32F),
+                                             betas.data(), dc, cuda_type(c_dtype), ldc.data(),
+                                             static_cast<int64_t>(G), size.data(), CUBLAS_COMPUTE_32F),
                "grouped BF16 GEMM of ", G, " problems");
 }
 
@@ -347,9 +334,9 @@ void* GemmEngine::tail_scratch(size_t bytes) {
 // to 16 with zero rows (zero data and zero scales) in a scratch tile whose result rows are
 // copied out. Both are the same quantized product row for row (each output row depends only on
 // its own A row), so the split changes no value's definition.
-void GemmEngine::gemm_fp8(int64_t M, int64_t N, int64_t K, const uint8_t* a, const float* a_scales, const uint8_t* b,
-                          const float* b_scales, int b_block_rows, void* C, DType c_dtype, float alpha, float beta,
-                          bool a_scales_laid, bool row_invariant) {
+void GemmEngine::gemm_fp8(int64_t M, int64_t N, int64_t K, const uint8_t* a, const float* a_scales,
+                          const uint8_t* b, const float* b_scales, int b_block_rows, void* C, DType c_dtype,
+                          float alpha, float beta, bool a_scales_laid, bool row_invariant) {
   FP8RL_CHECK(b_block_rows == 1 || b_block_rows == kQuantBlock, "FP8 GEMM: B blocks must be 1x128 or 128x128");
   FP8RL_CHECK(!a_scales_laid || M % kFp8RowGranule == 0, "FP8 GEMM: A scales in VEC128 layout need M % 16 == 0, got ",
               "M=", M);
@@ -375,14 +362,13 @@ void GemmEngine::gemm_fp8(int64_t M, int64_t N, int64_t K, const uint8_t* a, con
   }
   if (m16 > 0) {
     if (!a_scales_laid) layout_scales(a_scales, m16, K, 1, scratch);
-    gemm_fp8_prelaid(m16, N, K, a, a_scales_laid ? a_scales : scratch, b, b_lt, b_block_rows, C, c_dtype, alpha, beta,
-                     row_invariant);
+    gemm_fp8_prelaid(m16, N, K, a, a_scales_laid ? a_scales : scratch, b, b_lt, b_block_rows, C, c_dtype, alpha,
+                     beta, row_invariant);
   }
   if (tail == 0) return;
   ++tail_products_;
   const size_t esz = dtype_size(c_dtype);
-  const size_t a_bytes = static_cast<size_t>(kFp8RowGranule * K),
-               c_bytes = static_cast<size_t>(kFp8RowGranule * N) * esz;
+  const size_t a_bytes = static_cast<size_t>(kFp8RowGranule * K), c_bytes = static_cast<size_t>(kFp8RowGranule * N) * esz;
   uint8_t* ta = static_cast<uint8_t*>(tail_scratch(a_bytes + c_bytes));
   uint8_t* tc = ta + a_bytes;  // a_bytes is a multiple of 128 (K is)
   uint8_t* c_tail = static_cast<uint8_t*>(C) + static_cast<size_t>(m16 * N) * esz;
@@ -506,8 +492,8 @@ void GemmEngine::gemm_fp8_grouped(const std::vector<int64_t>& offsets, int64_t N
 }
 
 void GemmEngine::gemm_fp8_prelaid(int64_t M, int64_t N, int64_t K, const uint8_t* a, const float* a_lt_scales,
-                                  const uint8_t* b, const float* b_lt_scales, int b_block_rows, void* C, DType c_dtype,
-                                  float alpha, float beta, bool row_invariant) {
+                                  const uint8_t* b, const float* b_lt_scales, int b_block_rows, void* C,
+                                  DType c_dtype, float alpha, float beta, bool row_invariant) {
   FP8RL_CHECK(M % kFp8RowGranule == 0 && fp8_supported(M, N, K), "FP8 block GEMM (pre-laid scales): cuBLASLt ",
               "needs M and N multiples of ", kFp8RowGranule, " and K a multiple of ", kQuantBlock, ", got M=", M,
               " N=", N, " K=", K);
@@ -518,19 +504,17 @@ void GemmEngine::gemm_fp8_prelaid(int64_t M, int64_t N, int64_t K, const uint8_t
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.d, CUBLASLT_MATMUL_DESC_TRANSA, &opt, sizeof(opt)), "TRANSA");
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.d, CUBLASLT_MATMUL_DESC_TRANSB, &opn, sizeof(opn)), "TRANSB");
   // cuBLAS A = our B (weights or dY^T), cuBLAS B = our A (activations).
-  const int32_t mode_a =
-      b_block_rows == 1 ? CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F : CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
+  const int32_t mode_a = b_block_rows == 1 ? CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F
+                                           : CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
   const int32_t mode_b = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.d, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode_a, sizeof(mode_a)),
                "setting the A scale mode");
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.d, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode_b, sizeof(mode_b)),
                "setting the B scale mode");
-  CUBLAS_CHECK(
-      cublasLtMatmulDescSetAttribute(desc.d, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &b_lt_scales, sizeof(b_lt_scales)),
-      "setting the A scale pointer");
-  CUBLAS_CHECK(
-      cublasLtMatmulDescSetAttribute(desc.d, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &a_lt_scales, sizeof(a_lt_scales)),
-      "setting the B scale pointer");
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.d, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &b_lt_scales,
+                                              sizeof(b_lt_scales)), "setting the A scale pointer");
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.d, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &a_lt_scales,
+                                              sizeof(a_lt_scales)), "setting the B scale pointer");
   Layout la, lb, lc;
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&la.l, CUDA_R_8F_E4M3, K, N, K), "FP8 layout A");
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lb.l, CUDA_R_8F_E4M3, K, M, K), "FP8 layout B");
@@ -543,10 +527,10 @@ void GemmEngine::gemm_fp8_prelaid(int64_t M, int64_t N, int64_t K, const uint8_t
     CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lcb.l, cuda_type(c_dtype), N, kRowInvariantM, N),
                  "FP8 layout C (row-invariant)");
     cublasLtMatmulAlgo_t algo = find_row_invariant_algo(key, desc.d, la.l, lbb.l, lcb.l, "FP8 block-scaled GEMM");
-    CUBLAS_CHECK(
-        cublasLtMatmul(handle_, desc.d, &alpha, b, la.l, a, lb.l, &beta, C, lc.l, C, lc.l, &algo, nullptr, 0, stream_),
-        "row-invariant FP8 block-scaled GEMM M=", M, " N=", N, " K=", K,
-        " (the algorithm fixed for every M does not take this M; unset FP8RL_FP8_ROW_INVARIANT)");
+    CUBLAS_CHECK(cublasLtMatmul(handle_, desc.d, &alpha, b, la.l, a, lb.l, &beta, C, lc.l, C, lc.l, &algo, nullptr, 0,
+                                stream_),
+                 "row-invariant FP8 block-scaled GEMM M=", M, " N=", N, " K=", K,
+                 " (the algorithm fixed for every M does not take this M; unset FP8RL_FP8_ROW_INVARIANT)");
     return;
   }
   const Key key{1, b_block_rows, static_cast<int>(c_dtype), beta != 0 ? 4 : 0, N, M, K, 0, 0};
