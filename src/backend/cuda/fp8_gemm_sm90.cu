@@ -697,10 +697,10 @@ __global__ void __launch_bounds__(128 * kWR + 32, swap_smem_bytes<kWR, kTN, kSta
     for (int i = 0; i < kTN / 8; ++i) sx[i] = *reinterpret_cast<const float2*>(sc + 8 * i);
     __syncwarp();  // the warp's scale reads are done before lane 0 releases the stage
     if (lane == 0) mbar_arrive(&empty[s]);
-      // acc[4 i + j]: weight row (j < 2 ? n0 : n1), token 8 i + 2 (lane % 4) + j % 2. The scale product
-      // in the usual kernel's order (token scale times the weight block's).
 #pragma unroll
     for (int i = 0; i < kTN / 8; ++i) {
+      // acc[4 i + j]: weight row (j < 2 ? n0 : n1), token 8 i + 2 (lane % 4) + j % 2. The scale
+      // product in the usual kernel's order (token scale times the weight block's).
       const float s0 = sx[i].x * sw, s1 = sx[i].y * sw;
       total[4 * i] = fmaf(acc[4 * i], s0, total[4 * i]);
       total[4 * i + 1] = fmaf(acc[4 * i + 1], s1, total[4 * i + 1]);
