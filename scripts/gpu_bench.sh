@@ -36,9 +36,7 @@
 #                   stall samples and executed instructions per SASS opcode
 #   ncu_paged       Nsight Compute on the tensor-core paged decode kernel (BF16 and E4M3 pools, the
 #                   first DecodeBench shape): speed of light, occupancy, warp stalls, instruction mix
-#   gemm_swap       bench-gemm at the decode products (FP8RL_SWAP_SHAPES): BF16, cuBLASLt FP8, the own kernel's
-#                   configurations and the swapped kernel's (FP8RL_FP8_GEMM_SWAP tiles x splits)
-#   gemm_variants   bench-gemm --shapes (FP8RL_GEMM_SHAPES) and --grouped-only for each cluster:scales:ctas[:band[:store[:bn[:swap]]]]
+#   gemm_variants   bench-gemm --shapes (FP8RL_GEMM_SHAPES) and --grouped-only for each cluster:scales:ctas[:band[:store]]
 #                   variant of the own FP8 GEMM in FP8RL_GEMM_VARIANTS (e.g. 1x1:smem:2)
 #   ncu_gemm        Nsight Compute on one launch of the own FP8 GEMM per product of FP8RL_NCU_GEMM
 #                   (MxNxK, or "grouped"): speed of light, pipes, memory, warp stalls
@@ -268,18 +266,14 @@ PYEOF
         python3 scripts/ncu_sass_top.py "$OUT/ncu_paged_src_$tag.csv" 30 2>&1 | tee -a "$SUMMARY"
         rm -f "$OUT/ncu_paged_src_$tag.ncu-rep"
       done ;;
-    gemm_swap)  # issue 14: the swapped FP8 GEMM at the decode products (bench-gemm's own / swap sweeps)
-      timeout 120 "$FP8RL" bench-gemm --shapes "${FP8RL_SWAP_SHAPES:-256x4096x2048,256x2048x2048,256x12288x2048,256x2048x6144,128x4096x2048,128x12288x2048,64x4096x2048,64x2048x6144}" \
-        > "$OUT/gemm_swap.log" 2>&1
-      note "gemm swap: rc=$?"; tee -a "$SUMMARY" < "$OUT/gemm_swap.log" ;;
     gemm_variants)  # issues 14 and 16: the own FP8 GEMM's variants side by side (bench-gemm --shapes)
       # cluster:scales:CTAs-per-SM[:band[:store[:columns]]] (FP8RL_FP8_GEMM_CLUSTER, _SCALES, _OCCUPANCY
       # (64-row tiles), _BAND, _STORE, _BN: 64 or 128 columns beside 64-row tiles)
       for v in ${FP8RL_GEMM_VARIANTS:-1x1:global:1 1x1:smem:1 1x1:global:2 1x1:smem:2 2x1:smem:1}; do
-        IFS=: read -r vc vs vo vb vt vn vw <<< "$v"
-        vb=${vb:-0}; [ "$vs" = global ] && vt=${vt:-tma}; vt=${vt:-direct}; vn=${vn:-128}; vw=${vw:-off}
-        venv="FP8RL_FP8_GEMM_STORE=$vt FP8RL_FP8_GEMM_BAND=$vb FP8RL_FP8_GEMM_CLUSTER=$vc FP8RL_FP8_GEMM_SCALES=$vs FP8RL_FP8_GEMM_OCCUPANCY=$vo FP8RL_FP8_GEMM_BN=$vn FP8RL_FP8_GEMM_SWAP=$vw"
-        { echo "== cluster $vc, scales $vs, CTAs per SM (64-row tiles) $vo, band $vb, store $vt, columns $vn, swap $vw"
+        IFS=: read -r vc vs vo vb vt vn <<< "$v"
+        vb=${vb:-0}; [ "$vs" = global ] && vt=${vt:-tma}; vt=${vt:-direct}; vn=${vn:-128}
+        venv="FP8RL_FP8_GEMM_STORE=$vt FP8RL_FP8_GEMM_BAND=$vb FP8RL_FP8_GEMM_CLUSTER=$vc FP8RL_FP8_GEMM_SCALES=$vs FP8RL_FP8_GEMM_OCCUPANCY=$vo FP8RL_FP8_GEMM_BN=$vn"
+        { echo "== cluster $vc, scales $vs, CTAs per SM (64-row tiles) $vo, band $vb, store $vt, columns $vn"
           env $venv timeout 60 "$FP8RL" bench-gemm \
             --shapes "${FP8RL_GEMM_SHAPES:-8192x12288x2048,8192x4096x2048,8192x2048x6144,256x12288x2048,256x4096x2048,256x2048x2048,256x2048x6144}" | grep -A12 "^linear"
           [ -n "${FP8RL_GEMM_NO_GROUPED:-}" ] || env $venv timeout 60 "$FP8RL" bench-gemm --grouped-only | grep -A3 "^grouped"

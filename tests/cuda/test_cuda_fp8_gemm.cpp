@@ -12,7 +12,6 @@
 #include <vector>
 
 #include "backend/cuda/cuda_backend.h"
-#include "backend/cuda/fp8_gemm.h"
 #include "backend/cuda/gemm.h"
 #include "core/dtype.h"
 #include "quant/quant.h"
@@ -425,77 +424,6 @@ TEST(CudaFp8Gemm, EveryGridAndClusterIsBitwiseOneCtaPerTile) {
           << "grouped, block_m=" << bm << ", " << name(v) << ": differs";
     }
   }
-}
-
-// The swapped kernel (FP8RL_FP8_GEMM_SWAP: weights on the wgmma's M side, tokens on its N side)
-// gives every element the usual kernel's bits at the same split, at each tile shape: ragged M
-// (tokens past M in a token tile), N past the last 64-row weight tile, a partial last K block, both
-// A-scale layouts, BF16 and F32 outputs, split-K, and alpha / beta over a prior C. Each case reports
-// its differing elements (not just the first) and its error against the FP64 host product.
-TEST(CudaFp8Gemm, SwappedIsBitwiseTheUsualKernel) {
-  cuda::CudaBackend be(0, DType::BF16);
-  const Shape shapes[] = {{1, 128, 128},   {5, 2048, 2048}, {64, 4096, 2048}, {77, 384, 640},    {130, 640, 384},
-                          {200, 528, 384}, {70, 144, 256},  {48, 208, 336},   {256, 2048, 6144}, {256, 12288, 2048}};
-  auto count_diff = [](const Tensor& a, const Tensor& b) {
-    const size_t esz = dtype_size(a.dtype()), n = a.nbytes() / esz;
-    int64_t d = 0;
-    for (size_t i = 0; i < n; ++i)
-      d += std::memcmp(static_cast<const uint8_t*>(a.raw()) + i * esz, static_cast<const uint8_t*>(b.raw()) + i * esz,
-                       esz) != 0;
-    return d;
-  };
-  for (const Shape& s : shapes) {
-    const Operands o = make_operands(be, s.M, s.N, s.K, static_cast<uint32_t>(s.M * 3 + s.N * 7 + s.K));
-    for (int splits : {1, 3})
-      for (bool kb_major : {false, true})
-        for (DType out : {DType::BF16, DType::F32}) {
-          unsetenv("FP8RL_FP8_GEMM_SWAP");
-          const Tensor ref = run_own(be, o, s.M, s.N, s.K, out, kb_major, splits);
-          for (const char* tiles : {"64x64", "64x128", "128x64", "128x128"}) {
-            SCOPED_TRACE(testing::Message()
-                         << "M=" << s.M << " N=" << s.N << " K=" << s.K << " splits=" << splits
-                         << " kb_major=" << kb_major << " out=" << dtype_name(out) << " swap=" << tiles);
-            setenv("FP8RL_FP8_GEMM_SWAP", tiles, 1);
-            const Tensor c = run_own(be, o, s.M, s.N, s.K, out, kb_major, splits);
-            unsetenv("FP8RL_FP8_GEMM_SWAP");
-            EXPECT_EQ(count_diff(c, ref), 0) << "elements differ from the usual kernel";
-            if (out == DType::F32 && splits == 1 && !kb_major) {
-              EXPECT_LT(max_error(o, c, s.M, s.N), kMmaBound);
-            }
-          }
-        }
-    // alpha = 0.5, beta = 1 over a prior BF16 C (the kernel applies them at one split, the reduction at 3).
-    for (int splits : {1, 3}) {
-      auto accumulate = [&] {
-        Tensor c = be.to_device(
-            from_float_vector(std::vector<float>(static_cast<size_t>(s.M * s.N), 0.25f), {s.M, s.N}, DType::BF16));
-        be.gemm().gemm_fp8_own(s.M, s.N, s.K, o.da.data.data<uint8_t>(), o.da_kb.data<float>(), true,
-                               o.db.data.data<uint8_t>(), o.db.scales.data<float>(), c.raw(), DType::BF16, 0.5f, 1.0f,
-                               splits);
-        be.synchronize();
-        return be.to_host(c);
-      };
-      unsetenv("FP8RL_FP8_GEMM_SWAP");
-      const Tensor ref = accumulate();
-      for (const char* tiles : {"64x64", "128x128"}) {
-        setenv("FP8RL_FP8_GEMM_SWAP", tiles, 1);
-        const Tensor c = accumulate();
-        unsetenv("FP8RL_FP8_GEMM_SWAP");
-        EXPECT_EQ(count_diff(c, ref), 0) << "beta = 1, M=" << s.M << " N=" << s.N << " K=" << s.K
-                                         << " splits=" << splits << " swap=" << tiles;
-      }
-    }
-  }
-  // The routing: with the swap on, the decode-sized products go to the own kernel, larger ones do not.
-  setenv("FP8RL_FP8_GEMM_SWAP", "on", 1);
-  EXPECT_TRUE(cuda::fp8_gemm_sm90_preferred(256, 2048, 2048));
-  EXPECT_FALSE(cuda::fp8_gemm_sm90_preferred(257, 2048, 2048));
-  const cuda::Fp8GemmConfig cfg = cuda::fp8_gemm_sm90_config(256, 2048, 6144, 132);
-  EXPECT_EQ(cfg.swap_rows, 64);
-  EXPECT_EQ(cfg.swap_tokens, 128);
-  EXPECT_EQ(cfg.splits, 3);  // 64 tiles of a long K on 132 SMs
-  unsetenv("FP8RL_FP8_GEMM_SWAP");
-  EXPECT_EQ(cuda::fp8_gemm_sm90_config(256, 2048, 6144, 132).swap_rows, 0);
 }
 
 }  // namespace

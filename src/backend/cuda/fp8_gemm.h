@@ -26,19 +26,7 @@ struct Fp8GemmArgs {
   int block_m = 0;             // rows per CTA: 64 or 128 (0: 64 for M <= 256, else 128)
   int block_n = 0;             // columns per 64-row tile: 64 or 128 (0: fp8_gemm_block_n()); same bits
   float* workspace = nullptr;  // fp8_gemm_sm90_workspace_floats(M, N, splits) floats
-  // > 0: the swapped kernel (C^T = B A^T: weights on the wgmma's M side, tokens on its N side) with
-  // tiles of swap_rows (64, 128) weight rows by swap_tokens (64, 128) tokens; block_m and block_n
-  // are then unused. Every element's arithmetic is the usual kernel's at the same split.
-  int swap_rows = 0, swap_tokens = 0;
 };
-
-// FP8RL_FP8_GEMM_SWAP (read at each call): off (unset, 0: the default), on (1: tiles from M), or
-// ROWSxTOKENS (64x64, 64x128, 128x64, 128x128): the swapped kernel for the products of M <= 256
-// (fp8_gemm_sm90_preferred routes them all to the own kernel, fp8_gemm_sm90_config picks it).
-struct Fp8SwapTiles {
-  int rows = 0, tokens = 0;  // 0: off
-};
-Fp8SwapTiles fp8_gemm_swap_tiles(int64_t M);
 
 bool fp8_gemm_sm90_supported(int64_t M, int64_t N, int64_t K);
 // The configuration for a shape: decode-sized products (M <= 256) take 64-row tiles and enough
@@ -46,7 +34,6 @@ bool fp8_gemm_sm90_supported(int64_t M, int64_t N, int64_t K);
 // leave most SMs idle. Measured on the H200 (docs/benchmarks.md, session 5: bench-gemm's sweep).
 struct Fp8GemmConfig {
   int block_m = 128, splits = 1;
-  int swap_rows = 0, swap_tokens = 0;  // the swapped kernel's tiles (Fp8GemmArgs), 0: the usual kernel
 };
 Fp8GemmConfig fp8_gemm_sm90_config(int64_t M, int64_t N, int64_t K, int sm_count);
 // FP8RL_FP8_GEMM_BN (read at each call): the dense product's columns per tile beside 64-row tiles,

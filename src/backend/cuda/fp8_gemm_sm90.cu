@@ -598,144 +598,6 @@ __global__ void fp8_gemm_reduce_kernel(const float* __restrict__ parts, int spli
   }
 }
 
-// The swapped product for decode-sized M (FP8RL_FP8_GEMM_SWAP): C^T = B A^T, so the weights are
-// the wgmma's M side and the tokens its N side. A CTA computes kWR x 64 weight rows (one consumer
-// warpgroup per 64) by kTN tokens (64 or 128; the wgmma's n) over its K blocks. At M <= 256 the
-// usual orientation's 64-row token tiles re-read every weight tile once per 64 tokens and its
-// 64 x 128 tiles move 24 KB per 256 tensor-core clocks through L2; here a weight tile is read once
-// per kTN tokens and the token tile is shared by kWR weight warpgroups. The arithmetic of every
-// element is the usual kernel's at the same split: the four m64nNk32 MMAs of a K block (the same
-// products, the roles of the operands swapped), then total += acc * (sa[token] * sb[block]) in the
-// same order, the split partials and the reduction kernel unchanged. One CTA per tile, the token
-// tile fastest (the CTAs that read one weight tile run together).
-//
-// The producer warp copies each stage's kTN token scales into shared memory (cp.async, completing
-// on the stage's full barrier with the TMA bytes: 1 + 32 arrivals); the consumers read the scales
-// of their fragment's columns from there, and the weight block's scale from global memory.
-template <int kWR, int kTN, int kStages>
-constexpr int swap_smem_bytes() {
-  return kStages * ((64 * kWR + kTN) * kBK + kTN * 4) + 2 * kStages * 8 + 1024;
-}
-template <int kWR, int kTN, int kStages>
-__global__ void __launch_bounds__(128 * kWR + 32, swap_smem_bytes<kWR, kTN, kStages>() <= 110 * 1024 ? 2 : 1)
-    fp8_gemm_swap_kernel(const __grid_constant__ CUtensorMap tm_x, const __grid_constant__ CUtensorMap tm_w,
-                         GemmParams p) {
-  static_assert((kWR == 1 || kWR == 2) && (kTN == 64 || kTN == 128),
-                "swap tiles: 64 / 128 weight rows, 64 / 128 tokens");
-  constexpr int kTileW = 64 * kWR * kBK, kTileX = kTN * kBK;
-  extern __shared__ __align__(1024) uint8_t smem_raw[];
-  uint8_t* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
-  uint8_t* sm_w = smem;
-  uint8_t* sm_x = smem + kStages * kTileW;
-  float* sm_sx = reinterpret_cast<float*>(sm_x + kStages * kTileX);  // [kStages][kTN] token scales
-  uint64_t* full = reinterpret_cast<uint64_t*>(sm_sx + kStages * kTN);
-  uint64_t* empty = full + kStages;
-  const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      mbar_init(&full[s], 33);        // the expect_tx arrive + one cp.async arrive per producer lane
-      mbar_init(&empty[s], kWR * 4);  // every consumer warp releases the stage
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
-  int64_t t = blockIdx.x;
-  const int64_t m_tile = t % p.m_tiles;
-  t /= p.m_tiles;
-  const int n_tile = static_cast<int>(t % p.n_tiles), split = static_cast<int>(t / p.n_tiles);
-  const int kb0 = split * p.kb_per_split, nk = min(p.kb_per_split, p.kblocks - kb0);
-  const int64_t m_base = m_tile * kTN;
-  const int n_base = n_tile * 64 * kWR;
-  if (wg == kWR) {  // the producer warp
-    const int lane = tid;
-    for (int it = 0; it < nk; ++it) {
-      const int s = it % kStages, kb = kb0 + it;
-      mbar_wait(&empty[s], ((it / kStages) & 1) ^ 1);
-      float* dst = sm_sx + s * kTN;
-      for (int r = lane; r < kTN; r += 32) {  // tokens past M: scale 0 (their data is TMA's zero fill)
-        const int64_t row = m_base + r;
-        const bool in = row < p.M;
-        cp_async_4(dst + r, in ? p.sa + row * p.sa_m + kb * p.sa_k : p.sa, in ? 4 : 0);
-      }
-      cp_async_mbar_arrive(&full[s]);
-      if (lane == 0) {
-        mbar_expect_tx(&full[s], kTileW + kTileX);
-        tma_load_2d(sm_w + s * kTileW, &tm_w, &full[s], kb * kBK, n_base);
-        tma_load_2d(sm_x + s * kTileX, &tm_x, &full[s], kb * kBK, static_cast<int>(m_base));
-      }
-    }
-    asm volatile("cp.async.wait_all;" ::: "memory");  // no lane leaves with its copies in flight
-    return;
-  }
-  const int warp = tid / 32, lane = tid % 32;
-  // This thread's weight rows (output columns) n0, n0 + 8 and tokens (output rows) 8 i + 2 (lane % 4) + {0, 1}.
-  const int64_t n0 = n_base + wg * 64 + warp * 16 + lane / 4, n1 = n0 + 8;
-  // The 128-row weight scale block of this warpgroup's 64 rows (rows past N: the last block's, unused).
-  const int64_t sblock = min(static_cast<int64_t>(n_base + wg * 64), p.N - 1) / kBN;
-  const float* sb = p.sb + sblock * p.kblocks;
-  constexpr int kAcc = kTN / 2;
-  float total[kAcc], acc[kAcc];
-#pragma unroll
-  for (int i = 0; i < kAcc; ++i) total[i] = 0.0f;
-  for (int it = 0; it < nk; ++it) {
-    const int s = it % kStages, kb = kb0 + it;
-    const float sw = __ldg(sb + kb);
-    mbar_wait(&full[s], (it / kStages) & 1);
-    const uint64_t da = sw128_desc(sm_w + s * kTileW + wg * 64 * kBK), db = sw128_desc(sm_x + s * kTileX);
-    fence_acc(acc);
-    wgmma_fence();
-#pragma unroll
-    for (int k = 0; k < kBK / 32; ++k) wgmma_tile<kTN>(acc, da + 2 * k, db + 2 * k, k > 0);
-    wgmma_commit();
-    fence_acc(acc);
-    wgmma_wait_all();
-    fence_acc(acc);
-    // The token scales of this thread's columns.
-    float2 sx[kTN / 8];
-    const float* sc = sm_sx + s * kTN + 2 * (lane % 4);
-#pragma unroll
-    for (int i = 0; i < kTN / 8; ++i) sx[i] = *reinterpret_cast<const float2*>(sc + 8 * i);
-    __syncwarp();  // the warp's scale reads are done before lane 0 releases the stage
-    if (lane == 0) mbar_arrive(&empty[s]);
-#pragma unroll
-    for (int i = 0; i < kTN / 8; ++i) {
-      // acc[4 i + j]: weight row (j < 2 ? n0 : n1), token 8 i + 2 (lane % 4) + j % 2. The scale
-      // product in the usual kernel's order (token scale times the weight block's).
-      const float s0 = sx[i].x * sw, s1 = sx[i].y * sw;
-      total[4 * i] = fmaf(acc[4 * i], s0, total[4 * i]);
-      total[4 * i + 1] = fmaf(acc[4 * i + 1], s1, total[4 * i + 1]);
-      total[4 * i + 2] = fmaf(acc[4 * i + 2], s0, total[4 * i + 2]);
-      total[4 * i + 3] = fmaf(acc[4 * i + 3], s1, total[4 * i + 3]);
-    }
-  }
-  // The epilogue: C[token, n], transposed from the fragment; the split's F32 partials, or alpha (and
-  // beta) applied and BF16 / F32 stored as the usual kernel does.
-  const int64_t tok_base = m_base + 2 * (lane % 4);
-#pragma unroll
-  for (int i = 0; i < kTN / 8; ++i) {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int64_t tok = tok_base + 8 * i + (j & 1), n = j < 2 ? n0 : n1;
-      if (tok >= p.M || n >= p.N) continue;
-      float v = total[4 * i + j];
-      if (p.partials) {
-        static_cast<float*>(p.c)[(static_cast<int64_t>(split) * p.M + tok) * p.N + n] = v;
-        continue;
-      }
-      v *= p.alpha;
-      if (p.c_bf16) {
-        uint16_t* out = static_cast<uint16_t*>(p.c) + tok * p.N + n;
-        if (p.beta != 0.0f) v = fmaf(p.beta, bf16_bits_to_float(*out), v);
-        *out = static_cast<uint16_t>(pack_bf16x2(v, 0.0f) & 0xffffu);
-      } else {
-        float* out = static_cast<float*>(p.c) + tok * p.N + n;
-        if (p.beta != 0.0f) v = fmaf(p.beta, *out, v);
-        *out = v;
-      }
-    }
-  }
-}
-
 PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
   static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
     void* f = nullptr;
@@ -982,50 +844,7 @@ void launch_variant(bool small, const uint8_t* a, int64_t rows, const uint8_t* b
   else launch<2, 6>(a, rows, b, N, K, p, c, stream);
 }
 
-// The swapped kernel's instance for its tiles (the ring: two CTAs per SM where it fits beside a
-// second, else six stages at one).
-template <int kWR, int kTN, int kStages>
-void launch_swap_instance(const CUtensorMap& tx, const CUtensorMap& tw, const GemmParams& p, cudaStream_t stream) {
-  constexpr int kSmem = swap_smem_bytes<kWR, kTN, kStages>();
-  auto* kernel = fp8_gemm_swap_kernel<kWR, kTN, kStages>;
-  static const bool opted_in = [&] {
-    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem),
-               "FP8 GEMM (swapped): setting the shared memory size");
-    return true;
-  }();
-  (void)opted_in;
-  const int64_t tiles = static_cast<int64_t>(p.n_tiles) * p.m_tiles * p.splits;
-  FP8RL_CHECK(tiles < (int64_t{1} << 31), "FP8 GEMM (swapped): ", tiles, " tiles are more than one launch takes");
-  kernel<<<static_cast<unsigned>(tiles), 128 * kWR + 32, kSmem, stream>>>(tx, tw, p);
-  CUDA_CHECK(cudaGetLastError(), "FP8 GEMM (swapped) kernel launch");
-}
-
-void launch_swap(const uint8_t* a, const uint8_t* b, int rows, int tokens, const GemmParams& p, cudaStream_t stream) {
-  const CUtensorMap tx = tensor_map(a, p.M, p.K, tokens), tw = tensor_map(b, p.N, p.K, rows);
-  if (rows == 64 && tokens == 64) launch_swap_instance<1, 64, 6>(tx, tw, p, stream);
-  else if (rows == 64) launch_swap_instance<1, 128, 4>(tx, tw, p, stream);
-  else if (tokens == 64) launch_swap_instance<2, 64, 4>(tx, tw, p, stream);
-  else launch_swap_instance<2, 128, 6>(tx, tw, p, stream);
-}
-
 }  // namespace
-
-Fp8SwapTiles fp8_gemm_swap_tiles(int64_t M) {
-  Fp8SwapTiles t;
-  const char* e = std::getenv("FP8RL_FP8_GEMM_SWAP");
-  if (!e) return t;
-  const std::string v(e);
-  if (v == "0" || v == "off") return t;
-  if (v == "1" || v == "on") {
-    t.rows = 64, t.tokens = M <= 64 ? 64 : 128;
-    return t;
-  }
-  const bool ok = v == "64x64" || v == "64x128" || v == "128x64" || v == "128x128";
-  FP8RL_CHECK(ok, "FP8RL_FP8_GEMM_SWAP must be off, on, 64x64, 64x128, 128x64 or 128x128, got '", v, "'");
-  t.rows = v[0] == '6' ? 64 : 128;
-  t.tokens = v.substr(v.find('x') + 1) == "64" ? 64 : 128;
-  return t;
-}
 
 bool fp8_gemm_sm90_supported(int64_t M, int64_t N, int64_t K) {
   return M > 0 && N > 0 && K > 0 && N % 16 == 0 && K % 16 == 0 && M < (int64_t{1} << 31) && N < (int64_t{1} << 31);
@@ -1037,16 +856,6 @@ Fp8GemmConfig fp8_gemm_sm90_config(int64_t M, int64_t N, int64_t K, int sm_count
   Fp8GemmConfig c;
   if (M <= 256) {
     c.block_m = 64;
-    if (const Fp8SwapTiles st = fp8_gemm_swap_tiles(M); st.rows > 0) {
-      // The swapped kernel: tiles along the weights and the tokens fill the SMs at every decode
-      // product but the long-K ones with few weight tiles (the down product), which split K into
-      // up to four (each split's FP32 partials cost M x N x 8 bytes of HBM traffic).
-      c.swap_rows = st.rows, c.swap_tokens = st.tokens;
-      const int64_t tiles = ceil_div(N, int64_t{st.rows}) * ceil_div(M, int64_t{st.tokens});
-      if (kblocks >= 32 && 2 * tiles <= sm_count)
-        c.splits = static_cast<int>(std::clamp<int64_t>(ceil_div(int64_t{sm_count}, tiles), 1, 4));
-      return c;
-    }
     const int bn = fp8_gemm_block_n();
     n_tiles = ceil_div(N, int64_t{bn});
     const int64_t tiles = ceil_div(M, int64_t{64}) * n_tiles;
@@ -1067,7 +876,6 @@ Fp8GemmConfig fp8_gemm_sm90_config(int64_t M, int64_t N, int64_t K, int sm_count
 
 bool fp8_gemm_sm90_preferred(int64_t M, int64_t N, int64_t K) {
   if (!fp8_gemm_sm90_supported(M, N, K) || M > 256) return false;
-  if (fp8_gemm_swap_tiles(M).rows > 0) return true;  // the swapped kernel takes every decode product
   const int bn = fp8_gemm_block_n();
   // 64-column tiles (FP8RL_FP8_GEMM_BN=64): up to two per SM of 132 in one wave.
   return ceil_div(M, int64_t{64}) * ceil_div(N, int64_t{bn}) <= (bn == 64 ? 264 : 64);
@@ -1095,31 +903,22 @@ void fp8_gemm_sm90(const Fp8GemmArgs& a, cudaStream_t stream) {
   p.c = p.partials ? static_cast<void*>(a.workspace) : a.c;
   p.c_bf16 = a.c_dtype == DType::BF16;
   p.alpha = a.alpha, p.beta = a.beta;
-  if (a.swap_rows > 0) {
-    FP8RL_CHECK((a.swap_rows == 64 || a.swap_rows == 128) && (a.swap_tokens == 64 || a.swap_tokens == 128),
-                "FP8 GEMM (sm90): the swapped kernel's tiles are 64 or 128 weight rows by 64 or 128 tokens");
-    p.n_tiles = static_cast<int>(ceil_div(a.N, int64_t{a.swap_rows}));
-    p.m_tiles = static_cast<int>(ceil_div(a.M, int64_t{a.swap_tokens}));
-    p.splits = used_splits;
-    launch_swap(a.a, a.b, a.swap_rows, a.swap_tokens, p, stream);
-  } else {
-    FP8RL_CHECK(a.block_m == 0 || a.block_m == 64 || a.block_m == 128, "FP8 GEMM (sm90): block_m must be 64 or 128");
-    const bool small = a.block_m ? a.block_m == 64 : a.M <= 256;
-    const int bm = small ? 64 : 128;
-    const int m_tiles = static_cast<int>(ceil_div(a.M, int64_t{bm}));
-    KernelVariant cl = kernel_variant(m_tiles, ceil_div(a.N, int64_t{kBN}), false);
-    FP8RL_CHECK(a.block_n == 0 || a.block_n == 64 || a.block_n == kBN, "FP8 GEMM (sm90): block_n must be 64 or 128");
-    if (small && a.block_n) {
-      cl.bn = a.block_n;
-      if (cl.bn == 64) cl.cm = cl.cn = 1, cl.smem_scales = false;
-    }
-    if (!small) cl.bn = kBN;  // 64-column tiles only beside 64-row ones
-    const int n_tiles = static_cast<int>(ceil_div(a.N, int64_t{cl.bn}));
-    p.n_tiles = n_tiles, p.m_tiles = m_tiles, p.splits = used_splits;
-    p.m_fastest = a.M <= 256;  // decode-sized: the few row blocks of one weight tile together
-    p.group_n = cl.band;
-    launch_variant(small, a.a, a.M, a.b, a.N, a.K, p, cl, stream);
+  FP8RL_CHECK(a.block_m == 0 || a.block_m == 64 || a.block_m == 128, "FP8 GEMM (sm90): block_m must be 64 or 128");
+  const bool small = a.block_m ? a.block_m == 64 : a.M <= 256;
+  const int bm = small ? 64 : 128;
+  const int m_tiles = static_cast<int>(ceil_div(a.M, int64_t{bm}));
+  KernelVariant cl = kernel_variant(m_tiles, ceil_div(a.N, int64_t{kBN}), false);
+  FP8RL_CHECK(a.block_n == 0 || a.block_n == 64 || a.block_n == kBN, "FP8 GEMM (sm90): block_n must be 64 or 128");
+  if (small && a.block_n) {
+    cl.bn = a.block_n;
+    if (cl.bn == 64) cl.cm = cl.cn = 1, cl.smem_scales = false;
   }
+  if (!small) cl.bn = kBN;  // 64-column tiles only beside 64-row ones
+  const int n_tiles = static_cast<int>(ceil_div(a.N, int64_t{cl.bn}));
+  p.n_tiles = n_tiles, p.m_tiles = m_tiles, p.splits = used_splits;
+  p.m_fastest = a.M <= 256;  // decode-sized: the few row blocks of one weight tile together
+  p.group_n = cl.band;
+  launch_variant(small, a.a, a.M, a.b, a.N, a.K, p, cl, stream);
   if (p.partials) {
     const int64_t mn = a.M * a.N, threads = 256, blocks = ceil_div(ceil_div(mn, int64_t{4}), threads);
     if (p.c_bf16)

@@ -65,9 +65,7 @@ GemmEngine::GemmEngine(cudaStream_t stream) : stream_(stream) {
 }
 
 bool GemmEngine::use_own_fp8(int64_t M, int64_t N, int64_t K) const {
-  // FP8RL_FP8_GEMM_SWAP on: the decode-sized products go to the swapped own kernel (preferred).
-  const bool routed = own_mode_ == 1 || fp8_gemm_swap_tiles(M).rows > 0;
-  return own_mode_ == 2 ? fp8_gemm_sm90_supported(M, N, K) : routed && fp8_gemm_sm90_preferred(M, N, K);
+  return own_mode_ == 2 ? fp8_gemm_sm90_supported(M, N, K) : own_mode_ == 1 && fp8_gemm_sm90_preferred(M, N, K);
 }
 
 void GemmEngine::set_fp8_kernel(const std::string& v) {
@@ -452,9 +450,6 @@ void GemmEngine::gemm_fp8_own(int64_t M, int64_t N, int64_t K, const uint8_t* a,
   g.b = b, g.b_scales = b_scales;
   g.c = C, g.c_dtype = c_dtype, g.alpha = alpha, g.beta = beta;
   g.splits = splits > 0 ? splits : own_splits_ > 0 ? own_splits_ : cfg.splits;
-  // FP8RL_FP8_GEMM_SWAP: the swapped kernel takes the decode-sized products whatever tile sizes
-  // the caller asked of the usual one (each element's arithmetic is the same at the same split).
-  g.swap_rows = cfg.swap_rows, g.swap_tokens = cfg.swap_tokens;
   const size_t ws = static_cast<size_t>(fp8_gemm_sm90_workspace_floats(M, N, g.splits));
   if (ws > own_ws_floats_) {
     if (own_ws_) CUDA_CHECK(cudaFree(own_ws_), "freeing the FP8 GEMM split-K workspace");

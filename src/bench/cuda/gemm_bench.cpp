@@ -248,10 +248,6 @@ nlohmann::json bench_gemm_run(const GemmBenchOptions& options) {
       nlohmann::json sweep = nlohmann::json::array();
       if (p.b_block_rows == kQuantBlock && p.m <= 256) {
         Tensor co = be.alloc({p.m, p.n}, cdt);
-        // The usual kernel's configurations first (FP8RL_FP8_GEMM_SWAP off), then the swapped one's.
-        const char* swap_env = std::getenv("FP8RL_FP8_GEMM_SWAP");
-        const std::string swap_saved = swap_env ? swap_env : "";
-        unsetenv("FP8RL_FP8_GEMM_SWAP");
         std::printf("    own configs (block_m x splits: us):");
         for (int bm : {64, 128})
           for (int sp : {1, 2, 3, 4, 8}) {
@@ -265,23 +261,6 @@ nlohmann::json bench_gemm_run(const GemmBenchOptions& options) {
             std::printf(" %dx%d %.1f", bm, sp, ms * 1e3);
             sweep.push_back({{"block_m", bm}, {"splits", sp}, {"ms", ms}});
           }
-        std::printf("\n");
-        // The swapped kernel (FP8RL_FP8_GEMM_SWAP) at each tile shape and split, timed alike.
-        std::printf("    swap configs (weight rows x tokens x splits: us):");
-        for (const char* tiles : {"64x64", "64x128", "128x64", "128x128"})
-          for (int sp : {1, 2, 3, 4}) {
-            setenv("FP8RL_FP8_GEMM_SWAP", tiles, 1);
-            rot = 0;
-            const double ms = timer([&] {
-              const size_t i = static_cast<size_t>(rot++ % copies);
-              gemm.gemm_fp8_own(p.m, p.n, p.k, aq.data.data<uint8_t>(), as.data<float>(), true,
-                                bq[i].data.data<uint8_t>(), bq[i].scales.data<float>(), co.raw(), cdt, 1.0f, 0.0f, sp);
-            });
-            std::printf(" %sx%d %.1f", tiles, sp, ms * 1e3);
-            sweep.push_back({{"swap", tiles}, {"splits", sp}, {"ms", ms}});
-          }
-        if (swap_env) setenv("FP8RL_FP8_GEMM_SWAP", swap_saved.c_str(), 1);
-        else unsetenv("FP8RL_FP8_GEMM_SWAP");
         std::printf("\n");
       }
       // --algos: every cuBLASLt heuristic candidate for this shape, BF16 and FP8, timed alike (the
