@@ -414,19 +414,33 @@ __global__ void __launch_bounds__(kDecWarps * 32) flash_decode_kernel(
   // Positions are int (a context is far below 2^31); a power-of-two page size (16 by default)
   // divides by a shift.
   const int ps_shift = (page_size & (page_size - 1)) == 0 ? __ffs(page_size) - 1 : -1;
+  // This thread's 16-byte pieces of a tile (i = tid + n kThreads: position i / kChunks, piece
+  // i % kChunks) and the cache pages of their positions, read from the page table a tile ahead of
+  // the copies that use them: a page-table read is a global load the copy's address depends on, so
+  // read at copy time it put its latency in front of every tile's copies.
+  constexpr int kPer = kTile * S::kChunks / kThreads;
+  static_assert(kTile * S::kChunks % kThreads == 0, "whole pieces per thread");
+  auto page_of = [&](int p) { return ps_shift >= 0 ? p >> ps_shift : p / page_size; };
+  auto load_pages = [&](int k0, int(&pg)[kPer]) {
+#pragma unroll
+    for (int n = 0; n < kPer; ++n) {
+      const int p = k0 + (tid + n * kThreads) / S::kChunks;
+      pg[n] = p <= pos ? pages[page_of(p)] : 0;
+    }
+  };
   // The pool bytes (which = 0: keys, 1: values) of positions k0 .. k0 + kTile - 1 into their
-  // staging half (zeros past pos), as one cp.async group.
-  auto fetch = [&](int k0, int which) {
+  // staging half (zeros past pos), as one cp.async group; pg: their pages (load_pages).
+  auto fetch = [&](int k0, int which, const int(&pg)[kPer]) {
     const auto* pool = static_cast<const unsigned char*>(which ? vpool : kpool);
     unsigned char* dst = stage + which * kTile * S::kRowBytes;
-    for (int i = tid; i < kTile * S::kChunks; i += kThreads) {
-      const int j = i / S::kChunks, ch = i % S::kChunks;
+#pragma unroll
+    for (int n = 0; n < kPer; ++n) {
+      const int i = tid + n * kThreads, j = i / S::kChunks, ch = i % S::kChunks;
       const int p = k0 + j;
       const bool ok = p <= pos;
       int64_t at = 0;
       if (ok) {
-        const int pg = ps_shift >= 0 ? p >> ps_shift : p / page_size;
-        const int64_t slot = static_cast<int64_t>(pages[pg]) * page_size + (p - pg * page_size);
+        const int64_t slot = static_cast<int64_t>(pg[n]) * page_size + (p - page_of(p) * page_size);
         at = (slot * Hkv + hk) * S::kRowBytes + ch * 16;
       }
       cp_async16(dst + j * S::kRowBytes + ch * 16, pool + at, ok);
@@ -461,8 +475,11 @@ __global__ void __launch_bounds__(kDecWarps * 32) flash_decode_kernel(
       }
     }
   };
-  fetch(0, 0);
-  fetch(0, 1);
+  int pg[kPer];  // the pages of the next tile to fetch
+  load_pages(0, pg);
+  fetch(0, 0, pg);
+  fetch(0, 1, pg);
+  load_pages(kTile, pg);
   constexpr int kQChunks = D / 8;  // 16-byte chunks of a BF16 row
   // The query rows: head hk * G + i of the token in row i, zeros below G.
   for (int i = tid; i < 16 * kQChunks; i += kThreads) {
@@ -493,7 +510,7 @@ __global__ void __launch_bounds__(kDecWarps * 32) flash_decode_kernel(
     __syncthreads();                 // every key byte landed; the last tile's reads of sT and sP are done
     convert(0, ks, fold);
     __syncthreads();  // the key tile is written; the key staging half is free
-    if (more) fetch(k0 + kTile, 0);
+    if (more) fetch(k0 + kTile, 0, pg);
     else cp_async_commit();  // an empty group, so the waits count alike
     // Scores of this warp's keys (fwd_tile's column tiles warp * kNTw ..): Q K^T, scaled, masked.
     float sw[kNTw][4];
@@ -522,8 +539,9 @@ __global__ void __launch_bounds__(kDecWarps * 32) flash_decode_kernel(
     rescale(o, corr);
     convert(1, vs, fold);
     __syncthreads();  // the probabilities and the value tile are written; the value staging half is free
-    if (more) fetch(k0 + kTile, 1);
+    if (more) fetch(k0 + kTile, 1, pg);
     else cp_async_commit();
+    load_pages(k0 + 2 * kTile, pg);  // for the next tile's fetches, while this one's P V runs
     // The whole tile's probabilities in fwd_tile's registers: l in its order, then O += P V over
     // this warp's output column tiles (fwd_tile's k-loop over the keys).
     float p[kNT][4];
