@@ -58,6 +58,16 @@ void PrecisionRecipe::set_consistent(bool on) {
   trainer.kv_cache = generator.kv_cache;  // the trainer attends through a cache of the generator's dtype
 }
 
+void PrecisionRecipe::set_consistent_mode(const std::string& mode) {
+  FP8RL_CHECK(mode == "off" || mode == "on" || mode == "attn" || mode == "flash",
+              "precision: the consistent mode must be off, on, attn or flash, got '", mode, "'");
+  set_consistent(mode != "off");
+  for (EnginePrecision* e : {&generator, &trainer}) {
+    e->consistent_linears = mode != "attn" && mode != "flash";
+    e->consistent_flash = mode == "flash";
+  }
+}
+
 PrecisionRecipe PrecisionRecipe::parse(const std::string& spec) {
   const size_t colon = spec.find(':');
   PrecisionRecipe r = preset(spec.substr(0, colon));
@@ -65,7 +75,8 @@ PrecisionRecipe PrecisionRecipe::parse(const std::string& spec) {
   if (colon == std::string::npos) return r;
   std::stringstream ss(spec.substr(colon + 1));
   std::string item;
-  bool tkv_set = false, consistent = false, consistent_linears = true, consistent_flash = false;
+  bool tkv_set = false;
+  std::string consistent = "off";
   while (std::getline(ss, item, '+')) {
     const size_t eq = item.find('=');
     FP8RL_CHECK(eq != std::string::npos, "recipe '", spec, "': override '", item, "' is not key=value");
@@ -101,9 +112,7 @@ PrecisionRecipe PrecisionRecipe::parse(const std::string& spec) {
     } else if (k == "consistent") {
       FP8RL_CHECK(v == "on" || v == "off" || v == "attn" || v == "flash", "recipe '", spec,
                   "': consistent must be on, off, attn or flash, got '", v, "'");
-      consistent = v != "off";
-      consistent_linears = v == "on";
-      consistent_flash = v == "flash";
+      consistent = v;
     } else {
       FP8RL_FAIL("recipe '", spec, "': unknown override '", k,
                  "' (gen, train, kv, tkv, attn, pow2, first, last, wgrad, consistent)");
@@ -114,11 +123,9 @@ PrecisionRecipe PrecisionRecipe::parse(const std::string& spec) {
   FP8RL_CHECK(!tkv_set || r.trainer.kv_cache != DType::E4M3 || r.generator.kv_cache == DType::E4M3, "recipe '",
               spec, "': tkv=e4m3 rounds as the generator's E4M3 cache does and needs kv=e4m3");
   if (r.generator.kv_cache != DType::E4M3) r.trainer.kv_cache = DType::BF16;  // no E4M3 cache to round as
-  FP8RL_CHECK(!consistent || !tkv_set, "recipe '", spec, "': consistent=on decides how the trainer reads k and v "
-              "(through a cache of the generator's KV dtype): drop tkv");
-  if (consistent) r.set_consistent(true);
-  r.generator.consistent_linears = r.trainer.consistent_linears = consistent_linears;
-  r.generator.consistent_flash = r.trainer.consistent_flash = consistent_flash;
+  FP8RL_CHECK(consistent == "off" || !tkv_set, "recipe '", spec, "': consistent=on decides how the trainer reads "
+              "k and v (through a cache of the generator's KV dtype): drop tkv");
+  r.set_consistent_mode(consistent);
   return r;
 }
 

@@ -75,6 +75,10 @@ struct PrecisionRecipe {
   // generator's cache dtype. Throws (saying what to change) when the recipe cannot be consistent:
   // fp8_attention (the trainer's attention backward has no FP8 form).
   void set_consistent(bool on);
+  // The consistent mode by name (precision.consistent, the recipe spec's consistent=): off, on
+  // (set_consistent(true), row-invariant linears), attn (consistent_linears off) or flash (also
+  // consistent_flash), on both engines. Throws on any other name.
+  void set_consistent_mode(const std::string& mode);
   // Presets: "fp32" (exact reference), "bf16", "fp8_gen" (FP8 generation + FP8 KV, BF16
   // training), "fp8_e2e" (FP8 both, FP8 KV, BF16 weight gradients). Both FP8 presets have the
   // trainer round k/v as the E4M3 cache stores them. Throws on anything else.

@@ -847,13 +847,7 @@ PrecisionRecipe config_precision_recipe(const PrecisionSection& p) {
   r.generator.fp8_attention = p.fp8_attention;
   if (p.trainer_kv_rounding != "auto") r.trainer.kv_cache = p.trainer_kv_rounding == "on" ? DType::E4M3 : DType::BF16;
   if (r.generator.kv_cache != DType::E4M3) r.trainer.kv_cache = DType::BF16;  // nothing to round as
-  if (p.consistent != "off") {
-    r.set_consistent(true);
-    for (EnginePrecision* e : {&r.generator, &r.trainer}) {
-      e->consistent_linears = p.consistent == "on";
-      e->consistent_flash = p.consistent == "flash";
-    }
-  }
+  r.set_consistent_mode(p.consistent);
   const bool custom = p.generator_linear != "auto" || p.trainer_linear != "auto" || p.kv_cache != "auto" ||
                       p.fp8_attention || p.pow2_scales || p.bf16_first_layers || p.bf16_last_layers ||
                       p.trainer_kv_rounding != "auto" || p.trainer_wgrad != "auto";
