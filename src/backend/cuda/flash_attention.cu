@@ -370,10 +370,11 @@ __global__ void __launch_bounds__(kThreadsF) flash_fwd_kernel(const bf16* q, con
 // leaves them in shared memory, and then every thread reads back the whole tile's probabilities in
 // fwd_tile's register layout: l sums them in fwd_tile's order, the P fragments are fwd_tile's, and
 // warp w accumulates a quarter of the output columns (head_dim 128: columns 32w .. 32w + 31, four
-// of the sixteen 8-column tiles; 64: two of eight), with the same k-loop over keys. The pool bytes are staged by cp.async (zero-filled past the token), keys and
-// values as separate groups, each fetched for the next tile as soon as this tile's copy of it is
-// converted into the one BF16 tile (keys, then values). ~42 KB of shared memory at head_dim 128
-// over E4M3: five CTAs, twenty warps per SM.
+// of the sixteen 8-column tiles; 64: two of eight), with the same k-loop over keys. The pool
+// bytes are staged by cp.async (zero-filled past the token), keys and values as separate groups,
+// each fetched for the next tile as soon as this tile's copy of it is converted into the one BF16
+// tile (keys, then values), from pages read out of the page table a tile earlier. ~42 KB of shared
+// memory at head_dim 128 over E4M3: five CTAs, twenty warps per SM.
 constexpr int kDecWarps = 4;
 template <int D, bool kE4m3>
 struct DecSmem {
