@@ -1600,46 +1600,58 @@ void grouped_linear_backward_cases(std::vector<OpCase>& t) {
 
 void moe_cases(std::vector<OpCase>& t) {
   const int64_t T = 37, E = 12, k = 3, D = 72, R = T * k;
-  // Routing: F32 logits; the selection must agree exactly away from ties, weights 1e-5.
+  // Routing: F32 logits; the selection must agree exactly away from ties, weights 1e-5. Two
+  // widths: 12 experts (fewer than a warp's lanes) and 160 (five per lane on CUDA, top 8, eight
+  // groups of 20 with three kept: the Qwen3-MoE / DeepSeek-V3 regime).
+  auto route_rows = [&](int64_t T, int64_t E, int64_t k, int groups, int kept) {
+    auto route_inputs = [=] {
+      return Tensors{{"logits", rnd({T, E}, 90, DType::F32, 2.0f)},
+                     {"dw", rnd({T, k}, 91)},
+                     {"bias", rnd({E}, 96, DType::F32, 0.1f)}};
+    };
+    for (bool renorm : {false, true}) {
+      t.push_back(
+          {"moe_route_softmax + backward",
+           dims({T, E}) + " top " + std::to_string(k) + (renorm ? " renormalized" : ""),
+           route_inputs,
+           [=](OpRun& r) {
+             Tensor& ex = r.output("experts", {T, k}, DType::I32);
+             r.be.moe_route_softmax(r["logits"], static_cast<int>(k), renorm, ex,
+                                    r.output("weights", {T, k}, DType::F32));
+             r.be.moe_route_softmax_backward(r["logits"], ex, renorm, r["dw"], r.output("dlogits", {T, E}, DType::F32));
+           },
+           {{"experts", bitwise()}, {"weights", rel(1e-5)}, {"dlogits", rel(1e-5)}}});
+      t.back().errors = [=](OpRun& r) {
+        Tensor ex = r.be.alloc({T, k}, DType::I32), w = r.be.alloc({T, k}, DType::F32);
+        EXPECT_THROW(r.be.moe_route_softmax(r["logits"], static_cast<int>(E + 1), renorm, ex, w), Error);
+      };
+      // DeepSeek-V3 routing: E experts in `groups` groups, `kept` kept, with a correction bias.
+      t.push_back({"moe_route_sigmoid + backward",
+                   dims({T, E}) + " top " + std::to_string(k) + ", " + std::to_string(groups) + " groups, " +
+                       std::to_string(kept) + " kept, bias" + (renorm ? " renormalized" : ""),
+                   route_inputs,
+                   [=](OpRun& r) {
+                     Tensor& ex = r.output("experts", {T, k}, DType::I32);
+                     r.be.moe_route_sigmoid(r["logits"], &r["bias"], static_cast<int>(k), groups, kept, renorm, 2.5f,
+                                            ex, r.output("weights", {T, k}, DType::F32));
+                     r.be.moe_route_sigmoid_backward(r["logits"], ex, renorm, 2.5f, r["dw"],
+                                                     r.output("dlogits", {T, E}, DType::F32));
+                   },
+                   {{"experts", bitwise()}, {"weights", rel(1e-5)}, {"dlogits", rel(1e-5)}}});
+      t.back().errors = [=](OpRun& r) {
+        Tensor ex = r.be.alloc({T, k}, DType::I32), w = r.be.alloc({T, k}, DType::F32);
+        EXPECT_THROW(r.be.moe_route_sigmoid(r["logits"], nullptr, static_cast<int>(k), 7, 2, renorm, 1.0f, ex, w),
+                     Error);  // 7 groups divide neither 12 nor 160 experts
+      };
+    }
+  };
+  route_rows(T, E, k, 4, 2);
+  route_rows(70, 160, 8, 8, 3);
   auto route_inputs = [=] {
     return Tensors{{"logits", rnd({T, E}, 90, DType::F32, 2.0f)},
                    {"dw", rnd({T, k}, 91)},
                    {"bias", rnd({E}, 96, DType::F32, 0.1f)}};
   };
-  for (bool renorm : {false, true}) {
-    t.push_back(
-        {"moe_route_softmax + backward",
-         dims({T, E}) + " top 3" + (renorm ? " renormalized" : ""),
-         route_inputs,
-         [=](OpRun& r) {
-           Tensor& ex = r.output("experts", {T, k}, DType::I32);
-           r.be.moe_route_softmax(r["logits"], static_cast<int>(k), renorm, ex,
-                                  r.output("weights", {T, k}, DType::F32));
-           r.be.moe_route_softmax_backward(r["logits"], ex, renorm, r["dw"], r.output("dlogits", {T, E}, DType::F32));
-         },
-         {{"experts", bitwise()}, {"weights", rel(1e-5)}, {"dlogits", rel(1e-5)}}});
-    t.back().errors = [=](OpRun& r) {
-      Tensor ex = r.be.alloc({T, k}, DType::I32), w = r.be.alloc({T, k}, DType::F32);
-      EXPECT_THROW(r.be.moe_route_softmax(r["logits"], static_cast<int>(E + 1), renorm, ex, w), Error);
-    };
-    // DeepSeek-V3 routing: 12 experts in 4 groups, 2 kept, with a correction bias.
-    t.push_back({"moe_route_sigmoid + backward",
-                 dims({T, E}) + " 4 groups, 2 kept, bias" + (renorm ? " renormalized" : ""),
-                 route_inputs,
-                 [=](OpRun& r) {
-                   Tensor& ex = r.output("experts", {T, k}, DType::I32);
-                   r.be.moe_route_sigmoid(r["logits"], &r["bias"], static_cast<int>(k), 4, 2, renorm, 2.5f, ex,
-                                          r.output("weights", {T, k}, DType::F32));
-                   r.be.moe_route_sigmoid_backward(r["logits"], ex, renorm, 2.5f, r["dw"],
-                                                   r.output("dlogits", {T, E}, DType::F32));
-                 },
-                 {{"experts", bitwise()}, {"weights", rel(1e-5)}, {"dlogits", rel(1e-5)}}});
-    t.back().errors = [=](OpRun& r) {
-      Tensor ex = r.be.alloc({T, k}, DType::I32), w = r.be.alloc({T, k}, DType::F32);
-      EXPECT_THROW(r.be.moe_route_sigmoid(r["logits"], nullptr, static_cast<int>(k), 5, 2, renorm, 1.0f, ex, w),
-                   Error);  // 5 groups do not divide 12 experts
-    };
-  }
   // Routing replay: the weights of given experts. Given the routing op's own experts they are its
   // weights bitwise (same); given other experts (distinct per token, a fixed pattern) they follow
   // the CPU's within the routing weights' class; the backward is the routing op's backward with

@@ -164,6 +164,9 @@ void CudaBackend::copy_impl(const Tensor& src, Tensor& dst) {
     std::memcpy(dst.raw(), src.raw(), n);
     return;
   }
+  // Small uploads go through pinned slots, so the host may free its side at once without waiting
+  // for the GPU (an MoE block uploads its sorted slots every decode step).
+  if (kind == cudaMemcpyHostToDevice && !recording_ && uploads_.upload(src.raw(), dst.raw(), n, stream_)) return;
   CUDA_CHECK(cudaMemcpyAsync(dst.raw(), src.raw(), n, kind, stream_), "copying ", src.str(), " to ", dst.str());
   // Host memory is pageable: wait so the host side may be read or freed on return.
   if (kind != cudaMemcpyDeviceToDevice) {
@@ -1350,7 +1353,7 @@ void CudaBackend::grouped_linear_impl(const Tensor& x, const std::vector<int64_t
     sp.push_back(w->wq.scales.data<float>());
   }
   gemm_->gemm_fp8_grouped(offsets, N, K, xq.data.data<uint8_t>(), xq.scales.data<float>(), false, bp, sp, out.raw(),
-                          out.dtype(), 1.0f, 0.0f);
+                          out.dtype(), 1.0f, 0.0f, /*block_m=*/0, /*keep_maps=*/true);
 }
 
 // The experts' backward, each half in one launch where the mode allows:
@@ -1409,7 +1412,7 @@ void CudaBackend::grouped_linear_backward_impl(const Tensor& dy, const Tensor& x
       }
       const OpTimer t(*this, "grouped_linear_backward: dgrad FP8 GEMM", 2);
       gemm_->gemm_fp8_grouped(offsets, K, N, dyq.data.data<uint8_t>(), dyq.scales.data<float>(), false, bp, sp,
-                              dx->raw(), dx->dtype(), 1.0f, 0.0f);
+                              dx->raw(), dx->dtype(), 1.0f, 0.0f, /*block_m=*/0, /*keep_maps=*/cached);
       dx_done = true;
     }
   } else if (dx && fast && spec.mode == LinearMode::BF16 && bf16_ops && bf16_weights(W) &&

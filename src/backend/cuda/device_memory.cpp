@@ -2,6 +2,7 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 
 #include "backend/cuda/cuda_check.h"
 #include "core/error.h"
@@ -115,6 +116,34 @@ void DeviceMemory::reset_peak() {
     CUDA_CHECK(cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrReservedMemHigh, &zero), "resetting the pool's peak");
     CUDA_CHECK(cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrUsedMemHigh, &zero), "resetting the pool's peak");
   }
+}
+
+PinnedUploads::PinnedUploads(size_t slot_bytes, int slots) : slot_bytes_(slot_bytes), slots_(slots) {}
+
+PinnedUploads::~PinnedUploads() {
+  for (cudaEvent_t e : done_) {
+    cudaEventSynchronize(e);
+    cudaEventDestroy(e);
+  }
+  if (pinned_) cudaFreeHost(pinned_);
+}
+
+bool PinnedUploads::upload(const void* host, void* dev, size_t n, cudaStream_t stream) {
+  if (n > slot_bytes_) return false;
+  if (!pinned_) {
+    CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&pinned_), slot_bytes_ * static_cast<size_t>(slots_)),
+               "allocating ", slot_bytes_ * static_cast<size_t>(slots_), " bytes of pinned upload slots");
+    done_.resize(static_cast<size_t>(slots_));
+    for (cudaEvent_t& e : done_) CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "creating an event");
+  }
+  const int slot = next_;
+  next_ = (next_ + 1) % slots_;
+  CUDA_CHECK(cudaEventSynchronize(done_[static_cast<size_t>(slot)]), "waiting for a pinned upload slot");
+  unsigned char* p = pinned_ + static_cast<size_t>(slot) * slot_bytes_;
+  std::memcpy(p, host, n);
+  CUDA_CHECK(cudaMemcpyAsync(dev, p, n, cudaMemcpyHostToDevice, stream), "uploading ", n, " bytes");
+  CUDA_CHECK(cudaEventRecord(done_[static_cast<size_t>(slot)], stream), "recording a pinned upload's event");
+  return true;
 }
 
 }  // namespace fp8rl::cuda

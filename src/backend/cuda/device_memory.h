@@ -21,6 +21,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "backend/backend.h"
 #include "core/tensor.h"
@@ -55,6 +56,31 @@ class DeviceMemory : public std::enable_shared_from_this<DeviceMemory> {
   cudaStream_t stream_ = nullptr;
   cudaMemPool_t pool_ = nullptr;  // null: plain cudaMalloc
   std::atomic<int64_t> used_{0}, peak_used_{0};
+};
+
+// Host-to-device copies that return without waiting for the GPU: the host bytes are first copied
+// into one of `slots` pinned slots, whose copy is enqueued on the stream; a slot is reused only
+// after the event recorded behind its last copy has completed (by then, in practice, long ago).
+// So the caller may reuse or free its host bytes on return, and small per-step uploads (an MoE
+// block's sorted slots, the grouped GEMM's tile table) cost no stream synchronization. The
+// pinned memory is allocated at the first upload. Not for use while a CUDA graph records (a
+// recorded copy would read the slot again at every replay).
+class PinnedUploads {
+ public:
+  explicit PinnedUploads(size_t slot_bytes = size_t{256} << 10, int slots = 16);
+  ~PinnedUploads();
+  PinnedUploads(const PinnedUploads&) = delete;
+  PinnedUploads& operator=(const PinnedUploads&) = delete;
+
+  // Enqueues the copy of n bytes from host to dev on stream; false (nothing done) when n exceeds
+  // a slot: the caller copies some other way.
+  bool upload(const void* host, void* dev, size_t n, cudaStream_t stream);
+
+ private:
+  size_t slot_bytes_;
+  int slots_, next_ = 0;
+  unsigned char* pinned_ = nullptr;
+  std::vector<cudaEvent_t> done_;
 };
 
 }  // namespace fp8rl::cuda

@@ -12,6 +12,8 @@
 
 namespace fp8rl::cuda {
 
+class PinnedUploads;
+
 struct Fp8GemmArgs {
   int64_t M = 0, N = 0, K = 0;
   const uint8_t* a = nullptr;       // [M, K]
@@ -64,9 +66,20 @@ struct Fp8GroupedArgs {
   int block_m = 0;              // 64 or 128 (0: from the mean rows per group)
   void* device_meta = nullptr;  // device scratch of fp8_gemm_sm90_grouped_meta_bytes bytes
   size_t device_meta_bytes = 0;
+  // A device copy (64-byte aligned) of fp8_gemm_sm90_grouped_maps' bytes for these b and
+  // b_scales, kept by the caller across calls: then only the tile table is uploaded (null: the
+  // maps are encoded and uploaded with it, into device_meta).
+  const void* maps = nullptr;
+  PinnedUploads* uploads = nullptr;  // the table's upload (null: a pageable copy)
 };
 size_t fp8_gemm_sm90_grouped_meta_bytes(int groups, int64_t rows, int block_m);
-// Uploads its tile table with a pageable copy: not for use inside a CUDA graph capture.
+// The groups' B tensor maps and scale pointers as the kernel reads them: G CUtensorMaps, then G
+// scale pointers (the bytes depend only on the pointers, N and K, so a copy stays valid as long
+// as the weights stay where they are).
+std::vector<unsigned char> fp8_gemm_sm90_grouped_maps(const std::vector<const uint8_t*>& b,
+                                                      const std::vector<const float*>& b_scales, int64_t N, int64_t K);
+// Uploads its tile table (and the maps when args.maps is null): not for use inside a CUDA graph
+// capture.
 void fp8_gemm_sm90_grouped(const Fp8GroupedArgs& args, cudaStream_t stream);
 
 }  // namespace fp8rl::cuda

@@ -38,6 +38,7 @@
 
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/cuda_check.h"
+#include "backend/cuda/device_memory.h"
 #include "backend/cuda/fp8_gemm.h"
 #include "quant/quant.h"
 
@@ -934,7 +935,23 @@ void fp8_gemm_sm90(const Fp8GemmArgs& a, cudaStream_t stream) {
 size_t fp8_gemm_sm90_grouped_meta_bytes(int groups, int64_t rows, int block_m) {
   const int64_t bm = block_m > 0 ? block_m : 64;  // the most tiles any block_m gives
   const int64_t tiles = ceil_div(rows, bm) + groups;
-  return static_cast<size_t>(groups) * (sizeof(CUtensorMap) + sizeof(float*)) + static_cast<size_t>(tiles) * 16 + 64;
+  return static_cast<size_t>(groups) * (sizeof(CUtensorMap) + sizeof(float*)) + 16 + static_cast<size_t>(tiles) * 16 +
+         64;
+}
+
+std::vector<unsigned char> fp8_gemm_sm90_grouped_maps(const std::vector<const uint8_t*>& b,
+                                                      const std::vector<const float*>& b_scales, int64_t N, int64_t K) {
+  const size_t G = b.size(), maps_bytes = G * sizeof(CUtensorMap);
+  FP8RL_CHECK(b_scales.size() == G, "grouped FP8 GEMM: ", G, " groups need ", G, " scale tensors, got ",
+              b_scales.size());
+  std::vector<unsigned char> host(maps_bytes + G * 8);
+  for (size_t g = 0; g < G; ++g) {
+    const CUtensorMap m = tensor_map(b[g], N, K, kBN);
+    std::memcpy(host.data() + g * sizeof(CUtensorMap), &m, sizeof m);
+    const float* sp = b_scales[g];
+    std::memcpy(host.data() + maps_bytes + g * 8, &sp, 8);
+  }
+  return host;
 }
 
 // The grouped product: one launch, the m tiles over every group's row tiles (a table built here),
@@ -964,20 +981,21 @@ void fp8_gemm_sm90_grouped(const Fp8GroupedArgs& a, cudaStream_t stream) {
     for (int64_t r = a.offsets[g]; r < a.offsets[g + 1]; r += bm)
       tiles.push_back(make_int4(g, static_cast<int>(r), static_cast<int>(a.offsets[g + 1]), 0));
   const size_t maps_bytes = static_cast<size_t>(G) * sizeof(CUtensorMap), ptr_bytes = static_cast<size_t>(G) * 8;
-  const size_t need = maps_bytes + ptr_bytes + tiles.size() * sizeof(int4);
+  const size_t tiles_bytes = tiles.size() * sizeof(int4);
+  const size_t need = (a.maps ? 0 : maps_bytes + ptr_bytes + 15) + tiles_bytes;
   FP8RL_CHECK(a.device_meta && need + 64 <= a.device_meta_bytes, "grouped FP8 GEMM: the metadata needs ", need + 64,
               " bytes of device scratch, got ", a.device_meta_bytes);
+  FP8RL_CHECK(reinterpret_cast<uintptr_t>(a.maps) % 64 == 0, "grouped FP8 GEMM: the maps must be 64-byte aligned");
   uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(a.device_meta) + 63) & ~uintptr_t(63));
-  std::vector<uint8_t> host(need);
-  for (int g = 0; g < G; ++g) {
-    const CUtensorMap m = tensor_map(a.b[static_cast<size_t>(g)], a.N, a.K, kBN);
-    std::memcpy(host.data() + static_cast<size_t>(g) * sizeof(CUtensorMap), &m, sizeof m);
-    const float* sp = a.b_scales[static_cast<size_t>(g)];
-    std::memcpy(host.data() + maps_bytes + static_cast<size_t>(g) * 8, &sp, 8);
-  }
-  std::memcpy(host.data() + maps_bytes + ptr_bytes, tiles.data(), tiles.size() * sizeof(int4));
-  CUDA_CHECK(cudaMemcpyAsync(base, host.data(), need, cudaMemcpyHostToDevice, stream),
-             "uploading the grouped FP8 GEMM's tile table");
+  std::vector<unsigned char> host;
+  if (!a.maps) host = fp8_gemm_sm90_grouped_maps(a.b, a.b_scales, a.N, a.K);
+  const size_t tiles_at = (host.size() + 15) & ~size_t{15};  // int4 rows: 16-byte aligned
+  host.resize(tiles_at + tiles_bytes);
+  std::memcpy(host.data() + tiles_at, tiles.data(), tiles_bytes);
+  if (!a.uploads || !a.uploads->upload(host.data(), base, host.size(), stream))
+    CUDA_CHECK(cudaMemcpyAsync(base, host.data(), host.size(), cudaMemcpyHostToDevice, stream),
+               "uploading the grouped FP8 GEMM's tile table");
+  const uint8_t* maps = a.maps ? static_cast<const uint8_t*>(a.maps) : base;
   const int kblocks = static_cast<int>(ceil_div(a.K, int64_t{kBK}));
   GemmParams p;
   p.M = R, p.N = a.N, p.K = a.K;
@@ -990,9 +1008,9 @@ void fp8_gemm_sm90_grouped(const Fp8GroupedArgs& a, cudaStream_t stream) {
   p.c = a.c;
   p.c_bf16 = a.c_dtype == DType::BF16;
   p.alpha = a.alpha, p.beta = a.beta;
-  p.b_maps = reinterpret_cast<const CUtensorMap*>(base);
-  p.sb_groups = reinterpret_cast<const float* const*>(base + maps_bytes);
-  p.tiles = reinterpret_cast<const int4*>(base + maps_bytes + ptr_bytes);
+  p.b_maps = reinterpret_cast<const CUtensorMap*>(maps);
+  p.sb_groups = reinterpret_cast<const float* const*>(maps + maps_bytes);
+  p.tiles = reinterpret_cast<const int4*>(base + tiles_at);
   const int n_tiles = static_cast<int>(ceil_div(a.N, int64_t{kBN}));
   p.n_tiles = n_tiles, p.m_tiles = static_cast<int>(tiles.size()), p.splits = 1;
   p.m_fastest = false;  // a group's row blocks share its B: n fastest within each

@@ -77,6 +77,7 @@ void GemmEngine::set_fp8_kernel(const std::string& v) {
 GemmEngine::~GemmEngine() {
   if (own_ws_) cudaFree(own_ws_);
   if (grouped_meta_) cudaFree(grouped_meta_);
+  for (auto& [k, d] : grouped_maps_) cudaFree(d);
   if (grouped_ptrs_) cudaFree(grouped_ptrs_);
   if (blas_) cublasDestroy(blas_);
   if (tail_) cudaFree(tail_);
@@ -288,8 +289,9 @@ void GemmEngine::gemm_grouped(bool ta, bool tb, const std::vector<Problem>& prob
     grouped_ptrs_bytes_ = 2 * bytes;
     grouped_ptrs_ = cuda_malloc(grouped_ptrs_bytes_, "the grouped GEMM pointer arrays");
   }
-  CUDA_CHECK(cudaMemcpyAsync(grouped_ptrs_, ptrs.data(), bytes, cudaMemcpyHostToDevice, stream_),
-             "uploading the grouped GEMM pointers");
+  if (!uploads_.upload(ptrs.data(), grouped_ptrs_, bytes, stream_))
+    CUDA_CHECK(cudaMemcpyAsync(grouped_ptrs_, ptrs.data(), bytes, cudaMemcpyHostToDevice, stream_),
+               "uploading the grouped GEMM pointers");
   const void* const* dp = static_cast<const void* const*>(grouped_ptrs_);
   void* const* dc = static_cast<void* const*>(grouped_ptrs_) + 2 * G;
   CUBLAS_CHECK(cublasGemmGroupedBatchedEx_64(blas_, opa.data(), opb.data(), m.data(), n.data(), k.data(), alphas.data(),
@@ -464,7 +466,7 @@ void GemmEngine::gemm_fp8_own(int64_t M, int64_t N, int64_t K, const uint8_t* a,
 void GemmEngine::gemm_fp8_grouped(const std::vector<int64_t>& offsets, int64_t N, int64_t K, const uint8_t* a,
                                   const float* a_scales, bool a_scales_kb_major, const std::vector<const uint8_t*>& b,
                                   const std::vector<const float*>& b_scales, void* C, DType c_dtype, float alpha,
-                                  float beta, int block_m) {
+                                  float beta, int block_m, bool keep_maps) {
   Fp8GroupedArgs g;
   g.N = N, g.K = K, g.offsets = offsets;
   g.a = a, g.a_scales = a_scales, g.a_scales_kb_major = a_scales_kb_major;
@@ -482,6 +484,25 @@ void GemmEngine::gemm_fp8_grouped(const std::vector<int64_t>& offsets, int64_t N
     grouped_meta_ = cuda_malloc(grouped_meta_bytes_, "the grouped FP8 GEMM's tile table");
   }
   g.device_meta = grouped_meta_, g.device_meta_bytes = grouped_meta_bytes_;
+  g.uploads = &uploads_;
+  if (keep_maps && !b.empty()) {
+    std::vector<uintptr_t> key{static_cast<uintptr_t>(N), static_cast<uintptr_t>(K)};
+    for (const uint8_t* p : b) key.push_back(reinterpret_cast<uintptr_t>(p));
+    for (const float* p : b_scales) key.push_back(reinterpret_cast<uintptr_t>(p));
+    auto it = grouped_maps_.find(key);
+    if (it == grouped_maps_.end()) {
+      if (grouped_maps_.size() >= 4096) {  // a bound on what stale pointer sets may hold
+        CUDA_CHECK(cudaStreamSynchronize(stream_), "waiting before dropping the grouped GEMM maps");
+        for (auto& [k, d] : grouped_maps_) cudaFree(d);
+        grouped_maps_.clear();
+      }
+      const std::vector<unsigned char> host = fp8_gemm_sm90_grouped_maps(b, b_scales, N, K);
+      void* d = cuda_malloc(host.size(), "the grouped FP8 GEMM's tensor maps");
+      CUDA_CHECK(cudaMemcpy(d, host.data(), host.size(), cudaMemcpyHostToDevice), "uploading the grouped GEMM maps");
+      it = grouped_maps_.emplace(std::move(key), d).first;
+    }
+    g.maps = it->second;
+  }
   fp8_gemm_sm90_grouped(g, stream_);
   ++own_products_;
 }

@@ -40,6 +40,7 @@
 #include <vector>
 #include <tuple>
 
+#include "backend/cuda/device_memory.h"
 #include "core/dtype.h"
 #include "core/error.h"
 
@@ -123,10 +124,14 @@ class GemmEngine {
   // (1: every row's result independent of M, for the consistency experiments).
   bool use_own_fp8(int64_t M, int64_t N, int64_t K) const;
   // The grouped product of fp8_gemm.h (one launch over every group's rows): the own kernel only.
+  // keep_maps: b and b_scales are long-lived (the experts' weights): their tensor maps are encoded
+  // and uploaded once per pointer set and kept, so a call uploads only its tile table, through
+  // pinned slots without a stream synchronization (an MoE decode step calls this three times per
+  // block; encoding 128 experts' maps per call cost ~0.1 ms of host time each).
   void gemm_fp8_grouped(const std::vector<int64_t>& offsets, int64_t N, int64_t K, const uint8_t* a,
                         const float* a_scales, bool a_scales_kb_major, const std::vector<const uint8_t*>& b,
                         const std::vector<const float*>& b_scales, void* C, DType c_dtype, float alpha, float beta,
-                        int block_m = 0);
+                        int block_m = 0, bool keep_maps = false);
   // The same choice in code (tests and benchmarks): "auto", "own" or "cublaslt".
   void set_fp8_kernel(const std::string& mode);
   // FP8RL_FP8_ROW_INVARIANT=1 (or this setter): cuBLASLt's block-scaled products take gemm()'s
@@ -190,6 +195,9 @@ class GemmEngine {
   float* own_ws_ = nullptr;  // split-K partials of the own kernel
   void* grouped_meta_ = nullptr;  // the grouped kernel's tile table, tensor maps and scale pointers
   size_t grouped_meta_bytes_ = 0;
+  // keep_maps' device copies of fp8_gemm_sm90_grouped_maps, by {N, K, b..., b_scales...}
+  std::map<std::vector<uintptr_t>, void*> grouped_maps_;
+  PinnedUploads uploads_;  // the grouped products' tile tables and cuBLAS's pointer arrays
   size_t own_ws_floats_ = 0;
   std::map<Key, cublasLtMatmulAlgo_t> algos_;
   int lt_candidate_ = -1;  // set_lt_candidate

@@ -1,7 +1,7 @@
 // Mixture-of-experts kernels: softmax top-k routing and its backward, the permute (row gather,
 // optionally weighted), the weighted un-permute (a fixed-order sum of each token's k rows: no
-// atomics, deterministic) and the routing weights' gradient. Simple and correct first: one
-// thread per token for the routing (E and k are small), grid-stride loops elsewhere; FP32 math.
+// atomics, deterministic) and the routing weights' gradient. One warp per token for the routing,
+// grid-stride loops elsewhere; FP32 math.
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/kernels.h"
@@ -10,12 +10,24 @@ namespace fp8rl::cuda {
 
 namespace {
 
-// Row z [E] of the logits: its max m and sum_e exp(z_e - m) s (the softmax's normalizer).
-__device__ void softmax_max_sum(const float* z, int E, float& m, float& s) {
-  m = -INFINITY;
-  for (int e = 0; e < E; ++e) m = fmaxf(m, z[e]);
-  s = 0.0f;
-  for (int e = 0; e < E; ++e) s += expf(z[e] - m);
+// The routing kernels run one warp per token (kRouteWarps tokens per 128-thread block): lane l
+// holds experts l, l + 32, ... (E <= kRouteMaxExperts), so a token's E logits are read coalesced
+// and its reductions are warp shuffles. (The first form, one thread per token, walked the top-k
+// serially over global memory: ~275 us per call at 256 tokens x 128 experts, a quarter of a
+// Qwen3-30B-A3B decode step.)
+constexpr int kRouteWarps = 4;
+constexpr int kRouteMaxExperts = 1024;  // 32 per lane: the taken set of a lane is one 32-bit mask
+
+// Row z [E] of the logits: its max m and sum_e exp(z_e - m) s (the softmax's normalizer), the
+// same on every lane: each lane sums its experts in order, then the xor tree (each level adds a
+// pair in both lanes, a commutative add: every lane ends with the same bits).
+__device__ void warp_softmax_max_sum(const float* z, int E, int lane, float& m, float& s) {
+  float mx = -INFINITY;
+  for (int e = lane; e < E; e += 32) mx = fmaxf(mx, z[e]);
+  m = warp_max(mx);
+  float acc = 0.0f;
+  for (int e = lane; e < E; e += 32) acc += expf(z[e] - m);
+  s = warp_sum(acc);
 }
 
 // The weights of the k experts ex of one token: softmax probabilities p = exp(z - m) / s,
@@ -32,71 +44,98 @@ __device__ void softmax_weights_of(const float* z, float m, float s, const int32
     for (int j = 0; j < k; ++j) w[j] /= sel;
 }
 
+// The top k of value(e) over e in [0, E), descending, ties to the lower expert id (the order of
+// a serial scan that replaces its best only on a strictly larger value; a NaN value ranks as
+// -inf, so the order stays total and every lane agrees), into ex[0..k) (lane 0 writes). Each round: the lane's best untaken expert, then a shuffle tree whose pairwise choice
+// is symmetric (value, then id), so every lane agrees on the winner; its lane marks it taken.
+template <class Value>
+__device__ void warp_top_k(int E, int k, int lane, Value value, int32_t* ex) {
+  uint32_t taken = 0;
+  for (int j = 0; j < k; ++j) {
+    float bv = 0.0f;
+    int be = -1;
+    for (int i = 0, e = lane; e < E; ++i, e += 32) {
+      if (taken >> i & 1u) continue;
+      const float x = value(e), v = x != x ? -INFINITY : x;
+      if (be < 0 || v > bv) bv = v, be = e;
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+      const int oe = __shfl_xor_sync(0xffffffffu, be, o);
+      if (oe >= 0 && (be < 0 || ov > bv || (ov == bv && oe < be))) bv = ov, be = oe;
+    }
+    if (be >= 0 && (be & 31) == lane) taken |= 1u << (be >> 5);
+    if (lane == 0) ex[j] = be;
+  }
+}
+
 // Token t: the k largest logits in descending order (ties: the lower expert id), their
 // softmax probabilities (optionally renormalized). Ordering by logit = ordering by probability.
 __global__ void moe_route_softmax_kernel(const float* logits, int64_t T, int E, int k, bool renorm,
                                          int32_t* experts, float* weights) {
-  const int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t t = blockIdx.x * static_cast<int64_t>(kRouteWarps) + threadIdx.x / 32;
+  const int lane = threadIdx.x & 31;
   if (t >= T) return;
   const float* z = logits + t * E;
   float m, s;
-  softmax_max_sum(z, E, m, s);
-  for (int j = 0; j < k; ++j) {
-    int best = -1;
-    for (int e = 0; e < E; ++e) {
-      bool taken = false;
-      for (int i = 0; i < j; ++i) taken |= experts[t * k + i] == e;
-      if (!taken && (best < 0 || z[e] > z[best])) best = e;
-    }
-    experts[t * k + j] = best;
-  }
-  softmax_weights_of(z, m, s, experts + t * k, k, renorm, weights + t * k);
+  warp_softmax_max_sum(z, E, lane, m, s);
+  warp_top_k(E, k, lane, [&](int e) { return z[e]; }, experts + t * k);
+  __syncwarp();
+  if (lane == 0) softmax_weights_of(z, m, s, experts + t * k, k, renorm, weights + t * k);
 }
 
 // Routing replay: the weights of given experts (each in [0, E), else *bad = 1 and the token's
 // weights 0).
 __global__ void moe_route_softmax_weights_kernel(const float* logits, const int32_t* experts, int64_t T, int E, int k,
                                                  bool renorm, float* weights, int* bad) {
-  const int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t t = blockIdx.x * static_cast<int64_t>(kRouteWarps) + threadIdx.x / 32;
+  const int lane = threadIdx.x & 31;
   if (t >= T) return;
   const int32_t* ex = experts + t * k;
   for (int j = 0; j < k; ++j)
     if (ex[j] < 0 || ex[j] >= E) {
-      *bad = 1;
-      for (int i = 0; i < k; ++i) weights[t * k + i] = 0.0f;
+      if (lane == 0) {
+        *bad = 1;
+        for (int i = 0; i < k; ++i) weights[t * k + i] = 0.0f;
+      }
       return;
     }
   const float* z = logits + t * E;
   float m, s;
-  softmax_max_sum(z, E, m, s);
-  softmax_weights_of(z, m, s, ex, k, renorm, weights + t * k);
+  warp_softmax_max_sum(z, E, lane, m, s);
+  if (lane == 0) softmax_weights_of(z, m, s, ex, k, renorm, weights + t * k);
 }
 
 // dz_e = p_e (g_e - sum_j ds_j s_j) with s_j = p[e_j], ds_j = dw_j or (dw_j - sum_i dw_i w_i) / S.
+// Every lane computes the k-term sums (the same serial order, the same bits); lane l writes its
+// experts' dz.
 __global__ void moe_route_softmax_backward_kernel(const float* logits, const int32_t* experts, const float* dw,
                                                   int64_t T, int E, int k, bool renorm, float* dlogits) {
-  const int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t t = blockIdx.x * static_cast<int64_t>(kRouteWarps) + threadIdx.x / 32;
+  const int lane = threadIdx.x & 31;
   if (t >= T) return;
   const float* z = logits + t * E;
   float* dz = dlogits + t * E;
-  float m = -INFINITY;
-  for (int e = 0; e < E; ++e) m = fmaxf(m, z[e]);
-  float s = 0.0f;
-  for (int e = 0; e < E; ++e) s += expf(z[e] - m);
+  const int32_t* ex = experts + t * k;
+  float m, s;
+  warp_softmax_max_sum(z, E, lane, m, s);
   float S = 0.0f, dot = 0.0f;
-  for (int j = 0; j < k; ++j) S += expf(z[experts[t * k + j]] - m) / s;
-  for (int j = 0; j < k; ++j) dot += dw[t * k + j] * (expf(z[experts[t * k + j]] - m) / s) / S;
+  for (int j = 0; j < k; ++j) S += expf(z[ex[j]] - m) / s;
+  for (int j = 0; j < k; ++j) dot += dw[t * k + j] * (expf(z[ex[j]] - m) / s) / S;
   float c = 0.0f;
   for (int j = 0; j < k; ++j) {
-    const float sj = expf(z[experts[t * k + j]] - m) / s;
+    const float sj = expf(z[ex[j]] - m) / s;
     const float dsj = renorm ? (dw[t * k + j] - dot) / S : dw[t * k + j];
     c += dsj * sj;
   }
-  for (int e = 0; e < E; ++e) dz[e] = -(expf(z[e] - m) / s) * c;
-  for (int j = 0; j < k; ++j) {
-    const int e = experts[t * k + j];
-    const float sj = expf(z[e] - m) / s;
-    dz[e] += sj * (renorm ? (dw[t * k + j] - dot) / S : dw[t * k + j]);
+  for (int e = lane; e < E; e += 32) {
+    float v = -(expf(z[e] - m) / s) * c;
+    for (int j = 0; j < k; ++j)
+      if (ex[j] == e) {
+        const float sj = expf(z[e] - m) / s;
+        v += sj * (renorm ? (dw[t * k + j] - dot) / S : dw[t * k + j]);
+      }
+    dz[e] = v;
   }
 }
 
@@ -113,50 +152,47 @@ __device__ void sigmoid_weights_of(const float* z, const int32_t* ex, int k, boo
   for (int j = 0; j < k; ++j) w[j] = (renorm ? w[j] / (sel + 1e-20f) : w[j]) * scaling;
 }
 
-// DeepSeek-V3 routing for token t (see backend.h moe_route_sigmoid). Groups are at most
-// kMaxGroups; a group is kept when fewer than topk_group groups beat it (ties: the lower group).
+// DeepSeek-V3 routing for token t (see backend.h moe_route_sigmoid), one warp per token: the
+// choices c = sigmoid(z) + bias in shared memory, lane g scores group g (its two largest c, in
+// the serial scan's order: the sum of the same two values), each group kept when fewer than
+// topk_group groups beat it (ties: the lower group), then the top k of the masked choices.
 constexpr int kMaxGroups = 64;
 __global__ void moe_route_sigmoid_kernel(const float* logits, const float* bias, int64_t T, int E, int k, int n_group,
                                          int topk_group, bool renorm, float scaling, int32_t* experts, float* weights) {
-  const int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  __shared__ float choice_s[kRouteWarps][kRouteMaxExperts];
+  __shared__ float group_s[kRouteWarps][kMaxGroups];
+  __shared__ bool kept_s[kRouteWarps][kMaxGroups];
+  const int w = threadIdx.x / 32, lane = threadIdx.x & 31;
+  const int64_t t = blockIdx.x * static_cast<int64_t>(kRouteWarps) + w;
   if (t >= T) return;
   const float* z = logits + t * E;
+  float* ch = choice_s[w];
+  for (int e = lane; e < E; e += 32) ch[e] = 1.0f / (1.0f + expf(-z[e])) + (bias ? bias[e] : 0.0f);
+  __syncwarp();
   const int G = E / n_group;
-  auto sig = [&](int e) { return 1.0f / (1.0f + expf(-z[e])); };
-  auto choice = [&](int e) { return sig(e) + (bias ? bias[e] : 0.0f); };
-  float gs[kMaxGroups];
-  for (int g = 0; g < n_group; ++g) {
+  for (int g = lane; g < n_group; g += 32) {
     float m1 = -INFINITY, m2 = -INFINITY;
     for (int e = g * G; e < (g + 1) * G; ++e) {
-      const float c = choice(e);
+      const float c = ch[e];
       if (c > m1) m2 = m1, m1 = c;
       else if (c > m2) m2 = c;
     }
-    gs[g] = G == 1 ? m1 : m1 + m2;
+    group_s[w][g] = G == 1 ? m1 : m1 + m2;
   }
-  auto kept = [&](int g) {
+  __syncwarp();
+  for (int g = lane; g < n_group; g += 32) {
     int better = 0;
-    for (int h = 0; h < n_group; ++h) better += gs[h] > gs[g] || (gs[h] == gs[g] && h < g);
-    return better < topk_group;
-  };
-  auto masked = [&](int e) { return kept(e / G) ? choice(e) : 0.0f; };
-  for (int j = 0; j < k; ++j) {
-    int best = -1;
-    float bv = 0.0f;
-    for (int e = 0; e < E; ++e) {
-      bool taken = false;
-      for (int i = 0; i < j; ++i) taken |= experts[t * k + i] == e;
-      if (taken) continue;
-      const float v = masked(e);
-      if (best < 0 || v > bv) best = e, bv = v;
-    }
-    experts[t * k + j] = best;
+    for (int h = 0; h < n_group; ++h) better += group_s[w][h] > group_s[w][g] || (group_s[w][h] == group_s[w][g] && h < g);
+    kept_s[w][g] = better < topk_group;
   }
-  sigmoid_weights_of(z, experts + t * k, k, renorm, scaling, weights + t * k);
+  __syncwarp();
+  warp_top_k(E, k, lane, [&](int e) { return kept_s[w][e / G] ? ch[e] : 0.0f; }, experts + t * k);
+  __syncwarp();
+  if (lane == 0) sigmoid_weights_of(z, experts + t * k, k, renorm, scaling, weights + t * k);
 }
 
 // Routing replay: the weights of given experts (each in [0, E), else *bad = 1 and the token's
-// weights 0).
+// weights 0). One thread per token (no reduction over E).
 __global__ void moe_route_sigmoid_weights_kernel(const float* logits, const int32_t* experts, int64_t T, int E, int k,
                                                  bool renorm, float scaling, float* weights, int* bad) {
   const int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
@@ -171,24 +207,30 @@ __global__ void moe_route_sigmoid_weights_kernel(const float* logits, const int3
   sigmoid_weights_of(logits + t * E, ex, k, renorm, scaling, weights + t * k);
 }
 
+// One warp per token: lane l writes its experts' dz (0, plus the selected expert's term).
 __global__ void moe_route_sigmoid_backward_kernel(const float* logits, const int32_t* experts, const float* dw,
                                                   int64_t T, int E, int k, bool renorm, float scaling, float* dlogits) {
-  const int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t t = blockIdx.x * static_cast<int64_t>(kRouteWarps) + threadIdx.x / 32;
+  const int lane = threadIdx.x & 31;
   if (t >= T) return;
   const float* z = logits + t * E;
   float* dz = dlogits + t * E;
-  for (int e = 0; e < E; ++e) dz[e] = 0.0f;
+  const int32_t* ex = experts + t * k;
   float S = 1e-20f, dot = 0.0f;
   for (int j = 0; j < k; ++j) {
-    const float s = 1.0f / (1.0f + expf(-z[experts[t * k + j]]));
+    const float s = 1.0f / (1.0f + expf(-z[ex[j]]));
     S += s;
     dot += dw[t * k + j] * s;
   }
-  for (int j = 0; j < k; ++j) {
-    const int e = experts[t * k + j];
-    const float s = 1.0f / (1.0f + expf(-z[e]));
-    const float ds = renorm ? scaling / S * (dw[t * k + j] - dot / S) : scaling * dw[t * k + j];
-    dz[e] += ds * s * (1.0f - s);
+  for (int e = lane; e < E; e += 32) {
+    float v = 0.0f;
+    for (int j = 0; j < k; ++j)
+      if (ex[j] == e) {
+        const float s = 1.0f / (1.0f + expf(-z[e]));
+        const float ds = renorm ? scaling / S * (dw[t * k + j] - dot / S) : scaling * dw[t * k + j];
+        v += ds * s * (1.0f - s);
+      }
+    dz[e] = v;
   }
 }
 
@@ -271,20 +313,27 @@ __global__ void moe_weight_grad_kernel(const T* dout, const T* y, const int32_t*
   if (lane == 0) dw[s] = acc;
 }
 
+unsigned route_grid(int64_t T) { return static_cast<unsigned>((T + kRouteWarps - 1) / kRouteWarps); }
+
+void check_route_experts(int E, const char* op) {
+  FP8RL_CHECK(E <= kRouteMaxExperts, op, ": at most ", kRouteMaxExperts, " experts on the GPU, got ", E);
+}
+
 }  // namespace
 
 void launch_moe_route_softmax(const float* logits, int64_t T, int E, int k, bool renorm, int32_t* experts,
                               float* weights, cudaStream_t stream) {
   if (T == 0) return;
-  moe_route_softmax_kernel<<<grid_for(T, 128), 128, 0, stream>>>(logits, T, E, k, renorm, experts, weights);
+  check_route_experts(E, "moe_route_softmax");
+  moe_route_softmax_kernel<<<route_grid(T), 32 * kRouteWarps, 0, stream>>>(logits, T, E, k, renorm, experts, weights);
   CUDA_CHECK_LAUNCH("moe_route_softmax_kernel");
 }
 
 void launch_moe_route_softmax_backward(const float* logits, const int32_t* experts, const float* dweights, int64_t T,
                                        int E, int k, bool renorm, float* dlogits, cudaStream_t stream) {
   if (T == 0) return;
-  moe_route_softmax_backward_kernel<<<grid_for(T, 128), 128, 0, stream>>>(logits, experts, dweights, T, E, k, renorm,
-                                                                          dlogits);
+  moe_route_softmax_backward_kernel<<<route_grid(T), 32 * kRouteWarps, 0, stream>>>(logits, experts, dweights, T, E,
+                                                                                   k, renorm, dlogits);
   CUDA_CHECK_LAUNCH("moe_route_softmax_backward_kernel");
 }
 
@@ -293,24 +342,25 @@ void launch_moe_route_sigmoid(const float* logits, const float* bias, int64_t T,
                               cudaStream_t stream) {
   if (T == 0) return;
   FP8RL_CHECK(n_group <= kMaxGroups, "moe_route_sigmoid: at most ", kMaxGroups, " groups on the GPU, got ", n_group);
-  moe_route_sigmoid_kernel<<<grid_for(T, 128), 128, 0, stream>>>(logits, bias, T, E, k, n_group, topk_group, renorm,
-                                                                 scaling, experts, weights);
+  check_route_experts(E, "moe_route_sigmoid");
+  moe_route_sigmoid_kernel<<<route_grid(T), 32 * kRouteWarps, 0, stream>>>(logits, bias, T, E, k, n_group, topk_group,
+                                                                          renorm, scaling, experts, weights);
   CUDA_CHECK_LAUNCH("moe_route_sigmoid_kernel");
 }
 
 void launch_moe_route_sigmoid_backward(const float* logits, const int32_t* experts, const float* dweights, int64_t T,
                                        int E, int k, bool renorm, float scaling, float* dlogits, cudaStream_t stream) {
   if (T == 0) return;
-  moe_route_sigmoid_backward_kernel<<<grid_for(T, 128), 128, 0, stream>>>(logits, experts, dweights, T, E, k, renorm,
-                                                                          scaling, dlogits);
+  moe_route_sigmoid_backward_kernel<<<route_grid(T), 32 * kRouteWarps, 0, stream>>>(logits, experts, dweights, T, E,
+                                                                                   k, renorm, scaling, dlogits);
   CUDA_CHECK_LAUNCH("moe_route_sigmoid_backward_kernel");
 }
 
 void launch_moe_route_softmax_weights(const float* logits, const int32_t* experts, int64_t T, int E, int k,
                                       bool renorm, float* weights, int* bad_flag, cudaStream_t stream) {
   if (T == 0) return;
-  moe_route_softmax_weights_kernel<<<grid_for(T, 128), 128, 0, stream>>>(logits, experts, T, E, k, renorm, weights,
-                                                                         bad_flag);
+  moe_route_softmax_weights_kernel<<<route_grid(T), 32 * kRouteWarps, 0, stream>>>(logits, experts, T, E, k, renorm,
+                                                                                  weights, bad_flag);
   CUDA_CHECK_LAUNCH("moe_route_softmax_weights_kernel");
 }
 
