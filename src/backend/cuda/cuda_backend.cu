@@ -893,7 +893,7 @@ void CudaBackend::linear_fwd(const Tensor& x, const LinearWeight& W, const Linea
                              const Fp8View* x_view) {
   const int64_t M = x.dim(0), K = x.dim(1), N = W.out_features();
   if (spec.mode != LinearMode::FP8_BLOCK) {
-    const OpTimer t(*this, "linear: BF16/FP32 GEMM", 2);
+    const OpTimer t(*this, spec.mode == LinearMode::FP32 ? "linear: FP32 GEMM" : "linear: BF16 GEMM", 2);
     mm(false, true, M, N, K, x, W.w, spec.mode == LinearMode::FP32 ? DType::F32 : DType::BF16, out, 0.0f,
        spec.consistent);
   } else if (spec.consistent) {

@@ -329,11 +329,13 @@ void* GemmEngine::tail_scratch(size_t bytes) {
   return tail_;
 }
 
-// cuBLASLt's block-scaled kernels take A's rows (tokens) in multiples of 16. Any M is served as
-// two products over the same B: rows [0, M16) in place, and the last M - M16 < 16 rows padded
-// to 16 with zero rows (zero data and zero scales) in a scratch tile whose result rows are
-// copied out. Both are the same quantized product row for row (each output row depends only on
-// its own A row), so the split changes no value's definition.
+// cuBLASLt's block-scaled kernels take A's rows (tokens) in multiples of 16. Any M is served
+// either as two products over the same B: rows [0, M16) in place, and the last M - M16 < 16 rows
+// padded to 16 with zero rows (zero data, scales 1) in a scratch tile whose result rows are
+// copied out; or, where copying A in and C out moves fewer bytes than reading B again (decode
+// M), as one product of A padded to a multiple of 16 rows in scratch. Each is the same quantized
+// product row for row (each output row depends only on its own A row), so the split changes no
+// value's definition.
 void GemmEngine::gemm_fp8(int64_t M, int64_t N, int64_t K, const uint8_t* a, const float* a_scales,
                           const uint8_t* b, const float* b_scales, int b_block_rows, void* C, DType c_dtype,
                           float alpha, float beta, bool a_scales_laid, bool row_invariant) {
@@ -352,7 +354,14 @@ void GemmEngine::gemm_fp8(int64_t M, int64_t N, int64_t K, const uint8_t* a, con
   const int64_t kb = K / kQuantBlock;
   const int64_t m16 = M / kFp8RowGranule * kFp8RowGranule, tail = M - m16;
   const bool b_as_is = b_block_rows == kQuantBlock && kb % 4 == 0;
-  const int64_t na = a_scales_laid ? 0 : kb * m16, nt = tail ? kb * kFp8RowGranule : 0;
+  // A tail of a few rows costs a second read of B. Where copying A in and C out moves fewer bytes
+  // than B (decode-sized M: under ~470 rows for the 1.7B-class q|k|v product), the whole product
+  // runs instead as one of M16 = M rounded up to 16 rows in scratch (zero padding rows), and its M
+  // rows are copied out.
+  const bool pad_whole =
+      tail > 0 && static_cast<double>(M) * (K + 2.0 * N * dtype_size(c_dtype)) < static_cast<double>(N) * K;
+  const int64_t na = pad_whole ? kb * (m16 + kFp8RowGranule) : a_scales_laid ? 0 : kb * m16;
+  const int64_t nt = tail && !pad_whole ? kb * kFp8RowGranule : 0;
   const int64_t nb = b_as_is ? 0 : scale_buffer_floats(N, K, b_block_rows);
   float* scratch = scale_scratch(static_cast<size_t>(na + nt + nb));
   const float* b_lt = b_scales;
@@ -360,7 +369,7 @@ void GemmEngine::gemm_fp8(int64_t M, int64_t N, int64_t K, const uint8_t* a, con
     layout_scales(b_scales, N, K, b_block_rows, scratch + na + nt);
     b_lt = scratch + na + nt;
   }
-  if (m16 > 0) {
+  if (m16 > 0 && !pad_whole) {
     if (!a_scales_laid) layout_scales(a_scales, m16, K, 1, scratch);
     gemm_fp8_prelaid(m16, N, K, a, a_scales_laid ? a_scales : scratch, b, b_lt, b_block_rows, C, c_dtype, alpha,
                      beta, row_invariant);
@@ -368,6 +377,25 @@ void GemmEngine::gemm_fp8(int64_t M, int64_t N, int64_t K, const uint8_t* a, con
   if (tail == 0) return;
   ++tail_products_;
   const size_t esz = dtype_size(c_dtype);
+  if (pad_whole) {  // one product of M16 rows in scratch: B read once
+    const int64_t mp = m16 + kFp8RowGranule;
+    const size_t a_bytes = static_cast<size_t>(mp * K), c_bytes = static_cast<size_t>(mp * N) * esz;
+    uint8_t* pa = static_cast<uint8_t*>(tail_scratch(a_bytes + c_bytes));
+    uint8_t* pc = pa + a_bytes;  // a_bytes is a multiple of 128 (K is)
+    CUDA_CHECK(cudaMemcpyAsync(pa, a, static_cast<size_t>(M * K), cudaMemcpyDeviceToDevice, stream_),
+               "staging the padded FP8 GEMM operand");
+    CUDA_CHECK(cudaMemsetAsync(pa + M * K, 0, static_cast<size_t>((mp - M) * K), stream_),
+               "zeroing the FP8 GEMM's padding rows");
+    float* ps = scratch;  // [kb][mp]: the padding rows' scales 1 (zero data)
+    launch_scales_vec128(a_scales, M, kb, mp, ps, stream_);
+    if (beta != 0.0f)
+      CUDA_CHECK(cudaMemcpyAsync(pc, C, static_cast<size_t>(M * N) * esz, cudaMemcpyDeviceToDevice, stream_),
+                 "staging the FP8 GEMM output");
+    gemm_fp8_prelaid(mp, N, K, pa, ps, b, b_lt, b_block_rows, pc, c_dtype, alpha, beta, row_invariant);
+    CUDA_CHECK(cudaMemcpyAsync(C, pc, static_cast<size_t>(M * N) * esz, cudaMemcpyDeviceToDevice, stream_),
+               "copying the padded FP8 GEMM's rows out");
+    return;
+  }
   const size_t a_bytes = static_cast<size_t>(kFp8RowGranule * K), c_bytes = static_cast<size_t>(kFp8RowGranule * N) * esz;
   uint8_t* ta = static_cast<uint8_t*>(tail_scratch(a_bytes + c_bytes));
   uint8_t* tc = ta + a_bytes;  // a_bytes is a multiple of 128 (K is)
