@@ -109,13 +109,16 @@ PrecisionRecipe PrecisionRecipe::parse(const std::string& spec) {
     } else if (k == "wgrad") {
       FP8RL_CHECK(v == "fp8" || v == "bf16", "recipe '", spec, "': wgrad must be fp8 or bf16");
       r.trainer.wgrad = linear_mode_from_name(v);
+    } else if (k == "logits") {
+      FP8RL_CHECK(v == "exact" || v == "fast", "recipe '", spec, "': logits must be exact or fast, got '", v, "'");
+      r.generator.consistent_logits = r.trainer.consistent_logits = v == "exact";
     } else if (k == "consistent") {
       FP8RL_CHECK(v == "on" || v == "off" || v == "attn" || v == "flash", "recipe '", spec,
                   "': consistent must be on, off, attn or flash, got '", v, "'");
       consistent = v;
     } else {
       FP8RL_FAIL("recipe '", spec, "': unknown override '", k,
-                 "' (gen, train, kv, tkv, attn, pow2, first, last, wgrad, consistent)");
+                 "' (gen, train, kv, tkv, attn, pow2, first, last, wgrad, consistent, logits)");
     }
   }
   FP8RL_CHECK(!r.generator.fp8_attention || r.generator.kv_cache == DType::E4M3, "recipe '", spec,
@@ -126,6 +129,8 @@ PrecisionRecipe PrecisionRecipe::parse(const std::string& spec) {
   FP8RL_CHECK(consistent == "off" || !tkv_set, "recipe '", spec, "': consistent=on decides how the trainer reads "
               "k and v (through a cache of the generator's KV dtype): drop tkv");
   r.set_consistent_mode(consistent);
+  FP8RL_CHECK(consistent != "off" || r.generator.consistent_logits, "recipe '", spec,
+              "': logits=fast relaxes a consistent mode's head: add consistent=on, attn or flash");
   return r;
 }
 

@@ -53,6 +53,15 @@ struct EnginePrecision {
   // attention at the fast kernels' cost. Set with consistent_linears false; the linears then agree
   // where their sums round nowhere (pow2 scales: docs/design.md).
   bool consistent_flash = false;
+  // With consistent: the lm_head's logits and the sampled token's log-prob by token_logprobs'
+  // fixed vocabulary chunks in F32 on both engines (the generator's logp_gen bitwise the trainer's
+  // logp_old). false (precision.consistent_logits=false, recipe spec logits=fast): each engine's
+  // own head (the generator's BF16 decode logits and sampler reduction, the trainer's usual
+  // token_logprobs), so the engines agree bitwise up to the final hidden state and their log-probs
+  // differ by the last product's rounding alone — which no quantizer downstream amplifies.
+  bool consistent_logits = true;
+  // The consistent head above in force.
+  bool exact_logits() const { return consistent && consistent_logits; }
   // Everything else (embedding, norms, RoPE, softmax, SiLU, lm_head, loss) stays in high
   // precision: FP32 on the CPU backend, BF16 storage with FP32 math on the CUDA backend.
 
@@ -88,7 +97,8 @@ struct PrecisionRecipe {
   // kv (f32|bf16|e4m3), tkv (trainer: bf16|e4m3 = round k/v as the generator's E4M3 cache does),
   // attn (fp8|off), pow2 (on|off), first / last (BF16 blocks, both engines), wgrad (fp8|bf16:
   // trainer.wgrad), consistent (on|off|attn|flash: the consistent mode, set_consistent; applied last;
-  // attn: with consistent_linears off; flash: also with consistent_flash).
+  // attn: with consistent_linears off; flash: also with consistent_flash), logits (exact|fast:
+  // consistent_logits, with a consistent mode).
   // E.g. "fp8_e2e:kv=bf16" = FP8 linears in both engines over a BF16 KV cache. The recipe's name
   // is the whole spec. Throws on an unknown preset, key or value.
   static PrecisionRecipe parse(const std::string& spec);

@@ -806,7 +806,7 @@ LogprobResult model_forward_logprobs(Backend& be, const ModelWeights& w, const E
   r.logp = be.alloc({T}, st);
   A.lm_lse = be.alloc({T}, st);
   if (opt.entropy) r.entropy = be.alloc({T}, st);
-  be.token_logprobs(A.hidden, w.lm_head, A.targets, opt.temperature, head_spec_for(act, prec.consistent), r.logp,
+  be.token_logprobs(A.hidden, w.lm_head, A.targets, opt.temperature, head_spec_for(act, prec.exact_logits()), r.logp,
                     A.lm_lse, opt.entropy ? &r.entropy : nullptr);
   zero_last_tokens(be, r.logp, batch.cu_seqlens);
   if (opt.record_qkv_amax) {
@@ -884,7 +884,7 @@ void model_forward_paged(Backend& be, const ModelWeights& w, const EnginePrecisi
   be.rmsnorm(sel, w.final_norm, c.rms_norm_eps, hidden, nullptr);
   LinearWeight head;
   head.w = w.lm_head;
-  if (prec.consistent) {
+  if (prec.exact_logits()) {
     model_consistent_logits(be, hidden, w.lm_head, logits);
   } else if (act == DType::F32) {
     be.linear(hidden, head, kFp32Spec, logits);
@@ -899,7 +899,7 @@ void model_forward_paged(Backend& be, const ModelWeights& w, const EnginePrecisi
 }
 
 DType model_logits_dtype(const Backend& be, const ModelWeights& w, const EnginePrecision& prec) {
-  return act_dtype_for(be, w) == DType::BF16 && !prec.consistent ? DType::BF16 : DType::F32;
+  return act_dtype_for(be, w) == DType::BF16 && !prec.exact_logits() ? DType::BF16 : DType::F32;
 }
 
 int model_num_moe_layers(const ModelConfig& c) {
@@ -1117,7 +1117,7 @@ void model_backward(Backend& be, const ModelWeights& w, const EnginePrecision& p
 
   // lm_head + log-softmax, then the final norm. dx [T, D] is the gradient of the residual stream.
   Tensor dhidden = be.alloc({T, D}, act);
-  be.token_logprobs_backward(A.hidden, w.lm_head, A.targets, A.temperature, head_spec_for(act, prec.consistent),
+  be.token_logprobs_backward(A.hidden, w.lm_head, A.targets, A.temperature, head_spec_for(act, prec.exact_logits()),
                              A.lm_lse, dlogp, dhidden, &g.lm_head);
   Tensor dx = be.alloc({T, D}, act);
   be.rmsnorm_backward(dhidden, A.x_final, w.final_norm, A.final_rstd, dx, g.final_norm);

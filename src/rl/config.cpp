@@ -319,6 +319,9 @@ std::vector<Field> config_fields(RunConfig& c) {
                    "off | on | attn | flash: the trainer scores as the generator generated, logp_old == "
                    "logp_gen bitwise (on: every op batch-invariant; attn / flash, with pow2_scales: the fast "
                    "FP8 products, the attention met in the generator's kernel / in flash order; docs/design.md)");
+  t.add_bool("precision.consistent_logits", p.consistent_logits,
+             "with a consistent mode: the logits and log-probs by token_logprobs' fixed F32 chunks on both "
+             "engines (bitwise); false: each engine's own head, the engines agreeing up to the final hidden state");
   t.add_float("precision.kv_calib_percentile", p.kv_calib_percentile, "KV scale: percentile of micro-batch amax");
   t.add_float("precision.kv_calib_margin", p.kv_calib_margin, "KV scale: margin on that amax");
 
@@ -787,6 +790,8 @@ void config_validate(const RunConfig& c) {
   need(!consistent || p.trainer_kv_rounding == "auto", "precision.consistent",
        "decides how the trainer reads k and v (through a cache of the generator's KV dtype): leave "
        "precision.trainer_kv_rounding at auto");
+  need(consistent || p.consistent_logits, "precision.consistent_logits",
+       "= false relaxes a consistent mode's head: set precision.consistent (on, attn or flash) too");
   const PrecisionRecipe recipe = config_precision_recipe(p);
   if (p.consistent == "attn" || p.consistent == "flash") {
     need(recipe.generator.linear == LinearMode::FP8_BLOCK && recipe.trainer.linear == LinearMode::FP8_BLOCK,
@@ -848,12 +853,14 @@ PrecisionRecipe config_precision_recipe(const PrecisionSection& p) {
   if (p.trainer_kv_rounding != "auto") r.trainer.kv_cache = p.trainer_kv_rounding == "on" ? DType::E4M3 : DType::BF16;
   if (r.generator.kv_cache != DType::E4M3) r.trainer.kv_cache = DType::BF16;  // nothing to round as
   r.set_consistent_mode(p.consistent);
+  r.generator.consistent_logits = r.trainer.consistent_logits = p.consistent_logits;
   const bool custom = p.generator_linear != "auto" || p.trainer_linear != "auto" || p.kv_cache != "auto" ||
                       p.fp8_attention || p.pow2_scales || p.bf16_first_layers || p.bf16_last_layers ||
                       p.trainer_kv_rounding != "auto" || p.trainer_wgrad != "auto";
   if (custom) r.name += "+custom";
   if (p.consistent == "on") r.name += "+consistent";
   else if (p.consistent != "off") r.name += "+consistent=" + p.consistent;
+  if (p.consistent != "off" && !p.consistent_logits) r.name += "+logits=fast";
   return r;
 }
 

@@ -184,6 +184,7 @@ struct PrecisionSection {
   // generator's decode attention in the trainer's flash order, the linears on the fast kernels:
   // needs pow2_scales). true / false read as on / off.
   std::string consistent = "off";
+  bool consistent_logits = true;  // false: each engine's own lm_head and log-softmax (EnginePrecision)
   double kv_calib_percentile = 0.999;     // KV-scale recalibration: percentile of per-micro-batch amax
   double kv_calib_margin = 1.05;          // ... times this margin, / 448
   bool operator==(const PrecisionSection&) const = default;

@@ -272,7 +272,7 @@ MemoryPlan memory_plan_compute(const MemoryPlanInput& in) {
                          "tokens x vocabulary chunk"});
   // The head GEMM's output as the sampler reads it (model_logits_dtype): BF16 with BF16
   // activations, F32 on the exact path and in the consistent mode.
-  const bool bf16_logits = in.act_dtype == DType::BF16 && !in.generator.consistent;
+  const bool bf16_logits = in.act_dtype == DType::BF16 && !in.generator.exact_logits();
   p.transient.push_back({bf16_logits ? "decode logits (BF16)" : "decode logits (F32)",
                          in.generation_batch * V * (bf16_logits ? 2 : 4),
                          std::to_string(in.generation_batch) + " sequences x vocabulary"});

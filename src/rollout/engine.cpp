@@ -285,7 +285,7 @@ std::vector<RolloutSample> RolloutEngine::generate(const std::vector<RolloutRequ
   // The consistent mode: logp_gen by logprobs_of_logits (token_logprobs' reduction, the
   // trainer's code) of the sampled tokens over the logits the sampler drew from, in place of the
   // sampler's own reduction (greedy rows keep the sampler's 0).
-  const float consistent_temperature = prec_.consistent ? sp.temperature : 0.0f;
+  const float consistent_temperature = prec_.exact_logits() ? sp.temperature : 0.0f;
   std::vector<const std::vector<int32_t>*> graph_pages;
   const ModelConfig& mc = gen_.config;
   const bool record = sp.record_routing && mc.is_moe();

@@ -58,6 +58,13 @@ TEST(Consistent, RecipeSpecAndConfigKey) {
   EXPECT_TRUE(flash.consistent() && flash.generator.consistent_flash && flash.trainer.consistent_flash);
   EXPECT_FALSE(flash.generator.consistent_linears || flash.trainer.consistent_linears);
   EXPECT_FALSE(attn.generator.consistent_flash || e2e.generator.consistent_flash);
+  // logits=fast: a consistent mode with each engine's own head.
+  EXPECT_TRUE(attn.generator.exact_logits() && attn.trainer.exact_logits());
+  const PrecisionRecipe fast = PrecisionRecipe::parse("fp8_e2e:pow2=on+consistent=attn+logits=fast");
+  EXPECT_TRUE(fast.consistent() && !fast.generator.exact_logits() && !fast.trainer.exact_logits());
+  EXPECT_FALSE(PrecisionRecipe::parse("fp8_e2e").generator.exact_logits());
+  EXPECT_TRUE(has(error_of([] { PrecisionRecipe::parse("fp8_e2e:logits=fast"); }), "add consistent="));
+  EXPECT_TRUE(has(error_of([] { PrecisionRecipe::parse("fp8_e2e:consistent=on+logits=no"); }), "exact or fast"));
 
   RunConfig c;
   config_apply_override(c, "precision.consistent=true");  // a boolean reads as on / off
@@ -84,6 +91,16 @@ TEST(Consistent, RecipeSpecAndConfigKey) {
     EXPECT_TRUE(has(rm.name, std::string("consistent=") + mode));
     config_apply_override(m, "precision.recipe=bf16");  // no FP8 products to agree
     EXPECT_TRUE(has(error_of([&] { config_validate(m); }), "fp8_e2e recipe")) << mode;
+  }
+  {
+    RunConfig f;
+    config_apply_override(f, "precision.consistent_logits=false");
+    EXPECT_TRUE(has(error_of([&] { config_validate(f); }), "precision.consistent (on, attn or flash)"));
+    config_apply_override(f, "precision.consistent=on");
+    config_validate(f);
+    const PrecisionRecipe rf = config_precision_recipe(f.precision);
+    EXPECT_TRUE(rf.consistent() && !rf.generator.exact_logits() && !rf.trainer.exact_logits());
+    EXPECT_TRUE(has(rf.name, "logits=fast"));
   }
   RunConfig off;
   config_apply_override(off, "precision.consistent=false");
@@ -261,6 +278,22 @@ TEST(Consistent, FlashOrderAgreesBitForBitOnTheCpu) {
     EXPECT_EQ(r.mismatch.token_mult_prob_error, 1.0) << spec;
     EXPECT_TRUE(test::same_bits(r.logp_new, r.logp_old)) << spec;
   }
+}
+
+// logits=fast: the consistent mode with each engine's own head (the generator's sampler reduction
+// over its logits, the trainer's usual token_logprobs chunks). The engines still agree up to the
+// final hidden state, so the log-probs differ only by the head's own summation orders: far below
+// any quantizer's step, and the same tokens are sampled as with the exact head.
+TEST(Consistent, FastLogitsDifferOnlyByTheHeadsRounding) {
+  std::unique_ptr<Backend> be = make_cpu_backend();
+  ConsistentShape sh;
+  const ConsistentRun exact = test::consistent_run(*be, sh, "fp8_e2e:consistent=on");
+  const ConsistentRun fast = test::consistent_run(*be, sh, "fp8_e2e:consistent=on+logits=fast");
+  ASSERT_GT(fast.logp_gen.size(), 50u);
+  ASSERT_EQ(fast.logp_gen.size(), exact.logp_gen.size());
+  EXPECT_LT(test::max_abs_diff(fast.logp_old, fast.logp_gen), 1e-4);
+  EXPECT_LT(std::fabs(fast.mismatch.token_mult_prob_error - 1.0), 1e-5);
+  EXPECT_LT(test::max_abs_diff(fast.logp_old, exact.logp_old), 1e-4) << "the trainer's head, exact vs fast";
 }
 
 INSTANTIATE_TEST_SUITE_P(Recipes, ConsistentRecipe,
