@@ -360,8 +360,9 @@ void GemmEngine::gemm_fp8(int64_t M, int64_t N, int64_t K, const uint8_t* a, con
   // rows are copied out.
   const bool pad_whole =
       tail > 0 && static_cast<double>(M) * (K + 2.0 * N * dtype_size(c_dtype)) < static_cast<double>(N) * K;
-  const int64_t na = pad_whole ? kb * (m16 + kFp8RowGranule) : a_scales_laid ? 0 : kb * m16;
-  const int64_t nt = tail && !pad_whole ? kb * kFp8RowGranule : 0;
+  // Rows [r0, M) are staged padded to mp rows (a multiple of 16) in scratch: the tail, or all of A.
+  const int64_t r0 = pad_whole ? 0 : m16, staged = M - r0, mp = round_up(staged, kFp8RowGranule);
+  const int64_t na = a_scales_laid || pad_whole ? 0 : kb * m16, nt = kb * mp;
   const int64_t nb = b_as_is ? 0 : scale_buffer_floats(N, K, b_block_rows);
   float* scratch = scale_scratch(static_cast<size_t>(na + nt + nb));
   const float* b_lt = b_scales;
@@ -369,48 +370,30 @@ void GemmEngine::gemm_fp8(int64_t M, int64_t N, int64_t K, const uint8_t* a, con
     layout_scales(b_scales, N, K, b_block_rows, scratch + na + nt);
     b_lt = scratch + na + nt;
   }
-  if (m16 > 0 && !pad_whole) {
+  if (r0 > 0) {
     if (!a_scales_laid) layout_scales(a_scales, m16, K, 1, scratch);
     gemm_fp8_prelaid(m16, N, K, a, a_scales_laid ? a_scales : scratch, b, b_lt, b_block_rows, C, c_dtype, alpha,
                      beta, row_invariant);
   }
-  if (tail == 0) return;
+  if (staged == 0) return;
   ++tail_products_;
   const size_t esz = dtype_size(c_dtype);
-  if (pad_whole) {  // one product of M16 rows in scratch: B read once
-    const int64_t mp = m16 + kFp8RowGranule;
-    const size_t a_bytes = static_cast<size_t>(mp * K), c_bytes = static_cast<size_t>(mp * N) * esz;
-    uint8_t* pa = static_cast<uint8_t*>(tail_scratch(a_bytes + c_bytes));
-    uint8_t* pc = pa + a_bytes;  // a_bytes is a multiple of 128 (K is)
-    CUDA_CHECK(cudaMemcpyAsync(pa, a, static_cast<size_t>(M * K), cudaMemcpyDeviceToDevice, stream_),
-               "staging the padded FP8 GEMM operand");
-    CUDA_CHECK(cudaMemsetAsync(pa + M * K, 0, static_cast<size_t>((mp - M) * K), stream_),
-               "zeroing the FP8 GEMM's padding rows");
-    float* ps = scratch;  // [kb][mp]: the padding rows' scales 1 (zero data)
-    launch_scales_vec128(a_scales, M, kb, mp, ps, stream_);
-    if (beta != 0.0f)
-      CUDA_CHECK(cudaMemcpyAsync(pc, C, static_cast<size_t>(M * N) * esz, cudaMemcpyDeviceToDevice, stream_),
-                 "staging the FP8 GEMM output");
-    gemm_fp8_prelaid(mp, N, K, pa, ps, b, b_lt, b_block_rows, pc, c_dtype, alpha, beta, row_invariant);
-    CUDA_CHECK(cudaMemcpyAsync(C, pc, static_cast<size_t>(M * N) * esz, cudaMemcpyDeviceToDevice, stream_),
-               "copying the padded FP8 GEMM's rows out");
-    return;
-  }
-  const size_t a_bytes = static_cast<size_t>(kFp8RowGranule * K), c_bytes = static_cast<size_t>(kFp8RowGranule * N) * esz;
+  const size_t a_bytes = static_cast<size_t>(mp * K), c_bytes = static_cast<size_t>(mp * N) * esz;
   uint8_t* ta = static_cast<uint8_t*>(tail_scratch(a_bytes + c_bytes));
   uint8_t* tc = ta + a_bytes;  // a_bytes is a multiple of 128 (K is)
-  uint8_t* c_tail = static_cast<uint8_t*>(C) + static_cast<size_t>(m16 * N) * esz;
-  CUDA_CHECK(cudaMemsetAsync(ta, 0, a_bytes, stream_), "zeroing the FP8 GEMM tail");
-  CUDA_CHECK(cudaMemcpyAsync(ta, a + m16 * K, static_cast<size_t>(tail * K), cudaMemcpyDeviceToDevice, stream_),
-             "staging the FP8 GEMM tail");
-  float* ts = scratch + na;  // [kb][16]: the tail rows' scales; the layout kernel gives padding rows 1 (zero data)
-  launch_scales_vec128(a_scales + m16 * kb, tail, kb, kFp8RowGranule, ts, stream_);
+  uint8_t* c_rows = static_cast<uint8_t*>(C) + static_cast<size_t>(r0 * N) * esz;
+  CUDA_CHECK(cudaMemcpyAsync(ta, a + r0 * K, static_cast<size_t>(staged * K), cudaMemcpyDeviceToDevice, stream_),
+             "staging the padded FP8 GEMM rows");
+  CUDA_CHECK(cudaMemsetAsync(ta + staged * K, 0, static_cast<size_t>((mp - staged) * K), stream_),
+             "zeroing the FP8 GEMM's padding rows");
+  float* ts = scratch + na;  // [kb][mp]: the staged rows' scales; the layout kernel gives padding rows 1 (zero data)
+  launch_scales_vec128(a_scales + r0 * kb, staged, kb, mp, ts, stream_);
   if (beta != 0.0f)
-    CUDA_CHECK(cudaMemcpyAsync(tc, c_tail, static_cast<size_t>(tail * N) * esz, cudaMemcpyDeviceToDevice, stream_),
-               "staging the FP8 GEMM tail output");
-  gemm_fp8_prelaid(kFp8RowGranule, N, K, ta, ts, b, b_lt, b_block_rows, tc, c_dtype, alpha, beta, row_invariant);
-  CUDA_CHECK(cudaMemcpyAsync(c_tail, tc, static_cast<size_t>(tail * N) * esz, cudaMemcpyDeviceToDevice, stream_),
-             "copying the FP8 GEMM tail out");
+    CUDA_CHECK(cudaMemcpyAsync(tc, c_rows, static_cast<size_t>(staged * N) * esz, cudaMemcpyDeviceToDevice, stream_),
+               "staging the padded FP8 GEMM's output rows");
+  gemm_fp8_prelaid(mp, N, K, ta, ts, b, b_lt, b_block_rows, tc, c_dtype, alpha, beta, row_invariant);
+  CUDA_CHECK(cudaMemcpyAsync(c_rows, tc, static_cast<size_t>(staged * N) * esz, cudaMemcpyDeviceToDevice, stream_),
+             "copying the padded FP8 GEMM's rows out");
 }
 
 bool GemmEngine::fp8_lt_is_own(int64_t N, int64_t K, DType c_dtype) {
