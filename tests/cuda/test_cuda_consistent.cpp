@@ -356,7 +356,8 @@ TEST(CudaConsistent, PagedAttentionQueryRunsAreBitwiseOneTokenCtas) {
 // token's output over the paged cache is bitwise the trainer's flash attention row over the
 // values the cache hands out — E4M3: k and v rounded by kv_round with the cache's per-head scales;
 // BF16 as stored — for whole sequences (prefill-sized batches) and a decode batch of their last
-// tokens, at head_dim 128 and 64, group 2 (the 1.7B heads) and 8.
+// tokens, at head_dim 128 and 64, group 2 (the 1.7B heads) and 8; in the online softmax's order
+// and in the tile-merge order (FP8RL_FLASH_ORDER=merge: both kernels).
 TEST(CudaConsistent, FlashOrderDecodeIsBitwiseFlashAttention) {
   cuda::CudaBackend be(0, DType::BF16);
   const int ps = 16, Hkv = 4;
@@ -367,72 +368,77 @@ TEST(CudaConsistent, FlashOrderDecodeIsBitwiseFlashAttention) {
   for (int32_t n : lens) cu.push_back(cu.back() + n);
   // fold: FP8RL_FLASH_DECODE_FOLD=1 with power-of-two scales (the kernel folds them into the score
   // multiplier and 1 / l); the other E4M3 cases have scales that are not powers of two.
-  for (int hd : {128, 64})
-    for (int group : {2, 8})
-      for (int fold : {0, 1})
-        for (DType pool : {DType::E4M3, DType::BF16}) {
-          if (fold && pool != DType::E4M3) continue;
-          setenv("FP8RL_FLASH_DECODE_FOLD", fold ? "1" : "0", 1);
-          const int Hq = Hkv * group;
-          const Tensor q = rand_dev(be, {T, Hq, hd}, 61 + group, DType::BF16, 0.5f);
-          const Tensor k = rand_dev(be, {T, Hkv, hd}, 62, DType::BF16), v = rand_dev(be, {T, Hkv, hd}, 63, DType::BF16);
-          const std::vector<float> kscale = fold ? std::vector<float>{0.015625f, 0.03125f, 0.0078125f, 0.0625f}
-                                                 : std::vector<float>{0.02f, 0.03f, 0.015f, 0.05f};
-          const std::vector<float> vscale = fold ? std::vector<float>{0.0078125f, 0.015625f, 0.0078125f, 0.03125f}
-                                                 : std::vector<float>{0.012f, 0.02f, 0.01f, 0.04f};
-          KvCache c = be.alloc_kv_cache(1, ws.pages, ps, Hkv, hd, pool);
-          if (pool == DType::E4M3) {
-            be.copy(from_float_vector(kscale, {1, Hkv}), c.k_scale);
-            be.copy(from_float_vector(vscale, {1, Hkv}), c.v_scale);
+  for (const char* order : {"online", "merge"})
+    for (int hd : {128, 64})
+      for (int group : {2, 8})
+        for (int fold : {0, 1})
+          for (DType pool : {DType::E4M3, DType::BF16}) {
+            if (fold && pool != DType::E4M3) continue;
+            setenv("FP8RL_FLASH_DECODE_FOLD", fold ? "1" : "0", 1);
+            setenv("FP8RL_FLASH_ORDER", order, 1);
+            const int Hq = Hkv * group;
+            const Tensor q = rand_dev(be, {T, Hq, hd}, 61 + group, DType::BF16, 0.5f);
+            const Tensor k = rand_dev(be, {T, Hkv, hd}, 62, DType::BF16),
+                         v = rand_dev(be, {T, Hkv, hd}, 63, DType::BF16);
+            const std::vector<float> kscale = fold ? std::vector<float>{0.015625f, 0.03125f, 0.0078125f, 0.0625f}
+                                                   : std::vector<float>{0.02f, 0.03f, 0.015f, 0.05f};
+            const std::vector<float> vscale = fold ? std::vector<float>{0.0078125f, 0.015625f, 0.0078125f, 0.03125f}
+                                                   : std::vector<float>{0.012f, 0.02f, 0.01f, 0.04f};
+            KvCache c = be.alloc_kv_cache(1, ws.pages, ps, Hkv, hd, pool);
+            if (pool == DType::E4M3) {
+              be.copy(from_float_vector(kscale, {1, Hkv}), c.k_scale);
+              be.copy(from_float_vector(vscale, {1, Hkv}), c.v_scale);
+            }
+            PagedBatch all{
+                be.to_device(test::i32_tensor(ws.seq)), be.to_device(test::i32_tensor(ws.pos)),
+                be.to_device(test::i32_tensor(ws.slots)),
+                be.to_device(test::i32_tensor(ws.table)).reshape({static_cast<int64_t>(lens.size()), ws.width}), 700};
+            be.kv_write(c, 0, k, v, all);
+            all.flash_order = true;
+            Tensor o1 = be.alloc({T, Hq, hd}, DType::BF16);
+            be.attention_paged(c, 0, q, all, 0.088f, false, o1);
+            // The trainer's side: k and v as the cache hands them out, then flash attention.
+            Tensor kr = be.alloc(k.shape(), DType::BF16), vr = be.alloc(v.shape(), DType::BF16);
+            be.copy(k, kr);
+            be.copy(v, vr);
+            if (pool == DType::E4M3) {
+              be.kv_round(kr, kscale);
+              be.kv_round(vr, vscale);
+            }
+            Tensor o2 = be.alloc({T, Hq, hd}, DType::BF16), lse = be.alloc({Hq, T}, DType::F32);
+            be.attention(q, kr, vr, cu, 0.088f, o2, lse);
+            const Tensor h1 = be.to_host(o1), h2 = be.to_host(o2);
+            EXPECT_EQ(rows_differing(h2, h1, 0), 0)
+                << order << " order, hd " << hd << ", group " << group << ", " << dtype_name(pool) << " pool, fold "
+                << fold << ": whole sequences";
+            // A decode batch: each sequence's last token alone.
+            std::vector<int32_t> dseq, dpos, dslots;
+            std::vector<int64_t> rows;
+            for (int b = 0; b < static_cast<int>(lens.size()); ++b) {
+              const int64_t t = cu[b + 1] - 1;
+              dseq.push_back(b), dpos.push_back(ws.pos[t]), dslots.push_back(ws.slots[t]), rows.push_back(t);
+            }
+            PagedBatch dec{be.to_device(test::i32_tensor(dseq)), be.to_device(test::i32_tensor(dpos)),
+                           be.to_device(test::i32_tensor(dslots)), all.page_table, 700};
+            dec.flash_order = true;
+            const int64_t B = static_cast<int64_t>(rows.size());
+            Tensor qd = be.alloc({B, Hq, hd}, DType::BF16);
+            for (int64_t i = 0; i < B; ++i) {
+              Tensor dst = qd.slice_rows(i, i + 1);
+              be.copy(q.slice_rows(rows[i], rows[i] + 1), dst);
+            }
+            Tensor od = be.alloc({B, Hq, hd}, DType::BF16);
+            be.attention_paged(c, 0, qd, dec, 0.088f, false, od);
+            const Tensor hd_out = be.to_host(od);
+            for (int64_t i = 0; i < B; ++i)
+              EXPECT_EQ(std::memcmp(static_cast<const char*>(hd_out.raw()) + i * Hq * hd * 2,
+                                    static_cast<const char*>(h2.raw()) + rows[i] * Hq * hd * 2, Hq * hd * 2),
+                        0)
+                  << order << " order, hd " << hd << ", group " << group << ", " << dtype_name(pool) << " pool, fold "
+                  << fold << ": decode row " << rows[i];
           }
-          PagedBatch all{
-              be.to_device(test::i32_tensor(ws.seq)), be.to_device(test::i32_tensor(ws.pos)),
-              be.to_device(test::i32_tensor(ws.slots)),
-              be.to_device(test::i32_tensor(ws.table)).reshape({static_cast<int64_t>(lens.size()), ws.width}), 700};
-          be.kv_write(c, 0, k, v, all);
-          all.flash_order = true;
-          Tensor o1 = be.alloc({T, Hq, hd}, DType::BF16);
-          be.attention_paged(c, 0, q, all, 0.088f, false, o1);
-          // The trainer's side: k and v as the cache hands them out, then flash attention.
-          Tensor kr = be.alloc(k.shape(), DType::BF16), vr = be.alloc(v.shape(), DType::BF16);
-          be.copy(k, kr);
-          be.copy(v, vr);
-          if (pool == DType::E4M3) {
-            be.kv_round(kr, kscale);
-            be.kv_round(vr, vscale);
-          }
-          Tensor o2 = be.alloc({T, Hq, hd}, DType::BF16), lse = be.alloc({Hq, T}, DType::F32);
-          be.attention(q, kr, vr, cu, 0.088f, o2, lse);
-          const Tensor h1 = be.to_host(o1), h2 = be.to_host(o2);
-          EXPECT_EQ(rows_differing(h2, h1, 0), 0) << "hd " << hd << ", group " << group << ", " << dtype_name(pool)
-                                                  << " pool, fold " << fold << ": whole sequences";
-          // A decode batch: each sequence's last token alone.
-          std::vector<int32_t> dseq, dpos, dslots;
-          std::vector<int64_t> rows;
-          for (int b = 0; b < static_cast<int>(lens.size()); ++b) {
-            const int64_t t = cu[b + 1] - 1;
-            dseq.push_back(b), dpos.push_back(ws.pos[t]), dslots.push_back(ws.slots[t]), rows.push_back(t);
-          }
-          PagedBatch dec{be.to_device(test::i32_tensor(dseq)), be.to_device(test::i32_tensor(dpos)),
-                         be.to_device(test::i32_tensor(dslots)), all.page_table, 700};
-          dec.flash_order = true;
-          const int64_t B = static_cast<int64_t>(rows.size());
-          Tensor qd = be.alloc({B, Hq, hd}, DType::BF16);
-          for (int64_t i = 0; i < B; ++i) {
-            Tensor dst = qd.slice_rows(i, i + 1);
-            be.copy(q.slice_rows(rows[i], rows[i] + 1), dst);
-          }
-          Tensor od = be.alloc({B, Hq, hd}, DType::BF16);
-          be.attention_paged(c, 0, qd, dec, 0.088f, false, od);
-          const Tensor hd_out = be.to_host(od);
-          for (int64_t i = 0; i < B; ++i)
-            EXPECT_EQ(std::memcmp(static_cast<const char*>(hd_out.raw()) + i * Hq * hd * 2,
-                                  static_cast<const char*>(h2.raw()) + rows[i] * Hq * hd * 2, Hq * hd * 2),
-                      0)
-                << "hd " << hd << ", group " << group << ", " << dtype_name(pool) << " pool, fold " << fold
-                << ": decode row " << rows[i];
-        }
   unsetenv("FP8RL_FLASH_DECODE_FOLD");
+  unsetenv("FP8RL_FLASH_ORDER");
 }
 
 // consistent=flash end to end with power-of-two scales (pow2: the fast linears' sums round

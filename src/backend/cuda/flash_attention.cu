@@ -247,6 +247,34 @@ __device__ __forceinline__ void rescale(float (&o)[N][4], const float (&corr)[2]
     o[i][3] = __fmul_rn(o[i][3], corr[1]);
   }
 }
+// The tile-merge order (FP8RL_FLASH_ORDER=merge; fwd_tile_merge): each key tile's softmax is taken
+// against the tile's own row maxima mt (base bt: 0 where a row has no key in the tile), its l and
+// P V summed from zero (lt, ot), and the tile merged into the running (m, l, o) by two FP32
+// scalings and one add per element. No accumulator is carried from tile to tile through an MMA,
+// so a tile's (mt, lt, ot) depends on that tile alone: a decode may compute tiles in any order or
+// at once and merge them in key order, with the forward's bits.
+__device__ __forceinline__ void tile_base(const float (&mt)[2], float (&bt)[2]) {
+  bt[0] = mt[0] == -INFINITY ? 0.0f : mt[0];
+  bt[1] = mt[1] == -INFINITY ? 0.0f : mt[1];
+}
+template <int N>
+__device__ __forceinline__ void merge_tile(float (&m)[2], float (&l)[2], float (&o)[N][4], const float (&mt)[2],
+                                           const float (&bt)[2], const float (&lt)[2], const float (&ot)[N][4]) {
+  float a[2], b[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float mn = fmaxf(m[r], mt[r]), bn = mn == -INFINITY ? 0.0f : mn;
+    a[r] = exp2f(__fsub_rn(m[r], bn));  // 0 before the first tile (m = -inf)
+    b[r] = exp2f(__fsub_rn(bt[r], bn));
+    m[r] = mn;
+    l[r] = __fadd_rn(__fmul_rn(l[r], a[r]), __fmul_rn(lt[r], b[r]));
+  }
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[i][e] = __fadd_rn(__fmul_rn(o[i][e], a[e >> 1]), __fmul_rn(ot[i][e], b[e >> 1]));
+}
+
 // Row r's N output column tiles as BF16 o * inv into d32 (the row's first of them as 32-bit pairs).
 template <int N>
 __device__ __forceinline__ void store_row(const float (&o)[N][4], int r, float inv, uint32_t* d32, int c) {
@@ -281,6 +309,31 @@ __device__ __forceinline__ void fwd_tile(const bf16* sQ, int ld, int r0, const b
   mma_regs_times(o, s, sV, ld, lane);
 }
 
+// fwd_tile in the tile-merge order (tile_base / merge_tile above).
+template <int D>
+__device__ __forceinline__ void fwd_tile_merge(const bf16* sQ, int ld, int r0, const bf16* sK, const bf16* sV,
+                                               int64_t k0, bool mask, const int64_t (&last)[2], float sl2,
+                                               float (&o)[D / 8][4], float (&m)[2], float (&l)[2], int lane) {
+  float s[kTile / 8][4];
+  zero(s);
+  mma_tile_times_t<kTile / 8, D>(s, sQ, ld, r0, sK, ld, lane);
+  float mt[2] = {-INFINITY, -INFINITY};
+  scores_to_log2(s, sl2, mask, k0, last, lane & 3, mt);
+  quad_reduce(mt, [](float a, float b) { return fmaxf(a, b); });
+  float bt[2];
+  tile_base(mt, bt);
+#pragma unroll
+  for (int nt = 0; nt < kTile / 8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[nt][e] = prob(s[nt][e], bt[e >> 1]);
+  float lt[2] = {0.0f, 0.0f};
+  add_probs(s, lt);
+  float ot[D / 8][4];
+  zero(ot);
+  mma_regs_times(ot, s, sV, ld, lane);
+  merge_tile(m, l, o, mt, bt, lt, ot);
+}
+
 // The forward's end for this thread's two rows: l summed over the quad, and row r's output (when
 // dst[r]) as BF16 o / l and its natural log-sum-exp (when lse_dst[r], by lane c == 0).
 template <int D>
@@ -296,8 +349,8 @@ __device__ __forceinline__ void fwd_finish(const float (&o)[D / 8][4], const flo
   }
 }
 
-// q [T, Hq, D], k/v [T, Hkv, D], out [T, Hq, D] BF16; lse F32 [Hq, T].
-template <int D>
+// q [T, Hq, D], k/v [T, Hkv, D], out [T, Hq, D] BF16; lse F32 [Hq, T]. kMerge: the tile-merge order.
+template <int D, bool kMerge = false>
 __global__ void __launch_bounds__(kThreadsF) flash_fwd_kernel(const bf16* q, const bf16* k, const bf16* v,
                                                                const TileDesc* tiles, int Hq, int Hkv, int64_t T_,
                                                                float scale, bf16* out, float* lse) {
@@ -337,7 +390,10 @@ __global__ void __launch_bounds__(kThreadsF) flash_fwd_kernel(const bf16* q, con
     __syncthreads();
     const bf16* sK = sm + S::kKV + 2 * stage * S::kT;
     // Causal mask on the diagonal tile only (keys past the row).
-    fwd_tile<D>(sQ, S::kLd, warp * 16, sK, sK + S::kT, k0, k0 + kTile - 1 > q0, last, sl2, o, m, l, lane);
+    if constexpr (kMerge)
+      fwd_tile_merge<D>(sQ, S::kLd, warp * 16, sK, sK + S::kT, k0, k0 + kTile - 1 > q0, last, sl2, o, m, l, lane);
+    else
+      fwd_tile<D>(sQ, S::kLd, warp * 16, sK, sK + S::kT, k0, k0 + kTile - 1 > q0, last, sl2, o, m, l, lane);
     __syncthreads();  // this stage is refilled by the next iteration's prefetch
   }
   bf16* dst[2];
@@ -388,7 +444,9 @@ struct DecSmem {
   static_assert(kStage % 16 == 0 && kT % 16 == 0, "16-byte aligned parts");
 };
 
-template <int D, bool kE4m3>
+// kMerge: the tile-merge order (fwd_tile_merge's): each tile's probabilities against its own
+// maxima, its l and P V from zero, merged into (m, l, o) by merge_tile.
+template <int D, bool kE4m3, bool kMerge = false>
 __global__ void __launch_bounds__(kDecWarps * 32) flash_decode_kernel(
     const bf16* q, const int32_t* token_seq, const int32_t* token_pos, const int32_t* page_table, int max_pages,
     int64_t T_, int Hq, int Hkv, int page_size, const void* kpool, const void* vpool, const float* k_scale,
@@ -531,13 +589,14 @@ __global__ void __launch_bounds__(kDecWarps * 32) flash_decode_kernel(
 #pragma unroll
       for (int ow = 1; ow < kDecWarps; ++ow) t_mx[r] = fmaxf(t_mx[r], sMx[ow * 16 + g + 8 * r]);
     }
-    online_max(m, l, t_mx, base, corr);
+    if constexpr (kMerge) tile_base(t_mx, base);
+    else online_max(m, l, t_mx, base, corr);
     // This warp's probabilities into sP, in fwd_tile's register layout [column tile][e][lane].
 #pragma unroll
     for (int nt = 0; nt < kNTw; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) sP[((warp * kNTw + nt) * 4 + e) * 32 + lane] = prob(sw[nt][e], base[e >> 1]);
-    rescale(o, corr);
+    if constexpr (!kMerge) rescale(o, corr);
     convert(1, vs, fold);
     __syncthreads();  // the probabilities and the value tile are written; the value staging half is free
     if (more) fetch(k0 + kTile, 1, pg);
@@ -550,8 +609,16 @@ __global__ void __launch_bounds__(kDecWarps * 32) flash_decode_kernel(
     for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) p[nt][e] = sP[(nt * 4 + e) * 32 + lane];
-    add_probs(p, l);
-    mma_regs_times(o, p, sT + warp * kNDw * 8, S::kLd, lane);  // its output columns of the values
+    if constexpr (kMerge) {
+      float lt[2] = {0.0f, 0.0f}, ot[kNDw][4];
+      add_probs(p, lt);
+      zero(ot);
+      mma_regs_times(ot, p, sT + warp * kNDw * 8, S::kLd, lane);
+      merge_tile(m, l, o, t_mx, base, lt, ot);
+    } else {
+      add_probs(p, l);
+      mma_regs_times(o, p, sT + warp * kNDw * 8, S::kLd, lane);  // its output columns of the values
+    }
   }
   // fwd_finish for this warp's columns: l summed over the quad, o / l as BF16.
   quad_reduce(l, [](float a, float b) { return __fadd_rn(a, b); });
@@ -822,12 +889,23 @@ void set_smem(K kernel, size_t bytes) {
              "raising the flash attention kernel's shared memory limit");
 }
 
+// FP8RL_FLASH_ORDER=merge (read per call, for experiments and the tests' A/B): the forward and the
+// flash-order decode in the tile-merge order (merge_tile) instead of the online softmax's.
+bool flash_order_merge() {
+  const char* e = std::getenv("FP8RL_FLASH_ORDER");
+  return e && std::string(e) == "merge";
+}
+
 template <int D>
 void flash_fwd(const bf16* q, const bf16* k, const bf16* v, const TileDesc* tiles, int num_tiles, int64_t T_, int Hq,
                int Hkv, float scale, bf16* out, float* lse, cudaStream_t stream) {
   const size_t bytes = FwdSmem<D>::kBytes;
-  set_smem(flash_fwd_kernel<D>, bytes);
-  flash_fwd_kernel<D><<<dim3(num_tiles, Hq), kThreadsF, bytes, stream>>>(q, k, v, tiles, Hq, Hkv, T_, scale, out, lse);
+  auto run = [&](auto kern) {
+    set_smem(kern, bytes);
+    kern<<<dim3(num_tiles, Hq), kThreadsF, bytes, stream>>>(q, k, v, tiles, Hq, Hkv, T_, scale, out, lse);
+  };
+  if (flash_order_merge()) run(flash_fwd_kernel<D, true>);
+  else run(flash_fwd_kernel<D, false>);
   CUDA_CHECK_LAUNCH("flash_fwd_kernel");
 }
 
@@ -948,7 +1026,7 @@ void launch_flash_decode(const void* q, const int32_t* token_seq, const int32_t*
   const unsigned grid = static_cast<unsigned>(warps);
   // The shared-memory opt-in once per kernel variant and device (the first call may precede a
   // graph capture of the decode step; the setting is the function's, not the stream's).
-  static std::once_flag opted[4][64];
+  static std::once_flag opted[8][64];
   int dev = 0;
   CUDA_CHECK(cudaGetDevice(&dev), "flash-order decode attention: cudaGetDevice");
   // FP8RL_FLASH_DECODE_FOLD=1: fold power-of-two E4M3 scales (read per call, for the tests' A/B).
@@ -961,12 +1039,20 @@ void launch_flash_decode(const void* q, const int32_t* token_seq, const int32_t*
                                       static_cast<bf16*>(out));
   };
   const bool e4m3 = pool_dt == DType::E4M3;
-  if (hd == 64)
+  if (flash_order_merge()) {
+    if (hd == 64)
+      e4m3 ? run(flash_decode_kernel<64, true, true>, DecSmem<64, true>::kBytes, 4)
+           : run(flash_decode_kernel<64, false, true>, DecSmem<64, false>::kBytes, 5);
+    else
+      e4m3 ? run(flash_decode_kernel<128, true, true>, DecSmem<128, true>::kBytes, 6)
+           : run(flash_decode_kernel<128, false, true>, DecSmem<128, false>::kBytes, 7);
+  } else if (hd == 64) {
     e4m3 ? run(flash_decode_kernel<64, true>, DecSmem<64, true>::kBytes, 0)
          : run(flash_decode_kernel<64, false>, DecSmem<64, false>::kBytes, 1);
-  else
+  } else {
     e4m3 ? run(flash_decode_kernel<128, true>, DecSmem<128, true>::kBytes, 2)
          : run(flash_decode_kernel<128, false>, DecSmem<128, false>::kBytes, 3);
+  }
   CUDA_CHECK_LAUNCH("flash_decode_kernel");
 }
 

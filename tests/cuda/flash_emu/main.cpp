@@ -6,7 +6,7 @@
 using namespace emu;
 static bf16 tob(float x) { return bf16{bf16_bits_from_float(x)}; }
 static float tf(bf16 b) { return bf16_bits_to_float(b.x); }
-template <int D>
+template <int D, bool M = false>  // M: the tile-merge order (FP8RL_FLASH_ORDER=merge)
 int run(const std::vector<int32_t>& cu, int Hq, int Hkv) {
   const int64_t T = cu.back();
   std::mt19937 gen(5 + D);
@@ -20,7 +20,7 @@ int run(const std::vector<int32_t>& cu, int Hq, int Hkv) {
   const TileDesc* tk = tq + nt;
   std::vector<bf16> out(T * Hq * D, tob(NAN)), dq(T * Hq * D, tob(NAN)), dk(T * Hkv * D, tob(NAN)), dv(T * Hkv * D, tob(NAN));
   std::vector<float> lse(Hq * T, NAN), delta(T * Hq, NAN);
-  emu_launch(nt, Hq, FwdSmem<D>::kBytes, [&] { flash_fwd_kernel<D>(q.data(), k.data(), v.data(), tq, Hq, Hkv, T, scale, out.data(), lse.data()); });
+  emu_launch(nt, Hq, FwdSmem<D>::kBytes, [&] { flash_fwd_kernel<D, M>(q.data(), k.data(), v.data(), tq, Hq, Hkv, T, scale, out.data(), lse.data()); });
   const int64_t rows = T * Hq;
   emu_launch((rows + 3) / 4, 1, 0, [&] { flash_delta_kernel<D>(g.data(), out.data(), T, Hq, delta.data()); });
   emu_launch(nt, Hq, DqSmem<D>::kBytes, [&] { flash_dq_kernel<D>(g.data(), q.data(), k.data(), v.data(), lse.data(), delta.data(), tq, Hq, Hkv, T, scale, dq.data()); });
@@ -61,7 +61,7 @@ int run(const std::vector<int32_t>& cu, int Hq, int Hkv) {
     (void)isbf; return d / m;
   };
   double eo = rel(out, ro, true), el = rel(lse, rl, false), eq = rel(dq, rdq, true), ek = rel(dk, rdk, true), ev = rel(dv, rdv, true);
-  std::printf("D %d Hq %d Hkv %d T %ld: out %.2e lse %.2e dq %.2e dk %.2e dv %.2e\n", D, Hq, Hkv, (long)T, eo, el, eq, ek, ev);
+  std::printf("%sD %d Hq %d Hkv %d T %ld: out %.2e lse %.2e dq %.2e dk %.2e dv %.2e\n", M ? "tile-merge order: " : "", D, Hq, Hkv, (long)T, eo, el, eq, ek, ev);
   return (eo < 1e-2 && el < 1e-5 && eq < 3e-2 && ek < 3e-2 && ev < 3e-2) ? 0 : 1;
 }
 // The decode kernel in the forward's order (flash_decode_kernel): every token of the packed
@@ -78,7 +78,7 @@ static uint8_t e4m3_nearest(float x) {  // round to nearest, ties to the even co
   }
   return best;
 }
-template <int D>
+template <int D, bool M = false>  // M: both kernels in the tile-merge order
 int run_decode(const std::vector<int32_t>& cu, int Hq, int Hkv, bool e4m3, int ps = 16, int fold = 0) {
   const int64_t T = cu.back();
   const int B = int(cu.size()) - 1;
@@ -128,24 +128,24 @@ int run_decode(const std::vector<int32_t>& cu, int Hq, int Hkv, bool e4m3, int p
   std::vector<bf16> of(T * Hq * D, tob(NAN)), od(T * Hq * D, tob(NAN));
   std::vector<float> lse(Hq * T, NAN);
   emu_launch(nt, Hq, FwdSmem<D>::kBytes, [&] {
-    flash_fwd_kernel<D>(q.data(), kr.data(), vr.data(), reinterpret_cast<const TileDesc*>(tl.data()), Hq, Hkv, T, scale,
-                        of.data(), lse.data());
+    flash_fwd_kernel<D, M>(q.data(), kr.data(), vr.data(), reinterpret_cast<const TileDesc*>(tl.data()), Hq, Hkv, T,
+                           scale, of.data(), lse.data());
   });
   const int gx = int(T * Hkv);  // one CTA of four warps per (token, KV head)
   if (e4m3)
     emu_launch(gx, 1, DecSmem<D, true>::kBytes, [&] {
-      flash_decode_kernel<D, true>(q.data(), seq.data(), pos.data(), table.data(), maxp, T, Hq, Hkv, ps, kc.data(),
+      flash_decode_kernel<D, true, M>(q.data(), seq.data(), pos.data(), table.data(), maxp, T, Hq, Hkv, ps, kc.data(),
                                    vc.data(), ks.data(), vs.data(), scale, fold, od.data());
     });
   else
     emu_launch(gx, 1, DecSmem<D, false>::kBytes, [&] {
-      flash_decode_kernel<D, false>(q.data(), seq.data(), pos.data(), table.data(), maxp, T, Hq, Hkv, ps, kb.data(),
+      flash_decode_kernel<D, false, M>(q.data(), seq.data(), pos.data(), table.data(), maxp, T, Hq, Hkv, ps, kb.data(),
                                     vb.data(), nullptr, nullptr, scale, fold, od.data());
     });
   int64_t rows_bad = 0;
   for (int64_t r = 0; r < T * Hq; ++r)
     if (std::memcmp(of.data() + r * D, od.data() + r * D, D * sizeof(bf16)) != 0) ++rows_bad;
-  std::printf("decode D %d Hq %d Hkv %d T %ld page %d %s pool%s: %ld of %ld rows differ from the forward's\n", D, Hq, Hkv, (long)T, ps,
+  std::printf("%sdecode D %d Hq %d Hkv %d T %ld page %d %s pool%s: %ld of %ld rows differ from the forward's\n", M ? "tile-merge order: " : "", D, Hq, Hkv, (long)T, ps,
               e4m3 ? "E4M3" : "BF16", fold ? " (pow2 scales folded)" : "", (long)rows_bad, (long)(T * Hq));
   return rows_bad == 0 ? 0 : 1;
 }
@@ -161,6 +161,14 @@ int main() {
   bad += run_decode<128>({0, 90, 91, 230}, 4, 2, true, 12);  // a page size that is no power of two
   bad += run_decode<128>({0, 17, 18, 147}, 4, 2, true, 16, 1);
   bad += run_decode<64>({0, 1, 18, 82, 212, 300}, 4, 1, true, 16, 1);
+  // The tile-merge order: the forward against the double reference, the decode bitwise the forward.
+  bad += run<64, true>({0, 1, 18, 82, 212, 300}, 4, 1);
+  bad += run<128, true>({0, 17, 18, 147}, 4, 2);
+  bad += run_decode<64, true>({0, 1, 18, 82, 212, 300}, 4, 1, true);
+  bad += run_decode<128, true>({0, 17, 18, 147}, 4, 2, true);
+  bad += run_decode<128, true>({0, 64, 65, 200}, 16, 1, false);
+  bad += run_decode<128, true>({0, 90, 91, 230}, 4, 2, true, 12);
+  bad += run_decode<128, true>({0, 17, 18, 147}, 4, 2, true, 16, 1);
   std::printf(bad ? "FAIL\n" : "PASS\n");
   return bad;
 }
