@@ -75,6 +75,8 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 __device__ __forceinline__ void cp_async_wait_all_but_newest() {
   asm volatile("cp.async.wait_group 1;\n" ::: "memory");
 }
+// Waits until every committed group of this thread has landed.
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 // ---- end of PTX helpers
 
 // Shared tiles are BF16 row-major with a padded leading dimension ld = width + 8: ldmatrix's
@@ -630,6 +632,195 @@ __global__ void __launch_bounds__(kDecWarps * 32) flash_decode_kernel(
   }
 }
 
+// ---- decode in the tile-merge order, the tiles in parallel (E4M3 pools) -------------------------
+// With the tile-merge order a tile's (mt, lt, ot) depends on that tile alone, so the four warps of
+// a (token, KV head) CTA take a tile each (tiles w, w + 4, ...): each stages its tile's key and
+// value codes by cp.async into its own part of shared memory, builds the MMA B fragments straight
+// from the codes (code * scale rounded to BF16: the values the forward's ldmatrix reads from the
+// trainer's kv_round-ed keys and values) and runs fwd_tile_merge's arithmetic over the whole
+// tile — the same k-loops, the same fragments, so the same (mt, lt, ot) bits; then it leaves ot
+// (over its staged codes, which it no longer needs), lt and mt in shared memory. After each round
+// of four tiles all 128 threads merge them in key order (merge_tile's steps; thread i holds row
+// i / 8's output columns (i % 8) D / 8 .. and its l part i % 8 < 4), and at the end l is summed
+// over the four parts as quad_reduce pairs them. A token's serial chain is ceil(tiles / 4) rounds
+// instead of one step per tile (the flash-order decode's cost: sessions 21-22). ~71 KB of shared
+// memory at head_dim 128: three CTAs per SM.
+__device__ __forceinline__ uint32_t e4m3_pair_bf16(uint32_t two, float sc) {
+  const float2 f = fp8_e4m3x2_to_float2(two);  // the low byte is the lower column
+  return pack_bf16(f.x * sc, f.y * sc);
+}
+// load_b2's fragments (Q K^T: B stored [key][d]) from a tile of E4M3 rows of rb bytes.
+__device__ __forceinline__ void load_b2_e4m3(uint32_t (&b)[2][2], const unsigned char* s, int rb, int n0, int k0,
+                                             float sc, int lane) {
+  const int g = lane >> 2, c = lane & 3;
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const unsigned char* p = s + (n0 + 8 * j + g) * rb + k0 + 2 * c;
+    b[j][0] = e4m3_pair_bf16(*reinterpret_cast<const uint16_t*>(p), sc);
+    b[j][1] = e4m3_pair_bf16(*reinterpret_cast<const uint16_t*>(p + 8), sc);
+  }
+}
+// load_b2_t's fragments (P V: B stored [key][d], read as [k][n]) from E4M3 rows: two keys' codes
+// of one column per register.
+__device__ __forceinline__ void load_b2_t_e4m3(uint32_t (&b)[2][2], const unsigned char* s, int rb, int n0, int k0,
+                                               float sc, int lane) {
+  const int g = lane >> 2, c = lane & 3;
+#pragma unroll
+  for (int j = 0; j < 2; ++j)
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const unsigned char* p = s + (k0 + 8 * i + 2 * c) * rb + n0 + 8 * j + g;
+      b[j][i] = e4m3_pair_bf16(static_cast<uint32_t>(p[0]) | (static_cast<uint32_t>(p[rb]) << 8), sc);
+    }
+}
+template <int D>
+struct DecTilesSmem {
+  static constexpr int kLd = D + 8, kRowBytes = D, kChunks = D / 16;
+  // byte offsets: the query rows (BF16), each warp's stage (its tile's key codes, then its value
+  // codes; after the tile, its P V partial [16][D] F32), the warps' lt [4][16][4] and mt [4][16],
+  // the final l parts [16][4]
+  static constexpr size_t kWarpBytes = 2 * static_cast<size_t>(kTile) * kRowBytes;
+  static constexpr size_t kQ = 0, kStage = kQ + 16 * kLd * 2, kLt = kStage + kDecWarps * kWarpBytes,
+                          kMt = kLt + kDecWarps * 16 * 4 * 4, kL = kMt + kDecWarps * 16 * 4, kBytes = kL + 16 * 4 * 4;
+  static_assert(kStage % 16 == 0 && 16 * D * 4 <= kWarpBytes, "aligned stages that hold a partial");
+};
+
+template <int D>
+__global__ void __launch_bounds__(kDecWarps * 32) flash_decode_tiles_kernel(
+    const bf16* q, const int32_t* token_seq, const int32_t* token_pos, const int32_t* page_table, int max_pages,
+    int64_t T_, int Hq, int Hkv, int page_size, const void* kpool, const void* vpool, const float* k_scale,
+    const float* v_scale, float scale, int fold_pow2, bf16* out) {
+  using S = DecTilesSmem<D>;
+  constexpr int kNT = kTile / 8, kND = D / 8, kCols = D / 8;  // kCols: a merging thread's output columns
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
+  const int64_t w = blockIdx.x;  // (token, KV head)
+  const int64_t t = w / Hkv;
+  const int hk = static_cast<int>(w % Hkv), G = Hq / Hkv;
+  const int pos = token_pos[t];
+  const int32_t* pages = page_table + static_cast<int64_t>(token_seq[t]) * max_pages;
+  (void)T_;
+  bf16* sQ = reinterpret_cast<bf16*>(smem_raw + S::kQ);
+  unsigned char* stage = smem_raw + S::kStage + warp * S::kWarpBytes;
+  float* sLt = reinterpret_cast<float*>(smem_raw + S::kLt);
+  float* sMt = reinterpret_cast<float*>(smem_raw + S::kMt);
+  float* sL = reinterpret_cast<float*>(smem_raw + S::kL);
+  constexpr int kQChunks = D / 8;
+  for (int i = tid; i < 16 * kQChunks; i += kDecWarps * 32) {
+    const int r = i / kQChunks, ch = i % kQChunks;
+    uint4 u = make_uint4(0, 0, 0, 0);
+    if (r < G) u = *reinterpret_cast<const uint4*>(q + (t * Hq + hk * G + r) * D + ch * 8);
+    *reinterpret_cast<uint4*>(sQ + r * S::kLd + ch * 8) = u;
+  }
+  const float ks = k_scale[hk], vs = v_scale[hk];
+  auto pow2 = [](float x) {  // as flash_decode_kernel's fold
+    const uint32_t b = __float_as_uint(x), e = b >> 23;
+    return (b & 0x807fffffu) == 0 && e >= 127 - 60 && e <= 127 + 60;
+  };
+  const bool fold = fold_pow2 && pow2(ks) && pow2(vs);
+  const float sl2 = fold ? __fmul_rn(scale * kLog2e, ks) : scale * kLog2e;
+  const float ksc = fold ? 1.0f : ks, vsc = fold ? 1.0f : vs;
+  const int n_tiles = pos / kTile + 1;
+  const int mr = tid >> 3, mj = tid & 7;  // the merge's row and part
+  float mo[kCols];
+#pragma unroll
+  for (int i = 0; i < kCols; ++i) mo[i] = 0.0f;
+  float mm = -INFINITY, ml = 0.0f;
+  const int64_t last[2] = {pos, pos};
+  __syncthreads();  // the query rows
+  for (int r0 = 0; r0 < n_tiles; r0 += kDecWarps) {
+    const int tile = r0 + warp;
+    if (tile < n_tiles) {
+      const int k0 = tile * kTile;
+      for (int i = lane; i < kTile * S::kChunks; i += 32) {
+        const int j = i / S::kChunks, ch = i % S::kChunks, p = k0 + j;
+        const bool ok = p <= pos;
+        int64_t at = 0;
+        if (ok) {
+          const int pg = pages[p / page_size];
+          const int64_t slot = static_cast<int64_t>(pg) * page_size + p % page_size;
+          at = (slot * Hkv + hk) * S::kRowBytes + ch * 16;
+        }
+        cp_async16(stage + j * S::kRowBytes + ch * 16, static_cast<const unsigned char*>(kpool) + at, ok);
+        cp_async16(stage + (kTile + j) * S::kRowBytes + ch * 16, static_cast<const unsigned char*>(vpool) + at, ok);
+      }
+      cp_async_commit();
+      cp_async_wait_all();
+      __syncwarp();  // every lane's codes landed
+      float s[kNT][4];
+      zero(s);
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {  // mma_tile_times_t's loops
+        uint32_t a[4];
+        load_a(a, sQ, S::kLd, 0, kk * 16, lane);
+#pragma unroll
+        for (int np = 0; np < kNT / 2; ++np) {
+          uint32_t b[2][2];
+          load_b2_e4m3(b, stage, S::kRowBytes, np * 16, kk * 16, ksc, lane);
+          mma_bf16(s[2 * np], a, b[0]);
+          mma_bf16(s[2 * np + 1], a, b[1]);
+        }
+      }
+      float mt[2] = {-INFINITY, -INFINITY};
+      scores_to_log2(s, sl2, k0 + kTile - 1 >= pos, k0, last, c, mt);
+      quad_reduce(mt, [](float x, float y) { return fmaxf(x, y); });
+      float bt[2];
+      tile_base(mt, bt);
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[nt][e] = prob(s[nt][e], bt[e >> 1]);
+      float lt[2] = {0.0f, 0.0f};
+      add_probs(s, lt);
+      float ot[kND][4];
+      zero(ot);
+#pragma unroll
+      for (int kk = 0; kk < kNT / 2; ++kk) {  // mma_regs_times' loops
+        uint32_t a[4];
+        a_from_c(a, s[2 * kk], s[2 * kk + 1]);
+#pragma unroll
+        for (int np = 0; np < kND / 2; ++np) {
+          uint32_t b[2][2];
+          load_b2_t_e4m3(b, stage + kTile * S::kRowBytes, S::kRowBytes, np * 16, kk * 16, vsc, lane);
+          mma_bf16(ot[2 * np], a, b[0]);
+          mma_bf16(ot[2 * np + 1], a, b[1]);
+        }
+      }
+      __syncwarp();  // every lane's reads of the codes are done: the stage takes the partial
+      float* po = reinterpret_cast<float*>(stage);
+#pragma unroll
+      for (int nt = 0; nt < kND; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) po[(g + 8 * (e >> 1)) * D + nt * 8 + 2 * c + (e & 1)] = ot[nt][e];
+      sLt[(warp * 16 + g) * 4 + c] = lt[0];
+      sLt[(warp * 16 + g + 8) * 4 + c] = lt[1];
+      if (c == 0) sMt[warp * 16 + g] = mt[0], sMt[warp * 16 + g + 8] = mt[1];
+    }
+    __syncthreads();  // the round's partials
+    for (int v = 0; v < kDecWarps && r0 + v < n_tiles; ++v) {  // merge_tile's steps, in key order
+      const float mt = sMt[v * 16 + mr], bt = mt == -INFINITY ? 0.0f : mt;
+      const float mn = fmaxf(mm, mt), bn = mn == -INFINITY ? 0.0f : mn;
+      const float a = exp2f(__fsub_rn(mm, bn)), b = exp2f(__fsub_rn(bt, bn));
+      mm = mn;
+      if (mj < 4) ml = __fadd_rn(__fmul_rn(ml, a), __fmul_rn(sLt[(v * 16 + mr) * 4 + mj], b));
+      const float* po = reinterpret_cast<const float*>(smem_raw + S::kStage + v * S::kWarpBytes) + mr * D + mj * kCols;
+#pragma unroll
+      for (int i = 0; i < kCols; ++i) mo[i] = __fadd_rn(__fmul_rn(mo[i], a), __fmul_rn(po[i], b));
+    }
+    __syncthreads();  // the partials are read before the next round's stages overwrite them
+  }
+  if (mj < 4) sL[mr * 4 + mj] = ml;
+  __syncthreads();
+  if (mr < G) {  // fwd_finish: l over the four parts as quad_reduce pairs them, o / l as BF16
+    const float* lr = sL + mr * 4;
+    const float l = __fadd_rn(__fadd_rn(lr[0], lr[1]), __fadd_rn(lr[2], lr[3]));
+    const float inv = fold ? __fmul_rn(1.0f / l, vs) : 1.0f / l;
+    uint32_t* d32 = reinterpret_cast<uint32_t*>(out + (t * Hq + hk * G + mr) * D + mj * kCols);
+#pragma unroll
+    for (int i = 0; i < kCols / 2; ++i) d32[i] = pack_bf16(__fmul_rn(mo[2 * i], inv), __fmul_rn(mo[2 * i + 1], inv));
+  }
+}
+
 // ---- backward ---------------------------------------------------------------------------------
 // delta[h * T + t] = sum_d dout * out (FP32), one warp per (t, h); [Hq, T] like lse, so that a
 // query tile's values are contiguous.
@@ -891,7 +1082,13 @@ void set_smem(K kernel, size_t bytes) {
 
 // FP8RL_FLASH_ORDER=merge (read per call, for experiments and the tests' A/B): the forward and the
 // flash-order decode in the tile-merge order (merge_tile) instead of the online softmax's.
+// merge_coop: the same order with E4M3 pools on the cooperative decode (flash_decode_kernel<..., true>)
+// instead of the tile-parallel one (flash_decode_tiles_kernel): the same bits, for timing A/B.
 bool flash_order_merge() {
+  const char* e = std::getenv("FP8RL_FLASH_ORDER");
+  return e && (std::string(e) == "merge" || std::string(e) == "merge_coop");
+}
+bool flash_decode_tiles() {
   const char* e = std::getenv("FP8RL_FLASH_ORDER");
   return e && std::string(e) == "merge";
 }
@@ -1026,7 +1223,7 @@ void launch_flash_decode(const void* q, const int32_t* token_seq, const int32_t*
   const unsigned grid = static_cast<unsigned>(warps);
   // The shared-memory opt-in once per kernel variant and device (the first call may precede a
   // graph capture of the decode step; the setting is the function's, not the stream's).
-  static std::once_flag opted[8][64];
+  static std::once_flag opted[10][64];
   int dev = 0;
   CUDA_CHECK(cudaGetDevice(&dev), "flash-order decode attention: cudaGetDevice");
   // FP8RL_FLASH_DECODE_FOLD=1: fold power-of-two E4M3 scales (read per call, for the tests' A/B).
@@ -1039,7 +1236,10 @@ void launch_flash_decode(const void* q, const int32_t* token_seq, const int32_t*
                                       static_cast<bf16*>(out));
   };
   const bool e4m3 = pool_dt == DType::E4M3;
-  if (flash_order_merge()) {
+  if (e4m3 && flash_decode_tiles()) {
+    hd == 64 ? run(flash_decode_tiles_kernel<64>, DecTilesSmem<64>::kBytes, 8)
+             : run(flash_decode_tiles_kernel<128>, DecTilesSmem<128>::kBytes, 9);
+  } else if (flash_order_merge()) {
     if (hd == 64)
       e4m3 ? run(flash_decode_kernel<64, true, true>, DecSmem<64, true>::kBytes, 4)
            : run(flash_decode_kernel<64, false, true>, DecSmem<64, false>::kBytes, 5);

@@ -127,6 +127,7 @@ inline void cp_async4(void* dst, const void* src, bool valid) {
 }
 inline void cp_async_commit() {}
 inline void cp_async_wait_all_but_newest() {}
+inline void cp_async_wait_all() {}
 // Runs body() for every block of grid (gx, gy) with `threads` threads (a multiple of 32).
 inline void emu_launch(int gx, int gy, size_t smem_bytes, const std::function<void()>& body, int threads = 128) {
   std::vector<unsigned char> smem(smem_bytes + 16);

@@ -78,7 +78,9 @@ static uint8_t e4m3_nearest(float x) {  // round to nearest, ties to the even co
   }
   return best;
 }
-template <int D, bool M = false>  // M: both kernels in the tile-merge order
+// M: both kernels in the tile-merge order; P (with M, E4M3): the tile-parallel decode
+// (flash_decode_tiles_kernel) instead of the cooperative one.
+template <int D, bool M = false, bool P = false>
 int run_decode(const std::vector<int32_t>& cu, int Hq, int Hkv, bool e4m3, int ps = 16, int fold = 0) {
   const int64_t T = cu.back();
   const int B = int(cu.size()) - 1;
@@ -132,7 +134,12 @@ int run_decode(const std::vector<int32_t>& cu, int Hq, int Hkv, bool e4m3, int p
                            scale, of.data(), lse.data());
   });
   const int gx = int(T * Hkv);  // one CTA of four warps per (token, KV head)
-  if (e4m3)
+  if (P)
+    emu_launch(gx, 1, DecTilesSmem<D>::kBytes, [&] {
+      flash_decode_tiles_kernel<D>(q.data(), seq.data(), pos.data(), table.data(), maxp, T, Hq, Hkv, ps, kc.data(),
+                                   vc.data(), ks.data(), vs.data(), scale, fold, od.data());
+    });
+  else if (e4m3)
     emu_launch(gx, 1, DecSmem<D, true>::kBytes, [&] {
       flash_decode_kernel<D, true, M>(q.data(), seq.data(), pos.data(), table.data(), maxp, T, Hq, Hkv, ps, kc.data(),
                                    vc.data(), ks.data(), vs.data(), scale, fold, od.data());
@@ -145,7 +152,7 @@ int run_decode(const std::vector<int32_t>& cu, int Hq, int Hkv, bool e4m3, int p
   int64_t rows_bad = 0;
   for (int64_t r = 0; r < T * Hq; ++r)
     if (std::memcmp(of.data() + r * D, od.data() + r * D, D * sizeof(bf16)) != 0) ++rows_bad;
-  std::printf("%sdecode D %d Hq %d Hkv %d T %ld page %d %s pool%s: %ld of %ld rows differ from the forward's\n", M ? "tile-merge order: " : "", D, Hq, Hkv, (long)T, ps,
+  std::printf("%sdecode D %d Hq %d Hkv %d T %ld page %d %s pool%s: %ld of %ld rows differ from the forward's\n", P ? "tile-merge order, tiles in parallel: " : M ? "tile-merge order: " : "", D, Hq, Hkv, (long)T, ps,
               e4m3 ? "E4M3" : "BF16", fold ? " (pow2 scales folded)" : "", (long)rows_bad, (long)(T * Hq));
   return rows_bad == 0 ? 0 : 1;
 }
@@ -169,6 +176,14 @@ int main() {
   bad += run_decode<128, true>({0, 64, 65, 200}, 16, 1, false);
   bad += run_decode<128, true>({0, 90, 91, 230}, 4, 2, true, 12);
   bad += run_decode<128, true>({0, 17, 18, 147}, 4, 2, true, 16, 1);
+  // ... with the tiles in parallel (E4M3 pools): sequences of 1 to 6 tiles (a partial second
+  // round), groups 2 to 16, page sizes 16 and 12, folded pow2 scales.
+  bad += run_decode<64, true, true>({0, 1, 18, 82, 212, 300}, 4, 1, true);
+  bad += run_decode<128, true, true>({0, 17, 18, 147}, 4, 2, true);
+  bad += run_decode<128, true, true>({0, 64, 65, 400}, 16, 1, true);
+  bad += run_decode<128, true, true>({0, 90, 91, 230}, 4, 2, true, 12);
+  bad += run_decode<128, true, true>({0, 17, 18, 147}, 4, 2, true, 16, 1);
+  bad += run_decode<64, true, true>({0, 1, 18, 82, 212, 300}, 4, 1, true, 16, 1);
   std::printf(bad ? "FAIL\n" : "PASS\n");
   return bad;
 }
