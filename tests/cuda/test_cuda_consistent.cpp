@@ -357,7 +357,8 @@ TEST(CudaConsistent, PagedAttentionQueryRunsAreBitwiseOneTokenCtas) {
 // values the cache hands out — E4M3: k and v rounded by kv_round with the cache's per-head scales;
 // BF16 as stored — for whole sequences (prefill-sized batches) and a decode batch of their last
 // tokens, at head_dim 128 and 64, group 2 (the 1.7B heads) and 8; in the online softmax's order
-// and in the tile-merge order (FP8RL_FLASH_ORDER=merge: both kernels).
+// and in the tile-merge order (FP8RL_FLASH_ORDER=merge: both kernels, the E4M3 decode's tiles in
+// parallel; merge_coop: E4M3 on the cooperative decode).
 TEST(CudaConsistent, FlashOrderDecodeIsBitwiseFlashAttention) {
   cuda::CudaBackend be(0, DType::BF16);
   const int ps = 16, Hkv = 4;
@@ -368,7 +369,7 @@ TEST(CudaConsistent, FlashOrderDecodeIsBitwiseFlashAttention) {
   for (int32_t n : lens) cu.push_back(cu.back() + n);
   // fold: FP8RL_FLASH_DECODE_FOLD=1 with power-of-two scales (the kernel folds them into the score
   // multiplier and 1 / l); the other E4M3 cases have scales that are not powers of two.
-  for (const char* order : {"online", "merge"})
+  for (const char* order : {"online", "merge", "merge_coop"})
     for (int hd : {128, 64})
       for (int group : {2, 8})
         for (int fold : {0, 1})
@@ -449,15 +450,18 @@ TEST(CudaConsistent, FlashOrderRecipeWithPow2ScalesAgrees) {
   test::ConsistentShape sh;
   sh.family = "qwen3";
   const std::string spec = "fp8_e2e:pow2=on+consistent=flash";
-  for (const char* fold : {"0", "1"}) {  // the decode kernel's folded power-of-two scales too
-    setenv("FP8RL_FLASH_DECODE_FOLD", fold, 1);
-    const test::ConsistentRun r = test::consistent_run(*be, sh, spec);
-    std::printf("  %s, fold %s: %zu tokens, mult %.6f kl %.3g, max |logp_old - logp_gen| %.3g\n", spec.c_str(), fold,
-                r.logp_gen.size(), r.mismatch.token_mult_prob_error, r.mismatch.gen_kl_error,
-                test::max_abs_diff(r.logp_old, r.logp_gen));
-    EXPECT_TRUE(test::same_bits(r.logp_old, r.logp_gen)) << "fold " << fold;
-    EXPECT_EQ(r.mismatch.token_mult_prob_error, 1.0) << "fold " << fold;
-  }
+  for (const char* order : {"online", "merge"})  // FP8RL_FLASH_ORDER: both kernels' order
+    for (const char* fold : {"0", "1"}) {        // the decode kernel's folded power-of-two scales too
+      setenv("FP8RL_FLASH_DECODE_FOLD", fold, 1);
+      setenv("FP8RL_FLASH_ORDER", order, 1);
+      const test::ConsistentRun r = test::consistent_run(*be, sh, spec);
+      std::printf("  %s, %s order, fold %s: %zu tokens, mult %.6f kl %.3g, max |logp_old - logp_gen| %.3g\n",
+                  spec.c_str(), order, fold, r.logp_gen.size(), r.mismatch.token_mult_prob_error,
+                  r.mismatch.gen_kl_error, test::max_abs_diff(r.logp_old, r.logp_gen));
+      EXPECT_TRUE(test::same_bits(r.logp_old, r.logp_gen)) << order << " order, fold " << fold;
+      EXPECT_EQ(r.mismatch.token_mult_prob_error, 1.0) << order << " order, fold " << fold;
+    }
+  unsetenv("FP8RL_FLASH_ORDER");
   unsetenv("FP8RL_FLASH_DECODE_FOLD");
 }
 
