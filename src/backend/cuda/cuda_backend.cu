@@ -98,6 +98,7 @@ CudaBackend::~CudaBackend() {
   gemm_.reset();
   if (flag_dev_) cudaFree(flag_dev_);
   if (flag_host_) cudaFreeHost(flag_host_);
+  if (download_) cudaFreeHost(download_);
   // The stream and the pool live on while a tensor of this backend does (device_memory.h).
   mem_.reset();
 }
@@ -167,6 +168,17 @@ void CudaBackend::copy_impl(const Tensor& src, Tensor& dst) {
   // Small uploads go through pinned slots, so the host may free its side at once without waiting
   // for the GPU (an MoE block uploads its sorted slots every decode step).
   if (kind == cudaMemcpyHostToDevice && !recording_ && uploads_.upload(src.raw(), dst.raw(), n, stream_)) return;
+  // Small downloads (an MoE block's expert ids every decode step) land in a pinned buffer first: a
+  // pageable destination makes the driver stage the copy itself, at several times the cost.
+  if (kind == cudaMemcpyDeviceToHost && n <= kDownloadBytes && !recording_) {
+    if (!download_)
+      CUDA_CHECK(cudaMallocHost(&download_, kDownloadBytes), "allocating the pinned download buffer");
+    CUDA_CHECK(cudaMemcpyAsync(download_, src.raw(), n, kind, stream_), "copying ", src.str(), " to the host");
+    CUDA_CHECK(cudaStreamSynchronize(stream_), "copying ", src.str());
+    std::memcpy(dst.raw(), download_, n);
+    flag_drain();
+    return;
+  }
   CUDA_CHECK(cudaMemcpyAsync(dst.raw(), src.raw(), n, kind, stream_), "copying ", src.str(), " to ", dst.str());
   // Host memory is pageable: wait so the host side may be read or freed on return.
   if (kind != cudaMemcpyDeviceToDevice) {

@@ -257,7 +257,9 @@ class CudaBackend final : public Backend {
   std::shared_ptr<DeviceMemory> mem_;  // owns the stream and the pool; shared with every Storage
   cudaStream_t stream_ = nullptr;      // mem_->stream()
   std::unique_ptr<GemmEngine> gemm_;
-  PinnedUploads uploads_;             // copy_impl's small host-to-device copies
+  PinnedUploads uploads_;  // copy_impl's small host-to-device copies
+  static constexpr size_t kDownloadBytes = size_t{256} << 10;
+  void* download_ = nullptr;          // pinned [kDownloadBytes]: copy_impl's small device-to-host copies
   int* flag_dev_ = nullptr;           // [kFlagSlots]
   int* flag_host_ = nullptr;          // pinned [kFlagSlots]
   int* flag_cur_ = nullptr;           // the slot flag_reset() opened last
