@@ -764,11 +764,12 @@ void Backend::linear_qkv_norm_rope_impl(const Tensor& x, const std::vector<const
   rmsnorm_rope_impl(k_raw.reshape(k.shape()), k_norm, eps, positions, rope, k, k_rstd);
 }
 
-void Backend::grouped_linear(const Tensor& x, const std::vector<int64_t>& offsets,
-                             const std::vector<const LinearWeight*>& W, const LinearSpec& spec, Tensor& out) {
+namespace {
+// grouped_linear's contract (shapes, dtypes, offsets, each weight's form).
+void grouped_linear_contract(const Contract& c, const Tensor& x, const std::vector<int64_t>& offsets,
+                             const std::vector<const LinearWeight*>& W, const LinearSpec& spec, const Tensor& out) {
   FP8RL_CHECK(!W.empty() && offsets.size() == W.size() + 1, "grouped_linear: ", W.size(), " weights need ",
               W.size() + 1, " row offsets, got ", offsets.size());
-  const Contract c(*this);
   c.floating(x, "grouped_linear x");
   c.floating(out, "grouped_linear out");
   FP8RL_CHECK(x.ndim() == 2 && out.ndim() == 2 && x.dim(0) == out.dim(0), "grouped_linear: x must be [R, K] and ",
@@ -785,7 +786,34 @@ void Backend::grouped_linear(const Tensor& x, const std::vector<int64_t>& offset
                 " is [", W[g]->out_features(), ", ", W[g]->in_features(), "], x ", x.str(), " and out ", out.str(),
                 " need [", out.dim(1), ", ", x.dim(1), "]");
   }
+}
+}  // namespace
+
+void Backend::grouped_linear(const Tensor& x, const std::vector<int64_t>& offsets,
+                             const std::vector<const LinearWeight*>& W, const LinearSpec& spec, Tensor& out) {
+  grouped_linear_contract(Contract(*this), x, offsets, W, spec, out);
   grouped_linear_impl(x, offsets, W, spec, out);
+}
+
+void Backend::grouped_linear_shared_input(const Tensor& x, const std::vector<int64_t>& offsets,
+                                          const std::vector<std::vector<const LinearWeight*>>& W,
+                                          const LinearSpec& spec, const std::vector<Tensor*>& outs) {
+  FP8RL_CHECK(!W.empty() && W.size() == outs.size(), "grouped_linear_shared_input: ", W.size(), " weight sets for ",
+              outs.size(), " outputs");
+  const Contract c(*this);
+  for (size_t i = 0; i < W.size(); ++i) {
+    FP8RL_CHECK(outs[i], "grouped_linear_shared_input: output ", i, " is null");
+    FP8RL_CHECK(W[i].size() == W[0].size(), "grouped_linear_shared_input: weight set ", i, " has ", W[i].size(),
+                " groups, set 0 has ", W[0].size());
+    grouped_linear_contract(c, x, offsets, W[i], spec, *outs[i]);
+  }
+  grouped_linear_shared_input_impl(x, offsets, W, spec, outs);
+}
+
+void Backend::grouped_linear_shared_input_impl(const Tensor& x, const std::vector<int64_t>& offsets,
+                                               const std::vector<std::vector<const LinearWeight*>>& W,
+                                               const LinearSpec& spec, const std::vector<Tensor*>& outs) {
+  for (size_t i = 0; i < W.size(); ++i) grouped_linear_impl(x, offsets, W[i], spec, *outs[i]);
 }
 
 void Backend::grouped_linear_impl(const Tensor& x, const std::vector<int64_t>& offsets,

@@ -372,6 +372,16 @@ class Backend {
   // weights: one grouped launch of the own kernel); the default calls linear() per group.
   void grouped_linear(const Tensor& x, const std::vector<int64_t>& offsets, const std::vector<const LinearWeight*>& W,
                       const LinearSpec& spec, Tensor& out);
+  // grouped_linear of the same rows through several weight sets (the experts' gate and up):
+  // outs[i] = grouped_linear(x, offsets, W[i]), each under grouped_linear's contract. The default
+  // runs them one after another; CUDA runs them as one grouped product where every group's
+  // weights are consecutive rows of one buffer (the generator allocates each expert's gate|up so:
+  // rollout/generator_weights.cpp), at up to kCatMaxRows rows, its output split by one kernel
+  // (FP8: bitwise the separate products, each output column depending on its own weight row and
+  // 128-row scale block; BF16: cuBLAS at the wider N, within the linear class's tolerance).
+  void grouped_linear_shared_input(const Tensor& x, const std::vector<int64_t>& offsets,
+                                   const std::vector<std::vector<const LinearWeight*>>& W, const LinearSpec& spec,
+                                   const std::vector<Tensor*>& outs);
   // Backward of linear. dx [M, K] written when non-null (dgrad: dY 1x128 along N, W^T);
   // dw F32 [N, K] and dbias F32 [N] accumulated when non-null (wgrad: dY^T and X^T requantized
   // 1x128 along tokens, or with spec.wgrad == BF16 the BF16 GEMM of dY and X). FP8 dgrad uses
@@ -648,6 +658,9 @@ class Backend {
                                          const Fp8View* x_fp8);
   virtual void grouped_linear_impl(const Tensor& x, const std::vector<int64_t>& offsets,
                                    const std::vector<const LinearWeight*>& W, const LinearSpec& spec, Tensor& out);
+  virtual void grouped_linear_shared_input_impl(const Tensor& x, const std::vector<int64_t>& offsets,
+                                                const std::vector<std::vector<const LinearWeight*>>& W,
+                                                const LinearSpec& spec, const std::vector<Tensor*>& outs);
   virtual void linear_backward_impl(const Tensor& dy, const Tensor& x, const LinearWeight& W, const LinearSpec& spec,
                                     Tensor* dx, Tensor* dw, Tensor* dbias, const Fp8View* dy_fp8) = 0;
   virtual void grouped_linear_backward_impl(const Tensor& dy, const Tensor& x, const std::vector<int64_t>& offsets,

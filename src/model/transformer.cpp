@@ -243,16 +243,16 @@ void moe_forward(Backend& be, const ModelConfig& c, const LayerWeights& lw, cons
   be.copy(slot_row, a.moe_slot_row);
 
   be.moe_permute(a.xn_mlp, a.moe_row_slot, static_cast<int>(k), nullptr, a.moe_x);
-  // Every expert's SwiGLU over its rows: three grouped linears (one launch each on CUDA FP8) and
-  // one swiglu over all rows (element-wise: the per-expert values).
+  // Every expert's SwiGLU over its rows: gate and up as one grouped product where the experts'
+  // weights allow (the generator's), down, each one launch on CUDA; one swiglu over all rows
+  // (element-wise: the per-expert values).
   std::vector<const LinearWeight*> gates, ups, downs;
   for (int64_t e = 0; e < E; ++e) {
     gates.push_back(&lw.experts[e].gate);
     ups.push_back(&lw.experts[e].up);
     downs.push_back(&lw.experts[e].down);
   }
-  be.grouped_linear(a.moe_x, a.moe_offsets, gates, spec, a.moe_gate);
-  be.grouped_linear(a.moe_x, a.moe_offsets, ups, spec, a.moe_up);
+  be.grouped_linear_shared_input(a.moe_x, a.moe_offsets, {gates, ups}, spec, {&a.moe_gate, &a.moe_up});
   be.swiglu(a.moe_gate, a.moe_up, a.moe_act);
   be.grouped_linear(a.moe_act, a.moe_offsets, downs, spec, a.moe_y);
   const Tensor w = a.moe_weights.reshape({R});

@@ -1493,6 +1493,77 @@ void grouped_linear_cases(std::vector<OpCase>& t) {
   }
 }
 
+// grouped_linear_shared_input: two weight sets (gate and up) over the same groups, each group's
+// two weights consecutive rows of one buffer as the generator allocates them, against
+// grouped_linear of each set. CUDA runs them as one grouped product split in two (counted in
+// concat_products): FP8 bitwise the separate grouped products, BF16 (cuBLAS at the wider N)
+// within the linear class; the CPU runs the separate products.
+void grouped_linear_shared_input_cases(std::vector<OpCase>& t) {
+  for (const LinearMode mode : {LinearMode::FP8_BLOCK, LinearMode::BF16}) {
+    const LinearSpec spec{mode, false};
+    const DType dt = DType::BF16;
+    const std::vector<int64_t> rows = {0, 5, 37, 1, 21, 64};
+    std::vector<int64_t> offsets = {0};
+    for (int64_t r : rows) offsets.push_back(offsets.back() + r);
+    const int64_t R = offsets.back(), K = 256, N = 256, G = static_cast<int64_t>(rows.size());
+    t.push_back({"grouped_linear_shared_input",
+                 std::to_string(G) + " groups, " + std::to_string(R) + " rows, K 256, 2 x N 256 " +
+                     linear_mode_name(mode) + ", consecutive weights",
+                 [=] {
+                   Tensors in{{"x", rnd({R, K}, 540)}};
+                   for (int64_t g = 0; g < 2 * G; ++g)
+                     in["w" + std::to_string(g)] = rnd({N, K}, 541 + static_cast<uint32_t>(g), DType::F32, 0.05f);
+                   return in;
+                 },
+                 [=](OpRun& r) {
+                   std::vector<LinearWeight> W(static_cast<size_t>(2 * G));  // gate g at 2g, up g at 2g + 1
+                   std::vector<const LinearWeight*> gates, ups;
+                   for (int64_t g = 0; g < G; ++g) {
+                     const Tensor both = r.be.alloc({2 * N, K}, dt);
+                     QuantTensor bq;
+                     if (mode == LinearMode::FP8_BLOCK)
+                       bq = r.be.alloc_quant(2 * N, K, kQuantBlock, kQuantBlock, false);
+                     for (int64_t h = 0; h < 2; ++h) {
+                       LinearWeight& w = W[static_cast<size_t>(2 * g + h)];
+                       w.w = both.slice_rows(h * N, (h + 1) * N);
+                       r.be.convert(r["w" + std::to_string(2 * g + h)], w.w);
+                       if (mode == LinearMode::FP8_BLOCK) {
+                         w.wq = bq;
+                         w.wq.data = bq.data.slice_rows(h * N, (h + 1) * N);
+                         w.wq.scales = bq.scales.slice_rows(h * N / kQuantBlock, (h + 1) * N / kQuantBlock);
+                         r.be.quantize(w.w, false, w.wq);
+                       }
+                       (h == 0 ? gates : ups).push_back(&w);
+                     }
+                   }
+                   const Tensor x = r.as("x", dt);
+                   r.be.grouped_linear_shared_input(x, offsets, {gates, ups}, spec,
+                                                    {&r.output("gate", {R, N}, dt), &r.output("up", {R, N}, dt)});
+                   r.be.grouped_linear(x, offsets, gates, spec, r.output("gate_single", {R, N}, dt));
+                   r.be.grouped_linear(x, offsets, ups, spec, r.output("up_single", {R, N}, dt));
+                 },
+                 {{"gate", linear_tolerance(mode, dt)}, {"up", linear_tolerance(mode, dt)}},
+                 {}});
+    OpCase& c = t.back();
+    if (mode == LinearMode::FP8_BLOCK) {
+      c.same = {{"gate", "gate_single"}, {"up", "up_single"}};
+    } else {
+      c.close.emplace_back("gate", "gate_single", linear_tolerance(mode, dt));
+      c.close.emplace_back("up", "up_single", linear_tolerance(mode, dt));
+    }
+    c.concat_products = 1;  // CUDA: the op's one product
+    c.grouped_loops = 0;
+    c.errors = [=](OpRun& r) {
+      LinearWeight w;
+      w.w = r.as("w0", dt);
+      const std::vector<const LinearWeight*> ws(static_cast<size_t>(G), &w), fewer(ws.begin(), ws.end() - 1);
+      Tensor a = r.be.alloc({R, N}, dt), b = r.be.alloc({R, N}, dt);
+      EXPECT_THROW(r.be.grouped_linear_shared_input(r.as("x", dt), offsets, {ws, fewer}, spec, {&a, &b}), Error);
+      EXPECT_THROW(r.be.grouped_linear_shared_input(r.as("x", dt), offsets, {ws, ws}, spec, {&a}), Error);
+    };
+  }
+}
+
 // grouped_linear_backward: the same groups, dgrad and (accumulated) wgrad against
 // linear_backward of each group's rows. BF16 with BF16 operands and weights (CUDA: cuBLAS
 // grouped), FP8 with pre-quantized weights (CUDA: the own grouped kernel over W^T) and BF16 or
@@ -2547,6 +2618,7 @@ const std::vector<OpCase>& op_table() {
     add_fp8_cases(t);
     swiglu_backward_fp8_cases(t);
     grouped_linear_cases(t);
+    grouped_linear_shared_input_cases(t);
     grouped_linear_backward_cases(t);
     moe_cases(t);
     attention_cases(t);
