@@ -258,11 +258,28 @@ MemoryPlan memory_plan_compute(const MemoryPlanInput& in) {
   const int64_t hq = int64_t(c.num_heads) * c.head_dim, hkv = int64_t(c.num_kv_heads) * c.head_dim;
   const int64_t F = c.intermediate_size;
   const bool fp8_trainer = in.trainer.linear == LinearMode::FP8_BLOCK;
-  p.transient.push_back({"backward scratch of one block (estimate)",
-                         T * (2 * int64_t(c.hidden_size) + 3 * F + 2 * hq + 2 * hkv) * 4 +
-                             (fp8_trainer ? 2 * T * (F + ceil_div(F, kBlock) * 4) : 0),
-                         fp8_trainer ? "F32 gradients of one block's activations + the FP8 copies of dgate, dup"
-                                     : "F32 gradients of one block's activations"});
+  // The attention part of a block's gradients, then its MLP's: the dense MLP's (an F32 estimate),
+  // or a sparse block's MoeGradScratch (transformer.cpp moe_backward: d_y, d_xe, d_xe2 [k T, D] and
+  // d_act, d_gate, d_up [k T, Fe] in the activation dtype; d_logits [T, E], d_router_x [T, D] in
+  // F32; the shared experts' [T, Fs] x 3 and [T, D]) with the FP8 grouped dgrad's quantized dy
+  // [k T, max(D, Fe)]: the dense estimate left ~1 GiB of a 6-layer Qwen3-30B-A3B step uncounted
+  // (bench rl-step, session 23).
+  const int64_t D = c.hidden_size;
+  const int64_t mlp_dense = T * 3 * F * 4 + (fp8_trainer ? 2 * T * (F + ceil_div(F, kBlock) * 4) : 0);
+  int64_t mlp = mlp_dense;
+  if (c.is_moe()) {
+    const int64_t k = c.num_experts_per_tok, Fe = c.moe_intermediate_size, R = T * k, W = std::max(D, Fe);
+    const int64_t Fs = int64_t(c.n_shared_experts) * Fe;
+    int64_t moe = R * (3 * D + 3 * Fe) * a + T * (c.num_experts + D) * 4 + (Fs > 0 ? T * (3 * Fs + D) * a : 0);
+    if (fp8_trainer) moe += R * W + R * ceil_div(W, kBlock) * 4;
+    bool any_dense = false;
+    for (int l = 0; l < c.num_layers; ++l) any_dense |= !c.layer_is_moe(l);
+    mlp = any_dense ? std::max(mlp_dense, moe) : moe;
+  }
+  p.transient.push_back({"backward scratch of one block (estimate)", T * (2 * D + 2 * hq + 2 * hkv) * 4 + mlp,
+                         c.is_moe()     ? "F32 gradients of the attention's activations + the MoE block's gradient scratch"
+                         : fp8_trainer ? "F32 gradients of one block's activations + the FP8 copies of dgate, dup"
+                                       : "F32 gradients of one block's activations"});
   // The attention backward's F32 work area (flash_attention_backward_work): delta per (token, q
   // head) rounded up to 16 bytes, and with GQA the dk/dv partials of every q head before the group sum.
   p.transient.push_back({"attention backward scratch (F32)",
