@@ -30,6 +30,8 @@
 #   memory          bench rl-step with 32k-token micro-batches and kl_beta 0.01, recompute none and
 #                   block: measured peak against the memory plan of the same setup (issue 15)
 #   kernels         the tensor-core paged decode attention (old vs new, GB/s) and the sampler alone
+#   flash_orders    DecodeBench's flash-order decode rows under FP8RL_FLASH_ORDER=online, merge_coop and merge
+#                   (the tile-merge order's cooperative and tile-parallel decodes against the online order's)
 #   pick_paged      after kernels: exports FP8RL_PAGED_VARIANT = the fastest passing tensor-core variant
 #                   (least summed time over DecodeBench's Qwen3-1.7B rows) for the later stages
 #   ncu_paged_src   Nsight Compute's source page of the default decode kernel (paged_mmat_kernel), BF16 and E4M3:
@@ -220,6 +222,13 @@ for stage in ${FP8RL_STAGES:-rlstep}; do
       note "paged attention bench: rc=$?"; grep -vE '^\[|^$|^Note' "$OUT/paged_bench.log" | head -72 | tee -a "$SUMMARY"
       timeout 60 "$FP8RL" bench sample --device cuda > "$OUT/sample_bench.log" 2>&1
       note "bench sample: rc=$?"; tail -12 "$OUT/sample_bench.log" | tee -a "$SUMMARY" ;;
+    flash_orders)  # issue 11: DecodeBench's flash-order decode in each FP8RL_FLASH_ORDER (online, merge_coop, merge)
+      for order in online merge_coop merge; do
+        FP8RL_FLASH_ORDER=$order FP8RL_PAGED_BENCH=1 timeout 120 "$B/fp8rl_gpu_tests" --gtest_color=no \
+          --gtest_filter='CudaPagedAttention.DecodeBench' > "$OUT/paged_bench_$order.log" 2>&1
+        note "flash-order decode, FP8RL_FLASH_ORDER=$order: rc=$?"
+        grep -E "flash-order" "$OUT/paged_bench_$order.log" | tee -a "$SUMMARY"
+      done ;;
     pick_paged)  # after `kernels`: the tensor-core variant with the least time over the 1.7B rows, BF16 + E4M3
       PICK=$(python3 - "$OUT/paged_bench.json" "${PAGED_BAD:-}" <<'PYEOF'
 import json, sys
