@@ -434,6 +434,27 @@ __global__ void __launch_bounds__(kThreadsF) flash_fwd_kernel(const bf16* q, con
 // tile (keys, then values), from pages read out of the page table a tile earlier. ~42 KB of shared
 // memory at head_dim 128 over E4M3: five CTAs, twenty warps per SM.
 constexpr int kDecWarps = 4;
+// The decode CTAs' query rows: head hk * G + i of token t in row i of sQ [16][ld], zeros below G.
+template <int D>
+__device__ __forceinline__ void load_query_rows(const bf16* q, int64_t t, int Hq, int hk, int G, bf16* sQ, int ld,
+                                                int tid) {
+  constexpr int kQChunks = D / 8;  // 16-byte chunks of a BF16 row
+  for (int i = tid; i < 16 * kQChunks; i += kDecWarps * 32) {
+    const int r = i / kQChunks, ch = i % kQChunks;
+    uint4 u = make_uint4(0, 0, 0, 0);
+    if (r < G) u = *reinterpret_cast<const uint4*>(q + (t * Hq + hk * G + r) * D + ch * 8);
+    *reinterpret_cast<uint4*>(sQ + r * ld + ch * 8) = u;
+  }
+}
+// fold_pow2 with power-of-two scales (pow2_scales): kv_round's values are the codes' values
+// times 2^k exactly, and a power of two passes exactly through every product, sum and rounding
+// (the values stay far from FP32's subnormal range), so the tile takes the codes' values and the
+// scales move to the score multiplier (keys) and to 1 / l (values). GPU-tested bitwise both ways;
+// measured no faster in session 21's one-warp form, kept off by default. Whether x is such a scale:
+__device__ __forceinline__ bool foldable_pow2(float x) {
+  const uint32_t b = __float_as_uint(x), e = b >> 23;
+  return (b & 0x807fffffu) == 0 && e >= 127 - 60 && e <= 127 + 60;
+}
 template <int D, bool kE4m3>
 struct DecSmem {
   static constexpr int kLd = D + 8;
@@ -541,25 +562,9 @@ __global__ void __launch_bounds__(kDecWarps * 32) flash_decode_kernel(
   fetch(0, 0, pg);
   fetch(0, 1, pg);
   load_pages(kTile, pg);
-  constexpr int kQChunks = D / 8;  // 16-byte chunks of a BF16 row
-  // The query rows: head hk * G + i of the token in row i, zeros below G.
-  for (int i = tid; i < 16 * kQChunks; i += kThreads) {
-    const int r = i / kQChunks, ch = i % kQChunks;
-    uint4 u = make_uint4(0, 0, 0, 0);
-    if (r < G) u = *reinterpret_cast<const uint4*>(q + (t * Hq + hk * G + r) * D + ch * 8);
-    *reinterpret_cast<uint4*>(sQ + r * S::kLd + ch * 8) = u;
-  }
+  load_query_rows<D>(q, t, Hq, hk, G, sQ, S::kLd, tid);
   const float ks = kE4m3 ? k_scale[hk] : 1.0f, vs = kE4m3 ? v_scale[hk] : 1.0f;
-  // fold_pow2 with power-of-two scales (pow2_scales): kv_round's values are the codes' values
-  // times 2^k exactly, and a power of two passes exactly through every product, sum and rounding
-  // (the values stay far from FP32's subnormal range), so the tile takes the codes' values and the
-  // scales move to the score multiplier (keys) and to 1 / l (values). GPU-tested bitwise both ways;
-  // measured no faster in session 21's one-warp form, kept off by default.
-  auto pow2 = [](float x) {
-    const uint32_t b = __float_as_uint(x), e = b >> 23;
-    return (b & 0x807fffffu) == 0 && e >= 127 - 60 && e <= 127 + 60;
-  };
-  const bool fold = kE4m3 && fold_pow2 && pow2(ks) && pow2(vs);
+  const bool fold = kE4m3 && fold_pow2 && foldable_pow2(ks) && foldable_pow2(vs);
   const float sl2 = fold ? __fmul_rn(scale * kLog2e, ks) : scale * kLog2e;
   float o[kNDw][4];  // this warp's output column tiles
   zero(o);
@@ -705,19 +710,9 @@ __global__ void __launch_bounds__(kDecWarps * 32) flash_decode_tiles_kernel(
   float* sLt = reinterpret_cast<float*>(smem_raw + S::kLt);
   float* sMt = reinterpret_cast<float*>(smem_raw + S::kMt);
   float* sL = reinterpret_cast<float*>(smem_raw + S::kL);
-  constexpr int kQChunks = D / 8;
-  for (int i = tid; i < 16 * kQChunks; i += kDecWarps * 32) {
-    const int r = i / kQChunks, ch = i % kQChunks;
-    uint4 u = make_uint4(0, 0, 0, 0);
-    if (r < G) u = *reinterpret_cast<const uint4*>(q + (t * Hq + hk * G + r) * D + ch * 8);
-    *reinterpret_cast<uint4*>(sQ + r * S::kLd + ch * 8) = u;
-  }
+  load_query_rows<D>(q, t, Hq, hk, G, sQ, S::kLd, tid);
   const float ks = k_scale[hk], vs = v_scale[hk];
-  auto pow2 = [](float x) {  // as flash_decode_kernel's fold
-    const uint32_t b = __float_as_uint(x), e = b >> 23;
-    return (b & 0x807fffffu) == 0 && e >= 127 - 60 && e <= 127 + 60;
-  };
-  const bool fold = fold_pow2 && pow2(ks) && pow2(vs);
+  const bool fold = fold_pow2 && foldable_pow2(ks) && foldable_pow2(vs);
   const float sl2 = fold ? __fmul_rn(scale * kLog2e, ks) : scale * kLog2e;
   const float ksc = fold ? 1.0f : ks, vsc = fold ? 1.0f : vs;
   const int n_tiles = pos / kTile + 1;
