@@ -1079,13 +1079,11 @@ void set_smem(K kernel, size_t bytes) {
 // flash-order decode in the tile-merge order (merge_tile) instead of the online softmax's.
 // merge_coop: the same order with E4M3 pools on the cooperative decode (flash_decode_kernel<..., true>)
 // instead of the tile-parallel one (flash_decode_tiles_kernel): the same bits, for timing A/B.
-bool flash_order_merge() {
+enum class FlashOrder { kOnline, kMerge, kMergeCoop };
+FlashOrder flash_order() {
   const char* e = std::getenv("FP8RL_FLASH_ORDER");
-  return e && (std::string(e) == "merge" || std::string(e) == "merge_coop");
-}
-bool flash_decode_tiles() {
-  const char* e = std::getenv("FP8RL_FLASH_ORDER");
-  return e && std::string(e) == "merge";
+  const std::string v = e ? e : "";
+  return v == "merge" ? FlashOrder::kMerge : v == "merge_coop" ? FlashOrder::kMergeCoop : FlashOrder::kOnline;
 }
 
 template <int D>
@@ -1096,7 +1094,7 @@ void flash_fwd(const bf16* q, const bf16* k, const bf16* v, const TileDesc* tile
     set_smem(kern, bytes);
     kern<<<dim3(num_tiles, Hq), kThreadsF, bytes, stream>>>(q, k, v, tiles, Hq, Hkv, T_, scale, out, lse);
   };
-  if (flash_order_merge()) run(flash_fwd_kernel<D, true>);
+  if (flash_order() != FlashOrder::kOnline) run(flash_fwd_kernel<D, true>);
   else run(flash_fwd_kernel<D, false>);
   CUDA_CHECK_LAUNCH("flash_fwd_kernel");
 }
@@ -1231,10 +1229,11 @@ void launch_flash_decode(const void* q, const int32_t* token_seq, const int32_t*
                                       static_cast<bf16*>(out));
   };
   const bool e4m3 = pool_dt == DType::E4M3;
-  if (e4m3 && flash_decode_tiles()) {
+  const FlashOrder order = flash_order();
+  if (e4m3 && order == FlashOrder::kMerge) {
     hd == 64 ? run(flash_decode_tiles_kernel<64>, DecTilesSmem<64>::kBytes, 8)
              : run(flash_decode_tiles_kernel<128>, DecTilesSmem<128>::kBytes, 9);
-  } else if (flash_order_merge()) {
+  } else if (order != FlashOrder::kOnline) {
     if (hd == 64)
       e4m3 ? run(flash_decode_kernel<64, true, true>, DecSmem<64, true>::kBytes, 4)
            : run(flash_decode_kernel<64, false, true>, DecSmem<64, false>::kBytes, 5);

@@ -316,7 +316,8 @@ __global__ void moe_weight_grad_kernel(const T* dout, const T* y, const int32_t*
 unsigned route_grid(int64_t T) { return static_cast<unsigned>((T + kRouteWarps - 1) / kRouteWarps); }
 
 void check_route_experts(int E, const char* op) {
-  FP8RL_CHECK(E <= kRouteMaxExperts, op, ": at most ", kRouteMaxExperts, " experts on the GPU, got ", E);
+  FP8RL_CHECK(E <= kRouteMaxExperts, op, ": at most ", kRouteMaxExperts, " experts on the GPU, got ", E,
+              " (this model runs on the CPU backend only)");
 }
 
 }  // namespace
