@@ -466,21 +466,30 @@ TEST(CudaConsistent, FlashOrderRecipeWithPow2ScalesAgrees) {
 }
 
 // consistent=attn with power-of-two scales and each engine's own head (logits=fast): the engines
-// agree bitwise up to the final hidden state, so logp_gen and logp_old differ only by the lm_head
-// product's and log-softmax's summation orders (the generator's BF16 decode logits and sampler
-// reduction, the trainer's token_logprobs): ~1e-6, where any difference upstream of a quantizer
-// would show as fp8_e2e's ~1.2.
+// agree bitwise up to the final hidden state, so logp_gen and logp_old differ only by the heads:
+// the generator's decode product writes BF16 logits (each rounded by up to 2^-9 of itself; this
+// model's logits reach a few units, so logp moves by up to ~0.01) and samples from them, the
+// trainer's token_logprobs keeps F32. That difference passes through no quantizer, so it stays a
+// small fraction of what the same recipe without the consistent mode shows, where every
+// difference upstream of an FP8 quantizer is amplified (on the 1.7B rl-step: 1.0014 against
+// 1.1957).
 TEST(CudaConsistent, AttnRecipeWithFastLogitsAgreesToTheHeadsRounding) {
   auto be = make_cuda_backend(0);
   test::ConsistentShape sh;
   sh.family = "qwen3";
-  const std::string spec = "fp8_e2e:pow2=on+consistent=attn+logits=fast";
+  const std::string spec = "fp8_e2e:pow2=on+consistent=attn+logits=fast", base = "fp8_e2e:pow2=on";
   const test::ConsistentRun r = test::consistent_run(*be, sh, spec);
-  std::printf("  %s: %zu tokens, mult %.6f kl %.3g, max |logp_old - logp_gen| %.3g\n", spec.c_str(), r.logp_gen.size(),
-              r.mismatch.token_mult_prob_error, r.mismatch.gen_kl_error, test::max_abs_diff(r.logp_old, r.logp_gen));
+  const test::ConsistentRun u = test::consistent_run(*be, sh, base);
+  for (const auto* x : {&r, &u})
+    std::printf("  %s: %zu tokens, mult %.6f kl %.3g, max |logp_old - logp_gen| %.3g\n",
+                x == &r ? spec.c_str() : base.c_str(), x->logp_gen.size(), x->mismatch.token_mult_prob_error,
+                x->mismatch.gen_kl_error, test::max_abs_diff(x->logp_old, x->logp_gen));
   ASSERT_GT(r.logp_gen.size(), 50u);
-  EXPECT_LT(r.mismatch.token_mult_prob_error, 1.001);
+  // The heads' rounding alone: within 0.02 per token's logp, and the token-level errors a tenth
+  // of the unaligned recipe's at most.
   EXPECT_LT(test::max_abs_diff(r.logp_old, r.logp_gen), 0.02);
+  EXPECT_LT(r.mismatch.token_mult_prob_error - 1.0, 0.1 * (u.mismatch.token_mult_prob_error - 1.0));
+  EXPECT_LT(r.mismatch.gen_kl_error, 0.1 * u.mismatch.gen_kl_error);
 }
 
 // The consistent generator's logp_gen without a second lm_head GEMM: logprobs_of_logits over the

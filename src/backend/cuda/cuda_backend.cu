@@ -170,7 +170,12 @@ void CudaBackend::copy_impl(const Tensor& src, Tensor& dst) {
   if (kind == cudaMemcpyHostToDevice && !recording_ && uploads_.upload(src.raw(), dst.raw(), n, stream_)) return;
   // Small downloads (an MoE block's expert ids every decode step) land in a pinned buffer first: a
   // pageable destination makes the driver stage the copy itself, at several times the cost.
-  if (kind == cudaMemcpyDeviceToHost && n <= kDownloadBytes && !recording_) {
+  // FP8RL_CUDA_PINNED_DOWNLOADS=0 (read once): the pageable path for them too (an A/B knob).
+  static const bool pinned_downloads = [] {
+    const char* e = std::getenv("FP8RL_CUDA_PINNED_DOWNLOADS");
+    return !(e && std::string(e) == "0");
+  }();
+  if (kind == cudaMemcpyDeviceToHost && n <= kDownloadBytes && !recording_ && pinned_downloads) {
     if (!download_)
       CUDA_CHECK(cudaMallocHost(&download_, kDownloadBytes), "allocating the pinned download buffer");
     CUDA_CHECK(cudaMemcpyAsync(download_, src.raw(), n, kind, stream_), "copying ", src.str(), " to the host");
@@ -1375,8 +1380,13 @@ void CudaBackend::grouped_linear_impl(const Tensor& x, const std::vector<int64_t
 void CudaBackend::grouped_linear_shared_input_impl(const Tensor& x, const std::vector<int64_t>& offsets,
                                                    const std::vector<std::vector<const LinearWeight*>>& W,
                                                    const LinearSpec& spec, const std::vector<Tensor*>& outs) {
+  // FP8RL_MOE_SHARED_INPUT=0 (read once): one grouped product per weight set (an A/B knob).
+  static const bool allowed = [] {
+    const char* e = std::getenv("FP8RL_MOE_SHARED_INPUT");
+    return !(e && std::string(e) == "0");
+  }();
   const int64_t R = x.dim(0);
-  bool one = W.size() >= 2 && static_cast<int>(W.size()) <= kSplitColsMax && act_dtype_ != DType::F32 && R > 0 &&
+  bool one = allowed && W.size() >= 2 && static_cast<int>(W.size()) <= kSplitColsMax && act_dtype_ != DType::F32 && R > 0 &&
              R <= kCatMaxRows && !spec.consistent;
   for (const Tensor* o : outs) one = one && o->dtype() == outs[0]->dtype();
   const size_t G = W[0].size();

@@ -643,55 +643,74 @@ __global__ void __launch_bounds__(kDecWarps * 32) flash_decode_kernel(
 // value codes by cp.async into its own part of shared memory, builds the MMA B fragments straight
 // from the codes (code * scale rounded to BF16: the values the forward's ldmatrix reads from the
 // trainer's kv_round-ed keys and values) and runs fwd_tile_merge's arithmetic over the whole
-// tile — the same k-loops, the same fragments, so the same (mt, lt, ot) bits; then it leaves ot
-// (over its staged codes, which it no longer needs), lt and mt in shared memory. After each round
-// of four tiles all 128 threads merge them in key order (merge_tile's steps; thread i holds row
-// i / 8's output columns (i % 8) D / 8 .. and its l part i % 8 < 4), and at the end l is summed
-// over the four parts as quad_reduce pairs them. A token's serial chain is ceil(tiles / 4) rounds
-// instead of one step per tile (the flash-order decode's cost: sessions 21-22). ~71 KB of shared
-// memory at head_dim 128: three CTAs per SM.
+// tile — the same k-loops, the same fragments, so the same (mt, lt, ot) bits; then it issues the
+// copies of its next tile into the stage (so they fly while the CTA merges) and leaves ot's rows
+// of real heads (the first G of the 16 MMA rows), lt and mt in shared memory. After each round of
+// four tiles the threads of those rows merge them in key order (merge_tile's steps; thread i
+// holds row i / 8's output columns (i % 8) D / 8 .. and its l part i % 8 < 4; a row's bits never
+// depend on another row's), and at the end l is summed over the four parts as quad_reduce pairs
+// them. A token's serial chain is ceil(tiles / 4) rounds instead of one step per tile.
+//
+// The staged rows are swizzled (tile_off: 16-byte piece q of row j at q ^ swz(j)), so that the
+// fragment loads — 8 rows x 4 lanes for the keys, 4 row pairs x 8 lanes for the values — fall in
+// distinct banks; unswizzled, rows of 128 bytes put a key fragment's eight rows in one bank.
+// ~70 KB of shared memory at head_dim 128 and group 2: three CTAs per SM.
 __device__ __forceinline__ uint32_t e4m3_pair_bf16(uint32_t two, float sc) {
   const float2 f = fp8_e4m3x2_to_float2(two);  // the low byte is the lower column
   return pack_bf16(f.x * sc, f.y * sc);
 }
-// load_b2's fragments (Q K^T: B stored [key][d]) from a tile of E4M3 rows of rb bytes.
-__device__ __forceinline__ void load_b2_e4m3(uint32_t (&b)[2][2], const unsigned char* s, int rb, int n0, int k0,
-                                             float sc, int lane) {
+// Byte b of staged row j (rows of D E4M3 codes): its 16-byte piece moved by the row's swizzle, the
+// rows of one 128-byte line (D / 16 pieces each, 128 / D rows) counted as one.
+template <int D>
+__device__ __forceinline__ int tile_off(int j, int b) {
+  constexpr int kPieces = D / 16, kRowsPerLine = 128 / D;
+  const int swz = (j / kRowsPerLine) % kPieces;
+  return j * D + ((((b >> 4) ^ swz) << 4) | (b & 15));
+}
+// load_b2's fragments (Q K^T: B stored [key][d]) from a staged tile of E4M3 rows.
+template <int D>
+__device__ __forceinline__ void load_b2_e4m3(uint32_t (&b)[2][2], const unsigned char* s, int n0, int k0, float sc,
+                                             int lane) {
   const int g = lane >> 2, c = lane & 3;
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
-    const unsigned char* p = s + (n0 + 8 * j + g) * rb + k0 + 2 * c;
-    b[j][0] = e4m3_pair_bf16(*reinterpret_cast<const uint16_t*>(p), sc);
-    b[j][1] = e4m3_pair_bf16(*reinterpret_cast<const uint16_t*>(p + 8), sc);
+    const int r = n0 + 8 * j + g;
+    b[j][0] = e4m3_pair_bf16(*reinterpret_cast<const uint16_t*>(s + tile_off<D>(r, k0 + 2 * c)), sc);
+    b[j][1] = e4m3_pair_bf16(*reinterpret_cast<const uint16_t*>(s + tile_off<D>(r, k0 + 2 * c + 8)), sc);
   }
 }
-// load_b2_t's fragments (P V: B stored [key][d], read as [k][n]) from E4M3 rows: two keys' codes
-// of one column per register.
-__device__ __forceinline__ void load_b2_t_e4m3(uint32_t (&b)[2][2], const unsigned char* s, int rb, int n0, int k0,
-                                               float sc, int lane) {
+// load_b2_t's fragments (P V: B stored [key][d], read as [k][n]) from staged E4M3 rows: two keys'
+// codes of one column per register.
+template <int D>
+__device__ __forceinline__ void load_b2_t_e4m3(uint32_t (&b)[2][2], const unsigned char* s, int n0, int k0, float sc,
+                                               int lane) {
   const int g = lane >> 2, c = lane & 3;
 #pragma unroll
   for (int j = 0; j < 2; ++j)
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      const unsigned char* p = s + (k0 + 8 * i + 2 * c) * rb + n0 + 8 * j + g;
-      b[j][i] = e4m3_pair_bf16(static_cast<uint32_t>(p[0]) | (static_cast<uint32_t>(p[rb]) << 8), sc);
+      const int r = k0 + 8 * i + 2 * c, col = n0 + 8 * j + g;
+      b[j][i] = e4m3_pair_bf16(static_cast<uint32_t>(s[tile_off<D>(r, col)]) |
+                                   (static_cast<uint32_t>(s[tile_off<D>(r + 1, col)]) << 8),
+                               sc);
     }
 }
 template <int D>
 struct DecTilesSmem {
-  static constexpr int kLd = D + 8, kRowBytes = D, kChunks = D / 16;
+  static constexpr int kLd = D + 8, kRowBytes = D, kChunks = D / 16, kPartLd = D + 8;
   // byte offsets: the query rows (BF16), each warp's stage (its tile's key codes, then its value
-  // codes; after the tile, its P V partial [16][D] F32), the warps' lt [4][16][4] and mt [4][16],
-  // the final l parts [16][4]
+  // codes), the warps' lt [4][16][4] and mt [4][16], the final l parts [16][4], then each warp's
+  // P V partial [G][kPartLd] F32 (its rows of real heads; the row stride spreads a column's rows
+  // over banks)
   static constexpr size_t kWarpBytes = 2 * static_cast<size_t>(kTile) * kRowBytes;
   static constexpr size_t kQ = 0, kStage = kQ + 16 * kLd * 2, kLt = kStage + kDecWarps * kWarpBytes,
-                          kMt = kLt + kDecWarps * 16 * 4 * 4, kL = kMt + kDecWarps * 16 * 4, kBytes = kL + 16 * 4 * 4;
-  static_assert(kStage % 16 == 0 && 16 * D * 4 <= kWarpBytes, "aligned stages that hold a partial");
+                          kMt = kLt + kDecWarps * 16 * 4 * 4, kL = kMt + kDecWarps * 16 * 4, kPart = kL + 16 * 4 * 4;
+  static constexpr size_t bytes(int G) { return kPart + static_cast<size_t>(kDecWarps) * G * kPartLd * 4; }
+  static_assert(kStage % 16 == 0 && kPart % 16 == 0, "16-byte aligned parts");
 };
 
 template <int D>
-__global__ void __launch_bounds__(kDecWarps * 32) flash_decode_tiles_kernel(
+__global__ void __launch_bounds__(kDecWarps * 32, 3) flash_decode_tiles_kernel(
     const bf16* q, const int32_t* token_seq, const int32_t* token_pos, const int32_t* page_table, int max_pages,
     int64_t T_, int Hq, int Hkv, int page_size, const void* kpool, const void* vpool, const float* k_scale,
     const float* v_scale, float scale, int fold_pow2, bf16* out) {
@@ -710,12 +729,33 @@ __global__ void __launch_bounds__(kDecWarps * 32) flash_decode_tiles_kernel(
   float* sLt = reinterpret_cast<float*>(smem_raw + S::kLt);
   float* sMt = reinterpret_cast<float*>(smem_raw + S::kMt);
   float* sL = reinterpret_cast<float*>(smem_raw + S::kL);
+  float* sPart = reinterpret_cast<float*>(smem_raw + S::kPart);  // [warp][G][kPartLd]
+  const int n_tiles = pos / kTile + 1;
+  // The key and value codes of `tile` into this warp's stage (swizzled rows, zeros past pos), as
+  // one cp.async group.
+  auto issue = [&](int tile) {
+    const int k0 = tile * kTile;
+    for (int i = lane; i < kTile * S::kChunks; i += 32) {
+      const int j = i / S::kChunks, ch = i % S::kChunks, p = k0 + j;
+      const bool ok = p <= pos;
+      int64_t at = 0;
+      if (ok) {
+        const int pg = pages[p / page_size];
+        const int64_t slot = static_cast<int64_t>(pg) * page_size + p % page_size;
+        at = (slot * Hkv + hk) * S::kRowBytes + ch * 16;
+      }
+      const int off = tile_off<D>(j, ch * 16);
+      cp_async16(stage + off, static_cast<const unsigned char*>(kpool) + at, ok);
+      cp_async16(stage + kTile * S::kRowBytes + off, static_cast<const unsigned char*>(vpool) + at, ok);
+    }
+    cp_async_commit();
+  };
+  if (warp < n_tiles) issue(warp);
   load_query_rows<D>(q, t, Hq, hk, G, sQ, S::kLd, tid);
   const float ks = k_scale[hk], vs = v_scale[hk];
   const bool fold = fold_pow2 && foldable_pow2(ks) && foldable_pow2(vs);
   const float sl2 = fold ? __fmul_rn(scale * kLog2e, ks) : scale * kLog2e;
   const float ksc = fold ? 1.0f : ks, vsc = fold ? 1.0f : vs;
-  const int n_tiles = pos / kTile + 1;
   const int mr = tid >> 3, mj = tid & 7;  // the merge's row and part
   float mo[kCols];
 #pragma unroll
@@ -727,19 +767,6 @@ __global__ void __launch_bounds__(kDecWarps * 32) flash_decode_tiles_kernel(
     const int tile = r0 + warp;
     if (tile < n_tiles) {
       const int k0 = tile * kTile;
-      for (int i = lane; i < kTile * S::kChunks; i += 32) {
-        const int j = i / S::kChunks, ch = i % S::kChunks, p = k0 + j;
-        const bool ok = p <= pos;
-        int64_t at = 0;
-        if (ok) {
-          const int pg = pages[p / page_size];
-          const int64_t slot = static_cast<int64_t>(pg) * page_size + p % page_size;
-          at = (slot * Hkv + hk) * S::kRowBytes + ch * 16;
-        }
-        cp_async16(stage + j * S::kRowBytes + ch * 16, static_cast<const unsigned char*>(kpool) + at, ok);
-        cp_async16(stage + (kTile + j) * S::kRowBytes + ch * 16, static_cast<const unsigned char*>(vpool) + at, ok);
-      }
-      cp_async_commit();
       cp_async_wait_all();
       __syncwarp();  // every lane's codes landed
       float s[kNT][4];
@@ -751,7 +778,7 @@ __global__ void __launch_bounds__(kDecWarps * 32) flash_decode_tiles_kernel(
 #pragma unroll
         for (int np = 0; np < kNT / 2; ++np) {
           uint32_t b[2][2];
-          load_b2_e4m3(b, stage, S::kRowBytes, np * 16, kk * 16, ksc, lane);
+          load_b2_e4m3<D>(b, stage, np * 16, kk * 16, ksc, lane);
           mma_bf16(s[2 * np], a, b[0]);
           mma_bf16(s[2 * np + 1], a, b[1]);
         }
@@ -776,33 +803,39 @@ __global__ void __launch_bounds__(kDecWarps * 32) flash_decode_tiles_kernel(
 #pragma unroll
         for (int np = 0; np < kND / 2; ++np) {
           uint32_t b[2][2];
-          load_b2_t_e4m3(b, stage + kTile * S::kRowBytes, S::kRowBytes, np * 16, kk * 16, vsc, lane);
+          load_b2_t_e4m3<D>(b, stage + kTile * S::kRowBytes, np * 16, kk * 16, vsc, lane);
           mma_bf16(ot[2 * np], a, b[0]);
           mma_bf16(ot[2 * np + 1], a, b[1]);
         }
       }
-      __syncwarp();  // every lane's reads of the codes are done: the stage takes the partial
-      float* po = reinterpret_cast<float*>(stage);
+      __syncwarp();  // every lane's reads of the codes are done: the stage takes the next tile's
+      if (tile + kDecWarps < n_tiles) issue(tile + kDecWarps);
+      float* po = sPart + warp * G * S::kPartLd;
 #pragma unroll
-      for (int nt = 0; nt < kND; ++nt)
+      for (int h = 0; h < 2; ++h) {
+        const int row = g + 8 * h;
+        if (row >= G) continue;
 #pragma unroll
-        for (int e = 0; e < 4; ++e) po[(g + 8 * (e >> 1)) * D + nt * 8 + 2 * c + (e & 1)] = ot[nt][e];
+        for (int nt = 0; nt < kND; ++nt)
+          *reinterpret_cast<float2*>(po + row * S::kPartLd + nt * 8 + 2 * c) = make_float2(ot[nt][2 * h], ot[nt][2 * h + 1]);
+      }
       sLt[(warp * 16 + g) * 4 + c] = lt[0];
       sLt[(warp * 16 + g + 8) * 4 + c] = lt[1];
       if (c == 0) sMt[warp * 16 + g] = mt[0], sMt[warp * 16 + g + 8] = mt[1];
     }
     __syncthreads();  // the round's partials
-    for (int v = 0; v < kDecWarps && r0 + v < n_tiles; ++v) {  // merge_tile's steps, in key order
-      const float mt = sMt[v * 16 + mr], bt = mt == -INFINITY ? 0.0f : mt;
-      const float mn = fmaxf(mm, mt), bn = mn == -INFINITY ? 0.0f : mn;
-      const float a = exp2f(__fsub_rn(mm, bn)), b = exp2f(__fsub_rn(bt, bn));
-      mm = mn;
-      if (mj < 4) ml = __fadd_rn(__fmul_rn(ml, a), __fmul_rn(sLt[(v * 16 + mr) * 4 + mj], b));
-      const float* po = reinterpret_cast<const float*>(smem_raw + S::kStage + v * S::kWarpBytes) + mr * D + mj * kCols;
+    if (mr < G)
+      for (int v = 0; v < kDecWarps && r0 + v < n_tiles; ++v) {  // merge_tile's steps, in key order
+        const float mt = sMt[v * 16 + mr], bt = mt == -INFINITY ? 0.0f : mt;
+        const float mn = fmaxf(mm, mt), bn = mn == -INFINITY ? 0.0f : mn;
+        const float a = exp2f(__fsub_rn(mm, bn)), b = exp2f(__fsub_rn(bt, bn));
+        mm = mn;
+        if (mj < 4) ml = __fadd_rn(__fmul_rn(ml, a), __fmul_rn(sLt[(v * 16 + mr) * 4 + mj], b));
+        const float* po = sPart + (v * G + mr) * S::kPartLd + mj * kCols;
 #pragma unroll
-      for (int i = 0; i < kCols; ++i) mo[i] = __fadd_rn(__fmul_rn(mo[i], a), __fmul_rn(po[i], b));
-    }
-    __syncthreads();  // the partials are read before the next round's stages overwrite them
+        for (int i = 0; i < kCols; ++i) mo[i] = __fadd_rn(__fmul_rn(mo[i], a), __fmul_rn(po[i], b));
+      }
+    __syncthreads();  // the partials are read before the next round writes them
   }
   if (mj < 4) sL[mr * 4 + mj] = ml;
   __syncthreads();
@@ -1222,8 +1255,8 @@ void launch_flash_decode(const void* q, const int32_t* token_seq, const int32_t*
   // FP8RL_FLASH_DECODE_FOLD=1: fold power-of-two E4M3 scales (read per call, for the tests' A/B).
   const char* fe = std::getenv("FP8RL_FLASH_DECODE_FOLD");
   const int fold = fe && std::string(fe) == "1" ? 1 : 0;
-  auto run = [&](auto kern, size_t bytes, int variant) {
-    std::call_once(opted[variant][dev >= 0 && dev < 64 ? dev : 0], [&] { set_smem(kern, bytes); });
+  auto run = [&](auto kern, size_t bytes, int variant, size_t opt_in = 0) {
+    std::call_once(opted[variant][dev >= 0 && dev < 64 ? dev : 0], [&] { set_smem(kern, std::max(bytes, opt_in)); });
     kern<<<grid, kDecWarps * 32, bytes, stream>>>(static_cast<const bf16*>(q), token_seq, token_pos, page_table, max_pages, T_, Hq,
                                       Hkv, page_size, kpool, vpool, k_scale, v_scale, scale, fold,
                                       static_cast<bf16*>(out));
@@ -1231,8 +1264,9 @@ void launch_flash_decode(const void* q, const int32_t* token_seq, const int32_t*
   const bool e4m3 = pool_dt == DType::E4M3;
   const FlashOrder order = flash_order();
   if (e4m3 && order == FlashOrder::kMerge) {
-    hd == 64 ? run(flash_decode_tiles_kernel<64>, DecTilesSmem<64>::kBytes, 8)
-             : run(flash_decode_tiles_kernel<128>, DecTilesSmem<128>::kBytes, 9);
+    // shared memory by the group (the partials' rows), opted in once for the largest (16)
+    hd == 64 ? run(flash_decode_tiles_kernel<64>, DecTilesSmem<64>::bytes(Hq / Hkv), 8, DecTilesSmem<64>::bytes(16))
+             : run(flash_decode_tiles_kernel<128>, DecTilesSmem<128>::bytes(Hq / Hkv), 9, DecTilesSmem<128>::bytes(16));
   } else if (order != FlashOrder::kOnline) {
     if (hd == 64)
       e4m3 ? run(flash_decode_kernel<64, true, true>, DecSmem<64, true>::kBytes, 4)

@@ -135,7 +135,7 @@ int run_decode(const std::vector<int32_t>& cu, int Hq, int Hkv, bool e4m3, int p
   });
   const int gx = int(T * Hkv);  // one CTA of four warps per (token, KV head)
   if (P)
-    emu_launch(gx, 1, DecTilesSmem<D>::kBytes, [&] {
+    emu_launch(gx, 1, DecTilesSmem<D>::bytes(Hq / Hkv), [&] {
       flash_decode_tiles_kernel<D>(q.data(), seq.data(), pos.data(), table.data(), maxp, T, Hq, Hkv, ps, kc.data(),
                                    vc.data(), ks.data(), vs.data(), scale, fold, od.data());
     });
@@ -184,6 +184,7 @@ int main() {
   bad += run_decode<128, true, true>({0, 90, 91, 230}, 4, 2, true, 12);
   bad += run_decode<128, true, true>({0, 17, 18, 147}, 4, 2, true, 16, 1);
   bad += run_decode<64, true, true>({0, 1, 18, 82, 212, 300}, 4, 1, true, 16, 1);
+  bad += run_decode<64, true, true>({0, 590}, 2, 1, true);  // 10 tiles: three rounds, each prefetched
   std::printf(bad ? "FAIL\n" : "PASS\n");
   return bad;
 }
