@@ -34,6 +34,8 @@
 #                   (the tile-merge order's cooperative and tile-parallel decodes against the online order's)
 #   pick_paged      after kernels: exports FP8RL_PAGED_VARIANT = the fastest passing tensor-core variant
 #                   (least summed time over DecodeBench's Qwen3-1.7B rows) for the later stages
+#   ncu_flash_decode  Nsight Compute on the flash-order decode (E4M3, Qwen3-1.7B B = 256) in each order
+#                   (FP8RL_NCU_FLASH_ORDERS: online merge): warp states and SASS stall samples (issue 11)
 #   ncu_paged_src   Nsight Compute's source page of the default decode kernel (paged_mmat_kernel), BF16 and E4M3:
 #                   stall samples and executed instructions per SASS opcode
 #   ncu_paged       Nsight Compute on the tensor-core paged decode kernel (BF16 and E4M3 pools, the
@@ -256,6 +258,22 @@ PYEOF
         note "ncu paged $tag: rc=$?"
         grep -E "paged_mma|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)|Achieved Occupancy|Theoretical Occupancy|Registers Per|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Executed Ipc A|Block Limit" \
           "$OUT/ncu_paged_$tag.log" | head -24 | tee -a "$SUMMARY"
+      done ;;
+    ncu_flash_decode)  # issue 11: the flash-order decode (E4M3 pool, DecodeBench's first shape, Qwen3-1.7B B = 256)
+      # in each FP8RL_FLASH_ORDER's kernel (online: flash_decode_kernel, merge: flash_decode_tiles_kernel): speed
+      # of light, warp states, and the SASS's stall samples (scripts/ncu_sass_top.py)
+      for order in ${FP8RL_NCU_FLASH_ORDERS:-online merge}; do
+        FP8RL_FLASH_ORDER=$order FP8RL_PAGED_BENCH=1 FP8RL_PAGED_BENCH_POOL=e4m3 timeout 150 ncu --clock-control none \
+          -k "regex:flash_decode" -c 1 \
+          --section SourceCounters --section SpeedOfLight --section Occupancy --section WarpStateStats \
+          --section InstructionStats --section LaunchStats --import-source no -f -o "$OUT/ncu_flash_$order" \
+          "$B/fp8rl_gpu_tests" --gtest_color=no --gtest_filter='CudaPagedAttention.DecodeBench' > "$OUT/ncu_flash_$order.log" 2>&1
+        note "ncu flash-order decode ($order): rc=$?"
+        ncu -i "$OUT/ncu_flash_$order.ncu-rep" --page details --print-details all 2>&1 | \
+          grep -E "flash_decode|Duration|DRAM Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per|Issue Slots Busy|Warp Cycles Per Issued|Executed Ipc A|Block Limit|Grid Size|Stall" | head -40 | tee -a "$SUMMARY"
+        ncu -i "$OUT/ncu_flash_$order.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_flash_$order.csv" 2>&1
+        python3 scripts/ncu_sass_top.py "$OUT/ncu_flash_$order.csv" 25 2>&1 | tee -a "$SUMMARY"
+        rm -f "$OUT/ncu_flash_$order.ncu-rep"
       done ;;
     ncu_paged_src)  # issue 14: the default tensor-core decode kernel (paged_mmat_kernel), BF16 and E4M3 pools,
       # on DecodeBench's first shape (Qwen3-1.7B, B = 256): speed of light, warp states, and the SASS with its

@@ -1495,9 +1495,9 @@ void grouped_linear_cases(std::vector<OpCase>& t) {
 
 // grouped_linear_shared_input: two weight sets (gate and up) over the same groups, each group's
 // two weights consecutive rows of one buffer as the generator allocates them, against
-// grouped_linear of each set. CUDA runs them as one grouped product split in two (counted in
-// concat_products): FP8 bitwise the separate grouped products, BF16 (cuBLAS at the wider N)
-// within the linear class; the CPU runs the separate products.
+// grouped_linear of each set. Both backends run the separate grouped products (CUDA's one
+// concatenated grouped product, split in two, measured slower in the MoE decode: session 24), so
+// the outputs are bitwise the separate products' and no concatenated product is counted.
 void grouped_linear_shared_input_cases(std::vector<OpCase>& t) {
   for (const LinearMode mode : {LinearMode::FP8_BLOCK, LinearMode::BF16}) {
     const LinearSpec spec{mode, false};
@@ -1545,13 +1545,8 @@ void grouped_linear_shared_input_cases(std::vector<OpCase>& t) {
                  {{"gate", linear_tolerance(mode, dt)}, {"up", linear_tolerance(mode, dt)}},
                  {}});
     OpCase& c = t.back();
-    if (mode == LinearMode::FP8_BLOCK) {
-      c.same = {{"gate", "gate_single"}, {"up", "up_single"}};
-    } else {
-      c.close.emplace_back("gate", "gate_single", linear_tolerance(mode, dt));
-      c.close.emplace_back("up", "up_single", linear_tolerance(mode, dt));
-    }
-    c.concat_products = 1;  // CUDA: the op's one product
+    c.same = {{"gate", "gate_single"}, {"up", "up_single"}};
+    c.concat_products = 0;
     c.grouped_loops = 0;
     c.errors = [=](OpRun& r) {
       LinearWeight w;

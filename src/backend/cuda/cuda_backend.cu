@@ -1373,41 +1373,6 @@ void CudaBackend::grouped_linear_impl(const Tensor& x, const std::vector<int64_t
                           out.dtype(), 1.0f, 0.0f, /*block_m=*/0, /*keep_maps=*/true);
 }
 
-// The weight sets as one grouped product where each group's weights are consecutive rows of one
-// buffer (concatenated(): the generator's experts' gate|up), at up to kCatMaxRows rows (the
-// concatenated-product scratch the memory plan counts), then the output split (split_concatenated);
-// otherwise one grouped_linear per set.
-void CudaBackend::grouped_linear_shared_input_impl(const Tensor& x, const std::vector<int64_t>& offsets,
-                                                   const std::vector<std::vector<const LinearWeight*>>& W,
-                                                   const LinearSpec& spec, const std::vector<Tensor*>& outs) {
-  // FP8RL_MOE_SHARED_INPUT=0 (read once): one grouped product per weight set (an A/B knob).
-  static const bool allowed = [] {
-    const char* e = std::getenv("FP8RL_MOE_SHARED_INPUT");
-    return !(e && std::string(e) == "0");
-  }();
-  const int64_t R = x.dim(0);
-  bool one = allowed && W.size() >= 2 && static_cast<int>(W.size()) <= kSplitColsMax && act_dtype_ != DType::F32 && R > 0 &&
-             R <= kCatMaxRows && !spec.consistent;
-  for (const Tensor* o : outs) one = one && o->dtype() == outs[0]->dtype();
-  const size_t G = W[0].size();
-  std::vector<LinearWeight> cats(one ? G : 0);
-  for (size_t g = 0; one && g < G; ++g) {
-    std::vector<const LinearWeight*> set;
-    for (const auto& w : W) set.push_back(w[g]);
-    one = concatenated(set, spec, cats[g]);
-  }
-  if (!one) {
-    Backend::grouped_linear_shared_input_impl(x, offsets, W, spec, outs);
-    return;
-  }
-  std::vector<const LinearWeight*> catp, first;
-  for (const LinearWeight& c : cats) catp.push_back(&c);
-  for (const auto& w : W) first.push_back(w[0]);
-  Tensor y = scratch(kSlotCat, {R, cats[0].out_features()}, outs[0]->dtype());
-  grouped_linear_impl(x, offsets, catp, spec, y);
-  split_concatenated(y, first, outs);
-}
-
 // The experts' backward, each half in one launch where the mode allows:
 //   dgrad, FP8 with pre-quantized weights: dY quantized once (1x128 along N), each routed
 //     expert's W^T (its cached wqt, the trainer's; else the byte transpose of its 128x128

@@ -76,9 +76,6 @@ class CudaBackend final : public Backend {
                    const Fp8View* x_fp8) override;
   void grouped_linear_impl(const Tensor& x, const std::vector<int64_t>& offsets,
                            const std::vector<const LinearWeight*>& W, const LinearSpec& spec, Tensor& out) override;
-  void grouped_linear_shared_input_impl(const Tensor& x, const std::vector<int64_t>& offsets,
-                                        const std::vector<std::vector<const LinearWeight*>>& W, const LinearSpec& spec,
-                                        const std::vector<Tensor*>& outs) override;
   void grouped_linear_backward_impl(const Tensor& dy, const Tensor& x, const std::vector<int64_t>& offsets,
                                     const std::vector<const LinearWeight*>& W, const LinearSpec& spec, Tensor* dx,
                                     const std::vector<Tensor*>& dw) override;
