@@ -77,6 +77,21 @@ __device__ __forceinline__ void cp_async_wait_all_but_newest() {
 }
 // Waits until every committed group of this thread has landed.
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+// Two FP32 values as a BF16 pair (lo at the lower column), round to nearest even: one
+// cvt.rn.bf16x2.f32, bitwise bf16_bits_from_float for every non-NaN value (a NaN becomes the
+// canonical one; the software form's six instructions a value were, with the NaN test of
+// store8's, the largest share of the flash-order decode's instructions: session 24's profile).
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  uint32_t r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+// 8 values as BF16 by pack_bf16 into p (16-byte aligned): store8 without its NaN test, for
+// values that are finite by construction (cached codes times a scale).
+__device__ __forceinline__ void store8_finite(bf16* p, const float v[8]) {
+  *reinterpret_cast<uint4*>(p) =
+      make_uint4(pack_bf16(v[0], v[1]), pack_bf16(v[2], v[3]), pack_bf16(v[4], v[5]), pack_bf16(v[6], v[7]));
+}
 // ---- end of PTX helpers
 
 // Shared tiles are BF16 row-major with a padded leading dimension ld = width + 8: ldmatrix's
@@ -100,10 +115,6 @@ __device__ __forceinline__ void load_b2_t(uint32_t (&b)[2][2], const bf16* s, in
   uint32_t r[4];
   ldsm_x4_t(r, s + (k0 + (j & 1) * 8 + (lane & 7)) * ld + n0 + (j >> 1) * 8);
   b[0][0] = r[0], b[0][1] = r[1], b[1][0] = r[2], b[1][1] = r[3];
-}
-// Two FP32 values as a BF16 pair (lo at the lower column), round to nearest even.
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  return static_cast<uint32_t>(bf16_bits_from_float(lo)) | (static_cast<uint32_t>(bf16_bits_from_float(hi)) << 16);
 }
 // The A fragment (16 rows x 16 columns kk*16..) from C-layout accumulators x[2kk], x[2kk+1].
 __device__ __forceinline__ void a_from_c(uint32_t (&a)[4], const float (&x0)[4], const float (&x1)[4]) {
@@ -549,7 +560,7 @@ __global__ void __launch_bounds__(kDecWarps * 32) flash_decode_kernel(
             x[e] = fold ? f.x : f.x * sc;  // rounded to BF16 by the store
             x[e + 1] = fold ? f.y : f.y * sc;
           }
-          store8(dst + 8 * h, x);
+          store8_finite(dst + 8 * h, x);
         }
       } else {
         (void)sc, (void)fold;

@@ -77,6 +77,16 @@ inline void store8(bf16* p, const float v[8]) {
   emu_check_align(p);
   for (int i = 0; i < 8; ++i) p[i].x = bf16_bits_from_float(v[i]);
 }
+// cvt.rn.bf16x2.f32 (flash_attention.cu's PTX helpers): round to nearest even, as
+// bf16_bits_from_float for every non-NaN value.
+inline uint32_t pack_bf16(float lo, float hi) {
+  return static_cast<uint32_t>(bf16_bits_from_float(lo)) | (static_cast<uint32_t>(bf16_bits_from_float(hi)) << 16);
+}
+inline void store8_finite(bf16* p, const float v[8]) {
+  for (int i = 0; i < 8; ++i)
+    if (std::isnan(v[i])) std::abort();  // the kernel's callers store finite values only
+  store8(p, v);
+}
 inline float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
