@@ -114,6 +114,23 @@ if [ "${FP8RL_GPU_TESTS:-1}" = 1 ]; then
   fi
 fi
 
+# Nsight Compute on the first launch whose name matches $2 in DecodeBench (under the env assignments
+# $4...): speed of light, warp states, and the SASS with its stall samples and executed instructions by
+# opcode (scripts/ncu_sass_top.py, the top $3 instructions). Files: $OUT/ncu_$1.{log,csv}.
+ncu_decode_source() {
+  local tag=$1 kern=$2 top=$3; shift 3
+  env "$@" FP8RL_PAGED_BENCH=1 timeout 150 ncu --clock-control none -k "regex:$kern" -c 1 \
+    --section SourceCounters --section SpeedOfLight --section Occupancy --section WarpStateStats \
+    --section InstructionStats --section LaunchStats --import-source no -f -o "$OUT/ncu_$tag" \
+    "$B/fp8rl_gpu_tests" --gtest_color=no --gtest_filter='CudaPagedAttention.DecodeBench' > "$OUT/ncu_$tag.log" 2>&1
+  note "ncu $tag ($*): rc=$?"
+  ncu -i "$OUT/ncu_$tag.ncu-rep" --page details --print-details all 2>&1 | \
+    grep -E "$kern|Duration|DRAM Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per|Issue Slots Busy|Warp Cycles Per Issued|Executed Ipc A|Block Limit|Grid Size|Stall" | head -40 | tee -a "$SUMMARY"
+  ncu -i "$OUT/ncu_$tag.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_$tag.csv" 2>&1
+  python3 scripts/ncu_sass_top.py "$OUT/ncu_$tag.csv" "$top" 2>&1 | tee -a "$SUMMARY"
+  rm -f "$OUT/ncu_$tag.ncu-rep"
+}
+
 for stage in ${FP8RL_STAGES:-rlstep}; do
   [ "$(left)" -lt 40 ] && { note "$stage: skipped (time)"; continue; }
   case $stage in
@@ -260,38 +277,16 @@ PYEOF
           "$OUT/ncu_paged_$tag.log" | head -24 | tee -a "$SUMMARY"
       done ;;
     ncu_flash_decode)  # issue 11: the flash-order decode (E4M3 pool, DecodeBench's first shape, Qwen3-1.7B B = 256)
-      # in each FP8RL_FLASH_ORDER's kernel (online: flash_decode_kernel, merge: flash_decode_tiles_kernel): speed
-      # of light, warp states, and the SASS's stall samples (scripts/ncu_sass_top.py)
+      # in each FP8RL_FLASH_ORDER's kernel (online: flash_decode_kernel, merge: flash_decode_tiles_kernel)
       for order in ${FP8RL_NCU_FLASH_ORDERS:-online merge}; do
-        FP8RL_FLASH_ORDER=$order FP8RL_PAGED_BENCH=1 FP8RL_PAGED_BENCH_POOL=e4m3 timeout 150 ncu --clock-control none \
-          -k "regex:flash_decode" -c 1 \
-          --section SourceCounters --section SpeedOfLight --section Occupancy --section WarpStateStats \
-          --section InstructionStats --section LaunchStats --import-source no -f -o "$OUT/ncu_flash_$order" \
-          "$B/fp8rl_gpu_tests" --gtest_color=no --gtest_filter='CudaPagedAttention.DecodeBench' > "$OUT/ncu_flash_$order.log" 2>&1
-        note "ncu flash-order decode ($order): rc=$?"
-        ncu -i "$OUT/ncu_flash_$order.ncu-rep" --page details --print-details all 2>&1 | \
-          grep -E "flash_decode|Duration|DRAM Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per|Issue Slots Busy|Warp Cycles Per Issued|Executed Ipc A|Block Limit|Grid Size|Stall" | head -40 | tee -a "$SUMMARY"
-        ncu -i "$OUT/ncu_flash_$order.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_flash_$order.csv" 2>&1
-        python3 scripts/ncu_sass_top.py "$OUT/ncu_flash_$order.csv" 25 2>&1 | tee -a "$SUMMARY"
-        rm -f "$OUT/ncu_flash_$order.ncu-rep"
+        ncu_decode_source "flash_$order" flash_decode 25 FP8RL_FLASH_ORDER=$order FP8RL_PAGED_BENCH_POOL=e4m3
       done ;;
     ncu_paged_src)  # issue 14: the default tensor-core decode kernel (paged_mmat_kernel), BF16 and E4M3 pools,
-      # on DecodeBench's first shape (Qwen3-1.7B, B = 256): speed of light, warp states, and the SASS with its
-      # stall samples and executed instructions by opcode (scripts/ncu_sass_top.py)
-      # The test times only that pool's default variant (FP8RL_PAGED_BENCH_POOL, _DEFAULT), so the first
-      # paged_mmat_kernel launch is the one (session 19: regexes over the template arguments matched nothing).
+      # on DecodeBench's first shape (Qwen3-1.7B, B = 256). The test times only that pool's default variant
+      # (FP8RL_PAGED_BENCH_POOL, _DEFAULT), so the first paged_mmat_kernel launch is the one (session 19:
+      # regexes over the template arguments matched nothing).
       for tag in bf16 e4m3; do
-        FP8RL_PAGED_BENCH=1 FP8RL_PAGED_BENCH_POOL=$tag FP8RL_PAGED_BENCH_DEFAULT=1 timeout 150 ncu --clock-control none \
-          -k "regex:paged_mmat_kernel" -c 1 \
-          --section SourceCounters --section SpeedOfLight --section Occupancy --section WarpStateStats \
-          --section InstructionStats --section LaunchStats --import-source no -f -o "$OUT/ncu_paged_src_$tag" \
-          "$B/fp8rl_gpu_tests" --gtest_color=no --gtest_filter='CudaPagedAttention.DecodeBench' > "$OUT/ncu_paged_src_$tag.log" 2>&1
-        note "ncu paged source $tag: rc=$?"
-        ncu -i "$OUT/ncu_paged_src_$tag.ncu-rep" --page details --print-details all 2>&1 | \
-          grep -E "paged_mmat|Duration|DRAM Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per|Issue Slots Busy|Warp Cycles Per Issued|Executed Ipc A|Block Limit|Grid Size|Stall" | head -40 | tee -a "$SUMMARY"
-        ncu -i "$OUT/ncu_paged_src_$tag.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_paged_src_$tag.csv" 2>&1
-        python3 scripts/ncu_sass_top.py "$OUT/ncu_paged_src_$tag.csv" 30 2>&1 | tee -a "$SUMMARY"
-        rm -f "$OUT/ncu_paged_src_$tag.ncu-rep"
+        ncu_decode_source "paged_src_$tag" paged_mmat 30 FP8RL_PAGED_BENCH_POOL=$tag FP8RL_PAGED_BENCH_DEFAULT=1
       done ;;
     gemm_variants)  # issues 14 and 16: the own FP8 GEMM's variants side by side (bench-gemm --shapes)
       # cluster:scales:CTAs-per-SM[:band[:store[:columns]]] (FP8RL_FP8_GEMM_CLUSTER, _SCALES, _OCCUPANCY
