@@ -36,6 +36,9 @@
 #                   (least summed time over DecodeBench's Qwen3-1.7B rows) for the later stages
 #   ncu_flash_decode  Nsight Compute on the flash-order decode (E4M3, Qwen3-1.7B B = 256) in each order
 #                   (FP8RL_NCU_FLASH_ORDERS: online merge): warp states and SASS stall samples (issue 11)
+#   query_runs      the consistent trainer's attention (query runs of 8 / 16 columns) vs flash attention's
+#                   forward, one 8k-token micro-batch at the 1.7B heads (issue 11)
+#   ncu_query_runs  Nsight Compute's source page of that query-run kernel (FP8RL_NCU_QUERY_COLS: 8)
 #   ncu_paged_src   Nsight Compute's source page of the default decode kernel (paged_mmat_kernel), BF16 and E4M3:
 #                   stall samples and executed instructions per SASS opcode
 #   ncu_paged       Nsight Compute on the tensor-core paged decode kernel (BF16 and E4M3 pools, the
@@ -114,15 +117,15 @@ if [ "${FP8RL_GPU_TESTS:-1}" = 1 ]; then
   fi
 fi
 
-# Nsight Compute on the first launch whose name matches $2 in DecodeBench (under the env assignments
-# $4...): speed of light, warp states, and the SASS with its stall samples and executed instructions by
+# Nsight Compute on the first launch whose name matches $2 in the GPU test $4 (under the env assignments
+# $5...): speed of light, warp states, and the SASS with its stall samples and executed instructions by
 # opcode (scripts/ncu_sass_top.py, the top $3 instructions). Files: $OUT/ncu_$1.{log,csv}.
-ncu_decode_source() {
-  local tag=$1 kern=$2 top=$3; shift 3
-  env "$@" FP8RL_PAGED_BENCH=1 timeout 150 ncu --clock-control none -k "regex:$kern" -c 1 \
+ncu_source() {
+  local tag=$1 kern=$2 top=$3 filter=$4; shift 4
+  env "$@" timeout 150 ncu --clock-control none -k "regex:$kern" -c 1 \
     --section SourceCounters --section SpeedOfLight --section Occupancy --section WarpStateStats \
     --section InstructionStats --section LaunchStats --import-source no -f -o "$OUT/ncu_$tag" \
-    "$B/fp8rl_gpu_tests" --gtest_color=no --gtest_filter='CudaPagedAttention.DecodeBench' > "$OUT/ncu_$tag.log" 2>&1
+    "$B/fp8rl_gpu_tests" --gtest_color=no --gtest_filter="$filter" > "$OUT/ncu_$tag.log" 2>&1
   note "ncu $tag ($*): rc=$?"
   ncu -i "$OUT/ncu_$tag.ncu-rep" --page details --print-details all 2>&1 | \
     grep -E "$kern|Duration|DRAM Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per|Issue Slots Busy|Warp Cycles Per Issued|Executed Ipc A|Block Limit|Grid Size|Stall" | head -40 | tee -a "$SUMMARY"
@@ -279,14 +282,24 @@ PYEOF
     ncu_flash_decode)  # issue 11: the flash-order decode (E4M3 pool, DecodeBench's first shape, Qwen3-1.7B B = 256)
       # in each FP8RL_FLASH_ORDER's kernel (online: flash_decode_kernel, merge: flash_decode_tiles_kernel)
       for order in ${FP8RL_NCU_FLASH_ORDERS:-online merge}; do
-        ncu_decode_source "flash_$order" flash_decode 25 FP8RL_FLASH_ORDER=$order FP8RL_PAGED_BENCH_POOL=e4m3
+        ncu_source "flash_$order" flash_decode 25 CudaPagedAttention.DecodeBench FP8RL_PAGED_BENCH=1 \
+          FP8RL_FLASH_ORDER=$order FP8RL_PAGED_BENCH_POOL=e4m3
       done ;;
+    query_runs)  # issue 11: the consistent trainer's attention (paged, query runs of 8 / 16 columns) against flash
+      # attention's forward, one 8k-token micro-batch at the 1.7B heads (CudaConsistent.QueryRunBench)
+      FP8RL_QUERY_RUN_BENCH=1 timeout 120 "$B/fp8rl_gpu_tests" --gtest_color=no \
+        --gtest_filter='CudaConsistent.QueryRunBench' > "$OUT/query_runs.log" 2>&1
+      note "query-run bench: rc=$?"; grep -E "^ |^consistent" "$OUT/query_runs.log" | tee -a "$SUMMARY" ;;
+    ncu_query_runs)  # issue 11: Nsight Compute on the query-run kernel (runs of FP8RL_NCU_QUERY_COLS = 8 columns)
+      ncu_source "query_runs" paged_mmat 30 CudaConsistent.QueryRunBench FP8RL_QUERY_RUN_BENCH=1 \
+        FP8RL_QUERY_RUN_BENCH_COLS="${FP8RL_NCU_QUERY_COLS:-8}" ;;
     ncu_paged_src)  # issue 14: the default tensor-core decode kernel (paged_mmat_kernel), BF16 and E4M3 pools,
       # on DecodeBench's first shape (Qwen3-1.7B, B = 256). The test times only that pool's default variant
       # (FP8RL_PAGED_BENCH_POOL, _DEFAULT), so the first paged_mmat_kernel launch is the one (session 19:
       # regexes over the template arguments matched nothing).
       for tag in bf16 e4m3; do
-        ncu_decode_source "paged_src_$tag" paged_mmat 30 FP8RL_PAGED_BENCH_POOL=$tag FP8RL_PAGED_BENCH_DEFAULT=1
+        ncu_source "paged_src_$tag" paged_mmat 30 CudaPagedAttention.DecodeBench FP8RL_PAGED_BENCH=1 \
+          FP8RL_PAGED_BENCH_POOL=$tag FP8RL_PAGED_BENCH_DEFAULT=1
       done ;;
     gemm_variants)  # issues 14 and 16: the own FP8 GEMM's variants side by side (bench-gemm --shapes)
       # cluster:scales:CTAs-per-SM[:band[:store[:columns]]] (FP8RL_FP8_GEMM_CLUSTER, _SCALES, _OCCUPANCY

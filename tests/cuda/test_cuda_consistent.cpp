@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -21,6 +22,7 @@
 #include "model/transformer.h"
 #include "model/weights.h"
 #include "support/consistent_util.h"
+#include "support/cuda_timing.h"
 #include "support/random_tensor.h"
 #include "support/test_support.h"
 
@@ -350,6 +352,57 @@ TEST(CudaConsistent, PagedAttentionQueryRunsAreBitwiseOneTokenCtas) {
         EXPECT_TRUE(std::all_of(f.begin(), f.end(), [](float x) { return std::isfinite(x); }));
       }
     }
+}
+
+// Timing (FP8RL_QUERY_RUN_BENCH=1; gpu_bench.sh stages query_runs, ncu_query_runs): the consistent
+// trainer's attention forward at the 1.7B heads (16 / 8 x 128) over one 8k-token micro-batch of 16
+// ragged sequences — the paged kernel over an E4M3 scratch cache in query runs of 8 and 16 MMA
+// columns (the training_attention's consistent branch; `consistent=attn`'s extra training cost)
+// against flash attention's forward over the same tokens (what fp8_e2e's trainer runs).
+// FP8RL_QUERY_RUN_BENCH_COLS=8|16 times that width only (for a profiler's first launch).
+TEST(CudaConsistent, QueryRunBench) {
+  const char* on = std::getenv("FP8RL_QUERY_RUN_BENCH");
+  if (!on || std::string(on) != "1") GTEST_SKIP() << "timing mode: FP8RL_QUERY_RUN_BENCH=1";
+  const char* only = std::getenv("FP8RL_QUERY_RUN_BENCH_COLS");
+  cuda::CudaBackend be(0, DType::BF16);
+  const int Hq = 16, Hkv = 8, hd = 128, ps = 16, group = Hq / Hkv;
+  const std::vector<int32_t> lens = {512, 431, 600, 380, 700, 290, 555, 468, 620, 333, 505, 410, 690, 350, 575, 445};
+  const WholeSequences ws = whole_sequences(lens, ps);
+  const int64_t T = static_cast<int64_t>(ws.seq.size());
+  std::vector<int32_t> cu = {0};
+  for (int32_t n : lens) cu.push_back(cu.back() + n);
+  const Tensor q = rand_dev(be, {T, Hq, hd}, 71, DType::BF16, 0.3f);
+  const Tensor k = rand_dev(be, {T, Hkv, hd}, 72, DType::BF16), v = rand_dev(be, {T, Hkv, hd}, 73, DType::BF16);
+  KvCache c = be.alloc_kv_cache(1, ws.pages, ps, Hkv, hd, DType::E4M3);
+  be.copy(from_float_vector(std::vector<float>(Hkv, 0.02f), {1, Hkv}), c.k_scale);
+  be.copy(from_float_vector(std::vector<float>(Hkv, 0.012f), {1, Hkv}), c.v_scale);
+  PagedBatch one{be.to_device(test::i32_tensor(ws.seq)), be.to_device(test::i32_tensor(ws.pos)),
+                 be.to_device(test::i32_tensor(ws.slots)),
+                 be.to_device(test::i32_tensor(ws.table)).reshape({static_cast<int64_t>(lens.size()), ws.width}), 700};
+  one.batch_invariant = true;
+  be.kv_write(c, 0, k, v, one);
+  Tensor out = be.alloc({T, Hq, hd}, DType::BF16), lse = be.alloc({Hq, T}, DType::F32);
+  const float scale = 0.088f;
+  std::printf("consistent trainer attention, 1.7B heads, %lld tokens in %zu sequences (E4M3 scratch cache):\n",
+              static_cast<long long>(T), lens.size());
+  for (int cols : {8, 16}) {
+    if (only && std::to_string(cols) != only) continue;
+    const int run = cols / group;
+    if (!cuda::paged_attention_runs_apply(group, -1, false) || run > cuda::paged_attention_run_tokens(group)) continue;
+    std::vector<int32_t> runs;
+    for (size_t b = 0; b < lens.size(); ++b)
+      for (int t = cu[b]; t < cu[b + 1]; t += run) runs.push_back(t), runs.push_back(std::min(run, cu[b + 1] - t));
+    PagedBatch grouped = one;
+    grouped.query_runs = be.to_device(test::i32_tensor(runs)).reshape({static_cast<int64_t>(runs.size() / 2), 2});
+    grouped.query_run_tokens = run;
+    const double us =
+        test::time_calls([&](int) { be.attention_paged(c, 0, q, grouped, scale, false, out, &lse); }, be.stream());
+    std::printf("  paged, query runs of %2d columns (%d tokens): %8.1f us\n", cols, run, us);
+  }
+  if (!only) {
+    const double us = test::time_calls([&](int) { be.attention(q, k, v, cu, scale, out, lse); }, be.stream());
+    std::printf("  flash attention forward:                   %8.1f us\n", us);
+  }
 }
 
 // consistent=flash's decode attention (PagedBatch::flash_order, flash_decode_kernel): every

@@ -33,6 +33,7 @@
 #include "backend/cuda/kernels.h"
 #include "core/error.h"
 #include "core/rng.h"
+#include "support/cuda_timing.h"
 
 namespace fp8rl {
 namespace {
@@ -427,28 +428,6 @@ TEST(CudaPagedAttention, DecodeShapesMatchCpu) {
     }
 }
 
-// Times one kernel: median over 7 repeats of 20 calls (alternating the two layers, so the L2
-// never holds the next call's bytes) after 3 warm-up calls; microseconds per call.
-double time_calls(const std::function<void(int layer)>& call, cudaStream_t stream) {
-  for (int i = 0; i < 3; ++i) call(i & 1);
-  cudaEvent_t e0, e1;
-  EXPECT_EQ(cudaEventCreate(&e0), cudaSuccess);
-  EXPECT_EQ(cudaEventCreate(&e1), cudaSuccess);
-  std::vector<double> us;
-  for (int r = 0; r < 7; ++r) {
-    EXPECT_EQ(cudaEventRecord(e0, stream), cudaSuccess);
-    for (int i = 0; i < 20; ++i) call(i & 1);
-    EXPECT_EQ(cudaEventRecord(e1, stream), cudaSuccess);
-    EXPECT_EQ(cudaEventSynchronize(e1), cudaSuccess);
-    float ms = 0;
-    EXPECT_EQ(cudaEventElapsedTime(&ms, e0, e1), cudaSuccess);
-    us.push_back(1000.0 * ms / 20);
-  }
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
-  std::sort(us.begin(), us.end());
-  return us[us.size() / 2];
-}
 
 TEST(CudaPagedAttention, DecodeBench) {
   const char* on = std::getenv("FP8RL_PAGED_BENCH");
@@ -522,7 +501,7 @@ TEST(CudaPagedAttention, DecodeBench) {
                                    b.gc.k[layer].raw(), b.gc.v[layer].raw(), pool, ks, vs, sc, false, plan, po, pl,
                                    out.raw(), stream, false);
         };
-        const double us = time_calls(call, stream);
+        const double us = test::time_calls(call, stream);
         ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
         const double gbs = bytes / (us * 1e-6) / 1e9;
         if (!mma) base_us = us;
@@ -545,7 +524,7 @@ TEST(CudaPagedAttention, DecodeBench) {
                                     b.db.page_table.data<int32_t>(), max_pages, b.T, sh.Hq, sh.Hkv, sh.hd, 16,
                                     b.gc.k[layer].raw(), b.gc.v[layer].raw(), pool, ks, vs, sc, out.raw(), stream);
         };
-        const double us = time_calls(call, stream);
+        const double us = test::time_calls(call, stream);
         ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
         const double gbs = bytes / (us * 1e-6) / 1e9;
         std::printf("%-30s %-5s %-14s %7d %9.1f %8.0f %5.0f%% %7.2fx\n", sh.name, dtype_name(pool), "flash-order", 1, us,
