@@ -366,7 +366,7 @@ RecipeResult bench_recipe(Backend& be, const BenchSetup& s, const std::string& r
     be.profile_report(recipe_name + " scoring + reference + training", last);
     phase("refit_calibration", [&] {
       KvScales scales;
-      if (fp8_kv) scales = kv_scales_calibrate(old.k_amax, old.v_amax);
+      if (fp8_kv) scales = kv_scales_calibrate(old.k_amax, old.v_amax, 0.999f, 1.05f, recipe.generator.pow2_scales);
       engine.refit(trainer.master(), fp8_kv ? &scales : nullptr);
     });
     t["step"] = std::chrono::duration<double>(Clock::now() - t_step).count();

@@ -308,7 +308,7 @@ std::vector<Field> config_fields(RunConfig& c) {
                "override the preset's trainer linears");
   t.add_choice("precision.trainer_wgrad", p.trainer_wgrad, {"auto", "fp8", "bf16"},
                "FP8 trainer linears: weight gradient as an FP8 GEMM (dY, X requantized along tokens) or BF16");
-  t.add_bool("precision.pow2_scales", p.pow2_scales, "power-of-two FP8 scales (UE8M0), both engines");
+  t.add_bool("precision.pow2_scales", p.pow2_scales, "power-of-two FP8 scales (UE8M0), both engines: weights, activations, KV cache");
   t.add_int("precision.bf16_first_layers", p.bf16_first_layers, "first n blocks stay BF16, both engines");
   t.add_int("precision.bf16_last_layers", p.bf16_last_layers, "last m blocks stay BF16, both engines");
   t.add_choice("precision.kv_cache", p.kv_cache, {"auto", "f32", "bf16", "e4m3"}, "generator KV cache dtype");

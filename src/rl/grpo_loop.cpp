@@ -409,7 +409,7 @@ void setup_initial_kv_scales(GrpoRun& r) {
   }
   ScoreResult sc = r.trainer->score(calib, r.temperature, /*entropy=*/false, /*record_amax=*/true);
   r.state.kv_scales = kv_scales_calibrate(sc.k_amax, sc.v_amax, static_cast<float>(r.c.precision.kv_calib_percentile),
-                                          static_cast<float>(r.c.precision.kv_calib_margin));
+                                          static_cast<float>(r.c.precision.kv_calib_margin), r.c.precision.pow2_scales);
   r.engine->refit(r.trainer->master(), &r.state.kv_scales);
 }
 
@@ -630,7 +630,7 @@ void step_refit(GrpoRun& r, GrpoStep& d) {
   } else if (r.fp8_kv) {
     scales = kv_scales_calibrate(amax_all_gather(*r.comm, d.old.k_amax), amax_all_gather(*r.comm, d.old.v_amax),
                                  static_cast<float>(r.c.precision.kv_calib_percentile),
-                                 static_cast<float>(r.c.precision.kv_calib_margin));
+                                 static_cast<float>(r.c.precision.kv_calib_margin), r.c.precision.pow2_scales);
     d.m.extra.push_back({"kv_scale_k_mean", metrics_mean(scales.k)});
     d.m.extra.push_back({"kv_scale_v_mean", metrics_mean(scales.v)});
   }

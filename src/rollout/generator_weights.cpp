@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "quant/fp8_rule.h"
 #include "rollout/rollout.h"
 
 namespace fp8rl {
@@ -154,7 +155,8 @@ void generator_weights_refit(Backend& be, const ModelWeights& master, const Engi
 }
 
 KvScales kv_scales_calibrate(const std::vector<std::vector<float>>& k_amax,
-                             const std::vector<std::vector<float>>& v_amax, float percentile, float margin) {
+                             const std::vector<std::vector<float>>& v_amax, float percentile, float margin,
+                             bool pow2) {
   FP8RL_CHECK(!k_amax.empty() && k_amax.size() == v_amax.size(),
               "KV calibration needs amax samples from at least one micro-batch");
   FP8RL_CHECK(percentile > 0.0f && percentile <= 1.0f && margin > 0.0f, "KV calibration: percentile must be in (0, 1] "
@@ -171,7 +173,9 @@ KvScales kv_scales_calibrate(const std::vector<std::vector<float>>& k_amax,
     // Nearest-rank percentile: the smallest sample with at least p of the samples at or below it.
     const size_t rank = static_cast<size_t>(std::ceil(percentile * s.size()));
     const float amax = s[std::min(s.size(), std::max<size_t>(rank, 1)) - 1];
-    return amax > 0.0f ? amax * margin / kE4M3Max : 1.0f;
+    if (!(amax > 0.0f)) return 1.0f;
+    const float scale = amax * margin / kE4M3Max;
+    return pow2 && scale > 0.0f ? fp8_pow2_round_up(scale) : scale;
   };
   KvScales r;
   for (size_t l = 0; l < L; ++l) {

@@ -150,8 +150,11 @@ void generator_weights_refit(Backend& backend, const ModelWeights& master, const
 
 // KV-scale calibration (recipe section 3): from per-micro-batch amax samples of k and v per layer
 // (amax[m][l]), scale_l = percentile_p(amax[.][l]) * margin / 448; a layer whose amax is 0 gets 1.
+// pow2 (precision.pow2_scales): each scale rounded up to a power of two (never clipping more than
+// the exact scale would), so every FP8 scale of the recipe is one; the flash-order decode then
+// folds the KV scales into its score multiplier and 1 / l.
 KvScales kv_scales_calibrate(const std::vector<std::vector<float>>& k_amax,
                              const std::vector<std::vector<float>>& v_amax, float percentile = 0.999f,
-                             float margin = 1.05f);
+                             float margin = 1.05f, bool pow2 = false);
 
 }  // namespace fp8rl

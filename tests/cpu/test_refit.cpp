@@ -4,8 +4,10 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <random>
+#include <utility>
 
 #include "rollout/rollout.h"
 #include "test_model_util.h"
@@ -219,6 +221,25 @@ TEST(KvCalibration, NearestRankPercentileTimesMarginOver448) {
   const KvScales p50 = kv_scales_calibrate(k10, v10, 0.5f, 1.25f);
   EXPECT_FLOAT_EQ(p50.k[0], 5.0f * 1.25f / 448.0f);
   EXPECT_FLOAT_EQ(p50.v[0], 2.5f * 1.25f / 448.0f);
+}
+
+// precision.pow2_scales: each scale the least power of two at or above the exact one (a layer
+// whose amax is 0 keeps 1, itself a power of two).
+TEST(KvCalibration, PowerOfTwoScalesRoundUp) {
+  const std::vector<std::vector<float>> k = {{3.0f, 0.0f, 448.0f}, {2.0f, 0.0f, 224.0f}},
+                                        v = {{0.001f, 7.5f, 1e-30f}, {0.002f, 7.0f, 1e-30f}};
+  const KvScales e = kv_scales_calibrate(k, v, 1.0f, 1.0f), p = kv_scales_calibrate(k, v, 1.0f, 1.0f, true);
+  ASSERT_EQ(p.k.size(), 3u);
+  for (size_t l = 0; l < 3; ++l)
+    for (const auto& [exact, pow2] : {std::pair{e.k[l], p.k[l]}, std::pair{e.v[l], p.v[l]}}) {
+      int ex = 0;
+      EXPECT_EQ(std::frexp(pow2, &ex), 0.5f) << "layer " << l << ": " << pow2 << " is not a power of two";
+      EXPECT_GE(pow2, exact) << "layer " << l;
+      EXPECT_LT(pow2, 2.0f * exact) << "layer " << l;
+    }
+  EXPECT_EQ(p.k[1], 1.0f);
+  EXPECT_EQ(p.k[2], 1.0f);        // 448 / 448: already a power of two
+  EXPECT_EQ(p.k[0], 0.0078125f);        // 3 / 448 = 0.0067 -> 2^-7
 }
 
 TEST(KvCalibration, RejectsBadInput) {

@@ -76,7 +76,7 @@ inline ConsistentRun consistent_run(Backend& be, const ConsistentShape& sh, cons
   const bool e4m3 = recipe.generator.kv_cache == DType::E4M3;
   if (e4m3) {
     const ScoreResult cs = trainer.score(prompts, 1.0f, false, /*record_amax=*/true);
-    const KvScales scales = kv_scales_calibrate(cs.k_amax, cs.v_amax);
+    const KvScales scales = kv_scales_calibrate(cs.k_amax, cs.v_amax, 0.999f, 1.05f, recipe.generator.pow2_scales);
     engine.refit(trainer.master(), &scales);
   }
   sp.temperature = 1.0f;

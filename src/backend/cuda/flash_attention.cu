@@ -1263,9 +1263,11 @@ void launch_flash_decode(const void* q, const int32_t* token_seq, const int32_t*
   static std::once_flag opted[10][64];
   int dev = 0;
   CUDA_CHECK(cudaGetDevice(&dev), "flash-order decode attention: cudaGetDevice");
-  // FP8RL_FLASH_DECODE_FOLD=1: fold power-of-two E4M3 scales (read per call, for the tests' A/B).
+  // Power-of-two E4M3 scales (precision.pow2_scales calibrates the KV scales so) are folded into
+  // the score multiplier and 1 / l, bitwise the unfolded arithmetic (GPU-tested both ways);
+  // FP8RL_FLASH_DECODE_FOLD=0 turns that off (read per call, for the tests' and a bench's A/B).
   const char* fe = std::getenv("FP8RL_FLASH_DECODE_FOLD");
-  const int fold = fe && std::string(fe) == "1" ? 1 : 0;
+  const int fold = fe && std::string(fe) == "0" ? 0 : 1;
   auto run = [&](auto kern, size_t bytes, int variant, size_t opt_in = 0) {
     std::call_once(opted[variant][dev >= 0 && dev < 64 ? dev : 0], [&] { set_smem(kern, std::max(bytes, opt_in)); });
     kern<<<grid, kDecWarps * 32, bytes, stream>>>(static_cast<const bf16*>(q), token_seq, token_pos, page_table, max_pages, T_, Hq,
