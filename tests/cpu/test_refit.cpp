@@ -239,7 +239,7 @@ TEST(KvCalibration, PowerOfTwoScalesRoundUp) {
     }
   EXPECT_EQ(p.k[1], 1.0f);
   EXPECT_EQ(p.k[2], 1.0f);        // 448 / 448: already a power of two
-  EXPECT_EQ(p.k[0], 0.0078125f);        // 3 / 448 = 0.0067 -> 2^-7
+  EXPECT_EQ(p.k[0], 0.0078125f);  // 3 / 448 = 0.0067 -> 2^-7
 }
 
 TEST(KvCalibration, RejectsBadInput) {
