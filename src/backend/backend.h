@@ -83,7 +83,9 @@ constexpr int64_t kConsistentVocabChunk = 4096;
 // (PagedBatch::query_runs): runs of kQueryRunColumns / group tokens. CUDA: one block of 8 MMA
 // columns of the tensor-core paged kernel (it serves up to two, paged_attention_run_tokens; on
 // the H100 runs of 16 columns took 802 us per 8k-token call of the 1.7B consistent forward
-// against 657 with 8: two blocks need 197 registers, half the CTAs per SM).
+// against 657 with 8: two blocks needed 197 registers, half the CTAs per SM; since session 24
+// they keep Q in shared memory, 166 registers, three CTAs per SM — not yet timed, so the model
+// builds 16-column runs only under FP8RL_QUERY_RUN_COLUMNS=16).
 constexpr int kQueryRunColumns = 8;
 
 // The 1x128 E4M3 copy of an activation x [M, K] that a fused producer (rmsnorm_fp8,

@@ -4,8 +4,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <functional>
 #include <memory>
+#include <string>
 
 #include "core/error.h"
 
@@ -553,8 +555,18 @@ std::shared_ptr<ConsistentKv> consistent_kv_alloc(Backend& be, const ModelConfig
   // Every sequence is scored whole: its tokens in runs of up to kQueryRunColumns / group (the CUDA
   // tensor-core kernel's MMA columns of (token, head) pairs), each run's K/V read once for all its
   // tokens.
+  // FP8RL_QUERY_RUN_COLUMNS=16 (read once): runs of two MMA column blocks, for the A/B against
+  // kQueryRunColumns (backend.h); any run width gives the same bits.
+  static const int run_columns = [] {
+    const char* e = std::getenv("FP8RL_QUERY_RUN_COLUMNS");
+    if (!e) return kQueryRunColumns;
+    const std::string v = e;
+    FP8RL_CHECK(v == "8" || v == "16", "FP8RL_QUERY_RUN_COLUMNS must be 8 or 16, got '", v,
+                "'; unset it for the default (", kQueryRunColumns, ")");
+    return std::stoi(v);
+  }();
   const int group = c.num_heads / std::max(1, Hkv);
-  const int run = group >= 1 && group <= kQueryRunColumns ? kQueryRunColumns / group : 1;
+  const int run = group >= 1 && group <= run_columns ? run_columns / group : 1;
   std::vector<int32_t> runs;
   for (int b = 0; b < B; ++b)
     for (int32_t t = batch.cu_seqlens[b]; t < batch.cu_seqlens[b + 1]; t += run) {

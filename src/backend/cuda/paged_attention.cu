@@ -1135,9 +1135,17 @@ __device__ __forceinline__ int paged_tdim(int g, int mt, int h) {
 // MQ x kMmaRows, consecutive positions of one sequence, every token once: the caller builds them;
 // the launcher checks only the bound on count). A block never splits a token's columns (8 is a
 // multiple of the group), so each block's votes are the one-block form's.
+// Two column blocks keep Q^T's fragments in shared memory (paged_mmat_q_smem: the same values,
+// read per tile instead of held), so that they fit three CTAs per SM (at most 168 registers a
+// thread; held in registers they took 197, two CTAs per SM, and ran slower than one block:
+// session 18).
+template <int MQ>
+constexpr bool paged_mmat_q_smem() {
+  return MQ >= 2;
+}
 template <int HD, class TP, int S, int MQ>
-constexpr int paged_mmat_min_blocks() {  // two column blocks: up to 255 registers a thread
-  return MQ >= 2 && PagedTCfg<HD, TP, S>::kMinBlocks > 2 ? 2 : PagedTCfg<HD, TP, S>::kMinBlocks;
+constexpr int paged_mmat_min_blocks() {
+  return MQ >= 2 && PagedTCfg<HD, TP, S>::kMinBlocks > 3 ? 3 : PagedTCfg<HD, TP, S>::kMinBlocks;
 }
 template <int HD, class TP, int S, int LAZY, int COPY, int MQ = 0>
 __global__ void __launch_bounds__(32 * kMmaWarps, paged_mmat_min_blocks<HD, TP, S, MQ>())
@@ -1148,6 +1156,10 @@ __global__ void __launch_bounds__(32 * kMmaWarps, paged_mmat_min_blocks<HD, TP, 
   constexpr int NB = MQ > 0 ? MQ : 1, COLS = NB * kMmaRows;  // MMA column blocks of 8, columns
   static_assert(NW * Cfg::kWarpBytes >= NW * COLS * HD * 4, "the epilogue's s_o fits in the stages");
   __shared__ float s_m[NW][COLS], s_l[NW][COLS];
+  // Q^T's fragments in shared memory (paged_mmat_q_smem): [block][k-step][register][lane], as every
+  // warp holds them (the warps' copies are the same values).
+  constexpr bool kQSmem = paged_mmat_q_smem<MQ>();
+  __shared__ uint32_t s_qb[kQSmem ? NB * Cfg::kKSteps * 2 * 32 : 1];
   unsigned char* smem = paged_dyn_smem();
 
   const int hk = static_cast<int>(blockIdx.x) % a.Hkv;
@@ -1284,7 +1296,19 @@ __global__ void __launch_bounds__(32 * kMmaWarps, paged_mmat_min_blocks<HD, TP, 
   // scaled as in paged_mma_kernel; the score scales of this thread's heads 2c, 2c + 1 (MQ: block
   // b's columns 8b + g and 8b + 2c, 8b + 2c + 1).
   const float ksc = a.k_scale ? a.k_scale[hk] : 1.0f;
-  uint32_t qb[NB][Cfg::kKSteps][2];
+  uint32_t qb[kQSmem ? 1 : NB][Cfg::kKSteps][2];  // held in registers without kQSmem
+  auto q_slot = [&](int b, int kk, int r) { return ((b * Cfg::kKSteps + kk) * 2 + r) * 32 + lane; };
+  auto q_put = [&](int b, int kk, int r, uint32_t v) {
+    if constexpr (kQSmem) {
+      if (warp == 0) s_qb[q_slot(b, kk, r)] = v;
+    } else {
+      qb[b][kk][r] = v;
+    }
+  };
+  auto q_frag = [&](int b, int kk, int r) -> uint32_t {
+    if constexpr (kQSmem) return s_qb[q_slot(b, kk, r)];
+    else return qb[b][kk][r];
+  };
   float kq0[NB], kq1[NB];
 #pragma unroll
   for (int b = 0; b < NB; ++b) {
@@ -1334,13 +1358,14 @@ __global__ void __launch_bounds__(32 * kMmaWarps, paged_mmat_min_blocks<HD, TP, 
 #pragma unroll
     for (int kk = 0; kk < Cfg::kKSteps; ++kk) {
       const int i = kk / Cfg::kMpc, d = 4 * (kk % Cfg::kMpc);
-      qb[b][kk][0] = F16 ? paged_pack_f16x2(x[i][d], x[i][d + 1]) : paged_pack_bf16x2(x[i][d], x[i][d + 1]);
-      qb[b][kk][1] = F16 ? paged_pack_f16x2(x[i][d + 2], x[i][d + 3]) : paged_pack_bf16x2(x[i][d + 2], x[i][d + 3]);
+      q_put(b, kk, 0, F16 ? paged_pack_f16x2(x[i][d], x[i][d + 1]) : paged_pack_bf16x2(x[i][d], x[i][d + 1]));
+      q_put(b, kk, 1, F16 ? paged_pack_f16x2(x[i][d + 2], x[i][d + 3]) : paged_pack_bf16x2(x[i][d + 2], x[i][d + 3]));
     }
     const float kqh = fs * a.scale_log2 * ksc;  // head g's
     kq0[b] = __uint_as_float(static_cast<uint32_t>(paged_shfl(static_cast<int>(__float_as_uint(kqh)), 8 * c)));
     kq1[b] = __uint_as_float(static_cast<uint32_t>(paged_shfl(static_cast<int>(__float_as_uint(kqh)), 8 * c + 4)));
   }
+  if constexpr (kQSmem) __syncthreads();  // warp 0's fragments are in s_qb (every CTA thread is here)
 
   // O^T of block b: dims paged_tdim(g, mt, 0) (o[b][mt][0..1]), (g, mt, 1) ([2..3]) x heads 2c, 2c + 1
   float o[NB][Cfg::kMTiles][4];
@@ -1392,16 +1417,16 @@ __global__ void __launch_bounds__(32 * kMmaWarps, paged_mmat_min_blocks<HD, TP, 
                                  paged_e4m3x2_hi_f16x2(w0[j]), paged_e4m3x2_hi_f16x2(w1[j])};
 #pragma unroll
           for (int b = 0; b < NB; ++b) {
-            if (j & 1) paged_mma4<true>(sb[b], x, qb[b][4 * i + j][0], qb[b][4 * i + j][1]);
-            else paged_mma4<true>(sa[b], x, qb[b][4 * i + j][0], qb[b][4 * i + j][1]);
+            if (j & 1) paged_mma4<true>(sb[b], x, q_frag(b, 4 * i + j, 0), q_frag(b, 4 * i + j, 1));
+            else paged_mma4<true>(sa[b], x, q_frag(b, 4 * i + j, 0), q_frag(b, 4 * i + j, 1));
           }
         }
       } else {
         const uint32_t x0[4] = {w0[0], w1[0], w0[1], w1[1]}, x1[4] = {w0[2], w1[2], w0[3], w1[3]};
 #pragma unroll
         for (int b = 0; b < NB; ++b) {
-          paged_mma4<false>(sa[b], x0, qb[b][2 * i][0], qb[b][2 * i][1]);
-          paged_mma4<false>(sb[b], x1, qb[b][2 * i + 1][0], qb[b][2 * i + 1][1]);
+          paged_mma4<false>(sa[b], x0, q_frag(b, 2 * i, 0), q_frag(b, 2 * i, 1));
+          paged_mma4<false>(sb[b], x1, q_frag(b, 2 * i + 1, 0), q_frag(b, 2 * i + 1, 1));
         }
       }
     }

@@ -11,10 +11,10 @@
 #include "emu.h"
 #include "quant/fp8_rule.h"  // fp8_scale_from_amax (plain C++); the codec shims are below
 #define __align__(n) alignas(n)
+// uint2, float2, fp8_e4m3x2_to_float2 and __syncwarp: emu.h's (the flash emulation's too)
 #ifndef INFINITY
 #define INFINITY (__builtin_inff())
 #endif
-struct uint2 { uint32_t x, y; };  // float2: emu.h's
 inline uint4 paged_ld16(const void* p) { uint4 u; std::memcpy(&u, p, 16); return u; }
 inline uint2 paged_ld8(const void* p) { uint2 u; std::memcpy(&u, p, 8); return u; }
 inline float e4m3_dec(uint8_t b) {
@@ -34,13 +34,11 @@ inline uint8_t e4m3_enc(float x) {
   }
   return uint8_t(best | (x < 0 ? 0x80 : 0));
 }
-inline float2 fp8_e4m3x2_to_float2(uint32_t two) { return {e4m3_dec(uint8_t(two & 0xff)), e4m3_dec(uint8_t((two >> 8) & 0xff))}; }
 inline float fp8_e4m3_round(float x) { return e4m3_dec(e4m3_enc(x)); }
 inline uint8_t paged_e4m3_code(float x) { return e4m3_enc(x); }  // the fused output quantizer
 using ::fabsf;
 using std::isfinite;
 using fp8rl::fp8_scale_from_amax;
-inline void __syncwarp() { tw->bar.arrive_and_wait(); }
 
 // ---- shims of the tensor-core kernel's primitives (paged_mma_kernel) ----
 // cp.async: the 16 bytes are read at issue but land in shared memory only when a wait_group
