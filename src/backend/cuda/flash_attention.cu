@@ -445,6 +445,24 @@ __global__ void __launch_bounds__(kThreadsF) flash_fwd_kernel(const bf16* q, con
 // tile (keys, then values), from pages read out of the page table a tile earlier. ~42 KB of shared
 // memory at head_dim 128 over E4M3: five CTAs, twenty warps per SM.
 constexpr int kDecWarps = 4;
+// A decode CTA's (token, KV head): blockIdx.x = t * Hkv + hk; the group G, the token's position
+// and its sequence's row of the page table.
+struct DecCta {
+  int64_t t;
+  int hk, G, pos;
+  const int32_t* pages;
+};
+__device__ __forceinline__ DecCta dec_cta(const int32_t* token_seq, const int32_t* token_pos,
+                                          const int32_t* page_table, int max_pages, int Hq, int Hkv) {
+  const int64_t w = blockIdx.x;
+  DecCta d;
+  d.t = w / Hkv;
+  d.hk = static_cast<int>(w % Hkv);
+  d.G = Hq / Hkv;
+  d.pos = token_pos[d.t];
+  d.pages = page_table + static_cast<int64_t>(token_seq[d.t]) * max_pages;
+  return d;
+}
 // The decode CTAs' query rows: head hk * G + i of token t in row i of sQ [16][ld], zeros below G.
 template <int D>
 __device__ __forceinline__ void load_query_rows(const bf16* q, int64_t t, int Hq, int hk, int G, bf16* sQ, int ld,
@@ -494,11 +512,10 @@ __global__ void __launch_bounds__(kDecWarps * 32) flash_decode_kernel(
   static_assert(kNTw % 2 == 0 && kNDw % 2 == 0, "whole 16-column pairs per warp");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
-  const int64_t w = blockIdx.x;  // (token, KV head)
-  const int64_t t = w / Hkv;
-  const int hk = static_cast<int>(w % Hkv), G = Hq / Hkv;
-  const int pos = token_pos[t];
-  const int32_t* pages = page_table + static_cast<int64_t>(token_seq[t]) * max_pages;
+  const DecCta cta = dec_cta(token_seq, token_pos, page_table, max_pages, Hq, Hkv);
+  const int64_t t = cta.t;
+  const int hk = cta.hk, G = cta.G, pos = cta.pos;
+  const int32_t* pages = cta.pages;
   bf16* sQ = reinterpret_cast<bf16*>(smem_raw + S::kQ);
   bf16* sT = reinterpret_cast<bf16*>(smem_raw + S::kT);  // the tile's keys, then its values
   float* sP = reinterpret_cast<float*>(smem_raw + S::kP);
@@ -729,11 +746,10 @@ __global__ void __launch_bounds__(kDecWarps * 32, 3) flash_decode_tiles_kernel(
   constexpr int kNT = kTile / 8, kND = D / 8, kCols = D / 8;  // kCols: a merging thread's output columns
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
-  const int64_t w = blockIdx.x;  // (token, KV head)
-  const int64_t t = w / Hkv;
-  const int hk = static_cast<int>(w % Hkv), G = Hq / Hkv;
-  const int pos = token_pos[t];
-  const int32_t* pages = page_table + static_cast<int64_t>(token_seq[t]) * max_pages;
+  const DecCta cta = dec_cta(token_seq, token_pos, page_table, max_pages, Hq, Hkv);
+  const int64_t t = cta.t;
+  const int hk = cta.hk, G = cta.G, pos = cta.pos;
+  const int32_t* pages = cta.pages;
   (void)T_;
   bf16* sQ = reinterpret_cast<bf16*>(smem_raw + S::kQ);
   unsigned char* stage = smem_raw + S::kStage + warp * S::kWarpBytes;
