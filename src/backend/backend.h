@@ -377,7 +377,7 @@ class Backend {
   // grouped_linear of the same rows through several weight sets (the experts' gate and up):
   // outs[i] = grouped_linear(x, offsets, W[i]), each under grouped_linear's contract, run one
   // after another on every backend. (The seam for one wider grouped product over each expert's
-  // consecutive gate|up rows, which the generator allocates so: CUDA's first form of it — the
+  // gate|up: CUDA's first form of it — the experts' gate|up allocated as consecutive rows, the
   // concatenated weights built per call, the output split by a kernel — made the FP8 MoE decode
   // slower on an H100, 1.182 s against 1.038 s per rl-step generation, and was removed: session 24.)
   void grouped_linear_shared_input(const Tensor& x, const std::vector<int64_t>& offsets,

@@ -245,9 +245,9 @@ void moe_forward(Backend& be, const ModelConfig& c, const LayerWeights& lw, cons
   be.copy(slot_row, a.moe_slot_row);
 
   be.moe_permute(a.xn_mlp, a.moe_row_slot, static_cast<int>(k), nullptr, a.moe_x);
-  // Every expert's SwiGLU over its rows: gate and up as one grouped product where the experts'
-  // weights allow (the generator's), down, each one launch on CUDA; one swiglu over all rows
-  // (element-wise: the per-expert values).
+  // Every expert's SwiGLU over its rows: gate and up (grouped_linear_shared_input: two grouped
+  // products), down, each one launch on CUDA FP8; one swiglu over all rows (element-wise: the
+  // per-expert values).
   std::vector<const LinearWeight*> gates, ups, downs;
   for (int64_t e = 0; e < E; ++e) {
     gates.push_back(&lw.experts[e].gate);

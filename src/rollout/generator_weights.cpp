@@ -104,9 +104,6 @@ ModelWeights generator_weights_alloc(Backend& be, const ModelWeights& master, co
     // separate weights (same quantizer, 128-row blocks that never straddle two weights).
     concatenate(be, {&m.q, &m.k, &m.v}, {&gl.q, &gl.k, &gl.v}, mode, prec.pow2_scales, act);
     concatenate(be, {&m.gate, &m.up}, {&gl.gate, &gl.up}, mode, prec.pow2_scales, act);
-    for (size_t e = 0; e < m.experts.size(); ++e)  // each expert's gate|up (grouped_linear_shared_input)
-      concatenate(be, {&m.experts[e].gate, &m.experts[e].up}, {&gl.experts[e].gate, &gl.experts[e].up}, mode,
-                  prec.pow2_scales, act);
     for_each_linear_pair(m, gl, [&](const LinearWeight& mw, LinearWeight& gw) {
       if (gw.w.defined() || gw.wq.defined()) return;  // allocated by concatenate()
       FP8RL_CHECK(mw.w.defined(), "the generator is built from high-precision master weights");
