@@ -38,7 +38,7 @@
 #                   (FP8RL_NCU_FLASH_ORDERS: online merge): warp states and SASS stall samples (issue 11)
 #   query_runs      the consistent trainer's attention (query runs of 8 / 16 columns) vs flash attention's
 #                   forward, one 8k-token micro-batch at the 1.7B heads (issue 11)
-#   ncu_query_runs  Nsight Compute's source page of that query-run kernel (FP8RL_NCU_QUERY_COLS: 8)
+#   ncu_query_runs  Nsight Compute's source page of that query-run kernel (FP8RL_NCU_QUERY_COLS: 8, 16, 64)
 #   ncu_paged_src   Nsight Compute's source page of the default decode kernel (paged_mmat_kernel), BF16 and E4M3:
 #                   stall samples and executed instructions per SASS opcode
 #   ncu_paged       Nsight Compute on the tensor-core paged decode kernel (BF16 and E4M3 pools, the
@@ -290,9 +290,11 @@ PYEOF
       FP8RL_QUERY_RUN_BENCH=1 timeout 120 "$B/fp8rl_gpu_tests" --gtest_color=no \
         --gtest_filter='CudaConsistent.QueryRunBench' > "$OUT/query_runs.log" 2>&1
       note "query-run bench: rc=$?"; grep -E "^ |^consistent" "$OUT/query_runs.log" | tee -a "$SUMMARY" ;;
-    ncu_query_runs)  # issue 11: Nsight Compute on the query-run kernel (runs of FP8RL_NCU_QUERY_COLS = 8 columns)
-      ncu_source "query_runs" paged_mmat 30 CudaConsistent.QueryRunBench FP8RL_QUERY_RUN_BENCH=1 \
-        FP8RL_QUERY_RUN_BENCH_COLS="${FP8RL_NCU_QUERY_COLS:-8}" ;;
+    ncu_query_runs)  # issue 11: Nsight Compute on the query-run kernel (runs of FP8RL_NCU_QUERY_COLS = 8 columns;
+      # 64: the wide CTAs, paged_wide_kernel)
+      qc="${FP8RL_NCU_QUERY_COLS:-8}"; qk=paged_mmat; [ "$qc" = 64 ] && qk=paged_wide
+      ncu_source "query_runs_$qc" "$qk" 30 CudaConsistent.QueryRunBench FP8RL_QUERY_RUN_BENCH=1 \
+        FP8RL_QUERY_RUN_BENCH_COLS="$qc" ;;
     ncu_paged_src)  # issue 14: the default tensor-core decode kernel (paged_mmat_kernel), BF16 and E4M3 pools,
       # on DecodeBench's first shape (Qwen3-1.7B, B = 256). The test times only that pool's default variant
       # (FP8RL_PAGED_BENCH_POOL, _DEFAULT), so the first paged_mmat_kernel launch is the one (session 19:

@@ -296,8 +296,9 @@ TEST(CudaConsistent, PagedAttentionDoesNotDependOnTheBatch) {
 }
 
 // The consistent scoring's query runs (PagedBatch::query_runs: up to 8 / group consecutive tokens
-// of a sequence per CTA, one block of MMA columns, or 16 / group, two blocks, their K/V read once
-// for all): every token's output and lse are the same bits as
+// of a sequence per CTA, one block of MMA columns, or 16 / group, two blocks, or 64 / group, the
+// wide CTAs of eight blocks, their K/V read once for all): every token's output and lse are the
+// same bits as
 // with one CTA per token, at group 1, 2 (the 1.7B heads), 4 and 8, over BF16 and E4M3 pools, for
 // sequences scored whole across the 512-position chunk ends, with keys growing along the
 // positions (the running max moves: the lazy rescale's per-token vote).
@@ -317,7 +318,7 @@ TEST(CudaConsistent, PagedAttentionQueryRunsAreBitwiseOneTokenCtas) {
   const Tensor k = be.to_device(from_float_vector(to_float_vector(kh), {T, Hkv, hd}, DType::BF16));
   const Tensor v = rand_dev(be, {T, Hkv, hd}, 42, DType::BF16);
   for (int group : {1, 2, 4, 8})
-    for (int cols : {8, 16}) {
+    for (int cols : {8, 16, 64}) {
       const int Hq = Hkv * group, run = cols / group;
       const Tensor q = rand_dev(be, {T, Hq, hd}, 43 + group, DType::BF16, 0.3f);
       std::vector<int32_t> runs;
@@ -356,10 +357,10 @@ TEST(CudaConsistent, PagedAttentionQueryRunsAreBitwiseOneTokenCtas) {
 
 // Timing (FP8RL_QUERY_RUN_BENCH=1; gpu_bench.sh stages query_runs, ncu_query_runs): the consistent
 // trainer's attention forward at the 1.7B heads (16 / 8 x 128) over one 8k-token micro-batch of 16
-// ragged sequences — the paged kernel over an E4M3 scratch cache in query runs of 8 and 16 MMA
+// ragged sequences — the paged kernel over an E4M3 scratch cache in query runs of 8, 16 and 64 MMA
 // columns (the training_attention's consistent branch; `consistent=attn`'s extra training cost)
 // against flash attention's forward over the same tokens (what fp8_e2e's trainer runs).
-// FP8RL_QUERY_RUN_BENCH_COLS=8|16 times that width only (for a profiler's first launch).
+// FP8RL_QUERY_RUN_BENCH_COLS=8|16|64 times that width only (for a profiler's first launch).
 TEST(CudaConsistent, QueryRunBench) {
   const char* on = std::getenv("FP8RL_QUERY_RUN_BENCH");
   if (!on || std::string(on) != "1") GTEST_SKIP() << "timing mode: FP8RL_QUERY_RUN_BENCH=1";
@@ -385,7 +386,7 @@ TEST(CudaConsistent, QueryRunBench) {
   const float scale = 0.088f;
   std::printf("consistent trainer attention, 1.7B heads, %lld tokens in %zu sequences (E4M3 scratch cache):\n",
               static_cast<long long>(T), lens.size());
-  for (int cols : {8, 16}) {
+  for (int cols : {8, 16, 64}) {
     if (only && std::to_string(cols) != only) continue;
     const int run = cols / group;
     if (!cuda::paged_attention_runs_apply(group, -1, false) || run > cuda::paged_attention_run_tokens(group)) continue;

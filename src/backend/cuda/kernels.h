@@ -329,6 +329,9 @@ void launch_paged_attention_mma(const void* q, DType qdt, const int32_t* token_s
 // KV head, split) serves the run's tokens from one read of their K/V (the consistent mode's
 // scoring), each token's out / lse bitwise what the one-token CTAs give it; elsewhere the runs
 // are ignored (one CTA per token). The default variant only, no fused FP8 output, group 1, 2, 4, 8.
+// Runs of up to 8 (token, head) columns take one block of the MMA kernel, up to 16 two, up to
+// 64 (paged_attention_run_tokens) the wide CTAs: 8 warps, a block each, every K/V tile converted
+// once for the whole run.
 bool paged_attention_runs_apply(int group, int variant, bool out_fp8);
 int paged_attention_run_tokens(int group);
 

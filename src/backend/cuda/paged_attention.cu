@@ -791,22 +791,31 @@ __device__ __forceinline__ int paged_vdim(int n, int nt) {
 // or as this split's normalized partial output and base-2 log-sum-exp.
 // Element (h, d) of the warps' merge by log-sum-exp, times v_scale; mx and den: the row's
 // merged max and denominator. One definition for the epilogue's two thread mappings.
-template <int HD, int NW, int COLS = kMmaRows>
-__device__ __forceinline__ float paged_mma_merged(const float* s_o, const float (*s_m)[COLS],
-                                                  const float (*s_l)[COLS], int h, int d, float vsc, float& mx,
-                                                  float& den) {
+// The merge itself, over the streams w = 0 .. NW - 1 in order (m_of, l_of, o_of: stream w's running
+// max, denominator and output element): the shared-memory epilogue's and the wide query runs'
+// (paged_wide_kernel, whose streams are in registers) one arithmetic.
+template <int NW, class MOf, class LOf, class OOf>
+__device__ __forceinline__ float paged_merge_streams(const MOf& m_of, const LOf& l_of, const OOf& o_of, float vsc,
+                                                     float& mx, float& den) {
   mx = -INFINITY;
 #pragma unroll
-  for (int w = 0; w < NW; ++w) mx = fmaxf(mx, s_m[w][h]);
+  for (int w = 0; w < NW; ++w) mx = fmaxf(mx, m_of(w));
   den = 0.0f;
   float num = 0.0f;
 #pragma unroll
   for (int w = 0; w < NW; ++w) {
-    const float f = paged_rescale(s_m[w][h], mx);
-    den += s_l[w][h] * f;
-    num += s_o[(w * COLS + h) * HD + d] * f;
+    const float f = paged_rescale(m_of(w), mx);
+    den += l_of(w) * f;
+    num += o_of(w) * f;
   }
   return num / den * vsc;
+}
+template <int HD, int NW, int COLS = kMmaRows>
+__device__ __forceinline__ float paged_mma_merged(const float* s_o, const float (*s_m)[COLS],
+                                                  const float (*s_l)[COLS], int h, int d, float vsc, float& mx,
+                                                  float& den) {
+  return paged_merge_streams<NW>([&](int w) { return s_m[w][h]; }, [&](int w) { return s_l[w][h]; },
+                                 [&](int w) { return s_o[(w * COLS + h) * HD + d]; }, vsc, mx, den);
 }
 
 template <int HD, int NW, int COLS = kMmaRows, class RowOf>
@@ -1563,6 +1572,332 @@ __global__ void __launch_bounds__(32 * kMmaWarps, paged_mmat_min_blocks<HD, TP, 
       [&](int h) -> int64_t { return !MQ || a.token_pos[t + h / G] + 1 > j0 ? col_row(h) : int64_t{-1}; }, split, hk);
 }
 
+// ---- wide query runs (paged_wide_kernel): the consistent trainer's attention ----------------
+// The query-run form above converts each K / V tile once per warp for 8 MMA columns (4 tokens at
+// the 1.7B group) and re-reads the run's whole prefix per CTA. Here a CTA of kWideWarps warps
+// serves a run of up to kWideWarps x 8 / group consecutive tokens of one sequence (warp w: tokens
+// w x 8 / group ..., one block of 8 MMA columns, as a one-block run), so each tile is read and
+// converted once for 64 columns. What a column's bits depend on is the decode CTA's plan: its
+// chunk's 16-position tiles dealt to kMmaWarps warps (warp p: tiles p, p + 4, ...), each warp's
+// own (m, l, O^T) with the lazy rescale voted per token, the warps merged in order. The wide CTA
+// replays that with the decode warps as passes: every warp keeps the four (m, l, O^T) of its
+// columns in registers and folds tile k into state k % 4, in the order of the tiles (each pass's
+// tiles in its own order: the same sequence of operations per state as the decode warp's), then
+// merges the four states in registers with the epilogue's arithmetic (paged_merge_streams). A
+// stage holds four tiles (one per pass: 64 positions), copied by the whole CTA (one row of a
+// tile per four threads) and converted once, by the whole CTA, into the MMA's A fragments in
+// (fragment, lane) order — the same registers the one-block kernel builds per warp from the same
+// swizzled stage, so the same MMA operands in the same k-slots and the same accumulation chains:
+// every column bitwise paged_mmat_kernel<..., MQ = 1>'s, hence the one-token CTA's. A warp skips
+// the tiles past its own tokens' ends (they would be masked no-ops, as in the one-block kernel,
+// whose runs end there).
+constexpr int kWideWarps = 8;
+template <int HD, class TP>
+struct PagedWideCfg : PagedMmaCfg<HD, TP> {
+  using Base = PagedMmaCfg<HD, TP>;
+  static constexpr int kMTiles = HD / 16;                         // P V m-tiles (16 head dims each)
+  static constexpr int kFrags = Base::kKSteps + kMTiles;          // a tile's A fragments: K steps, V m-tiles
+  static constexpr int kTileFragBytes = kFrags * 32 * 16;         // (fragment, lane) order, 16 bytes each
+  static constexpr int kGroupTiles = kMmaWarps;                   // tiles per stage: one per pass
+  static constexpr int kRawBytes = kGroupTiles * Base::kStageBytes;   // a stage of raw tiles (K, V each)
+  static constexpr int kFragBytes = kGroupTiles * kTileFragBytes;     // a buffer of converted tiles
+  static constexpr int kStages = 3;
+  static constexpr int kSmemBytes = kStages * kRawBytes + 2 * kFragBytes + 256;  // + alignment to 256 bytes
+  static_assert(Base::kCpr % 4 == 0, "four threads per row copy whole 16-byte chunks");
+  static_assert(kGroupTiles * kMmaTile * 4 == 32 * kWideWarps, "four threads per row of a stage");
+};
+__device__ __forceinline__ uint32_t paged_lds4(const unsigned char* p) { return *reinterpret_cast<const uint32_t*>(p); }
+
+// grid (runs * Hkv, splits), block 32 * kWideWarps, dynamic shared memory PagedWideCfg::kSmemBytes;
+// a.qruns: runs of consecutive tokens of one sequence at consecutive positions (count <=
+// kWideWarps * 8 / group; group 1, 2, 4 or 8); q BF16, 16-byte aligned; no fused FP8 output.
+template <int HD, class TP, int LAZY>
+__global__ void __launch_bounds__(32 * kWideWarps, 1) paged_wide_kernel(const PagedArgs a) {
+  using Cfg = PagedWideCfg<HD, TP>;
+  constexpr int NP = kMmaWarps, W = kWideWarps, S = Cfg::kStages;
+  constexpr int CPR = Cfg::kCpr, RB = Cfg::kRowBytes, TB = Cfg::kTileBytes, SB = Cfg::kStageBytes;
+  constexpr int KS = Cfg::kKSteps, MT = Cfg::kMTiles, NF = Cfg::kFrags, TFB = Cfg::kTileFragBytes;
+  constexpr int RAW = Cfg::kRawBytes, FRAG = Cfg::kFragBytes, GT = NP * kMmaTile;
+  constexpr bool F16 = Cfg::kF16;
+  unsigned char* smem = paged_dyn_smem();
+  const paged_saddr_t sbase = paged_saddr(smem);
+  const int pad = static_cast<int>((256u - (sbase & 255u)) & 255u);
+  unsigned char* raw = smem + pad;       // S stages of NP raw tiles
+  unsigned char* frag = raw + S * RAW;   // two buffers of NP converted tiles
+  const paged_saddr_t raw_sa = sbase + static_cast<paged_saddr_t>(pad);
+
+  const int hk = static_cast<int>(blockIdx.x) % a.Hkv, run = static_cast<int>(blockIdx.x) / a.Hkv;
+  const int t0 = a.qruns[2 * run], n_run = a.qruns[2 * run + 1];
+  const int split = static_cast<int>(blockIdx.y), j0 = split * a.chunk;
+  const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
+  const int G = a.group, per = kMmaRows / G;  // tokens per warp
+  const int t = t0 + warp * per, cnt = paged_imax(0, paged_imin(per, n_run - warp * per));
+  const int ncols = cnt * G;
+  // The run's positions are consecutive: its last token is its longest.
+  const int len = a.token_pos[t0 + n_run - 1] + 1;
+  if (j0 >= len) return;  // uniform per CTA
+  const bool last = split == a.splits - 1;
+  const int j1 = last ? len : paged_imin(len, j0 + a.chunk);
+  const int ngroups = (j1 - j0 + GT - 1) / GT;
+  // This warp's end (j0: no positions here) and its columns' (chunk ends of their tokens).
+  auto tok_j1 = [&](int tok) {
+    const int ln = a.token_pos[tok] + 1;
+    return ln <= j0 ? j0 : last ? ln : paged_imin(ln, j0 + a.chunk);
+  };
+  const int j1w = cnt > 0 ? tok_j1(t + cnt - 1) : j0;
+  const int j1c0 = 2 * c < ncols ? tok_j1(t + 2 * c / G) : j0;
+  const int j1c1 = 2 * c + 1 < ncols ? tok_j1(t + (2 * c + 1) / G) : j0;
+
+  // Copies: thread tid brings row tid / 4 of a stage (tile (tid / 4) / 16, its row (tid / 4) % 16;
+  // the position j0 + GT u + tid / 4 of stage group u), chunks tid % 4 + 4 i of its K and V rows,
+  // to the one-block kernel's swizzled places; rows past j1 are zeros.
+  const int32_t* table = a.page_table + static_cast<int64_t>(a.token_seq[t0]) * a.max_pages;
+  const int crow = tid >> 2, csub = tid & 3, ctile = crow >> 4, cr = crow & 15;
+  auto slot_of = [&](int u) -> int {
+    const int j = j0 + GT * u + crow;
+    if (j >= j1) return -1;
+    int pi, off;
+    if (a.ps_shift >= 0) pi = j >> a.ps_shift, off = j & (a.page_size - 1);
+    else pi = j / a.page_size, off = j - pi * a.page_size;
+    return table[pi] * a.page_size + off;
+  };
+  const unsigned char* kpool = static_cast<const unsigned char*>(a.kpool) + static_cast<int64_t>(hk) * RB;
+  const unsigned char* vpool = static_cast<const unsigned char*>(a.vpool) + static_cast<int64_t>(hk) * RB;
+  const int64_t slot_bytes = static_cast<int64_t>(a.Hkv) * RB;
+  auto issue = [&](int stage, int slot) {  // stage: 0 .. S - 1
+    const paged_saddr_t row = raw_sa + static_cast<paged_saddr_t>(stage * RAW + ctile * SB + cr * RB);
+    const int64_t src = static_cast<int64_t>(slot >= 0 ? slot : 0) * slot_bytes;
+#pragma unroll
+    for (int i = 0; i < CPR / 4; ++i) {
+      const int q = csub + 4 * i;
+      paged_cp_async16z(row + static_cast<paged_saddr_t>((q ^ paged_kswz<CPR>(cr)) << 4), kpool + src + 16 * q,
+                        slot < 0);
+      paged_cp_async16z(row + static_cast<paged_saddr_t>(TB + ((q ^ paged_vswz<CPR>(cr)) << 4)), vpool + src + 16 * q,
+                        slot < 0);
+    }
+  };
+  // The conversion of a stage's tiles into A fragments: fragment f of tile p for lane `lane`, from
+  // the tile's K / V rows exactly as paged_mmat_kernel's warp reads them (kro, vro there).
+  const uint32_t vro = static_cast<uint32_t>(
+      F16 ? TB + 2 * c * RB + ((((Cfg::kVDims * g) >> 4) ^ paged_vswz<CPR>(2 * c)) << 4) + ((Cfg::kVDims * g) & 15)
+          : TB + 2 * c * RB + ((g ^ paged_vswz<CPR>(2 * c)) << 4));
+  auto convert = [&](const unsigned char* st, unsigned char* fb) {
+    for (int x = warp; x < NP * NF; x += W) {
+      const int p = x / NF, f = x % NF;
+      const unsigned char* tile = st + p * SB;
+      uint4 r;
+      if (f < KS) {  // S^T = K Q^T, k-step f: K rows g, g + 8, chunk 4 (f / kMpc) + c
+        const int i = f / Cfg::kMpc, j = f % Cfg::kMpc;
+        const unsigned char* k0 = tile + g * RB + (((4 * i + c) ^ paged_kswz<CPR>(g)) << 4);
+        if constexpr (F16) {
+          const uint32_t w0 = paged_lds4(k0 + 4 * j), w1 = paged_lds4(k0 + 8 * RB + 4 * j);
+          r = make_uint4(paged_e4m3x2_lo_f16x2(w0), paged_e4m3x2_lo_f16x2(w1), paged_e4m3x2_hi_f16x2(w0),
+                         paged_e4m3x2_hi_f16x2(w1));
+        } else {
+          r = make_uint4(paged_lds4(k0 + 8 * j), paged_lds4(k0 + 8 * RB + 8 * j), paged_lds4(k0 + 8 * j + 4),
+                         paged_lds4(k0 + 8 * RB + 8 * j + 4));
+        }
+      } else {  // O^T += V^T P^T, m-tile f - KS: V rows 2c, 2c + 1, 2c + 8, 2c + 9
+        const int mt = f - KS;
+        uint32_t w[4];
+#pragma unroll
+        for (int rr = 0; rr < 4; ++rr) {
+          const unsigned char* vp = tile + vro + ((rr & 1) + 8 * (rr >> 1)) * RB;
+          w[rr] = F16 ? paged_lds4(vp + 4 * (mt >> 1)) : paged_lds4(vp + 128 * (mt >> 2) + 4 * (mt & 3));
+        }
+        if constexpr (F16) {
+          const uint32_t sel = (mt & 1) ? 0x7362u : 0x5140u;
+          const uint32_t x0 = paged_prmt(w[0], w[1], sel), x1 = paged_prmt(w[2], w[3], sel);
+          r = make_uint4(paged_e4m3x2_lo_f16x2(x0), paged_e4m3x2_hi_f16x2(x0), paged_e4m3x2_lo_f16x2(x1),
+                         paged_e4m3x2_hi_f16x2(x1));
+        } else {
+          r = make_uint4(paged_prmt(w[0], w[1], 0x5410), paged_prmt(w[0], w[1], 0x7632),
+                         paged_prmt(w[2], w[3], 0x5410), paged_prmt(w[2], w[3], 0x7632));
+        }
+      }
+      *reinterpret_cast<uint4*>(fb + p * TFB + (f * 32 + lane) * 16) = r;
+    }
+  };
+
+  // The first S stage groups in flight (one commit group each, empty past ngroups).
+  int slot_next = slot_of(0);
+#pragma unroll
+  for (int u = 0; u < S; ++u) {
+    if (u < ngroups) issue(u, slot_next);
+    slot_next = slot_of(u + 1);
+    paged_cp_async_commit();
+  }
+
+  // Q^T's B fragments and the score scales of this warp's block (paged_mmat_kernel's, MQ = 1).
+  const float ksc = a.k_scale ? a.k_scale[hk] : 1.0f;
+  uint32_t qb[KS][2];
+  float kq0, kq1;
+  {
+    constexpr int CD = Cfg::kChunkDims, KC = Cfg::kKChunks;
+    float x[KC][CD];
+    const bool qin = g < ncols;
+    const int64_t qr = qin ? static_cast<int64_t>(t + g / G) * a.Hq + static_cast<int64_t>(hk) * G + g % G : 0;
+    const uint16_t* qrow = static_cast<const uint16_t*>(a.q) + qr * HD;
+#pragma unroll
+    for (int i = 0; i < KC; ++i)
+#pragma unroll
+      for (int u = 0; u < CD / 8; ++u) {
+        const uint4 w = qin ? paged_ld16(qrow + CD * (4 * i + c) + 8 * u) : make_uint4(0, 0, 0, 0);
+        const uint32_t ww[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          x[i][8 * u + 2 * e] = bf16_bits_to_float(static_cast<uint16_t>(ww[e] & 0xffffu));
+          x[i][8 * u + 2 * e + 1] = bf16_bits_to_float(static_cast<uint16_t>(ww[e] >> 16));
+        }
+      }
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < KC; ++i)
+#pragma unroll
+      for (int d = 0; d < CD; ++d) amax = fmaxf(amax, fabsf(x[i][d]));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+    float fs = 1.0f;
+    if (a.fp8_q) {
+      const float sq = fp8_scale_from_amax(amax, false);
+#pragma unroll
+      for (int i = 0; i < KC; ++i)
+#pragma unroll
+        for (int d = 0; d < CD; ++d) x[i][d] = fp8_e4m3_round(x[i][d] / sq);
+      fs = sq;
+    } else if (F16 && amax > 0.0f) {
+      const int e = static_cast<int>((__float_as_uint(amax) >> 23) & 0xffu) - 126;
+      const int sh = e < -111 ? 126 : 15 - e;
+      const float up = __uint_as_float(static_cast<uint32_t>(sh + 127) << 23);
+#pragma unroll
+      for (int i = 0; i < KC; ++i)
+#pragma unroll
+        for (int d = 0; d < CD; ++d) x[i][d] *= up;
+      fs = __uint_as_float(static_cast<uint32_t>(127 - sh) << 23);
+    }
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk) {
+      const int i = kk / Cfg::kMpc, d = 4 * (kk % Cfg::kMpc);
+      qb[kk][0] = F16 ? paged_pack_f16x2(x[i][d], x[i][d + 1]) : paged_pack_bf16x2(x[i][d], x[i][d + 1]);
+      qb[kk][1] = F16 ? paged_pack_f16x2(x[i][d + 2], x[i][d + 3]) : paged_pack_bf16x2(x[i][d + 2], x[i][d + 3]);
+    }
+    const float kqh = fs * a.scale_log2 * ksc;
+    kq0 = __uint_as_float(static_cast<uint32_t>(paged_shfl(static_cast<int>(__float_as_uint(kqh)), 8 * c)));
+    kq1 = __uint_as_float(static_cast<uint32_t>(paged_shfl(static_cast<int>(__float_as_uint(kqh)), 8 * c + 4)));
+  }
+
+  // The four passes' states: O^T (dims paged_tdim(g, mt, 0 / 1) x columns 2c, 2c + 1), m, l.
+  float o[NP][MT][4], m0[NP], m1[NP], l0[NP], l1[NP];
+#pragma unroll
+  for (int p = 0; p < NP; ++p) {
+    m0[p] = m1[p] = -INFINITY, l0[p] = l1[p] = 0.0f;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) o[p][mt][0] = o[p][mt][1] = o[p][mt][2] = o[p][mt][3] = 0.0f;
+  }
+
+  paged_cp_async_wait<S - 1>();  // group 0 has landed (this thread's copies) ...
+  __syncthreads();               // ... and every thread's
+  convert(raw, frag);
+  for (int u = 0; u < ngroups; ++u) {
+    paged_cp_async_wait<S - 2>();  // group u + 1 has landed
+    __syncthreads();  // group u's fragments written, group u - 1's read, stage u % S converted
+    if (u + S < ngroups) issue(u % S, slot_next);
+    slot_next = slot_of(u + S + 1);
+    paged_cp_async_commit();
+    if (u + 1 < ngroups) convert(raw + ((u + 1) % S) * RAW, frag + ((u + 1) & 1) * FRAG);
+    const unsigned char* fb = frag + (u & 1) * FRAG;
+#pragma unroll
+    for (int p = 0; p < NP; ++p) {  // tile 4u + p: pass p
+      const int base = j0 + GT * u + kMmaTile * p;
+      if (base >= j1w) break;  // past this warp's tokens (uniform per warp)
+      const unsigned char* tf = fb + p * TFB + lane * 16;
+      float sa[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sb[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+      for (int kk = 0; kk < KS; ++kk) {
+        const uint4 u4 = paged_lds16(tf + kk * 32 * 16);
+        const uint32_t xk[4] = {u4.x, u4.y, u4.z, u4.w};
+        if (kk & 1) paged_mma4<F16>(sb, xk, qb[kk][0], qb[kk][1]);
+        else paged_mma4<F16>(sa, xk, qb[kk][0], qb[kk][1]);
+      }
+      const float x00 = base + g < j1c0 ? (sa[0] + sb[0]) * kq0 : -INFINITY;
+      const float x01 = base + g < j1c1 ? (sa[1] + sb[1]) * kq1 : -INFINITY;
+      const float x10 = base + g + 8 < j1c0 ? (sa[2] + sb[2]) * kq0 : -INFINITY;
+      const float x11 = base + g + 8 < j1c1 ? (sa[3] + sb[3]) * kq1 : -INFINITY;
+      float mx0 = fmaxf(x00, x10), mx1 = fmaxf(x01, x11);
+#pragma unroll
+      for (int sh = 4; sh < 32; sh <<= 1) {
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, sh));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, sh));
+      }
+      const bool up0 = LAZY == 0 ? mx0 > m0[p] : mx0 > m0[p] + static_cast<float>(LAZY);
+      const bool up1 = LAZY == 0 ? mx1 > m1[p] : mx1 > m1[p] + static_cast<float>(LAZY);
+      // The vote of each column's token (paged_mmat_kernel's MQ form).
+      int v = G >= 2 ? (up0 || up1 ? 3 : 0) : (up0 ? 1 : 0) | (up1 ? 2 : 0);
+#pragma unroll
+      for (int sh = 4; sh < 32; sh <<= 1) v |= paged_shfl_xor(v, sh);
+      if (G >= 4) v |= paged_shfl_xor(v, 1);
+      if (G >= 8) v |= paged_shfl_xor(v, 2);
+      const bool r0 = (v & 1) != 0, r1 = (v & 2) != 0;
+      if (paged_any(r0 || r1)) {
+        const float n0 = r0 ? fmaxf(m0[p], mx0) : m0[p], n1 = r1 ? fmaxf(m1[p], mx1) : m1[p];
+        const float c0 = r0 ? paged_ex2(m0[p] - n0) : 1.0f, c1 = r1 ? paged_ex2(m1[p] - n1) : 1.0f;
+        m0[p] = n0, m1[p] = n1, l0[p] *= c0, l1[p] *= c1;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+          o[p][mt][0] *= c0, o[p][mt][1] *= c1, o[p][mt][2] *= c0, o[p][mt][3] *= c1;
+      }
+      const float e0 = m0[p] == -INFINITY ? 0.0f : m0[p], e1 = m1[p] == -INFINITY ? 0.0f : m1[p];
+      const float p00 = paged_ex2(x00 - e0), p01 = paged_ex2(x01 - e1);
+      const float p10 = paged_ex2(x10 - e0), p11 = paged_ex2(x11 - e1);
+      l0[p] += p00 + p10;
+      l1[p] += p01 + p11;
+      const uint32_t b0 = paged_movm_t(F16 ? paged_pack_f16x2(p00, p01) : paged_pack_bf16x2(p00, p01));
+      const uint32_t b1 = paged_movm_t(F16 ? paged_pack_f16x2(p10, p11) : paged_pack_bf16x2(p10, p11));
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        const uint4 u4 = paged_lds16(tf + (KS + mt) * 32 * 16);
+        const uint32_t xv[4] = {u4.x, u4.y, u4.z, u4.w};
+        paged_mma4<F16>(o[p][mt], xv, b0, b1);
+      }
+    }
+  }
+  paged_cp_async_wait<0>();
+
+  // Epilogue: each pass's l summed over its 8 threads, the passes merged in order in registers,
+  // written as the output (one split, no partials) or this split's partial and lse.
+#pragma unroll
+  for (int p = 0; p < NP; ++p)
+#pragma unroll
+    for (int sh = 4; sh < 32; sh <<= 1) {
+      l0[p] += __shfl_xor_sync(0xffffffffu, l0[p], sh);
+      l1[p] += __shfl_xor_sync(0xffffffffu, l1[p], sh);
+    }
+  const float vsc = a.v_scale ? a.v_scale[hk] : 1.0f;
+#pragma unroll
+  for (int hc = 0; hc < 2; ++hc) {
+    const int h = 2 * c + hc;
+    if (h >= ncols || (hc ? j1c1 : j1c0) <= j0) continue;  // no (token, head), or no positions in this split
+    const int64_t r = static_cast<int64_t>(t + h / G) * a.Hq + static_cast<int64_t>(hk) * G + h % G;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int d = paged_tdim<Cfg>(g, mt, hh);
+        float mx, den;
+        const float ov = paged_merge_streams<NP>([&](int p) { return hc ? m1[p] : m0[p]; },
+                                                 [&](int p) { return hc ? l1[p] : l0[p]; },
+                                                 [&](int p) { return o[p][mt][2 * hh + hc]; }, vsc, mx, den);
+        if (a.splits == 1 && !a.partials) {
+          paged_store_out(a.out, true, r * HD + d, ov);
+        } else {
+          const int64_t row = r * a.splits + split;
+          a.part_o[row * HD + d] = ov;
+          if (d == 0) a.part_lse[row] = mx + log2f(den);
+        }
+      }
+  }
+}
+
 // The split plan of paged_mma_kernel for `slots` resident CTAs (SMs x CTAs per SM): chunks are
 // whole tiles; the number of splits minimizes waves x (chunk + a per-CTA overhead of
 // kMmaCtaOverhead positions), where waves = ceil(T * Hkv * splits / slots), preferring fewer
@@ -1706,6 +2041,23 @@ void launch_mma_runs(const PagedArgs& a, int64_t runs, cudaStream_t stream) {
   fn<<<grid, 32 * kMmaWarps, Var::kSmemBytes, stream>>>(a);
 }
 
+// The wide query runs (paged_wide_kernel: kWideWarps blocks of 8 MMA columns per CTA, each tile
+// converted once for all) over `runs` query runs (a.qruns), with the default variant's LAZY.
+template <int HD, class TP>
+void launch_wide_runs(const PagedArgs& a, int64_t runs, cudaStream_t stream) {
+  using Cfg = PagedWideCfg<HD, TP>;
+  const auto fn = paged_wide_kernel<HD, TP, paged_t_lazy(kMmaDefaultVariant)>;
+  static std::once_flag opted[64];
+  int dev = 0;
+  CUDA_CHECK(cudaGetDevice(&dev), "paged attention: cudaGetDevice");
+  std::call_once(opted[dev >= 0 && dev < 64 ? dev : 0], [&] {
+    CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes),
+               "paged attention: shared memory opt-in of ", Cfg::kSmemBytes, " bytes (wide query runs, hd ", HD, ")");
+  });
+  const dim3 grid(static_cast<unsigned>(runs * a.Hkv), static_cast<unsigned>(a.splits));
+  fn<<<grid, 32 * kWideWarps, Cfg::kSmemBytes, stream>>>(a);
+}
+
 // f(std::integral_constant<int, v>) for the variant v (0 <= v < kMmaVariants).
 template <class F>
 auto with_variant(int v, const F& f) {
@@ -1779,7 +2131,7 @@ bool paged_attention_runs_apply(int group, int variant, bool out_fp8) {
          (group == 1 || group == 2 || group == 4 || group == 8);
 }
 int paged_attention_run_tokens(int group) {
-  return group >= 1 && group <= kMmaRows ? kMmaRunBlocks * kMmaRows / group : 1;
+  return group >= 1 && group <= kMmaRows ? kWideWarps * kMmaRows / group : 1;
 }
 
 // The kernels' arguments from a launcher's (the tensor-core and the CUDA-core launchers alike).
@@ -1849,10 +2201,11 @@ void launch_paged_attention_mma(const void* q, DType qdt, const int32_t* token_s
   if (qruns && paged_attention_runs_apply(Hq / Hkv, v, out_fp8 != nullptr)) {
     FP8RL_CHECK(nruns * Hkv < (int64_t(1) << 31), "paged attention: runs * Hkv = ", nruns * Hkv, " exceeds the grid");
     const int cols = run_tokens * (Hq / Hkv);
-    FP8RL_CHECK(run_tokens >= 1 && cols <= kMmaRunBlocks * kMmaRows, "paged attention: query runs of ", run_tokens,
-                " tokens x group ", Hq / Hkv, " exceed the kernel's ", kMmaRunBlocks * kMmaRows, " MMA columns");
+    FP8RL_CHECK(run_tokens >= 1 && cols <= kWideWarps * kMmaRows, "paged attention: query runs of ", run_tokens,
+                " tokens x group ", Hq / Hkv, " exceed the kernels' ", kWideWarps * kMmaRows, " MMA columns");
     a.qruns = qruns;
-    // One block of 8 columns when the runs fit it, else two (each K / V tile read once for both).
+    // One block of 8 columns when the runs fit it, two up to 16 columns (each K / V tile read once
+    // for both), else the wide CTAs (a block per warp, each tile converted once for all).
     auto launch = [&](auto nb) {
       constexpr int NB = decltype(nb)::value;
       if (pool_dt == DType::E4M3) {
@@ -1863,8 +2216,19 @@ void launch_paged_attention_mma(const void* q, DType qdt, const int32_t* token_s
         else launch_mma_runs<128, bf16, NB>(a, nruns, stream);
       }
     };
-    if (cols <= kMmaRows) launch(std::integral_constant<int, 1>());
-    else launch(std::integral_constant<int, kMmaRunBlocks>());
+    if (cols <= kMmaRows) {
+      launch(std::integral_constant<int, 1>());
+    } else if (cols <= kMmaRunBlocks * kMmaRows) {
+      launch(std::integral_constant<int, kMmaRunBlocks>());
+    } else {
+      if (pool_dt == DType::E4M3) {
+        if (hd == 64) launch_wide_runs<64, uint8_t>(a, nruns, stream);
+        else launch_wide_runs<128, uint8_t>(a, nruns, stream);
+      } else {
+        if (hd == 64) launch_wide_runs<64, bf16>(a, nruns, stream);
+        else launch_wide_runs<128, bf16>(a, nruns, stream);
+      }
+    }
   } else {
     with_variant(v, [&](auto vc) {
       constexpr int V = decltype(vc)::value;

@@ -229,6 +229,20 @@ void launch_mma_runs(const PagedArgs& a, int64_t runs) {
     if (!t_open.empty() || !t_groups.empty()) std::abort();
   });
 }
+// The wide query runs (paged_wide_kernel: a block of 8 MMA columns per warp, kWideWarps warps).
+template <int HD, class TP>
+void launch_wide_runs(const PagedArgs& a, int64_t runs) {
+  constexpr int smem = PagedWideCfg<HD, TP>::kSmemBytes;
+  emu_launch(
+      int(runs * a.Hkv), a.splits, smem,
+      [&] {
+        if (threadIdx.x == 0) std::memset(g_smem, 0xff, smem);
+        __syncthreads();
+        paged_wide_kernel<HD, TP, paged_t_lazy(kMmaDefaultVariant)>(a);
+        if (!t_open.empty() || !t_groups.empty()) std::abort();
+      },
+      32 * kWideWarps);
+}
 template <int HD, class TP>
 void launch_mma(const PagedArgs& a, int64_t T) {
   static_assert(kMmaVariants == 6, "a case per variant");
@@ -466,9 +480,9 @@ int run(const Case& c) {
     }
     std::printf("  invariant plan: lse max |err| %.2e, %d token(s) differing alone\n", lerr, invariant_bad);
     // Query runs (the multi-query kernel of the default variant, one and two blocks of 8 MMA
-    // columns): consecutive tokens of one sequence, up to 8 nb / G per run; out and lse bitwise the
-    // one-token CTAs'.
-    for (int nb = 1; nb <= kMmaRunBlocks; ++nb) {
+    // columns, and the wide CTAs' kWideWarps blocks): consecutive tokens of one sequence, up to
+    // 8 nb / G per run; out and lse bitwise the one-token CTAs'.
+    for (int nb : {1, kMmaRunBlocks, kWideWarps}) {
       if (!(g_kern == Kern::Mma && g_variant == kMmaDefaultVariant && (G == 1 || G == 2 || G == 4 || G == 8))) break;
       std::vector<int32_t> runs;
       for (int64_t t = 0; t < T;) {
@@ -495,7 +509,9 @@ int run(const Case& c) {
           (c.pool == Pool::E4M3 ? launch_mma_runs<128, uint8_t, NB>(r, R) : launch_mma_runs<128, bf16, NB>(r, R));
       };
       if (nb == 1) launch(std::integral_constant<int, 1>());
-      else launch(std::integral_constant<int, 2>());
+      else if (nb == kMmaRunBlocks) launch(std::integral_constant<int, kMmaRunBlocks>());
+      else if (hd == 64) (c.pool == Pool::E4M3 ? launch_wide_runs<64, uint8_t>(r, R) : launch_wide_runs<64, bf16>(r, R));
+      else (c.pool == Pool::E4M3 ? launch_wide_runs<128, uint8_t>(r, R) : launch_wide_runs<128, bf16>(r, R));
       combine(po, pl, true, lse_r.data(), r);
       const int run_bad = differing(out_r, &lse_r);
       std::printf("  query runs (%d column block(s), %ld runs of up to %d tokens): %d token outputs / lse differing "
@@ -628,6 +644,21 @@ int main(int argc, char** argv) {
     Case d{"invariant runs G1 hd64 bf16", 64, 2, 2, 16, Pool::BF16, true, false, {20, 520}, {}, 0};
     for (int p = 0; p < 20; ++p) d.tokens.push_back({0, p});
     for (int p = 508; p < 516; ++p) d.tokens.push_back({1, p});
+    d.kramp = 1.5f;
+    d.invariant = true;
+    mma_cases.push_back(d);
+  }
+  {  // wide query runs at the 1.7B group: runs of 32 tokens whose warps end at different tiles and
+     // passes, across a chunk end, and a short sequence; group 8 (one token per warp) on BF16 hd 64
+    Case c{"invariant runs G2 hd128 e4m3 wide", 128, 4, 2, 16, Pool::E4M3, true, false, {600, 45}, {}, 0};
+    for (int p = 470; p < 546; ++p) c.tokens.push_back({0, p});
+    for (int p = 0; p < 45; ++p) c.tokens.push_back({1, p});
+    c.kramp = 1.5f;
+    c.invariant = true;
+    mma_cases.push_back(c);
+    Case d{"invariant runs G8 hd64 bf16 wide", 64, 16, 2, 16, Pool::BF16, true, false, {530, 3}, {}, 0};
+    for (int p = 500; p < 515; ++p) d.tokens.push_back({0, p});
+    for (int p = 0; p < 3; ++p) d.tokens.push_back({1, p});
     d.kramp = 1.5f;
     d.invariant = true;
     mma_cases.push_back(d);
