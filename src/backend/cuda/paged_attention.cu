@@ -1616,7 +1616,7 @@ __global__ void __launch_bounds__(32 * kWideWarps, 1) paged_wide_kernel(const Pa
   using Cfg = PagedWideCfg<HD, TP>;
   constexpr int NP = kMmaWarps, W = kWideWarps, S = Cfg::kStages;
   constexpr int CPR = Cfg::kCpr, RB = Cfg::kRowBytes, TB = Cfg::kTileBytes, SB = Cfg::kStageBytes;
-  constexpr int KS = Cfg::kKSteps, MT = Cfg::kMTiles, NF = Cfg::kFrags, TFB = Cfg::kTileFragBytes;
+  constexpr int KS = Cfg::kKSteps, MT = Cfg::kMTiles, TFB = Cfg::kTileFragBytes;
   constexpr int RAW = Cfg::kRawBytes, FRAG = Cfg::kFragBytes, GT = NP * kMmaTile;
   constexpr bool F16 = Cfg::kF16;
   unsigned char* smem = paged_dyn_smem();
@@ -1676,46 +1676,72 @@ __global__ void __launch_bounds__(32 * kWideWarps, 1) paged_wide_kernel(const Pa
                         slot < 0);
     }
   };
-  // The conversion of a stage's tiles into A fragments: fragment f of tile p for lane `lane`, from
-  // the tile's K / V rows exactly as paged_mmat_kernel's warp reads them (kro, vro there).
+  // The conversion of a stage's tiles into A fragments (fragment f of tile p for lane `lane`),
+  // from the tile's K / V rows exactly as paged_mmat_kernel's warp reads them (kro, vro there, the
+  // same 16-byte reads of the swizzled rows), in tasks of a warp: K chunk i (rows g, g + 8: the
+  // kMpc k-steps 4i / kMpc ..), or a part of the V rows 2c, 2c + 1, 2c + 8, 2c + 9 (FP16: half of
+  // this thread's kVDims bytes, m-tiles in pairs; BF16: 16-byte chunk g + 8h, m-tiles 4h ..).
+  constexpr int KT = Cfg::kKChunks, VT = F16 ? 2 : HD / 64, TT = KT + VT;  // tasks per tile
+  constexpr int JW = Cfg::kVDims / 8;  // FP16: 4-byte words of a V row per half (2 at hd 128, 1 at hd 64)
   const uint32_t vro = static_cast<uint32_t>(
       F16 ? TB + 2 * c * RB + ((((Cfg::kVDims * g) >> 4) ^ paged_vswz<CPR>(2 * c)) << 4) + ((Cfg::kVDims * g) & 15)
           : TB + 2 * c * RB + ((g ^ paged_vswz<CPR>(2 * c)) << 4));
   auto convert = [&](const unsigned char* st, unsigned char* fb) {
-    for (int x = warp; x < NP * NF; x += W) {
-      const int p = x / NF, f = x % NF;
+    for (int x = warp; x < NP * TT; x += W) {
+      const int p = x / TT, task = x % TT;
       const unsigned char* tile = st + p * SB;
-      uint4 r;
-      if (f < KS) {  // S^T = K Q^T, k-step f: K rows g, g + 8, chunk 4 (f / kMpc) + c
-        const int i = f / Cfg::kMpc, j = f % Cfg::kMpc;
-        const unsigned char* k0 = tile + g * RB + (((4 * i + c) ^ paged_kswz<CPR>(g)) << 4);
-        if constexpr (F16) {
-          const uint32_t w0 = paged_lds4(k0 + 4 * j), w1 = paged_lds4(k0 + 8 * RB + 4 * j);
-          r = make_uint4(paged_e4m3x2_lo_f16x2(w0), paged_e4m3x2_lo_f16x2(w1), paged_e4m3x2_hi_f16x2(w0),
-                         paged_e4m3x2_hi_f16x2(w1));
-        } else {
-          r = make_uint4(paged_lds4(k0 + 8 * j), paged_lds4(k0 + 8 * RB + 8 * j), paged_lds4(k0 + 8 * j + 4),
-                         paged_lds4(k0 + 8 * RB + 8 * j + 4));
+      unsigned char* out = fb + p * TFB + lane * 16;  // + 512 f: fragment f
+      auto put = [&](int f, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+        *reinterpret_cast<uint4*>(out + f * 32 * 16) = make_uint4(r0, r1, r2, r3);
+      };
+      if (task < KT) {  // S^T = K Q^T: K rows g, g + 8, chunk 4 task + c
+        const unsigned char* k0 = tile + g * RB + (((4 * task + c) ^ paged_kswz<CPR>(g)) << 4);
+        const uint4 u0 = paged_lds16(k0), u1 = paged_lds16(k0 + 8 * RB);
+        const uint32_t w0[4] = {u0.x, u0.y, u0.z, u0.w}, w1[4] = {u1.x, u1.y, u1.z, u1.w};
+#pragma unroll
+        for (int j = 0; j < Cfg::kMpc; ++j) {
+          if constexpr (F16)
+            put(task * Cfg::kMpc + j, paged_e4m3x2_lo_f16x2(w0[j]), paged_e4m3x2_lo_f16x2(w1[j]),
+                paged_e4m3x2_hi_f16x2(w0[j]), paged_e4m3x2_hi_f16x2(w1[j]));
+          else
+            put(task * Cfg::kMpc + j, w0[2 * j], w1[2 * j], w0[2 * j + 1], w1[2 * j + 1]);
         }
-      } else {  // O^T += V^T P^T, m-tile f - KS: V rows 2c, 2c + 1, 2c + 8, 2c + 9
-        const int mt = f - KS;
-        uint32_t w[4];
+      } else if constexpr (F16) {  // O^T += V^T P^T: words JW v .. of the thread's V bytes, m-tiles 2j, 2j + 1
+        const int v = task - KT;
+        uint32_t w[4][JW];
 #pragma unroll
         for (int rr = 0; rr < 4; ++rr) {
-          const unsigned char* vp = tile + vro + ((rr & 1) + 8 * (rr >> 1)) * RB;
-          w[rr] = F16 ? paged_lds4(vp + 4 * (mt >> 1)) : paged_lds4(vp + 128 * (mt >> 2) + 4 * (mt & 3));
+          const unsigned char* vp = tile + vro + ((rr & 1) + 8 * (rr >> 1)) * RB + 4 * JW * v;
+          if constexpr (JW == 2) {
+            const uint2 u = paged_lds8(vp);
+            w[rr][0] = u.x, w[rr][JW - 1] = u.y;
+          } else {
+            w[rr][0] = paged_lds4(vp);
+          }
         }
-        if constexpr (F16) {
-          const uint32_t sel = (mt & 1) ? 0x7362u : 0x5140u;
-          const uint32_t x0 = paged_prmt(w[0], w[1], sel), x1 = paged_prmt(w[2], w[3], sel);
-          r = make_uint4(paged_e4m3x2_lo_f16x2(x0), paged_e4m3x2_hi_f16x2(x0), paged_e4m3x2_lo_f16x2(x1),
-                         paged_e4m3x2_hi_f16x2(x1));
-        } else {
-          r = make_uint4(paged_prmt(w[0], w[1], 0x5410), paged_prmt(w[0], w[1], 0x7632),
-                         paged_prmt(w[2], w[3], 0x5410), paged_prmt(w[2], w[3], 0x7632));
+#pragma unroll
+        for (int jj = 0; jj < JW; ++jj) {
+          const int j = JW * v + jj;
+          const uint32_t x0 = paged_prmt(w[0][jj], w[1][jj], 0x5140), y0 = paged_prmt(w[0][jj], w[1][jj], 0x7362);
+          const uint32_t x1 = paged_prmt(w[2][jj], w[3][jj], 0x5140), y1 = paged_prmt(w[2][jj], w[3][jj], 0x7362);
+          put(KS + 2 * j, paged_e4m3x2_lo_f16x2(x0), paged_e4m3x2_hi_f16x2(x0), paged_e4m3x2_lo_f16x2(x1),
+              paged_e4m3x2_hi_f16x2(x1));
+          put(KS + 2 * j + 1, paged_e4m3x2_lo_f16x2(y0), paged_e4m3x2_hi_f16x2(y0), paged_e4m3x2_lo_f16x2(y1),
+              paged_e4m3x2_hi_f16x2(y1));
         }
+      } else {  // BF16: chunk g + 8h of the four rows, m-tiles 4h + e
+        const int h = task - KT;
+        uint32_t w[4][4];
+#pragma unroll
+        for (int rr = 0; rr < 4; ++rr) {
+          const uint4 u = paged_lds16(tile + vro + ((rr & 1) + 8 * (rr >> 1)) * RB + 128 * h);
+          w[rr][0] = u.x, w[rr][1] = u.y, w[rr][2] = u.z, w[rr][3] = u.w;
+        }
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          put(KS + 4 * h + e, paged_prmt(w[0][e], w[1][e], 0x5410), paged_prmt(w[0][e], w[1][e], 0x7632),
+              paged_prmt(w[2][e], w[3][e], 0x5410), paged_prmt(w[2][e], w[3][e], 0x7632));
       }
-      *reinterpret_cast<uint4*>(fb + p * TFB + (f * 32 + lane) * 16) = r;
     }
   };
 
