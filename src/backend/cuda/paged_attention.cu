@@ -1904,23 +1904,30 @@ __global__ void __launch_bounds__(32 * kWideWarps, 1) paged_wide_kernel(const Pa
     const int h = 2 * c + hc;
     if (h >= ncols || (hc ? j1c1 : j1c0) <= j0) continue;  // no (token, head), or no positions in this split
     const int64_t r = static_cast<int64_t>(t + h / G) * a.Hq + static_cast<int64_t>(hk) * G + h % G;
+    float ov[MT][2], mx = 0.0f, den = 0.0f;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int d = paged_tdim<Cfg>(g, mt, hh);
-        float mx, den;
-        const float ov = paged_merge_streams<NP>([&](int p) { return hc ? m1[p] : m0[p]; },
-                                                 [&](int p) { return hc ? l1[p] : l0[p]; },
-                                                 [&](int p) { return o[p][mt][2 * hh + hc]; }, vsc, mx, den);
-        if (a.splits == 1 && !a.partials) {
-          paged_store_out(a.out, true, r * HD + d, ov);
-        } else {
-          const int64_t row = r * a.splits + split;
-          a.part_o[row * HD + d] = ov;
-          if (d == 0) a.part_lse[row] = mx + log2f(den);
-        }
+      for (int hh = 0; hh < 2; ++hh)
+        ov[mt][hh] = paged_merge_streams<NP>([&](int p) { return hc ? m1[p] : m0[p]; },
+                                             [&](int p) { return hc ? l1[p] : l0[p]; },
+                                             [&](int p) { return o[p][mt][2 * hh + hc]; }, vsc, mx, den);
+    if (a.splits == 1 && !a.partials) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) paged_store_out(a.out, true, r * HD + paged_tdim<Cfg>(g, mt, hh), ov[mt][hh]);
+    } else {
+      // The partial row: m-tiles 2q, 2q + 1 hold 4 consecutive head dims (paged_tdim), one float4.
+      const int64_t row = r * a.splits + split;
+      float* po = a.part_o + row * HD;
+#pragma unroll
+      for (int q = 0; q < MT / 2; ++q) {
+        const int d = F16 ? Cfg::kVDims * g + 4 * q : 8 * g + 64 * (q >> 1) + 4 * (q & 1);
+        *reinterpret_cast<float4*>(po + d) = make_float4(ov[2 * q][0], ov[2 * q][1], ov[2 * q + 1][0], ov[2 * q + 1][1]);
       }
+      if (g == 0) a.part_lse[row] = mx + log2f(den);  // the column's (every element's mx, den)
+    }
   }
 }
 
