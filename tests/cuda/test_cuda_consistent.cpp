@@ -317,8 +317,11 @@ TEST(CudaConsistent, PagedAttentionQueryRunsAreBitwiseOneTokenCtas) {
       kh.data<float>()[t * Hkv * hd + i] *= 1.0f + static_cast<float>(pos[t]) / 200.0f;
   const Tensor k = be.to_device(from_float_vector(to_float_vector(kh), {T, Hkv, hd}, DType::BF16));
   const Tensor v = rand_dev(be, {T, Hkv, hd}, 42, DType::BF16);
+  // cols -64: the wide runs on CTAs of 4 warps (FP8RL_WIDE_CTA_WARPS=4, two CTAs per run).
   for (int group : {1, 2, 4, 8})
-    for (int cols : {8, 16, 64}) {
+    for (int cols_arg : {8, 16, 64, -64}) {
+      const int cols = cols_arg < 0 ? -cols_arg : cols_arg;
+      setenv("FP8RL_WIDE_CTA_WARPS", cols_arg < 0 ? "4" : "8", 1);
       const int Hq = Hkv * group, run = cols / group;
       const Tensor q = rand_dev(be, {T, Hq, hd}, 43 + group, DType::BF16, 0.3f);
       std::vector<int32_t> runs;
@@ -353,6 +356,7 @@ TEST(CudaConsistent, PagedAttentionQueryRunsAreBitwiseOneTokenCtas) {
         EXPECT_TRUE(std::all_of(f.begin(), f.end(), [](float x) { return std::isfinite(x); }));
       }
     }
+  unsetenv("FP8RL_WIDE_CTA_WARPS");
 }
 
 // Timing (FP8RL_QUERY_RUN_BENCH=1; gpu_bench.sh stages query_runs, ncu_query_runs): the consistent
@@ -360,7 +364,7 @@ TEST(CudaConsistent, PagedAttentionQueryRunsAreBitwiseOneTokenCtas) {
 // ragged sequences — the paged kernel over an E4M3 scratch cache in query runs of 8, 16 and 64 MMA
 // columns (the training_attention's consistent branch; `consistent=attn`'s extra training cost)
 // against flash attention's forward over the same tokens (what fp8_e2e's trainer runs).
-// FP8RL_QUERY_RUN_BENCH_COLS=8|16|64 times that width only (for a profiler's first launch).
+// FP8RL_QUERY_RUN_BENCH_COLS=8|16|64|-64 times that width only (-64: CTAs of 4 warps) (for a profiler's first launch).
 TEST(CudaConsistent, QueryRunBench) {
   const char* on = std::getenv("FP8RL_QUERY_RUN_BENCH");
   if (!on || std::string(on) != "1") GTEST_SKIP() << "timing mode: FP8RL_QUERY_RUN_BENCH=1";
@@ -386,8 +390,10 @@ TEST(CudaConsistent, QueryRunBench) {
   const float scale = 0.088f;
   std::printf("consistent trainer attention, 1.7B heads, %lld tokens in %zu sequences (E4M3 scratch cache):\n",
               static_cast<long long>(T), lens.size());
-  for (int cols : {8, 16, 64}) {
-    if (only && std::to_string(cols) != only) continue;
+  for (int cols_arg : {8, 16, 64, -64}) {  // -64: the wide runs on CTAs of 4 warps
+    const int cols = cols_arg < 0 ? -cols_arg : cols_arg;
+    setenv("FP8RL_WIDE_CTA_WARPS", cols_arg < 0 ? "4" : "8", 1);
+    if (only && std::to_string(cols_arg) != only) continue;
     const int run = cols / group;
     if (!cuda::paged_attention_runs_apply(group, -1, false) || run > cuda::paged_attention_run_tokens(group)) continue;
     std::vector<int32_t> runs;
@@ -398,12 +404,14 @@ TEST(CudaConsistent, QueryRunBench) {
     grouped.query_run_tokens = run;
     const double us =
         test::time_calls([&](int) { be.attention_paged(c, 0, q, grouped, scale, false, out, &lse); }, be.stream());
-    std::printf("  paged, query runs of %2d columns (%d tokens): %8.1f us\n", cols, run, us);
+    std::printf("  paged, query runs of %2d columns (%d tokens)%s: %8.1f us\n", cols, run,
+                cols_arg < 0 ? ", CTAs of 4 warps" : "", us);
   }
   if (!only) {
     const double us = test::time_calls([&](int) { be.attention(q, k, v, cu, scale, out, lse); }, be.stream());
     std::printf("  flash attention forward:                   %8.1f us\n", us);
   }
+  unsetenv("FP8RL_WIDE_CTA_WARPS");
 }
 
 // consistent=flash's decode attention (PagedBatch::flash_order, flash_decode_kernel): every

@@ -792,30 +792,37 @@ __device__ __forceinline__ int paged_vdim(int n, int nt) {
 // Element (h, d) of the warps' merge by log-sum-exp, times v_scale; mx and den: the row's
 // merged max and denominator. One definition for the epilogue's two thread mappings.
 // The merge itself, over the streams w = 0 .. NW - 1 in order (m_of, l_of, o_of: stream w's running
-// max, denominator and output element): the shared-memory epilogue's and the wide query runs'
-// (paged_wide_kernel, whose streams are in registers) one arithmetic.
-template <int NW, class MOf, class LOf, class OOf>
-__device__ __forceinline__ float paged_merge_streams(const MOf& m_of, const LOf& l_of, const OOf& o_of, float vsc,
-                                                     float& mx, float& den) {
+// max, denominator and output element), in two parts: a row's max, factors and denominator, then
+// each element's value. The shared-memory epilogue and the wide query runs (paged_wide_kernel,
+// whose streams are in registers, each row's part taken once for its elements) share the one
+// arithmetic.
+template <int NW, class MOf, class LOf>
+__device__ __forceinline__ void paged_merge_row(const MOf& m_of, const LOf& l_of, float (&f)[NW], float& mx,
+                                                float& den) {
   mx = -INFINITY;
 #pragma unroll
   for (int w = 0; w < NW; ++w) mx = fmaxf(mx, m_of(w));
   den = 0.0f;
-  float num = 0.0f;
 #pragma unroll
   for (int w = 0; w < NW; ++w) {
-    const float f = paged_rescale(m_of(w), mx);
-    den += l_of(w) * f;
-    num += o_of(w) * f;
+    f[w] = paged_rescale(m_of(w), mx);
+    den += l_of(w) * f[w];
   }
+}
+template <int NW, class OOf>
+__device__ __forceinline__ float paged_merge_value(const OOf& o_of, const float (&f)[NW], float den, float vsc) {
+  float num = 0.0f;
+#pragma unroll
+  for (int w = 0; w < NW; ++w) num += o_of(w) * f[w];
   return num / den * vsc;
 }
 template <int HD, int NW, int COLS = kMmaRows>
 __device__ __forceinline__ float paged_mma_merged(const float* s_o, const float (*s_m)[COLS],
                                                   const float (*s_l)[COLS], int h, int d, float vsc, float& mx,
                                                   float& den) {
-  return paged_merge_streams<NW>([&](int w) { return s_m[w][h]; }, [&](int w) { return s_l[w][h]; },
-                                 [&](int w) { return s_o[(w * COLS + h) * HD + d]; }, vsc, mx, den);
+  float f[NW];
+  paged_merge_row<NW>([&](int w) { return s_m[w][h]; }, [&](int w) { return s_l[w][h]; }, f, mx, den);
+  return paged_merge_value<NW>([&](int w) { return s_o[(w * COLS + h) * HD + d]; }, f, den, vsc);
 }
 
 template <int HD, int NW, int COLS = kMmaRows, class RowOf>
@@ -1583,7 +1590,7 @@ __global__ void __launch_bounds__(32 * kMmaWarps, paged_mmat_min_blocks<HD, TP, 
 // replays that with the decode warps as passes: every warp keeps the four (m, l, O^T) of its
 // columns in registers and folds tile k into state k % 4, in the order of the tiles (each pass's
 // tiles in its own order: the same sequence of operations per state as the decode warp's), then
-// merges the four states in registers with the epilogue's arithmetic (paged_merge_streams). A
+// merges the four states in registers with the epilogue's arithmetic (paged_merge_row / _value). A
 // stage holds four tiles (one per pass: 64 positions), copied by the whole CTA (one row of a
 // tile per four threads) and converted once, by the whole CTA, into the MMA's A fragments in
 // (fragment, lane) order — the same registers the one-block kernel builds per warp from the same
@@ -1591,6 +1598,9 @@ __global__ void __launch_bounds__(32 * kMmaWarps, paged_mmat_min_blocks<HD, TP, 
 // every column bitwise paged_mmat_kernel<..., MQ = 1>'s, hence the one-token CTA's. A warp skips
 // the tiles past its own tokens' ends (they would be masked no-ops, as in the one-block kernel,
 // whose runs end there).
+// A run is kWideWarps blocks of 8 columns (64 columns); a CTA of W warps (8, or 4: two CTAs per
+// run, two CTAs per SM where shared memory allows — each hides the other's start and barriers)
+// serves W of its blocks.
 constexpr int kWideWarps = 8;
 template <int HD, class TP>
 struct PagedWideCfg : PagedMmaCfg<HD, TP> {
@@ -1603,18 +1613,20 @@ struct PagedWideCfg : PagedMmaCfg<HD, TP> {
   static constexpr int kFragBytes = kGroupTiles * kTileFragBytes;     // a buffer of converted tiles
   static constexpr int kStages = 3;
   static constexpr int kSmemBytes = kStages * kRawBytes + 2 * kFragBytes + 256;  // + alignment to 256 bytes
-  static_assert(Base::kCpr % 4 == 0, "four threads per row copy whole 16-byte chunks");
-  static_assert(kGroupTiles * kMmaTile * 4 == 32 * kWideWarps, "four threads per row of a stage");
+  static_assert(Base::kCpr % 4 == 0, "up to four threads per row copy whole 16-byte chunks");
 };
 __device__ __forceinline__ uint32_t paged_lds4(const unsigned char* p) { return *reinterpret_cast<const uint32_t*>(p); }
 
-// grid (runs * Hkv, splits), block 32 * kWideWarps, dynamic shared memory PagedWideCfg::kSmemBytes;
-// a.qruns: runs of consecutive tokens of one sequence at consecutive positions (count <=
-// kWideWarps * 8 / group; group 1, 2, 4 or 8); q BF16, 16-byte aligned; no fused FP8 output.
-template <int HD, class TP, int LAZY>
-__global__ void __launch_bounds__(32 * kWideWarps, 1) paged_wide_kernel(const PagedArgs a) {
+// grid (runs * kWideWarps / W * Hkv, splits), block 32 * W, dynamic shared memory
+// PagedWideCfg::kSmemBytes; a.qruns: runs of consecutive tokens of one sequence at consecutive
+// positions (count <= kWideWarps * 8 / group; group 1, 2, 4 or 8); q BF16, 16-byte aligned; no
+// fused FP8 output.
+template <int HD, class TP, int LAZY, int W>
+__global__ void __launch_bounds__(32 * W, W == kWideWarps ? 1 : 2) paged_wide_kernel(const PagedArgs a) {
   using Cfg = PagedWideCfg<HD, TP>;
-  constexpr int NP = kMmaWarps, W = kWideWarps, S = Cfg::kStages;
+  constexpr int NP = kMmaWarps, S = Cfg::kStages, PARTS = kWideWarps / W;
+  constexpr int TPR = 32 * W / (Cfg::kGroupTiles * kMmaTile);  // copying threads per row of a stage
+  static_assert(kWideWarps % W == 0 && TPR >= 1 && TPR <= 4 && Cfg::kCpr % TPR == 0, "copy mapping");
   constexpr int CPR = Cfg::kCpr, RB = Cfg::kRowBytes, TB = Cfg::kTileBytes, SB = Cfg::kStageBytes;
   constexpr int KS = Cfg::kKSteps, MT = Cfg::kMTiles, TFB = Cfg::kTileFragBytes;
   constexpr int RAW = Cfg::kRawBytes, FRAG = Cfg::kFragBytes, GT = NP * kMmaTile;
@@ -1626,15 +1638,18 @@ __global__ void __launch_bounds__(32 * kWideWarps, 1) paged_wide_kernel(const Pa
   unsigned char* frag = raw + S * RAW;   // two buffers of NP converted tiles
   const paged_saddr_t raw_sa = sbase + static_cast<paged_saddr_t>(pad);
 
-  const int hk = static_cast<int>(blockIdx.x) % a.Hkv, run = static_cast<int>(blockIdx.x) / a.Hkv;
-  const int t0 = a.qruns[2 * run], n_run = a.qruns[2 * run + 1];
+  const int hk = static_cast<int>(blockIdx.x) % a.Hkv, cta = static_cast<int>(blockIdx.x) / a.Hkv;
+  const int run = cta / PARTS, part = cta % PARTS;  // this CTA: the run's blocks part W .. part W + W - 1
   const int split = static_cast<int>(blockIdx.y), j0 = split * a.chunk;
   const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
   const int G = a.group, per = kMmaRows / G;  // tokens per warp
-  const int t = t0 + warp * per, cnt = paged_imax(0, paged_imin(per, n_run - warp * per));
+  const int rt0 = a.qruns[2 * run], n_run = a.qruns[2 * run + 1];
+  const int t0 = rt0 + part * W * per, n_cta = paged_imin(n_run - part * W * per, W * per);  // the CTA's tokens
+  if (n_cta <= 0) return;  // uniform per CTA
+  const int t = t0 + warp * per, cnt = paged_imax(0, paged_imin(per, n_cta - warp * per));
   const int ncols = cnt * G;
-  // The run's positions are consecutive: its last token is its longest.
-  const int len = a.token_pos[t0 + n_run - 1] + 1;
+  // The positions are consecutive: the CTA's last token is its longest.
+  const int len = a.token_pos[t0 + n_cta - 1] + 1;
   if (j0 >= len) return;  // uniform per CTA
   const bool last = split == a.splits - 1;
   const int j1 = last ? len : paged_imin(len, j0 + a.chunk);
@@ -1648,11 +1663,11 @@ __global__ void __launch_bounds__(32 * kWideWarps, 1) paged_wide_kernel(const Pa
   const int j1c0 = 2 * c < ncols ? tok_j1(t + 2 * c / G) : j0;
   const int j1c1 = 2 * c + 1 < ncols ? tok_j1(t + (2 * c + 1) / G) : j0;
 
-  // Copies: thread tid brings row tid / 4 of a stage (tile (tid / 4) / 16, its row (tid / 4) % 16;
-  // the position j0 + GT u + tid / 4 of stage group u), chunks tid % 4 + 4 i of its K and V rows,
-  // to the one-block kernel's swizzled places; rows past j1 are zeros.
+  // Copies: thread tid brings row tid / TPR of a stage (tile (tid / TPR) / 16, its row
+  // (tid / TPR) % 16; the position j0 + GT u + tid / TPR of stage group u), chunks tid % TPR +
+  // TPR i of its K and V rows, to the one-block kernel's swizzled places; rows past j1 are zeros.
   const int32_t* table = a.page_table + static_cast<int64_t>(a.token_seq[t0]) * a.max_pages;
-  const int crow = tid >> 2, csub = tid & 3, ctile = crow >> 4, cr = crow & 15;
+  const int crow = tid / TPR, csub = tid % TPR, ctile = crow >> 4, cr = crow & 15;
   auto slot_of = [&](int u) -> int {
     const int j = j0 + GT * u + crow;
     if (j >= j1) return -1;
@@ -1668,8 +1683,8 @@ __global__ void __launch_bounds__(32 * kWideWarps, 1) paged_wide_kernel(const Pa
     const paged_saddr_t row = raw_sa + static_cast<paged_saddr_t>(stage * RAW + ctile * SB + cr * RB);
     const int64_t src = static_cast<int64_t>(slot >= 0 ? slot : 0) * slot_bytes;
 #pragma unroll
-    for (int i = 0; i < CPR / 4; ++i) {
-      const int q = csub + 4 * i;
+    for (int i = 0; i < CPR / TPR; ++i) {
+      const int q = csub + TPR * i;
       paged_cp_async16z(row + static_cast<paged_saddr_t>((q ^ paged_kswz<CPR>(cr)) << 4), kpool + src + 16 * q,
                         slot < 0);
       paged_cp_async16z(row + static_cast<paged_saddr_t>(TB + ((q ^ paged_vswz<CPR>(cr)) << 4)), vpool + src + 16 * q,
@@ -1904,14 +1919,14 @@ __global__ void __launch_bounds__(32 * kWideWarps, 1) paged_wide_kernel(const Pa
     const int h = 2 * c + hc;
     if (h >= ncols || (hc ? j1c1 : j1c0) <= j0) continue;  // no (token, head), or no positions in this split
     const int64_t r = static_cast<int64_t>(t + h / G) * a.Hq + static_cast<int64_t>(hk) * G + h % G;
-    float ov[MT][2], mx = 0.0f, den = 0.0f;
+    float ov[MT][2], f[NP], mx, den;
+    paged_merge_row<NP>([&](int p) { return hc ? m1[p] : m0[p]; }, [&](int p) { return hc ? l1[p] : l0[p]; }, f, mx,
+                        den);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh)
-        ov[mt][hh] = paged_merge_streams<NP>([&](int p) { return hc ? m1[p] : m0[p]; },
-                                             [&](int p) { return hc ? l1[p] : l0[p]; },
-                                             [&](int p) { return o[p][mt][2 * hh + hc]; }, vsc, mx, den);
+        ov[mt][hh] = paged_merge_value<NP>([&](int p) { return o[p][mt][2 * hh + hc]; }, f, den, vsc);
     if (a.splits == 1 && !a.partials) {
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
@@ -2076,10 +2091,10 @@ void launch_mma_runs(const PagedArgs& a, int64_t runs, cudaStream_t stream) {
 
 // The wide query runs (paged_wide_kernel: kWideWarps blocks of 8 MMA columns per CTA, each tile
 // converted once for all) over `runs` query runs (a.qruns), with the default variant's LAZY.
-template <int HD, class TP>
-void launch_wide_runs(const PagedArgs& a, int64_t runs, cudaStream_t stream) {
+template <int HD, class TP, int W>
+void launch_wide_runs_w(const PagedArgs& a, int64_t runs, cudaStream_t stream) {
   using Cfg = PagedWideCfg<HD, TP>;
-  const auto fn = paged_wide_kernel<HD, TP, paged_t_lazy(kMmaDefaultVariant)>;
+  const auto fn = paged_wide_kernel<HD, TP, paged_t_lazy(kMmaDefaultVariant), W>;
   static std::once_flag opted[64];
   int dev = 0;
   CUDA_CHECK(cudaGetDevice(&dev), "paged attention: cudaGetDevice");
@@ -2087,8 +2102,17 @@ void launch_wide_runs(const PagedArgs& a, int64_t runs, cudaStream_t stream) {
     CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes),
                "paged attention: shared memory opt-in of ", Cfg::kSmemBytes, " bytes (wide query runs, hd ", HD, ")");
   });
-  const dim3 grid(static_cast<unsigned>(runs * a.Hkv), static_cast<unsigned>(a.splits));
-  fn<<<grid, 32 * kWideWarps, Cfg::kSmemBytes, stream>>>(a);
+  const dim3 grid(static_cast<unsigned>(runs * (kWideWarps / W) * a.Hkv), static_cast<unsigned>(a.splits));
+  fn<<<grid, 32 * W, Cfg::kSmemBytes, stream>>>(a);
+}
+// FP8RL_WIDE_CTA_WARPS=4 (read at each call): CTAs of 4 warps, two per run (same bits).
+template <int HD, class TP>
+void launch_wide_runs(const PagedArgs& a, int64_t runs, cudaStream_t stream) {
+  const char* e = std::getenv("FP8RL_WIDE_CTA_WARPS");
+  const int w = e && *e ? std::atoi(e) : kWideWarps;
+  FP8RL_CHECK(w == 4 || w == 8, "FP8RL_WIDE_CTA_WARPS must be 4 or 8, got '", e ? e : "", "'");
+  if (w == 4) launch_wide_runs_w<HD, TP, 4>(a, runs, stream);
+  else launch_wide_runs_w<HD, TP, kWideWarps>(a, runs, stream);
 }
 
 // f(std::integral_constant<int, v>) for the variant v (0 <= v < kMmaVariants).

@@ -230,18 +230,24 @@ void launch_mma_runs(const PagedArgs& a, int64_t runs) {
   });
 }
 // The wide query runs (paged_wide_kernel: a block of 8 MMA columns per warp, kWideWarps warps).
-template <int HD, class TP>
-void launch_wide_runs(const PagedArgs& a, int64_t runs) {
+template <int HD, class TP, int W>
+void launch_wide_runs_w(const PagedArgs& a, int64_t runs) {
   constexpr int smem = PagedWideCfg<HD, TP>::kSmemBytes;
   emu_launch(
-      int(runs * a.Hkv), a.splits, smem,
+      int(runs * (kWideWarps / W) * a.Hkv), a.splits, smem,
       [&] {
         if (threadIdx.x == 0) std::memset(g_smem, 0xff, smem);
         __syncthreads();
-        paged_wide_kernel<HD, TP, paged_t_lazy(kMmaDefaultVariant)>(a);
+        paged_wide_kernel<HD, TP, paged_t_lazy(kMmaDefaultVariant), W>(a);
         if (!t_open.empty() || !t_groups.empty()) std::abort();
       },
-      32 * kWideWarps);
+      32 * W);
+}
+inline int g_wide_warps = kWideWarps;  // CTAs of 8 warps, or 4 (two per run)
+template <int HD, class TP>
+void launch_wide_runs(const PagedArgs& a, int64_t runs) {
+  if (g_wide_warps == 4) launch_wide_runs_w<HD, TP, 4>(a, runs);
+  else launch_wide_runs_w<HD, TP, kWideWarps>(a, runs);
 }
 template <int HD, class TP>
 void launch_mma(const PagedArgs& a, int64_t T) {
@@ -482,7 +488,9 @@ int run(const Case& c) {
     // Query runs (the multi-query kernel of the default variant, one and two blocks of 8 MMA
     // columns, and the wide CTAs' kWideWarps blocks): consecutive tokens of one sequence, up to
     // 8 nb / G per run; out and lse bitwise the one-token CTAs'.
-    for (int nb : {1, kMmaRunBlocks, kWideWarps}) {
+    for (int nb : {1, kMmaRunBlocks, kWideWarps, -kWideWarps}) {  // -: the wide runs on CTAs of 4 warps
+      g_wide_warps = nb < 0 ? 4 : kWideWarps;
+      nb = nb < 0 ? -nb : nb;
       if (!(g_kern == Kern::Mma && g_variant == kMmaDefaultVariant && (G == 1 || G == 2 || G == 4 || G == 8))) break;
       std::vector<int32_t> runs;
       for (int64_t t = 0; t < T;) {
@@ -514,9 +522,9 @@ int run(const Case& c) {
       else (c.pool == Pool::E4M3 ? launch_wide_runs<128, uint8_t>(r, R) : launch_wide_runs<128, bf16>(r, R));
       combine(po, pl, true, lse_r.data(), r);
       const int run_bad = differing(out_r, &lse_r);
-      std::printf("  query runs (%d column block(s), %ld runs of up to %d tokens): %d token outputs / lse differing "
+      std::printf("  query runs (%d column block(s)%s, %ld runs of up to %d tokens): %d token outputs / lse differing "
                   "from one-token CTAs\n",
-                  nb, long(R), 8 * nb / G, run_bad);
+                  nb, nb == kWideWarps && g_wide_warps == 4 ? " on CTAs of 4 warps" : "", long(R), 8 * nb / G, run_bad);
       invariant_bad += run_bad;
     }
   }
