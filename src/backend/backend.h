@@ -80,13 +80,13 @@ struct LinearSpec {
 // and logprobs_of_logits folds them in the same chunks.
 constexpr int64_t kConsistentVocabChunk = 4096;
 // The (token, head) pairs of a query run that a model builds for a sequence scored whole
-// (PagedBatch::query_runs): runs of kQueryRunColumns / group tokens. CUDA: one block of 8 MMA
-// columns of the tensor-core paged kernel (it serves up to two, paged_attention_run_tokens; on
-// the H100 runs of 16 columns took 802 us per 8k-token call of the 1.7B consistent forward
-// against 657 with 8: two blocks needed 197 registers, half the CTAs per SM; since session 24
-// they keep Q in shared memory, 166 registers, three CTAs per SM — not yet timed, so the model
-// builds 16-column runs only under FP8RL_QUERY_RUN_COLUMNS=16).
-constexpr int kQueryRunColumns = 8;
+// (PagedBatch::query_runs): runs of kQueryRunColumns / group tokens. CUDA: the wide query-run
+// CTAs (8 warps, a block of 8 MMA columns each, every K/V tile converted once for the run;
+// paged_attention_run_tokens). Measured on the H100 (session 25, docs/benchmarks.md): the 1.7B
+// consistent trainer's attention 397 us per 8k-token call in 64-column runs against 630 in runs
+// of 8 columns (one block per CTA) and 614 in runs of 16; FP8RL_QUERY_RUN_COLUMNS=8 or 16
+// (transformer.cpp) builds the narrower runs again, for A/B (the same bits).
+constexpr int kQueryRunColumns = 64;
 
 // The 1x128 E4M3 copy of an activation x [M, K] that a fused producer (rmsnorm_fp8,
 // add_rmsnorm, swiglu_fp8) writes together with x, for the FP8 linears that read x: passed to

@@ -555,9 +555,9 @@ std::shared_ptr<ConsistentKv> consistent_kv_alloc(Backend& be, const ModelConfig
   // Every sequence is scored whole: its tokens in runs of up to kQueryRunColumns / group (the CUDA
   // tensor-core kernel's MMA columns of (token, head) pairs), each run's K/V read once for all its
   // tokens.
-  // FP8RL_QUERY_RUN_COLUMNS=16 or 64 (read once): runs of two MMA column blocks, or of eight (the
-  // CUDA wide query-run CTAs), for the A/B against kQueryRunColumns (backend.h); any run width
-  // gives the same bits.
+  // FP8RL_QUERY_RUN_COLUMNS=8, 16 or 64 (read once): runs of one or two MMA column blocks, or of
+  // eight (the CUDA wide query-run CTAs, the default kQueryRunColumns, backend.h), for A/B; any
+  // run width gives the same bits.
   static const int run_columns = [] {
     const char* e = std::getenv("FP8RL_QUERY_RUN_COLUMNS");
     if (!e) return kQueryRunColumns;
