@@ -1155,6 +1155,66 @@ __device__ __forceinline__ int paged_tdim(int g, int mt, int h) {
 // read per tile instead of held), so that they fit three CTAs per SM (at most 168 registers a
 // thread; held in registers they took 197, two CTAs per SM, and ran slower than one block:
 // session 18).
+// Q^T's B fragments of one block of 8 MMA columns for thread (g, c): column g's q row `qrow`
+// (zeros where !qin), k-slots as paged_kdim, scaled as in paged_mma_kernel (fp8_q: e4m3(q / s);
+// FP16 MMAs: by the power of two that puts the row's amax in [2^14, 2^15)); and the score scales
+// kq0, kq1 of this thread's columns 2c, 2c + 1. The one-token / query-run kernel and the wide
+// query runs share it.
+template <class Cfg>
+__device__ __forceinline__ void paged_mmat_q_block(const PagedArgs& a, const uint16_t* qrow, bool qin, float ksc,
+                                                   int c, uint32_t (&qf)[Cfg::kKSteps][2], float& kq0, float& kq1) {
+  constexpr int CD = Cfg::kChunkDims, KC = Cfg::kKChunks;
+  constexpr bool F16 = Cfg::kF16;
+  float x[KC][CD];  // dims CD (4i + c) .. + CD - 1 of column g's head
+#pragma unroll
+  for (int i = 0; i < KC; ++i)
+#pragma unroll
+    for (int u = 0; u < CD / 8; ++u) {
+      const uint4 w = qin ? paged_ld16(qrow + CD * (4 * i + c) + 8 * u) : make_uint4(0, 0, 0, 0);
+      const uint32_t ww[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        x[i][8 * u + 2 * e] = bf16_bits_to_float(static_cast<uint16_t>(ww[e] & 0xffffu));
+        x[i][8 * u + 2 * e + 1] = bf16_bits_to_float(static_cast<uint16_t>(ww[e] >> 16));
+      }
+    }
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < KC; ++i)
+#pragma unroll
+    for (int d = 0; d < CD; ++d) amax = fmaxf(amax, fabsf(x[i][d]));
+  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+  float fs = 1.0f;
+  if (a.fp8_q) {  // s = quant_scale_from_amax(amax, pow2 = false); the MMA takes e4m3(q / s)
+    const float sq = fp8_scale_from_amax(amax, false);
+#pragma unroll
+    for (int i = 0; i < KC; ++i)
+#pragma unroll
+      for (int d = 0; d < CD; ++d) x[i][d] = fp8_e4m3_round(x[i][d] / sq);
+    fs = sq;
+  } else if (F16 && amax > 0.0f) {
+    // amax = f 2^e, f in [0.5, 1): q 2^(15 - e) has its amax in [2^14, 2^15), exactly as
+    // paged_mma_kernel's frexpf / ldexpf (the power of two capped at 2^126: amax < 2^-111)
+    const int e = static_cast<int>((__float_as_uint(amax) >> 23) & 0xffu) - 126;
+    const int sh = e < -111 ? 126 : 15 - e;
+    const float up = __uint_as_float(static_cast<uint32_t>(sh + 127) << 23);
+#pragma unroll
+    for (int i = 0; i < KC; ++i)
+#pragma unroll
+      for (int d = 0; d < CD; ++d) x[i][d] *= up;
+    fs = __uint_as_float(static_cast<uint32_t>(127 - sh) << 23);
+  }
+#pragma unroll
+  for (int kk = 0; kk < Cfg::kKSteps; ++kk) {
+    const int i = kk / Cfg::kMpc, d = 4 * (kk % Cfg::kMpc);
+    qf[kk][0] = F16 ? paged_pack_f16x2(x[i][d], x[i][d + 1]) : paged_pack_bf16x2(x[i][d], x[i][d + 1]);
+    qf[kk][1] = F16 ? paged_pack_f16x2(x[i][d + 2], x[i][d + 3]) : paged_pack_bf16x2(x[i][d + 2], x[i][d + 3]);
+  }
+  const float kqh = fs * a.scale_log2 * ksc;  // column g's
+  kq0 = __uint_as_float(static_cast<uint32_t>(paged_shfl(static_cast<int>(__float_as_uint(kqh)), 8 * c)));
+  kq1 = __uint_as_float(static_cast<uint32_t>(paged_shfl(static_cast<int>(__float_as_uint(kqh)), 8 * c + 4)));
+}
 template <int MQ>
 constexpr bool paged_mmat_q_smem() {
   return MQ >= 2;
@@ -1328,58 +1388,12 @@ __global__ void __launch_bounds__(32 * kMmaWarps, paged_mmat_min_blocks<HD, TP, 
   float kq0[NB], kq1[NB];
 #pragma unroll
   for (int b = 0; b < NB; ++b) {
-    constexpr int CD = Cfg::kChunkDims, KC = Cfg::kKChunks;
-    float x[KC][CD];  // dims CD (4i + c) .. + CD - 1 of head g
     const bool qin = 8 * b + g < ncols;  // a column of a (token, head); else zeros
     const uint16_t* qrow = static_cast<const uint16_t*>(a.q) + (qin ? col_row(8 * b + g) : 0) * HD;
+    uint32_t qf[Cfg::kKSteps][2];
+    paged_mmat_q_block<Cfg>(a, qrow, qin, ksc, c, qf, kq0[b], kq1[b]);
 #pragma unroll
-    for (int i = 0; i < KC; ++i)
-#pragma unroll
-      for (int u = 0; u < CD / 8; ++u) {
-        const uint4 w = qin ? paged_ld16(qrow + CD * (4 * i + c) + 8 * u) : make_uint4(0, 0, 0, 0);
-        const uint32_t ww[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          x[i][8 * u + 2 * e] = bf16_bits_to_float(static_cast<uint16_t>(ww[e] & 0xffffu));
-          x[i][8 * u + 2 * e + 1] = bf16_bits_to_float(static_cast<uint16_t>(ww[e] >> 16));
-        }
-      }
-    float amax = 0.0f;
-#pragma unroll
-    for (int i = 0; i < KC; ++i)
-#pragma unroll
-      for (int d = 0; d < CD; ++d) amax = fmaxf(amax, fabsf(x[i][d]));
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-    float fs = 1.0f;
-    if (a.fp8_q) {  // s = quant_scale_from_amax(amax, pow2 = false); the MMA takes e4m3(q / s)
-      const float sq = fp8_scale_from_amax(amax, false);
-#pragma unroll
-      for (int i = 0; i < KC; ++i)
-#pragma unroll
-        for (int d = 0; d < CD; ++d) x[i][d] = fp8_e4m3_round(x[i][d] / sq);
-      fs = sq;
-    } else if (F16 && amax > 0.0f) {
-      // amax = f 2^e, f in [0.5, 1): q 2^(15 - e) has its amax in [2^14, 2^15), exactly as
-      // paged_mma_kernel's frexpf / ldexpf (the power of two capped at 2^126: amax < 2^-111)
-      const int e = static_cast<int>((__float_as_uint(amax) >> 23) & 0xffu) - 126;
-      const int sh = e < -111 ? 126 : 15 - e;
-      const float up = __uint_as_float(static_cast<uint32_t>(sh + 127) << 23);
-#pragma unroll
-      for (int i = 0; i < KC; ++i)
-#pragma unroll
-        for (int d = 0; d < CD; ++d) x[i][d] *= up;
-      fs = __uint_as_float(static_cast<uint32_t>(127 - sh) << 23);
-    }
-#pragma unroll
-    for (int kk = 0; kk < Cfg::kKSteps; ++kk) {
-      const int i = kk / Cfg::kMpc, d = 4 * (kk % Cfg::kMpc);
-      q_put(b, kk, 0, F16 ? paged_pack_f16x2(x[i][d], x[i][d + 1]) : paged_pack_bf16x2(x[i][d], x[i][d + 1]));
-      q_put(b, kk, 1, F16 ? paged_pack_f16x2(x[i][d + 2], x[i][d + 3]) : paged_pack_bf16x2(x[i][d + 2], x[i][d + 3]));
-    }
-    const float kqh = fs * a.scale_log2 * ksc;  // head g's
-    kq0[b] = __uint_as_float(static_cast<uint32_t>(paged_shfl(static_cast<int>(__float_as_uint(kqh)), 8 * c)));
-    kq1[b] = __uint_as_float(static_cast<uint32_t>(paged_shfl(static_cast<int>(__float_as_uint(kqh)), 8 * c + 4)));
+    for (int kk = 0; kk < Cfg::kKSteps; ++kk) q_put(b, kk, 0, qf[kk][0]), q_put(b, kk, 1, qf[kk][1]);
   }
   if constexpr (kQSmem) __syncthreads();  // warp 0's fragments are in s_qb (every CTA thread is here)
 
@@ -1774,57 +1788,9 @@ __global__ void __launch_bounds__(32 * W, W == kWideWarps ? 1 : 2) paged_wide_ke
   uint32_t qb[KS][2];
   float kq0, kq1;
   {
-    constexpr int CD = Cfg::kChunkDims, KC = Cfg::kKChunks;
-    float x[KC][CD];
     const bool qin = g < ncols;
     const int64_t qr = qin ? static_cast<int64_t>(t + g / G) * a.Hq + static_cast<int64_t>(hk) * G + g % G : 0;
-    const uint16_t* qrow = static_cast<const uint16_t*>(a.q) + qr * HD;
-#pragma unroll
-    for (int i = 0; i < KC; ++i)
-#pragma unroll
-      for (int u = 0; u < CD / 8; ++u) {
-        const uint4 w = qin ? paged_ld16(qrow + CD * (4 * i + c) + 8 * u) : make_uint4(0, 0, 0, 0);
-        const uint32_t ww[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          x[i][8 * u + 2 * e] = bf16_bits_to_float(static_cast<uint16_t>(ww[e] & 0xffffu));
-          x[i][8 * u + 2 * e + 1] = bf16_bits_to_float(static_cast<uint16_t>(ww[e] >> 16));
-        }
-      }
-    float amax = 0.0f;
-#pragma unroll
-    for (int i = 0; i < KC; ++i)
-#pragma unroll
-      for (int d = 0; d < CD; ++d) amax = fmaxf(amax, fabsf(x[i][d]));
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-    float fs = 1.0f;
-    if (a.fp8_q) {
-      const float sq = fp8_scale_from_amax(amax, false);
-#pragma unroll
-      for (int i = 0; i < KC; ++i)
-#pragma unroll
-        for (int d = 0; d < CD; ++d) x[i][d] = fp8_e4m3_round(x[i][d] / sq);
-      fs = sq;
-    } else if (F16 && amax > 0.0f) {
-      const int e = static_cast<int>((__float_as_uint(amax) >> 23) & 0xffu) - 126;
-      const int sh = e < -111 ? 126 : 15 - e;
-      const float up = __uint_as_float(static_cast<uint32_t>(sh + 127) << 23);
-#pragma unroll
-      for (int i = 0; i < KC; ++i)
-#pragma unroll
-        for (int d = 0; d < CD; ++d) x[i][d] *= up;
-      fs = __uint_as_float(static_cast<uint32_t>(127 - sh) << 23);
-    }
-#pragma unroll
-    for (int kk = 0; kk < KS; ++kk) {
-      const int i = kk / Cfg::kMpc, d = 4 * (kk % Cfg::kMpc);
-      qb[kk][0] = F16 ? paged_pack_f16x2(x[i][d], x[i][d + 1]) : paged_pack_bf16x2(x[i][d], x[i][d + 1]);
-      qb[kk][1] = F16 ? paged_pack_f16x2(x[i][d + 2], x[i][d + 3]) : paged_pack_bf16x2(x[i][d + 2], x[i][d + 3]);
-    }
-    const float kqh = fs * a.scale_log2 * ksc;
-    kq0 = __uint_as_float(static_cast<uint32_t>(paged_shfl(static_cast<int>(__float_as_uint(kqh)), 8 * c)));
-    kq1 = __uint_as_float(static_cast<uint32_t>(paged_shfl(static_cast<int>(__float_as_uint(kqh)), 8 * c + 4)));
+    paged_mmat_q_block<Cfg>(a, static_cast<const uint16_t*>(a.q) + qr * HD, qin, ksc, c, qb, kq0, kq1);
   }
 
   // The four passes' states: O^T (dims paged_tdim(g, mt, 0 / 1) x columns 2c, 2c + 1), m, l.
