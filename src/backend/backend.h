@@ -83,8 +83,8 @@ constexpr int64_t kConsistentVocabChunk = 4096;
 // (PagedBatch::query_runs): runs of kQueryRunColumns / group tokens. CUDA: the wide query-run
 // CTAs (8 warps, a block of 8 MMA columns each, every K/V tile converted once for the run;
 // paged_attention_run_tokens). Measured on the H100 (session 25, docs/benchmarks.md): the 1.7B
-// consistent trainer's attention 397 us per 8k-token call in 64-column runs against 630 in runs
-// of 8 columns (one block per CTA) and 614 in runs of 16; FP8RL_QUERY_RUN_COLUMNS=8 or 16
+// consistent trainer's attention 359 us per 8k-token call in 64-column runs against 637 in runs
+// of 8 columns (one block per CTA) and 623 in runs of 16 (flash attention: 140); FP8RL_QUERY_RUN_COLUMNS=8 or 16
 // (transformer.cpp) builds the narrower runs again, for A/B (the same bits).
 constexpr int kQueryRunColumns = 64;
 

@@ -364,7 +364,8 @@ TEST(CudaConsistent, PagedAttentionQueryRunsAreBitwiseOneTokenCtas) {
 // ragged sequences — the paged kernel over an E4M3 scratch cache in query runs of 8, 16 and 64 MMA
 // columns (the training_attention's consistent branch; `consistent=attn`'s extra training cost)
 // against flash attention's forward over the same tokens (what fp8_e2e's trainer runs).
-// FP8RL_QUERY_RUN_BENCH_COLS=8|16|64|-64 times that width only (-64: CTAs of 4 warps) (for a profiler's first launch).
+// FP8RL_QUERY_RUN_BENCH_COLS=8|16|64|-64 times that width only, for a profiler's first launch
+// (-64: the wide runs on CTAs of 4 warps).
 TEST(CudaConsistent, QueryRunBench) {
   const char* on = std::getenv("FP8RL_QUERY_RUN_BENCH");
   if (!on || std::string(on) != "1") GTEST_SKIP() << "timing mode: FP8RL_QUERY_RUN_BENCH=1";

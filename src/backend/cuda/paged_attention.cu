@@ -1606,15 +1606,15 @@ __global__ void __launch_bounds__(32 * kMmaWarps, paged_mmat_min_blocks<HD, TP, 
 // tiles in its own order: the same sequence of operations per state as the decode warp's), then
 // merges the four states in registers with the epilogue's arithmetic (paged_merge_row / _value). A
 // stage holds four tiles (one per pass: 64 positions), copied by the whole CTA (one row of a
-// tile per four threads) and converted once, by the whole CTA, into the MMA's A fragments in
+// tile per 32 W / 64 threads) and converted once, by the whole CTA, into the MMA's A fragments in
 // (fragment, lane) order — the same registers the one-block kernel builds per warp from the same
 // swizzled stage, so the same MMA operands in the same k-slots and the same accumulation chains:
 // every column bitwise paged_mmat_kernel<..., MQ = 1>'s, hence the one-token CTA's. A warp skips
 // the tiles past its own tokens' ends (they would be masked no-ops, as in the one-block kernel,
 // whose runs end there).
-// A run is kWideWarps blocks of 8 columns (64 columns); a CTA of W warps (8, or 4: two CTAs per
-// run, two CTAs per SM where shared memory allows — each hides the other's start and barriers)
-// serves W of its blocks.
+// A run is kWideWarps blocks of 8 columns (64 columns); a CTA of W warps serves W of its blocks:
+// 8 (the default), or 4 (FP8RL_WIDE_CTA_WARPS=4: two CTAs per run and per SM; measured slower on
+// the H100, 373 against 359 us: session 25).
 constexpr int kWideWarps = 8;
 template <int HD, class TP>
 struct PagedWideCfg : PagedMmaCfg<HD, TP> {
@@ -2076,7 +2076,8 @@ template <int HD, class TP>
 void launch_wide_runs(const PagedArgs& a, int64_t runs, cudaStream_t stream) {
   const char* e = std::getenv("FP8RL_WIDE_CTA_WARPS");
   const int w = e && *e ? std::atoi(e) : kWideWarps;
-  FP8RL_CHECK(w == 4 || w == 8, "FP8RL_WIDE_CTA_WARPS must be 4 or 8, got '", e ? e : "", "'");
+  FP8RL_CHECK(w == 4 || w == 8, "FP8RL_WIDE_CTA_WARPS must be 4 or 8, got '", e ? e : "",
+              "'; unset it for the default (", kWideWarps, ")");
   if (w == 4) launch_wide_runs_w<HD, TP, 4>(a, runs, stream);
   else launch_wide_runs_w<HD, TP, kWideWarps>(a, runs, stream);
 }
