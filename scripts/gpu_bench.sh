@@ -20,6 +20,8 @@
 #                   kernel at one split (row-invariant: both engines compute each row alike)
 #   gemm            fp8rl bench-gemm: BF16, cuBLASLt FP8 and the own FP8 kernel at 8B and 1.7B widths
 #   gemm_algos      bench-gemm --algos at the 1.7B products (FP8RL_ALGO_SHAPES): every cuBLASLt candidate timed
+#   lt_search       bench-gemm --lt-search at the 1.7B decode products (FP8RL_LT_SHAPES): every configuration
+#                   (tile, stages, split-K, cluster) of cuBLASLt's first algorithm timed, BF16 and FP8
 #   rlstep_profile  one step of FP8RL_PROFILE_RECIPES (bf16,fp8_e2e) with FP8RL_CUDA_PROFILE=${FP8RL_PROFILE_LEVEL:-1}
 #                   (extra bench arguments: FP8RL_PROFILE_ARGS; env assignments for it alone:
 #                   FP8RL_PROFILE_ENV, e.g. "FP8RL_CUDA_GRAPHS=0") (2: the
@@ -195,6 +197,11 @@ for stage in ${FP8RL_STAGES:-rlstep}; do
         "${FP8RL_ALGO_SHAPES:-256x4096x2048,256x2048x2048,256x12288x2048,256x2048x6144,128x2048x6144,64x12288x2048,8192x12288x2048,8192x2048x6144}" \
         > "$OUT/gemm_algos.log" 2>&1
       note "bench-gemm --algos: rc=$?"; grep -E "^(linear|--shapes)|candidate" "$OUT/gemm_algos.log" | tee -a "$SUMMARY" ;;
+    lt_search)  # every configuration cuBLASLt accepts of its first algorithm (BF16 and FP8), the 1.7B products
+      timeout $(( $(left) - 20 )) "$FP8RL" bench-gemm --lt-search --json "$OUT/lt_search.json" --shapes \
+        "${FP8RL_LT_SHAPES:-256x4096x2048,256x2048x2048,256x12288x2048,256x2048x6144,128x4096x2048,128x12288x2048}" \
+        > "$OUT/lt_search.log" 2>&1
+      note "bench-gemm --lt-search: rc=$?"; grep -E "^(linear|--shapes)|lt-search|#[0-9]" "$OUT/lt_search.log" | tee -a "$SUMMARY" ;;
     mismatch)
       timeout $(( $(left) - 20 )) "$FP8RL" bench rl-step --device cuda --model "${FP8RL_RLSTEP_MODEL:-qwen3-1.7b}" \
         --recipes "${FP8RL_MISMATCH_RECIPES:-bf16,fp8_gen:kv=bf16,fp8_e2e:kv=bf16,fp8_e2e,fp8_e2e:tkv=e4m3}" \

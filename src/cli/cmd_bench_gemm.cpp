@@ -55,13 +55,15 @@ std::vector<std::array<int64_t, 3>> parse_shapes(const std::string& text) {
 
 int run(const std::vector<std::string>& argv) {
   Args args(argv, {"json", "reps", "warmup", "device", "shapes"},
-            {"help", "quick", "quant-only", "grouped-only", "algos"});
+            {"help", "quick", "quant-only", "grouped-only", "algos", "lt-search"});
   if (args.has("help")) {
     std::printf(
         "fp8rl bench-gemm [--json PATH] [--reps N] [--warmup N] [--device cuda:N] [--quick] [--quant-only]\n"
-        "                 [--shapes MxNxK,...] [--grouped-only] [--algos]\n"
+        "                 [--shapes MxNxK,...] [--grouped-only] [--algos] [--lt-search]\n"
         "  --shapes: only the forward products C[M, N] = A[M, K] W[N, K]^T of these sizes (e.g. for ncu)\n"
-        "  --algos:  also time each of cuBLASLt's heuristic candidates (up to 16) for every product, BF16 and FP8\n");
+        "  --algos:  also time each of cuBLASLt's heuristic candidates (up to 16) for every product, BF16 and FP8\n"
+        "  --lt-search: also time every configuration (tile, stages, split-K, cluster) cuBLASLt accepts of its\n"
+        "             first algorithm for every product, BF16 and FP8\n");
     return 0;
   }
   GemmBenchOptions opt;
@@ -73,6 +75,7 @@ int run(const std::vector<std::string>& argv) {
   opt.quant_only = args.has("quant-only");
   opt.grouped_only = args.has("grouped-only");
   opt.algos = args.has("algos");
+  opt.lt_search = args.has("lt-search");
   if (args.has("shapes")) opt.shapes = parse_shapes(args.get("shapes"));
   const nlohmann::json out = bench_gemm_run(opt);
   if (args.has("json")) {
@@ -87,11 +90,11 @@ int run(const std::vector<std::string>& argv) {
 
 int run(const std::vector<std::string>& argv) {
   Args args(argv, {"json", "reps", "warmup", "device", "shapes"},
-            {"help", "quick", "quant-only", "grouped-only", "algos"});
+            {"help", "quick", "quant-only", "grouped-only", "algos", "lt-search"});
   if (args.has("help")) {
     std::printf(
         "fp8rl bench-gemm [--json PATH] [--reps N] [--warmup N] [--device cuda:N] [--quick] [--quant-only]\n"
-        "                 [--shapes MxNxK,...] [--grouped-only] [--algos]\n"
+        "                 [--shapes MxNxK,...] [--grouped-only] [--algos] [--lt-search]\n"
         "  (needs the CUDA backend; this build has none)\n");
     return 0;
   }

@@ -118,8 +118,111 @@ std::string algo_desc(const cublasLtMatmulAlgo_t& algo) {
 }
 }  // namespace
 
-cublasLtMatmulAlgo_t GemmEngine::find_algo(const Key& key_in, cublasLtMatmulDesc_t desc, cublasLtMatrixLayout_t a,
+std::string GemmEngine::LtConfig::str() const {
+  return "tile " + std::to_string(tile) + " stages " + std::to_string(stages) + " splitk " + std::to_string(splitk) +
+         " reduction " + std::to_string(reduction) + " swizzle " + std::to_string(swizzle) + " cluster " +
+         std::to_string(cluster);
+}
+
+namespace {
+template <class T>
+bool set_config(cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttributes_t attr, T v) {
+  return cublasLtMatmulAlgoConfigSetAttribute(&algo, attr, &v, sizeof(v)) == CUBLAS_STATUS_SUCCESS;
+}
+template <class T>
+T get_config(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttributes_t attr) {
+  T v{};
+  size_t written = 0;
+  cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, &v, sizeof(v), &written);
+  return v;
+}
+std::vector<uint32_t> cap_ids(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoCapAttributes_t attr) {
+  size_t bytes = 0;
+  if (cublasLtMatmulAlgoCapGetAttribute(&algo, attr, nullptr, 0, &bytes) != CUBLAS_STATUS_SUCCESS || bytes == 0)
+    return {0};
+  std::vector<uint32_t> v(bytes / sizeof(uint32_t));
+  size_t written = 0;
+  if (cublasLtMatmulAlgoCapGetAttribute(&algo, attr, v.data(), bytes, &written) != CUBLAS_STATUS_SUCCESS) return {0};
+  v.resize(written / sizeof(uint32_t));
+  return v.empty() ? std::vector<uint32_t>{0} : v;
+}
+template <class T>
+T cap_value(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoCapAttributes_t attr) {
+  T v{};
+  size_t written = 0;
+  cublasLtMatmulAlgoCapGetAttribute(&algo, attr, &v, sizeof(v), &written);
+  return v;
+}
+// An algorithm with a configuration's attributes set, or false when one cannot be set.
+bool apply_config(cublasLtMatmulAlgo_t& algo, const GemmEngine::LtConfig& c) {
+  return set_config(algo, CUBLASLT_ALGO_CONFIG_TILE_ID, c.tile) &&
+         set_config(algo, CUBLASLT_ALGO_CONFIG_STAGES_ID, c.stages) &&
+         set_config(algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, c.splitk) &&
+         set_config(algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, c.reduction) &&
+         set_config(algo, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING, c.swizzle) &&
+         set_config(algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, c.cluster);
+}
+}  // namespace
+
+cublasLtMatmulAlgo_t GemmEngine::lt_configured(cublasLtMatmulAlgo_t base, cublasLtMatmulDesc_t desc,
+                                               cublasLtMatrixLayout_t a, cublasLtMatrixLayout_t b,
+                                               cublasLtMatrixLayout_t c) {
+  auto accepted = [&](const cublasLtMatmulAlgo_t& algo) {
+    cublasLtMatmulHeuristicResult_t r{};
+    return cublasLtMatmulAlgoCheck(handle_, desc, a, b, c, c, &algo, &r) == CUBLAS_STATUS_SUCCESS &&
+           r.workspaceSize <= workspace_bytes_;
+  };
+  if (lt_enumerate_) {
+    lt_enumerate_ = false;
+    lt_space_.clear();
+    LtConfig own;  // the heuristic's configuration, first
+    own.tile = get_config<uint32_t>(base, CUBLASLT_ALGO_CONFIG_TILE_ID);
+    own.stages = get_config<uint32_t>(base, CUBLASLT_ALGO_CONFIG_STAGES_ID);
+    own.splitk = get_config<int32_t>(base, CUBLASLT_ALGO_CONFIG_SPLITK_NUM);
+    own.reduction = get_config<uint32_t>(base, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME);
+    own.swizzle = get_config<uint32_t>(base, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING);
+    own.cluster = get_config<uint16_t>(base, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID);
+    lt_space_.push_back(own);
+    const std::vector<uint32_t> tiles = cap_ids(base, CUBLASLT_ALGO_CAP_TILE_IDS);
+    const std::vector<uint32_t> stages = cap_ids(base, CUBLASLT_ALGO_CAP_STAGES_IDS);
+    const bool splitk = cap_value<int32_t>(base, CUBLASLT_ALGO_CAP_SPLITK_SUPPORT) != 0;
+    const uint32_t reductions = cap_value<uint32_t>(base, CUBLASLT_ALGO_CAP_REDUCTION_SCHEME_MASK);
+    const uint32_t swizzles = cap_value<uint32_t>(base, CUBLASLT_ALGO_CAP_CTA_SWIZZLING_SUPPORT) ? 2 : 1;
+    std::vector<std::pair<int32_t, uint32_t>> splits = {{1, CUBLASLT_REDUCTION_SCHEME_NONE}};
+    if (splitk)
+      for (int32_t s : {2, 3, 4})
+        for (uint32_t r : {CUBLASLT_REDUCTION_SCHEME_INPLACE, CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE,
+                           CUBLASLT_REDUCTION_SCHEME_OUTPUT_TYPE})
+          if (reductions & r) splits.emplace_back(s, r);
+    for (uint32_t t : tiles)
+      for (uint32_t st : stages)
+        for (const auto& [s, r] : splits)
+          for (uint32_t w = 0; w < swizzles; ++w)
+            for (uint16_t cl : {CUBLASLT_CLUSTER_SHAPE_AUTO, CUBLASLT_CLUSTER_SHAPE_1x1x1, CUBLASLT_CLUSTER_SHAPE_2x1x1,
+                                CUBLASLT_CLUSTER_SHAPE_1x2x1, CUBLASLT_CLUSTER_SHAPE_4x1x1, CUBLASLT_CLUSTER_SHAPE_1x4x1,
+                                CUBLASLT_CLUSTER_SHAPE_2x2x1}) {
+              LtConfig x;
+              x.tile = t, x.stages = st, x.splitk = s, x.reduction = r, x.swizzle = w, x.cluster = cl;
+              cublasLtMatmulAlgo_t algo = base;
+              if (apply_config(algo, x) && accepted(algo)) lt_space_.push_back(x);
+            }
+  }
+  if (!lt_force_) return base;
+  cublasLtMatmulAlgo_t algo = base;
+  FP8RL_CHECK(apply_config(algo, lt_config_) && accepted(algo), "cuBLASLt refuses the configuration ",
+              lt_config_.str(), " for this product");
+  lt_desc_ = algo_desc(algo);
+  return algo;
+}
+
+cublasLtMatmulAlgo_t GemmEngine::find_algo(const Key& key, cublasLtMatmulDesc_t desc, cublasLtMatrixLayout_t a,
                                            cublasLtMatrixLayout_t b, cublasLtMatrixLayout_t c, const char* what) {
+  const cublasLtMatmulAlgo_t algo = heuristic_algo(key, desc, a, b, c, what);
+  return lt_enumerate_ || lt_force_ ? lt_configured(algo, desc, a, b, c) : algo;
+}
+
+cublasLtMatmulAlgo_t GemmEngine::heuristic_algo(const Key& key_in, cublasLtMatmulDesc_t desc, cublasLtMatrixLayout_t a,
+                                                cublasLtMatrixLayout_t b, cublasLtMatrixLayout_t c, const char* what) {
   Key key = key_in;
   std::get<8>(key) = lt_candidate_ + 1;  // 0: the heuristic's first (the default); c + 1: set_lt_candidate(c)
   auto it = algos_.find(key);

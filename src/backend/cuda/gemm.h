@@ -155,6 +155,25 @@ class GemmEngine {
     lt_candidate_ = c;
   }
   const std::string& lt_algo_desc() const { return lt_desc_; }
+  // Diagnostics (bench-gemm --lt-search): the configuration space of the heuristic's first
+  // algorithm. lt_enumerate(): the next product (not a row-invariant one) records every
+  // configuration of its algorithm — tile, stages, split-K with each reduction scheme, CTA
+  // swizzling, cluster shape — that cublasLtMatmulAlgoCheck accepts with the engine's workspace
+  // (lt_space(), the heuristic's own configuration first); set_lt_config(&c): the products that
+  // follow run that configuration (one the algorithm refuses throws); nullptr: the heuristic's.
+  struct LtConfig {
+    uint32_t tile = 0, stages = 0;
+    int32_t splitk = 1;
+    uint32_t reduction = 0, swizzle = 0;
+    uint16_t cluster = 0;
+    std::string str() const;
+  };
+  void lt_enumerate() { lt_enumerate_ = true; }
+  const std::vector<LtConfig>& lt_space() const { return lt_space_; }
+  void set_lt_config(const LtConfig* c) {
+    lt_force_ = c != nullptr;
+    if (c) lt_config_ = *c;
+  }
 
   cudaStream_t stream() const { return stream_; }
   // FP8 products whose last M % 16 rows ran as a padded second product (since construction).
@@ -165,6 +184,11 @@ class GemmEngine {
   using Key = std::tuple<int, int, int, int, int64_t, int64_t, int64_t, int, int>;
   cublasLtMatmulAlgo_t find_algo(const Key& key, cublasLtMatmulDesc_t desc, cublasLtMatrixLayout_t a,
                                  cublasLtMatrixLayout_t b, cublasLtMatrixLayout_t c, const char* what);
+  cublasLtMatmulAlgo_t heuristic_algo(const Key& key, cublasLtMatmulDesc_t desc, cublasLtMatrixLayout_t a,
+                                      cublasLtMatrixLayout_t b, cublasLtMatrixLayout_t c, const char* what);
+  // lt_enumerate / set_lt_config applied to the heuristic's algorithm of one product.
+  cublasLtMatmulAlgo_t lt_configured(cublasLtMatmulAlgo_t base, cublasLtMatmulDesc_t desc, cublasLtMatrixLayout_t a,
+                                     cublasLtMatrixLayout_t b, cublasLtMatrixLayout_t c);
   // The row-invariant algorithm of gemm(): asked once per key (M = -1) with a layout of
   // kRowInvariantM rows.
   cublasLtMatmulAlgo_t find_row_invariant_algo(const Key& key, cublasLtMatmulDesc_t desc, cublasLtMatrixLayout_t a,
@@ -202,6 +226,9 @@ class GemmEngine {
   std::map<Key, cublasLtMatmulAlgo_t> algos_;
   int lt_candidate_ = -1;  // set_lt_candidate
   std::string lt_desc_;    // lt_algo_desc
+  bool lt_enumerate_ = false, lt_force_ = false;  // lt_enumerate, set_lt_config
+  LtConfig lt_config_;
+  std::vector<LtConfig> lt_space_;
 };
 
 }  // namespace fp8rl::cuda

@@ -299,6 +299,87 @@ nlohmann::json bench_gemm_run(const GemmBenchOptions& options) {
           gemm.set_lt_candidate(-1);
         }
       }
+      // --lt-search: every configuration cuBLASLt accepts of its first algorithm for this product
+      // (tile, stages, split-K, swizzling, cluster), BF16 and FP8, timed alike; the best against the
+      // heuristic's own configuration, and the best one's largest difference from it.
+      nlohmann::json search = nlohmann::json::array();
+      if (options.lt_search) {
+        for (int kind = 0; kind < 2; ++kind) {
+          if (kind == 1 && !m16) continue;
+          Tensor& out_c = kind == 0 ? c : c8;
+          auto run = [&] {
+            const size_t i = static_cast<size_t>(rot++ % copies);
+            if (kind == 0) {
+              gemm.gemm(false, true, p.m, p.n, p.k, a.raw(), b[i].raw(), DType::BF16, c.raw(), DType::BF16, 1.0f, 0.0f);
+            } else {
+              gemm.gemm_fp8_prelaid(p.m, p.n, p.k, aq.data.data<uint8_t>(), as.data<float>(),
+                                    bq[i].data.data<uint8_t>(), bs[i].data<float>(), p.b_block_rows, c8.raw(), cdt,
+                                    1.0f, p.b_block_rows == 1 ? 1.0f : 0.0f);
+            }
+          };
+          auto output = [&] {  // copy 0's product
+            rot = 0;
+            run();
+            const Tensor h = be.to_host(out_c);
+            std::vector<double> v(static_cast<size_t>(h.numel()));
+            for (int64_t i = 0; i < h.numel(); ++i)
+              v[static_cast<size_t>(i)] =
+                  out_c.dtype() == DType::F32 ? h.data<float>()[i] : bf16_to_float(h.data<uint16_t>()[i]);
+            return v;
+          };
+          gemm.lt_enumerate();
+          rot = 0;
+          run();
+          be.synchronize();
+          const std::vector<cuda::GemmEngine::LtConfig> space = gemm.lt_space();
+          const std::vector<double> ref = kind == 0 || p.b_block_rows != 1 ? output() : std::vector<double>{};
+          std::vector<std::pair<double, size_t>> timed;
+          const size_t cap = std::min<size_t>(space.size(), 4000);
+          for (size_t i = 0; i < cap; ++i) {
+            gemm.set_lt_config(&space[i]);
+            try {
+              rot = 0;
+              run();
+              be.synchronize();
+              rot = 0;
+              timed.emplace_back(p.m <= 256 ? time_graph_ms(s, 2, 10, run) : time_ms(s, 2, 10, run), i);
+            } catch (const std::exception&) {
+              cudaGetLastError();  // a refused launch leaves no sticky error; clear a plain one
+            }
+          }
+          std::sort(timed.begin(), timed.end());
+          double diff = 0.0;
+          if (!timed.empty() && !ref.empty()) {
+            gemm.set_lt_config(&space[timed[0].second]);
+            const std::vector<double> got = output();
+            double cmax = 0.0;
+            for (size_t i = 0; i < got.size(); ++i) {
+              diff = std::max(diff, std::fabs(got[i] - ref[i]));
+              cmax = std::max(cmax, std::fabs(ref[i]));
+            }
+            diff /= std::max(cmax, 1e-30);
+          }
+          gemm.set_lt_config(nullptr);
+          double own_ms = 0.0;
+          for (const auto& [ms, i] : timed)
+            if (i == 0) own_ms = ms;
+          std::printf("    %s lt-search: %zu configurations (%zu timed); heuristic's %.2f us [%s]\n",
+                      kind == 0 ? "BF16" : "FP8 ", space.size(), timed.size(), own_ms * 1e3,
+                      space.empty() ? "" : space[0].str().c_str());
+          nlohmann::json top = nlohmann::json::array();
+          for (size_t r = 0; r < std::min<size_t>(5, timed.size()); ++r) {
+            const auto& cfg = space[timed[r].second];
+            std::printf("      #%zu %.2f us [%s]%s\n", r + 1, timed[r].first * 1e3, cfg.str().c_str(),
+                        r == 0 ? (" max |diff| / max |C| vs the heuristic's: " + std::to_string(diff)).c_str() : "");
+            top.push_back({{"ms", timed[r].first}, {"config", cfg.str()}});
+          }
+          search.push_back({{"kind", kind == 0 ? "bf16" : "fp8"},
+                            {"configs", space.size()},
+                            {"heuristic_ms", own_ms},
+                            {"best_max_rel_diff", diff},
+                            {"top", top}});
+        }
+      }
       const double tf_bf16 = flops / ms_bf16 / 1e9, tf_fp8 = ms_fp8 > 0 ? flops / ms_fp8 / 1e9 : 0.0;
       const double tf_own = ms_own > 0 ? flops / ms_own / 1e9 : 0.0;
       std::printf("%-26s %6lld %-6s %10.1f %10.1f %10.1f %10.3f %10.3f %7.2fx %7.2fx %9.1e\n", sh.name.c_str(),
@@ -321,6 +402,7 @@ nlohmann::json bench_gemm_run(const GemmBenchOptions& options) {
                              {"own_vs_cublaslt_max_rel", own_vs_lt},
                              {"own_configs", sweep},
                              {"lt_candidates", cands},
+                             {"lt_search", search},
                              {"fp8_over_bf16", tf_fp8 / tf_bf16}});
     }
   }
