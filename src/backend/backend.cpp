@@ -270,6 +270,18 @@ void cache_layer_contract(const Contract& c, const KvCache& cache, int layer, co
   }
 }
 
+// kv_write's contract (also linear_qkv_norm_rope's with a KV destination).
+void kv_write_contract(const Contract& c, const KvCache& cache, int layer, const Tensor& k, const Tensor& v,
+                       const PagedBatch& batch) {
+  cache_layer_contract(c, cache, layer, "kv_write");
+  c.i32(batch.slots, "paged batch slots");
+  const int64_t T = batch.slots.numel();
+  c.floating(k, {T, cache.num_kv_heads, cache.head_dim}, "kv_write k");
+  if (cache.latent_v_dim > 0)
+    FP8RL_CHECK(!v.defined(), "kv_write: a latent (MLA) cache stores k only; v must be undefined, got ", v.str());
+  else c.floating(v, {T, cache.num_kv_heads, cache.head_dim}, "kv_write v");
+}
+
 // logits F32 [B, V] (V > 0), tokens I32 [B], logp F32 [B], valid_vocab in [0, V].
 // bf16_logits: BF16 logits are taken as well (sample_rows: the lm_head's output as it is).
 void sample_shapes(const Contract& c, const Tensor& logits, const Tensor& tokens, const Tensor& logp,
@@ -735,7 +747,7 @@ void Backend::linear_qkv_norm_rope(const Tensor& x, const LinearWeight& Wq, cons
                                    const LinearWeight& Wv, const LinearSpec& spec, const Tensor& q_norm,
                                    const Tensor& k_norm, float eps, const Tensor& positions, const RopeParams& rope,
                                    bool keep, Tensor& q_raw, Tensor& k_raw, Tensor& q, Tensor& k, Tensor& v,
-                                   Tensor* q_rstd, Tensor* k_rstd, const Fp8View* x_fp8) {
+                                   Tensor* q_rstd, Tensor* k_rstd, const Fp8View* x_fp8, const KvDest* kv) {
   const Contract c(*this);
   linear_contract(c, x, Wq, spec, q_raw, x_fp8);
   linear_contract(c, x, Wk, spec, k_raw, x_fp8);
@@ -750,18 +762,23 @@ void Backend::linear_qkv_norm_rope(const Tensor& x, const LinearWeight& Wq, cons
               "linear_qkv_norm_rope: q and k must not alias q_raw and k_raw");
   rope_contract(c, q, positions, rope, "linear_qkv_norm_rope");
   rope_contract(c, k, positions, rope, "linear_qkv_norm_rope");
+  if (kv) {
+    FP8RL_CHECK(kv->cache && kv->batch, "linear_qkv_norm_rope: the KV destination needs a cache and a batch");
+    kv_write_contract(c, *kv->cache, kv->layer, k, v.reshape(k.shape()), *kv->batch);
+  }
   linear_qkv_norm_rope_impl(x, {&Wq, &Wk, &Wv}, spec, q_norm, k_norm, eps, positions, rope, keep, q_raw, k_raw, q, k, v,
-                            qr, kr, spec.mode == LinearMode::FP8_BLOCK ? x_fp8 : nullptr);
+                            qr, kr, spec.mode == LinearMode::FP8_BLOCK ? x_fp8 : nullptr, kv);
 }
 
 void Backend::linear_qkv_norm_rope_impl(const Tensor& x, const std::vector<const LinearWeight*>& W,
                                         const LinearSpec& spec, const Tensor& q_norm, const Tensor& k_norm, float eps,
                                         const Tensor& positions, const RopeParams& rope, bool /*keep*/, Tensor& q_raw,
                                         Tensor& k_raw, Tensor& q, Tensor& k, Tensor& v, Tensor* q_rstd, Tensor* k_rstd,
-                                        const Fp8View* x_fp8) {
+                                        const Fp8View* x_fp8, const KvDest* kv) {
   linear_shared_input_impl(x, W, spec, {&q_raw, &k_raw, &v}, x_fp8);
   rmsnorm_rope_impl(q_raw.reshape(q.shape()), q_norm, eps, positions, rope, q, q_rstd);
   rmsnorm_rope_impl(k_raw.reshape(k.shape()), k_norm, eps, positions, rope, k, k_rstd);
+  if (kv) kv_write_impl(*kv->cache, kv->layer, k, v.reshape(k.shape()), *kv->batch);
 }
 
 namespace {
@@ -1159,14 +1176,7 @@ void Backend::quantize_weights_impl(const std::vector<WeightQuantJob>& jobs) {
 // ---- generation ----
 
 void Backend::kv_write(KvCache& cache, int layer, const Tensor& k, const Tensor& v, const PagedBatch& batch) {
-  const Contract c(*this);
-  cache_layer_contract(c, cache, layer, "kv_write");
-  c.i32(batch.slots, "paged batch slots");
-  const int64_t T = batch.slots.numel();
-  c.floating(k, {T, cache.num_kv_heads, cache.head_dim}, "kv_write k");
-  if (cache.latent_v_dim > 0)
-    FP8RL_CHECK(!v.defined(), "kv_write: a latent (MLA) cache stores k only; v must be undefined, got ", v.str());
-  else c.floating(v, {T, cache.num_kv_heads, cache.head_dim}, "kv_write v");
+  kv_write_contract(Contract(*this), cache, layer, k, v, batch);
   kv_write_impl(cache, layer, k, v, batch);
 }
 

@@ -361,12 +361,19 @@ class Backend {
   // rmsnorm_rope(q_raw as [T, Hq, hd], q_norm -> q, q_rstd) and (k_raw, k_norm -> k, k_rstd), bit
   // for bit. keep: q_raw and k_raw hold the products on return (the backward's inputs); otherwise
   // they are scratch a backend may leave unwritten (CUDA at decode sizes: one concatenated
-  // product whose rows one kernel norms, rotates and splits). x_fp8 as linear's.
+  // product whose rows one kernel norms, rotates and splits). x_fp8 as linear's. kv (the
+  // generator's decode and prefill): then kv_write(*kv->cache, kv->layer, k, v, *kv->batch) as
+  // well, bit for bit (CUDA: in the same kernel, so the step has no separate cache write).
+  struct KvDest {
+    KvCache* cache = nullptr;
+    int layer = 0;
+    const PagedBatch* batch = nullptr;
+  };
   void linear_qkv_norm_rope(const Tensor& x, const LinearWeight& Wq, const LinearWeight& Wk, const LinearWeight& Wv,
                             const LinearSpec& spec, const Tensor& q_norm, const Tensor& k_norm, float eps,
                             const Tensor& positions, const RopeParams& rope, bool keep, Tensor& q_raw, Tensor& k_raw,
                             Tensor& q, Tensor& k, Tensor& v, Tensor* q_rstd, Tensor* k_rstd,
-                            const Fp8View* x_fp8 = nullptr);
+                            const Fp8View* x_fp8 = nullptr, const KvDest* kv = nullptr);
   // linear() of row groups through one weight each (mixture-of-experts layers): rows
   // [offsets[g], offsets[g + 1]) of x [R, K] and out [R, N] go through *W[g] (every W of equal
   // in and out features; offsets from 0 to R, non-decreasing). Each group's rows equal what
@@ -656,7 +663,7 @@ class Backend {
                                          const LinearSpec& spec, const Tensor& q_norm, const Tensor& k_norm, float eps,
                                          const Tensor& positions, const RopeParams& rope, bool keep, Tensor& q_raw,
                                          Tensor& k_raw, Tensor& q, Tensor& k, Tensor& v, Tensor* q_rstd, Tensor* k_rstd,
-                                         const Fp8View* x_fp8);
+                                         const Fp8View* x_fp8, const KvDest* kv);
   virtual void grouped_linear_impl(const Tensor& x, const std::vector<int64_t>& offsets,
                                    const std::vector<const LinearWeight*>& W, const LinearSpec& spec, Tensor& out);
   virtual void grouped_linear_shared_input_impl(const Tensor& x, const std::vector<int64_t>& offsets,

@@ -77,6 +77,11 @@ struct AttentionStep {
   bool mla_latent = false;
   std::vector<float> mla_kv_round;
   bool fp8_out = false;  // run writes a.attn_fp8 too when it is defined (attention_paged's out_fp8)
+  // The generator's paged cache and batch (null elsewhere): a block with q/k-norm has its
+  // products write k and v into the cache (linear_qkv_norm_rope's KV destination) and sets
+  // a.kv_written, so run does not write them again.
+  KvCache* kv_cache = nullptr;
+  const PagedBatch* kv_batch = nullptr;
 };
 
 // What the mixture-of-experts blocks of one forward replay and record (each may be null):
@@ -391,11 +396,15 @@ void forward_block(Backend& be, const ModelWeights& w, const EnginePrecision& pr
     mla_qkv(be, c, lw, spec, positions, rope, xq_or_null, attention.mla_latent, kv_round, amax, a);
   } else {
     Tensor q2 = a.q.reshape({T, Hq * hd}), k2 = a.k.reshape({T, Hkv * hd}), v2 = a.v.reshape({T, Hkv * hd});
+    a.kv_written = false;
     if (c.qk_norm) {
       // The products, then q/k-norm and RoPE in one pass each (the values of rmsnorm then rope);
-      // q_raw and k_raw kept only for the backward.
+      // q_raw and k_raw kept only for the backward. The generator's cache write too.
+      Backend::KvDest kv{attention.kv_cache, l, attention.kv_batch};
       be.linear_qkv_norm_rope(a.xn_attn, lw.q, lw.k, lw.v, spec, lw.q_norm, lw.k_norm, c.rms_norm_eps, positions, rope,
-                              for_backward, a.q_raw, a.k_raw, a.q, a.k, v2, &a.q_rstd, &a.k_rstd, xq_or_null);
+                              for_backward, a.q_raw, a.k_raw, a.q, a.k, v2, &a.q_rstd, &a.k_rstd, xq_or_null,
+                              attention.kv_cache ? &kv : nullptr);
+      a.kv_written = attention.kv_cache != nullptr;
     } else {
       be.linear_shared_input(a.xn_attn, {&lw.q, &lw.k, &lw.v}, spec, {&q2, &k2, &v2}, xq_or_null);
       be.rope(a.q, positions, rope, /*inverse=*/false);
@@ -879,8 +888,10 @@ void model_forward_paged(Backend& be, const ModelWeights& w, const EnginePrecisi
     };
   } else {
     attention.fp8_out = true;
+    attention.kv_cache = &cache;
+    attention.kv_batch = &pb;
     attention.run = [&](int layer, LayerActivations& a) {
-      be.kv_write(cache, layer, a.k, a.v, pb);
+      if (!a.kv_written) be.kv_write(cache, layer, a.k, a.v, pb);
       be.attention_paged(cache, layer, a.q, pb, softmax_scale, prec.fp8_attention, a.attn, nullptr,
                          a.attn_fp8.defined() ? &a.attn_fp8 : nullptr);
     };

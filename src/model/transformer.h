@@ -78,6 +78,7 @@ struct LayerActivations {
   Tensor q_raw, k_raw;  // [T, Hq*hd], [T, Hkv*hd]  projections before q/k-norm (qwen3 only)
   Tensor q_rstd, k_rstd;  // [T*Hq], [T*Hkv]        1/rms of each head (qwen3 only)
   Tensor q, k, v;       // [T, Hq, hd], [T, Hkv, hd], [T, Hkv, hd]  after q/k-norm and RoPE
+  bool kv_written = false;  // generation: k and v are in the paged cache already (linear_qkv_norm_rope)
   // MLA (deepseek_v3; H = Hq heads, qk = qk_nope + qk_rope, dv = v_head_dim, r = qk_rope,
   // kvr = kv_lora_rank, qr = q_lora_rank): q [T, H, qk], k [T, H, qk], v [T, H, dv] above, and
   Tensor q_a, q_a_rstd, q_an;  // [T, qr], [T], [T, qr]  q_a_proj output, its 1/rms, q_a_layernorm (qr > 0)

@@ -1347,78 +1347,150 @@ void linear_swiglu_cases(std::vector<OpCase>& t) {
 // heads (hd 128, GQA 4 / 2): q, k, v and both rstd bitwise the unfused linear_shared_input +
 // rmsnorm_rope of the same run, with the products kept (the trainer's forward) or left in the
 // backend's scratch (decode: CUDA norms, rotates and splits the concatenated product in one kernel).
+// With a KV destination (the generator's decode: CUDA writes the cache in the same kernel): both
+// pools bitwise the op then kv_write of its k and v, for BF16, E4M3 and F32 caches.
 void linear_qkv_norm_rope_cases(std::vector<OpCase>& t) {
   for (LinearMode mode : {LinearMode::BF16, LinearMode::FP8_BLOCK})
     for (bool consistent : {false, true})
       for (bool keep : {false, true})
-        for (int64_t M : {int64_t(64), int64_t(37)}) {
-          if (consistent && mode != LinearMode::FP8_BLOCK) continue;
-          LinearSpec spec{mode, false};
-          spec.consistent = consistent;
-          const bool fp8 = mode == LinearMode::FP8_BLOCK;
-          const int64_t K = 256, hd = 128, Hq = 4, Hkv = 2, N = (Hq + 2 * Hkv) * hd;
-          t.push_back({"linear_qkv_norm_rope",
-                       std::to_string(M) + " tokens, K 256, 4 / 2 heads of 128, concatenated " +
-                           linear_mode_name(mode) + (consistent ? " consistent" : "") + (keep ? " kept" : " scratch"),
-                       [=] {
-                         std::vector<int32_t> pos(M);
-                         for (int64_t i = 0; i < M; ++i) pos[i] = static_cast<int32_t>((i * 37) % 700);
-                         return Tensors{{"x", rnd({M, K}, 540)},
-                                        {"w", rnd({N, K}, 541, DType::F32, 0.05f)},
-                                        {"qn", rnd({hd}, 542, DType::BF16)},
-                                        {"kn", rnd({hd}, 543, DType::BF16)},
-                                        {"pos", i32_tensor(pos, {M})}};
-                       },
-                       [=](OpRun& r) {
-                         const Tensor x = r.as("x", DType::BF16), wall = r.as("w", DType::BF16);
-                         const std::vector<LinearWeight> W =
-                             weight_row_parts(r.be, wall, {0, Hq * hd, (Hq + Hkv) * hd, N}, fp8);
-                         RopeParams rp;
-                         for (int i = 0; i < hd / 2; ++i) rp.inv_freq.push_back(std::pow(1e6f, -2.0f * i / hd));
-                         const DType bf = DType::BF16;
-                         Tensor qr = r.be.alloc({M, Hq * hd}, bf), kr = r.be.alloc({M, Hkv * hd}, bf);
-                         Tensor& q = r.output("q", {M, Hq, hd}, bf);
-                         Tensor& k = r.output("k", {M, Hkv, hd}, bf);
-                         Tensor& v = r.output("v", {M, Hkv * hd}, bf);
-                         Tensor& qs = r.output("q_rstd", {M * Hq}, DType::F32);
-                         Tensor& ks = r.output("k_rstd", {M * Hkv}, DType::F32);
-                         r.be.linear_qkv_norm_rope(x, W[0], W[1], W[2], spec, r["qn"], r["kn"], 1e-6f, r["pos"], rp,
-                                                   keep, qr, kr, q, k, v, &qs, &ks);
-                         // The unfused reference in the same run.
-                         Tensor qr2 = r.be.alloc({M, Hq * hd}, bf), kr2 = r.be.alloc({M, Hkv * hd}, bf);
-                         Tensor& v2 = r.output("v_unfused", {M, Hkv * hd}, bf);
-                         r.be.linear_shared_input(x, {&W[0], &W[1], &W[2]}, spec, {&qr2, &kr2, &v2});
-                         r.be.rmsnorm_rope(qr2.reshape({M, Hq, hd}), r["qn"], 1e-6f, r["pos"], rp,
-                                           r.output("q_unfused", {M, Hq, hd}, bf),
-                                           &r.output("q_rstd_unfused", {M * Hq}, DType::F32));
-                         r.be.rmsnorm_rope(kr2.reshape({M, Hkv, hd}), r["kn"], 1e-6f, r["pos"], rp,
-                                           r.output("k_unfused", {M, Hkv, hd}, bf),
-                                           &r.output("k_rstd_unfused", {M * Hkv}, DType::F32));
-                         if (keep) {
-                           r.out["q_raw"] = qr;
-                           r.out["q_raw_unfused"] = qr2;
-                           r.out["k_raw"] = kr;
-                           r.out["k_raw_unfused"] = kr2;
-                         }
-                       },
-                       {{"q", linear_tolerance(mode, DType::BF16)},
-                        {"k", linear_tolerance(mode, DType::BF16)},
-                        {"v", linear_tolerance(mode, DType::BF16)},
-                        {"q_rstd", linear_tolerance(mode, DType::BF16)},
-                        {"k_rstd", linear_tolerance(mode, DType::BF16)}}});
-          OpCase& c = t.back();
-          c.same = {{"q", "q_unfused"},
-                    {"k", "k_unfused"},
-                    {"v", "v_unfused"},
-                    {"q_rstd", "q_rstd_unfused"},
-                    {"k_rstd", "k_rstd_unfused"}};
-          if (keep) {
-            c.same.push_back({"q_raw", "q_raw_unfused"});
-            c.same.push_back({"k_raw", "k_raw_unfused"});
+        for (int64_t M : {int64_t(64), int64_t(37)})
+          for (DType pool : {DType::U8, DType::BF16, DType::E4M3, DType::F32}) {  // U8: no KV destination
+            if (consistent && mode != LinearMode::FP8_BLOCK) continue;
+            if (pool != DType::U8 && (keep || consistent || M != 37)) continue;
+            const bool to_cache = pool != DType::U8;
+            LinearSpec spec{mode, false};
+            spec.consistent = consistent;
+            const bool fp8 = mode == LinearMode::FP8_BLOCK;
+            const int64_t K = 256, hd = 128, Hq = 4, Hkv = 2, N = (Hq + 2 * Hkv) * hd;
+            t.push_back(
+                {"linear_qkv_norm_rope",
+                 std::to_string(M) + " tokens, K 256, 4 / 2 heads of 128, concatenated " + linear_mode_name(mode) +
+                     (consistent ? " consistent" : "") + (keep ? " kept" : " scratch") +
+                     (to_cache ? std::string(", into a ") + dtype_name(pool) + " KV cache" : ""),
+                 [=] {
+                   std::vector<int32_t> pos(M);
+                   for (int64_t i = 0; i < M; ++i) pos[i] = static_cast<int32_t>((i * 37) % 700);
+                   // The cache slots: the tokens scattered over 8 pages of 16, in reverse.
+                   std::vector<int32_t> slots(M);
+                   for (int64_t i = 0; i < M; ++i) slots[i] = static_cast<int32_t>(127 - 3 * i % 128);
+                   Tensor sc = rnd({2, Hkv * 2}, 544);
+                   for (int64_t i = 0; i < sc.numel(); ++i)
+                     sc.data<float>()[i] = 0.002f + std::fabs(sc.data<float>()[i]) * 0.004f;
+                   return Tensors{{"x", rnd({M, K}, 540)},
+                                  {"w", rnd({N, K}, 541, DType::F32, 0.05f)},
+                                  {"qn", rnd({hd}, 542, DType::BF16)},
+                                  {"kn", rnd({hd}, 543, DType::BF16)},
+                                  {"pos", i32_tensor(pos, {M})},
+                                  {"slots", i32_tensor(slots, {M})},
+                                  {"kv_scales", sc}};
+                 },
+                 [=](OpRun& r) {
+                   const Tensor x = r.as("x", DType::BF16), wall = r.as("w", DType::BF16);
+                   const std::vector<LinearWeight> W =
+                       weight_row_parts(r.be, wall, {0, Hq * hd, (Hq + Hkv) * hd, N}, fp8);
+                   RopeParams rp;
+                   for (int i = 0; i < hd / 2; ++i) rp.inv_freq.push_back(std::pow(1e6f, -2.0f * i / hd));
+                   const DType bf = DType::BF16;
+                   Tensor qr = r.be.alloc({M, Hq * hd}, bf), kr = r.be.alloc({M, Hkv * hd}, bf);
+                   Tensor& q = r.output("q", {M, Hq, hd}, bf);
+                   Tensor& k = r.output("k", {M, Hkv, hd}, bf);
+                   Tensor& v = r.output("v", {M, Hkv * hd}, bf);
+                   Tensor& qs = r.output("q_rstd", {M * Hq}, DType::F32);
+                   Tensor& ks = r.output("k_rstd", {M * Hkv}, DType::F32);
+                   // Two caches of 2 layers (layer 1 written): the op's and the reference's.
+                   auto cache = [&] {
+                     KvCache c = r.be.alloc_kv_cache(2, 8, 16, Hkv, hd, pool);
+                     const Tensor sc = r["kv_scales"].reshape({2, 2, Hkv});
+                     r.be.copy(sc.slice_rows(0, 1).reshape({2, Hkv}), c.k_scale);
+                     r.be.copy(sc.slice_rows(1, 2).reshape({2, Hkv}), c.v_scale);
+                     for (int l = 0; l < 2; ++l) {
+                       r.be.fill(c.k[l], 0.0f);
+                       r.be.fill(c.v[l], 0.0f);
+                     }
+                     return c;
+                   };
+                   KvCache c1, c2;
+                   PagedBatch pb;
+                   pb.slots = r["slots"];
+                   Backend::KvDest kv;
+                   if (to_cache) {
+                     c1 = cache(), c2 = cache();
+                     kv = Backend::KvDest{&c1, 1, &pb};
+                   }
+                   r.be.linear_qkv_norm_rope(x, W[0], W[1], W[2], spec, r["qn"], r["kn"], 1e-6f, r["pos"], rp, keep, qr,
+                                             kr, q, k, v, &qs, &ks, nullptr, to_cache ? &kv : nullptr);
+                   // The unfused reference in the same run.
+                   Tensor qr2 = r.be.alloc({M, Hq * hd}, bf), kr2 = r.be.alloc({M, Hkv * hd}, bf);
+                   Tensor& v2 = r.output("v_unfused", {M, Hkv * hd}, bf);
+                   r.be.linear_shared_input(x, {&W[0], &W[1], &W[2]}, spec, {&qr2, &kr2, &v2});
+                   r.be.rmsnorm_rope(qr2.reshape({M, Hq, hd}), r["qn"], 1e-6f, r["pos"], rp,
+                                     r.output("q_unfused", {M, Hq, hd}, bf),
+                                     &r.output("q_rstd_unfused", {M * Hq}, DType::F32));
+                   r.be.rmsnorm_rope(kr2.reshape({M, Hkv, hd}), r["kn"], 1e-6f, r["pos"], rp,
+                                     r.output("k_unfused", {M, Hkv, hd}, bf),
+                                     &r.output("k_rstd_unfused", {M * Hkv}, DType::F32));
+                   if (to_cache) {
+                     r.be.kv_write(c2, 1, r.out["k_unfused"], v2.reshape({M, Hkv, hd}), pb);
+                     r.out["k_pool"] = c1.k[1], r.out["v_pool"] = c1.v[1];
+                     r.out["k_pool_unfused"] = c2.k[1], r.out["v_pool_unfused"] = c2.v[1];
+                     r.out["k_pool_layer0"] = c1.k[0];  // untouched
+                   }
+                   if (keep) {
+                     r.out["q_raw"] = qr;
+                     r.out["q_raw_unfused"] = qr2;
+                     r.out["k_raw"] = kr;
+                     r.out["k_raw_unfused"] = kr2;
+                   }
+                 },
+                 {{"q", linear_tolerance(mode, DType::BF16)},
+                  {"k", linear_tolerance(mode, DType::BF16)},
+                  {"v", linear_tolerance(mode, DType::BF16)},
+                  {"q_rstd", linear_tolerance(mode, DType::BF16)},
+                  {"k_rstd", linear_tolerance(mode, DType::BF16)}}});
+            OpCase& c = t.back();
+            c.same = {{"q", "q_unfused"},
+                      {"k", "k_unfused"},
+                      {"v", "v_unfused"},
+                      {"q_rstd", "q_rstd_unfused"},
+                      {"k_rstd", "k_rstd_unfused"}};
+            if (keep) {
+              c.same.push_back({"q_raw", "q_raw_unfused"});
+              c.same.push_back({"k_raw", "k_raw_unfused"});
+            }
+            if (to_cache) {
+              c.same.push_back({"k_pool", "k_pool_unfused"});
+              c.same.push_back({"v_pool", "v_pool_unfused"});
+              c.invariants = [](const Tensors& out) {
+                const std::vector<float> z = to_float_vector(out.at("k_pool_layer0"));
+                for (size_t i = 0; i < z.size(); ++i) ASSERT_EQ(z[i], 0.0f) << "layer 0 written at " << i;
+                const std::vector<float> kf = to_float_vector(out.at("k_pool"));  // the written slots are not all zero
+                double s = 0.0;
+                for (float x : kf) s += std::fabs(x);
+                EXPECT_GT(s, 0.0) << "nothing was written into the cache";
+              };
+              c.errors = [=](OpRun& r) {  // a layer the cache does not have
+                KvCache bad = r.be.alloc_kv_cache(1, 8, 16, Hkv, hd, pool);
+                PagedBatch pb;
+                pb.slots = r["slots"];
+                Backend::KvDest kv{&bad, 1, &pb};
+                const Tensor x = r.as("x", DType::BF16), wall = r.as("w", DType::BF16);
+                const std::vector<LinearWeight> W =
+                    weight_row_parts(r.be, wall, {0, Hq * hd, (Hq + Hkv) * hd, N}, false);
+                RopeParams rp;
+                for (int i = 0; i < hd / 2; ++i) rp.inv_freq.push_back(std::pow(1e6f, -2.0f * i / hd));
+                const DType bf = DType::BF16;
+                Tensor qr = r.be.alloc({M, Hq * hd}, bf), kr = r.be.alloc({M, Hkv * hd}, bf);
+                Tensor q = r.be.alloc({M, Hq, hd}, bf), k = r.be.alloc({M, Hkv, hd}, bf),
+                       v = r.be.alloc({M, Hkv * hd}, bf);
+                EXPECT_THROW(
+                    r.be.linear_qkv_norm_rope(x, W[0], W[1], W[2], LinearSpec{}, r["qn"], r["kn"], 1e-6f, r["pos"], rp,
+                                              false, qr, kr, q, k, v, nullptr, nullptr, nullptr, &kv),
+                    Error);
+              };
+            }
+            c.no_fp8_fallback = true;
+            c.concat_products = 2;  // CUDA: the op's product and the reference's, one each
           }
-          c.no_fp8_fallback = true;
-          c.concat_products = 2;  // CUDA: the op's product and the reference's, one each
-        }
 }
 
 // ---- mixture of experts ------------------------------------------------------------------------

@@ -1246,7 +1246,8 @@ void CudaBackend::linear_qkv_norm_rope_impl(const Tensor& x, const std::vector<c
                                             const LinearSpec& spec, const Tensor& q_norm, const Tensor& k_norm,
                                             float eps, const Tensor& positions, const RopeParams& rope, bool keep,
                                             Tensor& q_raw, Tensor& k_raw, Tensor& q, Tensor& k, Tensor& v,
-                                            Tensor* q_rstd, Tensor* k_rstd, const Fp8View* x_fp8) {
+                                            Tensor* q_rstd, Tensor* k_rstd, const Fp8View* x_fp8,
+                                            const KvDest* kv) {
   const int64_t K = W[0]->in_features(), M = rows_of(x), hd = q.dim(2);
   LinearWeight cat;
   const DType dt = q.dtype();
@@ -1258,24 +1259,36 @@ void CudaBackend::linear_qkv_norm_rope_impl(const Tensor& x, const std::vector<c
       const OpTimer op_timer_(*this, "linear", 1);
       linear_fwd(x.reshape({M, K}), cat, spec, y, x_fp8);
     }
-    const OpTimer op_timer_(*this, "qkv_norm_rope");  // the q|k|v split with both rmsnorm_rope
+    const OpTimer op_timer_(*this, "qkv_norm_rope");  // the q|k|v split with both rmsnorm_rope (+ the cache write)
     RopeTable tab{};
     std::copy(rope.inv_freq.begin(), rope.inv_freq.end(), tab.inv_freq);
+    QkvCacheWrite cw;  // kv: the cache write in the same kernel
+    DType pool_dt = dt;
+    if (kv) {
+      const KvCache& c = *kv->cache;
+      cw.slots = kv->batch->slots.data<int32_t>();
+      cw.kpool = c.k[kv->layer].raw();
+      cw.vpool = c.v[kv->layer].raw();
+      cw.k_scale = c.k_scale.data<float>() + static_cast<int64_t>(kv->layer) * c.num_kv_heads;
+      cw.v_scale = c.v_scale.data<float>() + static_cast<int64_t>(kv->layer) * c.num_kv_heads;
+      pool_dt = c.dtype;
+    }
     if (launch_qkv_norm_rope(y.raw(), dt, q_norm.raw(), k_norm.raw(), q_norm.dtype(), M, q.dim(1), k.dim(1), hd, eps,
                              q.raw(), k.raw(), v.raw(), q_rstd ? q_rstd->data<float>() : nullptr,
                              k_rstd ? k_rstd->data<float>() : nullptr, positions.data<int32_t>(), tab,
-                             rope.attention_scaling, rope.interleaved, stream_)) {
+                             rope.attention_scaling, rope.interleaved, stream_, cw, pool_dt)) {
       ++concat_products_;
       return;
     }
-    // Outside the kernel's limits (head_dim, alignment): the product is in y; split it.
+    // Outside the kernel's limits (head_dim, alignment, pool dtype): the product is in y; split it.
     split_concatenated(y, W, {&q_raw, &k_raw, &v});
     rmsnorm_rope_impl(q_raw.reshape(q.shape()), q_norm, eps, positions, rope, q, q_rstd);
     rmsnorm_rope_impl(k_raw.reshape(k.shape()), k_norm, eps, positions, rope, k, k_rstd);
+    if (kv) kv_write_impl(*kv->cache, kv->layer, k, v.reshape(k.shape()), *kv->batch);
     return;
   }
   Backend::linear_qkv_norm_rope_impl(x, W, spec, q_norm, k_norm, eps, positions, rope, keep, q_raw, k_raw, q, k, v,
-                                     q_rstd, k_rstd, x_fp8);
+                                     q_rstd, k_rstd, x_fp8, kv);
 }
 
 // gate|up as one product at decode sizes (concatenated_product) whose two halves the swiglu reads

@@ -88,7 +88,8 @@ class CudaBackend final : public Backend {
   void linear_qkv_norm_rope_impl(const Tensor& x, const std::vector<const LinearWeight*>& W, const LinearSpec& spec,
                                  const Tensor& q_norm, const Tensor& k_norm, float eps, const Tensor& positions,
                                  const RopeParams& rope, bool keep, Tensor& q_raw, Tensor& k_raw, Tensor& q, Tensor& k,
-                                 Tensor& v, Tensor* q_rstd, Tensor* k_rstd, const Fp8View* x_fp8) override;
+                                 Tensor& v, Tensor* q_rstd, Tensor* k_rstd, const Fp8View* x_fp8,
+                                 const KvDest* kv) override;
   void linear_swiglu_impl(const Tensor& x, const LinearWeight& gate_w, const LinearWeight& up_w, const LinearSpec& spec,
                           Tensor& gate, Tensor& up, bool keep, Tensor& act, Fp8View* act_fp8,
                           const Fp8View* x_fp8) override;

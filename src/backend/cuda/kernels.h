@@ -172,10 +172,23 @@ bool launch_rmsnorm_rope(const void* x, DType dt, const void* w, DType wdt, int6
 // rmsnorm_rope over the q and k heads of a concatenated q|k|v product qkv [T, Hq + 2 Hkv, hd]
 // (norm weights wq, wk of dtype wdt) into q [T, Hq, hd] and k [T, Hkv, hd], and its v heads
 // copied into v [T, Hkv, hd]: one launch, each row's values those of launch_rmsnorm_rope.
+// The KV cache write of qkv_norm_rope (kv_write's, in the same kernel): none while slots is null.
+// e4m3 (set by the launcher from the pool dtype): the pools hold E4M3 codes over the per-head
+// scales k_scale / v_scale; otherwise the activation dtype's values.
+struct QkvCacheWrite {
+  const int32_t* slots = nullptr;
+  void* kpool = nullptr;
+  void* vpool = nullptr;
+  const float* k_scale = nullptr;
+  const float* v_scale = nullptr;
+  bool e4m3 = false;
+};
+// kv (optional): also write k and v into the cache of dtype pool_dt (E4M3, or dt); false when the
+// shapes, alignment or pool dtype are outside the kernel's (nothing written then).
 bool launch_qkv_norm_rope(const void* qkv, DType dt, const void* wq, const void* wk, DType wdt, int64_t T,
                           int64_t Hq, int64_t Hkv, int64_t hd, float eps, void* q, void* k, void* v, float* q_rstd,
                           float* k_rstd, const int32_t* pos, const RopeTable& tab, float attention_scaling,
-                          bool interleaved, cudaStream_t stream);
+                          bool interleaved, cudaStream_t stream, QkvCacheWrite kv = {}, DType pool_dt = DType::BF16);
 void launch_swiglu(const void* g, const void* u, void* out, DType dt, int64_t n, cudaStream_t stream);
 // out [R, F] = swiglu(g, u) with g and u rows ld elements apart (the halves of a gate|up product).
 void launch_swiglu_rows(const void* g, const void* u, int64_t ld, void* out, DType dt, int64_t R, int64_t F,

@@ -5,6 +5,7 @@
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/kernels.h"
+#include "backend/cuda/quant.cuh"
 #include "quant/quant.h"
 
 namespace fp8rl::cuda {
@@ -403,7 +404,10 @@ __host__ __device__ constexpr int rope_block_tokens(int rows_per_block, int H) {
 // Heads h < hq are normed with wq and rotated into out_q [T, hq, hd] (rstd_q [T * hq]), the next
 // hk with wk into out_k [T, hk, hd] (rstd_k), the remaining H - hq - hk copied unchanged into out_v
 // [T, H - hq - hk, hd]. rmsnorm_rope is hq = H, hk = 0; the decode step's q|k|v product is one
-// launch over its concatenated [T, Hq + 2 Hkv, hd] rows (qkv_norm_rope).
+// launch over its concatenated [T, Hq + 2 Hkv, hd] rows (qkv_norm_rope). kv.slots (qkv_norm_rope
+// with a KV destination): the k and v rows are also written into the paged cache as
+// kv_write8_kernel writes them — the values as stored in out_k / out_v, E4M3 codes of each over
+// its head's scale (kv.e4m3) or those values (a pool of T).
 template <class T, class TW>
 struct NormRopeRows {
   const T* x;
@@ -411,6 +415,7 @@ struct NormRopeRows {
   const TW *wq, *wk;
   T *out_q, *out_k, *out_v;
   float *rstd_q, *rstd_k;
+  QkvCacheWrite kv;
 };
 template <class T, class TW>
 __global__ void __launch_bounds__(kRopeRowsWarps * 32)
@@ -446,8 +451,17 @@ __global__ void __launch_bounds__(kRopeRowsWarps * 32)
     for (int i = 0; i < 8; ++i) ss += static_cast<double>(v[i]) * v[i];
   }
   for (int o = L / 2; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  // The cache row of head hh of token t (kv_write8_kernel's destination and encoding).
+  auto cache_write = [&](void* pool, const float* scale, int hh, const float (&x)[8]) {
+    const int64_t dst = (static_cast<int64_t>(a.kv.slots[t]) * a.hk + hh) * hd + d0;
+    if (a.kv.e4m3) *reinterpret_cast<uint2*>(static_cast<uint8_t*>(pool) + dst) = encode8(x, Fp8Divisor(scale[hh]));
+    else store8(static_cast<T*>(pool) + dst, x);
+  };
   // v (seg 2): the product's values as they are. Its lanes stay for the shuffles (values unused).
-  if (seg == 2 && in) store8(a.out_v + (t * (H - a.hq - a.hk) + h - a.hq - a.hk) * hd + d0, v);
+  if (seg == 2 && in) {
+    store8(a.out_v + (t * (H - a.hq - a.hk) + h - a.hq - a.hk) * hd + d0, v);
+    if (a.kv.slots) cache_write(a.kv.vpool, a.kv.v_scale, h - a.hq - a.hk, v);
+  }
   const int64_t orow = seg == 0 ? t * a.hq + h : t * a.hk + h - a.hq;
   T* out = seg == 0 ? a.out_q : a.out_k;
   const TW* w = seg == 0 ? a.wq : a.wk;
@@ -486,7 +500,12 @@ __global__ void __launch_bounds__(kRopeRowsWarps * 32)
       y[i] = first ? rope_first(v[i], p[i], c_row[j], s_row[j]) : rope_second(p[i], v[i], c_row[j], s_row[j]);
     }
   }
-  store8(out + orow * hd + d0, y);
+  if (seg == 1 && a.kv.slots) {  // y as stored, then into the cache
+    store8_rounded(out + orow * hd + d0, y);
+    cache_write(a.kv.kpool, a.kv.k_scale, h - a.hq, y);
+  } else {
+    store8(out + orow * hd + d0, y);
+  }
 }
 
 template <class T>
@@ -724,7 +743,7 @@ bool launch_rmsnorm_rope(const void* x, DType dt, const void* w, DType wdt, int6
     FP8RL_DISPATCH_FLOAT(dt, "rmsnorm_rope input", {
       NormRopeRows<T, TW> a{static_cast<const T*>(x), static_cast<int>(H), static_cast<int>(H), 0,
                             static_cast<const TW*>(w), nullptr, static_cast<T*>(out), nullptr, nullptr, rstd,
-                            nullptr};
+                            nullptr, QkvCacheWrite{}};
       launch_norm_rope_rows(a, T_, hd, eps, pos, tab, attention_scaling, interleaved, stream);
     });
   });
@@ -734,15 +753,19 @@ bool launch_rmsnorm_rope(const void* x, DType dt, const void* w, DType wdt, int6
 bool launch_qkv_norm_rope(const void* qkv, DType dt, const void* wq, const void* wk, DType wdt, int64_t T_,
                           int64_t Hq, int64_t Hkv, int64_t hd, float eps, void* q, void* k, void* v, float* q_rstd,
                           float* k_rstd, const int32_t* pos, const RopeTable& tab, float attention_scaling,
-                          bool interleaved, cudaStream_t stream) {
+                          bool interleaved, cudaStream_t stream, QkvCacheWrite kv, DType pool_dt) {
   if (!norm_rope_fits(hd) || !vec8_ok(hd, {qkv, wq, wk, q, k, v})) return false;
+  kv.e4m3 = pool_dt == DType::E4M3;
+  if (kv.slots && ((!kv.e4m3 && pool_dt != dt) || reinterpret_cast<uintptr_t>(kv.kpool) % 16 != 0 ||
+                   reinterpret_cast<uintptr_t>(kv.vpool) % 16 != 0))
+    return false;
   if (T_ == 0) return true;
   FP8RL_DISPATCH_FLOAT(wdt, "qkv_norm_rope weight", {
     using TW = T;
     FP8RL_DISPATCH_FLOAT(dt, "qkv_norm_rope input", {
       NormRopeRows<T, TW> a{static_cast<const T*>(qkv), static_cast<int>(Hq + 2 * Hkv), static_cast<int>(Hq),
                             static_cast<int>(Hkv), static_cast<const TW*>(wq), static_cast<const TW*>(wk),
-                            static_cast<T*>(q), static_cast<T*>(k), static_cast<T*>(v), q_rstd, k_rstd};
+                            static_cast<T*>(q), static_cast<T*>(k), static_cast<T*>(v), q_rstd, k_rstd, kv};
       launch_norm_rope_rows(a, T_, hd, eps, pos, tab, attention_scaling, interleaved, stream);
     });
   });
