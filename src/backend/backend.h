@@ -202,6 +202,9 @@ struct BackendCounters {
   int64_t fp8_gemm_tails = 0;      // FP8 products whose last M % 16 rows ran as a padded second product
   int64_t grouped_loops = 0;       // groups of grouped (expert) products run as one product each
   int64_t concat_products = 0;     // linear_shared_input / linear_swiglu groups run as one concatenated product
+  int64_t gemm_tuned = 0;          // GEMM shapes whose cuBLASLt configuration was tuned (CUDA: GemmEngine)
+  int64_t gemm_tuned_changed = 0;  // of them, those that run another configuration than the heuristic's
+  double gemm_tune_ms = 0.0;       // host time the tuning took
 };
 
 class Backend {

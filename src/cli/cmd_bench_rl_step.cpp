@@ -404,6 +404,9 @@ RecipeResult bench_recipe(Backend& be, const BenchSetup& s, const std::string& r
   res.counters.fp8_gemm_own = c1.fp8_gemm_own - c0.fp8_gemm_own;
   res.counters.grouped_loops = c1.grouped_loops - c0.grouped_loops;
   res.counters.concat_products = c1.concat_products - c0.concat_products;
+  res.counters.gemm_tuned = c1.gemm_tuned - c0.gemm_tuned;
+  res.counters.gemm_tuned_changed = c1.gemm_tuned_changed - c0.gemm_tuned_changed;
+  res.counters.gemm_tune_ms = c1.gemm_tune_ms - c0.gemm_tune_ms;
   return res;
 }
 
@@ -604,6 +607,12 @@ int run_bench(const std::vector<std::string>& argv) {
   for (const RecipeResult& r : results) std::printf(" %*lld", w, static_cast<long long>(r.counters.concat_products));
   std::printf("\n%-18s", "grouped loops");
   for (const RecipeResult& r : results) std::printf(" %*lld", w, static_cast<long long>(r.counters.grouped_loops));
+  std::printf("\n%-18s", "gemm tuned/chg/ms");
+  for (const RecipeResult& r : results) {
+    const std::string t = std::to_string(r.counters.gemm_tuned) + "/" + std::to_string(r.counters.gemm_tuned_changed) +
+                          "/" + std::to_string(static_cast<long long>(r.counters.gemm_tune_ms));
+    std::printf(" %*s", w, t.c_str());
+  }
   std::printf("\n");
   for (const RecipeResult& r : results) {
     nlohmann::json jr;
@@ -630,6 +639,9 @@ int run_bench(const std::vector<std::string>& argv) {
     jr["fp8_gemm_own"] = r.counters.fp8_gemm_own;
     jr["grouped_loops"] = r.counters.grouped_loops;
     jr["concat_products"] = r.counters.concat_products;
+    jr["gemm_tuned"] = {{"products", r.counters.gemm_tuned},
+                        {"changed", r.counters.gemm_tuned_changed},
+                        {"ms", r.counters.gemm_tune_ms}};
     j["recipes"][r.recipe] = jr;
   }
   if (args.has("json")) {

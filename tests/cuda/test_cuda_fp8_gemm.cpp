@@ -193,6 +193,45 @@ TEST(CudaFp8Gemm, AgreesWithCublasLtAtTrainerShapes) {
   }
 }
 
+// GemmEngine's tuned cuBLASLt configurations (decode and prefill sizes): each product's output is
+// bitwise the heuristic's configuration's — on the operands it was tuned on and on others after
+// it — for the block-scaled FP8 products and BF16, at the 1.7B decode shapes and a small one.
+TEST(CudaGemmTuning, TunedConfigurationsGiveTheHeuristicsBits) {
+  cuda::CudaBackend be(0, DType::BF16);
+  cuda::GemmEngine& g = be.gemm();
+  g.set_fp8_kernel("cublaslt");
+  const cuda::GemmEngine::TuneStats before = g.tune_stats();
+  int shapes = 0;
+  for (const Shape& s : {Shape{256, 4096, 2048}, Shape{256, 2048, 2048}, Shape{256, 2048, 6144},
+                         Shape{128, 12288, 2048}, Shape{48, 1024, 256}}) {
+    SCOPED_TRACE(testing::Message() << "M=" << s.M << " N=" << s.N << " K=" << s.K);
+    for (uint32_t seed : {11u, 12u}) {  // seed 11 tunes; 12 runs the tuned configuration
+      const Operands o = make_operands(be, s.M, s.N, s.K, seed + static_cast<uint32_t>(s.N));
+      // BF16 operands: the dequantized values (any BF16 values do).
+      const Tensor ab = be.to_device(from_float_vector(to_float_vector(dequantize(o.ha)), {s.M, s.K}, DType::BF16));
+      const Tensor bb = be.to_device(from_float_vector(to_float_vector(dequantize(o.hb)), {s.N, s.K}, DType::BF16));
+      Tensor c8[2] = {be.alloc({s.M, s.N}, DType::BF16), be.alloc({s.M, s.N}, DType::BF16)};
+      Tensor c16[2] = {be.alloc({s.M, s.N}, DType::BF16), be.alloc({s.M, s.N}, DType::BF16)};
+      for (int tuned = 0; tuned < 2; ++tuned) {
+        g.set_tune(tuned == 1);
+        g.gemm_fp8(s.M, s.N, s.K, o.da.data.data<uint8_t>(), o.da.scales.data<float>(), o.db.data.data<uint8_t>(),
+                   o.db.scales.data<float>(), kQuantBlock, c8[tuned].raw(), DType::BF16, 1.0f, 0.0f);
+        g.gemm(false, true, s.M, s.N, s.K, ab.raw(), bb.raw(), DType::BF16, c16[tuned].raw(), DType::BF16, 1.0f, 0.0f);
+      }
+      g.set_tune(true);
+      const Tensor h8[2] = {be.to_host(c8[0]), be.to_host(c8[1])}, h16[2] = {be.to_host(c16[0]), be.to_host(c16[1])};
+      EXPECT_EQ(std::memcmp(h8[0].raw(), h8[1].raw(), h8[0].nbytes()), 0) << "FP8, seed " << seed;
+      EXPECT_EQ(std::memcmp(h16[0].raw(), h16[1].raw(), h16[0].nbytes()), 0) << "BF16, seed " << seed;
+    }
+    shapes += 2;  // one FP8 and one BF16 product per shape
+  }
+  const cuda::GemmEngine::TuneStats after = g.tune_stats();
+  EXPECT_EQ(after.products - before.products, shapes) << "each product tuned once";
+  std::printf("[ gemm tune ] %lld products tuned, %lld on another configuration than the heuristic's, %.0f ms\n",
+              static_cast<long long>(after.products - before.products),
+              static_cast<long long>(after.changed - before.changed), after.ms - before.ms);
+}
+
 TEST(CudaFp8Gemm, RowsDoNotDependOnTheOtherRowsAndRunsRepeat) {
   cuda::CudaBackend be(0, DType::BF16);
   const int64_t M = 600, N = 2048, K = 2048;

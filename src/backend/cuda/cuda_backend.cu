@@ -859,6 +859,8 @@ BackendCounters CudaBackend::counters() const {
   c.fp8_gemm_lt_fixed = lt_fixed_products_;
   c.grouped_loops = grouped_loops_;
   c.concat_products = concat_products_;
+  const GemmEngine::TuneStats t = gemm_->tune_stats();
+  c.gemm_tuned = t.products, c.gemm_tuned_changed = t.changed, c.gemm_tune_ms = t.ms;
   return c;
 }
 

@@ -5,6 +5,8 @@
 #include "backend/cuda/kernels.h"
 #include "quant/quant.h"
 
+#include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -57,6 +59,10 @@ GemmEngine::GemmEngine(cudaStream_t stream) : stream_(stream) {
     FP8RL_CHECK(std::string(e) == "0" || std::string(e) == "1", "FP8RL_FP8_ROW_INVARIANT must be 0 or 1, got '", e,
                 "'");
     fp8_row_invariant_ = std::string(e) == "1";
+  }
+  if (const char* e = std::getenv("FP8RL_LT_TUNE")) {
+    FP8RL_CHECK(std::string(e) == "0" || std::string(e) == "1", "FP8RL_LT_TUNE must be 0 or 1, got '", e, "'");
+    tune_ = std::string(e) == "1";
   }
   if (const char* e = std::getenv("FP8RL_FP8_GEMM_SPLITS")) {
     own_splits_ = std::atoi(e);
@@ -215,6 +221,103 @@ cublasLtMatmulAlgo_t GemmEngine::lt_configured(cublasLtMatmulAlgo_t base, cublas
   return algo;
 }
 
+cublasLtMatmulAlgo_t GemmEngine::tuned_algo(const Key& key, const cublasLtMatmulAlgo_t& base, cublasLtMatmulDesc_t desc,
+                                            cublasLtMatrixLayout_t a, cublasLtMatrixLayout_t b,
+                                            cublasLtMatrixLayout_t c, int64_t M, int64_t N, DType c_dtype, float beta,
+                                            const std::function<void(const cublasLtMatmulAlgo_t&, void*)>& run) {
+  if (!tune_ || beta != 0.0f || M > kTuneMaxRows || lt_candidate_ >= 0 || lt_force_ || lt_enumerate_) return base;
+  if (auto it = tuned_.find(key); it != tuned_.end()) return it->second;
+  if (stream_capturing(stream_)) return base;  // tuned at the next eager call
+  const auto t_start = std::chrono::steady_clock::now();
+  // The candidates: the heuristic's algorithm in each tile and cluster shape cuBLASLt accepts,
+  // everything else (stages, split-K, reduction, swizzling) as the heuristic chose it.
+  std::vector<cublasLtMatmulAlgo_t> cands = {base};
+  const uint32_t base_tile = get_config<uint32_t>(base, CUBLASLT_ALGO_CONFIG_TILE_ID);
+  const uint16_t base_cluster = get_config<uint16_t>(base, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID);
+  for (uint32_t t : cap_ids(base, CUBLASLT_ALGO_CAP_TILE_IDS))
+    for (uint16_t cl : {CUBLASLT_CLUSTER_SHAPE_1x1x1, CUBLASLT_CLUSTER_SHAPE_1x2x1}) {
+      if (t == base_tile && cl == base_cluster) continue;
+      cublasLtMatmulAlgo_t x = base;
+      cublasLtMatmulHeuristicResult_t r{};
+      if (set_config(x, CUBLASLT_ALGO_CONFIG_TILE_ID, t) && set_config(x, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, cl) &&
+          cublasLtMatmulAlgoCheck(handle_, desc, a, b, c, c, &x, &r) == CUBLAS_STATUS_SUCCESS &&
+          r.workspaceSize <= workspace_bytes_)
+        cands.push_back(x);
+    }
+  const size_t bytes = static_cast<size_t>(M * N) * dtype_size(c_dtype), padded = (bytes + 255) / 256 * 256;
+  char* buf = static_cast<char*>(cuda_malloc(2 * padded, "the GEMM tuning outputs"));
+  struct Scratch {
+    char* p;
+    cudaEvent_t e0 = nullptr, e1 = nullptr;
+    ~Scratch() {  // also on an exception (statuses not checked there)
+      cudaFree(p);
+      if (e0) cudaEventDestroy(e0);
+      if (e1) cudaEventDestroy(e1);
+    }
+  } scratch{buf};
+  CUDA_CHECK(cudaEventCreate(&scratch.e0), "creating a tuning event");
+  CUDA_CHECK(cudaEventCreate(&scratch.e1), "creating a tuning event");
+  void* ref = buf;
+  void* out = buf + padded;
+  // Each candidate as a graph of kTuneReps runs (launch gaps excluded), the faster of two replays.
+  std::vector<std::pair<float, size_t>> times;
+  for (size_t i = 0; i < cands.size(); ++i) {
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    try {
+      run(cands[i], out);  // a configuration the launch refuses throws here, outside the capture
+      CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal), "capturing a tuning graph");
+      try {
+        for (int r = 0; r < kTuneReps; ++r) run(cands[i], out);
+      } catch (...) {
+        cudaStreamEndCapture(stream_, &graph);
+        throw;
+      }
+      CUDA_CHECK(cudaStreamEndCapture(stream_, &graph), "capturing a tuning graph");
+      CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0), "instantiating a tuning graph");
+      float best = 0.0f;
+      for (int rep = 0; rep < 3; ++rep) {  // the first replay warms up
+        CUDA_CHECK(cudaEventRecord(scratch.e0, stream_), "timing a tuning graph");
+        CUDA_CHECK(cudaGraphLaunch(exec, stream_), "replaying a tuning graph");
+        CUDA_CHECK(cudaEventRecord(scratch.e1, stream_), "timing a tuning graph");
+        CUDA_CHECK(cudaEventSynchronize(scratch.e1), "timing a tuning graph");
+        float ms = 0.0f;
+        CUDA_CHECK(cudaEventElapsedTime(&ms, scratch.e0, scratch.e1), "timing a tuning graph");
+        if (rep == 1 || (rep > 1 && ms < best)) best = ms;
+      }
+      times.emplace_back(best, i);
+    } catch (const Error&) {
+      cudaGetLastError();
+    }
+    if (exec) cudaGraphExecDestroy(exec);
+    if (graph) cudaGraphDestroy(graph);
+  }
+  std::sort(times.begin(), times.end());
+  // The fastest whose output is the heuristic's, bit for bit (on this call's operands).
+  cublasLtMatmulAlgo_t chosen = base;
+  size_t chosen_i = 0;
+  run(base, ref);
+  std::vector<char> h_ref(bytes), h_out(bytes);
+  CUDA_CHECK(cudaMemcpyAsync(h_ref.data(), ref, bytes, cudaMemcpyDeviceToHost, stream_), "reading a tuning output");
+  CUDA_CHECK(cudaStreamSynchronize(stream_), "reading a tuning output");
+  for (size_t k = 0; k < std::min<size_t>(times.size(), 4); ++k) {
+    const size_t i = times[k].second;
+    if (i == 0) break;  // the heuristic's is the fastest left
+    run(cands[i], out);
+    CUDA_CHECK(cudaMemcpyAsync(h_out.data(), out, bytes, cudaMemcpyDeviceToHost, stream_), "reading a tuning output");
+    CUDA_CHECK(cudaStreamSynchronize(stream_), "reading a tuning output");
+    if (std::memcmp(h_ref.data(), h_out.data(), bytes) == 0) {
+      chosen = cands[i], chosen_i = i;
+      break;
+    }
+  }
+  tuned_.emplace(key, chosen);
+  ++tuned_count_;
+  if (chosen_i != 0) ++tuned_changed_;
+  tune_ms_ += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t_start).count();
+  return chosen;
+}
+
 cublasLtMatmulAlgo_t GemmEngine::find_algo(const Key& key, cublasLtMatmulDesc_t desc, cublasLtMatrixLayout_t a,
                                            cublasLtMatrixLayout_t b, cublasLtMatrixLayout_t c, const char* what) {
   const cublasLtMatmulAlgo_t algo = heuristic_algo(key, desc, a, b, c, what);
@@ -351,6 +454,12 @@ void GemmEngine::gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const v
     algo = find_algo(key, desc.d, la.l, lb.l, ln.l, what);
   } else {
     algo = find_algo(key, desc.d, la.l, lb.l, lc.l, what);
+    algo = tuned_algo(key, algo, desc.d, la.l, lb.l, lc.l, M, N, c_dtype, beta,
+                      [&](const cublasLtMatmulAlgo_t& x, void* out) {
+                        CUBLAS_CHECK(cublasLtMatmul(handle_, desc.d, &alpha, B, la.l, A, lb.l, &beta, out, lc.l, out,
+                                                    lc.l, &x, workspace_, workspace_bytes_, stream_),
+                                     "tuning ", what, " M=", M, " N=", N, " K=", K);
+                      });
   }
   CUBLAS_CHECK(cublasLtMatmul(handle_, desc.d, &alpha, B, la.l, A, lb.l, &beta, C, lc.l, C, lc.l, &algo, workspace_,
                               workspace_bytes_, stream_),
@@ -665,6 +774,12 @@ void GemmEngine::gemm_fp8_prelaid(int64_t M, int64_t N, int64_t K, const uint8_t
   }
   const Key key{1, b_block_rows, static_cast<int>(c_dtype), beta != 0 ? 4 : 0, N, M, K, 0, 0};
   cublasLtMatmulAlgo_t algo = find_algo(key, desc.d, la.l, lb.l, lc.l, "FP8 block-scaled GEMM");
+  algo = tuned_algo(key, algo, desc.d, la.l, lb.l, lc.l, M, N, c_dtype, beta,
+                    [&](const cublasLtMatmulAlgo_t& x, void* out) {
+                      CUBLAS_CHECK(cublasLtMatmul(handle_, desc.d, &alpha, b, la.l, a, lb.l, &beta, out, lc.l, out,
+                                                  lc.l, &x, workspace_, workspace_bytes_, stream_),
+                                   "tuning the FP8 block-scaled GEMM M=", M, " N=", N, " K=", K);
+                    });
   CUBLAS_CHECK(cublasLtMatmul(handle_, desc.d, &alpha, b, la.l, a, lb.l, &beta, C, lc.l, C, lc.l, &algo, workspace_,
                               workspace_bytes_, stream_),
                "FP8 block-scaled GEMM M=", M, " N=", N, " K=", K);

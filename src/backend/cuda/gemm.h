@@ -35,6 +35,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -175,6 +176,26 @@ class GemmEngine {
     if (c) lt_config_ = *c;
   }
 
+  // Configurations tuned per product (the decode and prefill sizes, M <= kTuneMaxRows, beta 0):
+  // cuBLASLt's heuristic picks one tile for a shape; at the decode step's M = 256 its FP8 block-
+  // scaled choice (128 x 128 tiles) leaves most SMs idle (bench-gemm --lt-search, session 26:
+  // o 8.9 -> 6.3 us with 64 x 64 tiles on the H100). At a product's first call outside a graph
+  // capture the engine times the heuristic's algorithm in each tile and cluster shape cuBLASLt
+  // accepts, with the heuristic's stages, split-K count and reduction, on the call's own operands
+  // into a scratch output (each candidate as a captured graph of kTuneReps runs), and keeps the
+  // fastest whose output is bitwise the heuristic's (tried in order of time; the heuristic's own
+  // otherwise) — so tuning changes speed, never results. Products first met inside a capture run
+  // the heuristic's until an eager call tunes them. FP8RL_LT_TUNE=0: off (the heuristic's, as
+  // before). tune_stats(): products tuned, those whose configuration changed, the time it took.
+  static constexpr int64_t kTuneMaxRows = 512;
+  static constexpr int kTuneReps = 8;
+  struct TuneStats {
+    int64_t products = 0, changed = 0;
+    double ms = 0.0;  // host time spent tuning
+  };
+  TuneStats tune_stats() const { return {tuned_count_, tuned_changed_, tune_ms_}; }
+  void set_tune(bool on) { tune_ = on; }  // FP8RL_LT_TUNE in code (tests): off runs the heuristic's
+
   cudaStream_t stream() const { return stream_; }
   // FP8 products whose last M % 16 rows ran as a padded second product (since construction).
   int64_t tail_products() const { return tail_products_; }
@@ -186,6 +207,12 @@ class GemmEngine {
                                  cublasLtMatrixLayout_t b, cublasLtMatrixLayout_t c, const char* what);
   cublasLtMatmulAlgo_t heuristic_algo(const Key& key, cublasLtMatmulDesc_t desc, cublasLtMatrixLayout_t a,
                                       cublasLtMatrixLayout_t b, cublasLtMatrixLayout_t c, const char* what);
+  // The tuned configuration of a product (see kTuneMaxRows); run(algo, C) issues the product with
+  // that algorithm into C (the caller's operands, alpha, beta 0).
+  cublasLtMatmulAlgo_t tuned_algo(const Key& key, const cublasLtMatmulAlgo_t& base, cublasLtMatmulDesc_t desc,
+                                  cublasLtMatrixLayout_t a, cublasLtMatrixLayout_t b, cublasLtMatrixLayout_t c,
+                                  int64_t M, int64_t N, DType c_dtype, float beta,
+                                  const std::function<void(const cublasLtMatmulAlgo_t&, void*)>& run);
   // lt_enumerate / set_lt_config applied to the heuristic's algorithm of one product.
   cublasLtMatmulAlgo_t lt_configured(cublasLtMatmulAlgo_t base, cublasLtMatmulDesc_t desc, cublasLtMatrixLayout_t a,
                                      cublasLtMatrixLayout_t b, cublasLtMatrixLayout_t c);
@@ -229,6 +256,10 @@ class GemmEngine {
   bool lt_enumerate_ = false, lt_force_ = false;  // lt_enumerate, set_lt_config
   LtConfig lt_config_;
   std::vector<LtConfig> lt_space_;
+  bool tune_ = true;  // FP8RL_LT_TUNE
+  std::map<Key, cublasLtMatmulAlgo_t> tuned_;
+  int64_t tuned_count_ = 0, tuned_changed_ = 0;
+  double tune_ms_ = 0.0;
 };
 
 }  // namespace fp8rl::cuda
