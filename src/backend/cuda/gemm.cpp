@@ -245,7 +245,16 @@ cublasLtMatmulAlgo_t GemmEngine::tuned_algo(const Key& key, const cublasLtMatmul
         cands.push_back(x);
     }
   const size_t bytes = static_cast<size_t>(M * N) * dtype_size(c_dtype), padded = (bytes + 255) / 256 * 256;
-  char* buf = static_cast<char*>(cuda_malloc(2 * padded, "the GEMM tuning outputs"));
+  // Two scratch outputs, allocated for the tuning alone (outside the memory plan): a product
+  // whose outputs exceed kTuneMaxOutputBytes (the lm_head's logits), or any when the device has
+  // no room for them, keeps the heuristic's configuration.
+  void* raw = nullptr;
+  if (bytes > kTuneMaxOutputBytes || cudaMalloc(&raw, 2 * padded) != cudaSuccess) {
+    cudaGetLastError();  // a failed cudaMalloc is not sticky; clear it
+    tuned_.emplace(key, base);
+    return base;
+  }
+  char* buf = static_cast<char*>(raw);
   struct Scratch {
     char* p;
     cudaEvent_t e0 = nullptr, e1 = nullptr;

@@ -185,10 +185,13 @@ class GemmEngine {
   // into a scratch output (each candidate as a captured graph of kTuneReps runs), and keeps the
   // fastest whose output is bitwise the heuristic's (tried in order of time; the heuristic's own
   // otherwise) — so tuning changes speed, never results. Products first met inside a capture run
-  // the heuristic's until an eager call tunes them. FP8RL_LT_TUNE=0: off (the heuristic's, as
-  // before). tune_stats(): products tuned, those whose configuration changed, the time it took.
+  // the heuristic's until an eager call tunes them. Products whose output exceeds
+  // kTuneMaxOutputBytes (the lm_head's logits), or met when the two scratch outputs cannot be
+  // allocated, keep the heuristic's. FP8RL_LT_TUNE=0: off (the heuristic's everywhere).
+  // tune_stats(): products tuned, those whose configuration changed, the time it took.
   static constexpr int64_t kTuneMaxRows = 512;
   static constexpr int kTuneReps = 8;
+  static constexpr size_t kTuneMaxOutputBytes = size_t(32) << 20;
   struct TuneStats {
     int64_t products = 0, changed = 0;
     double ms = 0.0;  // host time spent tuning
