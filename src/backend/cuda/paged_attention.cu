@@ -1813,90 +1813,60 @@ __global__ void __launch_bounds__(32 * W, W == kWideWarps ? 1 : 2) paged_wide_ke
     paged_cp_async_commit();
     if (u + 1 < ngroups) convert(raw + ((u + 1) % S) * RAW, frag + ((u + 1) & 1) * FRAG);
     const unsigned char* fb = frag + (u & 1) * FRAG;
-    // Tiles 4u .. 4u + 3 (pass p: tile 4u + p), the four passes' steps interleaved stage by stage
-    // (independent states: each stage's four chains hide each other's latencies). A tile past
-    // this warp's tokens is masked whole — every score -inf, so it changes no state (no vote,
-    // p = 0: l + 0, O^T + V^T 0) — as the one-block kernel, whose runs end there, never folds it.
-    if (j0 + GT * u >= j1w) continue;  // the whole stage group past this warp (uniform per warp)
-    float sa[NP][4], sb[NP][4];
 #pragma unroll
-    for (int p = 0; p < NP; ++p)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) sa[p][i] = sb[p][i] = 0.0f;
-#pragma unroll
-    for (int kk = 0; kk < KS; ++kk)
-#pragma unroll
-      for (int p = 0; p < NP; ++p) {
-        const uint4 u4 = paged_lds16(fb + p * TFB + lane * 16 + kk * 32 * 16);
-        const uint32_t xk[4] = {u4.x, u4.y, u4.z, u4.w};
-        if (kk & 1) paged_mma4<F16>(sb[p], xk, qb[kk][0], qb[kk][1]);
-        else paged_mma4<F16>(sa[p], xk, qb[kk][0], qb[kk][1]);
-      }
-    float x00[NP], x01[NP], x10[NP], x11[NP], mx0[NP], mx1[NP];
-#pragma unroll
-    for (int p = 0; p < NP; ++p) {
+    for (int p = 0; p < NP; ++p) {  // tile 4u + p: pass p
       const int base = j0 + GT * u + kMmaTile * p;
-      x00[p] = base + g < j1c0 ? (sa[p][0] + sb[p][0]) * kq0 : -INFINITY;
-      x01[p] = base + g < j1c1 ? (sa[p][1] + sb[p][1]) * kq1 : -INFINITY;
-      x10[p] = base + g + 8 < j1c0 ? (sa[p][2] + sb[p][2]) * kq0 : -INFINITY;
-      x11[p] = base + g + 8 < j1c1 ? (sa[p][3] + sb[p][3]) * kq1 : -INFINITY;
-      mx0[p] = fmaxf(x00[p], x10[p]), mx1[p] = fmaxf(x01[p], x11[p]);
-    }
+      if (base >= j1w) break;  // past this warp's tokens (uniform per warp)
+      const unsigned char* tf = fb + p * TFB + lane * 16;
+      float sa[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sb[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-    for (int sh = 4; sh < 32; sh <<= 1)
-#pragma unroll
-      for (int p = 0; p < NP; ++p) {
-        mx0[p] = fmaxf(mx0[p], __shfl_xor_sync(0xffffffffu, mx0[p], sh));
-        mx1[p] = fmaxf(mx1[p], __shfl_xor_sync(0xffffffffu, mx1[p], sh));
+      for (int kk = 0; kk < KS; ++kk) {
+        const uint4 u4 = paged_lds16(tf + kk * 32 * 16);
+        const uint32_t xk[4] = {u4.x, u4.y, u4.z, u4.w};
+        if (kk & 1) paged_mma4<F16>(sb, xk, qb[kk][0], qb[kk][1]);
+        else paged_mma4<F16>(sa, xk, qb[kk][0], qb[kk][1]);
       }
-    // The vote of each column's token (paged_mmat_kernel's MQ form), per pass.
-    int v[NP];
+      const float x00 = base + g < j1c0 ? (sa[0] + sb[0]) * kq0 : -INFINITY;
+      const float x01 = base + g < j1c1 ? (sa[1] + sb[1]) * kq1 : -INFINITY;
+      const float x10 = base + g + 8 < j1c0 ? (sa[2] + sb[2]) * kq0 : -INFINITY;
+      const float x11 = base + g + 8 < j1c1 ? (sa[3] + sb[3]) * kq1 : -INFINITY;
+      float mx0 = fmaxf(x00, x10), mx1 = fmaxf(x01, x11);
 #pragma unroll
-    for (int p = 0; p < NP; ++p) {
-      const bool up0 = LAZY == 0 ? mx0[p] > m0[p] : mx0[p] > m0[p] + static_cast<float>(LAZY);
-      const bool up1 = LAZY == 0 ? mx1[p] > m1[p] : mx1[p] > m1[p] + static_cast<float>(LAZY);
-      v[p] = G >= 2 ? (up0 || up1 ? 3 : 0) : (up0 ? 1 : 0) | (up1 ? 2 : 0);
-    }
+      for (int sh = 4; sh < 32; sh <<= 1) {
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, sh));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, sh));
+      }
+      const bool up0 = LAZY == 0 ? mx0 > m0[p] : mx0 > m0[p] + static_cast<float>(LAZY);
+      const bool up1 = LAZY == 0 ? mx1 > m1[p] : mx1 > m1[p] + static_cast<float>(LAZY);
+      // The vote of each column's token (paged_mmat_kernel's MQ form).
+      int v = G >= 2 ? (up0 || up1 ? 3 : 0) : (up0 ? 1 : 0) | (up1 ? 2 : 0);
 #pragma unroll
-    for (int sh = 4; sh < 32; sh <<= 1)
-#pragma unroll
-      for (int p = 0; p < NP; ++p) v[p] |= paged_shfl_xor(v[p], sh);
-#pragma unroll
-    for (int p = 0; p < NP; ++p) {
-      if (G >= 4) v[p] |= paged_shfl_xor(v[p], 1);
-      if (G >= 8) v[p] |= paged_shfl_xor(v[p], 2);
-    }
-#pragma unroll
-    for (int p = 0; p < NP; ++p) {
-      const bool r0 = (v[p] & 1) != 0, r1 = (v[p] & 2) != 0;
+      for (int sh = 4; sh < 32; sh <<= 1) v |= paged_shfl_xor(v, sh);
+      if (G >= 4) v |= paged_shfl_xor(v, 1);
+      if (G >= 8) v |= paged_shfl_xor(v, 2);
+      const bool r0 = (v & 1) != 0, r1 = (v & 2) != 0;
       if (paged_any(r0 || r1)) {
-        const float n0 = r0 ? fmaxf(m0[p], mx0[p]) : m0[p], n1 = r1 ? fmaxf(m1[p], mx1[p]) : m1[p];
+        const float n0 = r0 ? fmaxf(m0[p], mx0) : m0[p], n1 = r1 ? fmaxf(m1[p], mx1) : m1[p];
         const float c0 = r0 ? paged_ex2(m0[p] - n0) : 1.0f, c1 = r1 ? paged_ex2(m1[p] - n1) : 1.0f;
         m0[p] = n0, m1[p] = n1, l0[p] *= c0, l1[p] *= c1;
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
           o[p][mt][0] *= c0, o[p][mt][1] *= c1, o[p][mt][2] *= c0, o[p][mt][3] *= c1;
       }
-    }
-    uint32_t b0[NP], b1[NP];
-#pragma unroll
-    for (int p = 0; p < NP; ++p) {
       const float e0 = m0[p] == -INFINITY ? 0.0f : m0[p], e1 = m1[p] == -INFINITY ? 0.0f : m1[p];
-      const float p00 = paged_ex2(x00[p] - e0), p01 = paged_ex2(x01[p] - e1);
-      const float p10 = paged_ex2(x10[p] - e0), p11 = paged_ex2(x11[p] - e1);
+      const float p00 = paged_ex2(x00 - e0), p01 = paged_ex2(x01 - e1);
+      const float p10 = paged_ex2(x10 - e0), p11 = paged_ex2(x11 - e1);
       l0[p] += p00 + p10;
       l1[p] += p01 + p11;
-      b0[p] = paged_movm_t(F16 ? paged_pack_f16x2(p00, p01) : paged_pack_bf16x2(p00, p01));
-      b1[p] = paged_movm_t(F16 ? paged_pack_f16x2(p10, p11) : paged_pack_bf16x2(p10, p11));
-    }
+      const uint32_t b0 = paged_movm_t(F16 ? paged_pack_f16x2(p00, p01) : paged_pack_bf16x2(p00, p01));
+      const uint32_t b1 = paged_movm_t(F16 ? paged_pack_f16x2(p10, p11) : paged_pack_bf16x2(p10, p11));
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int p = 0; p < NP; ++p) {
-        const uint4 u4 = paged_lds16(fb + p * TFB + lane * 16 + (KS + mt) * 32 * 16);
+      for (int mt = 0; mt < MT; ++mt) {
+        const uint4 u4 = paged_lds16(tf + (KS + mt) * 32 * 16);
         const uint32_t xv[4] = {u4.x, u4.y, u4.z, u4.w};
-        paged_mma4<F16>(o[p][mt], xv, b0[p], b1[p]);
+        paged_mma4<F16>(o[p][mt], xv, b0, b1);
       }
+    }
   }
   paged_cp_async_wait<0>();
 
