@@ -268,28 +268,38 @@ cublasLtMatmulAlgo_t GemmEngine::tuned_algo(const Key& key, const cublasLtMatmul
   CUDA_CHECK(cudaEventCreate(&scratch.e1), "creating a tuning event");
   void* ref = buf;
   void* out = buf + padded;
-  // Each candidate timed over kTuneReps back-to-back runs after one warm-up run (a decode product
-  // takes longer on the GPU than its launch on the host, so the runs queue without gaps), the
-  // faster of two such rounds. (Session 26 timed each as a captured graph: the same choices at
-  // ~1 s of host time per BF16 product, for the graph instantiations.)
+  // Each candidate as a graph of kTuneReps runs (launch gaps excluded), the faster of two replays.
   std::vector<std::pair<float, size_t>> times;
   for (size_t i = 0; i < cands.size(); ++i) {
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
     try {
-      run(cands[i], out);  // a configuration the launch refuses throws here
-      float best = 0.0f;
-      for (int round = 0; round < 2; ++round) {
-        CUDA_CHECK(cudaEventRecord(scratch.e0, stream_), "timing a tuning candidate");
+      run(cands[i], out);  // a configuration the launch refuses throws here, outside the capture
+      CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal), "capturing a tuning graph");
+      try {
         for (int r = 0; r < kTuneReps; ++r) run(cands[i], out);
-        CUDA_CHECK(cudaEventRecord(scratch.e1, stream_), "timing a tuning candidate");
-        CUDA_CHECK(cudaEventSynchronize(scratch.e1), "timing a tuning candidate");
+      } catch (...) {
+        cudaStreamEndCapture(stream_, &graph);
+        throw;
+      }
+      CUDA_CHECK(cudaStreamEndCapture(stream_, &graph), "capturing a tuning graph");
+      CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0), "instantiating a tuning graph");
+      float best = 0.0f;
+      for (int rep = 0; rep < 3; ++rep) {  // the first replay warms up
+        CUDA_CHECK(cudaEventRecord(scratch.e0, stream_), "timing a tuning graph");
+        CUDA_CHECK(cudaGraphLaunch(exec, stream_), "replaying a tuning graph");
+        CUDA_CHECK(cudaEventRecord(scratch.e1, stream_), "timing a tuning graph");
+        CUDA_CHECK(cudaEventSynchronize(scratch.e1), "timing a tuning graph");
         float ms = 0.0f;
-        CUDA_CHECK(cudaEventElapsedTime(&ms, scratch.e0, scratch.e1), "timing a tuning candidate");
-        if (round == 0 || ms < best) best = ms;
+        CUDA_CHECK(cudaEventElapsedTime(&ms, scratch.e0, scratch.e1), "timing a tuning graph");
+        if (rep == 1 || (rep > 1 && ms < best)) best = ms;
       }
       times.emplace_back(best, i);
     } catch (const Error&) {
       cudaGetLastError();
     }
+    if (exec) cudaGraphExecDestroy(exec);
+    if (graph) cudaGraphDestroy(graph);
   }
   std::sort(times.begin(), times.end());
   // The fastest whose output is the heuristic's, bit for bit (on this call's operands).

@@ -182,7 +182,7 @@ class GemmEngine {
   // o 8.9 -> 6.3 us with 64 x 64 tiles on the H100). At a product's first call outside a graph
   // capture the engine times the heuristic's algorithm in each tile and cluster shape cuBLASLt
   // accepts, with the heuristic's stages, split-K count and reduction, on the call's own operands
-  // into a scratch output (each candidate over kTuneReps back-to-back runs), and keeps the
+  // into a scratch output (each candidate as a captured graph of kTuneReps runs), and keeps the
   // fastest whose output is bitwise the heuristic's (tried in order of time; the heuristic's own
   // otherwise) — so tuning changes speed, never results. Products first met inside a capture run
   // the heuristic's until an eager call tunes them. Products whose output exceeds
