@@ -195,7 +195,8 @@ TEST(CudaFp8Gemm, AgreesWithCublasLtAtTrainerShapes) {
 
 // GemmEngine's tuned cuBLASLt configurations (decode and prefill sizes): each product's output is
 // bitwise the heuristic's configuration's — on the operands it was tuned on and on others after
-// it — for the block-scaled FP8 products and BF16, at the 1.7B decode shapes and a small one.
+// it — for the block-scaled FP8 products and BF16 (FP8RL_LT_TUNE=all), at the 1.7B decode shapes
+// and a small one.
 TEST(CudaGemmTuning, TunedConfigurationsGiveTheHeuristicsBits) {
   cuda::CudaBackend be(0, DType::BF16);
   cuda::GemmEngine& g = be.gemm();
@@ -213,12 +214,12 @@ TEST(CudaGemmTuning, TunedConfigurationsGiveTheHeuristicsBits) {
       Tensor c8[2] = {be.alloc({s.M, s.N}, DType::BF16), be.alloc({s.M, s.N}, DType::BF16)};
       Tensor c16[2] = {be.alloc({s.M, s.N}, DType::BF16), be.alloc({s.M, s.N}, DType::BF16)};
       for (int tuned = 0; tuned < 2; ++tuned) {
-        g.set_tune(tuned == 1);
+        g.set_tune(tuned == 1 ? cuda::GemmEngine::Tune::All : cuda::GemmEngine::Tune::Off);
         g.gemm_fp8(s.M, s.N, s.K, o.da.data.data<uint8_t>(), o.da.scales.data<float>(), o.db.data.data<uint8_t>(),
                    o.db.scales.data<float>(), kQuantBlock, c8[tuned].raw(), DType::BF16, 1.0f, 0.0f);
         g.gemm(false, true, s.M, s.N, s.K, ab.raw(), bb.raw(), DType::BF16, c16[tuned].raw(), DType::BF16, 1.0f, 0.0f);
       }
-      g.set_tune(true);
+      g.set_tune(cuda::GemmEngine::Tune::Fp8);
       const Tensor h8[2] = {be.to_host(c8[0]), be.to_host(c8[1])}, h16[2] = {be.to_host(c16[0]), be.to_host(c16[1])};
       EXPECT_EQ(std::memcmp(h8[0].raw(), h8[1].raw(), h8[0].nbytes()), 0) << "FP8, seed " << seed;
       EXPECT_EQ(std::memcmp(h16[0].raw(), h16[1].raw(), h16[0].nbytes()), 0) << "BF16, seed " << seed;

@@ -61,8 +61,10 @@ GemmEngine::GemmEngine(cudaStream_t stream) : stream_(stream) {
     fp8_row_invariant_ = std::string(e) == "1";
   }
   if (const char* e = std::getenv("FP8RL_LT_TUNE")) {
-    FP8RL_CHECK(std::string(e) == "0" || std::string(e) == "1", "FP8RL_LT_TUNE must be 0 or 1, got '", e, "'");
-    tune_ = std::string(e) == "1";
+    const std::string v(e);
+    FP8RL_CHECK(v == "0" || v == "fp8" || v == "all", "FP8RL_LT_TUNE must be 0, fp8 (the default) or all, got '", e,
+                "'");
+    tune_ = v == "0" ? Tune::Off : v == "fp8" ? Tune::Fp8 : Tune::All;
   }
   if (const char* e = std::getenv("FP8RL_FP8_GEMM_SPLITS")) {
     own_splits_ = std::atoi(e);
@@ -224,8 +226,9 @@ cublasLtMatmulAlgo_t GemmEngine::lt_configured(cublasLtMatmulAlgo_t base, cublas
 cublasLtMatmulAlgo_t GemmEngine::tuned_algo(const Key& key, const cublasLtMatmulAlgo_t& base, cublasLtMatmulDesc_t desc,
                                             cublasLtMatrixLayout_t a, cublasLtMatrixLayout_t b,
                                             cublasLtMatrixLayout_t c, int64_t M, int64_t N, DType c_dtype, float beta,
+                                            bool fp8,
                                             const std::function<void(const cublasLtMatmulAlgo_t&, void*)>& run) {
-  if (!tune_ || beta != 0.0f || M > kTuneMaxRows || lt_candidate_ >= 0 || lt_force_ || lt_enumerate_) return base;
+  if (tune_ == Tune::Off || (!fp8 && tune_ != Tune::All) || beta != 0.0f || M > kTuneMaxRows || lt_candidate_ >= 0 || lt_force_ || lt_enumerate_) return base;
   if (auto it = tuned_.find(key); it != tuned_.end()) return it->second;
   if (stream_capturing(stream_)) return base;  // tuned at the next eager call
   const auto t_start = std::chrono::steady_clock::now();
@@ -463,7 +466,7 @@ void GemmEngine::gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const v
     algo = find_algo(key, desc.d, la.l, lb.l, ln.l, what);
   } else {
     algo = find_algo(key, desc.d, la.l, lb.l, lc.l, what);
-    algo = tuned_algo(key, algo, desc.d, la.l, lb.l, lc.l, M, N, c_dtype, beta,
+    algo = tuned_algo(key, algo, desc.d, la.l, lb.l, lc.l, M, N, c_dtype, beta, /*fp8=*/false,
                       [&](const cublasLtMatmulAlgo_t& x, void* out) {
                         CUBLAS_CHECK(cublasLtMatmul(handle_, desc.d, &alpha, B, la.l, A, lb.l, &beta, out, lc.l, out,
                                                     lc.l, &x, workspace_, workspace_bytes_, stream_),
@@ -783,7 +786,7 @@ void GemmEngine::gemm_fp8_prelaid(int64_t M, int64_t N, int64_t K, const uint8_t
   }
   const Key key{1, b_block_rows, static_cast<int>(c_dtype), beta != 0 ? 4 : 0, N, M, K, 0, 0};
   cublasLtMatmulAlgo_t algo = find_algo(key, desc.d, la.l, lb.l, lc.l, "FP8 block-scaled GEMM");
-  algo = tuned_algo(key, algo, desc.d, la.l, lb.l, lc.l, M, N, c_dtype, beta,
+  algo = tuned_algo(key, algo, desc.d, la.l, lb.l, lc.l, M, N, c_dtype, beta, /*fp8=*/true,
                     [&](const cublasLtMatmulAlgo_t& x, void* out) {
                       CUBLAS_CHECK(cublasLtMatmul(handle_, desc.d, &alpha, b, la.l, a, lb.l, &beta, out, lc.l, out,
                                                   lc.l, &x, workspace_, workspace_bytes_, stream_),

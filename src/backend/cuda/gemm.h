@@ -187,7 +187,10 @@ class GemmEngine {
   // otherwise) — so tuning changes speed, never results. Products first met inside a capture run
   // the heuristic's until an eager call tunes them. Products whose output exceeds
   // kTuneMaxOutputBytes (the lm_head's logits), or met when the two scratch outputs cannot be
-  // allocated, keep the heuristic's. FP8RL_LT_TUNE=0: off (the heuristic's everywhere).
+  // allocated, keep the heuristic's. Which products: FP8RL_LT_TUNE=fp8 (the default) the
+  // block-scaled FP8 ones (~50 ms of host time each on the H100, session 26: a few dozen shapes
+  // per model, paid back within ~15 RL steps); all: the BF16 / FP32 ones too (~1 s each: many
+  // more tiles; 2% of BF16 generation, paid back only after hundreds of steps); 0: none.
   // tune_stats(): products tuned, those whose configuration changed, the time it took.
   static constexpr int64_t kTuneMaxRows = 512;
   static constexpr int kTuneReps = 8;
@@ -197,7 +200,8 @@ class GemmEngine {
     double ms = 0.0;  // host time spent tuning
   };
   TuneStats tune_stats() const { return {tuned_count_, tuned_changed_, tune_ms_}; }
-  void set_tune(bool on) { tune_ = on; }  // FP8RL_LT_TUNE in code (tests): off runs the heuristic's
+  enum class Tune { Off, Fp8, All };
+  void set_tune(Tune t) { tune_ = t; }  // FP8RL_LT_TUNE in code (tests)
 
   cudaStream_t stream() const { return stream_; }
   // FP8 products whose last M % 16 rows ran as a padded second product (since construction).
@@ -214,7 +218,7 @@ class GemmEngine {
   // that algorithm into C (the caller's operands, alpha, beta 0).
   cublasLtMatmulAlgo_t tuned_algo(const Key& key, const cublasLtMatmulAlgo_t& base, cublasLtMatmulDesc_t desc,
                                   cublasLtMatrixLayout_t a, cublasLtMatrixLayout_t b, cublasLtMatrixLayout_t c,
-                                  int64_t M, int64_t N, DType c_dtype, float beta,
+                                  int64_t M, int64_t N, DType c_dtype, float beta, bool fp8,
                                   const std::function<void(const cublasLtMatmulAlgo_t&, void*)>& run);
   // lt_enumerate / set_lt_config applied to the heuristic's algorithm of one product.
   cublasLtMatmulAlgo_t lt_configured(cublasLtMatmulAlgo_t base, cublasLtMatmulDesc_t desc, cublasLtMatrixLayout_t a,
@@ -259,7 +263,7 @@ class GemmEngine {
   bool lt_enumerate_ = false, lt_force_ = false;  // lt_enumerate, set_lt_config
   LtConfig lt_config_;
   std::vector<LtConfig> lt_space_;
-  bool tune_ = true;  // FP8RL_LT_TUNE
+  Tune tune_ = Tune::Fp8;  // FP8RL_LT_TUNE
   std::map<Key, cublasLtMatmulAlgo_t> tuned_;
   int64_t tuned_count_ = 0, tuned_changed_ = 0;
   double tune_ms_ = 0.0;
