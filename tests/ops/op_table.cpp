@@ -1349,6 +1349,15 @@ void linear_swiglu_cases(std::vector<OpCase>& t) {
 // backend's scratch (decode: CUDA norms, rotates and splits the concatenated product in one kernel).
 // With a KV destination (the generator's decode: CUDA writes the cache in the same kernel): both
 // pools bitwise the op then kv_write of its k and v, for BF16, E4M3 and F32 caches.
+// Their q, k and v weights (rows of the input "w", [(Hq + 2 Hkv) hd, K]) and Qwen3's RoPE.
+std::vector<LinearWeight> qkv_case_weights(OpRun& r, int64_t Hq, int64_t Hkv, int64_t hd, bool fp8) {
+  return weight_row_parts(r.be, r.as("w", DType::BF16), {0, Hq * hd, (Hq + Hkv) * hd, (Hq + 2 * Hkv) * hd}, fp8);
+}
+RopeParams qkv_case_rope(int64_t hd) {
+  RopeParams rp;
+  for (int64_t i = 0; i < hd / 2; ++i) rp.inv_freq.push_back(std::pow(1e6f, -2.0f * static_cast<float>(i) / hd));
+  return rp;
+}
 void linear_qkv_norm_rope_cases(std::vector<OpCase>& t) {
   for (LinearMode mode : {LinearMode::BF16, LinearMode::FP8_BLOCK})
     for (bool consistent : {false, true})
@@ -1385,11 +1394,9 @@ void linear_qkv_norm_rope_cases(std::vector<OpCase>& t) {
                                   {"kv_scales", sc}};
                  },
                  [=](OpRun& r) {
-                   const Tensor x = r.as("x", DType::BF16), wall = r.as("w", DType::BF16);
-                   const std::vector<LinearWeight> W =
-                       weight_row_parts(r.be, wall, {0, Hq * hd, (Hq + Hkv) * hd, N}, fp8);
-                   RopeParams rp;
-                   for (int i = 0; i < hd / 2; ++i) rp.inv_freq.push_back(std::pow(1e6f, -2.0f * i / hd));
+                   const Tensor x = r.as("x", DType::BF16);
+                   const std::vector<LinearWeight> W = qkv_case_weights(r, Hq, Hkv, hd, fp8);
+                   const RopeParams rp = qkv_case_rope(hd);
                    const DType bf = DType::BF16;
                    Tensor qr = r.be.alloc({M, Hq * hd}, bf), kr = r.be.alloc({M, Hkv * hd}, bf);
                    Tensor& q = r.output("q", {M, Hq, hd}, bf);
@@ -1473,11 +1480,9 @@ void linear_qkv_norm_rope_cases(std::vector<OpCase>& t) {
                 PagedBatch pb;
                 pb.slots = r["slots"];
                 Backend::KvDest kv{&bad, 1, &pb};
-                const Tensor x = r.as("x", DType::BF16), wall = r.as("w", DType::BF16);
-                const std::vector<LinearWeight> W =
-                    weight_row_parts(r.be, wall, {0, Hq * hd, (Hq + Hkv) * hd, N}, false);
-                RopeParams rp;
-                for (int i = 0; i < hd / 2; ++i) rp.inv_freq.push_back(std::pow(1e6f, -2.0f * i / hd));
+                const Tensor x = r.as("x", DType::BF16);
+                const std::vector<LinearWeight> W = qkv_case_weights(r, Hq, Hkv, hd, false);
+                const RopeParams rp = qkv_case_rope(hd);
                 const DType bf = DType::BF16;
                 Tensor qr = r.be.alloc({M, Hq * hd}, bf), kr = r.be.alloc({M, Hkv * hd}, bf);
                 Tensor q = r.be.alloc({M, Hq, hd}, bf), k = r.be.alloc({M, Hkv, hd}, bf),

@@ -263,22 +263,25 @@ nlohmann::json bench_gemm_run(const GemmBenchOptions& options) {
           }
         std::printf("\n");
       }
+      // One product of a kind (0 BF16, 1 FP8) through the engine's current cuBLASLt choice, on the
+      // next weight copy (--algos and --lt-search).
+      auto run_kind = [&](int kind) {
+        const size_t i = static_cast<size_t>(rot++ % copies);
+        if (kind == 0) {
+          gemm.gemm(false, true, p.m, p.n, p.k, a.raw(), b[i].raw(), DType::BF16, c.raw(), DType::BF16, 1.0f, 0.0f);
+        } else {
+          gemm.gemm_fp8_prelaid(p.m, p.n, p.k, aq.data.data<uint8_t>(), as.data<float>(), bq[i].data.data<uint8_t>(),
+                                bs[i].data<float>(), p.b_block_rows, c8.raw(), cdt, 1.0f,
+                                p.b_block_rows == 1 ? 1.0f : 0.0f);
+        }
+      };
       // --algos: every cuBLASLt heuristic candidate for this shape, BF16 and FP8, timed alike (the
       // default runs the first).
       nlohmann::json cands = nlohmann::json::array();
       if (options.algos) {
         for (int kind = 0; kind < 2; ++kind) {
           if (kind == 1 && !m16) continue;
-          auto run = [&] {
-            const size_t i = static_cast<size_t>(rot++ % copies);
-            if (kind == 0) {
-              gemm.gemm(false, true, p.m, p.n, p.k, a.raw(), b[i].raw(), DType::BF16, c.raw(), DType::BF16, 1.0f, 0.0f);
-            } else {
-              gemm.gemm_fp8_prelaid(p.m, p.n, p.k, aq.data.data<uint8_t>(), as.data<float>(),
-                                    bq[i].data.data<uint8_t>(), bs[i].data<float>(), p.b_block_rows, c8.raw(), cdt,
-                                    1.0f, p.b_block_rows == 1 ? 1.0f : 0.0f);
-            }
-          };
+          auto run = [&] { run_kind(kind); };
           for (int cnd = 0; cnd < cuda::GemmEngine::kMaxLtCandidates; ++cnd) {
             gemm.set_lt_candidate(cnd);
             std::string desc;
@@ -307,16 +310,7 @@ nlohmann::json bench_gemm_run(const GemmBenchOptions& options) {
         for (int kind = 0; kind < 2; ++kind) {
           if (kind == 1 && !m16) continue;
           Tensor& out_c = kind == 0 ? c : c8;
-          auto run = [&] {
-            const size_t i = static_cast<size_t>(rot++ % copies);
-            if (kind == 0) {
-              gemm.gemm(false, true, p.m, p.n, p.k, a.raw(), b[i].raw(), DType::BF16, c.raw(), DType::BF16, 1.0f, 0.0f);
-            } else {
-              gemm.gemm_fp8_prelaid(p.m, p.n, p.k, aq.data.data<uint8_t>(), as.data<float>(),
-                                    bq[i].data.data<uint8_t>(), bs[i].data<float>(), p.b_block_rows, c8.raw(), cdt,
-                                    1.0f, p.b_block_rows == 1 ? 1.0f : 0.0f);
-            }
-          };
+          auto run = [&] { run_kind(kind); };
           auto output = [&] {  // copy 0's product
             rot = 0;
             run();
