@@ -228,7 +228,9 @@ cublasLtMatmulAlgo_t GemmEngine::tuned_algo(const Key& key, const cublasLtMatmul
                                             cublasLtMatrixLayout_t c, int64_t M, int64_t N, DType c_dtype, float beta,
                                             bool fp8,
                                             const std::function<void(const cublasLtMatmulAlgo_t&, void*)>& run) {
-  if (tune_ == Tune::Off || (!fp8 && tune_ != Tune::All) || beta != 0.0f || M > kTuneMaxRows || lt_candidate_ >= 0 || lt_force_ || lt_enumerate_) return base;
+  const bool wanted = tune_ == Tune::All || (fp8 && tune_ == Tune::Fp8);
+  const bool diagnosing = lt_candidate_ >= 0 || lt_force_ || lt_enumerate_;  // bench-gemm's own choices
+  if (!wanted || diagnosing || beta != 0.0f || M > kTuneMaxRows) return base;
   if (auto it = tuned_.find(key); it != tuned_.end()) return it->second;
   if (stream_capturing(stream_)) return base;  // tuned at the next eager call
   const auto t_start = std::chrono::steady_clock::now();
@@ -305,14 +307,15 @@ cublasLtMatmulAlgo_t GemmEngine::tuned_algo(const Key& key, const cublasLtMatmul
     if (graph) cudaGraphDestroy(graph);
   }
   std::sort(times.begin(), times.end());
-  // The fastest whose output is the heuristic's, bit for bit (on this call's operands).
+  // The fastest of the kTuneChecked fastest whose output is the heuristic's, bit for bit (on this
+  // call's operands); the heuristic's own when none is.
   cublasLtMatmulAlgo_t chosen = base;
   size_t chosen_i = 0;
   run(base, ref);
   std::vector<char> h_ref(bytes), h_out(bytes);
   CUDA_CHECK(cudaMemcpyAsync(h_ref.data(), ref, bytes, cudaMemcpyDeviceToHost, stream_), "reading a tuning output");
   CUDA_CHECK(cudaStreamSynchronize(stream_), "reading a tuning output");
-  for (size_t k = 0; k < std::min<size_t>(times.size(), 4); ++k) {
+  for (size_t k = 0; k < std::min<size_t>(times.size(), kTuneChecked); ++k) {
     const size_t i = times[k].second;
     if (i == 0) break;  // the heuristic's is the fastest left
     run(cands[i], out);

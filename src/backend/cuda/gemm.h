@@ -183,8 +183,8 @@ class GemmEngine {
   // capture the engine times the heuristic's algorithm in each tile and cluster shape cuBLASLt
   // accepts, with the heuristic's stages, split-K count and reduction, on the call's own operands
   // into a scratch output (each candidate as a captured graph of kTuneReps runs), and keeps the
-  // fastest whose output is bitwise the heuristic's (tried in order of time; the heuristic's own
-  // otherwise) — so tuning changes speed, never results. Products first met inside a capture run
+  // fastest whose output is bitwise the heuristic's (the kTuneChecked fastest tried in order of
+  // time; the heuristic's own otherwise) — so tuning changes speed, never results. Products first met inside a capture run
   // the heuristic's until an eager call tunes them. Products whose output exceeds
   // kTuneMaxOutputBytes (the lm_head's logits), or met when the two scratch outputs cannot be
   // allocated, keep the heuristic's. Which products: FP8RL_LT_TUNE=fp8 (the default) the
@@ -195,6 +195,7 @@ class GemmEngine {
   // tune_stats(): products tuned, those whose configuration changed, the time it took.
   static constexpr int64_t kTuneMaxRows = 512;
   static constexpr int kTuneReps = 8;
+  static constexpr size_t kTuneChecked = 4;
   static constexpr size_t kTuneMaxOutputBytes = size_t(32) << 20;
   struct TuneStats {
     int64_t products = 0, changed = 0;
