@@ -27,7 +27,8 @@
 #                   FP8RL_PROFILE_ENV, e.g. "FP8RL_CUDA_GRAPHS=0") (2: the
 #                   linear ops split into quantizers, transposes and GEMMs; per-op stream time per
 #                   recipe and phase; with FP8RL_CUDA_GRAPHS=0 the decode step's ops are split too)
-#   rlstep_long     bench rl-step, bf16 and fp8_e2e, one step of up to 2048 new tokens
+#   rlstep_long     bench rl-step, bf16 and fp8_e2e, one step of up to 2048 new tokens (FP8RL_RLSTEP_LONG_ARGS:
+#                   more arguments, default --warmup 0)
 #   trainstep       fp8rl bench-train-step at the Llama-3.2-1B shape, bf16 and fp8, and PyTorch eager
 #   memory          bench rl-step with 32k-token micro-batches and kl_beta 0.01, recompute none and
 #                   block: measured peak against the memory plan of the same setup (issue 15)
@@ -222,7 +223,7 @@ for stage in ${FP8RL_STAGES:-rlstep}; do
       grep -A${FP8RL_PROFILE_LINES:-12} "cuda op profile" "$OUT/rlstep_profile.log" | tee -a "$SUMMARY" ;;
     rlstep_long)
       timeout $(( $(left) - 20 )) "$FP8RL" bench rl-step --device cuda --model "${FP8RL_RLSTEP_MODEL:-qwen3-1.7b}" \
-        --recipes bf16,fp8_e2e --max-new-tokens 2048 --steps 1 --warmup 0 --json "$OUT/rlstep_2048.json" \
+        --recipes bf16,fp8_e2e --max-new-tokens 2048 --steps 1 ${FP8RL_RLSTEP_LONG_ARGS:---warmup 0} --json "$OUT/rlstep_2048.json" \
         > "$OUT/rlstep_2048.log" 2>&1
       note "bench rl-step 2048 new tokens: rc=$?"; sed -n '/^phase/,$p' "$OUT/rlstep_2048.log" | tee -a "$SUMMARY" ;;
     trainstep)

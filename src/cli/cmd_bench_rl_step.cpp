@@ -132,6 +132,9 @@ struct RecipeResult {
   std::string recipe;
   std::map<std::string, std::vector<double>> seconds;  // phase -> per timed step
   std::vector<double> gen_tokens, train_tokens, mult_prob_error, gen_kl_error, entropy;
+  // Generation's host time with nothing queued on the device (RolloutStats: loop - wait), and its
+  // iterations, per timed step.
+  std::vector<double> gen_host_seconds, gen_forwards;
   // MoE: per timed step, the routing agreement and the mismatch over tokens routed alike / not
   std::vector<double> routing_agreement, router_agreement, mult_prob_error_agreed, mult_prob_error_differs;
   MemoryStats mem;
@@ -370,9 +373,11 @@ RecipeResult bench_recipe(Backend& be, const BenchSetup& s, const std::string& r
       engine.refit(trainer.master(), fp8_kv ? &scales : nullptr);
     });
     t["step"] = std::chrono::duration<double>(Clock::now() - t_step).count();
-    std::printf("  %-8s step %d%s: gen %.2f s, score %.2f s, ref %.2f s, train %.2f s, refit %.3f s, step %.2f s; "
+    const RolloutStats& gs = engine.last_stats();
+    std::printf("  %-8s step %d%s: gen %.2f s (host %.3f s over %d forwards), score %.2f s, ref %.2f s, train %.2f s, refit %.3f s, step %.2f s; "
                 "%lld new tokens, mult_prob_error %.4f",
-                recipe_name.c_str(), step, timed ? "" : " (warm-up)", t["generation"], t["scoring"], t["reference"],
+                recipe_name.c_str(), step, timed ? "" : " (warm-up)", t["generation"],
+                gs.loop_seconds - gs.wait_seconds, gs.decode_steps, t["scoring"], t["reference"],
                 t["training"], t["refit_calibration"], t["step"],
                 static_cast<long long>(engine.last_stats().generated_tokens), mm.token_mult_prob_error);
     if (s.model.is_moe())
@@ -383,6 +388,8 @@ RecipeResult bench_recipe(Backend& be, const BenchSetup& s, const std::string& r
     if (!timed) continue;
     for (const char* p : kPhases) res.seconds[p].push_back(t[p]);
     res.gen_tokens.push_back(static_cast<double>(engine.last_stats().generated_tokens));
+    res.gen_host_seconds.push_back(gs.loop_seconds - gs.wait_seconds);
+    res.gen_forwards.push_back(gs.decode_steps);
     res.train_tokens.push_back(static_cast<double>(train_tokens));
     res.mult_prob_error.push_back(mm.token_mult_prob_error);
     res.gen_kl_error.push_back(mm.gen_kl_error);
@@ -574,6 +581,10 @@ int run_bench(const std::vector<std::string>& argv) {
   std::printf("%-18s", "gen tokens/s");
   for (const RecipeResult& r : results)
     std::printf(" %*.0f", w, median(r.gen_tokens) / std::max(1e-12, median(r.seconds.at("generation"))));
+  std::printf("\n%-18s", "gen host s");
+  for (const RecipeResult& r : results) std::printf(" %*.3f", w, median(r.gen_host_seconds));
+  std::printf("\n%-18s", "gen forwards");
+  for (const RecipeResult& r : results) std::printf(" %*.0f", w, median(r.gen_forwards));
   std::printf("\n%-18s", "mult_prob_error");
   for (const RecipeResult& r : results) std::printf(" %*.4f", w, median(r.mult_prob_error));
   std::printf("\n%-18s", "gen_kl_error");
@@ -620,6 +631,8 @@ int run_bench(const std::vector<std::string>& argv) {
     jr["generated_tokens"] = r.gen_tokens;
     jr["train_tokens"] = r.train_tokens;
     jr["generation_tokens_per_s"] = median(r.gen_tokens) / std::max(1e-12, median(r.seconds.at("generation")));
+    jr["generation_host_seconds"] = r.gen_host_seconds;  // host time with nothing queued on the device
+    jr["generation_forwards"] = r.gen_forwards;
     jr["token_mult_prob_error"] = r.mult_prob_error;
     jr["gen_kl_error"] = r.gen_kl_error;
     jr["entropy_per_token"] = r.entropy;  // the trainer's scoring, mean over response tokens

@@ -825,12 +825,36 @@ LogprobResult model_forward_logprobs(Backend& be, const ModelWeights& w, const E
   A.hidden = be.alloc({T, D}, act);
   be.rmsnorm(A.x_final, w.final_norm, c.rms_norm_eps, A.hidden, &A.final_rstd);
 
-  r.logp = be.alloc({T}, st);
-  A.lm_lse = be.alloc({T}, st);
-  if (opt.entropy) r.entropy = be.alloc({T}, st);
-  be.token_logprobs(A.hidden, w.lm_head, A.targets, opt.temperature, head_spec_for(act, prec.exact_logits()), r.logp,
-                    A.lm_lse, opt.entropy ? &r.entropy : nullptr);
-  zero_last_tokens(be, r.logp, batch.cu_seqlens);
+  // The head over the wanted rows only (ForwardOptions::head_rows): their hidden states and
+  // targets gathered, the rest never reaches the lm_head.
+  const int64_t R = opt.head_rows ? static_cast<int64_t>(opt.head_rows->size()) : T;
+  if (opt.head_rows) {
+    std::vector<int32_t> rows(R), row_of(T, static_cast<int32_t>(R)), sub_targets(R);
+    std::vector<bool> last(T, false);
+    for (int b = 0; b < batch.num_sequences(); ++b)
+      if (batch.cu_seqlens[b + 1] > batch.cu_seqlens[b]) last[batch.cu_seqlens[b + 1] - 1] = true;
+    for (int64_t i = 0; i < R; ++i) {
+      const int64_t t = (*opt.head_rows)[i];
+      FP8RL_CHECK(t >= 0 && t < T && (i == 0 || t > (*opt.head_rows)[i - 1]) && !last[t], "head_rows: entry ", i,
+                  " (token ", t, ") is not an increasing token with a target in a batch of ", T);
+      rows[i] = static_cast<int32_t>(t);
+      row_of[t] = static_cast<int32_t>(i);
+      sub_targets[i] = targets[t];
+    }
+    A.head_rows = upload_i32(be, rows);
+    A.head_row_of = upload_i32(be, row_of);
+    A.targets = upload_i32(be, sub_targets);
+    Tensor hidden = be.alloc({R, D}, act);
+    if (R > 0) be.embedding(A.head_rows, A.hidden, hidden);  // a row gather
+    A.hidden = hidden;
+  }
+  r.logp = be.alloc({R}, st);
+  A.lm_lse = be.alloc({R}, st);
+  if (opt.entropy) r.entropy = be.alloc({R}, st);
+  if (R > 0)
+    be.token_logprobs(A.hidden, w.lm_head, A.targets, opt.temperature, head_spec_for(act, prec.exact_logits()),
+                      r.logp, A.lm_lse, opt.entropy ? &r.entropy : nullptr);
+  if (!opt.head_rows) zero_last_tokens(be, r.logp, batch.cu_seqlens);
   if (opt.record_qkv_amax) {
     const std::vector<float> m = to_float_vector(be.to_host(amax.acc));  // one read for every block
     for (int l = 0; l < c.num_layers; ++l) {
@@ -1129,20 +1153,36 @@ void model_backward(Backend& be, const ModelWeights& w, const EnginePrecision& p
               "model_forward_logprobs(..., &acts) (got ", A.layers.size(), " layers of ", L, ")");
   const int64_t T = A.batch.num_tokens(), D = c.hidden_size, F = c.intermediate_size, hd = c.head_dim;
   const int64_t Hq = c.num_heads, Hkv = c.num_kv_heads;
-  check_shape(dlogp_in, {T}, "dlogp");
+  const bool head_rows = A.head_rows.defined();
+  const int64_t R = head_rows ? A.head_rows.numel() : T;
+  check_shape(dlogp_in, {R}, "dlogp");
   const DType act = act_dtype_for(be, w);
   const RopeParams rope = c.rope_params();
   const float softmax_scale = c.softmax_scale();
 
-  // dlogp without the targetless last tokens.
-  Tensor dlogp = be.alloc({T}, dlogp_in.dtype());
+  // dlogp without the targetless last tokens (head rows never hold one).
+  Tensor dlogp = be.alloc({R}, dlogp_in.dtype());
   be.copy(dlogp_in, dlogp);
-  zero_last_tokens(be, dlogp, A.batch.cu_seqlens);
+  if (!head_rows) zero_last_tokens(be, dlogp, A.batch.cu_seqlens);
 
   // lm_head + log-softmax, then the final norm. dx [T, D] is the gradient of the residual stream.
   Tensor dhidden = be.alloc({T, D}, act);
-  be.token_logprobs_backward(A.hidden, w.lm_head, A.targets, A.temperature, head_spec_for(act, prec.exact_logits()),
-                             A.lm_lse, dlogp, dhidden, &g.lm_head);
+  if (!head_rows) {
+    be.token_logprobs_backward(A.hidden, w.lm_head, A.targets, A.temperature, head_spec_for(act, prec.exact_logits()),
+                               A.lm_lse, dlogp, dhidden, &g.lm_head);
+  } else {
+    // The head's rows' gradient in rows [0, R) of `rows`, a zero row R for every token the head
+    // skipped, spread to the T tokens by the gather moe_unpermute does (one source row each).
+    Tensor rows = be.alloc({R + 1, D}, act);
+    Tensor zero = rows.slice_rows(R, R + 1);
+    be.fill(zero, 0.0f);
+    if (R > 0) {
+      Tensor head = rows.slice_rows(0, R);
+      be.token_logprobs_backward(A.hidden, w.lm_head, A.targets, A.temperature,
+                                 head_spec_for(act, prec.exact_logits()), A.lm_lse, dlogp, head, &g.lm_head);
+    }
+    be.moe_unpermute(rows, A.head_row_of, nullptr, dhidden);
+  }
   Tensor dx = be.alloc({T, D}, act);
   be.rmsnorm_backward(dhidden, A.x_final, w.final_norm, A.final_rstd, dx, g.final_norm);
 

@@ -120,8 +120,12 @@ struct Activations {
   bool recompute = false;
   Tensor x_final;                   // [T, D] residual stream after the last block
   Tensor final_rstd;                // [T]
-  Tensor hidden;                    // [T, D] final_norm(x_final)
-  Tensor lm_lse;                    // [T]    log-sum-exp of the logits (token_logprobs)
+  Tensor hidden;                    // [R, D] final_norm(x_final) at the head's rows (R = T: every token)
+  Tensor lm_lse;                    // [R]    log-sum-exp of the logits (token_logprobs)
+  // ForwardOptions::head_rows: the head's rows I32 [R] and, for the backward's scatter of the
+  // head's gradient, each token's row I32 [T] (R for the tokens the head skipped). Undefined: the
+  // head ran over every token (R = T) and `targets` is [T].
+  Tensor head_rows, head_row_of;
   // The E4M3 KV rounding the forward applied (ForwardOptions::kv_round_k/v), for the recompute.
   std::vector<float> kv_round_k, kv_round_v;
   MoeRouting replay_routing;  // the forward's routing replay (empty: none), for the recompute
@@ -146,13 +150,21 @@ struct ForwardOptions {
   // like the normal routing's. Given the forward's own routing, every output is bitwise the same.
   const MoeRouting* replay_routing = nullptr;
   bool record_routing = false;  // fill LogprobResult::routing (and router_topk under a replay)
+  // The tokens whose log-prob (and entropy) are wanted, strictly increasing, each with a target
+  // (not the last token of its sequence); null: every token. The lm_head (the step's largest GEMMs
+  // at a 150k vocabulary) then runs over these rows alone: GRPO and SFT read the response
+  // tokens only, so a prompt's rows are skipped in the forward and the backward. Each row's
+  // log-prob is the one the whole-batch head computes for it (the same op on the same row; bitwise
+  // where the head is row-invariant: the CPU, the consistent mode).
+  const std::vector<int64_t>* head_rows = nullptr;
 };
 
 struct LogprobResult {
   // F32 [T] (F64 with F64 weights) on the device. logp[t] = log p(ids[t+1] | ids[s..t]) for a token t of the sequence
-  // [s, e) with t + 1 < e; the last token of each sequence has no target and holds 0.
+  // [s, e) with t + 1 < e; the last token of each sequence has no target and holds 0. With
+  // ForwardOptions::head_rows: [R], logp[i] that of token head_rows[i].
   Tensor logp;
-  Tensor entropy;  // F32 [T] (when asked): entropy of the next-token distribution at t
+  Tensor entropy;  // F32 [T] or [R] as logp (when asked): entropy of the next-token distribution at t
   std::vector<float> q_amax, k_amax, v_amax;  // [num_layers] (when asked)
   // MoE models with record_routing: the experts each token used (the replayed ones under a
   // replay), and under a replay the router's own top-k (computed, then overridden).
@@ -178,7 +190,7 @@ struct BackwardOptions {
 };
 
 // Backward of sum_t dlogp[t] * logp[t] (dlogp F32 [T] on the device; the entries of the last
-// token of each sequence are ignored). Accumulates into `grads` (model_grads_alloc: F32, or
+// token of each sequence are ignored; [R] for a forward with head_rows, as its logp). Accumulates into `grads` (model_grads_alloc: F32, or
 // F64 with F64 weights). `weights` and `precision` must be the forward's.
 void model_backward(Backend& backend, const ModelWeights& weights, const EnginePrecision& precision,
                     const Activations& acts, const Tensor& dlogp, ModelWeights& grads,

@@ -3,6 +3,7 @@
 // the engine runs one generation forward over it and one sampling op over the sequences whose
 // chunk reached their last token, and ends the sequences that stopped.
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -296,6 +297,8 @@ std::vector<RolloutSample> RolloutEngine::generate(const std::vector<RolloutRequ
   // Progress in token slots: every sample has max_new_tokens; a finished one counts them all.
   int64_t slots_done = 0;
   const int64_t slots_total = static_cast<int64_t>(seqs.size()) * sp.max_new_tokens;
+  using Clock = std::chrono::steady_clock;
+  const auto t_loop = Clock::now();
   while (!sched.done()) {
     if (sp.on_progress) sp.on_progress(slots_done, slots_total);
     const std::vector<int>& batch_seqs = sched.schedule();
@@ -350,10 +353,13 @@ std::vector<RolloutSample> RolloutEngine::generate(const std::vector<RolloutRequ
     stats_.decode_steps++;
     sched.commit();
     if (!hb.any_row) continue;
+    const auto t_wait = Clock::now();
     const Tensor tokens = be_.to_host(tokens_dev), logp = be_.to_host(logp_dev);
+    stats_.wait_seconds += std::chrono::duration<double>(Clock::now() - t_wait).count();
     generate_append_tokens(seqs, batch_seqs, requests, sp, tokens, logp, sched, stats_, slots_done);
   }
 
+  stats_.loop_seconds = std::chrono::duration<double>(Clock::now() - t_loop).count();
   if (record) generate_finish_routing(seqs, int64_t(model_num_moe_layers(mc)) * mc.num_experts_per_tok);
   std::vector<RolloutSample> out;
   out.reserve(seqs.size());

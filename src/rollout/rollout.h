@@ -83,6 +83,10 @@ struct RolloutStats {
   int max_running = 0;   // most sequences running at once
   int max_pages_used = 0;  // most KV pages in use at once
   int graph_steps = 0;     // decode-only forwards run as CUDA-graph replays (or their recording step)
+  // Wall time of generate()'s iterations, and the part of it spent blocked on the device's
+  // sampled tokens. The rest (loop_seconds - wait_seconds: planning, staging, uploads, launches,
+  // appending the tokens) is host time during which the device has nothing queued.
+  double loop_seconds = 0, wait_seconds = 0;
 };
 
 // How the engine batches (rollout/scheduler.h describes the policy).

@@ -111,12 +111,9 @@ void routing_agreement(const MoeRouting& gen, const MoeRouting& used, const MoeR
   }
 }
 
-std::vector<float> gather(Backend& be, const Tensor& dev, const std::vector<int64_t>& index) {
-  Tensor h = be.to_host(dev);
-  std::vector<float> all = to_float_vector(h), out(index.size());
-  for (size_t i = 0; i < index.size(); ++i) out[i] = all[index[i]];
-  return out;
-}
+// A forward's per-token values over its head rows (ForwardOptions::head_rows = the packed
+// response tokens, Packed::logp_index), read back.
+std::vector<float> head_values(Backend& be, const Tensor& dev) { return to_float_vector(be.to_host(dev)); }
 
 std::vector<Tensor*> params_of(ModelWeights& w) {
   std::vector<Tensor*> out;
@@ -131,7 +128,7 @@ void append_scores(Backend& be, const LogprobResult& lr, const Packed& p, const 
   if (gen) routing_agreement(*gen, lr.routing, lr.router_topk, p.logp_index, r.routing_agreed, r.routing);
   r.logp.insert(r.logp.end(), logp.begin(), logp.end());
   if (want.entropy) {
-    std::vector<float> en = gather(be, lr.entropy, p.logp_index);
+    std::vector<float> en = head_values(be, lr.entropy);
     r.entropy.insert(r.entropy.end(), en.begin(), en.end());
   }
   if (want.record_amax) {
@@ -361,13 +358,14 @@ ScoreResult Trainer::score(const std::vector<TrainSequence>& seqs, float tempera
     fo.temperature = temperature;
     fo.entropy = entropy;
     fo.record_qkv_amax = record_amax;
+    fo.head_rows = &p.logp_index;  // the lm_head over the response tokens alone
     fo.kv_round_k = kv_round_k_;
     fo.kv_round_v = kv_round_v_;
     const std::optional<MoeRouting> gen = pack_routing(master_.config, seqs, first, end, p.batch.num_tokens());
     fo.record_routing = gen.has_value();
     if (gen && opt_.routing_replay) fo.replay_routing = &*gen;
     LogprobResult lr = model_forward_logprobs(be_, compute_weights(), prec_, p.batch, fo);
-    append_scores(be_, lr, p, gen, want, gather(be_, lr.logp, p.logp_index), r);
+    append_scores(be_, lr, p, gen, want, head_values(be_, lr.logp), r);
   }
   return r;
 }
@@ -382,6 +380,7 @@ void Trainer::forward_backward(const std::vector<TrainSequence>& seqs, float tem
     ForwardOptions fo;
     fo.temperature = temperature;
     fo.recompute = opt_.recompute;
+    fo.head_rows = &p.logp_index;  // the lm_head over the response tokens alone
     fo.kv_round_k = kv_round_k_;
     fo.kv_round_v = kv_round_v_;
     // Scoring in the same forward (score()'s options and records).
@@ -393,14 +392,12 @@ void Trainer::forward_backward(const std::vector<TrainSequence>& seqs, float tem
     if (gen && rec) fo.record_routing = true;
     if (gen && opt_.routing_replay) fo.replay_routing = &*gen;
     LogprobResult out = model_forward_logprobs(be_, weights, prec_, p.batch, fo, &acts);
-    std::vector<float> logp_new = gather(be_, out.logp, p.logp_index);
+    std::vector<float> logp_new = head_values(be_, out.logp);
     if (rec) append_scores(be_, out, p, gen, *score, logp_new, *scored);
     std::vector<float> grad(logp_new.size(), 0.0f);
     r.loss += loss_fn(first, end, logp_new, grad);
-    // Scatter dloss/dlogp into the forward's [T] layout.
-    std::vector<float> dl(p.batch.num_tokens(), 0.0f);
-    for (size_t i = 0; i < grad.size(); ++i) dl[p.logp_index[i]] = grad[i];
-    Tensor dlogp = be_.to_device(from_float_vector(dl, {p.batch.num_tokens()}));
+    // dloss/dlogp over the head's rows, as the forward's logp.
+    Tensor dlogp = be_.to_device(from_float_vector(grad, {static_cast<int64_t>(grad.size())}));
     BackwardOptions bo;
     bo.router_grad = opt_.train_router;
     model_backward(be_, weights, prec_, acts, dlogp, grads_, bo);
