@@ -27,6 +27,7 @@
 #                   FP8RL_PROFILE_ENV, e.g. "FP8RL_CUDA_GRAPHS=0") (2: the
 #                   linear ops split into quantizers, transposes and GEMMs; per-op stream time per
 #                   recipe and phase; with FP8RL_CUDA_GRAPHS=0 the decode step's ops are split too)
+#   grouped         bench-gemm --grouped-only: the grouped FP8 expert GEMM against a dense FP8 GEMM of equal FLOPs
 #   rlstep_long     bench rl-step, bf16 and fp8_e2e, one step of up to 2048 new tokens (FP8RL_RLSTEP_LONG_ARGS:
 #                   more arguments, default --warmup 0)
 #   trainstep       fp8rl bench-train-step at the Llama-3.2-1B shape, bf16 and fp8, and PyTorch eager
@@ -221,6 +222,9 @@ for stage in ${FP8RL_STAGES:-rlstep}; do
         --max-new-tokens "${FP8RL_RLSTEP_NEW:-512}" ${FP8RL_PROFILE_ARGS:-} > "$OUT/rlstep_profile.log" 2>&1
       note "bench rl-step (profile, ${FP8RL_PROFILE_ENV:-} FP8RL_CUDA_GRAPHS=${FP8RL_CUDA_GRAPHS:-1}): rc=$?"
       grep -A${FP8RL_PROFILE_LINES:-12} "cuda op profile" "$OUT/rlstep_profile.log" | tee -a "$SUMMARY" ;;
+    grouped)  # issue 16: the grouped FP8 expert GEMM (Qwen3-30B-A3B shapes, 16k tokens x top 8) against dense FP8
+      timeout 120 "$FP8RL" bench-gemm --grouped-only > "$OUT/grouped.log" 2>&1
+      note "bench-gemm --grouped-only: rc=$?"; grep -A3 "^grouped" "$OUT/grouped.log" | tee -a "$SUMMARY" ;;
     rlstep_long)
       timeout $(( $(left) - 20 )) "$FP8RL" bench rl-step --device cuda --model "${FP8RL_RLSTEP_MODEL:-qwen3-1.7b}" \
         --recipes bf16,fp8_e2e --max-new-tokens 2048 --steps 1 ${FP8RL_RLSTEP_LONG_ARGS:---warmup 0} --json "$OUT/rlstep_2048.json" \
