@@ -27,6 +27,7 @@
 #                   FP8RL_PROFILE_ENV, e.g. "FP8RL_CUDA_GRAPHS=0") (2: the
 #                   linear ops split into quantizers, transposes and GEMMs; per-op stream time per
 #                   recipe and phase; with FP8RL_CUDA_GRAPHS=0 the decode step's ops are split too)
+#   tests_x<N>      the GPU tests FP8RL_TESTS_X<N>_FILTER under the env FP8RL_TESTS_X<N>_ENV
 #   grouped         bench-gemm --grouped-only: the grouped FP8 expert GEMM against a dense FP8 GEMM of equal FLOPs
 #   rlstep_long     bench rl-step, bf16 and fp8_e2e, one step of up to 2048 new tokens (FP8RL_RLSTEP_LONG_ARGS:
 #                   more arguments, default --warmup 0)
@@ -222,6 +223,12 @@ for stage in ${FP8RL_STAGES:-rlstep}; do
         --max-new-tokens "${FP8RL_RLSTEP_NEW:-512}" ${FP8RL_PROFILE_ARGS:-} > "$OUT/rlstep_profile.log" 2>&1
       note "bench rl-step (profile, ${FP8RL_PROFILE_ENV:-} FP8RL_CUDA_GRAPHS=${FP8RL_CUDA_GRAPHS:-1}): rc=$?"
       grep -A${FP8RL_PROFILE_LINES:-12} "cuda op profile" "$OUT/rlstep_profile.log" | tee -a "$SUMMARY" ;;
+    tests_x*)  # the GPU tests FP8RL_<STAGE>_FILTER under the env assignments FP8RL_<STAGE>_ENV
+      up=$(echo "$stage" | tr a-z A-Z); tf_var="FP8RL_${up}_FILTER"; tenv_var="FP8RL_${up}_ENV"
+      env ${!tenv_var:-} timeout 300 "$B/fp8rl_gpu_tests" --gtest_color=no --gtest_filter="${!tf_var:-*}" \
+        > "$OUT/$stage.log" 2>&1
+      note "gpu tests ($stage: ${!tenv_var:-}): rc=$? $(grep -E '^\[  (PASSED|FAILED)' "$OUT/$stage.log" | tr '\n' ' ')"
+      grep -E '^\[  FAILED|Failure' "$OUT/$stage.log" | head -20 >> "$SUMMARY" ;;
     grouped)  # issue 16: the grouped FP8 expert GEMM (Qwen3-30B-A3B shapes, 16k tokens x top 8) against dense FP8
       timeout 120 "$FP8RL" bench-gemm --grouped-only > "$OUT/grouped.log" 2>&1
       note "bench-gemm --grouped-only: rc=$?"; grep -A3 "^grouped" "$OUT/grouped.log" | tee -a "$SUMMARY" ;;

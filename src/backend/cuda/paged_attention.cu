@@ -2148,7 +2148,22 @@ PagedSplit paged_attention_mma_split(int64_t T, int Hkv, int hd, DType pool_dt, 
   return paged_mma_split(T, Hkv, max_pos, sm_count * paged_attention_mma_blocks_per_sm(hd, pool_dt, variant), forced);
 }
 
-PagedSplit paged_attention_invariant_split(int max_pos) { return paged_invariant_split(max_pos); }
+// FP8RL_PAGED_INVARIANT_CHUNK=N (a multiple of 16; read once per process, so the generator and
+// the trainer of a run share it): the consistent mode's chunk instead of kPagedInvariantChunk —
+// an experiment on what the fixed split costs each engine (one chunk per token = no split and
+// no combine up to N positions, fewer CTAs per long token in a small batch).
+PagedSplit paged_attention_invariant_split(int max_pos) {
+  static const int chunk = [] {
+    const char* e = std::getenv("FP8RL_PAGED_INVARIANT_CHUNK");
+    const int n = e ? std::atoi(e) : 0;
+    return n >= kMmaTile && n % kMmaTile == 0 ? n : kPagedInvariantChunk;
+  }();
+  if (chunk == kPagedInvariantChunk) return paged_invariant_split(max_pos);
+  PagedSplit p;
+  p.chunk = chunk;
+  p.splits = (max_pos > 1 ? max_pos + chunk - 1 : chunk) / chunk;
+  return p;
+}
 
 bool paged_attention_runs_apply(int group, int variant, bool out_fp8) {
   return resolve_variant(variant) == kMmaDefaultVariant && !out_fp8 &&
