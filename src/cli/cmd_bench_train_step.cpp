@@ -12,7 +12,9 @@
 // FP8 GEMM fallback counters are reported (must be 0 on the FP8 path). Phases, each timed after one
 // warm-up run, median of --repeats:
 //   score     Trainer::score of --seqs sequences of --seq-len tokens (logp + entropy [+ amax])
-//   train     one Trainer::step: forward + backward + AdamW, loss = -mean logp of the response
+//   train     one Trainer::step: forward + backward + AdamW, loss = -mean logp of every token
+//             after the first (the lm_head over the whole sequence, as the causal-LM loss of the
+//             PyTorch peer, scripts/bench_train_step_torch.py; --prompt-len sizes generate only)
 //   generate  RolloutEngine::generate of --seqs sequences: prompt --prompt-len tokens, then
 //             seq-len - prompt-len new tokens (no stop token, so every sequence runs to the end)
 // --precision picks the recipe preset: fp32, bf16, or fp8 (= fp8_e2e: FP8 linears in both
@@ -177,7 +179,7 @@ int run_bench(const std::vector<std::string>& argv) {
   std::vector<RolloutRequest> reqs(nseq);
   for (int i = 0; i < nseq; ++i) {
     for (int t = 0; t < seq_len; ++t) seqs[i].ids.push_back(tok(rng));
-    seqs[i].prompt_len = prompt_len;
+    seqs[i].prompt_len = 1;  // the trainer's head over every position (ForwardOptions::head_rows)
     reqs[i].prompt.assign(seqs[i].ids.begin(), seqs[i].ids.begin() + prompt_len);
     reqs[i].n = 1;
   }
