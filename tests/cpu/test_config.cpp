@@ -90,6 +90,16 @@ TEST(Config, GpuExampleLoads) {
   EXPECT_DOUBLE_EQ(c.train.kl_beta, 0.01);
   EXPECT_EQ(c.train.baseline, AdvantageBaseline::LeaveOneOut);
   EXPECT_EQ(c.device, "cuda");
+  // The near-exact FP8 arm: it validates, and its recipe is fp8_e2e with the consistent attention.
+  EXPECT_NO_THROW(config_validate(c));
+  const PrecisionRecipe r = config_precision_recipe(c.precision);
+  EXPECT_TRUE(r.consistent() && !r.trainer.consistent_linears && !r.trainer.consistent_logits);
+  EXPECT_TRUE(r.generator.pow2_scales && r.trainer.linear == LinearMode::FP8_BLOCK);
+  // The documented BF16 arm's overrides validate too.
+  const RunConfig b = config_load(kConfigs + "gsm8k_gpu.yaml",
+                                  {"precision.recipe=bf16", "precision.consistent=off", "precision.consistent_logits=true"});
+  EXPECT_NO_THROW(config_validate(b));
+  EXPECT_FALSE(config_precision_recipe(b.precision).consistent());
   // keys the file does not set keep their defaults
   EXPECT_EQ(c.model.tiny.hidden_size, RunConfig{}.model.tiny.hidden_size);
 }

@@ -300,7 +300,7 @@ TEST(CudaConsistent, PagedAttentionDoesNotDependOnTheBatch) {
 // wide CTAs of eight blocks, their K/V read once for all): every token's output and lse are the
 // same bits as
 // with one CTA per token, at group 1, 2 (the 1.7B heads), 4 and 8, over BF16 and E4M3 pools, for
-// sequences scored whole across the 512-position chunk ends, with keys growing along the
+// sequences scored whole across the 1024-position chunk end (kPagedInvariantChunk), with keys growing along the
 // positions (the running max moves: the lazy rescale's per-token vote).
 TEST(CudaConsistent, PagedAttentionQueryRunsAreBitwiseOneTokenCtas) {
   cuda::CudaBackend be(0, DType::BF16);

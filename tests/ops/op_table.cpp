@@ -2275,18 +2275,18 @@ void generation_cases(std::vector<OpCase>& t) {
     EXPECT_THROW(r.be.kv_round(x, {0.01f, 0.0f, 0.01f}), Error);  // scales > 0
   };
 
-  // attention_paged in the consistent mode (batch_invariant) with its lse: two sequences of 600
-  // and 37 positions in pages of 16 (the longer spans two of CUDA's invariant chunks of 512), every
+  // attention_paged in the consistent mode (batch_invariant) with its lse: two sequences of 1100
+  // and 37 positions in pages of 16 (the longer spans two of CUDA's invariant chunks of 1024), every
   // token a query; each token's output is the same bits in that prefill-sized batch and in a
   // decode batch of three tokens (max_pos, T and the split of the batch differ); asking for the
   // lse does not change out; the lse is attention()'s on the values the cache hands back.
   for (DType kdt : {DType::F32, DType::BF16, DType::E4M3}) {
     const DType qdt = kdt == DType::F32 ? DType::F32 : DType::BF16;  // CUDA: the tiled / tensor-core kernels
     const int ips = 16, iHkv = 2, ihd = 64, iHq = 4;
-    const std::vector<int32_t> ilens = {600, 37};
+    const std::vector<int32_t> ilens = {1100, 37};
     std::vector<int32_t> iseq, ipos, islots, itable;
     int ipages = 0;
-    const int width = (600 + ips - 1) / ips;
+    const int width = (1100 + ips - 1) / ips;
     for (int b = 0; b < 2; ++b) {
       const int np = (ilens[b] + ips - 1) / ips;
       for (int p = 0; p < width; ++p) itable.push_back(p < np ? ipages + (p * 7) % np : 0);  // scattered
@@ -2298,10 +2298,10 @@ void generation_cases(std::vector<OpCase>& t) {
       ipages += np;
     }
     const int64_t iT = static_cast<int64_t>(iseq.size());
-    const std::vector<int32_t> dec = {599, 600 + 36, 300};  // the tokens of the decode batch
+    const std::vector<int32_t> dec = {1099, 1100 + 36, 300};  // the tokens of the decode batch
     t.push_back(
         {"kv_write + attention_paged",
-         std::string(dtype_name(kdt)) + " cache, batch-invariant with lse, 600 + 37 positions",
+         std::string(dtype_name(kdt)) + " cache, batch-invariant with lse, 1100 + 37 positions",
          [=] {
            Tensor ks = rnd({1, iHkv}, 120), vs = rnd({1, iHkv}, 121);
            for (int64_t i = 0; i < iHkv; ++i) {
@@ -2331,7 +2331,7 @@ void generation_cases(std::vector<OpCase>& t) {
            KvCache c = r.be.alloc_kv_cache(1, ipages, ips, iHkv, ihd, kdt);
            r.be.copy(r["k_scale"], c.k_scale);
            r.be.copy(r["v_scale"], c.v_scale);
-           PagedBatch b{r["seq"], r["pos"], r["slots"], r["table"], 600};
+           PagedBatch b{r["seq"], r["pos"], r["slots"], r["table"], 1100};
            b.batch_invariant = true;
            r.be.kv_write(c, 0, r["k"], r["v"], b);
            const DType odt = r.be.device() == DeviceKind::CPU ? DType::F32 : qdt;
@@ -2381,10 +2381,10 @@ void generation_cases(std::vector<OpCase>& t) {
   // by the tensor-core kernel's epilogue with one split, by the split combine with several): out
   // bitwise the plain call's, codes and scales bitwise quantize(out) of the same run, in either
   // scale layout (CUDA's VEC128 layout when T % 16 == 0). Head_dim 128, GQA 4 / 2, batch-invariant
-  // plans: one split below 512 positions, two for the 600-position sequence.
+  // plans: one split below 1024 positions, two for the 1100-position sequence.
   for (DType kdt : {DType::BF16, DType::E4M3})
     for (const std::vector<int32_t>& flens : {std::vector<int32_t>{37}, std::vector<int32_t>{48},
-                                              std::vector<int32_t>{600, 37}, std::vector<int32_t>{600, 40}}) {
+                                              std::vector<int32_t>{1100, 37}, std::vector<int32_t>{1100, 40}}) {
       const int fps = 16, fHkv = 2, fhd = 128, fHq = 4, B = static_cast<int>(flens.size());
       std::vector<int32_t> fseq, fpos, fslots, ftable;
       int fpages = 0, width = 0, maxlen = 0;

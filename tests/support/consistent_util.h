@@ -22,7 +22,7 @@ namespace fp8rl::test {
 struct ConsistentShape {
   std::string family = "qwen3";
   int vocab = 4500, hidden = 256, layers = 2, heads = 4, kv_heads = 2, intermediate = 384;
-  bool long_sequence = false;  // one more request whose sequence passes 512 positions
+  bool long_sequence = false;  // one more request whose sequence passes 1024 positions (CUDA's invariant chunk)
 };
 
 struct ConsistentRun {
@@ -51,7 +51,7 @@ inline ConsistentRun consistent_run(Backend& be, const ConsistentShape& sh, cons
   Trainer reference(be, model_weights_to_device(be, host, DType::F32), recipe.trainer, fopt);
   SchedulerOptions so;
   so.max_batch_tokens = 24;  // chunked prefill, decode tokens mixed with prefill chunks
-  RolloutEngine engine(be, trainer.master(), recipe.generator, /*kv_pages=*/sh.long_sequence ? 64 : 24,
+  RolloutEngine engine(be, trainer.master(), recipe.generator, /*kv_pages=*/sh.long_sequence ? 112 : 24,
                        /*page_size=*/16, /*max_batch=*/4, so);
 
   std::vector<RolloutRequest> reqs = {{{1, 5, 9, 2, 7}, 3, {20, 4, 11}},
@@ -63,7 +63,7 @@ inline ConsistentRun consistent_run(Backend& be, const ConsistentShape& sh, cons
   sp.max_new_tokens = 20;
   if (sh.long_sequence) {
     RolloutRequest r;
-    r.prompt.resize(500);
+    r.prompt.resize(1000);
     for (size_t i = 0; i < r.prompt.size(); ++i) r.prompt[i] = static_cast<int32_t>((i * 53 + 7) % sh.vocab);
     r.n = 2;
     sp.max_new_tokens = 40;

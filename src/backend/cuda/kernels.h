@@ -285,8 +285,12 @@ constexpr int kPagedTargetCtasPerSm = 4;  // split until T * Hkv * splits fills 
 constexpr int kPagedMinChunk = 128;       // ... but never below this many positions per split (a tile per warp)
 constexpr int kPagedMaxSplits = 64;
 // The consistent mode's split (PagedBatch::batch_invariant): positions in chunks of this many (a
-// multiple of the tensor-core kernel's 16-position tile), whatever the batch.
-constexpr int kPagedInvariantChunk = 512;
+// multiple of the tensor-core kernel's 16-position tile), whatever the batch. 1024 (512 until
+// session 27): a decode graph's plan is sized by its page-table width (a power of two of pages),
+// so at 512 every replay of a 600-position rollout ran two splits and the combine; at 1024 one
+// CTA per (token, head) up to 1024 positions — the near-exact recipe's generation 1.791 -> 1.705 s
+// and step 0.97x -> 0.99x of fp8_e2e's (H100, docs/benchmarks.md session 27).
+constexpr int kPagedInvariantChunk = 1024;
 struct PagedSplit {
   int splits = 1, chunk = 1;  // split s covers positions [s * chunk, (s + 1) * chunk); the last one runs to pos
 };

@@ -643,29 +643,31 @@ int main(int argc, char** argv) {
   }
   {  // query runs: whole stretches of a sequence as queries (the consistent scoring), G 4 and 1,
      // scores rising with the position (the lazy rescale's per-token vote), across a chunk end
-    Case c{"invariant runs G4 hd128 e4m3", 128, 8, 2, 16, Pool::E4M3, true, false, {530, 12}, {}, 0};
-    for (int p = 505; p < 521; ++p) c.tokens.push_back({0, p});
+    const int C = kPagedInvariantChunk;
+    Case c{"invariant runs G4 hd128 e4m3", 128, 8, 2, 16, Pool::E4M3, true, false, {C + 18, 12}, {}, 0};
+    for (int p = C - 7; p < C + 9; ++p) c.tokens.push_back({0, p});
     for (int p = 0; p < 7; ++p) c.tokens.push_back({1, p});
     c.kramp = 1.5f;
     c.invariant = true;
     mma_cases.push_back(c);
-    Case d{"invariant runs G1 hd64 bf16", 64, 2, 2, 16, Pool::BF16, true, false, {20, 520}, {}, 0};
+    Case d{"invariant runs G1 hd64 bf16", 64, 2, 2, 16, Pool::BF16, true, false, {20, C + 8}, {}, 0};
     for (int p = 0; p < 20; ++p) d.tokens.push_back({0, p});
-    for (int p = 508; p < 516; ++p) d.tokens.push_back({1, p});
+    for (int p = C - 4; p < C + 4; ++p) d.tokens.push_back({1, p});
     d.kramp = 1.5f;
     d.invariant = true;
     mma_cases.push_back(d);
   }
   {  // wide query runs at the 1.7B group: runs of 32 tokens whose warps end at different tiles and
      // passes, across a chunk end, and a short sequence; group 8 (one token per warp) on BF16 hd 64
-    Case c{"invariant runs G2 hd128 e4m3 wide", 128, 4, 2, 16, Pool::E4M3, true, false, {600, 45}, {}, 0};
-    for (int p = 470; p < 546; ++p) c.tokens.push_back({0, p});
+    const int C = kPagedInvariantChunk;
+    Case c{"invariant runs G2 hd128 e4m3 wide", 128, 4, 2, 16, Pool::E4M3, true, false, {C + 88, 45}, {}, 0};
+    for (int p = C - 42; p < C + 34; ++p) c.tokens.push_back({0, p});
     for (int p = 0; p < 45; ++p) c.tokens.push_back({1, p});
     c.kramp = 1.5f;
     c.invariant = true;
     mma_cases.push_back(c);
-    Case d{"invariant runs G8 hd64 bf16 wide", 64, 16, 2, 16, Pool::BF16, true, false, {530, 3}, {}, 0};
-    for (int p = 500; p < 515; ++p) d.tokens.push_back({0, p});
+    Case d{"invariant runs G8 hd64 bf16 wide", 64, 16, 2, 16, Pool::BF16, true, false, {C + 18, 3}, {}, 0};
+    for (int p = C - 12; p < C + 3; ++p) d.tokens.push_back({0, p});
     for (int p = 0; p < 3; ++p) d.tokens.push_back({1, p});
     d.kramp = 1.5f;
     d.invariant = true;
