@@ -433,10 +433,11 @@ PY
           --prompt-len 2040 --repeats 1 > "$OUT/trainstep_profile_$prec.log" 2>&1
         note "bench-train-step $prec (profile): rc=$?"; grep -A16 "cuda op profile: train_step" "$OUT/trainstep_profile_$prec.log" | tee -a "$SUMMARY"
       done ;;
-    generate)
-      timeout $(( $(left) - 20 )) "$FP8RL" bench generate --device cuda --model 1b --json "$OUT/generate_1b.json" \
-        > "$OUT/generate_1b.log" 2>&1
-      note "bench generate 1b: rc=$?"; grep -E "^(recipe |bf16 |fp8_)" "$OUT/generate_1b.log" | tee -a "$SUMMARY" ;;
+    generate)  # issue 14's table: bench generate on FP8RL_GENERATE_MODEL (1b) with FP8RL_GENERATE_ARGS
+      gm=${FP8RL_GENERATE_MODEL:-1b}
+      timeout $(( $(left) - 20 )) "$FP8RL" bench generate --device cuda --model "$gm" ${FP8RL_GENERATE_ARGS:-} \
+        --json "$OUT/generate_$gm.json" > "$OUT/generate_$gm.log" 2>&1
+      note "bench generate $gm: rc=$?"; sed -n '/^recipe/,$p' "$OUT/generate_$gm.log" | head -40 | tee -a "$SUMMARY" ;;
     rlstep_kl)
       timeout $(( $(left) - 20 )) "$FP8RL" bench rl-step --device cuda --model "${FP8RL_RLSTEP_MODEL:-qwen3-1.7b}" \
         --recipes bf16,fp8_e2e --kl-beta 0.01 --max-new-tokens 256 --steps 1 --warmup 0 \
