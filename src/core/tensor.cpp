@@ -103,7 +103,7 @@ std::vector<float> to_float_vector(const Tensor& t) {
   const int64_t n = t.numel();
   std::vector<float> out(n);
   switch (t.dtype()) {
-    case DType::F32: std::memcpy(out.data(), t.raw(), n * 4); break;
+    case DType::F32: if (n > 0) std::memcpy(out.data(), t.raw(), n * 4); break;  // (empty: no null memcpy)
     case DType::F64: for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(t.data<double>()[i]); break;
     case DType::BF16: for (int64_t i = 0; i < n; ++i) out[i] = bf16_to_float(t.data<uint16_t>()[i]); break;
     case DType::F16: for (int64_t i = 0; i < n; ++i) out[i] = f16_to_float(t.data<uint16_t>()[i]); break;
@@ -119,7 +119,7 @@ Tensor from_float_vector(const std::vector<float>& v, const Shape& shape, DType 
   Tensor t = Tensor::empty(shape, dtype);
   const size_t n = v.size();
   switch (dtype) {
-    case DType::F32: std::memcpy(t.raw(), v.data(), n * 4); break;
+    case DType::F32: if (n > 0) std::memcpy(t.raw(), v.data(), n * 4); break;
     case DType::F64: for (size_t i = 0; i < n; ++i) t.data<double>()[i] = v[i]; break;
     case DType::BF16: for (size_t i = 0; i < n; ++i) t.data<uint16_t>()[i] = bf16_from_float(v[i]); break;
     case DType::F16: for (size_t i = 0; i < n; ++i) t.data<uint16_t>()[i] = f16_from_float(v[i]); break;
