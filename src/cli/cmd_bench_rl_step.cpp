@@ -132,8 +132,9 @@ struct RecipeResult {
   std::string recipe;
   std::map<std::string, std::vector<double>> seconds;  // phase -> per timed step
   std::vector<double> gen_tokens, train_tokens, mult_prob_error, gen_kl_error, entropy;
-  // Generation's host time with nothing queued on the device (RolloutStats: loop - wait), and its
-  // iterations, per timed step.
+  // Generation's host time outside the waits for sampled tokens (RolloutStats: loop - wait; with
+  // graph-replayed decode steps, time the device has nothing queued), and its iterations, per
+  // timed step.
   std::vector<double> gen_host_seconds, gen_forwards;
   // MoE: per timed step, the routing agreement and the mismatch over tokens routed alike / not
   std::vector<double> routing_agreement, router_agreement, mult_prob_error_agreed, mult_prob_error_differs;
@@ -631,7 +632,7 @@ int run_bench(const std::vector<std::string>& argv) {
     jr["generated_tokens"] = r.gen_tokens;
     jr["train_tokens"] = r.train_tokens;
     jr["generation_tokens_per_s"] = median(r.gen_tokens) / std::max(1e-12, median(r.seconds.at("generation")));
-    jr["generation_host_seconds"] = r.gen_host_seconds;  // host time with nothing queued on the device
+    jr["generation_host_seconds"] = r.gen_host_seconds;  // host time outside waits (RolloutStats)
     jr["generation_forwards"] = r.gen_forwards;
     jr["token_mult_prob_error"] = r.mult_prob_error;
     jr["gen_kl_error"] = r.gen_kl_error;
