@@ -791,13 +791,15 @@ void config_validate(const RunConfig& c) {
        "decides how the trainer reads k and v (through a cache of the generator's KV dtype): leave "
        "precision.trainer_kv_rounding at auto");
   need(consistent || p.consistent_logits, "precision.consistent_logits",
-       "= false relaxes a consistent mode's head: set precision.consistent (on, attn or flash) too");
+       "= false relaxes a consistent mode's head: set precision.consistent (on, attn or flash) too, or "
+       "precision.consistent_logits=true");
   const PrecisionRecipe recipe = config_precision_recipe(p);
   if (p.consistent == "attn" || p.consistent == "flash") {
     need(recipe.generator.linear == LinearMode::FP8_BLOCK && recipe.trainer.linear == LinearMode::FP8_BLOCK,
          "precision.consistent", p.consistent,
          " keeps each engine's fast per-batch-size products, which agree only as FP8 products with "
-         "power-of-two scales: use the fp8_e2e recipe with precision.pow2_scales=true, or precision.consistent=on");
+         "power-of-two scales: use the fp8_e2e recipe with precision.pow2_scales=true, or precision.consistent=on; "
+         "for a run without the consistent mode set precision.consistent=off precision.consistent_logits=true");
     need(p.pow2_scales, "precision.consistent", p.consistent,
          " keeps each engine's fast per-batch-size FP8 products, which agree only with power-of-two "
          "scales: set precision.pow2_scales=true (or use precision.consistent=on)");

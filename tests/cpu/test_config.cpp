@@ -95,11 +95,15 @@ TEST(Config, GpuExampleLoads) {
   const PrecisionRecipe r = config_precision_recipe(c.precision);
   EXPECT_TRUE(r.consistent() && !r.trainer.consistent_linears && !r.trainer.consistent_logits);
   EXPECT_TRUE(r.generator.pow2_scales && r.trainer.linear == LinearMode::FP8_BLOCK);
-  // The documented BF16 arm's overrides validate too.
-  const RunConfig b = config_load(kConfigs + "gsm8k_gpu.yaml",
-                                  {"precision.recipe=bf16", "precision.consistent=off", "precision.consistent_logits=true"});
-  EXPECT_NO_THROW(config_validate(b));
-  EXPECT_FALSE(config_precision_recipe(b.precision).consistent());
+  // The documented BF16 and fp8_gen arms' overrides validate too; the recipe alone does not.
+  for (const char* arm : {"bf16", "fp8_gen"}) {
+    const std::string recipe = std::string("precision.recipe=") + arm;
+    const RunConfig b = config_load(kConfigs + "gsm8k_gpu.yaml",
+                                    {recipe, "precision.consistent=off", "precision.consistent_logits=true"});
+    EXPECT_NO_THROW(config_validate(b)) << arm;
+    EXPECT_FALSE(config_precision_recipe(b.precision).consistent()) << arm;
+    EXPECT_THROW(config_validate(config_load(kConfigs + "gsm8k_gpu.yaml", {recipe})), Error) << arm;
+  }
   // keys the file does not set keep their defaults
   EXPECT_EQ(c.model.tiny.hidden_size, RunConfig{}.model.tiny.hidden_size);
 }
