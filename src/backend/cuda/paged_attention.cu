@@ -1949,10 +1949,10 @@ inline PagedSplit paged_mma_split(int64_t T, int Hkv, int max_pos, int slots, in
 // [s * chunk, min(len, (s + 1) * chunk)) for s < ceil(len / chunk), and the combine merges
 // exactly those in order: its result depends on its position alone (T, max_pos and the other
 // tokens change only how many CTAs exit at once).
-inline PagedSplit paged_invariant_split(int max_pos) {
+inline PagedSplit paged_invariant_split(int max_pos, int chunk = kPagedInvariantChunk) {
   PagedSplit p;
-  p.chunk = kPagedInvariantChunk;
-  p.splits = (max_pos > 1 ? max_pos + kPagedInvariantChunk - 1 : kPagedInvariantChunk) / kPagedInvariantChunk;
+  p.chunk = chunk;
+  p.splits = (max_pos > 1 ? max_pos + chunk - 1 : chunk) / chunk;
   return p;
 }
 // The variants of the tensor-core decode kernel (FP8RL_PAGED_VARIANT, kernels.h): 0 is
@@ -2158,11 +2158,7 @@ PagedSplit paged_attention_invariant_split(int max_pos) {
     const int n = e ? std::atoi(e) : 0;
     return n >= kMmaTile && n % kMmaTile == 0 ? n : kPagedInvariantChunk;
   }();
-  if (chunk == kPagedInvariantChunk) return paged_invariant_split(max_pos);
-  PagedSplit p;
-  p.chunk = chunk;
-  p.splits = (max_pos > 1 ? max_pos + chunk - 1 : chunk) / chunk;
-  return p;
+  return paged_invariant_split(max_pos, chunk);
 }
 
 bool paged_attention_runs_apply(int group, int variant, bool out_fp8) {
