@@ -375,12 +375,12 @@ RecipeResult bench_recipe(Backend& be, const BenchSetup& s, const std::string& r
     });
     t["step"] = std::chrono::duration<double>(Clock::now() - t_step).count();
     const RolloutStats& gs = engine.last_stats();
-    std::printf("  %-8s step %d%s: gen %.2f s (host %.3f s over %d forwards), score %.2f s, ref %.2f s, train %.2f s, refit %.3f s, step %.2f s; "
-                "%lld new tokens, mult_prob_error %.4f",
+    std::printf("  %-8s step %d%s: gen %.2f s (host %.3f s over %d forwards), score %.2f s, ref %.2f s, "
+                "train %.2f s, refit %.3f s, step %.2f s; %lld new tokens, mult_prob_error %.4f",
                 recipe_name.c_str(), step, timed ? "" : " (warm-up)", t["generation"],
-                gs.loop_seconds - gs.wait_seconds, gs.decode_steps, t["scoring"], t["reference"],
-                t["training"], t["refit_calibration"], t["step"],
-                static_cast<long long>(engine.last_stats().generated_tokens), mm.token_mult_prob_error);
+                gs.loop_seconds - gs.wait_seconds, gs.decode_steps, t["scoring"], t["reference"], t["training"],
+                t["refit_calibration"], t["step"], static_cast<long long>(gs.generated_tokens),
+                mm.token_mult_prob_error);
     if (s.model.is_moe())
       std::printf(", routing agreement %.4f (router %.4f), mult_prob_error routed alike %.4f / not %.4f",
                   rm.agreement, rm.router_agreement, rm.agreed.token_mult_prob_error, rm.differs.token_mult_prob_error);
@@ -388,7 +388,7 @@ RecipeResult bench_recipe(Backend& be, const BenchSetup& s, const std::string& r
     std::fflush(stdout);
     if (!timed) continue;
     for (const char* p : kPhases) res.seconds[p].push_back(t[p]);
-    res.gen_tokens.push_back(static_cast<double>(engine.last_stats().generated_tokens));
+    res.gen_tokens.push_back(static_cast<double>(gs.generated_tokens));
     res.gen_host_seconds.push_back(gs.loop_seconds - gs.wait_seconds);
     res.gen_forwards.push_back(gs.decode_steps);
     res.train_tokens.push_back(static_cast<double>(train_tokens));
