@@ -190,8 +190,9 @@ struct BackwardOptions {
 };
 
 // Backward of sum_t dlogp[t] * logp[t] (dlogp F32 [T] on the device; the entries of the last
-// token of each sequence are ignored; [R] for a forward with head_rows, as its logp). Accumulates into `grads` (model_grads_alloc: F32, or
-// F64 with F64 weights). `weights` and `precision` must be the forward's.
+// token of each sequence are ignored; [R] for a forward with head_rows, as its logp).
+// Accumulates into `grads` (model_grads_alloc: F32, or F64 with F64 weights). `weights` and
+// `precision` must be the forward's.
 void model_backward(Backend& backend, const ModelWeights& weights, const EnginePrecision& precision,
                     const Activations& acts, const Tensor& dlogp, ModelWeights& grads,
                     const BackwardOptions& options = {});
