@@ -32,6 +32,7 @@
 #   rlstep_long     bench rl-step, bf16 and fp8_e2e, one step of up to 2048 new tokens (FP8RL_RLSTEP_LONG_ARGS:
 #                   more arguments, default --warmup 0)
 #   trainstep       fp8rl bench-train-step at the Llama-3.2-1B shape, bf16 and fp8, and PyTorch eager
+#   trainstep_8b    fp8rl bench-train-step at the Llama-3.1-8B width (8 blocks, full vocabulary), bf16 and fp8
 #   memory          bench rl-step with 32k-token micro-batches and kl_beta 0.01, recompute none and
 #                   block: measured peak against the memory plan of the same setup (issue 15)
 #   kernels         the tensor-core paged decode attention (old vs new, GB/s) and the sampler alone
@@ -80,7 +81,7 @@
 #                   bf16 vs fp8_linear vs fp8_attn (full FP8), 256 prompts x 256 tokens + 512 new (the
 #                   BF16 KV of all 256 at once, 18 GiB, fits beside master + generator: 2 x 56.9 GiB)
 #   moe_trainstep   issue 16: bench-train-step at Qwen3-30B-A3B width (FP8RL_MOE_TRAIN_LAYERS = 6 blocks, BF16
-#                   gradients (FP8RL_MOE_TRAIN_GRAD; cuBLAS groups the BF16 wgrad only into BF16),
+#                   gradients (FP8RL_MOE_TRAIN_GRAD=fp32: the experts' BF16 products staged into F32),
 #                   full vocabulary), bf16 vs fp8, 8 x 2048 tokens; its plan: --plan-only
 #   mismatch        issue 11's split of token_mult_prob_error by component (one step, 256 new tokens):
 #                   bf16; FP8 generator linears alone; FP8 linears in both engines over BF16 KV;
@@ -248,6 +249,15 @@ for stage in ${FP8RL_STAGES:-rlstep}; do
       timeout 120 env PYTHONUNBUFFERED=1 python3 scripts/bench_train_step_torch.py --json "$OUT/trainstep_torch.json" \
         > "$OUT/trainstep_torch.log" 2>&1
       note "torch train step: rc=$?"; tail -3 "$OUT/trainstep_torch.log" | tee -a "$SUMMARY" ;;
+    trainstep_8b)  # issue 13: bench-train-step at the Llama-3.1-8B width (FP8RL_TRAINSTEP_8B_LAYERS = 8 blocks,
+      # full vocabulary), bf16 vs fp8, 8 x 2048 tokens (FP8RL_TRAINSTEP_8B_ARGS: more arguments, e.g. micro-batches)
+      for prec in bf16 fp8; do
+        timeout $(( $(left) / 2 )) "$FP8RL" bench-train-step --device cuda --precision $prec --model llama-3.1-8b \
+          --layers "${FP8RL_TRAINSTEP_8B_LAYERS:-8}" --seqs 8 --seq-len 2048 --prompt-len 2040 --repeats 3 \
+          ${FP8RL_TRAINSTEP_8B_ARGS:-} --json "$OUT/trainstep_8b_$prec.json" > "$OUT/trainstep_8b_$prec.log" 2>&1
+        note "bench-train-step llama-3.1-8b width $prec: rc=$?"
+        grep -E "^(bench-train-step:|score |train_step |fp8 fallbacks)|refused|error" "$OUT/trainstep_8b_$prec.log" | tee -a "$SUMMARY"
+      done ;;
     memory)  # issue 15: the recipe's 32k-token micro-batches with the KL reference, measured peak vs the plan
       for rc in none block; do
         recipes=bf16,fp8_e2e; [ $rc = block ] && recipes=bf16
@@ -422,7 +432,7 @@ PY
       for prec in ${FP8RL_MOE_PROFILE_PRECS:-bf16 fp8}; do
         FP8RL_CUDA_PROFILE=${FP8RL_PROFILE_LEVEL:-1} timeout $(( $(left) / 2 )) "$FP8RL" bench-train-step --device cuda --precision $prec \
           --model qwen3-30b-a3b --layers "${FP8RL_MOE_TRAIN_LAYERS:-6}" --seqs 8 --seq-len 2048 --prompt-len 2040 \
-          --repeats 1 --grad-dtype bf16 > "$OUT/moe_trainstep_profile_$prec.log" 2>&1
+          --repeats 1 --grad-dtype "${FP8RL_MOE_TRAIN_GRAD:-bf16}" > "$OUT/moe_trainstep_profile_$prec.log" 2>&1
         note "bench-train-step qwen3-30b-a3b $prec (profile): rc=$?"
         grep -A${FP8RL_PROFILE_ROWS:-24} "cuda op profile: train_step" "$OUT/moe_trainstep_profile_$prec.log" | tee -a "$SUMMARY"
       done ;;

@@ -374,13 +374,6 @@ void setup_models(GrpoRun& r, bool resume) {
       std::printf(host.config.is_moe()
                       ? "routing replay: the trainer uses the generator's experts (train.routing_replay)\n"
                       : "train.routing_replay: the model has no mixture-of-experts layers; nothing to replay\n");
-    // The experts' weight gradient is one grouped launch into BF16 gradients only (cuBLAS's
-    // grouped GEMM has no F32 output); F32 ones take a product per expert (counted as grouped
-    // loops): said once, with the key that changes it.
-    if (host.config.is_moe() && c.device == "cuda" && c.train.grad_dtype == "fp32")
-      std::printf(
-          "note: with train.grad_dtype fp32 the experts' weight gradients run one GEMM per expert; "
-          "train.grad_dtype=bf16 runs each layer's experts as one grouped launch\n");
   }
   std::fflush(stdout);
   memory_plan_check_host(plan, c.device);

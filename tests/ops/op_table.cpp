@@ -1639,16 +1639,20 @@ void grouped_linear_shared_input_cases(std::vector<OpCase>& t) {
 // grouped_linear_backward: the same groups, dgrad and (accumulated) wgrad against
 // linear_backward of each group's rows. BF16 with BF16 operands and weights (CUDA: cuBLAS
 // grouped), FP8 with pre-quantized weights (CUDA: the own grouped kernel over W^T) and BF16 or
-// FP8 wgrad (FP8 wgrad runs per group), FP32.
+// FP8 wgrad (FP8 wgrad runs per group), FP32; the BF16 wgrads into BF16 gradients and into F32
+// ones (the trainer's default; CUDA: grouped BF16 products staged, then added).
 void grouped_linear_backward_cases(std::vector<OpCase>& t) {
   struct V {
     LinearMode mode, wgrad;
     DType dt;  // dy, x and (BF16 mode) the weights
+    DType gdt;  // the weight gradients
   };
-  for (const V v :
-       {V{LinearMode::FP8_BLOCK, LinearMode::BF16, DType::BF16},
-        V{LinearMode::FP8_BLOCK, LinearMode::FP8_BLOCK, DType::F32}, V{LinearMode::BF16, LinearMode::BF16, DType::BF16},
-        V{LinearMode::FP32, LinearMode::FP32, DType::F32}}) {
+  for (const V v : {V{LinearMode::FP8_BLOCK, LinearMode::BF16, DType::BF16, DType::BF16},
+                    V{LinearMode::FP8_BLOCK, LinearMode::BF16, DType::BF16, DType::F32},
+                    V{LinearMode::FP8_BLOCK, LinearMode::FP8_BLOCK, DType::F32, DType::F32},
+                    V{LinearMode::BF16, LinearMode::BF16, DType::BF16, DType::BF16},
+                    V{LinearMode::BF16, LinearMode::BF16, DType::BF16, DType::F32},
+                    V{LinearMode::FP32, LinearMode::FP32, DType::F32, DType::F32}}) {
     LinearSpec spec{v.mode, false};
     spec.wgrad = v.wgrad;
     const std::vector<int64_t> rows = {0, 5, 37, 1, 21, 64};
@@ -1658,7 +1662,7 @@ void grouped_linear_backward_cases(std::vector<OpCase>& t) {
     const std::string variant =
         std::to_string(G) + " groups, " + std::to_string(R) + " rows, K 256, N 384 " + linear_mode_name(v.mode) +
         (v.mode == LinearMode::FP8_BLOCK ? std::string(" wgrad ") + linear_mode_name(v.wgrad) : std::string()) + " " +
-        dtype_name(v.dt);
+        dtype_name(v.dt) + (v.gdt != v.dt ? std::string(", ") + dtype_name(v.gdt) + " gradients" : std::string());
     t.push_back(
         {"grouped_linear_backward",
          variant,
@@ -1683,11 +1687,11 @@ void grouped_linear_backward_cases(std::vector<OpCase>& t) {
              ws.push_back(&w);
            }
            const Tensor dy = r.as("dy", v.dt), x = r.as("x", v.dt);
-           // Gradients (accumulated into dw0) and dx in v.dt: BF16 is what CUDA groups.
+           // Gradients (accumulated into dw0) in v.gdt, dx in v.dt.
            std::vector<Tensor*> dws, singles;
            for (int64_t g = 0; g < G; ++g) {
              for (const char* n : {"dw", "dws"}) {
-               Tensor& d = r.output(n + std::to_string(g), {N, K}, v.dt);
+               Tensor& d = r.output(n + std::to_string(g), {N, K}, v.gdt);
                r.be.convert(r["dw0_" + std::to_string(g)], d);
                (std::string(n) == "dw" ? dws : singles).push_back(&d);
              }

@@ -1396,6 +1396,46 @@ void CudaBackend::grouped_linear_impl(const Tensor& x, const std::vector<int64_t
 //   wgrad (BF16 mode, or FP8 with spec.wgrad == BF16) into BF16 gradients (train.grad_dtype
 //     bf16): cuBLAS grouped dY_g^T X_g into each dw_g (cuBLAS has no grouped BF16 GEMM into F32).
 // What does not qualify runs as linear_backward per group (counted in grouped_loops).
+// The grouped weight gradient into F32 gradients. cuBLAS's grouped GEMM writes BF16 only, so
+// each group's product dY_g^T X_g goes to a BF16 staging buffer (beta 0) and one launch adds the
+// staged products into the F32 gradients: the micro-batch's contribution is rounded to BF16 once
+// before the F32 sum (Megatron's grouped MLP accumulates its BF16 expert gradients into the F32
+// main_grad the same way), where a dense linear's wgrad writes F32 directly. The groups run in
+// chunks whose staging stays within kGroupedWgradStagingBytes.
+void CudaBackend::grouped_wgrad_f32(const Tensor& dy, const Tensor& x, const std::vector<int64_t>& offsets,
+                                    const std::vector<Tensor*>& dw) {
+  const int64_t K = x.dim(1), N = dy.dim(1), per = N * K;
+  std::vector<size_t> live;
+  for (size_t g = 0; g + 1 < offsets.size(); ++g)
+    if (offsets[g + 1] > offsets[g] && dw[g]) live.push_back(g);
+  if (live.empty() || per == 0) return;
+  // Each staged product 16-byte aligned (the accumulate's 8-element accesses).
+  const int64_t stride = ceil_div(per, 8) * 8;
+  const int64_t chunk =
+      std::clamp<int64_t>(kGroupedWgradStagingBytes / (stride * 2), 1, static_cast<int64_t>(live.size()));
+  Tensor stage = scratch(kSlotWgradStage, {chunk * stride}, DType::BF16);
+  for (size_t c0 = 0; c0 < live.size(); c0 += static_cast<size_t>(chunk)) {
+    const size_t c1 = std::min(live.size(), c0 + static_cast<size_t>(chunk));
+    std::vector<GemmEngine::Problem> probs;
+    std::vector<const void*> src;
+    std::vector<float*> dst;
+    std::vector<int64_t> n;
+    for (size_t i = c0; i < c1; ++i) {
+      const size_t g = live[i];
+      const int64_t r0 = offsets[g], rows = offsets[g + 1] - r0;
+      void* s = stage.data<uint16_t>() + static_cast<int64_t>(i - c0) * stride;
+      probs.push_back({N, K, rows, group_rows(dy, r0), group_rows(x, r0), s});
+      src.push_back(s), dst.push_back(dw[g]->data<float>()), n.push_back(per);
+    }
+    {
+      const OpTimer t(*this, "grouped_linear_backward: wgrad BF16 GEMM (staged)", 2);
+      gemm_->gemm_grouped(true, false, probs, DType::BF16, DType::BF16, 1.0f, 0.0f);
+    }
+    const OpTimer t(*this, "grouped_linear_backward: wgrad F32 accumulate", 2);
+    launch_accumulate_many_bf16_f32(src, dst, n, stream_);
+  }
+}
+
 void CudaBackend::grouped_linear_backward_impl(const Tensor& dy, const Tensor& x, const std::vector<int64_t>& offsets,
                                                const std::vector<const LinearWeight*>& W, const LinearSpec& spec,
                                                Tensor* dx, const std::vector<Tensor*>& dw) {
@@ -1478,6 +1518,9 @@ void CudaBackend::grouped_linear_backward_impl(const Tensor& dy, const Tensor& x
         if (rows > 0 && dw[g]) probs.push_back({N, K, rows, group_rows(dy, r0), group_rows(x, r0), dw[g]->raw()});
       }
       gemm_->gemm_grouped(true, false, probs, DType::BF16, gt, 1.0f, 1.0f);
+      dw_done = true;
+    } else if (ok && gt == DType::F32) {
+      grouped_wgrad_f32(dy, x, offsets, dw);
       dw_done = true;
     }
   }

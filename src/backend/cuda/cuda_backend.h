@@ -185,11 +185,17 @@ class CudaBackend final : public Backend {
     kSlotColSums,    // column sums' per-chunk partials (norm weight and bias gradients)
     kSlotSort,       // the embedding backward's sort of token ids
     kSlotLogpParts,  // logprobs_of_logits' per-chunk partial folds
+    kSlotWgradStage,  // grouped_wgrad_f32's BF16 products
     kSlotCount
   };
   // A device buffer reused across calls (grown on demand); valid until the next scratch(slot).
   Tensor scratch(Slot slot, const Shape& shape, DType dtype);
   QuantTensor scratch_quant(Slot data_slot, Slot scale_slot, int64_t rows, int64_t cols, int block_rows, bool pow2);
+  // grouped_linear_backward's weight gradient into F32 gradients (BF16 products staged, then
+  // added), in chunks of groups whose staging stays within this many bytes.
+  static constexpr int64_t kGroupedWgradStagingBytes = int64_t{128} << 20;
+  void grouped_wgrad_f32(const Tensor& dy, const Tensor& x, const std::vector<int64_t>& offsets,
+                         const std::vector<Tensor*>& dw);
   // The FP8 linears' operands (cuda_backend.cu): x's 1x128 copy (a view's, or quantized into the
   // A scratch) and W's 128x128 one (W.wq, or W.w quantized into the B scratch).
   QuantTensor quantized_rows(const Tensor& x, const Fp8View* view, bool pow2, bool laid, const char* what);

@@ -91,6 +91,36 @@ __global__ void __launch_bounds__(256) convert_many_kernel(const __grid_constant
     store8(L.dst[lo] + i, x);
   }
 }
+// dst[i] += float(src[i]) (F32 += BF16) over many tensors per launch, chunked as convert_many:
+// the F32 gradients' sum of products staged in BF16 (the grouped weight gradient). Tensors that
+// are not 16-byte aligned with n % 8 == 0 take one element per access (the same sums).
+constexpr int kAccumulateMax = 64;
+struct AccumulateLaunch {
+  int count;
+  int chunk_start[kAccumulateMax + 1];
+  const bf16* src[kAccumulateMax];
+  float* dst[kAccumulateMax];
+  int64_t n[kAccumulateMax];
+  bool vec[kAccumulateMax];
+};
+__global__ void __launch_bounds__(256) accumulate_many_kernel(const __grid_constant__ AccumulateLaunch L) {
+  const int lo = multi_tensor_of(L.chunk_start, L.count, static_cast<int>(blockIdx.x));
+  const int64_t begin = static_cast<int64_t>(blockIdx.x - L.chunk_start[lo]) * kConvertChunk;
+  const int64_t end = min(L.n[lo], begin + kConvertChunk);
+  if (L.vec[lo]) {
+    for (int64_t i = begin + threadIdx.x * 8; i < end; i += 256 * 8) {
+      float a[8], d[8];
+      load8(L.src[lo] + i, a);
+      load8(L.dst[lo] + i, d);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) d[k] += a[k];
+      store8(L.dst[lo] + i, d);
+    }
+  } else {
+    for (int64_t i = begin + threadIdx.x; i < end; i += 256)
+      L.dst[lo][i] += bf16_bits_to_float(reinterpret_cast<const uint16_t*>(L.src[lo])[i]);
+  }
+}
 // One dtype throughout, 8 elements per access (vec8_ok): the same per-element sum.
 template <class T>
 __global__ void add_vec_kernel(const T* a, const T* b, T* o, int64_t n8) {
@@ -300,6 +330,30 @@ void launch_convert_many_f32_bf16(const std::vector<const float*>& src, const st
     L.chunk_start[L.count] = static_cast<int>(ctas);
     convert_many_kernel<<<static_cast<unsigned>(ctas), 256, 0, stream>>>(L);
     CUDA_CHECK_LAUNCH("convert_many_kernel");
+  }
+}
+
+void launch_accumulate_many_bf16_f32(const std::vector<const void*>& src, const std::vector<float*>& dst,
+                                     const std::vector<int64_t>& n, cudaStream_t stream) {
+  for (size_t first = 0; first < src.size();) {
+    AccumulateLaunch L{};
+    int64_t ctas = 0;
+    size_t i = first;
+    for (; i < src.size() && L.count < kAccumulateMax; ++i) {
+      if (n[i] == 0) continue;
+      const int64_t c = (n[i] + kConvertChunk - 1) / kConvertChunk;
+      if (L.count > 0 && ctas + c > (1LL << 30)) break;
+      const int k = L.count++;
+      L.chunk_start[k] = static_cast<int>(ctas);
+      L.src[k] = static_cast<const bf16*>(src[i]), L.dst[k] = dst[i], L.n[k] = n[i];
+      L.vec[k] = vec8_ok(n[i], {src[i], dst[i]});
+      ctas += c;
+    }
+    first = i;
+    if (L.count == 0) continue;
+    L.chunk_start[L.count] = static_cast<int>(ctas);
+    accumulate_many_kernel<<<static_cast<unsigned>(ctas), 256, 0, stream>>>(L);
+    CUDA_CHECK_LAUNCH("accumulate_many_kernel");
   }
 }
 

@@ -67,6 +67,10 @@ void launch_scale(void* x, DType dtype, int64_t n, float s, cudaStream_t stream)
 // bitwise launch_convert.
 void launch_convert_many_f32_bf16(const std::vector<const float*>& src, const std::vector<void*>& dst,
                                   const std::vector<int64_t>& n, cudaStream_t stream);
+// dst[i] += float(src[i]) for every tensor (src BF16, dst F32; n[i] elements each), many per
+// launch: the grouped weight gradient's BF16 products added into F32 gradients.
+void launch_accumulate_many_bf16_f32(const std::vector<const void*>& src, const std::vector<float*>& dst,
+                                     const std::vector<int64_t>& n, cudaStream_t stream);
 // out[i] = sum xs[i]^2 in FP64 (ns[i] elements of dtypes[i]) for every tensor, deterministically
 // (a tensor's sum is the same whatever tensors share its launch); partials: scratch of
 // sum_squares_partials(ns) doubles.
