@@ -250,13 +250,18 @@ for stage in ${FP8RL_STAGES:-rlstep}; do
         > "$OUT/trainstep_torch.log" 2>&1
       note "torch train step: rc=$?"; tail -3 "$OUT/trainstep_torch.log" | tee -a "$SUMMARY" ;;
     trainstep_8b)  # issue 13: bench-train-step at the Llama-3.1-8B width (FP8RL_TRAINSTEP_8B_LAYERS = 8 blocks,
-      # full vocabulary), bf16 vs fp8, 8 x 2048 tokens (FP8RL_TRAINSTEP_8B_ARGS: more arguments, e.g. micro-batches)
-      for prec in bf16 fp8; do
-        timeout $(( $(left) / 2 )) "$FP8RL" bench-train-step --device cuda --precision $prec --model llama-3.1-8b \
-          --layers "${FP8RL_TRAINSTEP_8B_LAYERS:-8}" --seqs 8 --seq-len 2048 --prompt-len 2040 --repeats 3 \
-          ${FP8RL_TRAINSTEP_8B_ARGS:-} --json "$OUT/trainstep_8b_$prec.json" > "$OUT/trainstep_8b_$prec.log" 2>&1
-        note "bench-train-step llama-3.1-8b width $prec: rc=$?"
-        grep -E "^(bench-train-step:|score |train_step |fp8 fallbacks)|refused|error" "$OUT/trainstep_8b_$prec.log" | tee -a "$SUMMARY"
+      # full vocabulary), 8 x 2048 tokens, for each precision[:wgrad] of FP8RL_TRAINSTEP_8B_RUNS (bf16 fp8);
+      # FP8RL_TRAINSTEP_8B_ARGS: more arguments; FP8RL_TRAINSTEP_8B_ENV: env assignments (e.g.
+      # FP8RL_CUDA_PROFILE=2: the train step's op table goes to the summary)
+      for run in ${FP8RL_TRAINSTEP_8B_RUNS:-bf16 fp8}; do
+        prec=${run%%:*}; wg=auto; [ "$run" != "$prec" ] && wg=${run#*:}
+        env ${FP8RL_TRAINSTEP_8B_ENV:-} timeout $(( $(left) / 2 )) "$FP8RL" bench-train-step --device cuda --precision $prec \
+          --wgrad $wg --model llama-3.1-8b --layers "${FP8RL_TRAINSTEP_8B_LAYERS:-8}" --seqs 8 --seq-len 2048 \
+          --prompt-len 2040 --repeats 3 ${FP8RL_TRAINSTEP_8B_ARGS:-} --json "$OUT/trainstep_8b_${prec}_$wg.json" \
+          > "$OUT/trainstep_8b_${prec}_$wg.log" 2>&1
+        note "bench-train-step llama-3.1-8b width $prec wgrad $wg: rc=$?"
+        grep -E "^(bench-train-step:|score |train_step |fp8 fallbacks)|refused|error" "$OUT/trainstep_8b_${prec}_$wg.log" | tee -a "$SUMMARY"
+        grep -A${FP8RL_PROFILE_ROWS:-30} "cuda op profile: train_step" "$OUT/trainstep_8b_${prec}_$wg.log" | tee -a "$SUMMARY"
       done ;;
     memory)  # issue 15: the recipe's 32k-token micro-batches with the KL reference, measured peak vs the plan
       for rc in none block; do

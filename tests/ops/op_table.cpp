@@ -1644,7 +1644,7 @@ void grouped_linear_shared_input_cases(std::vector<OpCase>& t) {
 void grouped_linear_backward_cases(std::vector<OpCase>& t) {
   struct V {
     LinearMode mode, wgrad;
-    DType dt;  // dy, x and (BF16 mode) the weights
+    DType dt;   // dy, x and (BF16 mode) the weights
     DType gdt;  // the weight gradients
   };
   for (const V v : {V{LinearMode::FP8_BLOCK, LinearMode::BF16, DType::BF16, DType::BF16},

@@ -181,10 +181,10 @@ class CudaBackend final : public Backend {
     kSlotIdx,
     kSlotAttn,
     kSlotTmp,
-    kSlotCat,        // linear_shared_input's concatenated product
-    kSlotColSums,    // column sums' per-chunk partials (norm weight and bias gradients)
-    kSlotSort,       // the embedding backward's sort of token ids
-    kSlotLogpParts,  // logprobs_of_logits' per-chunk partial folds
+    kSlotCat,         // linear_shared_input's concatenated product
+    kSlotColSums,     // column sums' per-chunk partials (norm weight and bias gradients)
+    kSlotSort,        // the embedding backward's sort of token ids
+    kSlotLogpParts,   // logprobs_of_logits' per-chunk partial folds
     kSlotWgradStage,  // grouped_wgrad_f32's BF16 products
     kSlotCount
   };
