@@ -1365,27 +1365,60 @@ void CudaBackend::grouped_linear_impl(const Tensor& x, const std::vector<int64_t
     gemm_->gemm_grouped(false, true, probs, DType::BF16, out.dtype(), 1.0f, 0.0f);
     return;
   }
-  bool grouped = spec.mode == LinearMode::FP8_BLOCK && act_dtype_ != DType::F32 && R > 0 &&
-                 fp8_gemm_sm90_supported(R, N, K) && K % kQuantBlock == 0 && R < (int64_t{1} << 31) && !recording_;
-  for (const LinearWeight* w : W) grouped = grouped && w->wq.defined() && !w->bias.defined() && w->wq.pow2 == spec.pow2_scales;
-  if (!grouped) {
+  if (!fp8_grouped_ok(x, W, spec, N)) {
     if (act_dtype_ != DType::F32) grouped_loops_ += live_groups(offsets);
     Backend::grouped_linear_impl(x, offsets, W, spec, out);
     return;
   }
   const OpTimer op_timer_(*this, "grouped_linear");
-  QuantTensor xq = scratch_quant(kSlotAq, kSlotAs, R, K, 1, spec.pow2_scales);
+  const QuantTensor xq = grouped_fp8_input(x, spec);
+  grouped_fp8_product(xq, offsets, W, out);
+}
+
+bool CudaBackend::fp8_grouped_ok(const Tensor& x, const std::vector<const LinearWeight*>& W, const LinearSpec& spec,
+                                 int64_t N) const {
+  const int64_t R = x.dim(0), K = x.dim(1);
+  bool ok = spec.mode == LinearMode::FP8_BLOCK && act_dtype_ != DType::F32 && R > 0 &&
+            fp8_gemm_sm90_supported(R, N, K) && K % kQuantBlock == 0 && R < (int64_t{1} << 31) && !recording_;
+  for (const LinearWeight* w : W) ok = ok && w->wq.defined() && !w->bias.defined() && w->wq.pow2 == spec.pow2_scales;
+  return ok;
+}
+
+QuantTensor CudaBackend::grouped_fp8_input(const Tensor& x, const LinearSpec& spec) {
+  QuantTensor xq = scratch_quant(kSlotAq, kSlotAs, x.dim(0), x.dim(1), 1, spec.pow2_scales);
   flag_reset();
   quantize_async(x, false, xq, false, /*gemm_layout=*/false);
   flag_check("grouped_linear (FP8): the input " + x.str() + " holds NaN or Inf");
+  return xq;
+}
+
+void CudaBackend::grouped_fp8_product(const QuantTensor& xq, const std::vector<int64_t>& offsets,
+                                      const std::vector<const LinearWeight*>& W, Tensor& out) {
   std::vector<const uint8_t*> bp;
   std::vector<const float*> sp;
   for (const LinearWeight* w : W) {
     bp.push_back(w->wq.data.data<uint8_t>());
     sp.push_back(w->wq.scales.data<float>());
   }
-  gemm_->gemm_fp8_grouped(offsets, N, K, xq.data.data<uint8_t>(), xq.scales.data<float>(), false, bp, sp, out.raw(),
-                          out.dtype(), 1.0f, 0.0f, /*block_m=*/0, /*keep_maps=*/true);
+  gemm_->gemm_fp8_grouped(offsets, out.dim(1), xq.data.dim(1), xq.data.data<uint8_t>(), xq.scales.data<float>(),
+                          false, bp, sp, out.raw(), out.dtype(), 1.0f, 0.0f, /*block_m=*/0, /*keep_maps=*/true);
+}
+
+// The experts' gate and up over the same rows: FP8 with pre-quantized weights quantizes x once for
+// every weight set, then one grouped launch per set (bitwise grouped_linear per set: the same
+// quantized rows, the same kernel); otherwise grouped_linear per set.
+void CudaBackend::grouped_linear_shared_input_impl(const Tensor& x, const std::vector<int64_t>& offsets,
+                                                   const std::vector<std::vector<const LinearWeight*>>& W,
+                                                   const LinearSpec& spec, const std::vector<Tensor*>& outs) {
+  bool fp8 = W.size() > 1;
+  for (size_t i = 0; i < W.size(); ++i) fp8 = fp8 && fp8_grouped_ok(x, W[i], spec, outs[i]->dim(1));
+  if (!fp8) {
+    Backend::grouped_linear_shared_input_impl(x, offsets, W, spec, outs);
+    return;
+  }
+  const OpTimer op_timer_(*this, "grouped_linear");
+  const QuantTensor xq = grouped_fp8_input(x, spec);
+  for (size_t i = 0; i < W.size(); ++i) grouped_fp8_product(xq, offsets, W[i], *outs[i]);
 }
 
 // The experts' backward, each half in one launch where the mode allows:
@@ -1393,8 +1426,9 @@ void CudaBackend::grouped_linear_impl(const Tensor& x, const std::vector<int64_t
 //     expert's W^T (its cached wqt, the trainer's; else the byte transpose of its 128x128
 //     quantization, as linear_backward, packed in one scratch), the own grouped kernel over
 //     them; BF16 with BF16 weights: cuBLAS grouped;
-//   wgrad (BF16 mode, or FP8 with spec.wgrad == BF16) into BF16 gradients (train.grad_dtype
-//     bf16): cuBLAS grouped dY_g^T X_g into each dw_g (cuBLAS has no grouped BF16 GEMM into F32).
+//   wgrad (BF16 mode, or FP8 with spec.wgrad == BF16): cuBLAS grouped dY_g^T X_g into each dw_g
+//     (BF16 gradients, train.grad_dtype bf16), or into BF16 staging then added (F32 gradients:
+//     grouped_wgrad_f32; cuBLAS has no grouped BF16 GEMM into F32).
 // What does not qualify runs as linear_backward per group (counted in grouped_loops).
 // The grouped weight gradient into F32 gradients. cuBLAS's grouped GEMM writes BF16 only, so
 // each group's product dY_g^T X_g goes to a BF16 staging buffer (beta 0) and one launch adds the

@@ -79,6 +79,9 @@ class CudaBackend final : public Backend {
   void grouped_linear_backward_impl(const Tensor& dy, const Tensor& x, const std::vector<int64_t>& offsets,
                                     const std::vector<const LinearWeight*>& W, const LinearSpec& spec, Tensor* dx,
                                     const std::vector<Tensor*>& dw) override;
+  void grouped_linear_shared_input_impl(const Tensor& x, const std::vector<int64_t>& offsets,
+                                        const std::vector<std::vector<const LinearWeight*>>& W, const LinearSpec& spec,
+                                        const std::vector<Tensor*>& outs) override;
   void linear_shared_input_impl(const Tensor& x, const std::vector<const LinearWeight*>& W, const LinearSpec& spec,
                                 const std::vector<Tensor*>& outs, const Fp8View* x_fp8) override;
   void linear_cols_impl(const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor& out,
@@ -194,6 +197,13 @@ class CudaBackend final : public Backend {
   // grouped_linear_backward's weight gradient into F32 gradients (BF16 products staged, then
   // added), in chunks of groups whose staging stays within this many bytes.
   static constexpr int64_t kGroupedWgradStagingBytes = int64_t{128} << 20;
+  // The grouped FP8 forward's pieces: whether the own grouped kernel takes (x, W, spec) with N
+  // output columns; x quantized 1x128 into scratch; the grouped product of those rows.
+  bool fp8_grouped_ok(const Tensor& x, const std::vector<const LinearWeight*>& W, const LinearSpec& spec,
+                      int64_t N) const;
+  QuantTensor grouped_fp8_input(const Tensor& x, const LinearSpec& spec);
+  void grouped_fp8_product(const QuantTensor& xq, const std::vector<int64_t>& offsets,
+                           const std::vector<const LinearWeight*>& W, Tensor& out);
   void grouped_wgrad_f32(const Tensor& dy, const Tensor& x, const std::vector<int64_t>& offsets,
                          const std::vector<Tensor*>& dw);
   // The FP8 linears' operands (cuda_backend.cu): x's 1x128 copy (a view's, or quantized into the
