@@ -310,51 +310,51 @@ void launch_convert(const void* src, DType sdt, void* dst, DType ddt, int64_t n,
   CUDA_CHECK_LAUNCH("convert_kernel");
 }
 
-void launch_convert_many_f32_bf16(const std::vector<const float*>& src, const std::vector<void*>& dst,
-                                  const std::vector<int64_t>& n, cudaStream_t stream) {
-  for (size_t first = 0; first < src.size();) {
-    ConvertLaunch L{};
+namespace {
+// Launches kernel over tensors of n[i] elements, as many per launch as the launch struct L holds
+// (kMax) and 2^30 CTAs allow: a CTA per kConvertChunk elements of one tensor; set(L, k, i) puts
+// tensor i into slot k. Empty tensors are skipped.
+template <class L, int kMax, class Set, class Kernel>
+void launch_multi_tensor(const std::vector<int64_t>& n, Set set, Kernel kernel, const char* name, cudaStream_t stream) {
+  for (size_t first = 0; first < n.size();) {
+    L launch{};
     int64_t ctas = 0;
     size_t i = first;
-    for (; i < src.size() && L.count < kConvertMax; ++i) {
+    for (; i < n.size() && launch.count < kMax; ++i) {
       if (n[i] == 0) continue;
       const int64_t c = (n[i] + kConvertChunk - 1) / kConvertChunk;
-      if (L.count > 0 && ctas + c > (1LL << 30)) break;
-      const int k = L.count++;
-      L.chunk_start[k] = static_cast<int>(ctas);
-      L.src[k] = src[i], L.dst[k] = static_cast<bf16*>(dst[i]), L.n[k] = n[i];
+      if (launch.count > 0 && ctas + c > (1LL << 30)) break;
+      const int k = launch.count++;
+      launch.chunk_start[k] = static_cast<int>(ctas);
+      launch.n[k] = n[i];
+      set(launch, k, i);
       ctas += c;
     }
     first = i;
-    if (L.count == 0) continue;
-    L.chunk_start[L.count] = static_cast<int>(ctas);
-    convert_many_kernel<<<static_cast<unsigned>(ctas), 256, 0, stream>>>(L);
-    CUDA_CHECK_LAUNCH("convert_many_kernel");
+    if (launch.count == 0) continue;
+    launch.chunk_start[launch.count] = static_cast<int>(ctas);
+    kernel<<<static_cast<unsigned>(ctas), 256, 0, stream>>>(launch);
+    CUDA_CHECK_LAUNCH(name);
   }
+}
+}  // namespace
+
+void launch_convert_many_f32_bf16(const std::vector<const float*>& src, const std::vector<void*>& dst,
+                                  const std::vector<int64_t>& n, cudaStream_t stream) {
+  launch_multi_tensor<ConvertLaunch, kConvertMax>(
+      n, [&](ConvertLaunch& L, int k, size_t i) { L.src[k] = src[i], L.dst[k] = static_cast<bf16*>(dst[i]); },
+      convert_many_kernel, "convert_many_kernel", stream);
 }
 
 void launch_accumulate_many_bf16_f32(const std::vector<const void*>& src, const std::vector<float*>& dst,
                                      const std::vector<int64_t>& n, cudaStream_t stream) {
-  for (size_t first = 0; first < src.size();) {
-    AccumulateLaunch L{};
-    int64_t ctas = 0;
-    size_t i = first;
-    for (; i < src.size() && L.count < kAccumulateMax; ++i) {
-      if (n[i] == 0) continue;
-      const int64_t c = (n[i] + kConvertChunk - 1) / kConvertChunk;
-      if (L.count > 0 && ctas + c > (1LL << 30)) break;
-      const int k = L.count++;
-      L.chunk_start[k] = static_cast<int>(ctas);
-      L.src[k] = static_cast<const bf16*>(src[i]), L.dst[k] = dst[i], L.n[k] = n[i];
-      L.vec[k] = vec8_ok(n[i], {src[i], dst[i]});
-      ctas += c;
-    }
-    first = i;
-    if (L.count == 0) continue;
-    L.chunk_start[L.count] = static_cast<int>(ctas);
-    accumulate_many_kernel<<<static_cast<unsigned>(ctas), 256, 0, stream>>>(L);
-    CUDA_CHECK_LAUNCH("accumulate_many_kernel");
-  }
+  launch_multi_tensor<AccumulateLaunch, kAccumulateMax>(
+      n,
+      [&](AccumulateLaunch& L, int k, size_t i) {
+        L.src[k] = static_cast<const bf16*>(src[i]), L.dst[k] = dst[i];
+        L.vec[k] = vec8_ok(n[i], {src[i], dst[i]});
+      },
+      accumulate_many_kernel, "accumulate_many_kernel", stream);
 }
 
 void launch_add(const void* a, DType adt, const void* b, DType bdt, void* out, DType odt, int64_t n,
