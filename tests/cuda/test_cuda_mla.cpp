@@ -78,8 +78,8 @@ TEST(CudaMlaOps, InterleavedRopeMatchesCpu) {
     }
 }
 
-// Training attention with v heads narrower than q/k heads (Moonlight: 192 and 128): the simple
-// kernels, forward and backward, against the CPU.
+// Training attention with v heads narrower than q/k heads (Moonlight: 192 and 128), forward and
+// backward, against the CPU: F32 activations on the simple kernels, BF16 on the flash kernels.
 TEST(CudaMlaOps, AttentionWithNarrowerValueHeadsMatchesCpu) {
   const int64_t H = 4, hd = 192, hdv = 128;
   const std::vector<int32_t> cu = {0, 17, 18, 61};

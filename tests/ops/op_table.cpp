@@ -1952,30 +1952,30 @@ void attention_cases(std::vector<OpCase>& t) {
         }
       };
     }
-  // The tensor-core flash path (BF16 activations, head_dim 64 / 128): packed ragged sequences
-  // (lengths 1, 17, 64, 130, 300: partial, exact and multi-tile 64-token tiles, tiles starting
-  // off a multiple of 64), GQA ratio 4, on the flash kernels and on the simple ones
-  // (FP8RL_CUDA_ATTENTION=simple), both against the CPU op on the same BF16 inputs and against
-  // each other. BF16 class: P and dS are rounded to BF16 before their tensor-core products, so
-  // 1e-2 forward and 3e-2 backward; lse 1e-5 (exact BF16 products accumulated in FP32). The
-  // backward runs from the CPU's out / lse ("out_ref", "lse_ref"), so both paths see identical
-  // inputs.
+  // The tensor-core flash path (BF16 activations, head dims (q/k, v) (64, 64), (128, 128) and
+  // MLA's (192, 128)): packed ragged sequences (lengths 1, 17, 64, 130, 300: partial, exact and
+  // multi-tile 64-token tiles, tiles starting off a multiple of 64), GQA ratio 4, on the flash
+  // kernels and on the simple ones (FP8RL_CUDA_ATTENTION=simple), both against the CPU op on the
+  // same BF16 inputs and against each other. BF16 class: P and dS are rounded to BF16 before their
+  // tensor-core products, so 1e-2 forward and 3e-2 backward; lse 1e-5 (exact BF16 products
+  // accumulated in FP32). The backward runs from the CPU's out / lse ("out_ref", "lse_ref"), so
+  // both paths see identical inputs.
   const std::vector<int32_t> cu = {0, 1, 18, 82, 212, 512};
   const int Hq = 8, Hkv = 2;
   const int64_t T = cu.back();
   const DType dt = DType::BF16;
   seed = 300;
-  for (int hd : {64, 128}) {
+  for (const auto [hd, hdv] : {std::pair<int, int>{64, 64}, {128, 128}, {192, 128}}) {
     const float sc = 1.0f / std::sqrt(static_cast<float>(hd));
     const uint32_t s = seed;
     seed += 4;
     auto inputs = [=] {
       Tensors in{{"q", rnd({T, Hq, hd}, s, dt, 2.0f)},  // sharper softmax rows: masking errors show
                  {"k", rnd({T, Hkv, hd}, s + 1, dt)},
-                 {"v", rnd({T, Hkv, hd}, s + 2, dt)},
-                 {"dout", rnd({T, Hq, hd}, s + 3, dt)}};
+                 {"v", rnd({T, Hkv, hdv}, s + 2, dt)},
+                 {"dout", rnd({T, Hq, hdv}, s + 3, dt)}};
       auto cpu = make_cpu_backend();
-      Tensor o = Tensor::empty({T, Hq, hd}, dt), l = Tensor::empty({Hq, T}, DType::F32);
+      Tensor o = Tensor::empty({T, Hq, hdv}, dt), l = Tensor::empty({Hq, T}, DType::F32);
       cpu->attention(in["q"], in["k"], in["v"], cu, sc, o, l);
       in["out_ref"] = o;
       in["lse_ref"] = l;
@@ -1984,15 +1984,17 @@ void attention_cases(std::vector<OpCase>& t) {
     auto run = [=](OpRun& r) {
       for (const std::string mode : {"flash", "simple"}) {
         const ScopedEnv env("FP8RL_CUDA_ATTENTION", mode.c_str());  // the CPU has one path
-        r.be.attention(r["q"], r["k"], r["v"], cu, sc, r.output("out_" + mode, {T, Hq, hd}, dt),
+        r.be.attention(r["q"], r["k"], r["v"], cu, sc, r.output("out_" + mode, {T, Hq, hdv}, dt),
                        r.output("lse_" + mode, {Hq, T}, DType::F32));
         r.be.attention_backward(r["dout"], r["q"], r["k"], r["v"], r["out_ref"], r["lse_ref"], cu, sc,
                                 r.output("dq_" + mode, {T, Hq, hd}, dt), r.output("dk_" + mode, {T, Hkv, hd}, dt),
-                                r.output("dv_" + mode, {T, Hkv, hd}, dt));
+                                r.output("dv_" + mode, {T, Hkv, hdv}, dt));
       }
     };
     OpCase c{"attention + attention_backward",
-             std::string("BF16 ragged GQA 4, hd ") + std::to_string(hd) + ", flash and simple kernels", inputs, run};
+             std::string("BF16 ragged GQA 4, hd ") + std::to_string(hd) +
+                 (hdv != hd ? ", v hd " + std::to_string(hdv) : std::string()) + ", flash and simple kernels",
+             inputs, run};
     for (const std::string mode : {"flash", "simple"})
       for (const auto& [name, tol] :
            {std::pair<const char*, double>{"out_", 1e-2}, {"lse_", 1e-5}, {"dq_", 3e-2}, {"dk_", 3e-2}, {"dv_", 3e-2}})

@@ -1685,15 +1685,15 @@ void seq_bounds(const std::vector<int32_t>& cu, int64_t T, std::vector<int32_t>&
   }
 }
 
-// The tensor-core flash kernels (flash_attention.cu) serve BF16 activations with head_dim 64 or
-// 128 and 16-byte aligned tensors; everything else takes the simple kernels. The environment
-// variable FP8RL_CUDA_ATTENTION=simple forces the simple kernels (=flash: the flash ones where
-// supported), a diagnostic switch read at each call.
+// The tensor-core flash kernels (flash_attention.cu) serve BF16 activations with head dims (q/k,
+// v) of (64, 64), (128, 128) or MLA's (192, 128) and 16-byte aligned tensors; everything else
+// takes the simple kernels. The environment variable FP8RL_CUDA_ATTENTION=simple forces the simple
+// kernels (=flash: the flash ones where supported), a diagnostic switch read at each call.
 constexpr bool kFlashByDefault = true;
-bool use_flash_attention(DType dt, int hd, std::initializer_list<const Tensor*> ts) {
+bool use_flash_attention(DType dt, int hd, int hdv, std::initializer_list<const Tensor*> ts) {
   const char* e = std::getenv("FP8RL_CUDA_ATTENTION");
   const bool want = e && std::string(e) == "simple" ? false : (e && std::string(e) == "flash") || kFlashByDefault;
-  if (!want || !flash_attention_supported(dt, hd)) return false;
+  if (!want || !flash_attention_supported(dt, hd, hdv)) return false;
   for (const Tensor* t : ts)
     if (reinterpret_cast<uintptr_t>(t->raw()) % 16 != 0) return false;
   return true;
@@ -1706,18 +1706,18 @@ void CudaBackend::attention_impl(const Tensor& q, const Tensor& k, const Tensor&
   const OpTimer op_timer_(*this, "attention");
   const int64_t T = q.dim(0);
   const int Hq = static_cast<int>(q.dim(1)), Hkv = static_cast<int>(k.dim(1)), hd = static_cast<int>(q.dim(2));
-  // The kernels' own limits: one dtype; v heads narrower than q/k's (MLA) take the simple kernels.
+  // The kernels' own limits: one dtype; v heads may be narrower than q/k's (MLA).
   one_dtype({&q, &k, &v, &out}, "attention");
   const int hdv = static_cast<int>(v.dim(2));
   std::vector<int32_t> b;
   seq_bounds(cu_seqlens, T, b);
-  if (hdv == hd && use_flash_attention(q.dtype(), hd, {&q, &k, &v, &out})) {
+  if (use_flash_attention(q.dtype(), hd, hdv, {&q, &k, &v, &out})) {
     const std::vector<int32_t> tiles = flash_attention_tiles(cu_seqlens);
     Tensor td = scratch(kSlotIdx, {static_cast<int64_t>(tiles.size()) + 1}, DType::I32);
     CUDA_CHECK(cudaMemcpyAsync(td.raw(), tiles.data(), tiles.size() * 4, cudaMemcpyHostToDevice, stream_),
                "uploading attention tiles");
     launch_flash_attention(q.raw(), k.raw(), v.raw(), td.data<int32_t>(), static_cast<int>(tiles.size() / 8), T, Hq,
-                           Hkv, hd, softmax_scale, out.raw(), lse.data<float>(), stream_);
+                           Hkv, hd, hdv, softmax_scale, out.raw(), lse.data<float>(), stream_);
     return;
   }
   Tensor idx = scratch(kSlotIdx, {2 * T}, DType::I32);
@@ -1734,17 +1734,17 @@ void CudaBackend::attention_backward_impl(const Tensor& dout, const Tensor& q, c
   const int Hq = static_cast<int>(q.dim(1)), Hkv = static_cast<int>(k.dim(1)), hd = static_cast<int>(q.dim(2));
   // The kernels' own limits, as in the forward.
   one_dtype({&dout, &q, &k, &v, &out, &dq, &dk, &dv}, "attention_backward");
-  const int hdv = static_cast<int>(v.dim(2));  // MLA: v_head_dim (the simple kernels; see attention)
+  const int hdv = static_cast<int>(v.dim(2));  // MLA: v_head_dim
   std::vector<int32_t> b;
   seq_bounds(cu_seqlens, T, b);
-  if (hdv == hd && use_flash_attention(q.dtype(), hd, {&dout, &q, &k, &v, &out, &dq, &dk, &dv})) {
-    Tensor work = scratch(kSlotAttn, {flash_attention_backward_work(T, Hq, Hkv, hd)}, DType::F32);
+  if (use_flash_attention(q.dtype(), hd, hdv, {&dout, &q, &k, &v, &out, &dq, &dk, &dv})) {
+    Tensor work = scratch(kSlotAttn, {flash_attention_backward_work(T, Hq, Hkv, hd, hdv)}, DType::F32);
     const std::vector<int32_t> tiles = flash_attention_tiles(cu_seqlens);
     Tensor td = scratch(kSlotIdx, {static_cast<int64_t>(tiles.size()) + 1}, DType::I32);
     CUDA_CHECK(cudaMemcpyAsync(td.raw(), tiles.data(), tiles.size() * 4, cudaMemcpyHostToDevice, stream_),
                "uploading attention tiles");
     launch_flash_attention_backward(dout.raw(), q.raw(), k.raw(), v.raw(), out.raw(), lse.data<float>(),
-                                    td.data<int32_t>(), static_cast<int>(tiles.size() / 8), T, Hq, Hkv, hd,
+                                    td.data<int32_t>(), static_cast<int>(tiles.size() / 8), T, Hq, Hkv, hd, hdv,
                                     softmax_scale, dq.raw(), dk.raw(), dv.raw(), work.data<float>(), stream_);
     return;
   }

@@ -1,5 +1,6 @@
 // Tensor-core flash attention (FlashAttention-2 structure) for BF16 activations, head_dim 64
-// or 128: causal GQA over packed sequences. mma.sync m16n8k16 (BF16 in, FP32 accumulate) on
+// or 128, or q/k heads of 192 over v heads of 128 (MLA: DeepSeek-V3 / Moonlight's
+// qk_nope + qk_rope = 128 + 64 and v_head_dim 128): causal GQA over packed sequences. mma.sync m16n8k16 (BF16 in, FP32 accumulate) on
 // operands staged in shared memory by cp.async (two stages: the next tile is in flight while the
 // current one is used) and read with ldmatrix (.trans for the operands stored [k][n], so no tile
 // is ever transposed in memory); the softmax, the rescaling and the masks run in FP32 on the
@@ -190,11 +191,12 @@ struct TileDesc {
 
 // ---- forward ----------------------------------------------------------------------------------
 // Shared memory: the query tile and two stages of the key and value tiles (the next pair is in
-// flight while the current one is used).
-template <int D>
+// flight while the current one is used). D: the q / k head width, DV: v's (and the output's).
+template <int D, int DV = D>
 struct FwdSmem {
-  static constexpr int kLd = D + 8, kT = kTile * kLd;
-  static constexpr int kQ = 0, kKV = kT, kTotal = kKV + 4 * kT;  // stage s: K at kKV + 2 s kT, V after it
+  static constexpr int kLd = D + 8, kLdV = DV + 8, kT = kTile * kLd, kTV = kTile * kLdV;
+  static constexpr int kQ = 0, kKV = kT, kStage = kT + kTV;  // stage s: K at kKV + s kStage, V kT after it
+  static constexpr int kTotal = kKV + 2 * kStage;
   static constexpr size_t kBytes = static_cast<size_t>(kTotal) * sizeof(bf16);
 };
 
@@ -299,11 +301,11 @@ __device__ __forceinline__ void store_row(const float (&o)[N][4], int r, float i
 // One key tile of the forward's online softmax for a warp's 16 query rows (sQ rows r0..r0+15):
 // s = Q K^T over the tile (sK [kTile][ld], stored [key][d]), scaled to log2 units, and where
 // `mask`, keys past a row's last key (last[0], last[1]: this thread's rows g and g + 8; key k0 +
-// j is the tile's j-th) to -inf; then m, l and o rescaled and O += P V (sV [kTile][ld]).
-template <int D>
-__device__ __forceinline__ void fwd_tile(const bf16* sQ, int ld, int r0, const bf16* sK, const bf16* sV, int64_t k0,
-                                         bool mask, const int64_t (&last)[2], float sl2, float (&o)[D / 8][4],
-                                         float (&m)[2], float (&l)[2], int lane) {
+// j is the tile's j-th) to -inf; then m, l and o rescaled and O += P V (sV [kTile][ldv]).
+template <int D, int DV = D>
+__device__ __forceinline__ void fwd_tile(const bf16* sQ, int ld, int r0, const bf16* sK, const bf16* sV, int ldv,
+                                         int64_t k0, bool mask, const int64_t (&last)[2], float sl2,
+                                         float (&o)[DV / 8][4], float (&m)[2], float (&l)[2], int lane) {
   float s[kTile / 8][4];
   zero(s);
   mma_tile_times_t<kTile / 8, D>(s, sQ, ld, r0, sK, ld, lane);
@@ -319,14 +321,14 @@ __device__ __forceinline__ void fwd_tile(const bf16* sQ, int ld, int r0, const b
   add_probs(s, l);
   rescale(o, corr);
   // O += P V (P as BF16 A fragments straight from the score registers).
-  mma_regs_times(o, s, sV, ld, lane);
+  mma_regs_times(o, s, sV, ldv, lane);
 }
 
 // fwd_tile in the tile-merge order (tile_base / merge_tile above).
-template <int D>
+template <int D, int DV = D>
 __device__ __forceinline__ void fwd_tile_merge(const bf16* sQ, int ld, int r0, const bf16* sK, const bf16* sV,
-                                               int64_t k0, bool mask, const int64_t (&last)[2], float sl2,
-                                               float (&o)[D / 8][4], float (&m)[2], float (&l)[2], int lane) {
+                                               int ldv, int64_t k0, bool mask, const int64_t (&last)[2], float sl2,
+                                               float (&o)[DV / 8][4], float (&m)[2], float (&l)[2], int lane) {
   float s[kTile / 8][4];
   zero(s);
   mma_tile_times_t<kTile / 8, D>(s, sQ, ld, r0, sK, ld, lane);
@@ -341,9 +343,9 @@ __device__ __forceinline__ void fwd_tile_merge(const bf16* sQ, int ld, int r0, c
     for (int e = 0; e < 4; ++e) s[nt][e] = prob(s[nt][e], bt[e >> 1]);
   float lt[2] = {0.0f, 0.0f};
   add_probs(s, lt);
-  float ot[D / 8][4];
+  float ot[DV / 8][4];
   zero(ot);
-  mma_regs_times(ot, s, sV, ld, lane);
+  mma_regs_times(ot, s, sV, ldv, lane);
   merge_tile(m, l, o, mt, bt, lt, ot);
 }
 
@@ -362,12 +364,13 @@ __device__ __forceinline__ void fwd_finish(const float (&o)[D / 8][4], const flo
   }
 }
 
-// q [T, Hq, D], k/v [T, Hkv, D], out [T, Hq, D] BF16; lse F32 [Hq, T]. kMerge: the tile-merge order.
-template <int D, bool kMerge = false>
+// q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, DV], out [T, Hq, DV] BF16; lse F32 [Hq, T]. kMerge: the
+// tile-merge order.
+template <int D, bool kMerge = false, int DV = D>
 __global__ void __launch_bounds__(kThreadsF) flash_fwd_kernel(const bf16* q, const bf16* k, const bf16* v,
                                                                const TileDesc* tiles, int Hq, int Hkv, int64_t T_,
                                                                float scale, bf16* out, float* lse) {
-  using S = FwdSmem<D>;
+  using S = FwdSmem<D, DV>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   bf16* sm = reinterpret_cast<bf16*>(smem_raw);
   bf16* sQ = sm + S::kQ;
@@ -376,14 +379,15 @@ __global__ void __launch_bounds__(kThreadsF) flash_fwd_kernel(const bf16* q, con
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
   const int64_t q0 = td.row0, seq_start = td.seq_start, seq_end = td.seq_end;
   const int64_t qstride = static_cast<int64_t>(Hq) * D, kstride = static_cast<int64_t>(Hkv) * D;
+  const int64_t vstride = static_cast<int64_t>(Hkv) * DV, ostride = static_cast<int64_t>(Hq) * DV;
   const int64_t q_last = (q0 + kTile < seq_end ? q0 + kTile : seq_end) - 1;
 
   load_tile_async<kTile, D>(q + h * D, qstride, q0, seq_end, sQ, S::kLd);
   load_tile_async<kTile, D>(k + hk * D, kstride, seq_start, seq_end, sm + S::kKV, S::kLd);
-  load_tile_async<kTile, D>(v + hk * D, kstride, seq_start, seq_end, sm + S::kKV + S::kT, S::kLd);
+  load_tile_async<kTile, DV>(v + hk * DV, vstride, seq_start, seq_end, sm + S::kKV + S::kT, S::kLdV);
   cp_async_commit();
 
-  constexpr int kNd = D / 8;  // n-tiles over head_dim
+  constexpr int kNd = DV / 8;  // n-tiles over the output's head_dim
   float o[kNd][4];
   zero(o);
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
@@ -394,19 +398,21 @@ __global__ void __launch_bounds__(kThreadsF) flash_fwd_kernel(const bf16* q, con
   int stage = 0;
   for (int64_t k0 = seq_start; k0 <= q_last; k0 += kTile, stage ^= 1) {
     if (k0 + kTile <= q_last) {  // prefetch the next key/value tiles into the other stage
-      bf16* nk = sm + S::kKV + 2 * (stage ^ 1) * S::kT;
+      bf16* nk = sm + S::kKV + (stage ^ 1) * S::kStage;
       load_tile_async<kTile, D>(k + hk * D, kstride, k0 + kTile, seq_end, nk, S::kLd);
-      load_tile_async<kTile, D>(v + hk * D, kstride, k0 + kTile, seq_end, nk + S::kT, S::kLd);
+      load_tile_async<kTile, DV>(v + hk * DV, vstride, k0 + kTile, seq_end, nk + S::kT, S::kLdV);
     }
     cp_async_commit();
     cp_async_wait_all_but_newest();
     __syncthreads();
-    const bf16* sK = sm + S::kKV + 2 * stage * S::kT;
+    const bf16* sK = sm + S::kKV + stage * S::kStage;
     // Causal mask on the diagonal tile only (keys past the row).
     if constexpr (kMerge)
-      fwd_tile_merge<D>(sQ, S::kLd, warp * 16, sK, sK + S::kT, k0, k0 + kTile - 1 > q0, last, sl2, o, m, l, lane);
+      fwd_tile_merge<D, DV>(sQ, S::kLd, warp * 16, sK, sK + S::kT, S::kLdV, k0, k0 + kTile - 1 > q0, last, sl2, o, m,
+                            l, lane);
     else
-      fwd_tile<D>(sQ, S::kLd, warp * 16, sK, sK + S::kT, k0, k0 + kTile - 1 > q0, last, sl2, o, m, l, lane);
+      fwd_tile<D, DV>(sQ, S::kLd, warp * 16, sK, sK + S::kT, S::kLdV, k0, k0 + kTile - 1 > q0, last, sl2, o, m, l,
+                      lane);
     __syncthreads();  // this stage is refilled by the next iteration's prefetch
   }
   bf16* dst[2];
@@ -414,10 +420,10 @@ __global__ void __launch_bounds__(kThreadsF) flash_fwd_kernel(const bf16* q, con
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int64_t row = qrow0 + 8 * r;
-    dst[r] = row < seq_end ? out + row * qstride + h * D : nullptr;
+    dst[r] = row < seq_end ? out + row * ostride + h * DV : nullptr;
     lse_dst[r] = row < seq_end ? lse + static_cast<int64_t>(h) * T_ + row : nullptr;
   }
-  fwd_finish<D>(o, m, l, dst, lse_dst, lane);
+  fwd_finish<DV>(o, m, l, dst, lse_dst, lane);
 }
 
 // ---- decode over the paged KV cache in the forward's order ----------------------------------
@@ -878,7 +884,7 @@ __global__ void __launch_bounds__(kDecWarps * 32, 3) flash_decode_tiles_kernel(
 
 // ---- backward ---------------------------------------------------------------------------------
 // delta[h * T + t] = sum_d dout * out (FP32), one warp per (t, h); [Hq, T] like lse, so that a
-// query tile's values are contiguous.
+// query tile's values are contiguous. D: the output's head width (v's).
 template <int D>
 __global__ void flash_delta_kernel(const bf16* dout, const bf16* out, int64_t T_, int Hq, float* delta) {
   const int64_t w = static_cast<int64_t>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
@@ -895,21 +901,24 @@ __global__ void flash_delta_kernel(const bf16* dout, const bf16* out, int64_t T_
   if (lane == 0) delta[(w % Hq) * T_ + w / Hq] = s;
 }
 
-// Shared memory of the dq kernel: the query and dout tiles, two stages of the key and value tiles.
-template <int D>
+// Shared memory of the dq kernel: the query and dout tiles, two stages of the key and value tiles
+// (q and k rows D wide, dout and v rows DV wide).
+template <int D, int DV = D>
 struct DqSmem {
-  static constexpr int kLd = D + 8, kT = kTile * kLd;
-  static constexpr int kQ = 0, kG = kT, kKV = 2 * kT, kTotal = kKV + 4 * kT;
+  static constexpr int kLd = D + 8, kLdV = DV + 8, kT = kTile * kLd, kTV = kTile * kLdV;
+  static constexpr int kQ = 0, kG = kT, kKV = kT + kTV, kStage = kT + kTV;  // stage s: K at kKV + s kStage, V after
+  static constexpr int kTotal = kKV + 2 * kStage;
   static constexpr size_t kBytes = static_cast<size_t>(kTotal) * sizeof(bf16);
 };
 
-// dq[t, h] = scale * sum_j p_tj (dp_tj - delta_t) k_j over the keys j <= t of t's sequence.
-template <int D>
+// dq[t, h] = scale * sum_j p_tj (dp_tj - delta_t) k_j over the keys j <= t of t's sequence
+// (q, k, dq [T, H*, D]; dout, v [T, H*, DV]).
+template <int D, int DV = D>
 __global__ void __launch_bounds__(kThreadsF) flash_dq_kernel(const bf16* dout, const bf16* q, const bf16* k,
                                                               const bf16* v, const float* lse, const float* delta,
                                                               const TileDesc* tiles, int Hq, int Hkv, int64_t T_,
                                                               float scale, bf16* dq) {
-  using S = DqSmem<D>;
+  using S = DqSmem<D, DV>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   bf16* sm = reinterpret_cast<bf16*>(smem_raw);
   bf16 *sQ = sm + S::kQ, *sG = sm + S::kG;
@@ -918,12 +927,13 @@ __global__ void __launch_bounds__(kThreadsF) flash_dq_kernel(const bf16* dout, c
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
   const int64_t q0 = td.row0, seq_start = td.seq_start, seq_end = td.seq_end;
   const int64_t qstride = static_cast<int64_t>(Hq) * D, kstride = static_cast<int64_t>(Hkv) * D;
+  const int64_t gstride = static_cast<int64_t>(Hq) * DV, vstride = static_cast<int64_t>(Hkv) * DV;
   const int64_t q_last = (q0 + kTile < seq_end ? q0 + kTile : seq_end) - 1;
 
   load_tile_async<kTile, D>(q + h * D, qstride, q0, seq_end, sQ, S::kLd);
-  load_tile_async<kTile, D>(dout + h * D, qstride, q0, seq_end, sG, S::kLd);
+  load_tile_async<kTile, DV>(dout + h * DV, gstride, q0, seq_end, sG, S::kLdV);
   load_tile_async<kTile, D>(k + hk * D, kstride, seq_start, seq_end, sm + S::kKV, S::kLd);
-  load_tile_async<kTile, D>(v + hk * D, kstride, seq_start, seq_end, sm + S::kKV + S::kT, S::kLd);
+  load_tile_async<kTile, DV>(v + hk * DV, vstride, seq_start, seq_end, sm + S::kKV + S::kT, S::kLdV);
   cp_async_commit();
   const int64_t qrow0 = q0 + warp * 16 + g;
   float L2[2], Dl[2];  // lse in log2 units and delta of this thread's two rows (0 for rows past the end)
@@ -943,21 +953,21 @@ __global__ void __launch_bounds__(kThreadsF) flash_dq_kernel(const bf16* dout, c
   int stage = 0;
   for (int64_t k0 = seq_start; k0 <= q_last; k0 += kTile, stage ^= 1) {
     if (k0 + kTile <= q_last) {
-      bf16* nk = sm + S::kKV + 2 * (stage ^ 1) * S::kT;
+      bf16* nk = sm + S::kKV + (stage ^ 1) * S::kStage;
       load_tile_async<kTile, D>(k + hk * D, kstride, k0 + kTile, seq_end, nk, S::kLd);
-      load_tile_async<kTile, D>(v + hk * D, kstride, k0 + kTile, seq_end, nk + S::kT, S::kLd);
+      load_tile_async<kTile, DV>(v + hk * DV, vstride, k0 + kTile, seq_end, nk + S::kT, S::kLdV);
     }
     cp_async_commit();
     cp_async_wait_all_but_newest();
     __syncthreads();
-    const bf16* sK = sm + S::kKV + 2 * stage * S::kT;
+    const bf16* sK = sm + S::kKV + stage * S::kStage;
     const bf16* sV = sK + S::kT;
 
     float s[kTile / 8][4], dp[kTile / 8][4];
     zero(s);
     zero(dp);
     mma_tile_times_t<kTile / 8, D>(s, sQ, S::kLd, warp * 16, sK, S::kLd, lane);
-    mma_tile_times_t<kTile / 8, D>(dp, sG, S::kLd, warp * 16, sV, S::kLd, lane);
+    mma_tile_times_t<kTile / 8, DV>(dp, sG, S::kLdV, warp * 16, sV, S::kLdV, lane);
     // ds = p * (dp - delta) with p = exp(s * scale - lse), 0 past the diagonal or the sequence.
 #pragma unroll
     for (int nt = 0; nt < kTile / 8; ++nt)
@@ -982,31 +992,33 @@ __global__ void __launch_bounds__(kThreadsF) flash_dq_kernel(const bf16* dout, c
   }
 }
 
-// Query rows per inner step of the dk/dv kernel (fewer for head_dim 128: register pressure).
+// Query rows per inner step of the dk/dv kernel (fewer for wider heads: register pressure).
 template <int D>
-constexpr int kDkvRows = D <= 64 ? 64 : 32;
+constexpr int kDkvRows = D <= 64 ? 64 : D <= 128 ? 32 : 16;
 
 // Shared memory of the dk/dv kernel: the key and value tiles, two stages of the query and dout
-// tiles with their lse (F32) and delta.
-template <int D>
+// tiles with their lse (F32) and delta (q and k rows D wide, dout and v rows DV wide).
+template <int D, int DV = D>
 struct DkvSmem {
   static constexpr int kBq = kDkvRows<D>;
-  static constexpr int kLd = D + 8, kT = kTile * kLd, kTq = kBq * kLd;
-  static constexpr int kK = 0, kV = kT, kQG = 2 * kT, kTotal = kQG + 4 * kTq;  // stage s: Q at kQG + 2 s kTq, dout after
+  static constexpr int kLd = D + 8, kLdV = DV + 8, kT = kTile * kLd, kTq = kBq * kLd, kTg = kBq * kLdV;
+  static constexpr int kK = 0, kV = kT, kQG = kT + kTile * kLdV;
+  static constexpr int kStage = kTq + kTg;  // stage s: Q at kQG + s kStage, dout kTq after it
+  static constexpr int kTotal = kQG + 2 * kStage;
   static constexpr size_t kBytes = static_cast<size_t>(kTotal) * sizeof(bf16) + 4 * kBq * sizeof(float);
 };
 
 // One block per (64-key tile, q head h): dv_h[j] = sum_{t >= j} p_tj dout_t and
 // dk_h[j] = sum_t p_tj (dp_tj - delta_t) q_t (unscaled). Without GQA (one q head per kv head)
 // they are the results: dk = scale * dk_h, dv = dv_h in BF16. With GQA the F32 partials of every
-// q head go to part_k / part_v [T, Hq, D] and flash_dkv_reduce_kernel sums each group.
-template <int D>
+// q head go to part_k [T, Hq, D] / part_v [T, Hq, DV] and flash_dkv_reduce_kernel sums each group.
+template <int D, int DV = D>
 __global__ void __launch_bounds__(kThreadsF) flash_dkv_kernel(const bf16* dout, const bf16* q, const bf16* k,
                                                                const bf16* v, const float* lse, const float* delta,
                                                                const TileDesc* tiles, int Hq, int Hkv, int64_t T_,
                                                                float scale, bf16* dk, bf16* dv, float* part_k,
                                                                float* part_v) {
-  using S = DkvSmem<D>;
+  using S = DkvSmem<D, DV>;
   constexpr int kBq = S::kBq;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   bf16* sm = reinterpret_cast<bf16*>(smem_raw);
@@ -1017,14 +1029,15 @@ __global__ void __launch_bounds__(kThreadsF) flash_dkv_kernel(const bf16* dout, 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
   const int64_t k0 = td.row0, seq_end = td.seq_end;
   const int64_t qstride = static_cast<int64_t>(Hq) * D, kstride = static_cast<int64_t>(Hkv) * D;
+  const int64_t gstride = static_cast<int64_t>(Hq) * DV, vstride = static_cast<int64_t>(Hkv) * DV;
   const float* lse_h = lse + static_cast<int64_t>(h) * T_;
   const float* delta_h = delta + static_cast<int64_t>(h) * T_;
 
   // Stage st's query-side tiles: rows t0 .. t0 + kBq - 1.
   auto load_stage = [&](int st, int64_t t0) {
-    bf16* sq = sm + S::kQG + 2 * st * S::kTq;
+    bf16* sq = sm + S::kQG + st * S::kStage;
     load_tile_async<kBq, D>(q + h * D, qstride, t0, seq_end, sq, S::kLd);
-    load_tile_async<kBq, D>(dout + h * D, qstride, t0, seq_end, sq + S::kTq, S::kLd);
+    load_tile_async<kBq, DV>(dout + h * DV, gstride, t0, seq_end, sq + S::kTq, S::kLdV);
     const int i = threadIdx.x;
     if (i < 2 * kBq) {
       const int64_t t = t0 + i % kBq;
@@ -1033,12 +1046,12 @@ __global__ void __launch_bounds__(kThreadsF) flash_dkv_kernel(const bf16* dout, 
     }
   };
   load_tile_async<kTile, D>(k + hk * D, kstride, k0, seq_end, sK, S::kLd);
-  load_tile_async<kTile, D>(v + hk * D, kstride, k0, seq_end, sV, S::kLd);
+  load_tile_async<kTile, DV>(v + hk * DV, vstride, k0, seq_end, sV, S::kLdV);
   load_stage(0, k0);
   cp_async_commit();
 
-  constexpr int kNd = D / 8, kNq = kBq / 8;
-  float adk[kNd][4], adv[kNd][4];
+  constexpr int kNd = D / 8, kNdv = DV / 8, kNq = kBq / 8;
+  float adk[kNd][4], adv[kNdv][4];
   zero(adk);
   zero(adv);
   const float sl2 = scale * kLog2e;
@@ -1050,7 +1063,7 @@ __global__ void __launch_bounds__(kThreadsF) flash_dkv_kernel(const bf16* dout, 
     cp_async_commit();
     cp_async_wait_all_but_newest();
     __syncthreads();
-    const bf16* sQ = sm + S::kQG + 2 * stage * S::kTq;
+    const bf16* sQ = sm + S::kQG + stage * S::kStage;
     const bf16* sG = sQ + S::kTq;
     const float* sL = sLD + 2 * stage * kBq;
     const float* sD = sL + kBq;
@@ -1060,7 +1073,7 @@ __global__ void __launch_bounds__(kThreadsF) flash_dkv_kernel(const bf16* dout, 
     zero(st);
     zero(dpt);
     mma_tile_times_t<kNq, D>(st, sK, S::kLd, warp * 16, sQ, S::kLd, lane);
-    mma_tile_times_t<kNq, D>(dpt, sV, S::kLd, warp * 16, sG, S::kLd, lane);
+    mma_tile_times_t<kNq, DV>(dpt, sV, S::kLdV, warp * 16, sG, S::kLdV, lane);
 #pragma unroll
     for (int nt = 0; nt < kNq; ++nt)
 #pragma unroll
@@ -1072,7 +1085,7 @@ __global__ void __launch_bounds__(kThreadsF) flash_dkv_kernel(const bf16* dout, 
         st[nt][e] = p;
         dpt[nt][e] = p * (dpt[nt][e] - sD[col]);
       }
-    mma_regs_times(adv, st, sG, S::kLd, lane);   // dv += p^T dout
+    mma_regs_times(adv, st, sG, S::kLdV, lane);  // dv += p^T dout
     mma_regs_times(adk, dpt, sQ, S::kLd, lane);  // dk += ds^T q
     __syncthreads();
   }
@@ -1083,49 +1096,46 @@ __global__ void __launch_bounds__(kThreadsF) flash_dkv_kernel(const bf16* dout, 
     if (key >= seq_end) continue;
     if (grouped) {
       float2* pk = reinterpret_cast<float2*>(part_k + (key * Hq + h) * D);
-      float2* pv = reinterpret_cast<float2*>(part_v + (key * Hq + h) * D);
+      float2* pv = reinterpret_cast<float2*>(part_v + (key * Hq + h) * DV);
 #pragma unroll
-      for (int nt = 0; nt < kNd; ++nt) {
-        pk[nt * 4 + c] = make_float2(adk[nt][2 * r], adk[nt][2 * r + 1]);
-        pv[nt * 4 + c] = make_float2(adv[nt][2 * r], adv[nt][2 * r + 1]);
-      }
+      for (int nt = 0; nt < kNd; ++nt) pk[nt * 4 + c] = make_float2(adk[nt][2 * r], adk[nt][2 * r + 1]);
+#pragma unroll
+      for (int nt = 0; nt < kNdv; ++nt) pv[nt * 4 + c] = make_float2(adv[nt][2 * r], adv[nt][2 * r + 1]);
     } else {
       uint32_t* pk = reinterpret_cast<uint32_t*>(dk + key * kstride + hk * D);
-      uint32_t* pv = reinterpret_cast<uint32_t*>(dv + key * kstride + hk * D);
+      uint32_t* pv = reinterpret_cast<uint32_t*>(dv + key * vstride + hk * DV);
 #pragma unroll
-      for (int nt = 0; nt < kNd; ++nt) {
-        pk[nt * 4 + c] = pack_bf16(adk[nt][2 * r] * scale, adk[nt][2 * r + 1] * scale);
-        pv[nt * 4 + c] = pack_bf16(adv[nt][2 * r], adv[nt][2 * r + 1]);
-      }
+      for (int nt = 0; nt < kNd; ++nt) pk[nt * 4 + c] = pack_bf16(adk[nt][2 * r] * scale, adk[nt][2 * r + 1] * scale);
+#pragma unroll
+      for (int nt = 0; nt < kNdv; ++nt) pv[nt * 4 + c] = pack_bf16(adv[nt][2 * r], adv[nt][2 * r + 1]);
     }
   }
 }
 
-// dk[t, hk] = scale * sum_{h in hk's group} part_k[t, h], dv likewise (unscaled), in head order;
-// four consecutive elements of one (t, hk) per thread.
+// dk[t, hk] = scale * sum_{h in hk's group} part_k[t, h] (D wide), dv likewise (unscaled, DV
+// wide), in head order; four consecutive elements of one (t, hk) of dk, then of dv, per thread.
 __global__ void flash_dkv_reduce_kernel(const float* part_k, const float* part_v, int64_t T_, int Hq, int Hkv, int D,
-                                        float scale, bf16* dk, bf16* dv) {
-  const int group = Hq / Hkv, quads = D / 4;
+                                        int DV, float scale, bf16* dk, bf16* dv) {
+  const int group = Hq / Hkv, quads = (D + DV) / 4;
   const int64_t n = T_ * Hkv * quads;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t row = i / quads;  // t * Hkv + hk
-    const int d = static_cast<int>(i % quads) * 4;
+    int d = static_cast<int>(i % quads) * 4;
+    const bool is_v = d >= D;
+    if (is_v) d -= D;
+    const int W = is_v ? DV : D;
+    const float* part = is_v ? part_v : part_k;
+    const float f = is_v ? 1.0f : scale;
     const int64_t t = row / Hkv, hk = row % Hkv;
-    float sk[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int hg = 0; hg < group; ++hg) {
-      const int64_t off = (t * Hq + hk * group + hg) * D + d;
-      const float4 a = *reinterpret_cast<const float4*>(part_k + off);
-      const float4 b = *reinterpret_cast<const float4*>(part_v + off);
-      sk[0] += a.x, sk[1] += a.y, sk[2] += a.z, sk[3] += a.w;
-      sv[0] += b.x, sv[1] += b.y, sv[2] += b.z, sv[3] += b.w;
+      const float4 a = *reinterpret_cast<const float4*>(part + (t * Hq + hk * group + hg) * W + d);
+      sum[0] += a.x, sum[1] += a.y, sum[2] += a.z, sum[3] += a.w;
     }
-    uint32_t* pk = reinterpret_cast<uint32_t*>(dk + row * D + d);
-    uint32_t* pv = reinterpret_cast<uint32_t*>(dv + row * D + d);
-    pk[0] = pack_bf16(sk[0] * scale, sk[1] * scale);
-    pk[1] = pack_bf16(sk[2] * scale, sk[3] * scale);
-    pv[0] = pack_bf16(sv[0], sv[1]);
-    pv[1] = pack_bf16(sv[2], sv[3]);
+    uint32_t* p = reinterpret_cast<uint32_t*>((is_v ? dv : dk) + row * W + d);
+    p[0] = pack_bf16(sum[0] * f, sum[1] * f);
+    p[1] = pack_bf16(sum[2] * f, sum[3] * f);
   }
 }
 
@@ -1146,23 +1156,24 @@ FlashOrder flash_order() {
   return v == "merge" ? FlashOrder::kMerge : v == "merge_coop" ? FlashOrder::kMergeCoop : FlashOrder::kOnline;
 }
 
-template <int D>
+template <int D, int DV = D>
 void flash_fwd(const bf16* q, const bf16* k, const bf16* v, const TileDesc* tiles, int num_tiles, int64_t T_, int Hq,
                int Hkv, float scale, bf16* out, float* lse, cudaStream_t stream) {
-  const size_t bytes = FwdSmem<D>::kBytes;
+  const size_t bytes = FwdSmem<D, DV>::kBytes;
   auto run = [&](auto kern) {
     set_smem(kern, bytes);
     kern<<<dim3(num_tiles, Hq), kThreadsF, bytes, stream>>>(q, k, v, tiles, Hq, Hkv, T_, scale, out, lse);
   };
-  if (flash_order() != FlashOrder::kOnline) run(flash_fwd_kernel<D, true>);
-  else run(flash_fwd_kernel<D, false>);
+  if (flash_order() != FlashOrder::kOnline) run(flash_fwd_kernel<D, true, DV>);
+  else run(flash_fwd_kernel<D, false, DV>);
   CUDA_CHECK_LAUNCH("flash_fwd_kernel");
 }
 
-// The F32 work area of the backward: delta [Hq, T], then with GQA the dk / dv partials [T, Hq, D].
+// The F32 work area of the backward: delta [Hq, T], then with GQA the dk / dv partials [T, Hq, D]
+// and [T, Hq, DV].
 int64_t delta_floats(int64_t T_, int Hq) { return (T_ * Hq + 3) / 4 * 4; }
 
-template <int D>
+template <int D, int DV = D>
 void flash_bwd(const bf16* dout, const bf16* q, const bf16* k, const bf16* v, const bf16* out, const float* lse,
                const TileDesc* tiles_q, const TileDesc* tiles_k, int num_tiles, int64_t T_, int Hq, int Hkv,
                float scale, bf16* dq, bf16* dk, bf16* dv, float* work, cudaStream_t stream) {
@@ -1170,30 +1181,32 @@ void flash_bwd(const bf16* dout, const bf16* q, const bf16* k, const bf16* v, co
   float* delta = work;
   float* part_k = work + delta_floats(T_, Hq);
   float* part_v = part_k + rows * D;
-  flash_delta_kernel<D><<<static_cast<unsigned>(ceil_div(rows, 8)), 256, 0, stream>>>(dout, out, T_, Hq, delta);
+  flash_delta_kernel<DV><<<static_cast<unsigned>(ceil_div(rows, 8)), 256, 0, stream>>>(dout, out, T_, Hq, delta);
   CUDA_CHECK_LAUNCH("flash_delta_kernel");
-  set_smem(flash_dq_kernel<D>, DqSmem<D>::kBytes);
-  flash_dq_kernel<D><<<dim3(num_tiles, Hq), kThreadsF, DqSmem<D>::kBytes, stream>>>(dout, q, k, v, lse, delta, tiles_q,
-                                                                                    Hq, Hkv, T_, scale, dq);
+  set_smem(flash_dq_kernel<D, DV>, DqSmem<D, DV>::kBytes);
+  flash_dq_kernel<D, DV><<<dim3(num_tiles, Hq), kThreadsF, DqSmem<D, DV>::kBytes, stream>>>(
+      dout, q, k, v, lse, delta, tiles_q, Hq, Hkv, T_, scale, dq);
   CUDA_CHECK_LAUNCH("flash_dq_kernel");
-  set_smem(flash_dkv_kernel<D>, DkvSmem<D>::kBytes);
-  flash_dkv_kernel<D><<<dim3(num_tiles, Hq), kThreadsF, DkvSmem<D>::kBytes, stream>>>(
+  set_smem(flash_dkv_kernel<D, DV>, DkvSmem<D, DV>::kBytes);
+  flash_dkv_kernel<D, DV><<<dim3(num_tiles, Hq), kThreadsF, DkvSmem<D, DV>::kBytes, stream>>>(
       dout, q, k, v, lse, delta, tiles_k, Hq, Hkv, T_, scale, dk, dv, part_k, part_v);
   CUDA_CHECK_LAUNCH("flash_dkv_kernel");
   if (Hq != Hkv) {
-    const int64_t n = T_ * Hkv * D / 4;
+    const int64_t n = T_ * Hkv * (D + DV) / 4;
     const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(ceil_div(n, 256), 8192));
-    flash_dkv_reduce_kernel<<<blocks, 256, 0, stream>>>(part_k, part_v, T_, Hq, Hkv, D, scale, dk, dv);
+    flash_dkv_reduce_kernel<<<blocks, 256, 0, stream>>>(part_k, part_v, T_, Hq, Hkv, D, DV, scale, dk, dv);
     CUDA_CHECK_LAUNCH("flash_dkv_reduce_kernel");
   }
 }
 
 }  // namespace
 
-bool flash_attention_supported(DType dt, int hd) { return dt == DType::BF16 && (hd == 64 || hd == 128); }
+bool flash_attention_supported(DType dt, int hd, int hdv) {
+  return dt == DType::BF16 && ((hd == hdv && (hd == 64 || hd == 128)) || (hd == 192 && hdv == 128));
+}
 
-int64_t flash_attention_backward_work(int64_t T, int Hq, int Hkv, int hd) {
-  return delta_floats(T, Hq) + (Hq != Hkv ? 2 * T * Hq * hd : 0);
+int64_t flash_attention_backward_work(int64_t T, int Hq, int Hkv, int hd, int hdv) {
+  return delta_floats(T, Hq) + (Hq != Hkv ? T * Hq * (hd + hdv) : 0);
 }
 
 std::vector<int32_t> flash_attention_tiles(const std::vector<int32_t>& cu_seqlens) {
@@ -1225,21 +1238,24 @@ void check_flash_args(const void* const* ptrs, int n, int Hq, int Hkv, int num_t
 }  // namespace
 
 void launch_flash_attention(const void* q, const void* k, const void* v, const int32_t* tiles, int num_tiles,
-                            int64_t T_, int Hq, int Hkv, int hd, float scale, void* out, float* lse,
+                            int64_t T_, int Hq, int Hkv, int hd, int hdv, float scale, void* out, float* lse,
                             cudaStream_t stream) {
   if (T_ == 0 || num_tiles == 0) return;
   const void* ptrs[] = {q, k, v, out};
   check_flash_args(ptrs, 4, Hq, Hkv, num_tiles);
   const auto* td = reinterpret_cast<const TileDesc*>(tiles);
   auto cq = static_cast<const bf16*>(q), ck = static_cast<const bf16*>(k), cv = static_cast<const bf16*>(v);
-  if (hd == 64) flash_fwd<64>(cq, ck, cv, td, num_tiles, T_, Hq, Hkv, scale, static_cast<bf16*>(out), lse, stream);
-  else if (hd == 128) flash_fwd<128>(cq, ck, cv, td, num_tiles, T_, Hq, Hkv, scale, static_cast<bf16*>(out), lse, stream);
-  else FP8RL_FAIL("flash attention: head_dim must be 64 or 128, got ", hd);
+  FP8RL_CHECK(flash_attention_supported(DType::BF16, hd, hdv), "flash attention: head dims (", hd, ", ", hdv,
+              ") must be (64, 64), (128, 128) or (192, 128)");
+  bf16* o = static_cast<bf16*>(out);
+  if (hd == 64) flash_fwd<64>(cq, ck, cv, td, num_tiles, T_, Hq, Hkv, scale, o, lse, stream);
+  else if (hd == 128) flash_fwd<128>(cq, ck, cv, td, num_tiles, T_, Hq, Hkv, scale, o, lse, stream);
+  else flash_fwd<192, 128>(cq, ck, cv, td, num_tiles, T_, Hq, Hkv, scale, o, lse, stream);
 }
 
 void launch_flash_attention_backward(const void* dout, const void* q, const void* k, const void* v, const void* out,
                                      const float* lse, const int32_t* tiles, int num_tiles, int64_t T_, int Hq,
-                                     int Hkv, int hd, float scale, void* dq, void* dk, void* dv, float* work,
+                                     int Hkv, int hd, int hdv, float scale, void* dq, void* dk, void* dv, float* work,
                                      cudaStream_t stream) {
   if (T_ == 0 || num_tiles == 0) return;
   const void* ptrs[] = {dout, q, k, v, out, dq, dk, dv};
@@ -1249,9 +1265,11 @@ void launch_flash_attention_backward(const void* dout, const void* q, const void
   auto g = static_cast<const bf16*>(dout), cq = static_cast<const bf16*>(q), ck = static_cast<const bf16*>(k),
        cv = static_cast<const bf16*>(v), co = static_cast<const bf16*>(out);
   auto pq = static_cast<bf16*>(dq), pk = static_cast<bf16*>(dk), pv = static_cast<bf16*>(dv);
+  FP8RL_CHECK(flash_attention_supported(DType::BF16, hd, hdv), "flash attention: head dims (", hd, ", ", hdv,
+              ") must be (64, 64), (128, 128) or (192, 128)");
   if (hd == 64) flash_bwd<64>(g, cq, ck, cv, co, lse, tq, tk, num_tiles, T_, Hq, Hkv, scale, pq, pk, pv, work, stream);
   else if (hd == 128) flash_bwd<128>(g, cq, ck, cv, co, lse, tq, tk, num_tiles, T_, Hq, Hkv, scale, pq, pk, pv, work, stream);
-  else FP8RL_FAIL("flash attention: head_dim must be 64 or 128, got ", hd);
+  else flash_bwd<192, 128>(g, cq, ck, cv, co, lse, tq, tk, num_tiles, T_, Hq, Hkv, scale, pq, pk, pv, work, stream);
 }
 
 bool flash_decode_supported(int hd, int group, DType pool_dt, DType qdt) {

@@ -227,14 +227,14 @@ void launch_attention_backward(const void* dout, const void* q, const void* k, c
                                DType dt, const float* lse, const int32_t* seq_start, const int32_t* seq_end,
                                int64_t T, int Hq, int Hkv, int hd, int hdv, float scale, void* dq, void* dk, void* dv,
                                float* scratch_delta, cudaStream_t stream);
-// Tensor-core flash attention (flash_attention.cu): BF16 q/k/v/out/dout, head_dim 64 or 128,
-// 16-byte aligned tensors. Same contract as the launchers above; tiles are kFlashTile tokens of
-// one sequence. `tiles` (device) holds flash_attention_tiles(cu_seqlens): 2 * num_tiles
-// descriptors of 4 int32 (num_tiles = its size / 8). The backward's F32 scratch `work` holds
-// flash_attention_backward_work(T, Hq, Hkv, hd) floats (delta; with GQA the dk/dv partials of
-// every q head).
+// Tensor-core flash attention (flash_attention.cu): BF16 q/k/v/out/dout, head dims (hd of q and
+// k, hdv of v and out) (64, 64), (128, 128) or (192, 128) (MLA), 16-byte aligned tensors. Same
+// contract as the launchers above; tiles are kFlashTile tokens of one sequence. `tiles` (device)
+// holds flash_attention_tiles(cu_seqlens): 2 * num_tiles descriptors of 4 int32 (num_tiles = its
+// size / 8). The backward's F32 scratch `work` holds flash_attention_backward_work(T, Hq, Hkv,
+// hd, hdv) floats (delta; with GQA the dk/dv partials of every q head).
 constexpr int kFlashTile = 64;
-bool flash_attention_supported(DType dt, int hd);
+bool flash_attention_supported(DType dt, int hd, int hdv);
 // The decode attention in flash attention's order (flash_attention.cu, flash_decode_kernel): q
 // [T, Hq, hd] BF16 over a paged cache (BF16 pools, or E4M3 with the layer's per-head k_scale /
 // v_scale), token t attending positions 0..token_pos[t] of its sequence (page_table row
@@ -246,14 +246,14 @@ void launch_flash_decode(const void* q, const int32_t* token_seq, const int32_t*
                          int max_pages, int64_t T, int Hq, int Hkv, int hd, int page_size, const void* kpool,
                          const void* vpool, DType pool_dt, const float* k_scale, const float* v_scale, float scale,
                          void* out, cudaStream_t stream);
-int64_t flash_attention_backward_work(int64_t T, int Hq, int Hkv, int hd);
+int64_t flash_attention_backward_work(int64_t T, int Hq, int Hkv, int hd, int hdv);
 std::vector<int32_t> flash_attention_tiles(const std::vector<int32_t>& cu_seqlens);
 void launch_flash_attention(const void* q, const void* k, const void* v, const int32_t* tiles, int num_tiles,
-                            int64_t T, int Hq, int Hkv, int hd, float scale, void* out, float* lse,
+                            int64_t T, int Hq, int Hkv, int hd, int hdv, float scale, void* out, float* lse,
                             cudaStream_t stream);
 void launch_flash_attention_backward(const void* dout, const void* q, const void* k, const void* v, const void* out,
                                      const float* lse, const int32_t* tiles, int num_tiles, int64_t T, int Hq,
-                                     int Hkv, int hd, float scale, void* dq, void* dk, void* dv, float* work,
+                                     int Hkv, int hd, int hdv, float scale, void* dq, void* dk, void* dv, float* work,
                                      cudaStream_t stream);
 // KV pool element type: F32, BF16 or E4M3 (then k_scale/v_scale [Hkv] of the layer apply).
 // Per-head scales by value (at most kMaxKvRoundHeads KV heads).

@@ -6,29 +6,29 @@
 using namespace emu;
 static bf16 tob(float x) { return bf16{bf16_bits_from_float(x)}; }
 static float tf(bf16 b) { return bf16_bits_to_float(b.x); }
-template <int D, bool M = false>  // M: the tile-merge order (FP8RL_FLASH_ORDER=merge)
+template <int D, bool M = false, int DV = D>  // M: the tile-merge order (FP8RL_FLASH_ORDER=merge); DV: v's width
 int run(const std::vector<int32_t>& cu, int Hq, int Hkv) {
   const int64_t T = cu.back();
-  std::mt19937 gen(5 + D);
+  std::mt19937 gen(5 + D + DV);
   std::normal_distribution<float> nd(0, 1);
   auto mk = [&](int64_t n, float s) { std::vector<bf16> v(n); for (auto& x : v) x = tob(nd(gen) * s); return v; };
-  auto q = mk(T * Hq * D, 2.0f), k = mk(T * Hkv * D, 1), v = mk(T * Hkv * D, 1), g = mk(T * Hq * D, 1);
+  auto q = mk(T * Hq * D, 2.0f), k = mk(T * Hkv * D, 1), v = mk(T * Hkv * DV, 1), g = mk(T * Hq * DV, 1);
   const float scale = 1.0f / std::sqrt(float(D));
   std::vector<int32_t> tl = flash_attention_tiles(cu);
   const int nt = tl.size() / 8;
   const TileDesc* tq = reinterpret_cast<const TileDesc*>(tl.data());
   const TileDesc* tk = tq + nt;
-  std::vector<bf16> out(T * Hq * D, tob(NAN)), dq(T * Hq * D, tob(NAN)), dk(T * Hkv * D, tob(NAN)), dv(T * Hkv * D, tob(NAN));
+  std::vector<bf16> out(T * Hq * DV, tob(NAN)), dq(T * Hq * D, tob(NAN)), dk(T * Hkv * D, tob(NAN)), dv(T * Hkv * DV, tob(NAN));
   std::vector<float> lse(Hq * T, NAN), delta(T * Hq, NAN);
-  emu_launch(nt, Hq, FwdSmem<D>::kBytes, [&] { flash_fwd_kernel<D, M>(q.data(), k.data(), v.data(), tq, Hq, Hkv, T, scale, out.data(), lse.data()); });
+  emu_launch(nt, Hq, FwdSmem<D, DV>::kBytes, [&] { flash_fwd_kernel<D, M, DV>(q.data(), k.data(), v.data(), tq, Hq, Hkv, T, scale, out.data(), lse.data()); });
   const int64_t rows = T * Hq;
-  emu_launch((rows + 3) / 4, 1, 0, [&] { flash_delta_kernel<D>(g.data(), out.data(), T, Hq, delta.data()); });
-  emu_launch(nt, Hq, DqSmem<D>::kBytes, [&] { flash_dq_kernel<D>(g.data(), q.data(), k.data(), v.data(), lse.data(), delta.data(), tq, Hq, Hkv, T, scale, dq.data()); });
-  std::vector<float> pk(Hq != Hkv ? T * Hq * D : 0, NAN), pv(pk.size(), NAN);
-  emu_launch(nt, Hq, DkvSmem<D>::kBytes, [&] { flash_dkv_kernel<D>(g.data(), q.data(), k.data(), v.data(), lse.data(), delta.data(), tk, Hq, Hkv, T, scale, dk.data(), dv.data(), pk.data(), pv.data()); });
-  if (Hq != Hkv) emu_launch(3, 1, 0, [&] { flash_dkv_reduce_kernel(pk.data(), pv.data(), T, Hq, Hkv, D, scale, dk.data(), dv.data()); });
+  emu_launch((rows + 3) / 4, 1, 0, [&] { flash_delta_kernel<DV>(g.data(), out.data(), T, Hq, delta.data()); });
+  emu_launch(nt, Hq, DqSmem<D, DV>::kBytes, [&] { flash_dq_kernel<D, DV>(g.data(), q.data(), k.data(), v.data(), lse.data(), delta.data(), tq, Hq, Hkv, T, scale, dq.data()); });
+  std::vector<float> pk(Hq != Hkv ? T * Hq * D : 0, NAN), pv(Hq != Hkv ? T * Hq * DV : 0, NAN);
+  emu_launch(nt, Hq, DkvSmem<D, DV>::kBytes, [&] { flash_dkv_kernel<D, DV>(g.data(), q.data(), k.data(), v.data(), lse.data(), delta.data(), tk, Hq, Hkv, T, scale, dk.data(), dv.data(), pk.data(), pv.data()); });
+  if (Hq != Hkv) emu_launch(3, 1, 0, [&] { flash_dkv_reduce_kernel(pk.data(), pv.data(), T, Hq, Hkv, D, DV, scale, dk.data(), dv.data()); });
   // reference in double (using the kernel's bf16 out for delta, as the backend does)
-  std::vector<double> ro(T * Hq * D, 0), rl(Hq * T), rdq(T * Hq * D, 0), rdk(T * Hkv * D, 0), rdv(T * Hkv * D, 0);
+  std::vector<double> ro(T * Hq * DV, 0), rl(Hq * T), rdq(T * Hq * D, 0), rdk(T * Hkv * D, 0), rdv(T * Hkv * DV, 0);
   std::vector<int> ss(T), se(T);
   for (size_t b = 0; b + 1 < cu.size(); ++b) for (int t = cu[b]; t < cu[b + 1]; ++t) ss[t] = cu[b], se[t] = cu[b + 1];
   for (int64_t t = 0; t < T; ++t) for (int h = 0; h < Hq; ++h) {
@@ -39,16 +39,16 @@ int run(const std::vector<int32_t>& cu, int Hq, int Hkv) {
     double l = 0; for (auto& x : p) { x = std::exp(x - m); l += x; }
     rl[h * T + t] = m + std::log(l);
     for (auto& x : p) x /= l;
-    for (int64_t j = ss[t]; j <= t; ++j) for (int d = 0; d < D; ++d) ro[(t*Hq+h)*D+d] += p[j-ss[t]] * tf(v[(j*Hkv+hk)*D+d]);
-    double Dl = 0; for (int d = 0; d < D; ++d) Dl += double(tf(g[(t*Hq+h)*D+d])) * tf(out[(t*Hq+h)*D+d]);
+    for (int64_t j = ss[t]; j <= t; ++j) for (int d = 0; d < DV; ++d) ro[(t*Hq+h)*DV+d] += p[j-ss[t]] * tf(v[(j*Hkv+hk)*DV+d]);
+    double Dl = 0; for (int d = 0; d < DV; ++d) Dl += double(tf(g[(t*Hq+h)*DV+d])) * tf(out[(t*Hq+h)*DV+d]);
     for (int64_t j = ss[t]; j <= t; ++j) {
-      double dp = 0; for (int d = 0; d < D; ++d) dp += double(tf(g[(t*Hq+h)*D+d])) * tf(v[(j*Hkv+hk)*D+d]);
+      double dp = 0; for (int d = 0; d < DV; ++d) dp += double(tf(g[(t*Hq+h)*DV+d])) * tf(v[(j*Hkv+hk)*DV+d]);
       const double pp = p[j-ss[t]], ds = pp * (dp - Dl) * scale;
       for (int d = 0; d < D; ++d) {
         rdq[(t*Hq+h)*D+d] += ds * tf(k[(j*Hkv+hk)*D+d]);
         rdk[(j*Hkv+hk)*D+d] += ds * tf(q[(t*Hq+h)*D+d]);
-        rdv[(j*Hkv+hk)*D+d] += pp * tf(g[(t*Hq+h)*D+d]);
       }
+      for (int d = 0; d < DV; ++d) rdv[(j*Hkv+hk)*DV+d] += pp * tf(g[(t*Hq+h)*DV+d]);
     }
   }
   auto rel = [](auto& got, const std::vector<double>& ref, bool isbf) {
@@ -61,7 +61,7 @@ int run(const std::vector<int32_t>& cu, int Hq, int Hkv) {
     (void)isbf; return d / m;
   };
   double eo = rel(out, ro, true), el = rel(lse, rl, false), eq = rel(dq, rdq, true), ek = rel(dk, rdk, true), ev = rel(dv, rdv, true);
-  std::printf("%sD %d Hq %d Hkv %d T %ld: out %.2e lse %.2e dq %.2e dk %.2e dv %.2e\n", M ? "tile-merge order: " : "", D, Hq, Hkv, (long)T, eo, el, eq, ek, ev);
+  std::printf("%sD %d DV %d Hq %d Hkv %d T %ld: out %.2e lse %.2e dq %.2e dk %.2e dv %.2e\n", M ? "tile-merge order: " : "", D, DV, Hq, Hkv, (long)T, eo, el, eq, ek, ev);
   return (eo < 1e-2 && el < 1e-5 && eq < 3e-2 && ek < 3e-2 && ev < 3e-2) ? 0 : 1;
 }
 // The decode kernel in the forward's order (flash_decode_kernel): every token of the packed
@@ -161,6 +161,9 @@ int main() {
   bad += run<64>({0, 1, 18, 82, 212, 300}, 4, 1);
   bad += run<64>({0, 70, 71, 200}, 2, 2);  // no GQA: dk/dv written by the dk/dv kernel itself
   bad += run<128>({0, 17, 18, 147}, 4, 2);
+  // MLA's heads (DeepSeek-V3 / Moonlight): q/k 192 wide over v 128 wide; no GQA, and with GQA.
+  bad += run<192, false, 128>({0, 1, 18, 82, 212}, 2, 2);
+  bad += run<192, false, 128>({0, 17, 18, 147}, 4, 2);
   bad += run_decode<64>({0, 1, 18, 82, 212, 300}, 4, 1, true);
   bad += run_decode<128>({0, 17, 18, 147}, 4, 2, true);
   bad += run_decode<128>({0, 64, 65, 200}, 16, 1, false);
