@@ -1965,7 +1965,8 @@ void attention_cases(std::vector<OpCase>& t) {
   const int64_t T = cu.back();
   const DType dt = DType::BF16;
   seed = 300;
-  for (const auto& [hd, hdv] : {std::pair<int, int>{64, 64}, {128, 128}, {192, 128}}) {
+  for (const std::pair<int, int>& dims : {std::pair<int, int>{64, 64}, {128, 128}, {192, 128}}) {
+    const int hd = dims.first, hdv = dims.second;  // plain names: lambdas below capture them
     const float sc = 1.0f / std::sqrt(static_cast<float>(hd));
     const uint32_t s = seed;
     seed += 4;
