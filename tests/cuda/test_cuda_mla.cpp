@@ -21,6 +21,7 @@
 #include "backend/backend.h"
 #include "core/error.h"
 #include "cuda_model_util.h"
+#include "support/test_support.h"
 #include "model/transformer.h"
 #include "model/weights.h"
 #include "rollout/rollout.h"
@@ -79,7 +80,8 @@ TEST(CudaMlaOps, InterleavedRopeMatchesCpu) {
 }
 
 // Training attention with v heads narrower than q/k heads (Moonlight: 192 and 128), forward and
-// backward, against the CPU: F32 activations on the simple kernels, BF16 on the flash kernels.
+// backward, against the CPU: F32 activations on the simple kernels, BF16 on the default kernels
+// and on the flash ones (FP8RL_CUDA_ATTENTION=flash).
 TEST(CudaMlaOps, AttentionWithNarrowerValueHeadsMatchesCpu) {
   const int64_t H = 4, hd = 192, hdv = 128;
   const std::vector<int32_t> cu = {0, 17, 18, 61};
@@ -99,12 +101,15 @@ TEST(CudaMlaOps, AttentionWithNarrowerValueHeadsMatchesCpu) {
                                             values_f64(be, dv)};
   };
   const auto ref = run(*env().cpu);
-  for (Backend* gpu : {env().gpu32.get(), env().gpu16.get()}) {
-    const auto got = run(*gpu);
-    for (size_t i = 0; i < ref.size(); ++i)
-      EXPECT_LT(compare(got[i], ref[i]).rel, gpu->act_dtype() == DType::F32 ? 1e-5 : 2e-2)
-          << "tensor " << i << " (out, dq, dk, dv), act " << dtype_name(gpu->act_dtype());
-  }
+  for (Backend* gpu : {env().gpu32.get(), env().gpu16.get()})
+    for (const char* mode : {"", "flash"}) {
+      const test::ScopedEnv forced("FP8RL_CUDA_ATTENTION", mode);  // "": the default choice
+      const auto got = run(*gpu);
+      for (size_t i = 0; i < ref.size(); ++i)
+        EXPECT_LT(compare(got[i], ref[i]).rel, gpu->act_dtype() == DType::F32 ? 1e-5 : 2e-2)
+            << "tensor " << i << " (out, dq, dk, dv), act " << dtype_name(gpu->act_dtype()) << ", kernels '" << mode
+            << "'";
+    }
 }
 
 // The latent cache at Moonlight's widths (rows of 512 + 64, V = the first 512, 16 query heads

@@ -1688,11 +1688,14 @@ void seq_bounds(const std::vector<int32_t>& cu, int64_t T, std::vector<int32_t>&
 // The tensor-core flash kernels (flash_attention.cu) serve BF16 activations with head dims (q/k,
 // v) of (64, 64), (128, 128) or MLA's (192, 128) and 16-byte aligned tensors; everything else
 // takes the simple kernels. The environment variable FP8RL_CUDA_ATTENTION=simple forces the simple
-// kernels (=flash: the flash ones where supported), a diagnostic switch read at each call.
-constexpr bool kFlashByDefault = true;
+// kernels (=flash: the flash ones where supported), a diagnostic switch read at each call. MLA's
+// widths take the flash kernels only when asked (=flash) until they have passed on a GPU: written
+// in session 28 and checked by the host emulation, but no device was lent to run them.
+constexpr bool kFlashByDefault = true, kFlashMlaByDefault = false;
 bool use_flash_attention(DType dt, int hd, int hdv, std::initializer_list<const Tensor*> ts) {
   const char* e = std::getenv("FP8RL_CUDA_ATTENTION");
-  const bool want = e && std::string(e) == "simple" ? false : (e && std::string(e) == "flash") || kFlashByDefault;
+  const bool asked = e && std::string(e) == "flash";
+  const bool want = e && std::string(e) == "simple" ? false : asked || (hd == hdv ? kFlashByDefault : kFlashMlaByDefault);
   if (!want || !flash_attention_supported(dt, hd, hdv)) return false;
   for (const Tensor* t : ts)
     if (reinterpret_cast<uintptr_t>(t->raw()) % 16 != 0) return false;
