@@ -21,10 +21,10 @@
 #include "backend/backend.h"
 #include "core/error.h"
 #include "cuda_model_util.h"
-#include "support/test_support.h"
 #include "model/transformer.h"
 #include "model/weights.h"
 #include "rollout/rollout.h"
+#include "support/test_support.h"
 
 namespace fp8rl {
 namespace {
