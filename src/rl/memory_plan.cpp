@@ -257,9 +257,9 @@ MemoryPlan memory_plan_compute(const MemoryPlanInput& in) {
   } else if (c.is_moe() && in.act_dtype == DType::BF16) {
     // CUDA: the experts' weight gradients into F32 gradients go through BF16 staging, groups of
     // experts at a time (CudaBackend::kGroupedWgradStagingBytes: 128 MiB, or all experts' if less).
-    const int64_t Fe = c.moe_intermediate_size, per = int64_t(c.hidden_size) * Fe * 2;
-    p.transient.push_back({"grouped weight-gradient staging (BF16)",
-                           std::min<int64_t>(int64_t{128} << 20, int64_t(c.num_experts) * per),
+    const int64_t Fe = c.moe_intermediate_size, per = (int64_t(c.hidden_size) * Fe + 7) / 8 * 8 * 2;
+    const int64_t experts = std::clamp<int64_t>((int64_t{128} << 20) / per, 1, std::max(1, c.num_experts));
+    p.transient.push_back({"grouped weight-gradient staging (BF16)", experts * per,
                            "the experts' BF16 products before they are added into the F32 gradients"});
   }
   const int64_t hq = int64_t(c.num_heads) * c.head_dim, hkv = int64_t(c.num_kv_heads) * c.head_dim;
