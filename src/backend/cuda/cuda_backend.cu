@@ -1421,15 +1421,6 @@ void CudaBackend::grouped_linear_shared_input_impl(const Tensor& x, const std::v
   for (size_t i = 0; i < W.size(); ++i) grouped_fp8_product(xq, offsets, W[i], *outs[i]);
 }
 
-// The experts' backward, each half in one launch where the mode allows:
-//   dgrad, FP8 with pre-quantized weights: dY quantized once (1x128 along N), each routed
-//     expert's W^T (its cached wqt, the trainer's; else the byte transpose of its 128x128
-//     quantization, as linear_backward, packed in one scratch), the own grouped kernel over
-//     them; BF16 with BF16 weights: cuBLAS grouped;
-//   wgrad (BF16 mode, or FP8 with spec.wgrad == BF16): cuBLAS grouped dY_g^T X_g into each dw_g
-//     (BF16 gradients, train.grad_dtype bf16), or into BF16 staging then added (F32 gradients:
-//     grouped_wgrad_f32; cuBLAS has no grouped BF16 GEMM into F32).
-// What does not qualify runs as linear_backward per group (counted in grouped_loops).
 // The grouped weight gradient into F32 gradients. cuBLAS's grouped GEMM writes BF16 only, so
 // each group's product dY_g^T X_g goes to a BF16 staging buffer (beta 0) and one launch adds the
 // staged products into the F32 gradients: the micro-batch's contribution is rounded to BF16 once
@@ -1470,6 +1461,15 @@ void CudaBackend::grouped_wgrad_f32(const Tensor& dy, const Tensor& x, const std
   }
 }
 
+// The experts' backward, each half in one launch where the mode allows:
+//   dgrad, FP8 with pre-quantized weights: dY quantized once (1x128 along N), each routed
+//     expert's W^T (its cached wqt, the trainer's; else the byte transpose of its 128x128
+//     quantization, as linear_backward, packed in one scratch), the own grouped kernel over
+//     them; BF16 with BF16 weights: cuBLAS grouped;
+//   wgrad (BF16 mode, or FP8 with spec.wgrad == BF16): cuBLAS grouped dY_g^T X_g into each dw_g
+//     (BF16 gradients, train.grad_dtype bf16), or into BF16 staging then added (F32 gradients:
+//     grouped_wgrad_f32; cuBLAS has no grouped BF16 GEMM into F32).
+// What does not qualify runs as linear_backward per group (counted in grouped_loops).
 void CudaBackend::grouped_linear_backward_impl(const Tensor& dy, const Tensor& x, const std::vector<int64_t>& offsets,
                                                const std::vector<const LinearWeight*>& W, const LinearSpec& spec,
                                                Tensor* dx, const std::vector<Tensor*>& dw) {
