@@ -74,6 +74,18 @@ __global__ void convert_vec_kernel(const S* s, D* d, int64_t n8) {
 // a chunk of one tensor, 8 elements per access, each as convert_vec_kernel rounds it.
 constexpr int kConvertMax = 128;
 constexpr int64_t kConvertChunk = 256 * 8 * 4;
+// The tensor and the element range [begin, end) of this CTA in a multi-tensor launch
+// (launch_multi_tensor below: a CTA per kConvertChunk elements of one tensor).
+struct TensorChunk {
+  int t;
+  int64_t begin, end;
+};
+template <class L>
+__device__ __forceinline__ TensorChunk tensor_chunk(const L& launch) {
+  const int t = multi_tensor_of(launch.chunk_start, launch.count, static_cast<int>(blockIdx.x));
+  const int64_t begin = static_cast<int64_t>(blockIdx.x - launch.chunk_start[t]) * kConvertChunk;
+  return {t, begin, min(launch.n[t], begin + kConvertChunk)};
+}
 struct ConvertLaunch {
   int count;
   int chunk_start[kConvertMax + 1];
@@ -82,13 +94,11 @@ struct ConvertLaunch {
   int64_t n[kConvertMax];
 };
 __global__ void __launch_bounds__(256) convert_many_kernel(const __grid_constant__ ConvertLaunch L) {
-  const int lo = multi_tensor_of(L.chunk_start, L.count, static_cast<int>(blockIdx.x));
-  const int64_t begin = static_cast<int64_t>(blockIdx.x - L.chunk_start[lo]) * kConvertChunk;
-  const int64_t end = min(L.n[lo], begin + kConvertChunk);
-  for (int64_t i = begin + threadIdx.x * 8; i < end; i += 256 * 8) {
+  const TensorChunk c = tensor_chunk(L);
+  for (int64_t i = c.begin + threadIdx.x * 8; i < c.end; i += 256 * 8) {
     float x[8];
-    load8(L.src[lo] + i, x);
-    store8(L.dst[lo] + i, x);
+    load8(L.src[c.t] + i, x);
+    store8(L.dst[c.t] + i, x);
   }
 }
 // dst[i] += float(src[i]) (F32 += BF16) over many tensors per launch, chunked as convert_many:
@@ -104,21 +114,19 @@ struct AccumulateLaunch {
   bool vec[kAccumulateMax];
 };
 __global__ void __launch_bounds__(256) accumulate_many_kernel(const __grid_constant__ AccumulateLaunch L) {
-  const int lo = multi_tensor_of(L.chunk_start, L.count, static_cast<int>(blockIdx.x));
-  const int64_t begin = static_cast<int64_t>(blockIdx.x - L.chunk_start[lo]) * kConvertChunk;
-  const int64_t end = min(L.n[lo], begin + kConvertChunk);
-  if (L.vec[lo]) {
-    for (int64_t i = begin + threadIdx.x * 8; i < end; i += 256 * 8) {
+  const TensorChunk c = tensor_chunk(L);
+  if (L.vec[c.t]) {
+    for (int64_t i = c.begin + threadIdx.x * 8; i < c.end; i += 256 * 8) {
       float a[8], d[8];
-      load8(L.src[lo] + i, a);
-      load8(L.dst[lo] + i, d);
+      load8(L.src[c.t] + i, a);
+      load8(L.dst[c.t] + i, d);
 #pragma unroll
       for (int k = 0; k < 8; ++k) d[k] += a[k];
-      store8(L.dst[lo] + i, d);
+      store8(L.dst[c.t] + i, d);
     }
   } else {
-    for (int64_t i = begin + threadIdx.x; i < end; i += 256)
-      L.dst[lo][i] += bf16_bits_to_float(reinterpret_cast<const uint16_t*>(L.src[lo])[i]);
+    for (int64_t i = c.begin + threadIdx.x; i < c.end; i += 256)
+      L.dst[c.t][i] += bf16_bits_to_float(reinterpret_cast<const uint16_t*>(L.src[c.t])[i]);
   }
 }
 // One dtype throughout, 8 elements per access (vec8_ok): the same per-element sum.
