@@ -807,9 +807,13 @@ void grouped_linear_contract(const Contract& c, const Tensor& x, const std::vect
 }  // namespace
 
 void Backend::grouped_linear(const Tensor& x, const std::vector<int64_t>& offsets,
-                             const std::vector<const LinearWeight*>& W, const LinearSpec& spec, Tensor& out) {
-  grouped_linear_contract(Contract(*this), x, offsets, W, spec, out);
-  grouped_linear_impl(x, offsets, W, spec, out);
+                             const std::vector<const LinearWeight*>& W, const LinearSpec& spec, Tensor& out,
+                             const Fp8View* x_fp8) {
+  const Contract c(*this);
+  grouped_linear_contract(c, x, offsets, W, spec, out);
+  const bool fp8 = spec.mode == LinearMode::FP8_BLOCK;
+  if (x_fp8 && fp8) fp8_view_check(c, *x_fp8, x, spec, "grouped_linear");
+  grouped_linear_impl(x, offsets, W, spec, out, fp8 ? x_fp8 : nullptr);
 }
 
 void Backend::grouped_linear_shared_input(const Tensor& x, const std::vector<int64_t>& offsets,
@@ -830,11 +834,14 @@ void Backend::grouped_linear_shared_input(const Tensor& x, const std::vector<int
 void Backend::grouped_linear_shared_input_impl(const Tensor& x, const std::vector<int64_t>& offsets,
                                                const std::vector<std::vector<const LinearWeight*>>& W,
                                                const LinearSpec& spec, const std::vector<Tensor*>& outs) {
-  for (size_t i = 0; i < W.size(); ++i) grouped_linear_impl(x, offsets, W[i], spec, *outs[i]);
+  for (size_t i = 0; i < W.size(); ++i) grouped_linear_impl(x, offsets, W[i], spec, *outs[i], nullptr);
 }
 
+// Per group through linear_impl, which quantizes the group's rows itself: x_fp8 holds those bits
+// (1x128 blocks never cross a row), so it is not needed here.
 void Backend::grouped_linear_impl(const Tensor& x, const std::vector<int64_t>& offsets,
-                                  const std::vector<const LinearWeight*>& W, const LinearSpec& spec, Tensor& out) {
+                                  const std::vector<const LinearWeight*>& W, const LinearSpec& spec, Tensor& out,
+                                  const Fp8View* /*x_fp8*/) {
   for (size_t g = 0; g < W.size(); ++g) {
     if (offsets[g + 1] == offsets[g]) continue;
     const Tensor xg = x.slice_rows(offsets[g], offsets[g + 1]);
@@ -872,7 +879,7 @@ void Backend::linear_backward(const Tensor& dy, const Tensor& x, const LinearWei
 
 void Backend::grouped_linear_backward(const Tensor& dy, const Tensor& x, const std::vector<int64_t>& offsets,
                                       const std::vector<const LinearWeight*>& W, const LinearSpec& spec, Tensor* dx,
-                                      const std::vector<Tensor*>& dw) {
+                                      const std::vector<Tensor*>& dw, const Fp8View* dy_fp8) {
   FP8RL_CHECK(!W.empty() && offsets.size() == W.size() + 1, "grouped_linear_backward: ", W.size(), " weights need ",
               W.size() + 1, " row offsets, got ", offsets.size());
   FP8RL_CHECK(dw.empty() || dw.size() == W.size(), "grouped_linear_backward: ", dw.size(), " weight gradients for ",
@@ -898,12 +905,15 @@ void Backend::grouped_linear_backward(const Tensor& dy, const Tensor& x, const s
   }
   if (dx) c.floating(*dx, {R, K}, "grouped_linear_backward dx");
   if (!dw.empty()) wgrad_contract(spec);
-  grouped_linear_backward_impl(dy, x, offsets, W, spec, dx, dw);
+  const bool fp8 = spec.mode == LinearMode::FP8_BLOCK;
+  if (dy_fp8 && fp8) fp8_view_check(c, *dy_fp8, dy, spec, "grouped_linear_backward (dy)");
+  grouped_linear_backward_impl(dy, x, offsets, W, spec, dx, dw, fp8 ? dy_fp8 : nullptr);
 }
 
+// Per group through linear_backward_impl (dy_fp8 not needed: as grouped_linear_impl's x_fp8).
 void Backend::grouped_linear_backward_impl(const Tensor& dy, const Tensor& x, const std::vector<int64_t>& offsets,
                                            const std::vector<const LinearWeight*>& W, const LinearSpec& spec,
-                                           Tensor* dx, const std::vector<Tensor*>& dw) {
+                                           Tensor* dx, const std::vector<Tensor*>& dw, const Fp8View* /*dy_fp8*/) {
   for (size_t g = 0; g < W.size(); ++g) {
     if (offsets[g + 1] == offsets[g]) continue;
     Tensor* dwg = dw.empty() ? nullptr : dw[g];

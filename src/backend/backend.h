@@ -382,8 +382,10 @@ class Backend {
   // in and out features; offsets from 0 to R, non-decreasing). Each group's rows equal what
   // linear() of those rows writes, within the mode's tolerance (CUDA FP8 with pre-quantized
   // weights: one grouped launch of the own kernel); the default calls linear() per group.
+  // x_fp8 (FP8_BLOCK only): x's FP8 copy from a fused producer (swiglu_fp8: the experts' down
+  // input), used instead of quantizing x (the same bits), under linear's x_fp8 rule.
   void grouped_linear(const Tensor& x, const std::vector<int64_t>& offsets, const std::vector<const LinearWeight*>& W,
-                      const LinearSpec& spec, Tensor& out);
+                      const LinearSpec& spec, Tensor& out, const Fp8View* x_fp8 = nullptr);
   // grouped_linear of the same rows through several weight sets (the experts' gate and up):
   // outs[i] = grouped_linear(x, offsets, W[i]), each under grouped_linear's contract, run one
   // after another on every backend. (The seam for one wider grouped product over each expert's
@@ -409,9 +411,10 @@ class Backend {
   // null: that group's skipped), accumulated. The default calls linear_backward per group; CUDA
   // runs each half as one grouped launch where the mode allows (FP8 dgrad with pre-quantized
   // weights: the own grouped kernel over W^T; BF16 dgrad and BF16 wgrad: cuBLAS grouped).
+  // dy_fp8: dy's FP8 copy from a fused producer (swiglu_backward_fp8), as linear_backward's.
   void grouped_linear_backward(const Tensor& dy, const Tensor& x, const std::vector<int64_t>& offsets,
                                const std::vector<const LinearWeight*>& W, const LinearSpec& spec, Tensor* dx,
-                               const std::vector<Tensor*>& dw);
+                               const std::vector<Tensor*>& dw, const Fp8View* dy_fp8 = nullptr);
 
   // In place on x [T, H, head_dim]; positions I32 [T]. inverse=true rotates by -angle with the
   // same (scaled) cos/sin: the transpose of the forward map, i.e. its backward (the exact
@@ -668,7 +671,8 @@ class Backend {
                                          Tensor& k_raw, Tensor& q, Tensor& k, Tensor& v, Tensor* q_rstd, Tensor* k_rstd,
                                          const Fp8View* x_fp8, const KvDest* kv);
   virtual void grouped_linear_impl(const Tensor& x, const std::vector<int64_t>& offsets,
-                                   const std::vector<const LinearWeight*>& W, const LinearSpec& spec, Tensor& out);
+                                   const std::vector<const LinearWeight*>& W, const LinearSpec& spec, Tensor& out,
+                                   const Fp8View* x_fp8);
   virtual void grouped_linear_shared_input_impl(const Tensor& x, const std::vector<int64_t>& offsets,
                                                 const std::vector<std::vector<const LinearWeight*>>& W,
                                                 const LinearSpec& spec, const std::vector<Tensor*>& outs);
@@ -676,7 +680,7 @@ class Backend {
                                     Tensor* dx, Tensor* dw, Tensor* dbias, const Fp8View* dy_fp8) = 0;
   virtual void grouped_linear_backward_impl(const Tensor& dy, const Tensor& x, const std::vector<int64_t>& offsets,
                                             const std::vector<const LinearWeight*>& W, const LinearSpec& spec,
-                                            Tensor* dx, const std::vector<Tensor*>& dw);
+                                            Tensor* dx, const std::vector<Tensor*>& dw, const Fp8View* dy_fp8);
   virtual void rope_impl(Tensor& x, const Tensor& positions, const RopeParams& rope, bool inverse) = 0;
   virtual void attention_impl(const Tensor& q, const Tensor& k, const Tensor& v, const std::vector<int32_t>& cu_seqlens,
                               float softmax_scale, Tensor& out, Tensor& lse) = 0;

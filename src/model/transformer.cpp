@@ -260,14 +260,26 @@ void moe_forward(Backend& be, const ModelConfig& c, const LayerWeights& lw, cons
     downs.push_back(&lw.experts[e].down);
   }
   be.grouped_linear_shared_input(a.moe_x, a.moe_offsets, {gates, ups}, spec, {&a.moe_gate, &a.moe_up});
-  be.swiglu(a.moe_gate, a.moe_up, a.moe_act);
-  be.grouped_linear(a.moe_act, a.moe_offsets, downs, spec, a.moe_y);
+  if (spec.mode == LinearMode::FP8_BLOCK) {  // the SwiGLU writes the down products' FP8 input too
+    Fp8View act_q = be.alloc_fp8_view(R, a.moe_act.dim(1), spec.pow2_scales);
+    be.swiglu_fp8(a.moe_gate, a.moe_up, a.moe_act, act_q);
+    be.grouped_linear(a.moe_act, a.moe_offsets, downs, spec, a.moe_y, &act_q);
+  } else {
+    be.swiglu(a.moe_gate, a.moe_up, a.moe_act);
+    be.grouped_linear(a.moe_act, a.moe_offsets, downs, spec, a.moe_y);
+  }
   const Tensor w = a.moe_weights.reshape({R});
   be.moe_unpermute(a.moe_y, a.moe_slot_row, &w, a.proj);
   if (lw.gate.w.defined() || lw.gate.wq.defined()) {  // always-on shared experts (DeepSeek)
     be.linear_shared_input(a.xn_mlp, {&lw.gate, &lw.up}, spec, {&a.shared_gate, &a.shared_up});
-    be.swiglu(a.shared_gate, a.shared_up, a.shared_act);
-    be.linear(a.shared_act, lw.down, spec, a.shared_out);
+    if (spec.mode == LinearMode::FP8_BLOCK) {
+      Fp8View act_q = be.alloc_fp8_view(T, a.shared_act.dim(1), spec.pow2_scales);
+      be.swiglu_fp8(a.shared_gate, a.shared_up, a.shared_act, act_q);
+      be.linear(a.shared_act, lw.down, spec, a.shared_out, &act_q);
+    } else {
+      be.swiglu(a.shared_gate, a.shared_up, a.shared_act);
+      be.linear(a.shared_act, lw.down, spec, a.shared_out);
+    }
     be.add(a.proj, a.shared_out, a.proj);
   }
 }
@@ -997,16 +1009,18 @@ namespace {
 struct MoeGradScratch {
   Tensor d_y, d_xe, d_xe2;         // [R, D]
   Tensor d_act, d_gate, d_up;      // [R, Fe]
+  Fp8View d_gate_q, d_up_q;        // [R, Fe] FP8 copies of d_gate, d_up (fused: FP8 blocks)
   Tensor d_w, d_logits, d_router_x;  // [T * k], [T, E], [T, D] (FP32 / F64)
   Tensor d_shared_act, d_shared_gate, d_shared_up, d_shared_x;  // [T, Fs] x 3, [T, D] (shared experts)
 };
 
 // Backward of a.proj = moe(xn_mlp) given dproj [T, D]: d_xn [T, D] written (through the experts
 // and the routing weights); the experts' weight gradients accumulated; with router_grad, the
-// router's too.
+// router's too. fused (FP8 blocks, ModelBackwardOptions::fused_dy_fp8): the SwiGLU backward writes
+// the gate and up dgrads' FP8 dY (swiglu_backward_fp8), as in a dense MLP.
 void moe_backward(Backend& be, const ModelConfig& c, const LayerWeights& lw, LayerWeights& lg,
                   const LinearSpec& spec, const LayerActivations& a, const Tensor& dproj, bool router_grad,
-                  MoeGradScratch& sc, Tensor& d_xn) {
+                  bool fused, MoeGradScratch& sc, Tensor& d_xn) {
   const int64_t T = dproj.dim(0), D = c.hidden_size, E = c.num_experts, k = c.num_experts_per_tok, R = T * k;
   const int64_t Fe = c.moe_intermediate_size;
   const DType act = dproj.dtype();
@@ -1033,9 +1047,17 @@ void moe_backward(Backend& be, const ModelConfig& c, const LayerWeights& lw, Lay
     d_downs.push_back(&lg.experts[e].down.w);
   }
   be.grouped_linear_backward(sc.d_y, a.moe_act, a.moe_offsets, downs, spec, &sc.d_act, d_downs);
-  be.swiglu_backward(sc.d_act, a.moe_gate, a.moe_up, sc.d_gate, sc.d_up);
-  be.grouped_linear_backward(sc.d_gate, a.moe_x, a.moe_offsets, gates, spec, &sc.d_xe, d_gates);
-  be.grouped_linear_backward(sc.d_up, a.moe_x, a.moe_offsets, ups, spec, &sc.d_xe2, d_ups);
+  fused = fused && spec.mode == LinearMode::FP8_BLOCK;
+  if (fused) {
+    for (Fp8View* v : {&sc.d_gate_q, &sc.d_up_q})
+      if (!v->defined() || v->q.pow2 != spec.pow2_scales) *v = be.alloc_fp8_view(R, Fe, spec.pow2_scales);
+    be.swiglu_backward_fp8(sc.d_act, a.moe_gate, a.moe_up, sc.d_gate, sc.d_up, sc.d_gate_q, sc.d_up_q);
+  } else {
+    be.swiglu_backward(sc.d_act, a.moe_gate, a.moe_up, sc.d_gate, sc.d_up);
+  }
+  be.grouped_linear_backward(sc.d_gate, a.moe_x, a.moe_offsets, gates, spec, &sc.d_xe, d_gates,
+                             fused ? &sc.d_gate_q : nullptr);
+  be.grouped_linear_backward(sc.d_up, a.moe_x, a.moe_offsets, ups, spec, &sc.d_xe2, d_ups, fused ? &sc.d_up_q : nullptr);
   be.add(sc.d_xe, sc.d_xe2, sc.d_xe);
   be.moe_unpermute(sc.d_xe, a.moe_slot_row, nullptr, d_xn);
   // Through the routing weights into the block input (always: a frozen router is a constant
@@ -1242,7 +1264,7 @@ void model_backward(Backend& be, const ModelWeights& w, const EnginePrecision& p
 
     // ---- MLP: x_out = x_mid + mlp(xn), xn = mlp_norm(x_mid) ----
     if (c.layer_is_moe(l)) {
-      moe_backward(be, c, lw, lg, spec, a, dx, opt.router_grad, moe_scratch, d_xn);
+      moe_backward(be, c, lw, lg, spec, a, dx, opt.router_grad, opt.fused_dy_fp8, moe_scratch, d_xn);
     } else {  // mlp(xn) = down(silu(gate(xn)) * up(xn))
       if (!d_act.defined()) {
         d_act = be.alloc({T, F}, act);

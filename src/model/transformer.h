@@ -184,7 +184,8 @@ struct BackwardOptions {
   bool router_grad = false;
   // FP8 blocks: the producers of the FP8 dgrads' dY write its FP8 copy, which the dgrad takes
   // instead of quantizing dy: the SwiGLU backward dgate's and dup's (swiglu_backward_fp8, dense
-  // MLPs), the residual gradient's adds the o projection's and the down projection's (add_fp8).
+  // MLPs and the MoE experts' grouped dgrads), the residual gradient's adds the o projection's and
+  // the down projection's (add_fp8).
   // false: each linear_backward quantizes its dy itself — the same bits (tests compare the two).
   bool fused_dy_fp8 = true;
 };

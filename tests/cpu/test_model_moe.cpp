@@ -628,6 +628,42 @@ TEST(MoeModel, Fp8ExpertsTrackFp32) {
   RecordProperty("fp8_mean_abs_logprob_diff", std::to_string(moe_mad) + " (dense qwen3: " + std::to_string(dense_mad) + ")");
 }
 
+// FP8 experts: the SwiGLU backward's FP8 copies of dgate and dup feeding the grouped dgrads
+// (BackwardOptions::fused_dy_fp8, the default) leave every gradient bitwise the unfused run's,
+// whose grouped dgrads quantize dy themselves; pow2 scales too.
+TEST(MoeModel, Fp8FusedExpertDyLeavesGradientsBitwise) {
+  auto be = make_cpu_backend();
+  const ModelWeights w = tiny_moe(DType::F32, 17);
+  const ForwardBatch b = forward_batch_from_sequences(test::token_sequences({9, 7}, 48, 6));
+  const int64_t T = b.num_tokens();
+  Tensor dl = Tensor::empty({T}, DType::F32);
+  for (int64_t t = 0; t < T; ++t) dl.data<float>()[t] = 0.5f + 0.25f * static_cast<float>(t % 3);
+  for (bool pow2 : {false, true}) {
+    EnginePrecision p;
+    p.linear = LinearMode::FP8_BLOCK;
+    p.pow2_scales = pow2;
+    auto grads = [&](bool fused) {
+      Activations acts;
+      model_forward_logprobs(*be, w, p, b, ForwardOptions{}, &acts);
+      ModelWeights g = model_grads_alloc(*be, w);
+      BackwardOptions bo;
+      bo.fused_dy_fp8 = fused;
+      model_backward(*be, w, p, acts, dl, g, bo);
+      std::vector<std::pair<std::string, std::vector<double>>> all;
+      model_for_each_parameter(g, [&](const std::string& n, Tensor& t) { all.emplace_back(n, values_f64(*be, t)); });
+      return all;
+    };
+    const auto unfused = grads(false), fused = grads(true);
+    ASSERT_EQ(unfused.size(), fused.size());
+    double norm = 0;
+    for (size_t i = 0; i < fused.size(); ++i) {
+      EXPECT_EQ(unfused[i].second, fused[i].second) << unfused[i].first << (pow2 ? " pow2" : "");
+      for (double v : fused[i].second) norm += v * v;
+    }
+    EXPECT_GT(norm, 0.0);
+  }
+}
+
 // ---- generation -------------------------------------------------------------------------------
 
 // The paged forward (prefill of a whole sequence) gives the scoring forward's log-probs.

@@ -418,10 +418,12 @@ TEST(CudaFused, LinearBackwardWithViewAndWqtIsBitwiseWithout) {
 // (GEMMs and what feeds them are deterministic, and since session 17 so are the column sums of
 // the norm weights and biases and the embedding's sorted row sums: no atomics). A
 // batch of 48 tokens (views in cuBLASLt's layout) and of 47 (row-major, tail products), both
-// activation dtypes, fp8_e2e's BF16 wgrad and the FP8 one.
+// activation dtypes, fp8_e2e's BF16 wgrad and the FP8 one. qwen3_moe: the experts' grouped
+// dgrads fed by swiglu_backward_fp8's copies against the same cached weights unfused (without
+// wq the experts' products would run per expert on cuBLASLt, another kernel).
 TEST(CudaFused, ModelGradientsWithFusedDyAndCachedWtAreUnchanged) {
   for (Backend* be : {&G(), env().exact.get()})
-    for (const char* family : {"qwen3", "qwen2"})
+    for (const char* family : {"qwen3", "qwen2", "qwen3_moe"})
       for (int32_t last : {28, 27})
         for (LinearMode wgrad : {LinearMode::BF16, LinearMode::FP8_BLOCK}) {
           SCOPED_TRACE(std::string(family) + " act " + dtype_name(be->act_dtype()) + " tokens " +
@@ -440,7 +442,8 @@ TEST(CudaFused, ModelGradientsWithFusedDyAndCachedWtAreUnchanged) {
             be->quantize(lw.w, true, lw.wqt);
             ++fp8_linears;
           });
-          EXPECT_EQ(fp8_linears, 3 * 7);
+          const bool moe = std::string(family) == "qwen3_moe";
+          EXPECT_EQ(fp8_linears, 3 * (moe ? 4 + 4 * 3 : 7));  // MoE: q, k, v, o and 4 experts' three
           const ForwardBatch batch = forward_batch_from_sequences(test::recompute_sequences(last));
           const int64_t T = batch.num_tokens();
           std::vector<float> dl(T);
@@ -457,7 +460,7 @@ TEST(CudaFused, ModelGradientsWithFusedDyAndCachedWtAreUnchanged) {
             model_for_each_parameter(g, [&](const std::string& n, const Tensor& t) { out.emplace_back(n, t); });
             return out;
           };
-          const auto before = grads(w, false), now = grads(cached, true);
+          const auto before = grads(moe ? cached : w, false), now = grads(cached, true);
           ASSERT_EQ(before.size(), now.size());
           for (size_t i = 0; i < before.size(); ++i)
             EXPECT_TRUE(test::bitwise_equal(*be, before[i].second, now[i].second)) << before[i].first;

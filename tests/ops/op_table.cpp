@@ -1508,8 +1508,9 @@ void grouped_linear_cases(std::vector<OpCase>& t) {
     LinearMode mode;
     DType dt;  // x and the weights (BF16: CUDA's cuBLAS grouped launch)
   };
-  for (const V v : {V{LinearMode::FP8_BLOCK, DType::F32}, V{LinearMode::BF16, DType::F32},
-                    V{LinearMode::BF16, DType::BF16}, V{LinearMode::FP32, DType::F32}}) {
+  for (const V v : {V{LinearMode::FP8_BLOCK, DType::F32}, V{LinearMode::FP8_BLOCK, DType::BF16},
+                    V{LinearMode::BF16, DType::F32}, V{LinearMode::BF16, DType::BF16},
+                    V{LinearMode::FP32, DType::F32}}) {
     const LinearMode mode = v.mode;
     const LinearSpec spec{mode, false};
     const std::vector<int64_t> rows = {0, 5, 37, 1, 21, 64};
@@ -1546,9 +1547,22 @@ void grouped_linear_cases(std::vector<OpCase>& t) {
                      Tensor og = single.slice_rows(offsets[g], offsets[g + 1]);
                      r.be.linear(xg, W[static_cast<size_t>(g)], spec, og);
                    }
+                   if (mode == LinearMode::FP8_BLOCK) {
+                     // x's FP8 copy from a fused producer (add_fp8 of x + 0: x's values) stands
+                     // for the op's own quantization: the same bits (CUDA: in the scale layout the
+                     // producer chose: block-major for BF16 at R % 16 == 0, else row-major).
+                     Tensor& xs = r.output("x_sum", {R, K}, v.dt);
+                     Fp8View view = r.be.alloc_fp8_view(R, K, false);
+                     Tensor zero = r.be.alloc({R, K}, v.dt);
+                     r.be.fill(zero, 0.0f);
+                     r.be.add_fp8(x, zero, xs, view);
+                     r.be.grouped_linear(xs, offsets, ws, spec, r.output("out_view", {R, N}, v.dt), &view);
+                     r.be.grouped_linear(xs, offsets, ws, spec, r.output("out_sum", {R, N}, v.dt));
+                   }
                  },
                  {{"out", linear_tolerance(mode, v.dt)}},
-                 {}});
+                 mode == LinearMode::FP8_BLOCK ? std::vector<std::pair<std::string, std::string>>{{"out_view", "out_sum"}}
+                                               : std::vector<std::pair<std::string, std::string>>{}});
     // The CPU computes both the same way (bitwise); the CUDA grouped kernel is close to its
     // per-group cuBLASLt products (the linear class's tolerance).
     t.back().close.emplace_back("out", "single", linear_tolerance(mode, v.dt));
@@ -1710,11 +1724,21 @@ void grouped_linear_backward_cases(std::vector<OpCase>& t) {
                r.be.quantize(w.w, true, w.wqt);
              }
              r.be.grouped_linear_backward(dy, x, offsets, ws, spec, &r.output("dx_wqt", {R, K}, v.dt), {});
+             // dy's FP8 copy from a fused producer (add_fp8 of dy + 0) for the dgrad: bitwise the
+             // dgrad that quantizes the same dy itself.
+             Tensor& dys = r.output("dy_sum", {R, N}, v.dt);
+             Fp8View view = r.be.alloc_fp8_view(R, N, false);
+             Tensor zero = r.be.alloc({R, N}, v.dt);
+             r.be.fill(zero, 0.0f);
+             r.be.add_fp8(dy, zero, dys, view);
+             r.be.grouped_linear_backward(dys, x, offsets, ws, spec, &r.output("dx_view", {R, K}, v.dt), {}, &view);
+             r.be.grouped_linear_backward(dys, x, offsets, ws, spec, &r.output("dx_sum", {R, K}, v.dt), {});
            }
          },
          {{"dx", linear_tolerance(v.mode, v.dt)}},
-         v.mode == LinearMode::FP8_BLOCK ? std::vector<std::pair<std::string, std::string>>{{"dx_wqt", "dx"}}
-                                         : std::vector<std::pair<std::string, std::string>>{}});
+         v.mode == LinearMode::FP8_BLOCK
+             ? std::vector<std::pair<std::string, std::string>>{{"dx_wqt", "dx"}, {"dx_view", "dx_sum"}}
+             : std::vector<std::pair<std::string, std::string>>{}});
     // The CPU runs both the same way (bitwise); CUDA's grouped launches are close to the
     // per-group products. The weight gradients accumulate into the given values.
     t.back().close.emplace_back("dx", "dx_single", linear_tolerance(v.mode, v.dt));

@@ -15,9 +15,16 @@
 
 namespace fp8rl::test {
 
+// family "qwen3_moe": 4 experts, top 2, expert width 128 (the grouped FP8 kernels' blocks).
 inline ModelWeights recompute_model(const std::string& family) {
   ModelConfig c = model_config_tiny(family, /*vocab=*/64, /*hidden=*/128, /*layers=*/3, /*heads=*/4,
                                     /*kv_heads=*/2, /*intermediate=*/256);
+  if (family == "qwen3_moe") {
+    c.num_experts = 4;
+    c.num_experts_per_tok = 2;
+    c.moe_intermediate_size = 128;
+    c.validate();
+  }
   RandomInit init;
   init.seed = 21;
   init.std = 0.08f;

@@ -1350,7 +1350,8 @@ const void* group_rows(const Tensor& t, int64_t r0) {
 // BF16 with BF16 weights: one cuBLAS grouped launch. Otherwise (FP32, the exact path, F32
 // weights, biases) one linear per group, counted in grouped_loops.
 void CudaBackend::grouped_linear_impl(const Tensor& x, const std::vector<int64_t>& offsets,
-                                      const std::vector<const LinearWeight*>& W, const LinearSpec& spec, Tensor& out) {
+                                      const std::vector<const LinearWeight*>& W, const LinearSpec& spec, Tensor& out,
+                                      const Fp8View* x_fp8) {
   const int64_t R = x.dim(0), K = x.dim(1), N = out.dim(1);
   // Not while a graph records: both grouped paths upload their tables with a pageable copy.
   if (spec.mode == LinearMode::BF16 && act_dtype_ != DType::F32 && !recording_ && x.dtype() == DType::BF16 &&
@@ -1367,12 +1368,16 @@ void CudaBackend::grouped_linear_impl(const Tensor& x, const std::vector<int64_t
   }
   if (!fp8_grouped_ok(x, W, spec, N)) {
     if (act_dtype_ != DType::F32) grouped_loops_ += live_groups(offsets);
-    Backend::grouped_linear_impl(x, offsets, W, spec, out);
+    Backend::grouped_linear_impl(x, offsets, W, spec, out, x_fp8);
     return;
   }
   const OpTimer op_timer_(*this, "grouped_linear");
+  if (x_fp8) {  // the producer's copy: the bits grouped_fp8_input would write, in either scale layout
+    grouped_fp8_product(x_fp8->q, x_fp8->scales_gemm_layout, offsets, W, out);
+    return;
+  }
   const QuantTensor xq = grouped_fp8_input(x, spec);
-  grouped_fp8_product(xq, offsets, W, out);
+  grouped_fp8_product(xq, false, offsets, W, out);
 }
 
 bool CudaBackend::fp8_grouped_ok(const Tensor& x, const std::vector<const LinearWeight*>& W, const LinearSpec& spec,
@@ -1392,7 +1397,7 @@ QuantTensor CudaBackend::grouped_fp8_input(const Tensor& x, const LinearSpec& sp
   return xq;
 }
 
-void CudaBackend::grouped_fp8_product(const QuantTensor& xq, const std::vector<int64_t>& offsets,
+void CudaBackend::grouped_fp8_product(const QuantTensor& xq, bool scales_kb_major, const std::vector<int64_t>& offsets,
                                       const std::vector<const LinearWeight*>& W, Tensor& out) {
   std::vector<const uint8_t*> bp;
   std::vector<const float*> sp;
@@ -1401,7 +1406,8 @@ void CudaBackend::grouped_fp8_product(const QuantTensor& xq, const std::vector<i
     sp.push_back(w->wq.scales.data<float>());
   }
   gemm_->gemm_fp8_grouped(offsets, out.dim(1), xq.data.dim(1), xq.data.data<uint8_t>(), xq.scales.data<float>(),
-                          false, bp, sp, out.raw(), out.dtype(), 1.0f, 0.0f, /*block_m=*/0, /*keep_maps=*/true);
+                          scales_kb_major, bp, sp, out.raw(), out.dtype(), 1.0f, 0.0f, /*block_m=*/0,
+                          /*keep_maps=*/true);
 }
 
 // The experts' gate and up over the same rows: FP8 with pre-quantized weights quantizes x once for
@@ -1418,7 +1424,7 @@ void CudaBackend::grouped_linear_shared_input_impl(const Tensor& x, const std::v
   }
   const OpTimer op_timer_(*this, "grouped_linear");
   const QuantTensor xq = grouped_fp8_input(x, spec);
-  for (size_t i = 0; i < W.size(); ++i) grouped_fp8_product(xq, offsets, W[i], *outs[i]);
+  for (size_t i = 0; i < W.size(); ++i) grouped_fp8_product(xq, false, offsets, W[i], *outs[i]);
 }
 
 // The grouped weight gradient into F32 gradients. cuBLAS's grouped GEMM writes BF16 only, so
@@ -1472,7 +1478,7 @@ void CudaBackend::grouped_wgrad_f32(const Tensor& dy, const Tensor& x, const std
 // What does not qualify runs as linear_backward per group (counted in grouped_loops).
 void CudaBackend::grouped_linear_backward_impl(const Tensor& dy, const Tensor& x, const std::vector<int64_t>& offsets,
                                                const std::vector<const LinearWeight*>& W, const LinearSpec& spec,
-                                               Tensor* dx, const std::vector<Tensor*>& dw) {
+                                               Tensor* dx, const std::vector<Tensor*>& dw, const Fp8View* dy_fp8) {
   const OpTimer op_timer_(*this, "grouped_linear_backward");
   const int64_t R = x.dim(0), K = x.dim(1), N = dy.dim(1);
   const bool fp8 = spec.mode == LinearMode::FP8_BLOCK, fast = act_dtype_ != DType::F32 && !recording_ && R > 0;
@@ -1483,13 +1489,17 @@ void CudaBackend::grouped_linear_backward_impl(const Tensor& dy, const Tensor& x
               R < (int64_t{1} << 31);
     for (const LinearWeight* w : W) ok = ok && w->wq.defined() && w->wq.pow2 == spec.pow2_scales;
     if (ok) {
-      QuantTensor dyq = scratch_quant(kSlotAq, kSlotAs, R, N, 1, spec.pow2_scales);
-      flag_reset();
-      {
-        const OpTimer t(*this, "grouped_linear_backward: dgrad quantize dy", 2);
-        quantize_async(dy, false, dyq, false, /*gemm_layout=*/false);
+      // dy's 1x128 copy: the producer's (swiglu_backward_fp8), else quantized here.
+      QuantTensor dyq = dy_fp8 ? dy_fp8->q : scratch_quant(kSlotAq, kSlotAs, R, N, 1, spec.pow2_scales);
+      const bool dy_kb_major = dy_fp8 && dy_fp8->scales_gemm_layout;
+      if (!dy_fp8) {
+        flag_reset();
+        {
+          const OpTimer t(*this, "grouped_linear_backward: dgrad quantize dy", 2);
+          quantize_async(dy, false, dyq, false, /*gemm_layout=*/false);
+        }
+        flag_check("grouped_linear_backward (FP8 dgrad): dy " + dy.str() + " holds NaN or Inf");
       }
-      flag_check("grouped_linear_backward (FP8 dgrad): dy " + dy.str() + " holds NaN or Inf");
       std::vector<const uint8_t*> bp(W.size(), nullptr);
       std::vector<const float*> sp(W.size(), nullptr);
       bool cached = true;  // every routed expert's W^T kept by the trainer (LinearWeight::wqt)
@@ -1517,8 +1527,8 @@ void CudaBackend::grouped_linear_backward_impl(const Tensor& dy, const Tensor& x
           if (!bp[g]) bp[g] = wt.data.data<uint8_t>(), sp[g] = wt.scales.data<float>();
       }
       const OpTimer t(*this, "grouped_linear_backward: dgrad FP8 GEMM", 2);
-      gemm_->gemm_fp8_grouped(offsets, K, N, dyq.data.data<uint8_t>(), dyq.scales.data<float>(), false, bp, sp,
-                              dx->raw(), dx->dtype(), 1.0f, 0.0f, /*block_m=*/0, /*keep_maps=*/cached);
+      gemm_->gemm_fp8_grouped(offsets, K, N, dyq.data.data<uint8_t>(), dyq.scales.data<float>(), dy_kb_major, bp,
+                              sp, dx->raw(), dx->dtype(), 1.0f, 0.0f, /*block_m=*/0, /*keep_maps=*/cached);
       dx_done = true;
     }
   } else if (dx && fast && spec.mode == LinearMode::BF16 && bf16_ops && bf16_weights(W) &&
@@ -1561,7 +1571,7 @@ void CudaBackend::grouped_linear_backward_impl(const Tensor& dy, const Tensor& x
   if (dx_done && dw_done) return;
   if (act_dtype_ != DType::F32) grouped_loops_ += live_groups(offsets);
   Backend::grouped_linear_backward_impl(dy, x, offsets, W, spec, dx_done ? nullptr : dx,
-                                        dw_done ? std::vector<Tensor*>{} : dw);
+                                        dw_done ? std::vector<Tensor*>{} : dw, dy_fp8);
 }
 
 void CudaBackend::linear_backward_impl(const Tensor& dy, const Tensor& x, const LinearWeight& W, const LinearSpec& spec,

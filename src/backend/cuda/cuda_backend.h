@@ -75,10 +75,11 @@ class CudaBackend final : public Backend {
   void linear_impl(const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor& out,
                    const Fp8View* x_fp8) override;
   void grouped_linear_impl(const Tensor& x, const std::vector<int64_t>& offsets,
-                           const std::vector<const LinearWeight*>& W, const LinearSpec& spec, Tensor& out) override;
+                           const std::vector<const LinearWeight*>& W, const LinearSpec& spec, Tensor& out,
+                           const Fp8View* x_fp8) override;
   void grouped_linear_backward_impl(const Tensor& dy, const Tensor& x, const std::vector<int64_t>& offsets,
                                     const std::vector<const LinearWeight*>& W, const LinearSpec& spec, Tensor* dx,
-                                    const std::vector<Tensor*>& dw) override;
+                                    const std::vector<Tensor*>& dw, const Fp8View* dy_fp8) override;
   void grouped_linear_shared_input_impl(const Tensor& x, const std::vector<int64_t>& offsets,
                                         const std::vector<std::vector<const LinearWeight*>>& W, const LinearSpec& spec,
                                         const std::vector<Tensor*>& outs) override;
@@ -198,11 +199,12 @@ class CudaBackend final : public Backend {
   // added), in chunks of groups whose staging stays within this many bytes.
   static constexpr int64_t kGroupedWgradStagingBytes = int64_t{128} << 20;
   // The grouped FP8 forward's pieces: whether the own grouped kernel takes (x, W, spec) with N
-  // output columns; x quantized 1x128 into scratch; the grouped product of those rows.
+  // output columns; x quantized 1x128 into scratch; the grouped product of those rows (xq's
+  // scales row-major, or block-major [K / 128][R] with scales_kb_major: a producer's Fp8View).
   bool fp8_grouped_ok(const Tensor& x, const std::vector<const LinearWeight*>& W, const LinearSpec& spec,
                       int64_t N) const;
   QuantTensor grouped_fp8_input(const Tensor& x, const LinearSpec& spec);
-  void grouped_fp8_product(const QuantTensor& xq, const std::vector<int64_t>& offsets,
+  void grouped_fp8_product(const QuantTensor& xq, bool scales_kb_major, const std::vector<int64_t>& offsets,
                            const std::vector<const LinearWeight*>& W, Tensor& out);
   void grouped_wgrad_f32(const Tensor& dy, const Tensor& x, const std::vector<int64_t>& offsets,
                          const std::vector<Tensor*>& dw);
