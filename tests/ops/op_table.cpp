@@ -1508,9 +1508,9 @@ void grouped_linear_cases(std::vector<OpCase>& t) {
     LinearMode mode;
     DType dt;  // x and the weights (BF16: CUDA's cuBLAS grouped launch)
   };
-  for (const V v : {V{LinearMode::FP8_BLOCK, DType::F32}, V{LinearMode::FP8_BLOCK, DType::BF16},
-                    V{LinearMode::BF16, DType::F32}, V{LinearMode::BF16, DType::BF16},
-                    V{LinearMode::FP32, DType::F32}}) {
+  for (const V v :
+       {V{LinearMode::FP8_BLOCK, DType::F32}, V{LinearMode::FP8_BLOCK, DType::BF16}, V{LinearMode::BF16, DType::F32},
+        V{LinearMode::BF16, DType::BF16}, V{LinearMode::FP32, DType::F32}}) {
     const LinearMode mode = v.mode;
     const LinearSpec spec{mode, false};
     const std::vector<int64_t> rows = {0, 5, 37, 1, 21, 64};
@@ -1561,8 +1561,9 @@ void grouped_linear_cases(std::vector<OpCase>& t) {
                    }
                  },
                  {{"out", linear_tolerance(mode, v.dt)}},
-                 mode == LinearMode::FP8_BLOCK ? std::vector<std::pair<std::string, std::string>>{{"out_view", "out_sum"}}
-                                               : std::vector<std::pair<std::string, std::string>>{}});
+                 mode == LinearMode::FP8_BLOCK
+                     ? std::vector<std::pair<std::string, std::string>>{{"out_view", "out_sum"}}
+                     : std::vector<std::pair<std::string, std::string>>{}});
     // The CPU computes both the same way (bitwise); the CUDA grouped kernel is close to its
     // per-group cuBLASLt products (the linear class's tolerance).
     t.back().close.emplace_back("out", "single", linear_tolerance(mode, v.dt));
