@@ -818,7 +818,8 @@ void Backend::grouped_linear(const Tensor& x, const std::vector<int64_t>& offset
 
 void Backend::grouped_linear_shared_input(const Tensor& x, const std::vector<int64_t>& offsets,
                                           const std::vector<std::vector<const LinearWeight*>>& W,
-                                          const LinearSpec& spec, const std::vector<Tensor*>& outs) {
+                                          const LinearSpec& spec, const std::vector<Tensor*>& outs,
+                                          const Fp8View* x_fp8) {
   FP8RL_CHECK(!W.empty() && W.size() == outs.size(), "grouped_linear_shared_input: ", W.size(), " weight sets for ",
               outs.size(), " outputs");
   const Contract c(*this);
@@ -828,13 +829,16 @@ void Backend::grouped_linear_shared_input(const Tensor& x, const std::vector<int
                 " groups, set 0 has ", W[0].size());
     grouped_linear_contract(c, x, offsets, W[i], spec, *outs[i]);
   }
-  grouped_linear_shared_input_impl(x, offsets, W, spec, outs);
+  const bool fp8 = spec.mode == LinearMode::FP8_BLOCK;
+  if (x_fp8 && fp8) fp8_view_check(c, *x_fp8, x, spec, "grouped_linear_shared_input");
+  grouped_linear_shared_input_impl(x, offsets, W, spec, outs, fp8 ? x_fp8 : nullptr);
 }
 
 void Backend::grouped_linear_shared_input_impl(const Tensor& x, const std::vector<int64_t>& offsets,
                                                const std::vector<std::vector<const LinearWeight*>>& W,
-                                               const LinearSpec& spec, const std::vector<Tensor*>& outs) {
-  for (size_t i = 0; i < W.size(); ++i) grouped_linear_impl(x, offsets, W[i], spec, *outs[i], nullptr);
+                                               const LinearSpec& spec, const std::vector<Tensor*>& outs,
+                                               const Fp8View* x_fp8) {
+  for (size_t i = 0; i < W.size(); ++i) grouped_linear_impl(x, offsets, W[i], spec, *outs[i], x_fp8);
 }
 
 // Per group through linear_impl, which quantizes the group's rows itself: x_fp8 holds those bits
@@ -1067,6 +1071,30 @@ void Backend::moe_permute(const Tensor& x, const Tensor& row_slot, int top_k, co
   c.floating(out, {row_slot.numel(), x.dim(1)}, "moe_permute out");
   if (weights) c.stat(*weights, {x.dim(0) * top_k}, "moe_permute weights");
   moe_permute_impl(x, row_slot, top_k, weights, out);
+}
+
+void Backend::moe_permute_fp8(const Tensor& x, const Fp8View& xq, const Tensor& row_slot, int top_k, Tensor& out,
+                              Fp8View& outq) {
+  const Contract c(*this);
+  c.floating(x, "moe_permute_fp8 x");
+  FP8RL_CHECK(x.ndim() == 2 && top_k >= 1, "moe_permute_fp8: x must be [T, D] and top_k >= 1, got ", x.str(), ", ",
+              top_k);
+  c.i32(row_slot, "moe_permute_fp8 row_slot");
+  c.floating(out, {row_slot.numel(), x.dim(1)}, "moe_permute_fp8 out");
+  fp8_view_target(c, out, outq, "moe_permute_fp8");
+  LinearSpec pow2{LinearMode::FP8_BLOCK, outq.q.pow2};
+  fp8_view_check(c, xq, x, pow2, "moe_permute_fp8 (x's FP8 copy)");
+  moe_permute_fp8_impl(x, xq, row_slot, top_k, out, outq);
+}
+
+// The definition: the BF16 gather, then its quantization (xq, x's quantization, holds the same
+// bits row by row; the CUDA backend gathers them instead).
+void Backend::moe_permute_fp8_impl(const Tensor& x, const Fp8View& /*xq*/, const Tensor& row_slot, int top_k,
+                                   Tensor& out, Fp8View& outq) {
+  moe_permute_impl(x, row_slot, top_k, nullptr, out);
+  quantize_impl(out, false, outq.q, false);
+  outq.scales_gemm_layout = false;
+  outq.source = out.raw();
 }
 
 void Backend::moe_unpermute(const Tensor& y, const Tensor& slot_row, const Tensor* weights, Tensor& out) {

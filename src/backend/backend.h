@@ -394,7 +394,7 @@ class Backend {
   // slower on an H100, 1.182 s against 1.038 s per rl-step generation, and was removed: session 24.)
   void grouped_linear_shared_input(const Tensor& x, const std::vector<int64_t>& offsets,
                                    const std::vector<std::vector<const LinearWeight*>>& W, const LinearSpec& spec,
-                                   const std::vector<Tensor*>& outs);
+                                   const std::vector<Tensor*>& outs, const Fp8View* x_fp8 = nullptr);
   // Backward of linear. dx [M, K] written when non-null (dgrad: dY 1x128 along N, W^T);
   // dw F32 [N, K] and dbias F32 [N] accumulated when non-null (wgrad: dY^T and X^T requantized
   // 1x128 along tokens, or with spec.wgrad == BF16 the BF16 GEMM of dY and X). FP8 dgrad uses
@@ -503,6 +503,12 @@ class Backend {
   // row_slot I32 [R], each in [0, T * top_k); weights [T * top_k] (F32/F64) or null; out [R, D].
   // Forward: the gather of the expert inputs; backward: the weighted gather of dy.
   void moe_permute(const Tensor& x, const Tensor& row_slot, int top_k, const Tensor* weights, Tensor& out);
+  // moe_permute(x, row_slot, top_k, null, out), and out's 1x128 FP8 copy into outq
+  // (alloc_fp8_view(R, D, pow2) bound to out: the experts' FP8 input) from xq, x's copy written
+  // by its producer (add_rmsnorm): the rows of xq gathered (a 1x128 block never crosses a row, so
+  // the gather is bitwise the quantization of out), not R rows quantized again.
+  void moe_permute_fp8(const Tensor& x, const Fp8View& xq, const Tensor& row_slot, int top_k, Tensor& out,
+                       Fp8View& outq);
   // out[t] = sum_j (weights ? weights[t*k + j] : 1) * y[slot_row[t*k + j]] over j = 0..k-1 in
   // order, accumulated in FP32 (CPU: double), written. y [R, D]; slot_row I32 [T * k], each in
   // [0, R); out [T, D] with k = slot_row.numel() / T. Forward: the weighted un-permute; backward
@@ -675,7 +681,8 @@ class Backend {
                                    const Fp8View* x_fp8);
   virtual void grouped_linear_shared_input_impl(const Tensor& x, const std::vector<int64_t>& offsets,
                                                 const std::vector<std::vector<const LinearWeight*>>& W,
-                                                const LinearSpec& spec, const std::vector<Tensor*>& outs);
+                                                const LinearSpec& spec, const std::vector<Tensor*>& outs,
+                                                const Fp8View* x_fp8);
   virtual void linear_backward_impl(const Tensor& dy, const Tensor& x, const LinearWeight& W, const LinearSpec& spec,
                                     Tensor* dx, Tensor* dw, Tensor* dbias, const Fp8View* dy_fp8) = 0;
   virtual void grouped_linear_backward_impl(const Tensor& dy, const Tensor& x, const std::vector<int64_t>& offsets,
@@ -710,6 +717,8 @@ class Backend {
                                               Tensor& weights) = 0;
   virtual void moe_route_sigmoid_weights_impl(const Tensor& logits, const Tensor& experts, bool renormalize,
                                               float scaling, Tensor& weights) = 0;
+  virtual void moe_permute_fp8_impl(const Tensor& x, const Fp8View& xq, const Tensor& row_slot, int top_k, Tensor& out,
+                                    Fp8View& outq);
   virtual void moe_permute_impl(const Tensor& x, const Tensor& row_slot, int top_k, const Tensor* weights,
                                 Tensor& out) = 0;
   virtual void moe_unpermute_impl(const Tensor& y, const Tensor& slot_row, const Tensor* weights, Tensor& out) = 0;

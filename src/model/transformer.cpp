@@ -216,7 +216,7 @@ void moe_replay_routing(Backend& be, const ModelConfig& c, const MoeRouting& rep
 // 2. the slots sorted by expert on the host (stable: token order within an expert);
 // 3. permute, each expert's SwiGLU on its rows, the weighted un-permute.
 void moe_forward(Backend& be, const ModelConfig& c, const LayerWeights& lw, const LinearSpec& spec, int m,
-                 const MoeRoutingIo& io, LayerActivations& a) {
+                 const MoeRoutingIo& io, const Fp8View* xq, LayerActivations& a) {
   const int64_t T = a.xn_mlp.dim(0), E = c.num_experts, k = c.num_experts_per_tok, R = T * k;
   if (a.router_x.storage() != a.xn_mlp.storage()) be.convert(a.xn_mlp, a.router_x);
   be.linear(a.router_x, lw.router, kFp32Spec, a.router_logits);
@@ -249,7 +249,15 @@ void moe_forward(Backend& be, const ModelConfig& c, const LayerWeights& lw, cons
   be.copy(row_slot, a.moe_row_slot);
   be.copy(slot_row, a.moe_slot_row);
 
-  be.moe_permute(a.xn_mlp, a.moe_row_slot, static_cast<int>(k), nullptr, a.moe_x);
+  // FP8: the experts' input rows gathered from xn_mlp's FP8 copy (xq, written by the norm) with
+  // the BF16 rows: T rows quantized, not k T.
+  Fp8View moe_xq;
+  if (xq) {
+    moe_xq = be.alloc_fp8_view(R, a.moe_x.dim(1), spec.pow2_scales);
+    be.moe_permute_fp8(a.xn_mlp, *xq, a.moe_row_slot, static_cast<int>(k), a.moe_x, moe_xq);
+  } else {
+    be.moe_permute(a.xn_mlp, a.moe_row_slot, static_cast<int>(k), nullptr, a.moe_x);
+  }
   // Every expert's SwiGLU over its rows: gate and up (grouped_linear_shared_input: two grouped
   // products), down, each one launch on CUDA FP8; one swiglu over all rows (element-wise: the
   // per-expert values).
@@ -259,7 +267,8 @@ void moe_forward(Backend& be, const ModelConfig& c, const LayerWeights& lw, cons
     ups.push_back(&lw.experts[e].up);
     downs.push_back(&lw.experts[e].down);
   }
-  be.grouped_linear_shared_input(a.moe_x, a.moe_offsets, {gates, ups}, spec, {&a.moe_gate, &a.moe_up});
+  be.grouped_linear_shared_input(a.moe_x, a.moe_offsets, {gates, ups}, spec, {&a.moe_gate, &a.moe_up},
+                                 xq ? &moe_xq : nullptr);
   if (spec.mode == LinearMode::FP8_BLOCK) {  // the SwiGLU writes the down products' FP8 input too
     Fp8View act_q = be.alloc_fp8_view(R, a.moe_act.dim(1), spec.pow2_scales);
     be.swiglu_fp8(a.moe_gate, a.moe_up, a.moe_act, act_q);
@@ -271,7 +280,7 @@ void moe_forward(Backend& be, const ModelConfig& c, const LayerWeights& lw, cons
   const Tensor w = a.moe_weights.reshape({R});
   be.moe_unpermute(a.moe_y, a.moe_slot_row, &w, a.proj);
   if (lw.gate.w.defined() || lw.gate.wq.defined()) {  // always-on shared experts (DeepSeek)
-    be.linear_shared_input(a.xn_mlp, {&lw.gate, &lw.up}, spec, {&a.shared_gate, &a.shared_up});
+    be.linear_shared_input(a.xn_mlp, {&lw.gate, &lw.up}, spec, {&a.shared_gate, &a.shared_up}, xq);
     if (spec.mode == LinearMode::FP8_BLOCK) {
       Fp8View act_q = be.alloc_fp8_view(T, a.shared_act.dim(1), spec.pow2_scales);
       be.swiglu_fp8(a.shared_gate, a.shared_up, a.shared_act, act_q);
@@ -440,13 +449,13 @@ void forward_block(Backend& be, const ModelWeights& w, const EnginePrecision& pr
   // ---- MLP ---- (the residual add and the norm in one op; the MoE MLP permutes xn_mlp's rows
   // first, so its experts quantize their own inputs)
   const bool moe = c.layer_is_moe(l);
-  be.add_rmsnorm(x, a.proj, a.x_mid, lw.mlp_norm, c.rms_norm_eps, a.xn_mlp, &a.mlp_rstd, moe ? nullptr : xq_or_null);
+  be.add_rmsnorm(x, a.proj, a.x_mid, lw.mlp_norm, c.rms_norm_eps, a.xn_mlp, &a.mlp_rstd, xq_or_null);
   if (moe) {
     FP8RL_CHECK(lw.is_moe() && lw.router.w.defined(), "layer ", l, " is a mixture-of-experts layer but its "
                 "weights have no router/experts");
     int m = 0;  // this block's index among the MoE layers
     for (int i = 0; i < l; ++i) m += c.layer_is_moe(i) ? 1 : 0;
-    moe_forward(be, c, lw, spec, m, routing, a);
+    moe_forward(be, c, lw, spec, m, routing, xq_or_null, a);
   } else {
     if (fp8) {
       Fp8View hq = be.alloc_fp8_view(T, a.act.dim(1), spec.pow2_scales);

@@ -718,6 +718,20 @@ void CudaBackend::moe_permute_impl(const Tensor& x, const Tensor& row_slot, int 
   flag_check("moe_permute: a row_slot entry is outside [0, T * top_k)");
 }
 
+void CudaBackend::moe_permute_fp8_impl(const Tensor& x, const Fp8View& xq, const Tensor& row_slot, int top_k,
+                                       Tensor& out, Fp8View& outq) {
+  moe_permute_impl(x, row_slot, top_k, nullptr, out);
+  const OpTimer op_timer_(*this, "moe_permute_fp8");
+  fp8_view_prepare(outq, out);
+  const int64_t T = x.dim(0), D = x.dim(1), R = row_slot.numel();
+  int* bad = flag_reset();
+  if (!launch_moe_permute_fp8(xq.q.data.data<uint8_t>(), xq.q.scales.data<float>(), xq.scales_gemm_layout, T,
+                              row_slot.data<int32_t>(), R, D, top_k, outq.q.data.data<uint8_t>(),
+                              outq.q.scales.data<float>(), outq.scales_gemm_layout, bad, stream_))
+    quantize_async(out, false, outq.q, false, outq.scales_gemm_layout);
+  flag_check("moe_permute_fp8: a row_slot entry is outside [0, T * top_k), or the output holds NaN or Inf");
+}
+
 void CudaBackend::moe_unpermute_impl(const Tensor& y, const Tensor& slot_row, const Tensor* weights, Tensor& out) {
   const OpTimer op_timer_(*this, "moe_unpermute");
   one_dtype({&y, &out}, "moe_unpermute");
@@ -1415,16 +1429,18 @@ void CudaBackend::grouped_fp8_product(const QuantTensor& xq, bool scales_kb_majo
 // quantized rows, the same kernel); otherwise grouped_linear per set.
 void CudaBackend::grouped_linear_shared_input_impl(const Tensor& x, const std::vector<int64_t>& offsets,
                                                    const std::vector<std::vector<const LinearWeight*>>& W,
-                                                   const LinearSpec& spec, const std::vector<Tensor*>& outs) {
+                                                   const LinearSpec& spec, const std::vector<Tensor*>& outs,
+                                                   const Fp8View* x_fp8) {
   bool fp8 = W.size() > 1;
   for (size_t i = 0; i < W.size(); ++i) fp8 = fp8 && fp8_grouped_ok(x, W[i], spec, outs[i]->dim(1));
   if (!fp8) {
-    Backend::grouped_linear_shared_input_impl(x, offsets, W, spec, outs);
+    Backend::grouped_linear_shared_input_impl(x, offsets, W, spec, outs, x_fp8);
     return;
   }
   const OpTimer op_timer_(*this, "grouped_linear");
-  const QuantTensor xq = grouped_fp8_input(x, spec);
-  for (size_t i = 0; i < W.size(); ++i) grouped_fp8_product(xq, false, offsets, W[i], *outs[i]);
+  const QuantTensor xq = x_fp8 ? x_fp8->q : grouped_fp8_input(x, spec);
+  const bool kb_major = x_fp8 && x_fp8->scales_gemm_layout;
+  for (size_t i = 0; i < W.size(); ++i) grouped_fp8_product(xq, kb_major, offsets, W[i], *outs[i]);
 }
 
 // The grouped weight gradient into F32 gradients. cuBLAS's grouped GEMM writes BF16 only, so

@@ -82,7 +82,7 @@ class CudaBackend final : public Backend {
                                     const std::vector<Tensor*>& dw, const Fp8View* dy_fp8) override;
   void grouped_linear_shared_input_impl(const Tensor& x, const std::vector<int64_t>& offsets,
                                         const std::vector<std::vector<const LinearWeight*>>& W, const LinearSpec& spec,
-                                        const std::vector<Tensor*>& outs) override;
+                                        const std::vector<Tensor*>& outs, const Fp8View* x_fp8) override;
   void linear_shared_input_impl(const Tensor& x, const std::vector<const LinearWeight*>& W, const LinearSpec& spec,
                                 const std::vector<Tensor*>& outs, const Fp8View* x_fp8) override;
   void linear_cols_impl(const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor& out,
@@ -136,6 +136,8 @@ class CudaBackend final : public Backend {
                                       Tensor& weights) override;
   void moe_route_sigmoid_weights_impl(const Tensor& logits, const Tensor& experts, bool renormalize, float scaling,
                                       Tensor& weights) override;
+  void moe_permute_fp8_impl(const Tensor& x, const Fp8View& xq, const Tensor& row_slot, int top_k, Tensor& out,
+                            Fp8View& outq) override;
   void moe_permute_impl(const Tensor& x, const Tensor& row_slot, int top_k, const Tensor* weights,
                         Tensor& out) override;
   void moe_unpermute_impl(const Tensor& y, const Tensor& slot_row, const Tensor* weights, Tensor& out) override;

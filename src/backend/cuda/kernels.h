@@ -113,6 +113,12 @@ void launch_moe_route_sigmoid_weights(const float* logits, const int32_t* expert
 // out [R, D] = x[row_slot / k] (* weights[row_slot]); slots = T * k bounds row_slot (else *bad_flag = 1).
 void launch_moe_permute(const void* x, DType dt, const int32_t* row_slot, const float* weights, int64_t R, int64_t D,
                         int k, int64_t slots, void* out, int* bad_flag, cudaStream_t stream);
+// The FP8 copy of moe_permute's output from x's: rows of xq [T, D] (scales xs, block-major when
+// xs_kb) gathered into q [R, D] (scales s, block-major when s_kb). false (nothing launched):
+// D % 16 != 0 or unaligned rows.
+bool launch_moe_permute_fp8(const uint8_t* xq, const float* xs, bool xs_kb, int64_t T, const int32_t* row_slot,
+                            int64_t R, int64_t D, int k, uint8_t* q, float* s, bool s_kb, int* bad_flag,
+                            cudaStream_t stream);
 // out [T, D] = sum_j (weights[t*k+j] *) y[slot_row[t*k+j]], y [R, D].
 void launch_moe_unpermute(const void* y, DType dt, const int32_t* slot_row, const float* weights, int64_t T,
                           int64_t D, int k, int64_t R, void* out, int* bad_flag, cudaStream_t stream);

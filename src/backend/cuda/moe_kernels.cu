@@ -275,6 +275,31 @@ __global__ void moe_permute_vec_kernel(const T* x, const int32_t* row_slot, cons
   }
 }
 
+// The experts' FP8 input gathered from x's 1x128 copy: row r of q is row row_slot[r] / k of xq,
+// 16 bytes per thread (D % 16 == 0, 16-byte aligned rows); the thread at the start of each
+// 128-column block copies its scale too. Scales block-major ([nb][rows]) or row-major
+// ([rows][nb]), each side as its flag says.
+__global__ void moe_permute_fp8_kernel(const uint8_t* __restrict__ xq, const float* __restrict__ xs, bool xs_kb,
+                                       int64_t T, const int32_t* __restrict__ row_slot, int64_t R, int64_t D16, int k,
+                                       uint8_t* __restrict__ q, float* __restrict__ s, bool s_kb, int* bad) {
+  const int64_t nb = (D16 * 16 + 127) / 128;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < R * D16;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / D16, c = i % D16;
+    const int32_t slot = row_slot[r];
+    if (slot < 0 || slot >= T * k) {
+      *bad = 1;
+      continue;
+    }
+    const int64_t t = slot / k;
+    reinterpret_cast<uint4*>(q + r * D16 * 16)[c] = reinterpret_cast<const uint4*>(xq + t * D16 * 16)[c];
+    if (c % 8 == 0) {
+      const int64_t b = c / 8;
+      s[s_kb ? b * R + r : r * nb + b] = xs[xs_kb ? b * T + t : t * nb + b];
+    }
+  }
+}
+
 template <class T>
 __global__ void moe_unpermute_kernel(const T* y, const int32_t* slot_row, const float* w, int64_t T_, int64_t D,
                                      int k, int64_t R, T* out, int* bad) {
@@ -389,6 +414,18 @@ void launch_moe_permute(const void* x, DType dt, const int32_t* row_slot, const 
                                                                     k, slots, static_cast<T*>(out), bad_flag);
   });
   CUDA_CHECK_LAUNCH("moe_permute_kernel");
+}
+
+bool launch_moe_permute_fp8(const uint8_t* xq, const float* xs, bool xs_kb, int64_t T, const int32_t* row_slot,
+                            int64_t R, int64_t D, int k, uint8_t* q, float* s, bool s_kb, int* bad_flag,
+                            cudaStream_t stream) {
+  if (D % 16 != 0 || reinterpret_cast<uintptr_t>(xq) % 16 != 0 || reinterpret_cast<uintptr_t>(q) % 16 != 0)
+    return false;
+  if (R * D == 0) return true;
+  moe_permute_fp8_kernel<<<grid_for(R * D / 16, 256), 256, 0, stream>>>(xq, xs, xs_kb, T, row_slot, R, D / 16, k, q, s,
+                                                                        s_kb, bad_flag);
+  CUDA_CHECK_LAUNCH("moe_permute_fp8_kernel");
+  return true;
 }
 
 void launch_moe_unpermute(const void* y, DType dt, const int32_t* slot_row, const float* weights, int64_t T_,
