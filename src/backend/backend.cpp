@@ -1073,25 +1073,29 @@ void Backend::moe_permute(const Tensor& x, const Tensor& row_slot, int top_k, co
   moe_permute_impl(x, row_slot, top_k, weights, out);
 }
 
-void Backend::moe_permute_fp8(const Tensor& x, const Fp8View& xq, const Tensor& row_slot, int top_k, Tensor& out,
-                              Fp8View& outq) {
+void Backend::moe_permute_fp8(const Tensor& x, const Fp8View* xq, const Tensor& row_slot, int top_k,
+                              const Tensor* weights, Tensor& out, Fp8View& outq) {
   const Contract c(*this);
   c.floating(x, "moe_permute_fp8 x");
   FP8RL_CHECK(x.ndim() == 2 && top_k >= 1, "moe_permute_fp8: x must be [T, D] and top_k >= 1, got ", x.str(), ", ",
               top_k);
   c.i32(row_slot, "moe_permute_fp8 row_slot");
   c.floating(out, {row_slot.numel(), x.dim(1)}, "moe_permute_fp8 out");
+  if (weights) c.stat(*weights, {x.dim(0) * top_k}, "moe_permute_fp8 weights");
   fp8_view_target(c, out, outq, "moe_permute_fp8");
-  LinearSpec pow2{LinearMode::FP8_BLOCK, outq.q.pow2};
-  fp8_view_check(c, xq, x, pow2, "moe_permute_fp8 (x's FP8 copy)");
-  moe_permute_fp8_impl(x, xq, row_slot, top_k, out, outq);
+  if (xq) {
+    FP8RL_CHECK(!weights, "moe_permute_fp8: x's FP8 copy stands for the rows only without weights");
+    const LinearSpec pow2{LinearMode::FP8_BLOCK, outq.q.pow2};
+    fp8_view_check(c, *xq, x, pow2, "moe_permute_fp8 (x's FP8 copy)");
+  }
+  moe_permute_fp8_impl(x, xq, row_slot, top_k, weights, out, outq);
 }
 
-// The definition: the BF16 gather, then its quantization (xq, x's quantization, holds the same
-// bits row by row; the CUDA backend gathers them instead).
-void Backend::moe_permute_fp8_impl(const Tensor& x, const Fp8View& /*xq*/, const Tensor& row_slot, int top_k,
-                                   Tensor& out, Fp8View& outq) {
-  moe_permute_impl(x, row_slot, top_k, nullptr, out);
+// The definition: the gather, then its quantization (xq, x's quantization, holds the same bits
+// row by row; the CUDA backend gathers them instead, or quantizes in the gather's pass).
+void Backend::moe_permute_fp8_impl(const Tensor& x, const Fp8View* /*xq*/, const Tensor& row_slot, int top_k,
+                                   const Tensor* weights, Tensor& out, Fp8View& outq) {
+  moe_permute_impl(x, row_slot, top_k, weights, out);
   quantize_impl(out, false, outq.q, false);
   outq.scales_gemm_layout = false;
   outq.source = out.raw();

@@ -503,12 +503,13 @@ class Backend {
   // row_slot I32 [R], each in [0, T * top_k); weights [T * top_k] (F32/F64) or null; out [R, D].
   // Forward: the gather of the expert inputs; backward: the weighted gather of dy.
   void moe_permute(const Tensor& x, const Tensor& row_slot, int top_k, const Tensor* weights, Tensor& out);
-  // moe_permute(x, row_slot, top_k, null, out), and out's 1x128 FP8 copy into outq
-  // (alloc_fp8_view(R, D, pow2) bound to out: the experts' FP8 input) from xq, x's copy written
-  // by its producer (add_rmsnorm): the rows of xq gathered (a 1x128 block never crosses a row, so
-  // the gather is bitwise the quantization of out), not R rows quantized again.
-  void moe_permute_fp8(const Tensor& x, const Fp8View& xq, const Tensor& row_slot, int top_k, Tensor& out,
-                       Fp8View& outq);
+  // moe_permute(x, row_slot, top_k, weights, out), and out's 1x128 FP8 copy into outq
+  // (alloc_fp8_view(R, D, pow2), bound to out): the experts' FP8 input (forward) or the down
+  // dgrad's dY (backward, weighted). xq (no weights only): x's copy written by its producer
+  // (add_rmsnorm), whose rows the backend may gather instead of quantizing R rows (a 1x128 block
+  // never crosses a row, so the gather is bitwise the quantization of out).
+  void moe_permute_fp8(const Tensor& x, const Fp8View* xq, const Tensor& row_slot, int top_k, const Tensor* weights,
+                       Tensor& out, Fp8View& outq);
   // out[t] = sum_j (weights ? weights[t*k + j] : 1) * y[slot_row[t*k + j]] over j = 0..k-1 in
   // order, accumulated in FP32 (CPU: double), written. y [R, D]; slot_row I32 [T * k], each in
   // [0, R); out [T, D] with k = slot_row.numel() / T. Forward: the weighted un-permute; backward
@@ -717,8 +718,8 @@ class Backend {
                                               Tensor& weights) = 0;
   virtual void moe_route_sigmoid_weights_impl(const Tensor& logits, const Tensor& experts, bool renormalize,
                                               float scaling, Tensor& weights) = 0;
-  virtual void moe_permute_fp8_impl(const Tensor& x, const Fp8View& xq, const Tensor& row_slot, int top_k, Tensor& out,
-                                    Fp8View& outq);
+  virtual void moe_permute_fp8_impl(const Tensor& x, const Fp8View* xq, const Tensor& row_slot, int top_k,
+                                    const Tensor* weights, Tensor& out, Fp8View& outq);
   virtual void moe_permute_impl(const Tensor& x, const Tensor& row_slot, int top_k, const Tensor* weights,
                                 Tensor& out) = 0;
   virtual void moe_unpermute_impl(const Tensor& y, const Tensor& slot_row, const Tensor* weights, Tensor& out) = 0;

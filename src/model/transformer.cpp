@@ -254,7 +254,7 @@ void moe_forward(Backend& be, const ModelConfig& c, const LayerWeights& lw, cons
   Fp8View moe_xq;
   if (xq) {
     moe_xq = be.alloc_fp8_view(R, a.moe_x.dim(1), spec.pow2_scales);
-    be.moe_permute_fp8(a.xn_mlp, *xq, a.moe_row_slot, static_cast<int>(k), a.moe_x, moe_xq);
+    be.moe_permute_fp8(a.xn_mlp, xq, a.moe_row_slot, static_cast<int>(k), nullptr, a.moe_x, moe_xq);
   } else {
     be.moe_permute(a.xn_mlp, a.moe_row_slot, static_cast<int>(k), nullptr, a.moe_x);
   }
@@ -1018,15 +1018,16 @@ namespace {
 struct MoeGradScratch {
   Tensor d_y, d_xe, d_xe2;         // [R, D]
   Tensor d_act, d_gate, d_up;      // [R, Fe]
-  Fp8View d_gate_q, d_up_q;        // [R, Fe] FP8 copies of d_gate, d_up (fused: FP8 blocks)
+  Fp8View d_y_q, d_gate_q, d_up_q;  // [R, D], [R, Fe] x 2: FP8 copies of d_y, d_gate, d_up (fused: FP8 blocks)
   Tensor d_w, d_logits, d_router_x;  // [T * k], [T, E], [T, D] (FP32 / F64)
   Tensor d_shared_act, d_shared_gate, d_shared_up, d_shared_x;  // [T, Fs] x 3, [T, D] (shared experts)
 };
 
 // Backward of a.proj = moe(xn_mlp) given dproj [T, D]: d_xn [T, D] written (through the experts
 // and the routing weights); the experts' weight gradients accumulated; with router_grad, the
-// router's too. fused (FP8 blocks, ModelBackwardOptions::fused_dy_fp8): the SwiGLU backward writes
-// the gate and up dgrads' FP8 dY (swiglu_backward_fp8), as in a dense MLP.
+// router's too. fused (FP8 blocks, BackwardOptions::fused_dy_fp8): the producers of the experts'
+// dY write its FP8 copy for the grouped dgrads, as in a dense MLP: the weighted permute the down
+// products' (moe_permute_fp8), the SwiGLU backward the gate and up products' (swiglu_backward_fp8).
 void moe_backward(Backend& be, const ModelConfig& c, const LayerWeights& lw, LayerWeights& lg,
                   const LinearSpec& spec, const LayerActivations& a, const Tensor& dproj, bool router_grad,
                   bool fused, MoeGradScratch& sc, Tensor& d_xn) {
@@ -1042,7 +1043,18 @@ void moe_backward(Backend& be, const ModelConfig& c, const LayerWeights& lw, Lay
     sc.d_up = be.alloc({R, Fe}, act);
   }
   const Tensor w = a.moe_weights.reshape({R});
-  be.moe_permute(dproj, a.moe_row_slot, static_cast<int>(k), &w, sc.d_y);  // dy[r] = w * dproj[token]
+  fused = fused && spec.mode == LinearMode::FP8_BLOCK;
+  if (fused) {
+    auto view = [&](Fp8View& v, int64_t cols) {
+      if (!v.defined() || v.q.pow2 != spec.pow2_scales) v = be.alloc_fp8_view(R, cols, spec.pow2_scales);
+    };
+    view(sc.d_y_q, D);
+    view(sc.d_gate_q, Fe);
+    view(sc.d_up_q, Fe);
+    be.moe_permute_fp8(dproj, nullptr, a.moe_row_slot, static_cast<int>(k), &w, sc.d_y, sc.d_y_q);
+  } else {
+    be.moe_permute(dproj, a.moe_row_slot, static_cast<int>(k), &w, sc.d_y);  // dy[r] = w * dproj[token]
+  }
   // Every expert's SwiGLU backward over its rows: grouped backward linears (one launch per half
   // on CUDA where the mode allows) and one swiglu_backward over all rows (element-wise).
   std::vector<const LinearWeight*> gates, ups, downs;
@@ -1055,11 +1067,9 @@ void moe_backward(Backend& be, const ModelConfig& c, const LayerWeights& lw, Lay
     d_ups.push_back(&lg.experts[e].up.w);
     d_downs.push_back(&lg.experts[e].down.w);
   }
-  be.grouped_linear_backward(sc.d_y, a.moe_act, a.moe_offsets, downs, spec, &sc.d_act, d_downs);
-  fused = fused && spec.mode == LinearMode::FP8_BLOCK;
+  be.grouped_linear_backward(sc.d_y, a.moe_act, a.moe_offsets, downs, spec, &sc.d_act, d_downs,
+                             fused ? &sc.d_y_q : nullptr);
   if (fused) {
-    for (Fp8View* v : {&sc.d_gate_q, &sc.d_up_q})
-      if (!v->defined() || v->q.pow2 != spec.pow2_scales) *v = be.alloc_fp8_view(R, Fe, spec.pow2_scales);
     be.swiglu_backward_fp8(sc.d_act, a.moe_gate, a.moe_up, sc.d_gate, sc.d_up, sc.d_gate_q, sc.d_up_q);
   } else {
     be.swiglu_backward(sc.d_act, a.moe_gate, a.moe_up, sc.d_gate, sc.d_up);

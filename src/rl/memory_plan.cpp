@@ -269,7 +269,7 @@ MemoryPlan memory_plan_compute(const MemoryPlanInput& in) {
   // or a sparse block's MoeGradScratch (transformer.cpp moe_backward: d_y, d_xe, d_xe2 [k T, D] and
   // d_act, d_gate, d_up [k T, Fe] in the activation dtype; d_logits [T, E], d_router_x [T, D] in
   // F32; the shared experts' [T, Fs] x 3 and [T, D]) with the FP8 grouped dgrad's quantized dy
-  // [k T, max(D, Fe)] and the FP8 copies of d_gate, d_up [k T, Fe]: the dense estimate left ~1 GiB
+  // [k T, max(D, Fe)] and the FP8 copies of d_y [k T, D], d_gate, d_up [k T, Fe]: the dense estimate left ~1 GiB
   // of a 6-layer Qwen3-30B-A3B step uncounted
   // (bench rl-step, session 23).
   const int64_t D = c.hidden_size;
@@ -279,8 +279,10 @@ MemoryPlan memory_plan_compute(const MemoryPlanInput& in) {
     const int64_t k = c.num_experts_per_tok, Fe = c.moe_intermediate_size, R = T * k, W = std::max(D, Fe);
     const int64_t Fs = int64_t(c.n_shared_experts) * Fe;
     int64_t moe = R * (3 * D + 3 * Fe) * a + T * (c.num_experts + D) * 4 + (Fs > 0 ? T * (3 * Fs + D) * a : 0);
-    // FP8: the grouped dgrad's quantized dy, and swiglu_backward_fp8's copies of d_gate, d_up.
-    if (fp8_trainer) moe += R * W + R * ceil_div(W, kBlock) * 4 + 2 * R * (Fe + ceil_div(Fe, kBlock) * 4);
+    // FP8: the grouped dgrad's quantized dy (scratch), and the producers' copies of d_y, d_gate, d_up.
+    if (fp8_trainer)
+      moe += R * W + R * ceil_div(W, kBlock) * 4 + R * (D + ceil_div(D, kBlock) * 4) +
+             2 * R * (Fe + ceil_div(Fe, kBlock) * 4);
     bool any_dense = false;
     for (int l = 0; l < c.num_layers; ++l) any_dense |= !c.layer_is_moe(l);
     mlp = any_dense ? std::max(mlp_dense, moe) : moe;

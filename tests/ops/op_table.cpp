@@ -1931,50 +1931,62 @@ void moe_cases(std::vector<OpCase>& t) {
     }
 }
 
-// moe_permute_fp8: the experts' FP8 input gathered from x's copy (written by add_fp8 here, as
-// add_rmsnorm writes xn_mlp's) is bitwise the quantization of the permuted rows, which are
-// moe_permute's. T 48: x's scales block-major on CUDA (BF16), R 144 the output's too; T 37 (R
-// 111) row-major; D 200: a partial last block (CUDA: not 16-byte rows, so quantized instead).
+// moe_permute_fp8: moe_permute's rows and their FP8 copy, bitwise the quantization of those
+// rows, the rows bitwise moe_permute's: gathered from x's copy (xq, written by add_fp8 here as
+// add_rmsnorm writes xn_mlp's: the experts' input), or quantized in the pass, with or without the
+// routing weights (the down dgrad's dY). T 48: x's scales block-major on CUDA (BF16), R 144 the
+// output's too; T 37 (R 111) row-major; D 200: a partial last block (CUDA: no 16-byte rows, so
+// the gather quantizes instead).
 void moe_permute_fp8_cases(std::vector<OpCase>& t) {
-  for (DType dt : {DType::F32, DType::BF16})
-    for (int64_t T : {int64_t(48), int64_t(37)})
-      for (int64_t D : {int64_t(256), int64_t(200)}) {
-        const int64_t k = 3, R = T * k;
-        const bool pow2 = T == 37;
-        std::vector<int32_t> row_slot(R);
-        for (int64_t i = 0; i < R; ++i) row_slot[i] = static_cast<int32_t>((i * 7 + 3) % R);
-        t.push_back(
-            {"moe_permute_fp8",
-             dims({T, D}) + " k 3 " + dtype_name(dt) + (pow2 ? " pow2" : ""),
-             [=] {
-               return Tensors{{"x", rnd({T, D}, 95, dt, 3.0f)}, {"row_slot", i32_tensor(row_slot, {R})}};
-             },
-             [=](OpRun& r) {
-               Tensor zero = r.be.alloc({T, D}, dt);
-               r.be.fill(zero, 0.0f);
-               Tensor& xn = r.output("xn", {T, D}, dt);
-               Fp8View xq = r.be.alloc_fp8_view(T, D, pow2);
-               r.be.add_fp8(r["x"], zero, xn, xq);
-               Fp8View oq = r.be.alloc_fp8_view(R, D, pow2);
-               r.be.moe_permute_fp8(xn, xq, r["row_slot"], static_cast<int>(k), r.output("out", {R, D}, dt), oq);
-               keep_view(r, oq);
-               r.be.moe_permute(xn, r["row_slot"], static_cast<int>(k), nullptr, r.output("out_ref", {R, D}, dt));
-             },
-             {{"out", rel(0.0)}},
-             {{"out", "out_ref"}}});
-        t.back().invariants = [=](const Tensors& o) { expect_view_is_quantized_out(o, pow2); };
-        t.back().errors = [=](OpRun& r) {
-          Tensor out = r.be.alloc({R, D}, dt), other = r.be.alloc({T, D}, dt);
-          r.be.fill(other, 1.0f);
-          Fp8View xq = r.be.alloc_fp8_view(T, D, pow2), oq = r.be.alloc_fp8_view(R, D, pow2);
-          Tensor zero = r.be.alloc({T, D}, dt);
-          r.be.fill(zero, 0.0f);
-          r.be.add_fp8(other, zero, zero, xq);  // a view of another tensor than x
-          EXPECT_THROW(r.be.moe_permute_fp8(r["x"], xq, r["row_slot"], static_cast<int>(k), out, oq), Error);
-          Fp8View narrow = r.be.alloc_fp8_view(R, D - 8, pow2);
-          EXPECT_THROW(r.be.moe_permute_fp8(zero, xq, r["row_slot"], static_cast<int>(k), out, narrow), Error);
-        };
-      }
+  enum Mode { kGather, kQuantize, kWeighted };
+  for (Mode mode : {kGather, kQuantize, kWeighted})
+    for (DType dt : {DType::F32, DType::BF16})
+      for (int64_t T : {int64_t(48), int64_t(37)})
+        for (int64_t D : {int64_t(256), int64_t(200)}) {
+          const int64_t k = 3, R = T * k;
+          const bool pow2 = T == 37;
+          std::vector<int32_t> row_slot(R);
+          for (int64_t i = 0; i < R; ++i) row_slot[i] = static_cast<int32_t>((i * 7 + 3) % R);
+          const char* how = mode == kGather ? " from x's copy" : mode == kQuantize ? " quantized" : " weighted";
+          t.push_back({"moe_permute_fp8",
+                       dims({T, D}) + " k 3 " + dtype_name(dt) + (pow2 ? " pow2" : "") + how,
+                       [=] {
+                         return Tensors{{"x", rnd({T, D}, 95, dt, 3.0f)},
+                                        {"w", rnd({R}, 96)},
+                                        {"row_slot", i32_tensor(row_slot, {R})}};
+                       },
+                       [=](OpRun& r) {
+                         Tensor zero = r.be.alloc({T, D}, dt);
+                         r.be.fill(zero, 0.0f);
+                         Tensor& xn = r.output("xn", {T, D}, dt);
+                         Fp8View xq = r.be.alloc_fp8_view(T, D, pow2);
+                         r.be.add_fp8(r["x"], zero, xn, xq);
+                         const Tensor* w = mode == kWeighted ? &r["w"] : nullptr;
+                         Fp8View oq = r.be.alloc_fp8_view(R, D, pow2);
+                         r.be.moe_permute_fp8(xn, mode == kGather ? &xq : nullptr, r["row_slot"], static_cast<int>(k),
+                                              w, r.output("out", {R, D}, dt), oq);
+                         keep_view(r, oq);
+                         r.be.moe_permute(xn, r["row_slot"], static_cast<int>(k), w, r.output("out_ref", {R, D}, dt));
+                       },
+                       {{"out", rel(mode == kWeighted ? (dt == DType::F32 ? 1e-6 : 1e-2) : 0.0)}},
+                       {{"out", "out_ref"}}});
+          t.back().invariants = [=](const Tensors& o) { expect_view_is_quantized_out(o, pow2); };
+          t.back().errors = [=](OpRun& r) {
+            Tensor out = r.be.alloc({R, D}, dt), other = r.be.alloc({T, D}, dt);
+            r.be.fill(other, 1.0f);
+            Fp8View xq = r.be.alloc_fp8_view(T, D, pow2), oq = r.be.alloc_fp8_view(R, D, pow2);
+            Tensor zero = r.be.alloc({T, D}, dt);
+            r.be.fill(zero, 0.0f);
+            r.be.add_fp8(other, zero, zero, xq);  // a view of another tensor than x
+            EXPECT_THROW(r.be.moe_permute_fp8(r["x"], &xq, r["row_slot"], static_cast<int>(k), nullptr, out, oq),
+                         Error);
+            EXPECT_THROW(r.be.moe_permute_fp8(zero, &xq, r["row_slot"], static_cast<int>(k), &r["w"], out, oq),
+                         Error);  // x's copy with weights
+            Fp8View narrow = r.be.alloc_fp8_view(R, D - 8, pow2);
+            EXPECT_THROW(r.be.moe_permute_fp8(zero, &xq, r["row_slot"], static_cast<int>(k), nullptr, out, narrow),
+                         Error);
+          };
+        }
 }
 
 // ---- attention -------------------------------------------------------------------------------

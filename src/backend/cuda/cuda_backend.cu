@@ -718,17 +718,33 @@ void CudaBackend::moe_permute_impl(const Tensor& x, const Tensor& row_slot, int 
   flag_check("moe_permute: a row_slot entry is outside [0, T * top_k)");
 }
 
-void CudaBackend::moe_permute_fp8_impl(const Tensor& x, const Fp8View& xq, const Tensor& row_slot, int top_k,
-                                       Tensor& out, Fp8View& outq) {
-  moe_permute_impl(x, row_slot, top_k, nullptr, out);
-  const OpTimer op_timer_(*this, "moe_permute_fp8");
-  fp8_view_prepare(outq, out);
+// With x's copy: the BF16 gather, then its rows' FP8 blocks gathered from xq. Otherwise one pass
+// writes out and quantizes it (moe_permute's arithmetic, then the row quantizer's).
+void CudaBackend::moe_permute_fp8_impl(const Tensor& x, const Fp8View* xq, const Tensor& row_slot, int top_k,
+                                       const Tensor* weights, Tensor& out, Fp8View& outq) {
   const int64_t T = x.dim(0), D = x.dim(1), R = row_slot.numel();
+  fp8_view_prepare(outq, out);
+  uint8_t* q = outq.q.data.data<uint8_t>();
+  float* qs = outq.q.scales.data<float>();
+  if (xq) {
+    moe_permute_impl(x, row_slot, top_k, nullptr, out);
+    const OpTimer op_timer_(*this, "moe_permute_fp8");
+    int* bad = flag_reset();
+    if (!launch_moe_permute_fp8(xq->q.data.data<uint8_t>(), xq->q.scales.data<float>(), xq->scales_gemm_layout, T,
+                                row_slot.data<int32_t>(), R, D, top_k, q, qs, outq.scales_gemm_layout, bad, stream_))
+      quantize_async(out, false, outq.q, false, outq.scales_gemm_layout);
+    flag_check("moe_permute_fp8: a row_slot entry is outside [0, T * top_k), or the output holds NaN or Inf");
+    return;
+  }
+  const OpTimer op_timer_(*this, "moe_permute_fp8");
+  one_dtype({&x, &out}, "moe_permute_fp8");
   int* bad = flag_reset();
-  if (!launch_moe_permute_fp8(xq.q.data.data<uint8_t>(), xq.q.scales.data<float>(), xq.scales_gemm_layout, T,
-                              row_slot.data<int32_t>(), R, D, top_k, outq.q.data.data<uint8_t>(),
-                              outq.q.scales.data<float>(), outq.scales_gemm_layout, bad, stream_))
+  if (!launch_moe_permute_quant(x.raw(), x.dtype(), row_slot.data<int32_t>(), weights ? weights->data<float>() : nullptr,
+                                T, R, D, top_k, out.raw(), outq.q.pow2, q, qs, outq.scales_gemm_layout, bad, stream_)) {
+    launch_moe_permute(x.raw(), x.dtype(), row_slot.data<int32_t>(), weights ? weights->data<float>() : nullptr, R, D,
+                       top_k, T * top_k, out.raw(), bad, stream_);
     quantize_async(out, false, outq.q, false, outq.scales_gemm_layout);
+  }
   flag_check("moe_permute_fp8: a row_slot entry is outside [0, T * top_k), or the output holds NaN or Inf");
 }
 

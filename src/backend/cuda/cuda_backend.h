@@ -136,8 +136,8 @@ class CudaBackend final : public Backend {
                                       Tensor& weights) override;
   void moe_route_sigmoid_weights_impl(const Tensor& logits, const Tensor& experts, bool renormalize, float scaling,
                                       Tensor& weights) override;
-  void moe_permute_fp8_impl(const Tensor& x, const Fp8View& xq, const Tensor& row_slot, int top_k, Tensor& out,
-                            Fp8View& outq) override;
+  void moe_permute_fp8_impl(const Tensor& x, const Fp8View* xq, const Tensor& row_slot, int top_k,
+                            const Tensor* weights, Tensor& out, Fp8View& outq) override;
   void moe_permute_impl(const Tensor& x, const Tensor& row_slot, int top_k, const Tensor* weights,
                         Tensor& out) override;
   void moe_unpermute_impl(const Tensor& y, const Tensor& slot_row, const Tensor* weights, Tensor& out) override;

@@ -119,6 +119,11 @@ void launch_moe_permute(const void* x, DType dt, const int32_t* row_slot, const 
 bool launch_moe_permute_fp8(const uint8_t* xq, const float* xs, bool xs_kb, int64_t T, const int32_t* row_slot,
                             int64_t R, int64_t D, int k, uint8_t* q, float* s, bool s_kb, int* bad_flag,
                             cudaStream_t stream);
+// moe_permute (weights optional) and out's 1x128 FP8 copy in the same pass (q, scales: block-major
+// with gemm_layout). false (nothing launched): D % 8 != 0 or unaligned rows.
+bool launch_moe_permute_quant(const void* x, DType dt, const int32_t* row_slot, const float* weights, int64_t tokens,
+                              int64_t R, int64_t D, int k, void* out, bool pow2, uint8_t* q, float* scales,
+                              bool gemm_layout, int* bad_flag, cudaStream_t stream);
 // out [T, D] = sum_j (weights[t*k+j] *) y[slot_row[t*k+j]], y [R, D].
 void launch_moe_unpermute(const void* y, DType dt, const int32_t* slot_row, const float* weights, int64_t T,
                           int64_t D, int k, int64_t R, void* out, int* bad_flag, cudaStream_t stream);

@@ -5,6 +5,8 @@
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/kernels.h"
+#include "backend/cuda/quant.cuh"
+#include "quant/quant.h"
 
 namespace fp8rl::cuda {
 
@@ -275,6 +277,42 @@ __global__ void moe_permute_vec_kernel(const T* x, const int32_t* row_slot, cons
   }
 }
 
+// moe_permute_vec_kernel's rows (each element's arithmetic the same) with their FP8 copy: a group
+// of 8 lanes per 128-column block of an output row (quant.cuh's row blocks), the values rounded
+// to T as stored, then quantized (the down dgrad's dY in the experts' backward).
+template <class T>
+__global__ void moe_permute_quant_kernel(const T* __restrict__ x, const int32_t* __restrict__ row_slot,
+                                         const float* __restrict__ w, int64_t R, int64_t D, int k, int64_t slots,
+                                         T* __restrict__ out, bool pow2, uint8_t* __restrict__ q,
+                                         float* __restrict__ scales, bool gemm_layout, int* bad) {
+  RowBlock h;
+  if (!row_block(R, D, h)) return;
+  const int32_t s = row_slot[h.r];
+  if (s < 0 || s >= slots) {  // the block's 8 lanes leave together
+    if (h.sub == 0) *bad = 1;
+    return;
+  }
+  const float ws = w ? w[s] : 1.0f;
+  const T* src = x + static_cast<int64_t>(s / k) * D;
+  float v[16] = {};
+  float amax = 0.0f;
+  bool finite = true;
+#pragma unroll
+  for (int c = 0; c < 2; ++c) {
+    if (!h.in[c]) continue;
+    float* vc = v + 8 * c;
+    load8(src + h.col[c], vc);
+    if (w) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) vc[e] = vc[e] * ws;
+    }
+    store8_rounded(out + h.r * D + h.col[c], vc);
+    stored_amax8(vc, amax, finite);
+  }
+  if (!finite) atomicExch(bad, 1);
+  row_block_quantize(h, v, amax, R, D, pow2, q, scales, gemm_layout);
+}
+
 // The experts' FP8 input gathered from x's 1x128 copy: row r of q is row row_slot[r] / k of xq,
 // 16 bytes per thread (D % 16 == 0, 16-byte aligned rows); the thread at the start of each
 // 128-column block copies its scale too. Scales block-major ([nb][rows]) or row-major
@@ -414,6 +452,21 @@ void launch_moe_permute(const void* x, DType dt, const int32_t* row_slot, const 
                                                                     k, slots, static_cast<T*>(out), bad_flag);
   });
   CUDA_CHECK_LAUNCH("moe_permute_kernel");
+}
+
+bool launch_moe_permute_quant(const void* x, DType dt, const int32_t* row_slot, const float* weights, int64_t tokens,
+                              int64_t R, int64_t D, int k, void* out, bool pow2, uint8_t* q, float* scales,
+                              bool gemm_layout, int* bad_flag, cudaStream_t stream) {
+  if (!vec8_ok(D, {x, out, q})) return false;
+  if (R == 0) return true;
+  const int64_t threads_total = row_block_threads(R, D), slots = tokens * k;
+  FP8RL_DISPATCH_FLOAT(dt, "moe_permute_fp8", {
+    moe_permute_quant_kernel<T><<<static_cast<unsigned>(ceil_div(threads_total, 256)), 256, 0, stream>>>(
+        static_cast<const T*>(x), row_slot, weights, R, D, k, slots, static_cast<T*>(out), pow2, q, scales,
+        gemm_layout, bad_flag);
+  });
+  CUDA_CHECK_LAUNCH("moe_permute_quant_kernel");
+  return true;
 }
 
 bool launch_moe_permute_fp8(const uint8_t* xq, const float* xs, bool xs_kb, int64_t T, const int32_t* row_slot,
