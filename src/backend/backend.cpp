@@ -1101,6 +1101,45 @@ void Backend::moe_permute_fp8_impl(const Tensor& x, const Fp8View* /*xq*/, const
   outq.source = out.raw();
 }
 
+void Backend::mla_absorb(const Tensor& x, int64_t x_col0, const Tensor& w, int64_t nope, int64_t dv, bool values,
+                         Tensor& out, int64_t out_col0) {
+  const Contract c(*this);
+  c.floating(x, "mla_absorb x");
+  c.floating(w, "mla_absorb w (kv_b_proj)");
+  c.floating(out, "mla_absorb out");
+  FP8RL_CHECK(x.ndim() == 3 && out.ndim() == 3 && w.ndim() == 2 && x.dim(0) == out.dim(0) && x.dim(1) == out.dim(1),
+              "mla_absorb: x [T, H, *], out [T, H, *] and w [H (nope + dv), kvr] expected, got ", x.str(), ", ",
+              out.str(), ", ", w.str());
+  const int64_t H = x.dim(1), kvr = w.dim(1), in = values ? kvr : nope, n = values ? dv : kvr;
+  FP8RL_CHECK(nope > 0 && dv > 0 && w.dim(0) == H * (nope + dv), "mla_absorb: w must be [", H, " x (", nope, " + ", dv,
+              "), kvr], got ", w.str());
+  FP8RL_CHECK(x_col0 >= 0 && x_col0 + in <= x.dim(2) && out_col0 >= 0 && out_col0 + n <= out.dim(2),
+              "mla_absorb: columns [", x_col0, ", ", x_col0 + in, ") of x ", x.str(), " into [", out_col0, ", ",
+              out_col0 + n, ") of out ", out.str(), " do not fit");
+  mla_absorb_impl(x, x_col0, w, nope, dv, values, out, out_col0);
+}
+
+void Backend::mla_absorb_impl(const Tensor& x, int64_t x_col0, const Tensor& w, int64_t nope, int64_t dv, bool values,
+                              Tensor& out, int64_t out_col0) {
+  const LinearSpec fp32{LinearMode::FP32, false};
+  const int64_t T = x.dim(0), H = x.dim(1), kvr = w.dim(1), rows = nope + dv;
+  const Tensor x2 = x.reshape({T, H * x.dim(2)});
+  Tensor o2 = out.reshape({T, H * out.dim(2)});
+  Tensor xin = alloc({T, values ? kvr : nope}, x.dtype()), res = alloc({T, values ? dv : kvr}, out.dtype());
+  for (int64_t h = 0; h < H; ++h) {
+    copy_cols(x2, h * x.dim(2) + x_col0, xin, 0, xin.dim(1));
+    LinearWeight wh;
+    if (values) {  // res = xin W_v^T
+      wh.w = w.slice_rows(h * rows + nope, (h + 1) * rows);
+      linear(xin, wh, fp32, res);
+    } else {  // res = xin W_k: the input gradient of x -> x W_k^T for the output gradient xin
+      wh.w = w.slice_rows(h * rows, h * rows + nope);
+      linear_backward(xin, res, wh, fp32, &res, nullptr, nullptr);
+    }
+    copy_cols(res, 0, o2, h * out.dim(2) + out_col0, res.dim(1));
+  }
+}
+
 void Backend::moe_unpermute(const Tensor& y, const Tensor& slot_row, const Tensor* weights, Tensor& out) {
   const Contract c(*this);
   c.floating(y, "moe_unpermute y");

@@ -510,6 +510,16 @@ class Backend {
   // never crosses a row, so the gather is bitwise the quantization of out).
   void moe_permute_fp8(const Tensor& x, const Fp8View* xq, const Tensor& row_slot, int top_k, const Tensor* weights,
                        Tensor& out, Fp8View& outq);
+  // MLA's absorbed products over all H heads of a layer (generation's latent attention), w =
+  // kv_b_proj's weight [H (nope + dv), kvr] (head h's rows: W_k [nope, kvr], then W_v [dv, kvr]),
+  // x [T, H, *] and out [T, H, *] read and written at a column offset within each head:
+  //   keys (values false): out[t, h, out_col0 + j] = sum_{i < nope} x[t, h, x_col0 + i] W_k[h][i, j], j < kvr;
+  //   values (true):       out[t, h, out_col0 + j] = sum_{i < kvr} x[t, h, x_col0 + i] W_v[h][j, i], j < dv.
+  // Other columns of out untouched. FP32 products and sums of the operands as stored (the default:
+  // each head as an FP32-spec linear_backward / linear over copied columns; CUDA: one strided
+  // batched GEMM when x and w share a dtype).
+  void mla_absorb(const Tensor& x, int64_t x_col0, const Tensor& w, int64_t nope, int64_t dv, bool values, Tensor& out,
+                  int64_t out_col0);
   // out[t] = sum_j (weights ? weights[t*k + j] : 1) * y[slot_row[t*k + j]] over j = 0..k-1 in
   // order, accumulated in FP32 (CPU: double), written. y [R, D]; slot_row I32 [T * k], each in
   // [0, R); out [T, D] with k = slot_row.numel() / T. Forward: the weighted un-permute; backward
@@ -718,6 +728,8 @@ class Backend {
                                               Tensor& weights) = 0;
   virtual void moe_route_sigmoid_weights_impl(const Tensor& logits, const Tensor& experts, bool renormalize,
                                               float scaling, Tensor& weights) = 0;
+  virtual void mla_absorb_impl(const Tensor& x, int64_t x_col0, const Tensor& w, int64_t nope, int64_t dv, bool values,
+                               Tensor& out, int64_t out_col0);
   virtual void moe_permute_fp8_impl(const Tensor& x, const Fp8View* xq, const Tensor& row_slot, int top_k,
                                     const Tensor* weights, Tensor& out, Fp8View& outq);
   virtual void moe_permute_impl(const Tensor& x, const Tensor& row_slot, int top_k, const Tensor* weights,

@@ -689,13 +689,11 @@ AttentionStep training_attention(Backend& be, const ModelConfig& c, const Engine
 // over the cache rows with V = c (attention_paged on a latent cache), then each head's W_v.
 // The same function as the expanded form up to FP32 rounding order. kv_b runs unquantized
 // (the generator keeps it BF16 / FP32, as vLLM dequantizes it for the absorption).
-// Per head: H small GEMMs each way (a batched GEMM op would make it one launch on the GPU).
+// Every head at once each way (mla_absorb: one strided batched GEMM on CUDA).
 struct MlaLatentScratch {
-  Tensor kv_row;                // [T, 1, kvr + r]  the rows written into the cache
-  Tensor q_abs;                 // [T, H, kvr + r]  absorbed queries
-  Tensor o_lat;                 // [T, H, kvr]      attention output in latent space
-  Tensor q_nope_h, q_lat_h;     // [T, nope], [T, kvr]  one head's slices
-  Tensor o_lat_h, attn_h;       // [T, kvr], [T, dv]
+  Tensor kv_row;  // [T, 1, kvr + r]  the rows written into the cache
+  Tensor q_abs;   // [T, H, kvr + r]  absorbed queries
+  Tensor o_lat;   // [T, H, kvr]      attention output in latent space
 };
 
 MlaLatentScratch mla_latent_scratch_alloc(Backend& be, const ModelConfig& c, DType act, int64_t T) {
@@ -704,19 +702,14 @@ MlaLatentScratch mla_latent_scratch_alloc(Backend& be, const ModelConfig& c, DTy
   s.kv_row = be.alloc({T, 1, kvr + r}, act);
   s.q_abs = be.alloc({T, H, kvr + r}, act);
   s.o_lat = be.alloc({T, H, kvr}, act);
-  s.q_nope_h = be.alloc({T, c.qk_nope_head_dim}, act);
-  s.q_lat_h = be.alloc({T, kvr}, act);
-  s.o_lat_h = be.alloc({T, kvr}, act);
-  s.attn_h = be.alloc({T, c.v_head_dim}, act);
   return s;
 }
 
-// The absorbed products run as FP32 GEMMs on their operands as stored: q_nope and the latent
-// output in the activation dtype, kv_b as the generator keeps it (BF16 under a BF16 / FP8
-// block, the trainer's rounding of the weight; the activation dtype under FP32). Rounding q_nope
-// or the latent output to BF16 as well would add a rounding the trainer's expanded form does
-// not have (measured: 2-5x the BF16 recipe's own mismatch on the fixtures).
-const LinearSpec kMlaAbsorbSpec{LinearMode::FP32, false};
+// The absorbed products (Backend::mla_absorb) run in FP32 on their operands as stored: q_nope
+// and the latent output in the activation dtype, kv_b as the generator keeps it (BF16 under a
+// BF16 / FP8 block, the trainer's rounding of the weight; the activation dtype under FP32).
+// Rounding q_nope or the latent output to BF16 as well would add a rounding the trainer's
+// expanded form does not have (measured: 2-5x the BF16 recipe's own mismatch on the fixtures).
 
 // From a.q [T, H, qk], a.kv_latn [T, kvr], a.rope_k [T, 1, r] (mla_qkv with latent): writes the
 // cache rows of the batch's tokens, attends, and writes a.attn [T, H, dv].
@@ -724,41 +717,22 @@ void mla_attention_paged(Backend& be, const ModelWeights& w, const EnginePrecisi
                          const PagedBatch& batch, MlaLatentScratch& s, LayerActivations& a) {
   const ModelConfig& c = w.config;
   const int64_t T = a.q.dim(0), H = c.num_heads, nope = c.qk_nope_head_dim, r = c.qk_rope_head_dim;
-  const int64_t qk = c.qk_head_dim(), dv = c.v_head_dim, kvr = c.kv_lora_rank, w_rows = nope + dv;
+  const int64_t qk = c.qk_head_dim(), dv = c.v_head_dim, kvr = c.kv_lora_rank;
   const LayerWeights& lw = w.layers[l];
-  const LinearSpec& spec = kMlaAbsorbSpec;
   FP8RL_CHECK(lw.kv_b.w.defined(), "MLA generation needs kv_b_proj's unquantized weight (the generator keeps it)");
   // 1. the cache rows [c | kr]
   Tensor row = s.kv_row.reshape({T, kvr + r});
   be.copy_cols(a.kv_latn, 0, row, 0, kvr);
   be.copy_cols(a.rope_k.reshape({T, r}), 0, row, kvr, r);
   be.kv_write(cache, l, s.kv_row, Tensor(), batch);
-  // 2. q_abs = [q_nope W_k | q_rope] per head. q_nope W_k (no transpose of W_k) is the input
-  // gradient of the linear x -> x W_k^T for the output gradient q_nope: linear_backward's dgrad
-  // (its x is only shape-checked when no weight gradient is asked).
-  const Tensor q2 = a.q.reshape({T, H * qk});
-  Tensor qa2 = s.q_abs.reshape({T, H * (kvr + r)});
-  for (int64_t h = 0; h < H; ++h) {
-    LinearWeight wk;
-    wk.w = lw.kv_b.w.slice_rows(h * w_rows, h * w_rows + nope);  // [nope, kvr]
-    be.copy_cols(q2, h * qk, s.q_nope_h, 0, nope);
-    be.linear_backward(s.q_nope_h, s.q_lat_h, wk, spec, &s.q_lat_h, nullptr, nullptr);
-    be.copy_cols(s.q_lat_h, 0, qa2, h * (kvr + r), kvr);
-  }
+  // 2. q_abs = [q_nope W_k | q_rope] per head (mla_absorb: every head at once)
+  be.mla_absorb(a.q, 0, lw.kv_b.w, nope, dv, /*values=*/false, s.q_abs, 0);
   Tensor qah = s.q_abs.reshape({T * H, kvr + r});
   be.copy_cols(a.q.reshape({T * H, qk}), nope, qah, kvr, r);
   // 3. the MQA over the latent rows (softmax scale of the expanded head, 1/sqrt(qk)), V = c
   be.attention_paged(cache, l, s.q_abs, batch, c.softmax_scale(), prec.fp8_attention, s.o_lat);
-  // 4. each head's output through its W_v [dv, kvr]
-  const Tensor ol2 = s.o_lat.reshape({T, H * kvr});
-  Tensor attn2 = a.attn.reshape({T, H * dv});
-  for (int64_t h = 0; h < H; ++h) {
-    LinearWeight wv;
-    wv.w = lw.kv_b.w.slice_rows(h * w_rows + nope, (h + 1) * w_rows);  // [dv, kvr]
-    be.copy_cols(ol2, h * kvr, s.o_lat_h, 0, kvr);
-    be.linear(s.o_lat_h, wv, spec, s.attn_h);
-    be.copy_cols(s.attn_h, 0, attn2, h * dv, dv);
-  }
+  // 4. each head's output through its W_v [dv, kvr] (mla_absorb)
+  be.mla_absorb(s.o_lat, 0, lw.kv_b.w, nope, dv, /*values=*/true, a.attn, 0);
 }
 
 }  // namespace

@@ -82,6 +82,8 @@ TEST(OpTableCpu, CoversEveryOp) {
                        "moe_route_softmax_weights",
                        "moe_route_sigmoid_weights",
                        "moe_permute",
+                       "moe_permute_fp8",
+                       "mla_absorb",
                        "moe_unpermute",
                        "adamw",
                        "adamw_many",

@@ -1989,6 +1989,56 @@ void moe_permute_fp8_cases(std::vector<OpCase>& t) {
         }
 }
 
+// mla_absorb: MLA generation's absorbed products over every head (keys: x W_k into kvr columns;
+// values: x W_v^T into dv columns) at column offsets inside wider per-head rows, the other
+// columns untouched; F32 and BF16 (CUDA: one strided batched GEMM each). The CPU reference
+// (per-head FP32 linears) against naive double sums.
+void mla_absorb_cases(std::vector<OpCase>& t) {
+  const int64_t T = 37, H = 3, nope = 16, dv = 24, kvr = 40;
+  for (DType dt : {DType::F32, DType::BF16})
+    for (bool values : {false, true}) {
+      const int64_t in = values ? kvr : nope, n = values ? dv : kvr, X = in + 8, O = n + 12;
+      const int64_t x0 = values ? 0 : 8, o0 = values ? 12 : 0;
+      t.push_back({"mla_absorb",
+                   std::string(values ? "values" : "keys") + " T 37 H 3 nope 16 dv 24 kvr 40 " + dtype_name(dt),
+                   [=] {
+                     return Tensors{{"x", rnd({T, H, X}, 97, dt)},
+                                    {"w", rnd({H * (nope + dv), kvr}, 98, dt, 0.2f)},
+                                    {"o", rnd({T, H, O}, 99, dt)}};
+                   },
+                   [=](OpRun& r) {
+                     Tensor& out = r.updated("out", "o");
+                     r.be.mla_absorb(r["x"], x0, r["w"], nope, dv, values, out, o0);
+                   },
+                   {{"out", rel(dt == DType::F32 ? 1e-5 : 1e-2)}}});
+      t.back().references.push_back({"MlaAbsorbMatchesNaive", [=](Backend& cpu) {
+                                       const Tensor x = rnd({T, H, X}, 97);
+                                       const Tensor w = rnd({H * (nope + dv), kvr}, 98, DType::F32, 0.2f);
+                                       Tensor out = cpu.alloc({T, H, O}, DType::F32);
+                                       cpu.fill(out, 7.0f);
+                                       cpu.mla_absorb(x, x0, w, nope, dv, values, out, o0);
+                                       const std::vector<double> xv = test::values(x), wv = test::values(w);
+                                       std::vector<double> ref(T * H * O, 7.0);
+                                       for (int64_t i = 0; i < T * H; ++i) {
+                                         const int64_t h = i % H, base = h * (nope + dv) + (values ? nope : 0);
+                                         for (int64_t j = 0; j < n; ++j) {
+                                           double acc = 0;
+                                           for (int64_t e = 0; e < in; ++e)
+                                             acc += xv[i * X + x0 + e] *
+                                                    (values ? wv[(base + j) * kvr + e] : wv[(base + e) * kvr + j]);
+                                           ref[i * O + o0 + j] = acc;
+                                         }
+                                       }
+                                       EXPECT_LT(test::rel_err(test::values(out), ref), 1e-6);
+                                     }});
+      t.back().errors = [=](OpRun& r) {
+        Tensor out = r.be.alloc({T, H, O}, dt);
+        EXPECT_THROW(r.be.mla_absorb(r["x"], x0 + 9, r["w"], nope, dv, values, out, o0), Error);  // past x's row
+        EXPECT_THROW(r.be.mla_absorb(r["x"], x0, r["w"], nope + 1, dv, values, out, o0), Error);  // w's rows
+      };
+    }
+}
+
 // ---- attention -------------------------------------------------------------------------------
 
 void attention_cases(std::vector<OpCase>& t) {
@@ -2783,6 +2833,7 @@ const std::vector<OpCase>& op_table() {
     grouped_linear_shared_input_cases(t);
     grouped_linear_backward_cases(t);
     moe_permute_fp8_cases(t);
+    mla_absorb_cases(t);
     moe_cases(t);
     attention_cases(t);
     logprob_cases(t);

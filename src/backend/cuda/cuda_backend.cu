@@ -718,6 +718,32 @@ void CudaBackend::moe_permute_impl(const Tensor& x, const Tensor& row_slot, int 
   flag_check("moe_permute: a row_slot entry is outside [0, T * top_k)");
 }
 
+// One strided batched GEMM over the heads (the default ran 2 copies and a product per head, each
+// a launch: ~100 launches per MLA layer and decode step, which runs without CUDA graphs).
+void CudaBackend::mla_absorb_impl(const Tensor& x, int64_t x_col0, const Tensor& w, int64_t nope, int64_t dv,
+                                  bool values, Tensor& out, int64_t out_col0) {
+  const bool ok = x.dtype() == w.dtype() && (x.dtype() == DType::BF16 || x.dtype() == DType::F32) &&
+                  (out.dtype() == DType::BF16 || out.dtype() == DType::F32);
+  if (!ok) {
+    Backend::mla_absorb_impl(x, x_col0, w, nope, dv, values, out, out_col0);
+    return;
+  }
+  const OpTimer op_timer_(*this, "mla_absorb");
+  const int64_t T = x.dim(0), H = x.dim(1), X = x.dim(2), O = out.dim(2), kvr = w.dim(1), rows = nope + dv;
+  const size_t xs = dtype_size(x.dtype()), os = dtype_size(out.dtype());
+  const char* xp = static_cast<const char*>(x.raw()) + x_col0 * static_cast<int64_t>(xs);
+  char* op = static_cast<char*>(out.raw()) + out_col0 * static_cast<int64_t>(os);
+  const char* wp = static_cast<const char*>(w.raw()) + (values ? nope * kvr : 0) * static_cast<int64_t>(xs);
+  // Per head h: keys out_h [T, kvr] = x_h [T, nope] W_k [nope, kvr]; values out_h [T, dv] =
+  // x_h [T, kvr] W_v^T (W_v [dv, kvr] stored, tb). Rows of x_h and out_h are H * X and H * O apart.
+  if (values)
+    gemm_->gemm_strided_batched(false, true, T, dv, kvr, xp, H * X, X, wp, kvr, rows * kvr, x.dtype(), op, H * O, O,
+                                out.dtype(), H);
+  else
+    gemm_->gemm_strided_batched(false, false, T, kvr, nope, xp, H * X, X, wp, kvr, rows * kvr, x.dtype(), op, H * O, O,
+                                out.dtype(), H);
+}
+
 // With x's copy: the BF16 gather, then its rows' FP8 blocks gathered from xq. Otherwise one pass
 // writes out and quantizes it (moe_permute's arithmetic, then the row quantizer's).
 void CudaBackend::moe_permute_fp8_impl(const Tensor& x, const Fp8View* xq, const Tensor& row_slot, int top_k,

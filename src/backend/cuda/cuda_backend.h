@@ -136,6 +136,8 @@ class CudaBackend final : public Backend {
                                       Tensor& weights) override;
   void moe_route_sigmoid_weights_impl(const Tensor& logits, const Tensor& experts, bool renormalize, float scaling,
                                       Tensor& weights) override;
+  void mla_absorb_impl(const Tensor& x, int64_t x_col0, const Tensor& w, int64_t nope, int64_t dv, bool values,
+                       Tensor& out, int64_t out_col0) override;
   void moe_permute_fp8_impl(const Tensor& x, const Fp8View* xq, const Tensor& row_slot, int top_k,
                             const Tensor* weights, Tensor& out, Fp8View& outq) override;
   void moe_permute_impl(const Tensor& x, const Tensor& row_slot, int top_k, const Tensor* weights,

@@ -528,6 +528,27 @@ void GemmEngine::gemm_grouped(bool ta, bool tb, const std::vector<Problem>& prob
                "grouped BF16 GEMM of ", G, " problems");
 }
 
+void GemmEngine::gemm_strided_batched(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const void* A, int64_t lda,
+                                      int64_t stride_a, const void* B, int64_t ldb, int64_t stride_b, DType ab,
+                                      void* C, int64_t ldc, int64_t stride_c, DType c_dtype, int64_t batch) {
+  FP8RL_CHECK(ab == DType::F32 || ab == DType::BF16, "GEMM operands must be F32 or BF16, got ", dtype_name(ab));
+  FP8RL_CHECK(c_dtype == DType::F32 || c_dtype == DType::BF16, "GEMM output must be F32 or BF16, got ",
+              dtype_name(c_dtype));
+  if (M == 0 || N == 0 || batch == 0) return;
+  if (!blas_) {
+    CUBLAS_CHECK(cublasCreate(&blas_), "creating the cuBLAS handle");
+    CUBLAS_CHECK(cublasSetWorkspace(blas_, workspace_, workspace_bytes_), "setting the cuBLAS workspace");
+  }
+  CUBLAS_CHECK(cublasSetStream(blas_, stream_), "setting the cuBLAS stream");
+  const float alpha = 1.0f, beta = 0.0f;
+  // The column-major view, as gemm() issues it: C^T [N, M] = op(B)^T op(A)^T.
+  CUBLAS_CHECK(cublasGemmStridedBatchedEx_64(blas_, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, N,
+                                             M, K, &alpha, B, cuda_type(ab), ldb, stride_b, A, cuda_type(ab), lda,
+                                             stride_a, &beta, C, cuda_type(c_dtype), ldc, stride_c, batch,
+                                             CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+               "strided batched GEMM of ", batch, " products ", M, "x", N, "x", K);
+}
+
 bool GemmEngine::fp8_supported(int64_t M, int64_t N, int64_t K) {
   return M > 0 && N > 0 && K > 0 && N % kFp8RowGranule == 0 && K % kQuantBlock == 0;
 }

@@ -70,6 +70,13 @@ class GemmEngine {
             void* C, DType c_dtype, float alpha, float beta, bool row_invariant = false, int64_t ldc = 0,
             int64_t algo_n = 0);
   static constexpr int64_t kRowInvariantM = 4096;
+  // batch products C_b = op(A_b) op(B_b) in one cuBLAS strided batched launch (no pointer
+  // arrays: graph-safe), laid out as gemm() says for (ta, tb) with explicit row strides lda,
+  // ldb, ldc (elements) and the element offsets between consecutive batches' A, B, C. ab: F32 or
+  // BF16; C F32 or BF16; FP32 accumulation (never TF32); alpha 1, beta 0.
+  void gemm_strided_batched(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const void* A, int64_t lda,
+                            int64_t stride_a, const void* B, int64_t ldb, int64_t stride_b, DType ab, void* C,
+                            int64_t ldc, int64_t stride_c, DType c_dtype, int64_t batch);
   // One problem of gemm_grouped(): C [M, N], A and B laid out as gemm() says for (ta, tb).
   struct Problem {
     int64_t M, N, K;
