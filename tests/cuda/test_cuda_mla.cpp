@@ -113,7 +113,8 @@ TEST(CudaMlaOps, AttentionWithNarrowerValueHeadsMatchesCpu) {
 }
 
 // The latent cache at Moonlight's widths (rows of 512 + 64, V = the first 512, 16 query heads
-// over one KV head): kv_write then attention_paged, F32 / BF16 / E4M3 pools.
+// over one KV head): kv_write then attention_paged, F32 / BF16 / E4M3 pools; BF16 q over BF16 and
+// E4M3 pools also through the tensor-core MLA kernel (FP8RL_CUDA_MLA_DECODE=mma, mla_decode.cu).
 TEST(CudaMlaOps, LatentPagedAttentionMatchesCpu) {
   const int row = 576, dv = 512, Hq = 16, page_size = 16, pages = 15, L = 1;
   const std::vector<int32_t> seq_len = {40, 1, 70};
@@ -148,9 +149,21 @@ TEST(CudaMlaOps, LatentPagedAttentionMatchesCpu) {
         return values_f64(be, out);
       };
       const DType act = gpu->act_dtype();
-      const Diff d = compare(run(*gpu, act), run(*env().cpu, act == DType::BF16 ? DType::BF16 : DType::F32));
+      const std::vector<double> cpu = run(*env().cpu, act == DType::BF16 ? DType::BF16 : DType::F32);
+      const std::vector<double> simple = run(*gpu, act);
+      const Diff d = compare(simple, cpu);
       EXPECT_LT(d.rel, act == DType::F32 && pool != DType::BF16 ? 1e-5 : 2e-2)
           << "pool " << dtype_name(pool) << " act " << dtype_name(act);
+      if (act == DType::BF16 && pool != DType::F32) {
+        setenv("FP8RL_CUDA_MLA_DECODE", "mma", 1);
+        const std::vector<double> mma = run(*gpu, act);
+        unsetenv("FP8RL_CUDA_MLA_DECODE");
+        EXPECT_LT(compare(mma, cpu).rel, 2e-2) << "MLA kernel, pool " << dtype_name(pool);
+        EXPECT_LT(compare(mma, simple).rel, 2e-2) << "MLA kernel vs the simple one, pool " << dtype_name(pool);
+        // Another kernel's summation order: some of the 16 x T x 512 BF16 outputs differ in their
+        // last bits (identical outputs would mean the switch fell back to the simple kernel).
+        EXPECT_NE(mma, simple) << "the MLA kernel did not run (pool " << dtype_name(pool) << ")";
+      }
     }
 }
 

@@ -1999,6 +1999,14 @@ void CudaBackend::attention_paged_fp8_impl(const KvCache& cache, int layer, cons
   flag_check("attention_paged: the output " + out.str() + " holds NaN or Inf (FP8 quantization refuses non-finite values)");
 }
 
+namespace {
+constexpr bool kMlaDecodeByDefault = false;
+bool mla_decode_wanted() {
+  const char* e = std::getenv("FP8RL_CUDA_MLA_DECODE");
+  return e ? std::string(e) == "mma" : kMlaDecodeByDefault;
+}
+}  // namespace
+
 bool CudaBackend::attention_paged_run(const KvCache& cache, int layer, const Tensor& q, const PagedBatch& batch,
                                       float softmax_scale, bool fp8_attention, Tensor& out, Tensor* lse,
                                       const PagedOutFp8* out_fp8) {
@@ -2037,8 +2045,17 @@ bool CudaBackend::attention_paged_run(const KvCache& cache, int layer, const Ten
                         kp, vp, cache.dtype, ks, vs, softmax_scale, out.raw(), stream_);
     return false;  // an FP8 copy of out, if asked, is the caller's quantizer's
   }
-  // MLA's latent cache (one 576-wide row per token, Hq query heads over it) runs the simple
-  // kernel: correct, not fast (a FlashMLA-style kernel is the next step; docs/design.md).
+  // MLA's latent cache (one 576-wide row per token, Hq query heads over it): the tensor-core
+  // kernel (mla_decode.cu: a token's 16-head blocks as MMA rows over 64-position tiles) with BF16
+  // q over a BF16 / E4M3 pool when switched on (FP8RL_CUDA_MLA_DECODE=mma, read at each call; the
+  // default once it has passed on a GPU: kMlaDecodeByDefault — written in session 29, checked by
+  // the host emulation tests/cuda/mla_emu, no device was lent to run it), else the simple kernel.
+  if (latent && !simple && !fp8_attention && mla_decode_wanted() && q.dtype() == DType::BF16 && hd == kMlaRow &&
+      cache.v_dim() == kMlaV && cache.num_kv_heads == 1 &&
+      launch_mla_decode(q.raw(), batch.token_seq.data<int32_t>(), batch.token_pos.data<int32_t>(),
+                        batch.page_table.data<int32_t>(), max_pages, T, Hq, cache.page_size, kp, cache.dtype, ks,
+                        softmax_scale, out.raw(), lse_out, stream_))
+    return false;
   if (simple || latent || !paged_attention_supported(hd, group, cache.dtype, kp, vp)) {
     launch_attention_paged(q.raw(), q.dtype(), batch.token_seq.data<int32_t>(), batch.token_pos.data<int32_t>(),
                            batch.page_table.data<int32_t>(), max_pages, T, Hq, cache.num_kv_heads, hd, cache.v_dim(),

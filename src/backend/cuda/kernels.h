@@ -416,4 +416,18 @@ void launch_logprob_grad_chunk(float* logits, int64_t T, int64_t Vc, int64_t v0,
                                const int32_t* targets, const float* lse, const float* dlogp, cudaStream_t stream,
                                void* out_bf16 = nullptr);
 
+// ---- MLA latent decode attention (mla_decode.cu) ----
+// Tensor-core paged attention over MLA's latent cache (KvCache::latent_v_dim = kMlaV, head_dim
+// kMlaRow, num_kv_heads 1): q [T, H, kMlaRow] BF16 (absorbed queries), pool [num_pages,
+// page_size, kMlaRow] BF16 or E4M3 (value = code * k_scale[0]; V is the first kMlaV values of
+// each row), out [T, H, kMlaV] BF16, lse [H, T] (natural) when non-null: launch_attention_paged's
+// semantics. One CTA per (token, block of 16 heads). Returns false, launching nothing, for what it
+// does not take (other pool dtypes, E4M3 without k_scale, pointers not 16-byte aligned, ...).
+constexpr int kMlaRow = 576;  // kv_lora_rank 512 + qk_rope_head_dim 64
+constexpr int kMlaV = 512;    // kv_lora_rank
+bool launch_mla_decode(const void* q, const int32_t* token_seq, const int32_t* token_pos, const int32_t* page_table,
+                       int max_pages, int64_t T, int H, int page_size, const void* pool, DType pool_dtype /*BF16 or E4M3*/,
+                       const float* k_scale, float softmax_scale, void* out /*BF16 [T,H,512]*/, float* lse /*nullable*/,
+                       cudaStream_t stream);
+
 }  // namespace fp8rl::cuda
