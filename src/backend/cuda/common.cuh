@@ -198,6 +198,40 @@ __device__ __forceinline__ int multi_tensor_of(const int* start, int count, int 
   return lo;
 }
 
+// The tensor-core primitives the attention kernels share (flash_attention.cu, paged_attention.cu,
+// mla_decode.cu; their host emulations shim them under each kernel's own wrapper names).
+// d += A B, mma.sync m16n8k16, FP32 accumulate, operands in the PTX fragment layouts (g = lane / 4,
+// c = lane % 4): d {rows g, g + 8 x columns 2c, 2c + 1}, A {a0..a3}, B {b0, b1}. F16: FP16 inputs,
+// else BF16.
+template <bool F16>
+__device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (F16) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+// ldmatrix .x4 (Trans: .trans) from shared memory: lane l gives the address of row l % 8 of 8x8
+// matrix l / 8; r[j] is this lane's 32-bit piece of matrix j (row g, columns 2c, 2c + 1; .trans:
+// rows 2c, 2c + 1 of column g).
+template <bool Trans>
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  if constexpr (Trans) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+  }
+}
+
 inline unsigned grid_for(int64_t n, int threads, int64_t cap = 65535LL * 16) {
   int64_t g = (n + threads - 1) / threads;
   if (g < 1) g = 1;

@@ -78,18 +78,9 @@ __device__ __forceinline__ void mla_cp_async16(void* dst, const void* src, bool 
 __device__ __forceinline__ void mla_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 // Waits until every committed group of this thread has landed.
 __device__ __forceinline__ void mla_cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
-// ldmatrix.x4 (.trans): lane l gives the address of row l % 8 of 8x8 matrix l / 8; r[j] is this
-// lane's 32-bit piece of matrix j: row g, columns 2c, 2c+1 (.trans: rows 2c, 2c+1 of column g).
-__device__ __forceinline__ void mla_ldsm_x4(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(mla_saddr(p)));
-}
-__device__ __forceinline__ void mla_ldsm_x4_t(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(mla_saddr(p)));
-}
+// ldmatrix .x4 / .x4.trans (common.cuh's ldmatrix_x4, under the names the emulation shims).
+__device__ __forceinline__ void mla_ldsm_x4(uint32_t (&r)[4], const void* p) { ldmatrix_x4<false>(r, p); }
+__device__ __forceinline__ void mla_ldsm_x4_t(uint32_t (&r)[4], const void* p) { ldmatrix_x4<true>(r, p); }
 __device__ __forceinline__ uint4 mla_lds16(const void* p) { return *reinterpret_cast<const uint4*>(p); }
 __device__ __forceinline__ uint4 mla_ldg16(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
 __device__ __forceinline__ void mla_stg16(void* p, uint4 v) { *reinterpret_cast<uint4*>(p) = v; }
@@ -99,15 +90,7 @@ __device__ __forceinline__ void mla_stg16(void* p, uint4 v) { *reinterpret_cast<
 // F16: FP16 inputs, else BF16.
 template <bool F16>
 __device__ __forceinline__ void mla_mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  if constexpr (F16) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
+  mma_m16n8k16<F16>(d, a, b0, b1);  // common.cuh
 }
 // The two E4M3 codes in the low (lo) or high (hi) half of w as an FP16 pair (the lower byte in the
 // low half), exact: one cvt.rn.f16x2.e4m3x2.

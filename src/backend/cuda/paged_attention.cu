@@ -105,15 +105,7 @@ __device__ __forceinline__ unsigned char* paged_dyn_smem() {
 // in the PTX fragment layouts (g = lane / 4, c = lane % 4). F16: FP16 inputs, else BF16.
 template <bool F16>
 __device__ __forceinline__ void paged_mma4(float (&d)[4], const uint32_t (&x)[4], uint32_t b0, uint32_t b1) {
-  if constexpr (F16) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(x[0]), "r"(x[1]), "r"(x[2]), "r"(x[3]), "r"(b0), "r"(b1));
-  } else {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(x[0]), "r"(x[1]), "r"(x[2]), "r"(x[3]), "r"(b0), "r"(b1));
-  }
+  mma_m16n8k16<F16>(d, x, b0, b1);  // common.cuh
 }
 // The 8 x 8 matrix of 16-bit values whose row lane / 4 holds columns 2 (lane % 4), + 1 in x
 // (low half first), transposed, in the same layout.
