@@ -93,23 +93,40 @@ inline float warp_sum(float v) {
   return v;
 }
 inline float half_of(uint32_t r, int h) { return bf16_bits_to_float(static_cast<uint16_t>(h ? r >> 16 : r & 0xffff)); }
-inline void emu_mma(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+inline float f16_to_float(uint16_t h) {
+  _Float16 x;
+  std::memcpy(&x, &h, 2);
+  return float(x);
+}
+// mma.sync m16n8k16 from the PTX fragment layouts, FP16 (F16) or BF16 inputs, FP32 accumulator:
+// the warp's fragments exchanged through tw, each output's 16 products summed in double and
+// rounded once (the emulation checks layouts and indexing, not the tensor cores' order). The
+// shims of every emulated kernel (flash, paged, MLA) call it.
+template <bool F16>
+inline void emu_mma16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  auto dec = [](uint32_t r, int h) {
+    const uint16_t x = uint16_t(h ? r >> 16 : r & 0xffff);
+    return F16 ? f16_to_float(x) : bf16_bits_to_float(x);
+  };
   for (int i = 0; i < 4; ++i) tw->a[tlane][i] = a[i];
-  for (int i = 0; i < 2; ++i) tw->b[tlane][i] = b[i];
+  tw->b[tlane][0] = b0, tw->b[tlane][1] = b1;
   tw->bar.arrive_and_wait();
   const int g = tlane >> 2, c = tlane & 3;
+  float r[4];
   for (int i = 0; i < 4; ++i) {
     const int row = g + 8 * (i >> 1), col = 2 * c + (i & 1);
     double s = d[i];
     for (int k = 0; k < 16; ++k) {
       const int al = (row % 8) * 4 + (k % 8) / 2, ar = (row >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0);
       const int bl = col * 4 + (k % 8) / 2, br = k >= 8 ? 1 : 0;
-      s += double(half_of(tw->a[al][ar], k & 1)) * half_of(tw->b[bl][br], k & 1);
+      s += double(dec(tw->a[al][ar], k & 1)) * dec(tw->b[bl][br], k & 1);
     }
-    d[i] = static_cast<float>(s);
+    r[i] = static_cast<float>(s);
   }
   tw->bar.arrive_and_wait();
+  for (int i = 0; i < 4; ++i) d[i] = r[i];
 }
+inline void emu_mma(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) { emu_mma16<false>(d, a, b[0], b[1]); }
 inline void mma_bf16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) { emu_mma(d, a, b); }
 // ldmatrix.x4 (.trans): lane l addresses row l % 8 of matrix l / 8; r[j] = (row g, columns 2c, 2c+1)
 // of matrix j, or with trans (rows 2c, 2c+1, column g).

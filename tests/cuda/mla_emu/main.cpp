@@ -95,41 +95,16 @@ inline void mla_stg16(void* p, uint4 v) {
   emu_check_align(p);
   std::memcpy(p, &v, 16);
 }
-inline float f16_to_float(uint16_t h) {
-  _Float16 x;
-  std::memcpy(&x, &h, 2);
-  return float(x);
-}
 inline uint16_t f16_bits(float x) {
   const _Float16 h = static_cast<_Float16>(x);  // round to nearest even
   uint16_t b;
   std::memcpy(&b, &h, 2);
   return b;
 }
-// mma.sync m16n8k16 from the PTX fragment layouts (emu.h's emu_mma with FP16 or BF16 inputs).
+// mma.sync m16n8k16: emu.h's.
 template <bool F16>
 inline void mla_mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  auto dec = [](uint32_t r, int h) {
-    const uint16_t x = uint16_t(h ? r >> 16 : r & 0xffff);
-    return F16 ? f16_to_float(x) : bf16_bits_to_float(x);
-  };
-  for (int i = 0; i < 4; ++i) tw->a[tlane][i] = a[i];
-  tw->b[tlane][0] = b0, tw->b[tlane][1] = b1;
-  tw->bar.arrive_and_wait();
-  const int g = tlane >> 2, c = tlane & 3;
-  float r[4];
-  for (int i = 0; i < 4; ++i) {
-    const int row = g + 8 * (i >> 1), col = 2 * c + (i & 1);
-    double s = d[i];
-    for (int k = 0; k < 16; ++k) {
-      const int al = (row % 8) * 4 + (k % 8) / 2, ar = (row >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0);
-      const int bl = col * 4 + (k % 8) / 2, br = k >= 8 ? 1 : 0;
-      s += double(dec(tw->a[al][ar], k & 1)) * dec(tw->b[bl][br], k & 1);
-    }
-    r[i] = static_cast<float>(s);
-  }
-  tw->bar.arrive_and_wait();
-  for (int i = 0; i < 4; ++i) d[i] = r[i];
+  emu_mma16<F16>(d, a, b0, b1);
 }
 template <bool F16>
 inline uint32_t mla_pack2(float lo, float hi) {

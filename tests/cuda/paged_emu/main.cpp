@@ -67,7 +67,6 @@ inline void paged_cp_async_wait() {
     t_groups.pop_front();
   }
 }
-inline float f16_to_float(uint16_t h) { _Float16 x; std::memcpy(&x, &h, 2); return float(x); }
 inline uint16_t paged_f16_bits(float x) { const _Float16 h = static_cast<_Float16>(x); uint16_t b; std::memcpy(&b, &h, 2); return b; }
 inline uint32_t paged_pack_f16x2(float lo, float hi) { return uint32_t(paged_f16_bits(lo)) | (uint32_t(paged_f16_bits(hi)) << 16); }
 inline uint32_t paged_pack_bf16x2(float lo, float hi) { return uint32_t(bf16_bits_from_float(lo)) | (uint32_t(bf16_bits_from_float(hi)) << 16); }
@@ -99,53 +98,15 @@ inline unsigned char* paged_dyn_smem() { return g_smem; }
 // mma.sync m16n8k16 (A rows 8..15 zero), from the PTX fragment layouts; F16 or BF16 inputs.
 template <bool F16>
 inline void paged_mma(float& d0, float& d1, uint32_t a0, uint32_t a2, uint32_t b0, uint32_t b1) {
-  auto dec = [](uint32_t r, int h) {
-    const uint16_t x = uint16_t(h ? r >> 16 : r & 0xffff);
-    return F16 ? f16_to_float(x) : bf16_bits_to_float(x);
-  };
-  tw->a[tlane][0] = a0, tw->a[tlane][1] = 0, tw->a[tlane][2] = a2, tw->a[tlane][3] = 0;
-  tw->b[tlane][0] = b0, tw->b[tlane][1] = b1;
-  tw->bar.arrive_and_wait();
-  const int g = tlane >> 2, c = tlane & 3;
-  float d[2] = {d0, d1};
-  for (int i = 0; i < 2; ++i) {
-    const int row = g, col = 2 * c + i;
-    double s = d[i];
-    for (int k = 0; k < 16; ++k) {
-      const int al = row * 4 + (k % 8) / 2, ar = k >= 8 ? 2 : 0;
-      const int bl = col * 4 + (k % 8) / 2, br = k >= 8 ? 1 : 0;
-      s += double(dec(tw->a[al][ar], k & 1)) * dec(tw->b[bl][br], k & 1);
-    }
-    d[i] = static_cast<float>(s);
-  }
-  tw->bar.arrive_and_wait();
+  float d[4] = {d0, d1, 0.0f, 0.0f};
+  emu_mma16<F16>(d, {a0, 0u, a2, 0u}, b0, b1);
   d0 = d[0], d1 = d[1];
 }
 // The transposed kernel's (paged_mmat_kernel): the full m16n8k16, movmatrix, ex2, a vote, shared
 // addresses as plain addresses.
 template <bool F16>
 inline void paged_mma4(float (&d)[4], const uint32_t (&x)[4], uint32_t b0, uint32_t b1) {
-  auto dec = [](uint32_t r, int h) {
-    const uint16_t v = uint16_t(h ? r >> 16 : r & 0xffff);
-    return F16 ? f16_to_float(v) : bf16_bits_to_float(v);
-  };
-  for (int i = 0; i < 4; ++i) tw->a[tlane][i] = x[i];
-  tw->b[tlane][0] = b0, tw->b[tlane][1] = b1;
-  tw->bar.arrive_and_wait();
-  const int g = tlane >> 2, c = tlane & 3;
-  float r[4];
-  for (int i = 0; i < 4; ++i) {
-    const int row = g + 8 * (i >> 1), col = 2 * c + (i & 1);
-    double acc = d[i];
-    for (int k = 0; k < 16; ++k) {
-      const int al = (row % 8) * 4 + (k % 8) / 2, ar = (row >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0);
-      const int bl = col * 4 + (k % 8) / 2, br = k >= 8 ? 1 : 0;
-      acc += double(dec(tw->a[al][ar], k & 1)) * dec(tw->b[bl][br], k & 1);
-    }
-    r[i] = static_cast<float>(acc);
-  }
-  tw->bar.arrive_and_wait();
-  for (int i = 0; i < 4; ++i) d[i] = r[i];
+  emu_mma16<F16>(d, x, b0, b1);
 }
 // Thread (g, c) of the result holds row g, columns 2c, 2c + 1 of the transpose: elements
 // (2c, g) and (2c + 1, g) of the input, held by lanes 8c + g / 2 and 8c + 4 + g / 2.
