@@ -84,13 +84,10 @@ __device__ __forceinline__ void mla_ldsm_x4_t(uint32_t (&r)[4], const void* p) {
 __device__ __forceinline__ uint4 mla_lds16(const void* p) { return *reinterpret_cast<const uint4*>(p); }
 __device__ __forceinline__ uint4 mla_ldg16(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
 __device__ __forceinline__ void mla_stg16(void* p, uint4 v) { *reinterpret_cast<uint4*>(p) = v; }
-// d += A B, m16n8k16, FP32 accumulate, fragments in the PTX layouts (g = lane / 4, c = lane % 4):
-//   A: a0 = A[g][2c..2c+1], a1 = A[g+8][2c..], a2 = A[g][2c+8..], a3 = A[g+8][2c+8..]
-//   B: b0 = B[2c..2c+1][g], b1 = B[2c+8..2c+9][g];  d: d0, d1 = D[g][2c, 2c+1], d2, d3 = D[g+8][..]
-// F16: FP16 inputs, else BF16.
+// d += A B, m16n8k16 (common.cuh's mma_m16n8k16, under the name the emulation shims).
 template <bool F16>
 __device__ __forceinline__ void mla_mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  mma_m16n8k16<F16>(d, a, b0, b1);  // common.cuh
+  mma_m16n8k16<F16>(d, a, b0, b1);
 }
 // The two E4M3 codes in the low (lo) or high (hi) half of w as an FP16 pair (the lower byte in the
 // low half), exact: one cvt.rn.f16x2.e4m3x2.

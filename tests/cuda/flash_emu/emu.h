@@ -69,6 +69,19 @@ inline float emu_e4m3(uint8_t c) {
   return (c & 0x80) ? -v : v;
 }
 inline float2 fp8_e4m3x2_to_float2(uint32_t two) { return {emu_e4m3(two & 0xff), emu_e4m3((two >> 8) & 0xff)}; }
+// The E4M3 codec for the emulations' pools and references: decode as above; encode saturating,
+// round to nearest even (the __NV_SATFINITE conversion), NaN to 0x7f, by search over the codes.
+inline float e4m3_dec(uint8_t b) { return emu_e4m3(b); }
+inline uint8_t e4m3_enc(float x) {
+  if (std::isnan(x)) return 0x7f;
+  const float a = std::min(std::fabs(x), 448.0f);
+  int best = 0;
+  for (int c = 1; c < 127; ++c) {
+    const float d = std::fabs(e4m3_dec(uint8_t(c)) - a), db = std::fabs(e4m3_dec(uint8_t(best)) - a);
+    if (d < db || (d == db && (c & 1) == 0)) best = c;
+  }
+  return uint8_t(best | (x < 0 ? 0x80 : 0));
+}
 struct uint2 { uint32_t x, y; };
 inline void load8(const bf16* p, float v[8]) {
   emu_check_align(p);

@@ -17,19 +17,6 @@
 #define INFINITY (__builtin_inff())
 #endif
 
-// ---- E4M3 codec (by its definition: bias 7, subnormals at 2^-9, 0x7f / 0xff NaN) ----
-inline float e4m3_dec(uint8_t b) { return emu_e4m3(b); }
-// Saturating, round to nearest even, by search over the codes.
-inline uint8_t e4m3_enc(float x) {
-  const float a = std::min(std::fabs(x), 448.0f);
-  int best = 0;
-  for (int c = 1; c < 127; ++c) {
-    const float d = std::fabs(e4m3_dec(uint8_t(c)) - a), db = std::fabs(e4m3_dec(uint8_t(best)) - a);
-    if (d < db || (d == db && (c & 1) == 0)) best = c;
-  }
-  return uint8_t(best | (x < 0 ? 0x80 : 0));
-}
-
 // ---- shims of the kernel's device primitives ----
 inline unsigned char* mla_dyn_smem() { return g_smem; }
 // cp.async: the 16 bytes are read at issue but land in shared memory only when the wait retires

@@ -17,23 +17,6 @@
 #endif
 inline uint4 paged_ld16(const void* p) { uint4 u; std::memcpy(&u, p, 16); return u; }
 inline uint2 paged_ld8(const void* p) { uint2 u; std::memcpy(&u, p, 8); return u; }
-inline float e4m3_dec(uint8_t b) {
-  const int e = (b >> 3) & 15, m = b & 7;
-  if (e == 15 && m == 7) return NAN;
-  const float mag = e == 0 ? std::ldexp(float(m), -9) : std::ldexp(1.0f + m / 8.0f, e - 7);
-  return (b & 0x80) ? -mag : mag;
-}
-// Saturating, round to nearest even (the __NV_SATFINITE conversion), by search over the codes.
-inline uint8_t e4m3_enc(float x) {
-  if (std::isnan(x)) return 0x7f;
-  const float a = std::min(std::fabs(x), 448.0f);
-  int best = 0;
-  for (int c = 1; c < 127; ++c) {
-    const float d = std::fabs(e4m3_dec(uint8_t(c)) - a), db = std::fabs(e4m3_dec(uint8_t(best)) - a);
-    if (d < db || (d == db && (c & 1) == 0)) best = c;
-  }
-  return uint8_t(best | (x < 0 ? 0x80 : 0));
-}
 inline float fp8_e4m3_round(float x) { return e4m3_dec(e4m3_enc(x)); }
 inline uint8_t paged_e4m3_code(float x) { return e4m3_enc(x); }  // the fused output quantizer
 using ::fabsf;
