@@ -29,6 +29,8 @@
 #                   recipe and phase; with FP8RL_CUDA_GRAPHS=0 the decode step's ops are split too)
 #   tests_x<N>      the GPU tests FP8RL_TESTS_X<N>_FILTER under the env FP8RL_TESTS_X<N>_ENV
 #   grouped         bench-gemm --grouped-only: the grouped FP8 expert GEMM against a dense FP8 GEMM of equal FLOPs
+#   mma_probe       bench-gemm --mma-probe: TFLOP/s of each E4M3 wgmma issue pattern on shared-memory tiles
+#                   filled once (no TMA, no epilogue) against the dense FP8 peak: the MMA issue ceiling (~1 s)
 #   rlstep_long     bench rl-step, bf16 and fp8_e2e, one step of up to 2048 new tokens (FP8RL_RLSTEP_LONG_ARGS:
 #                   more arguments, default --warmup 0)
 #   trainstep       fp8rl bench-train-step at the Llama-3.2-1B shape, bf16 and fp8, and PyTorch eager
@@ -233,6 +235,10 @@ for stage in ${FP8RL_STAGES:-rlstep}; do
     grouped)  # issue 16: the grouped FP8 expert GEMM (Qwen3-30B-A3B shapes, 16k tokens x top 8) against dense FP8
       timeout 120 "$FP8RL" bench-gemm --grouped-only > "$OUT/grouped.log" 2>&1
       note "bench-gemm --grouped-only: rc=$?"; grep -A3 "^grouped" "$OUT/grouped.log" | tee -a "$SUMMARY" ;;
+    mma_probe)  # the own FP8 GEMM's wgmma issue patterns with the MMAs alone (src/bench/cuda/mma_probe.cu)
+      timeout 60 "$FP8RL" bench-gemm --mma-probe > "$OUT/mma_probe.log" 2>&1
+      note "bench-gemm --mma-probe: rc=$?"; grep "^mma_probe" "$OUT/mma_probe.log" | tee -a "$SUMMARY"
+      grep -iE "error" "$OUT/mma_probe.log" | head -5 | tee -a "$SUMMARY" ;;
     rlstep_long)
       timeout $(( $(left) - 20 )) "$FP8RL" bench rl-step --device cuda --model "${FP8RL_RLSTEP_MODEL:-qwen3-1.7b}" \
         --recipes bf16,fp8_e2e --max-new-tokens 2048 --steps 1 ${FP8RL_RLSTEP_LONG_ARGS:---warmup 0} --json "$OUT/rlstep_2048.json" \
