@@ -29,6 +29,7 @@
 #                   recipe and phase; with FP8RL_CUDA_GRAPHS=0 the decode step's ops are split too)
 #   tests_x<N>      the GPU tests FP8RL_TESTS_X<N>_FILTER under the env FP8RL_TESTS_X<N>_ENV
 #   grouped         bench-gemm --grouped-only: the grouped FP8 expert GEMM against a dense FP8 GEMM of equal FLOPs
+#   fast_accum      bench-gemm --fast-accum at FP8RL_FAST_ACCUM_SHAPES: cuBLASLt FP8 with fast accumulation, time and diff
 #   mma_probe       bench-gemm --mma-probe: TFLOP/s of each E4M3 wgmma issue pattern on shared-memory tiles
 #                   filled once (no TMA, no epilogue) against the dense FP8 peak: the MMA issue ceiling (~1 s)
 #   rlstep_long     bench rl-step, bf16 and fp8_e2e, one step of up to 2048 new tokens (FP8RL_RLSTEP_LONG_ARGS:
@@ -235,6 +236,9 @@ for stage in ${FP8RL_STAGES:-rlstep}; do
     grouped)  # issue 16: the grouped FP8 expert GEMM (Qwen3-30B-A3B shapes, 16k tokens x top 8) against dense FP8
       timeout 120 "$FP8RL" bench-gemm --grouped-only > "$OUT/grouped.log" 2>&1
       note "bench-gemm --grouped-only: rc=$?"; grep -A3 "^grouped" "$OUT/grouped.log" | tee -a "$SUMMARY" ;;
+    fast_accum)  # cuBLASLt's block-scaled FP8 products with CUBLASLT_MATMUL_DESC_FAST_ACCUM against the default
+      timeout 120 "$FP8RL" bench-gemm --fast-accum --shapes "${FP8RL_FAST_ACCUM_SHAPES:-8192x12288x2048,8192x4096x2048,8192x2048x6144,256x12288x2048,256x4096x2048,256x2048x6144}" > "$OUT/fast_accum.log" 2>&1
+      note "bench-gemm --fast-accum: rc=$?"; grep -E "fast accumulation|^--shapes" "$OUT/fast_accum.log" | tee -a "$SUMMARY" ;;
     mma_probe)  # the own FP8 GEMM's wgmma issue patterns with the MMAs alone (src/bench/cuda/mma_probe.cu)
       timeout 60 "$FP8RL" bench-gemm --mma-probe > "$OUT/mma_probe.log" 2>&1
       note "bench-gemm --mma-probe: rc=$?"; grep "^mma_probe" "$OUT/mma_probe.log" | tee -a "$SUMMARY"

@@ -23,6 +23,7 @@ struct GemmBenchOptions {
   bool grouped_only = false;
   bool algos = false;      // --algos: also time every cuBLASLt heuristic candidate of each product
   bool lt_search = false;  // --lt-search: also time every configuration of cuBLASLt's first algorithm
+  bool fast_accum = false;  // --fast-accum: also time cuBLASLt's FP8 products with fast accumulation
 };
 
 // Prints the tables to stdout and returns the numbers (device, copy, quant[], gemm[]).

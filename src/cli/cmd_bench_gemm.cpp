@@ -81,15 +81,16 @@ int run_mma_probe_lines(int device, int iters, const Args& args) {
 
 int run(const std::vector<std::string>& argv) {
   Args args(argv, {"json", "reps", "warmup", "device", "shapes", "mma-iters"},
-            {"help", "quick", "quant-only", "grouped-only", "algos", "lt-search", "mma-probe"});
+            {"help", "quick", "quant-only", "grouped-only", "algos", "lt-search", "mma-probe", "fast-accum"});
   if (args.has("help")) {
     std::printf(
         "fp8rl bench-gemm [--json PATH] [--reps N] [--warmup N] [--device cuda:N] [--quick] [--quant-only]\n"
-        "                 [--shapes MxNxK,...] [--grouped-only] [--algos] [--lt-search] [--mma-probe [--mma-iters N]]\n"
+        "                 [--shapes MxNxK,...] [--grouped-only] [--algos] [--lt-search] [--fast-accum] [--mma-probe [--mma-iters N]]\n"
         "  --shapes: only the forward products C[M, N] = A[M, K] W[N, K]^T of these sizes (e.g. for ncu)\n"
         "  --algos:  also time each of cuBLASLt's heuristic candidates (up to 16) for every product, BF16 and FP8\n"
         "  --lt-search: also time every configuration (tile, stages, split-K, cluster) cuBLASLt accepts of its\n"
         "             first algorithm for every product, BF16 and FP8\n"
+        "  --fast-accum: also time cuBLASLt's FP8 products with CUBLASLT_MATMUL_DESC_FAST_ACCUM and compare outputs\n"
         "  --mma-probe: only the wgmma throughput probe: TFLOP/s of each E4M3 wgmma issue pattern of our FP8 GEMM\n"
         "             (2 / 3 warpgroups, n128 / n256, promotion, wait_group 1, A in registers, the barrier ring)\n"
         "             on shared-memory tiles filled once, against the dense FP8 peak; --mma-iters: K blocks of 128\n"
@@ -109,6 +110,7 @@ int run(const std::vector<std::string>& argv) {
   opt.grouped_only = args.has("grouped-only");
   opt.algos = args.has("algos");
   opt.lt_search = args.has("lt-search");
+  opt.fast_accum = args.has("fast-accum");
   if (args.has("shapes")) opt.shapes = parse_shapes(args.get("shapes"));
   const nlohmann::json out = bench_gemm_run(opt);
   if (args.has("json")) {
@@ -123,11 +125,11 @@ int run(const std::vector<std::string>& argv) {
 
 int run(const std::vector<std::string>& argv) {
   Args args(argv, {"json", "reps", "warmup", "device", "shapes", "mma-iters"},
-            {"help", "quick", "quant-only", "grouped-only", "algos", "lt-search", "mma-probe"});
+            {"help", "quick", "quant-only", "grouped-only", "algos", "lt-search", "mma-probe", "fast-accum"});
   if (args.has("help")) {
     std::printf(
         "fp8rl bench-gemm [--json PATH] [--reps N] [--warmup N] [--device cuda:N] [--quick] [--quant-only]\n"
-        "                 [--shapes MxNxK,...] [--grouped-only] [--algos] [--lt-search] [--mma-probe [--mma-iters N]]\n"
+        "                 [--shapes MxNxK,...] [--grouped-only] [--algos] [--lt-search] [--fast-accum] [--mma-probe [--mma-iters N]]\n"
         "  (needs the CUDA backend; this build has none)\n");
     return 0;
   }

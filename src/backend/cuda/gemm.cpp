@@ -790,12 +790,18 @@ void GemmEngine::gemm_fp8_prelaid(int64_t M, int64_t N, int64_t K, const uint8_t
                                               sizeof(b_lt_scales)), "setting the A scale pointer");
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.d, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &a_lt_scales,
                                               sizeof(a_lt_scales)), "setting the B scale pointer");
+  if (fp8_fast_accum_) {
+    const int8_t fast = 1;
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.d, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof(fast)),
+                 "setting FP8 fast accumulation");
+  }
+  const int accum_flag = fp8_fast_accum_ ? 16 : 0;  // the algorithm caches keep both modes apart
   Layout la, lb, lc;
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&la.l, CUDA_R_8F_E4M3, K, N, K), "FP8 layout A");
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lb.l, CUDA_R_8F_E4M3, K, M, K), "FP8 layout B");
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lc.l, cuda_type(c_dtype), N, M, N), "FP8 layout C");
   if (fp8_row_invariant_ || row_invariant) {  // one algorithm for every M (set_fp8_row_invariant), no workspace
-    const Key key{1, b_block_rows, static_cast<int>(c_dtype), (beta != 0 ? 4 : 0) | 8, N, -1, K, 0, 0};
+    const Key key{1, b_block_rows, static_cast<int>(c_dtype), (beta != 0 ? 4 : 0) | 8 | accum_flag, N, -1, K, 0, 0};
     Layout lbb, lcb;
     CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lbb.l, CUDA_R_8F_E4M3, K, kRowInvariantM, K),
                  "FP8 layout B (row-invariant)");
@@ -808,7 +814,7 @@ void GemmEngine::gemm_fp8_prelaid(int64_t M, int64_t N, int64_t K, const uint8_t
                  " (the algorithm fixed for every M does not take this M; unset FP8RL_FP8_ROW_INVARIANT)");
     return;
   }
-  const Key key{1, b_block_rows, static_cast<int>(c_dtype), beta != 0 ? 4 : 0, N, M, K, 0, 0};
+  const Key key{1, b_block_rows, static_cast<int>(c_dtype), (beta != 0 ? 4 : 0) | accum_flag, N, M, K, 0, 0};
   cublasLtMatmulAlgo_t algo = find_algo(key, desc.d, la.l, lb.l, lc.l, "FP8 block-scaled GEMM");
   algo = tuned_algo(key, algo, desc.d, la.l, lb.l, lc.l, M, N, c_dtype, beta, /*fp8=*/true,
                     [&](const cublasLtMatmulAlgo_t& x, void* out) {

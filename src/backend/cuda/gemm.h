@@ -150,6 +150,11 @@ class GemmEngine {
   // experiment: the linears' share of the mismatch without the own kernel's decode cost).
   void set_fp8_row_invariant(bool on) { fp8_row_invariant_ = on; }
   bool fp8_row_invariant() const { return fp8_row_invariant_; }
+  // A diagnostic (bench-gemm --fast-accum): cuBLASLt's block-scaled products with
+  // CUBLASLT_MATMUL_DESC_FAST_ACCUM set (off by default: it lets cuBLASLt skip promoting partial
+  // sums into FP32, and the recipe keeps every 128-K block's sum in FP32), so that its speed and
+  // its difference from the default can be measured side by side.
+  void set_fp8_fast_accum(bool on) { fp8_fast_accum_ = on; }
   int64_t own_products() const { return own_products_; }
 
   // Diagnostics (bench-gemm --algos): with candidate c >= 0 the products that follow (not the
@@ -257,6 +262,7 @@ class GemmEngine {
   int own_mode_ = 0;     // 0 cublaslt, 1 auto, 2 own (FP8RL_FP8_GEMM)
   int own_splits_ = 0;   // FP8RL_FP8_GEMM_SPLITS (0: from the shape)
   bool fp8_row_invariant_ = false;  // FP8RL_FP8_ROW_INVARIANT (set_fp8_row_invariant)
+  bool fp8_fast_accum_ = false;    // set_fp8_fast_accum (bench-gemm --fast-accum)
   std::map<std::tuple<int64_t, int64_t, int>, bool> fp8_lt_own_;  // fp8_lt_is_own's probes
   int sm_count_ = 132;
   float* own_ws_ = nullptr;  // split-K partials of the own kernel

@@ -244,6 +244,43 @@ nlohmann::json bench_gemm_run(const GemmBenchOptions& options) {
         }
         own_vs_lt = dmax / std::max(cmax, 1e-30);
       }
+      // --fast-accum: cuBLASLt's FP8 product with CUBLASLT_MATMUL_DESC_FAST_ACCUM, timed alike, and
+      // (forward and dgrad: beta 0) its largest difference from the default's output on copy 0,
+      // relative to the largest |C|: whether block scaling leaves cuBLASLt anything to skip.
+      nlohmann::json fast = nullptr;
+      if (options.fast_accum && m16) {
+        gemm.set_fp8_fast_accum(true);
+        rot = 0;
+        const double ms_fast = timer([&] {
+          const size_t i = static_cast<size_t>(rot++ % copies);
+          gemm.gemm_fp8_prelaid(p.m, p.n, p.k, aq.data.data<uint8_t>(), as.data<float>(), bq[i].data.data<uint8_t>(),
+                                bs[i].data<float>(), p.b_block_rows, c8.raw(), cdt, 1.0f,
+                                p.b_block_rows == 1 ? 1.0f : 0.0f);
+        });
+        double rel = -1.0;  // not compared (wgrad accumulates)
+        if (p.b_block_rows == kQuantBlock) {
+          auto copy0 = [&](bool on) {
+            gemm.set_fp8_fast_accum(on);
+            gemm.gemm_fp8_prelaid(p.m, p.n, p.k, aq.data.data<uint8_t>(), as.data<float>(),
+                                  bq[0].data.data<uint8_t>(), bs[0].data<float>(), p.b_block_rows, c8.raw(), cdt, 1.0f,
+                                  0.0f);
+            return be.to_host(c8);
+          };
+          const Tensor hf = copy0(true), hd = copy0(false);
+          double dmax = 0.0, cmax = 0.0;
+          for (int64_t i = 0; i < hd.numel(); ++i) {
+            const double x = bf16_to_float(hf.data<uint16_t>()[i]), y = bf16_to_float(hd.data<uint16_t>()[i]);
+            dmax = std::max(dmax, std::fabs(x - y));
+            cmax = std::max(cmax, std::fabs(y));
+          }
+          rel = dmax / std::max(cmax, 1e-30);
+        }
+        gemm.set_fp8_fast_accum(false);
+        std::printf("    FP8 fast accumulation: %.2f us (default %.2f us: %.3fx), max |diff| / max |C| %s%.3g\n",
+                    ms_fast * 1e3, ms_fp8 * 1e3, ms_fp8 / ms_fast, rel < 0 ? "(not compared) " : "",
+                    rel < 0 ? 0.0 : rel);
+        fast = {{"ms", ms_fast}, {"speedup", ms_fp8 / ms_fast}, {"rel_diff", rel}};
+      }
       // Decode shapes: the own kernel's configurations (rows per CTA x K splits), timed alike.
       nlohmann::json sweep = nlohmann::json::array();
       if (p.b_block_rows == kQuantBlock && p.m <= 256) {
@@ -397,6 +434,7 @@ nlohmann::json bench_gemm_run(const GemmBenchOptions& options) {
                              {"own_configs", sweep},
                              {"lt_candidates", cands},
                              {"lt_search", search},
+                             {"fast_accum", fast},
                              {"fp8_over_bf16", tf_fp8 / tf_bf16}});
     }
   }
