@@ -21,8 +21,8 @@ struct GemmBenchOptions {
   // else: for a profiler's view of one kernel); --grouped-only: the grouped expert products only.
   std::vector<std::array<int64_t, 3>> shapes;
   bool grouped_only = false;
-  bool algos = false;      // --algos: also time every cuBLASLt heuristic candidate of each product
-  bool lt_search = false;  // --lt-search: also time every configuration of cuBLASLt's first algorithm
+  bool algos = false;       // --algos: also time every cuBLASLt heuristic candidate of each product
+  bool lt_search = false;   // --lt-search: also time every configuration of cuBLASLt's first algorithm
   bool fast_accum = false;  // --fast-accum: also time cuBLASLt's FP8 products with fast accumulation
 };
 

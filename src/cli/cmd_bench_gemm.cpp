@@ -85,7 +85,8 @@ int run(const std::vector<std::string>& argv) {
   if (args.has("help")) {
     std::printf(
         "fp8rl bench-gemm [--json PATH] [--reps N] [--warmup N] [--device cuda:N] [--quick] [--quant-only]\n"
-        "                 [--shapes MxNxK,...] [--grouped-only] [--algos] [--lt-search] [--fast-accum] [--mma-probe [--mma-iters N]]\n"
+        "                 [--shapes MxNxK,...] [--grouped-only] [--algos] [--lt-search] [--fast-accum] [--mma-probe "
+        "[--mma-iters N]]\n"
         "  --shapes: only the forward products C[M, N] = A[M, K] W[N, K]^T of these sizes (e.g. for ncu)\n"
         "  --algos:  also time each of cuBLASLt's heuristic candidates (up to 16) for every product, BF16 and FP8\n"
         "  --lt-search: also time every configuration (tile, stages, split-K, cluster) cuBLASLt accepts of its\n"
@@ -129,7 +130,8 @@ int run(const std::vector<std::string>& argv) {
   if (args.has("help")) {
     std::printf(
         "fp8rl bench-gemm [--json PATH] [--reps N] [--warmup N] [--device cuda:N] [--quick] [--quant-only]\n"
-        "                 [--shapes MxNxK,...] [--grouped-only] [--algos] [--lt-search] [--fast-accum] [--mma-probe [--mma-iters N]]\n"
+        "                 [--shapes MxNxK,...] [--grouped-only] [--algos] [--lt-search] [--fast-accum] [--mma-probe "
+        "[--mma-iters N]]\n"
         "  (needs the CUDA backend; this build has none)\n");
     return 0;
   }

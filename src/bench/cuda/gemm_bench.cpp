@@ -261,9 +261,8 @@ nlohmann::json bench_gemm_run(const GemmBenchOptions& options) {
         if (p.b_block_rows == kQuantBlock) {
           auto copy0 = [&](bool on) {
             gemm.set_fp8_fast_accum(on);
-            gemm.gemm_fp8_prelaid(p.m, p.n, p.k, aq.data.data<uint8_t>(), as.data<float>(),
-                                  bq[0].data.data<uint8_t>(), bs[0].data<float>(), p.b_block_rows, c8.raw(), cdt, 1.0f,
-                                  0.0f);
+            gemm.gemm_fp8_prelaid(p.m, p.n, p.k, aq.data.data<uint8_t>(), as.data<float>(), bq[0].data.data<uint8_t>(),
+                                  bs[0].data<float>(), p.b_block_rows, c8.raw(), cdt, 1.0f, 0.0f);
             return be.to_host(c8);
           };
           const Tensor hf = copy0(true), hd = copy0(false);
