@@ -114,7 +114,8 @@ TEST(CudaMlaOps, AttentionWithNarrowerValueHeadsMatchesCpu) {
 
 // The latent cache at Moonlight's widths (rows of 512 + 64, V = the first 512, 16 query heads
 // over one KV head): kv_write then attention_paged, F32 / BF16 / E4M3 pools; BF16 q over BF16 and
-// E4M3 pools also through the tensor-core MLA kernel (FP8RL_CUDA_MLA_DECODE=mma, mla_decode.cu).
+// E4M3 pools also through the tensor-core MLA kernel (the default; mla_decode.cu) and the simple one
+// (FP8RL_CUDA_MLA_DECODE=simple).
 TEST(CudaMlaOps, LatentPagedAttentionMatchesCpu) {
   const int row = 576, dv = 512, Hq = 16, page_size = 16, pages = 15, L = 1;
   const std::vector<int32_t> seq_len = {40, 1, 70};
@@ -150,14 +151,14 @@ TEST(CudaMlaOps, LatentPagedAttentionMatchesCpu) {
       };
       const DType act = gpu->act_dtype();
       const std::vector<double> cpu = run(*env().cpu, act == DType::BF16 ? DType::BF16 : DType::F32);
+      setenv("FP8RL_CUDA_MLA_DECODE", "simple", 1);  // the simple kernel (the tensor-core one is the default)
       const std::vector<double> simple = run(*gpu, act);
+      unsetenv("FP8RL_CUDA_MLA_DECODE");
       const Diff d = compare(simple, cpu);
       EXPECT_LT(d.rel, act == DType::F32 && pool != DType::BF16 ? 1e-5 : 2e-2)
           << "pool " << dtype_name(pool) << " act " << dtype_name(act);
       if (act == DType::BF16 && pool != DType::F32) {
-        setenv("FP8RL_CUDA_MLA_DECODE", "mma", 1);
-        const std::vector<double> mma = run(*gpu, act);
-        unsetenv("FP8RL_CUDA_MLA_DECODE");
+        const std::vector<double> mma = run(*gpu, act);  // the default: the tensor-core kernel
         EXPECT_LT(compare(mma, cpu).rel, 2e-2) << "MLA kernel, pool " << dtype_name(pool);
         EXPECT_LT(compare(mma, simple).rel, 2e-2) << "MLA kernel vs the simple one, pool " << dtype_name(pool);
         // Another kernel's summation order: some of the 16 x T x 512 BF16 outputs differ in their

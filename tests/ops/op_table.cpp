@@ -1968,7 +1968,7 @@ void moe_permute_fp8_cases(std::vector<OpCase>& t) {
                          keep_view(r, oq);
                          r.be.moe_permute(xn, r["row_slot"], static_cast<int>(k), w, r.output("out_ref", {R, D}, dt));
                        },
-                       {{"out", rel(mode == kWeighted ? (dt == DType::F32 ? 1e-6 : 1e-2) : 0.0)}},
+                       {{"out", mode == kWeighted ? rel(dt == DType::F32 ? 1e-6 : 1e-2) : bitwise()}},
                        {{"out", "out_ref"}}});
           t.back().invariants = [=](const Tensors& o) { expect_view_is_quantized_out(o, pow2); };
           t.back().errors = [=](OpRun& r) {

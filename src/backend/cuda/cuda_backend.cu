@@ -1757,9 +1757,9 @@ void seq_bounds(const std::vector<int32_t>& cu, int64_t T, std::vector<int32_t>&
 // v) of (64, 64), (128, 128) or MLA's (192, 128) and 16-byte aligned tensors; everything else
 // takes the simple kernels. The environment variable FP8RL_CUDA_ATTENTION=simple forces the simple
 // kernels (=flash: the flash ones where supported), a diagnostic switch read at each call. MLA's
-// widths take the flash kernels only when asked (=flash) until they have passed on a GPU: written
-// in session 28 and checked by the host emulation, but no device was lent to run them.
-constexpr bool kFlashByDefault = true, kFlashMlaByDefault = false;
+// widths (192, 128) take them by default since they passed on a GPU (session 30: the op table's
+// (192, 128) rows and CudaMlaOps against the CPU; Moonlight's step, docs/benchmarks.md).
+constexpr bool kFlashByDefault = true, kFlashMlaByDefault = true;
 bool use_flash_attention(DType dt, int hd, int hdv, std::initializer_list<const Tensor*> ts) {
   const char* e = std::getenv("FP8RL_CUDA_ATTENTION");
   const bool asked = e && std::string(e) == "flash";
@@ -2000,7 +2000,7 @@ void CudaBackend::attention_paged_fp8_impl(const KvCache& cache, int layer, cons
 }
 
 namespace {
-constexpr bool kMlaDecodeByDefault = false;
+constexpr bool kMlaDecodeByDefault = true;
 bool mla_decode_wanted() {
   const char* e = std::getenv("FP8RL_CUDA_MLA_DECODE");
   return e ? std::string(e) == "mma" : kMlaDecodeByDefault;
@@ -2047,9 +2047,9 @@ bool CudaBackend::attention_paged_run(const KvCache& cache, int layer, const Ten
   }
   // MLA's latent cache (one 576-wide row per token, Hq query heads over it): the tensor-core
   // kernel (mla_decode.cu: a token's 16-head blocks as MMA rows over 64-position tiles) with BF16
-  // q over a BF16 / E4M3 pool when switched on (FP8RL_CUDA_MLA_DECODE=mma, read at each call; the
-  // default once it has passed on a GPU: kMlaDecodeByDefault — written in session 29, checked by
-  // the host emulation tests/cuda/mla_emu, no device was lent to run it), else the simple kernel.
+  // q over a BF16 / E4M3 pool (the default since CudaMlaOps.LatentPagedAttentionMatchesCpu passed
+  // on a GPU, session 30; FP8RL_CUDA_MLA_DECODE set to anything but "mma", read at each call,
+  // selects the simple kernel), else the simple kernel.
   if (latent && !simple && !fp8_attention && mla_decode_wanted() && q.dtype() == DType::BF16 && hd == kMlaRow &&
       cache.v_dim() == kMlaV && cache.num_kv_heads == 1 &&
       launch_mla_decode(q.raw(), batch.token_seq.data<int32_t>(), batch.token_pos.data<int32_t>(),
