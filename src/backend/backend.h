@@ -205,6 +205,8 @@ struct BackendCounters {
   int64_t gemm_tuned = 0;          // GEMM shapes whose cuBLASLt configuration was tuned (CUDA: GemmEngine)
   int64_t gemm_tuned_changed = 0;  // of them, those that run another configuration than the heuristic's
   double gemm_tune_ms = 0.0;       // host time the tuning took
+  int64_t gemm_heuristics = 0;     // cuBLASLt heuristic queries (one per new product shape: M included)
+  double gemm_heuristic_ms = 0.0;  // host time those queries took (the stream waits on it inside the op)
 };
 
 class Backend {
@@ -255,6 +257,12 @@ class Backend {
     (void)print;
   }
   virtual void reset_peak_memory_stats() {}
+  // Whether the products that follow may have their GEMM configuration tuned at first sight (CUDA:
+  // GemmEngine's per-product tuning, ~50 ms of host time per new shape); returns the previous
+  // setting. On by default; the trainer turns it off for its passes: its micro-batches' shapes
+  // change from step to step, so tuning them would cost host time in every step and never pay back
+  // (a configuration tuned earlier is still used: tuning never changes a product's bits).
+  virtual bool set_gemm_tuning(bool on) { return on; }
   // Bytes this process could still allocate on the device now (CUDA: cudaMemGetInfo's free plus
   // what this backend's cache holds unused); -1 = not known (the CPU backend: host memory is
   // not checked).

@@ -307,7 +307,9 @@ RecipeResult bench_recipe(Backend& be, const BenchSetup& s, const std::string& r
     std::vector<RolloutSample> samples;
     const bool last = step + 1 == s.warmup + s.steps;  // FP8RL_CUDA_PROFILE=1: the last step's tables
     be.profile_report("", false);
+    const BackendCounters k_gen0 = be.counters();  // the step's cuBLASLt heuristic queries (new shapes)
     phase("generation", [&] { samples = engine.generate(reqs, sp); });
+    const BackendCounters k_gen1 = be.counters();
     be.profile_report(recipe_name + " generation", last);
 
     GrpoRollout ro;
@@ -368,6 +370,7 @@ RecipeResult bench_recipe(Backend& be, const BenchSetup& s, const std::string& r
       rm = metrics_compute_routing(old.logp, ro.logp_gen, old.routing_agreed, old.routing.pairs, old.routing.agreed,
                                    old.routing.router_agreed);
     be.profile_report(recipe_name + " scoring + reference + training", last);
+    const BackendCounters k_train1 = be.counters();
     phase("refit_calibration", [&] {
       KvScales scales;
       if (fp8_kv) scales = kv_scales_calibrate(old.k_amax, old.v_amax, 0.999f, 1.05f, recipe.generator.pow2_scales);
@@ -384,7 +387,17 @@ RecipeResult bench_recipe(Backend& be, const BenchSetup& s, const std::string& r
     if (s.model.is_moe())
       std::printf(", routing agreement %.4f (router %.4f), mult_prob_error routed alike %.4f / not %.4f",
                   rm.agreement, rm.router_agreement, rm.agreed.token_mult_prob_error, rm.differs.token_mult_prob_error);
-    std::printf("\n");
+    // New GEMM shapes met in this step (host work inside the timed phases): cuBLASLt heuristic
+    // queries and configuration tunings, in generation and in the trainer.
+    std::printf("; new GEMM shapes: generation %lld heuristic queries (%.0f ms) + %lld tuned (%.0f ms), trainer "
+                "%lld (%.0f ms) + %lld tuned (%.0f ms)\n",
+                static_cast<long long>(k_gen1.gemm_heuristics - k_gen0.gemm_heuristics),
+                k_gen1.gemm_heuristic_ms - k_gen0.gemm_heuristic_ms,
+                static_cast<long long>(k_gen1.gemm_tuned - k_gen0.gemm_tuned), k_gen1.gemm_tune_ms - k_gen0.gemm_tune_ms,
+                static_cast<long long>(k_train1.gemm_heuristics - k_gen1.gemm_heuristics),
+                k_train1.gemm_heuristic_ms - k_gen1.gemm_heuristic_ms,
+                static_cast<long long>(k_train1.gemm_tuned - k_gen1.gemm_tuned),
+                k_train1.gemm_tune_ms - k_gen1.gemm_tune_ms);
     std::fflush(stdout);
     if (!timed) continue;
     for (const char* p : kPhases) res.seconds[p].push_back(t[p]);
@@ -415,6 +428,8 @@ RecipeResult bench_recipe(Backend& be, const BenchSetup& s, const std::string& r
   res.counters.gemm_tuned = c1.gemm_tuned - c0.gemm_tuned;
   res.counters.gemm_tuned_changed = c1.gemm_tuned_changed - c0.gemm_tuned_changed;
   res.counters.gemm_tune_ms = c1.gemm_tune_ms - c0.gemm_tune_ms;
+  res.counters.gemm_heuristics = c1.gemm_heuristics - c0.gemm_heuristics;
+  res.counters.gemm_heuristic_ms = c1.gemm_heuristic_ms - c0.gemm_heuristic_ms;
   return res;
 }
 
@@ -625,6 +640,12 @@ int run_bench(const std::vector<std::string>& argv) {
                           "/" + std::to_string(static_cast<long long>(r.counters.gemm_tune_ms));
     std::printf(" %*s", w, t.c_str());
   }
+  std::printf("\n%-18s", "lt heuristics/ms");
+  for (const RecipeResult& r : results) {
+    const std::string t = std::to_string(r.counters.gemm_heuristics) + "/" +
+                          std::to_string(static_cast<long long>(r.counters.gemm_heuristic_ms));
+    std::printf(" %*s", w, t.c_str());
+  }
   std::printf("\n");
   for (const RecipeResult& r : results) {
     nlohmann::json jr;
@@ -656,6 +677,7 @@ int run_bench(const std::vector<std::string>& argv) {
     jr["gemm_tuned"] = {{"products", r.counters.gemm_tuned},
                         {"changed", r.counters.gemm_tuned_changed},
                         {"ms", r.counters.gemm_tune_ms}};
+    jr["gemm_heuristics"] = {{"queries", r.counters.gemm_heuristics}, {"ms", r.counters.gemm_heuristic_ms}};
     j["recipes"][r.recipe] = jr;
   }
   if (args.has("json")) {

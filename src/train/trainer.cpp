@@ -348,7 +348,24 @@ void score_results_append(ScoreResult& a, const ScoreResult& b) {
   a.routing.router_agreed += b.routing.router_agreed;
 }
 
+namespace {
+// No GEMM tuning for the trainer's products while it lives (Backend::set_gemm_tuning): the
+// micro-batches' shapes change from step to step.
+class NoGemmTuning {
+ public:
+  explicit NoGemmTuning(Backend& be) : be_(be), prev_(be.set_gemm_tuning(false)) {}
+  ~NoGemmTuning() { be_.set_gemm_tuning(prev_); }
+  NoGemmTuning(const NoGemmTuning&) = delete;
+  NoGemmTuning& operator=(const NoGemmTuning&) = delete;
+
+ private:
+  Backend& be_;
+  bool prev_;
+};
+}  // namespace
+
 ScoreResult Trainer::score(const std::vector<TrainSequence>& seqs, float temperature, bool entropy, bool record_amax) {
+  const NoGemmTuning no_tuning(be_);
   ScoreResult r;
   const ScoreRequest want{entropy, record_amax};
   for (auto [first, end] : micro_batches(seqs)) {
@@ -372,6 +389,7 @@ ScoreResult Trainer::score(const std::vector<TrainSequence>& seqs, float tempera
 
 void Trainer::forward_backward(const std::vector<TrainSequence>& seqs, float temperature, const TokenLossFn& loss_fn,
                                StepResult& r, const ScoreRequest* score, ScoreResult* scored) {
+  const NoGemmTuning no_tuning(be_);
   const ModelWeights& weights = compute_weights();
   for (auto [first, end] : micro_batches(seqs)) {
     Packed p = pack(seqs, first, end, pad_granule(), opt_.micro_batch_tokens);

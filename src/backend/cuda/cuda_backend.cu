@@ -917,6 +917,8 @@ BackendCounters CudaBackend::counters() const {
   c.concat_products = concat_products_;
   const GemmEngine::TuneStats t = gemm_->tune_stats();
   c.gemm_tuned = t.products, c.gemm_tuned_changed = t.changed, c.gemm_tune_ms = t.ms;
+  const GemmEngine::TuneStats h = gemm_->heuristic_stats();
+  c.gemm_heuristics = h.products, c.gemm_heuristic_ms = h.ms;
   return c;
 }
 

@@ -49,6 +49,7 @@ class CudaBackend final : public Backend {
   void synchronize() override;
   MemoryStats memory_stats() override;
   void reset_peak_memory_stats() override;
+  bool set_gemm_tuning(bool on) override { return gemm_->set_tuning_allowed(on); }
   int64_t free_device_bytes() override;
 
  protected:

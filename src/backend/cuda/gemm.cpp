@@ -232,6 +232,7 @@ cublasLtMatmulAlgo_t GemmEngine::tuned_algo(const Key& key, const cublasLtMatmul
   const bool diagnosing = lt_candidate_ >= 0 || lt_force_ || lt_enumerate_;  // bench-gemm's own choices
   if (!wanted || diagnosing || beta != 0.0f || M > kTuneMaxRows) return base;
   if (auto it = tuned_.find(key); it != tuned_.end()) return it->second;
+  if (!tuning_allowed_) return base;           // Backend::set_gemm_tuning(false): the trainer's passes
   if (stream_capturing(stream_)) return base;  // tuned at the next eager call
   const auto t_start = std::chrono::steady_clock::now();
   // The candidates: the heuristic's algorithm in each tile and cluster shape cuBLASLt accepts,
@@ -356,9 +357,12 @@ cublasLtMatmulAlgo_t GemmEngine::heuristic_algo(const Key& key_in, cublasLtMatmu
   const int want = lt_candidate_ < 0 ? 1 : lt_candidate_ + 1;  // the candidate's rank + 1
   cublasLtMatmulHeuristicResult_t res[kMaxLtCandidates] = {};
   int n = 0;
+  const auto t_start = std::chrono::steady_clock::now();
   CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle_, desc, a, b, c, c, pref.p, want, res, &n),
                "asking cuBLASLt for a ", what, " algorithm (M=", std::get<5>(key), " N=", std::get<4>(key),
                " K=", std::get<6>(key), ")");
+  ++heuristic_count_;
+  heuristic_ms_ += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t_start).count();
   FP8RL_CHECK(n > 0, "cuBLASLt has no ", what, " kernel for M=", std::get<5>(key), " N=", std::get<4>(key),
               " K=", std::get<6>(key), "; use another precision for this layer");
   FP8RL_CHECK(n >= want, "cuBLASLt offers ", n, " ", what, " candidates for M=", std::get<5>(key), " N=",

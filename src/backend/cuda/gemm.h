@@ -214,8 +214,16 @@ class GemmEngine {
     double ms = 0.0;  // host time spent tuning
   };
   TuneStats tune_stats() const { return {tuned_count_, tuned_changed_, tune_ms_}; }
+  // cuBLASLt heuristic queries (a product shape not seen before) and the host time they took.
+  TuneStats heuristic_stats() const { return {heuristic_count_, 0, heuristic_ms_}; }
   enum class Tune { Off, Fp8, All };
   void set_tune(Tune t) { tune_ = t; }  // FP8RL_LT_TUNE in code (tests)
+  // Backend::set_gemm_tuning: off, products not tuned yet keep the heuristic's configuration.
+  bool set_tuning_allowed(bool on) {
+    const bool prev = tuning_allowed_;
+    tuning_allowed_ = on;
+    return prev;
+  }
 
   cudaStream_t stream() const { return stream_; }
   // FP8 products whose last M % 16 rows ran as a padded second product (since construction).
@@ -282,6 +290,9 @@ class GemmEngine {
   std::map<Key, cublasLtMatmulAlgo_t> tuned_;
   int64_t tuned_count_ = 0, tuned_changed_ = 0;
   double tune_ms_ = 0.0;
+  int64_t heuristic_count_ = 0;
+  bool tuning_allowed_ = true;  // set_tuning_allowed
+  double heuristic_ms_ = 0.0;
 };
 
 }  // namespace fp8rl::cuda
