@@ -238,7 +238,7 @@ for stage in ${FP8RL_STAGES:-rlstep}; do
       note "bench-gemm --grouped-only: rc=$?"; grep -A3 "^grouped" "$OUT/grouped.log" | tee -a "$SUMMARY" ;;
     fast_accum)  # cuBLASLt's block-scaled FP8 products with CUBLASLT_MATMUL_DESC_FAST_ACCUM against the default
       timeout 120 "$FP8RL" bench-gemm --fast-accum --shapes "${FP8RL_FAST_ACCUM_SHAPES:-8192x12288x2048,8192x4096x2048,8192x2048x6144,256x12288x2048,256x4096x2048,256x2048x6144}" > "$OUT/fast_accum.log" 2>&1
-      note "bench-gemm --fast-accum: rc=$?"; grep -E "fast accumulation|^--shapes" "$OUT/fast_accum.log" | tee -a "$SUMMARY" ;;
+      note "bench-gemm --fast-accum: rc=$?"; grep -E "fast accumulation|own 64-row|^--shapes" "$OUT/fast_accum.log" | tee -a "$SUMMARY" ;;
     mma_probe)  # the own FP8 GEMM's wgmma issue patterns with the MMAs alone (src/bench/cuda/mma_probe.cu)
       timeout 60 "$FP8RL" bench-gemm --mma-probe > "$OUT/mma_probe.log" 2>&1
       note "bench-gemm --mma-probe: rc=$?"; grep "^mma_probe" "$OUT/mma_probe.log" | tee -a "$SUMMARY"
