@@ -41,12 +41,15 @@
 #include <vector>
 
 #include "backend/cuda/cuda_check.h"
+#include "backend/cuda/sm90.cuh"
 #include "core/dtype.h"
 #include "core/error.h"
 
 namespace fp8rl::cuda {
 
 namespace {
+
+using namespace sm90;  // the wrappers our GEMM uses (sm90.cuh): the probe issues the same instructions
 
 constexpr int kBK = 128;           // K bytes per block: one scale block of our GEMM, 4 wgmma of k32
 constexpr int kStages = 6;         // the barrier ring of the handshake pattern (our 128-row GEMM's)
@@ -108,73 +111,10 @@ __device__ __forceinline__ int sw128_offset(int row, int k) {
   return (row / 8) * 1024 + (row % 8) * 128 + (((k / 16) ^ (row % 8)) * 16) + k % 16;
 }
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// The shared-memory descriptor of a 1024-byte-aligned K-major tile in the 128-byte swizzle,
-// exactly as fp8_gemm_sm90.cu builds it: start address >> 4, leading byte offset 1 (unused),
-// stride byte offset 1024 >> 4 (8-row groups), layout type 1 (SW128) in bits 62-63. A k-step of
-// 32 bytes is +2 on the descriptor.
-__device__ __forceinline__ uint64_t sw128_desc(const void* tile) {
-  const uint64_t addr = smem_addr(tile);
-  return ((addr & 0x3FFFFull) >> 4) | (1ull << 16) | (static_cast<uint64_t>(1024 >> 4) << 32) | (1ull << 62);
-}
-
-__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count));
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred done;\n"
-      "PROBE_WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra PROBE_WAIT;\n"
-      "}\n" ::"r"(smem_addr(bar)),
-      "r"(parity)
-      : "memory");
-}
-
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
-}
-
-// Keeps the compiler from moving accesses of an accumulator across the asynchronous wgmma.
-template <int N>
-__device__ __forceinline__ void fence_acc(float (&d)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-
 // The accumulator operands of the wgmma below, eight at a time.
 #define PROBE_ACC8(b)                                                                                         \
   "+f"(d[(b) + 0]), "+f"(d[(b) + 1]), "+f"(d[(b) + 2]), "+f"(d[(b) + 3]), "+f"(d[(b) + 4]), "+f"(d[(b) + 5]), \
       "+f"(d[(b) + 6]), "+f"(d[(b) + 7])
-
-// D[64 x 128] (+)= A[64 x 32] B[32 x 128], E4M3 in, FP32 accumulators; A and B in shared memory.
-__device__ __forceinline__ void wgmma_ss_n128(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int accumulate) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-      "%64, %65, p, 1, 1;\n"
-      "}\n"
-      : PROBE_ACC8(0), PROBE_ACC8(8), PROBE_ACC8(16), PROBE_ACC8(24), PROBE_ACC8(32), PROBE_ACC8(40), PROBE_ACC8(48),
-        PROBE_ACC8(56)
-      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-}
 
 // D[64 x 256] (+)= A[64 x 32] B[32 x 256]: the same with 128 accumulators per thread.
 __device__ __forceinline__ void wgmma_ss_n256(float (&d)[128], uint64_t desc_a, uint64_t desc_b, int accumulate) {
@@ -237,7 +177,7 @@ __device__ __forceinline__ void issue_block(float (&acc)[kN / 2], uint64_t da, u
 #pragma unroll
   for (int k = 0; k < kBK / 32; ++k) {
     if constexpr (kRegA) wgmma_rs_n128(acc, ra[k], db + 2 * k, k > 0);
-    else if constexpr (kN == 128) wgmma_ss_n128(acc, da + 2 * k, db + 2 * k, k > 0);
+    else if constexpr (kN == 128) wgmma_m64n128k32_e4m3(acc, da + 2 * k, db + 2 * k, k > 0);
     else wgmma_ss_n256(acc, da + 2 * k, db + 2 * k, k > 0);
   }
   wgmma_commit();
