@@ -94,8 +94,9 @@ int run(const std::vector<std::string>& argv) {
         "  --fast-accum: also time cuBLASLt's FP8 products with CUBLASLT_MATMUL_DESC_FAST_ACCUM and compare outputs\n"
         "  --mma-probe: only the wgmma throughput probe: TFLOP/s of each E4M3 wgmma issue pattern of our FP8 GEMM\n"
         "             (2 / 3 warpgroups, n128 / n256, promotion, wait_group 1, A in registers, the barrier ring)\n"
-        "             on shared-memory tiles filled once, against the dense FP8 peak; --mma-iters: K blocks of 128\n"
-        "             per warpgroup per launch (default 16384)\n");
+        "             on shared-memory tiles filled once, and fed by a TMA ring from L2-resident operands (tiles of\n"
+        "             64 / 128 / 192 rows x 128 / 256 columns), against the dense FP8 peak; --mma-iters: K blocks of\n"
+        "             128 per warpgroup (TMA patterns: per CTA) per launch (default 16384)\n");
     return 0;
   }
   const std::string device = args.get("device", "cuda:0");

@@ -27,8 +27,30 @@
 //   ss_n128_wait0_promote_barrier  ss_n128_wait0_promote plus our ring's handshake without data: a
 //                                  producer warp waits on "empty" and arrives on "full" per K
 //                                  block, the consumers wait on "full" and arrive on "empty".
+//
+// The TMA-fed patterns (mma_probe_tma_kernel) put the operand delivery back: a producer warp (one
+// of its threads) streams A and B tiles of 128 K bytes per stage with TMA through a ring of stages
+// (full / empty mbarriers as in our GEMM) from global buffers small enough to stay in L2 (A and
+// B: kTmaRows x kTmaK bytes each, 16 MB in all). Each CTA walks tiles (m, n) of a virtual product
+// over them (tile t = blockIdx.x + j * gridDim.x, m = t % m_tiles, n = t / m_tiles % n_tiles) and
+// all kTmaK / 128 K blocks of each, `iters` K blocks in all; the consumers wait_group 0 and
+// promote as ss_n128_wait0_promote does, no epilogue. Set beside the shared-memory pattern of the
+// same shape, the gap is what feeding the tiles from L2 costs.
+//   tma_bm128_bn128_2wg            2 warpgroups, 128 x 128 tiles, 6 stages, 1 CTA per SM: our GEMM's
+//                                  128-row tile.
+//   tma_bm64_bn128_1wg_2cta        1 warpgroup, 64 x 128 tiles, 4 stages, 2 CTAs per SM: our 64-row
+//                                  tiles.
+//   tma_bm128_bn256_2wg_halves     2 warpgroups, 128 x 256 tiles (B as two 128-row TMA boxes), 4
+//                                  stages: per K block each half's 4 m64n128k32, wait 0 and
+//                                  promotion, one set of 64 accumulators for both halves (half the
+//                                  A bytes per FLOP of the 128-column tile); a producer warpgroup
+//                                  and setmaxnreg give the consumers the 64 + 128 registers.
+//   tma_bm192_bn128_3wg            3 warpgroups, 192 x 128 tiles, 5 stages; a producer warpgroup and
+//                                  setmaxnreg as above (128 registers per thread otherwise).
 #include "bench/cuda/mma_probe.h"
 
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -37,6 +59,7 @@
 #include <cstdio>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -67,29 +90,56 @@ struct ProbePattern {
   bool reg_a;       // A from registers (the RS form), n = 128 only
   bool ring;        // a producer warp and full / empty mbarriers per K block
   int ctas_per_sm;  // CTAs resident per SM
+  bool tma;         // fed by TMA through a ring of `stages` (mma_probe_tma_kernel); needs promote
+  int stages;       // the ring's stages (ring or tma)
+  int regs;         // tma: 0, or the consumers' registers after setmaxnreg (the producer then a warpgroup)
 };
 
 // The patterns, in the order they run (the kernel's template argument is an index here).
 // clang-format off
 constexpr ProbePattern kPatterns[] = {
-    // name                            wgs  n    promote overlap reg_a  ring   ctas/SM
-    {"ss_n128_wait0",                  2,   128, false,  false,  false, false, 1},
-    {"ss_n128_wait0_promote",          2,   128, true,   false,  false, false, 1},
-    {"ss_n128_wait1_promote",          2,   128, true,   true,   false, false, 1},
-    {"ss_n256_wait0_promote",          2,   256, true,   false,  false, false, 1},
-    {"ss_n256_wait0",                  2,   256, false,  false,  false, false, 1},
-    {"ss_n128_3wg_promote",            3,   128, true,   false,  false, false, 1},
-    {"ss_n128_1wg_2cta_promote",       1,   128, true,   false,  false, false, 2},
-    {"rs_n128_wait0_promote",          2,   128, true,   false,  true,  false, 1},
-    {"ss_n128_wait0_promote_barrier",  2,   128, true,   false,  false, true,  1},
+    // name                            wgs  n    promote overlap reg_a  ring   ctas/SM tma    stages   regs
+    {"ss_n128_wait0",                  2,   128, false,  false,  false, false, 1,      false, kStages, 0},
+    {"ss_n128_wait0_promote",          2,   128, true,   false,  false, false, 1,      false, kStages, 0},
+    {"ss_n128_wait1_promote",          2,   128, true,   true,   false, false, 1,      false, kStages, 0},
+    {"ss_n256_wait0_promote",          2,   256, true,   false,  false, false, 1,      false, kStages, 0},
+    {"ss_n256_wait0",                  2,   256, false,  false,  false, false, 1,      false, kStages, 0},
+    {"ss_n128_3wg_promote",            3,   128, true,   false,  false, false, 1,      false, kStages, 0},
+    {"ss_n128_1wg_2cta_promote",       1,   128, true,   false,  false, false, 2,      false, kStages, 0},
+    {"rs_n128_wait0_promote",          2,   128, true,   false,  true,  false, 1,      false, kStages, 0},
+    {"ss_n128_wait0_promote_barrier",  2,   128, true,   false,  false, true,  1,      false, kStages, 0},
+    // n = 256 with tma: two 128-column halves, each its own wgmma group (see the kernel).
+    {"tma_bm128_bn128_2wg",            2,   128, true,   false,  false, false, 1,      true,  6,       0},
+    {"tma_bm64_bn128_1wg_2cta",        1,   128, true,   false,  false, false, 2,      true,  4,       0},
+    {"tma_bm128_bn256_2wg_halves",     2,   256, true,   false,  false, false, 1,      true,  4,       232},
+    {"tma_bm192_bn128_3wg",            3,   128, true,   false,  false, false, 1,      true,  5,       160},
 };
 // clang-format on
 constexpr int kPatternCount = static_cast<int>(sizeof kPatterns / sizeof kPatterns[0]);
 
-constexpr int probe_threads(ProbePattern p) { return 128 * p.wgs + (p.ring ? 32 : 0); }
-constexpr int probe_smem_bytes(ProbePattern p) {
-  return 64 * p.wgs * kBK + p.n * kBK + kScaleBlocks * 64 * p.wgs * 4 + 2 * kStages * 8 + 1024;
+constexpr int probe_threads(ProbePattern p) { return 128 * p.wgs + (p.tma && p.regs ? 128 : p.ring || p.tma ? 32 : 0); }
+// setmaxnreg: ptxas sizes a CTA's registers in whole warpgroups (4 warps), so a producer warp
+// beside 2 (3) consumer warpgroups leaves each thread 168 (128) registers (ptxas 13.0: 288 and
+// 416 threads), too few for the 128 totals + 64 accumulators of the two-halves pattern (the
+// 64 + 64 of 3 warpgroups: both spilled). With a producer warpgroup instead, it gives registers
+// back (setmaxnreg.dec) and the consumers take them (setmaxnreg.inc) out of the CTA's pool:
+// threads x the launch's registers per thread, the most __launch_bounds__ allows (ptxas reports
+// it; the host checks it).
+constexpr int probe_launch_regs(ProbePattern p) { return 65536 / probe_threads(p) / 8 * 8; }
+constexpr int probe_producer_regs(ProbePattern p) {
+  return std::min(probe_launch_regs(p) * (p.wgs + 1) - p.wgs * p.regs, 256) / 8 * 8;
 }
+// The tiles (one set, or one per stage of a TMA ring), the scales, the barriers, the alignment.
+constexpr int probe_smem_bytes(ProbePattern p) {
+  return (p.tma ? p.stages : 1) * (64 * p.wgs + p.n) * kBK + kScaleBlocks * 64 * p.wgs * 4 + 2 * p.stages * 8 + 1024;
+}
+
+// The TMA patterns' operands in global memory: A and B each [kTmaRows][kTmaK] E4M3 bytes (8 MB,
+// both resident in the 50 MB L2), A[r][k] = probe_code(r * kTmaK + k), B's the same plus kSaltTmaB.
+constexpr int kTmaRows = 4096;
+constexpr int kTmaK = 2048;
+constexpr int kTmaKBlocks = kTmaK / kBK;  // K blocks per tile
+constexpr uint32_t kSaltTmaB = 0x10000000u;
 
 // The operand bytes: E4M3 codes of +-{0.5, 1, 1.5, 2} picked by an integer hash of the element's
 // index (A: row * 128 + k; B: kSaltB + column * 128 + k). Products are multiples of 1/4 up to 4,
@@ -323,6 +373,128 @@ __global__ void __launch_bounds__(probe_threads(kPatterns[kId]), kPatterns[kId].
   args.sink[blockIdx.x * blockDim.x + threadIdx.x] = sum;
 }
 
+// total[kOff + i] += acc[i] * its row's scale: the promotion of one 128-column half of a wider tile.
+template <int kOff, int N, int M>
+__device__ __forceinline__ void promote_at(float (&total)[N], const float (&acc)[M], float s0, float s1) {
+#pragma unroll
+  for (int i = 0; i < M; ++i) total[kOff + i] = fmaf(acc[i], (i & 2) ? s1 : s0, total[kOff + i]);
+}
+
+// The TMA-fed pattern kPatterns[kId]: a producer warp streams the tiles of args.iters K blocks
+// (tile j of the CTA, K block kb: its g = j * kTmaKBlocks + kb-th) through the ring; the consumer
+// warpgroups run each K block's wgmma, wait_group 0 and promote. The producer and the consumers
+// count the stage uses g over the same sequence, as our GEMM does.
+template <int kId>
+__global__ void __launch_bounds__(probe_threads(kPatterns[kId]), kPatterns[kId].ctas_per_sm)
+    mma_probe_tma_kernel(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b,
+                         ProbeArgs args) {
+  constexpr ProbePattern P = kPatterns[kId];
+  static_assert(P.tma && P.promote && !P.overlap && !P.reg_a && !P.ring, "a TMA pattern promotes, nothing else");
+  static_assert(P.n == 128 || P.n == 256, "B tiles of one or two 128-row halves");
+  constexpr int kBM = 64 * P.wgs, kS = P.stages;
+  constexpr int kTileA = kBM * kBK, kTileB = P.n * kBK;  // bytes per stage (1024-byte multiples)
+  constexpr int kHalves = P.n / 128;                     // B's TMA boxes and wgmma groups per K block
+  constexpr int kMTiles = kTmaRows / kBM, kNTiles = kTmaRows / P.n;
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
+  uint8_t* sm_a = smem;                                                       // [kS][kBM][128], swizzled
+  uint8_t* sm_b = sm_a + kS * kTileA;                                         // [kS][n][128], swizzled
+  float* scales = reinterpret_cast<float*>(sm_b + kS * kTileB);               // [kScaleBlocks][kBM]
+  uint64_t* full = reinterpret_cast<uint64_t*>(scales + kScaleBlocks * kBM);  // [kS]
+  uint64_t* empty = full + kS;                                                // [kS]
+
+  for (int i = threadIdx.x; i < kScaleBlocks * kBM; i += blockDim.x) scales[i] = 1.0f;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kS; ++s) {
+      mbar_init(&full[s], 1);           // the producer's expect_tx arrive
+      mbar_init(&empty[s], 4 * P.wgs);  // lane 0 of every consumer warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  const int wg = threadIdx.x / 128, tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+  if (wg == P.wgs) {  // the producer warp (warpgroup): one thread issues every load
+    if constexpr (P.regs != 0) {
+      static_assert(probe_producer_regs(P) >= 24, "setmaxnreg: the consumers ask for more than the pool holds");
+      asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(probe_producer_regs(P)));
+    }
+    if (tid == 0)
+      for (int g = 0; g < args.iters; ++g) {
+        const int s = g % kS;
+        mbar_wait(&empty[s], ((g / kS) & 1) ^ 1);
+        mbar_expect_tx(&full[s], kTileA + kTileB);
+        const int t = static_cast<int>(blockIdx.x) + g / kTmaKBlocks * static_cast<int>(gridDim.x);
+        const int k = g % kTmaKBlocks * kBK;
+        tma_load_2d(sm_a + s * kTileA, &tm_a, &full[s], k, t % kMTiles * kBM);
+#pragma unroll
+        for (int h = 0; h < kHalves; ++h)
+          tma_load_2d(sm_b + s * kTileB + h * 128 * kBK, &tm_b, &full[s], k, t / kMTiles % kNTiles * P.n + h * 128);
+      }
+    // The consumers wait for every stage this thread fills, so the CTA outlives its loads.
+    return;
+  }
+
+  if constexpr (P.regs != 0) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(P.regs));
+  unsigned long long clock0 = 0, ns0 = 0;
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    clock0 = clock64();
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns0));
+  }
+  const int r0 = wg * 64 + warp * 16 + lane / 4;  // this thread's rows r0 and r0 + 8 of the tile
+  const uint32_t no_ra[kBK / 32][4] = {};         // issue_block's register A (unused: SS form)
+  // acc is not initialized: each half's first wgmma overwrites it (see mma_probe_kernel).
+  float acc[64], total[P.n / 2];
+#pragma unroll
+  for (int i = 0; i < P.n / 2; ++i) total[i] = 0.0f;
+  auto scale = [&](int b, int row) { return scales[(b & (kScaleBlocks - 1)) * kBM + row]; };
+
+  for (int g = 0; g < args.iters; ++g) {
+    const int s = g % kS;
+    const float s0 = scale(g, r0), s1 = scale(g, r0 + 8);
+    mbar_wait(&full[s], (g / kS) & 1);
+    const uint64_t da = sw128_desc(sm_a + s * kTileA + wg * 64 * kBK);
+    // Half kH of B (rows 128 kH of the stage's tile): 4 x m64n128k32, wait 0, promotion into
+    // total[64 kH ..]; the stage goes back to the producer after the last half's wait.
+    auto half = [&](auto h) {
+      constexpr int kH = decltype(h)::value;
+      issue_block<128, false>(acc, da, sw128_desc(sm_b + s * kTileB + kH * 128 * kBK), no_ra);
+      fence_acc(acc);
+      wgmma_wait<0>();
+      fence_acc(acc);
+      if (kH == kHalves - 1 && lane == 0) mbar_arrive(&empty[s]);
+      // CTA 0's first K block of its first tile (rows and columns from 0, K bytes 0..127).
+      if (g == 0 && blockIdx.x == 0) {
+#pragma unroll
+        for (int i = 0; i < 64; ++i) {
+          const int row = r0 + ((i & 2) ? 8 : 0), col = kH * 128 + 8 * (i / 4) + 2 * (lane % 4) + (i & 1);
+          args.check[row * P.n + col] = acc[i];
+        }
+      }
+      promote_at<kH * 64>(total, acc, s0, s1);
+    };
+    half(std::integral_constant<int, 0>{});
+    if constexpr (kHalves == 2) half(std::integral_constant<int, 1>{});
+  }
+
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    unsigned long long ns1;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns1));
+    args.time[0] = clock64() - clock0;
+    args.time[1] = ns1 - ns0;
+  }
+  float sum = 0.0f;
+#pragma unroll
+  for (int i = 0; i < P.n / 2; ++i) sum += total[i];
+  args.sink[blockIdx.x * blockDim.x + threadIdx.x] = sum;
+}
+
+// The TMA operands' bytes: p[i] = probe_code(salt + i).
+__global__ void probe_fill_kernel(uint8_t* p, uint32_t n, uint32_t salt) {
+  for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+    p[i] = probe_code(salt + i);
+}
+
 // ---- host ------------------------------------------------------------------------------------
 
 struct DeviceFree {
@@ -335,16 +507,17 @@ struct ProbeDevice {
 };
 
 // The host reference of CTA 0's accumulators [rows][n] (rows = 64 wgs): the FP32 dot products of
-// the decoded E4M3 bytes. Each value must match within 1e-3 of the sum of its terms' magnitudes
-// (exact arithmetic gives 0; a wrong layout or descriptor gives errors of the terms' own size).
-bool probe_check(const std::vector<float>& got, int rows, int n, std::string& why) {
+// the decoded E4M3 bytes (row m of A: codes m * ld + k; column c of B: salt_b + c * ld + k, k <
+// 128). Each value must match within 1e-3 of the sum of its terms' magnitudes (exact arithmetic
+// gives 0; a wrong layout or descriptor gives errors of the terms' own size).
+bool probe_check(const std::vector<float>& got, int rows, int n, int ld, uint32_t salt_b, std::string& why) {
   int bad = 0;
   for (int m = 0; m < rows; ++m)
     for (int c = 0; c < n; ++c) {
       double ref = 0, mag = 0;
       for (int k = 0; k < kBK; ++k) {
-        const double t = static_cast<double>(e4m3_to_float(probe_code(static_cast<uint32_t>(m * kBK + k)))) *
-                         e4m3_to_float(probe_code(kSaltB + static_cast<uint32_t>(c * kBK + k)));
+        const double t = static_cast<double>(e4m3_to_float(probe_code(static_cast<uint32_t>(m * ld + k)))) *
+                         e4m3_to_float(probe_code(salt_b + static_cast<uint32_t>(c * ld + k)));
         ref += t, mag += std::fabs(t);
       }
       const float v = got[static_cast<size_t>(m) * n + c];
@@ -361,11 +534,50 @@ bool probe_check(const std::vector<float>& got, int rows, int n, std::string& wh
   return bad == 0;
 }
 
+// cuTensorMapEncodeTiled of the driver (through the runtime: no link to libcuda), as our GEMM gets it.
+PFN_cuTensorMapEncodeTiled_v12000 probe_encode_fn() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q),
+               "mma probe: looking up cuTensorMapEncodeTiled");
+    FP8RL_CHECK(q == cudaDriverEntryPointSuccess && f, "the CUDA driver has no cuTensorMapEncodeTiled (needs 12.0+)");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  }();
+  return fn;
+}
+
+// A TMA operand [kTmaRows][kTmaK] bytes, K-major: boxes of box_rows x 128 bytes in the 128-byte
+// swizzle (our GEMM's tensor maps).
+CUtensorMap probe_tensor_map(const uint8_t* base, int box_rows) {
+  CUtensorMap m;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(kTmaK), static_cast<cuuint64_t>(kTmaRows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(kTmaK)};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(kBK), static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t elem[2] = {1, 1};
+  const CUresult r = probe_encode_fn()(&m, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<uint8_t*>(base), dims, strides,
+                                       box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                       CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  FP8RL_CHECK(r == CUDA_SUCCESS, "mma probe: cuTensorMapEncodeTiled failed (", static_cast<int>(r), ") for boxes of ",
+              box_rows, " rows");
+  return m;
+}
+
+// The TMA patterns' operands (device memory, filled once).
+struct TmaOperands {
+  const uint8_t* a = nullptr;  // [kTmaRows][kTmaK]
+  const uint8_t* b = nullptr;  // [kTmaRows][kTmaK]
+};
+
 template <int kId>
-MmaProbeResult probe_run(const ProbeDevice& dev, int iters, double peak_tflops, const ProbeArgs& buffers) {
+MmaProbeResult probe_run(const ProbeDevice& dev, int iters, double peak_tflops, const ProbeArgs& buffers,
+                         const TmaOperands& ops) {
   constexpr ProbePattern P = kPatterns[kId];
   const char* name = P.name;
-  auto* kernel = mma_probe_kernel<kId>;
+  auto* kernel = [] {
+    if constexpr (P.tma) return mma_probe_tma_kernel<kId>;
+    else return mma_probe_kernel<kId>;
+  }();
   constexpr int kThreads = probe_threads(P);
   // Shared memory: the tiles, padded so that no more than ctas_per_sm CTAs fit on an SM (more
   // warpgroups per SM would hide the very bubbles a pattern measures).
@@ -380,6 +592,11 @@ MmaProbeResult probe_run(const ProbeDevice& dev, int iters, double peak_tflops, 
               " bytes of shared memory) fits on this device");
   cudaFuncAttributes fa{};
   CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel), "mma probe: the attributes of ", name);
+  // setmaxnreg.inc waits until the CTA's pool has the registers: a smaller launch would hang.
+  if constexpr (P.regs != 0)
+    FP8RL_CHECK(fa.numRegs * (P.wgs + 1) >= P.wgs * P.regs + probe_producer_regs(P), "mma probe: ", name,
+                " was built with ", fa.numRegs, " registers per thread, too few for setmaxnreg to give the consumers ",
+                P.regs);
 
   const int ctas = std::min(per_sm, P.ctas_per_sm), grid = dev.sms * ctas;
   ProbeArgs a = buffers;
@@ -387,11 +604,17 @@ MmaProbeResult probe_run(const ProbeDevice& dev, int iters, double peak_tflops, 
   cudaEvent_t e0, e1;
   CUDA_CHECK(cudaEventCreate(&e0), "creating an event");
   CUDA_CHECK(cudaEventCreate(&e1), "creating an event");
-  mma_probe_kernel<kId><<<grid, kThreads, smem>>>(a);  // warm-up
-  CUDA_CHECK_LAUNCH(name);
+  // The TMA patterns' maps: A in boxes of the tile's rows, B in 128-row boxes (one per half).
+  CUtensorMap tm_a{}, tm_b{};
+  if constexpr (P.tma) tm_a = probe_tensor_map(ops.a, 64 * P.wgs), tm_b = probe_tensor_map(ops.b, 128);
+  auto launch = [&] {
+    if constexpr (kPatterns[kId].tma) kernel<<<grid, kThreads, smem>>>(tm_a, tm_b, a);
+    else kernel<<<grid, kThreads, smem>>>(a);
+    CUDA_CHECK_LAUNCH(name);
+  };
+  launch();  // warm-up
   CUDA_CHECK(cudaEventRecord(e0), "recording an event");
-  mma_probe_kernel<kId><<<grid, kThreads, smem>>>(a);
-  CUDA_CHECK_LAUNCH(name);
+  launch();
   CUDA_CHECK(cudaEventRecord(e1), "recording an event");
   CUDA_CHECK(cudaEventSynchronize(e1), "running the mma probe's ", name);
   float ms = 0;
@@ -413,17 +636,19 @@ MmaProbeResult probe_run(const ProbeDevice& dev, int iters, double peak_tflops, 
   CUDA_CHECK(cudaMemcpy(t, a.time, sizeof t, cudaMemcpyDeviceToHost), "copying the mma probe's clocks");
   std::string why;
   r.checked = true;
-  r.checked_ok = probe_check(got, rows, P.n, why);
+  r.checked_ok =
+      P.tma ? probe_check(got, rows, P.n, kTmaK, kSaltTmaB, why) : probe_check(got, rows, P.n, kBK, kSaltB, why);
 
   // The SM clock CTA 0 saw during its loop, and the share of the peak at that clock.
   const double mhz = t[1] > 0 ? static_cast<double>(t[0]) / static_cast<double>(t[1]) * 1e3 : 0.0;
   const double peak_now = dev.sms * mhz * 1e6 * 8192 / 1e12;
   char buf[256];
   std::snprintf(buf, sizeof buf,
-                "ctas/sm=%d wg/cta=%d threads=%d regs=%d local=%dB smem=%dKB clock=%.0fMHz of_peak=%.1f%% "
+                "ctas/sm=%d wg/cta=%d threads=%d regs=%d local=%dB smem=%dKB%s clock=%.0fMHz of_peak=%.1f%% "
                 "of_peak_at_clock=%.1f%%",
-                ctas, P.wgs, kThreads, fa.numRegs, static_cast<int>(fa.localSizeBytes), smem / 1024, mhz,
-                100.0 * r.tflops / peak_tflops, peak_now > 0 ? 100.0 * r.tflops / peak_now : 0.0);
+                ctas, P.wgs, kThreads, fa.numRegs, static_cast<int>(fa.localSizeBytes), smem / 1024,
+                P.tma ? (" stages=" + std::to_string(P.stages)).c_str() : "", mhz, 100.0 * r.tflops / peak_tflops,
+                peak_now > 0 ? 100.0 * r.tflops / peak_now : 0.0);
   r.note = buf;
   if (ctas < P.ctas_per_sm) r.note += " (only " + std::to_string(ctas) + " CTAs/SM fit)";
   if (!r.checked_ok) r.note += " check: " + why;
@@ -459,16 +684,29 @@ MmaProbeReport run_mma_probe(int device, int iters) {
   report.peak_tflops = static_cast<double>(dev.sms) * clock_khz * 1e3 * 8192 / 1e12;
   report.iters = (iters + kOverlapBlocks - 1) / kOverlapBlocks * kOverlapBlocks;  // the overlap pattern's unit
 
-  constexpr int kMaxThreads = 3 * 128 + 32;
-  const size_t sink_floats = static_cast<size_t>(dev.sms) * 2 * kMaxThreads;
+  constexpr int kMaxThreads = [] {  // threads per SM, the most of any pattern
+    int m = 0;
+    for (const ProbePattern& p : kPatterns) m = std::max(m, probe_threads(p) * p.ctas_per_sm);
+    return m;
+  }();
+  const size_t sink_floats = static_cast<size_t>(dev.sms) * kMaxThreads;
   DevicePtr check(cuda_malloc(192 * 256 * sizeof(float), "the mma probe's accumulators"));
   DevicePtr sink(cuda_malloc(sink_floats * sizeof(float), "the mma probe's sink"));
   DevicePtr time(cuda_malloc(2 * sizeof(unsigned long long), "the mma probe's clocks"));
   ProbeArgs buffers{0, static_cast<float*>(check.get()), static_cast<float*>(sink.get()),
                     static_cast<unsigned long long*>(time.get())};
+  // The TMA patterns' operands, filled once on the device.
+  constexpr uint32_t kTmaBytes = static_cast<uint32_t>(kTmaRows) * kTmaK;
+  DevicePtr tma_a(cuda_malloc(kTmaBytes, "the mma probe's A operand"));
+  DevicePtr tma_b(cuda_malloc(kTmaBytes, "the mma probe's B operand"));
+  probe_fill_kernel<<<dev.sms * 4, 256>>>(static_cast<uint8_t*>(tma_a.get()), kTmaBytes, 0);
+  CUDA_CHECK_LAUNCH("mma probe: filling A");
+  probe_fill_kernel<<<dev.sms * 4, 256>>>(static_cast<uint8_t*>(tma_b.get()), kTmaBytes, kSaltTmaB);
+  CUDA_CHECK_LAUNCH("mma probe: filling B");
+  const TmaOperands ops{static_cast<const uint8_t*>(tma_a.get()), static_cast<const uint8_t*>(tma_b.get())};
 
   [&]<int... kIds>(std::integer_sequence<int, kIds...>) {
-    (report.results.push_back(probe_run<kIds>(dev, report.iters, report.peak_tflops, buffers)), ...);
+    (report.results.push_back(probe_run<kIds>(dev, report.iters, report.peak_tflops, buffers, ops)), ...);
   }
   (std::make_integer_sequence<int, kPatternCount>{});
   return report;
