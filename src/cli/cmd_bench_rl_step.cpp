@@ -307,7 +307,7 @@ RecipeResult bench_recipe(Backend& be, const BenchSetup& s, const std::string& r
     std::vector<RolloutSample> samples;
     const bool last = step + 1 == s.warmup + s.steps;  // FP8RL_CUDA_PROFILE=1: the last step's tables
     be.profile_report("", false);
-    const BackendCounters k_gen0 = be.counters();  // the step's cuBLASLt heuristic queries (new shapes)
+    const BackendCounters k_gen0 = be.counters();  // the step's new GEMM shapes per phase (printed below)
     phase("generation", [&] { samples = engine.generate(reqs, sp); });
     const BackendCounters k_gen1 = be.counters();
     be.profile_report(recipe_name + " generation", last);

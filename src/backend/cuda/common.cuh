@@ -238,6 +238,23 @@ inline unsigned grid_for(int64_t n, int threads, int64_t cap = 65535LL * 16) {
   return static_cast<unsigned>(g < cap ? g : cap);
 }
 
+// The two E4M3 codes in the low (lo) or high (hi) half of w as an FP16 pair, the lower byte in
+// the low half: exact (every E4M3 value is an FP16 value), one cvt.rn.f16x2.e4m3x2 on sm_90. The
+// paged and MLA decode kernels read E4M3 KV rows through it.
+__device__ __forceinline__ uint32_t e4m3x2_lo_f16x2(uint32_t w) {
+  uint32_t r;
+  asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, lo;\n}\n" : "=r"(r) : "r"(w));
+  return r;
+}
+__device__ __forceinline__ uint32_t e4m3x2_hi_f16x2(uint32_t w) {
+  uint32_t r;
+  asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, hi;\n}\n" : "=r"(r) : "r"(w));
+  return r;
+}
+// Byte i of the result = byte (sel >> 4 i) & 7 of the pair b:a (prmt without the sign mode);
+// named so that the host emulations (tests/cuda/flash_emu/emu.h) can stand in for it.
+__device__ __forceinline__ uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t sel) { return __byte_perm(a, b, sel); }
+
 }  // namespace fp8rl::cuda
 
 // Runs the body with `T` = float or bf16 according to a DType (F32/BF16 only).

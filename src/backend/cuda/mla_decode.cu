@@ -89,19 +89,6 @@ template <bool F16>
 __device__ __forceinline__ void mla_mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   mma_m16n8k16<F16>(d, a, b0, b1);
 }
-// The two E4M3 codes in the low (lo) or high (hi) half of w as an FP16 pair (the lower byte in the
-// low half), exact: one cvt.rn.f16x2.e4m3x2.
-__device__ __forceinline__ uint32_t mla_e4m3x2_lo_f16x2(uint32_t w) {
-  uint32_t r;
-  asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, lo;\n}\n" : "=r"(r) : "r"(w));
-  return r;
-}
-__device__ __forceinline__ uint32_t mla_e4m3x2_hi_f16x2(uint32_t w) {
-  uint32_t r;
-  asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, hi;\n}\n" : "=r"(r) : "r"(w));
-  return r;
-}
-__device__ __forceinline__ uint32_t mla_prmt(uint32_t a, uint32_t b, uint32_t sel) { return __byte_perm(a, b, sel); }
 // Two floats as an FP16 (F16) or BF16 pair, lo in the low half, round to nearest even.
 template <bool F16>
 __device__ __forceinline__ uint32_t mla_pack2(float lo, float hi) {
@@ -357,8 +344,8 @@ __global__ void __launch_bounds__(kMlaThreads, MlaCfg<TP>::kMinBlocks) mla_decod
           const int ks = 4 * ci + kk;
           uint32_t qa[4];
           mla_ldsm_x4(qa, qa_base + (ks >> 2) * 128 + qa_off[ks & 3]);
-          mla_mma<true>(sacc[0][kk & 1], qa, mla_e4m3x2_lo_f16x2(u0[kk]), mla_e4m3x2_hi_f16x2(u0[kk]));
-          mla_mma<true>(sacc[1][kk & 1], qa, mla_e4m3x2_lo_f16x2(u1[kk]), mla_e4m3x2_hi_f16x2(u1[kk]));
+          mla_mma<true>(sacc[0][kk & 1], qa, e4m3x2_lo_f16x2(u0[kk]), e4m3x2_hi_f16x2(u0[kk]));
+          mla_mma<true>(sacc[1][kk & 1], qa, e4m3x2_lo_f16x2(u1[kk]), e4m3x2_hi_f16x2(u1[kk]));
         }
       }
     }
@@ -439,12 +426,12 @@ __global__ void __launch_bounds__(kMlaThreads, MlaCfg<TP>::kMinBlocks) mla_decod
         }
 #pragma unroll
         for (int j = 0; j < 4; ++j) {  // codes 4j .. 4j + 3 of the chunk: n-blocks 4j + e
-          const uint32_t x0 = mla_prmt(w[0][j], w[1][j], 0x5140), y0 = mla_prmt(w[0][j], w[1][j], 0x7362);
-          const uint32_t x1 = mla_prmt(w[2][j], w[3][j], 0x5140), y1 = mla_prmt(w[2][j], w[3][j], 0x7362);
-          mla_mma<true>(o[4 * j], pa, mla_e4m3x2_lo_f16x2(x0), mla_e4m3x2_lo_f16x2(x1));
-          mla_mma<true>(o[4 * j + 1], pa, mla_e4m3x2_hi_f16x2(x0), mla_e4m3x2_hi_f16x2(x1));
-          mla_mma<true>(o[4 * j + 2], pa, mla_e4m3x2_lo_f16x2(y0), mla_e4m3x2_lo_f16x2(y1));
-          mla_mma<true>(o[4 * j + 3], pa, mla_e4m3x2_hi_f16x2(y0), mla_e4m3x2_hi_f16x2(y1));
+          const uint32_t x0 = byte_perm(w[0][j], w[1][j], 0x5140), y0 = byte_perm(w[0][j], w[1][j], 0x7362);
+          const uint32_t x1 = byte_perm(w[2][j], w[3][j], 0x5140), y1 = byte_perm(w[2][j], w[3][j], 0x7362);
+          mla_mma<true>(o[4 * j], pa, e4m3x2_lo_f16x2(x0), e4m3x2_lo_f16x2(x1));
+          mla_mma<true>(o[4 * j + 1], pa, e4m3x2_hi_f16x2(x0), e4m3x2_hi_f16x2(x1));
+          mla_mma<true>(o[4 * j + 2], pa, e4m3x2_lo_f16x2(y0), e4m3x2_lo_f16x2(y1));
+          mla_mma<true>(o[4 * j + 3], pa, e4m3x2_hi_f16x2(y0), e4m3x2_hi_f16x2(y1));
         }
       }
     }

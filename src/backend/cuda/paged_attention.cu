@@ -69,19 +69,6 @@ __device__ __forceinline__ void paged_mma(float& d0, float& d1, uint32_t a0, uin
         : "r"(a0), "r"(z), "r"(a2), "r"(z), "r"(b0), "r"(b1), "f"(0.0f), "f"(0.0f));
   }
 }
-// The two E4M3 bytes in the low (lo) or high (hi) half of w to an FP16 pair (the lower byte in
-// the low half), exact (every E4M3 value is an FP16 value): one hardware conversion on sm_90.
-__device__ __forceinline__ uint32_t paged_e4m3x2_lo_f16x2(uint32_t w) {
-  uint32_t r;
-  asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, lo;\n}\n" : "=r"(r) : "r"(w));
-  return r;
-}
-__device__ __forceinline__ uint32_t paged_e4m3x2_hi_f16x2(uint32_t w) {
-  uint32_t r;
-  asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, hi;\n}\n" : "=r"(r) : "r"(w));
-  return r;
-}
-__device__ __forceinline__ uint32_t paged_prmt(uint32_t a, uint32_t b, uint32_t sel) { return __byte_perm(a, b, sel); }
 // FP16 bits of x, round to nearest even (exact where x is an FP16 value).
 __device__ __forceinline__ uint16_t paged_f16_bits(float x) { return __half_as_ushort(__float2half_rn(x)); }
 __device__ __forceinline__ uint32_t paged_pack_f16x2(float lo, float hi) {
@@ -991,8 +978,8 @@ __global__ void __launch_bounds__(32 * kMmaWarps, PagedMmaCfg<HD, TP>::kMinBlock
         if constexpr (Cfg::kF16) {
 #pragma unroll
           for (int j = 0; j < 4; ++j)
-            paged_mma<true>(d0, d1, qa[4 * i + j][0], qa[4 * i + j][1], paged_e4m3x2_lo_f16x2(ww[j]),
-                            paged_e4m3x2_hi_f16x2(ww[j]));
+            paged_mma<true>(d0, d1, qa[4 * i + j][0], qa[4 * i + j][1], e4m3x2_lo_f16x2(ww[j]),
+                            e4m3x2_hi_f16x2(ww[j]));
         } else {
           paged_mma<false>(d0, d1, qa[2 * i][0], qa[2 * i][1], ww[0], ww[1]);
           paged_mma<false>(d0, d1, qa[2 * i + 1][0], qa[2 * i + 1][1], ww[2], ww[3]);
@@ -1039,12 +1026,12 @@ __global__ void __launch_bounds__(32 * kMmaWarps, PagedMmaCfg<HD, TP>::kMinBlock
       }
 #pragma unroll
       for (int j = 0; j < VB / 4; ++j) {  // dims 4j .. 4j + 3 of this thread's: n-tiles 4j + e
-        const uint32_t x0 = paged_prmt(w[0][j], w[1][j], 0x5140), y0 = paged_prmt(w[0][j], w[1][j], 0x7362);
-        const uint32_t x1 = paged_prmt(w[2][j], w[3][j], 0x5140), y1 = paged_prmt(w[2][j], w[3][j], 0x7362);
-        paged_mma<true>(o[4 * j][0], o[4 * j][1], pa0, pa2, paged_e4m3x2_lo_f16x2(x0), paged_e4m3x2_lo_f16x2(x1));
-        paged_mma<true>(o[4 * j + 1][0], o[4 * j + 1][1], pa0, pa2, paged_e4m3x2_hi_f16x2(x0), paged_e4m3x2_hi_f16x2(x1));
-        paged_mma<true>(o[4 * j + 2][0], o[4 * j + 2][1], pa0, pa2, paged_e4m3x2_lo_f16x2(y0), paged_e4m3x2_lo_f16x2(y1));
-        paged_mma<true>(o[4 * j + 3][0], o[4 * j + 3][1], pa0, pa2, paged_e4m3x2_hi_f16x2(y0), paged_e4m3x2_hi_f16x2(y1));
+        const uint32_t x0 = byte_perm(w[0][j], w[1][j], 0x5140), y0 = byte_perm(w[0][j], w[1][j], 0x7362);
+        const uint32_t x1 = byte_perm(w[2][j], w[3][j], 0x5140), y1 = byte_perm(w[2][j], w[3][j], 0x7362);
+        paged_mma<true>(o[4 * j][0], o[4 * j][1], pa0, pa2, e4m3x2_lo_f16x2(x0), e4m3x2_lo_f16x2(x1));
+        paged_mma<true>(o[4 * j + 1][0], o[4 * j + 1][1], pa0, pa2, e4m3x2_hi_f16x2(x0), e4m3x2_hi_f16x2(x1));
+        paged_mma<true>(o[4 * j + 2][0], o[4 * j + 2][1], pa0, pa2, e4m3x2_lo_f16x2(y0), e4m3x2_lo_f16x2(y1));
+        paged_mma<true>(o[4 * j + 3][0], o[4 * j + 3][1], pa0, pa2, e4m3x2_hi_f16x2(y0), e4m3x2_hi_f16x2(y1));
       }
     } else {
 #pragma unroll
@@ -1060,8 +1047,8 @@ __global__ void __launch_bounds__(32 * kMmaWarps, PagedMmaCfg<HD, TP>::kMinBlock
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
           const uint32_t sel = (e & 1) ? 0x7632 : 0x5410;
-          paged_mma<false>(o[8 * h + e][0], o[8 * h + e][1], pa0, pa2, paged_prmt(w[0][e >> 1], w[1][e >> 1], sel),
-                           paged_prmt(w[2][e >> 1], w[3][e >> 1], sel));
+          paged_mma<false>(o[8 * h + e][0], o[8 * h + e][1], pa0, pa2, byte_perm(w[0][e >> 1], w[1][e >> 1], sel),
+                           byte_perm(w[2][e >> 1], w[3][e >> 1], sel));
         }
       }
     }
@@ -1435,8 +1422,8 @@ __global__ void __launch_bounds__(32 * kMmaWarps, paged_mmat_min_blocks<HD, TP, 
       if constexpr (F16) {
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          const uint32_t x[4] = {paged_e4m3x2_lo_f16x2(w0[j]), paged_e4m3x2_lo_f16x2(w1[j]),
-                                 paged_e4m3x2_hi_f16x2(w0[j]), paged_e4m3x2_hi_f16x2(w1[j])};
+          const uint32_t x[4] = {e4m3x2_lo_f16x2(w0[j]), e4m3x2_lo_f16x2(w1[j]),
+                                 e4m3x2_hi_f16x2(w0[j]), e4m3x2_hi_f16x2(w1[j])};
 #pragma unroll
           for (int b = 0; b < NB; ++b) {
             if (j & 1) paged_mma4<true>(sb[b], x, q_frag(b, 4 * i + j, 0), q_frag(b, 4 * i + j, 1));
@@ -1521,12 +1508,12 @@ __global__ void __launch_bounds__(32 * kMmaWarps, paged_mmat_min_blocks<HD, TP, 
       }
 #pragma unroll
       for (int j = 0; j < VB / 4; ++j) {  // this thread's dims 4j .. 4j + 3: m-tiles 2j, 2j + 1
-        const uint32_t x0 = paged_prmt(w[0][j], w[1][j], 0x5140), y0 = paged_prmt(w[0][j], w[1][j], 0x7362);
-        const uint32_t x1 = paged_prmt(w[2][j], w[3][j], 0x5140), y1 = paged_prmt(w[2][j], w[3][j], 0x7362);
-        const uint32_t ax[4] = {paged_e4m3x2_lo_f16x2(x0), paged_e4m3x2_hi_f16x2(x0), paged_e4m3x2_lo_f16x2(x1),
-                                paged_e4m3x2_hi_f16x2(x1)};
-        const uint32_t ay[4] = {paged_e4m3x2_lo_f16x2(y0), paged_e4m3x2_hi_f16x2(y0), paged_e4m3x2_lo_f16x2(y1),
-                                paged_e4m3x2_hi_f16x2(y1)};
+        const uint32_t x0 = byte_perm(w[0][j], w[1][j], 0x5140), y0 = byte_perm(w[0][j], w[1][j], 0x7362);
+        const uint32_t x1 = byte_perm(w[2][j], w[3][j], 0x5140), y1 = byte_perm(w[2][j], w[3][j], 0x7362);
+        const uint32_t ax[4] = {e4m3x2_lo_f16x2(x0), e4m3x2_hi_f16x2(x0), e4m3x2_lo_f16x2(x1),
+                                e4m3x2_hi_f16x2(x1)};
+        const uint32_t ay[4] = {e4m3x2_lo_f16x2(y0), e4m3x2_hi_f16x2(y0), e4m3x2_lo_f16x2(y1),
+                                e4m3x2_hi_f16x2(y1)};
 #pragma unroll
         for (int b = 0; b < NB; ++b) {
           paged_mma4<true>(o[b][2 * j], ax, b0[b], b1[b]);
@@ -1544,8 +1531,8 @@ __global__ void __launch_bounds__(32 * kMmaWarps, paged_mmat_min_blocks<HD, TP, 
         }
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const uint32_t ax[4] = {paged_prmt(w[0][e], w[1][e], 0x5410), paged_prmt(w[0][e], w[1][e], 0x7632),
-                                  paged_prmt(w[2][e], w[3][e], 0x5410), paged_prmt(w[2][e], w[3][e], 0x7632)};
+          const uint32_t ax[4] = {byte_perm(w[0][e], w[1][e], 0x5410), byte_perm(w[0][e], w[1][e], 0x7632),
+                                  byte_perm(w[2][e], w[3][e], 0x5410), byte_perm(w[2][e], w[3][e], 0x7632)};
 #pragma unroll
           for (int b = 0; b < NB; ++b) paged_mma4<false>(o[b][4 * h + e], ax, b0[b], b1[b]);
         }
@@ -1722,8 +1709,8 @@ __global__ void __launch_bounds__(32 * W, W == kWideWarps ? 1 : 2) paged_wide_ke
 #pragma unroll
         for (int j = 0; j < Cfg::kMpc; ++j) {
           if constexpr (F16)
-            put(task * Cfg::kMpc + j, paged_e4m3x2_lo_f16x2(w0[j]), paged_e4m3x2_lo_f16x2(w1[j]),
-                paged_e4m3x2_hi_f16x2(w0[j]), paged_e4m3x2_hi_f16x2(w1[j]));
+            put(task * Cfg::kMpc + j, e4m3x2_lo_f16x2(w0[j]), e4m3x2_lo_f16x2(w1[j]),
+                e4m3x2_hi_f16x2(w0[j]), e4m3x2_hi_f16x2(w1[j]));
           else
             put(task * Cfg::kMpc + j, w0[2 * j], w1[2 * j], w0[2 * j + 1], w1[2 * j + 1]);
         }
@@ -1743,12 +1730,12 @@ __global__ void __launch_bounds__(32 * W, W == kWideWarps ? 1 : 2) paged_wide_ke
 #pragma unroll
         for (int jj = 0; jj < JW; ++jj) {
           const int j = JW * v + jj;
-          const uint32_t x0 = paged_prmt(w[0][jj], w[1][jj], 0x5140), y0 = paged_prmt(w[0][jj], w[1][jj], 0x7362);
-          const uint32_t x1 = paged_prmt(w[2][jj], w[3][jj], 0x5140), y1 = paged_prmt(w[2][jj], w[3][jj], 0x7362);
-          put(KS + 2 * j, paged_e4m3x2_lo_f16x2(x0), paged_e4m3x2_hi_f16x2(x0), paged_e4m3x2_lo_f16x2(x1),
-              paged_e4m3x2_hi_f16x2(x1));
-          put(KS + 2 * j + 1, paged_e4m3x2_lo_f16x2(y0), paged_e4m3x2_hi_f16x2(y0), paged_e4m3x2_lo_f16x2(y1),
-              paged_e4m3x2_hi_f16x2(y1));
+          const uint32_t x0 = byte_perm(w[0][jj], w[1][jj], 0x5140), y0 = byte_perm(w[0][jj], w[1][jj], 0x7362);
+          const uint32_t x1 = byte_perm(w[2][jj], w[3][jj], 0x5140), y1 = byte_perm(w[2][jj], w[3][jj], 0x7362);
+          put(KS + 2 * j, e4m3x2_lo_f16x2(x0), e4m3x2_hi_f16x2(x0), e4m3x2_lo_f16x2(x1),
+              e4m3x2_hi_f16x2(x1));
+          put(KS + 2 * j + 1, e4m3x2_lo_f16x2(y0), e4m3x2_hi_f16x2(y0), e4m3x2_lo_f16x2(y1),
+              e4m3x2_hi_f16x2(y1));
         }
       } else {  // BF16: chunk g + 8h of the four rows, m-tiles 4h + e
         const int h = task - KT;
@@ -1760,8 +1747,8 @@ __global__ void __launch_bounds__(32 * W, W == kWideWarps ? 1 : 2) paged_wide_ke
         }
 #pragma unroll
         for (int e = 0; e < 4; ++e)
-          put(KS + 4 * h + e, paged_prmt(w[0][e], w[1][e], 0x5410), paged_prmt(w[0][e], w[1][e], 0x7632),
-              paged_prmt(w[2][e], w[3][e], 0x5410), paged_prmt(w[2][e], w[3][e], 0x7632));
+          put(KS + 4 * h + e, byte_perm(w[0][e], w[1][e], 0x5410), byte_perm(w[0][e], w[1][e], 0x7632),
+              byte_perm(w[2][e], w[3][e], 0x5410), byte_perm(w[2][e], w[3][e], 0x7632));
       }
     }
   };

@@ -111,6 +111,24 @@ inline float f16_to_float(uint16_t h) {
   std::memcpy(&x, &h, 2);
   return float(x);
 }
+// The shims of common.cuh's E4M3 pair conversion and byte permutation (the paged and MLA decode
+// kernels'): E4M3 codes to exact FP16 bits; byte i of the result = byte (sel >> 4 i) & 7 of b:a.
+inline uint32_t e4m3x2_lo_f16x2(uint32_t w) {
+  auto bits = [](float x) {
+    const _Float16 h = static_cast<_Float16>(x);
+    uint16_t b;
+    std::memcpy(&b, &h, 2);
+    return uint32_t(b);
+  };
+  return bits(e4m3_dec(uint8_t(w))) | (bits(e4m3_dec(uint8_t(w >> 8))) << 16);
+}
+inline uint32_t e4m3x2_hi_f16x2(uint32_t w) { return e4m3x2_lo_f16x2(w >> 16); }
+inline uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t sel) {
+  const uint64_t v = uint64_t(a) | (uint64_t(b) << 32);
+  uint32_t r = 0;
+  for (int i = 0; i < 4; ++i) r |= uint32_t((v >> (8 * ((sel >> (4 * i)) & 7))) & 0xff) << (8 * i);
+  return r;
+}
 // mma.sync m16n8k16 from the PTX fragment layouts, FP16 (F16) or BF16 inputs, FP32 accumulator:
 // the warp's fragments exchanged through tw, each output's 16 products summed in double and
 // rounded once (the emulation checks layouts and indexing, not the tensor cores' order). The

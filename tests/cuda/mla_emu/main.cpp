@@ -98,16 +98,6 @@ inline uint32_t mla_pack2(float lo, float hi) {
   if constexpr (F16) return uint32_t(f16_bits(lo)) | (uint32_t(f16_bits(hi)) << 16);
   else return pack_bf16(lo, hi);
 }
-inline uint32_t mla_e4m3x2_lo_f16x2(uint32_t w) {
-  return uint32_t(f16_bits(e4m3_dec(uint8_t(w)))) | (uint32_t(f16_bits(e4m3_dec(uint8_t(w >> 8)))) << 16);
-}
-inline uint32_t mla_e4m3x2_hi_f16x2(uint32_t w) { return mla_e4m3x2_lo_f16x2(w >> 16); }
-inline uint32_t mla_prmt(uint32_t a, uint32_t b, uint32_t sel) {  // __byte_perm (no sign mode)
-  const uint64_t v = uint64_t(a) | (uint64_t(b) << 32);
-  uint32_t r = 0;
-  for (int i = 0; i < 4; ++i) r |= uint32_t((v >> (8 * ((sel >> (4 * i)) & 7))) & 0xff) << (8 * i);
-  return r;
-}
 #include "kern.inc"
 
 using namespace emu;

@@ -53,14 +53,6 @@ inline void paged_cp_async_wait() {
 inline uint16_t paged_f16_bits(float x) { const _Float16 h = static_cast<_Float16>(x); uint16_t b; std::memcpy(&b, &h, 2); return b; }
 inline uint32_t paged_pack_f16x2(float lo, float hi) { return uint32_t(paged_f16_bits(lo)) | (uint32_t(paged_f16_bits(hi)) << 16); }
 inline uint32_t paged_pack_bf16x2(float lo, float hi) { return uint32_t(bf16_bits_from_float(lo)) | (uint32_t(bf16_bits_from_float(hi)) << 16); }
-inline uint32_t paged_e4m3x2_lo_f16x2(uint32_t w) { return paged_pack_f16x2(e4m3_dec(uint8_t(w)), e4m3_dec(uint8_t(w >> 8))); }
-inline uint32_t paged_e4m3x2_hi_f16x2(uint32_t w) { return paged_e4m3x2_lo_f16x2(w >> 16); }
-inline uint32_t paged_prmt(uint32_t a, uint32_t b, uint32_t sel) {  // __byte_perm (no sign mode)
-  const uint64_t v = uint64_t(a) | (uint64_t(b) << 32);
-  uint32_t r = 0;
-  for (int i = 0; i < 4; ++i) r |= uint32_t((v >> (8 * ((sel >> (4 * i)) & 7))) & 0xff) << (8 * i);
-  return r;
-}
 inline uint4 paged_lds16(const unsigned char* p) {
   if (reinterpret_cast<uintptr_t>(p) % 16) std::abort();
   uint4 u; std::memcpy(&u, p, 16); return u;
