@@ -354,6 +354,7 @@ TEST(CudaFp8Gemm, EveryGridAndClusterIsBitwiseOneCtaPerTile) {
     const char* band = "0";
     const char* store = "direct";
     const char* bn = "128";
+    const char* pipe = "drain";
   };
   auto with = [](const Variant& v, auto&& fn) {
     if (v.grid) setenv("FP8RL_FP8_GEMM_GRID", v.grid, 1);
@@ -364,6 +365,7 @@ TEST(CudaFp8Gemm, EveryGridAndClusterIsBitwiseOneCtaPerTile) {
     setenv("FP8RL_FP8_GEMM_BAND", v.band, 1);
     setenv("FP8RL_FP8_GEMM_STORE", v.store, 1);
     setenv("FP8RL_FP8_GEMM_BN", v.bn, 1);
+    setenv("FP8RL_FP8_GEMM_PIPE", v.pipe, 1);
     auto r = fn();
     unsetenv("FP8RL_FP8_GEMM_GRID");
     unsetenv("FP8RL_FP8_GEMM_CLUSTER");
@@ -372,6 +374,7 @@ TEST(CudaFp8Gemm, EveryGridAndClusterIsBitwiseOneCtaPerTile) {
     unsetenv("FP8RL_FP8_GEMM_BAND");
     unsetenv("FP8RL_FP8_GEMM_STORE");
     unsetenv("FP8RL_FP8_GEMM_BN");
+    unsetenv("FP8RL_FP8_GEMM_PIPE");
     return r;
   };
   std::vector<Variant> variants;
@@ -398,10 +401,17 @@ TEST(CudaFp8Gemm, EveryGridAndClusterIsBitwiseOneCtaPerTile) {
     for (const char* occupancy : {"1", "2"})
       for (const char* store : {"direct", "tma"})
         variants.push_back({grid, "1x1", "global", occupancy, "0", store, "64"});
+  // The overlapped K loop (the next block's MMAs in flight during each promotion; K-block counts
+  // per tile of 1 to 4 mod 4 through the shapes' K and splits): 128-row tiles with the producer
+  // warpgroup, 64-row tiles at one CTA per SM (the occupancy asked is overridden), each store and
+  // column count.
+  for (const char* grid : {static_cast<const char*>(nullptr), "tile"})
+    for (const char* store : {"direct", "tma"})
+      for (const char* bn : {"128", "64"}) variants.push_back({grid, "1x1", "global", "2", "0", store, bn, "overlap"});
   const Variant one_cta{"tile", "1x1", "global"};
   auto name = [](const Variant& v) {
     return std::string("grid ") + (v.grid ? v.grid : "persistent") + ", cluster " + v.cluster + ", scales " + v.scales +
-           ", CTAs per SM " + v.occupancy + ", band " + v.band + ", store " + v.store + ", columns " + v.bn;
+           ", CTAs per SM " + v.occupancy + ", band " + v.band + ", store " + v.store + ", columns " + v.bn + ", pipe " + v.pipe;
   };
   // N = 144 and 528: a last column tile of 16 columns (its second 64-column store box wholly past N).
   const Shape shapes[] = {{5, 2048, 2048}, {64, 4096, 2048},   {256, 12288, 2048}, {256, 2048, 6144},

@@ -243,11 +243,91 @@ __device__ __forceinline__ void store_tile_tma(const GemmParams& p, const float 
   }
 }
 
+// The overlapped K loop (FP8RL_FP8_GEMM_PIPE=overlap; no cluster, global scales): a consumer
+// warpgroup issues K block j + 1's wgmma before it promotes block j (wait_group 1), with two
+// accumulator sets, so the promotion's FMAs run while the tensor cores work on the next block
+// instead of after a full drain (bench-gemm --mma-probe, session 30: 73% of the tensor peak with
+// the drain per block, 96% overlapped, on shared-memory tiles). The tile's K blocks run in chunks
+// of up to kOverlapChunk, each fully unrolled and drained at its end: ptxas 13.0 serializes every
+// wgmma of a kernel where one is in flight across a loop's back edge. Each block's MMAs, its
+// scales and the order of the promotions are those of the drained loop: bitwise the same C.
+constexpr int kOverlapChunk = 4;
+template <int kStages>
+struct OverlapCtx {
+  const uint8_t* sm_a;  // this warpgroup's rows of stage 0's A tile
+  const uint8_t* sm_b;
+  int tile_a, tile_b;   // bytes per stage
+  uint64_t* full;
+  uint64_t* empty;
+  const float* sa;
+  int64_t sa_m, sa_k;
+  const float* sb;      // the tile's B scales by K block
+  int64_t row0, row1;
+  bool in0, in1;
+  int lane;
+};
+
+// Blocks kb .. kb + kN - 1 of the tile, stage uses g .. g + kN - 1: block j into acc (j even) or
+// acc2 (odd); after issuing j, wait until only j is in flight, release j - 1's stage and promote it.
+template <int kN, int kBNt, int kStages>
+__device__ __forceinline__ void overlap_chunk(const OverlapCtx<kStages>& c, float (&total)[kBNt / 2],
+                                              float (&acc)[kBNt / 2], float (&acc2)[kBNt / 2], int g, int kb) {
+  float s0[kN], s1[kN];
+#pragma unroll
+  for (int j = 0; j < kN; ++j) {  // the scales first: their loads overlap the waits below
+    const float sbv = __ldg(c.sb + kb + j);
+    s0[j] = c.in0 ? __ldg(c.sa + c.row0 * c.sa_m + (kb + j) * c.sa_k) * sbv : 0.0f;
+    s1[j] = c.in1 ? __ldg(c.sa + c.row1 * c.sa_m + (kb + j) * c.sa_k) * sbv : 0.0f;
+  }
+  auto issue = [&](float(&d)[kBNt / 2], int j) {
+    const int s = (g + j) % kStages;
+    mbar_wait(&c.full[s], ((g + j) / kStages) & 1);
+    const uint64_t da = sw128_desc(c.sm_a + s * c.tile_a), db = sw128_desc(c.sm_b + s * c.tile_b);
+    fence_acc(d);
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < kBK / 32; ++k) wgmma_tile<kBNt>(d, da + 2 * k, db + 2 * k, k > 0);
+    wgmma_commit();
+  };
+  auto finish = [&](float(&d)[kBNt / 2], int j) {
+    fence_acc(d);
+    if (c.lane == 0) mbar_arrive(&c.empty[(g + j) % kStages]);
+#pragma unroll
+    for (int i = 0; i < kBNt / 2; ++i) total[i] = fmaf(d[i], (i & 2) ? s1[j] : s0[j], total[i]);
+  };
+#pragma unroll
+  for (int j = 0; j < kN; ++j) {
+    if (j % 2 == 0) issue(acc, j);
+    else issue(acc2, j);
+    if (j > 0) {
+      wgmma_wait<1>();
+      if ((j - 1) % 2 == 0) finish(acc, j - 1);
+      else finish(acc2, j - 1);
+    }
+  }
+  wgmma_wait<0>();
+  if ((kN - 1) % 2 == 0) finish(acc, kN - 1);
+  else finish(acc2, kN - 1);
+}
+
 // The threads of a CTA (the consumer warpgroups and one producer warp), the TMA-store epilogue's
 // buffer, and the CTAs that fit on an SM: two where the stage ring and the buffer leave room for
 // a second (64-row tiles: 4 stages, or 3 beside the buffer), so two independent pipelines share
 // each SM's tensor cores.
-constexpr int gemm_threads(int consumers) { return 128 * consumers + 32; }
+// The overlapped loop's two accumulator sets beside the totals are 192 registers per consumer
+// thread; ptxas gives a warp of a CTA of 2 consumer warpgroups + a producer warp (9 warps, 3 on
+// some SM sub-partition) 168 at most. So that instance has a producer warpgroup that gives
+// registers back (setmaxnreg.dec to kProducerRegs) for the consumers to take (setmaxnreg.inc to
+// kConsumerRegs): 2 x 232 + 40 = 3 x 168, the pool of 384 threads. The 64-row tiles' overlapped
+// instance runs one CTA per SM (8 stages), where a thread may hold 255.
+constexpr int kConsumerRegs = 232, kProducerRegs = 40;
+constexpr bool producer_warpgroup(int consumers, bool overlap) { return overlap && consumers > 1; }
+constexpr int gemm_threads(int consumers, bool overlap = false) {
+  return 128 * consumers + (producer_warpgroup(consumers, overlap) ? 128 : 32);
+}
+// Which instances of the overlapped loop exist (the others would spill): two consumers (the
+// producer warpgroup), or one at one CTA per SM.
+constexpr bool overlap_instance(int consumers, int stages) { return consumers > 1 || stages == 8; }
 __host__ __device__ constexpr int gemm_store_bytes(int consumers, bool tma_store) {
   return tma_store ? consumers * 16384 : 0;
 }
@@ -264,12 +344,16 @@ constexpr int gemm_ctas_per_sm(int consumers, int stages, bool tma_store, int bn
 // each stage's scales (its A tile's row scales, its B block's scale) into shared memory beside
 // the tiles (cp.async, completing on the stage's barrier), so the consumers' loop has no global
 // load. The arithmetic of every tile is unchanged: bitwise the same results in every variant.
-template <int kConsumers, int kStages, int kCM, int kCN, bool kSmemScales, bool kTmaStore, int kBNt>
-__global__ void __launch_bounds__(gemm_threads(kConsumers), gemm_ctas_per_sm(kConsumers, kStages, kTmaStore, kBNt))
+template <int kConsumers, int kStages, int kCM, int kCN, bool kSmemScales, bool kTmaStore, int kBNt, bool kOverlap>
+__global__ void __launch_bounds__(gemm_threads(kConsumers, kOverlap),
+                                  gemm_ctas_per_sm(kConsumers, kStages, kTmaStore, kBNt))
     fp8_gemm_kernel(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b,
                     const __grid_constant__ CUtensorMap tm_c, GemmParams p) {
   static_assert(kBNt == 128 || (kBNt == 64 && kCM == 1 && kCN == 1 && !kSmemScales),
                 "narrow (64-column) tiles: no cluster, global scales");
+  static_assert(!kOverlap || (kCM == 1 && kCN == 1 && !kSmemScales && overlap_instance(kConsumers, kStages)),
+                "the overlapped K loop: no cluster, global scales, an instance that does not spill");
+  constexpr bool kProducerWg = producer_warpgroup(kConsumers, kOverlap);
   constexpr int kBM = 64 * kConsumers;
   constexpr int kTileA = kBM * kBK, kTileB = kBNt * kBK;
   constexpr int kCluster = kCM * kCN;
@@ -313,6 +397,7 @@ __global__ void __launch_bounds__(gemm_threads(kConsumers), gemm_ctas_per_sm(kCo
   const int64_t tiles =
       static_cast<int64_t>(kCN == 1 ? p.n_tiles : p.ct_n) * (kCM == 1 ? p.m_tiles : p.ct_m) * p.splits;
   if (wg == kConsumers) {  // the producer warp: one thread issues every tile load (all, with the scales)
+    if constexpr (kProducerWg) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
     if (kSmemScales ? tid < 32 : tid == 0) {
       const int lane = tid;
       // The CTAs of this tile row (they share A) and of this tile column (they share B).
@@ -362,6 +447,7 @@ __global__ void __launch_bounds__(gemm_threads(kConsumers), gemm_ctas_per_sm(kCo
       if constexpr (kSmemScales) asm volatile("cp.async.wait_all;" ::: "memory");
     }
   } else {
+    if constexpr (kProducerWg) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegs));
     const int warp = tid / 32, lane = tid % 32;
     int g = 0;
     for (int64_t t = first; t < tiles; t += step) {
@@ -375,7 +461,20 @@ __global__ void __launch_bounds__(gemm_threads(kConsumers), gemm_ctas_per_sm(kCo
       for (int i = 0; i < kAcc; ++i) total[i] = 0.0f;
       const bool n_in = tl.n_tile < p.n_tiles;  // a cluster's tile past the last column: stores nothing
       const float* sb = tl.sb_base + static_cast<int64_t>(n_in ? tl.n_tile : p.n_tiles - 1) * kBNt / kBN * p.kblocks;
-      for (int it = 0; it < tl.nk; ++it, ++g) {
+      if constexpr (kOverlap) {
+        const OverlapCtx<kStages> c{sm_a + wg * 64 * kBK, sm_b, kTileA, kTileB, full, empty, p.sa, p.sa_m, p.sa_k, sb,
+                                    row0, row1, in0, in1, lane};
+        float acc2[kAcc];
+        for (int it = 0; it < tl.nk;) {
+          const int n = min(kOverlapChunk, tl.nk - it), kb = tl.kb0 + it;
+          if (n == 4) overlap_chunk<4, kBNt>(c, total, acc, acc2, g, kb);
+          else if (n == 3) overlap_chunk<3, kBNt>(c, total, acc, acc2, g, kb);
+          else if (n == 2) overlap_chunk<2, kBNt>(c, total, acc, acc2, g, kb);
+          else overlap_chunk<1, kBNt>(c, total, acc, acc2, g, kb);
+          it += n, g += n;
+        }
+      }
+      for (int it = 0; it < (kOverlap ? 0 : tl.nk); ++it, ++g) {
         const int s = g % kStages, kb = tl.kb0 + it;
         // The scales of this K block, loaded while the tiles arrive (unconditionally for B: a
         // predicated load here costs ~15% at large M, session 9).
@@ -490,6 +589,12 @@ CUtensorMap tensor_map(const uint8_t* base, int64_t rows, int64_t K, int box_row
 // (bench-gemm, session 11): the TMA store is 6-11% faster on dense products at M = 8192, 0-11%
 // at M = 256, and 14-36% on the grouped products (0.59x -> 0.67x and 0.53x -> 0.70x of cuBLASLt's
 // dense TF/s), where the direct stores' drain was the largest share.
+// The consumers' K loop: FP8RL_FP8_GEMM_PIPE=drain (each block's MMAs waited for, then promoted),
+// overlap (overlap_chunk: the next block's MMAs in flight during each promotion; 1x1 clusters and
+// global scales only) or auto (the default: overlap for 128-row tiles, drain for 64-row ones).
+// Same bits either way. Measured (bench-gemm, session 31, H200): 128-row tiles at M = 8192
+// 832 -> 1018 TF/s (0.68x -> 0.84x of cuBLASLt), the grouped expert products 0.69x -> 0.80x
+// (gate/up) and 0.69x -> 0.77x (down) of cuBLASLt's dense TF/s.
 }  // namespace
 
 // FP8RL_FP8_GEMM_BN (read at each call): 64 or 128 (the default) columns per tile for the dense
@@ -511,6 +616,9 @@ struct KernelVariant {
   int band = 0;              // FP8RL_FP8_GEMM_BAND=n: the n-fastest tile order in bands of n tile columns
   bool tma_store = true;     // FP8RL_FP8_GEMM_STORE=direct: the epilogue's registers stored straight to global
   int bn = kBN;              // FP8RL_FP8_GEMM_BN=64: 64-column tiles (64-row tiles only; no cluster, global scales)
+  // FP8RL_FP8_GEMM_PIPE: the overlapped K loop (no cluster, global scales) for 128-row tiles (auto,
+  // the default), every tile (overlap; 64-row tiles then at one CTA per SM) or none (drain).
+  bool overlap = true, overlap_small = false;
 };
 KernelVariant kernel_variant(int64_t m_tiles, int64_t n_tiles, bool grouped) {
   // The default is 1x1. Measured (bench-gemm, session 9): 2x1 is 1-3% faster on dense products
@@ -551,6 +659,18 @@ KernelVariant kernel_variant(int64_t m_tiles, int64_t n_tiles, bool grouped) {
     FP8RL_CHECK(!(c.tma_store && c.smem_scales),
                 "FP8RL_FP8_GEMM_STORE=tma needs FP8RL_FP8_GEMM_SCALES=global (both do not fit in shared memory)");
   }
+  std::string pipe = "auto";
+  if (const char* e = std::getenv("FP8RL_FP8_GEMM_PIPE")) pipe = e;
+  FP8RL_CHECK(pipe == "auto" || pipe == "drain" || pipe == "overlap",
+              "FP8RL_FP8_GEMM_PIPE must be auto, drain or overlap, got '", pipe, "'");
+  c.overlap = pipe != "drain";
+  c.overlap_small = pipe == "overlap";
+  if (pipe == "overlap") {
+    FP8RL_CHECK(!c.smem_scales, "FP8RL_FP8_GEMM_PIPE=overlap needs FP8RL_FP8_GEMM_SCALES=global");
+    FP8RL_CHECK(c.cm == 1 && c.cn == 1, "FP8RL_FP8_GEMM_PIPE=overlap needs FP8RL_FP8_GEMM_CLUSTER=1x1");
+  } else if (c.smem_scales || c.cm != 1 || c.cn != 1) {
+    c.overlap = false;  // auto: the variants the overlapped loop is not built for keep the drained one
+  }
   if (grouped) c.cm = 1;
   if (m_tiles < 2) c.cm = 1;
   if (n_tiles < 2) c.cn = 1;
@@ -572,13 +692,13 @@ int sm_count() {
 // Launches the kernel over `tiles` cluster tiles: at most as many clusters as fit on the device
 // at once, each walking its share of the tiles, or with FP8RL_FP8_GEMM_GRID=tile (read at each
 // call) one cluster per cluster tile.
-template <int kConsumers, int kStages, int kCM, int kCN, bool kSmemScales, bool kTmaStore, int kBNt>
+template <int kConsumers, int kStages, int kCM, int kCN, bool kSmemScales, bool kTmaStore, int kBNt, bool kOverlap>
 void launch_cluster(const CUtensorMap& ta, const CUtensorMap& tb, const CUtensorMap& tc, GemmParams p,
                     cudaStream_t stream) {
   constexpr int kSmem = kStages * (64 * kConsumers + kBNt) * kBK + gemm_store_bytes(kConsumers, kTmaStore) +
                         2 * kStages * 8 + (kSmemScales ? kStages * (64 * kConsumers + 4) * 4 : 0) + 1024;
   constexpr int kCluster = kCM * kCN;
-  auto* kernel = fp8_gemm_kernel<kConsumers, kStages, kCM, kCN, kSmemScales, kTmaStore, kBNt>;
+  auto* kernel = fp8_gemm_kernel<kConsumers, kStages, kCM, kCN, kSmemScales, kTmaStore, kBNt, kOverlap>;
   p.ct_m = static_cast<int>(ceil_div(int64_t{p.m_tiles}, int64_t{kCM}));
   p.ct_n = static_cast<int>(ceil_div(int64_t{p.n_tiles}, int64_t{kCN}));
   const int64_t tiles = static_cast<int64_t>(p.ct_m) * p.ct_n * p.splits;
@@ -587,7 +707,7 @@ void launch_cluster(const CUtensorMap& ta, const CUtensorMap& tb, const CUtensor
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeClusterDimension;
   attr[0].val.clusterDim.x = kCluster, attr[0].val.clusterDim.y = 1, attr[0].val.clusterDim.z = 1;
-  cfg.blockDim = dim3(gemm_threads(kConsumers));
+  cfg.blockDim = dim3(gemm_threads(kConsumers, kOverlap));
   cfg.dynamicSmemBytes = kSmem;
   cfg.stream = stream;
   cfg.attrs = attr;
@@ -595,9 +715,16 @@ void launch_cluster(const CUtensorMap& ta, const CUtensorMap& tb, const CUtensor
   static const int max_clusters = [&] {
     CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem),
                "FP8 GEMM: setting the shared memory size");
+    if constexpr (producer_warpgroup(kConsumers, kOverlap)) {
+      // setmaxnreg.inc waits until the CTA's pool holds the registers: a smaller build would hang.
+      cudaFuncAttributes fa{};
+      CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel), "FP8 GEMM: the kernel's attributes");
+      FP8RL_CHECK(fa.numRegs * (kConsumers + 1) >= kConsumers * kConsumerRegs + kProducerRegs, "FP8 GEMM: built with ",
+                  fa.numRegs, " registers per thread, too few for setmaxnreg to give the consumers ", kConsumerRegs);
+    }
     if (kCluster == 1) {
       int per_sm = 0;
-      CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, gemm_threads(kConsumers), kSmem),
+      CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, gemm_threads(kConsumers, kOverlap), kSmem),
                  "FP8 GEMM: querying the CTAs that fit");
       FP8RL_CHECK(per_sm > 0, "FP8 GEMM: no CTA of ", kSmem, " shared-memory bytes fits on this device");
       return per_sm * sm_count();
@@ -623,18 +750,29 @@ template <int kConsumers, int kStages, bool kSmemScales, bool kTmaStore>
 void launch_clusters(const CUtensorMap& ta, const CUtensorMap& tb, const CUtensorMap& tc, const GemmParams& p,
                      KernelVariant c, cudaStream_t stream) {
   if (c.bn == 64) {  // kernel_variant: no cluster, global scales
-    if constexpr (kConsumers == 1 && !kSmemScales)
-      launch_cluster<kConsumers, kStages, 1, 1, false, kTmaStore, 64>(ta, tb, tc, p, stream);
-    else FP8RL_CHECK(false, "FP8 GEMM: 64-column tiles are built for 64-row tiles with global scales only");
+    if constexpr (kConsumers == 1 && !kSmemScales) {
+      if constexpr (overlap_instance(kConsumers, kStages))
+        if (c.overlap) return launch_cluster<kConsumers, kStages, 1, 1, false, kTmaStore, 64, true>(ta, tb, tc, p, stream);
+      FP8RL_CHECK(!c.overlap, "FP8 GEMM: the overlapped K loop has no instance for this ring");
+      launch_cluster<kConsumers, kStages, 1, 1, false, kTmaStore, 64, false>(ta, tb, tc, p, stream);
+    } else {
+      FP8RL_CHECK(false, "FP8 GEMM: 64-column tiles are built for 64-row tiles with global scales only");
+    }
+    return;
+  }
+  if (c.overlap) {  // kernel_variant: no cluster, global scales
+    if constexpr (!kSmemScales && overlap_instance(kConsumers, kStages))
+      launch_cluster<kConsumers, kStages, 1, 1, false, kTmaStore, kBN, true>(ta, tb, tc, p, stream);
+    else FP8RL_CHECK(false, "FP8 GEMM: the overlapped K loop has no instance for this ring or scale place");
     return;
   }
   if (c.cm == 1 && c.cn == 1)
-    launch_cluster<kConsumers, kStages, 1, 1, kSmemScales, kTmaStore, kBN>(ta, tb, tc, p, stream);
+    launch_cluster<kConsumers, kStages, 1, 1, kSmemScales, kTmaStore, kBN, false>(ta, tb, tc, p, stream);
   else if (c.cm == 2 && c.cn == 1)
-    launch_cluster<kConsumers, kStages, 2, 1, kSmemScales, kTmaStore, kBN>(ta, tb, tc, p, stream);
+    launch_cluster<kConsumers, kStages, 2, 1, kSmemScales, kTmaStore, kBN, false>(ta, tb, tc, p, stream);
   else if (c.cm == 1 && c.cn == 2)
-    launch_cluster<kConsumers, kStages, 1, 2, kSmemScales, kTmaStore, kBN>(ta, tb, tc, p, stream);
-  else launch_cluster<kConsumers, kStages, 2, 2, kSmemScales, kTmaStore, kBN>(ta, tb, tc, p, stream);
+    launch_cluster<kConsumers, kStages, 1, 2, kSmemScales, kTmaStore, kBN, false>(ta, tb, tc, p, stream);
+  else launch_cluster<kConsumers, kStages, 2, 2, kSmemScales, kTmaStore, kBN, false>(ta, tb, tc, p, stream);
 }
 
 // The output [M, N] BF16 as 64 x 64 boxes in the 128-byte swizzle (the TMA-store epilogue's map).
@@ -690,6 +828,11 @@ void launch_variant(bool small, const uint8_t* a, int64_t rows, const uint8_t* b
                     const GemmParams& p, KernelVariant c, cudaStream_t stream) {
   if (!tma_store_applies(p)) c.tma_store = false;
   FP8RL_CHECK(small || c.bn == kBN, "FP8 GEMM: 64-column tiles need 64-row tiles");
+  // 64-row tiles: overlapped only when asked (their instance runs one CTA per SM, overlap_instance;
+  // bench-gemm, session 31 on the H200: 8-15% slower than two drained CTAs per SM at M = 8192 and on
+  // the grouped products, mixed at decode M).
+  if (small) c.overlap = c.overlap && c.overlap_small;
+  if (small && c.overlap) c.ctas_per_sm = 1;
   if (small && c.ctas_per_sm == 2 && c.tma_store) launch<1, 3>(a, rows, b, N, K, p, c, stream);
   else if (small && c.ctas_per_sm == 2) launch<1, 4>(a, rows, b, N, K, p, c, stream);
   else if (small) launch<1, 8>(a, rows, b, N, K, p, c, stream);
