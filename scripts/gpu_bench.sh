@@ -348,14 +348,14 @@ PYEOF
           FP8RL_PAGED_BENCH_POOL=$tag FP8RL_PAGED_BENCH_DEFAULT=1
       done ;;
     gemm_variants)  # issues 14 and 16: the own FP8 GEMM's variants side by side (bench-gemm --shapes)
-      # cluster:scales:CTAs-per-SM[:band[:store[:columns[:pipe]]]] (FP8RL_FP8_GEMM_CLUSTER, _SCALES,
-      # _OCCUPANCY (64-row tiles), _BAND, _STORE, _BN: 64 or 128 columns beside 64-row tiles, _PIPE:
-      # auto, drain or overlap)
+      # cluster:scales:CTAs-per-SM[:band[:store[:columns[:pipe[:rows]]]]] (FP8RL_FP8_GEMM_CLUSTER,
+      # _SCALES, _OCCUPANCY (64-row tiles), _BAND, _STORE, _BN: 64 or 128 columns beside 64-row
+      # tiles, _PIPE: auto, drain or overlap, _BM: 128 or 192 rows where 64-row tiles are not taken)
       for v in ${FP8RL_GEMM_VARIANTS:-1x1:global:1 1x1:smem:1 1x1:global:2 1x1:smem:2 2x1:smem:1}; do
-        IFS=: read -r vc vs vo vb vt vn vp <<< "$v"
-        vb=${vb:-0}; [ "$vs" = global ] && vt=${vt:-tma}; vt=${vt:-direct}; vn=${vn:-128}; vp=${vp:-auto}
-        venv="FP8RL_FP8_GEMM_STORE=$vt FP8RL_FP8_GEMM_BAND=$vb FP8RL_FP8_GEMM_CLUSTER=$vc FP8RL_FP8_GEMM_SCALES=$vs FP8RL_FP8_GEMM_OCCUPANCY=$vo FP8RL_FP8_GEMM_BN=$vn FP8RL_FP8_GEMM_PIPE=$vp"
-        { echo "== cluster $vc, scales $vs, CTAs per SM (64-row tiles) $vo, band $vb, store $vt, columns $vn, pipe $vp"
+        IFS=: read -r vc vs vo vb vt vn vp vm <<< "$v"
+        vb=${vb:-0}; [ "$vs" = global ] && vt=${vt:-tma}; vt=${vt:-direct}; vn=${vn:-128}; vp=${vp:-auto}; vm=${vm:-128}
+        venv="FP8RL_FP8_GEMM_STORE=$vt FP8RL_FP8_GEMM_BAND=$vb FP8RL_FP8_GEMM_CLUSTER=$vc FP8RL_FP8_GEMM_SCALES=$vs FP8RL_FP8_GEMM_OCCUPANCY=$vo FP8RL_FP8_GEMM_BN=$vn FP8RL_FP8_GEMM_PIPE=$vp FP8RL_FP8_GEMM_BM=$vm"
+        { echo "== cluster $vc, scales $vs, CTAs per SM (64-row tiles) $vo, band $vb, store $vt, columns $vn, pipe $vp, rows $vm"
           env $venv timeout 60 "$FP8RL" bench-gemm \
             --shapes "${FP8RL_GEMM_SHAPES:-8192x12288x2048,8192x4096x2048,8192x2048x6144,256x12288x2048,256x4096x2048,256x2048x2048,256x2048x6144}" | grep -A12 "^linear"
           [ -n "${FP8RL_GEMM_NO_GROUPED:-}" ] || env $venv timeout 60 "$FP8RL" bench-gemm --grouped-only | grep -A3 "^grouped"

@@ -355,6 +355,7 @@ TEST(CudaFp8Gemm, EveryGridAndClusterIsBitwiseOneCtaPerTile) {
     const char* store = "direct";
     const char* bn = "128";
     const char* pipe = "drain";
+    const char* bm = "128";
   };
   auto with = [](const Variant& v, auto&& fn) {
     if (v.grid) setenv("FP8RL_FP8_GEMM_GRID", v.grid, 1);
@@ -366,6 +367,7 @@ TEST(CudaFp8Gemm, EveryGridAndClusterIsBitwiseOneCtaPerTile) {
     setenv("FP8RL_FP8_GEMM_STORE", v.store, 1);
     setenv("FP8RL_FP8_GEMM_BN", v.bn, 1);
     setenv("FP8RL_FP8_GEMM_PIPE", v.pipe, 1);
+    setenv("FP8RL_FP8_GEMM_BM", v.bm, 1);
     auto r = fn();
     unsetenv("FP8RL_FP8_GEMM_GRID");
     unsetenv("FP8RL_FP8_GEMM_CLUSTER");
@@ -375,6 +377,7 @@ TEST(CudaFp8Gemm, EveryGridAndClusterIsBitwiseOneCtaPerTile) {
     unsetenv("FP8RL_FP8_GEMM_STORE");
     unsetenv("FP8RL_FP8_GEMM_BN");
     unsetenv("FP8RL_FP8_GEMM_PIPE");
+    unsetenv("FP8RL_FP8_GEMM_BM");
     return r;
   };
   std::vector<Variant> variants;
@@ -408,10 +411,14 @@ TEST(CudaFp8Gemm, EveryGridAndClusterIsBitwiseOneCtaPerTile) {
   for (const char* grid : {static_cast<const char*>(nullptr), "tile"})
     for (const char* store : {"direct", "tma"})
       for (const char* bn : {"128", "64"}) variants.push_back({grid, "1x1", "global", "2", "0", store, bn, "overlap"});
+  // 192-row tiles (three consumer warpgroups) where 64-row ones are not taken, each grid and store.
+  for (const char* grid : {static_cast<const char*>(nullptr), "tile"})
+    for (const char* store : {"direct", "tma"})
+      variants.push_back({grid, "1x1", "global", "1", "0", store, "128", "drain", "192"});
   const Variant one_cta{"tile", "1x1", "global"};
   auto name = [](const Variant& v) {
     return std::string("grid ") + (v.grid ? v.grid : "persistent") + ", cluster " + v.cluster + ", scales " + v.scales +
-           ", CTAs per SM " + v.occupancy + ", band " + v.band + ", store " + v.store + ", columns " + v.bn + ", pipe " + v.pipe;
+           ", CTAs per SM " + v.occupancy + ", band " + v.band + ", store " + v.store + ", columns " + v.bn + ", pipe " + v.pipe + ", rows " + v.bm;
   };
   // N = 144 and 528: a last column tile of 16 columns (its second 64-column store box wholly past N).
   const Shape shapes[] = {{5, 2048, 2048}, {64, 4096, 2048},   {256, 12288, 2048}, {256, 2048, 6144},
@@ -468,7 +475,7 @@ TEST(CudaFp8Gemm, EveryGridAndClusterIsBitwiseOneCtaPerTile) {
     db.push_back(d);
   }
   for (const QuantTensor& d : db) bp.push_back(d.data.data<uint8_t>()), sp.push_back(d.scales.data<float>());
-  for (int bm : {64, 128}) {
+  for (int bm : {64, 128, 192}) {
     auto grouped = [&] {
       Tensor c = poisoned(be, {R, N}, DType::BF16);
       be.gemm().gemm_fp8_grouped(offsets, N, K, da.data.data<uint8_t>(), da.scales.data<float>(), false, bp, sp,

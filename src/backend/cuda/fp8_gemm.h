@@ -25,7 +25,7 @@ struct Fp8GemmArgs {
   DType c_dtype = DType::BF16;
   float alpha = 1.0f, beta = 0.0f;
   int splits = 1;              // K splits (fp8_gemm_sm90_config); > 1 needs the workspace
-  int block_m = 0;             // rows per CTA: 64 or 128 (0: 64 for M <= 256, else 128)
+  int block_m = 0;             // rows per CTA: 64, 128 or 192 (0: 64 for M <= 256, else fp8_gemm_large_block_m())
   int block_n = 0;             // columns per 64-row tile: 64 or 128 (0: fp8_gemm_block_n()); same bits
   float* workspace = nullptr;  // fp8_gemm_sm90_workspace_floats(M, N, splits) floats
 };
@@ -43,6 +43,9 @@ Fp8GemmConfig fp8_gemm_sm90_config(int64_t M, int64_t N, int64_t K, int sm_count
 // tiles leave most SMs idle; without clusters, scales read from global memory). Each output
 // element's arithmetic is the same in both (the m64n64 wgmma in place of the m64n128 one).
 int fp8_gemm_block_n();
+// FP8RL_FP8_GEMM_BM (read at each call): 128 (the default) or 192 rows per tile where 64-row tiles
+// are not taken (192: three consumer warpgroups; the arithmetic of every element is the same).
+int fp8_gemm_large_block_m();
 // Whether this kernel beats cuBLASLt's block-scaled one at the shape (graph-timed decode
 // products on the H200: the small-N ones, M <= 256 with few 64-row tiles; cuBLASLt above).
 bool fp8_gemm_sm90_preferred(int64_t M, int64_t N, int64_t K);
@@ -63,7 +66,7 @@ struct Fp8GroupedArgs {
   void* c = nullptr;                   // [R, N]
   DType c_dtype = DType::BF16;
   float alpha = 1.0f, beta = 0.0f;
-  int block_m = 0;              // 64 or 128 (0: from the mean rows per group)
+  int block_m = 0;              // 64, 128 or 192 (0: 64 or fp8_gemm_large_block_m(), from the mean rows per group)
   void* device_meta = nullptr;  // device scratch of fp8_gemm_sm90_grouped_meta_bytes bytes
   size_t device_meta_bytes = 0;
   // A device copy (64-byte aligned) of fp8_gemm_sm90_grouped_maps' bytes for these b and

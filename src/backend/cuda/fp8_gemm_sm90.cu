@@ -310,18 +310,21 @@ __device__ __forceinline__ void overlap_chunk(const OverlapCtx<kStages>& c, floa
   else finish(acc2, kN - 1);
 }
 
-// The threads of a CTA (the consumer warpgroups and one producer warp), the TMA-store epilogue's
-// buffer, and the CTAs that fit on an SM: two where the stage ring and the buffer leave room for
-// a second (64-row tiles: 4 stages, or 3 beside the buffer), so two independent pipelines share
-// each SM's tensor cores.
-// The overlapped loop's two accumulator sets beside the totals are 192 registers per consumer
-// thread; ptxas gives a warp of a CTA of 2 consumer warpgroups + a producer warp (9 warps, 3 on
-// some SM sub-partition) 168 at most. So that instance has a producer warpgroup that gives
-// registers back (setmaxnreg.dec to kProducerRegs) for the consumers to take (setmaxnreg.inc to
-// kConsumerRegs): 2 x 232 + 40 = 3 x 168, the pool of 384 threads. The 64-row tiles' overlapped
-// instance runs one CTA per SM (8 stages), where a thread may hold 255.
-constexpr int kConsumerRegs = 232, kProducerRegs = 40;
-constexpr bool producer_warpgroup(int consumers, bool overlap) { return overlap && consumers > 1; }
+// Registers. The overlapped loop's two accumulator sets beside the totals are 192 registers per
+// consumer thread; ptxas gives a warp of a CTA of 2 consumer warpgroups + a producer warp (9
+// warps, 3 on some SM sub-partition) 168 at most. So that instance has a producer warpgroup that
+// gives registers back (setmaxnreg.dec to producer_regs) for the consumers to take
+// (setmaxnreg.inc to consumer_regs): 2 x 232 + 40 = 3 x 168, the pool of 384 threads. The
+// 192-row tiles' three consumer warpgroups (64 totals + 64 accumulators each) beside a producer
+// warp would get 120: there too a producer warpgroup, 3 x 160 + 32 = 4 x 128. The 64-row tiles'
+// overlapped instance runs one CTA per SM (8 stages), where a thread may hold 255.
+constexpr bool producer_warpgroup(int consumers, bool overlap) { return consumers > 2 || (overlap && consumers > 1); }
+constexpr int consumer_regs(int consumers) { return consumers > 2 ? 160 : 232; }
+constexpr int producer_regs(int consumers) { return consumers > 2 ? 32 : 40; }
+// The threads of a CTA (the consumer warpgroups and one producer warp or warpgroup), the
+// TMA-store epilogue's buffer, and the CTAs that fit on an SM: two where the stage ring and the
+// buffer leave room for a second (64-row tiles: 4 stages, or 3 beside the buffer), so two
+// independent pipelines share each SM's tensor cores.
 constexpr int gemm_threads(int consumers, bool overlap = false) {
   return 128 * consumers + (producer_warpgroup(consumers, overlap) ? 128 : 32);
 }
@@ -397,7 +400,7 @@ __global__ void __launch_bounds__(gemm_threads(kConsumers, kOverlap),
   const int64_t tiles =
       static_cast<int64_t>(kCN == 1 ? p.n_tiles : p.ct_n) * (kCM == 1 ? p.m_tiles : p.ct_m) * p.splits;
   if (wg == kConsumers) {  // the producer warp: one thread issues every tile load (all, with the scales)
-    if constexpr (kProducerWg) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
+    if constexpr (kProducerWg) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(producer_regs(kConsumers)));
     if (kSmemScales ? tid < 32 : tid == 0) {
       const int lane = tid;
       // The CTAs of this tile row (they share A) and of this tile column (they share B).
@@ -447,7 +450,7 @@ __global__ void __launch_bounds__(gemm_threads(kConsumers, kOverlap),
       if constexpr (kSmemScales) asm volatile("cp.async.wait_all;" ::: "memory");
     }
   } else {
-    if constexpr (kProducerWg) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegs));
+    if constexpr (kProducerWg) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(consumer_regs(kConsumers)));
     const int warp = tid / 32, lane = tid % 32;
     int g = 0;
     for (int64_t t = first; t < tiles; t += step) {
@@ -607,6 +610,16 @@ int fp8_gemm_block_n() {
   return v == "64" ? 64 : kBN;
 }
 
+// FP8RL_FP8_GEMM_BM (read at each call): the rows of the tiles of products that do not take 64-row
+// ones, 128 (the default) or 192.
+int fp8_gemm_large_block_m() {
+  const char* e = std::getenv("FP8RL_FP8_GEMM_BM");
+  if (!e) return 128;
+  const std::string v(e);
+  FP8RL_CHECK(v == "128" || v == "192", "FP8RL_FP8_GEMM_BM must be 128 or 192, got '", v, "'");
+  return v == "192" ? 192 : 128;
+}
+
 namespace {
 
 struct KernelVariant {
@@ -719,8 +732,9 @@ void launch_cluster(const CUtensorMap& ta, const CUtensorMap& tb, const CUtensor
       // setmaxnreg.inc waits until the CTA's pool holds the registers: a smaller build would hang.
       cudaFuncAttributes fa{};
       CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel), "FP8 GEMM: the kernel's attributes");
-      FP8RL_CHECK(fa.numRegs * (kConsumers + 1) >= kConsumers * kConsumerRegs + kProducerRegs, "FP8 GEMM: built with ",
-                  fa.numRegs, " registers per thread, too few for setmaxnreg to give the consumers ", kConsumerRegs);
+      constexpr int kWant = kConsumers * consumer_regs(kConsumers) + producer_regs(kConsumers);
+      FP8RL_CHECK(fa.numRegs * (kConsumers + 1) >= kWant, "FP8 GEMM: built with ", fa.numRegs,
+                  " registers per thread, too few for setmaxnreg to give the consumers ", consumer_regs(kConsumers));
     }
     if (kCluster == 1) {
       int per_sm = 0;
@@ -749,7 +763,10 @@ void launch_cluster(const CUtensorMap& ta, const CUtensorMap& tb, const CUtensor
 template <int kConsumers, int kStages, bool kSmemScales, bool kTmaStore>
 void launch_clusters(const CUtensorMap& ta, const CUtensorMap& tb, const CUtensorMap& tc, const GemmParams& p,
                      KernelVariant c, cudaStream_t stream) {
-  if (c.bn == 64) {  // kernel_variant: no cluster, global scales
+  if constexpr (kConsumers == 3) {  // launch_variant: no cluster, global scales, drained
+    if constexpr (!kSmemScales) launch_cluster<3, kStages, 1, 1, false, kTmaStore, kBN, false>(ta, tb, tc, p, stream);
+    else FP8RL_CHECK(false, "FP8 GEMM: 192-row tiles are built for global scales only");
+  } else if (c.bn == 64) {  // kernel_variant: no cluster, global scales
     if constexpr (kConsumers == 1 && !kSmemScales) {
       if constexpr (overlap_instance(kConsumers, kStages))
         if (c.overlap) return launch_cluster<kConsumers, kStages, 1, 1, false, kTmaStore, 64, true>(ta, tb, tc, p, stream);
@@ -758,21 +775,19 @@ void launch_clusters(const CUtensorMap& ta, const CUtensorMap& tb, const CUtenso
     } else {
       FP8RL_CHECK(false, "FP8 GEMM: 64-column tiles are built for 64-row tiles with global scales only");
     }
-    return;
-  }
-  if (c.overlap) {  // kernel_variant: no cluster, global scales
+  } else if (c.overlap) {  // kernel_variant: no cluster, global scales
     if constexpr (!kSmemScales && overlap_instance(kConsumers, kStages))
       launch_cluster<kConsumers, kStages, 1, 1, false, kTmaStore, kBN, true>(ta, tb, tc, p, stream);
     else FP8RL_CHECK(false, "FP8 GEMM: the overlapped K loop has no instance for this ring or scale place");
-    return;
-  }
-  if (c.cm == 1 && c.cn == 1)
+  } else if (c.cm == 1 && c.cn == 1) {
     launch_cluster<kConsumers, kStages, 1, 1, kSmemScales, kTmaStore, kBN, false>(ta, tb, tc, p, stream);
-  else if (c.cm == 2 && c.cn == 1)
+  } else if (c.cm == 2 && c.cn == 1) {
     launch_cluster<kConsumers, kStages, 2, 1, kSmemScales, kTmaStore, kBN, false>(ta, tb, tc, p, stream);
-  else if (c.cm == 1 && c.cn == 2)
+  } else if (c.cm == 1 && c.cn == 2) {
     launch_cluster<kConsumers, kStages, 1, 2, kSmemScales, kTmaStore, kBN, false>(ta, tb, tc, p, stream);
-  else launch_cluster<kConsumers, kStages, 2, 2, kSmemScales, kTmaStore, kBN, false>(ta, tb, tc, p, stream);
+  } else {
+    launch_cluster<kConsumers, kStages, 2, 2, kSmemScales, kTmaStore, kBN, false>(ta, tb, tc, p, stream);
+  }
 }
 
 // The output [M, N] BF16 as 64 x 64 boxes in the 128-byte swizzle (the TMA-store epilogue's map).
@@ -800,15 +815,15 @@ void launch(const uint8_t* a, int64_t rows, const uint8_t* b, int64_t N, int64_t
   const CUtensorMap ta = tensor_map(a, rows, K, kBM / c.cn);
   const CUtensorMap tb = b ? tensor_map(b, N, K, c.bn / c.cm) : ta;
   // Instances: the 3-stage ring only with the TMA store (two CTAs per SM beside its buffer), the
-  // 4-stage ring only without it.
-  if constexpr (kStages != 4) {
+  // 4-stage ring of 64-row tiles only without it; 192-row tiles: 4 stages, either store.
+  if constexpr (kStages != 4 || kConsumers == 3) {
     if (c.tma_store) {
       launch_clusters<kConsumers, kStages, false, true>(ta, tb, output_map(p), p, c, stream);
       return;
     }
   }
   if constexpr (kStages != 3) {
-    FP8RL_CHECK(kStages != 4 || !c.tma_store, "FP8 GEMM: the 4-stage ring has no TMA-store instance");
+    FP8RL_CHECK(kStages != 4 || kConsumers == 3 || !c.tma_store, "FP8 GEMM: the 4-stage ring has no TMA-store instance");
     if (c.smem_scales) launch_clusters<kConsumers, kStages, true, false>(ta, tb, ta, p, c, stream);
     else launch_clusters<kConsumers, kStages, false, false>(ta, tb, ta, p, c, stream);
   } else {
@@ -823,10 +838,16 @@ bool tma_store_applies(const GemmParams& p) {
   return p.c_bf16 && !p.partials && p.beta == 0.0f && reinterpret_cast<uintptr_t>(p.c) % 16 == 0;
 }
 
-// The instance for the row block (64 rows: small) and the variant's CTAs per SM and store.
-void launch_variant(bool small, const uint8_t* a, int64_t rows, const uint8_t* b, int64_t N, int64_t K,
+// The instance for the row block (64, 128 or 192 rows) and the variant's CTAs per SM and store.
+void launch_variant(int bm, const uint8_t* a, int64_t rows, const uint8_t* b, int64_t N, int64_t K,
                     const GemmParams& p, KernelVariant c, cudaStream_t stream) {
+  const bool small = bm == 64;
   if (!tma_store_applies(p)) c.tma_store = false;
+  if (bm == 192) {  // three consumer warpgroups: 4 stages, drained (the cluster and scale switches do not apply)
+    c.smem_scales = false, c.cm = c.cn = 1, c.overlap = false;
+    launch<3, 4>(a, rows, b, N, K, p, c, stream);
+    return;
+  }
   FP8RL_CHECK(small || c.bn == kBN, "FP8 GEMM: 64-column tiles need 64-row tiles");
   // 64-row tiles: overlapped only when asked (their instance runs one CTA per SM, overlap_instance;
   // bench-gemm, session 31 on the H200: 8-15% slower than two drained CTAs per SM at M = 8192 and on
@@ -898,9 +919,10 @@ void fp8_gemm_sm90(const Fp8GemmArgs& a, cudaStream_t stream) {
   p.c = p.partials ? static_cast<void*>(a.workspace) : a.c;
   p.c_bf16 = a.c_dtype == DType::BF16;
   p.alpha = a.alpha, p.beta = a.beta;
-  FP8RL_CHECK(a.block_m == 0 || a.block_m == 64 || a.block_m == 128, "FP8 GEMM (sm90): block_m must be 64 or 128");
+  FP8RL_CHECK(a.block_m == 0 || a.block_m == 64 || a.block_m == 128 || a.block_m == 192,
+              "FP8 GEMM (sm90): block_m must be 64, 128 or 192");
   const bool small = a.block_m ? a.block_m == 64 : a.M <= 256;
-  const int bm = small ? 64 : 128;
+  const int bm = small ? 64 : a.block_m ? a.block_m : fp8_gemm_large_block_m();
   const int m_tiles = static_cast<int>(ceil_div(a.M, int64_t{bm}));
   KernelVariant cl = kernel_variant(m_tiles, ceil_div(a.N, int64_t{kBN}), false);
   FP8RL_CHECK(a.block_n == 0 || a.block_n == 64 || a.block_n == kBN, "FP8 GEMM (sm90): block_n must be 64 or 128");
@@ -913,7 +935,7 @@ void fp8_gemm_sm90(const Fp8GemmArgs& a, cudaStream_t stream) {
   p.n_tiles = n_tiles, p.m_tiles = m_tiles, p.splits = used_splits;
   p.m_fastest = a.M <= 256;  // decode-sized: the few row blocks of one weight tile together
   p.group_n = cl.band;
-  launch_variant(small, a.a, a.M, a.b, a.N, a.K, p, cl, stream);
+  launch_variant(bm, a.a, a.M, a.b, a.N, a.K, p, cl, stream);
   if (p.partials) {
     const int64_t mn = a.M * a.N, threads = 256, blocks = ceil_div(ceil_div(mn, int64_t{4}), threads);
     if (p.c_bf16)
@@ -965,10 +987,11 @@ void fp8_gemm_sm90_grouped(const Fp8GroupedArgs& a, cudaStream_t stream) {
   FP8RL_CHECK(fp8_gemm_sm90_supported(R, a.N, a.K),
               "grouped FP8 GEMM (sm90): needs N and K multiples of 16, got N=", a.N, " K=", a.K);
   FP8RL_CHECK(a.c_dtype == DType::BF16 || a.c_dtype == DType::F32, "grouped FP8 GEMM: output must be BF16 or F32");
-  FP8RL_CHECK(a.block_m == 0 || a.block_m == 64 || a.block_m == 128, "grouped FP8 GEMM: block_m must be 64 or 128");
+  FP8RL_CHECK(a.block_m == 0 || a.block_m == 64 || a.block_m == 128 || a.block_m == 192,
+              "grouped FP8 GEMM: block_m must be 64, 128 or 192");
   int nonempty = 0;
   for (int g = 0; g < G; ++g) nonempty += a.offsets[g + 1] > a.offsets[g];
-  const int bm = a.block_m ? a.block_m : R / std::max(1, nonempty) <= 96 ? 64 : 128;
+  const int bm = a.block_m ? a.block_m : R / std::max(1, nonempty) <= 96 ? 64 : fp8_gemm_large_block_m();
   // Host staging of the metadata: the maps (64-byte aligned), the scale pointers, the tiles.
   std::vector<int4> tiles;
   for (int g = 0; g < G; ++g)
@@ -1010,7 +1033,7 @@ void fp8_gemm_sm90_grouped(const Fp8GroupedArgs& a, cudaStream_t stream) {
   p.m_fastest = false;  // a group's row blocks share its B: n fastest within each
   const KernelVariant cl = kernel_variant(p.m_tiles, n_tiles, true);  // cm = 1: the B maps' box is kBN rows
   p.group_n = cl.band;
-  launch_variant(bm == 64, a.a, R, nullptr, a.N, a.K, p, cl, stream);
+  launch_variant(bm, a.a, R, nullptr, a.N, a.K, p, cl, stream);
 }
 
 }  // namespace fp8rl::cuda
