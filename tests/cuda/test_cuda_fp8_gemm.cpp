@@ -418,7 +418,8 @@ TEST(CudaFp8Gemm, EveryGridAndClusterIsBitwiseOneCtaPerTile) {
   const Variant one_cta{"tile", "1x1", "global"};
   auto name = [](const Variant& v) {
     return std::string("grid ") + (v.grid ? v.grid : "persistent") + ", cluster " + v.cluster + ", scales " + v.scales +
-           ", CTAs per SM " + v.occupancy + ", band " + v.band + ", store " + v.store + ", columns " + v.bn + ", pipe " + v.pipe + ", rows " + v.bm;
+           ", CTAs per SM " + v.occupancy + ", band " + v.band + ", store " + v.store + ", columns " + v.bn +
+           ", pipe " + v.pipe + ", rows " + v.bm;
   };
   // N = 144 and 528: a last column tile of 16 columns (its second 64-column store box wholly past N).
   const Shape shapes[] = {{5, 2048, 2048}, {64, 4096, 2048},   {256, 12288, 2048}, {256, 2048, 6144},

@@ -256,12 +256,12 @@ template <int kStages>
 struct OverlapCtx {
   const uint8_t* sm_a;  // this warpgroup's rows of stage 0's A tile
   const uint8_t* sm_b;
-  int tile_a, tile_b;   // bytes per stage
+  int tile_a, tile_b;  // bytes per stage
   uint64_t* full;
   uint64_t* empty;
   const float* sa;
   int64_t sa_m, sa_k;
-  const float* sb;      // the tile's B scales by K block
+  const float* sb;  // the tile's B scales by K block
   int64_t row0, row1;
   bool in0, in1;
   int lane;
@@ -465,8 +465,21 @@ __global__ void __launch_bounds__(gemm_threads(kConsumers, kOverlap),
       const bool n_in = tl.n_tile < p.n_tiles;  // a cluster's tile past the last column: stores nothing
       const float* sb = tl.sb_base + static_cast<int64_t>(n_in ? tl.n_tile : p.n_tiles - 1) * kBNt / kBN * p.kblocks;
       if constexpr (kOverlap) {
-        const OverlapCtx<kStages> c{sm_a + wg * 64 * kBK, sm_b, kTileA, kTileB, full, empty, p.sa, p.sa_m, p.sa_k, sb,
-                                    row0, row1, in0, in1, lane};
+        const OverlapCtx<kStages> c{sm_a + wg * 64 * kBK,
+                                    sm_b,
+                                    kTileA,
+                                    kTileB,
+                                    full,
+                                    empty,
+                                    p.sa,
+                                    p.sa_m,
+                                    p.sa_k,
+                                    sb,
+                                    row0,
+                                    row1,
+                                    in0,
+                                    in1,
+                                    lane};
         float acc2[kAcc];
         for (int it = 0; it < tl.nk;) {
           const int n = min(kOverlapChunk, tl.nk - it), kb = tl.kb0 + it;
@@ -738,8 +751,9 @@ void launch_cluster(const CUtensorMap& ta, const CUtensorMap& tb, const CUtensor
     }
     if (kCluster == 1) {
       int per_sm = 0;
-      CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, gemm_threads(kConsumers, kOverlap), kSmem),
-                 "FP8 GEMM: querying the CTAs that fit");
+      CUDA_CHECK(
+          cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, gemm_threads(kConsumers, kOverlap), kSmem),
+          "FP8 GEMM: querying the CTAs that fit");
       FP8RL_CHECK(per_sm > 0, "FP8 GEMM: no CTA of ", kSmem, " shared-memory bytes fits on this device");
       return per_sm * sm_count();
     }
@@ -769,7 +783,8 @@ void launch_clusters(const CUtensorMap& ta, const CUtensorMap& tb, const CUtenso
   } else if (c.bn == 64) {  // kernel_variant: no cluster, global scales
     if constexpr (kConsumers == 1 && !kSmemScales) {
       if constexpr (overlap_instance(kConsumers, kStages))
-        if (c.overlap) return launch_cluster<kConsumers, kStages, 1, 1, false, kTmaStore, 64, true>(ta, tb, tc, p, stream);
+        if (c.overlap)
+          return launch_cluster<kConsumers, kStages, 1, 1, false, kTmaStore, 64, true>(ta, tb, tc, p, stream);
       FP8RL_CHECK(!c.overlap, "FP8 GEMM: the overlapped K loop has no instance for this ring");
       launch_cluster<kConsumers, kStages, 1, 1, false, kTmaStore, 64, false>(ta, tb, tc, p, stream);
     } else {
@@ -823,7 +838,8 @@ void launch(const uint8_t* a, int64_t rows, const uint8_t* b, int64_t N, int64_t
     }
   }
   if constexpr (kStages != 3) {
-    FP8RL_CHECK(kStages != 4 || kConsumers == 3 || !c.tma_store, "FP8 GEMM: the 4-stage ring has no TMA-store instance");
+    FP8RL_CHECK(kStages != 4 || kConsumers == 3 || !c.tma_store,
+                "FP8 GEMM: the 4-stage ring has no TMA-store instance");
     if (c.smem_scales) launch_clusters<kConsumers, kStages, true, false>(ta, tb, ta, p, c, stream);
     else launch_clusters<kConsumers, kStages, false, false>(ta, tb, ta, p, c, stream);
   } else {
@@ -839,8 +855,8 @@ bool tma_store_applies(const GemmParams& p) {
 }
 
 // The instance for the row block (64, 128 or 192 rows) and the variant's CTAs per SM and store.
-void launch_variant(int bm, const uint8_t* a, int64_t rows, const uint8_t* b, int64_t N, int64_t K,
-                    const GemmParams& p, KernelVariant c, cudaStream_t stream) {
+void launch_variant(int bm, const uint8_t* a, int64_t rows, const uint8_t* b, int64_t N, int64_t K, const GemmParams& p,
+                    KernelVariant c, cudaStream_t stream) {
   const bool small = bm == 64;
   if (!tma_store_applies(p)) c.tma_store = false;
   if (bm == 192) {  // three consumer warpgroups: 4 stages, drained (the cluster and scale switches do not apply)
