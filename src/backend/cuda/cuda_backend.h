@@ -301,6 +301,7 @@ class CudaBackend final : public Backend {
   struct Record {
     const char* op;
     cudaEvent_t start, stop;
+    double host_start = 0.0, host_ms = 0.0;  // host time inside the op (seconds since an epoch; ms)
   };
   class OpTimer {
    public:
@@ -316,7 +317,11 @@ class CudaBackend final : public Backend {
   int profile_level_ = 0;
   int depth_ = 0;
   std::vector<Record> records_;
-  std::map<std::string, std::pair<int64_t, double>> profile_totals_;
+  struct ProfileTotal {
+    int64_t calls = 0;
+    double ms = 0.0, host_ms = 0.0;
+  };
+  std::map<std::string, ProfileTotal> profile_totals_;
   void profile_flush();
 
  public:
