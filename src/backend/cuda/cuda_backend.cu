@@ -23,8 +23,8 @@ namespace cuda {
 namespace {
 
 void check_float(const Tensor& t, const char* what) {
-  FP8RL_CHECK(t.dtype() == DType::F32 || t.dtype() == DType::BF16, what,
-              " must be F32 or BF16 on the CUDA backend, got ", t.str());
+  FP8RL_CHECK(t.dtype() == DType::F32 || t.dtype() == DType::BF16, what, " must be F32 or BF16 on the CUDA backend, got ",
+              t.str());
 }
 
 // [.., K] -> rows of K.
@@ -35,8 +35,8 @@ int64_t rows_of(const Tensor& t) { return t.ndim() == 0 ? 1 : t.numel() / std::m
 void one_dtype(std::initializer_list<const Tensor*> ts, const char* op) {
   const Tensor& first = **ts.begin();
   for (const Tensor* t : ts)
-    FP8RL_CHECK(t->dtype() == first.dtype(), op, ": the CUDA kernels take one dtype for all tensors, got ", first.str(),
-                " and ", t->str());
+    FP8RL_CHECK(t->dtype() == first.dtype(), op, ": the CUDA kernels take one dtype for all tensors, got ",
+                first.str(), " and ", t->str());
 }
 
 // A BF16 weight gradient (train.grad_dtype: bf16; backend.h) is accumulated through an F32 copy:
@@ -92,7 +92,8 @@ CudaBackend::CudaBackend(int device_index, DType act_dtype) : device_(device_ind
 CudaBackend::~CudaBackend() {
   try {
     profile_report("", true);
-  } catch (...) {}
+  } catch (...) {
+  }
   if (stream_) cudaStreamSynchronize(stream_);
   slots_.clear();
   gemm_.reset();
@@ -134,8 +135,7 @@ Tensor CudaBackend::scratch(Slot slot, const Shape& shape, DType dtype) {
   const size_t bytes = static_cast<size_t>(shape_numel(shape)) * dtype_size(dtype);
   auto& st = slots_[slot];
   if (!st || st->bytes < bytes) {
-    FP8RL_CHECK(!recording_,
-                "a scratch buffer must grow while recording a CUDA graph: run the ops once "
+    FP8RL_CHECK(!recording_, "a scratch buffer must grow while recording a CUDA graph: run the ops once "
                 "unrecorded first");
     const size_t want = std::max<size_t>(bytes + bytes / 4, 256);
     st.reset();  // the old buffer goes back to the pool first (stream-ordered)
@@ -177,7 +177,8 @@ void CudaBackend::copy_impl(const Tensor& src, Tensor& dst) {
     return !(e && std::string(e) == "0");
   }();
   if (kind == cudaMemcpyDeviceToHost && n <= kDownloadBytes && !recording_ && pinned_downloads) {
-    if (!download_) CUDA_CHECK(cudaMallocHost(&download_, kDownloadBytes), "allocating the pinned download buffer");
+    if (!download_)
+      CUDA_CHECK(cudaMallocHost(&download_, kDownloadBytes), "allocating the pinned download buffer");
     CUDA_CHECK(cudaMemcpyAsync(download_, src.raw(), n, kind, stream_), "copying ", src.str(), " to the host");
     CUDA_CHECK(cudaStreamSynchronize(stream_), "copying ", src.str());
     std::memcpy(dst.raw(), download_, n);
@@ -331,14 +332,13 @@ void CudaBackend::profile_report(const std::string& title, bool print) {
   std::sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) { return a.second.ms > b.second.ms; });
   double total = 0.0, host = 0.0;
   for (const auto& r : rows) total += r.second.ms, host += r.second.host_ms;
-  std::fprintf(stderr,
-               "cuda op profile%s%s (stream time between each op's start and end events; a CUDA-graph "
-               "replay counts as one op, graph_replay; host: the host's time inside the op, waits "
-               "included): total %.1f ms, host %.1f ms\n",
+  std::fprintf(stderr, "cuda op profile%s%s (stream time between each op's start and end events; a CUDA-graph "
+                       "replay counts as one op, graph_replay; host: the host's time inside the op, waits "
+                       "included): total %.1f ms, host %.1f ms\n",
                title.empty() ? "" : ": ", title.c_str(), total, host);
   for (const auto& r : rows)
-    std::fprintf(stderr, "  %-24s %9lld calls %10.2f ms %5.1f%%  %8.1f us/call  host %8.1f us/call\n", r.first.c_str(),
-                 static_cast<long long>(r.second.calls), r.second.ms, 100.0 * r.second.ms / total,
+    std::fprintf(stderr, "  %-24s %9lld calls %10.2f ms %5.1f%%  %8.1f us/call  host %8.1f us/call\n",
+                 r.first.c_str(), static_cast<long long>(r.second.calls), r.second.ms, 100.0 * r.second.ms / total,
                  1000.0 * r.second.ms / r.second.calls, 1000.0 * r.second.host_ms / r.second.calls);
   profile_totals_.clear();
 }
@@ -353,7 +353,8 @@ class CudaGraph final : public OpGraph {
   void replay() override {
     const CudaBackend::OpTimer op_timer_(be_, "graph_replay");
     CUDA_CHECK(cudaGraphLaunch(exec_, be_.stream_), "replaying a CUDA graph");
-    if (!message_.empty() && be_.sticky_message_.empty()) be_.sticky_message_ = "in a CUDA-graph replay: " + message_;
+    if (!message_.empty() && be_.sticky_message_.empty())
+      be_.sticky_message_ = "in a CUDA-graph replay: " + message_;
   }
 
  private:
@@ -427,9 +428,8 @@ void CudaBackend::sum_squares_each_impl(const std::vector<const Tensor*>& xs, st
   Tensor acc = scratch(kSlotState, {n + std::max<int64_t>(1, sum_squares_partials(ns))}, DType::F64);
   double* sums = acc.data<double>();
   launch_sum_squares_many(ptrs, dtypes, ns, sums, sums + n, stream_);
-  CUDA_CHECK(
-      cudaMemcpyAsync(out.data(), sums, static_cast<size_t>(n) * sizeof(double), cudaMemcpyDeviceToHost, stream_),
-      "reading the sums");
+  CUDA_CHECK(cudaMemcpyAsync(out.data(), sums, static_cast<size_t>(n) * sizeof(double), cudaMemcpyDeviceToHost,
+                             stream_), "reading the sums");
   CUDA_CHECK(cudaStreamSynchronize(stream_), "sum_squares");
   flag_drain();
 }
@@ -474,8 +474,8 @@ void CudaBackend::embedding_backward_impl(const Tensor& ids, const Tensor& dout,
   const int64_t T = ids.numel(), V = dtable.dim(0), D = dtable.dim(1);
   const int64_t sbytes = embedding_backward_scratch_bytes(T);
   Tensor sort = scratch(kSlotSort, {std::max<int64_t>(sbytes, 1)}, DType::U8);
-  launch_embedding_backward(ids.data<int32_t>(), T, dout.raw(), dout.dtype(), V, D, dtable.data<float>(), flag_reset(),
-                            sort.raw(), sbytes, stream_);
+  launch_embedding_backward(ids.data<int32_t>(), T, dout.raw(), dout.dtype(), V, D, dtable.data<float>(),
+                            flag_reset(), sort.raw(), sbytes, stream_);
   flag_check("embedding_backward: a token id is out of range [0, " + std::to_string(V) + ")");
 }
 
@@ -608,8 +608,7 @@ void CudaBackend::add_rmsnorm_impl(const Tensor& a, const Tensor& b, Tensor& sum
     if (fp8) quantize_async(out.reshape({R, D}), false, fp8->q, false, laid);
   }
   if (fp8)
-    flag_check("add_rmsnorm: the output " + out.str() +
-               " holds NaN or Inf (FP8 quantization refuses non-finite "
+    flag_check("add_rmsnorm: the output " + out.str() + " holds NaN or Inf (FP8 quantization refuses non-finite "
                "values)");
 }
 
@@ -653,14 +652,14 @@ void CudaBackend::swiglu_backward_fp8_impl(const Tensor& dout, const Tensor& gat
   int* bad = flag_reset();
   if (!launch_swiglu_backward_fp8(dout.raw(), gate.raw(), up.raw(), dgate.raw(), dup.raw(), dgate.dtype(), R, F,
                                   dgate_fp8.q.pow2, dgate_fp8.q.data.data<uint8_t>(), dgate_fp8.q.scales.data<float>(),
-                                  dup_fp8.q.data.data<uint8_t>(), dup_fp8.q.scales.data<float>(), laid, bad, stream_)) {
+                                  dup_fp8.q.data.data<uint8_t>(), dup_fp8.q.scales.data<float>(), laid, bad,
+                                  stream_)) {
     launch_swiglu_backward(dout.raw(), gate.raw(), up.raw(), dgate.raw(), dup.raw(), gate.dtype(), gate.numel(),
                            stream_);
     quantize_async(dgate.reshape({R, F}), false, dgate_fp8.q, false, laid);
     quantize_async(dup.reshape({R, F}), false, dup_fp8.q, false, laid);
   }
-  flag_check("swiglu_backward_fp8: dgate " + dgate.str() +
-             " or dup holds NaN or Inf (FP8 quantization refuses "
+  flag_check("swiglu_backward_fp8: dgate " + dgate.str() + " or dup holds NaN or Inf (FP8 quantization refuses "
              "non-finite values)");
 }
 
@@ -778,9 +777,8 @@ void CudaBackend::moe_permute_fp8_impl(const Tensor& x, const Fp8View* xq, const
   const OpTimer op_timer_(*this, "moe_permute_fp8");
   one_dtype({&x, &out}, "moe_permute_fp8");
   int* bad = flag_reset();
-  if (!launch_moe_permute_quant(x.raw(), x.dtype(), row_slot.data<int32_t>(),
-                                weights ? weights->data<float>() : nullptr, T, R, D, top_k, out.raw(), outq.q.pow2, q,
-                                qs, outq.scales_gemm_layout, bad, stream_)) {
+  if (!launch_moe_permute_quant(x.raw(), x.dtype(), row_slot.data<int32_t>(), weights ? weights->data<float>() : nullptr,
+                                T, R, D, top_k, out.raw(), outq.q.pow2, q, qs, outq.scales_gemm_layout, bad, stream_)) {
     launch_moe_permute(x.raw(), x.dtype(), row_slot.data<int32_t>(), weights ? weights->data<float>() : nullptr, R, D,
                        top_k, T * top_k, out.raw(), bad, stream_);
     quantize_async(out, false, outq.q, false, outq.scales_gemm_layout);
@@ -829,10 +827,10 @@ void CudaBackend::adamw_many_impl(const std::vector<AdamWJob>& jobs) {
     std::vector<AdamWTensor> ts;
     for (size_t i = first; i < end; ++i) {
       const AdamWJob& j = jobs[i];
-      ts.push_back(
-          {j.param->data<float>(), j.grad->raw(), j.m->raw(), j.v->raw(), j.param->numel(),
-           adamw_scalars(j.p.lr, j.p.beta1, j.p.beta2, j.p.eps, j.p.weight_decay, j.p.step, j.p.grad_scale).decay,
-           j.p.rounding_key});
+      ts.push_back({j.param->data<float>(), j.grad->raw(), j.m->raw(), j.v->raw(), j.param->numel(),
+                    adamw_scalars(j.p.lr, j.p.beta1, j.p.beta2, j.p.eps, j.p.weight_decay, j.p.step, j.p.grad_scale)
+                        .decay,
+                    j.p.rounding_key});
     }
     launch_adamw_many(ts, jobs[first].grad->dtype(), jobs[first].m->dtype(), sc, p.stochastic_rounding, p.step,
                       stream_);
@@ -889,7 +887,8 @@ void CudaBackend::quantize_weights_impl(const std::vector<WeightQuantJob>& jobs)
       continue;
     }
     batches[{w.dtype(), j.q->pow2}].push_back({w.raw(), w.dim(0), w.dim(1), j.q->data.data<uint8_t>(),
-                                               j.q->scales.data<float>(), j.qt ? j.qt->data.data<uint8_t>() : nullptr,
+                                               j.q->scales.data<float>(),
+                                               j.qt ? j.qt->data.data<uint8_t>() : nullptr,
                                                j.qt ? j.qt->scales.data<float>() : nullptr});
   }
   for (const auto& [key, ws] : batches) {
@@ -913,10 +912,9 @@ bool CudaBackend::fp8_tensor_cores(int64_t M, int64_t N, int64_t K) {
   if (GemmEngine::fp8_supported(M, N, K)) return true;
   ++fp8_fallbacks_;
   if (fp8_fallback_shapes_.insert({N, K}).second)
-    std::fprintf(stderr,
-                 "warning: FP8 GEMM M=%lld N=%lld K=%lld runs as dequantize + FP32 GEMM (slow): cuBLASLt's "
-                 "block-scaled kernels need N %% 16 == 0 and K %% 128 == 0 (reported once per N, K; counted "
-                 "in fp8_gemm_fallbacks)\n",
+    std::fprintf(stderr, "warning: FP8 GEMM M=%lld N=%lld K=%lld runs as dequantize + FP32 GEMM (slow): cuBLASLt's "
+                         "block-scaled kernels need N %% 16 == 0 and K %% 128 == 0 (reported once per N, K; counted "
+                         "in fp8_gemm_fallbacks)\n",
                  static_cast<long long>(M), static_cast<long long>(N), static_cast<long long>(K));
   return false;
 }
@@ -1113,8 +1111,8 @@ void CudaBackend::linear_chunked_impl(const Tensor& x, const Tensor& w, const Li
 // product, either scale layout of a view); where it does not take the shape (N or K not a
 // multiple of 16) and on the exact path (F32 activations), the dequantized operands' FP32 GEMM on
 // one cuBLASLt algorithm for every M. The quantized operands are those of the other paths.
-void CudaBackend::linear_fwd_fp8_consistent(const Tensor& x, const LinearWeight& W, const LinearSpec& spec, Tensor& out,
-                                            const Fp8View* x_view) {
+void CudaBackend::linear_fwd_fp8_consistent(const Tensor& x, const LinearWeight& W, const LinearSpec& spec,
+                                            Tensor& out, const Fp8View* x_view) {
   const int64_t M = x.dim(0), K = x.dim(1), N = W.out_features();
   const bool own = act_dtype_ != DType::F32 && fp8_gemm_sm90_supported(M, N, K);
   if (!own && act_dtype_ != DType::F32) (void)fp8_tensor_cores(M, N, K);  // counted and reported as a fallback
@@ -1320,7 +1318,8 @@ void CudaBackend::linear_qkv_norm_rope_impl(const Tensor& x, const std::vector<c
                                             const LinearSpec& spec, const Tensor& q_norm, const Tensor& k_norm,
                                             float eps, const Tensor& positions, const RopeParams& rope, bool keep,
                                             Tensor& q_raw, Tensor& k_raw, Tensor& q, Tensor& k, Tensor& v,
-                                            Tensor* q_rstd, Tensor* k_rstd, const Fp8View* x_fp8, const KvDest* kv) {
+                                            Tensor* q_rstd, Tensor* k_rstd, const Fp8View* x_fp8,
+                                            const KvDest* kv) {
   const int64_t K = W[0]->in_features(), M = rows_of(x), hd = q.dim(2);
   LinearWeight cat;
   const DType dt = q.dtype();
@@ -1385,13 +1384,13 @@ void CudaBackend::linear_swiglu_impl(const Tensor& x, const LinearWeight& gate_w
   if (act_fp8) {
     fp8_view_prepare(*act_fp8, act);
     int* bad = flag_reset();
-    if (!launch_swiglu_fp8(g, u, 2 * F, act.raw(), act.dtype(), M, F, act_fp8->q.pow2, act_fp8->q.data.data<uint8_t>(),
-                           act_fp8->q.scales.data<float>(), act_fp8->scales_gemm_layout, bad, stream_)) {
+    if (!launch_swiglu_fp8(g, u, 2 * F, act.raw(), act.dtype(), M, F, act_fp8->q.pow2,
+                           act_fp8->q.data.data<uint8_t>(), act_fp8->q.scales.data<float>(),
+                           act_fp8->scales_gemm_layout, bad, stream_)) {
       launch_swiglu_rows(g, u, 2 * F, act.raw(), act.dtype(), M, F, stream_);
       quantize_async(act.reshape({M, F}), false, act_fp8->q, false, act_fp8->scales_gemm_layout);
     }
-    flag_check("linear_swiglu: the output " + act.str() +
-               " holds NaN or Inf (FP8 quantization refuses non-finite values)");
+    flag_check("linear_swiglu: the output " + act.str() + " holds NaN or Inf (FP8 quantization refuses non-finite values)");
   } else {
     launch_swiglu_rows(g, u, 2 * F, act.raw(), act.dtype(), M, F, stream_);
   }
@@ -1558,8 +1557,8 @@ void CudaBackend::grouped_linear_backward_impl(const Tensor& dy, const Tensor& x
   const bool bf16_ops = dy.dtype() == DType::BF16 && x.dtype() == DType::BF16;
   bool dx_done = !dx;
   if (dx && fast && fp8) {
-    bool ok =
-        fp8_gemm_sm90_supported(R, K, N) && N % kQuantBlock == 0 && K % kQuantBlock == 0 && R < (int64_t{1} << 31);
+    bool ok = fp8_gemm_sm90_supported(R, K, N) && N % kQuantBlock == 0 && K % kQuantBlock == 0 &&
+              R < (int64_t{1} << 31);
     for (const LinearWeight* w : W) ok = ok && w->wq.defined() && w->wq.pow2 == spec.pow2_scales;
     if (ok) {
       // dy's 1x128 copy: the producer's (swiglu_backward_fp8), else quantized here.
@@ -1579,10 +1578,9 @@ void CudaBackend::grouped_linear_backward_impl(const Tensor& dy, const Tensor& x
       for (size_t g = 0; g < W.size(); ++g) cached = cached && (offsets[g + 1] == offsets[g] || W[g]->wqt.defined());
       if (cached) {
         for (size_t g = 0; g < W.size(); ++g)  // groups without rows: any valid map (never read)
-          if (offsets[g + 1] > offsets[g])
-            bp[g] = W[g]->wqt.data.data<uint8_t>(), sp[g] = W[g]->wqt.scales.data<float>();
-        const size_t any =
-            static_cast<size_t>(std::find_if(bp.begin(), bp.end(), [](const uint8_t* p) { return p; }) - bp.begin());
+          if (offsets[g + 1] > offsets[g]) bp[g] = W[g]->wqt.data.data<uint8_t>(), sp[g] = W[g]->wqt.scales.data<float>();
+        const size_t any = static_cast<size_t>(std::find_if(bp.begin(), bp.end(), [](const uint8_t* p) { return p; }) -
+                                               bp.begin());
         for (size_t g = 0; g < W.size(); ++g)
           if (!bp[g]) bp[g] = bp[any], sp[g] = sp[any];
       } else {
@@ -1593,16 +1591,16 @@ void CudaBackend::grouped_linear_backward_impl(const Tensor& dy, const Tensor& x
           if (offsets[g + 1] == offsets[g]) continue;
           uint8_t* q = wt.data.data<uint8_t>() + u * K * N;
           float* sc = wt.scales.data<float>() + u * (K / kQuantBlock) * (N / kQuantBlock);
-          launch_transpose_quant(W[g]->wq.data.data<uint8_t>(), W[g]->wq.scales.data<float>(), N, K, kQuantBlock, q, sc,
-                                 stream_);
+          launch_transpose_quant(W[g]->wq.data.data<uint8_t>(), W[g]->wq.scales.data<float>(), N, K, kQuantBlock, q,
+                                 sc, stream_);
           bp[g] = q, sp[g] = sc, ++u;
         }
         for (size_t g = 0; g < W.size(); ++g)  // groups without rows: any valid map (never read)
           if (!bp[g]) bp[g] = wt.data.data<uint8_t>(), sp[g] = wt.scales.data<float>();
       }
       const OpTimer t(*this, "grouped_linear_backward: dgrad FP8 GEMM", 2);
-      gemm_->gemm_fp8_grouped(offsets, K, N, dyq.data.data<uint8_t>(), dyq.scales.data<float>(), dy_kb_major, bp, sp,
-                              dx->raw(), dx->dtype(), 1.0f, 0.0f, /*block_m=*/0, /*keep_maps=*/cached);
+      gemm_->gemm_fp8_grouped(offsets, K, N, dyq.data.data<uint8_t>(), dyq.scales.data<float>(), dy_kb_major, bp,
+                              sp, dx->raw(), dx->dtype(), 1.0f, 0.0f, /*block_m=*/0, /*keep_maps=*/cached);
       dx_done = true;
     }
   } else if (dx && fast && spec.mode == LinearMode::BF16 && bf16_ops && bf16_weights(W) &&
@@ -1681,7 +1679,7 @@ void CudaBackend::linear_backward_impl(const Tensor& dy, const Tensor& x, const 
       const bool tc = fp8_tensor_cores(M, K, N);
       const bool use_view = dy_fp8 && (tc || !dy_fp8->scales_gemm_layout);
       const bool laid = use_view ? dy_fp8->scales_gemm_layout : tc && M % kFp8RowGranule == 0;  // as in the forward
-      const bool quantizes = !use_view || !(W.wqt.defined() || W.wq.defined());                 // a flag slot only then
+      const bool quantizes = !use_view || !(W.wqt.defined() || W.wq.defined());  // a flag slot only then
       if (quantizes) flag_reset();
       const QuantTensor dyq = quantized_rows(dy2, use_view ? dy_fp8 : nullptr, spec.pow2_scales, laid,
                                              "linear_backward: dgrad quantize dy");
@@ -1709,8 +1707,8 @@ void CudaBackend::linear_backward_impl(const Tensor& dy, const Tensor& x, const 
         Tensor af = scratch(kSlotA, {M, N}, DType::F32), bf = scratch(kSlotB, {K, N}, DType::F32);
         launch_dequantize(dyq.data.data<uint8_t>(), dyq.scales.data<float>(), M, N, 1, kQuantBlock, af.raw(),
                           DType::F32, stream_);
-        launch_dequantize(wtq.data.data<uint8_t>(), wtq.scales.data<float>(), K, N, kQuantBlock, kQuantBlock, bf.raw(),
-                          DType::F32, stream_);
+        launch_dequantize(wtq.data.data<uint8_t>(), wtq.scales.data<float>(), K, N, kQuantBlock, kQuantBlock,
+                          bf.raw(), DType::F32, stream_);
         mm(false, true, M, K, N, af, bf, DType::F32, dx2, 0.0f);
       }
     }
@@ -1779,8 +1777,7 @@ constexpr bool kFlashByDefault = true, kFlashMlaByDefault = true;
 bool use_flash_attention(DType dt, int hd, int hdv, std::initializer_list<const Tensor*> ts) {
   const char* e = std::getenv("FP8RL_CUDA_ATTENTION");
   const bool asked = e && std::string(e) == "flash";
-  const bool want =
-      e && std::string(e) == "simple" ? false : asked || (hd == hdv ? kFlashByDefault : kFlashMlaByDefault);
+  const bool want = e && std::string(e) == "simple" ? false : asked || (hd == hdv ? kFlashByDefault : kFlashMlaByDefault);
   if (!want || !flash_attention_supported(dt, hd, hdv)) return false;
   for (const Tensor* t : ts)
     if (reinterpret_cast<uintptr_t>(t->raw()) % 16 != 0) return false;
@@ -1840,8 +1837,8 @@ void CudaBackend::attention_backward_impl(const Tensor& dout, const Tensor& q, c
   Tensor idx = scratch(kSlotIdx, {2 * T}, DType::I32);
   CUDA_CHECK(cudaMemcpyAsync(idx.raw(), b.data(), b.size() * 4, cudaMemcpyHostToDevice, stream_), "uploading seqlens");
   launch_attention_backward(dout.raw(), q.raw(), k.raw(), v.raw(), out.raw(), q.dtype(), lse.data<float>(),
-                            idx.data<int32_t>(), idx.data<int32_t>() + T, T, Hq, Hkv, hd, hdv, softmax_scale, dq.raw(),
-                            dk.raw(), dv.raw(), delta.data<float>(), stream_);
+                            idx.data<int32_t>(), idx.data<int32_t>() + T, T, Hq, Hkv, hd, hdv, softmax_scale,
+                            dq.raw(), dk.raw(), dv.raw(), delta.data<float>(), stream_);
 }
 
 // ---- fused log-probabilities -------------------------------------------------------------------
@@ -1870,8 +1867,8 @@ void CudaBackend::token_logprobs_impl(const Tensor& hidden, const Tensor& lm_hea
     LinearWeight chunk;
     chunk.w = lm_head.slice_rows(v0, v0 + n);
     linear_fwd(hidden, chunk, spec, logits);
-    launch_logprob_chunk(logits.data<float>(), n, T, n, v0, V, 1.0f / temperature, targets.data<int32_t>(), st.m, st.s,
-                         st.e, st.tgt, st.bad, stream_);
+    launch_logprob_chunk(logits.data<float>(), n, T, n, v0, V, 1.0f / temperature, targets.data<int32_t>(), st.m,
+                         st.s, st.e, st.tgt, st.bad, stream_);
   }
   launch_logprob_finish(st.m, st.s, st.e, st.tgt, T, logp.data<float>(), lse.data<float>(),
                         entropy ? entropy->data<float>() : nullptr, stream_);
@@ -1899,8 +1896,8 @@ void CudaBackend::logprobs_of_logits_impl(const Tensor& logits, const Tensor& ta
   // folded by three launches whatever their number (the same bits as one launch per chunk).
   const int64_t chunk = std::min(kConsistentVocabChunk, V);
   Tensor parts = scratch(kSlotLogpParts, {ceil_div(logprob_rows_scratch_bytes(R, V, chunk), int64_t{4})}, DType::F32);
-  launch_logprob_rows(logits.data<float>(), R, V, chunk, 1.0f / temperature, targets.data<int32_t>(), st.m, st.s, st.e,
-                      st.tgt, st.bad, parts.data<float>(), stream_);
+  launch_logprob_rows(logits.data<float>(), R, V, chunk, 1.0f / temperature, targets.data<int32_t>(), st.m, st.s,
+                      st.e, st.tgt, st.bad, parts.data<float>(), stream_);
   launch_logprob_finish(st.m, st.s, st.e, st.tgt, R, logp.data<float>(), lse.data<float>(), nullptr, stream_);
 }
 
@@ -2009,11 +2006,11 @@ void CudaBackend::attention_paged_fp8_impl(const KvCache& cache, int layer, cons
   const Tensor out2 = out.reshape({out.dim(0), out.numel() / std::max<int64_t>(out.dim(0), 1)});
   fp8_view_prepare(fp8, out2);
   int* bad = flag_reset();
-  const PagedOutFp8 o{fp8.q.data.data<uint8_t>(), fp8.q.scales.data<float>(), fp8.scales_gemm_layout, fp8.q.pow2, bad};
+  const PagedOutFp8 o{fp8.q.data.data<uint8_t>(), fp8.q.scales.data<float>(), fp8.scales_gemm_layout, fp8.q.pow2,
+                      bad};
   if (!attention_paged_run(cache, layer, q, batch, softmax_scale, fp8_attention, out, nullptr, fuse ? &o : nullptr))
     quantize_async(out2, false, fp8.q, false, fp8.scales_gemm_layout);
-  flag_check("attention_paged: the output " + out.str() +
-             " holds NaN or Inf (FP8 quantization refuses non-finite values)");
+  flag_check("attention_paged: the output " + out.str() + " holds NaN or Inf (FP8 quantization refuses non-finite values)");
 }
 
 namespace {
@@ -2033,7 +2030,7 @@ bool CudaBackend::attention_paged_run(const KvCache& cache, int layer, const Ten
   const bool latent = cache.latent_v_dim > 0;  // MLA: V = the first latent_v_dim values of the K row
   const bool e4m3 = cache.dtype == DType::E4M3;
   const float* ks = e4m3 ? cache.k_scale.data<float>() + static_cast<int64_t>(layer) * cache.num_kv_heads : nullptr;
-  const float* vs = !e4m3    ? nullptr
+  const float* vs = !e4m3  ? nullptr
                     : latent ? ks
                              : cache.v_scale.data<float>() + static_cast<int64_t>(layer) * cache.num_kv_heads;
   const int max_pages = static_cast<int>(batch.page_table.dim(1));
@@ -2053,13 +2050,13 @@ bool CudaBackend::attention_paged_run(const KvCache& cache, int layer, const Ten
   const bool simple = md == "simple", grouped = md == "grouped", tiled = md == "tiled";
   const int group = Hq / cache.num_kv_heads;
   if (batch.flash_order) {  // the consistent mode's flash order (PagedBatch): its own kernel, whatever the switches
-    FP8RL_CHECK(!latent && !fp8_attention && !lse_out && flash_decode_supported(hd, group, cache.dtype, q.dtype()),
+    FP8RL_CHECK(!latent && !fp8_attention && !lse_out &&
+                    flash_decode_supported(hd, group, cache.dtype, q.dtype()),
                 "attention_paged (flash order): needs BF16 q over a BF16 or E4M3 cache of K and V, head_dim 64 or 128, "
-                "group <= 16, no FP8 attention and no lse; got q ",
-                q.str(), ", pool ", dtype_name(cache.dtype));
+                "group <= 16, no FP8 attention and no lse; got q ", q.str(), ", pool ", dtype_name(cache.dtype));
     launch_flash_decode(q.raw(), batch.token_seq.data<int32_t>(), batch.token_pos.data<int32_t>(),
-                        batch.page_table.data<int32_t>(), max_pages, T, Hq, cache.num_kv_heads, hd, cache.page_size, kp,
-                        vp, cache.dtype, ks, vs, softmax_scale, out.raw(), stream_);
+                        batch.page_table.data<int32_t>(), max_pages, T, Hq, cache.num_kv_heads, hd, cache.page_size,
+                        kp, vp, cache.dtype, ks, vs, softmax_scale, out.raw(), stream_);
     return false;  // an FP8 copy of out, if asked, is the caller's quantizer's
   }
   // MLA's latent cache (one 576-wide row per token, Hq query heads over it): the tensor-core
@@ -2085,12 +2082,12 @@ bool CudaBackend::attention_paged_run(const KvCache& cache, int layer, const Ten
   const bool mma = !grouped && !tiled && paged_attention_mma_supported(hd, group, cache.dtype, q.dtype(), kp, vp);
   // max_pos only sizes the split plan: a token past it is still served in full (last split).
   const PagedSplit plan =
-      batch.batch_invariant ? paged_attention_invariant_split(batch.max_pos)
-      : mma ? paged_attention_mma_split(T, cache.num_kv_heads, hd, cache.dtype, batch.max_pos, sm_count_, nforced)
-            : paged_attention_split(T, cache.num_kv_heads, batch.max_pos, sm_count_, nforced);
+      batch.batch_invariant
+          ? paged_attention_invariant_split(batch.max_pos)
+          : mma ? paged_attention_mma_split(T, cache.num_kv_heads, hd, cache.dtype, batch.max_pos, sm_count_, nforced)
+                : paged_attention_split(T, cache.num_kv_heads, batch.max_pos, sm_count_, nforced);
   float* part = nullptr;
-  if (plan.splits > 1 || lse_out)
-    part = scratch(kSlotAttn, {T * Hq * plan.splits * (hd + 1)}, DType::F32).data<float>();
+  if (plan.splits > 1 || lse_out) part = scratch(kSlotAttn, {T * Hq * plan.splits * (hd + 1)}, DType::F32).data<float>();
   float* part_lse = part ? part + T * Hq * plan.splits * hd : nullptr;
   const bool fused = out_fp8 && hd == 128;  // one 1x128 block per (token, head) row
   // Query runs: only runs that fit the kernel's MMA columns (same bits either way).
@@ -2156,8 +2153,8 @@ void CudaBackend::sample_impl(const Tensor& logits, const std::vector<float>& te
   CUDA_CHECK(cudaMemcpyAsync(pd.raw(), params.data(), params.size() * sizeof(float), cudaMemcpyHostToDevice, stream_),
              "uploading the sampling parameters");
   const float* p = pd.data<float>();  // no [B, V] scratch: the kernel recomputes keys and weights
-  launch_sample(logits.data<float>(), B, V, Vv, p, p + n, reinterpret_cast<const int32_t*>(p + 3 * n), p + 2 * n, 1,
-                false, tokens.data<int32_t>(), logp.data<float>(), flag_reset(), stream_);
+  launch_sample(logits.data<float>(), B, V, Vv, p, p + n, reinterpret_cast<const int32_t*>(p + 3 * n), p + 2 * n,
+                1, false, tokens.data<int32_t>(), logp.data<float>(), flag_reset(), stream_);
   // Synchronizes: the host-side parameter vector must outlive the upload.
   flag_check("sample: a row of logits holds NaN or +inf, or only -inf");
   flag_drain();
@@ -2195,10 +2192,9 @@ void CudaBackend::sample_rows_impl(const Tensor& logits, const Tensor& rows, boo
     launch_sample(lf.data<float>(), B, V, Vv, w, w + 1, reinterpret_cast<const int32_t*>(w + 2), w + 3, 8, true,
                   tokens.data<int32_t>(), logp.data<float>(), f, stream_);
   }
-  flag_check(
-      "sample: a row of logits holds NaN or +inf, or only -inf, or its parameters are out of range "
-      "(temperature >= 0, top_p in (0, 1], top_k >= 0, uniform in [0, 1); top-k / top-p only with "
-      "truncation)");
+  flag_check("sample: a row of logits holds NaN or +inf, or only -inf, or its parameters are out of range "
+             "(temperature >= 0, top_p in (0, 1], top_k >= 0, uniform in [0, 1); top-k / top-p only with "
+             "truncation)");
 }
 
 }  // namespace cuda
