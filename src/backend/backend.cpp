@@ -1153,6 +1153,79 @@ void Backend::moe_unpermute(const Tensor& y, const Tensor& slot_row, const Tenso
   moe_unpermute_impl(y, slot_row, weights, out);
 }
 
+MoeSlotSort moe_sort_slots(const int32_t* ex, int64_t R, int64_t E) {
+  MoeSlotSort p;
+  p.offsets.assign(static_cast<size_t>(E) + 1, 0);
+  for (int64_t s = 0; s < R; ++s) {
+    FP8RL_CHECK(ex[s] >= 0 && ex[s] < E, "moe routing produced expert ", ex[s], " outside [0, ", E, ")");
+    ++p.offsets[static_cast<size_t>(ex[s]) + 1];
+  }
+  for (int64_t e = 0; e < E; ++e) p.offsets[e + 1] += p.offsets[e];
+  p.row_slot.resize(static_cast<size_t>(R));
+  p.slot_row.resize(static_cast<size_t>(R));
+  std::vector<int64_t> next(p.offsets.begin(), p.offsets.end() - 1);
+  for (int64_t s = 0; s < R; ++s) {
+    const int64_t r = next[ex[s]]++;
+    p.row_slot[r] = static_cast<int32_t>(s);
+    p.slot_row[s] = static_cast<int32_t>(r);
+  }
+  return p;
+}
+
+std::vector<int32_t> moe_tiles(const std::vector<int64_t>& offsets, int block_m) {
+  FP8RL_CHECK(block_m >= 1, "moe_tiles: block_m must be >= 1, got ", block_m);
+  std::vector<int32_t> t;
+  for (size_t e = 0; e + 1 < offsets.size(); ++e)
+    for (int64_t r = offsets[e]; r < offsets[e + 1]; r += block_m)
+      t.insert(t.end(), {static_cast<int32_t>(e), static_cast<int32_t>(r), static_cast<int32_t>(offsets[e + 1]), 0});
+  return t;
+}
+
+// Each expert's tiles: ceil(rows / block_m) <= rows / block_m + 1 for the experts with rows.
+int64_t moe_plan_max_tiles(int64_t slots, int64_t num_experts, int block_m) {
+  return (slots + block_m - 1) / block_m + std::min(slots, num_experts);
+}
+
+void Backend::moe_plan(const Tensor& experts, int64_t num_experts, int block_m, Tensor& offsets, Tensor& row_slot,
+                       Tensor& slot_row, Tensor& tiles, Tensor& tile_count) {
+  const Contract c(*this);
+  c.i32(experts, "moe_plan experts");
+  FP8RL_CHECK(experts.ndim() == 2 && experts.dim(1) >= 1, "moe_plan: experts must be [T, k], got ", experts.str());
+  FP8RL_CHECK(num_experts >= 1 && num_experts <= kMoePlanMaxExperts && block_m >= 1,
+              "moe_plan: num_experts must be in [1, ", kMoePlanMaxExperts, "] and block_m >= 1, got ", num_experts,
+              " and ", block_m);
+  const int64_t R = experts.numel();
+  FP8RL_CHECK(R < (int64_t{1} << 31), "moe_plan: ", R, " slots are more than its I32 rows index");
+  c.i32(offsets, {num_experts + 1}, "moe_plan offsets");
+  c.i32(row_slot, {R}, "moe_plan row_slot");
+  c.i32(slot_row, {R}, "moe_plan slot_row");
+  c.i32(tiles, {moe_plan_max_tiles(R, num_experts, block_m), 4}, "moe_plan tiles");
+  c.i32(tile_count, {1}, "moe_plan tile_count");
+  moe_plan_impl(experts, num_experts, block_m, offsets, row_slot, slot_row, tiles, tile_count);
+}
+
+void Backend::moe_plan_impl(const Tensor& experts, int64_t num_experts, int block_m, Tensor& offsets, Tensor& row_slot,
+                            Tensor& slot_row, Tensor& tiles, Tensor& tile_count) {
+  const Tensor ex = to_host(experts);
+  const MoeSlotSort p = moe_sort_slots(ex.data<int32_t>(), ex.numel(), num_experts);
+  const std::vector<int32_t> t = moe_tiles(p.offsets, block_m);
+  auto upload = [&](const int32_t* v, int64_t n, Tensor& dst) {
+    Tensor h = Tensor::empty({n}, DType::I32);
+    std::copy_n(v, n, h.data<int32_t>());
+    Tensor d = dst.reshape({n});
+    copy(h, d);
+  };
+  std::vector<int32_t> off(p.offsets.begin(), p.offsets.end());
+  upload(off.data(), static_cast<int64_t>(off.size()), offsets);
+  upload(p.row_slot.data(), static_cast<int64_t>(p.row_slot.size()), row_slot);
+  upload(p.slot_row.data(), static_cast<int64_t>(p.slot_row.size()), slot_row);
+  std::vector<int32_t> all(static_cast<size_t>(tiles.numel()), 0);  // past the count: empty tiles
+  std::copy(t.begin(), t.end(), all.begin());
+  upload(all.data(), static_cast<int64_t>(all.size()), tiles);
+  const int32_t n = static_cast<int32_t>(t.size() / 4);
+  upload(&n, 1, tile_count);
+}
+
 void Backend::moe_unpermute_backward_weights(const Tensor& dout, const Tensor& y, const Tensor& slot_row,
                                              Tensor& dweights) {
   const Contract c(*this);

@@ -209,6 +209,21 @@ struct BackendCounters {
   double gemm_heuristic_ms = 0.0;  // host time those queries took (the stream waits on it inside the op)
 };
 
+// A mixture-of-experts block's slots sorted by expert (the rows of its expert GEMMs), on the host:
+// the T k slots of experts [T * k] (slot t * k + j: token t's j-th expert), each in [0, E) (an
+// Error otherwise), counted per expert: offsets [E + 1] (offsets[e]: the rows of the experts
+// below e); row r of the permuted rows holds slot row_slot[r] and slot s sits in row slot_row[s],
+// the slots of one expert in slot order (stable).
+struct MoeSlotSort {
+  std::vector<int64_t> offsets;
+  std::vector<int32_t> row_slot, slot_row;
+};
+MoeSlotSort moe_sort_slots(const int32_t* experts, int64_t slots, int64_t num_experts);
+// The grouped kernels' tile table of such a sort: per expert in order, its rows in tiles of block_m,
+// each {expert, first row, end row (the expert's), 0}. At most moe_plan_max_tiles entries.
+std::vector<int32_t> moe_tiles(const std::vector<int64_t>& offsets, int block_m);
+int64_t moe_plan_max_tiles(int64_t slots, int64_t num_experts, int block_m);
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -536,6 +551,16 @@ class Backend {
   // The weights' gradient of moe_unpermute: dweights[s] = dot(dout[s / k], y[slot_row[s]]),
   // dout [T, D], y [R, D], slot_row I32 [T * k]; dweights [T * k] (F32/F64) written.
   void moe_unpermute_backward_weights(const Tensor& dout, const Tensor& y, const Tensor& slot_row, Tensor& dweights);
+  // The slots sorted by expert as an op, for a block that runs without the host knowing its
+  // experts' rows (no download: CUDA-graph capturable): moe_sort_slots and moe_tiles below, on
+  // the backend's device. experts I32 [T, k], each in [0, E) (a data error otherwise: thrown on
+  // the CPU, flagged on CUDA and reported at its next check; the outputs are then unspecified),
+  // E = num_experts <= kMoePlanMaxExperts. Writes offsets I32 [E + 1], row_slot and slot_row I32
+  // [T k], tiles I32 [moe_plan_max_tiles(T k, E, block_m), 4] (the first tile_count rows; the rest
+  // {0, 0, 0, 0}: empty tiles) and tile_count I32 [1]. block_m >= 1.
+  static constexpr int64_t kMoePlanMaxExperts = 1024;
+  void moe_plan(const Tensor& experts, int64_t num_experts, int block_m, Tensor& offsets, Tensor& row_slot,
+                Tensor& slot_row, Tensor& tiles, Tensor& tile_count);
 
   // ---- optimizer -------------------------------------------------------------------------
   // Decoupled AdamW (torch.optim.AdamW), in place, on tensors of one shape: param F32 (the master),
@@ -745,6 +770,10 @@ class Backend {
   virtual void moe_unpermute_impl(const Tensor& y, const Tensor& slot_row, const Tensor* weights, Tensor& out) = 0;
   virtual void moe_unpermute_backward_weights_impl(const Tensor& dout, const Tensor& y, const Tensor& slot_row,
                                                    Tensor& dweights) = 0;
+  // Default: the experts downloaded, moe_sort_slots and moe_tiles, the results uploaded (the CPU
+  // reference).
+  virtual void moe_plan_impl(const Tensor& experts, int64_t num_experts, int block_m, Tensor& offsets, Tensor& row_slot,
+                             Tensor& slot_row, Tensor& tiles, Tensor& tile_count);
   virtual void adamw_impl(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWParams& p) = 0;
   virtual void quantize_impl(const Tensor& x, bool transpose, QuantTensor& out, bool deferred) = 0;
   // Defaults: the loops (the CPU reference); CUDA overrides both with multi-tensor launches.

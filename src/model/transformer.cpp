@@ -232,20 +232,11 @@ void moe_forward(Backend& be, const ModelConfig& c, const LayerWeights& lw, cons
   if (io.own) io.own->ids[m].assign(experts.data<int32_t>(), experts.data<int32_t>() + R);
   if (io.replay) moe_replay_routing(be, c, *io.replay, m, experts, a);
   if (io.used) io.used->ids[m].assign(experts.data<int32_t>(), experts.data<int32_t>() + R);
-  const int32_t* ex = experts.data<int32_t>();
-  a.moe_offsets.assign(E + 1, 0);
-  for (int64_t s = 0; s < R; ++s) {
-    FP8RL_CHECK(ex[s] >= 0 && ex[s] < E, "moe routing produced expert ", ex[s], " outside [0, ", E, ")");
-    ++a.moe_offsets[ex[s] + 1];
-  }
-  for (int64_t e = 0; e < E; ++e) a.moe_offsets[e + 1] += a.moe_offsets[e];
+  MoeSlotSort sorted = moe_sort_slots(experts.data<int32_t>(), R, E);
+  a.moe_offsets = std::move(sorted.offsets);
   Tensor row_slot = Tensor::empty({R}, DType::I32), slot_row = Tensor::empty({R}, DType::I32);
-  std::vector<int64_t> next(a.moe_offsets.begin(), a.moe_offsets.end() - 1);
-  for (int64_t s = 0; s < R; ++s) {
-    const int64_t r = next[ex[s]]++;
-    row_slot.data<int32_t>()[r] = static_cast<int32_t>(s);
-    slot_row.data<int32_t>()[s] = static_cast<int32_t>(r);
-  }
+  std::copy(sorted.row_slot.begin(), sorted.row_slot.end(), row_slot.data<int32_t>());
+  std::copy(sorted.slot_row.begin(), sorted.slot_row.end(), slot_row.data<int32_t>());
   be.copy(row_slot, a.moe_row_slot);
   be.copy(slot_row, a.moe_slot_row);
 

@@ -523,5 +523,20 @@ TEST(MoeRoutingMetrics, MemoryPlanCountsTheRecord) {
   EXPECT_TRUE(memory_plan_compute(in).host.empty()) << "dense: no routing";
 }
 
+// The host sort of a block's slots by expert (moe_sort_slots, moe_plan's reference) and its tile
+// table, on a hand-checked case: slots 0..5 of experts {2, 0, 2, 1, 2, 0} (E = 4: expert 3 has no
+// rows) sort to rows [1 5 | 3 | 0 2 4], each expert's slots in slot order; tiles of 2 rows.
+TEST(MoeSlotSort, StableByExpertWithItsTiles) {
+  const int32_t ex[] = {2, 0, 2, 1, 2, 0};
+  const MoeSlotSort p = moe_sort_slots(ex, 6, 4);
+  EXPECT_EQ(p.offsets, (std::vector<int64_t>{0, 2, 3, 6, 6}));
+  EXPECT_EQ(p.row_slot, (std::vector<int32_t>{1, 5, 3, 0, 2, 4}));
+  EXPECT_EQ(p.slot_row, (std::vector<int32_t>{3, 0, 4, 2, 5, 1}));
+  EXPECT_EQ(moe_tiles(p.offsets, 2), (std::vector<int32_t>{0, 0, 2, 0, 1, 2, 3, 0, 2, 3, 6, 0, 2, 5, 6, 0}));
+  EXPECT_EQ(moe_plan_max_tiles(6, 4, 2), 3 + 4);
+  const int32_t bad[] = {0, 4};
+  EXPECT_THROW(moe_sort_slots(bad, 2, 4), Error);
+}
+
 }  // namespace
 }  // namespace fp8rl

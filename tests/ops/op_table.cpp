@@ -1929,6 +1929,59 @@ void moe_cases(std::vector<OpCase>& t) {
             Error);
       };
     }
+  // moe_plan: the slots sorted by expert and the tile table, bitwise moe_sort_slots / moe_tiles
+  // (the CPU's) on every backend: a few tokens, a decode step (256 x 8 of 128 experts, one of two
+  // chunks of the CUDA kernel's placement), 16,000 slots over 64 experts (16 chunks), experts
+  // with no rows (more experts than slots), a block of 1 row. The tiles compared up to their count.
+  struct PlanCase {
+    int64_t T, k, E;
+    int bm;
+  };
+  for (const PlanCase pc : {PlanCase{37, 3, 8, 4}, PlanCase{256, 8, 128, 64}, PlanCase{2000, 8, 64, 128},
+                            PlanCase{5, 2, 300, 64}, PlanCase{40, 1, 16, 1}}) {
+    const int64_t R = pc.T * pc.k, max_tiles = moe_plan_max_tiles(R, pc.E, pc.bm);
+    t.push_back(
+        {"moe_plan",
+         "T " + std::to_string(pc.T) + ", k " + std::to_string(pc.k) + ", E " + std::to_string(pc.E) + ", block " +
+             std::to_string(pc.bm),
+         [=] {
+           // Skewed ids (a few experts take most slots, as trained routers do): e = (h^2 mod E^2) / E.
+           std::vector<int32_t> ex(static_cast<size_t>(R));
+           for (int64_t s = 0; s < R; ++s) {
+             const uint64_t h = (static_cast<uint64_t>(s) * 2654435761u + 12345u) % static_cast<uint64_t>(pc.E * pc.E);
+             ex[s] = static_cast<int32_t>(h * h % static_cast<uint64_t>(pc.E * pc.E) / static_cast<uint64_t>(pc.E));
+           }
+           std::vector<int32_t> bad = ex;
+           bad[static_cast<size_t>(R / 2)] = static_cast<int32_t>(pc.E);
+           return Tensors{{"experts", i32_tensor(ex, {pc.T, pc.k})}, {"bad", i32_tensor(bad, {pc.T, pc.k})}};
+         },
+         [=](OpRun& r) {
+           Tensor& tiles = r.output("tiles", {max_tiles, 4}, DType::I32);
+           Tensor& count = r.output("tile_count", {1}, DType::I32);
+           r.be.moe_plan(r["experts"], pc.E, pc.bm, r.output("offsets", {pc.E + 1}, DType::I32),
+                         r.output("row_slot", {R}, DType::I32), r.output("slot_row", {R}, DType::I32), tiles, count);
+           const int64_t n = r.be.to_host(count).data<int32_t>()[0];
+           ASSERT_TRUE(n >= 0 && n <= max_tiles) << n << " tiles of at most " << max_tiles;
+           r.be.copy(tiles.slice_rows(0, n), r.output("tiles_used", {n, 4}, DType::I32));
+         },
+         {{"offsets", bitwise()},
+          {"row_slot", bitwise()},
+          {"slot_row", bitwise()},
+          {"tile_count", bitwise()},
+          {"tiles_used", bitwise()}}});
+    // An expert id outside [0, E) is an error (raised at the next synchronizing call at the latest).
+    t.back().errors = [=](OpRun& r) {
+      Tensor off = r.be.alloc({pc.E + 1}, DType::I32), rs = r.be.alloc({R}, DType::I32),
+             sr = r.be.alloc({R}, DType::I32), tl = r.be.alloc({max_tiles, 4}, DType::I32),
+             n = r.be.alloc({1}, DType::I32);
+      EXPECT_THROW(
+          {
+            r.be.moe_plan(r["bad"], pc.E, pc.bm, off, rs, sr, tl, n);
+            r.be.synchronize();
+          },
+          Error);
+    };
+  }
 }
 
 // moe_permute_fp8: moe_permute's rows and their FP8 copy, bitwise the quantization of those

@@ -805,6 +805,15 @@ void CudaBackend::moe_unpermute_backward_weights_impl(const Tensor& dout, const 
   flag_check("moe_unpermute_backward_weights: a slot_row entry is outside [0, R)");
 }
 
+void CudaBackend::moe_plan_impl(const Tensor& experts, int64_t num_experts, int block_m, Tensor& offsets,
+                                Tensor& row_slot, Tensor& slot_row, Tensor& tiles, Tensor& tile_count) {
+  const OpTimer op_timer_(*this, "moe_plan");
+  launch_moe_plan(experts.data<int32_t>(), experts.numel(), static_cast<int>(num_experts), block_m,
+                  offsets.data<int32_t>(), row_slot.data<int32_t>(), slot_row.data<int32_t>(), tiles.data<int32_t>(),
+                  tiles.dim(0), tile_count.data<int32_t>(), flag_reset(), stream_);
+  flag_check("moe_plan: an expert id is outside [0, " + std::to_string(num_experts) + ")");
+}
+
 void CudaBackend::adamw_impl(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWParams& p) {
   adamw_many_impl({{&param, &grad, &m, &v, p}});
 }

@@ -130,6 +130,11 @@ void launch_moe_unpermute(const void* y, DType dt, const int32_t* slot_row, cons
 // dweights F32 [S = T*k] = dot(dout[s / k], y[slot_row[s]]).
 void launch_moe_weight_grad(const void* dout, const void* y, DType dt, const int32_t* slot_row, int64_t S, int64_t D,
                             int k, int64_t R, float* dweights, int* bad_flag, cudaStream_t stream);
+// moe_plan (backend.h): one CTA; E <= 1024; tiles [max_tiles, 4], 16-byte aligned; bad_flag set for
+// an expert outside [0, E).
+void launch_moe_plan(const int32_t* experts, int64_t R, int E, int block_m, int32_t* offsets, int32_t* row_slot,
+                     int32_t* slot_row, int32_t* tiles, int64_t max_tiles, int32_t* tile_count, int* bad_flag,
+                     cudaStream_t stream);
 
 // ---- model ops (model_kernels.cu) ----
 void launch_embedding(const int32_t* ids, int64_t T, const void* table, DType tdt, int64_t V, int64_t D, void* out,

@@ -554,4 +554,84 @@ void launch_moe_weight_grad(const void* dout, const void* y, DType dt, const int
   CUDA_CHECK_LAUNCH("moe_weight_grad_kernel");
 }
 
+namespace {
+
+// moe_plan (backend.h) in one CTA of kPlanThreads: the per-expert counts (shared-memory atomics:
+// integer adds, any order gives the same counts), their exclusive scan (offsets), then the slots
+// placed in chunks of kPlanThreads, one thread per slot: within a chunk the warps go one after
+// another (a barrier between), each warp ranking its lanes of one expert with __match_any_sync
+// and its leader advancing that expert's next row — so the rows of an expert are its slots in slot
+// order, the host sort's (moe_sort_slots). Then each expert's tiles. A decode step's 256 tokens x 8
+// experts take two chunks. An expert id outside [0, E) raises the flag and is left out.
+constexpr int kPlanThreads = 1024;
+__global__ void __launch_bounds__(kPlanThreads) moe_plan_kernel(const int32_t* __restrict__ ex, int64_t R, int E,
+                                                                int bm, int32_t* __restrict__ offsets,
+                                                                int32_t* __restrict__ row_slot,
+                                                                int32_t* __restrict__ slot_row, int4* __restrict__ tiles,
+                                                                int max_tiles, int32_t* __restrict__ tile_count,
+                                                                int* bad_flag) {
+  __shared__ int next[kPlanThreads];   // per expert: its count, then its next row
+  __shared__ int tbase[kPlanThreads];  // per expert: its first tile
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  for (int e = tid; e < E; e += kPlanThreads) next[e] = 0;
+  __syncthreads();
+  for (int64_t s = tid; s < R; s += kPlanThreads) {
+    const int e = ex[s];
+    if (e >= 0 && e < E) atomicAdd(&next[e], 1);
+    else *bad_flag = 1;
+  }
+  __syncthreads();
+  if (tid == 0) {  // the scans (E <= 1024: serial is a few microseconds)
+    int row = 0, tile = 0;
+    for (int e = 0; e < E; ++e) {
+      const int n = next[e];
+      offsets[e] = row;
+      next[e] = row;
+      tbase[e] = tile;
+      row += n;
+      tile += (n + bm - 1) / bm;
+    }
+    offsets[E] = row;
+    *tile_count = tile;
+  }
+  __syncthreads();
+  for (int e = tid; e < E; e += kPlanThreads) {  // the tiles (the rows from the scan, before placement moves next)
+    const int r0 = next[e], r1 = e + 1 < E ? next[e + 1] : offsets[E];
+    int t = tbase[e];
+    for (int r = r0; r < r1; r += bm) tiles[t++] = make_int4(e, r, r1, 0);
+  }
+  for (int t = *tile_count + tid; t < max_tiles; t += kPlanThreads) tiles[t] = make_int4(0, 0, 0, 0);  // empty tiles
+  __syncthreads();
+  const unsigned lt = (1u << lane) - 1u;
+  for (int64_t c0 = 0; c0 < R; c0 += kPlanThreads) {
+    const int64_t s = c0 + tid;
+    int e = s < R ? ex[s] : -1;
+    if (e >= E) e = -1;
+    for (int w = 0; w < kPlanThreads / 32; ++w) {
+      if (warp == w) {
+        const unsigned peers = __match_any_sync(0xffffffffu, e);
+        if (e >= 0) {
+          const int r = next[e] + __popc(peers & lt);
+          row_slot[r] = static_cast<int32_t>(s);
+          slot_row[s] = r;
+        }
+        __syncwarp();
+        if (e >= 0 && lane == __ffs(peers) - 1) next[e] += __popc(peers);
+      }
+      __syncthreads();
+    }
+  }
+}
+
+}  // namespace
+
+void launch_moe_plan(const int32_t* experts, int64_t R, int E, int block_m, int32_t* offsets, int32_t* row_slot,
+                     int32_t* slot_row, int32_t* tiles, int64_t max_tiles, int32_t* tile_count, int* bad_flag,
+                     cudaStream_t stream) {
+  moe_plan_kernel<<<1, kPlanThreads, 0, stream>>>(experts, R, E, block_m, offsets, row_slot, slot_row,
+                                                  reinterpret_cast<int4*>(tiles), static_cast<int>(max_tiles),
+                                                  tile_count, bad_flag);
+  CUDA_CHECK_LAUNCH("moe_plan_kernel");
+}
+
 }  // namespace fp8rl::cuda
