@@ -834,6 +834,43 @@ void Backend::grouped_linear_shared_input(const Tensor& x, const std::vector<int
   grouped_linear_shared_input_impl(x, offsets, W, spec, outs, fp8 ? x_fp8 : nullptr);
 }
 
+void Backend::grouped_linear_planned(const Tensor& x, const MoeDevicePlan& plan,
+                                     const std::vector<std::vector<const LinearWeight*>>& W, const LinearSpec& spec,
+                                     const std::vector<Tensor*>& outs, const Fp8View* x_fp8) {
+  FP8RL_CHECK(!W.empty() && W.size() == outs.size(), "grouped_linear_planned: ", W.size(), " weight sets for ",
+              outs.size(), " outputs");
+  const Contract c(*this);
+  const int64_t G = static_cast<int64_t>(W[0].size());
+  c.i32(plan.offsets, {G + 1}, "grouped_linear_planned offsets");
+  FP8RL_CHECK(plan.block_m >= 1, "grouped_linear_planned: block_m must be >= 1, got ", plan.block_m);
+  c.i32(plan.tiles, {moe_plan_max_tiles(x.dim(0), G, plan.block_m), 4}, "grouped_linear_planned tiles");
+  c.i32(plan.tile_count, {1}, "grouped_linear_planned tile_count");
+  // The shapes against offsets {0, .., R} (the rows themselves are the plan's).
+  std::vector<int64_t> shape_offsets(static_cast<size_t>(G) + 1, x.dim(0));
+  shape_offsets[0] = 0;
+  for (size_t i = 0; i < W.size(); ++i) {
+    FP8RL_CHECK(outs[i], "grouped_linear_planned: output ", i, " is null");
+    FP8RL_CHECK(static_cast<int64_t>(W[i].size()) == G, "grouped_linear_planned: weight set ", i, " has ", W[i].size(),
+                " groups, set 0 has ", G);
+    grouped_linear_contract(c, x, shape_offsets, W[i], spec, *outs[i]);
+  }
+  const bool fp8 = spec.mode == LinearMode::FP8_BLOCK;
+  if (x_fp8 && fp8) fp8_view_check(c, *x_fp8, x, spec, "grouped_linear_planned");
+  grouped_linear_planned_impl(x, plan, W, spec, outs, fp8 ? x_fp8 : nullptr);
+}
+
+void Backend::grouped_linear_planned_impl(const Tensor& x, const MoeDevicePlan& plan,
+                                          const std::vector<std::vector<const LinearWeight*>>& W,
+                                          const LinearSpec& spec, const std::vector<Tensor*>& outs,
+                                          const Fp8View* x_fp8) {
+  const Tensor off = to_host(plan.offsets);
+  const std::vector<int64_t> offsets(off.data<int32_t>(), off.data<int32_t>() + off.numel());
+  FP8RL_CHECK(offsets.front() == 0 && offsets.back() == x.dim(0), "grouped_linear_planned: the plan covers rows [",
+              offsets.front(), ", ", offsets.back(), "), not [0, ", x.dim(0), ")");
+  if (W.size() == 1) grouped_linear_impl(x, offsets, W[0], spec, *outs[0], x_fp8);
+  else grouped_linear_shared_input_impl(x, offsets, W, spec, outs, x_fp8);
+}
+
 void Backend::grouped_linear_shared_input_impl(const Tensor& x, const std::vector<int64_t>& offsets,
                                                const std::vector<std::vector<const LinearWeight*>>& W,
                                                const LinearSpec& spec, const std::vector<Tensor*>& outs,

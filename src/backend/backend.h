@@ -418,6 +418,27 @@ class Backend {
   void grouped_linear_shared_input(const Tensor& x, const std::vector<int64_t>& offsets,
                                    const std::vector<std::vector<const LinearWeight*>>& W, const LinearSpec& spec,
                                    const std::vector<Tensor*>& outs, const Fp8View* x_fp8 = nullptr);
+  // grouped_linear_shared_input (one weight set: grouped_linear) with the groups' rows known only on
+  // the device: moe_plan's offsets I32 [G + 1] and its tile table for plan.block_m (the generator's
+  // MoE blocks, which then never wait for the host: no download per block). The same results as
+  // the host-offsets op within its tolerance (CUDA: bitwise the host-offsets own grouped kernel,
+  // FP8 with pre-quantized weights or BF16 with BF16 weights); the default downloads the offsets
+  // and runs the host-offsets op.
+  struct MoeDevicePlan {
+    Tensor offsets;     // I32 [G + 1]
+    Tensor tiles;       // I32 [moe_plan_max_tiles(R, G, block_m), 4]
+    Tensor tile_count;  // I32 [1]
+    int block_m = 64;
+  };
+  void grouped_linear_planned(const Tensor& x, const MoeDevicePlan& plan,
+                              const std::vector<std::vector<const LinearWeight*>>& W, const LinearSpec& spec,
+                              const std::vector<Tensor*>& outs, const Fp8View* x_fp8 = nullptr);
+  // The tile rows moe_plan should use for a planned block of `rows` rows over `groups` groups (the
+  // backend's grouped kernel's choice; the CPU's is any).
+  virtual int moe_plan_block_m(int64_t rows, int64_t groups) const {
+    (void)rows, (void)groups;
+    return 64;
+  }
   // Backward of linear. dx [M, K] written when non-null (dgrad: dY 1x128 along N, W^T);
   // dw F32 [N, K] and dbias F32 [N] accumulated when non-null (wgrad: dY^T and X^T requantized
   // 1x128 along tokens, or with spec.wgrad == BF16 the BF16 GEMM of dY and X). FP8 dgrad uses
@@ -727,6 +748,10 @@ class Backend {
                                                 const std::vector<std::vector<const LinearWeight*>>& W,
                                                 const LinearSpec& spec, const std::vector<Tensor*>& outs,
                                                 const Fp8View* x_fp8);
+  virtual void grouped_linear_planned_impl(const Tensor& x, const MoeDevicePlan& plan,
+                                           const std::vector<std::vector<const LinearWeight*>>& W,
+                                           const LinearSpec& spec, const std::vector<Tensor*>& outs,
+                                           const Fp8View* x_fp8);
   virtual void linear_backward_impl(const Tensor& dy, const Tensor& x, const LinearWeight& W, const LinearSpec& spec,
                                     Tensor* dx, Tensor* dw, Tensor* dbias, const Fp8View* dy_fp8) = 0;
   virtual void grouped_linear_backward_impl(const Tensor& dy, const Tensor& x, const std::vector<int64_t>& offsets,

@@ -87,10 +87,16 @@ struct AttentionStep {
 // What the mixture-of-experts blocks of one forward replay and record (each may be null):
 // replay (ForwardOptions::replay_routing), the experts each token used, and the router's own
 // top-k (recorded under a replay, where it differs from the used experts).
+// device_plan (the generator's blocks): the experts' rows sorted on the device (moe_plan, no
+// download: the block never waits for the host) unless a host record or a replay asks for the
+// experts on the host; used_device, if set, then receives the used experts of MoE block m in its
+// row m ([MoE layers, T * k] I32 on the device).
 struct MoeRoutingIo {
   const MoeRouting* replay = nullptr;
   MoeRouting* used = nullptr;
   MoeRouting* own = nullptr;
+  bool device_plan = false;
+  Tensor* used_device = nullptr;
 };
 
 // Allocates the buffers of one block for T tokens (x, the block input, is set by the caller):
@@ -228,17 +234,34 @@ void moe_forward(Backend& be, const ModelConfig& c, const LayerWeights& lw, cons
     be.moe_route_softmax(a.router_logits, static_cast<int>(k), c.norm_topk_prob, a.moe_experts, a.moe_weights);
   }
 
-  Tensor experts = be.to_host(a.moe_experts);  // the host sizes the expert GEMMs
-  if (io.own) io.own->ids[m].assign(experts.data<int32_t>(), experts.data<int32_t>() + R);
-  if (io.replay) moe_replay_routing(be, c, *io.replay, m, experts, a);
-  if (io.used) io.used->ids[m].assign(experts.data<int32_t>(), experts.data<int32_t>() + R);
-  MoeSlotSort sorted = moe_sort_slots(experts.data<int32_t>(), R, E);
-  a.moe_offsets = std::move(sorted.offsets);
-  Tensor row_slot = Tensor::empty({R}, DType::I32), slot_row = Tensor::empty({R}, DType::I32);
-  std::copy(sorted.row_slot.begin(), sorted.row_slot.end(), row_slot.data<int32_t>());
-  std::copy(sorted.slot_row.begin(), sorted.slot_row.end(), slot_row.data<int32_t>());
-  be.copy(row_slot, a.moe_row_slot);
-  be.copy(slot_row, a.moe_slot_row);
+  const bool planned = io.device_plan && !io.replay && !io.own && !io.used;
+  if (planned) {  // sorted on the device; the host never learns the rows
+    Backend::MoeDevicePlan& plan = a.moe_plan;
+    plan.block_m = be.moe_plan_block_m(R, E);
+    const int64_t max_tiles = moe_plan_max_tiles(R, E, plan.block_m);
+    if (!plan.offsets.defined()) plan.offsets = be.alloc({E + 1}, DType::I32);
+    if (!plan.tile_count.defined()) plan.tile_count = be.alloc({1}, DType::I32);
+    if (!plan.tiles.defined() || plan.tiles.dim(0) != max_tiles) plan.tiles = be.alloc({max_tiles, 4}, DType::I32);
+    be.moe_plan(a.moe_experts, E, plan.block_m, plan.offsets, a.moe_row_slot, a.moe_slot_row, plan.tiles,
+                plan.tile_count);
+    if (io.used_device) {
+      Tensor dst = io.used_device->slice_rows(m, m + 1).reshape({R});
+      be.copy(a.moe_experts.reshape({R}), dst);
+    }
+    a.moe_offsets.clear();
+  } else {
+    Tensor experts = be.to_host(a.moe_experts);  // the host sizes the expert GEMMs
+    if (io.own) io.own->ids[m].assign(experts.data<int32_t>(), experts.data<int32_t>() + R);
+    if (io.replay) moe_replay_routing(be, c, *io.replay, m, experts, a);
+    if (io.used) io.used->ids[m].assign(experts.data<int32_t>(), experts.data<int32_t>() + R);
+    MoeSlotSort sorted = moe_sort_slots(experts.data<int32_t>(), R, E);
+    a.moe_offsets = std::move(sorted.offsets);
+    Tensor row_slot = Tensor::empty({R}, DType::I32), slot_row = Tensor::empty({R}, DType::I32);
+    std::copy(sorted.row_slot.begin(), sorted.row_slot.end(), row_slot.data<int32_t>());
+    std::copy(sorted.slot_row.begin(), sorted.slot_row.end(), slot_row.data<int32_t>());
+    be.copy(row_slot, a.moe_row_slot);
+    be.copy(slot_row, a.moe_slot_row);
+  }
 
   // FP8: the experts' input rows gathered from xn_mlp's FP8 copy (xq, written by the norm) with
   // the BF16 rows: T rows quantized, not k T.
@@ -258,16 +281,22 @@ void moe_forward(Backend& be, const ModelConfig& c, const LayerWeights& lw, cons
     ups.push_back(&lw.experts[e].up);
     downs.push_back(&lw.experts[e].down);
   }
-  be.grouped_linear_shared_input(a.moe_x, a.moe_offsets, {gates, ups}, spec, {&a.moe_gate, &a.moe_up},
-                                 xq ? &moe_xq : nullptr);
+  if (planned)
+    be.grouped_linear_planned(a.moe_x, a.moe_plan, {gates, ups}, spec, {&a.moe_gate, &a.moe_up},
+                              xq ? &moe_xq : nullptr);
+  else
+    be.grouped_linear_shared_input(a.moe_x, a.moe_offsets, {gates, ups}, spec, {&a.moe_gate, &a.moe_up},
+                                   xq ? &moe_xq : nullptr);
+  Fp8View act_q;
   if (spec.mode == LinearMode::FP8_BLOCK) {  // the SwiGLU writes the down products' FP8 input too
-    Fp8View act_q = be.alloc_fp8_view(R, a.moe_act.dim(1), spec.pow2_scales);
+    act_q = be.alloc_fp8_view(R, a.moe_act.dim(1), spec.pow2_scales);
     be.swiglu_fp8(a.moe_gate, a.moe_up, a.moe_act, act_q);
-    be.grouped_linear(a.moe_act, a.moe_offsets, downs, spec, a.moe_y, &act_q);
   } else {
     be.swiglu(a.moe_gate, a.moe_up, a.moe_act);
-    be.grouped_linear(a.moe_act, a.moe_offsets, downs, spec, a.moe_y);
   }
+  const Fp8View* down_q = act_q.defined() ? &act_q : nullptr;
+  if (planned) be.grouped_linear_planned(a.moe_act, a.moe_plan, {downs}, spec, {&a.moe_y}, down_q);
+  else be.grouped_linear(a.moe_act, a.moe_offsets, downs, spec, a.moe_y, down_q);
   const Tensor w = a.moe_weights.reshape({R});
   be.moe_unpermute(a.moe_y, a.moe_slot_row, &w, a.proj);
   if (lw.gate.w.defined() || lw.gate.wq.defined()) {  // always-on shared experts (DeepSeek)
@@ -856,7 +885,7 @@ LogprobResult model_forward_logprobs(Backend& be, const ModelWeights& w, const E
 
 void model_forward_paged(Backend& be, const ModelWeights& w, const EnginePrecision& prec, KvCache& cache,
                          const Tensor& ids, const PagedBatch& batch, const Tensor& rows, Tensor& logits,
-                         Tensor* hidden_out, MoeRouting* routing_out) {
+                         Tensor* hidden_out, MoeRouting* routing_out, Tensor* routing_device) {
   const ModelConfig& c = w.config;
   check_weights_on(be, w);
   const KvCacheShape want = model_kv_cache_shape(c);
@@ -908,7 +937,18 @@ void model_forward_paged(Backend& be, const ModelWeights& w, const EnginePrecisi
   }
   Tensor x_final;
   MoeRoutingIo routing;
-  if (c.is_moe()) routing.used = routing_out;
+  FP8RL_CHECK(!(routing_out && routing_device), "model_forward_paged: the routing record goes to the host or the "
+              "device, not both");
+  if (c.is_moe()) {
+    routing.used = routing_out;
+    routing.device_plan = routing_out == nullptr;
+    if (routing_device) {
+      const int64_t Lm = model_num_moe_layers(c);
+      check_dtype(*routing_device, DType::I32, "routing_device");
+      check_shape(*routing_device, {Lm, T * c.num_experts_per_tok}, "routing_device");
+    }
+    routing.used_device = routing_device;
+  }
   forward_layers(be, w, prec, x, pb.token_pos, attention, routing, nullptr, false, nullptr, x_final);
 
   // Select the requested rows (embedding is a row gather: out[r] = table[rows[r]]), then norm.

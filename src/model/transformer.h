@@ -102,6 +102,8 @@ struct LayerActivations {
   Tensor moe_row_slot;  // I32 [R]       slot (t * k + j) of each permuted row
   Tensor moe_slot_row;  // I32 [T * k]   permuted row of each slot
   std::vector<int64_t> moe_offsets;  // host [E + 1]: rows [offsets[e], offsets[e+1]) are expert e's
+                                     // (empty when the block was planned on the device)
+  Backend::MoeDevicePlan moe_plan;   // the device plan (moe_plan) of a generator block
   Tensor moe_x;         // [R, D]        permuted xn_mlp: the experts' input
   Tensor moe_gate, moe_up, moe_act;  // [R, Fe]
   Tensor moe_y;         // [R, D]        expert outputs, before the routing weights
@@ -204,13 +206,17 @@ void model_backward(Backend& backend, const ModelWeights& weights, const EngineP
 // (device) selects the tokens whose outputs are returned: logits [R, V] written (F32, or the
 // head GEMM's BF16 output as it is when model_logits_dtype says BF16), and hidden [R, D]
 // (final_norm output, act dtype) written when non-null. MoE models: `routing`,
-// when non-null, receives the experts of each of the T tokens in every MoE layer. In the
+// when non-null, receives the experts of each of the T tokens in every MoE layer (on the host:
+// each block then waits for its routing); `routing_device` (I32 [MoE layers, T * k] on the
+// device), when non-null instead, receives them without a wait — the blocks sort their experts'
+// rows on the device (moe_plan) whenever `routing` is null. In the
 // consistent mode (precision.consistent) every op is batch-invariant and the logits are
 // token_logprobs' (its vocabulary chunks of kConsistentVocabChunk, F32 head GEMMs): a token's
 // logits, and the token_logprobs of `hidden`, are those the trainer's scoring forward computes.
 void model_forward_paged(Backend& backend, const ModelWeights& weights, const EnginePrecision& precision,
                          KvCache& cache, const Tensor& ids, const PagedBatch& batch, const Tensor& rows,
-                         Tensor& logits, Tensor* hidden = nullptr, MoeRouting* routing = nullptr);
+                         Tensor& logits, Tensor* hidden = nullptr, MoeRouting* routing = nullptr,
+                         Tensor* routing_device = nullptr);
 
 // The dtype of the logits model_forward_paged writes with no conversion: BF16 with BF16
 // activations (the lm_head GEMM's output; sample_rows reads it as it is, drawing exactly what its

@@ -309,7 +309,7 @@ std::vector<RolloutSample> RolloutEngine::generate(const std::vector<RolloutRequ
     // The forward and the sampling op: a recorded decode graph, else one eager pass.
     const int B = static_cast<int>(batch_seqs.size());
     const int64_t T = static_cast<int64_t>(hb.ids.size()), R = static_cast<int64_t>(hb.rows.size());
-    Tensor tokens_dev, logp_dev;
+    Tensor tokens_dev, logp_dev, routing_dev;
     bool ran = false;
     if (graphs_ && !record && T == B && R == B) {  // decode only: one token per sequence, each sampled
       graph_pages.clear();
@@ -342,9 +342,15 @@ std::vector<RolloutSample> RolloutEngine::generate(const std::vector<RolloutRequ
       if (!buf_.logits.defined() || buf_.logits.dim(0) < R)
         buf_.logits = be_.alloc({R, V}, model_logits_dtype(be_, gen_, prec_));
       Tensor logits = buf_.logits.slice_rows(0, R);
-      model_forward_paged(be_, gen_, prec_, cache_, ids_dev, batch, rows_dev, logits, nullptr,
-                          record ? &rec : nullptr);
-      if (record) generate_record_routing(seqs, batch_seqs, hb, rec);
+      // The routing record stays on the device during the forward (its MoE blocks then never wait
+      // for the host) and comes down with the step's tokens.
+      if (record) {
+        const int64_t Lm = model_num_moe_layers(mc), n = Lm * T * mc.num_experts_per_tok;
+        if (!buf_.routing.defined() || buf_.routing.numel() < n) buf_.routing = be_.alloc({n}, DType::I32);
+        routing_dev = buf_.routing.slice_rows(0, n).reshape({Lm, T * mc.num_experts_per_tok});
+      }
+      model_forward_paged(be_, gen_, prec_, cache_, ids_dev, batch, rows_dev, logits, nullptr, nullptr,
+                          record ? &routing_dev : nullptr);
       tokens_dev = buf_.tokens.slice_rows(0, R), logp_dev = buf_.logp.slice_rows(0, R);
       if (hb.any_row) be_.sample_rows(logits, srows_dev, truncation, tokens_dev, logp_dev, valid_vocab);
       if (hb.any_row && consistent_temperature > 0.0f)  // token_logprobs' reduction on these rows
@@ -352,6 +358,18 @@ std::vector<RolloutSample> RolloutEngine::generate(const std::vector<RolloutRequ
     }
     stats_.decode_steps++;
     sched.commit();
+    if (record && !ran) {  // after the step's work is queued (a prefill chunk without sampled rows waits here)
+      const auto t_wait = Clock::now();
+      const Tensor ids = be_.to_host(routing_dev);
+      stats_.wait_seconds += std::chrono::duration<double>(Clock::now() - t_wait).count();
+      const int64_t per = routing_dev.dim(1);
+      rec.top_k = mc.num_experts_per_tok;
+      rec.ids.resize(static_cast<size_t>(routing_dev.dim(0)));
+      for (size_t m = 0; m < rec.ids.size(); ++m)
+        rec.ids[m].assign(ids.data<int32_t>() + static_cast<int64_t>(m) * per,
+                          ids.data<int32_t>() + static_cast<int64_t>(m + 1) * per);
+      generate_record_routing(seqs, batch_seqs, hb, rec);
+    }
     if (!hb.any_row) continue;
     const auto t_wait = Clock::now();
     const Tensor tokens = be_.to_host(tokens_dev), logp = be_.to_host(logp_dev);

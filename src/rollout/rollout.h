@@ -144,6 +144,7 @@ class RolloutEngine {
     Tensor packed;        // I32: one iteration's [ids | seq | pos | slots | rows | page table], grown on demand
     Tensor tokens, logp;  // I32, F32 [max_batch]
     Tensor logits;        // [rows capacity, vocab] (model_logits_dtype), grown on demand
+    Tensor routing;       // I32 [MoE layers * tokens * k]: the routing record of one forward, grown on demand
   } buf_;
   std::unique_ptr<DecodeGraphs> graphs_;  // null where the backend records no graphs
 };

@@ -493,5 +493,356 @@ TEST(CudaFp8Gemm, EveryGridAndClusterIsBitwiseOneCtaPerTile) {
   }
 }
 
+// ---- The BF16 mode of the own kernel (fp8_gemm.h: ab = BF16) and the device tile table ----
+
+// Sets the environment variables of `env` (name, value) around fn, unsetting them after.
+template <class F>
+auto with_env(const std::vector<std::pair<const char*, const char*>>& env, F&& fn) {
+  for (const auto& [k, v] : env) setenv(k, v, 1);
+  auto r = fn();
+  for (const auto& [k, v] : env) unsetenv(k);
+  return r;
+}
+
+// A BF16 host matrix: random_matrix's values rounded to BF16, and those values as floats.
+struct Bf16Matrix {
+  Tensor host;                // BF16 [r, c]
+  std::vector<float> values;  // [r, c]
+};
+Bf16Matrix random_bf16(int64_t r, int64_t c, uint32_t seed, float spread) {
+  Bf16Matrix m;
+  m.host = from_float_vector(to_float_vector(random_matrix(r, c, seed, spread)), {r, c}, DType::BF16);
+  m.values = to_float_vector(m.host);
+  return m;
+}
+
+// sum_k a[m, k] b[n, k] in FP64 (the BF16 products are exact in it), and the sum of |terms|.
+void host_bf16_product(const Bf16Matrix& a, const Bf16Matrix& b, int64_t K, int64_t m, int64_t n, double* value,
+                       double* magnitude) {
+  double s = 0, mag = 0;
+  for (int64_t k = 0; k < K; ++k) {
+    const double t = static_cast<double>(a.values[m * K + k]) * b.values[n * K + k];
+    s += t;
+    mag += std::fabs(t);
+  }
+  *value = s, *magnitude = mag;
+}
+
+// Indices of [0, count) checked against the host: the first and last three, both sides of every
+// tile boundary (tile: 64 rows or 128 columns), and every stride-th.
+std::vector<int64_t> sampled(int64_t count, int64_t tile, int64_t stride) {
+  std::vector<int64_t> v;
+  for (int64_t i = 0; i < count; ++i)
+    if (i < 3 || i >= count - 3 || i % tile == 0 || i % tile == tile - 1 || i % stride == 0) v.push_back(i);
+  return v;
+}
+
+// The prior C of the beta = 1 runs: multiples of 1/4 in [-0.75, 0.75], exact in BF16 and F32.
+float prior_value(int64_t i) { return 0.25f * static_cast<float>(i % 7 - 3); }
+Tensor prior_c(cuda::CudaBackend& be, int64_t M, int64_t N, DType dt) {
+  std::vector<float> v(static_cast<size_t>(M * N));
+  for (int64_t i = 0; i < M * N; ++i) v[static_cast<size_t>(i)] = prior_value(i);
+  return be.to_device(from_float_vector(v, {M, N}, dt));
+}
+
+// The BF16 own product: C = alpha A B^T (+ C, the prior, when beta = 1), F32 accumulation.
+Tensor run_bf16_own(cuda::CudaBackend& be, const Tensor& a, const Tensor& b, int64_t M, int64_t N, int64_t K, DType out,
+                    float beta, int splits, int block_m = 0) {
+  Tensor c = beta != 0.0f ? prior_c(be, M, N, out) : poisoned(be, {M, N}, out);
+  be.gemm().gemm_bf16_own(M, N, K, a.raw(), b.raw(), c.raw(), out, beta != 0.0f ? 0.5f : 1.0f, beta, splits, block_m);
+  be.synchronize();
+  return be.to_host(c);
+}
+
+// The BF16 mode against the FP64 product of the same BF16 operands, at M, N and K with partial
+// tiles and K blocks (K = 136: 272 bytes a row, two full 64-element stages and a 16-byte one),
+// one and three K splits, BF16 and F32 output, beta 0 and 1. The bound:
+// - accumulation: the products are exact in FP32; the sum runs as K / 16 wgmma k16 steps, each
+//   adding 16 products to the running FP32 value (then the splits' partials, summed by the
+//   reduction kernel). If each step loses at most 2 ulps (2^-22) of a value no larger than
+//   sum |terms| (rounding or truncating once), K = 2048's 128 steps and 2 more adds lose at most
+//   1.02 x 2^-15 sum |terms|, in any order of the sum. The bound, 2^-13 sum |terms| (scaled by
+//   alpha), leaves a factor of four for what the hardware does inside a step (not documented);
+//   a lost or misplaced k16 step of random signs is an error of about 4 / K of it (2^-9 at
+//   K = 2048), and beside a BF16 output about 4 / sqrt(K) of |exact|, both far outside.
+// - output: BF16 rounds the FP32 result once (half an ulp: 2^-9 of it), bounded by 2^-8 |exact|
+//   with the accumulation's error; F32 output and beta's FMA add a few FP32 ulps: 2^-20 |exact|.
+// Every element of a beta = 0 output is also checked to be written (the output starts as NaN).
+TEST(CudaFp8Gemm, Bf16OwnMatchesTheHostProduct) {
+  cuda::CudaBackend be(0, DType::BF16);
+  double worst = 0;  // the largest |C - exact| / (alpha sum |terms|) of the F32 outputs
+  for (int64_t M : {5, 64, 256, 1000})
+    for (int64_t N : {144, 640, 2048})
+      for (int64_t K : {136, 1024, 2048}) {
+        SCOPED_TRACE(testing::Message() << "M=" << M << " N=" << N << " K=" << K);
+        const uint32_t seed = static_cast<uint32_t>(M * 3 + N * 7 + K);
+        const Bf16Matrix a = random_bf16(M, K, seed, 1.5f), b = random_bf16(N, K, seed + 1, 1.0f);
+        const Tensor da = be.to_device(a.host), db = be.to_device(b.host);
+        const std::vector<int64_t> rows = sampled(M, 64, 37), cols = sampled(N, 128, 53);
+        std::vector<double> exact(rows.size() * cols.size()), mag(exact.size());
+        for (size_t i = 0; i < rows.size(); ++i)
+          for (size_t j = 0; j < cols.size(); ++j)
+            host_bf16_product(a, b, K, rows[i], cols[j], &exact[i * cols.size() + j], &mag[i * cols.size() + j]);
+        for (int splits : {1, 3})
+          for (DType out : {DType::BF16, DType::F32})
+            for (float beta : {0.0f, 1.0f}) {
+              SCOPED_TRACE(testing::Message() << "splits=" << splits << " out=" << dtype_name(out) << " beta=" << beta);
+              const Tensor c = run_bf16_own(be, da, db, M, N, K, out, beta, splits);
+              const double alpha = beta != 0.0f ? 0.5 : 1.0;
+              int bad = 0;
+              for (size_t i = 0; i < rows.size(); ++i)
+                for (size_t j = 0; j < cols.size(); ++j) {
+                  const int64_t e = rows[i] * N + cols[j];
+                  const double want = alpha * exact[i * cols.size() + j] + beta * prior_value(e);
+                  const double got = host_value(c, e), scale = alpha * mag[i * cols.size() + j];
+                  const double tol =
+                      (out == DType::BF16 ? std::ldexp(1.0, -8) : std::ldexp(1.0, -20)) * std::fabs(want) +
+                      std::ldexp(1.0, -13) * scale + 1e-30;
+                  if (out == DType::F32) worst = std::max(worst, std::fabs(got - want) / (scale + 1e-30));
+                  if (!(std::fabs(got - want) <= tol) && bad++ < 5)
+                    ADD_FAILURE() << "C[" << rows[i] << ", " << cols[j] << "] = " << got << ", exact " << want
+                                  << ", tolerance " << tol;
+                }
+              EXPECT_EQ(bad, 0) << "elements outside the bound";
+              if (beta == 0.0f) {
+                int64_t unwritten = 0;
+                for (int64_t e = 0; e < M * N; ++e) unwritten += !std::isfinite(host_value(c, e));
+                EXPECT_EQ(unwritten, 0) << "elements left unwritten (NaN)";
+              }
+            }
+      }
+  std::printf("[ bf16 gemm ] max |C - exact| / sum|terms| (F32 C): %.2e (bound %.2e)\n", worst, std::ldexp(1.0, -13));
+}
+
+// The BF16 mode's variants compute every tile alike: bitwise the C of one CTA per tile with the
+// direct stores, for the persistent grid (with enough tiles that its CTAs walk several) and one
+// CTA per tile, each epilogue (the TMA store applies to BF16 C at beta 0, one split), 64- and
+// 128-row tiles (block_m: each row's MMAs are the same), split-K, BF16 and F32 output, beta.
+TEST(CudaFp8Gemm, Bf16EveryGridIsBitwiseOneCtaPerTile) {
+  cuda::CudaBackend be(0, DType::BF16);
+  using Env = std::vector<std::pair<const char*, const char*>>;
+  const Env one_cta = {{"FP8RL_FP8_GEMM_GRID", "tile"}, {"FP8RL_FP8_GEMM_STORE", "direct"}};
+  const std::vector<Env> variants = {{},
+                                     {{"FP8RL_FP8_GEMM_STORE", "direct"}},
+                                     {{"FP8RL_FP8_GEMM_GRID", "tile"}},
+                                     {{"FP8RL_FP8_GEMM_GRID", "tile"}, {"FP8RL_FP8_GEMM_STORE", "tma"}}};
+  const Shape shapes[] = {{5, 2048, 1024}, {256, 12288, 1024}, {200, 640, 136}, {1000, 144, 2048}, {4096, 2048, 1024}};
+  for (const Shape& s : shapes) {
+    const Bf16Matrix a = random_bf16(s.M, s.K, static_cast<uint32_t>(s.M + s.N + s.K), 1.5f);
+    const Bf16Matrix b = random_bf16(s.N, s.K, static_cast<uint32_t>(s.M + s.N + s.K + 1), 1.0f);
+    const Tensor da = be.to_device(a.host), db = be.to_device(b.host);
+    for (int splits : {1, 3})
+      for (DType out : {DType::BF16, DType::F32})
+        for (float beta : {0.0f, 1.0f}) {
+          SCOPED_TRACE(testing::Message() << "M=" << s.M << " N=" << s.N << " K=" << s.K << " splits=" << splits
+                                          << " out=" << dtype_name(out) << " beta=" << beta);
+          const Tensor ref =
+              with_env(one_cta, [&] { return run_bf16_own(be, da, db, s.M, s.N, s.K, out, beta, splits); });
+          for (int block_m : {0, 64, 128})
+            for (size_t v = 0; v < variants.size(); ++v) {
+              const Tensor c = with_env(
+                  variants[v], [&] { return run_bf16_own(be, da, db, s.M, s.N, s.K, out, beta, splits, block_m); });
+              ASSERT_EQ(std::memcmp(c.raw(), ref.raw(), c.nbytes()), 0)
+                  << "block_m " << block_m << ", variant " << v << ": differs from one CTA per tile";
+            }
+        }
+  }
+}
+
+// The groups of the grouped tests: 40 groups of 0..300 rows (an empty one included; more tiles
+// than SMs); shift rotates the sizes among the groups (the same rows, split differently).
+std::vector<int64_t> grouped_offsets(int shift) {
+  std::vector<int64_t> offsets = {0};
+  for (int g = 0; g < 40; ++g) offsets.push_back(offsets.back() + ((g + shift) % 40 * 37) % 301);
+  return offsets;
+}
+
+// The tile table fp8_gemm.h describes, for offsets and block_m: {group, first row, group's end, 0}.
+std::vector<int32_t> host_tile_table(const std::vector<int64_t>& offsets, int block_m) {
+  std::vector<int32_t> t;
+  for (size_t g = 0; g + 1 < offsets.size(); ++g)
+    for (int64_t r = offsets[g]; r < offsets[g + 1]; r += block_m)
+      t.insert(t.end(), {static_cast<int32_t>(g), static_cast<int32_t>(r), static_cast<int32_t>(offsets[g + 1]), 0});
+  return t;
+}
+
+// A device tile table of capacity max_tiles: `table`'s entries (in reverse order when `reversed`:
+// the order of the tiles does not matter), then out-of-range garbage that the kernel must never
+// read (a group far past the last, rows far past R), and the count.
+struct DeviceTable {
+  Tensor tiles, count;  // I32 [max_tiles, 4], I32 [1]
+  int64_t max_tiles = 0;
+};
+DeviceTable device_table(cuda::CudaBackend& be, const std::vector<int32_t>& table, int64_t max_tiles, bool reversed) {
+  const int64_t n = static_cast<int64_t>(table.size()) / 4;
+  Tensor t = Tensor::empty({max_tiles, 4}, DType::I32), c = Tensor::empty({1}, DType::I32);
+  for (int64_t i = 0; i < max_tiles; ++i)
+    for (int j = 0; j < 4; ++j)
+      t.data<int32_t>()[i * 4 + j] = i < n ? table[static_cast<size_t>((reversed ? n - 1 - i : i) * 4 + j)]
+                                           : (j == 0   ? 1 << 29
+                                              : j == 3 ? -1
+                                                       : (1 << 30) + 7 * j);
+  c.data<int32_t>()[0] = static_cast<int32_t>(n);
+  DeviceTable d;
+  d.tiles = be.to_device(t), d.count = be.to_device(c), d.max_tiles = max_tiles;
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(d.tiles.raw()) % 16, 0u) << "the table must be 16-byte aligned";
+  return d;
+}
+
+// The grouped BF16 product (one launch over every group's rows) is bitwise the per-group dense
+// BF16 products at one split and the same block_m: a tile's rows past its group are loaded but
+// not stored, and each row's MMAs are those of the dense kernel.
+TEST(CudaFp8Gemm, Bf16GroupedIsBitwiseThePerGroupProducts) {
+  cuda::CudaBackend be(0, DType::BF16);
+  const int64_t N = 640, K = 1000;  // K: 2000 bytes a row, a partial last stage
+  const std::vector<int64_t> offsets = grouped_offsets(0);
+  const int64_t R = offsets.back(), G = static_cast<int64_t>(offsets.size()) - 1;
+  const Tensor da = be.to_device(random_bf16(R, K, 81, 1.5f).host);
+  std::vector<Tensor> db;
+  std::vector<const void*> bp;
+  for (int64_t g = 0; g < G; ++g)
+    db.push_back(be.to_device(random_bf16(N, K, 90 + static_cast<uint32_t>(g), 1.0f).host));
+  for (const Tensor& t : db) bp.push_back(t.raw());
+  for (int bm : {64, 128})
+    for (DType out : {DType::BF16, DType::F32})
+      for (bool keep_maps : {false, true}) {
+        SCOPED_TRACE(testing::Message() << "block_m=" << bm << " out=" << dtype_name(out)
+                                        << " keep_maps=" << keep_maps);
+        Tensor cg = poisoned(be, {R, N}, out);
+        be.gemm().gemm_bf16_grouped(offsets, N, K, da.raw(), bp, cg.raw(), out, 1.0f, 0.0f, bm, keep_maps);
+        Tensor cd = poisoned(be, {R, N}, out);
+        const size_t esz = dtype_size(out);
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t r0 = offsets[g], m = offsets[g + 1] - r0;
+          if (m == 0) continue;
+          be.gemm().gemm_bf16_own(m, N, K, static_cast<const uint16_t*>(da.raw()) + r0 * K, bp[g],
+                                  static_cast<uint8_t*>(cd.raw()) + r0 * N * esz, out, 1.0f, 0.0f, /*splits=*/1, bm);
+        }
+        be.synchronize();
+        const Tensor hg = be.to_host(cg), hd = be.to_host(cd);
+        EXPECT_EQ(std::memcmp(hg.raw(), hd.raw(), hg.nbytes()), 0) << "grouped differs from the per-group products";
+      }
+}
+
+// The device tile table (fp8_gemm.h): the grouped products, E4M3 and BF16, with the table and its
+// count on the device give bitwise the host-offsets form's C: at capacity = count, with garbage
+// past the count (capacity count + 50), with the tiles in reverse order, with one CTA per
+// tile (a grid for the capacity: CTAs with no valid tile), for every block_m and both outputs.
+// A count of 0 leaves C as it was. And in a CUDA graph: captured once, replayed for two row
+// splits among the groups (only the table and count on the device change).
+TEST(CudaFp8Gemm, DeviceTileTableIsBitwiseTheHostOffsets) {
+  cuda::CudaBackend be(0, DType::BF16);
+  const int64_t N = 640, K = 1024;
+  const std::vector<int64_t> offsets = grouped_offsets(0), offsets2 = grouped_offsets(11);
+  const int64_t R = offsets.back(), G = static_cast<int64_t>(offsets.size()) - 1;
+  ASSERT_EQ(offsets2.back(), R);  // the same rows (the group sizes rotated)
+  // E4M3 operands (A 1x128-scaled, each group's B 128x128) and BF16 ones.
+  const QuantTensor ha = quantize_1x128(random_matrix(R, K, 61, 1.5f), false);
+  QuantTensor qa = ha;
+  qa.data = be.to_device(ha.data), qa.scales = be.to_device(ha.scales);
+  std::vector<QuantTensor> qb;
+  std::vector<const uint8_t*> bp8;
+  std::vector<const float*> sp8;
+  for (int64_t g = 0; g < G; ++g) {
+    QuantTensor d = quantize_128x128(random_matrix(N, K, 70 + static_cast<uint32_t>(g), 1.0f), false);
+    d.data = be.to_device(d.data), d.scales = be.to_device(d.scales);
+    qb.push_back(d);
+  }
+  for (const QuantTensor& d : qb) bp8.push_back(d.data.data<uint8_t>()), sp8.push_back(d.scales.data<float>());
+  const Tensor a16 = be.to_device(random_bf16(R, K, 62, 1.5f).host);
+  std::vector<Tensor> b16;
+  std::vector<const void*> bp16;
+  for (int64_t g = 0; g < G; ++g)
+    b16.push_back(be.to_device(random_bf16(N, K, 170 + static_cast<uint32_t>(g), 1.0f).host));
+  for (const Tensor& t : b16) bp16.push_back(t.raw());
+  cuda::GemmEngine& gemm = be.gemm();
+  // The host form and the device form over a table (device_call: into c), each into a poisoned C.
+  auto host_form = [&](bool bf16, const std::vector<int64_t>& offs, int bm, DType out) {
+    Tensor c = poisoned(be, {R, N}, out);
+    if (bf16) gemm.gemm_bf16_grouped(offs, N, K, a16.raw(), bp16, c.raw(), out, 1.0f, 0.0f, bm);
+    else
+      gemm.gemm_fp8_grouped(offs, N, K, qa.data.data<uint8_t>(), qa.scales.data<float>(), false, bp8, sp8, c.raw(), out,
+                            1.0f, 0.0f, bm);
+    be.synchronize();
+    return be.to_host(c);
+  };
+  auto device_call = [&](bool bf16, const DeviceTable& t, int bm, DType out, void* c) {
+    const int4* tiles = static_cast<const int4*>(t.tiles.raw());
+    const int* count = static_cast<const int*>(t.count.raw());
+    if (bf16)
+      gemm.gemm_bf16_grouped_device(tiles, count, t.max_tiles, R, bm, N, K, a16.raw(), bp16, c, out, 1.0f, 0.0f);
+    else
+      gemm.gemm_fp8_grouped_device(tiles, count, t.max_tiles, R, bm, N, K, qa.data.data<uint8_t>(),
+                                   qa.scales.data<float>(), false, bp8, sp8, c, out, 1.0f, 0.0f);
+  };
+  auto device_form = [&](bool bf16, const DeviceTable& t, int bm, DType out) {
+    Tensor c = poisoned(be, {R, N}, out);
+    device_call(bf16, t, bm, out, c.raw());
+    be.synchronize();
+    return be.to_host(c);
+  };
+  for (bool bf16 : {false, true})
+    for (int bm : {64, 128, 192}) {
+      if (bf16 && bm == 192) continue;  // the BF16 mode has 64- and 128-row tiles
+      const std::vector<int32_t> table = host_tile_table(offsets, bm);
+      const int64_t n = static_cast<int64_t>(table.size()) / 4;
+      const DeviceTable exact = device_table(be, table, n, false), padded = device_table(be, table, n + 50, false);
+      const DeviceTable reversed = device_table(be, table, n + 50, true);
+      for (DType out : {DType::BF16, DType::F32}) {
+        SCOPED_TRACE(testing::Message() << (bf16 ? "BF16" : "E4M3") << " block_m=" << bm << " out=" << dtype_name(out));
+        const Tensor ref = host_form(bf16, offsets, bm, out);
+        EXPECT_EQ(std::memcmp(device_form(bf16, exact, bm, out).raw(), ref.raw(), ref.nbytes()), 0)
+            << "capacity = count";
+        EXPECT_EQ(std::memcmp(device_form(bf16, padded, bm, out).raw(), ref.raw(), ref.nbytes()), 0)
+            << "garbage past the count";
+        EXPECT_EQ(std::memcmp(device_form(bf16, reversed, bm, out).raw(), ref.raw(), ref.nbytes()), 0)
+            << "the tiles in reverse order";
+        const Tensor tile =
+            with_env({{"FP8RL_FP8_GEMM_GRID", "tile"}}, [&] { return device_form(bf16, padded, bm, out); });
+        EXPECT_EQ(std::memcmp(tile.raw(), ref.raw(), ref.nbytes()), 0) << "one CTA per tile, garbage past the count";
+      }
+      // A count of 0: nothing written (the poison stays, bit for bit).
+      const DeviceTable none = device_table(be, {}, 8, false);
+      const Tensor untouched = poisoned(be, {R, N}, DType::BF16);
+      const Tensor before = be.to_host(untouched);
+      device_call(bf16, none, bm, DType::BF16, untouched.raw());
+      be.synchronize();
+      EXPECT_EQ(std::memcmp(be.to_host(untouched).raw(), before.raw(), before.nbytes()), 0) << "count 0 wrote C";
+    }
+  // One captured graph per operand type, replayed for two row splits: the table (capacity for
+  // either) and the count are rewritten on the device between replays, the graph is not.
+  for (bool bf16 : {false, true}) {
+    SCOPED_TRACE(bf16 ? "graph, BF16" : "graph, E4M3");
+    const int bm = 64;
+    const std::vector<int32_t> t1 = host_tile_table(offsets, bm), t2 = host_tile_table(offsets2, bm);
+    const int64_t cap = static_cast<int64_t>(std::max(t1.size(), t2.size())) / 4 + 8;
+    DeviceTable table = device_table(be, t1, cap, false);
+    Tensor c = poisoned(be, {R, N}, DType::BF16);
+    device_call(bf16, table, bm, DType::BF16, c.raw());  // outside the capture: the maps' first upload
+    be.synchronize();
+    cudaStream_t s = be.stream();
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed), cudaSuccess);
+    device_call(bf16, table, bm, DType::BF16, c.raw());
+    ASSERT_EQ(cudaStreamEndCapture(s, &graph), cudaSuccess);
+    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+    for (int split = 0; split < 2; ++split) {
+      const DeviceTable next = device_table(be, split == 0 ? t1 : t2, cap, false);
+      be.synchronize();  // its upload is done
+      ASSERT_EQ(cudaMemcpyAsync(table.tiles.raw(), next.tiles.raw(), table.tiles.nbytes(), cudaMemcpyDeviceToDevice, s),
+                cudaSuccess);
+      ASSERT_EQ(cudaMemcpyAsync(table.count.raw(), next.count.raw(), 4, cudaMemcpyDeviceToDevice, s), cudaSuccess);
+      ASSERT_EQ(cudaMemsetAsync(c.raw(), 0xFF, c.nbytes(), s), cudaSuccess);
+      ASSERT_EQ(cudaGraphLaunch(exec, s), cudaSuccess);
+      ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+      const Tensor ref = host_form(bf16, split == 0 ? offsets : offsets2, bm, DType::BF16);
+      EXPECT_EQ(std::memcmp(be.to_host(c).raw(), ref.raw(), ref.nbytes()), 0) << "replay for row split " << split;
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+  }
+}
+
 }  // namespace
 }  // namespace fp8rl

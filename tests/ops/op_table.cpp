@@ -1540,6 +1540,19 @@ void grouped_linear_cases(std::vector<OpCase>& t) {
                    }
                    const Tensor x = r.as("x", v.dt);
                    r.be.grouped_linear(x, offsets, ws, spec, r.output("out", {R, N}, v.dt));
+                   // The same groups planned on the device (moe_plan of slots already in group
+                   // order: the identity permutation, these offsets).
+                   std::vector<int32_t> ex;
+                   for (int64_t g = 0; g < G; ++g) ex.insert(ex.end(), rows[static_cast<size_t>(g)], int32_t(g));
+                   Backend::MoeDevicePlan plan;
+                   plan.block_m = r.be.moe_plan_block_m(R, G);
+                   plan.offsets = r.be.alloc({G + 1}, DType::I32);
+                   plan.tiles = r.be.alloc({moe_plan_max_tiles(R, G, plan.block_m), 4}, DType::I32);
+                   plan.tile_count = r.be.alloc({1}, DType::I32);
+                   Tensor rs = r.be.alloc({R}, DType::I32), sr = r.be.alloc({R}, DType::I32);
+                   r.be.moe_plan(r.be.to_device(i32_tensor(ex, {R, 1})), G, plan.block_m, plan.offsets, rs, sr,
+                                 plan.tiles, plan.tile_count);
+                   r.be.grouped_linear_planned(x, plan, {ws}, spec, {&r.output("out_planned", {R, N}, v.dt)});
                    Tensor& single = r.output("single", {R, N}, v.dt);
                    for (int64_t g = 0; g < G; ++g) {
                      if (rows[static_cast<size_t>(g)] == 0) continue;
@@ -1562,15 +1575,21 @@ void grouped_linear_cases(std::vector<OpCase>& t) {
                  },
                  {{"out", linear_tolerance(mode, v.dt)}},
                  mode == LinearMode::FP8_BLOCK
-                     ? std::vector<std::pair<std::string, std::string>>{{"out_view", "out_sum"}}
-                     : std::vector<std::pair<std::string, std::string>>{}});
+                     ? std::vector<std::pair<std::string, std::string>>{{"out_view", "out_sum"}, {"out_planned", "out"}}
+                 : mode == LinearMode::BF16 && v.dt == DType::BF16
+                     ? std::vector<std::pair<std::string, std::string>>{}
+                     : std::vector<std::pair<std::string, std::string>>{{"out_planned", "out"}}});
     // The CPU computes both the same way (bitwise); the CUDA grouped kernel is close to its
-    // per-group cuBLASLt products (the linear class's tolerance).
+    // per-group cuBLASLt products (the linear class's tolerance). The planned product: bitwise the
+    // host-offsets one (the same own kernel; the CPU's same path), except CUDA's BF16, where the
+    // own kernel's BF16 mode stands in for cuBLAS's grouped GEMM.
     t.back().close.emplace_back("out", "single", linear_tolerance(mode, v.dt));
+    if (mode == LinearMode::BF16 && v.dt == DType::BF16)
+      t.back().close.emplace_back("out_planned", "out", linear_tolerance(mode, v.dt));
     // CUDA: FP8 with quantized weights and BF16 with BF16 operands and output run grouped; the
-    // others, one product per live group (5 of the 6).
+    // others, one product per live group (5 of the 6), in the host-offsets and the planned op.
     const bool grouped = mode == LinearMode::FP8_BLOCK || (mode == LinearMode::BF16 && v.dt == DType::BF16);
-    t.back().grouped_loops = grouped ? 0 : 5;
+    t.back().grouped_loops = grouped ? 0 : 10;
     t.back().errors = [=](OpRun& r) {
       LinearWeight w;
       w.w = r["w0"];

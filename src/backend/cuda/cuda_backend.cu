@@ -1489,6 +1489,64 @@ void CudaBackend::grouped_fp8_product(const QuantTensor& xq, bool scales_kb_majo
                           /*keep_maps=*/true);
 }
 
+// The device-planned grouped products (the generator's MoE blocks): the own grouped kernel over
+// moe_plan's tile table, FP8 with pre-quantized weights (x quantized once for every weight set)
+// or BF16 with BF16 weights (the kernel's BF16 mode, in place of cuBLAS's grouped GEMM, which
+// needs the row counts on the host); nothing is uploaded or read back. Otherwise the default (the
+// offsets downloaded, the host-offsets op).
+int CudaBackend::moe_plan_block_m(int64_t rows, int64_t groups) const {
+  return rows / std::max<int64_t>(1, std::min(rows, groups)) <= 96 ? 64 : 128;  // gemm_fp8_grouped's rule
+}
+
+void CudaBackend::grouped_linear_planned_impl(const Tensor& x, const MoeDevicePlan& plan,
+                                              const std::vector<std::vector<const LinearWeight*>>& W,
+                                              const LinearSpec& spec, const std::vector<Tensor*>& outs,
+                                              const Fp8View* x_fp8) {
+  const int64_t R = x.dim(0), K = x.dim(1);
+  const int4* tiles = reinterpret_cast<const int4*>(plan.tiles.data<int32_t>());
+  const int* count = plan.tile_count.data<int32_t>();
+  const int64_t max_tiles = plan.tiles.dim(0);
+  const bool bm_ok = plan.block_m == 64 || plan.block_m == 128;
+  bool fp8 = bm_ok && spec.mode == LinearMode::FP8_BLOCK && act_dtype_ != DType::F32 && R > 0 &&
+             K % kQuantBlock == 0 && R < (int64_t{1} << 31);
+  bool bf16 = bm_ok && spec.mode == LinearMode::BF16 && act_dtype_ != DType::F32 && R > 0 &&
+              x.dtype() == DType::BF16 && K % 8 == 0 && R < (int64_t{1} << 31);
+  for (size_t i = 0; i < W.size(); ++i) {
+    const int64_t N = outs[i]->dim(1);
+    fp8 = fp8 && fp8_gemm_sm90_supported(R, N, K);
+    for (const LinearWeight* w : W[i]) fp8 = fp8 && w->wq.defined() && !w->bias.defined() && w->wq.pow2 == spec.pow2_scales;
+    bf16 = bf16 && N % 16 == 0 && outs[i]->dtype() == DType::BF16 && bf16_weights(W[i]);
+  }
+  if (fp8) {
+    const OpTimer op_timer_(*this, "grouped_linear");
+    const QuantTensor xq = x_fp8 ? x_fp8->q : grouped_fp8_input(x, spec);
+    const bool kb_major = x_fp8 && x_fp8->scales_gemm_layout;
+    for (size_t i = 0; i < W.size(); ++i) {
+      std::vector<const uint8_t*> bp;
+      std::vector<const float*> sp;
+      for (const LinearWeight* w : W[i]) {
+        bp.push_back(w->wq.data.data<uint8_t>());
+        sp.push_back(w->wq.scales.data<float>());
+      }
+      gemm_->gemm_fp8_grouped_device(tiles, count, max_tiles, R, plan.block_m, outs[i]->dim(1), K,
+                                     xq.data.data<uint8_t>(), xq.scales.data<float>(), kb_major, bp, sp,
+                                     outs[i]->raw(), outs[i]->dtype(), 1.0f, 0.0f);
+    }
+    return;
+  }
+  if (bf16) {
+    const OpTimer op_timer_(*this, "grouped_linear");
+    for (size_t i = 0; i < W.size(); ++i) {
+      std::vector<const void*> bp;
+      for (const LinearWeight* w : W[i]) bp.push_back(w->w.raw());
+      gemm_->gemm_bf16_grouped_device(tiles, count, max_tiles, R, plan.block_m, outs[i]->dim(1), K, x.raw(), bp,
+                                      outs[i]->raw(), outs[i]->dtype(), 1.0f, 0.0f);
+    }
+    return;
+  }
+  Backend::grouped_linear_planned_impl(x, plan, W, spec, outs, x_fp8);
+}
+
 // The experts' gate and up over the same rows: FP8 with pre-quantized weights quantizes x once for
 // every weight set, then one grouped launch per set (bitwise grouped_linear per set: the same
 // quantized rows, the same kernel); otherwise grouped_linear per set.

@@ -146,6 +146,10 @@ class CudaBackend final : public Backend {
   void moe_unpermute_impl(const Tensor& y, const Tensor& slot_row, const Tensor* weights, Tensor& out) override;
   void moe_plan_impl(const Tensor& experts, int64_t num_experts, int block_m, Tensor& offsets, Tensor& row_slot,
                      Tensor& slot_row, Tensor& tiles, Tensor& tile_count) override;
+  int moe_plan_block_m(int64_t rows, int64_t groups) const override;
+  void grouped_linear_planned_impl(const Tensor& x, const MoeDevicePlan& plan,
+                                   const std::vector<std::vector<const LinearWeight*>>& W, const LinearSpec& spec,
+                                   const std::vector<Tensor*>& outs, const Fp8View* x_fp8) override;
   void moe_unpermute_backward_weights_impl(const Tensor& dout, const Tensor& y, const Tensor& slot_row,
                                            Tensor& dweights) override;
   void adamw_impl(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWParams& p) override;

@@ -2,6 +2,13 @@
 // with A E4M3 [M, K] (1x128 scales along K) and B E4M3 [N, K] (128x128 scales), FP32
 // accumulation promoted every 128 K, BF16 or F32 output. Any M; N and K multiples of 16.
 // Deterministic, and row-invariant at a fixed split count (see the .cu file).
+//
+// The BF16 mode of the same kernel (ab = BF16 in the arguments): C[M, N] = alpha * A B^T + beta * C
+// with A BF16 [M, K] and B BF16 [N, K], both K-major (row-major), no scales (they must be null),
+// one FP32 accumulation over all of K (per split), BF16 or F32 output. Any M; N a multiple of 16,
+// K of 8. Tiles of 64 or 128 rows (block_m; 0: 64 for M <= 256, else 128) by 128 columns (block_n
+// 0 or 128); the same splits, grids, epilogues and grouped form, with the same determinism and
+// row invariance.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -15,6 +22,7 @@ namespace fp8rl::cuda {
 class PinnedUploads;
 
 struct Fp8GemmArgs {
+  DType ab = DType::E4M3;  // the operands: E4M3 (block-scaled) or BF16 (a, b hold BF16; no scales)
   int64_t M = 0, N = 0, K = 0;
   const uint8_t* a = nullptr;       // [M, K]
   const float* a_scales = nullptr;  // [M][ceil(K/128)], or [ceil(K/128)][M] when a_scales_kb_major
@@ -30,14 +38,15 @@ struct Fp8GemmArgs {
   float* workspace = nullptr;  // fp8_gemm_sm90_workspace_floats(M, N, splits) floats
 };
 
-bool fp8_gemm_sm90_supported(int64_t M, int64_t N, int64_t K);
+bool fp8_gemm_sm90_supported(int64_t M, int64_t N, int64_t K, DType ab = DType::E4M3);
 // The configuration for a shape: decode-sized products (M <= 256) take 64-row tiles and enough
 // K splits for about two CTAs per SM; larger M, 128-row tiles and splits only where the tiles
 // leave most SMs idle. Measured on the H200 (docs/benchmarks.md, session 5: bench-gemm's sweep).
+// BF16: the same rules over its K blocks of 64 elements and 128-column tiles (not tuned for it).
 struct Fp8GemmConfig {
   int block_m = 128, splits = 1;
 };
-Fp8GemmConfig fp8_gemm_sm90_config(int64_t M, int64_t N, int64_t K, int sm_count);
+Fp8GemmConfig fp8_gemm_sm90_config(int64_t M, int64_t N, int64_t K, int sm_count, DType ab = DType::E4M3);
 // FP8RL_FP8_GEMM_BN (read at each call): the dense product's columns per tile beside 64-row tiles,
 // 128 (the default) or 64 ("narrow tiles": twice the CTAs for the decode products whose 128-column
 // tiles leave most SMs idle; without clusters, scales read from global memory). Each output
@@ -54,10 +63,39 @@ void fp8_gemm_sm90(const Fp8GemmArgs& args, cudaStream_t stream);
 
 // The grouped product (mixture-of-experts layers): rows [offsets[g], offsets[g + 1]) of A and C
 // belong to group g, whose B is b[g] [N, K] with scales b_scales[g]; one launch for all groups.
-// Each row's result is bitwise that of fp8_gemm_sm90 at one split with its group's B.
+// Each row's result is bitwise that of fp8_gemm_sm90 at one split with its group's B (and the
+// same block_m). BF16 mode (ab = BF16): a and b[g] hold BF16, a_scales null, b_scales empty,
+// block_m 64 or 128 (0: 64 or 128).
+//
+// The tile table: the kernel's unit of work along M is a tile of block_m rows of one group, an
+// int4 {group g, first row, end row of group g (offsets[g + 1]), 0}: it computes and stores rows
+// [first, min(first + block_m, end)) with group g's B. The host form builds it from offsets
+// (every group's rows from offsets[g] in steps of block_m, groups in order) and uploads it per
+// call. The device form (device_tiles, device_tile_count, max_tiles; offsets empty) takes the
+// caller's table on the device instead, so that an MoE block runs without the host knowing its
+// groups' row counts (no device-to-host copy; CUDA-graph capturable). Its contract:
+//  - device_tiles: max_tiles int4 entries, 16-byte aligned; the first *device_tile_count are
+//    valid tiles as above (0 <= group < groups, 0 <= first < end <= rows), their row ranges
+//    disjoint (each row stored by at most one tile); rows no tile covers are left as they were.
+//    Entries past the count are never read, whatever they hold.
+//  - device_tile_count: one int on the device, 0 <= count <= max_tiles (the kernel reads it at
+//    its start and clamps it to [0, max_tiles]); written before the launch in stream order.
+//  - max_tiles: the table's capacity, an upper bound of the count (ceil(R / block_m) + G bounds
+//    the tiles of any split of R rows among G groups): the persistent grid is sized for it (at
+//    most as many CTAs as fit); FP8RL_FP8_GEMM_GRID=tile launches max_tiles x column tiles CTAs,
+//    those past the count's tiles doing nothing.
+//  - rows: R, the rows of A (and of a_scales) and C; groups: G, the maps' count.
+//  - block_m: the block_m the table was built for (64, 128 or 192; BF16 64 or 128), not 0.
+//  - maps: required (the groups' B maps on the device, fp8_gemm_sm90_grouped_maps' bytes for
+//    this ab, N and K); b, b_scales, device_meta and uploads are not used. Nothing is uploaded.
+// The same table gives the host form's bits (the kernel's arithmetic does not depend on where
+// the table came from, nor on the tiles' order). E4M3 runs the default variant's instances here
+// (no cluster, global scales): FP8RL_FP8_GEMM_CLUSTER, _SCALES, _OCCUPANCY, _PIPE and _BAND do not
+// apply to the device form (every variant gives the same bits); _STORE and _GRID do.
 struct Fp8GroupedArgs {
+  DType ab = DType::E4M3;  // E4M3 or BF16 (see above)
   int64_t N = 0, K = 0;
-  std::vector<int64_t> offsets;     // G + 1 row offsets, from 0
+  std::vector<int64_t> offsets;     // G + 1 row offsets, from 0 (empty: the device tile table)
   const uint8_t* a = nullptr;       // [R, K], R = offsets.back()
   const float* a_scales = nullptr;  // [R][ceil(K/128)], or [ceil(K/128)][R] when a_scales_kb_major
   bool a_scales_kb_major = false;
@@ -74,15 +112,23 @@ struct Fp8GroupedArgs {
   // maps are encoded and uploaded with it, into device_meta).
   const void* maps = nullptr;
   PinnedUploads* uploads = nullptr;  // the table's upload (null: a pageable copy)
+  // The device tile table (see above), in place of offsets.
+  const int4* device_tiles = nullptr;      // [max_tiles] {group, first row, group's end row, 0}
+  const int* device_tile_count = nullptr;  // device: the valid entries of device_tiles
+  int64_t max_tiles = 0;                   // device_tiles' capacity
+  int64_t rows = 0;                        // R
+  int groups = 0;                          // G
 };
 size_t fp8_gemm_sm90_grouped_meta_bytes(int groups, int64_t rows, int block_m);
 // The groups' B tensor maps and scale pointers as the kernel reads them: G CUtensorMaps, then G
-// scale pointers (the bytes depend only on the pointers, N and K, so a copy stays valid as long
-// as the weights stay where they are).
+// scale pointers (the bytes depend only on the pointers, N, K and ab, so a copy stays valid as
+// long as the weights stay where they are). BF16: b_scales empty (null pointers are written).
 std::vector<unsigned char> fp8_gemm_sm90_grouped_maps(const std::vector<const uint8_t*>& b,
-                                                      const std::vector<const float*>& b_scales, int64_t N, int64_t K);
-// Uploads its tile table (and the maps when args.maps is null): not for use inside a CUDA graph
-// capture.
+                                                      const std::vector<const float*>& b_scales, int64_t N, int64_t K,
+                                                      DType ab = DType::E4M3);
+// The host form uploads its tile table (and the maps when args.maps is null): not for use inside
+// a CUDA graph capture. The device form uploads nothing and reads nothing back: it may be
+// captured.
 void fp8_gemm_sm90_grouped(const Fp8GroupedArgs& args, cudaStream_t stream);
 
 }  // namespace fp8rl::cuda

@@ -26,6 +26,12 @@
 //
 // Any M (no padding), N and K multiples of 16 (TMA's 16-byte row strides); partial blocks of N
 // and K are read as zeros.
+//
+// The BF16 mode (kBf16: A and B BF16, no scales) runs on the same structure: TMA maps over the
+// operands' bytes (a 128-byte stage holds 64 elements), four wgmma m64n128k16 per stage into one
+// FP32 accumulator set over all of the tile's K, no promotion, the same epilogues and splits.
+// The grouped product's tile table may also come from the device (Fp8GroupedArgs::device_tiles):
+// the kernel then reads its count (kTileCount, and every BF16 instance).
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
@@ -84,6 +90,10 @@ struct GemmParams {
   const int4* tiles = nullptr;
   const CUtensorMap* b_maps = nullptr;
   const float* const* sb_groups = nullptr;
+  // Grouped with a device-side table (Fp8GroupedArgs::device_tiles): its count of valid entries,
+  // read by the kernel (instances with kTileCount or kBf16); m_tiles is then the table's capacity
+  // (the grid's size), and group_n 0. Null: all m_tiles.
+  const int* tile_count = nullptr;
 };
 
 // One output tile: its B tile, its rows [m_base, m_base + BM) of which those below m_end are
@@ -347,7 +357,13 @@ constexpr int gemm_ctas_per_sm(int consumers, int stages, bool tma_store, int bn
 // each stage's scales (its A tile's row scales, its B block's scale) into shared memory beside
 // the tiles (cp.async, completing on the stage's barrier), so the consumers' loop has no global
 // load. The arithmetic of every tile is unchanged: bitwise the same results in every variant.
-template <int kConsumers, int kStages, int kCM, int kCN, bool kSmemScales, bool kTmaStore, int kBNt, bool kOverlap>
+// kBf16: the BF16 mode (A and B BF16, no scales; see the consumers' loop), on the same ring,
+// tile walk and epilogues. kTileCount: an E4M3 instance that may run a device tile table
+// (p.tile_count; the BF16 instances all may). The other E4M3 instances do not read a count: the
+// read in every instance changed the register counts of 20 of the 50 E4M3 instances (by -3 to
+// +11, ptxas 13.0 -v) and made the 192-row one spill.
+template <int kConsumers, int kStages, int kCM, int kCN, bool kSmemScales, bool kTmaStore, int kBNt, bool kOverlap,
+          bool kBf16 = false, bool kTileCount = false>
 __global__ void __launch_bounds__(gemm_threads(kConsumers, kOverlap),
                                   gemm_ctas_per_sm(kConsumers, kStages, kTmaStore, kBNt))
     fp8_gemm_kernel(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b,
@@ -356,6 +372,11 @@ __global__ void __launch_bounds__(gemm_threads(kConsumers, kOverlap),
                 "narrow (64-column) tiles: no cluster, global scales");
   static_assert(!kOverlap || (kCM == 1 && kCN == 1 && !kSmemScales && overlap_instance(kConsumers, kStages)),
                 "the overlapped K loop: no cluster, global scales, an instance that does not spill");
+  static_assert(!kBf16 || (kCM == 1 && kCN == 1 && !kSmemScales && kBNt == 128 && !kOverlap && kConsumers <= 2),
+                "the BF16 mode: no cluster, no scales, 128-column tiles, the drained loop, 64 or 128 rows");
+  static_assert(!kTileCount || (kCM == 1 && kCN == 1 && !kSmemScales && kBNt == 128),
+                "a device tile table: the grouped product's default variant (no cluster, global scales)");
+  constexpr bool kCountRead = kBf16 || kTileCount;
   constexpr bool kProducerWg = producer_warpgroup(kConsumers, kOverlap);
   constexpr int kBM = 64 * kConsumers;
   constexpr int kTileA = kBM * kBK, kTileB = kBNt * kBK;
@@ -397,8 +418,15 @@ __global__ void __launch_bounds__(gemm_threads(kConsumers, kOverlap),
   // walk the same tiles and count the stage uses `g` across them, so the ring runs on from one
   // tile into the next: the next tile's loads overlap this tile's last MMAs and its epilogue.
   const int64_t first = blockIdx.x / kCluster, step = gridDim.x / kCluster;
-  const int64_t tiles =
-      static_cast<int64_t>(kCN == 1 ? p.n_tiles : p.ct_n) * (kCM == 1 ? p.m_tiles : p.ct_m) * p.splits;
+  int64_t tiles = static_cast<int64_t>(kCN == 1 ? p.n_tiles : p.ct_n) * (kCM == 1 ? p.m_tiles : p.ct_m) * p.splits;
+  if constexpr (kCountRead) {
+    // A device tile table: its count of valid entries, read once by every thread (the producer
+    // and the consumers walk the same tiles; the count does not change while the kernel runs)
+    // and kept within the capacity p.m_tiles. The tiles are then count x n_tiles (one split, no
+    // cluster), and tile_of's tile t < tiles has m = t / n_tiles < count: its n-fastest order
+    // without bands (p.group_n = 0) takes m modulo the capacity, which leaves it as it is.
+    if (p.tile_count) tiles = static_cast<int64_t>(p.n_tiles) * min(max(*p.tile_count, 0), p.m_tiles);
+  }
   if (wg == kConsumers) {  // the producer warp: one thread issues every tile load (all, with the scales)
     if constexpr (kProducerWg) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(producer_regs(kConsumers)));
     if (kSmemScales ? tid < 32 : tid == 0) {
@@ -490,7 +518,31 @@ __global__ void __launch_bounds__(gemm_threads(kConsumers, kOverlap),
           it += n, g += n;
         }
       }
-      for (int it = 0; it < (kOverlap ? 0 : tl.nk); ++it, ++g) {
+      if constexpr (kBf16) {
+        // BF16: no scales, so no promotion: the MMAs accumulate straight into the totals over all
+        // of the tile's K (its split's), one FP32 accumulator set. A stage's 128 bytes are 64
+        // elements: four m64n128k16 steps of 32 bytes (desc + 2, as the E4M3 k32 steps). The totals
+        // are zeroed above (as for E4M3), so every MMA accumulates (scale-d 1, a constant): no
+        // per-MMA predicate on the tile's first K block. Drained per stage (its MMAs waited for
+        // before the stage is released): without a promotion there is nothing to overlap but the
+        // next stage's MMAs, and a wgmma in flight across the loop's back edge makes ptxas
+        // serialize them all (see overlap_chunk).
+        for (int it = 0; it < tl.nk; ++it, ++g) {
+          const int s = g % kStages;
+          mbar_wait(&full[s], (g / kStages) & 1);
+          const uint64_t da = sw128_desc(sm_a + s * kTileA + wg * 64 * kBK), db = sw128_desc(sm_b + s * kTileB);
+          fence_acc(total);
+          wgmma_fence();
+#pragma unroll
+          for (int k = 0; k < kBK / 32; ++k) wgmma_m64n128k16_bf16(total, da + 2 * k, db + 2 * k, 1);
+          wgmma_commit();
+          fence_acc(total);
+          wgmma_wait_all();
+          fence_acc(total);
+          if (lane == 0) mbar_arrive(&empty[s]);
+        }
+      }
+      for (int it = 0; it < (kOverlap || kBf16 ? 0 : tl.nk); ++it, ++g) {
         const int s = g % kStages, kb = tl.kb0 + it;
         // The scales of this K block, loaded while the tiles arrive (unconditionally for B: a
         // predicated load here costs ~15% at large M, session 9).
@@ -717,14 +769,17 @@ int sm_count() {
 
 // Launches the kernel over `tiles` cluster tiles: at most as many clusters as fit on the device
 // at once, each walking its share of the tiles, or with FP8RL_FP8_GEMM_GRID=tile (read at each
-// call) one cluster per cluster tile.
-template <int kConsumers, int kStages, int kCM, int kCN, bool kSmemScales, bool kTmaStore, int kBNt, bool kOverlap>
+// call) one cluster per cluster tile. With a device tile table (p.tile_count), p.m_tiles is its
+// capacity: the grid is sized for a full table and its CTAs past the count's tiles do nothing.
+template <int kConsumers, int kStages, int kCM, int kCN, bool kSmemScales, bool kTmaStore, int kBNt, bool kOverlap,
+          bool kBf16 = false, bool kTileCount = false>
 void launch_cluster(const CUtensorMap& ta, const CUtensorMap& tb, const CUtensorMap& tc, GemmParams p,
                     cudaStream_t stream) {
   constexpr int kSmem = kStages * (64 * kConsumers + kBNt) * kBK + gemm_store_bytes(kConsumers, kTmaStore) +
                         2 * kStages * 8 + (kSmemScales ? kStages * (64 * kConsumers + 4) * 4 : 0) + 1024;
   constexpr int kCluster = kCM * kCN;
-  auto* kernel = fp8_gemm_kernel<kConsumers, kStages, kCM, kCN, kSmemScales, kTmaStore, kBNt, kOverlap>;
+  auto* kernel =
+      fp8_gemm_kernel<kConsumers, kStages, kCM, kCN, kSmemScales, kTmaStore, kBNt, kOverlap, kBf16, kTileCount>;
   p.ct_m = static_cast<int>(ceil_div(int64_t{p.m_tiles}, int64_t{kCM}));
   p.ct_n = static_cast<int>(ceil_div(int64_t{p.n_tiles}, int64_t{kCN}));
   const int64_t tiles = static_cast<int64_t>(p.ct_m) * p.ct_n * p.splits;
@@ -876,19 +931,60 @@ void launch_variant(int bm, const uint8_t* a, int64_t rows, const uint8_t* b, in
   else launch<2, 6>(a, rows, b, N, K, p, c, stream);
 }
 
-}  // namespace
-
-bool fp8_gemm_sm90_supported(int64_t M, int64_t N, int64_t K) {
-  return M > 0 && N > 0 && K > 0 && N % 16 == 0 && K % 16 == 0 && M < (int64_t{1} << 31) && N < (int64_t{1} << 31);
+// The BF16 mode's instances: no cluster, no scales, 128-column tiles, the drained loop; 64-row
+// tiles at two CTAs per SM (4 stages, or 3 beside the TMA store's buffer: the E4M3 rings) or
+// 128-row tiles (6 stages), either epilogue (the TMA store where tma_store_applies). Its tensor
+// maps are the E4M3 ones over bytes: [rows, 2K] bytes in boxes of 128 bytes (64 elements).
+void launch_bf16(int bm, const uint8_t* a, int64_t rows, const uint8_t* b, int64_t N, int64_t K, const GemmParams& p,
+                 bool tma_store, cudaStream_t stream) {
+  tma_store = tma_store && tma_store_applies(p);
+  const CUtensorMap ta = tensor_map(a, rows, 2 * K, bm);
+  const CUtensorMap tb = b ? tensor_map(b, N, 2 * K, kBN) : ta;
+  const CUtensorMap tc = tma_store ? output_map(p) : ta;
+  if (bm == 64 && tma_store) launch_cluster<1, 3, 1, 1, false, true, kBN, false, true>(ta, tb, tc, p, stream);
+  else if (bm == 64) launch_cluster<1, 4, 1, 1, false, false, kBN, false, true>(ta, tb, tc, p, stream);
+  else if (tma_store) launch_cluster<2, 6, 1, 1, false, true, kBN, false, true>(ta, tb, tc, p, stream);
+  else launch_cluster<2, 6, 1, 1, false, false, kBN, false, true>(ta, tb, tc, p, stream);
 }
 
-Fp8GemmConfig fp8_gemm_sm90_config(int64_t M, int64_t N, int64_t K, int sm_count) {
-  const int64_t kblocks = ceil_div(K, int64_t{kBK});
+// The E4M3 instances for a device tile table (kTileCount): the grouped product's default variant
+// (no cluster, global scales, 64-row tiles at two CTAs per SM, the overlapped loop for 128-row
+// tiles), either epilogue. FP8RL_FP8_GEMM_CLUSTER, _SCALES, _OCCUPANCY, _PIPE and _BAND do not
+// apply to it (every variant gives the same bits); _STORE and _GRID do.
+void launch_tile_count(int bm, const uint8_t* a, int64_t rows, int64_t K, const GemmParams& p, bool tma_store,
+                       cudaStream_t stream) {
+  tma_store = tma_store && tma_store_applies(p);
+  const CUtensorMap ta = tensor_map(a, rows, K, bm);  // B: each group's map, in p
+  const CUtensorMap tc = tma_store ? output_map(p) : ta;
+  if (bm == 64 && tma_store) launch_cluster<1, 3, 1, 1, false, true, kBN, false, false, true>(ta, ta, tc, p, stream);
+  else if (bm == 64) launch_cluster<1, 4, 1, 1, false, false, kBN, false, false, true>(ta, ta, tc, p, stream);
+  else if (bm == 128 && tma_store)
+    launch_cluster<2, 6, 1, 1, false, true, kBN, true, false, true>(ta, ta, tc, p, stream);
+  else if (bm == 128) launch_cluster<2, 6, 1, 1, false, false, kBN, true, false, true>(ta, ta, tc, p, stream);
+  else if (tma_store) launch_cluster<3, 4, 1, 1, false, true, kBN, false, false, true>(ta, ta, tc, p, stream);
+  else launch_cluster<3, 4, 1, 1, false, false, kBN, false, false, true>(ta, ta, tc, p, stream);
+}
+
+// The K bytes of a row of an operand: K for E4M3, 2K for BF16.
+int64_t k_bytes(int64_t K, DType ab) { return ab == DType::BF16 ? 2 * K : K; }
+
+}  // namespace
+
+bool fp8_gemm_sm90_supported(int64_t M, int64_t N, int64_t K, DType ab) {
+  // TMA's 16-byte row strides: K % 16 for E4M3, K % 8 for BF16 (2 bytes an element).
+  const int64_t k_granule = ab == DType::BF16 ? 8 : 16;
+  return (ab == DType::E4M3 || ab == DType::BF16) && M > 0 && N > 0 && K > 0 && N % 16 == 0 && K % k_granule == 0 &&
+         M < (int64_t{1} << 31) && N < (int64_t{1} << 31);
+}
+
+Fp8GemmConfig fp8_gemm_sm90_config(int64_t M, int64_t N, int64_t K, int sm_count, DType ab) {
+  const bool bf16_ab = ab == DType::BF16;
+  const int64_t kblocks = ceil_div(k_bytes(K, ab), int64_t{kBK});
   int64_t n_tiles = ceil_div(N, int64_t{kBN});
   Fp8GemmConfig c;
   if (M <= 256) {
     c.block_m = 64;
-    const int bn = fp8_gemm_block_n();
+    const int bn = bf16_ab ? kBN : fp8_gemm_block_n();
     n_tiles = ceil_div(N, int64_t{bn});
     const int64_t tiles = ceil_div(M, int64_t{64}) * n_tiles;
     // 64-column tiles: no split once the tiles fill half the SMs (a split's reduction kernel costs
@@ -916,14 +1012,25 @@ bool fp8_gemm_sm90_preferred(int64_t M, int64_t N, int64_t K) {
 int64_t fp8_gemm_sm90_workspace_floats(int64_t M, int64_t N, int splits) { return splits > 1 ? splits * M * N : 0; }
 
 void fp8_gemm_sm90(const Fp8GemmArgs& a, cudaStream_t stream) {
-  FP8RL_CHECK(fp8_gemm_sm90_supported(a.M, a.N, a.K), "FP8 GEMM (sm90): needs N and K multiples of 16, got M=", a.M,
-              " N=", a.N, " K=", a.K);
-  FP8RL_CHECK(a.c_dtype == DType::BF16 || a.c_dtype == DType::F32, "FP8 GEMM (sm90): output must be BF16 or F32");
-  const int kblocks = static_cast<int>(ceil_div(a.K, int64_t{kBK}));
+  const bool bf16_ab = a.ab == DType::BF16;
+  FP8RL_CHECK(a.ab == DType::E4M3 || bf16_ab, "own GEMM (sm90): operands must be E4M3 or BF16, got ", dtype_name(a.ab));
+  if (bf16_ab) {
+    FP8RL_CHECK(fp8_gemm_sm90_supported(a.M, a.N, a.K, a.ab),
+                "BF16 GEMM (sm90): needs N a multiple of 16 and K of 8, got M=", a.M, " N=", a.N, " K=", a.K);
+    FP8RL_CHECK(!a.a_scales && !a.b_scales, "BF16 GEMM (sm90): BF16 operands take no scales (pass null)");
+    FP8RL_CHECK(a.block_m == 0 || a.block_m == 64 || a.block_m == 128, "BF16 GEMM (sm90): block_m must be 64 or 128");
+    FP8RL_CHECK(a.block_n == 0 || a.block_n == kBN, "BF16 GEMM (sm90): block_n must be 128 (128-column tiles only)");
+  } else {
+    FP8RL_CHECK(fp8_gemm_sm90_supported(a.M, a.N, a.K), "FP8 GEMM (sm90): needs N and K multiples of 16, got M=", a.M,
+                " N=", a.N, " K=", a.K);
+  }
+  const char* what = bf16_ab ? "BF16 GEMM (sm90)" : "FP8 GEMM (sm90)";
+  FP8RL_CHECK(a.c_dtype == DType::BF16 || a.c_dtype == DType::F32, what, ": output must be BF16 or F32");
+  const int kblocks = static_cast<int>(ceil_div(k_bytes(a.K, a.ab), int64_t{kBK}));
   const int splits = std::max(1, std::min(a.splits, kblocks));
   const int kb_per_split = static_cast<int>(ceil_div(int64_t{kblocks}, int64_t{splits}));
   const int used_splits = static_cast<int>(ceil_div(int64_t{kblocks}, int64_t{kb_per_split}));
-  FP8RL_CHECK(used_splits == 1 || a.workspace, "FP8 GEMM (sm90): split-K needs a workspace");
+  FP8RL_CHECK(used_splits == 1 || a.workspace, what, ": split-K needs a workspace");
   GemmParams p;
   p.M = a.M, p.N = a.N, p.K = a.K;
   p.kblocks = kblocks, p.kb_per_split = kb_per_split;
@@ -938,7 +1045,7 @@ void fp8_gemm_sm90(const Fp8GemmArgs& a, cudaStream_t stream) {
   FP8RL_CHECK(a.block_m == 0 || a.block_m == 64 || a.block_m == 128 || a.block_m == 192,
               "FP8 GEMM (sm90): block_m must be 64, 128 or 192");
   const bool small = a.block_m ? a.block_m == 64 : a.M <= 256;
-  const int bm = small ? 64 : a.block_m ? a.block_m : fp8_gemm_large_block_m();
+  const int bm = small ? 64 : a.block_m ? a.block_m : bf16_ab ? 128 : fp8_gemm_large_block_m();
   const int m_tiles = static_cast<int>(ceil_div(a.M, int64_t{bm}));
   KernelVariant cl = kernel_variant(m_tiles, ceil_div(a.N, int64_t{kBN}), false);
   FP8RL_CHECK(a.block_n == 0 || a.block_n == 64 || a.block_n == kBN, "FP8 GEMM (sm90): block_n must be 64 or 128");
@@ -946,12 +1053,13 @@ void fp8_gemm_sm90(const Fp8GemmArgs& a, cudaStream_t stream) {
     cl.bn = a.block_n;
     if (cl.bn == 64) cl.cm = cl.cn = 1, cl.smem_scales = false;
   }
-  if (!small) cl.bn = kBN;  // 64-column tiles only beside 64-row ones
+  if (!small || bf16_ab) cl.bn = kBN;  // 64-column tiles only beside 64-row ones, and E4M3 ones
   const int n_tiles = static_cast<int>(ceil_div(a.N, int64_t{cl.bn}));
   p.n_tiles = n_tiles, p.m_tiles = m_tiles, p.splits = used_splits;
   p.m_fastest = a.M <= 256;  // decode-sized: the few row blocks of one weight tile together
   p.group_n = cl.band;
-  launch_variant(bm, a.a, a.M, a.b, a.N, a.K, p, cl, stream);
+  if (bf16_ab) launch_bf16(bm, a.a, a.M, a.b, a.N, a.K, p, cl.tma_store, stream);
+  else launch_variant(bm, a.a, a.M, a.b, a.N, a.K, p, cl, stream);
   if (p.partials) {
     const int64_t mn = a.M * a.N, threads = 256, blocks = ceil_div(ceil_div(mn, int64_t{4}), threads);
     if (p.c_bf16)
@@ -972,64 +1080,30 @@ size_t fp8_gemm_sm90_grouped_meta_bytes(int groups, int64_t rows, int block_m) {
 }
 
 std::vector<unsigned char> fp8_gemm_sm90_grouped_maps(const std::vector<const uint8_t*>& b,
-                                                      const std::vector<const float*>& b_scales, int64_t N, int64_t K) {
+                                                      const std::vector<const float*>& b_scales, int64_t N, int64_t K,
+                                                      DType ab) {
+  const bool bf16_ab = ab == DType::BF16;
   const size_t G = b.size(), maps_bytes = G * sizeof(CUtensorMap);
-  FP8RL_CHECK(b_scales.size() == G, "grouped FP8 GEMM: ", G, " groups need ", G, " scale tensors, got ",
-              b_scales.size());
+  FP8RL_CHECK(b_scales.size() == G || (bf16_ab && b_scales.empty()), "grouped FP8 GEMM: ", G, " groups need ", G,
+              " scale tensors, got ", b_scales.size());
   std::vector<unsigned char> host(maps_bytes + G * 8);
   for (size_t g = 0; g < G; ++g) {
-    const CUtensorMap m = tensor_map(b[g], N, K, kBN);
+    const CUtensorMap m = tensor_map(b[g], N, k_bytes(K, ab), kBN);
     std::memcpy(host.data() + g * sizeof(CUtensorMap), &m, sizeof m);
-    const float* sp = b_scales[g];
+    const float* sp = b_scales.empty() ? nullptr : b_scales[g];
+    FP8RL_CHECK(!bf16_ab || !sp, "grouped BF16 GEMM: BF16 operands take no scales (pass none or null)");
     std::memcpy(host.data() + maps_bytes + g * 8, &sp, 8);
   }
   return host;
 }
 
-// The grouped product: one launch, the m tiles over every group's row tiles (a table built here),
-// each tile reading its group's B through the group's tensor map. A tile's rows past its group's
-// end are loaded (they belong to the next group or are zero fill) but neither scaled nor stored,
-// so every row's arithmetic is that of the dense kernel at one split: bitwise the same result.
-void fp8_gemm_sm90_grouped(const Fp8GroupedArgs& a, cudaStream_t stream) {
-  const int G = static_cast<int>(a.b.size());
-  FP8RL_CHECK(G > 0 && a.offsets.size() == static_cast<size_t>(G) + 1 && a.b_scales.size() == a.b.size(),
-              "grouped FP8 GEMM: ", G, " groups need ", G + 1, " row offsets and ", G, " scale tensors, got ",
-              a.offsets.size(), " and ", a.b_scales.size());
-  const int64_t R = a.offsets.back();
-  FP8RL_CHECK(a.offsets.front() == 0 && R >= 0, "grouped FP8 GEMM: row offsets must start at 0");
-  for (int g = 0; g < G; ++g)
-    FP8RL_CHECK(a.offsets[g + 1] >= a.offsets[g], "grouped FP8 GEMM: row offsets must not decrease");
-  if (R == 0) return;
-  FP8RL_CHECK(fp8_gemm_sm90_supported(R, a.N, a.K),
-              "grouped FP8 GEMM (sm90): needs N and K multiples of 16, got N=", a.N, " K=", a.K);
-  FP8RL_CHECK(a.c_dtype == DType::BF16 || a.c_dtype == DType::F32, "grouped FP8 GEMM: output must be BF16 or F32");
-  FP8RL_CHECK(a.block_m == 0 || a.block_m == 64 || a.block_m == 128 || a.block_m == 192,
-              "grouped FP8 GEMM: block_m must be 64, 128 or 192");
-  int nonempty = 0;
-  for (int g = 0; g < G; ++g) nonempty += a.offsets[g + 1] > a.offsets[g];
-  const int bm = a.block_m ? a.block_m : R / std::max(1, nonempty) <= 96 ? 64 : fp8_gemm_large_block_m();
-  // Host staging of the metadata: the maps (64-byte aligned), the scale pointers, the tiles.
-  std::vector<int4> tiles;
-  for (int g = 0; g < G; ++g)
-    for (int64_t r = a.offsets[g]; r < a.offsets[g + 1]; r += bm)
-      tiles.push_back(make_int4(g, static_cast<int>(r), static_cast<int>(a.offsets[g + 1]), 0));
-  const size_t maps_bytes = static_cast<size_t>(G) * sizeof(CUtensorMap), ptr_bytes = static_cast<size_t>(G) * 8;
-  const size_t tiles_bytes = tiles.size() * sizeof(int4);
-  const size_t need = (a.maps ? 0 : maps_bytes + ptr_bytes + 15) + tiles_bytes;
-  FP8RL_CHECK(a.device_meta && need + 64 <= a.device_meta_bytes, "grouped FP8 GEMM: the metadata needs ", need + 64,
-              " bytes of device scratch, got ", a.device_meta_bytes);
-  FP8RL_CHECK(reinterpret_cast<uintptr_t>(a.maps) % 64 == 0, "grouped FP8 GEMM: the maps must be 64-byte aligned");
-  uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(a.device_meta) + 63) & ~uintptr_t(63));
-  std::vector<unsigned char> host;
-  if (!a.maps) host = fp8_gemm_sm90_grouped_maps(a.b, a.b_scales, a.N, a.K);
-  const size_t tiles_at = (host.size() + 15) & ~size_t{15};  // int4 rows: 16-byte aligned
-  host.resize(tiles_at + tiles_bytes);
-  std::memcpy(host.data() + tiles_at, tiles.data(), tiles_bytes);
-  if (!a.uploads || !a.uploads->upload(host.data(), base, host.size(), stream))
-    CUDA_CHECK(cudaMemcpyAsync(base, host.data(), host.size(), cudaMemcpyHostToDevice, stream),
-               "uploading the grouped FP8 GEMM's tile table");
-  const uint8_t* maps = a.maps ? static_cast<const uint8_t*>(a.maps) : base;
-  const int kblocks = static_cast<int>(ceil_div(a.K, int64_t{kBK}));
+namespace {
+
+// The grouped product's launch over a tile table in device memory of m_tiles entries (with
+// `count`, a device int: its first *count), each group's B through its map in `maps`.
+void grouped_launch(const Fp8GroupedArgs& a, int64_t R, int G, int bm, const int4* tiles, const int* count,
+                    int64_t m_tiles, const uint8_t* maps, cudaStream_t stream) {
+  const int kblocks = static_cast<int>(ceil_div(k_bytes(a.K, a.ab), int64_t{kBK}));
   GemmParams p;
   p.M = R, p.N = a.N, p.K = a.K;
   p.kblocks = kblocks, p.kb_per_split = kblocks;
@@ -1042,14 +1116,101 @@ void fp8_gemm_sm90_grouped(const Fp8GroupedArgs& a, cudaStream_t stream) {
   p.c_bf16 = a.c_dtype == DType::BF16;
   p.alpha = a.alpha, p.beta = a.beta;
   p.b_maps = reinterpret_cast<const CUtensorMap*>(maps);
-  p.sb_groups = reinterpret_cast<const float* const*>(maps + maps_bytes);
-  p.tiles = reinterpret_cast<const int4*>(base + tiles_at);
+  p.sb_groups = reinterpret_cast<const float* const*>(maps + static_cast<size_t>(G) * sizeof(CUtensorMap));
+  p.tiles = tiles;
+  p.tile_count = count;
   const int n_tiles = static_cast<int>(ceil_div(a.N, int64_t{kBN}));
-  p.n_tiles = n_tiles, p.m_tiles = static_cast<int>(tiles.size()), p.splits = 1;
+  p.n_tiles = n_tiles, p.m_tiles = static_cast<int>(m_tiles), p.splits = 1;
   p.m_fastest = false;  // a group's row blocks share its B: n fastest within each
   const KernelVariant cl = kernel_variant(p.m_tiles, n_tiles, true);  // cm = 1: the B maps' box is kBN rows
-  p.group_n = cl.band;
-  launch_variant(bm, a.a, R, nullptr, a.N, a.K, p, cl, stream);
+  p.group_n = count ? 0 : cl.band;  // a device table: no bands (the kernel's tile count, kCountRead)
+  if (a.ab == DType::BF16) launch_bf16(bm, a.a, R, nullptr, a.N, a.K, p, cl.tma_store, stream);
+  else if (count) launch_tile_count(bm, a.a, R, a.K, p, cl.tma_store, stream);
+  else launch_variant(bm, a.a, R, nullptr, a.N, a.K, p, cl, stream);
+}
+
+// The grouped product over the caller's device tile table: nothing uploaded and nothing read
+// back (the kernel reads the count), so it may be captured in a CUDA graph.
+void grouped_device(const Fp8GroupedArgs& a, const char* what, cudaStream_t stream) {
+  const bool bf16_ab = a.ab == DType::BF16;
+  FP8RL_CHECK(a.offsets.empty(), what, ": give host offsets or a device tile table, not both");
+  FP8RL_CHECK(a.device_tiles && a.device_tile_count, what, ": a device tile table needs device_tiles and ",
+              "device_tile_count");
+  FP8RL_CHECK(reinterpret_cast<uintptr_t>(a.device_tiles) % 16 == 0, what, ": device_tiles must be 16-byte aligned");
+  FP8RL_CHECK(a.maps && reinterpret_cast<uintptr_t>(a.maps) % 64 == 0, what, ": a device tile table needs the ",
+              "groups' maps already on the device (args.maps, 64-byte aligned: fp8_gemm_sm90_grouped_maps' bytes)");
+  FP8RL_CHECK(a.groups > 0 && a.rows >= 0 && a.max_tiles >= 0, what, ": a device tile table needs groups > 0, ",
+              "rows >= 0 and max_tiles >= 0, got ", a.groups, ", ", a.rows, " and ", a.max_tiles);
+  FP8RL_CHECK(a.block_m == 64 || a.block_m == 128 || (a.block_m == 192 && !bf16_ab), what,
+              ": a device tile table needs the block_m it was built for (64, 128", bf16_ab ? "" : " or 192", "), got ",
+              a.block_m);
+  if (a.rows == 0 || a.max_tiles == 0) return;
+  FP8RL_CHECK(fp8_gemm_sm90_supported(a.rows, a.N, a.K, a.ab), what, " (sm90): needs N a multiple of 16 and K of ",
+              bf16_ab ? 8 : 16, ", got N=", a.N, " K=", a.K);
+  FP8RL_CHECK(a.max_tiles < (int64_t{1} << 31), what, ": max_tiles ", a.max_tiles, " is more than a launch takes");
+  grouped_launch(a, a.rows, a.groups, a.block_m, a.device_tiles, a.device_tile_count, a.max_tiles,
+                 static_cast<const uint8_t*>(a.maps), stream);
+}
+
+}  // namespace
+
+// The grouped product: one launch, the m tiles over every group's row tiles (a table built here,
+// or the caller's on the device), each tile reading its group's B through the group's tensor
+// map. A tile's rows past its group's end are loaded (they belong to the next group or are zero
+// fill) but neither scaled nor stored, so every row's arithmetic is that of the dense kernel at
+// one split: bitwise the same result.
+void fp8_gemm_sm90_grouped(const Fp8GroupedArgs& a, cudaStream_t stream) {
+  const bool bf16_ab = a.ab == DType::BF16;
+  FP8RL_CHECK(a.ab == DType::E4M3 || bf16_ab, "grouped GEMM (sm90): operands must be E4M3 or BF16, got ",
+              dtype_name(a.ab));
+  const char* what = bf16_ab ? "grouped BF16 GEMM" : "grouped FP8 GEMM";
+  if (bf16_ab) {
+    bool scales = a.a_scales != nullptr;
+    for (const float* sp : a.b_scales) scales = scales || sp;
+    FP8RL_CHECK(!scales, what, ": BF16 operands take no scales (pass null a_scales and no b_scales)");
+  }
+  FP8RL_CHECK(a.c_dtype == DType::BF16 || a.c_dtype == DType::F32, what, ": output must be BF16 or F32");
+  if (a.device_tiles || a.device_tile_count) return grouped_device(a, what, stream);
+  const int G = static_cast<int>(a.b.size());
+  FP8RL_CHECK(G > 0 && a.offsets.size() == static_cast<size_t>(G) + 1 &&
+                  (a.b_scales.size() == a.b.size() || (bf16_ab && a.b_scales.empty())),
+              what, ": ", G, " groups need ", G + 1, " row offsets and ", G, " scale tensors, got ", a.offsets.size(),
+              " and ", a.b_scales.size());
+  const int64_t R = a.offsets.back();
+  FP8RL_CHECK(a.offsets.front() == 0 && R >= 0, what, ": row offsets must start at 0");
+  for (int g = 0; g < G; ++g) FP8RL_CHECK(a.offsets[g + 1] >= a.offsets[g], what, ": row offsets must not decrease");
+  if (R == 0) return;
+  FP8RL_CHECK(fp8_gemm_sm90_supported(R, a.N, a.K, a.ab), what, " (sm90): needs N a multiple of 16 and K of ",
+              bf16_ab ? 8 : 16, ", got N=", a.N, " K=", a.K);
+  FP8RL_CHECK(a.block_m == 0 || a.block_m == 64 || a.block_m == 128 || (a.block_m == 192 && !bf16_ab), what,
+              ": block_m must be 64, 128", bf16_ab ? "" : " or 192");
+  int nonempty = 0;
+  for (int g = 0; g < G; ++g) nonempty += a.offsets[g + 1] > a.offsets[g];
+  int bm = a.block_m;
+  if (bm == 0) bm = R / std::max(1, nonempty) <= 96 ? 64 : bf16_ab ? 128 : fp8_gemm_large_block_m();
+  // Host staging of the metadata: the maps (64-byte aligned), the scale pointers, the tiles.
+  std::vector<int4> tiles;
+  for (int g = 0; g < G; ++g)
+    for (int64_t r = a.offsets[g]; r < a.offsets[g + 1]; r += bm)
+      tiles.push_back(make_int4(g, static_cast<int>(r), static_cast<int>(a.offsets[g + 1]), 0));
+  const size_t maps_bytes = static_cast<size_t>(G) * sizeof(CUtensorMap), ptr_bytes = static_cast<size_t>(G) * 8;
+  const size_t tiles_bytes = tiles.size() * sizeof(int4);
+  const size_t need = (a.maps ? 0 : maps_bytes + ptr_bytes + 15) + tiles_bytes;
+  FP8RL_CHECK(a.device_meta && need + 64 <= a.device_meta_bytes, what, ": the metadata needs ", need + 64,
+              " bytes of device scratch, got ", a.device_meta_bytes);
+  FP8RL_CHECK(reinterpret_cast<uintptr_t>(a.maps) % 64 == 0, what, ": the maps must be 64-byte aligned");
+  uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(a.device_meta) + 63) & ~uintptr_t(63));
+  std::vector<unsigned char> host;
+  if (!a.maps) host = fp8_gemm_sm90_grouped_maps(a.b, a.b_scales, a.N, a.K, a.ab);
+  const size_t tiles_at = (host.size() + 15) & ~size_t{15};  // int4 rows: 16-byte aligned
+  host.resize(tiles_at + tiles_bytes);
+  std::memcpy(host.data() + tiles_at, tiles.data(), tiles_bytes);
+  if (!a.uploads || !a.uploads->upload(host.data(), base, host.size(), stream))
+    CUDA_CHECK(cudaMemcpyAsync(base, host.data(), host.size(), cudaMemcpyHostToDevice, stream),
+               "uploading the grouped FP8 GEMM's tile table");
+  const uint8_t* maps = a.maps ? static_cast<const uint8_t*>(a.maps) : base;
+  grouped_launch(a, R, G, bm, reinterpret_cast<const int4*>(base + tiles_at), nullptr,
+                 static_cast<int64_t>(tiles.size()), maps, stream);
 }
 
 }  // namespace fp8rl::cuda

@@ -703,6 +703,16 @@ bool GemmEngine::fp8_lt_is_own(int64_t N, int64_t K, DType c_dtype) {
   return same;
 }
 
+float* GemmEngine::own_workspace(int64_t M, int64_t N, int splits) {
+  const size_t ws = static_cast<size_t>(fp8_gemm_sm90_workspace_floats(M, N, splits));
+  if (ws > own_ws_floats_) {
+    if (own_ws_) CUDA_CHECK(cudaFree(own_ws_), "freeing the FP8 GEMM split-K workspace");
+    own_ws_floats_ = ws * 2;
+    own_ws_ = static_cast<float*>(cuda_malloc(own_ws_floats_ * sizeof(float), "the FP8 GEMM split-K workspace"));
+  }
+  return own_ws_;
+}
+
 void GemmEngine::gemm_fp8_own(int64_t M, int64_t N, int64_t K, const uint8_t* a, const float* a_scales,
                               bool a_scales_kb_major, const uint8_t* b, const float* b_scales, void* C, DType c_dtype,
                               float alpha, float beta, int splits, int block_m, int block_n) {
@@ -715,15 +725,61 @@ void GemmEngine::gemm_fp8_own(int64_t M, int64_t N, int64_t K, const uint8_t* a,
   g.b = b, g.b_scales = b_scales;
   g.c = C, g.c_dtype = c_dtype, g.alpha = alpha, g.beta = beta;
   g.splits = splits > 0 ? splits : own_splits_ > 0 ? own_splits_ : cfg.splits;
-  const size_t ws = static_cast<size_t>(fp8_gemm_sm90_workspace_floats(M, N, g.splits));
-  if (ws > own_ws_floats_) {
-    if (own_ws_) CUDA_CHECK(cudaFree(own_ws_), "freeing the FP8 GEMM split-K workspace");
-    own_ws_floats_ = ws * 2;
-    own_ws_ = static_cast<float*>(cuda_malloc(own_ws_floats_ * sizeof(float), "the FP8 GEMM split-K workspace"));
-  }
-  g.workspace = own_ws_;
+  g.workspace = own_workspace(M, N, g.splits);
   fp8_gemm_sm90(g, stream_);
   ++own_products_;
+}
+
+void GemmEngine::gemm_bf16_own(int64_t M, int64_t N, int64_t K, const void* a, const void* b, void* C, DType c_dtype,
+                               float alpha, float beta, int splits, int block_m) {
+  const Fp8GemmConfig cfg = fp8_gemm_sm90_config(M, N, K, sm_count_, DType::BF16);
+  Fp8GemmArgs g;
+  g.ab = DType::BF16;
+  g.block_m = block_m > 0 ? block_m : cfg.block_m;
+  g.M = M, g.N = N, g.K = K;
+  g.a = static_cast<const uint8_t*>(a), g.b = static_cast<const uint8_t*>(b);
+  g.c = C, g.c_dtype = c_dtype, g.alpha = alpha, g.beta = beta;
+  g.splits = splits > 0 ? splits : own_splits_ > 0 ? own_splits_ : cfg.splits;
+  g.workspace = own_workspace(M, N, g.splits);
+  fp8_gemm_sm90(g, stream_);
+}
+
+void* GemmEngine::grouped_scratch(size_t bytes) {
+  if (bytes > grouped_meta_bytes_) {
+    // The previous table may still be read by a kernel in flight: free in stream order.
+    if (grouped_meta_) {
+      CUDA_CHECK(cudaStreamSynchronize(stream_), "waiting before growing the grouped GEMM table");
+      CUDA_CHECK(cudaFree(grouped_meta_), "freeing the grouped GEMM table");
+    }
+    grouped_meta_bytes_ = bytes * 2;
+    grouped_meta_ = cuda_malloc(grouped_meta_bytes_, "the grouped FP8 GEMM's tile table");
+  }
+  return grouped_meta_;
+}
+
+const void* GemmEngine::kept_grouped_maps(const std::vector<const uint8_t*>& b,
+                                          const std::vector<const float*>& b_scales, int64_t N, int64_t K, DType ab) {
+  std::vector<uintptr_t> key{static_cast<uintptr_t>(N), static_cast<uintptr_t>(K), static_cast<uintptr_t>(ab)};
+  for (const uint8_t* p : b) key.push_back(reinterpret_cast<uintptr_t>(p));
+  for (const float* p : b_scales) key.push_back(reinterpret_cast<uintptr_t>(p));
+  auto it = grouped_maps_.find(key);
+  if (it == grouped_maps_.end()) {
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    CUDA_CHECK(cudaStreamIsCapturing(stream_, &capturing), "querying the stream's capture");
+    FP8RL_CHECK(capturing == cudaStreamCaptureStatusNone, "grouped GEMM: the ", b.size(), " groups' tensor maps for ",
+                "these weights are not on the device yet, and uploading them cannot be captured in a CUDA graph: run ",
+                "the product once before the capture");
+    if (grouped_maps_.size() >= 4096) {  // a bound on what stale pointer sets may hold
+      CUDA_CHECK(cudaStreamSynchronize(stream_), "waiting before dropping the grouped GEMM maps");
+      for (auto& [k, d] : grouped_maps_) cudaFree(d);
+      grouped_maps_.clear();
+    }
+    const std::vector<unsigned char> host = fp8_gemm_sm90_grouped_maps(b, b_scales, N, K, ab);
+    void* d = cuda_malloc(host.size(), "the grouped FP8 GEMM's tensor maps");
+    CUDA_CHECK(cudaMemcpy(d, host.data(), host.size(), cudaMemcpyHostToDevice), "uploading the grouped GEMM maps");
+    it = grouped_maps_.emplace(std::move(key), d).first;
+  }
+  return it->second;
 }
 
 void GemmEngine::gemm_fp8_grouped(const std::vector<int64_t>& offsets, int64_t N, int64_t K, const uint8_t* a,
@@ -735,39 +791,65 @@ void GemmEngine::gemm_fp8_grouped(const std::vector<int64_t>& offsets, int64_t N
   g.a = a, g.a_scales = a_scales, g.a_scales_kb_major = a_scales_kb_major;
   g.b = b, g.b_scales = b_scales;
   g.c = C, g.c_dtype = c_dtype, g.alpha = alpha, g.beta = beta, g.block_m = block_m;
-  const size_t need =
-      fp8_gemm_sm90_grouped_meta_bytes(static_cast<int>(b.size()), offsets.empty() ? 0 : offsets.back(), block_m);
-  if (need > grouped_meta_bytes_) {
-    // The previous table may still be read by a kernel in flight: free in stream order.
-    if (grouped_meta_) {
-      CUDA_CHECK(cudaStreamSynchronize(stream_), "waiting before growing the grouped GEMM table");
-      CUDA_CHECK(cudaFree(grouped_meta_), "freeing the grouped GEMM table");
-    }
-    grouped_meta_bytes_ = need * 2;
-    grouped_meta_ = cuda_malloc(grouped_meta_bytes_, "the grouped FP8 GEMM's tile table");
-  }
-  g.device_meta = grouped_meta_, g.device_meta_bytes = grouped_meta_bytes_;
+  g.device_meta = grouped_scratch(
+      fp8_gemm_sm90_grouped_meta_bytes(static_cast<int>(b.size()), offsets.empty() ? 0 : offsets.back(), block_m));
+  g.device_meta_bytes = grouped_meta_bytes_;
   g.uploads = &uploads_;
-  if (keep_maps && !b.empty()) {
-    std::vector<uintptr_t> key{static_cast<uintptr_t>(N), static_cast<uintptr_t>(K)};
-    for (const uint8_t* p : b) key.push_back(reinterpret_cast<uintptr_t>(p));
-    for (const float* p : b_scales) key.push_back(reinterpret_cast<uintptr_t>(p));
-    auto it = grouped_maps_.find(key);
-    if (it == grouped_maps_.end()) {
-      if (grouped_maps_.size() >= 4096) {  // a bound on what stale pointer sets may hold
-        CUDA_CHECK(cudaStreamSynchronize(stream_), "waiting before dropping the grouped GEMM maps");
-        for (auto& [k, d] : grouped_maps_) cudaFree(d);
-        grouped_maps_.clear();
-      }
-      const std::vector<unsigned char> host = fp8_gemm_sm90_grouped_maps(b, b_scales, N, K);
-      void* d = cuda_malloc(host.size(), "the grouped FP8 GEMM's tensor maps");
-      CUDA_CHECK(cudaMemcpy(d, host.data(), host.size(), cudaMemcpyHostToDevice), "uploading the grouped GEMM maps");
-      it = grouped_maps_.emplace(std::move(key), d).first;
-    }
-    g.maps = it->second;
-  }
+  if (keep_maps && !b.empty()) g.maps = kept_grouped_maps(b, b_scales, N, K, DType::E4M3);
   fp8_gemm_sm90_grouped(g, stream_);
   ++own_products_;
+}
+
+void GemmEngine::gemm_bf16_grouped(const std::vector<int64_t>& offsets, int64_t N, int64_t K, const void* a,
+                                   const std::vector<const void*>& b, void* C, DType c_dtype, float alpha, float beta,
+                                   int block_m, bool keep_maps) {
+  Fp8GroupedArgs g;
+  g.ab = DType::BF16;
+  g.N = N, g.K = K, g.offsets = offsets;
+  g.a = static_cast<const uint8_t*>(a);
+  for (const void* p : b) g.b.push_back(static_cast<const uint8_t*>(p));
+  g.c = C, g.c_dtype = c_dtype, g.alpha = alpha, g.beta = beta, g.block_m = block_m;
+  g.device_meta = grouped_scratch(
+      fp8_gemm_sm90_grouped_meta_bytes(static_cast<int>(b.size()), offsets.empty() ? 0 : offsets.back(), block_m));
+  g.device_meta_bytes = grouped_meta_bytes_;
+  g.uploads = &uploads_;
+  if (keep_maps && !b.empty()) g.maps = kept_grouped_maps(g.b, {}, N, K, DType::BF16);
+  fp8_gemm_sm90_grouped(g, stream_);
+}
+
+void GemmEngine::gemm_fp8_grouped_device(const int4* tiles, const int* tile_count, int64_t max_tiles, int64_t R,
+                                         int block_m, int64_t N, int64_t K, const uint8_t* a, const float* a_scales,
+                                         bool a_scales_kb_major, const std::vector<const uint8_t*>& b,
+                                         const std::vector<const float*>& b_scales, void* C, DType c_dtype,
+                                         float alpha, float beta) {
+  FP8RL_CHECK(!b.empty(), "grouped FP8 GEMM: no groups");
+  Fp8GroupedArgs g;
+  g.N = N, g.K = K;
+  g.a = a, g.a_scales = a_scales, g.a_scales_kb_major = a_scales_kb_major;
+  g.c = C, g.c_dtype = c_dtype, g.alpha = alpha, g.beta = beta, g.block_m = block_m;
+  g.device_tiles = tiles, g.device_tile_count = tile_count, g.max_tiles = max_tiles;
+  g.rows = R, g.groups = static_cast<int>(b.size());
+  g.maps = kept_grouped_maps(b, b_scales, N, K, DType::E4M3);
+  fp8_gemm_sm90_grouped(g, stream_);
+  ++own_products_;
+}
+
+void GemmEngine::gemm_bf16_grouped_device(const int4* tiles, const int* tile_count, int64_t max_tiles, int64_t R,
+                                          int block_m, int64_t N, int64_t K, const void* a,
+                                          const std::vector<const void*>& b, void* C, DType c_dtype, float alpha,
+                                          float beta) {
+  FP8RL_CHECK(!b.empty(), "grouped BF16 GEMM: no groups");
+  Fp8GroupedArgs g;
+  g.ab = DType::BF16;
+  g.N = N, g.K = K;
+  g.a = static_cast<const uint8_t*>(a);
+  g.c = C, g.c_dtype = c_dtype, g.alpha = alpha, g.beta = beta, g.block_m = block_m;
+  g.device_tiles = tiles, g.device_tile_count = tile_count, g.max_tiles = max_tiles;
+  g.rows = R, g.groups = static_cast<int>(b.size());
+  std::vector<const uint8_t*> bp;
+  for (const void* p : b) bp.push_back(static_cast<const uint8_t*>(p));
+  g.maps = kept_grouped_maps(bp, {}, N, K, DType::BF16);
+  fp8_gemm_sm90_grouped(g, stream_);
 }
 
 void GemmEngine::gemm_fp8_prelaid(int64_t M, int64_t N, int64_t K, const uint8_t* a, const float* a_lt_scales,

@@ -140,6 +140,31 @@ class GemmEngine {
                         const float* a_scales, bool a_scales_kb_major, const std::vector<const uint8_t*>& b,
                         const std::vector<const float*>& b_scales, void* C, DType c_dtype, float alpha, float beta,
                         int block_m = 0, bool keep_maps = false);
+  // The BF16 mode of the own kernel (fp8_gemm.h): C[M, N] = alpha * A B^T + beta * C with a BF16
+  // [M, K] and b BF16 [N, K] (both K-major), FP32 accumulation, c_dtype BF16 or F32; N a multiple
+  // of 16, K of 8. splits 0 and block_m 0 (64 or 128): fp8_gemm_sm90_config's for BF16, or
+  // FP8RL_FP8_GEMM_SPLITS. Not counted in own_products() (the FP8 products).
+  void gemm_bf16_own(int64_t M, int64_t N, int64_t K, const void* a, const void* b, void* C, DType c_dtype,
+                     float alpha, float beta, int splits = 0, int block_m = 0);
+  // gemm_fp8_grouped's BF16 mode: rows [offsets[g], offsets[g + 1]) of a (BF16 [R, K]) times
+  // b[g]^T (BF16 [N, K]) into C [R, N]; block_m 0, 64 or 128; keep_maps as there.
+  void gemm_bf16_grouped(const std::vector<int64_t>& offsets, int64_t N, int64_t K, const void* a,
+                         const std::vector<const void*>& b, void* C, DType c_dtype, float alpha, float beta,
+                         int block_m = 0, bool keep_maps = false);
+  // The grouped products over a device tile table (fp8_gemm.h's Fp8GroupedArgs: tiles holds
+  // max_tiles int4 {group, first row, group's end row, 0} built for block_m (64, 128, or 192 for
+  // FP8), of which the first *tile_count (an int on the device) are valid; R rows of a and C).
+  // Nothing is uploaded and nothing read back, so an MoE block's row counts need not reach the
+  // host and the call may be captured in a CUDA graph. The groups' maps are kept as keep_maps
+  // keeps them: the first call for a set of b (and b_scales) pointers encodes and uploads them,
+  // so it must come before any capture (inside one it is an error that says so).
+  void gemm_fp8_grouped_device(const int4* tiles, const int* tile_count, int64_t max_tiles, int64_t R, int block_m,
+                               int64_t N, int64_t K, const uint8_t* a, const float* a_scales, bool a_scales_kb_major,
+                               const std::vector<const uint8_t*>& b, const std::vector<const float*>& b_scales,
+                               void* C, DType c_dtype, float alpha, float beta);
+  void gemm_bf16_grouped_device(const int4* tiles, const int* tile_count, int64_t max_tiles, int64_t R, int block_m,
+                                int64_t N, int64_t K, const void* a, const std::vector<const void*>& b, void* C,
+                                DType c_dtype, float alpha, float beta);
   // The same choice in code (tests and benchmarks): "auto", "own" or "cublaslt".
   void set_fp8_kernel(const std::string& mode);
   // FP8RL_FP8_ROW_INVARIANT=1 (or this setter): cuBLASLt's block-scaled products take gemm()'s
@@ -252,6 +277,15 @@ class GemmEngine {
                                                const char* what);
   float* scale_scratch(size_t floats);
   void* tail_scratch(size_t bytes);
+  // The own kernel's split-K partials for M x N at `splits` (grown as needed).
+  float* own_workspace(int64_t M, int64_t N, int splits);
+  // The grouped kernel's device scratch of at least `bytes` (its tile table and, without kept
+  // maps, the maps).
+  void* grouped_scratch(size_t bytes);
+  // keep_maps' device copy of the groups' maps for these weights (ab: E4M3 or BF16), encoded and
+  // uploaded at the first call for the set (not inside a graph capture).
+  const void* kept_grouped_maps(const std::vector<const uint8_t*>& b, const std::vector<const float*>& b_scales,
+                                int64_t N, int64_t K, DType ab);
 
   cudaStream_t stream_;
   cublasLtHandle_t handle_ = nullptr;
@@ -276,7 +310,7 @@ class GemmEngine {
   float* own_ws_ = nullptr;  // split-K partials of the own kernel
   void* grouped_meta_ = nullptr;  // the grouped kernel's tile table, tensor maps and scale pointers
   size_t grouped_meta_bytes_ = 0;
-  // keep_maps' device copies of fp8_gemm_sm90_grouped_maps, by {N, K, b..., b_scales...}
+  // keep_maps' device copies of fp8_gemm_sm90_grouped_maps, by {N, K, ab, b..., b_scales...}
   std::map<std::vector<uintptr_t>, void*> grouped_maps_;
   PinnedUploads uploads_;  // the grouped products' tile tables and cuBLAS's pointer arrays
   size_t own_ws_floats_ = 0;

@@ -482,10 +482,11 @@ nlohmann::json bench_gemm_run(const GemmBenchOptions& options) {
       std::vector<QuantTensor> bq;
       std::vector<const uint8_t*> bp;
       std::vector<const float*> sp;
+      std::vector<Tensor> wb;  // the BF16 weights (the BF16 grouped products)
       for (int e = 0; e < E; ++e) {
-        Tensor w = random_device(be, {g.N, g.K}, DType::BF16, 100 + e);
+        wb.push_back(random_device(be, {g.N, g.K}, DType::BF16, 100 + e));
         bq.push_back(be.alloc_quant(g.N, g.K, 128, 128, false));
-        be.quantize(w, false, bq.back());
+        be.quantize(wb.back(), false, bq.back());
       }
       for (const QuantTensor& q : bq) bp.push_back(q.data.data<uint8_t>()), sp.push_back(q.scales.data<float>());
       Tensor c = be.alloc({R, g.N}, DType::BF16);
@@ -512,12 +513,31 @@ nlohmann::json bench_gemm_run(const GemmBenchOptions& options) {
         gemm.gemm_fp8(R, g.N, g.K, aq.data.data<uint8_t>(), aq.scales.data<float>(), bp[0], sp[0], 128, c.raw(),
                       DType::BF16, 1.0f, 0.0f);
       });
+      // BF16 on the same rows and experts: the own kernel's BF16 grouped product (its maps kept, as
+      // a model's experts would keep them) and cuBLAS's grouped BF16 GEMM (one problem per expert).
+      std::vector<const void*> wp;
+      for (const Tensor& w : wb) wp.push_back(w.raw());
+      const double ms_own16 = time_ms(s, warm, reps, [&] {
+        gemm.gemm_bf16_grouped(offsets, g.N, g.K, a.raw(), wp, c.raw(), DType::BF16, 1.0f, 0.0f, /*block_m=*/0,
+                               /*keep_maps=*/true);
+      });
+      std::vector<cuda::GemmEngine::Problem> problems;
+      for (int e = 0; e < E; ++e)
+        problems.push_back({offsets[e + 1] - offsets[e], g.N, g.K,
+                            static_cast<const uint16_t*>(a.raw()) + offsets[e] * g.K, wp[e],
+                            static_cast<uint16_t*>(c.raw()) + offsets[e] * g.N});
+      const double ms_blas16 = time_ms(
+          s, warm, reps, [&] { gemm.gemm_grouped(false, true, problems, DType::BF16, DType::BF16, 1.0f, 0.0f); });
       const double tg = flops / ms_g / 1e9, to = flops / ms_own / 1e9, tl = flops / ms_lt / 1e9;
+      const double to16 = flops / ms_own16 / 1e9, tb16 = flops / ms_blas16 / 1e9;
       std::printf(
           "%-28s %7lld %10.1f %12.1f %12.1f %9.2fx  (one CTA per tile: %.1f TF/s; 64-row tiles: %.1f TF/s, "
           "%.2fx)\n",
           g.name, static_cast<long long>(R), tg, to, tl, tg / tl, flops / ms_g_tile / 1e9, flops / ms_g64 / 1e9,
           flops / ms_g64 / 1e9 / tl);
+      std::printf("  %-26s %7lld %10.1f  (BF16 own grouped / cuBLAS grouped BF16: %.2fx)\n", "BF16 own grouped",
+                  static_cast<long long>(R), to16, to16 / tb16);
+      std::printf("  %-26s %7lld %10.1f\n", "BF16 cuBLAS grouped", static_cast<long long>(R), tb16);
       out["grouped"].push_back({{"linear", g.name},
                                 {"rows", R},
                                 {"experts", E},
@@ -526,7 +546,9 @@ nlohmann::json bench_gemm_run(const GemmBenchOptions& options) {
                                 {"grouped_tile_tflops", flops / ms_g_tile / 1e9},
                                 {"grouped_64row_tflops", flops / ms_g64 / 1e9},
                                 {"dense_own_tflops", to},
-                                {"dense_cublaslt_tflops", tl}});
+                                {"dense_cublaslt_tflops", tl},
+                                {"bf16_own_grouped_tflops", to16},
+                                {"bf16_cublas_grouped_tflops", tb16}});
     }
   }
   be.synchronize();

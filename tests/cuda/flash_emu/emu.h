@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <deque>
 #include <functional>
 #include <thread>
 #include <vector>
@@ -37,6 +38,34 @@ inline float bf16_bits_to_float(uint16_t h) { return __uint_as_float(static_cast
 inline void emu_check_align(const void* p) {
   if (reinterpret_cast<uintptr_t>(p) % 16) { std::fprintf(stderr, "misaligned 16-byte access %p\n", p); std::abort(); }
 }
+// cp.async (16 bytes): read at issue, landing in shared memory only when a wait retires their
+// group, so a read of a buffer before its wait sees the stale (poisoned) bytes. Per emulated
+// thread; emu_cp_async_idle() says that every copy was retired.
+struct EmuCopy {
+  unsigned char* dst;
+  unsigned char data[16];
+};
+inline thread_local std::vector<EmuCopy> t_emu_open;
+inline thread_local std::deque<std::vector<EmuCopy>> t_emu_groups;
+inline void emu_cp_async16(void* dst, const void* src, bool valid) {  // !valid: zero fill
+  EmuCopy e;
+  e.dst = static_cast<unsigned char*>(dst);
+  std::memset(e.data, 0, 16);
+  if (valid) std::memcpy(e.data, src, 16);
+  t_emu_open.push_back(e);
+}
+inline void emu_cp_async_commit() {
+  t_emu_groups.push_back(std::move(t_emu_open));
+  t_emu_open.clear();
+}
+template <int N>  // until at most N groups are pending
+inline void emu_cp_async_wait() {
+  while (t_emu_groups.size() > size_t(N)) {
+    for (const EmuCopy& e : t_emu_groups.front()) std::memcpy(e.dst, e.data, 16);
+    t_emu_groups.pop_front();
+  }
+}
+inline bool emu_cp_async_idle() { return t_emu_open.empty() && t_emu_groups.empty(); }
 struct EmuWarp {
   std::barrier<> bar{32};
   float f[32];

@@ -19,35 +19,14 @@
 
 // ---- shims of the kernel's device primitives ----
 inline unsigned char* mla_dyn_smem() { return g_smem; }
-// cp.async: the 16 bytes are read at issue but land in shared memory only when the wait retires
-// their group, so a read of a buffer before its wait sees the stale (poisoned) bytes.
-struct EmuCopy {
-  unsigned char* dst;
-  unsigned char data[16];
-};
-inline thread_local std::vector<EmuCopy> t_open;
-inline thread_local std::deque<std::vector<EmuCopy>> t_groups;
+// cp.async (emu.h's), with the kernel's 16-byte alignment checked.
 inline void mla_cp_async16(void* dst, const void* src, bool valid) {
   emu_check_align(dst);
-  EmuCopy e;
-  e.dst = static_cast<unsigned char*>(dst);
-  std::memset(e.data, 0, 16);
-  if (valid) {
-    emu_check_align(src);
-    std::memcpy(e.data, src, 16);
-  }
-  t_open.push_back(e);
+  if (valid) emu_check_align(src);
+  emu_cp_async16(dst, src, valid);
 }
-inline void mla_cp_async_commit() {
-  t_groups.push_back(std::move(t_open));
-  t_open.clear();
-}
-inline void mla_cp_async_wait_all() {
-  while (!t_groups.empty()) {
-    for (const EmuCopy& e : t_groups.front()) std::memcpy(e.dst, e.data, 16);
-    t_groups.pop_front();
-  }
-}
+inline void mla_cp_async_commit() { emu_cp_async_commit(); }
+inline void mla_cp_async_wait_all() { emu_cp_async_wait<0>(); }
 // ldmatrix must address shared memory (the dynamic buffer).
 inline size_t g_smem_bytes = 0;
 inline void check_smem(const void* p, size_t n) {
@@ -205,7 +184,7 @@ int run(const Case& c, uint32_t seed) {
         __syncthreads();
         if (c.e4m3) mla_decode_kernel<uint8_t>(a);
         else mla_decode_kernel<bf16>(a);
-        if (!t_open.empty() || !t_groups.empty()) std::abort();  // every copy retired
+        if (!emu_cp_async_idle()) std::abort();  // every copy retired
         __syncthreads();
       },
       kMlaThreads);

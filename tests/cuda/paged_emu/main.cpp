@@ -24,31 +24,12 @@ using std::isfinite;
 using fp8rl::fp8_scale_from_amax;
 
 // ---- shims of the tensor-core kernel's primitives (paged_mma_kernel) ----
-// cp.async: the 16 bytes are read at issue but land in shared memory only when a wait_group
-// retires their group, so a read of a stage before its wait sees the stale (poisoned) bytes.
-struct EmuCopy {
-  unsigned char* dst;
-  unsigned char data[16];
-};
-inline thread_local std::vector<EmuCopy> t_open;
-inline thread_local std::deque<std::vector<EmuCopy>> t_groups;
-inline void paged_cp_async16(void* dst, const void* src, int nbytes) {
-  EmuCopy e;
-  e.dst = static_cast<unsigned char*>(dst);
-  std::memset(e.data, 0, 16);
-  if (nbytes) std::memcpy(e.data, src, 16);
-  t_open.push_back(e);
-}
-inline void paged_cp_async_commit() {
-  t_groups.push_back(std::move(t_open));
-  t_open.clear();
-}
+// cp.async: emu.h's.
+inline void paged_cp_async16(void* dst, const void* src, int nbytes) { emu_cp_async16(dst, src, nbytes != 0); }
+inline void paged_cp_async_commit() { emu_cp_async_commit(); }
 template <int N>
 inline void paged_cp_async_wait() {
-  while (t_groups.size() > size_t(N)) {
-    for (const EmuCopy& e : t_groups.front()) std::memcpy(e.dst, e.data, 16);
-    t_groups.pop_front();
-  }
+  emu_cp_async_wait<N>();
 }
 inline uint16_t paged_f16_bits(float x) { const _Float16 h = static_cast<_Float16>(x); uint16_t b; std::memcpy(&b, &h, 2); return b; }
 inline uint32_t paged_pack_f16x2(float lo, float hi) { return uint32_t(paged_f16_bits(lo)) | (uint32_t(paged_f16_bits(hi)) << 16); }
@@ -149,7 +130,7 @@ void launch_mma_v(const PagedArgs& a, int64_t T) {
     __syncthreads();
     if constexpr (V == 0) paged_mma_kernel<HD, TP>(a);
     else paged_mmat_kernel<HD, TP, S, paged_t_lazy(V), paged_t_copy(V)>(a);
-    if (!t_open.empty() || !t_groups.empty()) std::abort();  // every copy retired
+    if (!emu_cp_async_idle()) std::abort();  // every copy retired
   });
 }
 // The multi-query form of the default variant (NB blocks of 8 MMA columns) over `runs` query
@@ -162,7 +143,7 @@ void launch_mma_runs(const PagedArgs& a, int64_t runs) {
     if (threadIdx.x == 0) std::memset(g_smem, 0xff, smem);
     __syncthreads();
     paged_mmat_kernel<HD, TP, S, paged_t_lazy(V), paged_t_copy(V), NB>(a);
-    if (!t_open.empty() || !t_groups.empty()) std::abort();
+    if (!emu_cp_async_idle()) std::abort();
   });
 }
 // The wide query runs (paged_wide_kernel: a block of 8 MMA columns per warp, kWideWarps warps).
@@ -175,7 +156,7 @@ void launch_wide_runs_w(const PagedArgs& a, int64_t runs) {
         if (threadIdx.x == 0) std::memset(g_smem, 0xff, smem);
         __syncthreads();
         paged_wide_kernel<HD, TP, paged_t_lazy(kMmaDefaultVariant), W>(a);
-        if (!t_open.empty() || !t_groups.empty()) std::abort();
+        if (!emu_cp_async_idle()) std::abort();
       },
       32 * W);
 }
