@@ -15,9 +15,8 @@ DecodeGraphs::DecodeGraphs(Backend& be, const ModelWeights& weights, const Engin
   FP8RL_CHECK(dummy_page >= 0 && dummy_page < cache.num_pages, "decode graphs: dummy page ", dummy_page,
               " outside the pool of ", cache.num_pages);
   disabled_ = be_.record([] {}) == nullptr;  // the CPU, FP8RL_CUDA_GRAPHS=0, plain allocation
-  // A mixture-of-experts block reads its routing on the host to size the expert GEMMs (a
-  // synchronizing copy), which a graph cannot record: MoE models decode without graphs.
-  if (weights.config.is_moe()) disabled_ = true;
+  // Mixture-of-experts blocks sort their experts' rows on the device (moe_plan) and keep the
+  // routing record there (routing_), so their decode step records like a dense one.
 }
 
 // Padded batch sizes: multiples of 16 (cuBLASLt's FP8 block GEMMs need M % 16 == 0, so every
@@ -38,7 +37,9 @@ void DecodeGraphs::step(int Bp) {
   batch.page_table = in_.slice_rows(5 * Bp, 5 * Bp + Bp * W).reshape({Bp, W});
   batch.max_pos = static_cast<int>(W) * cache_.page_size;  // fixed: sequences grow under one graph
   Tensor logits = logits_.slice_rows(0, Bp);
-  model_forward_paged(be_, gen_, prec_, cache_, ids, batch, rows, logits);
+  Tensor routing = routing_view(Bp);
+  model_forward_paged(be_, gen_, prec_, cache_, ids, batch, rows, logits, nullptr, nullptr,
+                      routing.defined() ? &routing : nullptr);
   const Tensor srows = in_.slice_rows(5 * Bp + Bp * W, 5 * Bp + Bp * W + 8 * Bp).reshape({Bp, 8});
   Tensor tokens = tokens_.slice_rows(0, Bp), logp = logp_.slice_rows(0, Bp);
   be_.sample_rows(logits, srows, truncation_, tokens, logp, valid_vocab_);
@@ -46,10 +47,18 @@ void DecodeGraphs::step(int Bp) {
     model_sampled_logprobs(be_, logits, tokens, consistent_temperature_, logp);
 }
 
+Tensor DecodeGraphs::routing_view(int Bp) const {
+  if (!routing_.defined()) return {};
+  const ModelConfig& c = gen_.config;
+  const int64_t Lm = model_num_moe_layers(c), per = static_cast<int64_t>(Bp) * c.num_experts_per_tok;
+  return routing_.slice_rows(0, Lm * per).reshape({Lm, per});
+}
+
 bool DecodeGraphs::run(const std::vector<int32_t>& ids, const std::vector<int32_t>& pos,
                        const std::vector<int32_t>& slots, const std::vector<const std::vector<int32_t>*>& pages,
                        int width, const std::vector<SampleRow>& sample_rows, bool truncation, int64_t valid_vocab,
-                       float consistent_temperature, Tensor& tokens_view, Tensor& logp_view) {
+                       float consistent_temperature, Tensor& tokens_view, Tensor& logp_view,
+                       Tensor* routing_out) {
   const int B = static_cast<int>(ids.size());
   if (disabled_ || B == 0 || B > max_batch_) return false;
   FP8RL_CHECK(static_cast<int>(sample_rows.size()) == B, "decode graphs: ", sample_rows.size(),
@@ -65,6 +74,9 @@ bool DecodeGraphs::run(const std::vector<int32_t>& ids, const std::vector<int32_
       logits_ = be_.alloc({max_batch_, gen_.config.vocab_size}, model_logits_dtype(be_, gen_, prec_));
       tokens_ = be_.alloc({max_batch_}, DType::I32);
       logp_ = be_.alloc({max_batch_}, DType::F32);
+      if (gen_.config.is_moe())
+        routing_ = be_.alloc({model_num_moe_layers(gen_.config) * max_batch_ * gen_.config.num_experts_per_tok},
+                             DType::I32);
     }
   }
   if (truncation != truncation_ || valid_vocab != valid_vocab_ ||
@@ -124,6 +136,7 @@ bool DecodeGraphs::run(const std::vector<int32_t>& ids, const std::vector<int32_
   }
   tokens_view = tokens_.slice_rows(0, B);
   logp_view = logp_.slice_rows(0, B);
+  if (routing_out) *routing_out = routing_view(Bp);
   return true;
 }
 

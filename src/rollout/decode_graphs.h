@@ -34,11 +34,13 @@ class DecodeGraphs {
   // returned views). consistent_temperature > 0 (the consistent mode): logp is then
   // model_sampled_logprobs' (logprobs_of_logits of the sampled logits) at that temperature,
   // recorded into the graph after the sampler.
-  // Returns false (nothing run) when graphs are not available.
+  // MoE models: routing_out (if non-null) receives a view I32 [MoE layers, Bp * k] of the step's
+  // experts on the device (Bp >= B, the padded batch: the first B * k of each row are the real
+  // tokens'). Returns false (nothing run) when graphs are not available.
   bool run(const std::vector<int32_t>& ids, const std::vector<int32_t>& pos, const std::vector<int32_t>& slots,
            const std::vector<const std::vector<int32_t>*>& pages, int width, const std::vector<SampleRow>& rows,
            bool truncation, int64_t valid_vocab, float consistent_temperature, Tensor& tokens_view,
-           Tensor& logp_view);
+           Tensor& logp_view, Tensor* routing_out = nullptr);
 
   int replays() const { return replays_; }
   int recorded() const { return static_cast<int>(graphs_.size()); }
@@ -47,6 +49,7 @@ class DecodeGraphs {
  private:
   int bucket(int B) const;
   void step(int Bp);  // the recorded ops of bucket Bp over the fixed buffers: forward + sample
+  Tensor routing_view(int Bp) const;  // MoE: routing_'s [MoE layers, Bp * k] prefix (undefined otherwise)
 
   Backend& be_;
   const ModelWeights& gen_;
@@ -62,6 +65,7 @@ class DecodeGraphs {
   Tensor logits_;      // [max_batch, V] (model_logits_dtype)
   Tensor tokens_;      // I32 [max_batch]
   Tensor logp_;        // F32 [max_batch]
+  Tensor routing_;     // MoE: I32 [MoE layers * max_batch * k], the step's experts (model_forward_paged's routing_device)
   std::vector<int32_t> host_;
   std::map<int, std::unique_ptr<OpGraph>> graphs_;
   bool disabled_ = false;

@@ -311,11 +311,11 @@ std::vector<RolloutSample> RolloutEngine::generate(const std::vector<RolloutRequ
     const int64_t T = static_cast<int64_t>(hb.ids.size()), R = static_cast<int64_t>(hb.rows.size());
     Tensor tokens_dev, logp_dev, routing_dev;
     bool ran = false;
-    if (graphs_ && !record && T == B && R == B) {  // decode only: one token per sequence, each sampled
+    if (graphs_ && T == B && R == B) {  // decode only: one token per sequence, each sampled
       graph_pages.clear();
       for (int si : batch_seqs) graph_pages.push_back(&seqs[si].pages);
       ran = graphs_->run(hb.ids, hb.tok_pos, hb.slots, graph_pages, max_seq_pages, hb.sample_rows, truncation,
-                         valid_vocab, consistent_temperature, tokens_dev, logp_dev);
+                         valid_vocab, consistent_temperature, tokens_dev, logp_dev, record ? &routing_dev : nullptr);
       if (ran) stats_.graph_steps++;
     }
     if (!ran) {
@@ -358,11 +358,11 @@ std::vector<RolloutSample> RolloutEngine::generate(const std::vector<RolloutRequ
     }
     stats_.decode_steps++;
     sched.commit();
-    if (record && !ran) {  // after the step's work is queued (a prefill chunk without sampled rows waits here)
+    if (record) {  // after the step's work is queued (a prefill chunk without sampled rows waits here)
       const auto t_wait = Clock::now();
       const Tensor ids = be_.to_host(routing_dev);
       stats_.wait_seconds += std::chrono::duration<double>(Clock::now() - t_wait).count();
-      const int64_t per = routing_dev.dim(1);
+      const int64_t per = routing_dev.dim(1);  // T * k, or a graph's padded Bp * k (the first T * k are the batch's)
       rec.top_k = mc.num_experts_per_tok;
       rec.ids.resize(static_cast<size_t>(routing_dev.dim(0)));
       for (size_t m = 0; m < rec.ids.size(); ++m)
