@@ -358,7 +358,7 @@ PYEOF
         { echo "== cluster $vc, scales $vs, CTAs per SM (64-row tiles) $vo, band $vb, store $vt, columns $vn, pipe $vp, rows $vm"
           env $venv timeout 60 "$FP8RL" bench-gemm \
             --shapes "${FP8RL_GEMM_SHAPES:-8192x12288x2048,8192x4096x2048,8192x2048x6144,256x12288x2048,256x4096x2048,256x2048x2048,256x2048x6144}" | grep -A12 "^linear"
-          [ -n "${FP8RL_GEMM_NO_GROUPED:-}" ] || env $venv timeout 60 "$FP8RL" bench-gemm --grouped-only | grep -A3 "^grouped"
+          [ -n "${FP8RL_GEMM_NO_GROUPED:-}" ] || env $venv timeout 150 "$FP8RL" bench-gemm --grouped-only | grep -A6 "^grouped"
         } >> "$OUT/gemm_variants.log" 2>&1
       done
       note "gemm variants (own TF/s column):"; tee -a "$SUMMARY" < "$OUT/gemm_variants.log" ;;

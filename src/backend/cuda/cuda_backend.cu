@@ -1426,8 +1426,11 @@ const void* group_rows(const Tensor& t, int64_t r0) {
 
 // FP8 with every group's weight pre-quantized (the generator's weights, the trainer's per-step
 // cache): x quantized once, every group in one launch of the own grouped kernel (fp8_gemm.h).
-// BF16 with BF16 weights: one cuBLAS grouped launch. Otherwise (FP32, the exact path, F32
-// weights, biases) one linear per group, counted in grouped_loops.
+// BF16 with BF16 weights: one launch of the own kernel's BF16 mode (1.94x cuBLAS's grouped GEMM
+// on the Qwen3-30B-A3B expert products, H100, session 31; the same kernel as the generator's
+// device-planned blocks), or of cuBLAS's grouped GEMM where the shape is outside it (K % 8, N %
+// 16). Otherwise (FP32, the exact path, F32 weights, biases) one linear per group, counted in
+// grouped_loops.
 void CudaBackend::grouped_linear_impl(const Tensor& x, const std::vector<int64_t>& offsets,
                                       const std::vector<const LinearWeight*>& W, const LinearSpec& spec, Tensor& out,
                                       const Fp8View* x_fp8) {
@@ -1436,6 +1439,13 @@ void CudaBackend::grouped_linear_impl(const Tensor& x, const std::vector<int64_t
   if (spec.mode == LinearMode::BF16 && act_dtype_ != DType::F32 && !recording_ && x.dtype() == DType::BF16 &&
       bf16_weights(W) && GemmEngine::grouped_bf16_supported(out.dtype())) {
     const OpTimer op_timer_(*this, "grouped_linear");
+    if (K % 8 == 0 && N % 16 == 0 && R < (int64_t{1} << 31)) {
+      std::vector<const void*> bp;
+      for (const LinearWeight* w : W) bp.push_back(w->w.raw());
+      gemm_->gemm_bf16_grouped(offsets, N, K, x.raw(), bp, out.raw(), out.dtype(), 1.0f, 0.0f, /*block_m=*/0,
+                               /*keep_maps=*/true);
+      return;
+    }
     std::vector<GemmEngine::Problem> probs;
     for (size_t g = 0; g < W.size(); ++g) {
       const int64_t r0 = offsets[g], rows = offsets[g + 1] - r0;
