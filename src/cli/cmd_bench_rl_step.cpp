@@ -5,7 +5,7 @@
 //   fp8rl bench rl-step [--device cpu|cuda] [--model qwen3-1.7b] [--layers N]
 //                       [--recipes bf16,fp8_gen,fp8_e2e] [--prompts 16] [--samples 16]
 //                       [--prompt-len 160] [--max-new-tokens 512] [--kl-beta 0] [--optimizer-steps 1]
-//                       [--micro-batch-tokens 16384] [--recompute none|block|auto]
+//                       [--micro-batch-tokens auto|N] [--recompute none|block|auto]
 //                       [--dgrad-weight-cache auto|on|off]
 //                       [--grad-dtype fp32|bf16] [--optimizer-state-dtype fp32|bf16]
 //                       [--free-gib G] [--allow-overcommit] [--plan-only] [--routing-replay]
@@ -62,7 +62,8 @@ constexpr const char* kUsage =
     "                           [--prompts P] [--samples G] [--prompt-len N] [--max-new-tokens N]\n"
     "                           [--kl-beta B] [--temperature T] [--recompute none|block|auto] [--optimizer-steps N]\n"
     "                           [--dgrad-weight-cache auto|on|off]\n"
-    "                           [--micro-batch-tokens N] [--grad-dtype fp32|bf16] [--optimizer-state-dtype fp32|bf16]\n"
+    "                           [--micro-batch-tokens auto|N] [--grad-dtype fp32|bf16]\n"
+    "                           [--optimizer-state-dtype fp32|bf16]\n"
     "                           [--free-gib G] [--allow-overcommit] [--plan-only] [--routing-replay]\n"
     "                           [--old-logprobs auto|score] [--steps N] [--warmup N] [--seed N] [--json PATH]\n"
     "Times whole GRPO steps (generation, scoring, reference, training, refit + calibration) of a\n"
@@ -81,6 +82,8 @@ constexpr const char* kUsage =
     "Each recipe's memory plan is checked first against the device's free memory (--free-gib G: against G GiB):\n"
     "a recipe that cannot fit is refused with its shortfall and the flags that would make it fit, the others\n"
     "run (--allow-overcommit: run it anyway). --recompute auto: block only where the plan needs it.\n"
+    "--micro-batch-tokens auto (default): the largest of 16384, 8192, ... at which every recipe's plan fits, so\n"
+    "all recipes compare at one micro-batch on any card (16384 when the free memory is unknown).\n"
     "--dgrad-weight-cache (train.dgrad_weight_cache): an FP8 trainer keeps each FP8 linear's W^T quantization for\n"
     "the dgrad (on), or the dgrad transposes W per call (off: less memory, slower); auto (default): on unless the\n"
     "plan does not fit with it, dropped before --recompute auto turns on recomputation.\n"
@@ -116,6 +119,7 @@ struct BenchSetup {
   ModelConfig model;
   int P = 16, G = 16, prompt_len = 160, max_new = 512, optimizer_steps = 1, steps = 2, warmup = 1;
   int64_t micro_batch_tokens = 16384;
+  bool micro_batch_auto = false;  // --micro-batch-tokens auto (the default): bench_auto_micro_batch
   double kl_beta = 0;
   double temperature = 1.0;
   std::string recompute = "none";  // none | block | auto (decided per recipe by the plan)
@@ -226,6 +230,27 @@ std::string bench_check_memory(const BenchSetup& s, const std::string& name, con
     return "";
   }
   return why;
+}
+
+// --micro-batch-tokens auto: the largest of 16384, 8192, ..., 256 tokens at which every recipe's
+// plan fits the free memory (with its --recompute / --dgrad-weight-cache choices), so the recipes
+// compare at one micro-batch on any card (16384 on an H200 at the 1.7B and MoE shapes, 8192 for
+// the 1.7B's bf16 on an H100); 16384 when the free memory is unknown, with --allow-overcommit,
+// or when none fits (the recipes are then refused with the usual message).
+int64_t bench_auto_micro_batch(const BenchSetup& s, const std::vector<std::string>& recipes, DType act) {
+  constexpr int64_t kLargest = 16384;
+  if (s.free_bytes < 0 || s.allow_overcommit) return kLargest;
+  for (int64_t mb = kLargest; mb >= 256; mb /= 2) {
+    BenchSetup t = s;
+    t.micro_batch_tokens = mb;
+    bool all = true;
+    for (const std::string& r : recipes) {
+      bool recompute = false, cache = false;
+      all = all && bench_check_memory(t, r, PrecisionRecipe::parse(r), act, recompute, cache).empty();
+    }
+    if (all) return mb;
+  }
+  return kLargest;
 }
 
 // Step `step`'s requests: prompts of random ids and forced response lengths, seeded by step.
@@ -487,7 +512,9 @@ int run_bench(const std::vector<std::string>& argv) {
   const std::string old_lp = args.get("old-logprobs", "auto");
   FP8RL_CHECK(old_lp == "auto" || old_lp == "score", "--old-logprobs must be auto or score, got '", old_lp, "'");
   s.old_from_forward = old_lp == "auto";
-  s.micro_batch_tokens = args.get_int("micro-batch-tokens", 16384, 1);
+  const std::string mbt = args.get("micro-batch-tokens", "auto");
+  s.micro_batch_auto = mbt == "auto";
+  if (!s.micro_batch_auto) s.micro_batch_tokens = args.get_int("micro-batch-tokens", 16384, 1);
   s.steps = args.get_int("steps", 2, 1);
   s.warmup = args.get_int("warmup", 1, 0);
   s.seed = static_cast<uint64_t>(args.get_int("seed", 1, 0));
@@ -519,25 +546,28 @@ int run_bench(const std::vector<std::string>& argv) {
   const std::string device = args.get("device", "cpu");
   if (args.has("plan-only")) {  // no backend: a CPU-only build plans a CUDA run (BF16 activations)
     s.free_bytes = free_gib > 0 ? static_cast<int64_t>(free_gib * double(1ll << 30)) : -1;
+    if (s.micro_batch_auto)
+      s.micro_batch_tokens = bench_auto_micro_batch(s, recipes, device == "cuda" ? DType::BF16 : DType::F32);
     std::printf("bench rl-step --plan-only: device %s, model %s (%d layers), %d prompts x %d samples, prompt <= %d, "
-                "new tokens <= %d, kl_beta %g, micro-batch %lld tokens, recompute %s, dgrad W^T cache %s, gradients "
+                "new tokens <= %d, kl_beta %g, micro-batch %lld tokens%s, recompute %s, dgrad W^T cache %s, gradients "
                 "%s, Adam moments %s\n",
                 device.c_str(), shape.c_str(), s.model.num_layers, s.P, s.G, s.prompt_len, s.max_new, s.kl_beta,
-                static_cast<long long>(s.micro_batch_tokens), s.recompute.c_str(), s.dgrad_weight_cache.c_str(),
-                dtype_name(s.grad_dtype), dtype_name(s.moment_dtype));
+                static_cast<long long>(s.micro_batch_tokens), s.micro_batch_auto ? " (auto)" : "", s.recompute.c_str(),
+                s.dgrad_weight_cache.c_str(), dtype_name(s.grad_dtype), dtype_name(s.moment_dtype));
     return bench_plan_only(s, recipes, device == "cuda" ? DType::BF16 : DType::F32);
   }
   std::unique_ptr<Backend> backend = make_backend(device);
   Backend& be = *backend;
   s.free_bytes = free_gib > 0 ? static_cast<int64_t>(free_gib * double(1ll << 30)) : be.free_device_bytes();
+  if (s.micro_batch_auto) s.micro_batch_tokens = bench_auto_micro_batch(s, recipes, be.act_dtype());
   std::printf("bench rl-step: device %s, model %s (%d layers, hidden %d, vocab %d), %d prompts x %d samples, prompt "
-              "<= %d, new tokens <= %d (ragged), kl_beta %g, %d optimizer step(s) (logp_old %s), micro-batch %lld tokens, %d "
+              "<= %d, new tokens <= %d (ragged), kl_beta %g, %d optimizer step(s) (logp_old %s), micro-batch %lld tokens%s, %d "
               "warm-up + %d timed steps per recipe; recompute %s, dgrad W^T cache %s, gradients %s, Adam moments "
               "%s; %s\n",
               be.name().c_str(), shape.c_str(), s.model.num_layers, s.model.hidden_size, s.model.vocab_size, s.P, s.G,
               s.prompt_len, s.max_new, s.kl_beta, s.optimizer_steps,
               s.old_from_forward ? "of the first mini-batch from its forward" : "scored",
-              static_cast<long long>(s.micro_batch_tokens),
+              static_cast<long long>(s.micro_batch_tokens), s.micro_batch_auto ? " (auto)" : "",
               s.warmup, s.steps, s.recompute.c_str(), s.dgrad_weight_cache.c_str(), dtype_name(s.grad_dtype),
               dtype_name(s.moment_dtype),
               s.free_bytes < 0 ? "free memory unknown (no memory check)"
@@ -561,6 +591,7 @@ int run_bench(const std::vector<std::string>& argv) {
   j["optimizer_steps"] = s.optimizer_steps;
   j["old_logprobs"] = s.old_from_forward ? "auto" : "score";
   j["micro_batch_tokens"] = s.micro_batch_tokens;
+  j["micro_batch_auto"] = s.micro_batch_auto;
   j["recompute"] = s.recompute;
   j["dgrad_weight_cache"] = s.dgrad_weight_cache;
   j["grad_dtype"] = dtype_name(s.grad_dtype);

@@ -567,6 +567,26 @@ TEST(MemoryCheck, DgradCacheAtLlama8B) {
   EXPECT_NE(text.find("--dgrad-weight-cache must be auto, on or off"), std::string::npos) << text;
 }
 
+// bench rl-step's --micro-batch-tokens auto (the default): the largest power-of-two micro-batch
+// from 16384 at which every recipe fits, the same for all recipes — 16384 on an H200's 139 GiB at
+// the 1.7B shape, 8192 on an H100's ~78.6 GiB free (where bf16 at 16384 needs 85.3 GiB; the
+// session-31 H100 run refused it); an explicit value is kept.
+TEST(MemoryCheck, BenchMicroBatchAutoFitsEveryRecipe) {
+  int st = 0;
+  const std::string bench = std::string("'") + FP8RL_BINARY +
+                            "' bench rl-step --device cuda --plan-only --recipes bf16,fp8_e2e --free-gib ";
+  std::string text = run_shell(bench + "139", &st);
+  EXPECT_EQ(st, 0) << text;
+  EXPECT_NE(text.find("micro-batch 16384 tokens (auto)"), std::string::npos) << text;
+  text = run_shell(bench + "78.6", &st);
+  EXPECT_EQ(st, 0) << text;
+  EXPECT_NE(text.find("micro-batch 8192 tokens (auto)"), std::string::npos) << text;
+  EXPECT_EQ(text.find("would be refused"), std::string::npos) << text;
+  text = run_shell(bench + "78.6 --micro-batch-tokens 16384", &st);
+  EXPECT_NE(text.find("micro-batch 16384 tokens,"), std::string::npos) << text;
+  EXPECT_NE(text.find("bf16: would be refused"), std::string::npos) << text;
+}
+
 // The lean optimizer is among the knobs a refusal names, each checked with the plan.
 TEST(MemoryCheck, NamesTheLeanOptimizerKnobs) {
   RunConfig c;
