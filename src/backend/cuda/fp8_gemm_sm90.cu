@@ -996,7 +996,9 @@ Fp8GemmConfig fp8_gemm_sm90_config(int64_t M, int64_t N, int64_t K, int sm_count
         std::clamp<int64_t>(ceil_div(2 * int64_t{sm_count}, tiles), 1, std::max<int64_t>(1, kblocks / 2)));
     return c;
   }
-  const int64_t tiles = ceil_div(M, int64_t{128}) * n_tiles;
+  // Rows per tile beyond decode M: 128, or 192 (FP8RL_FP8_GEMM_BM; BF16: 128 only).
+  c.block_m = bf16_ab ? 128 : fp8_gemm_large_block_m();
+  const int64_t tiles = ceil_div(M, int64_t{c.block_m}) * n_tiles;
   if (tiles * 2 <= sm_count && kblocks >= 4)
     c.splits = static_cast<int>(std::min<int64_t>(ceil_div(int64_t{sm_count}, tiles), kblocks / 2));
   return c;
