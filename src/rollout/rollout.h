@@ -86,7 +86,7 @@ struct RolloutStats {
   // Wall time of generate()'s iterations, and the part of it spent blocked on the device's
   // sampled tokens. The rest (loop_seconds - wait_seconds: planning, staging, uploads, launches,
   // appending the tokens) is, when the decode steps are CUDA-graph replays (graph_steps), host
-  // time during which the device has nothing queued; eager steps (MoE models, graphs off) launch
+  // time during which the device has nothing queued; eager steps (prefill, graphs off) launch
   // their ops in it while the device runs them, so there it is no idle time.
   double loop_seconds = 0, wait_seconds = 0;
 };
