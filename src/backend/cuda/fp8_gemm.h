@@ -40,8 +40,9 @@ struct Fp8GemmArgs {
 
 bool fp8_gemm_sm90_supported(int64_t M, int64_t N, int64_t K, DType ab = DType::E4M3);
 // The configuration for a shape: decode-sized products (M <= 256) take 64-row tiles and enough
-// K splits for about two CTAs per SM; larger M, 128-row tiles and splits only where the tiles
-// leave most SMs idle. Measured on the H200 (docs/benchmarks.md, session 5: bench-gemm's sweep).
+// K splits for about two CTAs per SM; larger M, 128-row tiles (192: FP8RL_FP8_GEMM_BM) and splits
+// only where the tiles leave most SMs idle. Measured on the H200 (docs/benchmarks.md, session 5:
+// bench-gemm's sweep).
 // BF16: the same rules over its K blocks of 64 elements and 128-column tiles (not tuned for it).
 struct Fp8GemmConfig {
   int block_m = 128, splits = 1;
