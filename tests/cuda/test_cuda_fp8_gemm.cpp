@@ -4,14 +4,18 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/fp8_gemm.h"
 #include "backend/cuda/gemm.h"
 #include "core/dtype.h"
 #include "quant/quant.h"
@@ -724,6 +728,83 @@ TEST(CudaFp8Gemm, Bf16GroupedIsBitwiseThePerGroupProducts) {
       }
 }
 
+// The K-grouped BF16 product (the experts' weight gradients dW_g = dY_g^T X_g, fp8_gemm.h) from
+// the padded transposes CudaBackend::grouped_wgrad_own builds: each group's C is bitwise the dense
+// BF16 product of its own transposed rows (K = its rows rounded up to 8: the same zeros past them;
+// 128-row tiles, one split, beta 1 on the same prior C), within the BF16 mode's bound of the FP64
+// sum, and an empty group's C is left as it was. 40 groups of 0..300 rows, N with a partial tile.
+TEST(CudaFp8Gemm, Bf16KGroupedIsBitwiseThePerGroupProducts) {
+  cuda::CudaBackend be(0, DType::BF16);
+  const int64_t M = 640, N = 1008;  // C_g [M, N]: dY's columns by X's
+  const std::vector<int64_t> offsets = grouped_offsets(3);
+  const int64_t R = offsets.back(), G = static_cast<int64_t>(offsets.size()) - 1;
+  const Bf16Matrix dy = random_bf16(R, M, 71, 1.5f), x = random_bf16(R, N, 72, 1.0f);
+  std::vector<int64_t> k_off{0};
+  for (int64_t g = 0; g < G; ++g)
+    k_off.push_back(k_off.back() + ceil_div(offsets[g + 1] - offsets[g], int64_t{64}) * 64);
+  const int64_t Kp = k_off.back();
+  std::vector<float> at(static_cast<size_t>(M * Kp), 0.0f), bt(static_cast<size_t>(N * Kp), 0.0f);
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t r = offsets[g]; r < offsets[g + 1]; ++r) {
+      const int64_t col = k_off[g] + r - offsets[g];
+      for (int64_t m = 0; m < M; ++m) at[static_cast<size_t>(m * Kp + col)] = dy.values[static_cast<size_t>(r * M + m)];
+      for (int64_t n = 0; n < N; ++n) bt[static_cast<size_t>(n * Kp + col)] = x.values[static_cast<size_t>(r * N + n)];
+    }
+  const Tensor dat = be.to_device(from_float_vector(at, {M, Kp}, DType::BF16));
+  const Tensor dbt = be.to_device(from_float_vector(bt, {N, Kp}, DType::BF16));
+  const std::vector<int64_t> rows_checked = sampled(M, 128, 41), cols_checked = sampled(N, 128, 59);
+  for (DType out : {DType::BF16, DType::F32}) {
+    SCOPED_TRACE(testing::Message() << "out=" << dtype_name(out));
+    std::vector<Tensor> cg;
+    std::vector<void*> cp;
+    for (int64_t g = 0; g < G; ++g) cg.push_back(prior_c(be, M, N, out)), cp.push_back(cg.back().raw());
+    be.gemm().gemm_bf16_kgrouped(M, N, Kp, dat.raw(), dbt.raw(), k_off, cp, out, 1.0f, 1.0f);
+    be.synchronize();
+    const Tensor prior = be.to_host(prior_c(be, M, N, out));
+    int bad = 0;
+    for (int64_t g = 0; g < G; ++g) {
+      SCOPED_TRACE(testing::Message() << "group " << g);
+      const Tensor got = be.to_host(cg[static_cast<size_t>(g)]);
+      const int64_t r0 = offsets[g], rows = offsets[g + 1] - r0;
+      if (rows == 0) {
+        EXPECT_EQ(std::memcmp(got.raw(), prior.raw(), got.nbytes()), 0) << "an empty group's C changed";
+        continue;
+      }
+      const int64_t kg = ceil_div(rows, int64_t{8}) * 8;
+      std::vector<float> ag(static_cast<size_t>(M * kg)), bg(static_cast<size_t>(N * kg));
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t k = 0; k < kg; ++k)
+          ag[static_cast<size_t>(m * kg + k)] = at[static_cast<size_t>(m * Kp + k_off[g] + k)];
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t k = 0; k < kg; ++k)
+          bg[static_cast<size_t>(n * kg + k)] = bt[static_cast<size_t>(n * Kp + k_off[g] + k)];
+      const Tensor da = be.to_device(from_float_vector(ag, {M, kg}, DType::BF16));
+      const Tensor db = be.to_device(from_float_vector(bg, {N, kg}, DType::BF16));
+      Tensor cd = prior_c(be, M, N, out);
+      be.gemm().gemm_bf16_own(M, N, kg, da.raw(), db.raw(), cd.raw(), out, 1.0f, 1.0f, /*splits=*/1, /*block_m=*/128);
+      be.synchronize();
+      const Tensor want_bits = be.to_host(cd);
+      EXPECT_EQ(std::memcmp(got.raw(), want_bits.raw(), got.nbytes()), 0) << "differs from the dense product";
+      for (int64_t m : rows_checked)
+        for (int64_t n : cols_checked) {
+          double s = 0, mag = 0;
+          for (int64_t r = r0; r < r0 + rows; ++r) {
+            const double t = static_cast<double>(dy.values[static_cast<size_t>(r * M + m)]) *
+                             x.values[static_cast<size_t>(r * N + n)];
+            s += t, mag += std::fabs(t);
+          }
+          const double want = s + prior_value(m * N + n), v = host_value(got, m * N + n);
+          const double tol = (out == DType::BF16 ? std::ldexp(1.0, -8) : std::ldexp(1.0, -20)) * std::fabs(want) +
+                             std::ldexp(1.0, -13) * mag + 1e-30;
+          if (!(std::fabs(v - want) <= tol) && bad++ < 5)
+            ADD_FAILURE() << "C_" << g << "[" << m << ", " << n << "] = " << v << ", exact " << want << ", tolerance "
+                          << tol;
+        }
+    }
+    EXPECT_EQ(bad, 0) << "elements outside the bound";
+  }
+}
+
 // The device tile table (fp8_gemm.h): the grouped products, E4M3 and BF16, with the table and its
 // count on the device give bitwise the host-offsets form's C: at capacity = count, with garbage
 // past the count (capacity count + 50), with the tiles in reverse order, with one CTA per
@@ -841,6 +922,83 @@ TEST(CudaFp8Gemm, DeviceTileTableIsBitwiseTheHostOffsets) {
     }
     cudaGraphExecDestroy(exec);
     cudaGraphDestroy(graph);
+  }
+}
+
+// Waits up to `seconds` for the GEMM engine's stream: a kernel that deadlocks (a barrier that never
+// completes) ends the run with a message instead of hanging it. The process exits: a hung kernel
+// cannot be stopped, and nothing after it on the device would finish.
+void finish_or_exit(cuda::CudaBackend& be, const std::string& what, double seconds = 60.0) {
+  const auto start = std::chrono::steady_clock::now();
+  for (;;) {
+    const cudaError_t e = cudaStreamQuery(be.gemm().stream());
+    if (e != cudaErrorNotReady) {
+      ASSERT_EQ(e, cudaSuccess) << what;
+      return;
+    }
+    if (std::chrono::steady_clock::now() - start > std::chrono::duration<double>(seconds)) {
+      std::fprintf(stderr, "[ fp8 gemm ] %s: not done after %.0f s (a deadlocked kernel); exiting\n", what.c_str(),
+                   seconds);
+      std::fflush(stderr);
+      std::_Exit(3);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
+// Dense products in 192-row tiles (three consumer warpgroups beside a producer warpgroup) give
+// every element the bits of 128-row tiles: block_m 192 asked for, and through FP8RL_FP8_GEMM_BM=192
+// (fp8_gemm_sm90_config's choice, as bench-gemm and the trainer take it), with the persistent grid
+// and one CTA per tile, the TMA-store and direct epilogues, one and three splits, BF16 and F32
+// output, each 192-row run repeated (the three warpgroups' epilogues race on their store buffers
+// and named barriers if they share one). Small shapes, short K (many tiles per CTA with fewer K
+// blocks than stages: the warpgroups drift apart between epilogues), and partial last tiles:
+// M = 257 (a last tile of 65 rows: one row in its second warpgroup, none in its third), 3000 (120:
+// the third idle), N = 144 (a last column tile of 16: its second store box wholly past N).
+TEST(CudaFp8Gemm, Dense192RowTilesAreBitwise128RowTiles) {
+  cuda::CudaBackend be(0, DType::BF16);
+  EXPECT_EQ(with_env({{"FP8RL_FP8_GEMM_BM", "192"}},
+                     [] { return cuda::fp8_gemm_sm90_config(8192, 4096, 2048, 132).block_m; }),
+            192);
+  const Shape shapes[] = {{257, 384, 640},   {384, 144, 256},   {1000, 1536, 1024},
+                          {4096, 2048, 256}, {3000, 4096, 128}, {600, 2048, 2048}};
+  using Env = std::vector<std::pair<const char*, const char*>>;
+  const Env variants[] = {{},
+                          {{"FP8RL_FP8_GEMM_STORE", "direct"}},
+                          {{"FP8RL_FP8_GEMM_GRID", "tile"}},
+                          {{"FP8RL_FP8_GEMM_GRID", "tile"}, {"FP8RL_FP8_GEMM_STORE", "direct"}}};
+  for (const Shape& s : shapes) {
+    const Operands o = make_operands(be, s.M, s.N, s.K, static_cast<uint32_t>(3 * s.M + s.N + 7 * s.K));
+    for (int splits : {1, 3})
+      for (DType out : {DType::BF16, DType::F32}) {
+        const std::string where = "M=" + std::to_string(s.M) + " N=" + std::to_string(s.N) +
+                                  " K=" + std::to_string(s.K) + " splits=" + std::to_string(splits) +
+                                  " out=" + dtype_name(out);
+        SCOPED_TRACE(where);
+        auto run = [&](int block_m) {
+          Tensor c = poisoned(be, {s.M, s.N}, out);
+          be.gemm().gemm_fp8_own(s.M, s.N, s.K, o.da.data.data<uint8_t>(), o.da.scales.data<float>(), false,
+                                 o.db.data.data<uint8_t>(), o.db.scales.data<float>(), c.raw(), out, 1.0f, 0.0f, splits,
+                                 block_m);
+          finish_or_exit(be, where + " block_m=" + std::to_string(block_m));
+          be.synchronize();
+          return be.to_host(c);
+        };
+        const Tensor ref = run(128);
+        for (size_t v = 0; v < std::size(variants); ++v) {
+          for (int rep = 0; rep < 2; ++rep) {
+            const Tensor c = with_env(variants[v], [&] { return run(192); });
+            ASSERT_EQ(std::memcmp(c.raw(), ref.raw(), c.nbytes()), 0)
+                << "block_m 192, variant " << v << ", run " << rep << ": differs from 128-row tiles";
+          }
+          // The default block_m under FP8RL_FP8_GEMM_BM=192 (every shape here has M > 256: 192-row tiles).
+          Env env = variants[v];
+          env.push_back({"FP8RL_FP8_GEMM_BM", "192"});
+          const Tensor c = with_env(env, [&] { return run(0); });
+          ASSERT_EQ(std::memcmp(c.raw(), ref.raw(), c.nbytes()), 0)
+              << "FP8RL_FP8_GEMM_BM=192, variant " << v << ": differs from 128-row tiles";
+        }
+      }
   }
 }
 

@@ -132,4 +132,30 @@ std::vector<unsigned char> fp8_gemm_sm90_grouped_maps(const std::vector<const ui
 // captured.
 void fp8_gemm_sm90_grouped(const Fp8GroupedArgs& args, cudaStream_t stream);
 
+// The K-grouped product (the experts' weight gradients dW_g = dY_g^T X_g), BF16 mode only: A
+// BF16 [M, K] and B BF16 [N, K], both K-major (the caller's transposes of dY and X, each group's
+// run of tokens padded with zeros to a multiple of 64), group g's K range [k_offsets[g],
+// k_offsets[g + 1]) (multiples of 64 elements). For every group with a non-empty range and a
+// non-null c[g]: C_g [M, N] = alpha * A[:, range] B[:, range]^T + beta * C_g, C_g = c[g] (BF16 or
+// F32, its own tensor). The other groups' outputs are left as they are, which is the product only
+// where beta is 1 (checked). One launch: 128-row tiles by 128 columns, the groups' tiles in turn
+// (n fastest), each tile over its group's K blocks alone, one FP32 accumulation per element (the
+// BF16 mode's), direct stores (beta applied in FP32, then rounded once). M any, N a multiple of 16.
+// It uploads its group table into device_meta (through uploads where given): not for use inside
+// a CUDA graph capture.
+struct Fp8KGroupedArgs {
+  int64_t M = 0, N = 0, K = 0;
+  const void* a = nullptr;         // BF16 [M, K]
+  const void* b = nullptr;         // BF16 [N, K]
+  std::vector<int64_t> k_offsets;  // G + 1 element offsets into K, multiples of 64, from 0
+  std::vector<void*> c;            // G outputs [M, N] (null: the group is skipped)
+  DType c_dtype = DType::F32;
+  float alpha = 1.0f, beta = 1.0f;
+  void* device_meta = nullptr;  // device scratch of fp8_gemm_sm90_kgrouped_meta_bytes(G) bytes
+  size_t device_meta_bytes = 0;
+  PinnedUploads* uploads = nullptr;
+};
+size_t fp8_gemm_sm90_kgrouped_meta_bytes(int groups);
+void fp8_gemm_sm90_kgrouped(const Fp8KGroupedArgs& args, cudaStream_t stream);
+
 }  // namespace fp8rl::cuda

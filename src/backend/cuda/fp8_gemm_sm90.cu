@@ -94,6 +94,10 @@ struct GemmParams {
   // read by the kernel (instances with kTileCount or kBf16); m_tiles is then the table's capacity
   // (the grid's size), and group_n 0. Null: all m_tiles.
   const int* tile_count = nullptr;
+  // K-grouped (fp8_gemm_sm90_kgrouped, BF16): split s is group entry s, {group, first K block, K
+  // blocks, 0}: the tiles of entry s cover all of C_g = c_groups[group] over those K blocks.
+  const int4* k_groups = nullptr;
+  void* const* c_groups = nullptr;
 };
 
 // One output tile: its B tile, its rows [m_base, m_base + BM) of which those below m_end are
@@ -111,7 +115,7 @@ struct Tile {
 // is read from HBM once); the splits outermost. A cluster's CTAs get tiles (m, n) with m = cm *
 // cluster m + ci and n = cn * cluster n + cj; tiles past the last (when cm or cn does not divide
 // the count) still load their share of the cluster's operands, but store nothing.
-template <int kCM, int kCN>
+template <int kCM, int kCN, bool kKGrouped = false>
 __device__ __forceinline__ Tile tile_of(const GemmParams& p, int64_t t, const CUtensorMap* tm_b, int bm, int ci,
                                         int cj) {
   Tile tl;
@@ -142,6 +146,10 @@ __device__ __forceinline__ Tile tile_of(const GemmParams& p, int64_t t, const CU
   tl.n_tile = tl.n_tile * kCN + cj;
   tl.kb0 = tl.split * p.kb_per_split;
   tl.nk = min(p.kb_per_split, p.kblocks - tl.kb0);
+  if constexpr (kKGrouped) {  // the split is the group entry: its K range
+    const int4 e = p.k_groups[tl.split];
+    tl.kb0 = e.y, tl.nk = e.z;
+  }
   tl.m_base = m_tile * bm, tl.m_end = p.M;
   tl.map_b = tm_b;
   tl.sb_base = p.sb;
@@ -363,7 +371,7 @@ constexpr int gemm_ctas_per_sm(int consumers, int stages, bool tma_store, int bn
 // read in every instance changed the register counts of 20 of the 50 E4M3 instances (by -3 to
 // +11, ptxas 13.0 -v) and made the 192-row one spill.
 template <int kConsumers, int kStages, int kCM, int kCN, bool kSmemScales, bool kTmaStore, int kBNt, bool kOverlap,
-          bool kBf16 = false, bool kTileCount = false>
+          bool kBf16 = false, bool kTileCount = false, bool kKGrouped = false>
 __global__ void __launch_bounds__(gemm_threads(kConsumers, kOverlap),
                                   gemm_ctas_per_sm(kConsumers, kStages, kTmaStore, kBNt))
     fp8_gemm_kernel(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b,
@@ -376,6 +384,8 @@ __global__ void __launch_bounds__(gemm_threads(kConsumers, kOverlap),
                 "the BF16 mode: no cluster, no scales, 128-column tiles, the drained loop, 64 or 128 rows");
   static_assert(!kTileCount || (kCM == 1 && kCN == 1 && !kSmemScales && kBNt == 128),
                 "a device tile table: the grouped product's default variant (no cluster, global scales)");
+  static_assert(!kKGrouped || (kBf16 && !kTmaStore), "K-grouped: the BF16 mode, direct stores (per-group outputs)");
+  static_assert(kConsumers <= 3, "warpgroup_sync has named barriers for three consumer warpgroups");
   constexpr bool kCountRead = kBf16 || kTileCount;
   constexpr bool kProducerWg = producer_warpgroup(kConsumers, kOverlap);
   constexpr int kBM = 64 * kConsumers;
@@ -437,7 +447,7 @@ __global__ void __launch_bounds__(gemm_threads(kConsumers, kOverlap),
       for (int i = 0; i < kCM; ++i) col_mask |= static_cast<uint16_t>(1u << (i + kCM * cj));
       int g = 0;
       for (int64_t t = first; t < tiles; t += step) {
-        const Tile tl = tile_of<kCM, kCN>(p, t, &tm_b, kBM, ci, cj);
+        const Tile tl = tile_of<kCM, kCN, kKGrouped>(p, t, &tm_b, kBM, ci, cj);
         for (int it = 0; it < tl.nk; ++it, ++g) {
           const int s = g % kStages;
           mbar_wait(&empty[s], ((g / kStages) & 1) ^ 1);
@@ -482,7 +492,7 @@ __global__ void __launch_bounds__(gemm_threads(kConsumers, kOverlap),
     const int warp = tid / 32, lane = tid % 32;
     int g = 0;
     for (int64_t t = first; t < tiles; t += step) {
-      const Tile tl = tile_of<kCM, kCN>(p, t, &tm_b, kBM, ci, cj);
+      const Tile tl = tile_of<kCM, kCN, kKGrouped>(p, t, &tm_b, kBM, ci, cj);
       // A consumer warpgroup: rows [m_base + wg * 64, + 64) of the tile.
       const int64_t row0 = tl.m_base + wg * 64 + warp * 16 + lane / 4, row1 = row0 + 8;
       const bool in0 = row0 < tl.m_end, in1 = row1 < tl.m_end;
@@ -588,8 +598,15 @@ __global__ void __launch_bounds__(gemm_threads(kConsumers, kOverlap),
         bool tma = false;
         if constexpr (kTmaStore)
           tma = tl.m_base + wg * 64 < tl.m_end && (!p.tiles || tl.m_base + (wg + 1) * 64 <= tl.m_end);
-        if (tma) store_tile_tma<kBNt>(p, total, tl, wg, tid, sm_c + wg * 16384, &tm_c);
-        else store_tile<kBNt>(p, total, tl, row0, row1, lane);
+        if constexpr (kKGrouped) {  // the entry's group's own output
+          GemmParams q = p;
+          q.c = p.c_groups[p.k_groups[tl.split].x];
+          store_tile<kBNt>(q, total, tl, row0, row1, lane);
+        } else if (tma) {
+          store_tile_tma<kBNt>(p, total, tl, wg, tid, sm_c + wg * 16384, &tm_c);
+        } else {
+          store_tile<kBNt>(p, total, tl, row0, row1, lane);
+        }
       }
     }
     if constexpr (kTmaStore)
@@ -772,14 +789,14 @@ int sm_count() {
 // call) one cluster per cluster tile. With a device tile table (p.tile_count), p.m_tiles is its
 // capacity: the grid is sized for a full table and its CTAs past the count's tiles do nothing.
 template <int kConsumers, int kStages, int kCM, int kCN, bool kSmemScales, bool kTmaStore, int kBNt, bool kOverlap,
-          bool kBf16 = false, bool kTileCount = false>
+          bool kBf16 = false, bool kTileCount = false, bool kKGrouped = false>
 void launch_cluster(const CUtensorMap& ta, const CUtensorMap& tb, const CUtensorMap& tc, GemmParams p,
                     cudaStream_t stream) {
   constexpr int kSmem = kStages * (64 * kConsumers + kBNt) * kBK + gemm_store_bytes(kConsumers, kTmaStore) +
                         2 * kStages * 8 + (kSmemScales ? kStages * (64 * kConsumers + 4) * 4 : 0) + 1024;
   constexpr int kCluster = kCM * kCN;
-  auto* kernel =
-      fp8_gemm_kernel<kConsumers, kStages, kCM, kCN, kSmemScales, kTmaStore, kBNt, kOverlap, kBf16, kTileCount>;
+  auto* kernel = fp8_gemm_kernel<kConsumers, kStages, kCM, kCN, kSmemScales, kTmaStore, kBNt, kOverlap, kBf16,
+                                 kTileCount, kKGrouped>;
   p.ct_m = static_cast<int>(ceil_div(int64_t{p.m_tiles}, int64_t{kCM}));
   p.ct_n = static_cast<int>(ceil_div(int64_t{p.n_tiles}, int64_t{kCN}));
   const int64_t tiles = static_cast<int64_t>(p.ct_m) * p.ct_n * p.splits;
@@ -1213,6 +1230,66 @@ void fp8_gemm_sm90_grouped(const Fp8GroupedArgs& a, cudaStream_t stream) {
   const uint8_t* maps = a.maps ? static_cast<const uint8_t*>(a.maps) : base;
   grouped_launch(a, R, G, bm, reinterpret_cast<const int4*>(base + tiles_at), nullptr,
                  static_cast<int64_t>(tiles.size()), maps, stream);
+}
+
+size_t fp8_gemm_sm90_kgrouped_meta_bytes(int groups) {
+  return static_cast<size_t>(std::max(groups, 0)) * (sizeof(int4) + sizeof(void*)) + 64;
+}
+
+// The K-grouped product: the group entries are the launch's splits (tile_of<..., kKGrouped>), so
+// the tiles of entry s are its group's whole C over its K blocks; the BF16 instance of 128-row
+// tiles (6 stages), direct stores into each group's output.
+void fp8_gemm_sm90_kgrouped(const Fp8KGroupedArgs& a, cudaStream_t stream) {
+  const char* what = "K-grouped BF16 GEMM (sm90)";
+  const int G = static_cast<int>(a.c.size());
+  FP8RL_CHECK(G > 0 && a.k_offsets.size() == static_cast<size_t>(G) + 1, what, ": ", G, " groups need ", G + 1,
+              " K offsets, got ", a.k_offsets.size());
+  FP8RL_CHECK(a.c_dtype == DType::BF16 || a.c_dtype == DType::F32, what, ": output must be BF16 or F32");
+  FP8RL_CHECK(a.M > 0 && a.N > 0 && a.N % 16 == 0 && a.K > 0 && a.K % 64 == 0 && a.M < (int64_t{1} << 31) &&
+                  a.N < (int64_t{1} << 31),
+              what, ": needs M > 0, N a multiple of 16 and K of 64, got M=", a.M, " N=", a.N, " K=", a.K);
+  FP8RL_CHECK(a.k_offsets.front() == 0 && a.k_offsets.back() <= a.K, what, ": K offsets must run from 0 to at most ",
+              a.K, ", got ", a.k_offsets.front(), " .. ", a.k_offsets.back());
+  std::vector<int4> entries;
+  for (int g = 0; g < G; ++g) {
+    const int64_t k0 = a.k_offsets[g], k1 = a.k_offsets[g + 1];
+    FP8RL_CHECK(k1 >= k0 && k0 % 64 == 0 && k1 % 64 == 0, what, ": group ", g, "'s K range [", k0, ", ", k1,
+                ") must be ordered and in multiples of 64");
+    if (k1 > k0 && a.c[g])
+      entries.push_back(make_int4(g, static_cast<int>(k0 / 64), static_cast<int>((k1 - k0) / 64), 0));
+    else
+      FP8RL_CHECK(!a.c[g] || a.beta == 1.0f, what, ": group ", g, " has no K range, so its output is left as it is, ",
+                  "which needs beta 1 (got ", a.beta, ")");
+  }
+  if (entries.empty()) return;
+  const int m_tiles = static_cast<int>(ceil_div(a.M, int64_t{128})),
+            n_tiles = static_cast<int>(ceil_div(a.N, int64_t{kBN}));
+  FP8RL_CHECK(static_cast<int64_t>(entries.size()) * m_tiles * n_tiles < (int64_t{1} << 31), what, ": too many tiles");
+  const size_t entries_bytes = entries.size() * sizeof(int4), ptr_bytes = static_cast<size_t>(G) * sizeof(void*);
+  FP8RL_CHECK(a.device_meta && entries_bytes + ptr_bytes + 64 <= a.device_meta_bytes, what, ": the group table needs ",
+              entries_bytes + ptr_bytes + 64, " bytes of device scratch, got ", a.device_meta_bytes);
+  uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(a.device_meta) + 63) & ~uintptr_t(63));
+  std::vector<unsigned char> host(entries_bytes + ptr_bytes);
+  std::memcpy(host.data(), entries.data(), entries_bytes);
+  std::memcpy(host.data() + entries_bytes, a.c.data(), ptr_bytes);
+  if (!a.uploads || !a.uploads->upload(host.data(), base, host.size(), stream))
+    CUDA_CHECK(cudaMemcpyAsync(base, host.data(), host.size(), cudaMemcpyHostToDevice, stream),
+               "uploading the K-grouped GEMM's group table");
+  GemmParams p;
+  p.M = a.M, p.N = a.N, p.K = a.K;
+  p.kblocks = static_cast<int>(ceil_div(2 * a.K, int64_t{kBK})), p.kb_per_split = p.kblocks;
+  p.sa = nullptr, p.sa_m = 0, p.sa_k = 0, p.sb = nullptr;
+  p.partials = false;
+  p.c = nullptr;  // each entry's group's output (c_groups)
+  p.c_bf16 = a.c_dtype == DType::BF16;
+  p.alpha = a.alpha, p.beta = a.beta;
+  p.k_groups = reinterpret_cast<const int4*>(base);
+  p.c_groups = reinterpret_cast<void* const*>(base + entries_bytes);
+  p.n_tiles = n_tiles, p.m_tiles = m_tiles, p.splits = static_cast<int>(entries.size());
+  p.m_fastest = false, p.group_n = 0;
+  const CUtensorMap ta = tensor_map(static_cast<const uint8_t*>(a.a), a.M, 2 * a.K, 128);
+  const CUtensorMap tb = tensor_map(static_cast<const uint8_t*>(a.b), a.N, 2 * a.K, kBN);
+  launch_cluster<2, 6, 1, 1, false, false, kBN, false, true, false, true>(ta, tb, ta, p, stream);
 }
 
 }  // namespace fp8rl::cuda

@@ -817,6 +817,18 @@ void GemmEngine::gemm_bf16_grouped(const std::vector<int64_t>& offsets, int64_t 
   fp8_gemm_sm90_grouped(g, stream_);
 }
 
+void GemmEngine::gemm_bf16_kgrouped(int64_t M, int64_t N, int64_t K, const void* a, const void* b,
+                                    const std::vector<int64_t>& k_offsets, const std::vector<void*>& c,
+                                    DType c_dtype, float alpha, float beta) {
+  Fp8KGroupedArgs g;
+  g.M = M, g.N = N, g.K = K, g.a = a, g.b = b;
+  g.k_offsets = k_offsets, g.c = c, g.c_dtype = c_dtype, g.alpha = alpha, g.beta = beta;
+  g.device_meta = grouped_scratch(fp8_gemm_sm90_kgrouped_meta_bytes(static_cast<int>(c.size())));
+  g.device_meta_bytes = grouped_meta_bytes_;
+  g.uploads = &uploads_;
+  fp8_gemm_sm90_kgrouped(g, stream_);
+}
+
 void GemmEngine::gemm_fp8_grouped_device(const int4* tiles, const int* tile_count, int64_t max_tiles, int64_t R,
                                          int block_m, int64_t N, int64_t K, const uint8_t* a, const float* a_scales,
                                          bool a_scales_kb_major, const std::vector<const uint8_t*>& b,

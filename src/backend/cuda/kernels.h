@@ -132,6 +132,13 @@ void launch_moe_weight_grad(const void* dout, const void* y, DType dt, const int
                             int k, int64_t R, float* dweights, int* bad_flag, cudaStream_t stream);
 // moe_plan (backend.h): one CTA; E <= 1024; tiles [max_tiles, 4], 16-byte aligned; bad_flag set for
 // an expert outside [0, E).
+// The experts' weight-gradient operands (the own kernel's K-grouped form, fp8_gemm.h): the rows
+// of src (BF16 [R, cols], cols a multiple of 8) transposed into dst (BF16 [cols, ld], ld a
+// multiple of 64) in blocks of 64 columns: dst column block j holds the transposes of src rows
+// [blocks[j].x, blocks[j].x + blocks[j].y) (0 < y <= 64) in its first y columns, zeros after.
+// blocks: nblocks int2 on the device.
+void launch_transpose_row_blocks_bf16(const void* src, int64_t cols, const int2* blocks, int64_t nblocks, int64_t ld,
+                                      void* dst, cudaStream_t stream);
 void launch_moe_plan(const int32_t* experts, int64_t R, int E, int block_m, int32_t* offsets, int32_t* row_slot,
                      int32_t* slot_row, int32_t* tiles, int64_t max_tiles, int32_t* tile_count, int* bad_flag,
                      cudaStream_t stream);

@@ -427,6 +427,32 @@ void check_route_experts(int E, const char* op) {
               " (this model runs on the CPU backend only)");
 }
 
+// One 64 x 64 tile per CTA of 256 threads: src rows [x, x + y) x columns [c0, c0 + 64) read as
+// 8-byte runs of 4 elements into shared memory (rows past y as zeros), then written transposed
+// as 8-byte runs of 4 rows: every global access is a 128-byte line per 16 threads.
+__global__ void transpose_row_blocks_bf16_kernel(const uint16_t* __restrict__ src, int64_t cols,
+                                                 const int2* __restrict__ blocks, int64_t ld,
+                                                 uint16_t* __restrict__ dst) {
+  __shared__ uint16_t tile[64][64 + 4];  // 68: a row's 8-byte runs stay 8-byte aligned
+  const int2 blk = blocks[blockIdx.x];
+  const int64_t c0 = static_cast<int64_t>(blockIdx.y) * 64;
+  for (int i = threadIdx.x; i < 64 * 16; i += blockDim.x) {
+    const int r = i / 16, q = i % 16;
+    const int64_t c = c0 + 4 * q;
+    uint2 v = make_uint2(0u, 0u);
+    if (r < blk.y && c < cols) v = *reinterpret_cast<const uint2*>(src + (static_cast<int64_t>(blk.x) + r) * cols + c);
+    *reinterpret_cast<uint2*>(&tile[r][4 * q]) = v;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < 64 * 16; i += blockDim.x) {
+    const int c = i / 16, q = i % 16;
+    if (c0 + c >= cols) continue;
+    const uint32_t lo = tile[4 * q][c] | (static_cast<uint32_t>(tile[4 * q + 1][c]) << 16);
+    const uint32_t hi = tile[4 * q + 2][c] | (static_cast<uint32_t>(tile[4 * q + 3][c]) << 16);
+    *reinterpret_cast<uint2*>(dst + (c0 + c) * ld + static_cast<int64_t>(blockIdx.x) * 64 + 4 * q) = make_uint2(lo, hi);
+  }
+}
+
 }  // namespace
 
 void launch_moe_route_softmax(const float* logits, int64_t T, int E, int k, bool renorm, int32_t* experts,
@@ -624,6 +650,17 @@ __global__ void __launch_bounds__(kPlanThreads) moe_plan_kernel(const int32_t* _
 }
 
 }  // namespace
+
+void launch_transpose_row_blocks_bf16(const void* src, int64_t cols, const int2* blocks, int64_t nblocks, int64_t ld,
+                                      void* dst, cudaStream_t stream) {
+  FP8RL_CHECK(cols % 8 == 0 && ld % 64 == 0 && nblocks < (int64_t{1} << 31) && ceil_div(cols, int64_t{64}) < 65536,
+              "transpose_row_blocks_bf16: needs cols a multiple of 8 and ld of 64, got ", cols, " and ", ld);
+  if (nblocks == 0 || cols == 0) return;
+  const dim3 grid(static_cast<unsigned>(nblocks), static_cast<unsigned>(ceil_div(cols, int64_t{64})));
+  transpose_row_blocks_bf16_kernel<<<grid, 256, 0, stream>>>(static_cast<const uint16_t*>(src), cols, blocks, ld,
+                                                             static_cast<uint16_t*>(dst));
+  CUDA_CHECK(cudaGetLastError(), "transpose_row_blocks_bf16 launch");
+}
 
 void launch_moe_plan(const int32_t* experts, int64_t R, int E, int block_m, int32_t* offsets, int32_t* row_slot,
                      int32_t* slot_row, int32_t* tiles, int64_t max_tiles, int32_t* tile_count, int* bad_flag,

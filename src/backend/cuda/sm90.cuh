@@ -105,10 +105,15 @@ __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.comm
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
 __device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
-// A barrier of one consumer warpgroup's 128 threads (ids 1 and 2; 0 is __syncthreads).
+// A barrier of one consumer warpgroup's 128 threads: named barrier wg + 1 (1, 2 or 3; 0 is
+// __syncthreads). Each warpgroup needs its own id: bar.sync counts warps, not warpgroups, so two
+// warpgroups on one id complete each other's barriers (a race on their store buffers, and a hang
+// once a warp's two arrivals fall in one generation: the 192-row tiles' third warpgroup shared id 2
+// and hung bench-gemm, session 32).
 __device__ __forceinline__ void warpgroup_sync(int wg) {
   if (wg == 0) asm volatile("bar.sync 1, 128;" ::: "memory");
-  else asm volatile("bar.sync 2, 128;" ::: "memory");
+  else if (wg == 1) asm volatile("bar.sync 2, 128;" ::: "memory");
+  else asm volatile("bar.sync 3, 128;" ::: "memory");
 }
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
