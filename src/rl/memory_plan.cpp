@@ -260,11 +260,13 @@ MemoryPlan memory_plan_compute(const MemoryPlanInput& in) {
     if (D % 16 == 0 && Fe % 16 == 0) {
       // CUDA: the experts' weight gradients on the own kernel's K-grouped form read dY and X
       // transposed, every expert's tokens padded to 64 (CudaBackend::grouped_wgrad_own), in chunks
-      // of experts whose operands stay within CudaBackend::kGroupedWgradOperandBytes (256 MiB).
+      // of experts whose operands stay within CudaBackend::kGroupedWgradOperandBytes (64 MiB), in
+      // one scratch buffer (grown with a quarter's slack, as every scratch slot).
       const int64_t padded = T * c.num_experts_per_tok + 63 * int64_t(std::max(1, c.num_experts));
       // A chunk holds at least one expert, whose tokens are at most T (a token takes an expert once).
-      const int64_t bytes =
-          std::min<int64_t>(padded * (D + Fe) * 2, std::max<int64_t>(int64_t{256} << 20, (T + 64) * (D + Fe) * 2));
+      const int64_t need =
+          std::min<int64_t>(padded * (D + Fe) * 2, std::max<int64_t>(int64_t{64} << 20, (T + 64) * (D + Fe) * 2));
+      const int64_t bytes = need + need / 4;
       p.transient.push_back({"grouped weight-gradient operands (BF16 transposes)", bytes,
                              "dY and X of one expert projection transposed, each expert's tokens padded to 64"});
     } else if (in.grad_dtype != DType::BF16) {

@@ -1653,8 +1653,11 @@ bool CudaBackend::grouped_wgrad_own(const Tensor& dy, const Tensor& x, const std
     max_rows = std::max(max_rows, rows);
     i = j;
   }
-  Tensor dyt = scratch(kSlotWgradDyT, {N * max_rows}, DType::BF16);
-  Tensor xt = scratch(kSlotWgradXT, {K * max_rows}, DType::BF16);
+  // One buffer for both operands: the experts' three projections all have N + K = D + Fe, so the
+  // slot keeps one size across them (two slots would each grow to max(D, Fe) rows).
+  Tensor ops = scratch(kSlotWgradOps, {(N + K) * max_rows}, DType::BF16);
+  uint16_t* dyt_p = ops.data<uint16_t>();
+  uint16_t* xt_p = dyt_p + N * max_rows;
   for (const auto& [i0, i1] : chunks) {
     std::vector<int32_t> blocks;  // int2 {first row, rows} per 64 padded columns
     std::vector<int64_t> k_offsets{0};
@@ -1676,11 +1679,11 @@ bool CudaBackend::grouped_wgrad_own(const Tensor& dy, const Tensor& x, const std
     {
       const OpTimer t(*this, "grouped_linear_backward: wgrad transposes", 2);
       const int2* b2 = reinterpret_cast<const int2*>(bd.raw());
-      launch_transpose_row_blocks_bf16(dy.raw(), N, b2, nblocks, Rp, dyt.raw(), stream_);
-      launch_transpose_row_blocks_bf16(x.raw(), K, b2, nblocks, Rp, xt.raw(), stream_);
+      launch_transpose_row_blocks_bf16(dy.raw(), N, b2, nblocks, Rp, dyt_p, stream_);
+      launch_transpose_row_blocks_bf16(x.raw(), K, b2, nblocks, Rp, xt_p, stream_);
     }
     const OpTimer t(*this, "grouped_linear_backward: wgrad BF16 K-grouped GEMM (own)", 2);
-    gemm_->gemm_bf16_kgrouped(N, K, Rp, dyt.raw(), xt.raw(), k_offsets, c, gt, 1.0f, 1.0f);
+    gemm_->gemm_bf16_kgrouped(N, K, Rp, dyt_p, xt_p, k_offsets, c, gt, 1.0f, 1.0f);
   }
   return true;
 }

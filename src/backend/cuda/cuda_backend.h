@@ -201,8 +201,7 @@ class CudaBackend final : public Backend {
     kSlotSort,        // the embedding backward's sort of token ids
     kSlotLogpParts,   // logprobs_of_logits' per-chunk partial folds
     kSlotWgradStage,  // grouped_wgrad_f32's BF16 products
-    kSlotWgradDyT,    // grouped_wgrad_own's transposed dY [N, padded rows]
-    kSlotWgradXT,     // grouped_wgrad_own's transposed X [K, padded rows]
+    kSlotWgradOps,    // grouped_wgrad_own's transposed dY [N, padded rows] and X [K, padded rows]
     kSlotCount
   };
   // A device buffer reused across calls (grown on demand); valid until the next scratch(slot).
@@ -224,7 +223,7 @@ class CudaBackend final : public Backend {
   // grouped_linear_backward's weight gradient on the own kernel's K-grouped form (BF16 operands,
   // F32 or BF16 gradients accumulated in place), in chunks of groups whose transposed operands
   // stay within kGroupedWgradOperandBytes; false (nothing done) where the shapes are outside it.
-  static constexpr int64_t kGroupedWgradOperandBytes = int64_t{256} << 20;
+  static constexpr int64_t kGroupedWgradOperandBytes = int64_t{64} << 20;
   bool grouped_wgrad_own(const Tensor& dy, const Tensor& x, const std::vector<int64_t>& offsets,
                          const std::vector<Tensor*>& dw);
   // The FP8 linears' operands (cuda_backend.cu): x's 1x128 copy (a view's, or quantized into the
