@@ -1624,6 +1624,19 @@ void CudaBackend::grouped_wgrad_f32(const Tensor& dy, const Tensor& x, const std
 // host time per call over 128 experts (H100, session 31) and ran at ~280 TF/s, and no BF16
 // staging for F32 gradients. The groups run in chunks whose transposes stay within
 // kGroupedWgradOperandBytes (a group larger than that alone).
+// FP8RL_GROUPED_WGRAD (read at each call): cublas (the default) or own (grouped_wgrad_own).
+// Measured (bench rl-step, H100, session 32): the own form at the Moonlight width made the
+// training phase slower in both recipes (bf16 0.922 -> 0.996 s, fp8_e2e 0.809 -> 0.892): its
+// tiles' read-modify-write epilogue (no overlap with the next tile's MMAs) and the transposes
+// cost more than cuBLAS's grouped GEMM with its host loop.
+static bool grouped_wgrad_own_wanted() {
+  const char* e = std::getenv("FP8RL_GROUPED_WGRAD");
+  if (!e) return false;
+  const std::string v(e);
+  FP8RL_CHECK(v == "own" || v == "cublas", "FP8RL_GROUPED_WGRAD must be own or cublas, got '", v, "'");
+  return v == "own";
+}
+
 bool CudaBackend::grouped_wgrad_own(const Tensor& dy, const Tensor& x, const std::vector<int64_t>& offsets,
                                     const std::vector<Tensor*>& dw) {
   const int64_t N = dy.dim(1), K = x.dim(1);
@@ -1766,7 +1779,7 @@ void CudaBackend::grouped_linear_backward_impl(const Tensor& dy, const Tensor& x
   }
   bool dw_done = dw.empty();
   if (!dw_done && fast && bf16_ops && (spec.mode == LinearMode::BF16 || (fp8 && spec.wgrad == LinearMode::BF16)) &&
-      !std::getenv("FP8RL_GROUPED_WGRAD_CUBLAS"))
+      grouped_wgrad_own_wanted())
     dw_done = grouped_wgrad_own(dy, x, offsets, dw);
   if (!dw_done && fast && bf16_ops && (spec.mode == LinearMode::BF16 || (fp8 && spec.wgrad == LinearMode::BF16))) {
     // One output dtype for the launch: every given gradient F32, or every one BF16.
