@@ -1713,7 +1713,7 @@ bool CudaBackend::grouped_wgrad_own(const Tensor& dy, const Tensor& x, const std
 void CudaBackend::grouped_linear_backward_impl(const Tensor& dy, const Tensor& x, const std::vector<int64_t>& offsets,
                                                const std::vector<const LinearWeight*>& W, const LinearSpec& spec,
                                                Tensor* dx, const std::vector<Tensor*>& dw, const Fp8View* dy_fp8) {
-  const OpTimer op_timer_(*this, "grouped_linear_backward");
+  const OpTimer op_timer_(*this, "grouped_linear_backward", 1);  // level 2: its phases instead
   const int64_t R = x.dim(0), K = x.dim(1), N = dy.dim(1);
   const bool fp8 = spec.mode == LinearMode::FP8_BLOCK, fast = act_dtype_ != DType::F32 && !recording_ && R > 0;
   const bool bf16_ops = dy.dtype() == DType::BF16 && x.dtype() == DType::BF16;
