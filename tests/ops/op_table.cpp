@@ -2244,6 +2244,27 @@ void logprob_cases(std::vector<OpCase>& t) {
       Tensor short_lse = r.be.alloc({T - 1}, DType::F32);
       EXPECT_THROW(r.be.token_logprobs(r["h"], r["W"], r["targets"], 1.0f, spec, logp, short_lse, nullptr), Error);
     };
+    if (mode == LinearMode::BF16) {
+      // BF16 hidden states and head (CUDA: the head's fused backward), the weight gradient in F32
+      // and in BF16 (train.grad_dtype: bf16), accumulated into the given values.
+      OpCase c = t.back();  // the same inputs and errors
+      c.variant = "T 37, D 256, V 3000 bf16, BF16 operands, F32 and BF16 weight gradients";
+      c.run = [=](OpRun& r) {
+        const Tensor h = r.as("h", DType::BF16), W = r.as("W", DType::BF16);
+        Tensor& lse = r.output("lse", {T}, DType::F32);
+        r.be.token_logprobs(h, W, r["targets"], 0.7f, spec, r.output("logp", {T}, DType::F32), lse, nullptr);
+        r.be.token_logprobs_backward(h, W, r["targets"], 0.7f, spec, lse, r["dl"], r.output("dh", {T, D}, DType::F32),
+                                     &r.updated("dW", "dW0"));
+        Tensor& dwb = r.output("dW_bf16", {V, D}, DType::BF16);
+        r.be.convert(r["dW0"], dwb);
+        r.be.token_logprobs_backward(h, W, r["targets"], 0.7f, spec, lse, r["dl"],
+                                     r.output("dh_bf16", {T, D}, DType::F32), &dwb);
+      };
+      c.checks = {{"logp", rel(1e-4)}, {"lse", rel(1e-5)}, {"dh", rel(1e-4)}, {"dW", rel(1e-4)},
+                  {"dh_bf16", rel(1e-4)}, {"dW_bf16", rel(1e-2)}};
+      c.close = {{"dh_bf16", "dh", rel(1e-6)}, {"dW_bf16", "dW", rel(1e-2)}};
+      t.push_back(c);
+    }
   }
 }
 
