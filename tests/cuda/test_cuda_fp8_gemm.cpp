@@ -925,6 +925,63 @@ TEST(CudaFp8Gemm, DeviceTileTableIsBitwiseTheHostOffsets) {
   }
 }
 
+// The kept grouped maps' bound frees only the sets no device-form call used: a CUDA graph
+// recorded around a device-form product (an MoE decode step) holds its maps, and replays the same
+// C after the cache has overflowed many times with host-form weight sets (each overflow frees the
+// host sets, whose memory the next sets' maps reuse: had the graph's maps been freed too, the
+// replay would read another set's maps).
+TEST(CudaFp8Gemm, GraphHeldMapsSurviveTheKeptMapsBound) {
+  cuda::CudaBackend be(0, DType::BF16);
+  be.gemm().set_kept_maps_limit(3);
+  const int64_t N = 256, K = 256;
+  const std::vector<int64_t> offsets = grouped_offsets(5);
+  const int64_t R = offsets.back(), G = static_cast<int64_t>(offsets.size()) - 1;
+  const Tensor a = be.to_device(random_bf16(R, K, 301, 1.5f).host);
+  std::vector<Tensor> w;
+  std::vector<const void*> bp;
+  for (int64_t g = 0; g < G; ++g)
+    w.push_back(be.to_device(random_bf16(N, K, 310 + static_cast<uint32_t>(g), 1.0f).host));
+  for (const Tensor& t : w) bp.push_back(t.raw());
+  const int bm = 64;
+  const std::vector<int32_t> table = host_tile_table(offsets, bm);
+  const DeviceTable dt = device_table(be, table, static_cast<int64_t>(table.size()) / 4 + 4, false);
+  Tensor c = poisoned(be, {R, N}, DType::BF16);
+  auto device_call = [&] {
+    be.gemm().gemm_bf16_grouped_device(reinterpret_cast<const int4*>(dt.tiles.raw()), dt.count.data<int32_t>(),
+                                       dt.max_tiles, R, bm, N, K, a.raw(), bp, c.raw(), DType::BF16, 1.0f, 0.0f);
+  };
+  device_call();  // outside the capture: the maps' first upload (pinned)
+  be.synchronize();
+  const Tensor ref = be.to_host(c);
+  cudaStream_t s = be.stream();
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed), cudaSuccess);
+  device_call();
+  ASSERT_EQ(cudaStreamEndCapture(s, &graph), cudaSuccess);
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  // Host-form products over fresh weight sets (other weights, the same shapes): the cache passes
+  // its bound of 3 several times over.
+  for (int round = 0; round < 12; ++round) {
+    std::vector<Tensor> other;
+    std::vector<const void*> op;
+    for (int64_t g = 0; g < G; ++g)
+      other.push_back(be.to_device(random_bf16(N, K, 500 + static_cast<uint32_t>(round * 64 + g), 1.0f).host));
+    for (const Tensor& t : other) op.push_back(t.raw());
+    Tensor scratch = poisoned(be, {R, N}, DType::BF16);
+    be.gemm().gemm_bf16_grouped(offsets, N, K, a.raw(), op, scratch.raw(), DType::BF16, 1.0f, 0.0f, bm,
+                                /*keep_maps=*/true);
+    be.synchronize();
+  }
+  EXPECT_LE(be.gemm().kept_grouped_map_sets(), 4u) << "the bound freed nothing";
+  ASSERT_EQ(cudaMemsetAsync(c.raw(), 0xFF, c.nbytes(), s), cudaSuccess);
+  ASSERT_EQ(cudaGraphLaunch(exec, s), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+  EXPECT_EQ(std::memcmp(be.to_host(c).raw(), ref.raw(), ref.nbytes()), 0) << "the graph's replay after the evictions";
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+}
+
 // Waits up to `seconds` for the GEMM engine's stream: a kernel that deadlocks (a barrier that never
 // completes) ends the run with a message instead of hanging it. The process exits: a hung kernel
 // cannot be stopped, and nothing after it on the device would finish.

@@ -2260,8 +2260,8 @@ void logprob_cases(std::vector<OpCase>& t) {
         r.be.token_logprobs_backward(h, W, r["targets"], 0.7f, spec, lse, r["dl"],
                                      r.output("dh_bf16", {T, D}, DType::F32), &dwb);
       };
-      c.checks = {{"logp", rel(1e-4)}, {"lse", rel(1e-5)}, {"dh", rel(1e-4)}, {"dW", rel(1e-4)},
-                  {"dh_bf16", rel(1e-4)}, {"dW_bf16", rel(1e-2)}};
+      c.checks = {{"logp", rel(1e-4)}, {"lse", rel(1e-5)},     {"dh", rel(1e-4)},
+                  {"dW", rel(1e-4)},   {"dh_bf16", rel(1e-4)}, {"dW_bf16", rel(1e-2)}};
       c.close = {{"dh_bf16", "dh", rel(1e-6)}, {"dW_bf16", "dW", rel(1e-2)}};
       t.push_back(c);
     }

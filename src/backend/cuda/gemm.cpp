@@ -85,7 +85,7 @@ void GemmEngine::set_fp8_kernel(const std::string& v) {
 GemmEngine::~GemmEngine() {
   if (own_ws_) cudaFree(own_ws_);
   if (grouped_meta_) cudaFree(grouped_meta_);
-  for (auto& [k, d] : grouped_maps_) cudaFree(d);
+  for (auto& [k, m] : grouped_maps_) cudaFree(m.dev);
   if (grouped_ptrs_) cudaFree(grouped_ptrs_);
   if (blas_) cublasDestroy(blas_);
   if (tail_) cudaFree(tail_);
@@ -758,7 +758,8 @@ void* GemmEngine::grouped_scratch(size_t bytes) {
 }
 
 const void* GemmEngine::kept_grouped_maps(const std::vector<const uint8_t*>& b,
-                                          const std::vector<const float*>& b_scales, int64_t N, int64_t K, DType ab) {
+                                          const std::vector<const float*>& b_scales, int64_t N, int64_t K, DType ab,
+                                          bool pin) {
   std::vector<uintptr_t> key{static_cast<uintptr_t>(N), static_cast<uintptr_t>(K), static_cast<uintptr_t>(ab)};
   for (const uint8_t* p : b) key.push_back(reinterpret_cast<uintptr_t>(p));
   for (const float* p : b_scales) key.push_back(reinterpret_cast<uintptr_t>(p));
@@ -769,17 +770,26 @@ const void* GemmEngine::kept_grouped_maps(const std::vector<const uint8_t*>& b,
     FP8RL_CHECK(capturing == cudaStreamCaptureStatusNone, "grouped GEMM: the ", b.size(), " groups' tensor maps for ",
                 "these weights are not on the device yet, and uploading them cannot be captured in a CUDA graph: run ",
                 "the product once before the capture");
-    if (grouped_maps_.size() >= 4096) {  // a bound on what stale pointer sets may hold
+    if (grouped_maps_.size() >= kept_maps_limit_) {
+      // Only the host form's sets go: a device-form set may be held by a recorded CUDA graph
+      // (an MoE decode step's), which would read freed (and reused) memory at its next replay.
       CUDA_CHECK(cudaStreamSynchronize(stream_), "waiting before dropping the grouped GEMM maps");
-      for (auto& [k, d] : grouped_maps_) cudaFree(d);
-      grouped_maps_.clear();
+      for (auto i = grouped_maps_.begin(); i != grouped_maps_.end();) {
+        if (i->second.pinned) {
+          ++i;
+          continue;
+        }
+        cudaFree(i->second.dev);
+        i = grouped_maps_.erase(i);
+      }
     }
     const std::vector<unsigned char> host = fp8_gemm_sm90_grouped_maps(b, b_scales, N, K, ab);
     void* d = cuda_malloc(host.size(), "the grouped FP8 GEMM's tensor maps");
     CUDA_CHECK(cudaMemcpy(d, host.data(), host.size(), cudaMemcpyHostToDevice), "uploading the grouped GEMM maps");
-    it = grouped_maps_.emplace(std::move(key), d).first;
+    it = grouped_maps_.emplace(std::move(key), KeptMaps{d, false}).first;
   }
-  return it->second;
+  it->second.pinned = it->second.pinned || pin;
+  return it->second.dev;
 }
 
 void GemmEngine::gemm_fp8_grouped(const std::vector<int64_t>& offsets, int64_t N, int64_t K, const uint8_t* a,
@@ -795,7 +805,7 @@ void GemmEngine::gemm_fp8_grouped(const std::vector<int64_t>& offsets, int64_t N
       fp8_gemm_sm90_grouped_meta_bytes(static_cast<int>(b.size()), offsets.empty() ? 0 : offsets.back(), block_m));
   g.device_meta_bytes = grouped_meta_bytes_;
   g.uploads = &uploads_;
-  if (keep_maps && !b.empty()) g.maps = kept_grouped_maps(b, b_scales, N, K, DType::E4M3);
+  if (keep_maps && !b.empty()) g.maps = kept_grouped_maps(b, b_scales, N, K, DType::E4M3, /*pin=*/false);
   fp8_gemm_sm90_grouped(g, stream_);
   ++own_products_;
 }
@@ -813,7 +823,7 @@ void GemmEngine::gemm_bf16_grouped(const std::vector<int64_t>& offsets, int64_t 
       fp8_gemm_sm90_grouped_meta_bytes(static_cast<int>(b.size()), offsets.empty() ? 0 : offsets.back(), block_m));
   g.device_meta_bytes = grouped_meta_bytes_;
   g.uploads = &uploads_;
-  if (keep_maps && !b.empty()) g.maps = kept_grouped_maps(g.b, {}, N, K, DType::BF16);
+  if (keep_maps && !b.empty()) g.maps = kept_grouped_maps(g.b, {}, N, K, DType::BF16, /*pin=*/false);
   fp8_gemm_sm90_grouped(g, stream_);
 }
 
@@ -841,7 +851,7 @@ void GemmEngine::gemm_fp8_grouped_device(const int4* tiles, const int* tile_coun
   g.c = C, g.c_dtype = c_dtype, g.alpha = alpha, g.beta = beta, g.block_m = block_m;
   g.device_tiles = tiles, g.device_tile_count = tile_count, g.max_tiles = max_tiles;
   g.rows = R, g.groups = static_cast<int>(b.size());
-  g.maps = kept_grouped_maps(b, b_scales, N, K, DType::E4M3);
+  g.maps = kept_grouped_maps(b, b_scales, N, K, DType::E4M3, /*pin=*/true);
   fp8_gemm_sm90_grouped(g, stream_);
   ++own_products_;
 }
@@ -860,7 +870,7 @@ void GemmEngine::gemm_bf16_grouped_device(const int4* tiles, const int* tile_cou
   g.rows = R, g.groups = static_cast<int>(b.size());
   std::vector<const uint8_t*> bp;
   for (const void* p : b) bp.push_back(static_cast<const uint8_t*>(p));
-  g.maps = kept_grouped_maps(bp, {}, N, K, DType::BF16);
+  g.maps = kept_grouped_maps(bp, {}, N, K, DType::BF16, /*pin=*/true);
   fp8_gemm_sm90_grouped(g, stream_);
 }
 

@@ -34,6 +34,7 @@
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -174,6 +175,10 @@ class GemmEngine {
                                 DType c_dtype, float alpha, float beta);
   // The same choice in code (tests and benchmarks): "auto", "own" or "cublaslt".
   void set_fp8_kernel(const std::string& mode);
+  // The kept grouped maps (keep_maps and the device forms): how many weight sets are kept, and
+  // the count at which the ones no device-form call has used are freed (tests).
+  size_t kept_grouped_map_sets() const { return grouped_maps_.size(); }
+  void set_kept_maps_limit(size_t n) { kept_maps_limit_ = std::max<size_t>(n, 1); }
   // FP8RL_FP8_ROW_INVARIANT=1 (or this setter): cuBLASLt's block-scaled products take gemm()'s
   // row_invariant rule too — one algorithm per (B blocks, C type, N, K), chosen for M =
   // kRowInvariantM among those without split-K and workspace, for every M (the tail product's
@@ -290,9 +295,10 @@ class GemmEngine {
   // maps, the maps).
   void* grouped_scratch(size_t bytes);
   // keep_maps' device copy of the groups' maps for these weights (ab: E4M3 or BF16), encoded and
-  // uploaded at the first call for the set (not inside a graph capture).
+  // uploaded at the first call for the set (not inside a graph capture). pin: the device form's
+  // (graph-capturable) maps, which a recorded graph keeps reading: never freed before the engine.
   const void* kept_grouped_maps(const std::vector<const uint8_t*>& b, const std::vector<const float*>& b_scales,
-                                int64_t N, int64_t K, DType ab);
+                                int64_t N, int64_t K, DType ab, bool pin);
 
   cudaStream_t stream_;
   cublasLtHandle_t handle_ = nullptr;
@@ -317,8 +323,15 @@ class GemmEngine {
   float* own_ws_ = nullptr;  // split-K partials of the own kernel
   void* grouped_meta_ = nullptr;  // the grouped kernel's tile table, tensor maps and scale pointers
   size_t grouped_meta_bytes_ = 0;
-  // keep_maps' device copies of fp8_gemm_sm90_grouped_maps, by {N, K, ab, b..., b_scales...}
-  std::map<std::vector<uintptr_t>, void*> grouped_maps_;
+  // keep_maps' device copies of fp8_gemm_sm90_grouped_maps, by {N, K, ab, b..., b_scales...};
+  // pinned: used by the device form (a CUDA graph may hold it). When kept_maps_limit_ sets are
+  // kept, the unpinned ones are freed (a bound on what stale pointer sets may hold).
+  struct KeptMaps {
+    void* dev = nullptr;
+    bool pinned = false;
+  };
+  std::map<std::vector<uintptr_t>, KeptMaps> grouped_maps_;
+  size_t kept_maps_limit_ = 4096;
   PinnedUploads uploads_;  // the grouped products' tile tables and cuBLAS's pointer arrays
   size_t own_ws_floats_ = 0;
   std::map<Key, cublasLtMatmulAlgo_t> algos_;
