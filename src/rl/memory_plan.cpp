@@ -256,27 +256,30 @@ MemoryPlan memory_plan_compute(const MemoryPlanInput& in) {
                            "the largest parameter tensor, while an op accumulates into it (train.grad_dtype: bf16)"});
   }
   if (c.is_moe() && in.act_dtype == DType::BF16) {
+    // CUDA's expert weight gradients: the larger of its two forms' scratch, each grown with a
+    // quarter's slack (as every scratch slot):
+    // - cuBLAS's grouped GEMM (the default): into F32 gradients through BF16 staging, groups of
+    //   experts at a time (CudaBackend::kGroupedWgradStagingBytes: 128 MiB, or all experts' if less);
+    // - FP8RL_GROUPED_WGRAD=own (CudaBackend::grouped_wgrad_own): dY and X transposed, each expert's
+    //   tokens padded to 64, in chunks of experts within kGroupedWgradOperandBytes (64 MiB; a chunk
+    //   holds at least one expert, whose tokens are at most T: a token takes an expert once).
     const int64_t D = c.hidden_size, Fe = c.moe_intermediate_size;
+    int64_t staging = 0, own = 0;
+    if (in.grad_dtype != DType::BF16) {
+      const int64_t per = (D * Fe + 7) / 8 * 8 * 2;
+      staging = std::clamp<int64_t>((int64_t{128} << 20) / per, 1, std::max(1, c.num_experts)) * per;
+      staging += staging / 4;
+    }
     if (D % 16 == 0 && Fe % 16 == 0) {
-      // CUDA: the experts' weight gradients on the own kernel's K-grouped form read dY and X
-      // transposed, every expert's tokens padded to 64 (CudaBackend::grouped_wgrad_own), in chunks
-      // of experts whose operands stay within CudaBackend::kGroupedWgradOperandBytes (64 MiB), in
-      // one scratch buffer (grown with a quarter's slack, as every scratch slot).
       const int64_t padded = T * c.num_experts_per_tok + 63 * int64_t(std::max(1, c.num_experts));
-      // A chunk holds at least one expert, whose tokens are at most T (a token takes an expert once).
       const int64_t need =
           std::min<int64_t>(padded * (D + Fe) * 2, std::max<int64_t>(int64_t{64} << 20, (T + 64) * (D + Fe) * 2));
-      const int64_t bytes = need + need / 4;
-      p.transient.push_back({"grouped weight-gradient operands (BF16 transposes)", bytes,
-                             "dY and X of one expert projection transposed, each expert's tokens padded to 64"});
-    } else if (in.grad_dtype != DType::BF16) {
-      // The fallback: into F32 gradients through BF16 staging, groups of experts at a time
-      // (CudaBackend::kGroupedWgradStagingBytes: 128 MiB, or all experts' if less).
-      const int64_t per = (D * Fe + 7) / 8 * 8 * 2;
-      const int64_t experts = std::clamp<int64_t>((int64_t{128} << 20) / per, 1, std::max(1, c.num_experts));
-      p.transient.push_back({"grouped weight-gradient staging (BF16)", experts * per,
-                             "the experts' BF16 products before they are added into the F32 gradients"});
+      own = need + need / 4;
     }
+    if (std::max(staging, own) > 0)
+      p.transient.push_back({"grouped weight-gradient scratch (BF16)", std::max(staging, own),
+                             "the larger of the default's BF16 staging (F32 gradients) and FP8RL_GROUPED_WGRAD=own's "
+                             "transposed operands"});
   }
   const int64_t hq = int64_t(c.num_heads) * c.head_dim, hkv = int64_t(c.num_kv_heads) * c.head_dim;
   const int64_t F = c.intermediate_size;

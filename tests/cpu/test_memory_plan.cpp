@@ -596,6 +596,7 @@ TEST(MemoryCheck, BenchMicroBatchAutoFitsEveryRecipe) {
   EXPECT_EQ(st, 0) << text;
   EXPECT_NE(text.find("micro-batch 8192 tokens (auto)"), std::string::npos) << text;
   text = run_shell(moe + "139", &st);
+  EXPECT_EQ(st, 0) << text;
   EXPECT_NE(text.find("micro-batch 16384 tokens (auto)"), std::string::npos) << text;
 }
 

@@ -735,7 +735,7 @@ TEST(CudaFp8Gemm, Bf16GroupedIsBitwiseThePerGroupProducts) {
 // sum, and an empty group's C is left as it was. 40 groups of 0..300 rows, N with a partial tile.
 TEST(CudaFp8Gemm, Bf16KGroupedIsBitwiseThePerGroupProducts) {
   cuda::CudaBackend be(0, DType::BF16);
-  const int64_t M = 640, N = 1008;  // C_g [M, N]: dY's columns by X's
+  const int64_t M = 600, N = 1008;  // C_g [M, N]: dY's columns by X's (partial last tiles both ways)
   const std::vector<int64_t> offsets = grouped_offsets(3);
   const int64_t R = offsets.back(), G = static_cast<int64_t>(offsets.size()) - 1;
   const Bf16Matrix dy = random_bf16(R, M, 71, 1.5f), x = random_bf16(R, N, 72, 1.0f);
@@ -928,7 +928,7 @@ TEST(CudaFp8Gemm, DeviceTileTableIsBitwiseTheHostOffsets) {
 // The kept grouped maps' bound frees only the sets no device-form call used: a CUDA graph
 // recorded around a device-form product (an MoE decode step) holds its maps, and replays the same
 // C after the cache has overflowed many times with host-form weight sets (each overflow frees the
-// host sets, whose memory the next sets' maps reuse: had the graph's maps been freed too, the
+// host sets, whose memory the next sets' maps may reuse: had the graph's maps been freed too, the
 // replay would read another set's maps).
 TEST(CudaFp8Gemm, GraphHeldMapsSurviveTheKeptMapsBound) {
   cuda::CudaBackend be(0, DType::BF16);
@@ -973,7 +973,8 @@ TEST(CudaFp8Gemm, GraphHeldMapsSurviveTheKeptMapsBound) {
                                 /*keep_maps=*/true);
     be.synchronize();
   }
-  EXPECT_LE(be.gemm().kept_grouped_map_sets(), 4u) << "the bound freed nothing";
+  // Round 11 ends with the pinned set and two host sets (rounds 10 and 11); without eviction, 13.
+  EXPECT_LE(be.gemm().kept_grouped_map_sets(), 3u) << "the bound freed nothing";
   ASSERT_EQ(cudaMemsetAsync(c.raw(), 0xFF, c.nbytes(), s), cudaSuccess);
   ASSERT_EQ(cudaGraphLaunch(exec, s), cudaSuccess);
   ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);

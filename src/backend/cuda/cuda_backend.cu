@@ -1618,11 +1618,10 @@ void CudaBackend::grouped_wgrad_f32(const Tensor& dy, const Tensor& x, const std
 
 // The experts' weight gradients dw_g += dY_g^T X_g on the own kernel's K-grouped form
 // (fp8_gemm.h): dY and X transposed into [N, Rp] and [K, Rp] BF16, each group's tokens padded with
-// zeros to a multiple of 64 columns, then one launch over every group, each gradient accumulated
+// zeros to a multiple of 64 columns, then one launch per chunk of groups, each gradient accumulated
 // in place (beta 1: the FP32 sum of the micro-batch's products added to an F32 gradient, or
-// rounded once into a BF16 one). One launch instead of cuBLAS's grouped GEMM, which cost ~2 ms of
-// host time per call over 128 experts (H100, session 31) and ran at ~280 TF/s, and no BF16
-// staging for F32 gradients. The groups run in chunks whose transposes stay within
+// rounded once into a BF16 one). A few launches (one per chunk) instead of cuBLAS's grouped
+// GEMM, which ran at ~280 TF/s on the expert products, and no BF16 staging for F32 gradients. The groups run in chunks whose transposes stay within
 // kGroupedWgradOperandBytes (a group larger than that alone).
 // FP8RL_GROUPED_WGRAD (read at each call): cublas (the default) or own (grouped_wgrad_own).
 // Measured (bench rl-step, H100, session 32): the own form at the Moonlight width made the
@@ -1708,7 +1707,8 @@ bool CudaBackend::grouped_wgrad_own(const Tensor& dy, const Tensor& x, const std
 //     them; BF16 with BF16 weights: cuBLAS grouped;
 //   wgrad (BF16 mode, or FP8 with spec.wgrad == BF16): cuBLAS grouped dY_g^T X_g into each dw_g
 //     (BF16 gradients, train.grad_dtype bf16), or into BF16 staging then added (F32 gradients:
-//     grouped_wgrad_f32; cuBLAS has no grouped BF16 GEMM into F32).
+//     grouped_wgrad_f32; cuBLAS has no grouped BF16 GEMM into F32); or, with
+//     FP8RL_GROUPED_WGRAD=own, the own kernel's K-grouped form (grouped_wgrad_own).
 // What does not qualify runs as linear_backward per group (counted in grouped_loops).
 void CudaBackend::grouped_linear_backward_impl(const Tensor& dy, const Tensor& x, const std::vector<int64_t>& offsets,
                                                const std::vector<const LinearWeight*>& W, const LinearSpec& spec,

@@ -222,7 +222,8 @@ class CudaBackend final : public Backend {
                          const std::vector<Tensor*>& dw);
   // grouped_linear_backward's weight gradient on the own kernel's K-grouped form (BF16 operands,
   // F32 or BF16 gradients accumulated in place), in chunks of groups whose transposed operands
-  // stay within kGroupedWgradOperandBytes; false (nothing done) where the shapes are outside it.
+  // stay within kGroupedWgradOperandBytes (a group larger than that alone); false (nothing done)
+  // where the shapes are outside it.
   static constexpr int64_t kGroupedWgradOperandBytes = int64_t{64} << 20;
   bool grouped_wgrad_own(const Tensor& dy, const Tensor& x, const std::vector<int64_t>& offsets,
                          const std::vector<Tensor*>& dw);

@@ -140,7 +140,7 @@ void fp8_gemm_sm90_grouped(const Fp8GroupedArgs& args, cudaStream_t stream);
 // F32, its own tensor). The other groups' outputs are left as they are, which is the product only
 // where beta is 1 (checked). One launch: 128-row tiles by 128 columns, the groups' tiles in turn
 // (n fastest), each tile over its group's K blocks alone, one FP32 accumulation per element (the
-// BF16 mode's), direct stores (beta applied in FP32, then rounded once). M any, N a multiple of 16.
+// BF16 mode's), direct stores (beta applied in FP32, then rounded once). M any, N a multiple of 16, K of 64.
 // It uploads its group table into device_meta (through uploads where given): not for use inside
 // a CUDA graph capture.
 struct Fp8KGroupedArgs {

@@ -770,7 +770,9 @@ const void* GemmEngine::kept_grouped_maps(const std::vector<const uint8_t*>& b,
     FP8RL_CHECK(capturing == cudaStreamCaptureStatusNone, "grouped GEMM: the ", b.size(), " groups' tensor maps for ",
                 "these weights are not on the device yet, and uploading them cannot be captured in a CUDA graph: run ",
                 "the product once before the capture");
-    if (grouped_maps_.size() >= kept_maps_limit_) {
+    const auto unpinned = std::count_if(grouped_maps_.begin(), grouped_maps_.end(),
+                                        [](const auto& e) { return !e.second.pinned; });
+    if (grouped_maps_.size() >= kept_maps_limit_ && unpinned > 0) {
       // Only the host form's sets go: a device-form set may be held by a recorded CUDA graph
       // (an MoE decode step's), which would read freed (and reused) memory at its next replay.
       CUDA_CHECK(cudaStreamSynchronize(stream_), "waiting before dropping the grouped GEMM maps");

@@ -325,7 +325,9 @@ class GemmEngine {
   size_t grouped_meta_bytes_ = 0;
   // keep_maps' device copies of fp8_gemm_sm90_grouped_maps, by {N, K, ab, b..., b_scales...};
   // pinned: used by the device form (a CUDA graph may hold it). When kept_maps_limit_ sets are
-  // kept, the unpinned ones are freed (a bound on what stale pointer sets may hold).
+  // kept, the unpinned ones are freed (a bound on what stale pointer sets may hold). Pinned sets
+  // live as long as the engine: each new device-form weight set (a generator's weights moved to
+  // new buffers) adds one, ~17 KB for 128 experts.
   struct KeptMaps {
     void* dev = nullptr;
     bool pinned = false;

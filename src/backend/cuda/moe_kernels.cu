@@ -429,11 +429,12 @@ void check_route_experts(int E, const char* op) {
 
 // One 64 x 64 tile per CTA of 256 threads: src rows [x, x + y) x columns [c0, c0 + 64) read as
 // 8-byte runs of 4 elements into shared memory (rows past y as zeros), then written transposed
-// as 8-byte runs of 4 rows: every global access is a 128-byte line per 16 threads.
+// as 8-byte runs of 4 rows: every global access is a contiguous 128-byte run per 16 threads (one
+// line for the writes; the reads' runs are 16-byte aligned only).
 __global__ void transpose_row_blocks_bf16_kernel(const uint16_t* __restrict__ src, int64_t cols,
                                                  const int2* __restrict__ blocks, int64_t ld,
                                                  uint16_t* __restrict__ dst) {
-  __shared__ uint16_t tile[64][64 + 4];  // 68: a row's 8-byte runs stay 8-byte aligned
+  __shared__ __align__(8) uint16_t tile[64][64 + 4];  // 68: a row's 8-byte runs stay 8-byte aligned
   const int2 blk = blocks[blockIdx.x];
   const int64_t c0 = static_cast<int64_t>(blockIdx.y) * 64;
   for (int i = threadIdx.x; i < 64 * 16; i += blockDim.x) {
@@ -655,6 +656,9 @@ void launch_transpose_row_blocks_bf16(const void* src, int64_t cols, const int2*
                                       void* dst, cudaStream_t stream) {
   FP8RL_CHECK(cols % 8 == 0 && ld % 64 == 0 && nblocks < (int64_t{1} << 31) && ceil_div(cols, int64_t{64}) < 65536,
               "transpose_row_blocks_bf16: needs cols a multiple of 8 and ld of 64, got ", cols, " and ", ld);
+  FP8RL_CHECK(reinterpret_cast<uintptr_t>(src) % 8 == 0 && reinterpret_cast<uintptr_t>(dst) % 8 == 0 &&
+                  nblocks * 64 <= ld,
+              "transpose_row_blocks_bf16: src and dst must be 8-byte aligned and ld at least 64 x blocks");
   if (nblocks == 0 || cols == 0) return;
   const dim3 grid(static_cast<unsigned>(nblocks), static_cast<unsigned>(ceil_div(cols, int64_t{64})));
   transpose_row_blocks_bf16_kernel<<<grid, 256, 0, stream>>>(static_cast<const uint16_t*>(src), cols, blocks, ld,
