@@ -558,6 +558,20 @@ Tensor run_bf16_own(cuda::CudaBackend& be, const Tensor& a, const Tensor& b, int
   return be.to_host(c);
 }
 
+// G BF16 weights [N, K] on the device (seeds seed, seed + 1, ...) and their pointers: the B
+// operands of the grouped tests.
+struct GroupWeights {
+  std::vector<Tensor> w;
+  std::vector<const void*> ptr;
+};
+GroupWeights bf16_group_weights(cuda::CudaBackend& be, int64_t G, int64_t N, int64_t K, uint32_t seed) {
+  GroupWeights gw;
+  for (int64_t g = 0; g < G; ++g)
+    gw.w.push_back(be.to_device(random_bf16(N, K, seed + static_cast<uint32_t>(g), 1.0f).host));
+  for (const Tensor& t : gw.w) gw.ptr.push_back(t.raw());
+  return gw;
+}
+
 // The BF16 mode against the FP64 product of the same BF16 operands, at M, N and K with partial
 // tiles and K blocks (K = 136: 272 bytes a row, two full 64-element stages and a 16-byte one),
 // one and three K splits, BF16 and F32 output, beta 0 and 1. The bound:
@@ -702,11 +716,8 @@ TEST(CudaFp8Gemm, Bf16GroupedIsBitwiseThePerGroupProducts) {
   const std::vector<int64_t> offsets = grouped_offsets(0);
   const int64_t R = offsets.back(), G = static_cast<int64_t>(offsets.size()) - 1;
   const Tensor da = be.to_device(random_bf16(R, K, 81, 1.5f).host);
-  std::vector<Tensor> db;
-  std::vector<const void*> bp;
-  for (int64_t g = 0; g < G; ++g)
-    db.push_back(be.to_device(random_bf16(N, K, 90 + static_cast<uint32_t>(g), 1.0f).host));
-  for (const Tensor& t : db) bp.push_back(t.raw());
+  const GroupWeights w = bf16_group_weights(be, G, N, K, 90);
+  const std::vector<const void*>& bp = w.ptr;
   for (int bm : {64, 128})
     for (DType out : {DType::BF16, DType::F32})
       for (bool keep_maps : {false, true}) {
@@ -937,11 +948,8 @@ TEST(CudaFp8Gemm, GraphHeldMapsSurviveTheKeptMapsBound) {
   const std::vector<int64_t> offsets = grouped_offsets(5);
   const int64_t R = offsets.back(), G = static_cast<int64_t>(offsets.size()) - 1;
   const Tensor a = be.to_device(random_bf16(R, K, 301, 1.5f).host);
-  std::vector<Tensor> w;
-  std::vector<const void*> bp;
-  for (int64_t g = 0; g < G; ++g)
-    w.push_back(be.to_device(random_bf16(N, K, 310 + static_cast<uint32_t>(g), 1.0f).host));
-  for (const Tensor& t : w) bp.push_back(t.raw());
+  const GroupWeights w = bf16_group_weights(be, G, N, K, 310);
+  const std::vector<const void*>& bp = w.ptr;
   const int bm = 64;
   const std::vector<int32_t> table = host_tile_table(offsets, bm);
   const DeviceTable dt = device_table(be, table, static_cast<int64_t>(table.size()) / 4 + 4, false);
@@ -963,13 +971,9 @@ TEST(CudaFp8Gemm, GraphHeldMapsSurviveTheKeptMapsBound) {
   // Host-form products over fresh weight sets (other weights, the same shapes): the cache passes
   // its bound of 3 several times over.
   for (int round = 0; round < 12; ++round) {
-    std::vector<Tensor> other;
-    std::vector<const void*> op;
-    for (int64_t g = 0; g < G; ++g)
-      other.push_back(be.to_device(random_bf16(N, K, 500 + static_cast<uint32_t>(round * 64 + g), 1.0f).host));
-    for (const Tensor& t : other) op.push_back(t.raw());
+    const GroupWeights other = bf16_group_weights(be, G, N, K, 500 + static_cast<uint32_t>(round * 64));
     Tensor scratch = poisoned(be, {R, N}, DType::BF16);
-    be.gemm().gemm_bf16_grouped(offsets, N, K, a.raw(), op, scratch.raw(), DType::BF16, 1.0f, 0.0f, bm,
+    be.gemm().gemm_bf16_grouped(offsets, N, K, a.raw(), other.ptr, scratch.raw(), DType::BF16, 1.0f, 0.0f, bm,
                                 /*keep_maps=*/true);
     be.synchronize();
   }
