@@ -742,8 +742,9 @@ TEST(CudaFp8Gemm, Bf16GroupedIsBitwiseThePerGroupProducts) {
 // The K-grouped BF16 product (the experts' weight gradients dW_g = dY_g^T X_g, fp8_gemm.h) from
 // the padded transposes CudaBackend::grouped_wgrad_own builds: each group's C is bitwise the dense
 // BF16 product of its own transposed rows (K = its rows rounded up to 8: the same zeros past them;
-// 128-row tiles, one split, beta 1 on the same prior C), within the BF16 mode's bound of the FP64
-// sum, and an empty group's C is left as it was. 40 groups of 0..300 rows, N with a partial tile.
+// the same block_m, 128 or 64, one split, beta 1 on the same prior C), within the BF16 mode's
+// bound of the FP64 sum, and an empty group's C is left as it was. 40 groups of 0..300 rows,
+// partial last tiles along M and N.
 TEST(CudaFp8Gemm, Bf16KGroupedIsBitwiseThePerGroupProducts) {
   cuda::CudaBackend be(0, DType::BF16);
   const int64_t M = 600, N = 1008;  // C_g [M, N]: dY's columns by X's (partial last tiles both ways)
@@ -764,56 +765,57 @@ TEST(CudaFp8Gemm, Bf16KGroupedIsBitwiseThePerGroupProducts) {
   const Tensor dat = be.to_device(from_float_vector(at, {M, Kp}, DType::BF16));
   const Tensor dbt = be.to_device(from_float_vector(bt, {N, Kp}, DType::BF16));
   const std::vector<int64_t> rows_checked = sampled(M, 128, 41), cols_checked = sampled(N, 128, 59);
-  for (DType out : {DType::BF16, DType::F32}) {
-    SCOPED_TRACE(testing::Message() << "out=" << dtype_name(out));
-    std::vector<Tensor> cg;
-    std::vector<void*> cp;
-    for (int64_t g = 0; g < G; ++g) cg.push_back(prior_c(be, M, N, out)), cp.push_back(cg.back().raw());
-    be.gemm().gemm_bf16_kgrouped(M, N, Kp, dat.raw(), dbt.raw(), k_off, cp, out, 1.0f, 1.0f);
-    be.synchronize();
-    const Tensor prior = be.to_host(prior_c(be, M, N, out));
-    int bad = 0;
-    for (int64_t g = 0; g < G; ++g) {
-      SCOPED_TRACE(testing::Message() << "group " << g);
-      const Tensor got = be.to_host(cg[static_cast<size_t>(g)]);
-      const int64_t r0 = offsets[g], rows = offsets[g + 1] - r0;
-      if (rows == 0) {
-        EXPECT_EQ(std::memcmp(got.raw(), prior.raw(), got.nbytes()), 0) << "an empty group's C changed";
-        continue;
-      }
-      const int64_t kg = ceil_div(rows, int64_t{8}) * 8;
-      std::vector<float> ag(static_cast<size_t>(M * kg)), bg(static_cast<size_t>(N * kg));
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t k = 0; k < kg; ++k)
-          ag[static_cast<size_t>(m * kg + k)] = at[static_cast<size_t>(m * Kp + k_off[g] + k)];
-      for (int64_t n = 0; n < N; ++n)
-        for (int64_t k = 0; k < kg; ++k)
-          bg[static_cast<size_t>(n * kg + k)] = bt[static_cast<size_t>(n * Kp + k_off[g] + k)];
-      const Tensor da = be.to_device(from_float_vector(ag, {M, kg}, DType::BF16));
-      const Tensor db = be.to_device(from_float_vector(bg, {N, kg}, DType::BF16));
-      Tensor cd = prior_c(be, M, N, out);
-      be.gemm().gemm_bf16_own(M, N, kg, da.raw(), db.raw(), cd.raw(), out, 1.0f, 1.0f, /*splits=*/1, /*block_m=*/128);
+  for (int bm : {128, 64})
+    for (DType out : {DType::BF16, DType::F32}) {
+      SCOPED_TRACE(testing::Message() << "block_m=" << bm << " out=" << dtype_name(out));
+      std::vector<Tensor> cg;
+      std::vector<void*> cp;
+      for (int64_t g = 0; g < G; ++g) cg.push_back(prior_c(be, M, N, out)), cp.push_back(cg.back().raw());
+      be.gemm().gemm_bf16_kgrouped(M, N, Kp, dat.raw(), dbt.raw(), k_off, cp, out, 1.0f, 1.0f, bm);
       be.synchronize();
-      const Tensor want_bits = be.to_host(cd);
-      EXPECT_EQ(std::memcmp(got.raw(), want_bits.raw(), got.nbytes()), 0) << "differs from the dense product";
-      for (int64_t m : rows_checked)
-        for (int64_t n : cols_checked) {
-          double s = 0, mag = 0;
-          for (int64_t r = r0; r < r0 + rows; ++r) {
-            const double t = static_cast<double>(dy.values[static_cast<size_t>(r * M + m)]) *
-                             x.values[static_cast<size_t>(r * N + n)];
-            s += t, mag += std::fabs(t);
-          }
-          const double want = s + prior_value(m * N + n), v = host_value(got, m * N + n);
-          const double tol = (out == DType::BF16 ? std::ldexp(1.0, -8) : std::ldexp(1.0, -20)) * std::fabs(want) +
-                             std::ldexp(1.0, -13) * mag + 1e-30;
-          if (!(std::fabs(v - want) <= tol) && bad++ < 5)
-            ADD_FAILURE() << "C_" << g << "[" << m << ", " << n << "] = " << v << ", exact " << want << ", tolerance "
-                          << tol;
+      const Tensor prior = be.to_host(prior_c(be, M, N, out));
+      int bad = 0;
+      for (int64_t g = 0; g < G; ++g) {
+        SCOPED_TRACE(testing::Message() << "group " << g);
+        const Tensor got = be.to_host(cg[static_cast<size_t>(g)]);
+        const int64_t r0 = offsets[g], rows = offsets[g + 1] - r0;
+        if (rows == 0) {
+          EXPECT_EQ(std::memcmp(got.raw(), prior.raw(), got.nbytes()), 0) << "an empty group's C changed";
+          continue;
         }
+        const int64_t kg = ceil_div(rows, int64_t{8}) * 8;
+        std::vector<float> ag(static_cast<size_t>(M * kg)), bg(static_cast<size_t>(N * kg));
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t k = 0; k < kg; ++k)
+            ag[static_cast<size_t>(m * kg + k)] = at[static_cast<size_t>(m * Kp + k_off[g] + k)];
+        for (int64_t n = 0; n < N; ++n)
+          for (int64_t k = 0; k < kg; ++k)
+            bg[static_cast<size_t>(n * kg + k)] = bt[static_cast<size_t>(n * Kp + k_off[g] + k)];
+        const Tensor da = be.to_device(from_float_vector(ag, {M, kg}, DType::BF16));
+        const Tensor db = be.to_device(from_float_vector(bg, {N, kg}, DType::BF16));
+        Tensor cd = prior_c(be, M, N, out);
+        be.gemm().gemm_bf16_own(M, N, kg, da.raw(), db.raw(), cd.raw(), out, 1.0f, 1.0f, /*splits=*/1, /*block_m=*/bm);
+        be.synchronize();
+        const Tensor want_bits = be.to_host(cd);
+        EXPECT_EQ(std::memcmp(got.raw(), want_bits.raw(), got.nbytes()), 0) << "differs from the dense product";
+        for (int64_t m : rows_checked)
+          for (int64_t n : cols_checked) {
+            double s = 0, mag = 0;
+            for (int64_t r = r0; r < r0 + rows; ++r) {
+              const double t = static_cast<double>(dy.values[static_cast<size_t>(r * M + m)]) *
+                               x.values[static_cast<size_t>(r * N + n)];
+              s += t, mag += std::fabs(t);
+            }
+            const double want = s + prior_value(m * N + n), v = host_value(got, m * N + n);
+            const double tol = (out == DType::BF16 ? std::ldexp(1.0, -8) : std::ldexp(1.0, -20)) * std::fabs(want) +
+                               std::ldexp(1.0, -13) * mag + 1e-30;
+            if (!(std::fabs(v - want) <= tol) && bad++ < 5)
+              ADD_FAILURE() << "C_" << g << "[" << m << ", " << n << "] = " << v << ", exact " << want << ", tolerance "
+                            << tol;
+          }
+      }
+      EXPECT_EQ(bad, 0) << "elements outside the bound";
     }
-    EXPECT_EQ(bad, 0) << "elements outside the bound";
-  }
 }
 
 // The device tile table (fp8_gemm.h): the grouped products, E4M3 and BF16, with the table and its

@@ -1787,12 +1787,15 @@ void grouped_linear_backward_cases(std::vector<OpCase>& t) {
       EXPECT_THROW(r.be.grouped_linear_backward(r["dy"], r["x"], offsets, ws, spec, &narrow, {}), Error);
     };
     if (v.wgrad == LinearMode::BF16 && v.dt == DType::BF16) {
-      // CUDA's opt-in K-grouped wgrad (FP8RL_GROUPED_WGRAD=own: the transposes, the padded blocks
+      // CUDA's opt-in K-grouped wgrad (FP8RL_GROUPED_WGRAD=own, own64: the transposes, the padded blocks
       // of the 5-, 37-, 1-, 21- and 64-row groups, one chunk) against the same CPU results.
-      OpCase own = t.back();
-      own.variant += ", FP8RL_GROUPED_WGRAD=own";
-      own.env = {{"FP8RL_GROUPED_WGRAD", "own"}};
-      t.push_back(own);
+      const OpCase base = t.back();
+      for (const char* form : {"own", "own64"}) {
+        OpCase own = base;
+        own.variant += std::string(", FP8RL_GROUPED_WGRAD=") + form;
+        own.env = {{"FP8RL_GROUPED_WGRAD", form}};
+        t.push_back(own);
+      }
     }
   }
 }

@@ -1621,23 +1621,25 @@ void CudaBackend::grouped_wgrad_f32(const Tensor& dy, const Tensor& x, const std
 // zeros to a multiple of 64 columns, then one launch per chunk of groups, each gradient accumulated
 // in place (beta 1: the FP32 sum of the micro-batch's products added to an F32 gradient, or
 // rounded once into a BF16 one). A few launches (one per chunk) instead of cuBLAS's grouped
-// GEMM, which ran at ~280 TF/s on the expert products, and no BF16 staging for F32 gradients. The groups run in chunks whose transposes stay within
-// kGroupedWgradOperandBytes (a group larger than that alone).
-// FP8RL_GROUPED_WGRAD (read at each call): cublas (the default) or own (grouped_wgrad_own).
-// Measured (bench rl-step, H100, session 32): the own form at the Moonlight width made the
-// training phase slower in both recipes (bf16 0.922 -> 0.996 s, fp8_e2e 0.809 -> 0.892): its
-// tiles' read-modify-write epilogue (no overlap with the next tile's MMAs) and the transposes
-// cost more than cuBLAS's grouped GEMM with its host loop.
-static bool grouped_wgrad_own_wanted() {
+// GEMM, which ran at ~280 TF/s on the expert products, and no BF16 staging for F32 gradients.
+// The chunks' transposes stay within kGroupedWgradOperandBytes (a group larger than that alone).
+// FP8RL_GROUPED_WGRAD (read at each call): cublas (the default), own (grouped_wgrad_own, 128-row
+// tiles) or own64 (64-row tiles, two CTAs per SM: one CTA's read-modify-write epilogue beside the
+// other's MMAs; not yet measured). Measured (bench rl-step, H100, session 32): own made the
+// training phase slower in both recipes (Qwen3-30B-A3B width: bf16 0.927 -> 1.027 s, fp8_e2e
+// 0.848 -> 0.950): its tiles' read-modify-write epilogue (no overlap with the next tile's MMAs)
+// and the transposes cost more than cuBLAS's grouped GEMM. Returns the block_m, 0 for cublas.
+static int grouped_wgrad_own_block_m() {
   const char* e = std::getenv("FP8RL_GROUPED_WGRAD");
-  if (!e) return false;
+  if (!e) return 0;
   const std::string v(e);
-  FP8RL_CHECK(v == "own" || v == "cublas", "FP8RL_GROUPED_WGRAD must be own or cublas, got '", v, "'");
-  return v == "own";
+  FP8RL_CHECK(v == "own" || v == "own64" || v == "cublas", "FP8RL_GROUPED_WGRAD must be own, own64 or cublas, got '",
+              v, "'");
+  return v == "own" ? 128 : v == "own64" ? 64 : 0;
 }
 
 bool CudaBackend::grouped_wgrad_own(const Tensor& dy, const Tensor& x, const std::vector<int64_t>& offsets,
-                                    const std::vector<Tensor*>& dw) {
+                                    const std::vector<Tensor*>& dw, int block_m) {
   const int64_t N = dy.dim(1), K = x.dim(1);
   if (dy.dtype() != DType::BF16 || x.dtype() != DType::BF16 || N % 8 != 0 || K % 16 != 0) return false;
   std::vector<size_t> live;
@@ -1695,7 +1697,7 @@ bool CudaBackend::grouped_wgrad_own(const Tensor& dy, const Tensor& x, const std
       launch_transpose_row_blocks_bf16(x.raw(), K, b2, nblocks, Rp, xt_p, stream_);
     }
     const OpTimer t(*this, "grouped_linear_backward: wgrad BF16 K-grouped GEMM (own)", 2);
-    gemm_->gemm_bf16_kgrouped(N, K, Rp, dyt_p, xt_p, k_offsets, c, gt, 1.0f, 1.0f);
+    gemm_->gemm_bf16_kgrouped(N, K, Rp, dyt_p, xt_p, k_offsets, c, gt, 1.0f, 1.0f, block_m);
   }
   return true;
 }
@@ -1708,7 +1710,7 @@ bool CudaBackend::grouped_wgrad_own(const Tensor& dy, const Tensor& x, const std
 //   wgrad (BF16 mode, or FP8 with spec.wgrad == BF16): cuBLAS grouped dY_g^T X_g into each dw_g
 //     (BF16 gradients, train.grad_dtype bf16), or into BF16 staging then added (F32 gradients:
 //     grouped_wgrad_f32; cuBLAS has no grouped BF16 GEMM into F32); or, with
-//     FP8RL_GROUPED_WGRAD=own, the own kernel's K-grouped form (grouped_wgrad_own).
+//     FP8RL_GROUPED_WGRAD=own or own64, the own kernel's K-grouped form (grouped_wgrad_own).
 // What does not qualify runs as linear_backward per group (counted in grouped_loops).
 void CudaBackend::grouped_linear_backward_impl(const Tensor& dy, const Tensor& x, const std::vector<int64_t>& offsets,
                                                const std::vector<const LinearWeight*>& W, const LinearSpec& spec,
@@ -1779,8 +1781,8 @@ void CudaBackend::grouped_linear_backward_impl(const Tensor& dy, const Tensor& x
   }
   bool dw_done = dw.empty();
   if (!dw_done && fast && bf16_ops && (spec.mode == LinearMode::BF16 || (fp8 && spec.wgrad == LinearMode::BF16)) &&
-      grouped_wgrad_own_wanted())
-    dw_done = grouped_wgrad_own(dy, x, offsets, dw);
+      grouped_wgrad_own_block_m() > 0)
+    dw_done = grouped_wgrad_own(dy, x, offsets, dw, grouped_wgrad_own_block_m());
   if (!dw_done && fast && bf16_ops && (spec.mode == LinearMode::BF16 || (fp8 && spec.wgrad == LinearMode::BF16))) {
     // One output dtype for the launch: every given gradient F32, or every one BF16.
     const Tensor* any = nullptr;

@@ -226,7 +226,7 @@ class CudaBackend final : public Backend {
   // where the shapes are outside it.
   static constexpr int64_t kGroupedWgradOperandBytes = int64_t{64} << 20;
   bool grouped_wgrad_own(const Tensor& dy, const Tensor& x, const std::vector<int64_t>& offsets,
-                         const std::vector<Tensor*>& dw);
+                         const std::vector<Tensor*>& dw, int block_m);
   // The FP8 linears' operands (cuda_backend.cu): x's 1x128 copy (a view's, or quantized into the
   // A scratch) and W's 128x128 one (W.wq, or W.w quantized into the B scratch).
   QuantTensor quantized_rows(const Tensor& x, const Fp8View* view, bool pow2, bool laid, const char* what);

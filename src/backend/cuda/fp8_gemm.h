@@ -138,9 +138,10 @@ void fp8_gemm_sm90_grouped(const Fp8GroupedArgs& args, cudaStream_t stream);
 // k_offsets[g + 1]) (multiples of 64 elements). For every group with a non-empty range and a
 // non-null c[g]: C_g [M, N] = alpha * A[:, range] B[:, range]^T + beta * C_g, C_g = c[g] (BF16 or
 // F32, its own tensor). The other groups' outputs are left as they are, which is the product only
-// where beta is 1 (checked). One launch: 128-row tiles by 128 columns, the groups' tiles in turn
-// (n fastest), each tile over its group's K blocks alone, one FP32 accumulation per element (the
-// BF16 mode's), direct stores (beta applied in FP32, then rounded once). M any, N a multiple of 16, K of 64.
+// where beta is 1 (checked). One launch: tiles of block_m rows by 128 columns, the groups' tiles
+// in turn (n fastest), each tile over its group's K blocks alone, one FP32 accumulation per
+// element (the BF16 mode's), direct stores (beta applied in FP32, then rounded once). M any, N a
+// multiple of 16, K of 64.
 // It uploads its group table into device_meta (through uploads where given): not for use inside
 // a CUDA graph capture.
 struct Fp8KGroupedArgs {
@@ -151,6 +152,7 @@ struct Fp8KGroupedArgs {
   std::vector<void*> c;            // G outputs [M, N] (null: the group is skipped)
   DType c_dtype = DType::F32;
   float alpha = 1.0f, beta = 1.0f;
+  int block_m = 128;            // rows per tile: 128 (one CTA per SM) or 64 (two); the same bits
   void* device_meta = nullptr;  // device scratch of fp8_gemm_sm90_kgrouped_meta_bytes(G) bytes
   size_t device_meta_bytes = 0;
   PinnedUploads* uploads = nullptr;

@@ -1237,8 +1237,10 @@ size_t fp8_gemm_sm90_kgrouped_meta_bytes(int groups) {
 }
 
 // The K-grouped product: the group entries are the launch's splits (tile_of<..., kKGrouped>), so
-// the tiles of entry s are its group's whole C over its K blocks; the BF16 instance of 128-row
-// tiles (6 stages), direct stores into each group's output.
+// the tiles of entry s are its group's whole C over its K blocks; the BF16 instances of 128-row
+// tiles (6 stages, one CTA per SM) or 64-row tiles (4 stages, two CTAs per SM: one CTA's
+// read-modify-write epilogue runs beside the other's MMAs), direct stores into each group's
+// output.
 void fp8_gemm_sm90_kgrouped(const Fp8KGroupedArgs& a, cudaStream_t stream) {
   const char* what = "K-grouped BF16 GEMM (sm90)";
   const int G = static_cast<int>(a.c.size());
@@ -1262,7 +1264,8 @@ void fp8_gemm_sm90_kgrouped(const Fp8KGroupedArgs& a, cudaStream_t stream) {
                   "which needs beta 1 (got ", a.beta, ")");
   }
   if (entries.empty()) return;
-  const int m_tiles = static_cast<int>(ceil_div(a.M, int64_t{128})),
+  FP8RL_CHECK(a.block_m == 64 || a.block_m == 128, what, ": block_m must be 64 or 128, got ", a.block_m);
+  const int m_tiles = static_cast<int>(ceil_div(a.M, int64_t{a.block_m})),
             n_tiles = static_cast<int>(ceil_div(a.N, int64_t{kBN}));
   FP8RL_CHECK(static_cast<int64_t>(entries.size()) * m_tiles * n_tiles < (int64_t{1} << 31), what, ": too many tiles");
   const size_t entries_bytes = entries.size() * sizeof(int4), ptr_bytes = static_cast<size_t>(G) * sizeof(void*);
@@ -1287,9 +1290,10 @@ void fp8_gemm_sm90_kgrouped(const Fp8KGroupedArgs& a, cudaStream_t stream) {
   p.c_groups = reinterpret_cast<void* const*>(base + entries_bytes);
   p.n_tiles = n_tiles, p.m_tiles = m_tiles, p.splits = static_cast<int>(entries.size());
   p.m_fastest = false, p.group_n = 0;
-  const CUtensorMap ta = tensor_map(static_cast<const uint8_t*>(a.a), a.M, 2 * a.K, 128);
+  const CUtensorMap ta = tensor_map(static_cast<const uint8_t*>(a.a), a.M, 2 * a.K, a.block_m);
   const CUtensorMap tb = tensor_map(static_cast<const uint8_t*>(a.b), a.N, 2 * a.K, kBN);
-  launch_cluster<2, 6, 1, 1, false, false, kBN, false, true, false, true>(ta, tb, ta, p, stream);
+  if (a.block_m == 64) launch_cluster<1, 4, 1, 1, false, false, kBN, false, true, false, true>(ta, tb, ta, p, stream);
+  else launch_cluster<2, 6, 1, 1, false, false, kBN, false, true, false, true>(ta, tb, ta, p, stream);
 }
 
 }  // namespace fp8rl::cuda

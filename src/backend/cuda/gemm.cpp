@@ -831,9 +831,9 @@ void GemmEngine::gemm_bf16_grouped(const std::vector<int64_t>& offsets, int64_t 
 
 void GemmEngine::gemm_bf16_kgrouped(int64_t M, int64_t N, int64_t K, const void* a, const void* b,
                                     const std::vector<int64_t>& k_offsets, const std::vector<void*>& c,
-                                    DType c_dtype, float alpha, float beta) {
+                                    DType c_dtype, float alpha, float beta, int block_m) {
   Fp8KGroupedArgs g;
-  g.M = M, g.N = N, g.K = K, g.a = a, g.b = b;
+  g.M = M, g.N = N, g.K = K, g.a = a, g.b = b, g.block_m = block_m;
   g.k_offsets = k_offsets, g.c = c, g.c_dtype = c_dtype, g.alpha = alpha, g.beta = beta;
   g.device_meta = grouped_scratch(fp8_gemm_sm90_kgrouped_meta_bytes(static_cast<int>(c.size())));
   g.device_meta_bytes = grouped_meta_bytes_;

@@ -155,10 +155,11 @@ class GemmEngine {
   // The K-grouped BF16 product of fp8_gemm.h (the experts' weight gradients): for every group g
   // with a non-empty K range [k_offsets[g], k_offsets[g + 1]) (multiples of 64) and a non-null
   // c[g], C_g [M, N] = alpha * A[:, range] B[:, range]^T + beta * C_g, with a BF16 [M, K] and b
-  // BF16 [N, K] K-major; one launch of the own kernel, its group table uploaded per call.
+  // BF16 [N, K] K-major; one launch of the own kernel (tiles of block_m = 128 or 64 rows), its
+  // group table uploaded per call.
   void gemm_bf16_kgrouped(int64_t M, int64_t N, int64_t K, const void* a, const void* b,
                           const std::vector<int64_t>& k_offsets, const std::vector<void*>& c, DType c_dtype,
-                          float alpha, float beta);
+                          float alpha, float beta, int block_m = 128);
   // The grouped products over a device tile table (fp8_gemm.h's Fp8GroupedArgs: tiles holds
   // max_tiles int4 {group, first row, group's end row, 0} built for block_m (64, 128, or 192 for
   // FP8), of which the first *tile_count (an int on the device) are valid; R rows of a and C).
