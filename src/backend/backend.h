@@ -21,7 +21,8 @@
 //   lse) may then be F64 too, and should be for gradient checks.
 // - "Accumulated" weight gradients (dw, dbias, dtable, dlm_head) may also be BF16
 //   (train.grad_dtype: bf16): each op adds its whole contribution in FP32 (CPU: double) and rounds
-//   the sum into the BF16 gradient once per call (CUDA: through an F32 copy of the gradient).
+//   the sum into the BF16 gradient once per call (CUDA: through an F32 copy of the gradient, or
+//   a BF16 GEMM's epilogue adding into it: the BF16 wgrads and the lm_head's).
 #pragma once
 #include <cstdint>
 #include <functional>

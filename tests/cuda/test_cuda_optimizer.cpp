@@ -3,10 +3,12 @@
 //   the one rule both compile), to nearest and stochastic, F32 and BF16 gradients, a clipping
 //   factor (grad_scale), ragged sizes;
 //   AdamW with F32 moments and BF16 gradients: as the F32 kernel (a BF16 gradient is read exactly);
-//   BF16 weight gradients (train.grad_dtype: bf16): each op accumulates through an F32 copy, so the
-//   result is the F32 op on the widened gradient, rounded once to BF16: bitwise for the GEMM
-//   (wgrad, lm_head), the column sums (rmsnorm dw, bias: per-chunk partials added in order) and
-//   the embedding rows (summed in token order after a sort by id): no F32 kernel uses atomics.
+//   BF16 weight gradients (train.grad_dtype: bf16): the F32 op on the widened gradient, rounded
+//   once to BF16: bitwise where the op accumulates through an F32 copy (the FP32 and FP8 wgrads,
+//   the lm_head with an F32 head, the column sums — rmsnorm dw, bias: per-chunk partials added in
+//   order — and the embedding rows, summed in token order after a sort by id: no F32 kernel uses
+//   atomics); within one BF16 ulp where a BF16 wgrad GEMM adds into the BF16 gradient itself (the
+//   same FP32 sum plus the old value, rounded once, perhaps summed in another order).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -139,8 +141,18 @@ TEST(CudaOptimizer, Bf16GradientsAccumulateThroughF32Once) {
     spec.mode = mode;
     const Tensor xa = mode == LinearMode::FP32 ? dev(rnd({M, K}, 11)) : x;
     const Tensor dya = mode == LinearMode::FP32 ? dev(rnd({M, N}, 12)) : dy;
+    // The BF16 wgrad (BF16 mode, and FP8's default BF16 wgrad) adds into the BF16 gradient itself:
+    // its FP32 sum plus the old value rounded once, the GEMM's summation order possibly another than
+    // for an F32 output: one BF16 ulp. The FP32 and FP8 wgrads go through the F32 copy: bitwise.
+    const bool direct = mode == LinearMode::BF16;
     check_bf16_grad(linear_mode_name(mode), rnd({N, K}, 14, DType::F32, 0.01f),
-                    [&](Tensor& dw) { G().linear_backward(dya, xa, W, spec, nullptr, &dw, nullptr); });
+                    [&](Tensor& dw) { G().linear_backward(dya, xa, W, spec, nullptr, &dw, nullptr); }, direct ? 1 : 0);
+    if (mode == LinearMode::FP8_BLOCK) {  // the recipe's BF16 wgrad of an FP8 linear: direct too
+      LinearSpec bw = spec;
+      bw.wgrad = LinearMode::BF16;
+      check_bf16_grad("fp8 with BF16 wgrad", rnd({N, K}, 14, DType::F32, 0.01f),
+                      [&](Tensor& dw) { G().linear_backward(dya, xa, W, bw, nullptr, &dw, nullptr); }, 1);
+    }
     check_bf16_grad("linear dbias", rnd({N}, 15, DType::F32, 0.01f),
                     [&](Tensor& db) { G().linear_backward(dya, xa, W, spec, nullptr, nullptr, &db); });
   }
