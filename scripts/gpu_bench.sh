@@ -50,8 +50,9 @@
 #   ncu_query_runs  Nsight Compute's source page of that query-run kernel (FP8RL_NCU_QUERY_COLS: 8, 16, 64)
 #   ncu_paged_src   Nsight Compute's source page of the default decode kernel (paged_mmat_kernel), BF16 and E4M3:
 #                   stall samples and executed instructions per SASS opcode
-#   ncu_paged       Nsight Compute on the tensor-core paged decode kernel (BF16 and E4M3 pools, the
-#                   first DecodeBench shape): speed of light, occupancy, warp stalls, instruction mix
+#   ncu_paged       Nsight Compute on the default tensor-core paged decode kernel (paged_mmat_kernel; BF16 and
+#                   E4M3 pools, the first DecodeBench shape): speed of light, occupancy and waves, warp stalls,
+#                   instruction mix
 #   gemm_variants   bench-gemm --shapes (FP8RL_GEMM_SHAPES) and --grouped-only for each cluster:scales:ctas[:band[:store]]
 #                   variant of the own FP8 GEMM in FP8RL_GEMM_VARIANTS (e.g. 1x1:smem:2)
 #   ncu_gemm        Nsight Compute on one launch of the own FP8 GEMM per product of FP8RL_NCU_GEMM
@@ -137,7 +138,7 @@ ncu_source() {
     "$B/fp8rl_gpu_tests" --gtest_color=no --gtest_filter="$filter" > "$OUT/ncu_$tag.log" 2>&1
   note "ncu $tag ($*): rc=$?"
   ncu -i "$OUT/ncu_$tag.ncu-rep" --page details --print-details all 2>&1 | \
-    grep -E "$kern|Duration|DRAM Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per|Issue Slots Busy|Warp Cycles Per Issued|Executed Ipc A|Block Limit|Grid Size|Stall" | head -40 | tee -a "$SUMMARY"
+    grep -E "$kern|Duration|DRAM Throughput|Compute \(SM\)|Achieved Occupancy|Theoretical Occupancy|Waves Per SM|SM Active Cycles|Elapsed Cycles|Registers Per|Issue Slots Busy|Warp Cycles Per Issued|Executed Ipc A|Block Limit|Grid Size|Stall" | head -48 | tee -a "$SUMMARY"
   ncu -i "$OUT/ncu_$tag.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_$tag.csv" 2>&1
   python3 scripts/ncu_sass_top.py "$OUT/ncu_$tag.csv" "$top" 2>&1 | tee -a "$SUMMARY"
   rm -f "$OUT/ncu_$tag.ncu-rep"
@@ -312,16 +313,20 @@ print(min(ok, key=ok.get) if ok else "orig")
 PYEOF
 )
       export FP8RL_PAGED_VARIANT="${PICK:-orig}"; note "pick_paged: FP8RL_PAGED_VARIANT=$FP8RL_PAGED_VARIANT for the stages after it" ;;
-    ncu_paged)  # issue 14: why the E4M3 decode attention is not twice as fast as the BF16 one
-      for sel in "paged_mma_kernel<.*bfloat16" "paged_mma_kernel<.*unsigned char"; do
-        tag=$([ "${sel#*unsigned}" != "$sel" ] && echo e4m3 || echo bf16)
-        FP8RL_PAGED_BENCH=1 timeout 150 ncu --clock-control none --kernel-name-base demangled -k "regex:${sel}" -c 1 \
+    ncu_paged)  # issue 14: why the E4M3 decode attention is not twice as fast as the BF16 one: the DEFAULT
+      # tensor-core kernel (paged_mmat_kernel; before session 32 this regex matched the old paged_mma_kernel,
+      # "orig"), DecodeBench's first shape, each pool's default variant alone (as ncu_paged_src); the
+      # achieved against theoretical occupancy and the waves show the fixed per-call time (the ramp and
+      # the tail of CTAs of random context lengths: session 32's fit of DecodeBench's figures)
+      for tag in bf16 e4m3; do
+        FP8RL_PAGED_BENCH=1 FP8RL_PAGED_BENCH_POOL=$tag FP8RL_PAGED_BENCH_DEFAULT=1 timeout 150 ncu --clock-control none \
+          -k "regex:paged_mmat" -c 1 \
           --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \
           --section MemoryWorkloadAnalysis --section InstructionStats --section LaunchStats --print-details all \
           "$B/fp8rl_gpu_tests" --gtest_color=no --gtest_filter='CudaPagedAttention.DecodeBench' > "$OUT/ncu_paged_$tag.log" 2>&1
         note "ncu paged $tag: rc=$?"
-        grep -E "paged_mma|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)|Achieved Occupancy|Theoretical Occupancy|Registers Per|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Executed Ipc A|Block Limit" \
-          "$OUT/ncu_paged_$tag.log" | head -24 | tee -a "$SUMMARY"
+        grep -E "paged_mmat|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)|Achieved Occupancy|Theoretical Occupancy|Waves Per SM|SM Active Cycles|Elapsed Cycles|Registers Per|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Executed Ipc A|Block Limit" \
+          "$OUT/ncu_paged_$tag.log" | head -30 | tee -a "$SUMMARY"
       done ;;
     ncu_flash_decode)  # issue 11: the flash-order decode (E4M3 pool, DecodeBench's first shape, Qwen3-1.7B B = 256)
       # in each FP8RL_FLASH_ORDER's kernel (online: flash_decode_kernel, merge: flash_decode_tiles_kernel)
