@@ -36,11 +36,13 @@ void DecodeGraphs::step(int Bp) {
   const Tensor rows = in_.slice_rows(4 * Bp, 5 * Bp);
   batch.page_table = in_.slice_rows(5 * Bp, 5 * Bp + Bp * W).reshape({Bp, W});
   batch.max_pos = static_cast<int>(W) * cache_.page_size;  // fixed: sequences grow under one graph
+  batch.token_order = in_.slice_rows(5 * Bp + Bp * W + 8 * Bp, 6 * Bp + Bp * W + 8 * Bp);
   Tensor logits = logits_.slice_rows(0, Bp);
   Tensor routing = routing_view(Bp);
   model_forward_paged(be_, gen_, prec_, cache_, ids, batch, rows, logits, nullptr, nullptr,
                       routing.defined() ? &routing : nullptr);
   const Tensor srows = in_.slice_rows(5 * Bp + Bp * W, 5 * Bp + Bp * W + 8 * Bp).reshape({Bp, 8});
+  // (token_order, after the sampling rows, is set on `batch` above: see the layout in run().)
   Tensor tokens = tokens_.slice_rows(0, Bp), logp = logp_.slice_rows(0, Bp);
   be_.sample_rows(logits, srows, truncation_, tokens, logp, valid_vocab_);
   if (consistent_temperature_ > 0.0f)
@@ -69,7 +71,7 @@ bool DecodeGraphs::run(const std::vector<int32_t>& ids, const std::vector<int32_
   if (W != width_) {  // (re)size the buffers: graphs recorded over the old ones are dropped
     graphs_.clear();
     width_ = W;
-    in_ = be_.alloc({static_cast<int64_t>(max_batch_) * (5 + W + 8)}, DType::I32);
+    in_ = be_.alloc({static_cast<int64_t>(max_batch_) * (6 + W + 8)}, DType::I32);
     if (!logits_.defined()) {
       logits_ = be_.alloc({max_batch_, gen_.config.vocab_size}, model_logits_dtype(be_, gen_, prec_));
       tokens_ = be_.alloc({max_batch_}, DType::I32);
@@ -87,7 +89,8 @@ bool DecodeGraphs::run(const std::vector<int32_t>& ids, const std::vector<int32_
     consistent_temperature_ = consistent_temperature;
   }
   const int Bp = bucket(B);
-  host_.assign(static_cast<size_t>(Bp) * (5 + W + 8), 0);
+  // [ids | seq | pos | slots | rows | page table (Bp x W) | sampling rows (Bp x 8) | token order]
+  host_.assign(static_cast<size_t>(Bp) * (6 + W + 8), 0);
   int32_t* h = host_.data();
   for (int b = 0; b < Bp; ++b) {
     const bool real = b < B;
@@ -110,6 +113,11 @@ bool DecodeGraphs::run(const std::vector<int32_t>& ids, const std::vector<int32_
     else sr.temperature = 0.0f;
     std::memcpy(h + 5 * Bp + static_cast<size_t>(Bp) * W + 8 * static_cast<size_t>(b), &sr, sizeof sr);
   }
+  // The attention's token order (PagedBatch::token_order, a hint): the longest contexts first, so
+  // the tensor-core decode kernel's last wave holds short CTAs; the padding rows last.
+  int32_t* order = h + 5 * Bp + static_cast<size_t>(Bp) * W + 8 * static_cast<size_t>(Bp);
+  for (int b = 0; b < Bp; ++b) order[b] = b;
+  std::stable_sort(order, order + B, [&](int32_t x, int32_t y) { return pos[x] > pos[y]; });
   Tensor staged = Tensor::empty({static_cast<int64_t>(host_.size())}, DType::I32);
   std::copy(host_.begin(), host_.end(), staged.data<int32_t>());
   Tensor dst = in_.slice_rows(0, static_cast<int64_t>(host_.size()));
