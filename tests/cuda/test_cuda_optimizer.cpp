@@ -5,10 +5,11 @@
 //   AdamW with F32 moments and BF16 gradients: as the F32 kernel (a BF16 gradient is read exactly);
 //   BF16 weight gradients (train.grad_dtype: bf16): the F32 op on the widened gradient, rounded
 //   once to BF16: bitwise where the op accumulates through an F32 copy (the FP32 and FP8 wgrads,
-//   the lm_head with an F32 head, the column sums — rmsnorm dw, bias: per-chunk partials added in
-//   order — and the embedding rows, summed in token order after a sort by id: no F32 kernel uses
-//   atomics); within one BF16 ulp where a BF16 wgrad GEMM adds into the BF16 gradient itself (the
-//   same FP32 sum plus the old value, rounded once, perhaps summed in another order).
+//   the column sums — rmsnorm dw, bias: per-chunk partials added in order — and the embedding
+//   rows, summed in token order after a sort by id: no F32 kernel uses atomics); within one BF16
+//   ulp where a BF16 wgrad GEMM adds into the BF16 gradient itself (the linears' BF16 wgrad, the
+//   lm_head's chunks: the same FP32 sum plus the old value, rounded once, perhaps summed in
+//   another order; split-K partials only in FP32, GemmEngine's preference).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -141,7 +142,7 @@ TEST(CudaOptimizer, Bf16GradientsAccumulateThroughF32Once) {
     spec.mode = mode;
     const Tensor xa = mode == LinearMode::FP32 ? dev(rnd({M, K}, 11)) : x;
     const Tensor dya = mode == LinearMode::FP32 ? dev(rnd({M, N}, 12)) : dy;
-    // The BF16 wgrad (BF16 mode, and FP8's default BF16 wgrad) adds into the BF16 gradient itself:
+    // The BF16 wgrad (BF16 mode, and fp8_e2e's BF16 wgrad of FP8 linears) adds into the BF16 gradient:
     // its FP32 sum plus the old value rounded once, the GEMM's summation order possibly another than
     // for an F32 output: one BF16 ulp. The FP32 and FP8 wgrads go through the F32 copy: bitwise.
     const bool direct = mode == LinearMode::BF16;
@@ -155,6 +156,16 @@ TEST(CudaOptimizer, Bf16GradientsAccumulateThroughF32Once) {
     }
     check_bf16_grad("linear dbias", rnd({N}, 15, DType::F32, 0.01f),
                     [&](Tensor& db) { G().linear_backward(dya, xa, W, spec, nullptr, nullptr, &db); });
+  }
+  {  // a long token sum into a small gradient (where cuBLASLt may split K): still one ulp
+    const int64_t Ml = 8192, Nl = 128, Kl = 128;
+    LinearWeight W;
+    W.w = dev(rnd({Nl, Kl}, 31, DType::F32, 0.05f));
+    LinearSpec spec;
+    spec.mode = LinearMode::BF16;
+    const Tensor xl = dev(rnd({Ml, Kl}, 32, DType::BF16)), dyl = dev(rnd({Ml, Nl}, 33, DType::BF16));
+    check_bf16_grad("bf16 wgrad, 8192 tokens into 128 x 128", rnd({Nl, Kl}, 34, DType::F32, 0.01f),
+                    [&](Tensor& dw) { G().linear_backward(dyl, xl, W, spec, nullptr, &dw, nullptr); }, 1);
   }
   const Tensor w = dev(rnd({K}, 16)), rstd = dev(rnd({M}, 17, DType::F32, 1.0f, true));
   const Tensor dout = dev(rnd({M, K}, 19, DType::BF16));
@@ -182,10 +193,11 @@ TEST(CudaOptimizer, Bf16GradientsAccumulateThroughF32Once) {
   spec.mode = LinearMode::BF16;
   Tensor logp = G().alloc({M}, DType::F32), lse2 = G().alloc({M}, DType::F32);
   G().token_logprobs(x, lm, targets, 1.0f, spec, logp, lse2, nullptr);
+  // (An F32 head: the general path, each chunk through linear_backward's BF16 wgrad: one ulp.)
   check_bf16_grad("token_logprobs dlm_head", rnd({V, K}, 24, DType::F32, 0.01f), [&](Tensor& dl) {
     Tensor dh = G().alloc({M, K}, DType::BF16);
     G().token_logprobs_backward(x, lm, targets, 1.0f, spec, lse2, dlogp, dh, &dl);
-  });
+  }, 1);
 }
 
 }  // namespace

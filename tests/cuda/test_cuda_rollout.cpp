@@ -42,10 +42,22 @@ TEST(CudaRollout, LongestFirstAttentionOrderGivesTheSameSamples) {
     sp.seed = 7;
     const EnginePrecision prec = PrecisionRecipe::preset(recipe).generator;
     auto run = [&](const char* order) {
-      setenv("FP8RL_PAGED_ORDER", order, 1);
+      struct Env {  // FP8RL_PAGED_ORDER for this run, the caller's value restored whatever happens
+        std::string old;
+        bool had;
+        explicit Env(const char* v) {
+          const char* e = std::getenv("FP8RL_PAGED_ORDER");
+          had = e != nullptr;
+          if (had) old = e;
+          setenv("FP8RL_PAGED_ORDER", v, 1);
+        }
+        ~Env() {
+          if (had) setenv("FP8RL_PAGED_ORDER", old.c_str(), 1);
+          else unsetenv("FP8RL_PAGED_ORDER");
+        }
+      } env(order);
       RolloutEngine e(*be, master, prec, 64, 16, 256, SchedulerOptions{});
       auto out = e.generate(reqs, sp);
-      unsetenv("FP8RL_PAGED_ORDER");
       if (e.last_stats().graph_steps == 0) return decltype(out){};
       return out;
     };

@@ -354,6 +354,15 @@ cublasLtMatmulAlgo_t GemmEngine::heuristic_algo(const Key& key_in, cublasLtMatmu
   CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref.p, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                                     &workspace_bytes_, sizeof(workspace_bytes_)),
                "setting the workspace size");
+  // A BF16 output accumulated into (beta != 0: the BF16 weight gradients, train.grad_dtype: bf16):
+  // split-K partials only in the compute type, FP32 (not summed in the output's BF16: INPLACE,
+  // OUTPUT_TYPE), so the product plus the old value is rounded into the gradient once.
+  if (std::get<0>(key) == 0 && std::get<2>(key) == static_cast<int>(DType::BF16) && (std::get<3>(key) & 4)) {
+    const uint32_t mask = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref.p, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &mask,
+                                                      sizeof(mask)),
+                 "restricting the split-K reduction to FP32");
+  }
   const int want = lt_candidate_ < 0 ? 1 : lt_candidate_ + 1;  // the candidate's rank + 1
   cublasLtMatmulHeuristicResult_t res[kMaxLtCandidates] = {};
   int n = 0;
