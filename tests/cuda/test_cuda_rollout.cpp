@@ -11,6 +11,7 @@
 #include "model/weights.h"
 #include "model/shapes.h"
 #include "rollout/rollout.h"
+#include "support/test_support.h"
 
 namespace fp8rl {
 namespace {
@@ -42,20 +43,7 @@ TEST(CudaRollout, LongestFirstAttentionOrderGivesTheSameSamples) {
     sp.seed = 7;
     const EnginePrecision prec = PrecisionRecipe::preset(recipe).generator;
     auto run = [&](const char* order) {
-      struct Env {  // FP8RL_PAGED_ORDER for this run, the caller's value restored whatever happens
-        std::string old;
-        bool had;
-        explicit Env(const char* v) {
-          const char* e = std::getenv("FP8RL_PAGED_ORDER");
-          had = e != nullptr;
-          if (had) old = e;
-          setenv("FP8RL_PAGED_ORDER", v, 1);
-        }
-        ~Env() {
-          if (had) setenv("FP8RL_PAGED_ORDER", old.c_str(), 1);
-          else unsetenv("FP8RL_PAGED_ORDER");
-        }
-      } env(order);
+      const test::ScopedEnv env("FP8RL_PAGED_ORDER", order);  // the caller's value restored after
       RolloutEngine e(*be, master, prec, 64, 16, 256, SchedulerOptions{});
       auto out = e.generate(reqs, sp);
       if (e.last_stats().graph_steps == 0) return decltype(out){};
