@@ -9,6 +9,15 @@
 
 namespace fp8rl {
 
+namespace {
+// The decode graphs' input buffer for Bp rows and a page-table width W, element offsets:
+// [ids | seq | pos | slots | rows | page table (Bp x W) | sampling rows (Bp x 8) | token order].
+struct InLayout {
+  int64_t table, srows, order, size;
+  InLayout(int64_t Bp, int64_t W) : table(5 * Bp), srows(table + Bp * W), order(srows + 8 * Bp), size(order + Bp) {}
+};
+}  // namespace
+
 DecodeGraphs::DecodeGraphs(Backend& be, const ModelWeights& weights, const EnginePrecision& prec, KvCache& cache,
                            int max_batch, int dummy_page)
     : be_(be), gen_(weights), prec_(prec), cache_(cache), max_batch_(max_batch), dummy_page_(dummy_page) {
@@ -34,15 +43,15 @@ void DecodeGraphs::step(int Bp) {
   batch.token_pos = in_.slice_rows(2 * Bp, 3 * Bp);
   batch.slots = in_.slice_rows(3 * Bp, 4 * Bp);
   const Tensor rows = in_.slice_rows(4 * Bp, 5 * Bp);
-  batch.page_table = in_.slice_rows(5 * Bp, 5 * Bp + Bp * W).reshape({Bp, W});
+  const InLayout L(Bp, W);
+  batch.page_table = in_.slice_rows(L.table, L.srows).reshape({Bp, W});
   batch.max_pos = static_cast<int>(W) * cache_.page_size;  // fixed: sequences grow under one graph
-  batch.token_order = in_.slice_rows(5 * Bp + Bp * W + 8 * Bp, 6 * Bp + Bp * W + 8 * Bp);
+  batch.token_order = in_.slice_rows(L.order, L.size);
   Tensor logits = logits_.slice_rows(0, Bp);
   Tensor routing = routing_view(Bp);
   model_forward_paged(be_, gen_, prec_, cache_, ids, batch, rows, logits, nullptr, nullptr,
                       routing.defined() ? &routing : nullptr);
-  const Tensor srows = in_.slice_rows(5 * Bp + Bp * W, 5 * Bp + Bp * W + 8 * Bp).reshape({Bp, 8});
-  // (token_order, after the sampling rows, is set on `batch` above: see the layout in run().)
+  const Tensor srows = in_.slice_rows(L.srows, L.order).reshape({Bp, 8});
   Tensor tokens = tokens_.slice_rows(0, Bp), logp = logp_.slice_rows(0, Bp);
   be_.sample_rows(logits, srows, truncation_, tokens, logp, valid_vocab_);
   if (consistent_temperature_ > 0.0f)
@@ -71,7 +80,7 @@ bool DecodeGraphs::run(const std::vector<int32_t>& ids, const std::vector<int32_
   if (W != width_) {  // (re)size the buffers: graphs recorded over the old ones are dropped
     graphs_.clear();
     width_ = W;
-    in_ = be_.alloc({static_cast<int64_t>(max_batch_) * (6 + W + 8)}, DType::I32);
+    in_ = be_.alloc({InLayout(max_batch_, W).size}, DType::I32);
     if (!logits_.defined()) {
       logits_ = be_.alloc({max_batch_, gen_.config.vocab_size}, model_logits_dtype(be_, gen_, prec_));
       tokens_ = be_.alloc({max_batch_}, DType::I32);
@@ -89,8 +98,8 @@ bool DecodeGraphs::run(const std::vector<int32_t>& ids, const std::vector<int32_
     consistent_temperature_ = consistent_temperature;
   }
   const int Bp = bucket(B);
-  // [ids | seq | pos | slots | rows | page table (Bp x W) | sampling rows (Bp x 8) | token order]
-  host_.assign(static_cast<size_t>(Bp) * (6 + W + 8), 0);
+  const InLayout L(Bp, W);
+  host_.assign(static_cast<size_t>(L.size), 0);
   int32_t* h = host_.data();
   for (int b = 0; b < Bp; ++b) {
     const bool real = b < B;
@@ -99,7 +108,7 @@ bool DecodeGraphs::run(const std::vector<int32_t>& ids, const std::vector<int32_
     h[2 * Bp + b] = real ? pos[b] : 0;
     h[3 * Bp + b] = real ? slots[b] : dummy_page_ * cache_.page_size;
     h[4 * Bp + b] = b;
-    int32_t* row = h + 5 * Bp + static_cast<size_t>(b) * W;
+    int32_t* row = h + L.table + static_cast<int64_t>(b) * W;
     if (real) {
       FP8RL_CHECK(static_cast<int>(pages[b]->size()) <= W, "decode graphs: a sequence has ", pages[b]->size(),
                   " pages, more than the width ", W);
@@ -111,11 +120,11 @@ bool DecodeGraphs::run(const std::vector<int32_t>& ids, const std::vector<int32_
     SampleRow sr;
     if (real) sr = sample_rows[b];
     else sr.temperature = 0.0f;
-    std::memcpy(h + 5 * Bp + static_cast<size_t>(Bp) * W + 8 * static_cast<size_t>(b), &sr, sizeof sr);
+    std::memcpy(h + L.srows + 8 * static_cast<int64_t>(b), &sr, sizeof sr);
   }
   // The attention's token order (PagedBatch::token_order, a hint): the longest contexts first, so
   // the tensor-core decode kernel's last wave holds short CTAs; the padding rows last.
-  int32_t* order = h + 5 * Bp + static_cast<size_t>(Bp) * W + 8 * static_cast<size_t>(Bp);
+  int32_t* order = h + L.order;
   for (int b = 0; b < Bp; ++b) order[b] = b;
   std::stable_sort(order, order + B, [&](int32_t x, int32_t y) { return pos[x] > pos[y]; });
   Tensor staged = Tensor::empty({static_cast<int64_t>(host_.size())}, DType::I32);

@@ -1780,10 +1780,11 @@ void CudaBackend::grouped_linear_backward_impl(const Tensor& dy, const Tensor& x
     dx_done = true;
   }
   bool dw_done = dw.empty();
-  if (!dw_done && fast && bf16_ops && (spec.mode == LinearMode::BF16 || (fp8 && spec.wgrad == LinearMode::BF16)) &&
-      grouped_wgrad_own_block_m() > 0)
-    dw_done = grouped_wgrad_own(dy, x, offsets, dw, grouped_wgrad_own_block_m());
-  if (!dw_done && fast && bf16_ops && (spec.mode == LinearMode::BF16 || (fp8 && spec.wgrad == LinearMode::BF16))) {
+  const bool bf16_wgrad =
+      fast && bf16_ops && (spec.mode == LinearMode::BF16 || (fp8 && spec.wgrad == LinearMode::BF16));
+  if (const int own_bm = bf16_wgrad && !dw_done ? grouped_wgrad_own_block_m() : 0; own_bm > 0)
+    dw_done = grouped_wgrad_own(dy, x, offsets, dw, own_bm);
+  if (!dw_done && bf16_wgrad) {
     // One output dtype for the launch: every given gradient F32, or every one BF16.
     const Tensor* any = nullptr;
     bool ok = true;
@@ -1818,9 +1819,9 @@ void CudaBackend::linear_backward_impl(const Tensor& dy, const Tensor& x, const 
   // A BF16 weight gradient: the BF16 wgrad GEMM adds into it directly (its FP32 sum plus the old
   // value, rounded once to BF16; within one BF16 ulp of the F32 copy's result, as the GEMM may sum
   // in another order for a BF16 output); the FP8 wgrad (cuBLASLt's block-scaled F32 output), the
-  // FP32 one and the bias's column sums go through an F32 copy of the gradient. The copy cost ~28 us
-  // per linear and micro-batch at the MoE benches' attention widths (session 32's profile: 694
-  // calls, 19 ms per step) and ~16 bytes of traffic per weight per micro-batch.
+  // FP32 one and the bias's column sums go through an F32 copy of the gradient. The copy cost ~16
+  // bytes of traffic per weight per micro-batch (session 32's MoE profile: ~7 ms per step for the
+  // attention's qkv and o alone).
   const bool widen_dw = is_bf16_grad(dw) && (spec.mode == LinearMode::FP32 ||
                                              (spec.mode == LinearMode::FP8_BLOCK && spec.wgrad != LinearMode::BF16));
   if (widen_dw || is_bf16_grad(dbias)) {
@@ -2086,9 +2087,9 @@ void CudaBackend::token_logprobs_backward_impl(const Tensor& hidden, const Tenso
   // place (beta = 1) and the wgrad into dlm_head: no F32 gradient, no conversions, no per-chunk
   // dx buffer and add. The products are those of the general path below, summed by the GEMM's
   // epilogue instead of a separate add. A BF16 dlm_head (train.grad_dtype: bf16) takes the
-  // wgrad's sum in FP32 plus the old value, rounded once: what the general path's F32 copy of the
-  // gradient chunk computes, without that copy (its widen / narrow and the dx chunks' adds made the
-  // head's backward ~15% slower with BF16 gradients, session 32's MoE profile).
+  // wgrad's sum in FP32 plus the old value, rounded once, as linear_backward's BF16 wgrad does
+  // (before session 32 BF16 gradients took the general path below, with its conversions and per-
+  // chunk dx adds: 5-6% of the MoE benches' training phase).
   if (spec.mode == LinearMode::BF16 && hidden.dtype() == DType::BF16 && lm_head.dtype() == DType::BF16 &&
       (!dlm_head || dlm_head->dtype() == DType::F32 || dlm_head->dtype() == DType::BF16)) {
     Tensor dh = scratch(kSlotDh, {T, D}, DType::F32);
