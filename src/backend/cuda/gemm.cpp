@@ -785,14 +785,11 @@ const void* GemmEngine::kept_grouped_maps(const std::vector<const uint8_t*>& b,
       // Only the host form's sets go: a device-form set may be held by a recorded CUDA graph
       // (an MoE decode step's), which would read freed (and reused) memory at its next replay.
       CUDA_CHECK(cudaStreamSynchronize(stream_), "waiting before dropping the grouped GEMM maps");
-      for (auto i = grouped_maps_.begin(); i != grouped_maps_.end();) {
-        if (i->second.pinned) {
-          ++i;
-          continue;
-        }
-        cudaFree(i->second.dev);
-        i = grouped_maps_.erase(i);
-      }
+      std::erase_if(grouped_maps_, [](auto& e) {
+        if (e.second.pinned) return false;
+        cudaFree(e.second.dev);
+        return true;
+      });
     }
     const std::vector<unsigned char> host = fp8_gemm_sm90_grouped_maps(b, b_scales, N, K, ab);
     void* d = cuda_malloc(host.size(), "the grouped FP8 GEMM's tensor maps");

@@ -663,7 +663,7 @@ void launch_transpose_row_blocks_bf16(const void* src, int64_t cols, const int2*
   const dim3 grid(static_cast<unsigned>(nblocks), static_cast<unsigned>(ceil_div(cols, int64_t{64})));
   transpose_row_blocks_bf16_kernel<<<grid, 256, 0, stream>>>(static_cast<const uint16_t*>(src), cols, blocks, ld,
                                                              static_cast<uint16_t*>(dst));
-  CUDA_CHECK(cudaGetLastError(), "transpose_row_blocks_bf16 launch");
+  CUDA_CHECK_LAUNCH("transpose_row_blocks_bf16_kernel");
 }
 
 void launch_moe_plan(const int32_t* experts, int64_t R, int E, int block_m, int32_t* offsets, int32_t* row_slot,
