@@ -368,6 +368,12 @@ const DecodeShape kDecodeShapes[] = {
     {"llama-3.1-8b B256 ctx 80..700", 32, 8, 128, 256, 80, 700},
     {"llama-3.1-8b B16 ctx 4096", 32, 8, 128, 16, 4096, 4096},
 };
+// DecodeBench only: the first shape's bytes and CTAs with one KV head per sequence, each of the 8
+// heads as its own sequence, so a CTA's page of 16 positions is one contiguous run (2 KB E4M3, 4 KB
+// BF16) instead of 16 rows 1 KB (2 KB) apart: what a head-major page layout would give the kernel.
+const DecodeShape kDecodeBenchShapes[] = {
+    {"qwen3-1.7b B256, a head a seq", 2, 1, 128, 2048, 80, 700},
+};
 
 TEST(CudaPagedAttention, DecodeShapesMatchCpu) {
   // The tensor-core kernel (default mode) at the benchmark's shapes, BF16 q, both layers,
@@ -457,7 +463,9 @@ TEST(CudaPagedAttention, DecodeBench) {
   const char* only_pool = std::getenv("FP8RL_PAGED_BENCH_POOL");
   const bool only_default = std::getenv("FP8RL_PAGED_BENCH_DEFAULT") != nullptr;
   uint32_t seed = 1900;
-  for (const DecodeShape& sh : kDecodeShapes)
+  std::vector<DecodeShape> shapes(std::begin(kDecodeShapes), std::end(kDecodeShapes));
+  shapes.insert(shapes.end(), std::begin(kDecodeBenchShapes), std::end(kDecodeBenchShapes));
+  for (const DecodeShape& sh : shapes)
     for (DType pool : {DType::BF16, DType::E4M3}) {
       ++seed;
       if (only_pool && std::string(only_pool) != (pool == DType::E4M3 ? "e4m3" : "bf16")) continue;
