@@ -1401,11 +1401,6 @@ void Backend::attention_paged(const KvCache& cache, int layer, const Tensor& q, 
                 "paged batch query_runs must be [R, 2] runs of at most query_run_tokens >= 1 tokens, got ",
                 batch.query_runs.str(), " and ", batch.query_run_tokens);
   }
-  if (batch.token_order.defined()) {
-    c.i32(batch.token_order, "paged batch token_order");
-    FP8RL_CHECK(batch.token_order.numel() == T, "attention_paged: token_order needs ", T, " entries, got ",
-                batch.token_order.str());
-  }
   c.floating(out, {T, q.dim(1), cache.v_dim()}, "attention_paged output");
   if (lse) c.stat(*lse, {q.dim(1), T}, "attention_paged lse");
   if (!out_fp8) {

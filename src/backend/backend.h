@@ -174,11 +174,6 @@ struct PagedBatch {
   // fill the tensor-core kernel's MMA columns).
   Tensor query_runs = Tensor();
   int query_run_tokens = 0;
-  // Optional (a hint; results are the same bits without it): I32 [T], a permutation of 0 .. T - 1,
-  // the order in which a backend may start the tokens' attention (CUDA, FP8RL_PAGED_ORDER=longest:
-  // the tensor-core decode kernel's CTAs in this order; the decode graphs give the longest contexts
-  // first, so the kernel's last wave holds short CTAs). Not checked to be a permutation.
-  Tensor token_order = Tensor();
 };
 
 // A recorded sequence of ops (a CUDA graph) that replays with the same buffers: refill the

@@ -11,10 +11,10 @@ namespace fp8rl {
 
 namespace {
 // The decode graphs' input buffer for Bp rows and a page-table width W, element offsets:
-// [ids | seq | pos | slots | rows | page table (Bp x W) | sampling rows (Bp x 8) | token order].
+// [ids | seq | pos | slots | rows | page table (Bp x W) | sampling rows (Bp x 8)].
 struct InLayout {
-  int64_t table, srows, order, size;
-  InLayout(int64_t Bp, int64_t W) : table(5 * Bp), srows(table + Bp * W), order(srows + 8 * Bp), size(order + Bp) {}
+  int64_t table, srows, size;
+  InLayout(int64_t Bp, int64_t W) : table(5 * Bp), srows(table + Bp * W), size(srows + 8 * Bp) {}
 };
 }  // namespace
 
@@ -46,12 +46,11 @@ void DecodeGraphs::step(int Bp) {
   const InLayout L(Bp, W);
   batch.page_table = in_.slice_rows(L.table, L.srows).reshape({Bp, W});
   batch.max_pos = static_cast<int>(W) * cache_.page_size;  // fixed: sequences grow under one graph
-  batch.token_order = in_.slice_rows(L.order, L.size);
   Tensor logits = logits_.slice_rows(0, Bp);
   Tensor routing = routing_view(Bp);
   model_forward_paged(be_, gen_, prec_, cache_, ids, batch, rows, logits, nullptr, nullptr,
                       routing.defined() ? &routing : nullptr);
-  const Tensor srows = in_.slice_rows(L.srows, L.order).reshape({Bp, 8});
+  const Tensor srows = in_.slice_rows(L.srows, L.size).reshape({Bp, 8});
   Tensor tokens = tokens_.slice_rows(0, Bp), logp = logp_.slice_rows(0, Bp);
   be_.sample_rows(logits, srows, truncation_, tokens, logp, valid_vocab_);
   if (consistent_temperature_ > 0.0f)
@@ -122,11 +121,6 @@ bool DecodeGraphs::run(const std::vector<int32_t>& ids, const std::vector<int32_
     else sr.temperature = 0.0f;
     std::memcpy(h + L.srows + 8 * static_cast<int64_t>(b), &sr, sizeof sr);
   }
-  // The attention's token order (PagedBatch::token_order, a hint): the longest contexts first, so
-  // the tensor-core decode kernel's last wave holds short CTAs; the padding rows last.
-  int32_t* order = h + L.order;
-  for (int b = 0; b < Bp; ++b) order[b] = b;
-  std::stable_sort(order, order + B, [&](int32_t x, int32_t y) { return pos[x] > pos[y]; });
   Tensor staged = Tensor::empty({static_cast<int64_t>(host_.size())}, DType::I32);
   std::copy(host_.begin(), host_.end(), staged.data<int32_t>());
   Tensor dst = in_.slice_rows(0, static_cast<int64_t>(host_.size()));

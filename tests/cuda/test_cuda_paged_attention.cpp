@@ -25,7 +25,6 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
-#include <numeric>
 #include <random>
 #include <string>
 #include <vector>
@@ -469,8 +468,7 @@ TEST(CudaPagedAttention, DecodeBench) {
     for (DType pool : {DType::BF16, DType::E4M3}) {
       ++seed;
       if (only_pool && std::string(only_pool) != (pool == DType::E4M3 ? "e4m3" : "bf16")) continue;
-      const std::vector<int> lens = uniform_lens(sh.B, sh.lo, sh.hi, seed);
-      Big b = build_big(lens, sh.Hkv, sh.hd, pool, seed, false);
+      Big b = build_big(uniform_lens(sh.B, sh.lo, sh.hi, seed), sh.Hkv, sh.hd, pool, seed, false);
       const Tensor q = G().to_device(
           from_float_vector(to_float_vector(rnd({b.T, sh.Hq, sh.hd}, seed)), {b.T, sh.Hq, sh.hd}, DType::BF16));
       Tensor out = G().alloc(q.shape(), DType::BF16);
@@ -523,48 +521,36 @@ TEST(CudaPagedAttention, DecodeBench) {
                       sh.name, dtype_name(pool), kern, plan.splits, plan.chunk, us, gbs, bytes);
         json += row;
       }
-      // Issue 14's levers for the fixed per-call time, on the default variant: CTAs in longest-first
-      // token order (PagedBatch::token_order, FP8RL_PAGED_ORDER=longest), and 2 or 4 forced context
-      // splits (FP8RL_CUDA_PAGED_SPLITS), alone and together.
-      {
-        Tensor horder = Tensor::empty({b.T}, DType::I32);  // token i is sequence i (build_big)
-        int32_t* order = horder.data<int32_t>();
-        std::iota(order, order + b.T, 0);
-        std::stable_sort(order, order + b.T, [&](int32_t x, int32_t y) { return lens[x] > lens[y]; });
-        const Tensor dorder = G().to_device(horder);
+      // Forced context splits on the default variant (FP8RL_CUDA_PAGED_SPLITS; issue 14's fixed
+      // per-call time: session 33 measured them slower at B = 256, as was a longest-first CTA order).
+      for (int forced : {2, 4}) {
         const int dv = cuda::paged_attention_mma_variant_env();
-        for (int forced : {0, 2, 4})
-          for (bool longest : {false, true}) {
-            if (forced == 0 && !longest) continue;  // the "mma" row above
-            const cuda::PagedSplit plan =
-                cuda::paged_attention_mma_split(b.T, sh.Hkv, sh.hd, pool, b.db.max_pos, sm, forced, dv);
-            Tensor part = G().alloc({std::max<int64_t>(b.T * sh.Hq * plan.splits * (sh.hd + 1), 1)}, DType::F32);
-            float* po = part.data<float>();
-            float* pl = po + b.T * sh.Hq * plan.splits * sh.hd;
-            G().synchronize();
-            auto call = [&](int layer) {
-              const float* ks = e4m3 ? b.gc.k_scale.data<float>() + layer * sh.Hkv : nullptr;
-              const float* vs = e4m3 ? b.gc.v_scale.data<float>() + layer * sh.Hkv : nullptr;
-              cuda::launch_paged_attention_mma(
-                  q.raw(), DType::BF16, b.db.token_seq.data<int32_t>(), b.db.token_pos.data<int32_t>(),
-                  b.db.page_table.data<int32_t>(), max_pages, b.T, sh.Hq, sh.Hkv, sh.hd, 16, b.gc.k[layer].raw(),
-                  b.gc.v[layer].raw(), pool, ks, vs, sc, false, plan, po, pl, out.raw(), stream, dv, nullptr, nullptr,
-                  nullptr, 0, 0, longest ? dorder.data<int32_t>() : nullptr);
-            };
-            const double us = test::time_calls(call, stream);
-            ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-            const double gbs = bytes / (us * 1e-6) / 1e9;
-            const std::string kn =
-                std::string("mma") + (forced ? " split" + std::to_string(forced) : "") + (longest ? "+longest" : "");
-            std::printf("%-30s %-5s %-14s %7d %9.1f %8.0f %5.0f%% %7.2fx\n", sh.name, dtype_name(pool), kn.c_str(),
-                        plan.splits, us, gbs, 100.0 * gbs * 1e9 / peak, base_us > 0 ? base_us / us : 0.0);
-            char row[512];
-            std::snprintf(row, sizeof row,
-                          "  {\"shape\": \"%s\", \"pool\": \"%s\", \"kernel\": \"%s\", \"splits\": %d, "
-                          "\"chunk\": %d, \"us_per_call\": %.2f, \"gb_per_s\": %.1f, \"bytes\": %.0f},\n",
-                          sh.name, dtype_name(pool), kn.c_str(), plan.splits, plan.chunk, us, gbs, bytes);
-            json += row;
-          }
+        const cuda::PagedSplit plan =
+            cuda::paged_attention_mma_split(b.T, sh.Hkv, sh.hd, pool, b.db.max_pos, sm, forced, dv);
+        Tensor part = G().alloc({std::max<int64_t>(b.T * sh.Hq * plan.splits * (sh.hd + 1), 1)}, DType::F32);
+        float* po = part.data<float>();
+        float* pl = po + b.T * sh.Hq * plan.splits * sh.hd;
+        G().synchronize();
+        auto call = [&](int layer) {
+          const float* ks = e4m3 ? b.gc.k_scale.data<float>() + layer * sh.Hkv : nullptr;
+          const float* vs = e4m3 ? b.gc.v_scale.data<float>() + layer * sh.Hkv : nullptr;
+          cuda::launch_paged_attention_mma(q.raw(), DType::BF16, b.db.token_seq.data<int32_t>(),
+                                           b.db.token_pos.data<int32_t>(), b.db.page_table.data<int32_t>(), max_pages,
+                                           b.T, sh.Hq, sh.Hkv, sh.hd, 16, b.gc.k[layer].raw(), b.gc.v[layer].raw(),
+                                           pool, ks, vs, sc, false, plan, po, pl, out.raw(), stream, dv);
+        };
+        const double us = test::time_calls(call, stream);
+        ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+        const double gbs = bytes / (us * 1e-6) / 1e9;
+        const std::string kn = "mma split" + std::to_string(forced);
+        std::printf("%-30s %-5s %-14s %7d %9.1f %8.0f %5.0f%% %7.2fx\n", sh.name, dtype_name(pool), kn.c_str(),
+                    plan.splits, us, gbs, 100.0 * gbs * 1e9 / peak, base_us > 0 ? base_us / us : 0.0);
+        char row[512];
+        std::snprintf(row, sizeof row,
+                      "  {\"shape\": \"%s\", \"pool\": \"%s\", \"kernel\": \"%s\", \"splits\": %d, "
+                      "\"chunk\": %d, \"us_per_call\": %.2f, \"gb_per_s\": %.1f, \"bytes\": %.0f},\n",
+                      sh.name, dtype_name(pool), kn.c_str(), plan.splits, plan.chunk, us, gbs, bytes);
+        json += row;
       }
       // The consistent mode's flash-order decode (PagedBatch::flash_order): one warp per (token, KV
       // head) over all its tiles in flash attention's order, no context split.

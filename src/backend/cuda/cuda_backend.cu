@@ -2194,17 +2194,6 @@ void CudaBackend::attention_paged_fp8_impl(const KvCache& cache, int layer, cons
 }
 
 namespace {
-// FP8RL_PAGED_ORDER (read at each call; recorded into a graph at its capture): longest (the batch's
-// token_order hint: the decode graphs start the longest contexts first) or off (the default until
-// measured: docs/benchmarks.md session 32, the decode kernel's fixed per-call time).
-bool paged_order_wanted(const PagedBatch& batch) {
-  if (!batch.token_order.defined()) return false;
-  const char* e = std::getenv("FP8RL_PAGED_ORDER");
-  if (!e) return false;
-  const std::string v(e);
-  FP8RL_CHECK(v == "longest" || v == "off", "FP8RL_PAGED_ORDER must be longest or off, got '", v, "'");
-  return v == "longest";
-}
 constexpr bool kMlaDecodeByDefault = true;
 bool mla_decode_wanted() {
   const char* e = std::getenv("FP8RL_CUDA_MLA_DECODE");
@@ -2290,8 +2279,7 @@ bool CudaBackend::attention_paged_run(const KvCache& cache, int layer, const Ten
                                cache.page_size, kp, vp, cache.dtype, ks, vs, softmax_scale, fp8_attention, plan, part,
                                part_lse, out.raw(), stream_, /*variant=*/-1, lse_out, fused ? out_fp8 : nullptr,
                                runs ? batch.query_runs.data<int32_t>() : nullptr, runs ? batch.query_runs.dim(0) : 0,
-                               runs ? batch.query_run_tokens : 0,
-                               paged_order_wanted(batch) ? batch.token_order.data<int32_t>() : nullptr);
+                               runs ? batch.query_run_tokens : 0);
     return fused;
   }
   launch_paged_attention(q.raw(), q.dtype(), batch.token_seq.data<int32_t>(), batch.token_pos.data<int32_t>(),

@@ -366,8 +366,7 @@ void launch_paged_attention_mma(const void* q, DType qdt, const int32_t* token_s
                                 const float* k_scale, const float* v_scale, float scale, bool fp8_q,
                                 const PagedSplit& split, float* part_o, float* part_lse, void* out, cudaStream_t stream,
                                 int variant = -1, float* lse_out = nullptr, const PagedOutFp8* out_fp8 = nullptr,
-                                const int32_t* qruns = nullptr, int64_t nruns = 0, int run_tokens = 0,
-                                const int32_t* token_order = nullptr);
+                                const int32_t* qruns = nullptr, int64_t nruns = 0, int run_tokens = 0);
 // Query runs (qruns: I32 [nruns][2] {first token, count}, every token in exactly one run; a run is
 // count <= run_tokens <= paged_attention_run_tokens(group) consecutive tokens of one sequence at
 // consecutive positions, e.g. a sequence scored whole): where paged_attention_runs_apply, one CTA per (run,
@@ -377,8 +376,6 @@ void launch_paged_attention_mma(const void* q, DType qdt, const int32_t* token_s
 // Runs of up to 8 (token, head) columns take one block of the MMA kernel, up to 16 two, up to
 // 64 (paged_attention_run_tokens) the wide CTAs: 8 warps, a block each, every K/V tile converted
 // once for the whole run.
-// token_order (I32 [T], a permutation, or null): the one-token tensor-core kernel's CTA row i
-// serves token token_order[i] (PagedBatch::token_order; the same bits, another CTA order).
 bool paged_attention_runs_apply(int group, int variant, bool out_fp8);
 int paged_attention_run_tokens(int group);
 

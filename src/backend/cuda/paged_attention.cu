@@ -185,9 +185,6 @@ struct PagedArgs {
   // one sequence at consecutive positions, whose group x count (token, head) pairs are the MMA
   // columns: the run's K/V tiles are read once for all of them. Null: one token per CTA row.
   const int32_t* qruns = nullptr;
-  // The tokens' order (PagedBatch::token_order): CTA row i serves token token_order[i] (the
-  // one-token tensor-core kernel; every other form ignores it). Null: token i.
-  const int32_t* token_order = nullptr;
 };
 
 __device__ __forceinline__ float paged_load_q(const void* q, bool bf, int64_t i) {
@@ -1228,7 +1225,6 @@ __global__ void __launch_bounds__(32 * kMmaWarps, paged_mmat_min_blocks<HD, TP, 
     cnt = a.qruns[2 * (static_cast<int>(blockIdx.x) / a.Hkv) + 1];
   } else {
     t = static_cast<int>(blockIdx.x) / a.Hkv;
-    if (a.token_order) t = a.token_order[t];
   }
   const int split = static_cast<int>(blockIdx.y);
   const int j0 = split * a.chunk;  // a multiple of kMmaTile (paged_mma_split)
@@ -2189,7 +2185,7 @@ void launch_paged_attention_mma(const void* q, DType qdt, const int32_t* token_s
                                 const float* k_scale, const float* v_scale, float scale, bool fp8_q,
                                 const PagedSplit& split, float* part_o, float* part_lse, void* out, cudaStream_t stream,
                                 int variant, float* lse_out, const PagedOutFp8* out_fp8, const int32_t* qruns,
-                                int64_t nruns, int run_tokens, const int32_t* token_order) {
+                                int64_t nruns, int run_tokens) {
   if (T == 0) return;
   FP8RL_CHECK(!out_fp8 || hd == 128, "paged attention: the fused output quantizer needs head_dim 128, got ", hd);
   int v = resolve_variant(variant);
@@ -2208,7 +2204,6 @@ void launch_paged_attention_mma(const void* q, DType qdt, const int32_t* token_s
                            k_scale, v_scale, scale, fp8_q, split, part_o, part_lse, out);
   a.ps_shift = (page_size & (page_size - 1)) == 0 ? __builtin_ctz(static_cast<unsigned>(page_size)) : -1;
   a.partials = lse_out != nullptr;
-  a.token_order = token_order;
   if (out_fp8) {
     a.out_q = out_fp8->q;
     a.out_qs = out_fp8->scales;

@@ -367,28 +367,6 @@ int run(const Case& c) {
                 fq_bad);
   }
   int invariant_bad = 0;
-  // The token order (PagedArgs::token_order: the one-token kernels' CTA row i serves token
-  // order[i]; here longest first, as the decode graphs give it): every token's out (and lse)
-  // bitwise the natural order's. The default variant, BF16 q (out_b is the reference).
-  if (g_kern == Kern::Mma && g_variant == kMmaDefaultVariant && c.q_bf16) {
-    std::vector<int32_t> order(T);
-    for (int64_t t = 0; t < T; ++t) order[t] = int32_t(t);
-    std::stable_sort(order.begin(), order.end(), [&](int32_t x, int32_t y) { return pos[x] > pos[y]; });
-    std::vector<float> lse_o(size_t(T) * Hq, NAN), po(part_o.size(), NAN), pl(part_l.size(), NAN);
-    std::vector<uint16_t> out_o(T * Hq * hd, 0x7fc0);
-    PagedArgs r = a;
-    r.token_order = order.data();
-    r.out = out_o.data();
-    r.part_o = po.data();
-    r.part_lse = pl.data();
-    r.out_q = nullptr;
-    if (hd == 64) launch_p<64>(r, c.pool, T);
-    else launch_p<128>(r, c.pool, T);
-    if (plan.splits > 1 || c.invariant) combine(po, pl, true, c.invariant ? lse_o.data() : nullptr, r);
-    const int order_bad = differing(out_o, c.invariant ? &lse_o : nullptr);
-    std::printf("  longest-first token order: %d token outputs / lse differing\n", order_bad);
-    invariant_bad += order_bad;
-  }
   if (c.invariant) {
     // The lse, and every token alone (T = 1, max_pos its own, no partials when one split).
     double lerr = 0;
