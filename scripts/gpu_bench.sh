@@ -304,7 +304,7 @@ bad = set(sys.argv[2].split())
 tot = {}
 for r in rows:
     k = r["kernel"]
-    if not k.startswith("mma") or not r["shape"].startswith("qwen3-1.7b"):
+    if not k.startswith("mma") or "split" in k or not r["shape"].startswith("qwen3-1.7b") or "a seq" in r["shape"]:
         continue
     name = k[4:] if k.startswith("mma:") else "orig"
     tot[name] = tot.get(name, 0.0) + r["us_per_call"]

@@ -477,17 +477,35 @@ TEST(CudaPagedAttention, DecodeBench) {
       const float sc = 1.0f / std::sqrt(static_cast<float>(sh.hd));
       const int max_pages = static_cast<int>(b.db.page_table.dim(1));
       double base_us = 0;
-      // The tiled kernel, then every variant of the tensor-core kernel (v = -1: tiled).
-      for (int v = -1; v < cuda::paged_attention_mma_variants(); ++v) {
-        if (only_default && v != cuda::paged_attention_mma_variant_env()) continue;
+      auto report = [&](const std::string& kname, const cuda::PagedSplit& plan, double us) {
+        const double gbs = bytes / (us * 1e-6) / 1e9;
+        std::printf("%-30s %-5s %-14s %7d %9.1f %8.0f %5.0f%% %7.2fx\n", sh.name, dtype_name(pool), kname.c_str(),
+                    plan.splits, us, gbs, 100.0 * gbs * 1e9 / peak, base_us / us);
+        char row[512];
+        std::snprintf(row, sizeof row,
+                      "  {\"shape\": \"%s\", \"pool\": \"%s\", \"kernel\": \"%s\", \"splits\": %d, \"chunk\": %d, "
+                      "\"us_per_call\": %.2f, \"gb_per_s\": %.1f, \"bytes\": %.0f},\n",
+                      sh.name, dtype_name(pool), kname.c_str(), plan.splits, plan.chunk, us, gbs, bytes);
+        json += row;
+      };
+      // The tiled kernel (v = -1), every variant of the tensor-core kernel at its own split plan,
+      // then the default variant at 2 and 4 forced context splits (FP8RL_CUDA_PAGED_SPLITS; issue
+      // 14's fixed per-call time: session 33 measured them slower at B = 256, as was a
+      // longest-first CTA order).
+      const int dv = cuda::paged_attention_mma_variant_env();
+      std::vector<std::pair<int, int>> runs;  // (variant, forced splits)
+      for (int v = -1; v < cuda::paged_attention_mma_variants(); ++v)
+        if (!only_default || v == dv) runs.push_back({v, 0});
+      runs.push_back({dv, 2});
+      runs.push_back({dv, 4});
+      for (const auto& [v, forced] : runs) {
         const bool mma = v >= 0;
-        const std::string kname = !mma ? "tiled"
-                                  : v == cuda::paged_attention_mma_variant_env()
-                                      ? "mma"
-                                      : std::string("mma:") + cuda::paged_attention_mma_variant_name(v);
-        const char* kern = kname.c_str();
+        const std::string kname = !mma      ? "tiled"
+                                  : forced  ? "mma split" + std::to_string(forced)
+                                  : v == dv ? "mma"
+                                            : std::string("mma:") + cuda::paged_attention_mma_variant_name(v);
         const cuda::PagedSplit plan =
-            mma ? cuda::paged_attention_mma_split(b.T, sh.Hkv, sh.hd, pool, b.db.max_pos, sm, 0, v)
+            mma ? cuda::paged_attention_mma_split(b.T, sh.Hkv, sh.hd, pool, b.db.max_pos, sm, forced, v)
                 : cuda::paged_attention_split(b.T, sh.Hkv, b.db.max_pos, sm, 0);
         Tensor part = G().alloc({std::max<int64_t>(b.T * sh.Hq * plan.splits * (sh.hd + 1), 1)}, DType::F32);
         float* po = part.data<float>();
@@ -510,47 +528,8 @@ TEST(CudaPagedAttention, DecodeBench) {
         };
         const double us = test::time_calls(call, stream);
         ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-        const double gbs = bytes / (us * 1e-6) / 1e9;
         if (!mma) base_us = us;
-        std::printf("%-30s %-5s %-14s %7d %9.1f %8.0f %5.0f%% %7.2fx\n", sh.name, dtype_name(pool), kern, plan.splits,
-                    us, gbs, 100.0 * gbs * 1e9 / peak, base_us / us);
-        char row[512];
-        std::snprintf(row, sizeof row,
-                      "  {\"shape\": \"%s\", \"pool\": \"%s\", \"kernel\": \"%s\", \"splits\": %d, \"chunk\": %d, "
-                      "\"us_per_call\": %.2f, \"gb_per_s\": %.1f, \"bytes\": %.0f},\n",
-                      sh.name, dtype_name(pool), kern, plan.splits, plan.chunk, us, gbs, bytes);
-        json += row;
-      }
-      // Forced context splits on the default variant (FP8RL_CUDA_PAGED_SPLITS; issue 14's fixed
-      // per-call time: session 33 measured them slower at B = 256, as was a longest-first CTA order).
-      for (int forced : {2, 4}) {
-        const int dv = cuda::paged_attention_mma_variant_env();
-        const cuda::PagedSplit plan =
-            cuda::paged_attention_mma_split(b.T, sh.Hkv, sh.hd, pool, b.db.max_pos, sm, forced, dv);
-        Tensor part = G().alloc({std::max<int64_t>(b.T * sh.Hq * plan.splits * (sh.hd + 1), 1)}, DType::F32);
-        float* po = part.data<float>();
-        float* pl = po + b.T * sh.Hq * plan.splits * sh.hd;
-        G().synchronize();
-        auto call = [&](int layer) {
-          const float* ks = e4m3 ? b.gc.k_scale.data<float>() + layer * sh.Hkv : nullptr;
-          const float* vs = e4m3 ? b.gc.v_scale.data<float>() + layer * sh.Hkv : nullptr;
-          cuda::launch_paged_attention_mma(q.raw(), DType::BF16, b.db.token_seq.data<int32_t>(),
-                                           b.db.token_pos.data<int32_t>(), b.db.page_table.data<int32_t>(), max_pages,
-                                           b.T, sh.Hq, sh.Hkv, sh.hd, 16, b.gc.k[layer].raw(), b.gc.v[layer].raw(),
-                                           pool, ks, vs, sc, false, plan, po, pl, out.raw(), stream, dv);
-        };
-        const double us = test::time_calls(call, stream);
-        ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-        const double gbs = bytes / (us * 1e-6) / 1e9;
-        const std::string kn = "mma split" + std::to_string(forced);
-        std::printf("%-30s %-5s %-14s %7d %9.1f %8.0f %5.0f%% %7.2fx\n", sh.name, dtype_name(pool), kn.c_str(),
-                    plan.splits, us, gbs, 100.0 * gbs * 1e9 / peak, base_us > 0 ? base_us / us : 0.0);
-        char row[512];
-        std::snprintf(row, sizeof row,
-                      "  {\"shape\": \"%s\", \"pool\": \"%s\", \"kernel\": \"%s\", \"splits\": %d, "
-                      "\"chunk\": %d, \"us_per_call\": %.2f, \"gb_per_s\": %.1f, \"bytes\": %.0f},\n",
-                      sh.name, dtype_name(pool), kn.c_str(), plan.splits, plan.chunk, us, gbs, bytes);
-        json += row;
+        report(kname, plan, us);
       }
       // The consistent mode's flash-order decode (PagedBatch::flash_order): one warp per (token, KV
       // head) over all its tiles in flash attention's order, no context split.
@@ -564,15 +543,9 @@ TEST(CudaPagedAttention, DecodeBench) {
         };
         const double us = test::time_calls(call, stream);
         ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-        const double gbs = bytes / (us * 1e-6) / 1e9;
-        std::printf("%-30s %-5s %-14s %7d %9.1f %8.0f %5.0f%% %7.2fx\n", sh.name, dtype_name(pool), "flash-order", 1,
-                    us, gbs, 100.0 * gbs * 1e9 / peak, base_us / us);
-        char row[512];
-        std::snprintf(row, sizeof row,
-                      "  {\"shape\": \"%s\", \"pool\": \"%s\", \"kernel\": \"flash-order\", \"splits\": 1, "
-                      "\"chunk\": 0, \"us_per_call\": %.2f, \"gb_per_s\": %.1f, \"bytes\": %.0f},\n",
-                      sh.name, dtype_name(pool), us, gbs, bytes);
-        json += row;
+        cuda::PagedSplit one;
+        one.chunk = 0;  // no split plan
+        report("flash-order", one, us);
       }
     }
   cudaStreamDestroy(stream);
