@@ -234,9 +234,8 @@ TEST(CudaOptimizer, Bf16GradientsAccumulateThroughF32Once) {
   spec.mode = LinearMode::BF16;
   Tensor logp = G().alloc({M}, DType::F32), lse2 = G().alloc({M}, DType::F32);
   G().token_logprobs(x, lm, targets, 1.0f, spec, logp, lse2, nullptr);
-  // (An F32 head: the general path, each chunk through linear_backward's BF16 wgrad.) The terms
-  // of dlm_head[v, k] are dlogits[t, v] x[t, k], dlogits[t, v] = dlogp[t] (onehot - softmax): their
-  // magnitudes from a host softmax over the BF16-rounded operands.
+  // The terms of dlm_head[v, k] are dlogits[t, v] x[t, k], dlogits[t, v] = dlogp[t] (onehot -
+  // softmax): their magnitudes from a host softmax over the BF16-rounded operands.
   std::vector<double> sabs, exact(static_cast<size_t>(V * K), 0.0);
   {
     const std::vector<float> xs = to_float_vector(host(x)), dl = to_float_vector(host(dlogp));
@@ -263,22 +262,18 @@ TEST(CudaOptimizer, Bf16GradientsAccumulateThroughF32Once) {
       for (int64_t v = 0; v < V; ++v)
         for (int64_t k = 0; k < K; ++k) exact[v * K + k] += double(sdl[t * V + v]) * double(xs[t * K + k]);
   }
-  check_bf16_grad(
-      "token_logprobs dlm_head", rnd({V, K}, 24, DType::F32, 0.01f),
-      [&](Tensor& dl) {
-        Tensor dh = G().alloc({M, K}, DType::BF16);
-        G().token_logprobs_backward(x, lm, targets, 1.0f, spec, lse2, dlogp, dh, &dl);
-      },
-      &sabs, M, &exact);
-  // The same with a BF16 head (every recipe's): the fused backward's BF16-gradient path.
+  // An F32 head (the general path, chunk by chunk), then a BF16 one (every recipe's: the fused
+  // backward's BF16-gradient path).
   const Tensor lm16 = dev(from_float_vector(to_float_vector(host(lm)), {V, K}, DType::BF16));
-  check_bf16_grad(
-      "token_logprobs dlm_head, BF16 head (fused path)", rnd({V, K}, 24, DType::F32, 0.01f),
-      [&](Tensor& dl) {
-        Tensor dh = G().alloc({M, K}, DType::BF16);
-        G().token_logprobs_backward(x, lm16, targets, 1.0f, spec, lse2, dlogp, dh, &dl);
-      },
-      &sabs, M, &exact);
+  for (const auto& [what, head] : {std::pair<const char*, const Tensor*>{"token_logprobs dlm_head", &lm},
+                                   {"token_logprobs dlm_head, BF16 head (fused path)", &lm16}})
+    check_bf16_grad(
+        what, rnd({V, K}, 24, DType::F32, 0.01f),
+        [&](Tensor& dl) {
+          Tensor dh = G().alloc({M, K}, DType::BF16);
+          G().token_logprobs_backward(x, *head, targets, 1.0f, spec, lse2, dlogp, dh, &dl);
+        },
+        &sabs, M, &exact);
 }
 
 }  // namespace
