@@ -11,7 +11,6 @@
 #include "model/weights.h"
 #include "model/shapes.h"
 #include "rollout/rollout.h"
-#include "support/test_support.h"
 
 namespace fp8rl {
 namespace {
