@@ -51,6 +51,18 @@
 
 namespace fp8rl::cuda {
 
+PFN_cuTensorMapEncodeTiled_v12000 sm90::tensor_map_encoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q),
+               "looking up cuTensorMapEncodeTiled");
+    FP8RL_CHECK(q == cudaDriverEntryPointSuccess && f, "the CUDA driver has no cuTensorMapEncodeTiled (needs 12.0+)");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  }();
+  return fn;
+}
+
 namespace {
 
 using namespace sm90;  // the Hopper wrappers (sm90.cuh)
@@ -634,18 +646,6 @@ __global__ void fp8_gemm_reduce_kernel(const float* __restrict__ parts, int spli
   }
 }
 
-PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
-  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult q{};
-    CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q),
-               "looking up cuTensorMapEncodeTiled");
-    FP8RL_CHECK(q == cudaDriverEntryPointSuccess && f, "the CUDA driver has no cuTensorMapEncodeTiled (needs 12.0+)");
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
-  }();
-  return fn;
-}
-
 // [rows, K] bytes, K-major, boxes of box_rows x 128 bytes, 128-byte swizzle, zeros out of bounds.
 CUtensorMap tensor_map(const uint8_t* base, int64_t rows, int64_t K, int box_rows) {
   CUtensorMap m;
@@ -653,9 +653,9 @@ CUtensorMap tensor_map(const uint8_t* base, int64_t rows, int64_t K, int box_row
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(K)};
   const cuuint32_t box[2] = {static_cast<cuuint32_t>(kBK), static_cast<cuuint32_t>(box_rows)};
   const cuuint32_t elem[2] = {1, 1};
-  const CUresult r = encode_fn()(&m, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<uint8_t*>(base), dims, strides, box,
-                                 elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult r = tensor_map_encoder()(&m, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<uint8_t*>(base), dims,
+                                          strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                          CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   FP8RL_CHECK(r == CUDA_SUCCESS, "FP8 GEMM: cuTensorMapEncodeTiled failed (", static_cast<int>(r), ") for [", rows,
               ", ", K, "]");
   return m;
@@ -884,9 +884,9 @@ CUtensorMap output_map(const GemmParams& p) {
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(p.N) * 2};
   const cuuint32_t box[2] = {64, 64};
   const cuuint32_t elem[2] = {1, 1};
-  const CUresult r =
-      encode_fn()(&m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, p.c, dims, strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                  CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult r = tensor_map_encoder()(&m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, p.c, dims, strides, box, elem,
+                                          CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                          CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   FP8RL_CHECK(r == CUDA_SUCCESS, "FP8 GEMM: cuTensorMapEncodeTiled failed (", static_cast<int>(r), ") for the [", p.M,
               ", ", p.N, "] output");
   return m;

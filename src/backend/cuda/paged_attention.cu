@@ -16,19 +16,23 @@
 //
 // The code between the "emulated" markers is also compiled for the host by
 // tests/cuda/paged_emu/run.sh (with its own versions of the device primitives above them).
+#include <cuda.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
+#include <map>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <type_traits>
 
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/kernels.h"
+#include "backend/cuda/sm90.cuh"
 #include "quant/fp8_rule.h"
 
 namespace fp8rl::cuda {
@@ -131,6 +135,37 @@ __device__ __forceinline__ void paged_cp_async16z(paged_saddr_t dst, const void*
       : "memory");
 }
 
+// For the TMA copies of the transposed kernel (paged_mmat_kernel, COPY 2): an mbarrier per ring
+// stage (shared addresses), armed with the stage's byte count by the lane that issues its copies,
+// and one 3-D box of a pool's tensor map ({row bytes, KV head, cache slot}: 16 slots x 128 bytes
+// of one head, 128-byte swizzle) landing on it.
+__device__ __forceinline__ void paged_mbar_init(paged_saddr_t bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar) : "memory");
+}
+// The barriers' initialization made visible to the TMA unit (the async proxy).
+__device__ __forceinline__ void paged_mbar_fence_init() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+__device__ __forceinline__ void paged_mbar_expect_tx(paged_saddr_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+// Until the phase of `parity` has completed (every armed byte landed).
+__device__ __forceinline__ void paged_mbar_wait(paged_saddr_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n .reg .pred p;\n WAIT_%=:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      " @!p bra WAIT_%=;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+__device__ __forceinline__ void paged_tma_rows(paged_saddr_t dst, const CUtensorMap* map, paged_saddr_t bar, int c0,
+                                               int c1, int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];\n" ::
+          "r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+
 // ---- emulated: begin ------------------------------------------------------------------------
 constexpr int kPagedWarps = 4;     // warps per CTA
 constexpr int kPagedUnroll = 2;    // row steps whose loads are issued together
@@ -180,6 +215,9 @@ struct PagedArgs {
   int64_t out_q_rows = 0;  // T
   bool out_q_gemm = false, out_q_pow2 = false;
   int* out_q_bad = nullptr;
+  // The pools' tensor maps for the TMA copies (paged_mmat_kernel, COPY 2; paged_pool_tma_map):
+  // kpool, vpool as {row bytes, Hkv, cache slots}, boxes of 128 bytes x 1 head x 16 slots.
+  CUtensorMap kmap, vmap;
   // Query runs (the transposed tensor-core kernel's multi-query form, paged_mmat_kernel<..., MQ>):
   // {first token, count} per CTA row of the grid, count <= kMmaRows / group consecutive tokens of
   // one sequence at consecutive positions, whose group x count (token, head) pairs are the MMA
@@ -1091,11 +1129,15 @@ __global__ void __launch_bounds__(32 * kMmaWarps, PagedMmaCfg<HD, TP>::kMinBlock
 // kernel above's values, whose rescale by exp2(0) = 1 is a no-op); LAZY > 0 keeps m behind the
 // true max by at most LAZY, so P <= 2^LAZY (far from FP16's 65504) and l, O are relative to that
 // m, which the merges take as it is.
-template <int HD, class TP, int S>
+// The ring's alignment: 256 bytes (the cp.async destinations are XORs below bit 8), 1024 for the
+// TMA copies (the 128-byte swizzle's pattern repeats every 8 rows of 128 bytes).
+constexpr int paged_ring_align(int copy) { return copy == 2 ? 1024 : 256; }
+template <int HD, class TP, int S, int COPY = 0>
 struct PagedTCfg : PagedMmaCfg<HD, TP> {
   using Base = PagedMmaCfg<HD, TP>;
   static constexpr int kWarpBytes = S * Base::kStageBytes;
-  static constexpr int kSmemBytes = kMmaWarps * kWarpBytes + 256;  // + the ring's alignment to 256 bytes
+  static constexpr int kAlign = paged_ring_align(COPY);
+  static constexpr int kSmemBytes = kMmaWarps * kWarpBytes + kAlign;  // + the ring's alignment
   static constexpr int kMinBlocks = kSmemBytes > 75 * 1024 ? 2 : kSmemBytes > 56 * 1024 ? 3 : 4;
   static constexpr int kMTiles = HD / 16;  // P V MMAs per tile (16 dims each)
   static_assert(S >= 2, "a ring of at least two stages");
@@ -1107,6 +1149,15 @@ __device__ __forceinline__ int paged_tdim(int g, int mt, int h) {
   if constexpr (Cfg::kF16) return Cfg::kVDims * g + 4 * (mt >> 1) + 2 * (mt & 1) + h;  // bytes kVDims g ..
   else return 8 * (g + 8 * (mt >> 2)) + 2 * (mt & 3) + h;                              // chunks g, g + 8
 }
+
+// The TMA copies' layout (paged_mmat_kernel, COPY 2): chunk q (16 bytes) of tile row r at this
+// byte of a K or V tile: rows of 128 bytes (a 256-byte BF16 row as two halves, each its own box
+// of 16 rows), chunk q % 8 at (q % 8) ^ (r % 8) (TMA's 128-byte swizzle from a 1024-byte
+// boundary); and the tile row that MMA row g reads.
+__device__ __forceinline__ int paged_tma_off(int r, int q) {
+  return (q >> 3) * (kMmaTile * 128) + r * 128 + (((q & 7) ^ (r & 7)) << 4);
+}
+__device__ __forceinline__ int paged_tma_row(int g) { return g ^ ((g & 1) << 2); }
 
 // grid (T * Hkv, splits), block 32 * kMmaWarps, dynamic shared memory Cfg::kSmemBytes. q BF16,
 // 16-byte aligned.
@@ -1198,18 +1249,26 @@ template <int MQ>
 constexpr bool paged_mmat_q_smem() {
   return MQ >= 2;
 }
-template <int HD, class TP, int S, int MQ>
+template <int HD, class TP, int S, int MQ, int COPY>
 constexpr int paged_mmat_min_blocks() {
-  return MQ >= 2 && PagedTCfg<HD, TP, S>::kMinBlocks > 3 ? 3 : PagedTCfg<HD, TP, S>::kMinBlocks;
+  using Cfg = PagedTCfg<HD, TP, S, COPY>;
+  return MQ >= 2 && Cfg::kMinBlocks > 3 ? 3 : Cfg::kMinBlocks;
 }
 template <int HD, class TP, int S, int LAZY, int COPY, int MQ = 0>
-__global__ void __launch_bounds__(32 * kMmaWarps, paged_mmat_min_blocks<HD, TP, S, MQ>())
-    paged_mmat_kernel(const PagedArgs a) {
-  using Cfg = PagedTCfg<HD, TP, S>;
+__global__ void __launch_bounds__(32 * kMmaWarps, paged_mmat_min_blocks<HD, TP, S, MQ, COPY>())
+    paged_mmat_kernel(const __grid_constant__ PagedArgs a) {
+  using Cfg = PagedTCfg<HD, TP, S, COPY>;
   constexpr int NW = kMmaWarps, CPR = Cfg::kCpr, RB = Cfg::kRowBytes, TB = Cfg::kTileBytes, SB = Cfg::kStageBytes;
   constexpr bool F16 = Cfg::kF16;
   constexpr int NB = MQ > 0 ? MQ : 1, COLS = NB * kMmaRows;  // MMA column blocks of 8, columns
   static_assert(NW * Cfg::kWarpBytes >= NW * COLS * HD * 4, "the epilogue's s_o fits in the stages");
+  // TMA copies (COPY 2): rows of 128 bytes in the stage (a 256-byte BF16 row is two halves, each
+  // its own 16 x 128-byte box), the 128-byte swizzle, an mbarrier per stage.
+  constexpr bool kTma = COPY == 2;
+  static_assert(!kTma || (HD == 128 && MQ == 0), "the TMA copies serve head_dim 128, one token per CTA");
+  constexpr int RS = kTma ? 128 : RB;                  // bytes between a stage's rows
+  constexpr int HS = kTma ? kMmaTile * 128 : 128;      // BF16 V: bytes from chunk q to q + 8 of a row
+  __shared__ uint64_t s_bar[kTma ? NW * S : 1];  // 8-byte aligned, as an mbarrier must be
   __shared__ float s_m[NW][COLS], s_l[NW][COLS];
   // Q^T's fragments in shared memory (paged_mmat_q_smem): [block][k-step][register][lane], as every
   // warp holds them (the warps' copies are the same values).
@@ -1238,7 +1297,9 @@ __global__ void __launch_bounds__(32 * kMmaWarps, paged_mmat_min_blocks<HD, TP, 
   };
   const int ncols = cnt * G;  // the MMA columns that hold (token, head) pairs
   const int32_t* table = a.page_table + static_cast<int64_t>(a.token_seq[t]) * a.max_pages;
-  const int own = COPY == 0 ? lane & 15 : lane >> 1;  // the row of a tile whose slot this lane loads
+  // The row of a tile whose slot this lane loads (TMA: the tile's first; its 16 slots are
+  // consecutive, page_size being a multiple of 16).
+  const int own = COPY == 0 ? lane & 15 : COPY == 1 ? lane >> 1 : 0;
   // The cache slot of row `own` of this warp's tile k if that position is in the sequence (the
   // table index clamped to the row, so it is read before the sequence's length is known).
   auto slot_raw = [&](int k) -> int {
@@ -1276,9 +1337,10 @@ __global__ void __launch_bounds__(32 * kMmaWarps, paged_mmat_min_blocks<HD, TP, 
   const unsigned char* kpool = static_cast<const unsigned char*>(a.kpool) + static_cast<int64_t>(hk) * RB;
   const unsigned char* vpool = static_cast<const unsigned char*>(a.vpool) + static_cast<int64_t>(hk) * RB;
   const uint32_t slot_bytes = static_cast<uint32_t>(a.Hkv) * RB;  // bytes between cache slots
-  // The warps' rings, from a 256-byte boundary (the copy destinations below are XORs).
+  // The warps' rings, from a kAlign-byte boundary (the copy destinations below are XORs; TMA's
+  // swizzle pattern starts at a 1024-byte boundary).
   const paged_saddr_t sbase = paged_saddr(smem);
-  const int pad = static_cast<int>((256u - (sbase & 255u)) & 255u);
+  const int pad = static_cast<int>((Cfg::kAlign - (sbase & (Cfg::kAlign - 1u))) & (Cfg::kAlign - 1u));
   unsigned char* ring = smem + pad;
   const unsigned char* wbuf = ring + warp * Cfg::kWarpBytes;  // this warp's stages
   const paged_saddr_t wsa = sbase + static_cast<paged_saddr_t>(pad + warp * Cfg::kWarpBytes);
@@ -1311,11 +1373,34 @@ __global__ void __launch_bounds__(32 * kMmaWarps, paged_mmat_min_blocks<HD, TP, 
   auto src_of = [](uint64_t base, uint32_t slot, uint32_t sb) {
     return reinterpret_cast<const unsigned char*>(static_cast<uintptr_t>(base + static_cast<uint64_t>(slot) * sb));
   };
+  // TMA: the stages' mbarriers (this warp's S), armed and issued by lane 0.
+  const paged_saddr_t wbar = paged_saddr(&s_bar[0]) + static_cast<paged_saddr_t>(kTma ? warp * S * 8 : 0);
+  if constexpr (kTma) {
+    if (lane == 0) {
+#pragma unroll
+      for (int st = 0; st < S; ++st) paged_mbar_init(wbar + 8 * st);
+      paged_mbar_fence_init();
+    }
+    __syncwarp();
+  }
   // Loads a tile into the stage at byte `stage` of the ring; mine: the slot of row `own`.
-  // Rows past the chunk (slot -1) are zeros (P = 0 there, no NaN).
+  // Rows past the chunk (slot -1) are zeros (P = 0 there, no NaN); TMA copies them from the
+  // cache as they are (their page is the sequence's), and the reads mask them (K: -inf scores;
+  // V: zeros in registers).
   auto issue = [&](int stage, int mine) {
     const paged_saddr_t dk = koff + static_cast<paged_saddr_t>(stage), dv = voff + static_cast<paged_saddr_t>(stage);
-    if constexpr (COPY == 0) {
+    if constexpr (kTma) {
+      if (lane == 0) {
+        const paged_saddr_t bar = wbar + static_cast<paged_saddr_t>(8 * (stage / SB));
+        const paged_saddr_t dst = wsa + static_cast<paged_saddr_t>(stage);
+        paged_mbar_expect_tx(bar, 2 * TB);
+#pragma unroll
+        for (int h = 0; h < RB / 128; ++h) {
+          paged_tma_rows(dst + h * HS, &a.kmap, bar, 128 * h, hk, mine);
+          paged_tma_rows(dst + TB + h * HS, &a.vmap, bar, 128 * h, hk, mine);
+        }
+      }
+    } else if constexpr (COPY == 0) {
       paged_saddr_t dvx[VP];  // (dv + RPI i RB) ^ vx = (dv ^ vx) + RPI i RB: the XOR is below bit 7
 #pragma unroll
       for (int p = 0; p < VP; ++p) dvx[p] = dv ^ vx[p];
@@ -1388,25 +1473,45 @@ __global__ void __launch_bounds__(32 * kMmaWarps, paged_mmat_min_blocks<HD, TP, 
   for (int b = 0; b < NB; ++b) m0[b] = m1[b] = -INFINITY, l0[b] = l1[b] = 0.0f;
   // Read offsets in a stage: K rows g (+ 8 RB: g + 8), chunks 4i + c swizzled; V row 2c (+ RB,
   // 8 RB, 9 RB: rows 2c + 1, 2c + 8, 2c + 9, which share its swizzle).
+  // TMA: MMA row g (and g + 8) is the tile's row pg = g ^ 4 for odd g (and pg + 8), so that the
+  // 128-byte swizzle leaves the K reads conflict-free (a quarter-warp's rows g = 2m, 2m + 1 put
+  // chunks c at c ^ pg: 0..3 and 4..7); the positions follow: S^T's row g is position pg, P V's
+  // k-slots 2c, 2c + 1 are V rows 2c (= pg(2c)) and pv1 = pg(2c + 1), whose chunk g is
+  // conflict-free as well (rows 0, 2, 4, 6 and 5, 7, 1, 3 against g = 0, 1).
+  const int pg = kTma ? paged_tma_row(g) : g, pv1 = kTma ? paged_tma_row(2 * c + 1) : 2 * c + 1;
   uint32_t kro[Cfg::kKChunks];
 #pragma unroll
   for (int i = 0; i < Cfg::kKChunks; ++i)
-    kro[i] = paged_keep(static_cast<uint32_t>(g * RB + (((4 * i + c) ^ paged_kswz<CPR>(g)) << 4)));
+    kro[i] = paged_keep(static_cast<uint32_t>(kTma ? paged_tma_off(pg, 4 * i + c)
+                                                   : g * RB + (((4 * i + c) ^ paged_kswz<CPR>(g)) << 4)));
+  constexpr int VQ = F16 ? Cfg::kVDims / 16 : 1;  // TMA: V chunk g * VQ (E4M3 hd 128: bytes 16 g ..)
   const uint32_t vro = paged_keep(static_cast<uint32_t>(
-      F16 ? TB + 2 * c * RB + ((((Cfg::kVDims * g) >> 4) ^ paged_vswz<CPR>(2 * c)) << 4) + ((Cfg::kVDims * g) & 15)
-          : TB + 2 * c * RB + ((g ^ paged_vswz<CPR>(2 * c)) << 4)));
+      kTma  ? TB + paged_tma_off(2 * c, VQ * g)
+      : F16 ? TB + 2 * c * RB + ((((Cfg::kVDims * g) >> 4) ^ paged_vswz<CPR>(2 * c)) << 4) + ((Cfg::kVDims * g) & 15)
+            : TB + 2 * c * RB + ((g ^ paged_vswz<CPR>(2 * c)) << 4)));
+  const uint32_t vro1 = kTma ? paged_keep(static_cast<uint32_t>(TB + paged_tma_off(pv1, VQ * g))) : vro + RB;
+  // TMA: rows past the chunk are the cache's bytes, not zeros: V's are zeroed in registers on the
+  // chunk's last tile (K's give -inf scores). Row of V word set rr (2c, pv1, 2c + 8, pv1 + 8).
+  auto vrow_of = [&](int rr) { return (rr & 1 ? pv1 : 2 * c) + 8 * (rr >> 1); };
+  uint32_t phase = 0;  // TMA: the parity of the current stage's mbarrier phase
   int cur = 0, prev = (S - 1) * SB;  // the stages of tiles k and k - 1 (where tile k + S - 1 goes)
   for (int k = 0; k < nk; ++k) {
-    paged_cp_async_wait<S - 2>();  // tile k has landed (this thread's copies) ...
-    __syncwarp();                  // ... and every lane's; stage (k - 1) % S is free
+    if constexpr (kTma) {
+      paged_mbar_wait(wbar + static_cast<paged_saddr_t>(8 * (cur / SB)), phase);  // tile k has landed
+    } else {
+      paged_cp_async_wait<S - 2>();  // tile k has landed (this thread's copies) ...
+    }
+    __syncwarp();  // ... and every lane's; stage (k - 1) % S is free (every lane is past tile k - 1)
     if (k + S - 1 < nk) issue(prev, slot_n1);
     slot_n1 = slot_n2;
     slot_n2 = slot_of(k + S + 1);
-    paged_cp_async_commit();
+    if constexpr (!kTma) paged_cp_async_commit();
     const unsigned char* st = wbuf + cur;
     prev = cur;
     cur = cur + SB == S * SB ? 0 : cur + SB;
+    if (cur == 0) phase ^= 1u;
     const int base = j0 + (warp + NW * k) * kMmaTile;
+    const bool vmask = kTma && base + kMmaTile > j1;  // TMA: rows past the chunk to zero
 
     // S^T = K Q^T: K rows g and g + 8 as A (their 16-byte chunks 4i + c), two accumulator chains
     // per column block (the A fragments converted once for all blocks).
@@ -1417,7 +1522,7 @@ __global__ void __launch_bounds__(32 * kMmaWarps, paged_mmat_min_blocks<HD, TP, 
       for (int r = 0; r < 4; ++r) sa[b][r] = sb[b][r] = 0.0f;
 #pragma unroll
     for (int i = 0; i < Cfg::kKChunks; ++i) {
-      const uint4 u0 = paged_lds16(st + kro[i]), u1 = paged_lds16(st + kro[i] + 8 * RB);
+      const uint4 u0 = paged_lds16(st + kro[i]), u1 = paged_lds16(st + kro[i] + 8 * RS);
       const uint32_t w0[4] = {u0.x, u0.y, u0.z, u0.w}, w1[4] = {u1.x, u1.y, u1.z, u1.w};
       if constexpr (F16) {
 #pragma unroll
@@ -1444,10 +1549,10 @@ __global__ void __launch_bounds__(32 * kMmaWarps, paged_mmat_min_blocks<HD, TP, 
     for (int b = 0; b < NB; ++b) {
       // Base-2 logits of positions base + g (x0*) and base + g + 8 (x1*), -inf past the chunk (of
       // the column's token).
-      const float x00 = base + g < j1c0[b] ? (sa[b][0] + sb[b][0]) * kq0[b] : -INFINITY;
-      const float x01 = base + g < j1c1[b] ? (sa[b][1] + sb[b][1]) * kq1[b] : -INFINITY;
-      const float x10 = base + g + 8 < j1c0[b] ? (sa[b][2] + sb[b][2]) * kq0[b] : -INFINITY;
-      const float x11 = base + g + 8 < j1c1[b] ? (sa[b][3] + sb[b][3]) * kq1[b] : -INFINITY;
+      const float x00 = base + pg < j1c0[b] ? (sa[b][0] + sb[b][0]) * kq0[b] : -INFINITY;
+      const float x01 = base + pg < j1c1[b] ? (sa[b][1] + sb[b][1]) * kq1[b] : -INFINITY;
+      const float x10 = base + pg + 8 < j1c0[b] ? (sa[b][2] + sb[b][2]) * kq0[b] : -INFINITY;
+      const float x11 = base + pg + 8 < j1c1[b] ? (sa[b][3] + sb[b][3]) * kq1[b] : -INFINITY;
       float mx0 = fmaxf(x00, x10), mx1 = fmaxf(x01, x11);
   #pragma unroll
       for (int sh = 4; sh < 32; sh <<= 1) {
@@ -1497,13 +1602,17 @@ __global__ void __launch_bounds__(32 * kMmaWarps, paged_mmat_min_blocks<HD, TP, 
       uint32_t w[4][VB / 4];           // rows 2c, 2c + 1, 2c + 8, 2c + 9
 #pragma unroll
       for (int rr = 0; rr < 4; ++rr) {
-        const unsigned char* vp = st + vro + ((rr & 1) + 8 * (rr >> 1)) * RB;
+        const unsigned char* vp = st + (rr & 1 ? vro1 : vro) + 8 * RS * (rr >> 1);
         if constexpr (VB == 16) {
           const uint4 u = paged_lds16(vp);
           w[rr][0] = u.x, w[rr][1] = u.y, w[rr][2] = u.z, w[rr][3] = u.w;
         } else {
           const uint2 u = paged_lds8(vp);
           w[rr][0] = u.x, w[rr][1] = u.y;
+        }
+        if (vmask && base + vrow_of(rr) >= j1) {
+#pragma unroll
+          for (int j = 0; j < VB / 4; ++j) w[rr][j] = 0;
         }
       }
 #pragma unroll
@@ -1526,8 +1635,9 @@ __global__ void __launch_bounds__(32 * kMmaWarps, paged_mmat_min_blocks<HD, TP, 
         uint32_t w[4][4];
 #pragma unroll
         for (int rr = 0; rr < 4; ++rr) {
-          const uint4 u = paged_lds16(st + vro + ((rr & 1) + 8 * (rr >> 1)) * RB + 128 * h);
+          const uint4 u = paged_lds16(st + (rr & 1 ? vro1 : vro) + 8 * RS * (rr >> 1) + HS * h);
           w[rr][0] = u.x, w[rr][1] = u.y, w[rr][2] = u.z, w[rr][3] = u.w;
+          if (vmask && base + vrow_of(rr) >= j1) w[rr][0] = w[rr][1] = w[rr][2] = w[rr][3] = 0;
         }
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
@@ -1936,19 +2046,25 @@ inline PagedSplit paged_invariant_split(int max_pos, int chunk = kPagedInvariant
 }
 // The variants of the tensor-core decode kernel (FP8RL_PAGED_VARIANT, kernels.h): 0 is
 // paged_mma_kernel; v >= 1 is paged_mmat_kernel with LAZY paged_t_lazy(v), copies
-// paged_t_copy(v) and, for E4M3 pools at hd 128, paged_t_stages(v) stages per warp (4 KB each:
+// paged_t_copy<HD>(v) and, for E4M3 pools at hd 128, paged_t_stages(v) stages per warp (4 KB each:
 // 4 -> 3 CTAs per SM, 3 -> 4 CTAs and at most 128 registers, 6 -> 2 CTAs); other pools and hd 64
-// keep paged_mma_kernel's stage counts.
-constexpr int kMmaVariants = 6;
+// keep paged_mma_kernel's stage counts. Variant 6 (t-tma) is the default's with TMA copies at
+// head_dim 128 (issue 14: one lane issues a tile's boxes instead of every lane its cp.async);
+// elsewhere (hd 64, a page size that is not a multiple of 16) it runs the default.
+constexpr int kMmaVariants = 7;
+constexpr int kMmaTmaVariant = 6;
 // The default: t-lazy-s3, the fastest at every DecodeBench shape and pool on the H200 (session
 // 6: Qwen3-1.7B B=256 E4M3 62.0 us against orig's 79.2, BF16 108.9 against 114.2; the rl-step
 // generation ran with it, through FP8RL_PAGED_VARIANT, docs/benchmarks.md).
 constexpr int kMmaDefaultVariant = 3;
 constexpr int paged_t_lazy(int v) { return v == 1 ? 0 : 8; }
-constexpr int paged_t_copy(int v) { return v == 5 ? 1 : 0; }
+template <int HD>
+constexpr int paged_t_copy(int v) {
+  return v == 5 ? 1 : v == kMmaTmaVariant && HD == 128 ? 2 : 0;
+}
 template <int HD, class TP>
 constexpr int paged_t_stages(int v) {
-  if constexpr (HD == 128 && sizeof(TP) == 1) return v == 3 ? 3 : v == 4 ? 6 : 4;
+  if constexpr (HD == 128 && sizeof(TP) == 1) return v == 3 || v == kMmaTmaVariant ? 3 : v == 4 ? 6 : 4;
   else return PagedMmaCfg<HD, TP>::kStages;
 }
 // ---- emulated: end --------------------------------------------------------------------------
@@ -1979,10 +2095,12 @@ void launch_pool(const PagedArgs& a, bool grouped, DType pool_dt, int64_t T, cud
 template <int HD, class TP, int V>
 struct MmaVariant {
   static constexpr int kStages = paged_t_stages<HD, TP>(V);
-  static constexpr int kSmemBytes = V == 0 ? PagedMmaCfg<HD, TP>::kSmemBytes : PagedTCfg<HD, TP, kStages>::kSmemBytes;
+  static constexpr int kCopy = paged_t_copy<HD>(V);
+  static constexpr int kSmemBytes =
+      V == 0 ? PagedMmaCfg<HD, TP>::kSmemBytes : PagedTCfg<HD, TP, kStages, kCopy>::kSmemBytes;
   static auto fn() {
     if constexpr (V == 0) return paged_mma_kernel<HD, TP>;
-    else return paged_mmat_kernel<HD, TP, kStages, paged_t_lazy(V), paged_t_copy(V)>;
+    else return paged_mmat_kernel<HD, TP, kStages, paged_t_lazy(V), kCopy>;
   }
 };
 
@@ -2022,7 +2140,7 @@ template <int HD, class TP, int NB>
 void launch_mma_runs(const PagedArgs& a, int64_t runs, cudaStream_t stream) {
   constexpr int V = kMmaDefaultVariant;
   using Var = MmaVariant<HD, TP, V>;
-  const auto fn = paged_mmat_kernel<HD, TP, Var::kStages, paged_t_lazy(V), paged_t_copy(V), NB>;
+  const auto fn = paged_mmat_kernel<HD, TP, Var::kStages, paged_t_lazy(V), Var::kCopy, NB>;
   static std::once_flag opted[64];
   int dev = 0;
   CUDA_CHECK(cudaGetDevice(&dev), "paged attention: cudaGetDevice");
@@ -2064,19 +2182,20 @@ void launch_wide_runs(const PagedArgs& a, int64_t runs, cudaStream_t stream) {
 // f(std::integral_constant<int, v>) for the variant v (0 <= v < kMmaVariants).
 template <class F>
 auto with_variant(int v, const F& f) {
-  static_assert(kMmaVariants == 6, "one case per variant");
+  static_assert(kMmaVariants == 7, "one case per variant");
   switch (v) {
     case 0: return f(std::integral_constant<int, 0>());
     case 1: return f(std::integral_constant<int, 1>());
     case 2: return f(std::integral_constant<int, 2>());
     case 3: return f(std::integral_constant<int, 3>());
     case 4: return f(std::integral_constant<int, 4>());
-    default: return f(std::integral_constant<int, 5>());
+    case 5: return f(std::integral_constant<int, 5>());
+    default: return f(std::integral_constant<int, 6>());
   }
 }
 
-const char* const kMmaVariantNames[kMmaVariants] = {"orig", "t-exact", "t-lazy", "t-lazy-s3", "t-lazy-s6",
-                                                    "t-lazy-rows"};
+const char* const kMmaVariantNames[kMmaVariants] = {"orig",      "t-exact",     "t-lazy", "t-lazy-s3",
+                                                    "t-lazy-s6", "t-lazy-rows", "t-tma"};
 
 }  // namespace
 
@@ -2148,6 +2267,32 @@ int paged_attention_run_tokens(int group) {
   return group >= 1 && group <= kMmaRows ? kWideWarps * kMmaRows / group : 1;
 }
 
+// The TMA copies' tensor map of a pool [pages, page_size, Hkv, row_bytes]: bytes as {row_bytes,
+// Hkv, cache slots}, boxes of 128 bytes x 1 head x 16 slots, 128-byte swizzle. The slot extent is
+// the largest a page-table entry can name (int32 slots: the launcher does not know the pool's
+// size; the kernel reads only the sequences' pages, as the cp.async copies do). Cached per (pool,
+// Hkv, row bytes): encoding costs host time, and the decode calls repeat them every step.
+static CUtensorMap paged_pool_tma_map(const void* pool, int Hkv, int row_bytes) {
+  static std::mutex mu;
+  static std::map<std::tuple<const void*, int, int>, CUtensorMap> cache;
+  const auto key = std::make_tuple(pool, Hkv, row_bytes);
+  std::lock_guard<std::mutex> lock(mu);
+  if (const auto it = cache.find(key); it != cache.end()) return it->second;
+  CUtensorMap m;
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(row_bytes), static_cast<cuuint64_t>(Hkv), cuuint64_t{1} << 31};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(row_bytes), static_cast<cuuint64_t>(Hkv) * row_bytes};
+  const cuuint32_t box[3] = {128, 1, kMmaTile};
+  const cuuint32_t elem[3] = {1, 1, 1};
+  const CUresult r = sm90::tensor_map_encoder()(
+      &m, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, const_cast<void*>(pool), dims, strides, box, elem,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  FP8RL_CHECK(r == CUDA_SUCCESS, "paged attention: cuTensorMapEncodeTiled failed (", static_cast<int>(r),
+              ") for a pool of ", Hkv, " heads x ", row_bytes, " bytes");
+  cache.emplace(key, m);
+  return m;
+}
+
 // The kernels' arguments from a launcher's (the tensor-core and the CUDA-core launchers alike).
 static PagedArgs paged_args(const void* q, DType qdt, const int32_t* token_seq, const int32_t* token_pos,
                             const int32_t* page_table, int max_pages, int Hq, int Hkv, int page_size,
@@ -2190,6 +2335,8 @@ void launch_paged_attention_mma(const void* q, DType qdt, const int32_t* token_s
   FP8RL_CHECK(!out_fp8 || hd == 128, "paged attention: the fused output quantizer needs head_dim 128, got ", hd);
   int v = resolve_variant(variant);
   if (reinterpret_cast<uintptr_t>(q) % 16 != 0) v = 0;  // the transposed kernel loads q 16 bytes at a time
+  // TMA copies bring a tile's 16 positions as consecutive slots of one page.
+  if (v == kMmaTmaVariant && page_size % kMmaTile != 0) v = kMmaDefaultVariant;
   FP8RL_CHECK(Hkv > 0 && Hq % Hkv == 0 && paged_attention_mma_supported(hd, Hq / Hkv, pool_dt, qdt, kpool, vpool),
               "paged attention (tensor cores): unsupported case: q ", dtype_name(qdt), ", pool ", dtype_name(pool_dt),
               ", head_dim ", hd, ", group ", Hq / std::max(Hkv, 1),
@@ -2204,6 +2351,11 @@ void launch_paged_attention_mma(const void* q, DType qdt, const int32_t* token_s
                            k_scale, v_scale, scale, fp8_q, split, part_o, part_lse, out);
   a.ps_shift = (page_size & (page_size - 1)) == 0 ? __builtin_ctz(static_cast<unsigned>(page_size)) : -1;
   a.partials = lse_out != nullptr;
+  if (v == kMmaTmaVariant && hd == 128) {
+    const int rb = hd * (pool_dt == DType::E4M3 ? 1 : 2);
+    a.kmap = paged_pool_tma_map(kpool, Hkv, rb);
+    a.vmap = paged_pool_tma_map(vpool, Hkv, rb);
+  }
   if (out_fp8) {
     a.out_q = out_fp8->q;
     a.out_qs = out_fp8->scales;

@@ -4,10 +4,14 @@
 // each says what the instruction does where it is not obvious.
 #pragma once
 #include <cuda.h>
+#include <cudaTypedefs.h>
 
 #include <cstdint>
 
 namespace fp8rl::cuda::sm90 {
+
+// Host: the driver's cuTensorMapEncodeTiled, looked up once (fp8_gemm_sm90.cu).
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder();
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));

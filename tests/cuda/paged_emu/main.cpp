@@ -4,6 +4,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <deque>
+#include <map>
+#include <mutex>
 #include <random>
 #include <string>
 #include <type_traits>
@@ -94,6 +96,66 @@ inline paged_saddr_t paged_saddr(const void* p) { return reinterpret_cast<uintpt
 inline void paged_cp_async16z(paged_saddr_t dst, const void* src, bool zero) {
   paged_cp_async16(reinterpret_cast<void*>(dst), src, zero ? 0 : 16);
 }
+// The TMA copies (paged_mmat_kernel, COPY 2): a tensor map is the pool's bytes with its strides
+// (the emulated launcher's encoding); a box of 16 slots x 128 bytes is read at issue and lands
+// when a lane waits on its mbarrier, every 16-byte chunk q of row r at q ^ (address bits 7..9)
+// (the 128-byte swizzle); the bytes armed on a barrier must equal those that landed on it.
+#define __grid_constant__
+struct CUtensorMap {
+  const unsigned char* base = nullptr;
+  int64_t row_bytes = 0, slot_bytes = 0;
+};
+struct EmuTma {
+  paged_saddr_t bar;
+  unsigned char* dst;
+  std::vector<unsigned char> data;
+};
+inline std::mutex g_tma_mu;
+inline std::vector<EmuTma> g_tma_pending;
+inline std::map<paged_saddr_t, int64_t> g_tma_armed;
+inline void paged_mbar_init(paged_saddr_t bar) {
+  std::lock_guard<std::mutex> l(g_tma_mu);
+  g_tma_armed[bar] = 0;
+}
+inline void paged_mbar_fence_init() {}
+inline void paged_mbar_expect_tx(paged_saddr_t bar, uint32_t bytes) {
+  std::lock_guard<std::mutex> l(g_tma_mu);
+  if (!g_tma_armed.count(bar)) std::abort();  // not initialized
+  g_tma_armed[bar] += bytes;
+}
+inline void paged_mbar_wait(paged_saddr_t bar, uint32_t) {
+  std::lock_guard<std::mutex> l(g_tma_mu);
+  for (size_t i = 0; i < g_tma_pending.size();) {
+    EmuTma& e = g_tma_pending[i];
+    if (e.bar != bar) {
+      ++i;
+      continue;
+    }
+    std::memcpy(e.dst, e.data.data(), e.data.size());
+    g_tma_armed[bar] -= int64_t(e.data.size());
+    g_tma_pending.erase(g_tma_pending.begin() + long(i));
+  }
+  if (g_tma_armed[bar] != 0) std::abort();  // armed bytes that never came (or more than armed)
+}
+inline void paged_tma_rows(paged_saddr_t dst, const CUtensorMap* map, paged_saddr_t bar, int c0, int c1, int c2) {
+  if (dst % 1024 || c0 % 16 || c0 + 128 > map->row_bytes) std::abort();
+  std::lock_guard<std::mutex> l(g_tma_mu);
+  for (int r = 0; r < 16; ++r) {
+    const unsigned char* src = map->base + int64_t(c2 + r) * map->slot_bytes + int64_t(c1) * map->row_bytes + c0;
+    for (int q = 0; q < 8; ++q) {
+      const paged_saddr_t row = dst + paged_saddr_t(128 * r);
+      EmuTma e{bar, reinterpret_cast<unsigned char*>(row + ((q ^ ((row >> 7) & 7)) << 4)), {}};
+      e.data.assign(src + 16 * q, src + 16 * q + 16);
+      g_tma_pending.push_back(std::move(e));
+    }
+  }
+}
+inline bool emu_tma_idle() {
+  std::lock_guard<std::mutex> l(g_tma_mu);
+  for (const auto& [bar, n] : g_tma_armed)
+    if (n) return false;
+  return g_tma_pending.empty();
+}
 #include "kern.inc"
 
 using namespace emu;
@@ -117,20 +179,26 @@ enum class Kern { Tiled, Grouped, Mma };
 inline Kern g_kern = Kern::Tiled;  // which kernel runs
 inline int g_variant = 0;          // of the tensor-core kernel (kMmaVariants)
 inline const char* kern_name() {
-  static const char* const mma[] = {"mma", "mma-v1", "mma-v2", "mma-v3", "mma-v4", "mma-v5"};
+  static const char* const mma[] = {"mma", "mma-v1", "mma-v2", "mma-v3", "mma-v4", "mma-v5", "mma-v6"};
   static_assert(sizeof(mma) / sizeof(mma[0]) == kMmaVariants, "a name per variant");
   return g_kern == Kern::Tiled ? "tiled" : g_kern == Kern::Grouped ? "grouped" : mma[g_variant];
 }
 template <int HD, class TP, int V>
-void launch_mma_v(const PagedArgs& a, int64_t T) {
-  constexpr int S = paged_t_stages<HD, TP>(V);
-  constexpr int smem = V == 0 ? PagedMmaCfg<HD, TP>::kSmemBytes : PagedTCfg<HD, TP, S>::kSmemBytes;
+void launch_mma_v(const PagedArgs& a0, int64_t T) {
+  constexpr int S = paged_t_stages<HD, TP>(V), COPY = paged_t_copy<HD>(V);
+  constexpr int smem = V == 0 ? PagedMmaCfg<HD, TP>::kSmemBytes : PagedTCfg<HD, TP, S, COPY>::kSmemBytes;
+  PagedArgs a = a0;
+  if constexpr (COPY == 2) {  // the launcher's tensor maps: the pools as {row bytes, Hkv, slots}
+    const int64_t rb = HD * int64_t(sizeof(TP));
+    a.kmap = {static_cast<const unsigned char*>(a.kpool), rb, rb * a.Hkv};
+    a.vmap = {static_cast<const unsigned char*>(a.vpool), rb, rb * a.Hkv};
+  }
   emu_launch(int(T * a.Hkv), a.splits, smem, [&] {
     if (threadIdx.x == 0) std::memset(g_smem, 0xff, smem);  // poison: NaN in every format
     __syncthreads();
     if constexpr (V == 0) paged_mma_kernel<HD, TP>(a);
-    else paged_mmat_kernel<HD, TP, S, paged_t_lazy(V), paged_t_copy(V)>(a);
-    if (!emu_cp_async_idle()) std::abort();  // every copy retired
+    else paged_mmat_kernel<HD, TP, S, paged_t_lazy(V), COPY>(a);
+    if (!emu_cp_async_idle() || !emu_tma_idle()) std::abort();  // every copy retired
   });
 }
 // The multi-query form of the default variant (NB blocks of 8 MMA columns) over `runs` query
@@ -142,7 +210,7 @@ void launch_mma_runs(const PagedArgs& a, int64_t runs) {
   emu_launch(int(runs * a.Hkv), a.splits, smem, [&] {
     if (threadIdx.x == 0) std::memset(g_smem, 0xff, smem);
     __syncthreads();
-    paged_mmat_kernel<HD, TP, S, paged_t_lazy(V), paged_t_copy(V), NB>(a);
+    paged_mmat_kernel<HD, TP, S, paged_t_lazy(V), paged_t_copy<HD>(V), NB>(a);
     if (!emu_cp_async_idle()) std::abort();
   });
 }
@@ -168,14 +236,17 @@ void launch_wide_runs(const PagedArgs& a, int64_t runs) {
 }
 template <int HD, class TP>
 void launch_mma(const PagedArgs& a, int64_t T) {
-  static_assert(kMmaVariants == 6, "a case per variant");
+  static_assert(kMmaVariants == 7, "a case per variant");
   switch (g_variant) {
     case 0: return launch_mma_v<HD, TP, 0>(a, T);
     case 1: return launch_mma_v<HD, TP, 1>(a, T);
     case 2: return launch_mma_v<HD, TP, 2>(a, T);
     case 3: return launch_mma_v<HD, TP, 3>(a, T);
     case 4: return launch_mma_v<HD, TP, 4>(a, T);
-    default: return launch_mma_v<HD, TP, 5>(a, T);
+    case 5: return launch_mma_v<HD, TP, 5>(a, T);
+    default:  // TMA: tiles of 16 consecutive slots (the launcher runs the default elsewhere)
+      if (a.page_size % kMmaTile) return launch_mma_v<HD, TP, kMmaDefaultVariant>(a, T);
+      return launch_mma_v<HD, TP, kMmaTmaVariant>(a, T);
   }
 }
 template <int HD, class TP, int GM>
@@ -232,6 +303,9 @@ int run(const Case& c) {
       float x = nd(gen) * (which ? 1.0f : 1.5f);
       if (!which && c.kramp > 0.0f && slot_pos[i / (int64_t(Hkv) * hd)] >= 0)
         x *= 1.0f + c.kramp * float(slot_pos[i / (int64_t(Hkv) * hd)]) / 100.0f;
+      // Slots no sequence holds are NaN: a kernel that reads one (the TMA copies bring whole tiles
+      // of a page) must mask it.
+      if (slot_pos[i / (int64_t(Hkv) * hd)] < 0) x = NAN;
       if (c.pool == Pool::F32) {
         std::memcpy(raw + 4 * i, &x, 4);
         val[i] = x;
