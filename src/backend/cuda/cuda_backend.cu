@@ -2277,7 +2277,9 @@ bool CudaBackend::attention_paged_run(const KvCache& cache, int layer, const Ten
     launch_paged_attention_mma(q.raw(), q.dtype(), batch.token_seq.data<int32_t>(), batch.token_pos.data<int32_t>(),
                                batch.page_table.data<int32_t>(), max_pages, T, Hq, cache.num_kv_heads, hd,
                                cache.page_size, kp, vp, cache.dtype, ks, vs, softmax_scale, fp8_attention, plan, part,
-                               part_lse, out.raw(), stream_, /*variant=*/-1, lse_out, fused ? out_fp8 : nullptr,
+                               part_lse, out.raw(), stream_,
+                               batch.batch_invariant ? paged_attention_mma_invariant_variant() : -1, lse_out,
+                               fused ? out_fp8 : nullptr,
                                runs ? batch.query_runs.data<int32_t>() : nullptr, runs ? batch.query_runs.dim(0) : 0,
                                runs ? batch.query_run_tokens : 0);
     return fused;

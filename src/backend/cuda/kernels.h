@@ -349,6 +349,9 @@ bool paged_attention_mma_supported(int hd, int group, DType pool_dt, DType qdt, 
 int paged_attention_mma_variants();
 const char* paged_attention_mma_variant_name(int v);
 int paged_attention_mma_variant_env();  // FP8RL_PAGED_VARIANT, or the default; errors on other values
+// The variant of batch-invariant batches (the consistent mode's decode and query runs): the
+// runs' own unless FP8RL_PAGED_VARIANT names one (then the runs apply only if it is that one).
+int paged_attention_mma_invariant_variant();
 int paged_attention_mma_blocks_per_sm(int hd, DType pool_dt, int variant = -1);
 PagedSplit paged_attention_mma_split(int64_t T, int Hkv, int hd, DType pool_dt, int max_pos, int sm_count, int forced,
                                      int variant = -1);

@@ -2057,6 +2057,10 @@ constexpr int kMmaTmaVariant = 6;
 // 6: Qwen3-1.7B B=256 E4M3 62.0 us against orig's 79.2, BF16 108.9 against 114.2; the rl-step
 // generation ran with it, through FP8RL_PAGED_VARIANT, docs/benchmarks.md).
 constexpr int kMmaDefaultVariant = 3;
+// The plain decode's default (no batch invariance): the consistent mode's decode and its query
+// runs (paged_mmat_kernel's MQ form, the wide kernel) stay on kMmaDefaultVariant, whose
+// arithmetic the runs reproduce bit for bit (paged_attention_mma_invariant_variant).
+constexpr int kMmaDecodeVariant = kMmaDefaultVariant;
 constexpr int paged_t_lazy(int v) { return v == 1 ? 0 : 8; }
 template <int HD>
 constexpr int paged_t_copy(int v) {
@@ -2205,14 +2209,19 @@ const char* paged_attention_mma_variant_name(int v) { return v >= 0 && v < kMmaV
 
 int paged_attention_mma_variant_env() {
   const char* e = std::getenv("FP8RL_PAGED_VARIANT");
-  if (!e || !*e) return kMmaDefaultVariant;
+  if (!e || !*e) return kMmaDecodeVariant;
   const std::string s = e;
   for (int v = 0; v < kMmaVariants; ++v)
     if (s == kMmaVariantNames[v] || s == std::to_string(v)) return v;
   std::string names;
   for (int v = 0; v < kMmaVariants; ++v) names += std::string(v ? ", " : "") + kMmaVariantNames[v];
   FP8RL_FAIL("FP8RL_PAGED_VARIANT=", s, ": expected 0 .. ", kMmaVariants - 1, " or one of ", names);
-  return kMmaDefaultVariant;
+  return kMmaDecodeVariant;
+}
+
+int paged_attention_mma_invariant_variant() {
+  const char* e = std::getenv("FP8RL_PAGED_VARIANT");
+  return e && *e ? paged_attention_mma_variant_env() : kMmaDefaultVariant;
 }
 
 namespace {
