@@ -1428,7 +1428,7 @@ __global__ void __launch_bounds__(32 * kMmaWarps, paged_mmat_min_blocks<HD, TP, 
 #pragma unroll
   for (int st = 0; st < S - 1; ++st) {
     if (st < nk) issue(st * SB, j0 + (warp + NW * st) * kMmaTile + own < j1 ? pre[st] : -1);
-    paged_cp_async_commit();
+    if constexpr (!kTma) paged_cp_async_commit();
   }
   int slot_n1 = slot_of(S - 1), slot_n2 = slot_of(S);
 
