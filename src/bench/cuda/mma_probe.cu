@@ -534,19 +534,6 @@ bool probe_check(const std::vector<float>& got, int rows, int n, int ld, uint32_
   return bad == 0;
 }
 
-// cuTensorMapEncodeTiled of the driver (through the runtime: no link to libcuda), as our GEMM gets it.
-PFN_cuTensorMapEncodeTiled_v12000 probe_encode_fn() {
-  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult q{};
-    CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q),
-               "mma probe: looking up cuTensorMapEncodeTiled");
-    FP8RL_CHECK(q == cudaDriverEntryPointSuccess && f, "the CUDA driver has no cuTensorMapEncodeTiled (needs 12.0+)");
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
-  }();
-  return fn;
-}
-
 // A TMA operand [kTmaRows][kTmaK] bytes, K-major: boxes of box_rows x 128 bytes in the 128-byte
 // swizzle (our GEMM's tensor maps).
 CUtensorMap probe_tensor_map(const uint8_t* base, int box_rows) {
@@ -555,9 +542,9 @@ CUtensorMap probe_tensor_map(const uint8_t* base, int box_rows) {
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(kTmaK)};
   const cuuint32_t box[2] = {static_cast<cuuint32_t>(kBK), static_cast<cuuint32_t>(box_rows)};
   const cuuint32_t elem[2] = {1, 1};
-  const CUresult r = probe_encode_fn()(&m, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<uint8_t*>(base), dims, strides,
-                                       box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                                       CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult r = tensor_map_encoder()(&m, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<uint8_t*>(base), dims,
+                                          strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                          CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   FP8RL_CHECK(r == CUDA_SUCCESS, "mma probe: cuTensorMapEncodeTiled failed (", static_cast<int>(r), ") for boxes of ",
               box_rows, " rows");
   return m;
