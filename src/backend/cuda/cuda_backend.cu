@@ -2281,7 +2281,8 @@ bool CudaBackend::attention_paged_run(const KvCache& cache, int layer, const Ten
                                batch.batch_invariant ? paged_attention_mma_invariant_variant() : -1, lse_out,
                                fused ? out_fp8 : nullptr,
                                runs ? batch.query_runs.data<int32_t>() : nullptr, runs ? batch.query_runs.dim(0) : 0,
-                               runs ? batch.query_run_tokens : 0);
+                               runs ? batch.query_run_tokens : 0,
+                               static_cast<int64_t>(cache.num_pages) * cache.page_size);
     return fused;
   }
   launch_paged_attention(q.raw(), q.dtype(), batch.token_seq.data<int32_t>(), batch.token_pos.data<int32_t>(),

@@ -369,7 +369,9 @@ void launch_paged_attention_mma(const void* q, DType qdt, const int32_t* token_s
                                 const float* k_scale, const float* v_scale, float scale, bool fp8_q,
                                 const PagedSplit& split, float* part_o, float* part_lse, void* out, cudaStream_t stream,
                                 int variant = -1, float* lse_out = nullptr, const PagedOutFp8* out_fp8 = nullptr,
-                                const int32_t* qruns = nullptr, int64_t nruns = 0, int run_tokens = 0);
+                                const int32_t* qruns = nullptr, int64_t nruns = 0, int run_tokens = 0,
+                                int64_t pool_slots = 0);
+// pool_slots: the pools' pages x page_size, bounding the TMA variant's boxes (0: unbounded).
 // Query runs (qruns: I32 [nruns][2] {first token, count}, every token in exactly one run; a run is
 // count <= run_tokens <= paged_attention_run_tokens(group) consecutive tokens of one sequence at
 // consecutive positions, e.g. a sequence scored whole): where paged_attention_runs_apply, one CTA per (run,

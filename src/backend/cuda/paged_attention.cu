@@ -142,8 +142,9 @@ __device__ __forceinline__ void paged_cp_async16z(paged_saddr_t dst, const void*
 __device__ __forceinline__ void paged_mbar_init(paged_saddr_t bar) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar) : "memory");
 }
-// The barriers' initialization made visible to the TMA unit (the async proxy).
-__device__ __forceinline__ void paged_mbar_fence_init() {
+// Orders this thread's shared-memory accesses before later async-proxy (TMA) ones: after the
+// barriers' initialization, and after a lane's last reads of a stage that TMA will refill.
+__device__ __forceinline__ void paged_fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 __device__ __forceinline__ void paged_mbar_expect_tx(paged_saddr_t bar, uint32_t bytes) {
@@ -217,7 +218,7 @@ struct PagedArgs {
   int* out_q_bad = nullptr;
   // The pools' tensor maps for the TMA copies (paged_mmat_kernel, COPY 2; paged_pool_tma_map):
   // kpool, vpool as {row bytes, Hkv, cache slots}, boxes of 128 bytes x 1 head x 16 slots.
-  CUtensorMap kmap, vmap;
+  CUtensorMap kmap{}, vmap{};  // valid only in the kernels whose PagedArgs is __grid_constant__
   // Query runs (the transposed tensor-core kernel's multi-query form, paged_mmat_kernel<..., MQ>):
   // {first token, count} per CTA row of the grid, count <= kMmaRows / group consecutive tokens of
   // one sequence at consecutive positions, whose group x count (token, head) pairs are the MMA
@@ -1379,7 +1380,7 @@ __global__ void __launch_bounds__(32 * kMmaWarps, paged_mmat_min_blocks<HD, TP, 
     if (lane == 0) {
 #pragma unroll
       for (int st = 0; st < S; ++st) paged_mbar_init(wbar + 8 * st);
-      paged_mbar_fence_init();
+      paged_fence_proxy_async();
     }
     __syncwarp();
   }
@@ -1648,6 +1649,10 @@ __global__ void __launch_bounds__(32 * kMmaWarps, paged_mmat_min_blocks<HD, TP, 
         }
       }
     }
+    // TMA: this lane's reads of the stage ordered before the refill that lane 0 issues into it at
+    // the next iteration, after __syncwarp (ordinary loads, then an async-proxy write of the same
+    // bytes: the PTX memory model's proxy fence).
+    if (kTma && k + S < nk) paged_fence_proxy_async();
   }
 
   // Epilogue: the warps' streams merged by log-sum-exp through shared memory (the stages).
@@ -2277,18 +2282,19 @@ int paged_attention_run_tokens(int group) {
 }
 
 // The TMA copies' tensor map of a pool [pages, page_size, Hkv, row_bytes]: bytes as {row_bytes,
-// Hkv, cache slots}, boxes of 128 bytes x 1 head x 16 slots, 128-byte swizzle. The slot extent is
-// the largest a page-table entry can name (int32 slots: the launcher does not know the pool's
-// size; the kernel reads only the sequences' pages, as the cp.async copies do). Cached per (pool,
-// Hkv, row bytes): encoding costs host time, and the decode calls repeat them every step.
-static CUtensorMap paged_pool_tma_map(const void* pool, int Hkv, int row_bytes) {
+// Hkv, cache slots}, boxes of 128 bytes x 1 head x 16 slots, 128-byte swizzle. `slots` (pages x
+// page_size; 0: unknown, then the largest an int32 slot can name) bounds the boxes: a page-table
+// entry past the pool reads zeros instead of other memory. Cached per (pool, Hkv, row bytes,
+// slots): encoding costs host time, and the decode calls repeat them every step.
+static CUtensorMap paged_pool_tma_map(const void* pool, int Hkv, int row_bytes, int64_t slots) {
   static std::mutex mu;
-  static std::map<std::tuple<const void*, int, int>, CUtensorMap> cache;
-  const auto key = std::make_tuple(pool, Hkv, row_bytes);
+  static std::map<std::tuple<const void*, int, int, int64_t>, CUtensorMap> cache;
+  const auto key = std::make_tuple(pool, Hkv, row_bytes, slots);
   std::lock_guard<std::mutex> lock(mu);
   if (const auto it = cache.find(key); it != cache.end()) return it->second;
   CUtensorMap m;
-  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(row_bytes), static_cast<cuuint64_t>(Hkv), cuuint64_t{1} << 31};
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(row_bytes), static_cast<cuuint64_t>(Hkv),
+                              static_cast<cuuint64_t>(slots > 0 ? slots : int64_t{1} << 31)};
   const cuuint64_t strides[2] = {static_cast<cuuint64_t>(row_bytes), static_cast<cuuint64_t>(Hkv) * row_bytes};
   const cuuint32_t box[3] = {128, 1, kMmaTile};
   const cuuint32_t elem[3] = {1, 1, 1};
@@ -2339,7 +2345,7 @@ void launch_paged_attention_mma(const void* q, DType qdt, const int32_t* token_s
                                 const float* k_scale, const float* v_scale, float scale, bool fp8_q,
                                 const PagedSplit& split, float* part_o, float* part_lse, void* out, cudaStream_t stream,
                                 int variant, float* lse_out, const PagedOutFp8* out_fp8, const int32_t* qruns,
-                                int64_t nruns, int run_tokens) {
+                                int64_t nruns, int run_tokens, int64_t pool_slots) {
   if (T == 0) return;
   FP8RL_CHECK(!out_fp8 || hd == 128, "paged attention: the fused output quantizer needs head_dim 128, got ", hd);
   int v = resolve_variant(variant);
@@ -2362,8 +2368,8 @@ void launch_paged_attention_mma(const void* q, DType qdt, const int32_t* token_s
   a.partials = lse_out != nullptr;
   if (v == kMmaTmaVariant && hd == 128) {
     const int rb = hd * (pool_dt == DType::E4M3 ? 1 : 2);
-    a.kmap = paged_pool_tma_map(kpool, Hkv, rb);
-    a.vmap = paged_pool_tma_map(vpool, Hkv, rb);
+    a.kmap = paged_pool_tma_map(kpool, Hkv, rb, pool_slots);
+    a.vmap = paged_pool_tma_map(vpool, Hkv, rb, pool_slots);
   }
   if (out_fp8) {
     a.out_q = out_fp8->q;

@@ -117,7 +117,7 @@ inline void paged_mbar_init(paged_saddr_t bar) {
   std::lock_guard<std::mutex> l(g_tma_mu);
   g_tma_armed[bar] = 0;
 }
-inline void paged_mbar_fence_init() {}
+inline void paged_fence_proxy_async() {}
 inline void paged_mbar_expect_tx(paged_saddr_t bar, uint32_t bytes) {
   std::lock_guard<std::mutex> l(g_tma_mu);
   if (!g_tma_armed.count(bar)) std::abort();  // not initialized
