@@ -202,6 +202,7 @@ struct BackendCounters {
   int64_t fp8_gemm_lt_fixed = 0;   // consistent FP8 products on cuBLASLt's probed fixed algorithm
   int64_t fp8_gemm_tails = 0;      // FP8 products whose last M % 16 rows ran as a padded second product
   int64_t grouped_loops = 0;       // groups of grouped (expert) products run as one product each
+  int64_t paged_runs_off = 0;      // paged-attention calls whose query runs ran as one CTA per token
   int64_t concat_products = 0;     // linear_shared_input / linear_swiglu groups run as one concatenated product
   int64_t gemm_tuned = 0;          // GEMM shapes whose cuBLASLt configuration was tuned (CUDA: GemmEngine)
   int64_t gemm_tuned_changed = 0;  // of them, those that run another configuration than the heuristic's

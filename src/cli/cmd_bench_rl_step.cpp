@@ -459,6 +459,7 @@ RecipeResult bench_recipe(Backend& be, const BenchSetup& s, const std::string& r
   res.counters.fp8_gemm_tails = c1.fp8_gemm_tails - c0.fp8_gemm_tails;
   res.counters.fp8_gemm_own = c1.fp8_gemm_own - c0.fp8_gemm_own;
   res.counters.grouped_loops = c1.grouped_loops - c0.grouped_loops;
+  res.counters.paged_runs_off = c1.paged_runs_off - c0.paged_runs_off;
   res.counters.concat_products = c1.concat_products - c0.concat_products;
   res.counters.gemm_tuned = c1.gemm_tuned - c0.gemm_tuned;
   res.counters.gemm_tuned_changed = c1.gemm_tuned_changed - c0.gemm_tuned_changed;
@@ -675,6 +676,8 @@ int run_bench(const std::vector<std::string>& argv) {
   for (const RecipeResult& r : results) std::printf(" %*lld", w, static_cast<long long>(r.counters.concat_products));
   std::printf("\n%-18s", "grouped loops");
   for (const RecipeResult& r : results) std::printf(" %*lld", w, static_cast<long long>(r.counters.grouped_loops));
+  std::printf("\n%-18s", "paged runs off");
+  for (const RecipeResult& r : results) std::printf(" %*lld", w, static_cast<long long>(r.counters.paged_runs_off));
   std::printf("\n%-18s", "gemm tuned/chg/ms");
   for (const RecipeResult& r : results) {
     const std::string t = std::to_string(r.counters.gemm_tuned) + "/" + std::to_string(r.counters.gemm_tuned_changed) +
@@ -714,6 +717,7 @@ int run_bench(const std::vector<std::string>& argv) {
     jr["fp8_gemm_tails"] = r.counters.fp8_gemm_tails;
     jr["fp8_gemm_own"] = r.counters.fp8_gemm_own;
     jr["grouped_loops"] = r.counters.grouped_loops;
+    jr["paged_runs_off"] = r.counters.paged_runs_off;
     jr["concat_products"] = r.counters.concat_products;
     jr["gemm_tuned"] = {{"products", r.counters.gemm_tuned},
                         {"changed", r.counters.gemm_tuned_changed},

@@ -935,6 +935,7 @@ BackendCounters CudaBackend::counters() const {
   c.fp8_gemm_own = gemm_->own_products();
   c.fp8_gemm_lt_fixed = lt_fixed_products_;
   c.grouped_loops = grouped_loops_;
+  c.paged_runs_off = paged_runs_off_;
   c.concat_products = concat_products_;
   const GemmEngine::TuneStats t = gemm_->tune_stats();
   c.gemm_tuned = t.products, c.gemm_tuned_changed = t.changed, c.gemm_tune_ms = t.ms;
@@ -2273,13 +2274,21 @@ bool CudaBackend::attention_paged_run(const KvCache& cache, int layer, const Ten
   // Query runs: only runs that fit the kernel's MMA columns (same bits either way).
   const bool runs = batch.query_runs.defined() && batch.query_runs.numel() > 0 && batch.query_run_tokens >= 1 &&
                     batch.query_run_tokens <= paged_attention_run_tokens(group);
+  const int variant = batch.batch_invariant ? paged_attention_mma_invariant_variant() : -1;
+  if (mma && runs && !paged_attention_runs_apply(group, variant, fused)) {
+    // The runs read each sequence's K/V once for all its tokens; without them every token is its
+    // own CTA (same bits, much slower scoring): say so once, count every call.
+    if (paged_runs_off_++ == 0)
+      std::fprintf(stderr, "warning: paged attention: the query runs are off (variant %s, group %d%s): each token "
+                           "is scored by its own CTA (same results, slower; counted in paged_runs_off)\n",
+                   paged_attention_mma_variant_name(variant >= 0 ? variant : paged_attention_mma_variant_env()),
+                   group, fused ? ", fused FP8 output" : "");
+  }
   if (mma) {
     launch_paged_attention_mma(q.raw(), q.dtype(), batch.token_seq.data<int32_t>(), batch.token_pos.data<int32_t>(),
                                batch.page_table.data<int32_t>(), max_pages, T, Hq, cache.num_kv_heads, hd,
                                cache.page_size, kp, vp, cache.dtype, ks, vs, softmax_scale, fp8_attention, plan, part,
-                               part_lse, out.raw(), stream_,
-                               batch.batch_invariant ? paged_attention_mma_invariant_variant() : -1, lse_out,
-                               fused ? out_fp8 : nullptr,
+                               part_lse, out.raw(), stream_, variant, lse_out, fused ? out_fp8 : nullptr,
                                runs ? batch.query_runs.data<int32_t>() : nullptr, runs ? batch.query_runs.dim(0) : 0,
                                runs ? batch.query_run_tokens : 0,
                                static_cast<int64_t>(cache.num_pages) * cache.page_size);

@@ -282,6 +282,7 @@ class CudaBackend final : public Backend {
                             LinearWeight& cat);
   int64_t fp8_fallbacks_ = 0;
   int64_t grouped_loops_ = 0;    // groups of grouped ops that ran as one product each (no grouped path)
+  int64_t paged_runs_off_ = 0;   // paged-attention calls with query runs their kernel variant cannot serve
   int64_t concat_products_ = 0;  // linear_shared_input / linear_swiglu calls that ran as one concatenated product
   std::set<std::pair<int64_t, int64_t>> fp8_fallback_shapes_;
 
