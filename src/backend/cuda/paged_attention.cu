@@ -2284,12 +2284,22 @@ int paged_attention_run_tokens(int group) {
 // The TMA copies' tensor map of a pool [pages, page_size, Hkv, row_bytes]: bytes as {row_bytes,
 // Hkv, cache slots}, boxes of 128 bytes x 1 head x 16 slots, 128-byte swizzle. `slots` (pages x
 // page_size; 0: unknown, then the largest an int32 slot can name) bounds the boxes: a page-table
-// entry past the pool reads zeros instead of other memory. Cached per (pool, Hkv, row bytes,
-// slots): encoding costs host time, and the decode calls repeat them every step.
+// entry past the pool reads zeros instead of other memory. L2 promotion: 256 bytes (a 128-byte
+// E4M3 row pulls the next head's, which the next CTA of the token reads), or what
+// FP8RL_PAGED_TMA_L2 says (128, 256 or none; read at each call, an experiment for DecodeBench).
+// Cached per (pool, Hkv, row bytes, slots, promotion): encoding costs host time, and the decode
+// calls repeat them every step.
 static CUtensorMap paged_pool_tma_map(const void* pool, int Hkv, int row_bytes, int64_t slots) {
+  const char* e = std::getenv("FP8RL_PAGED_TMA_L2");
+  const std::string l2 = e && *e ? e : "256";
+  FP8RL_CHECK(l2 == "128" || l2 == "256" || l2 == "none", "FP8RL_PAGED_TMA_L2=", l2,
+              ": expected 128, 256 or none; unset it for the default (256)");
+  const CUtensorMapL2promotion promo = l2 == "128"   ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B
+                                       : l2 == "256" ? CU_TENSOR_MAP_L2_PROMOTION_L2_256B
+                                                     : CU_TENSOR_MAP_L2_PROMOTION_NONE;
   static std::mutex mu;
-  static std::map<std::tuple<const void*, int, int, int64_t>, CUtensorMap> cache;
-  const auto key = std::make_tuple(pool, Hkv, row_bytes, slots);
+  static std::map<std::tuple<const void*, int, int, int64_t, int>, CUtensorMap> cache;
+  const auto key = std::make_tuple(pool, Hkv, row_bytes, slots, static_cast<int>(promo));
   std::lock_guard<std::mutex> lock(mu);
   if (const auto it = cache.find(key); it != cache.end()) return it->second;
   CUtensorMap m;
@@ -2300,8 +2310,7 @@ static CUtensorMap paged_pool_tma_map(const void* pool, int Hkv, int row_bytes, 
   const cuuint32_t elem[3] = {1, 1, 1};
   const CUresult r = sm90::tensor_map_encoder()(
       &m, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, const_cast<void*>(pool), dims, strides, box, elem,
-      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, promo, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   FP8RL_CHECK(r == CUDA_SUCCESS, "paged attention: cuTensorMapEncodeTiled failed (", static_cast<int>(r),
               ") for a pool of ", Hkv, " heads x ", row_bytes, " bytes");
   cache.emplace(key, m);
