@@ -321,17 +321,17 @@ PYEOF
       # FP8RL_NCU_PAGED_VARIANTS: the variants to profile (each as the default through FP8RL_PAGED_VARIANT;
       # unset: the default alone)
       for var in ${FP8RL_NCU_PAGED_VARIANTS:-default}; do
-      for tag in bf16 e4m3; do
         [ "$var" = default ] && venv=() || venv=(FP8RL_PAGED_VARIANT="$var")
-        env "${venv[@]}" FP8RL_PAGED_BENCH=1 FP8RL_PAGED_BENCH_POOL=$tag FP8RL_PAGED_BENCH_DEFAULT=1 timeout 150 ncu --clock-control none \
-          -k "regex:paged_mmat" -c 1 \
-          --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \
-          --section MemoryWorkloadAnalysis --section InstructionStats --section LaunchStats --print-details all \
-          "$B/fp8rl_gpu_tests" --gtest_color=no --gtest_filter='CudaPagedAttention.DecodeBench' > "$OUT/ncu_paged_${var}_$tag.log" 2>&1
-        note "ncu paged $var $tag: rc=$?"
-        grep -E "paged_mmat|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)|Achieved Occupancy|Theoretical Occupancy|Waves Per SM|SM Active Cycles|Elapsed Cycles|Registers Per|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Executed Ipc A|Block Limit" \
-          "$OUT/ncu_paged_${var}_$tag.log" | head -30 | tee -a "$SUMMARY"
-      done
+        for tag in bf16 e4m3; do
+          env "${venv[@]}" FP8RL_PAGED_BENCH=1 FP8RL_PAGED_BENCH_POOL=$tag FP8RL_PAGED_BENCH_DEFAULT=1 timeout 150 ncu --clock-control none \
+            -k "regex:paged_mmat" -c 1 \
+            --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \
+            --section MemoryWorkloadAnalysis --section InstructionStats --section LaunchStats --print-details all \
+            "$B/fp8rl_gpu_tests" --gtest_color=no --gtest_filter='CudaPagedAttention.DecodeBench' > "$OUT/ncu_paged_${var}_$tag.log" 2>&1
+          note "ncu paged $var $tag: rc=$?"
+          grep -E "paged_mmat|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)|Achieved Occupancy|Theoretical Occupancy|Waves Per SM|SM Active Cycles|Elapsed Cycles|Registers Per|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Executed Ipc A|Block Limit" \
+            "$OUT/ncu_paged_${var}_$tag.log" | head -30 | tee -a "$SUMMARY"
+        done
       done ;;
     ncu_flash_decode)  # issue 11: the flash-order decode (E4M3 pool, DecodeBench's first shape, Qwen3-1.7B B = 256)
       # in each FP8RL_FLASH_ORDER's kernel (online: flash_decode_kernel, merge: flash_decode_tiles_kernel)

@@ -156,19 +156,20 @@ void check_bf16_grad(const char* what, const Tensor& start, const std::function<
   int64_t bad = 0, worst = -1;
   double worst_ratio = 0.0;
   std::set<int64_t> bad_rows, bad_cols;  // where the failures lie (a tile of the GEMM's output?)
+  const int64_t cols = start.dim(start.ndim() - 1);
   for (size_t i = 0; i < a.size(); ++i) {
     const double d = std::fabs(double(a[i]) - double(b[i]));
     const double bound = bf16_ulp(std::max(std::fabs(double(a[i])), std::fabs(double(b[i])))) +
                          2.0 * double(depth) * 0x1p-24 * (*sum_abs)[i];
-    const int64_t cols = start.dim(start.ndim() - 1);
-    if (d > bound && ++bad <= 8)  // the first few, against the host's double sum when given
+    if (d / bound > worst_ratio) worst_ratio = d / bound, worst = static_cast<int64_t>(i);
+    if (d <= bound) continue;
+    const int64_t row = static_cast<int64_t>(i) / cols, col = static_cast<int64_t>(i) % cols;
+    bad_rows.insert(row), bad_cols.insert(col);
+    if (++bad <= 8)  // the first few, against the host's double sum when given
       std::printf("  past the bound at %zu (row %lld, column %lld): start %.8g, direct BF16 %.8g, through F32 %.8g, "
                   "host double %.8g\n",
-                  i, static_cast<long long>(static_cast<int64_t>(i) / cols),
-                  static_cast<long long>(static_cast<int64_t>(i) % cols), g0[i], a[i], b[i],
+                  i, static_cast<long long>(row), static_cast<long long>(col), g0[i], a[i], b[i],
                   exact_sum ? g0[i] + (*exact_sum)[i] : NAN);
-    if (d > bound) bad_rows.insert(static_cast<int64_t>(i) / cols), bad_cols.insert(static_cast<int64_t>(i) % cols);
-    if (d / bound > worst_ratio) worst_ratio = d / bound, worst = static_cast<int64_t>(i);
   }
   if (bad)
     std::printf("  %lld elements past the bound in rows %lld .. %lld (%zu rows), columns %lld .. %lld (%zu)\n",

@@ -1629,7 +1629,8 @@ void CudaBackend::grouped_wgrad_f32(const Tensor& dy, const Tensor& x, const std
 // other's MMAs). Measured (bench rl-step, Qwen3-30B-A3B width, H100): own made the training phase
 // slower in both recipes (session 32: bf16 0.927 -> 1.027 s, fp8_e2e 0.848 -> 0.950): its tiles'
 // read-modify-write epilogue (no overlap with the next tile's MMAs) and the transposes cost more
-// than cuBLAS's grouped GEMM; own64 more still (session 33: fp8_e2e 0.807 -> 0.957 s). Returns the block_m, 0 for cublas.
+// than cuBLAS's grouped GEMM; own64 more still (session 33: fp8_e2e 0.807 -> 0.957 s). Returns
+// the block_m, 0 for cublas.
 static int grouped_wgrad_own_block_m() {
   const char* e = std::getenv("FP8RL_GROUPED_WGRAD");
   if (!e) return 0;
@@ -1819,10 +1820,10 @@ void CudaBackend::linear_backward_impl(const Tensor& dy, const Tensor& x, const 
                                        Tensor* dx, Tensor* dw, Tensor* dbias, const Fp8View* dy_fp8) {
   // A BF16 weight gradient: the BF16 wgrad GEMM adds into it directly (its FP32 sum plus the old
   // value, rounded once to BF16; the F32 copy's result up to one BF16 ulp and the order in which
-  // the GEMM sums: CudaOptimizer.Bf16GradientsAccumulateThroughF32Once); the FP8 wgrad (cuBLASLt's block-scaled F32 output), the
-  // FP32 one and the bias's column sums go through an F32 copy of the gradient. The copy cost ~16
-  // bytes of traffic per weight per micro-batch (session 32's MoE profile: ~7 ms per step for the
-  // attention's qkv and o alone).
+  // the GEMM sums: CudaOptimizer.Bf16GradientsAccumulateThroughF32Once); the FP8 wgrad (cuBLASLt's
+  // block-scaled F32 output), the FP32 one and the bias's column sums go through an F32 copy of
+  // the gradient. The copy cost ~16 bytes of traffic per weight per micro-batch (session 32's MoE
+  // profile: ~7 ms per step for the attention's qkv and o alone).
   const bool widen_dw = is_bf16_grad(dw) && (spec.mode == LinearMode::FP32 ||
                                              (spec.mode == LinearMode::FP8_BLOCK && spec.wgrad != LinearMode::BF16));
   if (widen_dw || is_bf16_grad(dbias)) {
@@ -2089,8 +2090,9 @@ void CudaBackend::token_logprobs_backward_impl(const Tensor& hidden, const Tenso
   // dx buffer and add. The products are those of the general path below, summed by the GEMM's
   // epilogue instead of a separate add. A BF16 dlm_head (train.grad_dtype: bf16) takes the
   // wgrad's sum in FP32 plus the old value, rounded once, as linear_backward's BF16 wgrad does
-  // (its GPU test's head case is still open: docs/benchmarks.md, session 33) (before session 32 BF16 gradients took the general path below, with its conversions and per-
-  // chunk dx adds: 5-6% of the MoE benches' training phase).
+  // (its GPU test's head case is still open: docs/benchmarks.md, session 33). Before session 32
+  // BF16 gradients took the general path below, with its conversions and per-chunk dx adds: 5-6%
+  // of the MoE benches' training phase.
   if (spec.mode == LinearMode::BF16 && hidden.dtype() == DType::BF16 && lm_head.dtype() == DType::BF16 &&
       (!dlm_head || dlm_head->dtype() == DType::F32 || dlm_head->dtype() == DType::BF16)) {
     Tensor dh = scratch(kSlotDh, {T, D}, DType::F32);
