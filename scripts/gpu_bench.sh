@@ -27,7 +27,7 @@
 #                   FP8RL_PROFILE_ENV, e.g. "FP8RL_CUDA_GRAPHS=0") (2: the
 #                   linear ops split into quantizers, transposes and GEMMs; per-op stream time per
 #                   recipe and phase; with FP8RL_CUDA_GRAPHS=0 the decode step's ops are split too)
-#   tests_x<N>      the GPU tests FP8RL_TESTS_X<N>_FILTER under the env FP8RL_TESTS_X<N>_ENV
+#   tests_x<N>      the GPU tests FP8RL_TESTS_X<N>_FILTER under the env FP8RL_TESTS_X<N>_ENV (timeout FP8RL_TESTS_X_TIMEOUT, 300 s)
 #   grouped         bench-gemm --grouped-only: the grouped FP8 expert GEMM against a dense FP8 GEMM of equal FLOPs
 #   fast_accum      bench-gemm --fast-accum at FP8RL_FAST_ACCUM_SHAPES: cuBLASLt FP8 with fast accumulation, time and diff
 #   mma_probe       bench-gemm --mma-probe: TFLOP/s of each E4M3 wgmma issue pattern on shared-memory tiles
@@ -230,7 +230,8 @@ for stage in ${FP8RL_STAGES:-rlstep}; do
       grep -A${FP8RL_PROFILE_LINES:-12} "cuda op profile" "$OUT/rlstep_profile.log" | tee -a "$SUMMARY" ;;
     tests_x*)  # the GPU tests FP8RL_<STAGE>_FILTER under the env assignments FP8RL_<STAGE>_ENV
       up=$(echo "$stage" | tr a-z A-Z); tf_var="FP8RL_${up}_FILTER"; tenv_var="FP8RL_${up}_ENV"
-      env ${!tenv_var:-} timeout 300 "$B/fp8rl_gpu_tests" --gtest_color=no --gtest_filter="${!tf_var:-*}" \
+      env ${!tenv_var:-} timeout "${FP8RL_TESTS_X_TIMEOUT:-300}" "$B/fp8rl_gpu_tests" --gtest_color=no \
+        --gtest_filter="${!tf_var:-*}" \
         > "$OUT/$stage.log" 2>&1
       note "gpu tests ($stage: ${!tenv_var:-}): rc=$? $(grep -E '^\[  (PASSED|FAILED)' "$OUT/$stage.log" | tr '\n' ' ')"
       grep -E '^\[  FAILED|Failure' "$OUT/$stage.log" | head -20 >> "$SUMMARY" ;;
