@@ -34,6 +34,7 @@
 // trainer's W^T copies kept unless the plan does not fit with them, dropped before --recompute
 // auto turns on recomputation, as train.dgrad_weight_cache: auto.
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -141,6 +142,9 @@ struct RecipeResult {
   // graph-replayed decode steps, time the device has nothing queued), and its iterations, per
   // timed step.
   std::vector<double> gen_host_seconds, gen_forwards;
+  // Generation's iterations by kind (RolloutStats::iter_kind: decode steps by batch size, and
+  // prefill), per timed step: wall seconds and count.
+  std::vector<std::array<double, RolloutStats::kIterKinds>> gen_iter_seconds, gen_iter_steps;
   // MoE: per timed step, the routing agreement and the mismatch over tokens routed alike / not
   std::vector<double> routing_agreement, router_agreement, mult_prob_error_agreed, mult_prob_error_differs;
   MemoryStats mem;
@@ -439,6 +443,10 @@ RecipeResult bench_recipe(Backend& be, const BenchSetup& s, const std::string& r
     res.gen_tokens.push_back(static_cast<double>(gs.generated_tokens));
     res.gen_host_seconds.push_back(gs.loop_seconds - gs.wait_seconds);
     res.gen_forwards.push_back(gs.decode_steps);
+    std::array<double, RolloutStats::kIterKinds> is{}, in{};
+    for (int k = 0; k < RolloutStats::kIterKinds; ++k) is[k] = gs.iter_seconds[k], in[k] = gs.iter_steps[k];
+    res.gen_iter_seconds.push_back(is);
+    res.gen_iter_steps.push_back(in);
     res.train_tokens.push_back(static_cast<double>(train_tokens));
     res.mult_prob_error.push_back(mm.token_mult_prob_error);
     res.gen_kl_error.push_back(mm.gen_kl_error);
@@ -636,7 +644,31 @@ int run_bench(const std::vector<std::string>& argv) {
   row("scoring+training", [](const RecipeResult& r) {
     return median(r.seconds.at("scoring")) + median(r.seconds.at("reference")) + median(r.seconds.at("training"));
   });
-  std::printf("%-18s", "gen tokens/s");
+  // Generation by iteration kind: where its time goes as the ragged batch drains (the FP8 gain of
+  // a decode step by its batch size), the kinds any recipe ran; then their step counts.
+  auto iter_median = [](const std::vector<std::array<double, RolloutStats::kIterKinds>>& v, int k) {
+    std::vector<double> x;
+    for (const auto& a : v) x.push_back(a[static_cast<size_t>(k)]);
+    return median(x);
+  };
+  std::vector<int> kinds;
+  for (int k = 0; k < RolloutStats::kIterKinds; ++k)
+    for (const RecipeResult& r : results)
+      if (iter_median(r.gen_iter_steps, k) > 0) {
+        kinds.push_back(k);
+        break;
+      }
+  for (int k : kinds)
+    row(std::string("gen ") + RolloutStats::iter_kind_name(k) + " s",
+        [&](const RecipeResult& r) { return iter_median(r.gen_iter_seconds, k); });
+  std::printf("%-18s", "gen steps by kind");
+  for (const RecipeResult& r : results) {
+    std::string t;
+    for (int k : kinds)
+      t += (t.empty() ? "" : "/") + std::to_string(static_cast<long long>(iter_median(r.gen_iter_steps, k)));
+    std::printf(" %*s", w, t.c_str());
+  }
+  std::printf("\n%-18s", "gen tokens/s");
   for (const RecipeResult& r : results)
     std::printf(" %*.0f", w, median(r.gen_tokens) / std::max(1e-12, median(r.seconds.at("generation"))));
   std::printf("\n%-18s", "gen host s");
@@ -699,6 +731,14 @@ int run_bench(const std::vector<std::string>& argv) {
     jr["generation_tokens_per_s"] = median(r.gen_tokens) / std::max(1e-12, median(r.seconds.at("generation")));
     jr["generation_host_seconds"] = r.gen_host_seconds;  // host time outside waits (RolloutStats)
     jr["generation_forwards"] = r.gen_forwards;
+    for (int k = 0; k < RolloutStats::kIterKinds; ++k) {  // per timed step
+      nlohmann::json sec = nlohmann::json::array(), n = nlohmann::json::array();
+      for (size_t i = 0; i < r.gen_iter_seconds.size(); ++i) {
+        sec.push_back(r.gen_iter_seconds[i][static_cast<size_t>(k)]);
+        n.push_back(r.gen_iter_steps[i][static_cast<size_t>(k)]);
+      }
+      jr["generation_iterations"][RolloutStats::iter_kind_name(k)] = {{"seconds", sec}, {"steps", n}};
+    }
     jr["token_mult_prob_error"] = r.mult_prob_error;
     jr["gen_kl_error"] = r.gen_kl_error;
     jr["entropy_per_token"] = r.entropy;  // the trainer's scoring, mean over response tokens

@@ -40,6 +40,22 @@ Tensor upload(Backend& be, const std::vector<int32_t>& v, Tensor& buf, const Sha
   return dst;
 }
 
+}  // namespace
+
+int RolloutStats::iter_kind(int batch, bool prefill) {
+  if (prefill) return kIterKinds - 1;
+  int k = 0;
+  for (int cap = 16; k < kIterKinds - 2 && batch > cap; cap *= 2) ++k;
+  return k;
+}
+
+const char* RolloutStats::iter_kind_name(int kind) {
+  static const char* const names[kIterKinds] = {"B<=16", "B<=32", "B<=64", "B<=128", "B<=256", "B>256", "prefill"};
+  return kind >= 0 && kind < kIterKinds ? names[kind] : "?";
+}
+
+namespace {
+
 // The sequences of `requests` (n each, in order), every request checked against the vocabulary
 // and the pool; `max_seq_pages` receives the most pages one sequence can need.
 std::vector<Sequence> generate_make_sequences(const std::vector<RolloutRequest>& requests, const SamplingParams& sp,
@@ -301,6 +317,7 @@ std::vector<RolloutSample> RolloutEngine::generate(const std::vector<RolloutRequ
   const auto t_loop = Clock::now();
   while (!sched.done()) {
     if (sp.on_progress) sp.on_progress(slots_done, slots_total);
+    const auto t_iter = Clock::now();
     const std::vector<int>& batch_seqs = sched.schedule();
     if (batch_seqs.empty()) continue;  // everything scheduled was preempted: plan again
     generate_stage_batch(seqs, batch_seqs, page_size_, hb);
@@ -358,6 +375,17 @@ std::vector<RolloutSample> RolloutEngine::generate(const std::vector<RolloutRequ
     }
     stats_.decode_steps++;
     sched.commit();
+    // The iteration's bucket (RolloutStats::iter_kind), timed to its end: when it samples, after
+    // its tokens are on the host (the scope's end); a prefill chunk that samples nothing, now.
+    struct IterTimer {
+      RolloutStats& st;
+      int kind;
+      Clock::time_point t0;
+      ~IterTimer() {
+        st.iter_steps[kind]++;
+        st.iter_seconds[kind] += std::chrono::duration<double>(Clock::now() - t0).count();
+      }
+    } iter_timer{stats_, RolloutStats::iter_kind(B, T != B), t_iter};
     if (record) {  // after the step's work is queued (a prefill chunk without sampled rows waits here)
       const auto t_wait = Clock::now();
       const Tensor ids = be_.to_host(routing_dev);

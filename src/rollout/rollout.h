@@ -89,6 +89,17 @@ struct RolloutStats {
   // time during which the device has nothing queued; eager steps (prefill, graphs off) launch
   // their ops in it while the device runs them, so there it is no idle time.
   double loop_seconds = 0, wait_seconds = 0;
+  // The iterations by kind: decode-only ones by the sequences in their batch (buckets of up to
+  // 16, 32, 64, 128, 256 and more), and those that ran prefill tokens; their count and wall
+  // seconds. An iteration that samples ends when its tokens are on the host, so a decode step's
+  // wall time is its device time plus the host's share; a prefill chunk that samples nothing does
+  // not wait, and its device time lands in the next iteration's. Where generation's time goes as
+  // the ragged batch drains (issue 14: the FP8 gain of a step by its batch size).
+  static constexpr int kIterKinds = 7;
+  int iter_steps[kIterKinds] = {};
+  double iter_seconds[kIterKinds] = {};
+  static int iter_kind(int batch, bool prefill);  // the bucket of an iteration
+  static const char* iter_kind_name(int kind);    // "B<=16" .. "B>256", "prefill"
 };
 
 // How the engine batches (rollout/scheduler.h describes the policy).

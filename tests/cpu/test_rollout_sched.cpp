@@ -62,9 +62,35 @@ struct Fixture {
     EXPECT_EQ(e.last_stats().preemptions, 0);
     EXPECT_EQ(e.last_stats().prefix_shared_tokens, 0);
     EXPECT_EQ(e.last_stats().prefill_tokens, e.last_stats().prompt_tokens);
+    expect_iterations_accounted(e.last_stats());
     return out;
   }
+  // Every iteration in one bucket (RolloutStats::iter_kind), their time within the loop's.
+  static void expect_iterations_accounted(const RolloutStats& st) {
+    int steps = 0;
+    double seconds = 0;
+    for (int k = 0; k < RolloutStats::kIterKinds; ++k) steps += st.iter_steps[k], seconds += st.iter_seconds[k];
+    EXPECT_EQ(steps, st.decode_steps);
+    EXPECT_LE(seconds, st.loop_seconds);
+    EXPECT_GT(st.iter_steps[RolloutStats::kIterKinds - 1], 0) << "the prompts' prefill";
+    EXPECT_GT(st.iter_steps[0], 0) << "decode steps of at most 16 sequences (this batch has 10)";
+  }
 };
+
+TEST(RolloutScheduler, IterationKindsByBatchSize) {
+  EXPECT_EQ(RolloutStats::iter_kind(1, false), 0);
+  EXPECT_EQ(RolloutStats::iter_kind(16, false), 0);
+  EXPECT_EQ(RolloutStats::iter_kind(17, false), 1);
+  EXPECT_EQ(RolloutStats::iter_kind(128, false), 3);
+  EXPECT_EQ(RolloutStats::iter_kind(129, false), 4);
+  EXPECT_EQ(RolloutStats::iter_kind(256, false), 4);
+  EXPECT_EQ(RolloutStats::iter_kind(257, false), 5);
+  EXPECT_EQ(RolloutStats::iter_kind(100000, false), 5);
+  EXPECT_EQ(RolloutStats::iter_kind(3, true), RolloutStats::kIterKinds - 1);
+  EXPECT_STREQ(RolloutStats::iter_kind_name(0), "B<=16");
+  EXPECT_STREQ(RolloutStats::iter_kind_name(5), "B>256");
+  EXPECT_STREQ(RolloutStats::iter_kind_name(RolloutStats::kIterKinds - 1), "prefill");
+}
 
 TEST(RolloutScheduler, PrefixSharingGivesTheSameSamples) {
   Fixture f;
