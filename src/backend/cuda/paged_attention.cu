@@ -1191,9 +1191,24 @@ __device__ __forceinline__ int paged_tma_row(int g) { return g ^ ((g & 1) << 2);
 // FP16 MMAs: by the power of two that puts the row's amax in [2^14, 2^15)); and the score scales
 // kq0, kq1 of this thread's columns 2c, 2c + 1. The one-token / query-run kernel and the wide
 // query runs share it.
+// The loads of paged_mmat_q_block, apart: thread (g, c)'s 16-byte words of column g's q row (zeros
+// where !qin), so that a kernel can issue them before it waits for anything else.
 template <class Cfg>
-__device__ __forceinline__ void paged_mmat_q_block(const PagedArgs& a, const uint16_t* qrow, bool qin, float ksc,
-                                                   int c, uint32_t (&qf)[Cfg::kKSteps][2], float& kq0, float& kq1) {
+struct PagedQWords {
+  uint4 w[Cfg::kKChunks][Cfg::kChunkDims / 8];
+};
+template <class Cfg>
+__device__ __forceinline__ void paged_mmat_q_load(const uint16_t* qrow, bool qin, int c, PagedQWords<Cfg>& q) {
+  constexpr int CD = Cfg::kChunkDims;
+#pragma unroll
+  for (int i = 0; i < Cfg::kKChunks; ++i)
+#pragma unroll
+    for (int u = 0; u < CD / 8; ++u)
+      q.w[i][u] = qin ? paged_ld16(qrow + CD * (4 * i + c) + 8 * u) : make_uint4(0, 0, 0, 0);
+}
+template <class Cfg>
+__device__ __forceinline__ void paged_mmat_q_block(const PagedArgs& a, const PagedQWords<Cfg>& q, float ksc, int c,
+                                                   uint32_t (&qf)[Cfg::kKSteps][2], float& kq0, float& kq1) {
   constexpr int CD = Cfg::kChunkDims, KC = Cfg::kKChunks;
   constexpr bool F16 = Cfg::kF16;
   float x[KC][CD];  // dims CD (4i + c) .. + CD - 1 of column g's head
@@ -1201,7 +1216,7 @@ __device__ __forceinline__ void paged_mmat_q_block(const PagedArgs& a, const uin
   for (int i = 0; i < KC; ++i)
 #pragma unroll
     for (int u = 0; u < CD / 8; ++u) {
-      const uint4 w = qin ? paged_ld16(qrow + CD * (4 * i + c) + 8 * u) : make_uint4(0, 0, 0, 0);
+      const uint4 w = q.w[i][u];
       const uint32_t ww[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
@@ -1245,6 +1260,13 @@ __device__ __forceinline__ void paged_mmat_q_block(const PagedArgs& a, const uin
   const float kqh = fs * a.scale_log2 * ksc;  // column g's
   kq0 = __uint_as_float(static_cast<uint32_t>(paged_shfl(static_cast<int>(__float_as_uint(kqh)), 8 * c)));
   kq1 = __uint_as_float(static_cast<uint32_t>(paged_shfl(static_cast<int>(__float_as_uint(kqh)), 8 * c + 4)));
+}
+template <class Cfg>
+__device__ __forceinline__ void paged_mmat_q_block(const PagedArgs& a, const uint16_t* qrow, bool qin, float ksc,
+                                                   int c, uint32_t (&qf)[Cfg::kKSteps][2], float& kq0, float& kq1) {
+  PagedQWords<Cfg> q;
+  paged_mmat_q_load<Cfg>(qrow, qin, c, q);
+  paged_mmat_q_block<Cfg>(a, q, ksc, c, qf, kq0, kq1);
 }
 template <int MQ>
 constexpr bool paged_mmat_q_smem() {
@@ -1301,18 +1323,32 @@ __global__ void __launch_bounds__(32 * kMmaWarps, paged_mmat_min_blocks<HD, TP, 
   // The row of a tile whose slot this lane loads (TMA: the tile's first; its 16 slots are
   // consecutive, page_size being a multiple of 16).
   const int own = COPY == 0 ? lane & 15 : COPY == 1 ? lane >> 1 : 0;
-  // The cache slot of row `own` of this warp's tile k if that position is in the sequence (the
-  // table index clamped to the row, so it is read before the sequence's length is known).
-  auto slot_raw = [&](int k) -> int {
-    const int j = j0 + (warp + NW * k) * kMmaTile + own;
-    int pi, off;
-    if (a.ps_shift >= 0) pi = j >> a.ps_shift, off = j & (a.page_size - 1);
-    else pi = j / a.page_size, off = j - pi * a.page_size;
-    return table[paged_imin(pi, a.max_pages - 1)] * a.page_size + off;
+  // Row `own` of this warp's tile k: its position, the page-table entry of its page (the index
+  // clamped to the row, so it can be read before the sequence's length is known), and the cache
+  // slot that entry gives it (-1 past the chunk). Loads and their uses are kept apart: an entry
+  // is loaded S - 1 tiles (the prologue: all of the first S + 1 at once) before its copy is
+  // issued, and multiplied out only then. Session 35's ncu source counters (E4M3, H100) had a
+  // multiply right after each tile's load stall every warp a loaded memory latency per tile
+  // (15% of the stall samples), and the prologue's chain of dependent loads (sequence, entry,
+  // slot, next slot, next-but-one slot, q) another ~30%.
+  auto pos_of = [&](int k) { return j0 + (warp + NW * k) * kMmaTile + own; };
+  auto entry_of = [&](int k) -> int {
+    const int j = pos_of(k);
+    return table[paged_imin(a.ps_shift >= 0 ? j >> a.ps_shift : j / a.page_size, a.max_pages - 1)];
   };
-  int pre[S - 1];  // the first S - 1 tiles' slots
+  // (j1: the chunk's end, below)
+  int pre[S + 1];  // the entries of tiles 0 .. S
 #pragma unroll
-  for (int st = 0; st < S - 1; ++st) pre[st] = slot_raw(st);
+  for (int st = 0; st <= S; ++st) pre[st] = entry_of(st);
+  // One token's CTA: its q words now too, before anything waits (their use is after the first
+  // tiles' copies).
+  constexpr int NQ = NB == 1 ? 1 : 0;
+  PagedQWords<Cfg> qw[NQ > 0 ? NQ : 1];
+  if constexpr (NQ > 0) {
+    const bool qin = g < ncols;
+    paged_mmat_q_load<Cfg>(static_cast<const uint16_t*>(a.q) + (qin ? col_row(g) : 0) * HD, qin, c, qw[0]);
+  }
+  const float ksc = a.k_scale ? a.k_scale[hk] : 1.0f;
   int len = a.token_pos[t] + 1;  // MQ: the run's longest
   if constexpr (MQ)
     for (int i = 1; i < cnt; ++i) len = paged_imax(len, a.token_pos[t + i] + 1);
@@ -1333,8 +1369,11 @@ __global__ void __launch_bounds__(32 * kMmaWarps, paged_mmat_min_blocks<HD, TP, 
 #pragma unroll
     for (int b = 0; b < NB; ++b) j1c0[b] = col_j1(8 * b + 2 * c), j1c1[b] = col_j1(8 * b + 2 * c + 1);
   }
-  // The slot of row `own` of this warp's tile k, -1 past the chunk.
-  auto slot_of = [&](int k) -> int { return j0 + (warp + NW * k) * kMmaTile + own < j1 ? slot_raw(k) : -1; };
+  auto slot_of = [&](int k, int entry) -> int {
+    const int j = pos_of(k);
+    if (j >= j1) return -1;
+    return entry * a.page_size + (a.ps_shift >= 0 ? j & (a.page_size - 1) : j % a.page_size);
+  };
   const unsigned char* kpool = static_cast<const unsigned char*>(a.kpool) + static_cast<int64_t>(hk) * RB;
   const unsigned char* vpool = static_cast<const unsigned char*>(a.vpool) + static_cast<int64_t>(hk) * RB;
   const uint32_t slot_bytes = static_cast<uint32_t>(a.Hkv) * RB;  // bytes between cache slots
@@ -1428,15 +1467,14 @@ __global__ void __launch_bounds__(32 * kMmaWarps, paged_mmat_min_blocks<HD, TP, 
   // count); the slots of the next two are loaded ahead.
 #pragma unroll
   for (int st = 0; st < S - 1; ++st) {
-    if (st < nk) issue(st * SB, j0 + (warp + NW * st) * kMmaTile + own < j1 ? pre[st] : -1);
+    if (st < nk) issue(st * SB, slot_of(st, pre[st]));
     if constexpr (!kTma) paged_cp_async_commit();
   }
-  int slot_n1 = slot_of(S - 1), slot_n2 = slot_of(S);
+  int entry_n1 = pre[S - 1], entry_n2 = pre[S];  // tiles k + S - 1 and k + S at tile k
 
   // Q^T's B fragments (head g, k-slots as paged_kdim; zero for g >= group), from q in registers,
   // scaled as in paged_mma_kernel; the score scales of this thread's heads 2c, 2c + 1 (MQ: block
   // b's columns 8b + g and 8b + 2c, 8b + 2c + 1).
-  const float ksc = a.k_scale ? a.k_scale[hk] : 1.0f;
   uint32_t qb[kQSmem ? 1 : NB][Cfg::kKSteps][2];  // held in registers without kQSmem
   auto q_slot = [&](int b, int kk, int r) { return ((b * Cfg::kKSteps + kk) * 2 + r) * 32 + lane; };
   auto q_put = [&](int b, int kk, int r, uint32_t v) {
@@ -1453,10 +1491,14 @@ __global__ void __launch_bounds__(32 * kMmaWarps, paged_mmat_min_blocks<HD, TP, 
   float kq0[NB], kq1[NB];
 #pragma unroll
   for (int b = 0; b < NB; ++b) {
-    const bool qin = 8 * b + g < ncols;  // a column of a (token, head); else zeros
-    const uint16_t* qrow = static_cast<const uint16_t*>(a.q) + (qin ? col_row(8 * b + g) : 0) * HD;
     uint32_t qf[Cfg::kKSteps][2];
-    paged_mmat_q_block<Cfg>(a, qrow, qin, ksc, c, qf, kq0[b], kq1[b]);
+    if constexpr (NQ > 0) {  // loaded above
+      paged_mmat_q_block<Cfg>(a, qw[0], ksc, c, qf, kq0[b], kq1[b]);
+    } else {
+      const bool qin = 8 * b + g < ncols;  // a column of a (token, head); else zeros
+      const uint16_t* qrow = static_cast<const uint16_t*>(a.q) + (qin ? col_row(8 * b + g) : 0) * HD;
+      paged_mmat_q_block<Cfg>(a, qrow, qin, ksc, c, qf, kq0[b], kq1[b]);
+    }
 #pragma unroll
     for (int kk = 0; kk < Cfg::kKSteps; ++kk) q_put(b, kk, 0, qf[kk][0]), q_put(b, kk, 1, qf[kk][1]);
   }
@@ -1503,9 +1545,9 @@ __global__ void __launch_bounds__(32 * kMmaWarps, paged_mmat_min_blocks<HD, TP, 
       paged_cp_async_wait<S - 2>();  // tile k has landed (this thread's copies) ...
     }
     __syncwarp();  // ... and every lane's; stage (k - 1) % S is free (every lane is past tile k - 1)
-    if (k + S - 1 < nk) issue(prev, slot_n1);
-    slot_n1 = slot_n2;
-    slot_n2 = slot_of(k + S + 1);
+    if (k + S - 1 < nk) issue(prev, slot_of(k + S - 1, entry_n1));
+    entry_n1 = entry_n2;
+    entry_n2 = entry_of(k + S + 1);
     if constexpr (!kTma) paged_cp_async_commit();
     const unsigned char* st = wbuf + cur;
     prev = cur;
