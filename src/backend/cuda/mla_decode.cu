@@ -306,9 +306,12 @@ __global__ void __launch_bounds__(kMlaThreads, MlaCfg<TP>::kMinBlocks) mla_decod
       mla_cp_async_commit();
     }
     // The slots of tile k + 2 (into s_slot[k % 2], whose tile k was issued before the barrier):
-    // loaded now, stored at the end of the iteration.
+    // the page-table entry loaded now, the slot made of it and stored at the end of the iteration
+    // (a slot computed here would wait for the load at once: a warp issues in order).
     const bool slot_next = tid < kMlaTile && k + 2 < ntiles;
-    const int nslot = slot_next ? slot_of((k + 2) * kMlaTile + tid) : -1;
+    const int nj = (k + 2) * kMlaTile + tid;
+    int nentry = 0;
+    if (slot_next && nj < len) nentry = table[nj / ps];
     const unsigned char* tile = s_kv + (k & 1) * Cfg::kTileBytes;
 
     // S = Q K^T for positions 16 warp + 8 nb + 2c + (i & 1), rows g + 8 (i >> 1): two chains per
@@ -435,7 +438,7 @@ __global__ void __launch_bounds__(kMlaThreads, MlaCfg<TP>::kMinBlocks) mla_decod
         }
       }
     }
-    if (slot_next) s_slot[(k & 1) * kMlaTile + tid] = nslot;
+    if (slot_next) s_slot[(k & 1) * kMlaTile + tid] = nj < len ? nentry * ps + nj % ps : -1;
   }
 
   // Epilogue: the denominators over the 4 threads of a row and the warps; out = O / l (E4M3:
