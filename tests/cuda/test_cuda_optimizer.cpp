@@ -131,10 +131,16 @@ std::vector<double> abs_products(const std::vector<float>& a, const std::vector<
 
 // An op into a BF16 gradient == the op into the F32 widening of it, then rounded (both on the GPU).
 // Without `sum_abs`: bitwise. With it (a BF16 GEMM of `depth` terms per element adding into the BF16
-// gradient itself): the two results are the same FP32 sum plus the old value, each rounded once to
-// BF16, the sums perhaps in other orders, so element i may differ by one BF16 ulp of the larger
-// plus twice the FP32 summation-order bound depth 2^-24 sum_abs[i] (sum_abs: the sum of the
-// terms' magnitudes). A bound, not a count of ulps: near a cancelling sum's zero the ulps are tiny.
+// gradient itself, beta = 1): cuBLASLt's BF16-output epilogue rounds the FP32 product P to BF16
+// before it adds the old value g0 (session 35, H100: the head case's direct results are
+// bf16(bf16(P) + g0), up to 2 BF16 ulps of the result and once 0 against 5.8e-5 from
+// bf16(P + g0), where only the summation order separates the two P; the one-pass algorithms
+// without split-K gave the same bits), as PyTorch's BF16 .grad accumulation rounds each
+// micro-batch's gradient before the add. So element i may differ from the F32 copy's by one BF16
+// ulp of the larger, half a BF16 ulp of |P| (P from the F32 copy: its result minus g0), and twice
+// the FP32 summation-order bound depth 2^-24 sum_abs[i] (sum_abs: the sum of the terms'
+// magnitudes). A bound, not a count of ulps: near a cancelling sum's zero the ulps are tiny.
+// Printed besides: how many elements are exactly either rounding model's value.
 void check_bf16_grad(const char* what, const Tensor& start, const std::function<void(Tensor&)>& op,
                      const std::vector<double>* sum_abs = nullptr, int64_t depth = 0,
                      const std::vector<double>* exact_sum = nullptr) {
@@ -151,15 +157,21 @@ void check_bf16_grad(const char* what, const Tensor& start, const std::function<
     return;
   }
   const std::vector<float> a = to_float_vector(host(g16)), b = to_float_vector(host(want));
+  const std::vector<float> c32 = to_float_vector(host(g32));  // P + g0 in FP32 (the F32 copy)
   ASSERT_EQ(sum_abs->size(), a.size());
   const std::vector<float> g0 = to_float_vector(from_float_vector(to_float_vector(start), start.shape(), DType::BF16));
-  int64_t bad = 0, worst = -1;
+  auto bf16 = [](double v) { return double(bf16_round(static_cast<float>(v))); };  // via FP32, as the GPU
+  int64_t bad = 0, worst = -1, once = 0, twice = 0;
   double worst_ratio = 0.0;
   std::set<int64_t> bad_rows, bad_cols;  // where the failures lie (a tile of the GEMM's output?)
   const int64_t cols = start.dim(start.ndim() - 1);
   for (size_t i = 0; i < a.size(); ++i) {
+    const double p = double(c32[i]) - double(g0[i]);  // the product, up to one FP32 rounding
+    once += double(a[i]) == bf16(double(c32[i]));
+    twice += double(a[i]) == bf16(bf16(p) + double(g0[i]));
     const double d = std::fabs(double(a[i]) - double(b[i]));
     const double bound = bf16_ulp(std::max(std::fabs(double(a[i])), std::fabs(double(b[i])))) +
+                         0.5 * bf16_ulp(std::fabs(p) * (1.0 + 0x1p-20)) +
                          2.0 * double(depth) * 0x1p-24 * (*sum_abs)[i];
     if (d / bound > worst_ratio) worst_ratio = d / bound, worst = static_cast<int64_t>(i);
     if (d <= bound) continue;
@@ -171,6 +183,8 @@ void check_bf16_grad(const char* what, const Tensor& start, const std::function<
                   i, static_cast<long long>(row), static_cast<long long>(col), g0[i], a[i], b[i],
                   exact_sum ? g0[i] + (*exact_sum)[i] : NAN);
   }
+  std::printf("  %s: %lld of %zu elements are bf16(P + g0), %lld bf16(bf16(P) + g0)\n", what,
+              static_cast<long long>(once), a.size(), static_cast<long long>(twice));
   if (bad)
     std::printf("  %lld elements past the bound in rows %lld .. %lld (%zu rows), columns %lld .. %lld (%zu)\n",
                 static_cast<long long>(bad), static_cast<long long>(*bad_rows.begin()),

@@ -1818,9 +1818,11 @@ void CudaBackend::grouped_linear_backward_impl(const Tensor& dy, const Tensor& x
 
 void CudaBackend::linear_backward_impl(const Tensor& dy, const Tensor& x, const LinearWeight& W, const LinearSpec& spec,
                                        Tensor* dx, Tensor* dw, Tensor* dbias, const Fp8View* dy_fp8) {
-  // A BF16 weight gradient: the BF16 wgrad GEMM adds into it directly (its FP32 sum plus the old
-  // value, rounded once to BF16; the F32 copy's result up to one BF16 ulp and the order in which
-  // the GEMM sums: CudaOptimizer.Bf16GradientsAccumulateThroughF32Once); the FP8 wgrad (cuBLASLt's
+  // A BF16 weight gradient: the BF16 wgrad GEMM adds into it directly: its FP32 sum, rounded to
+  // BF16 by cuBLASLt's BF16-output epilogue before the old value is added and the result rounded
+  // (session 35; as PyTorch accumulates a BF16 .grad), so within one BF16 ulp of the F32 copy's
+  // result plus half an ulp of the product and the GEMM's summation order
+  // (CudaOptimizer.Bf16GradientsAccumulateThroughF32Once); the FP8 wgrad (cuBLASLt's
   // block-scaled F32 output), the FP32 one and the bias's column sums go through an F32 copy of
   // the gradient. The copy cost ~16 bytes of traffic per weight per micro-batch (session 32's MoE
   // profile: ~7 ms per step for the attention's qkv and o alone).
@@ -2089,8 +2091,8 @@ void CudaBackend::token_logprobs_backward_impl(const Tensor& hidden, const Tenso
   // place (beta = 1) and the wgrad into dlm_head: no F32 gradient, no conversions, no per-chunk
   // dx buffer and add. The products are those of the general path below, summed by the GEMM's
   // epilogue instead of a separate add. A BF16 dlm_head (train.grad_dtype: bf16) takes the
-  // wgrad's sum in FP32 plus the old value, rounded once, as linear_backward's BF16 wgrad does
-  // (its GPU test's head case is still open: docs/benchmarks.md, session 33). Before session 32
+  // wgrad's FP32 sum rounded to BF16, then added to the old value and rounded, as
+  // linear_backward's BF16 wgrad does (docs/benchmarks.md, session 35). Before session 32
   // BF16 gradients took the general path below, with its conversions and per-chunk dx adds: 5-6%
   // of the MoE benches' training phase.
   if (spec.mode == LinearMode::BF16 && hidden.dtype() == DType::BF16 && lm_head.dtype() == DType::BF16 &&

@@ -349,26 +349,20 @@ cublasLtMatmulAlgo_t GemmEngine::heuristic_algo(const Key& key_in, cublasLtMatmu
     if (lt_candidate_ >= 0) lt_desc_ = algo_desc(it->second);
     return it->second;
   }
-  // A BF16 output accumulated into (beta != 0: the BF16 weight gradients, train.grad_dtype: bf16):
-  // an algorithm that computes each output tile in one pass over K, so the product plus the old
-  // value is rounded into the gradient once. Session 35 (H100): with split-K restricted to FP32
-  // partials (CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE) the lm_head's BF16 wgrad of a 1,000-row
-  // vocabulary still came out up to 2 BF16 ulps (and once 0 against 5.8e-5) from the same GEMM
-  // into F32 then rounded, on 3.4% of the elements in every row and column — as if partial sums
-  // were rounded to BF16 on the way (how is not known: the algorithm's fix-up, presumably). No
-  // workspace and no reduction scheme leave no such path.
-  if (std::get<0>(key) == 0 && std::get<2>(key) == static_cast<int>(DType::BF16) && (std::get<3>(key) & 4) &&
-      lt_candidate_ < 0) {
-    const cublasLtMatmulAlgo_t algo = one_pass_algo(desc, a, b, c, what, key);
-    ++heuristic_count_;
-    algos_.emplace(key, algo);
-    return algo;
-  }
   Pref pref;
   CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref.p), "creating a matmul preference");
   CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref.p, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                                     &workspace_bytes_, sizeof(workspace_bytes_)),
                "setting the workspace size");
+  // A BF16 output accumulated into (beta != 0: the BF16 weight gradients, train.grad_dtype: bf16):
+  // split-K partials only in the compute type, FP32 (not summed in the output's BF16: INPLACE,
+  // OUTPUT_TYPE), so the product plus the old value is rounded into the gradient once.
+  if (std::get<0>(key) == 0 && std::get<2>(key) == static_cast<int>(DType::BF16) && (std::get<3>(key) & 4)) {
+    const uint32_t mask = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref.p, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &mask,
+                                                      sizeof(mask)),
+                 "restricting the split-K reduction to FP32");
+  }
   const int want = lt_candidate_ < 0 ? 1 : lt_candidate_ + 1;  // the candidate's rank + 1
   cublasLtMatmulHeuristicResult_t res[kMaxLtCandidates] = {};
   int n = 0;
@@ -393,20 +387,11 @@ cublasLtMatmulAlgo_t GemmEngine::find_row_invariant_algo(const Key& key, cublasL
                                                          cublasLtMatrixLayout_t c_big, const char* what) {
   auto it = algos_.find(key);
   if (it != algos_.end()) return it->second;
-  // The one-pass algorithms' partition depends only on the tile grid, never on how many rows
-  // share the launch.
-  const cublasLtMatmulAlgo_t algo = one_pass_algo(desc, a, b_big, c_big, what, key);
-  algos_.emplace(key, algo);
-  return algo;
-}
-
-cublasLtMatmulAlgo_t GemmEngine::one_pass_algo(cublasLtMatmulDesc_t desc, cublasLtMatrixLayout_t a,
-                                               cublasLtMatrixLayout_t b, cublasLtMatrixLayout_t c, const char* what,
-                                               const Key& key) {
   Pref pref;
   CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref.p), "creating a matmul preference");
   // No workspace and no reduction scheme: the algorithms left compute each output tile in one
-  // pass over K by one CTA (no split-K, no stream-K fix-up).
+  // pass over K by one CTA (no split-K, no stream-K fix-up), in a partition that depends only on
+  // the tile grid, never on how many rows share the launch.
   const uint64_t no_workspace = 0;
   const uint32_t no_reduction = CUBLASLT_REDUCTION_SCHEME_NONE;
   CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref.p, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &no_workspace,
@@ -418,9 +403,9 @@ cublasLtMatmulAlgo_t GemmEngine::one_pass_algo(cublasLtMatmulDesc_t desc, cublas
   constexpr int kAsk = 8;
   cublasLtMatmulHeuristicResult_t res[kAsk] = {};
   int n = 0;
-  CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle_, desc, a, b, c, c, pref.p, kAsk, res, &n),
-               "asking cuBLASLt for a one-pass ", what, " algorithm (N=", std::get<4>(key), " K=", std::get<6>(key),
-               ")");
+  CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle_, desc, a, b_big, c_big, c_big, pref.p, kAsk, res, &n),
+               "asking cuBLASLt for a row-invariant ", what, " algorithm (N=", std::get<4>(key), " K=",
+               std::get<6>(key), ")");
   for (int i = 0; i < n; ++i) {
     if (res[i].state != CUBLAS_STATUS_SUCCESS || res[i].workspaceSize != 0) continue;
     cublasLtMatmulAlgo_t algo = res[i].algo;
@@ -437,12 +422,13 @@ cublasLtMatmulAlgo_t GemmEngine::one_pass_algo(cublasLtMatmulDesc_t desc, cublas
       continue;
     splits = 1;  // explicit: one pass over K whatever the algorithm's default
     CUBLAS_CHECK(cublasLtMatmulAlgoConfigSetAttribute(&algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splits, sizeof(splits)),
-                 "fixing the split-K count of a one-pass ", what);
+                 "fixing the split-K count of a row-invariant ", what);
+    algos_.emplace(key, algo);
     return algo;
   }
   FP8RL_FAIL("cuBLASLt has no ", what, " kernel without split-K and workspace for N=", std::get<4>(key), " K=",
-             std::get<6>(key), ": a row-invariant product (precision.consistent, FP8RL_FP8_ROW_INVARIANT) or a BF16 "
-             "gradient accumulated in place (train.grad_dtype: bf16) cannot run this layer");
+             std::get<6>(key), ": a row-invariant product cannot run this layer (turn precision.consistent off, or unset "
+             "FP8RL_FP8_ROW_INVARIANT)");
 }
 
 void GemmEngine::gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const void* A, const void* B, DType ab,

@@ -283,12 +283,8 @@ class GemmEngine {
   // lt_enumerate / set_lt_config applied to the heuristic's algorithm of one product.
   cublasLtMatmulAlgo_t lt_configured(cublasLtMatmulAlgo_t base, cublasLtMatmulDesc_t desc, cublasLtMatrixLayout_t a,
                                      cublasLtMatrixLayout_t b, cublasLtMatrixLayout_t c);
-  // An algorithm that computes each output tile in one pass over K by one CTA (no workspace, no
-  // split-K or reduction scheme, SPLITK_NUM 1), for these layouts.
-  cublasLtMatmulAlgo_t one_pass_algo(cublasLtMatmulDesc_t desc, cublasLtMatrixLayout_t a, cublasLtMatrixLayout_t b,
-                                     cublasLtMatrixLayout_t c, const char* what, const Key& key);
   // The row-invariant algorithm of gemm(): asked once per key (M = -1) with a layout of
-  // kRowInvariantM rows (one_pass_algo's).
+  // kRowInvariantM rows.
   cublasLtMatmulAlgo_t find_row_invariant_algo(const Key& key, cublasLtMatmulDesc_t desc, cublasLtMatrixLayout_t a,
                                                cublasLtMatrixLayout_t b_big, cublasLtMatrixLayout_t c_big,
                                                const char* what);
