@@ -1325,21 +1325,32 @@ __global__ void __launch_bounds__(32 * kMmaWarps, paged_mmat_min_blocks<HD, TP, 
   const int own = COPY == 0 ? lane & 15 : COPY == 1 ? lane >> 1 : 0;
   // Row `own` of this warp's tile k: its position, the page-table entry of its page (the index
   // clamped to the row, so it can be read before the sequence's length is known), and the cache
-  // slot that entry gives it (-1 past the chunk). Loads and their uses are kept apart: an entry
-  // is loaded S - 1 tiles (the prologue: all of the first S + 1 at once) before its copy is
-  // issued, and multiplied out only then. Session 35's ncu source counters (E4M3, H100) had a
-  // multiply right after each tile's load stall every warp a loaded memory latency per tile
-  // (15% of the stall samples), and the prologue's chain of dependent loads (sequence, entry,
-  // slot, next slot, next-but-one slot, q) another ~30%.
+  // slot that entry gives it (-1 past the chunk). Loads and their uses are kept apart (a warp
+  // issues in order: a use waits for its load, and every instruction after it waits too).
+  // Session 35's ncu source counters (E4M3, H100): a multiply right after each tile's entry load
+  // stalled every warp a loaded memory latency per tile (15% of the stall samples), and the
+  // prologue's chain of dependent loads (sequence, entry, slot, next slot, next-but-one slot, q)
+  // another ~30%; with the loads two tiles ahead of their uses the wait moved to the move that
+  // passes an entry on one tile later (10%: a loaded latency is longer than a tile).
+  // Pages of a multiple of 16 slots hold a tile whole (one entry per tile): lane L holds the
+  // entry of the warp's tile 32 w + L of window w (ecur: the window of the tile to be issued,
+  // enext: the next, loaded a whole window ahead), and a tile's entry is a shuffle. Other page
+  // sizes: each lane's row's own entry, loaded S + 1 tiles (the prologue) or two tiles ahead.
   auto pos_of = [&](int k) { return j0 + (warp + NW * k) * kMmaTile + own; };
-  auto entry_of = [&](int k) -> int {
-    const int j = pos_of(k);
-    return table[paged_imin(a.ps_shift >= 0 ? j >> a.ps_shift : j / a.page_size, a.max_pages - 1)];
+  auto page_of = [&](int j) {
+    return paged_imin(a.ps_shift >= 0 ? j >> a.ps_shift : j / a.page_size, a.max_pages - 1);
   };
-  // (j1: the chunk's end, below)
-  int pre[S + 1];  // the entries of tiles 0 .. S
+  auto entry_of = [&](int k) -> int { return table[page_of(pos_of(k))]; };
+  const bool tile_pages = (a.page_size & (kMmaTile - 1)) == 0;
+  auto tile_entry = [&](int k) -> int { return table[page_of(j0 + (warp + NW * k) * kMmaTile)]; };
+  int ecur = 0, enext = 0;
+  int pre[S + 1] = {};  // the entries of tiles 0 .. S (other page sizes)
+  if (tile_pages) {
+    ecur = tile_entry(lane), enext = tile_entry(32 + lane);
+  } else {
 #pragma unroll
-  for (int st = 0; st <= S; ++st) pre[st] = entry_of(st);
+    for (int st = 0; st <= S; ++st) pre[st] = entry_of(st);
+  }
   // One token's CTA: its q words now too, before anything waits (their use is after the first
   // tiles' copies).
   constexpr int NQ = NB == 1 ? 1 : 0;
@@ -1467,10 +1478,21 @@ __global__ void __launch_bounds__(32 * kMmaWarps, paged_mmat_min_blocks<HD, TP, 
   // count); the slots of the next two are loaded ahead.
 #pragma unroll
   for (int st = 0; st < S - 1; ++st) {
-    if (st < nk) issue(st * SB, slot_of(st, pre[st]));
+    if (st < nk) issue(st * SB, slot_of(st, tile_pages ? paged_shfl(ecur, st) : pre[st]));
     if constexpr (!kTma) paged_cp_async_commit();
   }
-  int entry_n1 = pre[S - 1], entry_n2 = pre[S];  // tiles k + S - 1 and k + S at tile k
+  int entry_n1 = pre[S - 1], entry_n2 = pre[S];  // other page sizes: tiles k + S - 1 and k + S at tile k
+  // The entry of tile kn = k + S - 1, issued at tile k (kn rises by one per tile).
+  auto entry_next = [&](int kn) -> int {
+    if (tile_pages) {
+      if ((kn & 31) == 0) ecur = enext, enext = tile_entry(kn + 32 + lane);  // a new window
+      return paged_shfl(ecur, kn & 31);
+    }
+    const int e = entry_n1;
+    entry_n1 = entry_n2;
+    entry_n2 = entry_of(kn + 2);
+    return e;
+  };
 
   // Q^T's B fragments (head g, k-slots as paged_kdim; zero for g >= group), from q in registers,
   // scaled as in paged_mma_kernel; the score scales of this thread's heads 2c, 2c + 1 (MQ: block
@@ -1545,9 +1567,7 @@ __global__ void __launch_bounds__(32 * kMmaWarps, paged_mmat_min_blocks<HD, TP, 
       paged_cp_async_wait<S - 2>();  // tile k has landed (this thread's copies) ...
     }
     __syncwarp();  // ... and every lane's; stage (k - 1) % S is free (every lane is past tile k - 1)
-    if (k + S - 1 < nk) issue(prev, slot_of(k + S - 1, entry_n1));
-    entry_n1 = entry_n2;
-    entry_n2 = entry_of(k + S + 1);
+    if (k + S - 1 < nk) issue(prev, slot_of(k + S - 1, entry_next(k + S - 1)));
     if constexpr (!kTma) paged_cp_async_commit();
     const unsigned char* st = wbuf + cur;
     prev = cur;

@@ -664,6 +664,12 @@ int main(int argc, char** argv) {
     d.invariant = true;
     mma_cases.push_back(d);
   }
+  {  // one split over 4,200 positions, pages of 32: every warp walks ~66 tiles, so the page-table
+     // entries it holds a window of 32 tiles at a time (pages of a multiple of 16) turn over twice
+    Case c{"long one-split G2 hd128 e4m3 ps32", 128, 4, 2, 32, Pool::E4M3, true, false, {4200, 70}, {}, 1};
+    c.tokens = {{0, 4199}, {1, 69}, {0, 2100}};
+    mma_cases.push_back(c);
+  }
   for (Pool pool : {Pool::BF16, Pool::E4M3}) {  // scores rising with the position: the running max moves
     Case c{pool == Pool::BF16 ? "rising maxima G2 hd128 bf16" : "rising maxima G2 hd128 e4m3", 128, 4, 2, 16, pool, true,
            false, {700, 300}, {}, 1};
