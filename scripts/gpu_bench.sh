@@ -39,6 +39,7 @@
 #   memory          bench rl-step with 32k-token micro-batches and kl_beta 0.01, recompute none and
 #                   block: measured peak against the memory plan of the same setup (issue 15)
 #   kernels         the tensor-core paged decode attention (old vs new, GB/s) and the sampler alone
+#   paged_l2        DecodeBench's default rows with the decode kernel's L2 prefetch at each FP8RL_PAGED_L2_LIST distance
 #   flash_orders    DecodeBench's flash-order decode rows under FP8RL_FLASH_ORDER=online, merge_coop and merge
 #                   (the tile-merge order's cooperative and tile-parallel decodes against the online order's)
 #   pick_paged      after kernels: exports FP8RL_PAGED_VARIANT = the fastest passing tensor-core variant
@@ -290,6 +291,14 @@ for stage in ${FP8RL_STAGES:-rlstep}; do
       note "paged attention bench: rc=$?"; grep -vE '^\[|^$|^Note' "$OUT/paged_bench.log" | head -72 | tee -a "$SUMMARY"
       timeout 60 "$FP8RL" bench sample --device cuda > "$OUT/sample_bench.log" 2>&1
       note "bench sample: rc=$?"; tail -12 "$OUT/sample_bench.log" | tee -a "$SUMMARY" ;;
+    paged_l2)  # issue 14: DecodeBench's default tensor-core rows (every shape, both pools) with the L2
+      # prefetch FP8RL_PAGED_L2_AHEAD at each of FP8RL_PAGED_L2_LIST (tiles ahead; 0: none), one machine
+      for n in ${FP8RL_PAGED_L2_LIST:-0 2 4 8}; do
+        FP8RL_PAGED_L2_AHEAD=$n FP8RL_PAGED_BENCH=1 FP8RL_PAGED_BENCH_DEFAULT=1 timeout 120 "$B/fp8rl_gpu_tests" \
+          --gtest_color=no --gtest_filter='CudaPagedAttention.DecodeBench' > "$OUT/paged_l2_$n.log" 2>&1
+        note "DecodeBench, FP8RL_PAGED_L2_AHEAD=$n: rc=$?"
+        grep -E " mma  " "$OUT/paged_l2_$n.log" | tee -a "$SUMMARY"
+      done ;;
     flash_orders)  # issue 11: DecodeBench's flash-order decode in each FP8RL_FLASH_ORDER (online, merge_coop, merge)
       for order in online merge_coop merge; do
         FP8RL_FLASH_ORDER=$order FP8RL_PAGED_BENCH=1 timeout 120 "$B/fp8rl_gpu_tests" --gtest_color=no \
