@@ -193,12 +193,10 @@ __global__ void __launch_bounds__(kMlaThreads, MlaCfg<TP>::kMinBlocks) mla_decod
   const int32_t* table = a.page_table + static_cast<int64_t>(a.token_seq[t]) * a.max_pages;
   const unsigned char* pool = static_cast<const unsigned char*>(a.pool);
   const int ps = a.page_size;
-  // The cache slot of position j, -1 past the token's positions (its rows are zero-filled).
-  auto slot_of = [&](int j) -> int {
-    if (j >= len) return -1;
-    const int pi = j / ps;
-    return table[pi] * ps + (j - pi * ps);
-  };
+  // The cache slot of position j in the page of `entry`, and of position j; -1 past the token's
+  // positions (its rows are zero-filled).
+  auto slot_at = [&](int j, int entry) -> int { return j < len ? entry * ps + j % ps : -1; };
+  auto slot_of = [&](int j) -> int { return slot_at(j, j < len ? table[j / ps] : 0); };
   // Copies tile kt into buffer kt % 2 from the slots in s_slot[kt % 2]: thread group tid / kCpg,
   // kCpg consecutive chunks of a row at a time; zero rows past the positions (P = 0 there and
   // 0 * V must not meet a NaN of stale memory).
@@ -438,7 +436,7 @@ __global__ void __launch_bounds__(kMlaThreads, MlaCfg<TP>::kMinBlocks) mla_decod
         }
       }
     }
-    if (slot_next) s_slot[(k & 1) * kMlaTile + tid] = nj < len ? nentry * ps + nj % ps : -1;
+    if (slot_next) s_slot[(k & 1) * kMlaTile + tid] = slot_at(nj, nentry);
   }
 
   // Epilogue: the denominators over the 4 threads of a row and the warps; out = O / l (E4M3:

@@ -1389,11 +1389,12 @@ __global__ void __launch_bounds__(32 * kMmaWarps, paged_mmat_min_blocks<HD, TP, 
 #pragma unroll
     for (int b = 0; b < NB; ++b) j1c0[b] = col_j1(8 * b + 2 * c), j1c1[b] = col_j1(8 * b + 2 * c + 1);
   }
-  auto slot_of = [&](int k, int entry) -> int {
-    const int j = pos_of(k);
+  // The slot of position j in the page of `entry` (-1 past the chunk); of row `own` of tile k.
+  auto slot_at = [&](int j, int entry) -> int {
     if (j >= j1) return -1;
     return entry * a.page_size + (a.ps_shift >= 0 ? j & (a.page_size - 1) : j % a.page_size);
   };
+  auto slot_of = [&](int k, int entry) { return slot_at(pos_of(k), entry); };
   const unsigned char* kpool = static_cast<const unsigned char*>(a.kpool) + static_cast<int64_t>(hk) * RB;
   const unsigned char* vpool = static_cast<const unsigned char*>(a.vpool) + static_cast<int64_t>(hk) * RB;
   const uint32_t slot_bytes = static_cast<uint32_t>(a.Hkv) * RB;  // bytes between cache slots
@@ -1582,9 +1583,8 @@ __global__ void __launch_bounds__(32 * kMmaWarps, paged_mmat_min_blocks<HD, TP, 
       // window of tile k + S - 1 (ecur) or the next (l2_ahead < 32: the launcher's bound).
       const int kn = k + S - 1, kp = kn + a.l2_ahead;
       const int e = paged_shfl((kp >> 5) != (kn >> 5) ? enext : ecur, kp & 31);
-      const int j = j0 + (warp + NW * kp) * kMmaTile + (lane & 15);
-      if (j < j1) {
-        const int sl = e * a.page_size + (a.ps_shift >= 0 ? j & (a.page_size - 1) : j % a.page_size);
+      const int sl = slot_at(j0 + (warp + NW * kp) * kMmaTile + (lane & 15), e);
+      if (sl >= 0) {
         const unsigned char* row = (lane < 16 ? kpool : vpool) + static_cast<int64_t>(sl) * slot_bytes;
 #pragma unroll
         for (int h = 0; h < RB / 128; ++h) paged_prefetch_l2(row + 128 * h);
