@@ -19,6 +19,8 @@
 #                   rounding) with the default GEMM choice and with every FP8 product on the own
 #                   kernel at one split (row-invariant: both engines compute each row alike)
 #   gemm            fp8rl bench-gemm: BF16, cuBLASLt FP8 and the own FP8 kernel at 8B and 1.7B widths
+#   gemm_sk         bench-gemm at the decode products (FP8RL_SK_SHAPES) with FP8RL_FP8_GEMM_STREAMK=1: the own
+#                   kernel's column is its stream-K form, beside cuBLASLt's FP8 and BF16 and the own split configs
 #   gemm_algos      bench-gemm --algos at the 1.7B products (FP8RL_ALGO_SHAPES): every cuBLASLt candidate timed
 #   lt_search       bench-gemm --lt-search at the 1.7B decode products (FP8RL_LT_SHAPES): every configuration
 #                   (tile, stages, split-K, cluster) of cuBLASLt's first algorithm timed, BF16 and FP8
@@ -201,6 +203,11 @@ for stage in ${FP8RL_STAGES:-rlstep}; do
       if [ -n "${OWN_GEMM_BROKEN:-}" ]; then note "gemm: skipped (CudaFp8Gemm failed)"; continue; fi
       timeout 200 "$FP8RL" bench-gemm --json "$OUT/bench_gemm.json" > "$OUT/bench_gemm.log" 2>&1
       note "bench-gemm: rc=$?"; sed -n '/^linear/,$p' "$OUT/bench_gemm.log" | tee -a "$SUMMARY" ;;
+    gemm_sk)  # issue 14: the own FP8 GEMM as stream-K at the decode products, beside cuBLASLt
+      FP8RL_FP8_GEMM_STREAMK=1 timeout 150 "$FP8RL" bench-gemm --shapes \
+        "${FP8RL_SK_SHAPES:-256x4096x2048,256x2048x2048,256x12288x2048,256x2048x6144,128x4096x2048,128x2048x6144,64x12288x2048}" \
+        > "$OUT/gemm_sk.log" 2>&1
+      note "bench-gemm, the own kernel as stream-K: rc=$?"; sed -n '/^linear/,$p' "$OUT/gemm_sk.log" | tee -a "$SUMMARY" ;;
     gemm_algos)  # every cuBLASLt heuristic candidate (BF16 and FP8) of the 1.7B products, decode and training M
       timeout $(( $(left) - 20 )) "$FP8RL" bench-gemm --algos --json "$OUT/gemm_algos.json" --shapes \
         "${FP8RL_ALGO_SHAPES:-256x4096x2048,256x2048x2048,256x12288x2048,256x2048x6144,128x2048x6144,64x12288x2048,8192x12288x2048,8192x2048x6144}" \

@@ -1066,5 +1066,81 @@ TEST(CudaFp8Gemm, Dense192RowTilesAreBitwise128RowTiles) {
   }
 }
 
+// Stream-K (FP8RL_FP8_GEMM_STREAMK=1, decode-sized M): the 128 x 128 tiles' K blocks shared out
+// evenly among the CTAs, a cut tile summed by the piece that finishes last. Every result within
+// the MMA bound of the exact product and as close as cuBLASLt's, at the SMs' CTA count and at
+// CTA counts that cut tiles into up to 16 pieces (FP8RL_FP8_GEMM_SK_CTAS); each run repeated
+// bitwise (the tile counters left zero, the sum in K order whichever piece finishes last);
+// BF16 output the F32 result rounded once; beta = 1 adds the old F32 output once; a captured
+// graph replays the eager bits. The 1.7B decode products (q|k|v, o, gate|up, down at M = 256),
+// ragged M, partial N and K blocks, and a K of one block (nothing to cut).
+TEST(CudaFp8Gemm, StreamKMatchesTheHostProductAndRepeats) {
+  cuda::CudaBackend be(0, DType::BF16);
+  const Shape shapes[] = {{256, 4096, 2048}, {256, 2048, 2048}, {256, 12288, 2048}, {256, 2048, 6144},
+                          {200, 208, 336},   {5, 384, 640},     {129, 1536, 1024},  {64, 256, 128}};
+  setenv("FP8RL_FP8_GEMM_STREAMK", "1", 1);
+  for (const Shape& s : shapes) {
+    SCOPED_TRACE(testing::Message() << "M=" << s.M << " N=" << s.N << " K=" << s.K);
+    const Operands o = make_operands(be, s.M, s.N, s.K, static_cast<uint32_t>(s.M * 37 + s.N + s.K));
+    const double lt =
+        s.K % kQuantBlock == 0 ? max_error(o, run_cublaslt(be, o, s.M, s.N, s.K), s.M, s.N) : kMmaBound / 1.25;
+    for (const char* ctas : {"", "3", "7", "50"}) {
+      SCOPED_TRACE(testing::Message() << "FP8RL_FP8_GEMM_SK_CTAS=" << ctas);
+      if (*ctas) setenv("FP8RL_FP8_GEMM_SK_CTAS", ctas, 1);
+      else unsetenv("FP8RL_FP8_GEMM_SK_CTAS");
+      for (bool kb_major : {false, true}) {
+        const Tensor c1 = run_own(be, o, s.M, s.N, s.K, DType::F32, kb_major, 0);
+        finish_or_exit(be, "stream-K");
+        const Tensor c2 = run_own(be, o, s.M, s.N, s.K, DType::F32, kb_major, 0);
+        ASSERT_EQ(std::memcmp(c1.raw(), c2.raw(), c1.nbytes()), 0) << "a repeat differs, kb_major " << kb_major;
+        const double own = max_error(o, c1, s.M, s.N);
+        EXPECT_LT(own, kMmaBound) << "kb_major " << kb_major;
+        EXPECT_LE(own, 1.25 * lt + 1e-6) << "cuBLASLt's error " << lt;
+      }
+      const Tensor c32 = run_own(be, o, s.M, s.N, s.K, DType::F32, false, 0);
+      const Tensor c16 = run_own(be, o, s.M, s.N, s.K, DType::BF16, false, 0);
+      for (int64_t i = 0; i < s.M * s.N; i += 7)
+        ASSERT_EQ(c16.data<uint16_t>()[i], bf16_from_float(c32.data<float>()[i])) << "element " << i;
+      // beta = 1 into an F32 output holding `old`: old + the product, added once.
+      std::vector<float> old(static_cast<size_t>(s.M * s.N));
+      for (size_t i = 0; i < old.size(); ++i) old[i] = static_cast<float>(static_cast<int64_t>(i % 101) - 50) / 64.0f;
+      Tensor c = be.to_device(from_float_vector(old, {s.M, s.N}, DType::F32));
+      be.gemm().gemm_fp8_own(s.M, s.N, s.K, o.da.data.data<uint8_t>(), o.da.scales.data<float>(), false,
+                             o.db.data.data<uint8_t>(), o.db.scales.data<float>(), c.raw(), DType::F32, 1.0f, 1.0f, 0);
+      be.synchronize();
+      const Tensor cb = be.to_host(c);
+      for (int64_t i = 0; i < s.M * s.N; i += 5)
+        ASSERT_EQ(cb.data<float>()[i], old[static_cast<size_t>(i)] + c32.data<float>()[i]) << "beta 1, element " << i;
+    }
+    unsetenv("FP8RL_FP8_GEMM_SK_CTAS");
+    // A captured graph's replays give the eager bits (the counters are zero again after each).
+    Tensor cg = poisoned(be, {s.M, s.N}, DType::BF16);
+    auto call = [&] {
+      be.gemm().gemm_fp8_own(s.M, s.N, s.K, o.da.data.data<uint8_t>(), o.da.scales.data<float>(), false,
+                             o.db.data.data<uint8_t>(), o.db.scales.data<float>(), cg.raw(), DType::BF16, 1.0f, 0.0f,
+                             0);
+    };
+    call();  // eager: the stream-K buffers exist before the capture
+    be.synchronize();
+    const Tensor ref = be.to_host(cg);
+    cudaStream_t st = be.stream();
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    ASSERT_EQ(cudaStreamBeginCapture(st, cudaStreamCaptureModeRelaxed), cudaSuccess);
+    call();
+    ASSERT_EQ(cudaStreamEndCapture(st, &graph), cudaSuccess);
+    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+    for (int rep = 0; rep < 3; ++rep) {
+      ASSERT_EQ(cudaMemsetAsync(cg.raw(), 0xFF, cg.nbytes(), st), cudaSuccess);
+      ASSERT_EQ(cudaGraphLaunch(exec, st), cudaSuccess);
+      finish_or_exit(be, "stream-K graph replay");
+      EXPECT_EQ(std::memcmp(be.to_host(cg).raw(), ref.raw(), ref.nbytes()), 0) << "replay " << rep;
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+  }
+  unsetenv("FP8RL_FP8_GEMM_STREAMK");
+}
+
 }  // namespace
 }  // namespace fp8rl

@@ -36,6 +36,16 @@ struct Fp8GemmArgs {
   int block_m = 0;             // rows per CTA: 64, 128 or 192 (0: 64 for M <= 256, else fp8_gemm_large_block_m())
   int block_n = 0;             // columns per 64-row tile: 64 or 128 (0: fp8_gemm_block_n()); same bits
   float* workspace = nullptr;  // fp8_gemm_sm90_workspace_floats(M, N, splits) floats
+  // Stream-K (E4M3; block_m 0 or 128; splits and block_n ignored): the 128 x 128 tiles' K blocks
+  // shared out evenly among the CTAs that fit at once, so that a product of few tiles (decode M)
+  // has no idle last wave; a tile cut between CTAs is summed by the last of them to finish, from
+  // the others' FP32 partials in K order. Deterministic at a given CTA count (the SM count), but
+  // the cuts follow M: not row-invariant. Needs sk_partials (fp8_gemm_sm90_stream_k_floats()
+  // floats) and sk_counters (fp8_gemm_sm90_stream_k_tiles(M, N) ints, zero before the first
+  // call; every call leaves them zero, so a CUDA graph may replay it).
+  bool stream_k = false;
+  float* sk_partials = nullptr;
+  int* sk_counters = nullptr;
 };
 
 bool fp8_gemm_sm90_supported(int64_t M, int64_t N, int64_t K, DType ab = DType::E4M3);
@@ -60,6 +70,13 @@ int fp8_gemm_large_block_m();
 // products on the H200: the small-N ones, M <= 256 with few 64-row tiles; cuBLASLt above).
 bool fp8_gemm_sm90_preferred(int64_t M, int64_t N, int64_t K);
 int64_t fp8_gemm_sm90_workspace_floats(int64_t M, int64_t N, int splits);
+// FP8RL_FP8_GEMM_STREAMK=1 (read at each call): the decode-sized products (M <= 256) that take
+// this kernel run as stream-K (Fp8GemmArgs::stream_k). Off by default until measured.
+bool fp8_gemm_sm90_stream_k();
+// Stream-K's partial workspace (two 128 x 128 FP32 tiles per CTA that can run at once) and its
+// tile counters for an M x N product.
+int64_t fp8_gemm_sm90_stream_k_floats();
+int64_t fp8_gemm_sm90_stream_k_tiles(int64_t M, int64_t N);
 void fp8_gemm_sm90(const Fp8GemmArgs& args, cudaStream_t stream);
 
 // The grouped product (mixture-of-experts layers): rows [offsets[g], offsets[g + 1]) of A and C

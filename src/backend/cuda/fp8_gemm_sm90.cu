@@ -47,6 +47,7 @@
 #include "backend/cuda/device_memory.h"
 #include "backend/cuda/fp8_gemm.h"
 #include "backend/cuda/sm90.cuh"
+#include "backend/cuda/stream_k.h"
 #include "quant/quant.h"
 
 namespace fp8rl::cuda {
@@ -110,6 +111,13 @@ struct GemmParams {
   // blocks, 0}: the tiles of entry s cover all of C_g = c_groups[group] over those K blocks.
   const int4* k_groups = nullptr;
   void* const* c_groups = nullptr;
+  // Stream-K (fp8_gemm_kernel's kStreamK; one split, no cluster): the tiles' K blocks cut evenly
+  // among the grid's CTAs (stream_k.h). A cut tile's pieces leave FP32 partial tiles in
+  // sk_partials (slot stream_k::slot, a consumer thread's 64 values contiguous) and count on the
+  // tile's sk_counters entry; the piece that counts last sums the partials in K order and stores
+  // the tile, and sets the counter back to zero for the next launch.
+  float* sk_partials = nullptr;
+  int* sk_counters = nullptr;
 };
 
 // One output tile: its B tile, its rows [m_base, m_base + BM) of which those below m_end are
@@ -368,6 +376,61 @@ constexpr int gemm_ctas_per_sm(int consumers, int stages, bool tma_store, int bn
   return stages * (64 * consumers + bn) * kBK + gemm_store_bytes(consumers, tma_store) <= 100 * 1024 ? 2 : 1;
 }
 
+// A named barrier of the consumer warpgroups alone (id 4; warpgroup_sync takes 1-3).
+template <int kConsumers>
+__device__ __forceinline__ void consumers_sync() {
+  asm volatile("bar.sync 4, %0;" ::"n"(128 * kConsumers) : "memory");
+}
+
+// Stream-K's end of a cut tile t in one CTA (kStreamK): the piece's FP32 totals (before alpha)
+// go to its partial slot, and the tile's counter counts the piece. false: another piece is still
+// to count, which stores the tile. true: this piece counted last, and `total` is now the tile's
+// sum, the pieces' partials added in K order (first_cta's, then each next CTA's): the same bits
+// whichever piece finishes last. The counter is set back to zero for the next launch (every
+// piece of this launch has counted). Each consumer thread writes and reads only its own 64
+// values of a slot (the same fragment in every CTA).
+template <int kConsumers, int kAcc>
+__device__ __forceinline__ bool stream_k_fixup(const GemmParams& p, float (&total)[kAcc], int64_t units, int64_t t,
+                                               int wg, int tid, int* flag) {
+  namespace sk = stream_k;
+  const int ctas = static_cast<int>(gridDim.x), kb = p.kblocks;
+  constexpr int64_t kSlotFloats = int64_t{128} * kConsumers * kAcc;
+  const int64_t at = (int64_t{wg} * 128 + tid) * kAcc;
+  auto slot_of = [&](int cta) {
+    return reinterpret_cast<float4*>(p.sk_partials + sk::slot(units, ctas, kb, cta, t) * kSlotFloats + at);
+  };
+  float4* mine = slot_of(static_cast<int>(blockIdx.x));
+#pragma unroll
+  for (int i = 0; i < kAcc / 4; ++i)
+    __stcg(mine + i, make_float4(total[4 * i], total[4 * i + 1], total[4 * i + 2], total[4 * i + 3]));
+  __threadfence();
+  consumers_sync<kConsumers>();
+  const int lo = sk::first_cta(units, ctas, kb, t), hi = sk::last_cta(units, ctas, kb, t);
+  if (wg == 0 && tid == 0) {
+    const int last = atomicAdd(p.sk_counters + t, 1) == hi - lo;
+    if (last) p.sk_counters[t] = 0;
+    *flag = last;
+  }
+  consumers_sync<kConsumers>();
+  if (!*reinterpret_cast<volatile int*>(flag)) return false;
+  __threadfence();
+  const float4* first = slot_of(lo);
+#pragma unroll
+  for (int i = 0; i < kAcc / 4; ++i) {
+    const float4 v = __ldcg(first + i);
+    total[4 * i] = v.x, total[4 * i + 1] = v.y, total[4 * i + 2] = v.z, total[4 * i + 3] = v.w;
+  }
+  for (int j = lo + 1; j <= hi; ++j) {
+    const float4* src = slot_of(j);
+#pragma unroll
+    for (int i = 0; i < kAcc / 4; ++i) {
+      const float4 v = __ldcg(src + i);
+      total[4 * i] += v.x, total[4 * i + 1] += v.y, total[4 * i + 2] += v.z, total[4 * i + 3] += v.w;
+    }
+  }
+  return true;
+}
+
 // kConsumers warpgroups of 64 rows each (BM = 64 kConsumers) plus one producer warp, in
 // clusters of kCM x kCN CTAs (1 x 1: no cluster). In a cluster, the kCN CTAs of one tile row
 // share its A tile and the kCM CTAs of one tile column its B tile: each CTA loads a 1 / kCN slice
@@ -383,7 +446,7 @@ constexpr int gemm_ctas_per_sm(int consumers, int stages, bool tma_store, int bn
 // read in every instance changed the register counts of 20 of the 50 E4M3 instances (by -3 to
 // +11, ptxas 13.0 -v) and made the 192-row one spill.
 template <int kConsumers, int kStages, int kCM, int kCN, bool kSmemScales, bool kTmaStore, int kBNt, bool kOverlap,
-          bool kBf16 = false, bool kTileCount = false, bool kKGrouped = false>
+          bool kBf16 = false, bool kTileCount = false, bool kKGrouped = false, bool kStreamK = false>
 __global__ void __launch_bounds__(gemm_threads(kConsumers, kOverlap),
                                   gemm_ctas_per_sm(kConsumers, kStages, kTmaStore, kBNt))
     fp8_gemm_kernel(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b,
@@ -397,6 +460,9 @@ __global__ void __launch_bounds__(gemm_threads(kConsumers, kOverlap),
   static_assert(!kTileCount || (kCM == 1 && kCN == 1 && !kSmemScales && kBNt == 128),
                 "a device tile table: the grouped product's default variant (no cluster, global scales)");
   static_assert(!kKGrouped || (kBf16 && !kTmaStore), "K-grouped: the BF16 mode, direct stores (per-group outputs)");
+  static_assert(
+      !kStreamK || (kCM == 1 && kCN == 1 && !kSmemScales && !kBf16 && !kTileCount && !kKGrouped && kBNt == 128),
+      "stream-K: the dense E4M3 product, no cluster, global scales, 128-column tiles");
   static_assert(kConsumers <= 3, "warpgroup_sync has named barriers for three consumer warpgroups");
   constexpr bool kCountRead = kBf16 || kTileCount;
   constexpr bool kProducerWg = producer_warpgroup(kConsumers, kOverlap);
@@ -417,6 +483,7 @@ __global__ void __launch_bounds__(gemm_threads(kConsumers, kOverlap),
   // kSmemScales: per stage kBM row scales of A, then B's block scale (a 16-byte multiple).
   constexpr int kScaleStride = kBM + 4;
   float* sm_scales = reinterpret_cast<float*>(empty + kStages);
+  int* sk_flag = reinterpret_cast<int*>(empty + kStages);  // kStreamK (no smem scales): the last piece's flag
 
   // This CTA's place in its cluster: tile row ci, tile column cj.
   const int rank = kCluster == 1 ? 0 : static_cast<int>(cluster_rank());
@@ -449,6 +516,15 @@ __global__ void __launch_bounds__(gemm_threads(kConsumers, kOverlap),
     // without bands (p.group_n = 0) takes m modulo the capacity, which leaves it as it is.
     if (p.tile_count) tiles = static_cast<int64_t>(p.n_tiles) * min(max(*p.tile_count, 0), p.m_tiles);
   }
+  // The tiles this CTA walks: [t_begin, t_end) in steps of t_step; with stream-K its unit range's
+  // tiles, each over the K blocks of the range (sk.kb0, sk.nk), in place of the tile's own.
+  int64_t t_begin = first, t_end = tiles, t_step = step, sk_units = 0;
+  stream_k::Range sk{};
+  if constexpr (kStreamK) {
+    sk_units = tiles * p.kblocks;
+    sk = stream_k::range(sk_units, static_cast<int>(gridDim.x), p.kblocks, static_cast<int>(blockIdx.x));
+    t_begin = sk.tile_begin(), t_end = sk.tile_end(), t_step = 1;
+  }
   if (wg == kConsumers) {  // the producer warp: one thread issues every tile load (all, with the scales)
     if constexpr (kProducerWg) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(producer_regs(kConsumers)));
     if (kSmemScales ? tid < 32 : tid == 0) {
@@ -458,8 +534,9 @@ __global__ void __launch_bounds__(gemm_threads(kConsumers, kOverlap),
       for (int j = 0; j < kCN; ++j) row_mask |= static_cast<uint16_t>(1u << (ci + kCM * j));
       for (int i = 0; i < kCM; ++i) col_mask |= static_cast<uint16_t>(1u << (i + kCM * cj));
       int g = 0;
-      for (int64_t t = first; t < tiles; t += step) {
-        const Tile tl = tile_of<kCM, kCN, kKGrouped>(p, t, &tm_b, kBM, ci, cj);
+      for (int64_t t = t_begin; t < t_end; t += t_step) {
+        Tile tl = tile_of<kCM, kCN, kKGrouped>(p, t, &tm_b, kBM, ci, cj);
+        if constexpr (kStreamK) tl.kb0 = sk.kb0(t), tl.nk = sk.nk(t);
         for (int it = 0; it < tl.nk; ++it, ++g) {
           const int s = g % kStages;
           mbar_wait(&empty[s], ((g / kStages) & 1) ^ 1);
@@ -503,8 +580,9 @@ __global__ void __launch_bounds__(gemm_threads(kConsumers, kOverlap),
     if constexpr (kProducerWg) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(consumer_regs(kConsumers)));
     const int warp = tid / 32, lane = tid % 32;
     int g = 0;
-    for (int64_t t = first; t < tiles; t += step) {
-      const Tile tl = tile_of<kCM, kCN, kKGrouped>(p, t, &tm_b, kBM, ci, cj);
+    for (int64_t t = t_begin; t < t_end; t += t_step) {
+      Tile tl = tile_of<kCM, kCN, kKGrouped>(p, t, &tm_b, kBM, ci, cj);
+      if constexpr (kStreamK) tl.kb0 = sk.kb0(t), tl.nk = sk.nk(t);
       // A consumer warpgroup: rows [m_base + wg * 64, + 64) of the tile.
       const int64_t row0 = tl.m_base + wg * 64 + warp * 16 + lane / 4, row1 = row0 + 8;
       const bool in0 = row0 < tl.m_end, in1 = row1 < tl.m_end;
@@ -602,6 +680,9 @@ __global__ void __launch_bounds__(gemm_threads(kConsumers, kOverlap),
         // Fragment of m64nN (FP32): acc[4 i + j] is row (j < 2 ? row0 : row1), column 8 i + 2 (lane % 4) + j % 2.
 #pragma unroll
         for (int i = 0; i < kAcc; ++i) total[i] = fmaf(acc[i], (i & 2) ? s1 : s0, total[i]);
+      }
+      if constexpr (kStreamK) {  // a cut tile: stored by the piece that counts last
+        if (tl.nk < p.kblocks && !stream_k_fixup<kConsumers, kAcc>(p, total, sk_units, t, wg, tid, sk_flag)) continue;
       }
       if (n_in) {
         // TMA stores (the instance runs only where its epilogue applies: tma_store_applies) where
@@ -784,19 +865,31 @@ int sm_count() {
   return sms;
 }
 
+// Stream-K's CTAs: all that fit at once (`fit`), or FP8RL_FP8_GEMM_SK_CTAS (read at each call;
+// at most `fit`): the tests cut tiles into many pieces with few CTAs.
+int stream_k_ctas(int fit) {
+  const char* e = std::getenv("FP8RL_FP8_GEMM_SK_CTAS");
+  if (!e) return fit;
+  char* end = nullptr;
+  const long v = std::strtol(e, &end, 10);
+  FP8RL_CHECK(end != e && *end == 0 && v > 0, "FP8RL_FP8_GEMM_SK_CTAS must be a positive CTA count, got '", e, "'");
+  return static_cast<int>(std::min<long>(v, fit));
+}
+
 // Launches the kernel over `tiles` cluster tiles: at most as many clusters as fit on the device
 // at once, each walking its share of the tiles, or with FP8RL_FP8_GEMM_GRID=tile (read at each
 // call) one cluster per cluster tile. With a device tile table (p.tile_count), p.m_tiles is its
 // capacity: the grid is sized for a full table and its CTAs past the count's tiles do nothing.
 template <int kConsumers, int kStages, int kCM, int kCN, bool kSmemScales, bool kTmaStore, int kBNt, bool kOverlap,
-          bool kBf16 = false, bool kTileCount = false, bool kKGrouped = false>
+          bool kBf16 = false, bool kTileCount = false, bool kKGrouped = false, bool kStreamK = false>
 void launch_cluster(const CUtensorMap& ta, const CUtensorMap& tb, const CUtensorMap& tc, GemmParams p,
                     cudaStream_t stream) {
   constexpr int kSmem = kStages * (64 * kConsumers + kBNt) * kBK + gemm_store_bytes(kConsumers, kTmaStore) +
-                        2 * kStages * 8 + (kSmemScales ? kStages * (64 * kConsumers + 4) * 4 : 0) + 1024;
+                        2 * kStages * 8 + (kSmemScales ? kStages * (64 * kConsumers + 4) * 4 : 0) +
+                        (kStreamK ? 16 : 0) + 1024;
   constexpr int kCluster = kCM * kCN;
   auto* kernel = fp8_gemm_kernel<kConsumers, kStages, kCM, kCN, kSmemScales, kTmaStore, kBNt, kOverlap, kBf16,
-                                 kTileCount, kKGrouped>;
+                                 kTileCount, kKGrouped, kStreamK>;
   p.ct_m = static_cast<int>(ceil_div(int64_t{p.m_tiles}, int64_t{kCM}));
   p.ct_n = static_cast<int>(ceil_div(int64_t{p.n_tiles}, int64_t{kCN}));
   const int64_t tiles = static_cast<int64_t>(p.ct_m) * p.ct_n * p.splits;
@@ -839,7 +932,8 @@ void launch_cluster(const CUtensorMap& ta, const CUtensorMap& tb, const CUtensor
     return n;
   }();
   const char* e = std::getenv("FP8RL_FP8_GEMM_GRID");
-  const int64_t clusters = e && std::string(e) == "tile" ? tiles : std::min<int64_t>(tiles, max_clusters);
+  int64_t clusters = e && std::string(e) == "tile" ? tiles : std::min<int64_t>(tiles, max_clusters);
+  if constexpr (kStreamK) clusters = std::min<int64_t>(tiles * p.kblocks, stream_k_ctas(max_clusters));
   cfg.gridDim = dim3(static_cast<unsigned>(clusters * kCluster));
   if (kCluster == 1) cfg.numAttrs = 0;  // a plain launch
   CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, ta, tb, tc, p), "FP8 GEMM kernel launch");
@@ -1030,6 +1124,49 @@ bool fp8_gemm_sm90_preferred(int64_t M, int64_t N, int64_t K) {
 
 int64_t fp8_gemm_sm90_workspace_floats(int64_t M, int64_t N, int splits) { return splits > 1 ? splits * M * N : 0; }
 
+bool fp8_gemm_sm90_stream_k() {
+  const char* e = std::getenv("FP8RL_FP8_GEMM_STREAMK");
+  if (!e) return false;
+  const std::string v(e);
+  FP8RL_CHECK(v == "0" || v == "1", "FP8RL_FP8_GEMM_STREAMK must be 0 or 1, got '", v, "'");
+  return v == "1";
+}
+
+// The stream-K instance (two consumer warpgroups, the overlapped loop) runs one CTA per SM; two
+// slots per CTA, sized for two CTAs per SM as a bound.
+int64_t fp8_gemm_sm90_stream_k_floats() { return int64_t{2} * 2 * sm_count() * 128 * kBN; }
+
+int64_t fp8_gemm_sm90_stream_k_tiles(int64_t M, int64_t N) {
+  return ceil_div(M, int64_t{128}) * ceil_div(N, int64_t{kBN});
+}
+
+namespace {
+
+// The stream-K product (Fp8GemmArgs::stream_k): 128 x 128 tiles, no cluster, global scales, the
+// overlapped K loop, either epilogue.
+void launch_stream_k(const Fp8GemmArgs& a, GemmParams p, cudaStream_t stream) {
+  FP8RL_CHECK(a.block_m == 0 || a.block_m == 128, "FP8 GEMM (sm90): stream-K takes 128-row tiles, got block_m ",
+              a.block_m);
+  FP8RL_CHECK(a.sk_partials && a.sk_counters, "FP8 GEMM (sm90): stream-K needs sk_partials and sk_counters");
+  p.partials = false;
+  p.c = a.c;
+  p.kb_per_split = p.kblocks;
+  p.m_tiles = static_cast<int>(ceil_div(a.M, int64_t{128}));
+  p.n_tiles = static_cast<int>(ceil_div(a.N, int64_t{kBN}));
+  p.splits = 1;
+  p.m_fastest = a.M <= 256;  // the row blocks of one weight tile together (they share its B tile)
+  p.group_n = 0;
+  p.sk_partials = a.sk_partials, p.sk_counters = a.sk_counters;
+  const CUtensorMap ta = tensor_map(a.a, a.M, a.K, 128);
+  const CUtensorMap tb = tensor_map(a.b, a.N, a.K, kBN);
+  const KernelVariant cl = kernel_variant(p.m_tiles, p.n_tiles, false);
+  if (cl.tma_store && tma_store_applies(p))
+    launch_cluster<2, 6, 1, 1, false, true, kBN, true, false, false, false, true>(ta, tb, output_map(p), p, stream);
+  else launch_cluster<2, 6, 1, 1, false, false, kBN, true, false, false, false, true>(ta, tb, ta, p, stream);
+}
+
+}  // namespace
+
 void fp8_gemm_sm90(const Fp8GemmArgs& a, cudaStream_t stream) {
   const bool bf16_ab = a.ab == DType::BF16;
   FP8RL_CHECK(a.ab == DType::E4M3 || bf16_ab, "own GEMM (sm90): operands must be E4M3 or BF16, got ", dtype_name(a.ab));
@@ -1046,6 +1183,20 @@ void fp8_gemm_sm90(const Fp8GemmArgs& a, cudaStream_t stream) {
   const char* what = bf16_ab ? "BF16 GEMM (sm90)" : "FP8 GEMM (sm90)";
   FP8RL_CHECK(a.c_dtype == DType::BF16 || a.c_dtype == DType::F32, what, ": output must be BF16 or F32");
   const int kblocks = static_cast<int>(ceil_div(k_bytes(a.K, a.ab), int64_t{kBK}));
+  if (a.stream_k) {
+    FP8RL_CHECK(!bf16_ab, "BF16 GEMM (sm90): stream-K is built for E4M3 operands only");
+    GemmParams p;
+    p.M = a.M, p.N = a.N, p.K = a.K;
+    p.kblocks = kblocks;
+    p.sa = a.a_scales;
+    p.sa_m = a.a_scales_kb_major ? 1 : kblocks;
+    p.sa_k = a.a_scales_kb_major ? a.M : 1;
+    p.sb = a.b_scales;
+    p.c_bf16 = a.c_dtype == DType::BF16;
+    p.alpha = a.alpha, p.beta = a.beta;
+    launch_stream_k(a, p, stream);
+    return;
+  }
   const int splits = std::max(1, std::min(a.splits, kblocks));
   const int kb_per_split = static_cast<int>(ceil_div(int64_t{kblocks}, int64_t{splits}));
   const int used_splits = static_cast<int>(ceil_div(int64_t{kblocks}, int64_t{kb_per_split}));

@@ -73,7 +73,9 @@ GemmEngine::GemmEngine(cudaStream_t stream) : stream_(stream) {
 }
 
 bool GemmEngine::use_own_fp8(int64_t M, int64_t N, int64_t K) const {
-  return own_mode_ == 2 ? fp8_gemm_sm90_supported(M, N, K) : own_mode_ == 1 && fp8_gemm_sm90_preferred(M, N, K);
+  if (own_mode_ == 2) return fp8_gemm_sm90_supported(M, N, K);
+  return own_mode_ == 1 && (fp8_gemm_sm90_preferred(M, N, K) ||
+                            (M <= 256 && fp8_gemm_sm90_stream_k() && fp8_gemm_sm90_supported(M, N, K)));
 }
 
 void GemmEngine::set_fp8_kernel(const std::string& v) {
@@ -84,6 +86,8 @@ void GemmEngine::set_fp8_kernel(const std::string& v) {
 
 GemmEngine::~GemmEngine() {
   if (own_ws_) cudaFree(own_ws_);
+  if (sk_partials_) cudaFree(sk_partials_);
+  if (sk_counters_) cudaFree(sk_counters_);
   if (grouped_meta_) cudaFree(grouped_meta_);
   for (auto& [k, m] : grouped_maps_) cudaFree(m.dev);
   if (grouped_ptrs_) cudaFree(grouped_ptrs_);
@@ -722,10 +726,43 @@ float* GemmEngine::own_workspace(int64_t M, int64_t N, int splits) {
   return own_ws_;
 }
 
+void GemmEngine::stream_k_buffers(int64_t M, int64_t N, float** partials, int** counters) {
+  const int64_t tiles = fp8_gemm_sm90_stream_k_tiles(M, N);
+  FP8RL_CHECK((sk_partials_ && tiles <= sk_counters_n_) || !stream_capturing(stream_),
+              "FP8 GEMM: stream-K's buffers are made by an eager call, not inside a CUDA graph capture (run the ",
+              "step once before recording it)");
+  if (!sk_partials_)
+    sk_partials_ = static_cast<float*>(cuda_malloc(static_cast<size_t>(fp8_gemm_sm90_stream_k_floats()) * sizeof(float),
+                                                   "the FP8 GEMM's stream-K partial tiles"));
+  if (tiles > sk_counters_n_) {
+    // A kernel in flight may still count on the old counters: free them in stream order.
+    CUDA_CHECK(cudaStreamSynchronize(stream_), "waiting before growing the stream-K counters");
+    if (sk_counters_) CUDA_CHECK(cudaFree(sk_counters_), "freeing the stream-K counters");
+    sk_counters_n_ = std::max<int64_t>(tiles, 4096);
+    sk_counters_ = static_cast<int*>(cuda_malloc(static_cast<size_t>(sk_counters_n_) * sizeof(int),
+                                                 "the FP8 GEMM's stream-K tile counters"));
+    CUDA_CHECK(cudaMemset(sk_counters_, 0, static_cast<size_t>(sk_counters_n_) * sizeof(int)),
+               "zeroing the stream-K counters");
+  }
+  *partials = sk_partials_, *counters = sk_counters_;
+}
+
 void GemmEngine::gemm_fp8_own(int64_t M, int64_t N, int64_t K, const uint8_t* a, const float* a_scales,
                               bool a_scales_kb_major, const uint8_t* b, const float* b_scales, void* C, DType c_dtype,
                               float alpha, float beta, int splits, int block_m, int block_n) {
   const Fp8GemmConfig cfg = fp8_gemm_sm90_config(M, N, K, sm_count_);
+  if (M <= 256 && splits <= 0 && own_splits_ <= 0 && block_m <= 0 && fp8_gemm_sm90_stream_k()) {
+    Fp8GemmArgs g;
+    g.M = M, g.N = N, g.K = K;
+    g.a = a, g.a_scales = a_scales, g.a_scales_kb_major = a_scales_kb_major;
+    g.b = b, g.b_scales = b_scales;
+    g.c = C, g.c_dtype = c_dtype, g.alpha = alpha, g.beta = beta;
+    g.stream_k = true;
+    stream_k_buffers(M, N, &g.sk_partials, &g.sk_counters);
+    fp8_gemm_sm90(g, stream_);
+    ++own_products_;
+    return;
+  }
   Fp8GemmArgs g;
   g.block_m = block_m > 0 ? block_m : cfg.block_m;
   g.block_n = block_n;

@@ -131,6 +131,9 @@ class GemmEngine {
   // rl-step, docs/benchmarks.md session 5), so it is not the default; own = always. Products of 1x128-block B (the FP8
   // wgrad) always run on cuBLASLt. FP8RL_FP8_GEMM_SPLITS=S fixes the own kernel's split count
   // (1: every row's result independent of M, for the consistency experiments).
+  // FP8RL_FP8_GEMM_STREAMK=1 (fp8_gemm_sm90_stream_k): auto also takes every decode-sized product
+  // (M <= 256), and the own kernel runs those as stream-K (Fp8GemmArgs::stream_k) unless a split
+  // count or block_m is given.
   bool use_own_fp8(int64_t M, int64_t N, int64_t K) const;
   // The grouped product of fp8_gemm.h (one launch over every group's rows): the own kernel only.
   // keep_maps: b and b_scales are long-lived (the experts' weights): their tensor maps are encoded
@@ -292,6 +295,9 @@ class GemmEngine {
   void* tail_scratch(size_t bytes);
   // The own kernel's split-K partials for M x N at `splits` (grown as needed).
   float* own_workspace(int64_t M, int64_t N, int splits);
+  // Stream-K's partial tiles and tile counters (zeroed once: every call leaves them zero) for an
+  // M x N product: grown here, so not inside a stream capture the first time a size is met.
+  void stream_k_buffers(int64_t M, int64_t N, float** partials, int** counters);
   // The grouped kernel's device scratch of at least `bytes` (its tile table and, without kept
   // maps, the maps).
   void* grouped_scratch(size_t bytes);
@@ -322,6 +328,9 @@ class GemmEngine {
   std::map<std::tuple<int64_t, int64_t, int>, bool> fp8_lt_own_;  // fp8_lt_is_own's probes
   int sm_count_ = 132;
   float* own_ws_ = nullptr;  // split-K partials of the own kernel
+  float* sk_partials_ = nullptr;  // stream-K's (stream_k_buffers)
+  int* sk_counters_ = nullptr;
+  int64_t sk_counters_n_ = 0;
   void* grouped_meta_ = nullptr;  // the grouped kernel's tile table, tensor maps and scale pointers
   size_t grouped_meta_bytes_ = 0;
   // keep_maps' device copies of fp8_gemm_sm90_grouped_maps, by {N, K, ab, b..., b_scales...};
