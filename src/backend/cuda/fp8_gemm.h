@@ -36,13 +36,13 @@ struct Fp8GemmArgs {
   int block_m = 0;             // rows per CTA: 64, 128 or 192 (0: 64 for M <= 256, else fp8_gemm_large_block_m())
   int block_n = 0;             // columns per 64-row tile: 64 or 128 (0: fp8_gemm_block_n()); same bits
   float* workspace = nullptr;  // fp8_gemm_sm90_workspace_floats(M, N, splits) floats
-  // Stream-K (E4M3; block_m 0 or 128; splits and block_n ignored): the 128 x 128 tiles' K blocks
-  // shared out evenly among the CTAs that fit at once, so that a product of few tiles (decode M)
-  // has no idle last wave; a tile cut between CTAs is summed by the last of them to finish, from
-  // the others' FP32 partials in K order. Deterministic at a given CTA count (the SM count), but
-  // the cuts follow M: not row-invariant. Needs sk_partials (fp8_gemm_sm90_stream_k_floats()
-  // floats) and sk_counters (fp8_gemm_sm90_stream_k_tiles(M, N) ints, zero before the first
-  // call; every call leaves them zero, so a CUDA graph may replay it).
+  // Stream-K (E4M3; block_m 0 (128, or 64 where M <= 64), 64 or 128; splits and block_n
+  // ignored): the tiles' K blocks shared out evenly among the CTAs that fit at once, so that a
+  // product of few tiles (decode M) has no idle last wave; a tile cut between CTAs is summed by
+  // the last of them to finish, from the others' FP32 partials in K order. Deterministic at a
+  // given CTA count (the SM count), but the cuts follow M: not row-invariant. Needs sk_partials
+  // (fp8_gemm_sm90_stream_k_floats() floats) and sk_counters (fp8_gemm_sm90_stream_k_tiles(M, N)
+  // ints, zero before the first call; every call leaves them zero, so a graph may replay it).
   bool stream_k = false;
   float* sk_partials = nullptr;
   int* sk_counters = nullptr;

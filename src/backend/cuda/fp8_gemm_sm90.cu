@@ -1142,27 +1142,33 @@ int64_t fp8_gemm_sm90_stream_k_tiles(int64_t M, int64_t N) {
 
 namespace {
 
-// The stream-K product (Fp8GemmArgs::stream_k): 128 x 128 tiles, no cluster, global scales, the
-// overlapped K loop, either epilogue.
+// The stream-K product (Fp8GemmArgs::stream_k): 128 x 128 tiles (two consumer warpgroups), or
+// 64 x 128 where M <= 64 (one: no MMA rows past M), no cluster, global scales, the overlapped K
+// loop at one CTA per SM, either epilogue.
 void launch_stream_k(const Fp8GemmArgs& a, GemmParams p, cudaStream_t stream) {
-  FP8RL_CHECK(a.block_m == 0 || a.block_m == 128, "FP8 GEMM (sm90): stream-K takes 128-row tiles, got block_m ",
-              a.block_m);
+  FP8RL_CHECK(a.block_m == 0 || a.block_m == 64 || a.block_m == 128,
+              "FP8 GEMM (sm90): stream-K takes 64- or 128-row tiles, got block_m ", a.block_m);
   FP8RL_CHECK(a.sk_partials && a.sk_counters, "FP8 GEMM (sm90): stream-K needs sk_partials and sk_counters");
+  const int bm = a.block_m ? a.block_m : a.M <= 64 ? 64 : 128;
   p.partials = false;
   p.c = a.c;
   p.kb_per_split = p.kblocks;
-  p.m_tiles = static_cast<int>(ceil_div(a.M, int64_t{128}));
+  p.m_tiles = static_cast<int>(ceil_div(a.M, int64_t{bm}));
   p.n_tiles = static_cast<int>(ceil_div(a.N, int64_t{kBN}));
   p.splits = 1;
   p.m_fastest = a.M <= 256;  // the row blocks of one weight tile together (they share its B tile)
   p.group_n = 0;
   p.sk_partials = a.sk_partials, p.sk_counters = a.sk_counters;
-  const CUtensorMap ta = tensor_map(a.a, a.M, a.K, 128);
+  const CUtensorMap ta = tensor_map(a.a, a.M, a.K, bm);
   const CUtensorMap tb = tensor_map(a.b, a.N, a.K, kBN);
-  const KernelVariant cl = kernel_variant(p.m_tiles, p.n_tiles, false);
-  if (cl.tma_store && tma_store_applies(p))
-    launch_cluster<2, 6, 1, 1, false, true, kBN, true, false, false, false, true>(ta, tb, output_map(p), p, stream);
-  else launch_cluster<2, 6, 1, 1, false, false, kBN, true, false, false, false, true>(ta, tb, ta, p, stream);
+  const bool tma = kernel_variant(p.m_tiles, p.n_tiles, false).tma_store && tma_store_applies(p);
+  const CUtensorMap tc = tma ? output_map(p) : ta;
+  if (bm == 64 && tma)
+    launch_cluster<1, 8, 1, 1, false, true, kBN, true, false, false, false, true>(ta, tb, tc, p, stream);
+  else if (bm == 64)
+    launch_cluster<1, 8, 1, 1, false, false, kBN, true, false, false, false, true>(ta, tb, tc, p, stream);
+  else if (tma) launch_cluster<2, 6, 1, 1, false, true, kBN, true, false, false, false, true>(ta, tb, tc, p, stream);
+  else launch_cluster<2, 6, 1, 1, false, false, kBN, true, false, false, false, true>(ta, tb, tc, p, stream);
 }
 
 }  // namespace
