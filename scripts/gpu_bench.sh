@@ -20,7 +20,8 @@
 #                   kernel at one split (row-invariant: both engines compute each row alike)
 #   gemm            fp8rl bench-gemm: BF16, cuBLASLt FP8 and the own FP8 kernel at 8B and 1.7B widths
 #   gemm_sk         bench-gemm at the decode products (FP8RL_SK_SHAPES) with FP8RL_FP8_GEMM_STREAMK=1: the own
-#                   kernel's column is its stream-K form, beside cuBLASLt's FP8 and BF16 and the own split configs
+#                   kernel's column is its stream-K form (its "tile ms" too: stream-K sizes its own grid), beside
+#                   cuBLASLt's FP8 (tuned) and BF16 and the own kernel's split configs
 #   gemm_algos      bench-gemm --algos at the 1.7B products (FP8RL_ALGO_SHAPES): every cuBLASLt candidate timed
 #   lt_search       bench-gemm --lt-search at the 1.7B decode products (FP8RL_LT_SHAPES): every configuration
 #                   (tile, stages, split-K, cluster) of cuBLASLt's first algorithm timed, BF16 and FP8

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <string>
 #include <thread>
@@ -1066,53 +1067,73 @@ TEST(CudaFp8Gemm, Dense192RowTilesAreBitwise128RowTiles) {
   }
 }
 
-// Stream-K (FP8RL_FP8_GEMM_STREAMK=1, decode-sized M): the 128 x 128 tiles' K blocks shared out
-// evenly among the CTAs, a cut tile summed by the piece that finishes last. Every result within
-// the MMA bound of the exact product and as close as cuBLASLt's, at the SMs' CTA count and at
-// CTA counts that cut tiles into up to 16 pieces (FP8RL_FP8_GEMM_SK_CTAS); each run repeated
-// bitwise (the tile counters left zero, the sum in K order whichever piece finishes last);
-// BF16 output the F32 result rounded once; beta = 1 adds the old F32 output once; a captured
-// graph replays the eager bits. The 1.7B decode products (q|k|v, o, gate|up, down at M = 256),
-// ragged M, partial N and K blocks, and a K of one block (nothing to cut).
+// Sets an environment variable for a scope (restored on every exit, an ASSERT's included).
+struct EnvGuard {
+  std::string name;
+  EnvGuard(const char* n, const char* v) : name(n) { setenv(n, v, 1); }
+  ~EnvGuard() { unsetenv(name.c_str()); }
+};
+
+// Stream-K (FP8RL_FP8_GEMM_STREAMK=1, decode-sized M): the tiles' K blocks shared out evenly
+// among the CTAs, a cut tile summed by the piece that finishes last. Every result finite and
+// within the MMA bound of the exact product and as close as cuBLASLt's, at the SMs' CTA count and
+// at other CTA counts (FP8RL_FP8_GEMM_SK_CTAS; long K over few tiles cuts a tile into ~25-35
+// pieces, where a sum in arrival order would differ between runs); each run repeated bitwise (the
+// tile counters left zero, the sum in K order whichever piece finishes last); BF16 output the F32
+// result rounded once; alpha applied once to the sum; beta = 1 adds the old F32 output once; a
+// captured graph replays the eager bits. The 1.7B decode products (q|k|v, o, gate|up, down at
+// M = 256), ragged M, partial N and K blocks, 64-row tiles (M <= 64), a K of one block.
 TEST(CudaFp8Gemm, StreamKMatchesTheHostProductAndRepeats) {
   cuda::CudaBackend be(0, DType::BF16);
+  ASSERT_EQ(std::getenv("FP8RL_FP8_GEMM_SPLITS"), nullptr) << "a fixed split count bypasses stream-K";
   const Shape shapes[] = {{256, 4096, 2048}, {256, 2048, 2048}, {256, 12288, 2048}, {256, 2048, 6144},
-                          {200, 208, 336},   {5, 384, 640},     {129, 1536, 1024},  {64, 256, 128}};
-  setenv("FP8RL_FP8_GEMM_STREAMK", "1", 1);
+                          {200, 208, 336},   {5, 384, 640},     {129, 1536, 1024},  {64, 256, 128},
+                          {64, 256, 4096},   {200, 256, 6144}};
+  const EnvGuard on("FP8RL_FP8_GEMM_STREAMK", "1");
   for (const Shape& s : shapes) {
     SCOPED_TRACE(testing::Message() << "M=" << s.M << " N=" << s.N << " K=" << s.K);
     const Operands o = make_operands(be, s.M, s.N, s.K, static_cast<uint32_t>(s.M * 37 + s.N + s.K));
     const double lt =
         s.K % kQuantBlock == 0 ? max_error(o, run_cublaslt(be, o, s.M, s.N, s.K), s.M, s.N) : kMmaBound / 1.25;
+    auto own = [&](Tensor& c, DType out, bool kb_major, float alpha, float beta) {
+      be.gemm().gemm_fp8_own(s.M, s.N, s.K, o.da.data.data<uint8_t>(),
+                             kb_major ? o.da_kb.data<float>() : o.da.scales.data<float>(), kb_major,
+                             o.db.data.data<uint8_t>(), o.db.scales.data<float>(), c.raw(), out, alpha, beta, 0);
+      finish_or_exit(be, "stream-K");  // a stage walk the producer and consumers disagree on hangs
+      return be.to_host(c);
+    };
     for (const char* ctas : {"", "3", "7", "50"}) {
       SCOPED_TRACE(testing::Message() << "FP8RL_FP8_GEMM_SK_CTAS=" << ctas);
-      if (*ctas) setenv("FP8RL_FP8_GEMM_SK_CTAS", ctas, 1);
-      else unsetenv("FP8RL_FP8_GEMM_SK_CTAS");
+      std::unique_ptr<EnvGuard> sk_ctas;
+      if (*ctas) sk_ctas = std::make_unique<EnvGuard>("FP8RL_FP8_GEMM_SK_CTAS", ctas);
       for (bool kb_major : {false, true}) {
-        const Tensor c1 = run_own(be, o, s.M, s.N, s.K, DType::F32, kb_major, 0);
-        finish_or_exit(be, "stream-K");
-        const Tensor c2 = run_own(be, o, s.M, s.N, s.K, DType::F32, kb_major, 0);
+        Tensor d1 = poisoned(be, {s.M, s.N}, DType::F32), d2 = poisoned(be, {s.M, s.N}, DType::F32);
+        const Tensor c1 = own(d1, DType::F32, kb_major, 1.0f, 0.0f);
+        const Tensor c2 = own(d2, DType::F32, kb_major, 1.0f, 0.0f);
+        for (int64_t i = 0; i < s.M * s.N; ++i)  // every tile stored (the poison is NaN)
+          ASSERT_TRUE(std::isfinite(c1.data<float>()[i])) << "element " << i << " never stored";
         ASSERT_EQ(std::memcmp(c1.raw(), c2.raw(), c1.nbytes()), 0) << "a repeat differs, kb_major " << kb_major;
-        const double own = max_error(o, c1, s.M, s.N);
-        EXPECT_LT(own, kMmaBound) << "kb_major " << kb_major;
-        EXPECT_LE(own, 1.25 * lt + 1e-6) << "cuBLASLt's error " << lt;
+        const double err = max_error(o, c1, s.M, s.N);
+        EXPECT_LT(err, kMmaBound) << "kb_major " << kb_major;
+        EXPECT_LE(err, 1.25 * lt + 1e-6) << "cuBLASLt's error " << lt;
       }
-      const Tensor c32 = run_own(be, o, s.M, s.N, s.K, DType::F32, false, 0);
-      const Tensor c16 = run_own(be, o, s.M, s.N, s.K, DType::BF16, false, 0);
-      for (int64_t i = 0; i < s.M * s.N; i += 7)
+      Tensor d32 = poisoned(be, {s.M, s.N}, DType::F32), d16 = poisoned(be, {s.M, s.N}, DType::BF16);
+      Tensor d3 = poisoned(be, {s.M, s.N}, DType::F32);
+      const Tensor c32 = own(d32, DType::F32, false, 1.0f, 0.0f);
+      const Tensor c16 = own(d16, DType::BF16, false, 1.0f, 0.0f);
+      const Tensor c3 = own(d3, DType::F32, false, 3.0f, 0.0f);
+      for (int64_t i = 0; i < s.M * s.N; i += 7) {
         ASSERT_EQ(c16.data<uint16_t>()[i], bf16_from_float(c32.data<float>()[i])) << "element " << i;
+        ASSERT_EQ(c3.data<float>()[i], c32.data<float>()[i] * 3.0f) << "alpha 3, element " << i;
+      }
       // beta = 1 into an F32 output holding `old`: old + the product, added once.
       std::vector<float> old(static_cast<size_t>(s.M * s.N));
       for (size_t i = 0; i < old.size(); ++i) old[i] = static_cast<float>(static_cast<int64_t>(i % 101) - 50) / 64.0f;
       Tensor c = be.to_device(from_float_vector(old, {s.M, s.N}, DType::F32));
-      be.gemm().gemm_fp8_own(s.M, s.N, s.K, o.da.data.data<uint8_t>(), o.da.scales.data<float>(), false,
-                             o.db.data.data<uint8_t>(), o.db.scales.data<float>(), c.raw(), DType::F32, 1.0f, 1.0f, 0);
-      be.synchronize();
-      const Tensor cb = be.to_host(c);
+      const Tensor cb = own(c, DType::F32, false, 1.0f, 1.0f);
       for (int64_t i = 0; i < s.M * s.N; i += 5)
         ASSERT_EQ(cb.data<float>()[i], old[static_cast<size_t>(i)] + c32.data<float>()[i]) << "beta 1, element " << i;
     }
-    unsetenv("FP8RL_FP8_GEMM_SK_CTAS");
     // A captured graph's replays give the eager bits (the counters are zero again after each).
     Tensor cg = poisoned(be, {s.M, s.N}, DType::BF16);
     auto call = [&] {
@@ -1121,7 +1142,7 @@ TEST(CudaFp8Gemm, StreamKMatchesTheHostProductAndRepeats) {
                              0);
     };
     call();  // eager: the stream-K buffers exist before the capture
-    be.synchronize();
+    finish_or_exit(be, "stream-K");
     const Tensor ref = be.to_host(cg);
     cudaStream_t st = be.stream();
     cudaGraph_t graph;
@@ -1139,7 +1160,6 @@ TEST(CudaFp8Gemm, StreamKMatchesTheHostProductAndRepeats) {
     cudaGraphExecDestroy(exec);
     cudaGraphDestroy(graph);
   }
-  unsetenv("FP8RL_FP8_GEMM_STREAMK");
 }
 
 }  // namespace

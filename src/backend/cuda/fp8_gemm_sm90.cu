@@ -403,17 +403,20 @@ __device__ __forceinline__ bool stream_k_fixup(const GemmParams& p, float (&tota
 #pragma unroll
   for (int i = 0; i < kAcc / 4; ++i)
     __stcg(mine + i, make_float4(total[4 * i], total[4 * i + 1], total[4 * i + 2], total[4 * i + 3]));
-  __threadfence();
+  // The consumers' stores happen before thread 0's fence (the barrier), which releases them at
+  // GPU scope before its count; the last piece's thread 0 fences after its count (acquire), and
+  // the barrier orders every consumer's loads after that.
   consumers_sync<kConsumers>();
   const int lo = sk::first_cta(units, ctas, kb, t), hi = sk::last_cta(units, ctas, kb, t);
   if (wg == 0 && tid == 0) {
+    __threadfence();
     const int last = atomicAdd(p.sk_counters + t, 1) == hi - lo;
     if (last) p.sk_counters[t] = 0;
+    __threadfence();
     *flag = last;
   }
   consumers_sync<kConsumers>();
   if (!*reinterpret_cast<volatile int*>(flag)) return false;
-  __threadfence();
   const float4* first = slot_of(lo);
 #pragma unroll
   for (int i = 0; i < kAcc / 4; ++i) {
@@ -1136,8 +1139,9 @@ bool fp8_gemm_sm90_stream_k() {
 // slots per CTA, sized for two CTAs per SM as a bound.
 int64_t fp8_gemm_sm90_stream_k_floats() { return int64_t{2} * 2 * sm_count() * 128 * kBN; }
 
+// Counted in 64-row tiles: enough for either tile height.
 int64_t fp8_gemm_sm90_stream_k_tiles(int64_t M, int64_t N) {
-  return ceil_div(M, int64_t{128}) * ceil_div(N, int64_t{kBN});
+  return ceil_div(M, int64_t{64}) * ceil_div(N, int64_t{kBN});
 }
 
 namespace {

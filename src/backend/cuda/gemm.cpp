@@ -74,8 +74,10 @@ GemmEngine::GemmEngine(cudaStream_t stream) : stream_(stream) {
 
 bool GemmEngine::use_own_fp8(int64_t M, int64_t N, int64_t K) const {
   if (own_mode_ == 2) return fp8_gemm_sm90_supported(M, N, K);
-  return own_mode_ == 1 && (fp8_gemm_sm90_preferred(M, N, K) ||
-                            (M <= 256 && fp8_gemm_sm90_stream_k() && fp8_gemm_sm90_supported(M, N, K)));
+  // Stream-K's cuts follow M: not for FP8RL_FP8_ROW_INVARIANT's products.
+  return own_mode_ == 1 &&
+         (fp8_gemm_sm90_preferred(M, N, K) ||
+          (M <= 256 && !fp8_row_invariant_ && fp8_gemm_sm90_stream_k() && fp8_gemm_sm90_supported(M, N, K)));
 }
 
 void GemmEngine::set_fp8_kernel(const std::string& v) {
@@ -741,8 +743,8 @@ void GemmEngine::stream_k_buffers(int64_t M, int64_t N, float** partials, int** 
     sk_counters_n_ = std::max<int64_t>(tiles, 4096);
     sk_counters_ = static_cast<int*>(cuda_malloc(static_cast<size_t>(sk_counters_n_) * sizeof(int),
                                                  "the FP8 GEMM's stream-K tile counters"));
-    CUDA_CHECK(cudaMemset(sk_counters_, 0, static_cast<size_t>(sk_counters_n_) * sizeof(int)),
-               "zeroing the stream-K counters");
+    CUDA_CHECK(cudaMemsetAsync(sk_counters_, 0, static_cast<size_t>(sk_counters_n_) * sizeof(int), stream_),
+               "zeroing the stream-K counters");  // in stream order: before the first kernel that counts
   }
   *partials = sk_partials_, *counters = sk_counters_;
 }
@@ -751,7 +753,7 @@ void GemmEngine::gemm_fp8_own(int64_t M, int64_t N, int64_t K, const uint8_t* a,
                               bool a_scales_kb_major, const uint8_t* b, const float* b_scales, void* C, DType c_dtype,
                               float alpha, float beta, int splits, int block_m, int block_n) {
   const Fp8GemmConfig cfg = fp8_gemm_sm90_config(M, N, K, sm_count_);
-  if (M <= 256 && splits <= 0 && own_splits_ <= 0 && block_m <= 0 && fp8_gemm_sm90_stream_k()) {
+  if (M <= 256 && splits <= 0 && own_splits_ <= 0 && block_m <= 0 && !fp8_row_invariant_ && fp8_gemm_sm90_stream_k()) {
     Fp8GemmArgs g;
     g.M = M, g.N = N, g.K = K;
     g.a = a, g.a_scales = a_scales, g.a_scales_kb_major = a_scales_kb_major;
