@@ -944,6 +944,23 @@ TEST(CudaFp8Gemm, DeviceTileTableIsBitwiseTheHostOffsets) {
 // C after the cache has overflowed many times with host-form weight sets (each overflow frees the
 // host sets, whose memory the next sets' maps may reuse: had the graph's maps been freed too, the
 // replay would read another set's maps).
+// A CUDA graph of fn's work on stream s (relaxed capture), instantiated; destroyed with the object.
+struct Captured {
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  template <typename F>
+  Captured(cudaStream_t s, F&& fn) {
+    EXPECT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed), cudaSuccess);
+    fn();
+    EXPECT_EQ(cudaStreamEndCapture(s, &graph), cudaSuccess);
+    EXPECT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  }
+  ~Captured() {
+    if (exec) cudaGraphExecDestroy(exec);
+    if (graph) cudaGraphDestroy(graph);
+  }
+};
+
 TEST(CudaFp8Gemm, GraphHeldMapsSurviveTheKeptMapsBound) {
   cuda::CudaBackend be(0, DType::BF16);
   be.gemm().set_kept_maps_limit(3);
@@ -965,12 +982,8 @@ TEST(CudaFp8Gemm, GraphHeldMapsSurviveTheKeptMapsBound) {
   be.synchronize();
   const Tensor ref = be.to_host(c);
   cudaStream_t s = be.stream();
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed), cudaSuccess);
-  device_call();
-  ASSERT_EQ(cudaStreamEndCapture(s, &graph), cudaSuccess);
-  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  const Captured graph(s, device_call);
+  ASSERT_NE(graph.exec, nullptr);
   // Host-form products over fresh weight sets (other weights, the same shapes): the cache passes
   // its bound of 3 several times over.
   for (int round = 0; round < 12; ++round) {
@@ -983,11 +996,9 @@ TEST(CudaFp8Gemm, GraphHeldMapsSurviveTheKeptMapsBound) {
   // Round 11 ends with the pinned set and two host sets (rounds 10 and 11); without eviction, 13.
   EXPECT_LE(be.gemm().kept_grouped_map_sets(), 3u) << "the bound freed nothing";
   ASSERT_EQ(cudaMemsetAsync(c.raw(), 0xFF, c.nbytes(), s), cudaSuccess);
-  ASSERT_EQ(cudaGraphLaunch(exec, s), cudaSuccess);
+  ASSERT_EQ(cudaGraphLaunch(graph.exec, s), cudaSuccess);
   ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
   EXPECT_EQ(std::memcmp(be.to_host(c).raw(), ref.raw(), ref.nbytes()), 0) << "the graph's replay after the evictions";
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
 }
 
 // Waits up to `seconds` for the GEMM engine's stream: a kernel that deadlocks (a barrier that never
@@ -1145,20 +1156,14 @@ TEST(CudaFp8Gemm, StreamKMatchesTheHostProductAndRepeats) {
     finish_or_exit(be, "stream-K");
     const Tensor ref = be.to_host(cg);
     cudaStream_t st = be.stream();
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    ASSERT_EQ(cudaStreamBeginCapture(st, cudaStreamCaptureModeRelaxed), cudaSuccess);
-    call();
-    ASSERT_EQ(cudaStreamEndCapture(st, &graph), cudaSuccess);
-    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+    const Captured graph(st, call);
+    ASSERT_NE(graph.exec, nullptr);
     for (int rep = 0; rep < 3; ++rep) {
       ASSERT_EQ(cudaMemsetAsync(cg.raw(), 0xFF, cg.nbytes(), st), cudaSuccess);
-      ASSERT_EQ(cudaGraphLaunch(exec, st), cudaSuccess);
+      ASSERT_EQ(cudaGraphLaunch(graph.exec, st), cudaSuccess);
       finish_or_exit(be, "stream-K graph replay");
       EXPECT_EQ(std::memcmp(be.to_host(cg).raw(), ref.raw(), ref.nbytes()), 0) << "replay " << rep;
     }
-    cudaGraphExecDestroy(exec);
-    cudaGraphDestroy(graph);
   }
 }
 
