@@ -417,11 +417,13 @@ __device__ __forceinline__ bool stream_k_fixup(const GemmParams& p, float (&tota
   }
   consumers_sync<kConsumers>();
   if (!*reinterpret_cast<volatile int*>(flag)) return false;
-  const float4* first = slot_of(lo);
+  if (lo != static_cast<int>(blockIdx.x)) {  // else `total` holds the first piece already (the usual case)
+    const float4* first = slot_of(lo);
 #pragma unroll
-  for (int i = 0; i < kAcc / 4; ++i) {
-    const float4 v = __ldcg(first + i);
-    total[4 * i] = v.x, total[4 * i + 1] = v.y, total[4 * i + 2] = v.z, total[4 * i + 3] = v.w;
+    for (int i = 0; i < kAcc / 4; ++i) {
+      const float4 v = __ldcg(first + i);
+      total[4 * i] = v.x, total[4 * i + 1] = v.y, total[4 * i + 2] = v.z, total[4 * i + 3] = v.w;
+    }
   }
   for (int j = lo + 1; j <= hi; ++j) {
     const float4* src = slot_of(j);
