@@ -448,9 +448,10 @@ std::string memory_plan_format(const MemoryPlan& p, const ModelConfig& c, int64_
     s += " on the host (not device memory; counted against the machine's memory on the CPU backend):\n";
     for (const auto& l : p.host) add(l);
   }
-  s += " not counted: the CUDA context, cuBLASLt workspaces, CUDA-graph memory pools, allocator slack\n"
-       " (fragmentation), the rest of the host side (checkpoint staging: a host copy of master + moments\n"
-       " while saving); ZeRO-1's split of the moments over ranks (train.shard_optimizer: counted whole); the\n"
+  s += " not counted: the CUDA context, GEMM workspaces (cuBLASLt's; the own FP8 kernel's split-K and\n"
+       " stream-K partials: ~17 MB on 132 SMs), CUDA-graph memory pools, allocator slack (fragmentation),\n"
+       " the rest of the host side (checkpoint staging: a host copy of master + moments while saving);\n"
+       " ZeRO-1's split of the moments over ranks (train.shard_optimizer: counted whole); the\n"
        " generator's prefill activations (one layer's buffers of at most max_batch_tokens tokens, reused)\n"
        " and the trainer's scoring forward (no saved activations) are below the training micro-batch's peak\n"
        " and not added to it; the generator's concatenated q|k|v / gate|up product scratch (at most 2048 rows)"
