@@ -19,7 +19,8 @@
 #                   rounding) with the default GEMM choice and with every FP8 product on the own
 #                   kernel at one split (row-invariant: both engines compute each row alike)
 #   gemm            fp8rl bench-gemm: BF16, cuBLASLt FP8 and the own FP8 kernel at 8B and 1.7B widths
-#   gemm_sk         bench-gemm at the decode products (FP8RL_SK_SHAPES) with FP8RL_FP8_GEMM_STREAMK=1: the own
+#   gemm_sk         bench-gemm at the decode products (FP8RL_SK_SHAPES: the 1.7B's at M = 256, 128, 64 and the
+#                   8B's at M = 256) with FP8RL_FP8_GEMM_STREAMK=1: the own
 #                   kernel's column is its stream-K form (its "tile ms" too: stream-K sizes its own grid), beside
 #                   cuBLASLt's FP8 (tuned) and BF16 and the own kernel's split configs
 #   gemm_algos      bench-gemm --algos at the 1.7B products (FP8RL_ALGO_SHAPES): every cuBLASLt candidate timed
@@ -206,7 +207,7 @@ for stage in ${FP8RL_STAGES:-rlstep}; do
       note "bench-gemm: rc=$?"; sed -n '/^linear/,$p' "$OUT/bench_gemm.log" | tee -a "$SUMMARY" ;;
     gemm_sk)  # issue 14: the own FP8 GEMM as stream-K at the decode products, beside cuBLASLt
       FP8RL_FP8_GEMM_STREAMK=1 timeout 150 "$FP8RL" bench-gemm --shapes \
-        "${FP8RL_SK_SHAPES:-256x4096x2048,256x2048x2048,256x12288x2048,256x2048x6144,128x4096x2048,128x2048x6144,64x12288x2048}" \
+        "${FP8RL_SK_SHAPES:-256x4096x2048,256x2048x2048,256x12288x2048,256x2048x6144,128x4096x2048,128x2048x6144,64x12288x2048,256x6144x4096,256x4096x4096,256x28672x4096,256x4096x14336}" \
         > "$OUT/gemm_sk.log" 2>&1
       note "bench-gemm, the own kernel as stream-K: rc=$?"; sed -n '/^linear/,$p' "$OUT/gemm_sk.log" | tee -a "$SUMMARY" ;;
     gemm_algos)  # every cuBLASLt heuristic candidate (BF16 and FP8) of the 1.7B products, decode and training M
