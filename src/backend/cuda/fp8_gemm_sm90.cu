@@ -1195,17 +1195,17 @@ void fp8_gemm_sm90(const Fp8GemmArgs& a, cudaStream_t stream) {
   const char* what = bf16_ab ? "BF16 GEMM (sm90)" : "FP8 GEMM (sm90)";
   FP8RL_CHECK(a.c_dtype == DType::BF16 || a.c_dtype == DType::F32, what, ": output must be BF16 or F32");
   const int kblocks = static_cast<int>(ceil_div(k_bytes(a.K, a.ab), int64_t{kBK}));
+  GemmParams p;  // the operands, scales and epilogue (the tiles and splits below)
+  p.M = a.M, p.N = a.N, p.K = a.K;
+  p.kblocks = kblocks;
+  p.sa = a.a_scales;
+  p.sa_m = a.a_scales_kb_major ? 1 : kblocks;
+  p.sa_k = a.a_scales_kb_major ? a.M : 1;
+  p.sb = a.b_scales;
+  p.c_bf16 = a.c_dtype == DType::BF16;
+  p.alpha = a.alpha, p.beta = a.beta;
   if (a.stream_k) {
     FP8RL_CHECK(!bf16_ab, "BF16 GEMM (sm90): stream-K is built for E4M3 operands only");
-    GemmParams p;
-    p.M = a.M, p.N = a.N, p.K = a.K;
-    p.kblocks = kblocks;
-    p.sa = a.a_scales;
-    p.sa_m = a.a_scales_kb_major ? 1 : kblocks;
-    p.sa_k = a.a_scales_kb_major ? a.M : 1;
-    p.sb = a.b_scales;
-    p.c_bf16 = a.c_dtype == DType::BF16;
-    p.alpha = a.alpha, p.beta = a.beta;
     launch_stream_k(a, p, stream);
     return;
   }
@@ -1213,17 +1213,9 @@ void fp8_gemm_sm90(const Fp8GemmArgs& a, cudaStream_t stream) {
   const int kb_per_split = static_cast<int>(ceil_div(int64_t{kblocks}, int64_t{splits}));
   const int used_splits = static_cast<int>(ceil_div(int64_t{kblocks}, int64_t{kb_per_split}));
   FP8RL_CHECK(used_splits == 1 || a.workspace, what, ": split-K needs a workspace");
-  GemmParams p;
-  p.M = a.M, p.N = a.N, p.K = a.K;
-  p.kblocks = kblocks, p.kb_per_split = kb_per_split;
-  p.sa = a.a_scales;
-  p.sa_m = a.a_scales_kb_major ? 1 : kblocks;
-  p.sa_k = a.a_scales_kb_major ? a.M : 1;
-  p.sb = a.b_scales;
+  p.kb_per_split = kb_per_split;
   p.partials = used_splits > 1;
   p.c = p.partials ? static_cast<void*>(a.workspace) : a.c;
-  p.c_bf16 = a.c_dtype == DType::BF16;
-  p.alpha = a.alpha, p.beta = a.beta;
   FP8RL_CHECK(a.block_m == 0 || a.block_m == 64 || a.block_m == 128 || a.block_m == 192,
               "FP8 GEMM (sm90): block_m must be 64, 128 or 192");
   const bool small = a.block_m ? a.block_m == 64 : a.M <= 256;

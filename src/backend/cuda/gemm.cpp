@@ -74,10 +74,13 @@ GemmEngine::GemmEngine(cudaStream_t stream) : stream_(stream) {
 
 bool GemmEngine::use_own_fp8(int64_t M, int64_t N, int64_t K) const {
   if (own_mode_ == 2) return fp8_gemm_sm90_supported(M, N, K);
-  // Stream-K's cuts follow M: not for FP8RL_FP8_ROW_INVARIANT's products.
   return own_mode_ == 1 &&
-         (fp8_gemm_sm90_preferred(M, N, K) ||
-          (M <= 256 && !fp8_row_invariant_ && fp8_gemm_sm90_stream_k() && fp8_gemm_sm90_supported(M, N, K)));
+         (fp8_gemm_sm90_preferred(M, N, K) || (stream_k_for(M) && fp8_gemm_sm90_supported(M, N, K)));
+}
+
+bool GemmEngine::stream_k_for(int64_t M) const {
+  // Stream-K's cuts follow M: not for FP8RL_FP8_ROW_INVARIANT's products.
+  return M <= 256 && !fp8_row_invariant_ && fp8_gemm_sm90_stream_k();
 }
 
 void GemmEngine::set_fp8_kernel(const std::string& v) {
@@ -752,28 +755,21 @@ void GemmEngine::stream_k_buffers(int64_t M, int64_t N, float** partials, int** 
 void GemmEngine::gemm_fp8_own(int64_t M, int64_t N, int64_t K, const uint8_t* a, const float* a_scales,
                               bool a_scales_kb_major, const uint8_t* b, const float* b_scales, void* C, DType c_dtype,
                               float alpha, float beta, int splits, int block_m, int block_n) {
-  const Fp8GemmConfig cfg = fp8_gemm_sm90_config(M, N, K, sm_count_);
-  if (M <= 256 && splits <= 0 && own_splits_ <= 0 && block_m <= 0 && !fp8_row_invariant_ && fp8_gemm_sm90_stream_k()) {
-    Fp8GemmArgs g;
-    g.M = M, g.N = N, g.K = K;
-    g.a = a, g.a_scales = a_scales, g.a_scales_kb_major = a_scales_kb_major;
-    g.b = b, g.b_scales = b_scales;
-    g.c = C, g.c_dtype = c_dtype, g.alpha = alpha, g.beta = beta;
-    g.stream_k = true;
-    stream_k_buffers(M, N, &g.sk_partials, &g.sk_counters);
-    fp8_gemm_sm90(g, stream_);
-    ++own_products_;
-    return;
-  }
   Fp8GemmArgs g;
-  g.block_m = block_m > 0 ? block_m : cfg.block_m;
-  g.block_n = block_n;
   g.M = M, g.N = N, g.K = K;
   g.a = a, g.a_scales = a_scales, g.a_scales_kb_major = a_scales_kb_major;
   g.b = b, g.b_scales = b_scales;
   g.c = C, g.c_dtype = c_dtype, g.alpha = alpha, g.beta = beta;
-  g.splits = splits > 0 ? splits : own_splits_ > 0 ? own_splits_ : cfg.splits;
-  g.workspace = own_workspace(M, N, g.splits);
+  if (splits <= 0 && own_splits_ <= 0 && block_m <= 0 && stream_k_for(M)) {
+    g.stream_k = true;
+    stream_k_buffers(M, N, &g.sk_partials, &g.sk_counters);
+  } else {
+    const Fp8GemmConfig cfg = fp8_gemm_sm90_config(M, N, K, sm_count_);
+    g.block_m = block_m > 0 ? block_m : cfg.block_m;
+    g.block_n = block_n;
+    g.splits = splits > 0 ? splits : own_splits_ > 0 ? own_splits_ : cfg.splits;
+    g.workspace = own_workspace(M, N, g.splits);
+  }
   fp8_gemm_sm90(g, stream_);
   ++own_products_;
 }

@@ -135,6 +135,9 @@ class GemmEngine {
   // (M <= 256), and the own kernel runs those as stream-K (Fp8GemmArgs::stream_k) unless a split
   // count or block_m is given.
   bool use_own_fp8(int64_t M, int64_t N, int64_t K) const;
+  // Whether an own-kernel product of M rows runs as stream-K (FP8RL_FP8_GEMM_STREAMK=1, M <= 256,
+  // not under FP8RL_FP8_ROW_INVARIANT).
+  bool stream_k_for(int64_t M) const;
   // The grouped product of fp8_gemm.h (one launch over every group's rows): the own kernel only.
   // keep_maps: b and b_scales are long-lived (the experts' weights): their tensor maps are encoded
   // and uploaded once per pointer set and kept, so a call uploads only its tile table, through
