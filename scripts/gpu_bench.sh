@@ -160,6 +160,8 @@ for stage in ${FP8RL_STAGES:-rlstep}; do
     rlstep_x*)  # an extra bench rl-step: FP8RL_<STAGE>_ARGS (e.g. FP8RL_RLSTEP_X1_ARGS) after the model and
       # new-token options, under the env assignments FP8RL_<STAGE>_ENV (e.g. "FP8RL_CONSISTENT_LT_ROWS=1")
       up=$(echo "$stage" | tr a-z A-Z); xargs_var="FP8RL_${up}_ARGS"; xenv_var="FP8RL_${up}_ENV"
+      case "${!xenv_var:-}" in *FP8RL_FP8_GEMM*)  # the own kernel failed its tests: no run on it
+        if [ -n "${OWN_GEMM_BROKEN:-}" ]; then note "$stage: skipped (CudaFp8Gemm failed)"; continue; fi ;; esac
       env ${!xenv_var:-} timeout $(( $(left) - 20 )) "$FP8RL" bench rl-step --device cuda \
         --model "${FP8RL_RLSTEP_MODEL:-qwen3-1.7b}" --max-new-tokens "${FP8RL_RLSTEP_NEW:-512}" ${!xargs_var:-} \
         --json "$OUT/$stage.json" > "$OUT/$stage.log" 2>&1
@@ -206,6 +208,7 @@ for stage in ${FP8RL_STAGES:-rlstep}; do
       timeout 200 "$FP8RL" bench-gemm --json "$OUT/bench_gemm.json" > "$OUT/bench_gemm.log" 2>&1
       note "bench-gemm: rc=$?"; sed -n '/^linear/,$p' "$OUT/bench_gemm.log" | tee -a "$SUMMARY" ;;
     gemm_sk)  # issue 14: the own FP8 GEMM as stream-K at the decode products, beside cuBLASLt
+      if [ -n "${OWN_GEMM_BROKEN:-}" ]; then note "gemm_sk: skipped (CudaFp8Gemm failed)"; continue; fi
       FP8RL_FP8_GEMM_STREAMK=1 timeout 150 "$FP8RL" bench-gemm --shapes \
         "${FP8RL_SK_SHAPES:-256x4096x2048,256x2048x2048,256x12288x2048,256x2048x6144,128x4096x2048,128x2048x6144,64x12288x2048,256x6144x4096,256x4096x4096,256x28672x4096,256x4096x14336}" \
         > "$OUT/gemm_sk.log" 2>&1
