@@ -122,7 +122,7 @@ if [ "${FP8RL_GPU_TESTS:-1}" = 1 ]; then
   note "gpu tests: rc=$? $(grep -E '^\[  (PASSED|FAILED)' "$OUT/gpu_tests.log" | tr '\n' ' ')"
   grep -E '^\[  FAILED|Failure' "$OUT/gpu_tests.log" | head -20 >> "$SUMMARY"
   # A failing tensor-core paged-attention kernel must not feed the benchmarks: fall back, say so.
-  grep -qE '^\[  FAILED  \] CudaFp8Gemm' "$OUT/gpu_tests.log" && { OWN_GEMM_BROKEN=1; note "own FP8 GEMM tests FAILED"; }
+  grep -qE '^\[  FAILED  \] CudaFp8Gemm|^\[ fp8 gemm \].*deadlocked' "$OUT/gpu_tests.log" && { OWN_GEMM_BROKEN=1; note "own FP8 GEMM tests FAILED"; }
   if grep -qE '^\[  FAILED  \] CudaPagedAttention' "$OUT/gpu_tests.log"; then
     # A failing variant of the tensor-core kernel (its trace names it) is never picked (stage
     # pick_paged); a failing original kernel sends every benchmark to the tiled kernel.
