@@ -243,6 +243,8 @@ for stage in ${FP8RL_STAGES:-rlstep}; do
       grep -A${FP8RL_PROFILE_LINES:-12} "cuda op profile" "$OUT/rlstep_profile.log" | tee -a "$SUMMARY" ;;
     tests_x*)  # the GPU tests FP8RL_<STAGE>_FILTER under the env assignments FP8RL_<STAGE>_ENV
       up=$(echo "$stage" | tr a-z A-Z); tf_var="FP8RL_${up}_FILTER"; tenv_var="FP8RL_${up}_ENV"
+      case "${!tenv_var:-}" in *FP8RL_FP8_GEMM*)
+        if [ -n "${OWN_GEMM_BROKEN:-}" ]; then note "$stage: skipped (CudaFp8Gemm failed)"; continue; fi ;; esac
       env ${!tenv_var:-} timeout "${FP8RL_TESTS_X_TIMEOUT:-300}" "$B/fp8rl_gpu_tests" --gtest_color=no \
         --gtest_filter="${!tf_var:-*}" \
         > "$OUT/$stage.log" 2>&1
