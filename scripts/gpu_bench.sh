@@ -72,6 +72,8 @@
 #                   graphs on (scripts/ncu_kernel_sum.py sums the whole decode-only steps of 256 rows)
 #   trainstep_profile  FP8RL_CUDA_PROFILE=1 train steps (bf16, fp8) at that shape: the per-op table
 #   generate        fp8rl bench generate --model 1b (four recipes)
+#   generate_x<N>   an extra bench generate on FP8RL_GENERATE_X<N>_MODEL (1b) with FP8RL_GENERATE_X<N>_ARGS under
+#                   the env FP8RL_GENERATE_X<N>_ENV
 #   rlstep_kl       bench rl-step with the frozen KL reference policy (kl_beta 0.01): its memory and time
 #   rlstep_8b       issue 15: bench rl-step at the Llama-3.1-8B shape, 16 prompts x 16 samples x 1024 new
 #                   tokens, kl_beta 0.01, 1 optimizer step, 3 GRPO steps, fp8_e2e then bf16, with what the
@@ -498,6 +500,15 @@ PY
       timeout $(( $(left) - 20 )) "$FP8RL" bench generate --device cuda --model "$gm" ${FP8RL_GENERATE_ARGS:-} \
         --json "$OUT/generate_$gm.json" > "$OUT/generate_$gm.log" 2>&1
       note "bench generate $gm: rc=$?"; sed -n '/^recipe/,$p' "$OUT/generate_$gm.log" | head -40 | tee -a "$SUMMARY" ;;
+    generate_x*)  # an extra bench generate: model FP8RL_<STAGE>_MODEL (1b), FP8RL_<STAGE>_ARGS, under the env
+      # assignments FP8RL_<STAGE>_ENV (e.g. FP8RL_GENERATE_X1_ENV="FP8RL_FP8_GEMM=auto FP8RL_FP8_GEMM_STREAMK=1")
+      up=$(echo "$stage" | tr a-z A-Z); gm_var="FP8RL_${up}_MODEL"; ga_var="FP8RL_${up}_ARGS"; ge_var="FP8RL_${up}_ENV"
+      case "${!ge_var:-}" in *FP8RL_FP8_GEMM*)
+        if [ -n "${OWN_GEMM_BROKEN:-}" ]; then note "$stage: skipped (CudaFp8Gemm failed)"; continue; fi ;; esac
+      env ${!ge_var:-} timeout $(( $(left) - 20 )) "$FP8RL" bench generate --device cuda --model "${!gm_var:-1b}" \
+        ${!ga_var:-} --json "$OUT/$stage.json" > "$OUT/$stage.log" 2>&1
+      note "bench generate ($stage: ${!gm_var:-1b} ${!ge_var:-} ${!ga_var:-}): rc=$?"
+      sed -n '/^recipe/,$p' "$OUT/$stage.log" | head -40 | tee -a "$SUMMARY" ;;
     rlstep_kl)
       timeout $(( $(left) - 20 )) "$FP8RL" bench rl-step --device cuda --model "${FP8RL_RLSTEP_MODEL:-qwen3-1.7b}" \
         --recipes bf16,fp8_e2e --kl-beta 0.01 --max-new-tokens 256 --steps 1 --warmup 0 \
