@@ -43,7 +43,6 @@
 #   memory          bench rl-step with 32k-token micro-batches and kl_beta 0.01, recompute none and
 #                   block: measured peak against the memory plan of the same setup (issue 15)
 #   kernels         the tensor-core paged decode attention (old vs new, GB/s) and the sampler alone
-#   paged_l2        DecodeBench's default rows with the decode kernel's L2 prefetch at each FP8RL_PAGED_L2_LIST distance
 #   flash_orders    DecodeBench's flash-order decode rows under FP8RL_FLASH_ORDER=online, merge_coop and merge
 #                   (the tile-merge order's cooperative and tile-parallel decodes against the online order's)
 #   pick_paged      after kernels: exports FP8RL_PAGED_VARIANT = the fastest passing tensor-core variant
@@ -61,7 +60,9 @@
 #   gemm_variants   bench-gemm --shapes (FP8RL_GEMM_SHAPES) and --grouped-only for each cluster:scales:ctas[:band[:store]]
 #                   variant of the own FP8 GEMM in FP8RL_GEMM_VARIANTS (e.g. 1x1:smem:2)
 #   ncu_gemm        Nsight Compute on one launch of the own FP8 GEMM per product of FP8RL_NCU_GEMM
-#                   (MxNxK, or "grouped"): speed of light, pipes, memory, warp stalls
+#                   (MxNxK, or "grouped"): speed of light, pipes, memory, warp stalls; the first launch
+#                   whose demangled name matches FP8RL_NCU_GEMM_KERNEL (default fp8_gemm_kernel; the
+#                   stream-K instances, FP8RL_FP8_GEMM_STREAMK=1: 'fp8_gemm_kernel<[^>]*, true>')
 #   ncu_gemm_src    Nsight Compute's source page of the same launches: stall samples per SASS instruction
 #                   (ncu_src_<product>.csv; the top 40 in the summary)
 #   ncu_train       Nsight Compute speed of light of the training step's element-wise kernels and
@@ -307,14 +308,6 @@ for stage in ${FP8RL_STAGES:-rlstep}; do
       note "paged attention bench: rc=$?"; grep -vE '^\[|^$|^Note' "$OUT/paged_bench.log" | head -72 | tee -a "$SUMMARY"
       timeout 60 "$FP8RL" bench sample --device cuda > "$OUT/sample_bench.log" 2>&1
       note "bench sample: rc=$?"; tail -12 "$OUT/sample_bench.log" | tee -a "$SUMMARY" ;;
-    paged_l2)  # issue 14: DecodeBench's default tensor-core rows (every shape, both pools) with the L2
-      # prefetch FP8RL_PAGED_L2_AHEAD at each of FP8RL_PAGED_L2_LIST (tiles ahead; 0: none), one machine
-      for n in ${FP8RL_PAGED_L2_LIST:-0 2 4 8}; do
-        FP8RL_PAGED_L2_AHEAD=$n FP8RL_PAGED_BENCH=1 FP8RL_PAGED_BENCH_DEFAULT=1 timeout 120 "$B/fp8rl_gpu_tests" \
-          --gtest_color=no --gtest_filter='CudaPagedAttention.DecodeBench' > "$OUT/paged_l2_$n.log" 2>&1
-        note "DecodeBench, FP8RL_PAGED_L2_AHEAD=$n: rc=$?"
-        grep -E " mma  " "$OUT/paged_l2_$n.log" | tee -a "$SUMMARY"
-      done ;;
     flash_orders)  # issue 11: DecodeBench's flash-order decode in each FP8RL_FLASH_ORDER (online, merge_coop, merge)
       for order in online merge_coop merge; do
         FP8RL_FLASH_ORDER=$order FP8RL_PAGED_BENCH=1 timeout 120 "$B/fp8rl_gpu_tests" --gtest_color=no \
@@ -402,7 +395,7 @@ PYEOF
       # FP8RL_NCU_GEMM: MxNxK products (bench-gemm --shapes) or "grouped" (the expert products).
       for sh in ${FP8RL_NCU_GEMM:-8192x12288x2048 256x12288x2048 256x2048x6144 grouped}; do
         if [ "$sh" = grouped ]; then sel=(--grouped-only); else sel=(--shapes "$sh"); fi
-        timeout 120 ncu --clock-control none --kernel-name-base demangled -k "regex:fp8_gemm_kernel" -c 1 \
+        timeout 120 ncu --clock-control none --kernel-name-base demangled -k "regex:${FP8RL_NCU_GEMM_KERNEL:-fp8_gemm_kernel}" -c 1 \
           --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
           --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats \
           --print-details all "$FP8RL" bench-gemm --reps 1 --warmup 0 "${sel[@]}" > "$OUT/ncu_gemm_$sh.log" 2>&1
@@ -416,7 +409,7 @@ PYEOF
       # the 40 instructions with the most samples to the summary (scripts/ncu_sass_top.py).
       for sh in ${FP8RL_NCU_GEMM:-8192x12288x2048 256x12288x2048}; do
         if [ "$sh" = grouped ]; then sel=(--grouped-only); else sel=(--shapes "$sh"); fi
-        timeout 150 ncu --clock-control none --kernel-name-base demangled -k "regex:fp8_gemm_kernel" -c 1 \
+        timeout 150 ncu --clock-control none --kernel-name-base demangled -k "regex:${FP8RL_NCU_GEMM_KERNEL:-fp8_gemm_kernel}" -c 1 \
           --section SourceCounters --section WarpStateStats --section SpeedOfLight --section MemoryWorkloadAnalysis \
           --import-source no -f -o "$OUT/ncu_src_$sh" "$FP8RL" bench-gemm --reps 1 --warmup 0 "${sel[@]}" \
           > "$OUT/ncu_src_$sh.log" 2>&1

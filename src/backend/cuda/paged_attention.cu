@@ -127,10 +127,6 @@ using paged_saddr_t = uint32_t;
 __device__ __forceinline__ paged_saddr_t paged_saddr(const void* p) {
   return static_cast<paged_saddr_t>(__cvta_generic_to_shared(p));
 }
-// A hint: the 128-byte line at p into L2 (kept there before the streaming lines).
-__device__ __forceinline__ void paged_prefetch_l2(const void* p) {
-  asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(p));
-}
 // 16 bytes from src, or 16 zero bytes (src not read) where `zero`.
 __device__ __forceinline__ void paged_cp_async16z(paged_saddr_t dst, const void* src, bool zero) {
   asm volatile(
@@ -228,11 +224,6 @@ struct PagedArgs {
   // one sequence at consecutive positions, whose group x count (token, head) pairs are the MMA
   // columns: the run's K/V tiles are read once for all of them. Null: one token per CTA row.
   const int32_t* qruns = nullptr;
-  // paged_mmat_kernel's one-token CTAs with pages of a multiple of 16 slots: the K and V rows of
-  // the tile this many tiles past the one whose copy is issued are prefetched into L2 (0: none;
-  // FP8RL_PAGED_L2_AHEAD, an experiment: session 35's counters put the E4M3 kernel's time in the
-  // wait for its copies).
-  int l2_ahead = 0;
 };
 
 __device__ __forceinline__ float paged_load_q(const void* q, bool bf, int64_t i) {
@@ -1578,18 +1569,6 @@ __global__ void __launch_bounds__(32 * kMmaWarps, paged_mmat_min_blocks<HD, TP, 
     }
     __syncwarp();  // ... and every lane's; stage (k - 1) % S is free (every lane is past tile k - 1)
     if (k + S - 1 < nk) issue(prev, slot_of(k + S - 1, entry_next(k + S - 1)));
-    if (MQ == 0 && tile_pages && a.l2_ahead > 0 && k + S - 1 + a.l2_ahead < nk) {  // one-token CTAs
-      // The rows of tile kp into L2: lane l row l % 16 of K (l < 16) or V; its entry from the
-      // window of tile k + S - 1 (ecur) or the next (l2_ahead < 32: the launcher's bound).
-      const int kn = k + S - 1, kp = kn + a.l2_ahead;
-      const int e = paged_shfl((kp >> 5) != (kn >> 5) ? enext : ecur, kp & 31);
-      const int sl = slot_at(j0 + (warp + NW * kp) * kMmaTile + (lane & 15), e);
-      if (sl >= 0) {
-        const unsigned char* row = (lane < 16 ? kpool : vpool) + static_cast<int64_t>(sl) * slot_bytes;
-#pragma unroll
-        for (int h = 0; h < RB / 128; ++h) paged_prefetch_l2(row + 128 * h);
-      }
-    }
     if constexpr (!kTma) paged_cp_async_commit();
     const unsigned char* st = wbuf + cur;
     prev = cur;
@@ -2365,17 +2344,6 @@ int paged_attention_run_tokens(int group) {
   return group >= 1 && group <= kMmaRows ? kWideWarps * kMmaRows / group : 1;
 }
 
-// FP8RL_PAGED_L2_AHEAD=N (read at each call; an experiment for DecodeBench): PagedArgs::l2_ahead,
-// tiles 1 .. 31 (0 or unset: no prefetch). The prefetches change no result.
-static int paged_l2_ahead() {
-  const char* e = std::getenv("FP8RL_PAGED_L2_AHEAD");
-  if (!e || !*e) return 0;
-  const int n = std::atoi(e);
-  FP8RL_CHECK(n >= 0 && n < 32 && std::to_string(n) == e, "FP8RL_PAGED_L2_AHEAD=", e,
-              ": expected a tile count 0 .. 31; unset it for none");
-  return n;
-}
-
 // The TMA copies' tensor map of a pool [pages, page_size, Hkv, row_bytes]: bytes as {row_bytes,
 // Hkv, cache slots}, boxes of 128 bytes x 1 head x 16 slots, 128-byte swizzle. `slots` (pages x
 // page_size; 0: unknown, then the largest an int32 slot can name) bounds the boxes: a page-table
@@ -2470,7 +2438,6 @@ void launch_paged_attention_mma(const void* q, DType qdt, const int32_t* token_s
                            k_scale, v_scale, scale, fp8_q, split, part_o, part_lse, out);
   a.ps_shift = (page_size & (page_size - 1)) == 0 ? __builtin_ctz(static_cast<unsigned>(page_size)) : -1;
   a.partials = lse_out != nullptr;
-  a.l2_ahead = paged_l2_ahead();
   if (v == kMmaTmaVariant && hd == 128) {
     const int rb = hd * (pool_dt == DType::E4M3 ? 1 : 2);
     a.kmap = paged_pool_tma_map(kpool, Hkv, rb, pool_slots);

@@ -93,8 +93,6 @@ template <class T>
 inline T paged_keep(T x) { return x; }
 using paged_saddr_t = uintptr_t;
 inline paged_saddr_t paged_saddr(const void* p) { return reinterpret_cast<uintptr_t>(p); }
-// The L2 prefetch reads a byte: an address outside the pools is an ASan error.
-inline void paged_prefetch_l2(const void* p) { (void)*static_cast<const volatile unsigned char*>(p); }
 inline void paged_cp_async16z(paged_saddr_t dst, const void* src, bool zero) {
   paged_cp_async16(reinterpret_cast<void*>(dst), src, zero ? 0 : 16);
 }
@@ -393,9 +391,6 @@ int run(const Case& c) {
   a.fp8_q = c.fp8q;
   a.ps_shift = (c.ps & (c.ps - 1)) == 0 ? __builtin_ctz(unsigned(c.ps)) : -1;
   a.partials = c.invariant;
-  // The L2 prefetch (PagedArgs::l2_ahead) on in every case, 5 tiles ahead (across a window of 32
-  // in the long case): its addresses must stay inside the pools (the shim reads them).
-  a.l2_ahead = 5;
   // The output's fused E4M3 copy (PagedArgs::out_q: the tensor-core kernels at hd 128, written by
   // the one-split epilogue or the combine); the scale layout alternates with T's parity.
   const bool fq = g_kern == Kern::Mma && hd == 128 && c.q_bf16 && !c.invariant;
