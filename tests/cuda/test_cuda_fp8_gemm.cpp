@@ -1167,5 +1167,307 @@ TEST(CudaFp8Gemm, StreamKMatchesTheHostProductAndRepeats) {
   }
 }
 
+// ---- Per-row B scales (Fp8GemmArgs::b_scales_rows: the FP8 wgrad on the own kernel) ----
+
+// The FP8 wgrad's operands as CudaBackend::linear_backward makes them: dY [T, M] and X [T, N]
+// (BF16; M the layer's outputs, N its inputs, T the tokens) quantized transposed on the device,
+// 1x128 along tokens, into A = dY^T [M, K] and B = X^T [N, K] with K = T rounded up to 128 (the
+// padding columns zeros). The scales in both layouts: row-major [rows][K/128] (the quantizer's
+// default, as cuBLASLt's path and the host product read them) and K-block-major [K/128][rows]
+// (gemm_layout: the own kernel's per-row B layout). db128: B quantized in 128x128 blocks instead,
+// and its scales repeated per row, K-block-major (db128_rows): the per-row mode on those is the
+// 128x128 mode's product.
+struct WgradOperands {
+  int64_t M = 0, N = 0, K = 0;
+  QuantTensor ha, hb;   // host copies (row-major scales)
+  QuantTensor da, db;   // device, row-major scales
+  Tensor da_kb, db_kb;  // device scales [K/128][M] and [K/128][N] (gemm_layout)
+  QuantTensor db128;    // device, B in 128x128 blocks
+  Tensor db128_rows;    // device: db128's scales per row, [K/128][N]
+};
+
+WgradOperands make_wgrad_operands(cuda::CudaBackend& be, int64_t M, int64_t N, int64_t T, uint32_t seed) {
+  WgradOperands o;
+  o.M = M, o.N = N, o.K = ceil_div(T, int64_t{kQuantBlock}) * kQuantBlock;
+  const Tensor dy = be.to_device(random_bf16(T, M, seed, 1.5f).host);
+  const Tensor x = be.to_device(random_bf16(T, N, seed + 1, 1.0f).host);
+  o.da = be.alloc_quant(M, o.K, 1, kQuantBlock, false);
+  o.db = be.alloc_quant(N, o.K, 1, kQuantBlock, false);
+  QuantTensor akb = be.alloc_quant(M, o.K, 1, kQuantBlock, false), bkb = be.alloc_quant(N, o.K, 1, kQuantBlock, false);
+  o.db128 = be.alloc_quant(N, o.K, kQuantBlock, kQuantBlock, false);
+  be.quantize_async(dy, true, o.da, /*pad_cols=*/true);
+  be.quantize_async(x, true, o.db, /*pad_cols=*/true);
+  be.quantize_async(dy, true, akb, /*pad_cols=*/true, /*gemm_layout=*/true);
+  be.quantize_async(x, true, bkb, /*pad_cols=*/true, /*gemm_layout=*/true);
+  be.quantize_async(x, true, o.db128, /*pad_cols=*/true);
+  be.synchronize();
+  o.ha = o.da, o.hb = o.db;
+  o.ha.data = be.to_host(o.da.data), o.ha.scales = be.to_host(o.da.scales);
+  o.hb.data = be.to_host(o.db.data), o.hb.scales = be.to_host(o.db.scales);
+  // The K-block-major quantization: the same codes, and the same scales transposed.
+  const int64_t kb = o.K / kQuantBlock;
+  auto same_values = [&](const QuantTensor& q, const QuantTensor& h, int64_t rows, const char* what) {
+    const Tensor codes = be.to_host(q.data), scales = be.to_host(q.scales);
+    EXPECT_EQ(std::memcmp(codes.raw(), h.data.raw(), codes.nbytes()), 0) << what << ": gemm_layout changed the codes";
+    int64_t moved = 0;
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t b = 0; b < kb; ++b)
+        moved += scales.data<float>()[b * rows + r] != h.scales.data<float>()[r * kb + b];
+    EXPECT_EQ(moved, 0) << what << ": K-block-major scales that are not the row-major ones transposed";
+  };
+  same_values(akb, o.ha, M, "dY^T");
+  same_values(bkb, o.hb, N, "X^T");
+  o.da_kb = akb.scales, o.db_kb = bkb.scales;
+  const Tensor s128 = be.to_host(o.db128.scales);  // [ceil(N/128)][kb]
+  std::vector<float> rows128(static_cast<size_t>(kb * N));
+  for (int64_t b = 0; b < kb; ++b)
+    for (int64_t n = 0; n < N; ++n)
+      rows128[static_cast<size_t>(b * N + n)] = s128.data<float>()[(n / kQuantBlock) * kb + b];
+  o.db128_rows = be.to_device(from_float_vector(rows128, {kb, N}, DType::F32));
+  return o;
+}
+
+// Row r of a host E4M3 tensor [rows, K] with 1x128 scales [rows][K/128], dequantized.
+std::vector<double> dequantized_row(const QuantTensor& q, int64_t r) {
+  const int64_t K = q.cols(), kb = ceil_div(K, int64_t{kQuantBlock});
+  std::vector<double> v(static_cast<size_t>(K));
+  for (int64_t k = 0; k < K; ++k)
+    v[static_cast<size_t>(k)] = static_cast<double>(e4m3_to_float(q.data.data<uint8_t>()[r * K + k])) *
+                                q.scales.data<float>()[r * kb + k / kQuantBlock];
+  return v;
+}
+
+// The exact products of the dequantized operands (FP64) at rows x cols of C, and their sums of
+// |terms| (the error scale).
+struct ExactGrid {
+  std::vector<int64_t> rows, cols;
+  std::vector<double> value, magnitude;  // [rows.size()][cols.size()]
+};
+ExactGrid exact_grid(const WgradOperands& o) {
+  ExactGrid e;
+  e.rows = sampled(o.M, 128, 37), e.cols = sampled(o.N, 128, 53);
+  std::vector<std::vector<double>> b;
+  for (int64_t n : e.cols) b.push_back(dequantized_row(o.hb, n));
+  for (int64_t m : e.rows) {
+    const std::vector<double> a = dequantized_row(o.ha, m);
+    for (const std::vector<double>& bn : b) {
+      double s = 0, mag = 0;
+      for (size_t k = 0; k < a.size(); ++k) s += a[k] * bn[k], mag += std::fabs(a[k] * bn[k]);
+      e.value.push_back(s), e.magnitude.push_back(mag);
+    }
+  }
+  return e;
+}
+
+// The largest |C - exact| / sum |terms| over the grid (F32 C [M, N] on the host).
+double grid_error(const ExactGrid& e, const Tensor& c, int64_t N) {
+  double worst = 0;
+  for (size_t i = 0; i < e.rows.size(); ++i)
+    for (size_t j = 0; j < e.cols.size(); ++j) {
+      const size_t at = i * e.cols.size() + j;
+      const double got = c.data<float>()[e.rows[i] * N + e.cols[j]];
+      worst = std::max(worst, std::fabs(got - e.value[at]) / (e.magnitude[at] + 1e-30));
+    }
+  return worst;
+}
+
+// The own kernel's per-row B product C = alpha A B^T + beta C on the operands (A's scales
+// K-block-major or row-major; B's per-row scales b_rows, K-block-major), into `c` (on the device;
+// its prior values are the beta term); returns C on the host once the kernel finished.
+Tensor run_own_rows(cuda::CudaBackend& be, const WgradOperands& o, Tensor& c, bool a_kb_major, const Tensor& b_rows,
+                    float alpha, float beta, int splits) {
+  be.gemm().gemm_fp8_own_b_rows(
+      o.M, o.N, o.K, o.da.data.data<uint8_t>(), a_kb_major ? o.da_kb.data<float>() : o.da.scales.data<float>(),
+      a_kb_major, o.db.data.data<uint8_t>(), b_rows.data<float>(), c.raw(), c.dtype(), alpha, beta, splits);
+  finish_or_exit(be, "per-row B scales");  // a stage whose transaction bytes the producer miscounted hangs
+  return be.to_host(c);
+}
+
+// Per-row B scales (FP8RL_FP8_WGRAD_GEMM=own's kernel) on the FP8 wgrad's operands quantized on
+// the device: every element written and finite, within the MMA bound of the exact product of the
+// dequantized operands and as close as cuBLASLt's VEC128 x VEC128 product on the same operands
+// (within 25%), at the splits the engine chooses and at 1 and 3; a repeat bitwise; A's scales in
+// either layout the same bits; beta = 1 adds the prior F32 C once (the wgrad accumulates into dW);
+// alpha applied once; BF16 output the F32 result rounded once; and B's 128x128 quantization with
+// its scales repeated per row gives bitwise the 128x128 mode's C (every column's scale equal to its
+// block's: the same promotion, element for element). Through GemmEngine::gemm_fp8 (1x128 B, the
+// wgrad's call) with FP8RL_FP8_WGRAD_GEMM's choice set to own: bitwise the direct call, with the
+// scales row-major (laid out by the engine) or K-block-major. Shapes: the wgrad of a 2048-output,
+// 6144-input linear over 8192 tokens; partial tiles in M and N (a last column tile of 16); tokens
+// padded to 128 (600 -> 640); K of 3 blocks and of 40 (few tiles: the engine splits K); dY's rows
+// of 300 elements (not a multiple of 8: the quantizer's element-wise transposed kernel).
+TEST(CudaFp8Gemm, PerRowBScalesMatchTheHostProductAndCublasLt) {
+  cuda::CudaBackend be(0, DType::BF16);
+  ASSERT_EQ(std::getenv("FP8RL_FP8_GEMM_SPLITS"), nullptr) << "a fixed split count changes the engine's routing";
+  struct WgradShape {
+    int64_t M, N, T;  // C [M, N] = dY^T X over T tokens
+  };
+  const WgradShape shapes[] = {
+      {2048, 6144, 8192}, {300, 528, 600}, {1000, 1040, 384}, {136, 256, 5000}, {1024, 1024, 2048}};
+  cuda::GemmEngine& g = be.gemm();
+  for (const WgradShape& s : shapes) {
+    const std::string where = "M=" + std::to_string(s.M) + " N=" + std::to_string(s.N) + " T=" + std::to_string(s.T);
+    SCOPED_TRACE(where);
+    const WgradOperands o = make_wgrad_operands(be, s.M, s.N, s.T, static_cast<uint32_t>(s.M + 3 * s.N + s.T));
+    const int64_t M = o.M, N = o.N, K = o.K;
+    const ExactGrid exact = exact_grid(o);
+    // cuBLASLt's VEC128 x VEC128 product (row-major scales, laid out by the engine).
+    g.set_fp8_wgrad_kernel("cublaslt");
+    Tensor dl = poisoned(be, {M, N}, DType::F32);
+    g.gemm_fp8(M, N, K, o.da.data.data<uint8_t>(), o.da.scales.data<float>(), o.db.data.data<uint8_t>(),
+               o.db.scales.data<float>(), 1, dl.raw(), DType::F32, 1.0f, 0.0f);
+    be.synchronize();
+    const double lt = grid_error(exact, be.to_host(dl), N);
+    Tensor c0 = poisoned(be, {M, N}, DType::F32);
+    const Tensor own = run_own_rows(be, o, c0, true, o.db_kb, 1.0f, 0.0f, 0);
+    for (int splits : {0, 1, 3}) {
+      SCOPED_TRACE(testing::Message() << "splits=" << splits << " (0: the engine's)");
+      for (bool a_kb_major : {true, false}) {
+        Tensor d1 = poisoned(be, {M, N}, DType::F32), d2 = poisoned(be, {M, N}, DType::F32);
+        const Tensor c1 = run_own_rows(be, o, d1, a_kb_major, o.db_kb, 1.0f, 0.0f, splits);
+        const Tensor c2 = run_own_rows(be, o, d2, a_kb_major, o.db_kb, 1.0f, 0.0f, splits);
+        int64_t unwritten = 0;
+        for (int64_t i = 0; i < M * N; ++i) unwritten += !std::isfinite(c1.data<float>()[i]);
+        ASSERT_EQ(unwritten, 0) << "elements never stored (the poison is NaN), A scales kb-major " << a_kb_major;
+        ASSERT_EQ(std::memcmp(c1.raw(), c2.raw(), c1.nbytes()), 0) << "a repeat differs";
+        if (splits == 0) {
+          ASSERT_EQ(std::memcmp(c1.raw(), own.raw(), c1.nbytes()), 0) << "A's scale layout changed the bits";
+        }
+        const double err = grid_error(exact, c1, N);
+        EXPECT_LT(err, kMmaBound) << "A scales kb-major " << a_kb_major;
+        EXPECT_LE(err, 1.25 * lt + 1e-6) << "cuBLASLt's error " << lt;
+        if (splits == 0 && a_kb_major)
+          std::printf("[ fp8 gemm ] per-row B, %s: max |C - exact| / sum|terms|: own %.2e, cuBLASLt %.2e\n",
+                      where.c_str(), err, lt);
+      }
+      // The 128x128 quantization of B, its scales repeated per row: the 128x128 mode's bits.
+      const int sp = splits == 0 ? 2 : splits;  // the 128x128 call takes an explicit count
+      Tensor dr = poisoned(be, {M, N}, DType::F32), db = poisoned(be, {M, N}, DType::F32);
+      be.gemm().gemm_fp8_own_b_rows(M, N, K, o.da.data.data<uint8_t>(), o.da_kb.data<float>(), true,
+                                    o.db128.data.data<uint8_t>(), o.db128_rows.data<float>(), dr.raw(), DType::F32,
+                                    1.0f, 0.0f, sp);
+      be.gemm().gemm_fp8_own(M, N, K, o.da.data.data<uint8_t>(), o.da_kb.data<float>(), true,
+                             o.db128.data.data<uint8_t>(), o.db128.scales.data<float>(), db.raw(), DType::F32, 1.0f,
+                             0.0f, sp, /*block_m=*/128);
+      finish_or_exit(be, "per-row B scales against 128x128 blocks");
+      const Tensor hr = be.to_host(dr), hb = be.to_host(db);
+      ASSERT_EQ(std::memcmp(hr.raw(), hb.raw(), hr.nbytes()), 0)
+          << "per-row scales equal within each 128-row block differ from the 128x128 mode, splits " << sp;
+    }
+    // beta = 1 over a prior F32 C (the wgrad's accumulation into dW): prior + C, added once; alpha
+    // once; BF16 output: the F32 result rounded once.
+    Tensor dp = prior_c(be, M, N, DType::F32);
+    const Tensor cb = run_own_rows(be, o, dp, true, o.db_kb, 1.0f, 1.0f, 0);
+    Tensor dh = poisoned(be, {M, N}, DType::F32), d16 = poisoned(be, {M, N}, DType::BF16);
+    const Tensor ch = run_own_rows(be, o, dh, true, o.db_kb, 0.5f, 0.0f, 0);
+    const Tensor c16 = run_own_rows(be, o, d16, true, o.db_kb, 1.0f, 0.0f, 0);
+    for (int64_t i = 0; i < M * N; i += 3) {
+      ASSERT_EQ(cb.data<float>()[i], prior_value(i) + own.data<float>()[i]) << "beta 1, element " << i;
+      ASSERT_EQ(ch.data<float>()[i], 0.5f * own.data<float>()[i]) << "alpha 0.5, element " << i;
+      ASSERT_EQ(c16.data<uint16_t>()[i], bf16_from_float(own.data<float>()[i])) << "BF16, element " << i;
+    }
+    // The engine's routing: 1x128 B on the own kernel once its wgrad choice is own, the scales
+    // row-major (B's laid out by the engine) or already K-block-major: the direct call's bits.
+    g.set_fp8_wgrad_kernel("own");
+    ASSERT_TRUE(g.fp8_wgrad_own(M, N, K));
+    for (bool laid : {false, true}) {
+      const int64_t own0 = g.own_products();
+      Tensor dg = poisoned(be, {M, N}, DType::F32);
+      g.gemm_fp8(M, N, K, o.da.data.data<uint8_t>(), laid ? o.da_kb.data<float>() : o.da.scales.data<float>(),
+                 o.db.data.data<uint8_t>(), laid ? o.db_kb.data<float>() : o.db.scales.data<float>(), 1, dg.raw(),
+                 DType::F32, 1.0f, 0.0f, /*a_scales_laid=*/laid, /*row_invariant=*/false, /*b_scales_laid=*/laid);
+      finish_or_exit(be, "gemm_fp8 with 1x128 B on the own kernel");
+      EXPECT_EQ(g.own_products(), own0 + 1) << "laid " << laid << ": not counted as an own product";
+      const Tensor hg = be.to_host(dg);
+      ASSERT_EQ(std::memcmp(hg.raw(), own.raw(), hg.nbytes()), 0) << "gemm_fp8's routing, scales laid " << laid;
+    }
+    g.set_fp8_wgrad_kernel("cublaslt");
+  }
+}
+
+// linear_backward's FP8 weight gradient with FP8RL_FP8_WGRAD_GEMM=own (its quantizations then
+// write the K-block-major scales the own kernel reads) against the default cuBLASLt path on the
+// same dY and X: dW accumulated onto the same prior, every element of the two within twice the MMA
+// bound of each other (each is within kMmaBound of the exact quantized product: the test above),
+// scaled by sum_t |dY[t, n] X[t, k]| (an FP32 GEMM of the absolute values; quantization changes
+// each factor by at most 2^-4 of it, hence 3 x kMmaBound); a scale read from the wrong row, column
+// or K block is an error of the order of |dW|, 2^-3 to 2^-5 of that sum at these token counts. dX
+// bitwise (the switch is the wgrad's alone), and the product counted as the own kernel's.
+// FP8RL_FP8_WGRAD_GEMM is read when the engine is made: own there, cublaslt by default, and other
+// values refused.
+TEST(CudaFp8Gemm, LinearBackwardWgradOnTheOwnKernelMatchesCublasLt) {
+  {
+    const EnvGuard own("FP8RL_FP8_WGRAD_GEMM", "own");
+    cuda::CudaBackend be(0, DType::BF16);
+    EXPECT_TRUE(be.gemm().fp8_wgrad_own(2048, 1024, 4096));
+    EXPECT_FALSE(be.gemm().fp8_wgrad_own(2048, 1000, 4096)) << "N % 16 != 0: cuBLASLt (or the caller's fallback)";
+  }
+  cuda::CudaBackend be(0, DType::BF16);
+  EXPECT_FALSE(be.gemm().fp8_wgrad_own(2048, 1024, 4096)) << "cublaslt is the default";
+  EXPECT_THROW(be.gemm().set_fp8_wgrad_kernel("auto"), Error);
+  be.gemm().set_fp8_kernel("cublaslt");  // the dgrad on cuBLASLt whatever FP8RL_FP8_GEMM says: not counted
+  struct Case {
+    int64_t T, N, K;  // dY [T, N], X [T, K], W [N, K]
+  };
+  const LinearSpec spec{LinearMode::FP8_BLOCK, false};
+  for (const Case& c : {Case{1000, 384, 640}, Case{4096, 2048, 1024}, Case{136, 256, 272}}) {
+    const std::string where = "T=" + std::to_string(c.T) + " N=" + std::to_string(c.N) + " K=" + std::to_string(c.K);
+    SCOPED_TRACE(where);
+    const uint32_t seed = static_cast<uint32_t>(c.T + 5 * c.N + c.K);
+    const Bf16Matrix dyh = random_bf16(c.T, c.N, seed, 1.5f), xh = random_bf16(c.T, c.K, seed + 1, 1.0f);
+    const Tensor dy = be.to_device(dyh.host), x = be.to_device(xh.host);
+    LinearWeight W;
+    W.w = be.to_device(random_matrix(c.N, c.K, seed + 2, 0.5f));
+    Tensor dw[2], dx[2];
+    int64_t own_products[2];
+    for (int run = 0; run < 2; ++run) {  // 0: cuBLASLt, 1: the own kernel
+      be.gemm().set_fp8_wgrad_kernel(run == 0 ? "cublaslt" : "own");
+      dw[run] = prior_c(be, c.N, c.K, DType::F32);
+      dx[run] = poisoned(be, {c.T, c.K}, DType::BF16);
+      const int64_t before = be.gemm().own_products();
+      be.linear_backward(dy, x, W, spec, &dx[run], &dw[run], nullptr);
+      finish_or_exit(be, "linear_backward");
+      own_products[run] = be.gemm().own_products() - before;
+    }
+    be.gemm().set_fp8_wgrad_kernel("cublaslt");
+    EXPECT_EQ(own_products[0], 0) << "the default's wgrad ran on the own kernel";
+    EXPECT_EQ(own_products[1], 1) << "FP8RL_FP8_WGRAD_GEMM=own's wgrad did not run on the own kernel";
+    const Tensor x0 = be.to_host(dx[0]), x1 = be.to_host(dx[1]);
+    EXPECT_EQ(std::memcmp(x0.raw(), x1.raw(), x0.nbytes()), 0) << "dX changed with the wgrad's kernel";
+    // sum_t |dY[t, n]| |X[t, k]| for every element of dW: |dY|^T |X| as an FP32 GEMM.
+    std::vector<float> ady(dyh.values.size()), ax(xh.values.size());
+    for (size_t i = 0; i < ady.size(); ++i) ady[i] = std::fabs(dyh.values[i]);
+    for (size_t i = 0; i < ax.size(); ++i) ax[i] = std::fabs(xh.values[i]);
+    const Tensor dady = be.to_device(from_float_vector(ady, {c.T, c.N}, DType::F32));
+    const Tensor dax = be.to_device(from_float_vector(ax, {c.T, c.K}, DType::F32));
+    Tensor dmag = be.alloc({c.N, c.K}, DType::F32);
+    be.gemm().gemm(true, false, c.N, c.K, c.T, dady.raw(), dax.raw(), DType::F32, dmag.raw(), DType::F32, 1.0f, 0.0f);
+    be.synchronize();
+    const Tensor mag = be.to_host(dmag);
+    // Every element of the increments dW - prior; beside the bound, DeepGEMM's similarity
+    // 1 - 2 sum(xy) / sum(x^2 + y^2) and the largest difference relative to the largest |increment|.
+    const Tensor w0 = be.to_host(dw[0]), w1 = be.to_host(dw[1]);
+    double xy = 0, sq = 0, dmax = 0, vmax = 0;
+    int bad = 0;
+    for (int64_t i = 0; i < c.N * c.K; ++i) {
+      const double a = static_cast<double>(w0.data<float>()[i]) - prior_value(i);
+      const double b = static_cast<double>(w1.data<float>()[i]) - prior_value(i);
+      ASSERT_TRUE(std::isfinite(b)) << "dW[" << i << "]";
+      xy += a * b, sq += a * a + b * b;
+      dmax = std::max(dmax, std::fabs(a - b)), vmax = std::max(vmax, std::fabs(a));
+      // The bound, plus an FP32 rounding of each sum with the prior.
+      const double tol = 3.0 * kMmaBound * mag.data<float>()[i] + std::ldexp(std::fabs(a) + 1.0, -22);
+      if (!(std::fabs(a - b) <= tol) && bad++ < 5)
+        ADD_FAILURE() << "dW[" << i / c.K << ", " << i % c.K << "]: own " << b << ", cuBLASLt " << a << ", tolerance "
+                      << tol;
+    }
+    EXPECT_EQ(bad, 0) << "elements of dW outside the bound";
+    const double diff = 1.0 - 2.0 * xy / sq;
+    std::printf(
+        "[ fp8 gemm ] linear_backward wgrad own vs cuBLASLt, %s: 1 - 2xy/(x^2+y^2) %.2e, max |diff| / max "
+        "|dW| %.2e\n",
+        where.c_str(), diff, dmax / vmax);
+  }
+}
 }  // namespace
 }  // namespace fp8rl

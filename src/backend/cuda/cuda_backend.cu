@@ -1900,22 +1900,27 @@ void CudaBackend::linear_backward_impl(const Tensor& dy, const Tensor& x, const 
     } else {
       // wgrad: dY^T [N, M] and X^T [K, M], both requantized 1x128 along tokens. The token
       // dimension is the contraction: its last block is padded with zeros to a multiple of 128
-      // (Mp), as cuBLASLt wants, which adds nothing to the product.
+      // (Mp), as cuBLASLt wants, which adds nothing to the product. FP8RL_FP8_WGRAD_GEMM=own (the
+      // own kernel's per-row B scales, GemmEngine::fp8_wgrad_own): both operands' scales written
+      // K-block-major ([Mp/128][N] and [Mp/128][K]), the layouts that kernel reads, so no layout
+      // kernel runs; cuBLASLt's path keeps the row-major scales.
       const int64_t Mp = ceil_div(M, kQuantBlock) * kQuantBlock;
       const bool tc = fp8_tensor_cores(N, K, Mp);
+      const bool own = tc && gemm_->fp8_wgrad_own(N, K, Mp);
       QuantTensor dytq = scratch_quant(kSlotAq, kSlotAs, N, tc ? Mp : M, 1, spec.pow2_scales);
       QuantTensor xtq = scratch_quant(kSlotBq, kSlotBs, K, tc ? Mp : M, 1, spec.pow2_scales);
       flag_reset();
       {
         const OpTimer t(*this, "linear_backward: wgrad quantize dy^T, x^T", 2);
-        quantize_async(dy2, true, dytq, /*pad_cols=*/tc);
-        quantize_async(x2, true, xtq, /*pad_cols=*/tc);
+        quantize_async(dy2, true, dytq, /*pad_cols=*/tc, /*gemm_layout=*/own);
+        quantize_async(x2, true, xtq, /*pad_cols=*/tc, /*gemm_layout=*/own);
       }
       flag_check("linear_backward (FP8 wgrad): dy " + dy.str() + " or x " + x.str() + " holds NaN or Inf");
       if (tc) {
         const OpTimer t(*this, "linear_backward: wgrad FP8 GEMM", 2);
         gemm_->gemm_fp8(N, K, Mp, dytq.data.data<uint8_t>(), dytq.scales.data<float>(), xtq.data.data<uint8_t>(),
-                        xtq.scales.data<float>(), 1, dw->raw(), DType::F32, 1.0f, 1.0f);
+                        xtq.scales.data<float>(), 1, dw->raw(), DType::F32, 1.0f, 1.0f, /*a_scales_laid=*/own,
+                        /*row_invariant=*/false, /*b_scales_laid=*/own);
       } else {
         Tensor af = scratch(kSlotA, {N, M}, DType::F32), bf = scratch(kSlotB, {K, M}, DType::F32);
         launch_dequantize(dytq.data.data<uint8_t>(), dytq.scales.data<float>(), N, M, 1, kQuantBlock, af.raw(),

@@ -176,7 +176,7 @@ class CudaBackend final : public Backend {
   GemmEngine& gemm() { return *gemm_; }
   // Launches the quantizer without the host-side non-finite check (no synchronization).
   // pad_cols (transpose only): out.data has round_up(C, 128) columns, the padding written as zeros.
-  // gemm_layout (1x128, no transpose): scales in cuBLASLt's VEC128 layout [ceil(C/128)][R].
+  // gemm_layout (1x128 blocks): scales in cuBLASLt's VEC128 layout [ceil(C/128)][R], K-block-major.
   void quantize_async(const Tensor& x, bool transpose, QuantTensor& out, bool pad_cols = false,
                       bool gemm_layout = false);
   BackendCounters counters() const override;

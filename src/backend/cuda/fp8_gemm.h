@@ -1,6 +1,7 @@
 // The own block-scaled FP8 GEMM for Hopper (fp8_gemm_sm90.cu): C[M, N] = alpha * A B^T + beta * C
-// with A E4M3 [M, K] (1x128 scales along K) and B E4M3 [N, K] (128x128 scales), FP32
-// accumulation promoted every 128 K, BF16 or F32 output. Any M; N and K multiples of 16.
+// with A E4M3 [M, K] (1x128 scales along K) and B E4M3 [N, K] (128x128 scales, or 1x128 ones per
+// row: b_scales_rows, the FP8 wgrad), FP32 accumulation promoted every 128 K, BF16 or F32 output.
+// Any M; N and K multiples of 16.
 // Deterministic, and row-invariant at a fixed split count (see the .cu file).
 //
 // The BF16 mode of the same kernel (ab = BF16 in the arguments): C[M, N] = alpha * A B^T + beta * C
@@ -28,8 +29,17 @@ struct Fp8GemmArgs {
   const float* a_scales = nullptr;  // [M][ceil(K/128)], or [ceil(K/128)][M] when a_scales_kb_major
   bool a_scales_kb_major = false;
   const uint8_t* b = nullptr;       // [N, K]
-  const float* b_scales = nullptr;  // [ceil(N/128)][ceil(K/128)]
-  void* c = nullptr;                // [M, N]
+  const float* b_scales = nullptr;  // [ceil(N/128)][ceil(K/128)], or [ceil(K/128)][N] when b_scales_rows
+  // Per-row B scales (E4M3, "1x128 B": the FP8 wgrad's X^T, quantized 1x128 along tokens): one
+  // scale per row n of B and K block kb at b_scales[kb * N + n], K-block-major, so that a tile's 128
+  // column scales at one K block are 512 contiguous bytes (b_scales 16-byte aligned). Promoted as
+  // total += acc * (sa[row] * sb[col]) per 128-K block. Taken by the dense product's 128-row tiles
+  // (two consumer warpgroups, the overlapped K loop, no cluster, direct stores) at any split count;
+  // block_m and block_n must be 0 or 128 and stream_k false (the launcher refuses the others). The
+  // environment's variant switches (FP8RL_FP8_GEMM_BM, _CLUSTER, _SCALES, _OCCUPANCY, _PIPE, _STORE,
+  // _BN) do not apply to it; _GRID and _BAND do. Unmeasured on a GPU.
+  bool b_scales_rows = false;
+  void* c = nullptr;  // [M, N]
   DType c_dtype = DType::BF16;
   float alpha = 1.0f, beta = 0.0f;
   int splits = 1;              // K splits (fp8_gemm_sm90_config); > 1 needs the workspace
@@ -58,6 +68,9 @@ struct Fp8GemmConfig {
   int block_m = 128, splits = 1;
 };
 Fp8GemmConfig fp8_gemm_sm90_config(int64_t M, int64_t N, int64_t K, int sm_count, DType ab = DType::E4M3);
+// The configuration of a product with per-row B scales (Fp8GemmArgs::b_scales_rows): 128-row
+// tiles at any M, and splits by the rule of fp8_gemm_sm90_config's 128-row tiles.
+Fp8GemmConfig fp8_gemm_sm90_b_rows_config(int64_t M, int64_t N, int64_t K, int sm_count);
 // FP8RL_FP8_GEMM_BN (read at each call): the dense product's columns per tile beside 64-row tiles,
 // 128 (the default) or 64 ("narrow tiles": twice the CTAs for the decode products whose 128-column
 // tiles leave most SMs idle; without clusters, scales read from global memory). Each output
@@ -71,7 +84,7 @@ int fp8_gemm_large_block_m();
 bool fp8_gemm_sm90_preferred(int64_t M, int64_t N, int64_t K);
 int64_t fp8_gemm_sm90_workspace_floats(int64_t M, int64_t N, int splits);
 // FP8RL_FP8_GEMM_STREAMK=1 (read at each call): the decode-sized products (M <= 256) that take
-// this kernel run as stream-K (Fp8GemmArgs::stream_k). Off by default until measured.
+// this kernel run as stream-K (Fp8GemmArgs::stream_k). Off by default: measured slower than cuBLASLt (session 37).
 bool fp8_gemm_sm90_stream_k();
 // Stream-K's partial workspace (two 128 x 128 FP32 tiles per CTA that can run at once) and its
 // tile counters for an M x N product.

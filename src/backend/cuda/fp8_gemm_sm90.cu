@@ -19,6 +19,12 @@
 // - Optional (environment, read at each call): clusters sharing A and B tiles by TMA multicast
 //   (FP8RL_FP8_GEMM_CLUSTER), the scales staged in shared memory by the producer instead of
 //   read by the consumers from global memory (FP8RL_FP8_GEMM_SCALES=smem).
+// - Per-row B scales (Fp8GemmArgs::b_scales_rows: the FP8 wgrad, whose B is X^T quantized 1x128
+//   along tokens): one scale per B row and K block, [kb][N]. The producer copies the tile's 128
+//   column scales of each K block into a 512-byte slot of the stage (a bulk copy counted in the
+//   stage's barrier), and the consumers promote with acc_total += acc_block * (sa[row] * sb[col]),
+//   reading the scales of their columns from the slot before they release the stage. 128-row
+//   tiles with the overlapped K loop only (kBRows).
 // - Splits write FP32 partials that a second kernel sums in split order: no atomics, so every
 //   result is deterministic, and each output element's arithmetic depends only on its own row
 //   of A, its column of B, K and the split count — never on M or on the other rows (the row
@@ -81,13 +87,23 @@ __device__ __forceinline__ void wgmma_tile(float (&d)[kBNt / 2], uint64_t desc_a
   else wgmma_m64n64k32_e4m3(d, desc_a, desc_b, accumulate);
 }
 
+// A 1-D bulk copy (TMA without a tensor map) of `bytes` (a multiple of 16) from global to shared
+// memory, both 16-byte aligned, completing on the mbarrier as transaction bytes (the per-row B
+// scales' stage slots, kBRows).
+__device__ __forceinline__ void bulk_load_1d(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(smem_addr(dst)),
+      "l"(src), "r"(bytes), "r"(smem_addr(bar))
+      : "memory");
+}
+
 struct GemmParams {
   int64_t M, N, K;
   int kblocks;       // ceil(K / 128)
   int kb_per_split;  // K blocks per split
   const float* sa;   // A scales: element (m, kb) at sa[m * sa_m + kb * sa_k]
   int64_t sa_m, sa_k;
-  const float* sb;  // B scales [ceil(N / 128)][kblocks]
+  const float* sb;  // B scales [ceil(N / 128)][kblocks], or [kblocks][N] (kBRows: per row)
   void* c;          // [M, N] BF16 or F32 (splits == 1), else F32 partials [splits][M][N]
   bool c_bf16;
   float alpha, beta;
@@ -303,21 +319,36 @@ struct OverlapCtx {
   int64_t row0, row1;
   bool in0, in1;
   int lane;
+  const float* sb_rows = nullptr;  // kBRows: stage 0's slot of the tile's column scales (kBNt floats a stage)
 };
 
 // Blocks kb .. kb + kN - 1 of the tile, stage uses g .. g + kN - 1: block j into acc (j even) or
 // acc2 (odd); after issuing j, wait until only j is in flight, release j - 1's stage and promote it.
-template <int kN, int kBNt, int kStages>
+// kBRows (per-row B scales): s0 and s1 hold A's row scales alone, and block j's promotion takes
+// each column's B scale from its stage's slot, sa[row] * sb[col] per element (the product the
+// 128x128 mode forms once per row: with every column's scale equal to the block's, the same bits),
+// before the stage is released. Its A scales are loaded as block j is issued, not all at the
+// chunk's start: the per-column products leave no room for eight scales beside the two
+// accumulator sets and the totals (ptxas 13.0 spilled the totals; loaded one block ahead, 230 of
+// the consumers' 232 registers).
+template <int kN, int kBNt, int kStages, bool kBRows = false>
 __device__ __forceinline__ void overlap_chunk(const OverlapCtx<kStages>& c, float (&total)[kBNt / 2],
                                               float (&acc)[kBNt / 2], float (&acc2)[kBNt / 2], int g, int kb) {
   float s0[kN], s1[kN];
+  auto a_scales = [&](int j) {  // kBRows: A's row scales of block j
+    s0[j] = c.in0 ? __ldg(c.sa + c.row0 * c.sa_m + (kb + j) * c.sa_k) : 0.0f;
+    s1[j] = c.in1 ? __ldg(c.sa + c.row1 * c.sa_m + (kb + j) * c.sa_k) : 0.0f;
+  };
+  if constexpr (!kBRows) {
 #pragma unroll
-  for (int j = 0; j < kN; ++j) {  // the scales first: their loads overlap the waits below
-    const float sbv = __ldg(c.sb + kb + j);
-    s0[j] = c.in0 ? __ldg(c.sa + c.row0 * c.sa_m + (kb + j) * c.sa_k) * sbv : 0.0f;
-    s1[j] = c.in1 ? __ldg(c.sa + c.row1 * c.sa_m + (kb + j) * c.sa_k) * sbv : 0.0f;
+    for (int j = 0; j < kN; ++j) {  // the scales first: their loads overlap the waits below
+      const float sbv = __ldg(c.sb + kb + j);
+      s0[j] = c.in0 ? __ldg(c.sa + c.row0 * c.sa_m + (kb + j) * c.sa_k) * sbv : 0.0f;
+      s1[j] = c.in1 ? __ldg(c.sa + c.row1 * c.sa_m + (kb + j) * c.sa_k) * sbv : 0.0f;
+    }
   }
   auto issue = [&](float(&d)[kBNt / 2], int j) {
+    if constexpr (kBRows) a_scales(j);  // used one block later, by finish(d, j)
     const int s = (g + j) % kStages;
     mbar_wait(&c.full[s], ((g + j) / kStages) & 1);
     const uint64_t da = sw128_desc(c.sm_a + s * c.tile_a), db = sw128_desc(c.sm_b + s * c.tile_b);
@@ -329,9 +360,25 @@ __device__ __forceinline__ void overlap_chunk(const OverlapCtx<kStages>& c, floa
   };
   auto finish = [&](float(&d)[kBNt / 2], int j) {
     fence_acc(d);
-    if (c.lane == 0) mbar_arrive(&c.empty[(g + j) % kStages]);
+    if constexpr (kBRows) {
+      // Fragment of m64nN: d[4 i + e] is row (e < 2 ? row0 : row1), column 8 i + 2 (lane % 4) + e % 2,
+      // so each thread reads 2 adjacent column scales per i (the 4 threads of a row: 32 bytes).
+      const float* sbc = c.sb_rows + ((g + j) % kStages) * kBNt + 2 * (c.lane % 4);
 #pragma unroll
-    for (int i = 0; i < kBNt / 2; ++i) total[i] = fmaf(d[i], (i & 2) ? s1[j] : s0[j], total[i]);
+      for (int i = 0; i < kBNt / 8; ++i) {
+        const float2 b = *reinterpret_cast<const float2*>(sbc + 8 * i);
+        total[4 * i] = fmaf(d[4 * i], s0[j] * b.x, total[4 * i]);
+        total[4 * i + 1] = fmaf(d[4 * i + 1], s0[j] * b.y, total[4 * i + 1]);
+        total[4 * i + 2] = fmaf(d[4 * i + 2], s1[j] * b.x, total[4 * i + 2]);
+        total[4 * i + 3] = fmaf(d[4 * i + 3], s1[j] * b.y, total[4 * i + 3]);
+      }
+      __syncwarp();  // every lane's slot reads are done before the warp releases the stage
+      if (c.lane == 0) mbar_arrive(&c.empty[(g + j) % kStages]);
+    } else {
+      if (c.lane == 0) mbar_arrive(&c.empty[(g + j) % kStages]);
+#pragma unroll
+      for (int i = 0; i < kBNt / 2; ++i) total[i] = fmaf(d[i], (i & 2) ? s1[j] : s0[j], total[i]);
+    }
   };
 #pragma unroll
   for (int j = 0; j < kN; ++j) {
@@ -449,9 +496,11 @@ __device__ __forceinline__ bool stream_k_fixup(const GemmParams& p, float (&tota
 // tile walk and epilogues. kTileCount: an E4M3 instance that may run a device tile table
 // (p.tile_count; the BF16 instances all may). The other E4M3 instances do not read a count: the
 // read in every instance changed the register counts of 20 of the 50 E4M3 instances (by -3 to
-// +11, ptxas 13.0 -v) and made the 192-row one spill.
+// +11, ptxas 13.0 -v) and made the 192-row one spill. kBRows: per-row B scales (p.sb [kblocks][N]),
+// a 512-byte slot per stage filled by the producer's bulk copy (see overlap_chunk).
 template <int kConsumers, int kStages, int kCM, int kCN, bool kSmemScales, bool kTmaStore, int kBNt, bool kOverlap,
-          bool kBf16 = false, bool kTileCount = false, bool kKGrouped = false, bool kStreamK = false>
+          bool kBf16 = false, bool kTileCount = false, bool kKGrouped = false, bool kStreamK = false,
+          bool kBRows = false>
 __global__ void __launch_bounds__(gemm_threads(kConsumers, kOverlap),
                                   gemm_ctas_per_sm(kConsumers, kStages, kTmaStore, kBNt))
     fp8_gemm_kernel(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b,
@@ -468,6 +517,9 @@ __global__ void __launch_bounds__(gemm_threads(kConsumers, kOverlap),
   static_assert(
       !kStreamK || (kCM == 1 && kCN == 1 && !kSmemScales && !kBf16 && !kTileCount && !kKGrouped && kBNt == 128),
       "stream-K: the dense E4M3 product, no cluster, global scales, 128-column tiles");
+  static_assert(!kBRows || (kConsumers == 2 && kOverlap && kCM == 1 && kCN == 1 && !kSmemScales && !kTmaStore &&
+                            !kBf16 && !kTileCount && !kKGrouped && !kStreamK && kBNt == 128),
+                "per-row B scales: the dense E4M3 product's 128-row tiles, the overlapped loop, direct stores");
   static_assert(kConsumers <= 3, "warpgroup_sync has named barriers for three consumer warpgroups");
   constexpr bool kCountRead = kBf16 || kTileCount;
   constexpr bool kProducerWg = producer_warpgroup(kConsumers, kOverlap);
@@ -489,6 +541,9 @@ __global__ void __launch_bounds__(gemm_threads(kConsumers, kOverlap),
   constexpr int kScaleStride = kBM + 4;
   float* sm_scales = reinterpret_cast<float*>(empty + kStages);
   int* sk_flag = reinterpret_cast<int*>(empty + kStages);  // kStreamK (no smem scales): the last piece's flag
+  // kBRows (no smem scales, no stream-K): per stage the tile's kBNt column scales of its K block,
+  // 16-byte aligned (the barriers before them are 16 kStages bytes from a 1024-byte boundary).
+  float* sm_b_rows = reinterpret_cast<float*>(empty + kStages);
 
   // This CTA's place in its cluster: tile row ci, tile column cj.
   const int rank = kCluster == 1 ? 0 : static_cast<int>(cluster_rank());
@@ -562,7 +617,18 @@ __global__ void __launch_bounds__(gemm_threads(kConsumers, kOverlap),
             cp_async_mbar_arrive(&full[s]);
             if (lane != 0) continue;
           }
-          mbar_expect_tx(&full[s], kTileA + kTileB);
+          if constexpr (kBRows) {
+            // The tile's column scales of this K block, b_scales[kb][n0 .. n0 + cols): a last tile
+            // of fewer columns copies those alone (cols is a multiple of 16: N is); the slot's other
+            // floats keep older scales, which multiply only the zero-filled columns past N (never
+            // stored).
+            const int64_t n0 = static_cast<int64_t>(tl.n_tile) * kBNt;
+            const uint32_t bytes = static_cast<uint32_t>(min(int64_t{kBNt}, p.N - n0)) * 4;
+            mbar_expect_tx(&full[s], kTileA + kTileB + bytes);
+            bulk_load_1d(sm_b_rows + s * kBNt, p.sb + static_cast<int64_t>(tl.kb0 + it) * p.N + n0, bytes, &full[s]);
+          } else {
+            mbar_expect_tx(&full[s], kTileA + kTileB);
+          }
           const int k = (tl.kb0 + it) * kBK;
           if constexpr (kCN == 1) {
             tma_load_2d(sm_a + s * kTileA, &tm_a, &full[s], k, static_cast<int>(tl.m_base));
@@ -612,14 +678,15 @@ __global__ void __launch_bounds__(gemm_threads(kConsumers, kOverlap),
                                     row1,
                                     in0,
                                     in1,
-                                    lane};
+                                    lane,
+                                    kBRows ? sm_b_rows : nullptr};
         float acc2[kAcc];
         for (int it = 0; it < tl.nk;) {
           const int n = min(kOverlapChunk, tl.nk - it), kb = tl.kb0 + it;
-          if (n == 4) overlap_chunk<4, kBNt>(c, total, acc, acc2, g, kb);
-          else if (n == 3) overlap_chunk<3, kBNt>(c, total, acc, acc2, g, kb);
-          else if (n == 2) overlap_chunk<2, kBNt>(c, total, acc, acc2, g, kb);
-          else overlap_chunk<1, kBNt>(c, total, acc, acc2, g, kb);
+          if (n == 4) overlap_chunk<4, kBNt, kStages, kBRows>(c, total, acc, acc2, g, kb);
+          else if (n == 3) overlap_chunk<3, kBNt, kStages, kBRows>(c, total, acc, acc2, g, kb);
+          else if (n == 2) overlap_chunk<2, kBNt, kStages, kBRows>(c, total, acc, acc2, g, kb);
+          else overlap_chunk<1, kBNt, kStages, kBRows>(c, total, acc, acc2, g, kb);
           it += n, g += n;
         }
       }
@@ -886,15 +953,16 @@ int stream_k_ctas(int fit) {
 // call) one cluster per cluster tile. With a device tile table (p.tile_count), p.m_tiles is its
 // capacity: the grid is sized for a full table and its CTAs past the count's tiles do nothing.
 template <int kConsumers, int kStages, int kCM, int kCN, bool kSmemScales, bool kTmaStore, int kBNt, bool kOverlap,
-          bool kBf16 = false, bool kTileCount = false, bool kKGrouped = false, bool kStreamK = false>
+          bool kBf16 = false, bool kTileCount = false, bool kKGrouped = false, bool kStreamK = false,
+          bool kBRows = false>
 void launch_cluster(const CUtensorMap& ta, const CUtensorMap& tb, const CUtensorMap& tc, GemmParams p,
                     cudaStream_t stream) {
   constexpr int kSmem = kStages * (64 * kConsumers + kBNt) * kBK + gemm_store_bytes(kConsumers, kTmaStore) +
                         2 * kStages * 8 + (kSmemScales ? kStages * (64 * kConsumers + 4) * 4 : 0) +
-                        (kStreamK ? 16 : 0) + 1024;
+                        (kStreamK ? 16 : 0) + (kBRows ? kStages * kBNt * 4 : 0) + 1024;
   constexpr int kCluster = kCM * kCN;
   auto* kernel = fp8_gemm_kernel<kConsumers, kStages, kCM, kCN, kSmemScales, kTmaStore, kBNt, kOverlap, kBf16,
-                                 kTileCount, kKGrouped, kStreamK>;
+                                 kTileCount, kKGrouped, kStreamK, kBRows>;
   p.ct_m = static_cast<int>(ceil_div(int64_t{p.m_tiles}, int64_t{kCM}));
   p.ct_n = static_cast<int>(ceil_div(int64_t{p.n_tiles}, int64_t{kCN}));
   const int64_t tiles = static_cast<int64_t>(p.ct_m) * p.ct_n * p.splits;
@@ -1081,8 +1149,29 @@ void launch_tile_count(int bm, const uint8_t* a, int64_t rows, int64_t K, const 
   else launch_cluster<3, 4, 1, 1, false, false, kBN, false, false, true>(ta, ta, tc, p, stream);
 }
 
+// The instance for per-row B scales (Fp8GemmArgs::b_scales_rows): 128-row tiles of two consumer
+// warpgroups beside a producer warpgroup, 6 stages, the overlapped K loop, no cluster, global A
+// scales, direct stores. The TMA-store epilogue's 32 KB buffer, the 6-stage ring and the stages'
+// 3 KB of column scales do not fit in 227 KB together; the wgrad this mode serves writes F32 with
+// beta = 1, which the TMA store does not take anyway.
+void launch_b_rows(const uint8_t* a, int64_t M, const uint8_t* b, int64_t N, int64_t K, const GemmParams& p,
+                   cudaStream_t stream) {
+  const CUtensorMap ta = tensor_map(a, M, K, 128);
+  const CUtensorMap tb = tensor_map(b, N, K, kBN);
+  launch_cluster<2, 6, 1, 1, false, false, kBN, true, false, false, false, false, true>(ta, tb, ta, p, stream);
+}
+
 // The K bytes of a row of an operand: K for E4M3, 2K for BF16.
 int64_t k_bytes(int64_t K, DType ab) { return ab == DType::BF16 ? 2 * K : K; }
+
+// The K splits of a product of block_m-row tiles beyond decode M: only where the tiles leave most
+// SMs idle (at most half of them busy), at least two K blocks per split.
+int large_m_splits(int64_t M, int64_t N, int64_t kblocks, int block_m, int sm_count) {
+  const int64_t tiles = ceil_div(M, int64_t{block_m}) * ceil_div(N, int64_t{kBN});
+  if (tiles * 2 <= sm_count && kblocks >= 4)
+    return static_cast<int>(std::min<int64_t>(ceil_div(int64_t{sm_count}, tiles), kblocks / 2));
+  return 1;
+}
 
 }  // namespace
 
@@ -1114,9 +1203,14 @@ Fp8GemmConfig fp8_gemm_sm90_config(int64_t M, int64_t N, int64_t K, int sm_count
   }
   // Rows per tile beyond decode M: 128, or 192 (FP8RL_FP8_GEMM_BM; BF16: 128 only).
   c.block_m = bf16_ab ? 128 : fp8_gemm_large_block_m();
-  const int64_t tiles = ceil_div(M, int64_t{c.block_m}) * n_tiles;
-  if (tiles * 2 <= sm_count && kblocks >= 4)
-    c.splits = static_cast<int>(std::min<int64_t>(ceil_div(int64_t{sm_count}, tiles), kblocks / 2));
+  c.splits = large_m_splits(M, N, kblocks, c.block_m, sm_count);
+  return c;
+}
+
+Fp8GemmConfig fp8_gemm_sm90_b_rows_config(int64_t M, int64_t N, int64_t K, int sm_count) {
+  Fp8GemmConfig c;
+  c.block_m = 128;
+  c.splits = large_m_splits(M, N, ceil_div(K, int64_t{kBK}), c.block_m, sm_count);
   return c;
 }
 
@@ -1204,6 +1298,17 @@ void fp8_gemm_sm90(const Fp8GemmArgs& a, cudaStream_t stream) {
   p.sb = a.b_scales;
   p.c_bf16 = a.c_dtype == DType::BF16;
   p.alpha = a.alpha, p.beta = a.beta;
+  if (a.b_scales_rows) {
+    FP8RL_CHECK(!bf16_ab, "BF16 GEMM (sm90): BF16 operands take no scales (b_scales_rows is for E4M3)");
+    FP8RL_CHECK(!a.stream_k, "FP8 GEMM (sm90): per-row B scales (b_scales_rows) have no stream-K instance");
+    FP8RL_CHECK(a.block_m == 0 || a.block_m == 128, "FP8 GEMM (sm90): per-row B scales (b_scales_rows) run ",
+                "128-row tiles only, got block_m ", a.block_m);
+    FP8RL_CHECK(a.block_n == 0 || a.block_n == kBN, "FP8 GEMM (sm90): per-row B scales (b_scales_rows) run ",
+                "128-column tiles only, got block_n ", a.block_n);
+    FP8RL_CHECK(a.a_scales && a.b_scales && reinterpret_cast<uintptr_t>(a.b_scales) % 16 == 0 && a.N % 4 == 0,
+                "FP8 GEMM (sm90): per-row B scales (b_scales_rows) need both scale pointers, b_scales 16-byte ",
+                "aligned and N a multiple of 4 (the stages' bulk copies), got N=", a.N);
+  }
   if (a.stream_k) {
     FP8RL_CHECK(!bf16_ab, "BF16 GEMM (sm90): stream-K is built for E4M3 operands only");
     launch_stream_k(a, p, stream);
@@ -1218,8 +1323,9 @@ void fp8_gemm_sm90(const Fp8GemmArgs& a, cudaStream_t stream) {
   p.c = p.partials ? static_cast<void*>(a.workspace) : a.c;
   FP8RL_CHECK(a.block_m == 0 || a.block_m == 64 || a.block_m == 128 || a.block_m == 192,
               "FP8 GEMM (sm90): block_m must be 64, 128 or 192");
-  const bool small = a.block_m ? a.block_m == 64 : a.M <= 256;
-  const int bm = small ? 64 : a.block_m ? a.block_m : bf16_ab ? 128 : fp8_gemm_large_block_m();
+  // Per-row B scales: 128-row tiles at any M (checked above).
+  const bool small = !a.b_scales_rows && (a.block_m ? a.block_m == 64 : a.M <= 256);
+  const int bm = a.b_scales_rows ? 128 : small ? 64 : a.block_m ? a.block_m : bf16_ab ? 128 : fp8_gemm_large_block_m();
   const int m_tiles = static_cast<int>(ceil_div(a.M, int64_t{bm}));
   KernelVariant cl = kernel_variant(m_tiles, ceil_div(a.N, int64_t{kBN}), false);
   FP8RL_CHECK(a.block_n == 0 || a.block_n == 64 || a.block_n == kBN, "FP8 GEMM (sm90): block_n must be 64 or 128");
@@ -1233,6 +1339,7 @@ void fp8_gemm_sm90(const Fp8GemmArgs& a, cudaStream_t stream) {
   p.m_fastest = a.M <= 256;  // decode-sized: the few row blocks of one weight tile together
   p.group_n = cl.band;
   if (bf16_ab) launch_bf16(bm, a.a, a.M, a.b, a.N, a.K, p, cl.tma_store, stream);
+  else if (a.b_scales_rows) launch_b_rows(a.a, a.M, a.b, a.N, a.K, p, stream);
   else launch_variant(bm, a.a, a.M, a.b, a.N, a.K, p, cl, stream);
   if (p.partials) {
     const int64_t mn = a.M * a.N, threads = 256, blocks = ceil_div(ceil_div(mn, int64_t{4}), threads);

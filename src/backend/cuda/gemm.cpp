@@ -55,6 +55,7 @@ GemmEngine::GemmEngine(cudaStream_t stream) : stream_(stream) {
   CUDA_CHECK(cudaGetDevice(&dev), "cudaGetDevice");
   CUDA_CHECK(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, dev), "reading the SM count");
   if (const char* e = std::getenv("FP8RL_FP8_GEMM")) set_fp8_kernel(e);
+  if (const char* e = std::getenv("FP8RL_FP8_WGRAD_GEMM")) set_fp8_wgrad_kernel(e);
   if (const char* e = std::getenv("FP8RL_FP8_ROW_INVARIANT")) {
     FP8RL_CHECK(std::string(e) == "0" || std::string(e) == "1", "FP8RL_FP8_ROW_INVARIANT must be 0 or 1, got '", e,
                 "'");
@@ -87,6 +88,15 @@ void GemmEngine::set_fp8_kernel(const std::string& v) {
   FP8RL_CHECK(v == "auto" || v == "own" || v == "cublaslt", "FP8RL_FP8_GEMM must be auto, own or cublaslt, got '", v,
               "'");
   own_mode_ = v == "cublaslt" ? 0 : v == "auto" ? 1 : 2;
+}
+
+bool GemmEngine::fp8_wgrad_own(int64_t M, int64_t N, int64_t K) const {
+  return own_wgrad_ && fp8_gemm_sm90_supported(M, N, K);
+}
+
+void GemmEngine::set_fp8_wgrad_kernel(const std::string& v) {
+  FP8RL_CHECK(v == "own" || v == "cublaslt", "FP8RL_FP8_WGRAD_GEMM must be own or cublaslt, got '", v, "'");
+  own_wgrad_ = v == "own";
 }
 
 GemmEngine::~GemmEngine() {
@@ -608,8 +618,22 @@ void* GemmEngine::tail_scratch(size_t bytes) {
 // value's definition.
 void GemmEngine::gemm_fp8(int64_t M, int64_t N, int64_t K, const uint8_t* a, const float* a_scales,
                           const uint8_t* b, const float* b_scales, int b_block_rows, void* C, DType c_dtype,
-                          float alpha, float beta, bool a_scales_laid, bool row_invariant) {
+                          float alpha, float beta, bool a_scales_laid, bool row_invariant, bool b_scales_laid) {
   FP8RL_CHECK(b_block_rows == 1 || b_block_rows == kQuantBlock, "FP8 GEMM: B blocks must be 1x128 or 128x128");
+  FP8RL_CHECK(!b_scales_laid || b_block_rows == 1, "FP8 GEMM: B scales in the VEC128 layout are for 1x128 blocks");
+  // FP8RL_FP8_WGRAD_GEMM=own: 1x128-block B (the FP8 wgrad) on the own kernel's per-row B scales,
+  // any M (no tail product); B's scales laid out [kb][N] here unless the caller's are.
+  if (b_block_rows == 1 && !row_invariant && fp8_wgrad_own(M, N, K)) {
+    const float* b_rows = b_scales;
+    if (!b_scales_laid) {
+      const int64_t kbs = ceil_div(K, kQuantBlock);
+      float* laid = scale_scratch(static_cast<size_t>(kbs * N));
+      launch_scales_vec128(b_scales, N, kbs, N, laid, stream_);
+      b_rows = laid;
+    }
+    gemm_fp8_own_b_rows(M, N, K, a, a_scales, a_scales_laid, b, b_rows, C, c_dtype, alpha, beta, own_splits_);
+    return;
+  }
   FP8RL_CHECK(!a_scales_laid || M % kFp8RowGranule == 0, "FP8 GEMM: A scales in VEC128 layout need M % 16 == 0, got ",
               "M=", M);
   FP8RL_CHECK(fp8_supported(M, N, K), "FP8 block GEMM: cuBLASLt needs N a multiple of ", kFp8RowGranule,
@@ -623,7 +647,9 @@ void GemmEngine::gemm_fp8(int64_t M, int64_t N, int64_t K, const uint8_t* a, con
   }
   const int64_t kb = K / kQuantBlock;
   const int64_t m16 = M / kFp8RowGranule * kFp8RowGranule, tail = M - m16;
-  const bool b_as_is = b_block_rows == kQuantBlock && kb % 4 == 0;
+  // B's scales as cuBLASLt takes them: 128x128 blocks where K's blocks are a multiple of 4, or
+  // 1x128 blocks already in the VEC128 layout (b_scales_laid).
+  const bool b_as_is = (b_block_rows == kQuantBlock && kb % 4 == 0) || b_scales_laid;
   // A tail of a few rows costs a second read of B. Where copying A in and C out moves fewer bytes
   // than B (decode-sized M: under ~470 rows for the 1.7B-class q|k|v product), the whole product
   // runs instead as one of M16 = M rounded up to 16 rows in scratch (zero padding rows), and its M
@@ -770,6 +796,22 @@ void GemmEngine::gemm_fp8_own(int64_t M, int64_t N, int64_t K, const uint8_t* a,
     g.splits = splits > 0 ? splits : own_splits_ > 0 ? own_splits_ : cfg.splits;
     g.workspace = own_workspace(M, N, g.splits);
   }
+  fp8_gemm_sm90(g, stream_);
+  ++own_products_;
+}
+
+void GemmEngine::gemm_fp8_own_b_rows(int64_t M, int64_t N, int64_t K, const uint8_t* a, const float* a_scales,
+                                     bool a_scales_kb_major, const uint8_t* b, const float* b_scales, void* C,
+                                     DType c_dtype, float alpha, float beta, int splits) {
+  Fp8GemmArgs g;
+  g.M = M, g.N = N, g.K = K;
+  g.a = a, g.a_scales = a_scales, g.a_scales_kb_major = a_scales_kb_major;
+  g.b = b, g.b_scales = b_scales, g.b_scales_rows = true;
+  g.c = C, g.c_dtype = c_dtype, g.alpha = alpha, g.beta = beta;
+  const Fp8GemmConfig cfg = fp8_gemm_sm90_b_rows_config(M, N, K, sm_count_);
+  g.block_m = cfg.block_m;
+  g.splits = splits > 0 ? splits : cfg.splits;
+  g.workspace = own_workspace(M, N, g.splits);
   fp8_gemm_sm90(g, stream_);
   ++own_products_;
 }

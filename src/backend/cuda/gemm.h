@@ -95,11 +95,15 @@ class GemmEngine {
   // a: E4M3 [M, K], a_scales F32 [M, ceil(K/128)] (1x128). b: E4M3 [N, K], b_scales F32
   // [N, ceil(K/128)] when b_block_rows == 1, [ceil(N/128), ceil(K/128)] when 128.
   // a_scales_laid: a_scales are already in the VEC128 layout [ceil(K/128)][M] (the quantizer's
-  // gemm_layout; M % 16 == 0), so no layout kernel runs for A.
+  // gemm_layout; M % 16 == 0 unless the product runs on the own kernel), so no layout kernel runs for A.
   // row_invariant: cuBLASLt's algorithm fixed for every M (as set_fp8_row_invariant, for this call).
+  // b_scales_laid (b_block_rows == 1): b_scales are [ceil(K/128)][N] (the quantizer's gemm_layout;
+  // cuBLASLt's VEC128 layout and the own kernel's per-row B layout alike), so no layout kernel runs
+  // for B. Products of 1x128-block B (the FP8 wgrad) run on the own kernel's per-row B scales where
+  // fp8_wgrad_own says so (any M there), else on cuBLASLt.
   void gemm_fp8(int64_t M, int64_t N, int64_t K, const uint8_t* a, const float* a_scales, const uint8_t* b,
                 const float* b_scales, int b_block_rows, void* C, DType c_dtype, float alpha, float beta,
-                bool a_scales_laid = false, bool row_invariant = false);
+                bool a_scales_laid = false, bool row_invariant = false, bool b_scales_laid = false);
   // Whether gemm_fp8 with row_invariant computes every element of a product with B [N, K] in
   // 128x128 blocks and a c_dtype output as the own kernel at one split does (the consistent
   // mode's arithmetic): probed once per (N, K, c_dtype) on seeded random operands, bitwise over
@@ -129,8 +133,8 @@ class GemmEngine {
   // the own one where the graph-timed sweep found it faster (fp8_gemm_sm90_preferred: decode
   // products of small N) — in the real decode step that made generation 6% slower (bench
   // rl-step, docs/benchmarks.md session 5), so it is not the default; own = always. Products of 1x128-block B (the FP8
-  // wgrad) always run on cuBLASLt. FP8RL_FP8_GEMM_SPLITS=S fixes the own kernel's split count
-  // (1: every row's result independent of M, for the consistency experiments).
+  // wgrad) follow FP8RL_FP8_WGRAD_GEMM instead (fp8_wgrad_own). FP8RL_FP8_GEMM_SPLITS=S fixes the own kernel's
+  // split count (1: every row's result independent of M, for the consistency experiments).
   // FP8RL_FP8_GEMM_STREAMK=1 (fp8_gemm_sm90_stream_k): auto also takes every decode-sized product
   // (M <= 256), and the own kernel runs those as stream-K (Fp8GemmArgs::stream_k) unless a split
   // count or block_m is given.
@@ -138,6 +142,21 @@ class GemmEngine {
   // Whether an own-kernel product of M rows runs as stream-K (FP8RL_FP8_GEMM_STREAMK=1, M <= 256,
   // not under FP8RL_FP8_ROW_INVARIANT).
   bool stream_k_for(int64_t M) const;
+  // Which kernel gemm_fp8 runs for 1x128-block B (the FP8 wgrad dW = dY^T X, A = dY^T and B = X^T:
+  // M the layer's outputs, N its inputs, K the tokens), FP8RL_FP8_WGRAD_GEMM (read at construction): cublaslt
+  // (the default: its VEC128 x VEC128 mode) or own (the own kernel's per-row B scales,
+  // Fp8GemmArgs::b_scales_rows, wherever fp8_gemm_sm90_supported takes the shape; opt-in until
+  // measured on a GPU). Whether the product of this shape runs on the own kernel:
+  bool fp8_wgrad_own(int64_t M, int64_t N, int64_t K) const;
+  // The same choice in code (tests and benchmarks): "own" or "cublaslt".
+  void set_fp8_wgrad_kernel(const std::string& mode);
+  // The own kernel with per-row B scales (fp8_gemm.h's b_scales_rows): C = alpha A B^T + beta C
+  // with a E4M3 [M, K] (a_scales [M][ceil(K/128)], or [ceil(K/128)][M] when a_scales_kb_major)
+  // and b E4M3 [N, K] with b_scales [ceil(K/128)][N] (16-byte aligned); 128-row tiles, splits
+  // from fp8_gemm_sm90_b_rows_config (splits = 0) or given. Counted in own_products().
+  void gemm_fp8_own_b_rows(int64_t M, int64_t N, int64_t K, const uint8_t* a, const float* a_scales,
+                           bool a_scales_kb_major, const uint8_t* b, const float* b_scales, void* C, DType c_dtype,
+                           float alpha, float beta, int splits = 0);
   // The grouped product of fp8_gemm.h (one launch over every group's rows): the own kernel only.
   // keep_maps: b and b_scales are long-lived (the experts' weights): their tensor maps are encoded
   // and uploaded once per pointer set and kept, so a call uploads only its tile table, through
@@ -326,6 +345,7 @@ class GemmEngine {
   int64_t own_products_ = 0;
   int own_mode_ = 0;     // 0 cublaslt, 1 auto, 2 own (FP8RL_FP8_GEMM)
   int own_splits_ = 0;   // FP8RL_FP8_GEMM_SPLITS (0: from the shape)
+  bool own_wgrad_ = false;  // FP8RL_FP8_WGRAD_GEMM=own (set_fp8_wgrad_kernel)
   bool fp8_row_invariant_ = false;  // FP8RL_FP8_ROW_INVARIANT (set_fp8_row_invariant)
   bool fp8_fast_accum_ = false;    // set_fp8_fast_accum (bench-gemm --fast-accum)
   std::map<std::tuple<int64_t, int64_t, int>, bool> fp8_lt_own_;  // fp8_lt_is_own's probes

@@ -18,9 +18,10 @@ namespace fp8rl::cuda {
 // [ceil(R / block_rows), ceil(C / block_cols)]. Sets *bad_flag = 1 on non-finite input.
 // q_ld: q's row stride (0 = C). A transposed output may be padded, C < q_ld <= round_up(C, 128):
 // columns [C, q_ld) are written as zeros and the scales cover the real columns only (the FP8
-// wgrad's token dimension, padded to cuBLASLt's K granularity). gemm_layout (1x128, no transpose):
+// wgrad's token dimension, padded to cuBLASLt's K granularity). gemm_layout (1x128 blocks):
 // scales written as cuBLASLt's VEC128 layout [ceil(C/128)][R] instead of [R][ceil(C/128)], so a
-// GEMM of R % 16 == 0 rows needs no separate layout kernel (the decode step's FP8 linears).
+// GEMM of R % 16 == 0 rows needs no separate layout kernel (the decode step's FP8 linears); the
+// same values, K-block-major (transposed: the FP8 wgrad's operands for the own kernel's per-row B).
 void launch_quantize(const void* x, DType x_dtype, int64_t x_rows, int64_t x_cols, bool transpose, int block_rows,
                      int block_cols, bool pow2, uint8_t* q, float* scales, int* bad_flag, cudaStream_t stream,
                      int64_t q_ld = 0, bool gemm_layout = false);

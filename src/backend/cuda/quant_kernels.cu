@@ -52,13 +52,14 @@ __global__ void quant_rows_1x128_kernel(const T* __restrict__ x, int64_t rows, i
 
 // ---- general path: a 128 x 128 tile of the logical (possibly transposed) tensor per block ----
 // L = transpose ? x^T : x, shape [R, C]. Blocks are 1 x 128 (block_rows == 1) or 128 x 128.
+// kb_major (1 x 128 blocks): the scales written [ceil(C/128)][R] instead of [R][ceil(C/128)].
 constexpr int kTile = 128;
 constexpr int kTileThreads = 256;
 
 template <class T>
 __global__ void quant_tile_kernel(const T* __restrict__ x, int64_t R, int64_t C, bool transpose,
                                   int block_rows, bool pow2, uint8_t* __restrict__ q, int64_t ldq,
-                                  float* __restrict__ scales, int* bad) {
+                                  float* __restrict__ scales, bool kb_major, int* bad) {
   extern __shared__ float tile[];  // [kTile][kTile + 1]
   __shared__ float row_scale[kTile];
   __shared__ float red[32];
@@ -93,7 +94,7 @@ __global__ void quant_tile_kernel(const T* __restrict__ x, int64_t R, int64_t C,
       const float s = fp8_scale_from_amax(m, pow2);
       if (lane == 0) {
         row_scale[a] = s;
-        if (r0 + a < R) scales[(r0 + a) * ncb + blockIdx.x] = s;
+        if (r0 + a < R) scales[kb_major ? blockIdx.x * R + r0 + a : (r0 + a) * ncb + blockIdx.x] = s;
       }
     }
   } else {
@@ -202,10 +203,11 @@ __device__ __forceinline__ void encode_staged_row_t(const float* tile_t, int rr,
     }
   }
 }
+// kb_major (1 x 128 blocks): the scales written [ceil(C/128)][R] instead of [R][ceil(C/128)].
 template <class T>
 __global__ void quant_tile_t_vec_kernel(const T* __restrict__ x, int64_t R, int64_t C, int block_rows, bool pow2,
                                         uint8_t* __restrict__ q, int64_t ldq, float* __restrict__ scales,
-                                        int* bad) {
+                                        bool kb_major, int* bad) {
   extern __shared__ float tile_t[];  // [128 (c)][kVecTileLd (r)]
   __shared__ float red[32];
   __shared__ float part[2][128];
@@ -243,7 +245,7 @@ __global__ void quant_tile_t_vec_kernel(const T* __restrict__ x, int64_t R, int6
     part[half][rr] = m;
     __syncthreads();
     s = fp8_scale_from_amax(fmaxf(part[0][rr], part[1][rr]), pow2);
-    if (half == 0 && r0 + rr < R) scales[(r0 + rr) * ncb + blockIdx.x] = s;
+    if (half == 0 && r0 + rr < R) scales[kb_major ? blockIdx.x * R + r0 + rr : (r0 + rr) * ncb + blockIdx.x] = s;
   } else {
     amax = block_max(amax, red);  // synchronizes: the tile is complete
     s = fp8_scale_from_amax(amax, pow2);
@@ -266,8 +268,8 @@ void launch_quantize(const void* x, DType x_dtype, int64_t x_rows, int64_t x_col
   FP8RL_CHECK(ldq == C || (transpose && ldq > C && ldq <= ceil_div(C, kQuantBlock) * kQuantBlock),
               "quantize: a padded row stride (", ldq, " for ", C, " columns) is supported for transposed outputs, ",
               "up to the next multiple of 128");
-  FP8RL_CHECK(!gemm_layout || (!transpose && block_rows == 1), "quantize: scales in cuBLASLt's VEC128 layout are ",
-              "for 1x128 blocks without transpose");
+  FP8RL_CHECK(!gemm_layout || block_rows == 1, "quantize: scales in cuBLASLt's VEC128 layout ([ceil(C/128)][R]) ",
+              "are for 1x128 blocks");
   // The vectorized kernels need x's rows to be whole 16-byte chunks (last dim % 8) and aligned
   // pointers; anything else takes the element-wise kernels (same results).
   const bool vec = x_cols % 8 == 0 && (reinterpret_cast<uintptr_t>(x) & 15) == 0 &&
@@ -295,7 +297,7 @@ void launch_quantize(const void* x, DType x_dtype, int64_t x_rows, int64_t x_col
       }
       dim3 grid(static_cast<unsigned>(ceil_div(C, kTile)), static_cast<unsigned>(ceil_div(R, kTile)));
       quant_tile_t_vec_kernel<T><<<grid, 256, smem, stream>>>(xp, R, C, block_rows, pow2, q, ldq, scales,
-                                                                bad_flag);
+                                                                gemm_layout, bad_flag);
       CUDA_CHECK_LAUNCH("quant_tile_t_vec_kernel");
     } else if (!transpose && block_rows == 1) {
       const int64_t warps = R * ceil_div(C, 128);
@@ -315,7 +317,7 @@ void launch_quantize(const void* x, DType x_dtype, int64_t x_rows, int64_t x_col
       }
       dim3 grid(static_cast<unsigned>(ceil_div(C, kTile)), static_cast<unsigned>(ceil_div(R, kTile)));
       quant_tile_kernel<T><<<grid, kTileThreads, smem, stream>>>(xp, R, C, transpose, block_rows, pow2, q,
-                                                                 ldq, scales, bad_flag);
+                                                                 ldq, scales, gemm_layout, bad_flag);
       CUDA_CHECK_LAUNCH("quant_tile_kernel");
     }
   });

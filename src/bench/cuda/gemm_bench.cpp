@@ -216,7 +216,8 @@ nlohmann::json bench_gemm_run(const GemmBenchOptions& options) {
                               bs[i].data<float>(), p.b_block_rows, c8.raw(), cdt, 1.0f,
                               p.b_block_rows == 1 ? 1.0f : 0.0f);
       });
-      // The own sm_90a kernel (128x128-block B only), A scales in the same [kb][M] layout.
+      // The own sm_90a kernel (128x128-block B here; the wgrad's per-row B below), A scales in the
+      // same [kb][M] layout.
       double ms_own = 0.0, ms_own_tile = 0.0, own_vs_lt = 0.0, own64 = 0.0;
       if (p.b_block_rows == kQuantBlock) {
         Tensor co = be.alloc({p.m, p.n}, cdt);
@@ -256,6 +257,38 @@ nlohmann::json bench_gemm_run(const GemmBenchOptions& options) {
           cmax = std::max(cmax, std::fabs(y));
         }
         own_vs_lt = dmax / std::max(cmax, 1e-30);
+      }
+      // The wgrad's 1x128 x 1x128 product on the own kernel's per-row B scales (the kernel
+      // FP8RL_FP8_WGRAD_GEMM=own runs), timed as cuBLASLt's above (F32 output, beta 1), with A's and
+      // B's scales in the [kb][rows] layouts that cuBLASLt reads too; its largest difference from
+      // cuBLASLt's on copy 0 at beta 0.
+      if (p.b_block_rows == 1) {
+        Tensor co = be.alloc({p.m, p.n}, cdt);
+        auto own_rows = [&](size_t i, Tensor& out, float beta) {
+          gemm.gemm_fp8_own_b_rows(p.m, p.n, p.k, aq.data.data<uint8_t>(), as.data<float>(), true,
+                                   bq[i].data.data<uint8_t>(), bs[i].data<float>(), out.raw(), cdt, 1.0f, beta);
+        };
+        rot = 0;
+        auto own = [&] { own_rows(static_cast<size_t>(rot++ % copies), co, 1.0f); };
+        ms_own = timer(own);
+        rot = 0;
+        setenv("FP8RL_FP8_GEMM_GRID", "tile", 1);
+        ms_own_tile = timer(own);  // one CTA per tile, for comparison
+        unsetenv("FP8RL_FP8_GEMM_GRID");
+        own_rows(0, co, 0.0f);
+        gemm.gemm_fp8_prelaid(p.m, p.n, p.k, aq.data.data<uint8_t>(), as.data<float>(), bq[0].data.data<uint8_t>(),
+                              bs[0].data<float>(), p.b_block_rows, c8.raw(), cdt, 1.0f, 0.0f);
+        const Tensor ho = be.to_host(co), hl = be.to_host(c8);
+        double dmax = 0.0, cmax = 0.0;
+        for (int64_t i = 0; i < ho.numel(); ++i) {
+          const double x = ho.data<float>()[i], y = hl.data<float>()[i];
+          dmax = std::max(dmax, std::fabs(x - y));
+          cmax = std::max(cmax, std::fabs(y));
+        }
+        own_vs_lt = dmax / std::max(cmax, 1e-30);
+        std::printf(
+            "    own per-row B scales (FP8RL_FP8_WGRAD_GEMM=own): %.1f TF/s, cuBLASLt VEC128 x VEC128: %.1f TF/s\n",
+            flops / ms_own / 1e9, ms_fp8 > 0 ? flops / ms_fp8 / 1e9 : 0.0);
       }
       // --fast-accum: cuBLASLt's FP8 product with CUBLASLT_MATMUL_DESC_FAST_ACCUM, timed alike, and
       // (forward and dgrad: beta 0) its largest difference from the default's output on copy 0,
@@ -449,6 +482,7 @@ nlohmann::json bench_gemm_run(const GemmBenchOptions& options) {
                              {"bf16_tflops", tf_bf16},
                              {"fp8_ms", ms_fp8},
                              {"fp8_tflops", tf_fp8},
+                             {"own_b_scales", p.b_block_rows == 1 ? "per-row" : "128x128"},
                              {"own_ms", ms_own},
                              {"own_tile_ms", ms_own_tile},
                              {"own_tflops", tf_own},
