@@ -20,6 +20,7 @@
 #include "backend/cuda/gemm.h"
 #include "core/dtype.h"
 #include "quant/quant.h"
+#include "support/test_support.h"
 
 namespace fp8rl {
 namespace {
@@ -939,11 +940,6 @@ TEST(CudaFp8Gemm, DeviceTileTableIsBitwiseTheHostOffsets) {
   }
 }
 
-// The kept grouped maps' bound frees only the sets no device-form call used: a CUDA graph
-// recorded around a device-form product (an MoE decode step) holds its maps, and replays the same
-// C after the cache has overflowed many times with host-form weight sets (each overflow frees the
-// host sets, whose memory the next sets' maps may reuse: had the graph's maps been freed too, the
-// replay would read another set's maps).
 // A CUDA graph of fn's work on stream s (relaxed capture), instantiated; destroyed with the object.
 struct Captured {
   cudaGraph_t graph = nullptr;
@@ -961,6 +957,11 @@ struct Captured {
   }
 };
 
+// The kept grouped maps' bound frees only the sets no device-form call used: a CUDA graph
+// recorded around a device-form product (an MoE decode step) holds its maps, and replays the same
+// C after the cache has overflowed many times with host-form weight sets (each overflow frees the
+// host sets, whose memory the next sets' maps may reuse: had the graph's maps been freed too, the
+// replay would read another set's maps).
 TEST(CudaFp8Gemm, GraphHeldMapsSurviveTheKeptMapsBound) {
   cuda::CudaBackend be(0, DType::BF16);
   be.gemm().set_kept_maps_limit(3);
@@ -1078,13 +1079,6 @@ TEST(CudaFp8Gemm, Dense192RowTilesAreBitwise128RowTiles) {
   }
 }
 
-// Sets an environment variable for a scope (restored on every exit, an ASSERT's included).
-struct EnvGuard {
-  std::string name;
-  EnvGuard(const char* n, const char* v) : name(n) { setenv(n, v, 1); }
-  ~EnvGuard() { unsetenv(name.c_str()); }
-};
-
 // Stream-K (FP8RL_FP8_GEMM_STREAMK=1, decode-sized M): the tiles' K blocks shared out evenly
 // among the CTAs, a cut tile summed by the piece that finishes last. Every result finite and
 // within the MMA bound of the exact product and as close as cuBLASLt's, at the SMs' CTA count and
@@ -1100,7 +1094,7 @@ TEST(CudaFp8Gemm, StreamKMatchesTheHostProductAndRepeats) {
   const Shape shapes[] = {{256, 4096, 2048}, {256, 2048, 2048}, {256, 12288, 2048}, {256, 2048, 6144},
                           {200, 208, 336},   {5, 384, 640},     {129, 1536, 1024},  {64, 256, 128},
                           {64, 256, 4096},   {200, 256, 6144}};
-  const EnvGuard on("FP8RL_FP8_GEMM_STREAMK", "1");
+  const test::ScopedEnv on("FP8RL_FP8_GEMM_STREAMK", "1");
   for (const Shape& s : shapes) {
     SCOPED_TRACE(testing::Message() << "M=" << s.M << " N=" << s.N << " K=" << s.K);
     const Operands o = make_operands(be, s.M, s.N, s.K, static_cast<uint32_t>(s.M * 37 + s.N + s.K));
@@ -1115,8 +1109,8 @@ TEST(CudaFp8Gemm, StreamKMatchesTheHostProductAndRepeats) {
     };
     for (const char* ctas : {"", "3", "7", "50"}) {
       SCOPED_TRACE(testing::Message() << "FP8RL_FP8_GEMM_SK_CTAS=" << ctas);
-      std::unique_ptr<EnvGuard> sk_ctas;
-      if (*ctas) sk_ctas = std::make_unique<EnvGuard>("FP8RL_FP8_GEMM_SK_CTAS", ctas);
+      std::unique_ptr<test::ScopedEnv> sk_ctas;
+      if (*ctas) sk_ctas = std::make_unique<test::ScopedEnv>("FP8RL_FP8_GEMM_SK_CTAS", ctas);
       for (bool kb_major : {false, true}) {
         Tensor d1 = poisoned(be, {s.M, s.N}, DType::F32), d2 = poisoned(be, {s.M, s.N}, DType::F32);
         const Tensor c1 = own(d1, DType::F32, kb_major, 1.0f, 0.0f);
@@ -1397,7 +1391,7 @@ TEST(CudaFp8Gemm, PerRowBScalesMatchTheHostProductAndCublasLt) {
 // values refused.
 TEST(CudaFp8Gemm, LinearBackwardWgradOnTheOwnKernelMatchesCublasLt) {
   {
-    const EnvGuard own("FP8RL_FP8_WGRAD_GEMM", "own");
+    const test::ScopedEnv own("FP8RL_FP8_WGRAD_GEMM", "own");
     cuda::CudaBackend be(0, DType::BF16);
     EXPECT_TRUE(be.gemm().fp8_wgrad_own(2048, 1024, 4096));
     EXPECT_FALSE(be.gemm().fp8_wgrad_own(2048, 1000, 4096)) << "N % 16 != 0: cuBLASLt (or the caller's fallback)";
