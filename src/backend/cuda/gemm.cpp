@@ -45,6 +45,18 @@ struct Pref {
 
 int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
 
+// The own FP8 kernel's operands, scales and epilogue (the tiles and splits are the caller's).
+Fp8GemmArgs own_fp8_args(int64_t M, int64_t N, int64_t K, const uint8_t* a, const float* a_scales,
+                         bool a_scales_kb_major, const uint8_t* b, const float* b_scales, void* C, DType c_dtype,
+                         float alpha, float beta) {
+  Fp8GemmArgs g;
+  g.M = M, g.N = N, g.K = K;
+  g.a = a, g.a_scales = a_scales, g.a_scales_kb_major = a_scales_kb_major;
+  g.b = b, g.b_scales = b_scales;
+  g.c = C, g.c_dtype = c_dtype, g.alpha = alpha, g.beta = beta;
+  return g;
+}
+
 }  // namespace
 
 GemmEngine::GemmEngine(cudaStream_t stream) : stream_(stream) {
@@ -781,11 +793,7 @@ void GemmEngine::stream_k_buffers(int64_t M, int64_t N, float** partials, int** 
 void GemmEngine::gemm_fp8_own(int64_t M, int64_t N, int64_t K, const uint8_t* a, const float* a_scales,
                               bool a_scales_kb_major, const uint8_t* b, const float* b_scales, void* C, DType c_dtype,
                               float alpha, float beta, int splits, int block_m, int block_n) {
-  Fp8GemmArgs g;
-  g.M = M, g.N = N, g.K = K;
-  g.a = a, g.a_scales = a_scales, g.a_scales_kb_major = a_scales_kb_major;
-  g.b = b, g.b_scales = b_scales;
-  g.c = C, g.c_dtype = c_dtype, g.alpha = alpha, g.beta = beta;
+  Fp8GemmArgs g = own_fp8_args(M, N, K, a, a_scales, a_scales_kb_major, b, b_scales, C, c_dtype, alpha, beta);
   if (splits <= 0 && own_splits_ <= 0 && block_m <= 0 && stream_k_for(M)) {
     g.stream_k = true;
     stream_k_buffers(M, N, &g.sk_partials, &g.sk_counters);
@@ -803,11 +811,8 @@ void GemmEngine::gemm_fp8_own(int64_t M, int64_t N, int64_t K, const uint8_t* a,
 void GemmEngine::gemm_fp8_own_b_rows(int64_t M, int64_t N, int64_t K, const uint8_t* a, const float* a_scales,
                                      bool a_scales_kb_major, const uint8_t* b, const float* b_scales, void* C,
                                      DType c_dtype, float alpha, float beta, int splits) {
-  Fp8GemmArgs g;
-  g.M = M, g.N = N, g.K = K;
-  g.a = a, g.a_scales = a_scales, g.a_scales_kb_major = a_scales_kb_major;
-  g.b = b, g.b_scales = b_scales, g.b_scales_rows = true;
-  g.c = C, g.c_dtype = c_dtype, g.alpha = alpha, g.beta = beta;
+  Fp8GemmArgs g = own_fp8_args(M, N, K, a, a_scales, a_scales_kb_major, b, b_scales, C, c_dtype, alpha, beta);
+  g.b_scales_rows = true;
   const Fp8GemmConfig cfg = fp8_gemm_sm90_b_rows_config(M, N, K, sm_count_);
   g.block_m = cfg.block_m;
   g.splits = splits > 0 ? splits : cfg.splits;
