@@ -62,7 +62,8 @@
 #   ncu_gemm        Nsight Compute on one launch of the own FP8 GEMM per product of FP8RL_NCU_GEMM
 #                   (MxNxK, or "grouped"): speed of light, pipes, memory, warp stalls; the first launch
 #                   whose demangled name matches FP8RL_NCU_GEMM_KERNEL (default fp8_gemm_kernel; the
-#                   stream-K instances, FP8RL_FP8_GEMM_STREAMK=1: 'fp8_gemm_kernel<[^>]*, true>')
+#                   stream-K instances: 'fp8_gemm_kernel<[^>]*, true>' with
+#                   FP8RL_NCU_GEMM_ENV="FP8RL_FP8_GEMM_STREAMK=1", env assignments for this stage alone)
 #   ncu_gemm_src    Nsight Compute's source page of the same launches: stall samples per SASS instruction
 #                   (ncu_src_<product>.csv; the top 40 in the summary)
 #   ncu_train       Nsight Compute speed of light of the training step's element-wise kernels and
@@ -395,7 +396,7 @@ PYEOF
       # FP8RL_NCU_GEMM: MxNxK products (bench-gemm --shapes) or "grouped" (the expert products).
       for sh in ${FP8RL_NCU_GEMM:-8192x12288x2048 256x12288x2048 256x2048x6144 grouped}; do
         if [ "$sh" = grouped ]; then sel=(--grouped-only); else sel=(--shapes "$sh"); fi
-        timeout 120 ncu --clock-control none --kernel-name-base demangled -k "regex:${FP8RL_NCU_GEMM_KERNEL:-fp8_gemm_kernel}" -c 1 \
+        env ${FP8RL_NCU_GEMM_ENV:-} timeout 120 ncu --clock-control none --kernel-name-base demangled -k "regex:${FP8RL_NCU_GEMM_KERNEL:-fp8_gemm_kernel}" -c 1 \
           --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
           --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats \
           --print-details all "$FP8RL" bench-gemm --reps 1 --warmup 0 "${sel[@]}" > "$OUT/ncu_gemm_$sh.log" 2>&1
